@@ -1,0 +1,254 @@
+"""Meshes, the active (mesh, rules) context, activation constraints and sharding trees."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from nnx_shard.annotate import logical_names, path_str
+from nnx_shard.errors import ShardingError
+from nnx_shard.rules import Rules
+
+__all__ = ["constrain", "current", "make_mesh", "shardings", "use", "variable_spec"]
+
+_AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+
+
+def _parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
+    if isinstance(spec, Mapping):
+        items = list(spec.items())
+    else:
+        items = []
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            name, eq, size = part.partition("=")
+            if not eq or not name:
+                raise ShardingError(
+                    f"mesh spec {spec!r}: {part!r} is not 'axis=size'. "
+                    "Fix: e.g. make_mesh('data=4,model=2')."
+                )
+            items.append((name, size))
+    axes: dict[str, int] = {}
+    for name, size in items:
+        try:
+            size_i = int(size)
+        except (TypeError, ValueError):
+            raise ShardingError(
+                f"mesh spec {spec!r}: size {size!r} of axis {name!r} is not an integer."
+            ) from None
+        if not isinstance(name, str) or not name:
+            raise ShardingError(f"mesh spec {spec!r}: axis names must be non-empty strings.")
+        if name in axes:
+            raise ShardingError(f"mesh spec {spec!r}: axis {name!r} appears twice.")
+        if size_i == 0 or size_i < -1:
+            raise ShardingError(
+                f"mesh spec {spec!r}: axis {name!r} has size {size_i}; sizes are positive "
+                "(or -1 for 'all remaining devices')."
+            )
+        axes[name] = size_i
+    if not axes:
+        raise ShardingError(f"mesh spec {spec!r} names no axes. Fix: e.g. 'data=8'.")
+    return axes
+
+
+def make_mesh(
+    spec: str | Mapping[str, int] | Mesh,
+    *,
+    axis_types: str | Sequence[AxisType] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> Mesh:
+    """Builds a device mesh from ``"data=4,model=2"``, a dict, or returns a Mesh as is.
+
+    One axis may have size ``-1``: it takes all remaining devices.
+
+    Args:
+      spec: axis sizes in order, e.g. ``"data=4,model=2"`` or ``{"data": 4, "model": 2}``.
+      axis_types: ``"explicit"`` (JAX's default), ``"auto"``, or a tuple of
+        ``jax.sharding.AxisType`` per axis.
+      devices: the devices to use (default: all of ``jax.devices()``).
+
+    >>> mesh = make_mesh("data=4,model=2")
+    >>> dict(mesh.shape)
+    {'data': 4, 'model': 2}
+    >>> dict(make_mesh({"data": -1}).shape)
+    {'data': 8}
+    """
+    if isinstance(spec, Mesh):
+        return spec
+    axes = _parse_axes(spec)
+    devs = list(devices) if devices is not None else jax.devices()
+    n = len(devs)
+    unknown = [k for k, v in axes.items() if v == -1]
+    if len(unknown) > 1:
+        raise ShardingError(f"mesh spec {spec!r}: only one axis may have size -1.")
+    known = math.prod(v for v in axes.values() if v != -1)
+    if unknown:
+        if n % known:
+            raise ShardingError(
+                f"mesh spec {spec!r}: {n} devices do not divide by {known}, so "
+                f"{unknown[0]!r}=-1 has no integer size."
+            )
+        axes[unknown[0]] = n // known
+    total = math.prod(axes.values())
+    if total != n:
+        shown = ",".join(f"{k}={v}" for k, v in axes.items())
+        raise ShardingError(
+            f"mesh {shown} needs {total} devices but {n} are available. Fix: make the "
+            f"axis sizes multiply to {n}, or use -1 for one axis (e.g. 'data=-1')."
+        )
+    types: tuple[AxisType, ...] | None
+    if axis_types is None:
+        types = None
+    elif isinstance(axis_types, str):
+        if axis_types.lower() not in _AXIS_TYPES:
+            raise ShardingError(f"axis_types={axis_types!r}: expected 'explicit' or 'auto'.")
+        types = (_AXIS_TYPES[axis_types.lower()],) * len(axes)
+    else:
+        types = tuple(axis_types)
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devs)
+
+
+class _Active(threading.local):
+    stack: list[tuple[Mesh, Rules]]
+
+    def __init__(self) -> None:
+        self.stack = []
+
+
+_active = _Active()
+
+
+@contextlib.contextmanager
+def use(mesh: Mesh | str | Mapping[str, int], rules: Rules | Mapping[str, Any]) -> Iterator[Mesh]:
+    """Makes ``(mesh, rules)`` active: JAX's mesh context plus the rules that
+    :func:`constrain` and the trainer read.
+
+    >>> rules = Rules({"batch": "data"})
+    >>> with use("data=8", rules) as mesh:
+    ...     current()[1] is rules
+    True
+    """
+    mesh = make_mesh(mesh)
+    rules = rules if isinstance(rules, Rules) else Rules(rules)
+    _active.stack.append((mesh, rules))
+    try:
+        with jax.set_mesh(mesh):
+            yield mesh
+    finally:
+        _active.stack.pop()
+
+
+def current() -> tuple[Mesh, Rules] | None:
+    """The innermost active ``(mesh, rules)`` from :func:`use`, or ``None``.
+
+    >>> current() is None
+    True
+    """
+    return _active.stack[-1] if _active.stack else None
+
+
+def _apply(x: Any, sharding: NamedSharding) -> Any:
+    mesh = sharding.mesh
+    if mesh.are_all_axes_explicit:
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def constrain(x: Any, names: Sequence[str | None]) -> Any:
+    """Constrains an activation's layout by logical names, under :func:`use`.
+
+    Outside any :func:`use` context it returns ``x`` unchanged, so model code
+    that calls it still runs on one device with no mesh.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((8, 4))
+    >>> with use("data=8", Rules({"batch": "data", "embed": None})):
+    ...     y = jax.jit(lambda x: constrain(x * 2, ("batch", "embed")))(x)
+    >>> y.sharding.spec
+    P('data', None)
+    >>> constrain(x, ("batch", "embed")) is x
+    True
+    """
+    active = current()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = rules.spec(names, shape=x.shape, mesh=mesh, path="activation")
+    return _apply(x, NamedSharding(mesh, spec))
+
+
+def variable_spec(var: Any, mesh: Any, rules: Rules, path: str = "") -> PartitionSpec:
+    """The validated ``PartitionSpec`` of one Variable (``P()`` when unannotated)."""
+    names = logical_names(var, path)
+    if names is None:
+        return PartitionSpec()
+    shape = getattr(var.get_value(), "shape", None)
+    return rules.spec(names, shape=shape, mesh=mesh, path=path)
+
+
+def shardings(tree: Any, mesh: Mesh, rules: Rules | Mapping[str, Any]) -> Any:
+    """A ``NamedSharding`` for every Variable, validated against mesh and shapes.
+
+    ``tree`` is a Module, an ``nnx.State`` or an abstract model (from
+    ``nnx.eval_shape``). The result has the structure of ``nnx.state(tree)``:
+    each Variable holds its ``NamedSharding`` (as ``nnx.get_named_sharding``
+    does), so it can be passed as ``out_shardings`` to ``jax.jit`` for that state.
+    Unannotated Variables are replicated.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.annotate import with_logical
+    >>> init = with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    >>> model = nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0))
+    >>> s = shardings(model, make_mesh("data=4,model=2"), Rules({"embed": "data", "mlp": "model"}))
+    >>> s["kernel"].get_value().spec, s["bias"].get_value().spec
+    (P('data', 'model'), P())
+    """
+    mesh = make_mesh(mesh)
+    rules = rules if isinstance(rules, Rules) else Rules(rules)
+    state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
+
+    errors: list[str] = []
+
+    def one(path: Any, leaf: Any) -> Any:
+        if isinstance(leaf, nnx.Variable):
+            try:
+                spec = variable_spec(leaf, mesh, rules, path_str(path))
+            except ShardingError as e:
+                # Keep going: one run should show every parameter that needs a fix.
+                errors.append(str(e))
+                spec = PartitionSpec()
+            return leaf.replace(NamedSharding(mesh, spec))
+        return NamedSharding(mesh, PartitionSpec())
+
+    out = jax.tree_util.tree_map_with_path(
+        one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    if len(errors) == 1:
+        raise ShardingError(errors[0])
+    if errors:
+        raise ShardingError(
+            f"{len(errors)} variables cannot be sharded:\n" + "\n".join(f"- {e}" for e in errors)
+        )
+    return out
+
+
+def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec, mesh: Any) -> int:
+    """Bytes one device holds of an array laid out by ``spec`` on ``mesh``."""
+    sizes = dict(mesh.shape)
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    div = 1
+    for entry in spec:
+        if entry is None:
+            continue
+        for axis in (entry,) if isinstance(entry, str) else entry:
+            div *= sizes[axis]
+    return n // div

@@ -1,0 +1,88 @@
+import jax
+import optax
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+
+lecun = nnx.initializers.lecun_normal()
+
+
+def test_with_logical_stores_flax_metadata_and_builds_without_mesh():
+    layer = nnx.Linear(4, 8, kernel_init=ns.with_logical(lecun, ("embed", "mlp")), rngs=nnx.Rngs(0))
+    assert layer.kernel.get_metadata("out_sharding") == ("embed", "mlp")
+    # Flax's own reader sees the same names
+    assert nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == jax.P("embed", "mlp")
+    # an optimizer copies the metadata; must not try to shard logical names eagerly
+    opt = nnx.Optimizer(layer, optax.adam(1e-3), wrt=nnx.Param)
+    assert opt.opt_state[0].mu["kernel"].get_metadata("out_sharding") == ("embed", "mlp")
+
+
+def test_with_logical_rejects_bad_names_and_misspelled_keys():
+    with pytest.raises(ns.ShardingError, match="entry 1 is 2"):
+        ns.with_logical(lecun, ("embed", 2))
+    with pytest.raises(ns.ShardingError, match="misspelling of 'out_sharding'"):
+        ns.with_logical(lecun, ("embed", "mlp"), out_shardings=("a",))
+
+
+def test_misspelled_metadata_on_model_is_reported_with_path():
+    m = nnx.Linear(4, 8, kernel_metadata={"out_shardings": ("embed", "mlp")}, rngs=nnx.Rngs(0))
+    with pytest.raises(ns.ShardingError, match="'kernel'.*'out_shardings'"):
+        ns.get_logical_axes(m)
+
+
+def test_class_decorator():
+    @ns.logical_axes(kernel=("embed", "mlp"), bias=("mlp",))
+    class Up(nnx.Linear):
+        pass
+
+    up = Up(4, 8, rngs=nnx.Rngs(0))
+    assert up.kernel.get_metadata("out_sharding") == ("embed", "mlp")
+    assert up.bias.get_metadata("out_sharding") == ("mlp",)
+    assert Up(4, 8, use_bias=False, rngs=nnx.Rngs(0)).bias is None
+    axes = ns.get_logical_axes(up)
+    assert axes["kernel"] == ("embed", "mlp")
+
+
+def test_class_decorator_errors():
+    @ns.logical_axes(kernal=("embed", "mlp"))
+    class Typo(nnx.Linear):
+        pass
+
+    with pytest.raises(ns.ShardingError, match="Did you mean 'kernel'"):
+        Typo(4, 8, rngs=nnx.Rngs(0))
+
+    @ns.logical_axes(kernel=("embed",))
+    class WrongRank(nnx.Linear):
+        pass
+
+    with pytest.raises(ns.ShardingError, match=r"WrongRank.kernel \(shape \(4, 8\)"):
+        WrongRank(4, 8, rngs=nnx.Rngs(0))
+
+
+def seed_model():
+    return nnx.Sequential(nnx.Linear(20, 30, rngs=nnx.Rngs(0)), nnx.Linear(30, 1, rngs=nnx.Rngs(1)))
+
+
+def test_annotate_by_pattern_first_match_wins():
+    m = seed_model()
+    ns.annotate(m, {r"layers/0/kernel": ("embed", "mlp"), r"kernel$": ("mlp", None)})
+    axes = ns.get_logical_axes(m)
+    assert axes["layers"][0]["kernel"] == ("embed", "mlp")
+    assert axes["layers"][1]["kernel"] == ("mlp", None)
+    assert axes["layers"][0]["bias"] is None
+    assert m.layers[0].kernel.get_metadata("logical_source") == "pattern"
+    # values unchanged
+    assert m.layers[0].kernel.shape == (20, 30)
+
+
+def test_annotate_strict_lists_everything_missing():
+    with pytest.raises(ns.ShardingError) as e:
+        ns.annotate(seed_model(), {r"kernel$": ("embed", "mlp"), r"nothing": ("x",)}, strict=True)
+    msg = str(e.value)
+    assert "layers/0/bias (30,)" in msg and "layers/1/bias (1,)" in msg and "'nothing'" in msg
+
+
+def test_annotate_rank_check_names_path_and_pattern():
+    with pytest.raises(ns.ShardingError, match=r"'layers/0/bias' matched by pattern 'bias'"):
+        ns.annotate(seed_model(), {"bias": ("embed", "mlp")})

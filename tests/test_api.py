@@ -1,0 +1,25 @@
+import nnx_shard as ns
+
+EXPECTED = {
+    "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
+    "get_logical_axes", "logical_axes", "make_mesh", "shardings", "use", "with_logical",
+}
+
+
+def test_public_surface_is_pinned():
+    assert set(ns.__all__) == EXPECTED
+    public = {n for n in dir(ns) if not n.startswith("_")}
+    modules = {n for n in public if type(getattr(ns, n)).__name__ == "module"}
+    assert public - modules == EXPECTED
+
+
+def test_every_public_function_has_an_example():
+    for name in ns.__all__:
+        doc = getattr(ns, name).__doc__ or ""
+        assert doc.strip(), name
+        if callable(getattr(ns, name)) and name not in {"ShardingError", "ShardingWarning", "Report"}:
+            assert ">>>" in doc, f"{name} has no example"
+
+
+def test_sharding_error_is_value_error():
+    assert issubclass(ns.ShardingError, ValueError)

@@ -1,0 +1,110 @@
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import nnx_shard as ns
+from nnx_shard.mesh import current
+from tests.conftest import needs_devices
+
+lecun = nnx.initializers.lecun_normal()
+RULES = ns.Rules({"layers": None, "embed": "data", "mlp": "model", "batch": "data"})
+
+
+@needs_devices(8)
+def test_make_mesh_forms():
+    assert dict(ns.make_mesh("data=4,model=2").shape) == {"data": 4, "model": 2}
+    assert dict(ns.make_mesh({"data": -1, "model": 2}).shape) == {"data": 4, "model": 2}
+    m = ns.make_mesh("data=8", axis_types="auto")
+    assert m.axis_types == (AxisType.Auto,)
+    assert ns.make_mesh(m) is m
+
+
+@needs_devices(8)
+@pytest.mark.parametrize(
+    "spec, match",
+    [("data=3,model=2", "needs 6 devices but 8"), ("data", "not 'axis=size'"),
+     ("data=x", "not an integer"), ("data=-1,model=-1", "only one axis"), ("data=0", "size 0")],
+)
+def test_make_mesh_errors(spec, match):
+    with pytest.raises(ns.ShardingError, match=match):
+        ns.make_mesh(spec)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 16, kernel_init=ns.with_logical(lecun, ("embed", "mlp")),
+                              bias_init=ns.with_logical(nnx.initializers.zeros, ("mlp",)), rngs=rngs)
+
+
+@needs_devices(8)
+def test_shardings_tree_usable_as_out_shardings():
+    mesh = ns.make_mesh("data=4,model=2")
+    model = Block(nnx.Rngs(0))
+    sh = ns.shardings(model, mesh, RULES)
+    assert sh["lin"]["kernel"].get_value().spec == P("data", "model")
+    assert sh["lin"]["bias"].get_value().spec == P("model")
+    state = jax.jit(lambda s: s, out_shardings=sh)(nnx.state(model))
+    assert state["lin"]["kernel"].get_value().sharding.spec == P("data", "model")
+    shard_shapes = {s.data.shape for s in state["lin"]["kernel"].get_value().addressable_shards}
+    assert shard_shapes == {(2, 8)}
+
+
+@needs_devices(8)
+def test_stacked_layers_resolve_through_layer_axis_and_optimizer_follows():
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    model = make(jax.random.split(jax.random.key(0), 4))
+    mesh = ns.make_mesh("data=4,model=2")
+    assert ns.shardings(model, mesh, RULES)["lin"]["kernel"].get_value().spec == P(None, "data", "model")
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    mu = ns.shardings(opt, mesh, RULES)["opt_state"][0]["mu"]["lin"]["kernel"].get_value()
+    assert mu.spec == P(None, "data", "model")
+
+
+@needs_devices(8)
+def test_stacked_without_layer_name_raises_with_fix():
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    model = make(jax.random.split(jax.random.key(0), 4))
+    with pytest.raises(ns.ShardingError, match=r"2 variables(.|\n)*'lin/kernel' \(shape \(4, 8, 16\).*PARTITION_NAME"):
+        ns.shardings(model, ns.make_mesh("data=4,model=2"), RULES)
+
+
+@needs_devices(8)
+def test_flax_with_partitioning_models_work():
+    with nnx.use_eager_sharding(False):
+        m = nnx.Linear(8, 16, kernel_init=nnx.with_partitioning(lecun, ("embed", "mlp")),
+                       rngs=nnx.Rngs(0))
+    assert ns.shardings(m, ns.make_mesh("data=4,model=2"), RULES)["kernel"].get_value().spec == P(
+        "data", "model"
+    )
+
+
+@needs_devices(8)
+def test_error_surfaces_with_path_from_shardings():
+    m = Block(nnx.Rngs(0))
+    with pytest.raises(ns.ShardingError, match="'lin/bias'(.|\n)*'lin/kernel'.*'tensor'"):
+        ns.shardings(m, ns.make_mesh("data=8"), ns.Rules({"embed": "data", "mlp": "tensor"}))
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_use_and_constrain(axis_types):
+    rules = ns.Rules({"batch": "data", "embed": "model"})
+    x = jnp.ones((8, 4))
+    with ns.use(ns.make_mesh("data=4,model=2", axis_types=axis_types), rules):
+        y = jax.jit(lambda x: ns.constrain(x + 1, ("batch", "embed")))(x)
+        assert current()[1] is rules
+        with pytest.raises(ns.ShardingError, match="'activation'"):
+            ns.constrain(jnp.ones((3, 4)), ("batch", "embed"))
+    assert y.sharding.spec == P("data", "model")
+    assert current() is None
+    assert ns.constrain(x, ("batch", "embed")) is x
