@@ -241,10 +241,17 @@ def shardings(tree: Any, mesh: Mesh, rules: Rules | Mapping[str, Any]) -> Any:
     return out
 
 
+def nbytes(shape: Sequence[int], dtype: Any) -> int:
+    """Bytes of an unsharded array; PRNG key dtypes (``key<fry>``) included."""
+    # jax key dtypes are not NumPy dtypes but carry their own itemsize.
+    itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else np.dtype(dtype).itemsize
+    return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+
+
 def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec, mesh: Any) -> int:
     """Bytes one device holds of an array laid out by ``spec`` on ``mesh``."""
     sizes = dict(mesh.shape)
-    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    n = nbytes(shape, dtype)
     div = 1
     for entry in spec:
         if entry is None:

@@ -7,13 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from nnx_shard.annotate import SOURCE_KEY, logical_names, path_str
-from nnx_shard.mesh import bytes_per_device, make_mesh, variable_spec
+from nnx_shard.mesh import bytes_per_device, make_mesh, nbytes, variable_spec
 from nnx_shard.rules import Rules
 
 __all__ = ["Report", "Row", "explain"]
@@ -104,7 +103,7 @@ class Report:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         lines = [
             f"mesh: {mesh}",
-            f"params: {fmt_bytes(self.total_bytes)} total, "
+            f"model variables: {fmt_bytes(self.total_bytes)} total, "
             f"{fmt_bytes(self.param_bytes_per_device)} per device",
         ]
         if any(r.group == "optimizer" for r in self.rows):
@@ -159,13 +158,13 @@ def _rows(state: Any, mesh: Mesh, rules: Rules, group: str, prefix: str = "") ->
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             continue  # e.g. a non-array Variable value; nothing to place
         shape = tuple(int(d) for d in value.shape)
-        total = int(np.prod(shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+        total = nbytes(shape, value.dtype)
         rows.append(
             Row(
                 path=path,
                 kind=kind,
                 shape=shape,
-                dtype=str(np.dtype(value.dtype)),
+                dtype=str(value.dtype),
                 names=names,
                 spec=spec,
                 total_bytes=total,

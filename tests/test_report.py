@@ -53,3 +53,19 @@ def test_explain_zero1_opt_rules():
 def test_explain_raises_with_path():
     with pytest.raises(ns.ShardingError, match="'layers/0/kernel'"):
         ns.explain(nnx.eval_shape(mlp), "data=8", ns.Rules({"embed": "data"}))
+
+
+@needs_devices(8)
+def test_explain_counts_batch_stats_and_rng_keys():
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    r = ns.explain(M(nnx.Rngs(0)), "data=8", ns.Rules({}))
+    rows = {row.path: row for row in r.rows}
+    assert rows["drop/rngs/key"].total_bytes == 8 and rows["drop/rngs/key"].dtype == "key<fry>"
+    assert rows["bn/mean"].kind == "BatchStat"
+    assert r.total_bytes == 4 * 16 + 4 + 8 + 64 + 16 == r.param_bytes_per_device
+    assert "model variables: 156 B total, 156 B per device" in str(r)
