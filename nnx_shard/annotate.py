@@ -270,7 +270,9 @@ def logical_names(var: nnx.Variable, path: str = "") -> tuple[Any, ...] | None:
     or a ``NamedSharding``; checks for misspelled metadata keys on the way.
     """
     md = var.get_metadata()
-    _check_metadata_keys(md, f"parameter {path!r}" if path else type(var).__name__)
+    shape = getattr(var.get_value(), "shape", None)
+    where = f"parameter {path!r}" if path else type(var).__name__
+    _check_metadata_keys(md, where if shape is None else f"{where} (shape {tuple(shape)})")
     names = md.get("out_sharding")
     if not names:
         return None
