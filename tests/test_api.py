@@ -3,6 +3,7 @@ import nnx_shard as ns
 EXPECTED = {
     "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
     "get_logical_axes", "logical_axes", "make_mesh", "shardings", "use", "with_logical",
+    "abstract_init", "sharded_init", "sharded_optimizer",
 }
 
 

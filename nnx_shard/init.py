@@ -1,0 +1,523 @@
+"""Sharded initialization: build a model, and its optimizer, directly in their sharded layout.
+
+The textbook recipe, ``jax.jit(init, out_shardings=...)``, only *places* the
+outputs; how much memory the program needs on the way is up to the compiler, and
+on JAX's default (Explicit) mesh axes it draws every random initializer at full
+size on every device before slicing. Three choices keep every device at about
+its own shard:
+
+* The factory is traced under an Auto-typed copy of the mesh (same devices and
+  axis names), and every Variable is constrained to its resolved sharding, so
+  the partitioner pushes the layout back into the random number generation.
+  The program still returns arrays on the caller's mesh, Explicit or Auto.
+* On CPU, JAX lowers the threefry hash as a rolled loop whose two ``uint32``
+  state arrays (plus a copy) live beside the output: three times the largest
+  parameter shard in temporaries. While lowering our init programs we use the
+  unrolled lowering that GPU and TPU use, which fuses into the output and needs
+  no temporaries. The bits are the same (see ``_fused_threefry``).
+* Flax's eager sharding is switched off while the factory runs, so models
+  annotated with ``nnx.with_partitioning`` are resolved by our rules, never by
+  Flax at Variable creation.
+
+With ``jax_threefry_partitionable`` (JAX's default), values do not depend on
+the layout: a sharded init is bitwise equal to the same factory on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+import optax
+from flax import errors as flax_errors
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from nnx_shard.annotate import path_str
+from nnx_shard.errors import ShardingError
+from nnx_shard.mesh import make_mesh, shardings, variable_spec
+from nnx_shard.rules import Rules
+
+__all__ = ["abstract_init", "sharded_init", "sharded_optimizer"]
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+# Helpers
+# ------------------------------------------------------------------------------
+
+
+def _as_rules(rules: Rules | Mapping[str, Any], what: str = "rules") -> Rules:
+    if isinstance(rules, Rules):
+        return rules
+    if isinstance(rules, Mapping):
+        return Rules(rules)
+    raise TypeError(f"{what} must be an nnx_shard.Rules or a mapping, got {rules!r}")
+
+
+def _auto_mesh(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis typed Auto."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _on_mesh(tree: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s.spec, memory_kind=s.memory_kind), tree)
+
+
+def _constrain(state: Any, tree_of_shardings: Any) -> Any:
+    return jax.tree.map(jax.lax.with_sharding_constraint, state, tree_of_shardings)
+
+
+_LOWERING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _fused_threefry() -> Iterator[None]:
+    """While lowering, use JAX's generic (unrolled) threefry lowering on CPU too.
+
+    JAX registers a CPU-only rule that rolls threefry's five rounds into a
+    ``while`` loop to save compile time; the loop keeps two ``uint32`` arrays the
+    size of the parameter shard alive, so an init program needs ~3x its largest
+    shard in temporaries on CPU. The generic rule (what GPU and TPU use) computes
+    the same bits with straight-line code that XLA fuses into the output.
+    The registry is private JAX; if it moves, we fall back to JAX's default
+    (correct, just more temporary memory) and the memory test in
+    tests/test_init.py flags it.
+    """
+    try:
+        from jax._src.interpreters import mlir as _mlir
+        from jax.extend.random import threefry2x32_p
+
+        cpu_rules = _mlir._platform_specific_lowerings["cpu"]
+        has_generic = threefry2x32_p in _mlir._lowerings
+    except (ImportError, AttributeError, KeyError):  # pragma: no cover - JAX internals moved
+        yield
+        return
+    if not has_generic or threefry2x32_p not in cpu_rules:  # pragma: no cover
+        yield
+        return
+    with _LOWERING_LOCK:
+        saved = cpu_rules.pop(threefry2x32_p)
+        try:
+            yield
+        finally:
+            cpu_rules[threefry2x32_p] = saved
+
+
+@contextlib.contextmanager
+def _trace_context(mesh: Mesh) -> Iterator[None]:
+    # Eager sharding off: logical names in `out_sharding` are not mesh axes, and
+    # layout is our job. The Auto mesh: under an Explicit mesh context, values
+    # created without an input (random draws, zeros) are typed replicated and
+    # get materialised whole before any constraint can slice them.
+    with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(
+        _auto_mesh(mesh).abstract_mesh
+    ):
+        yield
+
+
+def _name(factory: Callable[..., Any]) -> str:
+    return getattr(factory, "__qualname__", None) or repr(factory)
+
+
+def _build(factory: Callable[[], Any], caller: str) -> nnx.Module:
+    """Calls ``factory`` and checks that it gave a Module, with errors that say which."""
+    try:
+        module = factory()
+    except ShardingError:
+        raise
+    except Exception as e:
+        if isinstance(e, flax_errors.TraceContextError):
+            hint = (
+                "The factory runs under JAX tracing, so it cannot update state created "
+                "outside it: create the nnx.Rngs (and any Variable) inside the factory"
+            )
+        else:
+            hint = "It is called with no arguments and must build the module"
+        raise RuntimeError(
+            f"{caller}: the factory {_name(factory)} raised {type(e).__name__}: {e}. "
+            f"{hint}, e.g. lambda: MyModel(cfg, rngs=nnx.Rngs(0))."
+        ) from e
+    if not isinstance(module, nnx.Module):
+        raise TypeError(
+            f"{caller}: the factory {_name(factory)} returned {type(module).__name__}, not an "
+            "nnx.Module. Fix: pass a zero-argument callable that builds the module, e.g. "
+            "lambda: MyModel(cfg, rngs=nnx.Rngs(0)) (not the module itself, not a function of rngs)."
+        )
+    return module
+
+
+def _check_factory(factory: Any, caller: str) -> None:
+    if isinstance(factory, nnx.Module):
+        raise TypeError(
+            f"{caller}: got an already built {type(factory).__name__}; pass a factory instead, "
+            "e.g. lambda: MyModel(cfg, rngs=nnx.Rngs(0)), so it is built sharded."
+        )
+    if not callable(factory):
+        raise TypeError(f"{caller}: factory must be a zero-argument callable, got {factory!r}")
+
+
+def _split_shapes(fn: Callable[..., Any], *args: Any) -> tuple[nnx.GraphDef, Any]:
+    """``nnx.split`` of what ``fn(*args)`` returns, by shape only (nothing is computed).
+
+    Not ``nnx.eval_shape``: under a mesh context it would turn each Variable's
+    ``out_sharding`` into a NamedSharding itself, failing on logical names.
+    The graphdef is static data, so carrying it out of the trace is safe.
+    """
+    box: dict[str, nnx.GraphDef] = {}
+
+    def shapes(*a: Any) -> Any:
+        graphdef, state = nnx.split(fn(*a))
+        box["graphdef"] = graphdef
+        return state
+
+    state = jax.eval_shape(shapes, *args)
+    return box["graphdef"], state
+
+
+def _abstract(factory: Callable[[], Any], mesh: Mesh, caller: str) -> tuple[nnx.GraphDef, Any]:
+    _check_factory(factory, caller)
+
+    def build() -> nnx.Module:
+        with _trace_context(mesh):
+            return _build(factory, caller)
+
+    return _split_shapes(build)
+
+
+def _with_shardings(state: Any, tree_of_shardings: Any) -> Any:
+    def one(value: Any, sharding: NamedSharding) -> Any:
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            return value
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+    return jax.tree.map(one, state, tree_of_shardings)
+
+
+def _is_abstract(state: Any) -> bool:
+    leaves = jax.tree.leaves(state)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+# Model
+# ------------------------------------------------------------------------------
+
+
+def abstract_init(
+    factory: Callable[[], M],
+    mesh: Mesh | str | Mapping[str, int],
+    rules: Rules | Mapping[str, Any],
+) -> M:
+    """The model ``factory`` would build, with ``jax.ShapeDtypeStruct`` leaves carrying
+    the sharding each Variable resolves to; nothing is allocated.
+
+    Use it as the restore target of a checkpoint, as the input of
+    :func:`nnx_shard.explain`, or to validate rules: every ``ShardingError``
+    (naming the parameter path) is raised here, before anything is compiled.
+
+    Args:
+      factory: a zero-argument callable that builds the module, e.g.
+        ``lambda: MyModel(cfg, rngs=nnx.Rngs(0))``.
+      mesh: a ``jax.sharding.Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
+      rules: the logical-to-mesh table.
+
+    >>> from flax import nnx
+    >>> import nnx_shard as ns
+    >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    >>> model = abstract_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+    ...                       "data=4,model=2", {"embed": "data", "mlp": "model"})
+    >>> k = model.kernel.get_value()
+    >>> type(k).__name__, k.shape, k.sharding.spec
+    ('ShapeDtypeStruct', (8, 16), P('data', 'model'))
+    """
+    mesh = make_mesh(mesh)
+    rules = _as_rules(rules)
+    graphdef, state = _abstract(factory, mesh, "abstract_init")
+    return nnx.merge(graphdef, _with_shardings(state, shardings(state, mesh, rules)))
+
+
+def sharded_init(
+    factory: Callable[[], M],
+    mesh: Mesh | str | Mapping[str, int],
+    rules: Rules | Mapping[str, Any],
+) -> M:
+    """Builds the model ``factory`` returns directly in its sharded layout.
+
+    One compiled program creates every Variable with the ``NamedSharding`` its
+    logical names resolve to under ``rules`` (replicated where unannotated);
+    no device ever holds more than about its own shard, on meshes with Explicit
+    (JAX's default) or Auto axes. Values are bitwise those of ``factory()`` on
+    one device. Works for models annotated with :func:`nnx_shard.with_logical`,
+    :func:`nnx_shard.logical_axes`, :func:`nnx_shard.annotate` (called inside
+    the factory) or ``nnx.with_partitioning``, and for layers stacked with
+    ``nnx.vmap``/``nnx.scan`` given ``transform_metadata={nnx.PARTITION_NAME: ...}``.
+
+    Args:
+      factory: a zero-argument callable that builds the module, e.g.
+        ``lambda: MyModel(cfg, rngs=nnx.Rngs(0))``. It is traced twice (once
+        for shapes, once compiled), so it must not depend on side effects.
+      mesh: a ``jax.sharding.Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
+      rules: the logical-to-mesh table.
+
+    Raises:
+      ShardingError: a Variable cannot be laid out (raised before compiling).
+      TypeError: ``factory`` is not callable or does not return an ``nnx.Module``.
+      RuntimeError: ``factory`` raised; the original exception is chained.
+
+    >>> from flax import nnx
+    >>> import nnx_shard as ns
+    >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    >>> model = sharded_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+    ...                      "data=4,model=2", {"embed": "data", "mlp": "model"})
+    >>> model.kernel.get_value().sharding.spec, model.bias.get_value().sharding.spec
+    (P('data', 'model'), P())
+    """
+    graphdef, lowered = lower_init(factory, mesh, rules)
+    return nnx.merge(graphdef, lowered.compile()())
+
+
+def lower_init(
+    factory: Callable[[], nnx.Module],
+    mesh: Mesh | str | Mapping[str, int],
+    rules: Rules | Mapping[str, Any],
+) -> tuple[nnx.GraphDef, jax.stages.Lowered]:
+    """The graphdef and the lowered (not yet compiled) init program of :func:`sharded_init`.
+
+    Exposed so the memory figures of exactly the program ``sharded_init`` runs
+    can be read (``lowered.compile().memory_analysis()``) by tests and benchmarks;
+    ``nnx.merge(graphdef, lowered.compile()())`` is the model.
+
+    >>> from flax import nnx
+    >>> import nnx_shard as ns
+    >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    >>> graphdef, lowered = lower_init(
+    ...     lambda: nnx.Linear(64, 128, kernel_init=init, use_bias=False, rngs=nnx.Rngs(0)),
+    ...     "data=8", {"embed": "data", "mlp": None})
+    >>> m = lowered.compile().memory_analysis()
+    >>> m.output_size_in_bytes + m.temp_size_in_bytes <= 64 * 128 * 4 // 8 + 64  # ~one shard
+    True
+    """
+    mesh = make_mesh(mesh)
+    rules = _as_rules(rules)
+    graphdef, abstract_state = _abstract(factory, mesh, "sharded_init")
+    out_shardings = shardings(abstract_state, mesh, rules)
+    inner = _on_mesh(out_shardings, _auto_mesh(mesh))
+
+    def init() -> Any:
+        with _trace_context(mesh):
+            return _constrain(nnx.state(_build(factory, "sharded_init")), inner)
+
+    with _fused_threefry():
+        lowered = jax.jit(init, out_shardings=out_shardings).lower()
+    return graphdef, lowered
+
+
+# Optimizer
+# ------------------------------------------------------------------------------
+
+
+def _opt_shardings(
+    opt_state: Any, param_shapes: Mapping[tuple[str, ...], tuple[int, ...]], mesh: Mesh,
+    rules: Rules,
+) -> Any:
+    """A NamedSharding for every optimizer-state Variable.
+
+    ``nnx.Optimizer`` copies each param's metadata (logical names included) onto
+    the state derived from it, and optax mirrors the params' tree, so a state
+    leaf belongs to the param whose path ends its own
+    (``opt_state/0/mu/up/kernel`` -> ``up/kernel``). State shaped like its param
+    (Adam's mu and nu) is laid out by resolving the names with ``rules``; other
+    state (step counts, Adafactor's factored row/column statistics) is small and
+    replicated.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    errors: list[str] = []
+
+    def owner_shape(parts: tuple[str, ...]) -> tuple[int, ...] | None:
+        for start in range(len(parts)):
+            if parts[start:] in param_shapes:
+                return param_shapes[parts[start:]]
+        return None
+
+    def one(path: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, nnx.Variable):
+            return replicated
+        where = path_str(path)
+        shape = tuple(getattr(leaf.get_value(), "shape", ()))
+        if owner_shape(tuple(where.split("/"))) != shape:
+            return leaf.replace(replicated)
+        try:
+            return leaf.replace(NamedSharding(mesh, variable_spec(leaf, mesh, rules, where)))
+        except ShardingError as e:
+            errors.append(str(e))  # keep going: report every piece that needs a fix
+            return leaf.replace(replicated)
+
+    out = jax.tree_util.tree_map_with_path(
+        one, opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    if len(errors) == 1:
+        raise ShardingError(errors[0])
+    if errors:
+        raise ShardingError(
+            f"{len(errors)} optimizer-state variables cannot be sharded:\n"
+            + "\n".join(f"- {e}" for e in errors)
+        )
+    return out
+
+
+def _check_params_follow_rules(state: Any, expected: Any, mesh: Mesh) -> None:
+    """With ``opt_rules=None`` the optimizer state is laid out by ``rules``; that is
+    'like its param' only if the model was laid out by the same rules."""
+    flat_state = nnx.to_flat_state(state)
+    flat_expected = dict(nnx.to_flat_state(expected))
+    wrong = []
+    for path, var in flat_state:
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        actual = getattr(value, "sharding", None)
+        want = flat_expected[path]
+        want = want.get_value() if isinstance(want, nnx.Variable) else want
+        if not isinstance(actual, NamedSharding):
+            continue  # e.g. a single-device array: jit lays it out on the way in
+        same_devices = actual.mesh.axis_names == mesh.axis_names and np.array_equal(
+            actual.mesh.device_ids, mesh.device_ids
+        )
+        if not (same_devices and actual.is_equivalent_to(want, len(value.shape))):
+            wrong.append(f"{path_str(path)}: model has {actual.spec}, rules give {want.spec}")
+    if wrong:
+        raise ShardingError(
+            "sharded_optimizer: parameters are not laid out as `rules` says on this mesh, so "
+            "their optimizer state would be laid out differently from them: "
+            + "; ".join(wrong[:5])
+            + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else "")
+            + ". Fix: pass the rules and mesh the model was built with (sharded_init), or "
+            "opt_rules=... to lay the optimizer state out on purpose."
+        )
+
+
+def sharded_optimizer(
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    mesh: Mesh | str | Mapping[str, int],
+    rules: Rules | Mapping[str, Any],
+    wrt: Any = nnx.Param,
+    *,
+    opt_rules: Rules | Mapping[str, Any] | None = None,
+) -> nnx.Optimizer:
+    """An ``nnx.Optimizer`` whose state is built sharded, never whole on one device.
+
+    Each piece of optimizer state that belongs to a parameter (e.g. Adam's
+    ``mu`` and ``nu``) gets that parameter's sharding; scalars such as the step
+    count are replicated. With ``opt_rules`` the state's logical names are
+    resolved by that table instead, e.g. ZeRO-1: parameters replicated by
+    ``rules``, optimizer state sharded by ``opt_rules``.
+
+    Given an abstract model (from :func:`abstract_init`) it returns an abstract
+    optimizer, with ``ShapeDtypeStruct`` leaves carrying the shardings (a
+    checkpoint restore target), without allocating anything.
+
+    Args:
+      model: the model, laid out by ``rules`` on ``mesh`` (as :func:`sharded_init` makes it).
+      tx: an optax transformation.
+      mesh: a ``jax.sharding.Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
+      rules: the table the model was built with.
+      wrt: which Variables the optimizer updates (as in ``nnx.Optimizer``).
+      opt_rules: a separate table for the optimizer state (default: ``rules``).
+
+    Raises:
+      ShardingError: optimizer state cannot be laid out, or (without ``opt_rules``)
+        the model's parameters are not laid out as ``rules`` says.
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> import nnx_shard as ns
+    >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    >>> rules = ns.Rules({"embed": "data", "mlp": "model"})
+    >>> model = sharded_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+    ...                      "data=4,model=2", rules)
+    >>> opt = sharded_optimizer(model, optax.adam(1e-3), "data=4,model=2", rules)
+    >>> opt.opt_state[0].mu["kernel"].get_value().sharding.spec
+    P('data', 'model')
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"sharded_optimizer: model must be an nnx.Module, got {type(model).__name__}"
+        )
+    opt_graphdef, lowered, args = _lower_optimizer(model, tx, mesh, rules, wrt, opt_rules)
+    if isinstance(lowered, Mapping):  # an abstract model: the abstract optimizer state
+        return nnx.merge(opt_graphdef, lowered["abstract"])
+    return nnx.merge(opt_graphdef, lowered.compile()(args))
+
+
+def _lower_optimizer(
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    mesh: Mesh | str | Mapping[str, int],
+    rules: Rules | Mapping[str, Any],
+    wrt: Any,
+    opt_rules: Rules | Mapping[str, Any] | None,
+) -> tuple[nnx.GraphDef, Any, Any]:
+    """(optimizer graphdef, lowered init program, its arguments) of :func:`sharded_optimizer`;
+    for an abstract model, the lowered slot holds ``{"abstract": state}`` instead."""
+    mesh = make_mesh(mesh)
+    rules = _as_rules(rules)
+    o_rules = rules if opt_rules is None else _as_rules(opt_rules, "opt_rules")
+    graphdef, state = nnx.split(model)
+    auto = _auto_mesh(mesh)
+    # The params are seen through the Auto mesh, like everything else traced
+    # here, so constraints on the state (which may differ from the params'
+    # layout, as in ZeRO-1) propagate freely.
+    abstract_in = jax.tree.map(lambda x: _auto_view(x, auto), state)
+
+    def make(model_state: Any) -> nnx.Optimizer:
+        with _trace_context(mesh):
+            return nnx.Optimizer(nnx.merge(graphdef, model_state), tx, wrt=wrt)
+
+    opt_graphdef, abstract_state = _split_shapes(make, abstract_in)
+    param_shapes = {
+        tuple(path_str(p).split("/")): tuple(v.get_value().shape)
+        for p, v in nnx.to_flat_state(nnx.state(model, wrt))
+    }
+    out_shardings = _opt_shardings(abstract_state, param_shapes, mesh, o_rules)
+    if _is_abstract(state):
+        return opt_graphdef, {"abstract": _with_shardings(abstract_state, out_shardings)}, None
+    if opt_rules is None:
+        params = nnx.state(model, wrt)
+        _check_params_follow_rules(params, shardings(params, mesh, rules), mesh)
+    inner = _on_mesh(out_shardings, auto)
+
+    def init(model_state: Any) -> Any:
+        opt = make(model_state)
+        with _trace_context(mesh):
+            return _constrain(nnx.state(opt), inner)
+
+    with _fused_threefry():
+        lowered = jax.jit(init, out_shardings=out_shardings).lower(abstract_in)
+    args = jax.tree.map(lambda x, a: _rewrap(x, a.sharding), state, abstract_in)
+    return opt_graphdef, lowered, args
+
+
+def _auto_view(x: Any, auto: Mesh) -> jax.ShapeDtypeStruct:
+    s = getattr(x, "sharding", None)
+    spec = s.spec if isinstance(s, NamedSharding) else PartitionSpec()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(auto, spec))
+
+
+def _rewrap(x: Any, sharding: NamedSharding) -> Any:
+    """``x`` viewed with ``sharding``: the same buffers when only the mesh's axis
+    types differ (no copy), else a transfer."""
+    s = getattr(x, "sharding", None)
+    if s == sharding or isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    if isinstance(s, NamedSharding) and s.spec == sharding.spec and np.array_equal(
+        s.mesh.device_ids, sharding.mesh.device_ids
+    ):
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shard.data for shard in x.addressable_shards]
+        )
+    return jax.device_put(x, sharding)
