@@ -17,3 +17,14 @@ class ShardingError(ValueError):
 class ShardingWarning(UserWarning):
     """A sharding choice the user allowed but should know about (e.g. a dimension
     replicated because it does not divide by its mesh axes)."""
+
+
+def raise_collected(errors: list[str], what: str = "variables") -> None:
+    """Raises one ShardingError for every problem found in a pass over a tree, so a
+    single run shows every parameter that needs a fix (no-op when ``errors`` is empty)."""
+    if len(errors) == 1:
+        raise ShardingError(errors[0])
+    if errors:
+        raise ShardingError(
+            f"{len(errors)} {what} cannot be sharded:\n" + "\n".join(f"- {e}" for e in errors)
+        )

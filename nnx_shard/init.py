@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import path_str
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, raise_collected
 from nnx_shard.mesh import make_mesh, shardings, variable_spec
 from nnx_shard.rules import Rules
 
@@ -361,13 +361,7 @@ def _opt_shardings(
     out = jax.tree_util.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
-    if len(errors) == 1:
-        raise ShardingError(errors[0])
-    if errors:
-        raise ShardingError(
-            f"{len(errors)} optimizer-state variables cannot be sharded:\n"
-            + "\n".join(f"- {e}" for e in errors)
-        )
+    raise_collected(errors, "optimizer-state variables")
     return out
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import logical_names, path_str
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, raise_collected
 from nnx_shard.rules import Rules
 
 __all__ = ["constrain", "current", "make_mesh", "shardings", "use", "variable_spec"]
@@ -232,12 +232,7 @@ def shardings(tree: Any, mesh: Mesh, rules: Rules | Mapping[str, Any]) -> Any:
     out = jax.tree_util.tree_map_with_path(
         one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
-    if len(errors) == 1:
-        raise ShardingError(errors[0])
-    if errors:
-        raise ShardingError(
-            f"{len(errors)} variables cannot be sharded:\n" + "\n".join(f"- {e}" for e in errors)
-        )
+    raise_collected(errors)
     return out
 
 
