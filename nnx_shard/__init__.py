@@ -4,12 +4,14 @@ from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
+from nnx_shard.train import Trainer, multistep, shard_batch, value_and_grad
 
 __all__ = [
     "Report",
     "Rules",
     "ShardingError",
     "ShardingWarning",
+    "Trainer",
     "abstract_init",
     "annotate",
     "constrain",
@@ -17,9 +19,12 @@ __all__ = [
     "get_logical_axes",
     "logical_axes",
     "make_mesh",
+    "multistep",
+    "shard_batch",
     "sharded_init",
     "sharded_optimizer",
     "shardings",
     "use",
+    "value_and_grad",
     "with_logical",
 ]

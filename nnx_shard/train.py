@@ -1,0 +1,1003 @@
+"""Fused multi-step training: K steps in one compiled call, batches sharded by logical names.
+
+Three layers, each usable alone:
+
+* :func:`multistep` turns an ordinary NNX train step into one compiled call
+  that runs it K times (a ``jax.lax.scan``), carrying the model, the optimizer
+  and any other NNX object passed, updating them in place like ``nnx.jit``.
+* :func:`value_and_grad` is ``nnx.value_and_grad`` that can split the batch
+  into microbatches and average the gradients (set per call, or by
+  ``multistep(..., microbatches=M)``).
+* :func:`shard_batch` turns host NumPy batches into global ``jax.Array`` s laid
+  out by logical names; :class:`Trainer` puts the three together with
+  prefetching, a progress bar and a NaN/Inf stop.
+
+Why a ``jax.lax.scan`` over split state rather than ``nnx.scan``: the carry is
+plain arrays (so it can be donated and pinned to its input shardings), NNX's
+Python bookkeeping runs once per call instead of once per step (and on the host
+only as a cached pytree flatten, see :class:`_Plan`), and none of the
+``nnx.scan`` pitfalls apply (``in_axes=None`` silently freezing the model,
+closures across trace levels).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import inspect
+import queue
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.nnx import graphlib
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnx_shard.annotate import path_str
+from nnx_shard.errors import ShardingError
+from nnx_shard.mesh import _apply, current, make_mesh, use
+from nnx_shard.rules import Rules
+
+__all__ = ["Fused", "History", "Trainer", "multistep", "shard_batch", "value_and_grad"]
+
+LogicalNames = Sequence[str | None]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_node(x: Any) -> bool:
+    """True for arguments that are (or contain) NNX graph nodes: these are carried."""
+    hit = False
+
+    def leaf(y: Any) -> bool:
+        nonlocal hit
+        if graphlib.is_graph_node(y) or isinstance(y, nnx.Variable):
+            hit = True
+            return True
+        return False
+
+    jax.tree_util.tree_leaves(x, is_leaf=leaf)
+    return hit
+
+
+def _leaf_path(path: Sequence[Any]) -> str:
+    # State leaves end in `.value` (the Variable's payload); users know the variable path.
+    keys = [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
+    return path_str(keys)
+
+
+def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
+    """Names of fn's first n positional parameters (``args[i]`` where unknown)."""
+    names = [f"args[{i}]" for i in range(n)]
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return names
+    for i, p in enumerate(params[:n]):
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names[i] = p.name
+        elif p.kind == p.VAR_POSITIONAL:
+            break
+    return names
+
+
+def _fmt_shape(x: Any) -> str:
+    return str(tuple(np.shape(x)))
+
+
+# --------------------------------------------------------------------------- microbatches
+
+
+class _MicroFrames(threading.local):
+    def __init__(self) -> None:
+        # One [microbatches, used] frame per multistep body being traced.
+        self.stack: list[list[Any]] = []
+
+
+_micro = _MicroFrames()
+
+
+def _split_microbatches(batch: Any, m: int) -> Any:
+    """[B, ...] -> [m, B/m, ...]; microbatch j holds rows j, j+m, j+2m, ...
+
+    Strided rather than contiguous on purpose: a batch sharded over devices in
+    contiguous blocks then gives every device the same share of every
+    microbatch, so no data moves between devices.
+    """
+
+    def one(path: Any, x: Any) -> Any:
+        if np.ndim(x) == 0 or x.shape[0] % m:
+            raise ValueError(
+                f"microbatches={m} must divide the batch dimension (axis 0) of every batch "
+                f"leaf, but batch{jax.tree_util.keystr(path)} has shape {_fmt_shape(x)}. Fix: "
+                f"use a batch size that is a multiple of {m}, or another number of microbatches."
+            )
+        x = jnp.asarray(x)
+        return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    microbatches: int | None = None,
+    wrt: Any = nnx.Param,
+) -> Callable[..., tuple[Any, Any]]:
+    """``nnx.value_and_grad`` over the model (first argument) that can accumulate microbatches.
+
+    The returned ``grad_fn(model, batch, *args)`` calls ``loss_fn(model, batch, *args)``.
+    With M microbatches, every leaf of ``batch`` is split along axis 0 into M
+    equal microbatches (rows ``j, j+M, j+2M, ...`` form microbatch ``j``), the
+    loss and gradients are computed one microbatch at a time inside a
+    ``jax.lax.scan`` (activations of one microbatch live at a time) and
+    averaged: for a loss that is a mean over examples this equals the
+    full-batch result up to float rounding. ``aux`` (with ``has_aux=True``) is
+    averaged the same way. ``args`` are passed to every microbatch unchanged;
+    NNX objects among them (e.g. ``nnx.Rngs``) are carried through.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch, *args) -> loss`` (or ``(loss, aux)``).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      microbatches: M. ``None`` (default) takes M from the enclosing
+        ``multistep(..., microbatches=M)``, else 1 (no splitting).
+      wrt: which Variables of the model to differentiate (an NNX filter).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}
+    >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> loss1, g1 = value_and_grad(mse)(model, batch)
+    >>> loss4, g4 = value_and_grad(mse, microbatches=4)(model, batch)
+    >>> bool(jnp.allclose(loss1, loss4)), bool(jnp.allclose(g1["kernel"][...], g4["kernel"][...]))
+    (True, True)
+    """
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(f"microbatches must be a positive int or None, got {microbatches!r}")
+    vg = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=has_aux)
+
+    @functools.wraps(loss_fn)
+    def grad_fn(model: Any, batch: Any, *args: Any) -> tuple[Any, Any]:
+        m = microbatches
+        if _micro.stack:
+            frame = _micro.stack[-1]
+            frame[1] = True
+            if m is None:
+                m = frame[0]
+        if m is None or m == 1:
+            return vg(model, batch, *args)
+        return _accumulate(vg, m, wrt, model, batch, args)
+
+    return grad_fn
+
+
+def _accumulate(
+    vg: Callable[..., Any], m: int, wrt: Any, model: Any, batch: Any, args: tuple[Any, ...]
+) -> tuple[Any, Any]:
+    micro = _split_microbatches(batch, m)
+    node_pos = [i for i, a in enumerate(args) if _is_node(a)]
+    graphdef, state = nnx.split((model, *(args[i] for i in node_pos)))
+    zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, wrt))
+    grads_def: list[Any] = []
+
+    def body(carry: Any, mb: Any) -> Any:
+        state, acc = carry
+        nodes = nnx.merge(graphdef, state)
+        call_args = list(args)
+        for i, node in zip(node_pos, nodes[1:], strict=True):
+            call_args[i] = node
+        out, grads = vg(nodes[0], mb, *call_args)
+        # Accumulate flat leaves: grads may carry Variable metadata that differs
+        # from the zeros' (the structure is the same array for array).
+        g_leaves, g_def = jax.tree.flatten(grads)
+        grads_def.append(g_def)
+        acc = [a + g for a, g in zip(acc, g_leaves, strict=True)]
+        _, state = nnx.split(nodes)
+        return (state, acc), out
+
+    (state, acc), outs = jax.lax.scan(body, (state, jax.tree.leaves(zeros)), micro)
+    nnx.update((model, *(args[i] for i in node_pos)), state)
+    grads = jax.tree.unflatten(grads_def[0], [a / m for a in acc])
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), outs), grads
+
+
+# --------------------------------------------------------------------------- multistep
+
+
+def _check_metrics(metrics: Any, fn_name: str) -> Any:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(metrics)
+    out = []
+    for path, x in flat:
+        if isinstance(x, jax.Array):  # tracers included
+            out.append(x)
+        elif (isinstance(x, np.ndarray | np.generic) and x.dtype.kind in "biufc") or isinstance(
+            x, bool | int | float | complex
+        ):
+            out.append(jnp.asarray(x))
+        else:
+            where = f"metrics{jax.tree_util.keystr(path)}" if path else "the metrics"
+            raise TypeError(
+                f"{fn_name} returned {where} = {x!r} ({type(x).__name__}), which is not an "
+                "array. The fused call stacks every metric to [K, ...], so metrics must be "
+                "arrays or numbers, e.g. return {'loss': loss}. Fix: drop Python objects "
+                "from the returned metrics (compute them outside, from the stacked arrays)."
+            )
+    return jax.tree.unflatten(treedef, out)
+
+
+def _structure_diff(before: Any, after: Any) -> str:
+    a = {_leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(before)[0]}
+    b = {_leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(after)[0]}
+    parts = []
+    if b - a:
+        parts.append("added " + ", ".join(sorted(b - a)))
+    if a - b:
+        parts.append("removed " + ", ".join(sorted(a - b)))
+    return "; ".join(parts) or "the Variable types or metadata changed"
+
+
+def _mesh_of(trees: Sequence[Any]) -> Mesh | None:
+    for tree in trees:
+        for x in jax.tree.leaves(tree):
+            sharding = getattr(x, "sharding", None)
+            if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+                return sharding.mesh
+    return None
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What one layout of arguments compiles to, and how to read and write its state fast.
+
+    ``perm[i]`` is the position, among the Variables of ``jax.tree.flatten(nodes)``,
+    of the i-th Variable of ``nnx.split(nodes)``'s state. Flattening the NNX
+    objects as pytrees (about 10x cheaper than ``nnx.split``) then gives the
+    state without a graph traversal, as long as the pytree structure (which
+    holds every static attribute, e.g. ``deterministic`` after ``model.eval()``)
+    is unchanged and no Variable is shared (pytrees do not see sharing).
+    """
+
+    jitted: Any
+    state_def: Any
+    shardings: tuple[Any, ...]
+    context: Any
+    node_def: Any = None
+    perm: tuple[int, ...] | None = None
+
+
+class Fused:
+    """The compiled K-step function made by :func:`multistep`; call it like the step.
+
+    ``fused(*args)``: arguments that are NNX objects (modules, optimizers, Rngs,
+    metrics, or containers of them) are carried across steps and updated in
+    place; every other argument is a pytree of arrays whose leaves all have the
+    same leading axis K, scanned over. Returns the step's metrics stacked to
+    ``[K, ...]``.
+
+    Attributes:
+      traces: how many times the step was traced (one per compilation).
+
+    >>> def train_step(model, optimizer, batch): ...
+    >>> multistep(train_step, microbatches=2)
+    multistep(train_step, donate=True, microbatches=2, traces=0)
+    """
+
+    def __init__(
+        self, step_fn: Callable[..., Any], *, donate: bool, microbatches: int
+    ) -> None:
+        self.step_fn = step_fn
+        self.donate = donate
+        self.microbatches = microbatches
+        self.traces = 0
+        self._jitted: dict[Any, Any] = {}
+        self._plans: dict[tuple[tuple[int, ...], int], _Plan] = {}
+        self._names: dict[int, list[str]] = {}
+        functools.update_wrapper(self, step_fn)
+
+    def __repr__(self) -> str:
+        name = getattr(self.step_fn, "__qualname__", repr(self.step_fn))
+        return (
+            f"multistep({name}, donate={self.donate}, microbatches={self.microbatches}, "
+            f"traces={self.traces})"
+        )
+
+    # -- host side ------------------------------------------------------------
+
+    def _steps(self, args: tuple[Any, ...], node_pos: tuple[int, ...]) -> int:
+        ks: set[int | None] = set()
+        for i, a in enumerate(args):
+            if i not in node_pos:
+                ks.update(np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(a))
+        if len(ks) == 1 and None not in ks and 0 not in ks:
+            return ks.pop()  # type: ignore[return-value]
+        names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
+        self._names[len(args)] = names
+        seen: list[tuple[str, Any, int | None]] = []
+        for i, a in enumerate(args):
+            if i in node_pos:
+                continue
+            for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
+                shape = np.shape(x)
+                seen.append((names[i] + jax.tree_util.keystr(path), shape, shape[0] if shape else None))
+        if not seen:
+            raise ValueError(
+                "multistep needs at least one array argument with a leading steps axis K "
+                "(e.g. a batch shaped [K, batch, ...]) to know how many steps to run."
+            )
+        listing = "; ".join(
+            f"{p} has shape {s} -> K={k if k is not None else 'none (scalar)'}" for p, s, k in seen
+        )
+        raise ValueError(
+            "batch leaves disagree on the number of steps K (their leading axis): "
+            f"{listing}. Every leaf of the data arguments needs the same leading steps "
+            "axis, laid out [K, batch, ...] (not [batch, K, ...]). Fix: stack the K step "
+            "batches with np.stack, or use shard_batch(..., steps=True)."
+        )
+
+    def _prepare(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        node_pos = tuple(i for i, a in enumerate(args) if _is_node(a))
+        if not node_pos:
+            raise TypeError(
+                "multistep: no NNX object among the arguments. Call the fused step like the "
+                "step itself, e.g. fused(model, optimizer, batch)."
+            )
+        self._steps(args, node_pos)
+        nodes = tuple(args[i] for i in node_pos)
+        data = tuple(a for i, a in enumerate(args) if i not in node_pos)
+        context = current()
+        variables, node_def = jax.tree.flatten(nodes, is_leaf=_is_variable)
+        plan = self._plans.get((node_pos, len(args)))
+        if (
+            plan is not None
+            and plan.perm is not None
+            and plan.context == context
+            and node_def == plan.node_def
+            and len({id(v) for v in variables}) == len(variables)
+        ):
+            values = [variables[p].get_raw_value() for p in plan.perm]
+            if all(
+                isinstance(x, jax.Array)
+                and (x.committed and x.sharding == s if s is not None else not x.committed)
+                for x, s in zip(values, plan.shardings, strict=True)
+            ):
+                return plan, variables, nodes, values, data
+        plan, values = self._slow_plan(nodes, data, variables, node_def, node_pos, len(args))
+        self._plans[(node_pos, len(args))] = plan
+        return plan, variables, nodes, values, data
+
+    def _slow_plan(
+        self,
+        nodes: tuple[Any, ...],
+        data: tuple[Any, ...],
+        variables: list[Any],
+        node_def: Any,
+        node_pos: tuple[int, ...],
+        nargs: int,
+    ) -> tuple[_Plan, list[Any]]:
+        graphdef, state = nnx.split(nodes)
+        values, state_def = jax.tree.flatten(state)
+        context = current()
+        mesh = _mesh_of((values, data))
+        if mesh is None and context is not None and context[0].size > 1:
+            mesh = context[0]
+        if mesh is not None:
+            # Fresh eager values (uncommitted, one device) join the mesh replicated, once:
+            # committing them keeps the input shardings, and so the compile cache, stable.
+            rep = NamedSharding(mesh, PartitionSpec())
+            values = [
+                jax.device_put(x, rep) if isinstance(x, jax.Array) and not x.committed else x
+                for x in values
+            ]
+        # None (unspecified) for values still uncommitted (no mesh in sight): they stay
+        # uncommitted, so a later call under a mesh can still replicate them onto it.
+        shardings = tuple(
+            x.sharding if isinstance(x, jax.Array) and x.committed else None for x in values
+        )
+        key = (graphdef, state_def, shardings, node_pos, nargs, context)
+        jitted = self._jitted.get(key)
+        if jitted is None:
+            jitted = self._build(graphdef, state_def, node_pos, nargs, shardings)
+            self._jitted[key] = jitted
+        plan = _Plan(jitted, state_def, shardings, context)
+        split_vars = jax.tree.leaves(state, is_leaf=_is_variable)
+        index = {id(v): i for i, v in enumerate(variables)}
+        if (
+            len(split_vars) == len(values)
+            and len(index) == len(variables)
+            and all(id(v) in index for v in split_vars)
+        ):
+            plan.node_def = node_def
+            plan.perm = tuple(index[id(v)] for v in split_vars)
+        return plan, values
+
+    def __call__(self, *args: Any) -> Any:
+        plan, variables, nodes, values, data = self._prepare(args)
+        new_values, metrics = plan.jitted(values, data)
+        if plan.perm is not None:
+            for p, x in zip(plan.perm, new_values, strict=True):
+                variables[p].set_raw_value(x)
+        else:
+            nnx.update(nodes, jax.tree.unflatten(plan.state_def, new_values))
+        return metrics
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """Lowers the fused call for these arguments without running it (for
+        ``.compile().memory_analysis()`` or ``.as_text()``).
+
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> def step(model, opt, x):
+        ...     loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        ...     opt.update(model, grads)
+        ...     return loss
+        >>> mem = multistep(step).lower(model, opt, jnp.ones((10, 4, 3))).compile().memory_analysis()
+        >>> mem.temp_size_in_bytes >= 0
+        True
+        """
+        plan, _, _, values, data = self._prepare(args)
+        return plan.jitted.lower(values, data)
+
+    # -- traced side ----------------------------------------------------------
+
+    def _build(
+        self,
+        graphdef: Any,
+        state_def: Any,
+        node_pos: tuple[int, ...],
+        nargs: int,
+        shardings: tuple[Any, ...],
+    ) -> Any:
+        step_fn = self.step_fn
+        fn_name = getattr(step_fn, "__name__", "step_fn")
+        m = self.microbatches
+
+        def pin(values: list[Any]) -> list[Any]:
+            # Keeps the carry in its input layout at every step, so the loop never
+            # reshards mid-way and the output matches the input exactly.
+            return [
+                _apply(x, s) if isinstance(s, NamedSharding) else x
+                for x, s in zip(values, shardings, strict=True)
+            ]
+
+        def body(values: list[Any], xs: tuple[Any, ...]) -> tuple[list[Any], Any]:
+            nodes = nnx.merge(graphdef, jax.tree.unflatten(state_def, values))
+            it_nodes, it_xs = iter(nodes), iter(xs)
+            call_args = [next(it_nodes) if i in node_pos else next(it_xs) for i in range(nargs)]
+            frame = [m, False]
+            _micro.stack.append(frame)
+            try:
+                metrics = step_fn(*call_args)
+            finally:
+                _micro.stack.pop()
+            if m > 1 and not frame[1]:
+                raise ValueError(
+                    f"multistep(..., microbatches={m}): {fn_name} never called "
+                    "nnx_shard.value_and_grad, where the batch is split into microbatches. "
+                    "Fix: compute gradients with ns.value_and_grad(loss_fn)(model, batch) "
+                    "instead of nnx.value_and_grad."
+                )
+            metrics = _check_metrics(metrics, fn_name)
+            _, new_state = nnx.split(nodes)
+            new_values, new_def = jax.tree.flatten(new_state)
+            if new_def != state_def:
+                raise ValueError(
+                    f"{fn_name} changed the structure of the NNX objects it was given "
+                    f"({_structure_diff(jax.tree.unflatten(state_def, values), new_state)}). "
+                    "State carried across fused steps must keep its structure. Fix: create "
+                    "every Variable before the first call (e.g. build metrics and optimizer "
+                    "state up front)."
+                )
+            return pin(new_values), metrics
+
+        def run(values: list[Any], data: tuple[Any, ...]) -> tuple[list[Any], Any]:
+            self.traces += 1
+            return jax.lax.scan(body, values, data)
+
+        return jax.jit(
+            run,
+            donate_argnums=(0,) if self.donate else (),
+            out_shardings=(list(shardings), None),
+        )
+
+
+def multistep(
+    step_fn: Callable[..., Any], *, donate: bool = True, microbatches: int = 1
+) -> Fused:
+    """Fuses K calls of an NNX train step into one compiled call (a ``jax.lax.scan``).
+
+    ``step_fn(model, optimizer, batch, *others) -> metrics`` is ordinary NNX
+    code, as you would put under ``nnx.jit``. ``fused(model, optimizer,
+    batches, *others)`` runs it once per entry of the leading axis K of every
+    leaf of ``batches`` (shaped ``[K, batch, ...]``, e.g. from
+    ``shard_batch(..., steps=True)``), carrying every NNX argument (model,
+    optimizer, metrics objects, ``nnx.Rngs``) from step to step, updating them
+    in place, and returns ``metrics`` stacked to ``[K, ...]``.
+
+    - One compilation per (K, shapes, shardings); calling again with the same
+      ones never recompiles (``fused.traces`` counts them).
+    - Shardings of the carried state are the same after the call as before.
+      Values fresh from eager init (uncommitted, on one device) are first
+      replicated over the mesh of the sharded arguments (or of the active
+      ``ns.use``); with no mesh in sight they stay uncommitted.
+    - With ``donate=True`` the old state buffers are reused for the new state:
+      arrays taken from the model before the call (``nnx.state(model)``) are
+      deleted by it. Copy them (``jax.tree.map(jnp.copy, ...)``) to keep them.
+    - Data arguments are read, never donated.
+    - Inside ``ns.use(mesh, rules)`` the step is traced with that context (so
+      ``ns.constrain`` applies); another context traces again.
+    - With a replicated model and a batch sharded over devices, nothing else
+      is needed for data parallelism: XLA inserts the all-reduce that averages
+      the gradients (what ``pmean`` did under ``pmap``).
+
+    Args:
+      step_fn: the train step; it must return arrays or numbers (a dict of them).
+      donate: reuse the state buffers for the new state.
+      microbatches: split each step's batch into this many microbatches,
+        averaging the gradients. ``step_fn`` must compute its gradients with
+        :func:`value_and_grad` (the batch is split there).
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> def step(model, opt, batch):
+    ...     mse = lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
+    ...     loss, grads = nnx.value_and_grad(mse)(model)
+    ...     opt.update(model, grads)
+    ...     return {"loss": loss}
+    >>> fused = multistep(step)
+    >>> batches = {"x": jnp.ones((5, 4, 3)), "y": jnp.zeros((5, 4, 1))}   # K=5 steps
+    >>> metrics = fused(model, opt, batches)
+    >>> metrics["loss"].shape, int(opt.step[...]), fused.traces
+    ((5,), 5, 1)
+    """
+    if not callable(step_fn):
+        raise TypeError(f"multistep expects a callable step function, got {step_fn!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    return Fused(step_fn, donate=donate, microbatches=microbatches)
+
+
+# --------------------------------------------------------------------------- shard_batch
+
+
+def _is_names(x: Any) -> bool:
+    return x is None or (
+        isinstance(x, tuple | list) and all(n is None or isinstance(n, str) for n in x)
+    )
+
+
+def shard_batch(
+    batch: Any,
+    mesh: Mesh | str | Mapping[str, int],
+    rules: Rules | Mapping[str, Any],
+    names: LogicalNames | Any = ("batch",),
+    *,
+    steps: bool = False,
+) -> Any:
+    """Host (NumPy) batch -> global ``jax.Array`` s laid out by logical names.
+
+    ``names`` gives the logical names of each leaf's leading dimensions, e.g.
+    ``("batch", "length")``: a leaf of higher rank has its trailing dimensions
+    replicated, a leaf of lower rank uses only the first names (so labels
+    ``[B]`` and tokens ``[B, L]`` can share one ``names``). ``names`` may also
+    be a pytree prefix of ``batch`` giving names per leaf. With ``steps=True``
+    every leaf has a leading steps axis ``[K, ...]``, left unsharded, before
+    the named dimensions (the layout :func:`multistep` scans over).
+
+    Each leaf is resolved with ``rules.spec`` (so a batch dimension that does
+    not divide by its mesh axes is a ``ShardingError`` naming the leaf) and
+    built with ``jax.make_array_from_process_local_data``: on several hosts each
+    process passes its own slice of the batch.
+
+    >>> import numpy as np
+    >>> rules = Rules({"batch": "data", "length": None})
+    >>> batch = {"tokens": np.zeros((8, 16), np.int32), "label": np.zeros((8,), np.int32)}
+    >>> out = shard_batch(batch, "data=8", rules, ("batch", "length"))
+    >>> out["tokens"].sharding.spec, out["label"].sharding.spec
+    (P('data', None), P('data',))
+    >>> shard_batch({"x": np.zeros((5, 8, 3))}, "data=8", rules, steps=True)["x"].sharding.spec
+    P(None, 'data', None)
+    """
+    mesh = make_mesh(mesh)
+    rules = rules if isinstance(rules, Rules) else Rules(rules)
+    single = jax.process_count() == 1
+    lead: tuple[None, ...] = (None,) if steps else ()
+
+    def one(path: Any, leaf: Any, leaf_names: Any) -> jax.Array:
+        where = f"batch{jax.tree_util.keystr(path)}"
+        arr = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+        if arr.ndim < len(lead):
+            raise ShardingError(
+                f"{where} is a scalar, but steps=True expects a leading steps axis [K, ...] "
+                "on every leaf. Fix: stack the per-step batches, e.g. np.stack(batches)."
+            )
+        rest = arr.ndim - len(lead)
+        given = tuple(leaf_names or ())[:rest]
+        full = (*lead, *given, *(None,) * (rest - len(given)))
+        # Across processes the global shape is inferred by JAX; only one process
+        # knows its local shape, so divisibility is checked by JAX there.
+        spec = rules.spec(full, shape=arr.shape if single else None, mesh=mesh, path=where)
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), arr)
+
+    if _is_names(names):
+        return jax.tree_util.tree_map_with_path(lambda p, x: one(p, x, names), batch)
+
+    def prefix(path: Any, leaf_names: Any, sub: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: one((*path, *p), x, leaf_names), sub
+        )
+
+    return jax.tree_util.tree_map_with_path(prefix, names, batch, is_leaf=_is_names)
+
+
+# --------------------------------------------------------------------------- Trainer
+
+
+class _Guard(nnx.Module):
+    """A device flag carried across fused calls: False once a step was not finite."""
+
+    def __init__(self) -> None:
+        self.ok = nnx.Variable(jnp.array(True))
+
+
+def _select(ok: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def _make_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    grad_fn = value_and_grad(loss_fn, has_aux=has_aux)
+
+    def train_step(model: Any, optimizer: Any, batch: Any, guard: _Guard) -> dict[str, Any]:
+        # Copies of the Variable wrappers (the arrays are shared, nothing is copied):
+        # the state to fall back to if this step is not finite.
+        before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
+        out, grads = grad_fn(model, batch)
+        loss, aux = out if has_aux else (out, {})
+        optimizer.update(model, grads)
+        grad_norm = optax.tree.norm(grads)
+        ok = guard.ok[...] & jnp.all(jnp.isfinite(loss)) & jnp.isfinite(grad_norm)
+        # A non-finite step (and every later one) is not applied, inside the compiled
+        # call: the state stays the last finite one without a host round trip.
+        nnx.update((model, optimizer), _select(ok, nnx.state((model, optimizer)), before))
+        guard.ok[...] = ok
+        if not isinstance(aux, Mapping):
+            aux = {"aux": aux}
+        return {"loss": loss, "grad_norm": grad_norm, **aux, "applied": ok}
+
+    return train_step
+
+
+@dataclasses.dataclass
+class History:
+    """What :meth:`Trainer.fit` ran: per-step metrics (NumPy, one entry per applied
+    step, ``"step"`` numbering them), why it stopped early (``None`` if it did
+    not) and the wall time.
+
+    >>> h = History({"step": np.array([1, 2]), "loss": np.array([0.5, 0.25])}, 2, None, 0.1)
+    >>> h["loss"][-1], len(h)
+    (np.float64(0.25), 2)
+    """
+
+    metrics: dict[str, np.ndarray]
+    steps: int
+    stop_reason: str | None
+    seconds: float
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.metrics[key]
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+class _Progress:
+    """A one-line progress bar on a TTY (``\\r``-rewritten); silent otherwise."""
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.enabled = bool(enabled and isatty is not None and isatty())
+        self.total = total
+        self.width = 0
+        self.last = 0.0
+
+    def update(self, step: int, loss: float, steps_s: float, examples_s: float, final: bool) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not final and now - self.last < 0.1:
+            return
+        self.last = now
+        line = (
+            f"step {step}/{self.total} | loss {loss:.4g} | {steps_s:,.1f} steps/s | "
+            f"{examples_s:,.0f} examples/s"
+        )
+        self.width = max(self.width, len(line))
+        self.stream.write("\r" + line.ljust(self.width))
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.width:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class _Prefetcher:
+    """Builds the next groups of K steps (stack + shard) on a thread while the
+    current fused call runs. At most two groups wait, so host memory stays bounded."""
+
+    _END = object()
+
+    def __init__(self, data: Iterable[Any], sizes: list[int], build: Callable[..., Any]) -> None:
+        self._q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(iter(data), sizes, build), daemon=True,
+            name="nnx_shard-prefetch",
+        )
+        self._thread.start()
+
+    def _run(self, it: Iterator[Any], sizes: list[int], build: Callable[..., Any]) -> None:
+        try:
+            for k in sizes:
+                host = []
+                for _ in range(k):
+                    try:
+                        host.append(next(it))
+                    except StopIteration:
+                        break
+                    if self._stop.is_set():
+                        return
+                if host and not self._put(("ok", build(host))):
+                    return
+                if len(host) < k:
+                    break
+            self._put(("end", None))
+        except BaseException as e:  # re-raised in the training thread
+            self._put(("error", e))
+
+    def _put(self, item: tuple[str, Any]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> Any:
+        kind, value = self._q.get()
+        if kind == "error":
+            raise value
+        return value if kind == "ok" else None
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._q.get_nowait()
+        self._thread.join(timeout=5)
+
+
+class Trainer:
+    """Trains a (sharded) model: K steps per compiled call, batches sharded, prefetched.
+
+    ``loss_fn(model, batch) -> loss`` (or ``(loss, aux_dict)`` with
+    ``has_aux=True``) is differentiated with :func:`value_and_grad`; each step
+    applies ``optimizer.update(model, grads)``. :meth:`fit` pulls host
+    batches (pytrees of NumPy arrays with a leading batch axis) from any
+    iterable, stacks ``steps_per_call`` of them, shards them with
+    :func:`shard_batch` (``batch_names`` name the leading dims), and runs
+    them in one fused call while the next group is prepared on a thread.
+
+    Args:
+      model, optimizer: NNX model and ``nnx.Optimizer``, already laid out
+        (e.g. by ``sharded_init`` / ``sharded_optimizer``); updated in place.
+      loss_fn: the loss, a mean over the examples of the batch.
+      mesh, rules: where batches go (``rules`` maps ``batch_names``).
+      steps_per_call: K, steps per compiled call.
+      microbatches: split each step's batch into this many, averaging gradients.
+      batch_names: logical names of the leading dims of every batch leaf.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux metrics go to the history.
+      donate: reuse state buffers across calls (see :func:`multistep`).
+
+    >>> import numpy as np, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> trainer = Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"},
+    ...                   steps_per_call=4)
+    >>> data = ({"x": np.ones((8, 3), np.float32), "y": np.zeros((8, 1), np.float32)}
+    ...         for _ in range(10))
+    >>> history = trainer.fit(data, num_steps=6, progress=False)
+    >>> history["step"].tolist(), history["loss"].shape, int(opt.step[...])
+    ([1, 2, 3, 4, 5, 6], (6,), 6)
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        loss_fn: Callable[..., Any],
+        *,
+        mesh: Mesh | str | Mapping[str, int],
+        rules: Rules | Mapping[str, Any],
+        steps_per_call: int = 10,
+        microbatches: int = 1,
+        batch_names: LogicalNames = ("batch",),
+        has_aux: bool = False,
+        donate: bool = True,
+    ) -> None:
+        if not isinstance(steps_per_call, int) or steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.mesh = make_mesh(mesh)
+        self.rules = rules if isinstance(rules, Rules) else Rules(rules)
+        self.steps_per_call = steps_per_call
+        self.batch_names = tuple(batch_names)
+        self.step = 0
+        self._guard = _Guard()
+        self._fused = multistep(
+            _make_step(loss_fn, has_aux), donate=donate, microbatches=microbatches
+        )
+
+    @property
+    def traces(self) -> int:
+        """Compilations of the fused step so far (one per distinct K and batch shape)."""
+        return self._fused.traces
+
+    def _build_group(self, host: list[Any]) -> tuple[int, Any, int]:
+        first = jax.tree_util.tree_flatten_with_path(host[0])
+        for n, b in enumerate(host[1:], start=1):
+            flat = jax.tree_util.tree_flatten_with_path(b)
+            if flat[1] != first[1]:
+                raise ValueError(
+                    f"host batch {n} of this group has structure {flat[1]} but the first "
+                    f"has {first[1]}; every batch must have the same structure."
+                )
+            for (path, x), (_, x0) in zip(flat[0], first[0], strict=True):
+                if np.shape(x) != np.shape(x0):
+                    raise ValueError(
+                        f"host batch {n} of this group has batch{jax.tree_util.keystr(path)} "
+                        f"of shape {_fmt_shape(x)}, but the first has {_fmt_shape(x0)}. "
+                        "Batches are stacked K at a time, so shapes must agree. Fix: drop "
+                        "the last, smaller batch of an epoch (drop_last) or pad it."
+                    )
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *host)
+        leaves = first[0]
+        examples = int(np.shape(leaves[0][1])[0]) * jax.process_count() if leaves else 0
+        return len(host), shard_batch(stacked, self.mesh, self.rules, self.batch_names, steps=True), examples
+
+    def fit(
+        self,
+        data: Iterable[Any],
+        num_steps: int,
+        *,
+        progress: bool = True,
+        callbacks: Sequence[Callable[[int, dict[str, np.ndarray]], bool | None]] = (),
+    ) -> History:
+        """Runs up to ``num_steps`` steps on batches from ``data``; returns the :class:`History`.
+
+        Stops early, keeping the model and optimizer at the last finite state,
+        when the loss or the gradient norm is NaN/Inf (a ``RuntimeWarning``
+        names the step), when ``data`` runs out, or when a callback returns
+        ``True``. ``callback(step, metrics)`` runs after every fused call with
+        that call's per-step metrics (NumPy) and the model exactly as of
+        ``step``. A final group smaller than ``steps_per_call`` compiles once
+        more. The progress bar (loss, steps/s, examples/s) goes to stderr only
+        when it is a terminal and ``progress=True``.
+
+        >>> import numpy as np, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(1e30), wrt=nnx.Param)   # diverges
+        >>> mse = lambda m, b: jnp.mean((m(b) - 1.0) ** 2)
+        >>> trainer = Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"},
+        ...                   steps_per_call=5)
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     h = trainer.fit([np.ones((8, 2), np.float32)] * 10, 10, progress=False)
+        >>> print(h.stop_reason)
+        loss is inf and grad_norm is inf at step 2; stopped, keeping ... after step 1, ...
+        >>> bool(jnp.isfinite(model.kernel[...]).all()), len(h)
+        (True, 1)
+        """
+        if not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+        k = self.steps_per_call
+        sizes = [k] * (num_steps // k) + ([num_steps % k] if num_steps % k else [])
+        # Two calls in flight keep the device busy while the host reads the previous
+        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
+        # Callbacks see the model as of their step, so with callbacks: one at a time.
+        depth = 1 if callbacks else 2
+        self._guard.ok.set_value(jnp.array(True))
+        hist: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+        bar = _Progress(num_steps, progress)
+        start = time.perf_counter()
+        last_t = start
+        done = 0
+        stop_reason: str | None = None
+        pending: collections.deque[tuple[int, int, Any]] = collections.deque()
+        prefetch = _Prefetcher(data, sizes, self._build_group)
+
+        def finish_one() -> bool:
+            nonlocal done, last_t, stop_reason
+            n, examples, metrics = pending.popleft()
+            host = {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
+            applied = host.pop("applied")
+            good = n if applied.all() else int(np.argmin(applied))
+            if stop_reason is not None:
+                return True  # in flight when training stopped: it applied nothing
+            step0 = self.step
+            for key, v in host.items():
+                hist[key].append(v[:good])
+            hist["step"].append(np.arange(step0 + 1, step0 + good + 1))
+            self.step += good
+            done += good
+            now = time.perf_counter()
+            rate = good / max(now - last_t, 1e-9)
+            last_t = now
+            if good:
+                bar.update(done, float(host["loss"][good - 1]), rate, rate * examples,
+                           final=done == num_steps)
+            if good < n:
+                bad = [key for key in ("loss", "grad_norm") if not np.isfinite(host[key][good])]
+                what = " and ".join(f"{key} is {host[key][good]}" for key in bad)
+                stop_reason = (
+                    f"{what} at step {step0 + good + 1}; stopped, keeping the model and "
+                    f"optimizer state from after step {step0 + good}, the last finite one"
+                )
+                warnings.warn(f"Trainer.fit: {stop_reason}.", RuntimeWarning, stacklevel=3)
+                return True
+            for cb in callbacks:
+                if cb(self.step, {key: v[:good] for key, v in host.items()}) is True:
+                    name = getattr(cb, "__name__", repr(cb))
+                    stop_reason = f"callback {name} asked to stop at step {self.step}"
+                    return True
+            return False
+
+        try:
+            with use(self.mesh, self.rules):
+                while stop_reason is None:
+                    group = prefetch.get()
+                    if group is None:
+                        break
+                    n, batch, examples = group
+                    pending.append(
+                        (n, examples, self._fused(self.model, self.optimizer, batch, self._guard))
+                    )
+                    if len(pending) >= depth:
+                        finish_one()
+                while pending:
+                    finish_one()
+        finally:
+            prefetch.close()
+            bar.close()
+        if stop_reason is None and done < num_steps:
+            stop_reason = f"data ran out after {done} of {num_steps} steps"
+        metrics = {key: np.concatenate(v) for key, v in hist.items()}
+        if not metrics:
+            metrics = {"step": np.zeros((0,), np.int64)}
+        return History(metrics, done, stop_reason, time.perf_counter() - start)
