@@ -72,6 +72,17 @@ def worker(n_devices: int, quick: bool) -> dict:
     import nnx_shard as ns
     from nnx_shard.train import multistep, shard_batch
 
+    def split_state_step(graphdef, step):
+        """One training step as ``jax.jit`` over the split (model, optimizer) state, donated."""
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def run(state, batch):
+            model, opt = nnx.merge(graphdef, state)
+            metrics = step(model, opt, batch)
+            return nnx.split((model, opt))[1], metrics
+
+        return run
+
     assert jax.device_count() == n_devices, (jax.device_count(), n_devices)
     # Auto axes: on Explicit axes the LM's embedding gather of a batch-sharded index
     # array needs an explicit out_sharding, which is model code, not what we measure.
@@ -181,11 +192,7 @@ def worker(n_devices: int, quick: bool) -> dict:
         m2, o2 = fresh(cls)
         graphdef, state2 = nnx.split((m2, o2))
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def jit_step(state, batch, graphdef=graphdef, step=step):
-            model, opt = nnx.merge(graphdef, state)
-            metrics = step(model, opt, batch)
-            return nnx.split((model, opt))[1], metrics
+        jit_step = split_state_step(graphdef, step)
 
         box2 = [state2]
 
@@ -295,11 +302,7 @@ def worker(n_devices: int, quick: bool) -> dict:
         fused_mem = fused.lower(mm, om, batches).compile().memory_analysis()
         gd, st = nnx.split((mm, om))
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def one_step(state, batch, graphdef=gd, step=step):
-            model, opt = nnx.merge(graphdef, state)
-            metrics = step(model, opt, batch)
-            return nnx.split((model, opt))[1], metrics
+        one_step = split_state_step(gd, step)
 
         single_mem = one_step.lower(st, singles[0]).compile().memory_analysis()
 

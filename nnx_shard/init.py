@@ -40,7 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from nnx_shard.annotate import path_str
 from nnx_shard.errors import ShardingError, raise_collected
 from nnx_shard.mesh import make_mesh, shardings, variable_spec
-from nnx_shard.rules import Rules
+from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["abstract_init", "sharded_init", "sharded_optimizer"]
 
@@ -49,14 +49,6 @@ M = TypeVar("M", bound=nnx.Module)
 
 # Helpers
 # ------------------------------------------------------------------------------
-
-
-def _as_rules(rules: Rules | Mapping[str, Any], what: str = "rules") -> Rules:
-    if isinstance(rules, Rules):
-        return rules
-    if isinstance(rules, Mapping):
-        return Rules(rules)
-    raise TypeError(f"{what} must be an nnx_shard.Rules or a mapping, got {rules!r}")
 
 
 def _auto_mesh(mesh: Mesh) -> Mesh:
@@ -237,7 +229,7 @@ def abstract_init(
     ('ShapeDtypeStruct', (8, 16), P('data', 'model'))
     """
     mesh = make_mesh(mesh)
-    rules = _as_rules(rules)
+    rules = as_rules(rules)
     graphdef, state = _abstract(factory, mesh, "abstract_init")
     return nnx.merge(graphdef, _with_shardings(state, shardings(state, mesh, rules)))
 
@@ -304,7 +296,7 @@ def lower_init(
     True
     """
     mesh = make_mesh(mesh)
-    rules = _as_rules(rules)
+    rules = as_rules(rules)
     graphdef, abstract_state = _abstract(factory, mesh, "sharded_init")
     out_shardings = shardings(abstract_state, mesh, rules)
     inner = _on_mesh(out_shardings, _auto_mesh(mesh))
@@ -459,8 +451,8 @@ def _lower_optimizer(
     """(optimizer graphdef, lowered init program, its arguments) of :func:`sharded_optimizer`;
     for an abstract model, the lowered slot holds ``{"abstract": state}`` instead."""
     mesh = make_mesh(mesh)
-    rules = _as_rules(rules)
-    o_rules = rules if opt_rules is None else _as_rules(opt_rules, "opt_rules")
+    rules = as_rules(rules)
+    o_rules = rules if opt_rules is None else as_rules(opt_rules)
     graphdef, state = nnx.split(model)
     auto = _auto_mesh(mesh)
     # The params are seen through the Auto mesh, like everything else traced

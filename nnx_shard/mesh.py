@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import logical_names, path_str
 from nnx_shard.errors import ShardingError, raise_collected
-from nnx_shard.rules import Rules
+from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["constrain", "current", "make_mesh", "shardings", "use", "variable_spec"]
 
@@ -138,7 +138,7 @@ def use(mesh: Mesh | str | Mapping[str, int], rules: Rules | Mapping[str, Any]) 
     True
     """
     mesh = make_mesh(mesh)
-    rules = rules if isinstance(rules, Rules) else Rules(rules)
+    rules = as_rules(rules)
     _active.stack.append((mesh, rules))
     try:
         with jax.set_mesh(mesh):
@@ -213,7 +213,7 @@ def shardings(tree: Any, mesh: Mesh, rules: Rules | Mapping[str, Any]) -> Any:
     (P('data', 'model'), P())
     """
     mesh = make_mesh(mesh)
-    rules = rules if isinstance(rules, Rules) else Rules(rules)
+    rules = as_rules(rules)
     state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
 
     errors: list[str] = []

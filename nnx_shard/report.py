@@ -13,7 +13,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from nnx_shard.annotate import SOURCE_KEY, logical_names, path_str
 from nnx_shard.mesh import bytes_per_device, make_mesh, nbytes, variable_spec
-from nnx_shard.rules import Rules
+from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["Report", "Row", "explain"]
 
@@ -207,13 +207,11 @@ def explain(
     bias    (128,)     float32  -                  P()            512 B      512 B      default (replicated)
     """
     mesh = make_mesh(mesh)
-    rules = rules if isinstance(rules, Rules) else Rules(rules)
+    rules = as_rules(rules)
     state = model if isinstance(model, nnx.State) else nnx.state(model)
     rows = _rows(state, mesh, rules, "params")
     if optimizer is not None:
-        o_rules = rules if opt_rules is None else (
-            opt_rules if isinstance(opt_rules, Rules) else Rules(opt_rules)
-        )
+        o_rules = rules if opt_rules is None else as_rules(opt_rules)
         params = nnx.state(model, wrt) if not isinstance(model, nnx.State) else state
         opt_state = jax.eval_shape(optimizer.init, params)
         rows += _rows(opt_state, mesh, o_rules, "optimizer", prefix="opt_state/")

@@ -499,3 +499,8 @@ def _cand_txt(c: Placement) -> str:
     if not c:
         return "None"
     return repr(c[0]) if len(c) == 1 else repr(c)
+
+
+def as_rules(rules: Rules | Mapping[str, RuleValue] | Iterable[tuple[str, RuleValue]]) -> Rules:
+    """``rules`` itself when it is a ``Rules``, else a ``Rules`` built from it."""
+    return rules if isinstance(rules, Rules) else Rules(rules)

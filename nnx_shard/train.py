@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnx_shard.annotate import path_str
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import _apply, current, make_mesh, use
-from nnx_shard.rules import Rules
+from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["Fused", "History", "Trainer", "multistep", "shard_batch", "value_and_grad"]
 
@@ -619,7 +619,7 @@ def shard_batch(
     P(None, 'data', None)
     """
     mesh = make_mesh(mesh)
-    rules = rules if isinstance(rules, Rules) else Rules(rules)
+    rules = as_rules(rules)
     single = jax.process_count() == 1
     lead: tuple[None, ...] = (None,) if steps else ()
 
@@ -854,7 +854,7 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.mesh = make_mesh(mesh)
-        self.rules = rules if isinstance(rules, Rules) else Rules(rules)
+        self.rules = as_rules(rules)
         self.steps_per_call = steps_per_call
         self.batch_names = tuple(batch_names)
         self.step = 0
