@@ -1,4 +1,6 @@
+from nnx_shard import distributed, models, strategies
 from nnx_shard.annotate import annotate, get_logical_axes, logical_axes, with_logical
+from nnx_shard.checkpoint import Checkpointer, restore, save
 from nnx_shard.errors import ShardingError, ShardingWarning
 from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
@@ -7,6 +9,7 @@ from nnx_shard.rules import Rules
 from nnx_shard.train import Trainer, multistep, shard_batch, value_and_grad
 
 __all__ = [
+    "Checkpointer",
     "Report",
     "Rules",
     "ShardingError",
@@ -15,15 +18,20 @@ __all__ = [
     "abstract_init",
     "annotate",
     "constrain",
+    "distributed",
     "explain",
     "get_logical_axes",
     "logical_axes",
     "make_mesh",
+    "models",
     "multistep",
+    "restore",
+    "save",
     "shard_batch",
     "sharded_init",
     "sharded_optimizer",
     "shardings",
+    "strategies",
     "use",
     "value_and_grad",
     "with_logical",

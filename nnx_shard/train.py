@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import queue
 import sys
 import threading
@@ -44,6 +45,7 @@ from flax.nnx import graphlib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import path_str
+from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import _apply, current, make_mesh, use
 from nnx_shard.rules import Rules, as_rules
@@ -716,7 +718,10 @@ class _Progress:
     def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         isatty = getattr(self.stream, "isatty", None)
-        self.enabled = bool(enabled and isatty is not None and isatty())
+        # One bar per job: with several processes, only process 0 reports.
+        self.enabled = bool(
+            enabled and isatty is not None and isatty() and jax.process_index() == 0
+        )
         self.total = total
         self.width = 0
         self.last = 0.0
@@ -740,6 +745,24 @@ class _Progress:
         if self.enabled and self.width:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _group_sizes(start: int, count: int, k: int, every: int | None) -> list[int]:
+    """Steps per fused call for ``count`` steps from step ``start``: K at a time, cut
+    at the multiples of ``every`` (the checkpoint steps).
+
+    >>> _group_sizes(0, 60, 10, 25)
+    [10, 10, 5, 10, 10, 5, 10]
+    """
+    sizes = []
+    pos, end = start, start + count
+    while pos < end:
+        nxt = min(pos + k, end)
+        if every:
+            nxt = min(nxt, (pos // every + 1) * every)
+        sizes.append(nxt - pos)
+        pos = nxt
+    return sizes
 
 
 class _Prefetcher:
@@ -858,6 +881,9 @@ class Trainer:
         self.steps_per_call = steps_per_call
         self.batch_names = tuple(batch_names)
         self.step = 0
+        # Batches consumed by applied steps, across fit calls: where a resumed
+        # run's data continues (saved in checkpoints, see fit).
+        self.data_position = 0
         self._guard = _Guard()
         self._fused = multistep(
             _make_step(loss_fn, has_aux), donate=donate, microbatches=microbatches
@@ -892,11 +918,13 @@ class Trainer:
 
     def fit(
         self,
-        data: Iterable[Any],
+        data: Iterable[Any] | Callable[[int], Iterable[Any]],
         num_steps: int,
         *,
         progress: bool = True,
         callbacks: Sequence[Callable[[int, dict[str, np.ndarray]], bool | None]] = (),
+        checkpointer: Checkpointer | None = None,
+        resume: bool = False,
     ) -> History:
         """Runs up to ``num_steps`` steps on batches from ``data``; returns the :class:`History`.
 
@@ -907,7 +935,33 @@ class Trainer:
         that call's per-step metrics (NumPy) and the model exactly as of
         ``step``. A final group smaller than ``steps_per_call`` compiles once
         more. The progress bar (loss, steps/s, examples/s) goes to stderr only
-        when it is a terminal and ``progress=True``.
+        when it is a terminal, on process 0, and ``progress=True``. With several
+        processes, each one's ``data`` yields only its own rows of every global
+        batch (``ns.distributed.process_slice``); all of them call ``fit``.
+
+        Checkpoints: with ``checkpointer=ns.Checkpointer(directory, every=N,
+        keep=K)`` the model, the optimizer and ``extra={"step": ...,
+        "data_position": ...}`` are saved each time the step counter reaches a
+        multiple of N (fused calls are cut at those steps, so an N that is not
+        a multiple of ``steps_per_call`` costs one more compilation), and after
+        the last step unless a non-finite step stopped training. Saves are
+        written in the background while training goes on; ``fit`` returns once
+        they are on disk. ``resume=True`` first restores the latest checkpoint
+        in place (parameters, optimizer state and step, RNG state held in the
+        model, the step counter and the data position), then trains until the
+        step counter reaches ``num_steps``: with ``resume=True``, ``num_steps``
+        is the run's total, so rerunning the same command continues where it
+        stopped. Without ``resume``, a directory that already holds a step
+        later than the current one is an error (the runs would mix).
+
+        Data: ``data`` is an iterable of host batches, or a callable
+        ``data(position)`` returning one that starts at batch ``position``,
+        the number of batches consumed by applied steps so far
+        (``trainer.data_position``; batches prefetched but not applied, e.g.
+        after an early stop, do not count). ``fit`` calls it with the current
+        position. On resume, an iterable is taken to start at the beginning of
+        the stream and the batches the restored steps consumed are skipped
+        (read and dropped); a callable can seek there instead.
 
         >>> import numpy as np, jax.numpy as jnp, optax
         >>> from flax import nnx
@@ -926,8 +980,35 @@ class Trainer:
         """
         if not isinstance(num_steps, int) or num_steps < 0:
             raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+        if resume and checkpointer is None:
+            raise ValueError(
+                "fit(resume=True) needs the checkpointer to resume from, e.g. "
+                "checkpointer=ns.Checkpointer(directory, every=1000)."
+            )
+        resumed = False
+        if checkpointer is not None:
+            latest = checkpointer.latest_step()
+            if resume and latest is not None:
+                checkpointer.wait()
+                step, extra = restore_into(checkpointer.directory, self.model, self.optimizer)
+                self.step = int(extra.get("step", step))
+                self.data_position = int(extra.get("data_position", self.step))
+                resumed = True
+            elif latest is not None and latest > self.step:
+                raise ValueError(
+                    f"fit: {checkpointer.directory} already holds a checkpoint for step "
+                    f"{latest}, later than this trainer's step {self.step}. Fix: pass "
+                    "resume=True to continue from it, or use another directory."
+                )
+            if resume:
+                num_steps = max(num_steps - self.step, 0)
+        if callable(data) and not isinstance(data, Iterable):
+            data = data(self.data_position)
+        elif resumed and self.data_position:
+            data = itertools.islice(data, self.data_position, None)
         k = self.steps_per_call
-        sizes = [k] * (num_steps // k) + ([num_steps % k] if num_steps % k else [])
+        every = checkpointer.every if checkpointer is not None else None
+        sizes = _group_sizes(self.step, num_steps, k, every)
         # Two calls in flight keep the device busy while the host reads the previous
         # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
         # Callbacks see the model as of their step, so with callbacks: one at a time.
@@ -939,11 +1020,23 @@ class Trainer:
         last_t = start
         done = 0
         stop_reason: str | None = None
+        nonfinite = False
+        # The step counter once every dispatched call is applied.
+        dispatched = last_saved = self.step
         pending: collections.deque[tuple[int, int, Any]] = collections.deque()
         prefetch = _Prefetcher(data, sizes, self._build_group)
 
+        def save_now() -> None:
+            nonlocal last_saved
+            assert checkpointer is not None
+            checkpointer.save(
+                self.step, model=self.model, optimizer=self.optimizer,
+                extra={"step": self.step, "data_position": self.data_position},
+            )
+            last_saved = self.step
+
         def finish_one() -> bool:
-            nonlocal done, last_t, stop_reason
+            nonlocal done, last_t, stop_reason, nonfinite
             n, examples, metrics = pending.popleft()
             host = {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
             applied = host.pop("applied")
@@ -955,6 +1048,7 @@ class Trainer:
                 hist[key].append(v[:good])
             hist["step"].append(np.arange(step0 + 1, step0 + good + 1))
             self.step += good
+            self.data_position += good
             done += good
             now = time.perf_counter()
             rate = good / max(now - last_t, 1e-9)
@@ -970,6 +1064,7 @@ class Trainer:
                     f"optimizer state from after step {step0 + good}, the last finite one"
                 )
                 warnings.warn(f"Trainer.fit: {stop_reason}.", RuntimeWarning, stacklevel=3)
+                nonfinite = True
                 return True
             for cb in callbacks:
                 if cb(self.step, {key: v[:good] for key, v in host.items()}) is True:
@@ -988,13 +1083,25 @@ class Trainer:
                     pending.append(
                         (n, examples, self._fused(self.model, self.optimizer, batch, self._guard))
                     )
-                    if len(pending) >= depth:
+                    dispatched += n
+                    if checkpointer is not None and checkpointer.should_save(dispatched):
+                        # Saved before the next call is dispatched: it would donate
+                        # (overwrite) exactly the state being saved.
+                        while pending:
+                            finish_one()
+                        if self.step == dispatched:
+                            save_now()
+                    elif len(pending) >= depth:
                         finish_one()
                 while pending:
                     finish_one()
+                if checkpointer is not None and self.step > last_saved and not nonfinite:
+                    save_now()
         finally:
             prefetch.close()
             bar.close()
+            if checkpointer is not None:
+                checkpointer.wait()
         if stop_reason is None and done < num_steps:
             stop_reason = f"data ran out after {done} of {num_steps} steps"
         metrics = {key: np.concatenate(v) for key, v in hist.items()}

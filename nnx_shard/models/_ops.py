@@ -1,0 +1,137 @@
+"""Sharding-aware primitives the reference models are written with.
+
+Model code names the layout it wants for each activation (logical names, as
+everywhere in nnx_shard); these helpers turn that into what the active mesh
+needs. Under an Auto-typed mesh (GSPMD propagation) a sharding constraint on
+the output is enough. Under an Explicit-typed mesh (JAX's default) a matmul
+whose operands are sharded along different dimensions by the same mesh axis,
+e.g. an FSDP weight sharded on ``embed`` times activations sharded on
+``batch``, both over ``data``, is a type error, so the weight is first
+resharded to a layout compatible with the activations (the all-gather FSDP
+implies) and the output sharding is passed explicitly. Outside
+:func:`nnx_shard.use` they are plain ``jnp`` calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from nnx_shard.mesh import constrain, current
+
+__all__ = ["constrain", "einsum", "lookup", "whole"]
+
+
+def _explicit() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_of(x: jax.Array) -> tuple[Any, ...]:
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def _compatible(x_letters: str, x: jax.Array, w_letters: str, w: jax.Array) -> jax.Array:
+    """``w`` resharded so that no mesh axis shards one dimension of ``x`` and a
+    different dimension of ``w`` (Explicit meshes only)."""
+    x_use = {}
+    for letter, entry in zip(x_letters, _spec_of(x), strict=True):
+        for axis in _axes(entry):
+            x_use[axis] = letter
+    w_spec = _spec_of(w)
+    new = []
+    for letter, entry in zip(w_letters, w_spec, strict=True):
+        kept = tuple(a for a in _axes(entry) if x_use.get(a, letter) == letter)
+        new.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    if tuple(new) == w_spec:
+        return w
+    return jax.sharding.reshard(w, PartitionSpec(*new))
+
+
+def _resolve(names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding | None:
+    active = current()
+    if active is None:
+        return None
+    mesh, rules = active
+    return NamedSharding(mesh, rules.spec(names, shape=shape, mesh=mesh, path="activation"))
+
+
+def einsum(
+    eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None]
+) -> jax.Array:
+    """``jnp.einsum(eq, x, w)`` whose output is laid out by logical ``names``.
+
+    >>> import jax.numpy as jnp
+    >>> einsum("bd,df->bf", jnp.ones((2, 3)), jnp.ones((3, 4)), ("batch", None)).shape
+    (2, 4)
+    """
+    ins, out = eq.split("->")
+    xl, wl = ins.split(",")
+    sizes = dict(zip(xl, x.shape, strict=True)) | dict(zip(wl, w.shape, strict=True))
+    sharding = _resolve(names, [sizes[c] for c in out])
+    if sharding is None:
+        return jnp.einsum(eq, x, w)
+    if _explicit():
+        w = _compatible(xl, x, wl, w)
+        return jnp.einsum(eq, x, w, out_sharding=sharding.spec)
+    return jax.lax.with_sharding_constraint(jnp.einsum(eq, x, w), sharding)
+
+
+def lookup(table: jax.Array, ids: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Rows ``table[ids]`` laid out by logical ``names`` (an embedding lookup).
+
+    On Explicit meshes the table is gathered whole first (a gather from a sharded
+    table indexed by a sharded array has no Explicit typing rule).
+
+    >>> import jax.numpy as jnp
+    >>> lookup(jnp.eye(4), jnp.array([[1, 2]]), ("batch", "length", None)).shape
+    (1, 2, 4)
+    """
+    sharding = _resolve(names, (*ids.shape, table.shape[-1]))
+    if sharding is None:
+        return jnp.take(table, ids, axis=0)
+    if _explicit():
+        table = jax.sharding.reshard(table, PartitionSpec())
+        return table.at[ids].get(out_sharding=sharding.spec)
+    return jax.lax.with_sharding_constraint(jnp.take(table, ids, axis=0), sharding)
+
+
+def whole(w: jax.Array) -> jax.Array:
+    """``w`` replicated on Explicit meshes (the all-gather FSDP implies before a
+    parameter meets activations elementwise); ``w`` itself otherwise, where the
+    partitioner chooses.
+
+    >>> import jax.numpy as jnp
+    >>> whole(jnp.ones(3)).shape
+    (3,)
+    """
+    if current() is None or not _explicit():
+        return w
+    return jax.sharding.reshard(w, PartitionSpec())
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-token cross-entropy of float ``logits [..., vocab]`` and int ``labels [...]``.
+
+    The label's logit is picked with a one-hot product rather than a gather, so
+    logits sharded over ``vocab`` (tensor parallelism) reduce with one small
+    all-reduce, on Auto and Explicit meshes alike.
+
+    >>> import jax.numpy as jnp
+    >>> float(cross_entropy(jnp.zeros((1, 4)), jnp.array([2]))[0])  # log(4)
+    1.386...
+    """
+    logits = logits.astype(jnp.float32)
+    picked = jnp.sum(logits * jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), -1)
+    return jax.nn.logsumexp(logits, axis=-1) - picked

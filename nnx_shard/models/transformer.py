@@ -1,0 +1,387 @@
+"""A decoder-only transformer LM annotated only with logical axis names.
+
+Parameters carry logical names (``vocab``, ``embed``, ``heads``, ``kv``,
+``mlp``, ``expert``, and ``layers`` when the blocks are stacked); activations
+are constrained at the points where parallelism strategies differ:
+
+* the residual stream is ``("batch", "length", None)``: sequence parallelism
+  maps ``length`` to the model axis there;
+* the input of attention and of the MLP is ``("batch", None, None)``: under
+  sequence parallelism this is where the sequence is all-gathered;
+* queries, keys and values are ``("batch", None, "heads", "kv")`` and the MLP
+  hidden layer ``("batch", None, "mlp")``: Megatron's column-parallel half;
+* the attention and MLP outputs return to the residual layout: the
+  row-parallel half (an all-reduce, or a reduce-scatter under sequence
+  parallelism);
+* the mixture-of-experts layer dispatches tokens to ``("expert", "batch",
+  None, None)``: expert parallelism turns that into collectives over the
+  expert axis.
+
+The embedding dimension of activations is never named: strategies that shard
+parameters over ``embed`` (FSDP) use the same mesh axis for ``batch``.
+
+Works on one device with no mesh, and under :func:`nnx_shard.use` with meshes
+whose axes are Auto or Explicit (JAX's default); see ``nnx_shard.models._ops``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnx_shard.annotate import with_logical
+from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
+
+__all__ = ["CONFIGS", "Transformer", "TransformerConfig", "get_config", "lm_loss"]
+
+RESIDUAL = ("batch", "length", None)
+GATHERED = ("batch", None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes and options of :class:`Transformer` (frozen: derive variants with
+    ``dataclasses.replace``).
+
+    Attributes:
+      vocab: vocabulary size.
+      length: maximum sequence length (learned position embeddings).
+      embed: width of the residual stream.
+      heads: attention heads; ``head_dim``: width of each.
+      mlp: hidden width of the MLP (of each expert, for a mixture of experts).
+      layers: number of blocks.
+      experts: experts of a mixture-of-experts MLP; 0 is a dense MLP.
+      top_k: experts each token is sent to.
+      capacity_factor: expert capacity, as a multiple of an even share of the
+        ``top_k`` assignments of a sequence (tokens over capacity are dropped).
+      aux_loss_weight: weight of the load-balancing loss :func:`lm_loss` adds.
+      scan_layers: stack the blocks (``nnx.vmap``, leading ``layers`` axis)
+        and run them with ``jax.lax.scan``: one compiled block for any depth.
+      tie_embeddings: reuse the token embedding as the output projection.
+      dtype: activation dtype; ``param_dtype``: parameter dtype.
+
+    >>> cfg = TransformerConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=32, layers=1)
+    >>> dataclasses.replace(cfg, experts=4).experts
+    4
+    """
+
+    vocab: int = 128
+    length: int = 16
+    embed: int = 32
+    heads: int = 4
+    head_dim: int = 8
+    mlp: int = 64
+    layers: int = 2
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 2.0
+    aux_loss_weight: float = 0.01
+    scan_layers: bool = False
+    tie_embeddings: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        for f in ("vocab", "length", "embed", "heads", "head_dim", "mlp", "layers"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"TransformerConfig.{f} must be >= 1, got {getattr(self, f)!r}")
+        if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
+            raise ValueError(
+                f"TransformerConfig: experts={self.experts}, top_k={self.top_k}; need experts "
+                ">= 0 and, with experts, 1 <= top_k <= experts."
+            )
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, computed from the sizes.
+
+        >>> get_config("tiny").num_params
+        25248
+        """
+        e, m = self.embed, self.mlp
+        attn = 4 * e * self.heads * self.head_dim
+        ffn = (self.experts * 2 * e * m + e * self.experts) if self.experts else 2 * e * m
+        block = attn + ffn + 2 * e
+        unembed = 0 if self.tie_embeddings else e * self.vocab
+        return self.vocab * e + self.length * e + self.layers * block + e + unembed
+
+
+CONFIGS: dict[str, TransformerConfig] = {
+    "tiny": TransformerConfig(),
+    "tiny_moe": TransformerConfig(experts=4, top_k=2),
+    "small": TransformerConfig(
+        vocab=512, length=128, embed=128, heads=4, head_dim=32, mlp=512, layers=4
+    ),
+    "125m": TransformerConfig(
+        vocab=50304, length=2048, embed=768, heads=12, head_dim=64, mlp=3072, layers=12,
+        tie_embeddings=True,
+    ),
+    "1b": TransformerConfig(
+        vocab=32000, length=2048, embed=2048, heads=16, head_dim=128, mlp=8192, layers=16,
+        scan_layers=True,
+    ),
+    "7b": TransformerConfig(
+        vocab=32000, length=4096, embed=4096, heads=32, head_dim=128, mlp=16384, layers=32,
+        scan_layers=True, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+    ),
+}
+
+
+def get_config(name: str) -> TransformerConfig:
+    """A named configuration: ``tiny`` (tests), ``tiny_moe``, ``small`` (demos),
+    ``125m``, ``1b``, ``7b`` (planning only, with :func:`nnx_shard.abstract_init`).
+
+    >>> get_config("7b").num_params / 1e9 > 6
+    True
+    """
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown transformer config {name!r}; known: {', '.join(CONFIGS)}"
+        ) from None
+
+
+def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[Any, ...],
+           dtype: Any) -> nnx.Param:
+    return nnx.Param(with_logical(init, names)(rngs.params(), shape, dtype))
+
+
+def _dense_init(fan_in: int) -> Any:
+    return nnx.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm with a learned scale (``embed``)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        self.scale = _param(rngs, nnx.initializers.ones, (cfg.embed,), ("embed",),
+                            cfg.param_dtype)
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        return (x32 * whole(self.scale[...]).astype(jnp.float32)).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention; Q/K/V split column-wise and O row-wise over ``heads``."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        e, h, k, dt = cfg.embed, cfg.heads, cfg.head_dim, cfg.param_dtype
+        qkv = ("embed", "heads", "kv")
+        self.q = _param(rngs, _dense_init(e), (e, h, k), qkv, dt)
+        self.k = _param(rngs, _dense_init(e), (e, h, k), qkv, dt)
+        self.v = _param(rngs, _dense_init(e), (e, h, k), qkv, dt)
+        self.o = _param(rngs, _dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        heads = ("batch", None, "heads", "kv")
+        q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
+        k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads)
+        v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
+        scores = scores / math.sqrt(q.shape[-1])
+        length = x.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL)
+
+
+class MLP(nnx.Module):
+    """Two-layer GELU MLP; ``up`` split column-wise and ``down`` row-wise over ``mlp``."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
+        self.up = _param(rngs, _dense_init(e), (e, m), ("embed", "mlp"), dt)
+        self.down = _param(rngs, _dense_init(m), (m, e), ("mlp", "embed"), dt)
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        dt = self.dtype
+        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt), ("batch", None, "mlp")))
+        return einsum("blm,me->ble", h, self.down[...].astype(dt), RESIDUAL), jnp.zeros(())
+
+
+class MoE(nnx.Module):
+    """Mixture-of-experts MLP: a top-k softmax router and per-expert MLPs.
+
+    Tokens are dispatched GShard-style with a fixed capacity per sequence and
+    expert (``capacity_factor``); tokens over capacity skip the layer (the
+    residual carries them). Returns the output and the load-balancing loss
+    ``experts * sum_e(fraction routed to e * mean router probability of e)``.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        e, m, x, dt = cfg.embed, cfg.mlp, cfg.experts, cfg.param_dtype
+        self.router = _param(rngs, _dense_init(e), (e, x), ("embed", None), dt)
+        self.up = _param(rngs, _dense_init(e), (x, e, m), ("expert", "embed", "mlp"), dt)
+        self.down = _param(rngs, _dense_init(m), (x, m, e), ("expert", "mlp", "embed"), dt)
+        self.top_k = cfg.top_k
+        self.capacity_factor = cfg.capacity_factor
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        dt = self.dtype
+        b, length, _ = x.shape
+        n_exp = self.router.shape[-1]
+        k = self.top_k
+        logits = einsum("ble,ex->blx", x, self.router[...].astype(dt), GATHERED)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        gates, idx = jax.lax.top_k(probs, k)  # [b, l, k]
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+        capacity = max(1, math.ceil(k * length * self.capacity_factor / n_exp))
+        # Slot of each (token, choice) in its expert's buffer: first choices of
+        # every token are served before second choices, in sequence order.
+        chosen = jax.nn.one_hot(idx, n_exp, dtype=jnp.int32)  # [b, l, k, x]
+        order = jnp.swapaxes(chosen, 1, 2).reshape(b, k * length, n_exp)
+        slot = jnp.cumsum(order, axis=1) * order - 1
+        slot = jnp.swapaxes(slot.reshape(b, k, length, n_exp), 1, 2)  # [b, l, k, x]
+        keep = (slot >= 0) & (slot < capacity)
+        onehot_slot = jax.nn.one_hot(jnp.where(keep, slot, -1), capacity, dtype=jnp.float32)
+        dispatch = jnp.sum(onehot_slot, axis=2)  # [b, l, x, c]
+        combine = jnp.sum(onehot_slot * gates[..., None, None], axis=2)
+        dispatch = constrain(dispatch.astype(dt), ("batch", None, None, None))
+        combine = constrain(combine.astype(dt), ("batch", None, None, None))
+        expert_in = einsum("blxc,ble->xbce", dispatch, x, ("expert", "batch", None, None))
+        h = jax.nn.gelu(einsum("xbce,xem->xbcm", expert_in, self.up[...].astype(dt),
+                               ("expert", "batch", None, "mlp")))
+        expert_out = einsum("xbcm,xme->xbce", h, self.down[...].astype(dt),
+                            ("expert", "batch", None, None))
+        out = einsum("xbce,blxc->ble", expert_out, combine, RESIDUAL)
+        routed = jnp.mean(jnp.sum(chosen, axis=2).astype(jnp.float32), axis=(0, 1)) / k
+        aux = n_exp * jnp.sum(routed * jnp.mean(probs, axis=(0, 1)))
+        return out, aux
+
+
+class Block(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if cfg.experts else MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = x + self.attn(constrain(self.attn_norm(x), GATHERED))
+        x = constrain(x, RESIDUAL)
+        y, aux = self.mlp(constrain(self.mlp_norm(x), GATHERED))
+        return constrain(x + y, RESIDUAL), aux
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer LM: ``int32 [batch, length] -> float32 logits
+    [batch, length, vocab]``.
+
+    Token and position embeddings, ``cfg.layers`` pre-norm blocks (multi-head
+    attention, then a dense or mixture-of-experts MLP), a final norm and an
+    output projection (tied to the token embedding if ``cfg.tie_embeddings``).
+    Annotated only with logical names: pick a layout with a
+    :mod:`nnx_shard.strategies` preset or any :class:`nnx_shard.Rules`.
+
+    >>> cfg = get_config("tiny")
+    >>> model = Transformer(cfg, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+    (2, 16, 128)
+    >>> model.blocks[0].attn.q.get_metadata("out_sharding")
+    ('embed', 'heads', 'kv')
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        self.cfg = cfg
+        e, dt = cfg.embed, cfg.param_dtype
+        self.token_embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
+                                  ("vocab", "embed"), dt)
+        self.pos_embed = _param(rngs, nnx.initializers.normal(0.02), (cfg.length, e),
+                                (None, "embed"), dt)
+        if cfg.scan_layers:
+
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(r: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=r)
+
+            self.blocks: Any = make(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.final_norm = RMSNorm(cfg, rngs=rngs)
+        self.unembed: nnx.Param | None = nnx.data(
+            None if cfg.tie_embeddings
+            else _param(rngs, _dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
+        )
+
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(logits, aux)``: the logits and the summed mixture-of-experts
+        load-balancing loss (0 for a dense MLP).
+
+        >>> model = Transformer(get_config("tiny_moe"), rngs=nnx.Rngs(0))
+        >>> logits, aux = model.forward(jnp.zeros((2, 16), jnp.int32))
+        >>> logits.shape, bool(aux > 0)
+        ((2, 16, 128), True)
+        """
+        cfg = self.cfg
+        length = tokens.shape[1]
+        if length > cfg.length:
+            raise ValueError(
+                f"tokens have length {length} but the model has {cfg.length} positions "
+                "(TransformerConfig.length)."
+            )
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
+        aux = jnp.zeros((), jnp.float32)
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.blocks)
+
+            def body(carry: Any, layer: Any) -> tuple[Any, None]:
+                h, total = carry
+                h, a = nnx.merge(graphdef, layer)(h)
+                return (h, total + a), None
+
+            (x, aux), _ = jax.lax.scan(body, (x, aux), state)
+        else:
+            for block in self.blocks:
+                x, a = block(x)
+                aux = aux + a
+        x = constrain(self.final_norm(x), GATHERED)
+        if self.unembed is None:
+            logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype),
+                            ("batch", None, "vocab"))
+        else:
+            logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype),
+                            ("batch", None, "vocab"))
+        return logits.astype(jnp.float32), aux
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.forward(tokens)[0]
+
+
+def lm_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-token cross-entropy of ``batch = {"inputs", "targets"}`` (int32
+    ``[batch, length]``), plus ``aux_loss_weight`` times the load-balancing
+    loss for a mixture of experts.
+
+    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> tokens = jnp.zeros((2, 16), jnp.int32)
+    >>> float(lm_loss(model, {"inputs": tokens, "targets": tokens})) > 0
+    True
+    """
+    logits, aux = model.forward(batch["inputs"])
+    # Targets arrive laid out like the inputs (under sequence parallelism: split
+    # along ``length``); they must match the logits' layout, split along ``vocab``.
+    targets = constrain(batch["targets"], ("batch", None))
+    ce = cross_entropy(logits, targets).mean()
+    if model.cfg.experts:
+        return ce + model.cfg.aux_loss_weight * aux
+    return ce

@@ -1,0 +1,609 @@
+"""Parallelism strategies as rules presets: a change of table, never of model code.
+
+Each preset returns a :class:`Strategy`: the :class:`~nnx_shard.Rules` for
+parameters and activations, a separate table for optimizer state where the
+strategy needs one (ZeRO-1), the mesh axes it expects and a default mesh shape.
+Models annotated with the logical names ``batch``, ``length``, ``embed``,
+``heads``, ``kv``, ``mlp``, ``vocab``, ``layers`` and ``expert`` (as
+:class:`nnx_shard.models.Transformer` is) run under any of them.
+
+=========  ===============  ================================================  ==========================================
+name       mesh axes        sharded                                           collectives per train step (XLA CPU)
+=========  ===============  ================================================  ==========================================
+dp         data             batch                                             all-reduce over data (gradients)
+zero1      data             batch; optimizer state over ``embed``             all-reduce over data (gradients),
+                                                                              all-gather over data (updated parameters)
+fsdp       data             batch; params, grads, opt. state over ``embed``   all-gather over data (parameters),
+                                                                              all-reduce over data (gradients) [1]_
+tp         data, model      batch; heads, mlp, vocab over model (Megatron)    all-reduce over model (row-parallel
+                                                                              outputs), all-gather over model (the
+                                                                              embedding table), all-reduce over data
+fsdp_tp    data, model      fsdp over data and tp over model (2D)             all of fsdp's and tp's
+sp         data, model      tp, plus ``length`` over model outside            all-gather over model (sequence),
+                            attention and MLP                                 all-reduce over model (row-parallel
+                                                                              outputs) [1]_, all-reduce over data
+ep         data, expert     batch over data x expert; experts over expert     all-to-all over expert (token dispatch
+                                                                              and return), all-gather over expert,
+                                                                              all-reduce (gradients)
+=========  ===============  ================================================  ==========================================
+
+The collectives are those the compiled train step of the reference transformer
+contains on 8 CPU devices (tests/test_strategies.py reads them, with the mesh
+axes each runs over, from the HLO with :func:`compiled_collectives`).
+
+.. [1] The textbook collective here is a reduce-scatter (each device keeps only
+   its slice of the summed gradients, or of the sequence under sp). On XLA's
+   CPU backend the partitioned train step contains the equivalent all-reduce
+   followed by a local slice instead, so that is what the CPU HLO and
+   :attr:`Strategy.collectives` show. Backends that rewrite that pattern into
+   a reduce-scatter may show one instead.
+
+>>> import nnx_shard as ns
+>>> s = ns.strategies.get("fsdp_tp")
+>>> s.mesh_axes, s.mesh_for(8)
+(('data', 'model'), {'data': 4, 'model': 2})
+>>> s.rules["embed"], s.rules["heads"]
+('data', 'model')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_shard.annotate import path_str
+from nnx_shard.errors import ShardingError
+from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
+from nnx_shard.mesh import make_mesh, variable_spec
+from nnx_shard.report import Report, explain
+from nnx_shard.rules import Rules
+
+__all__ = [
+    "NAMES", "Collective", "Strategy", "compiled_collectives", "dp", "ep", "fsdp", "fsdp_tp",
+    "get", "sp", "tp", "zero1",
+]
+
+M = TypeVar("M", bound=nnx.Module)
+
+NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep")
+
+#: Every logical name the presets give a rule (replicated unless a preset says otherwise).
+LOGICAL = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A named parallelism strategy: rules for parameters and activations, optional
+    rules for optimizer state, and the mesh axes it expects.
+
+    Attributes:
+      name: the preset's name (one of :data:`NAMES`).
+      rules: logical names -> mesh axes for parameters, gradients, batches and activations.
+      opt_rules: a separate table for optimizer state (``None``: as ``rules``).
+      mesh_axes: the mesh axes the rules use, in mesh order.
+      sizes: preferred sizes of every axis but the first (which takes the rest).
+      collectives: the collectives a train step under this strategy contains.
+
+    >>> s = get("zero1")
+    >>> s.rules["embed"] is None, s.opt_rules["embed"]
+    (True, 'data')
+    """
+
+    name: str
+    rules: Rules
+    opt_rules: Rules | None
+    mesh_axes: tuple[str, ...]
+    sizes: tuple[int, ...] = ()
+    collectives: tuple[str, ...] = ()
+
+    def mesh_for(self, n_devices: int | None = None) -> dict[str, int]:
+        """A default mesh shape over :attr:`mesh_axes` for ``n_devices`` (default: all).
+
+        >>> get("tp").mesh_for(8), get("tp").mesh_for(6), get("dp").mesh_for(8)
+        ({'data': 2, 'model': 4}, {'data': 3, 'model': 2}, {'data': 8})
+        """
+        n = jax.device_count() if n_devices is None else int(n_devices)
+        if n < 1:
+            raise ValueError(f"n_devices must be >= 1, got {n}")
+        rest = n
+        tail = []
+        for pref in self.sizes:
+            size = math.gcd(pref, rest)
+            tail.append(size)
+            rest //= size
+        return dict(zip(self.mesh_axes, (rest, *tail), strict=True))
+
+    def make_mesh(self, n_devices: int | None = None, *, axis_types: str | None = None) -> Mesh:
+        """``nnx_shard.make_mesh(self.mesh_for(n_devices), axis_types=...)``.
+
+        >>> dict(get("ep").make_mesh().shape)
+        {'data': 2, 'expert': 4}
+        """
+        n = jax.device_count() if n_devices is None else n_devices
+        return make_mesh(self.mesh_for(n), axis_types=axis_types, devices=jax.devices()[:n])
+
+    # -- validation --------------------------------------------------------------
+
+    def _problems(self, state: Any, sizes: Mapping[str, int]) -> list[str]:
+        out = []
+        tables = [self.rules] + ([self.opt_rules] if self.opt_rules is not None else [])
+        for path, var in nnx.to_flat_state(state):
+            if not isinstance(var, nnx.Variable):
+                continue
+            for table in tables:
+                try:
+                    variable_spec(var, sizes, table, path_str(path))
+                except ShardingError as e:
+                    out.append(str(e))
+                    break
+        return out
+
+    def suggest_mesh(self, model: Any, n_devices: int | None = None,
+                     prefer: Mapping[str, int] | None = None) -> dict[str, int] | None:
+        """A mesh shape over :attr:`mesh_axes` with ``n_devices`` on which every
+        parameter of ``model`` (concrete or abstract) can be laid out, closest to
+        ``prefer`` (default :meth:`mesh_for`); ``None`` if there is none.
+
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> get("tp").suggest_mesh(model, 8, prefer={"data": 1, "model": 8})
+        {'data': 2, 'model': 4}
+        """
+        n = jax.device_count() if n_devices is None else int(n_devices)
+        state = model if isinstance(model, nnx.State) else nnx.state(model)
+        prefer = dict(prefer) if prefer else self.mesh_for(n)
+        best, best_cost = None, math.inf
+        for shape in _factorizations(n, len(self.mesh_axes)):
+            sizes = dict(zip(self.mesh_axes, shape, strict=True))
+            cost = sum(abs(math.log(sizes[a] / max(prefer.get(a, 1), 1))) for a in sizes)
+            if cost < best_cost and not self._problems(state, sizes):
+                best, best_cost = sizes, cost
+        return best
+
+    def check(self, model: Any, mesh: Mesh | str | Mapping[str, int]) -> None:
+        """Raises a ``ShardingError`` if the mesh lacks one of :attr:`mesh_axes` or a
+        parameter of ``model`` (concrete or abstract) cannot be laid out, naming the
+        parameter and suggesting a mesh shape with the same devices that works.
+
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> get("tp").check(model, {"data": 1, "model": 8})
+        Traceback (most recent call last):
+        ...
+        nnx_shard.errors.ShardingError: strategy 'tp' cannot lay out this model on mesh data=1, model=8: ... 'blocks/0/attn/k' ... Suggested mesh: {'data': 2, 'model': 4} ...
+        """
+        sizes = _sizes(mesh)
+        state = model if isinstance(model, nnx.State) else nnx.state(model)
+        missing = [a for a in self.mesh_axes if a not in sizes]
+        problems = self._problems(state, sizes) if not missing else []
+        if missing:
+            using = [
+                path_str(p) for p, v in nnx.to_flat_state(state)
+                if isinstance(v, nnx.Variable) and self._uses(v, missing)
+            ]
+            problems = [
+                f"the mesh has no axis {' or '.join(map(repr, missing))}"
+                + (f", which parameter {using[0]!r}" + (f" (and {len(using) - 1} more)"
+                   if len(using) > 1 else "") + " is sharded over" if using else "")
+            ]
+        if not problems:
+            return
+        n = math.prod(sizes.values())
+        # With an axis missing, the user's sizes say little about the intended
+        # split: aim for the strategy's default shape rather than a size-1 axis.
+        prefer = None if missing else {a: s for a, s in sizes.items() if a in self.mesh_axes}
+        fits = self.suggest_mesh(state, n, prefer=prefer or None)
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        if fits is not None:
+            spec = ",".join(f"{k}={v}" for k, v in fits.items())
+            fix = (f"Suggested mesh: {fits} (nnx_shard.make_mesh({spec!r})) fits every "
+                   f"parameter with the same {n} devices.")
+        else:
+            fix = (f"No mesh over {self.mesh_axes} with {n} devices fits this model: change "
+                   "the model's sizes, the device count, or the strategy.")
+        raise ShardingError(
+            f"strategy {self.name!r} cannot lay out this model on mesh {shown}: "
+            f"{problems[0].rstrip('.')}{more}. It expects mesh axes {self.mesh_axes}. {fix}"
+        )
+
+    def _uses(self, var: nnx.Variable, axes: list[str]) -> bool:
+        names = var.get_metadata().get("out_sharding") or ()
+        for table in (self.rules, self.opt_rules):
+            if table is None:
+                continue
+            for name in names:
+                if isinstance(name, str) and name in table:
+                    if any(a in axes for c in table.candidates(name) for a in c):
+                        return True
+        return False
+
+    # -- conveniences over the library calls -------------------------------------
+
+    def abstract_init(self, factory: Callable[[], M], mesh: Mesh | str | Mapping[str, int]) -> M:
+        """:func:`nnx_shard.abstract_init` with this strategy's rules, after :meth:`check`.
+
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> m = get("fsdp").abstract_init(
+        ...     lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=8")
+        >>> m.blocks[0].mlp.up.get_value().sharding.spec
+        P('data', None)
+        """
+        mesh = make_mesh(mesh)
+        self.check(_abstract(factory, mesh, "abstract_init")[1], mesh)
+        return abstract_init(factory, mesh, self.rules)
+
+    def sharded_init(self, factory: Callable[[], M], mesh: Mesh | str | Mapping[str, int]) -> M:
+        """:func:`nnx_shard.sharded_init` with this strategy's rules, after :meth:`check`.
+
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> m = get("tp").sharded_init(
+        ...     lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=2,model=4")
+        >>> m.blocks[0].attn.o.get_value().sharding.spec
+        P('model', None, None)
+        """
+        mesh = make_mesh(mesh)
+        self.check(_abstract(factory, mesh, "sharded_init")[1], mesh)
+        return sharded_init(factory, mesh, self.rules)
+
+    def optimizer(self, model: nnx.Module, tx: optax.GradientTransformation,
+                  mesh: Mesh | str | Mapping[str, int], *, wrt: Any = nnx.Param) -> nnx.Optimizer:
+        """:func:`nnx_shard.sharded_optimizer` with ``rules`` and ``opt_rules``.
+
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> s = get("zero1")
+        >>> m = s.sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=8")
+        >>> opt = s.optimizer(m, optax.adam(1e-3), "data=8")
+        >>> opt.opt_state[0].mu["unembed"].get_value().sharding.spec
+        P('data', None)
+        """
+        return sharded_optimizer(model, tx, mesh, self.rules, wrt=wrt, opt_rules=self.opt_rules)
+
+    def explain(self, model: Any, mesh: Mesh | str | Mapping[str, int],
+                optimizer: optax.GradientTransformation | None = None) -> Report:
+        """:func:`nnx_shard.explain` with ``rules`` and ``opt_rules``.
+
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> m = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> r = get("fsdp").explain(m, "data=8", optax.adam(1e-3))
+        >>> r.param_bytes_per_device * 8 == r.total_bytes
+        True
+        """
+        return explain(model, mesh, self.rules, optimizer, opt_rules=self.opt_rules)
+
+
+def _sizes(mesh: Mesh | str | Mapping[str, int]) -> dict[str, int]:
+    if isinstance(mesh, Mapping):
+        return {str(k): int(v) for k, v in mesh.items()}
+    return dict(make_mesh(mesh).shape)
+
+
+def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return [c for c in itertools.product(divisors, repeat=k) if math.prod(c) == n]
+
+
+def _table(**entries: Any) -> Rules:
+    return Rules({name: entries.get(name) for name in LOGICAL})
+
+
+def _distinct(name: str, **axes: str) -> None:
+    for k, v in axes.items():
+        if not isinstance(v, str) or not v:
+            raise ShardingError(f"strategy {name!r}: mesh axis {k}={v!r} must be a non-empty string")
+    if len(set(axes.values())) != len(axes):
+        raise ShardingError(f"strategy {name!r}: mesh axes {axes} must be distinct")
+
+
+def dp(*, data: str = "data") -> Strategy:
+    """Data parallelism (DDP): parameters and optimizer state replicated, the batch
+    sharded over ``data``.
+
+    Mesh axes: ``data``. Collectives: one all-reduce of the gradients per step
+    (XLA inserts it where the gradient of a replicated parameter meets a
+    batch-sharded activation).
+
+    >>> dp().rules["batch"], dp().rules["embed"]
+    ('data', None)
+    """
+    _distinct("dp", data=data)
+    return Strategy("dp", _table(batch=data), None, (data,), (), ("all-reduce",))
+
+
+def zero1(*, data: str = "data") -> Strategy:
+    """ZeRO stage 1: parameters replicated as in :func:`dp`, optimizer state (Adam's
+    ``mu``/``nu``) sharded over ``data`` along ``embed``.
+
+    Mesh axes: ``data``. Collectives: the gradient all-reduce of DP, then each
+    device updates its slice of the optimizer state and an all-gather of the
+    updated parameters restores the replicas. Use ``opt_rules`` with
+    :func:`nnx_shard.sharded_optimizer` and :func:`nnx_shard.explain` (or
+    :meth:`Strategy.optimizer` / :meth:`Strategy.explain`).
+
+    >>> s = zero1()
+    >>> s.rules["embed"], s.opt_rules["embed"]
+    (None, 'data')
+    """
+    _distinct("zero1", data=data)
+    return Strategy("zero1", _table(batch=data), _table(batch=data, embed=data), (data,), (),
+                    ("all-reduce", "all-gather"))
+
+
+def fsdp(*, data: str = "data") -> Strategy:
+    """Fully sharded data parallelism (ZeRO stage 3): parameters, gradients and
+    optimizer state sharded over ``data`` along ``embed``; the batch too.
+
+    Mesh axes: ``data``. Collectives: all-gather of each parameter before use
+    and a reduction of the gradients of which every device keeps its 1/N slice
+    (a reduce-scatter; XLA CPU compiles it as an all-reduce and a local slice),
+    so every device stores 1/N of the parameters, gradients and optimizer state.
+
+    >>> fsdp(data="fsdp").rules["embed"]
+    'fsdp'
+    """
+    _distinct("fsdp", data=data)
+    return Strategy("fsdp", _table(batch=data, embed=data), None, (data,), (),
+                    ("all-gather", "all-reduce"))
+
+
+def tp(*, data: str = "data", model: str = "model") -> Strategy:
+    """Megatron tensor parallelism over ``model`` (with data parallelism over ``data``):
+    Q/K/V and the MLP's up projection split column-wise (``heads``, ``mlp``), the
+    attention output and the MLP's down projection row-wise, embeddings and logits
+    split over ``vocab``.
+
+    Mesh axes: ``data``, ``model``. Collectives: an all-reduce over ``model`` after
+    each row-parallel matmul (forward) and each column-parallel one (backward),
+    an all-gather over ``model`` of the vocabulary-sharded token embedding
+    before the lookup, plus DP's gradient all-reduce over ``data``. ``heads``,
+    ``mlp`` and ``vocab`` must divide by the ``model`` size.
+
+    >>> tp().rules["heads"], tp().rules["mlp"], tp().rules["embed"]
+    ('model', 'model', None)
+    """
+    _distinct("tp", data=data, model=model)
+    return Strategy("tp", _table(batch=data, heads=model, mlp=model, vocab=model), None,
+                    (data, model), (4,), ("all-reduce", "all-gather"))
+
+
+def fsdp_tp(*, data: str = "data", model: str = "model") -> Strategy:
+    """2D: FSDP over ``data`` (parameters sharded along ``embed``) and Megatron
+    tensor parallelism over ``model`` (``heads``, ``mlp``, ``vocab``).
+
+    Mesh axes: ``data``, ``model``. Collectives: FSDP's all-gather and gradient
+    reduction over ``data`` and TP's all-reduce (and embedding all-gather) over
+    ``model``.
+
+    >>> fsdp_tp().rules["embed"], fsdp_tp().rules["mlp"]
+    ('data', 'model')
+    """
+    _distinct("fsdp_tp", data=data, model=model)
+    return Strategy(
+        "fsdp_tp", _table(batch=data, embed=data, heads=model, mlp=model, vocab=model), None,
+        (data, model), (2,), ("all-gather", "all-reduce"),
+    )
+
+
+def sp(*, data: str = "data", model: str = "model") -> Strategy:
+    """Sequence parallelism: :func:`tp`, with the residual stream (norms, residual
+    adds, dropout) sharded along ``length`` over ``model`` between attention and
+    MLP blocks, so those activations take 1/N of the memory.
+
+    Mesh axes: ``data``, ``model``. Collectives: an all-gather of the sequence
+    over ``model`` before each attention/MLP block and a reduce-scatter after it
+    in place of TP's all-reduce (XLA CPU compiles it as an all-reduce and a
+    local slice), plus DP's gradient all-reduce. ``length`` must divide by the
+    ``model`` size.
+
+    >>> sp().rules["length"], sp().rules["heads"]
+    ('model', 'model')
+    """
+    _distinct("sp", data=data, model=model)
+    return Strategy(
+        "sp", _table(batch=data, length=model, heads=model, mlp=model, vocab=model), None,
+        (data, model), (4,), ("all-gather", "all-reduce"),
+    )
+
+
+def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
+    """Expert parallelism: the experts of a mixture-of-experts layer sharded over
+    ``expert``; everything else replicated, with the batch sharded over both axes
+    (``data`` x ``expert``) outside the expert computation and over ``data`` inside.
+
+    Mesh axes: ``data``, ``expert``. Collectives: all-to-all over ``expert`` to
+    send tokens to the devices holding their experts and back, all-gathers over
+    ``expert`` where the router and the combine step need a whole ``data``
+    shard of the batch, plus the gradient all-reduces (over ``data`` x
+    ``expert`` for replicated parameters, over ``data`` for the experts').
+    ``expert`` must divide the number of experts.
+
+    >>> ep().rules["expert"], ep().rules["batch"]
+    ('expert', [('data', 'expert'), 'data'])
+    """
+    _distinct("ep", data=data, expert=expert)
+    return Strategy("ep", _table(batch=[(data, expert), data], expert=expert), None,
+                    (data, expert), (4,), ("all-to-all", "all-gather", "all-reduce"))
+
+
+_PRESETS: dict[str, Callable[..., Strategy]] = {
+    "dp": dp, "zero1": zero1, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "sp": sp, "ep": ep,
+}
+
+
+def get(name: str, **axes: str) -> Strategy:
+    """The preset ``name`` (one of :data:`NAMES`), with mesh-axis names overridable by
+    keyword (``data=``, ``model=``, ``expert=`` as the preset takes them).
+
+    >>> get("fsdp", data="fsdp").mesh_axes
+    ('fsdp',)
+    >>> get("ddp")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep.
+    """
+    if name not in _PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(name, NAMES, n=1)
+        mean = f" Did you mean {close[0]!r}?" if close else ""
+        raise ShardingError(f"unknown strategy {name!r}.{mean} Known: {', '.join(NAMES)}.")
+    try:
+        return _PRESETS[name](**axes)
+    except TypeError:
+        import inspect
+
+        allowed = list(inspect.signature(_PRESETS[name]).parameters)
+        raise ShardingError(
+            f"strategy {name!r} takes mesh-axis keywords {allowed}, got {sorted(axes)}."
+        ) from None
+
+
+# -- what a compiled program communicates -------------------------------------------
+
+#: The collective operations :func:`compiled_collectives` reads.
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_OP = re.compile(
+    r"=\s*(?P<type>\([^()]*\)|[a-z][a-z0-9]*\[[0-9,]*\]\S*)\s+"
+    r"(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\("
+)
+_SHAPE = re.compile(r"\b(pred|[sufc][0-9]+|bf16|f8e[0-9a-z]+)\[([0-9,]*)\]")
+_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
+    r"\s*\{([^}]*)\}"
+)
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective operation of a compiled program (see :func:`compiled_collectives`).
+
+    Attributes:
+      kind: one of :data:`KINDS`.
+      axes: the mesh axes it communicates over (``None`` if the device groups
+        match no set of mesh axes).
+      bytes: bytes of its result on one device (a tuple result summed).
+      op_name: the JAX operation it came from (HLO metadata).
+
+    >>> Collective("all-reduce", ("data",), 1024, "transpose(jvp(...))").axes
+    ('data',)
+    """
+
+    kind: str
+    axes: tuple[str, ...] | None
+    bytes: int
+    op_name: str
+
+
+def _ints(txt: str | None) -> list[int]:
+    return [int(t) for t in (txt or "").split(",") if t]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _groups(line: str) -> tuple[list[frozenset[int]], bool] | None:
+    """The device groups of one collective (positions in the mesh's device list),
+    and whether they are the source/target pairs of a permutation."""
+    if m := _MESH.search(line):
+        parts = [p.split("=") for p in m.group(1).split(",") if "=" in p]
+        names = [n.strip().strip("'") for n, _ in parts]
+        sizes = [int(v) for _, v in parts]
+        ids = (_iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(-1) if m.group(2)
+               else np.arange(math.prod(sizes)))
+        ids = ids.reshape(sizes)
+        over = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
+        rest = [i for i in range(len(sizes)) if i not in over]
+        flat = ids.transpose(rest + over).reshape(-1, math.prod(sizes[i] for i in over))
+        return [frozenset(g.tolist()) for g in flat], False
+    if m := _IOTA.search(line):
+        shape = _ints(m.group(1))
+        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(shape[0], -1)
+        return [frozenset(g.tolist()) for g in ids], False
+    if m := _EXPLICIT.search(line):
+        groups = re.findall(r"\{([0-9,]*)\}", m.group(1))
+        return [frozenset(_ints(g)) for g in groups if g], False
+    if m := _PAIRS.search(line):
+        pairs = re.findall(r"\{([0-9]+),([0-9]+)\}", m.group(1))
+        return [frozenset((int(a), int(b))) for a, b in pairs], True
+    return None
+
+
+def _axes_of(found: tuple[list[frozenset[int]], bool] | None, mesh: Mesh) -> tuple[str, ...] | None:
+    """The fewest mesh axes whose device groups are the collective's (for a
+    permutation: contain every source/target pair), size-1 axes left out."""
+    if not found or not found[0]:
+        return None
+    groups, pairs = found
+    names = tuple(mesh.axis_names)
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    wanted = set(groups)
+    for r in range(1, len(names) + 1):
+        for over in itertools.combinations(range(len(names)), r):
+            rest = [i for i in range(len(names)) if i not in over]
+            flat = ids.transpose(rest + list(over)).reshape(
+                -1, math.prod(ids.shape[i] for i in over))
+            mine = {frozenset(g.tolist()) for g in flat}
+            hit = (all(any(p <= g for g in mine) for p in wanted) if pairs else wanted == mine)
+            if hit:
+                return tuple(names[i] for i in over if ids.shape[i] > 1)
+    return None
+
+
+_DTYPE_BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+
+
+def _nbytes(type_txt: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(type_txt):
+        size = _DTYPE_BYTES.get(dtype) or max(int(re.sub(r"\D.*", "", dtype[1:]) or 8) // 8, 1)
+        total += math.prod(_ints(dims)) * size
+    return total
+
+
+def compiled_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
+    """The collectives in the text of a compiled program
+    (``jax.jit(f).lower(...).compile().as_text()``), each with the ``mesh`` axes
+    it communicates over and its result size on one device.
+
+    Counts each operation once as written: one inside a loop body (e.g. the
+    fused steps of :func:`nnx_shard.multistep`, or stacked layers) runs once per
+    iteration.
+
+    >>> import jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = make_mesh("data=2,model=4")
+    >>> x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data", "model")))
+    >>> text = jax.jit(lambda x: x.sum(axis=1)).lower(x).compile().as_text()
+    >>> [(c.kind, c.axes, c.bytes) for c in compiled_collectives(text, mesh)]
+    [('all-reduce', ('model',), 16)]
+    """
+    out = []
+    for line in hlo_text.splitlines():
+        m = _OP.search(line)
+        if m is None:
+            continue
+        name = _OP_NAME.search(line)
+        out.append(Collective(
+            kind=m.group("kind"),
+            axes=_axes_of(_groups(line), mesh),
+            bytes=_nbytes(m.group("type")),
+            op_name=name.group(1) if name else "",
+        ))
+    return out

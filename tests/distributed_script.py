@@ -1,0 +1,148 @@
+"""A multi-process training script, run by tests/test_distributed.py and test_launch.py.
+
+Every process runs it (``nnx-shard launch -n 2 -- python tests/distributed_script.py
+train OUT``); the tests also import it and call :func:`train` in their own process,
+on 8 simulated devices, for the single-process reference.
+
+Modes:
+  train OUT          fused fsdp training of the tiny reference transformer; process 0 writes OUT (.npz)
+  save DIR OUT       train, then every process saves a checkpoint to DIR; OUT holds the params
+  restore DIR OUT    restore DIR onto fresh abstract targets; OUT holds the params
+  die                process 1 kills itself after a first collective; the others keep going
+  check              initialize, print the coordinates and devices
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+STEPS, STEPS_PER_CALL, GLOBAL_BATCH = 6, 3, 16
+MESH = "data=8"
+# Auto axes: XLA inserts the all-gathers fsdp needs (Explicit axes want them spelled out).
+AXIS_TYPES = "auto"
+
+
+def fsdp_rules() -> Any:
+    from nnx_shard import strategies
+
+    return strategies.get("fsdp").rules
+
+
+def factory() -> Any:
+    """The tiny reference transformer."""
+    from flax import nnx
+
+    from nnx_shard.models import Transformer, get_config
+
+    return lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+
+
+def loss(model: Any, batch: dict[str, Any]) -> Any:
+    from nnx_shard.models import lm_loss
+
+    return lm_loss(model, batch)
+
+
+def build(abstract: bool = False) -> tuple[Any, ...]:
+    import optax
+
+    import nnx_shard as ns
+
+    mesh = ns.make_mesh(MESH, axis_types=AXIS_TYPES)
+    rules = fsdp_rules()
+    init = ns.abstract_init if abstract else ns.sharded_init
+    model = init(factory(), mesh, rules)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-2), mesh, rules)
+    return mesh, rules, model, opt
+
+
+def global_batches(steps: int) -> list[dict[str, np.ndarray]]:
+    """The same global batches on every process (each then keeps its own rows)."""
+    from nnx_shard.models import get_config
+
+    cfg = get_config("tiny")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab, size=(steps, GLOBAL_BATCH, cfg.length + 1), dtype=np.int32)
+    return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+
+def params_of(model: Any) -> dict[str, np.ndarray]:
+    import jax
+    from flax import nnx
+
+    import nnx_shard as ns
+
+    state = ns.distributed.gather(nnx.state(model, nnx.Param))
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+
+
+def train(steps: int = STEPS) -> tuple[np.ndarray, dict[str, np.ndarray], Any, Any]:
+    import nnx_shard as ns
+
+    mesh, rules, model, opt = build()
+    trainer = ns.Trainer(model, opt, loss, mesh=mesh, rules=rules, steps_per_call=STEPS_PER_CALL)
+    data = [ns.distributed.local_part(b, mesh, rules) for b in global_batches(steps)]
+    history = trainer.fit(data, steps, progress=False)
+    return np.asarray(history["loss"]), params_of(model), model, opt
+
+
+def write(out: str, losses: np.ndarray | None, params: dict[str, np.ndarray]) -> None:
+    import nnx_shard as ns
+
+    if ns.distributed.is_main():
+        extra = {} if losses is None else {"__loss__": losses}
+        np.savez(out, **extra, **params)
+
+
+def main(argv: list[str]) -> int:
+    import nnx_shard as ns
+
+    coords = ns.distributed.initialize()
+    import jax
+
+    mode = argv[0]
+    if mode == "check":
+        print(f"process {coords.process_id} of {coords.num_processes} from {coords.source}; "
+              f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+        rows = ns.distributed.process_slice(GLOBAL_BATCH, ns.make_mesh(MESH), fsdp_rules())
+        print(f"rows {rows.start}:{rows.stop} of {GLOBAL_BATCH}", flush=True)
+    elif mode == "train":
+        losses, params, _, _ = train()
+        write(argv[1], losses, params)
+        print(f"losses {losses.tolist()}", flush=True)
+    elif mode == "save":
+        losses, params, model, opt = train()
+        ns.save(argv[1], STEPS, model=model, optimizer=opt)
+        write(argv[2], losses, params)
+    elif mode == "restore":
+        _, _, model, opt = build(abstract=True)
+        model, opt, _ = ns.restore(argv[1], model=model, optimizer=opt)
+        write(argv[2], None, {**params_of(model), "__step__": np.asarray(opt.step[...])})
+    elif mode == "die":
+        import jax.numpy as jnp
+
+        mesh = ns.make_mesh(MESH)
+        x = jax.device_put(jnp.ones((8,)), jax.sharding.NamedSharding(mesh, jax.P("data")))
+        total = jax.jit(jnp.sum)
+        print(f"sum {float(total(x))}", flush=True)
+        if coords.process_id == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # blocks in the collective once the peer is gone
+            total(x).block_until_ready()
+            time.sleep(0.05)
+    else:
+        print(f"unknown mode {mode!r}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,538 @@
+"""save / restore / Checkpointer and Trainer.fit(checkpointer=..., resume=True).
+
+Restores are checked bit for bit (parameters, optimizer state, RNG state) and
+layout for layout; resuming is checked against an uninterrupted run, with the
+second half in a fresh process; a save killed with SIGKILL is checked to leave
+the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+import nnx_shard as ns
+from nnx_shard.train import _group_sizes
+from tests.conftest import needs_devices
+
+pytestmark = needs_devices(8)
+
+TESTS = pathlib.Path(__file__).parent
+ROOT = TESTS.parent
+# Auto axes: with JAX's default Explicit axes, FSDP's embed-sharded weights and
+# batch-sharded activations would need explicit resharding inside the model.
+MESH8 = ns.make_mesh("data=8", axis_types="auto")
+MESH42 = ns.make_mesh("data=4,model=2", axis_types="auto")
+FSDP = {"batch": "data", "embed": "data", "mlp": None}
+FSDP_TP = {"batch": "data", "embed": "data", "mlp": "model"}
+CHILD_ENV = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class MLP(nnx.Module):
+    """Annotated two-layer MLP with dropout (an nnx.Rngs stream held by the model)."""
+
+    def __init__(self, rngs: nnx.Rngs, d: int = 16, h: int = 32):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(
+            d, h, kernel_init=ns.with_logical(init, ("embed", "mlp")),
+            bias_init=ns.with_logical(nnx.initializers.zeros_init(), ("mlp",)), rngs=rngs,
+        )
+        self.down = nnx.Linear(
+            h, d, kernel_init=ns.with_logical(init, ("mlp", "embed")),
+            bias_init=ns.with_logical(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs,
+        )
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(nnx.relu(self.up(x))))
+
+
+def factory(seed=0, **kw):
+    return lambda: MLP(nnx.Rngs(params=seed, dropout=seed + 1), **kw)
+
+
+def build(mesh, rules, seed=0):
+    model = ns.sharded_init(factory(seed), mesh, rules)
+    return model, ns.sharded_optimizer(model, optax.adam(1e-2), mesh, rules)
+
+
+def targets(mesh, rules):
+    model = ns.abstract_init(factory(), mesh, rules)
+    return model, ns.sharded_optimizer(model, optax.adam(1e-2), mesh, rules)
+
+
+def values(obj):
+    """path -> NumPy copy of every Variable (PRNG keys as their key data)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(obj)):
+        x = var.get_value()
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out["/".join(map(str, path))] = np.asarray(jax.device_get(x))
+    return out
+
+
+def specs(obj):
+    return {
+        "/".join(map(str, p)): v.get_value().sharding for p, v in nnx.to_flat_state(nnx.state(obj))
+    }
+
+
+def assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].tobytes() == b[k].tobytes(), k
+
+
+def assert_laid_out_as(restored, target):
+    got, want = specs(restored), specs(target)
+    assert got.keys() == want.keys()
+    for k, s in want.items():
+        g = got[k]
+        if isinstance(s, NamedSharding):
+            assert isinstance(g, NamedSharding), k
+            assert g.mesh.shape == s.mesh.shape and g.spec == s.spec, (k, g, s)
+            assert g.mesh.device_ids.tolist() == s.mesh.device_ids.tolist(), k
+        else:
+            assert g.device_set == s.device_set, k
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batch_at(i):
+    rng = np.random.default_rng(1000 + i)
+    return {
+        "x": rng.normal(size=(16, 16)).astype(np.float32),
+        "y": rng.normal(size=(16, 16)).astype(np.float32),
+    }
+
+
+def data_from(position):
+    """Batch i of the stream depends only on i: a data source that can seek."""
+    i = position
+    while True:
+        yield batch_at(i)
+        i += 1
+
+
+def trainer(model, opt, mesh=MESH8, rules=FSDP):
+    return ns.Trainer(model, opt, loss_fn, mesh=mesh, rules=rules, steps_per_call=5)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of a trained FSDP model (step 7) on 8 devices, and its values."""
+    d = tmp_path_factory.mktemp("ckpt")
+    model, opt = build(MESH8, FSDP)
+    trainer(model, opt).fit(data_from(0), 7, progress=False)
+    ns.save(d, 7, model=model, optimizer=opt, extra={"data_position": 7, "cfg": {"d": 16}})
+    return d, values(model), values(opt)
+
+
+# ----------------------------------------------------------------------------- save/restore
+
+
+def test_restore_same_mesh_is_bitwise_with_rng_state_and_extra(saved):
+    d, model_values, opt_values = saved
+    tm, to = targets(MESH8, FSDP)
+    model, opt, extra = ns.restore(d, model=tm, optimizer=to)
+    assert_bitwise(values(model), model_values)
+    assert_bitwise(values(opt), opt_values)
+    assert_laid_out_as(model, tm)
+    assert_laid_out_as(opt, to)
+    assert extra == {"data_position": 7, "cfg": {"d": 16}}
+    assert model.drop.rngs.key.get_value().dtype == jax.random.key(0).dtype
+    assert int(opt.step[...]) == 7
+    # Every device holds one eighth of the FSDP-sharded kernel.
+    shards = model.up.kernel.get_value().addressable_shards
+    assert len(shards) == 8 and {s.data.shape for s in shards} == {(2, 32)}
+
+
+def test_restore_onto_another_mesh_and_strategy(saved):
+    d, model_values, opt_values = saved
+    tm, to = targets(MESH42, FSDP_TP)
+    model, opt, _ = ns.restore(d, model=tm, optimizer=to)
+    assert_bitwise(values(model), model_values)
+    assert_bitwise(values(opt), opt_values)
+    assert_laid_out_as(model, tm)
+    assert_laid_out_as(opt, to)
+    assert model.up.kernel.get_value().sharding.spec == jax.sharding.PartitionSpec("data", "model")
+    assert opt.opt_state[0].mu["up"]["kernel"].get_value().sharding.spec == (
+        jax.sharding.PartitionSpec("data", "model")
+    )
+
+
+def test_restore_onto_one_device(saved):
+    d, model_values, opt_values = saved
+    one = ns.make_mesh("data=1", devices=jax.devices()[:1])
+    tm, to = targets(one, FSDP)
+    model, opt, _ = ns.restore(d, model=tm, optimizer=to)
+    assert_bitwise(values(model), model_values)
+    assert_bitwise(values(opt), opt_values)
+    for s in specs(model).values():
+        assert s.device_set == {jax.devices()[0]}
+    # Only the model asked for: the model alone comes back.
+    only = ns.restore(d, model=nnx.eval_shape(factory()))
+    assert isinstance(only, MLP)
+    assert_bitwise(values(only), model_values)
+    assert isinstance(only.up.kernel.get_value().sharding, SingleDeviceSharding)
+
+
+def test_restore_into_concrete_and_eval_shape_targets(saved):
+    d, model_values, _ = saved
+    other, _ = build(MESH42, FSDP_TP, seed=5)
+    before = values(other)
+    restored = ns.restore(d, model=other)
+    assert_bitwise(values(restored), model_values)
+    assert_laid_out_as(restored, other)
+    assert_bitwise(values(other), before)  # the target itself is not touched
+    # nnx.eval_shape under a mesh gives shardings on an AbstractMesh.
+    mesh = ns.make_mesh("data=2,model=4")
+    with jax.set_mesh(mesh):
+        abstract = nnx.eval_shape(factory())
+    restored = ns.restore(d, model=abstract)
+    assert_bitwise(values(restored), model_values)
+    assert restored.up.kernel.get_value().sharding.mesh.shape == mesh.shape
+
+
+def test_save_returns_path_and_refuses_to_overwrite(tmp_path):
+    model = MLP(nnx.Rngs(0))
+    path = ns.save(tmp_path, 3, model=model)
+    assert path == tmp_path.absolute() / "3" and path.is_dir()
+    with pytest.raises(FileExistsError, match="step 3 already exists"):
+        ns.save(tmp_path, 3, model=model)
+    with pytest.raises(TypeError, match="extra must be JSON"):
+        ns.save(tmp_path, 4, model=model, extra={"x": np.zeros(3)})
+    with pytest.raises(TypeError, match="is abstract"):
+        ns.save(tmp_path, 5, model=nnx.eval_shape(factory()))
+    with pytest.raises(ValueError, match="non-negative int"):
+        ns.save(tmp_path, -1, model=model)
+    # No pickle in the format: arrays in tensorstore, the rest JSON.
+    for f in path.rglob("*"):
+        if f.is_file():
+            assert b"\x80\x04\x95" not in f.read_bytes()[:3], f
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_structure_mismatch_names_every_differing_path(saved):
+    d, _, _ = saved
+
+    class Bigger(MLP):
+        def __init__(self, rngs):
+            super().__init__(rngs)
+            self.extra = nnx.Linear(16, 4, rngs=rngs)
+
+    with pytest.raises(ValueError) as e:
+        ns.restore(d, model=nnx.eval_shape(lambda: Bigger(nnx.Rngs(0, dropout=1))))
+    msg = str(e.value)
+    assert "in the target but not in the checkpoint: extra/bias, extra/kernel" in msg
+
+    class NoDropout(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(16, 32, rngs=rngs)
+            self.down = nnx.Linear(32, 16, rngs=rngs)
+
+    with pytest.raises(ValueError) as e:
+        ns.restore(d, model=nnx.eval_shape(lambda: NoDropout(nnx.Rngs(0))))
+    assert "in the checkpoint but not in the target: drop/rngs/count, drop/rngs/key" in str(e.value)
+
+
+def test_shape_and_dtype_mismatch_name_path_and_both(saved):
+    d, _, _ = saved
+    with pytest.raises(ValueError) as e:
+        ns.restore(d, model=nnx.eval_shape(lambda: MLP(nnx.Rngs(0), h=64)))
+    msg = str(e.value)
+    assert "model/up/kernel: checkpoint has shape (16, 32), target has (16, 64)" in msg
+    assert "model/down/kernel: checkpoint has shape (32, 16), target has (64, 16)" in msg
+    bf16 = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
+    bf16.up.kernel.set_value(jax.ShapeDtypeStruct((16, 32), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"model/up/kernel: checkpoint has dtype float32, target "
+                       r"has bfloat16"):
+        ns.restore(d, model=bf16)
+    tm, _ = targets(MESH8, FSDP)
+    with pytest.raises(ValueError, match="the optimizer target does not match"):
+        ns.restore(d, model=tm, optimizer=nnx.eval_shape(
+            lambda: nnx.Optimizer(factory()(), optax.sgd(0.1), wrt=nnx.Param)))
+
+
+def test_missing_directory_step_or_item(tmp_path, saved):
+    d, _, _ = saved
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        ns.restore(missing, model=MLP(nnx.Rngs(0)))
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 8 .*Finished steps: \[7\]"):
+        ns.restore(d, model=MLP(nnx.Rngs(0)), step=8)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
+        ns.restore(empty, model=MLP(nnx.Rngs(0)))
+    only_model = tmp_path / "m"
+    ns.save(only_model, 1, model=MLP(nnx.Rngs(0)))
+    tm, to = targets(MESH8, FSDP)
+    with pytest.raises(ValueError, match="has no optimizer"):
+        ns.restore(only_model, model=tm, optimizer=to)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_or_unfinished_checkpoint_is_refused(tmp_path, saved):
+    d, _, _ = saved
+    target = nnx.eval_shape(factory())
+
+    # Bytes overwritten inside a data file: decodes to wrong values, caught by the checksum.
+    flipped = _copy(d, tmp_path / "flipped")
+    # The array bytes sit in the largest OCDBT data files (which copy is read depends
+    # on orbax's layout): damage each of them.
+    data_files = [f for f in (flipped / "7" / "model").rglob("*") if f.is_file() and f.parent.name == "d"]
+    largest = max(f.stat().st_size for f in data_files)
+    for f in data_files:
+        if f.stat().st_size == largest:
+            raw = bytearray(f.read_bytes())
+            mid = len(raw) // 2
+            raw[mid : mid + 16] = bytes(16)
+            f.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="corrupt"):
+        ns.restore(flipped, model=target)
+
+    # A data file gone.
+    gone = _copy(d, tmp_path / "gone")
+    data_files = [f for f in (gone / "7" / "model").rglob("*") if f.is_file() and f.parent.name == "d"]
+    largest = max(f.stat().st_size for f in data_files)
+    for f in data_files:
+        if f.stat().st_size == largest:
+            f.unlink()
+    with pytest.raises(ValueError, match="corrupt or incomplete"):
+        ns.restore(gone, model=target)
+
+    # The manifest gone: not taken as a checkpoint of ours.
+    no_manifest = _copy(d, tmp_path / "nomanifest")
+    shutil.rmtree(no_manifest / "7" / "manifest")
+    with pytest.raises(ValueError, match="7"):
+        ns.restore(no_manifest, model=target)
+
+    # An interrupted save: only the temporary directory exists.
+    unfinished = _copy(d, tmp_path / "unfinished")
+    (unfinished / "7").rename(unfinished / "9.orbax-checkpoint-tmp-1234")
+    with pytest.raises(FileNotFoundError, match="unfinished"):
+        ns.restore(unfinished, model=target, step=9)
+    with pytest.raises(FileNotFoundError, match="Only unfinished saves"):
+        ns.restore(unfinished, model=target)
+
+
+# ----------------------------------------------------------------------------- Checkpointer
+
+
+def test_checkpointer_keeps_last_k_and_cleans_unfinished(tmp_path):
+    junk = tmp_path / "4.orbax-checkpoint-tmp-99"
+    junk.mkdir(parents=True)
+    (junk / "half_written").write_bytes(b"x" * 10)
+    with ns.Checkpointer(tmp_path, every=2, keep=2) as ckpt:
+        assert not junk.exists()
+        model = MLP(nnx.Rngs(0))
+        for step in (2, 4, 6):
+            model.up.bias.set_value(jnp.full((32,), float(step)))
+            ckpt.save(step, model=model)
+        ckpt.wait()
+        assert ckpt.steps() == [4, 6] and ckpt.latest_step() == 6
+        restored = ckpt.restore(model=MLP(nnx.Rngs(1)), step=4)
+        assert float(restored.up.bias[0]) == 4.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4", "6"]
+    assert repr(ckpt).endswith("every=2, keep=2, async_save=True)")
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        ns.Checkpointer(tmp_path, every=0)
+
+
+def test_group_sizes_cut_at_checkpoint_steps():
+    assert _group_sizes(0, 20, 5, None) == [5, 5, 5, 5]
+    assert _group_sizes(10, 10, 5, 10) == [5, 5]
+    assert _group_sizes(0, 13, 10, 4) == [4, 4, 4, 1]
+    assert _group_sizes(7, 6, 10, 5) == [3, 3]
+
+
+def test_fit_saves_every_n_async_and_guards_the_directory(tmp_path):
+    model, opt = build(MESH8, FSDP)
+    ckpt = ns.Checkpointer(tmp_path, every=4, keep=None)
+    t = trainer(model, opt)
+    h = t.fit(data_from(0), 10, progress=False, checkpointer=ckpt)
+    assert h["step"].tolist() == list(range(1, 11))
+    assert ckpt.steps() == [4, 8, 10]  # every 4, plus the last step
+    assert t.traces == 2  # calls of 4 steps (cut at the save steps) and one of 2
+    _, _, extra = ns.restore(tmp_path, model=nnx.eval_shape(factory()),
+                             optimizer=nnx.eval_shape(lambda: nnx.Optimizer(
+                                 factory()(), optax.adam(1e-2), wrt=nnx.Param)), step=8)
+    assert extra == {"step": 8, "data_position": 8}
+    # A fresh trainer on a directory with later steps must resume or use another directory.
+    fresh, fresh_opt = build(MESH8, FSDP)
+    with pytest.raises(ValueError, match="resume=True"):
+        trainer(fresh, fresh_opt).fit(data_from(0), 4, progress=False, checkpointer=ckpt)
+    with pytest.raises(ValueError, match="needs the checkpointer"):
+        trainer(fresh, fresh_opt).fit(data_from(0), 4, progress=False, resume=True)
+    ckpt.close()
+
+
+def test_fit_does_not_save_a_diverged_state(tmp_path):
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(1e30), wrt=nnx.Param)
+    ckpt = ns.Checkpointer(tmp_path, every=100)
+    with warnings.catch_warnings(record=True):
+        h = trainer(model, opt).fit(data_from(0), 10, progress=False, checkpointer=ckpt)
+    assert h.stop_reason is not None and ckpt.steps() == []
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def straight_run():
+    """20 steps without interruption; also the state after step 10."""
+    model, opt = build(MESH8, FSDP)
+    at10 = {}
+
+    def grab(step, _):
+        if step == 10:
+            at10["model"], at10["opt"] = values(model), values(opt)
+
+    trainer(model, opt).fit(data_from, 20, progress=False, callbacks=[grab])
+    return at10, values(model), values(opt)
+
+
+@pytest.fixture(scope="module")
+def straight():
+    return straight_run()
+
+
+def test_resume_in_process_is_bitwise(tmp_path, straight):
+    at10, final_model, final_opt = straight
+    model, opt = build(MESH8, FSDP)
+    ckpt = ns.Checkpointer(tmp_path, every=10, keep=None)
+    # 15 steps: the save at step 10 is written while steps 11-15 run (their calls
+    # donate the buffers it was taken from).
+    trainer(model, opt).fit(data_from, 15, progress=False, checkpointer=ckpt)
+    assert ckpt.steps() == [10, 15]
+    tm, to = targets(MESH8, FSDP)
+    m10, o10, extra = ns.restore(tmp_path, model=tm, optimizer=to, step=10)
+    assert_bitwise(values(m10), at10["model"])
+    assert_bitwise(values(o10), at10["opt"])
+    assert extra == {"step": 10, "data_position": 10}
+
+    # Resume from step 15 with a callable data source and a differently seeded model.
+    model, opt = build(MESH8, FSDP, seed=42)
+    t = trainer(model, opt)
+    h = t.fit(data_from, 20, progress=False, checkpointer=ckpt, resume=True)
+    assert h["step"].tolist() == [16, 17, 18, 19, 20]
+    assert t.step == 20 and t.data_position == 20 and int(opt.step[...]) == 20
+    assert_bitwise(values(model), final_model)
+    assert_bitwise(values(opt), final_opt)
+    # Resuming a finished run trains nothing.
+    assert len(t.fit(data_from, 20, progress=False, checkpointer=ckpt, resume=True)) == 0
+    ckpt.close()
+
+
+def _resume_child(directory: str) -> None:
+    """Runs in a fresh process: resume from step 10, train to 20 (saved at 20)."""
+    model, opt = build(MESH8, FSDP, seed=123)
+    t = trainer(model, opt)
+    # A plain iterable from the start of the stream: fit skips the 10 consumed batches.
+    with ns.Checkpointer(directory, every=10) as ckpt:
+        h = t.fit(data_from(0), 20, progress=False, checkpointer=ckpt, resume=True)
+    print("steps", h["step"].tolist(), t.data_position, flush=True)
+
+
+def test_resume_in_fresh_process_is_bitwise(tmp_path, straight):
+    at10, final_model, final_opt = straight
+    model, opt = build(MESH8, FSDP)
+    with ns.Checkpointer(tmp_path, every=10) as ckpt:
+        trainer(model, opt).fit(data_from(0), 10, progress=False, checkpointer=ckpt)
+    assert_bitwise(values(model), at10["model"])
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+        f"from tests.test_checkpoint import _resume_child; _resume_child({str(tmp_path)!r})"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=CHILD_ENV, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "steps [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] 20" in out.stdout
+    tm, to = targets(MESH8, FSDP)
+    model, opt, extra = ns.restore(tmp_path, model=tm, optimizer=to)
+    assert extra == {"step": 20, "data_position": 20}
+    assert_bitwise(values(model), final_model)
+    assert_bitwise(values(opt), final_opt)
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+
+def _saving_child(directory: str) -> None:
+    """Runs in a fresh process: saves a 64 MB state again and again until killed."""
+    mesh = MESH8
+    big = ns.sharded_init(lambda: MLP(nnx.Rngs(0), d=2048, h=4096), mesh, FSDP)
+    step = 1
+    while True:
+        ns.save(directory, step, model=big)
+        step += 1
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+        f"from tests.test_checkpoint import _saving_child; _saving_child({str(tmp_path)!r})"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=CHILD_ENV, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    killed_step = None
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            tmp = [p for p in tmp_path.glob("*.orbax-checkpoint-tmp*") if (p / "model").exists()]
+            if tmp and (tmp_path / "1").exists():
+                killed_step = int(tmp[0].name.split(".")[0])
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert killed_step is not None, err.decode()[-3000:]
+    finished = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
+    assert finished and killed_step not in finished and max(finished) == killed_step - 1
+    target = nnx.eval_shape(lambda: MLP(nnx.Rngs(0), d=2048, h=4096))
+    restored = ns.restore(tmp_path, model=target)  # the latest finished one
+    expected = MLP(nnx.Rngs(0), d=2048, h=4096)
+    assert np.array_equal(restored.up.kernel[...], expected.up.kernel[...])
+    with pytest.raises(FileNotFoundError, match="unfinished"):
+        ns.restore(tmp_path, model=target, step=killed_step)
+    with ns.Checkpointer(tmp_path) as ckpt:  # opening one removes the partial save
+        assert not list(tmp_path.glob("*.orbax-checkpoint-tmp*"))
+        assert ckpt.latest_step() == killed_step - 1

@@ -1,0 +1,248 @@
+"""nnx_shard.distributed: coordinates, process-local data, and real multi-process jobs.
+
+The multi-process tests start real processes (2 x 4 CPU devices, coordinator on
+127.0.0.1), each under a timeout; the single-process references run here, on
+the 8 simulated devices of conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import nnx_shard as ns
+from conftest import needs_devices
+from nnx_shard import launch
+from nnx_shard.distributed import DistributedError, _resolve
+
+HERE = Path(__file__).parent
+SCRIPT = str(HERE / "distributed_script.py")
+sys.path.insert(0, str(HERE))
+import distributed_script  # noqa: E402
+
+# Generous for a loaded 2-core machine; a hang still fails well under a minute.
+JOB_TIMEOUT = 50
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(*args: str, n: int = 2, devices: int = 4) -> subprocess.CompletedProcess[str]:
+    """``nnx-shard launch`` of the test script, itself bounded by a timeout."""
+    cmd = [
+        sys.executable, "-m", "nnx_shard.launch", "-n", str(n),
+        "--devices-per-process", str(devices), "--timeout", str(JOB_TIMEOUT - 5),
+        "--init-timeout", "20", "--heartbeat-timeout", "10", "--",
+        sys.executable, SCRIPT, *args,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, cwd=HERE.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def spawn(pid: int, n: int, port: int, *, devices: int = 4, init_timeout: int = 5,
+          mode: str = "check") -> subprocess.Popen[str]:
+    """One process of a hand-made job (no launcher), for the bad-input cases."""
+    env = launch.child_env(pid, n, port, devices_per_process=devices,
+                           init_timeout=init_timeout, heartbeat_timeout=5)
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, mode], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def finish(p: subprocess.Popen[str], timeout: float = 40) -> tuple[int, str]:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail(f"process {p.args} hung for {timeout} s")
+    return p.returncode, out + err
+
+
+# --------------------------------------------------------------------------- coordinates
+
+
+def test_resolve_order_arguments_then_launcher_env_then_jax_env():
+    env = {"NNX_SHARD_COORDINATOR": "10.0.0.1:1234", "NNX_SHARD_NUM_PROCESSES": "4",
+           "NNX_SHARD_PROCESS_ID": "3"}
+    kwargs, source = _resolve(None, None, None, None, env)
+    assert kwargs == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
+    assert source == "NNX_SHARD_* environment"
+    kwargs, source = _resolve("10.0.0.2:99", None, 0, None, env)
+    assert kwargs == {"coordinator_address": "10.0.0.2:99", "num_processes": 4, "process_id": 0}
+    assert source == "arguments and NNX_SHARD_* environment"
+    kwargs, _ = _resolve(None, 2, 1, [0, 1], {"JAX_COORDINATOR_ADDRESS": "host:5"})
+    assert kwargs["coordinator_address"] == "host:5" and kwargs["local_device_ids"] == [0, 1]
+
+
+def test_resolve_nothing_is_a_single_process():
+    assert _resolve(None, None, None, None, {}) is None
+    coords = ns.distributed.initialize()
+    assert (coords.coordinator_address, coords.num_processes, coords.process_id) == (None, 1, 0)
+    assert ns.distributed.is_main()
+
+
+SLURM = {"SLURM_JOB_ID": "4097", "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_NTASKS": "2",
+         "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+
+
+def test_slurm_with_one_task_per_node_keeps_every_local_device():
+    kwargs, source = _resolve(None, None, None, None, {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
+    # JAX's own detection would pin each process to local device [SLURM_LOCALID].
+    assert kwargs == {"coordinator_address": "gpu017:61441", "num_processes": 2, "process_id": 1,
+                      "cluster_detection_method": "deactivate"}
+    assert "slurm" in source
+    kwargs, _ = _resolve(None, None, None, None, {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "8(x2)"})
+    assert kwargs == {"coordinator_address": None, "num_processes": None, "process_id": None}
+    kwargs, _ = _resolve(None, None, 0, None, {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
+    assert kwargs["process_id"] == 0  # explicit arguments win over the cluster
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "match"),
+    [
+        ((None, 2, 0), {}, r"coordinator_address \(NNX_SHARD_COORDINATOR\) not given"),
+        (("h:1", 2, 2), {}, r"process_id=2 is not below num_processes=2"),
+        (("h:1", 0, 0), {}, r"num_processes must be a positive int"),
+        (("h", 2, 0), {}, r"'h' \(arguments\) is not 'host:port'"),
+        (("h:70000", 2, 0), {}, r"port in 1..65535"),
+        ((None, None, None), {"NNX_SHARD_COORDINATOR": "h:1", "NNX_SHARD_NUM_PROCESSES": "two",
+                              "NNX_SHARD_PROCESS_ID": "0"}, r"NNX_SHARD_NUM_PROCESSES='two'"),
+        ((None, None, None), {"NNX_SHARD_COORDINATOR": "h:1", "NNX_SHARD_NUM_PROCESSES": "2",
+                              "NNX_SHARD_PROCESS_ID": "-1"}, r"NNX_SHARD_PROCESS_ID=-1 must be >= 0"),
+    ],
+)
+def test_bad_coordinates_are_clear_errors(args, env, match):
+    with pytest.raises(DistributedError, match=match):
+        _resolve(*args, None, env)
+
+
+# --------------------------------------------------------------------------- local data
+
+
+@needs_devices(8)
+def test_process_slice_and_local_part_on_one_process():
+    assert ns.distributed.process_slice(16, "data=8", {"batch": "data"}) == slice(0, 16)
+    assert ns.distributed.process_slice(16, "data=4,model=2", {"batch": None}) == slice(0, 16)
+    batch = {"x": np.arange(16), "y": np.zeros((16, 2))}
+    part = ns.distributed.local_part(batch, "data=8", {"batch": "data"})
+    np.testing.assert_array_equal(part["x"], np.arange(16))
+    with pytest.raises(DistributedError, match=r"disagree on the batch size \(axis 0\): \[8, 16\]"):
+        ns.distributed.local_part({"x": np.zeros(16), "y": np.zeros(8)}, "data=8", {"batch": "data"})
+    with pytest.raises(ns.ShardingError, match="batch"):
+        ns.distributed.process_slice(12, "data=8", {"batch": "data"})
+
+
+def test_gather_returns_numpy():
+    mesh = ns.make_mesh({"data": jax.device_count()})
+    x = jax.device_put(np.arange(8.0 * jax.device_count()),
+                       jax.sharding.NamedSharding(mesh, jax.P("data")))
+    out = ns.distributed.gather({"x": x})
+    assert isinstance(out["x"], np.ndarray)
+    np.testing.assert_array_equal(out["x"], np.arange(8.0 * jax.device_count()))
+
+
+# --------------------------------------------------------------------------- real processes
+
+
+@needs_devices(8)
+def test_two_processes_train_like_one_with_eight_devices(tmp_path):
+    out = tmp_path / "two.npz"
+    done = run_job("train", str(out))
+    # Every process trains and reports the same losses; only process 0 writes files.
+    lines = [ln for ln in done.stdout.splitlines() if "losses" in ln]
+    assert sorted(ln[:3] for ln in lines) == ["[0]", "[1]"], done.stdout[-2000:]
+    assert lines[0][4:] == lines[1][4:]
+    two = dict(np.load(out))
+    losses, params, _, _ = distributed_script.train()
+    np.testing.assert_allclose(two.pop("__loss__"), losses, rtol=1e-5)
+    assert losses.shape == (distributed_script.STEPS,) and losses[-1] < losses[0]
+    assert set(two) == set(params) and len(params) > 10  # every parameter of the transformer
+    for name, value in params.items():
+        np.testing.assert_allclose(two[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@needs_devices(8)
+def test_checkpoint_written_by_two_processes_restores_in_one(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "two.npz"
+    run_job("save", str(ckpt), str(out))
+    two = dict(np.load(out))
+    two.pop("__loss__")
+    _, _, model, opt = distributed_script.build(abstract=True)
+    model, opt, _ = ns.restore(ckpt, model=model, optimizer=opt)
+    assert int(opt.step[...]) == distributed_script.STEPS
+    mine = distributed_script.params_of(model)
+    assert set(mine) == set(two)
+    for name, value in two.items():
+        np.testing.assert_array_equal(mine[name], value, err_msg=name)
+    # Restored straight onto the 8 devices of this process, sharded as fsdp says.
+    kernel = model.blocks[0].mlp.up.get_value()
+    assert kernel.sharding.spec[0] == "data" and len(kernel.addressable_shards) == 8
+
+
+@needs_devices(8)
+def test_checkpoint_written_by_one_process_restores_in_two(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "restored.npz"
+    _, params, model, opt = distributed_script.train()
+    ns.save(ckpt, distributed_script.STEPS, model=model, optimizer=opt)
+    run_job("restore", str(ckpt), str(out))
+    restored = dict(np.load(out))
+    assert int(restored.pop("__step__")) == distributed_script.STEPS
+    assert set(restored) == set(params)
+    for name, value in params.items():
+        np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+def test_processes_report_coordinates_and_their_rows():
+    done = run_job("check")
+    assert "[0] process 0 of 2 from NNX_SHARD_* environment; 4 local of 8 devices" in done.stdout
+    assert "[1] process 1 of 2 from NNX_SHARD_* environment; 4 local of 8 devices" in done.stdout
+    # fsdp puts the batch over all 8 devices: each process loads its own half.
+    assert "[0] rows 0:8 of 16" in done.stdout and "[1] rows 8:16 of 16" in done.stdout
+
+
+def test_unreachable_coordinator_is_an_error_not_a_hang():
+    start = time.monotonic()
+    code, out = finish(spawn(1, 2, free_port(), init_timeout=3))
+    assert code == 1, out
+    assert "DistributedError: process 1 of 2 could not reach the coordinator at 127.0.0.1:" in out
+    assert time.monotonic() - start < 30
+
+
+def test_peer_that_never_comes_is_named_before_jax_aborts():
+    code, out = finish(spawn(0, 2, free_port(), init_timeout=3))
+    assert code != 0
+    assert "process 0 of 2 has waited 2.7 s for all processes to connect to 127.0.0.1:" in out
+
+
+def test_processes_disagreeing_on_their_number_fail_clearly():
+    port = free_port()
+    a, b = spawn(0, 2, port), spawn(1, 3, port)
+    (ca, oa), (cb, ob) = finish(a), finish(b)
+    assert ca == 1 and cb == 1, oa + ob
+    assert "processes disagree on the number of processes: process 0 was started with " \
+           "num_processes=2, process 1 with 3" in oa
+    assert "process 1 was started with num_processes=3, process 0 with 2" in ob
+
+
+def test_uneven_device_counts_fail_clearly():
+    port = free_port()
+    a, b = spawn(0, 2, port, devices=4), spawn(1, 2, port, devices=2)
+    (ca, oa), (cb, ob) = finish(a), finish(b)
+    assert ca == 1 and cb == 1, oa + ob
+    for out in (oa, ob):
+        assert "different numbers of devices (process 0 has 4, process 1 has 2)" in out

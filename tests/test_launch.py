@@ -1,0 +1,192 @@
+"""nnx_shard.launch: local multi-process jobs that never hang and leave no process behind.
+
+Most jobs here run tiny ``python -c`` programs (no JAX, fast); one runs real JAX
+processes whose peer is killed mid-job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nnx_shard import launch
+
+HERE = Path(__file__).parent
+SCRIPT = str(HERE / "distributed_script.py")
+PY = sys.executable
+
+
+def gone(pid: int, within: float = 5.0) -> bool:
+    """True once ``pid`` no longer runs (reaped, or a zombie awaiting its reaper)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def pids_in(text: str, tag: str = "pid") -> list[int]:
+    return [int(line.split(f"{tag} ")[1].split()[0]) for line in text.splitlines()
+            if f"{tag} " in line]
+
+
+def run_main(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str, float]:
+    start = time.monotonic()
+    code = launch.main(list(argv))
+    out, err = capfd.readouterr()
+    return code, out, err, time.monotonic() - start
+
+
+def test_every_process_gets_its_coordinates_and_output_is_prefixed(capfd):
+    prog = ("import os; e = os.environ; print('id', e['NNX_SHARD_PROCESS_ID'], 'of', "
+            "e['NNX_SHARD_NUM_PROCESSES'], e['NNX_SHARD_COORDINATOR'], "
+            "e['JAX_NUM_CPU_DEVICES'], e.get('XLA_FLAGS'), e['JAX_PLATFORMS'])")
+    code, out, err, _ = run_main(capfd, "-n", "3", "--devices-per-process", "2", "--port", "29123",
+                                 "--", PY, "-c", prog)
+    assert code == 0, out + err
+    for i in range(3):
+        # The forced device count of the test shell is dropped: 2 devices each, not 8.
+        assert f"[{i}] id {i} of 3 127.0.0.1:29123 2 None cpu\n" in out
+    assert "nnx-shard launch: 3 processes x 2 CPU devices, coordinator 127.0.0.1:29123" in err
+
+
+def test_child_env_keeps_other_xla_flags():
+    env = launch.child_env(0, 2, 1234, devices_per_process=4, base={
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"})
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+    env = launch.child_env(0, 2, 1234, platform="inherit", base={"JAX_PLATFORMS": "cuda"})
+    assert env["JAX_PLATFORMS"] == "cuda" and "JAX_NUM_CPU_DEVICES" not in env
+
+
+def test_a_failing_process_stops_the_others_and_names_itself(capfd):
+    # Process 1 fails; 0 and 2 would sleep a minute, and 2 starts a child of its own.
+    prog = ("import os, subprocess, sys, time; i = int(os.environ['NNX_SHARD_PROCESS_ID']); "
+            "print('pid', os.getpid(), flush=True); "
+            "g = subprocess.Popen(['sleep', '60']) if i == 2 else None; "
+            "g and print('grandchild', g.pid, flush=True); "
+            "time.sleep(0.5); sys.exit(7) if i == 1 else time.sleep(60)")
+    code, out, err, took = run_main(capfd, "-n", "3", "--", PY, "-c", prog)
+    assert code == 7
+    assert "nnx-shard launch: process 1 exited with code 7; stopping processes 0, 2" in err
+    assert took < 20
+    pids = pids_in(out) + pids_in(out, "grandchild")
+    assert len(pids) == 4
+    assert all(gone(p) for p in pids), "a process outlived the launcher"
+
+
+def test_timeout_stops_everything_with_exit_124(capfd):
+    prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+    code, out, err, took = run_main(capfd, "-n", "2", "--timeout", "1.5", "--", PY, "-c", prog)
+    assert code == 124
+    assert "nnx-shard launch: timed out after 1.5 s; stopping processes 0, 1" in err
+    assert took < 15
+    assert all(gone(p) for p in pids_in(out))
+
+
+def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(capfd):
+    prog = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('pid', os.getpid(), flush=True); i = int(os.environ['NNX_SHARD_PROCESS_ID']); "
+            "time.sleep(0.3); sys.exit(3) if i == 0 else time.sleep(60)")
+    code, out, err, took = run_main(capfd, "-n", "2", "--grace", "0.5", "--", PY, "-c", prog)
+    assert code == 3 and "process 0 exited with code 3; stopping process 1" in err
+    assert took < 15
+    assert all(gone(p) for p in pids_in(out))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-n", "2"], "no command given"),
+        (["-n", "2", "--"], "no command given"),
+        (["-n", "0", "--", PY], "-n must be at least 1, got 0"),
+        (["-n", "2", "--devices-per-process", "0", "--", PY], "--devices-per-process must be"),
+        (["-n", "2", "--port", "70000", "--", PY], "--port must be in 1..65535, got 70000"),
+        (["-n", "2", "--timeout", "0", "--", PY], "--timeout must be positive"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(capfd, argv, message):
+    code, _, err, _ = run_main(capfd, *argv)
+    assert code == 2
+    assert f"nnx-shard launch: {message}" in err
+
+
+def test_command_that_cannot_start_is_an_error(capfd):
+    code, _, err, _ = run_main(capfd, "-n", "2", "--", "/nonexistent/program")
+    assert code == 127
+    assert "cannot start /nonexistent/program" in err
+
+
+def test_terminating_the_launcher_stops_its_processes():
+    prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+    p = subprocess.Popen([PY, "-m", "nnx_shard.launch", "-n", "2", "--", PY, "-c", prog],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        lines = [p.stdout.readline(), p.stdout.readline()]
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=20)
+    finally:
+        p.kill()
+    assert p.returncode == 143
+    assert "nnx-shard launch: terminated; stopping every process" in err
+    assert all(gone(pid) for pid in pids_in("".join(lines)))
+
+
+def test_killing_the_launcher_outright_takes_its_processes_along():
+    prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+    p = subprocess.Popen([PY, "-m", "nnx_shard.launch", "-n", "2", "--", PY, "-c", prog],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert p.stdout is not None
+    lines = [p.stdout.readline(), p.stdout.readline()]
+    p.kill()
+    p.wait(timeout=10)
+    assert all(gone(pid) for pid in pids_in("".join(lines)))
+
+
+def test_add_arguments_composes_with_a_subcommand_parser(capfd):
+    parser = argparse.ArgumentParser(prog="nnx-shard")
+    sub = parser.add_subparsers(dest="cmd")
+    launch.add_arguments(sub.add_parser("launch"))
+    args = parser.parse_args(["launch", "-n", "1", "--", PY, "-c", "print('ok')"])
+    assert launch.run(args) == 0
+    assert "[0] ok" in capfd.readouterr().out
+
+
+def test_a_killed_jax_peer_stops_the_job_within_the_timeout():
+    start = time.monotonic()
+    done = subprocess.run(
+        [PY, "-m", "nnx_shard.launch", "-n", "2", "--devices-per-process", "4",
+         "--timeout", "40", "--init-timeout", "20", "--heartbeat-timeout", "10", "--",
+         PY, SCRIPT, "die"],
+        capture_output=True, text=True, timeout=50, cwd=HERE.parent,
+    )
+    assert done.returncode == 128 + signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "[0] sum 8.0" in done.stdout and "[1] sum 8.0" in done.stdout
+    assert "nnx-shard launch: process 1 was killed by SIGKILL; stopping process 0" in done.stderr
+    assert time.monotonic() - start < 45
+
+
+@pytest.mark.skipif(
+    not (HERE.parent / "nnx_shard" / "cli.py").exists(), reason="the nnx-shard CLI is not built"
+)
+def test_nnx_shard_launch_command():
+    done = subprocess.run(
+        [PY, "-c", "import sys; from nnx_shard.cli import main; sys.exit(main())",
+         "launch", "-n", "2", "--timeout", "30", "--",
+         PY, "-c", "import os; print('id', os.environ['NNX_SHARD_PROCESS_ID'])"],
+        capture_output=True, text=True, timeout=40, cwd=HERE.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[0] id 0" in done.stdout and "[1] id 1" in done.stdout
