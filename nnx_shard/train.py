@@ -663,7 +663,20 @@ class _Guard(nnx.Module):
 
 
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
+        # On Explicit meshes an update can change an array's sharding type (ZeRO-1:
+        # a replicated parameter plus a data-sharded update is data-sharded); the
+        # state keeps the layout it had before the step (the all-gather ZeRO-1 implies).
+        want = jax.typeof(b).sharding
+        if (
+            isinstance(want, NamedSharding)
+            and not want.mesh.empty
+            and jax.typeof(a).sharding.spec != want.spec
+        ):
+            a = jax.sharding.reshard(a, want.spec)
+        return jnp.where(ok, a, b)
+
+    return jax.tree.map(pick, new, old)
 
 
 def _make_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:

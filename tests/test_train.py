@@ -719,3 +719,22 @@ def test_with_sharded_init_and_sharded_optimizer():
     np.testing.assert_allclose(metrics["loss"], expected["loss"], rtol=RTOL)
     assert_same_state(model, ref)
     assert shardings_of(model, opt) == before
+
+
+@needs_devices(8)
+def test_trainer_keeps_zero1_layouts_on_an_explicit_mesh():
+    # Replicated parameter + data-sharded Adam update is data-sharded under Explicit
+    # typing; the step must put parameters back in their own (replicated) layout.
+    mesh = ns.make_mesh("data=8")
+    rules = {"batch": "data", "in": None, "out": None}
+    opt_rules = {"batch": "data", "in": "data", "out": None}
+    model = ns.sharded_init(lambda: MLP((16, 32, 8), rngs=nnx.Rngs(0)), mesh, rules)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-2), mesh, rules, opt_rules=opt_rules)
+    stacked = data(4, 16, 16, 8)
+    batches = [{k: v[i] for k, v in stacked.items()} for i in range(4)]
+    trainer = Trainer(model, opt, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                      mesh=mesh, rules=rules, steps_per_call=2)
+    history = trainer.fit(batches, 4, progress=False)
+    assert len(history) == 4 and history["loss"][-1] < history["loss"][0]
+    assert model.layers[0].kernel.get_value().sharding.spec == P(None, None)
+    assert opt.opt_state[0].mu["layers"][0]["kernel"].get_value().sharding.spec == P("data", None)

@@ -1,0 +1,876 @@
+"""The ``nnx-shard`` command: ``demo``, ``plan``, ``explain`` and ``launch``.
+
+* ``nnx-shard demo`` trains the reference transformer as a character-level
+  language model on the Python standard library's sources, sharded with a
+  strategy (``fsdp_tp`` by default), and shows every piece working: the
+  sharding report, training with a progress bar, held-out loss against the
+  unigram baseline, a loss-curve PNG and a JSON summary, a checkpoint restored
+  onto a different mesh and strategy, and a text sample from the restored model.
+  With a single device it simulates 8 CPU devices.
+* ``nnx-shard plan`` answers "will this model fit on that many devices with that
+  strategy?" without allocating anything: per-device bytes of parameters,
+  gradients, optimizer state and activations, for any mesh size.
+* ``nnx-shard explain module:factory`` prints the per-parameter report of your own model.
+* ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.launch`).
+
+The demo asks for simulated devices before JAX starts its backends (importing
+jax does not start them; the first ``jax.devices()`` does).
+
+>>> main(["plan", "--model", "tiny", "--mesh", "data=4,model=2", "--batch", "8",
+...       "--seq", "16", "--json"])  # doctest: +ELLIPSIS
+{"model": "tiny", ...}
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+import textwrap
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["main"]
+
+PROG = "nnx-shard"
+_FORCE = "--xla_force_host_platform_device_count"
+SIMULATED_DEVICES = 8
+
+
+class _Usage(Exception):
+    """A bad command line: reported as one ``nnx-shard: error: ...`` line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors on one line (no usage dump) and no exit from inside parsing."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _Usage(f"{message} (see '{self.prog} --help')")
+
+
+def _backends_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    # Importing jax (as `import nnx_shard` does) reads no device flags; starting a
+    # backend (the first jax.devices()) does. Until then XLA_FLAGS can still change.
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _simulate_devices(n: int = SIMULATED_DEVICES) -> bool:
+    """Asks XLA for ``n`` CPU devices unless JAX's backends already started or a
+    device count is set; returns whether it did.
+
+    The flag only shapes the CPU platform, so on a machine with accelerators it
+    changes nothing there; on a laptop it turns one CPU into ``n`` devices.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _FORCE in flags or os.environ.get("JAX_NUM_CPU_DEVICES") or _backends_started():
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {_FORCE}={n}".strip()
+    return True
+
+
+def _fmt(n: float) -> str:
+    from nnx_shard.report import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def _parse_bytes(text: str) -> int:
+    """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30, ``"512MiB"``, ``"1e9"``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", text)
+    if not m:
+        raise _Usage(f"--device-memory {text!r} is not a size; use e.g. 80GB, 80GiB or 512MiB")
+    unit = (m.group(2) or "B").upper().rstrip("B") or "B"
+    powers = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+              "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    return int(float(m.group(1)) * powers[unit])
+
+
+def _mesh_sizes(text: str) -> dict[str, int]:
+    from nnx_shard.mesh import _parse_axes
+
+    sizes = _parse_axes(text)
+    if any(v == -1 for v in sizes.values()):
+        raise _Usage(f"--mesh {text!r}: give every axis a size (-1 needs real devices)")
+    return sizes
+
+
+def _abstract_mesh(sizes: dict[str, int]) -> Any:
+    from jax.sharding import AbstractMesh
+
+    return AbstractMesh(tuple(sizes.values()), tuple(sizes))
+
+
+def _report(model: Any, sizes: dict[str, int], rules: Any, tx: Any = None,
+            opt_rules: Any = None) -> Any:
+    """:func:`nnx_shard.explain` on an ``AbstractMesh``: any device count, no devices needed."""
+    import jax
+    from flax import nnx
+
+    from nnx_shard.report import Report, _rows
+    from nnx_shard.rules import as_rules
+
+    mesh = _abstract_mesh(sizes)
+    rules = as_rules(rules)
+    state = nnx.state(model)
+    rows = _rows(state, mesh, rules, "params")
+    if tx is not None:
+        o_rules = rules if opt_rules is None else as_rules(opt_rules)
+        opt_state = jax.eval_shape(tx.init, nnx.state(model, nnx.Param))
+        rows += _rows(opt_state, mesh, o_rules, "optimizer", prefix="opt_state/")
+    return Report(rows=tuple(rows), mesh_shape=dict(sizes))
+
+
+def _optimizer(name: str, lr: float = 1e-3) -> Any:
+    import optax
+
+    makers = {"adamw": lambda: optax.adamw(lr), "adam": lambda: optax.adam(lr),
+              "sgd": lambda: optax.sgd(lr)}
+    if name not in makers:
+        raise _Usage(f"unknown optimizer {name!r}; known: {', '.join(makers)}")
+    return makers[name]()
+
+
+def _strategy(name: str) -> Any:
+    from nnx_shard import strategies
+
+    return strategies.get(name)
+
+
+# --------------------------------------------------------------------------- plan
+
+ACTIVATION_FORMULA = (
+    "per device, no rematerialization: tokens/device x [layers x (p(4e/Dl + 4hk/Dh + 2m'/Dm) "
+    "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes, "
+    "e = embed, h = heads, k = head_dim, m' = mlp (x top_k x capacity_factor for experts), "
+    "s = seq, V = vocab, D* = devices the rules shard batch, length, heads, mlp, vocab over. "
+    "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk), MLP hidden "
+    "before and after GELU (2m'), float32 attention probabilities (4hs); plus the residual "
+    "input and float32 logits and their gradient (8V). With --remat full only each block's "
+    "input is kept (layers x p x e/Dl per token) plus one layer's activations and the logits."
+)
+
+
+def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: Any,
+             dim: int) -> int:
+    spec = rules.spec(names, shape=shape, mesh=mesh, path="activation")
+    entry = tuple(spec)[dim] if dim < len(tuple(spec)) else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
+def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, seq: int,
+                     remat: str = "none") -> int:
+    """Estimated activation bytes per device of one training step of
+    :class:`nnx_shard.models.Transformer` (see ``ACTIVATION_FORMULA``).
+
+    >>> from nnx_shard.models import get_config
+    >>> from nnx_shard.rules import Rules
+    >>> cfg = get_config("tiny")   # embed 32, heads 4 x 8, mlp 64, vocab 128, 2 layers, f32
+    >>> tokens = 4 * 16 // 2                 # batch over data=2
+    >>> layer = 4 * (4 * 32 + 4 * 4 * 8 + 2 * 64) + 4 * 4 * 16   # p=4 bytes, float32
+    >>> edges = 2 * 4 * 32 + 8 * 128
+    >>> activation_bytes(cfg, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
+    ...     tokens * (2 * layer + edges))
+    True
+    """
+    import numpy as np
+
+    from nnx_shard.rules import as_rules
+
+    mesh = _abstract_mesh(sizes)
+    rules = as_rules(rules)
+    # A name the table does not mention is replicated, as for any activation.
+    rules = rules | {n: None for n in ("batch", "length", "heads", "kv", "mlp", "vocab")
+                     if n not in rules}
+    b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
+    m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if cfg.experts else 1)
+    p = np.dtype(cfg.dtype).itemsize
+    d_b = _divisor(rules, ("batch",), (b,), mesh, 0)
+    d_l = _divisor(rules, ("batch", "length", None), (b, s, e), mesh, 1)
+    d_h = _divisor(rules, ("batch", None, "heads", "kv"), (b, s, h, k), mesh, 2)
+    d_m = _divisor(rules, ("batch", None, "mlp"), (b, s, cfg.mlp), mesh, 2)
+    d_v = _divisor(rules, ("batch", None, "vocab"), (b, s, v), mesh, 2)
+    tokens = b * s / d_b
+    layer = p * (4 * e / d_l + 4 * h * k / d_h + 2 * m / d_m) + 4 * h * s / d_h
+    edges = 2 * p * e / d_l + 8 * v / d_v
+    if remat == "full":
+        per_token = cfg.layers * p * e / d_l + layer + edges
+    else:
+        per_token = cfg.layers * layer + edges
+    return int(tokens * per_token)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nnx_shard.errors import ShardingError
+    from nnx_shard.models import CONFIGS, Transformer
+
+    if args.model not in CONFIGS:
+        raise _Usage(f"unknown model {args.model!r}; known: {', '.join(CONFIGS)}")
+    if args.batch < 1 or args.seq < 1:
+        raise _Usage("--batch and --seq must be at least 1")
+    cfg = CONFIGS[args.model]
+    strategy = _strategy(args.strategy)
+    sizes = _mesh_sizes(args.mesh)
+    if args.seq > cfg.length:
+        raise _Usage(f"--seq {args.seq} is longer than model {args.model!r} allows ({cfg.length})")
+    device_memory = _parse_bytes(args.device_memory) if args.device_memory else None
+    tx = _optimizer(args.optimizer)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    out: dict[str, Any] = {
+        "model": args.model, "num_params": cfg.num_params, "strategy": strategy.name,
+        "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
+        "batch": args.batch, "seq": args.seq, "remat": args.remat,
+        "param_dtype": jnp.dtype(cfg.param_dtype).name,
+    }
+    try:
+        strategy.check(model, sizes)
+        report = _report(model, sizes, strategy.rules, tx, strategy.opt_rules)
+        try:
+            acts = activation_bytes(cfg, strategy.rules, sizes, args.batch, args.seq, args.remat)
+        except ShardingError as e:
+            raise ShardingError(f"activations of --batch {args.batch} x --seq {args.seq}: {e}") from None
+    except ShardingError as e:
+        out["error"] = str(e)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"{PROG} plan: {args.model} on {args.mesh} with {strategy.name}: cannot lay out")
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    grads = sum(r.bytes_per_device for r in report.rows if r.group == "params" and r.kind == "Param")
+    per_device = {
+        "params": report.param_bytes_per_device,
+        "grads": grads,
+        "optimizer": report.opt_bytes_per_device,
+        "activations": acts,
+    }
+    per_device["total"] = sum(per_device.values())
+    largest = sorted((r for r in report.rows if r.group == "params"),
+                     key=lambda r: -r.bytes_per_device)[: args.top]
+    out.update({
+        "bytes_per_device": per_device,
+        "bytes_total": {"params": report.total_bytes, "optimizer": report.opt_total_bytes},
+        "largest": [
+            {"path": r.path, "shape": list(r.shape), "dtype": r.dtype,
+             "spec": [None if x is None else x if isinstance(x, str) else list(x) for x in r.spec],
+             "bytes_per_device": r.bytes_per_device}
+            for r in largest
+        ],
+        "replicated_params": sum(1 for r in report.replicated if r.group == "params"),
+        "activation_formula": ACTIVATION_FORMULA,
+        "device_memory": device_memory,
+        "fits": None if device_memory is None else per_device["total"] <= device_memory,
+        "error": None,
+    })
+    if args.json:
+        print(json.dumps(out))
+    else:
+        shown = ",".join(f"{k}={v}" for k, v in sizes.items())
+        print(f"plan: model {args.model} ({cfg.num_params / 1e9:.2f} B parameters, "
+              f"{out['param_dtype']}), strategy {strategy.name}, mesh {shown} "
+              f"({out['devices']} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
+              f"remat {args.remat}")
+        print()
+        print("per device:")
+        for key in ("params", "grads", "optimizer", "activations", "total"):
+            label = "activations*" if key == "activations" else key
+            print(f"  {label:<13} {_fmt(per_device[key]):>12}")
+        print(f"  (unsharded: params {_fmt(report.total_bytes)}, optimizer state "
+              f"{_fmt(report.opt_total_bytes)})")
+        print()
+        print(f"largest parameters per device (of {sum(1 for r in report.rows if r.group == 'params')}; "
+              f"{out['replicated_params']} replicated):")
+        from nnx_shard.report import _spec_txt
+
+        cols = [(r.path, str(r.shape), _spec_txt(r.spec), _fmt(r.bytes_per_device))
+                for r in largest]
+        widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
+        for c in cols:
+            print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
+                  + f"  {c[3]:>{widths[3]}}")
+        print()
+        print(textwrap.fill(f"* activations: {ACTIVATION_FORMULA}", width=100,
+                            subsequent_indent="  "))
+        if device_memory is not None:
+            verdict = "fits" if out["fits"] else "does NOT fit"
+            print(f"\n{verdict} in {_fmt(device_memory)} per device "
+                  f"({100 * per_device['total'] / device_memory:.0f}% used)")
+    return 0 if out["fits"] in (None, True) else 1
+
+
+# --------------------------------------------------------------------------- explain
+
+
+def _load_factory(spec: str) -> Any:
+    mod_name, colon, attr = spec.partition(":")
+    if not colon or not mod_name or not attr:
+        raise _Usage(f"{spec!r} is not 'module:factory' (e.g. mypkg.models:make_model)")
+    try:
+        if mod_name.endswith(".py") or os.sep in mod_name:
+            path = Path(mod_name)
+            if not path.is_file():
+                raise _Usage(f"no file {str(path)!r}")
+            sp = importlib.util.spec_from_file_location(path.stem, path)
+            assert sp is not None and sp.loader is not None
+            module = importlib.util.module_from_spec(sp)
+            sp.loader.exec_module(module)
+        else:
+            # Like `python -m`: modules in the current directory are importable.
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        raise _Usage(f"cannot import {mod_name!r}: {e}") from None
+    factory = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise _Usage(f"module {mod_name!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise _Usage(f"{spec!r} is not callable; give a zero-argument function returning a module")
+    return factory
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from flax import nnx
+
+    from nnx_shard.rules import Rules
+
+    sizes = _mesh_sizes(args.mesh)
+    opt_rules = None
+    if args.rules:
+        if not Path(args.rules).is_file():
+            raise _Usage(f"--rules {args.rules!r}: no such file")
+        rules = Rules.from_file(args.rules)
+    elif args.strategy:
+        strategy = _strategy(args.strategy)
+        rules, opt_rules = strategy.rules, strategy.opt_rules
+    else:
+        raise _Usage("give --rules FILE (.toml or .json) or --strategy NAME")
+    factory = _load_factory(args.factory)
+    model = nnx.eval_shape(factory)
+    if not isinstance(model, nnx.Module):
+        raise _Usage(f"{args.factory} returned {type(model).__name__}, not an nnx.Module")
+    tx = _optimizer(args.optimizer) if args.optimizer else None
+    report = _report(model, sizes, rules, tx, opt_rules)
+    print(report.to_markdown() if args.markdown else report)
+    return 0
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def _write_png(path: Path, pixels: list[bytearray], width: int, height: int) -> None:
+    """An RGB PNG from rows of ``width * 3`` bytes (no imaging library needed)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
+
+
+# 3x5 digits for axis labels: each row a 3-bit mask.
+_GLYPHS = {
+    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 3, 1, 7),
+    "4": (5, 5, 7, 1, 1), "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 2, 2),
+    "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7), ".": (0, 0, 0, 0, 2),
+}
+
+
+def plot_losses(path: str | os.PathLike[str], train: Sequence[tuple[float, float]],
+                heldout: Sequence[tuple[float, float]], baseline: float,
+                width: int = 640, height: int = 400) -> None:
+    """Writes a loss-curve PNG: training loss (blue line), held-out loss (orange
+    dots) and the unigram baseline (grey dashes), with numbered axes.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "loss.png")
+    >>> plot_losses(p, [(1, 4.0), (2, 3.0), (3, 2.5)], [(3, 2.6)], 3.2)
+    >>> open(p, "rb").read(8)
+    b'\\x89PNG\\r\\n\\x1a\\n'
+    """
+    img = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
+    left, right, top, bottom = 48, width - 12, 12, height - 28
+
+    def put(x: int, y: int, rgb: tuple[int, int, int]) -> None:
+        if 0 <= x < width and 0 <= y < height:
+            img[y][3 * x: 3 * x + 3] = bytes(rgb)
+
+    def text(x: int, y: int, s: str, scale: int = 2) -> None:
+        for ch in s:
+            for r, bits in enumerate(_GLYPHS.get(ch, (0,) * 5)):
+                for c in range(3):
+                    if bits >> (2 - c) & 1:
+                        for dy in range(scale):
+                            for dx in range(scale):
+                                put(x + c * scale + dx, y + r * scale + dy, (60, 60, 60))
+            x += 4 * scale
+
+    ys = [v for _, v in train] + [v for _, v in heldout] + [baseline]
+    xs = [s for s, _ in train] + [s for s, _ in heldout]
+    y_lo, y_hi = 0.0, max(ys) * 1.05
+    x_lo, x_hi = 0.0, max(max(xs), 1)
+
+    def px(step: float, v: float) -> tuple[int, int]:
+        x = left + (step - x_lo) / (x_hi - x_lo) * (right - left)
+        y = bottom - (v - y_lo) / (y_hi - y_lo) * (bottom - top)
+        return round(x), round(y)
+
+    def line(a: tuple[int, int], b: tuple[int, int], rgb: tuple[int, int, int],
+             dash: int = 0) -> None:
+        n = max(abs(b[0] - a[0]), abs(b[1] - a[1]), 1)
+        for i in range(n + 1):
+            if dash and (i // dash) % 2:
+                continue
+            x = round(a[0] + (b[0] - a[0]) * i / n)
+            y = round(a[1] + (b[1] - a[1]) * i / n)
+            put(x, y, rgb)
+            put(x, y + 1, rgb)
+
+    for i in range(6):  # gridlines and y labels
+        v = y_lo + (y_hi - y_lo) * i / 5
+        _, y = px(0, v)
+        line((left, y), (right, y), (225, 225, 225))
+        text(4, y - 5, f"{v:.1f}")
+    for i in range(5):  # x labels (steps)
+        step = x_lo + (x_hi - x_lo) * i / 4
+        x, _ = px(step, 0)
+        label = f"{step:.0f}"
+        text(min(x - 4 * len(label), right - 8 * len(label)), bottom + 8, label)
+    line((left, top), (left, bottom), (0, 0, 0))
+    line((left, bottom), (right, bottom), (0, 0, 0))
+    line(px(x_lo, baseline), px(x_hi, baseline), (140, 140, 140), dash=6)
+    pts = [px(s, v) for s, v in train]
+    for a, b in itertools.pairwise(pts):
+        line(a, b, (31, 119, 180))
+    for s, v in heldout:
+        cx, cy = px(s, v)
+        for dx in range(-3, 4):
+            for dy in range(-3, 4):
+                if dx * dx + dy * dy <= 10:
+                    put(cx + dx, cy + dy, (255, 127, 14))
+    _write_png(Path(path), img, width, height)
+
+
+def _demo_config(args: argparse.Namespace, strategy_name: str) -> Any:
+    from nnx_shard.data import VOCAB
+    from nnx_shard.models import TransformerConfig
+
+    experts = args.experts if args.experts is not None else (4 if strategy_name == "ep" else 0)
+    return TransformerConfig(
+        vocab=VOCAB, length=args.seq, embed=args.embed, heads=args.heads,
+        head_dim=args.embed // args.heads, mlp=args.mlp, layers=args.layers, experts=experts,
+    )
+
+
+def _generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> Any:
+    """``n`` characters sampled after ``prompt`` (a window of the model's length), in one
+    compiled loop; run under :func:`nnx_shard.use` with the batch replicated."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state: Any, window: Any, key: Any) -> Any:
+        m = nnx.merge(graphdef, state)
+
+        def body(i: Any, carry: Any) -> Any:
+            window, out, key = carry
+            logits = m(window[None])[0, -1]
+            key, sub = jax.random.split(key)
+            if temperature > 0:
+                tok = jax.random.categorical(sub, logits / temperature)
+            else:
+                tok = jnp.argmax(logits)
+            tok = tok.astype(jnp.int32)
+            return jnp.concatenate([window[1:], tok[None]]), out.at[i].set(tok), key
+
+        init = (window, jnp.zeros((n,), jnp.int32), key)
+        return jax.lax.fori_loop(0, n, body, init)[1]
+
+    return run(state, jnp.asarray(prompt, jnp.int32), jax.random.key(seed))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    simulated = _simulate_devices()
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard.data import decode, load_stdlib
+    from nnx_shard.models import Transformer, lm_loss
+
+    t_start = time.perf_counter()
+    strategy = _strategy(args.strategy)
+    restore_name = args.restore_strategy or ("fsdp" if strategy.name == "tp" else "tp")
+    restore_strategy = _strategy(restore_name)
+    devices = jax.devices()
+    if len(devices) == 1 and len(jax.devices("cpu")) > 1:
+        devices = jax.devices("cpu")  # one accelerator: use the simulated CPU devices
+    n = len(devices)
+    if args.mesh:
+        sizes = _mesh_sizes(args.mesh)
+    else:
+        sizes = strategy.mesh_for(n)
+    need = math.prod(sizes.values())
+    if need > n:
+        shown = ",".join(f"{k}={v}" for k, v in sizes.items())
+        raise _Usage(f"--mesh {shown} needs {need} devices but {n} are available")
+    axis_types = args.axis_types or ("auto" if strategy.name == "zero1" else "explicit")
+    mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=axis_types)
+    if args.steps < 1 or args.steps_per_call < 1 or args.batch < 1 or args.evals < 1:
+        raise _Usage("--steps, --steps-per-call, --batch and --evals must be at least 1")
+    if args.embed % args.heads:
+        raise _Usage(f"--embed {args.embed} must divide by --heads {args.heads}")
+    try:
+        cfg = _demo_config(args, strategy.name)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+
+    def factory() -> Transformer:
+        return Transformer(cfg, rngs=nnx.Rngs(args.seed))
+
+    # Every layout is checked before training, so a bad flag never costs a run.
+    strategy.check(nnx.eval_shape(factory), sizes)
+    if args.restore_mesh:
+        restore_sizes = _mesh_sizes(args.restore_mesh)
+        if math.prod(restore_sizes.values()) > n:
+            raise _Usage(f"--restore-mesh {args.restore_mesh} needs more than the {n} "
+                         "devices available")
+    else:
+        restore_sizes = (restore_strategy.suggest_mesh(nnx.eval_shape(factory), need)
+                         or restore_strategy.mesh_for(need))
+    restore_mesh = ns.make_mesh(restore_sizes,
+                                devices=devices[: math.prod(restore_sizes.values())])
+    target = restore_strategy.abstract_init(factory, restore_mesh)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out / "checkpoint"
+    if ckpt_dir.exists():  # a previous demo's checkpoint: this run writes its own
+        shutil.rmtree(ckpt_dir)
+
+    def say(*parts: Any) -> None:
+        print(*parts, flush=True)
+
+    corpus = load_stdlib()
+    baseline = corpus.unigram_baseline()
+    try:
+        heldout_host = corpus.heldout_batches(args.batch, cfg.length)
+    except ValueError as e:
+        raise _Usage(f"--batch {args.batch} x --seq {cfg.length}: {e}") from None
+    say(f"nnx-shard demo: {n} {devices[0].platform.upper()} devices"
+        f"{' (simulated)' if simulated else ''}, "
+        f"strategy {strategy.name}, mesh {_shown(sizes)} ({axis_types} axes)")
+    say(f"data: {len(corpus.train):,} training characters from {len(corpus.files)} standard "
+        f"library files, {len(corpus.heldout):,} held-out ({', '.join(corpus.heldout_files)})")
+    say(f"model: Transformer {cfg.layers} layers, embed {cfg.embed}, {cfg.heads} heads, "
+        f"mlp {cfg.mlp}{f', {cfg.experts} experts' if cfg.experts else ''}, context "
+        f"{cfg.length}, {cfg.num_params:,} parameters")
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, min(100, max(1, args.steps // 10)), args.steps, args.lr * 0.1)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b2=0.99, weight_decay=0.01))
+    model = strategy.sharded_init(factory, mesh)
+    optimizer = strategy.optimizer(model, tx, mesh)
+    report = strategy.explain(model, mesh, tx)
+    say(f"\nsharding report (ns.strategies.get({strategy.name!r}).explain):")
+    say(_short_report(report))
+
+    heldout = [ns.shard_batch(b, mesh, strategy.rules) for b in heldout_host]
+    eval_loss = nnx.jit(lm_loss)
+
+    def evaluate(m: Any, on_mesh: Any, rules: Any, batches: list[Any]) -> float:
+        with ns.use(on_mesh, rules):
+            # One call at a time: the result is read before the next is dispatched.
+            return float(np.mean([float(eval_loss(m, b)) for b in batches]))
+
+    tokens_per_step = args.batch * cfg.length
+    every = max(1, args.steps // 10)
+    evals: list[tuple[int, float]] = []
+    marks: list[tuple[int, float]] = []
+    tty = sys.stderr.isatty() and not args.no_progress
+    next_eval = [max(1, args.steps // args.evals)]
+    next_line = [every]
+
+    def on_step(step: int, metrics: dict[str, Any]) -> None:
+        marks.append((step, time.perf_counter()))
+        if step >= next_eval[0] or step == args.steps:
+            evals.append((step, evaluate(model, mesh, strategy.rules, heldout)))
+            next_eval[0] = step + max(1, args.steps // args.evals)
+        if not tty and (step >= next_line[0] or step == args.steps):
+            rate = _rate(marks, tokens_per_step)
+            say(f"step {step}/{args.steps}  loss {float(metrics['loss'][-1]):.3f}"
+                + (f"  {rate:,.0f} tokens/s" if rate else ""))
+            while next_line[0] <= step:
+                next_line[0] += every
+
+    trainer = ns.Trainer(model, optimizer, lm_loss, mesh=mesh, rules=strategy.rules,
+                         steps_per_call=args.steps_per_call)
+    say(f"\ntraining {args.steps} steps, batch {args.batch} x {cfg.length} characters, "
+        f"{args.steps_per_call} steps per compiled call")
+    first = evaluate(model, mesh, strategy.rules, heldout)
+    evals.append((0, first))
+    history = trainer.fit(corpus.batches(args.batch, cfg.length, seed=args.seed), args.steps,
+                          progress=tty, callbacks=[on_step])
+    losses = history["loss"]
+    final = evals[-1][1]
+    tokens_s = _rate(marks, tokens_per_step) or tokens_per_step * len(losses) / history.seconds
+    say(f"trained {len(losses)} steps in {history.seconds:.1f} s (compilation included): "
+        f"{tokens_s:,.0f} tokens/s after compiling")
+    say(f"held-out loss {final:.3f} nats/char (from {first:.3f} at step 0); unigram baseline "
+        f"{baseline:.3f} -> {'below' if final < baseline else 'NOT below'} it by "
+        f"{baseline - final:.3f}")
+
+    ckpt = ns.save(ckpt_dir, trainer.step, model=model, optimizer=optimizer,
+                   extra={"config": _jsonable_config(cfg), "strategy": strategy.name,
+                          "mesh": sizes, "data_position": trainer.data_position})
+    say(f"\nsaved checkpoint {ckpt} ({strategy.name} on {_shown(sizes)})")
+    restored = ns.restore(ckpt_dir, model=target)
+    restored_heldout = [ns.shard_batch(b, restore_mesh, restore_strategy.rules)
+                        for b in heldout_host]
+    restored_loss = evaluate(restored, restore_mesh, restore_strategy.rules, restored_heldout)
+    example = "blocks/0/mlp/up"
+    before = _spec_of(model, example)
+    after = _spec_of(restored, example)
+    say(f"restored it as {restore_strategy.name} on {_shown(restore_sizes)}: {example} "
+        f"{before} -> {after}; held-out loss {restored_loss:.3f} "
+        f"({'same' if abs(restored_loss - final) < 1e-3 else 'DIFFERENT'})")
+
+    window = cfg.length
+    text = decode(corpus.heldout)
+    at = text.find("\n    def ", window)
+    at = at + len("\n    def ") if at >= 0 else window
+    prompt = corpus.heldout[at - window: at]
+    gen_rules = restore_strategy.rules | {"batch": None, "length": None}
+    with ns.use(restore_mesh, gen_rules):
+        sample = decode(np.asarray(_generate(restored, prompt, args.sample_chars,
+                                             args.temperature, args.seed)))
+    say(f"\nsample from the restored model (temperature {args.temperature}), prompted with "
+        f"held-out text:\n{'-' * 60}\n{decode(prompt)}\033[1m{sample}\033[0m\n{'-' * 60}"
+        if sys.stdout.isatty() else
+        f"\nsample from the restored model (temperature {args.temperature}), prompted with "
+        f"held-out text (continuation after '>>>'):\n{'-' * 60}\n{decode(prompt)}>>>"
+        f"{sample}\n{'-' * 60}")
+
+    steps = history["step"].tolist()
+    png = out / "loss.png"
+    plot_losses(png, list(zip(steps, losses.tolist(), strict=True)), evals, baseline)
+    summary = {
+        "strategy": strategy.name, "mesh": sizes, "devices": n,
+        "platform": devices[0].platform, "simulated_devices": simulated,
+        "config": _jsonable_config(cfg), "num_params": cfg.num_params,
+        "steps": len(losses), "steps_per_call": args.steps_per_call, "batch": args.batch,
+        "seq": cfg.length, "lr": args.lr, "seed": args.seed,
+        "train_seconds": history.seconds, "tokens_per_s": tokens_s,
+        "train_loss_first": float(losses[0]), "train_loss_last": float(losses[-1]),
+        "heldout_loss_initial": first, "heldout_loss": final,
+        "unigram_baseline": baseline, "heldout_evals": [[s, v] for s, v in evals],
+        "param_bytes_per_device": report.param_bytes_per_device,
+        "param_bytes_total": report.total_bytes,
+        "opt_bytes_per_device": report.opt_bytes_per_device,
+        "checkpoint": str(ckpt), "restore_strategy": restore_strategy.name,
+        "restore_mesh": restore_sizes, "heldout_loss_restored": restored_loss,
+        "sample_prompt": decode(prompt), "sample": sample,
+        "loss": losses.tolist(), "loss_png": str(png),
+        "total_seconds": time.perf_counter() - t_start,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    say(f"\nwrote {png} and {out / 'summary.json'} ({summary['total_seconds']:.0f} s in all)")
+    return 0
+
+
+def _rate(marks: list[tuple[int, float]], tokens_per_step: int) -> float | None:
+    # From the end of the first compiled call on: compilation is not throughput.
+    if len(marks) < 2 or marks[-1][1] <= marks[0][1]:
+        return None
+    return (marks[-1][0] - marks[0][0]) * tokens_per_step / (marks[-1][1] - marks[0][1])
+
+
+def _shown(sizes: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _spec_of(model: Any, path: str) -> str:
+    from nnx_shard.report import _spec_txt
+
+    obj = model
+    for part in path.split("/"):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return _spec_txt(obj.get_value().sharding.spec)
+
+
+def _jsonable_config(cfg: Any) -> dict[str, Any]:
+    import dataclasses
+
+    import numpy as np
+
+    return {k: (np.dtype(v).name if k.endswith("dtype") else v)
+            for k, v in dataclasses.asdict(cfg).items()}
+
+
+def _short_report(report: Any) -> str:
+    """The explain table with the repeated blocks folded: block 0 shown, the rest counted."""
+    import dataclasses
+
+    shown = tuple(r for r in report.rows
+                  if r.group == "params" and not re.match(r"blocks/[1-9]", r.path))
+    table = str(dataclasses.replace(report, rows=shown)).partition("\n\n")[0]
+    hidden = len(report.rows) - len(shown)
+    more = (f"... and {hidden} more rows: blocks 1.. as block 0, and the optimizer state "
+            "(laid out like its parameter)\n" if hidden else "")
+    return table + "\n" + more + "\n" + str(report).partition("\n\n")[2]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog=PROG, description="Sharded training for Flax NNX: demo, memory "
+                     "planner, sharding reports and a local multi-process launcher.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="train a sharded char-level transformer on Python's "
+                       "standard library, checkpoint, restore on another mesh, sample",
+                       description="Train the reference transformer as a character-level LM "
+                       "on the Python standard library's sources, sharded with a strategy; "
+                       "checkpoint it, restore it onto a different mesh and strategy, and "
+                       "sample text from the restored model. With one device, 8 CPU devices "
+                       "are simulated.")
+    d.add_argument("--strategy", default="fsdp_tp", help="dp, zero1, fsdp, tp, fsdp_tp (default), sp, ep")
+    d.add_argument("--mesh", default=None, help="e.g. data=4,model=2 (default: the strategy's "
+                   "shape for all devices)")
+    d.add_argument("--steps", type=int, default=1000, help="training steps (default 1000)")
+    d.add_argument("--steps-per-call", type=int, default=25,
+                   help="steps fused into one compiled call (default 25)")
+    d.add_argument("--out", default="nnx_shard_demo",
+                   help="output folder for loss.png, summary.json, checkpoint/ (default ./nnx_shard_demo)")
+    d.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
+    d.add_argument("--seq", type=int, default=64, help="characters per sequence (default 64)")
+    d.add_argument("--embed", type=int, default=128)
+    d.add_argument("--heads", type=int, default=4)
+    d.add_argument("--mlp", type=int, default=512)
+    d.add_argument("--layers", type=int, default=2)
+    d.add_argument("--experts", type=int, default=None,
+                   help="mixture-of-experts MLP (default: 4 with --strategy ep, else dense)")
+    d.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--evals", type=int, default=8, help="held-out evaluations during training")
+    d.add_argument("--restore-strategy", default=None,
+                   help="strategy to restore the checkpoint with (default tp, or fsdp after tp)")
+    d.add_argument("--restore-mesh", default=None, help="mesh to restore onto (default: the "
+                   "restore strategy's shape for the same devices)")
+    d.add_argument("--sample-chars", type=int, default=200)
+    d.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
+    d.add_argument("--axis-types", choices=("explicit", "auto"), default=None,
+                   help="mesh axis types of the training mesh (default explicit, JAX's "
+                   "default; auto for zero1, whose fused step needs it)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal")
+    d.set_defaults(run=_demo)
+
+    p = sub.add_parser("plan", help="per-device memory of a model under a strategy and mesh, "
+                       "without allocating", description="Per-device bytes of parameters, "
+                       "gradients, optimizer state and activations of a reference model "
+                       "config on any mesh (no devices needed), the largest tensors, and "
+                       "whether it fits. Exit status: 0 fits (or no --device-memory), 1 does "
+                       "not fit, 2 bad input or a sharding error.")
+    p.add_argument("--model", required=True, help="tiny, tiny_moe, small, 125m, 1b, 7b")
+    p.add_argument("--mesh", required=True, help="e.g. data=8,model=8")
+    p.add_argument("--strategy", default="fsdp_tp")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
+    p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--remat", choices=("none", "full"), default="none",
+                   help="activation rematerialization assumed (default none)")
+    p.add_argument("--device-memory", default=None, help="e.g. 80GB (1e9) or 80GiB (2**30)")
+    p.add_argument("--top", type=int, default=5, help="largest tensors to list")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.set_defaults(run=_plan)
+
+    e = sub.add_parser("explain", help="per-parameter sharding report of your model factory",
+                       description="Builds module:factory abstractly (nothing allocated) and "
+                       "prints how every variable is laid out on the mesh by the rules.")
+    e.add_argument("factory", help="module:function (or path/to/file.py:function) returning "
+                   "an nnx.Module")
+    e.add_argument("--mesh", required=True, help="e.g. data=4,model=2 (any size)")
+    e.add_argument("--rules", default=None, help="rules file, .toml or .json")
+    e.add_argument("--strategy", default=None, help="a strategy preset instead of --rules")
+    e.add_argument("--optimizer", default=None, help="also report this optimizer's state")
+    e.add_argument("--markdown", action="store_true")
+    e.set_defaults(run=_explain)
+
+    from nnx_shard import launch
+
+    la = sub.add_parser("launch", help="run N local processes of one multi-process JAX job",
+                        description="Run N local processes of one multi-process JAX job on "
+                        "loopback, e.g. nnx-shard launch -n 2 -- python train.py")
+    launch.add_arguments(la)
+    la.set_defaults(run=launch.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``nnx-shard`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    Bad input is one line on stderr, ``nnx-shard: error: ...``, and exit status 2.
+
+    >>> main(["plan", "--model", "huge", "--mesh", "data=8"])
+    2
+    """
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(args.run(args) or 0)
+    except _Usage as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from nnx_shard.errors import ShardingError
+
+        if isinstance(e, ShardingError | FileNotFoundError):
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,252 @@
+"""The nnx-shard command: demo, plan, explain, and one-line errors for bad input."""
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_devices
+from nnx_shard import cli
+from nnx_shard.models import get_config
+
+PY = sys.executable
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("nnx-shard: error: "), err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def hand_7b_fsdp_tp_param_bytes() -> int:
+    """7b in bfloat16 on data=8, model=8 with fsdp_tp, by hand: every matrix is split
+    over both axes (/64); the position embedding and the norm scales only carry
+    ``embed`` (sharded over data, /8)."""
+    c = get_config("7b")
+    v, length, e, h, k, m, n = c.vocab, c.length, c.embed, c.heads, c.head_dim, c.mlp, c.layers
+    assert (v, e, h, k, m, n) == (32000, 4096, 32, 128, 16384, 32)
+    split_2d = 2 * v * e + n * (4 * e * h * k + 2 * e * m)  # embeddings, q k v o, up down
+    split_data = length * e + n * 2 * e + e  # pos_embed, two norms per block, final norm
+    assert split_2d + split_data == c.num_params
+    return 2 * (split_2d // 64 + split_data // 8)
+
+
+def test_plan_7b_per_device_bytes_match_hand_computation(capsys):
+    code, out, err = run(capsys, "plan", "--model", "7b", "--mesh", "data=8,model=8",
+                         "--strategy", "fsdp_tp", "--optimizer", "adamw",
+                         "--batch", "256", "--seq", "2048", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    per = plan["bytes_per_device"]
+    params = hand_7b_fsdp_tp_param_bytes()
+    assert per["params"] == params == 213_779_456
+    assert per["grads"] == params
+    # adamw: mu and nu laid out like the parameters, plus Adam's int32 step count.
+    assert per["optimizer"] == 2 * params + 4
+    assert plan["bytes_total"]["params"] == 2 * get_config("7b").num_params
+    # Activations (formula in ACTIVATION_FORMULA): 256 x 2048 tokens / 8 (batch over data);
+    # per layer and token 2 * (4e + 4hk/8 + 2m/8) + 4 * heads * seq / 8 bytes; then the
+    # residual input 2 * 2e and float32 logits and their gradient 8 * vocab / 8.
+    tokens = 256 * 2048 // 8
+    layer = 2 * (4 * 4096 + 4 * 4096 // 8 + 2 * 16384 // 8) + 4 * 32 * 2048 // 8
+    assert per["activations"] == tokens * (32 * layer + 2 * 2 * 4096 + 8 * 32000 // 8)
+    assert per["total"] == sum(per[k] for k in ("params", "grads", "optimizer", "activations"))
+    assert plan["largest"][0]["bytes_per_device"] == 32 * 4096 * 16384 * 2 // 64
+    assert plan["largest"][0]["path"] in ("blocks/mlp/up", "blocks/mlp/down")
+    assert plan["fits"] is None and plan["error"] is None and plan["devices"] == 64
+
+
+def test_plan_fits_verdict_and_exit_status(capsys):
+    argv = ["plan", "--model", "7b", "--mesh", "data=8,model=8", "--device-memory"]
+    code, out, _ = run(capsys, *argv, "80GB")
+    assert code == 1 and "does NOT fit in 74.51 GiB per device" in out
+    code, out, _ = run(capsys, *argv, "80GB", "--remat", "full")
+    assert code == 0 and "\nfits in 74.51 GiB per device" in out
+    assert "blocks/mlp/up" in out and "P(None, 'data', 'model')" in out
+    # dp replicates everything: the 7b parameters alone are 12.5 GiB on every device.
+    code, out, _ = run(capsys, "plan", "--model", "7b", "--mesh", "data=64", "--strategy",
+                       "dp", "--json", "--batch", "64")
+    plan = json.loads(out)
+    assert plan["bytes_per_device"]["params"] == 2 * get_config("7b").num_params
+    assert plan["replicated_params"] == 12
+
+
+def test_plan_sharding_error_is_reported_with_a_suggestion(capsys):
+    code, out, err = run(capsys, "plan", "--model", "7b", "--mesh", "data=1,model=64",
+                         "--strategy", "tp", "--json")
+    assert code == 2
+    assert json.loads(out)["error"].startswith("strategy 'tp' cannot lay out")
+    assert_one_line_error(code, err, "blocks/attn", "Suggested mesh: {'data': 2, 'model': 32}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["plan", "--model", "7b", "--mesh", "data=8", "--strategy", "ddp"],
+         ["unknown strategy 'ddp'", "Did you mean 'dp'"]),
+        (["plan", "--model", "7b", "--mesh", "data=8,,model"], ["'model' is not 'axis=size'"]),
+        (["plan", "--model", "7b", "--mesh", "data=eight"], ["size 'eight' of axis 'data'"]),
+        (["plan", "--model", "8b", "--mesh", "data=8"], ["unknown model '8b'", "7b"]),
+        (["plan", "--model", "7b", "--mesh", "data=8", "--device-memory", "lots"],
+         ["--device-memory 'lots'"]),
+        (["plan", "--model", "7b", "--mesh", "data=8", "--optimizer", "adagrad"],
+         ["unknown optimizer 'adagrad'"]),
+        (["plan", "--model", "7b"], ["required: --mesh"]),
+        (["demo", "--mesh", "data=16,model=2"], ["needs 32 devices but 8 are available"]),
+        (["demo", "--strategy", "fsdpp"], ["unknown strategy 'fsdpp'"]),
+        (["demo", "--steps", "ten"], ["argument --steps: invalid int value: 'ten'"]),
+        (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+    ],
+)
+def test_bad_flags_print_one_line_and_exit_2(capsys, argv, needles):
+    code, _, err = run(capsys, *argv)
+    assert_one_line_error(code, err, *needles)
+
+
+def test_bad_flags_from_the_console_script_have_no_traceback():
+    done = subprocess.run(
+        [PY, "-c", "import sys; from nnx_shard.cli import main; sys.exit(main())",
+         "plan", "--model", "7b", "--mesh", "data=8,model=8", "--strategy", "pipeline"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "nnx-shard: error: unknown strategy 'pipeline'. Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep."
+    ]
+
+
+def test_parse_bytes():
+    assert cli._parse_bytes("80GB") == 80 * 10**9
+    assert cli._parse_bytes("80GiB") == 80 * 2**30
+    assert cli._parse_bytes("512 MiB") == 512 * 2**20
+    assert cli._parse_bytes("1e9") == 10**9
+
+
+# --------------------------------------------------------------------------- explain
+
+FACTORY = '''
+from flax import nnx
+import nnx_shard as ns
+
+
+def make():
+    init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    return nnx.Linear(64, 128, kernel_init=init, rngs=nnx.Rngs(0))
+'''
+
+
+@pytest.fixture
+def factory_dir(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(FACTORY)
+    (tmp_path / "rules.toml").write_text('[rules]\nembed = "data"\nmlp = "model"\n')
+    (tmp_path / "rules.json").write_text('{"embed": null, "mlp": ["model", null]}')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_models", raising=False)
+    return tmp_path
+
+
+def test_explain_a_user_factory_on_64_abstract_devices(capsys, factory_dir):
+    code, out, err = run(capsys, "explain", "my_models:make", "--mesh", "data=16,model=4",
+                         "--rules", "rules.toml")
+    assert code == 0, err
+    rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in out.splitlines()
+            if line[:1].isalpha()}
+    # kernel 64 x 128 float32 = 32 KiB over 64 devices; the unannotated bias is replicated.
+    assert rows["kernel"][4:7] == ["P('data', 'model')", "32.00 KiB", "512 B"]
+    assert rows["bias"][4:] == ["P()", "512 B", "512 B", "default (replicated)"]
+    assert "mesh: data=16, model=4" in out
+
+
+def test_explain_from_a_file_with_json_rules_and_optimizer(capsys, factory_dir):
+    code, out, err = run(capsys, "explain", str(factory_dir / "my_models.py") + ":make",
+                         "--mesh", "data=2,model=8", "--rules", "rules.json",
+                         "--optimizer", "adam", "--markdown")
+    assert code == 0, err
+    kernel = next(line for line in out.splitlines() if line.startswith("| kernel "))
+    assert "P(None, 'model')" in kernel and "| 4.00 KiB |" in kernel
+    assert "| [opt] opt_state/0/mu/kernel " in out
+    assert "- optimizer state: " in out
+
+
+def test_explain_with_a_strategy_and_bad_factories(capsys, factory_dir):
+    code, out, _ = run(capsys, "explain", "my_models:make", "--mesh", "data=8",
+                       "--strategy", "fsdp")
+    assert code == 0 and "P('data', None)" in out
+    for spec, needle in [("my_models", "is not 'module:factory'"),
+                         ("no_such_module:make", "cannot import 'no_such_module'"),
+                         ("my_models:nope", "has no attribute 'nope'")]:
+        code, _, err = run(capsys, "explain", spec, "--mesh", "data=8", "--strategy", "fsdp")
+        assert_one_line_error(code, err, needle)
+    code, _, err = run(capsys, "explain", "my_models:make", "--mesh", "data=8")
+    assert_one_line_error(code, err, "give --rules FILE")
+
+
+# --------------------------------------------------------------------------- demo
+
+
+@needs_devices(8)
+def test_demo_end_to_end(capsys, tmp_path):
+    out_dir = tmp_path / "demo"
+    code, out, err = run(
+        capsys, "demo", "--steps", "40", "--steps-per-call", "10", "--batch", "16", "--seq",
+        "32", "--embed", "32", "--heads", "4", "--mlp", "64", "--layers", "1", "--lr", "1e-2",
+        "--evals", "2", "--sample-chars", "24", "--out", str(out_dir),
+    )
+    assert code == 0, err
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["strategy"] == "fsdp_tp" and summary["mesh"] == {"data": 4, "model": 2}
+    assert summary["restore_strategy"] == "tp" and summary["restore_mesh"] == {"data": 2, "model": 4}
+    assert summary["steps"] == 40 and len(summary["loss"]) == 40
+    assert summary["train_loss_last"] < summary["train_loss_first"] - 1.0
+    assert summary["heldout_loss"] < summary["heldout_loss_initial"] - 1.0
+    assert [s for s, _ in summary["heldout_evals"]] == [0, 20, 40]
+    # Restored onto another mesh and strategy, the model computes the same loss.
+    assert summary["heldout_loss_restored"] == pytest.approx(summary["heldout_loss"], abs=1e-4)
+    assert 2.5 < summary["unigram_baseline"] < 4.0 and summary["tokens_per_s"] > 0
+    assert len(summary["sample"]) == 24 and len(summary["sample_prompt"]) == 32
+    assert (out_dir / "checkpoint" / "40" / "model").is_dir()
+    png = (out_dir / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    idat = png.index(b"IDAT")
+    (size,) = struct.unpack(">I", png[idat - 4: idat])
+    assert len(zlib.decompress(png[idat + 4: idat + 4 + size])) == height * (1 + 3 * width)
+    # What the user reads: the report, progress, the baseline comparison, the restore.
+    assert "sharding report (ns.strategies.get('fsdp_tp').explain)" in out
+    assert "blocks/0/mlp/up" in out and "P('data', 'model')" in out
+    assert "step 40/40  loss " in out and " tokens/s" in out
+    assert "unigram baseline" in out and "restored it as tp on data=2,model=4" in out
+    assert "(same)" in out
+
+
+def test_demo_simulates_devices_only_before_jax_starts():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    code = (
+        "import nnx_shard, jax; from nnx_shard import cli; "
+        "first = cli._simulate_devices(); n = jax.device_count(); "
+        "print(first, n, cli._simulate_devices())"
+    )
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "8", "False"]
