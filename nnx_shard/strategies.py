@@ -328,7 +328,11 @@ def zero1(*, data: str = "data") -> Strategy:
     device updates its slice of the optimizer state and an all-gather of the
     updated parameters restores the replicas. Use ``opt_rules`` with
     :func:`nnx_shard.sharded_optimizer` and :func:`nnx_shard.explain` (or
-    :meth:`Strategy.optimizer` / :meth:`Strategy.explain`).
+    :meth:`Strategy.optimizer` / :meth:`Strategy.explain`). Train with
+    :func:`nnx_shard.multistep` or :class:`nnx_shard.Trainer`, which keep every
+    array in its layout: a plain ``nnx.jit`` step returns the updated
+    parameters sharded like the optimizer state (the layout of the update), so
+    the run silently becomes :func:`fsdp`.
 
     >>> s = zero1()
     >>> s.rules["embed"], s.opt_rules["embed"]

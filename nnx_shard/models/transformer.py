@@ -231,7 +231,20 @@ class MoE(nnx.Module):
         self.capacity_factor = cfg.capacity_factor
         self.dtype = cfg.dtype
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(dispatch, combine, aux)`` for ``x [batch, length, embed]``.
+
+        ``dispatch [batch, length, experts, capacity]`` is 1 where a token takes
+        a slot of an expert's buffer (each slot holds at most one token, each
+        token at most ``top_k`` slots); ``combine`` holds the token's
+        renormalised gate there instead. ``aux`` is the load-balancing loss.
+
+        >>> cfg = dataclasses.replace(get_config("tiny_moe"), capacity_factor=0.5)
+        >>> moe = MoE(cfg, rngs=nnx.Rngs(0))
+        >>> dispatch, combine, aux = moe.route(jnp.ones((2, 16, cfg.embed)))
+        >>> dispatch.shape, float(dispatch.sum(axis=1).max())   # capacity 4, never over
+        ((2, 16, 4, 4), 1.0)
+        """
         dt = self.dtype
         b, length, _ = x.shape
         n_exp = self.router.shape[-1]
@@ -253,14 +266,19 @@ class MoE(nnx.Module):
         combine = jnp.sum(onehot_slot * gates[..., None, None], axis=2)
         dispatch = constrain(dispatch.astype(dt), ("batch", None, None, None))
         combine = constrain(combine.astype(dt), ("batch", None, None, None))
+        routed = jnp.mean(jnp.sum(chosen, axis=2).astype(jnp.float32), axis=(0, 1)) / k
+        aux = n_exp * jnp.sum(routed * jnp.mean(probs, axis=(0, 1)))
+        return dispatch, combine, aux
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        dt = self.dtype
+        dispatch, combine, aux = self.route(x)
         expert_in = einsum("blxc,ble->xbce", dispatch, x, ("expert", "batch", None, None))
         h = jax.nn.gelu(einsum("xbce,xem->xbcm", expert_in, self.up[...].astype(dt),
                                ("expert", "batch", None, "mlp")))
         expert_out = einsum("xbcm,xme->xbce", h, self.down[...].astype(dt),
                             ("expert", "batch", None, None))
         out = einsum("xbce,blxc->ble", expert_out, combine, RESIDUAL)
-        routed = jnp.mean(jnp.sum(chosen, axis=2).astype(jnp.float32), axis=(0, 1)) / k
-        aux = n_exp * jnp.sum(routed * jnp.mean(probs, axis=(0, 1)))
         return out, aux
 
 

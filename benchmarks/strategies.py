@@ -1,0 +1,231 @@
+"""Every parallelism strategy preset on the same model and 8 simulated CPU devices.
+
+For each preset of ``ns.strategies`` (default mesh shape of 8 devices), the
+reference transformer (``small``: 4 layers, d=128, 4 heads, vocab 512, seq 128;
+``ep`` runs the same with a 4-expert top-2 mixture-of-experts MLP, capacity
+factor 1.0, since expert parallelism needs experts), AdamW, global batch 16, one table:
+
+* params / opt state per device: from ``Strategy.explain`` (no allocation);
+* state per device (compiled): ``argument_size_in_bytes`` of the compiled train
+  step's ``memory_analysis()`` minus the batch (what the step really takes in);
+  temp: its ``temp_size_in_bytes`` (activations, gathered parameters, ...);
+* steps/s and tokens/s: ``ns.multistep`` with K=4 steps per call, at most two
+  calls in flight (DESIGN.md: deeper queues can deadlock XLA's CPU rendezvous);
+  the median of 3 rounds that interleave the strategies;
+* collective bytes per step: the result sizes of the all-reduce, all-gather,
+  reduce-scatter, all-to-all and collective-permute operations of the compiled
+  one-step program (``ns.strategies.compiled_collectives``), per device.
+
+8 simulated devices share the machine's cores and "communicate" through memory,
+so steps/s compares the partitioned programs' total work and overheads, not
+interconnects; bytes are exact.
+
+Run (about 3 minutes on 2 CPU cores)::
+
+    .venv/bin/python benchmarks/strategies.py
+
+``--quick`` shortens the timing (a smoke test of the script only).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Simulated devices must be requested before jax is imported.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import collections
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.report import fmt_bytes
+from nnx_shard.strategies import compiled_collectives
+
+RESULTS = Path(__file__).resolve().parent / "results" / "strategies.json"
+K = 4
+BATCH = 16
+
+
+def train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def config_for(name: str):
+    cfg = get_config("small")
+    if name == "ep":  # capacity 1.0: each expert takes up to an even share of the top-2 picks
+        return dataclasses.replace(cfg, experts=4, top_k=2, capacity_factor=1.0)
+    return cfg
+
+
+def host_batches(cfg, k: int, seed: int) -> dict[str, np.ndarray]:
+    toks = np.random.default_rng(seed).integers(0, cfg.vocab, size=(k, BATCH, cfg.length + 1))
+    toks = toks.astype(np.int32)
+    return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
+
+
+@dataclasses.dataclass
+class Setup:
+    """One strategy, laid out and compiled, ready to be timed."""
+
+    name: str
+    mesh: jax.sharding.Mesh
+    rules: ns.Rules
+    model: Transformer
+    opt: nnx.Optimizer
+    fused: ns.train.Fused
+    data: list
+    row: dict
+
+
+def prepare(name: str) -> Setup:
+    s = ns.strategies.get(name)
+    cfg = config_for(name)
+    mesh = s.make_mesh(8)
+    tx = optax.adamw(1e-3)
+    model = s.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    opt = s.optimizer(model, tx, mesh)
+    report = s.explain(model, mesh, tx)
+    row: dict = {
+        "strategy": name,
+        "mesh": dict(mesh.shape),
+        "params": cfg.num_params,
+        "experts": cfg.experts,
+        "explain_param_bytes_per_device": report.param_bytes_per_device,
+        "explain_opt_bytes_per_device": report.opt_bytes_per_device,
+        "total_param_bytes": report.total_bytes,
+        "total_opt_bytes": report.opt_total_bytes,
+    }
+    names = ("batch", "length")
+    with ns.use(mesh, s.rules):
+        # The one-step program: per-step memory and collectives without the loop.
+        one = ns.shard_batch(host_batches(cfg, 1, 0), mesh, s.rules, names, steps=True)
+        compiled = ns.multistep(train_step).lower(model, opt, one).compile()
+        mem = compiled.memory_analysis()
+        batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(one))
+        row["compiled_state_bytes_per_device"] = int(mem.argument_size_in_bytes) - batch_bytes
+        row["compiled_temp_bytes_per_device"] = int(mem.temp_size_in_bytes)
+        per_kind: dict[str, int] = collections.Counter()
+        per_axes: dict[str, int] = collections.Counter()
+        for c in compiled_collectives(compiled.as_text(), mesh):
+            per_kind[c.kind] += c.bytes
+            per_axes[f"{c.kind} over {'x'.join(c.axes) if c.axes else '?'}"] += c.bytes
+        row["collective_bytes_per_step"] = sum(per_kind.values())
+        row["collective_bytes_by_kind"] = dict(per_kind)
+        row["collective_bytes_by_axes"] = dict(per_axes)
+
+        fused = ns.multistep(train_step)
+        data = [ns.shard_batch(host_batches(cfg, K, i), mesh, s.rules, names, steps=True)
+                for i in range(2)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fused(model, opt, data[0]))
+        row["compile_s"] = time.perf_counter() - t0
+        jax.block_until_ready(fused(model, opt, data[1]))  # warm
+    return Setup(name, mesh, s.rules, model, opt, fused, data, row)
+
+
+def timed(setup: Setup, calls: int) -> float:
+    """Steps/s over ``calls`` fused calls, at most two in flight."""
+    pending: collections.deque = collections.deque()
+    with ns.use(setup.mesh, setup.rules):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            pending.append(setup.fused(setup.model, setup.opt, setup.data[i % 2]))
+            if len(pending) > 2:
+                jax.block_until_ready(pending.popleft())
+        jax.block_until_ready(list(pending))
+        jax.block_until_ready(nnx.state(setup.model))
+        dt = time.perf_counter() - t0
+    return calls * K / dt
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| strategy | mesh | params (total) | params / dev | opt state / dev | "
+            "state / dev (compiled) | temp / dev | steps/s | tokens/s | "
+            "collective bytes / step / dev |")
+    lines = [head, "|" + " --- |" * 10]
+    for r in rows:
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+        coll = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(
+            r["collective_bytes_by_kind"].items()))
+        lines.append(
+            f"| {r['strategy']}{' (MoE)' if r['experts'] else ''} | {mesh} "
+            f"| {fmt_bytes(r['total_param_bytes'])} "
+            f"| {fmt_bytes(r['explain_param_bytes_per_device'])} "
+            f"| {fmt_bytes(r['explain_opt_bytes_per_device'])} "
+            f"| {fmt_bytes(r['compiled_state_bytes_per_device'])} "
+            f"| {fmt_bytes(r['compiled_temp_bytes_per_device'])} "
+            f"| {r['steps_per_s']:.1f} | {r['tokens_per_s']:,.0f} "
+            f"| {fmt_bytes(r['collective_bytes_per_step'])} ({coll}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short timing (smoke test)")
+    ap.add_argument("--only", nargs="*", default=list(ns.strategies.NAMES),
+                    choices=ns.strategies.NAMES, help="strategies to run")
+    args = ap.parse_args()
+    assert jax.device_count() == 8, jax.device_count()
+    t0 = time.perf_counter()
+    setups = []
+    for name in args.only:
+        setups.append(prepare(name))
+        print(f"  {name}: compiled in {setups[-1].row['compile_s']:.1f} s", flush=True)
+    # Interleaved rounds, median: other load on the machine hits every strategy alike.
+    rounds = 1 if args.quick else 3
+    calls = 2 if args.quick else 8
+    rates: dict[str, list[float]] = {s.name: [] for s in setups}
+    for r in range(rounds):
+        order = setups if r % 2 == 0 else setups[::-1]
+        for setup in order:
+            rates[setup.name].append(timed(setup, calls))
+    rows = []
+    for setup in setups:
+        row = setup.row
+        row["steps_per_s_rounds"] = rates[setup.name]
+        row["steps_per_s"] = statistics.median(rates[setup.name])
+        row["tokens_per_s"] = row["steps_per_s"] * BATCH * config_for(setup.name).length
+        rows.append(row)
+    meta = {
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "K": K,
+        "global_batch": BATCH,
+        "model": "small (4 layers, d=128, 4 heads x 32, mlp 512, vocab 512, seq 128)",
+        "optimizer": "adamw",
+        "rounds": rounds,
+        "calls_per_round": calls,
+        "quick": args.quick,
+        "seconds": time.perf_counter() - t0,
+    }
+    print()
+    print(table(rows))
+    print(f"\n(jax {meta['jax']}, {meta['cpus']} CPUs, 8 simulated devices, "
+          f"{meta['seconds']:.0f} s; ep: the same model with 4 experts, top-2, capacity 1.0)")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The reference transformer: shapes, causality, stacked layers, mixture of
+experts, tied embeddings, configuration errors and 7B-class planning shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard.models import CONFIGS, Transformer, TransformerConfig, get_config, lm_loss
+from nnx_shard.models._ops import cross_entropy
+from nnx_shard.models.transformer import MoE
+from tests.conftest import needs_devices
+
+TINY = get_config("tiny")
+
+
+def _tokens(cfg: TransformerConfig, batch: int = 2, length: int | None = None, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, cfg.vocab, size=(batch, length or cfg.length)), jnp.int32)
+
+
+def _count(model_or_state) -> int:
+    state = nnx.state(model_or_state, nnx.Param)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Transformer:
+    return Transformer(TINY, rngs=nnx.Rngs(0))
+
+
+def test_shapes_and_dtypes(tiny: Transformer) -> None:
+    logits, aux = nnx.jit(lambda m, t: m.forward(t))(tiny, _tokens(TINY))
+    assert logits.shape == (2, TINY.length, TINY.vocab) and logits.dtype == jnp.float32
+    assert aux.shape == () and float(aux) == 0.0  # dense MLP: no balancing loss
+    # Shorter sequences use the first positions.
+    assert tiny(_tokens(TINY, batch=3, length=5)).shape == (3, 5, TINY.vocab)
+    assert _count(tiny) == TINY.num_params
+    assert tiny.blocks[0].mlp.up.get_value().shape == (TINY.embed, TINY.mlp)
+    assert tiny.blocks[0].attn.o.get_metadata("out_sharding") == ("heads", "kv", "embed")
+
+
+def test_too_long_sequence(tiny: Transformer) -> None:
+    with pytest.raises(ValueError, match="length 17 but the model has 16 positions"):
+        tiny(_tokens(TINY, length=17))
+
+
+def test_causal(tiny: Transformer) -> None:
+    fwd = nnx.jit(lambda m, t: m(t))
+    tokens = _tokens(TINY, batch=1)
+    t = 9
+    changed = tokens.at[0, t].set((tokens[0, t] + 1) % TINY.vocab)
+    a, b = np.asarray(fwd(tiny, tokens)), np.asarray(fwd(tiny, changed))
+    np.testing.assert_array_equal(a[:, :t], b[:, :t])  # the past does not see the future
+    assert np.abs(a[:, t:] - b[:, t:]).max(axis=-1).min() > 1e-4  # the present and future do
+
+
+def test_loss_is_next_token_cross_entropy(tiny: Transformer) -> None:
+    tokens = _tokens(TINY, length=TINY.length + 1)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    logits = tiny(batch["inputs"])
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    np.testing.assert_allclose(float(lm_loss(tiny, batch)), float(want), rtol=1e-6)
+    # Near log(vocab) at init: the unembedding starts small.
+    assert abs(float(want) - math.log(TINY.vocab)) < 1.0
+
+
+def _stack_blocks(unrolled: Transformer, scanned: Transformer) -> None:
+    """Copies the unrolled model's parameters into the scanned one (blocks stacked)."""
+    per_layer = [nnx.state(b, nnx.Param) for b in unrolled.blocks]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+    nnx.update(scanned.blocks, stacked)
+    for name in ("token_embed", "pos_embed", "unembed"):
+        getattr(scanned, name).set_value(getattr(unrolled, name).get_value())
+    scanned.final_norm.scale.set_value(unrolled.final_norm.scale.get_value())
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_scan_layers_equals_unrolled(experts: int) -> None:
+    cfg = dataclasses.replace(TINY, layers=3, experts=experts)
+    unrolled = Transformer(cfg, rngs=nnx.Rngs(1))
+    scanned = Transformer(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(2))
+    q = scanned.blocks.attn.q
+    assert q.get_value().shape == (3, cfg.embed, cfg.heads, cfg.head_dim)
+    assert q.get_metadata("out_sharding") == ("layers", "embed", "heads", "kv")
+    assert _count(scanned) == cfg.num_params
+    tokens = _tokens(cfg)
+    before = np.asarray(scanned(tokens))
+    _stack_blocks(unrolled, scanned)
+    (lu, au), (ls, as_) = unrolled.forward(tokens), scanned.forward(tokens)
+    assert np.abs(before - np.asarray(ls)).max() > 1e-3  # the copy changed something
+    np.testing.assert_allclose(np.asarray(ls), np.asarray(lu), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(as_), float(au), rtol=1e-5)
+
+
+def test_scan_layers_shard_with_layers_axis() -> None:
+    # The stacked axis is named, so optimizer state and strategies see 4-D specs.
+    cfg = dataclasses.replace(TINY, scan_layers=True)
+    s = ns.strategies.get("fsdp_tp")
+    model = s.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "data=4,model=2")
+    assert model.blocks.attn.q.get_value().sharding.spec == jax.sharding.PartitionSpec(
+        None, "data", "model", None)
+    rules = s.rules | {"layers": "data", "embed": None}
+    m2 = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "data=2,model=4", rules)
+    assert m2.blocks.mlp.up.get_value().sharding.spec == jax.sharding.PartitionSpec(
+        "data", None, "model")
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+def test_moe_forward_and_aux_loss() -> None:
+    cfg = get_config("tiny_moe")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = _tokens(cfg, length=cfg.length + 1)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    logits, aux = model.forward(batch["inputs"])
+    assert logits.shape == (2, cfg.length, cfg.vocab)
+    # experts * sum_e(fraction routed * mean prob) is 1 when perfectly balanced, >0 always.
+    assert 0.5 < float(aux) < cfg.experts
+    ce = cross_entropy(logits, batch["targets"]).mean()
+    assert float(lm_loss(model, batch)) == pytest.approx(
+        float(ce) + cfg.aux_loss_weight * float(aux), rel=1e-6)
+    assert _count(model) == cfg.num_params
+    assert model.blocks[0].mlp.up.get_metadata("out_sharding") == ("expert", "embed", "mlp")
+
+
+@pytest.mark.parametrize("capacity_factor", [0.25, 1.0])
+def test_moe_routing_respects_capacity(capacity_factor: float) -> None:
+    cfg = dataclasses.replace(get_config("tiny_moe"), capacity_factor=capacity_factor)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, cfg.length, cfg.embed))
+    dispatch, combine, _ = (np.asarray(a) for a in moe.route(x))
+    capacity = math.ceil(cfg.top_k * cfg.length * capacity_factor / cfg.experts)
+    assert dispatch.shape == (4, cfg.length, cfg.experts, capacity)
+    assert set(np.unique(dispatch)) <= {0.0, 1.0}
+    assert dispatch.sum(axis=1).max() == 1  # a slot holds at most one token
+    per_expert = dispatch.sum(axis=(1, 3))  # [batch, experts]
+    assert per_expert.max() <= capacity
+    per_token = dispatch.sum(axis=(2, 3))
+    assert per_token.max() <= cfg.top_k
+    if capacity_factor < 1:
+        assert per_expert.max() == capacity and per_token.sum() < 4 * cfg.length * cfg.top_k
+    # Combine weights sit exactly where tokens were dispatched.
+    assert ((combine > 0) == (dispatch > 0)).all()
+    kept_all = per_token == cfg.top_k
+    np.testing.assert_allclose(combine.sum(axis=(2, 3))[kept_all], 1.0, rtol=1e-6)
+
+
+def test_moe_equals_dense_mixture_when_nothing_dropped() -> None:
+    # With capacity for every token, the layer is sum_k gate_k * expert_k(x).
+    cfg = get_config("tiny_moe")
+    # Capacity ceil(top_k * length * 2.0 / experts) = length: no expert can overflow.
+    assert math.ceil(cfg.top_k * cfg.length * cfg.capacity_factor / cfg.experts) == cfg.length
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (2, cfg.length, cfg.embed))
+    out, _ = moe(x)
+    probs = jax.nn.softmax(x @ moe.router[...], axis=-1)
+    gates, idx = jax.lax.top_k(probs, cfg.top_k)
+    gates = gates / gates.sum(-1, keepdims=True)
+    experts = jnp.stack([jax.nn.gelu(x @ moe.up[...][e]) @ moe.down[...][e]
+                         for e in range(cfg.experts)], axis=2)  # [b, l, x, e]
+    picked = jnp.take_along_axis(experts, idx[..., None], axis=2)  # [b, l, k, e]
+    want = jnp.sum(picked * gates[..., None], axis=2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- tied
+
+
+def test_tied_embeddings() -> None:
+    cfg = dataclasses.replace(TINY, tie_embeddings=True)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    assert model.unembed is None
+    assert "unembed" not in nnx.state(model, nnx.Param)
+    assert _count(model) == cfg.num_params == TINY.num_params - TINY.embed * TINY.vocab
+    # The output projection is the token embedding: editing the row of a token that
+    # is not in the input changes that token's logits, and only those.
+    tokens = jnp.zeros((1, cfg.length), jnp.int32)
+    before = np.asarray(model(tokens))
+    table = model.token_embed.get_value()
+    model.token_embed.set_value(table.at[7].multiply(2.0))
+    after = np.asarray(model(tokens))
+    assert np.abs(after[..., 7] - before[..., 7]).min() > 1e-4
+    np.testing.assert_allclose(np.delete(after, 7, -1), np.delete(before, 7, -1), atol=1e-6)
+    # Gradients of the tied table come from both ends.
+    batch = {"inputs": tokens, "targets": tokens}
+    grads = nnx.grad(lm_loss)(model, batch)
+    assert float(jnp.abs(grads["token_embed"][...][7]).sum()) > 0
+
+
+def test_bfloat16_config() -> None:
+    cfg = dataclasses.replace(TINY, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    assert model.blocks[0].attn.q.get_value().dtype == jnp.bfloat16
+    assert model(_tokens(cfg)).dtype == jnp.float32
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"heads": 0}, "heads must be >= 1"),
+        ({"layers": -1}, "layers must be >= 1"),
+        ({"experts": -2}, "need experts >= 0"),
+        ({"experts": 4, "top_k": 5}, "1 <= top_k <= experts"),
+        ({"experts": 4, "top_k": 0}, "1 <= top_k <= experts"),
+    ],
+)
+def test_config_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(**kwargs)
+
+
+def test_get_config() -> None:
+    assert set(CONFIGS) == {"tiny", "tiny_moe", "small", "125m", "1b", "7b"}
+    assert get_config("tiny") is CONFIGS["tiny"]
+    with pytest.raises(ValueError, match="unknown transformer config 'huge'; known: tiny"):
+        get_config("huge")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TINY.layers = 3  # type: ignore[misc]
+
+
+def test_7b_abstract_without_allocation() -> None:
+    cfg = get_config("7b")
+    e, v, m, layers = 4096, 32000, 16384, 32
+    want = v * e + 4096 * e + layers * (4 * e * 32 * 128 + 2 * e * m + 2 * e) + e + e * v
+    assert cfg.num_params == want == 6_721_638_400
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert sum(math.prod(x.shape) for x in leaves) == want
+    assert model.blocks.mlp.up.get_value().shape == (layers, e, m)
+    assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+
+
+@needs_devices(8)
+def test_7b_planned_under_fsdp() -> None:
+    s = ns.strategies.get("fsdp")
+    model = s.abstract_init(lambda: Transformer(get_config("7b"), rngs=nnx.Rngs(0)), "data=8")
+    assert all(isinstance(x, jax.ShapeDtypeStruct)
+               for x in jax.tree.leaves(nnx.state(model)))
+    report = s.explain(model, "data=8", optax.adam(1e-4))
+    assert report.total_bytes == 2 * get_config("7b").num_params  # bf16
+    assert report.param_bytes_per_device == report.total_bytes // 8
+    assert report.opt_bytes_per_device == 2 * report.total_bytes // 8 + 4

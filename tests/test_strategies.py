@@ -1,0 +1,379 @@
+"""Each strategy preset does what it claims, on 8 simulated devices with the
+reference transformer (``tiny``; ``tiny_moe`` for expert parallelism):
+
+(a) loss, gradients, parameters and optimizer state after a few fused steps
+    equal a single-device run;
+(b) per-device bytes of parameters and optimizer state are what the strategy
+    promises, read from the arrays' shards and from ``explain``;
+(c) the compiled train step contains the collectives the strategy names, over
+    the mesh axes it names, read from the HLO.
+
+One module-scoped run per strategy (init, one compilation, K fused steps) feeds
+all three.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.strategies import compiled_collectives
+from tests.conftest import needs_devices
+
+pytestmark = needs_devices(8)
+
+K = 3  # fused steps per run
+LR = 1e-3
+NAMES = ns.strategies.NAMES
+
+# Which parameters each strategy splits, and by how much, on its default 8-device
+# mesh (the promise (b) checks): path pattern -> divisor.
+TP = r"attn/[qkvo]$|mlp/(up|down)$|token_embed$|unembed$"  # heads, mlp or vocab
+EXPERTS = r"mlp/(up|down)$"  # the expert dimension (tiny_moe)
+PROMISE = {
+    #          params                               optimizer state (Adam mu, nu)
+    "dp": (lambda p: 1, lambda p: 1),
+    "zero1": (lambda p: 1, lambda p: 8),
+    "fsdp": (lambda p: 8, lambda p: 8),
+    "tp": (lambda p: 4 if re.search(TP, p) else 1, lambda p: 4 if re.search(TP, p) else 1),
+    "sp": (lambda p: 4 if re.search(TP, p) else 1, lambda p: 4 if re.search(TP, p) else 1),
+    # data=4 over embed (every parameter has it), model=2 over heads/mlp/vocab.
+    "fsdp_tp": (lambda p: 8 if re.search(TP, p) else 4, lambda p: 8 if re.search(TP, p) else 4),
+    "ep": (lambda p: 4 if re.search(EXPERTS, p) else 1,
+           lambda p: 4 if re.search(EXPERTS, p) else 1),
+}
+
+# (c): the (collective, mesh axes) pairs each compiled train step contains.
+COLLECTIVES = {
+    "dp": {("all-reduce", ("data",))},
+    "zero1": {("all-reduce", ("data",)), ("all-gather", ("data",))},
+    "fsdp": {("all-reduce", ("data",)), ("all-gather", ("data",))},
+    "tp": {("all-reduce", ("model",)), ("all-reduce", ("data",)), ("all-gather", ("model",))},
+    "fsdp_tp": {("all-reduce", ("model",)), ("all-reduce", ("data",)),
+                ("all-gather", ("model",)), ("all-gather", ("data",))},
+    "sp": {("all-reduce", ("model",)), ("all-reduce", ("data",)), ("all-gather", ("model",))},
+    "ep": {("all-to-all", ("expert",)), ("all-gather", ("expert",)),
+           ("all-gather", ("data", "expert")), ("all-reduce", ("data",)),
+           ("all-reduce", ("data", "expert"))},
+}
+
+
+def _config(name: str):
+    return get_config("tiny_moe" if name == "ep" else "tiny")
+
+
+@functools.cache
+def _host_batches(cfg) -> dict[str, np.ndarray]:
+    toks = np.random.default_rng(0).integers(0, cfg.vocab, size=(K, 8, cfg.length + 1))
+    toks = toks.astype(np.int32)
+    return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
+
+
+def _step(model, opt, batch):
+    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+    opt.update(model, grads)
+    return {"loss": loss, "grads": grads}
+
+
+@dataclasses.dataclass
+class Run:
+    strategy: ns.strategies.Strategy
+    mesh: jax.sharding.Mesh
+    model: Transformer
+    opt: nnx.Optimizer
+    init_params: dict  # host copies, before training
+    metrics: dict  # host, [K, ...]
+    hlo: str
+
+
+def _run(strategy, mesh, cfg) -> Run:
+    model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    init_params = jax.device_get(nnx.state(model, nnx.Param))
+    opt = strategy.optimizer(model, optax.adam(LR), mesh)
+    with ns.use(mesh, strategy.rules):
+        batch = ns.shard_batch(_host_batches(cfg), mesh, strategy.rules, ("batch", "length"),
+                               steps=True)
+        fused = ns.multistep(_step)
+        hlo = fused.lower(model, opt, batch).compile().as_text()
+        metrics = jax.device_get(fused(model, opt, batch))
+    assert fused.traces == 1  # the call reused the compilation inspected above
+    return Run(strategy, mesh, model, opt, init_params, metrics, hlo)
+
+
+@functools.cache
+def _reference(cfg) -> Run:
+    """The same K steps on one device."""
+    mesh = ns.make_mesh("data=1", devices=jax.devices()[:1])
+    return _run(ns.strategies.get("dp"), mesh, cfg)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def run(request) -> Run:
+    s = ns.strategies.get(request.param)
+    return _run(s, s.make_mesh(8), _config(request.param))
+
+
+def _close(actual, expected, what: str, atol: float = 0.0) -> None:
+    a_flat = jax.tree_util.tree_flatten_with_path(actual)[0]
+    e_flat = jax.tree_util.tree_flatten_with_path(expected)[0]
+    assert [p for p, _ in a_flat] == [p for p, _ in e_flat], what
+    for (path, a), (_, e) in zip(a_flat, e_flat, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(e), rtol=1e-4, atol=atol,
+            err_msg=f"{what}{jax.tree_util.keystr(path)}",
+        )
+
+
+# --------------------------------------------------------------------------- (a) values
+
+
+def test_same_values_as_one_device(run: Run) -> None:
+    ref = _reference(_config(run.strategy.name))
+    assert dict(run.mesh.shape) == run.strategy.mesh_for(8)
+    _close(run.init_params, ref.init_params, "initial params")
+    _close(run.metrics["loss"], ref.metrics["loss"], "loss")
+    # Values near zero differ by float rounding of differently ordered sums
+    # (~1e-9 against gradients of ~0.1 and parameters of ~0.1), hence tiny
+    # absolute tolerances.
+    _close(run.metrics["grads"], ref.metrics["grads"], "grads", atol=1e-7)
+    _close(jax.device_get(nnx.state(run.model, nnx.Param)),
+           jax.device_get(nnx.state(ref.model, nnx.Param)), f"params after {K} steps", atol=1e-8)
+    _close(jax.device_get(nnx.state(run.opt)), jax.device_get(nnx.state(ref.opt)),
+           f"optimizer state after {K} steps", atol=1e-8)
+    assert run.metrics["loss"][-1] < run.metrics["loss"][0]  # it trains
+
+
+def test_layout_survives_training(run: Run) -> None:
+    # The fused steps keep every array in the layout the strategy gave it.
+    rules = run.strategy.rules
+    opt_rules = run.strategy.opt_rules or rules
+    want = ns.shardings(nnx.state(run.model), run.mesh, rules)
+    got = jax.tree.map(lambda x: x.sharding, nnx.state(run.model))
+    assert jax.tree.leaves(got) == jax.tree.leaves(want)
+    mu = run.opt.opt_state[0].mu
+    want_mu = ns.shardings(mu, run.mesh, opt_rules)
+    assert [x.sharding for x in jax.tree.leaves(mu)] == jax.tree.leaves(want_mu)
+
+
+# --------------------------------------------------------------------------- (b) bytes
+
+
+def _device_bytes(tree) -> list[int]:
+    """Bytes each device holds of the arrays in ``tree``."""
+    per: dict[int, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
+    return list(per.values())
+
+
+def _paths(state) -> list[tuple[str, int]]:
+    return [
+        ("/".join(str(k) for k in path), var.get_value().nbytes)
+        for path, var in nnx.to_flat_state(state)
+    ]
+
+
+def test_bytes_per_device_match_promise(run: Run) -> None:
+    name = run.strategy.name
+    param_div, opt_div = PROMISE[name]
+    params = nnx.state(run.model, nnx.Param)
+    total = sum(b for _, b in _paths(params))
+    want_params = sum(b // param_div(p) for p, b in _paths(params))
+    # Adam's mu and nu, each shaped like the parameters, and its int32 step count.
+    want_opt = 2 * sum(b // opt_div(p) for p, b in _paths(params)) + 4
+    opt_state = run.opt.opt_state
+
+    # Every device holds the same, and exactly the promised, number of bytes.
+    assert _device_bytes(params) == [want_params] * 8
+    assert _device_bytes(opt_state) == [want_opt] * 8
+    report = run.strategy.explain(run.model, run.mesh, optax.adam(LR))
+    assert report.total_bytes == total
+    assert report.param_bytes_per_device == want_params
+    assert report.opt_bytes_per_device == want_opt
+    # The headline claims, spelled out.
+    if name == "dp":
+        assert want_params == total and want_opt == 2 * total + 4
+    if name == "zero1":
+        assert want_params == total and want_opt == 2 * total // 8 + 4
+    if name == "fsdp":
+        assert want_params == total // 8 and want_opt == 2 * total // 8 + 4
+    if name in ("tp", "sp", "fsdp_tp", "ep"):
+        assert total // 8 < want_params < total
+
+
+# --------------------------------------------------------------------------- (c) collectives
+
+
+def test_compiled_collectives(run: Run) -> None:
+    s = run.strategy
+    found = compiled_collectives(run.hlo, run.mesh)
+    pairs = {(c.kind, c.axes) for c in found}
+    assert {c.kind for c in found} == set(s.collectives)
+    assert pairs == COLLECTIVES[s.name]
+    assert "reduce-scatter" not in run.hlo  # see the strategies docstring, note [1]
+
+    def total(kind: str, axes: tuple[str, ...]) -> int:
+        return sum(c.bytes for c in found if (c.kind, c.axes) == (kind, axes))
+
+    def ops(kind: str, axes: tuple[str, ...]) -> str:
+        return " ".join(c.op_name for c in found if (c.kind, c.axes) == (kind, axes))
+
+    param_bytes = sum(b for _, b in _paths(nnx.state(run.model, nnx.Param)))
+    if s.name in ("dp", "zero1", "fsdp"):
+        # Every gradient is summed over the data axis.
+        assert total("all-reduce", ("data",)) >= param_bytes
+    if s.name in ("zero1", "fsdp"):
+        # zero1 gathers the updated parameters, fsdp the parameters before use:
+        # either way the whole model passes through all-gathers over data.
+        assert total("all-gather", ("data",)) >= param_bytes
+    if s.name in ("tp", "fsdp_tp", "sp"):
+        # Megatron's row-parallel halves: attention output and MLP down projection.
+        assert "jvp(blhk,hke->ble)" in ops("all-reduce", ("model",))
+        assert "jvp(blm,me->ble)" in ops("all-reduce", ("model",))
+    gathers = [c for c in found if (c.kind, c.axes) == ("all-gather", ("model",))]
+    if s.name in ("tp", "fsdp_tp"):
+        # Over the model axis tp gathers only the vocabulary-split token embedding ...
+        assert len(gathers) == 1 and gathers[0].bytes == 128 * 32 * 4
+    if s.name == "sp":
+        # ... sp also gathers the sequence before attention and the MLP (and the
+        # gradients of the length-split position embedding).
+        assert len(gathers) > 1 + 2 * get_config("tiny").layers
+    if s.name == "ep":
+        # Tokens go to their experts' devices and come back.
+        assert "jvp(blxc,ble->xbce)" in ops("all-to-all", ("expert",))
+        assert "jvp(xbce,blxc->ble)" in ops("all-to-all", ("expert",))
+
+
+# --------------------------------------------------------------------------- Trainer, Auto
+
+
+def test_trainer_with_strategy_matches_one_device() -> None:
+    s = ns.strategies.get("fsdp_tp")
+    mesh = s.make_mesh(8)
+    cfg = _config("fsdp_tp")
+    model = s.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    opt = s.optimizer(model, optax.adam(LR), mesh)
+    trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, steps_per_call=K,
+                         batch_names=("batch", "length"))
+    host = _host_batches(cfg)
+    data = [{k: v[i] for k, v in host.items()} for i in range(K)]
+    history = trainer.fit(data, K, progress=False)
+    ref = _reference(cfg)
+    np.testing.assert_allclose(history["loss"], ref.metrics["loss"], rtol=1e-4)
+    _close(jax.device_get(nnx.state(model, nnx.Param)),
+           jax.device_get(nnx.state(ref.model, nnx.Param)), "params after Trainer.fit",
+           atol=1e-8)
+
+
+def test_auto_mesh_gives_same_values() -> None:
+    # Strategies work on GSPMD (Auto) meshes too: the same rules, propagation decides.
+    s = ns.strategies.get("ep")
+    cfg = _config("ep")
+    r = _run(s, s.make_mesh(8, axis_types="auto"), cfg)
+    ref = _reference(cfg)
+    _close(r.metrics["loss"], ref.metrics["loss"], "loss")
+    _close(jax.device_get(nnx.state(r.model, nnx.Param)),
+           jax.device_get(nnx.state(ref.model, nnx.Param)), "params", atol=1e-8)
+    assert "all-to-all" in {c.kind for c in compiled_collectives(r.hlo, r.mesh)}
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _factory(cfg):
+    return lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh", "missing", "param", "suggest"),
+    [
+        ("tp", "data=8", "model", "blocks/0/attn/k", "{'data': 2, 'model': 4}"),
+        ("fsdp_tp", "model=8", "data", "blocks/0/attn/k", "{'data': 4, 'model': 2}"),
+        ("sp", "data=4,expert=2", "model", "blocks/0/attn/k", "{'data': 2, 'model': 4}"),
+        ("fsdp", "model=8", "data", "blocks/0/attn/k", "{'data': 8}"),
+    ],
+)
+def test_mesh_missing_strategy_axis(name, mesh, missing, param, suggest) -> None:
+    s = ns.strategies.get(name)
+    with pytest.raises(ns.ShardingError) as e:
+        s.sharded_init(_factory(get_config("tiny")), mesh)
+    msg = str(e.value)
+    assert f"no axis '{missing}'" in msg and f"'{param}'" in msg
+    assert f"Suggested mesh: {suggest}" in msg
+    with pytest.raises(ns.ShardingError, match="Suggested mesh"):
+        s.abstract_init(_factory(get_config("tiny")), mesh)
+
+
+def test_missing_axis_with_renamed_axes() -> None:
+    s = ns.strategies.get("ep", data="batch", expert="moe")
+    model = nnx.eval_shape(_factory(get_config("tiny_moe")))
+    with pytest.raises(ns.ShardingError, match=r"no axis 'moe'.*'blocks/0/mlp/down'.*"
+                       r"Suggested mesh: \{'batch': 2, 'moe': 4\}"):
+        s.check(model, "batch=8")
+    s.check(model, "batch=2,moe=4")
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg", "mesh", "param", "logical", "suggest"),
+    [
+        # heads=4 on model=8
+        ("tp", {}, {"data": 1, "model": 8}, "blocks/0/attn/k", "heads",
+         "{'data': 2, 'model': 4}"),
+        # mlp=36 on model=8 (heads=8 and vocab=128 divide)
+        ("tp", {"heads": 8, "mlp": 36}, {"data": 1, "model": 8}, "blocks/0/mlp/down", "mlp",
+         "{'data': 2, 'model': 4}"),
+        # experts=4 on expert=8
+        ("ep", {"experts": 4}, {"data": 1, "expert": 8}, "blocks/0/mlp/down", "expert",
+         "{'data': 2, 'expert': 4}"),
+        # heads=3: only model=1 fits
+        ("fsdp_tp", {"heads": 3}, {"data": 4, "model": 2}, "blocks/0/attn/k", "heads",
+         "{'data': 8, 'model': 1}"),
+    ],
+)
+def test_indivisible_dimension(name, cfg, mesh, param, logical, suggest) -> None:
+    config = dataclasses.replace(get_config("tiny"), **cfg)
+    s = ns.strategies.get(name)
+    with pytest.raises(ns.ShardingError) as e:
+        s.sharded_init(_factory(config), ns.make_mesh(mesh))
+    msg = str(e.value)
+    assert f"parameter '{param}'" in msg and f"rule '{logical}'" in msg
+    assert f"Suggested mesh: {suggest}" in msg
+    # The suggestion works.
+    fits = ast.literal_eval(suggest)
+    s.check(nnx.eval_shape(_factory(config)), fits)
+
+
+def test_no_mesh_fits() -> None:
+    config = dataclasses.replace(get_config("tiny"), embed=30)
+    model = nnx.eval_shape(_factory(config))
+    with pytest.raises(ns.ShardingError, match="No mesh over \\('data',\\) with 8 devices"):
+        ns.strategies.get("fsdp").check(model, "data=8")
+
+
+def test_get_and_mesh_for() -> None:
+    assert ns.strategies.NAMES == ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep")
+    for name in NAMES:
+        s = ns.strategies.get(name)
+        assert s.name == name and s.mesh_axes[0] == "data"
+        assert set(s.collectives) <= set(ns.strategies.KINDS)
+        assert np.prod(list(s.mesh_for(8).values())) == 8
+        for logical in ns.strategies.LOGICAL:
+            assert logical in s.rules
+    with pytest.raises(ns.ShardingError, match="Did you mean 'fsdp'"):
+        ns.strategies.get("fsdpp")
+    with pytest.raises(ns.ShardingError, match="takes mesh-axis keywords \\['data'\\]"):
+        ns.strategies.get("dp", model="m")
+    with pytest.raises(ns.ShardingError, match="must be distinct"):
+        ns.strategies.get("tp", data="x", model="x")
+    assert ns.strategies.get("fsdp_tp").mesh_for(6) == {"data": 3, "model": 2}
