@@ -254,3 +254,16 @@ def test_7b_planned_under_fsdp() -> None:
     assert report.total_bytes == 2 * get_config("7b").num_params  # bf16
     assert report.param_bytes_per_device == report.total_bytes // 8
     assert report.opt_bytes_per_device == 2 * report.total_bytes // 8 + 4
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_tp", "sp"])
+def test_sharded_model_runs_under_plain_jit_without_rules(tiny: Transformer, name: str) -> None:
+    # Restored or sharded models are called for inference outside ns.use: parameters
+    # sharded over Explicit axes are gathered, values equal the unsharded model.
+    s = ns.strategies.get(name)
+    model = s.sharded_init(lambda: Transformer(TINY, rngs=nnx.Rngs(0)), s.make_mesh(8))
+    tokens = _tokens(TINY)
+    out = nnx.jit(lambda m, t: m(t))(model, tokens)
+    np.testing.assert_allclose(out, tiny(tokens), rtol=1e-5, atol=1e-5)
+    assert model.blocks[0].mlp.up.get_value().sharding.spec[0] == ("data" if name != "sp" else None)

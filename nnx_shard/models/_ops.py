@@ -9,7 +9,9 @@ e.g. an FSDP weight sharded on ``embed`` times activations sharded on
 ``batch``, both over ``data``, is a type error, so the weight is first
 resharded to a layout compatible with the activations (the all-gather FSDP
 implies) and the output sharding is passed explicitly. Outside
-:func:`nnx_shard.use` they are plain ``jnp`` calls.
+:func:`nnx_shard.use` they are plain ``jnp`` calls, except that parameters
+sharded over Explicit axes are gathered whole first (so a restored or
+sharded model can also be called under a plain ``nnx.jit``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,26 @@ __all__ = ["constrain", "einsum", "lookup", "whole"]
 def _explicit() -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     return not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _explicitly_sharded(a: jax.Array) -> bool:
+    """``a`` is typed sharded over an Explicit mesh axis (whatever the context mesh)."""
+    sharding = jax.typeof(a).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return False
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t == AxisType.Explicit}
+    return any(axis in explicit for entry in sharding.spec for axis in _axes(entry))
+
+
+def _gathered(w: jax.Array) -> jax.Array:
+    # With no rules active nothing says how to lay the result out; a parameter
+    # sharded over Explicit axes is gathered whole (as FSDP would) so that the
+    # operation is well-typed, and activations keep the layout of the inputs.
+    if not _explicitly_sharded(w):
+        return w
+    return jax.sharding.reshard(w, NamedSharding(jax.typeof(w).sharding.mesh, PartitionSpec()))
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -81,7 +103,7 @@ def einsum(
     sizes = dict(zip(xl, x.shape, strict=True)) | dict(zip(wl, w.shape, strict=True))
     sharding = _resolve(names, [sizes[c] for c in out])
     if sharding is None:
-        return jnp.einsum(eq, x, w)
+        return jnp.einsum(eq, x, _gathered(w))
     if _explicit():
         w = _compatible(xl, x, wl, w)
         return jnp.einsum(eq, x, w, out_sharding=sharding.spec)
@@ -100,7 +122,7 @@ def lookup(table: jax.Array, ids: jax.Array, names: Sequence[str | None]) -> jax
     """
     sharding = _resolve(names, (*ids.shape, table.shape[-1]))
     if sharding is None:
-        return jnp.take(table, ids, axis=0)
+        return jnp.take(_gathered(table), ids, axis=0)
     if _explicit():
         table = jax.sharding.reshard(table, PartitionSpec())
         return table.at[ids].get(out_sharding=sharding.spec)
@@ -116,7 +138,9 @@ def whole(w: jax.Array) -> jax.Array:
     >>> whole(jnp.ones(3)).shape
     (3,)
     """
-    if current() is None or not _explicit():
+    if current() is None:
+        return _gathered(w)
+    if not _explicit():
         return w
     return jax.sharding.reshard(w, PartitionSpec())
 
