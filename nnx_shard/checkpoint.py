@@ -38,6 +38,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from nnx_shard.mesh import current, nbytes
 
 __all__ = ["Checkpointer", "restore", "restore_into", "save"]
 
@@ -179,12 +182,12 @@ def _checksums(values: Sequence[jax.Array]) -> list[list[int]]:
         batches: list[list[int]] = [[]]
         size = 0
         for i in idx:
-            nbytes = int(np.prod(values[i].shape)) * values[i].dtype.itemsize
-            if batches[-1] and size + nbytes > _HASH_BATCH_BYTES:
+            n = nbytes(values[i].shape, values[i].dtype)
+            if batches[-1] and size + n > _HASH_BATCH_BYTES:
                 batches.append([])
                 size = 0
             batches[-1].append(i)
-            size += nbytes
+            size += n
         for batch in batches:
             # One call at a time, blocked on: it holds collectives (see DESIGN.md).
             hashes = jax.device_get(_hash_all([values[i] for i in batch]))
@@ -197,8 +200,6 @@ def _checksums(values: Sequence[jax.Array]) -> list[list[int]]:
 
 
 def _concrete_mesh(abstract: AbstractMesh) -> Mesh:
-    from nnx_shard.mesh import current
-
     ctx = current()
     for mesh in (ctx[0] if ctx else None, jax.sharding.get_mesh()):
         if (
@@ -415,8 +416,6 @@ def _remove_unfinished(directory: pathlib.Path) -> None:
     """
     if jax.process_index() != 0:
         return
-    import shutil
-
     for name in _unfinished(directory):
         shutil.rmtree(directory / name, ignore_errors=True)
 

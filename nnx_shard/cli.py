@@ -120,21 +120,9 @@ def _abstract_mesh(sizes: dict[str, int]) -> Any:
 def _report(model: Any, sizes: dict[str, int], rules: Any, tx: Any = None,
             opt_rules: Any = None) -> Any:
     """:func:`nnx_shard.explain` on an ``AbstractMesh``: any device count, no devices needed."""
-    import jax
-    from flax import nnx
+    from nnx_shard.report import explain
 
-    from nnx_shard.report import Report, _rows
-    from nnx_shard.rules import as_rules
-
-    mesh = _abstract_mesh(sizes)
-    rules = as_rules(rules)
-    state = nnx.state(model)
-    rows = _rows(state, mesh, rules, "params")
-    if tx is not None:
-        o_rules = rules if opt_rules is None else as_rules(opt_rules)
-        opt_state = jax.eval_shape(tx.init, nnx.state(model, nnx.Param))
-        rows += _rows(opt_state, mesh, o_rules, "optimizer", prefix="opt_state/")
-    return Report(rows=tuple(rows), mesh_shape=dict(sizes))
+    return explain(model, _abstract_mesh(sizes), rules, tx, opt_rules=opt_rules)
 
 
 def _optimizer(name: str, lr: float = 1e-3) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from nnx_shard.annotate import SOURCE_KEY, logical_names, path_str
 from nnx_shard.mesh import bytes_per_device, make_mesh, nbytes, variable_spec
@@ -178,7 +178,7 @@ def _rows(state: Any, mesh: Mesh, rules: Rules, group: str, prefix: str = "") ->
 
 def explain(
     model: Any,
-    mesh: Mesh | str | Mapping[str, int],
+    mesh: Mesh | AbstractMesh | str | Mapping[str, int],
     rules: Rules | Mapping[str, Any],
     optimizer: optax.GradientTransformation | None = None,
     *,
@@ -193,7 +193,8 @@ def explain(
     of ``optimizer.init``) and reported too, laid out by ``opt_rules``
     (default: ``rules``), the way ``nnx.Optimizer`` stores it.
 
-    Raises ``ShardingError`` exactly where sharding the model would.
+    Raises ``ShardingError`` exactly where sharding the model would. A
+    ``jax.sharding.AbstractMesh`` plans a mesh of any size with no devices.
 
     >>> import optax
     >>> from flax import nnx
@@ -205,8 +206,12 @@ def explain(
     (33280, 4608, 9220)
     >>> print(str(report).splitlines()[2])
     bias    (128,)     float32  -                  P()            512 B      512 B      default (replicated)
+    >>> big = jax.sharding.AbstractMesh((64,), ("data",))   # more devices than exist
+    >>> explain(model, big, Rules({"embed": "data", "mlp": None})).param_bytes_per_device
+    1024
     """
-    mesh = make_mesh(mesh)
+    if not isinstance(mesh, AbstractMesh):
+        mesh = make_mesh(mesh)
     rules = as_rules(rules)
     state = model if isinstance(model, nnx.State) else nnx.state(model)
     rows = _rows(state, mesh, rules, "params")

@@ -673,7 +673,7 @@ def _select(ok: jax.Array, new: Any, old: Any) -> Any:
             and not want.mesh.empty
             and jax.typeof(a).sharding.spec != want.spec
         ):
-            a = jax.sharding.reshard(a, want.spec)
+            a = _apply(a, want)
         return jnp.where(ok, a, b)
 
     return jax.tree.map(pick, new, old)
