@@ -273,9 +273,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        shown = ",".join(f"{k}={v}" for k, v in sizes.items())
         print(f"plan: model {args.model} ({cfg.num_params / 1e9:.2f} B parameters, "
-              f"{out['param_dtype']}), strategy {strategy.name}, mesh {shown} "
+              f"{out['param_dtype']}), strategy {strategy.name}, mesh {_shown(sizes)} "
               f"({out['devices']} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
               f"remat {args.remat}")
         print()
@@ -533,9 +532,8 @@ def _demo(args: argparse.Namespace) -> int:
         sizes = strategy.mesh_for(n)
     need = math.prod(sizes.values())
     if need > n:
-        shown = ",".join(f"{k}={v}" for k, v in sizes.items())
-        raise _Usage(f"--mesh {shown} needs {need} devices but {n} are available")
-    axis_types = args.axis_types or ("auto" if strategy.name == "zero1" else "explicit")
+        raise _Usage(f"--mesh {_shown(sizes)} needs {need} devices but {n} are available")
+    axis_types = args.axis_types or "explicit"
     mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=axis_types)
     if args.steps < 1 or args.steps_per_call < 1 or args.batch < 1 or args.evals < 1:
         raise _Usage("--steps, --steps-per-call, --batch and --evals must be at least 1")
@@ -784,7 +782,7 @@ def _build_parser() -> _Parser:
     d.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
     d.add_argument("--axis-types", choices=("explicit", "auto"), default=None,
                    help="mesh axis types of the training mesh (default explicit, JAX's "
-                   "default; auto for zero1, whose fused step needs it)")
+                   "default)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal")
     d.set_defaults(run=_demo)
 
