@@ -57,7 +57,7 @@ def test_from_json_and_toml(tmp_path):
     t.write_text('batch = "data"\nmlp = ["model", ""]\n')
     assert Rules.from_file(t) == Rules({"batch": "data", "mlp": ["model", None]})
     assert Rules.from_file(j).to_dict()["embed"] == [["data", "fsdp"]]
-    bad = tmp_path / "r.yaml"
+    bad = tmp_path / "r.ini"
     bad.write_text("x")
     with pytest.raises(ShardingError, match="unknown format"):
         Rules.from_file(bad)
