@@ -465,7 +465,8 @@ class Rules(Mapping[str, RuleValue]):
         """A JSON-able dict (candidate lists as lists, axis products as lists in a list).
 
         Candidates are grouped by name; when entries of different names interleave,
-        :meth:`to_pairs` keeps the exact table order.
+        :meth:`to_pairs` keeps the exact table order. ``PartitionSpec.UNCONSTRAINED``
+        stays that object (JSON has no spelling for it).
 
         >>> Rules({"embed": ("data", "fsdp"), "mlp": "model"}).to_dict()
         {'embed': [['data', 'fsdp']], 'mlp': 'model'}
