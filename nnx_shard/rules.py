@@ -650,8 +650,8 @@ class Rules(Mapping[str, RuleValue]):
                 # Mesh axes given directly (Flax style) are fixed before any rule applies.
                 why = self._why_not(name, size(dim), sizes, has_mesh, taken, lenient=True)
                 if why is not None:
-                    raise self._error(name, f"{name!r} (mesh axes given directly)", dim, size(dim),
-                                      head, sizes, [(name, why)])
+                    raise self._error(name, f"{name!r} (mesh axes given directly)", dim, head, sizes,
+                                      [(name, why)])
                 claim(dim, name)
             else:
                 dims_of.setdefault(name, []).append(dim)
@@ -728,14 +728,13 @@ class Rules(Mapping[str, RuleValue]):
                 stacklevel=4,
             )
             return ()
-        raise self._error(name, rule_txt, dim, dim_size, head, sizes, failures)
+        raise self._error(name, rule_txt, dim, head, sizes, failures)
 
     @staticmethod
     def _error(
         key: str | tuple[str, ...],
         rule_txt: str,
         dim: int,
-        dim_size: int | None,
         head: str,
         sizes: dict[str, int],
         failures: list[tuple[Placement, str]],
@@ -759,7 +758,7 @@ class Rules(Mapping[str, RuleValue]):
                 f"e.g. rules | {{{key!r}: [{first}, None]}}."
             )
         return ShardingError(
-            f"{rule_txt} cannot shard dimension {dim} (size {dim_size}) of {head}: {detail}. "
+            f"{rule_txt} cannot shard dimension {dim} of {head}: {detail}. "
             f"Fix: make the dimension divisible, add None as a last candidate "
             f"(rules | {{{key!r}: [{first}, None]}}), or pass "
             "Rules(..., indivisible='replicate') to replicate such dimensions with a warning."

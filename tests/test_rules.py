@@ -664,3 +664,12 @@ def test_unconstrained_for_a_parameter_is_an_error():
     msg = str(e.value)
     assert "'kernel'" in msg and "UNCONSTRAINED" in msg and "stored array" in msg
     assert "rules | {'embed': None}" in msg
+
+
+def test_mesh_axes_given_directly_are_fixed_first():
+    rules = Rules({"embed": ["data", None]})
+    # as in Flax, axes written directly in the names block the table's entries
+    assert rules.spec(("embed", ("data", "model")), (8, 8), MESH) == P(None, ("data", "model"))
+    assert rules.spec(("embed", ("fsdp", "model")), (8, 8), MESH) == P("data", ("fsdp", "model"))
+    with pytest.raises(ShardingError, match=r"\('fsdp', 'tensor'\) \(mesh axes given directly\)"):
+        rules.spec(("embed", ("fsdp", "tensor")), (8, 8), MESH, path="w")
