@@ -192,7 +192,7 @@ def variable_spec(var: Any, mesh: Any, rules: Rules, path: str = "") -> Partitio
     if names is None:
         return PartitionSpec()
     shape = getattr(var.get_value(), "shape", None)
-    return rules.spec(names, shape=shape, mesh=mesh, path=path)
+    return rules.spec(names, shape=shape, mesh=mesh, path=path, allow_unconstrained=False)
 
 
 def shardings(tree: Any, mesh: Mesh, rules: Rules | Mapping[str, Any]) -> Any:

@@ -1,21 +1,41 @@
 """Rules: the table that turns logical axis names into mesh axes.
 
-A rule value is one of
+A rules table is an ordered list of entries ``(logical name, placement)``. A
+placement is
 
 * a mesh axis name (``"model"``): shard the dimension over that axis;
 * a tuple of mesh axis names (``("data", "fsdp")``): shard over their product;
 * ``None``: replicate the dimension;
-* a list of the above (``["model", "data", None]``): ordered candidates, the
-  first that fits wins. A candidate fits when every axis exists in the mesh, is
-  not used by an earlier dimension of the same array, and the product of the
-  axis sizes divides the dimension.
+* ``PartitionSpec.UNCONSTRAINED`` (activations only): let the compiler choose.
 
-Built from a sequence of pairs, a logical name given more than once collects its
-values as ordered candidates, first fit wins. That is how Flax linen and MaxText
-read their tables; Flax NNX's own resolver turns the table into a dict where the
-*last* entry wins. We chose first-fit on purpose: it lets one table say "shard
-over 'model' if possible, else over 'data', else replicate", and it never drops
-an entry silently.
+Resolution (:meth:`Rules.spec`) is the one of Flax linen's
+``logical_to_mesh_axes`` and MaxText: the table is walked **in order**, and an
+entry ``(logical, placement)`` applies to the dimension carrying that logical
+name when the dimension is still unassigned and none of the entry's mesh axes
+shards another dimension yet. A logical name given more than once therefore
+lists fallbacks (the first that applies wins), and an earlier entry claims a
+mesh axis before a later one, whatever the order of the array's dimensions.
+Flax NNX's own resolver turns the table into a dict, where the *last* entry of
+a repeated name wins and the others are dropped; we keep linen's table order.
+
+Two checks are ours: an entry whose mesh axis is not in the mesh, or whose axes'
+product does not divide the dimension, does not fit, and the walk goes on to the
+next entry. Where no entry fits a named dimension, Flax silently replicates it;
+we raise a ``ShardingError`` that names the array, its shape and logical names,
+every entry tried and why it failed, and a fix (give the table a ``None`` entry
+for that name, or ``Rules(..., indivisible="replicate")`` for dimensions that
+only fail to divide). A mesh axis of size 1 shards nothing, so when nothing else
+fits, an entry blocked only by an already used size-1 axis applies without it.
+A logical name with no entry that is itself a mesh axis maps to that axis.
+
+Two ways to write a table:
+
+* ``Rules({...})`` / ``Rules([(logical, value), ...])``: a value is a placement
+  or a Python **list** of placements, the ordered candidates of that name (they
+  become consecutive entries); a product of axes is a **tuple**.
+* ``Rules.from_pairs(pairs)`` and :meth:`Rules.from_file` read tables as Flax and
+  MaxText write them: a list **or** tuple value is a product of mesh axes,
+  ``[]`` / ``None`` / ``""`` replicate, and a repeated name is the next candidate.
 """
 
 from __future__ import annotations
@@ -33,34 +53,68 @@ from jax.sharding import PartitionSpec
 
 from nnx_shard.errors import ShardingError, ShardingWarning
 
-#: One candidate placement: the mesh axes a dimension is sharded over (``()`` replicates).
-Placement: TypeAlias = tuple[str, ...]
-RuleValue: TypeAlias = str | tuple[str, ...] | list[str | tuple[str, ...] | None] | None
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+_Unconstrained = type(UNCONSTRAINED)
+
+#: One placement: the mesh axes a dimension is sharded over (``()`` replicates), or
+#: ``PartitionSpec.UNCONSTRAINED``.
+Placement: TypeAlias = tuple[str, ...] | _Unconstrained
+RuleValue: TypeAlias = (
+    str | tuple[str, ...] | list[str | tuple[str, ...] | None] | _Unconstrained | None
+)
 LogicalNames: TypeAlias = Sequence[str | None]
 Indivisible = Literal["error", "replicate"]
 
 __all__ = ["Rules"]
 
 
+def _product(axes: tuple[Any, ...], logical: str, shown: Any, fix: str) -> tuple[str, ...]:
+    """Validates a product of mesh axes (``shown`` is the value as the user wrote it)."""
+    for a in axes:
+        if a == "":
+            raise ShardingError(
+                f"rule {logical!r} -> {shown!r}: an empty string is not a mesh axis name. "
+                f"Fix: name a mesh axis, or use None to replicate, e.g. {fix}."
+            )
+        if not isinstance(a, str):
+            raise ShardingError(
+                f"rule {logical!r} -> {shown!r}: a product of mesh axes must list mesh axis "
+                f"names (strings), got {a!r}. Fix: e.g. {fix}."
+            )
+    if len(set(axes)) != len(axes):
+        raise ShardingError(
+            f"rule {logical!r} -> {shown!r} names a mesh axis twice. "
+            f"Fix: list each mesh axis once, e.g. {tuple(dict.fromkeys(axes))!r}."
+        )
+    return tuple(axes)
+
+
 def _placement(value: Any, logical: str) -> Placement:
-    """Normalises one candidate (str | tuple[str, ...] | None) to a tuple of axes."""
+    """One placement as ``Rules({...})`` writes it: str | tuple[str, ...] | None | UNCONSTRAINED."""
+    fix = f"Rules({{{logical!r}: None}})"
     if value is None:
         return ()
+    if value is UNCONSTRAINED:
+        return UNCONSTRAINED
     if isinstance(value, str):
         if not value:
-            return ()
-        return (value,)
-    if isinstance(value, tuple) and all(isinstance(a, str) and a for a in value):
-        if len(set(value)) != len(value):
             raise ShardingError(
-                f"rule {logical!r} -> {value!r} names a mesh axis twice. "
-                f"Fix: list each mesh axis once, e.g. {tuple(dict.fromkeys(value))!r}."
+                f"rule {logical!r} -> '': an empty string is not a mesh axis name (it would "
+                f"silently replicate). Fix: use None to replicate, e.g. {fix}."
             )
-        return value
+        return (value,)
+    if isinstance(value, tuple):
+        return _product(value, logical, value, fix)
+    hint = ""
+    if isinstance(value, list):
+        hint = (
+            " In Rules({...}) a list holds candidates and a product of axes is a tuple; "
+            "Rules.from_pairs reads lists as products, as Flax and MaxText write them."
+        )
     raise ShardingError(
         f"rule {logical!r} -> {value!r}: a rule value must be a mesh axis name, a tuple of "
-        "mesh axis names, None (replicate) or a list of those (ordered candidates). "
-        f"Fix: e.g. Rules({{{logical!r}: 'model'}}) or Rules({{{logical!r}: None}})."
+        "mesh axis names, None (replicate), PartitionSpec.UNCONSTRAINED or a list of those "
+        f"(ordered candidates).{hint} Fix: e.g. Rules({{{logical!r}: 'model'}}) or {fix}."
     )
 
 
@@ -75,15 +129,38 @@ def _candidates(value: Any, logical: str) -> tuple[Placement, ...]:
     return (_placement(value, logical),)
 
 
-def _public_value(cands: tuple[Placement, ...]) -> RuleValue:
-    def one(p: Placement) -> str | tuple[str, ...] | None:
-        if not p:
-            return None
-        return p[0] if len(p) == 1 else p
+def _pair_placement(value: Any, logical: str) -> Placement:
+    """One placement as Flax / MaxText write it: a list or tuple is a product of axes."""
+    if value is None or (isinstance(value, str | list | tuple) and len(value) == 0):
+        return ()
+    if value is UNCONSTRAINED:
+        return UNCONSTRAINED
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple):
+        fix = f"[{logical!r}, ['data', 'fsdp']] or [{logical!r}, None]"
+        return _product(tuple(value), logical, value, fix)
+    raise ShardingError(
+        f"rule {logical!r} -> {value!r}: in a table of [logical, mesh] pairs the mesh side "
+        "must be a mesh axis name, a list or tuple of mesh axis names (their product), "
+        f"None / [] / '' (replicate) or PartitionSpec.UNCONSTRAINED. "
+        f"Fix: e.g. [{logical!r}, 'model'] or [{logical!r}, ['data', 'fsdp']]."
+    )
 
+
+def _one(p: Placement) -> str | tuple[str, ...] | _Unconstrained | None:
+    """The public form of one placement: None, an axis name, a tuple, or UNCONSTRAINED."""
+    if p is UNCONSTRAINED:
+        return UNCONSTRAINED
+    if not p:
+        return None
+    return p[0] if len(p) == 1 else p
+
+
+def _public_value(cands: tuple[Placement, ...]) -> RuleValue:
     if len(cands) == 1:
-        return one(cands[0])
-    return [one(c) for c in cands]
+        return _one(cands[0])
+    return [_one(c) for c in cands]
 
 
 def _check_logical(name: Any) -> str:
@@ -112,7 +189,12 @@ def _fmt_mesh(sizes: Mapping[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "no axes"
 
 
-def _fmt_value(v: RuleValue) -> str:
+def _fmt_value(v: Any) -> str:
+    """repr() of a rule value, with UNCONSTRAINED written as code that builds it."""
+    if v is UNCONSTRAINED:
+        return "P.UNCONSTRAINED"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt_value(c) for c in v) + "]"
     return repr(v)
 
 
@@ -126,16 +208,72 @@ def describe(path: str, shape: Sequence[int] | None, names: Any) -> str:
     return f"{what} ({', '.join(parts)})"
 
 
+def _load(path: Path) -> Any:
+    """The parsed content of a .json / .toml / .yaml rules file."""
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".toml", ".yaml", ".yml"):
+        raise ShardingError(
+            f"rules file {str(path)!r}: unknown format {path.suffix!r}. "
+            "Fix: use a .json, .toml or .yaml/.yml file."
+        )
+    text = path.read_text()
+    if suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as e:
+            raise ImportError(
+                f"rules file {str(path)!r} is YAML, which needs PyYAML. "
+                "Fix: pip install nnx_shard[yaml] (or pip install pyyaml), or use .json/.toml."
+            ) from e
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ShardingError(f"rules file {str(path)!r} could not be parsed: {e}") from e
+    try:
+        return json.loads(text) if suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ShardingError(f"rules file {str(path)!r} could not be parsed: {e}") from e
+
+
+def _file_value(v: Any) -> Any:
+    """A value of the dict file format: "" replicates (TOML has no null); in a
+    candidate list, a nested list is a product of mesh axes."""
+    if v == "":
+        return None
+    if isinstance(v, list):
+        return [tuple(c) if isinstance(c, list) else (None if c == "" else c) for c in v]
+    return v
+
+
+_UNASSIGNED: Any = object()
+
+
 class Rules(Mapping[str, RuleValue]):
-    """A frozen table mapping logical axis names to mesh axes.
+    """A frozen, ordered table mapping logical axis names to mesh axes.
+
+    Rules are walked in table order, as Flax linen's ``logical_to_mesh_axes``
+    and MaxText do: an entry applies to the dimension with its logical name if
+    that dimension is still unassigned and none of its mesh axes is used yet.
+    Our additions: an entry whose axis is missing from the mesh or whose axes do
+    not divide the dimension does not fit (the walk tries the next entry), and a
+    named dimension that no entry fits is a ``ShardingError`` where Flax would
+    silently replicate it. Flax NNX's dict-based resolver lets the last entry of
+    a repeated name win; here the first entry that fits wins.
 
     Args:
       table: a mapping ``{logical: value}``, a sequence of ``(logical, value)``
-        pairs (a repeated logical name adds ordered candidates, first fit wins),
-        or another ``Rules``.
+        pairs, or another ``Rules``. A value is a mesh axis name, a **tuple** of
+        mesh axis names (their product), ``None`` (replicate),
+        ``PartitionSpec.UNCONSTRAINED`` (activations only), or a Python **list**
+        of those: ordered candidates of that name, entered consecutively. A
+        logical name repeated in a sequence of pairs adds its values as further
+        entries at that place in the table. An empty string is an error (use
+        ``None``). For tables written as Flax and MaxText write them, where a
+        list means a *product* of mesh axes, use :meth:`from_pairs`.
       indivisible: what to do when a dimension does not divide by its mesh axes
-        and no candidate fits: ``"error"`` (default) raises a ``ShardingError``;
-        ``"replicate"`` replicates that dimension and emits a ``ShardingWarning``.
+        and no other entry fits: ``"error"`` (default) raises a
+        ``ShardingError``; ``"replicate"`` replicates that dimension and emits a
+        ``ShardingWarning``.
 
     >>> rules = Rules({"batch": "data", "embed": None, "mlp": ["model", None]})
     >>> rules.spec(("embed", "mlp"), shape=(16, 32), mesh={"data": 2, "model": 4})
@@ -146,10 +284,17 @@ class Rules(Mapping[str, RuleValue]):
     'data'
     >>> Rules([("mlp", "model"), ("mlp", "data")])["mlp"]
     ['model', 'data']
+
+    Table order, not dimension order, decides which name gets a contested axis:
+
+    >>> pairs = [("a", "model"), ("b", "model"), ("b", "data")]
+    >>> Rules(pairs).spec(("b", "a"), shape=(4, 4), mesh={"data": 2, "model": 2})
+    P('data', 'model')
     """
 
-    __slots__ = ("_indivisible", "_table")
+    __slots__ = ("_entries", "_indivisible", "_table")
 
+    _entries: tuple[tuple[str, Placement], ...]
     _table: dict[str, tuple[Placement, ...]]
     _indivisible: Indivisible
 
@@ -159,14 +304,15 @@ class Rules(Mapping[str, RuleValue]):
         *,
         indivisible: Indivisible | None = None,
     ) -> None:
-        parsed: dict[str, tuple[Placement, ...]] = {}
+        entries: list[tuple[str, Placement]] = []
         if isinstance(table, Rules):
-            parsed = dict(table._table)
+            entries = list(table._entries)
             if indivisible is None:
                 indivisible = table._indivisible
         elif isinstance(table, Mapping):
             for name, value in table.items():
-                parsed[_check_logical(name)] = _candidates(value, name)
+                name = _check_logical(name)
+                entries += [(name, p) for p in _candidates(value, name)]
         elif isinstance(table, str | bytes) or not isinstance(table, Iterable):
             raise ShardingError(
                 f"Rules expects a mapping or a sequence of (logical, value) pairs, got {table!r}. "
@@ -179,15 +325,76 @@ class Rules(Mapping[str, RuleValue]):
                         f"rules entry {item!r} is not a (logical, value) pair. "
                         "Fix: Rules([('batch', 'data'), ('mlp', 'model')])."
                     )
-                name, value = item
-                parsed[_check_logical(name)] = parsed.get(name, ()) + _candidates(value, name)
+                name = _check_logical(item[0])
+                entries += [(name, p) for p in _candidates(item[1], name)]
+        self._set(entries, indivisible)
+
+    def _set(self, entries: Iterable[tuple[str, Placement]], indivisible: Any) -> None:
         indivisible = indivisible or "error"
         if indivisible not in ("error", "replicate"):
             raise ShardingError(
                 f"indivisible={indivisible!r}: expected 'error' or 'replicate'."
             )
-        object.__setattr__(self, "_table", parsed)
+        entries = tuple(entries)
+        table: dict[str, tuple[Placement, ...]] = {}
+        for name, p in entries:
+            table[name] = (*table.get(name, ()), p)
+        object.__setattr__(self, "_entries", entries)
+        object.__setattr__(self, "_table", table)
         object.__setattr__(self, "_indivisible", indivisible)
+
+    @classmethod
+    def from_pairs(
+        cls,
+        pairs: Iterable[Sequence[Any]],
+        *,
+        indivisible: Indivisible | None = None,
+    ) -> Rules:
+        """A table written as Flax linen and MaxText write ``logical_axis_rules``.
+
+        ``pairs`` is a sequence of ``[logical, mesh]`` items, in priority order.
+        Unlike ``Rules({...})``, a list **or** tuple on the mesh side is a
+        *product* of mesh axes; ``[]``, ``None`` and ``""`` (TOML has no null)
+        replicate; ``PartitionSpec.UNCONSTRAINED`` leaves an activation
+        dimension to the compiler; and a repeated logical name is the next
+        candidate for that name. Resolution is the table walk described on
+        :class:`Rules`.
+
+        >>> rules = Rules.from_pairs([
+        ...     ["batch", "data"],
+        ...     ["vocab", ["tensor", "autoregressive"]],   # a product, as in MaxText
+        ...     ["embed", ["fsdp", "tensor"]],
+        ...     ["embed", "fsdp"],                         # embed's next candidate
+        ...     ["norm", []],                              # replicated
+        ... ])
+        >>> rules["vocab"], rules["embed"], rules["norm"]
+        (('tensor', 'autoregressive'), [('fsdp', 'tensor'), 'fsdp'], None)
+        >>> mesh = {"data": 1, "fsdp": 2, "tensor": 2, "autoregressive": 2}
+        >>> rules.spec(("embed", "vocab"), shape=(8, 16), mesh=mesh)
+        P('fsdp', ('tensor', 'autoregressive'))
+        >>> rules.spec(("embed", "norm"), shape=(8, 16), mesh=mesh)
+        P(('fsdp', 'tensor'), None)
+        """
+        if isinstance(pairs, str | bytes | Mapping) or not isinstance(pairs, Iterable):
+            raise ShardingError(
+                f"Rules.from_pairs expects a sequence of [logical, mesh] pairs, got {pairs!r}. "
+                "Fix: e.g. Rules.from_pairs([['batch', 'data'], ['vocab', ['tensor', 'expert']]])"
+                "; for a {logical: value} mapping use Rules({...})."
+            )
+        entries: list[tuple[str, Placement]] = []
+        for item in pairs:
+            if isinstance(item, str | bytes) or not (
+                isinstance(item, Sequence) and len(item) == 2
+            ):
+                raise ShardingError(
+                    f"rules entry {item!r} is not a [logical, mesh] pair. "
+                    "Fix: e.g. ['batch', 'data'] or ['vocab', ['tensor', 'expert']]."
+                )
+            name = _check_logical(item[0])
+            entries.append((name, _pair_placement(item[1], name)))
+        rules = cls.__new__(cls)
+        rules._set(entries, indivisible)
+        return rules
 
     # -- frozen mapping ------------------------------------------------------
 
@@ -206,19 +413,28 @@ class Rules(Mapping[str, RuleValue]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Rules):
             return NotImplemented
-        return self._table == other._table and self._indivisible == other._indivisible
+        return self._entries == other._entries and self._indivisible == other._indivisible
 
     def __hash__(self) -> int:
-        return hash((tuple(self._table.items()), self._indivisible))
+        return hash((self._entries, self._indivisible))
 
     def __or__(self, other: Mapping[str, RuleValue] | Rules) -> Rules:
-        """Entries of ``other`` replace whole entries of ``self`` (candidates included)."""
+        """A new table where ``other``'s entries replace all of ``self``'s entries for
+        the same names, at the place of the first of them; new names go last."""
         if not isinstance(other, Mapping):
             return NotImplemented
-        merged = Rules(self)
-        table = dict(merged._table)
-        table.update(Rules(other)._table)
-        object.__setattr__(merged, "_table", table)
+        right = other if isinstance(other, Rules) else Rules(other)
+        entries: list[tuple[str, Placement]] = []
+        placed: set[str] = set()
+        for name, p in self._entries:
+            if name not in right._table:
+                entries.append((name, p))
+            elif name not in placed:
+                placed.add(name)
+                entries += [(name, c) for c in right._table[name]]
+        entries += [(n, p) for n, p in right._entries if n not in self._table]
+        merged = Rules.__new__(Rules)
+        merged._set(entries, self._indivisible)
         return merged
 
     @property
@@ -227,91 +443,142 @@ class Rules(Mapping[str, RuleValue]):
         return self._indivisible
 
     def candidates(self, name: str) -> tuple[Placement, ...]:
-        """Ordered candidate placements of ``name`` (each a tuple of mesh axes).
+        """Ordered candidate placements of ``name`` (each a tuple of mesh axes, or
+        ``PartitionSpec.UNCONSTRAINED``).
 
         >>> Rules({"mlp": ["model", None]}).candidates("mlp")
         (('model',), ())
         """
         return self._table[name]
 
+    def to_pairs(self) -> list[tuple[str, Any]]:
+        """The entries in table order, as ``(logical, mesh)`` pairs: a mesh axis name,
+        a tuple (product), ``None`` or ``PartitionSpec.UNCONSTRAINED``. The result is
+        a table for :meth:`from_pairs`, ``Rules(...)`` and Flax linen alike.
+
+        >>> Rules([("mlp", "model"), ("embed", ("data", "fsdp")), ("mlp", None)]).to_pairs()
+        [('mlp', 'model'), ('embed', ('data', 'fsdp')), ('mlp', None)]
+        """
+        return [(name, _one(p)) for name, p in self._entries]
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (candidate lists as lists, axis products as lists in a list).
+
+        Candidates are grouped by name; when entries of different names interleave,
+        :meth:`to_pairs` keeps the exact table order. ``PartitionSpec.UNCONSTRAINED``
+        stays that object (JSON has no spelling for it).
 
         >>> Rules({"embed": ("data", "fsdp"), "mlp": "model"}).to_dict()
         {'embed': [['data', 'fsdp']], 'mlp': 'model'}
         """
+        def one(c: Placement) -> Any:
+            if c is UNCONSTRAINED:
+                return UNCONSTRAINED
+            return list(c) if len(c) > 1 else (c[0] if c else None)
+
         out: dict[str, Any] = {}
         for name, cands in self._table.items():
-            if len(cands) == 1 and len(cands[0]) <= 1:
-                out[name] = cands[0][0] if cands[0] else None
+            if len(cands) == 1 and (cands[0] is UNCONSTRAINED or len(cands[0]) <= 1):
+                out[name] = one(cands[0])
             else:
-                out[name] = [list(c) if len(c) > 1 else (c[0] if c else None) for c in cands]
+                out[name] = [one(c) for c in cands]
         return out
 
+    def _grouped(self) -> bool:
+        """Whether each name's entries are consecutive (a dict shows the table exactly)."""
+        names = [n for i, (n, _) in enumerate(self._entries)
+                 if i == 0 or self._entries[i - 1][0] != n]
+        return len(names) == len(set(names))
+
     def __repr__(self) -> str:
-        body = ", ".join(f"{k!r}: {_fmt_value(v)}" for k, v in self.items())
         extra = "" if self._indivisible == "error" else f", indivisible={self._indivisible!r}"
-        return f"Rules({{{body}}}{extra})"
+        if self._grouped():
+            body = ", ".join(f"{k!r}: {_fmt_value(v)}" for k, v in self.items())
+            return f"Rules({{{body}}}{extra})"
+        body = ", ".join(f"({k!r}, {_fmt_value(v)})" for k, v in self.to_pairs())
+        return f"Rules([{body}]{extra})"
 
     def __str__(self) -> str:
         if not self._table:
             return "Rules (empty)"
+
+        def shown(v: Any) -> str:
+            if v is UNCONSTRAINED:
+                return "unconstrained"
+            return "replicated" if v is None else _fmt_value(v)
+
         width = max(len("logical"), *(len(k) for k in self._table))
-        lines = [f"{'logical':<{width}}  mesh"]
-        for name, value in self.items():
-            shown = "replicated" if value is None else _fmt_value(value)
-            lines.append(f"{name:<{width}}  {shown}")
-        return "\n".join(lines)
+        if self._grouped():
+            rows = list(self.items())
+            head = f"{'logical':<{width}}  mesh"
+        else:
+            rows = self.to_pairs()
+            head = f"{'logical':<{width}}  mesh (in priority order)"
+        return "\n".join([head, *(f"{name:<{width}}  {shown(v)}" for name, v in rows)])
 
     # -- files ---------------------------------------------------------------
 
     @classmethod
     def from_file(cls, path: str | Path) -> Rules:
-        """Loads rules from a ``.json`` or ``.toml`` file.
+        """Loads rules from a ``.json``, ``.toml`` or ``.yaml``/``.yml`` file.
 
-        The file holds a table of logical name to value, either at the top
-        level or under a ``rules`` key; an optional top-level ``indivisible``
-        sets the policy. Values: a string names a mesh axis; ``null`` (JSON)
-        or ``""`` (TOML has no null) replicates; an array lists ordered
-        candidates, where a nested array is a product of mesh axes::
+        Two layouts are read:
 
-            # rules.toml
-            [rules]
-            batch = "data"
-            embed = [["data", "fsdp"]]   # shard over data x fsdp
-            mlp = ["model", ""]          # model if it fits, else replicate
+        * a list of ``[logical, mesh]`` pairs, as Flax and MaxText write them
+          (see :meth:`from_pairs`: a list is a product of mesh axes, ``[]`` or
+          ``""`` replicates, a repeated name is the next candidate): the whole
+          file (JSON/YAML), or under a ``logical_axis_rules`` or ``rules`` key,
+          other keys ignored, so MaxText's ``base.yml`` loads unchanged;
+        * a table of logical name to value, at the top level or under a
+          ``rules`` key, read as ``Rules({...})``: a string names a mesh axis,
+          ``null`` or ``""`` (TOML has no null) replicates, an array lists
+          ordered candidates, where a nested array is a product of mesh axes.
+
+        An optional top-level ``indivisible`` sets the policy. YAML needs PyYAML
+        (``pip install nnx_shard[yaml]``)::
+
+            # rules.toml, pairs                       # rules.toml, table
+            logical_axis_rules = [                    [rules]
+              ["batch", "data"],                      batch = "data"
+              ["vocab", ["tensor", "expert"]],        vocab = [["tensor", "expert"]]
+              ["mlp", "model"], ["mlp", ""],          mlp = ["model", ""]
+            ]
 
         >>> import tempfile, os
         >>> d = tempfile.mkdtemp(); p = os.path.join(d, "r.toml")
         >>> _ = open(p, "w").write('[rules]\\nbatch = "data"\\nmlp = ["model", ""]\\n')
         >>> Rules.from_file(p)
         Rules({'batch': 'data', 'mlp': ['model', None]})
+        >>> _ = open(p, "w").write('logical_axis_rules = [["batch", "data"], '
+        ...                        '["vocab", ["tensor", "expert"]], ["mlp", "model"], ["mlp", ""]]')
+        >>> Rules.from_file(p)
+        Rules({'batch': 'data', 'vocab': ('tensor', 'expert'), 'mlp': ['model', None]})
         """
         path = Path(path)
-        text = path.read_text()
-        try:
-            if path.suffix == ".json":
-                data = json.loads(text)
-            elif path.suffix == ".toml":
-                data = tomllib.loads(text)
-            else:
+        data = _load(path)
+        indivisible = None
+        table: Any = data
+        if isinstance(data, dict):
+            indivisible = data.get("indivisible")
+            keys = [k for k in ("logical_axis_rules", "rules") if k in data]
+            if len(keys) == 2:
                 raise ShardingError(
-                    f"rules file {str(path)!r}: unknown format {path.suffix!r}. "
-                    "Fix: use a .json or .toml file."
+                    f"rules file {str(path)!r} holds both 'logical_axis_rules' and 'rules'. "
+                    "Fix: keep one of them."
                 )
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ShardingError(f"rules file {str(path)!r} could not be parsed: {e}") from e
-        if not isinstance(data, dict):
-            raise ShardingError(f"rules file {str(path)!r} must hold a table, got {data!r}")
-        indivisible = data.pop("indivisible", None)
-        table = data.get("rules", data)
-
-        def convert(v: Any) -> Any:
-            if isinstance(v, list):
-                return [tuple(c) if isinstance(c, list) else c for c in v]
-            return v
-
-        return cls({k: convert(v) for k, v in table.items()}, indivisible=indivisible)
+            if keys:
+                table = data[keys[0]]
+            else:
+                table = {k: v for k, v in data.items() if k != "indivisible"}
+        if isinstance(table, list):
+            return cls.from_pairs(table, indivisible=indivisible)
+        if not isinstance(table, dict):
+            raise ShardingError(
+                f"rules file {str(path)!r} must hold a list of [logical, mesh] pairs or a table "
+                f"of logical name to value, got {table!r}. Fix: e.g. "
+                "logical_axis_rules = [['batch', 'data'], ['mlp', 'model']]."
+            )
+        return cls({k: _file_value(v) for k, v in table.items()}, indivisible=indivisible)
 
     # -- resolution ----------------------------------------------------------
 
@@ -322,22 +589,29 @@ class Rules(Mapping[str, RuleValue]):
         mesh: Any = None,
         *,
         path: str = "",
+        allow_unconstrained: bool = True,
     ) -> PartitionSpec:
         """Resolves logical ``names`` to a validated ``PartitionSpec``.
 
         Args:
-          names: one logical name (or ``None``) per dimension.
+          names: one logical name (or ``None``) per dimension. A tuple of mesh
+            axis names in place of a name shards that dimension over them directly.
           shape: the array shape; when given, the rank and divisibility are checked.
           mesh: a ``jax.sharding.Mesh`` (or a mapping of axis name to size);
             when given, mesh axes must exist in it.
           path: the parameter path, used in error messages.
+          allow_unconstrained: ``False`` for a stored array (a parameter), whose
+            layout must be definite: a dimension resolving to
+            ``PartitionSpec.UNCONSTRAINED`` is then an error.
 
         Raises:
-          ShardingError: naming the path, shape, logical names, the rule and a fix.
+          ShardingError: naming the path, shape, logical names, the rules tried and a fix.
 
-        A name without a rule that is itself a mesh axis of ``mesh`` maps to
-        that axis, so models annotated for Flax with mesh axis names keep working.
-        Mesh axes of size 1 always fit.
+        The table is walked in order (see :class:`Rules`): an entry applies to the
+        still-unassigned dimension with its name when its mesh axes are unused,
+        exist in ``mesh`` and divide the dimension. A name without a rule that is
+        itself a mesh axis of ``mesh`` maps to that axis, so models annotated for
+        Flax with mesh axis names keep working.
 
         >>> rules = Rules({"embed": "fsdp", "mlp": "model"})
         >>> rules.spec(("embed", "mlp"), shape=(8, 4), mesh={"fsdp": 2, "model": 2})
@@ -350,18 +624,145 @@ class Rules(Mapping[str, RuleValue]):
         names_t = self._check_names(names, shape, path)
         sizes = _mesh_sizes(mesh)
         has_mesh = mesh is not None
-        used: dict[str, int] = {}
-        out: list[str | tuple[str, ...] | None] = []
+        head = describe(path, shape, names_t)
+
+        def size(dim: int) -> int | None:
+            return None if shape is None else int(shape[dim])
+
+        out: list[Any] = [_UNASSIGNED] * len(names_t)
+        taken: dict[str, int] = {}
+
+        def claim(dim: int, placement: Placement) -> None:
+            if placement is not UNCONSTRAINED:
+                # Only a reused size-1 axis can be taken here: it shards nothing, drop it.
+                placement = tuple(a for a in placement if a not in taken)
+                for axis in placement:
+                    taken[axis] = dim
+            out[dim] = placement
+
+        dims_of: dict[str, list[int]] = {}
         for dim, name in enumerate(names_t):
             if name is None:
-                out.append(None)
-                continue
-            dim_size = None if shape is None else int(shape[dim])
-            placement = self._place(name, dim, dim_size, names_t, shape, sizes, has_mesh, used, path)
-            for axis in placement:
-                used[axis] = dim
-            out.append(None if not placement else placement[0] if len(placement) == 1 else placement)
-        return PartitionSpec(*out)
+                out[dim] = ()
+            elif name is UNCONSTRAINED:
+                out[dim] = UNCONSTRAINED
+            elif isinstance(name, tuple):
+                # Mesh axes given directly (Flax style) are fixed before any rule applies.
+                why = self._why_not(name, size(dim), sizes, has_mesh, taken, lenient=True)
+                if why is not None:
+                    raise self._error(name, f"{name!r} (mesh axes given directly)", dim, head, sizes,
+                                      [(name, why)])
+                claim(dim, name)
+            else:
+                dims_of.setdefault(name, []).append(dim)
+
+        tried: dict[tuple[int, int], str] = {}
+        for index, (logical, placement) in enumerate(self._entries):
+            for dim in dims_of.get(logical, ()):
+                if out[dim] is not _UNASSIGNED:
+                    continue
+                why = self._why_not(placement, size(dim), sizes, has_mesh, taken, lenient=False)
+                if why is None:
+                    claim(dim, placement)
+                    break
+                tried[index, dim] = why
+
+        for dim, name in enumerate(names_t):
+            if out[dim] is _UNASSIGNED:
+                claim(dim, self._leftover(name, dim, size(dim), head, sizes, has_mesh, taken, tried))
+
+        if not allow_unconstrained and any(p is UNCONSTRAINED for p in out):
+            dim = next(d for d, p in enumerate(out) if p is UNCONSTRAINED)
+            name = names_t[dim]
+            raise ShardingError(
+                f"{head}: dimension {dim} ({name!r}) resolves to PartitionSpec.UNCONSTRAINED, "
+                "which only an activation constraint can use: a stored array needs a definite "
+                f"layout. Fix: give {name!r} a mesh axis or None for this array (e.g. rules | "
+                f"{{{name!r}: None}}), and keep UNCONSTRAINED for a logical name only "
+                "activations use, e.g. 'activation_embed'."
+            )
+        return PartitionSpec(*(_one(p) for p in out))
+
+    def _leftover(
+        self,
+        name: str,
+        dim: int,
+        dim_size: int | None,
+        head: str,
+        sizes: dict[str, int],
+        has_mesh: bool,
+        taken: dict[str, int],
+        tried: dict[tuple[int, int], str],
+    ) -> Placement:
+        """The placement of a named dimension no entry fitted in the table walk,
+        or the ShardingError that explains why there is none."""
+        if name in self._table:
+            indexed = [(i, p) for i, (n, p) in enumerate(self._entries) if n == name]
+            rule_txt = f"rule {name!r} -> {_fmt_value(self[name])}"
+        elif has_mesh and name in sizes:
+            indexed = [(-1, (name,))]
+            rule_txt = f"{name!r} (a mesh axis, used directly)"
+        else:
+            close = difflib.get_close_matches(name, list(self._table), n=3, cutoff=0.6)
+            known = ", ".join(sorted(self._table)) or "none"
+            mean = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ShardingError(
+                f"logical axis {name!r} of {head} has no rule.{mean} Known logical axes: "
+                f"{known}. Fix: add a rule, e.g. rules | {{{name!r}: 'model'}}, or "
+                f"rules | {{{name!r}: None}} to replicate it."
+            )
+        for _, p in indexed:
+            # A size-1 mesh axis shards nothing: an entry blocked only by reusing one applies.
+            if self._why_not(p, dim_size, sizes, has_mesh, taken, lenient=True) is None:
+                return p
+        failures = [
+            (p, tried.get((i, dim)) or self._why_not(p, dim_size, sizes, has_mesh, taken,
+                                                     lenient=True) or "")
+            for i, p in indexed
+        ]
+        if self._indivisible == "replicate" and all(f.startswith("size ") for _, f in failures):
+            warnings.warn(
+                f"{head}: dimension {dim} (size {dim_size}) does not divide by its mesh axes "
+                f"({rule_txt}); replicating it as Rules(indivisible='replicate') allows.",
+                ShardingWarning,
+                stacklevel=4,
+            )
+            return ()
+        raise self._error(name, rule_txt, dim, head, sizes, failures)
+
+    @staticmethod
+    def _error(
+        key: str | tuple[str, ...],
+        rule_txt: str,
+        dim: int,
+        head: str,
+        sizes: dict[str, int],
+        failures: list[tuple[Placement, str]],
+    ) -> ShardingError:
+        detail = "; ".join(f"{_cand_txt(c)}: {f}" for c, f in failures)
+        first = _cand_txt(failures[0][0])
+        if any(f.startswith("not in the mesh") for _, f in failures):
+            missing = sorted({a for c, _ in failures if c is not UNCONSTRAINED
+                              for a in c if a not in sizes})
+            return ShardingError(
+                f"{rule_txt} names a mesh axis that is not in the mesh (axes: {_fmt_mesh(sizes)}) "
+                f"for dimension {dim} of {head}: {detail}. Fix: build the mesh with axis "
+                f"{' and '.join(repr(m) for m in missing)}, or map {key!r} to an existing axis "
+                f"({_fmt_mesh(sizes)}) or None: rules | {{{key!r}: None}}."
+            )
+        if any(f.startswith("already used") for _, f in failures):
+            return ShardingError(
+                f"{rule_txt} cannot shard dimension {dim} of {head}: {detail}. A mesh axis can "
+                "shard only one dimension of an array, and rules claim mesh axes in table "
+                f"order. Fix: map {key!r} to another axis, or add None as a last candidate, "
+                f"e.g. rules | {{{key!r}: [{first}, None]}}."
+            )
+        return ShardingError(
+            f"{rule_txt} cannot shard dimension {dim} of {head}: {detail}. "
+            f"Fix: make the dimension divisible, add None as a last candidate "
+            f"(rules | {{{key!r}: [{first}, None]}}), or pass "
+            "Rules(..., indivisible='replicate') to replicate such dimensions with a warning."
+        )
 
     def _check_names(self, names: Any, shape: Any, path: str) -> tuple[Any, ...]:
         if isinstance(names, str) or not isinstance(names, Sequence):
@@ -372,7 +773,7 @@ class Rules(Mapping[str, RuleValue]):
             )
         names_t = tuple(names)
         for i, n in enumerate(names_t):
-            ok = n is None or (isinstance(n, str) and n) or (
+            ok = n is None or n is UNCONSTRAINED or (isinstance(n, str) and n) or (
                 isinstance(n, tuple)
                 and n
                 and all(isinstance(a, str) and a for a in n)
@@ -399,95 +800,26 @@ class Rules(Mapping[str, RuleValue]):
             )
         return names_t
 
-    def _place(
-        self,
-        name: str | tuple[str, ...],
-        dim: int,
-        dim_size: int | None,
-        names: tuple[Any, ...],
-        shape: Any,
-        sizes: dict[str, int],
-        has_mesh: bool,
-        used: dict[str, int],
-        path: str,
-    ) -> Placement:
-        head = describe(path, shape, names)
-        if isinstance(name, tuple):
-            # A Flax-style entry naming several mesh axes directly.
-            cands: tuple[Placement, ...] = (name,)
-            rule_txt = f"{name!r} (mesh axes given directly)"
-            key = name
-        elif name in self._table:
-            cands = self._table[name]
-            rule_txt = f"rule {name!r} -> {_fmt_value(self[name])}"
-            key = name
-        elif has_mesh and name in sizes:
-            cands = ((name,),)
-            rule_txt = f"{name!r} (a mesh axis, used directly)"
-            key = name
-        else:
-            close = difflib.get_close_matches(name, list(self._table), n=3, cutoff=0.6)
-            known = ", ".join(sorted(self._table)) or "none"
-            mean = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            raise ShardingError(
-                f"logical axis {name!r} of {head} has no rule.{mean} Known logical axes: "
-                f"{known}. Fix: add a rule, e.g. rules | {{{name!r}: 'model'}}, or "
-                f"rules | {{{name!r}: None}} to replicate it."
-            )
-        failures: list[str] = []
-        for cand in cands:
-            why = self._why_not(cand, dim_size, sizes, has_mesh, used)
-            if why is None:
-                # A size-1 axis shards nothing, so reusing one is harmless: drop it.
-                return tuple(a for a in cand if not (a in used and sizes.get(a) == 1))
-            failures.append(why)
-        indivisible_only = all(f.startswith("size ") for f in failures)
-        if indivisible_only and self._indivisible == "replicate":
-            warnings.warn(
-                f"{head}: dimension {dim} (size {dim_size}) does not divide by its mesh axes "
-                f"({rule_txt}); replicating it as Rules(indivisible='replicate') allows.",
-                ShardingWarning,
-                stacklevel=4,
-            )
-            return ()
-        detail = "; ".join(f"{_cand_txt(c)}: {f}" for c, f in zip(cands, failures, strict=True))
-        if any(f.startswith("not in the mesh") for f in failures):
-            missing = sorted({a for c in cands for a in c if a not in sizes})
-            fix = (
-                f"Fix: build the mesh with axis {' and '.join(repr(m) for m in missing)}, or map "
-                f"{key!r} to an existing axis ({_fmt_mesh(sizes)}) or None: rules | {{{key!r}: None}}."
-            )
-            raise ShardingError(
-                f"{rule_txt} names a mesh axis that is not in the mesh (axes: {_fmt_mesh(sizes)}) "
-                f"for dimension {dim} of {head}: {detail}. {fix}"
-            )
-        if any(f.startswith("already used") for f in failures):
-            raise ShardingError(
-                f"{rule_txt} cannot shard dimension {dim} of {head}: {detail}. A mesh axis can "
-                f"shard only one dimension of an array. Fix: map {key!r} to another axis, or "
-                f"give candidates, e.g. rules | {{{key!r}: [{_cand_txt(cands[0])}, None]}}."
-            )
-        raise ShardingError(
-            f"{rule_txt} cannot shard dimension {dim} of {head}: {detail}. Fix: make the "
-            f"dimension divisible, add None as a last candidate "
-            f"(rules | {{{key!r}: [{_cand_txt(cands[0])}, None]}}), or pass "
-            "Rules(..., indivisible='replicate') to replicate such dimensions with a warning."
-        )
-
     @staticmethod
     def _why_not(
         cand: Placement,
         dim_size: int | None,
         sizes: dict[str, int],
         has_mesh: bool,
-        used: dict[str, int],
+        taken: dict[str, int],
+        *,
+        lenient: bool,
     ) -> str | None:
+        """Why ``cand`` cannot shard the dimension now (``None``: it fits). ``lenient``
+        lets an already used mesh axis of size 1 pass."""
+        if cand is UNCONSTRAINED:
+            return None
         for axis in cand:
             if has_mesh and axis not in sizes:
                 return f"not in the mesh (mesh axis {axis!r})"
         for axis in cand:
-            if axis in used and not (has_mesh and sizes.get(axis) == 1):
-                return f"already used by dimension {used[axis]} (mesh axis {axis!r})"
+            if axis in taken and not (lenient and has_mesh and sizes.get(axis) == 1):
+                return f"already used by dimension {taken[axis]} (mesh axis {axis!r})"
         if dim_size is not None and has_mesh:
             prod = math.prod(sizes[a] for a in cand)
             if dim_size % prod:
@@ -496,6 +828,8 @@ class Rules(Mapping[str, RuleValue]):
 
 
 def _cand_txt(c: Placement) -> str:
+    if c is UNCONSTRAINED:
+        return "P.UNCONSTRAINED"
     if not c:
         return "None"
     return repr(c[0]) if len(c) == 1 else repr(c)

@@ -293,8 +293,10 @@ def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     return [c for c in itertools.product(divisors, repeat=k) if math.prod(c) == n]
 
 
-def _table(**entries: Any) -> Rules:
-    return Rules({name: entries.get(name) for name in LOGICAL})
+def _table(first: tuple[str, ...] = (), **entries: Any) -> Rules:
+    # Rules claim mesh axes in table order: names in ``first`` go ahead of the rest.
+    order = (*first, *(n for n in LOGICAL if n not in first))
+    return Rules({name: entries.get(name) for name in order})
 
 
 def _distinct(name: str, **axes: str) -> None:
@@ -435,7 +437,9 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
     ('expert', [('data', 'expert'), 'data'])
     """
     _distinct("ep", data=data, expert=expert)
-    return Strategy("ep", _table(batch=[(data, expert), data], expert=expert), None,
+    # expert ahead of batch: the dispatched tokens ("expert", "batch", ...) keep the
+    # expert axis for the experts and fall back to data for the batch.
+    return Strategy("ep", _table(("expert",), batch=[(data, expert), data], expert=expert), None,
                     (data, expert), (4,), ("all-to-all", "all-gather", "all-reduce"))
 
 
