@@ -166,6 +166,46 @@ def _settle(directory: pathlib.Path) -> None:
         ckpt._mngr.wait_until_finished()
 
 
+def _finish_saves_at_exit() -> None:
+    """Finishes the background saves of Checkpointers still open at interpreter exit.
+
+    Orbax writes through asyncio's default thread pool, which refuses new work
+    once the interpreter starts shutting down ("cannot schedule new futures after
+    interpreter shutdown"): a save in flight was lost, with tracebacks on stderr.
+    This runs first in the shutdown sequence (see ``_register_exit``).
+    """
+    with _DIR_LOCKS_LOCK:
+        open_now = [c for ckpts in _OPEN.values() for c in list(ckpts)]
+    for ckpt in open_now:
+        with contextlib.suppress(Exception):  # exiting: a failed close must not stop the rest
+            ckpt.close()
+
+
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    """Registers :func:`_finish_saves_at_exit` to run before the thread pools shut down.
+
+    ``atexit`` runs too late (after ``concurrent.futures`` stopped its pools); the
+    stdlib's own pools register through ``threading._register_atexit`` (Python >= 3.9),
+    whose callbacks run last-registered first, so ours runs before theirs. Where that
+    private hook is missing we fall back to ``atexit`` (saves then only finish if the
+    pools still accept work).
+    """
+    global _exit_registered
+    if _exit_registered:
+        return
+    _exit_registered = True
+    hook = getattr(threading, "_register_atexit", None)
+    if hook is None:  # pragma: no cover - a Python without the hook
+        import atexit
+
+        atexit.register(_finish_saves_at_exit)
+    else:
+        hook(_finish_saves_at_exit)
+
+
 def _refuse_file(directory: pathlib.Path, caller: str) -> None:
     """A NotADirectoryError when ``directory`` (or a parent of it) is an existing file."""
     for path in (directory, *directory.parents):
@@ -951,6 +991,7 @@ class Checkpointer:
                 )
             with _DIR_LOCKS_LOCK:
                 _OPEN.setdefault(self.directory, weakref.WeakSet()).add(self)
+        _register_exit()
 
     def __repr__(self) -> str:
         return (

@@ -675,3 +675,23 @@ for _ in range(8):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count(f"ERROR: restore: the checkpoint at {tmp_path / '1'}") == 8
     assert "Event loop is closed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_saves_in_flight_at_interpreter_exit_finish(tmp_path):
+    """A Checkpointer never closed: its background save finishes at exit, instead of
+    failing in orbax's threads ('cannot schedule new futures after interpreter shutdown')."""
+    script = f"""
+from flax import nnx
+import nnx_shard as ns
+ckpt = ns.Checkpointer({str(tmp_path)!r}, async_save=True)
+ckpt.save(1, model=nnx.Linear(16, 32, rngs=nnx.Rngs(1)))
+ckpt.save(2, model=nnx.Linear(16, 32, rngs=nnx.Rngs(2)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], env=CHILD_ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "shutdown" not in out.stderr, out.stderr
+    assert ns.Checkpointer(tmp_path).steps() == [1, 2]
+    target = nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0)))
+    assert_bitwise(values(ns.restore(tmp_path, model=target)),
+                   values(nnx.Linear(16, 32, rngs=nnx.Rngs(2))))
