@@ -877,6 +877,9 @@ def _build_parser() -> _Parser:
                         "loopback, e.g. nnx-shard launch -n 2 -- python train.py")
     launch.add_arguments(la)
     la.set_defaults(run=launch.run)
+    for command in sub.choices.values():  # also accepted after the command's name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="on bad input, also print the traceback")
     return parser
 
 

@@ -264,6 +264,9 @@ def test_debug_flag_and_env_show_the_traceback(capsys, bad_factories, monkeypatc
                        "--strategy", "fsdp")
     assert code == 2 and "Traceback" in err and 'raise ValueError("bad config' in err
     assert err.strip().splitlines()[-1].startswith("nnx-shard: error: FACTORY 'mf:raises'")
+    code, _, err = run(capsys, "explain", "mf:raises", "--mesh", "data=8", "--strategy", "fsdp",
+                       "--debug")
+    assert code == 2 and "Traceback" in err
     monkeypatch.setenv("NNX_SHARD_DEBUG", "1")
     code, _, err = run(capsys, "explain", "mf:raises", "--mesh", "data=8", "--strategy", "fsdp")
     assert code == 2 and "Traceback" in err
