@@ -424,8 +424,15 @@ def sharded_optimizer(
       opt_rules: a separate table for the optimizer state (default: ``rules``).
 
     Raises:
-      ShardingError: optimizer state cannot be laid out, or (without ``opt_rules``)
-        the model's parameters are not laid out as ``rules`` says.
+      ShardingError: optimizer state cannot be laid out, the model's arrays live on
+        another mesh than ``mesh`` (the parameter and both meshes are named), or
+        (without ``opt_rules``) the model's parameters are not laid out as ``rules`` says.
+      TypeError: ``model`` is not an ``nnx.Module`` or ``tx`` not an optax transformation.
+
+    Optimizer-state layouts are decided by :mod:`nnx_shard.optstate`, the same
+    function :func:`nnx_shard.explain` reports with: state shaped like its
+    parameter is laid out like it, a reduced statistic (Adafactor's factored
+    rows/columns) keeps the layout of the dimensions it kept, the rest is replicated.
 
     >>> import optax
     >>> from flax import nnx

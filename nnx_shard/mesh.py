@@ -102,7 +102,14 @@ def make_mesh(
       spec: axis sizes in order, e.g. ``"data=4,model=2"`` or ``{"data": 4, "model": 2}``.
       axis_types: ``"explicit"`` (JAX's default), ``"auto"``, or a tuple of
         ``jax.sharding.AxisType`` per axis.
-      devices: the devices to use (default: all of ``jax.devices()``).
+      devices: the devices to use (default: all of ``jax.devices()``), each once.
+
+    Raises:
+      TypeError: ``spec`` is not a string, dict or Mesh (e.g. ``8`` or ``None``), or
+        ``devices`` is not a list of jax devices.
+      ShardingError: a size that is not a positive int (``8.5``, ``True``), sizes that do
+        not multiply to the number of devices (the fix names ``devices=...[:n]`` when the
+        mesh is smaller), an empty or repeating ``devices`` list.
 
     >>> mesh = make_mesh("data=4,model=2")
     >>> dict(mesh.shape)

@@ -212,8 +212,12 @@ def explain(
     of ``optimizer.init``) and reported too, laid out by ``opt_rules``
     (default: ``rules``), the way ``nnx.Optimizer`` stores it.
 
-    Raises ``ShardingError`` exactly where sharding the model would. A
-    ``jax.sharding.AbstractMesh`` plans a mesh of any size with no devices.
+    Raises ``ShardingError`` exactly where sharding the model would, and
+    ``TypeError`` when ``model`` is not a Module/State/abstract model or
+    ``optimizer`` not an optax transformation. Optimizer-state layouts come from
+    the function :func:`nnx_shard.sharded_optimizer` builds them with
+    (:mod:`nnx_shard.optstate`), so the bytes reported are the bytes it allocates.
+    A ``jax.sharding.AbstractMesh`` plans a mesh of any size with no devices.
 
     >>> import optax
     >>> from flax import nnx
