@@ -25,7 +25,14 @@ No pickle anywhere. A step is written under a temporary name
 killed half-way never looks like a checkpoint. Orbax's compressed chunks carry
 no checksum (a flipped byte decodes to wrong values), hence the manifest:
 restore recomputes every array's checksum on the devices and refuses a
-mismatch.
+mismatch. The manifest carries a digest of its own entries, so damage to the
+manifest itself is reported as a corrupt checkpoint too.
+
+Saves to one directory are serialised within a process (threads, several
+:class:`Checkpointer` objects): of concurrent saves of the same step exactly
+one writes it and the others raise ``FileExistsError``. Processes that save
+to one directory must coordinate themselves (multi-process jobs do: every
+process takes part in each save).
 
 Typed PRNG keys (``nnx.Rngs`` state) are stored as their ``uint32`` key data
 and re-wrapped on restore with the implementation the target's dtype names.
@@ -33,13 +40,19 @@ and re-wrapped on restore with the implementation the target's dtype names.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import json
 import math
 import os
 import pathlib
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+import sys
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -66,6 +79,145 @@ def _ocp() -> Any:
     import orbax.checkpoint as ocp
 
     return ocp
+
+
+# --------------------------------------------------------------------------- orbax's event loops
+
+
+class _QuietLoop(asyncio.SelectorEventLoop):
+    """An event loop that drops thread-safe callbacks arriving after it closed.
+
+    Orbax runs each read in a fresh event loop and closes it as soon as the
+    read returns, or fails: when one array of a corrupt checkpoint fails,
+    ``asyncio.gather`` returns at once while tensorstore is still finishing the
+    other reads on its own threads. Each of those then hands its result back
+    with ``loop.call_soon_threadsafe``, which raises "RuntimeError: Event loop
+    is closed" on tensorstore's thread, printed as a bare traceback on stderr
+    (and also seen at interpreter exit). Those results have no reader left, so
+    dropping them is the whole fix.
+    """
+
+    def call_soon_threadsafe(self, callback: Any, *args: Any, context: Any = None) -> Any:
+        if self.is_closed():
+            return None
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+class _QuietPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _QuietLoop()
+
+
+_POLICY_LOCK = threading.Lock()
+_policy_users = 0
+_saved_policy: Any = None
+
+
+@contextlib.contextmanager
+def _quiet_loops() -> Iterator[None]:
+    """While orbax runs, the event loops it creates (``asyncio.new_event_loop``) are
+    :class:`_QuietLoop`. Only asyncio's own default policy is swapped (a policy a user
+    installed, e.g. uvloop's, is left alone), and only on platforms whose default
+    loop is the selector loop."""
+    global _policy_users, _saved_policy
+    with _POLICY_LOCK:
+        current = asyncio.get_event_loop_policy()
+        swap = _policy_users > 0 or (
+            sys.platform != "win32" and type(current) is asyncio.DefaultEventLoopPolicy
+        )
+        if swap:
+            if _policy_users == 0:
+                _saved_policy = current
+                asyncio.set_event_loop_policy(_QuietPolicy())
+            _policy_users += 1
+    try:
+        yield
+    finally:
+        if swap:
+            with _POLICY_LOCK:
+                _policy_users -= 1
+                if _policy_users == 0:
+                    asyncio.set_event_loop_policy(_saved_policy)
+                    _saved_policy = None
+
+
+# --------------------------------------------------------------------------- directories
+
+# Saves to one directory are serialised within the process: orbax writes a step
+# under a temporary name and renames it, and two writers of one step collide on
+# that rename ("Directory not empty") or delete each other's temporary files.
+_DIR_LOCKS: dict[pathlib.Path, threading.RLock] = {}
+_DIR_LOCKS_LOCK = threading.Lock()
+# Checkpointers open per directory, whose background writes a save must wait for.
+_OPEN: dict[pathlib.Path, weakref.WeakSet[Any]] = {}
+
+
+def _dir_lock(directory: pathlib.Path) -> threading.RLock:
+    with _DIR_LOCKS_LOCK:
+        return _DIR_LOCKS.setdefault(directory, threading.RLock())
+
+
+def _settle(directory: pathlib.Path) -> None:
+    """Waits for the background saves of every Checkpointer of ``directory`` in this
+    process, so the disk shows which steps exist (call with the directory's lock)."""
+    with _DIR_LOCKS_LOCK:
+        open_now = list(_OPEN.get(directory, ()))
+    for ckpt in open_now:
+        ckpt._mngr.wait_until_finished()
+
+
+def _finish_saves_at_exit() -> None:
+    """Finishes the background saves of Checkpointers still open at interpreter exit.
+
+    Orbax writes through asyncio's default thread pool, which refuses new work
+    once the interpreter starts shutting down ("cannot schedule new futures after
+    interpreter shutdown"): a save in flight was lost, with tracebacks on stderr.
+    This runs first in the shutdown sequence (see ``_register_exit``).
+    """
+    with _DIR_LOCKS_LOCK:
+        open_now = [c for ckpts in _OPEN.values() for c in list(ckpts)]
+    for ckpt in open_now:
+        with contextlib.suppress(Exception):  # exiting: a failed close must not stop the rest
+            ckpt.close()
+
+
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    """Registers :func:`_finish_saves_at_exit` to run before the thread pools shut down.
+
+    ``atexit`` runs too late (after ``concurrent.futures`` stopped its pools); the
+    stdlib's own pools register through ``threading._register_atexit`` (Python >= 3.9),
+    whose callbacks run last-registered first, so ours runs before theirs. Where that
+    private hook is missing we fall back to ``atexit`` (saves then only finish if the
+    pools still accept work).
+    """
+    global _exit_registered
+    if _exit_registered:
+        return
+    _exit_registered = True
+    hook = getattr(threading, "_register_atexit", None)
+    if hook is None:  # pragma: no cover - a Python without the hook
+        import atexit
+
+        atexit.register(_finish_saves_at_exit)
+    else:
+        hook(_finish_saves_at_exit)
+
+
+def _refuse_file(directory: pathlib.Path, caller: str) -> None:
+    """A NotADirectoryError when ``directory`` (or a parent of it) is an existing file."""
+    for path in (directory, *directory.parents):
+        if path.exists():
+            if path.is_dir():
+                return
+            what = "is a file" if path == directory else f"is under {path}, which is a file"
+            raise NotADirectoryError(
+                f"{caller}: {directory} {what}, not a checkpoint directory. Fix: pass a "
+                "directory (it holds one subdirectory per step; save and Checkpointer create "
+                "it when missing), e.g. a new folder name."
+            )
 
 
 # --------------------------------------------------------------------------- leaves
@@ -278,17 +430,47 @@ def _saveable(obj: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return arrays, entries
 
 
-def _check_json(extra: Any) -> None:
-    try:
-        json.dumps(extra, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"save: extra must be JSON data (dicts, lists, strings, finite numbers, bools, "
-            f"None): {e}. Fix: keep arrays in the model; put small state such as the "
-            "data position or the config in extra."
-        ) from None
+def _check_extra(extra: Any) -> None:
+    """Extra must come back from JSON as it was given: a dict with str keys (JSON turns
+    the key 1 into "1") holding JSON data, each bad piece named by its place."""
     if not isinstance(extra, Mapping):
-        raise TypeError(f"save: extra must be a dict, got {type(extra).__name__}.")
+        raise TypeError(
+            f"save: extra must be a dict, got {type(extra).__name__} {extra!r:.60}. Fix: e.g. "
+            "extra={'data_position': 100}."
+        )
+
+    def walk(x: Any, where: str) -> None:
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                if not isinstance(k, str):
+                    try:  # what JSON would make of it
+                        back = f", so it would come back as {next(iter(json.loads(json.dumps({k: 0}))))!r}"
+                    except TypeError:
+                        back = ""
+                    raise TypeError(
+                        f"save: {where} has the key {k!r} ({type(k).__name__}); JSON object keys "
+                        f"are strings{back}. Fix: use str keys, e.g. {str(k)!r}."
+                    )
+                walk(v, f"{where}[{k!r}]")
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                walk(v, f"{where}[{i}]")
+        elif x is None or isinstance(x, str | bool | int):
+            pass
+        elif isinstance(x, float):
+            if not math.isfinite(x):
+                raise TypeError(
+                    f"save: {where} is {x!r}, which strict JSON cannot hold. Fix: store a "
+                    "finite number, or None."
+                )
+        else:
+            raise TypeError(
+                f"save: {where} is a {type(x).__name__} ({x!r:.40}), not JSON data (dicts, "
+                "lists, strings, finite numbers, bools, None). Fix: keep arrays in the model; "
+                "convert scalars first (e.g. float(x), int(x), x.tolist())."
+            )
+
+    walk(extra, "extra")
 
 
 def _save_args(
@@ -298,7 +480,7 @@ def _save_args(
     if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
         raise ValueError(f"save: step must be a non-negative int, got {step!r}")
     if extra is not None:
-        _check_json(extra)
+        _check_extra(extra)
     items: dict[str, Any] = {}
     manifest: dict[str, Any] = {"format": _FORMAT, "items": {}}
     for name, obj in (("model", model), ("optimizer", optimizer)):
@@ -310,9 +492,72 @@ def _save_args(
             entries[key]["checksum"] = checksum
         items[name] = ocp.args.StandardSave(_nest(arrays))
         manifest["items"][name] = entries
+    manifest["digest"] = _digest(manifest["items"])
     items["extra"] = ocp.args.JsonSave(dict(extra or {}))
     items["manifest"] = ocp.args.JsonSave(manifest)
     return ocp.args.Composite(**items)
+
+
+def _digest(items: Any) -> str:
+    """A hash of the manifest's entries, stored beside them: a damaged manifest (a
+    flipped byte in a name, a shape or a checksum) is caught as such."""
+    text = json.dumps(items, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_ENTRY_KEYS = {"shape", "dtype", "key", "checksum"}
+
+
+def _entry_problem(name: str, key: str, e: Any) -> str | None:
+    if not isinstance(e, Mapping) or set(e) != _ENTRY_KEYS:
+        got = sorted(e) if isinstance(e, Mapping) else type(e).__name__
+        return f"entry {name}/{key} has {got}, not {sorted(_ENTRY_KEYS)}"
+    shape, dtype, impl, checksum = e["shape"], e["dtype"], e["key"], e["checksum"]
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        return f"entry {name}/{key} has the shape {shape!r}"
+    try:
+        jnp.dtype(dtype)
+    except TypeError:
+        return f"entry {name}/{key} has the dtype {dtype!r}"
+    if impl is not None:
+        try:
+            jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+        except (TypeError, ValueError):
+            return f"entry {name}/{key} names the PRNG implementation {impl!r}"
+    if not (
+        isinstance(checksum, list)
+        and len(checksum) == 2
+        and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in checksum)
+    ):
+        return f"entry {name}/{key} has the checksum {checksum!r}"
+    return None
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with a manifest read back, or None."""
+    if not isinstance(manifest, Mapping):
+        return f"is not a JSON object ({manifest!r:.60})"
+    unknown = sorted(set(manifest) - {"format", "items", "digest"})
+    if unknown:
+        return f"has unexpected keys {unknown}"
+    if manifest.get("format") != _FORMAT:
+        return f"has format {manifest.get('format')!r}, this nnx_shard reads format {_FORMAT}"
+    items = manifest.get("items")
+    if not isinstance(items, Mapping):
+        return "has no 'items'"
+    # Manifests written before the digest existed are still read (checked entry by entry).
+    if "digest" in manifest and manifest["digest"] != _digest(items):
+        return "does not match the digest written with it"
+    for name, entries in items.items():
+        if name not in _ITEMS or not isinstance(entries, Mapping):
+            return f"has an item {name!r} that nnx_shard does not write"
+        for key, entry in entries.items():
+            problem = _entry_problem(name, key, entry)
+            if problem:
+                return problem
+    return None
 
 
 def _handlers() -> dict[str, Any]:
@@ -341,15 +586,23 @@ def _resolve_dir(directory: str | os.PathLike[str]) -> pathlib.Path:
 
 
 def _do_save(mngr: Any, directory: pathlib.Path, step: int, args: Any) -> pathlib.Path:
+    """Saves under the directory's lock, after every in-process save to it finished, so
+    of concurrent saves of one step exactly one writes it and the others are refused."""
     ocp = _ocp()
     step = int(step)
-    try:
-        mngr.save(step, args=args, force=True)
-    except ocp.checkpoint_manager.StepAlreadyExistsError:
-        raise FileExistsError(
-            f"save: a checkpoint for step {step} already exists at {directory / str(step)}. "
-            "Fix: save under another step, or delete that directory first."
-        ) from None
+    exists = FileExistsError(
+        f"save: a checkpoint for step {step} already exists at {directory / str(step)}. "
+        "Fix: save under another step, or delete that directory first."
+    )
+    with _dir_lock(directory):
+        _settle(directory)
+        if step in _finished_steps(directory):
+            raise exists
+        try:
+            with _quiet_loops():
+                mngr.save(step, args=args, force=True)
+        except ocp.checkpoint_manager.StepAlreadyExistsError:
+            raise exists from None
     return directory / str(step)
 
 
@@ -378,8 +631,11 @@ def save(
       extra: small JSON data (a dict) saved alongside: data position, config, ...
 
     Raises:
-      FileExistsError: ``step`` is already saved in ``directory``.
-      TypeError: ``extra`` is not JSON data, or the model is abstract.
+      FileExistsError: ``step`` is already saved in ``directory`` (also when another
+        thread of this process saved it first).
+      NotADirectoryError: ``directory`` is a file, or inside one.
+      TypeError: ``extra`` is not a dict of JSON data with str keys (each bad key or
+        value is named), or the model is abstract.
 
     >>> import tempfile
     >>> from flax import nnx
@@ -389,12 +645,14 @@ def save(
     ('100', ['extra', 'manifest', 'model'])
     """
     directory = _resolve_dir(directory)
+    _refuse_file(directory, "save")
     args = _save_args(step, model, optimizer, extra)
-    mngr = _manager(directory, create=True, enable_async_checkpointing=False)
-    try:
-        return _do_save(mngr, directory, step, args)
-    finally:
-        mngr.close()
+    with _dir_lock(directory), _quiet_loops():
+        mngr = _manager(directory, create=True, enable_async_checkpointing=False)
+        try:
+            return _do_save(mngr, directory, step, args)
+        finally:
+            mngr.close()
 
 
 # --------------------------------------------------------------------------- restore
@@ -532,9 +790,16 @@ def _read(
     Returns (step, {item: new State}, extra).
     """
     ocp = _ocp()
+    _refuse_file(directory, "restore")
     if not directory.is_dir():
         raise FileNotFoundError(f"restore: checkpoint directory {directory} does not exist.")
-    mngr = _manager(directory, create=False)
+    with _quiet_loops():
+        return _read_open(ocp, _manager(directory, create=False), directory, step, targets)
+
+
+def _read_open(
+    ocp: Any, mngr: Any, directory: pathlib.Path, step: int | None, targets: Mapping[str, Any]
+) -> tuple[int, dict[str, Any], dict[str, Any]]:
     try:
         step = _pick_step(directory, step)
         where = directory / str(step)
@@ -546,10 +811,13 @@ def _read(
             manifest, extra = meta["manifest"], meta["extra"]
         except Exception as e:
             raise _corrupt(where, e) from e
-        if not isinstance(manifest, Mapping) or manifest.get("format") != _FORMAT:
+        problem = _manifest_problem(manifest)
+        if problem:
             raise ValueError(
-                f"restore: {where} has no nnx_shard manifest of format {_FORMAT} (found "
-                f"{manifest!r:.80}); it was not written by nnx_shard.save or is damaged."
+                f"restore: the checkpoint at {where} is corrupt: its manifest "
+                f"{where / 'manifest' / 'metadata'} {problem} (damaged, or not written by "
+                "nnx_shard.save). Fix: restore another step (restore(..., step=N)) or "
+                "re-create this one."
             )
         saved = manifest["items"]
         layouts = {}
@@ -629,6 +897,7 @@ def restore(
     Raises:
       FileNotFoundError: no such directory, no finished checkpoint, or no
         finished checkpoint for ``step`` (an interrupted save is named as such).
+      NotADirectoryError: ``directory`` is a file.
       ValueError: the target's structure differs from the checkpoint's (every
         missing, unexpected and mis-shaped path is named), or the checkpoint
         is corrupt or incomplete (nothing is returned in that case).
@@ -676,7 +945,8 @@ class Checkpointer:
     ``directory`` by interrupted saves.
 
     Args:
-      directory: where the step directories go (created if missing).
+      directory: where the step directories go (created if missing; a file is
+        refused with ``NotADirectoryError``).
       every: save when the step counter is a multiple of this.
       keep: how many of the latest checkpoints to keep (``None``: all).
       async_save: write in the background.
@@ -704,16 +974,24 @@ class Checkpointer:
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be a positive int or None, got {keep!r}")
         self.directory = _resolve_dir(directory)
+        _refuse_file(self.directory, "Checkpointer")
         self.every = every
         self.keep = keep
         self.async_save = async_save
-        _remove_unfinished(self.directory)
-        self._mngr = _manager(
-            self.directory,
-            create=True,
-            enable_async_checkpointing=async_save,
-            max_to_keep=keep,
-        )
+        with _dir_lock(self.directory):
+            # Temporary directories of this process's saves in flight are not leftovers.
+            _settle(self.directory)
+            _remove_unfinished(self.directory)
+            with _quiet_loops():
+                self._mngr = _manager(
+                    self.directory,
+                    create=True,
+                    enable_async_checkpointing=async_save,
+                    max_to_keep=keep,
+                )
+            with _DIR_LOCKS_LOCK:
+                _OPEN.setdefault(self.directory, weakref.WeakSet()).add(self)
+        _register_exit()
 
     def __repr__(self) -> str:
         return (
@@ -813,7 +1091,10 @@ class Checkpointer:
         >>> import tempfile
         >>> Checkpointer(tempfile.mkdtemp()).close()
         """
-        self._mngr.close()
+        with _quiet_loops():
+            self._mngr.close()
+        with _DIR_LOCKS_LOCK:
+            _OPEN.get(self.directory, weakref.WeakSet()).discard(self)
 
 
 def restore_into(

@@ -54,6 +54,10 @@ class _Usage(Exception):
     """A bad command line: reported as one ``nnx-shard: error: ...`` line, exit 2."""
 
 
+DEBUG_ENV = "NNX_SHARD_DEBUG"
+_DEBUG_HINT = f"(--debug or {DEBUG_ENV}=1 shows the traceback)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with errors on one line (no usage dump) and no exit from inside parsing."""
 
@@ -327,7 +331,15 @@ def _load_factory(spec: str) -> Any:
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
-        raise _Usage(f"cannot import {mod_name!r}: {e}") from None
+        if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
+            raise _Usage(f"cannot import {mod_name!r}: {e}") from None
+        raise _Usage(f"FACTORY {spec!r}: importing {mod_name!r} raised ModuleNotFoundError: "
+                     f"{_one_line(e)} {_DEBUG_HINT}") from e
+    except _Usage:
+        raise
+    except Exception as e:  # the user's module failed while importing: their code, one line
+        raise _Usage(f"FACTORY {spec!r}: importing {mod_name!r} raised {type(e).__name__}: "
+                     f"{_one_line(e)} {_DEBUG_HINT}") from e
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
@@ -336,6 +348,38 @@ def _load_factory(spec: str) -> Any:
     if not callable(factory):
         raise _Usage(f"{spec!r} is not callable; give a zero-argument function returning a module")
     return factory
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or "(no message)"
+
+
+def _call_factory(spec: str, factory: Any) -> Any:
+    """``nnx.eval_shape(factory)``, with the user's own exceptions as one usage line."""
+    import inspect
+
+    from flax import nnx
+
+    from nnx_shard.errors import ShardingError
+
+    try:
+        required = [p.name for p in inspect.signature(factory).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                           p.POSITIONAL_OR_KEYWORD,
+                                                           p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):  # no signature to read (some builtins): just call it
+        required = []
+    if required:
+        raise _Usage(f"FACTORY {spec!r} needs arguments ({', '.join(required)}); give a "
+                     "zero-argument function returning an nnx.Module, e.g. "
+                     "def make(): return MyModel(cfg, rngs=nnx.Rngs(0))")
+    try:
+        return nnx.eval_shape(factory)
+    except ShardingError:
+        raise
+    except Exception as e:
+        raise _Usage(f"FACTORY {spec!r} raised {type(e).__name__}: {_one_line(e)} "
+                     f"{_DEBUG_HINT}") from e
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -348,16 +392,20 @@ def _explain(args: argparse.Namespace) -> int:
     if args.rules:
         if not Path(args.rules).is_file():
             raise _Usage(f"--rules {args.rules!r}: no such file")
-        rules = Rules.from_file(args.rules)
+        try:
+            rules = Rules.from_file(args.rules)
+        except (ValueError, TypeError, OSError) as e:
+            raise _Usage(f"--rules {args.rules!r}: {_one_line(e)}") from e
     elif args.strategy:
         strategy = _strategy(args.strategy)
         rules, opt_rules = strategy.rules, strategy.opt_rules
     else:
         raise _Usage("give --rules FILE (.toml or .json) or --strategy NAME")
     factory = _load_factory(args.factory)
-    model = nnx.eval_shape(factory)
+    model = _call_factory(args.factory, factory)
     if not isinstance(model, nnx.Module):
-        raise _Usage(f"{args.factory} returned {type(model).__name__}, not an nnx.Module")
+        raise _Usage(f"FACTORY {args.factory!r} returned {type(model).__name__}, not an "
+                     "nnx.Module")
     tx = _optimizer(args.optimizer) if args.optimizer else None
     report = _report(model, sizes, rules, tx, opt_rules)
     print(report.to_markdown() if args.markdown else report)
@@ -745,7 +793,12 @@ def _short_report(report: Any) -> str:
 
 def _build_parser() -> _Parser:
     parser = _Parser(prog=PROG, description="Sharded training for Flax NNX: demo, memory "
-                     "planner, sharding reports and a local multi-process launcher.")
+                     "planner, sharding reports and a local multi-process launcher.",
+                     epilog="Exit status 2 and one 'nnx-shard: error: ...' line for bad "
+                     "input (flags, files, your factory raising); an internal error shows "
+                     "its traceback (exit 1).")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"on bad input, also print the traceback (or set {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     d = sub.add_parser("demo", help="train a sharded char-level transformer on Python's "
@@ -824,34 +877,64 @@ def _build_parser() -> _Parser:
                         "loopback, e.g. nnx-shard launch -n 2 -- python train.py")
     launch.add_arguments(la)
     la.set_defaults(run=launch.run)
+    for command in sub.choices.values():  # also accepted after the command's name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="on bad input, also print the traceback")
     return parser
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """``--out`` must be a folder or not exist yet; say so before any work is done."""
+    out = getattr(args, "out", None)
+    if out is None:
+        return
+    path = Path(out)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"is inside {str(p)!r}, which is a file"
+                raise _Usage(f"--out {out!r} {where}; give a folder (created if missing), "
+                             "e.g. --out nnx_shard_demo")
+            return
+
+
+# Bad input that surfaces as an exception: a path that is a file, a missing file, a layout
+# that does not fit. Anything else is a bug of ours and keeps its traceback.
+_USER_OS_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+                   PermissionError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``nnx-shard`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
-    Bad input is one line on stderr, ``nnx-shard: error: ...``, and exit status 2.
+    Bad input is one line on stderr, ``nnx-shard: error: ...``, and exit status 2:
+    bad flags, paths that are files or missing, sharding errors, and a FACTORY that
+    cannot be imported, needs arguments or raises. ``--debug`` (or
+    ``NNX_SHARD_DEBUG=1``) adds the traceback. Other exceptions are bugs: their
+    traceback is shown as Python shows it.
 
     >>> main(["plan", "--model", "huge", "--mesh", "data=8"])
     2
     """
+    from nnx_shard.errors import ShardingError
+
     parser = _build_parser()
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         args = parser.parse_args(argv)
+        debug = debug or args.debug
         if args.command is None:
             parser.print_help()
             return 2
+        _check_out(args)
         return int(args.run(args) or 0)
-    except _Usage as e:
+    except (_Usage, ShardingError, *_USER_OS_ERRORS) as e:
+        if debug:
+            import traceback
+
+            traceback.print_exception(e)
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:
-        from nnx_shard.errors import ShardingError
-
-        if isinstance(e, ShardingError | FileNotFoundError):
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return 2
-        raise
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

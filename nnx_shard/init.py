@@ -35,11 +35,12 @@ import numpy as np
 import optax
 from flax import errors as flax_errors
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from nnx_shard import optstate
 from nnx_shard.annotate import path_str
-from nnx_shard.errors import ShardingError, raise_collected
-from nnx_shard.mesh import make_mesh, shardings, variable_spec
+from nnx_shard.errors import ShardingError
+from nnx_shard.mesh import make_mesh, mesh_str, shardings
 from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["abstract_init", "sharded_init", "sharded_optimizer"]
@@ -314,47 +315,54 @@ def lower_init(
 # ------------------------------------------------------------------------------
 
 
-def _opt_shardings(
-    opt_state: Any, param_shapes: Mapping[tuple[str, ...], tuple[int, ...]], mesh: Mesh,
-    rules: Rules,
-) -> Any:
-    """A NamedSharding for every optimizer-state Variable.
+def _opt_shardings(opt_state: Any, owners: Any, mesh: Mesh, rules: Rules) -> Any:
+    """A NamedSharding for every optimizer-state Variable, as :mod:`nnx_shard.optstate`
+    decides (the same decision :func:`nnx_shard.explain` reports)."""
 
-    ``nnx.Optimizer`` copies each param's metadata (logical names included) onto
-    the state derived from it, and optax mirrors the params' tree, so a state
-    leaf belongs to the param whose path ends its own
-    (``opt_state/0/mu/up/kernel`` -> ``up/kernel``). State shaped like its param
-    (Adam's mu and nu) is laid out by resolving the names with ``rules``; other
-    state (step counts, Adafactor's factored row/column statistics) is small and
-    replicated.
-    """
-    replicated = NamedSharding(mesh, PartitionSpec())
-    errors: list[str] = []
-
-    def owner_shape(parts: tuple[str, ...]) -> tuple[int, ...] | None:
-        for start in range(len(parts)):
-            if parts[start:] in param_shapes:
-                return param_shapes[parts[start:]]
-        return None
-
-    def one(path: Any, leaf: Any) -> Any:
+    def make(path: str, leaf: Any, layout: optstate.Layout) -> Any:
+        sharding = NamedSharding(mesh, layout.spec)
         if not isinstance(leaf, nnx.Variable):
-            return replicated
-        where = path_str(path)
-        shape = tuple(getattr(leaf.get_value(), "shape", ()))
-        if owner_shape(tuple(where.split("/"))) != shape:
-            return leaf.replace(replicated)
-        try:
-            return leaf.replace(NamedSharding(mesh, variable_spec(leaf, mesh, rules, where)))
-        except ShardingError as e:
-            errors.append(str(e))  # keep going: report every piece that needs a fix
-            return leaf.replace(replicated)
+            return sharding
+        # A Variable holding no array (multi_transform's MaskedNode) keeps its empty value,
+        # so this tree has the state's structure.
+        return leaf.replace(sharding) if hasattr(leaf.get_value(), "shape") else leaf
 
-    out = jax.tree_util.tree_map_with_path(
-        one, opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    return optstate.layouts(opt_state, owners, mesh, rules, make=make)
+
+
+def _check_same_mesh(state: Any, mesh: Mesh) -> None:
+    """Raises a ShardingError naming an array laid out on another mesh than ``mesh``
+    (other axes, sizes or devices): its layout cannot be read on ``mesh``."""
+    elsewhere = []
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        sharding = getattr(value, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or isinstance(sharding.mesh, AbstractMesh):
+            continue  # one device, or unplaced: jit lays it out on the way in
+        theirs = sharding.mesh
+        if dict(theirs.shape) != dict(mesh.shape) or not np.array_equal(
+            theirs.device_ids, mesh.device_ids
+        ):
+            elsewhere.append((path_str(path), value.shape, sharding))
+    if not elsewhere:
+        return
+    # Name a sharded parameter if there is one: its spec shows why the mesh matters.
+    path, shape, sharding = max(elsewhere, key=lambda e: any(x is not None for x in e[2].spec))
+    theirs = sharding.mesh
+    if dict(theirs.shape) == dict(mesh.shape):
+        where = (f"mesh {mesh_str(theirs)} over devices {np.ravel(theirs.device_ids).tolist()}, "
+                 f"not {np.ravel(mesh.device_ids).tolist()}")
+    else:
+        where = f"mesh {mesh_str(theirs)}"
+    more = f" (and {len(elsewhere) - 1} more parameters)" if len(elsewhere) > 1 else ""
+    raise ShardingError(
+        f"sharded_optimizer: parameter {path!r} (shape {tuple(shape)}) is laid out as "
+        f"{sharding.spec} on {where}{more}, but mesh={mesh_str(mesh)!r} was given. The "
+        "optimizer state is built on the mesh of its model. Fix: pass the model's mesh (the "
+        "one given to sharded_init), or lay the model out on the new mesh first: "
+        "ns.sharded_init(factory, mesh, rules), or "
+        "ns.restore(directory, model=ns.abstract_init(factory, mesh, rules))."
     )
-    raise_collected(errors, "optimizer-state variables")
-    return out
 
 
 def _check_params_follow_rules(state: Any, expected: Any, mesh: Mesh) -> None:
@@ -416,8 +424,15 @@ def sharded_optimizer(
       opt_rules: a separate table for the optimizer state (default: ``rules``).
 
     Raises:
-      ShardingError: optimizer state cannot be laid out, or (without ``opt_rules``)
-        the model's parameters are not laid out as ``rules`` says.
+      ShardingError: optimizer state cannot be laid out, the model's arrays live on
+        another mesh than ``mesh`` (the parameter and both meshes are named), or
+        (without ``opt_rules``) the model's parameters are not laid out as ``rules`` says.
+      TypeError: ``model`` is not an ``nnx.Module`` or ``tx`` not an optax transformation.
+
+    Optimizer-state layouts are decided by :mod:`nnx_shard.optstate`, the same
+    function :func:`nnx_shard.explain` reports with: state shaped like its
+    parameter is laid out like it, a reduced statistic (Adafactor's factored
+    rows/columns) keeps the layout of the dimensions it kept, the rest is replicated.
 
     >>> import optax
     >>> from flax import nnx
@@ -450,10 +465,12 @@ def _lower_optimizer(
 ) -> tuple[nnx.GraphDef, Any, Any]:
     """(optimizer graphdef, lowered init program, its arguments) of :func:`sharded_optimizer`;
     for an abstract model, the lowered slot holds ``{"abstract": state}`` instead."""
+    optstate.check_transformation(tx, "sharded_optimizer")
     mesh = make_mesh(mesh)
     rules = as_rules(rules)
     o_rules = rules if opt_rules is None else as_rules(opt_rules)
     graphdef, state = nnx.split(model)
+    _check_same_mesh(state, mesh)
     auto = _auto_mesh(mesh)
     # The params are seen through the Auto mesh, like everything else traced
     # here, so constraints on the state (which may differ from the params'
@@ -465,11 +482,8 @@ def _lower_optimizer(
             return nnx.Optimizer(nnx.merge(graphdef, model_state), tx, wrt=wrt)
 
     opt_graphdef, abstract_state = _split_shapes(make, abstract_in)
-    param_shapes = {
-        tuple(path_str(p).split("/")): tuple(v.get_value().shape)
-        for p, v in nnx.to_flat_state(nnx.state(model, wrt))
-    }
-    out_shardings = _opt_shardings(abstract_state, param_shapes, mesh, o_rules)
+    owners = optstate.owner_shapes(nnx.state(model, wrt))
+    out_shardings = _opt_shardings(abstract_state, owners, mesh, o_rules)
     if _is_abstract(state):
         return opt_graphdef, {"abstract": _with_shardings(abstract_state, out_shardings)}, None
     if opt_rules is None:

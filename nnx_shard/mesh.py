@@ -17,14 +17,42 @@ from nnx_shard.annotate import logical_names, path_str
 from nnx_shard.errors import ShardingError, raise_collected
 from nnx_shard.rules import Rules, as_rules
 
-__all__ = ["constrain", "current", "make_mesh", "shardings", "use", "variable_spec"]
+__all__ = ["constrain", "current", "make_mesh", "mesh_str", "shardings", "use", "variable_spec"]
 
 _AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+
+
+def mesh_str(mesh: Any) -> str:
+    """``"data=4,model=2"``: a mesh (or a mapping of axis sizes) as :func:`make_mesh` reads it.
+
+    >>> mesh_str({"data": 4, "model": 2})
+    'data=4,model=2'
+    """
+    sizes = mesh if isinstance(mesh, Mapping) else dict(mesh.shape)
+    return ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+_SPEC_FIX = "e.g. make_mesh('data=4,model=2') or make_mesh({'data': 4, 'model': 2})"
 
 
 def _parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
     if isinstance(spec, Mapping):
         items = list(spec.items())
+        for name, size in items:
+            # bool is an int and 8.5 truncates: both would give a mesh nobody asked for.
+            if isinstance(size, bool) or not isinstance(size, int | np.integer):
+                raise ShardingError(
+                    f"mesh spec {dict(spec)!r}: size {size!r} of axis {name!r} is a "
+                    f"{type(size).__name__}, not an int. Fix: give whole device counts, "
+                    f"{_SPEC_FIX}."
+                )
+    elif not isinstance(spec, str):
+        hint = f"make_mesh('data={spec}')" if isinstance(spec, int) and not isinstance(
+            spec, bool) else _SPEC_FIX
+        raise TypeError(
+            f"make_mesh: spec must be a string 'axis=size,...', a dict {{axis: size}} or a "
+            f"jax.sharding.Mesh, got {type(spec).__name__} {spec!r:.60}. Fix: {hint}."
+        )
     else:
         items = []
         for part in spec.replace(" ", "").split(","):
@@ -74,7 +102,14 @@ def make_mesh(
       spec: axis sizes in order, e.g. ``"data=4,model=2"`` or ``{"data": 4, "model": 2}``.
       axis_types: ``"explicit"`` (JAX's default), ``"auto"``, or a tuple of
         ``jax.sharding.AxisType`` per axis.
-      devices: the devices to use (default: all of ``jax.devices()``).
+      devices: the devices to use (default: all of ``jax.devices()``), each once.
+
+    Raises:
+      TypeError: ``spec`` is not a string, dict or Mesh (e.g. ``8`` or ``None``), or
+        ``devices`` is not a list of jax devices.
+      ShardingError: a size that is not a positive int (``8.5``, ``True``), sizes that do
+        not multiply to the number of devices (the fix names ``devices=...[:n]`` when the
+        mesh is smaller), an empty or repeating ``devices`` list.
 
     >>> mesh = make_mesh("data=4,model=2")
     >>> dict(mesh.shape)
@@ -85,7 +120,7 @@ def make_mesh(
     if isinstance(spec, Mesh):
         return spec
     axes = _parse_axes(spec)
-    devs = list(devices) if devices is not None else jax.devices()
+    devs = _check_devices(devices) if devices is not None else jax.devices()
     n = len(devs)
     unknown = [k for k, v in axes.items() if v == -1]
     if len(unknown) > 1:
@@ -100,10 +135,13 @@ def make_mesh(
         axes[unknown[0]] = n // known
     total = math.prod(axes.values())
     if total != n:
-        shown = ",".join(f"{k}={v}" for k, v in axes.items())
+        fix = f"Fix: make the axis sizes multiply to {n}, or use -1 for one axis (e.g. 'data=-1')"
+        if total < n:
+            subset = "devices" if devices is not None else "jax.devices()"
+            fix += f", or use {total} of them: devices={subset}[:{total}]"
         raise ShardingError(
-            f"mesh {shown} needs {total} devices but {n} are available. Fix: make the "
-            f"axis sizes multiply to {n}, or use -1 for one axis (e.g. 'data=-1')."
+            f"mesh {mesh_str(axes)} needs {total} devices but {n} are "
+            f"{'given' if devices is not None else 'available'}. {fix}."
         )
     types: tuple[AxisType, ...] | None
     if axis_types is None:
@@ -115,6 +153,35 @@ def make_mesh(
     else:
         types = tuple(axis_types)
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devs)
+
+
+def _check_devices(devices: Any) -> list[Any]:
+    if isinstance(devices, str) or not isinstance(devices, Sequence | np.ndarray):
+        raise TypeError(
+            f"make_mesh: devices must be a list of jax devices, got {type(devices).__name__} "
+            f"{devices!r:.60}. Fix: e.g. devices=jax.devices()[:4]."
+        )
+    devs = list(np.ravel(np.asarray(devices, dtype=object)))
+    if not devs:
+        raise ShardingError(
+            "make_mesh: devices=[] is empty; a mesh needs at least one device. Fix: leave "
+            "devices out (all of jax.devices()), or pass some, e.g. devices=jax.devices()[:4]."
+        )
+    bad = [d for d in devs if not isinstance(d, jax.Device)]
+    if bad:
+        raise TypeError(
+            f"make_mesh: devices must be jax devices, got {type(bad[0]).__name__} {bad[0]!r:.40}. "
+            "Fix: e.g. devices=jax.devices()[:4]."
+        )
+    seen: set[int] = set()
+    twice = [d for d in devs if d.id in seen or seen.add(d.id)]
+    if twice:
+        raise ShardingError(
+            f"make_mesh: devices lists {twice[0]} more than once ({len(devs)} entries, "
+            f"{len(seen)} distinct devices); each device can hold one place of the mesh. Fix: "
+            "pass distinct devices, e.g. devices=jax.devices()[:4]."
+        )
+    return devs
 
 
 class _Active(threading.local):
@@ -186,6 +253,21 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
     return _apply(x, NamedSharding(mesh, spec))
 
 
+def as_state(tree: Any, caller: str, arg: str = "tree") -> nnx.State:
+    """``nnx.state(tree)`` of a Module, Optimizer or abstract model; an ``nnx.State`` as is.
+    Anything else is a TypeError that says what to pass."""
+    if isinstance(tree, nnx.State):
+        return tree
+    if isinstance(tree, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(tree):
+        return nnx.state(tree)
+    raise TypeError(
+        f"{caller}: {arg} must be an nnx.Module, an nnx.Optimizer, an nnx.State or an abstract "
+        f"model, got {type(tree).__name__} {tree!r:.60}. Fix: pass the model, e.g. "
+        f"{caller}(model, mesh, rules), or nnx.eval_shape(lambda: MyModel(cfg, rngs=nnx.Rngs(0))) "
+        "to plan without allocating."
+    )
+
+
 def variable_spec(var: Any, mesh: Any, rules: Rules, path: str = "") -> PartitionSpec:
     """The validated ``PartitionSpec`` of one Variable (``P()`` when unannotated)."""
     names = logical_names(var, path)
@@ -212,9 +294,9 @@ def shardings(tree: Any, mesh: Mesh, rules: Rules | Mapping[str, Any]) -> Any:
     >>> s["kernel"].get_value().spec, s["bias"].get_value().spec
     (P('data', 'model'), P())
     """
+    state = as_state(tree, "shardings")
     mesh = make_mesh(mesh)
     rules = as_rules(rules)
-    state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
 
     errors: list[str] = []
 

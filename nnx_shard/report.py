@@ -11,8 +11,9 @@ import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from nnx_shard import optstate
 from nnx_shard.annotate import SOURCE_KEY, logical_names, path_str
-from nnx_shard.mesh import bytes_per_device, make_mesh, nbytes, variable_spec
+from nnx_shard.mesh import as_state, bytes_per_device, make_mesh, nbytes, variable_spec
 from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["Report", "Row", "explain"]
@@ -137,42 +138,60 @@ class Report:
         return "\n".join([*lines, "", *(f"- {t}" for t in self._totals())])
 
 
-def _rows(state: Any, mesh: Mesh, rules: Rules, group: str, prefix: str = "") -> list[Row]:
+def _row(path: str, kind: str, value: Any, names: Any, spec: PartitionSpec, source: str,
+         mesh: Any, group: str) -> Row | None:
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        return None  # e.g. a non-array Variable value; nothing to place
+    shape = tuple(int(d) for d in value.shape)
+    return Row(
+        path=path,
+        kind=kind,
+        shape=shape,
+        dtype=str(value.dtype),
+        names=names,
+        spec=spec,
+        total_bytes=nbytes(shape, value.dtype),
+        bytes_per_device=bytes_per_device(shape, value.dtype, spec, mesh),
+        source=source,
+        group=group,
+    )
+
+
+def _rows(state: Any, mesh: Any, rules: Rules) -> list[Row]:
     leaves = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )[0]
     rows = []
     for p, var in leaves:
-        path = prefix + path_str(p)
+        path = path_str(p)
         if isinstance(var, nnx.Variable):
-            value = var.get_value()
-            kind = type(var).__name__
             names = logical_names(var, path)
             spec = variable_spec(var, mesh, rules, path)
-            if names is None:
-                source = "default (replicated)"
-            else:
-                source = var.get_metadata().get(SOURCE_KEY, "annotation")
+            source = ("default (replicated)" if names is None
+                      else var.get_metadata().get(SOURCE_KEY, "annotation"))
+            row = _row(path, type(var).__name__, var.get_value(), names, spec, source, mesh,
+                       "params")
         else:
-            value, kind, names, spec, source = var, "array", None, PartitionSpec(), "default (replicated)"
-        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-            continue  # e.g. a non-array Variable value; nothing to place
-        shape = tuple(int(d) for d in value.shape)
-        total = nbytes(shape, value.dtype)
-        rows.append(
-            Row(
-                path=path,
-                kind=kind,
-                shape=shape,
-                dtype=str(value.dtype),
-                names=names,
-                spec=spec,
-                total_bytes=total,
-                bytes_per_device=bytes_per_device(shape, value.dtype, spec, mesh),
-                source=source,
-                group=group,
-            )
-        )
+            row = _row(path, "array", var, None, PartitionSpec(), "default (replicated)", mesh,
+                       "params")
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+def _opt_rows(opt_state: Any, owners: Any, mesh: Any, rules: Rules) -> list[Row]:
+    """Rows of the optimizer state, laid out by the very function sharded_optimizer uses."""
+    rows: list[Row] = []
+
+    def make(path: str, leaf: Any, layout: optstate.Layout) -> None:
+        var = isinstance(leaf, nnx.Variable)
+        row = _row(path, type(leaf).__name__ if var else "array",
+                   leaf.get_value() if var else leaf, layout.names, layout.spec, layout.source,
+                   mesh, "optimizer")
+        if row is not None:
+            rows.append(row)
+
+    optstate.layouts(opt_state, owners, mesh, rules, prefix="opt_state/", make=make)
     return rows
 
 
@@ -193,8 +212,12 @@ def explain(
     of ``optimizer.init``) and reported too, laid out by ``opt_rules``
     (default: ``rules``), the way ``nnx.Optimizer`` stores it.
 
-    Raises ``ShardingError`` exactly where sharding the model would. A
-    ``jax.sharding.AbstractMesh`` plans a mesh of any size with no devices.
+    Raises ``ShardingError`` exactly where sharding the model would, and
+    ``TypeError`` when ``model`` is not a Module/State/abstract model or
+    ``optimizer`` not an optax transformation. Optimizer-state layouts come from
+    the function :func:`nnx_shard.sharded_optimizer` builds them with
+    (:mod:`nnx_shard.optstate`), so the bytes reported are the bytes it allocates.
+    A ``jax.sharding.AbstractMesh`` plans a mesh of any size with no devices.
 
     >>> import optax
     >>> from flax import nnx
@@ -210,15 +233,18 @@ def explain(
     >>> explain(model, big, Rules({"embed": "data", "mlp": None})).param_bytes_per_device
     1024
     """
+    state = as_state(model, "explain", "model")
+    if optimizer is not None:
+        optstate.check_transformation(optimizer, "explain", "optimizer")
     if not isinstance(mesh, AbstractMesh):
         mesh = make_mesh(mesh)
     rules = as_rules(rules)
-    state = model if isinstance(model, nnx.State) else nnx.state(model)
-    rows = _rows(state, mesh, rules, "params")
+    rows = _rows(state, mesh, rules)
     if optimizer is not None:
         o_rules = rules if opt_rules is None else as_rules(opt_rules)
-        params = nnx.state(model, wrt) if not isinstance(model, nnx.State) else state
+        # What nnx.Optimizer(model, optimizer, wrt=wrt) initialises, by shape only.
+        params = state if isinstance(model, nnx.State) else nnx.state(model, wrt)
         opt_state = jax.eval_shape(optimizer.init, params)
-        rows += _rows(opt_state, mesh, o_rules, "optimizer", prefix="opt_state/")
+        rows += _opt_rows(opt_state, optstate.owner_shapes(params), mesh, o_rules)
     return Report(rows=tuple(rows), mesh_shape=dict(mesh.shape))
 

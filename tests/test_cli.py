@@ -200,6 +200,119 @@ def test_explain_with_a_strategy_and_bad_factories(capsys, factory_dir):
     assert_one_line_error(code, err, "give --rules FILE")
 
 
+BAD_FACTORIES = '''
+from flax import nnx
+
+
+def raises():
+    raise ValueError("bad config: embed must be even")
+
+
+def fails_deep():
+    return {}["missing"]
+
+
+def needs_arg(cfg, *, rngs):
+    return nnx.Linear(cfg, cfg, rngs=rngs)
+
+
+def not_a_module():
+    return 3
+'''
+
+
+@pytest.fixture
+def bad_factories(tmp_path, monkeypatch):
+    (tmp_path / "mf.py").write_text(BAD_FACTORIES)
+    (tmp_path / "broken.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "typo.py").write_text("def make(:\n")
+    (tmp_path / "bad_rules.toml").write_text("[rules\nembed = \n")
+    monkeypatch.chdir(tmp_path)
+    for name in ("mf", "broken", "typo"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("factory", "needles"),
+    [
+        ("mf:raises", ["FACTORY 'mf:raises' raised ValueError: bad config: embed must be even",
+                       "--debug"]),
+        ("mf:fails_deep", ["FACTORY 'mf:fails_deep' raised KeyError: 'missing'"]),
+        ("mf:needs_arg", ["FACTORY 'mf:needs_arg' needs arguments (cfg, rngs)",
+                          "zero-argument function"]),
+        ("mf:not_a_module", ["FACTORY 'mf:not_a_module' returned ", "not an nnx.Module"]),
+        ("broken:make", ["FACTORY 'broken:make': importing 'broken' raised ModuleNotFoundError",
+                         "no_such_dependency_xyz"]),
+        ("typo:make", ["FACTORY 'typo:make': importing 'typo' raised SyntaxError"]),
+    ],
+)
+def test_explain_a_factory_that_fails_prints_one_line(capsys, bad_factories, factory, needles):
+    code, _, err = run(capsys, "explain", factory, "--mesh", "data=8", "--strategy", "fsdp")
+    assert_one_line_error(code, err, *needles)
+
+
+def test_explain_with_a_broken_rules_file_prints_one_line(capsys, bad_factories):
+    (bad_factories / "ok.py").write_text(FACTORY)
+    code, _, err = run(capsys, "explain", "ok:make", "--mesh", "data=8", "--rules",
+                       "bad_rules.toml")
+    assert_one_line_error(code, err, "--rules 'bad_rules.toml': ")
+
+
+def test_debug_flag_and_env_show_the_traceback(capsys, bad_factories, monkeypatch):
+    code, _, err = run(capsys, "--debug", "explain", "mf:raises", "--mesh", "data=8",
+                       "--strategy", "fsdp")
+    assert code == 2 and "Traceback" in err and 'raise ValueError("bad config' in err
+    assert err.strip().splitlines()[-1].startswith("nnx-shard: error: FACTORY 'mf:raises'")
+    code, _, err = run(capsys, "explain", "mf:raises", "--mesh", "data=8", "--strategy", "fsdp",
+                       "--debug")
+    assert code == 2 and "Traceback" in err
+    monkeypatch.setenv("NNX_SHARD_DEBUG", "1")
+    code, _, err = run(capsys, "explain", "mf:raises", "--mesh", "data=8", "--strategy", "fsdp")
+    assert code == 2 and "Traceback" in err
+
+
+def test_help_documents_debug(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--debug" in out and "NNX_SHARD_DEBUG=1" in out
+
+
+def test_internal_errors_keep_their_traceback(capsys, monkeypatch):
+    def broken(args):
+        raise ZeroDivisionError("a bug of ours")
+
+    monkeypatch.setattr(cli, "_plan", broken)
+    with pytest.raises(ZeroDivisionError, match="a bug of ours"):
+        cli.main(["plan", "--model", "tiny", "--mesh", "data=8"])
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_demo_out_that_is_a_file_prints_one_line(capsys, tmp_path, inside):
+    f = tmp_path / "results.txt"
+    f.write_text("keep me")
+    out = f / "run1" if inside else f
+    code, _, err = run(capsys, "demo", "--steps", "1", "--out", str(out))
+    where = f"is inside {str(f)!r}, which is a file" if inside else "is a file"
+    assert_one_line_error(code, err, f"--out {str(out)!r} {where}", "give a folder")
+    assert f.read_text() == "keep me"
+
+
+def test_console_entry_prints_one_line_for_a_failing_factory(bad_factories):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NNX_SHARD_DEBUG", None)
+    for factory, needle in [("mf:raises", "raised ValueError: bad config"),
+                            ("mf:needs_arg", "needs arguments (cfg, rngs)")]:
+        done = subprocess.run([PY, "-m", "nnx_shard.cli", "explain", factory, "--mesh", "data=8",
+                               "--strategy", "fsdp"], capture_output=True, text=True, timeout=300,
+                              cwd=bad_factories, env=env)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("nnx-shard: error: FACTORY"), done.stderr
+        assert needle in lines[0] and "Traceback" not in done.stderr
+
+
 # --------------------------------------------------------------------------- demo
 
 

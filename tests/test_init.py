@@ -432,12 +432,51 @@ def test_optimizer_rejects_a_model_laid_out_by_other_rules():
 
 
 @needs_devices(8)
-def test_factored_optimizer_state_is_replicated_not_rejected():
+def test_factored_optimizer_state_keeps_the_layout_of_the_dims_it_kept():
+    """Adafactor's row/column statistics drop one dimension of their parameter; they keep
+    the other's mesh axes (as optax derives them), instead of being rejected."""
     mesh = mesh_of("explicit")
     model = sharded_init(lambda: MLP(16, 128, nnx.Rngs(0)), mesh, RULES)
     opt = sharded_optimizer(model, optax.adafactor(1e-3, min_dim_size_to_factor=8), mesh, RULES)
-    for path, var in flat(opt).items():
-        value = var.get_value()
-        names = var.get_metadata().get("out_sharding")
-        if names and len(names) != value.ndim:
-            assert value.sharding.spec == P(), path
+    state = flat(opt)
+    specs = {k: state[f"opt_state/0/{k}"].get_value().sharding.spec
+             for k in ("v_row/up/kernel", "v_col/up/kernel", "v_row/down/kernel",
+                       "v_col/down/kernel", "v_row/up/bias")}
+    # up/kernel (16, 128) names (embed, mlp): factored over its two largest dims.
+    assert state["opt_state/0/v_row/up/kernel"].get_value().shape == (16,)
+    assert state["opt_state/0/v_col/up/kernel"].get_value().shape == (128,)
+    assert specs == {"v_row/up/kernel": P("data"), "v_col/up/kernel": P("model"),
+                     "v_row/down/kernel": P("data"), "v_col/down/kernel": P("model"),
+                     "v_row/up/bias": P()}
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("tx", [None, "adam", 1e-3])
+def test_sharded_optimizer_rejects_what_is_not_an_optax_transformation(tx):
+    rules = ns.Rules({"embed": "data", "mlp": "model"})
+    model = ns.abstract_init(lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0)), "data=8", rules)
+    with pytest.raises(TypeError, match=r"sharded_optimizer: tx must be an "
+                       rf"optax.GradientTransformation, got {type(tx).__name__}.*"
+                       r"Fix: .*tx=optax.adam\(1e-3\)"):
+        ns.sharded_optimizer(model, tx, "data=8", rules)
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("abstract", [False, True])
+def test_sharded_optimizer_on_another_mesh_than_the_model_names_both(abstract):
+    rules = ns.Rules({"embed": "data", "mlp": "model"})
+    init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    factory = lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0))  # noqa: E731
+    build = ns.abstract_init if abstract else ns.sharded_init
+    model = build(factory, ns.make_mesh("data=4,model=2"), rules)
+    want = (r"sharded_optimizer: parameter 'kernel' \(shape \(8, 16\)\) is laid out as "
+            r"P\('data', 'model'\) on mesh data=4,model=2 \(and 1 more parameters\), but "
+            r"mesh='data=8' was given.*Fix: pass the model's mesh.*ns.sharded_init\(factory, "
+            r"mesh, rules\).*ns.abstract_init\(factory, mesh, rules\)")
+    with pytest.raises(ns.ShardingError, match=want):
+        ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", rules)
+    # Same axes over other devices: named too, with both device lists.
+    other = ns.make_mesh("data=4,model=2", devices=jax.devices()[::-1])
+    with pytest.raises(ns.ShardingError, match=r"on mesh data=4,model=2 over devices "
+                       r"\[0, 1, .*\], not \[7, 6, .*\]"):
+        ns.sharded_optimizer(model, optax.adam(1e-3), other, rules)

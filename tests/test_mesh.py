@@ -108,3 +108,58 @@ def test_use_and_constrain(axis_types):
     assert y.sharding.spec == P("data", "model")
     assert current() is None
     assert ns.constrain(x, ("batch", "embed")) is x
+
+
+@needs_devices(8)
+@pytest.mark.parametrize(
+    "spec, error, match",
+    [
+        (None, TypeError, r"spec must be a string 'axis=size,...'.*got NoneType None.*Fix: e.g. "
+         r"make_mesh\('data=4,model=2'\)"),
+        (8, TypeError, r"got int 8\. Fix: make_mesh\('data=8'\)"),
+        ([("data", 8)], TypeError, r"got list \[\('data', 8\)\].*Fix: e.g. make_mesh"),
+        ({"data": 8.5}, ns.ShardingError, r"size 8.5 of axis 'data' is a float, not an int.*Fix"),
+        ({"data": True}, ns.ShardingError, r"size True of axis 'data' is a bool, not an int"),
+        ({"data": "8"}, ns.ShardingError, r"size '8' of axis 'data' is a str"),
+    ],
+)
+def test_make_mesh_rejects_specs_it_would_misread(spec, error, match):
+    with pytest.raises(error, match=match):
+        ns.make_mesh(spec)
+
+
+@needs_devices(8)
+def test_make_mesh_device_list_errors():
+    devs = jax.devices()
+    with pytest.raises(ns.ShardingError, match=r"devices=\[\] is empty.*Fix: leave devices out"):
+        ns.make_mesh("data=-1", devices=[])
+    with pytest.raises(ns.ShardingError, match=r"devices lists cpu:0 more than once \(4 entries, "
+                       r"3 distinct devices\).*Fix: pass distinct devices"):
+        ns.make_mesh("data=4", devices=[devs[0], devs[1], devs[0], devs[2]])
+    with pytest.raises(TypeError, match=r"devices must be a list of jax devices, got int 4"):
+        ns.make_mesh("data=4", devices=4)
+    with pytest.raises(TypeError, match=r"devices must be jax devices, got int 0"):
+        ns.make_mesh("data=2", devices=[0, 1])
+
+
+@needs_devices(8)
+def test_mesh_smaller_than_the_devices_names_the_subset_to_pass():
+    with pytest.raises(ns.ShardingError, match=r"mesh data=1 needs 1 devices but 8 are "
+                       r"available.*devices=jax\.devices\(\)\[:1\]"):
+        ns.make_mesh("data=1")
+    with pytest.raises(ns.ShardingError, match=r"mesh data=2,model=2 needs 4 devices but 6 are "
+                       r"given.*devices=devices\[:4\]"):
+        ns.make_mesh("data=2,model=2", devices=jax.devices()[:6])
+    assert dict(ns.make_mesh("data=1", devices=jax.devices()[:1]).shape) == {"data": 1}
+    with pytest.raises(ns.ShardingError, match=r"needs 16 devices but 8(.|\n)*'data=-1'") as e:
+        ns.make_mesh("data=16")
+    assert "jax.devices()[:" not in str(e.value)  # a subset cannot help a mesh too large
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("tree", [3, "model", None, [1, 2]])
+def test_shardings_rejects_what_is_not_a_model_or_state(tree):
+    with pytest.raises(TypeError, match=rf"shardings: tree must be an nnx.Module, an "
+                       rf"nnx.Optimizer, an nnx.State or an abstract model, got "
+                       rf"{type(tree).__name__}.*Fix: pass the model"):
+        ns.shardings(tree, ns.make_mesh("data=8"), RULES)
