@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import io
 import itertools
+import re
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
+from nnx_shard.checkpoint import restore_into
 from nnx_shard.train import Trainer, _Progress, multistep, shard_batch, value_and_grad
 from tests.conftest import needs_devices
 
@@ -537,6 +540,129 @@ def test_trainer_nan_stops_at_the_step_and_keeps_the_last_finite_state():
     # The state is usable: training resumes from it.
     h2 = trainer.fit(host_batches(4, seed=3), num_steps=4, progress=False)
     assert h2.steps == 4 and np.isfinite(h2["loss"]).all()
+
+
+class _NanAtState(NamedTuple):
+    count: jax.Array  # float on purpose: the guard checks inexact leaves
+
+
+def nan_state_at(step):
+    """An optax transform passing updates through unchanged whose own state turns NaN
+    at ``step`` (1-based): non-finite optimizer state, finite parameters."""
+
+    def init(params):
+        return _NanAtState(jnp.zeros((), jnp.float32))
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        return updates, _NanAtState(jnp.where(count == step, jnp.nan, count))
+
+    return optax.GradientTransformation(init, update)
+
+
+@jax.custom_vjp
+def poison_grad(x, flag):
+    """Identity forward; the gradient is NaN where ``flag`` is set (finite loss, NaN grads)."""
+    return x
+
+
+poison_grad.defvjp(
+    lambda x, flag: (x, flag),
+    lambda flag, g: (g * jnp.where(flag > 0, jnp.nan, 1.0), jnp.zeros_like(flag)),
+)
+
+
+def poisoned_loss(model, batch):
+    pred = poison_grad(model(batch["x"]), batch["poison"][:, None])
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def guard_batches(route, bad, n=6):
+    out = []
+    for i, b in enumerate(host_batches(n)):
+        b["poison"] = np.zeros((8,), np.float32)
+        if i == bad - 1 and route == "loss":
+            b["x"][0, 0] = np.nan
+        if i == bad - 1 and route == "grad_norm":
+            b["poison"][:] = 1.0
+        out.append(b)
+    return out
+
+
+def guard_tx(route, bad):
+    if route == "params":  # finite gradients, infinite learning rate at step `bad`
+        return optax.sgd(lambda count: jnp.where(count == bad - 1, jnp.inf, 0.05))
+    if route == "opt_state":
+        return optax.chain(nan_state_at(bad), optax.sgd(0.05))
+    return optax.adam(1e-2)
+
+
+GUARD_MESSAGES = {
+    "loss": r"loss is nan and grad_norm is nan at step {bad};",
+    "grad_norm": r"grad_norm is nan at step {bad};",
+    "params": r"updated parameters are not finite \(first: layers/\d/(kernel|bias); loss and "
+              r"grad_norm were finite\) at step {bad};",
+    "opt_state": r"updated optimizer state is not finite \(first: opt_state/0/count; loss and "
+                 r"grad_norm were finite\) at step {bad};",
+}
+
+
+def all_finite(*trees):
+    return all(
+        bool(np.isfinite(np.asarray(x)).all())
+        for x in jax.tree.leaves(nnx.state(trees))
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    )
+
+
+@pytest.mark.parametrize("bad", [1, 3], ids=["first_step", "last_step_of_a_call"])
+@pytest.mark.parametrize("route", list(GUARD_MESSAGES))
+def test_nan_guard_never_keeps_or_saves_a_non_finite_state(tmp_path, route, bad):
+    def build():
+        model = seed_model()
+        opt = nnx.Optimizer(model, guard_tx(route, bad), wrt=nnx.Param)
+        return Trainer(model, opt, poisoned_loss, mesh="data=8", rules={"batch": "data"},
+                       steps_per_call=3)
+
+    trainer = build()
+    initial = jax.tree.map(np.array, nnx.state((trainer.model, trainer.optimizer)))
+    ckpt = ns.Checkpointer(tmp_path / "ckpt", every=1)
+    expected = GUARD_MESSAGES[route].format(bad=bad)
+    with pytest.warns(RuntimeWarning, match=expected):
+        h = trainer.fit(guard_batches(route, bad), num_steps=6, progress=False,
+                        checkpointer=ckpt)
+    kept = f"from after step {bad - 1}" if bad > 1 else "from before it"
+    assert re.search(expected + f" stopped without applying it, keeping the model and "
+                     f"optimizer state {kept}, the last finite one", h.stop_reason), h.stop_reason
+    assert h.steps == bad - 1 and trainer.step == bad - 1
+    assert int(trainer.optimizer.step[...]) == bad - 1
+    assert all_finite(trainer.model, trainer.optimizer)
+
+    # The kept state is the state after the last good step ...
+    if bad == 1:
+        ref_state = initial
+    else:
+        ref = build()
+        ref.fit(guard_batches(route, bad)[: bad - 1], num_steps=bad - 1, progress=False)
+        ref_state = nnx.state((ref.model, ref.optimizer))
+    got, want = jax.tree.leaves(nnx.state((trainer.model, trainer.optimizer))), jax.tree.leaves(ref_state)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL,
+                                   atol=RTOL * float(np.max(np.abs(np.asarray(y)), initial=0)))
+
+    # ... and so is the checkpoint on disk: nothing from the bad step was saved.
+    ckpt.wait()
+    if bad == 1:
+        assert ckpt.latest_step() is None
+    else:
+        assert ckpt.latest_step() == bad - 1
+        fresh = build()
+        step, extra = restore_into(ckpt.directory, fresh.model, fresh.optimizer)
+        assert step == bad - 1 and extra["step"] == bad - 1
+        assert all_finite(fresh.model, fresh.optimizer)
+        for x, y in zip(jax.tree.leaves(nnx.state((fresh.model, fresh.optimizer))), got,
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_trainer_callbacks_see_each_call_and_can_stop():
