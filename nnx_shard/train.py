@@ -98,6 +98,11 @@ def _fmt_shape(x: Any) -> str:
     return str(tuple(np.shape(x)))
 
 
+def _short_repr(x: Any, limit: int = 60) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 # --------------------------------------------------------------------------- microbatches
 
 
@@ -108,6 +113,21 @@ class _MicroFrames(threading.local):
 
 
 _micro = _MicroFrames()
+
+
+def _sharded_over(x: Any, dim: int) -> tuple[tuple[str, ...], int]:
+    """The mesh axes dimension ``dim`` of ``x`` is sharded over in its type (Explicit
+    axes), and how many devices that is; ``((), 1)`` when unsharded or not typed."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or dim >= len(spec) or spec[dim] is None:
+        return (), 1
+    entry = spec[dim]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    if not all(isinstance(a, str) for a in axes):
+        return (), 1
+    sizes = dict(sharding.mesh.shape)
+    return axes, int(np.prod([sizes[a] for a in axes]))
 
 
 def _split_microbatches(batch: Any, m: int) -> Any:
@@ -126,6 +146,20 @@ def _split_microbatches(batch: Any, m: int) -> Any:
                 f"use a batch size that is a multiple of {m}, or another number of microbatches."
             )
         x = jnp.asarray(x)
+        axes, devices = _sharded_over(x, 0)
+        rows = x.shape[0] // devices
+        if rows % m:
+            # On Explicit axes the split would need rows of one device in several
+            # microbatches: JAX refuses the reshape (a ShardingTypeError).
+            over = ", ".join(axes)
+            raise ValueError(
+                f"microbatches={m} must divide each device's rows of the batch: "
+                f"batch{jax.tree_util.keystr(path)} has {x.shape[0]} rows (shape "
+                f"{_fmt_shape(x)}) sharded over mesh axes {over} ({devices} devices), so "
+                f"{rows} row{'s' if rows != 1 else ''} per device, which does not divide by "
+                f"{m}. Fix: a global batch that is a multiple of {m} x {devices} = "
+                f"{m * devices}, or a number of microbatches that divides {rows}."
+            )
         return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
 
     return jax.tree_util.tree_map_with_path(one, batch)
@@ -169,7 +203,10 @@ def value_and_grad(
     """
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise ValueError(f"microbatches must be a positive int or None, got {microbatches!r}")
-    vg = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=has_aux)
+    if not callable(loss_fn):
+        raise TypeError(f"value_and_grad: loss_fn must be callable, got {loss_fn!r}")
+    vg = nnx.value_and_grad(_checked_loss(loss_fn, has_aux), argnums=nnx.DiffState(0, wrt),
+                            has_aux=has_aux)
 
     @functools.wraps(loss_fn)
     def grad_fn(model: Any, batch: Any, *args: Any) -> tuple[Any, Any]:
@@ -184,6 +221,49 @@ def value_and_grad(
         return _accumulate(vg, m, wrt, model, batch, args)
 
     return grad_fn
+
+
+def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``loss_fn``, with its output checked (at trace time) against ``has_aux``: JAX's
+    own error for a tuple loss does not mention ``has_aux``."""
+    name = getattr(loss_fn, "__name__", "loss_fn")
+
+    @functools.wraps(loss_fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = loss_fn(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise TypeError(
+                    f"{name} returned {_describe_value(out)}, but "
+                    "has_aux=True expects a pair (loss, aux), e.g. return loss, {'acc': acc}. "
+                    "Fix: return the pair, or drop has_aux=True."
+                )
+            loss = out[0]
+        elif isinstance(out, tuple | list):
+            raise TypeError(
+                f"{name} returned a {type(out).__name__} of {len(out)} values, not one scalar "
+                "loss. Fix: if it returns (loss, aux), pass has_aux=True (Trainer(..., "
+                "has_aux=True) or ns.value_and_grad(loss_fn, has_aux=True)); else return "
+                "only the loss."
+            )
+        else:
+            loss = out
+        if np.ndim(loss) != 0:
+            raise TypeError(
+                f"{name} returned a loss of shape {_fmt_shape(loss)}, not a scalar. Fix: "
+                "reduce it over the examples, e.g. jnp.mean(per_example_loss)."
+            )
+        return out
+
+    return checked
+
+
+def _describe_value(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of {len(x)} values"
+    if hasattr(x, "shape"):
+        return f"an array of shape {_fmt_shape(x)}"
+    return f"{_short_repr(x)} ({type(x).__name__})"
 
 
 def _accumulate(
@@ -633,6 +713,57 @@ def _is_names(x: Any) -> bool:
     )
 
 
+_NAMES_FIX = (
+    "names are the logical names of each leaf's leading dims, e.g. ('batch', 'length'), "
+    "or a pytree prefix of the batch giving such a tuple per leaf, e.g. "
+    "{'tokens': ('batch', 'length'), 'label': ('batch',)}"
+)
+
+
+def _check_names_prefix(names: Any, batch: Any) -> Any:
+    """``names`` as a pytree prefix of ``batch`` whose leaves are name tuples, or a
+    TypeError / ValueError saying what does not fit."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=_is_names)
+    for path, leaf in flat:
+        if not _is_names(leaf):
+            where = f"names{jax.tree_util.keystr(path)}" if path else "names"
+            raise TypeError(
+                f"shard_batch: {where} = {leaf!r} ({type(leaf).__name__}) is not a tuple of "
+                f"logical names. Fix: {_NAMES_FIX}."
+            )
+    try:
+        treedef.flatten_up_to(batch)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "shard_batch: names is a pytree prefix that does not match the batch: names has "
+            f"structure {jax.tree.structure(names, is_leaf=_is_names)}, the batch "
+            f"{jax.tree.structure(batch)} ({e}). Fix: {_NAMES_FIX}."
+        ) from None
+    return treedef
+
+
+def _check_array_leaf(path: Any, leaf: Any, who: str) -> None:
+    """Batches are arrays with a leading batch axis: Python numbers (e.g. the items of a
+    list of floats, which pytrees see as separate leaves) would become replicated scalars."""
+    if isinstance(leaf, bool | int | float | complex):
+        where = f"batch{jax.tree_util.keystr(path)}"
+        inside = (
+            " (an item of a Python list or tuple)"
+            if path and isinstance(path[-1], jax.tree_util.SequenceKey) else ""
+        )
+        raise TypeError(
+            f"{who}: {where} is a Python {type(leaf).__name__} ({leaf!r}){inside}: batches "
+            "must be arrays (NumPy or jax.Array) with a leading batch axis, not Python "
+            f"lists or numbers. Fix: convert it, e.g. np.asarray(values, np.float32)."
+        )
+    dtype = getattr(leaf, "dtype", None)
+    if getattr(dtype, "kind", "") in ("O", "U", "S", "M"):
+        raise TypeError(
+            f"{who}: batch{jax.tree_util.keystr(path)} has dtype {dtype}: batches must be "
+            "numeric arrays. Fix: encode it as numbers (e.g. token ids) before batching."
+        )
+
+
 def shard_batch(
     batch: Any,
     mesh: Mesh | str | Mapping[str, int],
@@ -672,6 +803,7 @@ def shard_batch(
 
     def one(path: Any, leaf: Any, leaf_names: Any) -> jax.Array:
         where = f"batch{jax.tree_util.keystr(path)}"
+        _check_array_leaf(path, leaf, "shard_batch")
         arr = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
         if arr.ndim < len(lead):
             raise ShardingError(
@@ -688,6 +820,7 @@ def shard_batch(
 
     if _is_names(names):
         return jax.tree_util.tree_map_with_path(lambda p, x: one(p, x, names), batch)
+    _check_names_prefix(names, batch)
 
     def prefix(path: Any, leaf_names: Any, sub: Any) -> Any:
         return jax.tree_util.tree_map_with_path(
@@ -978,6 +1111,27 @@ class Trainer:
         has_aux: bool = False,
         donate: bool = True,
     ) -> None:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"Trainer: model must be an nnx.Module, got {type(model).__name__} "
+                f"({_short_repr(model)}). Fix: pass the Flax NNX model itself, e.g. "
+                "ns.sharded_init(lambda: MyModel(rngs=nnx.Rngs(0)), mesh, rules)."
+            )
+        if not isinstance(optimizer, nnx.Optimizer):
+            given = (
+                "an optax transformation" if isinstance(optimizer, optax.GradientTransformation)
+                else f"{type(optimizer).__name__} ({_short_repr(optimizer)})"
+            )
+            raise TypeError(
+                f"Trainer: optimizer must be an nnx.Optimizer holding the optimizer state, got "
+                f"{given}. Fix: ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, rules), "
+                "or nnx.Optimizer(model, tx, wrt=nnx.Param)."
+            )
+        if not callable(loss_fn):
+            raise TypeError(
+                f"Trainer: loss_fn must be callable as loss_fn(model, batch), got "
+                f"{_short_repr(loss_fn)}."
+            )
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
         self.model = model
@@ -1004,6 +1158,20 @@ class Trainer:
 
     def _build_group(self, host: list[Any]) -> tuple[int, Any, int]:
         first = jax.tree_util.tree_flatten_with_path(host[0])
+        if not first[0]:
+            raise TypeError(
+                f"Trainer.fit: a batch from data is {_short_repr(host[0])}, which holds no "
+                "arrays. Batches are pytrees of arrays with a leading batch axis, e.g. "
+                "{'x': np.ndarray of shape (batch, ...), 'y': ...}."
+            )
+        for path, x in first[0]:
+            _check_array_leaf(path, x, "Trainer.fit")
+            if np.ndim(x) == 0:
+                raise TypeError(
+                    f"Trainer.fit: batch{jax.tree_util.keystr(path)} is a scalar (shape ()): "
+                    "every leaf of a batch needs a leading batch axis. Fix: give it one, "
+                    "e.g. np.full((batch,), value)."
+                )
         for n, b in enumerate(host[1:], start=1):
             flat = jax.tree_util.tree_flatten_with_path(b)
             if flat[1] != first[1]:
