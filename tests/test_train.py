@@ -672,6 +672,21 @@ def test_nan_guard_never_keeps_or_saves_a_non_finite_state(tmp_path, route, bad)
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_adam_with_an_infinite_learning_rate_is_caught_at_its_first_update():
+    model = seed_model()
+    opt = nnx.Optimizer(model, optax.adam(float("inf")), wrt=nnx.Param)
+    initial = jax.tree.map(np.array, nnx.state((model, opt)))
+    trainer = Trainer(model, opt, loss_fn, mesh="data=8", rules={"batch": "data"},
+                      steps_per_call=2)
+    with pytest.warns(RuntimeWarning, match=r"updated parameters are not finite \(first: "
+                      r"layers/0/(bias|kernel); loss and grad_norm were finite\) at step 1;"):
+        h = trainer.fit(host_batches(4), num_steps=4, progress=False)
+    assert h.steps == 0 and int(opt.step[...]) == 0
+    for x, y in zip(jax.tree.leaves(nnx.state((model, opt))), jax.tree.leaves(initial),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+
+
 def test_trainer_callbacks_see_each_call_and_can_stop():
     seen = []
 
