@@ -38,6 +38,7 @@ import struct
 import sys
 import textwrap
 import time
+import warnings
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -555,7 +556,77 @@ def _generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) ->
     return run(state, jnp.asarray(prompt, jnp.int32), jax.random.key(seed))
 
 
+DEMO_MAX_STEPS = 1_000_000
+
+
+def _check_demo_args(args: argparse.Namespace) -> None:
+    """The demo's flags that need no devices, checked before JAX starts (one line, exit 2).
+
+    >>> ns = argparse.Namespace(steps=10**12, steps_per_call=25, batch=32, evals=8, out=".")
+    >>> try:
+    ...     _check_demo_args(ns)
+    ... except _Usage as e:
+    ...     print(e)
+    --steps 1000000000000 is more than the demo runs (at most 1,000,000, hours on a CPU); ...
+    """
+    if args.steps < 1 or args.steps_per_call < 1 or args.batch < 1 or args.evals < 1:
+        raise _Usage("--steps, --steps-per-call, --batch and --evals must be at least 1")
+    if args.steps > DEMO_MAX_STEPS:
+        raise _Usage(
+            f"--steps {args.steps} is more than the demo runs (at most {DEMO_MAX_STEPS:,}, "
+            "hours on a CPU); use ns.Trainer in your own script for longer runs"
+        )
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise _Usage(f"--out {args.out!r} is a file, not a folder; give a folder to write "
+                     "loss.png, summary.json and checkpoint/ into")
+
+
+def _finite_positive(text: str) -> float:
+    """argparse type of --lr: a finite number > 0 (NaN would train to NaN and save it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use e.g. --lr 3e-3") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number greater than 0, got {text!r}; use e.g. --lr 3e-3")
+    return value
+
+
+def _finite_non_negative(text: str) -> float:
+    """argparse type of --temperature: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number >= 0 (0 for greedy), got {text!r}")
+    return value
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with non-finite floats as ``None``: JSON has no NaN or Infinity.
+
+    >>> _strict_json({"a": [1.0, float("nan")], "b": float("inf"), "c": "x"})
+    {'a': [1.0, None], 'b': None, 'c': 'x'}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(v) for v in value]
+    return value
+
+
+def _write_summary(path: Path, summary: dict[str, Any]) -> None:
+    path.write_text(json.dumps(_strict_json(summary), indent=1, allow_nan=False))
+
+
 def _demo(args: argparse.Namespace) -> int:
+    _check_demo_args(args)
     simulated = _simulate_devices()
     import jax
     import numpy as np
@@ -583,8 +654,6 @@ def _demo(args: argparse.Namespace) -> int:
         raise _Usage(f"--mesh {_shown(sizes)} needs {need} devices but {n} are available")
     axis_types = args.axis_types or "explicit"
     mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=axis_types)
-    if args.steps < 1 or args.steps_per_call < 1 or args.batch < 1 or args.evals < 1:
-        raise _Usage("--steps, --steps-per-call, --batch and --evals must be at least 1")
     if args.embed % args.heads:
         raise _Usage(f"--embed {args.embed} must divide by --heads {args.heads}")
     try:
@@ -677,9 +746,26 @@ def _demo(args: argparse.Namespace) -> int:
         f"{args.steps_per_call} steps per compiled call")
     first = evaluate(model, mesh, strategy.rules, heldout)
     evals.append((0, first))
-    history = trainer.fit(corpus.batches(args.batch, cfg.length, seed=args.seed), args.steps,
-                          progress=tty, callbacks=[on_step])
+    with warnings.catch_warnings():
+        # A non-finite stop is reported below, as the demo's own error.
+        warnings.filterwarnings("ignore", message="Trainer.fit: ", category=RuntimeWarning)
+        history = trainer.fit(corpus.batches(args.batch, cfg.length, seed=args.seed),
+                              args.steps, progress=tty, callbacks=[on_step])
     losses = history["loss"]
+    if history.stop_reason is not None:
+        # No held-out loss, checkpoint or sample of a run that did not finish: the last
+        # evaluation would be stale. summary.json says what happened.
+        _write_summary(out / "summary.json", {
+            "strategy": strategy.name, "mesh": sizes, "devices": n,
+            "config": _jsonable_config(cfg), "steps": len(losses), "steps_requested": args.steps,
+            "lr": args.lr, "seed": args.seed, "stop_reason": history.stop_reason,
+            "heldout_loss": None, "heldout_evals": [[s, v] for s, v in evals],
+            "loss": losses.tolist(), "total_seconds": time.perf_counter() - t_start,
+        })
+        print(f"{PROG}: error: training stopped after {len(losses)} of {args.steps} steps: "
+              f"{history.stop_reason}. No checkpoint was written (see "
+              f"{out / 'summary.json'}); try a lower --lr.", file=sys.stderr)
+        return 1
     final = evals[-1][1]
     tokens_s = _rate(marks, tokens_per_step) or tokens_per_step * len(losses) / history.seconds
     say(f"trained {len(losses)} steps in {history.seconds:.1f} s (compilation included): "
@@ -727,7 +813,7 @@ def _demo(args: argparse.Namespace) -> int:
         "platform": devices[0].platform, "simulated_devices": simulated,
         "config": _jsonable_config(cfg), "num_params": cfg.num_params,
         "steps": len(losses), "steps_per_call": args.steps_per_call, "batch": args.batch,
-        "seq": cfg.length, "lr": args.lr, "seed": args.seed,
+        "seq": cfg.length, "lr": args.lr, "seed": args.seed, "stop_reason": None,
         "train_seconds": history.seconds, "tokens_per_s": tokens_s,
         "train_loss_first": float(losses[0]), "train_loss_last": float(losses[-1]),
         "heldout_loss_initial": first, "heldout_loss": final,
@@ -741,7 +827,7 @@ def _demo(args: argparse.Namespace) -> int:
         "loss": losses.tolist(), "loss_png": str(png),
         "total_seconds": time.perf_counter() - t_start,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    _write_summary(out / "summary.json", summary)
     say(f"\nwrote {png} and {out / 'summary.json'} ({summary['total_seconds']:.0f} s in all)")
     return 0
 
@@ -811,7 +897,8 @@ def _build_parser() -> _Parser:
     d.add_argument("--strategy", default="fsdp_tp", help="dp, zero1, fsdp, tp, fsdp_tp (default), sp, ep")
     d.add_argument("--mesh", default=None, help="e.g. data=4,model=2 (default: the strategy's "
                    "shape for all devices)")
-    d.add_argument("--steps", type=int, default=1000, help="training steps (default 1000)")
+    d.add_argument("--steps", type=int, default=1000,
+                   help=f"training steps (default 1000, at most {DEMO_MAX_STEPS:,})")
     d.add_argument("--steps-per-call", type=int, default=25,
                    help="steps fused into one compiled call (default 25)")
     d.add_argument("--out", default="nnx_shard_demo",
@@ -824,7 +911,8 @@ def _build_parser() -> _Parser:
     d.add_argument("--layers", type=int, default=2)
     d.add_argument("--experts", type=int, default=None,
                    help="mixture-of-experts MLP (default: 4 with --strategy ep, else dense)")
-    d.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    d.add_argument("--lr", type=_finite_positive, default=3e-3,
+                   help="peak learning rate, a finite number > 0 (default 3e-3)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--evals", type=int, default=8, help="held-out evaluations during training")
     d.add_argument("--restore-strategy", default=None,
@@ -832,7 +920,8 @@ def _build_parser() -> _Parser:
     d.add_argument("--restore-mesh", default=None, help="mesh to restore onto (default: the "
                    "restore strategy's shape for the same devices)")
     d.add_argument("--sample-chars", type=int, default=200)
-    d.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
+    d.add_argument("--temperature", type=_finite_non_negative, default=0.7,
+                   help="sampling temperature, 0 for greedy (default 0.7)")
     d.add_argument("--axis-types", choices=("explicit", "auto"), default=None,
                    help="mesh axis types of the training mesh (default explicit, JAX's "
                    "default)")

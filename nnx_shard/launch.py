@@ -9,7 +9,9 @@ which reads the coordinates the launcher puts in the environment.
 
 Output of every process is streamed line by line, prefixed with ``[i]``.
 When one process fails, the others are stopped and the launcher exits with
-the failing process's code, naming it; ``--timeout`` stops everything after
+the failing process's code, naming it (and the process that exited first, when
+one left cleanly while its peers still ran: their failure follows from it);
+at most 8 processes per CPU core are started; ``--timeout`` stops everything after
 that many seconds (exit 124). Each process runs in its own process group, and
 every group is killed on the way out, so nothing outlives the launcher.
 """
@@ -43,6 +45,24 @@ _PREFIX = "nnx-shard launch: "
 _FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
+PROCESSES_PER_CPU = 8
+
+
+def max_processes() -> int:
+    """The most processes ``launch`` starts: ``PROCESSES_PER_CPU`` per CPU core this
+    process may use. Each process is a whole JAX runtime (hundreds of MB, its own
+    threads); far more than the cores only thrash, or exhaust memory and PIDs.
+
+    >>> max_processes() >= PROCESSES_PER_CPU
+    True
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return PROCESSES_PER_CPU * max(cores, 1)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the launcher's options and the ``-- command ...`` to ``parser``.
 
@@ -54,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument(
         "-n", "--num-processes", type=int, required=True, metavar="N",
-        help="number of processes to start",
+        help=f"number of processes to start, at most {PROCESSES_PER_CPU} per CPU core "
+        f"(here {max_processes()})",
     )
     parser.add_argument(
         "--devices-per-process", type=int, default=None, metavar="K",
@@ -239,6 +260,13 @@ def _check(args: argparse.Namespace) -> tuple[list[str], str | None]:
         return cmd, "no command given. Usage: nnx-shard launch -n 2 -- python train.py"
     if args.num_processes < 1:
         return cmd, f"-n must be at least 1, got {args.num_processes}"
+    limit = max_processes()
+    if args.num_processes > limit:
+        return cmd, (
+            f"-n {args.num_processes} is more processes than this machine can run: at most "
+            f"{limit} ({PROCESSES_PER_CPU} per CPU core). Fix: fewer processes, each with "
+            "more devices (--devices-per-process)"
+        )
     if args.devices_per_process is not None and args.devices_per_process < 1:
         return cmd, f"--devices-per-process must be at least 1, got {args.devices_per_process}"
     if args.port is not None and not 0 < args.port < 65536:
@@ -310,7 +338,16 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
             if failed:
                 i, c = failed[0]
                 others = [str(j) for j, cj in enumerate(codes) if cj is None]
-                message = f"process {i} {_describe(c)}" + (
+                message = f"process {i} {_describe(c)}"
+                first, first_code = exits[0]
+                if first_code == 0 and first != i:
+                    # A process that leaves early (even cleanly) makes its peers fail:
+                    # it is the one to look at, not the peer whose collective broke.
+                    message = (
+                        f"process {first} exited first (code 0) while the others were "
+                        f"still running, then {message}"
+                    )
+                message += (
                     f"; stopping process{'es' if len(others) > 1 else ''} {', '.join(others)}"
                     if others else ""
                 )

@@ -98,6 +98,11 @@ def _fmt_shape(x: Any) -> str:
     return str(tuple(np.shape(x)))
 
 
+def _short_repr(x: Any, limit: int = 60) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 # --------------------------------------------------------------------------- microbatches
 
 
@@ -108,6 +113,21 @@ class _MicroFrames(threading.local):
 
 
 _micro = _MicroFrames()
+
+
+def _sharded_over(x: Any, dim: int) -> tuple[tuple[str, ...], int]:
+    """The mesh axes dimension ``dim`` of ``x`` is sharded over in its type (Explicit
+    axes), and how many devices that is; ``((), 1)`` when unsharded or not typed."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or dim >= len(spec) or spec[dim] is None:
+        return (), 1
+    entry = spec[dim]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    if not all(isinstance(a, str) for a in axes):
+        return (), 1
+    sizes = dict(sharding.mesh.shape)
+    return axes, int(np.prod([sizes[a] for a in axes]))
 
 
 def _split_microbatches(batch: Any, m: int) -> Any:
@@ -126,6 +146,20 @@ def _split_microbatches(batch: Any, m: int) -> Any:
                 f"use a batch size that is a multiple of {m}, or another number of microbatches."
             )
         x = jnp.asarray(x)
+        axes, devices = _sharded_over(x, 0)
+        rows = x.shape[0] // devices
+        if rows % m:
+            # On Explicit axes the split would need rows of one device in several
+            # microbatches: JAX refuses the reshape (a ShardingTypeError).
+            over = ", ".join(axes)
+            raise ValueError(
+                f"microbatches={m} must divide each device's rows of the batch: "
+                f"batch{jax.tree_util.keystr(path)} has {x.shape[0]} rows (shape "
+                f"{_fmt_shape(x)}) sharded over mesh axes {over} ({devices} devices), so "
+                f"{rows} row{'s' if rows != 1 else ''} per device, which does not divide by "
+                f"{m}. Fix: a global batch that is a multiple of {m} x {devices} = "
+                f"{m * devices}, or a number of microbatches that divides {rows}."
+            )
         return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
 
     return jax.tree_util.tree_map_with_path(one, batch)
@@ -169,7 +203,10 @@ def value_and_grad(
     """
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise ValueError(f"microbatches must be a positive int or None, got {microbatches!r}")
-    vg = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=has_aux)
+    if not callable(loss_fn):
+        raise TypeError(f"value_and_grad: loss_fn must be callable, got {loss_fn!r}")
+    vg = nnx.value_and_grad(_checked_loss(loss_fn, has_aux), argnums=nnx.DiffState(0, wrt),
+                            has_aux=has_aux)
 
     @functools.wraps(loss_fn)
     def grad_fn(model: Any, batch: Any, *args: Any) -> tuple[Any, Any]:
@@ -184,6 +221,49 @@ def value_and_grad(
         return _accumulate(vg, m, wrt, model, batch, args)
 
     return grad_fn
+
+
+def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``loss_fn``, with its output checked (at trace time) against ``has_aux``: JAX's
+    own error for a tuple loss does not mention ``has_aux``."""
+    name = getattr(loss_fn, "__name__", "loss_fn")
+
+    @functools.wraps(loss_fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = loss_fn(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise TypeError(
+                    f"{name} returned {_describe_value(out)}, but "
+                    "has_aux=True expects a pair (loss, aux), e.g. return loss, {'acc': acc}. "
+                    "Fix: return the pair, or drop has_aux=True."
+                )
+            loss = out[0]
+        elif isinstance(out, tuple | list):
+            raise TypeError(
+                f"{name} returned a {type(out).__name__} of {len(out)} values, not one scalar "
+                "loss. Fix: if it returns (loss, aux), pass has_aux=True (Trainer(..., "
+                "has_aux=True) or ns.value_and_grad(loss_fn, has_aux=True)); else return "
+                "only the loss."
+            )
+        else:
+            loss = out
+        if np.ndim(loss) != 0:
+            raise TypeError(
+                f"{name} returned a loss of shape {_fmt_shape(loss)}, not a scalar. Fix: "
+                "reduce it over the examples, e.g. jnp.mean(per_example_loss)."
+            )
+        return out
+
+    return checked
+
+
+def _describe_value(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of {len(x)} values"
+    if hasattr(x, "shape"):
+        return f"an array of shape {_fmt_shape(x)}"
+    return f"{_short_repr(x)} ({type(x).__name__})"
 
 
 def _accumulate(
@@ -298,16 +378,24 @@ class Fused:
 
     >>> def train_step(model, optimizer, batch): ...
     >>> multistep(train_step, microbatches=2)
-    multistep(train_step, donate=True, microbatches=2, traces=0)
+    multistep(train_step, donate=True, microbatches=2, max_in_flight=2, traces=0)
     """
 
     def __init__(
-        self, step_fn: Callable[..., Any], *, donate: bool, microbatches: int
+        self,
+        step_fn: Callable[..., Any],
+        *,
+        donate: bool,
+        microbatches: int,
+        max_in_flight: int | None = 2,
     ) -> None:
         self.step_fn = step_fn
         self.donate = donate
         self.microbatches = microbatches
+        self.max_in_flight = max_in_flight
         self.traces = 0
+        # One small output per call not yet known to be finished, oldest first.
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._jitted: dict[Any, Any] = {}
         self._plans: dict[tuple[tuple[int, ...], int], _Plan] = {}
         self._names: dict[int, list[str]] = {}
@@ -317,7 +405,7 @@ class Fused:
         name = getattr(self.step_fn, "__qualname__", repr(self.step_fn))
         return (
             f"multistep({name}, donate={self.donate}, microbatches={self.microbatches}, "
-            f"traces={self.traces})"
+            f"max_in_flight={self.max_in_flight}, traces={self.traces})"
         )
 
     # -- host side ------------------------------------------------------------
@@ -431,12 +519,19 @@ class Fused:
 
     def __call__(self, *args: Any) -> Any:
         plan, variables, nodes, values, data = self._prepare(args)
-        new_values, metrics = plan.jitted(values, data)
+        new_values, metrics, done = plan.jitted(values, data)
         if plan.perm is not None:
             for p, x in zip(plan.perm, new_values, strict=True):
                 variables[p].set_raw_value(x)
         else:
             nnx.update(nodes, jax.tree.unflatten(plan.state_def, new_values))
+        if self.max_in_flight is not None:
+            # Bounded asynchronous dispatch: with many calls queued, the devices of
+            # XLA's CPU client can miss each other's collectives and abort the process
+            # (DESIGN.md: 2 or 8 calls in flight ran 3,000 calls, 32 aborted).
+            self._in_flight.append(done)
+            while len(self._in_flight) > self.max_in_flight:
+                self._in_flight.popleft().block_until_ready()
         return metrics
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
@@ -510,19 +605,33 @@ class Fused:
                 )
             return pin(new_values), metrics
 
-        def run(values: list[Any], data: tuple[Any, ...]) -> tuple[list[Any], Any]:
+        def counted(carry: tuple[list[Any], jax.Array], xs: Any) -> Any:
+            values, count = carry
+            values, metrics = body(values, xs)
+            return (values, count + 1), metrics
+
+        def run(values: list[Any], data: tuple[Any, ...]) -> tuple[list[Any], Any, jax.Array]:
             self.traces += 1
-            return jax.lax.scan(body, values, data)
+            # The step count is a by-product of the loop, so it is ready only when the
+            # call is: a scalar the host can wait on (never donated, unlike the state).
+            (values, count), metrics = jax.lax.scan(
+                counted, (values, jnp.zeros((), jnp.int32)), data
+            )
+            return values, metrics, count
 
         return jax.jit(
             run,
             donate_argnums=(0,) if self.donate else (),
-            out_shardings=(list(shardings), None),
+            out_shardings=(list(shardings), None, None),
         )
 
 
 def multistep(
-    step_fn: Callable[..., Any], *, donate: bool = True, microbatches: int = 1
+    step_fn: Callable[..., Any],
+    *,
+    donate: bool = True,
+    microbatches: int = 1,
+    max_in_flight: int | None = 2,
 ) -> Fused:
     """Fuses K calls of an NNX train step into one compiled call (a ``jax.lax.scan``).
 
@@ -549,6 +658,12 @@ def multistep(
     - With a replicated model and a batch sharded over devices, nothing else
       is needed for data parallelism: XLA inserts the all-reduce that averages
       the gradients (what ``pmean`` did under ``pmap``).
+    - Calls are dispatched asynchronously, but at most ``max_in_flight`` of
+      them are unfinished when a call returns: the call waits for the one
+      ``max_in_flight`` calls back to finish. So a plain unblocked Python loop
+      of fused calls is safe (many calls queued with collectives can abort the
+      process in XLA's CPU rendezvous on simulated devices) and the device
+      still has the next call queued while the host prepares another.
 
     Args:
       step_fn: the train step; it must return arrays or numbers (a dict of them).
@@ -556,6 +671,9 @@ def multistep(
       microbatches: split each step's batch into this many microbatches,
         averaging the gradients. ``step_fn`` must compute its gradients with
         :func:`value_and_grad` (the batch is split there).
+      max_in_flight: how many calls may run unfinished (default 2); ``None``
+        never waits (unbounded dispatch: only when the caller bounds it
+        itself, e.g. by reading each call's metrics).
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -576,7 +694,14 @@ def multistep(
         raise TypeError(f"multistep expects a callable step function, got {step_fn!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
-    return Fused(step_fn, donate=donate, microbatches=microbatches)
+    if max_in_flight is not None and (
+        not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1
+    ):
+        raise ValueError(
+            f"multistep: max_in_flight must be a positive int or None (unbounded), got "
+            f"{max_in_flight!r}. Fix: e.g. max_in_flight=2 (the default)."
+        )
+    return Fused(step_fn, donate=donate, microbatches=microbatches, max_in_flight=max_in_flight)
 
 
 # --------------------------------------------------------------------------- shard_batch
@@ -586,6 +711,57 @@ def _is_names(x: Any) -> bool:
     return x is None or (
         isinstance(x, tuple | list) and all(n is None or isinstance(n, str) for n in x)
     )
+
+
+_NAMES_FIX = (
+    "names are the logical names of each leaf's leading dims, e.g. ('batch', 'length'), "
+    "or a pytree prefix of the batch giving such a tuple per leaf, e.g. "
+    "{'tokens': ('batch', 'length'), 'label': ('batch',)}"
+)
+
+
+def _check_names_prefix(names: Any, batch: Any) -> Any:
+    """``names`` as a pytree prefix of ``batch`` whose leaves are name tuples, or a
+    TypeError / ValueError saying what does not fit."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=_is_names)
+    for path, leaf in flat:
+        if not _is_names(leaf):
+            where = f"names{jax.tree_util.keystr(path)}" if path else "names"
+            raise TypeError(
+                f"shard_batch: {where} = {leaf!r} ({type(leaf).__name__}) is not a tuple of "
+                f"logical names. Fix: {_NAMES_FIX}."
+            )
+    try:
+        treedef.flatten_up_to(batch)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "shard_batch: names is a pytree prefix that does not match the batch: names has "
+            f"structure {jax.tree.structure(names, is_leaf=_is_names)}, the batch "
+            f"{jax.tree.structure(batch)} ({e}). Fix: {_NAMES_FIX}."
+        ) from None
+    return treedef
+
+
+def _check_array_leaf(path: Any, leaf: Any, who: str) -> None:
+    """Batches are arrays with a leading batch axis: Python numbers (e.g. the items of a
+    list of floats, which pytrees see as separate leaves) would become replicated scalars."""
+    if isinstance(leaf, bool | int | float | complex):
+        where = f"batch{jax.tree_util.keystr(path)}"
+        inside = (
+            " (an item of a Python list or tuple)"
+            if path and isinstance(path[-1], jax.tree_util.SequenceKey) else ""
+        )
+        raise TypeError(
+            f"{who}: {where} is a Python {type(leaf).__name__} ({leaf!r}){inside}: batches "
+            "must be arrays (NumPy or jax.Array) with a leading batch axis, not Python "
+            f"lists or numbers. Fix: convert it, e.g. np.asarray(values, np.float32)."
+        )
+    dtype = getattr(leaf, "dtype", None)
+    if getattr(dtype, "kind", "") in ("O", "U", "S", "M"):
+        raise TypeError(
+            f"{who}: batch{jax.tree_util.keystr(path)} has dtype {dtype}: batches must be "
+            "numeric arrays. Fix: encode it as numbers (e.g. token ids) before batching."
+        )
 
 
 def shard_batch(
@@ -627,6 +803,7 @@ def shard_batch(
 
     def one(path: Any, leaf: Any, leaf_names: Any) -> jax.Array:
         where = f"batch{jax.tree_util.keystr(path)}"
+        _check_array_leaf(path, leaf, "shard_batch")
         arr = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
         if arr.ndim < len(lead):
             raise ShardingError(
@@ -643,6 +820,7 @@ def shard_batch(
 
     if _is_names(names):
         return jax.tree_util.tree_map_with_path(lambda p, x: one(p, x, names), batch)
+    _check_names_prefix(names, batch)
 
     def prefix(path: Any, leaf_names: Any, sub: Any) -> Any:
         return jax.tree_util.tree_map_with_path(
@@ -679,8 +857,22 @@ def _select(ok: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(pick, new, old)
 
 
+def _finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
+    """Paths and all-finite flags of the inexact (float/complex) leaves of ``tree``:
+    one reduction per leaf; integer leaves (step counts) and RNG keys cannot be NaN."""
+    paths, flags = [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
+            paths.append(_leaf_path(path))
+            flags.append(jnp.all(jnp.isfinite(x)))
+    return paths, flags
+
+
 def _make_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
     grad_fn = value_and_grad(loss_fn, has_aux=has_aux)
+    # Filled while tracing: the leaves the guard checks after the update, in the order
+    # of the step's "nonfinite" metric (an index into this list).
+    checked: list[tuple[str, str]] = []
 
     def train_step(model: Any, optimizer: Any, batch: Any, guard: _Guard) -> dict[str, Any]:
         # Copies of the Variable wrappers (the arrays are shared, nothing is copied):
@@ -690,16 +882,40 @@ def _make_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]
         loss, aux = out if has_aux else (out, {})
         optimizer.update(model, grads)
         grad_norm = optax.tree.norm(grads)
-        ok = guard.ok[...] & jnp.all(jnp.isfinite(loss)) & jnp.isfinite(grad_norm)
+        # Finite gradients can still give non-finite parameters or optimizer state
+        # (an infinite learning rate, an overflowing second moment): the updated state
+        # itself is checked too, so a non-finite value is never kept, nor saved.
+        model_paths, model_flags = _finite_flags(nnx.state(model))
+        opt_paths, opt_flags = _finite_flags(nnx.state(optimizer))
+        checked[:] = [("model", p) for p in model_paths] + [("optimizer", p) for p in opt_paths]
+        flags = jnp.stack([*model_flags, *opt_flags, jnp.array(True)])
+        state_ok = jnp.all(flags)
+        nonfinite = jnp.where(state_ok, -1, jnp.argmin(flags)).astype(jnp.int32)
+        ok = guard.ok[...] & jnp.all(jnp.isfinite(loss)) & jnp.isfinite(grad_norm) & state_ok
         # A non-finite step (and every later one) is not applied, inside the compiled
         # call: the state stays the last finite one without a host round trip.
         nnx.update((model, optimizer), _select(ok, nnx.state((model, optimizer)), before))
         guard.ok[...] = ok
         if not isinstance(aux, Mapping):
             aux = {"aux": aux}
-        return {"loss": loss, "grad_norm": grad_norm, **aux, "applied": ok}
+        return {"loss": loss, "grad_norm": grad_norm, **aux, "applied": ok,
+                "nonfinite": nonfinite}
 
+    train_step.checked = checked  # type: ignore[attr-defined]
     return train_step
+
+
+def _why_not_finite(host: Mapping[str, np.ndarray], i: int, checked: Sequence[tuple[str, str]]) -> str:
+    """Which check of the NaN guard failed at index ``i`` of a call's metrics."""
+    bad = [key for key in ("loss", "grad_norm") if not np.all(np.isfinite(host[key][i]))]
+    if bad:
+        return " and ".join(f"{key} is {host[key][i]}" for key in bad)
+    index = int(host["nonfinite"][i])
+    if 0 <= index < len(checked):
+        owner, path = checked[index]
+        what = "updated parameters are" if owner == "model" else "updated optimizer state is"
+        return f"{what} not finite (first: {path}; loss and grad_norm were finite)"
+    return "the step was not finite"
 
 
 @dataclasses.dataclass
@@ -760,22 +976,32 @@ class _Progress:
             self.stream.flush()
 
 
-def _group_sizes(start: int, count: int, k: int, every: int | None) -> list[int]:
+def _iter_group_sizes(start: int, count: int, k: int, every: int | None) -> Iterator[int]:
     """Steps per fused call for ``count`` steps from step ``start``: K at a time, cut
-    at the multiples of ``every`` (the checkpoint steps).
+    at the multiples of ``every`` (the checkpoint steps). Lazy: ``fit(data,
+    num_steps=10**12)`` on finite data must not plan 10**11 calls up front.
 
-    >>> _group_sizes(0, 60, 10, 25)
+    >>> list(_iter_group_sizes(0, 60, 10, 25))
     [10, 10, 5, 10, 10, 5, 10]
+    >>> next(_iter_group_sizes(0, 10**12, 10, None))
+    10
     """
-    sizes = []
     pos, end = start, start + count
     while pos < end:
         nxt = min(pos + k, end)
         if every:
             nxt = min(nxt, (pos // every + 1) * every)
-        sizes.append(nxt - pos)
+        yield nxt - pos
         pos = nxt
-    return sizes
+
+
+def _group_sizes(start: int, count: int, k: int, every: int | None) -> list[int]:
+    """:func:`_iter_group_sizes` as a list (for small plans).
+
+    >>> _group_sizes(0, 60, 10, 25)
+    [10, 10, 5, 10, 10, 5, 10]
+    """
+    return list(_iter_group_sizes(start, count, k, every))
 
 
 class _Prefetcher:
@@ -784,7 +1010,7 @@ class _Prefetcher:
 
     _END = object()
 
-    def __init__(self, data: Iterable[Any], sizes: list[int], build: Callable[..., Any]) -> None:
+    def __init__(self, data: Iterable[Any], sizes: Iterable[int], build: Callable[..., Any]) -> None:
         self._q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -793,7 +1019,7 @@ class _Prefetcher:
         )
         self._thread.start()
 
-    def _run(self, it: Iterator[Any], sizes: list[int], build: Callable[..., Any]) -> None:
+    def _run(self, it: Iterator[Any], sizes: Iterable[int], build: Callable[..., Any]) -> None:
         try:
             for k in sizes:
                 host = []
@@ -885,6 +1111,27 @@ class Trainer:
         has_aux: bool = False,
         donate: bool = True,
     ) -> None:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"Trainer: model must be an nnx.Module, got {type(model).__name__} "
+                f"({_short_repr(model)}). Fix: pass the Flax NNX model itself, e.g. "
+                "ns.sharded_init(lambda: MyModel(rngs=nnx.Rngs(0)), mesh, rules)."
+            )
+        if not isinstance(optimizer, nnx.Optimizer):
+            given = (
+                "an optax transformation" if isinstance(optimizer, optax.GradientTransformation)
+                else f"{type(optimizer).__name__} ({_short_repr(optimizer)})"
+            )
+            raise TypeError(
+                f"Trainer: optimizer must be an nnx.Optimizer holding the optimizer state, got "
+                f"{given}. Fix: ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, rules), "
+                "or nnx.Optimizer(model, tx, wrt=nnx.Param)."
+            )
+        if not callable(loss_fn):
+            raise TypeError(
+                f"Trainer: loss_fn must be callable as loss_fn(model, batch), got "
+                f"{_short_repr(loss_fn)}."
+            )
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
         self.model = model
@@ -898,8 +1145,10 @@ class Trainer:
         # run's data continues (saved in checkpoints, see fit).
         self.data_position = 0
         self._guard = _Guard()
+        step = _make_step(loss_fn, has_aux)
+        self._checked: list[tuple[str, str]] = step.checked  # type: ignore[attr-defined]
         self._fused = multistep(
-            _make_step(loss_fn, has_aux), donate=donate, microbatches=microbatches
+            step, donate=donate, microbatches=microbatches, max_in_flight=2
         )
 
     @property
@@ -909,6 +1158,20 @@ class Trainer:
 
     def _build_group(self, host: list[Any]) -> tuple[int, Any, int]:
         first = jax.tree_util.tree_flatten_with_path(host[0])
+        if not first[0]:
+            raise TypeError(
+                f"Trainer.fit: a batch from data is {_short_repr(host[0])}, which holds no "
+                "arrays. Batches are pytrees of arrays with a leading batch axis, e.g. "
+                "{'x': np.ndarray of shape (batch, ...), 'y': ...}."
+            )
+        for path, x in first[0]:
+            _check_array_leaf(path, x, "Trainer.fit")
+            if np.ndim(x) == 0:
+                raise TypeError(
+                    f"Trainer.fit: batch{jax.tree_util.keystr(path)} is a scalar (shape ()): "
+                    "every leaf of a batch needs a leading batch axis. Fix: give it one, "
+                    "e.g. np.full((batch,), value)."
+                )
         for n, b in enumerate(host[1:], start=1):
             flat = jax.tree_util.tree_flatten_with_path(b)
             if flat[1] != first[1]:
@@ -942,9 +1205,13 @@ class Trainer:
         """Runs up to ``num_steps`` steps on batches from ``data``; returns the :class:`History`.
 
         Stops early, keeping the model and optimizer at the last finite state,
-        when the loss or the gradient norm is NaN/Inf (a ``RuntimeWarning``
-        names the step), when ``data`` runs out, or when a callback returns
-        ``True``. ``callback(step, metrics)`` runs after every fused call with
+        when a step is not finite: its loss, its gradient norm, the updated
+        parameters (any float Variable of the model) or the updated optimizer
+        state hold a NaN/Inf (that step is not applied, nor saved; a
+        ``RuntimeWarning`` and ``stop_reason`` name the check, the first
+        non-finite leaf and the step); when ``data`` runs out (so with finite
+        data a huge ``num_steps`` means "until the data ends": steps are
+        planned lazily); or when a callback returns ``True``. ``callback(step, metrics)`` runs after every fused call with
         that call's per-step metrics (NumPy) and the model exactly as of
         ``step``. A final group smaller than ``steps_per_call`` compiles once
         more. The progress bar (loss, steps/s, examples/s) goes to stderr only
@@ -987,7 +1254,7 @@ class Trainer:
         >>> with warnings.catch_warnings(record=True):
         ...     h = trainer.fit([np.ones((8, 2), np.float32)] * 10, 10, progress=False)
         >>> print(h.stop_reason)
-        loss is inf and grad_norm is inf at step 2; stopped, keeping ... after step 1, ...
+        loss is inf and grad_norm is inf at step 2; stopped without applying it, keeping ... after step 1, ...
         >>> bool(jnp.isfinite(model.kernel[...]).all()), len(h)
         (True, 1)
         """
@@ -1021,11 +1288,12 @@ class Trainer:
             data = itertools.islice(data, self.data_position, None)
         k = self.steps_per_call
         every = checkpointer.every if checkpointer is not None else None
-        sizes = _group_sizes(self.step, num_steps, k, every)
+        sizes = _iter_group_sizes(self.step, num_steps, k, every)
         # Two calls in flight keep the device busy while the host reads the previous
-        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
+        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous),
+        # and never more than the fused call itself allows.
         # Callbacks see the model as of their step, so with callbacks: one at a time.
-        depth = 1 if callbacks else 2
+        depth = 1 if callbacks else min(2, self._fused.max_in_flight or 2)
         self._guard.ok.set_value(jnp.array(True))
         hist: dict[str, list[np.ndarray]] = collections.defaultdict(list)
         bar = _Progress(num_steps, progress)
@@ -1053,6 +1321,7 @@ class Trainer:
             n, examples, metrics = pending.popleft()
             host = {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
             applied = host.pop("applied")
+            nonfinite_at = host.pop("nonfinite")
             good = n if applied.all() else int(np.argmin(applied))
             if stop_reason is not None:
                 return True  # in flight when training stopped: it applied nothing
@@ -1070,11 +1339,12 @@ class Trainer:
                 bar.update(done, float(host["loss"][good - 1]), rate, rate * examples,
                            final=done == num_steps)
             if good < n:
-                bad = [key for key in ("loss", "grad_norm") if not np.isfinite(host[key][good])]
-                what = " and ".join(f"{key} is {host[key][good]}" for key in bad)
+                what = _why_not_finite({**host, "nonfinite": nonfinite_at}, good, self._checked)
+                last = step0 + good
+                kept = f"from after step {last}" if last else "from before it"
                 stop_reason = (
-                    f"{what} at step {step0 + good + 1}; stopped, keeping the model and "
-                    f"optimizer state from after step {step0 + good}, the last finite one"
+                    f"{what} at step {last + 1}; stopped without applying it, keeping the "
+                    f"model and optimizer state {kept}, the last finite one"
                 )
                 warnings.warn(f"Trainer.fit: {stop_reason}.", RuntimeWarning, stacklevel=3)
                 nonfinite = True

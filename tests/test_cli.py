@@ -316,6 +316,63 @@ def test_console_entry_prints_one_line_for_a_failing_factory(bad_factories):
 # --------------------------------------------------------------------------- demo
 
 
+def strict_json(path):
+    """Parses like a strict JSON reader: NaN / Infinity are errors, not floats."""
+
+    def refuse(constant):
+        raise ValueError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "-inf", "0", "-1e-3", "abc"])
+def test_demo_rejects_a_learning_rate_that_is_not_finite_and_positive(capsys, tmp_path, lr):
+    code, out, err = run(capsys, "demo", f"--lr={lr}", "--out", str(tmp_path / "d"))
+    assert_one_line_error(code, err, "argument --lr:", repr(lr), "use e.g. --lr 3e-3")
+    assert out == "" and not (tmp_path / "d").exists()
+
+
+def test_demo_refuses_absurd_steps_and_a_file_as_out_folder_up_front(capsys, tmp_path):
+    code, out, err = run(capsys, "demo", "--steps", "1000000000000", "--out", str(tmp_path / "d"))
+    assert_one_line_error(code, err, "--steps 1000000000000 is more than the demo runs",
+                          f"at most {cli.DEMO_MAX_STEPS:,}", "ns.Trainer")
+    assert out == "" and not (tmp_path / "d").exists()
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("keep me")
+    code, out, err = run(capsys, "demo", "--steps", "5", "--out", str(a_file))
+    assert_one_line_error(code, err, f"--out {str(a_file)!r} is a file, not a folder")
+    assert a_file.read_text() == "keep me"
+    code, _, err = run(capsys, "demo", "--temperature", "nan")
+    assert_one_line_error(code, err, "argument --temperature:", "'nan'")
+
+
+def test_demo_summary_is_strict_json():
+    summary = {"lr": 1e-3, "loss": [2.0, float("nan")], "evals": [[0, float("inf")]]}
+    text = json.dumps(cli._strict_json(summary), allow_nan=False)
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {
+        "lr": 1e-3, "loss": [2.0, None], "evals": [[0, None]]}
+
+
+@needs_devices(8)
+def test_demo_that_diverges_exits_1_without_a_stale_heldout_loss(capsys, tmp_path):
+    out_dir = tmp_path / "demo"
+    code, out, err = run(
+        capsys, "demo", "--steps", "6", "--steps-per-call", "3", "--batch", "16", "--seq",
+        "32", "--embed", "32", "--heads", "4", "--mlp", "64", "--layers", "1", "--lr", "1e30",
+        "--evals", "2", "--sample-chars", "8", "--out", str(out_dir),
+    )
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.match(
+        r"nnx-shard: error: training stopped after \d of 6 steps: .* is (nan|inf) at step \d; "
+        r"stopped without applying it.*try a lower --lr\.$", lines[0]), err
+    assert "held-out loss" not in out and "saved checkpoint" not in out
+    assert not (out_dir / "checkpoint").exists()
+    summary = strict_json(out_dir / "summary.json")
+    assert summary["stop_reason"] in lines[0] and summary["heldout_loss"] is None
+    assert summary["steps"] < 6 == summary["steps_requested"] and summary["lr"] == 1e30
+
+
 @needs_devices(8)
 def test_demo_end_to_end(capsys, tmp_path):
     out_dir = tmp_path / "demo"
@@ -325,7 +382,8 @@ def test_demo_end_to_end(capsys, tmp_path):
         "--evals", "2", "--sample-chars", "24", "--out", str(out_dir),
     )
     assert code == 0, err
-    summary = json.loads((out_dir / "summary.json").read_text())
+    summary = strict_json(out_dir / "summary.json")
+    assert summary["stop_reason"] is None
     assert summary["strategy"] == "fsdp_tp" and summary["mesh"] == {"data": 4, "model": 2}
     assert summary["restore_strategy"] == "tp" and summary["restore_mesh"] == {"data": 2, "model": 4}
     assert summary["steps"] == 40 and len(summary["loss"]) == 40

@@ -86,6 +86,32 @@ def test_a_failing_process_stops_the_others_and_names_itself(capfd):
     assert all(gone(p) for p in pids), "a process outlived the launcher"
 
 
+def test_a_process_leaving_early_is_named_before_the_peer_that_then_fails(capfd):
+    # Process 1 exits 0 at once; process 0 then fails (as a peer whose collective lost
+    # a participant would): the report leads with process 1, the exit code is 0's.
+    prog = ("import os, sys, time; i = int(os.environ['NNX_SHARD_PROCESS_ID']); "
+            "sys.exit(0) if i == 1 else time.sleep(1.5); sys.exit(4) if i == 0 else "
+            "time.sleep(60)")
+    code, _, err, took = run_main(capfd, "-n", "3", "--", PY, "-c", prog)
+    assert code == 4
+    assert ("nnx-shard launch: process 1 exited first (code 0) while the others were still "
+            "running, then process 0 exited with code 4; stopping process 2") in err, err
+    assert took < 20
+
+
+def test_more_processes_than_the_machine_can_hold_are_refused(capfd, monkeypatch):
+    code, out, err, took = run_main(capfd, "-n", "100000", "--", PY, "-c", "print('started')")
+    assert code == 2 and out == "" and took < 5
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("nnx-shard launch: -n 100000 is more processes than this machine "
+                               f"can run: at most {launch.max_processes()} (8 per CPU core)")
+    assert "--devices-per-process" in lines[0]
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    code, _, err, _ = run_main(capfd, "-n", "3", "--", PY, "-c", "print('started')")
+    assert code == 2 and "-n 3 is more processes than this machine can run: at most 2" in err
+
+
 def test_timeout_stops_everything_with_exit_124(capfd):
     prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
     code, out, err, took = run_main(capfd, "-n", "2", "--timeout", "1.5", "--", PY, "-c", prog)

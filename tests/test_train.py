@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
+import re
+import subprocess
+import sys
+import time
+import tracemalloc
 import warnings
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +28,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
+from nnx_shard.checkpoint import restore_into
 from nnx_shard.train import Trainer, _Progress, multistep, shard_batch, value_and_grad
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
 
 RTOL = 1e-5
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -539,6 +549,144 @@ def test_trainer_nan_stops_at_the_step_and_keeps_the_last_finite_state():
     assert h2.steps == 4 and np.isfinite(h2["loss"]).all()
 
 
+class _NanAtState(NamedTuple):
+    count: jax.Array  # float on purpose: the guard checks inexact leaves
+
+
+def nan_state_at(step):
+    """An optax transform passing updates through unchanged whose own state turns NaN
+    at ``step`` (1-based): non-finite optimizer state, finite parameters."""
+
+    def init(params):
+        return _NanAtState(jnp.zeros((), jnp.float32))
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        return updates, _NanAtState(jnp.where(count == step, jnp.nan, count))
+
+    return optax.GradientTransformation(init, update)
+
+
+@jax.custom_vjp
+def poison_grad(x, flag):
+    """Identity forward; the gradient is NaN where ``flag`` is set (finite loss, NaN grads)."""
+    return x
+
+
+poison_grad.defvjp(
+    lambda x, flag: (x, flag),
+    lambda flag, g: (g * jnp.where(flag > 0, jnp.nan, 1.0), jnp.zeros_like(flag)),
+)
+
+
+def poisoned_loss(model, batch):
+    pred = poison_grad(model(batch["x"]), batch["poison"][:, None])
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def guard_batches(route, bad, n=6):
+    out = []
+    for i, b in enumerate(host_batches(n)):
+        b["poison"] = np.zeros((8,), np.float32)
+        if i == bad - 1 and route == "loss":
+            b["x"][0, 0] = np.nan
+        if i == bad - 1 and route == "grad_norm":
+            b["poison"][:] = 1.0
+        out.append(b)
+    return out
+
+
+def guard_tx(route, bad):
+    if route == "params":  # finite gradients, infinite learning rate at step `bad`
+        return optax.sgd(lambda count: jnp.where(count == bad - 1, jnp.inf, 0.05))
+    if route == "opt_state":
+        return optax.chain(nan_state_at(bad), optax.sgd(0.05))
+    return optax.adam(1e-2)
+
+
+GUARD_MESSAGES = {
+    "loss": r"loss is nan and grad_norm is nan at step {bad};",
+    "grad_norm": r"grad_norm is nan at step {bad};",
+    "params": r"updated parameters are not finite \(first: layers/\d/(kernel|bias); loss and "
+              r"grad_norm were finite\) at step {bad};",
+    "opt_state": r"updated optimizer state is not finite \(first: opt_state/0/count; loss and "
+                 r"grad_norm were finite\) at step {bad};",
+}
+
+
+def all_finite(*trees):
+    return all(
+        bool(np.isfinite(np.asarray(x)).all())
+        for x in jax.tree.leaves(nnx.state(trees))
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    )
+
+
+@pytest.mark.parametrize("bad", [1, 3], ids=["first_step", "last_step_of_a_call"])
+@pytest.mark.parametrize("route", list(GUARD_MESSAGES))
+def test_nan_guard_never_keeps_or_saves_a_non_finite_state(tmp_path, route, bad):
+    def build():
+        model = seed_model()
+        opt = nnx.Optimizer(model, guard_tx(route, bad), wrt=nnx.Param)
+        return Trainer(model, opt, poisoned_loss, mesh="data=8", rules={"batch": "data"},
+                       steps_per_call=3)
+
+    trainer = build()
+    initial = jax.tree.map(np.array, nnx.state((trainer.model, trainer.optimizer)))
+    ckpt = ns.Checkpointer(tmp_path / "ckpt", every=1)
+    expected = GUARD_MESSAGES[route].format(bad=bad)
+    with pytest.warns(RuntimeWarning, match=expected):
+        h = trainer.fit(guard_batches(route, bad), num_steps=6, progress=False,
+                        checkpointer=ckpt)
+    kept = f"from after step {bad - 1}" if bad > 1 else "from before it"
+    assert re.search(expected + f" stopped without applying it, keeping the model and "
+                     f"optimizer state {kept}, the last finite one", h.stop_reason), h.stop_reason
+    assert h.steps == bad - 1 and trainer.step == bad - 1
+    assert int(trainer.optimizer.step[...]) == bad - 1
+    assert all_finite(trainer.model, trainer.optimizer)
+
+    # The kept state is the state after the last good step ...
+    if bad == 1:
+        ref_state = initial
+    else:
+        ref = build()
+        ref.fit(guard_batches(route, bad)[: bad - 1], num_steps=bad - 1, progress=False)
+        ref_state = nnx.state((ref.model, ref.optimizer))
+    got, want = jax.tree.leaves(nnx.state((trainer.model, trainer.optimizer))), jax.tree.leaves(ref_state)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL,
+                                   atol=RTOL * float(np.max(np.abs(np.asarray(y)), initial=0)))
+
+    # ... and so is the checkpoint on disk: nothing from the bad step was saved.
+    ckpt.wait()
+    if bad == 1:
+        assert ckpt.latest_step() is None
+    else:
+        assert ckpt.latest_step() == bad - 1
+        fresh = build()
+        step, extra = restore_into(ckpt.directory, fresh.model, fresh.optimizer)
+        assert step == bad - 1 and extra["step"] == bad - 1
+        assert all_finite(fresh.model, fresh.optimizer)
+        for x, y in zip(jax.tree.leaves(nnx.state((fresh.model, fresh.optimizer))), got,
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_adam_with_an_infinite_learning_rate_is_caught_at_its_first_update():
+    model = seed_model()
+    opt = nnx.Optimizer(model, optax.adam(float("inf")), wrt=nnx.Param)
+    initial = jax.tree.map(np.array, nnx.state((model, opt)))
+    trainer = Trainer(model, opt, loss_fn, mesh="data=8", rules={"batch": "data"},
+                      steps_per_call=2)
+    with pytest.warns(RuntimeWarning, match=r"updated parameters are not finite \(first: "
+                      r"layers/0/(bias|kernel); loss and grad_norm were finite\) at step 1;"):
+        h = trainer.fit(host_batches(4), num_steps=4, progress=False)
+    assert h.steps == 0 and int(opt.step[...]) == 0
+    for x, y in zip(jax.tree.leaves(nnx.state((model, opt))), jax.tree.leaves(initial),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+
+
 def test_trainer_callbacks_see_each_call_and_can_stop():
     seen = []
 
@@ -738,3 +886,191 @@ def test_trainer_keeps_zero1_layouts_on_an_explicit_mesh():
     assert len(history) == 4 and history["loss"][-1] < history["loss"][0]
     assert model.layers[0].kernel.get_value().sharding.spec == P(None, None)
     assert opt.opt_state[0].mu["layers"][0]["kernel"].get_value().sharding.spec == P("data", None)
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+def test_shard_batch_rejects_bad_names_and_python_leaves():
+    rules = ns.Rules({"batch": "data", "length": None})
+    batch = {"tokens": np.zeros((8, 4), np.int32), "label": np.zeros((8,), np.int32)}
+    with pytest.raises(TypeError, match=r"shard_batch: names = 5 \(int\) is not a tuple of "
+                       r"logical names\. Fix: names are .*\('batch', 'length'\)"):
+        shard_batch(batch, "data=8", rules, names=5)
+    with pytest.raises(TypeError, match=r"names\['tokens'\] = 'batch' \(str\)"):
+        shard_batch(batch, "data=8", rules, names={"tokens": "batch", "label": ("batch",)})
+    with pytest.raises(ValueError, match=r"names is a pytree prefix that does not match the "
+                       r"batch: .*'tokens'.*'label'.*Fix:"):
+        shard_batch(batch, "data=8", rules, names={"inputs": ("batch",), "label": ("batch",)})
+    # The prefix form still works.
+    out = shard_batch(batch, "data=8", rules, names={"tokens": ("batch", "length"), "label": None})
+    assert out["tokens"].sharding.spec == P("data", None)
+    assert out["label"].sharding.is_fully_replicated
+    # A list of floats is not 8 replicated scalars.
+    with pytest.raises(TypeError, match=r"shard_batch: batch\['x'\]\[0\] is a Python float "
+                       r"\(0\.5\) \(an item of a Python list or tuple\): batches must be arrays "
+                       r".*with a leading batch axis"):
+        shard_batch({"x": [0.5] * 8}, "data=8", rules)
+    with pytest.raises(TypeError, match=r"batch is a Python int \(3\)"):
+        shard_batch(3, "data=8", rules)
+
+
+def test_trainer_rejects_what_is_not_a_model_an_optimizer_or_a_loss():
+    model = seed_model()
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    kw = {"mesh": "data=8", "rules": {"batch": "data"}}
+    with pytest.raises(TypeError, match=r"Trainer: optimizer must be an nnx.Optimizer .*got "
+                       r"NoneType \(None\)\. Fix: ns.sharded_optimizer\("):
+        Trainer(model, None, loss_fn, **kw)
+    with pytest.raises(TypeError, match=r"got an optax transformation\. Fix: .*nnx.Optimizer\("
+                       r"model, tx, wrt=nnx.Param\)"):
+        Trainer(model, optax.adam(1e-3), loss_fn, **kw)
+    with pytest.raises(TypeError, match=r"Trainer: model must be an nnx.Module, got dict"):
+        Trainer({"w": np.zeros(3)}, opt, loss_fn, **kw)
+    with pytest.raises(TypeError, match=r"Trainer: loss_fn must be callable"):
+        Trainer(model, opt, "mse", **kw)
+
+
+@pytest.mark.parametrize(
+    ("batches", "message"),
+    [
+        ([[0.5, 1.0, 2.0]] * 2, r"Trainer.fit: batch\[0\] is a Python float \(0\.5\) \(an item "
+                                r"of a Python list or tuple\): batches must be arrays"),
+        ([1.0, 2.0], r"Trainer.fit: batch is a Python float \(1\.0\)"),
+        ([{"x": np.float32(1.0)}] * 2, r"Trainer.fit: batch\['x'\] is a scalar \(shape \(\)\): "
+                                        r"every leaf of a batch needs a leading batch axis"),
+        ([{}] * 2, r"Trainer.fit: a batch from data is \{\}, which holds no arrays"),
+    ],
+    ids=["list_of_floats", "scalars", "zero_d_array", "empty"],
+)
+def test_trainer_fit_rejects_python_list_and_scalar_batches(batches, message):
+    with pytest.raises(TypeError, match=message):
+        make_trainer(steps_per_call=2).fit(batches, num_steps=2, progress=False)
+
+
+def test_a_tuple_loss_without_has_aux_names_the_fix():
+    def loss_with_aux(model, batch):
+        err = model(batch["x"]) - batch["y"]
+        return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+    model = seed_model()
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    trainer = Trainer(model, opt, loss_with_aux, mesh="data=8", rules={"batch": "data"})
+    with pytest.raises(TypeError, match=r"loss_with_aux returned a tuple of 2 values, not one "
+                       r"scalar loss\. Fix: .*pass has_aux=True"):
+        trainer.fit(host_batches(2), num_steps=2, progress=False)
+    trainer = Trainer(model, opt, loss_fn, mesh="data=8", rules={"batch": "data"}, has_aux=True)
+    with pytest.raises(TypeError, match=r"loss_fn returned an array of shape \(\), but has_aux=True "
+                       r"expects a pair \(loss, aux\)"):
+        trainer.fit(host_batches(2), num_steps=2, progress=False)
+    with pytest.raises(TypeError, match=r"returned a loss of shape \(8, 1\), not a scalar"):
+        value_and_grad(lambda m, b: m(b))(model, jnp.ones((8, 20)))
+
+
+def test_microbatches_that_split_one_device_rows_are_explained():
+    """One row per device (global batch 8 over data=8): 4 microbatches cannot be made
+    without moving rows between devices; JAX's raw ShardingTypeError becomes a fix."""
+    from nnx_shard.models import Transformer, get_config, lm_loss
+
+    cfg = get_config("tiny")
+    mesh = ns.make_mesh("data=8")
+    strategy = ns.strategies.get("dp")
+    model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    opt = strategy.optimizer(model, optax.adam(1e-3), mesh)
+    trainer = Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules, microbatches=4,
+                      steps_per_call=1)
+    tokens = np.zeros((8, cfg.length), np.int32)
+    with pytest.raises(ValueError, match=(
+            r"microbatches=4 must divide each device's rows of the batch: batch\['inputs'\] "
+            r"has 8 rows \(shape \(8, 16\)\) sharded over mesh axes data \(8 devices\), so 1 "
+            r"row per device, which does not divide by 4\. Fix: a global batch that is a "
+            r"multiple of 4 x 8 = 32, or a number of microbatches that divides 1\.")):
+        trainer.fit([{"inputs": tokens, "targets": tokens}] * 2, num_steps=1, progress=False)
+
+
+# ----------------------------------------------------------------------------- bounded dispatch
+
+
+DISPATCH_SCRIPT = """
+import sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+import nnx_shard as ns
+
+mesh = ns.make_mesh("data=8")
+rules = ns.Rules({"batch": "data", "in": "data", "out": None})
+init = ns.with_logical(nnx.initializers.lecun_normal(), ("in", "out"))
+model = ns.sharded_init(lambda: nnx.Linear(8, 8, kernel_init=init, rngs=nnx.Rngs(0)), mesh, rules)
+opt = ns.sharded_optimizer(model, optax.sgd(1e-3), mesh, rules)
+
+def step(model, opt, batch):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(batch) - 1.0) ** 2))(model)
+    opt.update(model, grads)
+    return {"loss": loss}
+
+fused = ns.multistep(step, **eval(sys.argv[1]))
+batch = ns.shard_batch(np.ones((1, 8, 8), np.float32), mesh, rules, steps=True)
+start = time.perf_counter()
+for _ in range(3000):
+    fused(model, opt, batch)   # K=1, never blocked on by the caller
+print("done", int(opt.step[...]), round(time.perf_counter() - start, 1))
+"""
+
+
+def test_an_unblocked_loop_of_fused_calls_does_not_abort(tmp_path):
+    """3,000 unblocked K=1 FSDP calls on 8 simulated devices: with unbounded dispatch
+    (max_in_flight=None) XLA's CPU rendezvous aborted the process (SIGABRT) after ~75
+    calls; the default keeps two calls in flight. Runs in a subprocess so an abort fails
+    the test instead of killing pytest."""
+    script = tmp_path / "dispatch.py"
+    script.write_text(DISPATCH_SCRIPT)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    try:
+        done = subprocess.run([sys.executable, str(script), "{}"], capture_output=True,
+                              text=True, timeout=240, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail("3,000 fused calls did not finish within 240 s")
+    assert done.returncode == 0, f"rc {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split()[:2] == ["done", "3000"]
+
+
+def test_max_in_flight_is_validated_and_shown():
+    assert "max_in_flight=2" in repr(multistep(mse_step))
+    assert multistep(mse_step, max_in_flight=None).max_in_flight is None
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"max_in_flight must be a positive int or None"):
+            multistep(mse_step, max_in_flight=bad)
+
+
+def test_max_in_flight_bounds_unfinished_calls():
+    model = seed_model()
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    fused = multistep(mse_step, max_in_flight=2)
+    waited = []
+    batches = data(1, 8, 20, 1)
+    for _ in range(5):
+        fused(model, opt, batches)
+        waited.append(len(fused._in_flight))
+    assert waited == [1, 2, 2, 2, 2]
+    assert int(opt.step[...]) == 5
+
+
+# ----------------------------------------------------------------------------- lazy plans
+
+
+def test_fit_with_a_huge_num_steps_on_finite_data_stops_when_the_data_ends():
+    trainer = make_trainer(steps_per_call=2)
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        h = trainer.fit(host_batches(5), num_steps=10**12, progress=False)
+        took = time.perf_counter() - start
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert h.steps == 5 and h.stop_reason == "data ran out after 5 of 1000000000000 steps"
+    assert h["step"].tolist() == [1, 2, 3, 4, 5]
+    assert peak < 50 * 2**20, f"peak Python allocation {peak / 2**20:.0f} MiB"
+    assert took < 60
