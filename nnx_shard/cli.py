@@ -562,7 +562,7 @@ DEMO_MAX_STEPS = 1_000_000
 def _check_demo_args(args: argparse.Namespace) -> None:
     """The demo's flags that need no devices, checked before JAX starts (one line, exit 2).
 
-    >>> ns = argparse.Namespace(steps=10**12, steps_per_call=25, batch=32, evals=8, out=".")
+    >>> ns = argparse.Namespace(steps=10**12, steps_per_call=25, batch=32, evals=8)
     >>> try:
     ...     _check_demo_args(ns)
     ... except _Usage as e:
@@ -576,10 +576,6 @@ def _check_demo_args(args: argparse.Namespace) -> None:
             f"--steps {args.steps} is more than the demo runs (at most {DEMO_MAX_STEPS:,}, "
             "hours on a CPU); use ns.Trainer in your own script for longer runs"
         )
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise _Usage(f"--out {args.out!r} is a file, not a folder; give a folder to write "
-                     "loss.png, summary.json and checkpoint/ into")
 
 
 def _finite_positive(text: str) -> float:

@@ -340,7 +340,7 @@ def test_demo_refuses_absurd_steps_and_a_file_as_out_folder_up_front(capsys, tmp
     a_file = tmp_path / "f.txt"
     a_file.write_text("keep me")
     code, out, err = run(capsys, "demo", "--steps", "5", "--out", str(a_file))
-    assert_one_line_error(code, err, f"--out {str(a_file)!r} is a file, not a folder")
+    assert_one_line_error(code, err, f"--out {str(a_file)!r} is a file; give a folder")
     assert a_file.read_text() == "keep me"
     code, _, err = run(capsys, "demo", "--temperature", "nan")
     assert_one_line_error(code, err, "argument --temperature:", "'nan'")
