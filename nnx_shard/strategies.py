@@ -123,11 +123,15 @@ class Strategy:
             rest //= size
         return dict(zip(self.mesh_axes, (rest, *tail), strict=True))
 
-    def make_mesh(self, n_devices: int | None = None, *, axis_types: str | None = None) -> Mesh:
+    def make_mesh(self, n_devices: int | None = None, *, axis_types: str = "auto") -> Mesh:
         """``nnx_shard.make_mesh(self.mesh_for(n_devices), axis_types=...)``.
 
-        >>> dict(get("ep").make_mesh().shape)
-        {'data': 2, 'expert': 4}
+        Auto axes by default, so models built from stock Flax layers train as
+        written; ``axis_types="explicit"`` opts in to JAX's sharding-in-types.
+
+        >>> mesh = get("ep").make_mesh()
+        >>> dict(mesh.shape), mesh.axis_types
+        ({'data': 2, 'expert': 4}, (Auto, Auto))
         """
         n = jax.device_count() if n_devices is None else n_devices
         return make_mesh(self.mesh_for(n), axis_types=axis_types, devices=jax.devices()[:n])

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import path_str
 from nnx_shard.checkpoint import Checkpointer, restore_into
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, is_sharding_type_error, sharding_type_error
 from nnx_shard.mesh import _apply, current, make_mesh, use
 from nnx_shard.rules import Rules, as_rules
 
@@ -96,6 +96,17 @@ def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
 
 def _fmt_shape(x: Any) -> str:
     return str(tuple(np.shape(x)))
+
+
+@contextlib.contextmanager
+def _sharding_types(entry: str) -> Iterator[None]:
+    """JAX's sharding-type errors (Explicit mesh axes) leave as a ShardingError."""
+    try:
+        yield
+    except Exception as e:
+        if is_sharding_type_error(e):
+            raise sharding_type_error(entry, e) from e
+        raise
 
 
 # --------------------------------------------------------------------------- microbatches
@@ -429,9 +440,13 @@ class Fused:
             plan.perm = tuple(index[id(v)] for v in split_vars)
         return plan, values
 
+    def _entry(self, what: str) -> str:
+        return f"multistep({getattr(self.step_fn, '__name__', 'step_fn')}){what}"
+
     def __call__(self, *args: Any) -> Any:
         plan, variables, nodes, values, data = self._prepare(args)
-        new_values, metrics = plan.jitted(values, data)
+        with _sharding_types(self._entry("(...)")):
+            new_values, metrics = plan.jitted(values, data)
         if plan.perm is not None:
             for p, x in zip(plan.perm, new_values, strict=True):
                 variables[p].set_raw_value(x)
@@ -456,7 +471,8 @@ class Fused:
         True
         """
         plan, _, _, values, data = self._prepare(args)
-        return plan.jitted.lower(values, data)
+        with _sharding_types(self._entry(".lower(...)")):
+            return plan.jitted.lower(values, data)
 
     # -- traced side ----------------------------------------------------------
 
