@@ -28,8 +28,12 @@ ep         data, expert     batch over data x expert; experts over expert     al
 =========  ===============  ================================================  ==========================================
 
 The collectives are those the compiled train step of the reference transformer
-contains on 8 CPU devices (tests/test_strategies.py reads them, with the mesh
-axes each runs over, from the HLO with :func:`compiled_collectives`).
+contains on 8 CPU devices with Explicit mesh axes, where the model spells out
+each layout change (tests/test_strategies.py reads them, with the mesh axes
+each runs over, from the HLO with :func:`compiled_collectives`). On Auto axes,
+the default of :meth:`Strategy.make_mesh`, XLA's partitioner chooses them and
+may use others for the same layouts (e.g. an all-to-all or collective-permute
+where a layout changes).
 
 .. [1] The textbook collective here is a reduce-scatter (each device keeps only
    its slice of the summed gradients, or of the sequence under sp). On XLA's
