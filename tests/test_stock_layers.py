@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -353,3 +354,149 @@ def test_stock_model_trains_like_one_device(name: str, preset: str, tmp_path) ->
     for (p, a), (_, b) in zip(nnx.to_flat_state(_host(restored_state)),
                               nnx.to_flat_state(_host(state)), strict=True):
         np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg="/".join(map(str, p)))
+
+
+# --------------------------------------------------------------------------- Explicit axes
+
+
+def test_sharding_type_error_is_where_nnx_shard_looks_for_it() -> None:
+    # JAX has no public name for it; if it moves, nnx_shard's translation of it
+    # into ShardingError silently stops, so this fails loudly instead.
+    from jax._src import core
+
+    assert ns.errors.ShardingTypeError is core.ShardingTypeError
+    mesh = ns.make_mesh("data=8", axis_types="explicit")
+    table = jnp.ones((VOCAB, EMBED))
+    idx = jax.device_put(np.zeros((BATCH, 2), np.int32),
+                         jax.NamedSharding(mesh, jax.P("data")))
+    with jax.set_mesh(mesh), pytest.raises(core.ShardingTypeError, match="gather"):
+        jnp.take(table, idx, axis=0)
+
+
+class EmbedMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, EMBED, rngs=rngs)
+        self.up = nnx.Linear(EMBED, MLP, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.embed.attend(self.up(self.embed(tokens)) @ self.up.kernel[...].T)
+
+
+EMBED_PATTERNS = {r"embedding$": ("vocab", "embed"), r"up/kernel$": ("embed", "mlp"),
+                  r"up/bias$": ("mlp",)}
+
+
+def _explicit_run(preset: str, model_cls, patterns, data, batch_names=("batch",)):
+    s = ns.strategies.get(preset)
+    mesh = s.make_mesh(axis_types="explicit")
+    model = s.sharded_init(lambda: ns.annotate(model_cls(nnx.Rngs(0)), patterns, strict=True),
+                           mesh)
+    opt = s.optimizer(model, _tx(), mesh)
+    trainer = ns.Trainer(model, opt, lambda m, b: _ce(m(b["x"]), b["y"]), mesh=mesh,
+                         rules=s.rules, steps_per_call=2, batch_names=batch_names)
+    return trainer.fit([data] * 2, 2, progress=False)
+
+
+FIX = r"Fix: build the mesh with Auto axes, ns.make_mesh\(\.\.\., axis_types='auto'\)"
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp_tp"])
+def test_stock_embed_on_explicit_axes_raises_sharding_error(preset: str) -> None:
+    tokens = _tokens(np.random.default_rng(0))
+    with pytest.raises(ns.ShardingError) as info:
+        _explicit_run(preset, EmbedMLP, EMBED_PATTERNS, tokens, ("batch", "length"))
+    msg = str(info.value)
+    assert msg.startswith("multistep(train_step)(...): JAX rejected the sharding types of a "
+                          "'gather' operation on Explicit mesh axes, in Embed.__call__ "
+                          "(flax/nnx/nn/linear.py:")
+    assert "jnp.take(embedding, inputs, axis=0)" in msg
+    assert "called from EmbedMLP.__call__ (" in msg and "test_stock_layers.py" in msg
+    assert f"int32[{BATCH}@data,{LENGTH},1]" in msg  # the sharded indices, as JAX typed them
+    assert "Use `.at[...].get(out_sharding=)`" in msg  # JAX's own words are kept
+    assert re.search(FIX, msg)
+    assert isinstance(info.value.__cause__, ns.errors.ShardingTypeError)
+
+
+def test_stock_linear_chain_on_explicit_axes_raises_sharding_error() -> None:
+    class Chain(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(EMBED, MLP, rngs=rngs)
+            self.b = nnx.Linear(MLP, EMBED, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    pats = {r"a/kernel": ("embed", "mlp"), r"a/bias": ("mlp",), r"b/kernel": ("mlp", "embed"),
+            r"b/bias": ("embed",)}
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(BATCH, EMBED)).astype(np.float32),
+            "y": rng.integers(0, EMBED, size=(BATCH,)).astype(np.int32)}
+    with pytest.raises(ns.ShardingError, match=r"'dot_general' operation on Explicit mesh axes"
+                       r", in Linear.__call__ .*called from .*Chain.__call__.*" + FIX):
+        _explicit_run("tp", Chain, pats, data)
+
+
+def test_scan_carry_changing_sharding_on_explicit_axes_raises_sharding_error() -> None:
+    class ScanMLP(nnx.Module):  # Flax's toy: nnx.scan over vmap-stacked layers, with a carry
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=2)
+            @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(rngs):
+                return nnx.Linear(EMBED, EMBED, rngs=rngs)
+
+            self.layers = make(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x, layer):
+                return nnx.relu(layer(x))
+
+            return body(x, self.layers)
+
+    pats = {r"kernel$": ("layers", "embed", "mlp"), r"bias$": ("layers", "mlp")}
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(BATCH, EMBED)).astype(np.float32),
+            "y": rng.integers(0, EMBED, size=(BATCH,)).astype(np.int32)}
+    s = ns.strategies.get("tp")
+    with pytest.raises(ns.ShardingError) as info:
+        _explicit_run("tp", ScanMLP, pats, data)
+    msg = str(info.value)
+    assert "'scan' operation on Explicit mesh axes" in msg
+    assert f"float32[{BATCH}@data,{EMBED}], float32[{BATCH}@data,{EMBED}@model]" in msg
+    assert "carry input and carry output must have equal types" in msg
+    assert re.search(FIX, msg)
+    # The same model trains on the preset's default (Auto) mesh.
+    mesh = s.make_mesh()
+    model = s.sharded_init(lambda: ns.annotate(ScanMLP(nnx.Rngs(0)), pats, strict=True), mesh)
+    trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh),
+                         lambda m, b: _ce(m(b["x"]), b["y"]), mesh=mesh, rules=s.rules,
+                         steps_per_call=2)
+    assert np.isfinite(trainer.fit([data] * 2, 2, progress=False)["loss"]).all()
+
+
+def test_multistep_lower_and_init_raise_sharding_error() -> None:
+    mesh = ns.make_mesh("data=8", axis_types="explicit")
+    model = nnx.Embed(VOCAB, EMBED, rngs=nnx.Rngs(0))
+    idx = jax.device_put(np.zeros((2, BATCH, 3), np.int32),
+                         jax.NamedSharding(mesh, jax.P(None, "data")))
+
+    def step(model, tokens):
+        return {"loss": model(tokens).sum()}
+
+    with jax.set_mesh(mesh), pytest.raises(
+            ns.ShardingError, match=r"^multistep\(step\)\.lower\(\.\.\.\): .*'gather'"):
+        ns.multistep(step).lower(model, idx)
+
+    # A factory that computes an initial value under the user's Explicit mesh.
+    def factory():
+        layer = nnx.Embed(VOCAB, EMBED, rngs=nnx.Rngs(0))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            shift = jnp.take(jnp.ones((VOCAB, EMBED)), idx[0], axis=0).mean()
+        layer.embedding[...] += shift
+        return layer
+
+    for entry in (ns.sharded_init, ns.abstract_init):
+        with jax.set_mesh(mesh), pytest.raises(
+                ns.ShardingError, match=rf"^{entry.__name__}: the factory .*factory: JAX "
+                r"rejected the sharding types of a 'gather' operation"):
+            entry(factory, mesh, {"vocab": None, "embed": None})
