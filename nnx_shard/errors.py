@@ -38,7 +38,7 @@ def raise_collected(errors: list[str], what: str = "variables") -> None:
 
 def _sharding_type_error_class() -> type[Exception]:
     # JAX (0.10.2) exports no public name for the error its sharding-in-types
-    # rules raise on Explicit mesh axes; tests/test_train.py pins this location
+    # rules raise on Explicit mesh axes; tests/test_stock_layers.py pins this location
     # so a move in JAX fails loudly there rather than silently letting raw
     # errors through.
     from jax._src import core
@@ -66,7 +66,11 @@ _LIBRARY_DIRS = (*_JAX_DIRS, f"{os.sep}flax{os.sep}", f"{os.sep}nnx_shard{os.sep
 
 
 def is_sharding_type_error(e: BaseException) -> bool:
-    """``e`` is JAX rejecting an operation's sharding types (Explicit mesh axes)."""
+    """``e`` is JAX rejecting an operation's sharding types (Explicit mesh axes).
+
+    >>> is_sharding_type_error(ShardingTypeError("...")), is_sharding_type_error(TypeError("x"))
+    (True, False)
+    """
     if isinstance(e, ShardingTypeError):
         return True
     return isinstance(e, TypeError) and _CARRY_MISMATCH in str(e) and "@" in str(e)
@@ -85,7 +89,13 @@ def _frame_text(frame: Any, lineno: int) -> str:
 def sharding_type_error(entry: str, e: BaseException) -> ShardingError:
     """The ShardingError for a JAX sharding-type error ``e`` raised inside ``entry``:
     it names the operation, the arrays (with their sharding, as JAX typed them),
-    where in the model it happened, and the fix."""
+    where in the model it happened, and the fix.
+
+    >>> e = ShardingTypeError("dot_general operation with inputs: f32[8@data,32], "
+    ...                       "f32[32,16@data] produces an illegally sharded result: ...")
+    >>> print(sharding_type_error("multistep(step)(...)", e))
+    multistep(step)(...): JAX rejected the sharding types of a 'dot_general' operation on Explicit mesh axes. Arrays involved (dims@mesh axes): f32[8@data,32], f32[32,16@data]. JAX says: ... Fix: build the mesh with Auto axes, ns.make_mesh(..., axis_types='auto') ...
+    """
     msg = str(e).strip() or type(e).__name__
     op = next((m.group(1) for rx in _OPERATION if (m := rx.search(msg))), None)
     op = op or next((name for text, name in _UNNAMED if text in msg), None)
