@@ -119,7 +119,7 @@ def sharding_type_error(entry: str, e: BaseException) -> ShardingError:
     parts.append(f". JAX says: {said.rstrip('.')}")
     parts.append(
         ". On Explicit axes every operation must have one unambiguous output sharding, "
-        "and stock Flax layers do not say it. Fix: build the mesh with Auto axes, "
+        "which stock Flax layers do not give. Fix: build the mesh with Auto axes, "
         "ns.make_mesh(..., axis_types='auto') (the default of ns.make_mesh and "
         "Strategy.make_mesh), so XLA propagates the layouts; or keep Explicit axes and "
         "give that operation an out_sharding (e.g. x.at[i].get(out_sharding=P(...)), "

@@ -441,7 +441,9 @@ class Fused:
         return plan, values
 
     def _entry(self, what: str) -> str:
-        return f"multistep({getattr(self.step_fn, '__name__', 'step_fn')}){what}"
+        # Error messages name the call the user made (Trainer.fit sets its own).
+        name = getattr(self, "entry", None)
+        return name or f"multistep({getattr(self.step_fn, '__name__', 'step_fn')}){what}"
 
     def __call__(self, *args: Any) -> Any:
         plan, variables, nodes, values, data = self._prepare(args)
@@ -917,6 +919,7 @@ class Trainer:
         self._fused = multistep(
             _make_step(loss_fn, has_aux), donate=donate, microbatches=microbatches
         )
+        self._fused.entry = "Trainer.fit"
 
     @property
     def traces(self) -> int:

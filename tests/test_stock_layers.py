@@ -406,7 +406,7 @@ def test_stock_embed_on_explicit_axes_raises_sharding_error(preset: str) -> None
     with pytest.raises(ns.ShardingError) as info:
         _explicit_run(preset, EmbedMLP, EMBED_PATTERNS, tokens, ("batch", "length"))
     msg = str(info.value)
-    assert msg.startswith("multistep(train_step)(...): JAX rejected the sharding types of a "
+    assert msg.startswith("Trainer.fit: JAX rejected the sharding types of a "
                           "'gather' operation on Explicit mesh axes, in Embed.__call__ "
                           "(flax/nnx/nn/linear.py:")
     assert "jnp.take(embedding, inputs, axis=0)" in msg
