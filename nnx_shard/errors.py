@@ -50,7 +50,8 @@ ShardingTypeError: type[Exception] = _sharding_type_error_class()
 
 # A JAX TypeError that is about sharding types: scan's carry changed its sharding.
 _CARRY_MISMATCH = "carry input and carry output must have equal types"
-_TYPED = re.compile(r"\b[a-z]+[0-9]*\[[^\[\]]*@[^\[\]]*\]")
+# Array types as JAX prints them: float32[8@data,16] (dims, @ the mesh axes sharding them).
+_TYPED = re.compile(r"\b(?:bool|[a-z]+[0-9]+)\[[^\[\]]*\]")
 _OPERATION = (
     re.compile(r"^(\w+) operation with inputs"),
     re.compile(r"for the (\w+) (?:indexing|operation)"),

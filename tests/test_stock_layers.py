@@ -411,7 +411,9 @@ def test_stock_embed_on_explicit_axes_raises_sharding_error(preset: str) -> None
                           "(flax/nnx/nn/linear.py:")
     assert "jnp.take(embedding, inputs, axis=0)" in msg
     assert "called from EmbedMLP.__call__ (" in msg and "test_stock_layers.py" in msg
-    assert f"int32[{BATCH}@data,{LENGTH},1]" in msg  # the sharded indices, as JAX typed them
+    # The table and the indices, as JAX typed them (dims @ the mesh axes sharding them).
+    table = f"float32[{VOCAB},{EMBED}]" if preset == "dp" else f"float32[{VOCAB}@model,{EMBED}@data]"
+    assert f"Arrays involved (dims@mesh axes): {table}, int32[{BATCH}@data,{LENGTH},1]" in msg
     assert "Use `.at[...].get(out_sharding=)`" in msg  # JAX's own words are kept
     assert re.search(FIX, msg)
     assert isinstance(info.value.__cause__, ns.errors.ShardingTypeError)
