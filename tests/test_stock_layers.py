@@ -255,6 +255,10 @@ PRESETS = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp")
 # sp shards the sequence: it applies to the models that have a length axis.
 MATRIX = [(c, p) for c in CASES for p in PRESETS
           if p != "sp" or "length" in CASES[c].batch_names]
+# The mesh axis each preset gives the logical names the models use (others: replicated).
+TP_AXES = {"heads": "model", "mlp": "model", "vocab": "model"}
+PROMISED = {"dp": {}, "zero1": {}, "fsdp": {"embed": "data"}, "tp": TP_AXES,
+            "fsdp_tp": {"embed": "data", **TP_AXES}, "sp": TP_AXES}
 # Where each run's checkpoint is restored: another preset, another mesh shape.
 RESTORE_ON = {"dp": "fsdp_tp", "zero1": "tp", "fsdp": "tp", "tp": "fsdp", "fsdp_tp": "dp",
               "sp": "fsdp"}
@@ -329,6 +333,9 @@ def test_stock_model_trains_like_one_device(name: str, preset: str, tmp_path) ->
     probe = dict(nnx.to_flat_state(state))[tuple(path.split("/"))].get_value()
     spec = s.rules.spec(names, shape=probe.shape, mesh=mesh)
     assert probe.sharding.spec == spec
+    # ... and that is what the preset promises for these names (spelled out here).
+    want_axes = tuple(PROMISED[preset].get(n) for n in names)
+    assert tuple(spec) + (None,) * (len(names) - len(spec)) == want_axes
     opt = s.optimizer(model, _tx(), mesh)
 
     trainer = ns.Trainer(model, opt, case.loss_fn, mesh=mesh, rules=s.rules,
@@ -339,6 +346,11 @@ def test_stock_model_trains_like_one_device(name: str, preset: str, tmp_path) ->
     scale = float(np.max(np.abs(losses)))
     np.testing.assert_allclose(history["loss"], losses, rtol=RTOL, atol=RTOL * scale)
     _assert_close(_host(nnx.state(model)), ref_state, f"{name} under {preset}")
+    # Train-mode state moved, and was carried: the reference agrees on it above.
+    if name == "lm":
+        assert int(model.drop.rngs.count[...]) == STEPS  # a dropout key per step
+    if name == "conv":
+        assert np.abs(np.asarray(model.bn.mean[...])).max() > 0  # batch statistics
     # Training kept the layouts.
     state = nnx.state(model)
     assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(want)
