@@ -122,4 +122,5 @@ def test_readme_annotating_your_own_model_runs_as_written(capsys):
     history = namespace["history"]
     assert len(history) == 10 and history["loss"][-1] < history["loss"][0]
     assert namespace["net"].mlp.kernel.get_value().sharding.spec == P("data", "model")
+    assert namespace["logits"].shape == (8, 16, 64)
     assert "P('data', 'model')" in capsys.readouterr().out
