@@ -210,7 +210,8 @@ def annotate(
     existing annotation. The model is updated in place and returned.
 
     Args:
-      model: an ``nnx.Module``.
+      model: an ``nnx.Module``, concrete or abstract (from ``nnx.eval_shape``);
+        not a factory: call ``annotate`` inside it instead.
       patterns: ``{regex: logical names}``, tried in order.
       strict: raise a ``ShardingError`` listing every parameter (``nnx.Param``)
         that no pattern matched and has no annotation, and every pattern that
@@ -222,6 +223,16 @@ def annotate(
     >>> model.layers[0].kernel.get_metadata("out_sharding")
     ('embed', 'mlp')
     """
+    if not nnx.graph.is_graph_node(model):
+        what = "a function" if callable(model) else type(model).__name__
+        raise TypeError(
+            f"annotate: model must be an nnx.Module (concrete, or abstract from "
+            f"nnx.eval_shape), got {what} ({model!r:.80}). annotate relabels the Variables "
+            "of a module that exists. Fix: annotate the built module inside your factory, "
+            "e.g. ns.sharded_init(lambda: ns.annotate(MyModel(rngs=nnx.Rngs(0)), patterns), "
+            "mesh, rules), or an abstract one: "
+            "ns.annotate(nnx.eval_shape(lambda: MyModel(rngs=nnx.Rngs(0))), patterns)."
+        )
     compiled = []
     for pattern, names in patterns.items():
         try:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import linecache
+import os
+import re
+import traceback
+from typing import Any
+
 
 class ShardingError(ValueError):
     """A sharding problem: bad rules, annotations, mesh or shapes.
@@ -28,3 +34,97 @@ def raise_collected(errors: list[str], what: str = "variables") -> None:
         raise ShardingError(
             f"{len(errors)} {what} cannot be sharded:\n" + "\n".join(f"- {e}" for e in errors)
         )
+
+
+def _sharding_type_error_class() -> type[Exception]:
+    # JAX (0.10.2) exports no public name for the error its sharding-in-types
+    # rules raise on Explicit mesh axes; tests/test_stock_layers.py pins this location
+    # so a move in JAX fails loudly there rather than silently letting raw
+    # errors through.
+    from jax._src import core
+
+    return core.ShardingTypeError
+
+
+ShardingTypeError: type[Exception] = _sharding_type_error_class()
+
+# A JAX TypeError that is about sharding types: scan's carry changed its sharding.
+_CARRY_MISMATCH = "carry input and carry output must have equal types"
+# Array types as JAX prints them: float32[8@data,16] (dims, @ the mesh axes sharding them).
+_TYPED = re.compile(r"\b(?:bool|[a-z]+[0-9]+)\[[^\[\]]*\]")
+_OPERATION = (
+    re.compile(r"^(\w+) operation with inputs"),
+    re.compile(r"for the (\w+) (?:indexing|operation)"),
+    re.compile(r"^(\w+) got incompatible shardings"),
+    re.compile(r"`(\w+)` operation"),
+    re.compile(r"^(scan) body function carry"),
+)
+# Messages that do not name their operation.
+_UNNAMED = (("Contracting dimensions are sharded", "dot_general"),)
+_JAX_DIRS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}")
+_LIBRARY_DIRS = (*_JAX_DIRS, f"{os.sep}flax{os.sep}", f"{os.sep}nnx_shard{os.sep}",
+                 f"{os.sep}optax{os.sep}")
+
+
+def is_sharding_type_error(e: BaseException) -> bool:
+    """``e`` is JAX rejecting an operation's sharding types (Explicit mesh axes).
+
+    >>> is_sharding_type_error(ShardingTypeError("...")), is_sharding_type_error(TypeError("x"))
+    (True, False)
+    """
+    if isinstance(e, ShardingTypeError):
+        return True
+    return isinstance(e, TypeError) and _CARRY_MISMATCH in str(e) and "@" in str(e)
+
+
+def _frame_text(frame: Any, lineno: int) -> str:
+    code = frame.f_code
+    owner = frame.f_locals.get("self")
+    func = f"{type(owner).__name__}.{code.co_name}" if owner is not None else code.co_name
+    line = linecache.getline(code.co_filename, lineno).strip()
+    path = code.co_filename.rpartition(f"site-packages{os.sep}")[2]
+    where = f"{func} ({path}:{lineno})"
+    return f"{where}: {line}" if line else where
+
+
+def sharding_type_error(entry: str, e: BaseException) -> ShardingError:
+    """The ShardingError for a JAX sharding-type error ``e`` raised inside ``entry``:
+    it names the operation, the arrays (with their sharding, as JAX typed them),
+    where in the model it happened, and the fix.
+
+    >>> e = ShardingTypeError("dot_general operation with inputs: f32[8@data,32], "
+    ...                       "f32[32,16@data] produces an illegally sharded result: ...")
+    >>> print(sharding_type_error("multistep(step)(...)", e))
+    multistep(step)(...): JAX rejected the sharding types of a 'dot_general' operation on Explicit mesh axes. Arrays involved (dims@mesh axes): f32[8@data,32], f32[32,16@data]. JAX says: ... Fix: build the mesh with Auto axes, ns.make_mesh(..., axis_types='auto') ...
+    """
+    msg = str(e).strip() or type(e).__name__
+    op = next((m.group(1) for rx in _OPERATION if (m := rx.search(msg))), None)
+    op = op or next((name for text, name in _UNNAMED if text in msg), None)
+    frames = [(f, n) for f, n in traceback.walk_tb(e.__traceback__)]
+    outside_jax = [(f, n) for f, n in frames
+                   if not any(d in f.f_code.co_filename for d in _JAX_DIRS)]
+    user = [(f, n) for f, n in frames
+            if not any(d in f.f_code.co_filename for d in _LIBRARY_DIRS)]
+    parts = [f"{entry}: JAX rejected the sharding types of "
+             + (f"a {op!r} operation" if op else "an operation")
+             + " on Explicit mesh axes"]
+    if outside_jax:
+        parts.append(f", in {_frame_text(*outside_jax[-1])}")
+    if user and (not outside_jax or user[-1][0] is not outside_jax[-1][0]):
+        parts.append(f" (called from {_frame_text(*user[-1])})")
+    arrays = list(dict.fromkeys(_TYPED.findall(msg)))
+    if arrays:
+        parts.append(f". Arrays involved (dims@mesh axes): {', '.join(arrays)}")
+    said = " ".join(msg.split()) if _CARRY_MISMATCH in msg else msg
+    said = said if len(said) < 800 else said[:800] + "..."
+    parts.append(f". JAX says: {said.rstrip('.')}")
+    parts.append(
+        ". On Explicit axes every operation must have one unambiguous output sharding, "
+        "which stock Flax layers do not give. Fix: build the mesh with Auto axes, "
+        "ns.make_mesh(..., axis_types='auto') (the default of ns.make_mesh and "
+        "Strategy.make_mesh), so XLA propagates the layouts; or keep Explicit axes and "
+        "give that operation an out_sharding (e.g. x.at[i].get(out_sharding=P(...)), "
+        "jnp.einsum(..., out_sharding=P(...)), or jax.sharding.reshard before a scan "
+        "carry is returned)."
+    )
+    return ShardingError("".join(parts))

@@ -39,7 +39,11 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from nnx_shard import optstate
 from nnx_shard.annotate import path_str
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import (
+    ShardingError,
+    is_sharding_type_error,
+    sharding_type_error,
+)
 from nnx_shard.mesh import make_mesh, mesh_str, shardings
 from nnx_shard.rules import Rules, as_rules
 
@@ -126,6 +130,8 @@ def _build(factory: Callable[[], Any], caller: str) -> nnx.Module:
     except ShardingError:
         raise
     except Exception as e:
+        if is_sharding_type_error(e):
+            raise sharding_type_error(f"{caller}: the factory {_name(factory)}", e) from e
         if isinstance(e, flax_errors.TraceContextError):
             hint = (
                 "The factory runs under JAX tracing, so it cannot update state created "

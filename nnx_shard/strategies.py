@@ -28,8 +28,12 @@ ep         data, expert     batch over data x expert; experts over expert     al
 =========  ===============  ================================================  ==========================================
 
 The collectives are those the compiled train step of the reference transformer
-contains on 8 CPU devices (tests/test_strategies.py reads them, with the mesh
-axes each runs over, from the HLO with :func:`compiled_collectives`).
+contains on 8 CPU devices with Explicit mesh axes, where the model spells out
+each layout change (tests/test_strategies.py reads them, with the mesh axes
+each runs over, from the HLO with :func:`compiled_collectives`). On Auto axes,
+the default of :meth:`Strategy.make_mesh`, XLA's partitioner chooses them and
+may use others for the same layouts (e.g. an all-to-all or collective-permute
+where a layout changes).
 
 .. [1] The textbook collective here is a reduce-scatter (each device keeps only
    its slice of the summed gradients, or of the sequence under sp). On XLA's
@@ -123,11 +127,15 @@ class Strategy:
             rest //= size
         return dict(zip(self.mesh_axes, (rest, *tail), strict=True))
 
-    def make_mesh(self, n_devices: int | None = None, *, axis_types: str | None = None) -> Mesh:
+    def make_mesh(self, n_devices: int | None = None, *, axis_types: str = "auto") -> Mesh:
         """``nnx_shard.make_mesh(self.mesh_for(n_devices), axis_types=...)``.
 
-        >>> dict(get("ep").make_mesh().shape)
-        {'data': 2, 'expert': 4}
+        Auto axes by default, so models built from stock Flax layers train as
+        written; ``axis_types="explicit"`` opts in to JAX's sharding-in-types.
+
+        >>> mesh = get("ep").make_mesh()
+        >>> dict(mesh.shape), mesh.axis_types
+        ({'data': 2, 'expert': 4}, (Auto, Auto))
         """
         n = jax.device_count() if n_devices is None else n_devices
         return make_mesh(self.mesh_for(n), axis_types=axis_types, devices=jax.devices()[:n])

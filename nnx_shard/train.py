@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import path_str
 from nnx_shard.checkpoint import Checkpointer, restore_into
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, is_sharding_type_error, sharding_type_error
 from nnx_shard.mesh import _apply, current, make_mesh, use
 from nnx_shard.rules import Rules, as_rules
 
@@ -101,6 +101,17 @@ def _fmt_shape(x: Any) -> str:
 def _short_repr(x: Any, limit: int = 60) -> str:
     text = repr(x)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _sharding_types(entry: str) -> Iterator[None]:
+    """JAX's sharding-type errors (Explicit mesh axes) leave as a ShardingError."""
+    try:
+        yield
+    except Exception as e:
+        if is_sharding_type_error(e):
+            raise sharding_type_error(entry, e) from e
+        raise
 
 
 # --------------------------------------------------------------------------- microbatches
@@ -517,9 +528,15 @@ class Fused:
             plan.perm = tuple(index[id(v)] for v in split_vars)
         return plan, values
 
+    def _entry(self, what: str) -> str:
+        # Error messages name the call the user made (Trainer.fit sets its own).
+        name = getattr(self, "entry", None)
+        return name or f"multistep({getattr(self.step_fn, '__name__', 'step_fn')}){what}"
+
     def __call__(self, *args: Any) -> Any:
         plan, variables, nodes, values, data = self._prepare(args)
-        new_values, metrics, done = plan.jitted(values, data)
+        with _sharding_types(self._entry("(...)")):
+            new_values, metrics, done = plan.jitted(values, data)
         if plan.perm is not None:
             for p, x in zip(plan.perm, new_values, strict=True):
                 variables[p].set_raw_value(x)
@@ -551,7 +568,8 @@ class Fused:
         True
         """
         plan, _, _, values, data = self._prepare(args)
-        return plan.jitted.lower(values, data)
+        with _sharding_types(self._entry(".lower(...)")):
+            return plan.jitted.lower(values, data)
 
     # -- traced side ----------------------------------------------------------
 
@@ -1150,6 +1168,7 @@ class Trainer:
         self._fused = multistep(
             step, donate=donate, microbatches=microbatches, max_in_flight=2
         )
+        self._fused.entry = "Trainer.fit"
 
     @property
     def traces(self) -> int:

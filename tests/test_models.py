@@ -257,13 +257,29 @@ def test_7b_planned_under_fsdp() -> None:
 
 
 @needs_devices(8)
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_tp", "sp"])
-def test_sharded_model_runs_under_plain_jit_without_rules(tiny: Transformer, name: str) -> None:
+def test_sharded_model_runs_under_plain_jit_without_rules(
+    tiny: Transformer, name: str, axis_types: str
+) -> None:
     # Restored or sharded models are called for inference outside ns.use: parameters
     # sharded over Explicit axes are gathered, values equal the unsharded model.
     s = ns.strategies.get(name)
-    model = s.sharded_init(lambda: Transformer(TINY, rngs=nnx.Rngs(0)), s.make_mesh(8))
+    mesh = s.make_mesh(8, axis_types=axis_types)
+    model = s.sharded_init(lambda: Transformer(TINY, rngs=nnx.Rngs(0)), mesh)
     tokens = _tokens(TINY)
     out = nnx.jit(lambda m, t: m(t))(model, tokens)
     np.testing.assert_allclose(out, tiny(tokens), rtol=1e-5, atol=1e-5)
     assert model.blocks[0].mlp.up.get_value().sharding.spec[0] == ("data" if name != "sp" else None)
+
+
+def test_lm_loss_names_the_batch_keys(tiny: Transformer) -> None:
+    tokens = _tokens(TINY)
+    with pytest.raises(KeyError, match=r"needs keys 'inputs' and 'targets'.*got a dict with "
+                       r"keys \['x', 'y'\].*Fix: pass \{'inputs': tokens\[:, :-1\]"):
+        lm_loss(tiny, {"x": tokens, "y": tokens})
+    with pytest.raises(KeyError, match=r"keys \['inputs'\]"):
+        lm_loss(tiny, {"inputs": tokens})
+    with pytest.raises(TypeError, match=r"must be a dict with keys 'inputs' and 'targets' .*; "
+                       rf"got (ArrayImpl|Array) of shape \(2, {TINY.length}\)"):
+        lm_loss(tiny, tokens)

@@ -181,9 +181,10 @@ def test_fresh_unplaced_model_is_replicated_over_the_batch_mesh():
     assert fused.traces == 1  # committing once keeps the cache key stable
 
 
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 @pytest.mark.parametrize("rules", [FSDP, TP], ids=["fsdp", "tensor_parallel"])
-def test_sharded_model_equals_nnx_jit_loop_and_keeps_shardings(rules):
-    mesh = ns.make_mesh("data=4,model=2")
+def test_sharded_model_equals_nnx_jit_loop_and_keeps_shardings(rules, axis_types):
+    mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     model, opt = sharded_mlp(mesh, rules)
     ref_model, ref_opt = sharded_mlp(mesh, rules)
     kernel = model.layers[0].kernel[...].sharding.spec
@@ -775,7 +776,7 @@ def test_trainer_runs_quietly_when_not_a_tty(capsys):
 def test_trainer_sharded_model_with_dropout_and_nan_stop():
     """FSDP on an Explicit 4x2 mesh, dropout keys inside the model: the NaN guard's
     select must keep layouts and restore the RNG state too."""
-    mesh = ns.make_mesh("data=4,model=2")
+    mesh = ns.make_mesh("data=4,model=2", axis_types="explicit")
 
     def run(nan_at, steps):
         model, opt = sharded_mlp(mesh, FSDP, dropout=0.5)
@@ -873,7 +874,7 @@ def test_with_sharded_init_and_sharded_optimizer():
 def test_trainer_keeps_zero1_layouts_on_an_explicit_mesh():
     # Replicated parameter + data-sharded Adam update is data-sharded under Explicit
     # typing; the step must put parameters back in their own (replicated) layout.
-    mesh = ns.make_mesh("data=8")
+    mesh = ns.make_mesh("data=8", axis_types="explicit")
     rules = {"batch": "data", "in": None, "out": None}
     opt_rules = {"batch": "data", "in": "data", "out": None}
     model = ns.sharded_init(lambda: MLP((16, 32, 8), rngs=nnx.Rngs(0)), mesh, rules)

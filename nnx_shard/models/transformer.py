@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nnx_shard.annotate import with_logical
@@ -385,6 +387,21 @@ class Transformer(nnx.Module):
         return self.forward(tokens)[0]
 
 
+def _check_batch(batch: Any) -> None:
+    fix = ("Fix: pass {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]} (what "
+           "nnx_shard.data.CharCorpus.batches yields).")
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            "lm_loss: the batch must be a dict with keys 'inputs' and 'targets' (int32 "
+            f"[batch, length]); got {type(batch).__name__} of shape {np.shape(batch)}. {fix}"
+        )
+    if "inputs" not in batch or "targets" not in batch:
+        raise KeyError(
+            "lm_loss: the batch needs keys 'inputs' and 'targets' (int32 [batch, length]); "
+            f"got a dict with keys {list(batch)}. {fix}"
+        )
+
+
 def lm_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy of ``batch = {"inputs", "targets"}`` (int32
     ``[batch, length]``), plus ``aux_loss_weight`` times the load-balancing
@@ -394,7 +411,12 @@ def lm_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
     >>> float(lm_loss(model, {"inputs": tokens, "targets": tokens})) > 0
     True
+    >>> lm_loss(model, {"x": tokens})
+    Traceback (most recent call last):
+    ...
+    KeyError: "lm_loss: the batch needs keys 'inputs' and 'targets' (int32 [batch, length]); got a dict with keys ['x']. ..."
     """
+    _check_batch(batch)
     logits, aux = model.forward(batch["inputs"])
     # Targets arrive laid out like the inputs (under sequence parallelism: split
     # along ``length``); they must match the logits' layout, split along ``vocab``.
