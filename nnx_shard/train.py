@@ -141,6 +141,23 @@ def _sharded_over(x: Any, dim: int) -> tuple[tuple[str, ...], int]:
     return axes, int(np.prod([sizes[a] for a in axes]))
 
 
+def _check_device_rows(
+    where: str, shape: tuple[int, ...], axes: tuple[str, ...], devices: int, m: int
+) -> None:
+    """Microbatches split each device's own rows (see _split_microbatches): say so
+    when a device holds a number of rows that ``m`` does not divide."""
+    rows = shape[0] // devices
+    if rows % m:
+        raise ValueError(
+            f"microbatches={m} must divide each device's rows of the batch: "
+            f"{where} has {shape[0]} rows (shape {tuple(shape)}) sharded over mesh axes "
+            f"{', '.join(axes)} ({devices} devices), so {rows} row{'s' if rows != 1 else ''} "
+            f"per device, which does not divide by {m}. Fix: a global batch that is a "
+            f"multiple of {m} x {devices} = {m * devices}, or a number of microbatches that "
+            f"divides {rows}."
+        )
+
+
 def _split_microbatches(batch: Any, m: int) -> Any:
     """[B, ...] -> [m, B/m, ...]; microbatch j holds rows j, j+m, j+2m, ...
 
@@ -157,20 +174,9 @@ def _split_microbatches(batch: Any, m: int) -> Any:
                 f"use a batch size that is a multiple of {m}, or another number of microbatches."
             )
         x = jnp.asarray(x)
-        axes, devices = _sharded_over(x, 0)
-        rows = x.shape[0] // devices
-        if rows % m:
-            # On Explicit axes the split would need rows of one device in several
-            # microbatches: JAX refuses the reshape (a ShardingTypeError).
-            over = ", ".join(axes)
-            raise ValueError(
-                f"microbatches={m} must divide each device's rows of the batch: "
-                f"batch{jax.tree_util.keystr(path)} has {x.shape[0]} rows (shape "
-                f"{_fmt_shape(x)}) sharded over mesh axes {over} ({devices} devices), so "
-                f"{rows} row{'s' if rows != 1 else ''} per device, which does not divide by "
-                f"{m}. Fix: a global batch that is a multiple of {m} x {devices} = "
-                f"{m * devices}, or a number of microbatches that divides {rows}."
-            )
+        # On Explicit axes the split would need rows of one device in several
+        # microbatches: JAX refuses the reshape (a ShardingTypeError).
+        _check_device_rows(f"batch{jax.tree_util.keystr(path)}", x.shape, *_sharded_over(x, 0), m)
         return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
 
     return jax.tree_util.tree_map_with_path(one, batch)
@@ -533,8 +539,31 @@ class Fused:
         name = getattr(self, "entry", None)
         return name or f"multistep({getattr(self.step_fn, '__name__', 'step_fn')}){what}"
 
+    def _check_microbatches(self, args: tuple[Any, ...]) -> None:
+        """Each device's rows of every [K, batch, ...] leaf must split into the
+        microbatches. Checked on the host from the arrays' shardings, so Auto meshes
+        (whose array types carry no sharding) get the same message as Explicit ones."""
+        names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
+        self._names[len(args)] = names
+        for i, a in enumerate(args):
+            if _is_node(a):
+                continue
+            for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
+                sharding = getattr(x, "sharding", None)
+                if np.ndim(x) < 2 or not isinstance(sharding, NamedSharding):
+                    continue
+                spec = (*sharding.spec, None)
+                entry = spec[1]
+                axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+                sizes = dict(sharding.mesh.shape)
+                devices = int(np.prod([sizes[ax] for ax in axes]))
+                where = names[i] + jax.tree_util.keystr(path)
+                _check_device_rows(where, np.shape(x)[1:], axes, devices, self.microbatches)
+
     def __call__(self, *args: Any) -> Any:
         plan, variables, nodes, values, data = self._prepare(args)
+        if self.microbatches > 1:
+            self._check_microbatches(args)
         with _sharding_types(self._entry("(...)")):
             new_values, metrics, done = plan.jitted(values, data)
         if plan.perm is not None:
@@ -568,6 +597,8 @@ class Fused:
         True
         """
         plan, _, _, values, data = self._prepare(args)
+        if self.microbatches > 1:
+            self._check_microbatches(args)
         with _sharding_types(self._entry(".lower(...)")):
             return plan.jitted.lower(values, data)
 
