@@ -102,6 +102,7 @@ def test_scan_layers_equals_unrolled(experts: int) -> None:
     np.testing.assert_allclose(float(as_), float(au), rtol=1e-5)
 
 
+@needs_devices(8)
 def test_scan_layers_shard_with_layers_axis() -> None:
     # The stacked axis is named, so optimizer state and strategies see 4-D specs.
     cfg = dataclasses.replace(TINY, scan_layers=True)
