@@ -10,5 +10,8 @@ import pytest
 
 
 def needs_devices(n: int):
-    """Skip a test when fewer than ``n`` devices exist (e.g. on a single real GPU)."""
-    return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices")
+    """Skip a test unless exactly ``n`` devices exist: on a single real GPU, or under
+    another simulated count. Its meshes ("data=4,model=2") use every device, so a
+    mesh of 8 is an error, not a smaller mesh, on 16 devices."""
+    return pytest.mark.skipif(jax.device_count() != n,
+                              reason=f"needs exactly {n} devices, found {jax.device_count()}")

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import nnx_shard as ns
 import nnx_shard.init as ns_init
 from nnx_shard.init import abstract_init, lower_init, sharded_init, sharded_optimizer
+from tests._close import assert_close
 from tests.conftest import needs_devices
 
 lecun = nnx.initializers.lecun_normal()
@@ -174,7 +175,7 @@ def test_sharded_model_computes_like_the_unsharded_one():
     x = jnp.linspace(-1, 1, 8 * 16).reshape(8, 16)
     with jax.set_mesh(mesh):
         y = nnx.jit(lambda m, x: m(x))(model, x)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(unsharded(mlp)(x)), rtol=1e-5, atol=1e-6)
+    assert_close(y, unsharded(mlp)(x), 1e-5, "outputs")
 
 
 # Memory: the figure the issue is about

@@ -28,12 +28,18 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard.models import Transformer, get_config, lm_loss
 from nnx_shard.strategies import compiled_collectives
+from tests._close import assert_close
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
 
 K = 3  # fused steps per run
 LR = 1e-3
+RTOL = 1e-4  # x max|expected| per tensor: see tests/_close.py
+# Adam divides each gradient element by its own size, so an element whose gradient
+# is mostly rounding (an expert unit few tokens reach) moves by up to ~LR per step
+# in either run: measured up to 8e-5 of max|param| (ep, after K steps).
+RTOL_PARAMS = 1e-3
 NAMES = ns.strategies.NAMES
 
 # Which parameters each strategy splits, and by how much, on its default 8-device
@@ -126,34 +132,21 @@ def run(request) -> Run:
     return _run(s, s.make_mesh(8, axis_types="explicit"), _config(request.param))
 
 
-def _close(actual, expected, what: str, rtol: float = 1e-4) -> None:
-    # Values near zero differ by float rounding of differently ordered sums, so
-    # the absolute tolerance scales with each tensor's largest magnitude.
-    a_flat = jax.tree_util.tree_flatten_with_path(actual)[0]
-    e_flat = jax.tree_util.tree_flatten_with_path(expected)[0]
-    assert [p for p, _ in a_flat] == [p for p, _ in e_flat], what
-    for (path, a), (_, e) in zip(a_flat, e_flat, strict=True):
-        e = np.asarray(e)
-        scale = float(np.max(np.abs(e))) if e.size and e.dtype.kind == "f" else 0.0
-        np.testing.assert_allclose(
-            np.asarray(a), e, rtol=rtol, atol=rtol * scale,
-            err_msg=f"{what}{jax.tree_util.keystr(path)}",
-        )
-
-
 # --------------------------------------------------------------------------- (a) values
 
 
 def test_same_values_as_one_device(run: Run) -> None:
     ref = _reference(_config(run.strategy.name))
     assert dict(run.mesh.shape) == run.strategy.mesh_for(8)
-    _close(run.init_params, ref.init_params, "initial params")
-    _close(run.metrics["loss"], ref.metrics["loss"], "loss")
-    _close(run.metrics["grads"], ref.metrics["grads"], "grads")
-    _close(jax.device_get(nnx.state(run.model, nnx.Param)),
-           jax.device_get(nnx.state(ref.model, nnx.Param)), f"params after {K} steps")
-    _close(jax.device_get(nnx.state(run.opt)), jax.device_get(nnx.state(ref.opt)),
-           f"optimizer state after {K} steps")
+    # Initial values are bitwise equal by construction: threefry bits are
+    # partitionable, and init is elementwise (no reduction to reorder).
+    assert_close(run.init_params, ref.init_params, 0, "initial params")
+    # Sharded steps sum in another order: tolerances scaled to each tensor.
+    assert_close(run.metrics["loss"], ref.metrics["loss"], RTOL, "loss")
+    assert_close(run.metrics["grads"], ref.metrics["grads"], RTOL, "grads")
+    assert_close(nnx.state(run.model, nnx.Param), nnx.state(ref.model, nnx.Param),
+                 RTOL_PARAMS, f"params after {K} steps")
+    assert_close(run.opt, ref.opt, RTOL, f"optimizer state after {K} steps")
     assert run.metrics["loss"][-1] < run.metrics["loss"][0]  # it trains
 
 
@@ -274,9 +267,9 @@ def test_trainer_with_strategy_matches_one_device() -> None:
     data = [{k: v[i] for k, v in host.items()} for i in range(K)]
     history = trainer.fit(data, K, progress=False)
     ref = _reference(cfg)
-    np.testing.assert_allclose(history["loss"], ref.metrics["loss"], rtol=1e-4)
-    _close(jax.device_get(nnx.state(model, nnx.Param)),
-           jax.device_get(nnx.state(ref.model, nnx.Param)), "params after Trainer.fit")
+    assert_close(history["loss"], ref.metrics["loss"], RTOL, "loss")
+    assert_close(nnx.state(model, nnx.Param), nnx.state(ref.model, nnx.Param), RTOL_PARAMS,
+                 "params after Trainer.fit")
 
 
 @pytest.mark.parametrize("name", ["ep", "sp"])
@@ -288,10 +281,10 @@ def test_auto_mesh_gives_same_values(name) -> None:
     assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}
     r = _run(s, mesh, cfg)
     ref = _reference(cfg)
-    _close(r.metrics["loss"], ref.metrics["loss"], "loss")
-    _close(r.metrics["grads"], ref.metrics["grads"], "grads")
-    _close(jax.device_get(nnx.state(r.model, nnx.Param)),
-           jax.device_get(nnx.state(ref.model, nnx.Param)), "params")
+    assert_close(r.metrics["loss"], ref.metrics["loss"], RTOL, "loss")
+    assert_close(r.metrics["grads"], ref.metrics["grads"], RTOL, "grads")
+    assert_close(nnx.state(r.model, nnx.Param), nnx.state(ref.model, nnx.Param), RTOL_PARAMS,
+                 "params")
     if name == "sp":
         return
     assert "all-to-all" in {c.kind for c in compiled_collectives(r.hlo, r.mesh)}

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 import nnx_shard as ns
 from nnx_shard.checkpoint import restore_into
 from nnx_shard.train import Trainer, _Progress, multistep, shard_batch, value_and_grad
+from tests._close import assert_close
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -91,12 +92,8 @@ def loop(step, model, opt, batches, *others):
 
 
 def assert_same_state(a, b, rtol=RTOL):
-    la, lb = jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x, y = jax.random.key_data(x), jax.random.key_data(y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-6)
+    # Per leaf, atol = rtol * max|expected|; counters and keys exactly equal.
+    assert_close(nnx.state(a), nnx.state(b), rtol, "state")
 
 
 class MLP(nnx.Module):
@@ -395,10 +392,10 @@ def test_value_and_grad_with_aux_and_carried_rngs():
     model = MLP((4, 8, 2), rngs=nnx.Rngs(0))
     (l1, a1), g1 = value_and_grad(loss_fn, has_aux=True)(model, x, None)
     (l2, a2), g2 = value_and_grad(loss_fn, has_aux=True, microbatches=2)(model, x, None)
-    np.testing.assert_allclose(l1, l2, rtol=RTOL)
-    np.testing.assert_allclose(a1["mean"], a2["mean"], rtol=RTOL, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7)
+    assert_close(l2, l1, RTOL, "loss")
+    # A mean of outputs that may nearly cancel: compared at the outputs' size.
+    assert_close(a2["mean"], a1["mean"], RTOL, "aux mean", scale=float(jnp.abs(model(x)).max()))
+    assert_close(g2, g1, RTOL, "grads")
 
 
 # ----------------------------------------------------------------------------- bad input
