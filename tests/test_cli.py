@@ -353,12 +353,16 @@ def test_demo_summary_is_strict_json():
         "lr": 1e-3, "loss": [2.0, None], "evals": [[0, None]]}
 
 
+# A demo model small enough for a test: one layer, 32 wide, 16 x 32 tokens a step.
+TINY_DEMO = ("--batch", "16", "--seq", "32", "--embed", "32", "--heads", "4", "--mlp", "64",
+             "--layers", "1")
+
+
 @needs_devices(8)
 def test_demo_that_diverges_exits_1_without_a_stale_heldout_loss(capsys, tmp_path):
     out_dir = tmp_path / "demo"
     code, out, err = run(
-        capsys, "demo", "--steps", "6", "--steps-per-call", "3", "--batch", "16", "--seq",
-        "32", "--embed", "32", "--heads", "4", "--mlp", "64", "--layers", "1", "--lr", "1e30",
+        capsys, "demo", "--steps", "6", "--steps-per-call", "3", *TINY_DEMO, "--lr", "1e30",
         "--evals", "2", "--sample-chars", "8", "--out", str(out_dir),
     )
     assert code == 1
@@ -377,8 +381,7 @@ def test_demo_that_diverges_exits_1_without_a_stale_heldout_loss(capsys, tmp_pat
 def test_demo_end_to_end(capsys, tmp_path):
     out_dir = tmp_path / "demo"
     code, out, err = run(
-        capsys, "demo", "--steps", "40", "--steps-per-call", "10", "--batch", "16", "--seq",
-        "32", "--embed", "32", "--heads", "4", "--mlp", "64", "--layers", "1", "--lr", "1e-2",
+        capsys, "demo", "--steps", "40", "--steps-per-call", "10", *TINY_DEMO, "--lr", "1e-2",
         "--evals", "2", "--sample-chars", "24", "--out", str(out_dir),
     )
     assert code == 0, err
