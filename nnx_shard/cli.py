@@ -395,13 +395,13 @@ def _explain(args: argparse.Namespace) -> int:
             raise _Usage(f"--rules {args.rules!r}: no such file")
         try:
             rules = Rules.from_file(args.rules)
-        except (ValueError, TypeError, OSError) as e:
+        except (ValueError, TypeError, OSError, ImportError) as e:
             raise _Usage(f"--rules {args.rules!r}: {_one_line(e)}") from e
     elif args.strategy:
         strategy = _strategy(args.strategy)
         rules, opt_rules = strategy.rules, strategy.opt_rules
     else:
-        raise _Usage("give --rules FILE (.toml or .json) or --strategy NAME")
+        raise _Usage("give --rules FILE (.toml, .json or .yaml) or --strategy NAME")
     factory = _load_factory(args.factory)
     model = _call_factory(args.factory, factory)
     if not isinstance(model, nnx.Module):
@@ -949,7 +949,7 @@ def _build_parser() -> _Parser:
     e.add_argument("factory", help="module:function (or path/to/file.py:function) returning "
                    "an nnx.Module")
     e.add_argument("--mesh", required=True, help="e.g. data=4,model=2 (any size)")
-    e.add_argument("--rules", default=None, help="rules file, .toml or .json")
+    e.add_argument("--rules", default=None, help="rules file: .toml, .json or .yaml (a table, or Flax/MaxText [logical, mesh] pairs)")
     e.add_argument("--strategy", default=None, help="a strategy preset instead of --rules")
     e.add_argument("--optimizer", default=None, help="also report this optimizer's state")
     e.add_argument("--markdown", action="store_true")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import linecache
 import os
 import re
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -61,9 +64,21 @@ _OPERATION = (
 )
 # Messages that do not name their operation.
 _UNNAMED = (("Contracting dimensions are sharded", "dot_general"),)
-_JAX_DIRS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}")
-_LIBRARY_DIRS = (*_JAX_DIRS, f"{os.sep}flax{os.sep}", f"{os.sep}nnx_shard{os.sep}",
-                 f"{os.sep}optax{os.sep}")
+
+
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    # Where the installed packages live, so frames are told apart by location, not by a
+    # substring that a user's own checkout (e.g. ~/nnx_shard/examples) would also match.
+    dirs = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.append(os.path.dirname(os.path.abspath(spec.origin)) + os.sep)
+    return tuple(dirs)
+
+
+_JAX_DIRS = _package_dirs("jax", "jaxlib")
+_LIBRARY_DIRS = (*_JAX_DIRS, *_package_dirs("flax", "optax", "nnx_shard"))
 
 
 def is_sharding_type_error(e: BaseException) -> bool:
@@ -100,11 +115,9 @@ def sharding_type_error(entry: str, e: BaseException) -> ShardingError:
     msg = str(e).strip() or type(e).__name__
     op = next((m.group(1) for rx in _OPERATION if (m := rx.search(msg))), None)
     op = op or next((name for text, name in _UNNAMED if text in msg), None)
-    frames = [(f, n) for f, n in traceback.walk_tb(e.__traceback__)]
-    outside_jax = [(f, n) for f, n in frames
-                   if not any(d in f.f_code.co_filename for d in _JAX_DIRS)]
-    user = [(f, n) for f, n in frames
-            if not any(d in f.f_code.co_filename for d in _LIBRARY_DIRS)]
+    frames = list(traceback.walk_tb(e.__traceback__))
+    outside_jax = [(f, n) for f, n in frames if not f.f_code.co_filename.startswith(_JAX_DIRS)]
+    user = [(f, n) for f, n in frames if not f.f_code.co_filename.startswith(_LIBRARY_DIRS)]
     parts = [f"{entry}: JAX rejected the sharding types of "
              + (f"a {op!r} operation" if op else "an operation")
              + " on Explicit mesh axes"]
@@ -128,3 +141,22 @@ def sharding_type_error(entry: str, e: BaseException) -> ShardingError:
         "carry is returned)."
     )
     return ShardingError("".join(parts))
+
+
+@contextlib.contextmanager
+def sharding_types(entry: str) -> Iterator[None]:
+    """JAX's sharding-type errors (Explicit mesh axes) raised inside leave as the
+    ShardingError of :func:`sharding_type_error` for ``entry``.
+
+    >>> with sharding_types("f(...)"):
+    ...     raise ShardingTypeError("dot_general operation with inputs: f32[8@data]")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.ShardingError: f(...): JAX rejected the sharding types of a 'dot_general' ...
+    """
+    try:
+        yield
+    except Exception as e:
+        if is_sharding_type_error(e):
+            raise sharding_type_error(entry, e) from e
+        raise

@@ -39,11 +39,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from nnx_shard import optstate
 from nnx_shard.annotate import path_str
-from nnx_shard.errors import (
-    ShardingError,
-    is_sharding_type_error,
-    sharding_type_error,
-)
+from nnx_shard.errors import ShardingError, sharding_types
 from nnx_shard.mesh import make_mesh, mesh_str, shardings
 from nnx_shard.rules import Rules, as_rules
 
@@ -126,12 +122,11 @@ def _name(factory: Callable[..., Any]) -> str:
 def _build(factory: Callable[[], Any], caller: str) -> nnx.Module:
     """Calls ``factory`` and checks that it gave a Module, with errors that say which."""
     try:
-        module = factory()
+        with sharding_types(f"{caller}: the factory {_name(factory)}"):
+            module = factory()
     except ShardingError:
         raise
     except Exception as e:
-        if is_sharding_type_error(e):
-            raise sharding_type_error(f"{caller}: the factory {_name(factory)}", e) from e
         if isinstance(e, flax_errors.TraceContextError):
             hint = (
                 "The factory runs under JAX tracing, so it cannot update state created "

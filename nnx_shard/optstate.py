@@ -114,12 +114,13 @@ def _decide(path: str, leaf: Any, owners: Owners, mesh: Any, rules: Rules) -> La
         param_shape = shape  # owner unknown (e.g. explain on a bare State): as is
     if param_shape == shape:
         source = leaf.get_metadata().get(SOURCE_KEY, "annotation")
-        return Layout(names, rules.spec(names, shape=shape, mesh=mesh, path=path), source)
+        spec = rules.spec(names, shape=shape, mesh=mesh, path=path, allow_unconstrained=False)
+        return Layout(names, spec, source)
     kept = None if param_shape is None else kept_names(shape, param_shape, names)
     if kept is None:
         return _REPLICATED
     try:
-        spec = rules.spec(kept, shape=shape, mesh=mesh, path=path)
+        spec = rules.spec(kept, shape=shape, mesh=mesh, path=path, allow_unconstrained=False)
     except ShardingError:
         return _REPLICATED  # the parameter itself fits; its reduced statistics need not
     return Layout(kept, spec, "parameter's kept dims")

@@ -232,7 +232,8 @@ class Strategy:
                 continue
             for name in names:
                 if isinstance(name, str) and name in table:
-                    if any(a in axes for c in table.candidates(name) for a in c):
+                    cands = [c for c in table.candidates(name) if isinstance(c, tuple)]
+                    if any(a in axes for c in cands for a in c):  # not UNCONSTRAINED
                         return True
         return False
 

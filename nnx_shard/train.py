@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import path_str
 from nnx_shard.checkpoint import Checkpointer, restore_into
-from nnx_shard.errors import ShardingError, is_sharding_type_error, sharding_type_error
+from nnx_shard.errors import ShardingError, sharding_types
 from nnx_shard.mesh import _apply, current, make_mesh, use
 from nnx_shard.rules import Rules, as_rules
 
@@ -103,17 +103,6 @@ def _short_repr(x: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-@contextlib.contextmanager
-def _sharding_types(entry: str) -> Iterator[None]:
-    """JAX's sharding-type errors (Explicit mesh axes) leave as a ShardingError."""
-    try:
-        yield
-    except Exception as e:
-        if is_sharding_type_error(e):
-            raise sharding_type_error(entry, e) from e
-        raise
-
-
 # --------------------------------------------------------------------------- microbatches
 
 
@@ -126,10 +115,9 @@ class _MicroFrames(threading.local):
 _micro = _MicroFrames()
 
 
-def _sharded_over(x: Any, dim: int) -> tuple[tuple[str, ...], int]:
-    """The mesh axes dimension ``dim`` of ``x`` is sharded over in its type (Explicit
-    axes), and how many devices that is; ``((), 1)`` when unsharded or not typed."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
+def _spec_axes(sharding: Any, dim: int) -> tuple[tuple[str, ...], int]:
+    """The mesh axes dimension ``dim`` is sharded over by ``sharding``, and how many
+    devices that is; ``((), 1)`` when unsharded."""
     spec = getattr(sharding, "spec", None)
     if spec is None or dim >= len(spec) or spec[dim] is None:
         return (), 1
@@ -139,6 +127,11 @@ def _sharded_over(x: Any, dim: int) -> tuple[tuple[str, ...], int]:
         return (), 1
     sizes = dict(sharding.mesh.shape)
     return axes, int(np.prod([sizes[a] for a in axes]))
+
+
+def _sharded_over(x: Any, dim: int) -> tuple[tuple[str, ...], int]:
+    """:func:`_spec_axes` of ``x``'s type (Explicit axes put the sharding there)."""
+    return _spec_axes(getattr(jax.typeof(x), "sharding", None), dim)
 
 
 def _check_device_rows(
@@ -416,6 +409,8 @@ class Fused:
         self._jitted: dict[Any, Any] = {}
         self._plans: dict[tuple[tuple[int, ...], int], _Plan] = {}
         self._names: dict[int, list[str]] = {}
+        # Data layouts (shapes, shardings) whose rows per device were checked.
+        self._rows_checked: set[Any] = set()
         functools.update_wrapper(self, step_fn)
 
     def __repr__(self) -> str:
@@ -543,28 +538,29 @@ class Fused:
         """Each device's rows of every [K, batch, ...] leaf must split into the
         microbatches. Checked on the host from the arrays' shardings, so Auto meshes
         (whose array types carry no sharding) get the same message as Explicit ones."""
+        data = [(i, a) for i, a in enumerate(args) if not _is_node(a)]
+        leaves = [jax.tree_util.tree_flatten_with_path(a)[0] for _, a in data]
+        layout = tuple((np.shape(x), getattr(x, "sharding", None)) for f in leaves for _, x in f)
+        if layout in self._rows_checked:
+            return
         names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
         self._names[len(args)] = names
-        for i, a in enumerate(args):
-            if _is_node(a):
-                continue
-            for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
+        for (i, _), flat in zip(data, leaves, strict=True):
+            for path, x in flat:
                 sharding = getattr(x, "sharding", None)
                 if np.ndim(x) < 2 or not isinstance(sharding, NamedSharding):
                     continue
-                spec = (*sharding.spec, None)
-                entry = spec[1]
-                axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-                sizes = dict(sharding.mesh.shape)
-                devices = int(np.prod([sizes[ax] for ax in axes]))
-                where = names[i] + jax.tree_util.keystr(path)
-                _check_device_rows(where, np.shape(x)[1:], axes, devices, self.microbatches)
+                axes, devices = _spec_axes(sharding, 1)
+                if devices > 1:  # rows on one device: _split_microbatches says it plainly
+                    where = names[i] + jax.tree_util.keystr(path)
+                    _check_device_rows(where, np.shape(x)[1:], axes, devices, self.microbatches)
+        self._rows_checked.add(layout)
 
     def __call__(self, *args: Any) -> Any:
         plan, variables, nodes, values, data = self._prepare(args)
         if self.microbatches > 1:
             self._check_microbatches(args)
-        with _sharding_types(self._entry("(...)")):
+        with sharding_types(self._entry("(...)")):
             new_values, metrics, done = plan.jitted(values, data)
         if plan.perm is not None:
             for p, x in zip(plan.perm, new_values, strict=True):
@@ -599,7 +595,7 @@ class Fused:
         plan, _, _, values, data = self._prepare(args)
         if self.microbatches > 1:
             self._check_microbatches(args)
-        with _sharding_types(self._entry(".lower(...)")):
+        with sharding_types(self._entry(".lower(...)")):
             return plan.jitted.lower(values, data)
 
     # -- traced side ----------------------------------------------------------
@@ -1196,8 +1192,10 @@ class Trainer:
         self._guard = _Guard()
         step = _make_step(loss_fn, has_aux)
         self._checked: list[tuple[str, str]] = step.checked  # type: ignore[attr-defined]
+        # fit bounds the calls in flight itself (it reads each call's metrics), so the
+        # fused call does not block on top of that.
         self._fused = multistep(
-            step, donate=donate, microbatches=microbatches, max_in_flight=2
+            step, donate=donate, microbatches=microbatches, max_in_flight=None
         )
         self._fused.entry = "Trainer.fit"
 
@@ -1340,10 +1338,9 @@ class Trainer:
         every = checkpointer.every if checkpointer is not None else None
         sizes = _iter_group_sizes(self.step, num_steps, k, every)
         # Two calls in flight keep the device busy while the host reads the previous
-        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous),
-        # and never more than the fused call itself allows.
+        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
         # Callbacks see the model as of their step, so with callbacks: one at a time.
-        depth = 1 if callbacks else min(2, self._fused.max_in_flight or 2)
+        depth = 1 if callbacks else 2
         self._guard.ok.set_value(jnp.array(True))
         hist: dict[str, list[np.ndarray]] = collections.defaultdict(list)
         bar = _Progress(num_steps, progress)

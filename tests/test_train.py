@@ -1072,3 +1072,34 @@ def test_fit_with_a_huge_num_steps_on_finite_data_stops_when_the_data_ends():
     assert h["step"].tolist() == [1, 2, 3, 4, 5]
     assert peak < 50 * 2**20, f"peak Python allocation {peak / 2**20:.0f} MiB"
     assert took < 60
+
+
+def test_microbatch_rows_check_ignores_unsharded_leaves_and_runs_once_per_layout():
+    """Only leaves whose batch axis is sharded are checked per device; a replicated batch
+    that does not divide gets the plain batch-size message from the split itself."""
+
+    def mse(m, b):
+        return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+    def step(model, opt, batch):
+        loss, grads = ns.value_and_grad(mse)(model, batch)
+        opt.update(model, grads)
+        return {"loss": loss}
+
+    mesh = ns.make_mesh("data=8")
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    fused = ns.multistep(step, microbatches=2)
+    rep = NamedSharding(mesh, P())
+    odd = {"x": jax.device_put(np.ones((1, 3, 3), np.float32), rep),
+           "y": jax.device_put(np.zeros((1, 3, 1), np.float32), rep)}
+    with pytest.raises(ValueError, match=r"must divide the batch dimension \(axis 0\) of every "
+                       r"batch leaf, but batch\['x'\] has shape \(3, 3\)"):
+        fused(model, opt, odd)
+    good = ns.shard_batch({"x": np.ones((1, 16, 3), np.float32),
+                           "y": np.zeros((1, 16, 1), np.float32)},
+                          mesh, {"batch": "data"}, steps=True)
+    assert fused(model, opt, good)["loss"].shape == (1,)
+    checked = len(fused._rows_checked)  # the replicated layout and this one
+    fused(model, opt, good)
+    assert len(fused._rows_checked) == checked == 2
