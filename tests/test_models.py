@@ -311,10 +311,13 @@ def _value_and_grad(cfg: TransformerConfig, batch_size: int = 2, length: int | N
     return jax.jit(step), state, batch
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-@pytest.mark.parametrize("remat", ["full", "dots", "offload"])
-def test_remat_keeps_loss_and_gradients(remat: str, scan_layers: bool) -> None:
-    cfg = dataclasses.replace(TINY, layers=3, scan_layers=scan_layers)
+@pytest.mark.parametrize(
+    ("remat", "scan_layers", "experts"),
+    [(r, s, 0) for r in ("full", "dots", "offload") for s in (True, False)]
+    + [("full", True, 4), ("dots", False, 4)],  # mixture of experts: aux loss through remat
+)
+def test_remat_keeps_loss_and_gradients(remat: str, scan_layers: bool, experts: int) -> None:
+    cfg = dataclasses.replace(TINY, layers=3, scan_layers=scan_layers, experts=experts)
     step, state, batch = _value_and_grad(cfg)
     loss, grads = step(state, batch)
     r_step, r_state, _ = _value_and_grad(dataclasses.replace(cfg, remat=remat))
