@@ -8,10 +8,13 @@
 
 from nnx_shard.models.transformer import (
     CONFIGS,
+    REMAT_POLICIES,
     Transformer,
     TransformerConfig,
     get_config,
     lm_loss,
+    remat_policy,
 )
 
-__all__ = ["CONFIGS", "Transformer", "TransformerConfig", "get_config", "lm_loss"]
+__all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
+           "lm_loss", "remat_policy"]

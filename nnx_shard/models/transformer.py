@@ -39,10 +39,21 @@ from flax import nnx
 from nnx_shard.annotate import with_logical
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
 
-__all__ = ["CONFIGS", "Transformer", "TransformerConfig", "get_config", "lm_loss"]
+__all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
+           "lm_loss", "remat_policy"]
 
 RESIDUAL = ("batch", "length", None)
 GATHERED = ("batch", None, None)
+
+REMAT_POLICIES: dict[str, str] = {
+    "none": "keep every intermediate of each block for the backward pass (no remat)",
+    "full": "save only each block's input; recompute the rest of the block in the backward "
+            "pass (jax.checkpoint_policies.nothing_saveable)",
+    "dots": "save matmul outputs without batch dimensions, recompute the rest "
+            "(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)",
+    "offload": "as 'dots', but move the saved matmul outputs to pinned host memory "
+               "(jax.checkpoint_policies.offload_dot_with_no_batch_dims)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +76,22 @@ class TransformerConfig:
       scan_layers: stack the blocks (``nnx.vmap``, leading ``layers`` axis)
         and run them with ``jax.lax.scan``: one compiled block for any depth.
       tie_embeddings: reuse the token embedding as the output projection.
+      remat: what each block keeps for the backward pass, one of
+        :data:`REMAT_POLICIES`: ``"none"`` (everything), ``"full"`` (only the
+        block's input; recompute the rest), ``"dots"`` (matmul outputs without
+        batch dimensions), ``"offload"`` (those, in pinned host memory; needs a
+        backend with host memory spaces; on CPU, where device memory is host
+        memory, it compiles to the ``"dots"`` program). Applied per block (per
+        scanned block with ``scan_layers``) with ``nnx.remat``; the values are
+        unchanged. On XLA CPU only scanned blocks show the memory saving:
+        unrolled blocks recompute, but the scheduler keeps the peak.
       dtype: activation dtype; ``param_dtype``: parameter dtype.
 
     >>> cfg = TransformerConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=32, layers=1)
     >>> dataclasses.replace(cfg, experts=4).experts
     4
+    >>> dataclasses.replace(cfg, remat="full").remat
+    'full'
     """
 
     vocab: int = 128
@@ -85,6 +107,7 @@ class TransformerConfig:
     aux_loss_weight: float = 0.01
     scan_layers: bool = False
     tie_embeddings: bool = False
+    remat: str = "none"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -96,6 +119,11 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig: experts={self.experts}, top_k={self.top_k}; need experts "
                 ">= 0 and, with experts, 1 <= top_k <= experts."
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"TransformerConfig.remat={self.remat!r} is not a remat policy; valid: "
+                + ", ".join(repr(k) for k in REMAT_POLICIES) + "."
             )
 
     @property
@@ -147,6 +175,44 @@ def get_config(name: str) -> TransformerConfig:
         raise ValueError(
             f"unknown transformer config {name!r}; known: {', '.join(CONFIGS)}"
         ) from None
+
+
+def remat_policy(name: str) -> Any:
+    """The ``jax.checkpoint`` policy of a :data:`REMAT_POLICIES` name: ``None``
+    for ``"none"`` (no remat at all), else the callable ``nnx.remat`` gets.
+
+    ``"offload"`` needs host memory on the default backend and raises a
+    ``ValueError`` naming the alternatives where there is none.
+
+    >>> remat_policy("none") is None
+    True
+    >>> remat_policy("full") is jax.checkpoint_policies.nothing_saveable
+    True
+    >>> remat_policy("everything")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown remat policy 'everything'; valid: 'none', 'full', 'dots', 'offload'.
+    """
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {name!r}; valid: "
+                         + ", ".join(repr(k) for k in REMAT_POLICIES) + ".")
+    cp = jax.checkpoint_policies
+    if name == "none":
+        return None
+    if name == "full":
+        return cp.nothing_saveable
+    if name == "dots":
+        return cp.dots_with_no_batch_dims_saveable
+    device = jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(
+            f"remat='offload' moves saved activations to pinned host memory, but the "
+            f"{device.platform} backend ({device.device_kind}) has no 'pinned_host' memory "
+            f"(its memories: {', '.join(sorted(kinds))}). Fix: use remat='dots' (same "
+            "activations kept on the device) or remat='full' (least memory)."
+        )
+    return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
 
 
 def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[Any, ...],
@@ -300,6 +366,20 @@ class Block(nnx.Module):
         return constrain(x + y, RESIDUAL), aux
 
 
+def _call_block(block: Block, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return block(x)
+
+
+def _block_runner(cfg: TransformerConfig) -> Any:
+    if cfg.remat == "none":
+        return _call_block
+    # Inside scan the loop boundary already keeps XLA from merging the forward
+    # and backward recomputation, so CSE prevention would only cost speed (see
+    # jax.checkpoint's docs); unrolled blocks need it.
+    return nnx.remat(_call_block, policy=remat_policy(cfg.remat),
+                     prevent_cse=not cfg.scan_layers)
+
+
 class Transformer(nnx.Module):
     """Decoder-only transformer LM: ``int32 [batch, length] -> float32 logits
     [batch, length, vocab]``.
@@ -320,6 +400,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
+        remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype
         self.token_embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
                                   ("vocab", "embed"), dt)
@@ -361,18 +442,19 @@ class Transformer(nnx.Module):
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
         x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
         aux = jnp.zeros((), jnp.float32)
+        run = _block_runner(cfg)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
             def body(carry: Any, layer: Any) -> tuple[Any, None]:
                 h, total = carry
-                h, a = nnx.merge(graphdef, layer)(h)
+                h, a = run(nnx.merge(graphdef, layer), h)
                 return (h, total + a), None
 
             (x, aux), _ = jax.lax.scan(body, (x, aux), state)
         else:
             for block in self.blocks:
-                x, a = block(x)
+                x, a = run(block, x)
                 aux = aux + a
         x = constrain(self.final_norm(x), GATHERED)
         if self.unembed is None:
