@@ -1033,13 +1033,16 @@ class _Progress:
             return
         from tqdm import std
         from tqdm.auto import tqdm
+        from tqdm.notebook import tqdm_notebook
 
-        if stream is None and tqdm is not std.tqdm:  # a notebook: a widget, live
+        if stream is None and issubclass(tqdm, tqdm_notebook):  # a notebook with ipywidgets
             self.bar = tqdm(total=total, unit="step", bar_format=_BAR)
             return
+        isatty = getattr(stream if stream is not None else sys.stderr, "isatty", None)
+        # A notebook without ipywidgets renders stderr's \r redraws in place, like a terminal.
+        tty = bool(isatty is not None and isatty()) or (
+            stream is None and "ipykernel.zmqshell" in sys.modules)
         stream = stream if stream is not None else sys.stderr
-        isatty = getattr(stream, "isatty", None)
-        tty = bool(isatty is not None and isatty())
         self.bar = std.tqdm(
             total=total, unit="step", bar_format=_BAR,
             file=stream if tty else _LogLines(stream),

@@ -791,7 +791,9 @@ def test_fit_progress_shows_final_step_and_loss_on_process_0_only(monkeypatch):
     monkeypatch.setattr(sys, "stderr", log)
     trainer = make_trainer(steps_per_call=2)
     h = trainer.fit(host_batches(4), num_steps=4)
-    last = log.getvalue().strip().split("\n")[-1]
+    # stderr is not a terminal here: whole lines, the first and the last.
+    first, last = log.getvalue().strip().split("\n")
+    assert "\r" not in log.getvalue() and " 0/4" in first
     assert "4/4" in last and f"loss {float(h['loss'][-1]):.4g}," in last, last
     assert "steps/s" in last and "examples/s" in last
 
