@@ -1,6 +1,5 @@
 """The nnx-shard command: demo, plan, explain, and one-line errors for bad input."""
 
-import builtins
 import json
 import os
 import re
@@ -387,14 +386,9 @@ def assert_loss_png(path):
 
 
 def hide_matplotlib(monkeypatch):
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.split(".")[0] == "matplotlib":
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    """As if matplotlib were not installed: a None in sys.modules makes its import raise."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "matplotlib"] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
 
 
 def test_plot_losses_draws_with_matplotlib_or_names_the_extra(tmp_path, monkeypatch):

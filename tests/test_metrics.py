@@ -1,6 +1,6 @@
-import builtins
 import json
 import struct
+import sys
 
 import jax
 import numpy as np
@@ -97,14 +97,7 @@ def test_tensorboard_events_when_tensorboardx_is_installed(tmp_path):
 
 
 def test_tensorboard_true_without_tensorboardx_names_the_extra(tmp_path, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_tensorboardx(name, *args, **kwargs):
-        if name.split(".")[0] == "tensorboardX":
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'nnx_shard\[tensorboard\]'"):
         MetricsWriter(tmp_path / "a", tensorboard=True)
     assert not (tmp_path / "a").exists()
