@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -1043,11 +1044,18 @@ class _Progress:
         tty = bool(isatty is not None and isatty()) or (
             stream is None and "ipykernel.zmqshell" in sys.modules)
         stream = stream if stream is not None else sys.stderr
+        shape: dict[str, Any] = {"dynamic_ncols": True}
+        if tty:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                if 0 in os.get_terminal_size(stream.fileno()):
+                    # A terminal that reports no size (docker exec, some CI runners):
+                    # tqdm would take it as zero rows and draw nothing.
+                    shape = {"ncols": 100, "nrows": 20}
         self.bar = std.tqdm(
             total=total, unit="step", bar_format=_BAR,
             file=stream if tty else _LogLines(stream),
             mininterval=0.1 if tty else LOG_INTERVAL_S, miniters=1,
-            dynamic_ncols=tty, ascii=None if tty else True,
+            ascii=None if tty else True, **(shape if tty else {}),
         )
 
     def update(self, step: int, loss: float, steps_s: float, examples_s: float) -> None:

@@ -758,6 +758,21 @@ def test_progress_bar_on_a_tty_is_a_tqdm_bar():
     assert "loss 0.25, 120.0 steps/s, 960 examples/s" in out.split("\r")[-1]
 
 
+def test_progress_on_a_terminal_that_reports_no_size_still_draws():
+    # A fresh pseudo-terminal is 0x0, like `docker exec` without a size.
+    main, sub = os.openpty()
+    try:
+        with os.fdopen(sub, "w", closefd=False) as tty:
+            bar = _Progress(10, True, tty)
+            bar.update(10, 0.25, 1.0, 2.0)
+            bar.close()
+        out = os.read(main, 4096).decode()
+    finally:
+        os.close(main)
+        os.close(sub)
+    assert "10/10" in out and "loss 0.25" in out, repr(out)
+
+
 def test_progress_in_a_log_writes_whole_lines_at_an_interval():
     log = io.StringIO()
     bar = _Progress(1000, True, log)
