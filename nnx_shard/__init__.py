@@ -4,12 +4,14 @@ from nnx_shard.checkpoint import Checkpointer, restore, save
 from nnx_shard.errors import ShardingError, ShardingWarning
 from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
+from nnx_shard.metrics import MetricsWriter
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 from nnx_shard.train import Trainer, multistep, shard_batch, value_and_grad
 
 __all__ = [
     "Checkpointer",
+    "MetricsWriter",
     "Report",
     "Rules",
     "ShardingError",

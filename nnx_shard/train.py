@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -986,39 +987,95 @@ class History:
         return self.steps
 
 
-class _Progress:
-    """A one-line progress bar on a TTY (``\\r``-rewritten); silent otherwise."""
+class _LogLines:
+    """A log file (not a terminal) seen by tqdm: each redraw becomes its own line.
 
-    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        isatty = getattr(self.stream, "isatty", None)
-        # One bar per job: with several processes, only process 0 reports.
-        self.enabled = bool(
-            enabled and isatty is not None and isatty() and jax.process_index() == 0
-        )
-        self.total = total
-        self.width = 0
-        self.last = 0.0
+    tqdm redraws with ``\\r``, which a log file or CI console keeps as one ever
+    longer line; here every redraw is written as one line instead.
+    """
 
-    def update(self, step: int, loss: float, steps_s: float, examples_s: float, final: bool) -> None:
-        if not self.enabled:
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.open = False  # a status line written, its newline not yet
+
+    def write(self, s: str) -> None:
+        text = s.replace("\r", "").rstrip(" ")
+        if not text:
             return
-        now = time.perf_counter()
-        if not final and now - self.last < 0.1:
-            return
-        self.last = now
-        line = (
-            f"step {step}/{self.total} | loss {loss:.4g} | {steps_s:,.1f} steps/s | "
-            f"{examples_s:,.0f} examples/s"
-        )
-        self.width = max(self.width, len(line))
-        self.stream.write("\r" + line.ljust(self.width))
+        if self.open:  # the previous redraw's line ends here
+            self.stream.write("\n")
+            self.open = False
+        if text != "\n":
+            self.stream.write(text)
+            self.open = True
+
+    def flush(self) -> None:
         self.stream.flush()
 
+
+# Seconds between redraws of a bar written to a log rather than a terminal: a
+# day-long job writes ~3,000 lines, not one per fused call.
+LOG_INTERVAL_S = 30.0
+
+
+class _Progress:
+    """One tqdm bar per job (process 0): steps, loss, steps/s, examples/s.
+
+    A terminal gets a bar redrawn at most 10 times a second; a notebook a widget
+    (``tqdm.auto``, when ipywidgets is installed); any other stream (a log file,
+    CI output) one line at the start, one every :data:`LOG_INTERVAL_S` seconds
+    and one at the end.
+    """
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
+        self.bar: Any = None
+        # One bar per job: with several processes, only process 0 reports.
+        if not enabled or jax.process_index() != 0:
+            return
+        from tqdm import std
+        from tqdm.auto import tqdm
+        from tqdm.notebook import tqdm_notebook
+
+        if stream is None and issubclass(tqdm, tqdm_notebook):  # a notebook with ipywidgets
+            self.bar = tqdm(total=total, unit="step", bar_format=_BAR)
+            return
+        isatty = getattr(stream if stream is not None else sys.stderr, "isatty", None)
+        # A notebook without ipywidgets renders stderr's \r redraws in place, like a terminal.
+        tty = bool(isatty is not None and isatty()) or (
+            stream is None and "ipykernel.zmqshell" in sys.modules)
+        stream = stream if stream is not None else sys.stderr
+        shape: dict[str, Any] = {"dynamic_ncols": True}
+        if tty:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                if 0 in os.get_terminal_size(stream.fileno()):
+                    # A terminal that reports no size (docker exec, some CI runners):
+                    # tqdm would take it as zero rows and draw nothing.
+                    shape = {"ncols": 100, "nrows": 20}
+        self.bar = std.tqdm(
+            total=total, unit="step", bar_format=_BAR,
+            file=stream if tty else _LogLines(stream),
+            mininterval=0.1 if tty else LOG_INTERVAL_S, miniters=1,
+            ascii=None if tty else True, **(shape if tty else {}),
+        )
+
+    def update(self, step: int, loss: float, steps_s: float, examples_s: float) -> None:
+        if self.bar is None:
+            return
+        self.bar.set_postfix_str(
+            f"loss {loss:.4g}, {steps_s:,.1f} steps/s, {examples_s:,.0f} examples/s",
+            refresh=False,
+        )
+        self.bar.update(step - self.bar.n)  # the last state is drawn by close()
+
     def close(self) -> None:
-        if self.enabled and self.width:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+# tqdm's own rate counts wall time since the start, compilation included: the
+# postfix carries the rate of the last fused call instead.
+_BAR = "{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
 
 
 def _iter_group_sizes(start: int, count: int, k: int, every: int | None) -> Iterator[int]:
@@ -1262,8 +1319,10 @@ class Trainer:
         planned lazily); or when a callback returns ``True``. ``callback(step, metrics)`` runs after every fused call with
         that call's per-step metrics (NumPy) and the model exactly as of
         ``step``. A final group smaller than ``steps_per_call`` compiles once
-        more. The progress bar (loss, steps/s, examples/s) goes to stderr only
-        when it is a terminal, on process 0, and ``progress=True``. With several
+        more. With ``progress=True``, process 0 shows a tqdm bar (steps, loss,
+        steps/s, examples/s): redrawn on a terminal, a widget in a notebook,
+        and on stderr that is a log file a line at the start, every 30 s and
+        at the end; ``progress=False`` shows nothing. With several
         processes, each one's ``data`` yields only its own rows of every global
         batch (``ns.distributed.process_slice``); all of them call ``fit``.
 
@@ -1383,8 +1442,7 @@ class Trainer:
             rate = good / max(now - last_t, 1e-9)
             last_t = now
             if good:
-                bar.update(done, float(host["loss"][good - 1]), rate, rate * examples,
-                           final=done == num_steps)
+                bar.update(done, float(host["loss"][good - 1]), rate, rate * examples)
             if good < n:
                 what = _why_not_finite({**host, "nonfinite": nonfinite_at}, good, self._checked)
                 last = step0 + good

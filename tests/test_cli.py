@@ -3,12 +3,11 @@
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import needs_devices
@@ -377,6 +376,51 @@ def test_demo_that_diverges_exits_1_without_a_stale_heldout_loss(capsys, tmp_pat
     assert summary["steps"] < 6 == summary["steps_requested"] and summary["lr"] == 1e30
 
 
+def assert_loss_png(path):
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = imread(path)  # decodes: a whole, valid PNG
+    assert pixels.shape == (500, 800, 4)
+    assert len(np.unique(pixels.reshape(-1, 4), axis=0)) > 10  # drawn on, not blank
+
+
+def hide_matplotlib(monkeypatch):
+    """As if matplotlib were not installed: a None in sys.modules makes its import raise."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "matplotlib"] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_plot_losses_draws_with_matplotlib_or_names_the_extra(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    cli.plot_losses(tmp_path / "a.png", [(1, 4.0), (2, 3.0)], [(0, 4.2), (2, 3.1)], 3.5)
+    assert_loss_png(tmp_path / "a.png")
+    hide_matplotlib(monkeypatch)
+    with pytest.raises(ImportError, match=r"matplotlib: pip install 'nnx_shard\[plot\]'"):
+        cli.plot_losses(tmp_path / "b.png", [(1, 4.0)], [], 3.5)
+    assert not (tmp_path / "b.png").exists()
+
+
+@needs_devices(8)
+def test_demo_without_matplotlib_says_how_to_get_the_plot(capsys, tmp_path, monkeypatch):
+    out_dir = tmp_path / "demo"
+    out_dir.mkdir()
+    (out_dir / "loss.png").write_bytes(b"a previous run's plot")
+    hide_matplotlib(monkeypatch)
+    code, out, err = run(
+        capsys, "demo", "--steps", "4", "--steps-per-call", "2", *TINY_DEMO,
+        "--evals", "1", "--sample-chars", "4", "--out", str(out_dir),
+    )
+    assert code == 0, err
+    said = [line for line in out.splitlines()
+            if "nnx_shard[plot]" in line or line.startswith("no loss plot")]
+    assert said == ["no loss plot: matplotlib is not installed "
+                    "(pip install 'nnx_shard[plot]' to get loss.png)"], out
+    assert strict_json(out_dir / "summary.json")["loss_png"] is None
+    assert not (out_dir / "loss.png").exists()
+    assert f"wrote {out_dir / 'summary.json'} (" in out
+
+
 @needs_devices(8)
 def test_demo_end_to_end(capsys, tmp_path):
     out_dir = tmp_path / "demo"
@@ -398,12 +442,8 @@ def test_demo_end_to_end(capsys, tmp_path):
     assert 2.5 < summary["unigram_baseline"] < 4.0 and summary["tokens_per_s"] > 0
     assert len(summary["sample"]) == 24 and len(summary["sample_prompt"]) == 32
     assert (out_dir / "checkpoint" / "40" / "model").is_dir()
-    png = (out_dir / "loss.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", png[16:24])
-    idat = png.index(b"IDAT")
-    (size,) = struct.unpack(">I", png[idat - 4: idat])
-    assert len(zlib.decompress(png[idat + 4: idat + 4 + size])) == height * (1 + 3 * width)
+    assert_loss_png(out_dir / "loss.png")
+    assert summary["loss_png"] == str(out_dir / "loss.png")
     # What the user reads: the report, progress, the baseline comparison, the restore.
     assert "sharding report (ns.strategies.get('fsdp_tp').explain)" in out
     assert "blocks/0/mlp/up" in out and "P('data', 'model')" in out

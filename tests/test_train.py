@@ -745,29 +745,79 @@ class FakeTTY(io.StringIO):
         return True
 
 
-def test_progress_bar_only_on_a_tty():
+def test_progress_bar_on_a_tty_is_a_tqdm_bar():
     tty = FakeTTY()
     bar = _Progress(10, True, tty)
-    bar.update(5, 0.5, 100.0, 800.0, final=False)
-    bar.update(10, 0.25, 120.0, 960.0, final=True)
+    bar.update(5, 0.5, 100.0, 800.0)
+    bar.update(10, 0.25, 120.0, 960.0)
     bar.close()
     out = tty.getvalue()
-    assert out.startswith("\rstep 5/10 | loss 0.5 | 100.0 steps/s | 800 examples/s")
-    assert "\rstep 10/10 | loss 0.25 | 120.0 steps/s | 960 examples/s" in out
-    assert out.endswith("\n")
+    # Redrawn in place, at most 10 times a second: step 5 came too soon to show.
+    assert out.startswith("\r") and out.endswith("\n") and "5/10" not in out
+    assert out.count("\n") == 1 and "10/10" in out.split("\r")[-1]
+    assert "loss 0.25, 120.0 steps/s, 960 examples/s" in out.split("\r")[-1]
 
-    for stream, enabled in ((io.StringIO(), True), (FakeTTY(), False)):
+
+def test_progress_on_a_terminal_that_reports_no_size_still_draws():
+    # A fresh pseudo-terminal is 0x0, like `docker exec` without a size.
+    main, sub = os.openpty()
+    try:
+        with os.fdopen(sub, "w", closefd=False) as tty:
+            bar = _Progress(10, True, tty)
+            bar.update(10, 0.25, 1.0, 2.0)
+            bar.close()
+        out = os.read(main, 4096).decode()
+    finally:
+        os.close(main)
+        os.close(sub)
+    assert "10/10" in out and "loss 0.25" in out, repr(out)
+
+
+def test_progress_in_a_log_writes_whole_lines_at_an_interval():
+    log = io.StringIO()
+    bar = _Progress(1000, True, log)
+    for step in range(1, 1001):  # one update per call: far faster than the interval
+        bar.update(step, 1.0 / step, 50.0, 400.0)
+    bar.close()
+    lines = log.getvalue().split("\n")
+    # A line at the start and one at the end, nothing in between, no \r.
+    assert "\r" not in log.getvalue() and lines[-1] == ""
+    assert len(lines) == 3, lines
+    assert " 0/1000" in lines[0]
+    assert "1000/1000" in lines[1] and "loss 0.001, 50.0 steps/s, 400 examples/s" in lines[1]
+
+
+def test_progress_disabled_or_not_process_0_writes_nothing(monkeypatch):
+    for stream, enabled in ((io.StringIO(), False), (FakeTTY(), False)):
         bar = _Progress(10, enabled, stream)
-        bar.update(10, 0.25, 1.0, 1.0, final=True)
+        bar.update(10, 0.25, 1.0, 1.0)
         bar.close()
         assert stream.getvalue() == ""
+    monkeypatch.setattr(jax, "process_index", lambda *a, **k: 1)
+    stream = FakeTTY()
+    bar = _Progress(10, True, stream)
+    bar.update(10, 0.25, 1.0, 1.0)
+    bar.close()
+    assert stream.getvalue() == ""
 
 
-def test_trainer_runs_quietly_when_not_a_tty(capsys):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        make_trainer(steps_per_call=2).fit(host_batches(2), num_steps=2)
-    assert capsys.readouterr().err == ""
+def test_fit_progress_shows_final_step_and_loss_on_process_0_only(monkeypatch):
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    trainer = make_trainer(steps_per_call=2)
+    h = trainer.fit(host_batches(4), num_steps=4)
+    # stderr is not a terminal here: whole lines, the first and the last.
+    first, last = log.getvalue().strip().split("\n")
+    assert "\r" not in log.getvalue() and " 0/4" in first
+    assert "4/4" in last and f"loss {float(h['loss'][-1]):.4g}," in last, last
+    assert "steps/s" in last and "examples/s" in last
+
+    for progress, index in ((False, 0), (True, 1)):
+        log = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", log)
+        monkeypatch.setattr(jax, "process_index", lambda *a, _i=index, **k: _i)
+        make_trainer(steps_per_call=2).fit(host_batches(2), num_steps=2, progress=progress)
+        assert log.getvalue() == ""
 
 
 def test_trainer_sharded_model_with_dropout_and_nan_stop():
