@@ -156,7 +156,8 @@ ACTIVATION_FORMULA = (
     "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk), MLP hidden "
     "before and after GELU (2m'), float32 attention probabilities (4hs); plus the residual "
     "input and float32 logits and their gradient (8V). With --remat full only each block's "
-    "input is kept (layers x p x e/Dl per token) plus one layer's activations and the logits."
+    "input is kept (layers x p x e/Dl per token) plus one layer's activations and the logits; "
+    "dots and offload count as none."
 )
 
 
@@ -217,16 +218,17 @@ COMPILE_MAX_DEVICES = 512
 _DECIDES = {
     "compiled": (
         "* compiled: XLA's buffer assignment of the fused train step (value_and_grad of "
-        "lm_loss + optimizer update) compiled for this mesh on simulated CPU devices from "
-        "abstract inputs; it decides whether the model fits, because the formula under-counts "
-        "what XLA allocates (0.58-0.74 of it on the configs measured: gradients, "
-        "collective buffers and fusion temporaries it does not model). These are XLA CPU's "
-        "figures: a GPU or TPU compile can differ."),
+        "lm_loss + the optimizer update), compiled for this mesh on simulated CPU devices "
+        "from abstract inputs (nothing allocated); total = arguments + temp + outputs - "
+        "donated buffers. It decides whether the model fits: the formula is off by more than "
+        "15% ({ratio}here; 0.29-0.90 over the presets, remat policies and meshes measured), "
+        "as it models neither XLA's temporaries nor how remat is scheduled. These are XLA "
+        "CPU's figures: a GPU or TPU compile can differ."),
     "formula": (
         "* not compiled (--no-compile, or more than "
         f"{COMPILE_MAX_DEVICES} devices): the formula decides, and it under-counts what XLA "
-        "allocates (0.58-0.74 of the compiled total on the configs measured); leave headroom "
-        "or compile with --compile."),
+        "allocates (0.29-0.90 of the compiled total over the presets, remat policies and "
+        "meshes measured); leave headroom, or compile with --compile."),
 }
 
 
@@ -363,7 +365,10 @@ def _plan(args: argparse.Namespace) -> int:
             print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
                   + f"  {c[3]:>{widths[3]}}")
         print()
-        print(textwrap.fill(_DECIDES[decided_by], width=100, subsequent_indent="  "))
+        ratio = (f"formula / compiled = {per_device['total'] / compiled['total']:.2f} "
+                 if compiled is not None else "")
+        print(textwrap.fill(_DECIDES[decided_by].format(ratio=ratio), width=100,
+                            subsequent_indent="  "))
         print(textwrap.fill(f"* formula activations: {ACTIVATION_FORMULA}", width=100,
                             subsequent_indent="  "))
         if device_memory is not None:
