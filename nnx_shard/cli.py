@@ -365,6 +365,12 @@ def _plan(args: argparse.Namespace) -> int:
             print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
                   + f"  {c[3]:>{widths[3]}}")
         print()
+        if compiled is not None and args.remat != "none" and not out["scan_layers"]:
+            print(textwrap.fill(
+                f"* remat {args.remat} with unrolled layers: on XLA CPU the compiled temp of "
+                "unrolled blocks does not fall with remat (measured on small); --scan-layers "
+                "compiles one scanned block, where remat lowers it.",
+                width=100, subsequent_indent="  "))
         ratio = (f"formula / compiled = {per_device['total'] / compiled['total']:.2f} "
                  if compiled is not None else "")
         print(textwrap.fill(_DECIDES[decided_by].format(ratio=ratio), width=100,

@@ -200,6 +200,11 @@ def test_plan_remat_policies_are_the_models_and_change_the_compiled_temp(capsys)
         temps[remat] = json.loads(out)["compiled"]["temp"]
     assert temps["full"] < temps["dots"] < temps["none"]
     assert temps["offload"] <= temps["dots"]  # saved dots go to host memory where it exists
+    code, out, _ = run(capsys, *TINY, "--remat", "full")
+    assert code == 0 and "remat full, unrolled layers" in out.splitlines()[0]
+    assert "* remat full with unrolled layers: on XLA CPU" in out
+    code, out, _ = run(capsys, *TINY, "--remat", "full", "--scan-layers")
+    assert "remat full, scanned layers" in out and "with unrolled layers" not in out
     code, _, err = run(capsys, *TINY, "--remat", "everything")
     assert_one_line_error(code, err, "'none', 'full', 'dots', 'offload'")
 
