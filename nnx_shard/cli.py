@@ -8,8 +8,10 @@
   onto a different mesh and strategy, and a text sample from the restored model.
   With a single device it simulates 8 CPU devices.
 * ``nnx-shard plan`` answers "will this model fit on that many devices with that
-  strategy?" without allocating anything: per-device bytes of parameters,
-  gradients, optimizer state and activations, for any mesh size.
+  strategy?" without allocating anything: it compiles the train step for the mesh
+  on as many simulated CPU devices in a subprocess (XLA's per-device bytes decide),
+  next to a formula's estimate of parameters, gradients, optimizer state and
+  activations.
 * ``nnx-shard explain module:factory`` prints the per-parameter report of your own model.
 * ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.launch`).
 
