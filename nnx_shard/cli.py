@@ -8,8 +8,10 @@
   onto a different mesh and strategy, and a text sample from the restored model.
   With a single device it simulates 8 CPU devices.
 * ``nnx-shard plan`` answers "will this model fit on that many devices with that
-  strategy?" without allocating anything: per-device bytes of parameters,
-  gradients, optimizer state and activations, for any mesh size.
+  strategy?" without allocating anything: it compiles the train step for the mesh
+  on as many simulated CPU devices in a subprocess (XLA's per-device bytes decide),
+  next to a formula's estimate of parameters, gradients, optimizer state and
+  activations.
 * ``nnx-shard explain module:factory`` prints the per-parameter report of your own model.
 * ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.launch`).
 
@@ -17,7 +19,7 @@ The demo asks for simulated devices before JAX starts its backends (importing
 jax does not start them; the first ``jax.devices()`` does).
 
 >>> main(["plan", "--model", "tiny", "--mesh", "data=4,model=2", "--batch", "8",
-...       "--seq", "16", "--json"])  # doctest: +ELLIPSIS
+...       "--seq", "16", "--json", "--no-compile"])  # doctest: +ELLIPSIS
 {"model": "tiny", ...}
 0
 """
@@ -153,7 +155,8 @@ ACTIVATION_FORMULA = (
     "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk), MLP hidden "
     "before and after GELU (2m'), float32 attention probabilities (4hs); plus the residual "
     "input and float32 logits and their gradient (8V). With --remat full only each block's "
-    "input is kept (layers x p x e/Dl per token) plus one layer's activations and the logits."
+    "input is kept (layers x p x e/Dl per token) plus one layer's activations and the logits; "
+    "dots and offload count as none."
 )
 
 
@@ -207,6 +210,36 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     return int(tokens * per_token)
 
 
+# Meshes up to this many devices are compiled by default (a 256-device compile of
+# the small models takes seconds; larger ones grow with the device count).
+COMPILE_MAX_DEVICES = 512
+
+_DECIDES = {
+    "compiled": (
+        "* compiled: XLA's buffer assignment of the fused train step (value_and_grad of "
+        "lm_loss + the optimizer update), compiled for this mesh on simulated CPU devices "
+        "from abstract inputs (nothing allocated); total = arguments + temp + outputs - "
+        "donated buffers. It decides whether the model fits: the formula is off by more than "
+        "15% ({ratio}here; 0.29-0.90 over the presets, remat policies and meshes measured), "
+        "as it models neither XLA's temporaries nor how remat is scheduled. These are XLA "
+        "CPU's figures: a GPU or TPU compile can differ."),
+    "formula": (
+        "* not compiled (--no-compile, or more than "
+        f"{COMPILE_MAX_DEVICES} devices): the formula decides, and it under-counts what XLA "
+        "allocates (0.29-0.90 of the compiled total over the presets, remat policies and "
+        "meshes measured); leave headroom, or compile with --compile."),
+}
+
+
+def _count(n: int) -> str:
+    """935040 -> '935,040'; 124_439_808 -> '124.4 M'; 6_720_000_000 -> '6.72 B'."""
+    if n < 1_000_000:
+        return f"{n:,}"
+    if n < 1_000_000_000:
+        return f"{n / 1e6:.1f} M"
+    return f"{n / 1e9:.2f} B"
+
+
 def _plan(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     from flax import nnx
@@ -230,6 +263,7 @@ def _plan(args: argparse.Namespace) -> int:
         "model": args.model, "num_params": cfg.num_params, "strategy": strategy.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
         "batch": args.batch, "seq": args.seq, "remat": args.remat,
+        "scan_layers": cfg.scan_layers if args.scan_layers is None else args.scan_layers,
         "param_dtype": jnp.dtype(cfg.param_dtype).name,
     }
     try:
@@ -255,10 +289,28 @@ def _plan(args: argparse.Namespace) -> int:
         "activations": acts,
     }
     per_device["total"] = sum(per_device.values())
+    devices = out["devices"]
+    compile_it = args.compile if args.compile is not None else devices <= COMPILE_MAX_DEVICES
+    compiled = None
+    if compile_it:
+        from nnx_shard.compiled import CompileError, compiled_memory_subprocess
+
+        try:
+            compiled = compiled_memory_subprocess(
+                args.model, sizes, strategy=strategy.name, optimizer=args.optimizer,
+                batch=args.batch, seq=args.seq, remat=args.remat,
+                scan_layers=args.scan_layers, timeout=args.compile_timeout)
+        except CompileError as e:
+            raise _Usage(str(e)) from None
+    decided_by = "compiled" if compiled is not None else "formula"
+    need = compiled["total"] if compiled is not None else per_device["total"]
     largest = sorted((r for r in report.rows if r.group == "params"),
                      key=lambda r: -r.bytes_per_device)[: args.top]
     out.update({
         "bytes_per_device": per_device,
+        "compiled": compiled,
+        "decided_by": decided_by,
+        "bytes_needed": need,
         "bytes_total": {"params": report.total_bytes, "optimizer": report.opt_total_bytes},
         "largest": [
             {"path": r.path, "shape": list(r.shape), "dtype": r.dtype,
@@ -269,21 +321,35 @@ def _plan(args: argparse.Namespace) -> int:
         "replicated_params": sum(1 for r in report.replicated if r.group == "params"),
         "activation_formula": ACTIVATION_FORMULA,
         "device_memory": device_memory,
-        "fits": None if device_memory is None else per_device["total"] <= device_memory,
+        "fits": None if device_memory is None else need <= device_memory,
         "error": None,
     })
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"plan: model {args.model} ({cfg.num_params / 1e9:.2f} B parameters, "
+        print(f"plan: model {args.model} ({_count(cfg.num_params)} parameters, "
               f"{out['param_dtype']}), strategy {strategy.name}, mesh {_shown(sizes)} "
-              f"({out['devices']} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
-              f"remat {args.remat}")
+              f"({devices} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
+              f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers")
         print()
-        print("per device:")
-        for key in ("params", "grads", "optimizer", "activations", "total"):
-            label = "activations*" if key == "activations" else key
-            print(f"  {label:<13} {_fmt(per_device[key]):>12}")
+        if compiled is not None:
+            print("per device          compiled*   formula estimate")
+            rows = [("params", compiled["params"], per_device["params"]),
+                    ("grads", None, per_device["grads"]),
+                    ("optimizer", compiled["optimizer"], per_device["optimizer"]),
+                    ("temp", compiled["temp"], None),
+                    ("activations", None, per_device["activations"]),
+                    ("total", compiled["total"], per_device["total"])]
+            for label, c, f in rows:
+                ctxt = _fmt(c) if c is not None else "(in temp)" if label != "total" else ""
+                ftxt = _fmt(f) if f is not None else ""
+                print(f"  {label:<13} {ctxt:>12}   {ftxt:>12}")
+            print(f"  (compiled in {compiled['compile_s']:.1f} s on {devices} simulated CPU "
+                  "devices; total = arguments + temp + outputs - donated)")
+        else:
+            print("per device (formula estimate; not compiled):")
+            for key in ("params", "grads", "optimizer", "activations", "total"):
+                print(f"  {key:<13} {_fmt(per_device[key]):>12}")
         print(f"  (unsharded: params {_fmt(report.total_bytes)}, optimizer state "
               f"{_fmt(report.opt_total_bytes)})")
         print()
@@ -298,12 +364,22 @@ def _plan(args: argparse.Namespace) -> int:
             print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
                   + f"  {c[3]:>{widths[3]}}")
         print()
-        print(textwrap.fill(f"* activations: {ACTIVATION_FORMULA}", width=100,
+        if compiled is not None and args.remat != "none" and not out["scan_layers"]:
+            print(textwrap.fill(
+                f"* remat {args.remat} with unrolled layers: on XLA CPU the compiled temp of "
+                "unrolled blocks does not fall with remat (measured on small); --scan-layers "
+                "compiles one scanned block, where remat lowers it.",
+                width=100, subsequent_indent="  "))
+        ratio = (f"formula / compiled = {per_device['total'] / compiled['total']:.2f} "
+                 if compiled is not None else "")
+        print(textwrap.fill(_DECIDES[decided_by].format(ratio=ratio), width=100,
+                            subsequent_indent="  "))
+        print(textwrap.fill(f"* formula activations: {ACTIVATION_FORMULA}", width=100,
                             subsequent_indent="  "))
         if device_memory is not None:
             verdict = "fits" if out["fits"] else "does NOT fit"
             print(f"\n{verdict} in {_fmt(device_memory)} per device "
-                  f"({100 * per_device['total'] / device_memory:.0f}% used)")
+                  f"({100 * need / device_memory:.0f}% used, {decided_by} total)")
     return 0 if out["fits"] in (None, True) else 1
 
 
@@ -883,8 +959,19 @@ def _build_parser() -> _Parser:
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
     p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    p.add_argument("--remat", choices=("none", "full"), default="none",
-                   help="activation rematerialization assumed (default none)")
+    from nnx_shard.models import REMAT_POLICIES
+
+    p.add_argument("--remat", choices=tuple(REMAT_POLICIES), default="none",
+                   help="TransformerConfig.remat policy of the compiled model: none (default), "
+                   "full, dots, offload (saved activations to pinned host memory)")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the blocks as one scanned layer (default: the model's; "
+                   "1b and 7b scan); XLA CPU lowers the temp bytes by remat only when scanned")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the train step on as many simulated CPU devices as the mesh "
+                   f"has, in a subprocess (default: yes up to {COMPILE_MAX_DEVICES} devices)")
+    p.add_argument("--compile-timeout", type=_finite_positive, default=300.0,
+                   help="seconds the compile may take (default 300)")
     p.add_argument("--device-memory", default=None, help="e.g. 80GB (1e9) or 80GiB (2**30)")
     p.add_argument("--top", type=int, default=5, help="largest tensors to list")
     p.add_argument("--json", action="store_true", help="print JSON only")

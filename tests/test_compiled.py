@@ -1,0 +1,31 @@
+"""Per-device memory of the compiled train step, in process and in a subprocess."""
+
+import pytest
+
+from conftest import needs_devices
+from nnx_shard.compiled import CompileError, compiled_memory, compiled_memory_subprocess
+
+
+@needs_devices(8)
+def test_subprocess_compiles_the_same_program_as_in_process():
+    kwargs = {"strategy": "fsdp", "batch": 8, "seq": 16, "remat": "full"}
+    here = compiled_memory("tiny", {"data": 8}, **kwargs)
+    there = compiled_memory_subprocess("tiny", {"data": 8}, **kwargs)
+    for key in ("params", "optimizer", "temp", "argument", "output", "alias", "total"):
+        assert here[key] == there[key], key
+    # fsdp shards every parameter's embed dimension over the 8 devices.
+    assert here["params"] < compiled_memory("tiny", {"data": 8}, "dp", batch=8, seq=16)["params"]
+
+
+def test_a_failing_compile_is_one_line_naming_the_device_count():
+    with pytest.raises(CompileError) as info:
+        compiled_memory_subprocess("tiny", {"data": 2}, strategy="nope", batch=2, seq=8)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith("compiling the train step on 2 simulated CPU devices failed: ")
+    assert "unknown strategy 'nope'" in msg
+
+
+def test_a_compile_past_the_timeout_says_how_to_avoid_it():
+    with pytest.raises(CompileError, match=r"took longer than 0.01 s; use --no-compile"):
+        compiled_memory_subprocess("tiny", {"data": 2}, timeout=0.01)
