@@ -15,8 +15,9 @@
 * ``nnx-shard explain module:factory`` prints the per-parameter report of your own model.
 * ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.launch`).
 
-The demo asks for simulated devices before JAX starts its backends (importing
-jax does not start them; the first ``jax.devices()`` does).
+The demo asks for simulated devices (``jax_num_cpu_devices``) before JAX starts
+its backends (importing jax does not start them; the first ``jax.devices()``
+does).
 
 >>> main(["plan", "--model", "tiny", "--mesh", "data=4,model=2", "--batch", "8",
 ...       "--seq", "16", "--json", "--no-compile"])  # doctest: +ELLIPSIS
@@ -65,27 +66,28 @@ class _Parser(argparse.ArgumentParser):
         raise _Usage(f"{message} (see '{self.prog} --help')")
 
 
-def _backends_started() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    # Importing jax (as `import nnx_shard` does) reads no device flags; starting a
-    # backend (the first jax.devices()) does. Until then XLA_FLAGS can still change.
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
-
-
 def _simulate_devices(n: int = SIMULATED_DEVICES) -> bool:
-    """Asks XLA for ``n`` CPU devices unless JAX's backends already started or a
+    """Asks JAX for ``n`` CPU devices unless its backends already started or a
     device count is set; returns whether it did.
 
-    The flag only shapes the CPU platform, so on a machine with accelerators it
+    The count only shapes the CPU platform, so on a machine with accelerators it
     changes nothing there; on a laptop it turns one CPU into ``n`` devices.
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _FORCE in flags or os.environ.get("JAX_NUM_CPU_DEVICES") or _backends_started():
+    if _FORCE in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_NUM_CPU_DEVICES"):
         return False
-    os.environ["XLA_FLAGS"] = f"{flags} {_FORCE}={n}".strip()
+    import jax
+
+    if jax.config.jax_num_cpu_devices >= 0:  # set by the user (config or env at import)
+        return False
+    try:
+        # JAX's public route: importing jax starts no backend; the first
+        # jax.devices() does, and from then on this update raises.
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        print(f"{PROG}: JAX already started with {jax.device_count()} device(s), too late to "
+              f"simulate {n} CPU devices; run it in a fresh process or set "
+              f"JAX_NUM_CPU_DEVICES={n} before the first JAX call", file=sys.stderr)
+        return False
     return True
 
 

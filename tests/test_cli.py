@@ -587,4 +587,36 @@ def test_demo_simulates_devices_only_before_jax_starts():
     done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+    # The first call sets jax_num_cpu_devices; the second sees the count set and keeps it.
     assert done.stdout.split() == ["True", "8", "False"]
+    assert done.stderr == ""
+
+
+def test_demo_says_when_jax_started_too_early_to_simulate_devices():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    code = (
+        "import nnx_shard, jax; from nnx_shard import cli; "
+        "n = jax.device_count(); print(cli._simulate_devices(), n, jax.device_count())"
+    )
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "1", "1"]
+    assert "nnx-shard: JAX already started with 1 device(s), too late to simulate 8" in done.stderr
+    assert "JAX_NUM_CPU_DEVICES=8 before the first JAX call" in done.stderr
+
+
+def test_demo_keeps_a_device_count_the_user_set():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    code = (
+        "import os, nnx_shard, jax; from nnx_shard import cli; "
+        "jax.config.update('jax_num_cpu_devices', 2); "
+        "print(cli._simulate_devices(), jax.device_count(), 'XLA_FLAGS' in os.environ)"
+    )
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "2", "False"]
+    assert "too late" not in done.stderr
