@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import socket
 import sys
 import threading
@@ -129,6 +128,29 @@ def _split_address(address: str, where: str) -> tuple[str, int]:
     return host, port_i
 
 
+# JAX has no public API for these two, so they are read here and nowhere else
+# (tests/test_distributed.py pins both, to fail loudly when JAX moves them):
+# - which cluster its auto-detection would pick: ``jax.distributed.initialize``
+#   detects and joins in one call, and it must run before any other JAX call, so
+#   it cannot be tried to find out whether this is a single process;
+# - the runtime's key-value client and coordinator address, which
+#   ``jax.experimental.multihost_utils`` itself reads from the same private state.
+
+
+def _jax_cluster_kinds() -> list[Any]:
+    """JAX's cluster detectors (SLURM, Open MPI, Cloud TPU, Kubernetes, ...), in its order."""
+    from jax._src import clusters
+
+    return list(clusters.ClusterEnv._cluster_types)
+
+
+def _jax_distributed_state() -> Any:
+    """The ``jax.distributed`` runtime state: ``client``, ``coordinator_address``."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state
+
+
 def _detected_cluster(environ: Mapping[str, str]) -> str | None:
     """The name of the cluster JAX would auto-detect here, if any."""
     if environ is not os.environ:
@@ -136,9 +158,7 @@ def _detected_cluster(environ: Mapping[str, str]) -> str | None:
         slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
         return "slurm" if all(k in environ for k in slurm) else None
     try:
-        from jax._src import clusters
-
-        kinds = list(clusters.ClusterEnv._cluster_types)
+        kinds = _jax_cluster_kinds()
     except (ImportError, AttributeError):  # private API moved: let JAX decide alone
         return None
     for kind in kinds:
@@ -158,17 +178,6 @@ def _tasks_on_node(environ: Mapping[str, str]) -> int | None:
         return None
     counts = {part.split("(")[0] for part in raw.split(",")}
     return int(counts.pop()) if len(counts) == 1 and next(iter(counts)).isdigit() else None
-
-
-def _slurm_address(environ: Mapping[str, str]) -> str:
-    """Process 0's host (first of the step's nodes) and port, as JAX's SLURM detection picks them."""
-    port = environ.get("JAX_COORDINATOR_PORT") or str(
-        int(environ["SLURM_JOB_ID"]) % 2**12 + (65535 - 2**12 + 1)
-    )
-    nodes = environ["SLURM_STEP_NODELIST"]
-    first = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", nodes)
-    host = (first.group(1) + (first.group(2) or "")) if first else nodes
-    return f"{host}:{port}"
 
 
 def _resolve(
@@ -234,15 +243,15 @@ def _resolve(
     if (
         cluster == "slurm"
         and local_device_ids is None
+        and not environ.get("JAX_LOCAL_DEVICE_IDS")
         and _tasks_on_node(environ) == 1
     ):
         # JAX's SLURM detection restricts each process to the one GPU numbered by its
         # local task id; with one process per host that hides all but the first GPU.
-        if address is None:
-            address = _slurm_address(environ)
-        n = n if n is not None else int(environ["SLURM_NTASKS"])
-        pid = pid if pid is not None else int(environ["SLURM_PROCID"])
-        kwargs["cluster_detection_method"] = "deactivate"
+        # An empty list is "given" (so detection leaves it alone, while still filling
+        # address, count and id) and restricts nothing (JAX sets visible devices only
+        # for a non-empty list).
+        local_device_ids = []
     kwargs.update(coordinator_address=address, num_processes=n, process_id=pid)
     if local_device_ids is not None:
         kwargs["local_device_ids"] = list(local_device_ids)
@@ -294,9 +303,7 @@ def _watchdog(address: str | None, pid: int | None, n: int | None, timeout: floa
 
 
 def _client() -> Any:
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client
+    return _jax_distributed_state().client
 
 
 def _check_process_counts(pid: int, n: int, timeout: float) -> None:
@@ -435,9 +442,7 @@ def initialize(
 
 
 def _client_address() -> str | None:
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.coordinator_address
+    return _jax_distributed_state().coordinator_address
 
 
 def is_main() -> bool:

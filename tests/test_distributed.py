@@ -103,14 +103,60 @@ SLURM = {"SLURM_JOB_ID": "4097", "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_N
 
 def test_slurm_with_one_task_per_node_keeps_every_local_device():
     kwargs, source = _resolve(None, None, None, None, {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
-    # JAX's own detection would pin each process to local device [SLURM_LOCALID].
-    assert kwargs == {"coordinator_address": "gpu017:61441", "num_processes": 2, "process_id": 1,
-                      "cluster_detection_method": "deactivate"}
+    # JAX's own detection fills the coordinates but would pin each process to local
+    # device [SLURM_LOCALID]; an empty list keeps them all (see the end-to-end test).
+    assert kwargs == {"coordinator_address": None, "num_processes": None, "process_id": None,
+                      "local_device_ids": []}
     assert "slurm" in source
+    kwargs, _ = _resolve(None, None, None, None, {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                                                  "JAX_LOCAL_DEVICE_IDS": "1"})
+    assert "local_device_ids" not in kwargs  # the user's own choice of devices stands
     kwargs, _ = _resolve(None, None, None, None, {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "8(x2)"})
     assert kwargs == {"coordinator_address": None, "num_processes": None, "process_id": None}
     kwargs, _ = _resolve(None, None, 0, None, {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
     assert kwargs["process_id"] == 0  # explicit arguments win over the cluster
+
+
+def _slurm_job(tasks_per_node: str) -> str:
+    """One real process under a fake one-node SLURM step, initialized by JAX's own detection."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("NNX_SHARD_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE", "SLURM_"))}
+    port = free_port()
+    env.update({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "1",
+                "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "JAX_COORDINATOR_PORT": str(port),
+                "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(HERE.parent)})
+    code = ("import jax, nnx_shard as ns; c = ns.distributed.initialize(initialization_timeout=20); "
+            "print(c.coordinator_address, c.num_processes, c.process_id, c.source, '|', "
+            "jax.config.values['jax_cuda_visible_devices']); jax.distributed.shutdown()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT, env=env, cwd=HERE.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"127.0.0.1:{port} 1 0 cluster auto-detection (slurm) |" in done.stdout, done.stdout
+    return done.stdout.split("|")[1].strip()
+
+
+def test_slurm_one_task_per_node_joins_through_jax_detection_with_every_device():
+    # JAX picks the address, count and id; only the device restriction is lifted.
+    assert _slurm_job("1") == "all"
+    # Several tasks per node: JAX's own one-device-per-task pinning applies.
+    assert _slurm_job("2") == "0"
+
+
+def test_jax_private_state_is_where_nnx_shard_looks_for_it():
+    # No public API exposes these (see distributed.py); if JAX moves them this fails
+    # here instead of silently losing cluster detection and the process-count check.
+    from nnx_shard.distributed import _jax_cluster_kinds, _jax_distributed_state
+
+    names = {kind.name for kind in _jax_cluster_kinds()}
+    assert {"slurm", "ompi"} <= names, names
+    for kind in _jax_cluster_kinds():
+        assert callable(kind.is_env_present) and hasattr(kind, "opt_in_only_method")
+    state = _jax_distributed_state()
+    assert state is _jax_distributed_state()
+    assert hasattr(state, "client") and hasattr(state, "coordinator_address")
+    if not jax.distributed.is_initialized():
+        assert state.client is None and state.coordinator_address is None
 
 
 @pytest.mark.parametrize(
