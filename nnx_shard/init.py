@@ -12,9 +12,11 @@ its own shard:
   The program still returns arrays on the caller's mesh, Explicit or Auto.
 * On CPU, JAX lowers the threefry hash as a rolled loop whose two ``uint32``
   state arrays (plus a copy) live beside the output: three times the largest
-  parameter shard in temporaries. While lowering our init programs we use the
+  parameter shard in temporaries. Our init programs are lowered with the
   unrolled lowering that GPU and TPU use, which fuses into the output and needs
-  no temporaries. The bits are the same (see ``_fused_threefry``).
+  no temporaries; the override goes with our lowering alone, so programs
+  lowered elsewhere keep JAX's rules. The bits are the same (see
+  ``_fused_threefry``).
 * Flax's eager sharding is switched off while the factory runs, so models
   annotated with ``nnx.with_partitioning`` are resolved by our rules, never by
   Flax at Variable creation.
@@ -26,7 +28,6 @@ the layout: a sharded init is bitwise equal to the same factory on one device.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -67,40 +68,35 @@ def _constrain(state: Any, tree_of_shardings: Any) -> Any:
     return jax.tree.map(jax.lax.with_sharding_constraint, state, tree_of_shardings)
 
 
-_LOWERING_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _fused_threefry() -> Iterator[None]:
-    """While lowering, use JAX's generic (unrolled) threefry lowering on CPU too.
+def _fused_threefry() -> Any | None:
+    """Lowering parameters that use JAX's generic (unrolled) threefry rule on CPU too.
 
     JAX registers a CPU-only rule that rolls threefry's five rounds into a
     ``while`` loop to save compile time; the loop keeps two ``uint32`` arrays the
     size of the parameter shard alive, so an init program needs ~3x its largest
     shard in temporaries on CPU. The generic rule (what GPU and TPU use) computes
     the same bits with straight-line code that XLA fuses into the output.
-    The registry is private JAX; if it moves, we fall back to JAX's default
-    (correct, just more temporary memory) and the memory test in
-    tests/test_init.py flags it.
+    The override travels with our own lowering only (JAX's rule registry is not
+    touched), so programs other threads lower at the same time keep JAX's rules.
+    Both the parameters and the registry are private JAX; if they move, we get
+    ``None`` and JAX's default (correct, just more temporary memory), and the
+    memory test in tests/test_init.py flags it.
     """
     try:
         from jax._src.interpreters import mlir as _mlir
         from jax.extend.random import threefry2x32_p
 
-        cpu_rules = _mlir._platform_specific_lowerings["cpu"]
-        has_generic = threefry2x32_p in _mlir._lowerings
-    except (ImportError, AttributeError, KeyError):  # pragma: no cover - JAX internals moved
-        yield
-        return
-    if not has_generic or threefry2x32_p not in cpu_rules:  # pragma: no cover
-        yield
-        return
-    with _LOWERING_LOCK:
-        saved = cpu_rules.pop(threefry2x32_p)
-        try:
-            yield
-        finally:
-            cpu_rules[threefry2x32_p] = saved
+        generic = _mlir._lowerings[threefry2x32_p].rule
+        return _mlir.LoweringParameters(override_lowering_rules=((threefry2x32_p, generic),))
+    except (ImportError, AttributeError, KeyError, TypeError):  # pragma: no cover - JAX moved
+        return None
+
+
+def _lower(jitted: Any, *args: Any) -> Any:
+    """``jitted.lower(*args)``, with the fused threefry lowering where available."""
+    params = _fused_threefry()
+    traced = jitted.trace(*args)
+    return traced.lower() if params is None else traced.lower(_private_parameters=params)
 
 
 @contextlib.contextmanager
@@ -307,8 +303,7 @@ def lower_init(
         with _trace_context(mesh):
             return _constrain(nnx.state(_build(factory, "sharded_init")), inner)
 
-    with _fused_threefry():
-        lowered = jax.jit(init, out_shardings=out_shardings).lower()
+    lowered = _lower(jax.jit(init, out_shardings=out_shardings))
     return graphdef, lowered
 
 
@@ -497,8 +492,7 @@ def _lower_optimizer(
         with _trace_context(mesh):
             return _constrain(nnx.state(opt), inner)
 
-    with _fused_threefry():
-        lowered = jax.jit(init, out_shardings=out_shardings).lower(abstract_in)
+    lowered = _lower(jax.jit(init, out_shardings=out_shardings), abstract_in)
     args = jax.tree.map(lambda x, a: _rewrap(x, a.sharding), state, abstract_in)
     return opt_graphdef, lowered, args
 

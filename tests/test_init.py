@@ -1,4 +1,5 @@
 import contextlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -221,17 +222,46 @@ def test_init_program_holds_about_one_shard_per_device(axis_types):
     assert _per_device_ratio(naive, total) >= (8 if axis_types == "explicit" else 2.5)
 
 
+def _rolled_threefry(lowered) -> bool:
+    """JAX's CPU threefry rule rolls the rounds into a loop; the generic one does not."""
+    return "stablehlo.while" in lowered.as_text()
+
+
 @needs_devices(8)
-def test_fused_threefry_restores_jax_lowering_rules():
+def test_fused_threefry_leaves_jax_rules_alone_for_concurrent_lowerings():
     from jax._src.interpreters import mlir
 
     before = mlir._platform_specific_lowerings["cpu"].get(threefry2x32_p)
     assert before is not None
-    with pytest.raises(RuntimeError), ns_init._fused_threefry():
-        assert threefry2x32_p not in mlir._platform_specific_lowerings["cpu"]
-        raise RuntimeError
-    assert mlir._platform_specific_lowerings["cpu"].get(threefry2x32_p) is before
-    sharded_init(mlp, "data=4,model=2", RULES)
+    key = jax.random.key(0)
+    theirs = jax.jit(lambda k: jax.random.bits(k, (64,)))
+    assert _rolled_threefry(theirs.lower(key))  # what every other program gets on CPU
+
+    # Another thread lowers its program while ours is being lowered (paused in the
+    # factory, which runs again inside the lowering).
+    inside, done, seen = threading.Event(), threading.Event(), []
+    calls = []
+
+    def factory():
+        calls.append(1)
+        if len(calls) == 2:
+            inside.set()
+            assert done.wait(60), "the other thread did not lower"
+        return mlp()
+
+    def other():
+        assert inside.wait(60)
+        try:
+            seen.append(_rolled_threefry(jax.jit(lambda k: jax.random.bits(k, (32,))).lower(key)))
+        finally:
+            done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    _, lowered = lower_init(factory, "data=4,model=2", RULES)
+    t.join(60)
+    assert seen == [True]  # the concurrent lowering kept JAX's CPU rule
+    assert not _rolled_threefry(lowered)  # ours used the fused one
     assert mlir._platform_specific_lowerings["cpu"].get(threefry2x32_p) is before
 
 
