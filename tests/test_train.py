@@ -10,6 +10,7 @@ import io
 import itertools
 import os
 import re
+import select
 import subprocess
 import sys
 import time
@@ -766,7 +767,14 @@ def test_progress_on_a_terminal_that_reports_no_size_still_draws():
             bar = _Progress(10, True, tty)
             bar.update(10, 0.25, 1.0, 2.0)
             bar.close()
-        out = os.read(main, 4096).decode()
+        # A pty hands over what was written in pieces: read until it stays empty.
+        chunks = []
+        while select.select([main], [], [], 0.5)[0]:
+            chunk = os.read(main, 4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        out = b"".join(chunks).decode()
     finally:
         os.close(main)
         os.close(sub)
