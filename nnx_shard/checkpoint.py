@@ -102,6 +102,15 @@ class _QuietLoop(asyncio.SelectorEventLoop):
             return None
         return super().call_soon_threadsafe(callback, *args, context=context)
 
+    def call_exception_handler(self, context: dict[str, Any]) -> None:
+        # When one read of a damaged checkpoint fails, orbax raises that error (which
+        # restore reports) and abandons the sibling reads; when those fail too, asyncio
+        # logs each as "Task exception was never retrieved" with a traceback. They are
+        # the same damage, already reported: drop them, keep every other report.
+        if context.get("message") == "Task exception was never retrieved":
+            return
+        super().call_exception_handler(context)
+
 
 class _QuietPolicy(asyncio.DefaultEventLoopPolicy):
     def new_event_loop(self) -> asyncio.AbstractEventLoop:
