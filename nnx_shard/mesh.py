@@ -17,7 +17,7 @@ from nnx_shard.annotate import logical_names, path_str
 from nnx_shard.errors import ShardingError, raise_collected
 from nnx_shard.rules import Rules, as_rules
 
-__all__ = ["constrain", "current", "make_mesh", "mesh_str", "shardings", "use", "variable_spec"]
+__all__ = ["constrain", "current", "make_mesh", "mesh_str", "option", "shardings", "use", "variable_spec"]
 
 _AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 
@@ -227,6 +227,27 @@ def current() -> tuple[Mesh, Rules] | None:
     True
     """
     return _active.stack[-1] if _active.stack else None
+
+
+def option(name: str, default: Any = None) -> Any:
+    """The execution option ``name`` of the innermost active rules
+    (:attr:`nnx_shard.Rules.options`), or ``default`` outside :func:`use`.
+
+    Sharding-aware operations read how a strategy wants them to run here
+    (e.g. ring or all-gather attention), so switching strategy never edits
+    model code.
+
+    >>> rules = Rules({"batch": "data"}).with_options(attention="ring")
+    >>> with use("data=8", rules):
+    ...     option("attention"), option("missing", "dense")
+    ('ring', 'dense')
+    >>> option("attention", "dense")
+    'dense'
+    """
+    active = current()
+    if active is None:
+        return default
+    return active[1].options.get(name, default)
 
 
 def _apply(x: Any, sharding: NamedSharding) -> Any:

@@ -44,6 +44,7 @@ import difflib
 import json
 import math
 import tomllib
+import types
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -274,6 +275,11 @@ class Rules(Mapping[str, RuleValue]):
         and no other entry fits: ``"error"`` (default) raises a
         ``ShardingError``; ``"replicate"`` replicates that dimension and emits a
         ``ShardingWarning``.
+      options: execution options a strategy passes to the model's sharding-aware
+        operations along with the table (e.g. how attention runs when the
+        sequence is split); read under :func:`nnx_shard.use` with
+        :func:`nnx_shard.mesh.option`. Values must be hashable. See
+        :meth:`with_options`.
 
     >>> rules = Rules({"batch": "data", "embed": None, "mlp": ["model", None]})
     >>> rules.spec(("embed", "mlp"), shape=(16, 32), mesh={"data": 2, "model": 4})
@@ -292,23 +298,27 @@ class Rules(Mapping[str, RuleValue]):
     P('data', 'model')
     """
 
-    __slots__ = ("_entries", "_indivisible", "_table")
+    __slots__ = ("_entries", "_indivisible", "_options", "_table")
 
     _entries: tuple[tuple[str, Placement], ...]
     _table: dict[str, tuple[Placement, ...]]
     _indivisible: Indivisible
+    _options: tuple[tuple[str, Any], ...]
 
     def __init__(
         self,
         table: Mapping[str, RuleValue] | Iterable[tuple[str, RuleValue]] | Rules = (),
         *,
         indivisible: Indivisible | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         entries: list[tuple[str, Placement]] = []
         if isinstance(table, Rules):
             entries = list(table._entries)
             if indivisible is None:
                 indivisible = table._indivisible
+            if options is None:
+                options = table.options
         elif isinstance(table, Mapping):
             for name, value in table.items():
                 name = _check_logical(name)
@@ -327,9 +337,11 @@ class Rules(Mapping[str, RuleValue]):
                     )
                 name = _check_logical(item[0])
                 entries += [(name, p) for p in _candidates(item[1], name)]
-        self._set(entries, indivisible)
+        self._set(entries, indivisible, options)
 
-    def _set(self, entries: Iterable[tuple[str, Placement]], indivisible: Any) -> None:
+    def _set(self, entries: Iterable[tuple[str, Placement]], indivisible: Any,
+             options: Mapping[str, Any] | None = None) -> None:
+        object.__setattr__(self, "_options", _check_options(options or {}))
         indivisible = indivisible or "error"
         if indivisible not in ("error", "replicate"):
             raise ShardingError(
@@ -413,10 +425,11 @@ class Rules(Mapping[str, RuleValue]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Rules):
             return NotImplemented
-        return self._entries == other._entries and self._indivisible == other._indivisible
+        return (self._entries == other._entries and self._indivisible == other._indivisible
+                and self._options == other._options)
 
     def __hash__(self) -> int:
-        return hash((self._entries, self._indivisible))
+        return hash((self._entries, self._indivisible, self._options))
 
     def __or__(self, other: Mapping[str, RuleValue] | Rules) -> Rules:
         """A new table where ``other``'s entries replace all of ``self``'s entries for
@@ -434,8 +447,30 @@ class Rules(Mapping[str, RuleValue]):
                 entries += [(name, c) for c in right._table[name]]
         entries += [(n, p) for n, p in right._entries if n not in self._table]
         merged = Rules.__new__(Rules)
-        merged._set(entries, self._indivisible)
+        merged._set(entries, self._indivisible, {**self.options, **right.options})
         return merged
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The execution options carried with the table (read-only).
+
+        >>> Rules({"batch": "data"}).with_options(attention="ring").options["attention"]
+        'ring'
+        """
+        return types.MappingProxyType(dict(self._options))
+
+    def with_options(self, **options: Any) -> Rules:
+        """A copy with ``options`` merged into :attr:`options` (``None`` removes one).
+
+        >>> r = Rules({"length": "context"}).with_options(attention="ring")
+        >>> r.options == {"attention": "ring"}, r.with_options(attention=None).options == {}
+        (True, True)
+        """
+        merged = {**self.options, **options}
+        out = Rules.__new__(Rules)
+        out._set(self._entries, self._indivisible,
+                 {k: v for k, v in merged.items() if v is not None})
+        return out
 
     @property
     def indivisible(self) -> Indivisible:
@@ -492,6 +527,8 @@ class Rules(Mapping[str, RuleValue]):
 
     def __repr__(self) -> str:
         extra = "" if self._indivisible == "error" else f", indivisible={self._indivisible!r}"
+        if self._options:
+            extra += f", options={dict(self._options)!r}"
         if self._grouped():
             body = ", ".join(f"{k!r}: {_fmt_value(v)}" for k, v in self.items())
             return f"Rules({{{body}}}{extra})"
@@ -825,6 +862,22 @@ class Rules(Mapping[str, RuleValue]):
             if dim_size % prod:
                 return f"size {dim_size} is not divisible by {prod}"
         return None
+
+
+def _check_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(options, Mapping):
+        raise TypeError(f"Rules options must be a mapping of str to hashable values, got {options!r}.")
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise TypeError(f"Rules option names must be str, got {key!r}.")
+        try:
+            hash(value)
+        except TypeError:
+            raise TypeError(
+                f"Rules option {key}={value!r} is not hashable (rules are hashed into compiled "
+                "programs' cache keys). Fix: use a tuple or a frozen dataclass."
+            ) from None
+    return tuple(sorted(options.items()))
 
 
 def _cand_txt(c: Placement) -> str:

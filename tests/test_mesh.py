@@ -7,7 +7,9 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
+from nnx_shard import mesh as ns_mesh
 from nnx_shard.mesh import current
+from nnx_shard.rules import Rules
 from tests.conftest import needs_devices
 
 lecun = nnx.initializers.lecun_normal()
@@ -163,3 +165,14 @@ def test_shardings_rejects_what_is_not_a_model_or_state(tree):
                        rf"nnx.Optimizer, an nnx.State or an abstract model, got "
                        rf"{type(tree).__name__}.*Fix: pass the model"):
         ns.shardings(tree, ns.make_mesh("data=8"), RULES)
+
+
+def test_option_reads_the_innermost_rules():
+    outer = Rules({"batch": "data"}).with_options(attention="ring")
+    inner = Rules({"batch": "data"})
+    assert ns_mesh.option("attention", "dense") == "dense"
+    with ns_mesh.use("data=8", outer):
+        assert ns_mesh.option("attention") == "ring"
+        with ns_mesh.use("data=8", inner):
+            assert ns_mesh.option("attention", "dense") == "dense"
+        assert ns_mesh.option("attention") == "ring"

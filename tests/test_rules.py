@@ -673,3 +673,17 @@ def test_mesh_axes_given_directly_are_fixed_first():
     assert rules.spec(("embed", ("fsdp", "model")), (8, 8), MESH) == P("data", ("fsdp", "model"))
     with pytest.raises(ShardingError, match=r"\('fsdp', 'tensor'\) \(mesh axes given directly\)"):
         rules.spec(("embed", ("fsdp", "tensor")), (8, 8), MESH, path="w")
+
+
+def test_options_travel_with_the_table():
+    base = Rules({"batch": "data"})
+    ring = base.with_options(attention="ring", repeats=2)
+    assert base.options == {} and ring.options == {"attention": "ring", "repeats": 2}
+    assert ring != base and hash(ring) != hash(base)
+    assert Rules(ring).options == ring.options
+    assert (ring | {"embed": "data"}).options == ring.options
+    assert (base | ring).options == ring.options
+    assert ring.with_options(repeats=None).options == {"attention": "ring"}
+    assert "options={'attention': 'ring', 'repeats': 2}" in repr(ring)
+    with pytest.raises(TypeError, match="not hashable"):
+        base.with_options(stages=[1, 2])
