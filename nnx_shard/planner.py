@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "PROFILES", "Candidate", "Hardware", "Plan", "auto", "calibrate", "hardware", "hlo_costs",
@@ -148,7 +148,9 @@ def hardware(name: str) -> Hardware:
         return PROFILES[name]
     import difflib
 
-    close = difflib.get_close_matches(name, PROFILES, n=1, cutoff=0.5)
+    # A prefix ("h100" for "h100-sxm") beats a near spelling ("h200").
+    close = ([k for k in PROFILES if k.startswith(name.lower())][:1]
+             or difflib.get_close_matches(name, PROFILES, n=1, cutoff=0.5))
     mean = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"unknown hardware profile {name!r}.{mean} Known: {', '.join(PROFILES)}; "
                      "or give --peak-flops and --link-bandwidth (hardware=Hardware(...)), "
@@ -236,7 +238,7 @@ _PARAM = re.compile(r"([\w.\-]+):\s*([a-z][a-z0-9]*\[[0-9,]*\])")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+"
                     r"([a-z][\w-]*)\((.*)$")
 _CALLS = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|"
-                    r"called_computations)=\{?([%\w.\-, ]+)\}?")
+                    r"called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _DIMS = re.compile(r"\[([0-9,]*)\]")
 
@@ -313,7 +315,7 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
             trip = _TRIP.search(line)
             factor = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
             unknown = kind == "body" and not trip
-            for callee in names.split(","):
+            for callee in names.strip("{}").split(","):
                 callee = callee.strip().lstrip("%")
                 if callee:
                     cur["calls"].append((callee, factor, unknown))
@@ -481,9 +483,11 @@ def _run_child(requests: list[dict[str, Any]], n_devices: int, timeout: float,
 class _Cache:
     """Compile results by request, in memory and optionally in a JSON file."""
 
-    memory: dict[str, dict[str, Any]] = {}
+    shared: ClassVar[dict[str, dict[str, Any]]] = {}
 
-    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None, shared: bool = True) -> None:
+        # Results of a replaced compile (compile_fn) stay out of the process-wide table.
+        self.memory = self.shared if shared else {}
         self.path = Path(path) if path else None
         self.disk: dict[str, dict[str, Any]] = {}
         if self.path and self.path.is_file():
@@ -643,7 +647,7 @@ class Plan:
             f"opt = strategy.optimizer(model, optax.{self.request.get('optimizer', 'adamw')}"
             "(1e-3), mesh)\n"
             "trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules,\n"
-            f"                     microbatches={c.microbatches}, batch_names=(\"batch\",))\n"
+            f"                     microbatches={c.microbatches}, batch_names=(\"batch\", \"length\"))\n"
             f"# trainer.fit(batches)  # batches: {{'inputs', 'targets'}} int32 "
             f"[{self.request.get('batch')}, {self.request.get('seq')}]\n"
         )
@@ -860,13 +864,12 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
     >>> [c.reason for c in plan.dropped if c.strategy == "dp"][0]
     'needs 200 B per device (compiled), over the 150 B available'
     """
-    import jax.numpy as jnp
     from flax import nnx
 
     from nnx_shard import strategies as _strategies
     from nnx_shard.cli import _optimizer, _parse_bytes, _Usage
     from nnx_shard.errors import ShardingError
-    from nnx_shard.models import CONFIGS, REMAT_POLICIES, Transformer, TransformerConfig
+    from nnx_shard.models import CONFIGS, REMAT_POLICIES, TransformerConfig
 
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"auto: devices must be a positive int, got {devices!r}")
@@ -963,7 +966,7 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
                            if cfg is not None else getattr(model, "__name__", "factory"))
     request = {"model_name": model_name, "model_label": label, "devices": devices,
                "batch": batch, "seq": seq, "optimizer": optimizer, "device_memory": memory}
-    store = _Cache(cache)
+    store = _Cache(cache, shared=compile_fn is None)
     version = _versions()
     counters = {"compiled": 0, "cached": 0, "considered": len(layouts)}
 
