@@ -86,22 +86,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--strategies", default=None,
+                        help="comma-separated presets (default: all; --quick: dp,fsdp,tp)")
     parser.add_argument("--device-memory", default=None,
                         help="e.g. 40MiB: layouts over it get remat / microbatch variants")
     args = parser.parse_args()
     batch = args.batch or (16 if args.quick else 32)
     seq = args.seq or (32 if args.quick else 128)
     rounds = args.rounds or (2 if args.quick else 7)
+    names = (args.strategies.split(",") if args.strategies
+             else ["dp", "fsdp", "tp"] if args.quick else None)
     devices = jax.device_count()
 
     t0 = time.perf_counter()
     hw = planner.calibrate(devices, seconds=0.5 if args.quick else 1.5)
     print(f"calibrated in {time.perf_counter() - t0:.1f} s: {hw.peak_flops / 1e9:.1f} GFLOP/s, "
-          f"{hw.link_bandwidth / 1e9:.2f} GB/s, latency {hw.link_latency * 1e6:.0f} us per "
+          f"{hw.link_bandwidth / 1e9:.2f} GB/s link, "
+          f"{(hw.memory_bandwidth or 0) / 1e9:.2f} GB/s memory, latency {hw.link_latency * 1e6:.0f} us per "
           f"device ({hw.source})")
     t0 = time.perf_counter()
     plan = ns.strategies.auto(args.model, devices=devices, batch=batch, seq=seq, hardware=hw,
-                              device_memory=args.device_memory, progress=True)
+                              device_memory=args.device_memory, strategies=names,
+                              progress=True)
     plan_s = time.perf_counter() - t0
     print(f"planned in {plan_s:.0f} s: {plan.request['compiled']} compiles, "
           f"{len(plan.ranked)} candidates fit")
@@ -120,7 +126,8 @@ def main() -> None:
             times[i].append((time.perf_counter() - t) / STEPS)
     measured = [statistics.median(t) for t in times]
     predicted = [c.predicted_s for c in cands]
-    pred_h100 = [h100.predict(c.flops, c.collective_bytes, c.collectives) for c in cands]
+    pred_h100 = [h100.predict(c.flops, c.collective_bytes, c.collectives, c.memory_bytes)
+                 for c in cands]
     rho = float(spearmanr(predicted, measured).statistic)
     rho_h100 = float(spearmanr(pred_h100, measured).statistic)
     fastest = min(measured)
@@ -129,13 +136,14 @@ def main() -> None:
     print(f"\n{args.model}, batch {batch} x seq {seq}, adamw, {devices} simulated "
           f"{jax.default_backend()} devices, jax {jax.__version__}, "
           f"{platform.processor() or platform.machine()}, {rounds} rounds x {STEPS} steps")
-    print("| rank | candidate | bytes/device | collective B/dev | GFLOP/dev | predicted ms "
-          "(calibrated) | measured ms | measured rank |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rank | candidate | bytes/device | collective B/dev | memory traffic/dev | GFLOP/dev "
+          "| predicted ms (calibrated) | measured ms | measured rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
     order = list(np.argsort(np.argsort(measured)) + 1)
     for i, c in enumerate(cands):
         print(f"| {i + 1} | {c.label} | {(c.bytes_per_device or 0) / 2**20:.2f} MiB | "
-              f"{(c.collective_bytes or 0) / 2**20:.2f} MiB | {(c.flops or 0) / 1e9:.3f} | "
+              f"{(c.collective_bytes or 0) / 2**20:.2f} MiB | {(c.memory_bytes or 0) / 2**20:.1f} MiB | "
+              f"{(c.flops or 0) / 1e9:.3f} | "
               f"{predicted[i] * 1e3:.2f} | {measured[i] * 1e3:.2f} | {order[i]} |")
     print(f"\nSpearman rank correlation, predicted (calibrated) vs measured: {rho:.3f}")
     print(f"Spearman rank correlation, predicted (h100-sxm profile) vs measured: {rho_h100:.3f}")

@@ -11,6 +11,7 @@ from the compiled train step (one fused step of ``value_and_grad(loss)`` +
     predicted step = matmul FLOPs per device / peak FLOP/s
                    + collective bytes sent per device / link bytes/s
                    + collectives per step x link latency
+                   + memory bytes per device / memory bytes/s
 
 * FLOPs: the ``dot`` operations of the compiled per-device HLO,
   ``2 x |result| x |contracted dims|`` each, times the trip count of every loop
@@ -20,6 +21,11 @@ from the compiled train step (one fused step of ``value_and_grad(loss)`` +
   them over its ``n`` devices: all-reduce ``2 (n-1)/n x size``, all-gather and
   all-to-all ``(n-1)/n x size``, reduce-scatter ``(n-1) x size``,
   collective-permute ``size``; times the loop trip counts.
+* Memory bytes: what each operation outside a fusion reads and writes (a
+  fusion's operands and result), loop-weighted; a slice of a stacked buffer
+  counts as the slice. An approximation of XLA's ``bytes accessed``: it
+  matters for steps bound by memory traffic (optimizer updates of replicated
+  state, small matmuls on CPU).
 * Memory: XLA's buffer assignment (arguments + temp + outputs - donated) of the
   step compiled on simulated CPU devices: a GPU/TPU compile can differ.
 
@@ -70,6 +76,8 @@ class Hardware:
       link_bandwidth: bytes/s one device sends to its peers (one direction).
       device_memory: bytes of memory per device (``None``: not known).
       link_latency: seconds per collective operation (0: ignored).
+      memory_bandwidth: bytes/s between a device and its memory (``None``: that
+        term is left out of the cost model).
       precision: the number format ``peak_flops`` is for.
       source: where the figures come from.
 
@@ -82,6 +90,7 @@ class Hardware:
     link_bandwidth: float
     device_memory: int | None = None
     link_latency: float = 0.0
+    memory_bandwidth: float | None = None
     precision: str = ""
     source: str = ""
 
@@ -93,14 +102,18 @@ class Hardware:
         if self.link_latency < 0:
             raise ValueError(f"Hardware link_latency must be >= 0, got {self.link_latency!r}")
 
-    def predict(self, flops: float, collective_bytes: float, collectives: int) -> float:
+    def predict(self, flops: float, collective_bytes: float, collectives: int,
+                memory_bytes: float = 0.0) -> float:
         """Predicted seconds of one step from its per-device figures.
 
         >>> PROFILES["a100-80gb"].predict(312e12, 0, 0)
         1.0
+        >>> PROFILES["a100-80gb"].predict(0, 0, 0, memory_bytes=2.039e12)
+        1.0
         """
+        memory = memory_bytes / self.memory_bandwidth if self.memory_bandwidth else 0.0
         return (flops / self.peak_flops + collective_bytes / self.link_bandwidth
-                + collectives * self.link_latency)
+                + collectives * self.link_latency + memory)
 
     def replace(self, **changes: Any) -> Hardware:
         """A copy with some figures changed (``None`` values are ignored).
@@ -115,22 +128,27 @@ class Hardware:
 
 
 _NVIDIA = ("NVIDIA datasheet; dense (no sparsity) BF16 tensor-core peak; NVLink bandwidth "
-           "per direction (half of the datasheet's bidirectional figure)")
+           "per direction (half of the datasheet's bidirectional figure); HBM bandwidth")
 _GOOGLE = ("Google Cloud TPU system architecture page; BF16 peak per chip; inter-chip "
-           "interconnect bandwidth per chip")
+           "interconnect bandwidth per chip; HBM bandwidth")
 
 #: Public peak figures of a few common accelerators (BF16 dense matmul).
 PROFILES: dict[str, Hardware] = {
-    "a100-80gb": Hardware("a100-80gb", 312e12, 300e9, 80 * 10**9, precision="bf16",
-                          source=_NVIDIA + " (A100 SXM 80GB: 312 TFLOP/s, NVLink 600 GB/s)"),
-    "h100-sxm": Hardware("h100-sxm", 989e12, 450e9, 80 * 10**9, precision="bf16",
-                         source=_NVIDIA + " (H100 SXM: 989 TFLOP/s, NVLink 900 GB/s)"),
-    "h200": Hardware("h200", 989e12, 450e9, 141 * 10**9, precision="bf16",
-                     source=_NVIDIA + " (H200 SXM: 989 TFLOP/s, 141 GB, NVLink 900 GB/s)"),
-    "tpu-v5e": Hardware("tpu-v5e", 197e12, 200e9, 16 * 10**9, precision="bf16",
-                        source=_GOOGLE + " (v5e: 197 TFLOP/s, 16 GB HBM, ICI 1600 Gbps)"),
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 600e9, 95 * 10**9, precision="bf16",
-                        source=_GOOGLE + " (v5p: 459 TFLOP/s, 95 GB HBM, ICI 4800 Gbps)"),
+    "a100-80gb": Hardware("a100-80gb", 312e12, 300e9, 80 * 10**9, memory_bandwidth=2.039e12,
+                          precision="bf16", source=_NVIDIA + " (A100 SXM 80GB: 312 TFLOP/s, "
+                          "NVLink 600 GB/s, HBM2e 2,039 GB/s)"),
+    "h100-sxm": Hardware("h100-sxm", 989e12, 450e9, 80 * 10**9, memory_bandwidth=3.35e12,
+                         precision="bf16", source=_NVIDIA + " (H100 SXM: 989 TFLOP/s, NVLink "
+                         "900 GB/s, HBM3 3.35 TB/s)"),
+    "h200": Hardware("h200", 989e12, 450e9, 141 * 10**9, memory_bandwidth=4.8e12,
+                     precision="bf16", source=_NVIDIA + " (H200 SXM: 989 TFLOP/s, 141 GB, "
+                     "NVLink 900 GB/s, HBM3e 4.8 TB/s)"),
+    "tpu-v5e": Hardware("tpu-v5e", 197e12, 200e9, 16 * 10**9, memory_bandwidth=819e9,
+                        precision="bf16", source=_GOOGLE + " (v5e: 197 TFLOP/s, 16 GB HBM, "
+                        "819 GB/s, ICI 1600 Gbps)"),
+    "tpu-v5p": Hardware("tpu-v5p", 459e12, 600e9, 95 * 10**9, memory_bandwidth=2.765e12,
+                        precision="bf16", source=_GOOGLE + " (v5p: 459 TFLOP/s, 95 GB HBM, "
+                        "2,765 GB/s, ICI 4800 Gbps)"),
 }
 
 
@@ -217,6 +235,9 @@ def calibrate(n_devices: int | None = None, seconds: float = 1.0) -> Hardware:
     x = jax.device_put(jnp.ones((n * rows,), jnp.float32), shard)
     gather = jax.jit(lambda x: x * 1.0, out_shardings=NamedSharding(mesh, P()))
     t_ag = _best(lambda: gather(x), seconds)
+    big = jax.device_put(jnp.ones((n * (rows * 4),), jnp.float32), shard)
+    stream = jax.jit(lambda x: x * 1.0001 + 1.0)
+    t_mem = _best(lambda: stream(big), seconds / 2)
     tiny = jax.device_put(jnp.ones((n,), jnp.float32), shard)
     psum = jax.jit(lambda x: jnp.sum(x), out_shardings=NamedSharding(mesh, P()))
     t_lat = _best(lambda: psum(tiny), seconds / 2)
@@ -224,10 +245,12 @@ def calibrate(n_devices: int | None = None, seconds: float = 1.0) -> Hardware:
     bandwidth = moved / max(t_ag - t_lat, t_ag / 10)
     return Hardware(
         f"calibrated {jax.devices()[0].platform} x{n}", float(flops), float(bandwidth),
-        None, link_latency=float(t_lat) if n > 1 else 0.0, precision="float32",
+        None, link_latency=float(t_lat) if n > 1 else 0.0,
+        memory_bandwidth=float(2 * rows * 4 * 4 / t_mem), precision="float32",
         source=(f"measured: {k}x{k} float32 matmuls on {n} devices at once "
                 f"{t_mm / reps * 1e6:.0f} us each; all-gather of {4 * rows * n / 2**20:.1f} MiB "
-                f"{t_ag * 1e3:.2f} ms; psum of {n} floats {t_lat * 1e6:.0f} us"),
+                f"{t_ag * 1e3:.2f} ms; psum of {n} floats {t_lat * 1e6:.0f} us; "
+                f"x * a + b over {16 * rows / 2**20:.0f} MiB per device {t_mem * 1e3:.2f} ms"),
     ) if np.isfinite(flops) else Hardware("calibrated", 1.0, 1.0)
 
 
@@ -235,8 +258,13 @@ def calibrate(n_devices: int | None = None, seconds: float = 1.0) -> Hardware:
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
 _PARAM = re.compile(r"([\w.\-]+):\s*([a-z][a-z0-9]*\[[0-9,]*\])")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+"
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*"
+                    r"(\((?:[^()]|\([^()]*\))*\)|[a-z][a-z0-9]*\[[0-9,]*\])\S*\s+"
                     r"([a-z][\w-]*)\((.*)$")
+# Operations that move no data of their own (views, control flow, constants).
+_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+                   "call", "conditional", "after-all", "partition-id", "replica-id",
+                   "opt-barrier"})
 _CALLS = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|"
                     r"called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
@@ -254,6 +282,27 @@ def _ring_bytes(kind: str, size: int, n: int) -> float:
     return {"all-reduce": 2 * (n - 1) / n * size, "all-gather": (n - 1) / n * size,
             "all-to-all": (n - 1) / n * size, "reduce-scatter": (n - 1) * size,
             "collective-permute": float(size)}.get(kind, float(size))
+
+
+def _traffic(op: str, rest: str, type_txt: str, operands: list[str],
+             comps: Mapping[str, Mapping[str, Any]]) -> int:
+    """Bytes one instruction reads and writes in memory, as XLA's cost analysis counts
+    them: a slice of a stacked buffer (scanned layers) moves the slice, an in-place
+    update moves the update, not the whole buffer."""
+    from nnx_shard.strategies import _nbytes
+
+    out = _nbytes(type_txt)
+    sizes = [_nbytes(t) for t in operands]
+    callee = re.search(r"calls=%?([\w.\-]+)", rest) if op == "fusion" else None
+    flags = comps.get(callee.group(1), {}) if callee else {}
+    if op == "dynamic-update-slice" or flags.get("dus"):
+        # The buffer updated in place (same type as the result) is neither read nor
+        # written whole; the update is read and written.
+        rest_in = [b for t, b in zip(operands, sizes, strict=True) if t != type_txt]
+        return 2 * sum(rest_in)
+    if op == "dynamic-slice" or flags.get("ds"):
+        return out + sum(min(b, out) for b in sizes)
+    return out + sum(sizes)
 
 
 def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
@@ -274,7 +323,7 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
     >>> c["flops"]   # 3 matmuls of 4x4 by 4x4
     384
     """
-    from nnx_shard.strategies import compiled_collectives
+    from nnx_shard.strategies import KINDS, compiled_collectives
 
     sizes = dict(mesh.shape)
     comps: dict[str, dict[str, Any]] = {}
@@ -284,7 +333,7 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
         if cur is None:
             m = _HEADER.match(line)
             if m:
-                cur = {"flops": 0, "coll": 0.0, "ops": 0, "kinds": {}, "calls": [],
+                cur = {"flops": 0, "coll": 0.0, "ops": 0, "mem": 0, "kinds": {}, "calls": [],
                        "shapes": dict(_PARAM.findall(m.group(2)))}
                 comps[m.group(1)] = cur
                 if line.startswith("ENTRY"):
@@ -294,9 +343,17 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
             cur = None
             continue
         m = _INSTR.match(line)
+        op = ""
         if m:
             name, type_txt, op, rest = m.groups()
             cur["shapes"][name] = type_txt
+            base = op.removesuffix("-start").removesuffix("-done")
+            cur["ds"] = cur.get("ds", False) or op == "dynamic-slice"
+            cur["dus"] = cur.get("dus", False) or op == "dynamic-update-slice"
+            if op not in _FREE and base not in KINDS and not op.endswith("-done"):
+                operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+                cur["mem"] += _traffic(op, rest, type_txt,
+                                       [cur["shapes"].get(o, "") for o in operands], comps)
             if op == "dot":
                 lhs = rest.split(",", 1)[0].strip().lstrip("%").split()[-1].lstrip("%")
                 lhs_dims = _dims(cur["shapes"].get(lhs, ""))
@@ -315,24 +372,30 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
             trip = _TRIP.search(line)
             factor = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
             unknown = kind == "body" and not trip
+            # Inside a fusion (or a reduction's scalar computation) data stays in registers
+            # or cache: its memory traffic is the fusion's operands and result.
+            fused = (kind == "calls" and op != "call") or (kind == "to_apply" and op != "call")
             for callee in names.strip("{}").split(","):
                 callee = callee.strip().lstrip("%")
                 if callee:
-                    cur["calls"].append((callee, factor, unknown))
+                    cur["calls"].append((callee, factor, unknown, fused))
     weights: dict[str, int] = {}
+    unfused: dict[str, int] = {}
     unknown_loops = 0
 
-    def visit(name: str, w: int, depth: int = 0) -> None:
+    def visit(name: str, w: int, fused: bool, depth: int = 0) -> None:
         nonlocal unknown_loops
         if name not in comps or depth > 64:
             return
         weights[name] = weights.get(name, 0) + w
-        for callee, factor, unknown in comps[name]["calls"]:
+        if not fused:
+            unfused[name] = unfused.get(name, 0) + w
+        for callee, factor, unknown, into_fusion in comps[name]["calls"]:
             unknown_loops += unknown
-            visit(callee, w * factor, depth + 1)
+            visit(callee, w * factor, fused or into_fusion, depth + 1)
 
     if entry is not None:
-        visit(entry, 1)
+        visit(entry, 1, False)
     kinds: dict[str, float] = {}
     for name, w in weights.items():
         for kind, b in comps[name]["kinds"].items():
@@ -341,6 +404,7 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
         "flops": sum(w * comps[n]["flops"] for n, w in weights.items()),
         "collective_bytes": sum(w * comps[n]["coll"] for n, w in weights.items()),
         "collectives": sum(w * comps[n]["ops"] for n, w in weights.items()),
+        "memory_bytes": sum(w * comps[n]["mem"] for n, w in unfused.items()),
         "by_kind": kinds,
         "unknown_loops": unknown_loops,
     }
@@ -548,7 +612,7 @@ class Candidate:
       reason: why it was dropped (``None`` if it was not).
       bytes_per_device: compiled total (or the formula estimate when
         ``compiled`` is False); temp: XLA's temporaries.
-      flops, collective_bytes, collectives: per device per step.
+      flops, collective_bytes, collectives, memory_bytes: per device per step.
       predicted_s: the cost model's step time.
 
     >>> c = Candidate("dp", {"data": 8})
@@ -568,6 +632,7 @@ class Candidate:
     flops: float | None = None
     collective_bytes: float | None = None
     collectives: int | None = None
+    memory_bytes: float | None = None
     predicted_s: float | None = None
     compile_s: float | None = None
     by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -700,6 +765,8 @@ class Plan:
                "per device",
                f"hardware: {hw.name}: {hw.peak_flops / 1e12:.3g} TFLOP/s ({hw.precision}), "
                f"link {hw.link_bandwidth / 1e9:.3g} GB/s"
+               + (f", memory {hw.memory_bandwidth / 1e9:.3g} GB/s" if hw.memory_bandwidth
+                  else "")
                + (f", latency {hw.link_latency * 1e6:.0f} us" if hw.link_latency else ""),
                f"considered {r.get('considered', 0)} candidates, compiled "
                f"{r.get('compiled', 0)} ({r.get('cached', 0)} from cache), "
@@ -721,8 +788,9 @@ class Plan:
                 out += ["", f"check its memory in detail: {self.command()}"]
         out.append("")
         out.append("predicted = matmul FLOPs/device / peak + collective bytes sent/device / link"
-                   " bandwidth (+ collectives x latency); bytes are XLA CPU's buffer assignment "
-                   "of the compiled step (a GPU/TPU compile can differ).")
+                   " bandwidth + collectives x latency + memory traffic / memory bandwidth; "
+                   "bytes/device is XLA CPU's buffer assignment of the compiled step (a GPU/TPU "
+                   "compile can differ).")
         return "\n".join(out)
 
 
@@ -1156,9 +1224,10 @@ def _apply(c: Candidate, result: Mapping[str, Any], memory: int | None, hw: Hard
     c.flops = float(result["flops"])
     c.collective_bytes = float(result["collective_bytes"])
     c.collectives = int(result.get("collectives", 0))
+    c.memory_bytes = float(result.get("memory_bytes", 0.0))
     c.by_kind = dict(result.get("by_kind", {}))
     c.compile_s = result.get("compile_s")
-    c.predicted_s = hw.predict(c.flops, c.collective_bytes, c.collectives)
+    c.predicted_s = hw.predict(c.flops, c.collective_bytes, c.collectives, c.memory_bytes)
     if memory is not None and c.bytes_per_device > memory:
         c.fits = False
         c.reason = (f"needs {_fmt(c.bytes_per_device)} per device (compiled), over the "

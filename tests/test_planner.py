@@ -282,8 +282,10 @@ def test_plan_auto_end_to_end(capsys, tmp_path, monkeypatch):
         key=lambda s: next(c["predicted_s"] for c in out["ranked"] if c["strategy"] == s))
     best = out["ranked"][0]
     assert best["bytes_per_device"] > 0 and best["flops"] > 0 and best["collective_bytes"] > 0
+    assert best["memory_bytes"] > 0
     assert best["predicted_s"] == pytest.approx(
-        best["flops"] / 989e12 + best["collective_bytes"] / 450e9)
+        best["flops"] / 989e12 + best["collective_bytes"] / 450e9
+        + best["memory_bytes"] / 3.35e12)
     assert out["command"].startswith(f"nnx-shard plan --model tiny --strategy {best['strategy']}")
     assert (tmp_path / "nnx_shard" / "planner.json").is_file()
     # Again, as text: every compile comes from the cache.
