@@ -195,7 +195,8 @@ def _best(fn: Callable[[], Any], seconds: float) -> float:
 def calibrate(n_devices: int | None = None, seconds: float = 1.0) -> Hardware:
     """Measures this machine's devices: a jitted float32 matmul run on every device
     at once (FLOP/s per device), an all-gather of a few MiB over them (bytes/s
-    each device receives) and a tiny psum (latency per collective).
+    each device receives), a tiny psum (latency per collective) and an
+    elementwise stream over 16 MiB per device (memory bytes/s).
 
     With simulated CPU devices the devices share the host's cores, so the
     figures are what each gets while all of them run, which is how a sharded
@@ -235,7 +236,8 @@ def calibrate(n_devices: int | None = None, seconds: float = 1.0) -> Hardware:
     x = jax.device_put(jnp.ones((n * rows,), jnp.float32), shard)
     gather = jax.jit(lambda x: x * 1.0, out_shardings=NamedSharding(mesh, P()))
     t_ag = _best(lambda: gather(x), seconds)
-    big = jax.device_put(jnp.ones((n * (rows * 4),), jnp.float32), shard)
+    # 16 MiB per device: larger than the caches, so the stream measures memory.
+    big = jax.device_put(jnp.ones((n * (rows * 64),), jnp.float32), shard)
     stream = jax.jit(lambda x: x * 1.0001 + 1.0)
     t_mem = _best(lambda: stream(big), seconds / 2)
     tiny = jax.device_put(jnp.ones((n,), jnp.float32), shard)
@@ -246,11 +248,11 @@ def calibrate(n_devices: int | None = None, seconds: float = 1.0) -> Hardware:
     return Hardware(
         f"calibrated {jax.devices()[0].platform} x{n}", float(flops), float(bandwidth),
         None, link_latency=float(t_lat) if n > 1 else 0.0,
-        memory_bandwidth=float(2 * rows * 4 * 4 / t_mem), precision="float32",
+        memory_bandwidth=float(2 * rows * 64 * 4 / t_mem), precision="float32",
         source=(f"measured: {k}x{k} float32 matmuls on {n} devices at once "
                 f"{t_mm / reps * 1e6:.0f} us each; all-gather of {4 * rows * n / 2**20:.1f} MiB "
                 f"{t_ag * 1e3:.2f} ms; psum of {n} floats {t_lat * 1e6:.0f} us; "
-                f"x * a + b over {16 * rows / 2**20:.0f} MiB per device {t_mem * 1e3:.2f} ms"),
+                f"x * a + b over {256 * rows / 2**20:.0f} MiB per device {t_mem * 1e3:.2f} ms"),
     ) if np.isfinite(flops) else Hardware("calibrated", 1.0, 1.0)
 
 
