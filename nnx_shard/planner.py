@@ -767,7 +767,7 @@ class Plan:
                "per device",
                f"hardware: {hw.name}: {hw.peak_flops / 1e12:.3g} TFLOP/s ({hw.precision}), "
                f"link {hw.link_bandwidth / 1e9:.3g} GB/s"
-               + (f", memory {hw.memory_bandwidth / 1e9:.3g} GB/s" if hw.memory_bandwidth
+               + (f", memory {hw.memory_bandwidth / 1e9:.4g} GB/s" if hw.memory_bandwidth
                   else "")
                + (f", latency {hw.link_latency * 1e6:.0f} us" if hw.link_latency else ""),
                f"considered {r.get('considered', 0)} candidates, compiled "
@@ -1182,6 +1182,23 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
                       "cheapest first, stopping at the first that fits")
     store.save()
     ranked.sort(key=lambda c: (c.predicted_s, c.bytes_per_device or 0))
+    # A preset whose extra axis the model does not use (ep on a dense model) compiles
+    # to the program of a simpler one: keep the first of identical programs.
+    seen: dict[tuple[Any, ...], Candidate] = {}
+    twins = []
+    for c in ranked:
+        sig = (c.bytes_per_device, c.temp, c.flops, c.collective_bytes, c.collectives,
+               c.memory_bytes, c.microbatches, c.remat)
+        if sig in seen:
+            twins.append(f"{c.label} (= {seen[sig].label})")
+        else:
+            seen[sig] = c
+    if twins:
+        ranked = list(seen.values())
+        pruned.append(f"{len(twins)} candidates that compile to the same program as a "
+                      f"better-ranked one: {', '.join(twins)}")
+    counters["considered"] = len(layouts) + sum(1 for c in dropped + ranked
+                                                if (c.remat, c.microbatches) != (policies[0], 1))
     request.update(counters)
     plan = Plan(ranked, dropped, pruned, hw, request)
     if not ranked:

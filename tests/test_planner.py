@@ -28,7 +28,9 @@ def table(entries: dict[str, dict], default: dict | None = None):
         row = entries.get(c.label, default)
         if row is None:
             raise AssertionError(f"unexpected compile of {c.label}")
-        return {"temp": 0, "collectives": 0, "collective_bytes": 0.0, "flops": 1e9, **row}
+        # memory_bytes tells the programs apart (identical ones are deduplicated).
+        return {"temp": 0, "collectives": 0, "collective_bytes": 0.0, "flops": 1e9,
+                "memory_bytes": float(len(seen)), **row}
 
     compile_fn.seen = seen  # type: ignore[attr-defined]
     return compile_fn
@@ -127,6 +129,19 @@ def test_what_does_not_fit_is_dropped_and_remat_or_microbatches_tried_for_it():
     assert reasons["dp data=4 remat=none mb=1"] == (
         "needs 300 B per device (compiled), over the 200 B available")
     assert any("tried only for layouts whose plain step does not fit" in p for p in plan.pruned)
+
+
+def test_identical_programs_are_kept_once():
+    same = {"total": 10, "flops": 1e9, "memory_bytes": 0.0}
+    fake = table({"dp data=4 remat=none mb=1": same,
+                  "ep data=1,expert=4 remat=none mb=1": same,
+                  "ep data=2,expert=2 remat=none mb=1": {**same, "collectives": 3}})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        strategies=["dp", "ep"], progress=False)
+    assert [c.label for c in plan.ranked] == ["dp data=4 remat=none mb=1",
+                                              "ep data=2,expert=2 remat=none mb=1"]
+    assert ("1 candidates that compile to the same program as a better-ranked one: "
+            "ep data=1,expert=4 remat=none mb=1 (= dp data=4 remat=none mb=1)") in plan.pruned
 
 
 def test_the_compile_budget_is_bounded_and_says_so():
