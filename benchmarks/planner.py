@@ -13,7 +13,8 @@ step (``multistep``, ``STEPS`` steps per call) timed in interleaved rounds
 The table shows predicted vs measured step time; below it the Spearman rank
 correlation of the two (``scipy.stats.spearmanr``) and how far the planner's
 choice is from the fastest measured candidate. Results go to
-``benchmarks/results/planner.json``.
+``benchmarks/results/planner.json`` (``planner_<memory>.json`` with
+``--device-memory``).
 
 Run (a few minutes on 2 CPU cores)::
 
@@ -150,8 +151,10 @@ def main() -> None:
     print(f"chosen {cands[0].label}: {chosen * 1e3:.2f} ms/step; fastest measured "
           f"{cands[int(np.argmin(measured))].label}: {fastest * 1e3:.2f} ms/step "
           f"(chosen / fastest = {chosen / fastest:.3f})")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    out = RESULTS if not args.device_memory else RESULTS.with_name(
+        f"planner_{args.device_memory.lower()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "model": args.model, "batch": batch, "seq": seq, "devices": devices,
         "backend": jax.default_backend(), "jax": jax.__version__, "rounds": rounds,
         "steps_per_call": STEPS, "hardware": dataclasses.asdict(hw), "plan_s": plan_s,
@@ -161,7 +164,7 @@ def main() -> None:
                  for c, m, p in zip(cands, measured, pred_h100, strict=True)],
         "dropped": [c.as_dict() for c in plan.dropped], "pruned": plan.pruned,
     }, indent=2))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
