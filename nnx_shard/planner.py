@@ -318,7 +318,7 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
 
     >>> import jax, jax.numpy as jnp
     >>> from nnx_shard.mesh import make_mesh
-    >>> mesh = make_mesh("d=2")
+    >>> mesh = make_mesh("d=2", devices=jax.devices()[:2])
     >>> def f(x):
     ...     return jax.lax.fori_loop(0, 3, lambda i, y: y @ x, x).sum()
     >>> c = hlo_costs(jax.jit(f).lower(jnp.ones((4, 4))).compile().as_text(), mesh)
@@ -925,12 +925,12 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
         ``collective_bytes``, ``collectives``.
 
     >>> fake = lambda c: {"total": 100 * (1 + (c.strategy == "dp")), "temp": 1,
-    ...                   "flops": 1e9, "collective_bytes": 1e6 * len(c.mesh),
+    ...                   "flops": 1e9, "collective_bytes": 1e6 * c.mesh.get("model", 1),
     ...                   "collectives": 1}
     >>> plan = auto("tiny", devices=8, batch=8, seq=16, device_memory=150,
     ...             strategies=["dp", "fsdp", "tp"], compile_fn=fake, progress=False)
     >>> [c.label for c in plan.ranked]
-    ['fsdp data=8 remat=none mb=1', 'tp data=2,model=4 remat=none mb=1', 'tp data=4,model=2 remat=none mb=1']
+    ['fsdp data=8 remat=none mb=1', 'tp data=4,model=2 remat=none mb=1', 'tp data=2,model=4 remat=none mb=1']
     >>> [c.reason for c in plan.dropped if c.strategy == "dp"][0]
     'needs 200 B per device (compiled), over the 150 B available'
     """
