@@ -675,7 +675,8 @@ class Plan:
         ...      PROFILES["h100-sxm"], {}).families()
         {'tp': 'data=1,model=8: x'}
         """
-        out: dict[str, list[str]] = {}
+        # preset -> reason -> the candidates it applies to (one reason said once)
+        out: dict[str, dict[str, list[str]]] = {}
         ok = {c.strategy for c in self.ranked}
         for c in self.dropped:
             if c.strategy in ok:
@@ -683,8 +684,9 @@ class Plan:
             mesh = ",".join(f"{k}={v}" for k, v in c.mesh.items())
             extra = "" if c.remat in ("none", None) and c.microbatches == 1 else \
                 f" (remat={c.remat}, mb={c.microbatches})"
-            out.setdefault(c.strategy, []).append(f"{mesh}{extra}: {c.reason}")
-        return {k: "; ".join(_dedupe(v)) for k, v in out.items()}
+            out.setdefault(c.strategy, {}).setdefault(str(c.reason), []).append(mesh + extra)
+        return {k: "; ".join(f"{' and '.join(_dedupe(who))}: {why}" for why, who in v.items())
+                for k, v in out.items()}
 
     def python(self) -> str:
         """Python that trains with the best candidate.
@@ -1011,7 +1013,8 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
         base = Candidate(name, sizes, policies[0])
         try:
             strat.check(abstract, sizes)
-        except ShardingError as e:
+        except (ShardingError, ValueError, TypeError) as e:
+            # A preset states what it needs of the model by raising from check.
             base.reason = "cannot lay out: " + " ".join(str(e).split())
             dropped.append(base)
             continue

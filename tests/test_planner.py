@@ -83,6 +83,26 @@ def test_a_preset_whose_check_raises_is_dropped_with_its_reason():
     assert "tp data=1,model=8 remat=none mb=1" not in fake.seen  # never compiled
 
 
+def test_a_preset_with_requirements_the_model_lacks_is_skipped(monkeypatch):
+    class Staged(strategies.Strategy):
+        def check(self, model, mesh):
+            raise ValueError("pipeline stages need scan_layers=True; set it in the config")
+
+    def staged() -> strategies.Strategy:
+        base = strategies.fsdp()
+        return Staged("staged", base.rules, None, ("data", "stage"), (2,))
+
+    monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "staged"))
+    monkeypatch.setitem(strategies._PRESETS, "staged", staged)
+    fake = table({}, default={"total": 1})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        strategies=["dp", "staged"], progress=False)
+    assert [c.strategy for c in plan.ranked] == ["dp"]
+    assert plan.families() == {"staged": "data=1,stage=4 and data=2,stage=2: cannot lay out: "
+                               "pipeline stages need scan_layers=True; set it in the config"}
+    assert not any("staged" in label for label in fake.seen)
+
+
 # --------------------------------------------------------------------------- ranking
 
 
