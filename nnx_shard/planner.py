@@ -1164,6 +1164,9 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
                     skipped.append(v)
                     batch_round.remove(v)
                     bar.update(1)
+            for v in batch_round[budget:]:  # past the budget: said, not silently lost
+                v.reason = f"not compiled: over max_compiles={max_compiles}"
+                live.setdefault((v.strategy, tuple(v.mesh.items())), []).insert(0, v)
             batch_round = batch_round[:budget]
             budget -= len(batch_round)
             tried += len(batch_round)

@@ -173,6 +173,18 @@ def test_the_compile_budget_is_bounded_and_says_so():
     assert all(c.reason == "not compiled: over max_compiles=3" for c in plan.dropped)
 
 
+def test_the_budget_also_bounds_remat_and_microbatch_variants():
+    fake = table({"fsdp data=4 remat=none mb=1": {"total": 10}}, default={"total": 300})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        device_memory=200, strategies=["dp", "fsdp"], max_compiles=3,
+                        progress=False)
+    assert fake.seen == ["dp data=4 remat=none mb=1", "fsdp data=4 remat=none mb=1",
+                         "dp data=4 remat=dots mb=1"]
+    # dp's other variants (full; 2 microbatches with none, dots, full) were not compiled.
+    assert "4 remat/microbatch variants not compiled (max_compiles=3)" in plan.pruned
+    assert [c.label for c in plan.ranked] == ["fsdp data=4 remat=none mb=1"]
+
+
 def test_compile_results_are_cached_by_config(tmp_path):
     cache = tmp_path / "cache.json"
     fake = table({}, default={"total": 1})
