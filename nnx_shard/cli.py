@@ -251,6 +251,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.model not in CONFIGS:
         raise _Usage(f"unknown model {args.model!r}; known: {', '.join(CONFIGS)}")
+    if args.auto:
+        from nnx_shard.planner import run_cli
+
+        return run_cli(args)
+    if not args.mesh:
+        raise _Usage("plan needs --mesh (e.g. data=8,model=8), or --auto --devices N to "
+                     "choose one")
     if args.batch < 1 or args.seq < 1:
         raise _Usage("--batch and --seq must be at least 1")
     cfg = CONFIGS[args.model]
@@ -956,7 +963,7 @@ def _build_parser() -> _Parser:
                        "whether it fits. Exit status: 0 fits (or no --device-memory), 1 does "
                        "not fit, 2 bad input or a sharding error.")
     p.add_argument("--model", required=True, help="tiny, tiny_moe, small, 125m, 1b, 7b")
-    p.add_argument("--mesh", required=True, help="e.g. data=8,model=8")
+    p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
     p.add_argument("--strategy", default="fsdp_tp")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
     p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
@@ -977,6 +984,27 @@ def _build_parser() -> _Parser:
     p.add_argument("--device-memory", default=None, help="e.g. 80GB (1e9) or 80GiB (2**30)")
     p.add_argument("--top", type=int, default=5, help="largest tensors to list")
     p.add_argument("--json", action="store_true", help="print JSON only")
+    a = p.add_argument_group("--auto: choose the strategy, mesh, remat and microbatches")
+    a.add_argument("--auto", action="store_true", help="enumerate presets x meshes x remat x "
+                   "microbatches for --devices, drop what does not fit, rank the rest by "
+                   "predicted step time (--top of them shown)")
+    a.add_argument("--devices", type=int, default=None, help="device count to plan for")
+    a.add_argument("--hardware", default=None, help="a100-80gb, h100-sxm (default), h200, "
+                   "tpu-v5e, tpu-v5p: peak FLOP/s, link bandwidth and memory")
+    a.add_argument("--peak-flops", type=_finite_positive, default=None,
+                   help="FLOP/s per device (overrides the profile's)")
+    a.add_argument("--link-bandwidth", type=_finite_positive, default=None,
+                   help="bytes/s per device and direction (overrides the profile's)")
+    a.add_argument("--link-latency", type=float, default=None,
+                   help="seconds per collective (default 0, or measured by --calibrate)")
+    a.add_argument("--calibrate", action="store_true", help="measure this machine's "
+                   "matmul FLOP/s and collective bandwidth on --devices simulated devices")
+    a.add_argument("--strategies", default=None, help="comma-separated presets to try "
+                   "(default all)")
+    a.add_argument("--max-compiles", type=int, default=64,
+                   help="at most this many compiles (default 64)")
+    a.add_argument("--no-cache", action="store_true",
+                   help="do not read or write the compile cache (~/.cache/nnx_shard)")
     p.set_defaults(run=_plan)
 
     e = sub.add_parser("explain", help="per-parameter sharding report of your model factory",

@@ -73,7 +73,7 @@ from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 
 __all__ = [
-    "NAMES", "Collective", "Strategy", "compiled_collectives", "dp", "ep", "fsdp", "fsdp_tp",
+    "NAMES", "Collective", "Strategy", "auto", "compiled_collectives", "dp", "ep", "fsdp", "fsdp_tp",
     "get", "sp", "tp", "zero1",
 ]
 
@@ -483,6 +483,27 @@ def get(name: str, **axes: str) -> Strategy:
         raise ShardingError(
             f"strategy {name!r} takes mesh-axis keywords {allowed}, got {sorted(axes)}."
         ) from None
+
+
+# -- choosing a preset ----------------------------------------------------------------
+
+
+def auto(model: Any = "small", **kwargs: Any) -> Any:
+    """Chooses a preset, mesh shape, remat policy and microbatch count for
+    ``model`` and ranks what fits by predicted step time:
+    :func:`nnx_shard.planner.auto` (see there for the arguments; returns a
+    :class:`nnx_shard.planner.Plan`).
+
+    >>> fake = lambda c: {"total": 1, "temp": 1, "flops": 1e9 * len(c.mesh),
+    ...                   "collective_bytes": 0.0, "collectives": 0}
+    >>> plan = auto("tiny", devices=8, batch=8, seq=16, strategies=["dp", "tp"],
+    ...             compile_fn=fake, progress=False)
+    >>> plan.best.label
+    'dp data=8 remat=none mb=1'
+    """
+    from nnx_shard.planner import auto as _auto
+
+    return _auto(model, **kwargs)
 
 
 # -- what a compiled program communicates -------------------------------------------

@@ -233,7 +233,7 @@ def test_plan_sharding_error_is_reported_with_a_suggestion(capsys):
          ["--device-memory 'lots'"]),
         (["plan", "--model", "7b", "--mesh", "data=8", "--optimizer", "adagrad"],
          ["unknown optimizer 'adagrad'"]),
-        (["plan", "--model", "7b"], ["required: --mesh"]),
+        (["plan", "--model", "7b"], ["plan needs --mesh", "or --auto --devices N"]),
         (["demo", "--mesh", "data=16,model=2"], ["needs 32 devices but ", " are available"]),
         (["demo", "--strategy", "fsdpp"], ["unknown strategy 'fsdpp'"]),
         (["demo", "--steps", "ten"], ["argument --steps: invalid int value: 'ten'"]),

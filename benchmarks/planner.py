@@ -1,0 +1,171 @@
+"""Does the planner's cost model rank the candidates as they really run?
+
+On 8 simulated CPU devices, the ``small`` reference model, AdamW: the planner
+(:func:`nnx_shard.strategies.auto`) compiles every candidate (preset x mesh;
+with ``--device-memory``, remat / microbatch variants of what does not fit)
+and predicts its step time, once from ``--calibrate``'s measurement of this
+machine (a jitted matmul's FLOP/s, an all-gather's bytes/s and a psum's
+latency on the same 8 devices) and once from the ``h100-sxm`` datasheet
+profile. Then every candidate that fits is built for real and its fused train
+step (``multistep``, ``STEPS`` steps per call) timed in interleaved rounds
+(candidates in a rotating order, blocking on each call; the median per step).
+
+The table shows predicted vs measured step time; below it the Spearman rank
+correlation of the two (``scipy.stats.spearmanr``) and how far the planner's
+choice is from the fastest measured candidate. Results go to
+``benchmarks/results/planner.json`` (``planner_<memory>.json`` with
+``--device-memory``).
+
+Run (a few minutes on 2 CPU cores)::
+
+    .venv/bin/python benchmarks/planner.py
+
+``--quick`` uses a smaller batch and fewer rounds (a smoke test of the script).
+"""
+
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from scipy.stats import spearmanr
+
+import nnx_shard as ns
+from nnx_shard import planner
+from nnx_shard.models import Transformer, get_config, lm_loss
+
+RESULTS = Path(__file__).resolve().parent / "results" / "planner.json"
+STEPS = 4
+
+
+def build(c: planner.Candidate, model: str, batch: int, seq: int):
+    """The candidate's real model, optimizer, fused step and a batch of K steps."""
+    strat = ns.strategies.get(c.strategy)
+    n = int(np.prod(list(c.mesh.values())))
+    mesh = ns.make_mesh(c.mesh, devices=jax.devices()[:n])
+    cfg = dataclasses.replace(get_config(model), remat=c.remat or "none")
+    m = strat.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    opt = strat.optimizer(m, optax.adamw(1e-3), mesh)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab, (STEPS, batch, seq + 1)).astype(np.int32)
+    host = {"inputs": tokens[:, :, :-1], "targets": tokens[:, :, 1:]}
+    data = ns.shard_batch(host, mesh, strat.rules, steps=True, names=("batch", "length"))
+
+    def step(model, opt, batch):
+        loss, grads = ns.value_and_grad(lm_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    fused = ns.multistep(step, microbatches=c.microbatches)
+
+    def call():
+        with ns.use(mesh, strat.rules):
+            return jax.block_until_ready(fused(m, opt, data))
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: small batch, 2 rounds")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--strategies", default=None,
+                        help="comma-separated presets (default: all; --quick: dp,fsdp,tp)")
+    parser.add_argument("--device-memory", default=None,
+                        help="e.g. 40MiB: layouts over it get remat / microbatch variants")
+    args = parser.parse_args()
+    batch = args.batch or (16 if args.quick else 32)
+    seq = args.seq or (32 if args.quick else 128)
+    rounds = args.rounds or (2 if args.quick else 7)
+    names = (args.strategies.split(",") if args.strategies
+             else ["dp", "fsdp", "tp"] if args.quick else None)
+    devices = jax.device_count()
+
+    t0 = time.perf_counter()
+    hw = planner.calibrate(devices, seconds=0.5 if args.quick else 1.5)
+    print(f"calibrated in {time.perf_counter() - t0:.1f} s: {hw.peak_flops / 1e9:.1f} GFLOP/s, "
+          f"{hw.link_bandwidth / 1e9:.2f} GB/s link, "
+          f"{(hw.memory_bandwidth or 0) / 1e9:.2f} GB/s memory, latency {hw.link_latency * 1e6:.0f} us per "
+          f"device ({hw.source})")
+    t0 = time.perf_counter()
+    plan = ns.strategies.auto(args.model, devices=devices, batch=batch, seq=seq, hardware=hw,
+                              device_memory=args.device_memory, strategies=names,
+                              progress=True)
+    plan_s = time.perf_counter() - t0
+    print(f"planned in {plan_s:.0f} s: {plan.request['compiled']} compiles, "
+          f"{len(plan.ranked)} candidates fit")
+    cands = plan.ranked
+    h100 = planner.PROFILES["h100-sxm"]
+    calls = []
+    for c in cands:
+        call = build(c, args.model, batch, seq)
+        call()  # compile and warm up
+        calls.append(call)
+    times: list[list[float]] = [[] for _ in cands]
+    for r in range(rounds):
+        for i in np.roll(np.arange(len(cands)), -r):
+            t = time.perf_counter()
+            calls[i]()
+            times[i].append((time.perf_counter() - t) / STEPS)
+    measured = [statistics.median(t) for t in times]
+    predicted = [c.predicted_s for c in cands]
+    pred_h100 = [h100.predict(c.flops, c.collective_bytes, c.collectives, c.memory_bytes)
+                 for c in cands]
+    rho = float(spearmanr(predicted, measured).statistic)
+    rho_h100 = float(spearmanr(pred_h100, measured).statistic)
+    fastest = min(measured)
+    chosen = measured[0]  # plan.ranked[0] is the planner's choice
+
+    print(f"\n{args.model}, batch {batch} x seq {seq}, adamw, {devices} simulated "
+          f"{jax.default_backend()} devices, jax {jax.__version__}, "
+          f"{platform.processor() or platform.machine()}, {rounds} rounds x {STEPS} steps")
+    print("| rank | candidate | bytes/device | collective B/dev | memory traffic/dev | GFLOP/dev "
+          "| predicted ms (calibrated) | measured ms | measured rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    order = list(np.argsort(np.argsort(measured)) + 1)
+    for i, c in enumerate(cands):
+        print(f"| {i + 1} | {c.label} | {(c.bytes_per_device or 0) / 2**20:.2f} MiB | "
+              f"{(c.collective_bytes or 0) / 2**20:.2f} MiB | {(c.memory_bytes or 0) / 2**20:.1f} MiB | "
+              f"{(c.flops or 0) / 1e9:.3f} | "
+              f"{predicted[i] * 1e3:.2f} | {measured[i] * 1e3:.2f} | {order[i]} |")
+    print(f"\nSpearman rank correlation, predicted (calibrated) vs measured: {rho:.3f}")
+    print(f"Spearman rank correlation, predicted (h100-sxm profile) vs measured: {rho_h100:.3f}")
+    print(f"chosen {cands[0].label}: {chosen * 1e3:.2f} ms/step; fastest measured "
+          f"{cands[int(np.argmin(measured))].label}: {fastest * 1e3:.2f} ms/step "
+          f"(chosen / fastest = {chosen / fastest:.3f})")
+    out = RESULTS if not args.device_memory else RESULTS.with_name(
+        f"planner_{args.device_memory.lower()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": args.model, "batch": batch, "seq": seq, "devices": devices,
+        "backend": jax.default_backend(), "jax": jax.__version__, "rounds": rounds,
+        "steps_per_call": STEPS, "hardware": dataclasses.asdict(hw), "plan_s": plan_s,
+        "spearman": rho, "spearman_h100_profile": rho_h100,
+        "chosen_over_fastest": chosen / fastest,
+        "rows": [{**c.as_dict(), "measured_s": m, "predicted_h100_s": p}
+                 for c, m, p in zip(cands, measured, pred_h100, strict=True)],
+        "dropped": [c.as_dict() for c in plan.dropped], "pruned": plan.pruned,
+    }, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""The planner: enumeration, dropping with reasons, ranking, profiles, errors, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from conftest import needs_devices
+from nnx_shard import planner, strategies
+from nnx_shard.cli import main
+from nnx_shard.models import Transformer, get_config
+
+H = planner.Hardware("test", peak_flops=1e9, link_bandwidth=1e6)
+
+
+def table(entries: dict[str, dict], default: dict | None = None):
+    """A fake compile: results by candidate label (``default`` for the rest)."""
+    seen: list[str] = []
+
+    def compile_fn(c: planner.Candidate) -> dict:
+        seen.append(c.label)
+        row = entries.get(c.label, default)
+        if row is None:
+            raise AssertionError(f"unexpected compile of {c.label}")
+        # memory_bytes tells the programs apart (identical ones are deduplicated).
+        return {"temp": 0, "collectives": 0, "collective_bytes": 0.0, "flops": 1e9,
+                "memory_bytes": float(len(seen)), **row}
+
+    compile_fn.seen = seen  # type: ignore[attr-defined]
+    return compile_fn
+
+
+# --------------------------------------------------------------------------- enumeration
+
+
+def test_enumeration_covers_every_preset_and_mesh_and_says_what_it_skipped():
+    fake = table({}, default={"total": 1})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        progress=False)
+    labels = {c.label for c in plan.ranked}
+    assert labels == {
+        "dp data=4 remat=none mb=1", "zero1 data=4 remat=none mb=1",
+        "fsdp data=4 remat=none mb=1",
+        "tp data=1,model=4 remat=none mb=1", "tp data=2,model=2 remat=none mb=1",
+        "fsdp_tp data=1,model=4 remat=none mb=1", "fsdp_tp data=2,model=2 remat=none mb=1",
+        "sp data=1,model=4 remat=none mb=1", "sp data=2,model=2 remat=none mb=1",
+        "ep data=1,expert=4 remat=none mb=1", "ep data=2,expert=2 remat=none mb=1",
+    }
+    # model=1 / expert=1 meshes repeat a one-axis preset: skipped, and said so.
+    assert plan.pruned == ["4 meshes with a size-1 axis beyond the first (the same layout as "
+                           "a preset with fewer axes, e.g. tp model=1 is dp)"]
+    assert plan.request["considered"] == 11 and plan.request["compiled"] == 11
+
+
+def test_a_new_preset_joins_the_enumeration_without_edits(monkeypatch):
+    def wide() -> strategies.Strategy:
+        base = strategies.fsdp()
+        return dataclasses.replace(base, name="wide", mesh_axes=("data", "extra"), sizes=(2,))
+
+    monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "wide"))
+    monkeypatch.setitem(strategies._PRESETS, "wide", wide)
+    fake = table({}, default={"total": 1})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        progress=False)
+    assert "wide data=2,extra=2 remat=none mb=1" in {c.label for c in plan.ranked}
+
+
+def test_a_preset_whose_check_raises_is_dropped_with_its_reason():
+    # tiny has 4 heads: tp cannot split them 8 ways; tiny has no experts for ep to need.
+    fake = table({}, default={"total": 1})
+    plan = planner.auto("tiny", devices=8, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        strategies=["tp", "dp"], progress=False)
+    (bad,) = [c for c in plan.dropped if c.label.startswith("tp data=1,model=8")]
+    assert bad.reason.startswith("cannot lay out: strategy 'tp' cannot lay out this model on "
+                                 "mesh data=1, model=8")
+    assert "blocks/0/attn/k" in bad.reason
+    assert "tp data=1,model=8 remat=none mb=1" not in fake.seen  # never compiled
+
+
+def test_a_preset_with_requirements_the_model_lacks_is_skipped(monkeypatch):
+    class Staged(strategies.Strategy):
+        def check(self, model, mesh):
+            raise ValueError("pipeline stages need scan_layers=True; set it in the config")
+
+    def staged() -> strategies.Strategy:
+        base = strategies.fsdp()
+        return Staged("staged", base.rules, None, ("data", "stage"), (2,))
+
+    monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "staged"))
+    monkeypatch.setitem(strategies._PRESETS, "staged", staged)
+    fake = table({}, default={"total": 1})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        strategies=["dp", "staged"], progress=False)
+    assert [c.strategy for c in plan.ranked] == ["dp"]
+    assert plan.families() == {"staged": "data=1,stage=4 and data=2,stage=2: cannot lay out: "
+                               "pipeline stages need scan_layers=True; set it in the config"}
+    assert not any("staged" in label for label in fake.seen)
+
+
+# --------------------------------------------------------------------------- ranking
+
+
+def test_ranking_follows_the_cost_model_of_the_hardware():
+    fake = table({
+        "dp data=4 remat=none mb=1": {"total": 10, "flops": 4e9, "collective_bytes": 1e6},
+        "fsdp data=4 remat=none mb=1": {"total": 5, "flops": 1e9, "collective_bytes": 4e6},
+        "tp data=2,model=2 remat=none mb=1": {"total": 5, "flops": 2e9, "collective_bytes": 0.0,
+                                              "collectives": 100},
+    })
+    hw = planner.Hardware("x", peak_flops=1e9, link_bandwidth=1e6, link_latency=0.01)
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=hw, compile_fn=fake,
+                        strategies=["dp", "fsdp", "tp"], progress=False)
+    # dp: 4 + 1 = 5 s; fsdp: 1 + 4 = 5 s (fewer bytes wins the tie); tp: 2 + 100 x 0.01 = 3 s
+    assert [(c.strategy, c.predicted_s) for c in plan.ranked] == [
+        ("tp", 3.0), ("fsdp", 5.0), ("dp", 5.0)]
+    assert plan.best.label == "tp data=2,model=2 remat=none mb=1"
+    # Links 4x faster: the collectives weigh less and dp's 4e9 FLOPs dominate.
+    fast = planner.auto("tiny", devices=4, batch=8, seq=16, compile_fn=fake, progress=False,
+                        hardware=hw.replace(link_bandwidth=4e6, link_latency=0.0),
+                        strategies=["dp", "fsdp", "tp"])
+    assert [c.strategy for c in fast.ranked] == ["fsdp", "tp", "dp"]
+    text = str(plan)
+    assert "chosen: tp data=2,model=2 remat=none mb=1; train with:" in text
+    assert "strategy = ns.strategies.get('tp')" in text
+    assert 'mesh = ns.make_mesh({"data": 2, "model": 2})' in text
+
+
+def test_what_does_not_fit_is_dropped_and_remat_or_microbatches_tried_for_it():
+    fake = table({
+        "dp data=4 remat=none mb=1": {"total": 300},
+        "dp data=4 remat=dots mb=1": {"total": 250},
+        "dp data=4 remat=full mb=1": {"total": 150, "flops": 1.3e9},
+        "fsdp data=4 remat=none mb=1": {"total": 100, "collective_bytes": 1e6},
+    })
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        device_memory=200, strategies=["dp", "fsdp"], progress=False)
+    assert [c.label for c in plan.ranked] == ["dp data=4 remat=full mb=1",
+                                              "fsdp data=4 remat=none mb=1"]
+    # The first variant that fits ends the search for that layout: no microbatches tried.
+    assert fake.seen == ["dp data=4 remat=none mb=1", "fsdp data=4 remat=none mb=1",
+                         "dp data=4 remat=dots mb=1", "dp data=4 remat=full mb=1"]
+    reasons = {c.label: c.reason for c in plan.dropped}
+    assert reasons["dp data=4 remat=none mb=1"] == (
+        "needs 300 B per device (compiled), over the 200 B available")
+    assert any("tried only for layouts whose plain step does not fit" in p for p in plan.pruned)
+
+
+def test_identical_programs_are_kept_once():
+    same = {"total": 10, "flops": 1e9, "memory_bytes": 0.0}
+    fake = table({"dp data=4 remat=none mb=1": same,
+                  "ep data=1,expert=4 remat=none mb=1": same,
+                  "ep data=2,expert=2 remat=none mb=1": {**same, "collectives": 3}})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        strategies=["dp", "ep"], progress=False)
+    assert [c.label for c in plan.ranked] == ["dp data=4 remat=none mb=1",
+                                              "ep data=2,expert=2 remat=none mb=1"]
+    assert ("1 candidates that compile to the same program as a better-ranked one: "
+            "ep data=1,expert=4 remat=none mb=1 (= dp data=4 remat=none mb=1)") in plan.pruned
+
+
+def test_the_compile_budget_is_bounded_and_says_so():
+    fake = table({}, default={"total": 1})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        max_compiles=3, progress=False)
+    assert len(fake.seen) == 3 and len(plan.ranked) == 3
+    assert "8 layouts not compiled (max_compiles=3)" in plan.pruned
+    assert all(c.reason == "not compiled: over max_compiles=3" for c in plan.dropped)
+
+
+def test_the_budget_also_bounds_remat_and_microbatch_variants():
+    fake = table({"fsdp data=4 remat=none mb=1": {"total": 10}}, default={"total": 300})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        device_memory=200, strategies=["dp", "fsdp"], max_compiles=3,
+                        progress=False)
+    assert fake.seen == ["dp data=4 remat=none mb=1", "fsdp data=4 remat=none mb=1",
+                         "dp data=4 remat=dots mb=1"]
+    # dp's other variants (full; 2 microbatches with none, dots, full) were not compiled.
+    assert "4 remat/microbatch variants not compiled (max_compiles=3)" in plan.pruned
+    assert [c.label for c in plan.ranked] == ["fsdp data=4 remat=none mb=1"]
+
+
+def test_compile_results_are_cached_by_config(tmp_path):
+    cache = tmp_path / "cache.json"
+    fake = table({}, default={"total": 1})
+    first = planner.auto("tiny", devices=2, batch=4, seq=8, hardware=H, compile_fn=fake,
+                         strategies=["dp", "fsdp"], cache=cache, progress=False)
+    again = table({})  # raises if asked to compile anything
+    second = planner.auto("tiny", devices=2, batch=4, seq=8, hardware=H, compile_fn=again,
+                          strategies=["dp", "fsdp"], cache=cache, progress=False)
+    assert (first.request["compiled"], second.request["compiled"]) == (2, 0)
+    assert second.request["cached"] == 2 and again.seen == []
+    assert [c.label for c in second.ranked] == [c.label for c in first.ranked]
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_nothing_fits_says_the_smallest_need_and_the_knob():
+    fake = table({}, default={"total": 1000, "temp": 900})
+    with pytest.raises(planner.NothingFits) as e:
+        planner.auto("tiny", devices=2, batch=8, seq=16, hardware=H, compile_fn=fake,
+                     device_memory=100, strategies=["dp"], progress=False)
+    assert str(e.value) == (
+        "auto: nothing fits in 100 B per device: the smallest need is 1000 B "
+        "(dp data=2 remat=none mb=1); activations dominate (900 B of it is XLA's "
+        "temporaries): a smaller batch (e.g. 4) or more microbatches cut it most.")
+    assert isinstance(e.value, ValueError) and e.value.plan.ranked == []
+    state = table({}, default={"total": 1000, "temp": 10})
+    with pytest.raises(planner.NothingFits, match="parameters and optimizer state dominate: "
+                       r"more devices \(fsdp shards them 1/N; e.g. 4\)"):
+        planner.auto("tiny", devices=2, batch=8, seq=16, hardware=H, compile_fn=state,
+                     device_memory=100, strategies=["dp"], progress=False)
+
+
+def test_a_device_count_no_preset_can_use():
+    fake = table({})
+    with pytest.raises(ValueError, match=r"auto: no preset can use 3 devices for this model "
+                       r"with batch 8 x seq 16: dp: data=3: batch 8 x seq 16 cannot be laid "
+                       r"out: .*Device counts near 3 that divide the batch 8: 2, 4, 8\."):
+        planner.auto("tiny", devices=3, batch=8, seq=16, hardware=H, compile_fn=fake,
+                     strategies=["dp", "tp"], progress=False)
+    with pytest.raises(ValueError, match="auto: devices must be a positive int, got 0"):
+        planner.auto("tiny", devices=0, batch=8, seq=16, compile_fn=fake)
+    with pytest.raises(ValueError, match="auto: unknown model 'huge'; known: tiny, "):
+        planner.auto("huge", devices=2, batch=8, seq=16, compile_fn=fake)
+    with pytest.raises(ns.ShardingError, match="unknown strategy 'ddp'. Did you mean 'dp'"):
+        planner.auto("tiny", devices=2, batch=8, seq=16, compile_fn=fake, strategies=["ddp"])
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+def test_profiles_have_datasheet_numbers_and_unknown_names_list_the_known():
+    h100 = planner.hardware("h100-sxm")
+    assert (h100.peak_flops, h100.link_bandwidth, h100.device_memory, h100.precision) == (
+        989e12, 450e9, 80 * 10**9, "bf16")
+    assert planner.hardware("a100-80gb").peak_flops == 312e12
+    with pytest.raises(ValueError) as e:
+        planner.hardware("v100")
+    assert "unknown hardware profile 'v100'" in str(e.value)
+    assert "Known: a100-80gb, h100-sxm, h200, tpu-v5e, tpu-v5p" in str(e.value)
+    with pytest.raises(ValueError, match="Hardware peak_flops must be a finite number > 0"):
+        planner.Hardware("bad", peak_flops=0, link_bandwidth=1)
+
+
+@needs_devices(8)
+def test_calibrate_measures_this_machine():
+    hw = planner.calibrate(8, seconds=0.05)
+    assert hw.peak_flops > 1e6 and hw.link_bandwidth > 1e5 and hw.link_latency > 0
+    assert hw.device_memory is None and "measured:" in hw.source
+
+
+# --------------------------------------------------------------------------- HLO figures
+
+
+@needs_devices(8)
+def test_compiled_costs_count_scanned_layers_once_per_layer():
+    """cost_analysis() counts a loop body once; the planner weights it by the trip count."""
+    def figures(scan: bool) -> dict:
+        cfg = dataclasses.replace(get_config("tiny"), layers=4, scan_layers=scan)
+        return planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "fsdp_tp",
+                                    {"data": 4, "model": 2}, batch=8, seq=16)
+
+    scanned, unrolled = figures(True), figures(False)
+    assert scanned["flops"] == pytest.approx(unrolled["flops"], rel=0.02)
+    # XLA partitions the scanned body a little differently: close, not equal; counted once
+    # per loop instead of per layer it would be ~4x lower.
+    assert scanned["collective_bytes"] == pytest.approx(unrolled["collective_bytes"], rel=0.25)
+    assert scanned["unknown_loops"] == 0
+    # Microbatches: the same matmuls, in a loop of 2.
+    cfg = get_config("tiny")
+    mb = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
+                              batch=16, seq=16, microbatches=2)
+    one = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
+                               batch=16, seq=16)
+    assert mb["flops"] == pytest.approx(one["flops"], rel=0.02)
+
+
+@needs_devices(8)
+def test_a_factory_compiles_in_process_with_its_remat():
+    made = []
+
+    def factory(remat: str = "none"):
+        made.append(remat)
+        return Transformer(dataclasses.replace(get_config("tiny"), remat=remat),
+                           rngs=nnx.Rngs(0))
+
+    plan = ns.strategies.auto(factory, devices=8, batch=8, seq=16, hardware=H,
+                              strategies=["fsdp"], progress=False)
+    assert plan.best.label == "fsdp data=8 remat=none mb=1" and plan.best.compiled
+    assert plan.best.bytes_per_device > 0 and plan.best.flops > 0
+    assert "factory = my_factory" in plan.python()
+
+
+@needs_devices(8)
+def test_the_printed_python_trains_the_winner():
+    fake = table({}, default={"total": 1})
+    plan = planner.auto("tiny", devices=8, batch=16, seq=16, hardware=H, compile_fn=fake,
+                        strategies=["fsdp"], progress=False)
+    scope: dict = {}
+    exec(plan.python(), scope)
+    trainer = scope["trainer"]
+    tokens = np.random.default_rng(0).integers(0, 128, (16, 17)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    history = trainer.fit(iter([batch] * 2), num_steps=2, progress=False)
+    assert np.isfinite(history["loss"]).all()
+    spec = scope["model"].blocks[0].mlp.up.get_value().sharding.spec
+    assert spec == jax.sharding.PartitionSpec("data", None)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_plan_auto_end_to_end(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ["plan", "--auto", "--model", "tiny", "--devices", "2", "--batch", "4", "--seq",
+            "8", "--strategies", "dp,fsdp,tp", "--device-memory", "1GB", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["request"]["compiled"] == 3 and out["error"] is None
+    assert [c["strategy"] for c in out["ranked"]] == sorted(
+        (c["strategy"] for c in out["ranked"]),
+        key=lambda s: next(c["predicted_s"] for c in out["ranked"] if c["strategy"] == s))
+    best = out["ranked"][0]
+    assert best["bytes_per_device"] > 0 and best["flops"] > 0 and best["collective_bytes"] > 0
+    assert best["memory_bytes"] > 0
+    assert best["predicted_s"] == pytest.approx(
+        best["flops"] / 989e12 + best["collective_bytes"] / 450e9
+        + best["memory_bytes"] / 3.35e12)
+    assert out["command"].startswith(f"nnx-shard plan --model tiny --strategy {best['strategy']}")
+    assert (tmp_path / "nnx_shard" / "planner.json").is_file()
+    # Again, as text: every compile comes from the cache.
+    assert main(argv[:-1]) == 0
+    text = capsys.readouterr().out
+    assert "compiled 0 (3 from cache), 3 fit" in text
+    assert "rank  strategy" in text and "chosen: " in text
+    assert "import nnx_shard as ns" in text
+
+
+def test_plan_auto_bad_input(capsys):
+    base = ["plan", "--auto", "--model", "tiny", "--batch", "8", "--seq", "16"]
+    assert main(base) == 2
+    assert "plan --auto needs --devices N" in capsys.readouterr().err
+    assert main([*base, "--devices", "8", "--hardware", "h100"]) == 2
+    assert ("unknown hardware profile 'h100'. Did you mean 'h100-sxm'? Known: a100-80gb, "
+            "h100-sxm") in capsys.readouterr().err
+    assert main([*base, "--devices", "8", "--mesh", "data=8"]) == 2
+    assert "plan --auto chooses the mesh: drop --mesh" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny"]) == 2
+    assert "plan needs --mesh (e.g. data=8,model=8), or --auto --devices N" in (
+        capsys.readouterr().err)
+    assert main([*base, "--devices", "3", "--strategies", "dp,tp", "--no-cache"]) == 2
+    assert "no preset can use 3 devices" in capsys.readouterr().err
