@@ -40,6 +40,7 @@ True
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,8 +49,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.errors import ShardingError
+from nnx_shard.mesh import current
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "projection"]
+__all__ = ["all_gather_matmul", "check_tokens", "matmul_reduce_scatter", "projection"]
 
 
 def _parse(eq: Any, x: jax.Array, w: jax.Array) -> tuple[str, str, str]:
@@ -271,7 +273,7 @@ def all_gather_matmul(eq: str, x: jax.Array, w: jax.Array, *, gather: str, shard
     >>> x, w = jnp.ones((2, 8, 16)), jnp.ones((16, 4, 2))
     >>> y = all_gather_matmul("ble,ehk->blhk", x, w, gather="l", shard="h", mesh=mesh)
     >>> y.shape, float(y[0, 0, 0, 0]), y.sharding.spec
-    ((2, 8, 4, 2), 16.0, PartitionSpec(None, None, 'model', None))
+    ((2, 8, 4, 2), 16.0, P(None, None, 'model'))
     """
     xl, wl, out = _parse(eq, x, w)
     g = _letter(eq, xl, gather, "x", "gather")
@@ -317,7 +319,7 @@ def matmul_reduce_scatter(eq: str, x: jax.Array, w: jax.Array, *, scatter: str, 
     >>> x, w = jnp.ones((2, 8, 4, 2)), jnp.ones((4, 2, 16))
     >>> y = matmul_reduce_scatter("blhk,hke->ble", x, w, scatter="l", contract="h", mesh=mesh)
     >>> y.shape, float(y[0, 0, 0]), y.sharding.spec
-    ((2, 8, 16), 8.0, PartitionSpec(None, 'model', None))
+    ((2, 8, 16), 8.0, P(None, 'model'))
     """
     xl, wl, out = _parse(eq, x, w)
     s = _letter(eq, xl, scatter, "x", "scatter")
@@ -355,7 +357,7 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
     >>> out = NamedSharding(mesh, PartitionSpec("data", "model", None))
     >>> y = projection("blm,me->ble", jnp.ones((2, 8, 16)), jnp.ones((16, 4)), out, "l")
     >>> float(y[0, 0, 0]), y.sharding.spec
-    (16.0, PartitionSpec('data', 'model', None))
+    (16.0, P('data', 'model', None))
     """
     xl, wl, ol = _parse(eq, x, w)
     spec = tuple(out.spec) + (None,) * (len(ol) - len(out.spec))
@@ -392,3 +394,50 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
         return jax.sharding.reshard(y, out)
     return jax.lax.with_sharding_constraint(y, out)
 
+
+
+_WHAT = {"batch": "batch size", "length": "sequence length"}
+
+
+def check_tokens(shape: Sequence[int], names: Sequence[str] = ("batch", "length")) -> None:
+    """Raises a ``ShardingError`` with the fix when the active rules (from
+    :func:`nnx_shard.use`) cannot split tokens of ``shape`` (logical ``names``)
+    over their mesh axes: under collective matmuls the sequence stays split
+    over the model axis between projections, so its length must divide.
+
+    >>> import nnx_shard as ns
+    >>> s = ns.strategies.get("async_tp")
+    >>> with ns.use("data=2,model=4", s.rules):
+    ...     check_tokens((8, 16))
+    ...     check_tokens((8, 14))
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.ShardingError: collective matmuls (rules option collective_matmul=True, as in strategy 'async_tp') keep the sequence length split over mesh axis 'model' (size 4) ... Fix: make the sequence length a multiple of 4 (e.g. 12 or 16), use a mesh with model=2, ...
+    """
+    active = current()
+    if active is None:
+        return
+    mesh, rules = active
+    for name, size in zip(names, shape, strict=True):
+        try:
+            rules.spec((name,), shape=(size,), mesh=mesh)
+            continue
+        except ShardingError:
+            pass
+        entry = rules.spec((name,), mesh=mesh)[0]
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        n = math.prod(int(mesh.shape[a]) for a in axes)
+        what = _WHAT.get(name, f"{name!r} dimension")
+        lo, hi = (size // n) * n, -(-size // n) * n
+        near = " or ".join(str(v) for v in (lo, hi) if v > 0)
+        fits = next(d for d in range(n, 0, -1) if n % d == 0 and size % d == 0)
+        shown = axes[0] if len(axes) == 1 else axes
+        raise ShardingError(
+            "collective matmuls (rules option collective_matmul=True, as in strategy "
+            f"'async_tp') keep the {what} split over mesh axis {shown!r} (size {n}) between "
+            f"the projections, but the tokens (shape {tuple(shape)}, logical axes "
+            f"{tuple(names)}) have {what} {size}, not divisible by {n} (rule {name!r} -> "
+            f"{shown!r}). Fix: make the {what} a multiple of {n} (e.g. {near}), use a mesh "
+            f"with {'x'.join(axes)}={fits}, or strategy 'tp' (which does not split the "
+            "sequence)."
+        )

@@ -447,6 +447,10 @@ class Transformer(nnx.Module):
                 f"tokens have length {length} but the model has {cfg.length} positions "
                 "(TransformerConfig.length)."
             )
+        if option("collective_matmul", False):
+            from nnx_shard.collective_matmul import check_tokens
+
+            check_tokens(tokens.shape)
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
         x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
         aux = jnp.zeros((), jnp.float32)
