@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.errors import ShardingError
-from nnx_shard.mesh import current
+from nnx_shard.mesh import current, option
 
 __all__ = ["all_gather_matmul", "check_tokens", "matmul_reduce_scatter", "projection"]
 
@@ -341,6 +341,10 @@ def matmul_reduce_scatter(eq: str, x: jax.Array, w: jax.Array, *, scatter: str, 
                       layout if layout is not None else _layout(mesh, x, xl, axis))
 
 
+#: Values of the rules option ``collective_matmul`` -> ``bidirectional``.
+_DIRECTIONS: dict[Any, bool | None] = {True: None, "bidirectional": True, "unidirectional": False}
+
+
 def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str) -> jax.Array | None:
     """A model projection ``einsum(eq, x, w)`` as a collective matmul over the
     mesh axis that ``out`` (the output layout the rules give) implies, or
@@ -350,7 +354,9 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
     not): :func:`all_gather_matmul` along ``seq``. Row-parallel (``seq`` is
     sharded in the output): :func:`matmul_reduce_scatter`, contracting the
     first contracted letter of ``w`` (Megatron's row split). The result is
-    constrained to ``out``.
+    constrained to ``out``. The rules option ``collective_matmul`` picks the
+    ring: ``True`` (bidirectional where blocks split evenly),
+    ``"bidirectional"`` or ``"unidirectional"``.
 
     >>> from nnx_shard import make_mesh
     >>> mesh = make_mesh("data=2,model=4")
@@ -361,6 +367,14 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
     """
     xl, wl, ol = _parse(eq, x, w)
     spec = tuple(out.spec) + (None,) * (len(ol) - len(out.spec))
+    value = option("collective_matmul", True)
+    if value not in _DIRECTIONS:
+        raise ValueError(
+            f"rules option collective_matmul={value!r} is not a ring kind; valid: True, "
+            "'bidirectional', 'unidirectional' (or False / None: plain einsums). Fix: "
+            "rules.with_options(collective_matmul=True)."
+        )
+    both = _DIRECTIONS[value]
 
     def single(entry: Any) -> str | None:
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
@@ -382,14 +396,14 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
         if contract is None or mesh.shape[seq_axis] == 1:
             return None
         y = matmul_reduce_scatter(eq, x, w, scatter=seq, contract=contract, axis=seq_axis,
-                                  mesh=mesh, layout=layout(seq_axis))
+                                  mesh=mesh, layout=layout(seq_axis), bidirectional=both)
     else:
         cols = [(c, single(spec[i])) for i, c in enumerate(ol) if c in wl and c not in xl]
         col = next(((c, a) for c, a in cols if a is not None), None)
         if col is None or mesh.shape[col[1]] == 1:
             return None
         y = all_gather_matmul(eq, x, w, gather=seq, shard=col[0], axis=col[1], mesh=mesh,
-                              layout=layout(col[1]))
+                              layout=layout(col[1]), bidirectional=both)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(y, out)
     return jax.lax.with_sharding_constraint(y, out)

@@ -341,3 +341,25 @@ def test_op_argument_errors() -> None:
                           bidirectional=True)
     with pytest.raises(ValueError, match="no mesh is active"):
         all_gather_matmul(COLUMN, x, w, gather="l", shard="h")
+
+
+@pytest.mark.parametrize(("value", "halves"), [(True, 2), ("bidirectional", 2),
+                                               ("unidirectional", 1)])
+def test_option_picks_the_ring(value, halves) -> None:
+    mesh = ns.make_mesh("data=2,model=4")
+    rules = ns.strategies.get("async_tp").rules.with_options(collective_matmul=value)
+    x, w = _rand(0, (2, 16, 16)), _rand(1, (16, 4, 2))
+    heads = NamedSharding(mesh, P("data", None, "model"))
+    with ns.use(mesh, rules):
+        fn = jax.jit(lambda x, w: projection(COLUMN, x, w, heads, "l"))
+        assert_close(fn(x, w), jnp.einsum(COLUMN, x, w), RTOL)
+        found = compiled_collectives(fn.lower(x, w).compile().as_text(), mesh)
+    assert len([c for c in found if c.kind == "collective-permute"]) == 3 * halves
+
+
+def test_bad_option_value() -> None:
+    mesh = ns.make_mesh("data=2,model=4")
+    rules = ns.strategies.get("async_tp").rules.with_options(collective_matmul="ring")
+    heads = NamedSharding(mesh, P("data", None, "model"))
+    with ns.use(mesh, rules), pytest.raises(ValueError, match="collective_matmul='ring' is not"):
+        projection(COLUMN, _rand(0, (2, 16, 16)), _rand(1, (16, 4, 2)), heads, "l")
