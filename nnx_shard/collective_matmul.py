@@ -446,12 +446,14 @@ def check_tokens(shape: Sequence[int], names: Sequence[str] = ("batch", "length"
         near = " or ".join(str(v) for v in (lo, hi) if v > 0)
         fits = next(d for d in range(n, 0, -1) if n % d == 0 and size % d == 0)
         shown = axes[0] if len(axes) == 1 else axes
+        why = (f"collective matmuls (rules option collective_matmul=True, as in strategy "
+               f"'async_tp') keep the {what} split over mesh axis {shown!r} (size {n}) between "
+               "the projections, but" if name == "length" else
+               f"rule {name!r} splits the {what} over mesh axis {shown!r} (size {n}), but")
         raise ShardingError(
-            "collective matmuls (rules option collective_matmul=True, as in strategy "
-            f"'async_tp') keep the {what} split over mesh axis {shown!r} (size {n}) between "
-            f"the projections, but the tokens (shape {tuple(shape)}, logical axes "
-            f"{tuple(names)}) have {what} {size}, not divisible by {n} (rule {name!r} -> "
-            f"{shown!r}). Fix: make the {what} a multiple of {n} (e.g. {near}), use a mesh "
-            f"with {'x'.join(axes)}={fits}, or strategy 'tp' (which does not split the "
-            "sequence)."
+            f"{why} the tokens (shape {tuple(shape)}, logical axes {tuple(names)}) have {what} "
+            f"{size}, not divisible by {n} (rule {name!r} -> {shown!r}). Fix: make the {what} a "
+            f"multiple of {n} (e.g. {near}), use a mesh with {'x'.join(axes)}={fits}"
+            + (", or strategy 'tp' (which does not split the sequence)." if name == "length"
+               else ".")
         )

@@ -22,14 +22,15 @@ fsdp_tp    data, model      fsdp over data and tp over model (2D)             al
 sp         data, model      tp, plus ``length`` over model outside            all-gather over model (sequence),
                             attention and MLP                                 all-reduce over model (row-parallel
                                                                               outputs) [1]_, all-reduce over data
-async_tp   data, model      tp's parameters; sp's activations; projections    collective-permute over model (ring
-                            as collective matmuls (option collective_matmul)  steps of the sequence all-gather and
-                                                                              reduce-scatter), all-gather over model
-                                                                              (embedding table, logits' input),
-                                                                              all-reduce over data
 ep         data, expert     batch over data x expert; experts over expert     all-to-all over expert (token dispatch
                                                                               and return), all-gather over expert,
                                                                               all-reduce (gradients)
+async_tp   data, model      tp's parameters; sp's activations; projections    collective-permute over model (ring
+                            as collective matmuls (option collective_matmul)  steps in place of the projections'
+                                                                              all-gather / all-reduce), all-gather
+                                                                              over model (embedding table, logits'
+                                                                              input), all-reduce over model (logits,
+                                                                              norm gradients), all-reduce over data
 =========  ===============  ================================================  ==========================================
 
 The collectives are those the compiled train step of the reference transformer

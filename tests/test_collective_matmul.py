@@ -363,3 +363,12 @@ def test_bad_option_value() -> None:
     heads = NamedSharding(mesh, P("data", None, "model"))
     with ns.use(mesh, rules), pytest.raises(ValueError, match="collective_matmul='ring' is not"):
         projection(COLUMN, _rand(0, (2, 16, 16)), _rand(1, (16, 4, 2)), heads, "l")
+
+
+def test_batch_not_divisible_by_data_axis() -> None:
+    s = ns.strategies.get("async_tp")
+    with ns.use("data=2,model=4", s.rules), pytest.raises(ns.ShardingError) as e:
+        ns.collective_matmul.check_tokens((3, 16))
+    assert str(e.value).startswith("rule 'batch' splits the batch size over mesh axis 'data' "
+                                   "(size 2), but the tokens (shape (3, 16)")
+    assert "multiple of 2 (e.g. 2 or 4), use a mesh with data=1." in str(e.value)

@@ -13,6 +13,10 @@ are constrained at the points where parallelism strategies differ:
 * the attention and MLP outputs return to the residual layout: the
   row-parallel half (an all-reduce, or a reduce-scatter under sequence
   parallelism);
+* under rules with the option ``collective_matmul`` (``async_tp``) the
+  projections gather and scatter the sequence themselves, in ring steps
+  (:mod:`nnx_shard.collective_matmul`), so the input of attention and of the
+  MLP stays in the residual layout;
 * the mixture-of-experts layer dispatches tokens to ``("expert", "batch",
   None, None)``: expert parallelism turns that into collectives over the
   expert axis.
