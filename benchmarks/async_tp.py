@@ -12,15 +12,16 @@ data=2, model=4 (Auto axes, the presets' default), one row per variant:
 
 Columns: steps/s (``ns.multistep``, K=4 steps per call, at most two calls in
 flight, the median of rounds that interleave the variants, in alternating
-order), its ratio to tp, and the collectives over ``model`` of the compiled
-one-step program (count and bytes per device, by kind).
+order), its ratio to tp and to sp (per round, then the median; the range over
+rounds for tp), and the collectives over ``model`` of one step of the
+compiled program (count and bytes per device, by kind).
 
 XLA's CPU backend runs collectives serially on the same cores as the matmuls,
 so there is no communication to hide: async_tp pays for its extra ring steps
 (more, smaller operations) and shows no gain here. The overlap it is built for
 needs an accelerator whose interconnect runs beside the compute.
 
-Run (about 4 minutes on 2 CPU cores; ``--quick`` about 2)::
+Run (about 5 minutes on 2 idle CPU cores; ``--quick`` about 2)::
 
     .venv/bin/python benchmarks/async_tp.py
 
@@ -144,20 +145,22 @@ def timed(setup: Setup, calls: int) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| variant | steps/s | vs tp | collectives over model per step (count, bytes/dev) |",
-             "|" + " --- |" * 4]
+    lines = ["| variant | steps/s | vs tp | vs sp | collectives over model per step "
+             "(count, bytes/dev) |", "|" + " --- |" * 5]
     for r in rows:
         coll = ", ".join(f"{k} {r['model_collectives_count'][k]} x, "
                          f"{fmt_bytes(r['model_collectives_bytes'][k])}"
                          for k in sorted(r["model_collectives_count"]))
         lines.append(f"| {r['variant']} | {r['steps_per_s']:.2f} | {r['ratio_to_tp']:.2f} "
-                     f"| {coll} |")
+                     f"({min(r['ratio_to_tp_rounds']):.2f}-{max(r['ratio_to_tp_rounds']):.2f}) "
+                     f"| {r['ratio_to_sp']:.2f} | {coll} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short timing (smoke test)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     args = ap.parse_args()
     assert jax.device_count() == 8, jax.device_count()
     t0 = time.perf_counter()
@@ -165,7 +168,7 @@ def main() -> None:
     for label in VARIANTS:
         setups.append(prepare(label))
         print(f"  {label}: compiled in {setups[-1].row['compile_s']:.1f} s", flush=True)
-    rounds = 1 if args.quick else 5
+    rounds = 1 if args.quick else args.rounds
     calls = 2 if args.quick else 6
     rates: dict[str, list[float]] = {s.label: [] for s in setups}
     for r in range(rounds):
@@ -179,10 +182,11 @@ def main() -> None:
         rows.append(row)
     # The ratio per round (same round, adjacent in time), then the median.
     for row in rows:
-        per_round = [a / b for a, b in zip(row["steps_per_s_rounds"],
-                                           rates["tp"], strict=True)]
-        row["ratio_to_tp_rounds"] = per_round
-        row["ratio_to_tp"] = statistics.median(per_round)
+        for ref in ("tp", "sp"):
+            per_round = [a / b for a, b in zip(row["steps_per_s_rounds"], rates[ref],
+                                               strict=True)]
+            row[f"ratio_to_{ref}_rounds"] = per_round
+            row[f"ratio_to_{ref}"] = statistics.median(per_round)
     meta = {
         "jax": jax.__version__, "python": platform.python_version(),
         "machine": platform.machine(), "cpus": os.cpu_count(), "backend": jax.default_backend(),
