@@ -17,15 +17,18 @@ over the ``N`` devices of the model axis:
   passes the sum on; after ``N - 1`` steps each device holds the full sum of
   its own block.
 
-While one block travels the next is multiplied, so on an accelerator the
-transfer hides behind the matmul (the XLA scheduler overlaps the
-collective-permute with the independent dot). Bidirectional (the default where
-each device's block splits evenly in two): half of every block goes each way
-round the ring, so each link carries half the bytes per step in each
-direction.
+While one block travels the next is multiplied: the collective-permute and
+the dot of each step are independent, so on an accelerator XLA's scheduler
+can run the transfer behind the matmul. (XLA's CPU backend runs them one
+after the other: there is nothing to gain on CPU, see benchmarks/async_tp.py.) Bidirectional (the default on
+rings of more than 2 devices whose blocks split evenly in two): half of every
+block goes each way round the ring, so each link carries half the bytes per
+step in each direction.
 
-The ops run inside ``jax.shard_map``, manual over the model axis only; other
-mesh axes (``data`` for the batch) stay under the partitioner. Gradients come
+The ops run inside ``jax.shard_map``, manual over the model axis. Where the
+layout over the other mesh axes is known (Explicit axes, or the rules under
+:func:`nnx_shard.use`) the map is manual over those too and keeps that
+layout (the batch over ``data``); otherwise the partitioner keeps it. Gradients come
 from JAX's transpose rules: the backward pass is again a ring of
 collective-permutes (a reduce-scatter ring for the gathered operand, and the
 other way round).
@@ -125,15 +128,16 @@ def _shard_map(body: Any, mesh: Mesh, axis: str, x: jax.Array, w: jax.Array, xl:
     """``body`` over ``x``, ``w`` sharded over ``axis`` along the letters
     ``rings`` (of x, w, output).
 
-    ``layout`` gives, per letter of ``x``, the other mesh axes ``x`` is
-    sharded over (e.g. the batch over ``data``); ``None``: unknown (Auto axes,
-    no rules), so the map is manual over ``axis`` alone and the partitioner
-    keeps the other axes. Given a layout the map is manual over every axis:
-    manual over ``axis`` alone, each block's dot gets its own all-gather of the
-    batch (Explicit axes) or its own all-reduce of the weight's gradient over
-    the batch axes (Auto axes). ``x`` keeps its other axes on dimensions the
-    output keeps (but the ring's), ``w`` is gathered along them (FSDP's
-    all-gather before a matmul) and the output takes ``x``'s.
+    ``layout``: per letter of ``x``, the other mesh axes ``x`` is sharded over
+    (the batch over ``data``). Unknown (``None``: Auto axes and no rules), the
+    map is manual over ``axis`` alone and the partitioner keeps the other
+    axes. Known, the map is manual over every axis, because manual over
+    ``axis`` alone each block's dot gets its own collective over the other
+    axes: an all-gather of the batch (Explicit axes) or an all-reduce of the
+    weight's gradient (Auto axes). ``x`` then keeps its other axes on the
+    dimensions that pass to the output (the ring's own excepted), ``w`` is
+    gathered along them (FSDP's all-gather before a matmul) and the output
+    takes ``x``'s.
     """
     x_ring, w_ring, out_ring = rings
     if layout is None:
