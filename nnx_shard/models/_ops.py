@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from nnx_shard.collective_matmul import projection
 from nnx_shard.mesh import constrain, current, option
 
 __all__ = ["constrain", "einsum", "lookup", "whole"]
@@ -110,8 +111,6 @@ def einsum(
     if sharding is None:
         return jnp.einsum(eq, x, _gathered(w))
     if seq is not None and option("collective_matmul", False):
-        from nnx_shard.collective_matmul import projection
-
         y = projection(eq, x, w, sharding, seq)
         if y is not None:
             return y

@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard.annotate import with_logical
+from nnx_shard.collective_matmul import check_tokens
 from nnx_shard.mesh import option
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
 
@@ -452,8 +453,6 @@ class Transformer(nnx.Module):
                 "(TransformerConfig.length)."
             )
         if option("collective_matmul", False):
-            from nnx_shard.collective_matmul import check_tokens
-
             check_tokens(tokens.shape)
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
         x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
