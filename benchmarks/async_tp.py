@@ -13,7 +13,9 @@ data=2, model=4 (Auto axes, the presets' default), one row per variant:
 Columns: steps/s (``ns.multistep``, K=4 steps per call, at most two calls in
 flight, the median of rounds that interleave the variants, in alternating
 order), its ratio to tp and to sp (per round, then the median; the range over
-rounds for tp), and the collectives over ``model`` of one step of the
+rounds for tp), the process's CPU seconds per step (the median over rounds;
+the work of all 8 simulated devices, less sensitive than steps/s to other
+load on the machine), and the collectives over ``model`` of one step of the
 compiled program (count and bytes per device, by kind).
 
 XLA's CPU backend runs collectives serially on the same cores as the matmuls,
@@ -129,10 +131,13 @@ def prepare(label: str) -> Setup:
     return Setup(label, mesh, rules, model, opt, fused, data, row)
 
 
-def timed(setup: Setup, calls: int) -> float:
-    """Steps/s over ``calls`` fused calls, at most two in flight."""
+def timed(setup: Setup, calls: int) -> tuple[float, float]:
+    """Steps/s over ``calls`` fused calls, at most two in flight, and the
+    process's CPU seconds per step (all 8 simulated devices' work: less
+    sensitive than wall time to other load on the machine)."""
     pending: collections.deque = collections.deque()
     with ns.use(setup.mesh, setup.rules):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         for i in range(calls):
             pending.append(setup.fused(setup.model, setup.opt, setup.data[i % 2]))
@@ -141,19 +146,20 @@ def timed(setup: Setup, calls: int) -> float:
         jax.block_until_ready(list(pending))
         jax.block_until_ready(nnx.state(setup.model))
         dt = time.perf_counter() - t0
-    return calls * K / dt
+        cpu = time.process_time() - c0
+    return calls * K / dt, cpu / (calls * K)
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| variant | steps/s | vs tp | vs sp | collectives over model per step "
-             "(count, bytes/dev) |", "|" + " --- |" * 5]
+    lines = ["| variant | steps/s | vs tp | vs sp | CPU s / step | collectives over model per "
+             "step (count, bytes/dev) |", "|" + " --- |" * 6]
     for r in rows:
         coll = ", ".join(f"{k} {r['model_collectives_count'][k]} x, "
                          f"{fmt_bytes(r['model_collectives_bytes'][k])}"
                          for k in sorted(r["model_collectives_count"]))
         lines.append(f"| {r['variant']} | {r['steps_per_s']:.2f} | {r['ratio_to_tp']:.2f} "
                      f"({min(r['ratio_to_tp_rounds']):.2f}-{max(r['ratio_to_tp_rounds']):.2f}) "
-                     f"| {r['ratio_to_sp']:.2f} | {coll} |")
+                     f"| {r['ratio_to_sp']:.2f} | {r['cpu_s_per_step']:.2f} | {coll} |")
     return "\n".join(lines)
 
 
@@ -171,14 +177,19 @@ def main() -> None:
     rounds = 1 if args.quick else args.rounds
     calls = 2 if args.quick else 6
     rates: dict[str, list[float]] = {s.label: [] for s in setups}
+    cpu: dict[str, list[float]] = {s.label: [] for s in setups}
     for r in range(rounds):
         for setup in (setups if r % 2 == 0 else setups[::-1]):
-            rates[setup.label].append(timed(setup, calls))
+            rate, cpu_s = timed(setup, calls)
+            rates[setup.label].append(rate)
+            cpu[setup.label].append(cpu_s)
     rows = []
     for setup in setups:
         row = setup.row
         row["steps_per_s_rounds"] = rates[setup.label]
         row["steps_per_s"] = statistics.median(rates[setup.label])
+        row["cpu_s_per_step_rounds"] = cpu[setup.label]
+        row["cpu_s_per_step"] = statistics.median(cpu[setup.label])
         rows.append(row)
     # The ratio per round (same round, adjacent in time), then the median.
     for row in rows:
