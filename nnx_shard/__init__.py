@@ -1,4 +1,4 @@
-from nnx_shard import distributed, models, strategies
+from nnx_shard import collective_matmul, distributed, models, strategies
 from nnx_shard.annotate import annotate, get_logical_axes, logical_axes, with_logical
 from nnx_shard.checkpoint import Checkpointer, restore, save
 from nnx_shard.errors import ShardingError, ShardingWarning
@@ -19,6 +19,7 @@ __all__ = [
     "Trainer",
     "abstract_init",
     "annotate",
+    "collective_matmul",
     "constrain",
     "distributed",
     "explain",

@@ -25,6 +25,12 @@ sp         data, model      tp, plus ``length`` over model outside            al
 ep         data, expert     batch over data x expert; experts over expert     all-to-all over expert (token dispatch
                                                                               and return), all-gather over expert,
                                                                               all-reduce (gradients)
+async_tp   data, model      tp's parameters; sp's activations; projections    collective-permute over model (ring
+                            as collective matmuls (option collective_matmul)  steps in place of the projections'
+                                                                              all-gather / all-reduce), all-gather
+                                                                              over model (embedding table, logits'
+                                                                              input), all-reduce over model (logits,
+                                                                              norm gradients), all-reduce over data
 =========  ===============  ================================================  ==========================================
 
 The collectives are those the compiled train step of the reference transformer
@@ -73,13 +79,13 @@ from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 
 __all__ = [
-    "NAMES", "Collective", "Strategy", "auto", "compiled_collectives", "dp", "ep", "fsdp", "fsdp_tp",
-    "get", "sp", "tp", "zero1",
+    "NAMES", "Collective", "Strategy", "async_tp", "auto", "compiled_collectives", "dp", "ep",
+    "fsdp", "fsdp_tp", "get", "sp", "tp", "zero1",
 ]
 
 M = TypeVar("M", bound=nnx.Module)
 
-NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep")
+NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep", "async_tp")
 
 #: Every logical name the presets give a rule (replicated unless a preset says otherwise).
 LOGICAL = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
@@ -452,8 +458,42 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
                     (data, expert), (4,), ("all-to-all", "all-gather", "all-reduce"))
 
 
+def async_tp(*, data: str = "data", model: str = "model") -> Strategy:
+    """Asynchronous tensor parallelism: :func:`tp`'s parameter layout, with the
+    attention and MLP projections run as collective matmuls
+    (:mod:`nnx_shard.collective_matmul`) that overlap their communication with
+    the matmul, block by block.
+
+    The residual stream is sharded along ``length`` over ``model`` as under
+    :func:`sp`: a column-parallel projection (Q/K/V, MLP up) gathers the
+    sequence in ``model - 1`` ring steps of ``ppermute``, multiplying the block
+    it holds at each step; a row-parallel one (attention output, MLP down)
+    passes partial sums round the ring and adds its own, a reduce-scatter in
+    ring steps. The rules carry the option ``collective_matmul=True``, which
+    the reference model's projections read (:func:`nnx_shard.mesh.option`).
+    Values equal :func:`tp`'s up to float rounding; checkpoints are
+    interchangeable with it.
+
+    Mesh axes: ``data``, ``model``. Collectives: collective-permutes over
+    ``model`` in place of tp's all-reduces for the projections (forward and
+    backward), the all-gathers over ``model`` of the embedding table and of
+    the sequence before the logits, plus DP's gradient all-reduce over
+    ``data``. ``heads``, ``mlp``, ``vocab`` and the sequence length must
+    divide by the ``model`` size.
+
+    >>> s = async_tp()
+    >>> s.rules["heads"], s.rules["length"], s.rules.options["collective_matmul"]
+    ('model', 'model', True)
+    """
+    _distinct("async_tp", data=data, model=model)
+    rules = _table(batch=data, length=model, heads=model, mlp=model, vocab=model)
+    return Strategy("async_tp", rules.with_options(collective_matmul=True), None,
+                    (data, model), (4,), ("collective-permute", "all-gather", "all-reduce"))
+
+
 _PRESETS: dict[str, Callable[..., Strategy]] = {
     "dp": dp, "zero1": zero1, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "sp": sp, "ep": ep,
+    "async_tp": async_tp,
 }
 
 
@@ -466,7 +506,7 @@ def get(name: str, **axes: str) -> Strategy:
     >>> get("ddp")
     Traceback (most recent call last):
     ...
-    nnx_shard.errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep.
+    nnx_shard.errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep, async_tp.
     """
     if name not in _PRESETS:
         import difflib

@@ -53,6 +53,8 @@ PROMISE = {
     "fsdp": (lambda p: 8, lambda p: 8),
     "tp": (lambda p: 4 if re.search(TP, p) else 1, lambda p: 4 if re.search(TP, p) else 1),
     "sp": (lambda p: 4 if re.search(TP, p) else 1, lambda p: 4 if re.search(TP, p) else 1),
+    "async_tp": (lambda p: 4 if re.search(TP, p) else 1,
+                 lambda p: 4 if re.search(TP, p) else 1),
     # data=4 over embed (every parameter has it), model=2 over heads/mlp/vocab.
     "fsdp_tp": (lambda p: 8 if re.search(TP, p) else 4, lambda p: 8 if re.search(TP, p) else 4),
     "ep": (lambda p: 4 if re.search(EXPERTS, p) else 1,
@@ -68,6 +70,10 @@ COLLECTIVES = {
     "fsdp_tp": {("all-reduce", ("model",)), ("all-reduce", ("data",)),
                 ("all-gather", ("model",)), ("all-gather", ("data",))},
     "sp": {("all-reduce", ("model",)), ("all-reduce", ("data",)), ("all-gather", ("model",))},
+    # The projections' all-reduces become collective-permutes (ring steps); the
+    # embedding, logits and norm-gradient collectives stay.
+    "async_tp": {("collective-permute", ("model",)), ("all-reduce", ("model",)),
+                 ("all-reduce", ("data",)), ("all-gather", ("model",))},
     "ep": {("all-to-all", ("expert",)), ("all-gather", ("expert",)),
            ("all-gather", ("data", "expert")), ("all-reduce", ("data",)),
            ("all-reduce", ("data", "expert"))},
@@ -205,7 +211,7 @@ def test_bytes_per_device_match_promise(run: Run) -> None:
         assert want_params == total and want_opt == 2 * total // 8 + 4
     if name == "fsdp":
         assert want_params == total // 8 and want_opt == 2 * total // 8 + 4
-    if name in ("tp", "sp", "fsdp_tp", "ep"):
+    if name in ("tp", "sp", "fsdp_tp", "ep", "async_tp"):
         assert total // 8 < want_params < total
 
 
@@ -246,6 +252,11 @@ def test_compiled_collectives(run: Run) -> None:
         # ... sp also gathers the sequence before attention and the MLP (and the
         # gradients of the length-split position embedding).
         assert len(gathers) > 1 + 2 * get_config("tiny").layers
+    if s.name == "async_tp":
+        # No all-reduce or all-gather over model for the projections: ring steps.
+        for proj in ("blhk,hke->ble", "blm,me->ble", "ble,ehk->blhk", "ble,em->blm"):
+            assert proj not in ops("all-reduce", ("model",)) + ops("all-gather", ("model",))
+        assert "shard_map/ppermute" in ops("collective-permute", ("model",))
     if s.name == "ep":
         # Tokens go to their experts' devices and come back.
         assert "jvp(blxc,ble->xbce)" in ops("all-to-all", ("expert",))
@@ -364,7 +375,8 @@ def test_no_mesh_fits() -> None:
 
 
 def test_get_and_mesh_for() -> None:
-    assert ns.strategies.NAMES == ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep")
+    assert ns.strategies.NAMES == ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep",
+                                   "async_tp")
     for name in NAMES:
         s = ns.strategies.get(name)
         assert s.name == name and s.mesh_axes[0] == "data"

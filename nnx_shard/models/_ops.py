@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nnx_shard.mesh import constrain, current
+from nnx_shard.collective_matmul import projection
+from nnx_shard.mesh import constrain, current, option
 
 __all__ = ["constrain", "einsum", "lookup", "whole"]
 
@@ -90,9 +91,14 @@ def _resolve(names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding
 
 
 def einsum(
-    eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None]
+    eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None], *, seq: str | None = None
 ) -> jax.Array:
     """``jnp.einsum(eq, x, w)`` whose output is laid out by logical ``names``.
+
+    ``seq`` names the letter of the sequence dimension of a tensor-parallel
+    projection: under rules with the option ``collective_matmul`` (the
+    ``async_tp`` strategy) the sequence is gathered into (or scattered out of)
+    the matmul in ring steps, see :mod:`nnx_shard.collective_matmul`.
 
     >>> import jax.numpy as jnp
     >>> einsum("bd,df->bf", jnp.ones((2, 3)), jnp.ones((3, 4)), ("batch", None)).shape
@@ -104,6 +110,10 @@ def einsum(
     sharding = _resolve(names, [sizes[c] for c in out])
     if sharding is None:
         return jnp.einsum(eq, x, _gathered(w))
+    if seq is not None and option("collective_matmul", False):
+        y = projection(eq, x, w, sharding, seq)
+        if y is not None:
+            return y
     if _explicit():
         w = _compatible(xl, x, wl, w)
         return jnp.einsum(eq, x, w, out_sharding=sharding.spec)

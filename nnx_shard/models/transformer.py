@@ -13,6 +13,10 @@ are constrained at the points where parallelism strategies differ:
 * the attention and MLP outputs return to the residual layout: the
   row-parallel half (an all-reduce, or a reduce-scatter under sequence
   parallelism);
+* under rules with the option ``collective_matmul`` (``async_tp``) the
+  projections gather and scatter the sequence themselves, in ring steps
+  (:mod:`nnx_shard.collective_matmul`), so the input of attention and of the
+  MLP stays in the residual layout;
 * the mixture-of-experts layer dispatches tokens to ``("expert", "batch",
   None, None)``: expert parallelism turns that into collectives over the
   expert axis.
@@ -37,6 +41,8 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard.annotate import with_logical
+from nnx_shard.collective_matmul import check_tokens
+from nnx_shard.mesh import option
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
 
 __all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
@@ -253,9 +259,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         heads = ("batch", None, "heads", "kv")
-        q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
-        k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads)
-        v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
+        q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l")
+        k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads, seq="l")
+        v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads, seq="l")
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
         scores = scores / math.sqrt(q.shape[-1])
         length = x.shape[1]
@@ -263,7 +269,7 @@ class Attention(nnx.Module):
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-        return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL)
+        return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l")
 
 
 class MLP(nnx.Module):
@@ -277,8 +283,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         dt = self.dtype
-        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt), ("batch", None, "mlp")))
-        return einsum("blm,me->ble", h, self.down[...].astype(dt), RESIDUAL), jnp.zeros(())
+        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt), ("batch", None, "mlp"),
+                               seq="l"))
+        return einsum("blm,me->ble", h, self.down[...].astype(dt), RESIDUAL, seq="l"), jnp.zeros(())
 
 
 class MoE(nnx.Module):
@@ -360,10 +367,16 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if cfg.experts else MLP(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(constrain(self.attn_norm(x), GATHERED))
+        x = x + self.attn(constrain(self.attn_norm(x), _block_input()))
         x = constrain(x, RESIDUAL)
-        y, aux = self.mlp(constrain(self.mlp_norm(x), GATHERED))
+        y, aux = self.mlp(constrain(self.mlp_norm(x), _block_input()))
         return constrain(x + y, RESIDUAL), aux
+
+
+def _block_input() -> tuple[str | None, ...]:
+    # Collective matmuls gather the sequence inside the projections, block by
+    # block: the input stays in the residual layout until then.
+    return RESIDUAL if option("collective_matmul", False) else GATHERED
 
 
 def _call_block(block: Block, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -439,6 +452,8 @@ class Transformer(nnx.Module):
                 f"tokens have length {length} but the model has {cfg.length} positions "
                 "(TransformerConfig.length)."
             )
+        if option("collective_matmul", False):
+            check_tokens(tokens.shape)
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
         x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
         aux = jnp.zeros((), jnp.float32)
