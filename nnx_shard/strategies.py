@@ -69,17 +69,19 @@ from nnx_shard.annotate import path_str
 from nnx_shard.errors import ShardingError
 from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import make_mesh, variable_spec
+from nnx_shard.pipeline import Schedule
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 
 __all__ = [
     "NAMES", "Collective", "Strategy", "compiled_collectives", "dp", "ep", "fsdp", "fsdp_tp",
-    "get", "sp", "tp", "zero1",
+    "get", "pp", "pp_fsdp", "pp_tp", "sp", "tp", "zero1",
 ]
 
 M = TypeVar("M", bound=nnx.Module)
 
-NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep")
+NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep", "pp", "pp_fsdp",
+                          "pp_tp")
 
 #: Every logical name the presets give a rule (replicated unless a preset says otherwise).
 LOGICAL = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
@@ -452,8 +454,72 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
                     (data, expert), (4,), ("all-to-all", "all-gather", "all-reduce"))
 
 
+def _pp(name: str, table: Rules, axes: tuple[str, ...], sizes: tuple[int, ...], stage: str,
+        repeats: int) -> Strategy:
+    sched = Schedule(axis=stage, repeats=repeats)
+    return Strategy(name, table.with_options(pipeline=sched), None, axes, sizes,
+                    ("collective-permute", "all-reduce"))
+
+
+def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1) -> Strategy:
+    """Pipeline parallelism over ``stage`` (with data parallelism over ``data``): the
+    stacked layer axis (``layers``) split over ``stage``, each device holding
+    ``layers/stages`` consecutive layers and their optimizer state; everything
+    else replicated over ``stage``. The rules carry the execution option
+    ``pipeline=Schedule(stage, repeats)``, which :func:`nnx_shard.pipeline.scan`
+    reads: ``repeats=1`` is GPipe, ``repeats=V > 1`` the circular schedule.
+    Microbatches are the trainer's ``microbatches=M`` (at least the number of
+    stages); see :mod:`nnx_shard.pipeline`.
+
+    Mesh axes: ``stage``, ``data``. Collectives: collective-permutes over
+    ``stage`` (activations passed between stages at every pipeline iteration,
+    gradients back), all-reduces over ``stage`` of the activations entering and
+    leaving the pipeline, and DP's gradient all-reduce over ``data``.
+
+    >>> s = pp()
+    >>> s.rules["layers"], s.rules["batch"], s.rules.options["pipeline"]
+    ('stage', 'data', Schedule(axis='stage', repeats=1))
+    >>> s.mesh_for(8)
+    {'stage': 4, 'data': 2}
+    """
+    _distinct("pp", stage=stage, data=data)
+    return _pp("pp", _table(batch=data, layers=stage), (stage, data), (2,), stage, repeats)
+
+
+def pp_fsdp(*, stage: str = "stage", data: str = "data", repeats: int = 1) -> Strategy:
+    """:func:`pp` with each stage's parameters (and the rest of the model's) sharded
+    over ``data`` along ``embed``, FSDP-style.
+
+    Mesh axes: ``stage``, ``data``. Collectives: those of :func:`pp` plus FSDP's
+    all-gathers of parameters over ``data``.
+
+    >>> pp_fsdp().rules["embed"], pp_fsdp().rules["layers"]
+    ('data', 'stage')
+    """
+    _distinct("pp_fsdp", stage=stage, data=data)
+    return _pp("pp_fsdp", _table(batch=data, embed=data, layers=stage), (stage, data), (2,),
+               stage, repeats)
+
+
+def pp_tp(*, stage: str = "stage", data: str = "data", model: str = "model",
+          repeats: int = 1) -> Strategy:
+    """:func:`pp` with Megatron tensor parallelism over ``model`` inside each stage
+    (``heads``, ``mlp``, ``vocab``).
+
+    Mesh axes: ``stage``, ``data``, ``model``. Collectives: those of :func:`pp` plus
+    TP's all-reduces over ``model``.
+
+    >>> pp_tp().mesh_for(8), pp_tp().rules["mlp"]
+    ({'stage': 2, 'data': 2, 'model': 2}, 'model')
+    """
+    _distinct("pp_tp", stage=stage, data=data, model=model)
+    return _pp("pp_tp", _table(batch=data, heads=model, mlp=model, vocab=model, layers=stage),
+               (stage, data, model), (2, 2), stage, repeats)
+
+
 _PRESETS: dict[str, Callable[..., Strategy]] = {
     "dp": dp, "zero1": zero1, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "sp": sp, "ep": ep,
+    "pp": pp, "pp_fsdp": pp_fsdp, "pp_tp": pp_tp,
 }
 
 
@@ -466,7 +532,7 @@ def get(name: str, **axes: str) -> Strategy:
     >>> get("ddp")
     Traceback (most recent call last):
     ...
-    nnx_shard.errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep.
+    nnx_shard.errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep, ...
     """
     if name not in _PRESETS:
         import difflib

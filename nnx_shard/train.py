@@ -45,10 +45,11 @@ from flax import nnx
 from flax.nnx import graphlib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnx_shard import pipeline
 from nnx_shard.annotate import path_str
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import ShardingError, sharding_types
-from nnx_shard.mesh import _apply, current, make_mesh, use
+from nnx_shard.mesh import _apply, current, make_mesh, option, use
 from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["Fused", "History", "Trainer", "multistep", "shard_batch", "value_and_grad"]
@@ -227,6 +228,14 @@ def value_and_grad(
             frame[1] = True
             if m is None:
                 m = frame[0]
+        if option(pipeline.OPTION) is not None:
+            # Under a pipeline strategy the microbatches flow through the stages inside
+            # one forward pass (nnx_shard.pipeline.scan) instead of the accumulation loop.
+            with pipeline.microbatches(m or 1) as used:
+                out = vg(model, batch, *args)
+            if not used[1]:
+                raise pipeline.no_stack_error(m or 1)
+            return out
         if m is None or m == 1:
             return vg(model, batch, *args)
         return _accumulate(vg, m, wrt, model, batch, args)
