@@ -75,7 +75,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
 
-__all__ = ["OPTION", "Schedule", "bubble", "idle_fraction", "scan", "schedule_table"]
+__all__ = ["OPTION", "Schedule", "bubble", "check_stack", "idle_fraction", "scan", "schedule_table"]
 
 #: The execution option (``Rules.with_options(pipeline=Schedule(...))``) this module reads.
 OPTION = "pipeline"
@@ -195,6 +195,49 @@ def no_stack_error(m: int) -> ShardingError:
         "(its forward pass never called nnx_shard.pipeline.scan), so there is nothing to "
         f"split over stages. {_NO_STACK_FIX}"
     )
+
+
+def check_stack(state: Any, sizes: dict[str, int], sched: Schedule) -> None:
+    """Raises a ``ShardingError`` unless ``state`` (a model's) has a stacked layer axis
+    (parameters whose first logical name is ``layers``) whose length divides into
+    the stages (x repeats) of ``sizes``. :meth:`nnx_shard.strategies.Strategy.check`
+    calls it for pipeline strategies.
+
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> cfg = get_config("tiny")   # 2 blocks, not stacked
+    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> check_stack(nnx.state(model), {"stage": 2, "data": 4}, Schedule())
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.ShardingError: pipeline over 'stage': the model has no stacked layer axis ...
+    """
+    stacked = []
+    for path, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Variable):
+            continue
+        names = var.get_metadata().get("out_sharding") or ()
+        if names and names[0] == "layers":
+            stacked.append(("/".join(map(str, path)), int(np.shape(var.get_value())[0])))
+    if not stacked:
+        raise ShardingError(
+            f"pipeline over {sched.axis!r}: the model has no stacked layer axis (no parameter "
+            f"has the logical name 'layers' on its first dimension), so there is nothing to "
+            f"split over stages. {_NO_STACK_FIX}"
+        )
+    s = sizes.get(sched.axis)
+    if s is None:
+        return  # the strategy's missing-axis message names the fix
+    v = sched.repeats
+    path, n_layers = stacked[0]
+    if n_layers % (s * v):
+        what = f"{s} stages" if v == 1 else f"{s} stages x {v} repeats = {s * v} layer groups"
+        good = [d for d in range(1, n_layers + 1) if n_layers % (d * v) == 0]
+        raise ShardingError(
+            f"pipeline: parameter {path!r} stacks {n_layers} layers, which do not divide into "
+            f"{what} (mesh {', '.join(f'{k}={x}' for k, x in sizes.items())}). Fix: a layer "
+            f"count that is a multiple of {s * v}, or a '{sched.axis}' axis of size "
+            f"{' / '.join(map(str, good))}" + (f" with repeats={v}" if v > 1 else "") + "."
+        )
 
 
 # --------------------------------------------------------------------------- scan

@@ -69,7 +69,7 @@ from nnx_shard.annotate import path_str
 from nnx_shard.errors import ShardingError
 from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import make_mesh, variable_spec
-from nnx_shard.pipeline import Schedule
+from nnx_shard.pipeline import Schedule, check_stack
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 
@@ -194,6 +194,8 @@ class Strategy:
         """
         sizes = _sizes(mesh)
         state = model if isinstance(model, nnx.State) else nnx.state(model)
+        if isinstance(self.rules.options.get("pipeline"), Schedule):
+            check_stack(state, sizes, self.rules.options["pipeline"])
         missing = [a for a in self.mesh_axes if a not in sizes]
         problems = self._problems(state, sizes) if not missing else []
         if missing:
@@ -457,8 +459,11 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
 def _pp(name: str, table: Rules, axes: tuple[str, ...], sizes: tuple[int, ...], stage: str,
         repeats: int) -> Strategy:
     sched = Schedule(axis=stage, repeats=repeats)
+    # Circular: the contiguously stored stack is re-laid out to the circular order
+    # in each step (an all-to-all over stage on XLA CPU), gradients back the same way.
+    moves = ("all-to-all",) if repeats > 1 else ()
     return Strategy(name, table.with_options(pipeline=sched), None, axes, sizes,
-                    ("collective-permute", "all-reduce"))
+                    ("collective-permute", "all-reduce", *moves))
 
 
 def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1) -> Strategy:

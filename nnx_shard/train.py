@@ -143,7 +143,7 @@ def _check_device_rows(
     when a device holds a number of rows that ``m`` does not divide."""
     rows = shape[0] // devices
     if rows % m:
-        raise ValueError(
+        raise ShardingError(
             f"microbatches={m} must divide each device's rows of the batch: "
             f"{where} has {shape[0]} rows (shape {tuple(shape)}) sharded over mesh axes "
             f"{', '.join(axes)} ({devices} devices), so {rows} row{'s' if rows != 1 else ''} "
