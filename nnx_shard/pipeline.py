@@ -75,7 +75,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
 
-__all__ = ["OPTION", "Schedule", "bubble", "check_stack", "idle_fraction", "scan", "schedule_table"]
+__all__ = ["OPTION", "Schedule", "StageReport", "bubble", "check_stack", "explain", "idle_fraction",
+           "scan", "schedule_table"]
 
 #: The execution option (``Rules.with_options(pipeline=Schedule(...))``) this module reads.
 OPTION = "pipeline"
@@ -142,10 +143,16 @@ def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarr
            [-1,  1]])
     """
     s, m, v = int(stages), int(microbatches), int(repeats)
-    t = np.arange(m * v + s - 1)[:, None]
-    item = t - np.arange(s)[None, :]  # the work item: pass `item // m` of microbatch `item % m`
-    valid = (item >= 0) & (item < m * v)
-    return np.where(valid, (item % m) * v + item // m, -1)
+    item, busy = _work(np.arange(m * v + s - 1)[:, None], np.arange(s)[None, :], m, v)
+    return np.where(busy, (item % m) * v + item // m, -1)
+
+
+def _work(t: Any, stage: Any, m: int, v: int) -> tuple[Any, Any]:
+    """The work item stage ``stage`` runs at iteration ``t`` (pass ``item // m`` of
+    microbatch ``item % m``) and whether it is real work. The loop of :func:`scan`
+    and :func:`schedule_table` both use it (NumPy arrays or traced values)."""
+    item = t - stage
+    return item, (item >= 0) & (item < m * v)
 
 
 def idle_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -156,6 +163,157 @@ def idle_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """
     table = schedule_table(stages, microbatches, repeats)
     return float(np.mean(table < 0))
+
+
+# --------------------------------------------------------------------------- per-stage report
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReport:
+    """Per-stage bytes of a pipelined model (see :func:`explain`); every figure is per
+    device of that stage.
+
+    Attributes:
+      stages, repeats, microbatches: S, V, M.
+      groups: the stack's layers each stage runs, in the order it runs them.
+      stack_param_bytes, stack_opt_bytes: the stage's share of the stack and of its
+        optimizer state (the same on every stage: 1/S of the stack, split further by
+        other mesh axes).
+      other_param_bytes, other_opt_bytes: everything outside the stack (embeddings,
+        head), placed by the rest of the rules (replicated over ``stage``).
+      microbatch_bytes: one microbatch of the activations entering the stack.
+      activation_bytes: the activations of the microbatches in flight that the
+        backward pass keeps at layer boundaries: ``(M*V + S - 1)`` iterations x
+        ``L/(S*V)`` layers x ``microbatch_bytes``, plus the ``M`` microbatches of
+        outputs and one of inputs the pipeline holds. Layers without
+        rematerialisation keep more inside each layer; this is the floor
+        (``remat="full"``).
+      bubble: the idle fraction of stage-steps, ``(S-1)/(M*V+S-1)``.
+    """
+
+    stages: int
+    repeats: int
+    microbatches: int
+    groups: tuple[tuple[int, ...], ...]
+    stack_param_bytes: int
+    stack_opt_bytes: int
+    other_param_bytes: int
+    other_opt_bytes: int
+    microbatch_bytes: int
+    activation_bytes: int
+    bubble: float
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters, optimizer state and activations of one stage's device."""
+        return (self.stack_param_bytes + self.stack_opt_bytes + self.other_param_bytes
+                + self.other_opt_bytes + self.activation_bytes)
+
+    def __str__(self) -> str:
+        from nnx_shard.report import fmt_bytes
+
+        head = ("stage", "layers", "stack params", "stack opt", "other params", "other opt",
+                "activations", "total")
+        body = []
+        for i, layers in enumerate(self.groups):
+            shown = (f"{layers[0]}-{layers[-1]}" if list(layers) == list(
+                range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers)))
+            body.append((str(i), shown, *(fmt_bytes(b) for b in (
+                self.stack_param_bytes, self.stack_opt_bytes, self.other_param_bytes,
+                self.other_opt_bytes, self.activation_bytes, self.total_bytes))))
+        widths = [max(len(r[c]) for r in (head, *body)) for c in range(len(head))]
+        lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
+                 for r in (head, *body)]
+        kind = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} repeats"
+        lines.append(f"{kind}: {self.stages} stages, {self.microbatches} microbatches of "
+                     f"{fmt_bytes(self.microbatch_bytes)} per device, bubble "
+                     f"{self.bubble:.1%} of stage-steps")
+        return "\n".join(lines)
+
+
+def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
+            carry: Any, microbatches: int) -> StageReport:
+    """Per-stage parameter, optimizer and activation bytes of ``model`` (concrete or
+    abstract) pipelined by ``strategy`` (a pp preset, or rules with the ``pipeline``
+    option) on ``mesh``.
+
+    Args:
+      carry: the activations entering the stack for the whole batch (arrays or
+        ``jax.ShapeDtypeStruct``), e.g. ``[batch, length, embed]`` for the
+        reference Transformer.
+      microbatches: M.
+
+    >>> import optax
+    >>> import nnx_shard as ns
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> cfg = dataclasses.replace(get_config("tiny"), layers=8, scan_layers=True)
+    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> x = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
+    >>> r = explain(model, "stage=4,data=2", ns.strategies.get("pp"), optax.adam(1e-3),
+    ...             carry=x, microbatches=8)
+    >>> r.groups[1], r.microbatch_bytes, r.bubble
+    ((2, 3), 2048, 0.2727272727272727)
+    >>> print(r)   # doctest: +NORMALIZE_WHITESPACE
+    stage  layers  stack params  stack opt   other params  other opt  activations  total
+    0      0-1     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
+    1      2-3     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
+    2      4-5     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
+    3      6-7     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
+    GPipe: 4 stages, 8 microbatches of 2.00 KiB per device, bubble 27.3% of stage-steps
+    """
+    from nnx_shard.mesh import make_mesh
+    from nnx_shard.report import explain as report
+
+    rules = getattr(strategy, "rules", strategy)
+    opt_rules = getattr(strategy, "opt_rules", None)
+    sched = rules.options.get(OPTION)
+    if not isinstance(sched, Schedule):
+        raise ShardingError(
+            f"pipeline.explain: the rules carry no pipeline option (got {sched!r}). Fix: pass "
+            "a pp strategy, e.g. ns.strategies.get('pp'), or "
+            "rules.with_options(pipeline=Schedule())."
+        )
+    mesh = make_mesh(mesh)
+    sizes = dict(mesh.shape)
+    state = model if isinstance(model, nnx.State) else nnx.state(model)
+    check_stack(state, sizes, sched)
+    if sched.axis not in sizes:
+        raise ShardingError(
+            f"pipeline.explain: the mesh ({', '.join(f'{k}={v}' for k, v in sizes.items())}) "
+            f"has no {sched.axis!r} axis. Fix: e.g. make_mesh('{sched.axis}=4,data=2')."
+        )
+    rep = report(model, mesh, rules, optimizer, opt_rules=opt_rules)
+    stack = {p for p, v in nnx.to_flat_state(state) if isinstance(v, nnx.Variable)
+             and (v.get_metadata().get("out_sharding") or (None,))[0] == "layers"}
+    stack_paths = {"/".join(map(str, p)) for p in stack}
+
+    def is_stack(row: Any) -> bool:
+        return (bool(row.names) and row.names[0] == "layers") or row.path in stack_paths
+
+    def total(group: str, in_stack: bool) -> int:
+        return sum(r.bytes_per_device for r in rep.rows
+                   if r.group == group and is_stack(r) == in_stack)
+
+    s, v, m = sizes[sched.axis], sched.repeats, int(microbatches)
+    n_layers = next(int(np.shape(var.get_value())[0]) for p, var in nnx.to_flat_state(state)
+                    if p in stack)
+    g = n_layers // (s * v)
+    groups = tuple(tuple(layer for r in range(v) for layer in range((r * s + st) * g,
+                                                                     (r * s + st + 1) * g))
+                   for st in range(s))
+    data_axes = rules.spec(("batch",), shape=None, mesh=mesh, path="pipeline batch")[0]
+    data_axes = () if data_axes is None else (data_axes,) if isinstance(data_axes, str) else data_axes
+    data = math.prod(sizes[a] for a in data_axes)
+    whole = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+                for x in jax.tree.leaves(carry))
+    micro = whole // (m * data)
+    acts = ((m * v + s - 1) * g + m + 1) * micro
+    return StageReport(stages=s, repeats=v, microbatches=m, groups=groups,
+                       stack_param_bytes=total("params", True),
+                       stack_opt_bytes=total("optimizer", True),
+                       other_param_bytes=total("params", False),
+                       other_opt_bytes=total("optimizer", False),
+                       microbatch_bytes=micro, activation_bytes=acts, bubble=bubble(s, m, v))
 
 
 # --------------------------------------------------------------------------- microbatches
@@ -446,7 +604,8 @@ def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule
                  t: jax.Array) -> list[jax.Array]:
         # This stage's pass over the stack: repeat r = (t - stage) // M (clipped in
         # the bubble, where the result is never used).
-        r = jnp.clip((t - stage) // m, 0, v - 1)
+        item, _ = _work(t, stage, m, v)
+        r = jnp.clip(item // m, 0, v - 1)
         group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False),
                              stage_params)
         c = jax.tree.unflatten(treedef, inputs)
@@ -477,12 +636,12 @@ def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule
         out = run_stages(params, inputs, stage_ids, t)
         # Every stage hands its result to the next; the last stage's lands on stage 0.
         rolled = [on_stage(jnp.roll(o, 1, axis=0)) for o in out]
-        k = t - (s - 1)  # the work item the last stage just finished
+        k, finished = _work(t, s - 1, m, v)  # what the last stage just did
         kslot = jnp.maximum(k, 0) % m
         new_done = []
         for r, d in zip(rolled, done, strict=True):
             old = jax.lax.dynamic_index_in_dim(d, kslot, 1, keepdims=False)
-            val = jnp.where(k >= 0, r, old)
+            val = jnp.where(finished, r, old)
             new_done.append(jax.lax.dynamic_update_index_in_dim(d, val, kslot, 1))
         return (rolled, new_done), None
 
