@@ -216,8 +216,9 @@ class StageReport:
                 "activations", "total")
         body = []
         for i, layers in enumerate(self.groups):
-            shown = (f"{layers[0]}-{layers[-1]}" if list(layers) == list(
-                range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers)))
+            contiguous = list(layers) == list(range(layers[0], layers[-1] + 1))
+            shown = (str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+                     if contiguous else ",".join(map(str, layers)))
             body.append((str(i), shown, *(fmt_bytes(b) for b in (
                 self.stack_param_bytes, self.stack_opt_bytes, self.other_param_bytes,
                 self.other_opt_bytes, self.activation_bytes, self.total_bytes))))
@@ -273,7 +274,8 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
             "a pp strategy, e.g. ns.strategies.get('pp'), or "
             "rules.with_options(pipeline=Schedule())."
         )
-    mesh = make_mesh(mesh)
+    if not isinstance(mesh, jax.sharding.AbstractMesh):  # plans any size with no devices
+        mesh = make_mesh(mesh)
     sizes = dict(mesh.shape)
     state = model if isinstance(model, nnx.State) else nnx.state(model)
     check_stack(state, sizes, sched)

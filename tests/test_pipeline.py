@@ -68,6 +68,7 @@ class Run:
     init_params: dict
     metrics: dict
     hlo: str
+    microbatches: int = 1
 
 
 def _run(strategy, mesh, cfg, microbatches: int) -> Run:
@@ -81,7 +82,7 @@ def _run(strategy, mesh, cfg, microbatches: int) -> Run:
         hlo = fused.lower(model, opt, batch).compile().as_text()
         metrics = jax.device_get(fused(model, opt, batch))
     assert fused.traces == 1
-    return Run(strategy, mesh, model, opt, init_params, metrics, hlo)
+    return Run(strategy, mesh, model, opt, init_params, metrics, hlo, microbatches)
 
 
 @functools.cache
@@ -178,6 +179,58 @@ def test_compiled_collectives(run: Run) -> None:
         assert all(c.axes in (("stage",), None) and c.op_name.endswith("reshape") for c in a2a)
         assert a2a and all(c.op_name.count("while/body") == 1 for c in a2a)  # not in the loop
         assert any(c.op_name.count("while/body") == 2 for c in found if "roll" in c.op_name)
+
+
+def test_explain_per_stage_matches_the_arrays(run: Run) -> None:
+    s, m = _stages(run), run.microbatches
+    cfg = run.model.cfg
+    v = run.strategy.rules.options["pipeline"].repeats
+    carry = jax.ShapeDtypeStruct((BATCH, cfg.length, cfg.embed), jnp.float32)
+    r = pipeline.explain(run.model, run.mesh, run.strategy, optax.adam(LR), carry=carry,
+                         microbatches=m)
+    stack = nnx.state(run.model.blocks, nnx.Param)
+    other = nnx.state(run.model, nnx.Param)
+    del other["blocks"]
+    opt = run.opt.opt_state[0]
+    assert r.stack_param_bytes == max(_device_bytes(stack).values())
+    assert r.other_param_bytes == max(_device_bytes(other).values())
+    assert r.stack_opt_bytes == 2 * r.stack_param_bytes == max(
+        _device_bytes((opt.mu["blocks"], opt.nu["blocks"])).values())
+    data = 8 // s
+    assert r.microbatch_bytes == BATCH * cfg.length * cfg.embed * 4 // (m * data)
+    g = cfg.layers // (s * v)
+    assert r.activation_bytes == ((m * v + s - 1) * g + m + 1) * r.microbatch_bytes
+    assert r.bubble == pipeline.bubble(s, m, v)
+    # Stage st runs layer groups st, st + S, ...: contiguous for GPipe.
+    want = [[layer for rep in range(v) for layer in range((rep * s + st) * g, (rep * s + st + 1) * g)]
+            for st in range(s)]
+    assert [list(x) for x in r.groups] == want
+    if v == 2 and s == 2:
+        assert [list(x) for x in r.groups] == [[0, 2], [1, 3]]
+        assert str(r).splitlines()[1].split()[:2] == ["0", "0,2"]
+
+
+def test_plan_cli_shows_stages(capsys) -> None:
+    import json
+
+    from nnx_shard.cli import main
+
+    rc = main(["plan", "--model", "small", "--mesh", "stage=4,data=2", "--strategy", "pp",
+               "--scan-layers", "--no-compile", "--batch", "16", "--seq", "64", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["error"] is None
+    st = out["stages"]
+    assert st["stages"] == 4 and st["microbatches"] == 4
+    assert st["groups"] == [[0], [1], [2], [3]]
+    small = get_config("small")
+    assert st["microbatch_bytes"] == 16 * 64 * small.embed * 4 // (4 * 2)
+    stack = [r for r in out["largest"] if r["path"].startswith("blocks/")]
+    assert stack and all(r["spec"][0] == "stage" for r in stack)
+    main(["plan", "--model", "small", "--mesh", "stage=4,data=2", "--strategy", "pp",
+          "--scan-layers", "--no-compile", "--batch", "16", "--seq", "64"])
+    text = capsys.readouterr().out
+    assert "per pipeline stage (microbatches = 4, the stage count):" in text
+    assert "GPipe: 4 stages, 4 microbatches of 64.00 KiB per device, bubble 42.9%" in text
 
 
 # --------------------------------------------------------------------------- schedule
