@@ -390,6 +390,20 @@ def test_explicit_mesh_axes_are_refused() -> None:
                       microbatches=4)
 
 
+def test_presets() -> None:
+    for name in ("pp", "pp_fsdp", "pp_tp"):
+        s = ns.strategies.get(name, stage="pipe", data="dp")
+        assert s.mesh_axes[:2] == ("pipe", "dp") and s.rules["layers"] == "pipe"
+        assert s.rules.options["pipeline"] == pipeline.Schedule(axis="pipe")
+        assert set(s.collectives) <= set(ns.strategies.KINDS)
+        assert np.prod(list(s.mesh_for(8).values())) == 8
+        assert all(logical in s.rules for logical in ns.strategies.LOGICAL)
+    assert ns.strategies.get("pp_fsdp").mesh_for(8) == {"stage": 4, "data": 2}
+    assert ns.strategies.get("pp", repeats=2).rules.options["pipeline"].name == "circular"
+    with pytest.raises(ns.ShardingError, match="must be distinct"):
+        ns.strategies.get("pp", stage="x", data="x")
+
+
 def test_bad_schedule() -> None:
     with pytest.raises(ns.ShardingError, match=r"repeats=0 must be an int >= 1"):
         ns.strategies.get("pp", repeats=0)
