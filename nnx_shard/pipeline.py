@@ -63,6 +63,7 @@ import contextlib
 import dataclasses
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,7 +73,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, ShardingWarning
 from nnx_shard.mesh import current, option
 
 __all__ = ["OPTION", "Schedule", "StageReport", "bubble", "check_stack", "explain", "idle_fraction",
@@ -99,13 +100,17 @@ class Schedule:
       axis: the mesh axis the stages lie along.
       repeats: V. 1 is GPipe; V > 1 the circular (interleaved) schedule, in which
         each stage holds V non-contiguous groups of layers.
+      allow_few_microbatches: GPipe only: run with fewer microbatches than stages
+        (some stages never work) with a ``ShardingWarning`` giving the bubble,
+        instead of a ``ShardingError``.
 
     >>> Schedule(), Schedule(repeats=2).name
-    (Schedule(axis='stage', repeats=1), 'circular')
+    (Schedule(axis='stage', repeats=1, allow_few_microbatches=False), 'circular')
     """
 
     axis: str = "stage"
     repeats: int = 1
+    allow_few_microbatches: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -114,6 +119,11 @@ class Schedule:
             raise ShardingError(
                 f"Schedule.repeats={self.repeats!r} must be an int >= 1 (1: GPipe; V > 1: "
                 "circular with V layer groups per stage)."
+            )
+
+        if not isinstance(self.allow_few_microbatches, bool):
+            raise ShardingError(
+                f"Schedule.allow_few_microbatches={self.allow_few_microbatches!r} must be a bool."
             )
 
     @property
@@ -452,13 +462,20 @@ def _check(sched: Schedule, mesh: Any, n_layers: int, m: int, batch: int, data: 
             f"{' / '.join(map(str, good))}" + (" with these repeats" if v > 1 else "") + "."
         )
     if m < s:
-        raise ShardingError(
-            f"pipeline: microbatches={m} is fewer than the {s} stages of mesh axis "
-            f"{sched.axis!r}: at least {s - m} stage(s) would never work and the bubble "
-            f"would be {bubble(s, m, v):.0%} of stage-steps. Fix: microbatches >= {s} "
-            f"(Trainer(..., microbatches={s}) or multistep(..., microbatches={s}); "
-            f"{4 * s} gives a bubble of {bubble(s, 4 * s, v):.0%})."
-        )
+        what = (f"pipeline: microbatches={m} is fewer than the {s} stages of mesh axis "
+                f"{sched.axis!r}: at least {s - m} stage(s) would never work and the bubble "
+                f"would be {bubble(s, m, v):.0%} of stage-steps.")
+        if sched.allow_few_microbatches and v == 1:
+            warnings.warn(what.replace("would never work and the bubble would be",
+                                       "never work; the bubble is"), ShardingWarning, stacklevel=2)
+        else:
+            insist = (" The circular schedule needs microbatches >= stages." if v > 1 else
+                      " To run anyway (GPipe), get('pp', allow_few_microbatches=True).")
+            raise ShardingError(
+                f"{what} Fix: microbatches >= {s} (Trainer(..., microbatches={s}) or "
+                f"multistep(..., microbatches={s}); {4 * s} gives a bubble of "
+                f"{bubble(s, 4 * s, v):.0%}).{insist}"
+            )
     if batch % (m * data):
         raise ShardingError(
             f"pipeline: the batch of {batch} rows does not divide into microbatches={m} x "

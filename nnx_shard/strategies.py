@@ -457,8 +457,8 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
 
 
 def _pp(name: str, table: Rules, axes: tuple[str, ...], sizes: tuple[int, ...], stage: str,
-        repeats: int) -> Strategy:
-    sched = Schedule(axis=stage, repeats=repeats)
+        repeats: int, allow_few_microbatches: bool) -> Strategy:
+    sched = Schedule(axis=stage, repeats=repeats, allow_few_microbatches=allow_few_microbatches)
     # Circular: the contiguously stored stack is re-laid out to the circular order
     # in each step (an all-to-all over stage on XLA CPU), gradients back the same way.
     moves = ("all-to-all",) if repeats > 1 else ()
@@ -466,7 +466,8 @@ def _pp(name: str, table: Rules, axes: tuple[str, ...], sizes: tuple[int, ...], 
                     ("collective-permute", "all-reduce", *moves))
 
 
-def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1) -> Strategy:
+def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
+       allow_few_microbatches: bool = False) -> Strategy:
     """Pipeline parallelism over ``stage`` (with data parallelism over ``data``): the
     stacked layer axis (``layers``) split over ``stage``, each device holding
     ``layers/stages`` consecutive layers and their optimizer state; everything
@@ -474,7 +475,8 @@ def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1) -> Strateg
     ``pipeline=Schedule(stage, repeats)``, which :func:`nnx_shard.pipeline.scan`
     reads: ``repeats=1`` is GPipe, ``repeats=V > 1`` the circular schedule.
     Microbatches are the trainer's ``microbatches=M`` (at least the number of
-    stages); see :mod:`nnx_shard.pipeline`.
+    stages, unless ``allow_few_microbatches=True``: GPipe then runs with idle stages
+    and a warning); see :mod:`nnx_shard.pipeline`.
 
     Mesh axes: ``stage``, ``data``. Collectives: collective-permutes over
     ``stage`` (activations passed between stages at every pipeline iteration,
@@ -483,15 +485,17 @@ def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1) -> Strateg
 
     >>> s = pp()
     >>> s.rules["layers"], s.rules["batch"], s.rules.options["pipeline"]
-    ('stage', 'data', Schedule(axis='stage', repeats=1))
+    ('stage', 'data', Schedule(axis='stage', repeats=1, allow_few_microbatches=False))
     >>> s.mesh_for(8)
     {'stage': 4, 'data': 2}
     """
     _distinct("pp", stage=stage, data=data)
-    return _pp("pp", _table(batch=data, layers=stage), (stage, data), (2,), stage, repeats)
+    return _pp("pp", _table(batch=data, layers=stage), (stage, data), (2,), stage, repeats,
+               allow_few_microbatches)
 
 
-def pp_fsdp(*, stage: str = "stage", data: str = "data", repeats: int = 1) -> Strategy:
+def pp_fsdp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
+            allow_few_microbatches: bool = False) -> Strategy:
     """:func:`pp` with each stage's parameters (and the rest of the model's) sharded
     over ``data`` along ``embed``, FSDP-style.
 
@@ -503,11 +507,11 @@ def pp_fsdp(*, stage: str = "stage", data: str = "data", repeats: int = 1) -> St
     """
     _distinct("pp_fsdp", stage=stage, data=data)
     return _pp("pp_fsdp", _table(batch=data, embed=data, layers=stage), (stage, data), (2,),
-               stage, repeats)
+               stage, repeats, allow_few_microbatches)
 
 
 def pp_tp(*, stage: str = "stage", data: str = "data", model: str = "model",
-          repeats: int = 1) -> Strategy:
+          repeats: int = 1, allow_few_microbatches: bool = False) -> Strategy:
     """:func:`pp` with Megatron tensor parallelism over ``model`` inside each stage
     (``heads``, ``mlp``, ``vocab``).
 
@@ -519,7 +523,7 @@ def pp_tp(*, stage: str = "stage", data: str = "data", model: str = "model",
     """
     _distinct("pp_tp", stage=stage, data=data, model=model)
     return _pp("pp_tp", _table(batch=data, heads=model, mlp=model, vocab=model, layers=stage),
-               (stage, data, model), (2, 2), stage, repeats)
+               (stage, data, model), (2, 2), stage, repeats, allow_few_microbatches)
 
 
 _PRESETS: dict[str, Callable[..., Strategy]] = {

@@ -278,20 +278,45 @@ class _Stack(nnx.Module):
         return pipeline.scan(body, x, state)[0]
 
 
-def test_users_vmap_stack_pipelines() -> None:
-    s = ns.strategies.get("pp")
+def _stack_grads(s, microbatches):
     mesh = s.make_mesh(8)
     model = s.sharded_init(lambda: _Stack(4, 8, nnx.Rngs(0)), mesh)
     x = jax.random.normal(jax.random.key(1), (8, 8))
-    want_loss, want_g = jax.device_get(
-        nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(
-            _Stack(4, 8, nnx.Rngs(0))))
     with ns.use(mesh, s.rules):
-        loss, g = nnx.jit(lambda m: ns.value_and_grad(
-            lambda m, b: jnp.mean(m(b) ** 2), microbatches=4)(m, x))(model)
+        return nnx.jit(lambda m: ns.value_and_grad(
+            lambda m, b: jnp.mean(m(b) ** 2), microbatches=microbatches)(m, x))(model)
+
+
+def _stack_reference():
+    x = jax.random.normal(jax.random.key(1), (8, 8))
+    return jax.device_get(nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(
+        _Stack(4, 8, nnx.Rngs(0))))
+
+
+def test_users_vmap_stack_pipelines() -> None:
+    want_loss, want_g = _stack_reference()
+    loss, g = _stack_grads(ns.strategies.get("pp"), 4)
     assert_close(loss, want_loss, RTOL, "loss")
     assert_close(g, want_g, RTOL, "grads")
     assert g["blocks"]["kernel"].get_value().sharding.spec[0] == "stage"
+
+
+def test_fewer_microbatches_than_stages_when_the_user_insists() -> None:
+    # GPipe runs with idle stages, and says how much of the pipeline idles.
+    s = ns.strategies.get("pp", allow_few_microbatches=True)
+    with pytest.warns(ns.ShardingWarning, match=re.escape(
+            "microbatches=2 is fewer than the 4 stages of mesh axis 'stage': at least 2 "
+            "stage(s) never work; the bubble is 60% of stage-steps.")):
+        loss, g = _stack_grads(s, 2)
+    want_loss, want_g = _stack_reference()
+    assert_close(loss, want_loss, RTOL, "loss")
+    assert_close(g, want_g, RTOL, "grads")
+    # The circular schedule cannot: it needs every stage's slot filled.
+    s = ns.strategies.get("pp", repeats=2, allow_few_microbatches=True)
+    with ns.use(s.make_mesh(8), s.rules), pytest.raises(
+            ns.ShardingError, match="The circular schedule needs microbatches >= stages."):
+        pipeline.scan(lambda h, w: (h * w, None), jnp.ones((8, 3)), jnp.ones((8, 3)),
+                      microbatches=2)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -345,7 +370,9 @@ def test_fewer_microbatches_than_stages() -> None:
     with pytest.raises(ns.ShardingError, match=re.escape(
             "pipeline: microbatches=2 is fewer than the 4 stages of mesh axis 'stage': at least "
             "2 stage(s) would never work and the bubble would be 60% of stage-steps. Fix: "
-            "microbatches >= 4 (Trainer(..., microbatches=4)")):
+            "microbatches >= 4 (Trainer(..., microbatches=4) or multistep(..., microbatches=4); "
+            "16 gives a bubble of 16%). To run anyway (GPipe), get('pp', "
+            "allow_few_microbatches=True).")):
         trainer.fit(_one_batch(cfg), 1, progress=False)
 
 
