@@ -103,14 +103,18 @@ class Schedule:
       allow_few_microbatches: GPipe only: run with fewer microbatches than stages
         (some stages never work) with a ``ShardingWarning`` giving the bubble,
         instead of a ``ShardingError``.
+      remat: keep only each stage's input per pipeline iteration for the backward
+        pass and recompute the stage's layers there (``jax.checkpoint`` per stage):
+        the activations in flight shrink from every layer's to one per stage.
 
     >>> Schedule(), Schedule(repeats=2).name
-    (Schedule(axis='stage', repeats=1, allow_few_microbatches=False), 'circular')
+    (Schedule(axis='stage', repeats=1, allow_few_microbatches=False, remat=False), 'circular')
     """
 
     axis: str = "stage"
     repeats: int = 1
     allow_few_microbatches: bool = False
+    remat: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -121,10 +125,9 @@ class Schedule:
                 "circular with V layer groups per stage)."
             )
 
-        if not isinstance(self.allow_few_microbatches, bool):
-            raise ShardingError(
-                f"Schedule.allow_few_microbatches={self.allow_few_microbatches!r} must be a bool."
-            )
+        for flag in ("allow_few_microbatches", "remat"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ShardingError(f"Schedule.{flag}={getattr(self, flag)!r} must be a bool.")
 
     @property
     def name(self) -> str:
@@ -194,10 +197,10 @@ class StageReport:
       microbatch_bytes: one microbatch of the activations entering the stack.
       activation_bytes: the activations of the microbatches in flight that the
         backward pass keeps at layer boundaries: ``(M*V + S - 1)`` iterations x
-        ``L/(S*V)`` layers x ``microbatch_bytes``, plus the ``M`` microbatches of
-        outputs and one of inputs the pipeline holds. Layers without
-        rematerialisation keep more inside each layer; this is the floor
-        (``remat="full"``).
+        ``L/(S*V)`` layers (1 with ``Schedule.remat``: the stage's input) x
+        ``microbatch_bytes``, plus the ``M`` microbatches of outputs and one of
+        inputs the pipeline holds. Layers without rematerialisation keep more
+        inside each layer; this is the floor (``remat="full"``).
       bubble: the idle fraction of stage-steps, ``(S-1)/(M*V+S-1)``.
     """
 
@@ -319,7 +322,7 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     whole = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
                 for x in jax.tree.leaves(carry))
     micro = whole // (m * data)
-    acts = ((m * v + s - 1) * g + m + 1) * micro
+    acts = ((m * v + s - 1) * (1 if sched.remat else g) + m + 1) * micro
     return StageReport(stages=s, repeats=v, microbatches=m, groups=groups,
                        stack_param_bytes=total("params", True),
                        stack_opt_bytes=total("optimizer", True),
@@ -637,6 +640,10 @@ def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule
             )
         return jax.tree.leaves(c)
 
+    if sched.remat:
+        # Inside the loop XLA cannot merge the recomputation with the forward pass,
+        # so CSE prevention would only cost speed (as for scanned layers).
+        stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
     run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, None), spmd_axis_name=axis)
 
     def iteration(state: tuple[list[jax.Array], list[jax.Array]], t: jax.Array) -> Any:

@@ -457,8 +457,9 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
 
 
 def _pp(name: str, table: Rules, axes: tuple[str, ...], sizes: tuple[int, ...], stage: str,
-        repeats: int, allow_few_microbatches: bool) -> Strategy:
-    sched = Schedule(axis=stage, repeats=repeats, allow_few_microbatches=allow_few_microbatches)
+        repeats: int, allow_few_microbatches: bool, remat: bool) -> Strategy:
+    sched = Schedule(axis=stage, repeats=repeats, allow_few_microbatches=allow_few_microbatches,
+                     remat=remat)
     # Circular: the contiguously stored stack is re-laid out to the circular order
     # in each step (an all-to-all over stage on XLA CPU), gradients back the same way.
     moves = ("all-to-all",) if repeats > 1 else ()
@@ -467,7 +468,7 @@ def _pp(name: str, table: Rules, axes: tuple[str, ...], sizes: tuple[int, ...], 
 
 
 def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
-       allow_few_microbatches: bool = False) -> Strategy:
+       allow_few_microbatches: bool = False, remat: bool = False) -> Strategy:
     """Pipeline parallelism over ``stage`` (with data parallelism over ``data``): the
     stacked layer axis (``layers``) split over ``stage``, each device holding
     ``layers/stages`` consecutive layers and their optimizer state; everything
@@ -476,7 +477,9 @@ def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
     reads: ``repeats=1`` is GPipe, ``repeats=V > 1`` the circular schedule.
     Microbatches are the trainer's ``microbatches=M`` (at least the number of
     stages, unless ``allow_few_microbatches=True``: GPipe then runs with idle stages
-    and a warning); see :mod:`nnx_shard.pipeline`.
+    and a warning). ``remat=True`` keeps only each stage's input per pipeline
+    iteration for the backward pass and recomputes the stage. See
+    :mod:`nnx_shard.pipeline`.
 
     Mesh axes: ``stage``, ``data``. Collectives: collective-permutes over
     ``stage`` (activations passed between stages at every pipeline iteration,
@@ -485,17 +488,17 @@ def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
 
     >>> s = pp()
     >>> s.rules["layers"], s.rules["batch"], s.rules.options["pipeline"]
-    ('stage', 'data', Schedule(axis='stage', repeats=1, allow_few_microbatches=False))
+    ('stage', 'data', Schedule(axis='stage', repeats=1, allow_few_microbatches=False, remat=False))
     >>> s.mesh_for(8)
     {'stage': 4, 'data': 2}
     """
     _distinct("pp", stage=stage, data=data)
     return _pp("pp", _table(batch=data, layers=stage), (stage, data), (2,), stage, repeats,
-               allow_few_microbatches)
+               allow_few_microbatches, remat)
 
 
 def pp_fsdp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
-            allow_few_microbatches: bool = False) -> Strategy:
+            allow_few_microbatches: bool = False, remat: bool = False) -> Strategy:
     """:func:`pp` with each stage's parameters (and the rest of the model's) sharded
     over ``data`` along ``embed``, FSDP-style.
 
@@ -507,11 +510,12 @@ def pp_fsdp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
     """
     _distinct("pp_fsdp", stage=stage, data=data)
     return _pp("pp_fsdp", _table(batch=data, embed=data, layers=stage), (stage, data), (2,),
-               stage, repeats, allow_few_microbatches)
+               stage, repeats, allow_few_microbatches, remat)
 
 
 def pp_tp(*, stage: str = "stage", data: str = "data", model: str = "model",
-          repeats: int = 1, allow_few_microbatches: bool = False) -> Strategy:
+          repeats: int = 1, allow_few_microbatches: bool = False,
+          remat: bool = False) -> Strategy:
     """:func:`pp` with Megatron tensor parallelism over ``model`` inside each stage
     (``heads``, ``mlp``, ``vocab``).
 
@@ -523,7 +527,7 @@ def pp_tp(*, stage: str = "stage", data: str = "data", model: str = "model",
     """
     _distinct("pp_tp", stage=stage, data=data, model=model)
     return _pp("pp_tp", _table(batch=data, heads=model, mlp=model, vocab=model, layers=stage),
-               (stage, data, model), (2, 2), stage, repeats, allow_few_microbatches)
+               (stage, data, model), (2, 2), stage, repeats, allow_few_microbatches, remat)
 
 
 _PRESETS: dict[str, Callable[..., Strategy]] = {

@@ -319,6 +319,31 @@ def test_fewer_microbatches_than_stages_when_the_user_insists() -> None:
                       microbatches=2)
 
 
+def test_remat_per_stage_same_values_less_memory() -> None:
+    cfg = _config(8)
+    batch = {k: v[:1] for k, v in _host_batches(cfg).items()}
+    out = {}
+    for remat in (False, True):
+        s = ns.strategies.get("pp", remat=remat)
+        mesh = ns.make_mesh({"stage": 2, "data": 4})
+        model = s.sharded_init(_factory(cfg), mesh)
+        opt = s.optimizer(model, optax.adam(LR), mesh)
+        with ns.use(mesh, s.rules):
+            b = ns.shard_batch(batch, mesh, s.rules, ("batch", "length"), steps=True)
+            fused = ns.multistep(_step, microbatches=2)
+            temp = fused.lower(model, opt, b).compile().memory_analysis().temp_size_in_bytes
+            metrics = jax.device_get(fused(model, opt, b))
+        carry = jax.ShapeDtypeStruct((BATCH, cfg.length, cfg.embed), jnp.float32)
+        acts = pipeline.explain(model, mesh, s, carry=carry, microbatches=2).activation_bytes
+        out[remat] = (metrics, nnx.state(model, nnx.Param), temp, acts)
+    assert_close(out[True][0], out[False][0], RTOL, "loss and grads")
+    assert_close(out[True][1], out[False][1], RTOL_PARAMS, "params")
+    assert out[True][2] < out[False][2]  # compiled temporaries
+    micro = BATCH * cfg.length * cfg.embed * 4 // (2 * 4)
+    assert out[False][3] == ((2 + 1) * 4 + 2 + 1) * micro  # 4 layers per stage
+    assert out[True][3] == ((2 + 1) * 1 + 2 + 1) * micro  # one stage input
+
+
 # --------------------------------------------------------------------------- bad input
 
 
