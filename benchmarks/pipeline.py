@@ -15,6 +15,8 @@ train steps (:func:`nnx_shard.multistep`), and the table shows
 * ``idle``: the fraction of idle stage-steps counted in the schedule the
   pipeline loop runs (:func:`nnx_shard.pipeline.schedule_table`, built from the
   same function the loop uses); the script checks that it equals ``bubble``;
+* ``remat``: two more rows at M = 2S with ``pp(..., remat=True)`` (each stage
+  recomputed in the backward pass);
 * ``relayout KiB``: per step and device, the bytes of the collectives that
   re-lay the contiguously stored stack out to the circular order (and its
   gradients back), read from the compiled HLO; 0 for GPipe.
@@ -68,9 +70,9 @@ def _step(model, opt, batch):
     return loss
 
 
-def build(m: int, v: int, host: dict) -> dict:
+def build(m: int, v: int, host: dict, remat: bool = False) -> dict:
     cfg = dataclasses.replace(get_config("tiny"), layers=LAYERS, scan_layers=True)
-    strategy = ns.strategies.get("pp", repeats=v)
+    strategy = ns.strategies.get("pp", repeats=v, remat=remat)
     mesh = ns.make_mesh({"stage": S, "data": DATA})
     model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
     opt = strategy.optimizer(model, optax.adam(1e-3), mesh)
@@ -95,7 +97,8 @@ def build(m: int, v: int, host: dict) -> dict:
     bubble = pipeline.bubble(S, m, v)
     assert abs(idle - bubble) < 1e-12, (idle, bubble)
     stack = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.blocks, nnx.Param)))
-    row = {"schedule": "gpipe" if v == 1 else "circular", "repeats": v, "stages": S,
+    row = {"schedule": "gpipe" if v == 1 else "circular", "repeats": v, "remat": remat,
+           "stages": S,
            "microbatches": m, "iterations": int(table.shape[0]), "bubble": bubble,
            "idle_measured": idle, "peak_bytes": int(peak),
            "temp_bytes": int(mem.temp_size_in_bytes), "compile_s": seconds,
@@ -114,6 +117,8 @@ def main() -> None:
     toks = np.random.default_rng(0).integers(0, cfg.vocab, (STEPS, BATCH, cfg.length + 1))
     host = {"inputs": toks[:, :, :-1].astype(np.int32), "targets": toks[:, :, 1:].astype(np.int32)}
     cases = [build(m, v, host) for v in (1, 2) for m in ms]
+    # Per-stage remat (pp(..., remat=True)) at M = 2S: the activations in flight shrink.
+    cases += [build(2 * S, v, host, remat=True) for v in (1, 2)]
     for r in range(rounds):
         for i in np.roll(np.arange(len(cases)), -r):
             fused, model, opt, batch, mesh, strategy = cases[i]["run"]
@@ -129,11 +134,11 @@ def main() -> None:
     print(f"Transformer tiny x {LAYERS} layers, batch {BATCH} x {cfg.length}, mesh stage={S}, "
           f"data={DATA}, jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} "
           f"devices, {platform.processor() or platform.machine()}")
-    print("| schedule | V | M | iterations | bubble | idle (measured) | steps/s | peak MiB | "
-          "temp MiB | relayout KiB/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| schedule | V | remat | M | iterations | bubble | idle (measured) | steps/s | "
+          "peak MiB | temp MiB | relayout KiB/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['schedule']} | {row['repeats']} | {row['microbatches']} | "
+        print(f"| {row['schedule']} | {row['repeats']} | {row['remat']} | {row['microbatches']} | "
               f"{row['iterations']} | {row['bubble']:.3f} | {row['idle_measured']:.3f} | "
               f"{row['steps_per_s']:.2f} | {row['peak_bytes'] / mib:.2f} | "
               f"{row['temp_bytes'] / mib:.2f} | {row['relayout_bytes_per_step'] / 1024:.0f} |")

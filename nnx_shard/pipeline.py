@@ -483,8 +483,9 @@ def _check(sched: Schedule, mesh: Any, n_layers: int, m: int, batch: int, data: 
         raise ShardingError(
             f"pipeline: the batch of {batch} rows does not divide into microbatches={m} x "
             f"{data} data-parallel devices = {m * data}. Fix: a batch that is a multiple of "
-            f"{m * data}, or microbatches that divide {batch // data if batch % data == 0 else batch}"
-            f" / {data} devices."
+            f"{m * data}" + (f", or a number of microbatches that divides the {batch // data} "
+                             "rows of each data-parallel device" if batch % data == 0 else "")
+            + "."
         )
     return s
 

@@ -416,7 +416,8 @@ def test_batch_not_divisible_by_microbatches_times_data() -> None:
     x = jnp.ones((6, 3))
     with ns.use(mesh, s.rules), pytest.raises(ns.ShardingError, match=re.escape(
             "the batch of 6 rows does not divide into microbatches=4 x 1 data-parallel devices "
-            "= 4. Fix: a batch that is a multiple of 4")):
+            "= 4. Fix: a batch that is a multiple of 4, or a number of microbatches that "
+            "divides the 6 rows of each data-parallel device.")):
         pipeline.scan(lambda h, w: (h * w, None), x, jnp.ones((4, 3)), microbatches=4)
 
 
