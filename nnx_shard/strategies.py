@@ -25,6 +25,17 @@ sp         data, model      tp, plus ``length`` over model outside            al
 ep         data, expert     batch over data x expert; experts over expert     all-to-all over expert (token dispatch
                                                                               and return), all-gather over expert,
                                                                               all-reduce (gradients)
+pp         stage, data      ``layers`` (the stacked blocks) over stage,       collective-permute over stage (between
+                            batch over data; GPipe, or circular with          stages), all-reduce over stage (the
+                            ``repeats=V`` (:mod:`nnx_shard.pipeline`)         activations in and out), all-reduce over
+                                                                              data; circular adds all-to-all over stage
+                                                                              (the stack's re-layout) [2]_
+pp_fsdp    stage, data      pp, plus params over data along ``embed``         pp's and fsdp's; XLA also moves the
+                                                                              embedding and head between groups
+                                                                              (all-to-all, permutes, an all-gather
+                                                                              over stage of the head's weight)
+pp_tp      stage, data,     pp, plus tp over model inside each stage          pp's and tp's
+           model
 =========  ===============  ================================================  ==========================================
 
 The collectives are those the compiled train step of the reference transformer
@@ -41,6 +52,10 @@ where a layout changes).
    followed by a local slice instead, so that is what the CPU HLO and
    :attr:`Strategy.collectives` show. Backends that rewrite that pattern into
    a reduce-scatter may show one instead.
+
+.. [2] The pipeline presets run only on Auto axes (tests/test_pipeline.py reads
+   their collectives there), with a stacked layer axis and the trainer's
+   ``microbatches=M`` (at least the number of stages).
 
 >>> import nnx_shard as ns
 >>> s = ns.strategies.get("fsdp_tp")
@@ -503,7 +518,11 @@ def pp_fsdp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
     over ``data`` along ``embed``, FSDP-style.
 
     Mesh axes: ``stage``, ``data``. Collectives: those of :func:`pp` plus FSDP's
-    all-gathers of parameters over ``data``.
+    all-gathers of parameters over ``data`` (inside the pipeline loop, per layer);
+    on Auto axes XLA also moves the data-sharded embedding and head between device
+    groups (measured on 8 CPU devices: all-to-alls over ``data``, collective-permutes
+    over ``stage`` x ``data`` and an all-gather over ``stage`` of the head's weight),
+    never a layer of the stack.
 
     >>> pp_fsdp().rules["embed"], pp_fsdp().rules["layers"]
     ('data', 'stage')
