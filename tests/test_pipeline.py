@@ -527,6 +527,32 @@ def test_compositions_match_one_device_and_checkpoint_across_strategies(name, tm
     assert_close(o3.opt_state, opt.opt_state, 0, "optimizer restored under " + name)
 
 
+@pytest.mark.parametrize("name", ["pp_fsdp", "pp_tp"])
+def test_compositions_never_gather_layers_over_stage(name) -> None:
+    s = ns.strategies.get(name)
+    mesh = s.make_mesh(8)
+    cfg = _config(4)
+    model = s.sharded_init(_factory(cfg), mesh)
+    opt = s.optimizer(model, optax.adam(LR), mesh)
+    with ns.use(mesh, s.rules):
+        batch = ns.shard_batch({k: v[:1] for k, v in _host_batches(cfg).items()}, mesh, s.rules,
+                               ("batch", "length"), steps=True)
+        hlo = ns.multistep(_step, microbatches=4).lower(model, opt, batch).compile().as_text()
+    found = compiled_collectives(hlo, mesh)
+    assert ("collective-permute", ("stage",)) in {(c.kind, c.axes) for c in found}
+    over_stage = [c for c in found if c.kind == "all-gather" and "stage" in (c.axes or ())]
+    # Nothing inside the pipeline loop (the stack's layers) is gathered over stage; XLA
+    # may gather the head's weight (vocab x embed) outside it.
+    assert not [c for c in over_stage if c.op_name.count("while/body") > 1]
+    assert all(c.bytes <= cfg.vocab * cfg.embed * 4 for c in over_stage)
+    if name == "pp_fsdp":  # FSDP gathers each layer over data before use
+        assert any(c.kind == "all-gather" and c.axes == ("data",)
+                   and c.op_name.count("while/body") > 1 for c in found)
+    if name == "pp_tp":  # Megatron's row-parallel all-reduce inside each stage
+        assert any(c.kind == "all-reduce" and c.axes == ("model",)
+                   and "blm,me->ble" in c.op_name for c in found)
+
+
 def test_nan_guard_under_pp() -> None:
     s = ns.strategies.get("pp")
     mesh = s.make_mesh(8)
