@@ -233,6 +233,17 @@ def test_plan_cli_shows_stages(capsys) -> None:
     assert "GPipe: 4 stages, 4 microbatches of 64.00 KiB per device, bubble 42.9%" in text
 
 
+def test_moe_aux_loss_per_microbatch_as_gradient_accumulation() -> None:
+    # Scalar carries (the summed load-balancing loss) travel with their microbatch and
+    # are averaged over microbatches, as gradient accumulation averages them.
+    cfg = dataclasses.replace(get_config("tiny_moe"), scan_layers=True)
+    mesh1 = ns.make_mesh("data=1", devices=jax.devices()[:1])
+    ref = _run(ns.strategies.get("dp"), mesh1, cfg, 2)
+    got = _run(ns.strategies.get("pp"), ns.make_mesh({"stage": 2, "data": 4}), cfg, 2)
+    assert_close(got.metrics["loss"], ref.metrics["loss"], RTOL, "loss")
+    assert_close(got.metrics["grads"], ref.metrics["grads"], RTOL, "grads")
+
+
 # --------------------------------------------------------------------------- schedule
 
 
