@@ -167,6 +167,7 @@ def _stage_report(model: Any, sizes: dict[str, int], strategy: Any, tx: Any, cfg
     return pipeline.explain(model, _abstract_mesh(sizes), strategy, tx, carry=carry,
                             microbatches=sizes[sched.axis])
 
+
 ACTIVATION_FORMULA = (
     "per device, no rematerialization: tokens/device x [layers x (p(4e/Dl + 4hk/Dh + 2m'/Dm) "
     "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes, "

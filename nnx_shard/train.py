@@ -194,7 +194,10 @@ def value_and_grad(
     averaged: for a loss that is a mean over examples this equals the
     full-batch result up to float rounding. ``aux`` (with ``has_aux=True``) is
     averaged the same way. ``args`` are passed to every microbatch unchanged;
-    NNX objects among them (e.g. ``nnx.Rngs``) are carried through.
+    NNX objects among them (e.g. ``nnx.Rngs``) are carried through. Under a
+    pipeline strategy (``strategies.get("pp")``) the whole batch goes through
+    one forward pass instead, and :func:`nnx_shard.pipeline.scan` runs the M
+    microbatches through the stages.
 
     Args:
       loss_fn: ``loss_fn(model, batch, *args) -> loss`` (or ``(loss, aux)``).
