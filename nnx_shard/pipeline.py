@@ -545,9 +545,9 @@ def scan(
     n_layers = _layer_count(layers)
     mesh, rules = current()  # type: ignore[misc]  # option() is None outside use()
     m = microbatches
-    if m is None:
-        if _frames.stack:
-            _frames.stack[-1][1] = True
+    if _frames.stack:
+        _frames.stack[-1][1] = True  # the model has a stack: value_and_grad checks this
+        if m is None:
             m = _frames.stack[-1][0]
     batch_leaves = [x for x in jax.tree.leaves(carry) if np.ndim(x) > 0]
     if not batch_leaves:
