@@ -270,8 +270,9 @@ def test_scan_without_pipeline_is_lax_scan() -> None:
 class _Stack(nnx.Module):
     """A user's own nnx.vmap-stacked blocks, run through pipeline.scan."""
 
-    def __init__(self, layers: int, d: int, rngs: nnx.Rngs):
+    def __init__(self, layers: int, d: int, rngs: nnx.Rngs, microbatches: int | None = None):
         init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+        self.microbatches = microbatches
 
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -286,12 +287,12 @@ class _Stack(nnx.Module):
         def body(h, layer):
             return jnp.tanh(nnx.merge(graphdef, layer)(h)), None
 
-        return pipeline.scan(body, x, state)[0]
+        return pipeline.scan(body, x, state, microbatches=self.microbatches)[0]
 
 
-def _stack_grads(s, microbatches):
+def _stack_grads(s, microbatches, own=None):
     mesh = s.make_mesh(8)
-    model = s.sharded_init(lambda: _Stack(4, 8, nnx.Rngs(0)), mesh)
+    model = s.sharded_init(lambda: _Stack(4, 8, nnx.Rngs(0), own), mesh)
     x = jax.random.normal(jax.random.key(1), (8, 8))
     with ns.use(mesh, s.rules):
         return nnx.jit(lambda m: ns.value_and_grad(
@@ -310,6 +311,9 @@ def test_users_vmap_stack_pipelines() -> None:
     assert_close(loss, want_loss, RTOL, "loss")
     assert_close(g, want_g, RTOL, "grads")
     assert g["blocks"]["kernel"].get_value().sharding.spec[0] == "stage"
+    # A model that picks its own microbatch count still counts as having a stack.
+    loss, g = _stack_grads(ns.strategies.get("pp"), 2, own=4)
+    assert_close(loss, want_loss, RTOL, "loss (own microbatches)")
 
 
 def test_fewer_microbatches_than_stages_when_the_user_insists() -> None:
