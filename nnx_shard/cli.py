@@ -391,7 +391,9 @@ def _plan(args: argparse.Namespace) -> int:
         print()
         if stages is not None:
             print(f"per pipeline stage (microbatches = {stages.microbatches}, the stage count):")
-            print(textwrap.indent(str(stages), "  ") + "\n")
+            print(textwrap.indent(str(stages), "  "))
+            print("  (the formula estimate above counts every layer's activations on every "
+                  "device; a stage keeps its own layers' for the microbatches in flight)\n")
         if compiled is not None and args.remat != "none" and not out["scan_layers"]:
             print(textwrap.fill(
                 f"* remat {args.remat} with unrolled layers: on XLA CPU the compiled temp of "
