@@ -180,7 +180,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short timing (smoke test)")
-    ap.add_argument("--only", nargs="*", default=list(ns.strategies.NAMES),
+    # Pipeline presets need a stacked model and microbatches: benchmarks/pipeline.py.
+    ap.add_argument("--only", nargs="*",
+                    default=[n for n in ns.strategies.NAMES if not n.startswith("pp")],
                     choices=ns.strategies.NAMES, help="strategies to run")
     args = ap.parse_args()
     assert jax.device_count() == 8, jax.device_count()

@@ -1,4 +1,4 @@
-from nnx_shard import collective_matmul, distributed, models, strategies
+from nnx_shard import collective_matmul, distributed, models, pipeline, strategies
 from nnx_shard.annotate import annotate, get_logical_axes, logical_axes, with_logical
 from nnx_shard.checkpoint import Checkpointer, restore, save
 from nnx_shard.errors import ShardingError, ShardingWarning
@@ -28,6 +28,7 @@ __all__ = [
     "make_mesh",
     "models",
     "multistep",
+    "pipeline",
     "restore",
     "save",
     "shard_batch",

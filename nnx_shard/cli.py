@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -149,6 +150,24 @@ def _strategy(name: str) -> Any:
 
 # --------------------------------------------------------------------------- plan
 
+
+def _stage_report(model: Any, sizes: dict[str, int], strategy: Any, tx: Any, cfg: Any,
+                  batch: int, seq: int) -> Any:
+    """Per-stage bytes under a pipeline strategy (``None`` otherwise), with as many
+    microbatches as stages."""
+    import jax
+    import jax.numpy as jnp
+
+    from nnx_shard import pipeline
+
+    sched = strategy.rules.options.get(pipeline.OPTION)
+    if sched is None or sched.axis not in sizes:
+        return None
+    carry = jax.ShapeDtypeStruct((batch, seq, cfg.embed), jnp.dtype(cfg.dtype))
+    return pipeline.explain(model, _abstract_mesh(sizes), strategy, tx, carry=carry,
+                            microbatches=sizes[sched.axis])
+
+
 ACTIVATION_FORMULA = (
     "per device, no rematerialization: tokens/device x [layers x (p(4e/Dl + 4hk/Dh + 2m'/Dm) "
     "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes, "
@@ -261,6 +280,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.seq < 1:
         raise _Usage("--batch and --seq must be at least 1")
     cfg = CONFIGS[args.model]
+    if args.scan_layers is not None:  # the planned model is the compiled one (pp needs a stack)
+        cfg = dataclasses.replace(cfg, scan_layers=args.scan_layers)
     strategy = _strategy(args.strategy)
     sizes = _mesh_sizes(args.mesh)
     if args.seq > cfg.length:
@@ -278,6 +299,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         strategy.check(model, sizes)
         report = _report(model, sizes, strategy.rules, tx, strategy.opt_rules)
+        stages = _stage_report(model, sizes, strategy, tx, cfg, args.batch, args.seq)
         try:
             acts = activation_bytes(cfg, strategy.rules, sizes, args.batch, args.seq, args.remat)
         except ShardingError as e:
@@ -328,6 +350,7 @@ def _plan(args: argparse.Namespace) -> int:
             for r in largest
         ],
         "replicated_params": sum(1 for r in report.replicated if r.group == "params"),
+        "stages": None if stages is None else dataclasses.asdict(stages),
         "activation_formula": ACTIVATION_FORMULA,
         "device_memory": device_memory,
         "fits": None if device_memory is None else need <= device_memory,
@@ -373,6 +396,11 @@ def _plan(args: argparse.Namespace) -> int:
             print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
                   + f"  {c[3]:>{widths[3]}}")
         print()
+        if stages is not None:
+            print(f"per pipeline stage (microbatches = {stages.microbatches}, the stage count):")
+            print(textwrap.indent(str(stages), "  "))
+            print("  (the formula estimate above counts every layer's activations on every "
+                  "device; a stage keeps its own layers' for the microbatches in flight)\n")
         if compiled is not None and args.remat != "none" and not out["scan_layers"]:
             print(textwrap.fill(
                 f"* remat {args.remat} with unrolled layers: on XLA CPU the compiled temp of "

@@ -84,8 +84,11 @@ def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_
         opt.update(model, grads)
         return loss
 
+    # A pipeline strategy needs microbatches: as many as stages (the fewest it takes).
+    sched = strat.rules.options.get("pipeline")
+    micro = dict(sizes).get(sched.axis, 1) if sched is not None else 1
     with ns.use(mesh, strat.rules):
-        compiled = ns.multistep(step).lower(abstract, opt, data).compile()
+        compiled = ns.multistep(step, microbatches=micro).lower(abstract, opt, data).compile()
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
 

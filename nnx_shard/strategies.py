@@ -31,6 +31,17 @@ async_tp   data, model      tp's parameters; sp's activations; projections    co
                                                                               over model (embedding table, logits'
                                                                               input), all-reduce over model (logits,
                                                                               norm gradients), all-reduce over data
+pp         stage, data      ``layers`` (the stacked blocks) over stage,       collective-permute over stage (between
+                            batch over data; GPipe, or circular with          stages), all-reduce over stage (the
+                            ``repeats=V`` (:mod:`nnx_shard.pipeline`)         activations in and out), all-reduce over
+                                                                              data; circular adds all-to-all over stage
+                                                                              (the stack's re-layout) [2]_
+pp_fsdp    stage, data      pp, plus params over data along ``embed``         pp's and fsdp's; XLA also moves the
+                                                                              embedding and head between groups
+                                                                              (all-to-all, permutes, an all-gather
+                                                                              over stage of the head's weight)
+pp_tp      stage, data,     pp, plus tp over model inside each stage          pp's and tp's
+           model
 =========  ===============  ================================================  ==========================================
 
 The collectives are those the compiled train step of the reference transformer
@@ -47,6 +58,10 @@ where a layout changes).
    followed by a local slice instead, so that is what the CPU HLO and
    :attr:`Strategy.collectives` show. Backends that rewrite that pattern into
    a reduce-scatter may show one instead.
+
+.. [2] The pipeline presets run only on Auto axes (tests/test_pipeline.py reads
+   their collectives there), with a stacked layer axis and the trainer's
+   ``microbatches=M`` (at least the number of stages).
 
 >>> import nnx_shard as ns
 >>> s = ns.strategies.get("fsdp_tp")
@@ -75,17 +90,19 @@ from nnx_shard.annotate import path_str
 from nnx_shard.errors import ShardingError
 from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import make_mesh, variable_spec
+from nnx_shard.pipeline import Schedule, check_stack
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 
 __all__ = [
     "NAMES", "Collective", "Strategy", "async_tp", "auto", "compiled_collectives", "dp", "ep",
-    "fsdp", "fsdp_tp", "get", "sp", "tp", "zero1",
+    "fsdp", "fsdp_tp", "get", "pp", "pp_fsdp", "pp_tp", "sp", "tp", "zero1",
 ]
 
 M = TypeVar("M", bound=nnx.Module)
 
-NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep", "async_tp")
+NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep", "async_tp", "pp",
+                          "pp_fsdp", "pp_tp")
 
 #: Every logical name the presets give a rule (replicated unless a preset says otherwise).
 LOGICAL = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
@@ -198,6 +215,8 @@ class Strategy:
         """
         sizes = _sizes(mesh)
         state = model if isinstance(model, nnx.State) else nnx.state(model)
+        if isinstance(self.rules.options.get("pipeline"), Schedule):
+            check_stack(state, sizes, self.rules.options["pipeline"])
         missing = [a for a in self.mesh_axes if a not in sizes]
         problems = self._problems(state, sizes) if not missing else []
         if missing:
@@ -491,9 +510,88 @@ def async_tp(*, data: str = "data", model: str = "model") -> Strategy:
                     (data, model), (4,), ("collective-permute", "all-gather", "all-reduce"))
 
 
+def _pp(name: str, table: Rules, axes: tuple[str, ...], sizes: tuple[int, ...], stage: str,
+        repeats: int, allow_few_microbatches: bool, remat: bool) -> Strategy:
+    sched = Schedule(axis=stage, repeats=repeats, allow_few_microbatches=allow_few_microbatches,
+                     remat=remat)
+    # Circular: the contiguously stored stack is re-laid out to the circular order
+    # in each step (an all-to-all over stage on XLA CPU), gradients back the same way.
+    moves = ("all-to-all",) if repeats > 1 else ()
+    return Strategy(name, table.with_options(pipeline=sched), None, axes, sizes,
+                    ("collective-permute", "all-reduce", *moves))
+
+
+def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
+       allow_few_microbatches: bool = False, remat: bool = False) -> Strategy:
+    """Pipeline parallelism over ``stage`` (with data parallelism over ``data``): the
+    stacked layer axis (``layers``) split over ``stage``, each device holding
+    ``layers/stages`` consecutive layers and their optimizer state; everything
+    else replicated over ``stage``. The rules carry the execution option
+    ``pipeline=Schedule(stage, repeats)``, which :func:`nnx_shard.pipeline.scan`
+    reads: ``repeats=1`` is GPipe, ``repeats=V > 1`` the circular schedule.
+    Microbatches are the trainer's ``microbatches=M`` (at least the number of
+    stages, unless ``allow_few_microbatches=True``: GPipe then runs with idle stages
+    and a warning). ``remat=True`` keeps only each stage's input per pipeline
+    iteration for the backward pass and recomputes the stage. See
+    :mod:`nnx_shard.pipeline`.
+
+    Mesh axes: ``stage``, ``data``. Collectives: collective-permutes over
+    ``stage`` (activations passed between stages at every pipeline iteration,
+    gradients back), all-reduces over ``stage`` of the activations entering and
+    leaving the pipeline, and DP's gradient all-reduce over ``data``.
+
+    >>> s = pp()
+    >>> s.rules["layers"], s.rules["batch"], s.rules.options["pipeline"]
+    ('stage', 'data', Schedule(axis='stage', repeats=1, allow_few_microbatches=False, remat=False))
+    >>> s.mesh_for(8)
+    {'stage': 4, 'data': 2}
+    """
+    _distinct("pp", stage=stage, data=data)
+    return _pp("pp", _table(batch=data, layers=stage), (stage, data), (2,), stage, repeats,
+               allow_few_microbatches, remat)
+
+
+def pp_fsdp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
+            allow_few_microbatches: bool = False, remat: bool = False) -> Strategy:
+    """:func:`pp` with each stage's parameters (and the rest of the model's) sharded
+    over ``data`` along ``embed``, FSDP-style.
+
+    Mesh axes: ``stage``, ``data``. Collectives: those of :func:`pp` plus FSDP's
+    all-gathers of parameters over ``data`` (inside the pipeline loop, per layer);
+    on Auto axes XLA also moves the data-sharded embedding and head between device
+    groups (measured on 8 CPU devices: all-to-alls over ``data``, collective-permutes
+    over ``stage`` x ``data`` and an all-gather over ``stage`` of the head's weight),
+    never a layer of the stack.
+
+    >>> pp_fsdp().rules["embed"], pp_fsdp().rules["layers"]
+    ('data', 'stage')
+    """
+    _distinct("pp_fsdp", stage=stage, data=data)
+    return _pp("pp_fsdp", _table(batch=data, embed=data, layers=stage), (stage, data), (2,),
+               stage, repeats, allow_few_microbatches, remat)
+
+
+def pp_tp(*, stage: str = "stage", data: str = "data", model: str = "model",
+          repeats: int = 1, allow_few_microbatches: bool = False,
+          remat: bool = False) -> Strategy:
+    """:func:`pp` with Megatron tensor parallelism over ``model`` inside each stage
+    (``heads``, ``mlp``, ``vocab``).
+
+    Mesh axes: ``stage``, ``data``, ``model``. Collectives: those of :func:`pp` plus
+    TP's all-reduces over ``model``.
+
+    >>> pp_tp().mesh_for(8), pp_tp().rules["mlp"]
+    ({'stage': 2, 'data': 2, 'model': 2}, 'model')
+    """
+    _distinct("pp_tp", stage=stage, data=data, model=model)
+    return _pp("pp_tp", _table(batch=data, heads=model, mlp=model, vocab=model, layers=stage),
+               (stage, data, model), (2, 2), stage, repeats, allow_few_microbatches, remat)
+
+
 _PRESETS: dict[str, Callable[..., Strategy]] = {
     "dp": dp, "zero1": zero1, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "sp": sp, "ep": ep,
     "async_tp": async_tp,
+    "pp": pp, "pp_fsdp": pp_fsdp, "pp_tp": pp_tp,
 }
 
 
@@ -506,7 +604,7 @@ def get(name: str, **axes: str) -> Strategy:
     >>> get("ddp")
     Traceback (most recent call last):
     ...
-    nnx_shard.errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep, async_tp.
+    nnx_shard.errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep, ...
     """
     if name not in _PRESETS:
         import difflib

@@ -45,10 +45,11 @@ from flax import nnx
 from flax.nnx import graphlib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnx_shard import pipeline
 from nnx_shard.annotate import path_str
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import ShardingError, sharding_types
-from nnx_shard.mesh import _apply, current, make_mesh, use
+from nnx_shard.mesh import _apply, current, make_mesh, option, use
 from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["Fused", "History", "Trainer", "multistep", "shard_batch", "value_and_grad"]
@@ -142,7 +143,7 @@ def _check_device_rows(
     when a device holds a number of rows that ``m`` does not divide."""
     rows = shape[0] // devices
     if rows % m:
-        raise ValueError(
+        raise ShardingError(
             f"microbatches={m} must divide each device's rows of the batch: "
             f"{where} has {shape[0]} rows (shape {tuple(shape)}) sharded over mesh axes "
             f"{', '.join(axes)} ({devices} devices), so {rows} row{'s' if rows != 1 else ''} "
@@ -193,7 +194,10 @@ def value_and_grad(
     averaged: for a loss that is a mean over examples this equals the
     full-batch result up to float rounding. ``aux`` (with ``has_aux=True``) is
     averaged the same way. ``args`` are passed to every microbatch unchanged;
-    NNX objects among them (e.g. ``nnx.Rngs``) are carried through.
+    NNX objects among them (e.g. ``nnx.Rngs``) are carried through. Under a
+    pipeline strategy (``strategies.get("pp")``) the whole batch goes through
+    one forward pass instead, and :func:`nnx_shard.pipeline.scan` runs the M
+    microbatches through the stages.
 
     Args:
       loss_fn: ``loss_fn(model, batch, *args) -> loss`` (or ``(loss, aux)``).
@@ -227,6 +231,14 @@ def value_and_grad(
             frame[1] = True
             if m is None:
                 m = frame[0]
+        if option(pipeline.OPTION) is not None:
+            # Under a pipeline strategy the microbatches flow through the stages inside
+            # one forward pass (nnx_shard.pipeline.scan) instead of the accumulation loop.
+            with pipeline.microbatches(m or 1) as used:
+                out = vg(model, batch, *args)
+            if not used[1]:
+                raise pipeline.no_stack_error(m or 1)
+            return out
         if m is None or m == 1:
             return vg(model, batch, *args)
         return _accumulate(vg, m, wrt, model, batch, args)

@@ -6,7 +6,7 @@ EXPECTED = {
     "abstract_init", "sharded_init", "sharded_optimizer",
     "Trainer", "multistep", "shard_batch", "value_and_grad", "MetricsWriter",
     "Checkpointer", "restore", "save",
-    "distributed", "models", "strategies", "collective_matmul",
+    "distributed", "models", "pipeline", "strategies", "collective_matmul",
 }
 
 

@@ -252,10 +252,11 @@ def test_bad_flags_from_the_console_script_have_no_traceback():
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "nnx-shard: error: unknown strategy 'pipeline'. Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep, "
-        "async_tp."
-    ]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(".")
+    assert lines[0].startswith(
+        "nnx-shard: error: unknown strategy 'pipeline'. Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep"
+    )
 
 
 def test_parse_bytes():

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_shard import pipeline
 from nnx_shard.annotate import with_logical
 from nnx_shard.collective_matmul import check_tokens
 from nnx_shard.mesh import option
@@ -466,7 +467,8 @@ class Transformer(nnx.Module):
                 h, a = run(nnx.merge(graphdef, layer), h)
                 return (h, total + a), None
 
-            (x, aux), _ = jax.lax.scan(body, (x, aux), state)
+            # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline).
+            (x, aux), _ = pipeline.scan(body, (x, aux), state)
         else:
             for block in self.blocks:
                 x, a = run(block, x)

@@ -1,0 +1,687 @@
+"""Pipeline parallelism: a stack of layers split over a ``stage`` mesh axis.
+
+A model whose repeated blocks are stacked under a leading layer axis (the
+reference :class:`~nnx_shard.models.Transformer` with ``scan_layers=True``, or
+any ``nnx.vmap``-stacked module created with
+``transform_metadata={nnx.PARTITION_NAME: "layers"}``) runs its layer loop
+through :func:`scan`. With no pipeline option active, :func:`scan` is
+``jax.lax.scan``. Under a pipeline strategy (:func:`nnx_shard.strategies.pp`,
+whose rules carry the execution option ``pipeline=Schedule(...)``) the same
+call runs the stack as a pipeline:
+
+* the ``[L, ...]`` stack is stored sharded over ``stage`` (rule ``layers ->
+  stage``): each device holds ``L/S`` consecutive layers and their optimizer
+  state, so a checkpoint means the same model under any strategy;
+* the batch is cut into ``M`` microbatches (the ``microbatches=M`` of
+  :class:`nnx_shard.Trainer` / :func:`nnx_shard.multistep`: under a pipeline
+  strategy they are consumed inside one forward pass instead of
+  :func:`nnx_shard.value_and_grad`'s accumulation loop); microbatch ``j`` holds
+  rows ``j, j+M, ...`` as gradient accumulation does;
+* a state buffer ``[S, microbatch, ...]`` sharded over ``stage`` holds what
+  each stage works on. For ``M*V + S - 1`` iterations every stage applies its
+  layers (``jax.vmap`` over the stage dimension with ``spmd_axis_name``, so
+  every activation constraint in the model keeps ``stage`` on that
+  dimension), then the buffer moves one stage on (``jnp.roll``: a
+  collective-permute over ``stage``), the next microbatch enters stage 0 and
+  the last stage's output, which the roll brings to stage 0, is kept there;
+* ``jax.grad`` of that loop is GPipe: all forward, then all backward.
+
+Schedules (``Schedule.repeats = V``):
+
+* ``V = 1``, GPipe: stage ``s`` holds layers ``s*L/S ... (s+1)*L/S - 1``.
+  Idle fraction of stage-steps (the bubble): ``(S-1)/(M+S-1)``.
+* ``V > 1``, circular (MaxText's ``num_pipeline_repeats``): the stack is cut
+  into ``S*V`` groups of ``L/(S*V)`` layers and stage ``s`` runs groups ``s,
+  s+S, s+2S, ...``; each microbatch goes round the stages ``V`` times. Bubble:
+  ``(S-1)/(M*V+S-1)``. Needs ``M >= S``.
+
+  Storage: the stack stays stored contiguously (the layout of ``V = 1``, and
+  of checkpoints), and each step re-lays it out to the circular order inside
+  the compiled program (and the gradients back): a fixed per-step
+  communication of ``(V-1)/V`` of the stack's parameters (and as much again
+  for their gradients) over ``stage``, in exchange for checkpoints that mean
+  the same model under every strategy. ``benchmarks/pipeline.py`` measures it.
+
+Embeddings, the head and everything outside the stack are placed by the rest
+of the rules table (replicated over ``stage``). Activations enter and leave the
+pipeline once per step: an all-reduce over ``stage`` of the pipeline's output
+(stage 0 holds it) and, in the backward pass, of the input's gradient. Meshes
+with Explicit axes are not supported (a ``ShardingError`` says to use Auto axes,
+the default of :func:`nnx_shard.make_mesh`).
+
+>>> import jax.numpy as jnp
+>>> layers = {"w": jnp.full((4, 3), 0.5)}
+>>> body = lambda h, layer: (h * layer["w"], None)
+>>> out, _ = scan(body, jnp.ones((2, 3)), layers)   # no pipeline active: jax.lax.scan
+>>> out[0].tolist()
+[0.0625, 0.0625, 0.0625]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from nnx_shard.errors import ShardingError, ShardingWarning
+from nnx_shard.mesh import current, option
+
+__all__ = ["OPTION", "Schedule", "StageReport", "bubble", "check_stack", "explain", "idle_fraction",
+           "scan", "schedule_table"]
+
+#: The execution option (``Rules.with_options(pipeline=Schedule(...))``) this module reads.
+OPTION = "pipeline"
+
+_U = PartitionSpec.UNCONSTRAINED
+
+_NO_STACK_FIX = (
+    "Fix: stack the repeated blocks under a leading layer axis and run them through "
+    "nnx_shard.pipeline.scan: TransformerConfig(scan_layers=True) for the reference "
+    "Transformer, or nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'}) "
+    "for your own blocks."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How :func:`scan` pipelines a layer stack (the value of the ``pipeline`` option).
+
+    Attributes:
+      axis: the mesh axis the stages lie along.
+      repeats: V. 1 is GPipe; V > 1 the circular (interleaved) schedule, in which
+        each stage holds V non-contiguous groups of layers.
+      allow_few_microbatches: GPipe only: run with fewer microbatches than stages
+        (some stages never work) with a ``ShardingWarning`` giving the bubble,
+        instead of a ``ShardingError``.
+      remat: keep only each stage's input per pipeline iteration for the backward
+        pass and recompute the stage's layers there (``jax.checkpoint`` per stage):
+        the activations in flight shrink from every layer's to one per stage.
+
+    >>> Schedule(), Schedule(repeats=2).name
+    (Schedule(axis='stage', repeats=1, allow_few_microbatches=False, remat=False), 'circular')
+    """
+
+    axis: str = "stage"
+    repeats: int = 1
+    allow_few_microbatches: bool = False
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ShardingError(f"Schedule.axis={self.axis!r} must be a mesh axis name.")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ShardingError(
+                f"Schedule.repeats={self.repeats!r} must be an int >= 1 (1: GPipe; V > 1: "
+                "circular with V layer groups per stage)."
+            )
+
+        for flag in ("allow_few_microbatches", "remat"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ShardingError(f"Schedule.{flag}={getattr(self, flag)!r} must be a bool.")
+
+    @property
+    def name(self) -> str:
+        """``"gpipe"`` or ``"circular"``."""
+        return "gpipe" if self.repeats == 1 else "circular"
+
+
+def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The analytic idle fraction of stage-steps: ``(S-1)/(M*V+S-1)``.
+
+    >>> bubble(4, 4), bubble(4, 16), bubble(4, 4, repeats=2)
+    (0.42857142857142855, 0.15789473684210525, 0.2727272727272727)
+    """
+    s, m, v = int(stages), int(microbatches), int(repeats)
+    return (s - 1) / (m * v + s - 1)
+
+
+def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
+    """What each stage works on at each iteration of :func:`scan`'s loop, as the
+    loop computes it: ``[iterations, stages]`` of ``microbatch * repeats + repeat``
+    (the layer-group pass of one microbatch), ``-1`` where the stage is idle.
+
+    >>> schedule_table(2, 2)
+    array([[ 0, -1],
+           [ 1,  0],
+           [-1,  1]])
+    """
+    s, m, v = int(stages), int(microbatches), int(repeats)
+    item, busy = _work(np.arange(m * v + s - 1)[:, None], np.arange(s)[None, :], m, v)
+    return np.where(busy, (item % m) * v + item // m, -1)
+
+
+def _work(t: Any, stage: Any, m: int, v: int) -> tuple[Any, Any]:
+    """The work item stage ``stage`` runs at iteration ``t`` (pass ``item // m`` of
+    microbatch ``item % m``) and whether it is real work. The loop of :func:`scan`
+    and :func:`schedule_table` both use it (NumPy arrays or traced values)."""
+    item = t - stage
+    return item, (item >= 0) & (item < m * v)
+
+
+def idle_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The fraction of idle entries of :func:`schedule_table`: the measured bubble.
+
+    >>> idle_fraction(4, 8) == bubble(4, 8)
+    True
+    """
+    table = schedule_table(stages, microbatches, repeats)
+    return float(np.mean(table < 0))
+
+
+# --------------------------------------------------------------------------- per-stage report
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReport:
+    """Per-stage bytes of a pipelined model (see :func:`explain`); every figure is per
+    device of that stage.
+
+    Attributes:
+      stages, repeats, microbatches: S, V, M.
+      groups: the stack's layers each stage runs, in the order it runs them.
+      stack_param_bytes, stack_opt_bytes: the stage's share of the stack and of its
+        optimizer state (the same on every stage: 1/S of the stack, split further by
+        other mesh axes).
+      other_param_bytes, other_opt_bytes: everything outside the stack (embeddings,
+        head), placed by the rest of the rules (replicated over ``stage``).
+      microbatch_bytes: one microbatch of the activations entering the stack.
+      activation_bytes: the activations of the microbatches in flight that the
+        backward pass keeps at layer boundaries: ``(M*V + S - 1)`` iterations x
+        ``L/(S*V)`` layers (1 with ``Schedule.remat``: the stage's input) x
+        ``microbatch_bytes``, plus the ``M`` microbatches of outputs and one of
+        inputs the pipeline holds. Layers without rematerialisation keep more
+        inside each layer; this is the floor (``remat="full"``).
+      bubble: the idle fraction of stage-steps, ``(S-1)/(M*V+S-1)``.
+    """
+
+    stages: int
+    repeats: int
+    microbatches: int
+    groups: tuple[tuple[int, ...], ...]
+    stack_param_bytes: int
+    stack_opt_bytes: int
+    other_param_bytes: int
+    other_opt_bytes: int
+    microbatch_bytes: int
+    activation_bytes: int
+    bubble: float
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters, optimizer state and activations of one stage's device."""
+        return (self.stack_param_bytes + self.stack_opt_bytes + self.other_param_bytes
+                + self.other_opt_bytes + self.activation_bytes)
+
+    def __str__(self) -> str:
+        from nnx_shard.report import fmt_bytes
+
+        head = ("stage", "layers", "stack params", "stack opt", "other params", "other opt",
+                "activations", "total")
+        body = []
+        for i, layers in enumerate(self.groups):
+            contiguous = list(layers) == list(range(layers[0], layers[-1] + 1))
+            shown = (str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+                     if contiguous else ",".join(map(str, layers)))
+            body.append((str(i), shown, *(fmt_bytes(b) for b in (
+                self.stack_param_bytes, self.stack_opt_bytes, self.other_param_bytes,
+                self.other_opt_bytes, self.activation_bytes, self.total_bytes))))
+        widths = [max(len(r[c]) for r in (head, *body)) for c in range(len(head))]
+        lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
+                 for r in (head, *body)]
+        kind = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} repeats"
+        lines.append(f"{kind}: {self.stages} stages, {self.microbatches} microbatches of "
+                     f"{fmt_bytes(self.microbatch_bytes)} per device, bubble "
+                     f"{self.bubble:.1%} of stage-steps")
+        return "\n".join(lines)
+
+
+def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
+            carry: Any, microbatches: int) -> StageReport:
+    """Per-stage parameter, optimizer and activation bytes of ``model`` (concrete or
+    abstract) pipelined by ``strategy`` (a pp preset, or rules with the ``pipeline``
+    option) on ``mesh``.
+
+    Args:
+      carry: the activations entering the stack for the whole batch (arrays or
+        ``jax.ShapeDtypeStruct``), e.g. ``[batch, length, embed]`` for the
+        reference Transformer.
+      microbatches: M.
+
+    >>> import optax
+    >>> import nnx_shard as ns
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> cfg = dataclasses.replace(get_config("tiny"), layers=8, scan_layers=True)
+    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> x = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
+    >>> r = explain(model, "stage=4,data=2", ns.strategies.get("pp"), optax.adam(1e-3),
+    ...             carry=x, microbatches=8)
+    >>> r.groups[1], r.microbatch_bytes, r.bubble
+    ((2, 3), 2048, 0.2727272727272727)
+    >>> print(r)   # doctest: +NORMALIZE_WHITESPACE
+    stage  layers  stack params  stack opt   other params  other opt  activations  total
+    0      0-1     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
+    1      2-3     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
+    2      4-5     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
+    3      6-7     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
+    GPipe: 4 stages, 8 microbatches of 2.00 KiB per device, bubble 27.3% of stage-steps
+    """
+    from nnx_shard.mesh import make_mesh
+    from nnx_shard.report import explain as report
+
+    rules = getattr(strategy, "rules", strategy)
+    opt_rules = getattr(strategy, "opt_rules", None)
+    sched = rules.options.get(OPTION)
+    if not isinstance(sched, Schedule):
+        raise ShardingError(
+            f"pipeline.explain: the rules carry no pipeline option (got {sched!r}). Fix: pass "
+            "a pp strategy, e.g. ns.strategies.get('pp'), or "
+            "rules.with_options(pipeline=Schedule())."
+        )
+    if not isinstance(mesh, jax.sharding.AbstractMesh):  # plans any size with no devices
+        mesh = make_mesh(mesh)
+    sizes = dict(mesh.shape)
+    state = model if isinstance(model, nnx.State) else nnx.state(model)
+    check_stack(state, sizes, sched)
+    if sched.axis not in sizes:
+        raise ShardingError(
+            f"pipeline.explain: the mesh ({', '.join(f'{k}={v}' for k, v in sizes.items())}) "
+            f"has no {sched.axis!r} axis. Fix: e.g. make_mesh('{sched.axis}=4,data=2')."
+        )
+    rep = report(model, mesh, rules, optimizer, opt_rules=opt_rules)
+    stack = {p for p, v in nnx.to_flat_state(state) if isinstance(v, nnx.Variable)
+             and (v.get_metadata().get("out_sharding") or (None,))[0] == "layers"}
+    stack_paths = {"/".join(map(str, p)) for p in stack}
+
+    def is_stack(row: Any) -> bool:
+        return (bool(row.names) and row.names[0] == "layers") or row.path in stack_paths
+
+    def total(group: str, in_stack: bool) -> int:
+        return sum(r.bytes_per_device for r in rep.rows
+                   if r.group == group and is_stack(r) == in_stack)
+
+    s, v, m = sizes[sched.axis], sched.repeats, int(microbatches)
+    n_layers = next(int(np.shape(var.get_value())[0]) for p, var in nnx.to_flat_state(state)
+                    if p in stack)
+    g = n_layers // (s * v)
+    groups = tuple(tuple(layer for r in range(v) for layer in range((r * s + st) * g,
+                                                                     (r * s + st + 1) * g))
+                   for st in range(s))
+    data_axes = rules.spec(("batch",), shape=None, mesh=mesh, path="pipeline batch")[0]
+    data_axes = () if data_axes is None else (data_axes,) if isinstance(data_axes, str) else data_axes
+    data = math.prod(sizes[a] for a in data_axes)
+    whole = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+                for x in jax.tree.leaves(carry))
+    micro = whole // (m * data)
+    acts = ((m * v + s - 1) * (1 if sched.remat else g) + m + 1) * micro
+    return StageReport(stages=s, repeats=v, microbatches=m, groups=groups,
+                       stack_param_bytes=total("params", True),
+                       stack_opt_bytes=total("optimizer", True),
+                       other_param_bytes=total("params", False),
+                       other_opt_bytes=total("optimizer", False),
+                       microbatch_bytes=micro, activation_bytes=acts, bubble=bubble(s, m, v))
+
+
+# --------------------------------------------------------------------------- microbatches
+
+
+class _Frames(threading.local):
+    def __init__(self) -> None:
+        # One [microbatches, used] frame per value_and_grad call being traced under pp.
+        self.stack: list[list[Any]] = []
+
+
+_frames = _Frames()
+
+
+@contextlib.contextmanager
+def microbatches(m: int) -> Iterator[list[Any]]:
+    """The number of microbatches :func:`scan` cuts the batch into while tracing
+    inside this context (:func:`nnx_shard.value_and_grad` sets it from
+    ``microbatches=M`` under a pipeline strategy). Yields ``[m, used]``.
+
+    >>> with microbatches(4) as frame:
+    ...     frame
+    [4, False]
+    """
+    frame = [int(m), False]
+    _frames.stack.append(frame)
+    try:
+        yield frame
+    finally:
+        _frames.stack.pop()
+
+
+def no_stack_error(m: int) -> ShardingError:
+    """The error for a pipeline strategy whose model never called :func:`scan`."""
+    return ShardingError(
+        f"pipeline strategy with microbatches={m}: the model has no stacked layer axis "
+        "(its forward pass never called nnx_shard.pipeline.scan), so there is nothing to "
+        f"split over stages. {_NO_STACK_FIX}"
+    )
+
+
+def check_stack(state: Any, sizes: dict[str, int], sched: Schedule) -> None:
+    """Raises a ``ShardingError`` unless ``state`` (a model's) has a stacked layer axis
+    (parameters whose first logical name is ``layers``) whose length divides into
+    the stages (x repeats) of ``sizes``. :meth:`nnx_shard.strategies.Strategy.check`
+    calls it for pipeline strategies.
+
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> cfg = get_config("tiny")   # 2 blocks, not stacked
+    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> check_stack(nnx.state(model), {"stage": 2, "data": 4}, Schedule())
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.ShardingError: pipeline over 'stage': the model has no stacked layer axis ...
+    """
+    stacked = []
+    for path, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Variable):
+            continue
+        names = var.get_metadata().get("out_sharding") or ()
+        if names and names[0] == "layers":
+            stacked.append(("/".join(map(str, path)), int(np.shape(var.get_value())[0])))
+    if not stacked:
+        raise ShardingError(
+            f"pipeline over {sched.axis!r}: the model has no stacked layer axis (no parameter "
+            f"has the logical name 'layers' on its first dimension), so there is nothing to "
+            f"split over stages. {_NO_STACK_FIX}"
+        )
+    s = sizes.get(sched.axis)
+    if s is None:
+        return  # the strategy's missing-axis message names the fix
+    v = sched.repeats
+    path, n_layers = stacked[0]
+    if n_layers % (s * v):
+        what = f"{s} stages" if v == 1 else f"{s} stages x {v} repeats = {s * v} layer groups"
+        good = [d for d in range(1, n_layers + 1) if n_layers % (d * v) == 0]
+        raise ShardingError(
+            f"pipeline: parameter {path!r} stacks {n_layers} layers, which do not divide into "
+            f"{what} (mesh {', '.join(f'{k}={x}' for k, x in sizes.items())}). Fix: a layer "
+            f"count that is a multiple of {s * v}, or a '{sched.axis}' axis of size "
+            f"{' / '.join(map(str, good))}" + (f" with repeats={v}" if v > 1 else "") + "."
+        )
+
+
+# --------------------------------------------------------------------------- scan
+
+
+def _layer_count(layers: Any) -> int:
+    leaves = jax.tree.leaves(layers)
+    if not leaves or any(np.ndim(x) == 0 for x in leaves):
+        raise ShardingError(
+            "nnx_shard.pipeline.scan: the layers tree has no stacked layer axis (a leaf "
+            f"with no leading dimension, or no leaves at all). {_NO_STACK_FIX}"
+        )
+    counts = {int(np.shape(x)[0]) for x in leaves}
+    if len(counts) > 1:
+        raise ShardingError(
+            "nnx_shard.pipeline.scan: the layers tree's leaves disagree on the leading "
+            f"(layer) dimension: {sorted(counts)}. {_NO_STACK_FIX}"
+        )
+    return counts.pop()
+
+
+def _check(sched: Schedule, mesh: Any, n_layers: int, m: int, batch: int, data: int) -> int:
+    if not isinstance(sched, Schedule):
+        raise ShardingError(
+            f"the pipeline option is {sched!r}, not a nnx_shard.pipeline.Schedule. Fix: "
+            "Rules.with_options(pipeline=Schedule(axis='stage', repeats=1)), or use "
+            "nnx_shard.strategies.get('pp')."
+        )
+    sizes = dict(mesh.shape)
+    if sched.axis not in sizes:
+        raise ShardingError(
+            f"pipeline schedule over mesh axis {sched.axis!r}, but the mesh has axes "
+            f"{', '.join(f'{k}={v}' for k, v in sizes.items())}. Fix: a mesh with a "
+            f"{sched.axis!r} axis, e.g. ns.strategies.get('pp').make_mesh() "
+            f"(make_mesh('{sched.axis}=4,data=2')), or pp(stage=...) naming your axis."
+        )
+    names = list(mesh.axis_names)
+    if mesh.axis_types[names.index(sched.axis)] == AxisType.Explicit:
+        raise ShardingError(
+            f"pipeline over mesh axis {sched.axis!r}: Explicit mesh axes are not supported "
+            "by the pipeline (it relies on GSPMD propagation through the stage loop). "
+            "Fix: build the mesh with Auto axes, the default: make_mesh(..., "
+            "axis_types='auto') or strategy.make_mesh()."
+        )
+    s, v = sizes[sched.axis], sched.repeats
+    if n_layers % (s * v):
+        what = f"{s} stages" if v == 1 else f"{s} stages x {v} repeats = {s * v} layer groups"
+        good = [d for d in range(1, n_layers + 1) if n_layers % (d * v) == 0]
+        raise ShardingError(
+            f"pipeline: {n_layers} stacked layers do not divide into {what}. Fix: a layer "
+            f"count that is a multiple of {s * v}, or a '{sched.axis}' axis of size "
+            f"{' / '.join(map(str, good))}" + (" with these repeats" if v > 1 else "") + "."
+        )
+    if m < s:
+        what = (f"pipeline: microbatches={m} is fewer than the {s} stages of mesh axis "
+                f"{sched.axis!r}: at least {s - m} stage(s) would never work and the bubble "
+                f"would be {bubble(s, m, v):.0%} of stage-steps.")
+        if sched.allow_few_microbatches and v == 1:
+            warnings.warn(what.replace("would never work and the bubble would be",
+                                       "never work; the bubble is"), ShardingWarning, stacklevel=2)
+        else:
+            insist = (" The circular schedule needs microbatches >= stages." if v > 1 else
+                      " To run anyway (GPipe), get('pp', allow_few_microbatches=True).")
+            raise ShardingError(
+                f"{what} Fix: microbatches >= {s} (Trainer(..., microbatches={s}) or "
+                f"multistep(..., microbatches={s}); {4 * s} gives a bubble of "
+                f"{bubble(s, 4 * s, v):.0%}).{insist}"
+            )
+    if batch % (m * data):
+        raise ShardingError(
+            f"pipeline: the batch of {batch} rows does not divide into microbatches={m} x "
+            f"{data} data-parallel devices = {m * data}. Fix: a batch that is a multiple of "
+            f"{m * data}" + (f", or a number of microbatches that divides the {batch // data} "
+                             "rows of each data-parallel device" if batch % data == 0 else "")
+            + "."
+        )
+    return s
+
+
+def _spec(names: Any, shape: tuple[int, ...], mesh: Any, rules: Any) -> tuple[Any, ...]:
+    """The mesh axes of each dimension of a stacked leaf, from its logical names."""
+    if not names or len(names) != len(shape):
+        return (_U,) * len(shape)
+    return tuple(rules.spec(tuple(names), shape=shape, mesh=mesh, path="pipeline stack"))
+
+
+def scan(
+    body: Callable[[Any, Any], tuple[Any, Any]],
+    carry: Any,
+    layers: Any,
+    *,
+    microbatches: int | None = None,
+) -> tuple[Any, Any]:
+    """Runs ``body(carry, layer) -> (carry, y)`` over a stack of layers:
+    ``jax.lax.scan(body, carry, layers)``, or the pipeline when the active rules
+    carry the ``pipeline`` option (see the module docstring).
+
+    Under the pipeline, ``carry``'s leaves are either batch-major activations
+    (``[batch, ...]``, cut into microbatches) or scalars (e.g. a summed
+    auxiliary loss: each microbatch starts from the given value and the result
+    is the mean over microbatches, as gradient accumulation averages it), and
+    ``body`` must return ``y = None`` (the per-layer outputs are not collected).
+
+    Args:
+      body: one layer: ``(carry, layer) -> (carry, None)``; ``layer`` is one slice
+        of ``layers`` (e.g. an ``nnx.State`` to ``nnx.merge``).
+      carry: the activations entering the stack.
+      layers: the stacked layers, every leaf ``[L, ...]`` (e.g. the state of an
+        ``nnx.vmap``-built stack, from ``nnx.split``).
+      microbatches: M; ``None`` takes it from :func:`nnx_shard.value_and_grad`
+        (``Trainer(..., microbatches=M)``), else the number of stages.
+
+    Raises:
+      ShardingError: under a pipeline, a mesh without the stage axis or with
+        Explicit axes, layers not divisible by stages (x repeats), fewer
+        microbatches than stages, a batch not divisible by microbatches x data.
+
+    >>> import jax.numpy as jnp
+    >>> import nnx_shard as ns
+    >>> layers = {"w": jnp.arange(1.0, 5.0)[:, None] * jnp.ones((4, 3))}
+    >>> body = lambda h, layer: (h * layer["w"], None)
+    >>> rules = ns.strategies.get("pp").rules
+    >>> with ns.use("stage=4,data=2", rules):
+    ...     out, _ = jax.jit(lambda h, w: scan(body, h, w, microbatches=4))(
+    ...         jnp.ones((8, 3)), layers)
+    >>> out[0].tolist()   # 1 * 2 * 3 * 4
+    [24.0, 24.0, 24.0]
+    """
+    sched = option(OPTION)
+    if sched is None:
+        return jax.lax.scan(body, carry, layers)
+    n_layers = _layer_count(layers)
+    mesh, rules = current()  # type: ignore[misc]  # option() is None outside use()
+    m = microbatches
+    if _frames.stack:
+        _frames.stack[-1][1] = True  # the model has a stack: value_and_grad checks this
+        if m is None:
+            m = _frames.stack[-1][0]
+    batch_leaves = [x for x in jax.tree.leaves(carry) if np.ndim(x) > 0]
+    if not batch_leaves:
+        raise ShardingError(
+            "nnx_shard.pipeline.scan: the carry has no batch-major array to cut into "
+            "microbatches (every leaf is a scalar). Fix: pass the activations [batch, ...]."
+        )
+    batch = int(np.shape(batch_leaves[0])[0])
+    for x in batch_leaves:
+        if np.shape(x)[0] != batch:
+            raise ShardingError(
+                "nnx_shard.pipeline.scan: the carry's array leaves disagree on the batch "
+                f"dimension: {batch} vs {np.shape(x)[0]}. Every non-scalar leaf must be "
+                "[batch, ...]."
+            )
+    sizes = dict(mesh.shape)
+    data_axes = rules.spec(("batch",), shape=None, mesh=mesh, path="pipeline batch")[0]
+    data_axes = () if data_axes is None else (data_axes,) if isinstance(data_axes, str) else data_axes
+    data = math.prod(sizes[a] for a in data_axes)
+    if m is None:
+        m = sizes.get(getattr(sched, "axis", ""), 1)
+    s = _check(sched, mesh, n_layers, int(m), batch, data)
+    return _pipeline(body, carry, layers, sched, mesh, rules, s, int(m), data_axes), None
+
+
+def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule, mesh: Any,
+              rules: Any, s: int, m: int, data_axes: tuple[str, ...]) -> Any:
+    axis, v = sched.axis, sched.repeats
+    n_layers = _layer_count(layers)
+    g = n_layers // (s * v)
+    batch_entry = data_axes if len(data_axes) != 1 else data_axes[0]
+    batch_entry = batch_entry or None
+
+    def put(x: jax.Array, *spec: Any) -> jax.Array:
+        spec = spec + (_U,) * (x.ndim - len(spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    # [L, ...] -> [S, V, g, ...]: stage s, repeat r holds layers (r*S + s)*g ... + g - 1.
+    # With V = 1 that is the stored contiguous split (no data moves); with V > 1 the
+    # constraint re-lays the stack out to the circular order.
+    def stage_major(x: jax.Array, spec: tuple[Any, ...]) -> jax.Array:
+        y = jnp.swapaxes(x.reshape(v, s, g, *x.shape[1:]), 0, 1)
+        return put(y, axis, None, None, *spec[1:])
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, nnx.Variable):
+            value = leaf.get_value()
+            names = leaf.get_metadata().get("out_sharding")
+            return leaf.replace(stage_major(value, _spec(names, tuple(value.shape), mesh, rules)))
+        return stage_major(leaf, (_U,) * np.ndim(leaf))
+
+    params = jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    # Microbatches: [B, ...] -> [M, B/M, ...], microbatch j = rows j, j+M, ... so every
+    # device keeps its own rows (as gradient accumulation splits them).
+    leaves, treedef = jax.tree.flatten(carry)
+    scalar = [np.ndim(x) == 0 for x in leaves]
+
+    def split(x: jax.Array) -> jax.Array:
+        if np.ndim(x) == 0:
+            return jnp.broadcast_to(x, (m,))
+        y = jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
+        return put(y, None, batch_entry)
+
+    micro = [split(x) for x in leaves]
+    stage_ids = put(jnp.arange(s), axis)
+
+    def on_stage(x: jax.Array, *rest: Any) -> jax.Array:
+        return put(x, axis, *rest)
+
+    buf = [on_stage(jnp.zeros((s, *x.shape[1:]), x.dtype),
+                    *(() if sc else (batch_entry,))) for x, sc in zip(micro, scalar, strict=True)]
+    done = [on_stage(jnp.zeros((s, *x.shape), x.dtype),
+                     *((None,) if sc else (None, batch_entry))) for x, sc in zip(micro, scalar, strict=True)]
+
+    def stage_fn(stage_params: Any, inputs: list[jax.Array], stage: jax.Array,
+                 t: jax.Array) -> list[jax.Array]:
+        # This stage's pass over the stack: repeat r = (t - stage) // M (clipped in
+        # the bubble, where the result is never used).
+        item, _ = _work(t, stage, m, v)
+        r = jnp.clip(item // m, 0, v - 1)
+        group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False),
+                             stage_params)
+        c = jax.tree.unflatten(treedef, inputs)
+        c, ys = jax.lax.scan(body, c, group)
+        if ys is not None and jax.tree.leaves(ys):
+            raise ShardingError(
+                "nnx_shard.pipeline.scan: under a pipeline the layer body must return "
+                "(carry, None); per-layer outputs are not collected. Fix: fold them into "
+                "the carry (e.g. a summed scalar)."
+            )
+        return jax.tree.leaves(c)
+
+    if sched.remat:
+        # Inside the loop XLA cannot merge the recomputation with the forward pass,
+        # so CSE prevention would only cost speed (as for scanned layers).
+        stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
+    run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, None), spmd_axis_name=axis)
+
+    def iteration(state: tuple[list[jax.Array], list[jax.Array]], t: jax.Array) -> Any:
+        buf, done = state
+        # Stage 0's input: microbatch t while there are new ones, then (circular) the
+        # result of the previous pass of microbatch t % M, which the roll left there.
+        slot = t % m
+        first = t < m
+        inputs = []
+        for x, b, d in zip(micro, buf, done, strict=True):
+            fresh = jax.lax.dynamic_index_in_dim(x, jnp.minimum(t, m - 1), 0, keepdims=False)
+            again = jax.lax.dynamic_index_in_dim(d, slot, 1, keepdims=False)
+            enter = jnp.where(first, fresh[None], again)
+            mask = (stage_ids == 0).reshape((s,) + (1,) * (b.ndim - 1))
+            inputs.append(jnp.where(mask, enter, b))
+        out = run_stages(params, inputs, stage_ids, t)
+        # Every stage hands its result to the next; the last stage's lands on stage 0.
+        rolled = [on_stage(jnp.roll(o, 1, axis=0)) for o in out]
+        k, finished = _work(t, s - 1, m, v)  # what the last stage just did
+        kslot = jnp.maximum(k, 0) % m
+        new_done = []
+        for r, d in zip(rolled, done, strict=True):
+            old = jax.lax.dynamic_index_in_dim(d, kslot, 1, keepdims=False)
+            val = jnp.where(finished, r, old)
+            new_done.append(jax.lax.dynamic_update_index_in_dim(d, val, kslot, 1))
+        return (rolled, new_done), None
+
+    (_, done), _ = jax.lax.scan(iteration, (buf, done), jnp.arange(m * v + s - 1))
+    outs = []
+    for d, sc, x in zip(done, scalar, leaves, strict=True):
+        mask = (stage_ids == 0).reshape((s,) + (1,) * (d.ndim - 1))
+        # Stage 0 holds the outputs; the sum over stages hands them to every stage.
+        y = jnp.sum(jnp.where(mask, d, jnp.zeros_like(d)), axis=0)
+        if sc:
+            outs.append(jnp.mean(y).astype(x.dtype))
+        else:
+            y = put(y, None, batch_entry)
+            y = jnp.moveaxis(y, 0, 1).reshape(x.shape)
+            outs.append(put(y, batch_entry))
+    return jax.tree.unflatten(treedef, outs)
