@@ -56,6 +56,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from nnx_shard.errors import ShardingError
@@ -218,12 +219,59 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) 
     if c == 1:
         return _dense(q, k, v, causal)
     _check_length(q, axes, c, mode, causal)
-    spec = P(None, axes, None, None)
+    spec, manual = _manual_spec(q, mesh, rules, axes)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        q, k, v = (_retype(a, spec) for a in (q, k, v))
     body = functools.partial(_ring_local if mode == "ring" else _allgather_local,
                              axes=axes, c=c, causal=causal)
     run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                        axis_names=set(axes), check_vma=False)
+                        axis_names=manual, check_vma=False)
     return run(q, k, v)
+
+
+def _manual_spec(x: jax.Array, mesh: Any, rules: Any, axes: tuple[str, ...]
+                 ) -> tuple[P, set[str]]:
+    """The shard_map spec of q/k/v and its manual axes: the context ``axes`` on the
+    length dimension; on the batch and heads dimensions the Explicit mesh axes the
+    array's type has there, and the Auto ones the rules give ``batch`` and ``heads``.
+
+    The op is manual over every mesh axis it shards over, not over the context axes
+    alone: with other axes left to the partitioner, jax 0.10 gathers the whole batch
+    onto every device on entry (Explicit axes; Auto ones in all-gather mode).
+    Attention is per batch row and per head, so the body is the same either way.
+    """
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    typed = tuple(jax.typeof(x).sharding.spec)
+    typed += (None,) * (x.ndim - len(typed))
+    names = tuple(n if n is not None and n in rules else None
+                  for n in ("batch", None, "heads", None))
+    try:
+        ruled = tuple(rules.spec(names, shape=x.shape, mesh=mesh, path="attention q/k/v"))
+    except ShardingError:
+        ruled = ()
+    ruled += (None,) * (x.ndim - len(ruled))
+
+    def named(entry: Any) -> tuple[str, ...]:
+        return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+    out: list[Any] = []
+    for dim in range(x.ndim):
+        if dim == 1:
+            out.append(axes)
+            continue
+        kept = tuple(a for a in named(typed[dim]) if types[a] == AxisType.Explicit)
+        if not kept:
+            kept = tuple(a for a in named(ruled[dim]) if types[a] != AxisType.Explicit)
+        out.append(tuple(a for a in kept if a not in axes) or None)
+    return P(*out), {a for entry in out if entry for a in entry}
+
+
+def _retype(x: jax.Array, spec: P) -> jax.Array:
+    typed = tuple(jax.typeof(x).sharding.spec)
+    typed += (None,) * (x.ndim - len(typed))
+    norm = tuple(None if not e else (e,) if isinstance(e, str) else tuple(e) for e in typed)
+    want = tuple(None if not e else tuple(e) for e in spec)
+    return x if norm == want else jax.sharding.reshard(x, spec)
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -233,7 +281,8 @@ def _allgather_local(q: jax.Array, k: jax.Array, v: jax.Array, *, axes: tuple[st
                      c: int, causal: bool) -> jax.Array:
     """Local queries (contiguous slice ``i``) against the gathered full-length K/V."""
     n = q.shape[1]
-    k_all, v_all = _gather(k, axes), _gather(v, axes)
+    k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
     scores = jnp.einsum("bqhk,bshk->bhqs", q, k_all).astype(jnp.float32)
     scores = scores / math.sqrt(q.shape[-1])
     if causal:
@@ -242,28 +291,6 @@ def _allgather_local(q: jax.Array, k: jax.Array, v: jax.Array, *, axes: tuple[st
         scores = jnp.where(mask, scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bhqs,bshk->bqhk", probs, v_all)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    # Written out with its transpose: JAX's own transpose of all_gather fails to
-    # lower when other mesh axes are Explicit (jax 0.10).
-    return jax.lax.all_gather(x, axes, axis=1, tiled=True)
-
-
-def _gather_fwd(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, None]:
-    return _gather(x, axes), None
-
-
-def _gather_bwd(axes: tuple[str, ...], _: None, g: jax.Array) -> tuple[jax.Array]:
-    # An all-reduce and a local slice: psum_scatter, the textbook reduce-scatter,
-    # also fails to lower with Explicit axes outside the manual ones.
-    n = g.shape[1] // math.prod(jax.lax.axis_size(a) for a in axes)
-    total = jax.lax.psum(g, axes)
-    return (jax.lax.dynamic_slice_in_dim(total, jax.lax.axis_index(axes) * n, n, axis=1),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 # --------------------------------------------------------------------------- zig-zag
@@ -332,12 +359,16 @@ def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None
 
 
 def _merge(acc: tuple[jax.Array, ...], blk: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    o, l, m = acc
-    ob, lb, mb = blk
+    o, s, m = acc
+    ob, sb, mb = blk
     mn = jnp.maximum(m, mb)
     a, bb = jnp.exp(m - mn), jnp.exp(mb - mn)
-    t = lambda w: jnp.transpose(w, (0, 2, 1))[..., None]  # [b,h,q] -> [b,q,h,1]
-    return o * t(a) + ob * t(bb), l * a + lb * bb, mn
+    return o * _rows(a) + ob * _rows(bb), s * a + sb * bb, mn
+
+
+def _rows(w: jax.Array) -> jax.Array:
+    """Per-row statistics ``[b, h, q]`` broadcast against outputs ``[b, q, h, d]``."""
+    return jnp.transpose(w, (0, 2, 1))[..., None]
 
 
 def _causal_block_mask(n2: int) -> jax.Array:
@@ -398,7 +429,7 @@ def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...], c
 
     acc, _ = jax.lax.fori_loop(1, c, step, (acc, (k, v)))
     o, l_, m = acc
-    out = (o / jnp.transpose(l_, (0, 2, 1))[..., None]).astype(q.dtype)
+    out = (o / _rows(l_)).astype(q.dtype)
     lse = m + jnp.log(l_)
     return out, (q, k, v, out, lse)
 

@@ -253,7 +253,7 @@ def test_bad_flags_from_the_console_script_have_no_traceback():
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "nnx-shard: error: unknown strategy 'pipeline'. Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep."
+        "nnx-shard: error: unknown strategy 'pipeline'. Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep, cp, fsdp_cp."
     ]
 
 

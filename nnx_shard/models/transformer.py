@@ -37,13 +37,26 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard.annotate import with_logical
+from nnx_shard.mesh import option
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
+from nnx_shard.ring import attention
 
 __all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
            "lm_loss", "remat_policy"]
 
 RESIDUAL = ("batch", "length", None)
 GATHERED = ("batch", None, None)
+
+
+def _seq(names: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``names`` with the sequence kept split under context parallelism (the
+    ``attention`` option of the ``cp`` presets): there the sequence stays on its
+    ``length`` axes through the whole block, and only the attention op gathers
+    keys and values, in its own way. Elsewhere ``names`` as given (sequence
+    parallelism gathers the sequence at these points)."""
+    if option("attention", "dense") in ("ring", "allgather"):
+        return (names[0], "length", *names[2:])
+    return names
 
 REMAT_POLICIES: dict[str, str] = {
     "none": "keep every intermediate of each block for the backward pass (no remat)",
@@ -252,17 +265,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        heads = ("batch", None, "heads", "kv")
+        heads = _seq(("batch", None, "heads", "kv"))
         q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
         k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads)
         v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
-        scores = scores / math.sqrt(q.shape[-1])
-        length = x.shape[1]
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        out = attention(q, k, v, causal=True)
         return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL)
 
 
@@ -277,7 +284,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         dt = self.dtype
-        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt), ("batch", None, "mlp")))
+        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt), _seq(("batch", None, "mlp"))))
         return einsum("blm,me->ble", h, self.down[...].astype(dt), RESIDUAL), jnp.zeros(())
 
 
@@ -360,9 +367,9 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if cfg.experts else MLP(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(constrain(self.attn_norm(x), GATHERED))
+        x = x + self.attn(constrain(self.attn_norm(x), _seq(GATHERED)))
         x = constrain(x, RESIDUAL)
-        y, aux = self.mlp(constrain(self.mlp_norm(x), GATHERED))
+        y, aux = self.mlp(constrain(self.mlp_norm(x), _seq(GATHERED)))
         return constrain(x + y, RESIDUAL), aux
 
 
@@ -456,13 +463,13 @@ class Transformer(nnx.Module):
             for block in self.blocks:
                 x, a = run(block, x)
                 aux = aux + a
-        x = constrain(self.final_norm(x), GATHERED)
+        x = constrain(self.final_norm(x), _seq(GATHERED))
         if self.unembed is None:
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype),
-                            ("batch", None, "vocab"))
+                            _seq(("batch", None, "vocab")))
         else:
             logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype),
-                            ("batch", None, "vocab"))
+                            _seq(("batch", None, "vocab")))
         return logits.astype(jnp.float32), aux
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -502,7 +509,7 @@ def lm_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
     logits, aux = model.forward(batch["inputs"])
     # Targets arrive laid out like the inputs (under sequence parallelism: split
     # along ``length``); they must match the logits' layout, split along ``vocab``.
-    targets = constrain(batch["targets"], ("batch", None))
+    targets = constrain(batch["targets"], _seq(("batch", None)))
     ce = cross_entropy(logits, targets).mean()
     if model.cfg.experts:
         return ce + model.cfg.aux_loss_weight * aux
