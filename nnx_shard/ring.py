@@ -117,7 +117,8 @@ def _context_axes(mesh: Any, rules: Any, mode: str) -> tuple[str, ...]:
     except KeyError:
         raise ShardingError(
             f"attention={mode!r} splits the sequence over the mesh axes of logical axis "
-            f"'length', but the rules have no 'length' entry (rules: {rules}). Fix: add one, "
+            f"'length', but the rules have no 'length' entry (their logical axes: "
+            f"{', '.join(rules) or 'none'}). Fix: add one, "
             "e.g. rules | {'length': 'context'} (what nnx_shard.strategies.get('cp') does)."
         ) from None
     sizes = dict(mesh.shape)
