@@ -915,7 +915,7 @@ def _build_parser() -> _Parser:
                        "checkpoint it, restore it onto a different mesh and strategy, and "
                        "sample text from the restored model. With one device, 8 CPU devices "
                        "are simulated.")
-    d.add_argument("--strategy", default="fsdp_tp", help="dp, zero1, fsdp, tp, fsdp_tp (default), sp, ep, cp, fsdp_cp")
+    d.add_argument("--strategy", default="fsdp_tp", help="dp, zero1, fsdp, tp, fsdp_tp (default), sp, ep")
     d.add_argument("--mesh", default=None, help="e.g. data=4,model=2 (default: the strategy's "
                    "shape for all devices)")
     d.add_argument("--steps", type=int, default=1000,
