@@ -403,6 +403,9 @@ def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...], c
               causal: bool) -> tuple[jax.Array, Any]:
     n2 = q.shape[1]
     n = n2 // 2
+    # Each block is sent on before it is used, so that the transfer of step s + 1
+    # can overlap the compute of step s (async collective-permutes on accelerators).
+    moving = _shift((k, v), axes, c)
     acc = _block_fwd(q, k, v, _causal_block_mask(n2) if causal else None)
 
     def full(kb: jax.Array, vb: jax.Array) -> tuple[jax.Array, ...]:
@@ -419,17 +422,19 @@ def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...], c
                 jnp.concatenate([jnp.zeros_like(l_), l_], 2),
                 jnp.concatenate([jnp.full_like(m, -jnp.inf), m], 2))
 
+    def block(s: Any, kv: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        if causal:
+            return jax.lax.cond(_earlier(s, axes, c), low_keys, high_queries, *kv)
+        return full(*kv)
+
     def step(s: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
         acc, kv = carry
-        kv = _shift(kv, axes, c)
-        if causal:
-            blk = jax.lax.cond(_earlier(s, axes, c), low_keys, high_queries, *kv)
-        else:
-            blk = full(*kv)
-        return _merge(acc, blk), kv
+        nxt = _shift(kv, axes, c)
+        return _merge(acc, block(s, kv)), nxt
 
-    acc, _ = jax.lax.fori_loop(1, c, step, (acc, (k, v)))
-    o, l_, m = acc
+    # Steps 1 .. C-2 in the loop; the last one outside it, with nothing left to send.
+    acc, kv = jax.lax.fori_loop(1, c - 1, step, (acc, moving))
+    o, l_, m = _merge(acc, block(c - 1, kv))
     out = (o / _rows(l_)).astype(q.dtype)
     lse = m + jnp.log(l_)
     return out, (q, k, v, out, lse)
@@ -471,18 +476,25 @@ def _ring_bwd(axes: tuple[str, ...], c: int, causal: bool, res: Any, g: jax.Arra
                                    None)
         return jnp.concatenate([jnp.zeros_like(dqb), dqb], 1), dkb, dvb
 
-    def step(s: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        # The key/value block and the gradient accumulated for it travel together.
-        dq, moving = carry
-        kb, vb, dkb, dvb = _shift(moving, axes, c)
+    def block(s: Any, kv: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         if causal:
-            dqb, dkx, dvx = jax.lax.cond(_earlier(s, axes, c), low_keys, high_queries, kb, vb)
-        else:
-            dqb, dkx, dvx = full(kb, vb)
-        return dq + dqb, (kb, vb, dkb + dkx, dvb + dvx)
+            return jax.lax.cond(_earlier(s, axes, c), low_keys, high_queries, *kv)
+        return full(*kv)
 
-    dq, (_, _, dk, dv) = jax.lax.fori_loop(1, c, step, (dq, (k, v, dk, dv)))
-    # After C - 1 steps each gradient block sits one device short of its owner.
+    def step(s: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        # kv: the block of step s, sent on ahead as in the forward pass; grad: the
+        # gradient accumulated for the block of step s - 1, which follows one device
+        # behind its block.
+        dq, kv, grad = carry
+        nxt = _shift(kv, axes, c)
+        dqb, dkb, dvb = block(s, kv)
+        dk, dv = _shift(grad, axes, c)
+        return dq + dqb, nxt, (dk + dkb, dv + dvb)
+
+    carry = (dq, _shift((k, v), axes, c), (dk, dv))
+    carry = jax.lax.fori_loop(1, c - 1, step, carry)
+    dq, _, (dk, dv) = step(c - 1, carry)  # its extra K/V send is unused: XLA drops it
+    # After step C - 1 each gradient block sits one device short of its owner.
     dk, dv = _shift((dk, dv), axes, c)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
