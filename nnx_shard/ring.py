@@ -9,14 +9,17 @@ model edit:
 * no option (every preset but ``cp``/``fsdp_cp``), or outside ``use``: the
   dense masked softmax, ``softmax(q k^T / sqrt(d)) v``;
 * ``"ring"``: ring attention over the mesh axes ``length`` is mapped to
-  (``context``). ``jax.shard_map`` is manual over those axes only (the batch
-  stays on its own axes, laid out by the partitioner). Each device keeps its
-  query block; key/value blocks travel around the ring with
-  ``jax.lax.ppermute`` while an online (log-sum-exp) softmax accumulates the
-  output, so no device holds the full-length keys and values or more than its
-  own rows of the score matrix. The backward pass runs the ring again
-  (a ``jax.custom_vjp``) passing the key/value blocks and their gradients,
-  rather than keeping every received block for autodiff.
+  (``context``), in a ``jax.shard_map`` that is manual over those axes and
+  over the axes the batch and heads are split over (attention is per row and
+  per head, so those need no communication). Each device keeps its query
+  block; key/value blocks travel around the ring with ``jax.lax.ppermute``
+  (each sent on before it is used, so the transfer can overlap the compute)
+  while an online (log-sum-exp) softmax accumulates the output. No device
+  holds the full-length keys and values, or more than one tile of scores
+  (its queries x one key/value block) at a time. The backward pass runs the
+  ring again (a ``jax.custom_vjp``): the key/value blocks go round once more,
+  each followed by the gradient accumulated for it, which ends at its owner;
+  scores are recomputed per tile instead of being stored.
 * ``"allgather"``: each device all-gathers the full-length keys and values over
   the context axes and attends with its local queries (simpler, more memory:
   the comparison point).
