@@ -145,8 +145,8 @@ def _check_length(q: jax.Array, axes: tuple[str, ...], c: int, mode: str, causal
         f"attention={mode!r}: sequence length {length} (q {tuple(q.shape)}, logical axes "
         f"('batch', 'length', 'heads', 'kv')) does not split into {what} over mesh axis "
         f"{axis!r} of size {c}. Fix: use a sequence length that divides by {chunks} (e.g. "
-        f"{near}), or a mesh with a context size that divides {length}"
-        + (" by 2" if chunks != c else "") + "."
+        f"{near}), or a mesh whose context size C has "
+        + ("2 x C" if chunks != c else "C") + f" dividing {length}."
     )
 
 
