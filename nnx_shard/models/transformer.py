@@ -15,7 +15,11 @@ are constrained at the points where parallelism strategies differ:
   parallelism);
 * the mixture-of-experts layer dispatches tokens to ``("expert", "batch",
   None, None)``: expert parallelism turns that into collectives over the
-  expert axis.
+  expert axis;
+* under context parallelism (the rules' ``attention`` option, set by the
+  ``cp`` presets) the sequence stays split on ``length`` at all of these
+  points, and the attention core, :func:`nnx_shard.models.attention`, runs
+  as ring (or all-gather-KV) attention over the ``length`` axes.
 
 The embedding dimension of activations is never named: strategies that shard
 parameters over ``embed`` (FSDP) use the same mesh axis for ``batch``.
