@@ -17,7 +17,7 @@ are constrained at the points where parallelism strategies differ:
   None, None)``: expert parallelism turns that into collectives over the
   expert axis;
 * under context parallelism (the rules' ``attention`` option, set by the
-  ``cp`` presets) the sequence stays split on ``length`` at all of these
+  ``cp`` presets) the sequence stays split on ``length`` at the dense ones of these
   points, and the attention core, :func:`nnx_shard.models.attention`, runs
   as ring (or all-gather-KV) attention over the ``length`` axes.
 
