@@ -42,6 +42,12 @@ pp_fsdp    stage, data      pp, plus params over data along ``embed``         pp
                                                                               over stage of the head's weight)
 pp_tp      stage, data,     pp, plus tp over model inside each stage          pp's and tp's
            model
+cp         data, context    batch; ``length`` over context everywhere, ring   collective-permute over context (ring
+                            attention (option ``attention="ring"``)           K/V blocks, zig-zag reorder),
+                                                                              all-reduce over data and over context
+                                                                              (gradients), all-gather over context
+                                                                              (the position embedding's gradient)
+fsdp_cp    data, context    fsdp over data and cp over context                all of fsdp's and cp's
 =========  ===============  ================================================  ==========================================
 
 The collectives are those the compiled train step of the reference transformer
@@ -95,14 +101,14 @@ from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 
 __all__ = [
-    "NAMES", "Collective", "Strategy", "async_tp", "auto", "compiled_collectives", "dp", "ep",
-    "fsdp", "fsdp_tp", "get", "pp", "pp_fsdp", "pp_tp", "sp", "tp", "zero1",
+    "NAMES", "Collective", "Strategy", "async_tp", "auto", "compiled_collectives", "cp", "dp", "ep",
+    "fsdp", "fsdp_cp", "fsdp_tp", "get", "pp", "pp_fsdp", "pp_tp", "sp", "tp", "zero1",
 ]
 
 M = TypeVar("M", bound=nnx.Module)
 
-NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep", "async_tp", "pp",
-                          "pp_fsdp", "pp_tp")
+NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep", "async_tp", "cp",
+                          "fsdp_cp", "pp", "pp_fsdp", "pp_tp")
 
 #: Every logical name the presets give a rule (replicated unless a preset says otherwise).
 LOGICAL = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
@@ -586,12 +592,54 @@ def pp_tp(*, stage: str = "stage", data: str = "data", model: str = "model",
     _distinct("pp_tp", stage=stage, data=data, model=model)
     return _pp("pp_tp", _table(batch=data, heads=model, mlp=model, vocab=model, layers=stage),
                (stage, data, model), (2, 2), stage, repeats, allow_few_microbatches, remat)
+def cp(*, data: str = "data", context: str = "context") -> Strategy:
+    """Context parallelism: the sequence split over ``context`` through the whole
+    model (``length`` of every activation), the batch over ``data``, parameters
+    replicated. Attention runs as ring attention (rules option
+    ``attention="ring"``, read by :func:`nnx_shard.models.attention`): each device
+    keeps its queries and passes key/value blocks around the ``context`` ring, in
+    zig-zag chunk order for causal load balance (see :mod:`nnx_shard.ring`).
+    ``strategy.rules.with_options(attention="allgather")`` all-gathers K/V instead.
+
+    Mesh axes: ``data``, ``context``. Collectives: collective-permutes over
+    ``context`` (the ring's K/V blocks, their gradients, and the zig-zag reorder),
+    gradient all-reduces over ``data`` and ``context``, and one small all-gather
+    over ``context`` (the gradient of the length-split position embedding); never
+    an all-gather of full-length keys and values. The sequence length must
+    divide by ``2 x context``; the model must compute attention with
+    :func:`nnx_shard.models.attention` (the trainer checks).
+
+    >>> s = cp()
+    >>> s.rules["length"], s.rules.options["attention"], s.mesh_for(8)
+    ('context', 'ring', {'data': 2, 'context': 4})
+    """
+    _distinct("cp", data=data, context=context)
+    rules = _table(batch=data, length=context).with_options(attention="ring")
+    return Strategy("cp", rules, None, (data, context), (4,),
+                    ("collective-permute", "all-reduce", "all-gather"))
+
+
+def fsdp_cp(*, data: str = "data", context: str = "context") -> Strategy:
+    """2D: FSDP over ``data`` (parameters, gradients, optimizer state sharded along
+    ``embed``) and context parallelism (:func:`cp`, ring attention) over ``context``.
+
+    Mesh axes: ``data``, ``context``. Collectives: FSDP's all-gather and gradient
+    reduction over ``data`` and cp's collective-permutes over ``context``.
+
+    >>> fsdp_cp().rules["embed"], fsdp_cp().rules["length"], fsdp_cp().mesh_for(8)
+    ('data', 'context', {'data': 4, 'context': 2})
+    """
+    _distinct("fsdp_cp", data=data, context=context)
+    rules = _table(batch=data, embed=data, length=context).with_options(attention="ring")
+    return Strategy("fsdp_cp", rules, None, (data, context), (2,),
+                    ("all-gather", "all-reduce", "collective-permute"))
 
 
 _PRESETS: dict[str, Callable[..., Strategy]] = {
     "dp": dp, "zero1": zero1, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "sp": sp, "ep": ep,
     "async_tp": async_tp,
     "pp": pp, "pp_fsdp": pp_fsdp, "pp_tp": pp_tp,
+    "cp": cp, "fsdp_cp": fsdp_cp,
 }
 
 

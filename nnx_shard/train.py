@@ -50,6 +50,7 @@ from nnx_shard.annotate import path_str
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import ShardingError, sharding_types
 from nnx_shard.mesh import _apply, current, make_mesh, option, use
+from nnx_shard.ring import expect_attention
 from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["Fused", "History", "Trainer", "multistep", "shard_batch", "value_and_grad"]
@@ -640,7 +641,8 @@ class Fused:
             frame = [m, False]
             _micro.stack.append(frame)
             try:
-                metrics = step_fn(*call_args)
+                with expect_attention(fn_name):
+                    metrics = step_fn(*call_args)
             finally:
                 _micro.stack.pop()
             if m > 1 and not frame[1]:

@@ -60,6 +60,8 @@ PROMISE = {
     "fsdp_tp": (lambda p: 8 if re.search(TP, p) else 4, lambda p: 8 if re.search(TP, p) else 4),
     "ep": (lambda p: 4 if re.search(EXPERTS, p) else 1,
            lambda p: 4 if re.search(EXPERTS, p) else 1),
+    "cp": (lambda p: 1, lambda p: 1),
+    "fsdp_cp": (lambda p: 4, lambda p: 4),  # data=4 over embed
 }
 
 # (c): the (collective, mesh axes) pairs each compiled train step contains.
@@ -78,6 +80,11 @@ COLLECTIVES = {
     "ep": {("all-to-all", ("expert",)), ("all-gather", ("expert",)),
            ("all-gather", ("data", "expert")), ("all-reduce", ("data",)),
            ("all-reduce", ("data", "expert"))},
+    "cp": {("collective-permute", ("context",)), ("all-reduce", ("context",)),
+           ("all-reduce", ("data",)), ("all-gather", ("context",))},
+    "fsdp_cp": {("collective-permute", ("context",)), ("all-reduce", ("context",)),
+                ("all-reduce", ("data",)), ("all-gather", ("context",)),
+                ("all-gather", ("data",)), ("collective-permute", ("data",))},
 }
 
 
@@ -258,6 +265,15 @@ def test_compiled_collectives(run: Run) -> None:
         for proj in ("blhk,hke->ble", "blm,me->ble", "ble,ehk->blhk", "ble,em->blm"):
             assert proj not in ops("all-reduce", ("model",)) + ops("all-gather", ("model",))
         assert "shard_map/ppermute" in ops("collective-permute", ("model",))
+    if s.name in ("cp", "fsdp_cp"):
+        # Ring attention: K/V blocks move by collective-permutes inside the attention
+        # op; the only all-gather over context is the position embedding's gradient,
+        # never the full-length keys or values ([batch/data, length, heads, kv]).
+        assert "shard_map" in ops("collective-permute", ("context",))
+        cfg = get_config("tiny")
+        full_kv = 8 // run.mesh.shape["data"] * cfg.length * cfg.heads * cfg.head_dim * 4
+        assert all(c.bytes < full_kv for c in found
+                   if (c.kind, c.axes) == ("all-gather", ("context",)))
     if s.name == "ep":
         # Tokens go to their experts' devices and come back.
         assert "jvp(blxc,ble->xbce)" in ops("all-to-all", ("expert",))
@@ -377,7 +393,7 @@ def test_no_mesh_fits() -> None:
 
 def test_get_and_mesh_for() -> None:
     assert ns.strategies.NAMES == ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep",
-                                   "async_tp", "pp", "pp_fsdp", "pp_tp")
+                                   "async_tp", "cp", "fsdp_cp", "pp", "pp_fsdp", "pp_tp")
     for name in NAMES:
         s = ns.strategies.get(name)
         assert s.name == name and s.mesh_axes[0] == "data"

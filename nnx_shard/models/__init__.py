@@ -1,4 +1,6 @@
-"""Reference models annotated only with logical axis names.
+"""Reference models annotated only with logical axis names, and the attention
+op (:func:`attention`: dense, or ring / all-gather context parallelism as the
+strategy asks) a model calls to be context-parallel.
 
 >>> from flax import nnx
 >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
@@ -15,6 +17,7 @@ from nnx_shard.models.transformer import (
     lm_loss,
     remat_policy,
 )
+from nnx_shard.ring import attention
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
-           "lm_loss", "remat_policy"]
+__all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "attention",
+           "get_config", "lm_loss", "remat_policy"]

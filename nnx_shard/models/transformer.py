@@ -19,7 +19,11 @@ are constrained at the points where parallelism strategies differ:
   MLP stays in the residual layout;
 * the mixture-of-experts layer dispatches tokens to ``("expert", "batch",
   None, None)``: expert parallelism turns that into collectives over the
-  expert axis.
+  expert axis;
+* under context parallelism (the rules' ``attention`` option, set by the
+  ``cp`` presets) the sequence stays split on ``length`` at the dense ones of these
+  points, and the attention core, :func:`nnx_shard.models.attention`, runs
+  as ring (or all-gather-KV) attention over the ``length`` axes.
 
 The embedding dimension of activations is never named: strategies that shard
 parameters over ``embed`` (FSDP) use the same mesh axis for ``batch``.
@@ -45,12 +49,25 @@ from nnx_shard.annotate import with_logical
 from nnx_shard.collective_matmul import check_tokens
 from nnx_shard.mesh import option
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
+from nnx_shard.ring import attention
 
 __all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
            "lm_loss", "remat_policy"]
 
 RESIDUAL = ("batch", "length", None)
 GATHERED = ("batch", None, None)
+
+
+def _seq(names: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``names`` with the sequence kept split under context parallelism (the
+    ``attention`` option of the ``cp`` presets): there the sequence stays on its
+    ``length`` axes through the whole block, and only the attention op gathers
+    keys and values, in its own way. Elsewhere ``names`` as given (sequence
+    parallelism gathers the sequence at these points)."""
+    if option("attention", "dense") in ("ring", "allgather"):
+        return (names[0], "length", *names[2:])
+    return names
+
 
 REMAT_POLICIES: dict[str, str] = {
     "none": "keep every intermediate of each block for the backward pass (no remat)",
@@ -259,17 +276,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        heads = ("batch", None, "heads", "kv")
+        heads = _seq(("batch", None, "heads", "kv"))
         q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l")
         k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads, seq="l")
         v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads, seq="l")
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
-        scores = scores / math.sqrt(q.shape[-1])
-        length = x.shape[1]
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        out = attention(q, k, v, causal=True)
         return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l")
 
 
@@ -284,8 +295,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         dt = self.dtype
-        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt), ("batch", None, "mlp"),
-                               seq="l"))
+        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt),
+                               _seq(("batch", None, "mlp")), seq="l"))
         return einsum("blm,me->ble", h, self.down[...].astype(dt), RESIDUAL, seq="l"), jnp.zeros(())
 
 
@@ -377,7 +388,7 @@ class Block(nnx.Module):
 def _block_input() -> tuple[str | None, ...]:
     # Collective matmuls gather the sequence inside the projections, block by
     # block: the input stays in the residual layout until then.
-    return RESIDUAL if option("collective_matmul", False) else GATHERED
+    return RESIDUAL if option("collective_matmul", False) else _seq(GATHERED)
 
 
 def _call_block(block: Block, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -473,13 +484,13 @@ class Transformer(nnx.Module):
             for block in self.blocks:
                 x, a = run(block, x)
                 aux = aux + a
-        x = constrain(self.final_norm(x), GATHERED)
+        x = constrain(self.final_norm(x), _seq(GATHERED))
         if self.unembed is None:
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype),
-                            ("batch", None, "vocab"))
+                            _seq(("batch", None, "vocab")))
         else:
             logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype),
-                            ("batch", None, "vocab"))
+                            _seq(("batch", None, "vocab")))
         return logits.astype(jnp.float32), aux
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -519,7 +530,7 @@ def lm_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
     logits, aux = model.forward(batch["inputs"])
     # Targets arrive laid out like the inputs (under sequence parallelism: split
     # along ``length``); they must match the logits' layout, split along ``vocab``.
-    targets = constrain(batch["targets"], ("batch", None))
+    targets = constrain(batch["targets"], _seq(("batch", None)))
     ce = cross_entropy(logits, targets).mean()
     if model.cfg.experts:
         return ce + model.cfg.aux_loss_weight * aux
