@@ -51,11 +51,14 @@ def test_enumeration_covers_every_preset_and_mesh_and_says_what_it_skipped():
         "fsdp_tp data=1,model=4 remat=none mb=1", "fsdp_tp data=2,model=2 remat=none mb=1",
         "sp data=1,model=4 remat=none mb=1", "sp data=2,model=2 remat=none mb=1",
         "ep data=1,expert=4 remat=none mb=1", "ep data=2,expert=2 remat=none mb=1",
+        "async_tp data=1,model=4 remat=none mb=1", "async_tp data=2,model=2 remat=none mb=1",
+        "cp data=1,context=4 remat=none mb=1", "cp data=2,context=2 remat=none mb=1",
+        "fsdp_cp data=1,context=4 remat=none mb=1", "fsdp_cp data=2,context=2 remat=none mb=1",
     }
     # model=1 / expert=1 meshes repeat a one-axis preset: skipped, and said so.
-    assert plan.pruned == ["4 meshes with a size-1 axis beyond the first (the same layout as "
+    assert plan.pruned == ["14 meshes with a size-1 axis beyond the first (the same layout as "
                            "a preset with fewer axes, e.g. tp model=1 is dp)"]
-    assert plan.request["considered"] == 11 and plan.request["compiled"] == 11
+    assert plan.request["considered"] == 22 and plan.request["compiled"] == 17
 
 
 def test_a_new_preset_joins_the_enumeration_without_edits(monkeypatch):
@@ -169,8 +172,11 @@ def test_the_compile_budget_is_bounded_and_says_so():
     plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
                         max_compiles=3, progress=False)
     assert len(fake.seen) == 3 and len(plan.ranked) == 3
-    assert "8 layouts not compiled (max_compiles=3)" in plan.pruned
-    assert all(c.reason == "not compiled: over max_compiles=3" for c in plan.dropped)
+    assert "14 layouts not compiled (max_compiles=3)" in plan.pruned
+    over = [c for c in plan.dropped if c.reason == "not compiled: over max_compiles=3"]
+    assert len(over) == 14
+    # The rest are pipeline presets that the unstacked tiny model cannot use.
+    assert all(c.strategy.startswith("pp") for c in plan.dropped if c not in over)
 
 
 def test_the_budget_also_bounds_remat_and_microbatch_variants():
