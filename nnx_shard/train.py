@@ -412,6 +412,10 @@ class Fused:
         self._names: dict[int, list[str]] = {}
         # Data layouts (shapes, shardings) whose rows per device were checked.
         self._rows_checked: set[Any] = set()
+        # Runs once per call after the K steps, in the compiled call:
+        # finish(nodes_before, nodes_after, metrics) -> metrics, updating nodes_after in
+        # place (Trainer's NaN guard checks the call's result there, not every step).
+        self._finish: Callable[[Any, Any, Any], Any] | None = None
         functools.update_wrapper(self, step_fn)
 
     def __repr__(self) -> str:
@@ -660,10 +664,15 @@ class Fused:
             self.traces += 1
             # The step count is a by-product of the loop, so it is ready only when the
             # call is: a scalar the host can wait on (never donated, unlike the state).
-            (values, count), metrics = jax.lax.scan(
+            (new_values, count), metrics = jax.lax.scan(
                 counted, (values, jnp.zeros((), jnp.int32)), data
             )
-            return values, metrics, count
+            if self._finish is not None:
+                before = nnx.merge(graphdef, jax.tree.unflatten(state_def, values))
+                after = nnx.merge(graphdef, jax.tree.unflatten(state_def, new_values))
+                metrics = self._finish(before, after, metrics)
+                new_values = pin(jax.tree.leaves(nnx.split(after)[1]))
+            return new_values, metrics, count
 
         return jax.jit(
             run,
@@ -949,6 +958,49 @@ def _make_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]
 
     train_step.checked = checked  # type: ignore[attr-defined]
     return train_step
+
+
+def _make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """The step fit runs normally: no per-step guard, :func:`_guard_call` checks the call.
+
+    The guard of :func:`_make_step` costs a pass over the whole state per step (the
+    finiteness reductions and the select): on a small MLP it halved the steps/s. Here
+    the check runs once per fused call; a call that fails is undone in the compiled
+    call and replayed with the per-step guard (see ``Trainer.fit``), which finds the
+    exact step and leaf.
+    """
+    grad_fn = value_and_grad(loss_fn, has_aux=has_aux)
+
+    def train_step(model: Any, optimizer: Any, batch: Any, guard: _Guard) -> dict[str, Any]:
+        out, grads = grad_fn(model, batch)
+        loss, aux = out if has_aux else (out, {})
+        optimizer.update(model, grads)
+        if not isinstance(aux, Mapping):
+            aux = {"aux": aux}
+        return {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+
+    return train_step
+
+
+def _guard_call(before: Any, after: Any, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The NaN guard, once per fused call of :func:`_make_fast_step`: the call is kept
+    only if the guard was up, every step's loss and gradient norm are finite and the
+    final state is; else the state goes back to the one before the call and the guard
+    drops (so calls already queued behind it change nothing either)."""
+    model0, opt0, guard0 = before
+    model, opt, guard = after
+    _, flags = _finite_flags(nnx.state((model, opt)))
+    ok = (
+        guard0.ok[...]
+        & jnp.all(jnp.isfinite(metrics["loss"]))
+        & jnp.all(jnp.isfinite(metrics["grad_norm"]))
+        & jnp.all(jnp.stack([*flags, jnp.array(True)]))
+    )
+    nnx.update((model, opt), _select(ok, nnx.state((model, opt)), nnx.state((model0, opt0))))
+    guard.ok[...] = ok
+    k = metrics["loss"].shape[0]
+    return {**metrics, "applied": jnp.broadcast_to(ok, (k,)),
+            "nonfinite": jnp.full((k,), -1, jnp.int32)}
 
 
 def _why_not_finite(host: Mapping[str, np.ndarray], i: int, checked: Sequence[tuple[str, str]]) -> str:
@@ -1250,11 +1302,19 @@ class Trainer:
         step = _make_step(loss_fn, has_aux)
         self._checked: list[tuple[str, str]] = step.checked  # type: ignore[attr-defined]
         # fit bounds the calls in flight itself (it reads each call's metrics), so the
-        # fused call does not block on top of that.
+        # fused call does not block on top of that. fit runs _fused, whose NaN guard
+        # checks each call once; a call that fails it is undone and replayed with
+        # _careful, which checks every step (it compiles only when that happens).
         self._fused = multistep(
+            _make_fast_step(loss_fn, has_aux), donate=donate, microbatches=microbatches,
+            max_in_flight=None,
+        )
+        self._fused._finish = _guard_call
+        self._careful = multistep(
             step, donate=donate, microbatches=microbatches, max_in_flight=None
         )
-        self._fused.entry = "Trainer.fit"
+        for fused in (self._fused, self._careful):
+            fused.entry = "Trainer.fit"
 
     @property
     def traces(self) -> int:
@@ -1410,7 +1470,8 @@ class Trainer:
         nonfinite = False
         # The step counter once every dispatched call is applied.
         dispatched = last_saved = self.step
-        pending: collections.deque[tuple[int, int, Any]] = collections.deque()
+        pending: collections.deque[tuple[int, int, Any, Any, int]] = collections.deque()
+        replays = 0  # calls replayed with the per-step guard so far
         prefetch = _Prefetcher(data, sizes, self._build_group)
 
         def save_now() -> None:
@@ -1423,14 +1484,21 @@ class Trainer:
             last_saved = self.step
 
         def finish_one() -> bool:
-            nonlocal done, last_t, stop_reason, nonfinite
-            n, examples, metrics = pending.popleft()
+            nonlocal done, last_t, stop_reason, nonfinite, replays
+            n, examples, metrics, batch, generation = pending.popleft()
+            if stop_reason is not None:
+                return True  # in flight when training stopped: it applied nothing
             host = {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
+            if generation < replays or not host["applied"].all():
+                # This call failed the guard and was undone, or was queued behind one
+                # that did (then it changed nothing): run it again, every step checked.
+                replays += 1
+                self._guard.ok.set_value(jnp.array(True))
+                metrics = self._careful(self.model, self.optimizer, batch, self._guard)
+                host = {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
             applied = host.pop("applied")
             nonfinite_at = host.pop("nonfinite")
             good = n if applied.all() else int(np.argmin(applied))
-            if stop_reason is not None:
-                return True  # in flight when training stopped: it applied nothing
             step0 = self.step
             for key, v in host.items():
                 hist[key].append(v[:good])
@@ -1468,9 +1536,8 @@ class Trainer:
                     if group is None:
                         break
                     n, batch, examples = group
-                    pending.append(
-                        (n, examples, self._fused(self.model, self.optimizer, batch, self._guard))
-                    )
+                    metrics = self._fused(self.model, self.optimizer, batch, self._guard)
+                    pending.append((n, examples, metrics, batch, replays))
                     dispatched += n
                     if checkpointer is not None and checkpointer.should_save(dispatched):
                         # Saved before the next call is dispatched: it would donate
