@@ -46,6 +46,7 @@ from flax.nnx import graphlib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import path_str
+from nnx_shard.batches import Batches
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import ShardingError, sharding_types
 from nnx_shard.mesh import _apply, current, make_mesh, use
@@ -502,7 +503,7 @@ class Fused:
         values, state_def = jax.tree.flatten(state)
         context = current()
         mesh = _mesh_of((values, data))
-        if mesh is None and context is not None and context[0].size > 1:
+        if mesh is None and context is not None:
             mesh = context[0]
         if mesh is not None:
             # Fresh eager values (uncommitted, one device) join the mesh replicated, once:
@@ -1158,36 +1159,47 @@ def _group_sizes(start: int, count: int, k: int, every: int | None) -> list[int]
     return list(_iter_group_sizes(start, count, k, every))
 
 
+def _stacked_groups(
+    data: Iterable[Any], sizes: Iterable[int], build: Callable[[list[Any]], Any],
+    stop: threading.Event,
+) -> Iterator[Any]:
+    """Groups of K host batches from an iterable, each stacked by ``build``."""
+    it = iter(data)
+    for k in sizes:
+        host = []
+        for _ in range(k):
+            try:
+                host.append(next(it))
+            except StopIteration:
+                break
+            if stop.is_set():
+                return
+        if host:
+            yield build(host)
+        if len(host) < k:
+            return
+
+
 class _Prefetcher:
     """Builds the next groups of K steps (stack + shard) on a thread while the
-    current fused call runs. At most two groups wait, so host memory stays bounded."""
+    current fused call runs. At most two groups wait, so host memory stays bounded.
 
-    _END = object()
+    ``groups(stop)`` is a generator of built groups; it may check ``stop`` (an
+    Event set when training ends) to give up early."""
 
-    def __init__(self, data: Iterable[Any], sizes: Iterable[int], build: Callable[..., Any]) -> None:
+    def __init__(self, groups: Callable[[threading.Event], Iterator[Any]]) -> None:
         self._q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(iter(data), sizes, build), daemon=True,
-            name="nnx_shard-prefetch",
+            target=self._run, args=(groups,), daemon=True, name="nnx_shard-prefetch",
         )
         self._thread.start()
 
-    def _run(self, it: Iterator[Any], sizes: Iterable[int], build: Callable[..., Any]) -> None:
+    def _run(self, groups: Callable[[threading.Event], Iterator[Any]]) -> None:
         try:
-            for k in sizes:
-                host = []
-                for _ in range(k):
-                    try:
-                        host.append(next(it))
-                    except StopIteration:
-                        break
-                    if self._stop.is_set():
-                        return
-                if host and not self._put(("ok", build(host))):
+            for group in groups(self._stop):
+                if not self._put(("ok", group)):
                     return
-                if len(host) < k:
-                    break
             self._put(("end", None))
         except BaseException as e:  # re-raised in the training thread
             self._put(("error", e))
@@ -1337,25 +1349,57 @@ class Trainer:
                     "every leaf of a batch needs a leading batch axis. Fix: give it one, "
                     "e.g. np.full((batch,), value)."
                 )
+        # Per batch only a plain flatten and a shape comparison (this runs K times per
+        # fused call, on a thread beside XLA's): paths are worked out for errors only.
+        shapes = [np.shape(x) for _, x in first[0]]
+        columns: list[list[Any]] = [[x] for _, x in first[0]]
         for n, b in enumerate(host[1:], start=1):
-            flat = jax.tree_util.tree_flatten_with_path(b)
-            if flat[1] != first[1]:
+            leaves, treedef = jax.tree.flatten(b)
+            if treedef != first[1]:
                 raise ValueError(
-                    f"host batch {n} of this group has structure {flat[1]} but the first "
+                    f"host batch {n} of this group has structure {treedef} but the first "
                     f"has {first[1]}; every batch must have the same structure."
                 )
-            for (path, x), (_, x0) in zip(flat[0], first[0], strict=True):
-                if np.shape(x) != np.shape(x0):
-                    raise ValueError(
-                        f"host batch {n} of this group has batch{jax.tree_util.keystr(path)} "
-                        f"of shape {_fmt_shape(x)}, but the first has {_fmt_shape(x0)}. "
-                        "Batches are stacked K at a time, so shapes must agree. Fix: drop "
-                        "the last, smaller batch of an epoch (drop_last) or pad it."
-                    )
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *host)
+            for column, x, shape in zip(columns, leaves, shapes, strict=True):
+                if getattr(x, "shape", None) != shape:
+                    self._ragged(n, b, first[0])
+                column.append(x)
+        stacked = jax.tree.unflatten(first[1], [np.stack(c) for c in columns])
         leaves = first[0]
         examples = int(np.shape(leaves[0][1])[0]) * jax.process_count() if leaves else 0
         return len(host), shard_batch(stacked, self.mesh, self.rules, self.batch_names, steps=True), examples
+
+    @staticmethod
+    def _ragged(n: int, batch: Any, first: list[tuple[Any, Any]]) -> None:
+        for (path, x), (_, x0) in zip(jax.tree_util.tree_flatten_with_path(batch)[0], first,
+                                      strict=True):
+            if np.shape(x) != np.shape(x0):
+                raise ValueError(
+                    f"host batch {n} of this group has batch{jax.tree_util.keystr(path)} "
+                    f"of shape {_fmt_shape(x)}, but the first has {_fmt_shape(x0)}. "
+                    "Batches are stacked K at a time, so shapes must agree. Fix: drop "
+                    "the last, smaller batch of an epoch (drop_last) or pad it."
+                )
+
+    def _window_groups(
+        self, data: Batches, start: int, sizes: Iterable[int], stop: threading.Event
+    ) -> Iterator[Any]:
+        """Groups of K batches read from ``data`` as whole ``[K, batch, ...]`` windows:
+        no per-step Python, no stacking (a window of a contiguous array is a view)."""
+        pos = start
+        examples = data.batch_size * jax.process_count()
+        for k in sizes:
+            window = data.window(pos, k) if not stop.is_set() else None
+            if window is None:
+                return
+            n = int(np.shape(jax.tree.leaves(window)[0])[0])
+            if pos == start:  # one layout for the whole run: checked once
+                for path, x in jax.tree_util.tree_flatten_with_path(window)[0]:
+                    _check_array_leaf(path, x, "Trainer.fit")
+            yield n, shard_batch(window, self.mesh, self.rules, self.batch_names, steps=True), examples
+            pos += n
+            if n < k:
+                return
 
     def fit(
         self,
@@ -1449,13 +1493,19 @@ class Trainer:
                 )
             if resume:
                 num_steps = max(num_steps - self.step, 0)
-        if callable(data) and not isinstance(data, Iterable):
-            data = data(self.data_position)
-        elif resumed and self.data_position:
-            data = itertools.islice(data, self.data_position, None)
         k = self.steps_per_call
         every = checkpointer.every if checkpointer is not None else None
         sizes = _iter_group_sizes(self.step, num_steps, k, every)
+        groups: Callable[[threading.Event], Iterator[Any]]
+        if isinstance(data, Batches):
+            first = self.data_position if resumed else 0
+            groups = functools.partial(self._window_groups, data, first, sizes)
+        else:
+            if callable(data) and not isinstance(data, Iterable):
+                data = data(self.data_position)
+            elif resumed and self.data_position:
+                data = itertools.islice(data, self.data_position, None)
+            groups = functools.partial(_stacked_groups, data, sizes, self._build_group)
         # Two calls in flight keep the device busy while the host reads the previous
         # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
         # Callbacks see the model as of their step, so with callbacks: one at a time.
@@ -1472,7 +1522,7 @@ class Trainer:
         dispatched = last_saved = self.step
         pending: collections.deque[tuple[int, int, Any, Any, int]] = collections.deque()
         replays = 0  # calls replayed with the per-step guard so far
-        prefetch = _Prefetcher(data, sizes, self._build_group)
+        prefetch = _Prefetcher(groups)
 
         def save_now() -> None:
             nonlocal last_saved
