@@ -1582,6 +1582,12 @@ class Trainer:
         try:
             with use(self.mesh, self.rules):
                 while stop_reason is None:
+                    # Calls queued behind a replayed one changed nothing: they are
+                    # replayed (in order) before anything new runs on the state.
+                    while pending and pending[0][4] < replays and stop_reason is None:
+                        finish_one()
+                    if stop_reason is not None:
+                        break
                     group = prefetch.get()
                     if group is None:
                         break
