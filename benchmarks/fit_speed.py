@@ -51,7 +51,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "fit_speed.json"
 DEVICE_COUNTS = (1, 8)
 MODELS = {  # name: (global batch, steps per call K, steps per round, quick steps per round)
     "mlp": (64, 100, 3000, 1000),
-    "lm": (8, 10, 40, 10),
+    "lm": (8, 10, 20, 10),
 }
 
 
@@ -112,7 +112,7 @@ def worker(n_devices: int, quick: bool) -> dict:
     strategy = ns.strategies.get("dp")
     mesh = ns.make_mesh({"data": n_devices})
     rules = strategy.rules
-    rounds = 2 if quick else 5
+    rounds = 2 if quick else 7
     rng = np.random.default_rng(0)
     try:
         import keras  # noqa: F401
@@ -219,27 +219,35 @@ def worker(n_devices: int, quick: bool) -> dict:
             compile_s[v] = time.perf_counter() - t0
             run()
         rates: dict[str, list[float]] = {v: [] for v in variants}
+        cpu_rates: dict[str, list[float]] = {v: [] for v in variants}
         order = list(variants)
         for r in range(rounds):
             for j in range(len(order)):
                 v = order[(j + r) % len(order)]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 variants[v]()
                 rates[v].append(steps / (time.perf_counter() - t0))
-        ratios = {}
-        for v in variants:
-            if v != "hand scan":
-                ratios[f"{v} / hand scan"] = statistics.median(
-                    a / b for a, b in zip(rates[v], rates["hand scan"], strict=True))
+                cpu_rates[v].append(steps / (time.process_time() - c0))
+
+        def paired(a: str, b: str, table: dict[str, list[float]]) -> float:
+            return statistics.median(x / y for x, y in zip(table[a], table[b], strict=True))
+
+        ratios, cpu_ratios = {}, {}
+        pairs = [(v, "hand scan") for v in variants if v != "hand scan"]
         if "keras" in variants:
-            for v in ("fit(batches)", "fit(Batches)"):
-                ratios[f"{v} / keras"] = statistics.median(
-                    a / b for a, b in zip(rates[v], rates["keras"], strict=True))
+            pairs += [(v, "keras") for v in ("fit(batches)", "fit(Batches)")]
+        for a, b in pairs:
+            ratios[f"{a} / {b}"] = paired(a, b, rates)
+            cpu_ratios[f"{a} / {b}"] = paired(a, b, cpu_rates)
         assert t_iter.traces == 1 and t_win.traces == 1, (t_iter.traces, t_win.traces)
         out["models"][name] = {
             "batch": batch, "steps_per_call": k, "steps_per_round": steps,
             "steps_per_s": {v: statistics.median(r) for v, r in rates.items()},
             "ratios": ratios, "rounds": rates, "first_two_runs_s": compile_s,
+            # Steps per second of process CPU time (every thread): less sensitive than
+            # wall time to other processes on a shared machine.
+            "steps_per_cpu_s": {v: statistics.median(r) for v, r in cpu_rates.items()},
+            "cpu_ratios": cpu_ratios, "cpu_rounds": cpu_rates,
         }
     if n_devices > 1:
         out["keras"] = keras_probe(n_devices, quick)
@@ -311,10 +319,11 @@ def fmt_table(results: list[dict]) -> str:
                      if v in r["models"][name]["steps_per_s"] else "-" for r in results]
             lines.append(f"| {v} | {' | '.join(cells)} |")
         ratios = list(dict.fromkeys(v for r in results for v in r["models"][name]["ratios"]))
-        for v in ratios:
-            cells = [f"{r['models'][name]['ratios'][v]:.3f}" if v in r["models"][name]["ratios"]
-                     else "-" for r in results]
-            lines.append(f"| {v} (median of paired rounds) | {' | '.join(cells)} |")
+        for key, what in (("ratios", "wall"), ("cpu_ratios", "CPU time")):
+            for v in ratios:
+                cells = [f"{r['models'][name][key][v]:.3f}" if v in r["models"][name][key]
+                         else "-" for r in results]
+                lines.append(f"| {v}, {what} (median of paired rounds) | {' | '.join(cells)} |")
     for r in results:
         if "keras" in r:
             lines.append(f"\nkeras DataParallel on {r['n_devices']} simulated devices: "
