@@ -56,11 +56,9 @@ MODELS = {  # name: (global batch, steps per call K, steps per round, quick step
 
 
 def _env(n: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["KERAS_BACKEND"] = "jax"
-    return env
+    from nnx_shard.launch import simulated_env
+
+    return {**simulated_env(n), "KERAS_BACKEND": "jax"}
 
 
 # Worker (one process per device count)

@@ -64,6 +64,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard.annotate import path_str
+from nnx_shard.axes import mesh_sizes
 from nnx_shard.errors import ShardingError
 from nnx_shard.hlo import Collective, compiled_collectives  # re-exported: callers look here
 from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
@@ -291,9 +292,7 @@ class Strategy:
 
 
 def _sizes(mesh: Mesh | str | Mapping[str, int]) -> dict[str, int]:
-    if isinstance(mesh, Mapping):
-        return {str(k): int(v) for k, v in mesh.items()}
-    return dict(make_mesh(mesh).shape)
+    return mesh_sizes(mesh if isinstance(mesh, Mapping) else make_mesh(mesh))
 
 
 def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:

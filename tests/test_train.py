@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import nnx_shard as ns
 from nnx_shard import train
 from nnx_shard.checkpoint import restore_into
+from nnx_shard.launch import simulated_env
 from nnx_shard.train import Trainer, _Progress, multistep, shard_batch, value_and_grad
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -1102,9 +1103,7 @@ def test_an_unblocked_loop_of_fused_calls_does_not_abort(tmp_path):
     the test instead of killing pytest."""
     script = tmp_path / "dispatch.py"
     script.write_text(DISPATCH_SCRIPT)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "PYTHONPATH": str(ROOT)}
-    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env = {**simulated_env(8), "PYTHONPATH": str(ROOT)}
     try:
         done = subprocess.run([sys.executable, str(script), "{}"], capture_output=True,
                               text=True, timeout=240, env=env, cwd=ROOT)
