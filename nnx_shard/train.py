@@ -1283,6 +1283,169 @@ class _Prefetcher:
         self._thread.join(timeout=5)
 
 
+class _FitRun:
+    """One call of :meth:`Trainer.fit` after its set-up: dispatching fused calls,
+    reading each one's metrics (replaying it if the NaN guard undid it) and running
+    the callbacks on them, until the data ends or a callback stops training."""
+
+    def __init__(self, trainer: Trainer, callbacks: Sequence[Callable[..., Any]],
+                 depth: int) -> None:
+        self.trainer = trainer
+        self.callbacks = callbacks
+        self.depth = depth
+        self.start = time.perf_counter()
+        self.hist: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+        self.done = 0  # steps applied by this fit
+        self.stop_reason: str | None = None
+        self.nonfinite = False
+        # (steps, examples per step, metrics, batch, replays when dispatched)
+        self.pending: collections.deque[tuple[int, int, Any, Any, int]] = collections.deque()
+        self.replays = 0  # calls replayed with the per-step guard so far
+        self.examples = 0  # examples per step of the last call read
+        self.failure: str | None = None  # why the last call read was cut short
+
+    def dispatch(self, prefetch: _Prefetcher, checkpointer: Checkpointer | None) -> None:
+        t = self.trainer
+        dispatched = t.step  # the step counter once every dispatched call is applied
+        while self.stop_reason is None:
+            # Calls queued behind a replayed one changed nothing: they are replayed
+            # (in order) before anything new runs on the state.
+            while self.pending and self.pending[0][4] < self.replays and not self.stop_reason:
+                self.finish_one()
+            if self.stop_reason is not None:
+                break
+            group = prefetch.get()
+            if group is None:
+                break
+            n, batch, examples = group
+            metrics = t._fused(t.model, t.optimizer, batch, t._guard)
+            self.pending.append((n, examples, metrics, batch, self.replays))
+            dispatched += n
+            if checkpointer is not None and checkpointer.should_save(dispatched):
+                # Drained before the next call is dispatched: it would donate
+                # (overwrite) exactly the state the save callback writes.
+                while self.pending:
+                    self.finish_one()
+            elif len(self.pending) >= self.depth:
+                self.finish_one()
+        while self.pending:
+            self.finish_one()
+
+    def _read(self, metrics: Any) -> dict[str, np.ndarray]:
+        return {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
+
+    def finish_one(self) -> None:
+        t = self.trainer
+        n, examples, metrics, batch, generation = self.pending.popleft()
+        if self.stop_reason is not None:
+            return  # in flight when training stopped: it applied nothing
+        host = self._read(metrics)
+        if generation < self.replays or not host["applied"].all():
+            # This call failed the guard and was undone, or was queued behind one
+            # that did (then it changed nothing): run it again, every step checked.
+            self.replays += 1
+            t._guard.ok.set_value(jnp.array(True))
+            host = self._read(t._careful(t.model, t.optimizer, batch, t._guard))
+        applied = host.pop("applied")
+        nonfinite_at = host.pop("nonfinite")
+        good = n if applied.all() else int(np.argmin(applied))
+        step0 = t.step
+        for key, v in host.items():
+            self.hist[key].append(v[:good])
+        self.hist["step"].append(np.arange(step0 + 1, step0 + good + 1))
+        t.step += good
+        t.data_position += good
+        self.done += good
+        self.examples = examples
+        self.failure = None
+        if good < n:
+            what = _why_not_finite({**host, "nonfinite": nonfinite_at}, good, t._checked)
+            kept = f"from after step {step0 + good}" if step0 + good else "from before it"
+            self.failure = (
+                f"{what} at step {step0 + good + 1}; stopped without applying it, keeping "
+                f"the model and optimizer state {kept}, the last finite one"
+            )
+        for cb in self.callbacks:
+            if cb(t.step, {key: v[:good] for key, v in host.items()}) is True:
+                name = getattr(cb, "__name__", repr(cb))
+                self.stop_reason = cb.stop_reason if isinstance(cb, _NanStop) else (
+                    f"callback {name} asked to stop at step {t.step}")
+                return
+
+    def history(self, num_steps: int) -> History:
+        if self.stop_reason is None and self.done < num_steps:
+            self.stop_reason = f"data ran out after {self.done} of {num_steps} steps"
+        metrics = {key: np.concatenate(v) for key, v in self.hist.items()}
+        if not metrics:
+            metrics = {"step": np.zeros((0,), np.int64)}
+        return History(metrics, self.done, self.stop_reason, time.perf_counter() - self.start)
+
+
+class _ProgressCallback:
+    """fit's progress bar as a callback: steps, the last loss, and the rates of the
+    last fused call."""
+
+    def __init__(self, progress: _Progress) -> None:
+        self.progress = progress
+        self.run: _FitRun | None = None
+        self.last_t = time.perf_counter()
+
+    def __call__(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
+        now = time.perf_counter()
+        good = len(metrics["loss"])
+        rate = good / max(now - self.last_t, 1e-9)
+        self.last_t = now
+        if good and self.run is not None:
+            self.progress.update(self.run.done, float(metrics["loss"][-1]), rate,
+                                 rate * self.run.examples)
+
+
+class _NanStop:
+    """fit's NaN stop as a callback: stops (with a ``RuntimeWarning`` naming the
+    check, the first non-finite leaf and the step) after a call the guard cut short."""
+
+    __name__ = "nan_stop"
+
+    def __init__(self) -> None:
+        self.stop_reason: str | None = None
+        self.run: _FitRun | None = None
+
+    def __call__(self, step: int, metrics: Mapping[str, np.ndarray]) -> bool:
+        run = self.run
+        if run is None or run.failure is None:
+            return False
+        self.stop_reason = run.failure
+        run.nonfinite = True
+        # Points at the user's fit call: fit -> dispatch -> finish_one -> here.
+        warnings.warn(f"Trainer.fit: {run.failure}.", RuntimeWarning, stacklevel=5)
+        return True
+
+
+class _SaveCallback:
+    """fit's checkpoints as a callback: saves at every save step (fit drains the
+    calls in flight there first) and, with :meth:`save_last`, after the last step."""
+
+    __name__ = "checkpoint"
+
+    def __init__(self, trainer: Trainer, checkpointer: Checkpointer) -> None:
+        self.trainer = trainer
+        self.checkpointer = checkpointer
+        self.last_saved = trainer.step
+
+    def __call__(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
+        if self.checkpointer.should_save(step) and step > self.last_saved:
+            self.save_last()
+
+    def save_last(self) -> None:
+        t = self.trainer
+        if t.step > self.last_saved:
+            self.checkpointer.save(
+                t.step, model=t.model, optimizer=t.optimizer,
+                extra={"step": t.step, "data_position": t.data_position},
+            )
+            self.last_saved = t.step
+
+
 class Trainer:
     """Trains a (sharded) model: K steps per compiled call, batches sharded, prefetched.
 
@@ -1535,150 +1698,78 @@ class Trainer:
                 "fit(resume=True) needs the checkpointer to resume from, e.g. "
                 "checkpointer=ns.Checkpointer(directory, every=1000)."
             )
-        resumed = False
-        if checkpointer is not None:
-            latest = checkpointer.latest_step()
-            if resume and latest is not None:
-                checkpointer.wait()
-                step, extra = restore_into(checkpointer.directory, self.model, self.optimizer)
-                self.step = int(extra.get("step", step))
-                self.data_position = int(extra.get("data_position", self.step))
-                resumed = True
-            elif latest is not None and latest > self.step:
-                raise ValueError(
-                    f"fit: {checkpointer.directory} already holds a checkpoint for step "
-                    f"{latest}, later than this trainer's step {self.step}. Fix: pass "
-                    "resume=True to continue from it, or use another directory."
-                )
-            if resume:
-                num_steps = max(num_steps - self.step, 0)
-        k = self.steps_per_call
+        num_steps, resumed = self._resume(checkpointer, resume, num_steps)
         every = checkpointer.every if checkpointer is not None else None
-        sizes = _iter_group_sizes(self.step, num_steps, k, every)
-        groups: Callable[[threading.Event], Iterator[Any]]
-        if isinstance(data, Batches):
-            first = self.data_position if resumed else 0
-            groups = functools.partial(self._window_groups, data, first, sizes)
-        else:
-            if callable(data) and not isinstance(data, Iterable):
-                data = data(self.data_position)
-            elif resumed and self.data_position:
-                data = itertools.islice(data, self.data_position, None)
-            groups = functools.partial(_stacked_groups, data, sizes, self._build_group)
-        # Two calls in flight keep the device busy while the host reads the previous
-        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
-        # Callbacks see the model as of their step, so with callbacks: one at a time.
-        depth = 1 if callbacks else 2
+        sizes = _iter_group_sizes(self.step, num_steps, self.steps_per_call, every)
+        groups = self._grouping(data, resumed, sizes)
         self._guard.ok.set_value(jnp.array(True))
         self._replicated[0] = all(
             getattr(getattr(x, "sharding", None), "is_fully_replicated", False)
             for x in jax.tree.leaves(nnx.state(self.model, nnx.Param))
         )
-        hist: dict[str, list[np.ndarray]] = collections.defaultdict(list)
-        bar = _Progress(num_steps, progress)
-        start = time.perf_counter()
-        last_t = start
-        done = 0
-        stop_reason: str | None = None
-        nonfinite = False
-        # The step counter once every dispatched call is applied.
-        dispatched = last_saved = self.step
-        pending: collections.deque[tuple[int, int, Any, Any, int]] = collections.deque()
-        replays = 0  # calls replayed with the per-step guard so far
+        bar = _ProgressCallback(_Progress(num_steps, progress))
+        # Built in, run like the user's callbacks and before them: progress, the NaN
+        # stop, checkpoints (the user's see only finite steps, and a save never
+        # follows a non-finite step).
+        builtin: list[Callable[..., Any]] = [bar, _NanStop()]
+        if checkpointer is not None:
+            builtin.append(_SaveCallback(self, checkpointer))
+        # Two calls in flight keep the device busy while the host reads the previous
+        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
+        # The user's callbacks see the model as of their step, so with them: one at a time.
+        run = _FitRun(self, [*builtin, *callbacks], depth=1 if callbacks else 2)
+        bar.run = builtin[1].run = run
         prefetch = _Prefetcher(groups)
-
-        def save_now() -> None:
-            nonlocal last_saved
-            assert checkpointer is not None
-            checkpointer.save(
-                self.step, model=self.model, optimizer=self.optimizer,
-                extra={"step": self.step, "data_position": self.data_position},
-            )
-            last_saved = self.step
-
-        def finish_one() -> bool:
-            nonlocal done, last_t, stop_reason, nonfinite, replays
-            n, examples, metrics, batch, generation = pending.popleft()
-            if stop_reason is not None:
-                return True  # in flight when training stopped: it applied nothing
-            host = {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
-            if generation < replays or not host["applied"].all():
-                # This call failed the guard and was undone, or was queued behind one
-                # that did (then it changed nothing): run it again, every step checked.
-                replays += 1
-                self._guard.ok.set_value(jnp.array(True))
-                metrics = self._careful(self.model, self.optimizer, batch, self._guard)
-                host = {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
-            applied = host.pop("applied")
-            nonfinite_at = host.pop("nonfinite")
-            good = n if applied.all() else int(np.argmin(applied))
-            step0 = self.step
-            for key, v in host.items():
-                hist[key].append(v[:good])
-            hist["step"].append(np.arange(step0 + 1, step0 + good + 1))
-            self.step += good
-            self.data_position += good
-            done += good
-            now = time.perf_counter()
-            rate = good / max(now - last_t, 1e-9)
-            last_t = now
-            if good:
-                bar.update(done, float(host["loss"][good - 1]), rate, rate * examples)
-            if good < n:
-                what = _why_not_finite({**host, "nonfinite": nonfinite_at}, good, self._checked)
-                last = step0 + good
-                kept = f"from after step {last}" if last else "from before it"
-                stop_reason = (
-                    f"{what} at step {last + 1}; stopped without applying it, keeping the "
-                    f"model and optimizer state {kept}, the last finite one"
-                )
-                warnings.warn(f"Trainer.fit: {stop_reason}.", RuntimeWarning, stacklevel=3)
-                nonfinite = True
-                return True
-            for cb in callbacks:
-                if cb(self.step, {key: v[:good] for key, v in host.items()}) is True:
-                    name = getattr(cb, "__name__", repr(cb))
-                    stop_reason = f"callback {name} asked to stop at step {self.step}"
-                    return True
-            return False
-
         try:
             with use(self.mesh, self.rules):
-                while stop_reason is None:
-                    # Calls queued behind a replayed one changed nothing: they are
-                    # replayed (in order) before anything new runs on the state.
-                    while pending and pending[0][4] < replays and stop_reason is None:
-                        finish_one()
-                    if stop_reason is not None:
-                        break
-                    group = prefetch.get()
-                    if group is None:
-                        break
-                    n, batch, examples = group
-                    metrics = self._fused(self.model, self.optimizer, batch, self._guard)
-                    pending.append((n, examples, metrics, batch, replays))
-                    dispatched += n
-                    if checkpointer is not None and checkpointer.should_save(dispatched):
-                        # Saved before the next call is dispatched: it would donate
-                        # (overwrite) exactly the state being saved.
-                        while pending:
-                            finish_one()
-                        if self.step == dispatched:
-                            save_now()
-                    elif len(pending) >= depth:
-                        finish_one()
-                while pending:
-                    finish_one()
-                if checkpointer is not None and self.step > last_saved and not nonfinite:
-                    save_now()
+                run.dispatch(prefetch, checkpointer)
+                if checkpointer is not None and not run.nonfinite:
+                    builtin[-1].save_last()  # type: ignore[attr-defined]
         finally:
             prefetch.close()
-            bar.close()
+            bar.progress.close()
             if checkpointer is not None:
                 checkpointer.wait()
-        if stop_reason is None and done < num_steps:
-            stop_reason = f"data ran out after {done} of {num_steps} steps"
-        metrics = {key: np.concatenate(v) for key, v in hist.items()}
-        if not metrics:
-            metrics = {"step": np.zeros((0,), np.int64)}
-        return History(metrics, done, stop_reason, time.perf_counter() - start)
+        return run.history(num_steps)
+
+    # -- the phases of fit --------------------------------------------------------
+
+    def _resume(
+        self, checkpointer: Checkpointer | None, resume: bool, num_steps: int
+    ) -> tuple[int, bool]:
+        """Restores the latest checkpoint for ``resume=True``; refuses a directory that
+        is ahead of this trainer otherwise. Returns the steps left to run and whether
+        a checkpoint was restored."""
+        resumed = False
+        if checkpointer is None:
+            return num_steps, resumed
+        latest = checkpointer.latest_step()
+        if resume and latest is not None:
+            checkpointer.wait()
+            step, extra = restore_into(checkpointer.directory, self.model, self.optimizer)
+            self.step = int(extra.get("step", step))
+            self.data_position = int(extra.get("data_position", self.step))
+            resumed = True
+        elif latest is not None and latest > self.step:
+            raise ValueError(
+                f"fit: {checkpointer.directory} already holds a checkpoint for step "
+                f"{latest}, later than this trainer's step {self.step}. Fix: pass "
+                "resume=True to continue from it, or use another directory."
+            )
+        if resume:
+            num_steps = max(num_steps - self.step, 0)
+        return num_steps, resumed
+
+    def _grouping(
+        self, data: Any, resumed: bool, sizes: Iterator[int]
+    ) -> Callable[[threading.Event], Iterator[Any]]:
+        """The generator of fused-call inputs ``(steps, sharded batch, examples per
+        step)`` for the prefetch thread, reading ``data`` from the data position."""
+        if isinstance(data, Batches):
+            first = self.data_position if resumed else 0
+            return functools.partial(self._window_groups, data, first, sizes)
+        if callable(data) and not isinstance(data, Iterable):
+            data = data(self.data_position)
+        elif resumed and self.data_position:
+            data = itertools.islice(data, self.data_position, None)
+        return functools.partial(_stacked_groups, data, sizes, self._build_group)
