@@ -1674,7 +1674,16 @@ class Trainer:
         after an early stop, do not count). ``fit`` calls it with the current
         position. On resume, an iterable is taken to start at the beginning of
         the stream and the batches the restored steps consumed are skipped
-        (read and dropped); a callable can seek there instead.
+        (read and dropped); a callable can seek there instead. An
+        :class:`~nnx_shard.Batches` over whole arrays is read K steps at a time
+        as one ``[K, batch, ...]`` window (no per-step Python, no stacking) and
+        seeks to the data position on resume.
+
+        NaN guard cost: the check runs once per fused call on values the call
+        computes anyway (each step's loss and gradient norm, the final state); a
+        call that fails it is undone on the device and run again with every
+        step checked (that per-step variant compiles only then), which finds
+        the step and the leaf.
 
         >>> import numpy as np, jax.numpy as jnp, optax
         >>> from flax import nnx
