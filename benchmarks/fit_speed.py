@@ -37,7 +37,6 @@ Run (about 3 minutes on 2 CPU cores; ``--quick``: a shorter smoke run)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -46,6 +45,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import mlp, parse, run_worker, worker_main, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fit_speed.json"
 DEVICE_COUNTS = (1, 8)
@@ -63,21 +64,6 @@ def _env(n: int) -> dict:
 
 # Worker (one process per device count)
 # ------------------------------------------------------------------------------
-
-
-def build_mlp():
-    from flax import nnx
-
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs) -> None:
-            self.l1 = nnx.Linear(32, 128, rngs=rngs)
-            self.l2 = nnx.Linear(128, 128, rngs=rngs)
-            self.l3 = nnx.Linear(128, 8, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
-
-    return MLP(nnx.Rngs(0))
 
 
 def keras_mlp(k: int):
@@ -131,7 +117,7 @@ def worker(n_devices: int, quick: bool) -> dict:
             cfg = None
 
             def make(cfg=None):
-                model = build_mlp()
+                model = mlp(nnx.Rngs(0))
                 opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
                 state = jax.device_put(nnx.state((model, opt)),
                                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -293,15 +279,6 @@ def keras_probe(n: int, quick: bool) -> dict:
 # ------------------------------------------------------------------------------
 
 
-def run_worker(n: int, quick: bool) -> dict:
-    cmd = [sys.executable, __file__, "--worker", str(n)] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, env=_env(n), capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr)
-        raise SystemExit(f"worker for {n} devices failed ({proc.returncode})")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def fmt_table(results: list[dict]) -> str:
     lines = []
     cols = [f"{r['n_devices']} dev" for r in results]
@@ -330,31 +307,21 @@ def fmt_table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--keras-worker", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="short runs (smoke test)")
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.quick)))
-        return
-    if args.keras_worker:
-        print(json.dumps(keras_worker(args.keras_worker, args.quick)))
+    args = parse(__doc__, ("worker", "keras_worker"))
+    if worker_main(args, {"worker": worker, "keras_worker": keras_worker}):
         return
     t0 = time.perf_counter()
-    results = [run_worker(n, args.quick) for n in DEVICE_COUNTS]
+    results = [run_worker(__file__, n, args.quick, env=_env(n)) for n in DEVICE_COUNTS]
     load = os.getloadavg()
     import jax
 
     print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, load average {load[0]:.2f} at the end (shared machine)")
     print(fmt_table(results))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_json(RESULTS, {
         "jax": jax.__version__, "cores": os.cpu_count(), "loadavg_end": load,
         "quick": args.quick, "seconds": time.perf_counter() - t0, "results": results,
-    }, indent=2))
-    print(f"wrote {RESULTS}")
+    })
 
 
 if __name__ == "__main__":

@@ -241,3 +241,23 @@ def test_grain_map_dataset_and_data_loader_feed_fit():
     h2 = t2.fit(loader, 6, progress=False)
     assert h2.steps == 6
     assert_same(t2, ref)
+
+
+# ----------------------------------------------------------------------------- grad norm
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_grad_norm_equals_optax_with_sharded_and_replicated_leaves(axis_types):
+    from nnx_shard import train
+
+    mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
+    rng = np.random.default_rng(0)
+    put = lambda x, *spec: jax.device_put(  # noqa: E731
+        jnp.asarray(x, jnp.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+    grads = {"w": put(rng.normal(size=(8, 6)), "data", "model"), "b": put(rng.normal(size=(6,))),
+             "s": put(rng.normal(size=(3,)))}
+    with jax.set_mesh(mesh):
+        want = float(jax.jit(optax.tree.norm)(grads))
+        for replicated in (False, True):
+            got = jax.jit(lambda g, r=replicated: train._grad_norm(g, r))(grads)
+            np.testing.assert_allclose(float(got), want, rtol=1e-6)
