@@ -6,7 +6,7 @@ device count in its own subprocess (``XLA_FLAGS`` must be set before jax loads):
 
 * ``mlp``: MLP 32-128-128-8, batch 64, MSE, K=100 steps per call;
 * ``lm``: the reference Transformer ``small`` (4 layers, embed 128, context
-  128, vocab 512), batch 8 x 128, K=10.
+  128, vocab 512), batch 8 x 128, K=10 (``tiny`` with ``--quick``).
 
 Ways to run the same steps over the same host arrays:
 
@@ -124,7 +124,7 @@ def worker(n_devices: int, quick: bool) -> dict:
                 nnx.update((model, opt), state)
                 return model, opt
         else:
-            cfg = get_config("small")
+            cfg = get_config("tiny" if quick else "small")
             tokens = rng.integers(0, cfg.vocab, size=(steps * batch, cfg.length + 1)).astype(np.int32)
             arrays = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
             loss_fn = lm_loss
@@ -245,7 +245,7 @@ def keras_worker(n_devices: int, quick: bool) -> dict:
     import numpy as np
 
     k, batch = MODELS["mlp"][1], MODELS["mlp"][0]
-    steps = 500 if quick else 1000
+    steps = 200 if quick else 1000
     if n_devices > 1:
         keras.distribution.set_distribution(keras.distribution.DataParallel())
     rng = np.random.default_rng(0)
@@ -269,8 +269,11 @@ def keras_probe(n: int, quick: bool) -> dict:
     except subprocess.TimeoutExpired:
         return {"outcome": "timed out after 240 s (hung)"}
     if proc.returncode != 0:
-        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
-        return {"outcome": f"exited with status {proc.returncode}", "stderr_tail": tail}
+        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        # The line that says why (XLA's CPU rendezvous, a failed check), else the last ones.
+        why = [line for line in lines if "rendezvous" in line.lower() or "Check failed" in line]
+        return {"outcome": f"exited with status {proc.returncode}",
+                "stderr": (why or lines)[-3:]}
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"outcome": "ran", **res}
 
