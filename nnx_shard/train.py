@@ -1552,7 +1552,8 @@ class Trainer:
 
     @property
     def traces(self) -> int:
-        """Compilations of the fused step so far (one per distinct K and batch shape)."""
+        """Compilations of the fused step so far (one per distinct K and batch shape;
+        the per-step guard that replays a non-finite call compiles apart, only then)."""
         return self._fused.traces
 
     def _build_group(self, host: list[Any]) -> tuple[int, Any, int]:
