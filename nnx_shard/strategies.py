@@ -66,7 +66,7 @@ from jax.sharding import Mesh
 from nnx_shard.annotate import path_str
 from nnx_shard.axes import mesh_sizes
 from nnx_shard.errors import ShardingError
-from nnx_shard.hlo import Collective, compiled_collectives  # re-exported: callers look here
+from nnx_shard.hlo import KINDS, Collective, compiled_collectives  # noqa: F401 (re-exported)
 from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import make_mesh, variable_spec
 from nnx_shard.report import Report, explain
