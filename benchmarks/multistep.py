@@ -36,16 +36,15 @@ Run (about 4 minutes on 2 CPU cores)::
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from _common import mlp, parse, run_worker, worker_main
 
 RESULTS = Path(__file__).resolve().parent / "results" / "multistep.json"
 DEVICE_COUNTS = (1, 8)
@@ -89,15 +88,6 @@ def worker(n_devices: int, quick: bool) -> dict:
     mesh = ns.make_mesh(f"data={n_devices}", axis_types="auto")
     rules = ns.Rules({"batch": "data"})
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs) -> None:
-            self.l1 = nnx.Linear(32, 128, rngs=rngs)
-            self.l2 = nnx.Linear(128, 128, rngs=rngs)
-            self.l3 = nnx.Linear(128, 8, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
 
     class Block(nnx.Module):
         def __init__(self, d: int, heads: int, rngs: nnx.Rngs) -> None:
@@ -144,7 +134,7 @@ def worker(n_devices: int, quick: bool) -> dict:
         return {"tokens": rng.integers(0, 256, size=(k, 16, 32)).astype(np.int32)}
 
     models = {
-        "mlp": (MLP, mlp_loss, mlp_data, 64),
+        "mlp": (mlp, mlp_loss, mlp_data, 64),
         "lm": (LM, lm_loss, lm_data, 16),
     }
 
@@ -340,18 +330,6 @@ def worker(n_devices: int, quick: bool) -> dict:
 # ------------------------------------------------------------------------------
 
 
-def run_worker(n: int, quick: bool) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    cmd = [sys.executable, __file__, "--worker", str(n)] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr)
-        raise SystemExit(f"worker for {n} devices failed ({proc.returncode})")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def fmt_table(results: list[dict]) -> str:
     lines = []
     names = list(results[0]["models"])
@@ -391,15 +369,11 @@ def _c(c: dict, k: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="short runs (smoke test)")
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.quick)))
+    args = parse(__doc__)
+    if worker_main(args, {"worker": worker}):
         return
     t0 = time.perf_counter()
-    results = [run_worker(n, args.quick) for n in DEVICE_COUNTS]
+    results = [run_worker(__file__, n, args.quick, timeout=600) for n in DEVICE_COUNTS]
     import jax
 
     meta = {

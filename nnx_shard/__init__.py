@@ -1,5 +1,6 @@
 from nnx_shard import collective_matmul, distributed, models, pipeline, strategies
 from nnx_shard.annotate import annotate, get_logical_axes, logical_axes, with_logical
+from nnx_shard.batches import Batches
 from nnx_shard.checkpoint import Checkpointer, restore, save
 from nnx_shard.errors import ShardingError, ShardingWarning
 from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
@@ -10,6 +11,7 @@ from nnx_shard.rules import Rules
 from nnx_shard.train import Trainer, multistep, shard_batch, value_and_grad
 
 __all__ = [
+    "Batches",
     "Checkpointer",
     "MetricsWriter",
     "Report",

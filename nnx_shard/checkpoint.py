@@ -61,6 +61,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from nnx_shard.annotate import path_str
 from nnx_shard.mesh import current, nbytes
 
 __all__ = ["Checkpointer", "restore", "restore_into", "save"]
@@ -250,7 +251,7 @@ def _flat(obj: Any, what: str) -> tuple[Any, Any, list[tuple[tuple[Any, ...], st
     graphdef, state = nnx.split(obj)
     rows = []
     for path, var in nnx.to_flat_state(state):
-        rows.append((tuple(path), "/".join(str(p) for p in path), var))
+        rows.append((tuple(path), path_str(path), var))
     return graphdef, state, rows
 
 

@@ -140,12 +140,9 @@ def compiled_memory_subprocess(model: str, sizes: Mapping[str, int], *,
     n = 1
     for v in sizes.values():
         n *= int(v)
-    env = dict(os.environ)
-    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_NUM_CPU_DEVICES", None)
+    from nnx_shard.launch import simulated_env
+
+    env = simulated_env(n)
     # The child imports the same nnx_shard as this process.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -39,13 +39,31 @@ from nnx_shard.distributed import (
     ENV_PROCESS_ID,
 )
 
-__all__ = ["add_arguments", "child_env", "main", "run"]
+__all__ = ["add_arguments", "child_env", "main", "run", "simulated_env"]
 
 _PREFIX = "nnx-shard launch: "
 _FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
 PROCESSES_PER_CPU = 8
+
+
+def simulated_env(n: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child Python with ``n`` simulated CPU devices: a copy of
+    ``base`` (default ``os.environ``) whose ``XLA_FLAGS`` keep their other flags and
+    force ``n`` host devices, on the CPU platform. ``JAX_NUM_CPU_DEVICES`` is dropped
+    (it would disagree). The flag must be set before jax loads: hence a child.
+
+    >>> env = simulated_env(4, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --a=1"})
+    >>> env["XLA_FLAGS"], env["JAX_PLATFORMS"]
+    ('--a=1 --xla_force_host_platform_device_count=4', 'cpu')
+    """
+    env = dict(os.environ if base is None else base)
+    flags = _FORCE_COUNT.sub("", env.get("XLA_FLAGS", "")).split()
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    return env
 
 
 def max_processes() -> int:

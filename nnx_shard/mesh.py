@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import logical_names, path_str
+from nnx_shard.axes import mesh_sizes, sizes_str
 from nnx_shard.errors import ShardingError, raise_collected
 from nnx_shard.rules import Rules, as_rules
 
@@ -28,8 +29,7 @@ def mesh_str(mesh: Any) -> str:
     >>> mesh_str({"data": 4, "model": 2})
     'data=4,model=2'
     """
-    sizes = mesh if isinstance(mesh, Mapping) else dict(mesh.shape)
-    return ",".join(f"{k}={v}" for k, v in sizes.items())
+    return sizes_str(mesh)
 
 
 _SPEC_FIX = "e.g. make_mesh('data=4,model=2') or make_mesh({'data': 4, 'model': 2})"
@@ -354,7 +354,7 @@ def nbytes(shape: Sequence[int], dtype: Any) -> int:
 
 def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec, mesh: Any) -> int:
     """Bytes one device holds of an array laid out by ``spec`` on ``mesh``."""
-    sizes = dict(mesh.shape)
+    sizes = mesh_sizes(mesh)
     n = nbytes(shape, dtype)
     div = 1
     for entry in spec:

@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from nnx_shard import optstate
 from nnx_shard.annotate import SOURCE_KEY, logical_names, path_str
+from nnx_shard.axes import mesh_sizes, sizes_str
 from nnx_shard.mesh import as_state, bytes_per_device, make_mesh, nbytes, variable_spec
 from nnx_shard.rules import Rules, as_rules
 
@@ -101,7 +102,7 @@ class Report:
         return head, body
 
     def _totals(self) -> list[str]:
-        mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        mesh = sizes_str(self.mesh_shape, ", ")
         lines = [
             f"mesh: {mesh}",
             f"model variables: {fmt_bytes(self.total_bytes)} total, "
@@ -246,5 +247,5 @@ def explain(
         params = state if isinstance(model, nnx.State) else nnx.state(model, wrt)
         opt_state = jax.eval_shape(optimizer.init, params)
         rows += _opt_rows(opt_state, optstate.owner_shapes(params), mesh, o_rules)
-    return Report(rows=tuple(rows), mesh_shape=dict(mesh.shape))
+    return Report(rows=tuple(rows), mesh_shape=mesh_sizes(mesh))
 

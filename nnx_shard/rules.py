@@ -52,6 +52,7 @@ from typing import Any, Literal, TypeAlias
 
 from jax.sharding import PartitionSpec
 
+from nnx_shard.axes import mesh_sizes, sizes_str
 from nnx_shard.errors import ShardingError, ShardingWarning
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
@@ -175,11 +176,10 @@ def _check_logical(name: Any) -> str:
 
 def _mesh_sizes(mesh: Any) -> dict[str, int]:
     """Axis name -> size for a jax Mesh / AbstractMesh or a plain mapping."""
-    if mesh is None:
-        return {}
-    shape = getattr(mesh, "shape", mesh)
-    if isinstance(shape, Mapping):
-        return {str(k): int(v) for k, v in shape.items()}
+    try:
+        return mesh_sizes(mesh)
+    except TypeError:
+        pass
     raise ShardingError(
         f"expected a jax.sharding.Mesh or a mapping of axis name to size, got {mesh!r}. "
         "Fix: build one with nnx_shard.make_mesh('data=4,model=2')."
@@ -187,7 +187,7 @@ def _mesh_sizes(mesh: Any) -> dict[str, int]:
 
 
 def _fmt_mesh(sizes: Mapping[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "no axes"
+    return sizes_str(sizes, ", ", "no axes")
 
 
 def _fmt_value(v: Any) -> str:

@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard import pipeline
 from nnx_shard.annotate import path_str
+from nnx_shard.batches import Batches
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import ShardingError, sharding_types
 from nnx_shard.mesh import _apply, current, make_mesh, option, use
@@ -159,7 +160,16 @@ def _split_microbatches(batch: Any, m: int) -> Any:
 
     Strided rather than contiguous on purpose: a batch sharded over devices in
     contiguous blocks then gives every device the same share of every
-    microbatch, so no data moves between devices.
+    microbatch, so no data moves between devices. This is exactly optax's
+    ``microbatching.reshape_batch_axis`` (which also keeps Explicit shardings on
+    the rows), used here after our own checks, whose messages name the leaf.
+
+    Why the loop around it (:func:`_accumulate`) is not ``optax.microbatch``:
+    that gives the same numbers (tests/test_train.py compares them) but calls
+    a pure function with the same arguments for every microbatch and only
+    accumulates its outputs; NNX state used by the loss (an ``nnx.Rngs``
+    stream drawing a new dropout mask per microbatch, batch statistics) must be
+    carried from one microbatch to the next, which it cannot do.
     """
 
     def one(path: Any, x: Any) -> Any:
@@ -173,7 +183,7 @@ def _split_microbatches(batch: Any, m: int) -> Any:
         # On Explicit axes the split would need rows of one device in several
         # microbatches: JAX refuses the reshape (a ShardingTypeError).
         _check_device_rows(f"batch{jax.tree_util.keystr(path)}", x.shape, *_sharded_over(x, 0), m)
-        return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
+        return optax.microbatching.reshape_batch_axis(x, x.shape[0] // m)
 
     return jax.tree_util.tree_map_with_path(one, batch)
 
@@ -425,6 +435,10 @@ class Fused:
         self._names: dict[int, list[str]] = {}
         # Data layouts (shapes, shardings) whose rows per device were checked.
         self._rows_checked: set[Any] = set()
+        # Runs once per call after the K steps, in the compiled call:
+        # finish(nodes_before, nodes_after, metrics) -> metrics, updating nodes_after in
+        # place (Trainer's NaN guard checks the call's result there, not every step).
+        self._finish: Callable[[Any, Any, Any], Any] | None = None
         functools.update_wrapper(self, step_fn)
 
     def __repr__(self) -> str:
@@ -511,7 +525,7 @@ class Fused:
         values, state_def = jax.tree.flatten(state)
         context = current()
         mesh = _mesh_of((values, data))
-        if mesh is None and context is not None and context[0].size > 1:
+        if mesh is None and context is not None:
             mesh = context[0]
         if mesh is not None:
             # Fresh eager values (uncommitted, one device) join the mesh replicated, once:
@@ -674,10 +688,15 @@ class Fused:
             self.traces += 1
             # The step count is a by-product of the loop, so it is ready only when the
             # call is: a scalar the host can wait on (never donated, unlike the state).
-            (values, count), metrics = jax.lax.scan(
+            (new_values, count), metrics = jax.lax.scan(
                 counted, (values, jnp.zeros((), jnp.int32)), data
             )
-            return values, metrics, count
+            if self._finish is not None:
+                before = nnx.merge(graphdef, jax.tree.unflatten(state_def, values))
+                after = nnx.merge(graphdef, jax.tree.unflatten(state_def, new_values))
+                metrics = self._finish(before, after, metrics)
+                new_values = pin(jax.tree.leaves(nnx.split(after)[1]))
+            return new_values, metrics, count
 
         return jax.jit(
             run,
@@ -917,6 +936,49 @@ def _select(ok: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(pick, new, old)
 
 
+# Gradient leaves up to this many elements are summed as one concatenated vector.
+_SMALL_LEAF = 1 << 16
+
+
+def _known_replicated(x: jax.Array, replicated: bool) -> bool:
+    """Whether ``x`` (traced) is replicated: seen in its type on Explicit axes, else
+    ``replicated`` (what the host saw of the parameters' shardings)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None) or ()
+    if any(entry is not None for entry in spec):
+        return False
+    mesh = getattr(sharding, "mesh", None)
+    explicit = (mesh is not None and not mesh.empty
+                and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types))
+    return explicit or replicated
+
+
+def _grad_norm(grads: Any, replicated: bool = False) -> jax.Array:
+    """``optax.tree.norm(grads)``, with the small replicated leaves summed as one vector.
+
+    XLA's CPU backend runs every reduction as a kernel of its own, and for the
+    small leaves of a small model that fixed cost dominates: one reduction per
+    leaf took ~25% of an MLP's step; one over the concatenated small leaves
+    (a copy of at most ``_SMALL_LEAF`` elements each) ~5%. Sharded leaves keep
+    their own reduction (a concatenation would gather them).
+
+    >>> g = {"b": jnp.ones((3,)), "w": jnp.full((2, 2), 2.0)}
+    >>> bool(_grad_norm(g) == optax.tree.norm(g)), round(float(_grad_norm(g)) ** 2, 4)
+    (True, 19.0)
+    """
+    sums, small = [], collections.defaultdict(list)
+    for x in jax.tree.leaves(grads):
+        if (jnp.issubdtype(x.dtype, jnp.floating) and x.size <= _SMALL_LEAF
+                and _known_replicated(x, replicated)):
+            small[x.dtype].append(x.reshape(-1))
+        else:
+            sums.append(jnp.sum(jnp.real(x * jnp.conj(x))))
+    for parts in small.values():
+        flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        sums.append(jnp.sum(flat * flat))
+    return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())
+
+
 def _finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
     """Paths and all-finite flags of the inexact (float/complex) leaves of ``tree``:
     one reduction per leaf; integer leaves (step counts) and RNG keys cannot be NaN."""
@@ -928,7 +990,9 @@ def _finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
     return paths, flags
 
 
-def _make_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+def _make_step(
+    loss_fn: Callable[..., Any], has_aux: bool, replicated: list[bool]
+) -> Callable[..., Any]:
     grad_fn = value_and_grad(loss_fn, has_aux=has_aux)
     # Filled while tracing: the leaves the guard checks after the update, in the order
     # of the step's "nonfinite" metric (an index into this list).
@@ -941,7 +1005,7 @@ def _make_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]
         out, grads = grad_fn(model, batch)
         loss, aux = out if has_aux else (out, {})
         optimizer.update(model, grads)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = _grad_norm(grads, replicated[0])
         # Finite gradients can still give non-finite parameters or optimizer state
         # (an infinite learning rate, an overflowing second moment): the updated state
         # itself is checked too, so a non-finite value is never kept, nor saved.
@@ -963,6 +1027,51 @@ def _make_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]
 
     train_step.checked = checked  # type: ignore[attr-defined]
     return train_step
+
+
+def _make_fast_step(
+    loss_fn: Callable[..., Any], has_aux: bool, replicated: list[bool]
+) -> Callable[..., Any]:
+    """The step fit runs normally: no per-step guard, :func:`_guard_call` checks the call.
+
+    The guard of :func:`_make_step` costs a pass over the whole state per step (the
+    finiteness reductions and the select): on a small MLP it halved the steps/s. Here
+    the check runs once per fused call; a call that fails is undone in the compiled
+    call and replayed with the per-step guard (see ``Trainer.fit``), which finds the
+    exact step and leaf.
+    """
+    grad_fn = value_and_grad(loss_fn, has_aux=has_aux)
+
+    def train_step(model: Any, optimizer: Any, batch: Any, guard: _Guard) -> dict[str, Any]:
+        out, grads = grad_fn(model, batch)
+        loss, aux = out if has_aux else (out, {})
+        optimizer.update(model, grads)
+        if not isinstance(aux, Mapping):
+            aux = {"aux": aux}
+        return {"loss": loss, "grad_norm": _grad_norm(grads, replicated[0]), **aux}
+
+    return train_step
+
+
+def _guard_call(before: Any, after: Any, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The NaN guard, once per fused call of :func:`_make_fast_step`: the call is kept
+    only if the guard was up, every step's loss and gradient norm are finite and the
+    final state is; else the state goes back to the one before the call and the guard
+    drops (so calls already queued behind it change nothing either)."""
+    model0, opt0, guard0 = before
+    model, opt, guard = after
+    _, flags = _finite_flags(nnx.state((model, opt)))
+    ok = (
+        guard0.ok[...]
+        & jnp.all(jnp.isfinite(metrics["loss"]))
+        & jnp.all(jnp.isfinite(metrics["grad_norm"]))
+        & jnp.all(jnp.stack([*flags, jnp.array(True)]))
+    )
+    nnx.update((model, opt), _select(ok, nnx.state((model, opt)), nnx.state((model0, opt0))))
+    guard.ok[...] = ok
+    k = metrics["loss"].shape[0]
+    return {**metrics, "applied": jnp.broadcast_to(ok, (k,)),
+            "nonfinite": jnp.full((k,), -1, jnp.int32)}
 
 
 def _why_not_finite(host: Mapping[str, np.ndarray], i: int, checked: Sequence[tuple[str, str]]) -> str:
@@ -1120,36 +1229,47 @@ def _group_sizes(start: int, count: int, k: int, every: int | None) -> list[int]
     return list(_iter_group_sizes(start, count, k, every))
 
 
+def _stacked_groups(
+    data: Iterable[Any], sizes: Iterable[int], build: Callable[[list[Any]], Any],
+    stop: threading.Event,
+) -> Iterator[Any]:
+    """Groups of K host batches from an iterable, each stacked by ``build``."""
+    it = iter(data)
+    for k in sizes:
+        host = []
+        for _ in range(k):
+            try:
+                host.append(next(it))
+            except StopIteration:
+                break
+            if stop.is_set():
+                return
+        if host:
+            yield build(host)
+        if len(host) < k:
+            return
+
+
 class _Prefetcher:
     """Builds the next groups of K steps (stack + shard) on a thread while the
-    current fused call runs. At most two groups wait, so host memory stays bounded."""
+    current fused call runs. At most two groups wait, so host memory stays bounded.
 
-    _END = object()
+    ``groups(stop)`` is a generator of built groups; it may check ``stop`` (an
+    Event set when training ends) to give up early."""
 
-    def __init__(self, data: Iterable[Any], sizes: Iterable[int], build: Callable[..., Any]) -> None:
+    def __init__(self, groups: Callable[[threading.Event], Iterator[Any]]) -> None:
         self._q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(iter(data), sizes, build), daemon=True,
-            name="nnx_shard-prefetch",
+            target=self._run, args=(groups,), daemon=True, name="nnx_shard-prefetch",
         )
         self._thread.start()
 
-    def _run(self, it: Iterator[Any], sizes: Iterable[int], build: Callable[..., Any]) -> None:
+    def _run(self, groups: Callable[[threading.Event], Iterator[Any]]) -> None:
         try:
-            for k in sizes:
-                host = []
-                for _ in range(k):
-                    try:
-                        host.append(next(it))
-                    except StopIteration:
-                        break
-                    if self._stop.is_set():
-                        return
-                if host and not self._put(("ok", build(host))):
+            for group in groups(self._stop):
+                if not self._put(("ok", group)):
                     return
-                if len(host) < k:
-                    break
             self._put(("end", None))
         except BaseException as e:  # re-raised in the training thread
             self._put(("error", e))
@@ -1175,6 +1295,169 @@ class _Prefetcher:
             while True:
                 self._q.get_nowait()
         self._thread.join(timeout=5)
+
+
+class _FitRun:
+    """One call of :meth:`Trainer.fit` after its set-up: dispatching fused calls,
+    reading each one's metrics (replaying it if the NaN guard undid it) and running
+    the callbacks on them, until the data ends or a callback stops training."""
+
+    def __init__(self, trainer: Trainer, callbacks: Sequence[Callable[..., Any]],
+                 depth: int) -> None:
+        self.trainer = trainer
+        self.callbacks = callbacks
+        self.depth = depth
+        self.start = time.perf_counter()
+        self.hist: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+        self.done = 0  # steps applied by this fit
+        self.stop_reason: str | None = None
+        self.nonfinite = False
+        # (steps, examples per step, metrics, batch, replays when dispatched)
+        self.pending: collections.deque[tuple[int, int, Any, Any, int]] = collections.deque()
+        self.replays = 0  # calls replayed with the per-step guard so far
+        self.examples = 0  # examples per step of the last call read
+        self.failure: str | None = None  # why the last call read was cut short
+
+    def dispatch(self, prefetch: _Prefetcher, checkpointer: Checkpointer | None) -> None:
+        t = self.trainer
+        dispatched = t.step  # the step counter once every dispatched call is applied
+        while self.stop_reason is None:
+            # Calls queued behind a replayed one changed nothing: they are replayed
+            # (in order) before anything new runs on the state.
+            while self.pending and self.pending[0][4] < self.replays and not self.stop_reason:
+                self.finish_one()
+            if self.stop_reason is not None:
+                break
+            group = prefetch.get()
+            if group is None:
+                break
+            n, batch, examples = group
+            metrics = t._fused(t.model, t.optimizer, batch, t._guard)
+            self.pending.append((n, examples, metrics, batch, self.replays))
+            dispatched += n
+            if checkpointer is not None and checkpointer.should_save(dispatched):
+                # Drained before the next call is dispatched: it would donate
+                # (overwrite) exactly the state the save callback writes.
+                while self.pending:
+                    self.finish_one()
+            elif len(self.pending) >= self.depth:
+                self.finish_one()
+        while self.pending:
+            self.finish_one()
+
+    def _read(self, metrics: Any) -> dict[str, np.ndarray]:
+        return {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
+
+    def finish_one(self) -> None:
+        t = self.trainer
+        n, examples, metrics, batch, generation = self.pending.popleft()
+        if self.stop_reason is not None:
+            return  # in flight when training stopped: it applied nothing
+        host = self._read(metrics)
+        if generation < self.replays or not host["applied"].all():
+            # This call failed the guard and was undone, or was queued behind one
+            # that did (then it changed nothing): run it again, every step checked.
+            self.replays += 1
+            t._guard.ok.set_value(jnp.array(True))
+            host = self._read(t._careful(t.model, t.optimizer, batch, t._guard))
+        applied = host.pop("applied")
+        nonfinite_at = host.pop("nonfinite")
+        good = n if applied.all() else int(np.argmin(applied))
+        step0 = t.step
+        for key, v in host.items():
+            self.hist[key].append(v[:good])
+        self.hist["step"].append(np.arange(step0 + 1, step0 + good + 1))
+        t.step += good
+        t.data_position += good
+        self.done += good
+        self.examples = examples
+        self.failure = None
+        if good < n:
+            what = _why_not_finite({**host, "nonfinite": nonfinite_at}, good, t._checked)
+            kept = f"from after step {step0 + good}" if step0 + good else "from before it"
+            self.failure = (
+                f"{what} at step {step0 + good + 1}; stopped without applying it, keeping "
+                f"the model and optimizer state {kept}, the last finite one"
+            )
+        for cb in self.callbacks:
+            if cb(t.step, {key: v[:good] for key, v in host.items()}) is True:
+                name = getattr(cb, "__name__", repr(cb))
+                self.stop_reason = cb.stop_reason if isinstance(cb, _NanStop) else (
+                    f"callback {name} asked to stop at step {t.step}")
+                return
+
+    def history(self, num_steps: int) -> History:
+        if self.stop_reason is None and self.done < num_steps:
+            self.stop_reason = f"data ran out after {self.done} of {num_steps} steps"
+        metrics = {key: np.concatenate(v) for key, v in self.hist.items()}
+        if not metrics:
+            metrics = {"step": np.zeros((0,), np.int64)}
+        return History(metrics, self.done, self.stop_reason, time.perf_counter() - self.start)
+
+
+class _ProgressCallback:
+    """fit's progress bar as a callback: steps, the last loss, and the rates of the
+    last fused call."""
+
+    def __init__(self, progress: _Progress) -> None:
+        self.progress = progress
+        self.run: _FitRun | None = None
+        self.last_t = time.perf_counter()
+
+    def __call__(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
+        now = time.perf_counter()
+        good = len(metrics["loss"])
+        rate = good / max(now - self.last_t, 1e-9)
+        self.last_t = now
+        if good and self.run is not None:
+            self.progress.update(self.run.done, float(metrics["loss"][-1]), rate,
+                                 rate * self.run.examples)
+
+
+class _NanStop:
+    """fit's NaN stop as a callback: stops (with a ``RuntimeWarning`` naming the
+    check, the first non-finite leaf and the step) after a call the guard cut short."""
+
+    __name__ = "nan_stop"
+
+    def __init__(self) -> None:
+        self.stop_reason: str | None = None
+        self.run: _FitRun | None = None
+
+    def __call__(self, step: int, metrics: Mapping[str, np.ndarray]) -> bool:
+        run = self.run
+        if run is None or run.failure is None:
+            return False
+        self.stop_reason = run.failure
+        run.nonfinite = True
+        # Points at the user's fit call: fit -> dispatch -> finish_one -> here.
+        warnings.warn(f"Trainer.fit: {run.failure}.", RuntimeWarning, stacklevel=5)
+        return True
+
+
+class _SaveCallback:
+    """fit's checkpoints as a callback: saves at every save step (fit drains the
+    calls in flight there first) and, with :meth:`save_last`, after the last step."""
+
+    __name__ = "checkpoint"
+
+    def __init__(self, trainer: Trainer, checkpointer: Checkpointer) -> None:
+        self.trainer = trainer
+        self.checkpointer = checkpointer
+        self.last_saved = trainer.step
+
+    def __call__(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
+        if self.checkpointer.should_save(step) and step > self.last_saved:
+            self.save_last()
+
+    def save_last(self) -> None:
+        t = self.trainer
+        if t.step > self.last_saved:
+            self.checkpointer.save(
+                t.step, model=t.model, optimizer=t.optimizer,
+                extra={"step": t.step, "data_position": t.data_position},
+            )
+            self.last_saved = t.step
 
 
 class Trainer:
@@ -1261,18 +1544,30 @@ class Trainer:
         # run's data continues (saved in checkpoints, see fit).
         self.data_position = 0
         self._guard = _Guard()
-        step = _make_step(loss_fn, has_aux)
+        # Whether every parameter is replicated (read at trace time by _grad_norm; set
+        # by fit from the arrays, as Auto mesh axes hide it from the traced types).
+        self._replicated = [False]
+        step = _make_step(loss_fn, has_aux, self._replicated)
         self._checked: list[tuple[str, str]] = step.checked  # type: ignore[attr-defined]
         # fit bounds the calls in flight itself (it reads each call's metrics), so the
-        # fused call does not block on top of that.
+        # fused call does not block on top of that. fit runs _fused, whose NaN guard
+        # checks each call once; a call that fails it is undone and replayed with
+        # _careful, which checks every step (it compiles only when that happens).
         self._fused = multistep(
+            _make_fast_step(loss_fn, has_aux, self._replicated), donate=donate, microbatches=microbatches,
+            max_in_flight=None,
+        )
+        self._fused._finish = _guard_call
+        self._careful = multistep(
             step, donate=donate, microbatches=microbatches, max_in_flight=None
         )
-        self._fused.entry = "Trainer.fit"
+        for fused in (self._fused, self._careful):
+            fused.entry = "Trainer.fit"
 
     @property
     def traces(self) -> int:
-        """Compilations of the fused step so far (one per distinct K and batch shape)."""
+        """Compilations of the fused step so far (one per distinct K and batch shape;
+        the per-step guard that replays a non-finite call compiles apart, only then)."""
         return self._fused.traces
 
     def _build_group(self, host: list[Any]) -> tuple[int, Any, int]:
@@ -1291,25 +1586,57 @@ class Trainer:
                     "every leaf of a batch needs a leading batch axis. Fix: give it one, "
                     "e.g. np.full((batch,), value)."
                 )
+        # Per batch only a plain flatten and a shape comparison (this runs K times per
+        # fused call, on a thread beside XLA's): paths are worked out for errors only.
+        shapes = [np.shape(x) for _, x in first[0]]
+        columns: list[list[Any]] = [[x] for _, x in first[0]]
         for n, b in enumerate(host[1:], start=1):
-            flat = jax.tree_util.tree_flatten_with_path(b)
-            if flat[1] != first[1]:
+            leaves, treedef = jax.tree.flatten(b)
+            if treedef != first[1]:
                 raise ValueError(
-                    f"host batch {n} of this group has structure {flat[1]} but the first "
+                    f"host batch {n} of this group has structure {treedef} but the first "
                     f"has {first[1]}; every batch must have the same structure."
                 )
-            for (path, x), (_, x0) in zip(flat[0], first[0], strict=True):
-                if np.shape(x) != np.shape(x0):
-                    raise ValueError(
-                        f"host batch {n} of this group has batch{jax.tree_util.keystr(path)} "
-                        f"of shape {_fmt_shape(x)}, but the first has {_fmt_shape(x0)}. "
-                        "Batches are stacked K at a time, so shapes must agree. Fix: drop "
-                        "the last, smaller batch of an epoch (drop_last) or pad it."
-                    )
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *host)
+            for column, x, shape in zip(columns, leaves, shapes, strict=True):
+                if getattr(x, "shape", None) != shape:
+                    self._ragged(n, b, first[0])
+                column.append(x)
+        stacked = jax.tree.unflatten(first[1], [np.stack(c) for c in columns])
         leaves = first[0]
         examples = int(np.shape(leaves[0][1])[0]) * jax.process_count() if leaves else 0
         return len(host), shard_batch(stacked, self.mesh, self.rules, self.batch_names, steps=True), examples
+
+    @staticmethod
+    def _ragged(n: int, batch: Any, first: list[tuple[Any, Any]]) -> None:
+        for (path, x), (_, x0) in zip(jax.tree_util.tree_flatten_with_path(batch)[0], first,
+                                      strict=True):
+            if np.shape(x) != np.shape(x0):
+                raise ValueError(
+                    f"host batch {n} of this group has batch{jax.tree_util.keystr(path)} "
+                    f"of shape {_fmt_shape(x)}, but the first has {_fmt_shape(x0)}. "
+                    "Batches are stacked K at a time, so shapes must agree. Fix: drop "
+                    "the last, smaller batch of an epoch (drop_last) or pad it."
+                )
+
+    def _window_groups(
+        self, data: Batches, start: int, sizes: Iterable[int], stop: threading.Event
+    ) -> Iterator[Any]:
+        """Groups of K batches read from ``data`` as whole ``[K, batch, ...]`` windows:
+        no per-step Python, no stacking (a window of a contiguous array is a view)."""
+        pos = start
+        examples = data.batch_size * jax.process_count()
+        for k in sizes:
+            window = data.window(pos, k) if not stop.is_set() else None
+            if window is None:
+                return
+            n = int(np.shape(jax.tree.leaves(window)[0])[0])
+            if pos == start:  # one layout for the whole run: checked once
+                for path, x in jax.tree_util.tree_flatten_with_path(window)[0]:
+                    _check_array_leaf(path, x, "Trainer.fit")
+            yield n, shard_batch(window, self.mesh, self.rules, self.batch_names, steps=True), examples
+            pos += n
+            if n < k:
+                return
 
     def fit(
         self,
@@ -1362,7 +1689,16 @@ class Trainer:
         after an early stop, do not count). ``fit`` calls it with the current
         position. On resume, an iterable is taken to start at the beginning of
         the stream and the batches the restored steps consumed are skipped
-        (read and dropped); a callable can seek there instead.
+        (read and dropped); a callable can seek there instead. An
+        :class:`~nnx_shard.Batches` over whole arrays is read K steps at a time
+        as one ``[K, batch, ...]`` window (no per-step Python, no stacking) and
+        seeks to the data position on resume.
+
+        NaN guard cost: the check runs once per fused call on values the call
+        computes anyway (each step's loss and gradient norm, the final state); a
+        call that fails it is undone on the device and run again with every
+        step checked (that per-step variant compiles only then), which finds
+        the step and the leaf.
 
         >>> import numpy as np, jax.numpy as jnp, optax
         >>> from flax import nnx
@@ -1386,127 +1722,78 @@ class Trainer:
                 "fit(resume=True) needs the checkpointer to resume from, e.g. "
                 "checkpointer=ns.Checkpointer(directory, every=1000)."
             )
-        resumed = False
+        num_steps, resumed = self._resume(checkpointer, resume, num_steps)
+        every = checkpointer.every if checkpointer is not None else None
+        sizes = _iter_group_sizes(self.step, num_steps, self.steps_per_call, every)
+        groups = self._grouping(data, resumed, sizes)
+        self._guard.ok.set_value(jnp.array(True))
+        self._replicated[0] = all(
+            getattr(getattr(x, "sharding", None), "is_fully_replicated", False)
+            for x in jax.tree.leaves(nnx.state(self.model, nnx.Param))
+        )
+        bar = _ProgressCallback(_Progress(num_steps, progress))
+        # Built in, run like the user's callbacks and before them: progress, the NaN
+        # stop, checkpoints (the user's see only finite steps, and a save never
+        # follows a non-finite step).
+        builtin: list[Callable[..., Any]] = [bar, _NanStop()]
         if checkpointer is not None:
-            latest = checkpointer.latest_step()
-            if resume and latest is not None:
+            builtin.append(_SaveCallback(self, checkpointer))
+        # Two calls in flight keep the device busy while the host reads the previous
+        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
+        # The user's callbacks see the model as of their step, so with them: one at a time.
+        run = _FitRun(self, [*builtin, *callbacks], depth=1 if callbacks else 2)
+        bar.run = builtin[1].run = run
+        prefetch = _Prefetcher(groups)
+        try:
+            with use(self.mesh, self.rules):
+                run.dispatch(prefetch, checkpointer)
+                if checkpointer is not None and not run.nonfinite:
+                    builtin[-1].save_last()  # type: ignore[attr-defined]
+        finally:
+            prefetch.close()
+            bar.progress.close()
+            if checkpointer is not None:
                 checkpointer.wait()
-                step, extra = restore_into(checkpointer.directory, self.model, self.optimizer)
-                self.step = int(extra.get("step", step))
-                self.data_position = int(extra.get("data_position", self.step))
-                resumed = True
-            elif latest is not None and latest > self.step:
-                raise ValueError(
-                    f"fit: {checkpointer.directory} already holds a checkpoint for step "
-                    f"{latest}, later than this trainer's step {self.step}. Fix: pass "
-                    "resume=True to continue from it, or use another directory."
-                )
-            if resume:
-                num_steps = max(num_steps - self.step, 0)
+        return run.history(num_steps)
+
+    # -- the phases of fit --------------------------------------------------------
+
+    def _resume(
+        self, checkpointer: Checkpointer | None, resume: bool, num_steps: int
+    ) -> tuple[int, bool]:
+        """Restores the latest checkpoint for ``resume=True``; refuses a directory that
+        is ahead of this trainer otherwise. Returns the steps left to run and whether
+        a checkpoint was restored."""
+        resumed = False
+        if checkpointer is None:
+            return num_steps, resumed
+        latest = checkpointer.latest_step()
+        if resume and latest is not None:
+            checkpointer.wait()
+            step, extra = restore_into(checkpointer.directory, self.model, self.optimizer)
+            self.step = int(extra.get("step", step))
+            self.data_position = int(extra.get("data_position", self.step))
+            resumed = True
+        elif latest is not None and latest > self.step:
+            raise ValueError(
+                f"fit: {checkpointer.directory} already holds a checkpoint for step "
+                f"{latest}, later than this trainer's step {self.step}. Fix: pass "
+                "resume=True to continue from it, or use another directory."
+            )
+        if resume:
+            num_steps = max(num_steps - self.step, 0)
+        return num_steps, resumed
+
+    def _grouping(
+        self, data: Any, resumed: bool, sizes: Iterator[int]
+    ) -> Callable[[threading.Event], Iterator[Any]]:
+        """The generator of fused-call inputs ``(steps, sharded batch, examples per
+        step)`` for the prefetch thread, reading ``data`` from the data position."""
+        if isinstance(data, Batches):
+            first = self.data_position if resumed else 0
+            return functools.partial(self._window_groups, data, first, sizes)
         if callable(data) and not isinstance(data, Iterable):
             data = data(self.data_position)
         elif resumed and self.data_position:
             data = itertools.islice(data, self.data_position, None)
-        k = self.steps_per_call
-        every = checkpointer.every if checkpointer is not None else None
-        sizes = _iter_group_sizes(self.step, num_steps, k, every)
-        # Two calls in flight keep the device busy while the host reads the previous
-        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
-        # Callbacks see the model as of their step, so with callbacks: one at a time.
-        depth = 1 if callbacks else 2
-        self._guard.ok.set_value(jnp.array(True))
-        hist: dict[str, list[np.ndarray]] = collections.defaultdict(list)
-        bar = _Progress(num_steps, progress)
-        start = time.perf_counter()
-        last_t = start
-        done = 0
-        stop_reason: str | None = None
-        nonfinite = False
-        # The step counter once every dispatched call is applied.
-        dispatched = last_saved = self.step
-        pending: collections.deque[tuple[int, int, Any]] = collections.deque()
-        prefetch = _Prefetcher(data, sizes, self._build_group)
-
-        def save_now() -> None:
-            nonlocal last_saved
-            assert checkpointer is not None
-            checkpointer.save(
-                self.step, model=self.model, optimizer=self.optimizer,
-                extra={"step": self.step, "data_position": self.data_position},
-            )
-            last_saved = self.step
-
-        def finish_one() -> bool:
-            nonlocal done, last_t, stop_reason, nonfinite
-            n, examples, metrics = pending.popleft()
-            host = {key: np.asarray(v) for key, v in jax.device_get(metrics).items()}
-            applied = host.pop("applied")
-            nonfinite_at = host.pop("nonfinite")
-            good = n if applied.all() else int(np.argmin(applied))
-            if stop_reason is not None:
-                return True  # in flight when training stopped: it applied nothing
-            step0 = self.step
-            for key, v in host.items():
-                hist[key].append(v[:good])
-            hist["step"].append(np.arange(step0 + 1, step0 + good + 1))
-            self.step += good
-            self.data_position += good
-            done += good
-            now = time.perf_counter()
-            rate = good / max(now - last_t, 1e-9)
-            last_t = now
-            if good:
-                bar.update(done, float(host["loss"][good - 1]), rate, rate * examples)
-            if good < n:
-                what = _why_not_finite({**host, "nonfinite": nonfinite_at}, good, self._checked)
-                last = step0 + good
-                kept = f"from after step {last}" if last else "from before it"
-                stop_reason = (
-                    f"{what} at step {last + 1}; stopped without applying it, keeping the "
-                    f"model and optimizer state {kept}, the last finite one"
-                )
-                warnings.warn(f"Trainer.fit: {stop_reason}.", RuntimeWarning, stacklevel=3)
-                nonfinite = True
-                return True
-            for cb in callbacks:
-                if cb(self.step, {key: v[:good] for key, v in host.items()}) is True:
-                    name = getattr(cb, "__name__", repr(cb))
-                    stop_reason = f"callback {name} asked to stop at step {self.step}"
-                    return True
-            return False
-
-        try:
-            with use(self.mesh, self.rules):
-                while stop_reason is None:
-                    group = prefetch.get()
-                    if group is None:
-                        break
-                    n, batch, examples = group
-                    pending.append(
-                        (n, examples, self._fused(self.model, self.optimizer, batch, self._guard))
-                    )
-                    dispatched += n
-                    if checkpointer is not None and checkpointer.should_save(dispatched):
-                        # Saved before the next call is dispatched: it would donate
-                        # (overwrite) exactly the state being saved.
-                        while pending:
-                            finish_one()
-                        if self.step == dispatched:
-                            save_now()
-                    elif len(pending) >= depth:
-                        finish_one()
-                while pending:
-                    finish_one()
-                if checkpointer is not None and self.step > last_saved and not nonfinite:
-                    save_now()
-        finally:
-            prefetch.close()
-            bar.close()
-            if checkpointer is not None:
-                checkpointer.wait()
-        if stop_reason is None and done < num_steps:
-            stop_reason = f"data ran out after {done} of {num_steps} steps"
-        metrics = {key: np.concatenate(v) for key, v in hist.items()}
-        if not metrics:
-            metrics = {"step": np.zeros((0,), np.int64)}
-        return History(metrics, done, stop_reason, time.perf_counter() - start)
+        return functools.partial(_stacked_groups, data, sizes, self._build_group)

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import nnx_shard as ns
+from nnx_shard.launch import simulated_env
 from nnx_shard.train import _group_sizes
 from tests.conftest import needs_devices
 
@@ -43,12 +44,9 @@ MESH42 = ns.make_mesh("data=4,model=2", axis_types="auto") if _RUNS else None
 FSDP = {"batch": "data", "embed": "data", "mlp": None}
 FSDP_TP = {"batch": "data", "embed": "data", "mlp": "model"}
 CHILD_ENV = {
-    **os.environ,
     # The parent's other XLA flags too: bitwise equality with a child holds only
     # when both compile the same code (another ISA rounds differently).
-    "XLA_FLAGS": " ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
-                           if not f.startswith("--xla_force_host_platform_device_count")]
-                          + ["--xla_force_host_platform_device_count=8"]),
+    **simulated_env(8),
     "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
 }
 

@@ -1,10 +1,11 @@
 """The notebooks run top to bottom on 8 simulated CPU devices, and are stored without outputs."""
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from nnx_shard.launch import simulated_env
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -35,11 +36,7 @@ def test_notebook_runs(path, tmp_path):
     nb.cells.insert(0, nbformat.v4.new_code_cell(
         f"import sys\nassert sys.prefix == {sys.prefix!r}, sys.prefix"
     ))
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = simulated_env(8)
     client = nbclient.NotebookClient(
         nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(tmp_path)}}
     )

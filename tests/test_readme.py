@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from conftest import needs_devices
+from nnx_shard.launch import simulated_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -57,8 +58,7 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     blocks = python_blocks(README.read_text())
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     (tmp_path / "run.py").write_text(_RUNNER)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env = simulated_env(8)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "run.py", "blocks.json"],

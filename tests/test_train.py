@@ -29,7 +29,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
+from nnx_shard import train
 from nnx_shard.checkpoint import restore_into
+from nnx_shard.launch import simulated_env
 from nnx_shard.train import Trainer, _Progress, multistep, shard_batch, value_and_grad
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -361,6 +363,27 @@ def test_microbatches_equal_the_full_batch(rules):
     np.testing.assert_allclose(micro["loss"], full["loss"], rtol=RTOL)
     assert_same_state(model, ref_model)
     assert shardings_of(model, opt) == before
+
+
+def test_microbatches_match_optax_microbatch_numbers_and_layout():
+    """Same rows per microbatch (j, j+M, ...) and the same mean as optax.microbatch."""
+    model = seed_model()
+    batch = jax.tree.map(lambda x: jnp.asarray(x[0]), data(1, 16, 20, 1))
+    mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)  # noqa: E731
+    loss, grads = value_and_grad(mse, microbatches=4)(model, batch)
+    graphdef, params = nnx.split(model)
+
+    def pure(params, b):
+        return jax.value_and_grad(lambda p: mse(nnx.merge(graphdef, p), b))(params)
+
+    loss_o, grads_o = optax.microbatching.microbatch(
+        pure, argnums=1, microbatch_size=4,
+        accumulator=optax.microbatching.AccumulationType.MEAN)(params, batch)
+    np.testing.assert_allclose(float(loss), float(loss_o), rtol=RTOL)
+    for g, go in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_o), strict=True):
+        assert_close(np.asarray(g), np.asarray(go), rtol=RTOL)
+    rows = train._split_microbatches({"i": jnp.arange(16)}, 4)["i"]
+    assert rows.tolist() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
 
 
 def test_microbatches_need_ns_value_and_grad():
@@ -1080,9 +1103,7 @@ def test_an_unblocked_loop_of_fused_calls_does_not_abort(tmp_path):
     the test instead of killing pytest."""
     script = tmp_path / "dispatch.py"
     script.write_text(DISPATCH_SCRIPT)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "PYTHONPATH": str(ROOT)}
-    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env = {**simulated_env(8), "PYTHONPATH": str(ROOT)}
     try:
         done = subprocess.run([sys.executable, str(script), "{}"], capture_output=True,
                               text=True, timeout=240, env=env, cwd=ROOT)

@@ -1,0 +1,69 @@
+"""What the benchmark scripts share: the small MLP, and running a worker per device count.
+
+Each device count runs in a subprocess of its own (``XLA_FLAGS`` must be set
+before jax loads): the script calls itself with ``--worker N`` (or another
+worker flag) and reads the JSON line it prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from nnx_shard.launch import simulated_env
+
+
+def mlp(rngs):
+    """MLP 32-128-128-8 with ReLU (the issue tracker's speed reference)."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.l1 = nnx.Linear(32, 128, rngs=rngs)
+            self.l2 = nnx.Linear(128, 128, rngs=rngs)
+            self.l3 = nnx.Linear(128, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
+
+    return MLP(rngs)
+
+
+def parse(doc: str, workers: tuple[str, ...] = ("worker",)) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for name in workers:
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="short runs (smoke test)")
+    return ap.parse_args()
+
+
+def worker_main(args: argparse.Namespace, workers: dict[str, Callable[[int, bool], dict]]) -> bool:
+    """Runs the worker the command line names, printing its JSON; False if none."""
+    for name, fn in workers.items():
+        n = getattr(args, name)
+        if n:
+            print(json.dumps(fn(n, args.quick)))
+            return True
+    return False
+
+
+def run_worker(script: str, n: int, quick: bool, *, flag: str = "--worker",
+               env: dict[str, str] | None = None, timeout: float = 900) -> dict:
+    """Runs ``script flag n`` with ``n`` simulated CPU devices; its last line, parsed."""
+    cmd = [sys.executable, script, flag, str(n)] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, env=env or simulated_env(n), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit(f"worker for {n} devices failed ({proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")

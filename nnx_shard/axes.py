@@ -1,0 +1,44 @@
+"""Mesh axis sizes, read from any form of mesh and written as text, in one place.
+
+Meshes reach nnx_shard as a ``jax.sharding.Mesh``, an ``AbstractMesh``, a
+``"data=4,model=2"`` string or a ``{"data": 4, "model": 2}`` mapping; messages,
+reports and the command line show them as ``data=4,model=2`` (what
+:func:`nnx_shard.make_mesh` reads back) or, inside prose, ``data=4, model=2``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["mesh_sizes", "sizes_str"]
+
+
+def mesh_sizes(mesh: Any) -> dict[str, int]:
+    """Axis name -> size of a Mesh / AbstractMesh (anything with a ``shape``
+    mapping) or a mapping; ``None`` gives ``{}``. Strings are parsed by
+    :func:`nnx_shard.make_mesh`, not here. Raises ``TypeError`` for anything else.
+
+    >>> import jax
+    >>> mesh_sizes(jax.sharding.AbstractMesh((2, 4), ("data", "model")))
+    {'data': 2, 'model': 4}
+    >>> mesh_sizes({"data": 8})
+    {'data': 8}
+    """
+    if mesh is None:
+        return {}
+    shape = getattr(mesh, "shape", mesh)
+    if isinstance(shape, Mapping):
+        return {str(k): int(v) for k, v in shape.items()}
+    raise TypeError(f"expected a mesh or a mapping of axis name to size, got {mesh!r}")
+
+
+def sizes_str(mesh: Any, sep: str = ",", empty: str = "") -> str:
+    """``"data=4,model=2"`` (``sep=", "`` for prose); ``empty`` when there are no axes.
+
+    >>> sizes_str({"data": 4, "model": 2}), sizes_str({"data": 4, "model": 2}, ", ")
+    ('data=4,model=2', 'data=4, model=2')
+    >>> sizes_str({}, ", ", "no axes")
+    'no axes'
+    """
+    return sep.join(f"{k}={v}" for k, v in mesh_sizes(mesh).items()) or empty
