@@ -42,3 +42,15 @@ def sizes_str(mesh: Any, sep: str = ",", empty: str = "") -> str:
     'no axes'
     """
     return sep.join(f"{k}={v}" for k, v in mesh_sizes(mesh).items()) or empty
+
+
+def abstract_mesh(sizes: Mapping[str, int]) -> Any:
+    """A ``jax.sharding.AbstractMesh`` of ``sizes``: shardings for any device count,
+    no devices needed (``explain`` and the planners lay models out on it).
+
+    >>> dict(abstract_mesh({"data": 64, "model": 8}).shape)
+    {'data': 64, 'model': 8}
+    """
+    from jax.sharding import AbstractMesh
+
+    return AbstractMesh(tuple(sizes.values()), tuple(sizes))

@@ -860,7 +860,8 @@ def _enumerate(n: int, names: Sequence[str]) -> tuple[list[tuple[str, dict[str, 
 def _formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
                    batch: int, seq: int, remat: str) -> int | None:
     """``nnx-shard plan``'s formula (a lower bound of XLA's figure as measured)."""
-    from nnx_shard.cli import _report, activation_bytes
+    from nnx_shard.commands import _report
+    from nnx_shard.models.memory import activation_bytes
 
     try:
         report = _report(abstract, sizes, strat.rules, tx, strat.opt_rules)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import needs_devices
-from nnx_shard import cli
+from nnx_shard import cli, commands, demo
 from nnx_shard.models import get_config
 
 PY = sys.executable
@@ -174,7 +174,7 @@ def test_plan_compiles_a_256_device_mesh(capsys):
 
 
 def test_plan_meshes_beyond_the_bound_are_not_compiled_by_default(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "COMPILE_MAX_DEVICES", 4)
+    monkeypatch.setattr(commands, "COMPILE_MAX_DEVICES", 4)
     code, out, _ = run(capsys, *TINY, "--json")
     assert code == 0 and json.loads(out)["compiled"] is None
 
@@ -408,7 +408,7 @@ def test_internal_errors_keep_their_traceback(capsys, monkeypatch):
     def broken(args):
         raise ZeroDivisionError("a bug of ours")
 
-    monkeypatch.setattr(cli, "_plan", broken)
+    monkeypatch.setattr(commands, "_plan", broken)
     with pytest.raises(ZeroDivisionError, match="a bug of ours"):
         cli.main(["plan", "--model", "tiny", "--mesh", "data=8"])
 
@@ -473,7 +473,7 @@ def test_demo_refuses_absurd_steps_and_a_file_as_out_folder_up_front(capsys, tmp
 
 def test_demo_summary_is_strict_json():
     summary = {"lr": 1e-3, "loss": [2.0, float("nan")], "evals": [[0, float("inf")]]}
-    text = json.dumps(cli._strict_json(summary), allow_nan=False)
+    text = json.dumps(demo._strict_json(summary), allow_nan=False)
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {
         "lr": 1e-3, "loss": [2.0, None], "evals": [[0, None]]}
 
@@ -519,11 +519,11 @@ def hide_matplotlib(monkeypatch):
 
 def test_plot_losses_draws_with_matplotlib_or_names_the_extra(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    cli.plot_losses(tmp_path / "a.png", [(1, 4.0), (2, 3.0)], [(0, 4.2), (2, 3.1)], 3.5)
+    demo.plot_losses(tmp_path / "a.png", [(1, 4.0), (2, 3.0)], [(0, 4.2), (2, 3.1)], 3.5)
     assert_loss_png(tmp_path / "a.png")
     hide_matplotlib(monkeypatch)
     with pytest.raises(ImportError, match=r"matplotlib: pip install 'nnx_shard\[plot\]'"):
-        cli.plot_losses(tmp_path / "b.png", [(1, 4.0)], [], 3.5)
+        demo.plot_losses(tmp_path / "b.png", [(1, 4.0)], [], 3.5)
     assert not (tmp_path / "b.png").exists()
 
 
