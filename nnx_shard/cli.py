@@ -416,5 +416,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # ``python -m nnx_shard.cli`` runs this file as ``__main__``; the command modules
+    # import ``nnx_shard.cli``, a second copy whose ``_Usage`` this copy would not
+    # catch. Run the imported one.
+    from nnx_shard.cli import main as _main
+
     with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+        sys.exit(_main())
