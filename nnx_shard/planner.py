@@ -291,7 +291,7 @@ def _traffic(op: str, rest: str, type_txt: str, operands: list[str],
     """Bytes one instruction reads and writes in memory, as XLA's cost analysis counts
     them: a slice of a stacked buffer (scanned layers) moves the slice, an in-place
     update moves the update, not the whole buffer."""
-    from nnx_shard.strategies import _nbytes
+    from nnx_shard.hlo import _nbytes
 
     out = _nbytes(type_txt)
     sizes = [_nbytes(t) for t in operands]
@@ -325,7 +325,7 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
     >>> c["flops"]   # 3 matmuls of 4x4 by 4x4
     384
     """
-    from nnx_shard.strategies import KINDS, compiled_collectives
+    from nnx_shard.hlo import KINDS, compiled_collectives
 
     sizes = dict(mesh.shape)
     comps: dict[str, dict[str, Any]] = {}
