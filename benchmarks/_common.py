@@ -67,3 +67,32 @@ def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
+
+
+def interleaved(runs: list, rounds: int, steps: int, call: Callable) -> list[float]:
+    """Median steps/s of each run, timed in ``rounds`` rounds that visit the runs in a
+    rotating order (so drifting load on a shared machine spreads over all of them);
+    ``call(run)`` does one step and blocks on its result."""
+    import statistics
+    import time
+
+    import numpy as np
+
+    rates: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i in np.roll(np.arange(len(runs)), -r):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                call(runs[i])
+            rates[i].append(steps / (time.perf_counter() - t0))
+    return [statistics.median(x) for x in rates]
+
+
+def machine() -> str:
+    """``jax 0.10.2, 8 cpu device(s), x86_64``: where a table was measured."""
+    import platform
+
+    import jax
+
+    return (f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s), "
+            f"{platform.processor() or platform.machine()}")

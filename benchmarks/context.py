@@ -32,13 +32,12 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import argparse
 import dataclasses
 import json
-import platform
-import statistics
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from _common import interleaved, machine
 from flax import nnx
 
 import nnx_shard as ns
@@ -107,20 +106,12 @@ def main() -> None:
         speed_rows.append({"length": length, "context": c,
                            "attention": "dense" if c == 1 else mode, "steps_per_s": []})
         runs.append((compiled, state, data))
-    for r in range(rounds):
-        for i in np.roll(np.arange(len(runs)), -r):
-            compiled, state, data = runs[i]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                jax.block_until_ready(compiled(state, data))
-            speed_rows[i]["steps_per_s"].append(steps / (time.perf_counter() - t0))
-    for row in speed_rows:
-        row["steps_per_s"] = statistics.median(row["steps_per_s"])
+    rates = interleaved(runs, rounds, steps, lambda run: jax.block_until_ready(run[0](*run[1:])))
+    for row, rate in zip(speed_rows, rates, strict=True):
+        row["steps_per_s"] = rate
 
     mib = 2.0**20
-    print(f"\nsmall (2 scanned layers), batch 1, jax {jax.__version__}, "
-          f"{jax.device_count()} {jax.default_backend()} device(s), "
-          f"{platform.processor() or platform.machine()}")
+    print(f"\nsmall (2 scanned layers), batch 1, {machine()}")
     print("\nPer-device bytes of one value_and_grad step (memory_analysis):")
     print("| length | C | attention | temp MiB | peak MiB | temp vs C=1 |")
     print("|---|---|---|---|---|---|")

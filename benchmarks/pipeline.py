@@ -44,7 +44,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -52,6 +51,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+from _common import machine
 from flax import nnx
 
 import nnx_shard as ns
@@ -132,8 +132,7 @@ def main() -> None:
 
     mib = 2.0**20
     print(f"Transformer tiny x {LAYERS} layers, batch {BATCH} x {cfg.length}, mesh stage={S}, "
-          f"data={DATA}, jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} "
-          f"devices, {platform.processor() or platform.machine()}")
+          f"data={DATA}, {machine()}")
     print("| schedule | V | remat | M | iterations | bubble | idle (measured) | steps/s | "
           "peak MiB | temp MiB | relayout KiB/step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import statistics
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import interleaved, machine
 from flax import nnx
 
 from nnx_shard.models import REMAT_POLICIES, Transformer, get_config, lm_loss, remat_policy
@@ -94,20 +93,12 @@ def main() -> None:
                      "output_bytes": m.output_size_in_bytes, "compile_s": seconds,
                      "steps_per_s": []})
         runs.append((compiled, state, data))
-    for r in range(rounds):
-        for i in np.roll(np.arange(len(rows)), -r):
-            compiled, state, data = runs[i]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                jax.block_until_ready(compiled(state, data))
-            rows[i]["steps_per_s"].append(steps / (time.perf_counter() - t0))
-    for row in rows:
-        row["steps_per_s"] = statistics.median(row["steps_per_s"])
+    rates = interleaved(runs, rounds, steps, lambda run: jax.block_until_ready(run[0](*run[1:])))
+    for row, rate in zip(rows, rates, strict=True):
+        row["steps_per_s"] = rate
 
     mib = 2.0**20
-    print(f"small, batch {batch} x {length}, jax {jax.__version__}, "
-          f"{jax.device_count()} {jax.default_backend()} device(s), "
-          f"{platform.processor() or platform.machine()}")
+    print(f"small, batch {batch} x {length}, {machine()}")
     print("| remat | scan | temp MiB | args MiB | out MiB | compile s | steps/s |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:

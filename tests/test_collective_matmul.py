@@ -28,6 +28,7 @@ from nnx_shard.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from nnx_shard.models import Transformer, get_config, lm_loss
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
+from tests._lm import lm_batches, lm_step
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -163,16 +164,11 @@ def test_projection_dispatch() -> None:
 # --------------------------------------------------------------------------- (b), (c) the model
 
 
-@functools.cache
 def _host_batches(length: int = 16) -> dict[str, np.ndarray]:
-    toks = np.random.default_rng(0).integers(0, 128, size=(K, 8, length + 1)).astype(np.int32)
-    return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
+    return lm_batches(K, 8, length)
 
 
-def _step(model, opt, batch):
-    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
-    opt.update(model, grads)
-    return {"loss": loss, "grads": grads}
+_step = lm_step
 
 
 @dataclasses.dataclass

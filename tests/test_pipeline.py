@@ -27,6 +27,7 @@ from nnx_shard import pipeline
 from nnx_shard.models import Transformer, get_config, lm_loss
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
+from tests._lm import lm_batches, lm_step
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -48,15 +49,10 @@ def _factory(cfg):
 
 @functools.cache
 def _host_batches(cfg) -> dict[str, np.ndarray]:
-    toks = np.random.default_rng(0).integers(0, cfg.vocab, size=(K, BATCH, cfg.length + 1))
-    toks = toks.astype(np.int32)
-    return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
+    return lm_batches(K, BATCH, cfg.length, cfg.vocab)
 
 
-def _step(model, opt, batch):
-    loss, grads = ns.value_and_grad(lm_loss)(model, batch)
-    opt.update(model, grads)
-    return {"loss": loss, "grads": grads}
+_step = lm_step
 
 
 @dataclasses.dataclass

@@ -29,6 +29,7 @@ import nnx_shard as ns
 from nnx_shard.models import Transformer, get_config, lm_loss
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
+from tests._lm import lm_batches, lm_step
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -92,17 +93,11 @@ def _config(name: str):
     return get_config("tiny_moe" if name == "ep" else "tiny")
 
 
-@functools.cache
 def _host_batches(cfg) -> dict[str, np.ndarray]:
-    toks = np.random.default_rng(0).integers(0, cfg.vocab, size=(K, 8, cfg.length + 1))
-    toks = toks.astype(np.int32)
-    return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
+    return lm_batches(K, 8, cfg.length, cfg.vocab)
 
 
-def _step(model, opt, batch):
-    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
-    opt.update(model, grads)
-    return {"loss": loss, "grads": grads}
+_step = lm_step
 
 
 @dataclasses.dataclass
