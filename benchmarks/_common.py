@@ -8,11 +8,13 @@ worker flag) and reads the JSON line it prints last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nnx_shard.launch import simulated_env
 
@@ -96,3 +98,37 @@ def machine() -> str:
 
     return (f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s), "
             f"{platform.processor() or platform.machine()}")
+
+
+def lm_train_step(model, optimizer, batch):
+    """One optimizer step of the reference transformer's ``lm_loss``."""
+    from flax import nnx
+
+    from nnx_shard.models import lm_loss
+
+    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def lm_host_batches(cfg, k: int, batch: int, seed: int) -> dict:
+    """``k`` steps of ``batch`` random next-token pairs for ``cfg``, on the host."""
+    import numpy as np
+
+    toks = np.random.default_rng(seed).integers(0, cfg.vocab, size=(k, batch, cfg.length + 1))
+    toks = toks.astype(np.int32)
+    return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
+
+
+@dataclasses.dataclass
+class Setup:
+    """One layout of the reference transformer, compiled and ready to be timed."""
+
+    name: str
+    mesh: Any
+    rules: Any
+    model: Any
+    opt: Any
+    fused: Any
+    data: list
+    row: dict

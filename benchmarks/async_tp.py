@@ -42,7 +42,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import collections
-import dataclasses
 import json
 import platform
 import statistics
@@ -50,12 +49,12 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import optax
+from _common import Setup, lm_host_batches, lm_train_step
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Transformer, get_config
 from nnx_shard.report import fmt_bytes
 from nnx_shard.strategies import compiled_collectives
 
@@ -72,28 +71,10 @@ VARIANTS = {
 }
 
 
-def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
-    optimizer.update(model, grads)
-    return {"loss": loss}
 
 
-def host_batches(cfg, k: int, seed: int) -> dict[str, np.ndarray]:
-    toks = np.random.default_rng(seed).integers(0, cfg.vocab, size=(k, BATCH, cfg.length + 1))
-    toks = toks.astype(np.int32)
-    return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
 
 
-@dataclasses.dataclass
-class Setup:
-    label: str
-    mesh: jax.sharding.Mesh
-    rules: ns.Rules
-    model: Transformer
-    opt: nnx.Optimizer
-    fused: ns.train.Fused
-    data: list
-    row: dict
 
 
 def prepare(label: str) -> Setup:
@@ -108,8 +89,8 @@ def prepare(label: str) -> Setup:
                  "collective_matmul": rules.options.get("collective_matmul")}
     names = ("batch", "length")
     with ns.use(mesh, rules):
-        fused = ns.multistep(train_step)
-        data = [ns.shard_batch(host_batches(cfg, K, i), mesh, rules, names, steps=True)
+        fused = ns.multistep(lm_train_step)
+        data = [ns.shard_batch(lm_host_batches(cfg, K, BATCH, i), mesh, rules, names, steps=True)
                 for i in range(2)]
         t0 = time.perf_counter()
         # The fused program runs its K steps in a loop whose body (one step) the
@@ -176,20 +157,20 @@ def main() -> None:
         print(f"  {label}: compiled in {setups[-1].row['compile_s']:.1f} s", flush=True)
     rounds = 1 if args.quick else args.rounds
     calls = 2 if args.quick else 6
-    rates: dict[str, list[float]] = {s.label: [] for s in setups}
-    cpu: dict[str, list[float]] = {s.label: [] for s in setups}
+    rates: dict[str, list[float]] = {s.name: [] for s in setups}
+    cpu: dict[str, list[float]] = {s.name: [] for s in setups}
     for r in range(rounds):
         for setup in (setups if r % 2 == 0 else setups[::-1]):
             rate, cpu_s = timed(setup, calls)
-            rates[setup.label].append(rate)
-            cpu[setup.label].append(cpu_s)
+            rates[setup.name].append(rate)
+            cpu[setup.name].append(cpu_s)
     rows = []
     for setup in setups:
         row = setup.row
-        row["steps_per_s_rounds"] = rates[setup.label]
-        row["steps_per_s"] = statistics.median(rates[setup.label])
-        row["cpu_s_per_step_rounds"] = cpu[setup.label]
-        row["cpu_s_per_step"] = statistics.median(cpu[setup.label])
+        row["steps_per_s_rounds"] = rates[setup.name]
+        row["steps_per_s"] = statistics.median(rates[setup.name])
+        row["cpu_s_per_step_rounds"] = cpu[setup.name]
+        row["cpu_s_per_step"] = statistics.median(cpu[setup.name])
         rows.append(row)
     # The ratio per round (same round, adjacent in time), then the median.
     for row in rows:

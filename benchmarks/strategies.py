@@ -47,12 +47,12 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import optax
+from _common import Setup, lm_host_batches, lm_train_step
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Transformer, get_config
 from nnx_shard.report import fmt_bytes
 from nnx_shard.strategies import compiled_collectives
 
@@ -61,10 +61,6 @@ K = 4
 BATCH = 16
 
 
-def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
-    optimizer.update(model, grads)
-    return {"loss": loss}
 
 
 def config_for(name: str):
@@ -74,24 +70,8 @@ def config_for(name: str):
     return cfg
 
 
-def host_batches(cfg, k: int, seed: int) -> dict[str, np.ndarray]:
-    toks = np.random.default_rng(seed).integers(0, cfg.vocab, size=(k, BATCH, cfg.length + 1))
-    toks = toks.astype(np.int32)
-    return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
 
 
-@dataclasses.dataclass
-class Setup:
-    """One strategy, laid out and compiled, ready to be timed."""
-
-    name: str
-    mesh: jax.sharding.Mesh
-    rules: ns.Rules
-    model: Transformer
-    opt: nnx.Optimizer
-    fused: ns.train.Fused
-    data: list
-    row: dict
 
 
 def prepare(name: str) -> Setup:
@@ -115,8 +95,8 @@ def prepare(name: str) -> Setup:
     names = ("batch", "length")
     with ns.use(mesh, s.rules):
         # The one-step program: per-step memory and collectives without the loop.
-        one = ns.shard_batch(host_batches(cfg, 1, 0), mesh, s.rules, names, steps=True)
-        compiled = ns.multistep(train_step).lower(model, opt, one).compile()
+        one = ns.shard_batch(lm_host_batches(cfg, 1, BATCH, 0), mesh, s.rules, names, steps=True)
+        compiled = ns.multistep(lm_train_step).lower(model, opt, one).compile()
         mem = compiled.memory_analysis()
         batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(one))
         row["compiled_state_bytes_per_device"] = int(mem.argument_size_in_bytes) - batch_bytes
@@ -130,8 +110,8 @@ def prepare(name: str) -> Setup:
         row["collective_bytes_by_kind"] = dict(per_kind)
         row["collective_bytes_by_axes"] = dict(per_axes)
 
-        fused = ns.multistep(train_step)
-        data = [ns.shard_batch(host_batches(cfg, K, i), mesh, s.rules, names, steps=True)
+        fused = ns.multistep(lm_train_step)
+        data = [ns.shard_batch(lm_host_batches(cfg, K, BATCH, i), mesh, s.rules, names, steps=True)
                 for i in range(2)]
         t0 = time.perf_counter()
         jax.block_until_ready(fused(model, opt, data[0]))
