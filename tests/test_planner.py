@@ -289,6 +289,34 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
 
 
 @needs_devices(8)
+@pytest.mark.parametrize("strategy, sizes, remat", [
+    ("zero1", {"data": 8}, "full"),            # the closest measured: 1.04x
+    ("dp", {"data": 8}, "none"),
+    ("tp", {"data": 4, "model": 2}, "full"),
+    ("sp", {"data": 2, "model": 4}, "none"),
+    ("cp", {"data": 2, "context": 4}, "none"),  # was 1.3-2.9x before the sequence split
+    ("fsdp_cp", {"data": 1, "context": 8}, "full"),
+    ("pp_fsdp", {"stage": 2, "data": 4}, "none"),
+])
+def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
+    """The planner skips a compile when the formula alone is over the budget by
+    _PRUNE_MARGIN: that is only safe while the formula stays near or under XLA's figure."""
+    from nnx_shard.cli import _optimizer
+
+    cfg = dataclasses.replace(get_config("tiny"), heads=8, head_dim=4, layers=4, length=32,
+                              scan_layers=True, remat=remat)
+    strat = strategies.get(strategy)
+    mb = 2 * sizes.get("stage", 0) or 1
+    compiled = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy,
+                                    sizes, batch=16, seq=32, microbatches=mb)["total"]
+    mesh = ns.make_mesh(sizes, devices=jax.devices()[:8])
+    abstract = strat.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    formula = planner._formula_bytes(abstract, cfg, strat, sizes, _optimizer("adamw"),
+                                     16 // mb, 32, remat)
+    assert 0.15 * compiled < formula <= 1.1 * compiled < planner._PRUNE_MARGIN * compiled
+
+
+@needs_devices(8)
 def test_a_factory_compiles_in_process_with_its_remat():
     made = []
 

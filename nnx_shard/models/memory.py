@@ -21,15 +21,20 @@ ACTIVATION_FORMULA = (
     "before and after GELU (2m'), float32 attention probabilities (4hs); plus the residual "
     "input and float32 logits and their gradient (8V). With --remat full only each block's "
     "input is kept (layers x p x e/Dl per token) plus one layer's activations and the logits; "
-    "dots and offload count as none."
+    "dots and offload count as none. Under context parallelism the sequence stays split "
+    "through the block, so Dh, Dm and Dv include the length axes, and the ring "
+    "(attention='ring') keeps no probabilities (its backward pass recomputes them)."
 )
 
 
 def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: Any,
-             dim: int) -> int:
-    spec = rules.spec(names, shape=shape, mesh=mesh, path="activation")
-    entry = tuple(spec)[dim] if dim < len(tuple(spec)) else None
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+             *dims: int) -> int:
+    """How many devices share the dimensions ``dims`` of an activation."""
+    spec = tuple(rules.spec(names, shape=shape, mesh=mesh, path="activation"))
+    axes: list[str] = []
+    for dim in dims:
+        entry = spec[dim] if dim < len(spec) else None
+        axes += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
     return math.prod(dict(mesh.shape)[a] for a in axes)
 
 
@@ -60,13 +65,21 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
     m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if cfg.experts else 1)
     p = np.dtype(cfg.dtype).itemsize
+    # Context parallelism keeps the sequence split through the whole block (q/k/v,
+    # MLP hidden, logits); elsewhere only the residual stream is (sequence parallelism
+    # gathers it before attention and the MLP).
+    attention = dict(rules.options).get("attention")
+    seq_name = "length" if attention in ("ring", "allgather") else None
     d_b = _divisor(rules, ("batch",), (b,), mesh, 0)
     d_l = _divisor(rules, ("batch", "length", None), (b, s, e), mesh, 1)
-    d_h = _divisor(rules, ("batch", None, "heads", "kv"), (b, s, h, k), mesh, 2)
-    d_m = _divisor(rules, ("batch", None, "mlp"), (b, s, cfg.mlp), mesh, 2)
-    d_v = _divisor(rules, ("batch", None, "vocab"), (b, s, v), mesh, 2)
+    d_h = _divisor(rules, ("batch", seq_name, "heads", "kv"), (b, s, h, k), mesh, 1, 2)
+    d_m = _divisor(rules, ("batch", seq_name, "mlp"), (b, s, cfg.mlp), mesh, 1, 2)
+    d_v = _divisor(rules, ("batch", seq_name, "vocab"), (b, s, v), mesh, 1, 2)
     tokens = b * s / d_b
-    layer = p * (4 * e / d_l + 4 * h * k / d_h + 2 * m / d_m) + 4 * h * s / d_h
+    # Probabilities are [queries, keys] per head (d_h counts the query split under
+    # context parallelism); the ring recomputes its tiles in the backward pass.
+    probs = 0.0 if attention == "ring" else 4 * h * s / d_h
+    layer = p * (4 * e / d_l + 4 * h * k / d_h + 2 * m / d_m) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
     if remat == "full":
         per_token = cfg.layers * p * e / d_l + layer + edges
