@@ -1107,6 +1107,14 @@ class Checkpointer:
             _OPEN.get(self.directory, weakref.WeakSet()).discard(self)
 
 
+def _uncommitted(x: jax.Array) -> jax.Array:
+    """``x`` as a fresh eager value: on the default device, free to move."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.device_put(np.asarray(jax.random.key_data(x)))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x))
+
+
 def restore_into(
     directory: str | os.PathLike[str], model: nnx.Module, optimizer: nnx.Optimizer | None,
     step: int | None = None,
@@ -1126,7 +1134,19 @@ def restore_into(
     targets = {"model": model}
     if optimizer is not None:
         targets["optimizer"] = optimizer
+    # A fresh eager model (values not yet committed to a device) restores as one: orbax
+    # returns committed arrays, and a committed single-device value cannot join a
+    # Trainer's mesh, while an uncommitted one is placed on it like the fresh model was.
+    fresh = {name: [not getattr(x, "committed", True) for x in jax.tree.leaves(nnx.state(obj))]
+             for name, obj in targets.items()}
     step, states, extra = _read(_resolve_dir(directory), step, targets)
     for name, obj in targets.items():
-        nnx.update(obj, states[name][1])
+        state = states[name][1]
+        if any(fresh[name]):
+            leaves, tree = jax.tree.flatten(state)
+            if len(leaves) == len(fresh[name]):
+                state = jax.tree.unflatten(tree, [
+                    _uncommitted(x) if loose and isinstance(x, jax.Array) else x
+                    for x, loose in zip(leaves, fresh[name], strict=True)])
+        nnx.update(obj, state)
     return step, extra

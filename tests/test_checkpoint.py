@@ -462,6 +462,43 @@ def test_resume_in_process_is_bitwise(tmp_path, straight):
     ckpt.close()
 
 
+def test_resume_a_fresh_unplaced_model_onto_the_trainers_mesh(tmp_path):
+    """A model built eagerly (no mesh, no sharded init) trains on a mesh because its
+    fresh values join it replicated; resuming into such a model must keep that true,
+    RNG state included (orbax hands back values committed to one device)."""
+
+    class Net(nnx.Module):
+        def __init__(self, seed: int):
+            self.lin = nnx.Linear(4, 2, rngs=nnx.Rngs(seed))
+            self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(seed + 1))
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    def mse(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = ns.Batches({"x": x, "y": x[:, :2]}, batch_size=16, epochs=3)
+
+    def run(seed: int, steps: int, resume: bool):
+        model = Net(seed)
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        t = ns.Trainer(model, opt, mse, mesh=MESH8, rules={"batch": "data"})
+        ckpt = ns.Checkpointer(tmp_path, every=2)
+        t.fit(data, steps, progress=False, checkpointer=ckpt, resume=resume)
+        ckpt.close()
+        return t, model
+
+    run(0, 4, False)
+    fresh = Net(7)
+    ns.checkpoint.restore_into(tmp_path, fresh, None)
+    assert not any(x.committed for x in jax.tree.leaves(nnx.state(fresh)))
+    t, model = run(7, 6, True)
+    assert t.step == 6
+    assert model.lin.kernel[...].sharding.device_set == set(MESH8.devices.flat)
+
+
 def _resume_child(directory: str) -> None:
     """Runs in a fresh process: resume from step 10, train to 20 (saved at 20)."""
     model, opt = build(MESH8, FSDP, seed=123)
