@@ -90,6 +90,24 @@ def interleaved(runs: list, rounds: int, steps: int, call: Callable) -> list[flo
     return [statistics.median(x) for x in rates]
 
 
+def time_compiled(rows: list[dict], runs: list[tuple], rounds: int, steps: int) -> None:
+    """Times each run ``(compiled, *args)`` with :func:`interleaved`, one blocking
+    ``compiled(*args)`` a step, and puts its steps/s in the row at the same place."""
+    import jax
+
+    rates = interleaved(runs, rounds, steps, lambda run: jax.block_until_ready(run[0](*run[1:])))
+    for row, rate in zip(rows, rates, strict=True):
+        row["steps_per_s"] = rate
+
+
+def print_table(columns: list[str], rows: list[list]) -> None:
+    """Prints a markdown table: a header of ``columns``, then one line a row of cells."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+
+
 def machine() -> str:
     """``jax 0.10.2, 8 cpu device(s), x86_64``: where a table was measured."""
     import platform
