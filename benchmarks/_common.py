@@ -2,7 +2,9 @@
 
 Each device count runs in a subprocess of its own (``XLA_FLAGS`` must be set
 before jax loads): the script calls itself with ``--worker N`` (or another
-worker flag) and reads the JSON line it prints last.
+worker flag) and reads the JSON line it prints last. A script that runs on
+one device count itself sets it with :func:`simulated_cpu` before it imports
+jax, which is why importing this module loads neither jax nor nnx_shard.
 """
 
 from __future__ import annotations
@@ -10,13 +12,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nnx_shard.launch import simulated_env
+
+def simulated_cpu(n: int) -> dict[str, str]:
+    """The environment for ``n`` simulated CPU devices in this process, for
+    ``os.environ.update`` before jax is imported (jax and XLA read it when they
+    load): the device-count flag appended to ``XLA_FLAGS``, and the CPU platform
+    unless ``JAX_PLATFORMS`` names one."""
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    return {"XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
 
 
 def mlp(rngs):
@@ -56,6 +66,8 @@ def worker_main(args: argparse.Namespace, workers: dict[str, Callable[[int, bool
 def run_worker(script: str, n: int, quick: bool, *, flag: str = "--worker",
                env: dict[str, str] | None = None, timeout: float = 900) -> dict:
     """Runs ``script flag n`` with ``n`` simulated CPU devices; its last line, parsed."""
+    from nnx_shard.launch import simulated_env
+
     cmd = [sys.executable, script, flag, str(n)] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env or simulated_env(n), capture_output=True, text=True,
                           timeout=timeout)
@@ -90,6 +102,24 @@ def interleaved(runs: list, rounds: int, steps: int, call: Callable) -> list[flo
     return [statistics.median(x) for x in rates]
 
 
+def time_compiled(rows: list[dict], runs: list[tuple], rounds: int, steps: int) -> None:
+    """Times each run ``(compiled, *args)`` with :func:`interleaved`, one blocking
+    ``compiled(*args)`` a step, and puts its steps/s in the row at the same place."""
+    import jax
+
+    rates = interleaved(runs, rounds, steps, lambda run: jax.block_until_ready(run[0](*run[1:])))
+    for row, rate in zip(rows, rates, strict=True):
+        row["steps_per_s"] = rate
+
+
+def print_table(columns: list[str], rows: list[list]) -> None:
+    """Prints a markdown table: a header of ``columns``, then one line a row of cells."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+
+
 def machine() -> str:
     """``jax 0.10.2, 8 cpu device(s), x86_64``: where a table was measured."""
     import platform
@@ -98,6 +128,14 @@ def machine() -> str:
 
     return (f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s), "
             f"{platform.processor() or platform.machine()}")
+
+
+#: The protocol of the strategy benchmarks (strategies.py, async_tp.py), one so that
+#: their figures compare: the reference transformer ``small`` trained with AdamW
+#: (``optax.adamw(1e-3)``), K steps per fused call, a global batch of BATCH.
+K = 4
+BATCH = 16
+LM_MODEL = "small (4 layers, d=128, 4 heads x 32, mlp 512, vocab 512, seq 128)"
 
 
 def lm_train_step(model, optimizer, batch):
@@ -120,6 +158,15 @@ def lm_host_batches(cfg, k: int, batch: int, seed: int) -> dict:
     return {"inputs": toks[:, :, :-1], "targets": toks[:, :, 1:]}
 
 
+def lm_device_batches(cfg, mesh, rules) -> list[dict]:
+    """The two K-step batches (seeds 0 and 1) that :func:`timed_calls` alternates,
+    laid out by ``rules`` on ``mesh`` (under ``ns.use``)."""
+    import nnx_shard as ns
+
+    return [ns.shard_batch(lm_host_batches(cfg, K, BATCH, i), mesh, rules, ("batch", "length"),
+                           steps=True) for i in range(2)]
+
+
 @dataclasses.dataclass
 class Setup:
     """One layout of the reference transformer, compiled and ready to be timed."""
@@ -132,3 +179,83 @@ class Setup:
     fused: Any
     data: list
     row: dict
+
+
+def timed_calls(setup: Setup, calls: int) -> tuple[float, float]:
+    """Steps/s over ``calls`` calls of ``setup.fused`` (K steps each) on its two
+    batches in turn, at most two in flight, and the process's CPU seconds per step
+    (all the simulated devices' work: less sensitive than wall time to other load
+    on the machine)."""
+    import collections
+    import time
+
+    import jax
+    from flax import nnx
+
+    import nnx_shard as ns
+
+    pending: collections.deque = collections.deque()
+    with ns.use(setup.mesh, setup.rules):
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            pending.append(setup.fused(setup.model, setup.opt, setup.data[i % 2]))
+            if len(pending) > 2:
+                jax.block_until_ready(pending.popleft())
+        jax.block_until_ready(list(pending))
+        jax.block_until_ready(nnx.state(setup.model))
+        dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+    return calls * K / dt, cpu / (calls * K)
+
+
+def time_lm(names: list[str], prepare: Callable[[str], Setup], quick: bool, rounds: int,
+            calls: int) -> tuple[list[dict], dict]:
+    """The strategy benchmarks' timing, on 8 simulated devices: a :class:`Setup` per
+    name from ``prepare`` (printing its compile time), timed with :func:`timed_calls`
+    in ``rounds`` rounds of ``calls`` calls (1 and 2 with ``quick``), the rounds in
+    alternating order (other load on the machine hits every setup alike).
+
+    Returns the rows, with the steps/s and the CPU seconds per step of each round
+    (``*_rounds``) and their medians, and the run's ``meta`` for the JSON."""
+    import platform
+    import statistics
+    import time
+
+    import jax
+
+    assert jax.device_count() == 8, jax.device_count()
+    t0 = time.perf_counter()
+    rounds, calls = (1, 2) if quick else (rounds, calls)
+    setups = []
+    for name in names:
+        setups.append(prepare(name))
+        print(f"  {name}: compiled in {setups[-1].row['compile_s']:.1f} s", flush=True)
+    rates: dict[str, list[float]] = {s.name: [] for s in setups}
+    cpu: dict[str, list[float]] = {s.name: [] for s in setups}
+    for r in range(rounds):
+        for setup in (setups if r % 2 == 0 else setups[::-1]):
+            rate, cpu_s = timed_calls(setup, calls)
+            rates[setup.name].append(rate)
+            cpu[setup.name].append(cpu_s)
+    for setup in setups:
+        setup.row.update(steps_per_s_rounds=rates[setup.name],
+                         steps_per_s=statistics.median(rates[setup.name]),
+                         cpu_s_per_step_rounds=cpu[setup.name],
+                         cpu_s_per_step=statistics.median(cpu[setup.name]))
+    meta = {"jax": jax.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "backend": jax.default_backend(), "devices": jax.device_count(),
+            "K": K, "global_batch": BATCH, "model": LM_MODEL, "optimizer": "adamw",
+            "rounds": rounds, "calls_per_round": calls, "quick": quick,
+            "seconds": time.perf_counter() - t0}
+    return [setup.row for setup in setups], meta
+
+
+def report(path: Path, table: str, note: str, rows: list[dict], meta: dict) -> None:
+    """Prints a benchmark's table and its note, and writes its rows and meta to ``path``."""
+    print()
+    print(table)
+    print(note)
+    write_json(path, {"meta": meta, "results": rows})
+

@@ -34,23 +34,18 @@ from __future__ import annotations
 
 import os
 
-# Simulated devices must be requested before jax is imported.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _common import Setup, lm_device_batches, lm_train_step, report, simulated_cpu, time_lm
+
+os.environ.update(simulated_cpu(8))  # before jax is imported
 
 import argparse
 import collections
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import jax
 import optax
-from _common import Setup, lm_host_batches, lm_train_step
 from flax import nnx
 
 import nnx_shard as ns
@@ -59,8 +54,6 @@ from nnx_shard.report import fmt_bytes
 from nnx_shard.strategies import compiled_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async_tp.json"
-K = 4
-BATCH = 16
 MESH = "data=2,model=4"
 #: row label -> (preset, collective_matmul option override or None)
 VARIANTS = {
@@ -69,12 +62,6 @@ VARIANTS = {
     "async_tp": ("async_tp", None),
     "async_tp (one-way)": ("async_tp", "unidirectional"),
 }
-
-
-
-
-
-
 
 
 def prepare(label: str) -> Setup:
@@ -87,11 +74,9 @@ def prepare(label: str) -> Setup:
     opt = s.optimizer(model, optax.adamw(1e-3), mesh)
     row: dict = {"variant": label, "strategy": preset, "mesh": dict(mesh.shape),
                  "collective_matmul": rules.options.get("collective_matmul")}
-    names = ("batch", "length")
     with ns.use(mesh, rules):
         fused = ns.multistep(lm_train_step)
-        data = [ns.shard_batch(lm_host_batches(cfg, K, BATCH, i), mesh, rules, names, steps=True)
-                for i in range(2)]
+        data = lm_device_batches(cfg, mesh, rules)
         t0 = time.perf_counter()
         # The fused program runs its K steps in a loop whose body (one step) the
         # HLO holds once: the counts are per step. The calls below reuse it.
@@ -112,25 +97,6 @@ def prepare(label: str) -> Setup:
     return Setup(label, mesh, rules, model, opt, fused, data, row)
 
 
-def timed(setup: Setup, calls: int) -> tuple[float, float]:
-    """Steps/s over ``calls`` fused calls, at most two in flight, and the
-    process's CPU seconds per step (all 8 simulated devices' work: less
-    sensitive than wall time to other load on the machine)."""
-    pending: collections.deque = collections.deque()
-    with ns.use(setup.mesh, setup.rules):
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        for i in range(calls):
-            pending.append(setup.fused(setup.model, setup.opt, setup.data[i % 2]))
-            if len(pending) > 2:
-                jax.block_until_ready(pending.popleft())
-        jax.block_until_ready(list(pending))
-        jax.block_until_ready(nnx.state(setup.model))
-        dt = time.perf_counter() - t0
-        cpu = time.process_time() - c0
-    return calls * K / dt, cpu / (calls * K)
-
-
 def table(rows: list[dict]) -> str:
     lines = ["| variant | steps/s | vs tp | vs sp | CPU s / step | collectives over model per "
              "step (count, bytes/dev) |", "|" + " --- |" * 6]
@@ -149,29 +115,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short timing (smoke test)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     args = ap.parse_args()
-    assert jax.device_count() == 8, jax.device_count()
-    t0 = time.perf_counter()
-    setups = []
-    for label in VARIANTS:
-        setups.append(prepare(label))
-        print(f"  {label}: compiled in {setups[-1].row['compile_s']:.1f} s", flush=True)
-    rounds = 1 if args.quick else args.rounds
-    calls = 2 if args.quick else 6
-    rates: dict[str, list[float]] = {s.name: [] for s in setups}
-    cpu: dict[str, list[float]] = {s.name: [] for s in setups}
-    for r in range(rounds):
-        for setup in (setups if r % 2 == 0 else setups[::-1]):
-            rate, cpu_s = timed(setup, calls)
-            rates[setup.name].append(rate)
-            cpu[setup.name].append(cpu_s)
-    rows = []
-    for setup in setups:
-        row = setup.row
-        row["steps_per_s_rounds"] = rates[setup.name]
-        row["steps_per_s"] = statistics.median(rates[setup.name])
-        row["cpu_s_per_step_rounds"] = cpu[setup.name]
-        row["cpu_s_per_step"] = statistics.median(cpu[setup.name])
-        rows.append(row)
+    rows, meta = time_lm(list(VARIANTS), prepare, args.quick, args.rounds, 6)
+    rates = {row["variant"]: row["steps_per_s_rounds"] for row in rows}
     # The ratio per round (same round, adjacent in time), then the median.
     for row in rows:
         for ref in ("tp", "sp"):
@@ -179,21 +124,10 @@ def main() -> None:
                                                strict=True)]
             row[f"ratio_to_{ref}_rounds"] = per_round
             row[f"ratio_to_{ref}"] = statistics.median(per_round)
-    meta = {
-        "jax": jax.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(), "backend": jax.default_backend(),
-        "devices": jax.device_count(), "mesh": MESH, "K": K, "global_batch": BATCH,
-        "model": "small (4 layers, d=128, 4 heads x 32, mlp 512, vocab 512, seq 128)",
-        "optimizer": "adamw", "rounds": rounds, "calls_per_round": calls, "quick": args.quick,
-        "seconds": time.perf_counter() - t0,
-    }
-    print()
-    print(table(rows))
-    print(f"\n(jax {meta['jax']}, {meta['cpus']} CPUs, 8 simulated devices, mesh {MESH}, "
-          f"{rounds} interleaved rounds, {meta['seconds']:.0f} s)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    print(f"wrote {RESULTS}")
+    meta["mesh"] = MESH
+    report(RESULTS, table(rows), f"\n(jax {meta['jax']}, {meta['cpus']} CPUs, 8 simulated "
+           f"devices, mesh {MESH}, {meta['rounds']} interleaved rounds, {meta['seconds']:.0f} s)",
+           rows, meta)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,12 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
-from _common import interleaved, machine
+from _common import machine, print_table, time_compiled, write_json
 from flax import nnx
 
 import nnx_shard as ns
@@ -104,36 +103,28 @@ def main() -> None:
         state = materialize(cfg, mesh, rules, state)
         jax.block_until_ready(compiled(state, data))  # warm up
         speed_rows.append({"length": length, "context": c,
-                           "attention": "dense" if c == 1 else mode, "steps_per_s": []})
+                           "attention": "dense" if c == 1 else mode})
         runs.append((compiled, state, data))
-    rates = interleaved(runs, rounds, steps, lambda run: jax.block_until_ready(run[0](*run[1:])))
-    for row, rate in zip(speed_rows, rates, strict=True):
-        row["steps_per_s"] = rate
+    time_compiled(speed_rows, runs, rounds, steps)
 
     mib = 2.0**20
     print(f"\nsmall (2 scanned layers), batch 1, {machine()}")
     print("\nPer-device bytes of one value_and_grad step (memory_analysis):")
-    print("| length | C | attention | temp MiB | peak MiB | temp vs C=1 |")
-    print("|---|---|---|---|---|---|")
     base = {r["length"]: r["temp_bytes"] for r in mem_rows if r["context"] == 1}
-    for r in mem_rows:
-        print(f"| {r['length']} | {r['context']} | {r['attention']} | "
-              f"{r['temp_bytes'] / mib:.1f} | {r['peak_bytes'] / mib:.1f} | "
-              f"{r['temp_bytes'] / base[r['length']]:.3f} |")
+    print_table(["length", "C", "attention", "temp MiB", "peak MiB", "temp vs C=1"],
+                [[r["length"], r["context"], r["attention"], f"{r['temp_bytes'] / mib:.1f}",
+                  f"{r['peak_bytes'] / mib:.1f}", f"{r['temp_bytes'] / base[r['length']]:.3f}"]
+                 for r in mem_rows])
     print("\nSteps/s (value_and_grad, XLA CPU, simulated devices share the host's cores):")
-    print("| length | C | attention | steps/s |")
-    print("|---|---|---|---|")
-    for r in speed_rows:
-        print(f"| {r['length']} | {r['context']} | {r['attention']} | {r['steps_per_s']:.2f} |")
-    out = RESULTS.with_name("context_quick.json") if args.quick else RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    print_table(["length", "C", "attention", "steps/s"],
+                [[r["length"], r["context"], r["attention"], f"{r['steps_per_s']:.2f}"]
+                 for r in speed_rows])
+    write_json(RESULTS.with_name("context_quick.json") if args.quick else RESULTS, {
         "model": "small, layers=2, scan_layers", "batch": 1, "jax": jax.__version__,
         "backend": jax.default_backend(), "devices": jax.device_count(),
         "quick": args.quick, "rounds": rounds, "steps_per_round": steps,
         "memory": mem_rows, "speed": speed_rows,
-    }, indent=2))
-    print(f"wrote {out}")
+    })
 
 
 if __name__ == "__main__":

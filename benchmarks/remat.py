@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import interleaved, machine
+from _common import machine, print_table, time_compiled, write_json
 from flax import nnx
 
 from nnx_shard.models import REMAT_POLICIES, Transformer, get_config, lm_loss, remat_policy
@@ -90,28 +89,21 @@ def main() -> None:
         m = compiled.memory_analysis()
         rows.append({"remat": remat, "scan_layers": scan, "temp_bytes": m.temp_size_in_bytes,
                      "argument_bytes": m.argument_size_in_bytes,
-                     "output_bytes": m.output_size_in_bytes, "compile_s": seconds,
-                     "steps_per_s": []})
+                     "output_bytes": m.output_size_in_bytes, "compile_s": seconds})
         runs.append((compiled, state, data))
-    rates = interleaved(runs, rounds, steps, lambda run: jax.block_until_ready(run[0](*run[1:])))
-    for row, rate in zip(rows, rates, strict=True):
-        row["steps_per_s"] = rate
+    time_compiled(rows, runs, rounds, steps)
 
     mib = 2.0**20
     print(f"small, batch {batch} x {length}, {machine()}")
-    print("| remat | scan | temp MiB | args MiB | out MiB | compile s | steps/s |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['remat']} | {row['scan_layers']} | {row['temp_bytes'] / mib:.1f} | "
-              f"{row['argument_bytes'] / mib:.1f} | {row['output_bytes'] / mib:.1f} | "
-              f"{row['compile_s']:.1f} | {row['steps_per_s']:.2f} |")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    print_table(["remat", "scan", "temp MiB", "args MiB", "out MiB", "compile s", "steps/s"],
+                [[row["remat"], row["scan_layers"], f"{row['temp_bytes'] / mib:.1f}",
+                  f"{row['argument_bytes'] / mib:.1f}", f"{row['output_bytes'] / mib:.1f}",
+                  f"{row['compile_s']:.1f}", f"{row['steps_per_s']:.2f}"] for row in rows])
+    write_json(RESULTS, {
         "model": "small", "batch": batch, "length": length, "jax": jax.__version__,
         "backend": jax.default_backend(), "devices": jax.device_count(),
         "rounds": rounds, "steps_per_round": steps, "rows": rows,
-    }, indent=2))
-    print(f"wrote {RESULTS}")
+    })
 
 
 if __name__ == "__main__":

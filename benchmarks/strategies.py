@@ -31,24 +31,27 @@ from __future__ import annotations
 
 import os
 
-# Simulated devices must be requested before jax is imported.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _common import (
+    BATCH,
+    Setup,
+    lm_device_batches,
+    lm_host_batches,
+    lm_train_step,
+    report,
+    simulated_cpu,
+    time_lm,
+)
+
+os.environ.update(simulated_cpu(8))  # before jax is imported
 
 import argparse
 import collections
 import dataclasses
-import json
-import platform
-import statistics
 import time
 from pathlib import Path
 
 import jax
 import optax
-from _common import Setup, lm_host_batches, lm_train_step
 from flax import nnx
 
 import nnx_shard as ns
@@ -57,10 +60,6 @@ from nnx_shard.report import fmt_bytes
 from nnx_shard.strategies import compiled_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results" / "strategies.json"
-K = 4
-BATCH = 16
-
-
 
 
 def config_for(name: str):
@@ -68,10 +67,6 @@ def config_for(name: str):
     if name == "ep":  # capacity 1.0: each expert takes up to an even share of the top-2 picks
         return dataclasses.replace(cfg, experts=4, top_k=2, capacity_factor=1.0)
     return cfg
-
-
-
-
 
 
 def prepare(name: str) -> Setup:
@@ -111,28 +106,12 @@ def prepare(name: str) -> Setup:
         row["collective_bytes_by_axes"] = dict(per_axes)
 
         fused = ns.multistep(lm_train_step)
-        data = [ns.shard_batch(lm_host_batches(cfg, K, BATCH, i), mesh, s.rules, names, steps=True)
-                for i in range(2)]
+        data = lm_device_batches(cfg, mesh, s.rules)
         t0 = time.perf_counter()
         jax.block_until_ready(fused(model, opt, data[0]))
         row["compile_s"] = time.perf_counter() - t0
         jax.block_until_ready(fused(model, opt, data[1]))  # warm
     return Setup(name, mesh, s.rules, model, opt, fused, data, row)
-
-
-def timed(setup: Setup, calls: int) -> float:
-    """Steps/s over ``calls`` fused calls, at most two in flight."""
-    pending: collections.deque = collections.deque()
-    with ns.use(setup.mesh, setup.rules):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            pending.append(setup.fused(setup.model, setup.opt, setup.data[i % 2]))
-            if len(pending) > 2:
-                jax.block_until_ready(pending.popleft())
-        jax.block_until_ready(list(pending))
-        jax.block_until_ready(nnx.state(setup.model))
-        dt = time.perf_counter() - t0
-    return calls * K / dt
 
 
 def table(rows: list[dict]) -> str:
@@ -165,48 +144,12 @@ def main() -> None:
                     default=[n for n in ns.strategies.NAMES if not n.startswith("pp")],
                     choices=ns.strategies.NAMES, help="strategies to run")
     args = ap.parse_args()
-    assert jax.device_count() == 8, jax.device_count()
-    t0 = time.perf_counter()
-    setups = []
-    for name in args.only:
-        setups.append(prepare(name))
-        print(f"  {name}: compiled in {setups[-1].row['compile_s']:.1f} s", flush=True)
-    # Interleaved rounds, median: other load on the machine hits every strategy alike.
-    rounds = 1 if args.quick else 3
-    calls = 2 if args.quick else 8
-    rates: dict[str, list[float]] = {s.name: [] for s in setups}
-    for r in range(rounds):
-        order = setups if r % 2 == 0 else setups[::-1]
-        for setup in order:
-            rates[setup.name].append(timed(setup, calls))
-    rows = []
-    for setup in setups:
-        row = setup.row
-        row["steps_per_s_rounds"] = rates[setup.name]
-        row["steps_per_s"] = statistics.median(rates[setup.name])
-        row["tokens_per_s"] = row["steps_per_s"] * BATCH * config_for(setup.name).length
-        rows.append(row)
-    meta = {
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "K": K,
-        "global_batch": BATCH,
-        "model": "small (4 layers, d=128, 4 heads x 32, mlp 512, vocab 512, seq 128)",
-        "optimizer": "adamw",
-        "rounds": rounds,
-        "calls_per_round": calls,
-        "quick": args.quick,
-        "seconds": time.perf_counter() - t0,
-    }
-    print()
-    print(table(rows))
-    print(f"\n(jax {meta['jax']}, {meta['cpus']} CPUs, 8 simulated devices, "
-          f"{meta['seconds']:.0f} s; ep: the same model with 4 experts, top-2, capacity 1.0)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    print(f"wrote {RESULTS}")
+    rows, meta = time_lm(args.only, prepare, args.quick, 3, 8)
+    for row in rows:
+        row["tokens_per_s"] = row["steps_per_s"] * BATCH * config_for(row["strategy"]).length
+    report(RESULTS, table(rows), f"\n(jax {meta['jax']}, {meta['cpus']} CPUs, 8 simulated "
+           f"devices, {meta['seconds']:.0f} s; ep: the same model with 4 experts, top-2, "
+           "capacity 1.0)", rows, meta)
 
 
 if __name__ == "__main__":

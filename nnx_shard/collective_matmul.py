@@ -43,6 +43,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -247,6 +248,29 @@ def _scatter_body(eq: str, x: jax.Array, w: jax.Array, *, axis: str, n: int, dim
     return sums[0] if len(sums) == 1 else jnp.concatenate(sums, axis=out_dim)
 
 
+def _ring(body: Any, eq: str, x: jax.Array, w: jax.Array, letters: tuple[str, str, str],
+          rings: tuple[str, str, str], sharded: Sequence[tuple[str, Sequence[int], int, str, str]],
+          axis: str, mesh: Mesh | None, bidirectional: bool | None,
+          layout: dict[str, tuple[str, ...]] | None) -> jax.Array:
+    """Both collective matmuls once their letters are checked: ``body``
+    (:func:`_gather_body` or :func:`_scatter_body`) run in :func:`_shard_map`
+    over the ring of ``axis`` (``rings``: the sharded letters of x, w, output).
+    ``sharded``: the ``(operand, shape, dim, letter, role)`` of each dimension
+    the ring splits, checked to divide by the ring's size; the first is the
+    dimension of ``x`` that the ring walks, which the output keeps."""
+    xl, wl, out = letters
+    mesh = _mesh(mesh)
+    n = _ring_size(axis, mesh)
+    for operand, shape, dim, letter, role in sharded:
+        _divides(eq, operand, shape, dim, letter, axis, n, role)
+    _, _, dim, ring, _ = sharded[0]
+    both = _halves(x.shape[dim] // n, n, bidirectional)
+    fn = functools.partial(body, f"{xl},{wl}->{out}", axis=axis, n=n, dim=dim,
+                           out_dim=out.index(ring), both=both)
+    return _shard_map(fn, mesh, axis, x, w, xl, wl, out, rings,
+                      layout if layout is not None else _layout(mesh, x, xl, axis))
+
+
 def all_gather_matmul(eq: str, x: jax.Array, w: jax.Array, *, gather: str, shard: str,
                       axis: str = "model", mesh: Mesh | None = None,
                       bidirectional: bool | None = None,
@@ -289,15 +313,9 @@ def all_gather_matmul(eq: str, x: jax.Array, w: jax.Array, *, gather: str, shard
             f"shard={shard!r} must be a letter of w that is in the output and not in x "
             f"(column-parallel) in eq {eq!r}"
         )
-    mesh = _mesh(mesh)
-    n = _ring_size(axis, mesh)
-    _divides(eq, "x", x.shape, g, gather, axis, n, "gathers")
-    _divides(eq, "w", w.shape, h, shard, axis, n, "shards")
-    both = _halves(x.shape[g] // n, n, bidirectional)
-    body = lambda xs, ws: _gather_body(f"{xl},{wl}->{out}", xs, ws, axis=axis, n=n, dim=g,  # noqa: E731
-                                       out_dim=out.index(gather), both=both)
-    return _shard_map(body, mesh, axis, x, w, xl, wl, out, (gather, shard, shard),
-                      layout if layout is not None else _layout(mesh, x, xl, axis))
+    return _ring(_gather_body, eq, x, w, (xl, wl, out), (gather, shard, shard),
+                 [("x", x.shape, g, gather, "gathers"), ("w", w.shape, h, shard, "shards")],
+                 axis, mesh, bidirectional, layout)
 
 
 def matmul_reduce_scatter(eq: str, x: jax.Array, w: jax.Array, *, scatter: str, contract: str,
@@ -334,15 +352,9 @@ def matmul_reduce_scatter(eq: str, x: jax.Array, w: jax.Array, *, scatter: str, 
     if contract not in wl or contract in out:
         raise ValueError(f"contract={contract!r} must be a letter of both operands that the "
                          f"output sums over, in eq {eq!r}")
-    mesh = _mesh(mesh)
-    n = _ring_size(axis, mesh)
-    _divides(eq, "x", x.shape, s, scatter, axis, n, "scatters")
-    _divides(eq, "x", x.shape, c, contract, axis, n, "reduces")
-    both = _halves(x.shape[s] // n, n, bidirectional)
-    body = lambda xs, ws: _scatter_body(f"{xl},{wl}->{out}", xs, ws, axis=axis, n=n, dim=s,  # noqa: E731
-                                        out_dim=out.index(scatter), both=both)
-    return _shard_map(body, mesh, axis, x, w, xl, wl, out, (contract, contract, scatter),
-                      layout if layout is not None else _layout(mesh, x, xl, axis))
+    return _ring(_scatter_body, eq, x, w, (xl, wl, out), (contract, contract, scatter),
+                 [("x", x.shape, s, scatter, "scatters"), ("x", x.shape, c, contract, "reduces")],
+                 axis, mesh, bidirectional, layout)
 
 
 #: Values of the rules option ``collective_matmul`` -> ``bidirectional``.

@@ -402,15 +402,26 @@ def check_stack(state: Any, sizes: dict[str, int], sched: Schedule) -> None:
         return  # the strategy's missing-axis message names the fix
     v = sched.repeats
     path, n_layers = stacked[0]
-    if n_layers % (s * v):
-        what = f"{s} stages" if v == 1 else f"{s} stages x {v} repeats = {s * v} layer groups"
-        good = [d for d in range(1, n_layers + 1) if n_layers % (d * v) == 0]
-        raise ShardingError(
-            f"pipeline: parameter {path!r} stacks {n_layers} layers, which do not divide into "
-            f"{what} (mesh {', '.join(f'{k}={x}' for k, x in sizes.items())}). Fix: a layer "
-            f"count that is a multiple of {s * v}, or a '{sched.axis}' axis of size "
-            f"{' / '.join(map(str, good))}" + (f" with repeats={v}" if v > 1 else "") + "."
-        )
+    _check_layers(n_layers, s, v, sched.axis,
+                  f"parameter {path!r} stacks {n_layers} layers, which do not divide into",
+                  f" (mesh {', '.join(f'{k}={x}' for k, x in sizes.items())})",
+                  f" with repeats={v}")
+
+
+def _check_layers(n_layers: int, s: int, v: int, axis: str, subject: str, where: str,
+                  repeats: str) -> None:
+    """Raises where ``n_layers`` stacked layers do not split into ``s`` stages x
+    ``v`` repeats: ``subject`` says what holds them, ``where`` the mesh (or
+    nothing), ``repeats`` how the fix keeps the repeats."""
+    if n_layers % (s * v) == 0:
+        return
+    what = f"{s} stages" if v == 1 else f"{s} stages x {v} repeats = {s * v} layer groups"
+    good = [d for d in range(1, n_layers + 1) if n_layers % (d * v) == 0]
+    raise ShardingError(
+        f"pipeline: {subject} {what}{where}. Fix: a layer count that is a multiple of "
+        f"{s * v}, or a '{axis}' axis of size {' / '.join(map(str, good))}"
+        + (repeats if v > 1 else "") + "."
+    )
 
 
 # --------------------------------------------------------------------------- scan
@@ -456,14 +467,8 @@ def _check(sched: Schedule, mesh: Any, n_layers: int, m: int, batch: int, data: 
             "axis_types='auto') or strategy.make_mesh()."
         )
     s, v = sizes[sched.axis], sched.repeats
-    if n_layers % (s * v):
-        what = f"{s} stages" if v == 1 else f"{s} stages x {v} repeats = {s * v} layer groups"
-        good = [d for d in range(1, n_layers + 1) if n_layers % (d * v) == 0]
-        raise ShardingError(
-            f"pipeline: {n_layers} stacked layers do not divide into {what}. Fix: a layer "
-            f"count that is a multiple of {s * v}, or a '{sched.axis}' axis of size "
-            f"{' / '.join(map(str, good))}" + (" with these repeats" if v > 1 else "") + "."
-        )
+    _check_layers(n_layers, s, v, sched.axis, f"{n_layers} stacked layers do not divide into",
+                  "", " with these repeats")
     if m < s:
         what = (f"pipeline: microbatches={m} is fewer than the {s} stages of mesh axis "
                 f"{sched.axis!r}: at least {s - m} stage(s) would never work and the bubble "

@@ -132,23 +132,27 @@ _NVIDIA = ("NVIDIA datasheet; dense (no sparsity) BF16 tensor-core peak; NVLink 
 _GOOGLE = ("Google Cloud TPU system architecture page; BF16 peak per chip; inter-chip "
            "interconnect bandwidth per chip; HBM bandwidth")
 
+#: Where each profile's figures come from.
+_SOURCES = {
+    "a100-80gb": _NVIDIA + " (A100 SXM 80GB: 312 TFLOP/s, NVLink 600 GB/s, HBM2e 2,039 GB/s)",
+    "h100-sxm": _NVIDIA + " (H100 SXM: 989 TFLOP/s, NVLink 900 GB/s, HBM3 3.35 TB/s)",
+    "h200": _NVIDIA + " (H200 SXM: 989 TFLOP/s, 141 GB, NVLink 900 GB/s, HBM3e 4.8 TB/s)",
+    "tpu-v5e": _GOOGLE + " (v5e: 197 TFLOP/s, 16 GB HBM, 819 GB/s, ICI 1600 Gbps)",
+    "tpu-v5p": _GOOGLE + " (v5p: 459 TFLOP/s, 95 GB HBM, 2,765 GB/s, ICI 4800 Gbps)",
+}
+
 #: Public peak figures of a few common accelerators (BF16 dense matmul).
 PROFILES: dict[str, Hardware] = {
-    "a100-80gb": Hardware("a100-80gb", 312e12, 300e9, 80 * 10**9, memory_bandwidth=2.039e12,
-                          precision="bf16", source=_NVIDIA + " (A100 SXM 80GB: 312 TFLOP/s, "
-                          "NVLink 600 GB/s, HBM2e 2,039 GB/s)"),
-    "h100-sxm": Hardware("h100-sxm", 989e12, 450e9, 80 * 10**9, memory_bandwidth=3.35e12,
-                         precision="bf16", source=_NVIDIA + " (H100 SXM: 989 TFLOP/s, NVLink "
-                         "900 GB/s, HBM3 3.35 TB/s)"),
-    "h200": Hardware("h200", 989e12, 450e9, 141 * 10**9, memory_bandwidth=4.8e12,
-                     precision="bf16", source=_NVIDIA + " (H200 SXM: 989 TFLOP/s, 141 GB, "
-                     "NVLink 900 GB/s, HBM3e 4.8 TB/s)"),
-    "tpu-v5e": Hardware("tpu-v5e", 197e12, 200e9, 16 * 10**9, memory_bandwidth=819e9,
-                        precision="bf16", source=_GOOGLE + " (v5e: 197 TFLOP/s, 16 GB HBM, "
-                        "819 GB/s, ICI 1600 Gbps)"),
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 600e9, 95 * 10**9, memory_bandwidth=2.765e12,
-                        precision="bf16", source=_GOOGLE + " (v5p: 459 TFLOP/s, 95 GB HBM, "
-                        "2,765 GB/s, ICI 4800 Gbps)"),
+    name: Hardware(name, flops, link, memory, memory_bandwidth=hbm, precision="bf16",
+                   source=_SOURCES[name])
+    for name, (flops, link, memory, hbm) in {
+        # name: (FLOP/s, link bytes/s per direction, device memory bytes, HBM bytes/s)
+        "a100-80gb": (312e12, 300e9, 80 * 10**9, 2.039e12),
+        "h100-sxm": (989e12, 450e9, 80 * 10**9, 3.35e12),
+        "h200": (989e12, 450e9, 141 * 10**9, 4.8e12),
+        "tpu-v5e": (197e12, 200e9, 16 * 10**9, 819e9),
+        "tpu-v5p": (459e12, 600e9, 95 * 10**9, 2.765e12),
+    }.items()
 }
 
 

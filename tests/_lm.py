@@ -1,11 +1,17 @@
-"""The language-model batches and train step the strategy tests share."""
+"""The language-model batches, train step and fused run the strategy tests share."""
 
+import dataclasses
 import functools
+from typing import Any
 
+import jax
 import numpy as np
+import optax
+from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import lm_loss
+from nnx_shard.models import Transformer, lm_loss
+from tests._close import assert_close
 
 
 @functools.cache
@@ -21,3 +27,51 @@ def lm_step(model, opt, batch):
     loss, grads = ns.value_and_grad(lm_loss)(model, batch)
     opt.update(model, grads)
     return {"loss": loss, "grads": grads}
+
+
+@dataclasses.dataclass
+class Run:
+    """What :func:`lm_run` leaves: the trained model and optimizer, host copies of
+    the initial parameters and of the per-step metrics, and the compiled HLO."""
+
+    strategy: ns.strategies.Strategy
+    mesh: jax.sharding.Mesh
+    model: Any
+    opt: nnx.Optimizer
+    init_params: dict  # host copies, before training
+    metrics: dict  # host, [K, ...]
+    hlo: str
+    microbatches: int = 1
+
+
+def lm_run(strategy, mesh, cfg, batches: dict[str, np.ndarray], lr: float,
+           microbatches: int = 1) -> Run:
+    """The reference transformer ``cfg`` initialised by ``strategy`` on ``mesh``, then
+    trained with Adam over the host ``batches`` (``[K, batch, length]``) in one fused
+    call, whose compilation is the one inspected (``Run.hlo``)."""
+    model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    init_params = jax.device_get(nnx.state(model, nnx.Param))
+    opt = strategy.optimizer(model, optax.adam(lr), mesh)
+    with ns.use(mesh, strategy.rules):
+        batch = ns.shard_batch(batches, mesh, strategy.rules, ("batch", "length"), steps=True)
+        fused = ns.multistep(lm_step, microbatches=microbatches)
+        hlo = fused.lower(model, opt, batch).compile().as_text()
+        metrics = jax.device_get(fused(model, opt, batch))
+    assert fused.traces == 1  # the call reused the compilation inspected above
+    return Run(strategy, mesh, model, opt, init_params, metrics, hlo, microbatches)
+
+
+def assert_same_values(run: Run, ref: Run, rtol: float, rtol_params: float) -> None:
+    """``run`` computed what the one-device ``ref`` did: the same initial parameters
+    (bitwise: threefry bits are partitionable, and init is elementwise, no
+    reduction to reorder), and the same loss, gradients, parameters and optimizer
+    state after its K steps within ``rtol`` (``rtol_params`` for the parameters)
+    x max|expected| per tensor, since sharded steps sum in another order; and it trains."""
+    k = len(run.metrics["loss"])
+    assert_close(run.init_params, ref.init_params, 0, "initial params")
+    assert_close(run.metrics["loss"], ref.metrics["loss"], rtol, "loss")
+    assert_close(run.metrics["grads"], ref.metrics["grads"], rtol, "grads")
+    assert_close(nnx.state(run.model, nnx.Param), nnx.state(ref.model, nnx.Param),
+                 rtol_params, f"params after {k} steps")
+    assert_close(run.opt, ref.opt, rtol, f"optimizer state after {k} steps")
+    assert run.metrics["loss"][-1] < run.metrics["loss"][0]  # it trains

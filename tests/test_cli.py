@@ -578,46 +578,38 @@ def test_demo_end_to_end(capsys, tmp_path):
     assert "(same)" in out
 
 
-def run_fresh(code):
-    """Runs ``code`` in a fresh CPU-only Python that was given no device count."""
+def run_fresh(*statements: str) -> tuple[list[str], str]:
+    """Runs ``statements`` after ``import os, nnx_shard, jax; from nnx_shard import cli``
+    in a fresh CPU-only Python that was given no device count; the words it
+    printed, and its stderr."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
+    code = "; ".join(("import os, nnx_shard, jax", "from nnx_shard import cli", *statements))
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split(), done.stderr
 
 
 def test_demo_simulates_devices_only_before_jax_starts():
-    code = (
-        "import nnx_shard, jax; from nnx_shard import cli; "
-        "first = cli._simulate_devices(); n = jax.device_count(); "
-        "print(first, n, cli._simulate_devices())"
-    )
-    done = run_fresh(code)
-    assert done.returncode == 0, done.stderr
+    out, err = run_fresh("first = cli._simulate_devices()", "n = jax.device_count()",
+                         "print(first, n, cli._simulate_devices())")
     # The first call sets jax_num_cpu_devices; the second sees the count set and keeps it.
-    assert done.stdout.split() == ["True", "8", "False"]
-    assert done.stderr == ""
+    assert out == ["True", "8", "False"]
+    assert err == ""
 
 
 def test_demo_says_when_jax_started_too_early_to_simulate_devices():
-    code = (
-        "import nnx_shard, jax; from nnx_shard import cli; "
-        "n = jax.device_count(); print(cli._simulate_devices(), n, jax.device_count())"
-    )
-    done = run_fresh(code)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "1", "1"]
-    assert "nnx-shard: JAX already started with 1 device(s), too late to simulate 8" in done.stderr
-    assert "JAX_NUM_CPU_DEVICES=8 before the first JAX call" in done.stderr
+    out, err = run_fresh("n = jax.device_count()",
+                         "print(cli._simulate_devices(), n, jax.device_count())")
+    assert out == ["False", "1", "1"]
+    assert "nnx-shard: JAX already started with 1 device(s), too late to simulate 8" in err
+    assert "JAX_NUM_CPU_DEVICES=8 before the first JAX call" in err
 
 
 def test_demo_keeps_a_device_count_the_user_set():
-    code = (
-        "import os, nnx_shard, jax; from nnx_shard import cli; "
-        "jax.config.update('jax_num_cpu_devices', 2); "
-        "print(cli._simulate_devices(), jax.device_count(), 'XLA_FLAGS' in os.environ)"
-    )
-    done = run_fresh(code)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "2", "False"]
-    assert "too late" not in done.stderr
+    out, err = run_fresh("jax.config.update('jax_num_cpu_devices', 2)",
+                         "print(cli._simulate_devices(), jax.device_count(), "
+                         "'XLA_FLAGS' in os.environ)")
+    assert out == ["False", "2", "False"]
+    assert "too late" not in err

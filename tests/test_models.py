@@ -14,15 +14,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import (
-    CONFIGS,
-    REMAT_POLICIES,
-    Transformer,
-    TransformerConfig,
-    get_config,
-    lm_loss,
-    remat_policy,
-)
+from nnx_shard.models import Transformer, TransformerConfig, get_config, lm_loss
 from nnx_shard.models._ops import cross_entropy
 from nnx_shard.models.transformer import MoE
 from tests._close import assert_close
@@ -233,8 +225,8 @@ def test_config_errors(kwargs: dict, match: str) -> None:
 
 
 def test_get_config() -> None:
-    assert set(CONFIGS) == {"tiny", "tiny_moe", "small", "125m", "1b", "7b"}
-    assert get_config("tiny") is CONFIGS["tiny"]
+    assert set(ns.models.CONFIGS) == {"tiny", "tiny_moe", "small", "125m", "1b", "7b"}
+    assert get_config("tiny") is ns.models.CONFIGS["tiny"]
     with pytest.raises(ValueError, match="unknown transformer config 'huge'; known: tiny"):
         get_config("huge")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -337,7 +329,7 @@ def test_remat_lowers_scanned_temp_bytes() -> None:
     cfg = dataclasses.replace(get_config("small"), vocab=128, embed=64, mlp=256, heads=4,
                               head_dim=16, scan_layers=True)
     temp = {r: _compiled(dataclasses.replace(cfg, remat=r), 8, 128)
-            .memory_analysis().temp_size_in_bytes for r in REMAT_POLICIES}
+            .memory_analysis().temp_size_in_bytes for r in ns.models.REMAT_POLICIES}
     # Measured on XLA CPU: none 60.6 MiB, dots 18.1 MiB, full 16.2 MiB.
     assert temp["full"] < temp["dots"] < 0.6 * temp["none"], temp
     if jax.default_backend() == "cpu":
@@ -356,11 +348,12 @@ def test_remat_recomputes_unrolled_blocks() -> None:
 
 
 def test_remat_policy_names() -> None:
-    assert list(REMAT_POLICIES) == ["none", "full", "dots", "offload"]
+    assert list(ns.models.REMAT_POLICIES) == ["none", "full", "dots", "offload"]
     with pytest.raises(ValueError, match=r"remat='everything' is not a remat policy; valid: "
                        r"'none', 'full', 'dots', 'offload'"):
         dataclasses.replace(TINY, remat="everything")
-    assert remat_policy("dots") is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    assert ns.models.remat_policy("dots") is dots
 
 
 def test_remat_offload_needs_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,6 +367,6 @@ def test_remat_offload_needs_host_memory(monkeypatch: pytest.MonkeyPatch) -> Non
     msg = (r"remat='offload' .* the gpu backend \(FakeAccelerator\) has no 'pinned_host' "
            r"memory \(its memories: device\)\. Fix: use remat='dots' .* or remat='full'")
     with pytest.raises(ValueError, match=msg):
-        remat_policy("offload")
+        ns.models.remat_policy("offload")
     with pytest.raises(ValueError, match=msg):  # at build, not at the first step
         Transformer(dataclasses.replace(TINY, remat="offload"), rngs=nnx.Rngs(0))

@@ -27,7 +27,7 @@ from nnx_shard import pipeline
 from nnx_shard.models import Transformer, get_config, lm_loss
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
-from tests._lm import lm_batches, lm_step
+from tests._lm import Run, assert_same_values, lm_batches, lm_run, lm_step
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -47,7 +47,6 @@ def _factory(cfg):
     return lambda: Transformer(cfg, rngs=nnx.Rngs(0))
 
 
-@functools.cache
 def _host_batches(cfg) -> dict[str, np.ndarray]:
     return lm_batches(K, BATCH, cfg.length, cfg.vocab)
 
@@ -55,30 +54,8 @@ def _host_batches(cfg) -> dict[str, np.ndarray]:
 _step = lm_step
 
 
-@dataclasses.dataclass
-class Run:
-    strategy: ns.strategies.Strategy
-    mesh: jax.sharding.Mesh
-    model: Transformer
-    opt: nnx.Optimizer
-    init_params: dict
-    metrics: dict
-    hlo: str
-    microbatches: int = 1
-
-
 def _run(strategy, mesh, cfg, microbatches: int) -> Run:
-    model = strategy.sharded_init(_factory(cfg), mesh)
-    init_params = jax.device_get(nnx.state(model, nnx.Param))
-    opt = strategy.optimizer(model, optax.adam(LR), mesh)
-    with ns.use(mesh, strategy.rules):
-        batch = ns.shard_batch(_host_batches(cfg), mesh, strategy.rules, ("batch", "length"),
-                               steps=True)
-        fused = ns.multistep(_step, microbatches=microbatches)
-        hlo = fused.lower(model, opt, batch).compile().as_text()
-        metrics = jax.device_get(fused(model, opt, batch))
-    assert fused.traces == 1
-    return Run(strategy, mesh, model, opt, init_params, metrics, hlo, microbatches)
+    return lm_run(strategy, mesh, cfg, _host_batches(cfg), LR, microbatches)
 
 
 @functools.cache
@@ -104,14 +81,7 @@ def _stages(run: Run) -> int:
 
 
 def test_same_values_as_one_device(run: Run) -> None:
-    ref = _reference(run.model.cfg.layers)
-    assert_close(run.init_params, ref.init_params, 0, "initial params")
-    assert_close(run.metrics["loss"], ref.metrics["loss"], RTOL, "loss")
-    assert_close(run.metrics["grads"], ref.metrics["grads"], RTOL, "grads")
-    assert_close(nnx.state(run.model, nnx.Param), nnx.state(ref.model, nnx.Param),
-                 RTOL_PARAMS, f"params after {K} steps")
-    assert_close(run.opt, ref.opt, RTOL, f"optimizer state after {K} steps")
-    assert run.metrics["loss"][-1] < run.metrics["loss"][0]
+    assert_same_values(run, _reference(run.model.cfg.layers), RTOL, RTOL_PARAMS)
 
 
 def _device_bytes(tree) -> dict[int, int]:
@@ -365,9 +335,14 @@ def _trainer(strategy, mesh, cfg, microbatches):
                       microbatches=microbatches, batch_names=("batch", "length"))
 
 
-def _one_batch(cfg, rows=8):
-    host = _host_batches(cfg)
-    return [{k: np.resize(v[0], (rows, *v.shape[2:])) for k, v in host.items()}]
+def _fit_error(cfg, microbatches: int) -> str:
+    """The ShardingError of a pp Trainer's first step on one batch of 8 rows."""
+    s = ns.strategies.get("pp")
+    trainer = _trainer(s, s.make_mesh(8), cfg, microbatches)
+    batch = {k: np.resize(v[0], (8, *v.shape[2:])) for k, v in _host_batches(cfg).items()}
+    with pytest.raises(ns.ShardingError) as e:
+        trainer.fit([batch], 1, progress=False)
+    return str(e.value)
 
 
 def test_layers_not_divisible_by_stages() -> None:
@@ -377,6 +352,16 @@ def test_layers_not_divisible_by_stages() -> None:
             "(mesh stage=4, data=2). Fix: a layer count that is a multiple of 4, or a 'stage' "
             "axis of size 1 / 2 / 3 / 6.")):
         s.sharded_init(_factory(_config(6)), "stage=4,data=2")
+
+
+def test_layers_not_divisible_by_stages_at_trace_time() -> None:
+    # Rules carrying the pipeline option, on layers stacked outside the strategy.
+    s = ns.strategies.get("pp")
+    with ns.use(s.make_mesh(8), s.rules), pytest.raises(ns.ShardingError, match=re.escape(
+            "pipeline: 6 stacked layers do not divide into 4 stages. Fix: a layer count that "
+            "is a multiple of 4, or a 'stage' axis of size 1 / 2 / 3 / 6.")):
+        pipeline.scan(lambda h, w: (h * w, None), jnp.ones((8, 3)), jnp.ones((6, 3)),
+                      microbatches=4)
 
 
 def test_layers_not_divisible_by_stages_times_repeats() -> None:
@@ -393,35 +378,25 @@ def test_model_without_stacked_layers() -> None:
                        r"nnx\.vmap.*PARTITION_NAME"):
         s.sharded_init(_factory(cfg), "stage=4,data=2")
     # Built without the strategy's check: the first step says the same.
-    trainer = _trainer(s, s.make_mesh(8), cfg, 4)
-    with pytest.raises(ns.ShardingError, match="microbatches=4: the model has no stacked layer "
-                       "axis .*scan_layers=True"):
-        trainer.fit(_one_batch(cfg), 1, progress=False)
+    assert re.search("microbatches=4: the model has no stacked layer axis .*scan_layers=True",
+                     _fit_error(cfg, 4))
 
 
 def test_fewer_microbatches_than_stages() -> None:
-    s = ns.strategies.get("pp")
-    cfg = _config(4)
-    trainer = _trainer(s, s.make_mesh(8), cfg, 2)
-    with pytest.raises(ns.ShardingError, match=re.escape(
-            "pipeline: microbatches=2 is fewer than the 4 stages of mesh axis 'stage': at least "
-            "2 stage(s) would never work and the bubble would be 60% of stage-steps. Fix: "
-            "microbatches >= 4 (Trainer(..., microbatches=4) or multistep(..., microbatches=4); "
-            "16 gives a bubble of 16%). To run anyway (GPipe), get('pp', "
-            "allow_few_microbatches=True).")):
-        trainer.fit(_one_batch(cfg), 1, progress=False)
+    assert _fit_error(_config(4), 2) == (
+        "pipeline: microbatches=2 is fewer than the 4 stages of mesh axis 'stage': at least "
+        "2 stage(s) would never work and the bubble would be 60% of stage-steps. Fix: "
+        "microbatches >= 4 (Trainer(..., microbatches=4) or multistep(..., microbatches=4); "
+        "16 gives a bubble of 16%). To run anyway (GPipe), get('pp', "
+        "allow_few_microbatches=True).")
 
 
 def test_batch_not_divisible_by_microbatches_times_data() -> None:
     s = ns.strategies.get("pp")
-    cfg = _config(4)
     # data=2 devices x 8 microbatches = 16 > 8 rows: each device's 4 rows do not split.
-    trainer = _trainer(s, s.make_mesh(8), cfg, 8)
-    with pytest.raises(ns.ShardingError, match=re.escape(
-            "has 8 rows (shape (8, 16)) sharded over mesh axes data (2 devices), so 4 rows per "
+    assert ("has 8 rows (shape (8, 16)) sharded over mesh axes data (2 devices), so 4 rows per "
             "device, which does not divide by 8. Fix: a global batch that is a multiple of "
-            "8 x 2 = 16")):
-        trainer.fit(_one_batch(cfg), 1, progress=False)
+            "8 x 2 = 16") in _fit_error(_config(4), 8)
     # Without a data axis to split over, the pipeline itself checks.
     mesh = ns.make_mesh("stage=4,data=1", devices=jax.devices()[:4])
     x = jnp.ones((6, 3))

@@ -29,7 +29,7 @@ import nnx_shard as ns
 from nnx_shard.models import Transformer, get_config, lm_loss
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
-from tests._lm import lm_batches, lm_step
+from tests._lm import Run, assert_same_values, lm_batches, lm_run
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -97,32 +97,8 @@ def _host_batches(cfg) -> dict[str, np.ndarray]:
     return lm_batches(K, 8, cfg.length, cfg.vocab)
 
 
-_step = lm_step
-
-
-@dataclasses.dataclass
-class Run:
-    strategy: ns.strategies.Strategy
-    mesh: jax.sharding.Mesh
-    model: Transformer
-    opt: nnx.Optimizer
-    init_params: dict  # host copies, before training
-    metrics: dict  # host, [K, ...]
-    hlo: str
-
-
 def _run(strategy, mesh, cfg) -> Run:
-    model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    init_params = jax.device_get(nnx.state(model, nnx.Param))
-    opt = strategy.optimizer(model, optax.adam(LR), mesh)
-    with ns.use(mesh, strategy.rules):
-        batch = ns.shard_batch(_host_batches(cfg), mesh, strategy.rules, ("batch", "length"),
-                               steps=True)
-        fused = ns.multistep(_step)
-        hlo = fused.lower(model, opt, batch).compile().as_text()
-        metrics = jax.device_get(fused(model, opt, batch))
-    assert fused.traces == 1  # the call reused the compilation inspected above
-    return Run(strategy, mesh, model, opt, init_params, metrics, hlo)
+    return lm_run(strategy, mesh, cfg, _host_batches(cfg), LR)
 
 
 @functools.cache
@@ -147,16 +123,7 @@ def run(request) -> Run:
 def test_same_values_as_one_device(run: Run) -> None:
     ref = _reference(_config(run.strategy.name))
     assert dict(run.mesh.shape) == run.strategy.mesh_for(8)
-    # Initial values are bitwise equal by construction: threefry bits are
-    # partitionable, and init is elementwise (no reduction to reorder).
-    assert_close(run.init_params, ref.init_params, 0, "initial params")
-    # Sharded steps sum in another order: tolerances scaled to each tensor.
-    assert_close(run.metrics["loss"], ref.metrics["loss"], RTOL, "loss")
-    assert_close(run.metrics["grads"], ref.metrics["grads"], RTOL, "grads")
-    assert_close(nnx.state(run.model, nnx.Param), nnx.state(ref.model, nnx.Param),
-                 RTOL_PARAMS, f"params after {K} steps")
-    assert_close(run.opt, ref.opt, RTOL, f"optimizer state after {K} steps")
-    assert run.metrics["loss"][-1] < run.metrics["loss"][0]  # it trains
+    assert_same_values(run, ref, RTOL, RTOL_PARAMS)
 
 
 def test_layout_survives_training(run: Run) -> None:
