@@ -1003,6 +1003,15 @@ class _Guard(nnx.Module):
     def __init__(self) -> None:
         self.ok = nnx.Variable(jnp.array(True))
 
+    def raise_(self) -> None:
+        """Sets the flag up again, keeping its placement: a fresh (uncommitted) value
+        would make the next fused call take its slow path to place it (~1 ms)."""
+        old = self.ok.get_raw_value()
+        if isinstance(old, jax.Array) and old.committed:
+            self.ok.set_raw_value(jax.device_put(np.array(True), old.sharding))
+        else:
+            self.ok.set_value(jnp.array(True))
+
 
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:
     def pick(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -1467,7 +1476,7 @@ class _FitRun:
             # that did (then it changed nothing): run it again, every step checked.
             self.carry.sync()
             self.replays += 1
-            t._guard.ok.set_value(jnp.array(True))
+            t._guard.raise_()
             host = self._read(t._careful(t.model, t.optimizer, batch, t._guard))
         applied = host.pop("applied")
         nonfinite_at = host.pop("nonfinite")
@@ -1848,7 +1857,7 @@ class Trainer:
         every = checkpointer.every if checkpointer is not None else None
         sizes = _iter_group_sizes(self.step, num_steps, self.steps_per_call, every)
         groups = self._grouping(data, resumed, sizes)
-        self._guard.ok.set_value(jnp.array(True))
+        self._guard.raise_()
         self._replicated[0] = all(
             getattr(getattr(x, "sharding", None), "is_fully_replicated", False)
             for x in jax.tree.leaves(nnx.state(self.model, nnx.Param))
