@@ -1187,9 +1187,9 @@ def _guard_call(
     ok = guard0.ok[...] & _all_finite(checked, replicated[0])
     nnx.update((model, opt), _select(ok, nnx.state((model, opt)), nnx.state((model0, opt0))))
     guard.ok[...] = ok
-    k = metrics["loss"].shape[0]
-    return {**metrics, "applied": jnp.broadcast_to(ok, (k,)),
-            "nonfinite": jnp.full((k,), -1, jnp.int32)}
+    # One flag for the call (a call is kept whole or not at all): fit reads it with
+    # the metrics, and the per-step replay gives per-step flags when it is False.
+    return {**metrics, "applied": ok}
 
 
 def _why_not_finite(host: Mapping[str, np.ndarray], i: int, checked: Sequence[tuple[str, str]]) -> str:
@@ -1502,8 +1502,8 @@ class _FitRun:
             self.replays += 1
             t._guard.raise_()
             host = self._read(t._careful(t.model, t.optimizer, batch, t._guard))
-        applied = host.pop("applied")
-        nonfinite_at = host.pop("nonfinite")
+        applied = host.pop("applied")  # one flag (the call's check) or one per step
+        nonfinite_at = host.pop("nonfinite", None)
         good = n if applied.all() else int(np.argmin(applied))
         step0 = t.step
         for key, v in host.items():
@@ -1521,12 +1521,13 @@ class _FitRun:
                 f"{what} at step {step0 + good + 1}; stopped without applying it, keeping "
                 f"the model and optimizer state {kept}, the last finite one"
             )
+        seen = host if good == n else {key: v[:good] for key, v in host.items()}
         for cb in self.callbacks:
             if getattr(cb, "reads_model", True):
                 # The user's callbacks run with no other call in flight (depth 1), so
                 # the carried state is exactly the one after this call.
                 self.carry.sync()
-            if cb(t.step, {key: v[:good] for key, v in host.items()}) is True:
+            if cb(t.step, seen) is True:
                 name = getattr(cb, "__name__", repr(cb))
                 self.stop_reason = cb.stop_reason if isinstance(cb, _NanStop) else (
                     f"callback {name} asked to stop at step {t.step}")
@@ -1890,7 +1891,9 @@ class Trainer:
         # Built in, run like the user's callbacks and before them: progress, the NaN
         # stop, checkpoints (the user's see only finite steps, and a save never
         # follows a non-finite step).
-        builtin: list[Callable[..., Any]] = [bar, _NanStop()]
+        # (The bar only when it shows: each callback costs a little on every call.)
+        builtin: list[Callable[..., Any]] = [bar] if bar.progress.bar is not None else []
+        builtin.append(_NanStop())
         if checkpointer is not None:
             builtin.append(_SaveCallback(self, checkpointer))
         # Two calls in flight keep the device busy while the host reads the previous
