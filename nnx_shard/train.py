@@ -1847,8 +1847,10 @@ class Trainer:
         the stream and the batches the restored steps consumed are skipped
         (read and dropped); a callable can seek there instead. An
         :class:`~nnx_shard.Batches` over whole arrays is read K steps at a time
-        as one ``[K, batch, ...]`` window (no per-step Python, no stacking) and
-        seeks to the data position on resume.
+        as one ``[K, batch, ...]`` window (no per-step Python, no stacking), in
+        the calling thread while the previous call runs, and seeks to the data
+        position on resume; any other iterable is read and stacked on a
+        prefetch thread.
 
         NaN guard cost: the check runs once per fused call on values the call
         computes anyway (each step's loss and gradient norm, the final state); a
@@ -1948,7 +1950,8 @@ class Trainer:
         self, data: Any, resumed: bool, sizes: Iterator[int]
     ) -> Callable[[threading.Event], Iterator[Any]]:
         """The generator of fused-call inputs ``(steps, sharded batch, examples per
-        step)`` for the prefetch thread, reading ``data`` from the data position."""
+        step)``, reading ``data`` from the data position (on the prefetch thread,
+        or for :class:`~nnx_shard.Batches` in the training thread)."""
         if isinstance(data, Batches):
             first = self.data_position if resumed else 0
             return functools.partial(self._window_groups, data, first, sizes)
