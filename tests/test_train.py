@@ -750,6 +750,19 @@ def test_fit_flattens_the_nnx_objects_once_per_fit_and_callbacks_see_current_val
     assert_same_state(watched.model, fast.model)
 
 
+def test_a_second_fit_reuses_the_placed_state_without_the_slow_path(monkeypatch):
+    slow = []
+    real = train.Fused._slow_plan
+    monkeypatch.setattr(train.Fused, "_slow_plan",
+                        lambda self, *a: slow.append(1) or real(self, *a))
+    trainer = make_trainer(steps_per_call=2)
+    trainer.fit(host_batches(4), num_steps=4, progress=False)
+    assert len(slow) == 1  # placing fresh eager values, once
+    trainer.fit(host_batches(4), num_steps=4, progress=False)
+    # The guard flag is raised again where it was placed: no second placement.
+    assert len(slow) == 1 and trainer.traces == 1
+
+
 def test_fit_leaves_live_current_arrays_when_the_data_fails_mid_run():
     def broken():
         yield from host_batches(5)
@@ -778,9 +791,10 @@ def test_fit_resolves_batch_shardings_once_per_layout(monkeypatch):
     h = trainer.fit(ns.Batches(arrays, 8), num_steps=7, progress=False)
     # Calls of K=3, 3, 1: two layouts, two resolutions (it was one per call).
     assert h.steps == 7 and len(resolved) == 2
-    ref = make_trainer(steps_per_call=3)
+    ref = make_trainer(steps_per_call=3)  # the same for per-step batches, stacked K at a time
     h_ref = ref.fit([{k: v[i * 8:(i + 1) * 8] for k, v in arrays.items()} for i in range(7)],
                     num_steps=7, progress=False)
+    assert len(resolved) == 4
     np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=RTOL)
     assert_same_state(trainer.model, ref.model)
 
