@@ -24,7 +24,8 @@ Ways to run the same steps over the same host arrays:
   ``keras.distribution.DataParallel``, and what happens is recorded.
 
 Every ``fit`` includes what a user's call pays: the NaN guard, the loss and
-gradient-norm history, the progress bookkeeping (bar off), the prefetch thread.
+gradient-norm history, the progress bookkeeping (bar off), the prefetch thread (per-step batches;
+an ``ns.Batches`` is read in the training thread).
 Variants run in interleaved rounds (rotating order), each round the same
 number of steps; the table shows the median round and the median of the
 per-round ratios (paired: both ran back to back, so shared load largely
