@@ -24,13 +24,16 @@ Ways to run the same steps over the same host arrays:
   ``keras.distribution.DataParallel``, and what happens is recorded.
 
 Every ``fit`` includes what a user's call pays: the NaN guard, the loss and
-gradient-norm history, the progress bookkeeping (bar off), the prefetch thread.
+gradient-norm history, the progress bookkeeping (bar off), the prefetch thread (per-step batches;
+an ``ns.Batches`` is read in the training thread).
 Variants run in interleaved rounds (rotating order), each round the same
 number of steps; the table shows the median round and the median of the
 per-round ratios (paired: both ran back to back, so shared load largely
 cancels). Results go to ``benchmarks/results/fit_speed.json``.
 
-Run (about 3 minutes on 2 CPU cores; ``--quick``: a shorter smoke run)::
+Run (about 3 minutes on 2 CPU cores; ``--quick``: a shorter smoke run;
+``--only mlp1`` (or ``lm8``, ``mlp1,mlp8``...): only those models and device
+counts, e.g. to iterate on one figure)::
 
     .venv/bin/python benchmarks/fit_speed.py
 """
@@ -56,10 +59,24 @@ MODELS = {  # name: (global batch, steps per call K, steps per round, quick step
 }
 
 
-def _env(n: int) -> dict:
+def _env(n: int, only: str = "") -> dict:
     from nnx_shard.launch import simulated_env
 
-    return {**simulated_env(n), "KERAS_BACKEND": "jax"}
+    # The worker reads --only from its environment (the shared worker command line
+    # carries only the device count and --quick).
+    return {**simulated_env(n), "KERAS_BACKEND": "jax", "FIT_SPEED_ONLY": only}
+
+
+def _selected(only: str) -> set[tuple[str, int]]:
+    """``--only mlp1,lm8`` -> {("mlp", 1), ("lm", 8)}; empty: everything."""
+    picked = set()
+    for item in filter(None, (x.strip() for x in only.split(","))):
+        name, count = item.rstrip("0123456789"), item[len(item.rstrip("0123456789")):]
+        if name not in MODELS or not count or int(count) not in DEVICE_COUNTS:
+            raise SystemExit(f"--only: {item!r} is not one of "
+                             f"{', '.join(m + str(n) for n in DEVICE_COUNTS for m in MODELS)}")
+        picked.add((name, int(count)))
+    return picked or {(m, n) for m in MODELS for n in DEVICE_COUNTS}
 
 
 # Worker (one process per device count)
@@ -108,7 +125,10 @@ def worker(n_devices: int, quick: bool) -> dict:
         return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
     out: dict = {"n_devices": n_devices, "models": {}}
+    picked = _selected(os.environ.get("FIT_SPEED_ONLY", ""))
     for name, (batch, k, per_round, quick_round) in MODELS.items():
+        if (name, n_devices) not in picked:
+            continue
         steps = quick_round if quick else per_round
         if name == "mlp":
             arrays = {"x": rng.normal(size=(steps * batch, 32)).astype(np.float32),
@@ -233,7 +253,7 @@ def worker(n_devices: int, quick: bool) -> dict:
             "steps_per_cpu_s": {v: statistics.median(r) for v, r in cpu_rates.items()},
             "cpu_ratios": cpu_ratios, "cpu_rounds": cpu_rates,
         }
-    if n_devices > 1:
+    if n_devices > 1 and ("mlp", n_devices) in picked:
         out["keras"] = keras_probe(n_devices, quick)
     return out
 
@@ -282,10 +302,13 @@ def keras_probe(n: int, quick: bool) -> dict:
 # ------------------------------------------------------------------------------
 
 
-def fmt_table(results: list[dict]) -> str:
+def fmt_table(all_results: list[dict]) -> str:
     lines = []
-    cols = [f"{r['n_devices']} dev" for r in results]
     for name in MODELS:
+        results = [r for r in all_results if name in r["models"]]
+        if not results:
+            continue
+        cols = [f"{r['n_devices']} dev" for r in results]
         first = results[0]["models"][name]
         lines.append(f"\n{name}: batch {first['batch']}, K={first['steps_per_call']}, "
                      f"{first['steps_per_round']} steps per round; steps/s (median round)")
@@ -302,7 +325,7 @@ def fmt_table(results: list[dict]) -> str:
                 cells = [f"{r['models'][name][key][v]:.3f}" if v in r["models"][name][key]
                          else "-" for r in results]
                 lines.append(f"| {v}, {what} (median of paired rounds) | {' | '.join(cells)} |")
-    for r in results:
+    for r in all_results:
         if "keras" in r:
             lines.append(f"\nkeras DataParallel on {r['n_devices']} simulated devices: "
                          f"{json.dumps(r['keras'])}")
@@ -310,20 +333,29 @@ def fmt_table(results: list[dict]) -> str:
 
 
 def main() -> None:
+    only = ""
+    if "--only" in sys.argv:  # parse() knows only the shared flags
+        i = sys.argv.index("--only")
+        only = sys.argv[i + 1] if i + 1 < len(sys.argv) else ""
+        del sys.argv[i:i + 2]
+        _selected(only)  # a bad name fails here, before any worker starts
     args = parse(__doc__, ("worker", "keras_worker"))
     if worker_main(args, {"worker": worker, "keras_worker": keras_worker}):
         return
     t0 = time.perf_counter()
-    results = [run_worker(__file__, n, args.quick, env=_env(n)) for n in DEVICE_COUNTS]
+    counts = sorted({n for _, n in _selected(only)})
+    results = [run_worker(__file__, n, args.quick, env=_env(n, only)) for n in counts]
     load = os.getloadavg()
     import jax
 
     print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, load average {load[0]:.2f} at the end (shared machine)")
     print(fmt_table(results))
-    write_json(RESULTS, {
+    # A partial run does not overwrite the full table's results.
+    path = RESULTS.with_name(f"fit_speed_{only.replace(',', '_')}.json") if only else RESULTS
+    write_json(path, {
         "jax": jax.__version__, "cores": os.cpu_count(), "loadavg_end": load,
-        "quick": args.quick, "seconds": time.perf_counter() - t0, "results": results,
+        "quick": args.quick, "only": only or None, "seconds": time.perf_counter() - t0, "results": results,
     })
 
 

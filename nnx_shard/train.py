@@ -705,6 +705,58 @@ class Fused:
         )
 
 
+class _Carry:
+    """Calls of one :class:`Fused` in a loop that owns its NNX arguments (``Trainer.fit``),
+    with the carried state kept as the flat list of arrays the compiled call takes
+    and returns, between calls.
+
+    :meth:`Fused.__call__` finds the state in the NNX objects and writes it back on
+    every call (a pytree flatten of the objects, a check of the cached plan, one
+    write per Variable: about a tenth of a millisecond of Python, per call). Here
+    that happens once; a call then passes a flat list straight to the jitted
+    function (jax's C++ dispatch path), and the Variables receive the current
+    arrays only in :meth:`sync`, which the loop calls before anything looks at
+    the model (a callback, a checkpoint, a replay, its end). Until then the
+    Variables hold the arrays of the last sync, which donation has deleted.
+    """
+
+    def __init__(self, fused: Fused) -> None:
+        self.fused = fused
+        self.plan: _Plan | None = None
+        self.variables: list[Any] = []
+        self.nodes: tuple[Any, ...] = ()
+        self.data_pos: tuple[int, ...] = ()
+        # The current state, or None when the Variables hold it (before the first
+        # call and after a sync).
+        self.values: list[Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        f = self.fused
+        if self.values is None:
+            plan, self.variables, self.nodes, self.values, data = f._prepare(args)
+            self.plan = plan
+            self.data_pos = tuple(i for i, a in enumerate(args) if not _is_node(a))
+        else:
+            data = tuple(args[i] for i in self.data_pos)
+        if f.microbatches > 1:
+            f._check_microbatches(args)
+        with sharding_types(f._entry("(...)")):
+            self.values, metrics, _ = self.plan.jitted(self.values, data)  # type: ignore[union-attr]
+        return metrics
+
+    def sync(self) -> None:
+        """Writes the current state into the NNX Variables (the next call reads it
+        back from them, so changes made to the objects in between are seen)."""
+        if self.values is None or self.plan is None:
+            return
+        values, self.values = self.values, None
+        if self.plan.perm is not None:
+            for p, x in zip(self.plan.perm, values, strict=True):
+                self.variables[p].set_raw_value(x)
+        else:
+            nnx.update(self.nodes, jax.tree.unflatten(self.plan.state_def, values))
+
+
 def multistep(
     step_fn: Callable[..., Any],
     *,
@@ -909,6 +961,41 @@ def shard_batch(
     return jax.tree_util.tree_map_with_path(prefix, names, batch, is_leaf=_is_names)
 
 
+class _Placer:
+    """``shard_batch(batch, mesh, rules, names, steps=True)`` for a stream of batches:
+    the shardings are resolved (and checked) once per layout, after which a batch
+    is one ``jax.device_put`` of its leaves (about a quarter of the host time).
+
+    >>> place = _Placer(make_mesh("data=8"), as_rules({"batch": "data"}), ("batch",))
+    >>> first = place({"x": np.zeros((5, 8, 3), np.float32)})   # resolved by shard_batch
+    >>> again = place({"x": np.ones((5, 8, 3), np.float32)})    # placed with its shardings
+    >>> again["x"].sharding == first["x"].sharding, again["x"].sharding.spec
+    (True, P(None, 'data', None))
+    """
+
+    def __init__(self, mesh: Mesh, rules: Rules, names: Any) -> None:
+        self.mesh, self.rules, self.names = mesh, rules, names
+        self._layouts: dict[Any, list[Any]] = {}
+        self._single = jax.process_count() == 1
+
+    def __call__(self, batch: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(batch)
+        key = (treedef, *(np.shape(x) for x in leaves))
+        shardings = self._layouts.get(key)
+        if shardings is None:
+            out = shard_batch(batch, self.mesh, self.rules, self.names, steps=True)
+            self._layouts[key] = [x.sharding for x in jax.tree.leaves(out)]
+            return out
+        if self._single:
+            placed = jax.device_put(
+                [x if isinstance(x, jax.Array) else np.asarray(x) for x in leaves], shardings)
+        else:  # as shard_batch does: each process gives its own rows
+            placed = [jax.make_array_from_process_local_data(
+                s, x if isinstance(x, jax.Array) else np.asarray(x))
+                for x, s in zip(leaves, shardings, strict=True)]
+        return jax.tree.unflatten(treedef, placed)
+
+
 # --------------------------------------------------------------------------- Trainer
 
 
@@ -917,6 +1004,15 @@ class _Guard(nnx.Module):
 
     def __init__(self) -> None:
         self.ok = nnx.Variable(jnp.array(True))
+
+    def raise_(self) -> None:
+        """Sets the flag up again, keeping its placement: a fresh (uncommitted) value
+        would make the next fused call take its slow path to place it (~1 ms)."""
+        old = self.ok.get_raw_value()
+        if isinstance(old, jax.Array) and old.committed:
+            self.ok.set_raw_value(jax.device_put(np.array(True), old.sharding))
+        else:
+            self.ok.set_value(jnp.array(True))
 
 
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:
@@ -1053,25 +1149,49 @@ def _make_fast_step(
     return train_step
 
 
-def _guard_call(before: Any, after: Any, metrics: dict[str, Any]) -> dict[str, Any]:
+def _all_finite(leaves: Sequence[Any], replicated: bool = False) -> jax.Array:
+    """One flag: every inexact (float/complex) leaf is finite.
+
+    As in :func:`_grad_norm`, the small replicated leaves are checked as one
+    concatenated vector per dtype: a check per leaf costs XLA's CPU backend a few
+    kernels each (an MLP's 19 state leaves took ~60 per fused call); sharded and
+    large leaves keep their own.
+
+    >>> bool(_all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf]), jnp.arange(2)]))
+    False
+    >>> bool(_all_finite([jnp.ones(3), jnp.zeros((2, 2), jnp.bfloat16), jnp.arange(2)]))
+    True
+    """
+    flags, small = [], collections.defaultdict(list)
+    for x in leaves:
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            continue
+        if x.size <= _SMALL_LEAF and _known_replicated(x, replicated):
+            small[x.dtype].append(x.reshape(-1))
+        else:
+            flags.append(jnp.all(jnp.isfinite(x)))
+    for parts in small.values():
+        flags.append(jnp.all(jnp.isfinite(parts[0] if len(parts) == 1 else jnp.concatenate(parts))))
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def _guard_call(
+    before: Any, after: Any, metrics: dict[str, Any], replicated: Sequence[bool] = (False,)
+) -> dict[str, Any]:
     """The NaN guard, once per fused call of :func:`_make_fast_step`: the call is kept
     only if the guard was up, every step's loss and gradient norm are finite and the
     final state is; else the state goes back to the one before the call and the guard
-    drops (so calls already queued behind it change nothing either)."""
+    drops (so calls already queued behind it change nothing either). Which leaf was
+    not finite is left to the per-step replay: here one flag is enough."""
     model0, opt0, guard0 = before
     model, opt, guard = after
-    _, flags = _finite_flags(nnx.state((model, opt)))
-    ok = (
-        guard0.ok[...]
-        & jnp.all(jnp.isfinite(metrics["loss"]))
-        & jnp.all(jnp.isfinite(metrics["grad_norm"]))
-        & jnp.all(jnp.stack([*flags, jnp.array(True)]))
-    )
+    checked = [metrics["loss"], metrics["grad_norm"], *jax.tree.leaves(nnx.state((model, opt)))]
+    ok = guard0.ok[...] & _all_finite(checked, replicated[0])
     nnx.update((model, opt), _select(ok, nnx.state((model, opt)), nnx.state((model0, opt0))))
     guard.ok[...] = ok
-    k = metrics["loss"].shape[0]
-    return {**metrics, "applied": jnp.broadcast_to(ok, (k,)),
-            "nonfinite": jnp.full((k,), -1, jnp.int32)}
+    # One flag for the call (a call is kept whole or not at all): fit reads it with
+    # the metrics, and the per-step replay gives per-step flags when it is False.
+    return {**metrics, "applied": ok}
 
 
 def _why_not_finite(host: Mapping[str, np.ndarray], i: int, checked: Sequence[tuple[str, str]]) -> str:
@@ -1297,6 +1417,26 @@ class _Prefetcher:
         self._thread.join(timeout=5)
 
 
+class _Inline:
+    """:class:`_Prefetcher`'s interface without the thread, for windows of a
+    :class:`~nnx_shard.Batches`: reading one is a slice and a single copy to the
+    devices, which the training thread does while the previous call runs. Handing
+    it over from a thread cost more than it hid: on the 1-device MLP of
+    benchmarks/fit_speed.py (2 shared cores) fit ran at 0.85x the hand-written
+    scan with the thread, 0.89-0.92x without."""
+
+    def __init__(self, groups: Callable[[threading.Event], Iterator[Any]]) -> None:
+        self._stop = threading.Event()
+        self._groups = groups(self._stop)
+
+    def get(self) -> Any:
+        return next(self._groups, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._groups.close()
+
+
 class _FitRun:
     """One call of :meth:`Trainer.fit` after its set-up: dispatching fused calls,
     reading each one's metrics (replaying it if the NaN guard undid it) and running
@@ -1317,8 +1457,11 @@ class _FitRun:
         self.replays = 0  # calls replayed with the per-step guard so far
         self.examples = 0  # examples per step of the last call read
         self.failure: str | None = None  # why the last call read was cut short
+        # The model and optimizer state between calls; synced into the NNX objects
+        # before anything reads them (see _Carry).
+        self.carry = _Carry(trainer._fused)
 
-    def dispatch(self, prefetch: _Prefetcher, checkpointer: Checkpointer | None) -> None:
+    def dispatch(self, prefetch: _Prefetcher | _Inline, checkpointer: Checkpointer | None) -> None:
         t = self.trainer
         dispatched = t.step  # the step counter once every dispatched call is applied
         while self.stop_reason is None:
@@ -1332,7 +1475,7 @@ class _FitRun:
             if group is None:
                 break
             n, batch, examples = group
-            metrics = t._fused(t.model, t.optimizer, batch, t._guard)
+            metrics = self.carry(t.model, t.optimizer, batch, t._guard)
             self.pending.append((n, examples, metrics, batch, self.replays))
             dispatched += n
             if checkpointer is not None and checkpointer.should_save(dispatched):
@@ -1357,11 +1500,12 @@ class _FitRun:
         if generation < self.replays or not host["applied"].all():
             # This call failed the guard and was undone, or was queued behind one
             # that did (then it changed nothing): run it again, every step checked.
+            self.carry.sync()
             self.replays += 1
-            t._guard.ok.set_value(jnp.array(True))
+            t._guard.raise_()
             host = self._read(t._careful(t.model, t.optimizer, batch, t._guard))
-        applied = host.pop("applied")
-        nonfinite_at = host.pop("nonfinite")
+        applied = host.pop("applied")  # one flag (the call's check) or one per step
+        nonfinite_at = host.pop("nonfinite", None)
         good = n if applied.all() else int(np.argmin(applied))
         step0 = t.step
         for key, v in host.items():
@@ -1379,8 +1523,13 @@ class _FitRun:
                 f"{what} at step {step0 + good + 1}; stopped without applying it, keeping "
                 f"the model and optimizer state {kept}, the last finite one"
             )
+        seen = host if good == n else {key: v[:good] for key, v in host.items()}
         for cb in self.callbacks:
-            if cb(t.step, {key: v[:good] for key, v in host.items()}) is True:
+            if getattr(cb, "reads_model", True):
+                # The user's callbacks run with no other call in flight (depth 1), so
+                # the carried state is exactly the one after this call.
+                self.carry.sync()
+            if cb(t.step, seen) is True:
                 name = getattr(cb, "__name__", repr(cb))
                 self.stop_reason = cb.stop_reason if isinstance(cb, _NanStop) else (
                     f"callback {name} asked to stop at step {t.step}")
@@ -1398,6 +1547,8 @@ class _FitRun:
 class _ProgressCallback:
     """fit's progress bar as a callback: steps, the last loss, and the rates of the
     last fused call."""
+
+    reads_model = False
 
     def __init__(self, progress: _Progress) -> None:
         self.progress = progress
@@ -1419,6 +1570,7 @@ class _NanStop:
     check, the first non-finite leaf and the step) after a call the guard cut short."""
 
     __name__ = "nan_stop"
+    reads_model = False
 
     def __init__(self) -> None:
         self.stop_reason: str | None = None
@@ -1440,11 +1592,14 @@ class _SaveCallback:
     calls in flight there first) and, with :meth:`save_last`, after the last step."""
 
     __name__ = "checkpoint"
+    # It syncs the model itself, only when it saves (then no call is in flight).
+    reads_model = False
 
     def __init__(self, trainer: Trainer, checkpointer: Checkpointer) -> None:
         self.trainer = trainer
         self.checkpointer = checkpointer
         self.last_saved = trainer.step
+        self.run: _FitRun | None = None
 
     def __call__(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
         if self.checkpointer.should_save(step) and step > self.last_saved:
@@ -1453,6 +1608,8 @@ class _SaveCallback:
     def save_last(self) -> None:
         t = self.trainer
         if t.step > self.last_saved:
+            if self.run is not None:
+                self.run.carry.sync()
             self.checkpointer.save(
                 t.step, model=t.model, optimizer=t.optimizer,
                 extra={"step": t.step, "data_position": t.data_position},
@@ -1557,7 +1714,7 @@ class Trainer:
             _make_fast_step(loss_fn, has_aux, self._replicated), donate=donate, microbatches=microbatches,
             max_in_flight=None,
         )
-        self._fused._finish = _guard_call
+        self._fused._finish = functools.partial(_guard_call, replicated=self._replicated)
         self._careful = multistep(
             step, donate=donate, microbatches=microbatches, max_in_flight=None
         )
@@ -1570,7 +1727,7 @@ class Trainer:
         the per-step guard that replays a non-finite call compiles apart, only then)."""
         return self._fused.traces
 
-    def _build_group(self, host: list[Any]) -> tuple[int, Any, int]:
+    def _build_group(self, host: list[Any], place: _Placer) -> tuple[int, Any, int]:
         first = jax.tree_util.tree_flatten_with_path(host[0])
         if not first[0]:
             raise TypeError(
@@ -1604,7 +1761,7 @@ class Trainer:
         stacked = jax.tree.unflatten(first[1], [np.stack(c) for c in columns])
         leaves = first[0]
         examples = int(np.shape(leaves[0][1])[0]) * jax.process_count() if leaves else 0
-        return len(host), shard_batch(stacked, self.mesh, self.rules, self.batch_names, steps=True), examples
+        return len(host), place(stacked), examples
 
     @staticmethod
     def _ragged(n: int, batch: Any, first: list[tuple[Any, Any]]) -> None:
@@ -1625,6 +1782,7 @@ class Trainer:
         no per-step Python, no stacking (a window of a contiguous array is a view)."""
         pos = start
         examples = data.batch_size * jax.process_count()
+        place = _Placer(self.mesh, self.rules, self.batch_names)
         for k in sizes:
             window = data.window(pos, k) if not stop.is_set() else None
             if window is None:
@@ -1633,7 +1791,7 @@ class Trainer:
             if pos == start:  # one layout for the whole run: checked once
                 for path, x in jax.tree_util.tree_flatten_with_path(window)[0]:
                     _check_array_leaf(path, x, "Trainer.fit")
-            yield n, shard_batch(window, self.mesh, self.rules, self.batch_names, steps=True), examples
+            yield n, place(window), examples
             pos += n
             if n < k:
                 return
@@ -1691,8 +1849,10 @@ class Trainer:
         the stream and the batches the restored steps consumed are skipped
         (read and dropped); a callable can seek there instead. An
         :class:`~nnx_shard.Batches` over whole arrays is read K steps at a time
-        as one ``[K, batch, ...]`` window (no per-step Python, no stacking) and
-        seeks to the data position on resume.
+        as one ``[K, batch, ...]`` window (no per-step Python, no stacking), in
+        the calling thread while the previous call runs, and seeks to the data
+        position on resume; any other iterable is read and stacked on a
+        prefetch thread.
 
         NaN guard cost: the check runs once per fused call on values the call
         computes anyway (each step's loss and gradient norm, the final state); a
@@ -1726,7 +1886,7 @@ class Trainer:
         every = checkpointer.every if checkpointer is not None else None
         sizes = _iter_group_sizes(self.step, num_steps, self.steps_per_call, every)
         groups = self._grouping(data, resumed, sizes)
-        self._guard.ok.set_value(jnp.array(True))
+        self._guard.raise_()
         self._replicated[0] = all(
             getattr(getattr(x, "sharding", None), "is_fully_replicated", False)
             for x in jax.tree.leaves(nnx.state(self.model, nnx.Param))
@@ -1735,21 +1895,25 @@ class Trainer:
         # Built in, run like the user's callbacks and before them: progress, the NaN
         # stop, checkpoints (the user's see only finite steps, and a save never
         # follows a non-finite step).
-        builtin: list[Callable[..., Any]] = [bar, _NanStop()]
+        # (The bar only when it shows: each callback costs a little on every call.)
+        builtin: list[Callable[..., Any]] = [bar] if bar.progress.bar is not None else []
+        builtin.append(_NanStop())
         if checkpointer is not None:
             builtin.append(_SaveCallback(self, checkpointer))
         # Two calls in flight keep the device busy while the host reads the previous
         # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
         # The user's callbacks see the model as of their step, so with them: one at a time.
         run = _FitRun(self, [*builtin, *callbacks], depth=1 if callbacks else 2)
-        bar.run = builtin[1].run = run
-        prefetch = _Prefetcher(groups)
+        for cb in builtin:
+            cb.run = run  # type: ignore[attr-defined]
+        prefetch = (_Inline if isinstance(data, Batches) else _Prefetcher)(groups)
         try:
             with use(self.mesh, self.rules):
                 run.dispatch(prefetch, checkpointer)
                 if checkpointer is not None and not run.nonfinite:
                     builtin[-1].save_last()  # type: ignore[attr-defined]
         finally:
+            run.carry.sync()
             prefetch.close()
             bar.progress.close()
             if checkpointer is not None:
@@ -1788,7 +1952,8 @@ class Trainer:
         self, data: Any, resumed: bool, sizes: Iterator[int]
     ) -> Callable[[threading.Event], Iterator[Any]]:
         """The generator of fused-call inputs ``(steps, sharded batch, examples per
-        step)`` for the prefetch thread, reading ``data`` from the data position."""
+        step)``, reading ``data`` from the data position (on the prefetch thread,
+        or for :class:`~nnx_shard.Batches` in the training thread)."""
         if isinstance(data, Batches):
             first = self.data_position if resumed else 0
             return functools.partial(self._window_groups, data, first, sizes)
@@ -1796,4 +1961,6 @@ class Trainer:
             data = data(self.data_position)
         elif resumed and self.data_position:
             data = itertools.islice(data, self.data_position, None)
-        return functools.partial(_stacked_groups, data, sizes, self._build_group)
+        place = _Placer(self.mesh, self.rules, self.batch_names)
+        return functools.partial(_stacked_groups, data, sizes,
+                                 functools.partial(self._build_group, place=place))

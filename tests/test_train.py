@@ -722,6 +722,97 @@ def test_trainer_callbacks_see_each_call_and_can_stop():
     assert h.steps == 6 and "callback cb asked to stop at step 6" in h.stop_reason
 
 
+def test_fit_flattens_the_nnx_objects_once_per_fit_and_callbacks_see_current_values(
+        monkeypatch):
+    prepared = []
+    real = train.Fused._prepare
+    monkeypatch.setattr(train.Fused, "_prepare",
+                        lambda self, args: prepared.append(1) or real(self, args))
+    fast = make_trainer(steps_per_call=2)
+    h = fast.fit(host_batches(12), num_steps=12, progress=False)
+    # 6 fused calls, the NNX objects read once (it was once per call).
+    assert h.steps == 12 and len(prepared) == 1
+    leaves = jax.tree.leaves(nnx.state((fast.model, fast.optimizer)))
+    assert not any(x.is_deleted() for x in leaves)  # written back, not left donated
+    assert int(fast.optimizer.step[...]) == 12
+
+    # A callback reads the model: it sees the state as of its step, every call.
+    seen = []
+
+    def cb(step, metrics):
+        seen.append((step, int(watched.optimizer.step[...]),
+                     float(jnp.sum(watched.model.layers[0].kernel[...]))))
+
+    watched = make_trainer(steps_per_call=2)
+    watched.fit(host_batches(12), num_steps=12, progress=False, callbacks=[cb])
+    assert [(s, o) for s, o, _ in seen] == [(s, s) for s in range(2, 13, 2)]
+    assert len({k for _, _, k in seen}) == 6  # the parameters moved every call
+    assert_same_state(watched.model, fast.model)
+
+
+def test_a_second_fit_reuses_the_placed_state_without_the_slow_path(monkeypatch):
+    slow = []
+    real = train.Fused._slow_plan
+    monkeypatch.setattr(train.Fused, "_slow_plan",
+                        lambda self, *a: slow.append(1) or real(self, *a))
+    trainer = make_trainer(steps_per_call=2)
+    trainer.fit(host_batches(4), num_steps=4, progress=False)
+    assert len(slow) == 1  # placing fresh eager values, once
+    trainer.fit(host_batches(4), num_steps=4, progress=False)
+    # The guard flag is raised again where it was placed: no second placement.
+    assert len(slow) == 1 and trainer.traces == 1
+
+
+def test_fit_leaves_live_current_arrays_when_the_data_fails_mid_run():
+    def broken():
+        yield from host_batches(5)
+        raise RuntimeError("disk on fire")
+
+    trainer = make_trainer(steps_per_call=2)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        trainer.fit(broken(), num_steps=10, progress=False)
+    state = jax.tree.leaves(nnx.state((trainer.model, trainer.optimizer)))
+    assert not any(x.is_deleted() for x in state)
+    # Both dispatched calls ran: the state the carry held is in the objects.
+    assert int(trainer.optimizer.step[...]) == 4
+    h = trainer.fit(host_batches(2), num_steps=2, progress=False)  # and training goes on
+    assert h.steps == 2 and int(trainer.optimizer.step[...]) == 6
+
+
+def test_fit_resolves_batch_shardings_once_per_layout(monkeypatch):
+    resolved = []
+    real = train.shard_batch
+    monkeypatch.setattr(train, "shard_batch",
+                        lambda *a, **k: resolved.append(1) or real(*a, **k))
+    rng = np.random.default_rng(0)
+    arrays = {"x": rng.normal(size=(7 * 8, 20)).astype(np.float32),
+              "y": rng.normal(size=(7 * 8, 1)).astype(np.float32)}
+    trainer = make_trainer(steps_per_call=3)
+    h = trainer.fit(ns.Batches(arrays, 8), num_steps=7, progress=False)
+    # Calls of K=3, 3, 1: two layouts, two resolutions (it was one per call).
+    assert h.steps == 7 and len(resolved) == 2
+    ref = make_trainer(steps_per_call=3)  # the same for per-step batches, stacked K at a time
+    h_ref = ref.fit([{k: v[i * 8:(i + 1) * 8] for k, v in arrays.items()} for i in range(7)],
+                    num_steps=7, progress=False)
+    assert len(resolved) == 4
+    np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=RTOL)
+    assert_same_state(trainer.model, ref.model)
+
+
+def test_fit_reads_batches_windows_in_the_calling_thread(monkeypatch):
+    import threading
+
+    threads = []
+    real = ns.Batches.window
+    monkeypatch.setattr(ns.Batches, "window", lambda self, *a, **k: (
+        threads.append(threading.current_thread()) or real(self, *a, **k)))
+    x = np.ones((6 * 8, 20), np.float32)
+    h = make_trainer(steps_per_call=2).fit(ns.Batches({"x": x, "y": x[:, :1]}, 8), 6,
+                                           progress=False)
+    assert h.steps == 6 and len(threads) == 3
+    assert set(threads) == {threading.current_thread()}
+
+
 def test_trainer_data_running_out_and_errors():
     trainer = make_trainer(steps_per_call=4)
     h = trainer.fit(host_batches(6), num_steps=10, progress=False)
