@@ -1062,17 +1062,27 @@ def _grad_norm(grads: Any, replicated: bool = False) -> jax.Array:
     >>> bool(_grad_norm(g) == optax.tree.norm(g)), round(float(_grad_norm(g)) ** 2, 4)
     (True, 19.0)
     """
-    sums, small = [], collections.defaultdict(list)
-    for x in jax.tree.leaves(grads):
-        if (jnp.issubdtype(x.dtype, jnp.floating) and x.size <= _SMALL_LEAF
-                and _known_replicated(x, replicated)):
+    whole, joined = _join_small(
+        jax.tree.leaves(grads), replicated, lambda x: jnp.issubdtype(x.dtype, jnp.floating))
+    sums = [jnp.sum(jnp.real(x * jnp.conj(x))) for x in whole]
+    sums += [jnp.sum(flat * flat) for flat in joined]
+    return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())
+
+
+def _join_small(
+    leaves: Sequence[Any], replicated: bool, joinable: Callable[[Any], bool]
+) -> tuple[list[Any], list[jax.Array]]:
+    """``leaves`` split into those kept whole and one flat vector per dtype of the
+    small replicated ones ``joinable`` accepts (a copy of at most ``_SMALL_LEAF``
+    elements each): what :func:`_grad_norm` and :func:`_all_finite` reduce."""
+    whole, small = [], collections.defaultdict(list)
+    for x in leaves:
+        if joinable(x) and x.size <= _SMALL_LEAF and _known_replicated(x, replicated):
             small[x.dtype].append(x.reshape(-1))
         else:
-            sums.append(jnp.sum(jnp.real(x * jnp.conj(x))))
-    for parts in small.values():
-        flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-        sums.append(jnp.sum(flat * flat))
-    return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())
+            whole.append(x)
+    return whole, [parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+                   for parts in small.values()]
 
 
 def _finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
@@ -1162,16 +1172,9 @@ def _all_finite(leaves: Sequence[Any], replicated: bool = False) -> jax.Array:
     >>> bool(_all_finite([jnp.ones(3), jnp.zeros((2, 2), jnp.bfloat16), jnp.arange(2)]))
     True
     """
-    flags, small = [], collections.defaultdict(list)
-    for x in leaves:
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            continue
-        if x.size <= _SMALL_LEAF and _known_replicated(x, replicated):
-            small[x.dtype].append(x.reshape(-1))
-        else:
-            flags.append(jnp.all(jnp.isfinite(x)))
-    for parts in small.values():
-        flags.append(jnp.all(jnp.isfinite(parts[0] if len(parts) == 1 else jnp.concatenate(parts))))
+    inexact = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    whole, joined = _join_small(inexact, replicated, lambda x: True)
+    flags = [jnp.all(jnp.isfinite(x)) for x in [*whole, *joined]]
     return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
