@@ -1071,6 +1071,10 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
                              batch // c.microbatches, seq, c.remat or "none")
         return est if est is not None and est > memory * _PRUNE_MARGIN else None
 
+    def formula_reason(over: int) -> str:
+        return (f"the formula alone needs {_fmt(over)} per device, over {_PRUNE_MARGIN}x the "
+                f"{_fmt(memory)} available (not compiled)")
+
     def run(cands: list[Candidate], bar: Any) -> None:
         todo: list[Candidate] = []
         for c in cands:
@@ -1128,9 +1132,7 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
     for c in first:
         over = formula_over(c)
         if over is not None:
-            c.fits, c.reason = False, (f"the formula alone needs {_fmt(over)} per device, "
-                                       f"over {_PRUNE_MARGIN}x the {_fmt(memory)} available "
-                                       "(not compiled)")
+            c.fits, c.reason = False, formula_reason(over)
             c.bytes_per_device = over
         else:
             stage1.append(c)
@@ -1172,9 +1174,7 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
             for v in list(batch_round):
                 over = formula_over(v)
                 if over is not None:
-                    v.fits, v.reason = False, (f"the formula alone needs {_fmt(over)} per "
-                                               f"device, over {_PRUNE_MARGIN}x the "
-                                               f"{_fmt(memory)} available (not compiled)")
+                    v.fits, v.reason = False, formula_reason(over)
                     v.bytes_per_device = over
                     skipped.append(v)
                     batch_round.remove(v)
