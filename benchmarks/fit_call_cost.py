@@ -1,0 +1,204 @@
+"""Where ``Trainer.fit``'s compiled call spends its time beyond a bare scan.
+
+``benchmarks/fit_speed.py`` times the whole loop; this times the compiled calls
+alone, on data already on the devices (one call, then block), so the host's
+work is out of the figure and what is left is what each call computes. The
+``small`` reference Transformer (batch 8 x 128, Adam), K=10 steps per call, on
+1 device and on 8 simulated CPU devices under ``dp`` (state replicated) and
+``fsdp`` (state sharded 1/8), each setting in a subprocess of its own; four
+compiled calls in interleaved rounds:
+
+* ``hand scan``: ``jax.jit(jax.lax.scan)`` over the ``nnx.split`` state
+  (donated), ``nnx.value_and_grad`` and ``opt.update``; the loss is its only
+  output (as in fit_speed.py);
+* ``fit``: the call ``Trainer.fit`` runs: the same steps, each step's
+  gradient norm, and the NaN guard (once per call: every step's loss and
+  gradient norm and the final state are checked; a call that fails is
+  undone, so the state before the call is kept until its end);
+* ``fit, guard without undo``: the guard's check, without keeping the state
+  before the call (nor selecting it back);
+* ``fit, no undo, no gradient norm``: that, and no per-step gradient norm.
+
+The last two are not options of ``Trainer``: they are built here (by
+replacing the guard's end-of-call function and the gradient norm of the
+step) to price each part. Beside the time, each call's compiled temporary
+bytes per device (``memory_analysis().temp_size_in_bytes``): the undo's copy
+of the state shows there. Results go to ``benchmarks/results/fit_call_cost.json``.
+
+Run (about 4 minutes on 2 CPU cores; ``--quick``: a short smoke run)::
+
+    .venv/bin/python benchmarks/fit_call_cost.py
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from _common import parse, print_table, run_worker, worker_main, write_json
+
+RESULTS = Path(__file__).resolve().parent / "results" / "fit_call_cost.json"
+# (devices, strategy): on one device fsdp is dp.
+SETTINGS = ((1, "dp"), (8, "dp"), (8, "fsdp"))
+STRATEGY_ENV = "FIT_CALL_STRATEGY"
+BATCH, K = 8, 10
+VARIANTS = ("hand scan", "fit", "fit, guard without undo", "fit, no undo, no gradient norm")
+
+
+def worker(n_devices: int, quick: bool) -> dict:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard import train
+    from nnx_shard.models import Transformer, get_config, lm_loss
+
+    assert jax.device_count() == n_devices, (jax.device_count(), n_devices)
+    name = os.environ.get(STRATEGY_ENV, "dp")
+    strategy = ns.strategies.get(name)
+    mesh = ns.make_mesh({"data": n_devices})
+    rules = strategy.rules
+    cfg = get_config("tiny" if quick else "small")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab, size=(K * BATCH, cfg.length + 1)).astype(np.int32)
+    arrays = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    window = jax.device_put({key: v.reshape(K, BATCH, -1) for key, v in arrays.items()},
+                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
+
+    def make():
+        model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+        return model, strategy.optimizer(model, optax.adam(1e-3), mesh)
+
+    def temp_mib(compiled) -> float:
+        return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+    calls, temp = {}, {}
+
+    # -- hand scan -------------------------------------------------------------------
+    graphdef, state0 = nnx.split(make())
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def scan_train(state, batches):
+        def body(state, step_batch):
+            model, opt = nnx.merge(graphdef, state)
+            loss, grads = nnx.value_and_grad(lm_loss)(model, step_batch)
+            opt.update(model, grads)
+            return nnx.split((model, opt))[1], loss
+
+        return jax.lax.scan(body, state, batches)
+
+    box = [state0]
+
+    def hand():
+        box[0], loss = scan_train(box[0], window)
+        return loss
+
+    with ns.use(mesh, rules):
+        temp["hand scan"] = temp_mib(scan_train.lower(box[0], window).compile())
+    calls["hand scan"] = hand
+
+    # -- fit's call, and the same call with parts taken out ------------------------------
+    def check_only(replicated, before, after, metrics):
+        # fit's end-of-call guard (train._guard_call) without the undo: the same flag,
+        # nothing selected back, so the state before the call need not be kept.
+        model, opt, guard = after
+        checked = [metrics["loss"], metrics["grad_norm"], *jax.tree.leaves(nnx.state((model, opt)))]
+        ok = before[2].ok[...] & train._all_finite(checked, replicated[0])
+        guard.ok[...] = ok
+        return {**metrics, "applied": ok}
+
+    def fit_call(finish=None, grad_norm=True):
+        t = ns.Trainer(*make(), lm_loss, mesh=mesh, rules=rules, steps_per_call=K)
+        if finish is not None:  # read at trace time, as train._guard_call reads it
+            t._fused._finish = functools.partial(finish, t._replicated)
+        saved = train._grad_norm
+        if not grad_norm:
+            train._grad_norm = lambda grads, replicated=False: jnp.zeros(())
+        try:  # one fit compiles the call (and sets what fit reads from the arrays)
+            history = t.fit(ns.Batches(arrays, BATCH), K, progress=False)
+        finally:
+            train._grad_norm = saved
+        assert history.steps == K and t.traces == 1, (history.stop_reason, t.traces)
+        carry = train._Carry(t._fused)
+
+        def call():
+            return carry(t.model, t.optimizer, window, t._guard)
+
+        with ns.use(mesh, rules):
+            call()
+            compiled = carry.plan.jitted.lower(carry.values, (window,)).compile()
+        return call, temp_mib(compiled)
+
+    calls["fit"], temp["fit"] = fit_call()
+    calls[VARIANTS[2]], temp[VARIANTS[2]] = fit_call(check_only)
+    calls[VARIANTS[3]], temp[VARIANTS[3]] = fit_call(check_only, grad_norm=False)
+
+    rounds = 3 if quick else 12
+    wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    with ns.use(mesh, rules):
+        for v in VARIANTS:  # warm up
+            jax.block_until_ready(calls[v]())
+        for r in range(rounds):
+            for j in range(len(VARIANTS)):
+                v = VARIANTS[(j + r) % len(VARIANTS)]
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(2):
+                    jax.block_until_ready(calls[v]())
+                wall[v].append((time.perf_counter() - t0) / 2)
+                cpu[v].append((time.process_time() - c0) / 2)
+
+    def paired(table: dict[str, list[float]], v: str) -> float:
+        return statistics.median(a / b for a, b in zip(table[v], table["hand scan"], strict=True))
+
+    return {
+        "n_devices": n_devices, "strategy": name, "model": "tiny" if quick else "small", "rounds": rounds,
+        "ms_per_call": {v: 1e3 * statistics.median(wall[v]) for v in VARIANTS},
+        "over_hand_wall": {v: paired(wall, v) for v in VARIANTS},
+        "over_hand_cpu": {v: paired(cpu, v) for v in VARIANTS},
+        "temp_mib_per_device": temp,
+        "state_mib_per_device": sum(
+            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(box[0])) / 2**20,
+        "wall_s": wall, "cpu_s": cpu,
+    }
+
+
+def main() -> None:
+    args = parse(__doc__)
+    if worker_main(args, {"worker": worker}):
+        return
+    from nnx_shard.launch import simulated_env
+
+    results = [run_worker(__file__, n, args.quick, env={**simulated_env(n), STRATEGY_ENV: name})
+               for n, name in SETTINGS]
+    load = os.getloadavg()
+    import jax
+
+    print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, load average {load[0]:.2f} at the end (shared machine)")
+    first = results[0]
+    print(f"\n{first['model']} transformer, batch {BATCH}, K={K} steps per call, data on the "
+          f"devices; per call: median of {first['rounds']} rounds; / hand scan: median of paired "
+          "rounds (wall, process CPU time); temp: compiled temporary bytes per device")
+    rows = []
+    for r in results:
+        setting = f"{r['n_devices']} dev, {r['strategy']} (state {r['state_mib_per_device']:.2f} MiB)"
+        for v in VARIANTS:
+            rows.append([setting, v, f"{r['ms_per_call'][v]:.1f}", f"{r['over_hand_wall'][v]:.3f}",
+                         f"{r['over_hand_cpu'][v]:.3f}", f"{r['temp_mib_per_device'][v]:.2f}"])
+    print_table(["devices, strategy", "compiled call", "ms per call", "/ hand (wall)",
+                 "/ hand (CPU)", "temp MiB per device"], rows)
+    write_json(RESULTS, {"jax": jax.__version__, "cores": os.cpu_count(), "loadavg_end": load,
+                         "quick": args.quick, "results": results})
+
+
+if __name__ == "__main__":
+    main()
