@@ -261,3 +261,40 @@ def test_grad_norm_equals_optax_with_sharded_and_replicated_leaves(axis_types):
         for replicated in (False, True):
             got = jax.jit(lambda g, r=replicated: train._grad_norm(g, r))(grads)
             np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_grad_sq_shares_sum_to_the_norm_with_no_collective(axis_types):
+    from nnx_shard import train
+
+    mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
+    rng = np.random.default_rng(0)
+    P = jax.sharding.PartitionSpec
+
+    def put(shape, spec, dtype=jnp.float32):
+        x = jnp.asarray(rng.normal(size=shape), dtype)
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+
+    # Sharded both ways, over one axis only (held twice), replicated, and bf16.
+    grads = {"a": put((8, 6), P("data", "model")), "b": put((8, 3), P("data", None)),
+             "c": put((5, 4), P(None, "model")), "d": put((7,), P()),
+             "e": put((4, 2), P("data", None), jnp.bfloat16)}
+    specs = [x.sharding.spec for x in jax.tree.leaves(grads)]
+    with jax.set_mesh(mesh):
+        want = float(jax.jit(optax.tree.norm)(grads))
+        fn = jax.jit(lambda g: train._grad_sq_shares(g, specs, mesh))
+        shares = fn(grads)
+        hlo = fn.lower(grads).compile().as_text()
+    assert shares.shape == (8,)
+    assert shares.sharding.spec == P(("data", "model"))
+    np.testing.assert_allclose(float(np.sqrt(np.sum(np.asarray(shares)))), want, rtol=1e-5)
+    # Each device's share is its own blocks': nothing crosses devices until the caller sums.
+    assert not [c for c in COLLECTIVES if f" {c}(" in hlo or f" {c}-start(" in hlo], hlo
+    # Where nothing is sharded, or the layout is unknown, _grad_norm is used instead.
+    replicated = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, P())) for k, v in grads.items()}
+    assert train._grad_sq_shares(replicated, [P()] * 5, mesh) is None
+    assert train._grad_sq_shares(grads, None, mesh) is None
+    assert train._grad_sq_shares(grads, specs[:2], mesh) is None

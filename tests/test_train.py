@@ -248,6 +248,36 @@ def test_compiles_once_per_k_and_shape():
     assert fused.traces == 3
 
 
+def mse_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+@pytest.mark.parametrize("rules", [FSDP, TP], ids=["fsdp", "tensor_parallel"])
+def test_fit_grad_norm_of_sharded_parameters_equals_the_per_step_norm(rules, axis_types):
+    # With sharded parameters fit sums each device's share of the squared norm once
+    # per call (no collective per step); the history must still be every step's norm.
+    mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
+    model, opt = sharded_mlp(mesh, rules)
+    ref_model, ref_opt = sharded_mlp(mesh, rules)
+    host = data(6, 8, 16, 8)
+    trainer = Trainer(model, opt, mse_loss, mesh=mesh, rules=rules, steps_per_call=3)
+    h = trainer.fit((jax.tree.map(lambda x, i=i: x[i], host) for i in range(6)), 6,
+                    progress=False)
+
+    def ref_step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(mse_loss)(model, batch)
+        opt.update(model, grads)
+        return {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    expected = loop(ref_step, ref_model, ref_opt, shard_batch(host, mesh, rules, steps=True))
+    assert trainer._grad_layout[0] is not None  # the shares path was taken
+    assert h["grad_norm"].shape == (6,)
+    np.testing.assert_allclose(h["grad_norm"], expected["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(h["loss"], expected["loss"], rtol=1e-5)
+    assert_same_state(model, ref_model)
+
+
 def test_donation_reuses_state_buffers():
     model = seed_model()
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
