@@ -5,7 +5,7 @@ alone, on data already on the devices (one call, then block), so the host's
 work is out of the figure and what is left is what each call computes. The
 ``small`` reference Transformer (batch 8 x 128, Adam), K=10 steps per call, on
 1 device and on 8 simulated CPU devices under ``dp`` (state replicated) and
-``fsdp`` (state sharded 1/8), each setting in a subprocess of its own; four
+``fsdp`` (state sharded 1/8), each setting in a subprocess of its own; five
 compiled calls in interleaved rounds:
 
 * ``hand scan``: ``jax.jit(jax.lax.scan)`` over the ``nnx.split`` state
@@ -15,17 +15,21 @@ compiled calls in interleaved rounds:
   gradient norm, and the NaN guard (once per call: every step's loss and
   gradient norm and the final state are checked; a call that fails is
   undone, so the state before the call is kept until its end);
+* ``fit, norm reduced every step``: ``fit``'s call with the gradient norm
+  summed to one scalar in every step (a cross-device reduction per step when
+  gradients are sharded), as fit did before it summed each device's share
+  once per call;
 * ``fit, guard without undo``: the guard's check, without keeping the state
   before the call (nor selecting it back);
 * ``fit, no undo, no gradient norm``: that, and no per-step gradient norm.
 
-The last two are not options of ``Trainer``: they are built here (by
-replacing the guard's end-of-call function and the gradient norm of the
-step) to price each part. Beside the time, each call's compiled temporary
+The last two are not options of ``Trainer``: they are built here (fit's own
+end-of-call guard with ``undo=False``, and the step's gradient norm replaced
+by zeros) to price each part. Beside the time, each call's compiled temporary
 bytes per device (``memory_analysis().temp_size_in_bytes``): the undo's copy
 of the state shows there. Results go to ``benchmarks/results/fit_call_cost.json``.
 
-Run (about 4 minutes on 2 CPU cores; ``--quick``: a short smoke run)::
+Run (about 5 minutes on 2 CPU cores; ``--quick``: a short smoke run)::
 
     .venv/bin/python benchmarks/fit_call_cost.py
 """
@@ -45,7 +49,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "fit_call_cost.json"
 SETTINGS = ((1, "dp"), (8, "dp"), (8, "fsdp"))
 STRATEGY_ENV = "FIT_CALL_STRATEGY"
 BATCH, K = 8, 10
-VARIANTS = ("hand scan", "fit", "fit, guard without undo", "fit, no undo, no gradient norm")
+VARIANTS = ("hand scan", "fit", "fit, norm reduced every step", "fit, guard without undo",
+            "fit, no undo, no gradient norm")
 
 
 def worker(n_devices: int, quick: bool) -> dict:
@@ -106,26 +111,20 @@ def worker(n_devices: int, quick: bool) -> dict:
     calls["hand scan"] = hand
 
     # -- fit's call, and the same call with parts taken out ------------------------------
-    def check_only(replicated, before, after, metrics):
-        # fit's end-of-call guard (train._guard_call) without the undo: the same flag,
-        # nothing selected back, so the state before the call need not be kept.
-        model, opt, guard = after
-        checked = [metrics["loss"], metrics["grad_norm"], *jax.tree.leaves(nnx.state((model, opt)))]
-        ok = before[2].ok[...] & train._all_finite(checked, replicated[0])
-        guard.ok[...] = ok
-        return {**metrics, "applied": ok}
-
-    def fit_call(finish=None, grad_norm=True):
+    def fit_call(undo=True, grad_norm=True, shares=True):
         t = ns.Trainer(*make(), lm_loss, mesh=mesh, rules=rules, steps_per_call=K)
-        if finish is not None:  # read at trace time, as train._guard_call reads it
-            t._fused._finish = functools.partial(finish, t._replicated)
-        saved = train._grad_norm
+        if not undo:  # fit's own end-of-call guard, minus the select back
+            t._fused._finish = functools.partial(train._guard_call, replicated=t._replicated,
+                                                 undo=False)
+        saved = train._grad_norm, train._grad_sq_shares
         if not grad_norm:
             train._grad_norm = lambda grads, replicated=False: jnp.zeros(())
+        if not grad_norm or not shares:
+            train._grad_sq_shares = lambda grads, specs, mesh: None
         try:  # one fit compiles the call (and sets what fit reads from the arrays)
             history = t.fit(ns.Batches(arrays, BATCH), K, progress=False)
         finally:
-            train._grad_norm = saved
+            train._grad_norm, train._grad_sq_shares = saved
         assert history.steps == K and t.traces == 1, (history.stop_reason, t.traces)
         carry = train._Carry(t._fused)
 
@@ -138,8 +137,9 @@ def worker(n_devices: int, quick: bool) -> dict:
         return call, temp_mib(compiled)
 
     calls["fit"], temp["fit"] = fit_call()
-    calls[VARIANTS[2]], temp[VARIANTS[2]] = fit_call(check_only)
-    calls[VARIANTS[3]], temp[VARIANTS[3]] = fit_call(check_only, grad_norm=False)
+    calls[VARIANTS[2]], temp[VARIANTS[2]] = fit_call(shares=False)
+    calls[VARIANTS[3]], temp[VARIANTS[3]] = fit_call(undo=False)
+    calls[VARIANTS[4]], temp[VARIANTS[4]] = fit_call(undo=False, grad_norm=False)
 
     rounds = 3 if quick else 12
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}

@@ -1256,13 +1256,18 @@ def _all_finite(leaves: Sequence[Any], replicated: bool = False) -> jax.Array:
 
 
 def _guard_call(
-    before: Any, after: Any, metrics: dict[str, Any], replicated: Sequence[bool] = (False,)
+    before: Any, after: Any, metrics: dict[str, Any], replicated: Sequence[bool] = (False,),
+    undo: bool = True,
 ) -> dict[str, Any]:
     """The NaN guard, once per fused call of :func:`_make_fast_step`: the call is kept
     only if the guard was up, every step's loss and gradient norm are finite and the
     final state is; else the state goes back to the one before the call and the guard
     drops (so calls already queued behind it change nothing either). Which leaf was
-    not finite is left to the per-step replay: here one flag is enough."""
+    not finite is left to the per-step replay: here one flag is enough.
+
+    ``undo=False`` (only for ``benchmarks/fit_call_cost.py``, which prices the undo)
+    checks without selecting the state back: then the state before the call need
+    not be kept, and a failed call's state is not finite."""
     model0, opt0, guard0 = before
     model, opt, guard = after
     if _GRAD_SQ in metrics:  # [K, devices] shares -> [K] norms: one reduction per call
@@ -1271,7 +1276,8 @@ def _guard_call(
                    for key, v in metrics.items()}
     checked = [metrics["loss"], metrics["grad_norm"], *jax.tree.leaves(nnx.state((model, opt)))]
     ok = guard0.ok[...] & _all_finite(checked, replicated[0])
-    nnx.update((model, opt), _select(ok, nnx.state((model, opt)), nnx.state((model0, opt0))))
+    if undo:
+        nnx.update((model, opt), _select(ok, nnx.state((model, opt)), nnx.state((model0, opt0))))
     guard.ok[...] = ok
     # One flag for the call (a call is kept whole or not at all): fit reads it with
     # the metrics, and the per-step replay gives per-step flags when it is False.

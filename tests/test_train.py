@@ -674,6 +674,26 @@ def all_finite(*trees):
     )
 
 
+@pytest.mark.parametrize("undo", [True, False])
+def test_guard_call_turns_shares_into_norms_and_undoes_unless_told_not_to(undo):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    guard = train._Guard()
+    before = nnx.clone((model, opt, guard))
+    kept = np.asarray(model.kernel[...])
+    model.kernel[...] = jnp.full((2, 2), jnp.nan)
+    # Two steps' shares of the squared norm over two devices: norms 2 and 3.
+    metrics = {"loss": jnp.ones(2), train._GRAD_SQ: jnp.array([[1.0, 3.0], [4.0, 5.0]])}
+    out = train._guard_call(before, (model, opt, guard), metrics, undo=undo)
+    assert list(out) == ["loss", "grad_norm", "applied"]
+    np.testing.assert_allclose(out["grad_norm"], [2.0, 3.0], rtol=1e-6)
+    assert not bool(out["applied"]) and not bool(guard.ok[...])
+    if undo:  # the state before the call is back
+        np.testing.assert_array_equal(model.kernel[...], kept)
+    else:  # only checked: the non-finite state stays (the benchmark's variant)
+        assert np.isnan(np.asarray(model.kernel[...])).all()
+
+
 @pytest.mark.parametrize("bad", [1, 3], ids=["first_step", "last_step_of_a_call"])
 @pytest.mark.parametrize("route", list(GUARD_MESSAGES))
 def test_nan_guard_never_keeps_or_saves_a_non_finite_state(tmp_path, route, bad):
