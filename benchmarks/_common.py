@@ -259,3 +259,24 @@ def report(path: Path, table: str, note: str, rows: list[dict], meta: dict) -> N
     print(note)
     write_json(path, {"meta": meta, "results": rows})
 
+
+def hand_scan(graphdef: Any, loss_fn: Callable) -> Callable:
+    """The benchmarks' bare reference: ``jax.jit(jax.lax.scan)`` of K plain steps
+    (``nnx.value_and_grad`` of ``loss_fn(model, batch)``, ``opt.update``) over the
+    ``nnx.split((model, optimizer))`` state, donated; returns ``(state, losses)``."""
+    import functools
+
+    import jax
+    from flax import nnx
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def scan_train(state: Any, batches: Any) -> Any:
+        def body(state: Any, step_batch: Any) -> Any:
+            model, opt = nnx.merge(graphdef, state)
+            loss, grads = nnx.value_and_grad(loss_fn)(model, step_batch)
+            opt.update(model, grads)
+            return nnx.split((model, opt))[1], loss
+
+        return jax.lax.scan(body, state, batches)
+
+    return scan_train

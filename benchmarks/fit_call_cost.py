@@ -42,7 +42,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import parse, print_table, run_worker, worker_main, write_json
+from _common import hand_scan, parse, print_table, run_worker, worker_main, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fit_call_cost.json"
 # (devices, strategy): on one device fsdp is dp.
@@ -90,16 +90,7 @@ def worker(n_devices: int, quick: bool) -> dict:
     # -- hand scan -------------------------------------------------------------------
     graphdef, state0 = nnx.split(make())
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def scan_train(state, batches):
-        def body(state, step_batch):
-            model, opt = nnx.merge(graphdef, state)
-            loss, grads = nnx.value_and_grad(lm_loss)(model, step_batch)
-            opt.update(model, grads)
-            return nnx.split((model, opt))[1], loss
-
-        return jax.lax.scan(body, state, batches)
-
+    scan_train = hand_scan(graphdef, lm_loss)
     box = [state0]
 
     def hand():

@@ -49,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import mlp, parse, run_worker, worker_main, write_json
+from _common import hand_scan, mlp, parse, run_worker, worker_main, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fit_speed.json"
 DEVICE_COUNTS = (1, 8)
@@ -98,7 +98,6 @@ def keras_mlp(k: int):
 
 
 def worker(n_devices: int, quick: bool) -> dict:
-    import functools
 
     import jax
     import jax.numpy as jnp
@@ -163,16 +162,7 @@ def worker(n_devices: int, quick: bool) -> dict:
         data_sharding = jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec(None, "data"))
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def scan_train(state, batches, graphdef=graphdef, loss_fn=loss_fn):
-            def body(state, step_batch):
-                model, opt = nnx.merge(graphdef, state)
-                loss, grads = nnx.value_and_grad(loss_fn)(model, step_batch)
-                opt.update(model, grads)
-                return nnx.split((model, opt))[1], loss
-
-            return jax.lax.scan(body, state, batches)
-
+        scan_train = hand_scan(graphdef, loss_fn)
         box = [state0]
 
         def hand(arrays=arrays, batch=batch, k=k, steps=steps, box=box, scan_train=scan_train,

@@ -131,6 +131,13 @@ def sharded_mlp(mesh, rules, dropout=0.0):
     return model, opt
 
 
+def two_sharded_mlps(rules, axis_types):
+    """A data=4,model=2 mesh and two identical sharded (model, optimizer) pairs: one
+    to test, one for the reference loop."""
+    mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
+    return mesh, sharded_mlp(mesh, rules), sharded_mlp(mesh, rules)
+
+
 # ----------------------------------------------------------------------------- multistep
 
 
@@ -184,9 +191,7 @@ def test_fresh_unplaced_model_is_replicated_over_the_batch_mesh():
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 @pytest.mark.parametrize("rules", [FSDP, TP], ids=["fsdp", "tensor_parallel"])
 def test_sharded_model_equals_nnx_jit_loop_and_keeps_shardings(rules, axis_types):
-    mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
-    model, opt = sharded_mlp(mesh, rules)
-    ref_model, ref_opt = sharded_mlp(mesh, rules)
+    mesh, (model, opt), (ref_model, ref_opt) = two_sharded_mlps(rules, axis_types)
     kernel = model.layers[0].kernel[...].sharding.spec
     assert kernel == (P("data", None) if rules is FSDP else P(None, "model"))
     # Adam's moments follow the parameters.
@@ -257,9 +262,7 @@ def mse_loss(model, batch):
 def test_fit_grad_norm_of_sharded_parameters_equals_the_per_step_norm(rules, axis_types):
     # With sharded parameters fit sums each device's share of the squared norm once
     # per call (no collective per step); the history must still be every step's norm.
-    mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
-    model, opt = sharded_mlp(mesh, rules)
-    ref_model, ref_opt = sharded_mlp(mesh, rules)
+    mesh, (model, opt), (ref_model, ref_opt) = two_sharded_mlps(rules, axis_types)
     host = data(6, 8, 16, 8)
     trainer = Trainer(model, opt, mse_loss, mesh=mesh, rules=rules, steps_per_call=3)
     h = trainer.fit((jax.tree.map(lambda x, i=i: x[i], host) for i in range(6)), 6,
