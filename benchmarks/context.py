@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+from _common import machine, print_table, simulated_cpu, time_compiled, write_json
+
+os.environ.update(simulated_cpu(8))  # before jax is imported
 
 import argparse
 import dataclasses
@@ -36,7 +36,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import machine, print_table, time_compiled, write_json
 from flax import nnx
 
 import nnx_shard as ns

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+from _common import simulated_cpu
+
+os.environ.update(simulated_cpu(8))  # before jax is imported
 
 import argparse
 import dataclasses

@@ -321,7 +321,7 @@ def all_gather_matmul(eq: str, x: jax.Array, w: jax.Array, *, gather: str, shard
 def matmul_reduce_scatter(eq: str, x: jax.Array, w: jax.Array, *, scatter: str, contract: str,
                           axis: str = "model", mesh: Mesh | None = None,
                           bidirectional: bool | None = None,
-                      layout: dict[str, tuple[str, ...]] | None = None) -> jax.Array:
+                          layout: dict[str, tuple[str, ...]] | None = None) -> jax.Array:
     """``jnp.einsum(eq, x, w)`` for ``x`` and ``w`` both sharded over ``axis``
     along the contracted dimension ``contract`` (row-parallel), with the
     reduction of the partial products done as a reduce-scatter in ring steps
