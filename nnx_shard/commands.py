@@ -49,6 +49,22 @@ def _report(model: Any, sizes: dict[str, int], rules: Any, tx: Any = None,
     return explain(model, abstract_mesh(sizes), rules, tx, opt_rules=opt_rules)
 
 
+def _formula(report: Any, activations: int) -> dict[str, int]:
+    """The formula's bytes per device: parameters, their gradients, optimizer state,
+    the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
+    while a call runs (to put it back if the call is not finite), activations."""
+    grads = sum(r.bytes_per_device for r in report.rows
+                if r.group == "params" and r.kind == "Param")
+    parts = {
+        "params": int(report.param_bytes_per_device),
+        "grads": int(grads),
+        "optimizer": int(report.opt_bytes_per_device),
+        "guard": int(report.param_bytes_per_device + report.opt_bytes_per_device),
+        "activations": int(activations),
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
 def _stage_report(model: Any, sizes: dict[str, int], strategy: Any, tx: Any, cfg: Any,
                   batch: int, seq: int) -> Any:
     """Per-stage bytes under a pipeline strategy (``None`` otherwise), with as many
@@ -147,14 +163,7 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"{PROG} plan: {args.model} on {args.mesh} with {strategy.name}: cannot lay out")
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    grads = sum(r.bytes_per_device for r in report.rows if r.group == "params" and r.kind == "Param")
-    per_device = {
-        "params": report.param_bytes_per_device,
-        "grads": grads,
-        "optimizer": report.opt_bytes_per_device,
-        "activations": acts,
-    }
-    per_device["total"] = sum(per_device.values())
+    per_device = _formula(report, acts)
     devices = out["devices"]
     compile_it = args.compile if args.compile is not None else devices <= COMPILE_MAX_DEVICES
     compiled = None
@@ -204,6 +213,7 @@ def _plan(args: argparse.Namespace) -> int:
             rows = [("params", compiled["params"], per_device["params"]),
                     ("grads", None, per_device["grads"]),
                     ("optimizer", compiled["optimizer"], per_device["optimizer"]),
+                    ("guard copy", None, per_device["guard"]),
                     ("temp", compiled["temp"], None),
                     ("activations", None, per_device["activations"]),
                     ("total", compiled["total"], per_device["total"])]
@@ -215,8 +225,9 @@ def _plan(args: argparse.Namespace) -> int:
                   "devices; total = arguments + temp + outputs - donated)")
         else:
             print("per device (formula estimate; not compiled):")
-            for key in ("params", "grads", "optimizer", "activations", "total"):
-                print(f"  {key:<13} {_fmt(per_device[key]):>12}")
+            for key in ("params", "grads", "optimizer", "guard", "activations", "total"):
+                label = "guard copy" if key == "guard" else key
+                print(f"  {label:<13} {_fmt(per_device[key]):>12}")
         print(f"  (unsharded: params {_fmt(report.total_bytes)}, optimizer state "
               f"{_fmt(report.opt_total_bytes)})")
         print()

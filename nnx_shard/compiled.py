@@ -1,12 +1,13 @@
 """Per-device memory of the compiled train step, from abstract inputs only.
 
-:func:`compiled_memory` lowers and compiles one fused training step
-(:func:`nnx_shard.multistep` of ``value_and_grad(lm_loss)`` + ``optimizer.update``)
-of a reference :class:`~nnx_shard.models.Transformer` config on a mesh of the
+:func:`compile_fit` lowers and compiles the call :meth:`nnx_shard.Trainer.fit`
+makes (``value_and_grad(lm_loss)``, the optimizer update and fit's NaN guard)
+for a reference :class:`~nnx_shard.models.Transformer` config on a mesh of the
 devices JAX has, from :func:`~nnx_shard.abstract_init`, the optimizer state of
 that abstract model and ``jax.ShapeDtypeStruct`` batches carrying the batch
-sharding. Nothing is allocated; the figures are XLA's buffer assignment for the
-backend it compiled for (``compiled.memory_analysis()``).
+sharding. :func:`compiled_memory` reads its per-device figures. Nothing is
+allocated; the figures are XLA's buffer assignment for the backend it compiled
+for (``compiled.memory_analysis()``).
 
 :func:`compiled_memory_subprocess` does the same in a fresh Python with ``n``
 simulated CPU devices, so that ``nnx-shard plan`` can compile for any mesh size
@@ -21,10 +22,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["CompileError", "compiled_memory", "compiled_memory_subprocess"]
+__all__ = ["CompileError", "compile_fit", "compiled_memory", "compiled_memory_subprocess"]
 
 
 class CompileError(RuntimeError):
@@ -35,10 +36,65 @@ def _split(total: int, *parts: int) -> list[int]:
     return [int(p) for p in parts] + [int(total)]
 
 
+def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
+                batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
+                loss: Callable[..., Any] | None = None, steps: int = 2) -> tuple[Any, Any, float]:
+    """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for ``steps`` steps of
+    ``factory()``'s model under preset ``strategy`` on mesh ``sizes`` (of this
+    process's devices), from abstract inputs: nothing is allocated. The batch is
+    ``{"inputs", "targets"}``, int32 ``[steps, batch, seq]`` tokens laid out by
+    the preset's rules; ``loss`` defaults to :func:`nnx_shard.models.lm_loss`.
+
+    What is compiled is ``fit``'s own call, NaN guard included: the guard keeps
+    the state from before the call to put it back if the call is not finite,
+    so it needs one more copy of the model and optimizer state than a bare
+    :func:`nnx_shard.multistep` step. The default two steps compile to the
+    rolled loop every ``steps_per_call`` of 2 or more does, whose memory does
+    not grow with K (a one-step call is unrolled by XLA, and there the copy of
+    a sharded state can vanish: it is not what ``fit`` runs). Returns ``(compiled, trainer, seconds to
+    lower and compile)``; the trainer holds the abstract model and optimizer and
+    the mesh.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> compiled, trainer, seconds = compile_fit(
+    ...     lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "fsdp", {"data": 4},
+    ...     batch=4, seq=8)
+    >>> compiled.memory_analysis().temp_size_in_bytes > 0
+    True
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    import nnx_shard as ns
+    from nnx_shard import strategies
+    from nnx_shard.cli import _optimizer
+    from nnx_shard.models import lm_loss
+
+    strat = strategies.get(strategy)
+    n = 1
+    for v in sizes.values():
+        n *= int(v)
+    mesh = ns.make_mesh(dict(sizes), devices=jax.devices()[:n])
+    t0 = time.perf_counter()
+    abstract = strat.abstract_init(factory, mesh)
+    opt = strat.optimizer(abstract, _optimizer(optimizer), mesh)
+    spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh,
+                            path="batch['inputs']")
+    tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
+                                  sharding=NamedSharding(mesh, spec))
+    trainer = ns.Trainer(abstract, opt, loss or lm_loss, mesh=mesh, rules=strat.rules,
+                         steps_per_call=steps, microbatches=microbatches)
+    compiled = trainer.lower({"inputs": tokens, "targets": tokens}).compile()
+    return compiled, trainer, time.perf_counter() - t0
+
+
 def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_tp",
                     optimizer: str = "adamw", batch: int = 8, seq: int = 16,
                     remat: str = "none", scan_layers: bool | None = None) -> dict[str, Any]:
-    """Per-device bytes of the compiled fused train step of config ``model``.
+    """Per-device bytes of the call ``Trainer.fit`` compiles for config ``model``
+    (see :func:`compile_fit`; the NaN guard's copy of the state is in ``temp``).
 
     Returns ``params`` and ``optimizer`` (the largest per-device shard of the
     model's and the optimizer's state, from the shardings of the compiled
@@ -57,39 +113,19 @@ def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from jax.sharding import NamedSharding
 
-    import nnx_shard as ns
     from nnx_shard import strategies
-    from nnx_shard.cli import _optimizer
-    from nnx_shard.models import CONFIGS, Transformer, lm_loss
+    from nnx_shard.models import CONFIGS, Transformer
 
     cfg = dataclasses.replace(CONFIGS[model], remat=remat)
     if scan_layers is not None:
         cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
-    strat = strategies.get(strategy)
-    mesh = ns.make_mesh(dict(sizes), devices=jax.devices()[: int(np.prod(list(sizes.values())))])
-    tx = _optimizer(optimizer)
-    t0 = time.perf_counter()
-    abstract = strat.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    opt = strat.optimizer(abstract, tx, mesh)
-    spec = strat.rules.spec((None, "batch", "length"), shape=(1, batch, seq), mesh=mesh,
-                            path="batch['inputs']")
-    tokens = jax.ShapeDtypeStruct((1, batch, seq), jnp.int32,
-                                  sharding=NamedSharding(mesh, spec))
-    data = {"inputs": tokens, "targets": tokens}
-
-    def step(model: Any, opt: Any, batch: Any) -> Any:
-        loss, grads = ns.value_and_grad(lm_loss)(model, batch)
-        opt.update(model, grads)
-        return loss
-
     # A pipeline strategy needs microbatches: as many as stages (the fewest it takes).
-    sched = strat.rules.options.get("pipeline")
+    sched = strategies.get(strategy).rules.options.get("pipeline")
     micro = dict(sizes).get(sched.axis, 1) if sched is not None else 1
-    with ns.use(mesh, strat.rules):
-        compiled = ns.multistep(step, microbatches=micro).lower(abstract, opt, data).compile()
-    seconds = time.perf_counter() - t0
+    compiled, trainer, seconds = compile_fit(
+        lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy, sizes, batch=batch, seq=seq,
+        optimizer=optimizer, microbatches=micro)
     mem = compiled.memory_analysis()
 
     def per_device(tree: Any) -> int:
@@ -99,8 +135,8 @@ def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_
             total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
         return total
 
-    params = per_device(nnx.state(abstract, nnx.Param))
-    opt_bytes = per_device(nnx.state(opt, nnx.optimizer.OptState))
+    params = per_device(nnx.state(trainer.model, nnx.Param))
+    opt_bytes = per_device(nnx.state(trainer.optimizer, nnx.optimizer.OptState))
     arg, temp, out = (mem.argument_size_in_bytes, mem.temp_size_in_bytes,
                       mem.output_size_in_bytes)
     alias = mem.alias_size_in_bytes

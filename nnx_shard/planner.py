@@ -422,12 +422,16 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
 def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
                  batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
                  loss: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """Compiles one fused train step of ``factory()``'s model (abstract: nothing
-    allocated) under preset ``strategy`` on mesh ``sizes`` of this process's
-    devices, and returns its per-device memory (``total``, ``temp``,
-    ``argument``, ``output``, ``alias``), :func:`hlo_costs` figures and
-    ``compile_s``. The batch is ``{"inputs", "targets"}``, int32 ``[batch, seq]``
-    tokens, and ``loss`` defaults to :func:`nnx_shard.models.lm_loss`.
+    """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for one step of
+    ``factory()``'s model (abstract: nothing allocated; NaN guard included, see
+    :func:`nnx_shard.compiled.compile_fit`) under preset ``strategy`` on mesh
+    ``sizes`` of this process's devices, and returns its per-device memory
+    (``total``, ``temp``, ``argument``, ``output``, ``alias``), :func:`hlo_costs`
+    figures per step and ``compile_s``. The batch is ``{"inputs", "targets"}``,
+    int32 ``[batch, seq]`` tokens, and ``loss`` defaults to
+    :func:`nnx_shard.models.lm_loss`. The call compiled runs two steps (the
+    rolled loop of ``fit``'s calls); the costs are its figures halved, so they
+    include half of the guard's once-per-call check.
 
     >>> from flax import nnx
     >>> from nnx_shard.models import Transformer, get_config
@@ -436,37 +440,17 @@ def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, 
     >>> r["total"] > 0 and r["flops"] > 0 and r["collectives"] > 0
     True
     """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
+    from nnx_shard.compiled import compile_fit
 
-    import nnx_shard as ns
-    from nnx_shard import strategies
-    from nnx_shard.cli import _optimizer
-    from nnx_shard.models import lm_loss
-
-    strat = strategies.get(strategy)
-    n = math.prod(sizes.values())
-    mesh = ns.make_mesh(dict(sizes), devices=jax.devices()[:n])
-    t0 = time.perf_counter()
-    abstract = strat.abstract_init(factory, mesh)
-    opt = strat.optimizer(abstract, _optimizer(optimizer), mesh)
-    spec = strat.rules.spec((None, "batch", "length"), shape=(1, batch, seq), mesh=mesh,
-                            path="batch['inputs']")
-    tokens = jax.ShapeDtypeStruct((1, batch, seq), jnp.int32, sharding=NamedSharding(mesh, spec))
-    loss_fn = loss or lm_loss
-
-    def step(model: Any, opt: Any, batch: Any) -> Any:
-        value, grads = ns.value_and_grad(loss_fn)(model, batch)
-        opt.update(model, grads)
-        return value
-
-    with ns.use(mesh, strat.rules):
-        compiled = ns.multistep(step, microbatches=microbatches).lower(
-            abstract, opt, {"inputs": tokens, "targets": tokens}).compile()
-    seconds = time.perf_counter() - t0
+    compiled, trainer, seconds = compile_fit(
+        factory, strategy, sizes, batch=batch, seq=seq, optimizer=optimizer,
+        microbatches=microbatches, loss=loss)
     mem = compiled.memory_analysis()
-    costs = hlo_costs(compiled.as_text(), mesh)
+    costs = hlo_costs(compiled.as_text(), trainer.mesh)
+    k = trainer.steps_per_call
+    costs = {**costs, "by_kind": {kind: b / k for kind, b in costs["by_kind"].items()},
+             **{key: costs[key] / k
+                for key in ("flops", "collective_bytes", "collectives", "memory_bytes")}}
     arg, temp, out, alias = (int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes),
                              int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes))
     return {"total": arg + temp + out - alias, "temp": temp, "argument": arg, "output": out,
@@ -872,17 +856,15 @@ _PRUNE_MARGIN = 1.25
 def _formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
                    batch: int, seq: int, remat: str) -> int | None:
     """``nnx-shard plan``'s formula; it skips a compile only past :data:`_PRUNE_MARGIN`."""
-    from nnx_shard.commands import _report
+    from nnx_shard.commands import _formula, _report
     from nnx_shard.models.memory import activation_bytes
 
     try:
         report = _report(abstract, sizes, strat.rules, tx, strat.opt_rules)
-        grads = sum(r.bytes_per_device for r in report.rows
-                    if r.group == "params" and r.kind == "Param")
         acts = activation_bytes(cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
     except Exception:  # the compile will say what is wrong
         return None
-    return int(report.param_bytes_per_device + grads + report.opt_bytes_per_device + acts)
+    return _formula(report, acts)["total"]
 
 
 def _batch_problem(strat: Any, sizes: dict[str, int], batch: int, seq: int,
@@ -1263,7 +1245,7 @@ def _apply(c: Candidate, result: Mapping[str, Any], memory: int | None, hw: Hard
     c.temp = int(result.get("temp", 0))
     c.flops = float(result["flops"])
     c.collective_bytes = float(result["collective_bytes"])
-    c.collectives = int(result.get("collectives", 0))
+    c.collectives = round(float(result.get("collectives", 0)))
     c.memory_bytes = float(result.get("memory_bytes", 0.0))
     c.by_kind = dict(result.get("by_kind", {}))
     c.compile_s = result.get("compile_s")

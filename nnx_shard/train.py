@@ -1981,16 +1981,7 @@ class Trainer:
         sizes = _iter_group_sizes(self.step, num_steps, self.steps_per_call, every)
         groups = self._grouping(data, resumed, sizes)
         self._guard.raise_()
-        params = jax.tree.leaves(nnx.state(self.model, nnx.Param))
-        self._replicated[0] = all(
-            getattr(getattr(x, "sharding", None), "is_fully_replicated", False) for x in params
-        )
-        shardings = [getattr(x, "sharding", None) for x in params]
-        self._grad_layout[0] = (
-            ([s.spec for s in shardings], self.mesh)
-            if all(isinstance(s, NamedSharding) and s.mesh == self.mesh for s in shardings)
-            else None
-        )
+        self._record_layout()
         bar = _ProgressCallback(_Progress(num_steps, progress))
         # Built in, run like the user's callbacks and before them: progress, the NaN
         # stop, checkpoints (the user's see only finite steps, and a save never
@@ -2020,7 +2011,47 @@ class Trainer:
                 checkpointer.wait()
         return run.history(num_steps)
 
+    def lower(self, batch: Any) -> jax.stages.Lowered:
+        """Lowers the compiled call :meth:`fit` makes for one group of K steps, NaN guard
+        included, without running it: ``.compile().memory_analysis()`` gives the
+        per-device bytes ``fit`` needs (the guard keeps the state from before the
+        call, one more copy of the model and optimizer state than a bare
+        :func:`multistep`). ``batch`` is one group as ``fit`` places it: a pytree of
+        ``[K, batch, ...]`` arrays, or ``jax.ShapeDtypeStruct`` with their shardings;
+        the model and optimizer may be abstract (:func:`~nnx_shard.abstract_init`).
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+        >>> trainer = Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"})
+        >>> batch = {"x": jax.ShapeDtypeStruct((10, 8, 3), jnp.float32),
+        ...          "y": jax.ShapeDtypeStruct((10, 8, 1), jnp.float32)}
+        >>> mem = trainer.lower(batch).compile().memory_analysis()
+        >>> mem.temp_size_in_bytes > 0
+        True
+        """
+        self._record_layout()
+        with use(self.mesh, self.rules):
+            return self._fused.lower(self.model, self.optimizer, batch, self._guard)
+
     # -- the phases of fit --------------------------------------------------------
+
+    def _record_layout(self) -> None:
+        """Records, for the fast step's trace, whether every parameter is replicated
+        and the parameters' specs when all are laid out on the trainer's mesh (Auto
+        mesh axes hide both from the traced types)."""
+        params = jax.tree.leaves(nnx.state(self.model, nnx.Param))
+        self._replicated[0] = all(
+            getattr(getattr(x, "sharding", None), "is_fully_replicated", False) for x in params
+        )
+        shardings = [getattr(x, "sharding", None) for x in params]
+        self._grad_layout[0] = (
+            ([s.spec for s in shardings], self.mesh)
+            if all(isinstance(s, NamedSharding) and s.mesh == self.mesh for s in shardings)
+            else None
+        )
 
     def _resume(
         self, checkpointer: Checkpointer | None, resume: bool, num_steps: int

@@ -29,3 +29,38 @@ def test_a_failing_compile_is_one_line_naming_the_device_count():
 def test_a_compile_past_the_timeout_says_how_to_avoid_it():
     with pytest.raises(CompileError, match=r"took longer than 0.01 s; use --no-compile"):
         compiled_memory_subprocess("tiny", {"data": 2}, timeout=0.01)
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("strategy, sizes", [("fsdp", {"data": 8}),
+                                             ("tp", {"data": 2, "model": 4})])
+def test_the_figure_is_fits_call_with_the_guards_copy_of_the_state(strategy, sizes):
+    """`plan` compiles what Trainer.fit runs: a bare multistep step of the same model
+    needs one copy of the parameters and optimizer state less."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    import nnx_shard as ns
+    from nnx_shard.cli import _optimizer
+    from nnx_shard.models import Transformer, get_config, lm_loss
+
+    fit = compiled_memory("tiny", sizes, strategy, batch=8, seq=16)
+    strat = ns.strategies.get(strategy)
+    mesh = ns.make_mesh(sizes)
+    model = strat.abstract_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh)
+    opt = strat.optimizer(model, _optimizer("adamw"), mesh)
+    spec = strat.rules.spec((None, "batch", "length"), shape=(2, 8, 16), mesh=mesh)
+    tokens = jax.ShapeDtypeStruct((2, 8, 16), jnp.int32, sharding=NamedSharding(mesh, spec))
+
+    def step(model, opt, batch):
+        loss, grads = ns.value_and_grad(lm_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    with ns.use(mesh, strat.rules):
+        bare = ns.multistep(step).lower(model, opt, {"inputs": tokens, "targets": tokens})
+    bare_temp = bare.compile().memory_analysis().temp_size_in_bytes
+    state = fit["params"] + fit["optimizer"]
+    assert state <= fit["temp"] - bare_temp <= 1.1 * state

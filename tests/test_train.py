@@ -1326,3 +1326,33 @@ def test_microbatch_rows_check_ignores_unsharded_leaves_and_runs_once_per_layout
     checked = len(fused._rows_checked)  # the replicated layout and this one
     fused(model, opt, good)
     assert len(fused._rows_checked) == checked == 2
+
+
+@needs_devices(8)
+def test_lower_is_the_call_fit_then_runs_and_keeps_a_copy_of_the_state():
+    """Trainer.lower traces what fit runs (fit then reuses that trace), and its compiled
+    temporaries hold the NaN guard's copy of the state a bare multistep does not keep."""
+    mesh = ns.make_mesh("data=8")
+    rules = FSDP
+    model, opt = sharded_mlp(mesh, rules)
+    trainer = Trainer(model, opt, mse_loss, mesh=mesh, rules=rules, steps_per_call=2)
+    rows = NamedSharding(mesh, P(None, "data"))
+    group = {"x": jax.ShapeDtypeStruct((2, 16, 16), jnp.float32, sharding=rows),
+             "y": jax.ShapeDtypeStruct((2, 16, 8), jnp.float32, sharding=rows)}
+    fit_temp = trainer.lower(group).compile().memory_analysis().temp_size_in_bytes
+    assert trainer.traces == 1
+
+    def step(model, opt, batch):
+        loss, grads = value_and_grad(mse_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    with ns.use(mesh, rules):
+        bare = multistep(step).lower(model, opt, group).compile().memory_analysis()
+    state = sum(x.addressable_shards[0].data.nbytes
+                for x in jax.tree.leaves(nnx.state((model, opt))))
+    assert state <= fit_temp - bare.temp_size_in_bytes <= 1.5 * state
+
+    data = [{"x": np.ones((16, 16), np.float32), "y": np.zeros((16, 8), np.float32)}] * 4
+    history = trainer.fit(data, 4, progress=False)
+    assert len(history) == 4 and trainer.traces == 1
