@@ -6,8 +6,9 @@ with ``--device-memory``, remat / microbatch variants of what does not fit)
 and predicts its step time, once from ``--calibrate``'s measurement of this
 machine (a jitted matmul's FLOP/s, an all-gather's bytes/s and a psum's
 latency on the same 8 devices) and once from the ``h100-sxm`` datasheet
-profile. Then every candidate that fits is built for real and its fused train
-step (``multistep``, ``STEPS`` steps per call) timed in interleaved rounds
+profile. Then every candidate that fits is built for real and the call
+``Trainer.fit`` compiles for it (``STEPS`` steps, NaN guard included: what the
+planner compiled) timed in interleaved rounds
 (candidates in a rotating order, blocking on each call). Measured is the best round
 (as timeit reports: other processes on a shared machine only add time); the
 median and the process CPU time per step are shown beside it.
@@ -70,16 +71,14 @@ def build(c: planner.Candidate, model: str, batch: int, seq: int):
     host = {"inputs": tokens[:, :, :-1], "targets": tokens[:, :, 1:]}
     data = ns.shard_batch(host, mesh, strat.rules, steps=True, names=("batch", "length"))
 
-    def step(model, opt, batch):
-        loss, grads = ns.value_and_grad(lm_loss)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    fused = ns.multistep(step, microbatches=c.microbatches)
+    trainer = ns.Trainer(m, opt, lm_loss, mesh=mesh, rules=strat.rules, steps_per_call=STEPS,
+                         microbatches=c.microbatches, batch_names=("batch", "length"))
+    trainer.lower(data)  # what the planner compiled: fit's call, NaN guard included
 
     def call():
+        # That call itself, without fit's host loop around it.
         with ns.use(mesh, strat.rules):
-            return jax.block_until_ready(fused(m, opt, data))
+            return jax.block_until_ready(trainer._fused(m, opt, data, trainer._guard))
 
     return call
 

@@ -88,17 +88,18 @@ def _stage_report(model: Any, sizes: dict[str, int], strategy: Any, tx: Any, cfg
 
 _DECIDES = {
     "compiled": (
-        "* compiled: XLA's buffer assignment of the fused train step (value_and_grad of "
-        "lm_loss + the optimizer update), compiled for this mesh on simulated CPU devices "
+        "* compiled: XLA's buffer assignment of the call Trainer.fit makes (two steps of "
+        "value_and_grad of lm_loss + the optimizer update, and the NaN guard's copy of the "
+        "state), compiled for this mesh on simulated CPU devices "
         "from abstract inputs (nothing allocated); total = arguments + temp + outputs - "
         "donated buffers. It decides whether the model fits: the formula is off by more than "
-        "15% ({ratio}here; 0.29-0.90 over the presets, remat policies and meshes measured), "
+        "15% ({ratio}here; 0.33-0.93 over the presets, remat policies and meshes measured), "
         "as it models neither XLA's temporaries nor how remat is scheduled. These are XLA "
         "CPU's figures: a GPU or TPU compile can differ."),
     "formula": (
         "* not compiled (--no-compile, or more than "
         f"{COMPILE_MAX_DEVICES} devices): the formula decides, and it under-counts what XLA "
-        "allocates (0.29-0.90 of the compiled total over the presets, remat policies and "
+        "allocates (0.33-0.93 of the compiled total over the presets, remat policies and "
         "meshes measured); leave headroom, or compile with --compile."),
 }
 

@@ -5,8 +5,9 @@ enumerates every preset of :data:`nnx_shard.strategies.NAMES` on every
 factorisation of the device count over the preset's mesh axes, drops what
 cannot be laid out (the preset's ``check`` raises, or the batch does not divide)
 or does not fit in the device memory, and ranks the rest by a cost model read
-from the compiled train step (one fused step of ``value_and_grad(loss)`` +
-``optimizer.update``, compiled from abstract inputs: nothing allocated)::
+from the compiled train step (the call ``Trainer.fit`` makes: two steps of
+``value_and_grad(loss)`` + ``optimizer.update`` and the NaN guard, compiled from
+abstract inputs, nothing allocated; per-step figures are the call's halved)::
 
     predicted step = matmul FLOPs per device / peak FLOP/s
                    + collective bytes sent per device / link bytes/s
@@ -26,8 +27,9 @@ from the compiled train step (one fused step of ``value_and_grad(loss)`` +
   counts as the slice. An approximation of XLA's ``bytes accessed``: it
   matters for steps bound by memory traffic (optimizer updates of replicated
   state, small matmuls on CPU).
-* Memory: XLA's buffer assignment (arguments + temp + outputs - donated) of the
-  step compiled on simulated CPU devices: a GPU/TPU compile can differ.
+* Memory: XLA's buffer assignment (arguments + temp + outputs - donated) of that
+  call compiled on simulated CPU devices, the guard's copy of the model and
+  optimizer state included: a GPU/TPU compile can differ.
 
 The search is bounded: a mesh with a size-1 axis beyond the first repeats a
 preset with fewer axes and is skipped; a candidate whose formula estimate

@@ -1791,8 +1791,9 @@ class Trainer:
         # run's data continues (saved in checkpoints, see fit).
         self.data_position = 0
         self._guard = _Guard()
-        # Whether every parameter is replicated (read at trace time by _grad_norm; set
-        # by fit from the arrays, as Auto mesh axes hide it from the traced types).
+        # Whether the whole model and optimizer state is replicated, as under dp (read
+        # at trace time by _grad_norm and the NaN guard; set by fit from the arrays, as
+        # Auto mesh axes hide it from the traced types).
         self._replicated = [False]
         # The parameters' specs and mesh when some are sharded on the trainer's mesh
         # (set by fit; read at trace time by the fast step, see _grad_sq_shares).
@@ -2039,13 +2040,19 @@ class Trainer:
     # -- the phases of fit --------------------------------------------------------
 
     def _record_layout(self) -> None:
-        """Records, for the fast step's trace, whether every parameter is replicated
-        and the parameters' specs when all are laid out on the trainer's mesh (Auto
+        """Records, for the fast step's trace, whether the whole model and optimizer
+        state is replicated and the parameters' specs when all are laid out on the trainer's mesh (Auto
         mesh axes hide both from the traced types)."""
+        def replicated(x: Any) -> bool:
+            return bool(getattr(getattr(x, "sharding", None), "is_fully_replicated", False))
+
         params = jax.tree.leaves(nnx.state(self.model, nnx.Param))
+        # Replicated parameters with a sharded optimizer state (zero1) do not count:
+        # XLA reduce-scatters the gradients to the state's shards and computes the
+        # update there, so joining gradients or updated parameters into one vector
+        # (for the norm, for the NaN check) would gather them back.
         self._replicated[0] = all(
-            getattr(getattr(x, "sharding", None), "is_fully_replicated", False) for x in params
-        )
+            replicated(x) for x in jax.tree.leaves(nnx.state((self.model, self.optimizer))))
         shardings = [getattr(x, "sharding", None) for x in params]
         self._grad_layout[0] = (
             ([s.spec for s in shardings], self.mesh)
