@@ -53,11 +53,21 @@ def _formula(report: Any, activations: int) -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
     while a call runs (to put it back if the call is not finite), activations."""
-    grads = sum(r.bytes_per_device for r in report.rows
-                if r.group == "params" and r.kind == "Param")
+    # A gradient takes the layout of the optimizer moment it updates where that is
+    # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
+    # sharded update instead of keeping the replicated sum.
+    grads = {(r.path, r.shape): r.bytes_per_device for r in report.rows
+             if r.group == "params" and r.kind == "Param"}
+    for r in report.rows:
+        if r.group == "optimizer" and r.kind == "Param":
+            names = r.path.split("/")
+            for key in (("/".join(names[i:]), r.shape) for i in range(1, len(names))):
+                if key in grads:
+                    grads[key] = min(grads[key], r.bytes_per_device)
+                    break
     parts = {
         "params": int(report.param_bytes_per_device),
-        "grads": int(grads),
+        "grads": int(sum(grads.values())),
         "optimizer": int(report.opt_bytes_per_device),
         "guard": int(report.param_bytes_per_device + report.opt_bytes_per_device),
         "activations": int(activations),

@@ -77,6 +77,21 @@ def test_plan_7b_per_device_bytes_match_hand_computation(capsys):
     assert plan["fits"] is None and plan["error"] is None and plan["devices"] == 64
 
 
+def test_plan_zero1_gradients_take_the_sharded_optimizer_states_layout(capsys):
+    """ZeRO-1 keeps replicated parameters and shards Adam's moments; XLA reduce-scatters
+    each gradient into its moment's layout, so the formula counts gradients at that size
+    (counting them replicated put the formula 1.27x over XLA's figure for the tiny model)."""
+    code, out, err = run(capsys, "plan", "--model", "tiny", "--mesh", "data=8",
+                         "--strategy", "zero1", "--optimizer", "adamw",
+                         "--batch", "16", "--seq", "16", "--json", "--no-compile")
+    assert code == 0, err
+    per = json.loads(out)["bytes_per_device"]
+    params = 4 * get_config("tiny").num_params  # float32
+    assert per["params"] == params
+    # mu and nu, each a parameter-shaped array split 8 ways, plus the int32 step count.
+    assert per["optimizer"] == 2 * per["grads"] + 4
+    assert per["grads"] == params // 8
+
 def test_plan_fits_verdict_and_exit_status(capsys):
     argv = ["plan", "--model", "7b", "--mesh", "data=8,model=8", "--no-compile", "--device-memory"]
     code, out, _ = run(capsys, *argv, "80GB")
