@@ -260,10 +260,11 @@ def report(path: Path, table: str, note: str, rows: list[dict], meta: dict) -> N
     write_json(path, {"meta": meta, "results": rows})
 
 
-def hand_scan(graphdef: Any, loss_fn: Callable) -> Callable:
+def hand_scan(graphdef: Any, loss_fn: Callable, unroll: int = 1) -> Callable:
     """The benchmarks' bare reference: ``jax.jit(jax.lax.scan)`` of K plain steps
     (``nnx.value_and_grad`` of ``loss_fn(model, batch)``, ``opt.update``) over the
-    ``nnx.split((model, optimizer))`` state, donated; returns ``(state, losses)``."""
+    ``nnx.split((model, optimizer))`` state, donated; returns ``(state, losses)``.
+    ``unroll`` is ``jax.lax.scan``'s (steps per loop iteration)."""
     import functools
 
     import jax
@@ -277,6 +278,6 @@ def hand_scan(graphdef: Any, loss_fn: Callable) -> Callable:
             opt.update(model, grads)
             return nnx.split((model, opt))[1], loss
 
-        return jax.lax.scan(body, state, batches)
+        return jax.lax.scan(body, state, batches, unroll=unroll)
 
     return scan_train

@@ -1265,6 +1265,37 @@ def test_max_in_flight_is_validated_and_shown():
             multistep(mse_step, max_in_flight=bad)
 
 
+def test_unroll_runs_the_same_steps_in_an_unrolled_loop():
+    def run(unroll):
+        model = seed_model()
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        fused = multistep(mse_step, unroll=unroll)
+        batches = data(5, 4, 20, 1)  # K=5: two unrolled pairs and a remainder step
+        text = fused.lower(model, opt, batches).compile().as_text()
+        return fused(model, opt, batches)["loss"], nnx.state(model, nnx.Param), text
+
+    loss1, params1, text1 = run(1)
+    loss2, params2, text2 = run(2)
+    assert_close(loss2, loss1, what="losses")
+    assert_close(params2, params1, what="parameters")
+    # Unrolled, the loop body holds the step twice (plus the remainder step).
+    dots = [len(re.findall(r"\bdot\(", text)) for text in (text1, text2)]
+    assert dots[1] >= 2 * dots[0] > 0, dots
+    assert "unroll=2" in repr(multistep(mse_step, unroll=2))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"unroll must be a positive int"):
+            multistep(mse_step, unroll=bad)
+
+
+def test_trainer_unroll_gives_the_rolled_history():
+    rolled = make_trainer(steps_per_call=4).fit(host_batches(20), num_steps=6, progress=False)
+    trainer = make_trainer(steps_per_call=4, unroll=2)
+    unrolled = trainer.fit(host_batches(20), num_steps=6, progress=False)
+    assert trainer._fused.unroll == 2
+    assert_close(unrolled["loss"], rolled["loss"], what="losses")
+    assert unrolled["step"].tolist() == rolled["step"].tolist() == list(range(1, 7))
+
+
 def test_max_in_flight_bounds_unfinished_calls():
     model = seed_model()
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
