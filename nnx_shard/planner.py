@@ -642,7 +642,8 @@ class Candidate:
 class Plan:
     """What :func:`auto` found: ``ranked`` (fitting candidates, fastest predicted
     first), ``dropped`` (with reasons), ``pruned`` (what the search skipped, in
-    words), the ``hardware`` and the request.
+    words), the ``hardware``, the request and ``twins`` (fitting candidates left
+    out of ``ranked`` as they compile to the program of a better-ranked one).
 
     >>> Plan([], [], [], PROFILES["h100-sxm"], {}).best is None
     True
@@ -653,6 +654,7 @@ class Plan:
     pruned: list[str]
     hardware: Hardware
     request: dict[str, Any]
+    twins: list[Candidate] = dataclasses.field(default_factory=list)
 
     @property
     def best(self) -> Candidate | None:
@@ -667,7 +669,8 @@ class Plan:
         """
         # preset -> reason -> the candidates it applies to (one reason said once)
         out: dict[str, dict[str, list[str]]] = {}
-        ok = {c.strategy for c in self.ranked}
+        # A preset whose fitting layout is another's program (ep on a dense model) fits.
+        ok = {c.strategy for c in self.ranked + self.twins}
         for c in self.dropped:
             if c.strategy in ok:
                 continue
@@ -1197,22 +1200,24 @@ def auto(model: Any = "small", *, devices: int, batch: int, seq: int,
     # A preset whose extra axis the model does not use (ep on a dense model) compiles
     # to the program of a simpler one: keep the first of identical programs.
     seen: dict[tuple[Any, ...], Candidate] = {}
-    twins = []
+    twins: list[Candidate] = []
+    same: list[str] = []
     for c in ranked:
         sig = (c.bytes_per_device, c.temp, c.flops, c.collective_bytes, c.collectives,
                c.memory_bytes, c.microbatches, c.remat)
         if sig in seen:
-            twins.append(f"{c.label} (= {seen[sig].label})")
+            twins.append(c)
+            same.append(f"{c.label} (= {seen[sig].label})")
         else:
             seen[sig] = c
     if twins:
         ranked = list(seen.values())
         pruned.append(f"{len(twins)} candidates that compile to the same program as a "
-                      f"better-ranked one: {', '.join(twins)}")
+                      f"better-ranked one: {', '.join(same)}")
     counters["considered"] = len(layouts) + sum(1 for c in dropped + ranked
                                                 if (c.remat, c.microbatches) != (policies[0], 1))
     request.update(counters)
-    plan = Plan(ranked, dropped, pruned, hw, request)
+    plan = Plan(ranked, dropped, pruned, hw, request, twins)
     if not ranked:
         raise NothingFits(plan, _nothing_fits(plan, memory, batch, devices))
     return plan

@@ -167,6 +167,19 @@ def test_identical_programs_are_kept_once():
             "ep data=1,expert=4 remat=none mb=1 (= dp data=4 remat=none mb=1)") in plan.pruned
 
 
+def test_a_preset_whose_fitting_layout_is_a_twin_is_not_called_dropped():
+    # ep on a dense model: the layout that fits is dp's program; the others do not fit.
+    same = {"total": 10, "flops": 1e9, "memory_bytes": 0.0}
+    fake = table({"dp data=4 remat=none mb=1": same, "ep data=1,expert=4 remat=none mb=1": same},
+                 default={"total": 500})
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        device_memory=200, strategies=["dp", "ep"], progress=False)
+    assert [c.label for c in plan.ranked] == ["dp data=4 remat=none mb=1"]
+    assert [c.label for c in plan.twins] == ["ep data=1,expert=4 remat=none mb=1"]
+    assert any(c.strategy == "ep" for c in plan.dropped)  # ep data=2,expert=2 did not fit
+    assert "ep" not in plan.families()
+
+
 def test_the_compile_budget_is_bounded_and_says_so():
     fake = table({}, default={"total": 1})
     plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
