@@ -75,3 +75,31 @@ def assert_same_values(run: Run, ref: Run, rtol: float, rtol_params: float) -> N
                  rtol_params, f"params after {k} steps")
     assert_close(run.opt, ref.opt, rtol, f"optimizer state after {k} steps")
     assert run.metrics["loss"][-1] < run.metrics["loss"][0]  # it trains
+
+
+def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
+                     steps: int = 2) -> jax.stages.Lowered:
+    """The bare fused call of the tiny Transformer (``steps`` steps of ``lm_loss`` and
+    AdamW; no NaN guard, no gradient norm), lowered from abstract inputs: the program
+    ``Trainer.fit``'s call is compared with."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from nnx_shard.cli import _optimizer
+    from nnx_shard.models import get_config
+
+    strat = ns.strategies.get(strategy)
+    mesh = ns.make_mesh(sizes)
+    model = strat.abstract_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh)
+    opt = strat.optimizer(model, _optimizer("adamw"), mesh)
+    spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh)
+    tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
+                                  sharding=NamedSharding(mesh, spec))
+
+    def step(model, opt, batch):
+        loss, grads = ns.value_and_grad(lm_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    with ns.use(mesh, strat.rules):
+        return ns.multistep(step).lower(model, opt, {"inputs": tokens, "targets": tokens})

@@ -37,30 +37,10 @@ def test_a_compile_past_the_timeout_says_how_to_avoid_it():
 def test_the_figure_is_fits_call_with_the_guards_copy_of_the_state(strategy, sizes):
     """`plan` compiles what Trainer.fit runs: a bare multistep step of the same model
     needs one copy of the parameters and optimizer state less."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-
-    import nnx_shard as ns
-    from nnx_shard.cli import _optimizer
-    from nnx_shard.models import Transformer, get_config, lm_loss
+    from tests._lm import lower_bare_steps
 
     fit = compiled_memory("tiny", sizes, strategy, batch=8, seq=16)
-    strat = ns.strategies.get(strategy)
-    mesh = ns.make_mesh(sizes)
-    model = strat.abstract_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh)
-    opt = strat.optimizer(model, _optimizer("adamw"), mesh)
-    spec = strat.rules.spec((None, "batch", "length"), shape=(2, 8, 16), mesh=mesh)
-    tokens = jax.ShapeDtypeStruct((2, 8, 16), jnp.int32, sharding=NamedSharding(mesh, spec))
-
-    def step(model, opt, batch):
-        loss, grads = ns.value_and_grad(lm_loss)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    with ns.use(mesh, strat.rules):
-        bare = ns.multistep(step).lower(model, opt, {"inputs": tokens, "targets": tokens})
+    bare = lower_bare_steps(strategy, sizes, batch=8, seq=16)
     bare_temp = bare.compile().memory_analysis().temp_size_in_bytes
     state = fit["params"] + fit["optimizer"]
     assert state <= fit["temp"] - bare_temp <= 1.1 * state

@@ -414,28 +414,12 @@ def test_fits_call_adds_no_collective_bytes_to_the_bare_step(strategy):
     move data: under zero1 (replicated parameters, sharded optimizer state) joining the
     gradients or the updated parameters into one vector gathered them back, 2.9 -> 11.3
     MiB of all-gather per step on `small`."""
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-
-    from nnx_shard.cli import _optimizer
-    from nnx_shard.models import lm_loss
+    from tests._lm import lower_bare_steps
 
     factory = lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
     fit = planner.compile_step(factory, strategy, {"data": 8}, batch=16, seq=16)
-    strat = strategies.get(strategy)
     mesh = ns.make_mesh({"data": 8})
-    model = strat.abstract_init(factory, mesh)
-    opt = strat.optimizer(model, _optimizer("adamw"), mesh)
-    spec = strat.rules.spec((None, "batch", "length"), shape=(2, 16, 16), mesh=mesh)
-    tokens = jax.ShapeDtypeStruct((2, 16, 16), jnp.int32, sharding=NamedSharding(mesh, spec))
-
-    def step(model, opt, batch):
-        loss, grads = ns.value_and_grad(lm_loss)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    with ns.use(mesh, strat.rules):
-        compiled = ns.multistep(step).lower(model, opt, {"inputs": tokens, "targets": tokens})
+    compiled = lower_bare_steps(strategy, {"data": 8}, batch=16, seq=16)
     bare = planner.hlo_costs(compiled.compile().as_text(), mesh)
     for kind, sent in bare["by_kind"].items():
         assert fit["by_kind"].get(kind, 0.0) == pytest.approx(sent / 2, rel=0.01), kind
