@@ -1,17 +1,17 @@
 """Compile time and steps/s of the fused K-step call under ``jax.lax.scan(unroll=...)``.
 
 ``Trainer.fit`` and ``ns.multistep`` compile K steps as one rolled
-``jax.lax.scan`` (one loop iteration a step). Unrolling copies the step body
-``unroll`` times per iteration: XLA can fuse across steps, but the program and
-its compile time grow with it. This measures that trade on the issue tracker's
-speed reference, before anyone exposes ``unroll``: MLP 32-128-128-8, Adam,
-batch 64, MSE, K=100, 1 CPU device, the hand-written scan of
-``benchmarks/_common.hand_scan`` (the bare call ``fit``'s is measured against),
-data already on the device. Compile time is ``lower`` + ``compile``; steps/s is
-the median over interleaved rounds (:func:`_common.interleaved`).
+``jax.lax.scan`` by default (one loop iteration a step); their ``unroll``
+argument copies the step body that many times per iteration: XLA can fuse
+across steps, but the program and its compile time grow with it. This measures
+that trade on the MLP 32-128-128-8, Adam, batch 64, MSE, K=100, 1 CPU device,
+with the hand-written scan of ``benchmarks/_common.hand_scan`` (the bare call
+``fit``'s is measured against), data already on the device. Compile time is
+``lower`` + ``compile``; steps/s is the median over interleaved rounds
+(:func:`_common.interleaved`).
 
-Run (about a minute on 2 CPU cores; ``--unroll 1,2,4,10,100`` adds the 100x
-unrolled program, whose compile alone takes about a minute)::
+Run (about 15 s on 2 CPU cores; ``--unroll`` picks the factors, default
+``1,2,4,10``)::
 
     .venv/bin/python benchmarks/unroll.py
 

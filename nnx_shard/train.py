@@ -811,7 +811,7 @@ def multistep(
       unroll: steps per iteration of the compiled loop (``jax.lax.scan``'s
         ``unroll``). The rolled default compiles fastest; a small model's
         loop can gain a little from 2 (``benchmarks/unroll.py``: 1.03x steps/s
-        on an MLP at 1.5x the compile time; 0.7x at 10).
+        on an MLP at 1.4x the compile time; 0.7x at 10).
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -841,7 +841,7 @@ def multistep(
         )
     if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
         raise ValueError(
-            f"multistep: unroll must be a positive int (steps per loop iteration), got "
+            f"unroll must be a positive int (steps per loop iteration), got "
             f"{unroll!r}. Fix: e.g. unroll=1 (the default, a rolled loop) or 2."
         )
     return Fused(step_fn, donate=donate, microbatches=microbatches, max_in_flight=max_in_flight,
