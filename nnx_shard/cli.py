@@ -106,7 +106,7 @@ def _parse_bytes(text: str) -> int:
 
 
 def _mesh_sizes(text: str) -> dict[str, int]:
-    from nnx_shard.mesh import _parse_axes
+    from nnx_shard.mesh.build import _parse_axes
 
     sizes = _parse_axes(text)
     if any(v == -1 for v in sizes.values()):

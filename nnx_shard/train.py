@@ -50,7 +50,7 @@ from nnx_shard.annotate import path_str
 from nnx_shard.batches import Batches
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import ShardingError, sharding_types
-from nnx_shard.mesh import _apply, current, make_mesh, option, use
+from nnx_shard.mesh import apply_sharding, current, make_mesh, option, use
 from nnx_shard.ring import expect_attention
 from nnx_shard.rules import Rules, as_rules
 
@@ -646,7 +646,7 @@ class Fused:
             # Keeps the carry in its input layout at every step, so the loop never
             # reshards mid-way and the output matches the input exactly.
             return [
-                _apply(x, s) if isinstance(s, NamedSharding) else x
+                apply_sharding(x, s) if isinstance(s, NamedSharding) else x
                 for x, s in zip(values, shardings, strict=True)
             ]
 
@@ -1039,7 +1039,7 @@ def _select(ok: jax.Array, new: Any, old: Any) -> Any:
             and not want.mesh.empty
             and jax.typeof(a).sharding.spec != want.spec
         ):
-            a = _apply(a, want)
+            a = apply_sharding(a, want)
         return jnp.where(ok, a, b)
 
     return jax.tree.map(pick, new, old)
