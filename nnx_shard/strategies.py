@@ -96,7 +96,7 @@ from nnx_shard.errors import ShardingError
 from nnx_shard.hlo import KINDS, Collective, compiled_collectives  # noqa: F401 (re-exported)
 from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import make_mesh, variable_spec
-from nnx_shard.pipeline import Schedule, check_stack
+from nnx_shard.parallel.schedule import Schedule, check_stack
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 

@@ -45,13 +45,12 @@ from flax import nnx
 from flax.nnx import graphlib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard import pipeline
 from nnx_shard.annotate import path_str
 from nnx_shard.batches import Batches
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import ShardingError, sharding_types
-from nnx_shard.mesh import apply_sharding, current, make_mesh, option, use
-from nnx_shard.ring import expect_attention
+from nnx_shard.mesh import apply_sharding, current, make_mesh, use
+from nnx_shard.parallel.registry import checking_step, microbatch_owner
 from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["Fused", "History", "Trainer", "multistep", "shard_batch", "value_and_grad"]
@@ -242,14 +241,11 @@ def value_and_grad(
             frame[1] = True
             if m is None:
                 m = frame[0]
-        if option(pipeline.OPTION) is not None:
-            # Under a pipeline strategy the microbatches flow through the stages inside
-            # one forward pass (nnx_shard.pipeline.scan) instead of the accumulation loop.
-            with pipeline.microbatches(m or 1) as used:
-                out = vg(model, batch, *args)
-            if not used[1]:
-                raise pipeline.no_stack_error(m or 1)
-            return out
+        owner = microbatch_owner()
+        if owner is not None:
+            # A parallel op runs the microbatches itself (the pipeline: through its
+            # stages inside one forward pass) instead of the accumulation loop.
+            return owner.microbatched(vg, m or 1, model, batch, *args)  # type: ignore[misc]
         if m is None or m == 1:
             return vg(model, batch, *args)
         return _accumulate(vg, m, wrt, model, batch, args)
@@ -657,7 +653,7 @@ class Fused:
             frame = [m, False]
             _micro.stack.append(frame)
             try:
-                with expect_attention(fn_name):
+                with checking_step(fn_name):
                     metrics = step_fn(*call_args)
             finally:
                 _micro.stack.pop()

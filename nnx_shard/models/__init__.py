@@ -17,7 +17,7 @@ from nnx_shard.models.transformer import (
     lm_loss,
     remat_policy,
 )
-from nnx_shard.ring import attention
+from nnx_shard.parallel.ring import attention
 
 __all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "attention",
            "get_config", "lm_loss", "remat_policy"]

@@ -44,12 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_shard import pipeline
 from nnx_shard.annotate import with_logical
-from nnx_shard.collective_matmul import check_tokens
 from nnx_shard.mesh import option
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
-from nnx_shard.ring import attention
+from nnx_shard.parallel import pipeline
+from nnx_shard.parallel.collective_matmul import check_tokens
+from nnx_shard.parallel.ring import attention
 
 __all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
            "lm_loss", "remat_policy"]

@@ -54,8 +54,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
+from nnx_shard.parallel.registry import ParallelOp, register
 
-__all__ = ["all_gather_matmul", "check_tokens", "matmul_reduce_scatter", "projection"]
+__all__ = ["OPTION", "all_gather_matmul", "check_tokens", "matmul_reduce_scatter", "projection"]
+
+#: The execution option (``Rules.with_options(collective_matmul=True)``) this module reads.
+OPTION = "collective_matmul"
 
 
 def _parse(eq: Any, x: jax.Array, w: jax.Array) -> tuple[str, str, str]:
@@ -383,7 +387,7 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
     """
     xl, wl, ol = _parse(eq, x, w)
     spec = tuple(out.spec) + (None,) * (len(ol) - len(out.spec))
-    value = option("collective_matmul", True)
+    value = option(OPTION, True)
     if value not in _DIRECTIONS:
         raise ValueError(
             f"rules option collective_matmul={value!r} is not a ring kind; valid: True, "
@@ -473,3 +477,7 @@ def check_tokens(shape: Sequence[int], names: Sequence[str] = ("batch", "length"
             + (", or strategy 'tp' (which does not split the sequence)." if name == "length"
                else ".")
         )
+
+
+# Nothing for the fused step to do: the option is declared, the model's projections read it.
+register(ParallelOp("collective_matmul", OPTION))

@@ -51,9 +51,9 @@ next to the ``C - 1`` key/value block permutes of the ring itself).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,10 +62,15 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from nnx_shard._frames import Frames
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
+from nnx_shard.parallel.registry import ParallelOp, register
 
-__all__ = ["MODES", "attention", "expect_attention"]
+__all__ = ["MODES", "OPTION", "attention", "expect_attention"]
+
+#: The execution option (``Rules.with_options(attention=...)``) this module reads.
+OPTION = "attention"
 
 #: The values of the ``attention`` execution option (``"dense"``: as if unset).
 MODES = ("dense", "ring", "allgather")
@@ -73,14 +78,14 @@ MODES = ("dense", "ring", "allgather")
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-class _Calls(threading.local):
-    count: int
+@dataclasses.dataclass
+class _Watch:
+    """One :func:`expect_attention` block: whether :func:`attention` ran inside it."""
 
-    def __init__(self) -> None:
-        self.count = 0
+    called: bool = False
 
 
-_calls = _Calls()
+_watches: Frames[_Watch] = Frames()
 
 
 def _dense(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
@@ -167,10 +172,10 @@ def expect_attention(fn_name: str = "the step") -> Iterator[None]:
     ...
     nnx_shard.errors.ShardingError: my_step ran under rules with attention='ring' ...
     """
-    mode = option("attention", "dense")
-    before = _calls.count
-    yield
-    if mode in ("ring", "allgather") and _calls.count == before:
+    mode = option(OPTION, "dense")
+    with _watches.push(_Watch()) as watch:
+        yield
+    if mode in ("ring", "allgather") and not watch.called:
         active = current()
         on = ""
         if active is not None:
@@ -207,8 +212,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) 
     ((2, 8, 2, 4), True)
     """
     _check_qkv(q, k, v)
-    _calls.count += 1
-    mode = option("attention", "dense")
+    for watch in _watches:
+        watch.called = True
+    mode = option(OPTION, "dense")
     if mode not in MODES:
         raise ValueError(
             f"attention: execution option attention={mode!r} is not one of {MODES}. Fix: "
@@ -503,3 +509,7 @@ def _ring_bwd(axes: tuple[str, ...], c: int, causal: bool, res: Any, g: jax.Arra
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# The fused step traces every step under expect_attention (see nnx_shard.parallel.registry).
+register(ParallelOp("attention", OPTION, check_step=expect_attention))

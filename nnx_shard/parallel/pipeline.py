@@ -62,7 +62,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,292 +72,58 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from nnx_shard._frames import Frames
 from nnx_shard.errors import ShardingError, ShardingWarning
 from nnx_shard.mesh import current, option
+from nnx_shard.parallel.registry import ParallelOp, register
+from nnx_shard.parallel.schedule import (
+    NO_STACK_FIX,
+    OPTION,
+    Schedule,
+    bubble,
+    check_layers,
+    check_stack,
+    idle_fraction,
+    schedule_table,
+    work,
+)
+from nnx_shard.pipeline_report import StageReport, explain
 
 __all__ = ["OPTION", "Schedule", "StageReport", "bubble", "check_stack", "explain", "idle_fraction",
            "scan", "schedule_table"]
 
-#: The execution option (``Rules.with_options(pipeline=Schedule(...))``) this module reads.
-OPTION = "pipeline"
-
 _U = PartitionSpec.UNCONSTRAINED
-
-_NO_STACK_FIX = (
-    "Fix: stack the repeated blocks under a leading layer axis and run them through "
-    "nnx_shard.pipeline.scan: TransformerConfig(scan_layers=True) for the reference "
-    "Transformer, or nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'}) "
-    "for your own blocks."
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """How :func:`scan` pipelines a layer stack (the value of the ``pipeline`` option).
-
-    Attributes:
-      axis: the mesh axis the stages lie along.
-      repeats: V. 1 is GPipe; V > 1 the circular (interleaved) schedule, in which
-        each stage holds V non-contiguous groups of layers.
-      allow_few_microbatches: GPipe only: run with fewer microbatches than stages
-        (some stages never work) with a ``ShardingWarning`` giving the bubble,
-        instead of a ``ShardingError``.
-      remat: keep only each stage's input per pipeline iteration for the backward
-        pass and recompute the stage's layers there (``jax.checkpoint`` per stage):
-        the activations in flight shrink from every layer's to one per stage.
-
-    >>> Schedule(), Schedule(repeats=2).name
-    (Schedule(axis='stage', repeats=1, allow_few_microbatches=False, remat=False), 'circular')
-    """
-
-    axis: str = "stage"
-    repeats: int = 1
-    allow_few_microbatches: bool = False
-    remat: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.axis, str) or not self.axis:
-            raise ShardingError(f"Schedule.axis={self.axis!r} must be a mesh axis name.")
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ShardingError(
-                f"Schedule.repeats={self.repeats!r} must be an int >= 1 (1: GPipe; V > 1: "
-                "circular with V layer groups per stage)."
-            )
-
-        for flag in ("allow_few_microbatches", "remat"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ShardingError(f"Schedule.{flag}={getattr(self, flag)!r} must be a bool.")
-
-    @property
-    def name(self) -> str:
-        """``"gpipe"`` or ``"circular"``."""
-        return "gpipe" if self.repeats == 1 else "circular"
-
-
-def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The analytic idle fraction of stage-steps: ``(S-1)/(M*V+S-1)``.
-
-    >>> bubble(4, 4), bubble(4, 16), bubble(4, 4, repeats=2)
-    (0.42857142857142855, 0.15789473684210525, 0.2727272727272727)
-    """
-    s, m, v = int(stages), int(microbatches), int(repeats)
-    return (s - 1) / (m * v + s - 1)
-
-
-def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
-    """What each stage works on at each iteration of :func:`scan`'s loop, as the
-    loop computes it: ``[iterations, stages]`` of ``microbatch * repeats + repeat``
-    (the layer-group pass of one microbatch), ``-1`` where the stage is idle.
-
-    >>> schedule_table(2, 2)
-    array([[ 0, -1],
-           [ 1,  0],
-           [-1,  1]])
-    """
-    s, m, v = int(stages), int(microbatches), int(repeats)
-    item, busy = _work(np.arange(m * v + s - 1)[:, None], np.arange(s)[None, :], m, v)
-    return np.where(busy, (item % m) * v + item // m, -1)
-
-
-def _work(t: Any, stage: Any, m: int, v: int) -> tuple[Any, Any]:
-    """The work item stage ``stage`` runs at iteration ``t`` (pass ``item // m`` of
-    microbatch ``item % m``) and whether it is real work. The loop of :func:`scan`
-    and :func:`schedule_table` both use it (NumPy arrays or traced values)."""
-    item = t - stage
-    return item, (item >= 0) & (item < m * v)
-
-
-def idle_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The fraction of idle entries of :func:`schedule_table`: the measured bubble.
-
-    >>> idle_fraction(4, 8) == bubble(4, 8)
-    True
-    """
-    table = schedule_table(stages, microbatches, repeats)
-    return float(np.mean(table < 0))
-
-
-# --------------------------------------------------------------------------- per-stage report
-
-
-@dataclasses.dataclass(frozen=True)
-class StageReport:
-    """Per-stage bytes of a pipelined model (see :func:`explain`); every figure is per
-    device of that stage.
-
-    Attributes:
-      stages, repeats, microbatches: S, V, M.
-      groups: the stack's layers each stage runs, in the order it runs them.
-      stack_param_bytes, stack_opt_bytes: the stage's share of the stack and of its
-        optimizer state (the same on every stage: 1/S of the stack, split further by
-        other mesh axes).
-      other_param_bytes, other_opt_bytes: everything outside the stack (embeddings,
-        head), placed by the rest of the rules (replicated over ``stage``).
-      microbatch_bytes: one microbatch of the activations entering the stack.
-      activation_bytes: the activations of the microbatches in flight that the
-        backward pass keeps at layer boundaries: ``(M*V + S - 1)`` iterations x
-        ``L/(S*V)`` layers (1 with ``Schedule.remat``: the stage's input) x
-        ``microbatch_bytes``, plus the ``M`` microbatches of outputs and one of
-        inputs the pipeline holds. Layers without rematerialisation keep more
-        inside each layer; this is the floor (``remat="full"``).
-      bubble: the idle fraction of stage-steps, ``(S-1)/(M*V+S-1)``.
-    """
-
-    stages: int
-    repeats: int
-    microbatches: int
-    groups: tuple[tuple[int, ...], ...]
-    stack_param_bytes: int
-    stack_opt_bytes: int
-    other_param_bytes: int
-    other_opt_bytes: int
-    microbatch_bytes: int
-    activation_bytes: int
-    bubble: float
-
-    @property
-    def total_bytes(self) -> int:
-        """Parameters, optimizer state and activations of one stage's device."""
-        return (self.stack_param_bytes + self.stack_opt_bytes + self.other_param_bytes
-                + self.other_opt_bytes + self.activation_bytes)
-
-    def __str__(self) -> str:
-        from nnx_shard.report import fmt_bytes
-
-        head = ("stage", "layers", "stack params", "stack opt", "other params", "other opt",
-                "activations", "total")
-        body = []
-        for i, layers in enumerate(self.groups):
-            contiguous = list(layers) == list(range(layers[0], layers[-1] + 1))
-            shown = (str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
-                     if contiguous else ",".join(map(str, layers)))
-            body.append((str(i), shown, *(fmt_bytes(b) for b in (
-                self.stack_param_bytes, self.stack_opt_bytes, self.other_param_bytes,
-                self.other_opt_bytes, self.activation_bytes, self.total_bytes))))
-        widths = [max(len(r[c]) for r in (head, *body)) for c in range(len(head))]
-        lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
-                 for r in (head, *body)]
-        kind = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} repeats"
-        lines.append(f"{kind}: {self.stages} stages, {self.microbatches} microbatches of "
-                     f"{fmt_bytes(self.microbatch_bytes)} per device, bubble "
-                     f"{self.bubble:.1%} of stage-steps")
-        return "\n".join(lines)
-
-
-def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
-            carry: Any, microbatches: int) -> StageReport:
-    """Per-stage parameter, optimizer and activation bytes of ``model`` (concrete or
-    abstract) pipelined by ``strategy`` (a pp preset, or rules with the ``pipeline``
-    option) on ``mesh``.
-
-    Args:
-      carry: the activations entering the stack for the whole batch (arrays or
-        ``jax.ShapeDtypeStruct``), e.g. ``[batch, length, embed]`` for the
-        reference Transformer.
-      microbatches: M.
-
-    >>> import optax
-    >>> import nnx_shard as ns
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> cfg = dataclasses.replace(get_config("tiny"), layers=8, scan_layers=True)
-    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    >>> x = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
-    >>> r = explain(model, "stage=4,data=2", ns.strategies.get("pp"), optax.adam(1e-3),
-    ...             carry=x, microbatches=8)
-    >>> r.groups[1], r.microbatch_bytes, r.bubble
-    ((2, 3), 2048, 0.2727272727272727)
-    >>> print(r)   # doctest: +NORMALIZE_WHITESPACE
-    stage  layers  stack params  stack opt   other params  other opt  activations  total
-    0      0-1     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
-    1      2-3     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
-    2      4-5     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
-    3      6-7     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
-    GPipe: 4 stages, 8 microbatches of 2.00 KiB per device, bubble 27.3% of stage-steps
-    """
-    from nnx_shard.mesh import make_mesh
-    from nnx_shard.report import explain as report
-
-    rules = getattr(strategy, "rules", strategy)
-    opt_rules = getattr(strategy, "opt_rules", None)
-    sched = rules.options.get(OPTION)
-    if not isinstance(sched, Schedule):
-        raise ShardingError(
-            f"pipeline.explain: the rules carry no pipeline option (got {sched!r}). Fix: pass "
-            "a pp strategy, e.g. ns.strategies.get('pp'), or "
-            "rules.with_options(pipeline=Schedule())."
-        )
-    if not isinstance(mesh, jax.sharding.AbstractMesh):  # plans any size with no devices
-        mesh = make_mesh(mesh)
-    sizes = dict(mesh.shape)
-    state = model if isinstance(model, nnx.State) else nnx.state(model)
-    check_stack(state, sizes, sched)
-    if sched.axis not in sizes:
-        raise ShardingError(
-            f"pipeline.explain: the mesh ({', '.join(f'{k}={v}' for k, v in sizes.items())}) "
-            f"has no {sched.axis!r} axis. Fix: e.g. make_mesh('{sched.axis}=4,data=2')."
-        )
-    rep = report(model, mesh, rules, optimizer, opt_rules=opt_rules)
-    stack = {p for p, v in nnx.to_flat_state(state) if isinstance(v, nnx.Variable)
-             and (v.get_metadata().get("out_sharding") or (None,))[0] == "layers"}
-    stack_paths = {"/".join(map(str, p)) for p in stack}
-
-    def is_stack(row: Any) -> bool:
-        return (bool(row.names) and row.names[0] == "layers") or row.path in stack_paths
-
-    def total(group: str, in_stack: bool) -> int:
-        return sum(r.bytes_per_device for r in rep.rows
-                   if r.group == group and is_stack(r) == in_stack)
-
-    s, v, m = sizes[sched.axis], sched.repeats, int(microbatches)
-    n_layers = next(int(np.shape(var.get_value())[0]) for p, var in nnx.to_flat_state(state)
-                    if p in stack)
-    g = n_layers // (s * v)
-    groups = tuple(tuple(layer for r in range(v) for layer in range((r * s + st) * g,
-                                                                     (r * s + st + 1) * g))
-                   for st in range(s))
-    data_axes = rules.spec(("batch",), shape=None, mesh=mesh, path="pipeline batch")[0]
-    data_axes = () if data_axes is None else (data_axes,) if isinstance(data_axes, str) else data_axes
-    data = math.prod(sizes[a] for a in data_axes)
-    whole = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
-                for x in jax.tree.leaves(carry))
-    micro = whole // (m * data)
-    acts = ((m * v + s - 1) * (1 if sched.remat else g) + m + 1) * micro
-    return StageReport(stages=s, repeats=v, microbatches=m, groups=groups,
-                       stack_param_bytes=total("params", True),
-                       stack_opt_bytes=total("optimizer", True),
-                       other_param_bytes=total("params", False),
-                       other_opt_bytes=total("optimizer", False),
-                       microbatch_bytes=micro, activation_bytes=acts, bubble=bubble(s, m, v))
 
 
 # --------------------------------------------------------------------------- microbatches
 
 
-class _Frames(threading.local):
-    def __init__(self) -> None:
-        # One [microbatches, used] frame per value_and_grad call being traced under pp.
-        self.stack: list[list[Any]] = []
+@dataclasses.dataclass
+class Microbatches:
+    """One :func:`microbatches` block: how many microbatches :func:`scan` cuts the
+    batch into, and whether a :func:`scan` took them (the model has a stack)."""
+
+    count: int
+    used: bool = False
 
 
-_frames = _Frames()
+# One frame per value_and_grad call being traced under a pipeline strategy.
+_frames: Frames[Microbatches] = Frames()
 
 
 @contextlib.contextmanager
-def microbatches(m: int) -> Iterator[list[Any]]:
+def microbatches(m: int) -> Iterator[Microbatches]:
     """The number of microbatches :func:`scan` cuts the batch into while tracing
     inside this context (:func:`nnx_shard.value_and_grad` sets it from
-    ``microbatches=M`` under a pipeline strategy). Yields ``[m, used]``.
+    ``microbatches=M`` under a pipeline strategy). Yields the :class:`Microbatches`
+    frame, whose ``used`` says whether :func:`scan` ran.
 
     >>> with microbatches(4) as frame:
     ...     frame
-    [4, False]
+    Microbatches(count=4, used=False)
     """
-    frame = [int(m), False]
-    _frames.stack.append(frame)
-    try:
+    with _frames.push(Microbatches(int(m))) as frame:
         yield frame
-    finally:
-        _frames.stack.pop()
 
 
 def no_stack_error(m: int) -> ShardingError:
@@ -366,62 +131,20 @@ def no_stack_error(m: int) -> ShardingError:
     return ShardingError(
         f"pipeline strategy with microbatches={m}: the model has no stacked layer axis "
         "(its forward pass never called nnx_shard.pipeline.scan), so there is nothing to "
-        f"split over stages. {_NO_STACK_FIX}"
+        f"split over stages. {NO_STACK_FIX}"
     )
 
 
-def check_stack(state: Any, sizes: dict[str, int], sched: Schedule) -> None:
-    """Raises a ``ShardingError`` unless ``state`` (a model's) has a stacked layer axis
-    (parameters whose first logical name is ``layers``) whose length divides into
-    the stages (x repeats) of ``sizes``. :meth:`nnx_shard.strategies.Strategy.check`
-    calls it for pipeline strategies.
-
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> cfg = get_config("tiny")   # 2 blocks, not stacked
-    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    >>> check_stack(nnx.state(model), {"stage": 2, "data": 4}, Schedule())
-    Traceback (most recent call last):
-    ...
-    nnx_shard.errors.ShardingError: pipeline over 'stage': the model has no stacked layer axis ...
-    """
-    stacked = []
-    for path, var in nnx.to_flat_state(state):
-        if not isinstance(var, nnx.Variable):
-            continue
-        names = var.get_metadata().get("out_sharding") or ()
-        if names and names[0] == "layers":
-            stacked.append(("/".join(map(str, path)), int(np.shape(var.get_value())[0])))
-    if not stacked:
-        raise ShardingError(
-            f"pipeline over {sched.axis!r}: the model has no stacked layer axis (no parameter "
-            f"has the logical name 'layers' on its first dimension), so there is nothing to "
-            f"split over stages. {_NO_STACK_FIX}"
-        )
-    s = sizes.get(sched.axis)
-    if s is None:
-        return  # the strategy's missing-axis message names the fix
-    v = sched.repeats
-    path, n_layers = stacked[0]
-    _check_layers(n_layers, s, v, sched.axis,
-                  f"parameter {path!r} stacks {n_layers} layers, which do not divide into",
-                  f" (mesh {', '.join(f'{k}={x}' for k, x in sizes.items())})",
-                  f" with repeats={v}")
-
-
-def _check_layers(n_layers: int, s: int, v: int, axis: str, subject: str, where: str,
-                  repeats: str) -> None:
-    """Raises where ``n_layers`` stacked layers do not split into ``s`` stages x
-    ``v`` repeats: ``subject`` says what holds them, ``where`` the mesh (or
-    nothing), ``repeats`` how the fix keeps the repeats."""
-    if n_layers % (s * v) == 0:
-        return
-    what = f"{s} stages" if v == 1 else f"{s} stages x {v} repeats = {s * v} layer groups"
-    good = [d for d in range(1, n_layers + 1) if n_layers % (d * v) == 0]
-    raise ShardingError(
-        f"pipeline: {subject} {what}{where}. Fix: a layer count that is a multiple of "
-        f"{s * v}, or a '{axis}' axis of size {' / '.join(map(str, good))}"
-        + (repeats if v > 1 else "") + "."
-    )
+def _microbatched(grad_fn: Callable[..., Any], m: int, model: Any, batch: Any,
+                  *args: Any) -> tuple[Any, Any]:
+    """One step's gradients under a pipeline strategy: the whole batch goes through one
+    forward pass, in which :func:`scan` runs the ``m`` microbatches through the stages
+    (what :func:`nnx_shard.value_and_grad` calls instead of its accumulation loop)."""
+    with microbatches(m) as frame:
+        out = grad_fn(model, batch, *args)
+    if not frame.used:
+        raise no_stack_error(m)
+    return out
 
 
 # --------------------------------------------------------------------------- scan
@@ -432,13 +155,13 @@ def _layer_count(layers: Any) -> int:
     if not leaves or any(np.ndim(x) == 0 for x in leaves):
         raise ShardingError(
             "nnx_shard.pipeline.scan: the layers tree has no stacked layer axis (a leaf "
-            f"with no leading dimension, or no leaves at all). {_NO_STACK_FIX}"
+            f"with no leading dimension, or no leaves at all). {NO_STACK_FIX}"
         )
     counts = {int(np.shape(x)[0]) for x in leaves}
     if len(counts) > 1:
         raise ShardingError(
             "nnx_shard.pipeline.scan: the layers tree's leaves disagree on the leading "
-            f"(layer) dimension: {sorted(counts)}. {_NO_STACK_FIX}"
+            f"(layer) dimension: {sorted(counts)}. {NO_STACK_FIX}"
         )
     return counts.pop()
 
@@ -467,7 +190,7 @@ def _check(sched: Schedule, mesh: Any, n_layers: int, m: int, batch: int, data: 
             "axis_types='auto') or strategy.make_mesh()."
         )
     s, v = sizes[sched.axis], sched.repeats
-    _check_layers(n_layers, s, v, sched.axis, f"{n_layers} stacked layers do not divide into",
+    check_layers(n_layers, s, v, sched.axis, f"{n_layers} stacked layers do not divide into",
                   "", " with these repeats")
     if m < s:
         what = (f"pipeline: microbatches={m} is fewer than the {s} stages of mesh axis "
@@ -550,10 +273,11 @@ def scan(
     n_layers = _layer_count(layers)
     mesh, rules = current()  # type: ignore[misc]  # option() is None outside use()
     m = microbatches
-    if _frames.stack:
-        _frames.stack[-1][1] = True  # the model has a stack: value_and_grad checks this
+    frame = _frames.top()
+    if frame is not None:
+        frame.used = True  # the model has a stack: value_and_grad checks this
         if m is None:
-            m = _frames.stack[-1][0]
+            m = frame.count
     batch_leaves = [x for x in jax.tree.leaves(carry) if np.ndim(x) > 0]
     if not batch_leaves:
         raise ShardingError(
@@ -632,7 +356,7 @@ def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule
                  t: jax.Array) -> list[jax.Array]:
         # This stage's pass over the stack: repeat r = (t - stage) // M (clipped in
         # the bubble, where the result is never used).
-        item, _ = _work(t, stage, m, v)
+        item, _ = work(t, stage, m, v)
         r = jnp.clip(item // m, 0, v - 1)
         group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False),
                              stage_params)
@@ -668,7 +392,7 @@ def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule
         out = run_stages(params, inputs, stage_ids, t)
         # Every stage hands its result to the next; the last stage's lands on stage 0.
         rolled = [on_stage(jnp.roll(o, 1, axis=0)) for o in out]
-        k, finished = _work(t, s - 1, m, v)  # what the last stage just did
+        k, finished = work(t, s - 1, m, v)  # what the last stage just did
         kslot = jnp.maximum(k, 0) % m
         new_done = []
         for r, d in zip(rolled, done, strict=True):
@@ -690,3 +414,7 @@ def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule
             y = jnp.moveaxis(y, 0, 1).reshape(x.shape)
             outs.append(put(y, batch_entry))
     return jax.tree.unflatten(treedef, outs)
+
+
+# value_and_grad hands the microbatches to the pipeline (see nnx_shard.parallel.registry).
+register(ParallelOp("pipeline", OPTION, microbatched=_microbatched))
