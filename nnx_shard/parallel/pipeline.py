@@ -304,82 +304,120 @@ def scan(
 
 def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule, mesh: Any,
               rules: Any, s: int, m: int, data_axes: tuple[str, ...]) -> Any:
-    axis, v = sched.axis, sched.repeats
-    n_layers = _layer_count(layers)
-    g = n_layers // (s * v)
+    v = sched.repeats
     batch_entry = data_axes if len(data_axes) != 1 else data_axes[0]
-    batch_entry = batch_entry or None
-
-    def put(x: jax.Array, *spec: Any) -> jax.Array:
-        spec = spec + (_U,) * (x.ndim - len(spec))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
-
-    # [L, ...] -> [S, V, g, ...]: stage s, repeat r holds layers (r*S + s)*g ... + g - 1.
-    # With V = 1 that is the stored contiguous split (no data moves); with V > 1 the
-    # constraint re-lays the stack out to the circular order.
-    def stage_major(x: jax.Array, spec: tuple[Any, ...]) -> jax.Array:
-        y = jnp.swapaxes(x.reshape(v, s, g, *x.shape[1:]), 0, 1)
-        return put(y, axis, None, None, *spec[1:])
-
-    def one(leaf: Any) -> Any:
-        if isinstance(leaf, nnx.Variable):
-            value = leaf.get_value()
-            names = leaf.get_metadata().get("out_sharding")
-            return leaf.replace(stage_major(value, _spec(names, tuple(value.shape), mesh, rules)))
-        return stage_major(leaf, (_U,) * np.ndim(leaf))
-
-    params = jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    loop = _Loop(mesh, sched.axis, s, v, m, _layer_count(layers) // (s * v), batch_entry or None)
+    params = loop.stage_major(layers, rules)
 
     # Microbatches: [B, ...] -> [M, B/M, ...], microbatch j = rows j, j+M, ... so every
     # device keeps its own rows (as gradient accumulation splits them).
     leaves, treedef = jax.tree.flatten(carry)
     scalar = [np.ndim(x) == 0 for x in leaves]
-
-    def split(x: jax.Array) -> jax.Array:
-        if np.ndim(x) == 0:
-            return jnp.broadcast_to(x, (m,))
-        y = jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
-        return put(y, None, batch_entry)
-
-    micro = [split(x) for x in leaves]
-    stage_ids = put(jnp.arange(s), axis)
-
-    def on_stage(x: jax.Array, *rest: Any) -> jax.Array:
-        return put(x, axis, *rest)
-
-    buf = [on_stage(jnp.zeros((s, *x.shape[1:]), x.dtype),
-                    *(() if sc else (batch_entry,))) for x, sc in zip(micro, scalar, strict=True)]
-    done = [on_stage(jnp.zeros((s, *x.shape), x.dtype),
-                     *((None,) if sc else (None, batch_entry))) for x, sc in zip(micro, scalar, strict=True)]
-
-    def stage_fn(stage_params: Any, inputs: list[jax.Array], stage: jax.Array,
-                 t: jax.Array) -> list[jax.Array]:
-        # This stage's pass over the stack: repeat r = (t - stage) // M (clipped in
-        # the bubble, where the result is never used).
-        item, _ = work(t, stage, m, v)
-        r = jnp.clip(item // m, 0, v - 1)
-        group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False),
-                             stage_params)
-        c = jax.tree.unflatten(treedef, inputs)
-        c, ys = jax.lax.scan(body, c, group)
-        if ys is not None and jax.tree.leaves(ys):
-            raise ShardingError(
-                "nnx_shard.pipeline.scan: under a pipeline the layer body must return "
-                "(carry, None); per-layer outputs are not collected. Fix: fold them into "
-                "the carry (e.g. a summed scalar)."
-            )
-        return jax.tree.leaves(c)
-
-    if sched.remat:
-        # Inside the loop XLA cannot merge the recomputation with the forward pass,
-        # so CSE prevention would only cost speed (as for scanned layers).
-        stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
-    run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, None), spmd_axis_name=axis)
+    micro = [loop.split(x) for x in leaves]
+    stage_ids = loop.put(jnp.arange(s), loop.axis)
+    buf = [loop.on_stage(jnp.zeros((s, *x.shape[1:]), x.dtype),
+                         *(() if sc else (loop.batch_entry,)))
+           for x, sc in zip(micro, scalar, strict=True)]
+    done = [loop.on_stage(jnp.zeros((s, *x.shape), x.dtype),
+                          *((None,) if sc else (None, loop.batch_entry)))
+            for x, sc in zip(micro, scalar, strict=True)]
+    run_stages = loop.stages(body, treedef, sched.remat)
 
     def iteration(state: tuple[list[jax.Array], list[jax.Array]], t: jax.Array) -> Any:
         buf, done = state
-        # Stage 0's input: microbatch t while there are new ones, then (circular) the
-        # result of the previous pass of microbatch t % M, which the roll left there.
+        inputs = loop.enter(t, micro, buf, done, stage_ids)
+        out = run_stages(params, inputs, stage_ids, t)
+        # Every stage hands its result to the next; the last stage's lands on stage 0.
+        rolled = [loop.on_stage(jnp.roll(o, 1, axis=0)) for o in out]
+        return (rolled, loop.keep(t, rolled, done)), None
+
+    (_, done), _ = jax.lax.scan(iteration, (buf, done), jnp.arange(m * v + s - 1))
+    return jax.tree.unflatten(treedef, loop.outputs(done, scalar, leaves, stage_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """The pipeline loop of :func:`_pipeline`: what all its parts share (the mesh, the
+    stage axis, S stages, V repeats, M microbatches, g layers per group, the batch's
+    mesh axes) and its parts."""
+
+    mesh: Any
+    axis: str
+    s: int
+    v: int
+    m: int
+    g: int
+    batch_entry: Any
+
+    def put(self, x: jax.Array, *spec: Any) -> jax.Array:
+        spec = spec + (_U,) * (x.ndim - len(spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def on_stage(self, x: jax.Array, *rest: Any) -> jax.Array:
+        return self.put(x, self.axis, *rest)
+
+    def stage_major(self, layers: Any, rules: Any) -> Any:
+        """[L, ...] -> [S, V, g, ...]: stage s, repeat r holds layers (r*S + s)*g ... + g - 1.
+        With V = 1 that is the stored contiguous split (no data moves); with V > 1 the
+        constraint re-lays the stack out to the circular order."""
+        s, v, g = self.s, self.v, self.g
+
+        def relay(x: jax.Array, spec: tuple[Any, ...]) -> jax.Array:
+            y = jnp.swapaxes(x.reshape(v, s, g, *x.shape[1:]), 0, 1)
+            return self.put(y, self.axis, None, None, *spec[1:])
+
+        def one(leaf: Any) -> Any:
+            if isinstance(leaf, nnx.Variable):
+                value = leaf.get_value()
+                names = leaf.get_metadata().get("out_sharding")
+                return leaf.replace(relay(value, _spec(names, tuple(value.shape), self.mesh,
+                                                       rules)))
+            return relay(leaf, (_U,) * np.ndim(leaf))
+
+        return jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def split(self, x: jax.Array) -> jax.Array:
+        m = self.m
+        if np.ndim(x) == 0:
+            return jnp.broadcast_to(x, (m,))
+        y = jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
+        return self.put(y, None, self.batch_entry)
+
+    def stages(self, body: Callable[..., Any], treedef: Any, remat: bool) -> Callable[..., Any]:
+        """Every stage's pass over its layers at once: ``(params, inputs, stage_ids, t)
+        -> outputs``, vmapped over the stage dimension."""
+        m, v = self.m, self.v
+
+        def stage_fn(stage_params: Any, inputs: list[jax.Array], stage: jax.Array,
+                     t: jax.Array) -> list[jax.Array]:
+            # This stage's pass over the stack: repeat r = (t - stage) // M (clipped in
+            # the bubble, where the result is never used).
+            item, _ = work(t, stage, m, v)
+            r = jnp.clip(item // m, 0, v - 1)
+            group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False),
+                                 stage_params)
+            c = jax.tree.unflatten(treedef, inputs)
+            c, ys = jax.lax.scan(body, c, group)
+            if ys is not None and jax.tree.leaves(ys):
+                raise ShardingError(
+                    "nnx_shard.pipeline.scan: under a pipeline the layer body must return "
+                    "(carry, None); per-layer outputs are not collected. Fix: fold them into "
+                    "the carry (e.g. a summed scalar)."
+                )
+            return jax.tree.leaves(c)
+
+        if remat:
+            # Inside the loop XLA cannot merge the recomputation with the forward pass,
+            # so CSE prevention would only cost speed (as for scanned layers).
+            stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
+        return jax.vmap(stage_fn, in_axes=(0, 0, 0, None), spmd_axis_name=self.axis)
+
+    def enter(self, t: jax.Array, micro: list[jax.Array], buf: list[jax.Array],
+              done: list[jax.Array], stage_ids: jax.Array) -> list[jax.Array]:
+        """The stages' inputs at iteration ``t``. Stage 0's: microbatch t while there are
+        new ones, then (circular) the result of the previous pass of microbatch t % M,
+        which the roll left there."""
+        m, s = self.m, self.s
         slot = t % m
         first = t < m
         inputs = []
@@ -389,31 +427,36 @@ def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule
             enter = jnp.where(first, fresh[None], again)
             mask = (stage_ids == 0).reshape((s,) + (1,) * (b.ndim - 1))
             inputs.append(jnp.where(mask, enter, b))
-        out = run_stages(params, inputs, stage_ids, t)
-        # Every stage hands its result to the next; the last stage's lands on stage 0.
-        rolled = [on_stage(jnp.roll(o, 1, axis=0)) for o in out]
-        k, finished = work(t, s - 1, m, v)  # what the last stage just did
-        kslot = jnp.maximum(k, 0) % m
+        return inputs
+
+    def keep(self, t: jax.Array, rolled: list[jax.Array], done: list[jax.Array]
+             ) -> list[jax.Array]:
+        """``done`` with what the last stage finished at iteration ``t`` stored in its
+        microbatch's slot."""
+        k, finished = work(t, self.s - 1, self.m, self.v)  # what the last stage just did
+        kslot = jnp.maximum(k, 0) % self.m
         new_done = []
         for r, d in zip(rolled, done, strict=True):
             old = jax.lax.dynamic_index_in_dim(d, kslot, 1, keepdims=False)
             val = jnp.where(finished, r, old)
             new_done.append(jax.lax.dynamic_update_index_in_dim(d, val, kslot, 1))
-        return (rolled, new_done), None
+        return new_done
 
-    (_, done), _ = jax.lax.scan(iteration, (buf, done), jnp.arange(m * v + s - 1))
-    outs = []
-    for d, sc, x in zip(done, scalar, leaves, strict=True):
-        mask = (stage_ids == 0).reshape((s,) + (1,) * (d.ndim - 1))
-        # Stage 0 holds the outputs; the sum over stages hands them to every stage.
-        y = jnp.sum(jnp.where(mask, d, jnp.zeros_like(d)), axis=0)
-        if sc:
-            outs.append(jnp.mean(y).astype(x.dtype))
-        else:
-            y = put(y, None, batch_entry)
-            y = jnp.moveaxis(y, 0, 1).reshape(x.shape)
-            outs.append(put(y, batch_entry))
-    return jax.tree.unflatten(treedef, outs)
+    def outputs(self, done: list[jax.Array], scalar: list[bool], leaves: list[Any],
+                stage_ids: jax.Array) -> list[jax.Array]:
+        """The carry's leaves after the stack, from the finished microbatches."""
+        outs = []
+        for d, sc, x in zip(done, scalar, leaves, strict=True):
+            mask = (stage_ids == 0).reshape((self.s,) + (1,) * (d.ndim - 1))
+            # Stage 0 holds the outputs; the sum over stages hands them to every stage.
+            y = jnp.sum(jnp.where(mask, d, jnp.zeros_like(d)), axis=0)
+            if sc:
+                outs.append(jnp.mean(y).astype(x.dtype))
+            else:
+                y = self.put(y, None, self.batch_entry)
+                y = jnp.moveaxis(y, 0, 1).reshape(x.shape)
+                outs.append(self.put(y, self.batch_entry))
+        return outs
 
 
 # value_and_grad hands the microbatches to the pipeline (see nnx_shard.parallel.registry).
