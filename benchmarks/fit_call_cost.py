@@ -63,8 +63,8 @@ def worker(n_devices: int, quick: bool) -> dict:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard import train
     from nnx_shard.models import Transformer, get_config, lm_loss
+    from nnx_shard.train import fused as train
 
     assert jax.device_count() == n_devices, (jax.device_count(), n_devices)
     name = os.environ.get(STRATEGY_ENV, "dp")

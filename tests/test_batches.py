@@ -188,7 +188,7 @@ def test_a_call_the_per_step_guard_accepts_is_kept_with_the_calls_queued_behind_
     guard finds every step finite, training goes on from the replayed state, and
     the call queued behind the failed one (undone in the compiled call) is replayed
     too, so no batch is lost."""
-    from nnx_shard import train
+    from nnx_shard.train import fused as train
 
     def fail_first_call(before, after, metrics):
         metrics = train._guard_call(before, after, metrics)
@@ -248,7 +248,7 @@ def test_grain_map_dataset_and_data_loader_feed_fit():
 
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_grad_norm_equals_optax_with_sharded_and_replicated_leaves(axis_types):
-    from nnx_shard import train
+    from nnx_shard.train import fused as train
 
     mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     rng = np.random.default_rng(0)
@@ -268,7 +268,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_grad_sq_shares_sum_to_the_norm_with_no_collective(axis_types):
-    from nnx_shard import train
+    from nnx_shard.train import fused as train
 
     mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     rng = np.random.default_rng(0)

@@ -29,10 +29,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard import train
 from nnx_shard.checkpoint import restore_into
 from nnx_shard.launch import simulated_env
-from nnx_shard.train import Trainer, _Progress, multistep, shard_batch, value_and_grad
+from nnx_shard.train import Trainer, multistep, shard_batch, value_and_grad
+from nnx_shard.train import fused as train
+from nnx_shard.train.fused import _Progress
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
