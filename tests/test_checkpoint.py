@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import nnx_shard as ns
 from nnx_shard.launch import simulated_env
-from nnx_shard.train.fused import _group_sizes
+from nnx_shard.train.feed import group_sizes as _group_sizes
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
