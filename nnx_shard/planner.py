@@ -832,13 +832,13 @@ def _config_dict(cfg: Any) -> dict[str, Any]:
 
 def _enumerate(n: int, names: Sequence[str]) -> tuple[list[tuple[str, dict[str, int]]], list[str]]:
     from nnx_shard import strategies
-    from nnx_shard.strategies import _factorizations
+    from nnx_shard.strategy import factorizations
 
     out, pruned = [], []
     skipped = 0
     for name in names:
         strat = strategies.get(name)
-        for shape in _factorizations(n, len(strat.mesh_axes)):
+        for shape in factorizations(n, len(strat.mesh_axes)):
             sizes = dict(zip(strat.mesh_axes, shape, strict=True))
             if n > 1 and len(shape) > 1 and 1 in shape[1:]:
                 skipped += 1

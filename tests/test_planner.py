@@ -67,7 +67,7 @@ def test_a_new_preset_joins_the_enumeration_without_edits(monkeypatch):
         return dataclasses.replace(base, name="wide", mesh_axes=("data", "extra"), sizes=(2,))
 
     monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "wide"))
-    monkeypatch.setitem(strategies._PRESETS, "wide", wide)
+    monkeypatch.setitem(strategies.PRESETS, "wide", wide)
     fake = table({}, default={"total": 1})
     plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
                         progress=False)
@@ -96,7 +96,7 @@ def test_a_preset_with_requirements_the_model_lacks_is_skipped(monkeypatch):
         return Staged("staged", base.rules, None, ("data", "stage"), (2,))
 
     monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "staged"))
-    monkeypatch.setitem(strategies._PRESETS, "staged", staged)
+    monkeypatch.setitem(strategies.PRESETS, "staged", staged)
     fake = table({}, default={"total": 1})
     plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
                         strategies=["dp", "staged"], progress=False)
