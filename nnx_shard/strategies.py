@@ -69,6 +69,12 @@ where a layout changes).
    their collectives there), with a stacked layer axis and the trainer's
    ``microbatches=M`` (at least the number of stages).
 
+This module is where users meet the presets: :class:`Strategy` and the
+:func:`~nnx_shard.strategy.preset` registry live in :mod:`nnx_shard.strategy`,
+the presets in :mod:`nnx_shard.presets`, and :func:`auto` (which chooses a preset,
+mesh shape, remat policy and microbatch count and ranks what fits by predicted
+step time) is :func:`nnx_shard.planner.auto`, re-exported here.
+
 >>> import nnx_shard as ns
 >>> s = ns.strategies.get("fsdp_tp")
 >>> s.mesh_axes, s.mesh_for(8)
@@ -79,9 +85,8 @@ where a layout changes).
 
 from __future__ import annotations
 
-from typing import Any
-
-from nnx_shard.hlo import KINDS, Collective, compiled_collectives  # noqa: F401 (re-exported)
+from nnx_shard.planner import auto
+from nnx_shard.planner.costs import KINDS, Collective, compiled_collectives  # noqa: F401 (re-exported)
 from nnx_shard.presets import (
     NAMES,
     async_tp,
@@ -112,21 +117,3 @@ __all__ = [
     "NAMES", "Collective", "Strategy", "async_tp", "auto", "compiled_collectives", "cp", "dp", "ep",
     "fsdp", "fsdp_cp", "fsdp_tp", "get", "pp", "pp_fsdp", "pp_tp", "sp", "tp", "zero1",
 ]
-
-
-def auto(model: Any = "small", **kwargs: Any) -> Any:
-    """Chooses a preset, mesh shape, remat policy and microbatch count for
-    ``model`` and ranks what fits by predicted step time:
-    :func:`nnx_shard.planner.auto` (see there for the arguments; returns a
-    :class:`nnx_shard.planner.Plan`).
-
-    >>> fake = lambda c: {"total": 1, "temp": 1, "flops": 1e9 * len(c.mesh),
-    ...                   "collective_bytes": 0.0, "collectives": 0}
-    >>> plan = auto("tiny", devices=8, batch=8, seq=16, strategies=["dp", "tp"],
-    ...             compile_fn=fake, progress=False)
-    >>> plan.best.label
-    'dp data=8 remat=none mb=1'
-    """
-    from nnx_shard.planner import auto as _auto
-
-    return _auto(model, **kwargs)

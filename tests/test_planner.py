@@ -314,8 +314,8 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
 ])
 def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
     """The planner skips a compile when the formula alone is over the budget by
-    _PRUNE_MARGIN: that is only safe while the formula stays near or under XLA's figure."""
-    from nnx_shard.cli import _optimizer
+    PRUNE_MARGIN: that is only safe while the formula stays near or under XLA's figure."""
+    from nnx_shard.optimizers import get as optimizer
 
     cfg = dataclasses.replace(get_config("tiny"), heads=8, head_dim=4, layers=4, length=32,
                               scan_layers=True, remat=remat)
@@ -325,9 +325,9 @@ def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
                                     sizes, batch=16, seq=32, microbatches=mb)["total"]
     mesh = ns.make_mesh(sizes, devices=jax.devices()[:8])
     abstract = strat.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    formula = planner._formula_bytes(abstract, cfg, strat, sizes, _optimizer("adamw"),
+    formula = planner.formula_bytes(abstract, cfg, strat, sizes, optimizer("adamw"),
                                      16 // mb, 32, remat)
-    assert 0.15 * compiled < formula <= 1.1 * compiled < planner._PRUNE_MARGIN * compiled
+    assert 0.15 * compiled < formula <= 1.1 * compiled < planner.PRUNE_MARGIN * compiled
 
 
 @needs_devices(8)

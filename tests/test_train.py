@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 import nnx_shard as ns
 from nnx_shard import train
 from nnx_shard.checkpoint import restore_into
-from nnx_shard.launch import simulated_env
+from nnx_shard.simulated import simulated_env
 from nnx_shard.train import Trainer, _Progress, multistep, shard_batch, value_and_grad
 from tests._close import assert_close
 from tests.conftest import needs_devices
