@@ -73,7 +73,7 @@ class Strategy:
         """
         n = jax.device_count() if n_devices is None else int(n_devices)
         if n < 1:
-            raise ValueError(f"n_devices must be >= 1, got {n}")
+            raise ShardingError(f"n_devices must be >= 1, got {n}. Fix: a positive device count")
         rest = n
         tail = []
         for pref in self.sizes:

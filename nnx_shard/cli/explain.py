@@ -30,7 +30,8 @@ def _import(spec: str, mod_name: str) -> Any:
         if mod_name.endswith(".py") or os.sep in mod_name:
             path = Path(mod_name)
             if not path.is_file():
-                raise UsageError(f"no file {str(path)!r}")
+                raise UsageError(f"no file {str(path)!r}. Fix: the path of a .py file defining the "
+                                 "factory")
             sp = importlib.util.spec_from_file_location(path.stem, path)
             assert sp is not None and sp.loader is not None
             module = importlib.util.module_from_spec(sp)
@@ -42,7 +43,8 @@ def _import(spec: str, mod_name: str) -> Any:
         return importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
-            raise UsageError(f"cannot import {mod_name!r}: {e}") from None
+            raise UsageError(f"cannot import {mod_name!r}: {e}. Fix: run from the directory "
+                             "holding it, or put it on PYTHONPATH") from None
         raise UsageError(f"FACTORY {spec!r}: importing {mod_name!r} raised "
                          f"ModuleNotFoundError: {_one_line(e)} {DEBUG_HINT}") from e
     except UsageError:
@@ -59,7 +61,8 @@ def _load_factory(spec: str) -> Any:
     factory = _import(spec, mod_name)
     for part in attr.split("."):
         if not hasattr(factory, part):
-            raise UsageError(f"module {mod_name!r} has no attribute {attr!r}")
+            raise UsageError(f"module {mod_name!r} has no attribute {attr!r}. Fix: name a "
+                             "function it defines")
         factory = getattr(factory, part)
     if not callable(factory):
         raise UsageError(f"{spec!r} is not callable; give a zero-argument function returning "
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     opt_rules = None
     if args.rules:
         if not Path(args.rules).is_file():
-            raise UsageError(f"--rules {args.rules!r}: no such file")
+            raise UsageError(f"--rules {args.rules!r}: no such file. Fix: the path of a .toml, "
+                             ".json or .yaml rules file")
         try:
             rules = Rules.from_file(args.rules)
         except (ValueError, TypeError, OSError, ImportError) as e:
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     model = _call_factory(args.factory, factory)
     if not isinstance(model, nnx.Module):
         raise UsageError(f"FACTORY {args.factory!r} returned {type(model).__name__}, not an "
-                         "nnx.Module")
+                         "nnx.Module. Fix: return the model from the factory")
     tx = optimizer(args.optimizer) if args.optimizer else None
     report = abstract_report(model, sizes, rules, tx, opt_rules)
     print(report.to_markdown() if args.markdown else report)

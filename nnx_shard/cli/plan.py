@@ -163,7 +163,7 @@ def _check(args: argparse.Namespace) -> TransformerConfig:
         raise UsageError("plan needs --mesh (e.g. data=8,model=8), or --auto --devices N to "
                          "choose one")
     if args.batch < 1 or args.seq < 1:
-        raise UsageError("--batch and --seq must be at least 1")
+        raise UsageError("--batch and --seq must be at least 1. Fix: e.g. --batch 8 --seq 16")
     cfg = CONFIGS[args.model]
     if args.scan_layers is not None:  # the planned model is the compiled one (pp needs a stack)
         cfg = dataclasses.replace(cfg, scan_layers=args.scan_layers)
@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     """``nnx-shard plan``: exit 0 when the model fits (or no ``--device-memory``), 1 when
     it does not, 2 for bad input or a layout that cannot be (its error on stderr)."""
     if args.model not in CONFIGS:
-        raise UsageError(f"unknown model {args.model!r}; known: {', '.join(CONFIGS)}")
+        raise UsageError(f"unknown model {args.model!r}; known: {', '.join(CONFIGS)}. Fix: "
+                         "one of those")
     if args.auto:
         return run_auto(args)
     cfg = _check(args)
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = mesh_sizes(args.mesh)
     if args.seq > cfg.length:
         raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
-                         f"({cfg.length})")
+                         f"({cfg.length}). Fix: --seq {cfg.length} or less")
     memory = device_memory(args.device_memory) if args.device_memory else None
     tx = optimizer(args.optimizer)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -326,7 +327,7 @@ def run_auto(args: argparse.Namespace) -> int:
     if args.mesh:
         raise UsageError("plan --auto chooses the mesh: drop --mesh (or drop --auto to check one)")
     if args.devices < 1:
-        raise UsageError(f"--devices must be at least 1, got {args.devices}")
+        raise UsageError(f"--devices must be at least 1, got {args.devices}. Fix: e.g. --devices 8")
     hw = _auto_hardware(args)
     names = ([s.strip() for s in args.strategies.split(",") if s.strip()]
              if args.strategies else None)
