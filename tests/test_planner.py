@@ -74,6 +74,19 @@ def test_a_new_preset_joins_the_enumeration_without_edits(monkeypatch):
     assert "wide data=2,extra=2 remat=none mb=1" in {c.label for c in plan.ranked}
 
 
+def test_options_as_a_dataclass_equal_the_keyword_call():
+    fake = table({}, default={"total": 1})
+    opts = planner.AutoOptions(devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                               progress=False, strategies=["dp", "tp"])
+    by_options = planner.auto("tiny", opts)
+    by_keywords = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                               progress=False, strategies=["dp", "tp"])
+    assert [c.label for c in by_options.ranked] == [c.label for c in by_keywords.ranked]
+    # Keywords given with options replace its fields.
+    only_dp = planner.auto("tiny", opts, strategies=["dp"])
+    assert [c.label for c in only_dp.ranked] == ["dp data=4 remat=none mb=1"]
+
+
 def test_a_preset_whose_check_raises_is_dropped_with_its_reason():
     # tiny has 4 heads: tp cannot split them 8 ways; tiny has no experts for ep to need.
     fake = table({}, default={"total": 1})
