@@ -167,7 +167,7 @@ def main() -> None:
     args = parse(__doc__)
     if worker_main(args, {"worker": worker}):
         return
-    from nnx_shard.launch import simulated_env
+    from nnx_shard.simulated import simulated_env
 
     results = [run_worker(__file__, n, args.quick, env={**simulated_env(n), STRATEGY_ENV: name})
                for n, name in SETTINGS]

@@ -3,7 +3,7 @@ import sys as _sys
 from nnx_shard import distributed, models, strategies
 from nnx_shard.annotate import annotate, get_logical_axes, logical_axes, with_logical
 from nnx_shard.checkpoint import Checkpointer, restore, save
-from nnx_shard.errors import ShardingError, ShardingWarning
+from nnx_shard.errors import NnxShardError, ShardingError, ShardingWarning
 from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
 from nnx_shard.metrics import MetricsWriter
@@ -23,6 +23,7 @@ __all__ = [
     "Batches",
     "Checkpointer",
     "MetricsWriter",
+    "NnxShardError",
     "Report",
     "Rules",
     "ShardingError",

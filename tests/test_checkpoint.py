@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import nnx_shard as ns
-from nnx_shard.launch import simulated_env
+from nnx_shard.simulated import simulated_env
 from nnx_shard.train.feed import group_sizes as _group_sizes
 from tests.conftest import needs_devices
 

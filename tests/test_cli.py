@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import needs_devices
-from nnx_shard import cli, commands, demo
+from nnx_shard import cli
+from nnx_shard.cli import demo
+from nnx_shard.cli import plan as plan_command
+from nnx_shard.cli.common import DEMO_MAX_STEPS
 from nnx_shard.models import get_config
+from nnx_shard.units import parse_bytes
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,7 +192,7 @@ def test_plan_compiles_a_256_device_mesh(capsys):
 
 
 def test_plan_meshes_beyond_the_bound_are_not_compiled_by_default(capsys, monkeypatch):
-    monkeypatch.setattr(commands, "COMPILE_MAX_DEVICES", 4)
+    monkeypatch.setattr(plan_command, "COMPILE_MAX_DEVICES", 4)
     code, out, _ = run(capsys, *TINY, "--json")
     assert code == 0 and json.loads(out)["compiled"] is None
 
@@ -274,10 +278,10 @@ def test_bad_flags_from_the_console_script_have_no_traceback():
 
 
 def test_parse_bytes():
-    assert cli._parse_bytes("80GB") == 80 * 10**9
-    assert cli._parse_bytes("80GiB") == 80 * 2**30
-    assert cli._parse_bytes("512 MiB") == 512 * 2**20
-    assert cli._parse_bytes("1e9") == 10**9
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1e9") == 10**9
 
 
 # --------------------------------------------------------------------------- explain
@@ -422,7 +426,7 @@ def test_internal_errors_keep_their_traceback(capsys, monkeypatch):
     def broken(args):
         raise ZeroDivisionError("a bug of ours")
 
-    monkeypatch.setattr(commands, "_plan", broken)
+    monkeypatch.setitem(cli.COMMANDS, "plan", broken)
     with pytest.raises(ZeroDivisionError, match="a bug of ours"):
         cli.main(["plan", "--model", "tiny", "--mesh", "data=8"])
 
@@ -474,7 +478,7 @@ def test_demo_rejects_a_learning_rate_that_is_not_finite_and_positive(capsys, tm
 def test_demo_refuses_absurd_steps_and_a_file_as_out_folder_up_front(capsys, tmp_path):
     code, out, err = run(capsys, "demo", "--steps", "1000000000000", "--out", str(tmp_path / "d"))
     assert_one_line_error(code, err, "--steps 1000000000000 is more than the demo runs",
-                          f"at most {cli.DEMO_MAX_STEPS:,}", "ns.Trainer")
+                          f"at most {DEMO_MAX_STEPS:,}", "ns.Trainer")
     assert out == "" and not (tmp_path / "d").exists()
     a_file = tmp_path / "f.txt"
     a_file.write_text("keep me")
@@ -593,12 +597,13 @@ def test_demo_end_to_end(capsys, tmp_path):
 
 
 def run_fresh(*statements: str) -> tuple[list[str], str]:
-    """Runs ``statements`` after ``import os, nnx_shard, jax; from nnx_shard import cli``
+    """Runs ``statements`` after ``import os, nnx_shard, jax; from nnx_shard.cli import common``
     in a fresh CPU-only Python that was given no device count; the words it
     printed, and its stderr."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
-    code = "; ".join(("import os, nnx_shard, jax", "from nnx_shard import cli", *statements))
+    code = "; ".join(("import os, nnx_shard, jax", "from nnx_shard.cli import common",
+                      *statements))
     done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
@@ -606,8 +611,8 @@ def run_fresh(*statements: str) -> tuple[list[str], str]:
 
 
 def test_demo_simulates_devices_only_before_jax_starts():
-    out, err = run_fresh("first = cli._simulate_devices()", "n = jax.device_count()",
-                         "print(first, n, cli._simulate_devices())")
+    out, err = run_fresh("first = common.simulate_devices()", "n = jax.device_count()",
+                         "print(first, n, common.simulate_devices())")
     # The first call sets jax_num_cpu_devices; the second sees the count set and keeps it.
     assert out == ["True", "8", "False"]
     assert err == ""
@@ -615,7 +620,7 @@ def test_demo_simulates_devices_only_before_jax_starts():
 
 def test_demo_says_when_jax_started_too_early_to_simulate_devices():
     out, err = run_fresh("n = jax.device_count()",
-                         "print(cli._simulate_devices(), n, jax.device_count())")
+                         "print(common.simulate_devices(), n, jax.device_count())")
     assert out == ["False", "1", "1"]
     assert "nnx-shard: JAX already started with 1 device(s), too late to simulate 8" in err
     assert "JAX_NUM_CPU_DEVICES=8 before the first JAX call" in err
@@ -623,7 +628,7 @@ def test_demo_says_when_jax_started_too_early_to_simulate_devices():
 
 def test_demo_keeps_a_device_count_the_user_set():
     out, err = run_fresh("jax.config.update('jax_num_cpu_devices', 2)",
-                         "print(cli._simulate_devices(), jax.device_count(), "
+                         "print(common.simulate_devices(), jax.device_count(), "
                          "'XLA_FLAGS' in os.environ)")
     assert out == ["False", "2", "False"]
     assert "too late" not in err

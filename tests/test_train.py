@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
 from nnx_shard.checkpoint import restore_into
-from nnx_shard.launch import simulated_env
+from nnx_shard.simulated import simulated_env
 from nnx_shard.train import Fused, Trainer, multistep, placement, shard_batch, value_and_grad
 from nnx_shard.train.guard import GRAD_SQ, Guard, guard_call
 from nnx_shard.train.microbatch import _split_microbatches

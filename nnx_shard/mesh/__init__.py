@@ -11,7 +11,7 @@
 Every name is importable from ``nnx_shard.mesh`` directly.
 """
 
-from nnx_shard.mesh.build import make_mesh, mesh_str
+from nnx_shard.mesh.build import make_mesh, mesh_str, parse_axes
 from nnx_shard.mesh.context import constrain, current, option, use
 from nnx_shard.mesh.layout import (
     apply_sharding,
@@ -23,4 +23,4 @@ from nnx_shard.mesh.layout import (
 )
 
 __all__ = ["apply_sharding", "as_state", "bytes_per_device", "constrain", "current", "make_mesh",
-           "mesh_str", "nbytes", "option", "shardings", "use", "variable_spec"]
+           "mesh_str", "nbytes", "option", "parse_axes", "shardings", "use", "variable_spec"]

@@ -30,7 +30,12 @@ def mesh_str(mesh: Any) -> str:
 _SPEC_FIX = "e.g. make_mesh('data=4,model=2') or make_mesh({'data': 4, 'model': 2})"
 
 
-def _parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
+def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """Mesh axis sizes from ``"data=4,model=2"`` or a dict, checked (``-1``: the rest).
+
+    >>> parse_axes("data=4,model=2")
+    {'data': 4, 'model': 2}
+    """
     if isinstance(spec, Mapping):
         items = list(spec.items())
         for name, size in items:
@@ -120,7 +125,7 @@ def make_mesh(
     """
     if isinstance(spec, Mesh):
         return spec
-    axes = _parse_axes(spec)
+    axes = parse_axes(spec)
     devs = _check_devices(devices) if devices is not None else jax.devices()
     n = len(devs)
     unknown = [k for k, v in axes.items() if v == -1]

@@ -8,7 +8,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from nnx_shard.axes import abstract_mesh
+from nnx_shard.rules import as_rules
 
 __all__ = ['ACTIVATION_FORMULA', 'activation_bytes']
 
@@ -53,10 +56,6 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     ...     tokens * (2 * layer + edges))
     True
     """
-    import numpy as np
-
-    from nnx_shard.rules import as_rules
-
     mesh = abstract_mesh(sizes)
     rules = as_rules(rules)
     # A name the table does not mention is replicated, as for any activation.

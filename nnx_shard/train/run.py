@@ -10,7 +10,7 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -21,10 +21,18 @@ from nnx_shard.train.fused import Carry, Fused
 from nnx_shard.train.guard import Guard, why_not_finite
 from nnx_shard.train.progress import Progress
 
-if TYPE_CHECKING:
-    from nnx_shard.train.trainer import Trainer
+__all__ = ["FitRun", "History", "Saver", "TrainState"]
 
-__all__ = ["FitRun", "History", "Saver"]
+
+class TrainState(Protocol):
+    """What a run reads and advances of its trainer (a :class:`~nnx_shard.Trainer`):
+    the objects it trains and its two counters. A protocol, so this module does not
+    import the trainer that imports it."""
+
+    model: Any
+    optimizer: Any
+    step: int
+    data_position: int
 
 
 @dataclasses.dataclass
@@ -54,7 +62,7 @@ class Saver:
     """fit's checkpoints: a save at every save step (the run drains the calls in
     flight there first) and one after the last step."""
 
-    def __init__(self, trainer: Trainer, checkpointer: Checkpointer) -> None:
+    def __init__(self, trainer: TrainState, checkpointer: Checkpointer) -> None:
         self.trainer = trainer
         self.checkpointer = checkpointer
         self.last_saved = trainer.step
@@ -89,7 +97,7 @@ class FitRun:
     both take.
     """
 
-    def __init__(self, trainer: Trainer, fused: Fused, careful: Fused,
+    def __init__(self, trainer: TrainState, fused: Fused, careful: Fused,
                  checked: Sequence[tuple[str, str]], guard: Guard,
                  callbacks: Sequence[Callable[..., Any]], depth: int, *,
                  progress: Progress, saver: Saver | None) -> None:

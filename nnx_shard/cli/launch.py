@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -38,32 +37,14 @@ from nnx_shard.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+from nnx_shard.simulated import FORCE_COUNT
 
-__all__ = ["add_arguments", "child_env", "main", "run", "simulated_env"]
+__all__ = ["add_arguments", "child_env", "main", "run"]
 
 _PREFIX = "nnx-shard launch: "
-_FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
 PROCESSES_PER_CPU = 8
-
-
-def simulated_env(n: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a child Python with ``n`` simulated CPU devices: a copy of
-    ``base`` (default ``os.environ``) whose ``XLA_FLAGS`` keep their other flags and
-    force ``n`` host devices, on the CPU platform. ``JAX_NUM_CPU_DEVICES`` is dropped
-    (it would disagree). The flag must be set before jax loads: hence a child.
-
-    >>> env = simulated_env(4, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --a=1"})
-    >>> env["XLA_FLAGS"], env["JAX_PLATFORMS"]
-    ('--a=1 --xla_force_host_platform_device_count=4', 'cpu')
-    """
-    env = dict(os.environ if base is None else base)
-    flags = _FORCE_COUNT.sub("", env.get("XLA_FLAGS", "")).split()
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    return env
 
 
 def max_processes() -> int:
@@ -164,7 +145,7 @@ def child_env(
     if devices_per_process is not None:
         env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
         # The forced count of a test or benchmark shell would otherwise disagree.
-        flags = _FORCE_COUNT.sub("", env.get("XLA_FLAGS", "")).strip()
+        flags = FORCE_COUNT.sub("", env.get("XLA_FLAGS", "")).strip()
         if flags:
             env["XLA_FLAGS"] = flags
         else:
@@ -296,6 +277,54 @@ def _check(args: argparse.Namespace) -> tuple[list[str], str | None]:
     return cmd, None
 
 
+def _failure(exits: list[tuple[int, int]], n: int) -> tuple[int, str] | None:
+    """The exit code and message of the first process that failed (``None``: none did)."""
+    codes: list[int | None] = [None] * n
+    for j, cj in exits:
+        codes[j] = cj
+    failed = [(j, cj) for j, cj in exits if cj != 0]
+    if not failed:
+        return None
+    i, c = failed[0]
+    others = [str(j) for j, cj in enumerate(codes) if cj is None]
+    message = f"process {i} {_describe(c)}"
+    first, first_code = exits[0]
+    if first_code == 0 and first != i:
+        # A process that leaves early (even cleanly) makes its peers fail:
+        # it is the one to look at, not the peer whose collective broke.
+        message = (
+            f"process {first} exited first (code 0) while the others were "
+            f"still running, then {message}"
+        )
+    message += (
+        f"; stopping process{'es' if len(others) > 1 else ''} {', '.join(others)}"
+        if others else ""
+    )
+    return (c if c > 0 else 128 - c), message
+
+
+def _watch(job: _Job, n: int, timeout: float | None) -> tuple[int, str | None]:
+    """Waits until every process exits 0, one fails, or ``timeout`` passes; the exit
+    code and what to say."""
+    start = time.monotonic()
+    while True:
+        with job.lock:
+            exits = list(job.exits)
+        failure = _failure(exits, n)
+        if failure is not None:
+            return failure
+        codes = dict(exits)
+        if len(codes) == n:  # every process exited, each with 0
+            return 0, None
+        if timeout is not None and time.monotonic() - start > timeout:
+            running = [str(j) for j in range(n) if j not in codes]
+            return 124, (
+                f"timed out after {timeout:g} s; stopping process"
+                f"{'es' if len(running) > 1 else ''} {', '.join(running)}"
+            )
+        time.sleep(0.05)
+
+
 def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Runs the job described by ``args`` (from :func:`add_arguments`); returns the exit code.
 
@@ -345,43 +374,7 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
     message: str | None = None
     try:
         job = _Job(cmd, envs, out)
-        start = time.monotonic()
-        while True:
-            with job.lock:
-                exits = list(job.exits)
-            codes: list[int | None] = [None] * n
-            for j, cj in exits:
-                codes[j] = cj
-            failed = [(j, cj) for j, cj in exits if cj != 0]
-            if failed:
-                i, c = failed[0]
-                others = [str(j) for j, cj in enumerate(codes) if cj is None]
-                message = f"process {i} {_describe(c)}"
-                first, first_code = exits[0]
-                if first_code == 0 and first != i:
-                    # A process that leaves early (even cleanly) makes its peers fail:
-                    # it is the one to look at, not the peer whose collective broke.
-                    message = (
-                        f"process {first} exited first (code 0) while the others were "
-                        f"still running, then {message}"
-                    )
-                message += (
-                    f"; stopping process{'es' if len(others) > 1 else ''} {', '.join(others)}"
-                    if others else ""
-                )
-                code = c if c > 0 else 128 - c
-                break
-            if all(c == 0 for c in codes):
-                break
-            if args.timeout is not None and time.monotonic() - start > args.timeout:
-                running = [str(j) for j, cj in enumerate(codes) if cj is None]
-                message = (
-                    f"timed out after {args.timeout:g} s; stopping process"
-                    f"{'es' if len(running) > 1 else ''} {', '.join(running)}"
-                )
-                code = 124
-                break
-            time.sleep(0.05)
+        code, message = _watch(job, n, args.timeout)
     except _CannotStart as e:
         err.write(f"{_PREFIX}{e}\n")
         code = 127
@@ -401,7 +394,7 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m nnx_shard.launch -n 2 -- python train.py``; returns the exit code.
+    """``python -m nnx_shard.cli.launch -n 2 -- python train.py``; returns the exit code.
 
     >>> main(["-n", "1", "--", sys.executable, "-c", "raise SystemExit(3)"])
     3

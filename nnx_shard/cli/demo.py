@@ -25,7 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from nnx_shard.axes import sizes_str
-from nnx_shard.cli import DEMO_MAX_STEPS, PROG, _mesh_sizes, _simulate_devices, _strategy, _Usage
+from nnx_shard.cli.common import DEMO_MAX_STEPS, PROG
+from nnx_shard.cli.common import UsageError as _Usage
+from nnx_shard.cli.common import mesh_sizes as _mesh_sizes
+from nnx_shard.cli.common import simulate_devices as _simulate_devices
+from nnx_shard.cli.common import strategy as _strategy
 from nnx_shard.models.sampling import generate
 
 __all__ = ['plot_losses']
