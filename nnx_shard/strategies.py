@@ -4,8 +4,10 @@ Each preset returns a :class:`Strategy`: the :class:`~nnx_shard.Rules` for
 parameters and activations, a separate table for optimizer state where the
 strategy needs one (ZeRO-1), the mesh axes it expects and a default mesh shape.
 Models annotated with the logical names ``batch``, ``length``, ``embed``,
-``heads``, ``kv``, ``mlp``, ``vocab``, ``layers`` and ``expert`` (as
-:class:`nnx_shard.models.Transformer` is) run under any of them.
+``heads``, ``kv_heads``, ``kv``, ``mlp``, ``vocab``, ``layers`` and ``expert`` (as
+:class:`nnx_shard.models.Transformer` and :class:`nnx_shard.models.Llama` are) run
+under any of them. ``kv_heads`` (grouped-query attention's key/value heads) follows
+``heads`` onto the model axis where it divides it, else it is replicated.
 
 =========  ===============  ================================================  ==========================================
 name       mesh axes        sharded                                           collectives per train step (XLA CPU)
@@ -111,7 +113,8 @@ NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep", "a
                           "fsdp_cp", "pp", "pp_fsdp", "pp_tp")
 
 #: Every logical name the presets give a rule (replicated unless a preset says otherwise).
-LOGICAL = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
+LOGICAL = ("batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",
+           "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +337,9 @@ def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
 def _table(first: tuple[str, ...] = (), **entries: Any) -> Rules:
     # Rules claim mesh axes in table order: names in ``first`` go ahead of the rest.
     order = (*first, *(n for n in LOGICAL if n not in first))
+    # Grouped-query attention's key/value heads follow the query heads over the model
+    # axis where they divide it, else stay replicated (e.g. 8 of them on model=16).
+    entries.setdefault("kv_heads", [entries["heads"], None] if entries.get("heads") else None)
     return Rules({name: entries.get(name) for name in order})
 
 
