@@ -109,7 +109,7 @@ class LlamaConfig:
 
     >>> cfg = LlamaConfig(vocab=64, embed=16, heads=4, kv_heads=2, head_dim=4, mlp=32, layers=1)
     >>> cfg.num_params
-    3664
+    4400
     >>> LlamaConfig(heads=4, kv_heads=3)
     Traceback (most recent call last):
     ...
