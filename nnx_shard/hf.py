@@ -387,7 +387,7 @@ def _match(header: st.Header, leaves: dict[str, _Leaf], rules: Sequence[_Rule],
             continue
         tried.add((leaf.path, layer))
         t = _TRANSFORMS[rule.transform]
-        want = tuple(t.hf_shape(leaf.layer_shape if layer is not None else leaf.shape))
+        want = tuple(t.hf_shape(leaf.shape[1:] if layer is not None else leaf.shape))
         if layer is not None and leaf.layers is None and leaf.keys.get(None):
             problems.append(f"conflict: {file} and {leaf.keys[None]!r} both map to "
                             f"{leaf.describe()}.")
