@@ -230,7 +230,7 @@ def write_slice(path: str, header: Header, name: str, index: Sequence[slice],
     info = header.tensors[name]
     dtype = DTYPES[info.dtype]
     offsets, run, sub = _runs(info.shape, index, dtype.itemsize)
-    data = np.ascontiguousarray(data)
+    data = np.asarray(data, order="C")  # (ascontiguousarray makes a scalar 1-d)
     if data.shape != sub or data.dtype != dtype:
         raise ValueError(f"write_slice: tensor {name!r}{list(index)} takes {dtype}{list(sub)}, "
                          f"got {data.dtype}{list(data.shape)}")
