@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, simulated_cpu, write_json  # noqa: E402
+from _common import print_table, simulated_cpu, write_json
 
 N_DEVICES = 8
 RESULTS = Path(__file__).resolve().parent / "results" / "load_memory.json"
@@ -157,13 +157,13 @@ def _write_checkpoint(path: Path, quick: bool) -> int:
     """A random model of the benchmark's size, saved with save_safetensors (in a
     subprocess, so its memory is gone before the measurements)."""
     code = (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
         "from load_memory import _config\n"
         "import nnx_shard as ns\nfrom flax import nnx\nfrom nnx_shard.models import Llama\n"
         "s = ns.strategies.get('fsdp')\n"
-        "m = s.sharded_init(lambda: Llama(_config(%r), rngs=nnx.Rngs(0)), s.make_mesh(8))\n"
-        "ns.save_safetensors(%r, m)\n"
-    ) % (str(Path(__file__).resolve().parent), quick, str(path))
+        f"m = s.sharded_init(lambda: Llama(_config({quick!r}), rngs=nnx.Rngs(0)), s.make_mesh(8))\n"
+        f"ns.save_safetensors({str(path)!r}, m)\n"
+    )
     env = {**os.environ, **simulated_cpu(N_DEVICES)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=1800)
     return (path / "model.safetensors").stat().st_size
