@@ -201,7 +201,7 @@ def _template_regex(template: str) -> re.Pattern[str]:
     for m in re.finditer(r"\\(\d)|\\g<(\d+)>", template):
         out.append(re.escape(template[pos:m.start()]))
         g = m.group(1) or m.group(2)
-        out.append(f"(?P=g{g})" if g in seen else f"(?P<g{g}>.+?)")
+        out.append(f"(?P=g{g})" if g in seen else f"(?P<g{g}>[^/]+)")
         seen.add(g)
         pos = m.end()
     out.append(re.escape(template[pos:]))
@@ -388,9 +388,12 @@ def _match(header: st.Header, leaves: dict[str, _Leaf], rules: Sequence[_Rule],
         tried.add((leaf.path, layer))
         t = _TRANSFORMS[rule.transform]
         want = tuple(t.hf_shape(leaf.shape[1:] if layer is not None else leaf.shape))
-        if layer is not None and leaf.layers is None and leaf.keys.get(None):
-            problems.append(f"conflict: {file} and {leaf.keys[None]!r} both map to "
-                            f"{leaf.describe()}.")
+        mixed = (leaf.keys.get(None) if layer is not None else
+                 next(iter(leaf.keys.values()), None) if leaf.layers is not None else None)
+        if mixed is not None:
+            problems.append(f"conflict: {file} and {mixed!r} both map to {leaf.describe()}, "
+                            "one as a whole and one as a layer. Fix: make the patterns "
+                            "disjoint.")
             continue
         if info.shape != want:
             problems.append(
@@ -514,6 +517,8 @@ def _program(leaf: _Leaf, direction: str, dtype: Any) -> Any:
     key = (direction, leaf.transform, leaf.layers is not None, layer_shape, np.dtype(dtype).name,
            hf, model)
     if key not in _programs:
+        if len(_programs) > 256:  # a bound on what a long session keeps compiled
+            _programs.clear()
         if direction == "load":
             def one(x: jax.Array) -> jax.Array:
                 return t.to_model(x, layer_shape).astype(dtype)

@@ -109,6 +109,19 @@ def test_fixture_logits_match_transformers(name: str, strategy: str) -> None:
     assert float(expected["logits"].std()) > 5  # far from uniform: the comparison bites
 
 
+def test_explicit_mesh_axes() -> None:
+    # A target on Explicit axes (JAX's sharding in types) gets arrays typed so.
+    cfg = LlamaConfig.from_hf(FIXTURES / "hf_qwen3")
+    s = ns.strategies.get("fsdp_tp")
+    mesh = s.make_mesh(8, axis_types="explicit")
+    model = hf.load_safetensors(FIXTURES / "hf_qwen3", s.abstract_init(
+        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh))
+    q = model.blocks[0].attn.q.get_value()
+    assert q.sharding.mesh.axis_types == (jax.sharding.AxisType.Explicit,) * 2
+    assert q.sharding.spec == jax.P("data", "model", None)
+    _same_arrays(model, _loaded("hf_qwen3", "fsdp_tp"))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_continuation_matches_transformers(name: str) -> None:
     # Without a cache: the whole sequence again at each step, padded to one length
@@ -261,6 +274,17 @@ def test_every_problem_in_one_error(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"- missing: model path 'blocks/mlp/up' \[2, 32, 64\] "
                        r"float32, layers 1 has no tensor"):
         hf.load_safetensors(path, _target("hf_llama", "fsdp", scan_layers=True), mapping=skip)
+
+
+def test_two_tensors_for_one_parameter(tmp_path) -> None:
+    tensors = _hf_tensors(FIXTURES / "hf_llama")
+    tensors["model.embed_tokens.weight_copy"] = tensors["model.embed_tokens.weight"].copy()
+    path = _checkpoint(tmp_path, tensors)
+    mapping = {r"model\.embed_tokens\.weight(_copy)?": "token_embed", **hf.LLAMA_MAPPING}
+    with pytest.raises(ValueError, match=r"1 problem between .*\n- conflict: HF key "
+                       r"'model.embed_tokens.weight_copy' \[128, 32\] F32 and "
+                       r"'model.embed_tokens.weight' both map to model path 'token_embed'"):
+        hf.load_safetensors(path, _target("hf_llama", "dp"), mapping=mapping)
 
 
 def test_missing_files_and_targets(tmp_path) -> None:
