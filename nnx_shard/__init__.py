@@ -1,9 +1,10 @@
 import sys as _sys
 
-from nnx_shard import distributed, models, strategies
+from nnx_shard import distributed, hf, models, strategies
 from nnx_shard.annotate import annotate, get_logical_axes, logical_axes, with_logical
 from nnx_shard.checkpoint import Checkpointer, restore, save
 from nnx_shard.errors import NnxShardError, ShardingError, ShardingWarning
+from nnx_shard.hf import load_safetensors, save_safetensors
 from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
 from nnx_shard.metrics import MetricsWriter
@@ -36,6 +37,8 @@ __all__ = [
     "distributed",
     "explain",
     "get_logical_axes",
+    "hf",
+    "load_safetensors",
     "logical_axes",
     "make_mesh",
     "models",
@@ -43,6 +46,7 @@ __all__ = [
     "pipeline",
     "restore",
     "save",
+    "save_safetensors",
     "shard_batch",
     "sharded_init",
     "sharded_optimizer",

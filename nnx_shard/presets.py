@@ -38,8 +38,14 @@ def _fsdp(data: str) -> Rules:
 
 
 def _tp(data: str, model: str) -> Rules:
-    """Megatron tensor parallelism over ``model``, the batch over ``data``."""
-    return Rules({"batch": data, "heads": model, "mlp": model, "vocab": model})
+    """Megatron tensor parallelism over ``model``, the batch over ``data``.
+
+    Grouped-query attention's key/value heads (``kv_heads``) follow the query heads
+    onto ``model`` where they divide it, else stay replicated (e.g. 8 of them on
+    ``model=16``): the second candidate of the rule.
+    """
+    return Rules({"batch": data, "heads": model, "kv_heads": [model, None], "mlp": model,
+                  "vocab": model})
 
 
 def _sp(data: str, model: str) -> Rules:

@@ -4,8 +4,10 @@ Each preset returns a :class:`Strategy`: the :class:`~nnx_shard.Rules` for
 parameters and activations, a separate table for optimizer state where the
 strategy needs one (ZeRO-1), the mesh axes it expects and a default mesh shape.
 Models annotated with the logical names ``batch``, ``length``, ``embed``,
-``heads``, ``kv``, ``mlp``, ``vocab``, ``layers`` and ``expert`` (as
-:class:`nnx_shard.models.Transformer` is) run under any of them.
+``heads``, ``kv_heads``, ``kv``, ``mlp``, ``vocab``, ``layers`` and ``expert`` (as
+:class:`nnx_shard.models.Transformer` and :class:`nnx_shard.models.Llama` are) run
+under any of them. ``kv_heads`` (grouped-query attention's key/value heads) follows
+``heads`` onto the model axis where it divides it, else it is replicated.
 
 =========  ===============  ================================================  ==========================================
 name       mesh axes        sharded                                           collectives per train step (XLA CPU)

@@ -35,7 +35,8 @@ __all__ = ["LOGICAL", "REPLICATED", "Strategy", "factorizations", "preset", "rep
 M = TypeVar("M", bound=nnx.Module)
 
 #: Every logical name the presets give a rule (replicated unless a preset says otherwise).
-LOGICAL = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
+LOGICAL = ("batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",
+           "expert")
 
 
 @dataclasses.dataclass(frozen=True)

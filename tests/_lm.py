@@ -45,11 +45,12 @@ class Run:
 
 
 def lm_run(strategy, mesh, cfg, batches: dict[str, np.ndarray], lr: float,
-           microbatches: int = 1) -> Run:
-    """The reference transformer ``cfg`` initialised by ``strategy`` on ``mesh``, then
-    trained with Adam over the host ``batches`` (``[K, batch, length]``) in one fused
-    call, whose compilation is the one inspected (``Run.hlo``)."""
-    model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+           microbatches: int = 1, model_class: Any = Transformer) -> Run:
+    """The reference transformer ``cfg`` (or ``model_class(cfg)``) initialised by
+    ``strategy`` on ``mesh``, then trained with Adam over the host ``batches``
+    (``[K, batch, length]``) in one fused call, whose compilation is the one
+    inspected (``Run.hlo``)."""
+    model = strategy.sharded_init(lambda: model_class(cfg, rngs=nnx.Rngs(0)), mesh)
     init_params = jax.device_get(nnx.state(model, nnx.Param))
     opt = strategy.optimizer(model, optax.adam(lr), mesh)
     with ns.use(mesh, strategy.rules):

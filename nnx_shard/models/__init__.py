@@ -1,4 +1,5 @@
-"""Reference models annotated only with logical axis names, and the attention
+"""Reference models annotated only with logical axis names (:class:`Transformer`,
+and :class:`Llama` for Llama-family checkpoints), and the attention
 op (:func:`attention`: dense, or ring / all-gather context parallelism as the
 strategy asks) a model calls to be context-parallel.
 
@@ -8,6 +9,7 @@ strategy asks) a model calls to be context-parallel.
 ['125m', '1b', '7b']
 """
 
+from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
 from nnx_shard.models.transformer import (
     CONFIGS,
     REMAT_POLICIES,
@@ -19,5 +21,6 @@ from nnx_shard.models.transformer import (
 )
 from nnx_shard.parallel.ring import attention
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "attention",
-           "get_config", "lm_loss", "remat_policy"]
+__all__ = ["CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Transformer",
+           "TransformerConfig", "attention", "get_config", "get_llama_config", "lm_loss",
+           "remat_policy"]
