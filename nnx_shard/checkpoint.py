@@ -630,10 +630,13 @@ def _finish_saves_at_exit(in_shutdown: bool = True) -> None:
                 failures.append(" ".join(str(e).split()) or type(e).__name__)
 
     worker = threading.Thread(target=finish, name="nnx_shard-exit", daemon=True)
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError:  # pragma: no cover - a Python that starts no thread this late
+        finish()
     stall = _stall_seconds()
     seen, since = _bytes_written(todo), time.monotonic()
-    while True:
+    while worker.is_alive():
         worker.join(timeout=min(0.5, stall))
         if not worker.is_alive():
             break
@@ -641,11 +644,16 @@ def _finish_saves_at_exit(in_shutdown: bool = True) -> None:
         if now != seen:
             seen, since = now, time.monotonic()
         elif time.monotonic() - since >= stall:
-            for ckpt in todo:
-                if ckpt._pending is not None:
-                    print(f"nnx_shard: error: the save of step {ckpt._pending} to "
-                          f"{ckpt.directory} made no progress for {stall:g} s at exit; it is "
-                          f"lost ({_STALL_ENV} sets how long to wait).", file=sys.stderr)
+            stuck = [c for c in todo if c._pending is not None]
+            for ckpt in stuck:
+                print(f"nnx_shard: error: the save of step {ckpt._pending} to "
+                      f"{ckpt.directory} made no progress for {stall:g} s at exit; it is "
+                      f"lost ({_STALL_ENV} sets how long to wait).", file=sys.stderr)
+            if not stuck:
+                print(f"nnx_shard: error: closing the checkpointers of "
+                      f"{', '.join(sorted({str(c.directory) for c in todo}))} made no progress "
+                      f"for {stall:g} s at exit ({_STALL_ENV} sets how long to wait).",
+                      file=sys.stderr)
             # Orbax's threads are stuck and the interpreter would wait for them.
             _flush()
             os._exit(1)
