@@ -501,6 +501,72 @@ TINY_DEMO = ("--batch", "16", "--seq", "32", "--embed", "32", "--heads", "4", "-
              "--layers", "1")
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--heads", "0"], "--heads 0: must be at least 1"),
+    (["--embed", "0"], "--embed 0: must be at least 1"),
+    (["--mlp", "-4"], "--mlp -4: must be at least 1"),
+    (["--layers", "0"], "--layers 0: must be at least 1"),
+    (["--seq", "0"], "--seq 0: must be at least 1"),
+    (["--batch", "0"], "--batch 0: must be at least 1"),
+    (["--evals", "0"], "--evals 0: must be at least 1"),
+    (["--steps-per-call", "0"], "--steps-per-call 0: must be at least 1"),
+    (["--experts", "-1"], "--experts -1: must be at least 0"),
+    (["--sample-chars", "-1"], "--sample-chars -1: must be at least 0"),
+    (["--seed", "-1"], "--seed -1: must be at least 0"),
+    (["--seed", str(2**40)], f"--seed {2**40}: must be at most 4,294,967,295"),
+    (["--sample-chars", "100000000"], "--sample-chars 100000000: must be at most 100,000"),
+    (["--embed", "30", "--heads", "4"], "--embed 30 must divide by --heads 4"),
+    (["--embed", "65536", "--mlp", "262144", "--layers", "64"],
+     "parameters; training it needs about"),
+])
+def test_demo_checks_its_numbers_up_front(capsys, tmp_path, flags, needle):
+    """Each bad number is one line and exit 2 before anything runs (--heads 0 was a
+    ZeroDivisionError, --sample-chars -1 an error after training)."""
+    out_dir = tmp_path / "d"
+    # A tiny, short run, then the flag under test (argparse: the last one given counts).
+    code, out, err = run(capsys, "demo", "--steps", "2", *TINY_DEMO, "--evals", "1",
+                         "--sample-chars", "4", *flags, "--out", str(out_dir))
+    assert_one_line_error(code, err, needle)
+    assert out == "" and not out_dir.exists()
+
+
+@pytest.mark.parametrize("mine", ["checkpoint/thesis.tex", "summary.json", "loss.png",
+                                  "checkpoint/2/model.txt"])
+def test_demo_never_deletes_or_overwrites_what_it_did_not_write(capsys, tmp_path, mine):
+    out_dir = tmp_path / "d"
+    (out_dir / mine).parent.mkdir(parents=True)
+    (out_dir / mine).write_text("mine")
+    code, out, err = run(capsys, "demo", "--steps", "2", *TINY_DEMO, "--evals", "1",
+                         "--sample-chars", "4", "--out", str(out_dir))
+    top = mine.split("/")[0]
+    assert_one_line_error(code, err, f"--out {str(out_dir)!r} already holds {top}",
+                          "which the demo did not write", "choose another --out")
+    assert out == "" and (out_dir / mine).read_text() == "mine"
+    assert sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*")
+                  if p.is_file()) == [mine]
+
+
+@needs_devices(8)
+def test_demo_of_one_step_runs_and_a_rerun_replaces_only_its_own_outputs(capsys, tmp_path):
+    out_dir = tmp_path / "demo"
+    tiny = ("--steps-per-call", "1", *TINY_DEMO, "--evals", "1", "--sample-chars", "4",
+            "--out", str(out_dir))
+    code, _, err = run(capsys, "demo", "--steps", "1", *tiny)  # --steps 1 crashed in optax
+    assert code == 0, err
+    assert strict_json(out_dir / "summary.json")["steps"] == 1
+    assert (out_dir / "checkpoint" / "1" / "model").is_dir()
+    (out_dir / "notes.txt").write_text("mine")
+    (out_dir / "checkpoint" / "mine.txt").write_text("mine too")
+    code, _, err = run(capsys, "demo", "--steps", "2", *tiny)
+    assert code == 0, err
+    assert strict_json(out_dir / "summary.json")["steps"] == 2
+    assert sorted(p.name for p in (out_dir / "checkpoint").iterdir()) == [
+        ".nnx_shard.lock", "2", "mine.txt"]
+    assert (out_dir / "notes.txt").read_text() == "mine"
+    assert (out_dir / "checkpoint" / "mine.txt").read_text() == "mine too"
+
+
 @needs_devices(8)
 def test_demo_that_diverges_exits_1_without_a_stale_heldout_loss(capsys, tmp_path):
     out_dir = tmp_path / "demo"
@@ -550,6 +616,7 @@ def test_demo_without_matplotlib_says_how_to_get_the_plot(capsys, tmp_path, monk
     out_dir = tmp_path / "demo"
     out_dir.mkdir()
     (out_dir / "loss.png").write_bytes(b"a previous run's plot")
+    (out_dir / demo.MARKER).write_text(json.dumps({"wrote": ["loss.png"]}))  # that run's record
     hide_matplotlib(monkeypatch)
     code, out, err = run(
         capsys, "demo", "--steps", "4", "--steps-per-call", "2", *TINY_DEMO,

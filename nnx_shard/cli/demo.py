@@ -90,8 +90,21 @@ def _demo_config(args: argparse.Namespace, strategy_name: str) -> Any:
 
 
 
+# The demo's integer flags: (attribute, least value, most value or None).
+_INT_FLAGS = (
+    ("steps", 1, None), ("steps_per_call", 1, None), ("batch", 1, None), ("seq", 1, None),
+    ("embed", 1, None), ("heads", 1, None), ("mlp", 1, None), ("layers", 1, None),
+    ("experts", 0, None), ("evals", 1, None), ("sample_chars", 0, 100_000),
+    ("seed", 0, 2**32 - 1),
+)
+# Bytes per parameter that training keeps: the parameter, its gradient, AdamW's two
+# moments, and fit's NaN guard's copy of the parameters and moments (float32 each).
+_TRAIN_BYTES_PER_PARAM = 7 * 4
+
+
 def _check_demo_args(args: argparse.Namespace) -> None:
-    """The demo's flags that need no devices, checked before JAX starts (one line, exit 2).
+    """The demo's flags that need no devices, checked before JAX starts: one line,
+    exit 2, naming the flag (an absent flag is not checked).
 
     >>> ns = argparse.Namespace(steps=10**12, steps_per_call=25, batch=32, evals=8)
     >>> try:
@@ -99,14 +112,119 @@ def _check_demo_args(args: argparse.Namespace) -> None:
     ... except _Usage as e:
     ...     print(e)
     --steps 1000000000000 is more than the demo runs (at most 1,000,000, hours on a CPU); ...
+    >>> try:
+    ...     _check_demo_args(argparse.Namespace(heads=0, embed=128))
+    ... except _Usage as e:
+    ...     print(e)
+    --heads 0: must be at least 1
     """
-    if args.steps < 1 or args.steps_per_call < 1 or args.batch < 1 or args.evals < 1:
-        raise _Usage("--steps, --steps-per-call, --batch and --evals must be at least 1")
-    if args.steps > DEMO_MAX_STEPS:
+    for name, least, most in _INT_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value < least:
+            raise _Usage(f"{flag} {value}: must be at least {least}")
+        if most is not None and value > most:
+            raise _Usage(f"{flag} {value}: must be at most {most:,}")
+    steps = getattr(args, "steps", None)
+    if steps is not None and steps > DEMO_MAX_STEPS:
         raise _Usage(
-            f"--steps {args.steps} is more than the demo runs (at most {DEMO_MAX_STEPS:,}, "
+            f"--steps {steps} is more than the demo runs (at most {DEMO_MAX_STEPS:,}, "
             "hours on a CPU); use ns.Trainer in your own script for longer runs"
         )
+    embed, heads = getattr(args, "embed", None), getattr(args, "heads", None)
+    if embed is not None and heads is not None and embed % heads:
+        raise _Usage(f"--embed {embed} must divide by --heads {heads}")
+
+
+def _check_size(cfg: Any) -> None:
+    """Refuses a model whose training state would not fit in this machine's memory
+    (half of it): one line naming the flags, instead of an out-of-memory kill."""
+    need = cfg.num_params * _TRAIN_BYTES_PER_PARAM
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - no sysconf
+        return
+    if need > have / 2:
+        raise _Usage(
+            f"--embed {cfg.embed} --mlp {cfg.mlp} --layers {cfg.layers} make a model of "
+            f"{cfg.num_params:,} parameters; training it needs about {need / 2**30:,.1f} GiB, "
+            f"more than half of this machine's {have / 2**30:,.1f} GiB. The demo is for small "
+            "models: use ns.Trainer in your own script for big ones"
+        )
+
+
+# --------------------------------------------------------------------------- what the demo wrote
+
+#: The demo's record, in ``--out``, of the files and folders it wrote there (JSON).
+MARKER = ".nnx_shard_demo.json"
+_OUTPUTS = ("summary.json", "loss.png", "checkpoint")
+
+
+class _Outputs:
+    """What the demo wrote in ``--out``, recorded in :data:`MARKER` before it is written:
+    the demo replaces or removes only those, never a file of the user's.
+
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp())
+    >>> mine = _Outputs(out)
+    >>> mine.record("summary.json"); _Outputs(out).wrote
+    ['summary.json']
+    >>> (out / "loss.png").write_text("the user's")
+    10
+    >>> try:
+    ...     _Outputs(out).check()
+    ... except _Usage as e:
+    ...     print(str(e).split("holds ")[1])
+    loss.png, which the demo did not write; choose another --out, or move it
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.wrote: list[str] = []
+        try:
+            data = json.loads((out / MARKER).read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(data, dict) and isinstance(data.get("wrote"), list):
+            self.wrote = [w for w in data["wrote"] if isinstance(w, str)]
+
+    def check(self) -> None:
+        """Refuses (one line) an output path that exists but was not written by the demo."""
+        for name in _OUTPUTS:
+            path = self.out / name
+            if os.path.lexists(path) and name not in self.wrote:
+                raise _Usage(
+                    f"--out {str(self.out)!r} already holds {name}, which the demo did not "
+                    "write; choose another --out, or move it"
+                )
+
+    def record(self, name: str) -> None:
+        """Records ``name`` as the demo's before it is written."""
+        if name not in self.wrote:
+            self.wrote.append(name)
+            self._save()
+
+    def forget(self, name: str) -> None:
+        if name in self.wrote:
+            self.wrote.remove(name)
+            self._save()
+
+    def remove_old_checkpoints(self) -> None:
+        """Deletes the checkpoint steps a previous demo run wrote (and only those)."""
+        for name in list(self.wrote):
+            head, _, step = name.partition("/")
+            if head == "checkpoint" and step.isdigit():
+                path = self.out / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                self.forget(name)
+
+    def _save(self) -> None:
+        tmp = self.out / (MARKER + ".tmp")
+        tmp.write_text(json.dumps({"wrote": self.wrote}, indent=1))
+        os.replace(tmp, self.out / MARKER)
 
 
 def _strict_json(value: Any) -> Any:
@@ -130,6 +248,9 @@ def _write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     _check_demo_args(args)
+    out = Path(args.out)
+    outputs = _Outputs(out)
+    outputs.check()
     simulated = _simulate_devices()
     import jax
     import numpy as np
@@ -157,12 +278,11 @@ def _demo(args: argparse.Namespace) -> int:
         raise _Usage(f"--mesh {sizes_str(sizes)} needs {need} devices but {n} are available")
     axis_types = args.axis_types or "explicit"
     mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=axis_types)
-    if args.embed % args.heads:
-        raise _Usage(f"--embed {args.embed} must divide by --heads {args.heads}")
     try:
         cfg = _demo_config(args, strategy.name)
     except ValueError as e:
         raise _Usage(str(e)) from None
+    _check_size(cfg)
 
     def factory() -> Transformer:
         return Transformer(cfg, rngs=nnx.Rngs(args.seed))
@@ -181,11 +301,10 @@ def _demo(args: argparse.Namespace) -> int:
                                 devices=devices[: math.prod(restore_sizes.values())])
     target = restore_strategy.abstract_init(factory, restore_mesh)
 
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out / "checkpoint"
-    if ckpt_dir.exists():  # a previous demo's checkpoint: this run writes its own
-        shutil.rmtree(ckpt_dir)
+    # A previous demo's checkpoint steps (recorded as its own): this run writes its own.
+    outputs.remove_old_checkpoints()
 
     def say(*parts: Any) -> None:
         print(*parts, flush=True)
@@ -205,8 +324,10 @@ def _demo(args: argparse.Namespace) -> int:
         f"mlp {cfg.mlp}{f', {cfg.experts} experts' if cfg.experts else ''}, context "
         f"{cfg.length}, {cfg.num_params:,} parameters")
 
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, min(100, max(1, args.steps // 10)), args.steps, args.lr * 0.1)
+    # The cosine decays over the steps after the warm-up: at least one (--steps 1: none).
+    warmup = min(100, max(1, args.steps // 10), args.steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
+                                                  args.lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b2=0.99, weight_decay=0.01))
     model = strategy.sharded_init(factory, mesh)
@@ -258,6 +379,7 @@ def _demo(args: argparse.Namespace) -> int:
     if history.stop_reason is not None:
         # No held-out loss, checkpoint or sample of a run that did not finish: the last
         # evaluation would be stale. summary.json says what happened.
+        outputs.record("summary.json")
         _write_summary(out / "summary.json", {
             "strategy": strategy.name, "mesh": sizes, "devices": n,
             "config": _jsonable_config(cfg), "steps": len(losses), "steps_requested": args.steps,
@@ -277,6 +399,8 @@ def _demo(args: argparse.Namespace) -> int:
         f"{baseline:.3f} -> {'below' if final < baseline else 'NOT below'} it by "
         f"{baseline - final:.3f}")
 
+    outputs.record("checkpoint")
+    outputs.record(f"checkpoint/{trainer.step}")
     ckpt = ns.save(ckpt_dir, trainer.step, model=model, optimizer=optimizer,
                    extra={"config": _jsonable_config(cfg), "strategy": strategy.name,
                           "mesh": sizes, "data_position": trainer.data_position})
@@ -310,10 +434,13 @@ def _demo(args: argparse.Namespace) -> int:
 
     steps = history["step"].tolist()
     png: Path | None = out / "loss.png"
+    outputs.record("loss.png")
     try:
         plot_losses(png, list(zip(steps, losses.tolist(), strict=True)), evals, baseline)
     except ImportError:
-        png.unlink(missing_ok=True)  # a previous run's plot would pass for this one's
+        # A previous run's plot (the demo's: checked up front) would pass for this one's.
+        png.unlink(missing_ok=True)
+        outputs.forget("loss.png")
         png = None
         say(f"\nno loss plot: matplotlib is not installed ({PLOT_EXTRA} to get loss.png)")
     summary = {
@@ -335,6 +462,7 @@ def _demo(args: argparse.Namespace) -> int:
         "loss": losses.tolist(), "loss_png": None if png is None else str(png),
         "total_seconds": time.perf_counter() - t_start,
     }
+    outputs.record("summary.json")
     _write_summary(out / "summary.json", summary)
     wrote = f"{png} and {out / 'summary.json'}" if png else f"{out / 'summary.json'}"
     say(f"\nwrote {wrote} ({summary['total_seconds']:.0f} s in all)")
