@@ -64,10 +64,12 @@ def _rules(mode):
 
 def test_dense_is_the_original_core() -> None:
     q, k, v = _qkv()
-    np.testing.assert_array_equal(attention(q, k, v), _original_core(q, k, v))
-    with ns.use("data=8", ns.strategies.get("dp").rules):  # no attention option: dense
-        np.testing.assert_array_equal(jax.jit(attention)(q, k, v),
-                                      jax.jit(_original_core)(q, k, v))
+    dense = functools.partial(attention, implementation="dense")
+    np.testing.assert_array_equal(dense(q, k, v), _original_core(q, k, v))
+    with ns.use("data=8", ns.strategies.get("dp").rules):  # no attention option: one device
+        np.testing.assert_array_equal(jax.jit(dense)(q, k, v), jax.jit(_original_core)(q, k, v))
+    # The default kernel (blockwise on CPU) computes the same attention.
+    assert_close(attention(q, k, v), _original_core(q, k, v), RTOL, "blockwise")
 
 
 def test_zigzag_order() -> None:
@@ -147,8 +149,11 @@ def test_bad_shapes_and_options() -> None:
     with pytest.raises(ValueError, match=r"q must be \[batch, length, heads, head_dim\] "
                        r"\(rank 4\), got ArrayImpl of shape \(2, 8, 8\)"):
         attention(q.reshape(2, 8, 8), q, q)
-    with pytest.raises(ValueError, match=r"same shape .* got q \(2, 8, 2, 4\), k \(2, 4, 2, 4\)"):
-        attention(q, q[:, :4], q[:, :4])
+    with pytest.raises(ValueError, match=r"got q \(2, 8, 2, 4\), k \(2, 8, 2, 4\), v "
+                       r"\(2, 4, 2, 4\); need .* Fix: project k and v with the same number"):
+        attention(q, q, q[:, :4])
+    with pytest.raises(ValueError, match=r"heads a multiple of kv_heads"):
+        attention(q[:, :, :1].repeat(3, 2), q, q)   # 3 query heads, 2 kv heads
     with ns.use("data=8", ns.Rules({"batch": "data"}).with_options(attention="flash")):
         with pytest.raises(ValueError, match=r"attention='flash' is not one of \('dense', "
                            r"'ring', 'allgather'\)\. Fix: rules.with_options"):

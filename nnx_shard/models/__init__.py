@@ -1,6 +1,8 @@
 """Reference models annotated only with logical axis names, and the attention
-op (:func:`attention`: dense, or ring / all-gather context parallelism as the
-strategy asks) a model calls to be context-parallel.
+op (:func:`attention`: dense, blockwise or cuDNN on each device; ring /
+all-gather context parallelism as the strategy asks) a model calls to be
+memory-efficient and context-parallel, with :func:`attention_fn`, its adapter
+for ``nnx.MultiHeadAttention(attention_fn=...)``.
 
 >>> from flax import nnx
 >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
@@ -8,6 +10,7 @@ strategy asks) a model calls to be context-parallel.
 ['125m', '1b', '7b']
 """
 
+from nnx_shard.models.adapters import attention_fn
 from nnx_shard.models.transformer import (
     CONFIGS,
     REMAT_POLICIES,
@@ -20,4 +23,4 @@ from nnx_shard.models.transformer import (
 from nnx_shard.ring import attention
 
 __all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "attention",
-           "get_config", "lm_loss", "remat_policy"]
+           "attention_fn", "get_config", "lm_loss", "remat_policy"]
