@@ -1,13 +1,22 @@
-"""Attention that context parallelism can split: dense, ring, or all-gather-KV.
+"""Attention that context parallelism can split: on each device, ring, or all-gather-KV.
 
 :func:`attention` is the softmax-attention core of a model (``q, k, v ->
-out``, all ``[batch, length, heads, head_dim]``). How it runs is the active
-strategy's choice (the execution option ``attention`` of the rules under
-:func:`nnx_shard.use`, see :meth:`nnx_shard.Rules.with_options`), never a
-model edit:
+out``; ``q [batch, length, heads, head_dim]``, ``k, v [batch, length,
+kv_heads, head_dim]``, optional masks and segment ids). Two independent
+choices decide how it runs:
+
+* the **kernel**, the model's choice (the op's ``implementation``,
+  ``TransformerConfig.attention``): how one device computes attention on the
+  queries and keys it holds, ``"dense"``, ``"blockwise"`` (memory-efficient,
+  online softmax over blocks, recomputed in the backward pass), ``"cudnn"``, or
+  ``"auto"`` (see :mod:`nnx_shard.blockwise`);
+* the **distribution**, the strategy's choice (the execution option
+  ``attention`` of the rules under :func:`nnx_shard.use`, see
+  :meth:`nnx_shard.Rules.with_options`), never a model edit. Its ``"dense"``
+  (or no option) means "no context parallelism", not the dense kernel:
 
 * no option (every preset but ``cp``/``fsdp_cp``), or outside ``use``: the
-  dense masked softmax, ``softmax(q k^T / sqrt(d)) v``;
+  kernel on each device's whole sequence;
 * ``"ring"``: ring attention over the mesh axes ``length`` is mapped to
   (``context``), in a ``jax.shard_map`` that is manual over those axes and
   over the axes the batch and heads are split over (attention is per row and
@@ -19,10 +28,20 @@ model edit:
   (its queries x one key/value block) at a time. The backward pass runs the
   ring again (a ``jax.custom_vjp``): the key/value blocks go round once more,
   each followed by the gradient accumulated for it, which ends at its owner;
-  scores are recomputed per tile instead of being stored.
+  scores are recomputed per tile instead of being stored. Each ring step is
+  one call of the kernel's block math: one tile (``"dense"``), or query x
+  key/value blocks (``"blockwise"``, the default: a device then never holds
+  its whole local tile of scores either). cuDNN's kernel returns no per-block
+  statistics, so ``"auto"`` and ``"cudnn"`` run blockwise here.
 * ``"allgather"``: each device all-gathers the full-length keys and values over
-  the context axes and attends with its local queries (simpler, more memory:
-  the comparison point).
+  the context axes and attends with its local queries through the kernel
+  (simpler, more memory: the comparison point).
+
+Grouped-query attention keeps ``kv_heads`` on the ring: query heads are grouped
+per key/value head inside the op, K/V are never repeated. Masks: segment ids and
+a key padding mask (``[batch, 1, 1, length]``) travel with the key/value blocks
+(they are per key); any other mask is held per query row at full key length and
+cut to each block's columns.
 
 Load balancing (causal, ring mode): the sequence is cut into ``2 x C`` chunks
 (``C`` = the context axis size) and device ``i`` works on chunks ``i`` and
