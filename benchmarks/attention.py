@@ -33,6 +33,7 @@ os.environ.update(simulated_cpu(1))  # before jax is imported (JAX_PLATFORMS=cud
 
 import argparse
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 
@@ -127,11 +128,11 @@ def main() -> None:
     if len(lengths) > 1:
         print("\nGrowth of temp per doubling of the length:")
         growth = []
-        for a, b in zip(lengths, lengths[1:], strict=False):
+        for a, b in itertools.pairwise(lengths):
             ra = {r["kernel"]: r["temp_bytes"] for r in mem_rows if r["length"] == a}
             rb = {r["kernel"]: r["temp_bytes"] for r in mem_rows if r["length"] == b}
             growth.append([f"{a} -> {b}"] + [f"{rb[k] / ra[k]:.2f}x" for k in kernels])
-        print_table(["lengths"] + kernels, growth)
+        print_table(["lengths", *kernels], growth)
     print(f"\nSteps/s ({rounds} interleaved rounds of {steps} steps, median):")
     base = {r["length"]: r["steps_per_s"] for r in speed_rows if r["kernel"] == kernels[0]}
     print_table(["length", "kernel", "steps/s", f"vs {kernels[0]}"],

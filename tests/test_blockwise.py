@@ -24,6 +24,14 @@ from tests._close import assert_close
 RTOL = 1e-5  # x max|expected| per tensor: see tests/_close.py
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+    # GPUs multiply float32 in TF32 by default: kernel and reference would differ by
+    # its rounding (1e-4), not by the kernel.
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def plain(q, k, v, *, causal=True, mask=None, segment_ids=None):
     """Attention the plain way: K/V repeated to the query heads, one [b, h, q, k]
     softmax; rows with nothing to see give 0."""
@@ -79,8 +87,13 @@ def _masking(name: str, length: int) -> dict:
 
 
 def _value_and_grads(fn, q, k, v, w):
-    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w),
-                                      argnums=(0, 1, 2)))(q, k, v)
+    """The output and the gradients of ``sum(output * w)`` w.r.t. q, k, v (compared as
+    tensors: the scalar sum cancels, its own rounding is no measure)."""
+    def run(q, k, v):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(w.astype(out.dtype))
+
+    return jax.jit(run)(q, k, v)
 
 
 @pytest.mark.parametrize("masking", ["none", "segments", "key_padding", "padding"])
@@ -195,9 +208,9 @@ def test_causal_skipping_with_a_query_offset(monkeypatch) -> None:
 # --------------------------------------------------------------------------- kernels chosen
 
 
-def test_auto_is_blockwise_on_cpu_and_cudnn_only_on_gpu() -> None:
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="what 'auto' picks on CPU")
+def test_auto_is_blockwise_on_cpu() -> None:
     q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-    assert jax.default_backend() == "cpu"
     assert blockwise.resolve("auto", q, q, Masks(), context_parallel=False) == "blockwise"
     assert blockwise.resolve("dense", q, q, Masks(), context_parallel=True) == "dense"
     # Context parallelism needs per-block statistics that cuDNN's kernel does not return.
