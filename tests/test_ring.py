@@ -125,6 +125,69 @@ def test_ring_never_gathers_full_kv_in_memory() -> None:
     assert temp["ring", 8] < temp["allgather", 8]
 
 
+CP_CASES = [
+    # mode, C, causal, kernel (block), kv heads, masking, axis types
+    ("ring", 4, True, "blockwise", 2, "segments+keys", "auto"),
+    ("ring", 4, True, "blockwise", 4, "full", "explicit"),
+    ("ring", 2, False, "dense", 2, "full", "auto"),
+    ("ring", 8, False, "blockwise", 1, "segments+keys", "auto"),
+    ("allgather", 4, True, "blockwise", 2, "full", "auto"),
+    ("allgather", 2, True, "dense", 2, "segments+keys", "explicit"),
+]
+
+
+@pytest.mark.parametrize("mode,c,causal,kernel,kv_heads,masking,axis_types", CP_CASES)
+def test_gqa_masks_and_segments_match_plain_attention(mode, c, causal, kernel, kv_heads, masking,
+                                                      axis_types) -> None:
+    """Grouped K/V heads, segment ids and key padding (which travel with the K/V blocks)
+    or a full [batch, 1, q, k] mask (rows held per device), blockwise tiles of 3 (the
+    last padded) inside each ring step: values and gradients equal plain attention."""
+    from tests.test_blockwise import plain
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    b, length = 4, 32
+    q = jax.random.normal(keys[0], (b, length, 4, 8))
+    k, v = (jax.random.normal(x, (b, length, kv_heads, 8)) for x in keys[1:3])
+    w = jax.random.normal(keys[3], q.shape)
+    valid = jnp.arange(length)[None, :] < jnp.array([[length], [20], [5], [31]])
+    seg = jnp.asarray(np.cumsum(np.random.default_rng(0).random((b, length)) < 0.15, axis=1),
+                      jnp.int32)
+    if masking == "full":  # padded queries see nothing (row 2 from token 5 on)
+        extra = {"mask": valid[:, None, :, None] & valid[:, None, None, :]}
+    else:
+        extra = {"segment_ids": seg, "mask": valid[:, None, None, :]}
+
+    def run(fn):
+        def f(q, k, v):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(w)
+        return f
+
+    expected = jax.jit(run(functools.partial(
+        plain, causal=causal, mask=extra["mask"], segment_ids=extra.get("segment_ids"))))(q, k, v)
+    mesh = ns.make_mesh({"data": 8 // c, "context": c}, axis_types=axis_types)
+    op = functools.partial(attention, causal=causal, implementation=kernel, block_size=3,
+                           **extra)
+    with ns.use(mesh, _rules(mode)):
+        sharded = [jax.device_put(a, NamedSharding(mesh, P("data", "context"))) for a in (q, k, v)]
+        got = jax.block_until_ready(jax.jit(run(op))(*sharded))
+    assert_close(got, expected, RTOL, f"{mode} C={c} {kernel} kv={kv_heads} {masking}")
+
+
+def test_kv_heads_must_split_like_the_query_heads() -> None:
+    q, kv = jnp.ones((2, 8, 4, 8)), jnp.ones((2, 8, 1, 8))
+    rules = ns.Rules({"batch": "data", "length": "context", "heads": "model"}).with_options(
+        attention="ring")
+    with ns.use("data=2,context=2,model=2", rules):
+        with pytest.raises(ns.ShardingError, match=r"k/v \(2, 8, 1, 8\) have 1 kv heads, but "
+                           r"the query heads are split over mesh axes \('model',\) \(2 ways"
+                           r".* Fix: use a number of kv heads divisible by 2"):
+            jax.jit(attention)(q, kv, kv)
+        with pytest.raises(ns.ShardingError, match=r"q \(2, 8, 4, 8\) and k \(2, 4, 4, 8\) "
+                           r"differ in length; context parallelism splits one sequence"):
+            jax.jit(attention)(q, q[:, :4], q[:, :4])
+
+
 # --------------------------------------------------------------------------- bad input
 
 
