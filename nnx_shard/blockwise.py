@@ -2,7 +2,7 @@
 
 Three kernels compute ``softmax(q k^T / sqrt(head_dim) [masked]) v`` on one
 device (or on each device's share under context parallelism, see
-:mod:`nnx_shard.ring`):
+:mod:`nnx_shard.parallel.ring`):
 
 * ``"dense"``: the plain masked softmax. It keeps the float32 scores and
   probabilities ``[batch, heads, q_len, kv_len]`` for the backward pass:
@@ -41,7 +41,7 @@ softmax return the mean of all values there instead).
 
 The block math here (:func:`stats` and :func:`grads`: unnormalised output, row
 sums and maxima of a query/key block, merged with :func:`merge`) is also what
-the ring mode of :mod:`nnx_shard.ring` runs at each ring step.
+the ring mode of :mod:`nnx_shard.parallel.ring` runs at each ring step.
 
 >>> import jax.numpy as jnp
 >>> q = jax.random.normal(jax.random.key(0), (1, 40, 4, 8))

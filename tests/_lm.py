@@ -45,11 +45,12 @@ class Run:
 
 
 def lm_run(strategy, mesh, cfg, batches: dict[str, np.ndarray], lr: float,
-           microbatches: int = 1) -> Run:
-    """The reference transformer ``cfg`` initialised by ``strategy`` on ``mesh``, then
-    trained with Adam over the host ``batches`` (``[K, batch, length]``) in one fused
-    call, whose compilation is the one inspected (``Run.hlo``)."""
-    model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+           microbatches: int = 1, model_class: Any = Transformer) -> Run:
+    """The reference transformer ``cfg`` (or ``model_class(cfg)``) initialised by
+    ``strategy`` on ``mesh``, then trained with Adam over the host ``batches``
+    (``[K, batch, length]``) in one fused call, whose compilation is the one
+    inspected (``Run.hlo``)."""
+    model = strategy.sharded_init(lambda: model_class(cfg, rngs=nnx.Rngs(0)), mesh)
     init_params = jax.device_get(nnx.state(model, nnx.Param))
     opt = strategy.optimizer(model, optax.adam(lr), mesh)
     with ns.use(mesh, strategy.rules):
@@ -85,13 +86,13 @@ def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from nnx_shard.cli import _optimizer
     from nnx_shard.models import get_config
+    from nnx_shard.optimizers import get as optimizer
 
     strat = ns.strategies.get(strategy)
     mesh = ns.make_mesh(sizes)
     model = strat.abstract_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh)
-    opt = strat.optimizer(model, _optimizer("adamw"), mesh)
+    opt = strat.optimizer(model, optimizer("adamw"), mesh)
     spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh)
     tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
                                   sharding=NamedSharding(mesh, spec))

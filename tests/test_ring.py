@@ -1,4 +1,4 @@
-"""Context parallelism: the attention op (nnx_shard.ring / nnx_shard.models.attention)
+"""Context parallelism: the attention op (nnx_shard.parallel.ring / nnx_shard.models.attention)
 in dense, ring and all-gather mode, and the cp presets training the reference
 transformer, on 8 simulated devices.
 
@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
 from nnx_shard.models import Transformer, attention, get_config, lm_loss
-from nnx_shard.ring import _zigzag_pairs
+from nnx_shard.parallel.ring import _zigzag_pairs
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
 from tests._lm import lm_batches, lm_step

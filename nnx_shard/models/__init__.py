@@ -1,8 +1,9 @@
-"""Reference models annotated only with logical axis names, and the attention
-op (:func:`attention`: dense, blockwise or cuDNN on each device; ring /
-all-gather context parallelism as the strategy asks) a model calls to be
-memory-efficient and context-parallel, with :func:`attention_fn`, its adapter
-for ``nnx.MultiHeadAttention(attention_fn=...)``.
+"""Reference models annotated only with logical axis names (:class:`Transformer`,
+and :class:`Llama` for Llama-family checkpoints), the attention op
+(:func:`attention`: dense, blockwise or cuDNN on each device; ring / all-gather
+context parallelism as the strategy asks) a model calls to be memory-efficient
+and context-parallel, and :func:`attention_fn`, its adapter for
+``nnx.MultiHeadAttention(attention_fn=...)``.
 
 >>> from flax import nnx
 >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
@@ -11,6 +12,7 @@ for ``nnx.MultiHeadAttention(attention_fn=...)``.
 """
 
 from nnx_shard.models.adapters import attention_fn
+from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
 from nnx_shard.models.transformer import (
     CONFIGS,
     REMAT_POLICIES,
@@ -20,7 +22,8 @@ from nnx_shard.models.transformer import (
     lm_loss,
     remat_policy,
 )
-from nnx_shard.ring import attention
+from nnx_shard.parallel.ring import attention
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "attention",
-           "attention_fn", "get_config", "lm_loss", "remat_policy"]
+__all__ = ["CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Transformer",
+           "TransformerConfig", "attention", "attention_fn", "get_config", "get_llama_config",
+           "lm_loss", "remat_policy"]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
 from nnx_shard.blockwise import BLOCK
-from nnx_shard.ring import attention
+from nnx_shard.parallel.ring import attention
 
 __all__ = ["attention_fn"]
 

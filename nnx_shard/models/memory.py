@@ -8,8 +8,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from nnx_shard.axes import abstract_mesh
 from nnx_shard.blockwise import BLOCK
+from nnx_shard.rules import as_rules
 
 __all__ = ['ACTIVATION_FORMULA', 'activation_bytes']
 
@@ -64,10 +67,6 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     ...     tokens * (2 * (layer + 4 * 4 * 16 - 4 * 4) + edges))
     True
     """
-    import numpy as np
-
-    from nnx_shard.rules import as_rules
-
     mesh = abstract_mesh(sizes)
     rules = as_rules(rules)
     # A name the table does not mention is replicated, as for any activation.
@@ -91,7 +90,7 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     # context parallelism), kept by the dense kernel alone; the memory-efficient
     # kernels and the ring keep a float32 log-sum-exp per query row and head and
     # recompute the probabilities block by block in the backward pass.
-    kernel = getattr(cfg, "attention", "dense")
+    kernel = getattr(cfg, "attention", "auto")  # the op's default for configs without one
     workspace = 0.0
     if attention != "ring" and kernel == "dense":
         probs = 4 * h * s / d_h

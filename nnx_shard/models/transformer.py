@@ -44,13 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_shard import pipeline
 from nnx_shard.annotate import with_logical
 from nnx_shard.blockwise import KERNELS
-from nnx_shard.collective_matmul import check_tokens
 from nnx_shard.mesh import option
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
-from nnx_shard.ring import attention
+from nnx_shard.parallel import pipeline
+from nnx_shard.parallel.collective_matmul import check_tokens
+from nnx_shard.parallel.ring import attention
 
 __all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
            "lm_loss", "remat_policy"]
@@ -528,10 +528,12 @@ def _check_batch(batch: Any) -> None:
         )
 
 
-def lm_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
+def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy of ``batch = {"inputs", "targets"}`` (int32
     ``[batch, length]``), plus ``aux_loss_weight`` times the load-balancing
-    loss for a mixture of experts.
+    loss for a mixture of experts. ``model`` is a :class:`Transformer` or any
+    model with its ``forward(tokens) -> (logits, aux)`` and a ``cfg`` (e.g.
+    :class:`nnx_shard.models.Llama`).
 
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
@@ -548,6 +550,6 @@ def lm_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
     # along ``length``); they must match the logits' layout, split along ``vocab``.
     targets = constrain(batch["targets"], _seq(("batch", None)))
     ce = cross_entropy(logits, targets).mean()
-    if model.cfg.experts:
+    if getattr(model.cfg, "experts", 0):  # other models (e.g. Llama) have no experts
         return ce + model.cfg.aux_loss_weight * aux
     return ce

@@ -1,0 +1,381 @@
+"""nnx_shard.hf: Hugging Face checkpoints loaded sharded and saved back.
+
+Ground truth from outside: tests/fixtures/<name>/ hold tiny LlamaForCausalLM
+(untied with llama3 rope scaling; tied with biases) and Qwen3ForCausalLM
+(sharded files with an index) checkpoints written by transformers'
+``save_pretrained``, with transformers' float32 logits and greedy continuations
+(tests/fixtures/make_hf.py, run by hand; versions in versions.json). Loaded
+under dp, fsdp, tp and fsdp_tp on 8 simulated devices, the model must give
+those logits, hold every array in the strategy's layout, read each byte of the
+checkpoint once, and save back bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import nnx_shard as ns
+from nnx_shard import hf, safetensors_io
+from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.strategies import compiled_collectives
+from tests._close import assert_close
+from tests.conftest import needs_devices
+
+pytestmark = needs_devices(8)
+
+HERE = Path(__file__).parent
+FIXTURES = HERE / "fixtures"
+NAMES = ("hf_llama", "hf_llama_tied", "hf_qwen3")
+STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
+# float32 logits of up to ~25 in magnitude, summed in other orders than torch's:
+# measured up to 9e-7 x max|logit| (tests print nothing; see the report in README).
+RTOL = 1e-5
+
+
+def _expected(name: str) -> dict[str, np.ndarray]:
+    return dict(np.load(FIXTURES / name / "expected.npz"))
+
+
+def _mesh(strategy: str) -> jax.sharding.Mesh:
+    if strategy == "pp":  # the fixtures have 2 layers: 2 stages
+        return ns.make_mesh({"stage": 2, "data": 4})
+    return ns.strategies.get(strategy).make_mesh(8)
+
+
+def _target(name: str, strategy: str, **overrides: object) -> Llama:
+    cfg = LlamaConfig.from_hf(FIXTURES / name, **overrides)
+    s = ns.strategies.get(strategy)
+    return s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), _mesh(strategy))
+
+
+def _hf_tensors(path: Path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@functools.cache
+def _forward(strategy: str):  # one jitted call per strategy: traced under its rules
+    return nnx.jit(lambda m, t: m(t))
+
+
+def _logits(model: Llama, strategy: str, tokens: np.ndarray) -> np.ndarray:
+    s = ns.strategies.get(strategy)
+    mesh = next(iter(jax.tree.leaves(nnx.state(model)))).sharding.mesh
+    rows = tokens.shape[0]
+    host = np.tile(tokens, (8 // rows, 1))  # the batch splits over up to 8 devices
+    with ns.use(mesh, s.rules):
+        out = _forward(strategy)(model, host)
+    return np.asarray(out)[:rows]
+
+
+def _same_arrays(a: Llama, b: Llama) -> None:
+    for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a)),
+                                 nnx.to_flat_state(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()),
+                                      err_msg=str(path))
+
+
+@functools.cache
+def _loaded(name: str, strategy: str) -> Llama:
+    return hf.load_safetensors(FIXTURES / name, _target(name, strategy))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_logits_match_transformers(name: str, strategy: str) -> None:
+    model = _loaded(name, strategy)
+    # Every array carries the sharding the strategy gives it.
+    want = ns.shardings(model, _mesh(strategy), ns.strategies.get(strategy).rules)
+    assert jax.tree.map(lambda x: x.sharding.spec, nnx.state(model)) == jax.tree.map(
+        lambda s: s.spec, want)
+    expected = _expected(name)
+    logits = _logits(model, strategy, expected["tokens"])
+    assert_close(logits, expected["logits"], RTOL, f"{name} {strategy} logits")
+    assert float(expected["logits"].std()) > 5  # far from uniform: the comparison bites
+
+
+def test_explicit_mesh_axes() -> None:
+    # A target on Explicit axes (JAX's sharding in types) gets arrays typed so.
+    cfg = LlamaConfig.from_hf(FIXTURES / "hf_qwen3")
+    s = ns.strategies.get("fsdp_tp")
+    mesh = s.make_mesh(8, axis_types="explicit")
+    model = hf.load_safetensors(FIXTURES / "hf_qwen3", s.abstract_init(
+        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh))
+    q = model.blocks[0].attn.q.get_value()
+    assert q.sharding.mesh.axis_types == (jax.sharding.AxisType.Explicit,) * 2
+    assert q.sharding.spec == jax.P("data", "model", None)
+    _same_arrays(model, _loaded("hf_qwen3", "fsdp_tp"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_continuation_matches_transformers(name: str) -> None:
+    # Without a cache: the whole sequence again at each step, padded to one length
+    # (causal, so the padding never reaches the positions read).
+    model = _loaded(name, "fsdp_tp")
+    expected = _expected(name)
+    prompt, new = expected["prompt"], expected["generated"].shape[1]
+    seq = np.zeros((prompt.shape[0], prompt.shape[1] + new), np.int32)
+    seq[:, :prompt.shape[1]] = prompt
+    for t in range(new):
+        pos = prompt.shape[1] + t
+        seq[:, pos] = _logits(model, "fsdp_tp", seq)[:, pos - 1].argmax(-1)
+    np.testing.assert_array_equal(seq[:, prompt.shape[1]:], expected["generated"])
+    assert expected["margins"].min() > 1e-3  # every step decided, far above the logits error
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    counted = {"bytes": 0, "calls": 0}
+    read = safetensors_io.read_slice
+
+    def counting(header, name, index):  # type: ignore[no-untyped-def]
+        out = read(header, name, index)
+        counted["bytes"] += out.nbytes
+        counted["calls"] += 1
+        return out
+
+    monkeypatch.setattr(safetensors_io, "read_slice", counting)
+    return counted
+
+
+@pytest.mark.parametrize("strategy, overrides", [
+    ("dp", {}), ("fsdp", {}), ("fsdp_tp", {}), ("fsdp", {"scan_layers": True}),
+    ("pp", {"scan_layers": True}), ("pp_tp", {"scan_layers": True}),
+])
+def test_every_byte_is_read_once(strategy: str, overrides: dict,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Replicated slices are read once for all their devices, split ones slice by
+    # slice; stacked layers split over pipeline stages are read by their stage.
+    counted = _count_reads(monkeypatch)
+    name = "hf_llama"
+    model = hf.load_safetensors(FIXTURES / name, _target(name, strategy, **overrides))
+    total = sum(v.nbytes for v in _hf_tensors(FIXTURES / name).values())
+    assert counted["bytes"] == total
+    flat = _loaded(name, "dp")
+    if overrides.get("scan_layers"):
+        q = model.blocks.attn.q.get_value()
+        for i in range(2):
+            np.testing.assert_array_equal(np.asarray(q[i]),
+                                          np.asarray(flat.blocks[i].attn.q.get_value()))
+        if strategy.startswith("pp"):
+            assert q.sharding.spec[0] == "stage"
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_tp", "pp_tp"])
+def test_transforms_are_local(strategy: str) -> None:
+    # Each parameter's compiled transform, both ways, moves nothing between devices:
+    # the Hugging Face-layout input is laid out so that every device transforms
+    # the slice it holds.
+    name = "hf_qwen3"
+    target = _target(name, strategy, scan_layers=strategy.startswith("pp"))
+    header = safetensors_io.read_header(*hf._files(FIXTURES / name))
+    leaves = hf._leaves(nnx.state(target), "test")
+    hf._match(header, leaves, hf._rules(hf.mapping_for(target)), name)
+    checked = 0
+    mesh = _mesh(strategy)
+    for leaf in leaves.values():
+        shape, hf_sharding, model_sharding = hf._layouts(leaf)
+        for direction, arg in (("load", jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                             sharding=hf_sharding)),
+                               ("save", jax.ShapeDtypeStruct(leaf.shape, jnp.float32,
+                                                             sharding=model_sharding))):
+            hlo = hf._program(leaf, direction, jnp.float32).lower(arg).compile().as_text()
+            assert compiled_collectives(hlo, mesh) == [], (leaf.path, direction)
+            checked += 1
+    assert checked == 2 * len(leaves) and any(leaf.transform == "heads_out"
+                                              for leaf in leaves.values())
+
+
+def test_save_then_load_is_bitwise_and_transformers_layout(tmp_path) -> None:
+    name = "hf_qwen3"
+    model = _loaded(name, "fsdp_tp")
+    hf.save_safetensors(tmp_path / "one", model)
+    # The saved tensors are the fixture's, bit for bit, in transformers' layout.
+    saved, original = _hf_tensors(tmp_path / "one"), _hf_tensors(FIXTURES / name)
+    assert saved.keys() == original.keys()
+    for key in original:
+        np.testing.assert_array_equal(saved[key], original[key], err_msg=key)
+    config = json.loads((tmp_path / "one" / "config.json").read_text())
+    assert LlamaConfig.from_hf(config) == model.cfg
+    # From a stacked model on a pipeline mesh, split over files: the same checkpoint.
+    stacked = hf.load_safetensors(tmp_path / "one", _target(name, "pp_tp", scan_layers=True))
+    hf.save_safetensors(tmp_path / "many", stacked, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "many" / hf.INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 2 and index["weight_map"].keys() == \
+        original.keys()
+    back = hf.load_safetensors(tmp_path / "many", _target(name, "fsdp_tp"))
+    _same_arrays(back, model)
+
+
+def test_bfloat16_parameters_and_files(tmp_path) -> None:
+    name = "hf_llama"
+    f32 = _loaded(name, "fsdp")
+    bf16 = hf.load_safetensors(FIXTURES / name, _target(name, "fsdp",
+                                                         param_dtype=jnp.bfloat16))
+    for (_, a), (_, b) in zip(nnx.to_flat_state(nnx.state(bf16)),
+                              nnx.to_flat_state(nnx.state(f32)), strict=True):
+        assert a.get_value().dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a.get_value()),
+                                      np.asarray(b.get_value()).astype(ml_dtypes.bfloat16))
+    hf.save_safetensors(tmp_path, f32, dtype=jnp.bfloat16)
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = hf.load_safetensors(tmp_path, _target(name, "tp", param_dtype=jnp.bfloat16))
+    _same_arrays(back, bf16)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _checkpoint(tmp_path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    return tmp_path
+
+
+def test_every_problem_in_one_error(tmp_path) -> None:
+    tensors = _hf_tensors(FIXTURES / "hf_llama")
+    tensors.pop("model.layers.1.mlp.up_proj.weight")  # missing
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)  # unused
+    tensors["model.layers.0.mlp.down_proj.weight"] = tensors[
+        "model.layers.0.mlp.down_proj.weight"].T.copy()  # shape
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)  # dtype
+    path = _checkpoint(tmp_path, tensors)
+    with pytest.raises(ValueError) as info:
+        hf.load_safetensors(path, _target("hf_llama", "fsdp"))
+    text = str(info.value)
+    assert text.startswith(f"load_safetensors: 4 problems between the checkpoint {path} "
+                           "and the model:\n")
+    assert ("- missing: model path 'blocks/1/mlp/up' [32, 64] float32 has no tensor in the "
+            "checkpoint; expected HF key 'model.layers.1.mlp.up_proj.weight' [64, 32]") in text
+    assert ("- unused: HF key 'model.layers.0.self_attn.rotary_emb.inv_freq' [4] F32 matches "
+            "no pattern of the mapping. Fix: map it") in text
+    assert ("- shape: HF key 'model.layers.0.mlp.down_proj.weight' [64, 32] F32 maps to model "
+            "path 'blocks/0/mlp/down' [64, 32] float32, which needs HF shape [32, 64] "
+            "(transform 'transpose'). Fix: build the model from the checkpoint's own "
+            "config.json") in text
+    assert ("- dtype: HF key 'model.norm.weight' [32] I32 maps to model path "
+            "'final_norm/scale' [32] float32: I32 does not load into float32.") in text
+    # The mapping can skip what the model does not need; a stacked target reports
+    # the missing layer by number.
+    skip = {r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq": None, **hf.LLAMA_MAPPING}
+    with pytest.raises(ValueError, match=r"- missing: model path 'blocks/mlp/up' \[2, 32, 64\] "
+                       r"float32, layers 1 has no tensor"):
+        hf.load_safetensors(path, _target("hf_llama", "fsdp", scan_layers=True), mapping=skip)
+
+
+def test_two_tensors_for_one_parameter(tmp_path) -> None:
+    tensors = _hf_tensors(FIXTURES / "hf_llama")
+    tensors["model.embed_tokens.weight_copy"] = tensors["model.embed_tokens.weight"].copy()
+    path = _checkpoint(tmp_path, tensors)
+    mapping = {r"model\.embed_tokens\.weight(_copy)?": "token_embed", **hf.LLAMA_MAPPING}
+    with pytest.raises(ValueError, match=r"1 problem between .*\n- conflict: HF key "
+                       r"'model.embed_tokens.weight_copy' \[128, 32\] F32 and "
+                       r"'model.embed_tokens.weight' both map to model path 'token_embed'"):
+        hf.load_safetensors(path, _target("hf_llama", "dp"), mapping=mapping)
+
+
+def test_missing_files_and_targets(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="holds neither model.safetensors nor"):
+        hf.load_safetensors(tmp_path, _target("hf_llama", "dp"))
+    (tmp_path / hf.INDEX).write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="lists 1 files that are not there: "
+                       "part-1.safetensors"):
+        hf.load_safetensors(tmp_path, _target("hf_llama", "dp"))
+    plain = nnx.eval_shape(lambda: Llama(LlamaConfig.from_hf(FIXTURES / "hf_llama"),
+                                         rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"carry no NamedSharding .* Fix: build the target "
+                       r"with ns.abstract_init"):
+        hf.load_safetensors(FIXTURES / "hf_llama", plain)
+    with pytest.raises(ValueError, match="names transform 'flip'; known: copy, transpose"):
+        hf.load_safetensors(FIXTURES / "hf_llama", _target("hf_llama", "dp"),
+                            mapping={"x": ("y", "flip")})
+
+
+def test_a_custom_mapping_for_stock_layers(tmp_path) -> None:
+    # A torch-style Linear ([out, in] weight) into a stock nnx.Linear, and back.
+    rng = np.random.default_rng(0)
+    weight, bias = rng.normal(size=(6, 4)).astype(np.float32), np.arange(6, dtype=np.float32)
+    (tmp_path / "in").mkdir()
+    path = _checkpoint(tmp_path / "in", {"dense.weight": weight, "dense.bias": bias})
+    mapping = {r"dense\.weight": ("kernel", "transpose"), r"dense\.bias": "bias"}
+    target = ns.abstract_init(lambda: nnx.Linear(4, 6, rngs=nnx.Rngs(0)), "data=8", {})
+    layer = hf.load_safetensors(path, target, mapping=mapping)
+    np.testing.assert_array_equal(np.asarray(layer.kernel.get_value()), weight.T)
+    x = rng.normal(size=(2, 4)).astype(np.float32)
+    assert_close(layer(x), x @ weight.T + bias, 1e-6, "Linear")
+    hf.save_safetensors(tmp_path / "out", layer, mapping=mapping)
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    np.testing.assert_array_equal(back["dense.weight"], weight)
+    assert not (tmp_path / "out" / "config.json").exists()
+    with pytest.raises(ValueError, match=r"'kernel' \[4, 6\] float32 has no Hugging Face name"):
+        hf.save_safetensors(tmp_path / "other", layer, mapping={r"dense\.w.*": "kernel"})
+
+
+def test_save_never_overwrites_foreign_files(tmp_path) -> None:
+    model = _loaded("hf_llama_tied", "dp")
+    (tmp_path / "model.safetensors").write_bytes(b"not ours")
+    with pytest.raises(FileExistsError, match="already holds model.safetensors, which "
+                       "save_safetensors did not write there"):
+        hf.save_safetensors(tmp_path, model)
+    assert (tmp_path / "model.safetensors").read_bytes() == b"not ours"
+    mine = tmp_path / "mine"
+    hf.save_safetensors(mine, model, max_shard_bytes=30_000)
+    (mine / "notes.txt").write_text("keep")
+    hf.save_safetensors(mine, model)  # our own files are replaced, nothing else
+    assert sorted(os.listdir(mine)) == [".nnx_shard_safetensors", "config.json",
+                                        "model.safetensors", "notes.txt"]
+    _same_arrays(hf.load_safetensors(mine, _target("hf_llama_tied", "fsdp")), model)
+
+
+# --------------------------------------------------------------------------- two processes
+
+JOB_TIMEOUT = 120
+
+
+def _job(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "nnx_shard.launch", "-n", "2", "--devices-per-process", "4",
+           "--timeout", str(JOB_TIMEOUT - 10), "--init-timeout", "30",
+           "--heartbeat-timeout", "20", "--", sys.executable, str(HERE / "hf_script.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT,
+                          cwd=HERE.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_two_processes_read_only_their_own_slices(tmp_path) -> None:
+    out = tmp_path / "load"
+    _job("load", str(out))
+    infos = [json.loads(Path(f"{out}.{i}.json").read_text()) for i in range(2)]
+    total = infos[0]["total"]
+    # fsdp over data=8: every parameter has an embed dimension split 8 ways, and
+    # each process reads the 4 slices its devices hold: half of every tensor.
+    for info in infos:
+        assert info["read"] == total // 2, info
+        assert info["local_shards"] == 4 and info["q_spec"] == "P(None, 'data', None, None)"
+    logits = np.load(f"{out}.npz")["logits"][:2]
+    assert_close(logits, _expected("hf_llama")["logits"], RTOL, "two-process logits")
+
+
+@pytest.mark.slow
+def test_two_processes_save_one_checkpoint(tmp_path) -> None:
+    _job("save", str(tmp_path / "ckpt"))
+    saved, original = _hf_tensors(tmp_path / "ckpt"), _hf_tensors(FIXTURES / "hf_llama")
+    assert saved.keys() == original.keys()
+    for key in original:
+        np.testing.assert_array_equal(saved[key], original[key], err_msg=key)
+    assert (tmp_path / "ckpt" / hf.INDEX).is_file()
+

@@ -1,0 +1,243 @@
+"""nnx_shard.models.Llama: the model, its configuration, and every preset on it.
+
+Values against transformers' own logits are in tests/test_hf.py (the fixtures);
+here: shapes, causality, grouped-query attention against multi-head attention
+with repeated key/value weights, stacked layers against unrolled ones, remat,
+``config.json`` parsing, the named configurations' parameter counts against
+the published ones, and (slow) K fused Adam steps under every preset equal to
+one device, as tests/test_strategies.py and tests/test_pipeline.py check for
+the reference transformer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import nnx_shard as ns
+from nnx_shard.models import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config, lm_loss
+from nnx_shard.models.llama import rope_frequencies
+from tests._close import assert_close
+from tests._lm import Run, assert_same_values, lm_batches, lm_run
+from tests.conftest import needs_devices
+
+
+def _model(cfg: LlamaConfig, seed: int = 0) -> Llama:
+    return Llama(cfg, rngs=nnx.Rngs(seed))
+
+
+def _tokens(batch: int = 2, length: int = 16, seed: int = 0) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, 128, jnp.int32)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_qwen3"])
+def test_shapes_dtypes_and_names(name: str) -> None:
+    cfg = get_llama_config(name)
+    model = _model(cfg)
+    logits = model(_tokens())
+    assert logits.shape == (2, 16, 128) and logits.dtype == jnp.float32
+    params = nnx.state(model, nnx.Param)
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
+    attn = model.blocks[0].attn
+    assert attn.q.get_value().shape == (cfg.embed, cfg.heads, cfg.head_dim)
+    assert attn.k.get_value().shape == (cfg.embed, cfg.kv_heads, cfg.head_dim)
+    assert attn.o.get_metadata("out_sharding") == ("heads", "kv", "embed")
+    assert (attn.q_norm is not None) == cfg.qk_norm
+    assert (model.unembed is None) == cfg.tie_embeddings
+
+
+def test_causal() -> None:
+    model = _model(get_llama_config("tiny"))
+    a, b = _tokens(seed=0), _tokens(seed=1)
+    mixed = jnp.concatenate([a[:, :9], b[:, 9:]], axis=1)
+    np.testing.assert_array_equal(model(a)[:, :9], model(mixed)[:, :9])
+    assert not np.allclose(model(a)[:, 9:], model(mixed)[:, 9:])
+
+
+def test_grouped_query_attention_is_multi_head_with_shared_kv() -> None:
+    # Query head h reads key/value head h // (heads / kv_heads): a multi-head
+    # model whose K/V weights repeat each group's computes the same logits.
+    gqa_cfg = get_llama_config("tiny")
+    gqa = _model(gqa_cfg)
+    mha = _model(dataclasses.replace(gqa_cfg, kv_heads=gqa_cfg.heads))
+    group = gqa_cfg.heads // gqa_cfg.kv_heads
+    nnx.update(mha, nnx.state(gqa, nnx.Not(nnx.PathContains("attn"))))
+    for g_block, m_block in zip(gqa.blocks, mha.blocks, strict=True):
+        for w in ("q", "o"):
+            getattr(m_block.attn, w).set_value(getattr(g_block.attn, w).get_value())
+        for w in ("k", "v"):
+            getattr(m_block.attn, w).set_value(
+                jnp.repeat(getattr(g_block.attn, w).get_value(), group, axis=1))
+    assert_close(mha(_tokens()), gqa(_tokens()), 1e-6, "logits")
+
+
+def _stack(unrolled: Llama, scanned: Llama) -> None:
+    per_layer = [nnx.state(b, nnx.Param) for b in unrolled.blocks]
+    nnx.update(scanned.blocks, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+    nnx.update(scanned, nnx.state(unrolled, nnx.Not(nnx.PathContains("blocks"))))
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scan_layers_equals_unrolled(remat: str) -> None:
+    cfg = get_llama_config("tiny_qwen3")
+    unrolled = _model(cfg)
+    scanned = _model(dataclasses.replace(cfg, scan_layers=True, remat=remat))
+    _stack(unrolled, scanned)
+    batch = {"inputs": _tokens(), "targets": _tokens(seed=3)}
+    loss_u, g_u = nnx.value_and_grad(lm_loss)(unrolled, batch)
+    loss_s, g_s = nnx.value_and_grad(lm_loss)(scanned, batch)
+    assert_close(loss_s, loss_u, 1e-6, "loss")
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[g_u["blocks"][i] for i in range(2)])
+    assert_close(g_s["blocks"], stacked, 1e-5, "block grads")
+    assert_close(g_s["token_embed"], g_u["token_embed"], 1e-5, "embedding grads")
+
+
+def test_bfloat16_compute() -> None:
+    cfg = dataclasses.replace(get_llama_config("tiny"), dtype=jnp.bfloat16)
+    f32 = _model(get_llama_config("tiny"))
+    bf16 = _model(cfg)
+    logits = bf16(_tokens())
+    assert logits.dtype == jnp.float32
+    assert_close(logits, f32(_tokens()), 0.05, "bf16 logits")
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+HF = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 4096,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+
+
+def test_from_hf_reads_a_config_file_and_transformers_5_rope_parameters(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    cfg = LlamaConfig.from_hf(tmp_path)
+    assert (cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp) == (32, 4, 2, 8, 64)
+    assert dict(cfg.rope_scaling)["factor"] == 8.0 and not cfg.qk_norm
+    v5 = {k: v for k, v in HF.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {**HF["rope_scaling"], "rope_theta": 500000.0}
+    assert LlamaConfig.from_hf(v5) == cfg
+    assert LlamaConfig.from_hf(tmp_path / "config.json", scan_layers=True).scan_layers
+    assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_llama3_rope_scaling_bands() -> None:
+    # head_dim 8, theta 5e5: wavelengths 6.3, 167, 4443, 118k tokens; with the
+    # original context 8192 and factors 1 / 4 the first two stay, the last is
+    # divided by 8 and the third interpolated between.
+    cfg = LlamaConfig.from_hf(HF)
+    plain = rope_frequencies(dataclasses.replace(cfg, rope_scaling=None))
+    scaled = rope_frequencies(cfg)
+    np.testing.assert_array_equal(scaled[:2], plain[:2])
+    np.testing.assert_allclose(scaled[3], plain[3] / 8, rtol=1e-6)
+    assert plain[2] / 8 < scaled[2] < plain[2]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not a Llama-family model"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling of type 'yarn' is not implemented"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"model_type": "qwen3", "use_sliding_window": True}, "sliding-window attention"),
+    ({"num_key_value_heads": 3}, "kv_heads=3 must divide heads=4"),
+])
+def test_from_hf_errors(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf(HF | change)
+
+
+# Published totals (billions): Llama 3.1 model cards (8.03, 70.6, 405.9); Qwen3-0.6B's
+# card: 0.6 in all, 0.44 without embeddings (its 151936 x 1024 embedding is tied).
+PUBLISHED = {"llama3-8b": (8.03, 0.005), "llama3-70b": (70.6, 0.05),
+             "llama3-405b": (405.9, 0.05), "qwen3-0.6b": (0.60, 0.005)}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_named_configs_have_published_parameter_counts(name: str) -> None:
+    cfg = get_llama_config(name)
+    abstract = nnx.eval_shape(lambda: _model(cfg))  # nothing allocated
+    params = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in params)
+    count = sum(x.size for x in params)
+    assert count == cfg.num_params
+    want, tol = PUBLISHED[name]
+    assert abs(count / 1e9 - want) <= tol, count
+    if name == "qwen3-0.6b":
+        assert abs((count - cfg.vocab * cfg.embed) / 1e9 - 0.44) < 0.005
+
+
+def test_named_configs() -> None:
+    assert sorted(LLAMA_CONFIGS) == sorted(["tiny", "tiny_qwen3", "llama3-8b", "llama3-70b",
+                                            "llama3-405b", "qwen3-0.6b"])
+    q = get_llama_config("qwen3-0.6b")
+    assert (q.head_dim, q.kv_heads, q.tie_embeddings, q.qk_norm) == (128, 8, True, True)
+    assert dict(get_llama_config("llama3-405b").rope_scaling)["factor"] == 8.0
+    with pytest.raises(ValueError, match="Did you mean 'llama3-8b'"):
+        get_llama_config("llama3-8B")
+
+
+@needs_devices(8)
+def test_kv_heads_follow_heads_where_they_divide() -> None:
+    factory = functools.partial(_model, get_llama_config("tiny"))  # 4 heads, 2 kv heads
+    on2 = ns.strategies.get("fsdp_tp").abstract_init(factory, "data=4,model=2")
+    assert on2.blocks[0].attn.k.get_value().sharding.spec == P("data", "model", None)
+    on4 = ns.strategies.get("tp").abstract_init(factory, "data=2,model=4")
+    assert on4.blocks[0].attn.k.get_value().sharding.spec == P(None, None, None)
+    assert on4.blocks[0].attn.q.get_value().sharding.spec == P(None, "model", None)
+
+
+# --------------------------------------------------------------------------- every preset
+
+K = 3
+LR = 1e-2
+RTOL, RTOL_PARAMS = 1e-4, 1e-3  # as tests/test_strategies.py
+PP = ("pp", "pp_fsdp", "pp_tp")
+
+
+def _config(name: str) -> LlamaConfig:
+    if name in PP:  # stacked layers, one per stage of S=4 (pp, pp_fsdp) or two (pp_tp)
+        return dataclasses.replace(get_llama_config("tiny_qwen3"), layers=4, scan_layers=True)
+    return get_llama_config("tiny")
+
+
+def _batches(name: str) -> dict[str, np.ndarray]:
+    # One batch, K times: the loss must fall (what assert_same_values checks last).
+    one = lm_batches(1, 16 if name in PP else 8, 16, 128)
+    return {k: np.repeat(v, K, axis=0) for k, v in one.items()}
+
+
+@functools.cache
+def _reference(name: str) -> Run:
+    mesh = ns.make_mesh("data=1", devices=jax.devices()[:1])
+    return lm_run(ns.strategies.get("dp"), mesh, _config(name), _batches(name), LR,
+                  model_class=Llama)
+
+
+@pytest.mark.slow
+@needs_devices(8)
+@pytest.mark.parametrize("name", ns.strategies.NAMES)
+def test_every_preset_equals_one_device(name: str) -> None:
+    # ep has no experts to split here: its rules run the model data-parallel over
+    # data x expert (documented in nnx_shard.models.llama).
+    s = ns.strategies.get(name)
+    pp = name in PP
+    # Explicit axes where the presets document their programs; the pipeline runs on Auto.
+    mesh = s.make_mesh(8, axis_types="auto" if pp else "explicit")
+    run = lm_run(s, mesh, _config(name), _batches(name), LR, microbatches=4 if pp else 1,
+                 model_class=Llama)
+    ref = _reference("pp" if pp else "dp")
+    assert_same_values(run, ref, RTOL, RTOL_PARAMS)
+    # Every parameter kept the layout the strategy gave it.
+    want = ns.shardings(run.model, mesh, s.rules)
+    got = jax.tree.map(lambda x: x.sharding.spec, nnx.state(run.model))
+    assert got == jax.tree.map(lambda x: x.spec, want)
