@@ -213,6 +213,7 @@ def _reference(name: str) -> tuple[np.ndarray, Any]:
     return np.asarray(losses), jax.device_get(nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 @needs_devices(8)
 @pytest.mark.parametrize("preset", ["cp", "fsdp_cp"])
 @pytest.mark.parametrize("name", ["mha", "gqa"])

