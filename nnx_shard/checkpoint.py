@@ -214,7 +214,8 @@ class _QuietLoop(asyncio.SelectorEventLoop):
     dropping them is the whole fix.
     """
 
-    def call_soon_threadsafe(self, callback: Any, *args: Any, context: Any = None) -> Any:
+    def call_soon_threadsafe(  # type: ignore[override]  # same call, typed loosely
+            self, callback: Any, *args: Any, context: Any = None) -> Any:
         if self.is_closed():
             return None
         return super().call_soon_threadsafe(callback, *args, context=context)
@@ -558,7 +559,7 @@ def _save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseExcepti
         f"{caller}: the {what} of step {step} to {directory} failed: {reason}; that step "
         f"was not written (finished steps: {_finished_steps(directory)}). Fix: {fix}."
     )
-    err.errno = code  # type: ignore[assignment]
+    err.errno = code
     return err
 
 
@@ -835,7 +836,7 @@ def _checksums(values: Sequence[jax.Array], version: int = _FORMAT) -> list[list
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(values):
         committed = getattr(x, "committed", True)
-        key = frozenset(d.id for d in x.sharding.device_set) if committed else None
+        key = frozenset(d.id for d in x.sharding.device_set) if committed else None  # type: ignore[attr-defined]
         groups.setdefault(key, []).append(i)
     out: list[list[int]] = [[]] * len(values)
     for idx in groups.values():
@@ -849,7 +850,7 @@ def _checksums(values: Sequence[jax.Array], version: int = _FORMAT) -> list[list
             batches[-1].append(i)
             size += n
         for batch in batches:
-            # One call at a time, blocked on: it holds collectives (see DESIGN.md).
+            # One call at a time, blocked on: it holds collectives (see docs/architecture.md).
             hashes = jax.device_get(_hash_all([values[i] for i in batch], version))
             for i, h in zip(batch, hashes, strict=True):
                 out[i] = [int(h[0]), int(h[1])]
@@ -1485,7 +1486,7 @@ def restore(
     (P('data', 'model'), True)
     """
     directory = _resolve_dir(directory, "restore")
-    targets = {"model": model}
+    targets: dict[str, Any] = {"model": model}
     if optimizer is not None:
         targets["optimizer"] = optimizer
     _, states, extra = _read(directory, step, targets)
@@ -1759,7 +1760,7 @@ def restore_into(
     ...     nnx.Linear(1, 1, rngs=nnx.Rngs(0)).kernel[0, 0])
     ((5, {'a': 1}), True)
     """
-    targets = {"model": model}
+    targets: dict[str, Any] = {"model": model}
     if optimizer is not None:
         targets["optimizer"] = optimizer
     # A fresh eager model (values not yet committed to a device) restores as one: orbax

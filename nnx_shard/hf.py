@@ -428,7 +428,8 @@ def _match(header: st.Header, leaves: dict[str, _Leaf], rules: Sequence[_Rule],
         if leaf.layers is not None or any((leaf.path, i) in tried for i in range(
                 leaf.shape[0] if leaf.shape else 0)):
             n = leaf.shape[0]
-            missing = [i for i in range(n) if i not in leaf.keys and (leaf.path, i) not in tried]
+            missing: list[int | None] = [
+                i for i in range(n) if i not in leaf.keys and (leaf.path, i) not in tried]
             leaf.layers = n
         else:
             missing = [] if leaf.keys or (leaf.path, None) in tried else [None]
@@ -500,7 +501,7 @@ def _layouts(leaf: _Leaf) -> tuple[tuple[int, ...], NamedSharding, NamedSharding
         hf = (spec[0], *t.hf_spec(spec[1:]))
     else:
         shape, hf = tuple(t.hf_shape(leaf.shape)), tuple(t.hf_spec(spec))
-    mesh = _auto_mesh(leaf.sharding.mesh)
+    mesh = _auto_mesh(leaf.sharding.mesh)  # type: ignore[arg-type]  # concrete: laid out
     return shape, NamedSharding(mesh, PartitionSpec(*hf)), NamedSharding(mesh,
                                                                          PartitionSpec(*spec))
 
@@ -537,7 +538,8 @@ def _read_leaf(header: st.Header, leaf: _Leaf) -> jax.Array:
     file_dtype = header.tensors[next(iter(leaf.keys.values()))].dtype
     cache: dict[Any, np.ndarray] = {}
 
-    def read(index: tuple[slice, ...]) -> np.ndarray:
+    def read(index: tuple[slice, ...] | None) -> np.ndarray:
+        assert index is not None  # a sharded array's every device has an index
         # Devices holding the same slice (replicas) share one read.
         box = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
         if box not in cache:
@@ -751,7 +753,7 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
             index = {"metadata": {"total_size": total},
                      "weight_map": {k: n for n, g in zip(names, groups, strict=True) for k in g}}
             (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        if hasattr(cfg, "to_hf"):
+        if cfg is not None and hasattr(cfg, "to_hf"):
             config = cfg.to_hf()
             if dtype is not None:
                 config["torch_dtype"] = np.dtype(dtype).name
