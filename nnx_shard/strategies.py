@@ -7,7 +7,10 @@ Models annotated with the logical names ``batch``, ``length``, ``embed``,
 ``heads``, ``kv_heads``, ``kv``, ``mlp``, ``vocab``, ``layers`` and ``expert`` (as
 :class:`nnx_shard.models.Transformer` and :class:`nnx_shard.models.Llama` are) run
 under any of them. ``kv_heads`` (grouped-query attention's key/value heads) follows
-``heads`` onto the model axis where it divides it, else it is replicated.
+``heads`` onto the model axis where it divides it, else it is replicated. The key/value
+cache of :func:`nnx_shard.models.generate` is named ``cache_batch`` (as ``batch``),
+``cache_kv_heads`` (as ``kv_heads``), ``cache_length`` (over ``context`` under cp and
+fsdp_cp, else replicated) and ``cache_head_dim`` (replicated).
 
 =========  ===============  ================================================  ==========================================
 name       mesh axes        sharded                                           collectives per train step (XLA CPU)
@@ -112,9 +115,10 @@ M = TypeVar("M", bound=nnx.Module)
 NAMES: tuple[str, ...] = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "ep", "async_tp", "cp",
                           "fsdp_cp", "pp", "pp_fsdp", "pp_tp")
 
-#: Every logical name the presets give a rule (replicated unless a preset says otherwise).
+#: Every logical name the presets give a rule (replicated unless a preset says otherwise),
+#: the key/value cache's (nnx_shard.models.generate) last.
 LOGICAL = ("batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",
-           "expert")
+           "expert", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,6 +344,10 @@ def _table(first: tuple[str, ...] = (), **entries: Any) -> Rules:
     # Grouped-query attention's key/value heads follow the query heads over the model
     # axis where they divide it, else stay replicated (e.g. 8 of them on model=16).
     entries.setdefault("kv_heads", [entries["heads"], None] if entries.get("heads") else None)
+    # The generation cache [batch, length, kv_heads, head_dim]: batch as the batch, key/value
+    # heads as kv_heads; its length only where a preset says (context parallelism).
+    entries.setdefault("cache_batch", entries.get("batch"))
+    entries.setdefault("cache_kv_heads", entries["kv_heads"])
     return Rules({name: entries.get(name) for name in order})
 
 
@@ -618,7 +626,8 @@ def cp(*, data: str = "data", context: str = "context") -> Strategy:
     ('context', 'ring', {'data': 2, 'context': 4})
     """
     _distinct("cp", data=data, context=context)
-    rules = _table(batch=data, length=context).with_options(attention="ring")
+    rules = _table(batch=data, length=context, cache_length=context).with_options(
+        attention="ring")
     return Strategy("cp", rules, None, (data, context), (4,),
                     ("collective-permute", "all-reduce", "all-gather"))
 
@@ -634,7 +643,8 @@ def fsdp_cp(*, data: str = "data", context: str = "context") -> Strategy:
     ('data', 'context', {'data': 4, 'context': 2})
     """
     _distinct("fsdp_cp", data=data, context=context)
-    rules = _table(batch=data, embed=data, length=context).with_options(attention="ring")
+    rules = _table(batch=data, embed=data, length=context,
+                   cache_length=context).with_options(attention="ring")
     return Strategy("fsdp_cp", rules, None, (data, context), (2,),
                     ("all-gather", "all-reduce", "collective-permute"))
 

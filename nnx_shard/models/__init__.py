@@ -1,7 +1,9 @@
 """Reference models annotated only with logical axis names (:class:`Transformer`,
-and :class:`Llama` for Llama-family checkpoints), and the attention
+and :class:`Llama` for Llama-family checkpoints), the attention
 op (:func:`attention`: dense, or ring / all-gather context parallelism as the
-strategy asks) a model calls to be context-parallel.
+strategy asks) a model calls to be context-parallel, and :func:`generate`:
+sharded text generation with a key/value cache laid out by the same rules
+(:func:`explain_cache` reports its bytes per device).
 
 >>> from flax import nnx
 >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
@@ -9,6 +11,7 @@ strategy asks) a model calls to be context-parallel.
 ['125m', '1b', '7b']
 """
 
+from nnx_shard.models.generation import CACHE_AXES, explain_cache, generate, generation_rules
 from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
 from nnx_shard.models.transformer import (
     CONFIGS,
@@ -21,6 +24,6 @@ from nnx_shard.models.transformer import (
 )
 from nnx_shard.ring import attention
 
-__all__ = ["CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Transformer",
-           "TransformerConfig", "attention", "get_config", "get_llama_config", "lm_loss",
-           "remat_policy"]
+__all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
+           "Transformer", "TransformerConfig", "attention", "explain_cache", "generate",
+           "generation_rules", "get_config", "get_llama_config", "lm_loss", "remat_policy"]
