@@ -393,11 +393,12 @@ def _prepare(model: Any, prompt_tokens: Any, max_new_tokens: Any, temperature: A
     t, k = _check_sampling(temperature, top_k, model, caller)
     mesh, rules = _placement(mesh, rules, caller)
     gen_rules = None
-    graphdef, old, rest = nnx.split(model, nnx.Cache, ...)
-    with_cache, cache = _abstract_cache(graphdef, old, rest, batch, prompt_len + new)
     if mesh is not None:
         gen_rules = generation_rules(rules)
         _check_batch(batch, mesh, gen_rules, caller)
+    graphdef, old, rest = nnx.split(model, nnx.Cache, ...)
+    with_cache, cache = _abstract_cache(graphdef, old, rest, batch, prompt_len + new)
+    if mesh is not None:
         _warn_unannotated(cache, mesh, caller)
         for path, var in nnx.to_flat_state(cache):  # every other layout problem, by path
             variable_spec(var, mesh, gen_rules, path_str(path))

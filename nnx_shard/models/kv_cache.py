@@ -49,8 +49,9 @@ def names(stacked: bool = False) -> tuple[str, ...]:
 
 def new(shape: tuple[int, int, int, int], dtype: Any, layers: int | None = None) -> nnx.Cache:
     """A zero cache ``[batch, length, kv_heads, head_dim]`` (``[layers, ...]``
-    with ``layers``), annotated with :data:`CACHE_AXES` and, under
-    :func:`nnx_shard.use`, created in its layout: inside a compiled program no
+    with ``layers``), annotated with :data:`CACHE_AXES`. Its layout is the
+    caller's: :func:`nnx_shard.models.generate` constrains every cache array
+    by its names the moment it is created, inside the compiled prefill, so no
     device ever holds more than its slice.
 
     >>> new((2, 8, 1, 4), jnp.bfloat16, layers=3).shape
@@ -58,8 +59,7 @@ def new(shape: tuple[int, int, int, int], dtype: Any, layers: int | None = None)
     """
     full = shape if layers is None else (layers, *shape)
     logical = names(layers is not None)
-    value = constrain(jnp.zeros(full, dtype), logical)
-    return nnx.Cache(value, out_sharding=logical, eager_sharding=False)
+    return nnx.Cache(jnp.zeros(full, dtype), out_sharding=logical, eager_sharding=False)
 
 
 def _spec(names: tuple[Any, ...], shape: tuple[int, ...]) -> Any:
