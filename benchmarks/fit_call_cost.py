@@ -63,8 +63,10 @@ def worker(n_devices: int, quick: bool) -> dict:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard import train
     from nnx_shard.models import Transformer, get_config, lm_loss
+    from nnx_shard.train import guard as train_guard
+    from nnx_shard.train import trainer as train_trainer
+    from nnx_shard.train.fused import Carry
 
     assert jax.device_count() == n_devices, (jax.device_count(), n_devices)
     name = os.environ.get(STRATEGY_ENV, "dp")
@@ -103,21 +105,20 @@ def worker(n_devices: int, quick: bool) -> dict:
 
     # -- fit's call, and the same call with parts taken out ------------------------------
     def fit_call(undo=True, grad_norm=True, shares=True):
-        t = ns.Trainer(*make(), lm_loss, mesh=mesh, rules=rules, steps_per_call=K)
+        saved = train_guard.grads_norm, train_guard.grad_sq_shares, train_trainer.guard_call
         if not undo:  # fit's own end-of-call guard, minus the select back
-            t._fused._finish = functools.partial(train._guard_call, replicated=t._replicated,
-                                                 undo=False)
-        saved = train._grad_norm, train._grad_sq_shares
+            train_trainer.guard_call = functools.partial(train_guard.guard_call, undo=False)
         if not grad_norm:
-            train._grad_norm = lambda grads, replicated=False: jnp.zeros(())
+            train_guard.grads_norm = lambda grads, replicated=False: jnp.zeros(())
         if not grad_norm or not shares:
-            train._grad_sq_shares = lambda grads, specs, mesh: None
-        try:  # one fit compiles the call (and sets what fit reads from the arrays)
+            train_guard.grad_sq_shares = lambda grads, specs, mesh: None
+        try:  # one fit compiles the call (and records the layout fit reads from the arrays)
+            t = ns.Trainer(*make(), lm_loss, mesh=mesh, rules=rules, steps_per_call=K)
             history = t.fit(ns.Batches(arrays, BATCH), K, progress=False)
         finally:
-            train._grad_norm, train._grad_sq_shares = saved
+            train_guard.grads_norm, train_guard.grad_sq_shares, train_trainer.guard_call = saved
         assert history.steps == K and t.traces == 1, (history.stop_reason, t.traces)
-        carry = train._Carry(t._fused)
+        carry = Carry(t._fused)
 
         def call():
             return carry(t.model, t.optimizer, window, t._guard)
@@ -166,7 +167,7 @@ def main() -> None:
     args = parse(__doc__)
     if worker_main(args, {"worker": worker}):
         return
-    from nnx_shard.launch import simulated_env
+    from nnx_shard.simulated import simulated_env
 
     results = [run_worker(__file__, n, args.quick, env={**simulated_env(n), STRATEGY_ENV: name})
                for n, name in SETTINGS]

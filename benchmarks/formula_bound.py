@@ -1,7 +1,7 @@
 """How far the activation formula is from XLA's compiled figure, per preset.
 
 The planner (``nnx-shard plan --auto``) skips compiling a layout when the
-formula alone is over ``planner._PRUNE_MARGIN`` x the memory budget; that is
+formula alone is over ``planner.PRUNE_MARGIN`` x the memory budget; that is
 safe only while the formula stays near or under XLA's compiled total. For every
 preset x mesh factorisation of 8 simulated CPU devices x remat policy, this
 compiles the fused AdamW train step of a scanned reference Transformer
@@ -34,8 +34,9 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard import planner, strategies
 from nnx_shard.axes import sizes_str
-from nnx_shard.cli import _optimizer
 from nnx_shard.models import Transformer, get_config
+from nnx_shard.optimizers import get as optimizer
+from nnx_shard.planner.search import enumerate_layouts
 
 
 def main() -> None:
@@ -49,8 +50,8 @@ def main() -> None:
     args = parser.parse_args()
     overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.config.split(",") if kv)}
     base = dataclasses.replace(get_config(args.model), scan_layers=True, **overrides)
-    layouts, _ = planner._enumerate(jax.device_count(), args.strategies.split(","))
-    tx = _optimizer("adamw")
+    layouts, _ = enumerate_layouts(jax.device_count(), args.strategies.split(","))
+    tx = optimizer("adamw")
     ratios = []
     for name, sizes in layouts:
         for remat in args.remat.split(","):
@@ -62,7 +63,7 @@ def main() -> None:
             try:
                 abstract = strat.abstract_init(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)),
                                                mesh)
-                formula = planner._formula_bytes(abstract, cfg, strat, sizes, tx,
+                formula = planner.formula_bytes(abstract, cfg, strat, sizes, tx,
                                                  args.batch // mb, args.seq, remat)
                 compiled = planner.compile_step(
                     lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)), name, sizes,
@@ -79,7 +80,7 @@ def main() -> None:
         print(f"| {r:.2f} | {label} |")
     if ratios:
         print(f"\nrange {ratios[0][0]:.2f}-{ratios[-1][0]:.2f} over {len(ratios)} layouts; "
-              f"the planner prunes past {planner._PRUNE_MARGIN}x")
+              f"the planner prunes past {planner.PRUNE_MARGIN}x")
 
 
 if __name__ == "__main__":

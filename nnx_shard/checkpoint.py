@@ -17,16 +17,48 @@ On disk, one directory per step, written by orbax's ``CheckpointManager``::
     <directory>/<step>/model/       arrays (tensorstore, zarr in OCDBT)
     <directory>/<step>/optimizer/   arrays (only when an optimizer was saved)
     <directory>/<step>/extra/       JSON
-    <directory>/<step>/manifest/    JSON: format, and per array its shape,
-                                    dtype and a checksum of its bits
+    <directory>/<step>/manifest/    JSON: format, step, per array its shape, dtype
+                                    and a checksum of its bits, a hash of extra,
+                                    and a digest of all of it
+    <directory>/.nnx_shard.lock     held (shared) by every process while it saves
 
 No pickle anywhere. A step is written under a temporary name
-(``<step>.orbax-checkpoint-tmp-*``) and renamed when complete, so a save
-killed half-way never looks like a checkpoint. Orbax's compressed chunks carry
-no checksum (a flipped byte decodes to wrong values), hence the manifest:
-restore recomputes every array's checksum on the devices and refuses a
-mismatch. The manifest carries a digest of its own entries, so damage to the
-manifest itself is reported as a corrupt checkpoint too.
+(``<step>.orbax-checkpoint-tmp*``) and renamed when complete, so a save killed
+half-way never looks like a checkpoint.
+
+What is ours. A folder of ``directory`` is a checkpoint only when its name is a
+step number (``12``, not ``012``) and it holds our manifest with its digest and
+the files of every item the manifest lists. Anything else there (``1/`` or
+``2024/`` of yours, a file named ``3``, a symlink) is never listed, restored,
+rotated, written over or deleted; saving a step whose folder exists is refused.
+``keep=`` rotation deletes a step by first renaming it to
+``<step>.nnx_shard-deleting-*`` (one atomic rename), so a process killed while
+deleting leaves no half-deleted step behind, only that folder, which the next
+:class:`Checkpointer` removes. The temporary folder of an interrupted save is
+removed when a :class:`Checkpointer` is opened only if no process holds the
+directory's lock file: every save holds it (shared) while it writes and the
+kernel drops it when a process dies, so another process's save in flight is
+never deleted. (On a file system without ``flock`` nothing is removed.)
+
+What is checked. Orbax's compressed chunks carry no checksum (a flipped byte
+decodes to wrong values), hence the manifest: restore recomputes every array's
+checksum on the devices and refuses a mismatch. The manifest's digest covers its
+entries, the step it was written for (a renamed folder is refused) and a hash of
+``extra`` (an edited ``"step"`` or data position is refused, naming the file).
+The other files orbax reads (its tree metadata, OCDBT manifests, shardings) only
+steer the reading: damage there is a read error or yields arrays that fail their
+checksums, never different values. Checkpoints of format 1 (written before the
+digest covered ``extra``) still restore, checked as before.
+
+Failures. A background save that fails (disk full, read-only file system) is
+raised at the next :meth:`Checkpointer.save`, :meth:`~Checkpointer.wait` or
+:meth:`~Checkpointer.close`, as one ``OSError`` naming the step and the cause;
+one never collected makes the interpreter print one line and exit with status 1.
+At exit, saves in flight are finished as long as they make progress (bytes
+written); after ``NNX_SHARD_EXIT_STALL`` seconds (default 60) without any, exit
+gives up on them (one line, status 1) instead of hanging. Orbax's own log
+records are dropped while checkpoints are in use (the failure is reported once,
+as above); ``NNX_SHARD_DEBUG=1`` keeps them.
 
 Saves to one directory are serialised within a process (threads, several
 :class:`Checkpointer` objects): of concurrent saves of the same step exactly
@@ -41,9 +73,13 @@ and re-wrapped on restore with the implementation the target's dtype names.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import errno
+import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import pathlib
@@ -51,6 +87,8 @@ import re
 import shutil
 import sys
 import threading
+import time
+import uuid
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -64,22 +102,100 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Singl
 from nnx_shard.annotate import path_str
 from nnx_shard.mesh import current, nbytes
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no flock, no removal of temporary folders
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["Checkpointer", "restore", "restore_into", "save"]
 
-_FORMAT = 1
+_FORMAT = 2
+_FORMATS = (1, 2)  # the manifest formats this nnx_shard reads
 _ITEMS = ("model", "optimizer")
 _TMP_MARK = ".orbax-checkpoint-tmp"
+_TRASH_MARK = ".nnx_shard-deleting"
+_LOCK_FILE = ".nnx_shard.lock"
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+_TRASH_NAME = re.compile(r"[0-9]+" + re.escape(_TRASH_MARK) + r"-.*")
 _SHOW = 8  # paths listed in one error message before "... and N more"
 # Bounds the host/device memory a restore or save needs beyond the state itself.
 _HASH_BATCH_BYTES = 64 * 2**20
 _RESTORE_CONCURRENT_GB = 0.25
+_DEBUG_ENV = "NNX_SHARD_DEBUG"
+_STALL_ENV = "NNX_SHARD_EXIT_STALL"
+_STALL_DEFAULT_S = 60.0
+
+_OCP_LOCK = threading.Lock()
+_ocp_tamed = False
 
 
 def _ocp() -> Any:
     # orbax pulls in tensorstore and more; import it when checkpoints are used.
+    global _ocp_tamed
     import orbax.checkpoint as ocp
 
+    with _OCP_LOCK:
+        if not _ocp_tamed:
+            _ocp_tamed = True
+            _tame(ocp)
     return ocp
+
+
+def _no_raw_bytes(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _tame(ocp: Any) -> None:
+    """Turns off orbax's raw-bytes telemetry and filters its log records (see
+    :class:`_OrbaxRecords`).
+
+    For two log lines and two ``jax.monitoring`` scalars per array write or read,
+    orbax asks tensorstore for its metrics (``get_tensorstore_raw_bytes`` ->
+    ``tensorstore.experimental_collect_matching_metrics``). In tensorstore 0.1.86
+    every result of that call stays referenced: about 8 KB a call, so resident
+    memory grew ~30 KB per small save without bound. Orbax skips the telemetry
+    when the starting count is None, which is what this makes it get.
+    """
+    try:
+        from orbax.checkpoint._src.serialization import tensorstore_utils
+    except ImportError:  # pragma: no cover - another orbax layout: nothing to turn off
+        tensorstore_utils = None
+    if hasattr(tensorstore_utils, "get_tensorstore_raw_bytes"):
+        tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_bytes
+    logging.getLogger("absl").addFilter(_OrbaxRecords(os.path.dirname(ocp.__file__)))
+
+
+# --------------------------------------------------------------------------- orbax's noise
+
+# Open Checkpointers plus save/restore calls in progress: while any, orbax's
+# warnings and errors are dropped (a failure is reported once, by us).
+_quiet_users = 0
+_QUIET_LOCK = threading.Lock()
+
+
+class _OrbaxRecords(logging.Filter):
+    """Drops orbax's WARNING and ERROR log records while nnx_shard uses it.
+
+    A failed save or restore made orbax log every thread's view of it, each with
+    a traceback and tensorstore's spec (pages on stderr, through absl's logger),
+    before the one exception that reports it. The failure reaches the user once,
+    as nnx_shard's error; with ``NNX_SHARD_DEBUG=1`` the records are kept.
+    """
+
+    def __init__(self, root: str) -> None:
+        super().__init__()
+        self.root = root + os.sep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _quiet_users <= 0 or os.environ.get(_DEBUG_ENV, "") not in ("", "0"):
+            return True
+        return not (record.levelno >= logging.WARNING and record.pathname.startswith(self.root))
+
+
+def _hush(delta: int) -> None:
+    global _quiet_users
+    with _QUIET_LOCK:
+        _quiet_users += delta
 
 
 # --------------------------------------------------------------------------- orbax's event loops
@@ -102,6 +218,24 @@ class _QuietLoop(asyncio.SelectorEventLoop):
         if self.is_closed():
             return None
         return super().call_soon_threadsafe(callback, *args, context=context)
+
+    def close(self) -> None:
+        # Orbax closes the loop as soon as one read of a damaged checkpoint failed; the
+        # sibling reads are left pending, and when one is destroyed later its
+        # ``except BaseException: raise Exception(... tensorstore spec ...)`` turns the
+        # GeneratorExit into an "Exception ignored in: <coroutine ...>" page on stderr.
+        # Cancelled and run to their end here (as asyncio.run does), they end quietly.
+        if not self.is_running() and not self.is_closed():
+            try:
+                pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+            except RuntimeError:  # pragma: no cover - the task set changed meanwhile
+                pending = []
+            for task in pending:
+                task.cancel()
+            if pending:
+                with contextlib.suppress(BaseException):
+                    self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
 
     def call_exception_handler(self, context: dict[str, Any]) -> None:
         # When one read of a damaged checkpoint fails, orbax raises that error (which
@@ -151,6 +285,17 @@ def _quiet_loops() -> Iterator[None]:
                     _saved_policy = None
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Around every call into orbax: quiet event loops, orbax's log records dropped."""
+    _hush(1)
+    try:
+        with _quiet_loops():
+            yield
+    finally:
+        _hush(-1)
+
+
 # --------------------------------------------------------------------------- directories
 
 # Saves to one directory are serialised within the process: orbax writes a step
@@ -160,6 +305,9 @@ _DIR_LOCKS: dict[pathlib.Path, threading.RLock] = {}
 _DIR_LOCKS_LOCK = threading.Lock()
 # Checkpointers open per directory, whose background writes a save must wait for.
 _OPEN: dict[pathlib.Path, weakref.WeakSet[Any]] = {}
+# Checkpointers with a save in flight or a failure not yet raised: kept alive until
+# exit even when the user dropped them, so neither is lost.
+_UNSETTLED: set[Any] = set()
 
 
 def _dir_lock(directory: pathlib.Path) -> threading.RLock:
@@ -169,26 +317,353 @@ def _dir_lock(directory: pathlib.Path) -> threading.RLock:
 
 def _settle(directory: pathlib.Path) -> None:
     """Waits for the background saves of every Checkpointer of ``directory`` in this
-    process, so the disk shows which steps exist (call with the directory's lock)."""
+    process, so the disk shows which steps exist (call with the directory's lock). A
+    failure is kept for its Checkpointer to raise."""
     with _DIR_LOCKS_LOCK:
         open_now = list(_OPEN.get(directory, ()))
     for ckpt in open_now:
-        ckpt._mngr.wait_until_finished()
+        ckpt._collect()
 
 
-def _finish_saves_at_exit() -> None:
+def _resolve_dir(directory: Any, caller: str) -> pathlib.Path:
+    """``directory`` as an absolute path; an empty path or a non-path is refused."""
+    if isinstance(directory, bytes) or not isinstance(directory, str | os.PathLike):
+        raise TypeError(
+            f"{caller}: the directory must be a path (str or os.PathLike), got "
+            f"{type(directory).__name__} {directory!r:.60}. Fix: e.g. 'runs/ckpt'."
+        )
+    text = os.fspath(directory)
+    if not isinstance(text, str):
+        raise TypeError(f"{caller}: the directory must be a str path, got {text!r:.60}.")
+    if text == "" or (isinstance(directory, pathlib.PurePath) and not directory.parts):
+        # pathlib.Path("") is "."; an empty string would silently mean the current directory.
+        raise ValueError(
+            f"{caller}: the directory is an empty path; it would mean the current "
+            "directory. Fix: name a folder for the checkpoints, e.g. 'runs/ckpt' (created "
+            "if missing)."
+        )
+    return pathlib.Path(text).expanduser().absolute()
+
+
+def _refuse_file(directory: pathlib.Path, caller: str) -> None:
+    """A NotADirectoryError when ``directory`` (or a parent of it) is an existing file."""
+    for path in (directory, *directory.parents):
+        if path.exists():
+            if path.is_dir():
+                return
+            what = "is a file" if path == directory else f"is under {path}, which is a file"
+            raise NotADirectoryError(
+                f"{caller}: {directory} {what}, not a checkpoint directory. Fix: pass a "
+                "directory (it holds one subdirectory per step; save and Checkpointer create "
+                "it when missing), e.g. a new folder name."
+            )
+
+
+# --------------------------------------------------------------------------- whose folders
+
+
+class _WriteLock:
+    """The directory's lock file, held shared by this process while it writes a step.
+
+    Opening a :class:`Checkpointer` removes temporary folders of interrupted saves
+    only when it can take the lock exclusively, i.e. while no process writes.
+    Locks die with their process, so a killed save does not hold it.
+    """
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.fd: int | None = None
+        if fcntl is None:  # pragma: no cover - no flock (Windows)
+            return
+        try:
+            fd = os.open(directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # e.g. a read-only directory: the save itself reports it
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:  # pragma: no cover - a file system without flock
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@contextlib.contextmanager
+def _alone(directory: pathlib.Path) -> Iterator[bool]:
+    """Yields True while holding the directory's lock exclusively (no process is
+    writing a step there), False when that cannot be had or known."""
+    if fcntl is None:  # pragma: no cover
+        yield False
+        return
+    try:
+        fd = os.open(directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+        else:
+            yield True
+    finally:
+        os.close(fd)
+
+
+def _step_folders(directory: pathlib.Path) -> dict[int, pathlib.Path]:
+    """Every real folder (not a symlink) of ``directory`` named as a step number."""
+    if not directory.is_dir():
+        return {}
+    return {int(p.name): p for p in directory.iterdir()
+            if _STEP_NAME.fullmatch(p.name) and not p.is_symlink() and p.is_dir()}
+
+
+def _claims(path: pathlib.Path) -> bool:
+    """Whether the step folder says it is ours (it has a manifest file at all)."""
+    return (path / "manifest" / "metadata").is_file()
+
+
+def _not_whole(path: pathlib.Path) -> str | None:
+    """Why ``path`` is not a whole checkpoint of ours, or None when it is one: our
+    manifest (a known format, with its digest) and the files of every item it lists."""
+    try:
+        manifest = json.loads((path / "manifest" / "metadata").read_bytes())
+    except FileNotFoundError:
+        return "has no manifest/metadata (nnx_shard writes one into every step)"
+    except (OSError, ValueError) as e:
+        return f"has a manifest that cannot be read ({type(e).__name__})"
+    if not (isinstance(manifest, dict) and manifest.get("format") in _FORMATS
+            and "digest" in manifest and isinstance(manifest.get("items"), dict)):
+        return "has a manifest without nnx_shard's format and digest"
+    needed = ["_CHECKPOINT_METADATA", "extra/metadata"]
+    needed += [f"{name}/_METADATA" for name in manifest["items"] if name in _ITEMS]
+    missing = [f for f in needed if not (path / f).is_file()]
+    if missing:
+        return f"is incomplete (no {', '.join(missing)})"
+    return None
+
+
+def _finished_steps(directory: pathlib.Path) -> list[int]:
+    """The whole checkpoints of ours, oldest first. From the disk, not orbax's cache:
+    a save in flight is not one yet, nor a folder of the user's with a number for a
+    name, nor a damaged or half-deleted step."""
+    return sorted(s for s, p in _step_folders(directory).items() if _not_whole(p) is None)
+
+
+def _unfinished(directory: pathlib.Path, step: int | None = None) -> list[str]:
+    if not directory.is_dir():
+        return []
+    head = str(step) if step is not None else r"\d+"
+    pattern = re.compile("^" + head + re.escape(_TMP_MARK))
+    return sorted(p.name for p in directory.iterdir() if pattern.match(p.name))
+
+
+def _remove_leftovers(directory: pathlib.Path) -> None:
+    """Removes what interrupted work left (process 0 only): steps being deleted when
+    their process died, and temporary folders of saves that were killed, the latter
+    only while no process writes a step here (see :class:`_WriteLock`).
+
+    Orbax's own ``cleanup_tmp_directories`` does not recognise every temporary
+    name it writes on a local filesystem, and does not know whether their writer
+    still runs, so the names are matched here.
+    """
+    if jax.process_index() != 0 or not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if _TRASH_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+    if not _unfinished(directory):
+        return
+    with _alone(directory) as alone:
+        if alone:
+            for name in _unfinished(directory):
+                shutil.rmtree(directory / name, ignore_errors=True)
+
+
+def _delete_step(directory: pathlib.Path, step: int) -> None:
+    """Deletes a step of ours: renamed first (atomic), so a kill half-way leaves a
+    ``*.nnx_shard-deleting-*`` folder to finish later, never a half-deleted step."""
+    trash = directory / f"{step}{_TRASH_MARK}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(directory / str(step), trash)
+    except FileNotFoundError:  # deleted meanwhile
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rotate(mngr: Any, directory: pathlib.Path, keep: int | None) -> None:
+    """Deletes the oldest whole checkpoints of ours beyond the newest ``keep``."""
+    if keep is None or jax.process_index() != 0:
+        return
+    steps = _finished_steps(directory)
+    gone = steps[:-keep] if len(steps) > keep else []
+    for step in gone:
+        _delete_step(directory, step)
+    if gone:
+        _forget(mngr, gone)
+
+
+def _forget(mngr: Any, steps: Sequence[int]) -> None:
+    # Orbax caches the steps it saved (and refuses to save one again): drop deleted ones.
+    infos = getattr(mngr, "_checkpoints", None)
+    if infos is not None and hasattr(infos, "delete_if"):
+        infos.delete_if(lambda info: info.step in steps)
+    else:  # pragma: no cover - another orbax: re-read the directory
+        mngr.reload()
+
+
+def _remove_tmp(directory: pathlib.Path, step: int) -> None:
+    """Removes the temporary folder this process's failed save of ``step`` left
+    (under the directory's lock: no other save of ours writes it)."""
+    for name in _unfinished(directory, step):
+        shutil.rmtree(directory / name, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def _errno_of(e: BaseException) -> int | None:
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno:
+            return int(x.errno)
+        m = re.search(r"os_error_code='?(\d+)", str(x))
+        if m:
+            return int(m.group(1))
+        x = x.__cause__ or x.__context__
+    return None
+
+
+def _save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseException,
+                 background: bool) -> OSError:
+    """One clear OSError for a save that failed: which, why, what is left, the fix."""
+    code = _errno_of(e)
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = text if len(text) <= 300 else text[:300] + "..."
+    reason = f"{os.strerror(code)} ({text})" if code else text
+    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        fix = "free disk space (or keep fewer checkpoints: keep=), then save again"
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "save to a directory this process can write"
+    else:
+        fix = "check the directory, then save again"
+    what = "background save" if background else "save"
+    err = OSError(
+        f"{caller}: the {what} of step {step} to {directory} failed: {reason}; that step "
+        f"was not written (finished steps: {_finished_steps(directory)}). Fix: {fix}."
+    )
+    err.errno = code  # type: ignore[assignment]
+    return err
+
+
+# --------------------------------------------------------------------------- exit
+
+
+def _stall_seconds() -> float:
+    try:
+        value = float(os.environ.get(_STALL_ENV, _STALL_DEFAULT_S))
+    except ValueError:
+        return _STALL_DEFAULT_S
+    return value if value > 0 and math.isfinite(value) else _STALL_DEFAULT_S
+
+
+def _bytes_written(ckpts: Sequence[Any]) -> int:
+    """Bytes on disk under the folders of the saves in flight: their progress."""
+    total = 0
+    for ckpt in ckpts:
+        step = ckpt._pending
+        if step is None:
+            continue
+        for name in [*_unfinished(ckpt.directory, step), str(step)]:
+            for root, _, files in os.walk(ckpt.directory / name):
+                for f in files:
+                    with contextlib.suppress(OSError):
+                        total += os.stat(os.path.join(root, f)).st_size
+    return total
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def _exit_1() -> None:
+    """Ends the process with status 1 after the other ``atexit`` handlers ran: Python
+    offers no other way to change the exit status once the interpreter is exiting."""
+    atexit.unregister(_exit_1)
+    run_others = getattr(atexit, "_run_exitfuncs", None)
+    if run_others is not None:
+        run_others()
+    _flush()
+    os._exit(1)
+
+
+def _finish_saves_at_exit(in_shutdown: bool = True) -> None:
     """Finishes the background saves of Checkpointers still open at interpreter exit.
 
     Orbax writes through asyncio's default thread pool, which refuses new work
     once the interpreter starts shutting down ("cannot schedule new futures after
     interpreter shutdown"): a save in flight was lost, with tracebacks on stderr.
-    This runs first in the shutdown sequence (see ``_register_exit``).
+    This runs first in the shutdown sequence (see ``_register_exit``). A save that
+    failed, and one that makes no progress for ``NNX_SHARD_EXIT_STALL`` seconds,
+    is one line on stderr and exit status 1; exit never hangs on one.
     """
     with _DIR_LOCKS_LOCK:
-        open_now = [c for ckpts in _OPEN.values() for c in list(ckpts)]
-    for ckpt in open_now:
-        with contextlib.suppress(Exception):  # exiting: a failed close must not stop the rest
-            ckpt.close()
+        ckpts = {id(c): c for c in [*_UNSETTLED, *(c for s in _OPEN.values() for c in list(s))]}
+    todo = list(ckpts.values())
+    if not todo:
+        return
+    failures: list[str] = []
+
+    def finish() -> None:
+        for ckpt in todo:
+            try:
+                ckpt.close()
+            except Exception as e:  # reported below, one line each
+                failures.append(" ".join(str(e).split()) or type(e).__name__)
+
+    worker = threading.Thread(target=finish, name="nnx_shard-exit", daemon=True)
+    try:
+        worker.start()
+    except RuntimeError:  # pragma: no cover - a Python that starts no thread this late
+        finish()
+    stall = _stall_seconds()
+    seen, since = _bytes_written(todo), time.monotonic()
+    while worker.is_alive():
+        worker.join(timeout=min(0.5, stall))
+        if not worker.is_alive():
+            break
+        now = _bytes_written(todo)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= stall:
+            stuck = [c for c in todo if c._pending is not None]
+            for ckpt in stuck:
+                print(f"nnx_shard: error: the save of step {ckpt._pending} to "
+                      f"{ckpt.directory} made no progress for {stall:g} s at exit; it is "
+                      f"lost ({_STALL_ENV} sets how long to wait).", file=sys.stderr)
+            if not stuck:
+                print(f"nnx_shard: error: closing the checkpointers of "
+                      f"{', '.join(sorted({str(c.directory) for c in todo}))} made no progress "
+                      f"for {stall:g} s at exit ({_STALL_ENV} sets how long to wait).",
+                      file=sys.stderr)
+            # Orbax's threads are stuck and the interpreter would wait for them.
+            _flush()
+            os._exit(1)
+    for line in failures:
+        print(f"nnx_shard: error: {line}", file=sys.stderr)
+    if failures:
+        if in_shutdown:
+            atexit.register(_exit_1)  # registered last, runs first; runs the others
+        else:  # pragma: no cover - already inside atexit
+            _exit_1()
 
 
 _exit_registered = False
@@ -209,25 +684,9 @@ def _register_exit() -> None:
     _exit_registered = True
     hook = getattr(threading, "_register_atexit", None)
     if hook is None:  # pragma: no cover - a Python without the hook
-        import atexit
-
-        atexit.register(_finish_saves_at_exit)
+        atexit.register(_finish_saves_at_exit, False)
     else:
         hook(_finish_saves_at_exit)
-
-
-def _refuse_file(directory: pathlib.Path, caller: str) -> None:
-    """A NotADirectoryError when ``directory`` (or a parent of it) is an existing file."""
-    for path in (directory, *directory.parents):
-        if path.exists():
-            if path.is_dir():
-                return
-            what = "is a file" if path == directory else f"is under {path}, which is a file"
-            raise NotADirectoryError(
-                f"{caller}: {directory} {what}, not a checkpoint directory. Fix: pass a "
-                "directory (it holds one subdirectory per step; save and Checkpointer create "
-                "it when missing), e.g. a new folder name."
-            )
 
 
 # --------------------------------------------------------------------------- leaves
@@ -301,38 +760,77 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)  # pragma: no cover
 
 
-def _hash(x: jax.Array) -> jax.Array:
-    """[sum of the bits, sum of bits * (2*index + 1)], both mod 2**32.
+def _flat_index(shape: tuple[int, ...]) -> jax.Array:
+    """Each element's row-major position (mod 2**32), whatever the array's sharding."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in range(len(shape) - 1, -1, -1):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(
+            stride % 2**32
+        )
+        stride *= shape[d]
+    return index
 
-    Integer sums are exact and order-free, so the result does not depend on
-    how the array is sharded (it is checked after restoring onto another
-    layout); the position weights catch values swapped between places.
+
+def _hash_v1(x: jax.Array) -> jax.Array:
+    """Format 1's checksum: [sum of the bits, sum of bits * (2*index + 1)], mod 2**32.
+
+    Kept to check checkpoints of format 1 only: it is linear in the bits, so it
+    collapses on round constants (a float32 array of ones, 512 long, sums to
+    2**32 * 127 = 0 in both lanes).
     """
     u = _bits(x)
     if u.ndim == 0:
         u = u[None]
-    index = jnp.zeros(u.shape, jnp.uint32)
-    stride = 1
-    for d in range(u.ndim - 1, -1, -1):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(
-            stride % 2**32
-        )
-        stride *= u.shape[d]
-    weights = index * jnp.uint32(2) + jnp.uint32(1)
+    weights = _flat_index(u.shape) * jnp.uint32(2) + jnp.uint32(1)
     return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * weights, dtype=jnp.uint32)])
 
 
-@jax.jit
-def _hash_all(xs: list[jax.Array]) -> list[jax.Array]:
-    return [_hash(x) for x in xs]
+def _mix(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection that spreads every input bit."""
+    x = x ^ (x >> jnp.uint32(16))
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> jnp.uint32(13))
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> jnp.uint32(16))
 
 
-def _checksums(values: Sequence[jax.Array]) -> list[list[int]]:
-    """One [a, b] pair per array; one compiled call per set of devices and batch.
+def _hash(x: jax.Array) -> jax.Array:
+    """Two 32-bit lanes, each a sum over elements of mix(bits, mix(position, seed)).
+
+    A sum mod 2**32 is exact and order-free, so the result does not depend on how
+    the array is sharded (it is checked after restoring onto another layout); each
+    term is a non-linear mix of an element's bits and its position, so no constant
+    or round array collapses (format 1's linear sums did), and values moved between
+    places change it.
+    """
+    u = _bits(x)
+    if u.ndim == 0:
+        u = u[None]
+    index = _flat_index(u.shape)
+    a = _mix(u ^ _mix(index + jnp.uint32(0x9E3779B9)))
+    b = _mix((u * jnp.uint32(0x27D4EB2F)) ^ _mix(index ^ jnp.uint32(0x165667B1)))
+    return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _hash_all(xs: list[jax.Array], version: int) -> list[jax.Array]:
+    fn = _hash if version >= 2 else _hash_v1
+    return [fn(x) for x in xs]
+
+
+def _checksums(values: Sequence[jax.Array], version: int = _FORMAT) -> list[list[int]]:
+    """One [a, b] pair per array (the checksum of manifest format ``version``); one
+    compiled call per set of devices and batch.
 
     Hashing takes temporaries about twice the size of its input, so arrays are
     hashed in batches of at most ``_HASH_BATCH_BYTES``: memory stays bounded
     whatever the model's size (a restore's host memory is what it costs).
+
+    >>> import jax.numpy as jnp
+    >>> ones = _checksums([jnp.ones(512)])[0]
+    >>> ones != [0, 0], _checksums([jnp.ones(512)], version=1)[0]
+    (True, [0, 0])
     """
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(values):
@@ -352,7 +850,7 @@ def _checksums(values: Sequence[jax.Array]) -> list[list[int]]:
             size += n
         for batch in batches:
             # One call at a time, blocked on: it holds collectives (see DESIGN.md).
-            hashes = jax.device_get(_hash_all([values[i] for i in batch]))
+            hashes = jax.device_get(_hash_all([values[i] for i in batch], version))
             for i, h in zip(batch, hashes, strict=True):
                 out[i] = [int(h[0]), int(h[1])]
     return out
@@ -491,8 +989,11 @@ def _save_args(
         raise ValueError(f"save: step must be a non-negative int, got {step!r}")
     if extra is not None:
         _check_extra(extra)
+    # As it will read back: tuples become lists.
+    extra = json.loads(json.dumps(dict(extra or {})))
     items: dict[str, Any] = {}
-    manifest: dict[str, Any] = {"format": _FORMAT, "items": {}}
+    manifest: dict[str, Any] = {"format": _FORMAT, "step": int(step), "items": {},
+                                "extra": _extra_hash(extra)}
     for name, obj in (("model", model), ("optimizer", optimizer)):
         if obj is None:
             continue
@@ -502,20 +1003,33 @@ def _save_args(
             entries[key]["checksum"] = checksum
         items[name] = ocp.args.StandardSave(_nest(arrays))
         manifest["items"][name] = entries
-    manifest["digest"] = _digest(manifest["items"])
-    items["extra"] = ocp.args.JsonSave(dict(extra or {}))
+    manifest["digest"] = _digest(manifest)
+    items["extra"] = ocp.args.JsonSave(extra)
     items["manifest"] = ocp.args.JsonSave(manifest)
     return ocp.args.Composite(**items)
 
 
-def _digest(items: Any) -> str:
-    """A hash of the manifest's entries, stored beside them: a damaged manifest (a
-    flipped byte in a name, a shape or a checksum) is caught as such."""
-    text = json.dumps(items, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+def _canonical(x: Any) -> bytes:
+    return json.dumps(x, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _extra_hash(extra: Any) -> str:
+    """sha256 of ``extra`` as JSON: the manifest's record of extra/metadata."""
+    return hashlib.sha256(_canonical(extra)).hexdigest()
+
+
+def _digest(manifest: Mapping[str, Any]) -> str:
+    """The manifest's digest, stored in it: a damaged manifest (a flipped byte in a
+    name, a shape, a checksum, the step or extra's hash) is caught as such. Format
+    1 digested the entries only."""
+    if manifest.get("format") == 1:
+        return hashlib.sha256(_canonical(manifest.get("items"))).hexdigest()
+    return hashlib.sha256(_canonical({k: v for k, v in manifest.items() if k != "digest"})).hexdigest()
 
 
 _ENTRY_KEYS = {"shape", "dtype", "key", "checksum"}
+_MANIFEST_KEYS = {1: {"format", "items", "digest"},
+                  2: {"format", "step", "items", "extra", "digest"}}
 
 
 def _entry_problem(name: str, key: str, e: Any) -> str | None:
@@ -549,17 +1063,27 @@ def _manifest_problem(manifest: Any) -> str | None:
     """What is wrong with a manifest read back, or None."""
     if not isinstance(manifest, Mapping):
         return f"is not a JSON object ({manifest!r:.60})"
-    unknown = sorted(set(manifest) - {"format", "items", "digest"})
+    fmt = manifest.get("format")
+    if fmt not in _FORMATS or isinstance(fmt, bool):
+        return (f"has format {fmt!r:.40}; this nnx_shard reads formats "
+                f"{', '.join(map(str, _FORMATS))} (a newer nnx_shard may have written it)")
+    unknown = sorted(set(manifest) - _MANIFEST_KEYS[fmt])
     if unknown:
         return f"has unexpected keys {unknown}"
-    if manifest.get("format") != _FORMAT:
-        return f"has format {manifest.get('format')!r}, this nnx_shard reads format {_FORMAT}"
+    if "digest" not in manifest:
+        return ("has no digest (written by an nnx_shard older than the manifest's digest, "
+                "which this one no longer reads)")
     items = manifest.get("items")
     if not isinstance(items, Mapping):
         return "has no 'items'"
-    # Manifests written before the digest existed are still read (checked entry by entry).
-    if "digest" in manifest and manifest["digest"] != _digest(items):
+    if manifest["digest"] != _digest(manifest):
         return "does not match the digest written with it"
+    if fmt >= 2:
+        step = manifest.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            return f"has the step {step!r:.40}"
+        if not isinstance(manifest.get("extra"), str):
+            return "has no hash of extra"
     for name, entries in items.items():
         if name not in _ITEMS or not isinstance(entries, Mapping):
             return f"has an item {name!r} that nnx_shard does not write"
@@ -587,33 +1111,62 @@ def _handlers() -> dict[str, Any]:
 
 def _manager(directory: pathlib.Path, *, create: bool, **options: Any) -> Any:
     ocp = _ocp()
-    opts = ocp.CheckpointManagerOptions(create=create, save_root_metadata=False, **options)
+    opts = ocp.CheckpointManagerOptions(
+        create=create, save_root_metadata=False,
+        # Step folders are created before save returns: on a read-only file system the
+        # save fails at once. Created in the background, the failure left orbax's other
+        # threads waiting 300 s for the folder, at exit.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        **options,
+    )
     return ocp.CheckpointManager(directory, options=opts, item_handlers=_handlers())
 
 
-def _resolve_dir(directory: str | os.PathLike[str]) -> pathlib.Path:
-    return pathlib.Path(os.fspath(directory)).expanduser().absolute()
+def _refuse_existing(directory: pathlib.Path, step: int, caller: str) -> None:
+    """A FileExistsError when ``directory/<step>`` exists: ours or not, it is never
+    written over (orbax's ``force`` would delete it first)."""
+    path = directory / str(step)
+    if not os.path.lexists(path):
+        return
+    if path.is_dir() and not path.is_symlink() and _claims(path):
+        raise FileExistsError(
+            f"{caller}: a checkpoint for step {step} already exists at {path}. Fix: save "
+            "under another step, or delete that directory first."
+        )
+    kind = "folder" if path.is_dir() else "file"
+    raise FileExistsError(
+        f"{caller}: {path} already exists and is not a checkpoint written by nnx_shard; "
+        f"nothing of yours is written over. Fix: save under another step, or move that "
+        f"{kind} out of {directory}."
+    )
 
 
-def _do_save(mngr: Any, directory: pathlib.Path, step: int, args: Any) -> pathlib.Path:
-    """Saves under the directory's lock, after every in-process save to it finished, so
-    of concurrent saves of one step exactly one writes it and the others are refused."""
+def _do_save(
+    mngr: Any, directory: pathlib.Path, step: int, args: Any, caller: str
+) -> _WriteLock:
+    """Starts the save under the directory's lock, after every in-process save to it
+    finished, so of concurrent saves of one step exactly one writes it and the
+    others are refused. Returns the write lock, held until the save is finished.
+    A save that fails before returning is one clear OSError."""
     ocp = _ocp()
     step = int(step)
-    exists = FileExistsError(
-        f"save: a checkpoint for step {step} already exists at {directory / str(step)}. "
-        "Fix: save under another step, or delete that directory first."
-    )
     with _dir_lock(directory):
         _settle(directory)
-        if step in _finished_steps(directory):
-            raise exists
+        _refuse_existing(directory, step, caller)
+        _forget(mngr, [step])  # a stale entry of orbax's (e.g. a user's "007/") must not block it
+        lock = _WriteLock(directory)
         try:
-            with _quiet_loops():
+            with _quiet():
                 mngr.save(step, args=args, force=True)
-        except ocp.checkpoint_manager.StepAlreadyExistsError:
-            raise exists from None
-    return directory / str(step)
+        except ocp.checkpoint_manager.StepAlreadyExistsError:  # pragma: no cover - raced
+            lock.release()
+            _refuse_existing(directory, step, caller)
+            raise
+        except Exception as e:
+            lock.release()
+            _remove_tmp(directory, step)
+            raise _save_failed(caller, directory, step, e, background=False) from e
+    return lock
 
 
 def save(
@@ -642,10 +1195,14 @@ def save(
 
     Raises:
       FileExistsError: ``step`` is already saved in ``directory`` (also when another
-        thread of this process saved it first).
+        thread of this process saved it first), or ``directory/<step>`` is a folder
+        or file that nnx_shard did not write (it is never written over).
       NotADirectoryError: ``directory`` is a file, or inside one.
+      OSError: the write failed (disk full, read-only file system): one line naming
+        the step and the cause; nothing of the step is left.
       TypeError: ``extra`` is not a dict of JSON data with str keys (each bad key or
         value is named), or the model is abstract.
+      ValueError: ``directory`` is an empty path.
 
     >>> import tempfile
     >>> from flax import nnx
@@ -654,13 +1211,14 @@ def save(
     >>> path.name, sorted(p.name for p in path.iterdir() if p.is_dir())
     ('100', ['extra', 'manifest', 'model'])
     """
-    directory = _resolve_dir(directory)
+    directory = _resolve_dir(directory, "save")
     _refuse_file(directory, "save")
     args = _save_args(step, model, optimizer, extra)
-    with _dir_lock(directory), _quiet_loops():
+    with _dir_lock(directory), _quiet():
         mngr = _manager(directory, create=True, enable_async_checkpointing=False)
         try:
-            return _do_save(mngr, directory, step, args)
+            _do_save(mngr, directory, step, args, "save").release()
+            return directory / str(int(step))
         finally:
             mngr.close()
 
@@ -668,46 +1226,34 @@ def save(
 # --------------------------------------------------------------------------- restore
 
 
-def _unfinished(directory: pathlib.Path, step: int | None = None) -> list[str]:
-    if not directory.is_dir():
-        return []
-    head = str(step) if step is not None else r"\d+"
-    pattern = re.compile("^" + head + re.escape(_TMP_MARK))
-    return sorted(p.name for p in directory.iterdir() if pattern.match(p.name))
-
-
-def _remove_unfinished(directory: pathlib.Path) -> None:
-    """Deletes the temporary directories of interrupted saves (process 0 only).
-
-    Orbax's own ``cleanup_tmp_directories`` does not recognise every temporary
-    name it writes on a local filesystem, so the names are matched here.
-    """
-    if jax.process_index() != 0:
-        return
-    for name in _unfinished(directory):
-        shutil.rmtree(directory / name, ignore_errors=True)
-
-
-def _finished_steps(directory: pathlib.Path) -> list[int]:
-    # From the disk, not the manager's cache: a save in flight is not finished.
-    return sorted(int(s) for s in _ocp().utils.checkpoint_steps(directory))
-
-
 def _pick_step(directory: pathlib.Path, step: int | None) -> int:
+    """The step to read: ``step``, or the newest folder that says it is a checkpoint
+    of ours (whether it is whole is checked by the read: a damaged newest step is an
+    error, not a silent fall-back to an older one)."""
+    folders = _step_folders(directory)
     steps = _finished_steps(directory)
     if step is None:
-        if not steps:
-            tmp = _unfinished(directory)
-            more = (
-                f" Only unfinished saves are there ({', '.join(tmp)}): they were interrupted "
-                "and are never restored."
-                if tmp
-                else ""
-            )
-            raise FileNotFoundError(f"restore: no finished checkpoint in {directory}.{more}")
-        return steps[-1]
-    if step in steps:
+        claimed = sorted(s for s, p in folders.items() if _claims(p))
+        if claimed:
+            return claimed[-1]
+        more = ""
+        tmp = _unfinished(directory)
+        if tmp:
+            more += (f" Only unfinished saves are there ({', '.join(tmp)}): they were "
+                     "interrupted and are never restored.")
+        if folders:
+            names = _listing([str(s) for s in sorted(folders)])
+            more += (f" Its numbered folders ({names}) have no manifest/metadata: they were "
+                     "not written by nnx_shard, and are never read or touched.")
+        raise FileNotFoundError(f"restore: no finished checkpoint in {directory}.{more}")
+    path = directory / str(step)
+    if step in folders and _claims(folders[step]):
         return int(step)
+    if os.path.lexists(path):
+        raise FileNotFoundError(
+            f"restore: {path} is not a checkpoint written by nnx_shard (it has no "
+            f"manifest/metadata; never read or touched). Finished steps: {steps or 'none'}."
+        )
     tmp = _unfinished(directory, step)
     if tmp:
         raise FileNotFoundError(
@@ -716,7 +1262,7 @@ def _pick_step(directory: pathlib.Path, step: int | None) -> int:
             f"{steps or 'none'}."
         )
     raise FileNotFoundError(
-        f"restore: no checkpoint for step {step} at {directory / str(step)}. Finished steps: "
+        f"restore: no checkpoint for step {step} at {path}. Finished steps: "
         f"{steps or 'none'}."
     )
 
@@ -803,7 +1349,7 @@ def _read(
     _refuse_file(directory, "restore")
     if not directory.is_dir():
         raise FileNotFoundError(f"restore: checkpoint directory {directory} does not exist.")
-    with _quiet_loops():
+    with _quiet():
         return _read_open(ocp, _manager(directory, create=False), directory, step, targets)
 
 
@@ -822,12 +1368,24 @@ def _read_open(
         except Exception as e:
             raise _corrupt(where, e) from e
         problem = _manifest_problem(manifest)
+        fix = "Fix: restore another step (restore(..., step=N)) or re-create this one."
         if problem:
             raise ValueError(
                 f"restore: the checkpoint at {where} is corrupt: its manifest "
                 f"{where / 'manifest' / 'metadata'} {problem} (damaged, or not written by "
-                "nnx_shard.save). Fix: restore another step (restore(..., step=N)) or "
-                "re-create this one."
+                f"nnx_shard.save). {fix}"
+            )
+        if manifest["format"] >= 2 and manifest["step"] != step:
+            raise ValueError(
+                f"restore: the checkpoint at {where} is corrupt: its manifest "
+                f"{where / 'manifest' / 'metadata'} was written for step {manifest['step']}, "
+                f"not {step} (the folder was renamed or copied). {fix}"
+            )
+        if manifest["format"] >= 2 and _extra_hash(extra) != manifest["extra"]:
+            raise ValueError(
+                f"restore: the checkpoint at {where} is corrupt: {where / 'extra' / 'metadata'} "
+                "does not match the digest in its manifest (edited or damaged: the step "
+                f"counter and data position it holds cannot be trusted). {fix}"
             )
         saved = manifest["items"]
         layouts = {}
@@ -855,7 +1413,7 @@ def _read_open(
     for name, (graphdef, rows, _) in layouts.items():
         arrays = _unnest(restored[name])
         keys = [key for _, key, _ in rows]
-        sums = _checksums([arrays[k] for k in keys])
+        sums = _checksums([arrays[k] for k in keys], version=manifest["format"])
         bad = [k for k, s in zip(keys, sums, strict=True) if s != saved[name][k]["checksum"]]
         if bad:
             raise ValueError(
@@ -926,7 +1484,7 @@ def restore(
     >>> new.kernel.get_value().sharding.spec, np.array_equal(new.kernel[...], model.kernel[...])
     (P('data', 'model'), True)
     """
-    directory = _resolve_dir(directory)
+    directory = _resolve_dir(directory, "restore")
     targets = {"model": model}
     if optimizer is not None:
         targets["optimizer"] = optimizer
@@ -950,13 +1508,18 @@ class Checkpointer:
 
     With ``async_save=True`` a save returns once the arrays are copied off the
     devices; writing to disk runs on a background thread while training goes
-    on (the next save, :meth:`wait` and :meth:`close` wait for it). Opening a
-    ``Checkpointer`` removes unfinished temporary directories left in
-    ``directory`` by interrupted saves.
+    on (the next save, :meth:`wait` and :meth:`close` wait for it, and raise
+    ``OSError`` if it failed). Older checkpoints beyond ``keep`` are deleted
+    once a newer one is finished on disk, so up to ``keep + 1`` exist while a
+    save is in flight. Only checkpoints nnx_shard wrote are ever listed or
+    deleted (see the module's notes: other folders of ``directory``, numbered or
+    not, are never touched). Opening a ``Checkpointer`` removes what killed
+    saves and deletions left, but never the temporary folder of a save another
+    process is still writing.
 
     Args:
       directory: where the step directories go (created if missing; a file is
-        refused with ``NotADirectoryError``).
+        refused with ``NotADirectoryError``, an empty path with ``ValueError``).
       every: save when the step counter is a multiple of this.
       keep: how many of the latest checkpoints to keep (``None``: all).
       async_save: write in the background.
@@ -983,24 +1546,28 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: every must be a positive int, got {every!r}")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be a positive int or None, got {keep!r}")
-        self.directory = _resolve_dir(directory)
+        self.directory = _resolve_dir(directory, "Checkpointer")
         _refuse_file(self.directory, "Checkpointer")
         self.every = every
         self.keep = keep
         self.async_save = async_save
+        self._pending: int | None = None  # the step of the save in flight
+        self._lock: _WriteLock | None = None
+        self._failure: OSError | None = None  # a failed save, raised at the next call
+        self._closed = False
         with _dir_lock(self.directory):
             # Temporary directories of this process's saves in flight are not leftovers.
             _settle(self.directory)
-            _remove_unfinished(self.directory)
-            with _quiet_loops():
+            with _quiet():
+                # Rotation is ours (only our own steps): orbax would delete any folder
+                # with a number for a name.
                 self._mngr = _manager(
-                    self.directory,
-                    create=True,
-                    enable_async_checkpointing=async_save,
-                    max_to_keep=keep,
+                    self.directory, create=True, enable_async_checkpointing=async_save
                 )
+            _remove_leftovers(self.directory)
             with _DIR_LOCKS_LOCK:
                 _OPEN.setdefault(self.directory, weakref.WeakSet()).add(self)
+        _hush(1)
         _register_exit()
 
     def __repr__(self) -> str:
@@ -1057,7 +1624,9 @@ class Checkpointer:
         With ``async_save`` it returns once the arrays are off the devices
         (the model may then be updated or donated) and the write finishes in
         the background; :meth:`wait` waits for it. Older checkpoints beyond
-        ``keep`` are deleted once it is finished.
+        ``keep`` are deleted once it is finished (seen by the next save, wait or
+        close). If the previous save failed, its ``OSError`` is raised and this
+        one is not started.
 
         >>> import tempfile
         >>> from flax import nnx
@@ -1065,8 +1634,17 @@ class Checkpointer:
         >>> ckpt.save(7, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0))).name, ckpt.latest_step()
         ('7', 7)
         """
+        self._check_open()
         args = _save_args(step, model, optimizer, extra)
-        return _do_save(self._mngr, self.directory, step, args)
+        self.wait()  # a failure of the previous save is raised first; this one is not started
+        with _dir_lock(self.directory):
+            lock = _do_save(self._mngr, self.directory, step, args, "Checkpointer")
+            self._pending, self._lock = int(step), lock
+            with _DIR_LOCKS_LOCK:
+                _UNSETTLED.add(self)
+            if not self.async_save:
+                self.wait()
+        return self.directory / str(int(step))
 
     def restore(
         self,
@@ -1088,23 +1666,73 @@ class Checkpointer:
         return restore(self.directory, model=model, optimizer=optimizer, step=step)
 
     def wait(self) -> None:
-        """Blocks until every save started so far is finished on disk.
+        """Blocks until every save started so far is finished on disk; raises
+        ``OSError`` (once) if one failed: which step, why, what is left.
 
         >>> import tempfile
         >>> Checkpointer(tempfile.mkdtemp()).wait()
         """
-        self._mngr.wait_until_finished()
+        self._collect()
+        self._raise_failure()
 
     def close(self) -> None:
-        """Waits for saves in flight, then releases orbax's threads.
+        """Waits for saves in flight, then releases orbax's threads (raises like
+        :meth:`wait`; closing again does nothing).
 
         >>> import tempfile
         >>> Checkpointer(tempfile.mkdtemp()).close()
         """
-        with _quiet_loops():
-            self._mngr.close()
-        with _DIR_LOCKS_LOCK:
-            _OPEN.get(self.directory, weakref.WeakSet()).discard(self)
+        if not self._closed:
+            try:
+                self._collect()
+                with _quiet():
+                    self._mngr.close()
+            finally:
+                self._closed = True
+                with _DIR_LOCKS_LOCK:
+                    _OPEN.get(self.directory, weakref.WeakSet()).discard(self)
+                _hush(-1)
+        self._raise_failure()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(
+                f"Checkpointer: {self!r} is closed. Fix: open a new Checkpointer on "
+                f"{self.directory}."
+            )
+
+    def _collect(self) -> None:
+        """Waits for the save in flight; on success deletes steps beyond ``keep``, on
+        failure keeps the error for the next save/wait/close (and exit) to raise."""
+        with _dir_lock(self.directory):
+            step = self._pending
+            if step is None:
+                return
+            try:
+                with _quiet():
+                    self._mngr.wait_until_finished()
+            except Exception as e:
+                _remove_tmp(self.directory, step)
+                self._failure = _save_failed("Checkpointer", self.directory, step, e,
+                                             background=True)
+                self._failure.__cause__ = e
+            else:
+                _rotate(self._mngr, self.directory, self.keep)
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
+                self._pending = None
+                if self._failure is None:
+                    with _DIR_LOCKS_LOCK:
+                        _UNSETTLED.discard(self)
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            with _DIR_LOCKS_LOCK:
+                _UNSETTLED.discard(self)
+            raise failure
 
 
 def _uncommitted(x: jax.Array) -> jax.Array:
@@ -1139,7 +1767,7 @@ def restore_into(
     # Trainer's mesh, while an uncommitted one is placed on it like the fresh model was.
     fresh = {name: [not getattr(x, "committed", True) for x in jax.tree.leaves(nnx.state(obj))]
              for name, obj in targets.items()}
-    step, states, extra = _read(_resolve_dir(directory), step, targets)
+    step, states, extra = _read(_resolve_dir(directory, "restore"), step, targets)
     for name, obj in targets.items():
         state = states[name][1]
         if any(fresh[name]):

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from nnx_shard.errors import NnxShardError
 from nnx_shard.mesh import make_mesh
 from nnx_shard.rules import Rules, as_rules
 
@@ -69,12 +70,12 @@ _JAX_INIT_TIMEOUT = 300
 _JAX_HEARTBEAT_TIMEOUT = 100
 
 
-class DistributedError(RuntimeError):
+class DistributedError(NnxShardError, RuntimeError):
     """Processes of one job cannot work together: unreachable coordinator,
     inconsistent process counts, uneven devices, bad coordinates.
 
-    >>> issubclass(DistributedError, RuntimeError)
-    True
+    >>> issubclass(DistributedError, RuntimeError), issubclass(DistributedError, NnxShardError)
+    (True, True)
     """
 
 
@@ -109,7 +110,8 @@ def _env_int(environ: Mapping[str, str], name: str, minimum: int) -> int | None:
             f"integer >= {minimum}, or unset it."
         ) from None
     if value < minimum:
-        raise DistributedError(f"environment variable {name}={value} must be >= {minimum}.")
+        raise DistributedError(f"environment variable {name}={value} must be >= {minimum}. Fix: "
+                               f"set it to an integer >= {minimum}, or unset it.")
     return value
 
 
@@ -230,9 +232,11 @@ def _resolve(
                 "distinct process_id 0..num_processes-1), or start with `nnx-shard launch`."
             )
     if n is not None and (not isinstance(n, int) or n < 1):
-        raise DistributedError(f"num_processes must be a positive int, got {n!r}.")
+        raise DistributedError(f"num_processes must be a positive int, got {n!r}. Fix: the "
+                               "number of processes in the job, the same on every one.")
     if pid is not None and (not isinstance(pid, int) or pid < 0):
-        raise DistributedError(f"process_id must be a non-negative int, got {pid!r}.")
+        raise DistributedError(f"process_id must be a non-negative int, got {pid!r}. Fix: "
+                               "0..num_processes-1, a distinct one per process.")
     if n is not None and pid is not None and pid >= n:
         raise DistributedError(
             f"process_id={pid} is not below num_processes={n}: ids run 0..{n - 1}. Fix: give "
@@ -430,7 +434,9 @@ def initialize(
             shutdown_timeout_seconds=int(max(init_timeout, heartbeat)),
         )
     except RuntimeError as e:
-        raise DistributedError(f"jax.distributed.initialize failed: {e}") from e
+        raise DistributedError(f"jax.distributed.initialize failed: {e}. Fix: check the "
+                               "coordinator address and that every process of the job "
+                               "was started.") from e
     finally:
         timer.cancel()
     here = Coordinates(_client_address(), jax.process_count(), jax.process_index(), source)

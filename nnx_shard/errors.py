@@ -12,13 +12,48 @@ from collections.abc import Iterator
 from typing import Any
 
 
-class ShardingError(ValueError):
+class NnxShardError(Exception):
+    """The base of every error nnx_shard raises on purpose.
+
+    Each says what is wrong with the input it was given and ends with a
+    ``Fix:``; catching this class catches them all, and nothing else (a bug of
+    ours, or of JAX, is not one of them).
+
+    >>> [c.__name__ for c in (ShardingError, UsageError, CompileError)
+    ...  if issubclass(c, NnxShardError)]
+    ['ShardingError', 'UsageError', 'CompileError']
+    """
+
+
+class ShardingError(NnxShardError, ValueError):
     """A sharding problem: bad rules, annotations, mesh or shapes.
 
     Messages name the parameter path, its shape, its logical names, the rule
     involved and a fix, so the error can be acted on without a debugger.
 
     >>> issubclass(ShardingError, ValueError)
+    True
+    """
+
+
+class UsageError(NnxShardError, ValueError):
+    """Bad input given by name or text: an unknown optimizer or model name, a size
+    that is not one, a flag of the ``nnx-shard`` command. The command reports it
+    as one ``nnx-shard: error: ...`` line with exit status 2.
+
+    >>> from nnx_shard.units import parse_bytes
+    >>> parse_bytes("lots")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: 'lots' is not a size. Fix: write e.g. 80GB, 80GiB or 512MiB
+    """
+
+
+class CompileError(NnxShardError, RuntimeError):
+    """A program compiled (or measured) in a fresh Python with simulated devices
+    failed or ran out of time; the message is one line and says what to change.
+
+    >>> issubclass(CompileError, RuntimeError)
     True
     """
 

@@ -86,13 +86,13 @@ def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from nnx_shard.cli import _optimizer
     from nnx_shard.models import get_config
+    from nnx_shard.optimizers import get as optimizer
 
     strat = ns.strategies.get(strategy)
     mesh = ns.make_mesh(sizes)
     model = strat.abstract_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh)
-    opt = strat.optimizer(model, _optimizer("adamw"), mesh)
+    opt = strat.optimizer(model, optimizer("adamw"), mesh)
     spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh)
     tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
                                   sharding=NamedSharding(mesh, spec))

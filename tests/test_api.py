@@ -1,7 +1,7 @@
 import nnx_shard as ns
 
 EXPECTED = {
-    "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
+    "NnxShardError", "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
     "get_logical_axes", "logical_axes", "make_mesh", "shardings", "use", "with_logical",
     "abstract_init", "sharded_init", "sharded_optimizer",
     "Trainer", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
@@ -27,3 +27,13 @@ def test_every_public_function_has_an_example():
 
 def test_sharding_error_is_value_error():
     assert issubclass(ns.ShardingError, ValueError)
+
+
+def test_every_deliberate_error_is_one_family():
+    from nnx_shard.distributed import DistributedError
+    from nnx_shard.errors import CompileError, UsageError
+
+    for error in (ns.ShardingError, UsageError, CompileError, DistributedError):
+        assert issubclass(error, ns.NnxShardError), error
+    assert issubclass(UsageError, ValueError) and issubclass(CompileError, RuntimeError)
+    assert issubclass(DistributedError, RuntimeError)

@@ -188,21 +188,23 @@ def test_a_call_the_per_step_guard_accepts_is_kept_with_the_calls_queued_behind_
     guard finds every step finite, training goes on from the replayed state, and
     the call queued behind the failed one (undone in the compiled call) is replayed
     too, so no batch is lost."""
-    from nnx_shard import train
+    from nnx_shard.train import trainer as trainer_module
+    from nnx_shard.train.guard import guard_call, select
 
     def fail_first_call(before, after, metrics):
-        metrics = train._guard_call(before, after, metrics)
+        metrics = guard_call(before, after, metrics)
         # Pretend the first call (optimizer step 0 before it) was not finite.
         first = before[1].step[...] == 0
         after[2].ok[...] = after[2].ok[...] & ~first
-        nnx.update((after[0], after[1]), train._select(
+        nnx.update((after[0], after[1]), select(
             ~first, nnx.state((after[0], after[1])), nnx.state((before[0], before[1]))))
         k = metrics["loss"].shape[0]
         return {**metrics, "applied": jnp.broadcast_to(after[2].ok[...], (k,))}
 
     a = arrays(9 * B)
-    t = trainer()
-    t._fused._finish = fail_first_call
+    with monkeypatch.context() as patched:  # the end of this trainer's fused call
+        patched.setattr(trainer_module, "guard_call", fail_first_call)
+        t = trainer()
     h = t.fit(ns.Batches(a, B), 9, progress=False)
     ref = trainer()
     href = ref.fit(ns.Batches(a, B), 9, progress=False)
@@ -248,7 +250,7 @@ def test_grain_map_dataset_and_data_loader_feed_fit():
 
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_grad_norm_equals_optax_with_sharded_and_replicated_leaves(axis_types):
-    from nnx_shard import train
+    from nnx_shard.train.guard import grads_norm
 
     mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     rng = np.random.default_rng(0)
@@ -259,7 +261,7 @@ def test_grad_norm_equals_optax_with_sharded_and_replicated_leaves(axis_types):
     with jax.set_mesh(mesh):
         want = float(jax.jit(optax.tree.norm)(grads))
         for replicated in (False, True):
-            got = jax.jit(lambda g, r=replicated: train._grad_norm(g, r))(grads)
+            got = jax.jit(lambda g, r=replicated: grads_norm(g, r))(grads)
             np.testing.assert_allclose(float(got), want, rtol=1e-6)
 
 
@@ -268,7 +270,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_grad_sq_shares_sum_to_the_norm_with_no_collective(axis_types):
-    from nnx_shard import train
+    from nnx_shard.train.guard import grad_sq_shares
 
     mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     rng = np.random.default_rng(0)
@@ -285,7 +287,7 @@ def test_grad_sq_shares_sum_to_the_norm_with_no_collective(axis_types):
     specs = [x.sharding.spec for x in jax.tree.leaves(grads)]
     with jax.set_mesh(mesh):
         want = float(jax.jit(optax.tree.norm)(grads))
-        fn = jax.jit(lambda g: train._grad_sq_shares(g, specs, mesh))
+        fn = jax.jit(lambda g: grad_sq_shares(g, specs, mesh))
         shares = fn(grads)
         hlo = fn.lower(grads).compile().as_text()
     assert shares.shape == (8,)
@@ -293,8 +295,8 @@ def test_grad_sq_shares_sum_to_the_norm_with_no_collective(axis_types):
     np.testing.assert_allclose(float(np.sqrt(np.sum(np.asarray(shares)))), want, rtol=1e-5)
     # Each device's share is its own blocks': nothing crosses devices until the caller sums.
     assert not [c for c in COLLECTIVES if f" {c}(" in hlo or f" {c}-start(" in hlo], hlo
-    # Where nothing is sharded, or the layout is unknown, _grad_norm is used instead.
+    # Where nothing is sharded, or the layout is unknown, grads_norm is used instead.
     replicated = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, P())) for k, v in grads.items()}
-    assert train._grad_sq_shares(replicated, [P()] * 5, mesh) is None
-    assert train._grad_sq_shares(grads, None, mesh) is None
-    assert train._grad_sq_shares(grads, specs[:2], mesh) is None
+    assert grad_sq_shares(replicated, [P()] * 5, mesh) is None
+    assert grad_sq_shares(grads, None, mesh) is None
+    assert grad_sq_shares(grads, specs[:2], mesh) is None

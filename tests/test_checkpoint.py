@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -26,8 +27,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import nnx_shard as ns
-from nnx_shard.launch import simulated_env
-from nnx_shard.train import _group_sizes
+from nnx_shard.simulated import simulated_env
+from nnx_shard.train.feed import group_sizes as _group_sizes
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -342,8 +343,12 @@ def test_corrupt_or_unfinished_checkpoint_is_refused(tmp_path, saved):
     # The manifest gone: not taken as a checkpoint of ours.
     no_manifest = _copy(d, tmp_path / "nomanifest")
     shutil.rmtree(no_manifest / "7" / "manifest")
-    with pytest.raises(ValueError, match="7"):
+    with pytest.raises(FileNotFoundError, match=r"no finished checkpoint .* numbered folders "
+                       r"\(7\) have no manifest/metadata: they were not written by nnx_shard"):
         ns.restore(no_manifest, model=target)
+    with pytest.raises(FileNotFoundError, match=rf"{no_manifest / '7'} is not a checkpoint "
+                       r"written by nnx_shard"):
+        ns.restore(no_manifest, model=target, step=7)
 
     # An interrupted save: only the temporary directory exists.
     unfinished = _copy(d, tmp_path / "unfinished")
@@ -371,7 +376,7 @@ def test_checkpointer_keeps_last_k_and_cleans_unfinished(tmp_path):
         assert ckpt.steps() == [4, 6] and ckpt.latest_step() == 6
         restored = ckpt.restore(model=MLP(nnx.Rngs(1)), step=4)
         assert float(restored.up.bias[0]) == 4.0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["4", "6"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".nnx_shard.lock", "4", "6"]
     assert repr(ckpt).endswith("every=2, keep=2, async_save=True)")
     with pytest.raises(ValueError, match="every must be a positive int"):
         ns.Checkpointer(tmp_path, every=0)
@@ -586,7 +591,6 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
 
 def _key_spans(text):
     """(start, end) of every JSON object key's characters in ``text``."""
-    import re
 
     return [(m.start(1), m.end(1)) for m in re.finditer(r'"([^"]*)"\s*:', text)]
 
@@ -620,16 +624,22 @@ def test_a_flipped_byte_in_the_manifest_is_a_corrupt_checkpoint(tmp_path):
         ns.restore(tmp_path, model=target)
     manifest.write_bytes(good)
     assert_bitwise(values(ns.restore(tmp_path, model=target)), values(model))
-    # Manifests written before the digest existed are still read, entry by entry checked.
+    # Every entry is checked on its own too (a manifest with a recomputed digest).
     import json
 
-    old = json.loads(text)
-    del old["digest"]
-    manifest.write_text(json.dumps(old))
-    assert_bitwise(values(ns.restore(tmp_path, model=target)), values(model))
-    old["items"]["model"]["up/kernel"]["checksum"] = [1, 2, 3]
-    manifest.write_text(json.dumps(old))
+    from nnx_shard.checkpoint import _digest
+
+    bad = json.loads(text)
+    bad["items"]["model"]["up/kernel"]["checksum"] = [1, 2, 3]
+    bad["digest"] = _digest(bad)
+    manifest.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"entry model/up/kernel has the checksum \[1, 2, 3\]"):
+        ns.restore(tmp_path, model=target)
+    # Manifests written before the digest existed are refused, saying so.
+    del bad["digest"]
+    manifest.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"its manifest .* has no digest \(written by an "
+                       r"nnx_shard older than the manifest's digest"):
         ns.restore(tmp_path, model=target)
 
 
@@ -664,7 +674,8 @@ def test_concurrent_saves_of_one_step_leave_exactly_one_finished_step(tmp_path, 
     assert all(isinstance(r, FileExistsError) for r in lost), results
     assert all(f"a checkpoint for step 5 already exists at {tmp_path / '5'}" in str(r)
                for r in lost)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["5"]  # no temporary leftovers
+    # No temporary leftovers; the lock file that saves hold while they write.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".nnx_shard.lock", "5"]
     restored = ns.restore(tmp_path, model=nnx.eval_shape(lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0))))
     assert_bitwise(values(restored), values(models[won[0]]))
 
@@ -749,3 +760,421 @@ ckpt.save(2, model=nnx.Linear(16, 32, rngs=nnx.Rngs(2)))
     target = nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0)))
     assert_bitwise(values(ns.restore(tmp_path, model=target)),
                    values(nnx.Linear(16, 32, rngs=nnx.Rngs(2))))
+
+
+# ----------------------------------------------------------------------------- whose folders
+
+
+def test_rotation_and_cleanup_touch_only_our_own_steps(tmp_path):
+    """Folders that merely have a number for a name are the user's: never listed,
+    rotated, overwritten or deleted."""
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "data.txt").write_text("mine")
+    (tmp_path / "2024").mkdir()
+    (tmp_path / "2024" / "thesis.tex").write_text("also mine")
+    (tmp_path / "007").mkdir()
+    (tmp_path / "3").write_text("a file named 3")
+    (tmp_path / "12").mkdir()  # an empty folder
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("kept")
+    (tmp_path / "9").symlink_to(elsewhere)
+    users = sorted(p.name for p in tmp_path.iterdir())
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    with ns.Checkpointer(tmp_path, keep=1) as ckpt:
+        assert ckpt.steps() == [] and ckpt.latest_step() is None
+        for step in (10, 20, 30):
+            ckpt.save(step, model=model)
+        ckpt.wait()
+        assert ckpt.steps() == [30]
+        with pytest.raises(FileExistsError, match=rf"{tmp_path / '1'} already exists and is not "
+                           r"a checkpoint written by nnx_shard.*Fix: save under another step"):
+            ckpt.save(1, model=model)
+        with pytest.raises(FileExistsError, match="is not a checkpoint written by nnx_shard"):
+            ns.save(tmp_path, 2024, model=model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*users, "30", ".nnx_shard.lock"])
+    assert (tmp_path / "1" / "data.txt").read_text() == "mine"
+    assert (tmp_path / "2024" / "thesis.tex").read_text() == "also mine"
+    assert (elsewhere / "keep.txt").read_text() == "kept"
+    with pytest.raises(FileNotFoundError, match=r"2024 is not a checkpoint written by nnx_shard"):
+        ns.restore(tmp_path, model=model, step=2024)
+
+
+@pytest.mark.parametrize("empty", ["", pathlib.Path("")])
+def test_an_empty_path_is_refused(empty):
+    model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="Checkpointer: the directory is an empty path"):
+        ns.Checkpointer(empty)
+    with pytest.raises(ValueError, match="save: the directory is an empty path"):
+        ns.save(empty, 1, model=model)
+    with pytest.raises(ValueError, match="restore: the directory is an empty path"):
+        ns.restore(empty, model=model)
+    with pytest.raises(TypeError, match=r"save: the directory must be a path \(str or "
+                       r"os.PathLike\), got NoneType"):
+        ns.save(None, 1, model=model)
+
+
+def _run_child(script, timeout=60, env=None):
+    """Runs ``script`` in a fresh Python with 8 simulated devices: (rc, stdout, stderr, s)."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], env={**CHILD_ENV, **(env or {})},
+                         capture_output=True, text=True, timeout=timeout)
+    return out.returncode, out.stdout, out.stderr, time.monotonic() - t0
+
+
+def test_another_processes_save_in_flight_is_left_alone(tmp_path):
+    """Opening a Checkpointer removes temporary folders of killed saves, but never the
+    one of a save another process is still writing (it holds the directory's lock)."""
+    script = f"""
+import time
+import orbax.checkpoint._src.checkpointers.async_checkpointer as ac
+from flax import nnx
+import nnx_shard as ns
+commit = ac._background_wait_for_commit_futures
+def slow(*args, **kwargs):  # the arrays are written; finishing takes a while
+    time.sleep(3)
+    return commit(*args, **kwargs)
+ac._background_wait_for_commit_futures = slow
+with ns.Checkpointer({str(tmp_path)!r}) as ckpt:
+    ckpt.save(5, model=nnx.Linear(16, 32, rngs=nnx.Rngs(5)))
+print("done", flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], env=CHILD_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            if list(tmp_path.glob("5.orbax-checkpoint-tmp*")):
+                break
+            time.sleep(0.02)
+        tmp = list(tmp_path.glob("5.orbax-checkpoint-tmp*"))
+        assert tmp, proc.communicate(timeout=30)
+        with ns.Checkpointer(tmp_path) as ckpt:
+            assert tmp[0].exists(), "another process's save in flight was deleted"
+            assert ckpt.steps() == []
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and out.strip() == "done", err
+    assert ns.Checkpointer(tmp_path).steps() == [5]
+    restored = ns.restore(tmp_path, model=nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0))))
+    assert_bitwise(values(restored), values(nnx.Linear(16, 32, rngs=nnx.Rngs(5))))
+
+
+def test_sigkill_during_rotation_leaves_only_whole_steps(tmp_path):
+    """Killed while deleting an old step, the next run sees only whole steps (the
+    half-deleted one is neither listed nor restored) and removes the remains."""
+    script = f"""
+import os, shutil, signal
+from flax import nnx
+import nnx_shard as ns
+def half_then_die(path, *args, **kwargs):  # SIGKILL half-way through deleting a step
+    files = sorted(p for p in __import__("pathlib").Path(path).rglob("*") if p.is_file())
+    for f in files[::2]:
+        f.unlink()
+    os.kill(os.getpid(), signal.SIGKILL)
+with ns.Checkpointer({str(tmp_path)!r}, keep=1, async_save=False) as ckpt:
+    ckpt.save(1, model=nnx.Linear(16, 32, rngs=nnx.Rngs(1)))
+    shutil.rmtree = half_then_die
+    ckpt.save(2, model=nnx.Linear(16, 32, rngs=nnx.Rngs(2)))
+"""
+    rc, _, err, _ = _run_child(script)
+    assert rc == -signal.SIGKILL, err
+    target = nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0)))
+    with ns.Checkpointer(tmp_path, keep=1) as ckpt:
+        assert ckpt.steps() == [2]
+        assert_bitwise(values(ckpt.restore(model=target)), values(nnx.Linear(16, 32, rngs=nnx.Rngs(2))))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".nnx_shard.lock", "2"]
+
+
+# ----------------------------------------------------------------------------- what the digest covers
+
+
+def test_editing_extra_or_renaming_a_step_is_detected(tmp_path):
+    """extra (step counter, data position) is covered by the manifest's digest, and the
+    manifest names its step: an edited ``"step": 30`` or a renamed folder is refused
+    instead of resuming with a step counter that does not match the optimizer."""
+    model, opt = build(MESH8, FSDP)
+    ckpt = ns.Checkpointer(tmp_path, every=10, keep=None)
+    trainer(model, opt).fit(data_from, 30, progress=False, checkpointer=ckpt)
+    ckpt.close()
+    extra = tmp_path / "30" / "extra" / "metadata"
+    good = extra.read_text()
+    assert '"step": 30' in good
+    extra.write_text(good.replace('"step": 30', '"step": 90'))
+    tm, to = targets(MESH8, FSDP)
+    with pytest.raises(ValueError, match=rf"restore: the checkpoint at {tmp_path / '30'} is "
+                       rf"corrupt: {extra} does not match the digest in its manifest"):
+        ns.restore(tmp_path, model=tm, optimizer=to)
+    fresh, fresh_opt = build(MESH8, FSDP)
+    with pytest.raises(ValueError, match=rf"{extra} does not match the digest"):
+        trainer(fresh, fresh_opt).fit(data_from, 40, progress=False, resume=True,
+                                      checkpointer=ns.Checkpointer(tmp_path, every=10))
+    extra.write_text(good)
+    (tmp_path / "30").rename(tmp_path / "90")
+    with pytest.raises(ValueError, match=rf"{tmp_path / '90'} is corrupt: its manifest .* was "
+                       r"written for step 30, not 90"):
+        ns.restore(tmp_path, model=tm, optimizer=to)
+    (tmp_path / "90").rename(tmp_path / "30")
+    _, restored_opt, got = ns.restore(tmp_path, model=tm, optimizer=to)
+    assert got == {"step": 30, "data_position": 30} and int(restored_opt.step[...]) == 30
+
+
+def test_checksums_do_not_collapse_on_constant_round_arrays():
+    """Norm scales and biases are often constant and round: every such float32 array
+    of a size multiple of 512 used to checksum to [0, 0]."""
+    from nnx_shard.checkpoint import _checksums
+
+    arrays = [jnp.ones(512), jnp.ones(1024), jnp.full((512,), 2.0), jnp.zeros(512),
+              jnp.full((4096,), 0.5), jnp.ones(512, jnp.bfloat16), jnp.full((512,), -1.0),
+              jnp.arange(512.0), jnp.arange(512.0)[::-1]]
+    sums = [tuple(s) for s in _checksums(arrays)]
+    assert (0, 0) not in sums
+    assert len(set(sums)) == len(sums), sums  # each array its own checksum, order too
+    # Bits and their row-major positions only: the shape is checked on its own.
+    assert _checksums([jnp.ones((2, 512))]) == _checksums([jnp.ones(1024)])
+    # The same values laid out on 8 devices checksum the same.
+    sharded = jax.device_put(jnp.ones(1024), NamedSharding(MESH8, jax.sharding.PartitionSpec("data")))
+    assert _checksums([sharded]) == _checksums([jnp.ones(1024)])
+
+
+def test_data_of_another_checkpoint_with_constant_arrays_is_refused(tmp_path):
+    """Two checkpoints differing only in a constant bias (ones vs twos, 512 wide): the
+    data of one under the manifest of the other is a checksum mismatch, not a silent
+    restore of the wrong values."""
+    def model(value):
+        m = nnx.Linear(4, 512, rngs=nnx.Rngs(0))
+        m.bias.set_value(jnp.full((512,), value))
+        return m
+
+    ns.save(tmp_path / "a", 1, model=model(1.0))
+    ns.save(tmp_path / "b", 1, model=model(2.0))
+    shutil.rmtree(tmp_path / "a" / "1" / "model")
+    shutil.copytree(tmp_path / "b" / "1" / "model", tmp_path / "a" / "1" / "model")
+    with pytest.raises(ValueError, match=r"the data read for model/bias does not match"):
+        ns.restore(tmp_path / "a", model=nnx.eval_shape(lambda: model(0.0)))
+
+
+def test_checkpoints_of_the_previous_format_still_restore(tmp_path):
+    """tests/data/checkpoint_format1: written by nnx_shard before the manifest's format 2
+    (an MLP(d=2, h=2) with adam, step 5)."""
+    d = _copy(TESTS / "data" / "checkpoint_format1", tmp_path / "old")
+    assert ns.Checkpointer(d).steps() == [5]
+    target = MLP(nnx.Rngs(params=0, dropout=1), d=2, h=2)
+    opt = nnx.Optimizer(target, optax.adam(1e-2), wrt=nnx.Param)
+    model, restored_opt, extra = ns.restore(d, model=nnx.eval_shape(lambda: target),
+                                            optimizer=nnx.eval_shape(lambda: opt))
+    assert_bitwise(values(model), values(target))
+    assert_bitwise(values(restored_opt), values(opt))
+    assert extra == {"step": 5, "data_position": 5}
+
+
+def test_damage_to_orbax_metadata_files_is_an_error_or_harmless(tmp_path):
+    """The files orbax reads besides the arrays only steer reading: damage there gives
+    an error or the right values, never wrong ones."""
+    model = MLP(nnx.Rngs(0), d=2, h=2)
+    ns.save(tmp_path, 3, model=model)
+    want = values(model)
+    target = nnx.eval_shape(lambda: MLP(nnx.Rngs(0), d=2, h=2))
+    step = tmp_path / "3"
+    files = [step / "_CHECKPOINT_METADATA", step / "model" / "_METADATA",
+             step / "model" / "_sharding", step / "model" / "array_metadatas" / "process_0",
+             step / "model" / "manifest.ocdbt", step / "extra" / "metadata"]
+    tried = 0
+    for f in files:
+        good = f.read_bytes()
+        for i in range(0, len(good), max(1, len(good) // 12)):
+            raw = bytearray(good)
+            raw[i] ^= 0x04
+            f.write_bytes(bytes(raw))
+            try:
+                got = values(ns.restore(tmp_path, model=target))
+            except (ValueError, FileNotFoundError) as e:
+                assert "restore: " in str(e), (f, i, e)
+            else:
+                assert_bitwise(got, want)
+            tried += 1
+        f.write_bytes(good)
+    assert tried > 50
+
+
+# ----------------------------------------------------------------------------- failed saves, exit
+
+# A child whose files may not grow past 256 KiB (as on a full disk; EFBIG instead of ENOSPC),
+# saving 1 MiB of arrays.
+_SMALL_DISK = """
+import resource, signal, sys
+from flax import nnx
+import nnx_shard as ns
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+big = nnx.Linear(512, 512, rngs=nnx.Rngs(0))
+"""
+
+
+def test_a_failed_background_save_is_raised_at_the_next_save_wait_and_close(tmp_path):
+    script = _SMALL_DISK + f"""
+ckpt = ns.Checkpointer({str(tmp_path)!r}, keep=None)
+ckpt.save(1, model=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+ckpt.wait()
+def attempt(what, call):
+    try:
+        call()
+    except OSError as e:
+        print(what, "raised:", e, flush=True)
+    else:
+        print(what, "ok", flush=True)
+ckpt.save(2, model=big)  # fails in the background
+attempt("save 3", lambda: ckpt.save(3, model=big))  # not started: 2 failed
+attempt("wait", ckpt.wait)
+ckpt.save(4, model=big)
+attempt("wait", ckpt.wait)
+ckpt.save(5, model=big)
+attempt("close", ckpt.close)
+print("steps", ckpt.steps())
+"""
+    rc, out, err, _ = _run_child(script)
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+
+    def failed(step):
+        return (rf"raised: Checkpointer: the background save of step {step} to {tmp_path} "
+                r"failed: File too large.*; that step was not written \(finished steps: "
+                r"\[1\]\)\. Fix: .*")
+
+    assert re.fullmatch("save 3 " + failed(2), lines[0]), lines
+    assert lines[1] == "wait ok"
+    assert re.fullmatch("wait " + failed(4), lines[2]), lines
+    assert re.fullmatch("close " + failed(5), lines[3]), lines
+    assert lines[4:] == ["steps [1]"]
+    assert err == "", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".nnx_shard.lock", "1"]
+
+
+def test_a_failed_save_never_waited_on_fails_the_exit_with_one_line(tmp_path):
+    script = _SMALL_DISK + f"""
+ckpt = ns.Checkpointer({str(tmp_path)!r})
+ckpt.save(7, model=big)
+print("saving in the background", flush=True)
+"""
+    rc, out, err, _ = _run_child(script)
+    assert out == "saving in the background\n"
+    assert rc == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert re.fullmatch(rf"nnx_shard: error: Checkpointer: the background save of step 7 to "
+                        rf"{tmp_path} failed: File too large.*", lines[0]), err
+    assert not list(tmp_path.glob("7*"))
+
+
+def test_a_save_to_a_read_only_directory_fails_at_once_and_exit_does_not_hang(tmp_path):
+    """Orbax created step folders on a background thread; when that failed (read-only
+    file system) the other threads waited 300 s for it, at exit."""
+    script = f"""
+import errno, os
+from flax import nnx
+import nnx_shard as ns
+mkdir = os.mkdir
+def read_only(path, *args, **kwargs):
+    if "orbax-checkpoint-tmp" in os.fspath(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+    return mkdir(path, *args, **kwargs)
+os.mkdir = read_only
+ckpt = ns.Checkpointer({str(tmp_path)!r})
+for step in (3, 4):
+    try:
+        ckpt.save(step, model=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    except OSError as e:
+        print("raised:", e, flush=True)
+"""
+    rc, out, err, seconds = _run_child(script, timeout=60)
+    assert rc == 0 and err == "" and seconds < 20, (rc, err, seconds)
+    lines = out.splitlines()
+    for step, line in zip((3, 4), lines, strict=True):
+        assert re.fullmatch(rf"raised: Checkpointer: the save of step {step} to {tmp_path} "
+                            r"failed: Read-only file system \(.*\); that step was not written "
+                            r"\(finished steps: \[\]\)\. Fix: save to a directory this "
+                            r"process can write\.", line), line
+
+
+def test_exit_gives_up_on_a_save_that_makes_no_progress(tmp_path):
+    script = f"""
+import threading
+import orbax.checkpoint._src.checkpointers.async_checkpointer as ac
+from flax import nnx
+import nnx_shard as ns
+ac._background_wait_for_commit_futures = lambda *a, **k: threading.Event().wait()  # stuck
+ckpt = ns.Checkpointer({str(tmp_path)!r})
+ckpt.save(2, model=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+"""
+    rc, _, err, seconds = _run_child(script, timeout=60, env={"NNX_SHARD_EXIT_STALL": "1"})
+    assert rc == 1 and seconds < 25, (rc, seconds, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert re.fullmatch(rf"nnx_shard: error: the save of step 2 to {tmp_path} made no progress "
+                        r"for 1 s at exit; it is lost \(NNX_SHARD_EXIT_STALL sets how long to "
+                        r"wait\)\.", lines[0]), err
+
+
+def test_saves_and_restores_do_not_collect_tensorstore_metrics(tmp_path, monkeypatch):
+    """tensorstore's experimental_collect_matching_metrics keeps every result it returns
+    (about 8 KB a call); orbax called it twice per array write or read, for log lines:
+    resident memory grew ~30 KB per save without bound (benchmarks/checkpoint_rss.py)."""
+    import tensorstore as ts
+
+    calls = []
+    collect = ts.experimental_collect_matching_metrics
+    monkeypatch.setattr(ts, "experimental_collect_matching_metrics",
+                        lambda *a, **k: calls.append(a) or collect(*a, **k))
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    with ns.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, model=model)
+    ns.save(tmp_path, 4, model=model)
+    ns.restore(tmp_path, model=nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0))))
+    assert calls == []
+
+
+def test_failed_saves_and_restores_print_one_line_each(tmp_path):
+    """No pages of absl tracebacks and tensorstore specs: what failed, once."""
+    script = f"""
+import pathlib, shutil, sys
+from flax import nnx
+import nnx_shard as ns
+d = pathlib.Path({str(tmp_path)!r})
+small = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+ns.save(d / "ok", 1, model=small)
+ns.save(d / "ok", 2, model=small)
+shutil.rmtree(d / "ok" / "1" / "model" / "ocdbt.process_0")
+(d / "ok" / "2" / "model" / "manifest.ocdbt").write_bytes(b"garbage")
+target = nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0)))
+for step in (1, 2):
+    try:
+        ns.restore(d / "ok", model=target, step=step)
+    except ValueError as e:
+        print("ERROR:", str(e).splitlines()[0], file=sys.stderr)
+""" + _SMALL_DISK + """
+try:
+    ns.save(d / "full", 1, model=big)
+except OSError as e:
+    print("ERROR:", e, file=sys.stderr)
+ckpt = ns.Checkpointer(d / "full")
+ckpt.save(2, model=big)
+try:
+    ckpt.wait()
+except OSError as e:
+    print("ERROR:", e, file=sys.stderr)
+ckpt.save(3, model=big)
+"""
+    rc, out, err, _ = _run_child(script)
+    assert rc == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 5, err
+    for step, line in zip((1, 2), lines, strict=False):
+        assert line.startswith(f"ERROR: restore: the checkpoint at {tmp_path / 'ok' / str(step)} "
+                               "could not be read; it is corrupt or incomplete"), err
+    assert lines[2].startswith(f"ERROR: save: the save of step 1 to {tmp_path / 'full'} failed: "
+                               "File too large"), err
+    assert lines[3].startswith("ERROR: Checkpointer: the background save of step 2"), err
+    assert lines[4].startswith("nnx_shard: error: Checkpointer: the background save of step 3")

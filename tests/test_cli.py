@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import needs_devices
-from nnx_shard import cli, commands, demo
+from nnx_shard import cli
+from nnx_shard.cli import demo
+from nnx_shard.cli import plan as plan_command
+from nnx_shard.cli.common import DEMO_MAX_STEPS
 from nnx_shard.models import get_config
+from nnx_shard.units import parse_bytes
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,10 +67,11 @@ def test_plan_7b_per_device_bytes_match_hand_computation(capsys):
     assert per["optimizer"] == 2 * params + 4
     assert plan["bytes_total"]["params"] == 2 * get_config("7b").num_params
     # Activations (formula in ACTIVATION_FORMULA): 256 x 2048 tokens / 8 (batch over data);
-    # per layer and token 2 * (4e + 4hk/8 + 2m/8) + 4 * heads * seq / 8 bytes; then the
-    # residual input 2 * 2e and float32 logits and their gradient 8 * vocab / 8.
+    # per layer and token 2 * (4e + 4hk/8 + 2m/8) + 4 * heads / 8 bytes (the blockwise
+    # attention kernel's float32 log-sum-exp); then the residual input 2 * 2e and float32
+    # logits and their gradient 8 * vocab / 8.
     tokens = 256 * 2048 // 8
-    layer = 2 * (4 * 4096 + 4 * 4096 // 8 + 2 * 16384 // 8) + 4 * 32 * 2048 // 8
+    layer = 2 * (4 * 4096 + 4 * 4096 // 8 + 2 * 16384 // 8) + 4 * 32 // 8
     assert per["activations"] == tokens * (32 * layer + 2 * 2 * 4096 + 8 * 32000 // 8)
     # Trainer.fit's NaN guard keeps the parameters and optimizer state from before a call.
     assert per["guard"] == per["params"] + per["optimizer"]
@@ -188,7 +193,7 @@ def test_plan_compiles_a_256_device_mesh(capsys):
 
 
 def test_plan_meshes_beyond_the_bound_are_not_compiled_by_default(capsys, monkeypatch):
-    monkeypatch.setattr(commands, "COMPILE_MAX_DEVICES", 4)
+    monkeypatch.setattr(plan_command, "COMPILE_MAX_DEVICES", 4)
     code, out, _ = run(capsys, *TINY, "--json")
     assert code == 0 and json.loads(out)["compiled"] is None
 
@@ -274,10 +279,10 @@ def test_bad_flags_from_the_console_script_have_no_traceback():
 
 
 def test_parse_bytes():
-    assert cli._parse_bytes("80GB") == 80 * 10**9
-    assert cli._parse_bytes("80GiB") == 80 * 2**30
-    assert cli._parse_bytes("512 MiB") == 512 * 2**20
-    assert cli._parse_bytes("1e9") == 10**9
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1e9") == 10**9
 
 
 # --------------------------------------------------------------------------- explain
@@ -422,7 +427,7 @@ def test_internal_errors_keep_their_traceback(capsys, monkeypatch):
     def broken(args):
         raise ZeroDivisionError("a bug of ours")
 
-    monkeypatch.setattr(commands, "_plan", broken)
+    monkeypatch.setitem(cli.COMMANDS, "plan", broken)
     with pytest.raises(ZeroDivisionError, match="a bug of ours"):
         cli.main(["plan", "--model", "tiny", "--mesh", "data=8"])
 
@@ -474,7 +479,7 @@ def test_demo_rejects_a_learning_rate_that_is_not_finite_and_positive(capsys, tm
 def test_demo_refuses_absurd_steps_and_a_file_as_out_folder_up_front(capsys, tmp_path):
     code, out, err = run(capsys, "demo", "--steps", "1000000000000", "--out", str(tmp_path / "d"))
     assert_one_line_error(code, err, "--steps 1000000000000 is more than the demo runs",
-                          f"at most {cli.DEMO_MAX_STEPS:,}", "ns.Trainer")
+                          f"at most {DEMO_MAX_STEPS:,}", "ns.Trainer")
     assert out == "" and not (tmp_path / "d").exists()
     a_file = tmp_path / "f.txt"
     a_file.write_text("keep me")
@@ -495,6 +500,72 @@ def test_demo_summary_is_strict_json():
 # A demo model small enough for a test: one layer, 32 wide, 16 x 32 tokens a step.
 TINY_DEMO = ("--batch", "16", "--seq", "32", "--embed", "32", "--heads", "4", "--mlp", "64",
              "--layers", "1")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--heads", "0"], "--heads 0: must be at least 1"),
+    (["--embed", "0"], "--embed 0: must be at least 1"),
+    (["--mlp", "-4"], "--mlp -4: must be at least 1"),
+    (["--layers", "0"], "--layers 0: must be at least 1"),
+    (["--seq", "0"], "--seq 0: must be at least 1"),
+    (["--batch", "0"], "--batch 0: must be at least 1"),
+    (["--evals", "0"], "--evals 0: must be at least 1"),
+    (["--steps-per-call", "0"], "--steps-per-call 0: must be at least 1"),
+    (["--experts", "-1"], "--experts -1: must be at least 0"),
+    (["--sample-chars", "-1"], "--sample-chars -1: must be at least 0"),
+    (["--seed", "-1"], "--seed -1: must be at least 0"),
+    (["--seed", str(2**40)], f"--seed {2**40}: must be at most 4,294,967,295"),
+    (["--sample-chars", "100000000"], "--sample-chars 100000000: must be at most 100,000"),
+    (["--embed", "30", "--heads", "4"], "--embed 30 must divide by --heads 4"),
+    (["--embed", "65536", "--mlp", "262144", "--layers", "64"],
+     "parameters; training it needs about"),
+])
+def test_demo_checks_its_numbers_up_front(capsys, tmp_path, flags, needle):
+    """Each bad number is one line and exit 2 before anything runs (--heads 0 was a
+    ZeroDivisionError, --sample-chars -1 an error after training)."""
+    out_dir = tmp_path / "d"
+    # A tiny, short run, then the flag under test (argparse: the last one given counts).
+    code, out, err = run(capsys, "demo", "--steps", "2", *TINY_DEMO, "--evals", "1",
+                         "--sample-chars", "4", *flags, "--out", str(out_dir))
+    assert_one_line_error(code, err, needle)
+    assert out == "" and not out_dir.exists()
+
+
+@pytest.mark.parametrize("mine", ["checkpoint/thesis.tex", "summary.json", "loss.png",
+                                  "checkpoint/2/model.txt"])
+def test_demo_never_deletes_or_overwrites_what_it_did_not_write(capsys, tmp_path, mine):
+    out_dir = tmp_path / "d"
+    (out_dir / mine).parent.mkdir(parents=True)
+    (out_dir / mine).write_text("mine")
+    code, out, err = run(capsys, "demo", "--steps", "2", *TINY_DEMO, "--evals", "1",
+                         "--sample-chars", "4", "--out", str(out_dir))
+    top = mine.split("/")[0]
+    assert_one_line_error(code, err, f"--out {str(out_dir)!r} already holds {top}",
+                          "which the demo did not write", "choose another --out")
+    assert out == "" and (out_dir / mine).read_text() == "mine"
+    assert sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*")
+                  if p.is_file()) == [mine]
+
+
+@needs_devices(8)
+def test_demo_of_one_step_runs_and_a_rerun_replaces_only_its_own_outputs(capsys, tmp_path):
+    out_dir = tmp_path / "demo"
+    tiny = ("--steps-per-call", "1", *TINY_DEMO, "--evals", "1", "--sample-chars", "4",
+            "--out", str(out_dir))
+    code, _, err = run(capsys, "demo", "--steps", "1", *tiny)  # --steps 1 crashed in optax
+    assert code == 0, err
+    assert strict_json(out_dir / "summary.json")["steps"] == 1
+    assert (out_dir / "checkpoint" / "1" / "model").is_dir()
+    (out_dir / "notes.txt").write_text("mine")
+    (out_dir / "checkpoint" / "mine.txt").write_text("mine too")
+    code, _, err = run(capsys, "demo", "--steps", "2", *tiny)
+    assert code == 0, err
+    assert strict_json(out_dir / "summary.json")["steps"] == 2
+    assert sorted(p.name for p in (out_dir / "checkpoint").iterdir()) == [
+        ".nnx_shard.lock", "2", "mine.txt"]
+    assert (out_dir / "notes.txt").read_text() == "mine"
+    assert (out_dir / "checkpoint" / "mine.txt").read_text() == "mine too"
 
 
 @needs_devices(8)
@@ -546,6 +617,7 @@ def test_demo_without_matplotlib_says_how_to_get_the_plot(capsys, tmp_path, monk
     out_dir = tmp_path / "demo"
     out_dir.mkdir()
     (out_dir / "loss.png").write_bytes(b"a previous run's plot")
+    (out_dir / demo.MARKER).write_text(json.dumps({"wrote": ["loss.png"]}))  # that run's record
     hide_matplotlib(monkeypatch)
     code, out, err = run(
         capsys, "demo", "--steps", "4", "--steps-per-call", "2", *TINY_DEMO,
@@ -593,12 +665,13 @@ def test_demo_end_to_end(capsys, tmp_path):
 
 
 def run_fresh(*statements: str) -> tuple[list[str], str]:
-    """Runs ``statements`` after ``import os, nnx_shard, jax; from nnx_shard import cli``
+    """Runs ``statements`` after ``import os, nnx_shard, jax; from nnx_shard.cli import common``
     in a fresh CPU-only Python that was given no device count; the words it
     printed, and its stderr."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
-    code = "; ".join(("import os, nnx_shard, jax", "from nnx_shard import cli", *statements))
+    code = "; ".join(("import os, nnx_shard, jax", "from nnx_shard.cli import common",
+                      *statements))
     done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
@@ -606,8 +679,8 @@ def run_fresh(*statements: str) -> tuple[list[str], str]:
 
 
 def test_demo_simulates_devices_only_before_jax_starts():
-    out, err = run_fresh("first = cli._simulate_devices()", "n = jax.device_count()",
-                         "print(first, n, cli._simulate_devices())")
+    out, err = run_fresh("first = common.simulate_devices()", "n = jax.device_count()",
+                         "print(first, n, common.simulate_devices())")
     # The first call sets jax_num_cpu_devices; the second sees the count set and keeps it.
     assert out == ["True", "8", "False"]
     assert err == ""
@@ -615,7 +688,7 @@ def test_demo_simulates_devices_only_before_jax_starts():
 
 def test_demo_says_when_jax_started_too_early_to_simulate_devices():
     out, err = run_fresh("n = jax.device_count()",
-                         "print(cli._simulate_devices(), n, jax.device_count())")
+                         "print(common.simulate_devices(), n, jax.device_count())")
     assert out == ["False", "1", "1"]
     assert "nnx-shard: JAX already started with 1 device(s), too late to simulate 8" in err
     assert "JAX_NUM_CPU_DEVICES=8 before the first JAX call" in err
@@ -623,7 +696,7 @@ def test_demo_says_when_jax_started_too_early_to_simulate_devices():
 
 def test_demo_keeps_a_device_count_the_user_set():
     out, err = run_fresh("jax.config.update('jax_num_cpu_devices', 2)",
-                         "print(cli._simulate_devices(), jax.device_count(), "
+                         "print(common.simulate_devices(), jax.device_count(), "
                          "'XLA_FLAGS' in os.environ)")
     assert out == ["False", "2", "False"]
     assert "too late" not in err

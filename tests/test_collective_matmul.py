@@ -24,8 +24,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.collective_matmul import all_gather_matmul, matmul_reduce_scatter, projection
 from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.parallel.collective_matmul import (
+    all_gather_matmul,
+    matmul_reduce_scatter,
+    projection,
+)
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
 from tests._lm import lm_batches, lm_step

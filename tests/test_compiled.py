@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import needs_devices
-from nnx_shard.compiled import CompileError, compiled_memory, compiled_memory_subprocess
+from nnx_shard.planner import CompileError, compiled_memory, compiled_memory_subprocess
 
 
 @needs_devices(8)

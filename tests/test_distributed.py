@@ -21,7 +21,7 @@ import pytest
 
 import nnx_shard as ns
 from conftest import needs_devices
-from nnx_shard import launch
+from nnx_shard.cli import launch
 from nnx_shard.distributed import DistributedError, _resolve
 from tests._close import assert_close
 
@@ -43,7 +43,7 @@ def free_port() -> int:
 def run_job(*args: str, n: int = 2, devices: int = 4) -> subprocess.CompletedProcess[str]:
     """``nnx-shard launch`` of the test script, itself bounded by a timeout."""
     cmd = [
-        sys.executable, "-m", "nnx_shard.launch", "-n", str(n),
+        sys.executable, "-m", "nnx_shard.cli.launch", "-n", str(n),
         "--devices-per-process", str(devices), "--timeout", str(JOB_TIMEOUT - 5),
         "--init-timeout", "20", "--heartbeat-timeout", "10", "--",
         sys.executable, SCRIPT, *args,

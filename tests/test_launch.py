@@ -1,4 +1,4 @@
-"""nnx_shard.launch: local multi-process jobs that never hang and leave no process behind.
+"""nnx_shard.cli.launch: local multi-process jobs that never hang and leave no process behind.
 
 Most jobs here run tiny ``python -c`` programs (no JAX, fast); one runs real JAX
 processes whose peer is killed mid-job.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nnx_shard import launch
+from nnx_shard.cli import launch
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "distributed_script.py")
@@ -156,7 +156,7 @@ def test_command_that_cannot_start_is_an_error(capfd):
 
 def test_terminating_the_launcher_stops_its_processes():
     prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
-    p = subprocess.Popen([PY, "-m", "nnx_shard.launch", "-n", "2", "--", PY, "-c", prog],
+    p = subprocess.Popen([PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--", PY, "-c", prog],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
@@ -172,7 +172,7 @@ def test_terminating_the_launcher_stops_its_processes():
 
 def test_killing_the_launcher_outright_takes_its_processes_along():
     prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
-    p = subprocess.Popen([PY, "-m", "nnx_shard.launch", "-n", "2", "--", PY, "-c", prog],
+    p = subprocess.Popen([PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--", PY, "-c", prog],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert p.stdout is not None
     lines = [p.stdout.readline(), p.stdout.readline()]
@@ -193,7 +193,7 @@ def test_add_arguments_composes_with_a_subcommand_parser(capfd):
 def test_a_killed_jax_peer_stops_the_job_within_the_timeout():
     start = time.monotonic()
     done = subprocess.run(
-        [PY, "-m", "nnx_shard.launch", "-n", "2", "--devices-per-process", "4",
+        [PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--devices-per-process", "4",
          "--timeout", "40", "--init-timeout", "20", "--heartbeat-timeout", "10", "--",
          PY, SCRIPT, "die"],
         capture_output=True, text=True, timeout=50, cwd=HERE.parent,
@@ -205,7 +205,8 @@ def test_a_killed_jax_peer_stops_the_job_within_the_timeout():
 
 
 @pytest.mark.skipif(
-    not (HERE.parent / "nnx_shard" / "cli.py").exists(), reason="the nnx-shard CLI is not built"
+    not (HERE.parent / "nnx_shard" / "cli" / "__init__.py").exists(),
+    reason="the nnx-shard CLI is not built",
 )
 def test_nnx_shard_launch_command():
     done = subprocess.run(

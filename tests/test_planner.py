@@ -67,11 +67,24 @@ def test_a_new_preset_joins_the_enumeration_without_edits(monkeypatch):
         return dataclasses.replace(base, name="wide", mesh_axes=("data", "extra"), sizes=(2,))
 
     monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "wide"))
-    monkeypatch.setitem(strategies._PRESETS, "wide", wide)
+    monkeypatch.setitem(strategies.PRESETS, "wide", wide)
     fake = table({}, default={"total": 1})
     plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
                         progress=False)
     assert "wide data=2,extra=2 remat=none mb=1" in {c.label for c in plan.ranked}
+
+
+def test_options_as_a_dataclass_equal_the_keyword_call():
+    fake = table({}, default={"total": 1})
+    opts = planner.AutoOptions(devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                               progress=False, strategies=["dp", "tp"])
+    by_options = planner.auto("tiny", opts)
+    by_keywords = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                               progress=False, strategies=["dp", "tp"])
+    assert [c.label for c in by_options.ranked] == [c.label for c in by_keywords.ranked]
+    # Keywords given with options replace its fields.
+    only_dp = planner.auto("tiny", opts, strategies=["dp"])
+    assert [c.label for c in only_dp.ranked] == ["dp data=4 remat=none mb=1"]
 
 
 def test_a_preset_whose_check_raises_is_dropped_with_its_reason():
@@ -96,7 +109,7 @@ def test_a_preset_with_requirements_the_model_lacks_is_skipped(monkeypatch):
         return Staged("staged", base.rules, None, ("data", "stage"), (2,))
 
     monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "staged"))
-    monkeypatch.setitem(strategies._PRESETS, "staged", staged)
+    monkeypatch.setitem(strategies.PRESETS, "staged", staged)
     fake = table({}, default={"total": 1})
     plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
                         strategies=["dp", "staged"], progress=False)
@@ -314,8 +327,8 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
 ])
 def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
     """The planner skips a compile when the formula alone is over the budget by
-    _PRUNE_MARGIN: that is only safe while the formula stays near or under XLA's figure."""
-    from nnx_shard.cli import _optimizer
+    PRUNE_MARGIN: that is only safe while the formula stays near or under XLA's figure."""
+    from nnx_shard.optimizers import get as optimizer
 
     cfg = dataclasses.replace(get_config("tiny"), heads=8, head_dim=4, layers=4, length=32,
                               scan_layers=True, remat=remat)
@@ -325,9 +338,9 @@ def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
                                     sizes, batch=16, seq=32, microbatches=mb)["total"]
     mesh = ns.make_mesh(sizes, devices=jax.devices()[:8])
     abstract = strat.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    formula = planner._formula_bytes(abstract, cfg, strat, sizes, _optimizer("adamw"),
+    formula = planner.formula_bytes(abstract, cfg, strat, sizes, optimizer("adamw"),
                                      16 // mb, 32, remat)
-    assert 0.15 * compiled < formula <= 1.1 * compiled < planner._PRUNE_MARGIN * compiled
+    assert 0.15 * compiled < formula <= 1.1 * compiled < planner.PRUNE_MARGIN * compiled
 
 
 @needs_devices(8)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from conftest import needs_devices
-from nnx_shard.launch import simulated_env
+from nnx_shard.simulated import simulated_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -29,10 +29,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard import train
 from nnx_shard.checkpoint import restore_into
-from nnx_shard.launch import simulated_env
-from nnx_shard.train import Trainer, _Progress, multistep, shard_batch, value_and_grad
+from nnx_shard.simulated import simulated_env
+from nnx_shard.train import Fused, Trainer, multistep, placement, shard_batch, value_and_grad
+from nnx_shard.train.guard import GRAD_SQ, Guard, guard_call
+from nnx_shard.train.microbatch import _split_microbatches
+from nnx_shard.train.progress import Progress
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
@@ -274,7 +276,7 @@ def test_fit_grad_norm_of_sharded_parameters_equals_the_per_step_norm(rules, axi
         return {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     expected = loop(ref_step, ref_model, ref_opt, shard_batch(host, mesh, rules, steps=True))
-    assert trainer._grad_layout[0] is not None  # the shares path was taken
+    assert trainer._guard.layout.grad_specs is not None  # the shares path was taken
     assert h["grad_norm"].shape == (6,)
     np.testing.assert_allclose(h["grad_norm"], expected["grad_norm"], rtol=1e-5)
     np.testing.assert_allclose(h["loss"], expected["loss"], rtol=1e-5)
@@ -415,7 +417,7 @@ def test_microbatches_match_optax_microbatch_numbers_and_layout():
     np.testing.assert_allclose(float(loss), float(loss_o), rtol=RTOL)
     for g, go in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_o), strict=True):
         assert_close(np.asarray(g), np.asarray(go), rtol=RTOL)
-    rows = train._split_microbatches({"i": jnp.arange(16)}, 4)["i"]
+    rows = _split_microbatches({"i": jnp.arange(16)}, 4)["i"]
     assert rows.tolist() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
 
 
@@ -587,8 +589,10 @@ def test_trainer_partial_group_history_and_loop_equality():
 
 def test_trainer_nan_stops_at_the_step_and_keeps_the_last_finite_state():
     trainer = make_trainer(steps_per_call=4)
-    with pytest.warns(RuntimeWarning, match=r"loss is nan and grad_norm is nan at step 6;.*after step 5"):
+    with pytest.warns(RuntimeWarning, match=r"loss is nan and grad_norm is nan at step 6;.*after step 5"
+                      ) as warned:
         h = trainer.fit(host_batches(20, nan_at=5), num_steps=12, progress=False)
+    assert [w.filename for w in warned] == [__file__]  # the warning points at the fit call
     assert h.steps == 5 and h["step"].tolist() == [1, 2, 3, 4, 5]
     assert "step 6" in h.stop_reason
     assert np.isfinite(h["loss"]).all()
@@ -681,13 +685,13 @@ def all_finite(*trees):
 def test_guard_call_turns_shares_into_norms_and_undoes_unless_told_not_to(undo):
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    guard = train._Guard()
+    guard = Guard()
     before = nnx.clone((model, opt, guard))
     kept = np.asarray(model.kernel[...])
     model.kernel[...] = jnp.full((2, 2), jnp.nan)
     # Two steps' shares of the squared norm over two devices: norms 2 and 3.
-    metrics = {"loss": jnp.ones(2), train._GRAD_SQ: jnp.array([[1.0, 3.0], [4.0, 5.0]])}
-    out = train._guard_call(before, (model, opt, guard), metrics, undo=undo)
+    metrics = {"loss": jnp.ones(2), GRAD_SQ: jnp.array([[1.0, 3.0], [4.0, 5.0]])}
+    out = guard_call(before, (model, opt, guard), metrics, undo=undo)
     assert list(out) == ["loss", "grad_norm", "applied"]
     np.testing.assert_allclose(out["grad_norm"], [2.0, 3.0], rtol=1e-6)
     assert not bool(out["applied"]) and not bool(guard.ok[...])
@@ -778,8 +782,8 @@ def test_trainer_callbacks_see_each_call_and_can_stop():
 def test_fit_flattens_the_nnx_objects_once_per_fit_and_callbacks_see_current_values(
         monkeypatch):
     prepared = []
-    real = train.Fused._prepare
-    monkeypatch.setattr(train.Fused, "_prepare",
+    real = Fused._prepare
+    monkeypatch.setattr(Fused, "_prepare",
                         lambda self, args: prepared.append(1) or real(self, args))
     fast = make_trainer(steps_per_call=2)
     h = fast.fit(host_batches(12), num_steps=12, progress=False)
@@ -805,8 +809,8 @@ def test_fit_flattens_the_nnx_objects_once_per_fit_and_callbacks_see_current_val
 
 def test_a_second_fit_reuses_the_placed_state_without_the_slow_path(monkeypatch):
     slow = []
-    real = train.Fused._slow_plan
-    monkeypatch.setattr(train.Fused, "_slow_plan",
+    real = Fused._slow_plan
+    monkeypatch.setattr(Fused, "_slow_plan",
                         lambda self, *a: slow.append(1) or real(self, *a))
     trainer = make_trainer(steps_per_call=2)
     trainer.fit(host_batches(4), num_steps=4, progress=False)
@@ -834,8 +838,8 @@ def test_fit_leaves_live_current_arrays_when_the_data_fails_mid_run():
 
 def test_fit_resolves_batch_shardings_once_per_layout(monkeypatch):
     resolved = []
-    real = train.shard_batch
-    monkeypatch.setattr(train, "shard_batch",
+    real = placement.shard_batch
+    monkeypatch.setattr(placement, "shard_batch",
                         lambda *a, **k: resolved.append(1) or real(*a, **k))
     rng = np.random.default_rng(0)
     arrays = {"x": rng.normal(size=(7 * 8, 20)).astype(np.float32),
@@ -915,7 +919,7 @@ class FakeTTY(io.StringIO):
 
 def test_progress_bar_on_a_tty_is_a_tqdm_bar():
     tty = FakeTTY()
-    bar = _Progress(10, True, tty)
+    bar = Progress(10, True, tty)
     bar.update(5, 0.5, 100.0, 800.0)
     bar.update(10, 0.25, 120.0, 960.0)
     bar.close()
@@ -931,7 +935,7 @@ def test_progress_on_a_terminal_that_reports_no_size_still_draws():
     main, sub = os.openpty()
     try:
         with os.fdopen(sub, "w", closefd=False) as tty:
-            bar = _Progress(10, True, tty)
+            bar = Progress(10, True, tty)
             bar.update(10, 0.25, 1.0, 2.0)
             bar.close()
         # A pty hands over what was written in pieces: read until it stays empty.
@@ -950,7 +954,7 @@ def test_progress_on_a_terminal_that_reports_no_size_still_draws():
 
 def test_progress_in_a_log_writes_whole_lines_at_an_interval():
     log = io.StringIO()
-    bar = _Progress(1000, True, log)
+    bar = Progress(1000, True, log)
     for step in range(1, 1001):  # one update per call: far faster than the interval
         bar.update(step, 1.0 / step, 50.0, 400.0)
     bar.close()
@@ -964,13 +968,13 @@ def test_progress_in_a_log_writes_whole_lines_at_an_interval():
 
 def test_progress_disabled_or_not_process_0_writes_nothing(monkeypatch):
     for stream, enabled in ((io.StringIO(), False), (FakeTTY(), False)):
-        bar = _Progress(10, enabled, stream)
+        bar = Progress(10, enabled, stream)
         bar.update(10, 0.25, 1.0, 1.0)
         bar.close()
         assert stream.getvalue() == ""
     monkeypatch.setattr(jax, "process_index", lambda *a, **k: 1)
     stream = FakeTTY()
-    bar = _Progress(10, True, stream)
+    bar = Progress(10, True, stream)
     bar.update(10, 0.25, 1.0, 1.0)
     bar.close()
     assert stream.getvalue() == ""

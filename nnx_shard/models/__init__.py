@@ -1,8 +1,10 @@
 """Reference models annotated only with logical axis names (:class:`Transformer`,
-and :class:`Llama` for Llama-family checkpoints), the attention
-op (:func:`attention`: dense, or ring / all-gather context parallelism as the
-strategy asks) a model calls to be context-parallel, and :func:`generate`:
-sharded text generation with a key/value cache laid out by the same rules
+and :class:`Llama` for Llama-family checkpoints), the attention op
+(:func:`attention`: dense, blockwise or cuDNN on each device; ring / all-gather
+context parallelism as the strategy asks) a model calls to be memory-efficient
+and context-parallel, :func:`attention_fn`, its adapter for
+``nnx.MultiHeadAttention(attention_fn=...)``, and :func:`generate`: sharded text
+generation with a key/value cache laid out by the same rules
 (:func:`explain_cache` reports its bytes per device).
 
 >>> from flax import nnx
@@ -11,6 +13,7 @@ sharded text generation with a key/value cache laid out by the same rules
 ['125m', '1b', '7b']
 """
 
+from nnx_shard.models.adapters import attention_fn
 from nnx_shard.models.generation import CACHE_AXES, explain_cache, generate, generation_rules
 from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
 from nnx_shard.models.transformer import (
@@ -22,8 +25,9 @@ from nnx_shard.models.transformer import (
     lm_loss,
     remat_policy,
 )
-from nnx_shard.ring import attention
+from nnx_shard.parallel.ring import attention
 
 __all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
-           "Transformer", "TransformerConfig", "attention", "explain_cache", "generate",
-           "generation_rules", "get_config", "get_llama_config", "lm_loss", "remat_policy"]
+           "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache",
+           "generate", "generation_rules", "get_config", "get_llama_config", "lm_loss",
+           "remat_policy"]

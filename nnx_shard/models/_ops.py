@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nnx_shard.collective_matmul import projection
 from nnx_shard.mesh import constrain, current, option
+from nnx_shard.parallel.collective_matmul import projection
 
 __all__ = ["constrain", "einsum", "lookup", "whole"]
 

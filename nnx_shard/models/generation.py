@@ -29,6 +29,43 @@ do):
 
 A ``max_length`` attribute, where the model has one, is its context:
 :func:`generate` refuses prompts and lengths past it.
+
+A model of stock Flax layers: ``nnx.MultiHeadAttention`` keeps its cache in
+``nnx.Cache`` variables (``cached_key``, ``cached_value`` ``[batch, length,
+heads, head_dim]``, and ``cache_index``) created by its ``init_cache`` and read
+with ``decode=True``. Naming them :data:`CACHE_AXES` with
+:func:`nnx_shard.annotate` is all the rules need to lay the cache out (here the
+batch over ``data`` and the heads over ``model``, as ``tp`` says); without the
+names :func:`generate` warns that the cache is replicated.
+
+>>> import jax.numpy as jnp
+>>> import nnx_shard as ns
+>>> class StockLM(nnx.Module):
+...     max_length = 16
+...     def __init__(self, rngs):
+...         self.embed = nnx.Embed(64, 32, rngs=rngs)
+...         self.pos = nnx.Embed(self.max_length, 32, rngs=rngs)
+...         self.attn = nnx.MultiHeadAttention(4, 32, decode=False, rngs=rngs)
+...         self.out = nnx.Linear(32, 64, rngs=rngs)
+...     def __call__(self, tokens):  # training: the whole sequence, causal
+...         x = self.embed(tokens) + self.pos(jnp.arange(tokens.shape[1]))
+...         return self.out(x + self.attn(x, mask=nnx.make_causal_mask(tokens)))
+...     def init_cache(self, batch, length):
+...         self.attn.init_cache((batch, length, 32))
+...         ns.annotate(self, {r"attn/cached_(key|value)$": CACHE_AXES})
+...     def decode(self, tokens):  # one position at a time through the cache
+...         steps = []
+...         for t in range(tokens.shape[1]):
+...             x = self.embed(tokens[:, t:t + 1]) + self.pos(self.attn.cache_index[...])
+...             steps.append(self.out(x + self.attn(x, decode=True)))
+...         return jnp.concatenate(steps, axis=1)
+>>> model = StockLM(nnx.Rngs(0))
+>>> generate(model, [[1, 2, 3]], max_new_tokens=5).shape
+(1, 8)
+>>> mesh = AbstractMesh((2, 4), ("data", "model"))
+>>> report = explain_cache(model, mesh, ns.strategies.get("tp").rules, batch=8, length=16)
+>>> [(r.path, r.spec) for r in report.rows if r.path.endswith("cached_key")]
+[('attn/cached_key', P('data', None, 'model', None))]
 """
 
 from __future__ import annotations
@@ -50,7 +87,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from nnx_shard.annotate import logical_names, path_str
 from nnx_shard.axes import mesh_sizes
 from nnx_shard.errors import ShardingError, ShardingWarning
-from nnx_shard.mesh import _apply, current, make_mesh, use, variable_spec
+from nnx_shard.mesh import apply_sharding, current, make_mesh, use, variable_spec
 from nnx_shard.models._ops import whole
 from nnx_shard.models.kv_cache import CACHE_AXES
 from nnx_shard.report import Report, _rows
@@ -285,7 +322,7 @@ def _constrain_cache(cache: nnx.State, mesh: Any, rules: Rules) -> nnx.State:
 
     def one(path: Any, var: Any) -> Any:
         spec = variable_spec(var, mesh, rules, path_str(path))
-        return var.replace(_apply(var.get_value(), NamedSharding(mesh, spec)))
+        return var.replace(apply_sharding(var.get_value(), NamedSharding(mesh, spec)))
 
     return jax.tree_util.tree_map_with_path(one, cache,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))

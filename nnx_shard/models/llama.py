@@ -46,8 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_shard import pipeline
-from nnx_shard.collective_matmul import check_tokens
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
 from nnx_shard.models._ops import constrain, einsum, lookup, whole
@@ -61,7 +59,9 @@ from nnx_shard.models.transformer import (
     _seq,
     remat_policy,
 )
-from nnx_shard.ring import attention
+from nnx_shard.parallel import pipeline
+from nnx_shard.parallel.collective_matmul import check_tokens
+from nnx_shard.parallel.ring import attention
 
 __all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig", "get_llama_config"]
 

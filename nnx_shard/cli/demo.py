@@ -1,0 +1,505 @@
+"""``nnx-shard demo``: the reference transformer trained as a character-level
+language model on the Python standard library's sources, sharded with a
+strategy, showing every piece working: the sharding report, training with a
+progress bar, held-out loss against the unigram baseline, a loss-curve PNG
+(matplotlib, the ``plot`` extra) and a JSON summary, a checkpoint restored onto
+a different mesh and strategy, and a text sample from the restored model.
+
+The command line (flags, errors) is :mod:`nnx_shard.cli`'s; this module runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nnx_shard.axes import sizes_str
+from nnx_shard.cli.common import DEMO_MAX_STEPS, PROG
+from nnx_shard.cli.common import UsageError as _Usage
+from nnx_shard.cli.common import mesh_sizes as _mesh_sizes
+from nnx_shard.cli.common import simulate_devices as _simulate_devices
+from nnx_shard.cli.common import strategy as _strategy
+from nnx_shard.models.sampling import generate
+
+__all__ = ['plot_losses']
+
+PLOT_EXTRA = "pip install 'nnx_shard[plot]'"
+
+
+def plot_losses(path: str | os.PathLike[str], train: Sequence[tuple[float, float]],
+                heldout: Sequence[tuple[float, float]], baseline: float) -> None:
+    """Writes the demo's loss curves as a PNG with matplotlib (the ``plot`` extra):
+    training loss (line), held-out loss (dots) and the unigram baseline (dashes)
+    against the step, in nats per character. Raises ``ImportError`` naming the
+    extra when matplotlib is not installed.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "loss.png")
+    >>> plot_losses(p, [(1, 4.0), (2, 3.0), (3, 2.5)], [(3, 2.6)], 3.2)
+    >>> open(p, "rb").read(8)
+    b'\\x89PNG\\r\\n\\x1a\\n'
+    """
+    try:
+        # A Figure of its own, not pyplot: no display needed, and the
+        # backend the caller chose for pyplot is left alone.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(f"the loss plot needs matplotlib: {PLOT_EXTRA}") from e
+    fig = Figure(figsize=(8, 5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train, strict=True), color="tab:blue", linewidth=1.2,
+                label="training loss")
+    if heldout:
+        ax.plot(*zip(*heldout, strict=True), color="tab:orange", marker="o", linestyle="--",
+                linewidth=1, label="held-out loss")
+    ax.axhline(baseline, color="grey", linestyle=":", linewidth=1.5,
+               label=f"unigram baseline ({baseline:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/char)")
+    ax.set_title("nnx-shard demo: character-level language model")
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(os.fspath(path), format="png")
+
+
+def _demo_config(args: argparse.Namespace, strategy_name: str) -> Any:
+    from nnx_shard.data import VOCAB
+    from nnx_shard.models import TransformerConfig
+
+    experts = args.experts if args.experts is not None else (4 if strategy_name == "ep" else 0)
+    return TransformerConfig(
+        vocab=VOCAB, length=args.seq, embed=args.embed, heads=args.heads,
+        head_dim=args.embed // args.heads, mlp=args.mlp, layers=args.layers, experts=experts,
+    )
+
+
+
+
+# The demo's integer flags: (attribute, least value, most value or None).
+_INT_FLAGS = (
+    ("steps", 1, None), ("steps_per_call", 1, None), ("batch", 1, None), ("seq", 1, None),
+    ("embed", 1, None), ("heads", 1, None), ("mlp", 1, None), ("layers", 1, None),
+    ("experts", 0, None), ("evals", 1, None), ("sample_chars", 0, 100_000),
+    ("seed", 0, 2**32 - 1),
+)
+# Bytes per parameter that training keeps: the parameter, its gradient, AdamW's two
+# moments, and fit's NaN guard's copy of the parameters and moments (float32 each).
+_TRAIN_BYTES_PER_PARAM = 7 * 4
+
+
+def _check_demo_args(args: argparse.Namespace) -> None:
+    """The demo's flags that need no devices, checked before JAX starts: one line,
+    exit 2, naming the flag (an absent flag is not checked).
+
+    >>> ns = argparse.Namespace(steps=10**12, steps_per_call=25, batch=32, evals=8)
+    >>> try:
+    ...     _check_demo_args(ns)
+    ... except _Usage as e:
+    ...     print(e)
+    --steps 1000000000000 is more than the demo runs (at most 1,000,000, hours on a CPU); ...
+    >>> try:
+    ...     _check_demo_args(argparse.Namespace(heads=0, embed=128))
+    ... except _Usage as e:
+    ...     print(e)
+    --heads 0: must be at least 1
+    """
+    for name, least, most in _INT_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value < least:
+            raise _Usage(f"{flag} {value}: must be at least {least}")
+        if most is not None and value > most:
+            raise _Usage(f"{flag} {value}: must be at most {most:,}")
+    steps = getattr(args, "steps", None)
+    if steps is not None and steps > DEMO_MAX_STEPS:
+        raise _Usage(
+            f"--steps {steps} is more than the demo runs (at most {DEMO_MAX_STEPS:,}, "
+            "hours on a CPU); use ns.Trainer in your own script for longer runs"
+        )
+    embed, heads = getattr(args, "embed", None), getattr(args, "heads", None)
+    if embed is not None and heads is not None and embed % heads:
+        raise _Usage(f"--embed {embed} must divide by --heads {heads}")
+
+
+def _check_size(cfg: Any) -> None:
+    """Refuses a model whose training state would not fit in this machine's memory
+    (half of it): one line naming the flags, instead of an out-of-memory kill."""
+    need = cfg.num_params * _TRAIN_BYTES_PER_PARAM
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - no sysconf
+        return
+    if need > have / 2:
+        raise _Usage(
+            f"--embed {cfg.embed} --mlp {cfg.mlp} --layers {cfg.layers} make a model of "
+            f"{cfg.num_params:,} parameters; training it needs about {need / 2**30:,.1f} GiB, "
+            f"more than half of this machine's {have / 2**30:,.1f} GiB. The demo is for small "
+            "models: use ns.Trainer in your own script for big ones"
+        )
+
+
+# --------------------------------------------------------------------------- what the demo wrote
+
+#: The demo's record, in ``--out``, of the files and folders it wrote there (JSON).
+MARKER = ".nnx_shard_demo.json"
+_OUTPUTS = ("summary.json", "loss.png", "checkpoint")
+
+
+class _Outputs:
+    """What the demo wrote in ``--out``, recorded in :data:`MARKER` before it is written:
+    the demo replaces or removes only those, never a file of the user's.
+
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp())
+    >>> mine = _Outputs(out)
+    >>> mine.record("summary.json"); _Outputs(out).wrote
+    ['summary.json']
+    >>> (out / "loss.png").write_text("the user's")
+    10
+    >>> try:
+    ...     _Outputs(out).check()
+    ... except _Usage as e:
+    ...     print(str(e).split("holds ")[1])
+    loss.png, which the demo did not write; choose another --out, or move it
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.wrote: list[str] = []
+        try:
+            data = json.loads((out / MARKER).read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(data, dict) and isinstance(data.get("wrote"), list):
+            self.wrote = [w for w in data["wrote"] if isinstance(w, str)]
+
+    def check(self) -> None:
+        """Refuses (one line) an output path that exists but was not written by the demo."""
+        for name in _OUTPUTS:
+            path = self.out / name
+            if os.path.lexists(path) and name not in self.wrote:
+                raise _Usage(
+                    f"--out {str(self.out)!r} already holds {name}, which the demo did not "
+                    "write; choose another --out, or move it"
+                )
+
+    def record(self, name: str) -> None:
+        """Records ``name`` as the demo's before it is written."""
+        if name not in self.wrote:
+            self.wrote.append(name)
+            self._save()
+
+    def forget(self, name: str) -> None:
+        if name in self.wrote:
+            self.wrote.remove(name)
+            self._save()
+
+    def remove_old_checkpoints(self) -> None:
+        """Deletes the checkpoint steps a previous demo run wrote (and only those)."""
+        for name in list(self.wrote):
+            head, _, step = name.partition("/")
+            if head == "checkpoint" and step.isdigit():
+                path = self.out / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                self.forget(name)
+
+    def _save(self) -> None:
+        tmp = self.out / (MARKER + ".tmp")
+        tmp.write_text(json.dumps({"wrote": self.wrote}, indent=1))
+        os.replace(tmp, self.out / MARKER)
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with non-finite floats as ``None``: JSON has no NaN or Infinity.
+
+    >>> _strict_json({"a": [1.0, float("nan")], "b": float("inf"), "c": "x"})
+    {'a': [1.0, None], 'b': None, 'c': 'x'}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(v) for v in value]
+    return value
+
+
+def _write_summary(path: Path, summary: dict[str, Any]) -> None:
+    path.write_text(json.dumps(_strict_json(summary), indent=1, allow_nan=False))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    _check_demo_args(args)
+    out = Path(args.out)
+    outputs = _Outputs(out)
+    outputs.check()
+    simulated = _simulate_devices()
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard.data import decode, load_stdlib
+    from nnx_shard.models import Transformer, lm_loss
+
+    t_start = time.perf_counter()
+    strategy = _strategy(args.strategy)
+    restore_name = args.restore_strategy or ("fsdp" if strategy.name == "tp" else "tp")
+    restore_strategy = _strategy(restore_name)
+    devices = jax.devices()
+    if len(devices) == 1 and len(jax.devices("cpu")) > 1:
+        devices = jax.devices("cpu")  # one accelerator: use the simulated CPU devices
+    n = len(devices)
+    if args.mesh:
+        sizes = _mesh_sizes(args.mesh)
+    else:
+        sizes = strategy.mesh_for(n)
+    need = math.prod(sizes.values())
+    if need > n:
+        raise _Usage(f"--mesh {sizes_str(sizes)} needs {need} devices but {n} are available")
+    axis_types = args.axis_types or "explicit"
+    mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=axis_types)
+    try:
+        cfg = _demo_config(args, strategy.name)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    _check_size(cfg)
+
+    def factory() -> Transformer:
+        return Transformer(cfg, rngs=nnx.Rngs(args.seed))
+
+    # Every layout is checked before training, so a bad flag never costs a run.
+    strategy.check(nnx.eval_shape(factory), sizes)
+    if args.restore_mesh:
+        restore_sizes = _mesh_sizes(args.restore_mesh)
+        if math.prod(restore_sizes.values()) > n:
+            raise _Usage(f"--restore-mesh {args.restore_mesh} needs more than the {n} "
+                         "devices available")
+    else:
+        restore_sizes = (restore_strategy.suggest_mesh(nnx.eval_shape(factory), need)
+                         or restore_strategy.mesh_for(need))
+    restore_mesh = ns.make_mesh(restore_sizes,
+                                devices=devices[: math.prod(restore_sizes.values())])
+    target = restore_strategy.abstract_init(factory, restore_mesh)
+
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out / "checkpoint"
+    # A previous demo's checkpoint steps (recorded as its own): this run writes its own.
+    outputs.remove_old_checkpoints()
+
+    def say(*parts: Any) -> None:
+        print(*parts, flush=True)
+
+    corpus = load_stdlib()
+    baseline = corpus.unigram_baseline()
+    try:
+        heldout_host = corpus.heldout_batches(args.batch, cfg.length)
+    except ValueError as e:
+        raise _Usage(f"--batch {args.batch} x --seq {cfg.length}: {e}") from None
+    say(f"nnx-shard demo: {n} {devices[0].platform.upper()} devices"
+        f"{' (simulated)' if simulated else ''}, "
+        f"strategy {strategy.name}, mesh {sizes_str(sizes)} ({axis_types} axes)")
+    say(f"data: {len(corpus.train):,} training characters from {len(corpus.files)} standard "
+        f"library files, {len(corpus.heldout):,} held-out ({', '.join(corpus.heldout_files)})")
+    say(f"model: Transformer {cfg.layers} layers, embed {cfg.embed}, {cfg.heads} heads, "
+        f"mlp {cfg.mlp}{f', {cfg.experts} experts' if cfg.experts else ''}, context "
+        f"{cfg.length}, {cfg.num_params:,} parameters")
+
+    # The cosine decays over the steps after the warm-up: at least one (--steps 1: none).
+    warmup = min(100, max(1, args.steps // 10), args.steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
+                                                  args.lr * 0.1)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b2=0.99, weight_decay=0.01))
+    model = strategy.sharded_init(factory, mesh)
+    optimizer = strategy.optimizer(model, tx, mesh)
+    report = strategy.explain(model, mesh, tx)
+    say(f"\nsharding report (ns.strategies.get({strategy.name!r}).explain):")
+    say(_short_report(report))
+
+    heldout = [ns.shard_batch(b, mesh, strategy.rules) for b in heldout_host]
+    eval_loss = nnx.jit(lm_loss)
+
+    def evaluate(m: Any, on_mesh: Any, rules: Any, batches: list[Any]) -> float:
+        with ns.use(on_mesh, rules):
+            # One call at a time: the result is read before the next is dispatched.
+            return float(np.mean([float(eval_loss(m, b)) for b in batches]))
+
+    tokens_per_step = args.batch * cfg.length
+    every = max(1, args.steps // 10)
+    evals: list[tuple[int, float]] = []
+    marks: list[tuple[int, float]] = []
+    tty = sys.stderr.isatty() and not args.no_progress
+    next_eval = [max(1, args.steps // args.evals)]
+    next_line = [every]
+
+    def on_step(step: int, metrics: dict[str, Any]) -> None:
+        marks.append((step, time.perf_counter()))
+        if step >= next_eval[0] or step == args.steps:
+            evals.append((step, evaluate(model, mesh, strategy.rules, heldout)))
+            next_eval[0] = step + max(1, args.steps // args.evals)
+        if not tty and (step >= next_line[0] or step == args.steps):
+            rate = _rate(marks, tokens_per_step)
+            say(f"step {step}/{args.steps}  loss {float(metrics['loss'][-1]):.3f}"
+                + (f"  {rate:,.0f} tokens/s" if rate else ""))
+            while next_line[0] <= step:
+                next_line[0] += every
+
+    trainer = ns.Trainer(model, optimizer, lm_loss, mesh=mesh, rules=strategy.rules,
+                         steps_per_call=args.steps_per_call)
+    say(f"\ntraining {args.steps} steps, batch {args.batch} x {cfg.length} characters, "
+        f"{args.steps_per_call} steps per compiled call")
+    first = evaluate(model, mesh, strategy.rules, heldout)
+    evals.append((0, first))
+    with warnings.catch_warnings():
+        # A non-finite stop is reported below, as the demo's own error.
+        warnings.filterwarnings("ignore", message="Trainer.fit: ", category=RuntimeWarning)
+        history = trainer.fit(corpus.batches(args.batch, cfg.length, seed=args.seed),
+                              args.steps, progress=tty, callbacks=[on_step])
+    losses = history["loss"]
+    if history.stop_reason is not None:
+        # No held-out loss, checkpoint or sample of a run that did not finish: the last
+        # evaluation would be stale. summary.json says what happened.
+        outputs.record("summary.json")
+        _write_summary(out / "summary.json", {
+            "strategy": strategy.name, "mesh": sizes, "devices": n,
+            "config": _jsonable_config(cfg), "steps": len(losses), "steps_requested": args.steps,
+            "lr": args.lr, "seed": args.seed, "stop_reason": history.stop_reason,
+            "heldout_loss": None, "heldout_evals": [[s, v] for s, v in evals],
+            "loss": losses.tolist(), "total_seconds": time.perf_counter() - t_start,
+        })
+        print(f"{PROG}: error: training stopped after {len(losses)} of {args.steps} steps: "
+              f"{history.stop_reason}. No checkpoint was written (see "
+              f"{out / 'summary.json'}); try a lower --lr.", file=sys.stderr)
+        return 1
+    final = evals[-1][1]
+    tokens_s = _rate(marks, tokens_per_step) or tokens_per_step * len(losses) / history.seconds
+    say(f"trained {len(losses)} steps in {history.seconds:.1f} s (compilation included): "
+        f"{tokens_s:,.0f} tokens/s after compiling")
+    say(f"held-out loss {final:.3f} nats/char (from {first:.3f} at step 0); unigram baseline "
+        f"{baseline:.3f} -> {'below' if final < baseline else 'NOT below'} it by "
+        f"{baseline - final:.3f}")
+
+    outputs.record("checkpoint")
+    outputs.record(f"checkpoint/{trainer.step}")
+    ckpt = ns.save(ckpt_dir, trainer.step, model=model, optimizer=optimizer,
+                   extra={"config": _jsonable_config(cfg), "strategy": strategy.name,
+                          "mesh": sizes, "data_position": trainer.data_position})
+    say(f"\nsaved checkpoint {ckpt} ({strategy.name} on {sizes_str(sizes)})")
+    restored = ns.restore(ckpt_dir, model=target)
+    restored_heldout = [ns.shard_batch(b, restore_mesh, restore_strategy.rules)
+                        for b in heldout_host]
+    restored_loss = evaluate(restored, restore_mesh, restore_strategy.rules, restored_heldout)
+    example = "blocks/0/mlp/up"
+    before = _spec_of(model, example)
+    after = _spec_of(restored, example)
+    say(f"restored it as {restore_strategy.name} on {sizes_str(restore_sizes)}: {example} "
+        f"{before} -> {after}; held-out loss {restored_loss:.3f} "
+        f"({'same' if abs(restored_loss - final) < 1e-3 else 'DIFFERENT'})")
+
+    window = cfg.length
+    text = decode(corpus.heldout)
+    at = text.find("\n    def ", window)
+    at = at + len("\n    def ") if at >= 0 else window
+    prompt = corpus.heldout[at - window: at]
+    gen_rules = restore_strategy.rules | {"batch": None, "length": None}
+    with ns.use(restore_mesh, gen_rules):
+        sample = decode(np.asarray(generate(restored, prompt, args.sample_chars,
+                                             args.temperature, args.seed)))
+    say(f"\nsample from the restored model (temperature {args.temperature}), prompted with "
+        f"held-out text:\n{'-' * 60}\n{decode(prompt)}\033[1m{sample}\033[0m\n{'-' * 60}"
+        if sys.stdout.isatty() else
+        f"\nsample from the restored model (temperature {args.temperature}), prompted with "
+        f"held-out text (continuation after '>>>'):\n{'-' * 60}\n{decode(prompt)}>>>"
+        f"{sample}\n{'-' * 60}")
+
+    steps = history["step"].tolist()
+    png: Path | None = out / "loss.png"
+    outputs.record("loss.png")
+    try:
+        plot_losses(png, list(zip(steps, losses.tolist(), strict=True)), evals, baseline)
+    except ImportError:
+        # A previous run's plot (the demo's: checked up front) would pass for this one's.
+        png.unlink(missing_ok=True)
+        outputs.forget("loss.png")
+        png = None
+        say(f"\nno loss plot: matplotlib is not installed ({PLOT_EXTRA} to get loss.png)")
+    summary = {
+        "strategy": strategy.name, "mesh": sizes, "devices": n,
+        "platform": devices[0].platform, "simulated_devices": simulated,
+        "config": _jsonable_config(cfg), "num_params": cfg.num_params,
+        "steps": len(losses), "steps_per_call": args.steps_per_call, "batch": args.batch,
+        "seq": cfg.length, "lr": args.lr, "seed": args.seed, "stop_reason": None,
+        "train_seconds": history.seconds, "tokens_per_s": tokens_s,
+        "train_loss_first": float(losses[0]), "train_loss_last": float(losses[-1]),
+        "heldout_loss_initial": first, "heldout_loss": final,
+        "unigram_baseline": baseline, "heldout_evals": [[s, v] for s, v in evals],
+        "param_bytes_per_device": report.param_bytes_per_device,
+        "param_bytes_total": report.total_bytes,
+        "opt_bytes_per_device": report.opt_bytes_per_device,
+        "checkpoint": str(ckpt), "restore_strategy": restore_strategy.name,
+        "restore_mesh": restore_sizes, "heldout_loss_restored": restored_loss,
+        "sample_prompt": decode(prompt), "sample": sample,
+        "loss": losses.tolist(), "loss_png": None if png is None else str(png),
+        "total_seconds": time.perf_counter() - t_start,
+    }
+    outputs.record("summary.json")
+    _write_summary(out / "summary.json", summary)
+    wrote = f"{png} and {out / 'summary.json'}" if png else f"{out / 'summary.json'}"
+    say(f"\nwrote {wrote} ({summary['total_seconds']:.0f} s in all)")
+    return 0
+
+
+def _rate(marks: list[tuple[int, float]], tokens_per_step: int) -> float | None:
+    # From the end of the first compiled call on: compilation is not throughput.
+    if len(marks) < 2 or marks[-1][1] <= marks[0][1]:
+        return None
+    return (marks[-1][0] - marks[0][0]) * tokens_per_step / (marks[-1][1] - marks[0][1])
+
+
+def _spec_of(model: Any, path: str) -> str:
+    from nnx_shard.report import _spec_txt
+
+    obj = model
+    for part in path.split("/"):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return _spec_txt(obj.get_value().sharding.spec)
+
+
+def _jsonable_config(cfg: Any) -> dict[str, Any]:
+
+    import numpy as np
+
+    return {k: (np.dtype(v).name if k.endswith("dtype") else v)
+            for k, v in dataclasses.asdict(cfg).items()}
+
+
+def _short_report(report: Any) -> str:
+    """The explain table with the repeated blocks folded: block 0 shown, the rest counted."""
+
+    shown = tuple(r for r in report.rows
+                  if r.group == "params" and not re.match(r"blocks/[1-9]", r.path))
+    table = str(dataclasses.replace(report, rows=shown)).partition("\n\n")[0]
+    hidden = len(report.rows) - len(shown)
+    more = (f"... and {hidden} more rows: blocks 1.. as block 0, and the optimizer state "
+            "(laid out like its parameter)\n" if hidden else "")
+    return table + "\n" + more + "\n" + str(report).partition("\n\n")[2]

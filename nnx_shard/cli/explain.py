@@ -1,0 +1,125 @@
+"""``nnx-shard explain module:factory``: the per-parameter sharding report of a
+user's model factory, built abstractly (nothing allocated) on a mesh of any size.
+The user's own failures (an import, a factory raising) are one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from nnx_shard.cli.common import DEBUG_HINT, UsageError, mesh_sizes, optimizer, strategy
+from nnx_shard.errors import ShardingError
+from nnx_shard.planner import abstract_report
+from nnx_shard.rules import Rules
+
+__all__ = ["run"]
+
+
+def _import(spec: str, mod_name: str) -> Any:
+    """The module of ``module:factory``: a file path or an importable name."""
+    try:
+        if mod_name.endswith(".py") or os.sep in mod_name:
+            path = Path(mod_name)
+            if not path.is_file():
+                raise UsageError(f"no file {str(path)!r}. Fix: the path of a .py file defining the "
+                                 "factory")
+            sp = importlib.util.spec_from_file_location(path.stem, path)
+            assert sp is not None and sp.loader is not None
+            module = importlib.util.module_from_spec(sp)
+            sp.loader.exec_module(module)
+            return module
+        # Like `python -m`: modules in the current directory are importable.
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
+            raise UsageError(f"cannot import {mod_name!r}: {e}. Fix: run from the directory "
+                             "holding it, or put it on PYTHONPATH") from None
+        raise UsageError(f"FACTORY {spec!r}: importing {mod_name!r} raised "
+                         f"ModuleNotFoundError: {_one_line(e)} {DEBUG_HINT}") from e
+    except UsageError:
+        raise
+    except Exception as e:  # the user's module failed while importing: their code, one line
+        raise UsageError(f"FACTORY {spec!r}: importing {mod_name!r} raised "
+                         f"{type(e).__name__}: {_one_line(e)} {DEBUG_HINT}") from e
+
+
+def _load_factory(spec: str) -> Any:
+    mod_name, colon, attr = spec.partition(":")
+    if not colon or not mod_name or not attr:
+        raise UsageError(f"{spec!r} is not 'module:factory' (e.g. mypkg.models:make_model)")
+    factory = _import(spec, mod_name)
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise UsageError(f"module {mod_name!r} has no attribute {attr!r}. Fix: name a "
+                             "function it defines")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise UsageError(f"{spec!r} is not callable; give a zero-argument function returning "
+                         "a module")
+    return factory
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or "(no message)"
+
+
+def _call_factory(spec: str, factory: Any) -> Any:
+    """``nnx.eval_shape(factory)``, with the user's own exceptions as one usage line."""
+    try:
+        required = [p.name for p in inspect.signature(factory).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                           p.POSITIONAL_OR_KEYWORD,
+                                                           p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):  # no signature to read (some builtins): just call it
+        required = []
+    if required:
+        raise UsageError(f"FACTORY {spec!r} needs arguments ({', '.join(required)}); give a "
+                         "zero-argument function returning an nnx.Module, e.g. "
+                         "def make(): return MyModel(cfg, rngs=nnx.Rngs(0))")
+    try:
+        return nnx.eval_shape(factory)
+    except ShardingError:
+        raise
+    except Exception as e:
+        raise UsageError(f"FACTORY {spec!r} raised {type(e).__name__}: {_one_line(e)} "
+                         f"{DEBUG_HINT}") from e
+
+
+def run(args: argparse.Namespace) -> int:
+    """``nnx-shard explain``: prints the report; exit 0 (bad input raises the usage error)."""
+    sizes = mesh_sizes(args.mesh)
+    opt_rules = None
+    if args.rules:
+        if not Path(args.rules).is_file():
+            raise UsageError(f"--rules {args.rules!r}: no such file. Fix: the path of a .toml, "
+                             ".json or .yaml rules file")
+        try:
+            rules = Rules.from_file(args.rules)
+        except (ValueError, TypeError, OSError, ImportError) as e:
+            raise UsageError(f"--rules {args.rules!r}: {_one_line(e)}") from e
+    elif args.strategy:
+        strat = strategy(args.strategy)
+        rules, opt_rules = strat.rules, strat.opt_rules
+    else:
+        raise UsageError("give --rules FILE (.toml, .json or .yaml) or --strategy NAME")
+    factory = _load_factory(args.factory)
+    model = _call_factory(args.factory, factory)
+    if not isinstance(model, nnx.Module):
+        raise UsageError(f"FACTORY {args.factory!r} returned {type(model).__name__}, not an "
+                         "nnx.Module. Fix: return the model from the factory")
+    tx = optimizer(args.optimizer) if args.optimizer else None
+    report = abstract_report(model, sizes, rules, tx, opt_rules)
+    print(report.to_markdown() if args.markdown else report)
+    return 0
+

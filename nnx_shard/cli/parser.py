@@ -1,0 +1,185 @@
+"""The ``nnx-shard`` command line: every command's flags, parsed into one
+namespace whose ``command_name`` names the handler :mod:`nnx_shard.cli` dispatches to.
+Errors are one line (a :class:`~nnx_shard.errors.UsageError`), never a usage dump.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import NoReturn
+
+from nnx_shard.cli import launch
+from nnx_shard.cli.common import COMPILE_MAX_DEVICES, DEBUG_ENV, DEMO_MAX_STEPS, PROG, UsageError
+from nnx_shard.models import REMAT_POLICIES
+
+__all__ = ["Parser", "build_parser", "finite_non_negative", "finite_positive"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with errors on one line (no usage dump) and no exit from inside parsing."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def finite_positive(text: str) -> float:
+    """argparse type of --lr: a finite number > 0 (NaN would train to NaN and save it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use e.g. --lr 3e-3") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number greater than 0, got {text!r}; use e.g. --lr 3e-3")
+    return value
+
+
+def finite_non_negative(text: str) -> float:
+    """argparse type of --temperature: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number >= 0 (0 for greedy), got {text!r}")
+    return value
+
+
+def build_parser() -> Parser:
+    """The parser of every command; ``args.command_name`` names the one given.
+
+    >>> build_parser().parse_args(["launch", "-n", "2", "--", "python", "x.py"]).command_name
+    'launch'
+    """
+    parser = Parser(prog=PROG, description="Sharded training for Flax NNX: demo, memory "
+                     "planner, sharding reports and a local multi-process launcher.",
+                     epilog="Exit status 2 and one 'nnx-shard: error: ...' line for bad "
+                     "input (flags, files, your factory raising); an internal error shows "
+                     "its traceback (exit 1).")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"on bad input, also print the traceback (or set {DEBUG_ENV}=1)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    _add_demo(sub)
+    _add_plan(sub)
+    _add_explain(sub)
+    la = sub.add_parser("launch", help="run N local processes of one multi-process JAX job",
+                        description="Run N local processes of one multi-process JAX job on "
+                        "loopback, e.g. nnx-shard launch -n 2 -- python train.py")
+    launch.add_arguments(la)
+    for name, command in sub.choices.items():
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="on bad input, also print the traceback")
+        # launch's own ``command`` (what its processes run) overwrites args.command.
+        command.set_defaults(command_name=name)
+    return parser
+
+
+def _add_demo(sub: argparse._SubParsersAction[Parser]) -> None:
+    d = sub.add_parser("demo", help="train a sharded char-level transformer on Python's "
+                       "standard library, checkpoint, restore on another mesh, sample",
+                       description="Train the reference transformer as a character-level LM "
+                       "on the Python standard library's sources, sharded with a strategy; "
+                       "checkpoint it, restore it onto a different mesh and strategy, and "
+                       "sample text from the restored model. With one device, 8 CPU devices "
+                       "are simulated.")
+    d.add_argument("--strategy", default="fsdp_tp", help="dp, zero1, fsdp, tp, fsdp_tp (default), sp, ep")
+    d.add_argument("--mesh", default=None, help="e.g. data=4,model=2 (default: the strategy's "
+                   "shape for all devices)")
+    d.add_argument("--steps", type=int, default=1000,
+                   help=f"training steps (default 1000, at most {DEMO_MAX_STEPS:,})")
+    d.add_argument("--steps-per-call", type=int, default=25,
+                   help="steps fused into one compiled call (default 25)")
+    d.add_argument("--out", default="nnx_shard_demo",
+                   help="output folder for loss.png, summary.json, checkpoint/ (default ./nnx_shard_demo)")
+    d.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
+    d.add_argument("--seq", type=int, default=64, help="characters per sequence (default 64)")
+    d.add_argument("--embed", type=int, default=128)
+    d.add_argument("--heads", type=int, default=4)
+    d.add_argument("--mlp", type=int, default=512)
+    d.add_argument("--layers", type=int, default=2)
+    d.add_argument("--experts", type=int, default=None,
+                   help="mixture-of-experts MLP (default: 4 with --strategy ep, else dense)")
+    d.add_argument("--lr", type=finite_positive, default=3e-3,
+                   help="peak learning rate, a finite number > 0 (default 3e-3)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--evals", type=int, default=8, help="held-out evaluations during training")
+    d.add_argument("--restore-strategy", default=None,
+                   help="strategy to restore the checkpoint with (default tp, or fsdp after tp)")
+    d.add_argument("--restore-mesh", default=None, help="mesh to restore onto (default: the "
+                   "restore strategy's shape for the same devices)")
+    d.add_argument("--sample-chars", type=int, default=200)
+    d.add_argument("--temperature", type=finite_non_negative, default=0.7,
+                   help="sampling temperature, 0 for greedy (default 0.7)")
+    d.add_argument("--axis-types", choices=("explicit", "auto"), default=None,
+                   help="mesh axis types of the training mesh (default explicit, JAX's "
+                   "default)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal")
+
+
+def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
+    p = sub.add_parser("plan", help="per-device memory of a model under a strategy and mesh, "
+                       "without allocating", description="Per-device bytes of parameters, "
+                       "gradients, optimizer state and activations of a reference model "
+                       "config on any mesh (no devices needed), the largest tensors, and "
+                       "whether it fits. Exit status: 0 fits (or no --device-memory), 1 does "
+                       "not fit, 2 bad input or a sharding error.")
+    p.add_argument("--model", required=True, help="tiny, tiny_moe, small, 125m, 1b, 7b")
+    p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
+    p.add_argument("--strategy", default="fsdp_tp")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
+    p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--remat", choices=tuple(REMAT_POLICIES), default="none",
+                   help="TransformerConfig.remat policy of the compiled model: none (default), "
+                   "full, dots, offload (saved activations to pinned host memory)")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the blocks as one scanned layer (default: the model's; "
+                   "1b and 7b scan); XLA CPU lowers the temp bytes by remat only when scanned")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the train step on as many simulated CPU devices as the mesh "
+                   f"has, in a subprocess (default: yes up to {COMPILE_MAX_DEVICES} devices)")
+    p.add_argument("--compile-timeout", type=finite_positive, default=300.0,
+                   help="seconds the compile may take (default 300)")
+    p.add_argument("--device-memory", default=None, help="e.g. 80GB (1e9) or 80GiB (2**30)")
+    p.add_argument("--top", type=int, default=5, help="largest tensors to list")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    _add_auto(p)
+
+
+def _add_auto(p: Parser) -> None:
+    a = p.add_argument_group("--auto: choose the strategy, mesh, remat and microbatches")
+    a.add_argument("--auto", action="store_true", help="enumerate presets x meshes x remat x "
+                   "microbatches for --devices, drop what does not fit, rank the rest by "
+                   "predicted step time (--top of them shown)")
+    a.add_argument("--devices", type=int, default=None, help="device count to plan for")
+    a.add_argument("--hardware", default=None, help="a100-80gb, h100-sxm (default), h200, "
+                   "tpu-v5e, tpu-v5p: peak FLOP/s, link bandwidth and memory")
+    a.add_argument("--peak-flops", type=finite_positive, default=None,
+                   help="FLOP/s per device (overrides the profile's)")
+    a.add_argument("--link-bandwidth", type=finite_positive, default=None,
+                   help="bytes/s per device and direction (overrides the profile's)")
+    a.add_argument("--link-latency", type=float, default=None,
+                   help="seconds per collective (default 0, or measured by --calibrate)")
+    a.add_argument("--calibrate", action="store_true", help="measure this machine's "
+                   "matmul FLOP/s and collective bandwidth on --devices simulated devices")
+    a.add_argument("--strategies", default=None, help="comma-separated presets to try "
+                   "(default all)")
+    a.add_argument("--max-compiles", type=int, default=64,
+                   help="at most this many compiles (default 64)")
+    a.add_argument("--no-cache", action="store_true",
+                   help="do not read or write the compile cache (~/.cache/nnx_shard)")
+
+
+def _add_explain(sub: argparse._SubParsersAction[Parser]) -> None:
+    e = sub.add_parser("explain", help="per-parameter sharding report of your model factory",
+                       description="Builds module:factory abstractly (nothing allocated) and "
+                       "prints how every variable is laid out on the mesh by the rules.")
+    e.add_argument("factory", help="module:function (or path/to/file.py:function) returning "
+                   "an nnx.Module")
+    e.add_argument("--mesh", required=True, help="e.g. data=4,model=2 (any size)")
+    e.add_argument("--rules", default=None, help="rules file: .toml, .json or .yaml (a table, or Flax/MaxText [logical, mesh] pairs)")
+    e.add_argument("--strategy", default=None, help="a strategy preset instead of --rules")
+    e.add_argument("--optimizer", default=None, help="also report this optimizer's state")
+    e.add_argument("--markdown", action="store_true")

@@ -1,0 +1,355 @@
+"""``nnx-shard plan``: what a model needs per device on a mesh, from the compiled
+train step (a subprocess with that many simulated CPU devices) and a formula;
+with ``--auto``, the planner's choice of strategy, mesh, remat and microbatches.
+Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import textwrap
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnx_shard import pipeline
+from nnx_shard.axes import abstract_mesh, sizes_str
+from nnx_shard.cli.common import (
+    COMPILE_MAX_DEVICES,
+    PROG,
+    UsageError,
+    device_memory,
+    mesh_sizes,
+    optimizer,
+    strategy,
+)
+from nnx_shard.errors import CompileError, ShardingError
+from nnx_shard.models import CONFIGS, Transformer, TransformerConfig
+from nnx_shard.models.memory import ACTIVATION_FORMULA, activation_bytes
+from nnx_shard.planner import (
+    NothingFits,
+    abstract_report,
+    auto,
+    calibrate_subprocess,
+    compiled_memory_subprocess,
+    default_cache,
+    formula,
+    hardware,
+    plan_json,
+)
+from nnx_shard.report import Report, _spec_txt, fmt_bytes
+from nnx_shard.strategy import Strategy
+
+__all__ = ["run", "run_auto"]
+
+_DECIDES = {
+    "compiled": (
+        "* compiled: XLA's buffer assignment of the call Trainer.fit makes (two steps of "
+        "value_and_grad of lm_loss + the optimizer update, and the NaN guard's copy of the "
+        "state), compiled for this mesh on simulated CPU devices "
+        "from abstract inputs (nothing allocated); total = arguments + temp + outputs - "
+        "donated buffers. It decides whether the model fits: the formula is off by more than "
+        "15% ({ratio}here; 0.33-0.93 over the presets, remat policies and meshes measured), "
+        "as it models neither XLA's temporaries nor how remat is scheduled. These are XLA "
+        "CPU's figures: a GPU or TPU compile can differ."),
+    "formula": (
+        "* not compiled (--no-compile, or more than "
+        f"{COMPILE_MAX_DEVICES} devices): the formula decides, and it under-counts what XLA "
+        "allocates (0.33-0.93 of the compiled total over the presets, remat policies and "
+        "meshes measured); leave headroom, or compile with --compile."),
+}
+
+
+def _count(n: int) -> str:
+    """935040 -> '935,040'; 124_439_808 -> '124.4 M'; 6_720_000_000 -> '6.72 B'.
+
+    >>> _count(935040), _count(124_439_808), _count(6_720_000_000)
+    ('935,040', '124.4 M', '6.72 B')
+    """
+    if n < 1_000_000:
+        return f"{n:,}"
+    if n < 1_000_000_000:
+        return f"{n / 1e6:.1f} M"
+    return f"{n / 1e9:.2f} B"
+
+
+@dataclasses.dataclass
+class _Layout:
+    """What the formula knows of the model on the mesh: its report, the pipeline
+    stages (``None`` without a pipeline) and the activations."""
+
+    report: Report
+    stages: Any
+    activations: int
+
+
+def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
+                  cfg: TransformerConfig, batch: int, seq: int) -> Any:
+    """Per-stage bytes under a pipeline strategy (``None`` otherwise), with as many
+    microbatches as stages."""
+    sched = strat.rules.options.get(pipeline.OPTION)
+    if sched is None or sched.axis not in sizes:
+        return None
+    carry = jax.ShapeDtypeStruct((batch, seq, cfg.embed), jnp.dtype(cfg.dtype))
+    return pipeline.explain(model, abstract_mesh(sizes), strat, tx, carry=carry,
+                            microbatches=sizes[sched.axis])
+
+
+def _lay_out(args: argparse.Namespace, model: Any, cfg: TransformerConfig, strat: Strategy,
+             sizes: dict[str, int], tx: Any) -> _Layout:
+    strat.check(model, sizes)
+    report = abstract_report(model, sizes, strat.rules, tx, strat.opt_rules)
+    stages = _stage_report(model, sizes, strat, tx, cfg, args.batch, args.seq)
+    try:
+        acts = activation_bytes(cfg, strat.rules, sizes, args.batch, args.seq, args.remat)
+    except ShardingError as e:
+        raise ShardingError(f"activations of --batch {args.batch} x --seq {args.seq}: {e}") from None
+    return _Layout(report, stages, acts)
+
+
+def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
+             devices: int) -> dict[str, Any] | None:
+    """XLA's figures of the train step on ``devices`` simulated devices, unless
+    --no-compile or the mesh is past the bound (``None``)."""
+    compile_it = args.compile if args.compile is not None else devices <= COMPILE_MAX_DEVICES
+    if not compile_it:
+        return None
+    try:
+        return compiled_memory_subprocess(
+            args.model, sizes, strategy=strat.name, optimizer=args.optimizer,
+            batch=args.batch, seq=args.seq, remat=args.remat,
+            scan_layers=args.scan_layers, timeout=args.compile_timeout)
+    except CompileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _results(layout: _Layout, per_device: dict[str, int], compiled: dict[str, Any] | None,
+             memory: int | None, top: int) -> dict[str, Any]:
+    """The plan's JSON fields past the request's: bytes, the verdict, the largest tensors."""
+    report = layout.report
+    need = compiled["total"] if compiled is not None else per_device["total"]
+    largest = sorted((r for r in report.rows if r.group == "params"),
+                     key=lambda r: -r.bytes_per_device)[:top]
+    return {
+        "bytes_per_device": per_device,
+        "compiled": compiled,
+        "decided_by": "compiled" if compiled is not None else "formula",
+        "bytes_needed": need,
+        "bytes_total": {"params": report.total_bytes, "optimizer": report.opt_total_bytes},
+        "largest": [
+            {"path": r.path, "shape": list(r.shape), "dtype": r.dtype,
+             "spec": [None if x is None else x if isinstance(x, str) else list(x) for x in r.spec],
+             "bytes_per_device": r.bytes_per_device}
+            for r in largest
+        ],
+        "replicated_params": sum(1 for r in report.replicated if r.group == "params"),
+        "stages": None if layout.stages is None else dataclasses.asdict(layout.stages),
+        "activation_formula": ACTIVATION_FORMULA,
+        "device_memory": memory,
+        "fits": None if memory is None else need <= memory,
+        "error": None,
+    }
+
+
+def _check(args: argparse.Namespace) -> TransformerConfig:
+    """The flags ``plan`` needs beyond the parser's; the config of ``--model``."""
+    if not args.mesh:
+        raise UsageError("plan needs --mesh (e.g. data=8,model=8), or --auto --devices N to "
+                         "choose one")
+    if args.batch < 1 or args.seq < 1:
+        raise UsageError("--batch and --seq must be at least 1. Fix: e.g. --batch 8 --seq 16")
+    cfg = CONFIGS[args.model]
+    if args.scan_layers is not None:  # the planned model is the compiled one (pp needs a stack)
+        cfg = dataclasses.replace(cfg, scan_layers=args.scan_layers)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    """``nnx-shard plan``: exit 0 when the model fits (or no ``--device-memory``), 1 when
+    it does not, 2 for bad input or a layout that cannot be (its error on stderr)."""
+    if args.model not in CONFIGS:
+        raise UsageError(f"unknown model {args.model!r}; known: {', '.join(CONFIGS)}. Fix: "
+                         "one of those")
+    if args.auto:
+        return run_auto(args)
+    cfg = _check(args)
+    strat = strategy(args.strategy)
+    sizes = mesh_sizes(args.mesh)
+    if args.seq > cfg.length:
+        raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
+                         f"({cfg.length}). Fix: --seq {cfg.length} or less")
+    memory = device_memory(args.device_memory) if args.device_memory else None
+    tx = optimizer(args.optimizer)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    out: dict[str, Any] = {
+        "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
+        "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
+        "batch": args.batch, "seq": args.seq, "remat": args.remat,
+        "scan_layers": cfg.scan_layers if args.scan_layers is None else args.scan_layers,
+        "param_dtype": jnp.dtype(cfg.param_dtype).name,
+    }
+    try:
+        layout = _lay_out(args, model, cfg, strat, sizes, tx)
+    except ShardingError as e:
+        out["error"] = str(e)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"{PROG} plan: {args.model} on {args.mesh} with {strat.name}: cannot lay out")
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    per_device = formula(layout.report, layout.activations)
+    compiled = _compile(args, strat, sizes, out["devices"])
+    out.update(_results(layout, per_device, compiled, memory, args.top))
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print_plan(args, cfg, out, layout)
+    return 0 if out["fits"] in (None, True) else 1
+
+
+# -- the text -------------------------------------------------------------------------------
+
+
+def _print_bytes(out: dict[str, Any], report: Report) -> None:
+    per_device, compiled = out["bytes_per_device"], out["compiled"]
+    if compiled is not None:
+        print("per device          compiled*   formula estimate")
+        rows = [("params", compiled["params"], per_device["params"]),
+                ("grads", None, per_device["grads"]),
+                ("optimizer", compiled["optimizer"], per_device["optimizer"]),
+                ("guard copy", None, per_device["guard"]),
+                ("temp", compiled["temp"], None),
+                ("activations", None, per_device["activations"]),
+                ("total", compiled["total"], per_device["total"])]
+        for label, c, f in rows:
+            ctxt = fmt_bytes(c) if c is not None else "(in temp)" if label != "total" else ""
+            ftxt = fmt_bytes(f) if f is not None else ""
+            print(f"  {label:<13} {ctxt:>12}   {ftxt:>12}")
+        print(f"  (compiled in {compiled['compile_s']:.1f} s on {out['devices']} simulated CPU "
+              "devices; total = arguments + temp + outputs - donated)")
+    else:
+        print("per device (formula estimate; not compiled):")
+        for key in ("params", "grads", "optimizer", "guard", "activations", "total"):
+            label = "guard copy" if key == "guard" else key
+            print(f"  {label:<13} {fmt_bytes(per_device[key]):>12}")
+    print(f"  (unsharded: params {fmt_bytes(report.total_bytes)}, optimizer state "
+          f"{fmt_bytes(report.opt_total_bytes)})")
+    print()
+
+
+def _print_largest(out: dict[str, Any], report: Report, top: int) -> None:
+    print(f"largest parameters per device (of {sum(1 for r in report.rows if r.group == 'params')}; "
+          f"{out['replicated_params']} replicated):")
+    largest = sorted((r for r in report.rows if r.group == "params"),
+                     key=lambda r: -r.bytes_per_device)[:top]
+    cols = [(r.path, str(r.shape), _spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
+            for r in largest]
+    widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
+    for c in cols:
+        print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
+              + f"  {c[3]:>{widths[3]}}")
+    print()
+
+
+def _print_notes(args: argparse.Namespace, out: dict[str, Any], stages: Any) -> None:
+    per_device, compiled = out["bytes_per_device"], out["compiled"]
+    if stages is not None:
+        print(f"per pipeline stage (microbatches = {stages.microbatches}, the stage count):")
+        print(textwrap.indent(str(stages), "  "))
+        print("  (the formula estimate above counts every layer's activations on every "
+              "device; a stage keeps its own layers' for the microbatches in flight)\n")
+    if compiled is not None and args.remat != "none" and not out["scan_layers"]:
+        print(textwrap.fill(
+            f"* remat {args.remat} with unrolled layers: on XLA CPU the compiled temp of "
+            "unrolled blocks does not fall with remat (measured on small); --scan-layers "
+            "compiles one scanned block, where remat lowers it.",
+            width=100, subsequent_indent="  "))
+    ratio = (f"formula / compiled = {per_device['total'] / compiled['total']:.2f} "
+             if compiled is not None else "")
+    print(textwrap.fill(_DECIDES[out["decided_by"]].format(ratio=ratio), width=100,
+                        subsequent_indent="  "))
+    print(textwrap.fill(f"* formula activations: {ACTIVATION_FORMULA}", width=100,
+                        subsequent_indent="  "))
+    memory = out["device_memory"]
+    if memory is not None:
+        verdict = "fits" if out["fits"] else "does NOT fit"
+        print(f"\n{verdict} in {fmt_bytes(memory)} per device "
+              f"({100 * out['bytes_needed'] / memory:.0f}% used, {out['decided_by']} total)")
+
+
+def _print_plan(args: argparse.Namespace, cfg: TransformerConfig, out: dict[str, Any],
+                layout: _Layout) -> None:
+    print(f"plan: model {args.model} ({_count(cfg.num_params)} parameters, "
+          f"{out['param_dtype']}), strategy {out['strategy']}, mesh {sizes_str(out['mesh'])} "
+          f"({out['devices']} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
+          f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers")
+    print()
+    _print_bytes(out, layout.report)
+    _print_largest(out, layout.report, args.top)
+    _print_notes(args, out, layout.stages)
+
+
+# -- --auto -----------------------------------------------------------------------------------
+
+
+def _auto_hardware(args: argparse.Namespace) -> Any:
+    """``--hardware`` (or ``--calibrate``) with the flags that override its figures."""
+    try:
+        if args.calibrate:
+            hw = calibrate_subprocess(min(args.devices, 64))
+        else:
+            hw = hardware(args.hardware or "h100-sxm")
+        return hw.replace(peak_flops=args.peak_flops, link_bandwidth=args.link_bandwidth,
+                          link_latency=args.link_latency,
+                          device_memory=device_memory(args.device_memory)
+                          if args.device_memory else None)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+
+
+def run_auto(args: argparse.Namespace) -> int:
+    """``nnx-shard plan --auto``: prints the plan (or JSON); exit 0 when something
+    fits, 1 when nothing does. Bad input raises the usage error.
+
+    >>> from nnx_shard.cli import main
+    >>> main(["plan", "--auto", "--model", "tiny", "--batch", "8", "--seq", "16"])
+    2
+    """
+    if args.devices is None:
+        raise UsageError("plan --auto needs --devices N (the device count to plan for)")
+    if args.mesh:
+        raise UsageError("plan --auto chooses the mesh: drop --mesh (or drop --auto to check one)")
+    if args.devices < 1:
+        raise UsageError(f"--devices must be at least 1, got {args.devices}. Fix: e.g. --devices 8")
+    hw = _auto_hardware(args)
+    names = ([s.strip() for s in args.strategies.split(",") if s.strip()]
+             if args.strategies else None)
+    try:
+        plan = auto(args.model, devices=args.devices, batch=args.batch, seq=args.seq,
+                    device_memory=hw.device_memory, hardware=hw, optimizer=args.optimizer,
+                    strategies=names, max_compiles=args.max_compiles,
+                    cache=None if args.no_cache else default_cache(),
+                    progress=not args.json and sys.stderr.isatty(),
+                    timeout=args.compile_timeout)
+    except NothingFits as e:
+        if args.json:
+            print(json.dumps(plan_json(e.plan, str(e))))
+        else:
+            print(e.plan)
+        print(f"nnx-shard: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(plan_json(plan, None)))
+    else:
+        plan.request["top"] = args.top
+        print(plan)
+    return 0

@@ -1,0 +1,16 @@
+"""Sharding-aware ops that a strategy switches on through an execution option of its
+rules, never by a model edit:
+
+* :mod:`~nnx_shard.parallel.ring`: the attention op (``nnx_shard.models.attention``):
+  dense, ring attention or all-gather-KV over the context axis (option ``attention``);
+* :mod:`~nnx_shard.parallel.collective_matmul`: tensor-parallel matmuls as
+  ``ppermute`` rings (option ``collective_matmul``);
+* :mod:`~nnx_shard.parallel.pipeline`: ``pipeline.scan``, a stacked layer loop run
+  as a GPipe or circular pipeline over ``stage`` (option ``pipeline``; its
+  schedule arithmetic in :mod:`~nnx_shard.parallel.schedule`).
+
+Each registers in :mod:`~nnx_shard.parallel.registry` what the fused training
+step needs from it. The ops are public as ``nnx_shard.models.attention``,
+``nnx_shard.collective_matmul`` and ``nnx_shard.pipeline``; this package imports
+none of them itself, so the registry can be imported alone.
+"""

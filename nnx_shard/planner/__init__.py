@@ -1,0 +1,81 @@
+"""A planner that chooses: strategy preset x mesh shape x remat policy x microbatches.
+
+:func:`auto` (also ``ns.strategies.auto``, and ``nnx-shard plan --auto``)
+enumerates every preset of :data:`nnx_shard.strategies.NAMES` on every
+factorisation of the device count over the preset's mesh axes, drops what
+cannot be laid out (the preset's ``check`` raises, or the batch does not divide)
+or does not fit in the device memory, and ranks the rest by a cost model read
+from the compiled train step (the call ``Trainer.fit`` makes: two steps of
+``value_and_grad(loss)`` + ``optimizer.update`` and the NaN guard, compiled from
+abstract inputs, nothing allocated; per-step figures are the call's halved)::
+
+    predicted step = matmul FLOPs per device / peak FLOP/s
+                   + collective bytes sent per device / link bytes/s
+                   + collectives per step x link latency
+                   + memory bytes per device / memory bytes/s
+
+* FLOPs: the ``dot`` operations of the compiled per-device HLO,
+  ``2 x |result| x |contracted dims|`` each, times the trip count of every loop
+  around it (scanned layers, microbatches); elementwise work is left out.
+* Collective bytes: each collective of the HLO (read with
+  :func:`~nnx_shard.planner.costs.compiled_collectives`) as a ring algorithm sends
+  them over its ``n`` devices: all-reduce ``2 (n-1)/n x size``, all-gather and
+  all-to-all ``(n-1)/n x size``, reduce-scatter ``(n-1) x size``,
+  collective-permute ``size``; times the loop trip counts.
+* Memory bytes: what each operation outside a fusion reads and writes (a
+  fusion's operands and result), loop-weighted; a slice of a stacked buffer
+  counts as the slice. An approximation of XLA's ``bytes accessed``: it
+  matters for steps bound by memory traffic (optimizer updates of replicated
+  state, small matmuls on CPU).
+* Memory: XLA's buffer assignment (arguments + temp + outputs - donated) of that
+  call compiled on simulated CPU devices, the guard's copy of the model and
+  optimizer state included: a GPU/TPU compile can differ.
+
+The search is bounded: a mesh with a size-1 axis beyond the first repeats a
+preset with fewer axes and is skipped; a candidate whose formula estimate
+(``nnx-shard plan``'s, which under-counts XLA's figure) already exceeds the
+memory is dropped without compiling; remat policies and microbatches (which
+trade time for memory in this cost model) are tried only for layouts whose
+plain step does not fit, cheapest first, stopping at the first that fits; and
+at most ``max_compiles`` compiles run. :attr:`Plan.pruned` says what was
+skipped. Compiles are cached by their configuration.
+
+The package, one job a module: :mod:`~nnx_shard.planner.hardware` (profiles,
+calibration), :mod:`~nnx_shard.planner.costs` (the HLO reader),
+:mod:`~nnx_shard.planner.compile` (the train step compiled from abstract inputs,
+here or in a child Python), :mod:`~nnx_shard.planner.formula` (the formula's
+bytes), :mod:`~nnx_shard.planner.plan` (candidates and the plan),
+:mod:`~nnx_shard.planner.cache` and :mod:`~nnx_shard.planner.search` (:func:`auto`).
+
+>>> PROFILES["h100-sxm"].peak_flops
+989000000000000.0
+"""
+
+
+from nnx_shard.errors import CompileError
+from nnx_shard.planner.cache import default_cache
+from nnx_shard.planner.compile import (
+    compile_fit,
+    compile_step,
+    compiled_memory,
+    compiled_memory_subprocess,
+)
+from nnx_shard.planner.costs import KINDS, Collective, compiled_collectives, hlo_costs
+from nnx_shard.planner.formula import PRUNE_MARGIN, abstract_report, formula, formula_bytes
+from nnx_shard.planner.hardware import (
+    PROFILES,
+    Hardware,
+    calibrate,
+    calibrate_subprocess,
+    hardware,
+)
+from nnx_shard.planner.plan import Candidate, Plan, plan_json
+from nnx_shard.planner.search import REMAT_ORDER, AutoOptions, NothingFits, auto
+
+__all__ = [
+    "KINDS", "PROFILES", "PRUNE_MARGIN", "REMAT_ORDER", "AutoOptions", "Candidate", "Collective",
+    "CompileError", "Hardware", "NothingFits", "Plan", "abstract_report", "auto", "calibrate",
+    "calibrate_subprocess", "compile_fit", "compile_step", "compiled_collectives",
+    "compiled_memory", "compiled_memory_subprocess", "default_cache", "formula",
+    "formula_bytes", "hardware", "hlo_costs", "plan_json",
+]

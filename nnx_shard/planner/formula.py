@@ -1,0 +1,94 @@
+"""The formula's bytes per device: parameters, gradients, optimizer state, the NaN
+guard's copy and activations, from the sharding report of an abstract model (no
+devices, no compile). ``nnx-shard plan`` prints it beside XLA's compiled figure;
+the planner's search skips a compile when it alone is far over the memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nnx_shard.axes import abstract_mesh
+from nnx_shard.models.memory import activation_bytes
+from nnx_shard.report import Report, explain
+from nnx_shard.rules import Rules
+
+__all__ = ["PRUNE_MARGIN", "abstract_report", "formula", "formula_bytes"]
+
+#: The formula decides "does not fit" without a compile only when it is this many
+#: times over the budget. Over every preset x mesh factorisation of 8 devices
+#: (benchmarks/formula_bound.py, scanned layers) it was 0.22-1.07x XLA's compiled total
+#: of fit's call for remat none and full (tiny and small; 1.07: zero1 full remat, small);
+#: dots layouts are judged on the full formula (see formula_bytes), 0.37-0.99x of
+#: their compiled total on small. tests/test_planner.py
+#: ::test_the_formula_prunes_only_what_xla_would_not_fit holds it under this margin.
+PRUNE_MARGIN = 1.25
+
+
+def abstract_report(model: Any, sizes: Mapping[str, int], rules: Rules, tx: Any = None,
+                    opt_rules: Rules | None = None) -> Report:
+    """:func:`nnx_shard.explain` on an ``AbstractMesh``: any device count, no devices needed.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+    >>> from nnx_shard.strategy import REPLICATED
+    >>> r = abstract_report(model, {"data": 4096}, REPLICATED | {"batch": "data"})  # no devices
+    >>> r.param_bytes_per_device == r.total_bytes  # dp: replicated
+    True
+    """
+    return explain(model, abstract_mesh(dict(sizes)), rules, tx, opt_rules=opt_rules)
+
+
+def formula(report: Report, activations: int) -> dict[str, int]:
+    """The formula's bytes per device: parameters, their gradients, optimizer state,
+    the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
+    while a call runs (to put it back if the call is not finite), activations,
+    and their ``total``.
+
+    >>> from flax import nnx
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+    >>> formula(abstract_report(model, {"data": 2}, Rules({})), 100)
+    {'params': 144, 'grads': 144, 'optimizer': 0, 'guard': 144, 'activations': 100, 'total': 532}
+    """
+    # A gradient takes the layout of the optimizer moment it updates where that is
+    # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
+    # sharded update instead of keeping the replicated sum.
+    grads = {(r.path, r.shape): r.bytes_per_device for r in report.rows
+             if r.group == "params" and r.kind == "Param"}
+    for r in report.rows:
+        if r.group == "optimizer" and r.kind == "Param":
+            names = r.path.split("/")
+            for key in (("/".join(names[i:]), r.shape) for i in range(1, len(names))):
+                if key in grads:
+                    grads[key] = min(grads[key], r.bytes_per_device)
+                    break
+    parts = {
+        "params": int(report.param_bytes_per_device),
+        "grads": int(sum(grads.values())),
+        "optimizer": int(report.opt_bytes_per_device),
+        "guard": int(report.param_bytes_per_device + report.opt_bytes_per_device),
+        "activations": int(activations),
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
+def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
+                  batch: int, seq: int, remat: str) -> int | None:
+    """``nnx-shard plan``'s formula total for ``abstract`` under preset ``strat`` (the
+    activations of reference config ``cfg``, none without one); ``None`` where it
+    cannot be computed (the compile will say what is wrong). The search skips a
+    compile only past :data:`PRUNE_MARGIN` times the memory.
+    """
+    # The formula counts dots (and offload) as no remat, but with scanned layers XLA
+    # keeps only the saved matmul outputs: 1.29x its compiled total for zero1 dots on
+    # small. Dots keeps at least what full remat keeps, so the full formula is a floor
+    # that cannot prune a dots layout that fits.
+    remat = "full" if remat in ("dots", "offload") else remat
+    try:
+        report = abstract_report(abstract, sizes, strat.rules, tx, strat.opt_rules)
+        acts = activation_bytes(cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
+    except Exception:  # the compile will say what is wrong
+        return None
+    return formula(report, acts)["total"]

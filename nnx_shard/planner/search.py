@@ -1,0 +1,618 @@
+"""The planner's search: :func:`auto` and its :class:`AutoOptions`.
+
+:func:`auto` runs in named phases: :func:`_resolve` checks the options and builds
+the model abstractly; :func:`_layouts` enumerates preset x mesh and drops what
+cannot be laid out; a :class:`_Search` compiles the plain layouts
+(:meth:`_Search.plain`), then remat policies and microbatches for the layouts
+that do not fit (:meth:`_Search.variants`), and ranks what fits
+(:meth:`_Search.rank`). See :mod:`nnx_shard.planner` for the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import AbstractMesh
+from tqdm.auto import tqdm
+
+from nnx_shard import optimizers
+from nnx_shard.errors import NnxShardError, ShardingError, UsageError
+from nnx_shard.models import CONFIGS, REMAT_POLICIES, TransformerConfig
+from nnx_shard.planner.cache import Cache, versions
+from nnx_shard.planner.compile import compile_step, config_dict, config_factory
+from nnx_shard.planner.formula import PRUNE_MARGIN, formula_bytes
+from nnx_shard.planner.hardware import Hardware, hardware
+from nnx_shard.planner.plan import Candidate, Plan, clip
+from nnx_shard.presets import get
+from nnx_shard.report import fmt_bytes
+from nnx_shard.simulated import run_requests
+from nnx_shard.strategy import PRESETS, Strategy, factorizations
+from nnx_shard.units import parse_bytes
+
+__all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto", "enumerate_layouts"]
+
+#: Remat policies tried (in this order) for layouts whose plain step does not fit.
+REMAT_ORDER = ("dots", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoOptions:
+    """What :func:`auto` searches, and how.
+
+    Attributes:
+      devices: the device count.
+      batch, seq: the global batch and sequence length.
+      device_memory: bytes per device (an int, or ``"80GB"``; default: the
+        hardware profile's, else unlimited).
+      hardware: a :class:`~nnx_shard.planner.Hardware`, or a
+        :data:`~nnx_shard.planner.PROFILES` name (default ``h100-sxm``).
+      optimizer: the optimizer by name (``adamw``, ``adam``, ``sgd``).
+      strategies: presets to try (default every registered one, ``strategies.NAMES``).
+      remat: policies to try where the plain step does not fit (default
+        ``dots`` then ``full``).
+      microbatches: microbatch counts to try likewise (1 first).
+      max_compiles: at most this many compiles; the rest is pruned (and said).
+      cache: a JSON file to keep compile results across runs (always kept in memory).
+      progress: a progress bar on stderr.
+      timeout: seconds per compile in the subprocess.
+      compile_fn: replaces the compile and the formula's pre-check (tests):
+        ``compile_fn(candidate) -> dict`` with ``total``, ``temp``, ``flops``,
+        ``collective_bytes``, ``collectives``.
+
+    >>> AutoOptions(devices=8, batch=16, seq=16).max_compiles
+    64
+    """
+
+    devices: int
+    batch: int
+    seq: int
+    device_memory: int | str | None = None
+    hardware: Hardware | str | None = None
+    optimizer: str = "adamw"
+    strategies: Sequence[str] | None = None
+    remat: Sequence[str] | None = None
+    microbatches: Sequence[int] = (1, 2, 4, 8)
+    max_compiles: int = 64
+    cache: str | os.PathLike[str] | None = None
+    progress: bool = True
+    timeout: float = 120.0
+    compile_fn: Callable[..., Mapping[str, Any]] | None = None
+
+
+class NothingFits(NnxShardError, ValueError):
+    """No candidate fits the memory; ``plan`` holds what was tried, and the message
+    names the smallest need and the knob that cuts it most.
+
+    >>> issubclass(NothingFits, ValueError)
+    True
+    """
+
+    def __init__(self, plan: Plan, message: str) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+# -- phase 1: the options and the model ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Problem:
+    """The options, checked, and the model, resolved and built abstractly."""
+
+    opts: AutoOptions
+    hw: Hardware
+    memory: int | None
+    names: list[str]
+    tx: Any
+    cfg: TransformerConfig | None  # a reference config, compiled in a subprocess
+    model: Any                     # what the user gave
+    model_name: str | None
+    takes_remat: bool              # a factory with a remat keyword
+    policies: list[str | None]
+    abstract: Any
+    mbs: list[int]
+
+
+def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], Any]:
+    devices = opts.devices
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise UsageError(f"auto: devices must be a positive int, got {devices!r}. Fix: the "
+                         "number of devices to plan for, e.g. devices=8")
+    for arg, value in (("batch", opts.batch), ("seq", opts.seq)):
+        if not isinstance(value, int) or value < 1:
+            raise UsageError(f"auto: {arg} must be a positive int, got {value!r}. Fix: e.g. "
+                             f"{arg}=16")
+    hw = opts.hardware if isinstance(opts.hardware, Hardware) else hardware(
+        opts.hardware or "h100-sxm")
+    device_memory = opts.device_memory
+    if isinstance(device_memory, str):
+        try:
+            device_memory = parse_bytes(device_memory)
+        except UsageError:
+            raise UsageError(f"auto: device_memory {device_memory!r} is not a size; use e.g. "
+                             "80GB, 80GiB or an int of bytes") from None
+    memory = device_memory if device_memory is not None else hw.device_memory
+    # The registry as it is now: a preset registered after import is searched too.
+    names = list(PRESETS if opts.strategies is None else opts.strategies)
+    for s in names:
+        get(s)  # an unknown name raises, naming the known ones
+    try:
+        tx = optimizers.get(opts.optimizer)
+    except UsageError as e:
+        raise UsageError(f"auto: {e}") from None
+    return hw, memory, names, tx
+
+
+def _policies(remat: Sequence[str] | None) -> list[str | None]:
+    policies: list[str | None] = ["none", *[p for p in (remat or REMAT_ORDER) if p != "none"]]
+    bad = [p for p in policies if p not in REMAT_POLICIES]
+    if bad:
+        raise UsageError(f"auto: unknown remat policy {bad[0]!r}; valid: "
+                         + ", ".join(REMAT_POLICIES) + ". Fix: one of those")
+    return policies
+
+
+def _resolve(model: Any, opts: AutoOptions) -> _Problem:
+    """Checks ``opts``, resolves ``model`` and builds it abstractly (nothing allocated)."""
+    hw, memory, names, tx = _check_options(opts)
+    cfg, model_name, takes_remat = None, None, False
+    if isinstance(model, str):
+        if model not in CONFIGS:
+            raise UsageError(f"auto: unknown model {model!r}; known: {', '.join(CONFIGS)}, or "
+                             "pass a TransformerConfig or a factory")
+        cfg, model_name = CONFIGS[model], model
+    elif isinstance(model, TransformerConfig):
+        cfg = model
+    elif callable(model):
+        try:
+            takes_remat = "remat" in inspect.signature(model).parameters
+        except (TypeError, ValueError):
+            takes_remat = False
+    else:
+        raise UsageError(f"auto: model must be a config name, a TransformerConfig or a "
+                         f"factory, got {type(model).__name__}. Fix: e.g. auto('small', ...)")
+    if cfg is not None and opts.seq > cfg.length:
+        raise UsageError(f"auto: seq {opts.seq} is longer than the model allows ({cfg.length}); "
+                         "use a smaller seq")
+    if cfg is not None:
+        policies = _policies(opts.remat)
+        make = config_factory(config_dict(cfg), "none")
+    else:
+        policies = _policies(opts.remat) if takes_remat else [None]
+        make = (lambda: model(remat="none")) if takes_remat else model
+    try:
+        abstract = nnx.eval_shape(make)
+    except Exception as e:
+        raise UsageError(f"auto: the model factory raised {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}") from e
+    mbs = sorted({int(m) for m in opts.microbatches if int(m) >= 1} | {1})
+    return _Problem(opts, hw, memory, names, tx, cfg, model, model_name, takes_remat, policies,
+                    abstract, mbs)
+
+
+# -- phase 2: the layouts ---------------------------------------------------------------------
+
+
+def enumerate_layouts(n: int, names: Sequence[str]) -> tuple[list[tuple[str, dict[str, int]]],
+                                                              list[str]]:
+    """Every preset of ``names`` on every factorisation of ``n`` devices over its mesh
+    axes, but those with a size-1 axis beyond the first (a preset with fewer axes
+    lays the model out the same); and what was skipped, in words.
+
+    >>> layouts, pruned = enumerate_layouts(4, ["dp", "tp"])
+    >>> layouts
+    [('dp', {'data': 4}), ('tp', {'data': 1, 'model': 4}), ('tp', {'data': 2, 'model': 2})]
+    """
+    out, pruned = [], []
+    skipped = 0
+    for name in names:
+        strat = get(name)
+        for shape in factorizations(n, len(strat.mesh_axes)):
+            sizes = dict(zip(strat.mesh_axes, shape, strict=True))
+            if n > 1 and len(shape) > 1 and 1 in shape[1:]:
+                skipped += 1
+                continue
+            out.append((name, sizes))
+    if skipped:
+        pruned.append(f"{skipped} meshes with a size-1 axis beyond the first (the same layout "
+                      "as a preset with fewer axes, e.g. tp model=1 is dp)")
+    return out, pruned
+
+
+def _batch_problem(strat: Strategy, sizes: dict[str, int], batch: int, seq: int,
+                   microbatches: int) -> str | None:
+    """Why the batch cannot be laid out under ``strat`` on ``sizes`` (``None``: it can)."""
+    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    try:
+        spec = strat.rules.spec((None, "batch", "length"), shape=(1, batch, seq), mesh=mesh,
+                                path="batch['inputs']")
+    except ShardingError as e:
+        msg = " ".join(str(e).split())
+        return f"batch {batch} x seq {seq} cannot be laid out: {msg[:200]}"
+    entry = tuple(spec)[1] if len(tuple(spec)) > 1 else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    rows = batch // math.prod(sizes[a] for a in axes)
+    if rows % microbatches:
+        return f"{microbatches} microbatches do not divide the {rows} rows per device"
+    return None
+
+
+def _layouts(p: _Problem) -> tuple[list[tuple[str, dict[str, int]]],
+                                   list[tuple[str, dict[str, int]]], list[Candidate], list[str]]:
+    """Every layout, those that can be laid out, the dropped ones (with why) and what
+    the enumeration skipped; raises when no preset can use the devices."""
+    opts = p.opts
+    layouts, pruned = enumerate_layouts(opts.devices, p.names)
+    dropped: list[Candidate] = []
+    viable: list[tuple[str, dict[str, int]]] = []
+    for name, sizes in layouts:
+        strat = get(name)
+        base = Candidate(name, sizes, p.policies[0])
+        try:
+            strat.check(p.abstract, sizes)
+        except (ShardingError, ValueError, TypeError) as e:
+            # A preset states what it needs of the model by raising from check.
+            base.reason = "cannot lay out: " + " ".join(str(e).split())
+            dropped.append(base)
+            continue
+        if (why := _batch_problem(strat, sizes, opts.batch, opts.seq, 1)) is not None:
+            base.reason = why
+            dropped.append(base)
+            continue
+        viable.append((name, sizes))
+    if not viable:
+        fams = Plan([], dropped, pruned, p.hw, {}).families()
+        n, batch = opts.devices, opts.batch
+        good = [d for d in range(max(1, n - 8), n + 9) if d != n and batch % d == 0 and d > 1]
+        hint = (f" Device counts near {n} that divide the batch {batch}: "
+                f"{', '.join(map(str, good[:6]))}." if good else "")
+        raise UsageError(
+            f"auto: no preset can use {n} devices for this model with batch {batch} x "
+            f"seq {opts.seq}: " + "; ".join(f"{k}: {clip(v, 160)}" for k, v in fams.items())
+            + f".{hint}")
+    return layouts, viable, dropped, pruned
+
+
+# -- phases 3 to 5: compile, retry with remat and microbatches, rank ---------------------------
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str, refresh: bool = True) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _bar(total: int, progress: bool, desc: str) -> Any:
+    if not progress or total == 0:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="compile", file=sys.stderr, leave=False)
+
+
+def _key(v: Candidate) -> tuple[str, tuple[tuple[str, int], ...]]:
+    return (v.strategy, tuple(v.mesh.items()))
+
+
+class _Search:
+    """The compiles of one :func:`auto` call: the cache, the budget, and the
+    candidates as they are ranked, dropped or pruned."""
+
+    def __init__(self, p: _Problem, layouts: list[Any], dropped: list[Candidate],
+                 pruned: list[str]) -> None:
+        self.p = p
+        self.opts = p.opts
+        self.layouts = layouts
+        self.dropped = dropped
+        self.pruned = pruned
+        self.ranked: list[Candidate] = []
+        self.budget = p.opts.max_compiles
+        self.store = Cache(p.opts.cache, shared=p.opts.compile_fn is None)
+        self.version = versions()
+        self.counters = {"compiled": 0, "cached": 0, "considered": len(layouts)}
+
+    def key_of(self, c: Candidate) -> str:
+        p, opts = self.p, self.opts
+        model = p.model
+        what = {"model": config_dict(p.cfg) if p.cfg is not None else
+                f"{getattr(model, '__module__', '')}.{getattr(model, '__qualname__', '')}"
+                f"#{id(model)}", "strategy": c.strategy, "sizes": c.mesh, "remat": c.remat,
+                "microbatches": c.microbatches, "batch": opts.batch, "seq": opts.seq,
+                "optimizer": opts.optimizer, "v": self.version}
+        return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+    def formula_over(self, c: Candidate) -> int | None:
+        """The formula's bytes where they are past :data:`PRUNE_MARGIN` x the memory."""
+        p = self.p
+        if p.memory is None or self.opts.compile_fn is not None:
+            return None
+        est = formula_bytes(p.abstract, p.cfg, get(c.strategy), c.mesh, p.tx,
+                            self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none")
+        return est if est is not None and est > p.memory * PRUNE_MARGIN else None
+
+    def prune_by_formula(self, c: Candidate) -> bool:
+        over = self.formula_over(c)
+        if over is None:
+            return False
+        c.fits, c.bytes_per_device = False, over
+        c.reason = (f"the formula alone needs {fmt_bytes(over)} per device, over "
+                    f"{PRUNE_MARGIN}x the {fmt_bytes(self.p.memory or 0)} available "
+                    "(not compiled)")
+        return True
+
+    def done(self, c: Candidate, result: dict[str, Any], bar: Any) -> None:
+        self.store.put(self.key_of(c), result)
+        self.counters["compiled"] += 1
+        _apply(c, result, self.p.memory, self.p.hw)
+        bar.set_postfix_str(c.label, refresh=False)
+        bar.update(1)
+
+    def compile_here(self, todo: list[Candidate], bar: Any) -> None:
+        opts, p = self.opts, self.p
+        for c in todo:
+            try:
+                if opts.compile_fn is not None:
+                    result = dict(opts.compile_fn(c))
+                else:
+                    fac = (lambda c=c: p.model(remat=c.remat)) if p.takes_remat else p.model
+                    result = compile_step(fac, c.strategy, c.mesh, batch=opts.batch,
+                                          seq=opts.seq, optimizer=opts.optimizer,
+                                          microbatches=c.microbatches)
+            except Exception as e:  # a candidate that cannot compile is dropped, with why
+                result = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+            self.done(c, result, bar)
+
+    def compile_in_child(self, todo: list[Candidate], bar: Any) -> None:
+        opts, cfg = self.opts, self.p.cfg
+        assert cfg is not None
+        reqs = [{"config": config_dict(cfg), "remat": c.remat, "strategy": c.strategy,
+                 "sizes": c.mesh, "batch": opts.batch, "seq": opts.seq,
+                 "optimizer": opts.optimizer, "microbatches": c.microbatches} for c in todo]
+
+        def on_result(i: int, result: dict[str, Any]) -> None:
+            if "failed" in result:
+                result = {"error": f"the compile subprocess failed: {result['failed']}"}
+            self.done(todo[i], result, bar)
+
+        run_requests("nnx_shard.planner.compile:compile_step_request", reqs, opts.devices,
+                     timeout=opts.timeout * len(reqs) + 60, on_result=on_result)
+
+    def run(self, cands: list[Candidate], bar: Any) -> None:
+        """Compiles ``cands`` (or reads them from the cache) and applies the results."""
+        todo: list[Candidate] = []
+        for c in cands:
+            hit = self.store.get(self.key_of(c))
+            if hit is not None:
+                self.counters["cached"] += 1
+                _apply(c, hit, self.p.memory, self.p.hw)
+                bar.update(1)
+            else:
+                todo.append(c)
+        if not todo:
+            return
+        if self.opts.compile_fn is not None or self.p.cfg is None:
+            self.compile_here(todo, bar)
+        else:
+            self.compile_in_child(todo, bar)
+
+    def plain(self, viable: list[tuple[str, dict[str, int]]]) -> list[Candidate]:
+        """Phase 3: every viable layout with the first remat policy and no
+        microbatches, within the compile budget."""
+        max_compiles = self.opts.max_compiles
+        first = [Candidate(n, s, self.p.policies[0]) for n, s in viable]
+        stage1 = [c for c in first if not self.prune_by_formula(c)]
+        if len(stage1) > self.budget:
+            self.pruned.append(f"{len(stage1) - self.budget} layouts not compiled "
+                               f"(max_compiles={max_compiles})")
+            for c in stage1[self.budget:]:
+                c.reason = f"not compiled: over max_compiles={max_compiles}"
+            stage1 = stage1[:self.budget]
+        self.budget -= len(stage1)
+        with _bar(len(stage1), self.opts.progress, "compiling layouts") as bar:
+            self.run(stage1, bar)
+        for c in first:
+            (self.ranked if c.fits else self.dropped).append(c)
+        return first
+
+    def variants_of(self, first: list[Candidate]) -> dict[Any, list[Candidate]]:
+        """The remat policies and microbatch counts to try, cheapest first, for each
+        layout whose plain step does not fit."""
+        p, opts = self.p, self.opts
+        retry = [c for c in first if c.fits is False and c.bytes_per_device is not None]
+        out = {}
+        for c in retry:
+            order = ([(pol, 1) for pol in p.policies[1:]]
+                     + [(pol, m) for pol in p.policies for m in p.mbs if m > 1])
+            out[_key(c)] = [
+                Candidate(c.strategy, c.mesh, pol, m) for pol, m in order
+                if _batch_problem(get(c.strategy), c.mesh, opts.batch, opts.seq, m) is None]
+        if retry and len(p.policies) == 1 and len(p.mbs) == 1:
+            self.pruned.append("no remat policy or microbatch count to try for layouts that "
+                               "do not fit")
+        return out
+
+    def variant_round(self, live: dict[Any, list[Candidate]], bar: Any) -> None:
+        """One variant per layout still without a fitting one, within the budget."""
+        batch_round = []
+        for key in list(live):
+            if not live[key]:
+                del live[key]
+                continue
+            batch_round.append(live[key].pop(0))
+        skipped = []
+        for v in list(batch_round):
+            if self.prune_by_formula(v):
+                skipped.append(v)
+                batch_round.remove(v)
+                bar.update(1)
+        for v in batch_round[self.budget:]:  # past the budget: said, not silently lost
+            v.reason = f"not compiled: over max_compiles={self.opts.max_compiles}"
+            live.setdefault(_key(v), []).insert(0, v)
+        batch_round = batch_round[:self.budget]
+        self.budget -= len(batch_round)
+        self.run(batch_round, bar)
+        for v in batch_round + skipped:
+            if v.fits:
+                self.ranked.append(v)
+                live.pop(_key(v), None)  # the first variant that fits is kept
+            else:
+                self.dropped.append(v)
+
+    def variants(self, first: list[Candidate]) -> None:
+        """Phase 4: remat and microbatches only where the plain step does not fit."""
+        variants_of = self.variants_of(first)
+        with _bar(sum(len(v) for v in variants_of.values()), self.opts.progress,
+                  "remat / microbatches") as bar:
+            # One round per variant index across layouts, so each layout gets its
+            # cheapest variants first within the compile budget.
+            live = dict(variants_of)
+            while live and self.budget > 0:
+                self.variant_round(live, bar)
+            left = sum(len(v) for v in live.values())
+            if left:
+                self.pruned.append(f"{left} remat/microbatch variants not compiled "
+                                   f"(max_compiles={self.opts.max_compiles})")
+        if variants_of:
+            self.pruned.append("remat policies and microbatches tried only for layouts whose "
+                               "plain step does not fit (they add recompute or "
+                               "per-microbatch collectives), cheapest first, stopping at the "
+                               "first that fits")
+
+    def rank(self) -> list[Candidate]:
+        """Phase 5: fastest predicted first; of candidates that compile to the same
+        program (ep on a dense model is dp's) the first is kept. Returns the twins."""
+        self.ranked.sort(key=lambda c: (c.predicted_s, c.bytes_per_device or 0))
+        seen: dict[tuple[Any, ...], Candidate] = {}
+        twins: list[Candidate] = []
+        same: list[str] = []
+        for c in self.ranked:
+            sig = (c.bytes_per_device, c.temp, c.flops, c.collective_bytes, c.collectives,
+                   c.memory_bytes, c.microbatches, c.remat)
+            if sig in seen:
+                twins.append(c)
+                same.append(f"{c.label} (= {seen[sig].label})")
+            else:
+                seen[sig] = c
+        if twins:
+            self.ranked = list(seen.values())
+            self.pruned.append(f"{len(twins)} candidates that compile to the same program as "
+                               f"a better-ranked one: {', '.join(same)}")
+        return twins
+
+    def plan(self, twins: list[Candidate]) -> Plan:
+        p, opts = self.p, self.opts
+        label = p.model_name or (
+            f"TransformerConfig(embed={p.cfg.embed}, layers={p.cfg.layers})"
+            if p.cfg is not None else getattr(p.model, "__name__", "factory"))
+        request: dict[str, Any] = {
+            "model_name": p.model_name, "model_label": label, "devices": opts.devices,
+            "batch": opts.batch, "seq": opts.seq, "optimizer": opts.optimizer,
+            "device_memory": p.memory}
+        self.counters["considered"] = len(self.layouts) + sum(
+            1 for c in self.dropped + self.ranked
+            if (c.remat, c.microbatches) != (p.policies[0], 1))
+        request.update(self.counters)
+        return Plan(self.ranked, self.dropped, self.pruned, p.hw, request, twins)
+
+
+def auto(model: Any = "small", options: AutoOptions | None = None, **knobs: Any) -> Plan:
+    """Chooses a strategy preset, mesh shape, remat policy and microbatch count
+    for ``model`` on ``options.devices`` devices with ``options.device_memory``
+    bytes each, and ranks the candidates that fit by predicted step time (see
+    :mod:`nnx_shard.planner`).
+
+    ``model`` is a reference config name (``"small"``, ``"1b"``, ...), a
+    :class:`~nnx_shard.models.TransformerConfig`, or a zero-argument factory
+    returning a language model (called as ``lm_loss`` calls the reference
+    Transformer; a factory taking a ``remat`` keyword gets the policies tried).
+    Configs compile in a subprocess with ``devices`` simulated CPU devices; a
+    factory compiles in this process and needs that many devices. The options are
+    an :class:`AutoOptions`, or its fields as keywords (``auto("small", devices=8,
+    batch=16, seq=16)``); keywords given with ``options`` replace its fields.
+    Raises :class:`NothingFits` when no candidate fits.
+
+    >>> fake = lambda c: {"total": 100 * (1 + (c.strategy == "dp")), "temp": 1,
+    ...                   "flops": 1e9, "collective_bytes": 1e6 * c.mesh.get("model", 1),
+    ...                   "collectives": 1}
+    >>> plan = auto("tiny", devices=8, batch=8, seq=16, device_memory=150,
+    ...             strategies=["dp", "fsdp", "tp"], compile_fn=fake, progress=False)
+    >>> [c.label for c in plan.ranked]
+    ['fsdp data=8 remat=none mb=1', 'tp data=4,model=2 remat=none mb=1', 'tp data=2,model=4 remat=none mb=1']
+    >>> [c.reason for c in plan.dropped if c.strategy == "dp"][0]
+    'needs 200 B per device (compiled), over the 150 B available'
+    """
+    opts = dataclasses.replace(options, **knobs) if options is not None else AutoOptions(**knobs)
+    p = _resolve(model, opts)
+    layouts, viable, dropped, pruned = _layouts(p)
+    search = _Search(p, layouts, dropped, pruned)
+    if p.cfg is None and opts.compile_fn is None and jax.device_count() < opts.devices:
+        raise UsageError(
+            f"auto: a model factory compiles in this process, which has "
+            f"{jax.device_count()} devices, fewer than devices={opts.devices}. Fix: run with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={opts.devices} (CPU), or pass "
+            "a config name / TransformerConfig (compiled in a subprocess).")
+    first = search.plain(viable)
+    search.variants(first)
+    search.store.save()
+    twins = search.rank()
+    plan = search.plan(twins)
+    if not plan.ranked:
+        raise NothingFits(plan, _nothing_fits(plan, p.memory, opts.batch, opts.devices))
+    return plan
+
+
+def _nothing_fits(plan: Plan, memory: int | None, batch: int, devices: int) -> str:
+    measured = [c for c in plan.dropped if c.bytes_per_device]
+    if not measured:
+        fams = plan.families()
+        return ("auto: no candidate compiled: "
+                + "; ".join(f"{k}: {clip(v, 200)}" for k, v in fams.items()))
+    least = min(measured, key=lambda c: c.bytes_per_device or 0)
+    need = least.bytes_per_device or 0
+    temp = least.temp or 0
+    if least.compiled and temp > need / 2:
+        knob = (f"activations dominate ({fmt_bytes(temp)} of it is XLA's temporaries): a "
+                f"smaller batch (e.g. {max(1, batch // 2)}) or more microbatches cut it most")
+    else:
+        knob = (f"parameters and optimizer state dominate: more devices (fsdp shards them 1/N; "
+                f"e.g. {devices * 2}) or a smaller optimizer state (sgd) cut it most")
+    return (f"auto: nothing fits in {fmt_bytes(memory or 0)} per device: the smallest need is "
+            f"{fmt_bytes(need)} ({least.label}); {knob}.")
+
+
+def _apply(c: Candidate, result: Mapping[str, Any], memory: int | None, hw: Hardware) -> None:
+    if "error" in result:
+        c.fits, c.reason = False, f"does not compile: {result['error']}"
+        return
+    c.compiled = True
+    c.bytes_per_device = int(result["total"])
+    c.temp = int(result.get("temp", 0))
+    c.flops = float(result["flops"])
+    c.collective_bytes = float(result["collective_bytes"])
+    c.collectives = round(float(result.get("collectives", 0)))
+    c.memory_bytes = float(result.get("memory_bytes", 0.0))
+    c.by_kind = dict(result.get("by_kind", {}))
+    c.compile_s = result.get("compile_s")
+    c.predicted_s = hw.predict(c.flops, c.collective_bytes, c.collectives, c.memory_bytes)
+    if memory is not None and c.bytes_per_device > memory:
+        c.fits = False
+        c.reason = (f"needs {fmt_bytes(c.bytes_per_device)} per device (compiled), over the "
+                    f"{fmt_bytes(memory)} available")
+    else:
+        c.fits, c.reason = True, None

@@ -1,0 +1,335 @@
+"""The :class:`Strategy` type and the registry presets join with :func:`preset`.
+
+A strategy is data: the :class:`~nnx_shard.Rules` for parameters and activations,
+an optional table for optimizer state, the mesh axes it expects, preferred axis
+sizes and the collectives a train step under it contains. The presets themselves
+are in :mod:`nnx_shard.presets`; users reach both through :mod:`nnx_shard.strategies`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_shard.annotate import path_str
+from nnx_shard.axes import mesh_sizes
+from nnx_shard.errors import ShardingError
+from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
+from nnx_shard.mesh import make_mesh, variable_spec
+from nnx_shard.parallel.schedule import Schedule, check_stack
+from nnx_shard.report import Report, explain
+from nnx_shard.rules import Rules
+
+__all__ = ["LOGICAL", "REPLICATED", "Strategy", "factorizations", "preset", "replicated"]
+
+M = TypeVar("M", bound=nnx.Module)
+
+#: Every logical name the presets give a rule (replicated unless a preset says otherwise),
+#: the key/value cache's (:func:`nnx_shard.models.generate`) last.
+LOGICAL = ("batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",
+           "expert", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A named parallelism strategy: rules for parameters and activations, optional
+    rules for optimizer state, and the mesh axes it expects.
+
+    Attributes:
+      name: the preset's name (one of :data:`nnx_shard.strategies.NAMES`).
+      rules: logical names -> mesh axes for parameters, gradients, batches and activations.
+      opt_rules: a separate table for optimizer state (``None``: as ``rules``).
+      mesh_axes: the mesh axes the rules use, in mesh order.
+      sizes: preferred sizes of every axis but the first (which takes the rest).
+      collectives: the collectives a train step under this strategy contains.
+
+    >>> from nnx_shard.strategies import get
+    >>> s = get("zero1")
+    >>> s.rules["embed"] is None, s.opt_rules["embed"]
+    (True, 'data')
+    """
+
+    name: str
+    rules: Rules
+    opt_rules: Rules | None
+    mesh_axes: tuple[str, ...]
+    sizes: tuple[int, ...] = ()
+    collectives: tuple[str, ...] = ()
+
+    def mesh_for(self, n_devices: int | None = None) -> dict[str, int]:
+        """A default mesh shape over :attr:`mesh_axes` for ``n_devices`` (default: all).
+
+        >>> from nnx_shard.strategies import get
+        >>> get("tp").mesh_for(8), get("tp").mesh_for(6), get("dp").mesh_for(8)
+        ({'data': 2, 'model': 4}, {'data': 3, 'model': 2}, {'data': 8})
+        """
+        n = jax.device_count() if n_devices is None else int(n_devices)
+        if n < 1:
+            raise ShardingError(f"n_devices must be >= 1, got {n}. Fix: a positive device count")
+        rest = n
+        tail = []
+        for pref in self.sizes:
+            size = math.gcd(pref, rest)
+            tail.append(size)
+            rest //= size
+        return dict(zip(self.mesh_axes, (rest, *tail), strict=True))
+
+    def make_mesh(self, n_devices: int | None = None, *, axis_types: str = "auto") -> Mesh:
+        """``nnx_shard.make_mesh(self.mesh_for(n_devices), axis_types=...)``.
+
+        Auto axes by default, so models built from stock Flax layers train as
+        written; ``axis_types="explicit"`` opts in to JAX's sharding-in-types.
+
+        >>> from nnx_shard.strategies import get
+        >>> mesh = get("ep").make_mesh()
+        >>> dict(mesh.shape), mesh.axis_types
+        ({'data': 2, 'expert': 4}, (Auto, Auto))
+        """
+        n = jax.device_count() if n_devices is None else n_devices
+        return make_mesh(self.mesh_for(n), axis_types=axis_types, devices=jax.devices()[:n])
+
+    # -- validation --------------------------------------------------------------
+
+    def _problems(self, state: Any, sizes: Mapping[str, int]) -> list[str]:
+        out = []
+        tables = [self.rules] + ([self.opt_rules] if self.opt_rules is not None else [])
+        for path, var in nnx.to_flat_state(state):
+            if not isinstance(var, nnx.Variable):
+                continue
+            for table in tables:
+                try:
+                    variable_spec(var, sizes, table, path_str(path))
+                except ShardingError as e:
+                    out.append(str(e))
+                    break
+        return out
+
+    def suggest_mesh(self, model: Any, n_devices: int | None = None,
+                     prefer: Mapping[str, int] | None = None) -> dict[str, int] | None:
+        """A mesh shape over :attr:`mesh_axes` with ``n_devices`` on which every
+        parameter of ``model`` (concrete or abstract) can be laid out, closest to
+        ``prefer`` (default :meth:`mesh_for`); ``None`` if there is none.
+
+        >>> from nnx_shard.strategies import get
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> get("tp").suggest_mesh(model, 8, prefer={"data": 1, "model": 8})
+        {'data': 2, 'model': 4}
+        """
+        n = jax.device_count() if n_devices is None else int(n_devices)
+        state = model if isinstance(model, nnx.State) else nnx.state(model)
+        prefer = dict(prefer) if prefer else self.mesh_for(n)
+        best, best_cost = None, math.inf
+        for shape in factorizations(n, len(self.mesh_axes)):
+            sizes = dict(zip(self.mesh_axes, shape, strict=True))
+            cost = sum(abs(math.log(sizes[a] / max(prefer.get(a, 1), 1))) for a in sizes)
+            if cost < best_cost and not self._problems(state, sizes):
+                best, best_cost = sizes, cost
+        return best
+
+    def check(self, model: Any, mesh: Mesh | str | Mapping[str, int]) -> None:
+        """Raises a ``ShardingError`` if the mesh lacks one of :attr:`mesh_axes` or a
+        parameter of ``model`` (concrete or abstract) cannot be laid out, naming the
+        parameter and suggesting a mesh shape with the same devices that works.
+
+        >>> from nnx_shard.strategies import get
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> get("tp").check(model, {"data": 1, "model": 8})
+        Traceback (most recent call last):
+        ...
+        nnx_shard.errors.ShardingError: strategy 'tp' cannot lay out this model on mesh data=1, model=8: ... 'blocks/0/attn/k' ... Suggested mesh: {'data': 2, 'model': 4} ...
+        """
+        sizes = _sizes(mesh)
+        state = model if isinstance(model, nnx.State) else nnx.state(model)
+        if isinstance(self.rules.options.get("pipeline"), Schedule):
+            check_stack(state, sizes, self.rules.options["pipeline"])
+        missing = [a for a in self.mesh_axes if a not in sizes]
+        problems = self._problems(state, sizes) if not missing else []
+        if missing:
+            using = [
+                path_str(p) for p, v in nnx.to_flat_state(state)
+                if isinstance(v, nnx.Variable) and self._uses(v, missing)
+            ]
+            problems = [
+                f"the mesh has no axis {' or '.join(map(repr, missing))}"
+                + (f", which parameter {using[0]!r}" + (f" (and {len(using) - 1} more)"
+                   if len(using) > 1 else "") + " is sharded over" if using else "")
+            ]
+        if not problems:
+            return
+        n = math.prod(sizes.values())
+        # With an axis missing, the user's sizes say little about the intended
+        # split: aim for the strategy's default shape rather than a size-1 axis.
+        prefer = None if missing else {a: s for a, s in sizes.items() if a in self.mesh_axes}
+        fits = self.suggest_mesh(state, n, prefer=prefer or None)
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        if fits is not None:
+            spec = ",".join(f"{k}={v}" for k, v in fits.items())
+            fix = (f"Suggested mesh: {fits} (nnx_shard.make_mesh({spec!r})) fits every "
+                   f"parameter with the same {n} devices.")
+        else:
+            fix = (f"No mesh over {self.mesh_axes} with {n} devices fits this model: change "
+                   "the model's sizes, the device count, or the strategy.")
+        raise ShardingError(
+            f"strategy {self.name!r} cannot lay out this model on mesh {shown}: "
+            f"{problems[0].rstrip('.')}{more}. It expects mesh axes {self.mesh_axes}. {fix}"
+        )
+
+    def _uses(self, var: nnx.Variable, axes: list[str]) -> bool:
+        names = var.get_metadata().get("out_sharding") or ()
+        for table in (self.rules, self.opt_rules):
+            if table is None:
+                continue
+            for name in names:
+                if isinstance(name, str) and name in table:
+                    cands = [c for c in table.candidates(name) if isinstance(c, tuple)]
+                    if any(a in axes for c in cands for a in c):  # not UNCONSTRAINED
+                        return True
+        return False
+
+    # -- conveniences over the library calls -------------------------------------
+
+    def abstract_init(self, factory: Callable[[], M], mesh: Mesh | str | Mapping[str, int]) -> M:
+        """:func:`nnx_shard.abstract_init` with this strategy's rules, after :meth:`check`.
+
+        >>> from nnx_shard.strategies import get
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> m = get("fsdp").abstract_init(
+        ...     lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=8")
+        >>> m.blocks[0].mlp.up.get_value().sharding.spec
+        P('data', None)
+        """
+        mesh = make_mesh(mesh)
+        self.check(_abstract(factory, mesh, "abstract_init")[1], mesh)
+        return abstract_init(factory, mesh, self.rules)
+
+    def sharded_init(self, factory: Callable[[], M], mesh: Mesh | str | Mapping[str, int]) -> M:
+        """:func:`nnx_shard.sharded_init` with this strategy's rules, after :meth:`check`.
+
+        >>> from nnx_shard.strategies import get
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> m = get("tp").sharded_init(
+        ...     lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=2,model=4")
+        >>> m.blocks[0].attn.o.get_value().sharding.spec
+        P('model', None, None)
+        """
+        mesh = make_mesh(mesh)
+        self.check(_abstract(factory, mesh, "sharded_init")[1], mesh)
+        return sharded_init(factory, mesh, self.rules)
+
+    def optimizer(self, model: nnx.Module, tx: optax.GradientTransformation,
+                  mesh: Mesh | str | Mapping[str, int], *, wrt: Any = nnx.Param) -> nnx.Optimizer:
+        """:func:`nnx_shard.sharded_optimizer` with ``rules`` and ``opt_rules``.
+
+        >>> from nnx_shard.strategies import get
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> s = get("zero1")
+        >>> m = s.sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=8")
+        >>> opt = s.optimizer(m, optax.adam(1e-3), "data=8")
+        >>> opt.opt_state[0].mu["unembed"].get_value().sharding.spec
+        P('data', None)
+        """
+        return sharded_optimizer(model, tx, mesh, self.rules, wrt=wrt, opt_rules=self.opt_rules)
+
+    def explain(self, model: Any, mesh: Mesh | str | Mapping[str, int],
+                optimizer: optax.GradientTransformation | None = None) -> Report:
+        """:func:`nnx_shard.explain` with ``rules`` and ``opt_rules``.
+
+        >>> from nnx_shard.strategies import get
+        >>> from nnx_shard.models import Transformer, get_config
+        >>> m = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> r = get("fsdp").explain(m, "data=8", optax.adam(1e-3))
+        >>> r.param_bytes_per_device * 8 == r.total_bytes
+        True
+        """
+        return explain(model, mesh, self.rules, optimizer, opt_rules=self.opt_rules)
+
+
+def _sizes(mesh: Mesh | str | Mapping[str, int]) -> dict[str, int]:
+    return mesh_sizes(mesh if isinstance(mesh, Mapping) else make_mesh(mesh))
+
+
+def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Every way to write ``n`` as an ordered product of ``k`` positive factors.
+
+    >>> factorizations(4, 2)
+    [(1, 4), (2, 2), (4, 1)]
+    """
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return [c for c in itertools.product(divisors, repeat=k) if math.prod(c) == n]
+
+
+def replicated(first: tuple[str, ...] = ()) -> Rules:
+    """Every name of :data:`LOGICAL` replicated, in table order with ``first`` ahead.
+
+    A preset's table is this with its own entries laid over it (``Rules.__or__``
+    keeps each name's place), so every preset names every logical axis, and the
+    table order, which decides who claims a contested mesh axis, is the same for all.
+
+    >>> replicated(("expert",)).to_pairs()[:2]
+    [('expert', None), ('batch', None)]
+    """
+    return Rules({name: None for name in (*first, *(n for n in LOGICAL if n not in first))})
+
+
+#: :func:`replicated` in :data:`LOGICAL` order: the table every preset starts from.
+REPLICATED = replicated()
+
+#: Preset name -> the function that builds it, in the order presets were defined.
+PRESETS: dict[str, Callable[..., Strategy]] = {}
+
+
+def _distinct(name: str, **axes: str) -> None:
+    for k, v in axes.items():
+        if not isinstance(v, str) or not v:
+            raise ShardingError(f"strategy {name!r}: mesh axis {k}={v!r} must be a non-empty "
+                                f"string. Fix: e.g. {k}={k!r}.")
+    if len(set(axes.values())) != len(axes):
+        raise ShardingError(f"strategy {name!r}: mesh axes {axes} must be distinct. Fix: give "
+                            "each a name of its own.")
+
+
+def preset(build: Callable[..., Strategy]) -> Callable[..., Strategy]:
+    """Registers ``build`` as the preset named after it: :data:`PRESETS` (and so
+    ``strategies.NAMES``, ``strategies.get`` and the planner's search) know it from
+    then on. ``build`` takes keyword-only arguments; those with a string default
+    name mesh axes, which are checked to be non-empty and distinct before it runs.
+    The :class:`Strategy` it returns must carry its name.
+
+    >>> @preset
+    ... def solo(*, data: str = "data") -> Strategy:
+    ...     return Strategy(name="solo", rules=REPLICATED | {"batch": data}, opt_rules=None,
+    ...                     mesh_axes=(data,))
+    >>> PRESETS["solo"](data="d").rules["batch"]
+    'd'
+    >>> del PRESETS["solo"]
+    """
+    name = build.__name__
+    signature = inspect.signature(build)
+    axis_params = [p for p in signature.parameters.values() if isinstance(p.default, str)]
+
+    @functools.wraps(build)
+    def make(**kwargs: Any) -> Strategy:
+        bound = signature.bind(**kwargs)  # an unknown keyword raises TypeError here
+        bound.apply_defaults()
+        _distinct(name, **{p.name: bound.arguments[p.name] for p in axis_params})
+        strategy = build(**kwargs)
+        if strategy.name != name:
+            raise ShardingError(f"preset {name!r} built a strategy named {strategy.name!r}. "
+                                f"Fix: return Strategy(name={name!r}, ...).")
+        return strategy
+
+    PRESETS[name] = make
+    return make

@@ -1,0 +1,28 @@
+"""Fused multi-step training: K steps in one compiled call, batches sharded by logical names.
+
+Three layers, each usable alone:
+
+* :func:`multistep` (:mod:`~nnx_shard.train.fused`) turns an ordinary NNX train
+  step into one compiled call that runs it K times (a ``jax.lax.scan``),
+  carrying the model, the optimizer and any other NNX object passed, updating
+  them in place like ``nnx.jit``.
+* :func:`value_and_grad` (:mod:`~nnx_shard.train.microbatch`) is
+  ``nnx.value_and_grad`` that can split the batch into microbatches and average
+  the gradients (set per call, or by ``multistep(..., microbatches=M)``).
+* :func:`shard_batch` (:mod:`~nnx_shard.train.placement`) turns host NumPy
+  batches into global ``jax.Array`` s laid out by logical names;
+  :class:`Trainer` (:mod:`~nnx_shard.train.trainer`) puts the three together
+  with feeding and prefetching (:mod:`~nnx_shard.train.feed`, reading
+  :class:`~nnx_shard.Batches` windows from :mod:`~nnx_shard.train.batches`), a
+  progress bar (:mod:`~nnx_shard.train.progress`), a NaN/Inf stop and the
+  gradient norm (:mod:`~nnx_shard.train.guard`), run call by call by
+  :mod:`~nnx_shard.train.run`.
+"""
+
+from nnx_shard.train.fused import Fused, multistep
+from nnx_shard.train.microbatch import value_and_grad
+from nnx_shard.train.placement import shard_batch
+from nnx_shard.train.run import History
+from nnx_shard.train.trainer import Trainer
+
+__all__ = ["Fused", "History", "Trainer", "multistep", "shard_batch", "value_and_grad"]

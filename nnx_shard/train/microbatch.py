@@ -1,0 +1,265 @@
+"""Gradients over microbatches: :func:`value_and_grad` splits a step's batch into M
+microbatches and averages their gradients (M per call, or from the enclosing
+``multistep(..., microbatches=M)`` through :func:`tracing_step`), unless a
+parallel op takes the microbatches over (the pipeline, see
+:mod:`nnx_shard.parallel.registry`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from nnx_shard._frames import Frames
+from nnx_shard.errors import ShardingError
+from nnx_shard.parallel.registry import microbatch_owner
+from nnx_shard.train.trees import fmt_shape, is_node, short_repr
+
+__all__ = ["StepMicrobatches", "check_device_rows", "spec_axes", "tracing_step",
+           "value_and_grad"]
+
+
+@dataclasses.dataclass
+class StepMicrobatches:
+    """One fused step being traced (see :func:`tracing_step`): how many microbatches
+    its batch splits into, and whether :func:`value_and_grad` took them."""
+
+    count: int
+    taken: bool = False
+
+
+# One frame per multistep body being traced.
+_steps: Frames[StepMicrobatches] = Frames()
+
+
+def tracing_step(m: int) -> AbstractContextManager[StepMicrobatches]:
+    """The context :func:`nnx_shard.multistep` traces a step in: :func:`value_and_grad`
+    inside it splits the batch into ``m`` microbatches unless told otherwise, and
+    marks the frame it yields as taken.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> mse = lambda m, b: jnp.mean(m(b) ** 2)
+    >>> with tracing_step(4) as frame:
+    ...     _ = value_and_grad(mse)(model, jnp.ones((8, 2)))   # 4 microbatches of 2
+    >>> frame
+    StepMicrobatches(count=4, taken=True)
+    """
+    return _steps.push(StepMicrobatches(m))
+
+
+def spec_axes(sharding: Any, dim: int) -> tuple[tuple[str, ...], int]:
+    """The mesh axes dimension ``dim`` is sharded over by ``sharding``, and how many
+    devices that is; ``((), 1)`` when unsharded."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None or dim >= len(spec) or spec[dim] is None:
+        return (), 1
+    entry = spec[dim]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    if not all(isinstance(a, str) for a in axes):
+        return (), 1
+    sizes = dict(sharding.mesh.shape)
+    return axes, int(np.prod([sizes[a] for a in axes]))
+
+
+def _sharded_over(x: Any, dim: int) -> tuple[tuple[str, ...], int]:
+    """:func:`spec_axes` of ``x``'s type (Explicit axes put the sharding there)."""
+    return spec_axes(getattr(jax.typeof(x), "sharding", None), dim)
+
+
+def check_device_rows(
+    where: str, shape: tuple[int, ...], axes: tuple[str, ...], devices: int, m: int
+) -> None:
+    """Microbatches split each device's own rows (see _split_microbatches): say so
+    when a device holds a number of rows that ``m`` does not divide."""
+    rows = shape[0] // devices
+    if rows % m:
+        raise ShardingError(
+            f"microbatches={m} must divide each device's rows of the batch: "
+            f"{where} has {shape[0]} rows (shape {tuple(shape)}) sharded over mesh axes "
+            f"{', '.join(axes)} ({devices} devices), so {rows} row{'s' if rows != 1 else ''} "
+            f"per device, which does not divide by {m}. Fix: a global batch that is a "
+            f"multiple of {m} x {devices} = {m * devices}, or a number of microbatches that "
+            f"divides {rows}."
+        )
+
+
+def _split_microbatches(batch: Any, m: int) -> Any:
+    """[B, ...] -> [m, B/m, ...]; microbatch j holds rows j, j+m, j+2m, ...
+
+    Strided rather than contiguous on purpose: a batch sharded over devices in
+    contiguous blocks then gives every device the same share of every
+    microbatch, so no data moves between devices. This is exactly optax's
+    ``microbatching.reshape_batch_axis`` (which also keeps Explicit shardings on
+    the rows), used here after our own checks, whose messages name the leaf.
+
+    Why the loop around it (:func:`_accumulate`) is not ``optax.microbatch``:
+    that gives the same numbers (tests/test_train.py compares them) but calls
+    a pure function with the same arguments for every microbatch and only
+    accumulates its outputs; NNX state used by the loss (an ``nnx.Rngs``
+    stream drawing a new dropout mask per microbatch, batch statistics) must be
+    carried from one microbatch to the next, which it cannot do.
+    """
+
+    def one(path: Any, x: Any) -> Any:
+        if np.ndim(x) == 0 or x.shape[0] % m:
+            raise ValueError(
+                f"microbatches={m} must divide the batch dimension (axis 0) of every batch "
+                f"leaf, but batch{jax.tree_util.keystr(path)} has shape {fmt_shape(x)}. Fix: "
+                f"use a batch size that is a multiple of {m}, or another number of microbatches."
+            )
+        x = jnp.asarray(x)
+        # On Explicit axes the split would need rows of one device in several
+        # microbatches: JAX refuses the reshape (a ShardingTypeError).
+        check_device_rows(f"batch{jax.tree_util.keystr(path)}", x.shape, *_sharded_over(x, 0), m)
+        return optax.microbatching.reshape_batch_axis(x, x.shape[0] // m)
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    microbatches: int | None = None,
+    wrt: Any = nnx.Param,
+) -> Callable[..., tuple[Any, Any]]:
+    """``nnx.value_and_grad`` over the model (first argument) that can accumulate microbatches.
+
+    The returned ``grad_fn(model, batch, *args)`` calls ``loss_fn(model, batch, *args)``.
+    With M microbatches, every leaf of ``batch`` is split along axis 0 into M
+    equal microbatches (rows ``j, j+M, j+2M, ...`` form microbatch ``j``), the
+    loss and gradients are computed one microbatch at a time inside a
+    ``jax.lax.scan`` (activations of one microbatch live at a time) and
+    averaged: for a loss that is a mean over examples this equals the
+    full-batch result up to float rounding. ``aux`` (with ``has_aux=True``) is
+    averaged the same way. ``args`` are passed to every microbatch unchanged;
+    NNX objects among them (e.g. ``nnx.Rngs``) are carried through. Under a
+    pipeline strategy (``strategies.get("pp")``) the whole batch goes through
+    one forward pass instead, and :func:`nnx_shard.pipeline.scan` runs the M
+    microbatches through the stages.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch, *args) -> loss`` (or ``(loss, aux)``).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      microbatches: M. ``None`` (default) takes M from the enclosing
+        ``multistep(..., microbatches=M)``, else 1 (no splitting).
+      wrt: which Variables of the model to differentiate (an NNX filter).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}
+    >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> loss1, g1 = value_and_grad(mse)(model, batch)
+    >>> loss4, g4 = value_and_grad(mse, microbatches=4)(model, batch)
+    >>> bool(jnp.allclose(loss1, loss4)), bool(jnp.allclose(g1["kernel"][...], g4["kernel"][...]))
+    (True, True)
+    """
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(f"microbatches must be a positive int or None, got {microbatches!r}")
+    if not callable(loss_fn):
+        raise TypeError(f"value_and_grad: loss_fn must be callable, got {loss_fn!r}")
+    vg = nnx.value_and_grad(_checked_loss(loss_fn, has_aux), argnums=nnx.DiffState(0, wrt),
+                            has_aux=has_aux)
+
+    @functools.wraps(loss_fn)
+    def grad_fn(model: Any, batch: Any, *args: Any) -> tuple[Any, Any]:
+        m = microbatches
+        frame = _steps.top()
+        if frame is not None:
+            frame.taken = True
+            if m is None:
+                m = frame.count
+        owner = microbatch_owner()
+        if owner is not None and owner.microbatched is not None:
+            # A parallel op runs the microbatches itself (the pipeline: through its
+            # stages inside one forward pass) instead of the accumulation loop.
+            return owner.microbatched(vg, m or 1, model, batch, *args)
+        if m is None or m == 1:
+            return vg(model, batch, *args)
+        return _accumulate(vg, m, wrt, model, batch, args)
+
+    return grad_fn
+
+
+def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``loss_fn``, with its output checked (at trace time) against ``has_aux``: JAX's
+    own error for a tuple loss does not mention ``has_aux``."""
+    name = getattr(loss_fn, "__name__", "loss_fn")
+
+    @functools.wraps(loss_fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = loss_fn(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise TypeError(
+                    f"{name} returned {_describe_value(out)}, but "
+                    "has_aux=True expects a pair (loss, aux), e.g. return loss, {'acc': acc}. "
+                    "Fix: return the pair, or drop has_aux=True."
+                )
+            loss = out[0]
+        elif isinstance(out, tuple | list):
+            raise TypeError(
+                f"{name} returned a {type(out).__name__} of {len(out)} values, not one scalar "
+                "loss. Fix: if it returns (loss, aux), pass has_aux=True (Trainer(..., "
+                "has_aux=True) or ns.value_and_grad(loss_fn, has_aux=True)); else return "
+                "only the loss."
+            )
+        else:
+            loss = out
+        if np.ndim(loss) != 0:
+            raise TypeError(
+                f"{name} returned a loss of shape {fmt_shape(loss)}, not a scalar. Fix: "
+                "reduce it over the examples, e.g. jnp.mean(per_example_loss)."
+            )
+        return out
+
+    return checked
+
+
+def _describe_value(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of {len(x)} values"
+    if hasattr(x, "shape"):
+        return f"an array of shape {fmt_shape(x)}"
+    return f"{short_repr(x)} ({type(x).__name__})"
+
+
+def _accumulate(
+    vg: Callable[..., Any], m: int, wrt: Any, model: Any, batch: Any, args: tuple[Any, ...]
+) -> tuple[Any, Any]:
+    micro = _split_microbatches(batch, m)
+    node_pos = [i for i, a in enumerate(args) if is_node(a)]
+    graphdef, state = nnx.split((model, *(args[i] for i in node_pos)))
+    zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, wrt))
+    grads_def: list[Any] = []
+
+    def body(carry: Any, mb: Any) -> Any:
+        state, acc = carry
+        nodes = nnx.merge(graphdef, state)
+        call_args = list(args)
+        for i, node in zip(node_pos, nodes[1:], strict=True):
+            call_args[i] = node
+        out, grads = vg(nodes[0], mb, *call_args)
+        # Accumulate flat leaves: grads may carry Variable metadata that differs
+        # from the zeros' (the structure is the same array for array).
+        g_leaves, g_def = jax.tree.flatten(grads)
+        grads_def.append(g_def)
+        acc = [a + g for a, g in zip(acc, g_leaves, strict=True)]
+        _, state = nnx.split(nodes)
+        return (state, acc), out
+
+    (state, acc), outs = jax.lax.scan(body, (state, jax.tree.leaves(zeros)), micro)
+    nnx.update((model, *(args[i] for i in node_pos)), state)
+    grads = jax.tree.unflatten(grads_def[0], [a / m for a in acc])
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), outs), grads

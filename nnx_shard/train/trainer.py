@@ -1,0 +1,310 @@
+"""``Trainer``: a (sharded) model trained K steps per compiled call, with batches
+sharded and prefetched, a progress bar, a NaN/Inf stop and checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_shard.checkpoint import Checkpointer, restore_into
+from nnx_shard.mesh import make_mesh, use
+from nnx_shard.rules import Rules, as_rules
+from nnx_shard.train.feed import feeder, groups, iter_group_sizes
+from nnx_shard.train.fused import Fused
+from nnx_shard.train.guard import Guard, Layout, guard_call, make_fast_step, make_step
+from nnx_shard.train.placement import LogicalNames, Placer
+from nnx_shard.train.progress import Progress
+from nnx_shard.train.run import FitRun, History, Saver
+from nnx_shard.train.trees import short_repr
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Trains a (sharded) model: K steps per compiled call, batches sharded, prefetched.
+
+    ``loss_fn(model, batch) -> loss`` (or ``(loss, aux_dict)`` with
+    ``has_aux=True``) is differentiated with :func:`value_and_grad`; each step
+    applies ``optimizer.update(model, grads)``. :meth:`fit` pulls host
+    batches (pytrees of NumPy arrays with a leading batch axis) from any
+    iterable, stacks ``steps_per_call`` of them, shards them with
+    :func:`shard_batch` (``batch_names`` name the leading dims), and runs
+    them in one fused call while the next group is prepared on a thread.
+
+    Args:
+      model, optimizer: NNX model and ``nnx.Optimizer``, already laid out
+        (e.g. by ``sharded_init`` / ``sharded_optimizer``); updated in place.
+      loss_fn: the loss, a mean over the examples of the batch.
+      mesh, rules: where batches go (``rules`` maps ``batch_names``).
+      steps_per_call: K, steps per compiled call.
+      microbatches: split each step's batch into this many, averaging gradients.
+      batch_names: logical names of the leading dims of every batch leaf.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux metrics go to the history.
+      donate: reuse state buffers across calls (see :func:`multistep`).
+      unroll: steps per iteration of the compiled loop (see :func:`multistep`).
+
+    >>> import numpy as np, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> trainer = Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"},
+    ...                   steps_per_call=4)
+    >>> data = ({"x": np.ones((8, 3), np.float32), "y": np.zeros((8, 1), np.float32)}
+    ...         for _ in range(10))
+    >>> history = trainer.fit(data, num_steps=6, progress=False)
+    >>> history["step"].tolist(), history["loss"].shape, int(opt.step[...])
+    ([1, 2, 3, 4, 5, 6], (6,), 6)
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        loss_fn: Callable[..., Any],
+        *,
+        mesh: Mesh | str | Mapping[str, int],
+        rules: Rules | Mapping[str, Any],
+        steps_per_call: int = 10,
+        microbatches: int = 1,
+        batch_names: LogicalNames = ("batch",),
+        has_aux: bool = False,
+        donate: bool = True,
+        unroll: int = 1,
+    ) -> None:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"Trainer: model must be an nnx.Module, got {type(model).__name__} "
+                f"({short_repr(model)}). Fix: pass the Flax NNX model itself, e.g. "
+                "ns.sharded_init(lambda: MyModel(rngs=nnx.Rngs(0)), mesh, rules)."
+            )
+        if not isinstance(optimizer, nnx.Optimizer):
+            given = (
+                "an optax transformation" if isinstance(optimizer, optax.GradientTransformation)
+                else f"{type(optimizer).__name__} ({short_repr(optimizer)})"
+            )
+            raise TypeError(
+                f"Trainer: optimizer must be an nnx.Optimizer holding the optimizer state, got "
+                f"{given}. Fix: ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, rules), "
+                "or nnx.Optimizer(model, tx, wrt=nnx.Param)."
+            )
+        if not callable(loss_fn):
+            raise TypeError(
+                f"Trainer: loss_fn must be callable as loss_fn(model, batch), got "
+                f"{short_repr(loss_fn)}."
+            )
+        if not isinstance(steps_per_call, int) or steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.mesh = make_mesh(mesh)
+        self.rules = as_rules(rules)
+        self.steps_per_call = steps_per_call
+        self.batch_names = tuple(batch_names)
+        self.step = 0
+        # Batches consumed by applied steps, across fit calls: where a resumed
+        # run's data continues (saved in checkpoints, see fit).
+        self.data_position = 0
+        # The steps' last argument: the NaN flag carried across calls and the state's
+        # Layout, which fit records from the arrays (Auto mesh axes hide it from the
+        # traced types) and the steps read when traced.
+        self._guard = Guard()
+        # fit bounds the calls in flight itself (it reads each call's metrics), so the
+        # fused call does not block on top of that. fit runs _fused, whose NaN guard
+        # checks each call once (guard_call, at the end of the compiled call); a call
+        # that fails it is undone and replayed with _careful, which checks every step
+        # (it compiles only when that happens).
+        self._fused = Fused(
+            make_fast_step(loss_fn, has_aux), donate=donate, microbatches=microbatches,
+            max_in_flight=None, unroll=unroll, finish=guard_call, entry="Trainer.fit",
+        )
+        careful_step, self._checked = make_step(loss_fn, has_aux)
+        self._careful = Fused(careful_step, donate=donate, microbatches=microbatches,
+                              max_in_flight=None, entry="Trainer.fit")
+
+    @property
+    def traces(self) -> int:
+        """Compilations of the fused step so far (one per distinct K and batch shape;
+        the per-step guard that replays a non-finite call compiles apart, only then)."""
+        return self._fused.traces
+
+    def fit(
+        self,
+        data: Iterable[Any] | Callable[[int], Iterable[Any]],
+        num_steps: int,
+        *,
+        progress: bool = True,
+        callbacks: Sequence[Callable[[int, dict[str, np.ndarray]], bool | None]] = (),
+        checkpointer: Checkpointer | None = None,
+        resume: bool = False,
+    ) -> History:
+        """Runs up to ``num_steps`` steps on batches from ``data``; returns the :class:`History`.
+
+        Stops early, keeping the model and optimizer at the last finite state,
+        when a step is not finite: its loss, its gradient norm, the updated
+        parameters (any float Variable of the model) or the updated optimizer
+        state hold a NaN/Inf (that step is not applied, nor saved; a
+        ``RuntimeWarning`` and ``stop_reason`` name the check, the first
+        non-finite leaf and the step); when ``data`` runs out (so with finite
+        data a huge ``num_steps`` means "until the data ends": steps are
+        planned lazily); or when a callback returns ``True``. ``callback(step, metrics)`` runs after every fused call with
+        that call's per-step metrics (NumPy) and the model exactly as of
+        ``step``. A final group smaller than ``steps_per_call`` compiles once
+        more. With ``progress=True``, process 0 shows a tqdm bar (steps, loss,
+        steps/s, examples/s): redrawn on a terminal, a widget in a notebook,
+        and on stderr that is a log file a line at the start, every 30 s and
+        at the end; ``progress=False`` shows nothing. With several
+        processes, each one's ``data`` yields only its own rows of every global
+        batch (``ns.distributed.process_slice``); all of them call ``fit``.
+
+        Checkpoints: with ``checkpointer=ns.Checkpointer(directory, every=N,
+        keep=K)`` the model, the optimizer and ``extra={"step": ...,
+        "data_position": ...}`` are saved each time the step counter reaches a
+        multiple of N (fused calls are cut at those steps, so an N that is not
+        a multiple of ``steps_per_call`` costs one more compilation), and after
+        the last step unless a non-finite step stopped training. Saves are
+        written in the background while training goes on; ``fit`` returns once
+        they are on disk. ``resume=True`` first restores the latest checkpoint
+        in place (parameters, optimizer state and step, RNG state held in the
+        model, the step counter and the data position), then trains until the
+        step counter reaches ``num_steps``: with ``resume=True``, ``num_steps``
+        is the run's total, so rerunning the same command continues where it
+        stopped. Without ``resume``, a directory that already holds a step
+        later than the current one is an error (the runs would mix).
+
+        Data: ``data`` is an iterable of host batches, or a callable
+        ``data(position)`` returning one that starts at batch ``position``,
+        the number of batches consumed by applied steps so far
+        (``trainer.data_position``; batches prefetched but not applied, e.g.
+        after an early stop, do not count). ``fit`` calls it with the current
+        position. On resume, an iterable is taken to start at the beginning of
+        the stream and the batches the restored steps consumed are skipped
+        (read and dropped); a callable can seek there instead. An
+        :class:`~nnx_shard.Batches` over whole arrays is read K steps at a time
+        as one ``[K, batch, ...]`` window (no per-step Python, no stacking), in
+        the calling thread while the previous call runs, and seeks to the data
+        position on resume; any other iterable is read and stacked on a
+        prefetch thread.
+
+        NaN guard cost: the check runs once per fused call on values the call
+        computes anyway (each step's loss and gradient norm, the final state); a
+        call that fails it is undone on the device and run again with every
+        step checked (that per-step variant compiles only then), which finds
+        the step and the leaf.
+
+        >>> import numpy as np, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(1e30), wrt=nnx.Param)   # diverges
+        >>> mse = lambda m, b: jnp.mean((m(b) - 1.0) ** 2)
+        >>> trainer = Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"},
+        ...                   steps_per_call=5)
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     h = trainer.fit([np.ones((8, 2), np.float32)] * 10, 10, progress=False)
+        >>> print(h.stop_reason)
+        loss is inf and grad_norm is inf at step 2; stopped without applying it, keeping ... after step 1, ...
+        >>> bool(jnp.isfinite(model.kernel[...]).all()), len(h)
+        (True, 1)
+        """
+        if not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+        if resume and checkpointer is None:
+            raise ValueError(
+                "fit(resume=True) needs the checkpointer to resume from, e.g. "
+                "checkpointer=ns.Checkpointer(directory, every=1000)."
+            )
+        num_steps, resumed = self._resume(checkpointer, resume, num_steps)
+        every = checkpointer.every if checkpointer is not None else None
+        sizes = iter_group_sizes(self.step, num_steps, self.steps_per_call, every)
+        place = Placer(self.mesh, self.rules, self.batch_names)
+        reader = groups(data, sizes, place, position=self.data_position, resumed=resumed)
+        self._guard.raise_()
+        self._record_layout()
+        # Two calls in flight keep the device busy while the host reads the previous
+        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
+        # The user's callbacks see the model as of their step, so with them: one at a time.
+        # The run shows progress, stops on a non-finite step and saves before them (they
+        # see only finite steps, and a save never follows a non-finite step).
+        run = FitRun(self, self._fused, self._careful, self._checked, self._guard, callbacks,
+                     depth=1 if callbacks else 2, progress=Progress(num_steps, progress),
+                     saver=Saver(self, checkpointer) if checkpointer is not None else None)
+        prefetch = feeder(data, reader)
+        try:
+            with use(self.mesh, self.rules):
+                run.dispatch(prefetch)
+                run.save_last()
+        finally:
+            run.carry.sync()
+            prefetch.close()
+            run.progress.close()
+            if checkpointer is not None:
+                checkpointer.wait()
+        return run.history(num_steps)
+
+    def lower(self, batch: Any) -> jax.stages.Lowered:
+        """Lowers the compiled call :meth:`fit` makes for one group of K steps, NaN guard
+        included, without running it: ``.compile().memory_analysis()`` gives the
+        per-device bytes ``fit`` needs (the guard keeps the state from before the
+        call, one more copy of the model and optimizer state than a bare
+        :func:`multistep`). ``batch`` is one group as ``fit`` places it: a pytree of
+        ``[K, batch, ...]`` arrays, or ``jax.ShapeDtypeStruct`` with their shardings;
+        the model and optimizer may be abstract (:func:`~nnx_shard.abstract_init`).
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+        >>> trainer = Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"})
+        >>> batch = {"x": jax.ShapeDtypeStruct((10, 8, 3), jnp.float32),
+        ...          "y": jax.ShapeDtypeStruct((10, 8, 1), jnp.float32)}
+        >>> mem = trainer.lower(batch).compile().memory_analysis()
+        >>> mem.temp_size_in_bytes > 0
+        True
+        """
+        self._record_layout()
+        with use(self.mesh, self.rules):
+            return self._fused.lower(self.model, self.optimizer, batch, self._guard)
+
+    # -- the phases of fit --------------------------------------------------------
+
+    def _record_layout(self) -> None:
+        """Gives the guard the :class:`~nnx_shard.train.guard.Layout` of the model and
+        optimizer state as it is now: the steps read it when traced, and a new one
+        (a static attribute of the guard) traces them again."""
+        layout = Layout.of(self.model, self.optimizer, self.mesh)
+        if layout != self._guard.layout:
+            self._guard.layout = layout
+
+    def _resume(
+        self, checkpointer: Checkpointer | None, resume: bool, num_steps: int
+    ) -> tuple[int, bool]:
+        """Restores the latest checkpoint for ``resume=True``; refuses a directory that
+        is ahead of this trainer otherwise. Returns the steps left to run and whether
+        a checkpoint was restored."""
+        resumed = False
+        if checkpointer is None:
+            return num_steps, resumed
+        latest = checkpointer.latest_step()
+        if resume and latest is not None:
+            checkpointer.wait()
+            step, extra = restore_into(checkpointer.directory, self.model, self.optimizer)
+            self.step = int(extra.get("step", step))
+            self.data_position = int(extra.get("data_position", self.step))
+            resumed = True
+        elif latest is not None and latest > self.step:
+            raise ValueError(
+                f"fit: {checkpointer.directory} already holds a checkpoint for step "
+                f"{latest}, later than this trainer's step {self.step}. Fix: pass "
+                "resume=True to continue from it, or use another directory."
+            )
+        if resume:
+            num_steps = max(num_steps - self.step, 0)
+        return num_steps, resumed

@@ -1,0 +1,118 @@
+"""The import graph of nnx_shard: no circle, and the command line alone on the top floor.
+
+Every module's ``import`` statements are read with ``ast``, at module level and
+inside functions alike (an import deferred into a function still ties the two
+modules together; it only hides the tie from the interpreter until the call).
+"""
+
+import ast
+from pathlib import Path
+
+import nnx_shard
+
+PACKAGE = Path(nnx_shard.__file__).resolve().parent
+CLI = "nnx_shard.cli"
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (its file, whether it is a package's ``__init__``)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def imported(name: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
+    """The nnx_shard modules ``name`` imports: ``from a.b import c`` is ``a.b.c`` where
+    that is a module, else ``a.b``; ``import a.b`` is ``a.b``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    here = here.rpartition(".")[0]
+                base = f"{here}.{base}" if node.module else here
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imported(name, path, is_package, known)
+            for name, (path, is_package) in mods.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def in_cli(name: str) -> bool:
+    return name == CLI or name.startswith(CLI + ".")
+
+
+def test_the_walk_sees_the_package():
+    edges = graph()
+    assert {"nnx_shard", "nnx_shard.strategies", "nnx_shard.planner.search", CLI,
+            "nnx_shard.cli.plan"} <= set(edges)
+    assert "nnx_shard.presets" in edges["nnx_shard.strategies"]
+    assert "nnx_shard.planner" in edges["nnx_shard.strategies"]  # strategies.auto
+
+
+def test_the_walk_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_among_nnx_shard_modules():
+    assert cycles(graph()) == []
+
+
+def test_nothing_outside_the_cli_imports_it():
+    users = sorted(name for name, targets in graph().items()
+                   if not in_cli(name) and any(in_cli(t) for t in targets))
+    assert users == []

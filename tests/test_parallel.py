@@ -1,0 +1,114 @@
+"""The parallel wing's registry (nnx_shard.parallel.registry) and the frame stacks
+(nnx_shard._frames): the fused step knows the ops only through what they register."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import threading
+from pathlib import Path
+
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard._frames import Frames
+from nnx_shard.parallel import registry
+
+TRAIN = Path(ns.__file__).parent / "train"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_the_training_package_imports_no_parallel_op():
+    imported = set().union(*(_imported_modules(p) for p in TRAIN.glob("*.py")))
+    ops = {f"nnx_shard.{m}" for m in ("pipeline", "ring", "collective_matmul")}
+    ops |= {f"nnx_shard.parallel.{m}" for m in ("pipeline", "ring", "collective_matmul")}
+    assert not imported & ops, imported & ops
+    assert "nnx_shard.parallel.registry" in imported
+
+
+def test_each_op_declares_the_option_it_reads():
+    ops = {op.name: op for op in registry.registered()}
+    assert ops["attention"].option == ns.parallel.ring.OPTION == "attention"
+    assert ops["pipeline"].option == ns.pipeline.OPTION == "pipeline"
+    assert ops["collective_matmul"].option == ns.collective_matmul.OPTION == "collective_matmul"
+    assert ops["attention"].check_step is not None and ops["pipeline"].microbatched is not None
+
+
+def test_old_module_paths_name_the_moved_modules():
+    import nnx_shard.collective_matmul
+    import nnx_shard.pipeline
+    import nnx_shard.ring
+
+    assert nnx_shard.pipeline is ns.pipeline is ns.parallel.pipeline
+    assert nnx_shard.collective_matmul is ns.collective_matmul
+    assert nnx_shard.ring.attention is ns.models.attention
+    assert ns.pipeline.explain.__module__ == "nnx_shard.pipeline_report"
+
+
+def _step(model, opt, x):
+    loss, grads = ns.value_and_grad(lambda m, b: jnp.mean(m(b) ** 2))(model, x)
+    opt.update(model, grads)
+    return loss
+
+
+def test_a_registered_op_checks_every_traced_step(monkeypatch):
+    monkeypatch.setattr(registry, "_OPS", dict(registry._OPS))  # restored after the test
+    seen = []
+
+    @contextlib.contextmanager
+    def check(fn_name):
+        seen.append(fn_name)
+        yield
+
+    registry.register(registry.ParallelOp("probe", "probe", check_step=check))
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    fused = ns.multistep(_step)
+    fused(model, opt, jnp.ones((3, 4, 2)))
+    fused(model, opt, jnp.ones((3, 4, 2)))  # compiled: not traced again
+    assert seen == ["_step"]
+
+
+def test_a_registered_op_takes_the_microbatches_over_while_its_option_is_set(monkeypatch):
+    monkeypatch.setattr(registry, "_OPS", dict(registry._OPS))
+    calls = []
+
+    def microbatched(grad_fn, m, model, batch, *args):
+        calls.append((m, batch.shape))
+        return grad_fn(model, batch, *args)
+
+    registry.register(registry.ParallelOp("probe", "probe", microbatched=microbatched))
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ns.multistep(_step, microbatches=2)(model, opt, jnp.ones((3, 4, 2)))
+    assert calls == []  # option unset: value_and_grad's own accumulation loop
+    rules = ns.Rules({"batch": "data"}).with_options(probe=True)
+    with ns.use("data=8", rules):
+        ns.multistep(_step, microbatches=2)(model, opt, jnp.ones((3, 8, 2)))
+    assert calls == [(2, (8, 2))]  # the whole batch, once per traced step
+
+
+def test_frames_are_per_thread_and_popped_on_errors():
+    frames: Frames[int] = Frames()
+    seen = []
+    with frames.push(1):
+        thread = threading.Thread(target=lambda: seen.append(frames.top()))
+        thread.start()
+        thread.join()
+        with pytest.raises(RuntimeError), frames.push(2):
+            raise RuntimeError("inside")
+        assert list(frames) == [1]
+    assert seen == [None] and frames.top() is None and not frames
