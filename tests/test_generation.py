@@ -168,6 +168,17 @@ def test_sharded_stacked_equals_one_device(strategy: str, explicit: bool) -> Non
     np.testing.assert_array_equal(out, np.asarray(generate(_tiny(scan=True), prompt, 16)))
 
 
+@needs_devices(8)
+@pytest.mark.parametrize("strategy", ["cp", pytest.param("fsdp_cp", marks=pytest.mark.slow)])
+def test_cache_length_over_context_equals_one_device(strategy: str) -> None:
+    # The cache's positions split over context: each device writes and scores its own.
+    model, mesh, rules = _sharded(strategy, _build)
+    prompt = _prompt()
+    with ns.use(mesh, rules):
+        out = np.asarray(generate(model, prompt, 16))
+    np.testing.assert_array_equal(out, np.asarray(generate(_tiny(), prompt, 16)))
+
+
 # -- where the cache lives -----------------------------------------------------------
 
 
