@@ -28,13 +28,13 @@ __all__ = [
 
 
 def _dp(data: str) -> Rules:
-    """Data parallelism: the batch over ``data``."""
-    return Rules({"batch": data})
+    """Data parallelism: the batch (and the generation cache's) over ``data``."""
+    return Rules({"batch": data, "cache_batch": data})
 
 
 def _fsdp(data: str) -> Rules:
     """FSDP: the batch, and parameters along ``embed``, over ``data``."""
-    return Rules({"batch": data, "embed": data})
+    return _dp(data) | {"embed": data}
 
 
 def _tp(data: str, model: str) -> Rules:
@@ -42,10 +42,11 @@ def _tp(data: str, model: str) -> Rules:
 
     Grouped-query attention's key/value heads (``kv_heads``) follow the query heads
     onto ``model`` where they divide it, else stay replicated (e.g. 8 of them on
-    ``model=16``): the second candidate of the rule.
+    ``model=16``): the second candidate of the rule; the generation cache's key/value
+    heads (``cache_kv_heads``) do the same.
     """
-    return Rules({"batch": data, "heads": model, "kv_heads": [model, None], "mlp": model,
-                  "vocab": model})
+    return _dp(data) | {"heads": model, "kv_heads": [model, None], "mlp": model,
+                        "vocab": model, "cache_kv_heads": [model, None]}
 
 
 def _sp(data: str, model: str) -> Rules:
@@ -54,8 +55,10 @@ def _sp(data: str, model: str) -> Rules:
 
 
 def _cp(data: str, context: str) -> Rules:
-    """The sequence over ``context`` everywhere, attention as a ring."""
-    return Rules({"batch": data, "length": context}, options={"attention": "ring"})
+    """The sequence over ``context`` everywhere, attention as a ring; the generation
+    cache's positions (``cache_length``) over ``context`` too."""
+    return Rules({"batch": data, "cache_batch": data, "length": context,
+                  "cache_length": context}, options={"attention": "ring"})
 
 
 def _pp(stage: str, data: str, repeats: int, allow_few_microbatches: bool,
@@ -63,7 +66,8 @@ def _pp(stage: str, data: str, repeats: int, allow_few_microbatches: bool,
     """The stacked layers over ``stage``, run by :func:`nnx_shard.pipeline.scan`."""
     schedule = Schedule(axis=stage, repeats=repeats,
                         allow_few_microbatches=allow_few_microbatches, remat=remat)
-    return Rules({"batch": data, "layers": stage}, options={"pipeline": schedule})
+    return Rules({"batch": data, "cache_batch": data, "layers": stage},
+                 options={"pipeline": schedule})
 
 
 def _pp_collectives(repeats: int) -> tuple[str, ...]:
@@ -206,7 +210,8 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
     """
     # expert ahead of batch: the dispatched tokens ("expert", "batch", ...) keep the
     # expert axis for the experts and fall back to data for the batch.
-    rules = replicated(first=("expert",)) | {"batch": [(data, expert), data], "expert": expert}
+    rules = replicated(first=("expert",)) | {"batch": [(data, expert), data], "expert": expert,
+                                              "cache_batch": [(data, expert), data]}
     return Strategy(name="ep", rules=rules, opt_rules=None, mesh_axes=(data, expert), sizes=(4,),
                     collectives=("all-to-all", "all-gather", "all-reduce"))
 

@@ -34,9 +34,10 @@ __all__ = ["LOGICAL", "REPLICATED", "Strategy", "factorizations", "preset", "rep
 
 M = TypeVar("M", bound=nnx.Module)
 
-#: Every logical name the presets give a rule (replicated unless a preset says otherwise).
+#: Every logical name the presets give a rule (replicated unless a preset says otherwise),
+#: the key/value cache's (:func:`nnx_shard.models.generate`) last.
 LOGICAL = ("batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",
-           "expert")
+           "expert", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
 
 
 @dataclasses.dataclass(frozen=True)

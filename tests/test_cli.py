@@ -700,3 +700,106 @@ def test_demo_keeps_a_device_count_the_user_set():
                          "'XLA_FLAGS' in os.environ)")
     assert out == ["False", "2", "False"]
     assert "too late" not in err
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize(("strategy", "mesh"), [
+    ("dp", "data=8"), ("tp", "data=2,model=4"), ("cp", "data=2,context=4")])
+def test_plan_generate_reports_the_cache_per_device(capsys, strategy, mesh):
+    code, out, err = run(capsys, "plan", "--generate", "--model", "tiny", "--mesh", mesh,
+                         "--strategy", strategy, "--batch", "8", "--seq", "16", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    # tiny: 2 layers x (key, value) x [8, 16, 4 heads, 8] float32 = 64 KiB, and the
+    # int32 position; every preset splits each array 8 ways (batch x heads / length).
+    whole = 2 * 2 * 8 * 16 * 4 * 8 * 4
+    assert got["bytes_total"]["cache"] == whole + 4
+    assert got["bytes_per_device"]["cache"] == whole // 8 + 4
+    assert got["bytes_per_device"]["total"] == (got["bytes_per_device"]["params"]
+                                                + got["bytes_per_device"]["cache"])
+    specs = {r["path"]: r["spec"] for r in got["cache"]}
+    expected = {"dp": ["data", None, None, None], "tp": ["data", None, "model", None],
+                "cp": ["data", "context", None, None]}[strategy]
+    assert specs["blocks/0/attn/cached_key"] == expected
+
+
+def test_plan_generate_text_and_errors(capsys):
+    code, out, err = run(capsys, "plan", "--generate", "--model", "7b", "--mesh",
+                         "data=8,model=8", "--batch", "64", "--seq", "4096",
+                         "--device-memory", "80GiB")
+    assert code == 0, err
+    # 32 layers x 2 x 64 x 4096 x 32 heads x 128 x 2 bytes (bfloat16) over 64 devices.
+    assert re.search(r"\n  key/value cache +2\.00 GiB\n", out), out
+    assert "(unsharded: params" in out and "cache 128.00 GiB)" in out
+    assert "fits in 80.00 GiB per device" in out
+    code, out, err = run(capsys, "plan", "--generate", "--model", "tiny", "--mesh", "data=8",
+                         "--strategy", "dp", "--batch", "12", "--seq", "16")
+    assert code == 2 and "a batch of 12 prompts does not divide over mesh axis 'data'" in err
+    code, _, err = run(capsys, "plan", "--generate", "--model", "tiny", "--mesh", "data=8",
+                       "--batch", "8", "--seq", "17")
+    assert_one_line_error(code, err, "--seq 17 is longer than model 'tiny'", "Fix: --seq 16")
+    code, _, err = run(capsys, "plan", "--generate", "--auto", "--devices", "8",
+                       "--model", "tiny")
+    assert_one_line_error(code, err, "--generate plans one strategy and mesh: drop --auto")
+
+
+GEN_FACTORY = '''
+from flax import nnx
+from nnx_shard.models import Transformer, get_config
+
+
+def make():
+    return Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+
+
+def linear():
+    return nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+'''
+
+
+def test_explain_generate_reports_the_cache(capsys, tmp_path, monkeypatch):
+    (tmp_path / "gen_models.py").write_text(GEN_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "gen_models", raising=False)
+    code, out, err = run(capsys, "explain", "gen_models:make", "--mesh", "data=16,model=4",
+                         "--strategy", "tp", "--generate", "--batch", "32", "--seq", "16")
+    assert code == 0, err
+    # 4 arrays of [32, 16, 4, 8] float32 = 256 KiB, over data=16 x model=4.
+    assert ("key/value cache for generation, batch 32 x 16 positions: 256.00 KiB total, "
+            "4.00 KiB per device") in out, out
+    key = next(line for line in out.splitlines() if line.startswith("blocks/1/attn/cached_key"))
+    assert "P('data', None, 'model', None)" in key and "1.00 KiB" in key
+    code, _, err = run(capsys, "explain", "gen_models:linear", "--mesh", "data=2",
+                       "--strategy", "dp", "--generate", "--batch", "2", "--seq", "4")
+    assert_one_line_error(code, err, "without init_cache(batch, length) and decode(tokens)")
+    code, _, err = run(capsys, "explain", "gen_models:make", "--mesh", "data=2",
+                       "--strategy", "dp", "--batch", "2")
+    assert_one_line_error(code, err, "--batch and --seq size the generation cache: add --generate")
+    code, _, err = run(capsys, "explain", "gen_models:make", "--mesh", "data=2",
+                       "--strategy", "dp", "--generate")
+    assert_one_line_error(code, err, "--generate needs --batch B and --seq S")
+
+
+def test_demo_samples_through_the_cached_path(caplog):
+    import logging
+
+    import jax
+    from flax import nnx
+
+    from nnx_shard.models import Transformer, generate
+
+    model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # a context of 16
+    prompt = np.arange(16, dtype=np.int32) % 7
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True):
+        out = np.asarray(demo._sample(model, prompt, 20, 0.0, 0))  # 3 chunks of 8
+    compiled = sorted(r.getMessage().split()[1] for r in caplog.records
+                      if r.getMessage().startswith("Compiling jit(_"))
+    assert compiled == ["jit(_decode)", "jit(_prefill)"]  # one program pair, not per chunk
+    assert out.shape == (20,) and out.dtype == np.int32
+    first = np.asarray(generate(model, prompt[None, -8:], 8))[0, 8:]
+    np.testing.assert_array_equal(out[:8], first)
+    second = np.asarray(generate(model, np.concatenate([prompt, first])[None, -8:], 8))[0, 8:]
+    np.testing.assert_array_equal(out[8:16], second)

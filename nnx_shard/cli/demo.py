@@ -30,11 +30,32 @@ from nnx_shard.cli.common import UsageError as _Usage
 from nnx_shard.cli.common import mesh_sizes as _mesh_sizes
 from nnx_shard.cli.common import simulate_devices as _simulate_devices
 from nnx_shard.cli.common import strategy as _strategy
-from nnx_shard.models.sampling import generate
 
 __all__ = ['plot_losses']
 
 PLOT_EXTRA = "pip install 'nnx_shard[plot]'"
+
+
+def _sample(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> Any:
+    """``n`` tokens after the 1-D ``prompt`` through the cached path
+    (:func:`nnx_shard.models.generate`), in chunks of half the model's context,
+    each prompted with the last half-context of the text so far: every chunk has
+    the same shapes, so one prefill and one decode program serve them all."""
+    import numpy as np
+
+    from nnx_shard.models import generate
+
+    if n < 1:
+        return np.zeros((0,), np.int32)
+    context = model.max_length
+    new = min(max(context // 2, 1), n)
+    text = np.asarray(prompt, np.int32)
+    for chunk in range(-(-n // new)):
+        window = text[-(context - new):][None]
+        out = np.asarray(generate(model, window, new, temperature=temperature,
+                                  seed=seed + chunk))
+        text = np.concatenate([text, out[0, window.shape[1]:]])
+    return text[len(prompt):len(prompt) + n]
 
 
 def plot_losses(path: str | os.PathLike[str], train: Sequence[tuple[float, float]],
@@ -421,10 +442,11 @@ def _demo(args: argparse.Namespace) -> int:
     at = text.find("\n    def ", window)
     at = at + len("\n    def ") if at >= 0 else window
     prompt = corpus.heldout[at - window: at]
-    gen_rules = restore_strategy.rules | {"batch": None, "length": None}
+    # One sequence: its batch (and its cache's) replicated.
+    gen_rules = restore_strategy.rules | {"batch": None, "cache_batch": None}
     with ns.use(restore_mesh, gen_rules):
-        sample = decode(np.asarray(generate(restored, prompt, args.sample_chars,
-                                             args.temperature, args.seed)))
+        sample = decode(_sample(restored, prompt, args.sample_chars, args.temperature,
+                                args.seed))
     say(f"\nsample from the restored model (temperature {args.temperature}), prompted with "
         f"held-out text:\n{'-' * 60}\n{decode(prompt)}\033[1m{sample}\033[0m\n{'-' * 60}"
         if sys.stdout.isatty() else

@@ -16,9 +16,11 @@ from typing import Any
 
 from flax import nnx
 
+from nnx_shard.axes import abstract_mesh
 from nnx_shard.cli.common import DEBUG_HINT, UsageError, mesh_sizes, optimizer, strategy
 from nnx_shard.errors import ShardingError
 from nnx_shard.planner import abstract_report
+from nnx_shard.report import fmt_bytes
 from nnx_shard.rules import Rules
 
 __all__ = ["run"]
@@ -121,5 +123,30 @@ def run(args: argparse.Namespace) -> int:
     tx = optimizer(args.optimizer) if args.optimizer else None
     report = abstract_report(model, sizes, rules, tx, opt_rules)
     print(report.to_markdown() if args.markdown else report)
+    if args.generate:
+        _explain_cache(args, model, sizes, rules)
+    elif args.batch is not None or args.seq is not None:
+        raise UsageError("--batch and --seq size the generation cache: add --generate")
     return 0
+
+
+def _explain_cache(args: argparse.Namespace, model: Any, sizes: dict[str, int],
+                   rules: Rules) -> None:
+    """The key/value cache :func:`nnx_shard.models.generate` allocates, per device."""
+    from nnx_shard.models import explain_cache
+
+    if args.batch is None or args.seq is None or args.batch < 1 or args.seq < 1:
+        raise UsageError("--generate needs --batch B and --seq S (sequences, and positions of "
+                         "prompt + new tokens each), at least 1. Fix: e.g. --batch 8 --seq 256")
+    if not (callable(getattr(model, "init_cache", None))
+            and callable(getattr(model, "decode", None))):
+        raise UsageError(f"FACTORY {args.factory!r} returned a {type(model).__name__} without "
+                         "init_cache(batch, length) and decode(tokens), which generation "
+                         "needs. Fix: implement both (see nnx_shard.models.generation)")
+    cache = explain_cache(model, abstract_mesh(sizes), rules, batch=args.batch,
+                          length=args.seq)
+    print(f"\nkey/value cache for generation, batch {args.batch} x {args.seq} positions: "
+          f"{fmt_bytes(cache.total_bytes)} total, {fmt_bytes(cache.param_bytes_per_device)} "
+          "per device")
+    print(cache.to_markdown() if args.markdown else cache)
 

@@ -145,6 +145,10 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--device-memory", default=None, help="e.g. 80GB (1e9) or 80GiB (2**30)")
     p.add_argument("--top", type=int, default=5, help="largest tensors to list")
     p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--generate", action="store_true",
+                   help="plan text generation (nnx_shard.models.generate) instead of training: "
+                   "parameters plus the key/value cache per device for --batch sequences of "
+                   "--seq positions (prompt + new tokens), laid out by the strategy's rules")
     _add_auto(p)
 
 
@@ -183,3 +187,10 @@ def _add_explain(sub: argparse._SubParsersAction[Parser]) -> None:
     e.add_argument("--strategy", default=None, help="a strategy preset instead of --rules")
     e.add_argument("--optimizer", default=None, help="also report this optimizer's state")
     e.add_argument("--markdown", action="store_true")
+    e.add_argument("--generate", action="store_true",
+                   help="also report the key/value cache nnx_shard.models.generate allocates "
+                   "(the model needs init_cache and decode) for --batch x --seq")
+    e.add_argument("--batch", type=int, default=None,
+                   help="with --generate: sequences generated at once")
+    e.add_argument("--seq", type=int, default=None,
+                   help="with --generate: positions per sequence (prompt + new tokens)")

@@ -30,7 +30,7 @@ from nnx_shard.cli.common import (
     strategy,
 )
 from nnx_shard.errors import CompileError, ShardingError
-from nnx_shard.models import CONFIGS, Transformer, TransformerConfig
+from nnx_shard.models import CONFIGS, Transformer, TransformerConfig, explain_cache
 from nnx_shard.models.memory import ACTIVATION_FORMULA, activation_bytes
 from nnx_shard.planner import (
     NothingFits,
@@ -46,7 +46,7 @@ from nnx_shard.planner import (
 from nnx_shard.report import Report, _spec_txt, fmt_bytes
 from nnx_shard.strategy import Strategy
 
-__all__ = ["run", "run_auto"]
+__all__ = ["run", "run_auto", "run_generate"]
 
 _DECIDES = {
     "compiled": (
@@ -177,7 +177,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown model {args.model!r}; known: {', '.join(CONFIGS)}. Fix: "
                          "one of those")
     if args.auto:
+        if args.generate:
+            raise UsageError("--generate plans one strategy and mesh: drop --auto and give "
+                             "--mesh (e.g. --mesh data=2,model=4 --strategy tp)")
         return run_auto(args)
+    if args.generate:
+        return run_generate(args)
     cfg = _check(args)
     strat = strategy(args.strategy)
     sizes = mesh_sizes(args.mesh)
@@ -294,6 +299,104 @@ def _print_plan(args: argparse.Namespace, cfg: TransformerConfig, out: dict[str,
     _print_bytes(out, layout.report)
     _print_largest(out, layout.report, args.top)
     _print_notes(args, out, layout.stages)
+
+
+# -- --generate -------------------------------------------------------------------------------
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``nnx-shard plan --generate``: the bytes per device of generating ``--batch``
+    sequences of ``--seq`` positions (prompt + new tokens) with
+    :func:`nnx_shard.models.generate`: the parameters in the strategy's layout and
+    the key/value cache laid out by its rules (``cache_batch``, ``cache_length``,
+    ``cache_kv_heads``, ``cache_head_dim``). Exit as :func:`run`.
+
+    >>> from nnx_shard.cli import main
+    >>> main(["plan", "--generate", "--model", "tiny", "--mesh", "data=2,model=4",
+    ...       "--strategy", "tp", "--batch", "8", "--seq", "16", "--json"])  # doctest: +ELLIPSIS
+    {"model": "tiny", ... "bytes_per_device": {"params": ..., "cache": 8196, "total": ...}, ...}
+    0
+    """
+    cfg = _check(args)
+    strat = strategy(args.strategy)
+    sizes = mesh_sizes(args.mesh)
+    if args.seq > cfg.length:
+        raise UsageError(f"--seq {args.seq} is longer than model {args.model!r}'s context "
+                         f"({cfg.length}): prompt + new tokens must fit it. Fix: --seq "
+                         f"{cfg.length} or less")
+    memory = device_memory(args.device_memory) if args.device_memory else None
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    out: dict[str, Any] = {
+        "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
+        "mesh": sizes, "devices": math.prod(sizes.values()), "generate": True,
+        "batch": args.batch, "seq": args.seq, "param_dtype": jnp.dtype(cfg.param_dtype).name,
+    }
+    try:
+        strat.check(model, sizes)
+        params = abstract_report(model, sizes, strat.rules)
+        cache = explain_cache(model, abstract_mesh(sizes), strat.rules, batch=args.batch,
+                              length=args.seq)
+    except ShardingError as e:
+        out["error"] = str(e)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"{PROG} plan --generate: {args.model} on {args.mesh} with {strat.name}: "
+                  "cannot lay out")
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    per_device = {"params": params.param_bytes_per_device,
+                  "cache": cache.param_bytes_per_device}
+    per_device["total"] = per_device["params"] + per_device["cache"]
+    out.update({
+        "bytes_per_device": per_device,
+        "bytes_total": {"params": params.total_bytes, "cache": cache.total_bytes},
+        "cache": [{"path": r.path, "shape": list(r.shape), "dtype": r.dtype,
+                   "spec": [None if x is None else x if isinstance(x, str) else list(x)
+                            for x in r.spec],
+                   "bytes_per_device": r.bytes_per_device} for r in cache.rows],
+        "device_memory": memory,
+        "fits": None if memory is None else per_device["total"] <= memory,
+        "error": None,
+    })
+    if args.json:
+        print(json.dumps(out))
+        return 0 if out["fits"] in (None, True) else 1
+    print(f"plan --generate: model {args.model} ({_count(cfg.num_params)} parameters, "
+          f"{out['param_dtype']}), strategy {strat.name}, mesh {sizes_str(sizes)} "
+          f"({out['devices']} devices), batch {args.batch} x {args.seq} positions "
+          "(prompt + new tokens)")
+    print()
+    print("per device")
+    for key in ("params", "cache", "total"):
+        label = "key/value cache" if key == "cache" else key
+        print(f"  {label:<16} {fmt_bytes(per_device[key]):>12}")
+    print(f"  (unsharded: params {fmt_bytes(params.total_bytes)}, cache "
+          f"{fmt_bytes(cache.total_bytes)})")
+    print()
+    arrays = [r for r in cache.rows if r.shape]
+    print(f"cache arrays ({len(arrays)}; names cache_batch, cache_length, cache_kv_heads, "
+          "cache_head_dim):")
+    shown = arrays[:args.top]
+    cols = [(r.path, str(r.shape), _spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
+            for r in shown]
+    widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
+    for c in cols:
+        print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
+              + f"  {c[3]:>{widths[3]}}")
+    if len(arrays) > len(shown):
+        print(f"  ... and {len(arrays) - len(shown)} more alike")
+    print()
+    print(textwrap.fill(
+        "* the cache's bytes per device are those the compiled prefill of "
+        "nnx_shard.models.generate outputs (XLA's memory_analysis; the decode loop updates "
+        "the cache in place); the activations of one decode step and the prefill's are not "
+        "counted.", width=100, subsequent_indent="  "))
+    if memory is not None:
+        verdict = "fits" if out["fits"] else "does NOT fit"
+        print(f"\n{verdict} in {fmt_bytes(memory)} per device "
+              f"({100 * per_device['total'] / memory:.0f}% used)")
+    return 0 if out["fits"] in (None, True) else 1
 
 
 # -- --auto -----------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 and :class:`Llama` for Llama-family checkpoints), the attention op
 (:func:`attention`: dense, blockwise or cuDNN on each device; ring / all-gather
 context parallelism as the strategy asks) a model calls to be memory-efficient
-and context-parallel, and :func:`attention_fn`, its adapter for
-``nnx.MultiHeadAttention(attention_fn=...)``.
+and context-parallel, :func:`attention_fn`, its adapter for
+``nnx.MultiHeadAttention(attention_fn=...)``, and :func:`generate`: sharded text
+generation with a key/value cache laid out by the same rules
+(:func:`explain_cache` reports its bytes per device).
 
 >>> from flax import nnx
 >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
@@ -12,6 +14,7 @@ and context-parallel, and :func:`attention_fn`, its adapter for
 """
 
 from nnx_shard.models.adapters import attention_fn
+from nnx_shard.models.generation import CACHE_AXES, explain_cache, generate, generation_rules
 from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
 from nnx_shard.models.transformer import (
     CONFIGS,
@@ -24,6 +27,7 @@ from nnx_shard.models.transformer import (
 )
 from nnx_shard.parallel.ring import attention
 
-__all__ = ["CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Transformer",
-           "TransformerConfig", "attention", "attention_fn", "get_config", "get_llama_config",
-           "lm_loss", "remat_policy"]
+__all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
+           "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache",
+           "generate", "generation_rules", "get_config", "get_llama_config", "lm_loss",
+           "remat_policy"]

@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard.mesh import option
+from nnx_shard.models import kv_cache
 from nnx_shard.models._ops import constrain, einsum, lookup, whole
 from nnx_shard.models.transformer import (
     GATHERED,
@@ -375,7 +376,17 @@ def _rotary_tables(cfg: LlamaConfig, length: int) -> tuple[np.ndarray, np.ndarra
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
-def _rotate(x: jax.Array, cos: np.ndarray, sin: np.ndarray) -> jax.Array:
+def _rotary_at(cfg: LlamaConfig, index: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
+    """The rotary tables of positions ``index .. index + steps - 1`` (``index``
+    traced: the decode step's position), computed as :func:`_rotary_tables`."""
+    inv = jnp.asarray(rope_frequencies(cfg))
+    positions = (index + jnp.arange(steps, dtype=jnp.int32)).astype(jnp.float32)
+    freqs = positions[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
     """Rotary embedding of ``x [batch, length, heads, head_dim]`` in transformers'
     half-split convention (its checkpoints store q/k rows in that order)."""
     half = x.shape[-1] // 2
@@ -470,6 +481,33 @@ class Attention(nnx.Module):
         return _add(einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l"),
                     self.o_bias, dt)
 
+    def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
+        """Creates the key/value cache ``[batch, length, kv_heads, head_dim]``
+        (``layers`` stacked in front for scanned blocks): grouped-query attention
+        caches its ``kv_heads`` only, never the repeated ones."""
+        shape = (batch, length, *self.k.shape[-2:])
+        self.cached_key = kv_cache.new(shape, self.dtype, layers)
+        self.cached_value = kv_cache.new(shape, self.dtype, layers)
+
+    def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
+               sin: jax.Array) -> jax.Array:
+        """Attention of ``x [batch, T, embed]`` at positions ``index ..`` (their
+        rotary tables ``cos``, ``sin``) against the cache, after storing its
+        keys and values there."""
+        dt = self.dtype
+        heads, kv_heads = ("batch", None, "heads", "kv"), ("batch", None, "kv_heads", "kv")
+        q = _add(einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads), self.q_bias, dt)
+        k = _add(einsum("ble,egk->blgk", x, self.k[...].astype(dt), kv_heads), self.k_bias, dt)
+        v = _add(einsum("ble,egk->blgk", x, self.v[...].astype(dt), kv_heads), self.v_bias, dt)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
+        self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
+        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index)
+        return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
+                           RESIDUAL), self.o_bias, dt)
+
 
 class MLP(nnx.Module):
     """SwiGLU MLP ``down(silu(gate(x)) * up(x))``; gate and up split column-wise,
@@ -513,6 +551,14 @@ class Block(nnx.Module):
         x = x + self.attn(constrain(self.attn_norm(x), _block_input()), cos, sin)
         x = constrain(x, RESIDUAL)
         y = self.mlp(constrain(self.mlp_norm(x), _block_input()))
+        return constrain(x + y, RESIDUAL)
+
+    def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
+               sin: jax.Array) -> jax.Array:
+        """The block on new positions ``index ..`` only, attending through the cache."""
+        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, cos, sin)
+        x = constrain(x, RESIDUAL)
+        y = self.mlp(constrain(self.mlp_norm(x), GATHERED))
         return constrain(x + y, RESIDUAL)
 
 
@@ -599,16 +645,70 @@ class Llama(nnx.Module):
         else:
             for block in self.blocks:
                 x = run(block, x)
+        return self._logits(x), jnp.zeros((), jnp.float32)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
         x = constrain(self.final_norm(x), _seq(GATHERED))
         names = _seq(("batch", None, "vocab"))
         if self.unembed is None:
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype), names)
         else:
             logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype), names)
-        return logits.astype(jnp.float32), jnp.zeros((), jnp.float32)
+        return logits.astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens)[0]
+
+    @property
+    def max_length(self) -> int:
+        """The context: the most positions a sequence can have (``cfg.max_length``,
+        transformers' ``max_position_embeddings``)."""
+        return self.cfg.max_length
+
+    def init_cache(self, batch: int, length: int) -> None:
+        """Creates an empty key/value cache for ``batch`` sequences of up to
+        ``length`` positions (what :func:`nnx_shard.models.generate` calls inside
+        its compiled prefill): ``cached_key`` and ``cached_value [batch, length,
+        kv_heads, head_dim]`` on every attention layer, named ``cache_batch``,
+        ``cache_length``, ``cache_kv_heads``, ``cache_head_dim`` (``layers`` first
+        for stacked blocks), and the position of the next token, ``cache_index``.
+
+        >>> model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+        >>> model.init_cache(batch=2, length=16)
+        >>> model.blocks[0].attn.cached_value.shape    # 2 key/value heads of 8
+        (2, 16, 2, 8)
+        """
+        layers = self.cfg.layers if self.cfg.scan_layers else None
+        if layers is None:
+            for block in self.blocks:
+                block.attn.init_cache(batch, length)
+        else:
+            self.blocks.attn.init_cache(batch, length, layers)
+        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+    def decode(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
+        ones already in the cache (from :meth:`init_cache`), whose keys and values
+        it stores. The logits equal those of :meth:`__call__` on the whole
+        sequence at these positions (up to float rounding).
+
+        >>> model = Llama(get_llama_config("tiny_qwen3"), rngs=nnx.Rngs(0))
+        >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
+        >>> model.init_cache(batch=1, length=8)
+        >>> first, last = model.decode(tokens[:, :5]), model.decode(tokens[:, 5:])
+        >>> bool(jnp.allclose(last[:, 0], model(tokens)[:, 5], atol=1e-4))
+        True
+        """
+        cfg = self.cfg
+        index = self.cache_index[...]
+        steps = tokens.shape[1]
+        cos, sin = _rotary_at(cfg, index, steps)
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
+                                   lambda block, h: block.decode(h, index, cos, sin))
+        self.cache_index[...] = index + steps
+        return self._logits(x)
 
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -1,10 +1,20 @@
-"""Text generation from the reference transformer (the demo's sample)."""
+"""Generation without a cache: each new token re-runs the model on the whole
+sequence. :func:`nnx_shard.models.generate` (a key/value cache, one prefill and
+one decode loop) is the way to generate; these are what it is measured and
+tested against.
+
+* :func:`recompute`: the same arguments and result as
+  :func:`nnx_shard.models.generate`, the whole prefix re-run per token;
+* :func:`generate`: the demo's sampler, a sliding window of the model's length
+  (one sequence, ``n`` tokens, no end but ``n``).
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-__all__ = ["generate"]
+__all__ = ["generate", "recompute"]
 
 
 def generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> Any:
@@ -44,3 +54,75 @@ def generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> 
         return jax.lax.fori_loop(0, n, body, init)[1]
 
     return run(state, jnp.asarray(prompt, jnp.int32), jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=16)
+def _program(graphdef: Any, mesh: Any, rules: Any, batch: int, prompt_len: int, new: int,
+             greedy: bool, top_k: int | None) -> Any:
+    # mesh and rules key the cache: the program is traced under them.
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nnx_shard.models.generation import pick
+
+    def run(state: Any, prompt: Any, key: Any, temperature: Any) -> Any:
+        model = nnx.merge(graphdef, state)
+        tokens = jnp.zeros((batch, prompt_len + new), jnp.int32).at[:, :prompt_len].set(prompt)
+
+        def step(i: Any, tokens: Any) -> Any:
+            # Causal: the zeros after the prefix never reach the position read.
+            logits = jax.lax.dynamic_index_in_dim(model(tokens), prompt_len - 1 + i, axis=1,
+                                                  keepdims=False)
+            token = pick(logits, key, prompt_len + i, temperature, greedy, top_k)
+            return jax.lax.dynamic_update_slice(tokens, token[:, None], (0, prompt_len + i))
+
+        return jax.lax.fori_loop(0, new, step, tokens)
+
+    return jax.jit(run)
+
+
+def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperature: float = 0.0,
+              top_k: int | None = None, seed: int = 0, mesh: Any = None,
+              rules: Any = None) -> Any:
+    """:func:`nnx_shard.models.generate` without a cache: each new token re-runs
+    the model on the whole sequence (padded to prompt + new tokens), in one
+    compiled loop. Same arguments, checks, layout (the model called under
+    :func:`nnx_shard.models.generation_rules` of the rules) and sampling keys,
+    so equal logits give equal tokens; the reference the cached path is tested
+    against and the baseline of ``benchmarks/generate.py``.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, generate, get_config
+    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> slow = recompute(model, [[1, 2, 3, 4]], max_new_tokens=8)
+    >>> bool((slow == generate(model, [[1, 2, 3, 4]], max_new_tokens=8)).all())
+    True
+    """
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nnx_shard.mesh import use
+    from nnx_shard.models import generation as g
+
+    caller = "recompute"
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"{caller}: model must be an nnx.Module, got {type(model).__name__}.")
+    prompt = g._check_prompt(prompt_tokens, model, caller)
+    batch, prompt_len = prompt.shape
+    new = g._check_lengths(model, prompt_len, max_new_tokens, caller)
+    t, k = g._check_sampling(temperature, top_k, model, caller)
+    mesh, rules = g._placement(mesh, rules, caller)
+    ctx: Any = contextlib.nullcontext()
+    gen_rules = None
+    if mesh is not None:
+        gen_rules = g.generation_rules(rules)
+        g._check_batch(batch, mesh, gen_rules, caller)
+        ctx = use(mesh, gen_rules)
+    graphdef, state = nnx.split(model)
+    run = _program(graphdef, mesh, gen_rules, batch, prompt_len, new, t == 0.0, k)
+    with ctx:
+        return run(state, prompt, jax.random.key(seed), jnp.float32(max(t, 1e-6)))

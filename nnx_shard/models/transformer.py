@@ -47,6 +47,7 @@ from flax import nnx
 from nnx_shard.annotate import with_logical
 from nnx_shard.blockwise import KERNELS
 from nnx_shard.mesh import option
+from nnx_shard.models import kv_cache
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
 from nnx_shard.parallel import pipeline
 from nnx_shard.parallel.collective_matmul import check_tokens
@@ -299,6 +300,26 @@ class Attention(nnx.Module):
         out = attention(q, k, v, causal=True, implementation=self.kernel)
         return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l")
 
+    def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
+        """Creates the key/value cache ``[batch, length, heads, head_dim]`` (``layers``
+        stacked in front for scanned blocks), named :data:`kv_cache.CACHE_AXES`."""
+        shape = (batch, length, *self.k.shape[-2:])
+        self.cached_key = kv_cache.new(shape, self.dtype, layers)
+        self.cached_value = kv_cache.new(shape, self.dtype, layers)
+
+    def decode(self, x: jax.Array, index: jax.Array) -> jax.Array:
+        """Attention of ``x [batch, T, embed]`` at positions ``index ..`` against
+        the cache, after storing its keys and values there."""
+        dt = self.dtype
+        heads = ("batch", None, "heads", "kv")
+        q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
+        k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads)
+        v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
+        self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
+        self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
+        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index)
+        return einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt), RESIDUAL)
+
 
 class MLP(nnx.Module):
     """Two-layer GELU MLP; ``up`` split column-wise and ``down`` row-wise over ``mlp``."""
@@ -400,6 +421,13 @@ class Block(nnx.Module):
         y, aux = self.mlp(constrain(self.mlp_norm(x), _block_input()))
         return constrain(x + y, RESIDUAL), aux
 
+    def decode(self, x: jax.Array, index: jax.Array) -> jax.Array:
+        """The block on new positions ``index ..`` only, attending through the cache."""
+        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index)
+        x = constrain(x, RESIDUAL)
+        y, _ = self.mlp(constrain(self.mlp_norm(x), GATHERED))
+        return constrain(x + y, RESIDUAL)
+
 
 def _block_input() -> tuple[str | None, ...]:
     # Collective matmuls gather the sequence inside the projections, block by
@@ -500,6 +528,10 @@ class Transformer(nnx.Module):
             for block in self.blocks:
                 x, a = run(block, x)
                 aux = aux + a
+        return self._logits(x), aux
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
         x = constrain(self.final_norm(x), _seq(GATHERED))
         if self.unembed is None:
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype),
@@ -507,10 +539,61 @@ class Transformer(nnx.Module):
         else:
             logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype),
                             _seq(("batch", None, "vocab")))
-        return logits.astype(jnp.float32), aux
+        return logits.astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens)[0]
+
+    @property
+    def max_length(self) -> int:
+        """The context: the most positions a sequence can have (``cfg.length``)."""
+        return self.cfg.length
+
+    def init_cache(self, batch: int, length: int) -> None:
+        """Creates an empty key/value cache for ``batch`` sequences of up to
+        ``length`` positions (what :func:`nnx_shard.models.generate` calls inside
+        its compiled prefill): ``cached_key`` and ``cached_value`` on every
+        attention layer, named ``cache_batch``, ``cache_length``,
+        ``cache_kv_heads``, ``cache_head_dim`` (``layers`` first for stacked
+        blocks), and the position of the next token, ``cache_index``.
+
+        >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+        >>> model.init_cache(batch=2, length=16)
+        >>> model.blocks[0].attn.cached_key.shape, int(model.cache_index[...])
+        ((2, 16, 4, 8), 0)
+        """
+        layers = self.cfg.layers if self.cfg.scan_layers else None
+        if layers is None:
+            for block in self.blocks:
+                block.attn.init_cache(batch, length)
+        else:
+            self.blocks.attn.init_cache(batch, length, layers)
+        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+    def decode(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
+        ones already in the cache (from :meth:`init_cache`), whose keys and values
+        it stores. The logits equal those of :meth:`__call__` on the whole
+        sequence at these positions (up to float rounding).
+
+        >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+        >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
+        >>> model.init_cache(batch=1, length=8)
+        >>> first, last = model.decode(tokens[:, :5]), model.decode(tokens[:, 5:])
+        >>> full = model(tokens)
+        >>> bool(jnp.allclose(last[:, 0], full[:, 5], atol=1e-4)), int(model.cache_index[...])
+        (True, 6)
+        """
+        cfg = self.cfg
+        index = self.cache_index[...]
+        steps = tokens.shape[1]
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        positions = jax.lax.dynamic_slice_in_dim(whole(self.pos_embed[...]), index, steps)
+        x = constrain(x + positions.astype(cfg.dtype), RESIDUAL)
+        x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
+                                   lambda block, h: block.decode(h, index))
+        self.cache_index[...] = index + steps
+        return self._logits(x)
 
 
 def _check_batch(batch: Any) -> None:

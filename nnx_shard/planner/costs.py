@@ -50,6 +50,8 @@ class Collective:
         match no set of mesh axes).
       bytes: bytes of its result on one device (a tuple result summed).
       op_name: the JAX operation it came from (HLO metadata).
+      shapes: the shape of its result on one device (one per element of a
+        tuple result), e.g. to tell which array it moves.
 
     >>> Collective("all-reduce", ("data",), 1024, "transpose(jvp(...))").axes
     ('data',)
@@ -59,6 +61,7 @@ class Collective:
     axes: tuple[str, ...] | None
     bytes: int
     op_name: str
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 def _ints(txt: str | None) -> list[int]:
@@ -144,8 +147,8 @@ def compiled_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
     >>> mesh = make_mesh("data=2,model=4")
     >>> x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data", "model")))
     >>> text = jax.jit(lambda x: x.sum(axis=1)).lower(x).compile().as_text()
-    >>> [(c.kind, c.axes, c.bytes) for c in compiled_collectives(text, mesh)]
-    [('all-reduce', ('model',), 16)]
+    >>> [(c.kind, c.axes, c.bytes, c.shapes) for c in compiled_collectives(text, mesh)]
+    [('all-reduce', ('model',), 16, ((4,),))]
     """
     out = []
     for line in hlo_text.splitlines():
@@ -162,7 +165,8 @@ def _collective(line: str, type_txt: str, op: str, mesh: Mesh) -> Collective | N
         return None
     name = _OP_NAME.search(line)
     return Collective(kind=kind, axes=_axes_of(_groups(line), mesh), bytes=_nbytes(type_txt),
-                      op_name=name.group(1) if name else "")
+                      op_name=name.group(1) if name else "",
+                      shapes=tuple(tuple(_ints(d)) for _, d in _SHAPE.findall(type_txt)))
 
 
 # -- costs ---------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""The key/value cache of the reference models, laid out by logical names.
+
+Each attention layer keeps its keys and values in ``nnx.Cache`` variables of
+shape ``[batch, length, kv_heads, head_dim]`` (with a leading ``layers`` axis
+when the blocks are stacked) named :data:`CACHE_AXES`, so the rules that lay
+out training lay out the cache too (``cache_batch`` over the data axis,
+``cache_kv_heads`` over the model axis, ``cache_length`` over a context axis;
+see :mod:`nnx_shard.strategies`). :func:`write` stores new keys or values at a
+traced position and :func:`attend` runs causal attention of new queries
+against the whole cache. Both only read and write each device's own slice of
+the cache, whatever axes it is split over: nothing gathers the cache.
+
+>>> cache = new((2, 8, 1, 4), jnp.float32)
+>>> cache.get_metadata("out_sharding")
+('cache_batch', 'cache_length', 'cache_kv_heads', 'cache_head_dim')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from nnx_shard.mesh import constrain, current
+
+__all__ = ["CACHE_AXES", "attend", "decode_layers", "new", "write"]
+
+#: Logical names of a cache array's dimensions ``[batch, length, kv_heads, head_dim]``.
+CACHE_AXES: tuple[str, str, str, str] = ("cache_batch", "cache_length", "cache_kv_heads",
+                                         "cache_head_dim")
+#: Logical name of the leading axis of the caches of stacked (scanned) blocks.
+LAYERS = "layers"
+
+
+def names(stacked: bool = False) -> tuple[str, ...]:
+    """The logical names of a cache array (``layers`` first when stacked).
+
+    >>> names(stacked=True)[0]
+    'layers'
+    """
+    return (LAYERS, *CACHE_AXES) if stacked else CACHE_AXES
+
+
+def new(shape: tuple[int, int, int, int], dtype: Any, layers: int | None = None) -> nnx.Cache:
+    """A zero cache ``[batch, length, kv_heads, head_dim]`` (``[layers, ...]``
+    with ``layers``), annotated with :data:`CACHE_AXES`. Its layout is the
+    caller's: :func:`nnx_shard.models.generate` constrains every cache array
+    by its names the moment it is created, inside the compiled prefill, so no
+    device ever holds more than its slice.
+
+    >>> new((2, 8, 1, 4), jnp.bfloat16, layers=3).shape
+    (3, 2, 8, 1, 4)
+    """
+    full = shape if layers is None else (layers, *shape)
+    logical = names(layers is not None)
+    return nnx.Cache(jnp.zeros(full, dtype), out_sharding=logical, eager_sharding=False)
+
+
+def _spec(names: tuple[Any, ...], shape: tuple[int, ...]) -> Any:
+    """The active rules' spec for an array of ``shape`` named ``names`` (``None``
+    outside :func:`nnx_shard.use`)."""
+    active = current()
+    if active is None:
+        return None
+    mesh, rules = active
+    return rules.spec(names, shape=shape, mesh=mesh, path="cache")
+
+
+def _explicit() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def write(cache: jax.Array, new_entries: jax.Array, index: jax.Array) -> jax.Array:
+    """``cache [batch, length, kv_heads, head_dim]`` with ``new_entries [batch, T,
+    kv_heads, head_dim]`` stored at positions ``index .. index + T - 1``.
+
+    A dynamic-update-slice writes the T positions in place. Where the rules split
+    the length dimension (a context axis), XLA would gather the cache to
+    update it at a traced position, so each device instead selects, position by
+    position, between its slice and the new entries: local, at the price of
+    rewriting the slice.
+
+    >>> c = write(jnp.zeros((1, 4, 1, 1)), jnp.ones((1, 2, 1, 1)), jnp.int32(1))
+    >>> c[0, :, 0, 0].tolist()
+    [0.0, 1.0, 1.0, 0.0]
+    """
+    new_entries = new_entries.astype(cache.dtype)
+    spec = _spec(CACHE_AXES, cache.shape)
+    explicit = spec is not None and _explicit()
+    if explicit:  # the new entries laid out as the cache (the same heads over the same axes)
+        new_entries = jax.sharding.reshard(new_entries, P(spec[0], None, *spec[2:]))
+    if spec is not None and spec[1] is not None:
+        length, steps = cache.shape[1], new_entries.shape[1]
+        offset = jnp.arange(length) - index
+        inside = (offset >= 0) & (offset < steps)
+        if steps == 1:
+            spread = new_entries  # broadcast along the length
+        elif explicit:
+            spread = new_entries.at[:, jnp.clip(offset, 0, steps - 1)].get(out_sharding=spec)
+        else:
+            spread = jnp.take(new_entries, jnp.clip(offset, 0, steps - 1), axis=1)
+        out = jnp.where(inside[None, :, None, None], spread, cache)
+    else:
+        out = jax.lax.dynamic_update_slice(cache, new_entries, (0, index, 0, 0))
+    return constrain(out, CACHE_AXES)
+
+
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
+    """Causal attention of queries ``q [batch, T, heads, head_dim]`` at positions
+    ``index .. index + T - 1`` against the cache ``keys``, ``values [batch,
+    length, kv_heads, head_dim]`` (grouped-query: query head ``h`` reads
+    key/value head ``h // (heads / kv_heads)``), in the operation order of the
+    dense attention (:func:`nnx_shard.models.attention`): float32 scores, masked
+    softmax, the probabilities cast back to the queries' dtype.
+
+    Positions of the cache after a query's own are masked, so entries not yet
+    written never contribute. The key/value heads are never repeated: each
+    group of query heads reads its cache head where it lies. Under a length
+    split over a context axis, each device scores its positions and the
+    softmax's sums and the output are reduced over that axis (small
+    all-reduces of ``[batch, heads, T]`` values), never the cache gathered.
+
+    >>> q = jnp.ones((1, 1, 2, 4))
+    >>> attend(q, jnp.ones((1, 8, 1, 4)), jnp.ones((1, 8, 1, 4)), jnp.int32(3)).shape
+    (1, 1, 2, 4)
+    """
+    batch, steps, heads, dim = q.shape
+    length, kv_heads = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    spec = _spec(CACHE_AXES, keys.shape) if _explicit() else None
+    score_spec = out_spec = None
+    if spec is not None:
+        # Sharding in types: spell out each layout. The query heads take the
+        # cache heads' axis (head h sits with key/value head h // group).
+        b, pos, g = spec[0], spec[1], spec[2]
+        q = jax.sharding.reshard(q, P(b, None, g, None))
+        score_spec, out_spec = P(b, g, None, None, pos), P(b, None, g, None, None)
+    grouped = q.reshape(batch, steps, kv_heads, group, dim)
+    scores = jnp.einsum("btgrd,blgd->bgrtl", grouped, keys,
+                        out_sharding=score_spec).astype(jnp.float32)
+    scores = scores / math.sqrt(dim)
+    visible = jnp.arange(length)[None, :] <= (index + jnp.arange(steps))[:, None]
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bgrtl,blgd->btgrd", probs, values, out_sharding=out_spec)
+    return out.reshape(batch, steps, heads, dim)
+
+
+def decode_layers(blocks: Any, stacked: bool, x: jax.Array,
+                  step: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
+    """``x`` through every block, ``step(block, x)`` each, caches updated in place:
+    a Python loop over an ``nnx.List`` of blocks, or one ``jax.lax.scan`` over
+    blocks stacked with ``nnx.vmap`` (the cache is stacked alike and scanned
+    with the parameters; each layer's updated cache comes back as the scan's
+    output)."""
+    if not stacked:
+        for block in blocks:
+            x = step(block, x)
+        return x
+    graphdef, cache, rest = nnx.split(blocks, nnx.Cache, ...)
+
+    def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
+        block = nnx.merge(graphdef, *layer)
+        h = step(block, h)
+        return h, nnx.state(block, nnx.Cache)
+
+    x, updated = jax.lax.scan(body, x, (cache, rest))
+    nnx.update(blocks, updated)
+    return x
