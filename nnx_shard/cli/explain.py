@@ -96,6 +96,17 @@ def _call_factory(spec: str, factory: Any) -> Any:
                          f"{DEBUG_HINT}") from e
 
 
+def _pairs(text: str | None, flag: str, example: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        name, eq, value = item.strip().partition("=")
+        if not (name.strip() and eq and value.strip()):
+            raise UsageError(f"{flag} {text!r}: {item!r} is not name=value. Fix: e.g. "
+                             f"{flag} {example}")
+        out[name.strip()] = value.strip()
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """``nnx-shard explain``: prints the report; exit 0 (bad input raises the usage error)."""
     sizes = mesh_sizes(args.mesh)
@@ -113,6 +124,15 @@ def run(args: argparse.Namespace) -> int:
         rules, opt_rules = strat.rules, strat.opt_rules
     else:
         raise UsageError("give --rules FILE (.toml, .json or .yaml) or --strategy NAME")
+    if args.alias or args.rules_extra:
+        aliases = _pairs(args.alias, "--alias", "fsdp=embed,tp=mlp")
+        extra = {k: None if v.lower() == "none" else tuple(v.split("+")) if "+" in v else v
+                 for k, v in _pairs(args.rules_extra, "--rules-extra", "norm=none").items()}
+        try:
+            rules = (rules | extra).alias(aliases)
+            opt_rules = None if opt_rules is None else (opt_rules | extra).alias(aliases)
+        except ShardingError as e:
+            raise UsageError(f"--alias/--rules-extra: {_one_line(e)}") from e
     factory = _load_factory(args.factory)
     model = _call_factory(args.factory, factory)
     if not isinstance(model, nnx.Module):
