@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any
 
 import jax
@@ -236,7 +235,7 @@ def test_stack_refuses_different_blocks_and_stateful_blocks() -> None:
         ns.pipeline.stack(net, "layers")
     stateful = ns.pipeline.stack(Net(nnx.Rngs(0), dropout=True), "layers")
     with pytest.raises(ns.ShardingError, match=r"a stacked Sequential updated its state "
-                       r"'layers/1/rngs/count'|updated its state"):
+                       r"'layers/1/rngs/count'"):
         stateful(jnp.ones((2, 4)))
 
 
@@ -256,7 +255,8 @@ def test_checkpoints_convert_between_list_and_stacked(tmp_path) -> None:
                  _host(nnx.state(listed)), 0, "stacked init")
     # Saved as a list, restored as a list onto the pipeline's mesh, then stacked there.
     ns.save(tmp_path / "list", 1, model=listed)
-    restored = ns.restore(tmp_path / "list", model=pp.abstract_init(make, pmesh))
+    # (The list form has no layer axis for the pipeline: its own rules place it on pmesh.)
+    restored = ns.restore(tmp_path / "list", model=ns.abstract_init(make, pmesh, pp.rules))
     restored = ns.pipeline.stack(restored, "layers", mesh=pmesh, rules=pp.rules)
     assert_close(_host(nnx.state(restored)), _host(nnx.state(stacked)), 0, "list -> stacked")
     kernel = restored.layers.attn.q_proj.kernel.get_value()
