@@ -454,6 +454,36 @@ class Rules(Mapping[str, RuleValue]):
         merged._set(entries, self._indivisible, {**self.options, **right.options})
         return merged
 
+    def alias(self, aliases: Mapping[str, str]) -> Rules:
+        """A table where each ``alias`` resolves as the logical name it maps to: the
+        alias gets that name's entries, placed right after them (so it claims mesh axes
+        in that name's turn). For models whose metadata speaks its own names.
+
+        >>> r = Rules({"batch": "data", "embed": "data", "mlp": "model"})
+        >>> r.alias({"fsdp": "embed", "tp": "mlp"}).to_pairs()
+        [('batch', 'data'), ('embed', 'data'), ('fsdp', 'data'), ('mlp', 'model'), ('tp', 'model')]
+        """
+        for alias, target in aliases.items():
+            _check_logical(alias)
+            if not isinstance(target, str) or target not in self._table:
+                known = ", ".join(self._table) or "none"
+                raise ShardingError(
+                    f"alias {alias!r} -> {target!r}: {target!r} is not a logical name of this "
+                    f"table (its names: {known}). Fix: map {alias!r} to one of them, or give "
+                    f"it mesh axes directly, rules | {{{alias!r}: 'data'}}."
+                )
+        last = {n: i for i, (n, _) in enumerate(self._entries)}
+        entries: list[tuple[str, Placement]] = []
+        for i, (name, p) in enumerate(self._entries):
+            if name not in aliases:  # an alias replaces any entries of its own
+                entries.append((name, p))
+            if last[name] == i:
+                entries += [(a, c) for a, t in aliases.items() if t == name
+                            for c in self._table[t]]
+        out = Rules.__new__(Rules)
+        out._set(entries, self._indivisible, self.options)
+        return out
+
     @property
     def options(self) -> Mapping[str, Any]:
         """The execution options carried with the table (read-only).

@@ -34,6 +34,13 @@ __all__ = ["LOGICAL", "REPLICATED", "Strategy", "factorizations", "preset", "rep
 
 M = TypeVar("M", bound=nnx.Module)
 
+# The preset name a model's own axis name most often plays the role of (for the example
+# in the missing-rule error; the user decides).
+_GUESS = {"fsdp": "embed", "tp": "mlp", "tensor": "mlp", "model": "mlp", "data": "batch",
+          "sequence": "length", "seq": "length", "context": "length", "experts": "expert",
+          "expert": "expert", "exp": "expert", "moe": "expert", "stage": "layers", "layer": "layers", "head": "heads",
+          "q_heads": "heads", "ffn": "mlp", "hidden": "mlp", "d_model": "embed", "vocab": "vocab"}
+
 #: Every logical name the presets give a rule (replicated unless a preset says otherwise),
 #: the key/value cache's (:func:`nnx_shard.models.generate`) last.
 LOGICAL = ("batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",
@@ -98,6 +105,101 @@ class Strategy:
         n = jax.device_count() if n_devices is None else n_devices
         return make_mesh(self.mesh_for(n), axis_types=axis_types, devices=jax.devices()[:n])
 
+    # -- extending ----------------------------------------------------------------
+
+    def with_rules(self, table: Mapping[str, Any] | None = None, *,
+                   aliases: Mapping[str, str] | None = None) -> Strategy:
+        """This strategy for a model that names its axes its own way, parameters and
+        optimizer state alike (``rules`` and ``opt_rules`` are updated together).
+
+        Each entry of ``table`` is either an **alias**, a model name mapped to one of
+        the strategy's logical names (a string in :attr:`rules`, e.g. ``'embed'``):
+        the name then resolves as that one does under every preset
+        (:meth:`nnx_shard.Rules.alias`); or a **rule**, any other value (mesh axes,
+        ``None``), laid over both tables as ``rules | {...}``. ``strategy | table``
+        is the same. ``aliases`` are aliases only (an unknown target is an error).
+
+        >>> from nnx_shard.strategies import get
+        >>> s = get("zero1").with_rules({"fsdp": "embed", "tp": "mlp", "norm": None})
+        >>> s.rules["fsdp"], s.opt_rules["fsdp"], s.opt_rules["tp"], s.rules["norm"]
+        (None, 'data', None, None)
+        >>> (get("fsdp_tp") | {"fsdp": "embed", "tp": "mlp"}).rules.spec(
+        ...     ("fsdp", "tp"), shape=(16, 32), mesh={"data": 2, "model": 4})
+        P('data', 'model')
+        """
+        table = {} if table is None else table
+        if not isinstance(table, Mapping) or not isinstance(aliases or {}, Mapping):
+            raise ShardingError(
+                f"with_rules expects a mapping {{model name: logical name or mesh axes}}, "
+                f"got {table!r}. Fix: e.g. strategy.with_rules({{'fsdp': 'embed', 'tp': "
+                "'mlp'}).")
+        named = {k: v for k, v in table.items() if isinstance(v, str) and v in self.rules}
+        plain = {k: v for k, v in table.items() if k not in named}
+        named |= dict(aliases or {})
+
+        def extend(rules: Rules) -> Rules:
+            return (rules | plain if plain else rules).alias(named)
+
+        return dataclasses.replace(
+            self, rules=extend(self.rules),
+            opt_rules=None if self.opt_rules is None else extend(self.opt_rules))
+
+    def __or__(self, table: Mapping[str, Any]) -> Strategy:
+        if not isinstance(table, Mapping):
+            return NotImplemented
+        return self.with_rules(table)
+
+    def _unnamed(self, state: Any) -> dict[str, str]:
+        """Logical names the model's parameters use that no table of this strategy
+        has a rule for (and that are not mesh axes): {name: first parameter path}."""
+        tables = [self.rules] + ([self.opt_rules] if self.opt_rules is not None else [])
+        out: dict[str, str] = {}
+        for path, var in nnx.to_flat_state(state):
+            if not isinstance(var, nnx.Variable):
+                continue
+            for name in var.get_metadata().get("out_sharding") or ():
+                if (isinstance(name, str) and name not in out and name not in self.mesh_axes
+                        and any(name not in t for t in tables)):
+                    out[name] = path_str(path)
+        return out
+
+    def check_names(self, model: Any, mesh: Mesh | str | Mapping[str, int] | None = None) -> None:
+        """Raises a ``ShardingError`` if ``model`` (concrete or abstract) names logical
+        axes this strategy has no rule for, naming the alias fix (:meth:`with_rules`).
+        :meth:`check` does this first.
+
+        >>> from nnx_shard.strategies import get
+        >>> init = nnx.with_partitioning(nnx.initializers.ones, ("fsdp", "tp"))
+        >>> with nnx.use_eager_sharding(False):
+        ...     m = nnx.eval_shape(lambda: nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0)))
+        >>> get("dp").check_names(m)
+        Traceback (most recent call last):
+        ...
+        nnx_shard.errors.ShardingError: strategy 'dp' cannot lay out this model: the model names logical axes 'fsdp', 'tp' ... Fix: ... strategy.with_rules({'fsdp': 'embed', 'tp': 'mlp'}) ...
+        >>> get("dp").with_rules({"fsdp": "embed", "tp": "mlp"}).check_names(m)
+        """
+        state = model if isinstance(model, nnx.State) else nnx.state(model)
+        unnamed = self._unnamed(state)
+        if unnamed:
+            shown = "" if mesh is None else " on mesh " + ", ".join(
+                f"{k}={v}" for k, v in _sizes(mesh).items())
+            raise self._alias_error(unnamed, shown)
+
+    def _alias_error(self, unnamed: Mapping[str, str], shown: str) -> ShardingError:
+        guess = {n: _GUESS.get(n.lower(), "embed") for n in unnamed}
+        example = ", ".join(f"{n!r}: {t!r}" for n, t in guess.items())
+        first, path = next(iter(unnamed.items()))
+        return ShardingError(
+            f"strategy {self.name!r} cannot lay out this model{shown}: the model "
+            f"names logical axes {', '.join(map(repr, unnamed))} (e.g. {first!r} of parameter "
+            f"{path!r}) that the strategy has no rule for; its names are "
+            f"{', '.join(self.rules)}. Fix: map each model name onto the strategy's name "
+            f"with the same role, strategy.with_rules({{{example}}}) (an alias resolves as "
+            f"that name does under every preset; `nnx-shard explain --alias "
+            f"{','.join(f'{n}={t}' for n, t in guess.items())}`), or replicate it, "
+            f"strategy.with_rules({{{first!r}: None}})."
+        )
+
     # -- validation --------------------------------------------------------------
 
     def _problems(self, state: Any, sizes: Mapping[str, int]) -> list[str]:
@@ -155,6 +257,7 @@ class Strategy:
         if isinstance(self.rules.options.get("pipeline"), Schedule):
             check_stack(state, sizes, self.rules.options["pipeline"])
         missing = [a for a in self.mesh_axes if a not in sizes]
+        self.check_names(state, sizes)
         problems = self._problems(state, sizes) if not missing else []
         if missing:
             using = [

@@ -90,7 +90,10 @@ def _call_factory(spec: str, factory: Any) -> Any:
                          "zero-argument function returning an nnx.Module, e.g. "
                          "def make(): return MyModel(cfg, rngs=nnx.Rngs(0))")
     try:
-        return nnx.eval_shape(factory)
+        # Names from nnx.with_partitioning are logical, not mesh axes: Flax must not place
+        # them eagerly (there is no mesh here), as sharded_init does not let it either.
+        with nnx.use_eager_sharding(False):
+            return nnx.eval_shape(factory)
     except ShardingError:
         raise
     except Exception as e:
@@ -98,10 +101,22 @@ def _call_factory(spec: str, factory: Any) -> Any:
                          f"{DEBUG_HINT}") from e
 
 
+def _pairs(text: str | None, flag: str, example: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        name, eq, value = item.strip().partition("=")
+        if not (name.strip() and eq and value.strip()):
+            raise UsageError(f"{flag} {text!r}: {item!r} is not name=value. Fix: e.g. "
+                             f"{flag} {example}")
+        out[name.strip()] = value.strip()
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """``nnx-shard explain``: prints the report; exit 0 (bad input raises the usage error)."""
     sizes = mesh_sizes(args.mesh)
     opt_rules = None
+    strat = None
     if args.rules:
         if not Path(args.rules).is_file():
             raise UsageError(f"--rules {args.rules!r}: no such file. Fix: the path of a .toml, "
@@ -112,14 +127,31 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--rules {args.rules!r}: {_one_line(e)}") from e
     elif args.strategy:
         strat = strategy(args.strategy)
-        rules, opt_rules = strat.rules, strat.opt_rules
     else:
         raise UsageError("give --rules FILE (.toml, .json or .yaml) or --strategy NAME")
+    aliases = _pairs(args.alias, "--alias", "fsdp=embed,tp=mlp") if args.alias else {}
+    # A one-candidate list: mesh axes, never read as an alias by Strategy.with_rules.
+    extra = {k: None if v.lower() == "none" else [tuple(v.split("+")) if "+" in v else v]
+             for k, v in (_pairs(args.rules_extra, "--rules-extra", "norm=none")
+                          if args.rules_extra else {}).items()}
+    try:
+        if strat is not None:
+            strat = strat.with_rules(extra, aliases=aliases)
+            rules, opt_rules = strat.rules, strat.opt_rules
+        else:
+            rules = (rules | extra).alias(aliases)
+    except ShardingError as e:
+        raise UsageError(f"--alias/--rules-extra: {_one_line(e)}") from e
     factory = _load_factory(args.factory)
     model = _call_factory(args.factory, factory)
     if not isinstance(model, nnx.Module):
         raise UsageError(f"FACTORY {args.factory!r} returned {type(model).__name__}, not an "
                          "nnx.Module. Fix: return the model from the factory")
+    if strat is not None:
+        try:
+            strat.check_names(model, sizes)
+        except ShardingError as e:
+            raise UsageError(_one_line(e)) from e
     tx = optimizer(args.optimizer) if args.optimizer else None
     report = abstract_report(model, sizes, rules, tx, opt_rules)
     print(report.to_markdown() if args.markdown else report)

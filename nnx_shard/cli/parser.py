@@ -185,6 +185,10 @@ def _add_explain(sub: argparse._SubParsersAction[Parser]) -> None:
     e.add_argument("--mesh", required=True, help="e.g. data=4,model=2 (any size)")
     e.add_argument("--rules", default=None, help="rules file: .toml, .json or .yaml (a table, or Flax/MaxText [logical, mesh] pairs)")
     e.add_argument("--strategy", default=None, help="a strategy preset instead of --rules")
+    e.add_argument("--alias", default=None, help="model names resolved as the rules' own "
+                   "names, e.g. fsdp=embed,tp=mlp (Strategy.with_rules / Rules.alias)")
+    e.add_argument("--rules-extra", default=None, help="rules laid over the table (and the "
+                   "optimizer's), e.g. norm=none,fsdp=data or fsdp=data+model (a product)")
     e.add_argument("--optimizer", default=None, help="also report this optimizer's state")
     e.add_argument("--markdown", action="store_true")
     e.add_argument("--generate", action="store_true",

@@ -43,20 +43,24 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from nnx_shard._frames import Frames
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
 from nnx_shard.parallel.registry import ParallelOp, register
 
-__all__ = ["OPTION", "all_gather_matmul", "check_tokens", "matmul_reduce_scatter", "projection"]
+__all__ = ["OPTION", "all_gather_matmul", "check_tokens", "expect_projection",
+           "matmul_reduce_scatter", "projection"]
 
 #: The execution option (``Rules.with_options(collective_matmul=True)``) this module reads.
 OPTION = "collective_matmul"
@@ -387,6 +391,8 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
     >>> float(y[0, 0, 0]), y.sharding.spec
     (16.0, P('data', 'model', None))
     """
+    for watch in _watches:
+        watch.called = True
     xl, wl, ol = _parse(eq, x, w)
     spec = tuple(out.spec) + (None,) * (len(ol) - len(out.spec))
     value = option(OPTION, True)
@@ -481,5 +487,48 @@ def check_tokens(shape: Sequence[int], names: Sequence[str] = ("batch", "length"
         )
 
 
-# Nothing for the fused step to do: the option is declared, the model's projections read it.
-register(ParallelOp("collective_matmul", OPTION))
+@dataclasses.dataclass
+class _Watch:
+    """One :func:`expect_projection` block: whether :func:`projection` ran inside it."""
+
+    called: bool = False
+
+
+_watches: Frames[_Watch] = Frames()
+
+
+@contextlib.contextmanager
+def expect_projection(fn_name: str = "the step") -> Iterator[None]:
+    """Raises a ``ShardingError`` at the end of the block if the active rules ask for
+    collective matmuls (option ``collective_matmul``, strategy ``async_tp``) but the
+    code traced inside never ran a projection through :func:`projection`: the step
+    would silently run as ``sp`` (the same layouts, no overlapped rings). Context
+    parallelism checks its attention the same way.
+
+    :func:`nnx_shard.multistep` (and so the Trainer) traces each step under it.
+
+    >>> import nnx_shard as ns
+    >>> with ns.use("data=2,model=4", ns.strategies.get("async_tp").rules):
+    ...     with expect_projection("my_step"):
+    ...         pass
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.ShardingError: my_step ran under rules with collective_matmul=True ...
+    """
+    value = option(OPTION, None)
+    with _watches.push(_Watch()) as watch:
+        yield
+    if value not in (None, False) and not watch.called:
+        raise ShardingError(
+            f"{fn_name} ran under rules with collective_matmul={value!r} (strategy "
+            "'async_tp'), but the model never ran a projection as a collective matmul "
+            "(stock nnx.Linear / nnx.Einsum layers are plain einsums), so the step would run "
+            "as strategy 'sp' with nothing overlapped. Fix: train with strategy 'sp' (the "
+            "same layouts), or compute the tensor-parallel projections with "
+            "nnx_shard.collective_matmul.projection(eq, x, w, out_sharding, seq_letter), as "
+            "nnx_shard.models.Transformer does."
+        )
+
+
+# The fused step traces every step under expect_projection (as ring attention's check).
+register(ParallelOp("collective_matmul", OPTION, check_step=expect_projection))

@@ -87,10 +87,11 @@ from nnx_shard.parallel.schedule import (
     schedule_table,
     work,
 )
+from nnx_shard.parallel.stack import stack, unstack
 from nnx_shard.pipeline_report import StageReport, explain
 
 __all__ = ["OPTION", "Schedule", "StageReport", "bubble", "check_stack", "explain", "idle_fraction",
-           "scan", "schedule_table"]
+           "run", "scan", "schedule_table", "stack", "unstack"]
 
 _U = PartitionSpec.UNCONSTRAINED
 
@@ -300,6 +301,73 @@ def scan(
         m = sizes.get(getattr(sched, "axis", ""), 1)
     s = _check(sched, mesh, n_layers, int(m), batch, data)
     return _pipeline(body, carry, layers, sched, mesh, rules, s, int(m), data_axes), None
+
+
+def run(layers: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """``x`` through every block: ``for layer in layers: x = layer(x, *args, **kwargs)``.
+
+    ``layers`` is either a list of blocks (the loop above, as written) or the module
+    :func:`stack` made of them (or any ``nnx.vmap``-stacked module), which runs through
+    :func:`scan`: a ``jax.lax.scan``, or under the pp presets a pipeline over stages.
+    The one line a model needs in place of its loop, for both forms.
+
+    The extra inputs the blocks take (positions, masks, segment ids) go with ``x``:
+    array leaves whose leading dimension is ``x``'s batch are cut into the pipeline's
+    microbatches with it, the others (e.g. a shared ``[length]`` position vector) are
+    passed whole. A block returns the new ``x`` (same structure) and must not update its
+    own state (batch statistics, a dropout stream held by the block): the stacked loop
+    does not carry it.
+
+    Raises:
+      ShardingError: a stacked block updated its state; see :func:`scan` for the rest.
+
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> class Net(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(3)])
+    ...     def __call__(self, x):
+    ...         return run(self.layers, x)
+    >>> net, x = Net(nnx.Rngs(0)), jnp.ones((2, 4))
+    >>> y = net(x)
+    >>> bool(jnp.allclose(stack(net, "layers")(x), y, atol=1e-6))
+    True
+    """
+    if isinstance(layers, list | tuple | nnx.List):
+        for layer in layers:
+            x = layer(x, *args, **kwargs)
+        return x
+    graphdef, state = nnx.split(layers)
+    lead = [np.shape(v)[0] for v in jax.tree.leaves(x) if np.ndim(v)]
+    batch = lead[0] if lead else None
+    extra, extra_def = jax.tree.flatten((args, kwargs))
+    moves = [batch is not None and np.ndim(v) > 0 and np.shape(v)[0] == batch for v in extra]
+    carried = [v for v, m in zip(extra, moves, strict=True) if m]
+    fixed = [v for v, m in zip(extra, moves, strict=True) if not m]
+
+    def body(carry: Any, layer: Any) -> tuple[Any, None]:
+        h, moving = carry
+        it_m, it_f = iter(moving), iter(fixed)
+        a, kw = jax.tree.unflatten(extra_def, [next(it_m) if m else next(it_f) for m in moves])
+        block = nnx.merge(graphdef, layer)
+        # merge may reuse the Variables of `layer`: compare against the values before.
+        before = [v.get_raw_value() for _, v in nnx.to_flat_state(layer)]
+        out = block(h, *a, **kw)
+        after = nnx.to_flat_state(nnx.state(block))
+        changed = [p for (p, v), w in zip(after, before, strict=True)
+                   if v.get_raw_value() is not w]
+        if changed:
+            where = "/".join(map(str, changed[0]))
+            raise ShardingError(
+                f"nnx_shard.pipeline.run: a stacked {type(block).__name__} updated its state "
+                f"{where!r} (batch statistics, a dropout stream held by the block), which the "
+                "stacked loop does not carry. Fix: pass dropout keys in as an input (or use "
+                "nnx.Dropout(..., rngs=None) with rngs given at call time from outside the "
+                "stack), or keep the blocks as a list under strategies without stages.")
+        return (out, moving), None
+
+    (x, _), _ = scan(body, (x, carried), state)
+    return x
 
 
 def _pipeline(body: Callable[..., Any], carry: Any, layers: Any, sched: Schedule, mesh: Any,

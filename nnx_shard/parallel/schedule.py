@@ -26,8 +26,9 @@ OPTION = "pipeline"
 NO_STACK_FIX = (
     "Fix: stack the repeated blocks under a leading layer axis and run them through "
     "nnx_shard.pipeline.scan: TransformerConfig(scan_layers=True) for the reference "
-    "Transformer, or nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'}) "
-    "for your own blocks."
+    "Transformer; for your own list of blocks, ns.pipeline.stack(model, 'layers') in the "
+    "factory and x = ns.pipeline.run(self.layers, x, ...) in place of the loop; or "
+    "nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'}) for your own stack."
 )
 
 

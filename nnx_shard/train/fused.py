@@ -50,6 +50,41 @@ def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
     return names
 
 
+class _Cache:
+    """The compiled calls by key. A model's static attributes are part of its graphdef,
+    and so of the key; users store unhashable ones (a plain ``@dataclass`` config), which
+    ``nnx.jit`` accepts: such keys are found by equality instead of by hash.
+
+    >>> c = _Cache()
+    >>> c.put(({"n": 1},), "a"); c.put((2,), "b")
+    >>> c.get(({"n": 1},)), c.get((2,)), c.get(({"n": 2},))
+    ('a', 'b', None)
+    """
+
+    def __init__(self) -> None:
+        self._hashed: dict[Any, Any] = {}
+        self._unhashable: list[tuple[Any, Any]] = []
+
+    def get(self, key: Any) -> Any:
+        try:
+            return self._hashed.get(key)
+        except TypeError:
+            return next((v for k, v in self._unhashable if _equal(k, key)), None)
+
+    def put(self, key: Any, value: Any) -> None:
+        try:
+            self._hashed[key] = value
+        except TypeError:
+            self._unhashable.append((key, value))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. arrays among static attributes: no truth value
+        return a is b
+
+
 def _check_metrics(metrics: Any, fn_name: str) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(metrics)
     out = []
@@ -161,7 +196,7 @@ class Fused:
         self.traces = 0
         # One small output per call not yet known to be finished, oldest first.
         self._in_flight: collections.deque[jax.Array] = collections.deque()
-        self._jitted: dict[Any, Any] = {}
+        self._jitted = _Cache()
         self._plans: dict[tuple[tuple[int, ...], int], _Plan] = {}
         self._names: dict[int, list[str]] = {}
         # Data layouts (shapes, shardings) whose rows per device were checked.
@@ -273,7 +308,7 @@ class Fused:
         jitted = self._jitted.get(key)
         if jitted is None:
             jitted = self._build(graphdef, state_def, node_pos, nargs, shardings)
-            self._jitted[key] = jitted
+            self._jitted.put(key, jitted)
         plan = _Plan(jitted, state_def, shardings, context)
         split_vars = jax.tree.leaves(state, is_leaf=_is_variable)
         index = {id(v): i for i, v in enumerate(variables)}

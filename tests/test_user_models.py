@@ -1,0 +1,340 @@
+"""A user's own model (tests/_user_models.py: a GQA Llama with its own metadata names,
+a list of blocks and an unhashable dataclass config; a Qwen3-MoE-style router MLP;
+stock nnx.MultiHeadAttention blocks with ``attention_fn``) under every preset with no
+glue beyond the documented one-liners:
+
+* the fused step accepts unhashable static attributes; a DuplicateSpecError on
+  Explicit axes is a ShardingError;
+* ``strategy.with_rules(aliases)`` maps the model's names onto every preset (rules
+  and optimizer rules together), ``nnx-shard explain --alias``; a missing rule names
+  the alias fix;
+* ``ns.pipeline.stack`` / ``unstack`` / ``run``: a list of blocks under pp, pp_fsdp
+  and pp_tp, checkpoints converted between the two forms;
+* async_tp on a model that never runs a collective matmul raises, as cp does;
+* the matrix (slow): each model x each preset that applies trains to the losses and
+  parameters of a plain one-device ``nnx.jit`` loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard import cli
+from tests import _user_models as um
+from tests._close import assert_close
+from tests.conftest import needs_devices
+
+CFG = um.Config()
+MOE = um.Config(experts=4)
+STEPS, BATCH = 2, 8
+RTOL = 1e-4
+
+
+def _tx() -> optax.GradientTransformation:
+    return optax.sgd(0.05, momentum=0.9)
+
+
+# --------------------------------------------------------------------------- item: tracebacks
+
+
+@dataclasses.dataclass
+class _Cfg:
+    features: int = 4
+
+
+class _Configured(nnx.Module):
+    def __init__(self, cfg: _Cfg, rngs: nnx.Rngs):
+        self.cfg = cfg  # a static attribute that cannot be hashed
+        self.linear = nnx.Linear(cfg.features, cfg.features, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear(x)
+
+
+def _sq_step(model, opt, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+
+def test_unhashable_static_attribute_trains_like_nnx_jit() -> None:
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(_Cfg())
+    xs = jax.random.normal(jax.random.key(0), (3, 2, 4))
+    ref = _Configured(_Cfg(), nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    want = [float(nnx.jit(_sq_step)(ref, ref_opt, x)) for x in xs]
+    model = _Configured(_Cfg(), nnx.Rngs(0))
+    tx = optax.sgd(0.1)  # a new transformation (new closures) would be a new program
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    fused = ns.multistep(_sq_step)
+    got = fused(model, opt, xs)
+    assert_close(got, np.asarray(want), 1e-6, "losses")
+    assert_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param), 1e-6, "params")
+    # A new model with an equal (not the same) config reuses the compilation.
+    other = _Configured(_Cfg(), nnx.Rngs(1))
+    fused(other, nnx.Optimizer(other, tx, wrt=nnx.Param), xs)
+    assert fused.traces == 1
+    # A different config is a different program.
+    third = _Configured(_Cfg(features=4), nnx.Rngs(1))
+    third.cfg.features = 5  # static value differs, shapes do not
+    fused(third, nnx.Optimizer(third, tx, wrt=nnx.Param), xs)
+    assert fused.traces == 2
+
+
+@needs_devices(8)
+def test_duplicate_spec_on_explicit_axes_is_a_sharding_error() -> None:
+    s = ns.strategies.get("fsdp").with_rules(um.ALIASES)
+    mesh = s.make_mesh(axis_types="explicit")
+    model = s.sharded_init(lambda: um.Llama(dataclasses.replace(CFG, layers=1),
+                                            rngs=nnx.Rngs(0)), mesh)
+    trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh), um.loss_fn, mesh=mesh,
+                         rules=s.rules, steps_per_call=1, batch_names=("batch", "length"))
+    with pytest.raises(ns.ShardingError) as info:
+        trainer.fit(um.batches(CFG, 1, BATCH), 1, progress=False)
+    msg = str(info.value)
+    assert msg.startswith("Trainer.fit: JAX rejected the sharding types of a 'gather' "
+                          "operation on Explicit mesh axes")
+    assert "called from Embedder.encode (" in msg and "self.input_embedding[(tokens,)]" in msg
+    assert "P('data', None, 'data') has duplicate entries" in msg
+    assert "Fix: build the mesh with Auto axes" in msg
+    assert isinstance(info.value.__cause__, ns.errors.DuplicateSpecError)
+
+
+def test_duplicate_spec_error_is_where_nnx_shard_looks_for_it() -> None:
+    from jax._src import named_sharding
+
+    assert ns.errors.DuplicateSpecError is named_sharding.DuplicateSpecError
+
+
+# --------------------------------------------------------------------------- item: aliases
+
+
+def test_with_rules_aliases_update_rules_and_optimizer_rules() -> None:
+    zero1 = ns.strategies.get("zero1")
+    s = zero1.with_rules(um.ALIASES)
+    assert (s.rules["fsdp"], s.rules["tp"], s.opt_rules["fsdp"], s.opt_rules["tp"]) == (
+        None, None, "data", None)
+    assert s.name == "zero1" and s.mesh_axes == zero1.mesh_axes
+    assert (zero1 | um.ALIASES) == s
+    mesh = {"data": 4, "model": 2}
+    fsdp_tp = ns.strategies.get("fsdp_tp").with_rules(um.ALIASES).rules
+    assert fsdp_tp.spec(("fsdp", "tp"), shape=(16, 32), mesh=mesh) == jax.P("data", "model")
+    for preset in ("dp", "fsdp", "tp", "sp", "pp_tp"):
+        rules = ns.strategies.get(preset).with_rules(um.ALIASES).rules
+        assert rules.spec(("fsdp", "tp"), shape=(16, 32), mesh=mesh) == \
+            rules.spec(("embed", "mlp"), shape=(16, 32), mesh=mesh), preset
+    # An alias claims mesh axes in its target's turn: 'exp' right after 'expert'.
+    ep = ns.strategies.get("ep").with_rules(um.ALIASES).rules
+    names = [n for n, _ in ep.to_pairs()]
+    assert names.index("exp") == names.index("expert") + 1
+    # Values that are not one of the table's names are plain rules, in both tables.
+    s = zero1.with_rules({"norm": None, "fsdp": "data"})
+    assert s.rules["fsdp"] == s.opt_rules["fsdp"] == "data" and s.rules["norm"] is None
+    with pytest.raises(ns.ShardingError, match=r"alias 'x' -> 'nope'|with_rules expects"):
+        ns.Rules({"embed": "data"}).alias({"x": "nope"})
+    with pytest.raises(ns.ShardingError, match="with_rules expects a mapping"):
+        zero1.with_rules([("fsdp", "embed")])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("preset", ["dp", "tp"])
+def test_missing_rule_names_the_alias_fix(preset: str) -> None:
+    s = ns.strategies.get(preset)
+    with nnx.use_eager_sharding(False):  # names, no mesh: Flax would place them eagerly
+        model = nnx.eval_shape(lambda: um.Llama(MOE, rngs=nnx.Rngs(0)))
+    with pytest.raises(ns.ShardingError) as info:
+        s.check(model, s.mesh_for(8))
+    msg = str(info.value)
+    assert "names logical axes 'tp', 'fsdp', 'exp'" in msg
+    assert "strategy.with_rules({'tp': 'mlp', 'fsdp': 'embed', 'exp': 'expert'})" in msg
+    assert "--alias tp=mlp,fsdp=embed,exp=expert" in msg
+    assert "change the model's sizes" not in msg and "'model'" not in msg
+    s.with_rules(um.ALIASES).check(model, s.mesh_for(8))  # the fix works
+
+
+def test_explain_cli_takes_aliases_and_extra_rules(capsys) -> None:
+    argv = ["explain", "tests._user_models:small_llama", "--mesh", "data=4,model=2",
+            "--strategy", "fsdp_tp"]
+    assert cli.main(argv) == 2
+    assert "--alias tp=mlp,fsdp=embed" in capsys.readouterr().err
+    assert cli.main([*argv, "--alias", "fsdp=embed,tp=mlp",
+                     "--rules-extra", "norm=none"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("layers/0/mlp/gate/kernel"))
+    assert "P('data', 'model')" in row
+    assert cli.main([*argv, "--alias", "fsdp"]) == 2
+    assert "'fsdp' is not name=value" in capsys.readouterr().err
+    assert cli.main([*argv, "--alias", "fsdp=nope"]) == 2
+    assert "'nope' is not a logical name" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- item: async_tp
+
+
+@needs_devices(8)
+def test_async_tp_raises_when_the_model_runs_no_collective_matmul() -> None:
+    s = ns.strategies.get("async_tp").with_rules(um.ALIASES)
+    mesh = s.make_mesh()
+    model = s.sharded_init(lambda: um.mha_lm(dataclasses.replace(CFG, layers=1),
+                                             nnx.Rngs(0)), mesh)
+    trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh), um.loss_fn, mesh=mesh,
+                         rules=s.rules, steps_per_call=1, batch_names=("batch", "length"))
+    with pytest.raises(ns.ShardingError, match=r"collective_matmul=True \(strategy 'async_tp'"
+                       r"\), but the model never ran a projection .* Fix: train with "
+                       r"strategy 'sp'"):
+        trainer.fit(um.batches(CFG, 1, BATCH), 1, progress=False)
+
+
+# --------------------------------------------------------------------------- item: stack
+
+
+def test_stack_unstack_and_run() -> None:
+    cfg = dataclasses.replace(CFG, layers=3)
+    with nnx.use_eager_sharding(False):
+        listed = um.Llama(cfg, rngs=nnx.Rngs(0))
+        stacked = ns.pipeline.stack(um.Llama(cfg, rngs=nnx.Rngs(0)), "layers")
+    k = stacked.layers.attn.q_proj.kernel
+    assert k.shape == (3, 16, 8, 4)
+    assert k.get_metadata()["out_sharding"] == ("layers", "fsdp", "tp", None)
+    for i in range(3):  # the same values, row i = block i
+        np.testing.assert_array_equal(k[...][i], listed.layers[i].attn.q_proj.kernel[...])
+    toks = jnp.asarray(um.tokens(cfg, 2)[:, :-1])
+    assert_close(nnx.jit(lambda m: m(toks))(stacked), nnx.jit(lambda m: m(toks))(listed),
+                 1e-5, "logits")
+    back = ns.pipeline.unstack(stacked, "layers")
+    assert_close(nnx.state(back), nnx.state(listed), 0, "unstack(stack(model))")
+    assert back.layers[2].mlp.gate.kernel.get_metadata()["out_sharding"] == ("fsdp", "tp")
+    with pytest.raises(ns.ShardingError, match=r"Llama.final_norm is RMSNorm, not a non-empty"):
+        ns.pipeline.stack(listed, "final_norm")
+
+
+def test_stack_refuses_different_blocks_and_stateful_blocks() -> None:
+    class Net(nnx.Module):
+        def __init__(self, rngs, dropout=False):
+            self.layers = nnx.List([
+                nnx.Sequential(nnx.Linear(4, 4, rngs=rngs),
+                               nnx.Dropout(0.5, rngs=rngs) if dropout else nnx.relu)
+                for _ in range(2)])
+
+        def __call__(self, x):
+            return ns.pipeline.run(self.layers, x)
+
+    net = Net(nnx.Rngs(0))
+    net.layers[1] = nnx.Linear(4, 4, use_bias=False, rngs=nnx.Rngs(0))
+    with pytest.raises(ns.ShardingError, match="block 1 differs from block 0"):
+        ns.pipeline.stack(net, "layers")
+    stateful = ns.pipeline.stack(Net(nnx.Rngs(0), dropout=True), "layers")
+    with pytest.raises(ns.ShardingError, match=r"a stacked Sequential updated its state "
+                       r"'layers/1/rngs/count'"):
+        stateful(jnp.ones((2, 4)))
+
+
+@needs_devices(8)
+def test_checkpoints_convert_between_list_and_stacked(tmp_path) -> None:
+    fsdp = ns.strategies.get("fsdp").with_rules(um.ALIASES)
+    pp = ns.strategies.get("pp_fsdp").with_rules(um.ALIASES)
+    fmesh, pmesh = fsdp.make_mesh(), pp.make_mesh()
+
+    def make():
+        return um.Llama(CFG, rngs=nnx.Rngs(0))
+
+    listed = fsdp.sharded_init(make, fmesh)
+    stacked = pp.sharded_init(lambda: ns.pipeline.stack(make(), "layers"), pmesh)
+    # One compiled init gives the same bits in either form.
+    assert_close(nnx.state(ns.pipeline.unstack(_host_copy(stacked), "layers")),
+                 _host(nnx.state(listed)), 0, "stacked init")
+    # Saved as a list, restored as a list onto the pipeline's mesh, then stacked there.
+    ns.save(tmp_path / "list", 1, model=listed)
+    # (The list form has no layer axis for the pipeline: its own rules place it on pmesh.)
+    restored = ns.restore(tmp_path / "list", model=ns.abstract_init(make, pmesh, pp.rules))
+    restored = ns.pipeline.stack(restored, "layers", mesh=pmesh, rules=pp.rules)
+    assert_close(_host(nnx.state(restored)), _host(nnx.state(stacked)), 0, "list -> stacked")
+    kernel = restored.layers.attn.q_proj.kernel.get_value()
+    assert kernel.sharding.spec == stacked.layers.attn.q_proj.kernel.get_value().sharding.spec
+    assert kernel.sharding.spec[0] == "stage"
+    # Saved stacked, restored stacked, unstacked onto the fsdp mesh.
+    ns.save(tmp_path / "stacked", 1, model=stacked)
+    target = pp.abstract_init(lambda: ns.pipeline.stack(make(), "layers"), pmesh)
+    back = ns.pipeline.unstack(ns.restore(tmp_path / "stacked", model=target), "layers",
+                               mesh=fmesh, rules=fsdp.rules)
+    assert_close(_host(nnx.state(back)), _host(nnx.state(listed)), 0, "stacked -> list")
+    q = back.layers[0].attn.q_proj.kernel.get_value()
+    assert q.sharding.spec == listed.layers[0].attn.q_proj.kernel.get_value().sharding.spec
+
+
+def _host(tree: Any) -> Any:
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def _host_copy(model: Any) -> Any:
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, _host(state))
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+MODELS = {
+    "llama": (lambda: um.Llama(CFG, rngs=nnx.Rngs(0)), False),
+    "moe": (lambda: um.Llama(MOE, rngs=nnx.Rngs(0)), False),
+    "mha": (lambda: um.mha_lm(CFG, nnx.Rngs(0)), True),  # padding masks
+}
+PIPELINE = ("pp", "pp_fsdp", "pp_tp")
+ALL = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "cp", "fsdp_cp", *PIPELINE)
+MATRIX = ([("llama", p) for p in ALL] + [("moe", p) for p in ("ep", "fsdp_tp", "pp_fsdp")]
+          + [("mha", p) for p in ("fsdp", "tp", "sp", "cp", "fsdp_cp", "pp", "pp_tp")])
+
+
+@functools.cache
+def _reference(name: str) -> tuple[np.ndarray, Any]:
+    """Losses and final parameters of a plain nnx.jit loop on one device."""
+    make, pad = MODELS[name]
+    with jax.default_device(jax.devices()[0]), nnx.use_eager_sharding(False):
+        model = make()
+        opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, batch):
+            loss, grads = nnx.value_and_grad(um.loss_fn)(model, batch)
+            opt.update(model, grads)
+            return loss
+
+        losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b)))
+                  for b in um.batches(CFG, STEPS, BATCH, pad=pad)]
+    return np.asarray(losses), _host(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.slow
+@needs_devices(8)
+@pytest.mark.parametrize(("name", "preset"), MATRIX, ids=[f"{m}-{p}" for m, p in MATRIX])
+def test_user_model_trains_like_one_device(name: str, preset: str) -> None:
+    make, pad = MODELS[name]
+    s = ns.strategies.get(preset).with_rules(um.ALIASES)
+    pipelined = preset in PIPELINE
+    factory = (lambda: ns.pipeline.stack(make(), "layers")) if pipelined else make
+    mesh = s.make_mesh()
+    model = s.sharded_init(factory, mesh)
+    trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh), um.loss_fn, mesh=mesh,
+                         rules=s.rules, steps_per_call=STEPS, batch_names=("batch", "length"),
+                         microbatches=4 if pipelined else 1)
+    history = trainer.fit(um.batches(CFG, STEPS, BATCH, pad=pad), STEPS, progress=False)
+    losses, params = _reference(name)
+    assert_close(np.asarray(history["loss"]), losses, RTOL, "loss")
+    if pipelined:
+        stacked = model.layers.attn if name == "mha" else model.layers.attn.q_proj
+        assert next(iter(jax.tree.leaves(nnx.state(stacked)))).sharding.spec[0] == "stage"
+        model = ns.pipeline.unstack(_host_copy(model), "layers")
+    # Tensors whose gradient is zero by symmetry hold rounding noise: the model's scale.
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(params))
+    assert_close(_host(nnx.state(model, nnx.Param)), params, RTOL, f"{name} under {preset}",
+                 scale=scale)
