@@ -601,11 +601,14 @@ class Llama(nnx.Module):
                 x = run(block, x)
         x = constrain(self.final_norm(x), _seq(GATHERED))
         names = _seq(("batch", None, "vocab"))
+        # Logits accumulate and stay in float32, whatever the compute dtype.
         if self.unembed is None:
-            logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype), names)
+            logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype), names,
+                            out_dtype=jnp.float32)
         else:
-            logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype), names)
-        return logits.astype(jnp.float32), jnp.zeros((), jnp.float32)
+            logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype), names,
+                            out_dtype=jnp.float32)
+        return logits, jnp.zeros((), jnp.float32)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens)[0]

@@ -91,7 +91,7 @@ _watches: Frames[_Watch] = Frames()
 def _dense(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
     # The reference transformer's original core, kept operation for operation so
     # that strategies without context parallelism compute the same numbers.
-    scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(q.shape[-1])
     if causal:
         length = q.shape[1]
@@ -293,7 +293,8 @@ def _allgather_local(q: jax.Array, k: jax.Array, v: jax.Array, *, axes: tuple[st
     n = q.shape[1]
     k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
-    scores = jnp.einsum("bqhk,bshk->bhqs", q, k_all).astype(jnp.float32)
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k_all,
+                        preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(q.shape[-1])
     if causal:
         qpos = jax.lax.axis_index(axes) * n + jnp.arange(n)
