@@ -25,12 +25,16 @@ ACTIVATION_FORMULA = (
     "the rotated queries, the keys and values repeated for grouped-query attention, plus "
     "q/k norm inputs (hk + gk, g = kv_heads) with Qwen3's qk_norm), MLP hidden before and "
     "after GELU (2m'; Llama's SwiGLU keeps 4m': gate, its SiLU, up and their product), "
-    "float32 attention probabilities (4hs); plus the residual "
-    "input and float32 logits and their gradient (8V). With --remat full only each block's "
-    "input is kept (layers x p x e/Dl per token) plus one layer's activations and the logits; "
-    "dots and offload count as none. Under context parallelism the sequence stays split "
-    "through the block, so Dh, Dm and Dv include the length axes, and the ring "
-    "(attention='ring') keeps no probabilities (its backward pass recomputes them)."
+    "float32 attention probabilities (4hs) with the dense "
+    "attention kernel (TransformerConfig.attention='dense'), or only a float32 log-sum-exp "
+    "per row and head (4h) with the memory-efficient ones (blockwise, cudnn, auto: the "
+    "default; their backward pass recomputes the probabilities block by block, in a few "
+    "float32 [batch, heads, 512, 512] tiles that are not counted); plus the residual input "
+    "and float32 logits and their gradient (8V). With --remat full only each "
+    "block's input is kept (layers x p x e/Dl per token) plus one layer's activations and the "
+    "logits; dots and offload count as none. Under context parallelism the sequence stays "
+    "split through the block, so Dh, Dm and Dv include the length axes, and the ring "
+    "(attention='ring') keeps no probabilities whatever the kernel (4h, as above)."
 )
 
 
@@ -51,14 +55,19 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     :class:`nnx_shard.models.Transformer` or :class:`nnx_shard.models.Llama`
     (a :class:`~nnx_shard.models.LlamaConfig`; see ``ACTIVATION_FORMULA``).
 
+    >>> import dataclasses
     >>> from nnx_shard.models import get_config
     >>> from nnx_shard.rules import Rules
     >>> cfg = get_config("tiny")   # embed 32, heads 4 x 8, mlp 64, vocab 128, 2 layers, f32
     >>> tokens = 4 * 16 // 2                 # batch over data=2
-    >>> layer = 4 * (4 * 32 + 4 * 4 * 8 + 2 * 64) + 4 * 4 * 16   # p=4 bytes, float32
+    >>> layer = 4 * (4 * 32 + 4 * 4 * 8 + 2 * 64) + 4 * 4   # p=4 bytes; log-sum-exp 4h
     >>> edges = 2 * 4 * 32 + 8 * 128
     >>> activation_bytes(cfg, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
     ...     tokens * (2 * layer + edges))
+    True
+    >>> dense = dataclasses.replace(cfg, attention="dense")   # probabilities 4hs
+    >>> activation_bytes(dense, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
+    ...     tokens * (2 * (layer + 4 * 4 * 16 - 4 * 4) + edges))
     True
     >>> from nnx_shard.models import get_llama_config   # SwiGLU: 4 x mlp, not 2
     >>> llama = get_llama_config("tiny")                # embed 32, heads 4 x 8, mlp 64
@@ -88,8 +97,17 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     d_v = _divisor(rules, ("batch", seq_name, "vocab"), (b, s, v), mesh, 1, 2)
     tokens = b * s / d_b
     # Probabilities are [queries, keys] per head (d_h counts the query split under
-    # context parallelism); the ring recomputes its tiles in the backward pass.
-    probs = 0.0 if attention == "ring" else 4 * h * s / d_h
+    # context parallelism), kept by the dense kernel alone; the memory-efficient
+    # kernels and the ring keep a float32 log-sum-exp per query row and head and
+    # recompute the probabilities block by block in the backward pass.
+    kernel = getattr(cfg, "attention", "auto")  # the op's default for configs without one
+    if attention != "ring" and kernel == "dense":
+        probs = 4 * h * s / d_h
+    else:
+        # Their working set while one layer's backward pass runs (a few float32
+        # [batch, heads, block, block] tiles) is a transient, like the dense kernel's
+        # forward temporaries: not counted, so that the formula stays a floor.
+        probs = 4 * h / d_h
     # SwiGLU keeps four mlp-wide tensors (gate, SiLU(gate), up, product), GELU two.
     mlp = (4 if llama else 2) * m / d_m
     qk_norm = (h * k + cfg.kv_heads * k) / d_h if llama and cfg.qk_norm else 0.0
