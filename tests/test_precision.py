@@ -255,3 +255,27 @@ def test_fine_tune_in_bfloat16_ends_near_float32():
         final[label] = float(np.mean(hist["loss"][-10:]))
     assert final["f32"] < 4.0  # it learned (from ~15.8 at the start)
     assert abs(final["mixed"] - final["f32"]) / final["f32"] < 0.03, final
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_planner_compiles_master_weights_in_float32():
+    """The planner's compile of a Llama with float32 master weights and bfloat16
+    compute holds float32 parameters and Adam moments (twice pure bfloat16's), and
+    the formula's parameter bytes are XLA's."""
+    from nnx_shard.models import get_llama_config
+    from nnx_shard.planner import abstract_report
+    from nnx_shard.planner.compile import compiled_memory, planned_config
+
+    cfg = get_llama_config("tiny")
+    kw = dict(sizes={"data": 8}, strategy="fsdp", batch=8, seq=16)
+    pure = compiled_memory(cfg, param_dtype="bfloat16", compute_dtype="bfloat16", **kw)
+    mixed = compiled_memory(cfg, param_dtype="float32", compute_dtype="bfloat16", **kw)
+    assert mixed["params"] == 2 * pure["params"]
+    assert abs(mixed["optimizer"] - 2 * pure["optimizer"]) <= 8  # the int32 step count
+    planned, precision = planned_config(cfg, param_dtype="float32", compute_dtype="bfloat16")
+    assert precision == MIXED
+    s = ns.strategies.get("fsdp")
+    model = nnx.eval_shape(lambda: Llama(planned, rngs=nnx.Rngs(0)))
+    report = abstract_report(model, {"data": 8}, s.rules, optax.adamw(1e-3), s.opt_rules)
+    assert report.param_bytes_per_device == mixed["params"]
