@@ -91,14 +91,9 @@ def _resolve(names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding
 
 
 def einsum(
-    eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None], *, seq: str | None = None,
-    out_dtype: Any = None,
+    eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None], *, seq: str | None = None
 ) -> jax.Array:
     """``jnp.einsum(eq, x, w)`` whose output is laid out by logical ``names``.
-
-    ``out_dtype`` is the dtype the products accumulate in and come out as
-    (``preferred_element_type``): the reference models ask float32 for the logits,
-    so bfloat16 operands give float32 logits, not bfloat16 ones cast up.
 
     ``seq`` names the letter of the sequence dimension of a tensor-parallel
     projection: under rules with the option ``collective_matmul`` (the
@@ -114,16 +109,15 @@ def einsum(
     sizes = dict(zip(xl, x.shape, strict=True)) | dict(zip(wl, w.shape, strict=True))
     sharding = _resolve(names, [sizes[c] for c in out])
     if sharding is None:
-        return jnp.einsum(eq, x, _gathered(w), preferred_element_type=out_dtype)
-    if seq is not None and out_dtype is None and option("collective_matmul", False):
+        return jnp.einsum(eq, x, _gathered(w))
+    if seq is not None and option("collective_matmul", False):
         y = projection(eq, x, w, sharding, seq)
         if y is not None:
             return y
     if _explicit():
         w = _compatible(xl, x, wl, w)
-        return jnp.einsum(eq, x, w, out_sharding=sharding.spec, preferred_element_type=out_dtype)
-    return jax.lax.with_sharding_constraint(
-        jnp.einsum(eq, x, w, preferred_element_type=out_dtype), sharding)
+        return jnp.einsum(eq, x, w, out_sharding=sharding.spec)
+    return jax.lax.with_sharding_constraint(jnp.einsum(eq, x, w), sharding)
 
 
 def lookup(table: jax.Array, ids: jax.Array, names: Sequence[str | None]) -> jax.Array:

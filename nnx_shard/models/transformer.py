@@ -501,14 +501,13 @@ class Transformer(nnx.Module):
                 x, a = run(block, x)
                 aux = aux + a
         x = constrain(self.final_norm(x), _seq(GATHERED))
-        # Logits accumulate and stay in float32, whatever the compute dtype.
         if self.unembed is None:
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype),
-                            _seq(("batch", None, "vocab")), out_dtype=jnp.float32)
+                            _seq(("batch", None, "vocab")))
         else:
             logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype),
-                            _seq(("batch", None, "vocab")), out_dtype=jnp.float32)
-        return logits, aux
+                            _seq(("batch", None, "vocab")))
+        return logits.astype(jnp.float32), aux
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens)[0]
