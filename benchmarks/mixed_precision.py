@@ -170,7 +170,7 @@ def fine_tune(steps: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     args = parse(__doc__)
-    batch, length, k, rounds, steps = (4, 32, 2, 1, 20) if args.quick else (16, 128, 2, 5, 300)
+    batch, length, k, rounds, steps = (8, 32, 2, 1, 20) if args.quick else (16, 128, 2, 5, 300)
     rows = memory_rows(batch, length, k)
     mib = 2.0**20
     base = rows[0]
