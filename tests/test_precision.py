@@ -96,9 +96,30 @@ def _reference(steps: int) -> tuple[np.ndarray, dict]:
     return np.array(jax.device_get(losses)), grads
 
 
+def test_value_and_grad_reads_bfloat16_and_returns_float32_gradients():
+    """One device, no mesh: the fast check of what the sharded tests below repeat."""
+    model = Net(nnx.Rngs(0))
+    batch = jax.tree.map(lambda a: jnp.asarray(a[0]), _batches(1))
+    want_loss, want = _reference_grads(batch)
+    loss, grads = ns.value_and_grad(ce_loss, precision=MIXED)(model, batch)
+    assert loss != want_loss
+    assert_close(loss, want_loss, rtol=BF16_RTOL, what="loss")
+    assert {str(g.dtype) for g in jax.tree.leaves(grads)} == {"float32"}
+    assert_close(jax.device_get(grads), want, rtol=BF16_RTOL, what="gradients")
+    seen = []
+    probe = lambda m, b: seen.append(m.up.kernel[...].dtype) or ce_loss(m, b)  # noqa: E731
+    ns.value_and_grad(probe, precision=MIXED)(model, batch)
+    assert seen == [jnp.bfloat16] and model.up.kernel[...].dtype == jnp.float32
+
+
+def _reference_grads(batch):
+    model = Net(nnx.Rngs(0), dtype=jnp.float32)
+    return nnx.value_and_grad(ce_loss)(model, batch)
+
+
+@pytest.mark.slow
 @needs_devices(8)
-@pytest.mark.parametrize("strategy", [pytest.param("dp", marks=pytest.mark.slow), "fsdp",
-                                      pytest.param("fsdp_tp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "fsdp_tp"])
 def test_stock_model_follows_float32_one_device(strategy):
     steps = 4
     want_loss, want_grads = _reference(steps)
