@@ -49,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import hand_scan, mlp, parse, run_worker, worker_main, write_json
+from _common import hand_scan, machine, mlp, parse, run_worker, worker_main, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fit_speed.json"
 DEVICE_COUNTS = (1, 8)
@@ -123,7 +123,7 @@ def worker(n_devices: int, quick: bool) -> dict:
     def mse(model, batch):
         return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
-    out: dict = {"n_devices": n_devices, "models": {}}
+    out: dict = {"n_devices": n_devices, "machine": machine(), "models": {}}
     picked = _selected(os.environ.get("FIT_SPEED_ONLY", ""))
     for name, (batch, k, per_round, quick_round) in MODELS.items():
         if (name, n_devices) not in picked:

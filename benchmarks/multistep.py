@@ -18,7 +18,7 @@ Steps/s of four ways to run the same train step:
 
 Every variant keeps at most two calls in flight (it blocks on the result of the
 call before the previous one): with 8 simulated devices on few cores, unbounded
-asynchronous dispatch can deadlock XLA's CPU rendezvous (DESIGN.md). Variants
+asynchronous dispatch can deadlock XLA's CPU rendezvous (docs/architecture.md). Variants
 are timed in interleaved rounds, ordered by a balanced Latin square; the table shows
 the median round, and multistep / hand scan is the median of the per-round ratios.
 

@@ -10,7 +10,7 @@ factor 1.0, since expert parallelism needs experts), AdamW, global batch 16, one
   step's ``memory_analysis()`` minus the batch (what the step really takes in);
   temp: its ``temp_size_in_bytes`` (activations, gathered parameters, ...);
 * steps/s and tokens/s: ``ns.multistep`` with K=4 steps per call, at most two
-  calls in flight (DESIGN.md: deeper queues can deadlock XLA's CPU rendezvous);
+  calls in flight (docs/architecture.md: deeper queues can deadlock XLA's CPU rendezvous);
   the median of 3 rounds that interleave the strategies;
 * collective bytes per step: the result sizes of the all-reduce, all-gather,
   reduce-scatter, all-to-all and collective-permute operations of the compiled

@@ -154,7 +154,7 @@ def logical_axes(**names: Sequence[str | None]) -> Callable[[C], C]:
     def decorate(cls: C) -> C:
         if not isinstance(cls, type):
             raise TypeError(f"logical_axes decorates a class, got {cls!r}")
-        original_init = cls.__init__
+        original_init = cls.__init__  # type: ignore[misc]  # the class's own, read once
 
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             original_init(self, *args, **kwargs)

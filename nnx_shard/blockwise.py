@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -219,7 +219,7 @@ def delta(do: jax.Array, out: jax.Array) -> jax.Array:
 
 
 def _block_bwd(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
-               dlt: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
+               dlt: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     s = _scores(q, k)
     p = jnp.exp(s - lse[..., None])
     if mask is not None:
@@ -242,6 +242,10 @@ def _blocks(length: int, block: int | None) -> tuple[int, int]:
     return block, -(-length // block)
 
 
+@overload
+def _pad(x: jax.Array, axis: int, to: int, value: Any) -> jax.Array: ...
+@overload
+def _pad(x: None, axis: int, to: int, value: Any) -> None: ...
 def _pad(x: jax.Array | None, axis: int, to: int, value: Any) -> jax.Array | None:
     if x is None or x.shape[axis] in (1, to):
         return x
@@ -420,7 +424,7 @@ def dense(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, causal: bool,
     if mask is not None:
         scores = jnp.where(mask, scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1)
-    if masks.present:
+    if mask is not None and masks.present:
         probs = jnp.where(jnp.any(mask, axis=-1, keepdims=True), probs, 0.0)
     probs = probs.astype(q.dtype)
     if g == 1:

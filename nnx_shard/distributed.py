@@ -485,7 +485,7 @@ def process_slice(
     rules = as_rules(rules)
     spec = rules.spec((name,), shape=(batch_size,), mesh=mesh, path="batch")
     index = NamedSharding(mesh, spec).addressable_devices_indices_map((batch_size,))
-    spans = sorted({idx[0].indices(batch_size)[:2] for idx in index.values()})
+    spans = sorted({idx[0].indices(batch_size)[:2] for idx in index.values() if idx})
     start, stop = spans[0]
     for lo, hi in spans[1:]:
         if lo > stop:

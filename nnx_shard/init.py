@@ -329,7 +329,7 @@ def _opt_shardings(opt_state: Any, owners: Any, mesh: Mesh, rules: Rules) -> Any
 def _check_same_mesh(state: Any, mesh: Mesh) -> None:
     """Raises a ShardingError naming an array laid out on another mesh than ``mesh``
     (other axes, sizes or devices): its layout cannot be read on ``mesh``."""
-    elsewhere = []
+    elsewhere: list[tuple[str, Any, Any]] = []
     for path, var in nnx.to_flat_state(state):
         value = var.get_value() if isinstance(var, nnx.Variable) else var
         sharding = getattr(value, "sharding", None)
@@ -343,7 +343,7 @@ def _check_same_mesh(state: Any, mesh: Mesh) -> None:
     if not elsewhere:
         return
     # Name a sharded parameter if there is one: its spec shows why the mesh matters.
-    path, shape, sharding = max(elsewhere, key=lambda e: any(x is not None for x in e[2].spec))
+    named, shape, sharding = max(elsewhere, key=lambda e: any(x is not None for x in e[2].spec))
     theirs = sharding.mesh
     if dict(theirs.shape) == dict(mesh.shape):
         where = (f"mesh {mesh_str(theirs)} over devices {np.ravel(theirs.device_ids).tolist()}, "
@@ -352,7 +352,7 @@ def _check_same_mesh(state: Any, mesh: Mesh) -> None:
         where = f"mesh {mesh_str(theirs)}"
     more = f" (and {len(elsewhere) - 1} more parameters)" if len(elsewhere) > 1 else ""
     raise ShardingError(
-        f"sharded_optimizer: parameter {path!r} (shape {tuple(shape)}) is laid out as "
+        f"sharded_optimizer: parameter {named!r} (shape {tuple(shape)}) is laid out as "
         f"{sharding.spec} on {where}{more}, but mesh={mesh_str(mesh)!r} was given. The "
         "optimizer state is built on the mesh of its model. Fix: pass the model's mesh (the "
         "one given to sharded_init), or lay the model out on the new mesh first: "

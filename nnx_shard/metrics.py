@@ -73,10 +73,10 @@ class MetricsWriter:
         self.directory = Path(directory)
         self._file: Any = None
         self._tb: Any = None
-        summary_writer = None
+        summary_writer: Any = None
         if tensorboard is not False:
             try:
-                from tensorboardX import SummaryWriter as summary_writer
+                from tensorboardX import SummaryWriter
             except ImportError as e:
                 if tensorboard:
                     raise ImportError(
@@ -84,6 +84,8 @@ class MetricsWriter:
                         "installed. Fix: pip install 'nnx_shard[tensorboard]', or pass "
                         "tensorboard=None to write TensorBoard files only when it is."
                     ) from e
+            else:
+                summary_writer = SummaryWriter
         if jax.process_index() != 0:
             return  # one set of files per job
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ import types
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from jax.sharding import PartitionSpec
 
@@ -56,7 +56,11 @@ from nnx_shard.axes import mesh_sizes, sizes_str
 from nnx_shard.errors import ShardingError, ShardingWarning
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
-_Unconstrained = type(UNCONSTRAINED)
+if TYPE_CHECKING:
+    # The singleton's class is private to jax; checks read `is UNCONSTRAINED`.
+    _Unconstrained: TypeAlias = Any
+else:
+    _Unconstrained = type(UNCONSTRAINED)
 
 #: One placement: the mesh axes a dimension is sharded over (``()`` replicates), or
 #: ``PartitionSpec.UNCONSTRAINED``.

@@ -174,7 +174,7 @@ def read_slice(header: Header, name: str, index: Sequence[slice]) -> np.ndarray:
     if offsets:
         fd = os.open(info.path, os.O_RDONLY)
         try:
-            view = memoryview(out)
+            view = memoryview(out.data)
             for i, off in enumerate(offsets):
                 got = os.preadv(fd, [view[i * run:(i + 1) * run]], info.offset + off)
                 if got != run:
@@ -234,7 +234,7 @@ def write_slice(path: str, header: Header, name: str, index: Sequence[slice],
     if data.shape != sub or data.dtype != dtype:
         raise ValueError(f"write_slice: tensor {name!r}{list(index)} takes {dtype}{list(sub)}, "
                          f"got {data.dtype}{list(data.shape)}")
-    raw = memoryview(data.reshape(-1).view(np.uint8))
+    raw = memoryview(data.reshape(-1).view(np.uint8).data)
     fd = os.open(path, os.O_WRONLY)
     try:
         for i, off in enumerate(offsets):

@@ -4,6 +4,12 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+# Eight simulated devices per test process, several processes on a few shared cores: a
+# collective's threads can take longer than XLA's default wait to meet at the rendezvous
+# (docs/architecture.md), which aborts the process. Wait longer; a real hang still ends.
+if "--xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += (" --xla_cpu_collective_call_terminate_timeout_seconds=600"
+                                " --xla_cpu_collective_timeout_seconds=600")
 
 import jax
 import pytest

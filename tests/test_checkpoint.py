@@ -627,7 +627,7 @@ def test_a_flipped_byte_in_the_manifest_is_a_corrupt_checkpoint(tmp_path):
     # Every entry is checked on its own too (a manifest with a recomputed digest).
     import json
 
-    from nnx_shard.checkpoint import _digest
+    from nnx_shard.checkpoint.manifest import _digest
 
     bad = json.loads(text)
     bad["items"]["model"]["up/kernel"]["checksum"] = [1, 2, 3]
@@ -924,7 +924,7 @@ def test_editing_extra_or_renaming_a_step_is_detected(tmp_path):
 def test_checksums_do_not_collapse_on_constant_round_arrays():
     """Norm scales and biases are often constant and round: every such float32 array
     of a size multiple of 512 used to checksum to [0, 0]."""
-    from nnx_shard.checkpoint import _checksums
+    from nnx_shard.checkpoint.manifest import _checksums
 
     arrays = [jnp.ones(512), jnp.ones(1024), jnp.full((512,), 2.0), jnp.zeros(512),
               jnp.full((4096,), 0.5), jnp.ones(512, jnp.bfloat16), jnp.full((512,), -1.0),

@@ -29,6 +29,7 @@ from safetensors.numpy import load_file, save_file
 
 import nnx_shard as ns
 from nnx_shard import hf, safetensors_io
+from nnx_shard.hf import layout, mapping
 from nnx_shard.models import Llama, LlamaConfig
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
@@ -182,18 +183,18 @@ def test_transforms_are_local(strategy: str) -> None:
     # the slice it holds.
     name = "hf_qwen3"
     target = _target(name, strategy, scan_layers=strategy.startswith("pp"))
-    header = safetensors_io.read_header(*hf._files(FIXTURES / name))
-    leaves = hf._leaves(nnx.state(target), "test")
-    hf._match(header, leaves, hf._rules(hf.mapping_for(target)), name)
+    header = safetensors_io.read_header(*layout.checkpoint_files(FIXTURES / name))
+    leaves = mapping.leaves_of(nnx.state(target), "test")
+    mapping.match(header, leaves, mapping.compile_rules(hf.mapping_for(target)), name)
     checked = 0
     mesh = _mesh(strategy)
     for leaf in leaves.values():
-        shape, hf_sharding, model_sharding = hf._layouts(leaf)
+        shape, hf_sharding, model_sharding = layout.layouts(leaf)
         for direction, arg in (("load", jax.ShapeDtypeStruct(shape, jnp.float32,
                                                              sharding=hf_sharding)),
                                ("save", jax.ShapeDtypeStruct(leaf.shape, jnp.float32,
                                                              sharding=model_sharding))):
-            hlo = hf._program(leaf, direction, jnp.float32).lower(arg).compile().as_text()
+            hlo = layout.program(leaf, direction, jnp.float32).lower(arg).compile().as_text()
             assert compiled_collectives(hlo, mesh) == [], (leaf.path, direction)
             checked += 1
     assert checked == 2 * len(leaves) and any(leaf.transform == "heads_out"
@@ -346,7 +347,7 @@ JOB_TIMEOUT = 120
 
 
 def _job(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "nnx_shard.launch", "-n", "2", "--devices-per-process", "4",
+    cmd = [sys.executable, "-m", "nnx_shard.cli.launch", "-n", "2", "--devices-per-process", "4",
            "--timeout", str(JOB_TIMEOUT - 10), "--init-timeout", "30",
            "--heartbeat-timeout", "20", "--", sys.executable, str(HERE / "hf_script.py"), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT,

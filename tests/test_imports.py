@@ -116,3 +116,51 @@ def test_nothing_outside_the_cli_imports_it():
     users = sorted(name for name, targets in graph().items()
                    if not in_cli(name) and any(in_cli(t) for t in targets))
     assert users == []
+
+
+#: docs/architecture.md's floors, top to bottom: a module may import its own floor and the
+#: ones below. A name matches its module and everything under it; the longest match wins.
+FLOORS: list[list[str]] = [
+    ["cli"],
+    ["planner", "simulated", "strategies"],
+    ["train", "checkpoint", "metrics", "hf"],
+    ["models", "parallel", "blockwise", "pipeline_report"],
+    ["strategy", "presets", "parallel.schedule"],
+    ["rules", "annotate", "mesh", "init", "optstate", "report", "distributed"],
+    ["errors", "axes", "units", "optimizers", "_frames", "safetensors_io", "data"],
+]
+
+
+def floor_of(name: str) -> int | None:
+    """0 for the top floor; None for a module the table does not place."""
+    best: tuple[int, int] | None = None  # (length of the match, floor)
+    for level, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            full = f"nnx_shard.{prefix}"
+            if (name == full or name.startswith(full + ".")) and (
+                    best is None or len(full) > best[0]):
+                best = (len(full), level)
+    return None if best is None else best[1]
+
+
+def test_floors_place_the_longest_match():
+    assert floor_of("nnx_shard.parallel.schedule") == 4
+    assert floor_of("nnx_shard.parallel.ring") == 3
+    assert floor_of("nnx_shard.cli.plan") == 0
+    assert floor_of("nnx_shard.nowhere") is None
+
+
+def test_every_module_has_a_floor_and_imports_point_down():
+    edges = graph()
+    unplaced = sorted(m for m in edges if m != "nnx_shard" and floor_of(m) is None)
+    assert unplaced == [], f"add these modules to FLOORS (and docs/architecture.md): {unplaced}"
+    up = []
+    for name, targets in sorted(edges.items()):
+        here = floor_of(name)
+        if here is None:
+            continue  # the package root re-exports everything
+        for target in sorted(targets):
+            there = floor_of(target)
+            if there is not None and there < here:
+                up.append(f"{name} -> {target}")
+    assert up == [], f"imports that point up a floor (docs/architecture.md): {up}"

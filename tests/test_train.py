@@ -92,7 +92,7 @@ def loop(step, model, opt, batches, *others):
     out = []
     for i in range(k):
         out.append(jstep(model, opt, jax.tree.map(lambda x, i=i: x[i], batches), *others))
-        jax.block_until_ready(out[-1])  # one call in flight: see DESIGN.md (CPU rendezvous)
+        jax.block_until_ready(out[-1])  # one call in flight: see docs/architecture.md (CPU rendezvous)
     return jax.tree.map(lambda *xs: np.stack(xs), *out)
 
 

@@ -46,7 +46,7 @@ def simulate_devices(n: int = SIMULATED_DEVICES) -> bool:
     """
     if _FORCE in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_NUM_CPU_DEVICES"):
         return False
-    if jax.config.jax_num_cpu_devices >= 0:  # set by the user (config or env at import)
+    if jax.config.jax_num_cpu_devices >= 0:  # type: ignore[attr-defined]  # set by the user (config or env at import)
         return False
     try:
         # JAX's public route: importing jax starts no backend; the first

@@ -436,10 +436,10 @@ def _demo(args: argparse.Namespace) -> int:
     png: Path | None = out / "loss.png"
     outputs.record("loss.png")
     try:
-        plot_losses(png, list(zip(steps, losses.tolist(), strict=True)), evals, baseline)
+        plot_losses(out / "loss.png", list(zip(steps, losses.tolist(), strict=True)), evals, baseline)
     except ImportError:
         # A previous run's plot (the demo's: checked up front) would pass for this one's.
-        png.unlink(missing_ok=True)
+        (out / "loss.png").unlink(missing_ok=True)
         outputs.forget("loss.png")
         png = None
         say(f"\nno loss plot: matplotlib is not installed ({PLOT_EXTRA} to get loss.png)")

@@ -37,7 +37,7 @@ def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
     {'data': 4, 'model': 2}
     """
     if isinstance(spec, Mapping):
-        items = list(spec.items())
+        items: list[tuple[str, Any]] = list(spec.items())
         for name, size in items:
             # bool is an int and 8.5 truncates: both would give a mesh nobody asked for.
             if isinstance(size, bool) or not isinstance(size, int | np.integer):
@@ -58,13 +58,13 @@ def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
         for part in spec.replace(" ", "").split(","):
             if not part:
                 continue
-            name, eq, size = part.partition("=")
+            name, eq, size_txt = part.partition("=")
             if not eq or not name:
                 raise ShardingError(
                     f"mesh spec {spec!r}: {part!r} is not 'axis=size'. "
                     "Fix: e.g. make_mesh('data=4,model=2')."
                 )
-            items.append((name, size))
+            items.append((name, size_txt))
     axes: dict[str, int] = {}
     for name, size in items:
         try:
@@ -180,7 +180,11 @@ def _check_devices(devices: Any) -> list[Any]:
             "Fix: e.g. devices=jax.devices()[:4]."
         )
     seen: set[int] = set()
-    twice = [d for d in devs if d.id in seen or seen.add(d.id)]
+    twice = []
+    for d in devs:
+        if d.id in seen:
+            twice.append(d)
+        seen.add(d.id)
     if twice:
         raise ShardingError(
             f"make_mesh: devices lists {twice[0]} more than once ({len(devs)} entries, "

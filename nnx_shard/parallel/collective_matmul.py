@@ -50,7 +50,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
@@ -84,7 +84,7 @@ def _letter(eq: str, letters: str, letter: Any, what: str, role: str) -> int:
     return letters.index(letter)
 
 
-def _ring_size(axis: str, mesh: Mesh) -> int:
+def _ring_size(axis: str, mesh: Mesh | AbstractMesh) -> int:
     if axis not in mesh.shape:
         raise ShardingError(
             f"collective matmul over mesh axis {axis!r}, but the mesh has axes "
@@ -127,7 +127,7 @@ def _typed_axes(a: jax.Array, letters: str, drop: str) -> dict[str, tuple[str, .
     return out
 
 
-def _shard_map(body: Any, mesh: Mesh, axis: str, x: jax.Array, w: jax.Array, xl: str, wl: str,
+def _shard_map(body: Any, mesh: Mesh | AbstractMesh, axis: str, x: jax.Array, w: jax.Array, xl: str, wl: str,
                out: str, rings: tuple[str, str, str],
                layout: dict[str, tuple[str, ...]] | None) -> jax.Array:
     """``body`` over ``x``, ``w`` sharded over ``axis`` along the letters
@@ -168,14 +168,14 @@ def _shard_map(body: Any, mesh: Mesh, axis: str, x: jax.Array, w: jax.Array, xl:
     return jax.shard_map(manual, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=o_spec)(x, w)
 
 
-def _layout(mesh: Mesh, x: jax.Array, letters: str, drop: str) -> dict[str, tuple[str, ...]] | None:
+def _layout(mesh: Mesh | AbstractMesh, x: jax.Array, letters: str, drop: str) -> dict[str, tuple[str, ...]] | None:
     """``x``'s other mesh axes per letter, read from its type (Explicit axes), else ``None``."""
     if not any(t == AxisType.Explicit for t in mesh.axis_types):
         return None
     return _typed_axes(x, letters, drop)
 
 
-def _mesh(mesh: Mesh | None) -> Mesh:
+def _mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh:
     if mesh is not None:
         return mesh
     abstract = jax.sharding.get_abstract_mesh()
@@ -227,6 +227,7 @@ def _gather_body(eq: str, x: jax.Array, w: jax.Array, *, axis: str, n: int, dim:
             # After s steps forward (backward) this device holds block d - s (d + s).
             owner = (d - step * s) % n
             out = jax.lax.dynamic_update_slice_in_dim(out, y, owner * block + offset, out_dim)
+    assert out is not None  # n >= 1 steps ran
     return out
 
 
@@ -238,9 +239,9 @@ def _scatter_body(eq: str, x: jax.Array, w: jax.Array, *, axis: str, n: int, dim
     d = jax.lax.axis_index(axis)
     block = x.shape[dim] // n
     parts = [(1, 0, block)] if not both else [(1, 0, block // 2), (-1, block // 2, block // 2)]
-    sums = []
+    sums: list[jax.Array] = []
     for step, offset, size in parts:
-        acc = None
+        acc: jax.Array | None = None
         for s in range(n):
             # The running sum that ends on device d after n - 1 hops forward
             # (backward) is for block d; at hop s it collects block d - s - 1 (d + s + 1).
@@ -248,13 +249,14 @@ def _scatter_body(eq: str, x: jax.Array, w: jax.Array, *, axis: str, n: int, dim
             piece = jax.lax.dynamic_slice_in_dim(x, owner * block + offset, size, axis=dim)
             y = jnp.einsum(eq, piece, w)
             acc = y if acc is None else _shift(axis, n, step)(acc) + y
+        assert acc is not None  # n >= 1 hops ran
         sums.append(acc)
     return sums[0] if len(sums) == 1 else jnp.concatenate(sums, axis=out_dim)
 
 
 def _ring(body: Any, eq: str, x: jax.Array, w: jax.Array, letters: tuple[str, str, str],
           rings: tuple[str, str, str], sharded: Sequence[tuple[str, Sequence[int], int, str, str]],
-          axis: str, mesh: Mesh | None, bidirectional: bool | None,
+          axis: str, mesh: Mesh | AbstractMesh | None, bidirectional: bool | None,
           layout: dict[str, tuple[str, ...]] | None) -> jax.Array:
     """Both collective matmuls once their letters are checked: ``body``
     (:func:`_gather_body` or :func:`_scatter_body`) run in :func:`_shard_map`
@@ -276,7 +278,7 @@ def _ring(body: Any, eq: str, x: jax.Array, w: jax.Array, letters: tuple[str, st
 
 
 def all_gather_matmul(eq: str, x: jax.Array, w: jax.Array, *, gather: str, shard: str,
-                      axis: str = "model", mesh: Mesh | None = None,
+                      axis: str = "model", mesh: Mesh | AbstractMesh | None = None,
                       bidirectional: bool | None = None,
                       layout: dict[str, tuple[str, ...]] | None = None) -> jax.Array:
     """``jnp.einsum(eq, x, w)`` for ``x`` sharded over ``axis`` along its
@@ -323,7 +325,7 @@ def all_gather_matmul(eq: str, x: jax.Array, w: jax.Array, *, gather: str, shard
 
 
 def matmul_reduce_scatter(eq: str, x: jax.Array, w: jax.Array, *, scatter: str, contract: str,
-                          axis: str = "model", mesh: Mesh | None = None,
+                          axis: str = "model", mesh: Mesh | AbstractMesh | None = None,
                           bidirectional: bool | None = None,
                           layout: dict[str, tuple[str, ...]] | None = None) -> jax.Array:
     """``jnp.einsum(eq, x, w)`` for ``x`` and ``w`` both sharded over ``axis``

@@ -148,9 +148,9 @@ def check_stack(state: Any, sizes: dict[str, int], sched: Schedule) -> None:
     if s is None:
         return  # the strategy's missing-axis message names the fix
     v = sched.repeats
-    path, n_layers = stacked[0]
+    first, n_layers = stacked[0]
     check_layers(n_layers, s, v, sched.axis,
-                  f"parameter {path!r} stacks {n_layers} layers, which do not divide into",
+                  f"parameter {first!r} stacks {n_layers} layers, which do not divide into",
                   f" (mesh {', '.join(f'{k}={x}' for k, x in sizes.items())})",
                   f" with repeats={v}")
 

@@ -90,8 +90,8 @@ def _groups(line: str) -> tuple[list[frozenset[int]], bool] | None:
         return [frozenset(g.tolist()) for g in flat], False
     if m := _IOTA.search(line):
         shape = _ints(m.group(1))
-        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(shape[0], -1)
-        return [frozenset(g.tolist()) for g in ids], False
+        rows = _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(shape[0], -1)
+        return [frozenset(g.tolist()) for g in rows], False
     if m := _EXPLICIT.search(line):
         groups = re.findall(r"\{([0-9,]*)\}", m.group(1))
         return [frozenset(_ints(g)) for g in groups if g], False

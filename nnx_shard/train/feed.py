@@ -136,7 +136,7 @@ class Inline:
 
     def close(self) -> None:
         self._stop.set()
-        self._groups.close()
+        self._groups.close()  # type: ignore[attr-defined]  # a generator
 
 
 def build_group(host: list[Any], place: Placer) -> tuple[int, Any, int]:
@@ -163,7 +163,7 @@ def build_group(host: list[Any], place: Placer) -> tuple[int, Any, int]:
     columns: list[list[Any]] = [[x] for _, x in first[0]]
     for n, b in enumerate(host[1:], start=1):
         leaves, treedef = jax.tree.flatten(b)
-        if treedef != first[1]:
+        if treedef != first[1]:  # type: ignore[operator]
             raise ValueError(
                 f"host batch {n} of this group has structure {treedef} but the first "
                 f"has {first[1]}; every batch must have the same structure."

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.errors import sharding_types
 from nnx_shard.mesh import apply_sharding, current
@@ -83,7 +83,7 @@ def _structure_diff(before: Any, after: Any) -> str:
     return "; ".join(parts) or "the Variable types or metadata changed"
 
 
-def _mesh_of(trees: Sequence[Any]) -> Mesh | None:
+def _mesh_of(trees: Sequence[Any]) -> Mesh | AbstractMesh | None:
     for tree in trees:
         for x in jax.tree.leaves(tree):
             sharding = getattr(x, "sharding", None)
@@ -331,7 +331,7 @@ class Fused:
         if self.max_in_flight is not None:
             # Bounded asynchronous dispatch: with many calls queued, the devices of
             # XLA's CPU client can miss each other's collectives and abort the process
-            # (DESIGN.md: 2 or 8 calls in flight ran 3,000 calls, 32 aborted).
+            # (docs/architecture.md: 2 or 8 calls in flight ran 3,000 calls, 32 aborted).
             self._in_flight.append(done)
             while len(self._in_flight) > self.max_in_flight:
                 self._in_flight.popleft().block_until_ready()

@@ -176,7 +176,7 @@ def _typed_spec(x: jax.Array) -> PartitionSpec | None:
     """``x``'s spec from its traced type, where the type holds it (all axes Explicit)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
+    if sharding is None or mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
         return None
     return sharding.spec
 

@@ -45,7 +45,7 @@ def _check_names_prefix(names: Any, batch: Any) -> Any:
                 f"logical names. Fix: {_NAMES_FIX}."
             )
     try:
-        treedef.flatten_up_to(batch)
+        treedef.flatten_up_to(batch)  # type: ignore[attr-defined]
     except (ValueError, TypeError) as e:
         raise ValueError(
             "shard_batch: names is a pytree prefix that does not match the batch: names has "

@@ -206,7 +206,8 @@ class FitRun:
         self.examples = examples
         self.failure = None
         if good < n:
-            what = why_not_finite({**host, "nonfinite": nonfinite_at}, good, self.checked)
+            what = why_not_finite({**host, "nonfinite": nonfinite_at},  # type: ignore[dict-item]
+                                  good, self.checked)
             kept = f"from after step {step0 + good}" if step0 + good else "from before it"
             self.failure = (
                 f"{what} at step {step0 + good + 1}; stopped without applying it, keeping "

@@ -239,7 +239,7 @@ class Trainer:
         self._guard.raise_()
         self._record_layout()
         # Two calls in flight keep the device busy while the host reads the previous
-        # metrics; never more (DESIGN.md: deeper queues deadlock XLA's CPU rendezvous).
+        # metrics; never more (docs/architecture.md: deeper queues deadlock XLA's CPU rendezvous).
         # The user's callbacks see the model as of their step, so with them: one at a time.
         # The run shows progress, stops on a non-finite step and saves before them (they
         # see only finite steps, and a save never follows a non-finite step).

@@ -1,0 +1,193 @@
+"""Failed saves and the end of the process: a background save that failed raises
+at the next save, wait or close, and a process that exits with saves in flight
+finishes them (or reports them) within a bounded stall."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import math
+import os
+import pathlib
+import re
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from nnx_shard.checkpoint.folders import (
+    _DIR_LOCKS_LOCK,
+    _OPEN,
+    _STALL_DEFAULT_S,
+    _STALL_ENV,
+    _UNSETTLED,
+    _finished_steps,
+    _unfinished,
+)
+
+# --------------------------------------------------------------------------- failures
+
+
+def _errno_of(e: BaseException) -> int | None:
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno:
+            return int(x.errno)
+        m = re.search(r"os_error_code='?(\d+)", str(x))
+        if m:
+            return int(m.group(1))
+        x = x.__cause__ or x.__context__
+    return None
+
+
+def _save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseException,
+                 background: bool) -> OSError:
+    """One clear OSError for a save that failed: which, why, what is left, the fix."""
+    code = _errno_of(e)
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = text if len(text) <= 300 else text[:300] + "..."
+    reason = f"{os.strerror(code)} ({text})" if code else text
+    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        fix = "free disk space (or keep fewer checkpoints: keep=), then save again"
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "save to a directory this process can write"
+    else:
+        fix = "check the directory, then save again"
+    what = "background save" if background else "save"
+    err = OSError(
+        f"{caller}: the {what} of step {step} to {directory} failed: {reason}; that step "
+        f"was not written (finished steps: {_finished_steps(directory)}). Fix: {fix}."
+    )
+    err.errno = code
+    return err
+
+
+# --------------------------------------------------------------------------- exit
+
+
+def _stall_seconds() -> float:
+    try:
+        value = float(os.environ.get(_STALL_ENV, _STALL_DEFAULT_S))
+    except ValueError:
+        return _STALL_DEFAULT_S
+    return value if value > 0 and math.isfinite(value) else _STALL_DEFAULT_S
+
+
+def _bytes_written(ckpts: Sequence[Any]) -> int:
+    """Bytes on disk under the folders of the saves in flight: their progress."""
+    total = 0
+    for ckpt in ckpts:
+        step = ckpt._pending
+        if step is None:
+            continue
+        for name in [*_unfinished(ckpt.directory, step), str(step)]:
+            for root, _, files in os.walk(ckpt.directory / name):
+                for f in files:
+                    with contextlib.suppress(OSError):
+                        total += os.stat(os.path.join(root, f)).st_size
+    return total
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def _exit_1() -> None:
+    """Ends the process with status 1 after the other ``atexit`` handlers ran: Python
+    offers no other way to change the exit status once the interpreter is exiting."""
+    atexit.unregister(_exit_1)
+    run_others = getattr(atexit, "_run_exitfuncs", None)
+    if run_others is not None:
+        run_others()
+    _flush()
+    os._exit(1)
+
+
+def _finish_saves_at_exit(in_shutdown: bool = True) -> None:
+    """Finishes the background saves of Checkpointers still open at interpreter exit.
+
+    Orbax writes through asyncio's default thread pool, which refuses new work
+    once the interpreter starts shutting down ("cannot schedule new futures after
+    interpreter shutdown"): a save in flight was lost, with tracebacks on stderr.
+    This runs first in the shutdown sequence (see ``_register_exit``). A save that
+    failed, and one that makes no progress for ``NNX_SHARD_EXIT_STALL`` seconds,
+    is one line on stderr and exit status 1; exit never hangs on one.
+    """
+    with _DIR_LOCKS_LOCK:
+        ckpts = {id(c): c for c in [*_UNSETTLED, *(c for s in _OPEN.values() for c in list(s))]}
+    todo = list(ckpts.values())
+    if not todo:
+        return
+    failures: list[str] = []
+
+    def finish() -> None:
+        for ckpt in todo:
+            try:
+                ckpt.close()
+            except Exception as e:  # reported below, one line each
+                failures.append(" ".join(str(e).split()) or type(e).__name__)
+
+    worker = threading.Thread(target=finish, name="nnx_shard-exit", daemon=True)
+    try:
+        worker.start()
+    except RuntimeError:  # pragma: no cover - a Python that starts no thread this late
+        finish()
+    stall = _stall_seconds()
+    seen, since = _bytes_written(todo), time.monotonic()
+    while worker.is_alive():
+        worker.join(timeout=min(0.5, stall))
+        if not worker.is_alive():
+            break
+        now = _bytes_written(todo)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= stall:
+            stuck = [c for c in todo if c._pending is not None]
+            for ckpt in stuck:
+                print(f"nnx_shard: error: the save of step {ckpt._pending} to "
+                      f"{ckpt.directory} made no progress for {stall:g} s at exit; it is "
+                      f"lost ({_STALL_ENV} sets how long to wait).", file=sys.stderr)
+            if not stuck:
+                print(f"nnx_shard: error: closing the checkpointers of "
+                      f"{', '.join(sorted({str(c.directory) for c in todo}))} made no progress "
+                      f"for {stall:g} s at exit ({_STALL_ENV} sets how long to wait).",
+                      file=sys.stderr)
+            # Orbax's threads are stuck and the interpreter would wait for them.
+            _flush()
+            os._exit(1)
+    for line in failures:
+        print(f"nnx_shard: error: {line}", file=sys.stderr)
+    if failures:
+        if in_shutdown:
+            atexit.register(_exit_1)  # registered last, runs first; runs the others
+        else:  # pragma: no cover - already inside atexit
+            _exit_1()
+
+
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    """Registers :func:`_finish_saves_at_exit` to run before the thread pools shut down.
+
+    ``atexit`` runs too late (after ``concurrent.futures`` stopped its pools); the
+    stdlib's own pools register through ``threading._register_atexit`` (Python >= 3.9),
+    whose callbacks run last-registered first, so ours runs before theirs. Where that
+    private hook is missing we fall back to ``atexit`` (saves then only finish if the
+    pools still accept work).
+    """
+    global _exit_registered
+    if _exit_registered:
+        return
+    _exit_registered = True
+    hook = getattr(threading, "_register_atexit", None)
+    if hook is None:  # pragma: no cover - a Python without the hook
+        atexit.register(_finish_saves_at_exit, False)
+    else:
+        hook(_finish_saves_at_exit)

@@ -1,0 +1,268 @@
+"""The checkpoint directory: whose step folders are whose (only folders a save of
+nnx_shard finished or claimed are ever touched), the write lock, leftovers and
+rotation."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import threading
+import uuid
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no flock, no removal of temporary folders
+    fcntl = None  # type: ignore[assignment]
+
+
+_FORMAT = 2
+_FORMATS = (1, 2)  # the manifest formats this nnx_shard reads
+_ITEMS = ("model", "optimizer")
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_TRASH_MARK = ".nnx_shard-deleting"
+_LOCK_FILE = ".nnx_shard.lock"
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+_TRASH_NAME = re.compile(r"[0-9]+" + re.escape(_TRASH_MARK) + r"-.*")
+_SHOW = 8  # paths listed in one error message before "... and N more"
+# Bounds the host/device memory a restore or save needs beyond the state itself.
+_HASH_BATCH_BYTES = 64 * 2**20
+_RESTORE_CONCURRENT_GB = 0.25
+_DEBUG_ENV = "NNX_SHARD_DEBUG"
+_STALL_ENV = "NNX_SHARD_EXIT_STALL"
+_STALL_DEFAULT_S = 60.0
+
+
+# --------------------------------------------------------------------------- directories
+
+# Saves to one directory are serialised within the process: orbax writes a step
+# under a temporary name and renames it, and two writers of one step collide on
+# that rename ("Directory not empty") or delete each other's temporary files.
+_DIR_LOCKS: dict[pathlib.Path, threading.RLock] = {}
+_DIR_LOCKS_LOCK = threading.Lock()
+# Checkpointers open per directory, whose background writes a save must wait for.
+_OPEN: dict[pathlib.Path, weakref.WeakSet[Any]] = {}
+# Checkpointers with a save in flight or a failure not yet raised: kept alive until
+# exit even when the user dropped them, so neither is lost.
+_UNSETTLED: set[Any] = set()
+
+
+def _dir_lock(directory: pathlib.Path) -> threading.RLock:
+    with _DIR_LOCKS_LOCK:
+        return _DIR_LOCKS.setdefault(directory, threading.RLock())
+
+
+def _settle(directory: pathlib.Path) -> None:
+    """Waits for the background saves of every Checkpointer of ``directory`` in this
+    process, so the disk shows which steps exist (call with the directory's lock). A
+    failure is kept for its Checkpointer to raise."""
+    with _DIR_LOCKS_LOCK:
+        open_now = list(_OPEN.get(directory, ()))
+    for ckpt in open_now:
+        ckpt._collect()
+
+
+def _resolve_dir(directory: Any, caller: str) -> pathlib.Path:
+    """``directory`` as an absolute path; an empty path or a non-path is refused."""
+    if isinstance(directory, bytes) or not isinstance(directory, str | os.PathLike):
+        raise TypeError(
+            f"{caller}: the directory must be a path (str or os.PathLike), got "
+            f"{type(directory).__name__} {directory!r:.60}. Fix: e.g. 'runs/ckpt'."
+        )
+    text = os.fspath(directory)
+    if not isinstance(text, str):
+        raise TypeError(f"{caller}: the directory must be a str path, got {text!r:.60}.")
+    if text == "" or (isinstance(directory, pathlib.PurePath) and not directory.parts):
+        # pathlib.Path("") is "."; an empty string would silently mean the current directory.
+        raise ValueError(
+            f"{caller}: the directory is an empty path; it would mean the current "
+            "directory. Fix: name a folder for the checkpoints, e.g. 'runs/ckpt' (created "
+            "if missing)."
+        )
+    return pathlib.Path(text).expanduser().absolute()
+
+
+def _refuse_file(directory: pathlib.Path, caller: str) -> None:
+    """A NotADirectoryError when ``directory`` (or a parent of it) is an existing file."""
+    for path in (directory, *directory.parents):
+        if path.exists():
+            if path.is_dir():
+                return
+            what = "is a file" if path == directory else f"is under {path}, which is a file"
+            raise NotADirectoryError(
+                f"{caller}: {directory} {what}, not a checkpoint directory. Fix: pass a "
+                "directory (it holds one subdirectory per step; save and Checkpointer create "
+                "it when missing), e.g. a new folder name."
+            )
+
+
+# --------------------------------------------------------------------------- whose folders
+
+
+class _WriteLock:
+    """The directory's lock file, held shared by this process while it writes a step.
+
+    Opening a :class:`Checkpointer` removes temporary folders of interrupted saves
+    only when it can take the lock exclusively, i.e. while no process writes.
+    Locks die with their process, so a killed save does not hold it.
+    """
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.fd: int | None = None
+        if fcntl is None:  # pragma: no cover - no flock (Windows)
+            return
+        try:
+            fd = os.open(directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # e.g. a read-only directory: the save itself reports it
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:  # pragma: no cover - a file system without flock
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@contextlib.contextmanager
+def _alone(directory: pathlib.Path) -> Iterator[bool]:
+    """Yields True while holding the directory's lock exclusively (no process is
+    writing a step there), False when that cannot be had or known."""
+    if fcntl is None:  # pragma: no cover
+        yield False
+        return
+    try:
+        fd = os.open(directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+        else:
+            yield True
+    finally:
+        os.close(fd)
+
+
+def _step_folders(directory: pathlib.Path) -> dict[int, pathlib.Path]:
+    """Every real folder (not a symlink) of ``directory`` named as a step number."""
+    if not directory.is_dir():
+        return {}
+    return {int(p.name): p for p in directory.iterdir()
+            if _STEP_NAME.fullmatch(p.name) and not p.is_symlink() and p.is_dir()}
+
+
+def _claims(path: pathlib.Path) -> bool:
+    """Whether the step folder says it is ours (it has a manifest file at all)."""
+    return (path / "manifest" / "metadata").is_file()
+
+
+def _not_whole(path: pathlib.Path) -> str | None:
+    """Why ``path`` is not a whole checkpoint of ours, or None when it is one: our
+    manifest (a known format, with its digest) and the files of every item it lists."""
+    try:
+        manifest = json.loads((path / "manifest" / "metadata").read_bytes())
+    except FileNotFoundError:
+        return "has no manifest/metadata (nnx_shard writes one into every step)"
+    except (OSError, ValueError) as e:
+        return f"has a manifest that cannot be read ({type(e).__name__})"
+    if not (isinstance(manifest, dict) and manifest.get("format") in _FORMATS
+            and "digest" in manifest and isinstance(manifest.get("items"), dict)):
+        return "has a manifest without nnx_shard's format and digest"
+    needed = ["_CHECKPOINT_METADATA", "extra/metadata"]
+    needed += [f"{name}/_METADATA" for name in manifest["items"] if name in _ITEMS]
+    missing = [f for f in needed if not (path / f).is_file()]
+    if missing:
+        return f"is incomplete (no {', '.join(missing)})"
+    return None
+
+
+def _finished_steps(directory: pathlib.Path) -> list[int]:
+    """The whole checkpoints of ours, oldest first. From the disk, not orbax's cache:
+    a save in flight is not one yet, nor a folder of the user's with a number for a
+    name, nor a damaged or half-deleted step."""
+    return sorted(s for s, p in _step_folders(directory).items() if _not_whole(p) is None)
+
+
+def _unfinished(directory: pathlib.Path, step: int | None = None) -> list[str]:
+    if not directory.is_dir():
+        return []
+    head = str(step) if step is not None else r"\d+"
+    pattern = re.compile("^" + head + re.escape(_TMP_MARK))
+    return sorted(p.name for p in directory.iterdir() if pattern.match(p.name))
+
+
+def _remove_leftovers(directory: pathlib.Path) -> None:
+    """Removes what interrupted work left (process 0 only): steps being deleted when
+    their process died, and temporary folders of saves that were killed, the latter
+    only while no process writes a step here (see :class:`_WriteLock`).
+
+    Orbax's own ``cleanup_tmp_directories`` does not recognise every temporary
+    name it writes on a local filesystem, and does not know whether their writer
+    still runs, so the names are matched here.
+    """
+    if jax.process_index() != 0 or not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if _TRASH_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+    if not _unfinished(directory):
+        return
+    with _alone(directory) as alone:
+        if alone:
+            for name in _unfinished(directory):
+                shutil.rmtree(directory / name, ignore_errors=True)
+
+
+def _delete_step(directory: pathlib.Path, step: int) -> None:
+    """Deletes a step of ours: renamed first (atomic), so a kill half-way leaves a
+    ``*.nnx_shard-deleting-*`` folder to finish later, never a half-deleted step."""
+    trash = directory / f"{step}{_TRASH_MARK}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(directory / str(step), trash)
+    except FileNotFoundError:  # deleted meanwhile
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rotate(mngr: Any, directory: pathlib.Path, keep: int | None) -> None:
+    """Deletes the oldest whole checkpoints of ours beyond the newest ``keep``."""
+    if keep is None or jax.process_index() != 0:
+        return
+    steps = _finished_steps(directory)
+    gone = steps[:-keep] if len(steps) > keep else []
+    for step in gone:
+        _delete_step(directory, step)
+    if gone:
+        _forget(mngr, gone)
+
+
+def _forget(mngr: Any, steps: Sequence[int]) -> None:
+    # Orbax caches the steps it saved (and refuses to save one again): drop deleted ones.
+    infos = getattr(mngr, "_checkpoints", None)
+    if infos is not None and hasattr(infos, "delete_if"):
+        infos.delete_if(lambda info: info.step in steps)
+    else:  # pragma: no cover - another orbax: re-read the directory
+        mngr.reload()
+
+
+def _remove_tmp(directory: pathlib.Path, step: int) -> None:
+    """Removes the temporary folder this process's failed save of ``step`` left
+    (under the directory's lock: no other save of ours writes it)."""
+    for name in _unfinished(directory, step):
+        shutil.rmtree(directory / name, ignore_errors=True)

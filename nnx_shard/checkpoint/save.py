@@ -1,0 +1,274 @@
+"""Writing a step: what is saveable, the JSON ``extra``, the manifest, and
+:func:`save` itself."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnx_shard.checkpoint.backend import _ocp, _quiet
+from nnx_shard.checkpoint.exits import _save_failed
+from nnx_shard.checkpoint.folders import (
+    _FORMAT,
+    _RESTORE_CONCURRENT_GB,
+    _claims,
+    _dir_lock,
+    _forget,
+    _refuse_file,
+    _remove_tmp,
+    _resolve_dir,
+    _settle,
+    _WriteLock,
+)
+from nnx_shard.checkpoint.manifest import (
+    _checksums,
+    _digest,
+    _extra_hash,
+    _flat,
+    _is_key,
+    _key_impl,
+    _nest,
+    _value,
+)
+
+# --------------------------------------------------------------------------- save
+
+
+def _saveable(obj: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(flat arrays to write, manifest entries) for one NNX object."""
+    _, _, rows = _flat(obj, what)
+    arrays: dict[str, Any] = {}
+    entries: dict[str, Any] = {}
+    for _, key, var in rows:
+        x = _value(var)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"save: {what}/{key} is abstract ({x.shape}, {x.dtype}): there is nothing "
+                "to write. Fix: save a model built with ns.sharded_init (or restored), not "
+                "the target from ns.abstract_init."
+            )
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"save: {what}/{key} was deleted, most likely donated to a fused call "
+                "(multistep/Trainer donate=True) after being read from the model. Fix: pass "
+                "the model object itself; its Variables hold the live arrays."
+            )
+        if not isinstance(x, jax.Array):
+            x = jnp.asarray(np.asarray(x))
+        entry: dict[str, Any] = {"shape": list(x.shape), "dtype": None, "key": None}
+        if _is_key(x.dtype):
+            entry["key"] = _key_impl(x)
+            x = jax.random.key_data(x)
+        entry["dtype"] = str(x.dtype)
+        arrays[key] = x
+        entries[key] = entry
+    return arrays, entries
+
+
+def _check_extra(extra: Any) -> None:
+    """Extra must come back from JSON as it was given: a dict with str keys (JSON turns
+    the key 1 into "1") holding JSON data, each bad piece named by its place."""
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"save: extra must be a dict, got {type(extra).__name__} {extra!r:.60}. Fix: e.g. "
+            "extra={'data_position': 100}."
+        )
+
+    def walk(x: Any, where: str) -> None:
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                if not isinstance(k, str):
+                    try:  # what JSON would make of it
+                        back = f", so it would come back as {next(iter(json.loads(json.dumps({k: 0}))))!r}"
+                    except TypeError:
+                        back = ""
+                    raise TypeError(
+                        f"save: {where} has the key {k!r} ({type(k).__name__}); JSON object keys "
+                        f"are strings{back}. Fix: use str keys, e.g. {str(k)!r}."
+                    )
+                walk(v, f"{where}[{k!r}]")
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                walk(v, f"{where}[{i}]")
+        elif x is None or isinstance(x, str | bool | int):
+            pass
+        elif isinstance(x, float):
+            if not math.isfinite(x):
+                raise TypeError(
+                    f"save: {where} is {x!r}, which strict JSON cannot hold. Fix: store a "
+                    "finite number, or None."
+                )
+        else:
+            raise TypeError(
+                f"save: {where} is a {type(x).__name__} ({x!r:.40}), not JSON data (dicts, "
+                "lists, strings, finite numbers, bools, None). Fix: keep arrays in the model; "
+                "convert scalars first (e.g. float(x), int(x), x.tolist())."
+            )
+
+    walk(extra, "extra")
+
+
+def _save_args(
+    step: int, model: Any, optimizer: Any, extra: Mapping[str, Any] | None
+) -> Any:
+    ocp = _ocp()
+    if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"save: step must be a non-negative int, got {step!r}")
+    if extra is not None:
+        _check_extra(extra)
+    # As it will read back: tuples become lists.
+    extra = json.loads(json.dumps(dict(extra or {})))
+    items: dict[str, Any] = {}
+    manifest: dict[str, Any] = {"format": _FORMAT, "step": int(step), "items": {},
+                                "extra": _extra_hash(extra)}
+    for name, obj in (("model", model), ("optimizer", optimizer)):
+        if obj is None:
+            continue
+        arrays, entries = _saveable(obj, name)
+        keys = list(arrays)
+        for key, checksum in zip(keys, _checksums([arrays[k] for k in keys]), strict=True):
+            entries[key]["checksum"] = checksum
+        items[name] = ocp.args.StandardSave(_nest(arrays))
+        manifest["items"][name] = entries
+    manifest["digest"] = _digest(manifest)
+    items["extra"] = ocp.args.JsonSave(extra)
+    items["manifest"] = ocp.args.JsonSave(manifest)
+    return ocp.args.Composite(**items)
+
+
+def _handlers() -> dict[str, Any]:
+    ocp = _ocp()
+    # Orbax reads up to restore_concurrent_gb into host buffers before placing
+    # them; its default (96 GB) stages a whole model at once next to the result.
+    def arrays() -> Any:
+        return ocp.StandardCheckpointHandler(restore_concurrent_gb=_RESTORE_CONCURRENT_GB)
+
+    return {
+        "model": arrays(),
+        "optimizer": arrays(),
+        "extra": ocp.JsonCheckpointHandler(),
+        "manifest": ocp.JsonCheckpointHandler(),
+    }
+
+
+def _manager(directory: pathlib.Path, *, create: bool, **options: Any) -> Any:
+    ocp = _ocp()
+    opts = ocp.CheckpointManagerOptions(
+        create=create, save_root_metadata=False,
+        # Step folders are created before save returns: on a read-only file system the
+        # save fails at once. Created in the background, the failure left orbax's other
+        # threads waiting 300 s for the folder, at exit.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        **options,
+    )
+    return ocp.CheckpointManager(directory, options=opts, item_handlers=_handlers())
+
+
+def _refuse_existing(directory: pathlib.Path, step: int, caller: str) -> None:
+    """A FileExistsError when ``directory/<step>`` exists: ours or not, it is never
+    written over (orbax's ``force`` would delete it first)."""
+    path = directory / str(step)
+    if not os.path.lexists(path):
+        return
+    if path.is_dir() and not path.is_symlink() and _claims(path):
+        raise FileExistsError(
+            f"{caller}: a checkpoint for step {step} already exists at {path}. Fix: save "
+            "under another step, or delete that directory first."
+        )
+    kind = "folder" if path.is_dir() else "file"
+    raise FileExistsError(
+        f"{caller}: {path} already exists and is not a checkpoint written by nnx_shard; "
+        f"nothing of yours is written over. Fix: save under another step, or move that "
+        f"{kind} out of {directory}."
+    )
+
+
+def _do_save(
+    mngr: Any, directory: pathlib.Path, step: int, args: Any, caller: str
+) -> _WriteLock:
+    """Starts the save under the directory's lock, after every in-process save to it
+    finished, so of concurrent saves of one step exactly one writes it and the
+    others are refused. Returns the write lock, held until the save is finished.
+    A save that fails before returning is one clear OSError."""
+    ocp = _ocp()
+    step = int(step)
+    with _dir_lock(directory):
+        _settle(directory)
+        _refuse_existing(directory, step, caller)
+        _forget(mngr, [step])  # a stale entry of orbax's (e.g. a user's "007/") must not block it
+        lock = _WriteLock(directory)
+        try:
+            with _quiet():
+                mngr.save(step, args=args, force=True)
+        except ocp.checkpoint_manager.StepAlreadyExistsError:  # pragma: no cover - raced
+            lock.release()
+            _refuse_existing(directory, step, caller)
+            raise
+        except Exception as e:
+            lock.release()
+            _remove_tmp(directory, step)
+            raise _save_failed(caller, directory, step, e, background=False) from e
+    return lock
+
+
+def save(
+    directory: str | os.PathLike[str],
+    step: int,
+    *,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> pathlib.Path:
+    """Writes a checkpoint of ``model`` (and ``optimizer``, ``extra``) for ``step``; returns its path.
+
+    Every Variable of the model is written (parameters, ``nnx.Rngs`` state,
+    batch statistics), each process writing the shards it holds; nothing is
+    gathered onto one device. The step appears at ``directory/<step>`` only
+    once completely written (it is written under a temporary name and
+    renamed). Returns when the checkpoint is on disk; use :class:`Checkpointer`
+    to save in the background.
+
+    Args:
+      directory: the checkpoint directory (created if missing; steps are subdirectories).
+      step: the step number, a non-negative int not yet saved in ``directory``.
+      model: the model (concrete arrays).
+      optimizer: its ``nnx.Optimizer``, if any.
+      extra: small JSON data (a dict) saved alongside: data position, config, ...
+
+    Raises:
+      FileExistsError: ``step`` is already saved in ``directory`` (also when another
+        thread of this process saved it first), or ``directory/<step>`` is a folder
+        or file that nnx_shard did not write (it is never written over).
+      NotADirectoryError: ``directory`` is a file, or inside one.
+      OSError: the write failed (disk full, read-only file system): one line naming
+        the step and the cause; nothing of the step is left.
+      TypeError: ``extra`` is not a dict of JSON data with str keys (each bad key or
+        value is named), or the model is abstract.
+      ValueError: ``directory`` is an empty path.
+
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> path = save(tempfile.mkdtemp(), 100, model=model, extra={"data_position": 100})
+    >>> path.name, sorted(p.name for p in path.iterdir() if p.is_dir())
+    ('100', ['extra', 'manifest', 'model'])
+    """
+    directory = _resolve_dir(directory, "save")
+    _refuse_file(directory, "save")
+    args = _save_args(step, model, optimizer, extra)
+    with _dir_lock(directory), _quiet():
+        mngr = _manager(directory, create=True, enable_async_checkpointing=False)
+        try:
+            _do_save(mngr, directory, step, args, "save").release()
+            return directory / str(int(step))
+        finally:
+            mngr.close()

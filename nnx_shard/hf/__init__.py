@@ -1,0 +1,77 @@
+"""Hugging Face safetensors checkpoints, loaded straight into a sharded layout and
+saved back from any mesh.
+
+:func:`load_safetensors` fills an abstract model (``ns.abstract_init`` /
+``Strategy.abstract_init``: shapes and shardings, nothing allocated) from a
+checkpoint directory, one model parameter at a time:
+
+1. every Hugging Face tensor is matched to a parameter by a mapping table
+   (:data:`LLAMA_MAPPING`: regular expressions on the Hugging Face name ->
+   parameter path and transform, the style of :func:`nnx_shard.annotate`);
+   every problem (missing, unused, mis-shaped or mis-typed tensors) is
+   collected into one error;
+2. the tensor is read in the Hugging Face layout with a sharding derived from
+   the parameter's own (``jax.make_array_from_callback``): each process reads,
+   with ranged reads (:mod:`nnx_shard.safetensors_io`), only the slices its
+   devices hold; a parameter stacked over layers (``scan_layers``) is read as
+   one ``[layers, ...]`` array whose layer dimension is split like the
+   parameter's (pipeline stages read only their own layers);
+3. one compiled call per parameter turns it into the model's layout
+   (transpose to ``[in, out]``, split heads, cast dtype; vmapped over stacked
+   layers) with the parameter's sharding as output sharding. The derived input
+   sharding makes that call local: it contains no collective (the tests read
+   its HLO), and the Hugging Face-layout copy is freed before the next
+   parameter is read. A process thus holds its devices' shards of the model
+   plus those of one parameter in flight (for a stacked parameter, all its
+   layers). Calls with equal shapes and shardings reuse one compilation.
+
+:func:`save_safetensors` runs the same transforms backwards, one parameter at a
+time, and every process writes the shards it owns straight into their byte
+ranges of the output files (the files are created, at their final size, by
+process 0): nothing is gathered to one host. Processes must share the
+filesystem.
+
+Transforms (the second element of a mapping value): ``"copy"``,
+``"transpose"`` (``[out, in] -> [in, out]``), ``"heads_out"`` (``[heads *
+head_dim, embed] -> [embed, heads, head_dim]``: q/k/v), ``"heads_in"``
+(``[embed, heads * head_dim] -> [heads, head_dim, embed]``: o) and
+``"heads_bias"`` (``[heads * head_dim] -> [heads, head_dim]``).
+
+>>> import tempfile
+>>> from flax import nnx
+>>> import nnx_shard as ns
+>>> from nnx_shard.models import Llama, get_llama_config
+>>> factory = lambda: Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+>>> fsdp = ns.strategies.get("fsdp")
+>>> model = fsdp.sharded_init(factory, "data=8")
+>>> out = tempfile.mkdtemp()
+>>> save_safetensors(out, model)
+>>> loaded = load_safetensors(out, ns.strategies.get("tp").abstract_init(factory, "data=2,model=4"))
+>>> loaded.blocks[0].attn.q.get_value().sharding.spec
+P(None, 'model', None)
+>>> bool((loaded.blocks[0].attn.q.get_value() == model.blocks[0].attn.q.get_value()).all())
+True
+"""
+
+from nnx_shard.hf.layout import INDEX, SINGLE
+from nnx_shard.hf.load import load_safetensors
+from nnx_shard.hf.mapping import (
+    LLAMA_MAPPING,
+    LLAMA_TIED_MAPPING,
+    TRANSFORMS,
+    MappingValue,
+    mapping_for,
+)
+from nnx_shard.hf.save import save_safetensors
+
+__all__ = [
+    "INDEX",
+    "LLAMA_MAPPING",
+    "LLAMA_TIED_MAPPING",
+    "SINGLE",
+    "TRANSFORMS",
+    "MappingValue",
+    "load_safetensors",
+    "mapping_for",
+    "save_safetensors",
+]

@@ -1,0 +1,108 @@
+"""Loading a Hugging Face checkpoint straight into a sharded model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nnx_shard import safetensors_io as st
+from nnx_shard.annotate import path_str
+from nnx_shard.hf.layout import checkpoint_files, layouts, program
+from nnx_shard.hf.mapping import Leaf, MappingValue, compile_rules, leaves_of, mapping_for, match
+from nnx_shard.init import _rewrap
+
+__all__ = ['load_safetensors']
+
+def _read_leaf(header: st.Header, leaf: Leaf) -> jax.Array:
+    shape, hf, model = layouts(leaf)
+    file_dtype = header.tensors[next(iter(leaf.keys.values()))].dtype
+    cache: dict[Any, np.ndarray] = {}
+
+    def read(index: tuple[slice, ...] | None) -> np.ndarray:
+        assert index is not None  # a sharded array's every device has an index
+        # Devices holding the same slice (replicas) share one read.
+        box = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        if box not in cache:
+            if leaf.layers:
+                (l0, l1), rest = box[0], index[1:]
+                cache[box] = np.stack([st.read_slice(header, leaf.keys[i], rest)
+                                       for i in range(l0, l1)])
+            else:
+                cache[box] = st.read_slice(header, leaf.keys[None], index)
+        return cache[box]
+
+    x = jax.make_array_from_callback(shape, hf, read)
+    cache.clear()
+    if leaf.transform == "copy" and hf == model and st.DTYPES[file_dtype] == np.dtype(leaf.dtype):
+        y = x
+    else:
+        y = program(leaf, "load", leaf.dtype)(x)
+        del x
+    y.block_until_ready()  # the Hugging Face-layout copy is freed before the next read
+    return _rewrap(y, leaf.sharding)
+
+
+def load_safetensors(path: str | os.PathLike[str], target: Any,
+                     mapping: Mapping[str, MappingValue] | None = None) -> Any:
+    """A concrete model with ``target``'s structure, every parameter read from the
+    Hugging Face checkpoint at ``path`` straight into the sharding ``target``
+    gives it.
+
+    Args:
+      path: a directory with ``model.safetensors`` or a sharded
+        ``model.safetensors.index.json`` (what ``save_pretrained`` writes), or
+        one ``.safetensors`` file.
+      target: the model to fill, abstract (:func:`nnx_shard.abstract_init`,
+        :meth:`Strategy.abstract_init <nnx_shard.strategies.Strategy.abstract_init>`:
+        nothing allocated) or concrete and sharded; every variable must carry a
+        ``NamedSharding``. Its dtypes decide the loaded dtypes (a bfloat16 file
+        loads into float32 parameters, and back).
+      mapping: regular expression on the Hugging Face name (full match) ->
+        ``"model/path"`` (``\\1``... substitute groups), ``("model/path",
+        transform)`` (one of :data:`TRANSFORMS`), or ``None`` to skip the
+        tensor; the first matching pattern wins. A path with a layer index
+        (``blocks/3/attn/q``) also fills layer 3 of a stacked ``blocks/attn/q``.
+        Default: :func:`mapping_for` (built in for
+        :class:`~nnx_shard.models.Llama`).
+
+    Raises:
+      ValueError: one error listing every problem: tensors the mapping does not
+        place (unused), parameters no tensor fills (missing), shapes and dtypes
+        that do not fit; each names the Hugging Face key, the model path, both
+        shapes and the fix.
+      FileNotFoundError: no checkpoint at ``path``, or files its index lists are absent.
+
+    >>> import dataclasses
+    >>> import nnx_shard as ns
+    >>> from nnx_shard.models import Llama, LlamaConfig
+    >>> ckpt = "tests/fixtures/hf_qwen3"   # transformers' save_pretrained output
+    >>> cfg = LlamaConfig.from_hf(ckpt)
+    >>> target = ns.strategies.get("fsdp_tp").abstract_init(
+    ...     lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=4,model=2")
+    >>> model = load_safetensors(ckpt, target)
+    >>> model.blocks[1].mlp.up.get_value().sharding.spec
+    P('data', 'model')
+    >>> wrong = dataclasses.replace(cfg, kv_heads=4)   # not the checkpoint's sizes
+    >>> load_safetensors(ckpt, ns.strategies.get("dp").abstract_init(
+    ...     lambda: Llama(wrong, rngs=nnx.Rngs(0)), "data=8"))
+    Traceback (most recent call last):
+    ...
+    ValueError: load_safetensors: 4 problems between the checkpoint tests/fixtures/hf_qwen3 and the model:
+    - shape: HF key 'model.layers.0.self_attn.k_proj.weight' [32, 32] F32 maps to model path 'blocks/0/attn/k' [32, 4, 16] float32, which needs HF shape [64, 32] (transform 'heads_out'). Fix: build the model from the checkpoint's own config.json (LlamaConfig.from_hf(path)), or correct the mapping.
+    ...
+    """
+    files = checkpoint_files(path)
+    header = st.read_header(*files)
+    rules = compile_rules(mapping_for(target) if mapping is None else mapping)
+    graphdef, state = nnx.split(target)
+    leaves = leaves_of(state, "load_safetensors")
+    match(header, leaves, rules, os.fspath(path))
+    values = {p: _read_leaf(header, leaf) for p, leaf in leaves.items()}
+    flat = [(k, v.replace(values[path_str(k)]) if isinstance(v, nnx.Variable)
+             else values[path_str(k)]) for k, v in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
