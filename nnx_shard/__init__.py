@@ -11,7 +11,7 @@ from nnx_shard.metrics import MetricsWriter
 from nnx_shard.parallel import collective_matmul, pipeline, ring
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
-from nnx_shard.train import Trainer, multistep, shard_batch, value_and_grad
+from nnx_shard.train import Precision, Trainer, multistep, shard_batch, value_and_grad
 from nnx_shard.train.batches import Batches
 
 # The parallel ops were modules of this package before nnx_shard.parallel: their old
@@ -25,6 +25,7 @@ __all__ = [
     "Checkpointer",
     "MetricsWriter",
     "NnxShardError",
+    "Precision",
     "Report",
     "Rules",
     "ShardingError",

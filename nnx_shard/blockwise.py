@@ -415,11 +415,11 @@ def dense(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, causal: bool,
     if g == 1:
         # Multi-head attention: the reference transformer's original core, operation
         # for operation, so that its numbers do not change.
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(_F32)
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=_F32)
         mask = None if mask is None else mask[:, :, 0] if mask.ndim == 5 else mask
     else:
         qg = q.reshape(*q.shape[:2], hk, g, q.shape[3])
-        scores = jnp.einsum("bqhgk,bshk->bhgqs", qg, k).astype(_F32)
+        scores = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=_F32)
     scores = scores / math.sqrt(q.shape[-1])
     if mask is not None:
         scores = jnp.where(mask, scores, _NEG)

@@ -91,7 +91,12 @@ step time) is :func:`nnx_shard.planner.auto`, re-exported here.
 from __future__ import annotations
 
 from nnx_shard.planner import auto
-from nnx_shard.planner.costs import KINDS, Collective, compiled_collectives  # noqa: F401 (re-exported)
+from nnx_shard.planner.costs import (  # noqa: F401 (re-exported)
+    KINDS,
+    Collective,
+    compiled_collectives,
+    partitioned_hlo,
+)
 from nnx_shard.presets import (
     NAMES,
     async_tp,
@@ -120,5 +125,5 @@ from nnx_shard.strategy import (  # noqa: F401 (re-exported: the registry and it
 
 __all__ = [
     "NAMES", "Collective", "Strategy", "async_tp", "auto", "compiled_collectives", "cp", "dp", "ep",
-    "fsdp", "fsdp_cp", "fsdp_tp", "get", "pp", "pp_fsdp", "pp_tp", "sp", "tp", "zero1",
+    "fsdp", "fsdp_cp", "fsdp_tp", "get", "partitioned_hlo", "pp", "pp_fsdp", "pp_tp", "sp", "tp", "zero1",
 ]

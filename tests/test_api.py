@@ -4,7 +4,7 @@ EXPECTED = {
     "NnxShardError", "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
     "get_logical_axes", "logical_axes", "make_mesh", "shardings", "use", "with_logical",
     "abstract_init", "sharded_init", "sharded_optimizer",
-    "Trainer", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
+    "Trainer", "Precision", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
     "Checkpointer", "restore", "save", "load_safetensors", "save_safetensors",
     "distributed", "models", "pipeline", "strategies", "collective_matmul", "hf",
 }

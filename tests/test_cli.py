@@ -112,6 +112,44 @@ def test_plan_fits_verdict_and_exit_status(capsys):
     assert plan["replicated_params"] == 12
 
 
+def test_plan_llama3_8b_mixed_precision_counts_master_weights_and_compute_copy(capsys):
+    """llama3-8b's named config is pure bfloat16 (param_dtype=bfloat16: no master
+    weights). --param-dtype float32 --compute-dtype bfloat16 is ns.Precision's layout:
+    float32 parameters and Adam moments, plus the bfloat16 copy the step reads."""
+    from nnx_shard.models import get_llama_config
+
+    argv = ["plan", "--model", "llama3-8b", "--mesh", "data=8,model=8", "--strategy",
+            "fsdp_tp", "--batch", "8", "--seq", "4096", "--json", "--no-compile"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    pure = json.loads(out)
+    code, out, err = run(capsys, *argv, "--param-dtype", "float32", "--compute-dtype", "bfloat16")
+    assert code == 0, err
+    mixed = json.loads(out)
+    n = get_llama_config("llama3-8b").num_params
+    assert (pure["param_dtype"], pure["compute_dtype"]) == ("bfloat16", "bfloat16")
+    assert (mixed["param_dtype"], mixed["compute_dtype"]) == ("float32", "bfloat16")
+    assert pure["bytes_total"]["params"] == 2 * n and mixed["bytes_total"]["params"] == 4 * n
+    p, m = pure["bytes_per_device"], mixed["bytes_per_device"]
+    assert m["params"] == 2 * p["params"] and m["grads"] == 2 * p["grads"]
+    assert m["optimizer"] - 4 == 2 * (p["optimizer"] - 4)  # mu, nu; the int32 count
+    assert "compute" not in p and m["compute"] == p["params"]  # every parameter is float
+    assert m["activations"] == p["activations"]  # the same compute dtype
+    assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "guard", "compute",
+                                            "activations"))
+    # With remat the cast is redone where each layer is recomputed: nothing kept.
+    code, out, err = run(capsys, *argv, "--param-dtype", "float32", "--compute-dtype",
+                         "bfloat16", "--remat", "full")
+    assert "compute" not in json.loads(out)["bytes_per_device"]
+    code, out, err = run(capsys, *argv[:-2], "--param-dtype", "float32", "--compute-dtype",
+                         "bfloat16", "--no-compile")
+    assert "float32 master weights, bfloat16 compute" in out
+    assert re.search(r"compute copy +\(in temp\) +239\.\d+ MiB|compute copy +239\.\d+ MiB", out)
+    code, out, err = run(capsys, "plan", "--model", "llama3-8b", "--auto", "--devices", "8",
+                         "--param-dtype", "float32")
+    assert_one_line_error(code, err, "--param-dtype and --compute-dtype apply to a plan of one")
+
+
 TINY = ["plan", "--model", "tiny", "--mesh", "data=4,model=2", "--strategy", "fsdp_tp",
         "--batch", "8", "--seq", "16"]
 

@@ -118,6 +118,9 @@ def _add_demo(sub: argparse._SubParsersAction[Parser]) -> None:
     d.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal")
 
 
+_DTYPES = ("float32", "bfloat16")
+
+
 def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser("plan", help="per-device memory of a model under a strategy and mesh, "
                        "without allocating", description="Per-device bytes of parameters, "
@@ -125,7 +128,8 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
                        "config on any mesh (no devices needed), the largest tensors, and "
                        "whether it fits. Exit status: 0 fits (or no --device-memory), 1 does "
                        "not fit, 2 bad input or a sharding error.")
-    p.add_argument("--model", required=True, help="tiny, tiny_moe, small, 125m, 1b, 7b")
+    p.add_argument("--model", required=True, help="tiny, tiny_moe, small, 125m, 1b, 7b, "
+                   "llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b")
     p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
     p.add_argument("--strategy", default="fsdp_tp")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
@@ -137,6 +141,13 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the blocks as one scanned layer (default: the model's; "
                    "1b and 7b scan); XLA CPU lowers the temp bytes by remat only when scanned")
+    p.add_argument("--param-dtype", choices=_DTYPES, default=None,
+                   help="dtype of the parameters, the master weights (default: the model's; "
+                   "the llama3/qwen3 configs and 1b/7b are bfloat16)")
+    p.add_argument("--compute-dtype", choices=_DTYPES, default=None,
+                   help="dtype the model computes in (default: the model's). With "
+                   "--param-dtype float32 --compute-dtype bfloat16: mixed precision, the "
+                   "trainer's ns.Precision; the formula adds the bfloat16 copy of the weights")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the train step on as many simulated CPU devices as the mesh "
                    f"has, in a subprocess (default: yes up to {COMPILE_MAX_DEVICES} devices)")

@@ -30,8 +30,9 @@ from nnx_shard.cli.common import (
     strategy,
 )
 from nnx_shard.errors import CompileError, ShardingError
-from nnx_shard.models import CONFIGS, Transformer, TransformerConfig, explain_cache
+from nnx_shard.models import explain_cache
 from nnx_shard.models.memory import ACTIVATION_FORMULA, activation_bytes
+from nnx_shard.models.named import build, max_length, named_config
 from nnx_shard.planner import (
     NothingFits,
     abstract_report,
@@ -43,6 +44,8 @@ from nnx_shard.planner import (
     hardware,
     plan_json,
 )
+from nnx_shard.planner.compile import planned_config
+from nnx_shard.planner.formula import compute_copy
 from nnx_shard.report import Report, _spec_txt, fmt_bytes
 from nnx_shard.strategy import Strategy
 
@@ -87,10 +90,11 @@ class _Layout:
     report: Report
     stages: Any
     activations: int
+    compute: int = 0
 
 
 def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
-                  cfg: TransformerConfig, batch: int, seq: int) -> Any:
+                  cfg: Any, batch: int, seq: int) -> Any:
     """Per-stage bytes under a pipeline strategy (``None`` otherwise), with as many
     microbatches as stages."""
     sched = strat.rules.options.get(pipeline.OPTION)
@@ -101,7 +105,7 @@ def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
                             microbatches=sizes[sched.axis])
 
 
-def _lay_out(args: argparse.Namespace, model: Any, cfg: TransformerConfig, strat: Strategy,
+def _lay_out(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
              sizes: dict[str, int], tx: Any) -> _Layout:
     strat.check(model, sizes)
     report = abstract_report(model, sizes, strat.rules, tx, strat.opt_rules)
@@ -110,7 +114,7 @@ def _lay_out(args: argparse.Namespace, model: Any, cfg: TransformerConfig, strat
         acts = activation_bytes(cfg, strat.rules, sizes, args.batch, args.seq, args.remat)
     except ShardingError as e:
         raise ShardingError(f"activations of --batch {args.batch} x --seq {args.seq}: {e}") from None
-    return _Layout(report, stages, acts)
+    return _Layout(report, stages, acts, compute_copy(report, cfg.dtype, args.remat))
 
 
 def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
@@ -124,7 +128,8 @@ def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
         return compiled_memory_subprocess(
             args.model, sizes, strategy=strat.name, optimizer=args.optimizer,
             batch=args.batch, seq=args.seq, remat=args.remat,
-            scan_layers=args.scan_layers, timeout=args.compile_timeout)
+            scan_layers=args.scan_layers, timeout=args.compile_timeout,
+            param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
     except CompileError as e:
         raise UsageError(str(e)) from None
 
@@ -157,25 +162,24 @@ def _results(layout: _Layout, per_device: dict[str, int], compiled: dict[str, An
     }
 
 
-def _check(args: argparse.Namespace) -> TransformerConfig:
-    """The flags ``plan`` needs beyond the parser's; the config of ``--model``."""
+def _check(args: argparse.Namespace) -> Any:
+    """The flags ``plan`` needs beyond the parser's; the config of ``--model`` as it is
+    compiled (``--scan-layers``, ``--param-dtype``, ``--compute-dtype`` applied)."""
     if not args.mesh:
         raise UsageError("plan needs --mesh (e.g. data=8,model=8), or --auto --devices N to "
                          "choose one")
     if args.batch < 1 or args.seq < 1:
         raise UsageError("--batch and --seq must be at least 1. Fix: e.g. --batch 8 --seq 16")
-    cfg = CONFIGS[args.model]
-    if args.scan_layers is not None:  # the planned model is the compiled one (pp needs a stack)
-        cfg = dataclasses.replace(cfg, scan_layers=args.scan_layers)
-    return cfg
+    # The planned model is the compiled one (pp needs a stack; the dtypes decide the bytes).
+    cfg, _ = planned_config(args.model, scan_layers=args.scan_layers,
+                            param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
+    return dataclasses.replace(cfg, remat=named_config(args.model).remat)
 
 
 def run(args: argparse.Namespace) -> int:
     """``nnx-shard plan``: exit 0 when the model fits (or no ``--device-memory``), 1 when
     it does not, 2 for bad input or a layout that cannot be (its error on stderr)."""
-    if args.model not in CONFIGS:
-        raise UsageError(f"unknown model {args.model!r}; known: {', '.join(CONFIGS)}. Fix: "
-                         "one of those")
+    named_config(args.model)  # an unknown name is the usage error naming the known ones
     if args.auto:
         if args.generate:
             raise UsageError("--generate plans one strategy and mesh: drop --auto and give "
@@ -186,18 +190,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = _check(args)
     strat = strategy(args.strategy)
     sizes = mesh_sizes(args.mesh)
-    if args.seq > cfg.length:
+    if args.seq > max_length(cfg):
         raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
-                         f"({cfg.length}). Fix: --seq {cfg.length} or less")
+                         f"({max_length(cfg)}). Fix: --seq {max_length(cfg)} or less")
     memory = device_memory(args.device_memory) if args.device_memory else None
     tx = optimizer(args.optimizer)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
         "batch": args.batch, "seq": args.seq, "remat": args.remat,
         "scan_layers": cfg.scan_layers if args.scan_layers is None else args.scan_layers,
         "param_dtype": jnp.dtype(cfg.param_dtype).name,
+        "compute_dtype": jnp.dtype(cfg.dtype).name,
     }
     try:
         layout = _lay_out(args, model, cfg, strat, sizes, tx)
@@ -209,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG} plan: {args.model} on {args.mesh} with {strat.name}: cannot lay out")
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    per_device = formula(layout.report, layout.activations)
+    per_device = formula(layout.report, layout.activations, layout.compute)
     compiled = _compile(args, strat, sizes, out["devices"])
     out.update(_results(layout, per_device, compiled, memory, args.top))
     if args.json:
@@ -230,6 +235,8 @@ def _print_bytes(out: dict[str, Any], report: Report) -> None:
                 ("grads", None, per_device["grads"]),
                 ("optimizer", compiled["optimizer"], per_device["optimizer"]),
                 ("guard copy", None, per_device["guard"]),
+                *([("compute copy", None, per_device["compute"])]
+                  if "compute" in per_device else []),
                 ("temp", compiled["temp"], None),
                 ("activations", None, per_device["activations"]),
                 ("total", compiled["total"], per_device["total"])]
@@ -241,8 +248,10 @@ def _print_bytes(out: dict[str, Any], report: Report) -> None:
               "devices; total = arguments + temp + outputs - donated)")
     else:
         print("per device (formula estimate; not compiled):")
-        for key in ("params", "grads", "optimizer", "guard", "activations", "total"):
-            label = "guard copy" if key == "guard" else key
+        for key in ("params", "grads", "optimizer", "guard", "compute", "activations", "total"):
+            if key not in per_device:
+                continue
+            label = {"guard": "guard copy", "compute": "compute copy"}.get(key, key)
             print(f"  {label:<13} {fmt_bytes(per_device[key]):>12}")
     print(f"  (unsharded: params {fmt_bytes(report.total_bytes)}, optimizer state "
           f"{fmt_bytes(report.opt_total_bytes)})")
@@ -289,10 +298,12 @@ def _print_notes(args: argparse.Namespace, out: dict[str, Any], stages: Any) -> 
               f"({100 * out['bytes_needed'] / memory:.0f}% used, {out['decided_by']} total)")
 
 
-def _print_plan(args: argparse.Namespace, cfg: TransformerConfig, out: dict[str, Any],
+def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
                 layout: _Layout) -> None:
+    dtypes = (out["param_dtype"] if out["param_dtype"] == out["compute_dtype"] else
+              f"{out['param_dtype']} master weights, {out['compute_dtype']} compute")
     print(f"plan: model {args.model} ({_count(cfg.num_params)} parameters, "
-          f"{out['param_dtype']}), strategy {out['strategy']}, mesh {sizes_str(out['mesh'])} "
+          f"{dtypes}), strategy {out['strategy']}, mesh {sizes_str(out['mesh'])} "
           f"({out['devices']} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
           f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers")
     print()
@@ -320,12 +331,12 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = _check(args)
     strat = strategy(args.strategy)
     sizes = mesh_sizes(args.mesh)
-    if args.seq > cfg.length:
+    if args.seq > max_length(cfg):
         raise UsageError(f"--seq {args.seq} is longer than model {args.model!r}'s context "
-                         f"({cfg.length}): prompt + new tokens must fit it. Fix: --seq "
-                         f"{cfg.length} or less")
+                         f"({max_length(cfg)}): prompt + new tokens must fit it. Fix: --seq "
+                         f"{max_length(cfg)} or less")
     memory = device_memory(args.device_memory) if args.device_memory else None
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "generate": True,
@@ -427,6 +438,9 @@ def run_auto(args: argparse.Namespace) -> int:
     """
     if args.devices is None:
         raise UsageError("plan --auto needs --devices N (the device count to plan for)")
+    if args.param_dtype or args.compute_dtype:
+        raise UsageError("plan --auto plans the model's own dtypes; --param-dtype and "
+                         "--compute-dtype apply to a plan of one mesh (drop --auto)")
     if args.mesh:
         raise UsageError("plan --auto chooses the mesh: drop --mesh (or drop --auto to check one)")
     if args.devices < 1:

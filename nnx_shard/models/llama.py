@@ -655,6 +655,10 @@ class Llama(nnx.Module):
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype), names)
         else:
             logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype), names)
+        # The product comes out in the compute dtype and is cast up for the softmax and
+        # the loss (as MaxText does by default): asking the matmul for float32 output
+        # (preferred_element_type) made XLA's partitioner all-gather the unembedding's
+        # float32 gradient under fsdp (1.12x the gathered bytes of casting after).
         return logits.astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
-"""The reference transformer's activation bytes per device, by formula: the
-estimate ``nnx-shard plan`` and the planner print next to XLA's compiled
-figures.
+"""The reference models' activation bytes per device, by formula (the
+Transformer's and the Llama family's): the estimate ``nnx-shard plan`` and the
+planner print next to XLA's compiled figures.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ __all__ = ['ACTIVATION_FORMULA', 'activation_bytes']
 
 ACTIVATION_FORMULA = (
     "per device, no rematerialization: tokens/device x [layers x (p(4e/Dl + 4hk/Dh + 2m'/Dm) "
-    "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes, "
-    "e = embed, h = heads, k = head_dim, m' = mlp (x top_k x capacity_factor for experts), "
-    "s = seq, V = vocab, D* = devices the rules shard batch, length, heads, mlp, vocab over. "
-    "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk), MLP hidden "
-    "before and after GELU (2m'), float32 attention probabilities (4hs) with the dense "
+    "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes "
+    "(the compute dtype), e = embed, h = heads, k = head_dim, m' = mlp (x top_k x "
+    "capacity_factor for experts), s = seq, V = vocab, D* = devices the rules shard batch, "
+    "length, heads, mlp, vocab over. "
+    "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk; for Llama "
+    "the rotated queries, the keys and values repeated for grouped-query attention, plus "
+    "q/k norm inputs (hk + gk, g = kv_heads) with Qwen3's qk_norm), MLP hidden before and "
+    "after GELU (2m'; Llama's SwiGLU keeps 4m': gate, its SiLU, up and their product), "
+    "float32 attention probabilities (4hs) with the dense "
     "attention kernel (TransformerConfig.attention='dense'), or only a float32 log-sum-exp "
     "per row and head (4h) with the memory-efficient ones (blockwise, cudnn, auto: the "
     "default; their backward pass recomputes the probabilities block by block, in a few "
@@ -48,7 +52,8 @@ def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: A
 def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, seq: int,
                      remat: str = "none") -> int:
     """Estimated activation bytes per device of one training step of
-    :class:`nnx_shard.models.Transformer` (see ``ACTIVATION_FORMULA``).
+    :class:`nnx_shard.models.Transformer` or :class:`nnx_shard.models.Llama`
+    (a :class:`~nnx_shard.models.LlamaConfig`; see ``ACTIVATION_FORMULA``).
 
     >>> import dataclasses
     >>> from nnx_shard.models import get_config
@@ -64,6 +69,11 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     >>> activation_bytes(dense, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
     ...     tokens * (2 * (layer + 4 * 4 * 16 - 4 * 4) + edges))
     True
+    >>> from nnx_shard.models import get_llama_config   # SwiGLU: 4 x mlp, not 2
+    >>> llama = get_llama_config("tiny")                # embed 32, heads 4 x 8, mlp 64
+    >>> activation_bytes(llama, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
+    ...     tokens * (2 * (layer + 4 * 2 * 64) + edges))
+    True
     """
     mesh = abstract_mesh(sizes)
     rules = as_rules(rules)
@@ -71,7 +81,9 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     rules = rules | {n: None for n in ("batch", "length", "heads", "kv", "mlp", "vocab")
                      if n not in rules}
     b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
-    m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if cfg.experts else 1)
+    experts = getattr(cfg, "experts", 0)  # the Llama family has none
+    m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if experts else 1)
+    llama = hasattr(cfg, "kv_heads")
     p = np.dtype(cfg.dtype).itemsize
     # Context parallelism keeps the sequence split through the whole block (q/k/v,
     # MLP hidden, logits); elsewhere only the residual stream is (sequence parallelism
@@ -96,7 +108,10 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
         # [batch, heads, block, block] tiles) is a transient, like the dense kernel's
         # forward temporaries: not counted, so that the formula stays a floor.
         probs = 4 * h / d_h
-    layer = p * (4 * e / d_l + 4 * h * k / d_h + 2 * m / d_m) + probs
+    # SwiGLU keeps four mlp-wide tensors (gate, SiLU(gate), up, product), GELU two.
+    mlp = (4 if llama else 2) * m / d_m
+    qk_norm = (h * k + cfg.kv_heads * k) / d_h if llama and cfg.qk_norm else 0.0
+    layer = p * (4 * e / d_l + 4 * h * k / d_h + mlp + qk_norm) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
     if remat == "full":
         per_token = cfg.layers * p * e / d_l + layer + edges

@@ -31,11 +31,12 @@ from jax.sharding import NamedSharding
 from nnx_shard import optimizers
 from nnx_shard.errors import CompileError
 from nnx_shard.mesh import make_mesh
-from nnx_shard.models import CONFIGS, Transformer, TransformerConfig, lm_loss
+from nnx_shard.models import LlamaConfig, TransformerConfig, lm_loss
+from nnx_shard.models.named import build, named_config
 from nnx_shard.planner.costs import hlo_costs
 from nnx_shard.presets import get
 from nnx_shard.simulated import run_requests
-from nnx_shard.train import Trainer
+from nnx_shard.train import Precision, Trainer
 
 __all__ = ["CompileError", "compile_fit", "compile_step", "compiled_memory",
            "compiled_memory_subprocess"]
@@ -43,12 +44,14 @@ __all__ = ["CompileError", "compile_fit", "compile_step", "compiled_memory",
 
 def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
                 batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
-                loss: Callable[..., Any] | None = None, steps: int = 2) -> tuple[Any, Any, float]:
+                loss: Callable[..., Any] | None = None, steps: int = 2,
+                precision: Precision | None = None) -> tuple[Any, Any, float]:
     """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for ``steps`` steps of
     ``factory()``'s model under preset ``strategy`` on mesh ``sizes`` (of this
     process's devices), from abstract inputs: nothing is allocated. The batch is
     ``{"inputs", "targets"}``, int32 ``[steps, batch, seq]`` tokens laid out by
-    the preset's rules; ``loss`` defaults to :func:`nnx_shard.models.lm_loss`.
+    the preset's rules; ``loss`` defaults to :func:`nnx_shard.models.lm_loss`;
+    ``precision`` is the trainer's (:class:`nnx_shard.Precision`).
 
     What is compiled is ``fit``'s own call, NaN guard included: the guard keeps
     the state from before the call to put it back if the call is not finite,
@@ -81,39 +84,44 @@ def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, i
     tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
                                   sharding=NamedSharding(mesh, spec))
     trainer = Trainer(abstract, opt, loss or lm_loss, mesh=mesh, rules=strat.rules,
-                         steps_per_call=steps, microbatches=microbatches)
+                      steps_per_call=steps, microbatches=microbatches, precision=precision)
     compiled = trainer.lower({"inputs": tokens, "targets": tokens}).compile()
     return compiled, trainer, time.perf_counter() - t0
 
 
-def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_tp",
+def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: Mapping[str, int], strategy: str = "fsdp_tp",
                     optimizer: str = "adamw", batch: int = 8, seq: int = 16,
-                    remat: str = "none", scan_layers: bool | None = None) -> dict[str, Any]:
+                    remat: str = "none", scan_layers: bool | None = None,
+                    param_dtype: str | None = None,
+                    compute_dtype: str | None = None) -> dict[str, Any]:
     """Per-device bytes of the call ``Trainer.fit`` compiles for config ``model``
-    (see :func:`compile_fit`; the NaN guard's copy of the state is in ``temp``).
+    (a name of :data:`nnx_shard.models.named.NAMED`, the reference Transformer's
+    or a Llama family's, or such a config itself; see :func:`compile_fit`; the NaN
+    guard's copy of the state is in ``temp``).
 
     Returns ``params`` and ``optimizer`` (the largest per-device shard of the
     model's and the optimizer's state, from the shardings of the compiled
     step's arguments), ``temp`` (XLA's temporary buffers: activations kept for
     the backward pass, gradients, collective scratch), ``argument``, ``output``,
     ``alias`` and ``total`` = argument + temp + output - alias, and
-    ``compile_s`` (lower + compile seconds). ``remat`` and ``scan_layers``
-    (``None``: the config's) replace those of the config. The mesh must fit in
-    ``jax.device_count()``.
+    ``compile_s`` (lower + compile seconds). ``remat``, ``scan_layers``,
+    ``param_dtype`` and ``compute_dtype`` (``None``: the config's) replace those of
+    the config; where the parameter and compute dtypes differ the trainer gets
+    ``Precision(params=param_dtype, compute=compute_dtype)`` (mixed precision). The
+    mesh must fit in ``jax.device_count()``.
 
     >>> m = compiled_memory("tiny", {"data": 4, "model": 2}, "fsdp_tp", batch=8, seq=16)
     >>> m["total"] == m["argument"] + m["temp"] + m["output"] - m["alias"] > 0
     True
     """
-    cfg = dataclasses.replace(CONFIGS[model], remat=remat)
-    if scan_layers is not None:
-        cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
+    cfg, precision = planned_config(model, remat=remat, scan_layers=scan_layers,
+                                    param_dtype=param_dtype, compute_dtype=compute_dtype)
     # A pipeline strategy needs microbatches: as many as stages (the fewest it takes).
     sched = get(strategy).rules.options.get("pipeline")
     micro = dict(sizes).get(sched.axis, 1) if sched is not None else 1
     compiled, trainer, seconds = compile_fit(
-        lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy, sizes, batch=batch, seq=seq,
-        optimizer=optimizer, microbatches=micro)
+        lambda: build(cfg, nnx.Rngs(0)), strategy, sizes, batch=batch, seq=seq,
+        optimizer=optimizer, microbatches=micro, precision=precision)
     mem = compiled.memory_analysis()
 
     def per_device(tree: Any) -> int:
@@ -132,6 +140,28 @@ def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_
             "output": int(out), "alias": int(alias), "total": int(arg + temp + out - alias),
             "compile_s": round(seconds, 3), "backend": jax.default_backend(),
             "devices": int(np.prod(list(sizes.values())))}
+
+
+def planned_config(model: str | TransformerConfig | LlamaConfig, *, remat: str = "none", scan_layers: bool | None = None,
+                   param_dtype: Any = None, compute_dtype: Any = None,
+                   ) -> tuple[TransformerConfig | LlamaConfig, Precision | None]:
+    """The named config ``model`` as ``nnx-shard plan`` compiles it: ``remat``,
+    ``scan_layers``, ``param_dtype`` and ``compute_dtype`` (the config's ``dtype``)
+    replaced where given, and the :class:`~nnx_shard.Precision` the trainer gets
+    (``None`` where the two dtypes are the same).
+
+    >>> cfg, p = planned_config("llama3-8b", param_dtype="float32")
+    >>> cfg.param_dtype, cfg.dtype, p
+    (dtype('float32'), dtype(bfloat16), Precision(params=float32, compute=bfloat16))
+    """
+    cfg = named_config(model) if isinstance(model, str) else model
+    cfg = dataclasses.replace(cfg, remat=remat)
+    if scan_layers is not None:
+        cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
+    params = jnp.dtype(param_dtype if param_dtype is not None else cfg.param_dtype)
+    compute = jnp.dtype(compute_dtype if compute_dtype is not None else cfg.dtype)
+    cfg = dataclasses.replace(cfg, param_dtype=params, dtype=compute)
+    return cfg, (Precision(params=params, compute=compute) if params != compute else None)
 
 
 def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
@@ -170,22 +200,29 @@ def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, 
             "alias": alias, **costs, "compile_s": round(seconds, 3)}
 
 
-def config_dict(cfg: TransformerConfig) -> dict[str, Any]:
-    """A :class:`~nnx_shard.models.TransformerConfig` as JSON-able fields (dtypes by name).
+def config_dict(cfg: TransformerConfig | LlamaConfig) -> dict[str, Any]:
+    """A :class:`~nnx_shard.models.TransformerConfig` or
+    :class:`~nnx_shard.models.LlamaConfig` as JSON-able fields (dtypes by name; a
+    Llama config marked ``"kind": "llama"``).
 
-    >>> config_dict(CONFIGS["tiny"])["param_dtype"]
+    >>> config_dict(named_config("tiny"))["param_dtype"]
     'float32'
+    >>> config_dict(named_config("qwen3-0.6b"))["kind"]
+    'llama'
     """
-    return {k: (np.dtype(v).name if k.endswith("dtype") else v)
-            for k, v in dataclasses.asdict(cfg).items()}
+    out = {k: (jnp.dtype(v).name if k.endswith("dtype") else v)
+           for k, v in dataclasses.asdict(cfg).items()}
+    return {**out, "kind": "llama"} if isinstance(cfg, LlamaConfig) else out
 
 
 def config_factory(config: Mapping[str, Any], remat: str) -> Callable[[], Any]:
-    """A factory of the :class:`~nnx_shard.models.Transformer` of ``config``
-    (:func:`config_dict`'s fields) with remat policy ``remat``."""
-    fields = {k: (jnp.dtype(v) if k.endswith("dtype") else v) for k, v in config.items()}
-    cfg = TransformerConfig(**{**fields, "remat": remat})
-    return lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+    """A factory of the reference model of ``config`` (:func:`config_dict`'s
+    fields) with remat policy ``remat``."""
+    fields = {k: (jnp.dtype(v) if k.endswith("dtype") else v) for k, v in config.items()
+              if k != "kind"}
+    kind = LlamaConfig if config.get("kind") == "llama" else TransformerConfig
+    cfg = kind(**{**fields, "remat": remat})
+    return lambda: build(cfg, nnx.Rngs(0))
 
 
 def compile_step_request(request: Mapping[str, Any]) -> dict[str, Any]:

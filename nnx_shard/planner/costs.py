@@ -5,21 +5,25 @@ memory traffic the planner's cost model weighs (:func:`hlo_costs`).
 Both read ``jax.jit(f).lower(...).compile().as_text()`` with one parser of
 instruction lines. Tests and benchmarks use :func:`compiled_collectives` to check
 that a strategy communicates what it promises (``nnx_shard.strategies``
-re-exports it).
+re-exports it, and :func:`partitioned_hlo`: the program as XLA's partitioner wrote
+it, before a backend's own rewrites).
 """
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 import math
+import os
 import re
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["KINDS", "Collective", "compiled_collectives", "hlo_costs"]
+__all__ = ["KINDS", "Collective", "compiled_collectives", "hlo_costs", "partitioned_hlo"]
 
 
 #: The collective operations :func:`compiled_collectives` reads.
@@ -156,6 +160,42 @@ def compiled_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
         if m is not None and (c := _collective(line, m.group(2), m.group(3), mesh)):
             out.append(c)
     return out
+
+
+def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
+    """Compiles ``lowered`` (``jax.jit(f).lower(...)``) and returns the executable and
+    the HLO text of the program right after XLA's SPMD partitioner: the collectives
+    with the dtypes the partitioner chose, before the backend's own passes.
+
+    The difference matters for low-precision collectives: XLA's CPU backend has no
+    bfloat16 kernels, so its float normalization widens a bfloat16 all-gather to a
+    float32 one (with converts around it) in the final program, while GPUs and TPUs
+    run it in bfloat16. Read both with :func:`compiled_collectives`.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from nnx_shard import make_mesh
+    >>> mesh = make_mesh("data=8")
+    >>> w = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("data")))   # fsdp
+    >>> x = jax.device_put(jnp.ones((16, 64), jnp.bfloat16), NamedSharding(mesh, P("data")))
+    >>> f = jax.jit(lambda w, x: (x @ w.astype(jnp.bfloat16)).sum())
+    >>> compiled, text = partitioned_hlo(f.lower(w, x))
+    >>> [c.bytes for c in compiled_collectives(text, mesh) if c.kind == "all-gather"]
+    [4096]
+    >>> ag = [c.bytes for c in compiled_collectives(compiled.as_text(), mesh)
+    ...       if c.kind == "all-gather"]
+    >>> ag == ([8192] if jax.default_backend() == "cpu" else [4096])   # CPU widens to float32
+    True
+    """
+    with tempfile.TemporaryDirectory(prefix="nnx_shard_hlo_") as tmp:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
+        if not found:
+            raise RuntimeError("XLA wrote no HLO after its spmd-partitioning pass (a program "
+                               "on one device is not partitioned)")
+        with open(found[-1]) as f:
+            return compiled, f.read()
 
 
 def _collective(line: str, type_txt: str, op: str, mesh: Mesh) -> Collective | None:

@@ -1,7 +1,8 @@
 """The formula's bytes per device: parameters, gradients, optimizer state, the NaN
-guard's copy and activations, from the sharding report of an abstract model (no
-devices, no compile). ``nnx-shard plan`` prints it beside XLA's compiled figure;
-the planner's search skips a compile when it alone is far over the memory.
+guard's copy, the compute-dtype copy of the parameters (mixed precision) and
+activations, from the sharding report of an abstract model (no devices, no
+compile). ``nnx-shard plan`` prints it beside XLA's compiled figure; the planner's
+search skips a compile when it alone is far over the memory.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
+
 from nnx_shard.axes import abstract_mesh
 from nnx_shard.models.memory import activation_bytes
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 
-__all__ = ["PRUNE_MARGIN", "abstract_report", "formula", "formula_bytes"]
+__all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formula_bytes"]
 
 #: The formula decides "does not fit" without a compile only when it is this many
 #: times over the budget. Over every preset x mesh factorisation of 8 devices
@@ -41,16 +44,50 @@ def abstract_report(model: Any, sizes: Mapping[str, int], rules: Rules, tx: Any 
     return explain(model, abstract_mesh(dict(sizes)), rules, tx, opt_rules=opt_rules)
 
 
-def formula(report: Report, activations: int) -> dict[str, int]:
+def compute_copy(report: Report, compute_dtype: Any, remat: str = "none") -> int:
+    """Bytes per device of the parameters' copy in the compute dtype, which mixed
+    precision (float32 master weights read in bfloat16: :class:`nnx_shard.Precision`,
+    or a reference model with ``param_dtype`` != ``dtype``) adds: each float
+    parameter not stored in ``compute_dtype``, at its per-device size, re-counted at
+    the compute dtype's width. Without rematerialization the backward pass needs
+    every layer's cast weights, so they are counted as kept through the step; with a
+    remat policy (``full``, ``dots``, ``offload``) the cast, done where the weight
+    is used, is redone in the backward pass and nothing is kept (0).
+
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))   # 36 float32
+    >>> report = abstract_report(model, {"data": 2}, Rules({}))
+    >>> compute_copy(report, jnp.bfloat16), compute_copy(report, jnp.float32)
+    (72, 0)
+    >>> compute_copy(report, jnp.bfloat16, remat="full")
+    0
+    """
+    if remat != "none":
+        return 0
+    compute = jnp.dtype(compute_dtype)
+    total = 0
+    for r in report.rows:
+        dt = jnp.dtype(r.dtype)
+        if (r.group == "params" and r.kind == "Param" and jnp.issubdtype(dt, jnp.floating)
+                and dt != compute):
+            total += r.bytes_per_device // dt.itemsize * compute.itemsize
+    return int(total)
+
+
+def formula(report: Report, activations: int, compute: int = 0) -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
     while a call runs (to put it back if the call is not finite), activations,
-    and their ``total``.
+    and their ``total``; with ``compute`` (:func:`compute_copy`, mixed precision)
+    that copy too, as ``compute``.
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
     >>> formula(abstract_report(model, {"data": 2}, Rules({})), 100)
     {'params': 144, 'grads': 144, 'optimizer': 0, 'guard': 144, 'activations': 100, 'total': 532}
+    >>> formula(abstract_report(model, {"data": 2}, Rules({})), 100, compute=72)["total"]
+    604
     """
     # A gradient takes the layout of the optimizer moment it updates where that is
     # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
@@ -71,6 +108,8 @@ def formula(report: Report, activations: int) -> dict[str, int]:
         "guard": int(report.param_bytes_per_device + report.opt_bytes_per_device),
         "activations": int(activations),
     }
+    if compute:
+        parts["compute"] = int(compute)
     return {**parts, "total": sum(parts.values())}
 
 
@@ -91,4 +130,5 @@ def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx
         acts = activation_bytes(cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
     except Exception:  # the compile will say what is wrong
         return None
-    return formula(report, acts)["total"]
+    compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
+    return formula(report, acts, compute)["total"]

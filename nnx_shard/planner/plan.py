@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+from nnx_shard.models.named import LLAMA_PLANNED
 from nnx_shard.planner.hardware import PROFILES, Hardware  # noqa: F401 (PROFILES: the examples)
 from nnx_shard.report import fmt_bytes
 
@@ -115,11 +116,13 @@ class Plan:
         model = self.request.get("model_name")
         mesh = ", ".join(f'"{k}": {v}' for k, v in c.mesh.items())
         if model:
-            make = (f"cfg = dataclasses.replace(get_config({model!r}), remat={c.remat!r})\n"
-                    "factory = lambda: Transformer(cfg, rngs=nnx.Rngs(0))\n")
+            cls, get = (("Llama", "get_llama_config") if model in LLAMA_PLANNED
+                        else ("Transformer", "get_config"))
+            make = (f"cfg = dataclasses.replace({get}({model!r}), remat={c.remat!r})\n"
+                    f"factory = lambda: {cls}(cfg, rngs=nnx.Rngs(0))\n")
             head = ("import dataclasses\n\nimport optax\nfrom flax import nnx\n\n"
                     "import nnx_shard as ns\n"
-                    "from nnx_shard.models import Transformer, get_config, lm_loss\n\n")
+                    f"from nnx_shard.models import {cls}, {get}, lm_loss\n\n")
         else:
             make = ("factory = my_factory" + (f"  # with remat={c.remat!r}" if c.remat else "")
                     + "\n")

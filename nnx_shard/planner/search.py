@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from nnx_shard import optimizers
 from nnx_shard.errors import NnxShardError, ShardingError, UsageError
-from nnx_shard.models import CONFIGS, REMAT_POLICIES, TransformerConfig
+from nnx_shard.models import REMAT_POLICIES, LlamaConfig, TransformerConfig
+from nnx_shard.models.named import NAMED, max_length
 from nnx_shard.planner.cache import Cache, versions
 from nnx_shard.planner.compile import compile_step, config_dict, config_factory
 from nnx_shard.planner.formula import PRUNE_MARGIN, formula_bytes
@@ -114,7 +115,7 @@ class _Problem:
     memory: int | None
     names: list[str]
     tx: Any
-    cfg: TransformerConfig | None  # a reference config, compiled in a subprocess
+    cfg: TransformerConfig | LlamaConfig | None  # a reference config, compiled in a subprocess
     model: Any                     # what the user gave
     model_name: str | None
     takes_remat: bool              # a factory with a remat keyword
@@ -167,11 +168,11 @@ def _resolve(model: Any, opts: AutoOptions) -> _Problem:
     hw, memory, names, tx = _check_options(opts)
     cfg, model_name, takes_remat = None, None, False
     if isinstance(model, str):
-        if model not in CONFIGS:
-            raise UsageError(f"auto: unknown model {model!r}; known: {', '.join(CONFIGS)}, or "
-                             "pass a TransformerConfig or a factory")
-        cfg, model_name = CONFIGS[model], model
-    elif isinstance(model, TransformerConfig):
+        if model not in NAMED:
+            raise UsageError(f"auto: unknown model {model!r}; known: {', '.join(NAMED)}, or "
+                             "pass a TransformerConfig, a LlamaConfig or a factory")
+        cfg, model_name = NAMED[model], model
+    elif isinstance(model, TransformerConfig | LlamaConfig):
         cfg = model
     elif callable(model):
         try:
@@ -181,9 +182,9 @@ def _resolve(model: Any, opts: AutoOptions) -> _Problem:
     else:
         raise UsageError(f"auto: model must be a config name, a TransformerConfig or a "
                          f"factory, got {type(model).__name__}. Fix: e.g. auto('small', ...)")
-    if cfg is not None and opts.seq > cfg.length:
-        raise UsageError(f"auto: seq {opts.seq} is longer than the model allows ({cfg.length}); "
-                         "use a smaller seq")
+    if cfg is not None and opts.seq > max_length(cfg):
+        raise UsageError(f"auto: seq {opts.seq} is longer than the model allows "
+                         f"({max_length(cfg)}); use a smaller seq")
     if cfg is not None:
         policies = _policies(opts.remat)
         make = config_factory(config_dict(cfg), "none")
@@ -518,7 +519,7 @@ class _Search:
     def plan(self, twins: list[Candidate]) -> Plan:
         p, opts = self.p, self.opts
         label = p.model_name or (
-            f"TransformerConfig(embed={p.cfg.embed}, layers={p.cfg.layers})"
+            f"{type(p.cfg).__name__}(embed={p.cfg.embed}, layers={p.cfg.layers})"
             if p.cfg is not None else getattr(p.model, "__name__", "factory"))
         request: dict[str, Any] = {
             "model_name": p.model_name, "model_label": label, "devices": opts.devices,

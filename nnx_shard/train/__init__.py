@@ -16,13 +16,16 @@ Three layers, each usable alone:
   :class:`~nnx_shard.Batches` windows from :mod:`~nnx_shard.train.batches`), a
   progress bar (:mod:`~nnx_shard.train.progress`), a NaN/Inf stop and the
   gradient norm (:mod:`~nnx_shard.train.guard`), run call by call by
-  :mod:`~nnx_shard.train.run`.
+  :mod:`~nnx_shard.train.run`. :class:`Precision`
+  (:mod:`~nnx_shard.train.precision`) gives any of them mixed precision.
 """
 
 from nnx_shard.train.fused import Fused, multistep
 from nnx_shard.train.microbatch import value_and_grad
 from nnx_shard.train.placement import shard_batch
+from nnx_shard.train.precision import Precision
 from nnx_shard.train.run import History
 from nnx_shard.train.trainer import Trainer
 
-__all__ = ["Fused", "History", "Trainer", "multistep", "shard_batch", "value_and_grad"]
+__all__ = ["Fused", "History", "Precision", "Trainer", "multistep", "shard_batch",
+           "value_and_grad"]

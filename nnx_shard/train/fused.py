@@ -30,6 +30,7 @@ from nnx_shard.errors import sharding_types
 from nnx_shard.mesh import apply_sharding, current
 from nnx_shard.parallel.registry import checking_step
 from nnx_shard.train.microbatch import check_device_rows, spec_axes, tracing_step
+from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import is_node, leaf_path
 
 __all__ = ["Carry", "Fused", "multistep"]
@@ -186,8 +187,10 @@ class Fused:
         unroll: int = 1,
         finish: Callable[[Any, Any, Any], Any] | None = None,
         entry: str | None = None,
+        precision: Precision | None = None,
     ) -> None:
         _check_options(step_fn, microbatches, max_in_flight, unroll)
+        self.precision = as_precision(precision, "multistep: precision")
         self.step_fn = step_fn
         self.donate = donate
         self.microbatches = microbatches
@@ -207,9 +210,11 @@ class Fused:
 
     def __repr__(self) -> str:
         name = getattr(self.step_fn, "__qualname__", repr(self.step_fn))
+        precision = f", precision={self.precision!r}" if self.precision is not None else ""
         return (
             f"multistep({name}, donate={self.donate}, microbatches={self.microbatches}, "
-            f"max_in_flight={self.max_in_flight}, unroll={self.unroll}, traces={self.traces})"
+            f"max_in_flight={self.max_in_flight}, unroll={self.unroll}{precision}, "
+            f"traces={self.traces})"
         )
 
     # -- host side ------------------------------------------------------------
@@ -401,7 +406,7 @@ class Fused:
     ) -> Any:
         step_fn = self.step_fn
         fn_name = getattr(step_fn, "__name__", "step_fn")
-        m = self.microbatches
+        m, precision = self.microbatches, self.precision
 
         def pin(values: list[Any]) -> list[Any]:
             # Keeps the carry in its input layout at every step, so the loop never
@@ -417,12 +422,15 @@ class Fused:
             call_args = [next(it_nodes) if i in node_pos else next(it_xs) for i in range(nargs)]
             # Registered parallel ops check the traced step (checking_step); value_and_grad
             # inside it takes the microbatches from the frame.
-            with tracing_step(m) as frame, checking_step(fn_name):
+            with tracing_step(m, precision) as frame, checking_step(fn_name):
                 metrics = step_fn(*call_args)
-            if m > 1 and not frame.taken:
+            if (m > 1 or (precision is not None and precision.casts)) and not frame.taken:
+                what = (f"microbatches={m}" if m > 1 else f"precision={precision!r}")
+                where = ("the batch is split into microbatches" if m > 1
+                         else "the parameters are read in the compute dtype")
                 raise ValueError(
-                    f"multistep(..., microbatches={m}): {fn_name} never called "
-                    "nnx_shard.value_and_grad, where the batch is split into microbatches. "
+                    f"multistep(..., {what}): {fn_name} never called "
+                    f"nnx_shard.value_and_grad, where {where}. "
                     "Fix: compute gradients with ns.value_and_grad(loss_fn)(model, batch) "
                     "instead of nnx.value_and_grad."
                 )
@@ -524,6 +532,7 @@ def multistep(
     microbatches: int = 1,
     max_in_flight: int | None = 2,
     unroll: int = 1,
+    precision: Precision | None = None,
 ) -> Fused:
     """Fuses K calls of an NNX train step into one compiled call (a ``jax.lax.scan``).
 
@@ -570,6 +579,11 @@ def multistep(
         ``unroll``). The rolled default compiles fastest; a small model's
         loop can gain a little from 2 (``benchmarks/unroll.py``: 1.03x steps/s
         on an MLP at 1.4x the compile time; 0.7x at 10).
+      precision: a :class:`~nnx_shard.Precision` (e.g. float32 parameters,
+        bfloat16 compute): :func:`value_and_grad` inside the step reads the
+        model's float parameters in the compute dtype where they are used; the
+        parameters, the optimizer state and the gradients stay in theirs. The
+        step must take its gradients with :func:`value_and_grad`.
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -587,7 +601,7 @@ def multistep(
     ((5,), 5, 1)
     """
     return Fused(step_fn, donate=donate, microbatches=microbatches, max_in_flight=max_in_flight,
-                 unroll=unroll)
+                 unroll=unroll, precision=precision)
 
 
 def _check_options(step_fn: Any, microbatches: Any, max_in_flight: Any, unroll: Any) -> None:

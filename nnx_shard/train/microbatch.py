@@ -21,6 +21,7 @@ from flax import nnx
 from nnx_shard._frames import Frames
 from nnx_shard.errors import ShardingError
 from nnx_shard.parallel.registry import microbatch_owner
+from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import fmt_shape, is_node, short_repr
 
 __all__ = ["StepMicrobatches", "check_device_rows", "spec_axes", "tracing_step",
@@ -30,20 +31,23 @@ __all__ = ["StepMicrobatches", "check_device_rows", "spec_axes", "tracing_step",
 @dataclasses.dataclass
 class StepMicrobatches:
     """One fused step being traced (see :func:`tracing_step`): how many microbatches
-    its batch splits into, and whether :func:`value_and_grad` took them."""
+    its batch splits into, the :class:`~nnx_shard.Precision` its loss reads the
+    parameters in, and whether :func:`value_and_grad` took them."""
 
     count: int
     taken: bool = False
+    precision: Precision | None = None
 
 
 # One frame per multistep body being traced.
 _steps: Frames[StepMicrobatches] = Frames()
 
 
-def tracing_step(m: int) -> AbstractContextManager[StepMicrobatches]:
+def tracing_step(m: int, precision: Precision | None = None
+                 ) -> AbstractContextManager[StepMicrobatches]:
     """The context :func:`nnx_shard.multistep` traces a step in: :func:`value_and_grad`
-    inside it splits the batch into ``m`` microbatches unless told otherwise, and
-    marks the frame it yields as taken.
+    inside it splits the batch into ``m`` microbatches and reads the parameters in
+    ``precision`` unless told otherwise, and marks the frame it yields as taken.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -52,9 +56,9 @@ def tracing_step(m: int) -> AbstractContextManager[StepMicrobatches]:
     >>> with tracing_step(4) as frame:
     ...     _ = value_and_grad(mse)(model, jnp.ones((8, 2)))   # 4 microbatches of 2
     >>> frame
-    StepMicrobatches(count=4, taken=True)
+    StepMicrobatches(count=4, taken=True, precision=None)
     """
-    return _steps.push(StepMicrobatches(m))
+    return _steps.push(StepMicrobatches(m, precision=precision))
 
 
 def spec_axes(sharding: Any, dim: int) -> tuple[tuple[str, ...], int]:
@@ -132,6 +136,7 @@ def value_and_grad(
     has_aux: bool = False,
     microbatches: int | None = None,
     wrt: Any = nnx.Param,
+    precision: Precision | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """``nnx.value_and_grad`` over the model (first argument) that can accumulate microbatches.
 
@@ -154,6 +159,10 @@ def value_and_grad(
       microbatches: M. ``None`` (default) takes M from the enclosing
         ``multistep(..., microbatches=M)``, else 1 (no splitting).
       wrt: which Variables of the model to differentiate (an NNX filter).
+      precision: a :class:`~nnx_shard.Precision`: inside ``loss_fn`` the model's
+        float parameters read in its compute dtype (cast where each is used), the
+        stored parameters and the gradients keep theirs. ``None`` (default) takes
+        it from the enclosing ``multistep(..., precision=...)``, else none.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -164,32 +173,60 @@ def value_and_grad(
     >>> loss4, g4 = value_and_grad(mse, microbatches=4)(model, batch)
     >>> bool(jnp.allclose(loss1, loss4)), bool(jnp.allclose(g1["kernel"][...], g4["kernel"][...]))
     (True, True)
+    >>> import nnx_shard as ns
+    >>> _, g = value_and_grad(mse, precision=ns.Precision(compute=jnp.bfloat16))(model, batch)
+    >>> g["kernel"][...].dtype          # read in bfloat16 inside mse; gradients float32
+    dtype('float32')
     """
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise ValueError(f"microbatches must be a positive int or None, got {microbatches!r}")
     if not callable(loss_fn):
         raise TypeError(f"value_and_grad: loss_fn must be callable, got {loss_fn!r}")
-    vg = nnx.value_and_grad(_checked_loss(loss_fn, has_aux), argnums=nnx.DiffState(0, wrt),
-                            has_aux=has_aux)
+    precision = as_precision(precision, "value_and_grad: precision")
+    vg = nnx.value_and_grad(_reading(_checked_loss(loss_fn, has_aux)),
+                            argnums=nnx.DiffState(0, wrt), has_aux=has_aux)
 
     @functools.wraps(loss_fn)
     def grad_fn(model: Any, batch: Any, *args: Any) -> tuple[Any, Any]:
-        m = microbatches
+        m, p = microbatches, precision
         frame = _steps.top()
         if frame is not None:
             frame.taken = True
             if m is None:
                 m = frame.count
-        owner = microbatch_owner()
-        if owner is not None and owner.microbatched is not None:
-            # A parallel op runs the microbatches itself (the pipeline: through its
-            # stages inside one forward pass) instead of the accumulation loop.
-            return owner.microbatched(vg, m or 1, model, batch, *args)
-        if m is None or m == 1:
-            return vg(model, batch, *args)
-        return _accumulate(vg, m, wrt, model, batch, args)
+            if p is None:
+                p = frame.precision
+        with _precisions.push(p):
+            owner = microbatch_owner()
+            if owner is not None and owner.microbatched is not None:
+                # A parallel op runs the microbatches itself (the pipeline: through its
+                # stages inside one forward pass) instead of the accumulation loop.
+                return owner.microbatched(vg, m or 1, model, batch, *args)
+            if m is None or m == 1:
+                return vg(model, batch, *args)
+            return _accumulate(vg, m, wrt, model, batch, args)
 
     return grad_fn
+
+
+# The precision of the value_and_grad call being traced (None: parameters as stored).
+_precisions: Frames[Precision | None] = Frames()
+
+
+def _reading(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_fn`` with the model's parameters read in the precision of the enclosing
+    :func:`value_and_grad` call: it runs inside the differentiated function, on the
+    model NNX merged there, so the cast is part of what is differentiated."""
+
+    @functools.wraps(loss_fn)
+    def read(model: Any, *args: Any) -> Any:
+        p = _precisions.top()
+        if p is None:
+            return loss_fn(model, *args)
+        with p.reading(model):
+            return loss_fn(model, *args)
+
+    return read
 
 
 def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:

@@ -19,6 +19,7 @@ from nnx_shard.train.feed import feeder, groups, iter_group_sizes
 from nnx_shard.train.fused import Fused
 from nnx_shard.train.guard import Guard, Layout, guard_call, make_fast_step, make_step
 from nnx_shard.train.placement import LogicalNames, Placer
+from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.progress import Progress
 from nnx_shard.train.run import FitRun, History, Saver
 from nnx_shard.train.trees import short_repr
@@ -48,6 +49,11 @@ class Trainer:
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux metrics go to the history.
       donate: reuse state buffers across calls (see :func:`multistep`).
       unroll: steps per iteration of the compiled loop (see :func:`multistep`).
+      precision: a :class:`~nnx_shard.Precision`, e.g. ``Precision(params=
+        jnp.float32, compute=jnp.bfloat16)``: ``loss_fn`` reads the model's float
+        parameters in bfloat16 where it uses them, while the parameters, the
+        optimizer state and the gradients stay float32. Checked against the
+        model here (see :meth:`Precision.check`).
 
     >>> import numpy as np, jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -77,6 +83,7 @@ class Trainer:
         has_aux: bool = False,
         donate: bool = True,
         unroll: int = 1,
+        precision: Precision | None = None,
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(
@@ -101,6 +108,9 @@ class Trainer:
             )
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
+        self.precision = as_precision(precision, "Trainer: precision")
+        if self.precision is not None:
+            self.precision.check(model)  # here, not at the first step's trace
         self.model = model
         self.optimizer = optimizer
         self.mesh = make_mesh(mesh)
@@ -123,10 +133,11 @@ class Trainer:
         self._fused = Fused(
             make_fast_step(loss_fn, has_aux), donate=donate, microbatches=microbatches,
             max_in_flight=None, unroll=unroll, finish=guard_call, entry="Trainer.fit",
+            precision=self.precision,
         )
         careful_step, self._checked = make_step(loss_fn, has_aux)
         self._careful = Fused(careful_step, donate=donate, microbatches=microbatches,
-                              max_in_flight=None, entry="Trainer.fit")
+                              max_in_flight=None, entry="Trainer.fit", precision=self.precision)
 
     @property
     def traces(self) -> int:
