@@ -109,6 +109,70 @@ def test_bfloat16_compute() -> None:
     assert_close(logits, f32(_tokens()), 0.05, "bf16 logits")
 
 
+# --------------------------------------------------------------------------- attention kernels
+
+
+def _kernel_grads(cfg: LlamaConfig, kernel: str, length: int) -> tuple[jax.Array, ...]:
+    model = _model(dataclasses.replace(cfg, attention=kernel))
+    batch = {"inputs": _tokens(1, length, seed=1), "targets": _tokens(1, length, seed=2)}
+    logits = model(batch["inputs"])
+    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+    return logits, loss, grads
+
+
+@pytest.mark.parametrize("length", [
+    37,  # odd: one tile
+    pytest.param(600, marks=pytest.mark.slow),  # two 512-blocks, the second padded
+])
+@pytest.mark.parametrize("name", ["tiny", "tiny_qwen3"])
+def test_blockwise_equals_dense(name: str, length: int) -> None:
+    # Grouped-query attention (4 heads, 2 kv heads) with K/V kept at kv_heads, causal,
+    # rotary (and Qwen3's q/k norm): logits, loss and every gradient of the two kernels.
+    cfg = get_llama_config(name)
+    assert cfg.attention == "auto"  # the memory-efficient default (blockwise on CPU)
+    dense = _kernel_grads(cfg, "dense", length)
+    blockwise = _kernel_grads(cfg, "blockwise", length)
+    assert_close(blockwise[0], dense[0], 1e-5, "logits")
+    assert_close(blockwise[1], dense[1], 1e-6, "loss")
+    assert_close(blockwise[2], dense[2], 1e-5, "grads")
+
+
+def test_attention_kernel_config() -> None:
+    with pytest.raises(ValueError, match=r"LlamaConfig.attention='flash' is not an attention "
+                       r"kernel; valid: 'auto', 'blockwise', 'dense', 'cudnn'\."):
+        LlamaConfig(attention="flash")
+    # K/V reach the op with kv_heads: no [batch, length, heads, head_dim] copy of them.
+    cfg = dataclasses.replace(get_llama_config("tiny"), attention="dense")
+    shapes = []
+
+    def spy(q, k, v, **kw):
+        shapes.append((q.shape, k.shape, v.shape, kw["implementation"]))
+        return ns.models.attention(q, k, v, **kw)
+
+    import nnx_shard.models.llama as llama_module
+
+    model = _model(cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama_module, "attention", spy)
+        model(_tokens(2, 16))
+    assert shapes[0] == ((2, 16, 4, 8), (2, 16, 2, 8), (2, 16, 2, 8), "dense")
+
+
+def test_activation_formula_counts_grouped_kv_and_swiglu() -> None:
+    from nnx_shard.models.memory import activation_bytes
+
+    cfg = get_llama_config("tiny")  # embed 32, 4 heads / 2 kv heads x 8, mlp 64, vocab 128
+    tokens = 4 * 16 // 2            # batch over data=2
+    p = 4                           # float32 activations
+    layer = p * (4 * 32 + 2 * 4 * 8 + 2 * 2 * 8 + 3 * 64) + 4 * 4  # log-sum-exp 4h
+    edges = 2 * p * 32 + 8 * 128
+    rules = ns.Rules({"batch": "data"})
+    assert activation_bytes(cfg, rules, {"data": 2}, 4, 16) == tokens * (2 * layer + edges)
+    dense = dataclasses.replace(cfg, attention="dense")  # float32 probabilities 4hs
+    assert activation_bytes(dense, rules, {"data": 2}, 4, 16) == tokens * (
+        2 * (layer + 4 * 4 * 16 - 4 * 4) + edges)
+
+
 # --------------------------------------------------------------------------- config.json
 
 

@@ -30,7 +30,7 @@ from nnx_shard.cli.common import (
     strategy,
 )
 from nnx_shard.errors import CompileError, ShardingError
-from nnx_shard.models import CONFIGS, Transformer, TransformerConfig
+from nnx_shard.models import CONFIGS, LlamaConfig, TransformerConfig
 from nnx_shard.models.memory import ACTIVATION_FORMULA, activation_bytes
 from nnx_shard.planner import (
     NothingFits,
@@ -43,6 +43,7 @@ from nnx_shard.planner import (
     hardware,
     plan_json,
 )
+from nnx_shard.planner.compile import REFERENCE_NAMES, reference_config, reference_model
 from nnx_shard.report import Report, _spec_txt, fmt_bytes
 from nnx_shard.strategy import Strategy
 
@@ -90,7 +91,7 @@ class _Layout:
 
 
 def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
-                  cfg: TransformerConfig, batch: int, seq: int) -> Any:
+                  cfg: TransformerConfig | LlamaConfig, batch: int, seq: int) -> Any:
     """Per-stage bytes under a pipeline strategy (``None`` otherwise), with as many
     microbatches as stages."""
     sched = strat.rules.options.get(pipeline.OPTION)
@@ -101,8 +102,8 @@ def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
                             microbatches=sizes[sched.axis])
 
 
-def _lay_out(args: argparse.Namespace, model: Any, cfg: TransformerConfig, strat: Strategy,
-             sizes: dict[str, int], tx: Any) -> _Layout:
+def _lay_out(args: argparse.Namespace, model: Any, cfg: TransformerConfig | LlamaConfig,
+             strat: Strategy, sizes: dict[str, int], tx: Any) -> _Layout:
     strat.check(model, sizes)
     report = abstract_report(model, sizes, strat.rules, tx, strat.opt_rules)
     stages = _stage_report(model, sizes, strat, tx, cfg, args.batch, args.seq)
@@ -157,14 +158,14 @@ def _results(layout: _Layout, per_device: dict[str, int], compiled: dict[str, An
     }
 
 
-def _check(args: argparse.Namespace) -> TransformerConfig:
+def _check(args: argparse.Namespace) -> TransformerConfig | LlamaConfig:
     """The flags ``plan`` needs beyond the parser's; the config of ``--model``."""
     if not args.mesh:
         raise UsageError("plan needs --mesh (e.g. data=8,model=8), or --auto --devices N to "
                          "choose one")
     if args.batch < 1 or args.seq < 1:
         raise UsageError("--batch and --seq must be at least 1. Fix: e.g. --batch 8 --seq 16")
-    cfg = CONFIGS[args.model]
+    cfg = reference_config(args.model)
     if args.scan_layers is not None:  # the planned model is the compiled one (pp needs a stack)
         cfg = dataclasses.replace(cfg, scan_layers=args.scan_layers)
     return cfg
@@ -173,20 +174,26 @@ def _check(args: argparse.Namespace) -> TransformerConfig:
 def run(args: argparse.Namespace) -> int:
     """``nnx-shard plan``: exit 0 when the model fits (or no ``--device-memory``), 1 when
     it does not, 2 for bad input or a layout that cannot be (its error on stderr)."""
-    if args.model not in CONFIGS:
-        raise UsageError(f"unknown model {args.model!r}; known: {', '.join(CONFIGS)}. Fix: "
-                         "one of those")
+    if args.model not in REFERENCE_NAMES:
+        raise UsageError(f"unknown model {args.model!r}; known: {', '.join(REFERENCE_NAMES)}. "
+                         "Fix: one of those")
     if args.auto:
+        if args.model not in CONFIGS:
+            raise UsageError(f"plan --auto searches the reference transformer's configs "
+                             f"({', '.join(CONFIGS)}); {args.model!r} is a Llama config. Fix: "
+                             f"check a layout of it with plan --model {args.model} --strategy "
+                             "S --mesh ...")
         return run_auto(args)
     cfg = _check(args)
     strat = strategy(args.strategy)
     sizes = mesh_sizes(args.mesh)
-    if args.seq > cfg.length:
+    limit = cfg.max_length if isinstance(cfg, LlamaConfig) else cfg.length
+    if args.seq > limit:
         raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
-                         f"({cfg.length}). Fix: --seq {cfg.length} or less")
+                         f"({limit}). Fix: --seq {limit} or less")
     memory = device_memory(args.device_memory) if args.device_memory else None
     tx = optimizer(args.optimizer)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: reference_model(cfg))
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
@@ -284,7 +291,7 @@ def _print_notes(args: argparse.Namespace, out: dict[str, Any], stages: Any) -> 
               f"({100 * out['bytes_needed'] / memory:.0f}% used, {out['decided_by']} total)")
 
 
-def _print_plan(args: argparse.Namespace, cfg: TransformerConfig, out: dict[str, Any],
+def _print_plan(args: argparse.Namespace, cfg: TransformerConfig | LlamaConfig, out: dict[str, Any],
                 layout: _Layout) -> None:
     print(f"plan: model {args.model} ({_count(cfg.num_params)} parameters, "
           f"{out['param_dtype']}), strategy {out['strategy']}, mesh {sizes_str(out['mesh'])} "

@@ -21,7 +21,9 @@ ACTIVATION_FORMULA = (
     "e = embed, h = heads, k = head_dim, m' = mlp (x top_k x capacity_factor for experts), "
     "s = seq, V = vocab, D* = devices the rules shard batch, length, heads, mlp, vocab over. "
     "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk), MLP hidden "
-    "before and after GELU (2m'), float32 attention probabilities (4hs) with the dense "
+    "before and after GELU (2m'); for the Llama family q and the output (2hk) with k/v at "
+    "kv_heads g (2gk) and SwiGLU's gate, up and product (3m); float32 attention "
+    "probabilities (4hs) with the dense "
     "attention kernel (TransformerConfig.attention='dense'), or only a float32 log-sum-exp "
     "per row and head (4h) with the memory-efficient ones (blockwise, cudnn, auto: the "
     "default; their backward pass recomputes the probabilities block by block, in a few "
@@ -48,7 +50,8 @@ def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: A
 def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, seq: int,
                      remat: str = "none") -> int:
     """Estimated activation bytes per device of one training step of
-    :class:`nnx_shard.models.Transformer` (see ``ACTIVATION_FORMULA``).
+    :class:`nnx_shard.models.Transformer` or :class:`nnx_shard.models.Llama`
+    (``cfg`` a ``TransformerConfig`` or ``LlamaConfig``; see ``ACTIVATION_FORMULA``).
 
     >>> import dataclasses
     >>> from nnx_shard.models import get_config
@@ -71,7 +74,13 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     rules = rules | {n: None for n in ("batch", "length", "heads", "kv", "mlp", "vocab")
                      if n not in rules}
     b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
-    m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if cfg.experts else 1)
+    experts = getattr(cfg, "experts", 0)
+    m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if experts else 1)
+    # Grouped-query attention (the Llama family) keeps k and v at kv_heads; SwiGLU
+    # keeps gate, up and their product where the GELU MLP keeps two tensors.
+    g = getattr(cfg, "kv_heads", None)
+    qkvo = 4 * h * k if g is None else 2 * h * k + 2 * g * k
+    mlp_tensors = 2 if g is None else 3
     p = np.dtype(cfg.dtype).itemsize
     # Context parallelism keeps the sequence split through the whole block (q/k/v,
     # MLP hidden, logits); elsewhere only the residual stream is (sequence parallelism
@@ -96,7 +105,7 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
         # [batch, heads, block, block] tiles) is a transient, like the dense kernel's
         # forward temporaries: not counted, so that the formula stays a floor.
         probs = 4 * h / d_h
-    layer = p * (4 * e / d_l + 4 * h * k / d_h + 2 * m / d_m) + probs
+    layer = p * (4 * e / d_l + qkvo / d_h + mlp_tensors * m / d_m) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
     if remat == "full":
         per_token = cfg.layers * p * e / d_l + layer + edges

@@ -31,14 +31,52 @@ from jax.sharding import NamedSharding
 from nnx_shard import optimizers
 from nnx_shard.errors import CompileError
 from nnx_shard.mesh import make_mesh
-from nnx_shard.models import CONFIGS, Transformer, TransformerConfig, lm_loss
+from nnx_shard.models import (
+    CONFIGS,
+    LLAMA_CONFIGS,
+    Llama,
+    LlamaConfig,
+    Transformer,
+    TransformerConfig,
+    lm_loss,
+)
 from nnx_shard.planner.costs import hlo_costs
 from nnx_shard.presets import get
 from nnx_shard.simulated import run_requests
 from nnx_shard.train import Trainer
 
 __all__ = ["CompileError", "compile_fit", "compile_step", "compiled_memory",
-           "compiled_memory_subprocess"]
+           "compiled_memory_subprocess", "reference_config", "reference_model"]
+
+#: The named configs ``nnx-shard plan --model`` and :func:`compiled_memory` take: the
+#: reference transformer's and the Llama family's.
+REFERENCE_NAMES = (*CONFIGS, *LLAMA_CONFIGS)
+
+
+def reference_config(name: str) -> TransformerConfig | LlamaConfig:
+    """The named config of a reference model: :data:`nnx_shard.models.CONFIGS`
+    (:class:`~nnx_shard.models.Transformer`) or :data:`nnx_shard.models.LLAMA_CONFIGS`
+    (:class:`~nnx_shard.models.Llama`).
+
+    >>> reference_config("llama3-8b").kv_heads, reference_config("tiny").heads
+    (8, 4)
+    """
+    if name in CONFIGS:
+        return CONFIGS[name]
+    if name in LLAMA_CONFIGS:
+        return LLAMA_CONFIGS[name]
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(REFERENCE_NAMES)}. Fix: one "
+                     "of those")
+
+
+def reference_model(cfg: TransformerConfig | LlamaConfig) -> Any:
+    """The model of a reference config, built with ``nnx.Rngs(0)`` (wrap it in
+    ``nnx.eval_shape`` or :func:`nnx_shard.abstract_init` to allocate nothing).
+
+    >>> type(nnx.eval_shape(lambda: reference_model(reference_config("tiny")))).__name__
+    'Transformer'
+    """
+    return (Llama if isinstance(cfg, LlamaConfig) else Transformer)(cfg, rngs=nnx.Rngs(0))
 
 
 def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
@@ -90,7 +128,7 @@ def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_
                     optimizer: str = "adamw", batch: int = 8, seq: int = 16,
                     remat: str = "none", scan_layers: bool | None = None) -> dict[str, Any]:
     """Per-device bytes of the call ``Trainer.fit`` compiles for config ``model``
-    (see :func:`compile_fit`; the NaN guard's copy of the state is in ``temp``).
+    (a name of :func:`reference_config`; see :func:`compile_fit`; the NaN guard's copy of the state is in ``temp``).
 
     Returns ``params`` and ``optimizer`` (the largest per-device shard of the
     model's and the optimizer's state, from the shardings of the compiled
@@ -105,14 +143,14 @@ def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_
     >>> m["total"] == m["argument"] + m["temp"] + m["output"] - m["alias"] > 0
     True
     """
-    cfg = dataclasses.replace(CONFIGS[model], remat=remat)
+    cfg = dataclasses.replace(reference_config(model), remat=remat)
     if scan_layers is not None:
         cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
     # A pipeline strategy needs microbatches: as many as stages (the fewest it takes).
     sched = get(strategy).rules.options.get("pipeline")
     micro = dict(sizes).get(sched.axis, 1) if sched is not None else 1
     compiled, trainer, seconds = compile_fit(
-        lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy, sizes, batch=batch, seq=seq,
+        lambda: reference_model(cfg), strategy, sizes, batch=batch, seq=seq,
         optimizer=optimizer, microbatches=micro)
     mem = compiled.memory_analysis()
 
