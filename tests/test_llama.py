@@ -260,6 +260,28 @@ def test_kv_heads_follow_heads_where_they_divide() -> None:
     assert on4.blocks[0].attn.q.get_value().sharding.spec == P(None, "model", None)
 
 
+@needs_devices(8)
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
+    # 2 kv heads, 4 query heads over model=4: the rules replicate K/V, the op hands each
+    # device the key/value head of its query head; logits and gradients as on one device.
+    cfg = get_llama_config("tiny")
+    tokens = _tokens()
+    batch = {"inputs": tokens, "targets": _tokens(seed=3)}
+    ref = _model(cfg)
+    want_loss, want_grads = nnx.value_and_grad(lm_loss)(ref, batch)
+    s = ns.strategies.get("tp")
+    mesh = ns.make_mesh("data=2,model=4", axis_types=axis_types)
+    model = s.sharded_init(functools.partial(_model, cfg), mesh)
+    with ns.use(mesh, s.rules):
+        logits = nnx.jit(lambda m, t: m(t))(model, tokens)
+        loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
+    assert_close(logits, ref(tokens), 1e-5, "logits")
+    assert_close(loss, want_loss, 1e-6, "loss")
+    assert_close(jax.tree.map(np.asarray, nnx.to_pure_dict(grads)),
+                 nnx.to_pure_dict(want_grads), 1e-5, "grads")
+
+
 # --------------------------------------------------------------------------- every preset
 
 K = 3
