@@ -38,7 +38,10 @@ choices decide how it runs:
   (simpler, more memory: the comparison point).
 
 Grouped-query attention keeps ``kv_heads`` on the ring: query heads are grouped
-per key/value head inside the op, K/V are never repeated. Masks: segment ids and
+per key/value head inside the op, K/V are never repeated (outside context
+parallelism, query heads that Explicit mesh axes split more ways than there are
+kv heads get each kv head repeated to ``lcm(kv_heads, split)`` heads laid out like
+theirs: one per device, the one it reads). Masks: segment ids and
 a key padding mask (``[batch, 1, 1, length]``) travel with the key/value blocks
 (they are per key); any other mask is held per query row at full key length and
 cut to each block's columns.
