@@ -82,6 +82,43 @@ def test_plan_7b_per_device_bytes_match_hand_computation(capsys):
     assert plan["fits"] is None and plan["error"] is None and plan["devices"] == 64
 
 
+LLAMA_8B_FSDP = ("plan", "--model", "llama3-8b", "--strategy", "fsdp", "--mesh", "data=8",
+                 "--batch", "16", "--seq", "8192", "--remat", "full", "--device-memory", "96GB",
+                 "--json")
+
+
+def test_plan_llama_8b_formula_by_hand(capsys):
+    # torchtitan's Llama 3.1 8B layout (FSDP on 8 GPUs, batch 16 x 8192); bfloat16
+    # parameters and AdamW state, every tensor split 8 ways.
+    code, out, err = run(capsys, *LLAMA_8B_FSDP, "--no-compile")
+    assert code == 0, err
+    plan = json.loads(out)
+    per = plan["bytes_per_device"]
+    n = 8_030_261_248  # Llama 3.1 8B's parameters
+    assert plan["num_params"] == n and per["params"] == per["grads"] == 2 * n // 8
+    assert per["optimizer"] == 2 * per["params"] + 4
+    # remat full: each block's input (layers x 2e), one layer's activations (norms 4e,
+    # q and output 2hk, k and v at kv_heads 2gk, SwiGLU's gate, SiLU, up, product 4m, the
+    # blockwise kernel's float32 log-sum-exp 4h), the residual input 2 * 2e, float32
+    # logits and their gradient 8V; 16 x 8192 tokens over data=8.
+    e, h, g, k, m, v = 4096, 32, 8, 128, 14336, 128256
+    layer = 2 * (4 * e + 2 * h * k + 2 * g * k + 4 * m) + 4 * h
+    tokens = 16 * 8192 // 8
+    assert per["activations"] == tokens * (32 * 2 * e + layer + 2 * 2 * e + 8 * v)
+    assert plan["fits"] is True and per["total"] < 96e9
+
+
+@pytest.mark.slow
+def test_plan_llama_8b_compiled_total_fits_96gb(capsys):
+    # The published run had 96 GB H100s; XLA CPU's compile of fit's call (the NaN guard's
+    # copy included) must fit them (measured 46.6 GiB).
+    code, out, err = run(capsys, *LLAMA_8B_FSDP, "--compile-timeout", "1200")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["decided_by"] == "compiled" and plan["fits"] is True
+    assert plan["compiled"]["total"] <= 96e9
+
+
 def test_plan_zero1_gradients_take_the_sharded_optimizer_states_layout(capsys):
     """ZeRO-1 keeps replicated parameters and shards Adam's moments; XLA reduce-scatters
     each gradient into its moment's layout, so the formula counts gradients at that size

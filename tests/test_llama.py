@@ -109,6 +109,70 @@ def test_bfloat16_compute() -> None:
     assert_close(logits, f32(_tokens()), 0.05, "bf16 logits")
 
 
+# --------------------------------------------------------------------------- attention kernels
+
+
+def _kernel_grads(cfg: LlamaConfig, kernel: str, length: int) -> tuple[jax.Array, ...]:
+    model = _model(dataclasses.replace(cfg, attention=kernel))
+    batch = {"inputs": _tokens(1, length, seed=1), "targets": _tokens(1, length, seed=2)}
+    logits = model(batch["inputs"])
+    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+    return logits, loss, grads
+
+
+@pytest.mark.parametrize("length", [
+    37,  # odd: one tile
+    pytest.param(600, marks=pytest.mark.slow),  # two 512-blocks, the second padded
+])
+@pytest.mark.parametrize("name", ["tiny", "tiny_qwen3"])
+def test_blockwise_equals_dense(name: str, length: int) -> None:
+    # Grouped-query attention (4 heads, 2 kv heads) with K/V kept at kv_heads, causal,
+    # rotary (and Qwen3's q/k norm): logits, loss and every gradient of the two kernels.
+    cfg = get_llama_config(name)
+    assert cfg.attention == "auto"  # the memory-efficient default (blockwise on CPU)
+    dense = _kernel_grads(cfg, "dense", length)
+    blockwise = _kernel_grads(cfg, "blockwise", length)
+    assert_close(blockwise[0], dense[0], 1e-5, "logits")
+    assert_close(blockwise[1], dense[1], 1e-6, "loss")
+    assert_close(blockwise[2], dense[2], 1e-5, "grads")
+
+
+def test_attention_kernel_config() -> None:
+    with pytest.raises(ValueError, match=r"LlamaConfig.attention='flash' is not an attention "
+                       r"kernel; valid: 'auto', 'blockwise', 'dense', 'cudnn'\."):
+        LlamaConfig(attention="flash")
+    # K/V reach the op with kv_heads: no [batch, length, heads, head_dim] copy of them.
+    cfg = dataclasses.replace(get_llama_config("tiny"), attention="dense")
+    shapes = []
+
+    def spy(q, k, v, **kw):
+        shapes.append((q.shape, k.shape, v.shape, kw["implementation"]))
+        return ns.models.attention(q, k, v, **kw)
+
+    import nnx_shard.models.llama as llama_module
+
+    model = _model(cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama_module, "attention", spy)
+        model(_tokens(2, 16))
+    assert shapes[0] == ((2, 16, 4, 8), (2, 16, 2, 8), (2, 16, 2, 8), "dense")
+
+
+def test_activation_formula_counts_grouped_kv_and_swiglu() -> None:
+    from nnx_shard.models.memory import activation_bytes
+
+    cfg = get_llama_config("tiny")  # embed 32, 4 heads / 2 kv heads x 8, mlp 64, vocab 128
+    tokens = 4 * 16 // 2            # batch over data=2
+    p = 4                           # float32 activations
+    layer = p * (4 * 32 + 2 * 4 * 8 + 2 * 2 * 8 + 4 * 64) + 4 * 4  # log-sum-exp 4h; SwiGLU 4m
+    edges = 2 * p * 32 + 8 * 128
+    rules = ns.Rules({"batch": "data"})
+    assert activation_bytes(cfg, rules, {"data": 2}, 4, 16) == tokens * (2 * layer + edges)
+    dense = dataclasses.replace(cfg, attention="dense")  # float32 probabilities 4hs
+    assert activation_bytes(dense, rules, {"data": 2}, 4, 16) == tokens * (
+        2 * (layer + 4 * 4 * 16 - 4 * 4) + edges)
+
+
 # --------------------------------------------------------------------------- config.json
 
 
@@ -194,6 +258,28 @@ def test_kv_heads_follow_heads_where_they_divide() -> None:
     on4 = ns.strategies.get("tp").abstract_init(factory, "data=2,model=4")
     assert on4.blocks[0].attn.k.get_value().sharding.spec == P(None, None, None)
     assert on4.blocks[0].attn.q.get_value().sharding.spec == P(None, "model", None)
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
+    # 2 kv heads, 4 query heads over model=4: the rules replicate K/V, the op hands each
+    # device the key/value head of its query head; logits and gradients as on one device.
+    cfg = get_llama_config("tiny")
+    tokens = _tokens()
+    batch = {"inputs": tokens, "targets": _tokens(seed=3)}
+    ref = _model(cfg)
+    want_loss, want_grads = nnx.value_and_grad(lm_loss)(ref, batch)
+    s = ns.strategies.get("tp")
+    mesh = ns.make_mesh("data=2,model=4", axis_types=axis_types)
+    model = s.sharded_init(functools.partial(_model, cfg), mesh)
+    with ns.use(mesh, s.rules):
+        logits = nnx.jit(lambda m, t: m(t))(model, tokens)
+        loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
+    assert_close(logits, ref(tokens), 1e-5, "logits")
+    assert_close(loss, want_loss, 1e-6, "loss")
+    assert_close(jax.tree.map(np.asarray, nnx.to_pure_dict(grads)),
+                 nnx.to_pure_dict(want_grads), 1e-5, "grads")
 
 
 # --------------------------------------------------------------------------- every preset

@@ -128,8 +128,9 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
                        "config on any mesh (no devices needed), the largest tensors, and "
                        "whether it fits. Exit status: 0 fits (or no --device-memory), 1 does "
                        "not fit, 2 bad input or a sharding error.")
-    p.add_argument("--model", required=True, help="tiny, tiny_moe, small, 125m, 1b, 7b, "
-                   "llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b")
+    p.add_argument("--model", required=True,
+                   help="tiny, tiny_moe, small, 125m, 1b, 7b (the reference transformer); "
+                        "llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b (the Llama family)")
     p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
     p.add_argument("--strategy", default="fsdp_tp")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")

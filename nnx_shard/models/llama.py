@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_shard.blockwise import KERNELS
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
 from nnx_shard.models._ops import constrain, einsum, lookup, whole
@@ -104,9 +105,13 @@ class LlamaConfig:
         the rotation itself works at any length).
       model_type: ``"llama"`` or ``"qwen3"``: the ``config.json`` that
         :meth:`to_hf` writes.
-      scan_layers, remat, dtype, param_dtype: as in
+      scan_layers, remat, attention, dtype, param_dtype: as in
         :class:`~nnx_shard.models.TransformerConfig` (``scan_layers=True``
-        stacks the blocks on a leading ``layers`` axis: the pp presets need it).
+        stacks the blocks on a leading ``layers`` axis: the pp presets need it;
+        ``attention`` is the per-device kernel, ``"auto"`` by default: cuDNN's
+        fused kernel on GPUs where it applies, else blockwise; ``"dense"`` keeps
+        the float32 ``[batch, heads, seq, seq]`` probabilities). Grouped-query
+        attention never repeats K/V, in any kernel.
 
     >>> cfg = LlamaConfig(vocab=64, embed=16, heads=4, kv_heads=2, head_dim=4, mlp=32, layers=1)
     >>> cfg.num_params
@@ -135,6 +140,7 @@ class LlamaConfig:
     model_type: str = "llama"
     scan_layers: bool = False
     remat: str = "none"
+    attention: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -156,6 +162,11 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig.remat={self.remat!r} is not a remat policy; valid: "
                 + ", ".join(repr(k) for k in REMAT_POLICIES) + "."
+            )
+        if self.attention not in KERNELS:
+            raise ValueError(
+                f"LlamaConfig.attention={self.attention!r} is not an attention kernel; "
+                "valid: " + ", ".join(repr(k) for k in KERNELS) + "."
             )
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"LlamaConfig.model_type={self.model_type!r}; valid: "
@@ -396,22 +407,6 @@ def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
     return x * c + rotated * s
 
 
-def _repeat_kv(x: jax.Array, heads: int, names: tuple[Any, ...]) -> jax.Array:
-    """Grouped-query attention: each key/value head repeated for the
-    ``heads / kv_heads`` query heads that share it (head ``h`` reads key/value
-    head ``h // group``), laid out like the queries.
-
-    The one place the model expands K/V: ``nnx_shard.models.attention`` takes
-    q, k and v with one head count today. Once that op takes fewer key/value
-    heads, drop this call and pass k, v as they are."""
-    group = heads // x.shape[2]
-    if group == 1:
-        return x
-    b, length, g, d = x.shape
-    x = jnp.broadcast_to(x[:, :, :, None, :], (b, length, g, group, d))
-    return constrain(x.reshape(b, length, g * group, d), names)
-
-
 class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale, computed in float32 (as
     transformers' ``LlamaRMSNorm``)."""
@@ -460,7 +455,7 @@ class Attention(nnx.Module):
 
         self.q_norm: RMSNorm | None = nnx.data(norm())
         self.k_norm: RMSNorm | None = nnx.data(norm())
-        self.heads = h
+        self.kernel = cfg.attention
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array, cos: np.ndarray, sin: np.ndarray) -> jax.Array:
@@ -476,8 +471,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        k, v = _repeat_kv(k, self.heads, heads), _repeat_kv(v, self.heads, heads)
-        out = attention(q, k, v, causal=True)
+        # k, v keep their kv_heads: the op groups the query heads per key/value head.
+        out = attention(q, k, v, causal=True, implementation=self.kernel)
         return _add(einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l"),
                     self.o_bias, dt)
 

@@ -21,10 +21,10 @@ ACTIVATION_FORMULA = (
     "(the compute dtype), e = embed, h = heads, k = head_dim, m' = mlp (x top_k x "
     "capacity_factor for experts), s = seq, V = vocab, D* = devices the rules shard batch, "
     "length, heads, mlp, vocab over. "
-    "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk; for Llama "
-    "the rotated queries, the keys and values repeated for grouped-query attention, plus "
-    "q/k norm inputs (hk + gk, g = kv_heads) with Qwen3's qk_norm), MLP hidden before and "
-    "after GELU (2m'; Llama's SwiGLU keeps 4m': gate, its SiLU, up and their product), "
+    "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk; for the "
+    "Llama family q and the output (2hk) with k/v at kv_heads g (2gk), never repeated, "
+    "plus q/k norm inputs (hk + gk) with Qwen3's qk_norm), MLP hidden before and after "
+    "GELU (2m'; Llama's SwiGLU keeps 4m': gate, its SiLU, up and their product), "
     "float32 attention probabilities (4hs) with the dense "
     "attention kernel (TransformerConfig.attention='dense'), or only a float32 log-sum-exp "
     "per row and head (4h) with the memory-efficient ones (blockwise, cudnn, auto: the "
@@ -53,7 +53,7 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
                      remat: str = "none") -> int:
     """Estimated activation bytes per device of one training step of
     :class:`nnx_shard.models.Transformer` or :class:`nnx_shard.models.Llama`
-    (a :class:`~nnx_shard.models.LlamaConfig`; see ``ACTIVATION_FORMULA``).
+    (``cfg`` a ``TransformerConfig`` or ``LlamaConfig``; see ``ACTIVATION_FORMULA``).
 
     >>> import dataclasses
     >>> from nnx_shard.models import get_config
@@ -70,9 +70,10 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     ...     tokens * (2 * (layer + 4 * 4 * 16 - 4 * 4) + edges))
     True
     >>> from nnx_shard.models import get_llama_config   # SwiGLU: 4 x mlp, not 2
-    >>> llama = get_llama_config("tiny")                # embed 32, heads 4 x 8, mlp 64
+    >>> llama = get_llama_config("tiny")    # embed 32, heads 4 x 8, 2 kv heads, mlp 64
+    >>> gqa = 4 * (2 * 4 * 8 + 2 * 2 * 8) - 4 * (4 * 4 * 8)      # q, o and k/v at 2 heads
     >>> activation_bytes(llama, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
-    ...     tokens * (2 * (layer + 4 * 2 * 64) + edges))
+    ...     tokens * (2 * (layer + gqa + 4 * 2 * 64) + edges))
     True
     """
     mesh = abstract_mesh(sizes)
@@ -83,7 +84,9 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
     experts = getattr(cfg, "experts", 0)  # the Llama family has none
     m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if experts else 1)
-    llama = hasattr(cfg, "kv_heads")
+    # Grouped-query attention (the Llama family) keeps k and v at kv_heads.
+    g = getattr(cfg, "kv_heads", None)
+    qkvo = 4 * h * k if g is None else 2 * h * k + 2 * g * k
     p = np.dtype(cfg.dtype).itemsize
     # Context parallelism keeps the sequence split through the whole block (q/k/v,
     # MLP hidden, logits); elsewhere only the residual stream is (sequence parallelism
@@ -109,9 +112,9 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
         # forward temporaries: not counted, so that the formula stays a floor.
         probs = 4 * h / d_h
     # SwiGLU keeps four mlp-wide tensors (gate, SiLU(gate), up, product), GELU two.
-    mlp = (4 if llama else 2) * m / d_m
-    qk_norm = (h * k + cfg.kv_heads * k) / d_h if llama and cfg.qk_norm else 0.0
-    layer = p * (4 * e / d_l + 4 * h * k / d_h + mlp + qk_norm) + probs
+    mlp = (2 if g is None else 4) * m / d_m
+    qk_norm = (h * k + g * k) / d_h if g is not None and cfg.qk_norm else 0.0
+    layer = p * (4 * e / d_l + qkvo / d_h + mlp + qk_norm) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
     if remat == "full":
         per_token = cfg.layers * p * e / d_l + layer + edges

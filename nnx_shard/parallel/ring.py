@@ -38,7 +38,10 @@ choices decide how it runs:
   (simpler, more memory: the comparison point).
 
 Grouped-query attention keeps ``kv_heads`` on the ring: query heads are grouped
-per key/value head inside the op, K/V are never repeated. Masks: segment ids and
+per key/value head inside the op, K/V are never repeated (outside context
+parallelism, query heads that Explicit mesh axes split more ways than there are
+kv heads get each kv head repeated to ``lcm(kv_heads, split)`` heads laid out like
+theirs: one per device, the one it reads). Masks: segment ids and
 a key padding mask (``[batch, 1, 1, length]``) travel with the key/value blocks
 (they are per key); any other mask is held per query row at full key length and
 cut to each block's columns.
@@ -304,6 +307,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     kernel = blockwise.resolve(implementation, q, k, masks, context_parallel=c > 1)
     block = block_size if kernel == "blockwise" else None
     if c == 1:
+        k, v = _kv_per_device(q, k, v, active[0] if active is not None else None)
         return blockwise.attention_local(
             q, k, v, masks._replace(mask=group_mask(masks.mask, k.shape[2])), causal=causal,
             kernel=kernel, block=block_size)
@@ -329,6 +333,32 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, specs), out_specs=spec,
                         axis_names=manual, check_vma=False)
     return run(q, k, v, arrays)
+
+
+def _kv_per_device(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Any
+                   ) -> tuple[jax.Array, jax.Array]:
+    """K/V laid out for query heads that Explicit mesh axes split ``s`` ways where ``s``
+    does not divide ``kv_heads`` (e.g. 2 kv heads, query heads over ``model=4``; the
+    rules then replicate K/V): each key/value head repeated to ``r = lcm(kv_heads, s)``
+    heads split like the query heads, so that each device holds the one (or few) it
+    needs and the grouped reshape of the queries stays local. Elsewhere ``k, v`` as
+    they are (Auto axes: the partitioner lays the grouped reshape out itself)."""
+    h, hk = q.shape[2], k.shape[2]
+    if mesh is None or h == hk:
+        return k, v
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    spec = tuple(jax.typeof(q).sharding.spec) + (None,) * q.ndim
+    entry = spec[2]
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    if not names or any(types[a] != AxisType.Explicit for a in names):
+        return k, v
+    split = math.prod(dict(mesh.shape)[a] for a in names)
+    if hk % split == 0:
+        return k, v
+    r = math.lcm(hk, split)
+    r = r if h % r == 0 else h
+    out = P(*spec[:4])
+    return tuple(jax.sharding.reshard(jnp.repeat(x, r // hk, axis=2), out) for x in (k, v))
 
 
 def _check_kv_heads(k: jax.Array, spec: P, mesh: Any) -> None:

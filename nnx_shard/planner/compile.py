@@ -39,8 +39,7 @@ from nnx_shard.simulated import run_requests
 from nnx_shard.train import Precision, Trainer
 
 __all__ = ["CompileError", "compile_fit", "compile_step", "compiled_memory",
-           "compiled_memory_subprocess"]
-
+           "compiled_memory_subprocess", "planned_config"]
 
 def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
                 batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
