@@ -32,15 +32,33 @@ def test_a_compile_past_the_timeout_says_how_to_avoid_it():
 
 
 @needs_devices(8)
+@pytest.mark.parametrize("guard", ["full", "grads", "off"])
 @pytest.mark.parametrize("strategy, sizes", [("fsdp", {"data": 8}),
                                              ("tp", {"data": 2, "model": 4})])
-def test_the_figure_is_fits_call_with_the_guards_copy_of_the_state(strategy, sizes):
-    """`plan` compiles what Trainer.fit runs: a bare multistep step of the same model
-    needs one copy of the parameters and optimizer state less."""
+def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy, sizes, guard):
+    """`plan` compiles what Trainer.fit runs with the guard mode asked for: beside a bare
+    multistep step of the same model, guard="full" needs one more copy of the
+    parameters and optimizer state, "grads" and "off" none (a few KiB of checks), and
+    the planner's formula counts exactly that copy for each mode."""
+    from flax import nnx
+
+    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.optimizers import get as optimizer
+    from nnx_shard.planner import abstract_report, formula
+    from nnx_shard.strategies import get
     from tests._lm import lower_bare_steps
 
-    fit = compiled_memory("tiny", sizes, strategy, batch=8, seq=16)
+    fit = compiled_memory("tiny", sizes, strategy, batch=8, seq=16, guard=guard)
     bare = lower_bare_steps(strategy, sizes, batch=8, seq=16)
-    bare_temp = bare.compile().memory_analysis().temp_size_in_bytes
+    extra = fit["temp"] - bare.compile().memory_analysis().temp_size_in_bytes
     state = fit["params"] + fit["optimizer"]
-    assert state <= fit["temp"] - bare_temp <= 1.1 * state
+    model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+    strat = get(strategy)
+    report = abstract_report(model, sizes, strat.rules, optimizer("adamw"), strat.opt_rules)
+    planned = formula(report, 0, guard)["guard"]
+    if guard == "full":
+        assert planned == state
+        assert state <= extra <= 1.1 * state
+    else:
+        assert planned == 0
+        assert 0 <= extra <= 0.05 * state

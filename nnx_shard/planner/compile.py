@@ -36,6 +36,7 @@ from nnx_shard.planner.costs import hlo_costs
 from nnx_shard.presets import get
 from nnx_shard.simulated import run_requests
 from nnx_shard.train import Trainer
+from nnx_shard.train.guard import DEFAULT_GUARD
 
 __all__ = ["CompileError", "compile_fit", "compile_step", "compiled_memory",
            "compiled_memory_subprocess"]
@@ -43,17 +44,19 @@ __all__ = ["CompileError", "compile_fit", "compile_step", "compiled_memory",
 
 def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
                 batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
-                loss: Callable[..., Any] | None = None, steps: int = 2) -> tuple[Any, Any, float]:
+                loss: Callable[..., Any] | None = None, steps: int = 2,
+                guard: str = DEFAULT_GUARD) -> tuple[Any, Any, float]:
     """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for ``steps`` steps of
     ``factory()``'s model under preset ``strategy`` on mesh ``sizes`` (of this
     process's devices), from abstract inputs: nothing is allocated. The batch is
     ``{"inputs", "targets"}``, int32 ``[steps, batch, seq]`` tokens laid out by
     the preset's rules; ``loss`` defaults to :func:`nnx_shard.models.lm_loss`.
 
-    What is compiled is ``fit``'s own call, NaN guard included: the guard keeps
-    the state from before the call to put it back if the call is not finite,
-    so it needs one more copy of the model and optimizer state than a bare
-    :func:`nnx_shard.multistep` step. The default two steps compile to the
+    What is compiled is ``fit``'s own call, NaN guard included (``guard``, the
+    Trainer's mode): under ``guard="full"`` the guard keeps the state from before
+    the call to put it back if the call is not finite, so it needs one more copy
+    of the model and optimizer state than a bare :func:`nnx_shard.multistep`
+    step; ``"grads"`` and ``"off"`` keep none. The default two steps compile to the
     rolled loop every ``steps_per_call`` of 2 or more does, whose memory does
     not grow with K (a one-step call is unrolled by XLA, and there the copy of
     a sharded state can vanish: it is not what ``fit`` runs). Returns ``(compiled, trainer, seconds to
@@ -81,16 +84,18 @@ def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, i
     tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
                                   sharding=NamedSharding(mesh, spec))
     trainer = Trainer(abstract, opt, loss or lm_loss, mesh=mesh, rules=strat.rules,
-                         steps_per_call=steps, microbatches=microbatches)
+                      steps_per_call=steps, microbatches=microbatches, guard=guard)
     compiled = trainer.lower({"inputs": tokens, "targets": tokens}).compile()
     return compiled, trainer, time.perf_counter() - t0
 
 
 def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_tp",
                     optimizer: str = "adamw", batch: int = 8, seq: int = 16,
-                    remat: str = "none", scan_layers: bool | None = None) -> dict[str, Any]:
+                    remat: str = "none", scan_layers: bool | None = None,
+                    guard: str = DEFAULT_GUARD) -> dict[str, Any]:
     """Per-device bytes of the call ``Trainer.fit`` compiles for config ``model``
-    (see :func:`compile_fit`; the NaN guard's copy of the state is in ``temp``).
+    with NaN guard ``guard`` (see :func:`compile_fit`; under ``"full"`` the guard's
+    copy of the state is in ``temp``).
 
     Returns ``params`` and ``optimizer`` (the largest per-device shard of the
     model's and the optimizer's state, from the shardings of the compiled
@@ -113,7 +118,7 @@ def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_
     micro = dict(sizes).get(sched.axis, 1) if sched is not None else 1
     compiled, trainer, seconds = compile_fit(
         lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy, sizes, batch=batch, seq=seq,
-        optimizer=optimizer, microbatches=micro)
+        optimizer=optimizer, microbatches=micro, guard=guard)
     mem = compiled.memory_analysis()
 
     def per_device(tree: Any) -> int:
@@ -136,7 +141,8 @@ def compiled_memory(model: str, sizes: Mapping[str, int], strategy: str = "fsdp_
 
 def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
                  batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
-                 loss: Callable[..., Any] | None = None) -> dict[str, Any]:
+                 loss: Callable[..., Any] | None = None,
+                 guard: str = DEFAULT_GUARD) -> dict[str, Any]:
     """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for one step of
     ``factory()``'s model (abstract: nothing allocated; NaN guard included, see
     :func:`compile_fit`) under preset ``strategy`` on mesh
@@ -157,7 +163,7 @@ def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, 
     """
     compiled, trainer, seconds = compile_fit(
         factory, strategy, sizes, batch=batch, seq=seq, optimizer=optimizer,
-        microbatches=microbatches, loss=loss)
+        microbatches=microbatches, loss=loss, guard=guard)
     mem = compiled.memory_analysis()
     costs = hlo_costs(compiled.as_text(), trainer.mesh)
     k = trainer.steps_per_call
@@ -194,7 +200,8 @@ def compile_step_request(request: Mapping[str, Any]) -> dict[str, Any]:
     factory = config_factory(request["config"], request["remat"])
     return compile_step(factory, request["strategy"], request["sizes"], batch=request["batch"],
                         seq=request["seq"], optimizer=request["optimizer"],
-                        microbatches=request["microbatches"])
+                        microbatches=request["microbatches"],
+                        guard=request.get("guard", DEFAULT_GUARD))
 
 
 def compiled_memory_request(request: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The formula's bytes per device: parameters, gradients, optimizer state, the NaN
-guard's copy and activations, from the sharding report of an abstract model (no
+guard's copy (``guard="full"`` only) and activations, from the sharding report of an abstract model (no
 devices, no compile). ``nnx-shard plan`` prints it beside XLA's compiled figure;
 the planner's search skips a compile when it alone is far over the memory.
 """
@@ -13,6 +13,7 @@ from nnx_shard.axes import abstract_mesh
 from nnx_shard.models.memory import activation_bytes
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
+from nnx_shard.train.guard import DEFAULT_GUARD
 
 __all__ = ["PRUNE_MARGIN", "abstract_report", "formula", "formula_bytes"]
 
@@ -41,16 +42,19 @@ def abstract_report(model: Any, sizes: Mapping[str, int], rules: Rules, tx: Any 
     return explain(model, abstract_mesh(dict(sizes)), rules, tx, opt_rules=opt_rules)
 
 
-def formula(report: Report, activations: int) -> dict[str, int]:
+def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD) -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
-    while a call runs (to put it back if the call is not finite), activations,
-    and their ``total``.
+    while a call runs (``guard="full"``, to put it back if the call is not finite;
+    ``"grads"`` and ``"off"`` keep none), activations, and their ``total``.
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
-    >>> formula(abstract_report(model, {"data": 2}, Rules({})), 100)
-    {'params': 144, 'grads': 144, 'optimizer': 0, 'guard': 144, 'activations': 100, 'total': 532}
+    >>> report = abstract_report(model, {"data": 2}, Rules({}))
+    >>> formula(report, 100)
+    {'params': 144, 'grads': 144, 'optimizer': 0, 'guard': 0, 'activations': 100, 'total': 388}
+    >>> formula(report, 100, guard="full")["guard"]
+    144
     """
     # A gradient takes the layout of the optimizer moment it updates where that is
     # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
@@ -68,14 +72,15 @@ def formula(report: Report, activations: int) -> dict[str, int]:
         "params": int(report.param_bytes_per_device),
         "grads": int(sum(grads.values())),
         "optimizer": int(report.opt_bytes_per_device),
-        "guard": int(report.param_bytes_per_device + report.opt_bytes_per_device),
+        "guard": (int(report.param_bytes_per_device + report.opt_bytes_per_device)
+                  if guard == "full" else 0),
         "activations": int(activations),
     }
     return {**parts, "total": sum(parts.values())}
 
 
 def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
-                  batch: int, seq: int, remat: str) -> int | None:
+                  batch: int, seq: int, remat: str, guard: str = DEFAULT_GUARD) -> int | None:
     """``nnx-shard plan``'s formula total for ``abstract`` under preset ``strat`` (the
     activations of reference config ``cfg``, none without one); ``None`` where it
     cannot be computed (the compile will say what is wrong). The search skips a
@@ -91,4 +96,4 @@ def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx
         acts = activation_bytes(cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
     except Exception:  # the compile will say what is wrong
         return None
-    return formula(report, acts)["total"]
+    return formula(report, acts, guard)["total"]

@@ -37,6 +37,7 @@ from nnx_shard.presets import get
 from nnx_shard.report import fmt_bytes
 from nnx_shard.simulated import run_requests
 from nnx_shard.strategy import PRESETS, Strategy, factorizations
+from nnx_shard.train.guard import DEFAULT_GUARD, GUARDS
 from nnx_shard.units import parse_bytes
 
 __all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto", "enumerate_layouts"]
@@ -57,6 +58,9 @@ class AutoOptions:
       hardware: a :class:`~nnx_shard.planner.Hardware`, or a
         :data:`~nnx_shard.planner.PROFILES` name (default ``h100-sxm``).
       optimizer: the optimizer by name (``adamw``, ``adam``, ``sgd``).
+      guard: the NaN guard mode ``Trainer.fit`` will run (``grads``, the default,
+        ``full`` or ``off``; see :class:`~nnx_shard.Trainer`): ``full`` needs one
+        more copy of the parameters and optimizer state per device.
       strategies: presets to try (default every registered one, ``strategies.NAMES``).
       remat: policies to try where the plain step does not fit (default
         ``dots`` then ``full``).
@@ -79,6 +83,7 @@ class AutoOptions:
     device_memory: int | str | None = None
     hardware: Hardware | str | None = None
     optimizer: str = "adamw"
+    guard: str = DEFAULT_GUARD
     strategies: Sequence[str] | None = None
     remat: Sequence[str] | None = None
     microbatches: Sequence[int] = (1, 2, 4, 8)
@@ -132,6 +137,9 @@ def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], 
         if not isinstance(value, int) or value < 1:
             raise UsageError(f"auto: {arg} must be a positive int, got {value!r}. Fix: e.g. "
                              f"{arg}=16")
+    if opts.guard not in GUARDS:
+        raise UsageError(f"auto: guard must be one of {', '.join(GUARDS)}, got {opts.guard!r}. "
+                         f"Fix: e.g. guard={DEFAULT_GUARD!r} (Trainer's default)")
     hw = opts.hardware if isinstance(opts.hardware, Hardware) else hardware(
         opts.hardware or "h100-sxm")
     device_memory = opts.device_memory
@@ -334,7 +342,7 @@ class _Search:
                 f"{getattr(model, '__module__', '')}.{getattr(model, '__qualname__', '')}"
                 f"#{id(model)}", "strategy": c.strategy, "sizes": c.mesh, "remat": c.remat,
                 "microbatches": c.microbatches, "batch": opts.batch, "seq": opts.seq,
-                "optimizer": opts.optimizer, "v": self.version}
+                "optimizer": opts.optimizer, "guard": opts.guard, "v": self.version}
         return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
     def formula_over(self, c: Candidate) -> int | None:
@@ -343,7 +351,8 @@ class _Search:
         if p.memory is None or self.opts.compile_fn is not None:
             return None
         est = formula_bytes(p.abstract, p.cfg, get(c.strategy), c.mesh, p.tx,
-                            self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none")
+                            self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none",
+                            self.opts.guard)
         return est if est is not None and est > p.memory * PRUNE_MARGIN else None
 
     def prune_by_formula(self, c: Candidate) -> bool:
@@ -373,7 +382,7 @@ class _Search:
                     fac = (lambda c=c: p.model(remat=c.remat)) if p.takes_remat else p.model
                     result = compile_step(fac, c.strategy, c.mesh, batch=opts.batch,
                                           seq=opts.seq, optimizer=opts.optimizer,
-                                          microbatches=c.microbatches)
+                                          microbatches=c.microbatches, guard=opts.guard)
             except Exception as e:  # a candidate that cannot compile is dropped, with why
                 result = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
             self.done(c, result, bar)
@@ -383,7 +392,8 @@ class _Search:
         assert cfg is not None
         reqs = [{"config": config_dict(cfg), "remat": c.remat, "strategy": c.strategy,
                  "sizes": c.mesh, "batch": opts.batch, "seq": opts.seq,
-                 "optimizer": opts.optimizer, "microbatches": c.microbatches} for c in todo]
+                 "optimizer": opts.optimizer, "microbatches": c.microbatches,
+                 "guard": opts.guard} for c in todo]
 
         def on_result(i: int, result: dict[str, Any]) -> None:
             if "failed" in result:
@@ -523,6 +533,7 @@ class _Search:
         request: dict[str, Any] = {
             "model_name": p.model_name, "model_label": label, "devices": opts.devices,
             "batch": opts.batch, "seq": opts.seq, "optimizer": opts.optimizer,
+            "guard": opts.guard,
             "device_memory": p.memory}
         self.counters["considered"] = len(self.layouts) + sum(
             1 for c in self.dropped + self.ranked

@@ -17,7 +17,17 @@ from nnx_shard.mesh import make_mesh, use
 from nnx_shard.rules import Rules, as_rules
 from nnx_shard.train.feed import feeder, groups, iter_group_sizes
 from nnx_shard.train.fused import Fused
-from nnx_shard.train.guard import Guard, Layout, guard_call, make_fast_step, make_step
+from nnx_shard.train.guard import (
+    DEFAULT_GUARD,
+    Guard,
+    Layout,
+    check_call,
+    check_guard,
+    guard_call,
+    make_fast_step,
+    make_gated_step,
+    make_step,
+)
 from nnx_shard.train.placement import LogicalNames, Placer
 from nnx_shard.train.progress import Progress
 from nnx_shard.train.run import FitRun, History, Saver
@@ -48,6 +58,8 @@ class Trainer:
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux metrics go to the history.
       donate: reuse state buffers across calls (see :func:`multistep`).
       unroll: steps per iteration of the compiled loop (see :func:`multistep`).
+      guard: the NaN guard of :meth:`fit` (``"grads"``, the default, ``"full"`` or
+        ``"off"``): what it catches and what it costs are in :meth:`fit`.
 
     >>> import numpy as np, jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -77,6 +89,7 @@ class Trainer:
         has_aux: bool = False,
         donate: bool = True,
         unroll: int = 1,
+        guard: str = DEFAULT_GUARD,
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(
@@ -101,6 +114,7 @@ class Trainer:
             )
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
+        self._guard_mode = check_guard(guard)
         self.model = model
         self.optimizer = optimizer
         self.mesh = make_mesh(mesh)
@@ -116,17 +130,28 @@ class Trainer:
         # traced types) and the steps read when traced.
         self._guard = Guard()
         # fit bounds the calls in flight itself (it reads each call's metrics), so the
-        # fused call does not block on top of that. fit runs _fused, whose NaN guard
-        # checks each call once (guard_call, at the end of the compiled call); a call
-        # that fails it is undone and replayed with _careful, which checks every step
-        # (it compiles only when that happens).
+        # fused call does not block on top of that. With guard="full" fit runs _fused,
+        # whose NaN guard checks each call once (guard_call, at the end of the compiled
+        # call); a call that fails it is undone and replayed with _careful, which checks
+        # every step (it compiles only when that happens). With "grads" and "off" the
+        # steps gate their own updates and check_call only checks the call: nothing is
+        # undone, nothing replayed.
+        if guard == "full":
+            step, finish = make_fast_step(loss_fn, has_aux), guard_call
+        else:
+            step, finish = make_gated_step(loss_fn, has_aux, guard == "grads"), check_call
         self._fused = Fused(
-            make_fast_step(loss_fn, has_aux), donate=donate, microbatches=microbatches,
-            max_in_flight=None, unroll=unroll, finish=guard_call, entry="Trainer.fit",
+            step, donate=donate, microbatches=microbatches,
+            max_in_flight=None, unroll=unroll, finish=finish, entry="Trainer.fit",
         )
         careful_step, self._checked = make_step(loss_fn, has_aux)
         self._careful = Fused(careful_step, donate=donate, microbatches=microbatches,
                               max_in_flight=None, entry="Trainer.fit")
+
+    @property
+    def guard(self) -> str:
+        """The NaN guard's mode (``"grads"``, ``"full"`` or ``"off"``; see :meth:`fit`)."""
+        return self._guard_mode
 
     @property
     def traces(self) -> int:
@@ -234,7 +259,8 @@ class Trainer:
         # see only finite steps, and a save never follows a non-finite step).
         run = FitRun(self, self._fused, self._careful, self._checked, self._guard, callbacks,
                      depth=1 if callbacks else 2, progress=Progress(num_steps, progress),
-                     saver=Saver(self, checkpointer) if checkpointer is not None else None)
+                     saver=Saver(self, checkpointer) if checkpointer is not None else None,
+                     mode=self._guard_mode)
         prefetch = feeder(data, reader)
         try:
             with use(self.mesh, self.rules):
