@@ -57,7 +57,9 @@ def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy
     report = abstract_report(model, sizes, strat.rules, optimizer("adamw"), strat.opt_rules)
     planned = formula(report, 0, guard)["guard"]
     if guard == "full":
-        assert planned == state
+        # The report counts the optax state; the compiled arguments also hold
+        # nnx.Optimizer's own int32 step counter.
+        assert planned == state - 4
         assert state <= extra <= 1.1 * state
     else:
         assert planned == 0

@@ -805,6 +805,92 @@ def test_trainer_guard_is_checked_and_defaults_to_grads():
         make_trainer(guard="none")
 
 
+@jax.custom_vjp
+def inf_grad(x, flag):
+    """Identity forward; the gradient is +inf where ``flag`` is set (finite loss)."""
+    return x
+
+
+inf_grad.defvjp(
+    lambda x, flag: (x, flag),
+    lambda flag, g: (g + jnp.where(flag > 0, jnp.inf, 0.0), jnp.zeros_like(flag)),
+)
+
+
+def inf_loss(model, batch):
+    # "shift" is a constant of the loss (no gradient): an infinite one gives an
+    # infinite loss with finite gradients; "poison" gives infinite gradients.
+    pred = inf_grad(model(batch["x"]), batch["poison"][:, None])
+    return jnp.mean((pred - batch["y"]) ** 2) + batch["shift"][0]
+
+
+# Each mode on each route, the bad step 2 of 4 in calls of 2 steps: (steps applied,
+# the state kept is the one after step 1, the stop reason's pattern).
+INF_CASES = {
+    ("full", "inf_loss"): (1, True, r"^loss is inf at step 2; stopped without applying it"),
+    ("grads", "inf_loss"): (1, True, r"^loss is inf at step 2; stopped without applying it"),
+    # Its gradients are finite: applied, and the state it leaves is finite.
+    ("off", "inf_loss"): (2, None, r"^loss is inf at step 2; guard='off' applies every step: "
+                          r"stopped after step 2, the model and optimizer state are finite"),
+    # The infinite gradient of the output turns into inf - inf = NaN in the layers'
+    # kernel gradients: the norm is NaN (its bias gradient stays infinite).
+    ("full", "inf_grads"): (1, True, r"^grad_norm is nan at step 2; stopped without applying"),
+    ("grads", "inf_grads"): (1, True, r"^grad_norm is nan at step 2; stopped without applying"),
+    ("off", "inf_grads"): (2, False, r"^grad_norm is nan at step 2; guard='off' applies every "
+                           r"step: stopped after step 2, the parameters are not finite"),
+    # optax.sgd(inf): every loss and gradient finite until the update overflows.
+    ("full", "sgd_inf"): (0, True, r"^updated parameters are not finite \(first: layers/0/"),
+    ("grads", "sgd_inf"): (1, False, r"^the parameters are not finite \(first: layers/0/"
+                           r"(bias|kernel)\) after step 1; guard='grads' checks"),
+    ("off", "sgd_inf"): (2, False, r"^(loss|grad_norm) is [-a-z]+.* at step 2; guard='off' "
+                         r"applies every step: stopped after step 2, the parameters are not"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, route", list(INF_CASES), ids=[f"{m}-{r}" for m, r in INF_CASES])
+def test_each_guard_mode_on_infinite_losses_gradients_and_updates(mode, route):
+    """What each mode catches: "full" every route; "grads" an infinite loss or
+    gradient (the step is not applied), not a finite gradient whose update overflows
+    (optax.sgd(inf): applied, the state left not finite and the stop says so); "off"
+    applies every step of the call and names what it left."""
+    def batches(n, bad=2):
+        out = []
+        for i, b in enumerate(host_batches(n)):
+            b["poison"] = np.zeros((8,), np.float32)
+            b["shift"] = np.zeros((8,), np.float32)
+            if i == bad - 1 and route == "inf_loss":
+                b["shift"][:] = np.inf
+            if i == bad - 1 and route == "inf_grads":
+                b["poison"][:] = 1.0
+            out.append(b)
+        return out
+
+    def build():
+        model = seed_model()
+        tx = optax.sgd(float("inf")) if route == "sgd_inf" else optax.adam(1e-2)
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        return Trainer(model, opt, inf_loss, mesh="data=8", rules={"batch": "data"},
+                       steps_per_call=2, guard=mode)
+
+    steps, kept, reason = INF_CASES[mode, route]
+    trainer = build()
+    initial = jax.tree.map(np.array, nnx.state((trainer.model, trainer.optimizer)))
+    with pytest.warns(RuntimeWarning):
+        h = trainer.fit(batches(4), num_steps=4, progress=False)
+    assert re.search(reason, h.stop_reason), h.stop_reason
+    assert h.steps == steps == trainer.step == int(trainer.optimizer.step[...])
+    state = nnx.state((trainer.model, trainer.optimizer))
+    assert all_finite(trainer.model, trainer.optimizer) == (kept is not False)
+    if kept and steps == 0:
+        for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(initial), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), y)
+    elif kept:  # the state after step 1, as a run of that step alone leaves it
+        ref = build()
+        ref.fit(batches(1), num_steps=1, progress=False)
+        assert_close(state, nnx.state((ref.model, ref.optimizer)), RTOL, "kept state")
+
+
 def test_adam_with_an_infinite_learning_rate_is_caught_at_its_first_update():
     model = seed_model()
     opt = nnx.Optimizer(model, optax.adam(float("inf")), wrt=nnx.Param)

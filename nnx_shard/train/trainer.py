@@ -171,12 +171,12 @@ class Trainer:
     ) -> History:
         """Runs up to ``num_steps`` steps on batches from ``data``; returns the :class:`History`.
 
-        Stops early, keeping the model and optimizer at the last finite state,
-        when a step is not finite: its loss, its gradient norm, the updated
-        parameters (any float Variable of the model) or the updated optimizer
-        state hold a NaN/Inf (that step is not applied, nor saved; a
-        ``RuntimeWarning`` and ``stop_reason`` name the check, the first
-        non-finite leaf and the step); when ``data`` runs out (so with finite
+        Stops early when a step is not finite: its loss, its gradient norm, the
+        updated parameters (any float Variable of the model) or the updated
+        optimizer state hold a NaN/Inf (a ``RuntimeWarning`` and
+        ``stop_reason`` name the check, the first non-finite leaf and the step;
+        nothing from that call is saved; what is kept depends on the
+        Trainer's ``guard``, below); when ``data`` runs out (so with finite
         data a huge ``num_steps`` means "until the data ends": steps are
         planned lazily); or when a callback returns ``True``. ``callback(step, metrics)`` runs after every fused call with
         that call's per-step metrics (NumPy) and the model exactly as of
@@ -217,11 +217,33 @@ class Trainer:
         position on resume; any other iterable is read and stacked on a
         prefetch thread.
 
-        NaN guard cost: the check runs once per fused call on values the call
-        computes anyway (each step's loss and gradient norm, the final state); a
-        call that fails it is undone on the device and run again with every
-        step checked (that per-step variant compiles only then), which finds
-        the step and the leaf.
+        The NaN guard, ``Trainer(..., guard=...)``; every mode checks each
+        step's loss and gradient norm and the state each fused call leaves:
+
+        * ``"grads"`` (the default): a step whose loss or gradient norm is
+          NaN/Inf is not applied (the optimizer update is skipped in place,
+          inside the compiled call) and training stops with the model and
+          optimizer at the last finite state. It keeps no copy of the state.
+          It does not catch a step whose gradients are finite but whose update
+          makes the state non-finite (an infinite learning rate, e.g.
+          ``optax.sgd(inf)``, or an overflowing optimizer moment): that step
+          is applied, training stops after it, the state is left non-finite
+          (not saved) and ``stop_reason`` names its first non-finite leaf.
+        * ``"full"``: also catches that case: each fused call keeps the state
+          from before it (one more copy of the parameters and optimizer state
+          per device) and puts it back if any step or the final state is not
+          finite; the call is then run again with every step checked (that
+          variant compiles only then), which finds the step and the leaf, and
+          the state kept is the last finite one.
+        * ``"off"``: every step of a call is applied; the check at the end of
+          the call stops training and names what went wrong, the state left
+          as the call made it (not saved).
+
+        The checks run on values the call computes anyway; ``"grads"`` needs
+        the gradient norm before each update (under sharded layouts one more
+        small cross-device sum per step). ``nnx-shard plan --guard`` counts
+        each mode's bytes; ``benchmarks/guard_cost.py`` measures them and the
+        steps/s of each.
 
         >>> import numpy as np, jax.numpy as jnp, optax
         >>> from flax import nnx
