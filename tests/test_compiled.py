@@ -64,3 +64,38 @@ def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy
     else:
         assert planned == 0
         assert 0 <= extra <= 0.05 * state
+
+
+@pytest.mark.slow
+@needs_devices(8)
+@pytest.mark.parametrize("strategy, sizes, remat", [("fsdp", {"data": 8}, "full"),
+                                                    ("tp", {"data": 2, "model": 4}, "none")])
+def test_the_planners_compile_options_change_no_figure(strategy, sizes, remat):
+    """The planner compiles without LLVM optimisation: the optimised HLO (so every cost
+    read from it) and XLA's buffer assignment are those of the default compile."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.planner import compile as planner_compile
+    from nnx_shard.planner.costs import hlo_costs
+
+    cfg = dataclasses.replace(get_config("tiny"), remat=remat, scan_layers=True)
+    _, trainer, _ = planner_compile.compile_fit(
+        lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy, sizes, batch=8, seq=16)
+    spec = trainer.rules.spec((None, "batch", "length"), shape=(2, 8, 16), mesh=trainer.mesh)
+    tokens = jax.ShapeDtypeStruct((2, 8, 16), jnp.int32,
+                                  sharding=NamedSharding(trainer.mesh, spec))
+    lowered = trainer.lower({"inputs": tokens, "targets": tokens})
+    fast = lowered.compile(compiler_options=planner_compile.PLAN_COMPILER_OPTIONS)
+    default = lowered.compile()
+    assert planner_compile.PLAN_COMPILER_OPTIONS == {"xla_backend_optimization_level": 0}
+    assert fast.as_text() == default.as_text()
+    for field in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                  "alias_size_in_bytes"):
+        assert getattr(fast.memory_analysis(), field) == getattr(default.memory_analysis(), field)
+    assert hlo_costs(fast.as_text(), trainer.mesh) == hlo_costs(default.as_text(), trainer.mesh)

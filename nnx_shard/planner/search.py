@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -69,6 +70,8 @@ class AutoOptions:
       cache: a JSON file to keep compile results across runs (always kept in memory).
       progress: a progress bar on stderr.
       timeout: seconds per compile in the subprocess.
+      workers: compile subprocesses run side by side (default one per core, at
+        most 4; a config name only: a factory compiles in this process).
       compile_fn: replaces the compile and the formula's pre-check (tests):
         ``compile_fn(candidate) -> dict`` with ``total``, ``temp``, ``flops``,
         ``collective_bytes``, ``collectives``.
@@ -91,6 +94,7 @@ class AutoOptions:
     cache: str | os.PathLike[str] | None = None
     progress: bool = True
     timeout: float = 120.0
+    workers: int | None = None
     compile_fn: Callable[..., Mapping[str, Any]] | None = None
 
 
@@ -137,6 +141,11 @@ def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], 
         if not isinstance(value, int) or value < 1:
             raise UsageError(f"auto: {arg} must be a positive int, got {value!r}. Fix: e.g. "
                              f"{arg}=16")
+    if opts.workers is not None and (not isinstance(opts.workers, int)
+                                     or isinstance(opts.workers, bool) or opts.workers < 1):
+        raise UsageError(f"auto: workers must be a positive int or None, got {opts.workers!r}. "
+                         "Fix: e.g. workers=2 (compile subprocesses side by side), or leave it "
+                         "out for one per core")
     if opts.guard not in GUARDS:
         raise UsageError(f"auto: guard must be one of {', '.join(GUARDS)}, got {opts.guard!r}. "
                          f"Fix: e.g. guard={DEFAULT_GUARD!r} (Trainer's default)")
@@ -314,6 +323,18 @@ def _bar(total: int, progress: bool, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="compile", file=sys.stderr, leave=False)
 
 
+def _workers(asked: int | None) -> int:
+    """Compile subprocesses to run side by side: ``asked``, else one per core this
+    process may use, at most 4 (each holds a JAX of its own, ~1 GiB or more)."""
+    if asked is not None:
+        return max(1, int(asked))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 4))
+
+
 def _key(v: Candidate) -> tuple[str, tuple[tuple[str, int], ...]]:
     return (v.strategy, tuple(v.mesh.items()))
 
@@ -395,13 +416,32 @@ class _Search:
                  "optimizer": opts.optimizer, "microbatches": c.microbatches,
                  "guard": opts.guard} for c in todo]
 
-        def on_result(i: int, result: dict[str, Any]) -> None:
-            if "failed" in result:
-                result = {"error": f"the compile subprocess failed: {result['failed']}"}
-            self.done(todo[i], result, bar)
+        lock = threading.Lock()
 
-        run_requests("nnx_shard.planner.compile:compile_step_request", reqs, opts.devices,
-                     timeout=opts.timeout * len(reqs) + 60, on_result=on_result)
+        def run(share: list[int]) -> None:
+            def on_result(i: int, result: dict[str, Any]) -> None:
+                if "failed" in result:
+                    result = {"error": f"the compile subprocess failed: {result['failed']}"}
+                with lock:  # the children answer from threads of their own
+                    self.done(todo[share[i]], result, bar)
+
+            run_requests("nnx_shard.planner.compile:compile_step_request",
+                         [reqs[j] for j in share], opts.devices,
+                         timeout=opts.timeout * len(share) + 60, on_result=on_result)
+
+        # Each child compiles every n-th request: XLA's CPU compile of one program
+        # keeps about one core busy, so children on the cores there are run side by
+        # side. Which child compiles a candidate changes nothing of its figures.
+        n = max(1, min(len(reqs), _workers(opts.workers)))
+        shares = [list(range(k, len(reqs), n)) for k in range(n)]
+        if n == 1:
+            run(shares[0])
+            return
+        threads = [threading.Thread(target=run, args=(share,), daemon=True) for share in shares]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def run(self, cands: list[Candidate], bar: Any) -> None:
         """Compiles ``cands`` (or reads them from the cache) and applies the results."""
