@@ -11,8 +11,8 @@ compiled calls in interleaved rounds:
 * ``hand scan``: ``jax.jit(jax.lax.scan)`` over the ``nnx.split`` state
   (donated), ``nnx.value_and_grad`` and ``opt.update``; the loss is its only
   output (as in fit_speed.py);
-* ``fit``: the call ``Trainer.fit`` runs: the same steps, each step's
-  gradient norm, and the NaN guard (once per call: every step's loss and
+* ``fit``: the call ``Trainer(..., guard="full").fit`` runs: the same steps,
+  each step's gradient norm, and the NaN guard (once per call: every step's loss and
   gradient norm and the final state are checked; a call that fails is
   undone, so the state before the call is kept until its end);
 * ``fit, norm reduced every step``: ``fit``'s call with the gradient norm
@@ -113,7 +113,8 @@ def worker(n_devices: int, quick: bool) -> dict:
         if not grad_norm or not shares:
             train_guard.grad_sq_shares = lambda grads, specs, mesh: None
         try:  # one fit compiles the call (and records the layout fit reads from the arrays)
-            t = ns.Trainer(*make(), lm_loss, mesh=mesh, rules=rules, steps_per_call=K)
+            t = ns.Trainer(*make(), lm_loss, mesh=mesh, rules=rules, steps_per_call=K,
+                           guard="full")
             history = t.fit(ns.Batches(arrays, BATCH), K, progress=False)
         finally:
             train_guard.grads_norm, train_guard.grad_sq_shares, train_trainer.guard_call = saved

@@ -79,10 +79,10 @@ def assert_same_values(run: Run, ref: Run, rtol: float, rtol_params: float) -> N
 
 
 def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
-                     steps: int = 2) -> jax.stages.Lowered:
-    """The bare fused call of the tiny Transformer (``steps`` steps of ``lm_loss`` and
-    AdamW; no NaN guard, no gradient norm), lowered from abstract inputs: the program
-    ``Trainer.fit``'s call is compared with."""
+                     steps: int = 2, config: str = "tiny") -> jax.stages.Lowered:
+    """The bare fused call of the Transformer of ``config`` (``steps`` steps of
+    ``lm_loss`` and AdamW; no NaN guard, no gradient norm), lowered from abstract
+    inputs: the program ``Trainer.fit``'s call is compared with."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
@@ -91,7 +91,7 @@ def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
 
     strat = ns.strategies.get(strategy)
     mesh = ns.make_mesh(sizes)
-    model = strat.abstract_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh)
+    model = strat.abstract_init(lambda: Transformer(get_config(config), rngs=nnx.Rngs(0)), mesh)
     opt = strat.optimizer(model, optimizer("adamw"), mesh)
     spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh)
     tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,

@@ -171,13 +171,13 @@ def test_one_device_mesh_compiles_once_across_fits():
 
 
 def test_guard_checks_each_call_once_and_compiles_the_per_step_guard_only_on_failure():
-    t = trainer()
+    t = trainer(guard="full")
     t.fit(ns.Batches(arrays(6 * B), B), 6, progress=False)
     assert t.traces == 1 and t._careful.traces == 0
 
     bad = arrays(6 * B)
     bad["x"][4 * B, 0] = np.nan  # step 5
-    t2 = trainer()
+    t2 = trainer(guard="full")
     with pytest.warns(RuntimeWarning, match=r"loss is nan and grad_norm is nan at step 5;"):
         h = t2.fit(ns.Batches(bad, B), 6, progress=False)
     assert h.steps == 4 and t2._careful.traces == 1
@@ -204,9 +204,9 @@ def test_a_call_the_per_step_guard_accepts_is_kept_with_the_calls_queued_behind_
     a = arrays(9 * B)
     with monkeypatch.context() as patched:  # the end of this trainer's fused call
         patched.setattr(trainer_module, "guard_call", fail_first_call)
-        t = trainer()
+        t = trainer(guard="full")
     h = t.fit(ns.Batches(a, B), 9, progress=False)
-    ref = trainer()
+    ref = trainer(guard="full")
     href = ref.fit(ns.Batches(a, B), 9, progress=False)
     assert h.steps == 9 and h.stop_reason is None
     assert h["step"].tolist() == list(range(1, 10))

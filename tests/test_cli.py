@@ -73,10 +73,16 @@ def test_plan_7b_per_device_bytes_match_hand_computation(capsys):
     tokens = 256 * 2048 // 8
     layer = 2 * (4 * 4096 + 4 * 4096 // 8 + 2 * 16384 // 8) + 4 * 32 // 8
     assert per["activations"] == tokens * (32 * layer + 2 * 2 * 4096 + 8 * 32000 // 8)
-    # Trainer.fit's NaN guard keeps the parameters and optimizer state from before a call.
-    assert per["guard"] == per["params"] + per["optimizer"]
-    assert per["total"] == sum(per[k] for k in ("params", "grads", "optimizer", "guard",
-                                                "activations"))
+    # Trainer.fit's default NaN guard ("grads") keeps no copy of the state ...
+    assert plan["guard"] == "grads" and per["guard"] == 0
+    assert per["total"] == sum(per[k] for k in ("params", "grads", "optimizer", "activations"))
+    # ... guard="full" keeps the parameters and optimizer state from before a call.
+    code, out, err = run(capsys, "plan", "--model", "7b", "--mesh", "data=8,model=8",
+                         "--strategy", "fsdp_tp", "--batch", "256", "--seq", "2048", "--json",
+                         "--no-compile", "--guard", "full")
+    full = json.loads(out)["bytes_per_device"]
+    assert code == 0 and full["guard"] == per["params"] + per["optimizer"]
+    assert full["total"] == per["total"] + full["guard"]
     assert plan["largest"][0]["bytes_per_device"] == 32 * 4096 * 16384 * 2 // 64
     assert plan["largest"][0]["path"] in ("blocks/mlp/up", "blocks/mlp/down")
     assert plan["fits"] is None and plan["error"] is None and plan["devices"] == 64

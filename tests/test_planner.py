@@ -404,6 +404,33 @@ def test_plan_auto_end_to_end(capsys, tmp_path, monkeypatch):
     assert "import nnx_shard as ns" in text
 
 
+@pytest.mark.slow
+def test_compiles_side_by_side_plan_as_one_subprocess_does(monkeypatch):
+    """workers=2 splits the compiles over two children: the figures, the ranking and
+    the choice are those of one child compiling them all."""
+    from nnx_shard.planner.cache import Cache
+
+    def run(workers):
+        monkeypatch.setattr(Cache, "shared", {})  # compile again, not from memory
+        return planner.auto("tiny", devices=2, batch=4, seq=8, device_memory="1GB",
+                            strategies=["dp", "fsdp", "tp", "zero1"], progress=False,
+                            workers=workers)
+
+    one, two = run(1), run(2)
+    assert one.request["compiled"] == two.request["compiled"] == 4
+    assert [c.label for c in two.ranked] == [c.label for c in one.ranked]
+    for a, b in zip(one.ranked, two.ranked, strict=True):
+        assert (a.bytes_per_device, a.temp, a.flops, a.collective_bytes, a.collectives) == (
+            b.bytes_per_device, b.temp, b.flops, b.collective_bytes, b.collectives)
+    assert two.best.label == one.best.label
+
+
+def test_workers_must_be_a_positive_int():
+    with pytest.raises(ValueError, match=r"auto: workers must be a positive int or None, "
+                                            r"got 0\. Fix: e\.g\. workers=2"):
+        planner.auto("tiny", devices=2, batch=4, seq=8, workers=0, progress=False)
+
+
 def test_plan_auto_bad_input(capsys):
     base = ["plan", "--auto", "--model", "tiny", "--batch", "8", "--seq", "16"]
     assert main(base) == 2

@@ -701,54 +701,194 @@ def test_guard_call_turns_shares_into_norms_and_undoes_unless_told_not_to(undo):
         assert np.isnan(np.asarray(model.kernel[...])).all()
 
 
-@pytest.mark.parametrize("bad", [1, 3], ids=["first_step", "last_step_of_a_call"])
+def guard_outcome(mode, route, bad, k=3):
+    """What each guard mode does with a non-finite step ``bad`` of ``route`` (calls of
+    ``k`` steps): the steps applied, whether the state kept is the last finite one,
+    and the stop reason. ``"full"`` undoes any non-finite step; ``"grads"`` does not
+    apply a step whose loss or gradient norm is not finite, but applies one whose
+    finite gradients make the state non-finite; ``"off"`` applies every step of the
+    call and stops after it."""
+    end = -(-bad // k) * k  # the last step of the call holding the bad step
+    if mode == "full" or (mode == "grads" and route in ("loss", "grad_norm")):
+        kept = f"from after step {bad - 1}" if bad > 1 else "from before it"
+        reason = (GUARD_MESSAGES[route].format(bad=bad) + " stopped without applying it, "
+                  f"keeping the model and optimizer state {kept}, the last finite one$")
+        return bad - 1, True, reason
+    leaf = (r"the parameters are not finite \(first: layers/\d/(kernel|bias)\)"
+            if route != "opt_state" else
+            r"the optimizer state is not finite \(first: opt_state/0/count\)")
+    if mode == "grads":  # params: the step after the bad one sees a non-finite loss
+        steps = bad if route == "params" else end
+        return steps, False, (leaf + f" after step {steps}; guard='grads' checks each step's "
+                              r"loss and gradient norm before applying it, .* \(not saved\)\. "
+                              r"Fix: Trainer\(\.\.\., guard='full'\)")
+    if route == "opt_state":  # off, nothing else non-finite
+        return end, False, leaf + f" after step {end}; guard='off' applies every step"
+    first = bad + 1 if route == "params" else bad
+    return end, False, (rf"(loss|grad_norm) is (nan|inf|-inf).* at step {first}; guard='off' "
+                        f"applies every step: stopped after step {end}, " + leaf
+                        + r", left as it is \(not saved\)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", [1, 5], ids=["first_step", "mid_second_call"])
 @pytest.mark.parametrize("route", list(GUARD_MESSAGES))
-def test_nan_guard_never_keeps_or_saves_a_non_finite_state(tmp_path, route, bad):
+@pytest.mark.parametrize("mode", ["full", "grads", "off"])
+def test_nan_guard_modes_never_save_a_non_finite_state(tmp_path, mode, route, bad):
     def build():
         model = seed_model()
         opt = nnx.Optimizer(model, guard_tx(route, bad), wrt=nnx.Param)
         return Trainer(model, opt, poisoned_loss, mesh="data=8", rules={"batch": "data"},
-                       steps_per_call=3)
+                       steps_per_call=3, guard=mode)
+
+    def after(steps):  # a run of the first `steps` batches, nothing non-finite in them
+        if steps == 0:
+            return initial
+        ref = build()
+        ref.fit(guard_batches(route, bad)[:steps], num_steps=steps, progress=False)
+        assert all_finite(ref.model, ref.optimizer)
+        return nnx.state((ref.model, ref.optimizer))
 
     trainer = build()
+    assert trainer.guard == mode
     initial = jax.tree.map(np.array, nnx.state((trainer.model, trainer.optimizer)))
-    ckpt = ns.Checkpointer(tmp_path / "ckpt", every=1)
-    expected = GUARD_MESSAGES[route].format(bad=bad)
-    with pytest.warns(RuntimeWarning, match=expected):
+    ckpt = ns.Checkpointer(tmp_path / "ckpt", every=3)
+    steps, finite, reason = guard_outcome(mode, route, bad)
+    with pytest.warns(RuntimeWarning, match=reason.rstrip("$")):
         h = trainer.fit(guard_batches(route, bad), num_steps=6, progress=False,
                         checkpointer=ckpt)
-    kept = f"from after step {bad - 1}" if bad > 1 else "from before it"
-    assert re.search(expected + f" stopped without applying it, keeping the model and "
-                     f"optimizer state {kept}, the last finite one", h.stop_reason), h.stop_reason
-    assert h.steps == bad - 1 and trainer.step == bad - 1
-    assert int(trainer.optimizer.step[...]) == bad - 1
-    assert all_finite(trainer.model, trainer.optimizer)
+    assert re.search(reason, h.stop_reason), h.stop_reason
+    # The History, the counters and the optimizer agree on the steps applied.
+    assert h.steps == steps == trainer.step == int(trainer.optimizer.step[...])
+    assert h["step"].tolist() == list(range(1, steps + 1))
+    assert np.isfinite(h["loss"]).all() == (mode != "off" or route == "opt_state")
+    assert all_finite(trainer.model, trainer.optimizer) == finite
+    if finite:  # the state kept is the one after the last good step
+        assert_close(nnx.state((trainer.model, trainer.optimizer)), after(bad - 1), RTOL,
+                     "kept state")
 
-    # The kept state is the state after the last good step ...
-    if bad == 1:
-        ref_state = initial
-    else:
-        ref = build()
-        ref.fit(guard_batches(route, bad)[: bad - 1], num_steps=bad - 1, progress=False)
-        ref_state = nnx.state((ref.model, ref.optimizer))
-    got, want = jax.tree.leaves(nnx.state((trainer.model, trainer.optimizer))), jax.tree.leaves(ref_state)
-    for x, y in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL,
-                                   atol=RTOL * float(np.max(np.abs(np.asarray(y)), initial=0)))
-
-    # ... and so is the checkpoint on disk: nothing from the bad step was saved.
+    # Whatever the mode, nothing from the call with the bad step was saved: the
+    # checkpoint on disk is the last one before that call (step 3), or none.
     ckpt.wait()
-    if bad == 1:
+    if bad <= 3:
         assert ckpt.latest_step() is None
     else:
-        assert ckpt.latest_step() == bad - 1
+        assert ckpt.latest_step() == 3
         fresh = build()
         step, extra = restore_into(ckpt.directory, fresh.model, fresh.optimizer)
-        assert step == bad - 1 and extra["step"] == bad - 1
+        assert step == 3 and extra["step"] == 3
         assert all_finite(fresh.model, fresh.optimizer)
-        for x, y in zip(jax.tree.leaves(nnx.state((fresh.model, fresh.optimizer))), got,
-                        strict=True):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert_close(nnx.state((fresh.model, fresh.optimizer)), after(3), RTOL, "saved state")
+
+
+@pytest.mark.parametrize("mode", ["grads", "off"])
+def test_a_call_queued_behind_a_failed_one_applies_nothing_without_undo(mode):
+    """No undo and no replay under "grads" and "off": the call dispatched behind the one
+    that failed (two are in flight) finds the guard down and applies no step, so the
+    optimizer's step count is the trainer's."""
+    trainer = make_trainer(steps_per_call=2, guard=mode)
+    with pytest.warns(RuntimeWarning, match="loss is nan and grad_norm is nan at step 2;"):
+        h = trainer.fit(host_batches(8, nan_at=1), num_steps=8, progress=False)
+    want = 1 if mode == "grads" else 2  # "off" applies the whole failed call
+    assert h.steps == trainer.step == int(trainer.optimizer.step[...]) == want
+    assert trainer._careful.traces == 0  # nothing replayed
+    # The guard is raised again by the next fit: a finite model trains on.
+    if mode == "grads":
+        h2 = trainer.fit(host_batches(4, seed=3), num_steps=4, progress=False)
+        assert h2.steps == 4 and np.isfinite(h2["loss"]).all()
+
+
+def test_trainer_guard_is_checked_and_defaults_to_grads():
+    assert make_trainer().guard == "grads" == ns.train.guard.DEFAULT_GUARD
+    with pytest.raises(ValueError, match=r"guard must be one of 'full', 'grads', 'off', got "
+                                         r"'none'\. Fix: guard='grads'"):
+        make_trainer(guard="none")
+
+
+@jax.custom_vjp
+def inf_grad(x, flag):
+    """Identity forward; the gradient is +inf where ``flag`` is set (finite loss)."""
+    return x
+
+
+inf_grad.defvjp(
+    lambda x, flag: (x, flag),
+    lambda flag, g: (g + jnp.where(flag > 0, jnp.inf, 0.0), jnp.zeros_like(flag)),
+)
+
+
+def inf_loss(model, batch):
+    # "shift" is a constant of the loss (no gradient): an infinite one gives an
+    # infinite loss with finite gradients; "poison" gives infinite gradients.
+    pred = inf_grad(model(batch["x"]), batch["poison"][:, None])
+    return jnp.mean((pred - batch["y"]) ** 2) + batch["shift"][0]
+
+
+# Each mode on each route, the bad step 2 of 4 in calls of 2 steps: (steps applied,
+# the state kept is the one after step 1, the stop reason's pattern).
+INF_CASES = {
+    ("full", "inf_loss"): (1, True, r"^loss is inf at step 2; stopped without applying it"),
+    ("grads", "inf_loss"): (1, True, r"^loss is inf at step 2; stopped without applying it"),
+    # Its gradients are finite: applied, and the state it leaves is finite.
+    ("off", "inf_loss"): (2, None, r"^loss is inf at step 2; guard='off' applies every step: "
+                          r"stopped after step 2, the model and optimizer state are finite"),
+    # The infinite gradient of the output turns into inf - inf = NaN in the layers'
+    # kernel gradients: the norm is NaN (its bias gradient stays infinite).
+    ("full", "inf_grads"): (1, True, r"^grad_norm is nan at step 2; stopped without applying"),
+    ("grads", "inf_grads"): (1, True, r"^grad_norm is nan at step 2; stopped without applying"),
+    ("off", "inf_grads"): (2, False, r"^grad_norm is nan at step 2; guard='off' applies every "
+                           r"step: stopped after step 2, the parameters are not finite"),
+    # optax.sgd(inf): every loss and gradient finite until the update overflows.
+    ("full", "sgd_inf"): (0, True, r"^updated parameters are not finite \(first: layers/0/"),
+    ("grads", "sgd_inf"): (1, False, r"^the parameters are not finite \(first: layers/0/"
+                           r"(bias|kernel)\) after step 1; guard='grads' checks"),
+    ("off", "sgd_inf"): (2, False, r"^(loss|grad_norm) is [-a-z]+.* at step 2; guard='off' "
+                         r"applies every step: stopped after step 2, the parameters are not"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, route", list(INF_CASES), ids=[f"{m}-{r}" for m, r in INF_CASES])
+def test_each_guard_mode_on_infinite_losses_gradients_and_updates(mode, route):
+    """What each mode catches: "full" every route; "grads" an infinite loss or
+    gradient (the step is not applied), not a finite gradient whose update overflows
+    (optax.sgd(inf): applied, the state left not finite and the stop says so); "off"
+    applies every step of the call and names what it left."""
+    def batches(n, bad=2):
+        out = []
+        for i, b in enumerate(host_batches(n)):
+            b["poison"] = np.zeros((8,), np.float32)
+            b["shift"] = np.zeros((8,), np.float32)
+            if i == bad - 1 and route == "inf_loss":
+                b["shift"][:] = np.inf
+            if i == bad - 1 and route == "inf_grads":
+                b["poison"][:] = 1.0
+            out.append(b)
+        return out
+
+    def build():
+        model = seed_model()
+        tx = optax.sgd(float("inf")) if route == "sgd_inf" else optax.adam(1e-2)
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        return Trainer(model, opt, inf_loss, mesh="data=8", rules={"batch": "data"},
+                       steps_per_call=2, guard=mode)
+
+    steps, kept, reason = INF_CASES[mode, route]
+    trainer = build()
+    initial = jax.tree.map(np.array, nnx.state((trainer.model, trainer.optimizer)))
+    with pytest.warns(RuntimeWarning):
+        h = trainer.fit(batches(4), num_steps=4, progress=False)
+    assert re.search(reason, h.stop_reason), h.stop_reason
+    assert h.steps == steps == trainer.step == int(trainer.optimizer.step[...])
+    state = nnx.state((trainer.model, trainer.optimizer))
+    assert all_finite(trainer.model, trainer.optimizer) == (kept is not False)
+    if kept and steps == 0:
+        for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(initial), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), y)
+    elif kept:  # the state after step 1, as a run of that step alone leaves it
+        ref = build()
+        ref.fit(batches(1), num_steps=1, progress=False)
+        assert_close(state, nnx.state((ref.model, ref.optimizer)), RTOL, "kept state")
 
 
 def test_adam_with_an_infinite_learning_rate_is_caught_at_its_first_update():
@@ -756,7 +896,7 @@ def test_adam_with_an_infinite_learning_rate_is_caught_at_its_first_update():
     opt = nnx.Optimizer(model, optax.adam(float("inf")), wrt=nnx.Param)
     initial = jax.tree.map(np.array, nnx.state((model, opt)))
     trainer = Trainer(model, opt, loss_fn, mesh="data=8", rules={"batch": "data"},
-                      steps_per_call=2)
+                      steps_per_call=2, guard="full")
     with pytest.warns(RuntimeWarning, match=r"updated parameters are not finite \(first: "
                       r"layers/0/(bias|kernel); loss and grad_norm were finite\) at step 1;"):
         h = trainer.fit(host_batches(4), num_steps=4, progress=False)
@@ -1364,13 +1504,16 @@ def test_microbatch_rows_check_ignores_unsharded_leaves_and_runs_once_per_layout
 
 
 @needs_devices(8)
-def test_lower_is_the_call_fit_then_runs_and_keeps_a_copy_of_the_state():
-    """Trainer.lower traces what fit runs (fit then reuses that trace), and its compiled
-    temporaries hold the NaN guard's copy of the state a bare multistep does not keep."""
+@pytest.mark.parametrize("guard", ["full", "grads"])
+def test_lower_is_the_call_fit_then_runs_and_keeps_a_copy_of_the_state_only_under_full(guard):
+    """Trainer.lower traces what fit runs (fit then reuses that trace); under
+    guard="full" its compiled temporaries hold the NaN guard's copy of the state a bare
+    multistep does not keep, under "grads" (the default) they do not."""
     mesh = ns.make_mesh("data=8")
     rules = FSDP
     model, opt = sharded_mlp(mesh, rules)
-    trainer = Trainer(model, opt, mse_loss, mesh=mesh, rules=rules, steps_per_call=2)
+    trainer = Trainer(model, opt, mse_loss, mesh=mesh, rules=rules, steps_per_call=2,
+                      guard=guard)
     rows = NamedSharding(mesh, P(None, "data"))
     group = {"x": jax.ShapeDtypeStruct((2, 16, 16), jnp.float32, sharding=rows),
              "y": jax.ShapeDtypeStruct((2, 16, 8), jnp.float32, sharding=rows)}
@@ -1386,7 +1529,10 @@ def test_lower_is_the_call_fit_then_runs_and_keeps_a_copy_of_the_state():
         bare = multistep(step).lower(model, opt, group).compile().memory_analysis()
     state = sum(x.addressable_shards[0].data.nbytes
                 for x in jax.tree.leaves(nnx.state((model, opt))))
-    assert state <= fit_temp - bare.temp_size_in_bytes <= 1.5 * state
+    if guard == "full":
+        assert state <= fit_temp - bare.temp_size_in_bytes <= 1.5 * state
+    else:  # a few scalars: the flags and norms of the checks
+        assert 0 <= fit_temp - bare.temp_size_in_bytes <= 0.25 * state
 
     data = [{"x": np.ones((16, 16), np.float32), "y": np.zeros((16, 8), np.float32)}] * 4
     history = trainer.fit(data, 4, progress=False)

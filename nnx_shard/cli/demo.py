@@ -118,9 +118,9 @@ _INT_FLAGS = (
     ("experts", 0, None), ("evals", 1, None), ("sample_chars", 0, 100_000),
     ("seed", 0, 2**32 - 1),
 )
-# Bytes per parameter that training keeps: the parameter, its gradient, AdamW's two
-# moments, and fit's NaN guard's copy of the parameters and moments (float32 each).
-_TRAIN_BYTES_PER_PARAM = 7 * 4
+# Bytes per parameter that training keeps: the parameter, its gradient and AdamW's two
+# moments (float32 each); fit's default NaN guard ("grads") keeps no copy of them.
+_TRAIN_BYTES_PER_PARAM = 4 * 4
 
 
 def _check_demo_args(args: argparse.Namespace) -> None:

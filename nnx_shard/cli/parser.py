@@ -12,6 +12,7 @@ from typing import NoReturn
 from nnx_shard.cli import launch
 from nnx_shard.cli.common import COMPILE_MAX_DEVICES, DEBUG_ENV, DEMO_MAX_STEPS, PROG, UsageError
 from nnx_shard.models import REMAT_POLICIES
+from nnx_shard.train.guard import DEFAULT_GUARD, GUARDS
 
 __all__ = ["Parser", "build_parser", "finite_non_negative", "finite_positive"]
 
@@ -134,6 +135,10 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
     p.add_argument("--strategy", default="fsdp_tp")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
+    p.add_argument("--guard", choices=GUARDS, default=DEFAULT_GUARD,
+                   help=f"Trainer.fit's NaN guard: {DEFAULT_GUARD} (default, Trainer's: no copy "
+                   "of the state), full (keeps one more copy of the parameters and optimizer "
+                   "state per device to undo any non-finite step) or off")
     p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     p.add_argument("--remat", choices=tuple(REMAT_POLICIES), default="none",

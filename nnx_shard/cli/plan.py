@@ -54,8 +54,8 @@ __all__ = ["run", "run_auto", "run_generate"]
 _DECIDES = {
     "compiled": (
         "* compiled: XLA's buffer assignment of the call Trainer.fit makes (two steps of "
-        "value_and_grad of lm_loss + the optimizer update, and the NaN guard's copy of the "
-        "state), compiled for this mesh on simulated CPU devices "
+        "value_and_grad of lm_loss + the optimizer update, and the NaN guard of --guard: "
+        "under full, its copy of the state), compiled for this mesh on simulated CPU devices "
         "from abstract inputs (nothing allocated); total = arguments + temp + outputs - "
         "donated buffers. It decides whether the model fits: the formula is off by more than "
         "15% ({ratio}here; 0.33-0.93 over the presets, remat policies and meshes measured), "
@@ -128,7 +128,7 @@ def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
         return compiled_memory_subprocess(
             args.model, sizes, strategy=strat.name, optimizer=args.optimizer,
             batch=args.batch, seq=args.seq, remat=args.remat,
-            scan_layers=args.scan_layers, timeout=args.compile_timeout,
+            scan_layers=args.scan_layers, guard=args.guard, timeout=args.compile_timeout,
             param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
     except CompileError as e:
         raise UsageError(str(e)) from None
@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
+        "guard": args.guard,
         "batch": args.batch, "seq": args.seq, "remat": args.remat,
         "scan_layers": cfg.scan_layers if args.scan_layers is None else args.scan_layers,
         "param_dtype": jnp.dtype(cfg.param_dtype).name,
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG} plan: {args.model} on {args.mesh} with {strat.name}: cannot lay out")
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    per_device = formula(layout.report, layout.activations, layout.compute)
+    per_device = formula(layout.report, layout.activations, args.guard, layout.compute)
     compiled = _compile(args, strat, sizes, out["devices"])
     out.update(_results(layout, per_device, compiled, memory, args.top))
     if args.json:
@@ -240,8 +241,10 @@ def _print_bytes(out: dict[str, Any], report: Report) -> None:
                 ("temp", compiled["temp"], None),
                 ("activations", None, per_device["activations"]),
                 ("total", compiled["total"], per_device["total"])]
+        # Only guard="full" keeps a copy of the state (in XLA's temp); "grads" and "off" none.
+        no_copy = ("total",) if out.get("guard") == "full" else ("total", "guard copy")
         for label, c, f in rows:
-            ctxt = fmt_bytes(c) if c is not None else "(in temp)" if label != "total" else ""
+            ctxt = fmt_bytes(c) if c is not None else "(in temp)" if label not in no_copy else ""
             ftxt = fmt_bytes(f) if f is not None else ""
             print(f"  {label:<13} {ctxt:>12}   {ftxt:>12}")
         print(f"  (compiled in {compiled['compile_s']:.1f} s on {out['devices']} simulated CPU "
@@ -305,7 +308,8 @@ def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
     print(f"plan: model {args.model} ({_count(cfg.num_params)} parameters, "
           f"{dtypes}), strategy {out['strategy']}, mesh {sizes_str(out['mesh'])} "
           f"({out['devices']} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
-          f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers")
+          f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers, "
+          f"guard {args.guard}")
     print()
     _print_bytes(out, layout.report)
     _print_largest(out, layout.report, args.top)
@@ -451,6 +455,7 @@ def run_auto(args: argparse.Namespace) -> int:
     try:
         plan = auto(args.model, devices=args.devices, batch=args.batch, seq=args.seq,
                     device_memory=hw.device_memory, hardware=hw, optimizer=args.optimizer,
+                    guard=args.guard,
                     strategies=names, max_compiles=args.max_compiles,
                     cache=None if args.no_cache else default_cache(),
                     progress=not args.json and sys.stderr.isatty(),

@@ -1,8 +1,8 @@
 """The formula's bytes per device: parameters, gradients, optimizer state, the NaN
-guard's copy, the compute-dtype copy of the parameters (mixed precision) and
-activations, from the sharding report of an abstract model (no devices, no
-compile). ``nnx-shard plan`` prints it beside XLA's compiled figure; the planner's
-search skips a compile when it alone is far over the memory.
+guard's copy (``guard="full"`` only), the compute-dtype copy of the parameters
+(mixed precision) and activations, from the sharding report of an abstract model
+(no devices, no compile). ``nnx-shard plan`` prints it beside XLA's compiled
+figure; the planner's search skips a compile when it alone is far over the memory.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from nnx_shard.axes import abstract_mesh
 from nnx_shard.models.memory import activation_bytes
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
+from nnx_shard.train.guard import DEFAULT_GUARD
 
 __all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formula_bytes"]
 
@@ -75,19 +76,23 @@ def compute_copy(report: Report, compute_dtype: Any, remat: str = "none") -> int
     return int(total)
 
 
-def formula(report: Report, activations: int, compute: int = 0) -> dict[str, int]:
+def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
+            compute: int = 0) -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
-    while a call runs (to put it back if the call is not finite), activations,
-    and their ``total``; with ``compute`` (:func:`compute_copy`, mixed precision)
-    that copy too, as ``compute``.
+    while a call runs (``guard="full"``, to put it back if the call is not finite;
+    ``"grads"`` and ``"off"`` keep none), activations, and their ``total``; with
+    ``compute`` (:func:`compute_copy`, mixed precision) that copy too, as ``compute``.
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
-    >>> formula(abstract_report(model, {"data": 2}, Rules({})), 100)
-    {'params': 144, 'grads': 144, 'optimizer': 0, 'guard': 144, 'activations': 100, 'total': 532}
-    >>> formula(abstract_report(model, {"data": 2}, Rules({})), 100, compute=72)["total"]
-    604
+    >>> report = abstract_report(model, {"data": 2}, Rules({}))
+    >>> formula(report, 100)
+    {'params': 144, 'grads': 144, 'optimizer': 0, 'guard': 0, 'activations': 100, 'total': 388}
+    >>> formula(report, 100, guard="full")["guard"]
+    144
+    >>> formula(report, 100, compute=72)["total"]
+    460
     """
     # A gradient takes the layout of the optimizer moment it updates where that is
     # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
@@ -105,7 +110,8 @@ def formula(report: Report, activations: int, compute: int = 0) -> dict[str, int
         "params": int(report.param_bytes_per_device),
         "grads": int(sum(grads.values())),
         "optimizer": int(report.opt_bytes_per_device),
-        "guard": int(report.param_bytes_per_device + report.opt_bytes_per_device),
+        "guard": (int(report.param_bytes_per_device + report.opt_bytes_per_device)
+                  if guard == "full" else 0),
         "activations": int(activations),
     }
     if compute:
@@ -114,7 +120,7 @@ def formula(report: Report, activations: int, compute: int = 0) -> dict[str, int
 
 
 def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
-                  batch: int, seq: int, remat: str) -> int | None:
+                  batch: int, seq: int, remat: str, guard: str = DEFAULT_GUARD) -> int | None:
     """``nnx-shard plan``'s formula total for ``abstract`` under preset ``strat`` (the
     activations of reference config ``cfg``, none without one); ``None`` where it
     cannot be computed (the compile will say what is wrong). The search skips a
@@ -131,4 +137,4 @@ def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx
     except Exception:  # the compile will say what is wrong
         return None
     compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
-    return formula(report, acts, compute)["total"]
+    return formula(report, acts, guard, compute)["total"]

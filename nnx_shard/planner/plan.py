@@ -12,6 +12,7 @@ from typing import Any
 from nnx_shard.models.named import LLAMA_PLANNED
 from nnx_shard.planner.hardware import PROFILES, Hardware  # noqa: F401 (PROFILES: the examples)
 from nnx_shard.report import fmt_bytes
+from nnx_shard.train.guard import DEFAULT_GUARD
 
 __all__ = ["Candidate", "Plan", "clip", "plan_json"]
 
@@ -114,6 +115,7 @@ class Plan:
         if c is None:
             return ""
         model = self.request.get("model_name")
+        guard = self.request.get("guard", DEFAULT_GUARD)
         mesh = ", ".join(f'"{k}": {v}' for k, v in c.mesh.items())
         if model:
             cls, get = (("Llama", "get_llama_config") if model in LLAMA_PLANNED
@@ -134,8 +136,9 @@ class Plan:
             f"opt = strategy.optimizer(model, optax.{self.request.get('optimizer', 'adamw')}"
             "(1e-3), mesh)\n"
             "trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules,\n"
-            f"                     microbatches={c.microbatches}, batch_names=(\"batch\", \"length\"))\n"
-            f"# trainer.fit(batches)  # batches: {{'inputs', 'targets'}} int32 "
+            f"                     microbatches={c.microbatches}, batch_names=(\"batch\", \"length\")"
+            + (f",\n                     guard={guard!r})\n" if guard != DEFAULT_GUARD else ")\n")
+            + f"# trainer.fit(batches)  # batches: {{'inputs', 'targets'}} int32 "
             f"[{self.request.get('batch')}, {self.request.get('seq')}]\n"
         )
 
@@ -150,9 +153,11 @@ class Plan:
         if c is None or not model:
             return ""
         mesh = ",".join(f"{k}={v}" for k, v in c.mesh.items())
+        guard = self.request.get("guard", DEFAULT_GUARD)
         return (f"nnx-shard plan --model {model} --strategy {c.strategy} --mesh {mesh} "
                 f"--batch {self.request['batch']} --seq {self.request['seq']} "
-                f"--remat {c.remat} --optimizer {self.request.get('optimizer', 'adamw')}")
+                f"--remat {c.remat} --optimizer {self.request.get('optimizer', 'adamw')}"
+                + (f" --guard {guard}" if guard != DEFAULT_GUARD else ""))
 
     def table(self, top: int = 5) -> str:
         """The ranked candidates as a text table.

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from nnx_shard.presets import get
 from nnx_shard.report import fmt_bytes
 from nnx_shard.simulated import run_requests
 from nnx_shard.strategy import PRESETS, Strategy, factorizations
+from nnx_shard.train.guard import DEFAULT_GUARD, GUARDS
 from nnx_shard.units import parse_bytes
 
 __all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto", "enumerate_layouts"]
@@ -58,6 +60,9 @@ class AutoOptions:
       hardware: a :class:`~nnx_shard.planner.Hardware`, or a
         :data:`~nnx_shard.planner.PROFILES` name (default ``h100-sxm``).
       optimizer: the optimizer by name (``adamw``, ``adam``, ``sgd``).
+      guard: the NaN guard mode ``Trainer.fit`` will run (``grads``, the default,
+        ``full`` or ``off``; see :class:`~nnx_shard.Trainer`): ``full`` needs one
+        more copy of the parameters and optimizer state per device.
       strategies: presets to try (default every registered one, ``strategies.NAMES``).
       remat: policies to try where the plain step does not fit (default
         ``dots`` then ``full``).
@@ -66,6 +71,8 @@ class AutoOptions:
       cache: a JSON file to keep compile results across runs (always kept in memory).
       progress: a progress bar on stderr.
       timeout: seconds per compile in the subprocess.
+      workers: compile subprocesses run side by side (default one per core, at
+        most 4; a config name only: a factory compiles in this process).
       compile_fn: replaces the compile and the formula's pre-check (tests):
         ``compile_fn(candidate) -> dict`` with ``total``, ``temp``, ``flops``,
         ``collective_bytes``, ``collectives``.
@@ -80,6 +87,7 @@ class AutoOptions:
     device_memory: int | str | None = None
     hardware: Hardware | str | None = None
     optimizer: str = "adamw"
+    guard: str = DEFAULT_GUARD
     strategies: Sequence[str] | None = None
     remat: Sequence[str] | None = None
     microbatches: Sequence[int] = (1, 2, 4, 8)
@@ -87,6 +95,7 @@ class AutoOptions:
     cache: str | os.PathLike[str] | None = None
     progress: bool = True
     timeout: float = 120.0
+    workers: int | None = None
     compile_fn: Callable[..., Mapping[str, Any]] | None = None
 
 
@@ -133,6 +142,14 @@ def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], 
         if not isinstance(value, int) or value < 1:
             raise UsageError(f"auto: {arg} must be a positive int, got {value!r}. Fix: e.g. "
                              f"{arg}=16")
+    if opts.workers is not None and (not isinstance(opts.workers, int)
+                                     or isinstance(opts.workers, bool) or opts.workers < 1):
+        raise UsageError(f"auto: workers must be a positive int or None, got {opts.workers!r}. "
+                         "Fix: e.g. workers=2 (compile subprocesses side by side), or leave it "
+                         "out for one per core")
+    if opts.guard not in GUARDS:
+        raise UsageError(f"auto: guard must be one of {', '.join(GUARDS)}, got {opts.guard!r}. "
+                         f"Fix: e.g. guard={DEFAULT_GUARD!r} (Trainer's default)")
     hw = opts.hardware if isinstance(opts.hardware, Hardware) else hardware(
         opts.hardware or "h100-sxm")
     device_memory = opts.device_memory
@@ -307,6 +324,18 @@ def _bar(total: int, progress: bool, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="compile", file=sys.stderr, leave=False)
 
 
+def _workers(asked: int | None) -> int:
+    """Compile subprocesses to run side by side: ``asked``, else one per core this
+    process may use, at most 4 (each holds a JAX of its own, ~1 GiB or more)."""
+    if asked is not None:
+        return max(1, int(asked))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 4))
+
+
 def _key(v: Candidate) -> tuple[str, tuple[tuple[str, int], ...]]:
     return (v.strategy, tuple(v.mesh.items()))
 
@@ -335,7 +364,7 @@ class _Search:
                 f"{getattr(model, '__module__', '')}.{getattr(model, '__qualname__', '')}"
                 f"#{id(model)}", "strategy": c.strategy, "sizes": c.mesh, "remat": c.remat,
                 "microbatches": c.microbatches, "batch": opts.batch, "seq": opts.seq,
-                "optimizer": opts.optimizer, "v": self.version}
+                "optimizer": opts.optimizer, "guard": opts.guard, "v": self.version}
         return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
     def formula_over(self, c: Candidate) -> int | None:
@@ -344,7 +373,8 @@ class _Search:
         if p.memory is None or self.opts.compile_fn is not None:
             return None
         est = formula_bytes(p.abstract, p.cfg, get(c.strategy), c.mesh, p.tx,
-                            self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none")
+                            self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none",
+                            self.opts.guard)
         return est if est is not None and est > p.memory * PRUNE_MARGIN else None
 
     def prune_by_formula(self, c: Candidate) -> bool:
@@ -374,7 +404,7 @@ class _Search:
                     fac = (lambda c=c: p.model(remat=c.remat)) if p.takes_remat else p.model
                     result = compile_step(fac, c.strategy, c.mesh, batch=opts.batch,
                                           seq=opts.seq, optimizer=opts.optimizer,
-                                          microbatches=c.microbatches)
+                                          microbatches=c.microbatches, guard=opts.guard)
             except Exception as e:  # a candidate that cannot compile is dropped, with why
                 result = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
             self.done(c, result, bar)
@@ -384,15 +414,35 @@ class _Search:
         assert cfg is not None
         reqs = [{"config": config_dict(cfg), "remat": c.remat, "strategy": c.strategy,
                  "sizes": c.mesh, "batch": opts.batch, "seq": opts.seq,
-                 "optimizer": opts.optimizer, "microbatches": c.microbatches} for c in todo]
+                 "optimizer": opts.optimizer, "microbatches": c.microbatches,
+                 "guard": opts.guard} for c in todo]
 
-        def on_result(i: int, result: dict[str, Any]) -> None:
-            if "failed" in result:
-                result = {"error": f"the compile subprocess failed: {result['failed']}"}
-            self.done(todo[i], result, bar)
+        lock = threading.Lock()
 
-        run_requests("nnx_shard.planner.compile:compile_step_request", reqs, opts.devices,
-                     timeout=opts.timeout * len(reqs) + 60, on_result=on_result)
+        def run(share: list[int]) -> None:
+            def on_result(i: int, result: dict[str, Any]) -> None:
+                if "failed" in result:
+                    result = {"error": f"the compile subprocess failed: {result['failed']}"}
+                with lock:  # the children answer from threads of their own
+                    self.done(todo[share[i]], result, bar)
+
+            run_requests("nnx_shard.planner.compile:compile_step_request",
+                         [reqs[j] for j in share], opts.devices,
+                         timeout=opts.timeout * len(share) + 60, on_result=on_result)
+
+        # Each child compiles every n-th request: XLA's CPU compile of one program
+        # keeps about one core busy, so children on the cores there are run side by
+        # side. Which child compiles a candidate changes nothing of its figures.
+        n = max(1, min(len(reqs), _workers(opts.workers)))
+        shares = [list(range(k, len(reqs), n)) for k in range(n)]
+        if n == 1:
+            run(shares[0])
+            return
+        threads = [threading.Thread(target=run, args=(share,), daemon=True) for share in shares]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def run(self, cands: list[Candidate], bar: Any) -> None:
         """Compiles ``cands`` (or reads them from the cache) and applies the results."""
@@ -524,6 +574,7 @@ class _Search:
         request: dict[str, Any] = {
             "model_name": p.model_name, "model_label": label, "devices": opts.devices,
             "batch": opts.batch, "seq": opts.seq, "optimizer": opts.optimizer,
+            "guard": opts.guard,
             "device_memory": p.memory}
         self.counters["considered"] = len(self.layouts) + sum(
             1 for c in self.dropped + self.ranked

@@ -18,7 +18,7 @@ import numpy as np
 from nnx_shard.checkpoint import Checkpointer
 from nnx_shard.train.feed import Inline, Prefetcher
 from nnx_shard.train.fused import Carry, Fused
-from nnx_shard.train.guard import Guard, why_not_finite
+from nnx_shard.train.guard import Guard, not_finite_leaf, why_not_finite
 from nnx_shard.train.progress import Progress
 
 __all__ = ["FitRun", "History", "Saver", "TrainState"]
@@ -94,14 +94,17 @@ class FitRun:
     ``fused`` is fit's call (the guard checks it once); ``careful`` replays a
     failed call with every step checked, ``checked`` naming the leaves of its
     ``nonfinite`` metric; ``guard`` is the :class:`~nnx_shard.train.guard.Guard`
-    both take.
+    both take. ``mode`` is the guard's (:data:`~nnx_shard.train.guard.GUARDS`):
+    only ``"full"`` undoes and replays a call; under ``"grads"`` and ``"off"`` the
+    steps say themselves which were applied.
     """
 
     def __init__(self, trainer: TrainState, fused: Fused, careful: Fused,
                  checked: Sequence[tuple[str, str]], guard: Guard,
                  callbacks: Sequence[Callable[..., Any]], depth: int, *,
-                 progress: Progress, saver: Saver | None) -> None:
+                 progress: Progress, saver: Saver | None, mode: str = "full") -> None:
         self.trainer = trainer
+        self.mode = mode
         self.careful = careful
         self.checked = checked
         self.guard = guard
@@ -164,7 +167,7 @@ class FitRun:
         if self.stop_reason is not None:
             return  # in flight when training stopped: it applied nothing
         host = self._read(metrics)
-        if generation < self.replays or not host["applied"].all():
+        if self.mode == "full" and (generation < self.replays or not host["applied"].all()):
             # This call failed the guard and was undone, or was queued behind one
             # that did (then it changed nothing): run it again, every step checked.
             self.carry.sync()
@@ -195,6 +198,7 @@ class FitRun:
         t = self.trainer
         applied = host.pop("applied")  # one flag (the call's check) or one per step
         nonfinite_at = host.pop("nonfinite", None)
+        state_finite = host.pop("state_finite", None)  # "grads" and "off" only
         good = n if applied.all() else int(np.argmin(applied))
         step0 = t.step
         for key, v in host.items():
@@ -205,7 +209,9 @@ class FitRun:
         self.done += good
         self.examples = examples
         self.failure = None
-        if good < n:
+        if state_finite is not None:
+            self.failure = self._unguarded_failure(n, good, host, bool(state_finite))
+        elif good < n:
             what = why_not_finite({**host, "nonfinite": nonfinite_at},  # type: ignore[dict-item]
                                   good, self.checked)
             kept = f"from after step {step0 + good}" if step0 + good else "from before it"
@@ -214,6 +220,47 @@ class FitRun:
                 f"the model and optimizer state {kept}, the last finite one"
             )
         return host if good == n else {key: v[:good] for key, v in host.items()}
+
+    def _unguarded_failure(self, n: int, good: int, host: dict[str, np.ndarray],
+                           state_finite: bool) -> str | None:
+        """Why a call of the ``"grads"`` or ``"off"`` guard failed (``None`` if it did
+        not), once its ``good`` applied steps are counted: the first step with a
+        non-finite loss or gradient norm, and the state the call left, which nothing
+        undoes (its first non-finite leaf, found on the host only now)."""
+        t = self.trainer
+        step0 = t.step - good
+        bad = [i for i in range(n)
+               if not all(np.all(np.isfinite(host[key][i])) for key in ("loss", "grad_norm"))]
+        if state_finite and not bad:
+            return None
+        first = None
+        if bad:
+            i = bad[0]
+            first = " and ".join(f"{key} is {host[key][i]}" for key in ("loss", "grad_norm")
+                                 if not np.all(np.isfinite(host[key][i])))
+            first += f" at step {step0 + i + 1}"
+        if state_finite and self.mode == "grads":
+            # The gate held: the first non-finite step and those after it were not applied.
+            kept = f"from after step {t.step}" if t.step else "from before it"
+            return (f"{first}; stopped without applying it, keeping the model and optimizer "
+                    f"state {kept}, the last finite one")
+        # Nothing undid the call: name what it left not finite.
+        self.carry.sync()
+        state = ("the model and optimizer state are finite" if state_finite else
+                 not_finite_leaf(t.model, t.optimizer)
+                 or "the model and optimizer state are not finite")
+        if self.mode == "grads":
+            return (f"{state} after step {t.step}; guard='grads' checks each step's loss and "
+                    "gradient norm before applying it, not the state its update makes: that "
+                    "update was applied, so the state is left not finite (not saved). Fix: "
+                    "Trainer(..., guard='full') keeps the last finite state")
+        if first is None:
+            return (f"{state} after step {t.step}; guard='off' applies every step: stopped "
+                    "there, the state left not finite (not saved). Fix: guard='full' keeps "
+                    "the last finite state")
+        held = state if state_finite else f"{state}, left as it is"
+        return (f"{first}; guard='off' applies every step: stopped after step {t.step}, "
+                f"{held} (not saved). Fix: guard='grads' or 'full' keeps the last finite state")
 
     def _show_progress(self, seen: Mapping[str, np.ndarray]) -> None:
         """The bar after a call: steps, the last loss, and the rates of that call."""

@@ -17,7 +17,17 @@ from nnx_shard.mesh import make_mesh, use
 from nnx_shard.rules import Rules, as_rules
 from nnx_shard.train.feed import feeder, groups, iter_group_sizes
 from nnx_shard.train.fused import Fused
-from nnx_shard.train.guard import Guard, Layout, guard_call, make_fast_step, make_step
+from nnx_shard.train.guard import (
+    DEFAULT_GUARD,
+    Guard,
+    Layout,
+    check_call,
+    check_guard,
+    guard_call,
+    make_fast_step,
+    make_gated_step,
+    make_step,
+)
 from nnx_shard.train.placement import LogicalNames, Placer
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.progress import Progress
@@ -54,6 +64,8 @@ class Trainer:
         parameters in bfloat16 where it uses them, while the parameters, the
         optimizer state and the gradients stay float32. Checked against the
         model here (see :meth:`Precision.check`).
+      guard: the NaN guard of :meth:`fit` (``"grads"``, the default, ``"full"`` or
+        ``"off"``): what it catches and what it costs are in :meth:`fit`.
 
     >>> import numpy as np, jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -84,6 +96,7 @@ class Trainer:
         donate: bool = True,
         unroll: int = 1,
         precision: Precision | None = None,
+        guard: str = DEFAULT_GUARD,
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(
@@ -111,6 +124,7 @@ class Trainer:
         self.precision = as_precision(precision, "Trainer: precision")
         if self.precision is not None:
             self.precision.check(model)  # here, not at the first step's trace
+        self._guard_mode = check_guard(guard)
         self.model = model
         self.optimizer = optimizer
         self.mesh = make_mesh(mesh)
@@ -126,18 +140,29 @@ class Trainer:
         # traced types) and the steps read when traced.
         self._guard = Guard()
         # fit bounds the calls in flight itself (it reads each call's metrics), so the
-        # fused call does not block on top of that. fit runs _fused, whose NaN guard
-        # checks each call once (guard_call, at the end of the compiled call); a call
-        # that fails it is undone and replayed with _careful, which checks every step
-        # (it compiles only when that happens).
+        # fused call does not block on top of that. With guard="full" fit runs _fused,
+        # whose NaN guard checks each call once (guard_call, at the end of the compiled
+        # call); a call that fails it is undone and replayed with _careful, which checks
+        # every step (it compiles only when that happens). With "grads" and "off" the
+        # steps gate their own updates and check_call only checks the call: nothing is
+        # undone, nothing replayed.
+        if guard == "full":
+            step, finish = make_fast_step(loss_fn, has_aux), guard_call
+        else:
+            step, finish = make_gated_step(loss_fn, has_aux, guard == "grads"), check_call
         self._fused = Fused(
-            make_fast_step(loss_fn, has_aux), donate=donate, microbatches=microbatches,
-            max_in_flight=None, unroll=unroll, finish=guard_call, entry="Trainer.fit",
+            step, donate=donate, microbatches=microbatches,
+            max_in_flight=None, unroll=unroll, finish=finish, entry="Trainer.fit",
             precision=self.precision,
         )
         careful_step, self._checked = make_step(loss_fn, has_aux)
         self._careful = Fused(careful_step, donate=donate, microbatches=microbatches,
                               max_in_flight=None, entry="Trainer.fit", precision=self.precision)
+
+    @property
+    def guard(self) -> str:
+        """The NaN guard's mode (``"grads"``, ``"full"`` or ``"off"``; see :meth:`fit`)."""
+        return self._guard_mode
 
     @property
     def traces(self) -> int:
@@ -157,12 +182,12 @@ class Trainer:
     ) -> History:
         """Runs up to ``num_steps`` steps on batches from ``data``; returns the :class:`History`.
 
-        Stops early, keeping the model and optimizer at the last finite state,
-        when a step is not finite: its loss, its gradient norm, the updated
-        parameters (any float Variable of the model) or the updated optimizer
-        state hold a NaN/Inf (that step is not applied, nor saved; a
-        ``RuntimeWarning`` and ``stop_reason`` name the check, the first
-        non-finite leaf and the step); when ``data`` runs out (so with finite
+        Stops early when a step is not finite: its loss, its gradient norm, the
+        updated parameters (any float Variable of the model) or the updated
+        optimizer state hold a NaN/Inf (a ``RuntimeWarning`` and
+        ``stop_reason`` name the check, the first non-finite leaf and the step;
+        nothing from that call is saved; what is kept depends on the
+        Trainer's ``guard``, below); when ``data`` runs out (so with finite
         data a huge ``num_steps`` means "until the data ends": steps are
         planned lazily); or when a callback returns ``True``. ``callback(step, metrics)`` runs after every fused call with
         that call's per-step metrics (NumPy) and the model exactly as of
@@ -203,11 +228,33 @@ class Trainer:
         position on resume; any other iterable is read and stacked on a
         prefetch thread.
 
-        NaN guard cost: the check runs once per fused call on values the call
-        computes anyway (each step's loss and gradient norm, the final state); a
-        call that fails it is undone on the device and run again with every
-        step checked (that per-step variant compiles only then), which finds
-        the step and the leaf.
+        The NaN guard, ``Trainer(..., guard=...)``; every mode checks each
+        step's loss and gradient norm and the state each fused call leaves:
+
+        * ``"grads"`` (the default): a step whose loss or gradient norm is
+          NaN/Inf is not applied (the optimizer update is skipped in place,
+          inside the compiled call) and training stops with the model and
+          optimizer at the last finite state. It keeps no copy of the state.
+          It does not catch a step whose gradients are finite but whose update
+          makes the state non-finite (an infinite learning rate, e.g.
+          ``optax.sgd(inf)``, or an overflowing optimizer moment): that step
+          is applied, training stops after it, the state is left non-finite
+          (not saved) and ``stop_reason`` names its first non-finite leaf.
+        * ``"full"``: also catches that case: each fused call keeps the state
+          from before it (one more copy of the parameters and optimizer state
+          per device) and puts it back if any step or the final state is not
+          finite; the call is then run again with every step checked (that
+          variant compiles only then), which finds the step and the leaf, and
+          the state kept is the last finite one.
+        * ``"off"``: every step of a call is applied; the check at the end of
+          the call stops training and names what went wrong, the state left
+          as the call made it (not saved).
+
+        The checks run on values the call computes anyway; ``"grads"`` needs
+        the gradient norm before each update (under sharded layouts one more
+        small cross-device sum per step). ``nnx-shard plan --guard`` counts
+        each mode's bytes; ``benchmarks/guard_cost.py`` measures them and the
+        steps/s of each.
 
         >>> import numpy as np, jax.numpy as jnp, optax
         >>> from flax import nnx
@@ -245,7 +292,8 @@ class Trainer:
         # see only finite steps, and a save never follows a non-finite step).
         run = FitRun(self, self._fused, self._careful, self._checked, self._guard, callbacks,
                      depth=1 if callbacks else 2, progress=Progress(num_steps, progress),
-                     saver=Saver(self, checkpointer) if checkpointer is not None else None)
+                     saver=Saver(self, checkpointer) if checkpointer is not None else None,
+                     mode=self._guard_mode)
         prefetch = feeder(data, reader)
         try:
             with use(self.mesh, self.rules):

@@ -1,0 +1,162 @@
+"""How long ``nnx-shard plan --auto`` takes, and where the time goes.
+
+Two parts, each in fresh subprocesses (the planner's in-memory cache is per
+process):
+
+1. ``auto`` on a case with ``workers=1`` (one compile subprocess, as before
+   compiles ran side by side) and with the default (one per core, at most 4),
+   alternated: wall seconds, compiles, the sum of the per-compile seconds the
+   children report, and whether the ranking and the choice are the same.
+2. One candidate's compile (``fsdp`` on ``data=8``) with XLA's default options
+   and with :data:`nnx_shard.planner.compile.PLAN_COMPILER_OPTIONS`, both orders
+   (the first compile of a process pays a warm-up): seconds and whether the
+   optimised HLO and the memory figures are the same.
+
+Cases: ``8b`` (Llama-3.1 8B shapes as a TransformerConfig, float32, scanned
+layers, AdamW, 8 devices, 80 GB, batch 16 x seq 2048) and ``small`` (README's:
+8 devices, batch 32 x 128, 48 MiB). Results go to
+``benchmarks/results/plan_time.json``. Run::
+
+    .venv/bin/python benchmarks/plan_time.py --case 8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import print_table, write_json
+
+RESULTS = Path(__file__).resolve().parent / "results" / "plan_time.json"
+CASES = {
+    "8b": {"config": {"vocab": 128256, "length": 8192, "embed": 4096, "heads": 32,
+                      "head_dim": 128, "mlp": 14336, "layers": 32, "scan_layers": True},
+           "devices": 8, "batch": 16, "seq": 2048, "device_memory": "80GB"},
+    "small": {"config": "small", "devices": 8, "batch": 32, "seq": 128,
+              "device_memory": "48MiB"},
+}
+
+
+def _model(case: dict):
+    from nnx_shard.models import TransformerConfig
+
+    cfg = case["config"]
+    return cfg if isinstance(cfg, str) else TransformerConfig(**cfg)
+
+
+def auto_worker(name: str, workers: int | None) -> dict:
+    import nnx_shard as ns
+
+    case = CASES[name]
+    t0 = time.perf_counter()
+    plan = ns.strategies.auto(_model(case), devices=case["devices"], batch=case["batch"],
+                              seq=case["seq"], device_memory=case["device_memory"],
+                              progress=False, workers=workers)
+    wall = time.perf_counter() - t0
+    cands = plan.ranked + plan.dropped
+    return {"wall_s": wall, "compiled": plan.request["compiled"],
+            "compile_s_sum": sum(c.compile_s or 0 for c in cands),
+            "best": plan.best.label, "ranked": [c.label for c in plan.ranked]}
+
+
+def compile_worker(order: str) -> dict:
+    import hashlib
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from nnx_shard.models import Transformer
+    from nnx_shard.planner import compile as planner_compile
+
+    case = CASES["8b"]
+    model = _model(case)
+    _, trainer, _ = planner_compile.compile_fit(
+        lambda: Transformer(model, rngs=nnx.Rngs(0)), "fsdp", {"data": 8},
+        batch=case["batch"], seq=4)  # a tiny compile: the imports and warm-up
+    batch, seq = case["batch"], case["seq"]
+    strat_rules = trainer.rules
+    spec = strat_rules.spec((None, "batch", "length"), shape=(2, batch, seq), mesh=trainer.mesh)
+    tokens = jax.ShapeDtypeStruct((2, batch, seq), jnp.int32,
+                                  sharding=NamedSharding(trainer.mesh, spec))
+    lowered = trainer.lower({"inputs": tokens, "targets": tokens})
+    out = {}
+    for label in order.split(","):
+        opts = planner_compile.PLAN_COMPILER_OPTIONS if label == "plan" else {}
+        t0 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=opts)
+        m = compiled.memory_analysis()
+        out[label] = {"compile_s": time.perf_counter() - t0,
+                      "hlo": hashlib.sha1(compiled.as_text().encode()).hexdigest(),
+                      "memory": [m.temp_size_in_bytes, m.argument_size_in_bytes,
+                                 m.output_size_in_bytes, m.alias_size_in_bytes]}
+    return out
+
+
+def _child(args: list[str], devices: int | None = None) -> dict:
+    env = dict(os.environ)
+    if devices:
+        from nnx_shard.simulated import simulated_env
+
+        env = simulated_env(devices)
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True,
+                          text=True, timeout=7200, check=False)
+    if proc.returncode:
+        raise SystemExit(f"worker {args} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", choices=tuple(CASES), default="8b")
+    ap.add_argument("--rounds", type=int, default=1, help="alternated rounds of part 1")
+    ap.add_argument("--skip-auto", action="store_true", help="part 2 only")
+    ap.add_argument("--auto-worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--compile-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.auto_worker:
+        name, workers = args.auto_worker
+        print(json.dumps(auto_worker(name, None if workers == "default" else int(workers))))
+        return
+    if args.compile_worker:
+        print(json.dumps(compile_worker(args.compile_worker)))
+        return
+
+    runs: list[dict] = []
+    if not args.skip_auto:
+        for r in range(args.rounds):
+            for workers in (("1", "default") if r % 2 == 0 else ("default", "1")):
+                got = _child(["--auto-worker", args.case, workers])
+                runs.append({"workers": workers, **got})
+                print(workers, {k: v for k, v in got.items() if k != "ranked"},
+                      file=sys.stderr, flush=True)
+    compiles = [_child(["--compile-worker", order], devices=8)
+                for order in ("default,plan", "plan,default")]
+    load = os.getloadavg()
+    print(f"{os.cpu_count()} cores, load average {load[0]:.2f} at the end (shared machine)")
+    if runs:
+        same = all(r["ranked"] == runs[0]["ranked"] for r in runs)
+        print(f"\nplan --auto, case {args.case}: ranking and choice the same in every run: {same}")
+        print_table(["workers", "wall s", "compiles", "sum of compile s", "chosen"],
+                    [[r["workers"], f"{r['wall_s']:.1f}", str(r["compiled"]),
+                      f"{r['compile_s_sum']:.1f}", r["best"]] for r in runs])
+    print("\none compile, 8B shapes, fsdp data=8 (each order in its own process)")
+    rows = []
+    for c in compiles:
+        for label, v in c.items():
+            rows.append([" then ".join(c), label, f"{v['compile_s']:.1f}", v["hlo"][:10],
+                         ", ".join(map(str, v["memory"]))])
+    print_table(["order", "options", "compile s", "HLO sha1", "temp, argument, output, alias"],
+                rows)
+    write_json(RESULTS, {"case": args.case, "cores": os.cpu_count(), "loadavg_end": load,
+                         "auto": runs, "compile": compiles})
+
+
+if __name__ == "__main__":
+    main()
