@@ -36,6 +36,7 @@ Run (about 3 minutes on 2 CPU cores; ``--quick``: a shorter smoke run;
 counts, e.g. to iterate on one figure)::
 
     .venv/bin/python benchmarks/fit_speed.py
+    JAX_PLATFORMS=cuda .venv/bin/python benchmarks/fit_speed.py --only mlp1,lm1   # one GPU
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ def _env(n: int, only: str = "") -> dict:
 
     # The worker reads --only from its environment (the shared worker command line
     # carries only the device count and --quick).
-    return {**simulated_env(n), "KERAS_BACKEND": "jax", "FIT_SPEED_ONLY": only}
+    env = {**simulated_env(n), "KERAS_BACKEND": "jax", "FIT_SPEED_ONLY": only}
+    if os.environ.get("JAX_PLATFORMS") in ("cuda", "gpu", "rocm"):
+        # Real accelerators instead of simulated CPU devices: --only must name counts
+        # the machine has (e.g. mlp1,lm1 on one GPU).
+        env["JAX_PLATFORMS"] = os.environ["JAX_PLATFORMS"]
+    return env
 
 
 def _selected(only: str) -> set[tuple[str, int]]:

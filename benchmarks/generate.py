@@ -132,7 +132,13 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
     def slow():  # type: ignore[no-untyped-def]
         return sampling.recompute(model, prompts[0], new, mesh=mesh, rules=rules)
 
-    np.testing.assert_array_equal(np.asarray(slow()), np.asarray(first))  # same tokens
+    same = np.asarray(slow()) == np.asarray(first)
+    # Greedy tokens agree exactly on CPU. A GPU's float32 matmuls (TF32) round the
+    # cached and the recomputed logits differently, and a near-tie can flip a token,
+    # after which the continuations part: there the agreement is reported instead.
+    if jax.default_backend() == "cpu":
+        assert same.all(), "cached and recomputed greedy tokens differ"
+    agree = float(np.mean(np.cumprod(same[:, PROMPT:], axis=1)))
     recompute_t = _median_time(slow, rounds)
 
     def window():  # type: ignore[no-untyped-def]
@@ -153,6 +159,7 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
         "recompute_tokens_per_s": BATCH * new / recompute_t,
         "window_tokens_per_s": new / window_t,
         "speedup_vs_recompute": cached_tps / (BATCH * new / recompute_t),
+        "tokens_equal_before_first_difference": agree,
     }
 
 
