@@ -7,6 +7,7 @@ import importlib.util
 import linecache
 import os
 import re
+import reprlib
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -61,6 +62,28 @@ class CompileError(NnxShardError, RuntimeError):
 class ShardingWarning(UserWarning):
     """A sharding choice the user allowed but should know about (e.g. a dimension
     replicated because it does not divide by its mesh axes)."""
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+
+
+def short(x: Any, limit: int = 200) -> str:
+    """``repr(x)`` bounded for a message: nested containers and long strings are cut
+    while the repr is built (a value from a hostile file can be huge), then the
+    text is cut at ``limit`` characters.
+
+    >>> short("x" * 1000)[:20], len(short("x" * 1000)) <= 200
+    ("'xxxxxxxxxxxxxxxxxxx", True)
+    >>> short([[1, 2, 3]] * 100)
+    '[[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], ...]'
+    """
+    try:
+        text = _REPR.repr(x)
+    except Exception:  # a user's __repr__ failing must not hide the error being reported
+        text = f"<{type(x).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def raise_collected(errors: list[str], what: str = "variables") -> None:
