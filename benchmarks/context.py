@@ -1,7 +1,7 @@
 """Per-device memory and speed of context parallelism: ring vs all-gather attention.
 
 The ``small`` transformer (embed 128, 4 heads of 32, mlp 512, vocab 512) with
-2 scanned layers, one sequence of ``length`` tokens, on a mesh
+2 scanned layers and the dense attention kernel, one sequence of ``length`` tokens, on a mesh
 ``data=1, context=C`` of the first C devices (C = 1 is the dense one-device
 program), under ``ns.strategies.get("cp")``'s rules with ``attention="ring"``
 or ``"allgather"``. The step is ``jax.value_and_grad(lm_loss)`` over the
@@ -45,7 +45,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "context.json"
 
 
 def build(length: int, c: int, mode: str):
-    cfg = dataclasses.replace(get_config("small"), length=length, layers=2, scan_layers=True)
+    # The dense kernel: this compares distributions (benchmarks/attention.py, kernels).
+    cfg = dataclasses.replace(get_config("small"), length=length, layers=2, scan_layers=True,
+                              attention="dense")
     mesh = ns.make_mesh({"data": 1, "context": c}, devices=jax.devices()[:c])
     rules = ns.strategies.get("cp").rules.with_options(attention=mode)
     model = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, rules)

@@ -8,6 +8,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax
 import pytest
 
+# The fixture scripts run by hand in a separate venv with torch and transformers,
+# which the project never imports: pytest (its doctest collection too) skips them.
+# A second conftest.py under fixtures/ would shadow this one's `needs_devices`.
+collect_ignore = ["fixtures/make_hf.py", "fixtures/check_hf_reads.py"]
+
 
 def needs_devices(n: int):
     """Skip a test unless exactly ``n`` devices exist: on a single real GPU, or under

@@ -67,10 +67,11 @@ def test_plan_7b_per_device_bytes_match_hand_computation(capsys):
     assert per["optimizer"] == 2 * params + 4
     assert plan["bytes_total"]["params"] == 2 * get_config("7b").num_params
     # Activations (formula in ACTIVATION_FORMULA): 256 x 2048 tokens / 8 (batch over data);
-    # per layer and token 2 * (4e + 4hk/8 + 2m/8) + 4 * heads * seq / 8 bytes; then the
-    # residual input 2 * 2e and float32 logits and their gradient 8 * vocab / 8.
+    # per layer and token 2 * (4e + 4hk/8 + 2m/8) + 4 * heads / 8 bytes (the blockwise
+    # attention kernel's float32 log-sum-exp); then the residual input 2 * 2e and float32
+    # logits and their gradient 8 * vocab / 8.
     tokens = 256 * 2048 // 8
-    layer = 2 * (4 * 4096 + 4 * 4096 // 8 + 2 * 16384 // 8) + 4 * 32 * 2048 // 8
+    layer = 2 * (4 * 4096 + 4 * 4096 // 8 + 2 * 16384 // 8) + 4 * 32 // 8
     assert per["activations"] == tokens * (32 * layer + 2 * 2 * 4096 + 8 * 32000 // 8)
     # Trainer.fit's NaN guard keeps the parameters and optimizer state from before a call.
     assert per["guard"] == per["params"] + per["optimizer"]

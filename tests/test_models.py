@@ -370,3 +370,57 @@ def test_remat_offload_needs_host_memory(monkeypatch: pytest.MonkeyPatch) -> Non
         ns.models.remat_policy("offload")
     with pytest.raises(ValueError, match=msg):  # at build, not at the first step
         Transformer(dataclasses.replace(TINY, remat="offload"), rngs=nnx.Rngs(0))
+
+
+# --- attention kernels -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_attention_kernels_give_the_same_loss_and_gradients() -> None:
+    # 600 tokens: the blockwise kernel's 512-blocks, the second one padded.
+    cfg = dataclasses.replace(TINY, length=600)
+    assert TINY.attention == "auto"  # the memory-efficient default (blockwise on CPU)
+    results = {}
+    for kernel in ("dense", "blockwise", "auto"):
+        step, state, batch = _value_and_grad(dataclasses.replace(cfg, attention=kernel), 1)
+        results[kernel] = step(state, batch)
+    assert_close(results["blockwise"], results["dense"], 1e-5, "blockwise vs dense")
+    # "auto" is the blockwise program on CPU: the same bits.
+    for a, b in zip(jax.tree.leaves(results["auto"]), jax.tree.leaves(results["blockwise"]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_attention_config_error() -> None:
+    with pytest.raises(ValueError, match=r"attention='flash' is not an attention kernel; "
+                       r"valid: 'auto', 'blockwise', 'dense', 'cudnn'\."):
+        dataclasses.replace(TINY, attention="flash")
+
+
+@pytest.mark.slow
+def test_activation_formula_follows_the_kernel() -> None:
+    """The planner's activation formula counts the dense kernel's [batch, heads, seq, seq]
+    probabilities (O(L^2)) and the blockwise kernel's per-row log-sum-exp (O(L)); at two
+    lengths it stays under XLA's compiled temp bytes, within a band, and grows as they do
+    (measured on XLA CPU: blockwise 41.0 -> 61.1 MiB, formula 9.5 -> 19.1; dense 135.2 ->
+    502.3 MiB, formula 41.5 -> 147.0)."""
+    from nnx_shard.models.memory import activation_bytes
+
+    base = dataclasses.replace(get_config("small"), vocab=128, embed=64, mlp=256, heads=4,
+                               head_dim=16, layers=2, scan_layers=True)
+    rules = ns.strategies.get("dp").rules
+    got: dict[tuple[str, int], tuple[int, int]] = {}
+    for kernel in ("blockwise", "dense"):
+        for length in (1024, 2048):
+            cfg = dataclasses.replace(base, length=length, attention=kernel)
+            compiled = _compiled(cfg, 1, length).memory_analysis().temp_size_in_bytes
+            got[kernel, length] = (activation_bytes(cfg, rules, {"data": 1}, 1, length),
+                                   compiled)
+    for (kernel, length), (formula, compiled) in got.items():
+        assert 0.2 < formula / compiled < 1.0, (kernel, length, formula, compiled)
+    # Doubling the length: blockwise at most doubles (linear; XLA's fixed tile working set
+    # makes its compiled growth smaller), dense grows toward 4x.
+    for kernel, (lo, hi) in {"blockwise": (1.0, 2.0), "dense": (3.0, 4.0)}.items():
+        for which in (0, 1):  # formula, compiled
+            growth = got[kernel, 2048][which] / got[kernel, 1024][which]
+            assert lo < growth <= hi, (kernel, which, growth)

@@ -1,4 +1,4 @@
-"""Context parallelism: the attention op (nnx_shard.ring / nnx_shard.models.attention)
+"""Context parallelism: the attention op (nnx_shard.parallel.ring / nnx_shard.models.attention)
 in dense, ring and all-gather mode, and the cp presets training the reference
 transformer, on 8 simulated devices.
 
@@ -64,10 +64,12 @@ def _rules(mode):
 
 def test_dense_is_the_original_core() -> None:
     q, k, v = _qkv()
-    np.testing.assert_array_equal(attention(q, k, v), _original_core(q, k, v))
-    with ns.use("data=8", ns.strategies.get("dp").rules):  # no attention option: dense
-        np.testing.assert_array_equal(jax.jit(attention)(q, k, v),
-                                      jax.jit(_original_core)(q, k, v))
+    dense = functools.partial(attention, implementation="dense")
+    np.testing.assert_array_equal(dense(q, k, v), _original_core(q, k, v))
+    with ns.use("data=8", ns.strategies.get("dp").rules):  # no attention option: one device
+        np.testing.assert_array_equal(jax.jit(dense)(q, k, v), jax.jit(_original_core)(q, k, v))
+    # The default kernel (blockwise on CPU) computes the same attention.
+    assert_close(attention(q, k, v), _original_core(q, k, v), RTOL, "blockwise")
 
 
 def test_zigzag_order() -> None:
@@ -123,6 +125,70 @@ def test_ring_never_gathers_full_kv_in_memory() -> None:
     assert temp["ring", 8] < temp["allgather", 8]
 
 
+CP_CASES = [
+    # mode, C, causal, kernel (block), kv heads, masking, axis types
+    ("ring", 4, True, "blockwise", 2, "segments+keys", "auto"),
+    ("ring", 4, True, "blockwise", 4, "full", "explicit"),
+    ("ring", 2, False, "dense", 2, "full", "auto"),
+    ("ring", 8, False, "blockwise", 1, "segments+keys", "auto"),
+    ("allgather", 4, True, "blockwise", 2, "full", "auto"),
+    ("allgather", 2, True, "dense", 2, "segments+keys", "explicit"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,c,causal,kernel,kv_heads,masking,axis_types", CP_CASES)
+def test_gqa_masks_and_segments_match_plain_attention(mode, c, causal, kernel, kv_heads, masking,
+                                                      axis_types) -> None:
+    """Grouped K/V heads, segment ids and key padding (which travel with the K/V blocks)
+    or a full [batch, 1, q, k] mask (rows held per device), blockwise tiles of 3 (the
+    last padded) inside each ring step: values and gradients equal plain attention."""
+    from tests.test_blockwise import plain
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    b, length = 4, 32
+    q = jax.random.normal(keys[0], (b, length, 4, 8))
+    k, v = (jax.random.normal(x, (b, length, kv_heads, 8)) for x in keys[1:3])
+    w = jax.random.normal(keys[3], q.shape)
+    valid = jnp.arange(length)[None, :] < jnp.array([[length], [20], [5], [31]])
+    seg = jnp.asarray(np.cumsum(np.random.default_rng(0).random((b, length)) < 0.15, axis=1),
+                      jnp.int32)
+    if masking == "full":  # padded queries see nothing (row 2 from token 5 on)
+        extra = {"mask": valid[:, None, :, None] & valid[:, None, None, :]}
+    else:
+        extra = {"segment_ids": seg, "mask": valid[:, None, None, :]}
+
+    def run(fn):
+        def f(q, k, v):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(w)
+        return f
+
+    expected = jax.jit(run(functools.partial(
+        plain, causal=causal, mask=extra["mask"], segment_ids=extra.get("segment_ids"))))(q, k, v)
+    mesh = ns.make_mesh({"data": 8 // c, "context": c}, axis_types=axis_types)
+    op = functools.partial(attention, causal=causal, implementation=kernel, block_size=3,
+                           **extra)
+    with ns.use(mesh, _rules(mode)):
+        sharded = [jax.device_put(a, NamedSharding(mesh, P("data", "context"))) for a in (q, k, v)]
+        got = jax.block_until_ready(jax.jit(run(op))(*sharded))
+    assert_close(got, expected, RTOL, f"{mode} C={c} {kernel} kv={kv_heads} {masking}")
+
+
+def test_kv_heads_must_split_like_the_query_heads() -> None:
+    q, kv = jnp.ones((2, 8, 4, 8)), jnp.ones((2, 8, 1, 8))
+    rules = ns.Rules({"batch": "data", "length": "context", "heads": "model"}).with_options(
+        attention="ring")
+    with ns.use("data=2,context=2,model=2", rules):
+        with pytest.raises(ns.ShardingError, match=r"k/v \(2, 8, 1, 8\) have 1 kv heads, but "
+                           r"the query heads are split over mesh axes \('model',\) \(2 ways"
+                           r".* Fix: use a number of kv heads divisible by 2"):
+            jax.jit(attention)(q, kv, kv)
+        with pytest.raises(ns.ShardingError, match=r"q \(2, 8, 4, 8\) and k \(2, 4, 4, 8\) "
+                           r"differ in length; context parallelism splits one sequence"):
+            jax.jit(attention)(q, q[:, :4], q[:, :4])
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -147,8 +213,11 @@ def test_bad_shapes_and_options() -> None:
     with pytest.raises(ValueError, match=r"q must be \[batch, length, heads, head_dim\] "
                        r"\(rank 4\), got ArrayImpl of shape \(2, 8, 8\)"):
         attention(q.reshape(2, 8, 8), q, q)
-    with pytest.raises(ValueError, match=r"same shape .* got q \(2, 8, 2, 4\), k \(2, 4, 2, 4\)"):
-        attention(q, q[:, :4], q[:, :4])
+    with pytest.raises(ValueError, match=r"got q \(2, 8, 2, 4\), k \(2, 8, 2, 4\), v "
+                       r"\(2, 4, 2, 4\); need .* Fix: project k and v with the same number"):
+        attention(q, q, q[:, :4])
+    with pytest.raises(ValueError, match=r"heads a multiple of kv_heads"):
+        attention(q[:, :, :1].repeat(3, 2), q, q)   # 3 query heads, 2 kv heads
     with ns.use("data=8", ns.Rules({"batch": "data"}).with_options(attention="flash")):
         with pytest.raises(ValueError, match=r"attention='flash' is not one of \('dense', "
                            r"'ring', 'allgather'\)\. Fix: rules.with_options"):

@@ -1,7 +1,9 @@
 """Reference models annotated only with logical axis names (:class:`Transformer`,
-and :class:`Llama` for Llama-family checkpoints), and the attention
-op (:func:`attention`: dense, or ring / all-gather context parallelism as the
-strategy asks) a model calls to be context-parallel.
+and :class:`Llama` for Llama-family checkpoints), the attention op
+(:func:`attention`: dense, blockwise or cuDNN on each device; ring / all-gather
+context parallelism as the strategy asks) a model calls to be memory-efficient
+and context-parallel, and :func:`attention_fn`, its adapter for
+``nnx.MultiHeadAttention(attention_fn=...)``.
 
 >>> from flax import nnx
 >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
@@ -9,6 +11,7 @@ strategy asks) a model calls to be context-parallel.
 ['125m', '1b', '7b']
 """
 
+from nnx_shard.models.adapters import attention_fn
 from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
 from nnx_shard.models.transformer import (
     CONFIGS,
@@ -22,5 +25,5 @@ from nnx_shard.models.transformer import (
 from nnx_shard.parallel.ring import attention
 
 __all__ = ["CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Transformer",
-           "TransformerConfig", "attention", "get_config", "get_llama_config", "lm_loss",
-           "remat_policy"]
+           "TransformerConfig", "attention", "attention_fn", "get_config", "get_llama_config",
+           "lm_loss", "remat_policy"]

@@ -21,12 +21,16 @@ ACTIVATION_FORMULA = (
     "e = embed, h = heads, k = head_dim, m' = mlp (x top_k x capacity_factor for experts), "
     "s = seq, V = vocab, D* = devices the rules shard batch, length, heads, mlp, vocab over. "
     "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk), MLP hidden "
-    "before and after GELU (2m'), float32 attention probabilities (4hs); plus the residual "
-    "input and float32 logits and their gradient (8V). With --remat full only each block's "
-    "input is kept (layers x p x e/Dl per token) plus one layer's activations and the logits; "
-    "dots and offload count as none. Under context parallelism the sequence stays split "
-    "through the block, so Dh, Dm and Dv include the length axes, and the ring "
-    "(attention='ring') keeps no probabilities (its backward pass recomputes them)."
+    "before and after GELU (2m'), float32 attention probabilities (4hs) with the dense "
+    "attention kernel (TransformerConfig.attention='dense'), or only a float32 log-sum-exp "
+    "per row and head (4h) with the memory-efficient ones (blockwise, cudnn, auto: the "
+    "default; their backward pass recomputes the probabilities block by block, in a few "
+    "float32 [batch, heads, 512, 512] tiles that are not counted); plus the residual input "
+    "and float32 logits and their gradient (8V). With --remat full only each "
+    "block's input is kept (layers x p x e/Dl per token) plus one layer's activations and the "
+    "logits; dots and offload count as none. Under context parallelism the sequence stays "
+    "split through the block, so Dh, Dm and Dv include the length axes, and the ring "
+    "(attention='ring') keeps no probabilities whatever the kernel (4h, as above)."
 )
 
 
@@ -46,14 +50,19 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     """Estimated activation bytes per device of one training step of
     :class:`nnx_shard.models.Transformer` (see ``ACTIVATION_FORMULA``).
 
+    >>> import dataclasses
     >>> from nnx_shard.models import get_config
     >>> from nnx_shard.rules import Rules
     >>> cfg = get_config("tiny")   # embed 32, heads 4 x 8, mlp 64, vocab 128, 2 layers, f32
     >>> tokens = 4 * 16 // 2                 # batch over data=2
-    >>> layer = 4 * (4 * 32 + 4 * 4 * 8 + 2 * 64) + 4 * 4 * 16   # p=4 bytes, float32
+    >>> layer = 4 * (4 * 32 + 4 * 4 * 8 + 2 * 64) + 4 * 4   # p=4 bytes; log-sum-exp 4h
     >>> edges = 2 * 4 * 32 + 8 * 128
     >>> activation_bytes(cfg, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
     ...     tokens * (2 * layer + edges))
+    True
+    >>> dense = dataclasses.replace(cfg, attention="dense")   # probabilities 4hs
+    >>> activation_bytes(dense, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
+    ...     tokens * (2 * (layer + 4 * 4 * 16 - 4 * 4) + edges))
     True
     """
     mesh = abstract_mesh(sizes)
@@ -76,8 +85,17 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     d_v = _divisor(rules, ("batch", seq_name, "vocab"), (b, s, v), mesh, 1, 2)
     tokens = b * s / d_b
     # Probabilities are [queries, keys] per head (d_h counts the query split under
-    # context parallelism); the ring recomputes its tiles in the backward pass.
-    probs = 0.0 if attention == "ring" else 4 * h * s / d_h
+    # context parallelism), kept by the dense kernel alone; the memory-efficient
+    # kernels and the ring keep a float32 log-sum-exp per query row and head and
+    # recompute the probabilities block by block in the backward pass.
+    kernel = getattr(cfg, "attention", "auto")  # the op's default for configs without one
+    if attention != "ring" and kernel == "dense":
+        probs = 4 * h * s / d_h
+    else:
+        # Their working set while one layer's backward pass runs (a few float32
+        # [batch, heads, block, block] tiles) is a transient, like the dense kernel's
+        # forward temporaries: not counted, so that the formula stays a floor.
+        probs = 4 * h / d_h
     layer = p * (4 * e / d_l + 4 * h * k / d_h + 2 * m / d_m) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
     if remat == "full":

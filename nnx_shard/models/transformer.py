@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard.annotate import with_logical
+from nnx_shard.blockwise import KERNELS
 from nnx_shard.mesh import option
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
 from nnx_shard.parallel import pipeline
@@ -109,6 +110,14 @@ class TransformerConfig:
         scanned block with ``scan_layers``) with ``nnx.remat``; the values are
         unchanged. On XLA CPU only scanned blocks show the memory saving:
         unrolled blocks recompute, but the scheduler keeps the peak.
+      attention: the attention kernel on each device (see
+        :mod:`nnx_shard.blockwise`): ``"auto"`` (default: cuDNN's fused kernel on
+        GPUs where it applies, else blockwise), ``"blockwise"`` (online softmax over
+        query x key/value blocks, recomputed in the backward pass: activations linear
+        in the sequence), ``"dense"`` (the float32 ``[batch, heads, seq, seq]``
+        probabilities kept for the backward pass) or ``"cudnn"``. Context parallelism
+        (the strategy's ``attention`` option, ``cp`` presets) splits the sequence
+        over devices and runs this kernel on each device's share.
       dtype: activation dtype; ``param_dtype``: parameter dtype.
 
     >>> cfg = TransformerConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=32, layers=1)
@@ -132,6 +141,7 @@ class TransformerConfig:
     scan_layers: bool = False
     tie_embeddings: bool = False
     remat: str = "none"
+    attention: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -143,6 +153,11 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig: experts={self.experts}, top_k={self.top_k}; need experts "
                 ">= 0 and, with experts, 1 <= top_k <= experts."
+            )
+        if self.attention not in KERNELS:
+            raise ValueError(
+                f"TransformerConfig.attention={self.attention!r} is not an attention kernel; "
+                "valid: " + ", ".join(repr(k) for k in KERNELS) + "."
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(
@@ -273,6 +288,7 @@ class Attention(nnx.Module):
         self.v = _param(rngs, _dense_init(e), (e, h, k), qkv, dt)
         self.o = _param(rngs, _dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
         self.dtype = cfg.dtype
+        self.kernel = cfg.attention
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
@@ -280,7 +296,7 @@ class Attention(nnx.Module):
         q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l")
         k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads, seq="l")
         v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads, seq="l")
-        out = attention(q, k, v, causal=True)
+        out = attention(q, k, v, causal=True, implementation=self.kernel)
         return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l")
 
 

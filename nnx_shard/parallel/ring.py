@@ -1,13 +1,22 @@
-"""Attention that context parallelism can split: dense, ring, or all-gather-KV.
+"""Attention that context parallelism can split: on each device, ring, or all-gather-KV.
 
 :func:`attention` is the softmax-attention core of a model (``q, k, v ->
-out``, all ``[batch, length, heads, head_dim]``). How it runs is the active
-strategy's choice (the execution option ``attention`` of the rules under
-:func:`nnx_shard.use`, see :meth:`nnx_shard.Rules.with_options`), never a
-model edit:
+out``; ``q [batch, length, heads, head_dim]``, ``k, v [batch, length,
+kv_heads, head_dim]``, optional masks and segment ids). Two independent
+choices decide how it runs:
+
+* the **kernel**, the model's choice (the op's ``implementation``,
+  ``TransformerConfig.attention``): how one device computes attention on the
+  queries and keys it holds, ``"dense"``, ``"blockwise"`` (memory-efficient,
+  online softmax over blocks, recomputed in the backward pass), ``"cudnn"``, or
+  ``"auto"`` (see :mod:`nnx_shard.blockwise`);
+* the **distribution**, the strategy's choice (the execution option
+  ``attention`` of the rules under :func:`nnx_shard.use`, see
+  :meth:`nnx_shard.Rules.with_options`), never a model edit. Its ``"dense"``
+  (or no option) means "no context parallelism", not the dense kernel:
 
 * no option (every preset but ``cp``/``fsdp_cp``), or outside ``use``: the
-  dense masked softmax, ``softmax(q k^T / sqrt(d)) v``;
+  kernel on each device's whole sequence;
 * ``"ring"``: ring attention over the mesh axes ``length`` is mapped to
   (``context``), in a ``jax.shard_map`` that is manual over those axes and
   over the axes the batch and heads are split over (attention is per row and
@@ -19,10 +28,20 @@ model edit:
   (its queries x one key/value block) at a time. The backward pass runs the
   ring again (a ``jax.custom_vjp``): the key/value blocks go round once more,
   each followed by the gradient accumulated for it, which ends at its owner;
-  scores are recomputed per tile instead of being stored.
+  scores are recomputed per tile instead of being stored. Each ring step is
+  one call of the kernel's block math: one tile (``"dense"``), or query x
+  key/value blocks (``"blockwise"``, the default: a device then never holds
+  its whole local tile of scores either). cuDNN's kernel returns no per-block
+  statistics, so ``"auto"`` and ``"cudnn"`` run blockwise here.
 * ``"allgather"``: each device all-gathers the full-length keys and values over
-  the context axes and attends with its local queries (simpler, more memory:
-  the comparison point).
+  the context axes and attends with its local queries through the kernel
+  (simpler, more memory: the comparison point).
+
+Grouped-query attention keeps ``kv_heads`` on the ring: query heads are grouped
+per key/value head inside the op, K/V are never repeated. Masks: segment ids and
+a key padding mask (``[batch, 1, 1, length]``) travel with the key/value blocks
+(they are per key); any other mask is held per query row at full key length and
+cut to each block's columns.
 
 Load balancing (causal, ring mode): the sequence is cut into ``2 x C`` chunks
 (``C`` = the context axis size) and device ``i`` works on chunks ``i`` and
@@ -62,7 +81,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from nnx_shard import blockwise
 from nnx_shard._frames import Frames
+from nnx_shard.blockwise import BLOCK, Masks, finish, grads, group_mask, merge, stats
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
 from nnx_shard.parallel.registry import ParallelOp, register
@@ -75,9 +96,6 @@ OPTION = "attention"
 #: The values of the ``attention`` execution option (``"dense"``: as if unset).
 MODES = ("dense", "ring", "allgather")
 
-_NEG = float(jnp.finfo(jnp.float32).min)
-
-
 @dataclasses.dataclass
 class _Watch:
     """One :func:`expect_attention` block: whether :func:`attention` ran inside it."""
@@ -86,19 +104,6 @@ class _Watch:
 
 
 _watches: Frames[_Watch] = Frames()
-
-
-def _dense(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
-    # The reference transformer's original core, kept operation for operation so
-    # that strategies without context parallelism compute the same numbers.
-    scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    if causal:
-        length = q.shape[1]
-        mask = jnp.tril(jnp.ones((length, k.shape[1]), dtype=bool))
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bhqs,bshk->bqhk", probs, v)
 
 
 def _check_qkv(q: Any, k: Any, v: Any) -> None:
@@ -110,12 +115,59 @@ def _check_qkv(q: Any, k: Any, v: Any) -> None:
                 "projections to [batch, length, heads, head_dim], e.g. "
                 "jnp.einsum('ble,ehk->blhk', x, w)."
             )
-    if q.shape != k.shape or k.shape != v.shape:
+    (b, _, h, d), (bk, _, hk, dk) = q.shape, k.shape
+    if k.shape[:3] != v.shape[:3] or b != bk or d != dk or h % hk:
         raise ValueError(
-            f"attention: q, k and v must have the same shape [batch, length, heads, head_dim] "
-            f"(self-attention), got q {q.shape}, k {k.shape}, v {v.shape}. Fix: project all "
-            "three from the same input with the same number of heads."
+            f"attention: got q {q.shape}, k {k.shape}, v {v.shape}; need q [batch, q_len, heads, "
+            "head_dim], k and v [batch, kv_len, kv_heads, head_dim] with the same batch, k and "
+            "v of one length and number of heads, q and k of one head_dim, and heads a "
+            "multiple of kv_heads (grouped-query attention: query head n uses key/value head "
+            "n // (heads // kv_heads)). Fix: project k and v with the same number of heads, "
+            "and q with a multiple of it."
         )
+
+
+def _check_masks(q: jax.Array, k: jax.Array, mask: Any, segment_ids: Any) -> Masks:
+    """The op's ``mask`` and ``segment_ids`` as :class:`~nnx_shard.blockwise.Masks`, the
+    mask still in the ``[b|1, heads|1, q_len|1, kv_len|1]`` layout of the arguments (a
+    mask of keys alone, ``[b|1, 1, 1, kv_len]``, becomes ``kv_valid``)."""
+    b, lq, h, _ = q.shape
+    lk = k.shape[1]
+    q_seg = kv_seg = kv_valid = None
+    if segment_ids is not None:
+        pair = segment_ids if isinstance(segment_ids, tuple | list) else (segment_ids,) * 2
+        if len(pair) != 2:
+            raise ValueError(
+                f"attention: segment_ids must be one [batch, length] array or a pair "
+                f"(q_segment_ids, kv_segment_ids), got {len(pair)} arrays. Fix: pass "
+                "segment_ids=ids for self-attention."
+            )
+        q_seg, kv_seg = (jnp.asarray(x) for x in pair)
+        for name, ids, n in (("q", q_seg, lq), ("kv", kv_seg, lk)):
+            if ids.shape != (b, n) or not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise ValueError(
+                    f"attention: {name} segment ids must be integers of shape (batch, "
+                    f"{'q_len' if name == 'q' else 'kv_len'}) = {(b, n)}, got {ids.dtype} of "
+                    f"shape {ids.shape} (q {q.shape}, k {k.shape}). Fix: one id per token, equal "
+                    "ids for tokens of one packed sequence (e.g. padding gets its own id)."
+                )
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        want = (b, h, lq, lk)
+        if mask.ndim != 4 or any(n not in (1, w) for n, w in zip(mask.shape, want, strict=True)):
+            raise ValueError(
+                f"attention: mask of shape {mask.shape} does not broadcast to [batch, heads, "
+                f"q_len, kv_len] = {want} (each dimension its size or 1; the heads dimension "
+                f"counts query heads). Fix: e.g. flax.nnx.make_attention_mask(q_valid, "
+                "kv_valid) ([batch, 1, q_len, kv_len]), or valid[:, None, None, :] for key "
+                "padding alone."
+            )
+        mask = mask.astype(bool)
+        if mask.shape[1] == 1 and mask.shape[2] == 1 and lk > 1:
+            kv_valid, mask = mask[:, 0, 0, :], None
+            if kv_valid.shape[-1] == 1:
+                kv_valid = jnp.broadcast_to(kv_valid, (kv_valid.shape[0], lk))
+    return Masks(q_seg, kv_seg, kv_valid, mask)
 
 
 def _context_axes(mesh: Any, rules: Any, mode: str) -> tuple[str, ...]:
@@ -192,26 +244,50 @@ def expect_attention(fn_name: str = "the step") -> Iterator[None]:
         )
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> jax.Array:
-    """Softmax attention ``softmax(q k^T / sqrt(head_dim) [+ causal mask]) v`` of
-    ``q, k, v: [batch, length, heads, head_dim]``, run the way the active strategy
-    asks (see the module docs): dense, ``"ring"`` or ``"allgather"`` over the mesh
-    axes of ``length`` (``context`` in the ``cp`` presets).
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+              mask: jax.Array | None = None, segment_ids: Any = None,
+              implementation: str = "auto", block_size: int = BLOCK) -> jax.Array:
+    """Softmax attention ``softmax(q k^T / sqrt(head_dim) [masked]) v`` of ``q [batch,
+    q_len, heads, head_dim]`` and ``k, v [batch, kv_len, kv_heads, head_dim]``, run the
+    way the active strategy asks (see the module docs): on each device, or ``"ring"`` or
+    ``"allgather"`` over the mesh axes of ``length`` (``context`` in the ``cp`` presets).
+
+    Args:
+      causal: query ``i`` sees keys ``0 .. i`` only.
+      mask: boolean, broadcastable to ``[batch, heads, q_len, kv_len]`` (``True``:
+        seen), as flax's attention takes it; ``[batch, 1, 1, kv_len]`` (key padding)
+        travels with the key/value blocks under context parallelism, any other
+        mask is held per query row at full key length.
+      segment_ids: int ``[batch, length]`` (or a pair for queries and keys): tokens
+        see only tokens of their own segment (packed sequences).
+      implementation: the per-device kernel, ``"auto"`` (default), ``"blockwise"``,
+        ``"dense"`` or ``"cudnn"`` (see :mod:`nnx_shard.blockwise`); independent of
+        the strategy's ``attention`` option, which only says how the sequence is split.
+      block_size: the blockwise kernel's query and key/value block.
+
+    ``heads`` must be a multiple of ``kv_heads`` (grouped-query attention; K/V are
+    never repeated). A query that sees no key gets zeros.
 
     Raises:
-      ValueError: q, k, v not rank 4 or not of one shape; an unknown ``attention``
-        option.
+      ValueError: q, k, v of bad ranks or mismatched shapes; a mask or segment ids
+        of the wrong shape; an unknown ``attention`` option or implementation.
       ShardingError: in ring/allgather mode, a sequence length that does not split
-        into ``2 x context`` zig-zag chunks (``context`` slices for all-gather), or
-        rules without a ``length`` entry.
+        into ``2 x context`` zig-zag chunks (``context`` slices for all-gather),
+        rules without a ``length`` entry, or kv heads that the heads' mesh axes do
+        not divide.
 
     >>> import jax.numpy as jnp
     >>> q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
     >>> out = attention(q, q, q)
     >>> out.shape, bool(jnp.allclose(out[:, 0], q[:, 0]))   # token 0 sees only itself
     ((2, 8, 2, 4), True)
+    >>> kv = q[:, :, :1]                                     # one kv head for 2 query heads
+    >>> seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]] * 2)      # two packed sequences
+    >>> attention(q, kv, kv, segment_ids=seg, implementation="blockwise", block_size=4).shape
+    (2, 8, 2, 4)
     """
     _check_qkv(q, k, v)
+    masks = _check_masks(q, k, mask, segment_ids)
     for watch in _watches:
         watch.called = True
     mode = option(OPTION, "dense")
@@ -221,22 +297,63 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) 
             "rules.with_options(attention='ring') or 'allgather', or leave it unset (dense)."
         )
     active = current()
-    if mode == "dense" or active is None:
-        return _dense(q, k, v, causal)
-    mesh, rules = active
-    axes = _context_axes(mesh, rules, mode)
-    c = math.prod(dict(mesh.shape)[a] for a in axes)
+    axes: tuple[str, ...] = ()
+    if mode != "dense" and active is not None:
+        axes = _context_axes(active[0], active[1], mode)
+    c = math.prod(dict(active[0].shape)[a] for a in axes) if active is not None else 1
+    kernel = blockwise.resolve(implementation, q, k, masks, context_parallel=c > 1)
+    block = block_size if kernel == "blockwise" else None
     if c == 1:
-        return _dense(q, k, v, causal)
+        return blockwise.attention_local(
+            q, k, v, masks._replace(mask=group_mask(masks.mask, k.shape[2])), causal=causal,
+            kernel=kernel, block=block_size)
+    assert active is not None
+    mesh, rules = active
+    if q.shape[1] != k.shape[1]:
+        raise ShardingError(
+            f"attention={mode!r}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in length; "
+            "context parallelism splits one sequence for queries and keys (self-attention). "
+            "Fix: run cross-attention outside the context-parallel rules, or pad both to one "
+            "length."
+        )
     _check_length(q, axes, c, mode, causal)
     spec, manual = _manual_spec(q, mesh, rules, axes)
+    _check_kv_heads(k, spec, mesh)
+    arrays = {n: x for n, x in masks._asdict().items() if x is not None}
+    specs = {n: _mask_spec(n, x, spec) for n, x in arrays.items()}
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         q, k, v = (_retype(a, spec) for a in (q, k, v))
+        arrays = {n: _retype(x, specs[n]) for n, x in arrays.items()}
     body = functools.partial(_ring_local if mode == "ring" else _allgather_local,
-                             axes=axes, c=c, causal=causal)
-    run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                             axes=axes, c=c, causal=causal, block=block)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, specs), out_specs=spec,
                         axis_names=manual, check_vma=False)
-    return run(q, k, v)
+    return run(q, k, v, arrays)
+
+
+def _check_kv_heads(k: jax.Array, spec: P, mesh: Any) -> None:
+    heads = spec[2]
+    names = (heads,) if isinstance(heads, str) else tuple(heads or ())
+    split = math.prod(dict(mesh.shape)[a] for a in names)
+    if k.shape[2] % split:
+        raise ShardingError(
+            f"attention: k/v {tuple(k.shape)} have {k.shape[2]} kv heads, but the query heads "
+            f"are split over mesh axes {names} ({split} ways, logical axis 'heads') and each "
+            "device needs whole groups of query heads with their key/value head. Fix: use a "
+            f"number of kv heads divisible by {split}, or rules that do not split 'heads'."
+        )
+
+
+def _mask_spec(name: str, x: jax.Array, spec: P) -> P:
+    """The shard_map spec of a mask field, from the q/k/v ``spec``: batch and heads
+    dimensions as q's (where not broadcast), query rows over the context axes, key
+    columns over them too for the key-side fields (they travel with K/V) and whole for
+    a full mask."""
+    batch = spec[0] if x.shape[0] > 1 else None
+    if name == "mask":
+        return P(batch, spec[2] if x.shape[1] > 1 else None,
+                 spec[1] if x.shape[2] > 1 else None, None)
+    return P(batch, spec[1])
 
 
 def _manual_spec(x: jax.Array, mesh: Any, rules: Any, axes: tuple[str, ...]
@@ -287,20 +404,25 @@ def _retype(x: jax.Array, spec: P) -> jax.Array:
 # --------------------------------------------------------------------------- all-gather
 
 
-def _allgather_local(q: jax.Array, k: jax.Array, v: jax.Array, *, axes: tuple[str, ...],
-                     c: int, causal: bool) -> jax.Array:
-    """Local queries (contiguous slice ``i``) against the gathered full-length K/V."""
+def _allgather_local(q: jax.Array, k: jax.Array, v: jax.Array, arrays: dict[str, jax.Array], *,
+                     axes: tuple[str, ...], c: int, causal: bool, block: int | None
+                     ) -> jax.Array:
+    """Local queries (contiguous slice ``i``) against the gathered full-length K/V (and
+    key-side masks); a full mask already holds this slice's rows at full key length."""
     n = q.shape[1]
     k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
-    scores = jnp.einsum("bqhk,bshk->bhqs", q, k_all).astype(jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    if causal:
-        qpos = jax.lax.axis_index(axes) * n + jnp.arange(n)
-        mask = qpos[:, None] >= jnp.arange(k_all.shape[1])[None, :]
-        scores = jnp.where(mask, scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bhqs,bshk->bqhk", probs, v_all)
+    masks = Masks(**arrays)
+    masks = masks._replace(
+        kv_seg=None if masks.kv_seg is None
+        else jax.lax.all_gather(masks.kv_seg, axes, axis=1, tiled=True),
+        kv_valid=None if masks.kv_valid is None
+        else jax.lax.all_gather(masks.kv_valid, axes, axis=1, tiled=True),
+        mask=group_mask(masks.mask, k.shape[2]))
+    offset = jax.lax.axis_index(axes) * n
+    return blockwise.attention_local(q, k_all, v_all, masks, causal=causal,
+                                     kernel="dense" if block is None else "blockwise",
+                                     block=block or 0, q_offset=offset)
 
 
 # --------------------------------------------------------------------------- zig-zag
@@ -343,50 +465,46 @@ def _from_zigzag(x: jax.Array, axes: tuple[str, ...], c: int, axis: int) -> jax.
 # --------------------------------------------------------------------------- ring
 
 
-def _ring_local(q: jax.Array, k: jax.Array, v: jax.Array, *, axes: tuple[str, ...], c: int,
-                causal: bool) -> jax.Array:
+def _ring_local(q: jax.Array, k: jax.Array, v: jax.Array, arrays: dict[str, jax.Array], *,
+                axes: tuple[str, ...], c: int, causal: bool, block: int | None) -> jax.Array:
+    masks = Masks(**arrays)
+    if causal:
+        q = _to_zigzag(q, axes, c, axis=1)
+        if k.shape == v.shape:
+            k, v = _to_zigzag(jnp.stack([k, v]), axes, c, axis=2)
+        else:
+            k, v = _to_zigzag(k, axes, c, axis=1), _to_zigzag(v, axes, c, axis=1)
+        masks = Masks(*(None if x is None else x if x.shape[ax] == 1
+                        else _to_zigzag(x, axes, c, axis=ax)
+                        for x, ax in zip(masks, (1, 1, -1, 2), strict=True)))
+    hk = k.shape[2]
+    qg = q.reshape(*q.shape[:2], hk, q.shape[2] // hk, q.shape[3])
+    out = _ring(qg, k, v, masks._replace(mask=group_mask(masks.mask, hk)), axes, c, causal,
+                block)
+    out = out.reshape(*q.shape[:3], v.shape[-1])
+    return _from_zigzag(out, axes, c, axis=1) if causal else out
+
+
+def _columns(mask: jax.Array | None, src: Any, n2: int, c: int, causal: bool
+             ) -> jax.Array | None:
+    """The key columns of a full mask (rows local, all ``C x n2`` columns) that belong to
+    the K/V block of device ``src``: its contiguous slice, or its two zig-zag chunks."""
+    if mask is None or mask.shape[-1] == 1:
+        return mask
     if not causal:
-        return _ring(q, k, v, axes, c, False)
-    zq, zk, zv = _to_zigzag(jnp.stack([q, k, v]), axes, c, axis=2)
-    return _from_zigzag(_ring(zq, zk, zv, axes, c, True), axes, c, axis=1)
-
-
-def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    return s / math.sqrt(q.shape[-1])
-
-
-def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Unnormalised output, row sums and row maxima of one query/key block."""
-    s = _scores(q, k)
-    if mask is not None:
-        s = jnp.where(mask, s, _NEG)
-    m = jnp.max(s, axis=-1)
-    p = jnp.exp(s - m[..., None])
-    o = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
-    return o, jnp.sum(p, axis=-1), m
-
-
-def _merge(acc: tuple[jax.Array, ...], blk: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    o, s, m = acc
-    ob, sb, mb = blk
-    mn = jnp.maximum(m, mb)
-    a, bb = jnp.exp(m - mn), jnp.exp(mb - mn)
-    return o * _rows(a) + ob * _rows(bb), s * a + sb * bb, mn
-
-
-def _rows(w: jax.Array) -> jax.Array:
-    """Per-row statistics ``[b, h, q]`` broadcast against outputs ``[b, q, h, d]``."""
-    return jnp.transpose(w, (0, 2, 1))[..., None]
-
-
-def _causal_block_mask(n2: int) -> jax.Array:
-    # Step 0 pairs the device's own chunks (i, 2C-1-i) with themselves: each chunk
-    # sees itself causally, the later chunk sees all of the earlier one.
+        return jax.lax.dynamic_slice_in_dim(mask, src * n2, n2, mask.ndim - 1)
     n = n2 // 2
-    tril = jnp.tril(jnp.ones((n, n), bool))
-    return jnp.block([[tril, jnp.zeros((n, n), bool)], [jnp.ones((n, n), bool), tril]])
+    return jnp.concatenate(
+        [jax.lax.dynamic_slice_in_dim(mask, src * n, n, mask.ndim - 1),
+         jax.lax.dynamic_slice_in_dim(mask, (2 * c - 1 - src) * n, n, mask.ndim - 1)], -1)
+
+
+def _step_masks(masks: Masks, kv: tuple[Any, ...], s: Any, axes: tuple[str, ...], c: int,
+                causal: bool, n2: int) -> Masks:
+    """The masks of this device's queries against the K/V block held at ring step ``s``:
+    the key-side ones travel with it (``kv[2:]``), a full mask's columns are cut."""
+    src = (jax.lax.axis_index(axes) - s) % c
+    return Masks(masks.q_seg, kv[2], kv[3], _columns(masks.mask, src, n2, c, causal))
 
 
 def _shift(x: Any, axes: tuple[str, ...], c: int) -> Any:
@@ -402,110 +520,111 @@ def _earlier(step: jax.Array, axes: tuple[str, ...], c: int) -> jax.Array:
     return (d - step) % c < d
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...], c: int,
-          causal: bool) -> jax.Array:
-    return _ring_fwd(q, k, v, axes, c, causal)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, axes: tuple[str, ...], c: int,
+          causal: bool, block: int | None) -> jax.Array:
+    return _ring_fwd(q, k, v, masks, axes, c, causal, block)[0]
 
 
-def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...], c: int,
-              causal: bool) -> tuple[jax.Array, Any]:
+def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, axes: tuple[str, ...],
+              c: int, causal: bool, block: int | None) -> tuple[jax.Array, Any]:
+    # q: [b, n2, kv_heads, group, d] (grouped), k, v: [b, n2, kv_heads, d]. Each ring step
+    # is one call of the per-device kernel's block math (nnx_shard.blockwise.stats): a
+    # single tile, or (blockwise) query x key/value blocks of ``block``.
     n2 = q.shape[1]
     n = n2 // 2
+    tile = functools.partial(stats, block=block)
+    own = (k, v, masks.kv_seg, masks.kv_valid)
     # Each block is sent on before it is used, so that the transfer of step s + 1
     # can overlap the compute of step s (async collective-permutes on accelerators).
-    moving = _shift((k, v), axes, c)
-    acc = _block_fwd(q, k, v, _causal_block_mask(n2) if causal else None)
+    moving = _shift(own, axes, c)
+    # Step 0 pairs the device's own chunks (i, 2C-1-i) with themselves: causal on the
+    # local index is exactly that (each chunk sees itself causally, the later chunk
+    # all of the earlier one).
+    acc = tile(q, k, v, _step_masks(masks, own, 0, axes, c, causal, n2), causal=causal)
 
-    def full(kb: jax.Array, vb: jax.Array) -> tuple[jax.Array, ...]:
-        return _block_fwd(q, kb, vb, None)
+    def full(s: Any, kv: tuple[Any, ...]) -> tuple[jax.Array, ...]:
+        return tile(q, kv[0], kv[1], _step_masks(masks, kv, s, axes, c, causal, n2),
+                    causal=False)
 
-    def low_keys(kb: jax.Array, vb: jax.Array) -> tuple[jax.Array, ...]:
+    def low_keys(s: Any, kv: tuple[Any, ...]) -> tuple[jax.Array, ...]:
         # Both query chunks against the earlier key chunk only.
-        return _block_fwd(q, kb[:, :n], vb[:, :n], None)
+        m = _step_masks(masks, kv, s, axes, c, causal, n2).keys(0, n)
+        return tile(q, kv[0][:, :n], kv[1][:, :n], m, causal=False)
 
-    def high_queries(kb: jax.Array, vb: jax.Array) -> tuple[jax.Array, ...]:
+    def high_queries(s: Any, kv: tuple[Any, ...]) -> tuple[jax.Array, ...]:
         # Only the later query chunk sees this block (all of it).
-        o, l_, m = _block_fwd(q[:, n:], kb, vb, None)
+        m = _step_masks(masks, kv, s, axes, c, causal, n2).queries(n, n)
+        o, l_, mx = tile(q[:, n:], kv[0], kv[1], m, causal=False)
         return (jnp.concatenate([jnp.zeros_like(o), o], 1),
-                jnp.concatenate([jnp.zeros_like(l_), l_], 2),
-                jnp.concatenate([jnp.full_like(m, -jnp.inf), m], 2))
+                jnp.concatenate([jnp.zeros_like(l_), l_], -1),
+                jnp.concatenate([jnp.full_like(mx, -jnp.inf), mx], -1))
 
-    def block(s: Any, kv: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+    def block_(s: Any, kv: tuple[Any, ...]) -> tuple[jax.Array, ...]:
         if causal:
-            return jax.lax.cond(_earlier(s, axes, c), low_keys, high_queries, *kv)
-        return full(*kv)
+            return jax.lax.cond(_earlier(s, axes, c), low_keys, high_queries, s, kv)
+        return full(s, kv)
 
     def step(s: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
         acc, kv = carry
         nxt = _shift(kv, axes, c)
-        return _merge(acc, block(s, kv)), nxt
+        return merge(acc, block_(s, kv)), nxt
 
     # Steps 1 .. C-2 in the loop; the last one outside it, with nothing left to send.
     acc, kv = jax.lax.fori_loop(1, c - 1, step, (acc, moving))
-    o, l_, m = _merge(acc, block(c - 1, kv))
-    out = (o / _rows(l_)).astype(q.dtype)
-    lse = m + jnp.log(l_)
-    return out, (q, k, v, out, lse)
+    out, lse = finish(merge(acc, block_(c - 1, kv)), q.dtype)
+    return out, (q, k, v, masks, out, lse)
 
 
-def _block_bwd(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
-               delta: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
-    s = _scores(q, k)
-    p = jnp.exp(s - lse[..., None])
-    if mask is not None:
-        p = jnp.where(mask, p, 0.0)
-    dv = jnp.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = jnp.einsum("bqhd,bkhd->bhqk", do, v.astype(jnp.float32))
-    ds = p * (dp - delta[..., None]) / math.sqrt(q.shape[-1])
-    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k.astype(jnp.float32))
-    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32))
-    return dq, dk, dv
-
-
-def _ring_bwd(axes: tuple[str, ...], c: int, causal: bool, res: Any, g: jax.Array
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q, k, v, out, lse = res
+def _ring_bwd(axes: tuple[str, ...], c: int, causal: bool, block: int | None, res: Any,
+              g: jax.Array) -> tuple[Any, ...]:
+    q, k, v, masks, out, lse = res
     n2 = q.shape[1]
     n = n2 // 2
     do = g.astype(jnp.float32)
-    delta = jnp.transpose(jnp.sum(do * out.astype(jnp.float32), -1), (0, 2, 1))  # [b,h,q]
-    dq, dk, dv = _block_bwd(q, k, v, do, lse, delta, _causal_block_mask(n2) if causal else None)
+    dlt = blockwise.delta(do, out)
+    tile = functools.partial(grads, block=block)
+    own = (k, v, masks.kv_seg, masks.kv_valid)
+    dq, dk, dv = tile(q, k, v, do, lse, dlt, _step_masks(masks, own, 0, axes, c, causal, n2),
+                      causal=causal)
 
-    def full(kb: jax.Array, vb: jax.Array) -> tuple[jax.Array, ...]:
-        return _block_bwd(q, kb, vb, do, lse, delta, None)
+    def full(s: Any, kv: tuple[Any, ...]) -> tuple[jax.Array, ...]:
+        return tile(q, kv[0], kv[1], do, lse, dlt, _step_masks(masks, kv, s, axes, c, causal, n2),
+                    causal=False)
 
-    def low_keys(kb: jax.Array, vb: jax.Array) -> tuple[jax.Array, ...]:
-        dqb, dkb, dvb = _block_bwd(q, kb[:, :n], vb[:, :n], do, lse, delta, None)
-        z = jnp.zeros_like(dkb)
-        return dqb, jnp.concatenate([dkb, z], 1), jnp.concatenate([dvb, z], 1)
+    def low_keys(s: Any, kv: tuple[Any, ...]) -> tuple[jax.Array, ...]:
+        m = _step_masks(masks, kv, s, axes, c, causal, n2).keys(0, n)
+        dqb, dkb, dvb = tile(q, kv[0][:, :n], kv[1][:, :n], do, lse, dlt, m, causal=False)
+        return (dqb, jnp.concatenate([dkb, jnp.zeros_like(dkb)], 1),
+                jnp.concatenate([dvb, jnp.zeros_like(dvb)], 1))
 
-    def high_queries(kb: jax.Array, vb: jax.Array) -> tuple[jax.Array, ...]:
-        dqb, dkb, dvb = _block_bwd(q[:, n:], kb, vb, do[:, n:], lse[..., n:], delta[..., n:],
-                                   None)
+    def high_queries(s: Any, kv: tuple[Any, ...]) -> tuple[jax.Array, ...]:
+        m = _step_masks(masks, kv, s, axes, c, causal, n2).queries(n, n)
+        dqb, dkb, dvb = tile(q[:, n:], kv[0], kv[1], do[:, n:], lse[..., n:], dlt[..., n:], m,
+                             causal=False)
         return jnp.concatenate([jnp.zeros_like(dqb), dqb], 1), dkb, dvb
 
-    def block(s: Any, kv: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+    def block_(s: Any, kv: tuple[Any, ...]) -> tuple[jax.Array, ...]:
         if causal:
-            return jax.lax.cond(_earlier(s, axes, c), low_keys, high_queries, *kv)
-        return full(*kv)
+            return jax.lax.cond(_earlier(s, axes, c), low_keys, high_queries, s, kv)
+        return full(s, kv)
 
     def step(s: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        # kv: the block of step s, sent on ahead as in the forward pass; grad: the
-        # gradient accumulated for the block of step s - 1, which follows one device
-        # behind its block.
+        # kv: the block of step s (with its key-side masks), sent on ahead as in the
+        # forward pass; grad: the gradient accumulated for the block of step s - 1,
+        # which follows one device behind its block.
         dq, kv, grad = carry
         nxt = _shift(kv, axes, c)
-        dqb, dkb, dvb = block(s, kv)
+        dqb, dkb, dvb = block_(s, kv)
         dk, dv = _shift(grad, axes, c)
         return dq + dqb, nxt, (dk + dkb, dv + dvb)
 
-    carry = (dq, _shift((k, v), axes, c), (dk, dv))
+    carry = (dq, _shift(own, axes, c), (dk, dv))
     carry = jax.lax.fori_loop(1, c - 1, step, carry)
     dq, _, (dk, dv) = step(c - 1, carry)  # its extra K/V send is unused: XLA drops it
     # After step C - 1 each gradient block sits one device short of its owner.
     dk, dv = _shift((dk, dv), axes, c)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
