@@ -270,7 +270,7 @@ def _check_shape(shape: Any, path: str, names: Any) -> tuple[int, ...] | None:
 def _read_text(path: Path) -> str:
     """The UTF-8 text of a rules file: a regular file (never a FIFO, a device or a
     folder, which would block or never end) of at most :data:`MAX_FILE_BYTES`."""
-    where = f"rules file {short(str(path))}"
+    where = f"rules file {short(str(path), 1000)}"
     try:
         # O_NONBLOCK: opening a FIFO would otherwise wait for a writer; what was opened
         # is checked with fstat (no race with a path swapped after a stat).
@@ -375,14 +375,14 @@ def _yaml(text: str, where: str) -> Any:
                                 "table out without nested aliases")
         return None if node is None else loader.construct_document(node)
     except yaml.YAMLError as e:
-        raise ShardingError(f"{where} could not be parsed: {short(str(e), 400)}") from None
+        raise ShardingError(f"{where} could not be parsed: {' '.join(str(e).split())[:400]}") from None
     finally:
         loader.dispose()
 
 
 def _load(path: Path) -> Any:
     """The parsed content of a .json / .toml / .yaml rules file."""
-    where = f"rules file {short(str(path))}"
+    where = f"rules file {short(str(path), 1000)}"
     suffix = path.suffix.lower()
     if suffix not in (".json", ".toml", ".yaml", ".yml"):
         raise ShardingError(
@@ -397,7 +397,7 @@ def _load(path: Path) -> Any:
             return json.loads(text, object_pairs_hook=lambda kv: _no_duplicates(kv, where))
         return tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ShardingError(f"{where} could not be parsed: {short(str(e), 400)}") from None
+        raise ShardingError(f"{where} could not be parsed: {' '.join(str(e).split())[:400]}") from None
     except RecursionError:
         raise ShardingError(f"{where} is nested too deeply to be a rules table. Fix: the "
                             "path of the rules file itself") from None
@@ -772,7 +772,7 @@ class Rules(Mapping[str, RuleValue]):
             raise TypeError(f"Rules.from_file: path {short(text, 60)} names no file. Fix: e.g. "
                             "Rules.from_file('rules.toml').")
         path = Path(text)
-        where = f"rules file {short(str(path))}"
+        where = f"rules file {short(str(path), 1000)}"
         data = _load(path)
         indivisible = None
         table: Any = data

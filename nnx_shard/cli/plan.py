@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import textwrap
+import warnings
 from typing import Any
 
 import jax
@@ -164,6 +165,8 @@ def _check(args: argparse.Namespace) -> TransformerConfig:
                          "choose one")
     if args.batch < 1 or args.seq < 1:
         raise UsageError("--batch and --seq must be at least 1. Fix: e.g. --batch 8 --seq 16")
+    if args.top < 0:
+        raise UsageError(f"--top must be 0 or more, got {args.top}. Fix: e.g. --top 5")
     cfg = CONFIGS[args.model]
     if args.scan_layers is not None:  # the planned model is the compiled one (pp needs a stack)
         cfg = dataclasses.replace(cfg, scan_layers=args.scan_layers)
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seq > cfg.length:
         raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
                          f"({cfg.length}). Fix: --seq {cfg.length} or less")
-    memory = device_memory(args.device_memory) if args.device_memory else None
+    memory = device_memory(args.device_memory) if args.device_memory is not None else None
     tx = optimizer(args.optimizer)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     out: dict[str, Any] = {
@@ -309,7 +312,7 @@ def _auto_hardware(args: argparse.Namespace) -> Any:
         return hw.replace(peak_flops=args.peak_flops, link_bandwidth=args.link_bandwidth,
                           link_latency=args.link_latency,
                           device_memory=device_memory(args.device_memory)
-                          if args.device_memory else None)
+                          if args.device_memory is not None else None)
     except (ValueError, RuntimeError) as e:
         raise UsageError(str(e)) from None
 
@@ -328,28 +331,42 @@ def run_auto(args: argparse.Namespace) -> int:
         raise UsageError("plan --auto chooses the mesh: drop --mesh (or drop --auto to check one)")
     if args.devices < 1:
         raise UsageError(f"--devices must be at least 1, got {args.devices}. Fix: e.g. --devices 8")
+    if args.top < 0:
+        raise UsageError(f"--top must be 0 or more, got {args.top}. Fix: e.g. --top 5")
+    if args.max_compiles < 1:
+        raise UsageError(f"--max-compiles must be at least 1, got {args.max_compiles}. Fix: e.g. "
+                         "--max-compiles 64")
+    names = None
+    if args.strategies is not None:
+        names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        if not names:
+            raise UsageError(f"--strategies {args.strategies!r} names no preset. Fix: e.g. "
+                             "--strategies fsdp,tp, or leave it out to try every preset")
     hw = _auto_hardware(args)
-    names = ([s.strip() for s in args.strategies.split(",") if s.strip()]
-             if args.strategies else None)
-    try:
-        plan = auto(args.model, devices=args.devices, batch=args.batch, seq=args.seq,
-                    device_memory=hw.device_memory, hardware=hw, optimizer=args.optimizer,
-                    strategies=names, max_compiles=args.max_compiles,
-                    cache=None if args.no_cache else default_cache(),
-                    progress=not args.json and sys.stderr.isatty(),
-                    timeout=args.compile_timeout)
-    except NothingFits as e:
-        if args.json:
-            print(json.dumps(plan_json(e.plan, str(e))))
-        else:
-            print(e.plan)
-        print(f"nnx-shard: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            plan = auto(args.model, devices=args.devices, batch=args.batch, seq=args.seq,
+                        device_memory=hw.device_memory, hardware=hw, optimizer=args.optimizer,
+                        strategies=names, max_compiles=args.max_compiles,
+                        cache=None if args.no_cache else default_cache(),
+                        progress=not args.json and sys.stderr.isatty(),
+                        timeout=args.compile_timeout)
+        except NothingFits as e:
+            if args.json:
+                print(json.dumps(plan_json(e.plan, str(e))))
+            else:
+                print(e.plan)
+            print(f"nnx-shard: {e}", file=sys.stderr)
+            return 1
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.json:
         print(json.dumps(plan_json(plan, None)))
     else:
         plan.request["top"] = args.top
         print(plan)
+    # After the plan: a cache that could not be written costs only the next run.
+    for w in caught:
+        print(f"{PROG}: warning: {w.message}", file=sys.stderr)
     return 0
