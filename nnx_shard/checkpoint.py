@@ -100,6 +100,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from nnx_shard.annotate import path_str
+from nnx_shard.errors import count, flag, short
 from nnx_shard.mesh import current, nbytes
 
 try:
@@ -985,8 +986,10 @@ def _save_args(
     step: int, model: Any, optimizer: Any, extra: Mapping[str, Any] | None
 ) -> Any:
     ocp = _ocp()
-    if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"save: step must be a non-negative int, got {step!r}")
+    step = count(step, "save: step", least=0, fix="the step number, e.g. save(d, 100, ...)")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"save: model must be an nnx.Module, got {type(model).__name__} "
+                        f"{short(model, 60)}. Fix: save(directory, step, model=model)")
     if extra is not None:
         _check_extra(extra)
     # As it will read back: tuples become lists.
@@ -1346,6 +1349,9 @@ def _read(
     Returns (step, {item: new State}, extra).
     """
     ocp = _ocp()
+    if step is not None:
+        step = count(step, "restore: step", least=0,
+                     fix="a saved step number, or step=None for the latest")
     _refuse_file(directory, "restore")
     if not directory.is_dir():
         raise FileNotFoundError(f"restore: checkpoint directory {directory} does not exist.")
@@ -1542,10 +1548,11 @@ class Checkpointer:
         keep: int | None = 3,
         async_save: bool = True,
     ) -> None:
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"Checkpointer: every must be a positive int, got {every!r}")
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"Checkpointer: keep must be a positive int or None, got {keep!r}")
+        every = count(every, "Checkpointer: every", fix="save every N steps, e.g. every=1000")
+        if keep is not None:
+            keep = count(keep, "Checkpointer: keep",
+                         fix="how many steps to keep, e.g. keep=3, or keep=None for all")
+        flag(async_save, "Checkpointer: async_save")
         self.directory = _resolve_dir(directory, "Checkpointer")
         _refuse_file(self.directory, "Checkpointer")
         self.every = every
@@ -1590,6 +1597,7 @@ class Checkpointer:
         >>> ckpt.should_save(0), ckpt.should_save(5), ckpt.should_save(7)
         (False, True, False)
         """
+        step = count(step, "Checkpointer.should_save: step", least=0)
         return step > 0 and step % self.every == 0
 
     def steps(self) -> list[int]:

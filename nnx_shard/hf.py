@@ -71,6 +71,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
+from nnx_shard.errors import count, short
 from nnx_shard.init import _auto_mesh, _rewrap
 
 __all__ = ["LLAMA_MAPPING", "LLAMA_TIED_MAPPING", "TRANSFORMS", "load_safetensors",
@@ -462,13 +463,23 @@ SINGLE = "model.safetensors"
 _MARKER = ".nnx_shard_safetensors"
 
 
+def _path(path: Any, who: str) -> Path:
+    """``path`` as a Path: a str or os.PathLike (None, bytes or a number would fail
+    inside pathlib with no word of which argument)."""
+    if isinstance(path, bytes) or not isinstance(path, str | os.PathLike) or not str(path):
+        raise TypeError(f"{who}: path must be a directory path (str or os.PathLike), got "
+                        f"{type(path).__name__} {short(path, 60)}. Fix: e.g. "
+                        f"{who}('checkpoints/llama', ...)")
+    return Path(path)
+
+
 def _files(path: str | os.PathLike[str]) -> list[str]:
-    p = Path(path)
+    p = _path(path, "load_safetensors")
     if p.is_file() and p.suffix == ".safetensors":
         return [str(p)]
     if not p.is_dir():
-        raise FileNotFoundError(f"load_safetensors: {p} is not a directory or a .safetensors "
-                                "file. Fix: pass the checkpoint directory (with "
+        raise FileNotFoundError(f"load_safetensors: path {str(p)!r} is not a directory or a "
+                                ".safetensors file. Fix: pass the checkpoint directory (with "
                                 f"{SINGLE} or {INDEX}).")
     if (p / INDEX).is_file():
         with open(p / INDEX) as f:
@@ -618,6 +629,11 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     - shape: HF key 'model.layers.0.self_attn.k_proj.weight' [32, 32] F32 maps to model path 'blocks/0/attn/k' [32, 4, 16] float32, which needs HF shape [64, 32] (transform 'heads_out'). Fix: build the model from the checkpoint's own config.json (LlamaConfig.from_hf(path)), or correct the mapping.
     ...
     """
+    if not nnx.graph.is_graph_node(target):
+        raise TypeError(f"load_safetensors: target must be an nnx.Module (abstract or concrete) "
+                        f"giving the structure and shardings, got {type(target).__name__} "
+                        f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Llama(cfg, "
+                        "rngs=nnx.Rngs(0)), mesh, rules)")
     files = _files(path)
     header = st.read_header(*files)
     rules = _rules(mapping_for(target) if mapping is None else mapping)
@@ -715,6 +731,21 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     >>> json.load(open(os.path.join(out, "config.json")))["torch_dtype"]
     'bfloat16'
     """
+    if _path(path, "save_safetensors").exists() and not Path(path).is_dir():
+        raise FileExistsError(f"save_safetensors: path {str(path)!r} is a file, not a directory "
+                              "(it is never written over). Fix: a directory path")
+    if dtype is not None:
+        try:
+            st.dtype_name(dtype)
+        except TypeError:
+            raise TypeError(f"save_safetensors: dtype {short(dtype, 40)} is not a dtype. Fix: "
+                            "e.g. dtype=jnp.bfloat16, or None to keep each parameter's") from None
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"save_safetensors: model must be an nnx.Module, got "
+                        f"{type(model).__name__} {short(model, 60)}. Fix: the model to write")
+    if max_shard_bytes is not None:
+        count(max_shard_bytes, "save_safetensors: max_shard_bytes",
+              fix="bytes per file, e.g. 5 * 10**9, or None for one file")
     rules = _rules(mapping_for(model) if mapping is None else mapping)
     leaves = _plan_save(nnx.state(model), rules)
     tensors: dict[str, tuple[str, tuple[int, ...], _Leaf]] = {}

@@ -527,7 +527,7 @@ def strict_json(path):
 @pytest.mark.parametrize("lr", ["nan", "inf", "-inf", "0", "-1e-3", "abc"])
 def test_demo_rejects_a_learning_rate_that_is_not_finite_and_positive(capsys, tmp_path, lr):
     code, out, err = run(capsys, "demo", f"--lr={lr}", "--out", str(tmp_path / "d"))
-    assert_one_line_error(code, err, "argument --lr:", repr(lr), "use e.g. --lr 3e-3")
+    assert_one_line_error(code, err, "argument --lr:", repr(lr), "use e.g. 3e-3")
     assert out == "" and not (tmp_path / "d").exists()
 
 

@@ -28,10 +28,10 @@ def finite_positive(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use e.g. --lr 3e-3") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use e.g. 3e-3") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(
-            f"must be a finite number greater than 0, got {text!r}; use e.g. --lr 3e-3")
+            f"must be a finite number greater than 0, got {text!r}; use e.g. 3e-3 or 120")
     return value
 
 
