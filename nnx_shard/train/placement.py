@@ -124,8 +124,9 @@ def shard_batch(
                 f"shard_batch: {where} has dtype {arr.dtype} ({short(leaf, 60)}); batches are "
                 "numbers or bools. Fix: encode it first, e.g. token ids as np.int32")
         if arr.ndim <= len(lead):
+            what = "is a scalar" if arr.ndim == 0 else f"has shape {tuple(arr.shape)}"
             raise ShardingError(
-                f"{where} has shape {tuple(arr.shape)}, but steps=True expects a leading "
+                f"{where} {what}, but steps=True expects a leading "
                 "steps axis and a batch axis [K, batch, ...] on every leaf. Fix: stack the "
                 "per-step batches, e.g. np.stack(batches)."
             )
