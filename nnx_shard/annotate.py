@@ -233,6 +233,11 @@ def annotate(
             "mesh, rules), or an abstract one: "
             "ns.annotate(nnx.eval_shape(lambda: MyModel(rngs=nnx.Rngs(0))), patterns)."
         )
+    if not isinstance(patterns, Mapping):
+        raise TypeError(
+            f"annotate: patterns must be a dict of {{regex: logical names}}, got "
+            f"{type(patterns).__name__} ({patterns!r:.80}). Fix: e.g. "
+            "{'kernel': ('embed', 'mlp'), 'bias': ('mlp',)}")
     compiled = []
     for pattern, names in patterns.items():
         try:
@@ -309,6 +314,10 @@ def get_logical_axes(tree: Any) -> nnx.State:
     >>> axes["kernel"], axes["bias"]
     (('embed', 'mlp'), None)
     """
+    if not isinstance(tree, nnx.State) and not nnx.graph.is_graph_node(tree):
+        raise TypeError(
+            f"get_logical_axes: tree must be an nnx.Module or nnx.State, got "
+            f"{type(tree).__name__} ({tree!r:.80}). Fix: pass the model, or nnx.state(model)")
     state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
     flat = nnx.to_flat_state(state)
     return nnx.from_flat_state(

@@ -11,13 +11,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
+from nnx_shard.errors import short
+
 __all__ = ["mesh_sizes", "sizes_str"]
 
 
 def mesh_sizes(mesh: Any) -> dict[str, int]:
     """Axis name -> size of a Mesh / AbstractMesh (anything with a ``shape``
     mapping) or a mapping; ``None`` gives ``{}``. Strings are parsed by
-    :func:`nnx_shard.make_mesh`, not here. Raises ``TypeError`` for anything else.
+    :func:`nnx_shard.make_mesh`, not here. Raises ``TypeError`` for anything else, and
+    ``ValueError`` for a size that is not an int >= 1.
 
     >>> import jax
     >>> mesh_sizes(jax.sharding.AbstractMesh((2, 4), ("data", "model")))
@@ -29,8 +34,19 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
         return {}
     shape = getattr(mesh, "shape", mesh)
     if isinstance(shape, Mapping):
-        return {str(k): int(v) for k, v in shape.items()}
-    raise TypeError(f"expected a mesh or a mapping of axis name to size, got {mesh!r}")
+        out = {}
+        for k, v in shape.items():
+            # A bool is an int and 2.5 or NaN would truncate or fail deep inside a
+            # divisibility check: a size is a whole device count.
+            if not isinstance(k, str) or not k:
+                raise ValueError(f"mesh axis names must be non-empty strings, got {short(k)}")
+            if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) or v < 1:
+                raise ValueError(f"mesh axis {short(k)} has size {short(v)} "
+                                 f"({type(v).__name__}); mesh sizes are ints >= 1")
+            out[k] = int(v)
+        return out
+    raise TypeError(f"expected a mesh or a mapping of axis name to size, got "
+                    f"{type(mesh).__name__} {short(mesh)}")
 
 
 def sizes_str(mesh: Any, sep: str = ",", empty: str = "") -> str:

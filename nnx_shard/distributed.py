@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -41,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_shard.errors import NnxShardError
+from nnx_shard.errors import NnxShardError, count, short
 from nnx_shard.mesh import make_mesh
 from nnx_shard.rules import Rules, as_rules
 
@@ -180,6 +181,40 @@ def _tasks_on_node(environ: Mapping[str, str]) -> int | None:
         return None
     counts = {part.split("(")[0] for part in raw.split(",")}
     return int(counts.pop()) if len(counts) == 1 and next(iter(counts)).isdigit() else None
+
+
+def _check_arguments(address: Any, n: Any, pid: Any, local_device_ids: Any, init_timeout: Any,
+                     heartbeat: Any) -> None:
+    """:func:`initialize`'s arguments checked before anything is joined (a bad one
+    would otherwise wait on a coordinator that was never asked for)."""
+    if address is not None:
+        if not isinstance(address, str):
+            raise DistributedError(
+                f"initialize: coordinator_address must be 'host:port', got "
+                f"{type(address).__name__} {short(address, 60)}. Fix: e.g. '10.0.0.1:1234'")
+        _split_address(address, "coordinator_address")
+    if n is not None:
+        count(n, "initialize: num_processes", fix="e.g. num_processes=2")
+    if pid is not None:
+        count(pid, "initialize: process_id", least=0, fix="0 .. num_processes - 1")
+        if n is not None and pid >= n:
+            raise DistributedError(f"initialize: process_id={pid} is not below num_processes="
+                                   f"{n}. Fix: process_id in 0 .. {n - 1}")
+    if local_device_ids is not None and (
+            isinstance(local_device_ids, str | bytes) or not isinstance(local_device_ids, Sequence)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                       for i in local_device_ids)):
+        raise DistributedError(
+            f"initialize: local_device_ids must be a list of device numbers >= 0, got "
+            f"{short(local_device_ids, 60)}. Fix: e.g. local_device_ids=[0, 1]")
+    for name, value in (("initialization_timeout", init_timeout),
+                        ("heartbeat_timeout", heartbeat)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                math.isfinite(value) and value >= 1):
+            raise DistributedError(f"initialize: {name} must be a finite number of seconds "
+                                   f">= 1, got {short(value, 60)}. Fix: e.g. {name}=300")
 
 
 def _resolve(
@@ -390,6 +425,8 @@ def initialize(
     >>> initialize()   # no coordinates anywhere: a single process
     Coordinates(coordinator_address=None, num_processes=1, process_id=0, source='single process')
     """
+    _check_arguments(coordinator_address, num_processes, process_id, local_device_ids,
+                     initialization_timeout, heartbeat_timeout)
     environ = os.environ
     resolved = _resolve(coordinator_address, num_processes, process_id, local_device_ids, environ)
     if resolved is None:
@@ -481,6 +518,11 @@ def process_slice(
     >>> process_slice(16, "data=8", {"batch": "data"})
     slice(0, 16, None)
     """
+    batch_size = count(batch_size, "process_slice: batch_size",
+                       fix="the global batch size, e.g. 256")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise DistributedError(f"process_slice: name must be the batch's logical name (str) or "
+                               f"None, got {short(name, 60)}. Fix: e.g. name='batch'")
     mesh = make_mesh(mesh)
     rules = as_rules(rules)
     spec = rules.spec((name,), shape=(batch_size,), mesh=mesh, path="batch")
@@ -514,7 +556,12 @@ def local_part(
     >>> local_part({"x": np.arange(8)}, "data=8", {"batch": "data"})["x"].shape
     (8,)
     """
-    sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+    leaves = jax.tree.leaves(batch)
+    if not leaves or any(np.ndim(x) == 0 for x in leaves):
+        raise DistributedError(
+            f"local_part: the batch must be arrays with a leading batch axis, got "
+            f"{type(batch).__name__} {short(batch, 60)}. Fix: e.g. {{'x': np.ones((256, 8))}}")
+    sizes = {np.shape(x)[0] for x in leaves}
     if len(sizes) != 1:
         raise DistributedError(
             f"batch leaves disagree on the batch size (axis 0): {sorted(sizes)}. Fix: give "
@@ -541,6 +588,10 @@ def gather(tree: Any) -> Any:
             if x.is_fully_replicated:
                 return np.asarray(x.addressable_data(0))
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
+        out = np.asarray(x)
+        if out.dtype.kind in "OUS":  # text or objects: not arrays a process could gather
+            raise DistributedError(f"gather: a leaf of the tree is {type(x).__name__} "
+                                   f"{short(x, 60)}, not an array. Fix: gather arrays only")
+        return out
 
     return jax.tree.map(one, tree)

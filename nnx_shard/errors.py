@@ -7,6 +7,7 @@ import importlib.util
 import linecache
 import os
 import re
+import reprlib
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -61,6 +62,77 @@ class CompileError(NnxShardError, RuntimeError):
 class ShardingWarning(UserWarning):
     """A sharding choice the user allowed but should know about (e.g. a dimension
     replicated because it does not divide by its mesh axes)."""
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+
+
+def short(x: Any, limit: int = 200) -> str:
+    """``repr(x)`` bounded for a message: nested containers and long strings are cut
+    while the repr is built (a value from a hostile file can be huge), then the
+    text is cut at ``limit`` characters.
+
+    >>> short("x" * 1000)[:20], len(short("x" * 1000)) <= 200
+    ("'xxxxxxxxxxxxxxxxxxx", True)
+    >>> short([[1, 2, 3]] * 100)
+    '[[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], ...]'
+    """
+    if isinstance(x, str) and len(x) <= limit:
+        text = repr(x)  # a path or a name: whole when it fits
+    else:
+        try:
+            text = _REPR.repr(x)
+        except Exception:  # a user's __repr__ failing must not hide the error being reported
+            text = f"<{type(x).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def count(value: Any, name: str, *, least: int = 1, fix: str = "") -> int:
+    """``value`` as an ``int`` when it is a whole count ``>= least``: an int or a NumPy
+    integer, never a bool (``True`` is an int to Python, not a count), a float, None
+    or text; otherwise a :class:`UsageError` naming ``name``.
+
+    >>> count(4, "microbatches"), count(0, "num_steps", least=0)
+    (4, 0)
+    >>> count(True, "steps_per_call")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: steps_per_call must be a positive int, got True (a bool). Fix: e.g. steps_per_call=4
+    """
+    import numpy as np  # here: errors is imported by everything, numpy only by some
+
+    kind = {1: "a positive int", 0: "a non-negative int"}.get(least, f"an int >= {least}")
+    example = fix or f"e.g. {name.rpartition(' ')[2]}={max(least, 4)}"
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        what = " (a bool)" if isinstance(value, bool | np.bool_) else (
+            "" if value is None else f" ({type(value).__name__})")
+        raise UsageError(f"{name} must be {kind}, got {short(value, 60)}{what}. Fix: {example}")
+    if value < least:
+        raise UsageError(f"{name} must be {kind}, got {short(value, 60)}. Fix: {example}")
+    return int(value)
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` when it is a bool (or NumPy bool); anything else (``"no"``, ``None``,
+    ``2``) is a :class:`UsageError` naming ``name``: a truthy string must not read as
+    ``True``.
+
+    >>> flag(False, "donate")
+    False
+    >>> flag("no", "donate")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: donate must be True or False, got 'no' (str). Fix: donate=True or donate=False
+    """
+    import numpy as np
+
+    if not isinstance(value, bool | np.bool_):
+        arg = name.rpartition(" ")[2]
+        raise UsageError(f"{name} must be True or False, got {short(value, 60)} "
+                         f"({type(value).__name__}). Fix: {arg}=True or {arg}=False")
+    return bool(value)
 
 
 def raise_collected(errors: list[str], what: str = "variables") -> None:

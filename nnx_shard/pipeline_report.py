@@ -16,11 +16,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, count, short
 from nnx_shard.mesh import make_mesh
 from nnx_shard.parallel.schedule import OPTION, Schedule, bubble, check_stack
 from nnx_shard.report import explain as report
 from nnx_shard.report import fmt_bytes
+from nnx_shard.rules import Rules
 
 __all__ = ["StageReport", "explain"]
 
@@ -117,7 +118,17 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     3      6-7     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
     GPipe: 4 stages, 8 microbatches of 2.00 KiB per device, bubble 27.3% of stage-steps
     """
+    m = count(microbatches, "pipeline.explain: microbatches", fix="e.g. microbatches=8")
+    if isinstance(strategy, str):  # a preset's name
+        from nnx_shard.strategies import get
+
+        strategy = get(strategy)
     rules = getattr(strategy, "rules", strategy)
+    if not isinstance(rules, Rules):
+        raise ShardingError(
+            f"pipeline.explain: strategy must be a pp preset (its name or Strategy) or Rules "
+            f"with the pipeline option, got {type(strategy).__name__} {short(strategy, 60)}. "
+            "Fix: e.g. ns.strategies.get('pp')")
     opt_rules = getattr(strategy, "opt_rules", None)
     sched = rules.options.get(OPTION)
     if not isinstance(sched, Schedule):
@@ -148,7 +159,7 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
         return sum(r.bytes_per_device for r in rep.rows
                    if r.group == group and is_stack(r) == in_stack)
 
-    s, v, m = sizes[sched.axis], sched.repeats, int(microbatches)
+    s, v = sizes[sched.axis], sched.repeats
     n_layers = next(int(np.shape(var.get_value())[0]) for p, var in nnx.to_flat_state(state)
                     if p in stack)
     g = n_layers // (s * v)
@@ -158,8 +169,24 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     data_axes = rules.spec(("batch",), shape=None, mesh=mesh, path="pipeline batch")[0]
     data_axes = () if data_axes is None else (data_axes,) if isinstance(data_axes, str) else data_axes
     data = math.prod(sizes[a] for a in data_axes)
-    whole = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
-                for x in jax.tree.leaves(carry))
+    leaves = jax.tree_util.tree_flatten_with_path(carry)[0]
+    for path, x in leaves:
+        shape = getattr(x, "shape", None)
+        where = f"carry{jax.tree_util.keystr(path)}"
+        if shape is None or not hasattr(x, "dtype") or not shape:
+            raise ShardingError(
+                f"pipeline.explain: {where} is {type(x).__name__} {short(x, 60)}, not an array "
+                "with a leading batch axis. Fix: the activations entering the stack, e.g. "
+                "jax.ShapeDtypeStruct((batch, length, embed), jnp.float32)")
+        if shape[0] % (m * data):
+            raise ShardingError(
+                f"pipeline.explain: {where} has {shape[0]} rows, which do not split into "
+                f"microbatches={m} on each of {data} data replica(s). Fix: a batch that is a "
+                f"multiple of {m * data}, or another number of microbatches")
+    if not leaves:
+        raise ShardingError("pipeline.explain: carry holds no array. Fix: e.g. "
+                            "carry=jax.ShapeDtypeStruct((batch, length, embed), jnp.float32)")
+    whole = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for _, x in leaves)
     micro = whole // (m * data)
     acts = ((m * v + s - 1) * (1 if sched.remat else g) + m + 1) * micro
     return StageReport(stages=s, repeats=v, microbatches=m, groups=groups,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import inspect
 
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, short
 from nnx_shard.parallel.schedule import Schedule
 from nnx_shard.rules import Rules
 from nnx_shard.strategy import PRESETS, REPLICATED, Strategy, preset, replicated
@@ -378,6 +378,9 @@ def get(name: str, **axes: str) -> Strategy:
     ...
     nnx_shard.errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep, ...
     """
+    if not isinstance(name, str):
+        raise ShardingError(f"strategies.get: name must be a preset name (str), got "
+                            f"{type(name).__name__} {short(name, 60)}. Known: {', '.join(NAMES)}.")
     if name not in PRESETS:
         close = difflib.get_close_matches(name, NAMES, n=1)
         mean = f" Did you mean {close[0]!r}?" if close else ""

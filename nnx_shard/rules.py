@@ -43,6 +43,8 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
+import stat
 import tomllib
 import types
 import warnings
@@ -50,10 +52,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from nnx_shard.axes import mesh_sizes, sizes_str
-from nnx_shard.errors import ShardingError, ShardingWarning
+from nnx_shard.errors import ShardingError, ShardingWarning, short
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 if TYPE_CHECKING:
@@ -71,7 +74,36 @@ RuleValue: TypeAlias = (
 LogicalNames: TypeAlias = Sequence[str | None]
 Indivisible = Literal["error", "replicate"]
 
-__all__ = ["Rules"]
+__all__ = ["MAX_FILE_BYTES", "MAX_YAML_NODES", "Rules", "declare_option", "known_options"]
+
+#: A rules file larger than this is refused (MaxText's base.yml is ~40 KB).
+MAX_FILE_BYTES = 16 << 20
+#: A YAML rules file whose aliases expand to more nodes than this is refused.
+MAX_YAML_NODES = 100_000
+
+# The execution options some registered op reads (nnx_shard.parallel.registry declares
+# them as ops register): Rules(options=...) refuses any other name.
+_KNOWN_OPTIONS: set[str] = set()
+
+
+def declare_option(name: str) -> None:
+    """Makes ``name`` a valid key of ``Rules(options=...)``: what an op registered
+    with :func:`nnx_shard.parallel.registry.register` does for the option it reads.
+
+    >>> declare_option("my_op"); "my_op" in known_options()
+    True
+    """
+    _KNOWN_OPTIONS.add(name)
+
+
+def known_options() -> tuple[str, ...]:
+    """The option names ``Rules(options=...)`` accepts, sorted.
+
+    >>> import nnx_shard
+    >>> [o for o in known_options() if o in ("attention", "collective_matmul", "pipeline")]
+    ['attention', 'collective_matmul', 'pipeline']
+    """
+    return tuple(sorted(_KNOWN_OPTIONS))
 
 
 def _product(axes: tuple[Any, ...], logical: str, shown: Any, fix: str) -> tuple[str, ...]:
@@ -79,25 +111,25 @@ def _product(axes: tuple[Any, ...], logical: str, shown: Any, fix: str) -> tuple
     for a in axes:
         if a == "":
             raise ShardingError(
-                f"rule {logical!r} -> {shown!r}: an empty string is not a mesh axis name. "
+                f"rule {short(logical)} -> {short(shown)}: an empty string is not a mesh axis name. "
                 f"Fix: name a mesh axis, or use None to replicate, e.g. {fix}."
             )
         if not isinstance(a, str):
             raise ShardingError(
-                f"rule {logical!r} -> {shown!r}: a product of mesh axes must list mesh axis "
-                f"names (strings), got {a!r}. Fix: e.g. {fix}."
+                f"rule {short(logical)} -> {short(shown)}: a product of mesh axes must list mesh "
+                f"axis names (strings), got {short(a)}. Fix: e.g. {fix}."
             )
     if len(set(axes)) != len(axes):
         raise ShardingError(
-            f"rule {logical!r} -> {shown!r} names a mesh axis twice. "
-            f"Fix: list each mesh axis once, e.g. {tuple(dict.fromkeys(axes))!r}."
+            f"rule {short(logical)} -> {short(shown)} names a mesh axis twice. "
+            f"Fix: list each mesh axis once, e.g. {short(tuple(dict.fromkeys(axes)))}."
         )
     return tuple(axes)
 
 
 def _placement(value: Any, logical: str) -> Placement:
     """One placement as ``Rules({...})`` writes it: str | tuple[str, ...] | None | UNCONSTRAINED."""
-    fix = f"Rules({{{logical!r}: None}})"
+    fix = f"Rules({{{short(logical)}: None}})"
     if value is None:
         return ()
     if value is UNCONSTRAINED:
@@ -105,7 +137,7 @@ def _placement(value: Any, logical: str) -> Placement:
     if isinstance(value, str):
         if not value:
             raise ShardingError(
-                f"rule {logical!r} -> '': an empty string is not a mesh axis name (it would "
+                f"rule {short(logical)} -> '': an empty string is not a mesh axis name (it would "
                 f"silently replicate). Fix: use None to replicate, e.g. {fix}."
             )
         return (value,)
@@ -118,9 +150,10 @@ def _placement(value: Any, logical: str) -> Placement:
             "Rules.from_pairs reads lists as products, as Flax and MaxText write them."
         )
     raise ShardingError(
-        f"rule {logical!r} -> {value!r}: a rule value must be a mesh axis name, a tuple of "
-        "mesh axis names, None (replicate), PartitionSpec.UNCONSTRAINED or a list of those "
-        f"(ordered candidates).{hint} Fix: e.g. Rules({{{logical!r}: 'model'}}) or {fix}."
+        f"rule {short(logical)} -> {short(value)}: a rule value must be a mesh axis name, a "
+        "tuple of mesh axis names, None (replicate), PartitionSpec.UNCONSTRAINED or a list of "
+        f"those (ordered candidates).{hint} Fix: e.g. Rules({{{short(logical)}: 'model'}}) or "
+        f"{fix}."
     )
 
 
@@ -128,8 +161,8 @@ def _candidates(value: Any, logical: str) -> tuple[Placement, ...]:
     if isinstance(value, list):
         if not value:
             raise ShardingError(
-                f"rule {logical!r} -> []: an empty candidate list can never fit. "
-                f"Fix: use None to replicate, e.g. Rules({{{logical!r}: None}})."
+                f"rule {short(logical)} -> []: an empty candidate list can never fit. "
+                f"Fix: use None to replicate, e.g. Rules({{{short(logical)}: None}})."
             )
         return tuple(_placement(v, logical) for v in value)
     return (_placement(value, logical),)
@@ -144,13 +177,13 @@ def _pair_placement(value: Any, logical: str) -> Placement:
     if isinstance(value, str):
         return (value,)
     if isinstance(value, list | tuple):
-        fix = f"[{logical!r}, ['data', 'fsdp']] or [{logical!r}, None]"
+        fix = f"[{short(logical)}, ['data', 'fsdp']] or [{short(logical)}, None]"
         return _product(tuple(value), logical, value, fix)
     raise ShardingError(
-        f"rule {logical!r} -> {value!r}: in a table of [logical, mesh] pairs the mesh side "
-        "must be a mesh axis name, a list or tuple of mesh axis names (their product), "
+        f"rule {short(logical)} -> {short(value)}: in a table of [logical, mesh] pairs the mesh "
+        "side must be a mesh axis name, a list or tuple of mesh axis names (their product), "
         f"None / [] / '' (replicate) or PartitionSpec.UNCONSTRAINED. "
-        f"Fix: e.g. [{logical!r}, 'model'] or [{logical!r}, ['data', 'fsdp']]."
+        f"Fix: e.g. [{short(logical)}, 'model'] or [{short(logical)}, ['data', 'fsdp']]."
     )
 
 
@@ -172,7 +205,7 @@ def _public_value(cands: tuple[Placement, ...]) -> RuleValue:
 def _check_logical(name: Any) -> str:
     if not isinstance(name, str) or not name:
         raise ShardingError(
-            f"logical axis name {name!r} ({type(name).__name__}) in a rules table: "
+            f"logical axis name {short(name)} ({type(name).__name__}) in a rules table: "
             "logical names must be non-empty strings. Fix: e.g. Rules({'embed': 'fsdp'})."
         )
     return name
@@ -182,10 +215,14 @@ def _mesh_sizes(mesh: Any) -> dict[str, int]:
     """Axis name -> size for a jax Mesh / AbstractMesh or a plain mapping."""
     try:
         return mesh_sizes(mesh)
+    except ValueError as e:
+        raise ShardingError(f"{e}. Fix: e.g. mesh={{'data': 4, 'model': 2}}, or a mesh from "
+                            "nnx_shard.make_mesh('data=4,model=2').") from None
     except TypeError:
         pass
     raise ShardingError(
-        f"expected a jax.sharding.Mesh or a mapping of axis name to size, got {mesh!r}. "
+        f"expected a jax.sharding.Mesh or a mapping of axis name to size, got "
+        f"{type(mesh).__name__} {short(mesh)}. "
         "Fix: build one with nnx_shard.make_mesh('data=4,model=2')."
     )
 
@@ -205,39 +242,169 @@ def _fmt_value(v: Any) -> str:
 
 def describe(path: str, shape: Sequence[int] | None, names: Any) -> str:
     """The phrase that opens every error about one array."""
-    what = f"parameter {path!r}" if path else "array"
+    what = f"parameter {short(path)}" if path else "array"
     parts = []
     if shape is not None:
-        parts.append(f"shape {tuple(shape)}")
-    parts.append(f"logical axes {tuple(names) if isinstance(names, list) else names!r}")
+        shown = tuple(shape) if isinstance(shape, list | tuple) else shape
+        parts.append(f"shape {short(shown)}")
+    parts.append(f"logical axes {short(tuple(names) if isinstance(names, list) else names)}")
     return f"{what} ({', '.join(parts)})"
+
+
+def _check_shape(shape: Any, path: str, names: Any) -> tuple[int, ...] | None:
+    """``shape`` as a tuple of sizes; a size that is not an int >= 0 is an error (a
+    negative or float size would be checked for divisibility as if it were one)."""
+    if shape is None:
+        return None
+    if isinstance(shape, str | bytes) or not isinstance(shape, Sequence | np.ndarray):
+        raise ShardingError(
+            f"{describe(path, None, names)}: shape {short(shape)} is not a sequence of sizes. "
+            "Fix: pass the array's shape, e.g. shape=(1024, 4096) or shape=x.shape."
+        )
+    for i, d in enumerate(shape):
+        if isinstance(d, bool | np.bool_) or not isinstance(d, int | np.integer) or d < 0:
+            raise ShardingError(
+                f"{describe(path, shape, names)}: dimension {i} of shape has size {short(d)} "
+                f"({type(d).__name__}); sizes are ints >= 0. Fix: pass the array's shape, e.g. "
+                "shape=x.shape."
+            )
+    return tuple(int(d) for d in shape)
+
+
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of a rules file: a regular file (never a FIFO, a device or a
+    folder, which would block or never end) of at most :data:`MAX_FILE_BYTES`."""
+    where = f"rules file {short(str(path), 1000)}"
+    try:
+        # O_NONBLOCK: opening a FIFO would otherwise wait for a writer; what was opened
+        # is checked with fstat (no race with a path swapped after a stat).
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}: no such file. Fix: the path of a .json, .toml "
+                                "or .yaml rules file") from None
+    except IsADirectoryError:
+        fd = None
+    except OSError as e:
+        raise ShardingError(f"{where} cannot be opened: {e.strerror or e}. Fix: a readable "
+                            ".json, .toml or .yaml rules file") from None
+    try:
+        mode = os.fstat(fd).st_mode if fd is not None else stat.S_IFDIR
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+            raise ShardingError(f"{where} is {kind}, not a regular file. Fix: the path of a "
+                                ".json, .toml or .yaml rules file")
+        assert fd is not None
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = None
+            data = f.read(MAX_FILE_BYTES + 1)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise ShardingError(f"{where} is larger than {MAX_FILE_BYTES >> 20} MiB, too large for "
+                            "a rules table. Fix: the path of the rules file itself")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ShardingError(f"{where} is not UTF-8 text (byte {data[e.start]:#04x} at offset "
+                            f"{e.start}). Fix: save it as UTF-8 text") from None
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ShardingError(f"{where} holds the key {short(k)} twice (a later one would "
+                                "silently replace the first). Fix: keep one of them; to list "
+                                "candidates of one logical name use a list, e.g. "
+                                "mlp = ['model', '']")
+        out[k] = v
+    return out
+
+
+def _yaml(text: str, where: str) -> Any:
+    """YAML through PyYAML's safe loader, refusing duplicate keys and aliases that
+    expand past :data:`MAX_YAML_NODES` nodes (a few hundred bytes of nested aliases
+    can stand for billions of values)."""
+    try:
+        import yaml
+    except ImportError as e:
+        raise ImportError(
+            f"{where} is YAML, which needs PyYAML. "
+            "Fix: pip install nnx_shard[yaml] (or pip install pyyaml), or use .json/.toml."
+        ) from e
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                keys = [self.construct_object(k, deep=True) for k, _ in node.value
+                        if k.tag != "tag:yaml.org,2002:merge"]
+                _no_duplicates([(k, None) for k in keys if isinstance(k, str | int | float)],
+                               where)
+            return super().construct_mapping(node, deep=deep)
+
+    def children(node: Any) -> list[Any]:
+        if isinstance(node, yaml.SequenceNode):
+            return list(node.value)
+        if isinstance(node, yaml.MappingNode):
+            return [x for kv in node.value for x in kv]
+        return []
+
+    def expanded(root: Any) -> int:
+        # Values as constructed, aliases expanded: a post-order walk, each distinct node
+        # once with the expanded size of its children (memoised: linear in the file).
+        sizes: dict[int, int] = {}
+        seen: set[int] = set()
+        stack = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children(node)),
+                                      MAX_YAML_NODES + 1)
+            elif id(node) not in seen:
+                seen.add(id(node))
+                stack.append((node, True))
+                stack.extend((c, False) for c in children(node) if id(c) not in seen)
+        return sizes[id(root)]
+
+    loader = Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None and expanded(node) > MAX_YAML_NODES:
+            raise ShardingError(f"{where}: its aliases expand to more than {MAX_YAML_NODES:,} "
+                                "values, far more than a rules table holds. Fix: write the "
+                                "table out without nested aliases")
+        return None if node is None else loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ShardingError(f"{where} could not be parsed: {' '.join(str(e).split())[:400]}") from None
+    finally:
+        loader.dispose()
 
 
 def _load(path: Path) -> Any:
     """The parsed content of a .json / .toml / .yaml rules file."""
+    where = f"rules file {short(str(path), 1000)}"
     suffix = path.suffix.lower()
     if suffix not in (".json", ".toml", ".yaml", ".yml"):
         raise ShardingError(
-            f"rules file {str(path)!r}: unknown format {path.suffix!r}. "
+            f"{where}: unknown format {short(path.suffix)}. "
             "Fix: use a .json, .toml or .yaml/.yml file."
         )
-    text = path.read_text()
-    if suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError as e:
-            raise ImportError(
-                f"rules file {str(path)!r} is YAML, which needs PyYAML. "
-                "Fix: pip install nnx_shard[yaml] (or pip install pyyaml), or use .json/.toml."
-            ) from e
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ShardingError(f"rules file {str(path)!r} could not be parsed: {e}") from e
+    text = _read_text(path)
     try:
-        return json.loads(text) if suffix == ".json" else tomllib.loads(text)
+        if suffix in (".yaml", ".yml"):
+            return _yaml(text, where)
+        if suffix == ".json":
+            return json.loads(text, object_pairs_hook=lambda kv: _no_duplicates(kv, where))
+        return tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ShardingError(f"rules file {str(path)!r} could not be parsed: {e}") from e
+        raise ShardingError(f"{where} could not be parsed: {' '.join(str(e).split())[:400]}") from None
+    except RecursionError:
+        raise ShardingError(f"{where} is nested too deeply to be a rules table. Fix: the "
+                            "path of the rules file itself") from None
 
 
 def _file_value(v: Any) -> Any:
@@ -329,14 +496,15 @@ class Rules(Mapping[str, RuleValue]):
                 entries += [(name, p) for p in _candidates(value, name)]
         elif isinstance(table, str | bytes) or not isinstance(table, Iterable):
             raise ShardingError(
-                f"Rules expects a mapping or a sequence of (logical, value) pairs, got {table!r}. "
+                f"Rules expects a mapping or a sequence of (logical, value) pairs, got "
+                f"{short(table)}. "
                 "Fix: Rules({'batch': 'data', 'mlp': 'model'})."
             )
         else:
             for item in table:
                 if not (isinstance(item, tuple | list) and len(item) == 2):
                     raise ShardingError(
-                        f"rules entry {item!r} is not a (logical, value) pair. "
+                        f"rules entry {short(item)} is not a (logical, value) pair. "
                         "Fix: Rules([('batch', 'data'), ('mlp', 'model')])."
                     )
                 name = _check_logical(item[0])
@@ -345,11 +513,12 @@ class Rules(Mapping[str, RuleValue]):
 
     def _set(self, entries: Iterable[tuple[str, Placement]], indivisible: Any,
              options: Mapping[str, Any] | None = None) -> None:
-        object.__setattr__(self, "_options", _check_options(options or {}))
-        indivisible = indivisible or "error"
-        if indivisible not in ("error", "replicate"):
+        object.__setattr__(self, "_options", _check_options({} if options is None else options))
+        indivisible = "error" if indivisible is None else indivisible
+        if not isinstance(indivisible, str) or indivisible not in ("error", "replicate"):
             raise ShardingError(
-                f"indivisible={indivisible!r}: expected 'error' or 'replicate'."
+                f"indivisible={short(indivisible)}: expected 'error' or 'replicate'. "
+                "Fix: Rules(..., indivisible='replicate'), or leave it out ('error')."
             )
         entries = tuple(entries)
         table: dict[str, tuple[Placement, ...]] = {}
@@ -393,7 +562,8 @@ class Rules(Mapping[str, RuleValue]):
         """
         if isinstance(pairs, str | bytes | Mapping) or not isinstance(pairs, Iterable):
             raise ShardingError(
-                f"Rules.from_pairs expects a sequence of [logical, mesh] pairs, got {pairs!r}. "
+                f"Rules.from_pairs expects a sequence of [logical, mesh] pairs, got "
+                f"{short(pairs)}. "
                 "Fix: e.g. Rules.from_pairs([['batch', 'data'], ['vocab', ['tensor', 'expert']]])"
                 "; for a {logical: value} mapping use Rules({...})."
             )
@@ -403,7 +573,7 @@ class Rules(Mapping[str, RuleValue]):
                 isinstance(item, Sequence) and len(item) == 2
             ):
                 raise ShardingError(
-                    f"rules entry {item!r} is not a [logical, mesh] pair. "
+                    f"rules entry {short(item)} is not a [logical, mesh] pair. "
                     "Fix: e.g. ['batch', 'data'] or ['vocab', ['tensor', 'expert']]."
                 )
             name = _check_logical(item[0])
@@ -625,7 +795,18 @@ class Rules(Mapping[str, RuleValue]):
         >>> Rules.from_file(p)
         Rules({'batch': 'data', 'vocab': ('tensor', 'expert'), 'mlp': ['model', None]})
         """
-        path = Path(path)
+        if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
+            raise TypeError(
+                f"Rules.from_file: path must be a str or os.PathLike, got "
+                f"{type(path).__name__} {short(path, 60)}. Fix: e.g. "
+                "Rules.from_file('rules.toml')."
+            )
+        text = os.fspath(path)
+        if not isinstance(text, str) or not text:
+            raise TypeError(f"Rules.from_file: path {short(text, 60)} names no file. Fix: e.g. "
+                            "Rules.from_file('rules.toml').")
+        path = Path(text)
+        where = f"rules file {short(str(path), 1000)}"
         data = _load(path)
         indivisible = None
         table: Any = data
@@ -634,22 +815,24 @@ class Rules(Mapping[str, RuleValue]):
             keys = [k for k in ("logical_axis_rules", "rules") if k in data]
             if len(keys) == 2:
                 raise ShardingError(
-                    f"rules file {str(path)!r} holds both 'logical_axis_rules' and 'rules'. "
-                    "Fix: keep one of them."
+                    f"{where} holds both 'logical_axis_rules' and 'rules'. Fix: keep one of them."
                 )
             if keys:
                 table = data[keys[0]]
             else:
                 table = {k: v for k, v in data.items() if k != "indivisible"}
-        if isinstance(table, list):
-            return cls.from_pairs(table, indivisible=indivisible)
-        if not isinstance(table, dict):
+        if not isinstance(table, list | dict):
             raise ShardingError(
-                f"rules file {str(path)!r} must hold a list of [logical, mesh] pairs or a table "
-                f"of logical name to value, got {table!r}. Fix: e.g. "
+                f"{where} must hold a list of [logical, mesh] pairs or a table "
+                f"of logical name to value, got {short(table)}. Fix: e.g. "
                 "logical_axis_rules = [['batch', 'data'], ['mlp', 'model']]."
             )
-        return cls({k: _file_value(v) for k, v in table.items()}, indivisible=indivisible)
+        try:
+            if isinstance(table, list):
+                return cls.from_pairs(table, indivisible=indivisible)
+            return cls({k: _file_value(v) for k, v in table.items()}, indivisible=indivisible)
+        except ShardingError as e:
+            raise ShardingError(f"{where}: {e}") from None
 
     # -- resolution ----------------------------------------------------------
 
@@ -692,6 +875,7 @@ class Rules(Mapping[str, RuleValue]):
         ...
         nnx_shard.errors.ShardingError: logical axis 'mpl' of parameter 'layer/kernel' ...
         """
+        shape = _check_shape(shape, path, names)
         names_t = self._check_names(names, shape, path)
         sizes = _mesh_sizes(mesh)
         has_mesh = mesh is not None
@@ -775,12 +959,12 @@ class Rules(Mapping[str, RuleValue]):
             rule_txt = f"{name!r} (a mesh axis, used directly)"
         else:
             close = difflib.get_close_matches(name, list(self._table), n=3, cutoff=0.6)
-            known = ", ".join(sorted(self._table)) or "none"
-            mean = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            known = short(", ".join(sorted(self._table)) or "none", 600).strip("'")
+            mean = f" Did you mean {' or '.join(short(c) for c in close)}?" if close else ""
             raise ShardingError(
-                f"logical axis {name!r} of {head} has no rule.{mean} Known logical axes: "
-                f"{known}. Fix: add a rule, e.g. rules | {{{name!r}: 'model'}}, or "
-                f"rules | {{{name!r}: None}} to replicate it."
+                f"logical axis {short(name)} of {head} has no rule.{mean} Known logical axes: "
+                f"{known}. Fix: add a rule, e.g. rules | {{{short(name)}: 'model'}}, or "
+                f"rules | {{{short(name)}: None}} to replicate it."
             )
         for _, p in indexed:
             # A size-1 mesh axis shards nothing: an entry blocked only by reusing one applies.
@@ -840,7 +1024,7 @@ class Rules(Mapping[str, RuleValue]):
             raise ShardingError(
                 f"{describe(path, shape, names)}: logical axes must be a tuple with one name "
                 "(or None) per dimension. Fix: e.g. ('embed', 'mlp') instead of "
-                f"{names!r}."
+                f"{short(names)}."
             )
         names_t = tuple(names)
         for i, n in enumerate(names_t):
@@ -852,7 +1036,7 @@ class Rules(Mapping[str, RuleValue]):
             )
             if not ok:
                 raise ShardingError(
-                    f"{describe(path, shape, names_t)}: entry {i} is {n!r} "
+                    f"{describe(path, shape, names_t)}: entry {i} is {short(n)} "
                     f"({type(n).__name__}); logical names must be non-empty strings, or None "
                     "for a replicated dimension. Fix: e.g. ('embed', None)."
                 )
@@ -900,16 +1084,29 @@ class Rules(Mapping[str, RuleValue]):
 
 def _check_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     if not isinstance(options, Mapping):
-        raise TypeError(f"Rules options must be a mapping of str to hashable values, got {options!r}.")
+        raise TypeError(f"Rules options must be a mapping of option name to a hashable value, "
+                        f"got {type(options).__name__} {short(options)}. Fix: e.g. "
+                        "Rules({...}, options={'attention': 'ring'}).")
     for key, value in options.items():
         if not isinstance(key, str):
-            raise TypeError(f"Rules option names must be str, got {key!r}.")
+            raise TypeError(f"Rules option names must be str, got {short(key)}. Fix: e.g. "
+                            "options={'attention': 'ring'}.")
+        if key not in _KNOWN_OPTIONS:
+            close = difflib.get_close_matches(key, sorted(_KNOWN_OPTIONS), n=1, cutoff=0.6)
+            mean = f" Did you mean {close[0]!r}?" if close else ""
+            raise ShardingError(
+                f"Rules option {short(key)} is not an option any operation reads (it would be "
+                f"silently ignored).{mean} Known options: {', '.join(known_options())}. Fix: "
+                "spell it as one of those; an op of your own declares its option by "
+                "registering with nnx_shard.parallel.registry.register(ParallelOp(name, "
+                "option))."
+            )
         try:
             hash(value)
         except TypeError:
             raise TypeError(
-                f"Rules option {key}={value!r} is not hashable (rules are hashed into compiled "
-                "programs' cache keys). Fix: use a tuple or a frozen dataclass."
+                f"Rules option {key}={short(value)} is not hashable (rules are hashed into "
+                "compiled programs' cache keys). Fix: use a tuple or a frozen dataclass."
             ) from None
     return tuple(sorted(options.items()))
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from nnx_shard.annotate import path_str
 from nnx_shard.axes import mesh_sizes
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, count
 from nnx_shard.init import _abstract, abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import make_mesh, variable_spec
 from nnx_shard.parallel.schedule import Schedule, check_stack
@@ -80,9 +80,8 @@ class Strategy:
         >>> get("tp").mesh_for(8), get("tp").mesh_for(6), get("dp").mesh_for(8)
         ({'data': 2, 'model': 4}, {'data': 3, 'model': 2}, {'data': 8})
         """
-        n = jax.device_count() if n_devices is None else int(n_devices)
-        if n < 1:
-            raise ShardingError(f"n_devices must be >= 1, got {n}. Fix: a positive device count")
+        n = jax.device_count() if n_devices is None else count(
+            n_devices, "mesh_for: n_devices", fix="a positive device count, e.g. 8")
         rest = n
         tail = []
         for pref in self.sizes:
@@ -252,6 +251,10 @@ class Strategy:
         ...
         nnx_shard.errors.ShardingError: strategy 'tp' cannot lay out this model on mesh data=1, model=8: ... 'blocks/0/attn/k' ... Suggested mesh: {'data': 2, 'model': 4} ...
         """
+        if not isinstance(model, nnx.State) and not nnx.graph.is_graph_node(model):
+            raise TypeError(f"Strategy.check: model must be an nnx.Module (concrete or "
+                            f"abstract) or its nnx.State, got {type(model).__name__} "
+                            f"({model!r:.60}). Fix: e.g. nnx.eval_shape(lambda: MyModel(...))")
         sizes = _sizes(mesh)
         state = model if isinstance(model, nnx.State) else nnx.state(model)
         if isinstance(self.rules.options.get("pipeline"), Schedule):

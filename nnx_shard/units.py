@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 
-from nnx_shard.errors import UsageError
+from nnx_shard.errors import UsageError, short
 
-__all__ = ["parse_bytes"]
+__all__ = ["MAX_BYTES", "parse_bytes"]
+
+#: Sizes at or past this (1 EB) are not a device's memory (and ``1e999`` is infinite).
+MAX_BYTES = 10**18
 
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*")
 _POWERS = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
@@ -22,9 +25,18 @@ def parse_bytes(text: str) -> int:
     (80000000000, True, 536870912)
     >>> parse_bytes("1e9")
     1000000000
+    >>> parse_bytes("0")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: '0' is not a memory size: sizes are at least 1 byte ...
     """
-    m = _SIZE.fullmatch(text)
+    m = _SIZE.fullmatch(text) if isinstance(text, str) else None
     if not m:
-        raise UsageError(f"{text!r} is not a size. Fix: write e.g. 80GB, 80GiB or 512MiB")
+        raise UsageError(f"{short(text, 60)} is not a size. Fix: write e.g. 80GB, 80GiB or "
+                         "512MiB")
     unit = (m.group(2) or "B").upper().rstrip("B") or "B"
-    return int(float(m.group(1)) * _POWERS[unit])
+    value = float(m.group(1)) * _POWERS[unit]
+    if not 1 <= value < MAX_BYTES:
+        raise UsageError(f"{short(text, 60)} is not a memory size: sizes are at least 1 byte and "
+                         "under 1 EB (10**18 bytes). Fix: write e.g. 80GB, 80GiB or 512MiB")
+    return int(value)

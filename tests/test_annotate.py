@@ -124,3 +124,15 @@ def test_readme_annotating_your_own_model_runs_as_written(capsys):
     assert namespace["net"].mlp.kernel.get_value().sharding.spec == P("data", "model")
     assert namespace["logits"].shape == (8, 16, 64)
     assert "P('data', 'model')" in capsys.readouterr().out
+
+
+def test_wrong_types_are_named():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"annotate: patterns must be a dict .* got int"):
+        ns.annotate(model, 5)
+    with pytest.raises(TypeError, match=r"get_logical_axes: tree must be an nnx.Module or "
+                                         r"nnx.State, got int"):
+        ns.get_logical_axes(5)
+    with ns.use("data=8", {"batch": "data"}):
+        with pytest.raises(TypeError, match=r"constrain: x must be an array, got str"):
+            ns.constrain("x", ("batch",))

@@ -300,3 +300,14 @@ def test_grad_sq_shares_sum_to_the_norm_with_no_collective(axis_types):
     assert grad_sq_shares(replicated, [P()] * 5, mesh) is None
     assert grad_sq_shares(grads, None, mesh) is None
     assert grad_sq_shares(grads, specs[:2], mesh) is None
+
+
+def test_window_refuses_negative_starts_and_bool_counts():
+    b = ns.Batches(np.ones((8, 2), np.float32), 2)
+    with pytest.raises(ns.NnxShardError, match=r"window: start must be a non-negative int"):
+        b.window(-1, 2)
+    with pytest.raises(ns.NnxShardError, match=r"window: k must be a positive int, got True"):
+        b.window(0, True)
+    with pytest.raises(ns.NnxShardError, match=r"window: k must be a positive int, got 0"):
+        b.window(0, 0)
+    assert b.window(3, 2).shape == (1, 2, 2)  # the end of the data: fewer than k

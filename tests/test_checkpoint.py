@@ -1178,3 +1178,45 @@ ckpt.save(3, model=big)
                                "File too large"), err
     assert lines[3].startswith("ERROR: Checkpointer: the background save of step 2"), err
     assert lines[4].startswith("nnx_shard: error: Checkpointer: the background save of step 3")
+
+
+# --------------------------------------------------------------------------- wrong types
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"every": True}, r"every must be a positive int, got True \(a bool\)"),
+    ({"every": 1.5}, r"every must be a positive int, got 1.5 \(float\)"),
+    ({"keep": True}, r"keep must be a positive int, got True \(a bool\)"),
+    ({"keep": 2.0}, r"keep must be a positive int, got 2.0"),
+    ({"async_save": "yes"}, r"async_save must be True or False, got 'yes'"),
+])
+def test_checkpointer_refuses_bools_where_counts_go(tmp_path, kw, match):
+    with pytest.raises(ns.NnxShardError, match=match):
+        ns.Checkpointer(tmp_path / "c", **kw)
+    assert not (tmp_path / "c").exists()
+
+
+def test_restore_and_should_save_refuse_a_bool_step(tmp_path):
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    ns.save(tmp_path, 1, model=model)
+    for step in (True, 1.0, "1", -1):
+        with pytest.raises(ns.NnxShardError, match=r"restore: step must be a non-negative int"):
+            ns.restore(tmp_path, model=model, step=step)
+    ckpt = ns.Checkpointer(tmp_path, every=1)
+    with pytest.raises(ns.NnxShardError, match=r"restore: step must be a non-negative int, got True"):
+        ckpt.restore(model=model, step=True)
+    with pytest.raises(ns.NnxShardError, match=r"should_save: step must be a non-negative int"):
+        ckpt.should_save(True)
+    assert ckpt.should_save(np.int64(3)) is True
+    ckpt.close()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"step": True}, r"save: step must be a non-negative int, got True"),
+    ({"model": None}, r"save: model must be an nnx.Module, got NoneType"),
+])
+def test_save_refuses_a_bool_step_and_no_model(tmp_path, kw, match):
+    args = {"step": 1, "model": nnx.Linear(2, 1, rngs=nnx.Rngs(0)), **kw}
+    with pytest.raises(ns.NnxShardError if "step" in kw else TypeError, match=match):
+        ns.save(tmp_path, args.pop("step"), **args)
+    assert list(tmp_path.iterdir()) == []

@@ -524,6 +524,61 @@ def test_demo_out_that_is_a_file_prints_one_line(capsys, tmp_path, inside):
     assert f.read_text() == "keep me"
 
 
+EXITING = '''
+import sys
+
+
+def make():
+    sys.exit(0)
+'''
+
+
+@pytest.mark.parametrize(("source", "needle"), [
+    (EXITING, "FACTORY 'quits:make' called sys.exit(0) instead of returning a module"),
+    ("import sys\nsys.exit(0)\n", "FACTORY 'quits:make': importing 'quits' called sys.exit(0)"),
+])
+def test_explain_a_factory_that_calls_sys_exit_is_an_error_not_exit_0(capsys, tmp_path,
+                                                                      monkeypatch, source,
+                                                                      needle):
+    (tmp_path / "quits.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "quits", raising=False)
+    code, out, err = run(capsys, "explain", "quits:make", "--mesh", "data=8", "--strategy", "dp")
+    assert_one_line_error(code, err, needle)
+    assert out == ""
+
+
+def test_explain_searches_the_current_directory_last_and_leaves_sys_path_alone(
+        capsys, tmp_path, monkeypatch):
+    # A file in the current directory named like a standard module does not shadow it.
+    (tmp_path / "colorsys.py").write_text(FACTORY)
+    (tmp_path / "mine.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    for name in ("colorsys", "mine"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    code, out, err = run(capsys, "explain", "colorsys:make", "--mesh", "data=8",
+                         "--strategy", "fsdp")
+    assert_one_line_error(code, err, "module 'colorsys' (imported from ",
+                          "has no attribute 'make'", "comes before the current directory")
+    assert str(tmp_path) not in err.split("imported from ")[1].split(")")[0]
+    code, out, err = run(capsys, "explain", "mine:make", "--mesh", "data=8", "--strategy", "fsdp")
+    assert code == 0 and "P('data', None)" in out, err
+    assert sys.path == before
+
+
+def test_explain_help_says_it_runs_the_module(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["explain", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Imports the module (running its top-level code) and calls the factory" in out
+    assert "current directory (searched last)" in out
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "imports and runs your module" in " ".join(capsys.readouterr().out.split())
+
+
 def test_console_entry_prints_one_line_for_a_failing_factory(bad_factories):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("NNX_SHARD_DEBUG", None)
@@ -553,7 +608,7 @@ def strict_json(path):
 @pytest.mark.parametrize("lr", ["nan", "inf", "-inf", "0", "-1e-3", "abc"])
 def test_demo_rejects_a_learning_rate_that_is_not_finite_and_positive(capsys, tmp_path, lr):
     code, out, err = run(capsys, "demo", f"--lr={lr}", "--out", str(tmp_path / "d"))
-    assert_one_line_error(code, err, "argument --lr:", repr(lr), "use e.g. --lr 3e-3")
+    assert_one_line_error(code, err, "argument --lr:", repr(lr), "use e.g. 3e-3")
     assert out == "" and not (tmp_path / "d").exists()
 
 

@@ -372,3 +372,13 @@ def test_batch_not_divisible_by_data_axis() -> None:
     assert str(e.value).startswith("rule 'batch' splits the batch size over mesh axis 'data' "
                                    "(size 2), but the tokens (shape (3, 16)")
     assert "multiple of 2 (e.g. 2 or 4), use a mesh with data=1." in str(e.value)
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (((-1, 4),), r"check_tokens: shape must be a tuple of sizes >= 0"),
+    (("ab",), r"check_tokens: shape must be a tuple of sizes >= 0"),
+    (((8, 4), ("batch",)), r"must give one logical name per dimension of shape \(8, 4\)"),
+])
+def test_check_tokens_refuses_shapes_that_are_not(args, match):
+    with pytest.raises(ns.ShardingError, match=match):
+        ns.collective_matmul.check_tokens(*args)

@@ -294,3 +294,37 @@ def test_uneven_device_counts_fail_clearly():
     assert ca == 1 and cb == 1, oa + ob
     for out in (oa, ob):
         assert "different numbers of devices (process 0 has 4, process 1 has 2)" in out
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"num_processes": True}, r"num_processes must be a positive int, got True \(a bool\)"),
+    ({"process_id": True}, r"process_id must be a non-negative int, got True \(a bool\)"),
+    ({"process_id": 2}, r"process_id=2 is not below num_processes=2"),
+    ({"coordinator_address": 5}, r"coordinator_address must be 'host:port', got int 5"),
+    ({"coordinator_address": "localhost"}, r"is not 'host:port'"),
+    ({"initialization_timeout": float("nan")}, r"initialization_timeout must be a finite"),
+    ({"initialization_timeout": -1}, r"initialization_timeout must be a finite"),
+    ({"heartbeat_timeout": 0}, r"heartbeat_timeout must be a finite number of seconds >= 1"),
+    ({"local_device_ids": "0"}, r"local_device_ids must be a list of device numbers"),
+])
+def test_initialize_refuses_bad_arguments_before_joining(kwargs, match):
+    # Checked before anything is joined: a bad value never waits on a coordinator.
+    args = {"num_processes": 2, "process_id": 0, "coordinator_address": "127.0.0.1:1", **kwargs}
+    start = time.monotonic()
+    with pytest.raises(ns.NnxShardError, match=match):
+        ns.distributed.initialize(**args)
+    assert time.monotonic() - start < 5 and not jax.distributed.is_initialized()
+
+
+@needs_devices(8)
+def test_local_data_helpers_refuse_values_that_are_not_batches():
+    with pytest.raises(ns.NnxShardError, match=r"batch_size must be a positive int, got 0"):
+        ns.distributed.process_slice(0, "data=8", {"batch": "data"})
+    with pytest.raises(ns.NnxShardError, match=r"batch_size must be a positive int, got True"):
+        ns.distributed.process_slice(True, "data=8", {"batch": "data"})
+    with pytest.raises(DistributedError, match=r"name must be the batch's logical name"):
+        ns.distributed.process_slice(8, "data=8", {"batch": "data"}, name=5)
+    with pytest.raises(DistributedError, match=r"local_part: the batch must be arrays"):
+        ns.distributed.local_part(5, "data=8", {"batch": "data"})
+    with pytest.raises(DistributedError, match=r"gather: a leaf of the tree is str 'abc'"):
+        ns.distributed.gather("abc")

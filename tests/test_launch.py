@@ -139,7 +139,11 @@ def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(capfd):
         (["-n", "0", "--", PY], "-n must be at least 1, got 0"),
         (["-n", "2", "--devices-per-process", "0", "--", PY], "--devices-per-process must be"),
         (["-n", "2", "--port", "70000", "--", PY], "--port must be in 1..65535, got 70000"),
-        (["-n", "2", "--timeout", "0", "--", PY], "--timeout must be positive"),
+        (["-n", "2", "--timeout", "0", "--", PY], "--timeout must be a finite number of seconds > 0"),
+        (["-n", "2", "--timeout", "nan", "--", PY], "--timeout must be a finite number of seconds"),
+        (["-n", "2", "--timeout", "inf", "--", PY], "--timeout must be a finite number of seconds"),
+        (["-n", "2", "--grace", "-3", "--", PY], "--grace must be a finite number of seconds >= 0"),
+        (["-n", "2", "--grace", "nan", "--", PY], "--grace must be a finite number of seconds"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(capfd, argv, message):

@@ -176,3 +176,10 @@ def test_option_reads_the_innermost_rules():
         with ns_mesh.use("data=8", inner):
             assert ns_mesh.option("attention", "dense") == "dense"
         assert ns_mesh.option("attention") == "ring"
+
+
+@pytest.mark.parametrize("axis_types", [5, [1], ["auto"], (jax.sharding.AxisType.Auto,)])
+def test_make_mesh_refuses_axis_types_that_are_not_one_per_axis(axis_types):
+    with pytest.raises(ns.ShardingError, match=r"axis_types=.*one jax.sharding.AxisType per axis "
+                                            r"\(2 here\)"):
+        ns.make_mesh("data=4,model=2", axis_types=axis_types)

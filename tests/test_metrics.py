@@ -110,3 +110,129 @@ def test_tensorboard_true_without_tensorboardx_names_the_extra(tmp_path, monkeyp
 def test_bad_tensorboard_argument(tmp_path):
     with pytest.raises(TypeError, match="tensorboard=.*got 'yes'"):
         MetricsWriter(tmp_path, tensorboard="yes")
+
+
+def aux_trainer(aux, k=2):
+    def loss(model, batch):
+        return mse(model, batch), aux(model, batch)
+
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return ns.Trainer(model, opt, loss, mesh="data=8", rules={"batch": "data"},
+                      steps_per_call=k, has_aux=True)
+
+
+@pytest.mark.parametrize("name", ["loss", "grad_norm", "step", "applied"])
+def test_aux_metrics_named_like_fits_own_are_refused(tmp_path, name):
+    trainer = aux_trainer(lambda m, b: {name: 123.0, "acc": 1.0})
+    with MetricsWriter(tmp_path, tensorboard=False) as writer, pytest.raises(
+            ValueError, match=rf"aux metric '{name}' has the name of one of fit's own.*"
+                              rf"Fix: rename it.*'aux_{name}'"):
+        trainer.fit(batches(4), num_steps=4, progress=False, callbacks=[writer])
+    assert trainer.step == 0 and read(tmp_path / "metrics.jsonl") == []
+
+
+def test_vector_aux_metric_is_written_as_a_list_and_a_histogram(tmp_path):
+    import jax.numpy as jnp
+
+    trainer = aux_trainer(lambda m, b: {"per_out": jnp.stack([mse(m, b), jnp.nan, 2.0])})
+    with MetricsWriter(tmp_path) as writer:
+        h = trainer.fit(batches(4), num_steps=4, progress=False, callbacks=[writer])
+    assert h["per_out"].shape == (4, 3)
+    rows = read(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["per_out"][1:] for r in rows] == [[None, 2.0]] * 4  # NaN as null
+    np.testing.assert_array_equal([r["per_out"][0] for r in rows], h["per_out"][:, 0])
+    np.testing.assert_array_equal([r["loss"] for r in rows], h["loss"])
+    if writer.tensorboard or list(tmp_path.glob("events.*")):
+        from tensorboardX.proto.event_pb2 import Event
+
+        histos = []
+        for path in tmp_path.glob("events.out.tfevents.*"):
+            data, at = path.read_bytes(), 0
+            while at < len(data):
+                (n,) = struct.unpack("<Q", data[at: at + 8])
+                event = Event.FromString(data[at + 12: at + 12 + n])
+                at += 12 + n + 4
+                histos += [(v.tag, event.step, v.histo.num) for v in event.summary.value
+                           if v.HasField("histo")]
+        assert histos == [("per_out", s, 2.0) for s in (1, 2, 3, 4)]  # the finite two
+
+
+def test_finite_steps_of_a_call_cut_short_by_nan_reach_the_callbacks(tmp_path):
+    seen = []
+
+    def data():
+        for i, b in enumerate(batches(10)):
+            if i == 7:  # step 8, the third of the second call of 5
+                b["x"][0, 0] = np.nan
+            yield b
+
+    with MetricsWriter(tmp_path, tensorboard=False) as writer, pytest.warns(
+            RuntimeWarning, match="at step 8"):
+        h = trainer(5).fit(data(), num_steps=10, progress=False,
+                           callbacks=[writer, lambda step, m: seen.append((step, len(m["loss"])))])
+    assert h["step"].tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert seen == [(5, 5), (7, 2)]
+    rows = read(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == h["step"].tolist()
+    np.testing.assert_array_equal([r["loss"] for r in rows], h["loss"])
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_after_a_crash_writes_each_step_once(tmp_path):
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+
+    def crash_at(step):
+        def cb(s, metrics):
+            if s == step:
+                raise Crash
+
+        return cb
+
+    first = trainer(1)
+    with MetricsWriter(logs, tensorboard=False) as writer, pytest.raises(Crash):
+        first.fit(batches(8), num_steps=8, progress=False, callbacks=[writer, crash_at(5)],
+                  checkpointer=ns.Checkpointer(ckpt, every=2, async_save=False))
+    assert [r["step"] for r in read(logs / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+    again = trainer(1)  # a new process: resumes from the checkpoint of step 4
+    with MetricsWriter(logs, tensorboard=False) as writer:
+        h = again.fit(batches(8), num_steps=8, progress=False, callbacks=[writer], resume=True,
+                      checkpointer=ns.Checkpointer(ckpt, every=2, async_save=False))
+    assert h["step"].tolist() == [5, 6, 7, 8]
+    rows = read(logs / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
+    np.testing.assert_array_equal([r["loss"] for r in rows[4:]], h["loss"])
+    assert [r["step"] for r in read(logs / "metrics.replaced.jsonl")] == [5]
+
+
+def test_a_line_cut_short_and_rows_written_again_move_aside(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\nnot json\n{"step": 3, "lo')
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer(3, {"loss": np.array([2.5, 3.5])})  # steps 2 and 3 again
+        writer(4, {"loss": np.array([4.5])})
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [
+        '{"step": 1, "loss": 1.0}', "not json", '{"step": 2, "loss": 2.5}',
+        '{"step": 3, "loss": 3.5}', '{"step": 4, "loss": 4.5}']
+    assert (tmp_path / "metrics.replaced.jsonl").read_text().splitlines() == [
+        '{"step": 2, "loss": 2.0}', '{"step": 3, "lo']
+
+
+@pytest.mark.parametrize("directory, error, match", [
+    (None, TypeError, "directory must be a str"), (5, TypeError, "directory must be a str"),
+    ("", ValueError, "is empty"), (b"logs", TypeError, "directory must be a str")])
+def test_bad_directories_are_refused(directory, error, match):
+    with pytest.raises(error, match=match):
+        MetricsWriter(directory, tensorboard=False)
+
+
+def test_a_file_as_directory_is_refused(tmp_path):
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        MetricsWriter(tmp_path / "f", tensorboard=False)
+    assert (tmp_path / "f").read_text() == "mine"

@@ -424,3 +424,35 @@ def test_activation_formula_follows_the_kernel() -> None:
         for which in (0, 1):  # formula, compiled
             growth = got[kernel, 2048][which] / got[kernel, 1024][which]
             assert lo < growth <= hi, (kernel, which, growth)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        (TransformerConfig, {"vocab": True}, r"vocab must be >= 1 \(a whole count\), got True"),
+        (TransformerConfig, {"mlp": 64.0}, r"mlp must be >= 1 \(a whole count\), got 64.0"),
+        (TransformerConfig, {"layers": float("nan")}, r"layers must be >= 1 .* got nan"),
+        (TransformerConfig, {"vocab": "128"}, r"vocab must be >= 1 .* got '128' \(str\)"),
+        (TransformerConfig, {"experts": 4, "capacity_factor": 0.0},
+         r"capacity_factor must be a finite number > 0"),
+        (TransformerConfig, {"aux_loss_weight": float("nan")},
+         r"aux_loss_weight must be a finite number"),
+        (TransformerConfig, {"scan_layers": "yes"}, r"scan_layers must be True or False"),
+        (TransformerConfig, {"dtype": "float99"}, r"dtype must be a dtype, got 'float99'"),
+        (ns.models.LlamaConfig, {"vocab": True}, r"LlamaConfig.vocab must be >= 1"),
+        (ns.models.LlamaConfig, {"rope_theta": float("nan")},
+         r"rope_theta must be a finite number > 0"),
+        (ns.models.LlamaConfig, {"norm_eps": -1.0}, r"norm_eps must be a finite number > 0"),
+        (ns.models.LlamaConfig, {"head_dim": 8.5}, r"head_dim must be >= 1 \(a whole count\)"),
+    ],
+)
+def test_config_fields_refuse_bools_text_and_nan(cls, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_models_refuse_a_config_of_the_wrong_kind() -> None:
+    with pytest.raises(TypeError, match=r"Transformer: cfg must be a TransformerConfig, got int"):
+        Transformer(5, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"Llama: cfg must be a LlamaConfig, got str 'tiny'"):
+        ns.models.Llama("tiny", rngs=nnx.Rngs(0))

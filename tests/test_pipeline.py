@@ -552,3 +552,52 @@ def test_nan_guard_under_pp() -> None:
                   steps_per_call=1)
     assert_close(nnx.state(trainer.model), nnx.state(ref.model), 0, "kept the last finite state")
     assert trainer.model.blocks.attn.q.get_value().sharding.spec == P("stage", None, None, None)
+
+
+# --------------------------------------------------------------------------- wrong values
+
+
+@pytest.mark.parametrize("fn", [ns.pipeline.bubble, ns.pipeline.idle_fraction,
+                                ns.pipeline.schedule_table])
+@pytest.mark.parametrize("args, match", [
+    ((0, 0), r"stages must be a positive int, got 0"),
+    ((-1, 4), r"stages must be a positive int, got -1"),
+    ((4, 0), r"microbatches must be a positive int, got 0"),
+    ((4, -8), r"microbatches must be a positive int, got -8"),
+    ((True, 4), r"stages must be a positive int, got True \(a bool\)"),
+    ((4, 1.5), r"microbatches must be a positive int, got 1.5"),
+    ((4, float("nan")), r"microbatches must be a positive int, got nan"),
+    ((4, 4, 0), r"repeats must be a positive int, got 0"),
+])
+def test_schedule_arithmetic_refuses_counts_that_are_not(fn, args, match):
+    with pytest.raises(ns.NnxShardError, match=match):
+        fn(*args)
+
+
+def test_schedule_table_refuses_a_table_too_big_to_hold():
+    with pytest.raises(ns.ShardingError, match=r"more than the 100,000,000 entries"):
+        ns.pipeline.schedule_table(10**6, 10**6)
+    assert ns.pipeline.bubble(10**6, 10**6) == pytest.approx((10**6 - 1) / (2 * 10**6 - 1))
+
+
+@pytest.mark.parametrize("microbatches, match", [
+    (-4, r"microbatches must be a positive int, got -4"),
+    (0, r"microbatches must be a positive int, got 0"),
+    (True, r"microbatches must be a positive int, got True"),
+    (4.0, r"microbatches must be a positive int, got 4.0"),
+    (3, r"carry has 16 rows, which do not split into microbatches=3 on each of 1 data"),
+])
+def test_pipeline_explain_refuses_microbatches_that_would_give_wrong_bytes(microbatches, match):
+    cfg = ns.models.TransformerConfig(layers=4, scan_layers=True)
+    model = nnx.eval_shape(lambda: ns.models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    carry = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
+    with pytest.raises(ns.NnxShardError, match=match):
+        ns.pipeline.explain(model, {"stage": 4, "data": 1}, "pp", carry=carry,
+                            microbatches=microbatches)
+    report = ns.pipeline.explain(model, {"stage": 4, "data": 1}, "pp", carry=carry,
+                                 microbatches=4)
+    assert report.microbatch_bytes == 16 * cfg.length * cfg.embed * 4 // 4
+    with pytest.raises(ns.ShardingError, match=r"carry is int 5, not an array"):
+        ns.pipeline.explain(model, {"stage": 4, "data": 1}, "pp", carry=5, microbatches=4)
+    with pytest.raises(ns.ShardingError, match=r"unknown strategy 'nope'"):
+        ns.pipeline.explain(model, {"stage": 4, "data": 1}, "nope", carry=carry, microbatches=4)

@@ -464,3 +464,166 @@ def test_fits_call_adds_no_collective_bytes_to_the_bare_step(strategy):
     for kind, sent in bare["by_kind"].items():
         assert fit["by_kind"].get(kind, 0.0) == pytest.approx(sent / 2, rel=0.01), kind
     assert fit["collective_bytes"] == pytest.approx(bare["collective_bytes"] / 2, rel=0.01)
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize("knobs, match", [
+    ({"device_memory": float("nan")}, "device_memory must be a whole number of bytes"),
+    ({"device_memory": float("inf")}, "device_memory must be a whole number of bytes"),
+    ({"device_memory": 1e999}, "device_memory must be a whole number of bytes"),
+    ({"device_memory": 0}, "device_memory must be a whole number of bytes"),
+    ({"device_memory": -5}, "device_memory must be a whole number of bytes"),
+    ({"device_memory": True}, "device_memory must be a whole number of bytes"),
+    ({"device_memory": "0GB"}, "device_memory '0GB' is not a size"),
+    ({"microbatches": [0]}, "microbatches must be positive ints, got 0"),
+    ({"microbatches": [2, -2]}, "microbatches must be positive ints, got -2"),
+    ({"microbatches": [True]}, "microbatches must be positive ints, got True"),
+    ({"microbatches": 4}, "microbatches must be a list, got int 4"),
+    ({"microbatches": []}, r"microbatches=\[\] leaves nothing to try"),
+    ({"max_compiles": -5}, "max_compiles must be a positive int, got -5"),
+    ({"max_compiles": 0}, "max_compiles must be a positive int, got 0"),
+    ({"strategies": []}, r"strategies=\[\] leaves nothing to try"),
+    ({"strategies": "dp"}, "strategies must be a list, got str 'dp'"),
+    ({"remat": "dots"}, "remat must be a list, got str 'dots'"),
+    ({"timeout": float("nan")}, "timeout must be a finite number of seconds"),
+    ({"cache": 5}, "cache must be a path"),
+    ({"hardware": 5}, "hardware must be a Hardware or a profile name"),
+    ({"devicez": 8}, "unknown option 'devicez'. Did you mean 'devices'?"),
+])
+def test_auto_refuses_values_it_would_misuse(knobs, match):
+    base = {"devices": 2, "batch": 8, "seq": 16, "hardware": H, "strategies": ["dp"],
+            "compile_fn": table({}), "progress": False, "device_memory": 1000}
+    with pytest.raises(ns.NnxShardError, match=match):
+        planner.auto("tiny", **{**base, **knobs})
+
+
+def test_auto_options_must_be_auto_options():
+    with pytest.raises(ns.NnxShardError, match="options must be an AutoOptions, got int"):
+        planner.auto("tiny", 5)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("link_latency", float("nan")), ("link_latency", float("inf")), ("link_latency", -1.0),
+    ("link_latency", 1e999), ("device_memory", float("nan")), ("device_memory", 0),
+    ("device_memory", True), ("memory_bandwidth", 0.0), ("peak_flops", True)])
+def test_hardware_figures_must_be_finite(field, value):
+    with pytest.raises(ns.NnxShardError, match=f"Hardware {field}"):
+        H.replace(**{field: value})
+
+
+HOSTILE_ENTRIES = {
+    "an int": ("5", "5, not an object of figures"),
+    "no total": ('{"temp": 1, "flops": 1.0, "collective_bytes": 0.0}', "no 'total'"),
+    "a negative total": ('{"total": -5, "temp": 1, "flops": 1e9, "collective_bytes": 1e6, '
+                         '"collectives": 1}', "'total' is -5, not a byte count >= 0"),
+    "a NaN total": ('{"total": NaN, "flops": 1e9, "collective_bytes": 1e6}', "'total' is nan"),
+    "text flops": ('{"total": 5, "flops": "x", "collective_bytes": 1e6}', "'flops' is 'x'"),
+}
+
+
+@pytest.mark.parametrize("what", HOSTILE_ENTRIES)
+def test_a_hostile_cache_entry_is_one_clear_error_never_a_fit(tmp_path, what):
+    cache = tmp_path / "planner.json"
+    args = dict(devices=2, batch=4, seq=8, hardware=H, strategies=["dp"], cache=cache,
+                progress=False, device_memory=1000)
+    planner.auto("tiny", compile_fn=table({}, default={"total": 1}), **args)
+    keys = list(json.loads(cache.read_text()))
+    entry, match = HOSTILE_ENTRIES[what]
+    cache.write_text("{" + ", ".join(f'"{k}": {entry}' for k in keys) + "}")
+    with pytest.raises(ns.NnxShardError, match=rf"planner cache '.*planner.json': the entry for "
+                       rf"this compile is {match}.*Fix: delete it"):
+        planner.auto("tiny", compile_fn=table({}), **args)
+
+
+@pytest.mark.parametrize("content", ["[1, 2, 3]", "{{{", b"\xff\xfe\x00", "null"])
+def test_a_corrupt_cache_file_is_one_clear_error(tmp_path, content):
+    cache = tmp_path / "planner.json"
+    cache.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ns.NnxShardError, match=r"planner.json' is not a JSON object of compile "
+                                               r"results.*Fix: delete it"):
+        planner.auto("tiny", devices=2, batch=4, seq=8, hardware=H, strategies=["dp"],
+                     cache=cache, progress=False, compile_fn=table({}))
+    assert cache.read_bytes() == (content if isinstance(content, bytes) else content.encode())
+
+
+def test_a_cache_that_cannot_be_written_still_gives_the_plan(tmp_path):
+    (tmp_path / "file").write_text("a file where the cache folder should be")
+    with pytest.warns(RuntimeWarning, match=r"planner cache '.*file/sub/planner.json' could not "
+                                            r"be written \(Not a directory\); the next run"):
+        plan = planner.auto("tiny", devices=2, batch=4, seq=8, hardware=H, strategies=["dp"],
+                            cache=tmp_path / "file" / "sub" / "planner.json", progress=False,
+                            compile_fn=table({}, default={"total": 1}))
+    assert [c.label for c in plan.ranked] == ["dp data=2 remat=none mb=1"]
+
+
+def fake_child_compiles(monkeypatch):
+    """plan --auto without its compile subprocess: every config 'compiles' to 1 KB."""
+    from nnx_shard.planner import cache, search
+
+    def fake(self, todo, bar):
+        for c in todo:
+            self.done(c, {"total": 1000, "temp": 1, "flops": 1e9, "collective_bytes": 1e6,
+                          "collectives": 1}, bar)
+
+    monkeypatch.setattr(cache.Cache, "shared", {})
+    monkeypatch.setattr(search._Search, "compile_in_child", fake)
+
+
+AUTO = ["plan", "--auto", "--model", "tiny", "--devices", "2", "--batch", "4", "--seq", "8",
+        "--strategies", "dp"]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--link-latency", "nan"], "--link-latency"), (["--link-latency", "inf"], "--link-latency"),
+    (["--link-latency", "-1"], "--link-latency"), (["--link-latency", "1e999"], "--link-latency"),
+    (["--device-memory", "0"], "--device-memory"), (["--device-memory", "nan"], "--device-memory"),
+    (["--device-memory", "1e999"], "--device-memory"), (["--device-memory", ""], "--device-memory"),
+    (["--top", "-1"], "--top"), (["--strategies", ""], "--strategies"),
+    (["--strategies", ",,"], "--strategies"), (["--max-compiles", "-5"], "--max-compiles"),
+    (["--max-compiles", "0"], "--max-compiles"),
+])
+def test_plan_auto_flags_out_of_range_are_one_line_errors(capsys, monkeypatch, tmp_path, flags,
+                                                          needle):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fake_child_compiles(monkeypatch)
+    assert main([*AUTO, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nnx-shard: error: ") and needle in err[0], err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--device-memory", "0"], "--device-memory"), (["--device-memory", "1e999"], "--device-memory"),
+    (["--device-memory", ""], "--device-memory"), (["--top", "-1"], "--top"),
+    (["--mesh", "data=" + "9" * 40], "--mesh")])
+def test_plan_flags_out_of_range_are_one_line_errors(capsys, flags, needle):
+    argv = ["plan", "--model", "tiny", "--strategy", "dp", "--mesh", "data=8", "--batch", "8",
+            "--seq", "16", "--no-compile"]
+    assert main([*argv, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nnx-shard: error: ") and needle in err[0], err
+
+
+def test_plan_auto_prints_the_plan_when_its_cache_cannot_be_written(capsys, monkeypatch,
+                                                                    tmp_path):
+    (tmp_path / "home").write_text("a file where the cache folder should be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    fake_child_compiles(monkeypatch)
+    assert main(AUTO) == 0
+    out, err = capsys.readouterr()
+    assert "chosen: " in out and "dp data=2" in out
+    assert err.strip().splitlines() == [
+        f"nnx-shard: warning: auto: planner cache '{tmp_path}/home/nnx_shard/planner.json' could "
+        "not be written (Not a directory); the next run compiles again"]
+
+
+def test_plan_auto_with_a_corrupt_cache_is_one_line(capsys, monkeypatch, tmp_path):
+    (tmp_path / "nnx_shard").mkdir()
+    (tmp_path / "nnx_shard" / "planner.json").write_text("[1, 2]")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fake_child_compiles(monkeypatch)
+    assert main(AUTO) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "planner.json' is not a JSON object" in err[0], err
+    assert main([*AUTO, "--no-cache"]) == 0

@@ -1,6 +1,7 @@
 import itertools
 import json
 import math
+import re
 import sys
 import warnings
 
@@ -677,13 +678,167 @@ def test_mesh_axes_given_directly_are_fixed_first():
 
 def test_options_travel_with_the_table():
     base = Rules({"batch": "data"})
-    ring = base.with_options(attention="ring", repeats=2)
-    assert base.options == {} and ring.options == {"attention": "ring", "repeats": 2}
+    ring = base.with_options(attention="ring", collective_matmul=2)
+    assert base.options == {} and ring.options == {"attention": "ring", "collective_matmul": 2}
     assert ring != base and hash(ring) != hash(base)
     assert Rules(ring).options == ring.options
     assert (ring | {"embed": "data"}).options == ring.options
     assert (base | ring).options == ring.options
-    assert ring.with_options(repeats=None).options == {"attention": "ring"}
-    assert "options={'attention': 'ring', 'repeats': 2}" in repr(ring)
+    assert ring.with_options(collective_matmul=None).options == {"attention": "ring"}
+    assert "options={'attention': 'ring', 'collective_matmul': 2}" in repr(ring)
     with pytest.raises(TypeError, match="not hashable"):
-        base.with_options(stages=[1, 2])
+        base.with_options(pipeline=[1, 2])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Rules({}, options={"atention": "ring"}),
+    lambda: Rules({}).with_options(atention="ring"),
+    lambda: Rules({}, options={"attention": "ring"}).with_options(atention="dense"),
+])
+def test_unknown_options_are_refused_with_a_did_you_mean(make):
+    with pytest.raises(ShardingError, match=r"Rules option 'atention' is not an option any "
+                       r"operation reads.*Did you mean 'attention'\?.*Known options: attention, "
+                       r"collective_matmul, pipeline"):
+        make()
+
+
+def test_an_op_registered_declares_its_option(monkeypatch):
+    from nnx_shard.parallel import registry
+
+    monkeypatch.setattr(registry, "_OPS", dict(registry._OPS))
+    with pytest.raises(ShardingError, match="'my_probe' is not an option"):
+        Rules({}, options={"my_probe": 1})
+    registry.register(registry.ParallelOp("my_probe", "my_probe"))
+    assert Rules({}, options={"my_probe": 1}).options == {"my_probe": 1}
+
+
+# -- hostile files and numbers ------------------------------------------------------------
+
+# Nine levels of nine aliases (~350 bytes) stand for 9**9 values under 'mlp'.
+YAML_BOMB = "".join(
+    f"{chr(97 + i)}: &{chr(97 + i)} [" + ",".join(
+        ['"lol"'] * 9 if i == 0 else [f"*{chr(96 + i)}"] * 9) + "]\n" for i in range(9)
+) + "rules: {mlp: *i}\n"
+
+
+def test_a_yaml_alias_bomb_fails_fast_with_a_short_message(tmp_path):
+    import time
+
+    assert len(YAML_BOMB) < 400
+    path = tmp_path / "bomb.yaml"
+    path.write_text(YAML_BOMB)
+    t0 = time.perf_counter()
+    with pytest.raises(ShardingError, match=r"bomb.yaml.*aliases expand to more than 100,000"
+                       ) as e:
+        Rules.from_file(path)
+    assert time.perf_counter() - t0 < 5 and len(str(e.value)) < 400
+    # The same aliases, few: a table that reuses one list of candidates loads.
+    path.write_text("c: &c [model, null]\nrules: {mlp: *c, heads: *c}\n")
+    assert Rules.from_file(path)["heads"] == ["model", None]
+
+
+def test_messages_that_show_user_values_are_bounded(tmp_path):
+    huge = ("x" * 10**6, 5)
+    for make in (lambda: Rules({"a": huge}), lambda: Rules.from_pairs([["a", [huge]]]),
+                 lambda: Rules([("a", "b", "x" * 10**6)]), lambda: Rules({"a": [[1] * 10**6]}),
+                 lambda: Rules({}).spec(("nope" * 10**5,), shape=(4,)),
+                 lambda: ns.make_mesh("data=" + "x" * 10**6)):
+        with pytest.raises(ShardingError) as e:
+            make()
+        assert len(str(e.value)) < 1500, str(e.value)[:200]
+    (tmp_path / "big.json").write_text(json.dumps({"a": [["x" * 500_000, 7]]}))
+    with pytest.raises(ShardingError, match=r"big.json': rule 'a' -> \('xxx.*\.\.\.") as e:
+        Rules.from_file(tmp_path / "big.json")
+    assert len(str(e.value)) < 1500
+
+
+def _finishes(fn, seconds=10):
+    """Runs ``fn`` on a daemon thread: (finished in time, what it raised or returned)."""
+    import threading
+
+    out = []
+
+    def run():
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return (not t.is_alive()), (out[0] if out else None)
+
+
+def test_rules_files_that_are_not_regular_files_are_refused_without_blocking(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "dir.toml").mkdir()
+    os.symlink("/dev/zero", tmp_path / "zero.yaml")
+    for name, kind in [("fifo.json", "a FIFO"), ("dir.toml", "a folder"),
+                       ("zero.yaml", "a device")]:
+        done, got = _finishes(lambda name=name: Rules.from_file(tmp_path / name))
+        assert done, f"{name}: still blocked after 10 s"
+        assert isinstance(got, ShardingError) and f"is {kind}, not a regular file" in str(got)
+
+
+@pytest.mark.parametrize("name, content, error, match", [
+    ("bin.json", b"\xff\xfe\x00\x81", ShardingError, r"is not UTF-8 text \(byte 0xff at offset 0\)"),
+    ("bad.yaml", b"a: \xff\n", ShardingError, "is not UTF-8 text"),
+    ("bad.toml", b'a = "\xfe"\n', ShardingError, "is not UTF-8 text"),
+    ("deep.json", b"[" * 100_000 + b"]" * 100_000, ShardingError, "nested too deeply"),
+    ("deep.yaml", b"[" * 20_000 + b"]" * 20_000, ShardingError, "nested too deeply"),
+    ("dup.json", b'{"mlp": "model", "mlp": "data"}', ShardingError, "holds the key 'mlp' twice"),
+    ("dup.yaml", b"mlp: model\nmlp: data\n", ShardingError, "holds the key 'mlp' twice"),
+    ("dup2.yml", b"rules:\n  embed: null\n  mlp: model\n  mlp: data\n", ShardingError,
+     "holds the key 'mlp' twice"),
+    ("dup.toml", b'mlp = "model"\nmlp = "data"\n', ShardingError, "could not be parsed"),
+    ("tag.yaml", b"a: !!python/object/apply:os.getcwd []\n", ShardingError,
+     "could not be parsed"),
+    ("empty.yaml", b"", ShardingError, "must hold a list"),
+    ("nan.json", b'{"a": NaN}', ShardingError, r"nan.json': rule 'a' -> nan"),
+])
+def test_unreadable_rules_files_get_one_clear_error(tmp_path, name, content, error, match):
+    (tmp_path / name).write_bytes(content)
+    done, got = _finishes(lambda: Rules.from_file(tmp_path / name))
+    assert done and isinstance(got, error), got
+    assert name in str(got) and len(str(got)) < 1000
+    assert re.search(match, str(got)), str(got)
+
+
+def test_a_huge_rules_file_is_refused_before_it_is_parsed(tmp_path):
+    with open(tmp_path / "huge.json", "wb") as f:
+        f.truncate(17 << 20)  # sparse: nothing is written
+    with pytest.raises(ShardingError, match="huge.json' is larger than 16 MiB"):
+        Rules.from_file(tmp_path / "huge.json")
+
+
+@pytest.mark.parametrize("path, error, match", [
+    (None, TypeError, "path must be a str or os.PathLike, got NoneType"),
+    (b"rules.json", TypeError, "path must be a str or os.PathLike, got bytes"),
+    (5, TypeError, "got int 5"), ("", TypeError, "names no file"),
+    ("/no/such/rules.toml", FileNotFoundError, "rules file '/no/such/rules.toml': no such file"),
+])
+def test_rules_file_paths_that_name_no_file(path, error, match):
+    with pytest.raises(error, match=match):
+        Rules.from_file(path)
+
+
+@pytest.mark.parametrize("shape", [(-4,), (4.5,), (math.nan,), (True,), (None,), "4", 4])
+def test_spec_refuses_shapes_that_are_not_sizes(shape):
+    with pytest.raises(ShardingError, match=r"shape.*Fix: pass the array's shape"):
+        Rules({"mlp": "model"}).spec(("mlp",), shape=shape, mesh={"model": 2})
+
+
+@pytest.mark.parametrize("size", [0, -2, math.nan, 2.5, True, None, "2"])
+def test_spec_refuses_mesh_sizes_that_are_not_device_counts(size):
+    with pytest.raises(ShardingError, match=r"mesh axis 'model' has size .*mesh sizes are ints "
+                                            r">= 1\. Fix"):
+        Rules({"mlp": "model"}).spec(("mlp",), shape=(4,), mesh={"model": size})
+
+
+@pytest.mark.parametrize("indivisible", [True, 0, "", "x", ["error"]])
+def test_indivisible_must_name_a_policy(indivisible):
+    with pytest.raises(ShardingError, match="expected 'error' or 'replicate'"):
+        Rules({}, indivisible=indivisible)

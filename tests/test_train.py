@@ -1537,3 +1537,109 @@ def test_lower_is_the_call_fit_then_runs_and_keeps_a_copy_of_the_state_only_unde
     data = [{"x": np.ones((16, 16), np.float32), "y": np.zeros((16, 8), np.float32)}] * 4
     history = trainer.fit(data, 4, progress=False)
     assert len(history) == 4 and trainer.traces == 1
+
+
+# --------------------------------------------------------------------------- wrong types
+
+
+def _tiny_trainer(**kw):
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    mse = lambda m, b: jnp.mean((m(b) - 1.0) ** 2)  # noqa: E731
+    return Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"}, **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"steps_per_call": True}, r"steps_per_call must be a positive int, got True \(a bool\)"),
+    ({"steps_per_call": 2.0}, r"steps_per_call must be a positive int, got 2.0 \(float\)"),
+    ({"steps_per_call": None}, r"steps_per_call must be a positive int, got None"),
+    ({"microbatches": True}, r"microbatches must be a positive int, got True \(a bool\)"),
+    ({"microbatches": 0}, r"microbatches must be a positive int, got 0"),
+    ({"batch_names": "batch"}, r"batch_names must be a tuple of logical names"),
+    ({"batch_names": ()}, r"batch_names must be a tuple of logical names"),
+    ({"batch_names": (5,)}, r"batch_names must be a tuple of logical names"),
+    ({"has_aux": "yes"}, r"has_aux must be True or False, got 'yes' \(str\)"),
+    ({"donate": 2}, r"donate must be True or False, got 2 \(int\)"),
+])
+def test_trainer_refuses_bools_and_wrong_types_where_counts_and_flags_go(kw, match):
+    with pytest.raises(ns.NnxShardError, match=match):
+        _tiny_trainer(**kw)
+
+
+BATCHES = [np.ones((8, 2), np.float32)] * 4
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"num_steps": True}, r"num_steps must be a non-negative int, got True \(a bool\)"),
+    ({"num_steps": 2.0}, r"num_steps must be a non-negative int, got 2.0"),
+    ({"callbacks": [5]}, r"callbacks\[0\] is int 5, not a callable"),
+    ({"callbacks": [print, None]}, r"callbacks\[1\] is NoneType None"),
+    ({"callbacks": "cb"}, r"callbacks must be a list of callables"),
+    ({"checkpointer": "ckpt"}, r"checkpointer must be an ns.Checkpointer or None, got str"),
+    ({"progress": "yes"}, r"progress must be True or False"),
+    ({"resume": "yes"}, r"resume must be True or False"),
+    ({"data": None}, r"data must be an iterable of batches .* got NoneType"),
+    ({"data": "abc"}, r"data must be an iterable of batches .* got str"),
+])
+def test_fit_refuses_bad_arguments_before_any_training_call(kw, match):
+    t = _tiny_trainer(steps_per_call=2)
+    args = {"data": BATCHES, "num_steps": 2, "progress": False, **kw}
+    data, num_steps = args.pop("data"), args.pop("num_steps")
+    with pytest.raises(ns.NnxShardError, match=match):
+        t.fit(data, num_steps, **args)
+    assert t.step == 0 and t.traces == 0  # refused up front: nothing compiled or run
+
+
+def test_multistep_refuses_a_batch_without_its_steps_axis():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(model, opt, batch):
+        loss, grads = value_and_grad(lambda m, b: jnp.mean((m(b) - 1.0) ** 2))(model, batch)
+        opt.update(model, grads)
+        return {"loss": loss}
+
+    one_step = shard_batch(np.ones((8, 2), np.float32), "data=8", {"batch": "data"})
+    with ns.use("data=8", {"batch": "data"}):
+        with pytest.raises(ns.ShardingError, match=r"multistep: batch has shape \(8, 2\) with "
+                           r"its leading axis split over devices .* not the steps axis K"):
+            multistep(step)(model, opt, one_step)
+        assert int(opt.step[...]) == 0
+        stacked = shard_batch(np.ones((3, 8, 2), np.float32), "data=8", {"batch": "data"},
+                              steps=True)
+        assert multistep(step)(model, opt, stacked)["loss"].shape == (3,)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"microbatches": True}, r"microbatches must be a positive int, got True"),
+    ({"donate": "yes"}, r"donate must be True or False"),
+])
+def test_multistep_refuses_bools_and_text(kw, match):
+    with pytest.raises(ns.NnxShardError, match=match):
+        multistep(lambda m, o, b: {}, **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"microbatches": True}, r"microbatches must be a positive int, got True"),
+    ({"has_aux": "x"}, r"has_aux must be True or False"),
+])
+def test_value_and_grad_refuses_bools_and_text(kw, match):
+    with pytest.raises(ns.NnxShardError, match=match):
+        value_and_grad(lambda m, b: 0.0, **kw)
+
+
+def test_an_integer_loss_is_named_not_a_jax_error():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"returned a loss of dtype int32 .* not a float"):
+        value_and_grad(lambda m, b: jnp.sum(b).astype(jnp.int32))(model, jnp.ones((8, 2)))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"steps": "yes"}, r"shard_batch: steps must be True or False"),
+    ({"batch": "abc"}, r"batch has dtype <U3 .* batches are numbers or bools"),
+    ({"batch": np.ones(8), "steps": True}, r"batch has shape \(8,\), but steps=True expects"),
+])
+def test_shard_batch_refuses_text_and_a_missing_steps_axis(kw, match):
+    batch = kw.pop("batch", np.ones((2, 8, 2)))
+    with pytest.raises(ns.NnxShardError, match=match):
+        shard_batch(batch, "data=8", {"batch": "data"}, **kw)

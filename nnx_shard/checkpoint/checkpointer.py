@@ -28,6 +28,7 @@ from nnx_shard.checkpoint.folders import (
 )
 from nnx_shard.checkpoint.restore import restore
 from nnx_shard.checkpoint.save import _do_save, _manager, _save_args
+from nnx_shard.errors import count, flag
 
 # --------------------------------------------------------------------------- Checkpointer
 
@@ -76,10 +77,11 @@ class Checkpointer:
         keep: int | None = 3,
         async_save: bool = True,
     ) -> None:
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"Checkpointer: every must be a positive int, got {every!r}")
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"Checkpointer: keep must be a positive int or None, got {keep!r}")
+        every = count(every, "Checkpointer: every", fix="save every N steps, e.g. every=1000")
+        if keep is not None:
+            keep = count(keep, "Checkpointer: keep",
+                         fix="how many steps to keep, e.g. keep=3, or keep=None for all")
+        flag(async_save, "Checkpointer: async_save")
         self.directory = _resolve_dir(directory, "Checkpointer")
         _refuse_file(self.directory, "Checkpointer")
         self.every = every
@@ -124,6 +126,7 @@ class Checkpointer:
         >>> ckpt.should_save(0), ckpt.should_save(5), ckpt.should_save(7)
         (False, True, False)
         """
+        step = count(step, "Checkpointer.should_save: step", least=0)
         return step > 0 and step % self.every == 0
 
     def steps(self) -> list[int]:

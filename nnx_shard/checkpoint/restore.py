@@ -36,6 +36,7 @@ from nnx_shard.checkpoint.manifest import (
     _value,
 )
 from nnx_shard.checkpoint.save import _manager
+from nnx_shard.errors import count
 
 # --------------------------------------------------------------------------- restore
 
@@ -160,6 +161,9 @@ def _read(
     Returns (step, {item: new State}, extra).
     """
     ocp = _ocp()
+    if step is not None:
+        step = count(step, "restore: step", least=0,
+                     fix="a saved step number, or step=None for the latest")
     _refuse_file(directory, "restore")
     if not directory.is_dir():
         raise FileNotFoundError(f"restore: checkpoint directory {directory} does not exist.")

@@ -39,6 +39,7 @@ from nnx_shard.checkpoint.manifest import (
     _nest,
     _value,
 )
+from nnx_shard.errors import count, short
 
 # --------------------------------------------------------------------------- save
 
@@ -121,8 +122,10 @@ def _save_args(
     step: int, model: Any, optimizer: Any, extra: Mapping[str, Any] | None
 ) -> Any:
     ocp = _ocp()
-    if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"save: step must be a non-negative int, got {step!r}")
+    step = count(step, "save: step", least=0, fix="the step number, e.g. save(d, 100, ...)")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"save: model must be an nnx.Module, got {type(model).__name__} "
+                        f"{short(model, 60)}. Fix: save(directory, step, model=model)")
     if extra is not None:
         _check_extra(extra)
     # As it will read back: tuples become lists.

@@ -12,7 +12,8 @@
   on as many simulated CPU devices in a subprocess (XLA's per-device bytes decide),
   next to a formula's estimate of parameters, gradients, optimizer state and
   activations.
-* ``nnx-shard explain module:factory`` prints the per-parameter report of your own model.
+* ``nnx-shard explain module:factory`` prints the per-parameter report of your own model
+  (it imports your module and calls the factory: your code runs).
 * ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.cli.launch`).
 
 The package is the top floor of nnx_shard: nothing in the library imports it. This

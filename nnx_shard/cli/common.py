@@ -6,6 +6,7 @@ mesh, a strategy, an optimizer, a size), which turn bad text into the one-line
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -13,13 +14,13 @@ import jax
 import optax
 
 from nnx_shard import optimizers, presets
-from nnx_shard.errors import UsageError
+from nnx_shard.errors import ShardingError, UsageError, short
 from nnx_shard.mesh import parse_axes
 from nnx_shard.strategy import Strategy
 from nnx_shard.units import parse_bytes
 
 __all__ = [
-    "COMPILE_MAX_DEVICES", "DEBUG_ENV", "DEBUG_HINT", "DEMO_MAX_STEPS", "PROG",
+    "COMPILE_MAX_DEVICES", "DEBUG_ENV", "DEBUG_HINT", "DEMO_MAX_STEPS", "MAX_PLAN_DEVICES", "PROG",
     "SIMULATED_DEVICES", "UsageError", "device_memory", "mesh_sizes", "optimizer",
     "simulate_devices", "strategy",
 ]
@@ -30,6 +31,9 @@ DEMO_MAX_STEPS = 1_000_000
 # Meshes up to this many devices are compiled by default (a 256-device compile of
 # the small models takes seconds; larger ones grow with the device count).
 COMPILE_MAX_DEVICES = 512
+# The largest mesh plan and explain lay out (2**20: far past any machine; a mesh of
+# 10**40 devices would only make the report's arithmetic crawl).
+MAX_PLAN_DEVICES = 1 << 20
 
 DEBUG_ENV = "NNX_SHARD_DEBUG"
 DEBUG_HINT = f"(--debug or {DEBUG_ENV}=1 shows the traceback)"
@@ -66,9 +70,16 @@ def mesh_sizes(text: str) -> dict[str, int]:
     >>> mesh_sizes("data=4,model=2")
     {'data': 4, 'model': 2}
     """
-    sizes = parse_axes(text)
+    try:
+        sizes = parse_axes(text)
+    except ShardingError as e:
+        raise UsageError(f"--mesh: {e}") from None
     if any(v == -1 for v in sizes.values()):
-        raise UsageError(f"--mesh {text!r}: give every axis a size (-1 needs real devices)")
+        raise UsageError(f"--mesh {short(text)}: give every axis a size (-1 needs real devices)")
+    if math.prod(sizes.values()) > MAX_PLAN_DEVICES:
+        raise UsageError(f"--mesh {short(text)} has {math.prod(sizes.values()):,} devices, more "
+                         f"than the {MAX_PLAN_DEVICES:,} planned for. Fix: a mesh of at most "
+                         f"{MAX_PLAN_DEVICES:,} devices")
     return sizes
 
 

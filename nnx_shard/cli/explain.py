@@ -1,6 +1,12 @@
 """``nnx-shard explain module:factory``: the per-parameter sharding report of a
-user's model factory, built abstractly (nothing allocated) on a mesh of any size.
-The user's own failures (an import, a factory raising) are one line.
+user's model factory on a mesh of any size.
+
+This runs the user's code: the module is imported (its top-level code runs) and the
+factory is called, under ``nnx.eval_shape`` so no parameter array is allocated. A
+module name is looked up on ``sys.path`` as it is, then in the current directory
+(appended last, for this import only, so a file there never shadows an installed
+module). The user's own failures (an import, a factory raising, ``sys.exit``) are
+one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -39,10 +45,7 @@ def _import(spec: str, mod_name: str) -> Any:
             module = importlib.util.module_from_spec(sp)
             sp.loader.exec_module(module)
             return module
-        # Like `python -m`: modules in the current directory are importable.
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        return importlib.import_module(mod_name)
+        return _import_name(mod_name)
     except ModuleNotFoundError as e:
         if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
             raise UsageError(f"cannot import {mod_name!r}: {e}. Fix: run from the directory "
@@ -51,9 +54,28 @@ def _import(spec: str, mod_name: str) -> Any:
                          f"ModuleNotFoundError: {_one_line(e)} {DEBUG_HINT}") from e
     except UsageError:
         raise
+    except SystemExit as e:  # the module's top level ended the process: say so, exit 2
+        raise UsageError(f"FACTORY {spec!r}: importing {mod_name!r} called "
+                         f"sys.exit({e.code!r}). Fix: keep sys.exit under "
+                         "`if __name__ == '__main__':`") from None
     except Exception as e:  # the user's module failed while importing: their code, one line
         raise UsageError(f"FACTORY {spec!r}: importing {mod_name!r} raised "
                          f"{type(e).__name__}: {_one_line(e)} {DEBUG_HINT}") from e
+
+
+def _import_name(mod_name: str) -> Any:
+    """``importlib.import_module(mod_name)`` with the current directory searched last
+    (like ``python -m``, which puts it first, but never shadowing an installed or
+    standard module), and ``sys.path`` left as it was."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(mod_name)
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
 
 
 def _load_factory(spec: str) -> Any:
@@ -61,10 +83,14 @@ def _load_factory(spec: str) -> Any:
     if not colon or not mod_name or not attr:
         raise UsageError(f"{spec!r} is not 'module:factory' (e.g. mypkg.models:make_model)")
     factory = _import(spec, mod_name)
+    module = factory
     for part in attr.split("."):
         if not hasattr(factory, part):
-            raise UsageError(f"module {mod_name!r} has no attribute {attr!r}. Fix: name a "
-                             "function it defines")
+            where = getattr(module, "__file__", None) or "a built-in module"
+            raise UsageError(f"module {mod_name!r} (imported from {where}) has no attribute "
+                             f"{attr!r}. Fix: name a function it defines (a module of the same "
+                             "name installed or in the standard library comes before the "
+                             "current directory)")
         factory = getattr(factory, part)
     if not callable(factory):
         raise UsageError(f"{spec!r} is not callable; give a zero-argument function returning "
@@ -96,6 +122,9 @@ def _call_factory(spec: str, factory: Any) -> Any:
             return nnx.eval_shape(factory)
     except ShardingError:
         raise
+    except SystemExit as e:  # exit 0 with no report would read as success
+        raise UsageError(f"FACTORY {spec!r} called sys.exit({e.code!r}) instead of returning "
+                         "a module. Fix: return the model from the factory") from None
     except Exception as e:
         raise UsageError(f"FACTORY {spec!r} raised {type(e).__name__}: {_one_line(e)} "
                          f"{DEBUG_HINT}") from e

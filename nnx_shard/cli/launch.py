@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -270,9 +271,12 @@ def _check(args: argparse.Namespace) -> tuple[list[str], str | None]:
         return cmd, f"--devices-per-process must be at least 1, got {args.devices_per_process}"
     if args.port is not None and not 0 < args.port < 65536:
         return cmd, f"--port must be in 1..65535, got {args.port}"
-    if args.timeout is not None and args.timeout <= 0:
-        return cmd, f"--timeout must be positive, got {args.timeout}"
-    if args.init_timeout < 1 or args.heartbeat_timeout < 1:
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        return cmd, f"--timeout must be a finite number of seconds > 0, got {args.timeout}"
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        return cmd, f"--grace must be a finite number of seconds >= 0, got {args.grace}"
+    if not (math.isfinite(args.init_timeout) and math.isfinite(args.heartbeat_timeout)) or (
+            args.init_timeout < 1 or args.heartbeat_timeout < 1):
         return cmd, "--init-timeout and --heartbeat-timeout must be at least 1 second"
     return cmd, None
 

@@ -14,7 +14,7 @@ from nnx_shard.cli.common import COMPILE_MAX_DEVICES, DEBUG_ENV, DEMO_MAX_STEPS,
 from nnx_shard.models import REMAT_POLICIES
 from nnx_shard.train.guard import DEFAULT_GUARD, GUARDS
 
-__all__ = ["Parser", "build_parser", "finite_non_negative", "finite_positive"]
+__all__ = ["Parser", "build_parser", "finite_non_negative", "finite_positive", "finite_seconds"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -29,10 +29,10 @@ def finite_positive(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use e.g. --lr 3e-3") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use e.g. 3e-3") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(
-            f"must be a finite number greater than 0, got {text!r}; use e.g. --lr 3e-3")
+            f"must be a finite number greater than 0, got {text!r}; use e.g. 3e-3 or 120")
     return value
 
 
@@ -45,6 +45,19 @@ def finite_non_negative(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(
             f"must be a finite number >= 0 (0 for greedy), got {text!r}")
+    return value
+
+
+def finite_seconds(text: str) -> float:
+    """argparse type of --link-latency: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not 0 <= value < 3600:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds >= 0 (and under an hour), got {text!r}; use "
+            "e.g. 5e-6, or 0 to leave latency out")
     return value
 
 
@@ -181,7 +194,7 @@ def _add_auto(p: Parser) -> None:
                    help="FLOP/s per device (overrides the profile's)")
     a.add_argument("--link-bandwidth", type=finite_positive, default=None,
                    help="bytes/s per device and direction (overrides the profile's)")
-    a.add_argument("--link-latency", type=float, default=None,
+    a.add_argument("--link-latency", type=finite_seconds, default=None,
                    help="seconds per collective (default 0, or measured by --calibrate)")
     a.add_argument("--calibrate", action="store_true", help="measure this machine's "
                    "matmul FLOP/s and collective bandwidth on --devices simulated devices")
@@ -194,9 +207,13 @@ def _add_auto(p: Parser) -> None:
 
 
 def _add_explain(sub: argparse._SubParsersAction[Parser]) -> None:
-    e = sub.add_parser("explain", help="per-parameter sharding report of your model factory",
-                       description="Builds module:factory abstractly (nothing allocated) and "
-                       "prints how every variable is laid out on the mesh by the rules.")
+    e = sub.add_parser("explain", help="per-parameter sharding report of your model factory "
+                       "(imports and runs your module)",
+                       description="Imports the module (running its top-level code) and "
+                       "calls the factory under nnx.eval_shape (no parameter array "
+                       "allocated), then prints how every variable is laid out on the mesh by "
+                       "the rules. The module is found on sys.path, then in the current "
+                       "directory (searched last); a path/to/file.py is run as given.")
     e.add_argument("factory", help="module:function (or path/to/file.py:function) returning "
                    "an nnx.Module")
     e.add_argument("--mesh", required=True, help="e.g. data=4,model=2 (any size)")

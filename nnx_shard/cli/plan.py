@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import textwrap
+import warnings
 from typing import Any
 
 import jax
@@ -170,6 +171,8 @@ def _check(args: argparse.Namespace) -> Any:
                          "choose one")
     if args.batch < 1 or args.seq < 1:
         raise UsageError("--batch and --seq must be at least 1. Fix: e.g. --batch 8 --seq 16")
+    if args.top < 0:
+        raise UsageError(f"--top must be 0 or more, got {args.top}. Fix: e.g. --top 5")
     # The planned model is the compiled one (pp needs a stack; the dtypes decide the bytes).
     cfg, _ = planned_config(args.model, scan_layers=args.scan_layers,
                             param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seq > max_length(cfg):
         raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
                          f"({max_length(cfg)}). Fix: --seq {max_length(cfg)} or less")
-    memory = device_memory(args.device_memory) if args.device_memory else None
+    memory = device_memory(args.device_memory) if args.device_memory is not None else None
     tx = optimizer(args.optimizer)
     model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
     out: dict[str, Any] = {
@@ -427,7 +430,7 @@ def _auto_hardware(args: argparse.Namespace) -> Any:
         return hw.replace(peak_flops=args.peak_flops, link_bandwidth=args.link_bandwidth,
                           link_latency=args.link_latency,
                           device_memory=device_memory(args.device_memory)
-                          if args.device_memory else None)
+                          if args.device_memory is not None else None)
     except (ValueError, RuntimeError) as e:
         raise UsageError(str(e)) from None
 
@@ -449,29 +452,43 @@ def run_auto(args: argparse.Namespace) -> int:
         raise UsageError("plan --auto chooses the mesh: drop --mesh (or drop --auto to check one)")
     if args.devices < 1:
         raise UsageError(f"--devices must be at least 1, got {args.devices}. Fix: e.g. --devices 8")
+    if args.top < 0:
+        raise UsageError(f"--top must be 0 or more, got {args.top}. Fix: e.g. --top 5")
+    if args.max_compiles < 1:
+        raise UsageError(f"--max-compiles must be at least 1, got {args.max_compiles}. Fix: e.g. "
+                         "--max-compiles 64")
+    names = None
+    if args.strategies is not None:
+        names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        if not names:
+            raise UsageError(f"--strategies {args.strategies!r} names no preset. Fix: e.g. "
+                             "--strategies fsdp,tp, or leave it out to try every preset")
     hw = _auto_hardware(args)
-    names = ([s.strip() for s in args.strategies.split(",") if s.strip()]
-             if args.strategies else None)
-    try:
-        plan = auto(args.model, devices=args.devices, batch=args.batch, seq=args.seq,
-                    device_memory=hw.device_memory, hardware=hw, optimizer=args.optimizer,
-                    guard=args.guard,
-                    strategies=names, max_compiles=args.max_compiles,
-                    cache=None if args.no_cache else default_cache(),
-                    progress=not args.json and sys.stderr.isatty(),
-                    timeout=args.compile_timeout)
-    except NothingFits as e:
-        if args.json:
-            print(json.dumps(plan_json(e.plan, str(e))))
-        else:
-            print(e.plan)
-        print(f"nnx-shard: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            plan = auto(args.model, devices=args.devices, batch=args.batch, seq=args.seq,
+                        device_memory=hw.device_memory, hardware=hw, optimizer=args.optimizer,
+                        guard=args.guard,
+                        strategies=names, max_compiles=args.max_compiles,
+                        cache=None if args.no_cache else default_cache(),
+                        progress=not args.json and sys.stderr.isatty(),
+                        timeout=args.compile_timeout)
+        except NothingFits as e:
+            if args.json:
+                print(json.dumps(plan_json(e.plan, str(e))))
+            else:
+                print(e.plan)
+            print(f"nnx-shard: {e}", file=sys.stderr)
+            return 1
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.json:
         print(json.dumps(plan_json(plan, None)))
     else:
         plan.request["top"] = args.top
         print(plan)
+    # After the plan: a cache that could not be written costs only the next run.
+    for w in caught:
+        print(f"{PROG}: warning: {w.message}", file=sys.stderr)
     return 0

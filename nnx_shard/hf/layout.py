@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_shard.errors import short
 from nnx_shard.hf.mapping import TRANSFORM_FNS, Leaf
 from nnx_shard.init import _auto_mesh
 
@@ -22,13 +23,23 @@ SINGLE = "model.safetensors"
 MARKER = ".nnx_shard_safetensors"
 
 
+def as_path(path: Any, who: str) -> Path:
+    """``path`` as a Path: a str or os.PathLike (None, bytes or a number would fail
+    inside pathlib with no word of which argument)."""
+    if isinstance(path, bytes) or not isinstance(path, str | os.PathLike) or not str(path):
+        raise TypeError(f"{who}: path must be a directory path (str or os.PathLike), got "
+                        f"{type(path).__name__} {short(path, 60)}. Fix: e.g. "
+                        f"{who}('checkpoints/llama', ...)")
+    return Path(path)
+
+
 def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
-    p = Path(path)
+    p = as_path(path, "load_safetensors")
     if p.is_file() and p.suffix == ".safetensors":
         return [str(p)]
     if not p.is_dir():
-        raise FileNotFoundError(f"load_safetensors: {p} is not a directory or a .safetensors "
-                                "file. Fix: pass the checkpoint directory (with "
+        raise FileNotFoundError(f"load_safetensors: path {str(p)!r} is not a directory or a "
+                                ".safetensors file. Fix: pass the checkpoint directory (with "
                                 f"{SINGLE} or {INDEX}).")
     if (p / INDEX).is_file():
         with open(p / INDEX) as f:

@@ -12,6 +12,7 @@ from flax import nnx
 
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
+from nnx_shard.errors import short
 from nnx_shard.hf.layout import checkpoint_files, layouts, program
 from nnx_shard.hf.mapping import Leaf, MappingValue, compile_rules, leaves_of, mapping_for, match
 from nnx_shard.init import _rewrap
@@ -96,6 +97,11 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     - shape: HF key 'model.layers.0.self_attn.k_proj.weight' [32, 32] F32 maps to model path 'blocks/0/attn/k' [32, 4, 16] float32, which needs HF shape [64, 32] (transform 'heads_out'). Fix: build the model from the checkpoint's own config.json (LlamaConfig.from_hf(path)), or correct the mapping.
     ...
     """
+    if not nnx.graph.is_graph_node(target):
+        raise TypeError(f"load_safetensors: target must be an nnx.Module (abstract or concrete) "
+                        f"giving the structure and shardings, got {type(target).__name__} "
+                        f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Llama(cfg, "
+                        "rngs=nnx.Rngs(0)), mesh, rules)")
     files = checkpoint_files(path)
     header = st.read_header(*files)
     rules = compile_rules(mapping_for(target) if mapping is None else mapping)

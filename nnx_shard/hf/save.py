@@ -15,7 +15,8 @@ from flax import nnx
 
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
-from nnx_shard.hf.layout import INDEX, MARKER, SINGLE, barrier, layouts, program
+from nnx_shard.errors import count, short
+from nnx_shard.hf.layout import INDEX, MARKER, SINGLE, as_path, barrier, layouts, program
 from nnx_shard.hf.mapping import (
     TRANSFORM_FNS,
     Leaf,
@@ -117,6 +118,21 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     >>> json.load(open(os.path.join(out, "config.json")))["torch_dtype"]
     'bfloat16'
     """
+    if as_path(path, "save_safetensors").exists() and not Path(path).is_dir():
+        raise FileExistsError(f"save_safetensors: path {str(path)!r} is a file, not a directory "
+                              "(it is never written over). Fix: a directory path")
+    if dtype is not None:
+        try:
+            st.dtype_name(dtype)
+        except TypeError:
+            raise TypeError(f"save_safetensors: dtype {short(dtype, 40)} is not a dtype. Fix: "
+                            "e.g. dtype=jnp.bfloat16, or None to keep each parameter's") from None
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"save_safetensors: model must be an nnx.Module, got "
+                        f"{type(model).__name__} {short(model, 60)}. Fix: the model to write")
+    if max_shard_bytes is not None:
+        count(max_shard_bytes, "save_safetensors: max_shard_bytes",
+              fix="bytes per file, e.g. 5 * 10**9, or None for one file")
     rules = compile_rules(mapping_for(model) if mapping is None else mapping)
     leaves = _plan_save(nnx.state(model), rules)
     tensors: dict[str, tuple[str, tuple[int, ...], Leaf]] = {}

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from nnx_shard.axes import sizes_str
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, short
 
 __all__ = ["make_mesh", "mesh_str"]
 
@@ -42,8 +42,8 @@ def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
             # bool is an int and 8.5 truncates: both would give a mesh nobody asked for.
             if isinstance(size, bool) or not isinstance(size, int | np.integer):
                 raise ShardingError(
-                    f"mesh spec {dict(spec)!r}: size {size!r} of axis {name!r} is a "
-                    f"{type(size).__name__}, not an int. Fix: give whole device counts, "
+                    f"mesh spec {short(dict(spec))}: size {short(size)} of axis {short(name)} "
+                    f"is a {type(size).__name__}, not an int. Fix: give whole device counts, "
                     f"{_SPEC_FIX}."
                 )
     elif not isinstance(spec, str):
@@ -51,7 +51,7 @@ def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
             spec, bool) else _SPEC_FIX
         raise TypeError(
             f"make_mesh: spec must be a string 'axis=size,...', a dict {{axis: size}} or a "
-            f"jax.sharding.Mesh, got {type(spec).__name__} {spec!r:.60}. Fix: {hint}."
+            f"jax.sharding.Mesh, got {type(spec).__name__} {short(spec, 60)}. Fix: {hint}."
         )
     else:
         items = []
@@ -61,30 +61,34 @@ def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
             name, eq, size_txt = part.partition("=")
             if not eq or not name:
                 raise ShardingError(
-                    f"mesh spec {spec!r}: {part!r} is not 'axis=size'. "
+                    f"mesh spec {short(spec)}: {short(part)} is not 'axis=size'. "
                     "Fix: e.g. make_mesh('data=4,model=2')."
                 )
             items.append((name, size_txt))
     axes: dict[str, int] = {}
+    shown = short(spec)
     for name, size in items:
         try:
             size_i = int(size)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ShardingError(
-                f"mesh spec {spec!r}: size {size!r} of axis {name!r} is not an integer."
+                f"mesh spec {shown}: size {short(size)} of axis {short(name)} is not an "
+                f"integer. Fix: {_SPEC_FIX}."
             ) from None
         if not isinstance(name, str) or not name:
-            raise ShardingError(f"mesh spec {spec!r}: axis names must be non-empty strings.")
+            raise ShardingError(f"mesh spec {shown}: axis names must be non-empty strings, got "
+                                f"{short(name)}. Fix: {_SPEC_FIX}.")
         if name in axes:
-            raise ShardingError(f"mesh spec {spec!r}: axis {name!r} appears twice.")
+            raise ShardingError(f"mesh spec {shown}: axis {short(name)} appears twice. Fix: "
+                                "name each axis once.")
         if size_i == 0 or size_i < -1:
             raise ShardingError(
-                f"mesh spec {spec!r}: axis {name!r} has size {size_i}; sizes are positive "
-                "(or -1 for 'all remaining devices')."
+                f"mesh spec {shown}: axis {short(name)} has size {size_i}; sizes are positive "
+                f"(or -1 for 'all remaining devices'). Fix: {_SPEC_FIX}."
             )
         axes[name] = size_i
     if not axes:
-        raise ShardingError(f"mesh spec {spec!r} names no axes. Fix: e.g. 'data=8'.")
+        raise ShardingError(f"mesh spec {shown} names no axes. Fix: e.g. 'data=8'.")
     return axes
 
 
@@ -130,13 +134,15 @@ def make_mesh(
     n = len(devs)
     unknown = [k for k, v in axes.items() if v == -1]
     if len(unknown) > 1:
-        raise ShardingError(f"mesh spec {spec!r}: only one axis may have size -1.")
+        raise ShardingError(f"mesh spec {short(spec)}: only one axis may have size -1. Fix: "
+                            "give the other axes their sizes.")
     known = math.prod(v for v in axes.values() if v != -1)
     if unknown:
         if n % known:
             raise ShardingError(
-                f"mesh spec {spec!r}: {n} devices do not divide by {known}, so "
-                f"{unknown[0]!r}=-1 has no integer size."
+                f"mesh spec {short(spec)}: {n} devices do not divide by {known}, so "
+                f"{unknown[0]!r}=-1 has no integer size. Fix: axis sizes whose product "
+                f"divides {n}."
             )
         axes[unknown[0]] = n // known
     total = math.prod(axes.values())
@@ -154,9 +160,17 @@ def make_mesh(
         axis_types = "auto"
     if isinstance(axis_types, str):
         if axis_types.lower() not in _AXIS_TYPES:
-            raise ShardingError(f"axis_types={axis_types!r}: expected 'explicit' or 'auto'.")
+            raise ShardingError(f"make_mesh: axis_types={short(axis_types)}: expected 'explicit' "
+                                "or 'auto'. Fix: e.g. make_mesh('data=8', axis_types='auto').")
         types = (_AXIS_TYPES[axis_types.lower()],) * len(axes)
     else:
+        if not isinstance(axis_types, Sequence) or not all(
+                isinstance(t, AxisType) for t in axis_types) or len(axis_types) != len(axes):
+            raise ShardingError(
+                f"make_mesh: axis_types={short(axis_types)}: expected 'auto', 'explicit' or one "
+                f"jax.sharding.AxisType per axis ({len(axes)} here). Fix: e.g. "
+                "axis_types='auto', or (AxisType.Auto,) * number of axes."
+            )
         types = tuple(axis_types)
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devs)
 

@@ -84,6 +84,9 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
     >>> constrain(x, ("batch", "embed")) is x
     True
     """
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"constrain: x must be an array, got {type(x).__name__} "
+                        f"({x!r:.60}). Fix: constrain(activation, ('batch', 'embed'))")
     active = current()
     if active is None:
         return x

@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard.blockwise import KERNELS
+from nnx_shard.errors import short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
 from nnx_shard.models._ops import constrain, einsum, lookup, whole
@@ -55,6 +56,7 @@ from nnx_shard.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
     _block_input,
+    _check_fields,
     _dense_init,
     _param,
     _seq,
@@ -145,10 +147,10 @@ class LlamaConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
-        for f in ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
-                  "max_length"):
-            if int(getattr(self, f)) < 1:
-                raise ValueError(f"LlamaConfig.{f} must be >= 1, got {getattr(self, f)!r}")
+        _check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
+                            "max_length"), positive=("rope_theta", "norm_eps"),
+                     flags=("tie_embeddings", "qk_norm", "attention_bias", "mlp_bias",
+                            "scan_layers"))
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"LlamaConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
@@ -592,6 +594,10 @@ class Llama(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+        if not isinstance(cfg, LlamaConfig):
+            raise TypeError(f"Llama: cfg must be a LlamaConfig, got {type(cfg).__name__} "
+                            f"{short(cfg, 60)}. Fix: e.g. Llama(get_llama_config('llama3-8b'), "
+                            "rngs=nnx.Rngs(0)), or LlamaConfig.from_hf(path)")
         self.cfg = cfg
         remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype

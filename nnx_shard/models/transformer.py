@@ -46,6 +46,7 @@ from flax import nnx
 
 from nnx_shard.annotate import with_logical
 from nnx_shard.blockwise import KERNELS
+from nnx_shard.errors import short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
@@ -80,6 +81,51 @@ REMAT_POLICIES: dict[str, str] = {
     "offload": "as 'dots', but move the saved matmul outputs to pinned host memory "
                "(jax.checkpoint_policies.offload_dot_with_no_batch_dims)",
 }
+
+
+def _check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] = (),
+                 positive: tuple[str, ...] = (), finite: tuple[str, ...] = (),
+                 flags: tuple[str, ...] = ()) -> None:
+    """A config's fields checked by kind, each failure a ``ValueError`` naming the
+    field: ``counts`` whole numbers >= 1, ``whole0`` whole numbers (their range is
+    checked by the config), ``positive`` finite numbers > 0, ``finite`` finite
+    numbers, ``flags`` bools; ``dtype`` and ``param_dtype`` NumPy/JAX dtypes. A bool
+    is no count and ``"128"`` no size: both would fail deep inside a layer."""
+    where = type(cfg).__name__
+
+    def bad(f: str, want: str) -> ValueError:
+        return ValueError(f"{where}.{f} must be {want}, got {short(getattr(cfg, f), 60)} "
+                          f"({type(getattr(cfg, f)).__name__}). Fix: e.g. "
+                          f"{where}({f}={getattr(type(cfg), f, 4)!r})")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+    def is_real(v: Any) -> bool:
+        return isinstance(v, int | float | np.integer | np.floating) and not isinstance(
+            v, bool | np.bool_) and math.isfinite(v)
+
+    for f in counts:
+        if not is_int(getattr(cfg, f)) or getattr(cfg, f) < 1:
+            raise bad(f, ">= 1 (a whole count)")
+    for f in whole0:
+        if not is_int(getattr(cfg, f)):
+            raise bad(f, "a whole number")
+    for f in positive:
+        if not is_real(getattr(cfg, f)) or getattr(cfg, f) <= 0:
+            raise bad(f, "a finite number > 0")
+    for f in finite:
+        if not is_real(getattr(cfg, f)):
+            raise bad(f, "a finite number")
+    for f in flags:
+        if not isinstance(getattr(cfg, f), bool):
+            raise bad(f, "True or False")
+    for f in ("dtype", "param_dtype"):
+        try:
+            jnp.dtype(getattr(cfg, f))
+        except TypeError:
+            raise ValueError(f"{where}.{f} must be a dtype, got {short(getattr(cfg, f), 60)}. "
+                             f"Fix: e.g. {f}=jnp.float32 or {f}='bfloat16'") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +193,9 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
-        for f in ("vocab", "length", "embed", "heads", "head_dim", "mlp", "layers"):
-            if int(getattr(self, f)) < 1:
-                raise ValueError(f"TransformerConfig.{f} must be >= 1, got {getattr(self, f)!r}")
+        _check_fields(self, ("vocab", "length", "embed", "heads", "head_dim", "mlp", "layers"),
+                     whole0=("experts", "top_k"), positive=("capacity_factor",),
+                     finite=("aux_loss_weight",), flags=("scan_layers", "tie_embeddings"))
         if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
             raise ValueError(
                 f"TransformerConfig: experts={self.experts}, top_k={self.top_k}; need experts "
@@ -468,6 +514,10 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        if not isinstance(cfg, TransformerConfig):
+            raise TypeError(f"Transformer: cfg must be a TransformerConfig, got "
+                            f"{type(cfg).__name__} {short(cfg, 60)}. Fix: e.g. "
+                            "Transformer(get_config('tiny'), rngs=nnx.Rngs(0))")
         self.cfg = cfg
         remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype

@@ -52,6 +52,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._frames import Frames
@@ -456,6 +457,14 @@ def check_tokens(shape: Sequence[int], names: Sequence[str] = ("batch", "length"
     ...
     nnx_shard.errors.ShardingError: collective matmuls (rules option collective_matmul=True, as in strategy 'async_tp') keep the sequence length split over mesh axis 'model' (size 4) ... Fix: make the sequence length a multiple of 4 (e.g. 12 or 16), use a mesh with model=2, ...
     """
+    if (isinstance(shape, str | bytes) or not isinstance(shape, Sequence)
+            or not all(isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0
+                       for d in shape)):
+        raise ShardingError(f"check_tokens: shape must be a tuple of sizes >= 0, got "
+                            f"{shape!r:.60}. Fix: e.g. check_tokens(tokens.shape)")
+    if isinstance(names, str) or len(names) != len(shape):
+        raise ShardingError(f"check_tokens: names {names!r:.60} must give one logical name per "
+                            f"dimension of shape {tuple(shape)}. Fix: e.g. ('batch', 'length')")
     active = current()
     if active is None:
         return

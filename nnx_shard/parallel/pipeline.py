@@ -73,7 +73,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nnx_shard._frames import Frames
-from nnx_shard.errors import ShardingError, ShardingWarning
+from nnx_shard.errors import ShardingError, ShardingWarning, count
 from nnx_shard.mesh import current, option
 from nnx_shard.parallel.registry import ParallelOp, register
 from nnx_shard.parallel.schedule import (
@@ -268,6 +268,12 @@ def scan(
     >>> out[0].tolist()   # 1 * 2 * 3 * 4
     [24.0, 24.0, 24.0]
     """
+    if not callable(body):
+        raise ShardingError(f"nnx_shard.pipeline.scan: body must be a function body(carry, "
+                            f"layer) -> (carry, out), got {type(body).__name__} {body!r:.60}.")
+    if microbatches is not None:
+        count(microbatches, "nnx_shard.pipeline.scan: microbatches",
+              fix="e.g. microbatches=8, or None to take it from the step")
     sched = option(OPTION)
     if sched is None:
         return jax.lax.scan(body, carry, layers)

@@ -33,6 +33,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from nnx_shard.mesh import option
+from nnx_shard.rules import declare_option
 
 __all__ = ["ParallelOp", "checking_step", "microbatch_owner", "register", "registered"]
 
@@ -59,7 +60,9 @@ _OPS: dict[str, ParallelOp] = {}
 
 
 def register(op: ParallelOp) -> ParallelOp:
-    """Adds ``op`` (replacing an entry of the same name) and returns it."""
+    """Adds ``op`` (replacing an entry of the same name) and returns it; its option
+    becomes a name ``Rules(options=...)`` accepts."""
+    declare_option(op.option)
     _OPS[op.name] = op
     return op
 

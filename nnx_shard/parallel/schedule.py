@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, count
 
 __all__ = ["NO_STACK_FIX", "OPTION", "Schedule", "bubble", "check_layers", "check_stack", "idle_fraction",
            "schedule_table", "work"]
@@ -81,8 +81,20 @@ def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     >>> bubble(4, 4), bubble(4, 16), bubble(4, 4, repeats=2)
     (0.42857142857142855, 0.15789473684210525, 0.2727272727272727)
     """
-    s, m, v = int(stages), int(microbatches), int(repeats)
+    s, m, v = _smv("bubble", stages, microbatches, repeats)
     return (s - 1) / (m * v + s - 1)
+
+
+#: The most stage-steps :func:`schedule_table` lays out (it is an array of them).
+_MAX_TABLE = 10**8
+
+
+def _smv(who: str, stages: Any, microbatches: Any, repeats: Any) -> tuple[int, int, int]:
+    """S, M and V checked: whole counts >= 1 (a bool, a float or 0 would give a bubble
+    of a schedule that cannot run)."""
+    return (count(stages, f"{who}: stages", fix="the pipeline stages, e.g. 4"),
+            count(microbatches, f"{who}: microbatches", fix="e.g. 8 (at least the stages)"),
+            count(repeats, f"{who}: repeats", fix="1 (GPipe) or V > 1 (circular)"))
 
 
 def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
@@ -95,7 +107,12 @@ def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarr
            [ 1,  0],
            [-1,  1]])
     """
-    s, m, v = int(stages), int(microbatches), int(repeats)
+    s, m, v = _smv("schedule_table", stages, microbatches, repeats)
+    if (m * v + s - 1) * s > _MAX_TABLE:
+        raise ShardingError(
+            f"schedule_table: {s} stages x {m * v + s - 1:,} iterations is more than the "
+            f"{_MAX_TABLE:,} entries laid out. Fix: bubble(stages, microbatches, repeats) gives "
+            "the idle fraction without the table")
     item, busy = work(np.arange(m * v + s - 1)[:, None], np.arange(s)[None, :], m, v)
     return np.where(busy, (item % m) * v + item // m, -1)
 

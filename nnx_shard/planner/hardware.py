@@ -20,12 +20,19 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_shard.errors import CompileError, UsageError
+from nnx_shard.errors import CompileError, UsageError, short
 from nnx_shard.mesh import make_mesh
 from nnx_shard.simulated import run_requests
+from nnx_shard.units import MAX_BYTES
 
 __all__ = ["PROFILES", "Hardware", "calibrate", "calibrate_subprocess", "hardware"]
 
+
+
+def _number(x: Any) -> bool:
+    """A real number, not a bool (``True`` is an int)."""
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(
+        x, bool | np.bool_)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +64,24 @@ class Hardware:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("peak_flops", "link_bandwidth"):
+        for field in ("peak_flops", "link_bandwidth", "memory_bandwidth"):
             value = getattr(self, field)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if field == "memory_bandwidth" and value is None:
+                continue
+            if not _number(value) or not math.isfinite(value) or value <= 0:
                 raise UsageError(f"Hardware {field} must be a finite number > 0, got "
-                                 f"{value!r}. Fix: e.g. {field}=1e12")
-        if self.link_latency < 0:
-            raise UsageError(f"Hardware link_latency must be >= 0, got {self.link_latency!r}. "
-                             "Fix: 0 to leave latency out")
+                                 f"{short(value, 60)}. Fix: e.g. {field}=1e12")
+        latency = self.link_latency
+        if not _number(latency) or not math.isfinite(latency) or not 0 <= latency < 3600:
+            raise UsageError(f"Hardware link_latency (--link-latency) must be a number of "
+                             f"seconds >= 0 and under an hour, got {short(latency, 60)}. Fix: "
+                             "e.g. 5e-6, or 0 to leave latency out")
+        memory = self.device_memory
+        if memory is not None and (not _number(memory) or not math.isfinite(memory)
+                                   or not 1 <= memory < MAX_BYTES or memory != int(memory)):
+            raise UsageError(f"Hardware device_memory (--device-memory) must be a whole number "
+                             f"of bytes >= 1, got {short(memory, 60)}. Fix: e.g. 80e9 (80GB), "
+                             "or None when not known")
 
     def predict(self, flops: float, collective_bytes: float, collectives: int,
                 memory_bytes: float = 0.0) -> float:
@@ -86,8 +103,13 @@ class Hardware:
         40000000000
         """
         changes = {k: v for k, v in changes.items() if v is not None}
-        if "device_memory" in changes:
-            changes["device_memory"] = int(changes["device_memory"])
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise UsageError(f"Hardware has no field {unknown[0]!r}. Fix: one of "
+                             + ", ".join(f.name for f in dataclasses.fields(self)))
+        memory = changes.get("device_memory")
+        if _number(memory) and math.isfinite(memory) and memory == int(memory):
+            changes["device_memory"] = int(memory)
         return dataclasses.replace(self, **changes)
 
 

@@ -11,6 +11,7 @@ that do not fit (:meth:`_Search.variants`), and ranks what fits
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import inspect
 import json
@@ -18,6 +19,7 @@ import math
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +29,7 @@ from jax.sharding import AbstractMesh
 from tqdm.auto import tqdm
 
 from nnx_shard import optimizers
-from nnx_shard.errors import NnxShardError, ShardingError, UsageError
+from nnx_shard.errors import NnxShardError, ShardingError, UsageError, short
 from nnx_shard.models import REMAT_POLICIES, LlamaConfig, TransformerConfig
 from nnx_shard.models.named import NAMED, max_length
 from nnx_shard.planner.cache import Cache, versions
@@ -133,15 +135,48 @@ class _Problem:
     mbs: list[int]
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _names_list(value: Any, arg: str, example: str) -> list[Any]:
+    """A list or tuple option (``strategies``, ``remat``, ``microbatches``): a string or a
+    number there would be read item by item, or fail deep inside."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise UsageError(f"auto: {arg} must be a list, got {type(value).__name__} "
+                         f"{short(value, 60)}. Fix: e.g. {arg}={example}")
+    if not value:
+        raise UsageError(f"auto: {arg}=[] leaves nothing to try. Fix: e.g. {arg}={example}, "
+                         "or leave it out for the default")
+    return list(value)
+
+
 def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], Any]:
     devices = opts.devices
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise UsageError(f"auto: devices must be a positive int, got {devices!r}. Fix: the "
-                         "number of devices to plan for, e.g. devices=8")
+    if not _positive_int(devices):
+        raise UsageError(f"auto: devices must be a positive int, got {short(devices, 60)}. "
+                         "Fix: the number of devices to plan for, e.g. devices=8")
     for arg, value in (("batch", opts.batch), ("seq", opts.seq)):
-        if not isinstance(value, int) or value < 1:
-            raise UsageError(f"auto: {arg} must be a positive int, got {value!r}. Fix: e.g. "
-                             f"{arg}=16")
+        if not _positive_int(value):
+            raise UsageError(f"auto: {arg} must be a positive int, got {short(value, 60)}. "
+                             f"Fix: e.g. {arg}=16")
+    if not _positive_int(opts.max_compiles):
+        raise UsageError(f"auto: max_compiles must be a positive int, got "
+                         f"{short(opts.max_compiles, 60)}. Fix: e.g. max_compiles=64")
+    timeout = opts.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+            math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"auto: timeout must be a finite number of seconds > 0, got "
+                         f"{short(timeout, 60)}. Fix: e.g. timeout=120")
+    if opts.cache is not None and (isinstance(opts.cache, bytes)
+                                   or not isinstance(opts.cache, str | os.PathLike)):
+        raise UsageError(f"auto: cache must be a path (str or os.PathLike) or None, got "
+                         f"{type(opts.cache).__name__} {short(opts.cache, 60)}. Fix: e.g. "
+                         "cache='planner.json'")
+    if opts.hardware is not None and not isinstance(opts.hardware, Hardware | str):
+        raise UsageError(f"auto: hardware must be a Hardware or a profile name, got "
+                         f"{type(opts.hardware).__name__} {short(opts.hardware, 60)}. Fix: e.g. "
+                         "hardware='h100-sxm'")
     if opts.workers is not None and (not isinstance(opts.workers, int)
                                      or isinstance(opts.workers, bool) or opts.workers < 1):
         raise UsageError(f"auto: workers must be a positive int or None, got {opts.workers!r}. "
@@ -157,12 +192,23 @@ def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], 
         try:
             device_memory = parse_bytes(device_memory)
         except UsageError:
-            raise UsageError(f"auto: device_memory {device_memory!r} is not a size; use e.g. "
-                             "80GB, 80GiB or an int of bytes") from None
+            raise UsageError(f"auto: device_memory {short(device_memory, 60)} is not a size; "
+                             "Fix: e.g. 80GB, 80GiB or an int of bytes") from None
+    elif device_memory is not None:
+        try:
+            device_memory = hw.replace(device_memory=device_memory).device_memory
+        except UsageError:
+            raise UsageError(f"auto: device_memory must be a whole number of bytes >= 1 or a "
+                             f"size such as '80GB', got {short(device_memory, 60)}. Fix: e.g. "
+                             "device_memory='80GB'") from None
     memory = device_memory if device_memory is not None else hw.device_memory
     # The registry as it is now: a preset registered after import is searched too.
-    names = list(PRESETS if opts.strategies is None else opts.strategies)
+    names = list(PRESETS if opts.strategies is None else _names_list(
+        opts.strategies, "strategies", "['fsdp', 'tp']"))
     for s in names:
+        if not isinstance(s, str):
+            raise UsageError(f"auto: strategies must be preset names, got {short(s, 60)}. Fix: "
+                             "e.g. strategies=['fsdp', 'tp']")
         get(s)  # an unknown name raises, naming the known ones
     try:
         tx = optimizers.get(opts.optimizer)
@@ -172,7 +218,8 @@ def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], 
 
 
 def _policies(remat: Sequence[str] | None) -> list[str | None]:
-    policies: list[str | None] = ["none", *[p for p in (remat or REMAT_ORDER) if p != "none"]]
+    given = REMAT_ORDER if remat is None else _names_list(remat, "remat", "['dots', 'full']")
+    policies: list[str | None] = ["none", *[p for p in given if p != "none"]]
     bad = [p for p in policies if p not in REMAT_POLICIES]
     if bad:
         raise UsageError(f"auto: unknown remat policy {bad[0]!r}; valid: "
@@ -213,7 +260,12 @@ def _resolve(model: Any, opts: AutoOptions) -> _Problem:
     except Exception as e:
         raise UsageError(f"auto: the model factory raised {type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]}") from e
-    mbs = sorted({int(m) for m in opts.microbatches if int(m) >= 1} | {1})
+    counts = _names_list(opts.microbatches, "microbatches", "[1, 2, 4]")
+    bad = [m for m in counts if not _positive_int(m)]
+    if bad:
+        raise UsageError(f"auto: microbatches must be positive ints, got {short(bad[0], 60)}. "
+                         "Fix: e.g. microbatches=[1, 2, 4]")
+    mbs = sorted(set(counts) | {1})
     return _Problem(opts, hw, memory, names, tx, cfg, model, model_name, takes_remat, policies,
                     abstract, mbs)
 
@@ -609,7 +661,7 @@ def auto(model: Any = "small", options: AutoOptions | None = None, **knobs: Any)
     >>> [c.reason for c in plan.dropped if c.strategy == "dp"][0]
     'needs 200 B per device (compiled), over the 150 B available'
     """
-    opts = dataclasses.replace(options, **knobs) if options is not None else AutoOptions(**knobs)
+    opts = _options(options, knobs)
     p = _resolve(model, opts)
     layouts, viable, dropped, pruned = _layouts(p)
     search = _Search(p, layouts, dropped, pruned)
@@ -621,12 +673,37 @@ def auto(model: Any = "small", options: AutoOptions | None = None, **knobs: Any)
             "a config name / TransformerConfig (compiled in a subprocess).")
     first = search.plain(viable)
     search.variants(first)
-    search.store.save()
+    unsaved = search.store.save()
+    if unsaved is not None:  # best effort: the plan is what was asked for
+        warnings.warn(f"auto: {unsaved}", RuntimeWarning, stacklevel=2)
     twins = search.rank()
     plan = search.plan(twins)
     if not plan.ranked:
         raise NothingFits(plan, _nothing_fits(plan, p.memory, opts.batch, opts.devices))
     return plan
+
+
+def _options(options: AutoOptions | None, knobs: Mapping[str, Any]) -> AutoOptions:
+    """``options`` with ``knobs`` replacing its fields (or the knobs alone), checked for
+    names: a misspelt knob is an error naming the field meant."""
+    if options is not None and not isinstance(options, AutoOptions):
+        raise UsageError(f"auto: options must be an AutoOptions, got {type(options).__name__} "
+                         f"{short(options, 60)}. Fix: AutoOptions(devices=8, batch=16, seq=16), "
+                         "or give the fields as keywords")
+    fields = [f.name for f in dataclasses.fields(AutoOptions)]
+    for knob in knobs:
+        if knob not in fields:
+            close = difflib.get_close_matches(knob, fields, n=1, cutoff=0.6)
+            mean = f" Did you mean {close[0]!r}?" if close else ""
+            raise UsageError(f"auto: unknown option {knob!r}.{mean} Fix: one of "
+                             + ", ".join(fields))
+    if options is not None:
+        return dataclasses.replace(options, **knobs)
+    missing = [f for f in ("devices", "batch", "seq") if f not in knobs]
+    if missing:
+        raise UsageError(f"auto: {', '.join(missing)} must be given. Fix: e.g. "
+                         "auto('small', devices=8, batch=16, seq=128)")
+    return AutoOptions(**knobs)
 
 
 def _nothing_fits(plan: Plan, memory: int | None, batch: int, devices: int) -> str:

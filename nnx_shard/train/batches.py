@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from nnx_shard.errors import count
+
 __all__ = ["Batches"]
 
 
@@ -136,6 +138,8 @@ class Batches:
         """Batches ``start`` .. ``start + k - 1`` stacked to ``[k', batch_size, ...]``,
         ``k'`` fewer than ``k`` at the end of the data (0: ``None``). Within one epoch a
         view of contiguous arrays (no copy); across an epoch's end, a concatenation."""
+        start = count(start, "Batches.window: start", least=0)
+        k = count(k, "Batches.window: k", fix="the steps to stack, e.g. k=10")
         total = self.total
         if total is not None:
             k = min(k, total - start)

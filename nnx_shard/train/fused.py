@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard.errors import sharding_types
+from nnx_shard.errors import ShardingError, count, flag, sharding_types
 from nnx_shard.mesh import apply_sharding, current
 from nnx_shard.parallel.registry import checking_step
 from nnx_shard.train.microbatch import check_device_rows, spec_axes, tracing_step
@@ -190,6 +190,7 @@ class Fused:
         precision: Precision | None = None,
     ) -> None:
         _check_options(step_fn, microbatches, max_in_flight, unroll)
+        flag(donate, "donate")
         self.precision = as_precision(precision, "multistep: precision")
         self.step_fn = step_fn
         self.donate = donate
@@ -225,6 +226,7 @@ class Fused:
             if i not in node_pos:
                 ks.update(np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(a))
         if len(ks) == 1 and None not in ks and 0 not in ks:
+            self._check_steps_axis(args, node_pos)
             return ks.pop()  # type: ignore[return-value]
         names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
         self._names[len(args)] = names
@@ -249,6 +251,29 @@ class Fused:
             "axis, laid out [K, batch, ...] (not [batch, K, ...]). Fix: stack the K step "
             "batches with np.stack, or use shard_batch(..., steps=True)."
         )
+
+    def _check_steps_axis(self, args: tuple[Any, ...], node_pos: tuple[int, ...]) -> None:
+        """The leading axis K is scanned over, so every device holds all K steps: a leaf
+        whose leading axis is split over devices is a batch without its K axis (e.g.
+        one step's batch from ``shard_batch``, whose rows would be taken as steps)."""
+        for i, a in enumerate(args):
+            if i in node_pos:
+                continue
+            for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
+                if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                    continue
+                if x.sharding.shard_shape(x.shape)[0] == x.shape[0]:
+                    continue
+                names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
+                self._names[len(args)] = names
+                raise ShardingError(
+                    f"multistep: {names[i] + jax.tree_util.keystr(path)} has shape "
+                    f"{tuple(x.shape)} with its leading axis split over devices "
+                    f"({x.sharding.spec if hasattr(x.sharding, 'spec') else x.sharding}), so "
+                    "it is not the steps axis K, which every device holds whole: this looks "
+                    "like one step's batch, whose rows would be run as steps. Fix: lay the "
+                    "data out [K, batch, ...], e.g. shard_batch(np.stack(step_batches), mesh, "
+                    "rules, steps=True)")
 
     def _prepare(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         node_pos = tuple(i for i, a in enumerate(args) if is_node(a))
@@ -609,8 +634,7 @@ def _check_options(step_fn: Any, microbatches: Any, max_in_flight: Any, unroll: 
     Fused built directly gets them too)."""
     if not callable(step_fn):
         raise TypeError(f"multistep expects a callable step function, got {step_fn!r}")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    count(microbatches, "microbatches", fix="e.g. microbatches=2, or 1 for no split")
     if max_in_flight is not None and (
         not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1
     ):

@@ -28,9 +28,10 @@ from nnx_shard.mesh import apply_sharding
 from nnx_shard.train.microbatch import value_and_grad
 from nnx_shard.train.trees import leaf_path
 
-__all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "Guard", "Layout", "all_finite", "check_call",
-           "check_guard", "grad_sq_shares", "grads_norm", "guard_call", "make_fast_step",
-           "make_gated_step", "make_step", "not_finite_leaf", "select", "why_not_finite"]
+__all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "Layout", "all_finite",
+           "aux_metrics", "check_call", "check_guard", "grad_sq_shares", "grads_norm", "guard_call",
+           "make_fast_step", "make_gated_step", "make_step", "not_finite_leaf", "select",
+           "why_not_finite"]
 
 #: The NaN guard's modes, ``Trainer(..., guard=...)`` (see :class:`~nnx_shard.Trainer`):
 #: ``"full"`` keeps the state from before each fused call to put it back (one more
@@ -205,6 +206,34 @@ def grads_norm(grads: Any, replicated: bool = False) -> jax.Array:
 # gradient norm to the end of the call (see grad_sq_shares).
 GRAD_SQ = "grad_norm/shares"
 
+#: Metric names ``Trainer.fit`` writes itself (``step`` numbers the History and the
+#: rows of MetricsWriter); an aux metric may not take one of them.
+RESERVED = ("loss", "grad_norm", "step", "applied", "nonfinite", GRAD_SQ)
+
+
+def aux_metrics(aux: Any) -> dict[str, Any]:
+    """The aux output of a loss as fit's metrics: a mapping as it is (its names may not
+    be :data:`RESERVED`: fit's own values would be replaced), anything else as ``aux``.
+
+    >>> sorted(aux_metrics({"acc": 1.0})), sorted(aux_metrics(2.0))
+    (['acc'], ['aux'])
+    >>> aux_metrics({"loss": 1.0})
+    Traceback (most recent call last):
+    ...
+    ValueError: Trainer(has_aux=True): the loss function's aux metric 'loss' has the name of one of fit's own metrics ...
+    """
+    if not isinstance(aux, Mapping):
+        return {"aux": aux}
+    clash = [k for k in aux if k in RESERVED]
+    if clash:
+        raise ValueError(
+            f"Trainer(has_aux=True): the loss function's aux metric {clash[0]!r} has the name "
+            f"of one of fit's own metrics ({', '.join(RESERVED[:3])}), whose value it would "
+            "replace in the History and in MetricsWriter's rows. Fix: rename it in the aux "
+            f"dict, e.g. {{'aux_{clash[0]}': ...}}."
+        )
+    return dict(aux)
+
 
 def _typed_spec(x: jax.Array) -> PartitionSpec | None:
     """``x``'s spec from its traced type, where the type holds it (all axes Explicit)."""
@@ -331,9 +360,7 @@ def make_step(
         # call: the state stays the last finite one without a host round trip.
         nnx.update((model, optimizer), select(ok, nnx.state((model, optimizer)), before))
         guard.ok[...] = ok
-        if not isinstance(aux, Mapping):
-            aux = {"aux": aux}
-        return {"loss": loss, "grad_norm": grad_norm, **aux, "applied": ok,
+        return {"loss": loss, "grad_norm": grad_norm, **aux_metrics(aux), "applied": ok,
                 "nonfinite": nonfinite}
 
     return train_step, checked
@@ -357,8 +384,7 @@ def make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., 
         out, grads = grad_fn(model, batch)
         loss, aux = out if has_aux else (out, {})
         optimizer.update(model, grads)
-        if not isinstance(aux, Mapping):
-            aux = {"aux": aux}
+        aux = aux_metrics(aux)
         layout = guard.layout
         shares = (grad_sq_shares(grads, layout.grad_specs, layout.mesh)
                   if layout.grad_specs is not None else None)

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from nnx_shard._frames import Frames
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, count, flag, short
 from nnx_shard.parallel.registry import microbatch_owner
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import fmt_shape, is_node, short_repr
@@ -178,10 +178,12 @@ def value_and_grad(
     >>> g["kernel"][...].dtype          # read in bfloat16 inside mse; gradients float32
     dtype('float32')
     """
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise ValueError(f"microbatches must be a positive int or None, got {microbatches!r}")
+    if microbatches is not None:
+        count(microbatches, "value_and_grad: microbatches",
+              fix="a positive int, or None to take it from the enclosing multistep")
+    flag(has_aux, "value_and_grad: has_aux")
     if not callable(loss_fn):
-        raise TypeError(f"value_and_grad: loss_fn must be callable, got {loss_fn!r}")
+        raise TypeError(f"value_and_grad: loss_fn must be callable, got {short(loss_fn, 80)}")
     precision = as_precision(precision, "value_and_grad: precision")
     vg = nnx.value_and_grad(_reading(_checked_loss(loss_fn, has_aux)),
                             argnums=nnx.DiffState(0, wrt), has_aux=has_aux)
@@ -259,6 +261,12 @@ def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., A
                 f"{name} returned a loss of shape {fmt_shape(loss)}, not a scalar. Fix: "
                 "reduce it over the examples, e.g. jnp.mean(per_example_loss)."
             )
+        dtype = getattr(loss, "dtype", None) or np.result_type(type(loss))
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"{name} returned a loss of dtype {dtype} ({short(loss, 40)}), not a float: "
+                "it cannot be differentiated. Fix: compute the loss from the model's output "
+                "in floating point, e.g. jnp.mean((model(x) - y) ** 2).")
         return out
 
     return checked

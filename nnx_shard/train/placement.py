@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_shard.errors import ShardingError
+from nnx_shard.errors import ShardingError, flag, short
 from nnx_shard.mesh import make_mesh
 from nnx_shard.rules import Rules, as_rules
 
@@ -111,6 +111,7 @@ def shard_batch(
     """
     mesh = make_mesh(mesh)
     rules = as_rules(rules)
+    flag(steps, "shard_batch: steps")
     single = jax.process_count() == 1
     lead: tuple[None, ...] = (None,) if steps else ()
 
@@ -118,10 +119,16 @@ def shard_batch(
         where = f"batch{jax.tree_util.keystr(path)}"
         check_array_leaf(path, leaf, "shard_batch")
         arr = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
-        if arr.ndim < len(lead):
+        if arr.dtype.kind in "OUSMm":  # text, objects, dates: no device array holds them
             raise ShardingError(
-                f"{where} is a scalar, but steps=True expects a leading steps axis [K, ...] "
-                "on every leaf. Fix: stack the per-step batches, e.g. np.stack(batches)."
+                f"shard_batch: {where} has dtype {arr.dtype} ({short(leaf, 60)}); batches are "
+                "numbers or bools. Fix: encode it first, e.g. token ids as np.int32")
+        if arr.ndim <= len(lead):
+            what = "is a scalar" if arr.ndim == 0 else f"has shape {tuple(arr.shape)}"
+            raise ShardingError(
+                f"{where} {what}, but steps=True expects a leading "
+                "steps axis and a batch axis [K, batch, ...] on every leaf. Fix: stack the "
+                "per-step batches, e.g. np.stack(batches)."
             )
         rest = arr.ndim - len(lead)
         given = tuple(leaf_names or ())[:rest]

@@ -86,10 +86,11 @@ class Saver:
 class FitRun:
     """One call of :meth:`Trainer.fit` after its set-up: dispatching fused calls,
     reading each one's metrics (replaying it if the NaN guard undid it), then, after
-    each call: the progress bar, the NaN stop (with a ``RuntimeWarning`` naming the
-    check, the first non-finite leaf and the step, after a call the guard cut
-    short), the checkpoint and the user's callbacks, in that order, until the data
-    ends or training stops.
+    each call: the progress bar, the checkpoint, the user's callbacks (given the
+    steps of the call that were applied, also when a non-finite step cut it short)
+    and the NaN stop (with a ``RuntimeWarning`` naming the check, the first
+    non-finite leaf and the step), in that order, until the data ends or training
+    stops.
 
     ``fused`` is fit's call (the guard checks it once); ``careful`` replays a
     failed call with every step checked, ``checked`` naming the leaves of its
@@ -176,11 +177,17 @@ class FitRun:
             host = self._read(self.careful(t.model, t.optimizer, batch, self.guard))
         seen = self._apply(n, examples, host)
         self._show_progress(seen)
+        if self.failure is None and self.saver is not None and self.saver.due(t.step):
+            self.saver.save(self.carry)
+        if self.failure is None or len(seen["loss"]):
+            # After a non-finite step the callbacks still see the steps of this call
+            # that were applied (History and a MetricsWriter then agree).
+            self._callbacks(seen)
         if self.failure is not None:
             self._stop_nonfinite()
-            return
-        if self.saver is not None and self.saver.due(t.step):
-            self.saver.save(self.carry)
+
+    def _callbacks(self, seen: dict[str, np.ndarray]) -> None:
+        t = self.trainer
         for cb in self.callbacks:
             if getattr(cb, "reads_model", True):
                 # The user's callbacks run with no other call in flight (depth 1), so

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard.checkpoint import Checkpointer, restore_into
+from nnx_shard.errors import UsageError, count, flag, short
 from nnx_shard.mesh import make_mesh, use
 from nnx_shard.rules import Rules, as_rules
 from nnx_shard.train.feed import feeder, groups, iter_group_sizes
@@ -119,8 +120,15 @@ class Trainer:
                 f"Trainer: loss_fn must be callable as loss_fn(model, batch), got "
                 f"{short_repr(loss_fn)}."
             )
-        if not isinstance(steps_per_call, int) or steps_per_call < 1:
-            raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
+        steps_per_call = count(steps_per_call, "steps_per_call", fix="e.g. steps_per_call=10")
+        if isinstance(batch_names, str | bytes) or not isinstance(batch_names, Sequence) or not (
+                batch_names and all(n is None or (isinstance(n, str) and n) for n in batch_names)):
+            raise UsageError(
+                f"Trainer: batch_names must be a tuple of logical names (str or None), one per "
+                f"leading dim of every batch leaf, got {short(batch_names, 60)}. Fix: e.g. "
+                "batch_names=('batch',) or ('batch', 'length')")
+        flag(has_aux, "Trainer: has_aux")
+        flag(donate, "Trainer: donate")
         self.precision = as_precision(precision, "Trainer: precision")
         if self.precision is not None:
             self.precision.check(model)  # here, not at the first step's trace
@@ -271,8 +279,8 @@ class Trainer:
         >>> bool(jnp.isfinite(model.kernel[...]).all()), len(h)
         (True, 1)
         """
-        if not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+        num_steps = count(num_steps, "num_steps", least=0, fix="e.g. num_steps=1000")
+        callbacks = _check_fit_args(data, callbacks, checkpointer, progress, resume)
         if resume and checkpointer is None:
             raise ValueError(
                 "fit(resume=True) needs the checkpointer to resume from, e.g. "
@@ -367,3 +375,32 @@ class Trainer:
         if resume:
             num_steps = max(num_steps - self.step, 0)
         return num_steps, resumed
+
+
+def _check_fit_args(data: Any, callbacks: Any, checkpointer: Any, progress: Any,
+                    resume: Any) -> tuple[Callable[..., Any], ...]:
+    """:meth:`Trainer.fit`'s arguments checked before anything is compiled or read (a
+    bad callback found after the first training call would cost that call)."""
+    if isinstance(data, str | bytes) or not (isinstance(data, Iterable) or callable(data)):
+        raise UsageError(
+            f"Trainer.fit: data must be an iterable of batches (or a callable data(position) "
+            f"returning one), got {type(data).__name__} {short(data, 60)}. Fix: e.g. a list or "
+            "generator of arrays, or ns.Batches(arrays, batch_size=...)")
+    if isinstance(callbacks, str | bytes) or not isinstance(callbacks, Iterable):
+        raise UsageError(
+            f"Trainer.fit: callbacks must be a list of callables callback(step, metrics), got "
+            f"{type(callbacks).__name__} {short(callbacks, 60)}. Fix: e.g. callbacks=[writer]")
+    callbacks = tuple(callbacks)
+    for i, cb in enumerate(callbacks):
+        if not callable(cb):
+            raise UsageError(
+                f"Trainer.fit: callbacks[{i}] is {type(cb).__name__} {short(cb, 60)}, not a "
+                "callable callback(step, metrics). Fix: e.g. callbacks=[ns.MetricsWriter(dir)]")
+    if checkpointer is not None and not isinstance(checkpointer, Checkpointer):
+        raise UsageError(
+            f"Trainer.fit: checkpointer must be an ns.Checkpointer or None, got "
+            f"{type(checkpointer).__name__} {short(checkpointer, 60)}. Fix: "
+            "checkpointer=ns.Checkpointer(directory, every=1000)")
+    flag(progress, "Trainer.fit: progress")
+    flag(resume, "Trainer.fit: resume")
+    return callbacks

@@ -12,6 +12,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from nnx_shard.annotate import path_str
+from nnx_shard.errors import short
 
 __all__ = ["fmt_shape", "is_node", "leaf_path", "short_repr"]
 
@@ -42,5 +43,4 @@ def fmt_shape(x: Any) -> str:
 
 
 def short_repr(x: Any, limit: int = 60) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return short(x, limit)
