@@ -264,7 +264,7 @@ def _check_shape(shape: Any, path: str, names: Any) -> tuple[int, ...] | None:
     for i, d in enumerate(shape):
         if isinstance(d, bool | np.bool_) or not isinstance(d, int | np.integer) or d < 0:
             raise ShardingError(
-                f"{describe(path, shape, names)}: dimension {i} of shape has size {short(d)} "
+                f"{describe(path, tuple(shape), names)}: dimension {i} of shape has size {short(d)} "
                 f"({type(d).__name__}); sizes are ints >= 0. Fix: pass the array's shape, e.g. "
                 "shape=x.shape."
             )

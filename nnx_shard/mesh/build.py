@@ -171,7 +171,7 @@ def make_mesh(
                 f"jax.sharding.AxisType per axis ({len(axes)} here). Fix: e.g. "
                 "axis_types='auto', or (AxisType.Auto,) * number of axes."
             )
-        types = tuple(axis_types)
+        types = tuple(axis_types)  # type: ignore[arg-type]  # checked above: AxisTypes
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devs)
 
 

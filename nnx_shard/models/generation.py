@@ -293,7 +293,7 @@ def _abstract_cache(graphdef: Any, cache: Any, rest: Any, batch: int,
         # jax.eval_shape, not nnx.eval_shape: Flax's would read the logical names
         # as mesh axes of the active mesh. The graph is static: it leaves by closure.
         with_cache, cache_state, _ = nnx.split(_with_cache(graphdef, c, r, batch, length),
-                                               nnx.Cache, ...)
+                                               nnx.Cache, ...)  # type: ignore[misc]
         graphs.append(with_cache)
         return cache_state
 
@@ -315,9 +315,9 @@ def _warn_unannotated(cache: nnx.State, mesh: Any, caller: str) -> None:
             ShardingWarning, stacklevel=3)
 
 
-def _constrain_cache(cache: nnx.State, mesh: Any, rules: Rules) -> nnx.State:
+def _constrain_cache(cache: nnx.State, mesh: Any, rules: Rules | None) -> nnx.State:
     """Each cache array constrained to its layout (inside a compiled program)."""
-    if mesh is None:
+    if mesh is None or rules is None:
         return cache
 
     def one(path: Any, var: Any) -> Any:
@@ -408,7 +408,9 @@ class _Run:
     rules: Rules | None
 
     def context(self) -> Any:
-        return use(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
+        if self.mesh is None or self.rules is None:
+            return contextlib.nullcontext()
+        return use(self.mesh, self.rules)
 
     def prefill(self) -> Any:
         with self.context():
@@ -433,12 +435,12 @@ def _prepare(model: Any, prompt_tokens: Any, max_new_tokens: Any, temperature: A
     if mesh is not None:
         gen_rules = generation_rules(rules)
         _check_batch(batch, mesh, gen_rules, caller)
-    graphdef, old, rest = nnx.split(model, nnx.Cache, ...)
+    graphdef, old, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
     with_cache, cache = _abstract_cache(graphdef, old, rest, batch, prompt_len + new)
     if mesh is not None:
         _warn_unannotated(cache, mesh, caller)
         for path, var in nnx.to_flat_state(cache):  # every other layout problem, by path
-            variable_spec(var, mesh, gen_rules, path_str(path))
+            variable_spec(var, mesh, gen_rules, path_str(path))  # type: ignore[arg-type]
     programs = _programs(graphdef, with_cache, mesh, gen_rules, batch, prompt_len, new,
                          t == 0.0, k)
     return _Run(programs, old, rest, prompt, jax.random.key(seed),
@@ -537,6 +539,6 @@ def explain_cache(model: Any, mesh: Mesh | AbstractMesh | str | Mapping[str, int
         mesh = make_mesh(mesh)
     gen_rules = generation_rules(rules)
     _check_batch(int(batch), mesh, gen_rules, "explain_cache")
-    graphdef, old, rest = nnx.split(model, nnx.Cache, ...)
+    graphdef, old, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
     _, cache = _abstract_cache(graphdef, old, rest, int(batch), int(length))
     return Report(rows=tuple(_rows(cache, mesh, gen_rules)), mesh_shape=mesh_sizes(mesh))

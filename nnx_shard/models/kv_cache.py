@@ -47,7 +47,7 @@ def names(stacked: bool = False) -> tuple[str, ...]:
     return (LAYERS, *CACHE_AXES) if stacked else CACHE_AXES
 
 
-def new(shape: tuple[int, int, int, int], dtype: Any, layers: int | None = None) -> nnx.Cache:
+def new(shape: tuple[int, ...], dtype: Any, layers: int | None = None) -> nnx.Cache:
     """A zero cache ``[batch, length, kv_heads, head_dim]`` (``[layers, ...]``
     with ``layers``), annotated with :data:`CACHE_AXES`. Its layout is the
     caller's: :func:`nnx_shard.models.generate` constrains every cache array
@@ -164,7 +164,7 @@ def decode_layers(blocks: Any, stacked: bool, x: jax.Array,
         for block in blocks:
             x = step(block, x)
         return x
-    graphdef, cache, rest = nnx.split(blocks, nnx.Cache, ...)
+    graphdef, cache, rest = nnx.split(blocks, nnx.Cache, ...)  # type: ignore[misc]
 
     def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
         block = nnx.merge(graphdef, *layer)

@@ -108,7 +108,7 @@ class Hardware:
             raise UsageError(f"Hardware has no field {unknown[0]!r}. Fix: one of "
                              + ", ".join(f.name for f in dataclasses.fields(self)))
         memory = changes.get("device_memory")
-        if _number(memory) and math.isfinite(memory) and memory == int(memory):
+        if memory is not None and _number(memory) and math.isfinite(memory) and memory == int(memory):
             changes["device_memory"] = int(memory)
         return dataclasses.replace(self, **changes)
 

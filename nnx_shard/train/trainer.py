@@ -154,6 +154,7 @@ class Trainer:
         # every step (it compiles only when that happens). With "grads" and "off" the
         # steps gate their own updates and check_call only checks the call: nothing is
         # undone, nothing replayed.
+        finish: Callable[..., Any]
         if guard == "full":
             step, finish = make_fast_step(loss_fn, has_aux), guard_call
         else:
