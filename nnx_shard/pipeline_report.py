@@ -19,6 +19,7 @@ from flax import nnx
 from nnx_shard.errors import ShardingError, count, short
 from nnx_shard.mesh import make_mesh
 from nnx_shard.parallel.schedule import OPTION, Schedule, bubble, check_stack
+from nnx_shard.presets import get
 from nnx_shard.report import explain as report
 from nnx_shard.report import fmt_bytes
 from nnx_shard.rules import Rules
@@ -120,8 +121,6 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     """
     m = count(microbatches, "pipeline.explain: microbatches", fix="e.g. microbatches=8")
     if isinstance(strategy, str):  # a preset's name
-        from nnx_shard.strategies import get
-
         strategy = get(strategy)
     rules = getattr(strategy, "rules", strategy)
     if not isinstance(rules, Rules):
