@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from nnx_shard.planner.hardware import PROFILES, Hardware  # noqa: F401 (PROFILES: the examples)
+from nnx_shard.planner.user import user_python
 from nnx_shard.report import fmt_bytes
 
 __all__ = ["Candidate", "Plan", "clip", "plan_json"]
@@ -112,6 +113,8 @@ class Plan:
         c = self.best
         if c is None:
             return ""
+        if "loss" in self.request:  # a model of the user's own, with its loss
+            return user_python(self.request, c.strategy, c.mesh, c.microbatches)
         model = self.request.get("model_name")
         mesh = ", ".join(f'"{k}": {v}' for k, v in c.mesh.items())
         if model:
