@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,7 @@ from nnx_shard.errors import UsageError
 from nnx_shard.planner import UserModel, auto, compile_step, parse_batch_spec
 from tests import _user_models as um
 
+ROOT = Path(__file__).resolve().parents[1]
 CFG = um.Config(vocab=16, embed=8, heads=4, kv_heads=2, head_dim=2, mlp=16, layers=1, length=8)
 SPEC = "x=int32[8,8],y=int32[8,8]"
 
@@ -146,6 +151,7 @@ def test_auto_plans_a_gqa_llama_of_its_own_names_to_the_bytes_of_a_direct_compil
     assert {c.strategy for c in plan.ranked} == {"dp", "fsdp"}
     assert plan.request["batch"] == 8 and plan.request["seq"] == 8
     assert plan.request["batch_spec"] == SPEC and plan.request["aliases"] == um.ALIASES
+    args = {}
     for c in plan.ranked:
         assert c.compiled and c.flops > 0 and c.remat is None and c.microbatches == 1
         strat = ns.strategies.get(c.strategy).with_rules(aliases=um.ALIASES)
@@ -153,12 +159,13 @@ def test_auto_plans_a_gqa_llama_of_its_own_names_to_the_bytes_of_a_direct_compil
         direct = compile_step(tiny_llama, strat, c.mesh, batch=8, seq=8, loss=um.loss_fn,
                               batch_spec=parse_batch_spec(SPEC))
         assert c.bytes_per_device == direct["total"]
+        args[c.strategy] = direct["argument"]
         # ... which is XLA's memory_analysis of Trainer.fit's call, laid out by hand.
         assert c.bytes_per_device == _direct_bytes(tiny_llama, um.loss_fn, strat, c.mesh,
                                                    parse_batch_spec(SPEC))
-    # fsdp shards the adamw state 1/4: fewer bytes than dp's replicated copy.
-    by = {c.strategy: c.bytes_per_device for c in plan.ranked}
-    assert by["fsdp"] < by["dp"]
+    # The aliases took: fsdp shards the parameters and adamw state over 4 devices, so its
+    # arguments are fewer bytes than dp's replicated copy (the batch is the same).
+    assert args["fsdp"] < args["dp"] / 2
     code = plan.python()
     assert ".with_rules(aliases={'fsdp': 'embed', 'tp': 'mlp', 'exp': 'expert'})" in code
     assert "ns.Trainer(model, opt, loss_fn," in code and "from tests._user_models import" in code
@@ -229,3 +236,24 @@ def test_cli_alias_needs_a_factory(capsys):
     assert main(["plan", "--model", "tiny", "--mesh", "data=2", "--alias", "fsdp=embed",
                  "--no-compile"]) == 2
     assert "--alias maps your own model's names" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_command_simulates_the_devices_it_plans_for():
+    """The installed command in a fresh process: it asks JAX for --devices CPU devices
+    before the factory or loss starts JAX, and the candidates compile on them."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    flags = [f for f in _FLAGS if f != "--no-cache"]
+    flags[flags.index("--devices") + 1] = "4"
+    flags[flags.index("--strategies") + 1] = "dp"
+    proc = subprocess.run([sys.executable, "-m", "nnx_shard.cli", *flags, "--no-cache",
+                           "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert [(c["strategy"], c["mesh"]) for c in out["ranked"]] == [("dp", {"data": 4})]
+    assert out["request"]["devices"] == 4 and out["request"]["factory"] == (
+        "tests.test_planner_user.tiny_llama")
