@@ -142,9 +142,10 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
                        "config on any mesh (no devices needed), the largest tensors, and "
                        "whether it fits. Exit status: 0 fits (or no --device-memory), 1 does "
                        "not fit, 2 bad input or a sharding error.")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", default=None,
                    help="tiny, tiny_moe, small, 125m, 1b, 7b (the reference transformer); "
-                        "llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b (the Llama family)")
+                        "llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b (the Llama family); or "
+                        "--factory for your own model")
     p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
     p.add_argument("--strategy", default="fsdp_tp")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
@@ -180,6 +181,19 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
                    "parameters plus the key/value cache per device for --batch sequences of "
                    "--seq positions (prompt + new tokens), laid out by the strategy's rules")
     _add_auto(p)
+    _add_own(p)
+
+
+def _add_own(p: Parser) -> None:
+    o = p.add_argument_group("your own model (with --auto --devices N; compiled in this process)")
+    o.add_argument("--factory", default=None, help="module:function (or path/to/file.py:"
+                   "function) returning your nnx.Module")
+    o.add_argument("--loss", default=None, help="module:function, loss(model, batch) -> scalar")
+    o.add_argument("--batch-spec", default=None, help="one step's global batch, "
+                   "name=dtype[dims],... e.g. inputs=int32[16,128],targets=int32[16,128] (the "
+                   "first dim of each the global batch; a.b=... nests)")
+    o.add_argument("--alias", default=None, help="model names resolved as the presets' own "
+                   "names, e.g. fsdp=embed,tp=mlp (Strategy.with_rules)")
 
 
 def _add_auto(p: Parser) -> None:

@@ -30,6 +30,7 @@ from nnx_shard.cli.common import (
     optimizer,
     strategy,
 )
+from nnx_shard.cli.plan_user import user_model
 from nnx_shard.errors import CompileError, ShardingError
 from nnx_shard.models import explain_cache
 from nnx_shard.models.memory import ACTIVATION_FORMULA, activation_bytes
@@ -182,6 +183,14 @@ def _check(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """``nnx-shard plan``: exit 0 when the model fits (or no ``--device-memory``), 1 when
     it does not, 2 for bad input or a layout that cannot be (its error on stderr)."""
+    if args.factory or args.loss or args.batch_spec:  # the user's own model: the search
+        return run_auto(args)
+    if args.alias:
+        raise UsageError("--alias maps your own model's names: it goes with --factory (for "
+                         "a reference --model, drop it)")
+    if args.model is None:
+        raise UsageError("plan needs --model NAME (tiny, small, ...), or --factory mod:fn "
+                         "--loss mod:fn --batch-spec ... for your own model")
     named_config(args.model)  # an unknown name is the usage error naming the known ones
     if args.auto:
         if args.generate:
@@ -463,13 +472,19 @@ def run_auto(args: argparse.Namespace) -> int:
         if not names:
             raise UsageError(f"--strategies {args.strategies!r} names no preset. Fix: e.g. "
                              "--strategies fsdp,tp, or leave it out to try every preset")
+    if args.generate:
+        raise UsageError("--generate plans one strategy and mesh: drop --auto and give "
+                         "--mesh (e.g. --mesh data=2,model=4 --strategy tp)")
+    # Your own model: batch and seq come from --batch-spec.
+    user = user_model(args) if args.factory or args.loss or args.batch_spec else None
+    model, own = (args.model, {"batch": args.batch, "seq": args.seq}) if user is None else (
+        user.factory, {"loss": user.loss, "batch_spec": user.batch, "aliases": user.aliases})
     hw = _auto_hardware(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            plan = auto(args.model, devices=args.devices, batch=args.batch, seq=args.seq,
-                        device_memory=hw.device_memory, hardware=hw, optimizer=args.optimizer,
-                        guard=args.guard,
+            plan = auto(model, devices=args.devices, **own, device_memory=hw.device_memory,
+                        hardware=hw, optimizer=args.optimizer, guard=args.guard,
                         strategies=names, max_compiles=args.max_compiles,
                         cache=None if args.no_cache else default_cache(),
                         progress=not args.json and sys.stderr.isatty(),

@@ -71,11 +71,12 @@ from nnx_shard.planner.hardware import (
 )
 from nnx_shard.planner.plan import Candidate, Plan, plan_json
 from nnx_shard.planner.search import REMAT_ORDER, AutoOptions, NothingFits, auto
+from nnx_shard.planner.user import UserModel, parse_batch_spec
 
 __all__ = [
     "KINDS", "PROFILES", "PRUNE_MARGIN", "REMAT_ORDER", "AutoOptions", "Candidate", "Collective",
-    "CompileError", "Hardware", "NothingFits", "Plan", "abstract_report", "auto", "calibrate",
+    "CompileError", "Hardware", "NothingFits", "Plan", "UserModel", "abstract_report", "auto", "calibrate",
     "calibrate_subprocess", "compile_fit", "compile_step", "compiled_collectives",
     "compiled_memory", "compiled_memory_subprocess", "default_cache", "formula",
-    "formula_bytes", "hardware", "hlo_costs", "plan_json",
+    "formula_bytes", "hardware", "hlo_costs", "parse_batch_spec", "plan_json",
 ]

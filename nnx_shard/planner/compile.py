@@ -36,11 +36,12 @@ from nnx_shard.models.named import build, named_config
 from nnx_shard.planner.costs import hlo_costs
 from nnx_shard.presets import get
 from nnx_shard.simulated import run_requests
+from nnx_shard.strategy import Strategy
 from nnx_shard.train import Precision, Trainer
 from nnx_shard.train.guard import DEFAULT_GUARD
 
 __all__ = ["PLAN_COMPILER_OPTIONS", "CompileError", "compile_fit", "compile_step", "compiled_memory",
-           "compiled_memory_subprocess", "planned_config"]
+           "compiled_memory_subprocess", "planned_config", "steps_batch"]
 
 
 #: XLA options of the planner's compiles, which are never run: no LLVM optimisation
@@ -51,17 +52,22 @@ __all__ = ["PLAN_COMPILER_OPTIONS", "CompileError", "compile_fit", "compile_step
 PLAN_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
 
 
-def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
+def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: Mapping[str, int], *,
                 batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
                 loss: Callable[..., Any] | None = None, steps: int = 2,
-                precision: Precision | None = None,
-                guard: str = DEFAULT_GUARD) -> tuple[Any, Any, float]:
+                precision: Precision | None = None, guard: str = DEFAULT_GUARD,
+                batch_spec: Any = None) -> tuple[Any, Any, float]:
     """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for ``steps`` steps of
-    ``factory()``'s model under preset ``strategy`` on mesh ``sizes`` (of this
+    ``factory()``'s model under preset ``strategy`` (a name, or a
+    :class:`~nnx_shard.Strategy` such as one ``with_rules``) on mesh ``sizes`` (of this
     process's devices), from abstract inputs: nothing is allocated. The batch is
     ``{"inputs", "targets"}``, int32 ``[steps, batch, seq]`` tokens laid out by
     the preset's rules; ``loss`` defaults to :func:`nnx_shard.models.lm_loss`;
     ``precision`` is the trainer's (:class:`nnx_shard.Precision`).
+    ``batch_spec`` replaces that batch: a pytree of ``jax.ShapeDtypeStruct`` of one
+    step's global batch (``batch`` and ``seq`` are then unused), each leaf given a
+    leading steps axis and laid out as ``Trainer.fit`` places it by default, its
+    first dimension on ``batch`` (see :func:`steps_batch`).
 
     What is compiled is ``fit``'s own call, NaN guard included (``guard``, the
     Trainer's mode): under ``guard="full"`` the guard keeps the state from before
@@ -82,7 +88,7 @@ def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, i
     >>> compiled.memory_analysis().temp_size_in_bytes > 0
     True
     """
-    strat = get(strategy)
+    strat = strategy if isinstance(strategy, Strategy) else get(strategy)
     n = 1
     for v in sizes.values():
         n *= int(v)
@@ -90,16 +96,40 @@ def compile_fit(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, i
     t0 = time.perf_counter()
     abstract = strat.abstract_init(factory, mesh)
     opt = strat.optimizer(abstract, optimizers.get(optimizer), mesh)
-    spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh,
-                            path="batch['inputs']")
-    tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
-                                  sharding=NamedSharding(mesh, spec))
+    if batch_spec is not None:
+        data = steps_batch(batch_spec, strat.rules, mesh, steps)
+    else:
+        spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq),
+                                mesh=mesh, path="batch['inputs']")
+        tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
+                                      sharding=NamedSharding(mesh, spec))
+        data = {"inputs": tokens, "targets": tokens}
     trainer = Trainer(abstract, opt, loss or lm_loss, mesh=mesh, rules=strat.rules,
                       steps_per_call=steps, microbatches=microbatches, precision=precision,
                       guard=guard)
-    compiled = trainer.lower({"inputs": tokens, "targets": tokens}).compile(
-        compiler_options=PLAN_COMPILER_OPTIONS)
+    compiled = trainer.lower(data).compile(compiler_options=PLAN_COMPILER_OPTIONS)
     return compiled, trainer, time.perf_counter() - t0
+
+
+def steps_batch(batch_spec: Any, rules: Any, mesh: Any, steps: int) -> Any:
+    """``batch_spec`` (``jax.ShapeDtypeStruct`` leaves of one step's global batch) as
+    the ``[steps, ...]`` group ``Trainer.fit`` compiles, each leaf's first dimension
+    laid out on ``batch`` by ``rules`` (the trainer's default ``batch_names``).
+
+    >>> from nnx_shard.rules import Rules
+    >>> b = steps_batch({"x": jax.ShapeDtypeStruct((8, 3), jnp.float32)},
+    ...                 Rules({"batch": "data"}), make_mesh("data=8"), 2)
+    >>> b["x"].shape, b["x"].sharding.spec
+    ((2, 8, 3), P(None, 'data', None))
+    """
+    def one(path: Any, leaf: Any) -> jax.ShapeDtypeStruct:
+        shape = (steps, *leaf.shape)
+        names = (None, "batch", *(None,) * (len(leaf.shape) - 1)) if leaf.shape else (None,)
+        spec = rules.spec(names, shape=shape, mesh=mesh,
+                          path=f"batch{jax.tree_util.keystr(path)}")
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, batch_spec)
 
 
 def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: Mapping[str, int], strategy: str = "fsdp_tp",
@@ -178,10 +208,10 @@ def planned_config(model: str | TransformerConfig | LlamaConfig, *, remat: str =
     return cfg, (Precision(params=params, compute=compute) if params != compute else None)
 
 
-def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, int], *,
+def compile_step(factory: Callable[[], Any], strategy: str | Strategy, sizes: Mapping[str, int], *,
                  batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
                  loss: Callable[..., Any] | None = None,
-                 guard: str = DEFAULT_GUARD) -> dict[str, Any]:
+                 guard: str = DEFAULT_GUARD, batch_spec: Any = None) -> dict[str, Any]:
     """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for one step of
     ``factory()``'s model (abstract: nothing allocated; NaN guard included, see
     :func:`compile_fit`) under preset ``strategy`` on mesh
@@ -189,7 +219,8 @@ def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, 
     (``total``, ``temp``, ``argument``, ``output``, ``alias``), :func:`hlo_costs`
     figures per step and ``compile_s``. The batch is ``{"inputs", "targets"}``,
     int32 ``[batch, seq]`` tokens, and ``loss`` defaults to
-    :func:`nnx_shard.models.lm_loss`. The call compiled runs two steps (the
+    :func:`nnx_shard.models.lm_loss`; ``batch_spec`` replaces the batch as in
+    :func:`compile_fit`. The call compiled runs two steps (the
     rolled loop of ``fit``'s calls); the costs are its figures halved, so they
     include half of the guard's once-per-call check.
 
@@ -202,7 +233,7 @@ def compile_step(factory: Callable[[], Any], strategy: str, sizes: Mapping[str, 
     """
     compiled, trainer, seconds = compile_fit(
         factory, strategy, sizes, batch=batch, seq=seq, optimizer=optimizer,
-        microbatches=microbatches, loss=loss, guard=guard)
+        microbatches=microbatches, loss=loss, guard=guard, batch_spec=batch_spec)
     mem = compiled.memory_analysis()
     costs = hlo_costs(compiled.as_text(), trainer.mesh)
     k = trainer.steps_per_call

@@ -11,6 +11,7 @@ from typing import Any
 
 from nnx_shard.models.named import LLAMA_PLANNED
 from nnx_shard.planner.hardware import PROFILES, Hardware  # noqa: F401 (PROFILES: the examples)
+from nnx_shard.planner.user import user_python
 from nnx_shard.report import fmt_bytes
 from nnx_shard.train.guard import DEFAULT_GUARD
 
@@ -114,6 +115,8 @@ class Plan:
         c = self.best
         if c is None:
             return ""
+        if "loss" in self.request:  # a model of the user's own, with its loss
+            return user_python(self.request, c.strategy, c.mesh, c.microbatches)
         model = self.request.get("model_name")
         guard = self.request.get("guard", DEFAULT_GUARD)
         mesh = ", ".join(f'"{k}": {v}' for k, v in c.mesh.items())

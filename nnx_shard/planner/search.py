@@ -37,6 +37,7 @@ from nnx_shard.planner.compile import compile_step, config_dict, config_factory
 from nnx_shard.planner.formula import PRUNE_MARGIN, formula_bytes
 from nnx_shard.planner.hardware import Hardware, hardware
 from nnx_shard.planner.plan import Candidate, Plan, clip
+from nnx_shard.planner.user import UserModel, user_request
 from nnx_shard.presets import get
 from nnx_shard.report import fmt_bytes
 from nnx_shard.simulated import run_requests
@@ -133,6 +134,16 @@ class _Problem:
     policies: list[str | None]
     abstract: Any
     mbs: list[int]
+    user: UserModel | None = None  # a factory with its own loss and batch
+
+    def strategy(self, name: str) -> Strategy:
+        """Preset ``name`` as the search lays it out (a user model's aliases applied)."""
+        return self.user.strategy(name) if self.user is not None else get(name)
+
+    def batch_problem(self, strat: Strategy, sizes: dict[str, int], mb: int) -> str | None:
+        if self.user is not None:
+            return self.user.batch_problem(strat, sizes, mb)
+        return _batch_problem(strat, sizes, self.opts.batch, self.opts.seq, mb)
 
 
 def _positive_int(value: Any) -> bool:
@@ -227,9 +238,13 @@ def _policies(remat: Sequence[str] | None) -> list[str | None]:
     return policies
 
 
-def _resolve(model: Any, opts: AutoOptions) -> _Problem:
+def _resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> _Problem:
     """Checks ``opts``, resolves ``model`` and builds it abstractly (nothing allocated)."""
     hw, memory, names, tx = _check_options(opts)
+    if user is not None:
+        mbs = sorted({int(m) for m in opts.microbatches if int(m) >= 1} | {1})
+        return _Problem(opts, hw, memory, names, tx, None, model, None, False, [None],
+                        user.abstract(), mbs, user)
     cfg, model_name, takes_remat = None, None, False
     if isinstance(model, str):
         if model not in NAMED:
@@ -326,7 +341,7 @@ def _layouts(p: _Problem) -> tuple[list[tuple[str, dict[str, int]]],
     dropped: list[Candidate] = []
     viable: list[tuple[str, dict[str, int]]] = []
     for name, sizes in layouts:
-        strat = get(name)
+        strat = p.strategy(name)
         base = Candidate(name, sizes, p.policies[0])
         try:
             strat.check(p.abstract, sizes)
@@ -335,7 +350,7 @@ def _layouts(p: _Problem) -> tuple[list[tuple[str, dict[str, int]]],
             base.reason = "cannot lay out: " + " ".join(str(e).split())
             dropped.append(base)
             continue
-        if (why := _batch_problem(strat, sizes, opts.batch, opts.seq, 1)) is not None:
+        if (why := p.batch_problem(strat, sizes, 1)) is not None:
             base.reason = why
             dropped.append(base)
             continue
@@ -349,7 +364,8 @@ def _layouts(p: _Problem) -> tuple[list[tuple[str, dict[str, int]]],
         raise UsageError(
             f"auto: no preset can use {n} devices for this model with batch {batch} x "
             f"seq {opts.seq}: " + "; ".join(f"{k}: {clip(v, 160)}" for k, v in fams.items())
-            + f".{hint}")
+            + f".{hint} Fix: a global batch that divides by the data axes, or another "
+            "device count")
     return layouts, viable, dropped, pruned
 
 
@@ -413,6 +429,7 @@ class _Search:
         p, opts = self.p, self.opts
         model = p.model
         what = {"model": config_dict(p.cfg) if p.cfg is not None else
+                p.user.key() if p.user is not None else
                 f"{getattr(model, '__module__', '')}.{getattr(model, '__qualname__', '')}"
                 f"#{id(model)}", "strategy": c.strategy, "sizes": c.mesh, "remat": c.remat,
                 "microbatches": c.microbatches, "batch": opts.batch, "seq": opts.seq,
@@ -424,7 +441,7 @@ class _Search:
         p = self.p
         if p.memory is None or self.opts.compile_fn is not None:
             return None
-        est = formula_bytes(p.abstract, p.cfg, get(c.strategy), c.mesh, p.tx,
+        est = formula_bytes(p.abstract, p.cfg, p.strategy(c.strategy), c.mesh, p.tx,
                             self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none",
                             self.opts.guard)
         return est if est is not None and est > p.memory * PRUNE_MARGIN else None
@@ -452,6 +469,9 @@ class _Search:
             try:
                 if opts.compile_fn is not None:
                     result = dict(opts.compile_fn(c))
+                elif p.user is not None:
+                    result = p.user.compile(c.strategy, c.mesh, optimizer=opts.optimizer,
+                                            microbatches=c.microbatches)
                 else:
                     fac = (lambda c=c: p.model(remat=c.remat)) if p.takes_remat else p.model
                     result = compile_step(fac, c.strategy, c.mesh, batch=opts.batch,
@@ -536,7 +556,7 @@ class _Search:
     def variants_of(self, first: list[Candidate]) -> dict[Any, list[Candidate]]:
         """The remat policies and microbatch counts to try, cheapest first, for each
         layout whose plain step does not fit."""
-        p, opts = self.p, self.opts
+        p = self.p
         retry = [c for c in first if c.fits is False and c.bytes_per_device is not None]
         out = {}
         for c in retry:
@@ -544,7 +564,7 @@ class _Search:
                      + [(pol, m) for pol in p.policies for m in p.mbs if m > 1])
             out[_key(c)] = [
                 Candidate(c.strategy, c.mesh, pol, m) for pol, m in order
-                if _batch_problem(get(c.strategy), c.mesh, opts.batch, opts.seq, m) is None]
+                if p.batch_problem(p.strategy(c.strategy), c.mesh, m) is None]
         if retry and len(p.policies) == 1 and len(p.mbs) == 1:
             self.pruned.append("no remat policy or microbatch count to try for layouts that "
                                "do not fit")
@@ -622,7 +642,8 @@ class _Search:
         p, opts = self.p, self.opts
         label = p.model_name or (
             f"{type(p.cfg).__name__}(embed={p.cfg.embed}, layers={p.cfg.layers})"
-            if p.cfg is not None else getattr(p.model, "__name__", "factory"))
+            if p.cfg is not None else getattr(p.model, "__name__", None)
+            or type(p.model).__name__)
         request: dict[str, Any] = {
             "model_name": p.model_name, "model_label": label, "devices": opts.devices,
             "batch": opts.batch, "seq": opts.seq, "optimizer": opts.optimizer,
@@ -632,10 +653,14 @@ class _Search:
             1 for c in self.dropped + self.ranked
             if (c.remat, c.microbatches) != (p.policies[0], 1))
         request.update(self.counters)
+        if p.user is not None:
+            request.update(user_request(p.user))
         return Plan(self.ranked, self.dropped, self.pruned, p.hw, request, twins)
 
 
-def auto(model: Any = "small", options: AutoOptions | None = None, **knobs: Any) -> Plan:
+def auto(model: Any = "small", options: AutoOptions | None = None, *,
+         loss: Callable[[Any, Any], Any] | None = None, batch_spec: Any = None,
+         aliases: Mapping[str, str] | None = None, **knobs: Any) -> Plan:
     """Chooses a strategy preset, mesh shape, remat policy and microbatch count
     for ``model`` on ``options.devices`` devices with ``options.device_memory``
     bytes each, and ranks the candidates that fit by predicted step time (see
@@ -651,6 +676,17 @@ def auto(model: Any = "small", options: AutoOptions | None = None, **knobs: Any)
     batch=16, seq=16)``); keywords given with ``options`` replace its fields.
     Raises :class:`NothingFits` when no candidate fits.
 
+    A model of the user's own (no ``forward``, no reference config) comes with
+    ``loss(model, batch) -> scalar`` and ``batch_spec``, one step's global batch (a
+    pytree of ``jax.ShapeDtypeStruct``, or ``"inputs=int32[16,128],..."`` text, see
+    :class:`~nnx_shard.planner.user.UserModel`); ``batch`` and ``seq`` then come from
+    it. ``aliases`` map the model's own logical names onto the presets'
+    (:meth:`~nnx_shard.Strategy.with_rules`). Each candidate compiles
+    :func:`~nnx_shard.planner.compile.compile_step` of that loss and batch::
+
+        plan = auto(make_llama, loss=loss_fn, batch_spec="x=int32[16,128],y=int32[16,128]",
+                    aliases={"fsdp": "embed", "tp": "mlp"}, devices=8)
+
     >>> fake = lambda c: {"total": 100 * (1 + (c.strategy == "dp")), "temp": 1,
     ...                   "flops": 1e9, "collective_bytes": 1e6 * c.mesh.get("model", 1),
     ...                   "collectives": 1}
@@ -661,8 +697,26 @@ def auto(model: Any = "small", options: AutoOptions | None = None, **knobs: Any)
     >>> [c.reason for c in plan.dropped if c.strategy == "dp"][0]
     'needs 200 B per device (compiled), over the 150 B available'
     """
+    user = None
+    if loss is not None or batch_spec is not None:
+        if loss is None or batch_spec is None:
+            raise UsageError("auto: a model of your own needs both loss= and batch_spec=. Fix: "
+                             "auto(factory, loss=loss_fn, batch_spec='x=int32[16,128],...', "
+                             "devices=N)")
+        user = UserModel(model, loss, batch_spec, aliases).check()
+        for arg, value in (("batch", user.global_batch), ("seq", user.seq)):
+            given = knobs.get(arg, getattr(options, arg, value))
+            if given != value:
+                raise UsageError(f"auto: {arg}={given} but the batch spec has {value}. Fix: "
+                                 f"drop {arg}= (it comes from batch_spec)")
+            knobs[arg] = value
+    elif aliases is not None:
+        raise UsageError("auto: aliases= goes with a model of your own (loss= and "
+                         "batch_spec=); the reference configs use the presets' names")
     opts = _options(options, knobs)
-    p = _resolve(model, opts)
+    p = _resolve(model, opts, user)
+    if user is not None:
+        user.check_names(p.abstract, p.names)
     layouts, viable, dropped, pruned = _layouts(p)
     search = _Search(p, layouts, dropped, pruned)
     if p.cfg is None and opts.compile_fn is None and jax.device_count() < opts.devices:
