@@ -267,40 +267,91 @@ def _write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(_strict_json(summary), indent=1, allow_nan=False))
 
 
+@dataclasses.dataclass
+class _Run:
+    """The state one demo run carries from phase to phase."""
+
+    args: argparse.Namespace
+    out: Path
+    outputs: _Outputs
+    simulated: bool
+    t_start: float
+    strategy: Any = None
+    restore_strategy: Any = None
+    devices: Any = None
+    n: int = 0
+    sizes: Any = None
+    axis_types: str = "explicit"
+    mesh: Any = None
+    cfg: Any = None
+    factory: Any = None
+    restore_sizes: Any = None
+    restore_mesh: Any = None
+    target: Any = None
+    corpus: Any = None
+    baseline: float = 0.0
+    heldout_host: Any = None
+    evaluate: Any = None
+    model: Any = None
+    optimizer: Any = None
+    report: Any = None
+    trainer: Any = None
+    history: Any = None
+    evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    marks: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    tokens_per_step: int = 0
+
+
 def _demo(args: argparse.Namespace) -> int:
+    run = _setup(args)
+    _load_data(run)
+    _train(run)
+    if run.history.stop_reason is not None:
+        return _report_stop(run)
+    first, final, tokens_s = _report_training(run)
+    ckpt, restored, restored_loss = _checkpoint_restore(run, final)
+    prompt, sample = _sample_restored(run, restored)
+    png = _plot(run)
+    _finish(run, first=first, final=final, tokens_s=tokens_s, ckpt=ckpt,
+            restored_loss=restored_loss, prompt=prompt, sample=sample, png=png)
+    return 0
+
+
+def _setup(args: argparse.Namespace) -> _Run:
+    """Checks the flags and every layout before anything is trained or written."""
     _check_demo_args(args)
     out = Path(args.out)
     outputs = _Outputs(out)
     outputs.check()
     simulated = _simulate_devices()
     import jax
-    import numpy as np
-    import optax
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.data import decode, load_stdlib
-    from nnx_shard.models import Transformer, lm_loss
+    from nnx_shard.models import Transformer
 
-    t_start = time.perf_counter()
-    strategy = _strategy(args.strategy)
+    run = _Run(args=args, out=out, outputs=outputs, simulated=simulated,
+               t_start=time.perf_counter())
+    strategy = run.strategy = _strategy(args.strategy)
     restore_name = args.restore_strategy or ("fsdp" if strategy.name == "tp" else "tp")
-    restore_strategy = _strategy(restore_name)
+    restore_strategy = run.restore_strategy = _strategy(restore_name)
     devices = jax.devices()
     if len(devices) == 1 and len(jax.devices("cpu")) > 1:
         devices = jax.devices("cpu")  # one accelerator: use the simulated CPU devices
-    n = len(devices)
+    run.devices = devices
+    n = run.n = len(devices)
     if args.mesh:
         sizes = _mesh_sizes(args.mesh)
     else:
         sizes = strategy.mesh_for(n)
+    run.sizes = sizes
     need = math.prod(sizes.values())
     if need > n:
         raise _Usage(f"--mesh {sizes_str(sizes)} needs {need} devices but {n} are available")
-    axis_types = args.axis_types or "explicit"
-    mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=axis_types)
+    run.axis_types = args.axis_types or "explicit"
+    run.mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=run.axis_types)
     try:
-        cfg = _demo_config(args, strategy.name)
+        cfg = run.cfg = _demo_config(args, strategy.name)
     except ValueError as e:
         raise _Usage(str(e)) from None
     _check_size(cfg)
@@ -308,6 +359,7 @@ def _demo(args: argparse.Namespace) -> int:
     def factory() -> Transformer:
         return Transformer(cfg, rngs=nnx.Rngs(args.seed))
 
+    run.factory = factory
     # Every layout is checked before training, so a bad flag never costs a run.
     strategy.check(nnx.eval_shape(factory), sizes)
     if args.restore_mesh:
@@ -318,46 +370,65 @@ def _demo(args: argparse.Namespace) -> int:
     else:
         restore_sizes = (restore_strategy.suggest_mesh(nnx.eval_shape(factory), need)
                          or restore_strategy.mesh_for(need))
-    restore_mesh = ns.make_mesh(restore_sizes,
-                                devices=devices[: math.prod(restore_sizes.values())])
-    target = restore_strategy.abstract_init(factory, restore_mesh)
+    run.restore_sizes = restore_sizes
+    run.restore_mesh = ns.make_mesh(restore_sizes,
+                                    devices=devices[: math.prod(restore_sizes.values())])
+    run.target = restore_strategy.abstract_init(factory, run.restore_mesh)
 
     out.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = out / "checkpoint"
     # A previous demo's checkpoint steps (recorded as its own): this run writes its own.
     outputs.remove_old_checkpoints()
+    return run
 
-    def say(*parts: Any) -> None:
-        print(*parts, flush=True)
 
-    corpus = load_stdlib()
-    baseline = corpus.unigram_baseline()
+def _say(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+def _load_data(run: _Run) -> None:
+    """Loads the corpus and its held-out batches, and says what runs on what."""
+    from nnx_shard.data import load_stdlib
+
+    args, cfg = run.args, run.cfg
+    corpus = run.corpus = load_stdlib()
+    run.baseline = corpus.unigram_baseline()
     try:
-        heldout_host = corpus.heldout_batches(args.batch, cfg.length)
+        run.heldout_host = corpus.heldout_batches(args.batch, cfg.length)
     except ValueError as e:
         raise _Usage(f"--batch {args.batch} x --seq {cfg.length}: {e}") from None
-    say(f"nnx-shard demo: {n} {devices[0].platform.upper()} devices"
-        f"{' (simulated)' if simulated else ''}, "
-        f"strategy {strategy.name}, mesh {sizes_str(sizes)} ({axis_types} axes)")
-    say(f"data: {len(corpus.train):,} training characters from {len(corpus.files)} standard "
-        f"library files, {len(corpus.heldout):,} held-out ({', '.join(corpus.heldout_files)})")
-    say(f"model: Transformer {cfg.layers} layers, embed {cfg.embed}, {cfg.heads} heads, "
-        f"mlp {cfg.mlp}{f', {cfg.experts} experts' if cfg.experts else ''}, context "
-        f"{cfg.length}, {cfg.num_params:,} parameters")
+    _say(f"nnx-shard demo: {run.n} {run.devices[0].platform.upper()} devices"
+         f"{' (simulated)' if run.simulated else ''}, "
+         f"strategy {run.strategy.name}, mesh {sizes_str(run.sizes)} ({run.axis_types} axes)")
+    _say(f"data: {len(corpus.train):,} training characters from {len(corpus.files)} standard "
+         f"library files, {len(corpus.heldout):,} held-out ({', '.join(corpus.heldout_files)})")
+    _say(f"model: Transformer {cfg.layers} layers, embed {cfg.embed}, {cfg.heads} heads, "
+         f"mlp {cfg.mlp}{f', {cfg.experts} experts' if cfg.experts else ''}, context "
+         f"{cfg.length}, {cfg.num_params:,} parameters")
 
+
+def _train(run: _Run) -> None:
+    """Initialises the sharded model and optimizer and trains it, evaluating on the way."""
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard.models import lm_loss
+
+    args, cfg, strategy, mesh = run.args, run.cfg, run.strategy, run.mesh
     # The cosine decays over the steps after the warm-up: at least one (--steps 1: none).
     warmup = min(100, max(1, args.steps // 10), args.steps - 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
                                                   args.lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b2=0.99, weight_decay=0.01))
-    model = strategy.sharded_init(factory, mesh)
-    optimizer = strategy.optimizer(model, tx, mesh)
-    report = strategy.explain(model, mesh, tx)
-    say(f"\nsharding report (ns.strategies.get({strategy.name!r}).explain):")
-    say(_short_report(report))
+    model = run.model = strategy.sharded_init(run.factory, mesh)
+    optimizer = run.optimizer = strategy.optimizer(model, tx, mesh)
+    run.report = strategy.explain(model, mesh, tx)
+    _say(f"\nsharding report (ns.strategies.get({strategy.name!r}).explain):")
+    _say(_short_report(run.report))
 
-    heldout = [ns.shard_batch(b, mesh, strategy.rules) for b in heldout_host]
+    heldout = [ns.shard_batch(b, mesh, strategy.rules) for b in run.heldout_host]
     eval_loss = nnx.jit(lm_loss)
 
     def evaluate(m: Any, on_mesh: Any, rules: Any, batches: list[Any]) -> float:
@@ -365,10 +436,10 @@ def _demo(args: argparse.Namespace) -> int:
             # One call at a time: the result is read before the next is dispatched.
             return float(np.mean([float(eval_loss(m, b)) for b in batches]))
 
-    tokens_per_step = args.batch * cfg.length
+    run.evaluate = evaluate
+    tokens_per_step = run.tokens_per_step = args.batch * cfg.length
     every = max(1, args.steps // 10)
-    evals: list[tuple[int, float]] = []
-    marks: list[tuple[int, float]] = []
+    evals, marks = run.evals, run.marks
     tty = sys.stderr.isatty() and not args.no_progress
     next_eval = [max(1, args.steps // args.evals)]
     next_line = [every]
@@ -380,115 +451,163 @@ def _demo(args: argparse.Namespace) -> int:
             next_eval[0] = step + max(1, args.steps // args.evals)
         if not tty and (step >= next_line[0] or step == args.steps):
             rate = _rate(marks, tokens_per_step)
-            say(f"step {step}/{args.steps}  loss {float(metrics['loss'][-1]):.3f}"
-                + (f"  {rate:,.0f} tokens/s" if rate else ""))
+            _say(f"step {step}/{args.steps}  loss {float(metrics['loss'][-1]):.3f}"
+                 + (f"  {rate:,.0f} tokens/s" if rate else ""))
             while next_line[0] <= step:
                 next_line[0] += every
 
-    trainer = ns.Trainer(model, optimizer, lm_loss, mesh=mesh, rules=strategy.rules,
-                         steps_per_call=args.steps_per_call)
-    say(f"\ntraining {args.steps} steps, batch {args.batch} x {cfg.length} characters, "
-        f"{args.steps_per_call} steps per compiled call")
+    trainer = run.trainer = ns.Trainer(model, optimizer, lm_loss, mesh=mesh,
+                                       rules=strategy.rules,
+                                       steps_per_call=args.steps_per_call)
+    _say(f"\ntraining {args.steps} steps, batch {args.batch} x {cfg.length} characters, "
+         f"{args.steps_per_call} steps per compiled call")
     first = evaluate(model, mesh, strategy.rules, heldout)
     evals.append((0, first))
     with warnings.catch_warnings():
         # A non-finite stop is reported below, as the demo's own error.
         warnings.filterwarnings("ignore", message="Trainer.fit: ", category=RuntimeWarning)
-        history = trainer.fit(corpus.batches(args.batch, cfg.length, seed=args.seed),
-                              args.steps, progress=tty, callbacks=[on_step])
+        run.history = trainer.fit(run.corpus.batches(args.batch, cfg.length, seed=args.seed),
+                                  args.steps, progress=tty, callbacks=[on_step])
+
+
+def _report_stop(run: _Run) -> int:
+    """A run that did not finish: its summary.json, an error, exit status 1."""
+    args, out, history = run.args, run.out, run.history
     losses = history["loss"]
-    if history.stop_reason is not None:
-        # No held-out loss, checkpoint or sample of a run that did not finish: the last
-        # evaluation would be stale. summary.json says what happened.
-        outputs.record("summary.json")
-        _write_summary(out / "summary.json", {
-            "strategy": strategy.name, "mesh": sizes, "devices": n,
-            "config": _jsonable_config(cfg), "steps": len(losses), "steps_requested": args.steps,
-            "lr": args.lr, "seed": args.seed, "stop_reason": history.stop_reason,
-            "heldout_loss": None, "heldout_evals": [[s, v] for s, v in evals],
-            "loss": losses.tolist(), "total_seconds": time.perf_counter() - t_start,
-        })
-        print(f"{PROG}: error: training stopped after {len(losses)} of {args.steps} steps: "
-              f"{history.stop_reason}. No checkpoint was written (see "
-              f"{out / 'summary.json'}); try a lower --lr.", file=sys.stderr)
-        return 1
-    final = evals[-1][1]
-    tokens_s = _rate(marks, tokens_per_step) or tokens_per_step * len(losses) / history.seconds
-    say(f"trained {len(losses)} steps in {history.seconds:.1f} s (compilation included): "
-        f"{tokens_s:,.0f} tokens/s after compiling")
-    say(f"held-out loss {final:.3f} nats/char (from {first:.3f} at step 0); unigram baseline "
-        f"{baseline:.3f} -> {'below' if final < baseline else 'NOT below'} it by "
-        f"{baseline - final:.3f}")
+    # No held-out loss, checkpoint or sample of a run that did not finish: the last
+    # evaluation would be stale. summary.json says what happened.
+    run.outputs.record("summary.json")
+    _write_summary(out / "summary.json", {
+        "strategy": run.strategy.name, "mesh": run.sizes, "devices": run.n,
+        "config": _jsonable_config(run.cfg), "steps": len(losses),
+        "steps_requested": args.steps,
+        "lr": args.lr, "seed": args.seed, "stop_reason": history.stop_reason,
+        "heldout_loss": None, "heldout_evals": [[s, v] for s, v in run.evals],
+        "loss": losses.tolist(), "total_seconds": time.perf_counter() - run.t_start,
+    })
+    print(f"{PROG}: error: training stopped after {len(losses)} of {args.steps} steps: "
+          f"{history.stop_reason}. No checkpoint was written (see "
+          f"{out / 'summary.json'}); try a lower --lr.", file=sys.stderr)
+    return 1
 
-    outputs.record("checkpoint")
-    outputs.record(f"checkpoint/{trainer.step}")
-    ckpt = ns.save(ckpt_dir, trainer.step, model=model, optimizer=optimizer,
-                   extra={"config": _jsonable_config(cfg), "strategy": strategy.name,
-                          "mesh": sizes, "data_position": trainer.data_position})
-    say(f"\nsaved checkpoint {ckpt} ({strategy.name} on {sizes_str(sizes)})")
-    restored = ns.restore(ckpt_dir, model=target)
-    restored_heldout = [ns.shard_batch(b, restore_mesh, restore_strategy.rules)
-                        for b in heldout_host]
-    restored_loss = evaluate(restored, restore_mesh, restore_strategy.rules, restored_heldout)
+
+def _report_training(run: _Run) -> tuple[float, float, float]:
+    """Says how training went: (first held-out loss, final one, tokens per second)."""
+    history = run.history
+    losses = history["loss"]
+    first = run.evals[0][1]
+    final = run.evals[-1][1]
+    tokens_s = (_rate(run.marks, run.tokens_per_step)
+                or run.tokens_per_step * len(losses) / history.seconds)
+    baseline = run.baseline
+    _say(f"trained {len(losses)} steps in {history.seconds:.1f} s (compilation included): "
+         f"{tokens_s:,.0f} tokens/s after compiling")
+    _say(f"held-out loss {final:.3f} nats/char (from {first:.3f} at step 0); unigram baseline "
+         f"{baseline:.3f} -> {'below' if final < baseline else 'NOT below'} it by "
+         f"{baseline - final:.3f}")
+    return first, final, tokens_s
+
+
+def _checkpoint_restore(run: _Run, final: float) -> tuple[Any, Any, float]:
+    """Saves a checkpoint and restores it onto the other mesh and strategy:
+    (checkpoint path, restored model, its held-out loss)."""
+    import nnx_shard as ns
+
+    trainer, restore_strategy = run.trainer, run.restore_strategy
+    run.outputs.record("checkpoint")
+    run.outputs.record(f"checkpoint/{trainer.step}")
+    ckpt_dir = run.out / "checkpoint"
+    ckpt = ns.save(ckpt_dir, trainer.step, model=run.model, optimizer=run.optimizer,
+                   extra={"config": _jsonable_config(run.cfg), "strategy": run.strategy.name,
+                          "mesh": run.sizes, "data_position": trainer.data_position})
+    _say(f"\nsaved checkpoint {ckpt} ({run.strategy.name} on {sizes_str(run.sizes)})")
+    restored = ns.restore(ckpt_dir, model=run.target)
+    restored_heldout = [ns.shard_batch(b, run.restore_mesh, restore_strategy.rules)
+                        for b in run.heldout_host]
+    restored_loss = run.evaluate(restored, run.restore_mesh, restore_strategy.rules,
+                                 restored_heldout)
     example = "blocks/0/mlp/up"
-    before = _spec_of(model, example)
+    before = _spec_of(run.model, example)
     after = _spec_of(restored, example)
-    say(f"restored it as {restore_strategy.name} on {sizes_str(restore_sizes)}: {example} "
-        f"{before} -> {after}; held-out loss {restored_loss:.3f} "
-        f"({'same' if abs(restored_loss - final) < 1e-3 else 'DIFFERENT'})")
+    _say(f"restored it as {restore_strategy.name} on {sizes_str(run.restore_sizes)}: {example} "
+         f"{before} -> {after}; held-out loss {restored_loss:.3f} "
+         f"({'same' if abs(restored_loss - final) < 1e-3 else 'DIFFERENT'})")
+    return ckpt, restored, restored_loss
 
-    window = cfg.length
+
+def _sample_restored(run: _Run, restored: Any) -> tuple[Any, str]:
+    """Samples the restored model from a held-out prompt: (prompt tokens, sample text)."""
+    import nnx_shard as ns
+    from nnx_shard.data import decode
+
+    args, corpus = run.args, run.corpus
+    window = run.cfg.length
     text = decode(corpus.heldout)
     at = text.find("\n    def ", window)
     at = at + len("\n    def ") if at >= 0 else window
     prompt = corpus.heldout[at - window: at]
     # One sequence: its batch (and its cache's) replicated.
-    gen_rules = restore_strategy.rules | {"batch": None, "cache_batch": None}
-    with ns.use(restore_mesh, gen_rules):
+    gen_rules = run.restore_strategy.rules | {"batch": None, "cache_batch": None}
+    with ns.use(run.restore_mesh, gen_rules):
         sample = decode(_sample(restored, prompt, args.sample_chars, args.temperature,
                                 args.seed))
-    say(f"\nsample from the restored model (temperature {args.temperature}), prompted with "
-        f"held-out text:\n{'-' * 60}\n{decode(prompt)}\033[1m{sample}\033[0m\n{'-' * 60}"
-        if sys.stdout.isatty() else
-        f"\nsample from the restored model (temperature {args.temperature}), prompted with "
-        f"held-out text (continuation after '>>>'):\n{'-' * 60}\n{decode(prompt)}>>>"
-        f"{sample}\n{'-' * 60}")
+    _say(f"\nsample from the restored model (temperature {args.temperature}), prompted with "
+         f"held-out text:\n{'-' * 60}\n{decode(prompt)}\033[1m{sample}\033[0m\n{'-' * 60}"
+         if sys.stdout.isatty() else
+         f"\nsample from the restored model (temperature {args.temperature}), prompted with "
+         f"held-out text (continuation after '>>>'):\n{'-' * 60}\n{decode(prompt)}>>>"
+         f"{sample}\n{'-' * 60}")
+    return prompt, sample
 
+
+def _plot(run: _Run) -> Path | None:
+    """Writes loss.png, or says why not: its path, or None without matplotlib."""
+    out, history = run.out, run.history
     steps = history["step"].tolist()
     png: Path | None = out / "loss.png"
-    outputs.record("loss.png")
+    run.outputs.record("loss.png")
     try:
-        plot_losses(out / "loss.png", list(zip(steps, losses.tolist(), strict=True)), evals, baseline)
+        plot_losses(out / "loss.png", list(zip(steps, history["loss"].tolist(), strict=True)),
+                    run.evals, run.baseline)
     except ImportError:
         # A previous run's plot (the demo's: checked up front) would pass for this one's.
         (out / "loss.png").unlink(missing_ok=True)
-        outputs.forget("loss.png")
+        run.outputs.forget("loss.png")
         png = None
-        say(f"\nno loss plot: matplotlib is not installed ({PLOT_EXTRA} to get loss.png)")
+        _say(f"\nno loss plot: matplotlib is not installed ({PLOT_EXTRA} to get loss.png)")
+    return png
+
+
+def _finish(run: _Run, *, first: float, final: float, tokens_s: float, ckpt: Any,
+            restored_loss: float, prompt: Any, sample: str, png: Path | None) -> None:
+    """Writes summary.json and says where the outputs are."""
+    from nnx_shard.data import decode
+
+    args, cfg, out, history, report = run.args, run.cfg, run.out, run.history, run.report
+    losses = history["loss"]
     summary = {
-        "strategy": strategy.name, "mesh": sizes, "devices": n,
-        "platform": devices[0].platform, "simulated_devices": simulated,
+        "strategy": run.strategy.name, "mesh": run.sizes, "devices": run.n,
+        "platform": run.devices[0].platform, "simulated_devices": run.simulated,
         "config": _jsonable_config(cfg), "num_params": cfg.num_params,
         "steps": len(losses), "steps_per_call": args.steps_per_call, "batch": args.batch,
         "seq": cfg.length, "lr": args.lr, "seed": args.seed, "stop_reason": None,
         "train_seconds": history.seconds, "tokens_per_s": tokens_s,
         "train_loss_first": float(losses[0]), "train_loss_last": float(losses[-1]),
         "heldout_loss_initial": first, "heldout_loss": final,
-        "unigram_baseline": baseline, "heldout_evals": [[s, v] for s, v in evals],
+        "unigram_baseline": run.baseline, "heldout_evals": [[s, v] for s, v in run.evals],
         "param_bytes_per_device": report.param_bytes_per_device,
         "param_bytes_total": report.total_bytes,
         "opt_bytes_per_device": report.opt_bytes_per_device,
-        "checkpoint": str(ckpt), "restore_strategy": restore_strategy.name,
-        "restore_mesh": restore_sizes, "heldout_loss_restored": restored_loss,
+        "checkpoint": str(ckpt), "restore_strategy": run.restore_strategy.name,
+        "restore_mesh": run.restore_sizes, "heldout_loss_restored": restored_loss,
         "sample_prompt": decode(prompt), "sample": sample,
         "loss": losses.tolist(), "loss_png": None if png is None else str(png),
-        "total_seconds": time.perf_counter() - t_start,
+        "total_seconds": time.perf_counter() - run.t_start,
     }
-    outputs.record("summary.json")
+    run.outputs.record("summary.json")
     _write_summary(out / "summary.json", summary)
     wrote = f"{png} and {out / 'summary.json'}" if png else f"{out / 'summary.json'}"
-    say(f"\nwrote {wrote} ({summary['total_seconds']:.0f} s in all)")
-    return 0
+    _say(f"\nwrote {wrote} ({summary['total_seconds']:.0f} s in all)")
 
 
 def _rate(marks: list[tuple[int, float]], tokens_per_step: int) -> float | None:

@@ -78,6 +78,52 @@ def _prepare_dir(out: Path, names: Sequence[str]) -> None:
     marker.write_text(json.dumps({"files": sorted(names)}) + "\n")
 
 
+def _check_args(path: Any, model: Any, max_shard_bytes: Any, dtype: Any) -> None:
+    if as_path(path, "save_safetensors").exists() and not Path(path).is_dir():
+        raise FileExistsError(f"save_safetensors: path {str(path)!r} is a file, not a directory "
+                              "(it is never written over). Fix: a directory path")
+    if dtype is not None:
+        try:
+            st.dtype_name(dtype)
+        except TypeError:
+            raise TypeError(f"save_safetensors: dtype {short(dtype, 40)} is not a dtype. Fix: "
+                            "e.g. dtype=jnp.bfloat16, or None to keep each parameter's") from None
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"save_safetensors: model must be an nnx.Module, got "
+                        f"{type(model).__name__} {short(model, 60)}. Fix: the model to write")
+    if max_shard_bytes is not None:
+        count(max_shard_bytes, "save_safetensors: max_shard_bytes",
+              fix="bytes per file, e.g. 5 * 10**9, or None for one file")
+
+
+def _plan_files(leaves: Mapping[str, Leaf], max_shard_bytes: int | None, dtype: Any
+                ) -> tuple[dict[str, tuple[str, tuple[int, ...], Leaf]], list[str],
+                           list[list[str]], list[str]]:
+    """The tensors to write (Hugging Face key -> (dtype name, shape, leaf)), their keys
+    in order, the keys of each file, and the file names."""
+    tensors: dict[str, tuple[str, tuple[int, ...], Leaf]] = {}
+    for leaf in leaves.values():
+        t = TRANSFORM_FNS[leaf.transform or "copy"]
+        shape = tuple(t.hf_shape(leaf.layer_shape))
+        kind = st.dtype_name(leaf.dtype if dtype is None else dtype)
+        for key in leaf.keys.values():
+            tensors[key] = (kind, shape, leaf)
+    order = sorted(tensors, key=natural)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key in order:
+        kind, shape, _ = tensors[key]
+        n = st.DTYPES[kind].itemsize * int(np.prod(shape))
+        if max_shard_bytes is not None and groups[-1] and size + n > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += n
+    names = ([SINGLE] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    return tensors, order, groups, names
+
+
 def save_safetensors(path: str | os.PathLike[str], model: Any,
                      mapping: Mapping[str, MappingValue] | None = None, *,
                      max_shard_bytes: int | None = None, dtype: Any = None) -> None:
@@ -118,43 +164,10 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     >>> json.load(open(os.path.join(out, "config.json")))["torch_dtype"]
     'bfloat16'
     """
-    if as_path(path, "save_safetensors").exists() and not Path(path).is_dir():
-        raise FileExistsError(f"save_safetensors: path {str(path)!r} is a file, not a directory "
-                              "(it is never written over). Fix: a directory path")
-    if dtype is not None:
-        try:
-            st.dtype_name(dtype)
-        except TypeError:
-            raise TypeError(f"save_safetensors: dtype {short(dtype, 40)} is not a dtype. Fix: "
-                            "e.g. dtype=jnp.bfloat16, or None to keep each parameter's") from None
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"save_safetensors: model must be an nnx.Module, got "
-                        f"{type(model).__name__} {short(model, 60)}. Fix: the model to write")
-    if max_shard_bytes is not None:
-        count(max_shard_bytes, "save_safetensors: max_shard_bytes",
-              fix="bytes per file, e.g. 5 * 10**9, or None for one file")
+    _check_args(path, model, max_shard_bytes, dtype)
     rules = compile_rules(mapping_for(model) if mapping is None else mapping)
     leaves = _plan_save(nnx.state(model), rules)
-    tensors: dict[str, tuple[str, tuple[int, ...], Leaf]] = {}
-    for leaf in leaves.values():
-        t = TRANSFORM_FNS[leaf.transform or "copy"]
-        shape = tuple(t.hf_shape(leaf.layer_shape))
-        kind = st.dtype_name(leaf.dtype if dtype is None else dtype)
-        for key in leaf.keys.values():
-            tensors[key] = (kind, shape, leaf)
-    order = sorted(tensors, key=natural)
-    groups: list[list[str]] = [[]]
-    size = 0
-    for key in order:
-        kind, shape, _ = tensors[key]
-        n = st.DTYPES[kind].itemsize * int(np.prod(shape))
-        if max_shard_bytes is not None and groups[-1] and size + n > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(key)
-        size += n
-    names = ([SINGLE] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    tensors, order, groups, names = _plan_files(leaves, max_shard_bytes, dtype)
     out = Path(path)
     cfg = getattr(model, "cfg", None)
     extra = ([INDEX] if len(groups) > 1 else []) + (["config.json"] if hasattr(cfg, "to_hf")

@@ -120,6 +120,10 @@ def _check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] 
     for f in flags:
         if not isinstance(getattr(cfg, f), bool):
             raise bad(f, "True or False")
+    _check_dtypes(cfg, where)
+
+
+def _check_dtypes(cfg: Any, where: str) -> None:
     for f in ("dtype", "param_dtype"):
         try:
             jnp.dtype(getattr(cfg, f))

@@ -1,0 +1,370 @@
+"""The configuration of :class:`~nnx_shard.models.Llama`: :class:`LlamaConfig`
+(sizes and options; :meth:`LlamaConfig.from_hf` reads a transformers
+``config.json``, :meth:`LlamaConfig.to_hf` writes one) and the named
+configurations :data:`LLAMA_CONFIGS` with :func:`get_llama_config`.
+
+>>> get_llama_config("tiny").kv_heads
+2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from nnx_shard.blockwise import KERNELS
+from nnx_shard.models.transformer import REMAT_POLICIES, _check_fields
+
+__all__ = ["LLAMA_CONFIGS", "LlamaConfig", "get_llama_config"]
+
+#: ``config.json`` model types :meth:`LlamaConfig.from_hf` reads.
+MODEL_TYPES = ("llama", "qwen3")
+#: ``rope_scaling`` types the model implements (``"default"``: none).
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and options of :class:`Llama` (frozen: derive variants with
+    ``dataclasses.replace``). Field names follow
+    :class:`~nnx_shard.models.TransformerConfig`; the Hugging Face names are
+    in :meth:`from_hf`.
+
+    Attributes:
+      vocab: vocabulary size (``vocab_size``).
+      embed: width of the residual stream (``hidden_size``).
+      heads: query heads (``num_attention_heads``).
+      kv_heads: key/value heads (``num_key_value_heads``); must divide ``heads``.
+      head_dim: width of each head (``head_dim``, else ``hidden_size / heads``).
+      mlp: hidden width of the SwiGLU MLP (``intermediate_size``).
+      layers: number of blocks (``num_hidden_layers``).
+      rope_theta: base of the rotary frequencies.
+      rope_scaling: ``None``, or the ``llama3`` frequency scaling as sorted
+        ``(key, value)`` pairs (a dict is accepted and converted), e.g.
+        ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
+      norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
+      tie_embeddings: reuse the token embedding as the output projection
+        (``tie_word_embeddings``).
+      qk_norm: RMSNorm of each query and key head before the rotation (Qwen3).
+      attention_bias: biases on the q, k, v and o projections.
+      mlp_bias: biases on the gate, up and down projections (Llama's ``mlp_bias``).
+      max_length: ``max_position_embeddings`` (written back to ``config.json``;
+        the rotation itself works at any length).
+      model_type: ``"llama"`` or ``"qwen3"``: the ``config.json`` that
+        :meth:`to_hf` writes.
+      scan_layers, remat, attention, dtype, param_dtype: as in
+        :class:`~nnx_shard.models.TransformerConfig` (``scan_layers=True``
+        stacks the blocks on a leading ``layers`` axis: the pp presets need it;
+        ``attention`` is the per-device kernel, ``"auto"`` by default: cuDNN's
+        fused kernel on GPUs where it applies, else blockwise; ``"dense"`` keeps
+        the float32 ``[batch, heads, seq, seq]`` probabilities). Grouped-query
+        attention never repeats K/V, in any kernel.
+
+    >>> cfg = LlamaConfig(vocab=64, embed=16, heads=4, kv_heads=2, head_dim=4, mlp=32, layers=1)
+    >>> cfg.num_params
+    4400
+    >>> LlamaConfig(heads=4, kv_heads=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: LlamaConfig: kv_heads=3 must divide heads=4 (grouped-query attention shares each key/value head among heads / kv_heads query heads).
+    """
+
+    vocab: int = 128
+    embed: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 8
+    mlp: int = 64
+    layers: int = 2
+    rope_theta: float = 10000.0
+    rope_scaling: Any = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_length: int = 2048
+    model_type: str = "llama"
+    scan_layers: bool = False
+    remat: str = "none"
+    attention: str = "auto"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        _check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
+                            "max_length"), positive=("rope_theta", "norm_eps"),
+                     flags=("tie_embeddings", "qk_norm", "attention_bias", "mlp_bias",
+                            "scan_layers"))
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"LlamaConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
+                "(grouped-query attention shares each key/value head among heads / kv_heads "
+                "query heads)."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even (the rotary "
+                             "embedding rotates pairs of features).")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"LlamaConfig.remat={self.remat!r} is not a remat policy; valid: "
+                + ", ".join(repr(k) for k in REMAT_POLICIES) + "."
+            )
+        if self.attention not in KERNELS:
+            raise ValueError(
+                f"LlamaConfig.attention={self.attention!r} is not an attention kernel; "
+                "valid: " + ", ".join(repr(k) for k in KERNELS) + "."
+            )
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"LlamaConfig.model_type={self.model_type!r}; valid: "
+                             f"{', '.join(MODEL_TYPES)}.")
+        # Hashable (the config is static metadata of the module's graph).
+        object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling))
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, computed from the sizes (tied embeddings counted once).
+
+        >>> round(get_llama_config("llama3-8b").num_params / 1e9, 2)
+        8.03
+        """
+        e, h, g, d, m = self.embed, self.heads, self.kv_heads, self.head_dim, self.mlp
+        attn = 2 * e * h * d + 2 * e * g * d
+        if self.attention_bias:
+            attn += h * d + 2 * g * d + e
+        if self.qk_norm:
+            attn += 2 * d
+        ffn = 3 * e * m + ((2 * m + e) if self.mlp_bias else 0)
+        block = attn + ffn + 2 * e
+        unembed = 0 if self.tie_embeddings else e * self.vocab
+        return self.vocab * e + self.layers * block + e + unembed
+
+    @classmethod
+    def from_hf(cls, config: str | os.PathLike[str] | Mapping[str, Any],
+                **overrides: Any) -> LlamaConfig:
+        """The configuration of a transformers ``config.json`` (a dict, the file,
+        or the directory holding it) of model type ``llama`` or ``qwen3``;
+        ``overrides`` replace fields (e.g. ``scan_layers=True``,
+        ``param_dtype=jnp.bfloat16``). Parameters stay float32 unless overridden,
+        whatever ``torch_dtype`` the file names: master weights for training.
+
+        Reads ``rope_theta`` and ``rope_scaling`` (or transformers 5's
+        ``rope_parameters``); ``rope_scaling`` of type ``llama3`` is implemented,
+        any other type is a ``ValueError``, as are sliding-window attention and
+        activations other than SiLU.
+
+        >>> hf = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
+        ...       "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        ...       "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
+        ...       "rope_theta": 1e6, "tie_word_embeddings": True}
+        >>> cfg = LlamaConfig.from_hf(hf, scan_layers=True)
+        >>> cfg.head_dim, cfg.qk_norm, cfg.tie_embeddings, cfg.scan_layers
+        (8, True, True, True)
+        >>> LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        Traceback (most recent call last):
+        ...
+        ValueError: config.json: rope_scaling of type 'yarn' is not implemented (implemented: 'default', 'llama3'). ...
+        """
+        hf = _read_json(config)
+        kind = hf.get("model_type")
+        if kind not in MODEL_TYPES:
+            raise ValueError(
+                f"config.json: model_type {kind!r} is not a Llama-family model this reads "
+                f"(supported: {', '.join(MODEL_TYPES)}). Fix: pass the config.json of a "
+                "LlamaForCausalLM or Qwen3ForCausalLM checkpoint."
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json: hidden_act={act!r}; the model implements SwiGLU "
+                             "with 'silu' only.")
+        if hf.get("use_sliding_window") or any(
+                t != "full_attention" for t in hf.get("layer_types") or ()):
+            raise ValueError("config.json: sliding-window attention layers are not implemented "
+                             "(use_sliding_window / layer_types). Fix: use a checkpoint with "
+                             "full attention in every layer.")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in hf]
+        if missing:
+            raise ValueError(f"config.json: missing keys {missing}; a {kind} config.json "
+                             "names every size.")
+        theta, scaling = _rope(hf)
+        heads = int(hf["num_attention_heads"])
+        fields: dict[str, Any] = dict(
+            vocab=int(hf["vocab_size"]),
+            embed=int(hf["hidden_size"]),
+            heads=heads,
+            kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            mlp=int(hf["intermediate_size"]),
+            layers=int(hf["num_hidden_layers"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=kind == "qwen3",
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)) if kind == "llama" else False,
+            max_length=int(hf.get("max_position_embeddings", 2048)),
+            model_type=kind,
+        )
+        return cls(**(fields | overrides))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The transformers ``config.json`` of this configuration (what
+        :func:`nnx_shard.save_safetensors` writes next to the weights).
+
+        >>> get_llama_config("qwen3-0.6b").to_hf()["architectures"]
+        ['Qwen3ForCausalLM']
+        """
+        dtype = {v: k for k, v in _DTYPES.items()}.get(self.param_dtype, "float32")
+        out: dict[str, Any] = {
+            "architectures": ["Qwen3ForCausalLM" if self.model_type == "qwen3"
+                              else "LlamaForCausalLM"],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab,
+            "hidden_size": self.embed,
+            "intermediate_size": self.mlp,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_length,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "torch_dtype": dtype,
+        }
+        if self.model_type == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        else:
+            out["use_sliding_window"] = False
+        return out
+
+
+def _read_json(config: Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"LlamaConfig.from_hf: no config.json at {path}. Fix: pass the "
+                                "checkpoint directory, its config.json, or the dict.")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rope(hf: Mapping[str, Any]) -> tuple[float, Any]:
+    params = hf.get("rope_parameters")  # transformers >= 5
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = dict(params)
+        scaling.pop("rope_theta")
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"config.json: rope_scaling of type {kind!r} is not implemented (implemented: "
+            f"{', '.join(repr(t) for t in ROPE_TYPES)}). Fix: use a checkpoint without that "
+            "scaling, or add it to nnx_shard.models.llama.rope_frequencies."
+        )
+    if kind == "default":
+        return theta, None
+    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"config.json: rope_scaling of type 'llama3' lacks {missing}.")
+    return theta, {"rope_type": "llama3", **{k: scaling[k] for k in _LLAMA3_KEYS}}
+
+
+def _scaling(value: Any) -> tuple[tuple[str, Any], ...] | None:
+    if not value:
+        return None
+    items = dict(value)
+    kind = items.get("rope_type", items.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"LlamaConfig.rope_scaling: type {kind!r} is not implemented "
+                         f"(implemented: {', '.join(repr(t) for t in ROPE_TYPES)}).")
+    missing = [k for k in _LLAMA3_KEYS if k not in items]
+    if missing:
+        raise ValueError(f"LlamaConfig.rope_scaling of type 'llama3' lacks {missing}.")
+    items["rope_type"] = "llama3"
+    items.pop("type", None)
+    return tuple(sorted(items.items()))
+
+
+
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_BIG = dict(scan_layers=True, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+#: Named configurations. ``tiny`` (grouped-query Llama) and ``tiny_qwen3``
+#: (q/k norm, ``head_dim`` != ``embed / heads``, tied embeddings) are for tests;
+#: the others carry the published shapes of Llama 3.1 8B / 70B / 405B and
+#: Qwen3-0.6B (from their ``config.json``; Llama 3's 8B and 70B have the same
+#: shapes, without ``rope_scaling``), with stacked layers and bfloat16
+#: parameters, for planning with :func:`nnx_shard.abstract_init`.
+LLAMA_CONFIGS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(max_length=64),
+    "tiny_qwen3": LlamaConfig(head_dim=16, qk_norm=True, tie_embeddings=True,
+                              norm_eps=1e-6, rope_theta=1e6, max_length=64,
+                              model_type="qwen3"),
+    "llama3-8b": LlamaConfig(
+        vocab=128256, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
+        **_BIG),
+    "llama3-70b": LlamaConfig(
+        vocab=128256, embed=8192, heads=64, kv_heads=8, head_dim=128, mlp=28672, layers=80,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
+        **_BIG),
+    "llama3-405b": LlamaConfig(
+        vocab=128256, embed=16384, heads=128, kv_heads=8, head_dim=128, mlp=53248, layers=126,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
+        **_BIG),
+    "qwen3-0.6b": LlamaConfig(
+        vocab=151936, embed=1024, heads=16, kv_heads=8, head_dim=128, mlp=3072, layers=28,
+        rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+        max_length=40960, model_type="qwen3", **_BIG),
+}
+
+
+def get_llama_config(name: str) -> LlamaConfig:
+    """A named :class:`LlamaConfig` from :data:`LLAMA_CONFIGS`: ``tiny``,
+    ``tiny_qwen3`` (tests), ``llama3-8b``, ``llama3-70b``, ``llama3-405b``,
+    ``qwen3-0.6b`` (published shapes; plan them with
+    :func:`nnx_shard.abstract_init`, nothing is allocated).
+
+    >>> get_llama_config("llama3-70b").kv_heads
+    8
+    >>> get_llama_config("llama-8b")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown Llama config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_qwen3, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b
+    """
+    try:
+        return LLAMA_CONFIGS[name]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(name, LLAMA_CONFIGS, n=1)
+        mean = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"unknown Llama config {name!r}.{mean} Known: {', '.join(LLAMA_CONFIGS)}"
+        ) from None
