@@ -29,12 +29,13 @@ from nnx_shard.parallel.ring import attention
 __all__ = ["attention_fn"]
 
 
-def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, bias: Any = None,
-                 mask: Any = None, broadcast_dropout: bool = True, dropout_rng: Any = None,
-                 dropout_rate: float = 0.0, deterministic: bool = False, dtype: Any = None,
-                 precision: Any = None, module: Any = None,
-                 promote_dtype: Any = dtypes.promote_dtype, is_causal: bool = False, *,
-                 implementation: str = "auto", block_size: int = BLOCK) -> jax.Array:
+def attention_fn(  # noqa: PLR0913  # flax's nnx.dot_product_attention signature, as is
+        query: jax.Array, key: jax.Array, value: jax.Array, bias: Any = None,
+        mask: Any = None, broadcast_dropout: bool = True, dropout_rng: Any = None,
+        dropout_rate: float = 0.0, deterministic: bool = False, dtype: Any = None,
+        precision: Any = None, module: Any = None,
+        promote_dtype: Any = dtypes.promote_dtype, is_causal: bool = False, *,
+        implementation: str = "auto", block_size: int = BLOCK) -> jax.Array:
     """``flax.nnx.dot_product_attention`` computed by :func:`nnx_shard.models.attention`:
     pass it as ``nnx.MultiHeadAttention(..., attention_fn=attention_fn)``.
 

@@ -82,7 +82,7 @@ class Trainer:
     ([1, 2, 3, 4, 5, 6], (6,), 6)
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  # the options of fit's compiled call, keyword-only
         self,
         model: nnx.Module,
         optimizer: nnx.Optimizer,
