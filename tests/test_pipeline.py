@@ -591,13 +591,14 @@ def test_pipeline_explain_refuses_microbatches_that_would_give_wrong_bytes(micro
     cfg = ns.models.TransformerConfig(layers=4, scan_layers=True)
     model = nnx.eval_shape(lambda: ns.models.Transformer(cfg, rngs=nnx.Rngs(0)))
     carry = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
+    mesh = ns.make_mesh({"stage": 4, "data": 1}, devices=jax.devices()[:4])
     with pytest.raises(ns.NnxShardError, match=match):
-        ns.pipeline.explain(model, {"stage": 4, "data": 1}, "pp", carry=carry,
+        ns.pipeline.explain(model, mesh, "pp", carry=carry,
                             microbatches=microbatches)
-    report = ns.pipeline.explain(model, {"stage": 4, "data": 1}, "pp", carry=carry,
+    report = ns.pipeline.explain(model, mesh, "pp", carry=carry,
                                  microbatches=4)
     assert report.microbatch_bytes == 16 * cfg.length * cfg.embed * 4 // 4
     with pytest.raises(ns.ShardingError, match=r"carry is int 5, not an array"):
-        ns.pipeline.explain(model, {"stage": 4, "data": 1}, "pp", carry=5, microbatches=4)
+        ns.pipeline.explain(model, mesh, "pp", carry=5, microbatches=4)
     with pytest.raises(ns.ShardingError, match=r"unknown strategy 'nope'"):
-        ns.pipeline.explain(model, {"stage": 4, "data": 1}, "nope", carry=carry, microbatches=4)
+        ns.pipeline.explain(model, mesh, "nope", carry=carry, microbatches=4)

@@ -446,8 +446,7 @@ def make_gated_step(loss_fn: Callable[..., Any], has_aux: bool,
         rest = jax.tree.map(lambda x: x, nnx.state(model, nnx.Not(optimizer.wrt)))
         out, grads = grad_fn(model, batch)
         loss, aux = out if has_aux else (out, {})
-        if not isinstance(aux, Mapping):
-            aux = {"aux": aux}
+        aux = aux_metrics(aux)  # fit's own names refused, a non-mapping kept as "aux"
         layout = guard.layout
         shares = (grad_sq_shares(grads, layout.grad_specs, layout.mesh)
                   if layout.grad_specs is not None else None)
