@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_shard.mesh import constrain, current
 
-__all__ = ["CACHE_AXES", "attend", "decode_layers", "new", "write"]
+__all__ = ["CACHE_AXES", "attend", "decode_layers", "init_layers", "new", "write"]
 
 #: Logical names of a cache array's dimensions ``[batch, length, kv_heads, head_dim]``.
 CACHE_AXES: tuple[str, str, str, str] = ("cache_batch", "cache_length", "cache_kv_heads",
@@ -151,6 +151,17 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array) -
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bgrtl,blgd->btgrd", probs, values, out_sharding=out_spec)
     return out.reshape(batch, steps, heads, dim)
+
+
+def init_layers(blocks: Any, layers: int | None, batch: int, length: int) -> None:
+    """Creates the cache of every block's ``attn``: one per block of an ``nnx.List``,
+    or one cache with ``layers`` stacked in front for blocks stacked with
+    ``nnx.vmap`` (the layout :func:`decode_layers` scans)."""
+    if layers is None:
+        for block in blocks:
+            block.attn.init_cache(batch, length)
+    else:
+        blocks.attn.init_cache(batch, length, layers)
 
 
 def decode_layers(blocks: Any, stacked: bool, x: jax.Array,

@@ -393,12 +393,8 @@ class Llama(nnx.Module):
         >>> model.blocks[0].attn.cached_value.shape    # 2 key/value heads of 8
         (2, 16, 2, 8)
         """
-        layers = self.cfg.layers if self.cfg.scan_layers else None
-        if layers is None:
-            for block in self.blocks:
-                block.attn.init_cache(batch, length)
-        else:
-            self.blocks.attn.init_cache(batch, length, layers)
+        kv_cache.init_layers(self.blocks, self.cfg.layers if self.cfg.scan_layers else None,
+                             batch, length)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
     def decode(self, tokens: jax.Array) -> jax.Array:

@@ -616,12 +616,8 @@ class Transformer(nnx.Module):
         >>> model.blocks[0].attn.cached_key.shape, int(model.cache_index[...])
         ((2, 16, 4, 8), 0)
         """
-        layers = self.cfg.layers if self.cfg.scan_layers else None
-        if layers is None:
-            for block in self.blocks:
-                block.attn.init_cache(batch, length)
-        else:
-            self.blocks.attn.init_cache(batch, length, layers)
+        kv_cache.init_layers(self.blocks, self.cfg.layers if self.cfg.scan_layers else None,
+                             batch, length)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
     def decode(self, tokens: jax.Array) -> jax.Array:
