@@ -273,17 +273,22 @@ def _print_bytes(out: dict[str, Any], report: Report) -> None:
     print()
 
 
+def _print_rows(rows: Any) -> None:
+    """Path, shape, spec and bytes per device of report rows, in aligned columns."""
+    cols = [(r.path, str(r.shape), _spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
+            for r in rows]
+    widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
+    for c in cols:
+        print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
+              + f"  {c[3]:>{widths[3]}}")
+
+
 def _print_largest(out: dict[str, Any], report: Report, top: int) -> None:
     print(f"largest parameters per device (of {sum(1 for r in report.rows if r.group == 'params')}; "
           f"{out['replicated_params']} replicated):")
     largest = sorted((r for r in report.rows if r.group == "params"),
                      key=lambda r: -r.bytes_per_device)[:top]
-    cols = [(r.path, str(r.shape), _spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
-            for r in largest]
-    widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
-    for c in cols:
-        print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
-              + f"  {c[3]:>{widths[3]}}")
+    _print_rows(largest)
     print()
 
 
@@ -405,12 +410,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"cache arrays ({len(arrays)}; names cache_batch, cache_length, cache_kv_heads, "
           "cache_head_dim):")
     shown = arrays[:args.top]
-    cols = [(r.path, str(r.shape), _spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
-            for r in shown]
-    widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
-    for c in cols:
-        print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
-              + f"  {c[3]:>{widths[3]}}")
+    _print_rows(shown)
     if len(arrays) > len(shown):
         print(f"  ... and {len(arrays) - len(shown)} more alike")
     print()
