@@ -281,3 +281,49 @@ def hand_scan(graphdef: Any, loss_fn: Callable, unroll: int = 1) -> Callable:
         return jax.lax.scan(body, state, batches, unroll=unroll)
 
     return scan_train
+
+
+@dataclasses.dataclass
+class LMProblem:
+    """The reference LM trained data-parallel-style for the fit-cost benchmarks: one
+    window of K steps (host arrays and the same on devices, batch over ``data``) and a
+    ``make()`` of a fresh sharded model and Adam optimizer."""
+
+    strategy: Any
+    mesh: Any
+    cfg: Any
+    arrays: dict
+    window: Any
+    make: Callable[[], tuple[Any, Any]]
+
+    @property
+    def rules(self) -> Any:
+        return self.strategy.rules
+
+
+def lm_problem(strategy_name: str, n_devices: int, quick: bool, k: int, batch: int) -> LMProblem:
+    """``small`` (``tiny`` with ``quick``) under preset ``strategy_name`` on
+    ``data=n_devices``, ``k`` steps of ``batch`` random token sequences."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard.models import Transformer, get_config
+
+    strategy = ns.strategies.get(strategy_name)
+    mesh = ns.make_mesh({"data": n_devices})
+    cfg = get_config("tiny" if quick else "small")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab, size=(k * batch, cfg.length + 1)).astype(np.int32)
+    arrays = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    window = jax.device_put({key: v.reshape(k, batch, -1) for key, v in arrays.items()},
+                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
+
+    def make() -> tuple[Any, Any]:
+        model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+        return model, strategy.optimizer(model, optax.adam(1e-3), mesh)
+
+    return LMProblem(strategy, mesh, cfg, arrays, window, make)
+

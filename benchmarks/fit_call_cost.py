@@ -42,7 +42,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import hand_scan, parse, print_table, run_worker, worker_main, write_json
+from _common import hand_scan, lm_problem, parse, print_table, run_worker, worker_main, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fit_call_cost.json"
 # (devices, strategy): on one device fsdp is dp.
@@ -58,31 +58,18 @@ def worker(n_devices: int, quick: bool) -> dict:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    import optax
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Transformer, get_config, lm_loss
+    from nnx_shard.models import lm_loss
     from nnx_shard.train import guard as train_guard
     from nnx_shard.train import trainer as train_trainer
     from nnx_shard.train.fused import Carry
 
     assert jax.device_count() == n_devices, (jax.device_count(), n_devices)
     name = os.environ.get(STRATEGY_ENV, "dp")
-    strategy = ns.strategies.get(name)
-    mesh = ns.make_mesh({"data": n_devices})
-    rules = strategy.rules
-    cfg = get_config("tiny" if quick else "small")
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab, size=(K * BATCH, cfg.length + 1)).astype(np.int32)
-    arrays = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    window = jax.device_put({key: v.reshape(K, BATCH, -1) for key, v in arrays.items()},
-                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
-
-    def make():
-        model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-        return model, strategy.optimizer(model, optax.adam(1e-3), mesh)
+    lm = lm_problem(name, n_devices, quick, K, BATCH)
+    mesh, rules, arrays, window, make = lm.mesh, lm.rules, lm.arrays, lm.window, lm.make
 
     def temp_mib(compiled) -> float:
         return compiled.memory_analysis().temp_size_in_bytes / 2**20

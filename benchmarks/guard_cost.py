@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import hand_scan, print_table, run_worker, write_json
+from _common import hand_scan, lm_problem, print_table, run_worker, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "guard_cost.json"
 SETTINGS = ((1, "dp"), (8, "dp"), (8, "fsdp"))
@@ -140,29 +140,16 @@ def memory_worker(n_devices: int, quick: bool) -> dict:
 def time_worker(n_devices: int, quick: bool) -> dict:
     """Part 2: the small transformer's compiled calls per mode, timed and measured."""
     import jax
-    import numpy as np
-    import optax
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Transformer, get_config, lm_loss
+    from nnx_shard.models import lm_loss
     from nnx_shard.train.fused import Carry
 
     assert jax.device_count() == n_devices
     name = os.environ.get(STRATEGY_ENV, "dp")
-    strategy = ns.strategies.get(name)
-    mesh = ns.make_mesh({"data": n_devices})
-    rules = strategy.rules
-    cfg = get_config("tiny" if quick else "small")
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab, size=(K * BATCH, cfg.length + 1)).astype(np.int32)
-    arrays = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    window = jax.device_put({key: v.reshape(K, BATCH, -1) for key, v in arrays.items()},
-                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
-
-    def make():
-        model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-        return model, strategy.optimizer(model, optax.adam(1e-3), mesh)
+    lm = lm_problem(name, n_devices, quick, K, BATCH)
+    mesh, rules, arrays, window, make = lm.mesh, lm.rules, lm.arrays, lm.window, lm.make
 
     calls, temp = {}, {}
     graphdef, state0 = nnx.split(make())
