@@ -57,6 +57,7 @@ def _tokens(seed: int = 0, batch: int = BATCH) -> np.ndarray:
 # --------------------------------------------------------------------------- the layer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [None, KV_HEADS])
 def test_adapter_equals_stock_multi_head_attention(kv_heads) -> None:
     tokens = jnp.asarray(_tokens()[:, :-1])

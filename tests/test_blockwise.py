@@ -123,6 +123,7 @@ def test_blockwise_mha_and_multi_query(heads, kv_heads) -> None:
         assert_close(got, _value_and_grads(plain, q, k, v, w), RTOL, f"block {block}")
 
 
+@pytest.mark.slow
 def test_cross_attention_lengths() -> None:
     # Fewer queries than keys (and a decoding step: one query, no causal mask), blocks
     # of 4. Causal with fewer queries: query i sees keys 0..i, as in flax and jax.

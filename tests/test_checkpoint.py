@@ -514,6 +514,7 @@ def _resume_child(directory: str) -> None:
     print("steps", h["step"].tolist(), t.data_position, flush=True)
 
 
+@pytest.mark.slow
 def test_resume_in_fresh_process_is_bitwise(tmp_path, straight):
     at10, final_model, final_opt = straight
     model, opt = build(MESH8, FSDP)

@@ -225,6 +225,7 @@ def in_process_compile(remat="none", scan_layers=False):
     return lowered.compile().memory_analysis()
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_plan_compiled_total_is_the_in_process_compile_of_the_same_step(capsys):
     code, out, err = run(capsys, *TINY, "--json")
@@ -243,6 +244,7 @@ def test_plan_compiled_total_is_the_in_process_compile_of_the_same_step(capsys):
     assert plan["decided_by"] == "compiled" and plan["bytes_needed"] == c["total"]
 
 
+@pytest.mark.slow
 def test_plan_the_compiled_figure_decides_and_the_formula_is_labelled(capsys):
     code, out, _ = run(capsys, *TINY, "--json")
     plan = json.loads(out)
@@ -291,6 +293,7 @@ def test_plan_parameter_count_is_readable(capsys, model, flags, count):
     assert count in out.splitlines()[0] and "0.00 B" not in out
 
 
+@pytest.mark.slow
 def test_plan_remat_policies_are_the_models_and_change_the_compiled_temp(capsys):
     temps = {}
     for remat in ("none", "full", "dots", "offload"):
@@ -684,6 +687,7 @@ def test_demo_never_deletes_or_overwrites_what_it_did_not_write(capsys, tmp_path
                   if p.is_file()) == [mine]
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_demo_of_one_step_runs_and_a_rerun_replaces_only_its_own_outputs(capsys, tmp_path):
     out_dir = tmp_path / "demo"
@@ -748,6 +752,7 @@ def test_plot_losses_draws_with_matplotlib_or_names_the_extra(tmp_path, monkeypa
     assert not (tmp_path / "b.png").exists()
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_demo_without_matplotlib_says_how_to_get_the_plot(capsys, tmp_path, monkeypatch):
     out_dir = tmp_path / "demo"
@@ -769,6 +774,7 @@ def test_demo_without_matplotlib_says_how_to_get_the_plot(capsys, tmp_path, monk
     assert f"wrote {out_dir / 'summary.json'} (" in out
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_demo_end_to_end(capsys, tmp_path):
     out_dir = tmp_path / "demo"

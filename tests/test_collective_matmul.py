@@ -122,6 +122,7 @@ def test_matmul_reduce_scatter_equals_einsum(model: int, bidirectional: bool) ->
     assert len(found) == (model - 1) * (2 if bidirectional else 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
 def test_ops_keep_the_batch_split_over_data(axis_types: str) -> None:
     # Other mesh axes are not the ring's business: the batch stays split over
@@ -148,6 +149,7 @@ def test_ops_keep_the_batch_split_over_data(axis_types: str) -> None:
             assert kinds == {("collective-permute", ("model",))}
 
 
+@pytest.mark.slow
 def test_projection_dispatch() -> None:
     mesh = ns.make_mesh("data=2,model=4")
     x, wq, wo = _rand(6, (2, 16, 16)), _rand(7, (16, 4, 2)), _rand(8, (4, 2, 16))
@@ -197,6 +199,7 @@ def _run(name: str, mesh_spec: str, axis_types: str = "auto") -> Run:
     return Run(model, metrics, compiled_collectives(hlo, mesh))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mesh", "axis_types"), [("data=2,model=4", "auto"),
                                                   ("data=4,model=2", "auto"),
                                                   ("data=2,model=4", "explicit")])
@@ -259,6 +262,7 @@ def test_compiled_step_permutes_in_place_of_all_reduces(axis_types: str) -> None
     assert len(over_model(got, "all-reduce")) < len(over_model(tp, "all-reduce"))
 
 
+@pytest.mark.slow
 def test_trainer_carries_the_option() -> None:
     # Trainer(rules=strategy.rules) passes the options through ns.use.
     s = ns.strategies.get("async_tp")

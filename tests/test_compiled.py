@@ -6,6 +6,7 @@ from conftest import needs_devices
 from nnx_shard.planner import CompileError, compiled_memory, compiled_memory_subprocess
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_subprocess_compiles_the_same_program_as_in_process():
     kwargs = {"strategy": "fsdp", "batch": 8, "seq": 16, "remat": "full"}

@@ -206,6 +206,7 @@ def test_gather_returns_numpy():
 # --------------------------------------------------------------------------- real processes
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_two_processes_train_like_one_with_eight_devices(tmp_path):
     out = tmp_path / "two.npz"
@@ -224,6 +225,7 @@ def test_two_processes_train_like_one_with_eight_devices(tmp_path):
     assert_close(two, params, 1e-4, "params")
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_checkpoint_written_by_two_processes_restores_in_one(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "two.npz"
@@ -242,6 +244,7 @@ def test_checkpoint_written_by_two_processes_restores_in_one(tmp_path):
     assert kernel.sharding.spec[0] == "data" and len(kernel.addressable_shards) == 8
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_checkpoint_written_by_one_process_restores_in_two(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "restored.npz"

@@ -85,6 +85,7 @@ def _stack(unrolled: Llama, scanned: Llama) -> None:
     nnx.update(scanned, nnx.state(unrolled, nnx.Not(nnx.PathContains("blocks"))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_scan_layers_equals_unrolled(remat: str) -> None:
     cfg = get_llama_config("tiny_qwen3")

@@ -324,6 +324,7 @@ def _compiled(cfg: TransformerConfig, batch_size: int, length: int):
     return step.lower(state, batch).compile()
 
 
+@pytest.mark.slow
 def test_remat_lowers_scanned_temp_bytes() -> None:
     # Big enough that the saved per-layer activations dominate the step's temporaries.
     cfg = dataclasses.replace(get_config("small"), vocab=128, embed=64, mlp=256, heads=4,

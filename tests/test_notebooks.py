@@ -29,6 +29,7 @@ def test_notebook_is_stored_without_outputs(path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)

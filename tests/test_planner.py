@@ -291,6 +291,7 @@ def test_calibrate_measures_this_machine():
 # --------------------------------------------------------------------------- HLO figures
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_compiled_costs_count_scanned_layers_once_per_layer():
     """cost_analysis() counts a loop body once; the planner weights it by the trip count."""

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import needs_devices
 from nnx_shard.simulated import simulated_env
 
@@ -53,6 +55,7 @@ def test_python_blocks_are_found():
     assert all("nnx_shard" in code or "ns." in code for _, code in blocks)
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_readme_python_blocks_run_as_written(tmp_path):
     blocks = python_blocks(README.read_text())

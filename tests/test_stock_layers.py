@@ -32,7 +32,8 @@ from jax.sharding import AxisType
 import nnx_shard as ns
 from tests.conftest import needs_devices
 
-pytestmark = needs_devices(8)
+# Every test here trains a stock layer under a preset: over ~10 s each on 2 cores.
+pytestmark = [needs_devices(8), pytest.mark.slow]
 
 STEPS = 3
 RTOL = 1e-4
