@@ -193,10 +193,7 @@ def run(args: argparse.Namespace) -> int:
                          "--loss mod:fn --batch-spec ... for your own model")
     named_config(args.model)  # an unknown name is the usage error naming the known ones
     if args.auto:
-        if args.generate:
-            raise UsageError("--generate plans one strategy and mesh: drop --auto and give "
-                             "--mesh (e.g. --mesh data=2,model=4 --strategy tp)")
-        return run_auto(args)
+        return run_auto(args)  # which refuses --generate
     if args.generate:
         return run_generate(args)
     cfg = _check(args)
@@ -452,6 +449,9 @@ def run_auto(args: argparse.Namespace) -> int:
     >>> main(["plan", "--auto", "--model", "tiny", "--batch", "8", "--seq", "16"])
     2
     """
+    if args.generate:
+        raise UsageError("--generate plans one strategy and mesh: drop --auto and give "
+                         "--mesh (e.g. --mesh data=2,model=4 --strategy tp)")
     if args.devices is None:
         raise UsageError("plan --auto needs --devices N (the device count to plan for)")
     if args.param_dtype or args.compute_dtype:
@@ -472,9 +472,6 @@ def run_auto(args: argparse.Namespace) -> int:
         if not names:
             raise UsageError(f"--strategies {args.strategies!r} names no preset. Fix: e.g. "
                              "--strategies fsdp,tp, or leave it out to try every preset")
-    if args.generate:
-        raise UsageError("--generate plans one strategy and mesh: drop --auto and give "
-                         "--mesh (e.g. --mesh data=2,model=4 --strategy tp)")
     # Your own model: batch and seq come from --batch-spec.
     user = user_model(args) if args.factory or args.loss or args.batch_spec else None
     model, own = (args.model, {"batch": args.batch, "seq": args.seq}) if user is None else (
