@@ -8,7 +8,7 @@ from nnx_shard.hf import load_safetensors, save_safetensors
 from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
 from nnx_shard.metrics import MetricsWriter
-from nnx_shard.parallel import collective_matmul, pipeline, ring
+from nnx_shard.parallel import collective_matmul, pipeline, ring, tp_layers
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 from nnx_shard.train import Precision, Trainer, multistep, shard_batch, value_and_grad
@@ -53,6 +53,7 @@ __all__ = [
     "sharded_optimizer",
     "shardings",
     "strategies",
+    "tp_layers",
     "use",
     "value_and_grad",
     "with_logical",

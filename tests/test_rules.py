@@ -98,6 +98,18 @@ def test_unknown_logical_name_suggests():
     assert "'mpl'" in msg and "Did you mean 'mlp'" in msg and "(4, 4)" in msg
 
 
+def test_missing_rule_fix_names_an_axis_the_mesh_has():
+    data_only = Rules({"embed": "data"})
+    with pytest.raises(ShardingError) as info:
+        data_only.spec(("embed", "tp"), shape=(8, 8), mesh={"data": 8})
+    assert info.value.args[0].endswith(
+        "Fix: add a rule, e.g. rules | {'tp': 'data'}, or rules | {'tp': None} to replicate it.")
+    with pytest.raises(ShardingError) as info:  # no axis that shards: replicate only
+        data_only.spec(("embed", "tp"), shape=(8, 8), mesh={"data": 1})
+    assert "Fix: add a rule, e.g. rules | {'tp': None} to replicate it." in str(info.value)
+    assert "'model'" not in str(info.value)
+
+
 def test_missing_mesh_axis():
     msg = err(Rules({"embed": "data", "mlp": "tensor"}), ("embed", "mlp"))
     assert "'tensor'" in msg and "not in the mesh" in msg and "data=2" in msg

@@ -58,7 +58,6 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from nnx_shard._frames import Frames
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
-from nnx_shard.parallel.registry import ParallelOp, register
 
 __all__ = ["OPTION", "all_gather_matmul", "check_tokens", "expect_projection",
            "matmul_reduce_scatter", "projection"]
@@ -530,14 +529,13 @@ def expect_projection(fn_name: str = "the step") -> Iterator[None]:
     if value not in (None, False) and not watch.called:
         raise ShardingError(
             f"{fn_name} ran under rules with collective_matmul={value!r} (strategy "
-            "'async_tp'), but the model never ran a projection as a collective matmul "
-            "(stock nnx.Linear / nnx.Einsum layers are plain einsums), so the step would run "
-            "as strategy 'sp' with nothing overlapped. Fix: train with strategy 'sp' (the "
-            "same layouts), or compute the tensor-parallel projections with "
-            "nnx_shard.collective_matmul.projection(eq, x, w, out_sharding, seq_letter), as "
-            "nnx_shard.models.Transformer does."
+            "'async_tp'), but the model never ran a projection as a collective matmul, so "
+            "the step would run as strategy 'sp' with nothing overlapped. Only stock "
+            "nnx.Linear / nnx.LinearGeneral / nnx.Einsum layers whose kernels carry logical "
+            "names split over the model axis (nnx_shard.tp_layers) and "
+            "nnx_shard.collective_matmul.projection run as one. Fix: annotate the "
+            "projection kernels (e.g. ('embed', 'mlp')), compute the projections with stock "
+            "layers or with nnx_shard.collective_matmul.projection(eq, x, w, out_sharding, "
+            "seq_letter), or train with strategy 'sp' (the same layouts)."
         )
 
-
-# The fused step traces every step under expect_projection (as ring attention's check).
-register(ParallelOp("collective_matmul", OPTION, check_step=expect_projection))

@@ -16,6 +16,10 @@ part, a hook:
   :func:`nnx_shard.value_and_grad`, while its option is set (see
   :func:`microbatch_owner`). The pipeline runs the microbatches through its
   stages inside one forward pass.
+* ``prepare(nodes)``: called on the NNX objects of every traced fused step
+  (the step's own copy) before the step runs, while its option is set (see
+  :func:`prepare_step`). Collective matmuls set the projection op of the stock
+  layers there (:mod:`~nnx_shard.parallel.tp_layers`).
 
 A new op registers here instead of being imported by the fused step.
 
@@ -35,7 +39,8 @@ from typing import Any
 from nnx_shard.mesh import option
 from nnx_shard.rules import declare_option
 
-__all__ = ["ParallelOp", "checking_step", "microbatch_owner", "register", "registered"]
+__all__ = ["ParallelOp", "checking_step", "microbatch_owner", "prepare_step", "register",
+           "registered"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +53,15 @@ class ParallelOp:
       check_step: entered around every traced fused step, with the step's name.
       microbatched: ``(grad_fn, m, model, batch, *args) -> (out, grads)``, the
         step's gradients over ``m`` microbatches while ``option`` is set.
+      prepare: ``(nodes) -> None``, edits the traced step's copy of its NNX objects
+        while ``option`` is set.
     """
 
     name: str
     option: str
     check_step: Callable[[str], AbstractContextManager[Any]] | None = None
     microbatched: Callable[..., tuple[Any, Any]] | None = None
+    prepare: Callable[[Any], None] | None = None
 
 
 _OPS: dict[str, ParallelOp] = {}
@@ -84,6 +92,18 @@ def checking_step(fn_name: str) -> Iterator[None]:
             if op.check_step is not None:
                 stack.enter_context(op.check_step(fn_name))
         yield
+
+
+def prepare_step(nodes: Any) -> None:
+    """Runs every registered ``prepare`` whose option the active rules set on ``nodes``
+    (the NNX objects a traced step was given).
+
+    >>> from flax import nnx
+    >>> prepare_step([nnx.Linear(2, 2, rngs=nnx.Rngs(0))])  # no rules active: nothing
+    """
+    for op in _OPS.values():
+        if op.prepare is not None and option(op.option) not in (None, False):
+            op.prepare(nodes)
 
 
 def microbatch_owner() -> ParallelOp | None:

@@ -156,9 +156,12 @@ def _leftover(
         close = difflib.get_close_matches(name, list(table), n=3, cutoff=0.6)
         known = short(", ".join(sorted(table)) or "none", 600).strip("'")
         mean = f" Did you mean {' or '.join(short(c) for c in close)}?" if close else ""
+        # Suggest a mesh axis the mesh has (the largest), never one it lacks.
+        axis = max(sizes, key=lambda a: sizes[a]) if has_mesh and sizes else "model"
+        shard = f"rules | {{{short(name)}: {short(axis)}}}, or " if sizes.get(axis, 2) > 1 else ""
         raise ShardingError(
             f"logical axis {short(name)} of {head} has no rule.{mean} Known logical axes: "
-            f"{known}. Fix: add a rule, e.g. rules | {{{short(name)}: 'model'}}, or "
+            f"{known}. Fix: add a rule, e.g. {shard}"
             f"rules | {{{short(name)}: None}} to replicate it."
         )
     for _, p in indexed:

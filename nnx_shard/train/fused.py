@@ -28,7 +28,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.errors import ShardingError, count, flag, sharding_types
 from nnx_shard.mesh import apply_sharding, current
-from nnx_shard.parallel.registry import checking_step
+from nnx_shard.parallel.registry import checking_step, prepare_step
 from nnx_shard.train.microbatch import check_device_rows, spec_axes, tracing_step
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import is_node, leaf_path
@@ -443,6 +443,7 @@ class Fused:
 
         def body(values: list[Any], xs: tuple[Any, ...]) -> tuple[list[Any], Any]:
             nodes = nnx.merge(graphdef, jax.tree.unflatten(state_def, values))
+            prepare_step(nodes)  # on this traced copy only: the caller's model is untouched
             it_nodes, it_xs = iter(nodes), iter(xs)
             call_args = [next(it_nodes) if i in node_pos else next(it_xs) for i in range(nargs)]
             # Registered parallel ops check the traced step (checking_step); value_and_grad
