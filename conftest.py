@@ -1,8 +1,24 @@
 # Simulated devices must be requested before jax is imported anywhere, including
 # by the doctests collected from nnx_shard/, so the flag is set at the rootdir.
 import os
+import shutil
+import tempfile
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+
+# One XLA compilation cache for the whole run, shared by the pytest-xdist workers (they
+# inherit this process's environment): many tests compile the same programs (each
+# worker its own cached one-device reference, the same tiny model under the same
+# preset), and a program compiled once is read back instead of compiled again. It
+# starts empty and is removed at the end, so every run compiles what it runs once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="nnx-shard-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+    def pytest_unconfigure(config):
+        shutil.rmtree(_CACHE, ignore_errors=True)

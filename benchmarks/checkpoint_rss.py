@@ -60,7 +60,7 @@ def worker(variant: str, saves: int, every: int) -> dict:
         from orbax.checkpoint._src.serialization import tensorstore_utils
 
         original = tensorstore_utils.get_tensorstore_raw_bytes
-        ns.checkpoint.backend._ocp()  # nnx_shard turns it off on first use: put it back after
+        ns.checkpoint.backend.orbax_module()  # nnx_shard turns it off on first use: put it back after
         tensorstore_utils.get_tensorstore_raw_bytes = original
     model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
     readings = []

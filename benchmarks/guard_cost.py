@@ -13,7 +13,7 @@
 
 ``grads, select gate`` is ``grads`` with the update computed and the old values
 selected back (``jnp.where`` per leaf) instead of the ``cond``: not an option of
-``Trainer``, set here through ``nnx_shard.train.guard._GATE`` to show why the
+``Trainer``, set here through ``nnx_shard.train.guard.skip_update_with`` to show why the
 ``cond`` was chosen. ``hand scan`` is the bare ``jax.jit(jax.lax.scan)`` of the
 same steps (no checks, no gradient norm), the floor.
 
@@ -63,18 +63,9 @@ def _gate(gate: str | None):
     """A context setting make_gated_step's gate while the step is traced."""
     import contextlib
 
-    from nnx_shard.train import guard as train_guard
+    from nnx_shard.train.guard import skip_update_with
 
-    @contextlib.contextmanager
-    def ctx():
-        saved = train_guard._GATE
-        train_guard._GATE = gate or saved
-        try:
-            yield
-        finally:
-            train_guard._GATE = saved
-
-    return ctx()
+    return skip_update_with(gate) if gate else contextlib.nullcontext()
 
 
 def _mem(compiled) -> dict:

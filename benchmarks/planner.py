@@ -78,7 +78,7 @@ def build(c: planner.Candidate, model: str, batch: int, seq: int):
     def call():
         # That call itself, without fit's host loop around it.
         with ns.use(mesh, strat.rules):
-            return jax.block_until_ready(trainer._fused(m, opt, data, trainer._guard))
+            return jax.block_until_ready(trainer.call(data))
 
     return call
 

@@ -66,15 +66,18 @@ def assert_same_values(run: Run, ref: Run, rtol: float, rtol_params: float) -> N
     """``run`` computed what the one-device ``ref`` did: the same initial parameters
     (bitwise: threefry bits are partitionable, and init is elementwise, no
     reduction to reorder), and the same loss, gradients, parameters and optimizer
-    state after its K steps within ``rtol`` (``rtol_params`` for the parameters)
-    x max|expected| per tensor, since sharded steps sum in another order; and it trains."""
+    state after its K steps within ``rtol`` (``rtol_params`` for the parameters and the
+    optimizer state) x max|expected| per tensor, since sharded steps sum in another
+    order; and it trains. The optimizer state's moments add up K steps' gradients, whose
+    rounding is bounded by each step's own largest gradient, not by the moment's largest
+    element (the steps can cancel), hence the parameters' looser tolerance."""
     k = len(run.metrics["loss"])
     assert_close(run.init_params, ref.init_params, 0, "initial params")
     assert_close(run.metrics["loss"], ref.metrics["loss"], rtol, "loss")
     assert_close(run.metrics["grads"], ref.metrics["grads"], rtol, "grads")
     assert_close(nnx.state(run.model, nnx.Param), nnx.state(ref.model, nnx.Param),
                  rtol_params, f"params after {k} steps")
-    assert_close(run.opt, ref.opt, rtol, f"optimizer state after {k} steps")
+    assert_close(run.opt, ref.opt, rtol_params, f"optimizer state after {k} steps")
     assert run.metrics["loss"][-1] < run.metrics["loss"][0]  # it trains
 
 

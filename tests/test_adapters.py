@@ -24,6 +24,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from tests._close import assert_close
+from tests._shared import one_device_run
 from tests.conftest import needs_devices
 
 STEPS = 2
@@ -200,18 +201,8 @@ def _tx() -> optax.GradientTransformation:
 @functools.cache
 def _reference(name: str) -> tuple[np.ndarray, Any]:
     cls, patterns = MODELS[name]
-    with jax.default_device(jax.devices()[0]):
-        model = ns.annotate(cls(nnx.Rngs(0)), patterns, strict=True)
-        opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, opt, batch):
-            loss, grads = nnx.value_and_grad(_masked_ce)(model, batch)
-            opt.update(model, grads)
-            return loss
-
-        losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in _batches()]
-    return np.asarray(losses), jax.device_get(nnx.state(model, nnx.Param))
+    return one_device_run(lambda: ns.annotate(cls(nnx.Rngs(0)), patterns, strict=True),
+                          _masked_ce, _tx(), _batches())
 
 
 @pytest.mark.slow

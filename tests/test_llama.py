@@ -125,7 +125,7 @@ def _kernel_grads(cfg: LlamaConfig, kernel: str, length: int) -> tuple[jax.Array
     37,  # odd: one tile
     pytest.param(600, marks=pytest.mark.slow),  # two 512-blocks, the second padded
 ])
-@pytest.mark.parametrize("name", ["tiny", "tiny_qwen3"])
+@pytest.mark.parametrize("name", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_qwen3"])
 def test_blockwise_equals_dense(name: str, length: int) -> None:
     # Grouped-query attention (4 heads, 2 kv heads) with K/V kept at kv_heads, causal,
     # rotary (and Qwen3's q/k norm): logits, loss and every gradient of the two kernels.
@@ -262,7 +262,7 @@ def test_kv_heads_follow_heads_where_they_divide() -> None:
 
 
 @needs_devices(8)
-@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+@pytest.mark.parametrize("axis_types", [pytest.param("explicit", marks=pytest.mark.slow), "auto"])
 def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
     # 2 kv heads, 4 query heads over model=4: the rules replicate K/V, the op hands each
     # device the key/value head of its query head; logits and gradients as on one device.

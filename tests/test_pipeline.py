@@ -28,6 +28,7 @@ from nnx_shard.models import Transformer, get_config, lm_loss
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
 from tests._lm import Run, assert_same_values, lm_batches, lm_run, lm_step
+from tests._shared import device_bytes
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -65,10 +66,13 @@ def _reference(layers: int) -> Run:
 
 
 # (stages, repeats, layers, microbatches): GPipe and circular, S = 2 and 4.
-CASES = [(2, 1, 4, 4), (4, 1, 4, 4), (2, 2, 4, 4), (4, 2, 8, 4)]
+# The circular ones in the slow tier: the quick one keeps a GPipe case per stage count.
+CASES = [(2, 1, 4, 4), (4, 1, 4, 4), pytest.param((2, 2, 4, 4), marks=pytest.mark.slow),
+         pytest.param((4, 2, 8, 4), marks=pytest.mark.slow)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"S{c[0]}V{c[1]}L{c[2]}M{c[3]}")
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda c: f"S{c[0]}V{c[1]}L{c[2]}M{c[3]}")
 def run(request) -> Run:
     s, v, layers, m = request.param
     strategy = ns.strategies.get("pp", repeats=v)
@@ -84,22 +88,14 @@ def test_same_values_as_one_device(run: Run) -> None:
     assert_same_values(run, _reference(run.model.cfg.layers), RTOL, RTOL_PARAMS)
 
 
-def _device_bytes(tree) -> dict[int, int]:
-    per: dict[int, int] = {}
-    for x in jax.tree.leaves(tree):
-        for shard in x.addressable_shards:
-            per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
-    return per
-
-
 def test_stack_bytes_per_device_are_one_over_stages(run: Run) -> None:
     s = _stages(run)
     stack = nnx.state(run.model.blocks, nnx.Param)
     total = sum(x.nbytes for x in jax.tree.leaves(stack))
-    assert set(_device_bytes(stack).values()) == {total // s}
+    assert set(device_bytes(stack).values()) == {total // s}
     mu, nu = run.opt.opt_state[0].mu["blocks"], run.opt.opt_state[0].nu["blocks"]
-    assert set(_device_bytes(mu).values()) == {total // s}
-    assert set(_device_bytes(nu).values()) == {total // s}
+    assert set(device_bytes(mu).values()) == {total // s}
+    assert set(device_bytes(nu).values()) == {total // s}
     # The layout survives the fused steps: still split over stage along layers.
     assert run.model.blocks.attn.q.get_value().sharding.spec == P("stage", None, None, None)
 
@@ -158,10 +154,10 @@ def test_explain_per_stage_matches_the_arrays(run: Run) -> None:
     other = nnx.state(run.model, nnx.Param)
     del other["blocks"]
     opt = run.opt.opt_state[0]
-    assert r.stack_param_bytes == max(_device_bytes(stack).values())
-    assert r.other_param_bytes == max(_device_bytes(other).values())
+    assert r.stack_param_bytes == max(device_bytes(stack).values())
+    assert r.other_param_bytes == max(device_bytes(other).values())
     assert r.stack_opt_bytes == 2 * r.stack_param_bytes == max(
-        _device_bytes((opt.mu["blocks"], opt.nu["blocks"])).values())
+        device_bytes((opt.mu["blocks"], opt.nu["blocks"])).values())
     data = 8 // s
     assert r.microbatch_bytes == BATCH * cfg.length * cfg.embed * 4 // (m * data)
     g = cfg.layers // (s * v)
@@ -199,6 +195,7 @@ def test_plan_cli_shows_stages(capsys) -> None:
     assert "GPipe: 4 stages, 4 microbatches of 64.00 KiB per device, bubble 42.9%" in text
 
 
+@pytest.mark.slow
 def test_moe_aux_loss_per_microbatch_as_gradient_accumulation() -> None:
     # Scalar carries (the summed load-balancing loss) travel with their microbatch and
     # are averaged over microbatches, as gradient accumulation averages them.
@@ -300,6 +297,7 @@ def test_fewer_microbatches_than_stages_when_the_user_insists() -> None:
                       microbatches=2)
 
 
+@pytest.mark.slow
 def test_remat_per_stage_same_values_less_memory() -> None:
     cfg = _config(8)
     batch = {k: v[:1] for k, v in _host_batches(cfg).items()}
@@ -476,7 +474,7 @@ def _fit(strategy, mesh, cfg, steps, tx=None, steps_per_call=K, guard="grads"):
     return trainer, trainer.fit(data, steps, progress=False)
 
 
-@pytest.mark.parametrize("name", ["pp_fsdp", "pp_tp"])
+@pytest.mark.parametrize("name", ["pp_fsdp", pytest.param("pp_tp", marks=pytest.mark.slow)])
 def test_compositions_match_one_device_and_checkpoint_across_strategies(name, tmp_path) -> None:
     s = ns.strategies.get(name)
     mesh = s.make_mesh(8)
@@ -492,7 +490,7 @@ def test_compositions_match_one_device_and_checkpoint_across_strategies(name, tm
     want = {"pp_fsdp": P("stage", "data", None), "pp_tp": P("stage", None, "model")}[name]
     assert stack.sharding.spec == want
     total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.blocks, nnx.Param)))
-    per = _device_bytes(nnx.state(model.blocks, nnx.Param))
+    per = device_bytes(nnx.state(model.blocks, nnx.Param))
     assert max(per.values()) < total // dict(mesh.shape)["stage"]  # split further than 1/S
 
     # Saved under pp_*, restored under fsdp, saved again, restored under pp_*: bitwise.
@@ -513,7 +511,7 @@ def test_compositions_match_one_device_and_checkpoint_across_strategies(name, tm
     assert_close(o3.opt_state, opt.opt_state, 0, "optimizer restored under " + name)
 
 
-@pytest.mark.parametrize("name", ["pp_fsdp", "pp_tp"])
+@pytest.mark.parametrize("name", ["pp_fsdp", pytest.param("pp_tp", marks=pytest.mark.slow)])
 def test_compositions_never_gather_layers_over_stage(name) -> None:
     s = ns.strategies.get(name)
     mesh = s.make_mesh(8)
@@ -539,6 +537,7 @@ def test_compositions_never_gather_layers_over_stage(name) -> None:
                    and "blm,me->ble" in c.op_name for c in found)
 
 
+@pytest.mark.slow
 def test_nan_guard_under_pp() -> None:
     s = ns.strategies.get("pp")
     mesh = s.make_mesh(8)

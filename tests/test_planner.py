@@ -318,13 +318,15 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
 @needs_devices(8)
 @pytest.mark.parametrize("strategy, sizes, remat", [
     ("zero1", {"data": 8}, "full"),            # the closest measured: 1.06x
-    ("zero1", {"data": 8}, "dots"),            # judged on the full formula (none's: 1.3x+)
+    pytest.param("zero1", {"data": 8}, "dots",  # judged on the full formula (none's: 1.3x+)
+                 marks=pytest.mark.slow),
     ("dp", {"data": 8}, "none"),
     ("tp", {"data": 4, "model": 2}, "full"),
     ("sp", {"data": 2, "model": 4}, "none"),
-    ("cp", {"data": 2, "context": 4}, "none"),  # was 1.3-2.9x before the sequence split
-    ("fsdp_cp", {"data": 1, "context": 8}, "full"),
-    ("pp_fsdp", {"stage": 2, "data": 4}, "none"),
+    pytest.param("cp", {"data": 2, "context": 4}, "none",  # was 1.3-2.9x before the split
+                 marks=pytest.mark.slow),
+    pytest.param("fsdp_cp", {"data": 1, "context": 8}, "full", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp", {"stage": 2, "data": 4}, "none", marks=pytest.mark.slow),
 ])
 def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
     """The planner skips a compile when the formula alone is over the budget by
@@ -379,6 +381,7 @@ def test_the_printed_python_trains_the_winner():
 # --------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.slow
 def test_plan_auto_end_to_end(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     argv = ["plan", "--auto", "--model", "tiny", "--devices", "2", "--batch", "4", "--seq",
@@ -449,7 +452,8 @@ def test_plan_auto_bad_input(capsys):
 
 
 @needs_devices(8)
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp", "dp"])
+@pytest.mark.parametrize("strategy", ["zero1", pytest.param("fsdp", marks=pytest.mark.slow),
+                                      pytest.param("dp", marks=pytest.mark.slow)])
 def test_fits_call_adds_no_collective_bytes_to_the_bare_step(strategy):
     """The planner compiles Trainer.fit's call (gradient norm, NaN guard). Those must not
     move data: under zero1 (replicated parameters, sharded optimizer state) joining the

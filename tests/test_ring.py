@@ -291,7 +291,8 @@ def _reference(cfg):
     return jax.device_get(nnx.state(model, nnx.Param)), metrics
 
 
-@pytest.mark.parametrize("c", [2, 4, 8])
+@pytest.mark.parametrize("c", [pytest.param(2, marks=pytest.mark.slow),
+                               pytest.param(4, marks=pytest.mark.slow), 8])
 def test_ring_training_equals_one_device(c) -> None:
     cfg = get_config("tiny")  # length 16: 2 x 8 chunks of one token at C = 8
     s = ns.strategies.get("cp")
@@ -332,6 +333,7 @@ def test_allgather_and_fsdp_cp_training_equal_one_device() -> None:
     assert model.blocks[0].mlp.up.get_value().sharding.spec == P("data", None)
 
 
+@pytest.mark.slow
 def test_trainer_with_cp_and_logits_in_order() -> None:
     # The Trainer carries the rules' options; logits come back in token order.
     cfg = dataclasses.replace(get_config("tiny"), layers=1)

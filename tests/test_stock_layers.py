@@ -30,6 +30,8 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import nnx_shard as ns
+from tests._shared import host as _host
+from tests._shared import one_device_run
 from tests.conftest import needs_devices
 
 # Every test here trains a stock layer under a preset: over ~10 s each on 2 cores.
@@ -271,32 +273,11 @@ def _batches(name: str) -> tuple[dict[str, np.ndarray], ...]:
     return tuple(CASES[name].data(rng) for _ in range(STEPS))
 
 
-def _host(tree: Any) -> Any:
-    def one(x: Any) -> np.ndarray:
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        return np.asarray(jax.device_get(x))
-
-    return jax.tree.map(one, tree)
-
-
 @functools.cache
 def _reference(name: str) -> tuple[np.ndarray, Any]:
     """Losses and final state of a plain nnx.jit loop on one device."""
     case = CASES[name]
-    with jax.default_device(jax.devices()[0]):
-        model = case.factory()()
-        opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, opt, batch):
-            loss, grads = nnx.value_and_grad(case.loss_fn)(model, batch)
-            opt.update(model, grads)
-            return loss
-
-        losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b)))
-                  for b in _batches(name)]
-    return np.asarray(losses), _host(nnx.state(model))
+    return one_device_run(case.factory(), case.loss_fn, _tx(), _batches(name), ...)
 
 
 def _assert_close(actual: Any, expected: Any, what: str) -> None:

@@ -30,6 +30,7 @@ from nnx_shard.models import Transformer, get_config, lm_loss
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
 from tests._lm import Run, assert_same_values, lm_batches, lm_run
+from tests._shared import device_bytes
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -143,11 +144,7 @@ def test_layout_survives_training(run: Run) -> None:
 
 def _device_bytes(tree) -> list[int]:
     """Bytes each device holds of the arrays in ``tree``."""
-    per: dict[int, int] = {}
-    for x in jax.tree.leaves(tree):
-        for shard in x.addressable_shards:
-            per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
-    return list(per.values())
+    return list(device_bytes(tree).values())
 
 
 def _paths(state) -> list[tuple[str, int]]:
@@ -262,7 +259,7 @@ def test_trainer_with_strategy_matches_one_device() -> None:
                  "params after Trainer.fit")
 
 
-@pytest.mark.parametrize("name", ["ep", "sp"])
+@pytest.mark.parametrize("name", [pytest.param("ep", marks=pytest.mark.slow), "sp"])
 def test_auto_mesh_gives_same_values(name) -> None:
     # The presets' default mesh has Auto (GSPMD) axes: the same rules, propagation decides.
     s = ns.strategies.get(name)

@@ -10,7 +10,8 @@ glue beyond the documented one-liners:
   the alias fix;
 * ``ns.pipeline.stack`` / ``unstack`` / ``run``: a list of blocks under pp, pp_fsdp
   and pp_tp, checkpoints converted between the two forms;
-* async_tp on a model that never runs a collective matmul raises, as cp does;
+* async_tp runs the stock projection layers (annotated kernels) as collective
+  matmuls, with no model edit; a model with none raises, as cp does;
 * the matrix (slow): each model x each preset that applies trains to the losses and
   parameters of a plain one-device ``nnx.jit`` loop.
 """
@@ -32,6 +33,9 @@ import nnx_shard as ns
 from nnx_shard import cli
 from tests import _user_models as um
 from tests._close import assert_close
+from tests._shared import host as _host
+from tests._shared import host_copy as _host_copy
+from tests._shared import one_device_run
 from tests.conftest import needs_devices
 
 CFG = um.Config()
@@ -181,17 +185,94 @@ def test_explain_cli_takes_aliases_and_extra_rules(capsys) -> None:
 # --------------------------------------------------------------------------- item: async_tp
 
 
+def _one_layer_step(name: str, preset: str) -> tuple[float, str, Any]:
+    """One fused step of a one-layer user model under ``preset``: the loss, the
+    compiled HLO and the mesh."""
+    cfg = dataclasses.replace(CFG, layers=1)
+    make = um.mha_lm if name == "mha" else (lambda c, r: um.Llama(c, rngs=r))
+    s = ns.strategies.get(preset).with_rules(um.ALIASES)
+    mesh = s.make_mesh()
+    model = s.sharded_init(lambda: make(cfg, nnx.Rngs(0)), mesh)
+    opt = s.optimizer(model, _tx(), mesh)
+
+    def step(model, opt, batch):
+        loss, grads = ns.value_and_grad(um.loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    with ns.use(mesh, s.rules):
+        host = {k: np.stack([b[k] for b in um.batches(cfg, 1, BATCH, pad=name == "mha")])
+                for k in ("x", "y")}
+        batch = ns.shard_batch(host, mesh, s.rules, ("batch", "length"), steps=True)
+        fused = ns.multistep(step)
+        hlo = fused.lower(model, opt, batch).compile().as_text()
+        loss = float(jax.device_get(fused(model, opt, batch))[0])
+    # The caller's model keeps Flax's own ops: the fused step intercepted its copy.
+    up = model.layers[0].up if name == "mha" else model.layers[0].mlp.up
+    assert up.dot_general is jax.lax.dot_general
+    return loss, hlo, mesh
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("name", ["llama", "mha"])
+def test_async_tp_runs_the_stock_layers_as_rings(name: str) -> None:
+    from nnx_shard.strategies import compiled_collectives
+
+    loss, hlo, mesh = _one_layer_step(name, "async_tp")
+    sp_loss, sp_hlo, _ = _one_layer_step(name, "sp")
+    assert_close(loss, sp_loss, RTOL, "async_tp loss against sp's")
+
+    def rings(text: str) -> list[Any]:  # the ops' ppermutes (XLA adds its own elsewhere)
+        return [c for c in compiled_collectives(text, mesh)
+                if c.kind == "collective-permute" and "ppermute" in c.op_name]
+
+    # Ring steps over model (size 4 on 8 devices: 3 steps, two halves each), forward
+    # and backward, for the column-parallel Q/K/V, MLP and head projections and the
+    # row-parallel ones.
+    assert rings(hlo) and all(c.axes == ("model",) for c in rings(hlo))
+    assert len(rings(hlo)) >= 4 * 3 * 2
+    assert rings(sp_hlo) == []
+
+
+def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
+    cfg = dataclasses.replace(CFG, layers=1)
+    with nnx.use_eager_sharding(False):
+        model = um.Llama(cfg, rngs=nnx.Rngs(0))
+    model.lm_head.dot_general = functools.partial(jax.lax.dot_general)  # a user's own op
+    ns.tp_layers.intercept(model)
+    block = model.layers[0]
+    assert block.attn.q_proj.dot_general == ns.tp_layers.ProjectionOp(("fsdp", "tp", None),
+                                                                        "dot_general")
+    assert block.mlp.down.dot_general.names == ("tp", "fsdp")
+    assert isinstance(model.lm_head.dot_general, functools.partial)  # left alone
+    einsum = nnx.Einsum("ble,ef->blf", (16, 8), rngs=nnx.Rngs(0))
+    assert ns.tp_layers.intercept(einsum).einsum_op is jnp.einsum  # unannotated
+    # Outside async_tp the op is the stock one, bit for bit.
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16))
+    op = block.mlp.gate.dot_general
+    dims = (((2,), (0,)), ((), ()))
+    np.testing.assert_array_equal(op(x, block.mlp.gate.kernel[...], dims),
+                                  jax.lax.dot_general(x, block.mlp.gate.kernel[...], dims))
+
+
 @needs_devices(8)
 def test_async_tp_raises_when_the_model_runs_no_collective_matmul() -> None:
-    s = ns.strategies.get("async_tp").with_rules(um.ALIASES)
+    class Unannotated(nnx.Module):  # stock layers, but no names on their kernels
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(CFG.vocab, 16, rngs=rngs)
+            self.head = nnx.Linear(16, CFG.vocab, rngs=rngs)
+
+        def __call__(self, tokens: jax.Array) -> jax.Array:
+            return self.head(self.embed(tokens))
+
+    s = ns.strategies.get("async_tp")
     mesh = s.make_mesh()
-    model = s.sharded_init(lambda: um.mha_lm(dataclasses.replace(CFG, layers=1),
-                                             nnx.Rngs(0)), mesh)
+    model = s.sharded_init(lambda: Unannotated(nnx.Rngs(0)), mesh)
     trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh), um.loss_fn, mesh=mesh,
                          rules=s.rules, steps_per_call=1, batch_names=("batch", "length"))
     with pytest.raises(ns.ShardingError, match=r"collective_matmul=True \(strategy 'async_tp'"
-                       r"\), but the model never ran a projection .* Fix: train with "
-                       r"strategy 'sp'"):
+                       r"\), but the model never ran a projection .* Fix: annotate the "
+                       r"projection kernels .* or train with strategy 'sp'"):
         trainer.fit(um.batches(CFG, 1, BATCH), 1, progress=False)
 
 
@@ -272,15 +353,6 @@ def test_checkpoints_convert_between_list_and_stacked(tmp_path) -> None:
     assert q.sharding.spec == listed.layers[0].attn.q_proj.kernel.get_value().sharding.spec
 
 
-def _host(tree: Any) -> Any:
-    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
-
-
-def _host_copy(model: Any) -> Any:
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, _host(state))
-
-
 # --------------------------------------------------------------------------- the matrix
 
 
@@ -290,28 +362,16 @@ MODELS = {
     "mha": (lambda: um.mha_lm(CFG, nnx.Rngs(0)), True),  # padding masks
 }
 PIPELINE = ("pp", "pp_fsdp", "pp_tp")
-ALL = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "cp", "fsdp_cp", *PIPELINE)
-MATRIX = ([("llama", p) for p in ALL] + [("moe", p) for p in ("ep", "fsdp_tp", "pp_fsdp")]
-          + [("mha", p) for p in ("fsdp", "tp", "sp", "cp", "fsdp_cp", "pp", "pp_tp")])
+ALL = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "async_tp", "cp", "fsdp_cp", *PIPELINE)
+# Every model under every preset; ep where it applies (the MoE).
+MATRIX = [(m, p) for m in MODELS for p in ALL] + [("moe", "ep")]
 
 
 @functools.cache
 def _reference(name: str) -> tuple[np.ndarray, Any]:
     """Losses and final parameters of a plain nnx.jit loop on one device."""
     make, pad = MODELS[name]
-    with jax.default_device(jax.devices()[0]), nnx.use_eager_sharding(False):
-        model = make()
-        opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, opt, batch):
-            loss, grads = nnx.value_and_grad(um.loss_fn)(model, batch)
-            opt.update(model, grads)
-            return loss
-
-        losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b)))
-                  for b in um.batches(CFG, STEPS, BATCH, pad=pad)]
-    return np.asarray(losses), _host(nnx.state(model, nnx.Param))
+    return one_device_run(make, um.loss_fn, _tx(), um.batches(CFG, STEPS, BATCH, pad=pad))
 
 
 @pytest.mark.slow

@@ -18,6 +18,16 @@ _OCP_LOCK = threading.Lock()
 _ocp_tamed = False
 
 
+def orbax_module() -> Any:
+    """``orbax.checkpoint``, imported (on first use) and tamed as nnx_shard uses it: its
+    raw-bytes telemetry off, its log records and event-loop noise kept out of the output.
+
+    >>> orbax_module().__name__
+    'orbax.checkpoint'
+    """
+    return _ocp()
+
+
 def _ocp() -> Any:
     # orbax pulls in tensorstore and more; import it when checkpoints are used.
     global _ocp_tamed

@@ -13,9 +13,10 @@ sharded gradients as per-device shares (:func:`grad_sq_shares`), as the
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ from nnx_shard.train.trees import leaf_path
 __all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "Layout", "all_finite",
            "aux_metrics", "check_call", "check_guard", "grad_sq_shares", "grads_norm", "guard_call",
            "make_fast_step", "make_gated_step", "make_step", "not_finite_leaf", "select",
-           "why_not_finite"]
+           "skip_update_with", "why_not_finite"]
 
 #: The NaN guard's modes, ``Trainer(..., guard=...)`` (see :class:`~nnx_shard.Trainer`):
 #: ``"full"`` keeps the state from before each fused call to put it back (one more
@@ -403,6 +404,31 @@ def make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., 
 # 1.34 MiB of state per device) more than the cond, which matched the bare step
 # (benchmarks/guard_cost.py).
 _GATE = "cond"
+
+
+@contextlib.contextmanager
+def skip_update_with(kind: str) -> Iterator[None]:
+    """Steps traced inside the block skip a disallowed update with ``kind``:
+    ``"cond"`` (the default, ``jax.lax.cond`` around the optimizer step) or
+    ``"select"`` (the update computed, the old values kept per leaf). For comparing
+    the two (benchmarks/guard_cost.py); training never needs it.
+
+    >>> with skip_update_with("select"):
+    ...     pass
+    >>> with skip_update_with("where"):
+    ...     pass
+    Traceback (most recent call last):
+    ...
+    ValueError: skip_update_with: kind must be 'cond' or 'select', got 'where'
+    """
+    global _GATE
+    if kind not in ("cond", "select"):
+        raise ValueError(f"skip_update_with: kind must be 'cond' or 'select', got {kind!r}")
+    saved, _GATE = _GATE, kind
+    try:
+        yield
+    finally:
+        _GATE = saved
 
 
 def _apply_where(ok: jax.Array, model: Any, optimizer: Any, grads: Any, rest: Any) -> None:

@@ -341,6 +341,30 @@ class Trainer:
         with use(self.mesh, self.rules):
             return self._fused.lower(self.model, self.optimizer, batch, self._guard)
 
+    def call(self, batch: Any) -> Any:
+        """Runs the compiled call :meth:`fit` makes for one group of K steps, once, on
+        ``batch`` placed as ``fit`` places it (e.g. :func:`~nnx_shard.shard_batch` with
+        ``steps=True``), without fit's host loop (no prefetch, no metrics read, no
+        callbacks): for timing the call itself. Returns the call's outputs as device
+        arrays, not waited for; the model and optimizer are updated as by ``fit``.
+
+        >>> import jax.numpy as jnp, numpy as np, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+        >>> trainer = Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"},
+        ...                   steps_per_call=2)
+        >>> batch = {"x": np.ones((2, 8, 3), np.float32), "y": np.ones((2, 8, 1), np.float32)}
+        >>> from nnx_shard import shard_batch
+        >>> out = trainer.call(shard_batch(batch, trainer.mesh, trainer.rules, steps=True))
+        >>> out is not None
+        True
+        """
+        self._record_layout()
+        with use(self.mesh, self.rules):
+            return self._fused(self.model, self.optimizer, batch, self._guard)
+
     # -- the phases of fit --------------------------------------------------------
 
     def _record_layout(self) -> None:

@@ -1,0 +1,60 @@
+"""Helpers the tests share: host copies of trees and models, the bytes each device holds,
+and the one-device reference run that layouts are compared with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+
+def host(tree: Any) -> Any:
+    """``tree`` with every array as a numpy copy on the host (PRNG keys as their bits)."""
+
+    def one(x: Any) -> np.ndarray:
+        if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)
+
+
+def host_copy(model: Any) -> Any:
+    """A copy of the NNX ``model`` whose arrays are host numpy arrays (no device layout)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, host(state))
+
+
+def device_bytes(tree: Any) -> dict[int, int]:
+    """Bytes of the arrays in ``tree`` that each device holds, by device id."""
+    per: dict[int, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
+    return per
+
+
+def one_device_run(make: Callable[[], Any], loss_fn: Callable[[Any, Any], jax.Array],
+                   tx: optax.GradientTransformation, batches: Iterable[Any],
+                   what: Any = nnx.Param) -> tuple[np.ndarray, Any]:
+    """The reference every layout is compared with: ``make()`` trained by a plain
+    ``nnx.jit`` loop of ``loss_fn`` and ``tx`` over ``batches`` on the first device, with
+    Flax's eager sharding off (logical names are not mesh axes). Returns the losses and
+    a host copy of the final ``nnx.state(model, what)``."""
+    with jax.default_device(jax.devices()[0]), nnx.use_eager_sharding(False):
+        model = make()
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model: Any, opt: nnx.Optimizer, batch: Any) -> jax.Array:
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+            opt.update(model, grads)
+            return loss
+
+        losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches]
+    return np.asarray(losses), host(nnx.state(model, what))
