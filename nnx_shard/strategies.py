@@ -70,7 +70,7 @@ where a layout changes).
    :attr:`Strategy.collectives` show. Backends that rewrite that pattern into
    a reduce-scatter may show one instead.
 
-.. [2] The pipeline presets run only on Auto axes (tests/test_pipeline.py reads
+.. [2] The pipeline presets run only on Auto axes (tests/parallel/test_pipeline.py reads
    their collectives there), with a stacked layer axis and the trainer's
    ``microbatches=M`` (at least the number of stages).
 

@@ -58,3 +58,26 @@ def one_device_run(make: Callable[[], Any], loss_fn: Callable[[Any, Any], jax.Ar
 
         losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches]
     return np.asarray(losses), host(nnx.state(model, what))
+
+
+class MLP(nnx.Module):
+    """A two-layer MLP annotated through ``ns.with_logical``: kernels ``('embed', 'mlp')``
+    and ``('mlp', 'embed')``, the first bias ``('mlp',)``, the second ``down_bias``
+    (``None``: unannotated, so replicated). It holds its dropout stream (RNG state
+    Variables); ``dropout`` is the rate applied between the layers (0: none)."""
+
+    def __init__(self, rngs: nnx.Rngs, d: int = 16, h: int = 32, *, dropout: float = 0.2,
+                 down_bias: tuple[str, ...] | None = ("embed",)):
+        import nnx_shard as ns
+
+        init, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+        self.up = nnx.Linear(d, h, kernel_init=ns.with_logical(init, ("embed", "mlp")),
+                             bias_init=ns.with_logical(zeros, ("mlp",)), rngs=rngs)
+        self.down = nnx.Linear(
+            h, d, kernel_init=ns.with_logical(init, ("mlp", "embed")),
+            bias_init=zeros if down_bias is None else ns.with_logical(zeros, down_bias),
+            rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(self.drop(nnx.relu(self.up(x))))

@@ -1,4 +1,4 @@
-"""Multi-process Hugging Face checkpoint jobs, run by tests/test_hf.py through the
+"""Multi-process Hugging Face checkpoint jobs, run by tests/hf/test_hf.py through the
 launcher (``nnx-shard launch -n 2 --devices-per-process 4 -- python tests/hf_script.py
 MODE ...``).
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from conftest import needs_devices
 from nnx_shard.cli import launch
 from nnx_shard.distributed import DistributedError, _resolve
 from tests._close import assert_close
+from tests.conftest import needs_devices
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "distributed_script.py")

@@ -15,6 +15,7 @@ import nnx_shard as ns
 import nnx_shard.init as ns_init
 from nnx_shard.init import abstract_init, lower_init, sharded_init, sharded_optimizer
 from tests._close import assert_close
+from tests._shared import MLP as SharedMLP
 from tests.conftest import needs_devices
 
 lecun = nnx.initializers.lecun_normal()
@@ -23,18 +24,10 @@ RULES = ns.Rules({"embed": "data", "mlp": "model", "layers": None})
 AXIS_TYPES = ["explicit", "auto"]
 
 
-class MLP(nnx.Module):
-    """Logical names through ns.with_logical, plus an unannotated Variable and RNG state."""
-
-    def __init__(self, d: int, h: int, rngs: nnx.Rngs):
-        self.up = nnx.Linear(d, h, kernel_init=ns.with_logical(lecun, ("embed", "mlp")),
-                             bias_init=ns.with_logical(zeros, ("mlp",)), rngs=rngs)
-        self.down = nnx.Linear(h, d, kernel_init=ns.with_logical(lecun, ("mlp", "embed")),
-                               rngs=rngs)  # bias unannotated -> replicated
-        self.drop = nnx.Dropout(0.1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.relu(self.up(x)))
+def MLP(d: int, h: int, rngs: nnx.Rngs) -> SharedMLP:
+    """Logical names through ns.with_logical, plus an unannotated Variable (the second
+    bias) and RNG state (a dropout stream, not applied)."""
+    return SharedMLP(rngs, d, h, dropout=0.0, down_bias=None)
 
 
 class FlaxAnnotated(nnx.Module):

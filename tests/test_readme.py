@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_devices
 from nnx_shard.simulated import simulated_env
+from tests.conftest import needs_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -42,7 +42,7 @@ RTOL = 1e-4  # x max|expected| per tensor: see tests/_close.py
 # is mostly rounding (an expert unit few tokens reach) moves by up to ~LR per step
 # in either run: measured up to 8e-5 of max|param| (ep, after K steps).
 RTOL_PARAMS = 1e-3
-# Pipeline presets need a stacked layer axis and microbatches: tests/test_pipeline.py.
+# Pipeline presets need a stacked layer axis and microbatches: tests/parallel/test_pipeline.py.
 NAMES = tuple(n for n in ns.strategies.NAMES if not n.startswith("pp"))
 
 # Which parameters each strategy splits, and by how much, on its default 8-device

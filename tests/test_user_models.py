@@ -214,7 +214,7 @@ def _one_layer_step(name: str, preset: str) -> tuple[float, str, Any]:
 
 
 @needs_devices(8)
-@pytest.mark.parametrize("name", ["llama", "mha"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("mha", marks=pytest.mark.slow)])
 def test_async_tp_runs_the_stock_layers_as_rings(name: str) -> None:
     from nnx_shard.strategies import compiled_collectives
 

@@ -190,7 +190,7 @@ class _CannotStart(Exception):
 
 
 class _Job:
-    def __init__(self, cmd: Sequence[str], envs: list[dict[str, str]], out: IO[str]) -> None:
+    def __init__(self, out: IO[str]) -> None:
         self.out = out
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -198,6 +198,10 @@ class _Job:
         # (process index, exit code) in the order the exits happened: a peer's death
         # makes the others fail soon after, and the first one is the cause to report.
         self.exits: list[tuple[int, int]] = []
+
+    def start(self, cmd: Sequence[str], envs: list[dict[str, str]]) -> None:
+        # Apart from __init__: a signal that lands while the processes start finds the
+        # job already known to the launcher, which stops what did start.
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         for env in envs:
             try:
@@ -373,11 +377,11 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
             raise _Terminated()
 
         previous = signal.signal(signal.SIGTERM, on_term)
-    job: _Job | None = None
+    job = _Job(out)
     code = 0
     message: str | None = None
     try:
-        job = _Job(cmd, envs, out)
+        job.start(cmd, envs)
         code, message = _watch(job, n, args.timeout)
     except _CannotStart as e:
         err.write(f"{_PREFIX}{e}\n")
@@ -387,11 +391,10 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
     except _Terminated:
         message, code = "terminated; stopping every process", 143
     finally:
-        if job is not None:
-            if message:
-                err.write(_PREFIX + message + "\n")
-                err.flush()
-            job.stop(args.grace)
+        if message:
+            err.write(_PREFIX + message + "\n")
+            err.flush()
+        job.stop(args.grace)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return code

@@ -25,7 +25,7 @@ __all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formul
 #: (benchmarks/formula_bound.py, scanned layers) it was 0.22-1.07x XLA's compiled total
 #: of fit's call for remat none and full (tiny and small; 1.07: zero1 full remat, small);
 #: dots layouts are judged on the full formula (see formula_bytes), 0.37-0.99x of
-#: their compiled total on small. tests/test_planner.py
+#: their compiled total on small. tests/planner/test_planner.py
 #: ::test_the_formula_prunes_only_what_xla_would_not_fit holds it under this margin.
 PRUNE_MARGIN = 1.25
 

@@ -107,7 +107,7 @@ def _split_microbatches(batch: Any, m: int) -> Any:
     the rows), used here after our own checks, whose messages name the leaf.
 
     Why the loop around it (:func:`_accumulate`) is not ``optax.microbatch``:
-    that gives the same numbers (tests/test_train.py compares them) but calls
+    that gives the same numbers (tests/train/test_train.py compares them) but calls
     a pure function with the same arguments for every microbatch and only
     accumulates its outputs; NNX state used by the loss (an ``nnx.Rngs``
     stream drawing a new dropout mask per microbatch, batch statistics) must be

@@ -18,7 +18,7 @@ import pytest
 
 from nnx_shard.cli import launch
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 SCRIPT = str(HERE / "distributed_script.py")
 PY = sys.executable
 

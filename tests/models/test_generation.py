@@ -41,11 +41,11 @@ from nnx_shard.planner.costs import compiled_collectives
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
 # A step of transformers' greedy search is a near-tie when its top-2 margin is
 # below this fraction of the logits' scale (max |logit|): our float32 logits
-# differ from torch's by up to ~1e-6 of that scale (tests/test_hf.py), so a
+# differ from torch's by up to ~1e-6 of that scale (tests/hf/test_hf.py), so a
 # margin of 1e-4 of it is decided the same way by both; a smaller one may not be.
 NEAR_TIE = 1e-4
 CFG = dataclasses.replace(get_config("tiny"), length=24)

@@ -10,16 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import needs_devices
 from nnx_shard import cli
 from nnx_shard.cli import demo
 from nnx_shard.cli import plan as plan_command
 from nnx_shard.cli.common import DEMO_MAX_STEPS
 from nnx_shard.models import get_config
 from nnx_shard.units import parse_bytes
+from tests.conftest import needs_devices
 
 PY = sys.executable
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *argv):

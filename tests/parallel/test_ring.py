@@ -291,8 +291,9 @@ def _reference(cfg):
     return jax.device_get(nnx.state(model, nnx.Param)), metrics
 
 
-@pytest.mark.parametrize("c", [pytest.param(2, marks=pytest.mark.slow),
-                               pytest.param(4, marks=pytest.mark.slow), 8])
+# Slow: the cp presets train against one device in tests/test_strategies.py's quick tier.
+@pytest.mark.slow
+@pytest.mark.parametrize("c", [2, 4, 8])
 def test_ring_training_equals_one_device(c) -> None:
     cfg = get_config("tiny")  # length 16: 2 x 8 chunks of one token at C = 8
     s = ns.strategies.get("cp")

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from conftest import needs_devices
 from nnx_shard import planner, strategies
 from nnx_shard.cli import main
 from nnx_shard.models import Transformer, get_config
+from tests.conftest import needs_devices
 
 H = planner.Hardware("test", peak_flops=1e9, link_bandwidth=1e6)
 

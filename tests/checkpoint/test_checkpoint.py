@@ -29,11 +29,12 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 import nnx_shard as ns
 from nnx_shard.simulated import simulated_env
 from nnx_shard.train.feed import group_sizes as _group_sizes
+from tests._shared import MLP
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
 
-TESTS = pathlib.Path(__file__).parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 # Auto axes: with JAX's default Explicit axes, FSDP's embed-sharded weights and
 # batch-sharded activations would need explicit resharding inside the model.
@@ -53,25 +54,6 @@ CHILD_ENV = {
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class MLP(nnx.Module):
-    """Annotated two-layer MLP with dropout (an nnx.Rngs stream held by the model)."""
-
-    def __init__(self, rngs: nnx.Rngs, d: int = 16, h: int = 32):
-        init = nnx.initializers.lecun_normal()
-        self.up = nnx.Linear(
-            d, h, kernel_init=ns.with_logical(init, ("embed", "mlp")),
-            bias_init=ns.with_logical(nnx.initializers.zeros_init(), ("mlp",)), rngs=rngs,
-        )
-        self.down = nnx.Linear(
-            h, d, kernel_init=ns.with_logical(init, ("mlp", "embed")),
-            bias_init=ns.with_logical(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs,
-        )
-        self.drop = nnx.Dropout(0.2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(self.drop(nnx.relu(self.up(x))))
 
 
 def factory(seed=0, **kw):
@@ -523,7 +505,7 @@ def test_resume_in_fresh_process_is_bitwise(tmp_path, straight):
     assert_bitwise(values(model), at10["model"])
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-        f"from tests.test_checkpoint import _resume_child; _resume_child({str(tmp_path)!r})"
+        f"from tests.checkpoint.test_checkpoint import _resume_child; _resume_child({str(tmp_path)!r})"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=CHILD_ENV, capture_output=True, text=True, timeout=120
@@ -553,7 +535,7 @@ def _saving_child(directory: str) -> None:
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-        f"from tests.test_checkpoint import _saving_child; _saving_child({str(tmp_path)!r})"
+        f"from tests.checkpoint.test_checkpoint import _saving_child; _saving_child({str(tmp_path)!r})"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], env=CHILD_ENV, stdout=subprocess.DEVNULL,

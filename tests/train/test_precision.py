@@ -25,7 +25,7 @@ from nnx_shard.strategies import compiled_collectives, partitioned_hlo
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MIXED = ns.Precision(params=jnp.float32, compute=jnp.bfloat16)
 # bfloat16 keeps 8 significant bits (relative rounding 2^-8 = 0.4%); a forward
 # pass through a few layers compounds a few of those.

@@ -1,11 +1,11 @@
 """nnx_shard.models.Llama: the model, its configuration, and every preset on it.
 
-Values against transformers' own logits are in tests/test_hf.py (the fixtures);
+Values against transformers' own logits are in tests/hf/test_hf.py (the fixtures);
 here: shapes, causality, grouped-query attention against multi-head attention
 with repeated key/value weights, stacked layers against unrolled ones, remat,
 ``config.json`` parsing, the named configurations' parameter counts against
 the published ones, and (slow) K fused Adam steps under every preset equal to
-one device, as tests/test_strategies.py and tests/test_pipeline.py check for
+one device, as tests/test_strategies.py and tests/parallel/test_pipeline.py check for
 the reference transformer.
 """
 

@@ -25,7 +25,7 @@ from nnx_shard.errors import UsageError
 from nnx_shard.planner import UserModel, auto, compile_step, parse_batch_spec
 from tests import _user_models as um
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CFG = um.Config(vocab=16, embed=8, heads=4, kv_heads=2, head_dim=2, mlp=16, layers=1, length=8)
 SPEC = "x=int32[8,8],y=int32[8,8]"
 
@@ -190,7 +190,7 @@ def test_auto_plans_stock_mha_blocks_in_a_list_and_drops_what_does_not_fit():
 
 # -- the command line -------------------------------------------------------------------------
 
-_FLAGS = ["plan", "--auto", "--devices", "2", "--factory", "tests.test_planner_user:tiny_llama",
+_FLAGS = ["plan", "--auto", "--devices", "2", "--factory", "tests.planner.test_planner_user:tiny_llama",
           "--loss", "tests._user_models:loss_fn", "--batch-spec", SPEC,
           "--alias", "fsdp=embed,tp=mlp,exp=expert", "--strategies", "dp,fsdp", "--no-cache"]
 
@@ -207,7 +207,7 @@ def test_cli_plans_the_users_model_end_to_end(capsys):
     direct = compile_step(tiny_llama, strat, {"data": 2}, batch=8, seq=8, loss=um.loss_fn,
                           batch_spec=parse_batch_spec(SPEC))
     assert ranked["fsdp"]["bytes_per_device"] == direct["total"]
-    assert "from tests.test_planner_user import tiny_llama" in out["python"]
+    assert "from tests.planner.test_planner_user import tiny_llama" in out["python"]
 
 
 @pytest.mark.parametrize("change, words", [
@@ -256,4 +256,4 @@ def test_the_command_simulates_the_devices_it_plans_for():
     out = json.loads(proc.stdout)
     assert [(c["strategy"], c["mesh"]) for c in out["ranked"]] == [("dp", {"data": 4})]
     assert out["request"]["devices"] == 4 and out["request"]["factory"] == (
-        "tests.test_planner_user.tiny_llama")
+        "tests.planner.test_planner_user.tiny_llama")

@@ -41,7 +41,7 @@ from tests.conftest import needs_devices
 pytestmark = needs_devices(8)
 
 RTOL = 1e-5
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -37,7 +37,7 @@ from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 FIXTURES = HERE / "fixtures"
 NAMES = ("hf_llama", "hf_llama_tied", "hf_qwen3")
 STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")

@@ -45,3 +45,23 @@ def test_the_limits_bite():
     long_fn = ast.parse("def f():\n    '''doc'''\n" + "    x = 1\n" * 81).body[0]
     assert isinstance(long_fn, ast.FunctionDef)
     assert body_lines(long_fn) == 81
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_tests_mirror_the_package_layout():
+    # A folder of tests is a package of the library; a test file named after a module of
+    # a package lives in that package's folder, not at the top.
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    folders = {p.parent.name for p in TESTS.glob("*/test_*.py")}
+    assert folders and folders <= packages, folders - packages
+    misplaced = []
+    for test in TESTS.glob("test_*.py"):
+        module = test.stem.removeprefix("test_")
+        if (PACKAGE / f"{module}.py").exists() or (PACKAGE / module).is_dir():
+            continue
+        homes = sorted(p.parent.name for p in PACKAGE.glob(f"*/{module}.py"))
+        if homes:
+            misplaced.append(f"{test.name} -> tests/{homes[0]}/")
+    assert misplaced == []

@@ -2,8 +2,8 @@
 
 import pytest
 
-from conftest import needs_devices
 from nnx_shard.planner import CompileError, compiled_memory, compiled_memory_subprocess
+from tests.conftest import needs_devices
 
 
 @pytest.mark.slow
