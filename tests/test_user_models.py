@@ -253,6 +253,11 @@ def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
     dims = (((2,), (0,)), ((), ()))
     np.testing.assert_array_equal(op(x, block.mlp.gate.kernel[...], dims),
                                   jax.lax.dot_general(x, block.mlp.gate.kernel[...], dims))
+    # Under async_tp a sequence the ring cannot split is refused in those terms.
+    with ns.use("data=2,model=4", ns.strategies.get("async_tp").with_rules(um.ALIASES).rules), \
+            pytest.raises(ns.ShardingError, match=r"sequence length 14, not divisible by 4 .* "
+                          r"Fix: make the sequence length a multiple of 4 \(e.g. 12 or 16\)"):
+        block.mlp.gate(x[:, :14])
 
 
 @needs_devices(8)

@@ -55,7 +55,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard.mesh import current, option
-from nnx_shard.parallel.collective_matmul import OPTION, expect_projection, projection
+from nnx_shard.parallel.collective_matmul import (
+    OPTION,
+    check_tokens,
+    expect_projection,
+    projection,
+)
 from nnx_shard.parallel.registry import ParallelOp, register
 
 __all__ = ["ProjectionOp", "intercept"]
@@ -167,6 +172,9 @@ class ProjectionOp:
         layout = _out_spec(eq, w, self.names)
         if layout is None:
             return None
+        # The ring splits the batch and the sequence: say so in those terms, not in the
+        # letters of the equation.
+        check_tokens(tuple(int(d) for d in x.shape[:2]))
         return projection(eq, x, w, *layout)
 
 
