@@ -904,6 +904,15 @@ def _build_cases() -> None:
     ]:
         api(f"collective_matmul/{label}", arg, fn)
 
+    # tp_layers --------------------------------------------------------------------------------------
+    tl = lambda: ns().tp_layers  # noqa: E731
+    api("tp_layers.intercept/str", "model", lambda: tl().intercept("model"))
+    api("tp_layers.intercept/int", "model", lambda: tl().intercept(5))
+    api("tp_layers.ProjectionOp/kind_unknown", "kind",
+        lambda: tl().ProjectionOp(("embed",), "matmul"))
+    api("tp_layers.ProjectionOp/names_list", "names",
+        lambda: tl().ProjectionOp(["embed"], "einsum"))
+
     # distributed ------------------------------------------------------------------------------------
     ds = lambda: ns().distributed  # noqa: E731
     for label, kw, arg in [

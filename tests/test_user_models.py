@@ -245,6 +245,12 @@ def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
                                                                         "dot_general")
     assert block.mlp.down.dot_general.names == ("tp", "fsdp")
     assert isinstance(model.lm_head.dot_general, functools.partial)  # left alone
+    with pytest.raises(ns.errors.UsageError, match=r"model must be an nnx.Module .* got str"):
+        ns.tp_layers.intercept("model")
+    with pytest.raises(ns.errors.UsageError, match=r"kind must be 'dot_general' or 'einsum'"):
+        ns.tp_layers.ProjectionOp(("embed",), "matmul")  # type: ignore[arg-type]
+    with pytest.raises(ns.errors.UsageError, match=r"names must be a tuple of logical names"):
+        ns.tp_layers.ProjectionOp(["embed"], "einsum")  # type: ignore[arg-type]
     einsum = nnx.Einsum("ble,ef->blf", (16, 8), rngs=nnx.Rngs(0))
     assert ns.tp_layers.intercept(einsum).einsum_op is jnp.einsum  # unannotated
     # Outside async_tp the op is the stock one, bit for bit.

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_shard.errors import UsageError, short
 from nnx_shard.mesh import current, option
 from nnx_shard.parallel.collective_matmul import (
     OPTION,
@@ -146,6 +147,15 @@ class ProjectionOp:
     names: tuple[Any, ...]
     kind: Literal["dot_general", "einsum"]
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("dot_general", "einsum"):
+            raise UsageError(f"ProjectionOp: kind must be 'dot_general' or 'einsum', got "
+                             f"{short(self.kind, 40)}. Fix: ProjectionOp(names, 'dot_general')")
+        if not isinstance(self.names, tuple) or not all(
+                n is None or isinstance(n, str) for n in self.names):
+            raise UsageError(f"ProjectionOp: names must be a tuple of logical names (str or "
+                             f"None), got {short(self.names, 60)}. Fix: e.g. ('embed', 'mlp')")
+
     def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
         if self.kind == "einsum":
             return self._einsum(*args, **kwargs)
@@ -203,6 +213,10 @@ def intercept(model: M) -> M:
     >>> [type(layer.dot_general).__name__ for layer in intercept(mlp).layers]
     ['ProjectionOp', 'function']
     """
+    if not isinstance(model, nnx.Module | list | tuple | dict):
+        raise UsageError(f"tp_layers.intercept: model must be an nnx.Module (or a list, tuple "
+                         f"or dict of them), got {type(model).__name__} {short(model, 40)}. "
+                         "Fix: intercept(model) with the model the step trains")
     for _, node in nnx.iter_graph(model):
         for cls, attr, kind, defaults in _STOCK:
             if not isinstance(node, nnx.Module) or not isinstance(node, cls):
