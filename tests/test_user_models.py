@@ -331,6 +331,7 @@ def test_stack_refuses_different_blocks_and_stateful_blocks() -> None:
         stateful(jnp.ones((2, 4)))
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_checkpoints_convert_between_list_and_stacked(tmp_path) -> None:
     fsdp = ns.strategies.get("fsdp").with_rules(um.ALIASES)

@@ -121,11 +121,12 @@ def _kernel_grads(cfg: LlamaConfig, kernel: str, length: int) -> tuple[jax.Array
     return logits, loss, grads
 
 
+@pytest.mark.slow  # the kernel itself: tests/test_blockwise.py's quick tier
 @pytest.mark.parametrize("length", [
     37,  # odd: one tile
-    pytest.param(600, marks=pytest.mark.slow),  # two 512-blocks, the second padded
+    600,  # two 512-blocks, the second padded
 ])
-@pytest.mark.parametrize("name", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_qwen3"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_qwen3"])
 def test_blockwise_equals_dense(name: str, length: int) -> None:
     # Grouped-query attention (4 heads, 2 kv heads) with K/V kept at kv_heads, causal,
     # rotary (and Qwen3's q/k norm): logits, loss and every gradient of the two kernels.

@@ -221,7 +221,9 @@ def test_async_tp_equals_tp_and_one_device(mesh: str, axis_types: str) -> None:
 PROJECTIONS = ("blhk,hke->ble", "blm,me->ble", "ble,ehk->blhk", "ble,em->blm")
 
 
-@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
+# Slow: tests/test_user_models.py's quick tier checks the rings of a compiled async_tp step.
+@pytest.mark.slow
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
 def test_compiled_step_permutes_in_place_of_all_reduces(axis_types: str) -> None:
     tp = _run("tp", "data=2,model=4", axis_types).collectives
     got = _run("async_tp", "data=2,model=4", axis_types).collectives

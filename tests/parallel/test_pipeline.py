@@ -475,7 +475,8 @@ def _fit(strategy, mesh, cfg, steps, tx=None, steps_per_call=K, guard="grads"):
     return trainer, trainer.fit(data, steps, progress=False)
 
 
-@pytest.mark.parametrize("name", ["pp_fsdp", pytest.param("pp_tp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # pp alone against one device stays in the quick tier
+@pytest.mark.parametrize("name", ["pp_fsdp", "pp_tp"])
 def test_compositions_match_one_device_and_checkpoint_across_strategies(name, tmp_path) -> None:
     s = ns.strategies.get(name)
     mesh = s.make_mesh(8)

@@ -79,7 +79,7 @@ def test_zigzag_order() -> None:
     assert second == [(0, 1), (1, 3), (2, 2), (3, 0)]
 
 
-@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("mode,c", [("ring", 2), ("ring", 4), ("ring", 8), ("allgather", 4)])
 def test_op_matches_dense(mode, c, causal, axis_types) -> None:

@@ -34,8 +34,8 @@ def test_a_compile_past_the_timeout_says_how_to_avoid_it():
 
 @needs_devices(8)
 @pytest.mark.parametrize("guard", ["full", "grads", "off"])
-@pytest.mark.parametrize("strategy, sizes", [("fsdp", {"data": 8}),
-                                             ("tp", {"data": 2, "model": 4})])
+@pytest.mark.parametrize("strategy, sizes", [
+    ("fsdp", {"data": 8}), pytest.param("tp", {"data": 2, "model": 4}, marks=pytest.mark.slow)])
 def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy, sizes, guard):
     """`plan` compiles what Trainer.fit runs with the guard mode asked for: beside a bare
     multistep step of the same model, guard="full" needs one more copy of the

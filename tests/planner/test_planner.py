@@ -320,9 +320,9 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
     ("zero1", {"data": 8}, "full"),            # the closest measured: 1.06x
     pytest.param("zero1", {"data": 8}, "dots",  # judged on the full formula (none's: 1.3x+)
                  marks=pytest.mark.slow),
-    ("dp", {"data": 8}, "none"),
+    pytest.param("dp", {"data": 8}, "none", marks=pytest.mark.slow),
     ("tp", {"data": 4, "model": 2}, "full"),
-    ("sp", {"data": 2, "model": 4}, "none"),
+    pytest.param("sp", {"data": 2, "model": 4}, "none", marks=pytest.mark.slow),
     pytest.param("cp", {"data": 2, "context": 4}, "none",  # was 1.3-2.9x before the split
                  marks=pytest.mark.slow),
     pytest.param("fsdp_cp", {"data": 1, "context": 8}, "full", marks=pytest.mark.slow),
