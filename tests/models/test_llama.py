@@ -263,7 +263,8 @@ def test_kv_heads_follow_heads_where_they_divide() -> None:
 
 
 @needs_devices(8)
-@pytest.mark.parametrize("axis_types", [pytest.param("explicit", marks=pytest.mark.slow), "auto"])
+@pytest.mark.slow
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
     # 2 kv heads, 4 query heads over model=4: the rules replicate K/V, the op hands each
     # device the key/value head of its query head; logits and gradients as on one device.

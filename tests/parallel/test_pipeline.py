@@ -513,7 +513,8 @@ def test_compositions_match_one_device_and_checkpoint_across_strategies(name, tm
     assert_close(o3.opt_state, opt.opt_state, 0, "optimizer restored under " + name)
 
 
-@pytest.mark.parametrize("name", ["pp_fsdp", pytest.param("pp_tp", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp_fsdp", "pp_tp"])
 def test_compositions_never_gather_layers_over_stage(name) -> None:
     s = ns.strategies.get(name)
     mesh = s.make_mesh(8)

@@ -313,6 +313,8 @@ def test_ring_training_equals_one_device(c) -> None:
     assert all(x.bytes < full_kv for x in gathers), [(x.bytes, x.op_name) for x in gathers]
 
 
+# Slow: the cp and fsdp_cp presets train against one device in test_strategies' quick tier.
+@pytest.mark.slow
 def test_allgather_and_fsdp_cp_training_equal_one_device() -> None:
     cfg = get_config("tiny")
     ref_params, ref = _reference(cfg)
