@@ -8,14 +8,14 @@ reports and the command line show them as ``data=4,model=2`` (what
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from nnx_shard.errors import short
 
-__all__ = ["mesh_sizes", "sizes_str"]
+__all__ = ["axes_entry", "entry_axes", "mesh_sizes", "sizes_str"]
 
 
 def mesh_sizes(mesh: Any) -> dict[str, int]:
@@ -58,6 +58,26 @@ def sizes_str(mesh: Any, sep: str = ",", empty: str = "") -> str:
     'no axes'
     """
     return sep.join(f"{k}={v}" for k, v in mesh_sizes(mesh).items()) or empty
+
+
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry names: ``None`` gives ``()``, a name
+    a one-axis tuple, a tuple of names itself.
+
+    >>> entry_axes(None), entry_axes("data"), entry_axes(("data", "model"))
+    ((), ('data',), ('data', 'model'))
+    """
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def axes_entry(axes: Sequence[str]) -> Any:
+    """The ``PartitionSpec`` entry for mesh ``axes``, the inverse of :func:`entry_axes`:
+    ``None`` for none, the name for one, the tuple for more.
+
+    >>> axes_entry(()), axes_entry(("data",)), axes_entry(("data", "model"))
+    (None, 'data', ('data', 'model'))
+    """
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def abstract_mesh(sizes: Mapping[str, int]) -> Any:

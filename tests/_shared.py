@@ -12,6 +12,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+import nnx_shard as ns
+
 
 def host(tree: Any) -> Any:
     """``tree`` with every array as a numpy copy on the host (PRNG keys as their bits)."""
@@ -68,8 +70,6 @@ class MLP(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, d: int = 16, h: int = 32, *, dropout: float = 0.2,
                  down_bias: tuple[str, ...] | None = ("embed",)):
-        import nnx_shard as ns
-
         init, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
         self.up = nnx.Linear(d, h, kernel_init=ns.with_logical(init, ("embed", "mlp")),
                              bias_init=ns.with_logical(zeros, ("mlp",)), rngs=rngs)

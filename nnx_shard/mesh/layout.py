@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import logical_names, path_str
-from nnx_shard.axes import mesh_sizes
+from nnx_shard.axes import entry_axes, mesh_sizes
 from nnx_shard.errors import ShardingError, raise_collected
 from nnx_shard.mesh.build import make_mesh
 from nnx_shard.rules import Rules, as_rules
@@ -108,8 +108,6 @@ def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec, mesh
     n = nbytes(shape, dtype)
     div = 1
     for entry in spec:
-        if entry is None:
-            continue
-        for axis in (entry,) if isinstance(entry, str) else entry:
+        for axis in entry_axes(entry):
             div *= sizes[axis]
     return n // div

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from nnx_shard.axes import axes_entry, entry_axes
 from nnx_shard.mesh import constrain, current, option
 from nnx_shard.parallel.collective_matmul import projection
 
@@ -42,7 +43,7 @@ def _explicitly_sharded(a: jax.Array) -> bool:
         return False
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                 if t == AxisType.Explicit}
-    return any(axis in explicit for entry in sharding.spec for axis in _axes(entry))
+    return any(axis in explicit for entry in sharding.spec for axis in entry_axes(entry))
 
 
 def _gathered(w: jax.Array) -> jax.Array:
@@ -52,12 +53,6 @@ def _gathered(w: jax.Array) -> jax.Array:
     if not _explicitly_sharded(w):
         return w
     return jax.sharding.reshard(w, NamedSharding(jax.typeof(w).sharding.mesh, PartitionSpec()))
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _spec_of(x: jax.Array) -> tuple[Any, ...]:
@@ -70,13 +65,13 @@ def _compatible(x_letters: str, x: jax.Array, w_letters: str, w: jax.Array) -> j
     different dimension of ``w`` (Explicit meshes only)."""
     x_use = {}
     for letter, entry in zip(x_letters, _spec_of(x), strict=True):
-        for axis in _axes(entry):
+        for axis in entry_axes(entry):
             x_use[axis] = letter
     w_spec = _spec_of(w)
     new = []
     for letter, entry in zip(w_letters, w_spec, strict=True):
-        kept = tuple(a for a in _axes(entry) if x_use.get(a, letter) == letter)
-        new.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        kept = tuple(a for a in entry_axes(entry) if x_use.get(a, letter) == letter)
+        new.append(axes_entry(kept))
     if tuple(new) == w_spec:
         return w
     return jax.sharding.reshard(w, PartitionSpec(*new))

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_shard.axes import abstract_mesh
+from nnx_shard.axes import abstract_mesh, entry_axes
 from nnx_shard.rules import as_rules
 
 __all__ = ['ACTIVATION_FORMULA', 'activation_bytes']
@@ -45,7 +45,7 @@ def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: A
     axes: list[str] = []
     for dim in dims:
         entry = spec[dim] if dim < len(spec) else None
-        axes += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+        axes += entry_axes(entry)
     return math.prod(dict(mesh.shape)[a] for a in axes)
 
 

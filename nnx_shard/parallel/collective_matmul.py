@@ -56,6 +56,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._frames import Frames
+from nnx_shard.axes import axes_entry, entry_axes
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
 
@@ -117,16 +118,12 @@ def _spec(letters: str, sharded: dict[str, str]) -> PartitionSpec:
     return PartitionSpec(*(sharded.get(c) for c in letters))
 
 
-def _entry(axes: Sequence[str]) -> Any:
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-
 def _typed_axes(a: jax.Array, letters: str, drop: str) -> dict[str, tuple[str, ...]]:
     """Per letter, the mesh axes (other than ``drop``) that ``a``'s type shards it over."""
     spec = tuple(jax.typeof(a).sharding.spec) + (None,) * len(letters)
     out = {}
     for c, entry in zip(letters, spec, strict=False):
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = entry_axes(entry)
         out[c] = tuple(x for x in axes if x != drop)
     return out
 
@@ -155,9 +152,9 @@ def _shard_map(body: Any, mesh: Mesh | AbstractMesh, axis: str, x: jax.Array, w:
                              out_specs=_spec(out, {out_ring: axis}))(x, w)
     kept = {c: (tuple(layout.get(c, ())) if c in out and c not in wl and c != x_ring else ())
             for c in xl}
-    x_spec = PartitionSpec(*(_entry(kept[c] + ((axis,) if c == x_ring else ())) for c in xl))
+    x_spec = PartitionSpec(*(axes_entry(kept[c] + ((axis,) if c == x_ring else ())) for c in xl))
     w_spec = _spec(wl, {w_ring: axis})
-    o_spec = PartitionSpec(*(_entry(kept.get(c, ()) + ((axis,) if c == out_ring else ()))
+    o_spec = PartitionSpec(*(axes_entry(kept.get(c, ()) + ((axis,) if c == out_ring else ()))
                              for c in out))
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         x = jax.sharding.reshard(x, x_spec)
@@ -405,7 +402,7 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
     both = _DIRECTIONS[value]
 
     def single(entry: Any) -> str | None:
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = entry_axes(entry)
         return axes[0] if len(axes) == 1 else None
 
     mesh = out.mesh
@@ -415,7 +412,7 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
         # x's other axes, as the rules lay out the output dimensions it shares.
         got = {}
         for c, entry in zip(ol, spec, strict=True):
-            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            axes = entry_axes(entry)
             got[c] = tuple(a for a in axes if a != axis)
         return got
 
@@ -475,7 +472,7 @@ def check_tokens(shape: Sequence[int], names: Sequence[str] = ("batch", "length"
         except ShardingError:
             pass
         entry = rules.spec((name,), mesh=mesh)[0]
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = entry_axes(entry)
         n = math.prod(int(mesh.shape[a]) for a in axes)
         what = _WHAT.get(name, f"{name!r} dimension")
         lo, hi = (size // n) * n, -(-size // n) * n

@@ -86,6 +86,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_shard import blockwise
 from nnx_shard._frames import Frames
+from nnx_shard.axes import entry_axes
 from nnx_shard.blockwise import BLOCK, Masks, finish, grads, group_mask, merge, stats
 from nnx_shard.errors import ShardingError
 from nnx_shard.mesh import current, option
@@ -349,7 +350,7 @@ def _kv_per_device(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Any
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     spec = tuple(jax.typeof(q).sharding.spec) + (None,) * q.ndim
     entry = spec[2]
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    names = entry_axes(entry)
     if not names or any(types[a] != AxisType.Explicit for a in names):
         return k, v
     split = math.prod(dict(mesh.shape)[a] for a in names)
@@ -408,17 +409,14 @@ def _manual_spec(x: jax.Array, mesh: Any, rules: Any, axes: tuple[str, ...]
         ruled = ()
     ruled += (None,) * (x.ndim - len(ruled))
 
-    def named(entry: Any) -> tuple[str, ...]:
-        return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
     out: list[Any] = []
     for dim in range(x.ndim):
         if dim == 1:
             out.append(axes)
             continue
-        kept = tuple(a for a in named(typed[dim]) if types[a] == AxisType.Explicit)
+        kept = tuple(a for a in entry_axes(typed[dim]) if types[a] == AxisType.Explicit)
         if not kept:
-            kept = tuple(a for a in named(ruled[dim]) if types[a] != AxisType.Explicit)
+            kept = tuple(a for a in entry_axes(ruled[dim]) if types[a] != AxisType.Explicit)
         out.append(tuple(a for a in kept if a not in axes) or None)
     return P(*out), {a for entry in out if entry for a in entry}
 
@@ -426,7 +424,7 @@ def _manual_spec(x: jax.Array, mesh: Any, rules: Any, axes: tuple[str, ...]
 def _retype(x: jax.Array, spec: P) -> jax.Array:
     typed = tuple(jax.typeof(x).sharding.spec)
     typed += (None,) * (x.ndim - len(typed))
-    norm = tuple(None if not e else (e,) if isinstance(e, str) else tuple(e) for e in typed)
+    norm = tuple(None if not e else entry_axes(e) for e in typed)
     want = tuple(None if not e else tuple(e) for e in spec)
     return x if norm == want else jax.sharding.reshard(x, spec)
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import string
-from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 import jax
@@ -54,6 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_shard.axes import axes_entry, entry_axes
 from nnx_shard.errors import UsageError, short
 from nnx_shard.mesh import current, option
 from nnx_shard.parallel.collective_matmul import (
@@ -67,14 +67,6 @@ from nnx_shard.parallel.registry import ParallelOp, register
 __all__ = ["ProjectionOp", "intercept"]
 
 M = TypeVar("M")
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
-def _entry(axes: Sequence[str]) -> Any:
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def _out_spec(eq: str, w: jax.Array, names: tuple[Any, ...]) -> tuple[NamedSharding, str] | None:
@@ -92,26 +84,26 @@ def _out_spec(eq: str, w: jax.Array, names: tuple[Any, ...]) -> tuple[NamedShard
         return None
     w_spec = tuple(rules.spec(names, shape=w.shape, mesh=mesh))
     w_spec += (None,) * (w.ndim - len(w_spec))
-    seq_axes = _axes(rules.spec(("length",), mesh=mesh)[0])
-    batch = _axes(rules.spec(("batch",), mesh=mesh)[0])
+    seq_axes = entry_axes(rules.spec(("length",), mesh=mesh)[0])
+    batch = entry_axes(rules.spec(("batch",), mesh=mesh)[0])
     if len(seq_axes) != 1:
         return None
     axis = seq_axes[0]
-    split = [c for c, e in zip(wl, w_spec, strict=True) if axis in _axes(e)]
+    split = [c for c, e in zip(wl, w_spec, strict=True) if axis in entry_axes(e)]
     if len(split) != 1:
         return None
     contracted = [c for c in wl if c in xl and c not in out]
     row = split[0] in contracted
     if row and split[0] != contracted[0]:
         return None  # the ring reduces over the first contracted letter only
-    w_entries = {c: tuple(a for a in _axes(e) if a != axis or not row)
+    w_entries = {c: tuple(a for a in entry_axes(e) if a != axis or not row)
                  for c, e in zip(wl, w_spec, strict=True)}
     by_letter = {xl[0]: tuple(a for a in batch if a != axis), xl[1]: (axis,) if row else ()}
     entries = [by_letter.get(c, w_entries.get(c, ()) if c in wl else ()) for c in out]
     used = [a for axes in entries for a in axes]
     if len(used) != len(set(used)):
         return None  # the batch and the kernel claim one mesh axis: leave it to XLA
-    return NamedSharding(mesh, PartitionSpec(*(_entry(a) for a in entries))), xl[1]
+    return NamedSharding(mesh, PartitionSpec(*(axes_entry(a) for a in entries))), xl[1]
 
 
 def _dot_general_eq(lhs: jax.Array, rhs: jax.Array, dims: Any) -> str | None:
@@ -219,7 +211,7 @@ def intercept(model: M) -> M:
                          "Fix: intercept(model) with the model the step trains")
     for _, node in nnx.iter_graph(model):
         for cls, attr, kind, defaults in _STOCK:
-            if not isinstance(node, nnx.Module) or not isinstance(node, cls):
+            if not isinstance(node, cls):
                 continue
             layer: Any = node
             current_op = getattr(layer, attr)

@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from tqdm.auto import tqdm
 
+from nnx_shard.axes import entry_axes
 from nnx_shard.errors import NnxShardError, ShardingError, UsageError, short
 from nnx_shard.models import LlamaConfig, TransformerConfig
 from nnx_shard.models.named import NAMED, max_length
@@ -185,7 +186,7 @@ def _batch_problem(strat: Strategy, sizes: dict[str, int], batch: int, seq: int,
         msg = " ".join(str(e).split())
         return f"batch {batch} x seq {seq} cannot be laid out: {msg[:200]}"
     entry = tuple(spec)[1] if len(tuple(spec)) > 1 else None
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = entry_axes(entry)
     rows = batch // math.prod(sizes[a] for a in axes)
     if rows % microbatches:
         return f"{microbatches} microbatches do not divide the {rows} rows per device"

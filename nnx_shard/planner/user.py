@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh
 
+from nnx_shard.axes import entry_axes
 from nnx_shard.errors import ShardingError, UsageError
 from nnx_shard.planner.compile import compile_step
 from nnx_shard.presets import get
@@ -268,7 +269,7 @@ class UserModel:
                 return (f"{where} {list(x.shape)} cannot be laid out: "
                         f"{' '.join(str(e).split())[:200]}")
             entry = next(iter(spec), None)
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            axes = entry_axes(entry)
             rows = x.shape[0] // math.prod(sizes[a] for a in axes)
             if rows % microbatches:
                 return f"{microbatches} microbatches do not divide the {rows} rows per device"

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from nnx_shard._frames import Frames
+from nnx_shard.axes import entry_axes
 from nnx_shard.errors import ShardingError, count, flag, short
 from nnx_shard.parallel.registry import microbatch_owner
 from nnx_shard.train.precision import Precision, as_precision
@@ -67,8 +68,7 @@ def spec_axes(sharding: Any, dim: int) -> tuple[tuple[str, ...], int]:
     spec = getattr(sharding, "spec", None)
     if spec is None or dim >= len(spec) or spec[dim] is None:
         return (), 1
-    entry = spec[dim]
-    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = entry_axes(spec[dim])
     if not all(isinstance(a, str) for a in axes):
         return (), 1
     sizes = dict(sharding.mesh.shape)
