@@ -13,11 +13,13 @@ process):
    optimised HLO and the memory figures are the same.
 
 Cases: ``8b`` (Llama-3.1 8B shapes as a TransformerConfig, float32, scanned
-layers, AdamW, 8 devices, 80 GB, batch 16 x seq 2048) and ``small`` (README's:
-8 devices, batch 32 x 128, 48 MiB). Results go to
-``benchmarks/results/plan_time.json``. Run::
+layers, AdamW, 8 devices, 80 GB, batch 16 x seq 2048), ``70b`` (Llama-3.1 70B
+shapes likewise, 256 devices, 80 GB, torchtitan's global batch 512 x 8192) and
+``small`` (README's: 8 devices, batch 32 x 128, 48 MiB). Results go to
+``benchmarks/results/plan_time_<case>.json``. Run::
 
     .venv/bin/python benchmarks/plan_time.py --case 8b
+    .venv/bin/python benchmarks/plan_time.py --case 70b --workers default --skip-compile
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ from pathlib import Path
 
 from _common import print_table, write_json
 
-RESULTS = Path(__file__).resolve().parent / "results" / "plan_time.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 CASES = {
     "8b": {"config": {"vocab": 128256, "length": 8192, "embed": 4096, "heads": 32,
                       "head_dim": 128, "mlp": 14336, "layers": 32, "scan_layers": True},
            "devices": 8, "batch": 16, "seq": 2048, "device_memory": "80GB"},
+    "70b": {"config": {"vocab": 128256, "length": 8192, "embed": 8192, "heads": 64,
+                       "head_dim": 128, "mlp": 28672, "layers": 80, "scan_layers": True},
+            "devices": 256, "batch": 512, "seq": 8192, "device_memory": "80GB"},
     "small": {"config": "small", "devices": 8, "batch": 32, "seq": 128,
               "device_memory": "48MiB"},
 }
@@ -61,7 +66,8 @@ def auto_worker(name: str, workers: int | None) -> dict:
     cands = plan.ranked + plan.dropped
     return {"wall_s": wall, "compiled": plan.request["compiled"],
             "compile_s_sum": sum(c.compile_s or 0 for c in cands),
-            "best": plan.best.label, "ranked": [c.label for c in plan.ranked]}
+            "best": plan.best.label, "ranked": [c.label for c in plan.ranked],
+            "pruned": plan.pruned}
 
 
 def compile_worker(order: str) -> dict:
@@ -117,6 +123,9 @@ def main() -> None:
     ap.add_argument("--case", choices=tuple(CASES), default="8b")
     ap.add_argument("--rounds", type=int, default=1, help="alternated rounds of part 1")
     ap.add_argument("--skip-auto", action="store_true", help="part 2 only")
+    ap.add_argument("--skip-compile", action="store_true", help="part 1 only")
+    ap.add_argument("--workers", default="1,default",
+                    help="part 1's worker settings, alternated (default: 1,default)")
     ap.add_argument("--auto-worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -130,14 +139,15 @@ def main() -> None:
 
     runs: list[dict] = []
     if not args.skip_auto:
+        settings = args.workers.split(",")
         for r in range(args.rounds):
-            for workers in (("1", "default") if r % 2 == 0 else ("default", "1")):
+            for workers in (settings if r % 2 == 0 else settings[::-1]):
                 got = _child(["--auto-worker", args.case, workers])
                 runs.append({"workers": workers, **got})
                 print(workers, {k: v for k, v in got.items() if k != "ranked"},
                       file=sys.stderr, flush=True)
-    compiles = [_child(["--compile-worker", order], devices=8)
-                for order in ("default,plan", "plan,default")]
+    compiles = [] if args.skip_compile else [
+        _child(["--compile-worker", order], devices=8) for order in ("default,plan", "plan,default")]
     load = os.getloadavg()
     print(f"{os.cpu_count()} cores, load average {load[0]:.2f} at the end (shared machine)")
     if runs:
@@ -146,6 +156,8 @@ def main() -> None:
         print_table(["workers", "wall s", "compiles", "sum of compile s", "chosen"],
                     [[r["workers"], f"{r['wall_s']:.1f}", str(r["compiled"]),
                       f"{r['compile_s_sum']:.1f}", r["best"]] for r in runs])
+    if runs:
+        print("\npruned (first run):\n" + "\n".join(f"- {p}" for p in runs[0]["pruned"]))
     print("\none compile, 8B shapes, fsdp data=8 (each order in its own process)")
     rows = []
     for c in compiles:
@@ -154,7 +166,7 @@ def main() -> None:
                          ", ".join(map(str, v["memory"]))])
     print_table(["order", "options", "compile s", "HLO sha1", "temp, argument, output, alias"],
                 rows)
-    write_json(RESULTS, {"case": args.case, "cores": os.cpu_count(), "loadavg_end": load,
+    write_json(RESULTS / f"plan_time_{args.case}.json", {"case": args.case, "cores": os.cpu_count(), "loadavg_end": load,
                          "auto": runs, "compile": compiles})
 
 

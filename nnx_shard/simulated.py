@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["run_requests", "serve", "simulated_env"]
+__all__ = ["Workers", "run_requests", "serve", "serve_lines", "simulated_env"]
 
 FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # The directory nnx_shard is imported from, so a child imports the same code.
@@ -122,3 +122,165 @@ def run_requests(spec: str, requests: Sequence[Mapping[str, Any]], n_devices: in
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def serve_lines(spec: str, error_chars: int = 1000) -> None:
+    """The child's side of :class:`Workers`: one JSON request per line of stdin, one
+    JSON result line each (``{"error": ...}`` if the function raised), until stdin
+    closes."""
+    fn = _target(spec)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            result = dict(fn(json.loads(line)))
+        except Exception as e:  # reported to the parent as one line
+            msg = " ".join(str(e).split()) or type(e).__name__
+            result = {"error": f"{type(e).__name__}: {msg}"[:error_chars]}
+        print(json.dumps(result), flush=True)
+
+
+class _Child:
+    """One long-lived child of :class:`Workers`."""
+
+    def __init__(self, spec: str, n_devices: int, error_chars: int) -> None:
+        code = (f"from nnx_shard.simulated import serve_lines; "
+                f"serve_lines({spec!r}, {int(error_chars)})")
+        self.proc = subprocess.Popen([sys.executable, "-c", code],
+                                     env=simulated_env(n_devices, importable=True),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.err: list[str] = []
+        self.answered = 0
+        # stderr is drained as it comes, so a chatty child never blocks on a full pipe.
+        self._drain = threading.Thread(target=self._read_err, daemon=True)
+        self._drain.start()
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err = [*self.err[-19:], line.rstrip()]
+
+    def ask(self, request: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        """The child's answer to ``request``, or ``{"failed": why, "timed_out": bool}``
+        (the child is then dead: killed past ``timeout`` seconds, or it died). The
+        first request of a child gets 60 s more, for its start."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        fired = threading.Event()
+
+        def kill() -> None:
+            fired.set()
+            self.proc.kill()
+
+        timer = threading.Timer(timeout + (0 if self.answered else 60), kill)
+        timer.start()
+        line = ""
+        try:
+            self.proc.stdin.write(json.dumps(dict(request)) + "\n")
+            self.proc.stdin.flush()
+            while True:
+                line = self.proc.stdout.readline()
+                if not line or line.startswith("{"):
+                    break
+        except OSError:  # a broken pipe: the child is gone
+            line = ""
+        finally:
+            timer.cancel()
+        if line:
+            self.answered += 1
+            result: dict[str, Any] = json.loads(line)
+            return result
+        self.close()
+        self._drain.join(timeout=5)
+        why = (f"took longer than {timeout:g} s" if fired.is_set()
+               else (self.err[-1] if self.err else f"exit {self.proc.returncode}"))
+        return {"failed": why, "timed_out": fired.is_set()}
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Workers:
+    """Up to ``size`` long-lived children with ``n_devices`` simulated CPU devices,
+    each calling the function ``spec`` (``"module:function"``) on one request at a
+    time: :meth:`map` hands each request to the next idle child, so the children
+    start (Python, JAX, the first compile's warm-up) once for many calls, and a slow
+    request never holds the others back. A child that dies or runs past ``timeout``
+    seconds on a request is replaced for the next one. Use it as a context manager
+    (the children end with it).
+
+    >>> with Workers("builtins:dict", 2, size=2, timeout=120) as w:
+    ...     got = {}
+    ...     w.map([{"a": 1}, {"b": 2}, {"c": 3}], lambda i, r: got.update({i: r}))
+    ...     w.map([{"d": 4}], lambda i, r: got.update({3: r}))
+    >>> [got[i] for i in range(4)]
+    [{'a': 1}, {'b': 2}, {'c': 3}, {'d': 4}]
+    >>> with Workers("os:fspath", 2, size=1, timeout=120) as w:
+    ...     w.map([{}], lambda i, r: print(r))
+    {'error': 'TypeError: expected str, bytes or os.PathLike object, not dict'}
+    """
+
+    def __init__(self, spec: str, n_devices: int, *, size: int, timeout: float,
+                 error_chars: int = 1000) -> None:
+        self.spec, self.n_devices, self.size = spec, n_devices, max(1, int(size))
+        self.timeout, self.error_chars = timeout, error_chars
+        self._children: list[_Child | None] = [None] * self.size
+        self.started = 0  # children started, replacements included
+
+    def _child(self, slot: int) -> _Child:
+        child = self._children[slot]
+        if child is None or not child.alive:
+            child = _Child(self.spec, self.n_devices, self.error_chars)
+            self._children[slot] = child
+            self.started += 1
+        return child
+
+    def map(self, requests: Sequence[Mapping[str, Any]],
+            on_result: Callable[[int, dict[str, Any]], None],
+            skip: Callable[[int], bool] | None = None) -> None:
+        """Answers ``requests`` (``on_result(index, result)`` as each finishes, from
+        the children's threads) and returns when all are answered, but those for
+        which ``skip(index)``, asked as a child takes it up, is true (not sent)."""
+        pending = list(enumerate(requests))
+        lock = threading.Lock()
+
+        def work(slot: int) -> None:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    i, request = pending.pop(0)
+                if skip is not None and skip(i):
+                    continue
+                on_result(i, self._child(slot).ask(request, self.timeout))
+
+        slots = range(min(self.size, len(pending)))
+        threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in slots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def close(self) -> None:
+        """Ends the children."""
+        for child in self._children:
+            if child is not None:
+                child.close()
+        self._children = [None] * self.size
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -81,3 +81,25 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(self.drop(nnx.relu(self.up(x))))
+
+
+def sleep_request(request: dict) -> dict:
+    """A :class:`nnx_shard.simulated.Workers` function for the tests: sleeps
+    ``request["s"]`` seconds and answers with its process id."""
+    import os
+    import time
+
+    time.sleep(request["s"])
+    return {"slept": request["s"], "pid": os.getpid()}
+
+
+def die_request(request: dict) -> dict:
+    """A :class:`nnx_shard.simulated.Workers` function for the tests: the child exits
+    with status 3 when ``request["die"]``, else answers with its process id."""
+    import os
+    import sys
+
+    if request.get("die"):
+        print("dying on purpose", file=sys.stderr, flush=True)
+        os._exit(3)
+    return {"pid": os.getpid()}

@@ -48,6 +48,7 @@ from nnx_shard.planner import (
 )
 from nnx_shard.planner.compile import planned_config
 from nnx_shard.planner.formula import compute_copy
+from nnx_shard.planner.trust import compiled_trusted
 from nnx_shard.report import Report, _spec_txt, fmt_bytes
 from nnx_shard.strategy import Strategy
 
@@ -62,7 +63,12 @@ _DECIDES = {
         "donated buffers. It decides whether the model fits: the formula is off by more than "
         "15% ({ratio}here; 0.33-0.93 over the presets, remat policies and meshes measured), "
         "as it models neither XLA's temporaries nor how remat is scheduled. These are XLA "
-        "CPU's figures: a GPU or TPU compile can differ."),
+        "CPU's figures: a GPU or TPU compile can differ (on published H100 runs without a "
+        "pipeline, full remat, they were 0.87-1.07x the runs' figures; nnx_shard.planner.trust)."),
+    "stage formula": (
+        "* compiled, not trusted: {notice} Per-stage formula: the formula estimate with the "
+        "activations of one stage's layers for every microbatch ({stage}) in place of "
+        "every layer's: {need} (like the formula, a floor: leave headroom)."),
     "formula": (
         "* not compiled (--no-compile, or more than "
         f"{COMPILE_MAX_DEVICES} devices): the formula decides, and it under-counts what XLA "
@@ -93,6 +99,7 @@ class _Layout:
     stages: Any
     activations: int
     compute: int = 0
+    stage_activations: int | None = None  # one pipeline stage's layers, every microbatch
 
 
 def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
@@ -116,7 +123,14 @@ def _lay_out(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
         acts = activation_bytes(cfg, strat.rules, sizes, args.batch, args.seq, args.remat)
     except ShardingError as e:
         raise ShardingError(f"activations of --batch {args.batch} x --seq {args.seq}: {e}") from None
-    return _Layout(report, stages, acts, compute_copy(report, cfg.dtype, args.remat))
+    stage_acts = None
+    if stages is not None:
+        # A stage keeps its own layers' activations for every microbatch of the step.
+        per_stage = dataclasses.replace(cfg, layers=max(1, cfg.layers // stages.stages))
+        stage_acts = activation_bytes(per_stage, strat.rules, sizes, args.batch, args.seq,
+                                      args.remat)
+    return _Layout(report, stages, acts, compute_copy(report, cfg.dtype, args.remat),
+                   stage_acts)
 
 
 def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
@@ -136,17 +150,31 @@ def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
         raise UsageError(str(e)) from None
 
 
+def _stage_need(layout: _Layout, per_device: dict[str, int]) -> int:
+    """The per-stage formula's bytes per device: the formula's, with the activations
+    of one stage's layers (for every microbatch) in place of every layer's."""
+    assert layout.stage_activations is not None
+    return int(per_device["total"] - per_device["activations"] + layout.stage_activations)
+
+
 def _results(layout: _Layout, per_device: dict[str, int], compiled: dict[str, Any] | None,
-             memory: int | None, top: int) -> dict[str, Any]:
+             memory: int | None, top: int, strat: Strategy) -> dict[str, Any]:
     """The plan's JSON fields past the request's: bytes, the verdict, the largest tensors."""
     report = layout.report
     need = compiled["total"] if compiled is not None else per_device["total"]
+    decided_by = "compiled" if compiled is not None else "formula"
+    trusted, notice = (compiled_trusted(strat, compiled.get("backend", "cpu"))
+                       if compiled is not None else (True, None))
+    if not trusted and layout.stages is not None:
+        need, decided_by = _stage_need(layout, per_device), "stage formula"
     largest = sorted((r for r in report.rows if r.group == "params"),
                      key=lambda r: -r.bytes_per_device)[:top]
     return {
         "bytes_per_device": per_device,
         "compiled": compiled,
-        "decided_by": "compiled" if compiled is not None else "formula",
+        "decided_by": decided_by,
+        "compiled_trusted": trusted if compiled is not None else None,
+        "notice": notice,
         "bytes_needed": need,
         "bytes_total": {"params": report.total_bytes, "optimizer": report.opt_total_bytes},
         "largest": [
@@ -157,6 +185,7 @@ def _results(layout: _Layout, per_device: dict[str, int], compiled: dict[str, An
         ],
         "replicated_params": sum(1 for r in report.replicated if r.group == "params"),
         "stages": None if layout.stages is None else dataclasses.asdict(layout.stages),
+        "stage_activations": layout.stage_activations,
         "activation_formula": ACTIVATION_FORMULA,
         "device_memory": memory,
         "fits": None if memory is None else need <= memory,
@@ -226,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     per_device = formula(layout.report, layout.activations, args.guard, layout.compute)
     compiled = _compile(args, strat, sizes, out["devices"])
-    out.update(_results(layout, per_device, compiled, memory, args.top))
+    out.update(_results(layout, per_device, compiled, memory, args.top, strat))
     if args.json:
         print(json.dumps(out))
     else:
@@ -304,8 +333,10 @@ def _print_notes(args: argparse.Namespace, out: dict[str, Any], stages: Any) -> 
             width=100, subsequent_indent="  "))
     ratio = (f"formula / compiled = {per_device['total'] / compiled['total']:.2f} "
              if compiled is not None else "")
-    print(textwrap.fill(_DECIDES[out["decided_by"]].format(ratio=ratio), width=100,
-                        subsequent_indent="  "))
+    print(textwrap.fill(_DECIDES[out["decided_by"]].format(
+        ratio=ratio, notice=out.get("notice") or "",
+        stage=fmt_bytes(out.get("stage_activations") or 0),
+        need=fmt_bytes(out["bytes_needed"])), width=100, subsequent_indent="  "))
     print(textwrap.fill(f"* formula activations: {ACTIVATION_FORMULA}", width=100,
                         subsequent_indent="  "))
     memory = out["device_memory"]

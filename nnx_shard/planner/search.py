@@ -35,7 +35,12 @@ from nnx_shard.models import LlamaConfig, TransformerConfig
 from nnx_shard.models.named import NAMED, max_length
 from nnx_shard.planner.cache import Cache, versions
 from nnx_shard.planner.compile import compile_step, config_dict, config_factory
-from nnx_shard.planner.formula import PRUNE_MARGIN, formula_bytes
+from nnx_shard.planner.formula import (
+    PRUNE_MARGIN,
+    abstract_report,
+    formula_bytes,
+    stage_formula_bytes,
+)
 from nnx_shard.planner.hardware import Hardware
 from nnx_shard.planner.options import (
     REMAT_ORDER,
@@ -46,13 +51,24 @@ from nnx_shard.planner.options import (
     _positive_int,
 )
 from nnx_shard.planner.plan import Candidate, Plan, clip
+from nnx_shard.planner.trust import compiled_trusted
+from nnx_shard.planner.twins import signature
 from nnx_shard.planner.user import UserModel, user_request
 from nnx_shard.presets import get
 from nnx_shard.report import fmt_bytes
-from nnx_shard.simulated import run_requests
+from nnx_shard.simulated import Workers
 from nnx_shard.strategy import Strategy, factorizations
 
 __all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto", "enumerate_layouts"]
+
+
+#: A layout's remat and microbatch variants are not compiled once every compiled step
+#: of that layout is predicted slower than the best fitting candidate by more than
+#: 1 / VARIANT_TIME_FLOOR: no variant would be chosen. Over the 150 pairs of compiled
+#: steps of one layout (remat none/dots/full x 1-8 microbatches) in plans of Llama-3.1
+#: 8B shapes on 8 devices and 70B shapes on 256, a variant was never predicted under
+#: 0.53x another step of its layout (async_tp data=4,model=2, full against none).
+VARIANT_TIME_FLOOR = 0.4
 
 
 class NothingFits(NnxShardError, ValueError):
@@ -94,9 +110,33 @@ class _Problem:
         return self.user.strategy(name) if self.user is not None else get(name)
 
     def batch_problem(self, strat: Strategy, sizes: dict[str, int], mb: int) -> str | None:
+        """Why ``mb`` microbatches cannot run under ``strat`` on ``sizes`` (``None``:
+        they can), known before any compile."""
+        sched = strat.rules.options.get("pipeline")
+        if sched is not None:
+            stages = sizes.get(sched.axis, 1)
+            if mb < stages and not (sched.allow_few_microbatches and sched.repeats == 1):
+                return (f"a pipeline over {stages} stages needs at least {stages} "
+                        f"microbatches, not {mb}")
         if self.user is not None:
             return self.user.batch_problem(strat, sizes, mb)
         return _batch_problem(strat, sizes, self.opts.batch, self.opts.seq, mb)
+
+    def first_mb(self, strat: Strategy, sizes: dict[str, int]) -> tuple[int | None, str]:
+        """The fewest microbatches of the search's counts that can run under ``strat``
+        on ``sizes`` (``None`` and why, if none can)."""
+        why = ""
+        for mb in self.mbs:
+            why = self.batch_problem(strat, sizes, mb) or ""
+            if not why:
+                return mb, ""
+        sched = strat.rules.options.get("pipeline")
+        stages = sizes.get(sched.axis, 1) if sched is not None else 1
+        if stages > max(self.mbs):
+            why = (f"a pipeline over {stages} stages needs at least {stages} microbatches; "
+                   f"the counts searched are {', '.join(map(str, self.mbs))}. Fix: "
+                   f"microbatches=[..., {stages}], or fewer stages")
+        return None, why
 
 
 def _resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> _Problem:
@@ -194,13 +234,15 @@ def _batch_problem(strat: Strategy, sizes: dict[str, int], batch: int, seq: int,
 
 
 def _layouts(p: _Problem) -> tuple[list[tuple[str, dict[str, int]]],
-                                   list[tuple[str, dict[str, int]]], list[Candidate], list[str]]:
-    """Every layout, those that can be laid out, the dropped ones (with why) and what
-    the enumeration skipped; raises when no preset can use the devices."""
+                                   list[tuple[str, dict[str, int], int]], list[Candidate],
+                                   list[str]]:
+    """Every layout, those that can be laid out (with the fewest microbatches they
+    run with: a pipeline's stage count), the dropped ones (with why) and what the
+    enumeration skipped; raises when no preset can use the devices."""
     opts = p.opts
     layouts, pruned = enumerate_layouts(opts.devices, p.names)
     dropped: list[Candidate] = []
-    viable: list[tuple[str, dict[str, int]]] = []
+    viable: list[tuple[str, dict[str, int], int]] = []
     for name, sizes in layouts:
         strat = p.strategy(name)
         base = Candidate(name, sizes, p.policies[0])
@@ -211,11 +253,12 @@ def _layouts(p: _Problem) -> tuple[list[tuple[str, dict[str, int]]],
             base.reason = "cannot lay out: " + " ".join(str(e).split())
             dropped.append(base)
             continue
-        if (why := p.batch_problem(strat, sizes, 1)) is not None:
+        mb, why = p.first_mb(strat, sizes)
+        if mb is None:
             base.reason = why
             dropped.append(base)
             continue
-        viable.append((name, sizes))
+        viable.append((name, sizes, mb))
     if not viable:
         fams = Plan([], dropped, pruned, p.hw, {}).families()
         n, batch = opts.devices, opts.batch
@@ -285,6 +328,19 @@ class _Search:
         self.store = Cache(p.opts.cache, shared=p.opts.compile_fn is None)
         self.version = versions()
         self.counters = {"compiled": 0, "cached": 0, "considered": len(layouts)}
+        self.workers: Workers | None = None
+        # The layouts' first candidates, laid out or not: the rest are variants.
+        self.first_labels: set[str] = {c.label for c in dropped}
+        self.best_s: float | None = None             # the fastest fitting step so far
+        self.fastest: dict[Any, float] = {}          # each layout's fastest compiled step
+        self.slow_pruned = 0
+        self.untrusted = 0                           # pipeline candidates dropped on CPU figures
+        # Twins known before compiling (planner.twins): one compile per program.
+        self.rows: dict[Any, Any] = {}               # layout -> report rows
+        self.programs: dict[Any, Candidate] = {}     # signature -> the candidate compiled
+        self.results: dict[str, dict[str, Any]] = {}  # label -> its compile's result
+        self.same: list[str] = []                    # "label (= leader)", not compiled
+        self.known_twins: set[str] = set()
 
     def key_of(self, c: Candidate) -> str:
         p, opts = self.p, self.opts
@@ -318,15 +374,75 @@ class _Search:
         return True
 
     def done(self, c: Candidate, result: dict[str, Any], bar: Any) -> None:
+        self.results[c.label] = result
         self.store.put(self.key_of(c), result)
         self.counters["compiled"] += 1
-        _apply(c, result, self.p.memory, self.p.hw)
+        self.applied(c, result)
         bar.set_postfix_str(c.label, refresh=False)
         bar.update(1)
+
+    def applied(self, c: Candidate, result: Mapping[str, Any]) -> None:
+        """Applies a compile's ``result`` to ``c`` and keeps the times the search
+        prunes with."""
+        _apply(c, result, self.p.memory, self.p.hw)
+        if c.fits is False and c.compiled:
+            self.bound_note(c)
+        if c.predicted_s is None:
+            return
+        key = _key(c)
+        self.fastest[key] = min(self.fastest.get(key, math.inf), c.predicted_s)
+        if c.fits:
+            self.best_s = min(self.best_s if self.best_s is not None else math.inf,
+                              c.predicted_s)
+
+    def bound_note(self, c: Candidate) -> None:
+        """Adds to a pipeline candidate dropped on XLA CPU's figure, which for a pipeline
+        is an upper bound (:mod:`nnx_shard.planner.trust`), what the per-stage formula
+        (a floor) needs."""
+        p = self.p
+        strat = p.strategy(c.strategy)
+        trusted, _ = compiled_trusted(strat)
+        sched = strat.rules.options.get("pipeline")
+        if trusted or p.cfg is None or sched is None or p.memory is None:
+            return
+        stage_cfg = dataclasses.replace(p.cfg, layers=max(1, p.cfg.layers // c.mesh[sched.axis]))
+        need = stage_formula_bytes(p.abstract, p.cfg, stage_cfg, strat, c.mesh, p.tx,
+                                   self.opts.batch, self.opts.seq, c.remat or "none",
+                                   self.opts.guard)
+        if need is None:
+            return
+        c.reason = (f"{c.reason}; XLA CPU's figure is an upper bound for a pipeline, its "
+                    f"per-stage formula (a floor) needs {fmt_bytes(need)}")
+        self.untrusted += 1
+
+    def too_slow(self, key: Any) -> str | None:
+        """Why the variants of layout ``key`` cannot be chosen (``None``: they can):
+        its fastest compiled step is over the best fitting one's by more than
+        1 / :data:`VARIANT_TIME_FLOOR`."""
+        fastest = self.fastest.get(key)
+        if fastest is None or self.best_s is None or fastest * VARIANT_TIME_FLOOR <= self.best_s:
+            return None
+        return (f"not compiled: this layout's steps are predicted at {fastest:.3g} s or more, "
+                f"over {1 / VARIANT_TIME_FLOOR:g}x the best fitting candidate's "
+                f"{self.best_s:.3g} s (remat and microbatches were never measured to cut a "
+                f"step below {VARIANT_TIME_FLOOR:g}x of its layout's)")
+
+    def prune_slow(self, v: Candidate) -> bool:
+        """Marks ``v`` not compiled where its layout is too slow to be chosen."""
+        why = self.too_slow(_key(v))
+        if why is None:
+            return False
+        v.fits, v.reason = False, why
+        self.slow_pruned += 1
+        return True
 
     def compile_here(self, todo: list[Candidate], bar: Any) -> None:
         opts, p = self.opts, self.p
         for c in todo:
+            if self.prune_slow(c):
+                self.budget += 1  # not compiled after all
+                bar.update(1)
+                continue
             try:
                 if opts.compile_fn is not None:
                     result = dict(opts.compile_fn(c))
@@ -349,33 +465,37 @@ class _Search:
                  "sizes": c.mesh, "batch": opts.batch, "seq": opts.seq,
                  "optimizer": opts.optimizer, "microbatches": c.microbatches,
                  "guard": opts.guard} for c in todo]
-
         lock = threading.Lock()
 
-        def run(share: list[int]) -> None:
-            def on_result(i: int, result: dict[str, Any]) -> None:
-                if "failed" in result:
-                    result = {"error": f"the compile subprocess failed: {result['failed']}"}
-                with lock:  # the children answer from threads of their own
-                    self.done(todo[share[i]], result, bar)
+        def on_result(i: int, result: dict[str, Any]) -> None:
+            if "failed" in result:
+                result = {"error": f"the compile subprocess failed: {result['failed']}"}
+            with lock:  # the children answer from threads of their own
+                self.done(todo[i], result, bar)
 
-            run_requests("nnx_shard.planner.compile:compile_step_request",
-                         [reqs[j] for j in share], opts.devices,
-                         timeout=opts.timeout * len(share) + 60, on_result=on_result)
+        def skip(i: int) -> bool:
+            with lock:
+                if not self.prune_slow(todo[i]):
+                    return False
+                self.budget += 1  # not compiled after all
+                bar.update(1)
+                return True
 
-        # Each child compiles every n-th request: XLA's CPU compile of one program
-        # keeps about one core busy, so children on the cores there are run side by
-        # side. Which child compiles a candidate changes nothing of its figures.
-        n = max(1, min(len(reqs), _workers(opts.workers)))
-        shares = [list(range(k, len(reqs), n)) for k in range(n)]
-        if n == 1:
-            run(shares[0])
-            return
-        threads = [threading.Thread(target=run, args=(share,), daemon=True) for share in shares]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if self.workers is None:
+            # XLA's CPU compile of one program keeps about one core busy, so one child
+            # per core compiles side by side; they live for the whole search, so each
+            # starts (Python, JAX, a first compile's warm-up) once, not once per phase.
+            # Which child compiles a candidate changes nothing of its figures.
+            self.workers = Workers("nnx_shard.planner.compile:compile_step_request",
+                                   opts.devices, size=_workers(opts.workers),
+                                   timeout=opts.timeout)
+        self.workers.map(reqs, on_result, skip=skip)
+
+    def close(self) -> None:
+        """Ends the compile subprocesses."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     def run(self, cands: list[Candidate], bar: Any) -> None:
         """Compiles ``cands`` (or reads them from the cache) and applies the results."""
@@ -384,7 +504,7 @@ class _Search:
             hit = self.store.get(self.key_of(c))
             if hit is not None:
                 self.counters["cached"] += 1
-                _apply(c, hit, self.p.memory, self.p.hw)
+                self.applied(c, hit)
                 bar.update(1)
             else:
                 todo.append(c)
@@ -392,14 +512,68 @@ class _Search:
             return
         if self.opts.compile_fn is not None or self.p.cfg is None:
             self.compile_here(todo, bar)
-        else:
+            return
+        todo, followers = self.leaders(todo, bar)
+        if todo:
             self.compile_in_child(todo, bar)
+        for c, lead in followers:
+            self.reuse(c, lead, bar)
 
-    def plain(self, viable: list[tuple[str, dict[str, int]]]) -> list[Candidate]:
-        """Phase 3: every viable layout with the first remat policy and no
-        microbatches, within the compile budget."""
+    def signature(self, c: Candidate) -> Any:
+        """:func:`~nnx_shard.planner.twins.signature` of a reference config's candidate."""
+        p = self.p
+        strat = p.strategy(c.strategy)
+        key = _key(c)
+        if key not in self.rows:
+            try:
+                self.rows[key] = abstract_report(p.abstract, c.mesh, strat.rules, p.tx,
+                                                 strat.opt_rules).rows
+            except Exception:  # the compile will say what is wrong
+                self.rows[key] = None
+        rows = self.rows[key]
+        if rows is None:
+            return None
+        return signature(strat, c.mesh, rows, p.cfg, batch=self.opts.batch, seq=self.opts.seq,
+                         microbatches=c.microbatches, remat=c.remat)
+
+    def leaders(self, todo: list[Candidate], bar: Any
+                ) -> tuple[list[Candidate], list[tuple[Candidate, Candidate]]]:
+        """``todo`` without the candidates whose program is another's (compiled before,
+        or to compile now: the followers, each with its leader)."""
+        out: list[Candidate] = []
+        followers: list[tuple[Candidate, Candidate]] = []
+        first: dict[Any, Candidate] = {}
+        for c in todo:
+            sig = self.signature(c)
+            if sig is not None and sig in first:
+                followers.append((c, first[sig]))
+            elif sig is not None and sig in self.programs:
+                self.reuse(c, self.programs[sig], bar)
+            else:
+                if sig is not None:
+                    first[sig] = c
+                    self.programs[sig] = c
+                out.append(c)
+        return out, followers
+
+    def reuse(self, c: Candidate, lead: Candidate, bar: Any) -> None:
+        """Gives ``c`` the figures of ``lead``, which compiles to the same program."""
+        result = self.results.get(lead.label)
+        if result is None:  # the leader was not compiled after all: compile c itself
+            self.compile_in_child([c], bar)
+            return
+        self.store.put(self.key_of(c), result)
+        self.applied(c, result)
+        self.same.append(f"{c.label} (= {lead.label})")
+        self.known_twins.add(c.label)
+        bar.update(1)
+
+    def plain(self, viable: list[tuple[str, dict[str, int], int]]) -> list[Candidate]:
+        """Phase 3: every viable layout with the first remat policy and the fewest
+        microbatches it runs with (none but a pipeline's), within the compile budget."""
         max_compiles = self.opts.max_compiles
-        first = [Candidate(n, s, self.p.policies[0]) for n, s in viable]
+        first = [Candidate(n, s, self.p.policies[0], mb) for n, s, mb in viable]
+        self.first_labels |= {c.label for c in first}
         stage1 = [c for c in first if not self.prune_by_formula(c)]
         if len(stage1) > self.budget:
             self.pruned.append(f"{len(stage1) - self.budget} layouts not compiled "
@@ -421,8 +595,9 @@ class _Search:
         retry = [c for c in first if c.fits is False and c.bytes_per_device is not None]
         out = {}
         for c in retry:
-            order = ([(pol, 1) for pol in p.policies[1:]]
-                     + [(pol, m) for pol in p.policies for m in p.mbs if m > 1])
+            base = c.microbatches
+            order = ([(pol, base) for pol in p.policies[1:]]
+                     + [(pol, m) for pol in p.policies for m in p.mbs if m > base])
             out[_key(c)] = [
                 Candidate(c.strategy, c.mesh, pol, m) for pol, m in order
                 if p.batch_problem(p.strategy(c.strategy), c.mesh, m) is None]
@@ -435,6 +610,12 @@ class _Search:
         """One variant per layout still without a fitting one, within the budget."""
         batch_round = []
         for key in list(live):
+            if live[key] and self.too_slow(key) is not None:
+                for v in live[key]:
+                    self.prune_slow(v)
+                    self.dropped.append(v)
+                bar.update(len(live[key]))
+                live[key] = []
             if not live[key]:
                 del live[key]
                 continue
@@ -469,6 +650,11 @@ class _Search:
             while live and self.budget > 0:
                 self.variant_round(live, bar)
             left = sum(len(v) for v in live.values())
+            if self.slow_pruned:
+                self.pruned.append(
+                    f"{self.slow_pruned} remat/microbatch variants not compiled: their layout's "
+                    f"steps are predicted over {1 / VARIANT_TIME_FLOOR:g}x the best fitting "
+                    "candidate's time, which no variant was measured to cut")
             if left:
                 self.pruned.append(f"{left} remat/microbatch variants not compiled "
                                    f"(max_compiles={self.opts.max_compiles})")
@@ -490,12 +676,14 @@ class _Search:
                    c.memory_bytes, c.microbatches, c.remat)
             if sig in seen:
                 twins.append(c)
-                same.append(f"{c.label} (= {seen[sig].label})")
+                if c.label not in self.known_twins:  # said when it was not compiled
+                    same.append(f"{c.label} (= {seen[sig].label})")
             else:
                 seen[sig] = c
         if twins:
             self.ranked = list(seen.values())
-            self.pruned.append(f"{len(twins)} candidates that compile to the same program as "
+        if same:
+            self.pruned.append(f"{len(same)} candidates that compile to the same program as "
                                f"a better-ranked one: {', '.join(same)}")
         return twins
 
@@ -510,9 +698,17 @@ class _Search:
             "batch": opts.batch, "seq": opts.seq, "optimizer": opts.optimizer,
             "guard": opts.guard,
             "device_memory": p.memory}
+        if self.same:
+            self.pruned.append(f"{len(self.same)} candidates not compiled: the same program as "
+                               f"one compiled (every array laid out alike): "
+                               f"{', '.join(self.same)}")
+        if self.untrusted:
+            self.pruned.append(
+                f"{self.untrusted} pipeline candidates dropped on XLA CPU's compiled figure, "
+                "which for a pipeline is an upper bound (each says its per-stage formula, a "
+                "floor); check one with nnx-shard plan --strategy NAME --mesh ...")
         self.counters["considered"] = len(self.layouts) + sum(
-            1 for c in self.dropped + self.ranked
-            if (c.remat, c.microbatches) != (p.policies[0], 1))
+            1 for c in self.dropped + self.ranked if c.label not in self.first_labels)
         request.update(self.counters)
         if p.user is not None:
             request.update(user_request(p.user))
@@ -586,8 +782,11 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
             f"{jax.device_count()} devices, fewer than devices={opts.devices}. Fix: run with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={opts.devices} (CPU), or pass "
             "a config name / TransformerConfig (compiled in a subprocess).")
-    first = search.plain(viable)
-    search.variants(first)
+    try:
+        first = search.plain(viable)
+        search.variants(first)
+    finally:
+        search.close()
     unsaved = search.store.save()
     if unsaved is not None:  # best effort: the plan is what was asked for
         warnings.warn(f"auto: {unsaved}", RuntimeWarning, stacklevel=2)

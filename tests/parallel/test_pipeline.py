@@ -196,6 +196,43 @@ def test_plan_cli_shows_stages(capsys) -> None:
     assert "GPipe: 4 stages, 4 microbatches of 64.00 KiB per device, bubble 42.9%" in text
 
 
+def test_plan_cli_a_compiled_pipeline_is_an_upper_bound_and_the_stage_formula_decides(
+        capsys) -> None:
+    """On XLA CPU a pipeline's compiled figure is not an accelerator's: plan says so and
+    decides with the formula whose activations are one stage's layers'."""
+    import json
+
+    from nnx_shard.cli import main
+    from nnx_shard.models.memory import activation_bytes
+
+    flags = ["plan", "--model", "tiny", "--mesh", "stage=2,data=4", "--strategy", "pp_fsdp",
+             "--scan-layers", "--batch", "8", "--seq", "16"]
+    rc = main([*flags, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["compiled"]["backend"] == "cpu"
+    assert out["decided_by"] == "stage formula" and out["compiled_trusted"] is False
+    assert out["notice"].startswith("XLA CPU's figure for a pipeline is not an accelerator's")
+    cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
+    stage = activation_bytes(dataclasses.replace(cfg, layers=cfg.layers // 2),
+                             ns.strategies.get("pp_fsdp").rules, {"stage": 2, "data": 4}, 8, 16)
+    per_device = out["bytes_per_device"]
+    assert out["stage_activations"] == stage < per_device["activations"]
+    assert out["bytes_needed"] == per_device["total"] - per_device["activations"] + stage
+    # The verdict follows the stage formula, not the (larger) compiled total.
+    between = (out["bytes_needed"] + out["compiled"]["total"]) // 2
+    assert out["bytes_needed"] < between < out["compiled"]["total"]
+    assert main([*flags, "--device-memory", str(between)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "* compiled, not trusted: XLA CPU's figure for a pipeline" in text
+    assert "used, stage formula total)" in text
+    # Without a pipeline the compiled figure decides, as before.
+    rc = main(["plan", "--model", "tiny", "--mesh", "data=8", "--strategy", "fsdp", "--batch", "8",
+               "--seq", "16", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["decided_by"] == "compiled" and out["compiled_trusted"] is True
+    assert out["notice"] is None
+
+
 @pytest.mark.slow
 def test_moe_aux_loss_per_microbatch_as_gradient_accumulation() -> None:
     # Scalar carries (the summed load-balancing loss) travel with their microbatch and

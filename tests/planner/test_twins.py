@@ -1,0 +1,67 @@
+"""Twins known before compiling: one compile per program."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from flax import nnx
+
+from nnx_shard import optimizers, planner
+from nnx_shard.models import Transformer, get_config
+from nnx_shard.planner.cache import Cache
+from nnx_shard.planner.formula import abstract_report
+from nnx_shard.planner.twins import signature
+from nnx_shard.presets import get
+
+
+def _sig(cfg, name, sizes, *, microbatches=1, remat="none"):
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    strat = get(name)
+    rows = abstract_report(model, sizes, strat.rules, optimizers.get("adamw"),
+                           strat.opt_rules).rows
+    return signature(strat, sizes, rows, cfg, batch=8, seq=16, microbatches=microbatches,
+                     remat=remat)
+
+
+def test_twins_are_equal_and_other_layouts_are_not():
+    cfg = get_config("tiny")
+    dp = _sig(cfg, "dp", {"data": 4})
+    # ep on a dense model is dp, on every split of the devices.
+    for sizes in ({"data": 1, "expert": 4}, {"data": 2, "expert": 2}):
+        assert _sig(cfg, "ep", sizes) == dp, sizes
+    assert _sig(cfg, "fsdp_tp", {"data": 1, "model": 4}) == _sig(cfg, "tp", {"data": 1, "model": 4})
+    differ = [dp, _sig(cfg, "fsdp", {"data": 4}), _sig(cfg, "zero1", {"data": 4}),
+              _sig(cfg, "tp", {"data": 2, "model": 2}), _sig(cfg, "sp", {"data": 2, "model": 2}),
+              _sig(cfg, "fsdp_tp", {"data": 2, "model": 2}), _sig(cfg, "tp", {"data": 1, "model": 4}),
+              _sig(cfg, "dp", {"data": 4}, remat="full"), _sig(cfg, "dp", {"data": 4}, microbatches=2),
+              _sig(cfg, "dp", {"data": 2})]
+    assert len(set(differ)) == len(differ)
+    # A layout with execution options has none: it is compiled.
+    for name, sizes in (("cp", {"data": 2, "context": 2}), ("async_tp", {"data": 2, "model": 2})):
+        assert _sig(cfg, name, sizes) is None
+
+
+def test_on_a_mixture_of_experts_ep_is_not_dp():
+    cfg = get_config("tiny_moe")
+    assert _sig(cfg, "ep", {"data": 2, "expert": 2}) != _sig(cfg, "dp", {"data": 4})
+
+
+@pytest.mark.slow
+def test_the_search_compiles_each_program_once_with_the_same_figures(monkeypatch):
+    def run(dedupe):
+        monkeypatch.setattr(Cache, "shared", {})  # compile again, not from memory
+        if not dedupe:
+            monkeypatch.setattr(planner.search._Search, "signature", lambda self, c: None)
+        return planner.auto("tiny", devices=4, batch=8, seq=16, device_memory="1GB",
+                            strategies=["dp", "ep", "tp", "fsdp_tp"], progress=False)
+
+    once, each = run(True), run(False)
+    assert each.request["compiled"] == 7 and once.request["compiled"] == 4
+    same = [p for p in once.pruned if p.startswith("3 candidates not compiled: the same program")]
+    assert same and "ep data=2,expert=2 remat=none mb=1 (= dp data=4 remat=none mb=1)" in same[0]
+    assert "fsdp_tp data=1,model=4 remat=none mb=1 (= tp data=1,model=4 remat=none mb=1)" in same[0]
+    assert [c.label for c in once.ranked] == [c.label for c in each.ranked]
+    for a, b in zip(once.ranked, each.ranked, strict=True):
+        assert dataclasses.astuple(a)[4:12] == dataclasses.astuple(b)[4:12]
+    assert once.best.label == each.best.label
