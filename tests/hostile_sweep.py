@@ -1377,9 +1377,9 @@ def _fake_child_compiles(keys: list[str] | None = None, *, allowed: bool = True)
     gets a fixed result (its key recorded in ``keys``), or, with ``allowed=False``,
     fails the case (the cache was expected to answer)."""
     from nnx_shard.planner import cache as cache_mod
-    from nnx_shard.planner import search
+    from nnx_shard.planner import explore
 
-    real = search._Search.compile_in_child
+    real = explore.Search.compile_in_child
 
     def fake(self: Any, todo: list[Any], bar: Any) -> None:
         if not allowed:
@@ -1392,11 +1392,11 @@ def _fake_child_compiles(keys: list[str] | None = None, *, allowed: bool = True)
 
     saved = cache_mod.Cache.shared
     cache_mod.Cache.shared = {}
-    search._Search.compile_in_child = fake  # type: ignore[method-assign]
+    explore.Search.compile_in_child = fake  # type: ignore[method-assign]
     try:
         yield
     finally:
-        search._Search.compile_in_child = real  # type: ignore[method-assign]
+        explore.Search.compile_in_child = real  # type: ignore[method-assign]
         cache_mod.Cache.shared = saved
 
 

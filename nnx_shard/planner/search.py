@@ -3,45 +3,28 @@ their checks, in :mod:`nnx_shard.planner.options`).
 
 :func:`auto` runs in named phases: :func:`_resolve` checks the options and builds
 the model abstractly; :func:`_layouts` enumerates preset x mesh and drops what
-cannot be laid out; a :class:`_Search` compiles the plain layouts
-(:meth:`_Search.plain`), then remat policies and microbatches for the layouts
-that do not fit (:meth:`_Search.variants`), and ranks what fits
-(:meth:`_Search.rank`). See :mod:`nnx_shard.planner` for the cost model.
+cannot be laid out; a :class:`~nnx_shard.planner.explore.Search` compiles the plain
+layouts, then remat policies and microbatches for the layouts that do not fit, and
+ranks what fits. See :mod:`nnx_shard.planner` for the cost model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import inspect
-import json
-import math
-import os
-import sys
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import AbstractMesh
-from tqdm.auto import tqdm
 
-from nnx_shard.axes import entry_axes
 from nnx_shard.errors import NnxShardError, ShardingError, UsageError, short
 from nnx_shard.models import LlamaConfig, TransformerConfig
 from nnx_shard.models.named import NAMED, max_length
-from nnx_shard.planner.cache import Cache, versions
-from nnx_shard.planner.compile import compile_step, config_dict, config_factory
-from nnx_shard.planner.formula import (
-    PRUNE_MARGIN,
-    abstract_report,
-    formula_bytes,
-    stage_formula_bytes,
-)
-from nnx_shard.planner.hardware import Hardware
+from nnx_shard.planner.compile import config_dict, config_factory
+from nnx_shard.planner.explore import Problem, Search
 from nnx_shard.planner.options import (
     REMAT_ORDER,
     AutoOptions,
@@ -51,24 +34,12 @@ from nnx_shard.planner.options import (
     _positive_int,
 )
 from nnx_shard.planner.plan import Candidate, Plan, clip
-from nnx_shard.planner.trust import compiled_trusted
-from nnx_shard.planner.twins import signature
-from nnx_shard.planner.user import UserModel, user_request
+from nnx_shard.planner.user import UserModel
 from nnx_shard.presets import get
 from nnx_shard.report import fmt_bytes
-from nnx_shard.simulated import Workers
-from nnx_shard.strategy import Strategy, factorizations
+from nnx_shard.strategy import factorizations
 
 __all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto", "enumerate_layouts"]
-
-
-#: A layout's remat and microbatch variants are not compiled once every compiled step
-#: of that layout is predicted slower than the best fitting candidate by more than
-#: 1 / VARIANT_TIME_FLOOR: no variant would be chosen. Over the 150 pairs of compiled
-#: steps of one layout (remat none/dots/full x 1-8 microbatches) in plans of Llama-3.1
-#: 8B shapes on 8 devices and 70B shapes on 256, a variant was never predicted under
-#: 0.53x another step of its layout (async_tp data=4,model=2, full against none).
-VARIANT_TIME_FLOOR = 0.4
 
 
 class NothingFits(NnxShardError, ValueError):
@@ -87,64 +58,12 @@ class NothingFits(NnxShardError, ValueError):
 # -- phase 1: the options and the model ---------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Problem:
-    """The options, checked, and the model, resolved and built abstractly."""
-
-    opts: AutoOptions
-    hw: Hardware
-    memory: int | None
-    names: list[str]
-    tx: Any
-    cfg: TransformerConfig | LlamaConfig | None  # a reference config, compiled in a subprocess
-    model: Any                     # what the user gave
-    model_name: str | None
-    takes_remat: bool              # a factory with a remat keyword
-    policies: list[str | None]
-    abstract: Any
-    mbs: list[int]
-    user: UserModel | None = None  # a factory with its own loss and batch
-
-    def strategy(self, name: str) -> Strategy:
-        """Preset ``name`` as the search lays it out (a user model's aliases applied)."""
-        return self.user.strategy(name) if self.user is not None else get(name)
-
-    def batch_problem(self, strat: Strategy, sizes: dict[str, int], mb: int) -> str | None:
-        """Why ``mb`` microbatches cannot run under ``strat`` on ``sizes`` (``None``:
-        they can), known before any compile."""
-        sched = strat.rules.options.get("pipeline")
-        if sched is not None:
-            stages = sizes.get(sched.axis, 1)
-            if mb < stages and not (sched.allow_few_microbatches and sched.repeats == 1):
-                return (f"a pipeline over {stages} stages needs at least {stages} "
-                        f"microbatches, not {mb}")
-        if self.user is not None:
-            return self.user.batch_problem(strat, sizes, mb)
-        return _batch_problem(strat, sizes, self.opts.batch, self.opts.seq, mb)
-
-    def first_mb(self, strat: Strategy, sizes: dict[str, int]) -> tuple[int | None, str]:
-        """The fewest microbatches of the search's counts that can run under ``strat``
-        on ``sizes`` (``None`` and why, if none can)."""
-        why = ""
-        for mb in self.mbs:
-            why = self.batch_problem(strat, sizes, mb) or ""
-            if not why:
-                return mb, ""
-        sched = strat.rules.options.get("pipeline")
-        stages = sizes.get(sched.axis, 1) if sched is not None else 1
-        if stages > max(self.mbs):
-            why = (f"a pipeline over {stages} stages needs at least {stages} microbatches; "
-                   f"the counts searched are {', '.join(map(str, self.mbs))}. Fix: "
-                   f"microbatches=[..., {stages}], or fewer stages")
-        return None, why
-
-
-def _resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> _Problem:
+def _resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Problem:
     """Checks ``opts``, resolves ``model`` and builds it abstractly (nothing allocated)."""
     hw, memory, names, tx = _check_options(opts)
     if user is not None:
         mbs = sorted({int(m) for m in opts.microbatches if int(m) >= 1} | {1})
-        return _Problem(opts, hw, memory, names, tx, None, model, None, False, [None],
+        return Problem(opts, hw, memory, names, tx, None, model, None, False, [None],
                         user.abstract(), mbs, user)
     cfg, model_name, takes_remat = None, None, False
     if isinstance(model, str):
@@ -182,7 +101,7 @@ def _resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> _P
         raise UsageError(f"auto: microbatches must be positive ints, got {short(bad[0], 60)}. "
                          "Fix: e.g. microbatches=[1, 2, 4]")
     mbs = sorted(set(counts) | {1})
-    return _Problem(opts, hw, memory, names, tx, cfg, model, model_name, takes_remat, policies,
+    return Problem(opts, hw, memory, names, tx, cfg, model, model_name, takes_remat, policies,
                     abstract, mbs)
 
 
@@ -215,25 +134,7 @@ def enumerate_layouts(n: int, names: Sequence[str]) -> tuple[list[tuple[str, dic
     return out, pruned
 
 
-def _batch_problem(strat: Strategy, sizes: dict[str, int], batch: int, seq: int,
-                   microbatches: int) -> str | None:
-    """Why the batch cannot be laid out under ``strat`` on ``sizes`` (``None``: it can)."""
-    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-    try:
-        spec = strat.rules.spec((None, "batch", "length"), shape=(1, batch, seq), mesh=mesh,
-                                path="batch['inputs']")
-    except ShardingError as e:
-        msg = " ".join(str(e).split())
-        return f"batch {batch} x seq {seq} cannot be laid out: {msg[:200]}"
-    entry = tuple(spec)[1] if len(tuple(spec)) > 1 else None
-    axes = entry_axes(entry)
-    rows = batch // math.prod(sizes[a] for a in axes)
-    if rows % microbatches:
-        return f"{microbatches} microbatches do not divide the {rows} rows per device"
-    return None
-
-
-def _layouts(p: _Problem) -> tuple[list[tuple[str, dict[str, int]]],
+def _layouts(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
                                    list[tuple[str, dict[str, int], int]], list[Candidate],
                                    list[str]]:
     """Every layout, those that can be laid out (with the fewest microbatches they
@@ -271,448 +172,6 @@ def _layouts(p: _Problem) -> tuple[list[tuple[str, dict[str, int]]],
             + f".{hint} Fix: a global batch that divides by the data axes, or another "
             "device count")
     return layouts, viable, dropped, pruned
-
-
-# -- phases 3 to 5: compile, retry with remat and microbatches, rank ---------------------------
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, s: str, refresh: bool = True) -> None:
-        pass
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def _bar(total: int, progress: bool, desc: str) -> Any:
-    if not progress or total == 0:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit="compile", file=sys.stderr, leave=False)
-
-
-def _workers(asked: int | None) -> int:
-    """Compile subprocesses to run side by side: ``asked``, else one per core this
-    process may use, at most 4 (each holds a JAX of its own, ~1 GiB or more)."""
-    if asked is not None:
-        return max(1, int(asked))
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, 4))
-
-
-def _key(v: Candidate) -> tuple[str, tuple[tuple[str, int], ...]]:
-    return (v.strategy, tuple(v.mesh.items()))
-
-
-class _Search:
-    """The compiles of one :func:`auto` call: the cache, the budget, and the
-    candidates as they are ranked, dropped or pruned."""
-
-    def __init__(self, p: _Problem, layouts: list[Any], dropped: list[Candidate],
-                 pruned: list[str]) -> None:
-        self.p = p
-        self.opts = p.opts
-        self.layouts = layouts
-        self.dropped = dropped
-        self.pruned = pruned
-        self.ranked: list[Candidate] = []
-        self.budget = p.opts.max_compiles
-        self.store = Cache(p.opts.cache, shared=p.opts.compile_fn is None)
-        self.version = versions()
-        self.counters = {"compiled": 0, "cached": 0, "considered": len(layouts)}
-        self.workers: Workers | None = None
-        # The layouts' first candidates, laid out or not: the rest are variants.
-        self.first_labels: set[str] = {c.label for c in dropped}
-        self.best_s: float | None = None             # the fastest fitting step so far
-        self.fastest: dict[Any, float] = {}          # each layout's fastest compiled step
-        self.slow_pruned = 0
-        self.untrusted = 0                           # pipeline candidates dropped on CPU figures
-        # Twins known before compiling (planner.twins): one compile per program.
-        self.rows: dict[Any, Any] = {}               # layout -> report rows
-        self.programs: dict[Any, Candidate] = {}     # signature -> the candidate compiled
-        self.results: dict[str, dict[str, Any]] = {}  # label -> its compile's result
-        self.same: list[str] = []                    # "label (= leader)", not compiled
-        self.known_twins: set[str] = set()
-
-    def key_of(self, c: Candidate) -> str:
-        p, opts = self.p, self.opts
-        model = p.model
-        what = {"model": config_dict(p.cfg) if p.cfg is not None else
-                p.user.key() if p.user is not None else
-                f"{getattr(model, '__module__', '')}.{getattr(model, '__qualname__', '')}"
-                f"#{id(model)}", "strategy": c.strategy, "sizes": c.mesh, "remat": c.remat,
-                "microbatches": c.microbatches, "batch": opts.batch, "seq": opts.seq,
-                "optimizer": opts.optimizer, "guard": opts.guard, "v": self.version}
-        return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()
-
-    def formula_over(self, c: Candidate) -> int | None:
-        """The formula's bytes where they are past :data:`PRUNE_MARGIN` x the memory."""
-        p = self.p
-        if p.memory is None or self.opts.compile_fn is not None:
-            return None
-        est = formula_bytes(p.abstract, p.cfg, p.strategy(c.strategy), c.mesh, p.tx,
-                            self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none",
-                            self.opts.guard)
-        return est if est is not None and est > p.memory * PRUNE_MARGIN else None
-
-    def prune_by_formula(self, c: Candidate) -> bool:
-        over = self.formula_over(c)
-        if over is None:
-            return False
-        c.fits, c.bytes_per_device = False, over
-        c.reason = (f"the formula alone needs {fmt_bytes(over)} per device, over "
-                    f"{PRUNE_MARGIN}x the {fmt_bytes(self.p.memory or 0)} available "
-                    "(not compiled)")
-        return True
-
-    def done(self, c: Candidate, result: dict[str, Any], bar: Any) -> None:
-        self.results[c.label] = result
-        self.store.put(self.key_of(c), result)
-        self.counters["compiled"] += 1
-        self.applied(c, result)
-        bar.set_postfix_str(c.label, refresh=False)
-        bar.update(1)
-
-    def applied(self, c: Candidate, result: Mapping[str, Any]) -> None:
-        """Applies a compile's ``result`` to ``c`` and keeps the times the search
-        prunes with."""
-        _apply(c, result, self.p.memory, self.p.hw)
-        if c.fits is False and c.compiled:
-            self.bound_note(c)
-        if c.predicted_s is None:
-            return
-        key = _key(c)
-        self.fastest[key] = min(self.fastest.get(key, math.inf), c.predicted_s)
-        if c.fits:
-            self.best_s = min(self.best_s if self.best_s is not None else math.inf,
-                              c.predicted_s)
-
-    def bound_note(self, c: Candidate) -> None:
-        """Adds to a pipeline candidate dropped on XLA CPU's figure, which for a pipeline
-        is an upper bound (:mod:`nnx_shard.planner.trust`), what the per-stage formula
-        (a floor) needs."""
-        p = self.p
-        strat = p.strategy(c.strategy)
-        trusted, _ = compiled_trusted(strat)
-        sched = strat.rules.options.get("pipeline")
-        if trusted or p.cfg is None or sched is None or p.memory is None:
-            return
-        stage_cfg = dataclasses.replace(p.cfg, layers=max(1, p.cfg.layers // c.mesh[sched.axis]))
-        need = stage_formula_bytes(p.abstract, p.cfg, stage_cfg, strat, c.mesh, p.tx,
-                                   self.opts.batch, self.opts.seq, c.remat or "none",
-                                   self.opts.guard)
-        if need is None:
-            return
-        c.reason = (f"{c.reason}; XLA CPU's figure is an upper bound for a pipeline, its "
-                    f"per-stage formula (a floor) needs {fmt_bytes(need)}")
-        self.untrusted += 1
-
-    def too_slow(self, key: Any) -> str | None:
-        """Why the variants of layout ``key`` cannot be chosen (``None``: they can):
-        its fastest compiled step is over the best fitting one's by more than
-        1 / :data:`VARIANT_TIME_FLOOR`."""
-        fastest = self.fastest.get(key)
-        if fastest is None or self.best_s is None or fastest * VARIANT_TIME_FLOOR <= self.best_s:
-            return None
-        return (f"not compiled: this layout's steps are predicted at {fastest:.3g} s or more, "
-                f"over {1 / VARIANT_TIME_FLOOR:g}x the best fitting candidate's "
-                f"{self.best_s:.3g} s (remat and microbatches were never measured to cut a "
-                f"step below {VARIANT_TIME_FLOOR:g}x of its layout's)")
-
-    def prune_slow(self, v: Candidate) -> bool:
-        """Marks ``v`` not compiled where its layout is too slow to be chosen."""
-        why = self.too_slow(_key(v))
-        if why is None:
-            return False
-        v.fits, v.reason = False, why
-        self.slow_pruned += 1
-        return True
-
-    def compile_here(self, todo: list[Candidate], bar: Any) -> None:
-        opts, p = self.opts, self.p
-        for c in todo:
-            if self.prune_slow(c):
-                self.budget += 1  # not compiled after all
-                bar.update(1)
-                continue
-            try:
-                if opts.compile_fn is not None:
-                    result = dict(opts.compile_fn(c))
-                elif p.user is not None:
-                    result = p.user.compile(c.strategy, c.mesh, optimizer=opts.optimizer,
-                                            microbatches=c.microbatches)
-                else:
-                    fac = (lambda c=c: p.model(remat=c.remat)) if p.takes_remat else p.model
-                    result = compile_step(fac, c.strategy, c.mesh, batch=opts.batch,
-                                          seq=opts.seq, optimizer=opts.optimizer,
-                                          microbatches=c.microbatches, guard=opts.guard)
-            except Exception as e:  # a candidate that cannot compile is dropped, with why
-                result = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-            self.done(c, result, bar)
-
-    def compile_in_child(self, todo: list[Candidate], bar: Any) -> None:
-        opts, cfg = self.opts, self.p.cfg
-        assert cfg is not None
-        reqs = [{"config": config_dict(cfg), "remat": c.remat, "strategy": c.strategy,
-                 "sizes": c.mesh, "batch": opts.batch, "seq": opts.seq,
-                 "optimizer": opts.optimizer, "microbatches": c.microbatches,
-                 "guard": opts.guard} for c in todo]
-        lock = threading.Lock()
-
-        def on_result(i: int, result: dict[str, Any]) -> None:
-            if "failed" in result:
-                result = {"error": f"the compile subprocess failed: {result['failed']}"}
-            with lock:  # the children answer from threads of their own
-                self.done(todo[i], result, bar)
-
-        def skip(i: int) -> bool:
-            with lock:
-                if not self.prune_slow(todo[i]):
-                    return False
-                self.budget += 1  # not compiled after all
-                bar.update(1)
-                return True
-
-        if self.workers is None:
-            # XLA's CPU compile of one program keeps about one core busy, so one child
-            # per core compiles side by side; they live for the whole search, so each
-            # starts (Python, JAX, a first compile's warm-up) once, not once per phase.
-            # Which child compiles a candidate changes nothing of its figures.
-            self.workers = Workers("nnx_shard.planner.compile:compile_step_request",
-                                   opts.devices, size=_workers(opts.workers),
-                                   timeout=opts.timeout)
-        self.workers.map(reqs, on_result, skip=skip)
-
-    def close(self) -> None:
-        """Ends the compile subprocesses."""
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
-
-    def run(self, cands: list[Candidate], bar: Any) -> None:
-        """Compiles ``cands`` (or reads them from the cache) and applies the results."""
-        todo: list[Candidate] = []
-        for c in cands:
-            hit = self.store.get(self.key_of(c))
-            if hit is not None:
-                self.counters["cached"] += 1
-                self.applied(c, hit)
-                bar.update(1)
-            else:
-                todo.append(c)
-        if not todo:
-            return
-        if self.opts.compile_fn is not None or self.p.cfg is None:
-            self.compile_here(todo, bar)
-            return
-        todo, followers = self.leaders(todo, bar)
-        if todo:
-            self.compile_in_child(todo, bar)
-        for c, lead in followers:
-            self.reuse(c, lead, bar)
-
-    def signature(self, c: Candidate) -> Any:
-        """:func:`~nnx_shard.planner.twins.signature` of a reference config's candidate."""
-        p = self.p
-        strat = p.strategy(c.strategy)
-        key = _key(c)
-        if key not in self.rows:
-            try:
-                self.rows[key] = abstract_report(p.abstract, c.mesh, strat.rules, p.tx,
-                                                 strat.opt_rules).rows
-            except Exception:  # the compile will say what is wrong
-                self.rows[key] = None
-        rows = self.rows[key]
-        if rows is None:
-            return None
-        return signature(strat, c.mesh, rows, p.cfg, batch=self.opts.batch, seq=self.opts.seq,
-                         microbatches=c.microbatches, remat=c.remat)
-
-    def leaders(self, todo: list[Candidate], bar: Any
-                ) -> tuple[list[Candidate], list[tuple[Candidate, Candidate]]]:
-        """``todo`` without the candidates whose program is another's (compiled before,
-        or to compile now: the followers, each with its leader)."""
-        out: list[Candidate] = []
-        followers: list[tuple[Candidate, Candidate]] = []
-        first: dict[Any, Candidate] = {}
-        for c in todo:
-            sig = self.signature(c)
-            if sig is not None and sig in first:
-                followers.append((c, first[sig]))
-            elif sig is not None and sig in self.programs:
-                self.reuse(c, self.programs[sig], bar)
-            else:
-                if sig is not None:
-                    first[sig] = c
-                    self.programs[sig] = c
-                out.append(c)
-        return out, followers
-
-    def reuse(self, c: Candidate, lead: Candidate, bar: Any) -> None:
-        """Gives ``c`` the figures of ``lead``, which compiles to the same program."""
-        result = self.results.get(lead.label)
-        if result is None:  # the leader was not compiled after all: compile c itself
-            self.compile_in_child([c], bar)
-            return
-        self.store.put(self.key_of(c), result)
-        self.applied(c, result)
-        self.same.append(f"{c.label} (= {lead.label})")
-        self.known_twins.add(c.label)
-        bar.update(1)
-
-    def plain(self, viable: list[tuple[str, dict[str, int], int]]) -> list[Candidate]:
-        """Phase 3: every viable layout with the first remat policy and the fewest
-        microbatches it runs with (none but a pipeline's), within the compile budget."""
-        max_compiles = self.opts.max_compiles
-        first = [Candidate(n, s, self.p.policies[0], mb) for n, s, mb in viable]
-        self.first_labels |= {c.label for c in first}
-        stage1 = [c for c in first if not self.prune_by_formula(c)]
-        if len(stage1) > self.budget:
-            self.pruned.append(f"{len(stage1) - self.budget} layouts not compiled "
-                               f"(max_compiles={max_compiles})")
-            for c in stage1[self.budget:]:
-                c.reason = f"not compiled: over max_compiles={max_compiles}"
-            stage1 = stage1[:self.budget]
-        self.budget -= len(stage1)
-        with _bar(len(stage1), self.opts.progress, "compiling layouts") as bar:
-            self.run(stage1, bar)
-        for c in first:
-            (self.ranked if c.fits else self.dropped).append(c)
-        return first
-
-    def variants_of(self, first: list[Candidate]) -> dict[Any, list[Candidate]]:
-        """The remat policies and microbatch counts to try, cheapest first, for each
-        layout whose plain step does not fit."""
-        p = self.p
-        retry = [c for c in first if c.fits is False and c.bytes_per_device is not None]
-        out = {}
-        for c in retry:
-            base = c.microbatches
-            order = ([(pol, base) for pol in p.policies[1:]]
-                     + [(pol, m) for pol in p.policies for m in p.mbs if m > base])
-            out[_key(c)] = [
-                Candidate(c.strategy, c.mesh, pol, m) for pol, m in order
-                if p.batch_problem(p.strategy(c.strategy), c.mesh, m) is None]
-        if retry and len(p.policies) == 1 and len(p.mbs) == 1:
-            self.pruned.append("no remat policy or microbatch count to try for layouts that "
-                               "do not fit")
-        return out
-
-    def variant_round(self, live: dict[Any, list[Candidate]], bar: Any) -> None:
-        """One variant per layout still without a fitting one, within the budget."""
-        batch_round = []
-        for key in list(live):
-            if live[key] and self.too_slow(key) is not None:
-                for v in live[key]:
-                    self.prune_slow(v)
-                    self.dropped.append(v)
-                bar.update(len(live[key]))
-                live[key] = []
-            if not live[key]:
-                del live[key]
-                continue
-            batch_round.append(live[key].pop(0))
-        skipped = []
-        for v in list(batch_round):
-            if self.prune_by_formula(v):
-                skipped.append(v)
-                batch_round.remove(v)
-                bar.update(1)
-        for v in batch_round[self.budget:]:  # past the budget: said, not silently lost
-            v.reason = f"not compiled: over max_compiles={self.opts.max_compiles}"
-            live.setdefault(_key(v), []).insert(0, v)
-        batch_round = batch_round[:self.budget]
-        self.budget -= len(batch_round)
-        self.run(batch_round, bar)
-        for v in batch_round + skipped:
-            if v.fits:
-                self.ranked.append(v)
-                live.pop(_key(v), None)  # the first variant that fits is kept
-            else:
-                self.dropped.append(v)
-
-    def variants(self, first: list[Candidate]) -> None:
-        """Phase 4: remat and microbatches only where the plain step does not fit."""
-        variants_of = self.variants_of(first)
-        with _bar(sum(len(v) for v in variants_of.values()), self.opts.progress,
-                  "remat / microbatches") as bar:
-            # One round per variant index across layouts, so each layout gets its
-            # cheapest variants first within the compile budget.
-            live = dict(variants_of)
-            while live and self.budget > 0:
-                self.variant_round(live, bar)
-            left = sum(len(v) for v in live.values())
-            if self.slow_pruned:
-                self.pruned.append(
-                    f"{self.slow_pruned} remat/microbatch variants not compiled: their layout's "
-                    f"steps are predicted over {1 / VARIANT_TIME_FLOOR:g}x the best fitting "
-                    "candidate's time, which no variant was measured to cut")
-            if left:
-                self.pruned.append(f"{left} remat/microbatch variants not compiled "
-                                   f"(max_compiles={self.opts.max_compiles})")
-        if variants_of:
-            self.pruned.append("remat policies and microbatches tried only for layouts whose "
-                               "plain step does not fit (they add recompute or "
-                               "per-microbatch collectives), cheapest first, stopping at the "
-                               "first that fits")
-
-    def rank(self) -> list[Candidate]:
-        """Phase 5: fastest predicted first; of candidates that compile to the same
-        program (ep on a dense model is dp's) the first is kept. Returns the twins."""
-        self.ranked.sort(key=lambda c: (c.predicted_s, c.bytes_per_device or 0))
-        seen: dict[tuple[Any, ...], Candidate] = {}
-        twins: list[Candidate] = []
-        same: list[str] = []
-        for c in self.ranked:
-            sig = (c.bytes_per_device, c.temp, c.flops, c.collective_bytes, c.collectives,
-                   c.memory_bytes, c.microbatches, c.remat)
-            if sig in seen:
-                twins.append(c)
-                if c.label not in self.known_twins:  # said when it was not compiled
-                    same.append(f"{c.label} (= {seen[sig].label})")
-            else:
-                seen[sig] = c
-        if twins:
-            self.ranked = list(seen.values())
-        if same:
-            self.pruned.append(f"{len(same)} candidates that compile to the same program as "
-                               f"a better-ranked one: {', '.join(same)}")
-        return twins
-
-    def plan(self, twins: list[Candidate]) -> Plan:
-        p, opts = self.p, self.opts
-        label = p.model_name or (
-            f"{type(p.cfg).__name__}(embed={p.cfg.embed}, layers={p.cfg.layers})"
-            if p.cfg is not None else getattr(p.model, "__name__", None)
-            or type(p.model).__name__)
-        request: dict[str, Any] = {
-            "model_name": p.model_name, "model_label": label, "devices": opts.devices,
-            "batch": opts.batch, "seq": opts.seq, "optimizer": opts.optimizer,
-            "guard": opts.guard,
-            "device_memory": p.memory}
-        if self.same:
-            self.pruned.append(f"{len(self.same)} candidates not compiled: the same program as "
-                               f"one compiled (every array laid out alike): "
-                               f"{', '.join(self.same)}")
-        if self.untrusted:
-            self.pruned.append(
-                f"{self.untrusted} pipeline candidates dropped on XLA CPU's compiled figure, "
-                "which for a pipeline is an upper bound (each says its per-stage formula, a "
-                "floor); check one with nnx-shard plan --strategy NAME --mesh ...")
-        self.counters["considered"] = len(self.layouts) + sum(
-            1 for c in self.dropped + self.ranked if c.label not in self.first_labels)
-        request.update(self.counters)
-        if p.user is not None:
-            request.update(user_request(p.user))
-        return Plan(self.ranked, self.dropped, self.pruned, p.hw, request, twins)
 
 
 def auto(model: Any = "small", options: AutoOptions | None = None, *,
@@ -775,7 +234,7 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
     if user is not None:
         user.check_names(p.abstract, p.names)
     layouts, viable, dropped, pruned = _layouts(p)
-    search = _Search(p, layouts, dropped, pruned)
+    search = Search(p, layouts, dropped, pruned)
     if p.cfg is None and opts.compile_fn is None and jax.device_count() < opts.devices:
         raise UsageError(
             f"auto: a model factory compiles in this process, which has "
@@ -838,24 +297,3 @@ def _nothing_fits(plan: Plan, memory: int | None, batch: int, devices: int) -> s
     return (f"auto: nothing fits in {fmt_bytes(memory or 0)} per device: the smallest need is "
             f"{fmt_bytes(need)} ({least.label}); {knob}.")
 
-
-def _apply(c: Candidate, result: Mapping[str, Any], memory: int | None, hw: Hardware) -> None:
-    if "error" in result:
-        c.fits, c.reason = False, f"does not compile: {result['error']}"
-        return
-    c.compiled = True
-    c.bytes_per_device = int(result["total"])
-    c.temp = int(result.get("temp", 0))
-    c.flops = float(result["flops"])
-    c.collective_bytes = float(result["collective_bytes"])
-    c.collectives = round(float(result.get("collectives", 0)))
-    c.memory_bytes = float(result.get("memory_bytes", 0.0))
-    c.by_kind = dict(result.get("by_kind", {}))
-    c.compile_s = result.get("compile_s")
-    c.predicted_s = hw.predict(c.flops, c.collective_bytes, c.collectives, c.memory_bytes)
-    if memory is not None and c.bytes_per_device > memory:
-        c.fits = False
-        c.reason = (f"needs {fmt_bytes(c.bytes_per_device)} per device (compiled), over the "
-                    f"{fmt_bytes(memory)} available")
-    else:
-        c.fits, c.reason = True, None

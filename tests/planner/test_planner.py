@@ -605,7 +605,7 @@ def test_a_cache_that_cannot_be_written_still_gives_the_plan(tmp_path):
 
 def fake_child_compiles(monkeypatch):
     """plan --auto without its compile subprocess: every config 'compiles' to 1 KB."""
-    from nnx_shard.planner import cache, search
+    from nnx_shard.planner import cache, explore
 
     def fake(self, todo, bar):
         for c in todo:
@@ -613,7 +613,7 @@ def fake_child_compiles(monkeypatch):
                           "collectives": 1}, bar)
 
     monkeypatch.setattr(cache.Cache, "shared", {})
-    monkeypatch.setattr(search._Search, "compile_in_child", fake)
+    monkeypatch.setattr(explore.Search, "compile_in_child", fake)
 
 
 AUTO = ["plan", "--auto", "--model", "tiny", "--devices", "2", "--batch", "4", "--seq", "8",
