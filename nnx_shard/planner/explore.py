@@ -218,6 +218,11 @@ class Search:
         est = formula_bytes(p.abstract, p.cfg, p.strategy(c.strategy), c.mesh, p.tx,
                             self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none",
                             self.opts.guard)
+        # A pipeline keeps every microbatch of its stage's layers: its stage floor, which
+        # decides it (stage_decide), is at least the formula's.
+        stage = self.stage_need(c, floor=True)
+        if stage is not None and est is not None:
+            est = max(est, stage)
         return est if est is not None and est > p.memory * PRUNE_MARGIN else None
 
     def prune_by_formula(self, c: Candidate) -> bool:
@@ -242,8 +247,8 @@ class Search:
         """Applies a compile's ``result`` to ``c`` and keeps the times the search
         prunes with."""
         apply_result(c, result, self.p.memory, self.p.hw)
-        if c.fits is False and c.compiled:
-            self.bound_note(c)
+        if c.compiled:
+            self.stage_decide(c)
         if c.predicted_s is None:
             return
         key = _key(c)
@@ -252,24 +257,38 @@ class Search:
             self.best_s = min(self.best_s if self.best_s is not None else math.inf,
                               c.predicted_s)
 
-    def bound_note(self, c: Candidate) -> None:
-        """Adds to a pipeline candidate dropped on XLA CPU's figure, which for a pipeline
-        is an upper bound (:mod:`nnx_shard.planner.trust`), what the per-stage formula
-        (a floor) needs."""
+    def stage_need(self, c: Candidate, floor: bool = False) -> int | None:
+        """The per-stage formula of a pipeline candidate (``None`` where its compiled
+        figure is trusted, or there is no reference config to count); ``floor``: with
+        ``dots`` counted as ``full`` remat, a bound under any need (the pruning's)."""
         p = self.p
         strat = p.strategy(c.strategy)
-        trusted, _ = compiled_trusted(strat)
         sched = strat.rules.options.get("pipeline")
-        if trusted or p.cfg is None or sched is None or p.memory is None:
+        if (sched is None or p.cfg is None or self.opts.compile_fn is not None
+                or compiled_trusted(strat)[0]):
+            return None
+        remat = c.remat or "none"
+        if floor and remat in ("dots", "offload"):
+            remat = "full"
+        stages = c.mesh.get(sched.axis, 1)
+        stage_cfg = dataclasses.replace(p.cfg, layers=max(1, p.cfg.layers // stages))
+        return stage_formula_bytes(p.abstract, p.cfg, stage_cfg, strat, c.mesh, p.tx,
+                                   self.opts.batch, self.opts.seq, remat, self.opts.guard)
+
+    def stage_decide(self, c: Candidate) -> None:
+        """Decides a compiled pipeline candidate with its per-stage formula: XLA CPU's
+        figure for a pipeline is an upper bound (:mod:`nnx_shard.planner.trust`)."""
+        memory = self.p.memory
+        need = self.stage_need(c)
+        if need is None or not c.compiled or memory is None:
             return
-        stage_cfg = dataclasses.replace(p.cfg, layers=max(1, p.cfg.layers // c.mesh[sched.axis]))
-        need = stage_formula_bytes(p.abstract, p.cfg, stage_cfg, strat, c.mesh, p.tx,
-                                   self.opts.batch, self.opts.seq, c.remat or "none",
-                                   self.opts.guard)
-        if need is None:
-            return
-        c.reason = (f"{c.reason}; XLA CPU's figure is an upper bound for a pipeline, its "
-                    f"per-stage formula (a floor) needs {fmt_bytes(need)}")
+        compiled = c.bytes_per_device
+        c.bytes_per_device, c.decided_by = need, "stage formula"
+        c.fits = need <= memory
+        c.reason = None if c.fits else (
+            f"needs {fmt_bytes(need)} per device by its per-stage formula (XLA CPU's compiled "
+            f"{fmt_bytes(compiled or 0)} is an upper bound for a pipeline), over the "
+            f"{fmt_bytes(memory)} available")
         self.untrusted += 1
 
     def too_slow(self, key: Any) -> str | None:
@@ -561,9 +580,9 @@ class Search:
                                f"{', '.join(self.same)}")
         if self.untrusted:
             self.pruned.append(
-                f"{self.untrusted} pipeline candidates dropped on XLA CPU's compiled figure, "
-                "which for a pipeline is an upper bound (each says its per-stage formula, a "
-                "floor); check one with nnx-shard plan --strategy NAME --mesh ...")
+                f"{self.untrusted} pipeline candidates decided by their per-stage formula: XLA "
+                "CPU's compiled figure for a pipeline is an upper bound (nnx_shard.planner.trust)"
+                "; the formula, like every formula, is a floor: leave headroom")
         self.counters["considered"] = len(self.layouts) + sum(
             1 for c in self.dropped + self.ranked if c.label not in self.first_labels)
         request.update(self.counters)

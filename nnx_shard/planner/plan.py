@@ -27,8 +27,10 @@ class Candidate:
         factory's own); microbatches: per step.
       fits: whether it fits (``None``: not decided).
       reason: why it was dropped (``None`` if it was not).
-      bytes_per_device: compiled total (or the formula estimate when
-        ``compiled`` is False); temp: XLA's temporaries.
+      bytes_per_device: the figure that decided ``fits``: XLA's compiled total,
+        or the formula's where ``compiled`` is False or ``decided_by`` is
+        ``"stage formula"`` (a pipeline, whose XLA CPU figure is an upper bound:
+        :mod:`nnx_shard.planner.trust`); temp: XLA's temporaries.
       flops, collective_bytes, collectives, memory_bytes: per device per step.
       predicted_s: the cost model's step time.
 
@@ -53,6 +55,7 @@ class Candidate:
     predicted_s: float | None = None
     compile_s: float | None = None
     by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
+    decided_by: str = "compiled"
 
     @property
     def label(self) -> str:
@@ -176,12 +179,17 @@ class Plan:
         for i, c in enumerate(self.ranked[:top], 1):
             rows.append((str(i), c.strategy, ",".join(f"{k}={v}" for k, v in c.mesh.items()),
                          str(c.remat or "own"), str(c.microbatches),
-                         fmt_bytes(c.bytes_per_device or 0), fmt_bytes(c.collective_bytes or 0),
+                         fmt_bytes(c.bytes_per_device or 0)
+                         + ("*" if c.decided_by == "stage formula" else ""),
+                         fmt_bytes(c.collective_bytes or 0),
                          f"{(c.flops or 0) / 1e9:.4g}", _secs(c.predicted_s or 0.0)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(x.ljust(w) if j < 5 else x.rjust(w)
                            for j, (x, w) in enumerate(zip(r, widths, strict=True)))
                  for r in rows]
+        if any(c.decided_by == "stage formula" for c in self.ranked[:top]):
+            lines.append("* a pipeline's per-stage formula (XLA CPU's compiled figure for a "
+                         "pipeline is an upper bound; a floor: leave headroom)")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -182,17 +182,6 @@ def test_a_pipeline_starts_at_as_many_microbatches_as_stages():
     assert {c.label for c in plan.ranked} == {"pp stage=1,data=4 remat=none mb=1",
                                               "pp stage=2,data=2 remat=dots mb=2"}
     assert plan.request["considered"] == 3
-    # XLA CPU's figure is an upper bound for a pipeline: the drop says the stage formula's.
-    (dropped,) = plan.dropped
-    stage = stage_formula_bytes(
-        nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), cfg,
-        dataclasses.replace(cfg, layers=1), strategies.get("pp"), {"stage": 2, "data": 2},
-        optimizers.get("adamw"), 8, 16, "none")
-    assert dropped.reason == (
-        "needs 300 B per device (compiled), over the 200 B available; XLA CPU's figure is an "
-        f"upper bound for a pipeline, its per-stage formula (a floor) needs {fmt_bytes(stage)}")
-    assert any(p.startswith("1 pipeline candidates dropped on XLA CPU's compiled figure")
-               for p in plan.pruned)
     # Too few microbatch counts on offer: the layout is dropped with the fix, uncompiled.
     fake = table({}, default={"total": 100})
     plan = planner.auto(cfg, devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
@@ -203,6 +192,41 @@ def test_a_pipeline_starts_at_as_many_microbatches_as_stages():
     assert dropped.reason == ("a pipeline over 2 stages needs at least 2 microbatches; the "
                               "counts searched are 1. Fix: microbatches=[..., 2], or fewer "
                               "stages")
+
+
+@pytest.mark.slow
+def test_a_compiled_pipeline_is_decided_by_its_stage_formula(monkeypatch):
+    """XLA CPU's figure for a pipeline is an upper bound: auto decides a pipeline
+    candidate with its per-stage formula, and says so."""
+    from nnx_shard.planner.cache import Cache
+
+    monkeypatch.setattr(Cache, "shared", {})
+    cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    sizes = {"stage": 2, "data": 2}
+    stage = stage_formula_bytes(model, cfg, dataclasses.replace(cfg, layers=1),
+                                strategies.get("pp"), sizes, optimizers.get("adamw"), 8, 16,
+                                "none")
+    compiled = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "pp", sizes,
+                                    batch=8, seq=16, microbatches=2)["total"]
+    assert stage < compiled
+    memory = (stage + compiled) // 2  # the compiled figure alone would not fit
+    plan = planner.auto(cfg, devices=4, batch=8, seq=16, device_memory=memory,
+                        strategies=["pp"], remat=["full"], microbatches=[2], progress=False)
+    got = {c.label: c for c in plan.ranked}["pp stage=2,data=2 remat=none mb=2"]
+    assert got.decided_by == "stage formula" and got.bytes_per_device == stage and got.fits
+    assert "pipeline candidates decided by their per-stage formula" in " ".join(plan.pruned)
+    assert "* a pipeline's per-stage formula" in plan.table()
+    # Under the stage formula too: dropped, with both figures in the reason.
+    with pytest.raises(planner.NothingFits) as nothing:
+        planner.auto(cfg, devices=4, batch=8, seq=16, device_memory=stage - 1,
+                     strategies=["pp"], remat=["full"], microbatches=[2], progress=False)
+    plan = nothing.value.plan
+    (dropped,) = [c for c in plan.dropped if c.label == "pp stage=2,data=2 remat=none mb=2"]
+    assert dropped.reason == (
+        f"needs {fmt_bytes(stage)} per device by its per-stage formula (XLA CPU's compiled "
+        f"{fmt_bytes(compiled)} is an upper bound for a pipeline), over the "
+        f"{fmt_bytes(stage - 1)} available")
 
 
 def test_identical_programs_are_kept_once():
