@@ -276,11 +276,14 @@ class Search:
                                    self.opts.batch, self.opts.seq, remat, self.opts.guard)
 
     def stage_decide(self, c: Candidate) -> None:
-        """Decides a compiled pipeline candidate with its per-stage formula: XLA CPU's
-        figure for a pipeline is an upper bound (:mod:`nnx_shard.planner.trust`)."""
+        """Decides a compiled pipeline candidate that XLA CPU's figure puts over the
+        memory with its per-stage formula: for a pipeline that figure is an upper bound
+        (:mod:`nnx_shard.planner.trust`), so where it fits the candidate fits."""
         memory = self.p.memory
+        if not c.compiled or memory is None or c.fits:
+            return
         need = self.stage_need(c)
-        if need is None or not c.compiled or memory is None:
+        if need is None:
             return
         compiled = c.bytes_per_device
         c.bytes_per_device, c.decided_by = need, "stage formula"

@@ -217,6 +217,11 @@ def test_a_compiled_pipeline_is_decided_by_its_stage_formula(monkeypatch):
     assert got.decided_by == "stage formula" and got.bytes_per_device == stage and got.fits
     assert "pipeline candidates decided by their per-stage formula" in " ".join(plan.pruned)
     assert "* a pipeline's per-stage formula" in plan.table()
+    # Where the compiled figure, an upper bound, fits, the candidate fits on it.
+    plan = planner.auto(cfg, devices=4, batch=8, seq=16, device_memory=compiled,
+                        strategies=["pp"], remat=["full"], microbatches=[2], progress=False)
+    got = {c.label: c for c in plan.ranked}["pp stage=2,data=2 remat=none mb=2"]
+    assert got.decided_by == "compiled" and got.bytes_per_device == compiled
     # Under the stage formula too: dropped, with both figures in the reason.
     with pytest.raises(planner.NothingFits) as nothing:
         planner.auto(cfg, devices=4, batch=8, seq=16, device_memory=stage - 1,
