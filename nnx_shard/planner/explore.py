@@ -114,7 +114,13 @@ class Problem:
 
 def batch_problem(strat: Strategy, sizes: dict[str, int], batch: int, seq: int,
                    microbatches: int) -> str | None:
-    """Why the batch cannot be laid out under ``strat`` on ``sizes`` (``None``: it can)."""
+    """Why the batch cannot be laid out under ``strat`` on ``sizes`` (``None``: it can).
+
+    >>> batch_problem(get("dp"), {"data": 8}, 16, 128, 1) is None
+    True
+    >>> batch_problem(get("dp"), {"data": 8}, 16, 128, 4)
+    '4 microbatches do not divide the 2 rows per device'
+    """
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     try:
         spec = strat.rules.spec((None, "batch", "length"), shape=(1, batch, seq), mesh=mesh,
@@ -595,6 +601,20 @@ class Search:
 
 
 def apply_result(c: Candidate, result: Mapping[str, Any], memory: int | None, hw: Hardware) -> None:
+    """Sets ``c``'s figures from a compile's ``result`` (:func:`~nnx_shard.planner.compile
+    .compile_step`'s dict, or ``{"error": ...}``), its predicted step time on ``hw`` and
+    whether it fits ``memory`` bytes (``None``: unlimited).
+
+    >>> from nnx_shard.planner.hardware import PROFILES
+    >>> c = Candidate("fsdp", {"data": 8})
+    >>> apply_result(c, {"total": 300, "flops": 989e12, "collective_bytes": 0.0}, 200,
+    ...              PROFILES["h100-sxm"])
+    >>> c.fits, c.reason, c.predicted_s
+    (False, 'needs 300 B per device (compiled), over the 200 B available', 1.0)
+    >>> apply_result(c, {"error": "ShardingError: ..."}, 200, PROFILES["h100-sxm"])
+    >>> c.reason
+    'does not compile: ShardingError: ...'
+    """
     if "error" in result:
         c.fits, c.reason = False, f"does not compile: {result['error']}"
         return
