@@ -158,7 +158,7 @@ def formula_row(layout: Layout) -> dict:
     from nnx_shard import optimizers
     from nnx_shard.models.memory import activation_bytes
     from nnx_shard.models.named import build
-    from nnx_shard.planner.formula import abstract_report, formula
+    from nnx_shard.planner.formula import abstract_report, formula, stage_config
 
     cfg = config(layout.model, layout.remat, layout.attention, layout.layers)
     strat = strategy(layout)
@@ -166,9 +166,7 @@ def formula_row(layout: Layout) -> dict:
     report = abstract_report(model, layout.mesh, strat.rules, optimizers.get("adamw"),
                              strat.opt_rules)
     # A pipeline stage keeps its own layers' activations, for every microbatch (GPipe).
-    sched = strat.rules.options.get("pipeline")
-    stages = layout.mesh.get(sched.axis, 1) if sched is not None else 1
-    per_stage = dataclasses.replace(cfg, layers=cfg.layers // stages)
+    per_stage = stage_config(cfg, strat, layout.mesh) or cfg
     acts = activation_bytes(per_stage, strat.rules, layout.mesh, layout.batch, layout.seq,
                             layout.remat)
     return {"num_params": cfg.num_params, **formula(report, acts)}

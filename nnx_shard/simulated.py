@@ -64,12 +64,17 @@ def serve(spec: str, error_chars: int = 1000) -> None:
     "Type: message"}`` if it raised."""
     fn = _target(spec)
     for i, request in enumerate(json.loads(sys.stdin.read())):
-        try:
-            result = dict(fn(request))
-        except Exception as e:  # reported to the parent as one line
-            msg = " ".join(str(e).split()) or type(e).__name__
-            result = {"error": f"{type(e).__name__}: {msg}"[:error_chars]}
-        print(json.dumps({"i": i, **result}), flush=True)
+        print(json.dumps({"i": i, **_answer(fn, request, error_chars)}), flush=True)
+
+
+def _answer(fn: Callable[[Any], Mapping[str, Any]], request: Any,
+            error_chars: int) -> dict[str, Any]:
+    """``fn(request)`` as a dict, or ``{"error": "Type: message"}`` if it raised."""
+    try:
+        return dict(fn(request))
+    except Exception as e:  # reported to the parent as one line
+        msg = " ".join(str(e).split()) or type(e).__name__
+        return {"error": f"{type(e).__name__}: {msg}"[:error_chars]}
 
 
 def run_requests(spec: str, requests: Sequence[Mapping[str, Any]], n_devices: int, *,
@@ -130,14 +135,9 @@ def serve_lines(spec: str, error_chars: int = 1000) -> None:
     closes."""
     fn = _target(spec)
     for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            result = dict(fn(json.loads(line)))
-        except Exception as e:  # reported to the parent as one line
-            msg = " ".join(str(e).split()) or type(e).__name__
-            result = {"error": f"{type(e).__name__}: {msg}"[:error_chars]}
-        print(json.dumps(result), flush=True)
+        if line.strip():
+            answer = _answer(lambda text: fn(json.loads(text)), line, error_chars)
+            print(json.dumps(answer), flush=True)
 
 
 class _Child:

@@ -47,7 +47,7 @@ from nnx_shard.planner import (
     plan_json,
 )
 from nnx_shard.planner.compile import planned_config
-from nnx_shard.planner.formula import compute_copy
+from nnx_shard.planner.formula import compute_copy, stage_config
 from nnx_shard.planner.trust import compiled_trusted
 from nnx_shard.report import Report, _spec_txt, fmt_bytes
 from nnx_shard.strategy import Strategy
@@ -123,12 +123,10 @@ def _lay_out(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
         acts = activation_bytes(cfg, strat.rules, sizes, args.batch, args.seq, args.remat)
     except ShardingError as e:
         raise ShardingError(f"activations of --batch {args.batch} x --seq {args.seq}: {e}") from None
-    stage_acts = None
-    if stages is not None:
-        # A stage keeps its own layers' activations for every microbatch of the step.
-        per_stage = dataclasses.replace(cfg, layers=max(1, cfg.layers // stages.stages))
-        stage_acts = activation_bytes(per_stage, strat.rules, sizes, args.batch, args.seq,
-                                      args.remat)
+    # A stage keeps its own layers' activations for every microbatch of the step.
+    per_stage = stage_config(cfg, strat, sizes)
+    stage_acts = None if per_stage is None else activation_bytes(
+        per_stage, strat.rules, sizes, args.batch, args.seq, args.remat)
     return _Layout(report, stages, acts, compute_copy(report, cfg.dtype, args.remat),
                    stage_acts)
 

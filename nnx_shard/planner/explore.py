@@ -201,9 +201,7 @@ class Search:
         # Twins known before compiling (planner.twins): one compile per program.
         self.rows: dict[Any, Any] = {}               # layout -> report rows
         self.programs: dict[Any, Candidate] = {}     # signature -> the candidate compiled
-        self.results: dict[str, dict[str, Any]] = {}  # label -> its compile's result
-        self.same: list[str] = []                    # "label (= leader)", not compiled
-        self.known_twins: set[str] = set()
+        self.same: dict[str, str] = {}               # label -> its leader's, not compiled
 
     def key_of(self, c: Candidate) -> str:
         p, opts = self.p, self.opts
@@ -242,7 +240,6 @@ class Search:
         return True
 
     def done(self, c: Candidate, result: dict[str, Any], bar: Any) -> None:
-        self.results[c.label] = result
         self.store.put(self.key_of(c), result)
         self.counters["compiled"] += 1
         self.applied(c, result)
@@ -269,17 +266,13 @@ class Search:
         ``dots`` counted as ``full`` remat, a bound under any need (the pruning's)."""
         p = self.p
         strat = p.strategy(c.strategy)
-        sched = strat.rules.options.get("pipeline")
-        if (sched is None or p.cfg is None or self.opts.compile_fn is not None
-                or compiled_trusted(strat)[0]):
+        if p.cfg is None or self.opts.compile_fn is not None or compiled_trusted(strat)[0]:
             return None
         remat = c.remat or "none"
         if floor and remat in ("dots", "offload"):
             remat = "full"
-        stages = c.mesh.get(sched.axis, 1)
-        stage_cfg = dataclasses.replace(p.cfg, layers=max(1, p.cfg.layers // stages))
-        return stage_formula_bytes(p.abstract, p.cfg, stage_cfg, strat, c.mesh, p.tx,
-                                   self.opts.batch, self.opts.seq, remat, self.opts.guard)
+        return stage_formula_bytes(p.abstract, p.cfg, strat, c.mesh, p.tx, self.opts.batch,
+                                   self.opts.seq, remat, self.opts.guard)
 
     def stage_decide(self, c: Candidate) -> None:
         """Decides a compiled pipeline candidate that XLA CPU's figure puts over the
@@ -321,12 +314,18 @@ class Search:
         self.slow_pruned += 1
         return True
 
+    def skip_slow(self, v: Candidate, bar: Any) -> bool:
+        """:meth:`prune_slow` as a compile is about to start: its budget is given back."""
+        if not self.prune_slow(v):
+            return False
+        self.budget += 1  # not compiled after all
+        bar.update(1)
+        return True
+
     def compile_here(self, todo: list[Candidate], bar: Any) -> None:
         opts, p = self.opts, self.p
         for c in todo:
-            if self.prune_slow(c):
-                self.budget += 1  # not compiled after all
-                bar.update(1)
+            if self.skip_slow(c, bar):
                 continue
             try:
                 if opts.compile_fn is not None:
@@ -360,11 +359,7 @@ class Search:
 
         def skip(i: int) -> bool:
             with lock:
-                if not self.prune_slow(todo[i]):
-                    return False
-                self.budget += 1  # not compiled after all
-                bar.update(1)
-                return True
+                return self.skip_slow(todo[i], bar)
 
         if self.workers is None:
             # XLA's CPU compile of one program keeps about one core busy, so one child
@@ -427,30 +422,28 @@ class Search:
         or to compile now: the followers, each with its leader)."""
         out: list[Candidate] = []
         followers: list[tuple[Candidate, Candidate]] = []
-        first: dict[Any, Candidate] = {}
         for c in todo:
             sig = self.signature(c)
-            if sig is not None and sig in first:
-                followers.append((c, first[sig]))
-            elif sig is not None and sig in self.programs:
-                self.reuse(c, self.programs[sig], bar)
-            else:
+            lead = self.programs.get(sig) if sig is not None else None
+            if lead is None:
                 if sig is not None:
-                    first[sig] = c
                     self.programs[sig] = c
                 out.append(c)
+            elif self.store.get(self.key_of(lead)) is None:  # compiles in this batch
+                followers.append((c, lead))
+            else:
+                self.reuse(c, lead, bar)
         return out, followers
 
     def reuse(self, c: Candidate, lead: Candidate, bar: Any) -> None:
         """Gives ``c`` the figures of ``lead``, which compiles to the same program."""
-        result = self.results.get(lead.label)
+        result = self.store.get(self.key_of(lead))
         if result is None:  # the leader was not compiled after all: compile c itself
             self.compile_in_child([c], bar)
             return
         self.store.put(self.key_of(c), result)
         self.applied(c, result)
-        self.same.append(f"{c.label} (= {lead.label})")
-        self.known_twins.add(c.label)
+        self.same[c.label] = lead.label
         bar.update(1)
 
     def plain(self, viable: list[tuple[str, dict[str, int], int]]) -> list[Candidate]:
@@ -561,7 +554,7 @@ class Search:
                    c.memory_bytes, c.microbatches, c.remat)
             if sig in seen:
                 twins.append(c)
-                if c.label not in self.known_twins:  # said when it was not compiled
+                if c.label not in self.same:  # said when it was not compiled
                     same.append(f"{c.label} (= {seen[sig].label})")
             else:
                 seen[sig] = c
@@ -586,7 +579,7 @@ class Search:
         if self.same:
             self.pruned.append(f"{len(self.same)} candidates not compiled: the same program as "
                                f"one compiled (every array laid out alike): "
-                               f"{', '.join(self.same)}")
+                               + ", ".join(f"{c} (= {lead})" for c, lead in self.same.items()))
         if self.untrusted:
             self.pruned.append(
                 f"{self.untrusted} pipeline candidates decided by their per-stage formula: XLA "

@@ -7,6 +7,7 @@ figure; the planner's search skips a compile when it alone is far over the memor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ from nnx_shard.rules import Rules
 from nnx_shard.train.guard import DEFAULT_GUARD
 
 __all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formula_bytes",
-           "stage_formula_bytes"]
+           "stage_config", "stage_formula_bytes"]
 
 #: The formula decides "does not fit" without a compile only when it is this many
 #: times over the budget. Over every preset x mesh factorisation of 8 devices
@@ -134,25 +135,39 @@ def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx
     # small. Dots keeps at least what full remat keeps, so the full formula is a floor
     # that cannot prune a dots layout that fits.
     remat = "full" if remat in ("dots", "offload") else remat
-    try:
-        report = abstract_report(abstract, sizes, strat.rules, tx, strat.opt_rules)
-        acts = activation_bytes(cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
-    except Exception:  # the compile will say what is wrong
+    return _total(abstract, cfg, cfg, strat, sizes, tx, batch, seq, remat, guard)
+
+
+def stage_config(cfg: Any, strat: Any, sizes: dict[str, int]) -> Any:
+    """Reference config ``cfg`` with the layers one stage of ``strat``'s pipeline holds
+    on mesh ``sizes`` (``None`` without a pipeline over an axis of ``sizes``): what a
+    stage's activations are counted on.
+
+    >>> import dataclasses
+    >>> from nnx_shard.models import get_config
+    >>> from nnx_shard.presets import get
+    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)   # 2 layers
+    >>> stage_config(cfg, get("pp"), {"stage": 2, "data": 4}).layers
+    1
+    >>> stage_config(cfg, get("fsdp"), {"data": 8}) is None
+    True
+    """
+    sched = strat.rules.options.get("pipeline")
+    if sched is None or sched.axis not in sizes:
         return None
-    compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
-    return formula(report, acts, guard, compute)["total"]
+    return dataclasses.replace(cfg, layers=max(1, cfg.layers // sizes[sched.axis]))
 
 
-def stage_formula_bytes(abstract: Any, cfg: Any, stage_cfg: Any, strat: Any,
-                        sizes: dict[str, int], tx: Any, batch: int, seq: int, remat: str,
+def stage_formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
+                        batch: int, seq: int, remat: str,
                         guard: str = DEFAULT_GUARD) -> int | None:
     """The per-stage formula of a pipeline (the trusted figure where XLA CPU's is an
     upper bound, :mod:`nnx_shard.planner.trust`): the parameters, gradients and
     optimizer state of ``abstract`` laid out by ``strat`` (a stage's share of the layer
-    stack), and the activations of ``stage_cfg`` (``cfg`` with one stage's layers) for
-    the step's whole ``batch`` (every microbatch is in flight); ``dots`` counted as no
-    remat, as :func:`nnx_shard.models.memory.activation_bytes` does. ``None`` where it
-    cannot be computed.
+    stack), and the activations of one stage's layers (:func:`stage_config`) for the
+    step's whole ``batch`` (every microbatch is in flight); ``dots`` counted as no
+    remat, as :func:`nnx_shard.models.memory.activation_bytes` does. ``None`` without a
+    pipeline, or where it cannot be computed.
 
     >>> from flax import nnx
     >>> import dataclasses
@@ -160,16 +175,25 @@ def stage_formula_bytes(abstract: Any, cfg: Any, stage_cfg: Any, strat: Any,
     >>> from nnx_shard.presets import get
     >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
     >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    >>> one = dataclasses.replace(cfg, layers=1)
-    >>> stage = stage_formula_bytes(model, cfg, one, get("pp"), {"stage": 2, "data": 4},
+    >>> stage = stage_formula_bytes(model, cfg, get("pp"), {"stage": 2, "data": 4},
     ...                             None, 8, 16, "none")
     >>> stage < formula_bytes(model, cfg, get("pp"), {"stage": 2, "data": 4}, None, 8, 16,
     ...                       "none")
     True
     """
+    stage_cfg = stage_config(cfg, strat, sizes)
+    if stage_cfg is None:
+        return None
+    return _total(abstract, cfg, stage_cfg, strat, sizes, tx, batch, seq, remat, guard)
+
+
+def _total(abstract: Any, cfg: Any, acts_cfg: Any, strat: Any, sizes: dict[str, int],
+           tx: Any, batch: int, seq: int, remat: str, guard: str) -> int | None:
+    """The formula's total, activations counted on ``acts_cfg`` (none without ``cfg``)."""
     try:
         report = abstract_report(abstract, sizes, strat.rules, tx, strat.opt_rules)
-        acts = activation_bytes(stage_cfg, strat.rules, sizes, batch, seq, remat)
-    except Exception:  # the compile said what is wrong
+        acts = activation_bytes(acts_cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
+    except Exception:  # the compile will say what is wrong
         return None
-    return formula(report, acts, guard, compute_copy(report, cfg.dtype, remat))["total"]
+    compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
+    return formula(report, acts, guard, compute)["total"]
