@@ -20,6 +20,8 @@ shapes likewise, 256 devices, 80 GB, torchtitan's global batch 512 x 8192) and
 
     .venv/bin/python benchmarks/plan_time.py --case 8b
     .venv/bin/python benchmarks/plan_time.py --case 70b --workers default --skip-compile
+    .venv/bin/python benchmarks/plan_time.py --case 8b --floors --max-compiles 64
+    .venv/bin/python benchmarks/plan_time.py --case 70b --floors --max-compiles 64 --formula-prune
 """
 
 from __future__ import annotations
@@ -68,6 +70,58 @@ def auto_worker(name: str, workers: int | None) -> dict:
             "compile_s_sum": sum(c.compile_s or 0 for c in cands),
             "best": plan.best.label, "ranked": [c.label for c in plan.ranked],
             "pruned": plan.pruned}
+
+
+def floors_worker(name: str, max_compiles: int, formula_prune: bool) -> dict:
+    """The measured bounds the search prunes with, from a search that prunes nothing by
+    time (``VARIANT_TIME_FLOOR`` 0), nor by the formula unless ``formula_prune``: over every pair of compiled steps of one layout
+    (the earlier in the search's order first), the smallest ratio of the later step's
+    predicted time to the earlier's; over every candidate its compiled figure decided,
+    the largest formula / compiled total."""
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard import optimizers
+    from nnx_shard.models.named import build
+    from nnx_shard.planner import explore
+    from nnx_shard.planner.formula import formula_bytes
+    from nnx_shard.presets import get
+
+    # Nothing pruned by time (nor by the formula, where asked): the compiles measured.
+    explore.VARIANT_TIME_FLOOR = 0.0
+    if not formula_prune:
+        explore.PRUNE_MARGIN = float("inf")
+    case = CASES[name]
+    cfg = _model(case)
+    try:
+        plan = ns.strategies.auto(cfg, devices=case["devices"], batch=case["batch"],
+                                  seq=case["seq"], device_memory=case["device_memory"],
+                                  progress=False, max_compiles=max_compiles)
+    except ns.planner.NothingFits as e:
+        raise SystemExit(f"nothing fits within {max_compiles} compiles: raise "
+                         "--max-compiles, or keep the formula's pruning") from e
+    steps = [c for c in plan.ranked + plan.dropped + plan.twins
+             if c.compiled and c.predicted_s is not None]
+    order = {"none": 0, "dots": 1, "full": 2}
+    layouts: dict = {}
+    for c in steps:
+        layouts.setdefault((c.strategy, tuple(c.mesh.items())), []).append(c)
+    times = []
+    for group in layouts.values():
+        group.sort(key=lambda c: (c.microbatches, order.get(str(c.remat), 3)))
+        times += [(b.predicted_s / a.predicted_s, b.label, a.label)
+                  for i, a in enumerate(group) for b in group[i + 1:]]
+    abstract = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
+    tx = optimizers.get("adamw")
+    formula = [(formula_bytes(abstract, cfg, get(c.strategy), c.mesh, tx,
+                              case["batch"] // c.microbatches, case["seq"], str(c.remat))
+                / c.bytes_per_device, c.label)
+               for c in steps if c.decided_by == "compiled" and c.bytes_per_device]
+    low, high = min(times), max(formula)
+    return {"compiled": plan.request["compiled"], "pairs": len(times),
+            "time_floor": low[0], "time_floor_pair": low[1:], "candidates": len(formula),
+            "formula_over_compiled_max": high[0], "formula_max_candidate": high[1],
+            "best": plan.best.label}
 
 
 def compile_worker(order: str) -> dict:
@@ -127,8 +181,32 @@ def main() -> None:
     ap.add_argument("--workers", default="1,default",
                     help="part 1's worker settings, alternated (default: 1,default)")
     ap.add_argument("--auto-worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--floors", action="store_true",
+                    help="only the measured bounds the search prunes with (VARIANT_TIME_FLOOR, "
+                    "PRUNE_MARGIN), from a search that prunes nothing by time or formula")
+    ap.add_argument("--max-compiles", type=int, default=200, help="for --floors")
+    ap.add_argument("--formula-prune", action="store_true",
+                    help="for --floors: keep the formula's pruning (a large case's plain "
+                    "layouts alone would use up the compiles)")
+    ap.add_argument("--floors-worker", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.floors_worker:
+        name, most, prune = args.floors_worker
+        print(json.dumps(floors_worker(name, int(most), prune == "1")))
+        return
+    if args.floors:
+        got = _child(["--floors-worker", args.case, str(args.max_compiles),
+                      "1" if args.formula_prune else "0"])
+        print(f"case {args.case}: {got['compiled']} compiles, chosen {got['best']}")
+        print_table(["measure", "value", "where"], [
+            [f"smallest predicted-time ratio of a later step to an earlier one of its layout "
+             f"({got['pairs']} pairs)", f"{got['time_floor']:.3f}",
+             " after ".join(got["time_floor_pair"])],
+            [f"largest formula / compiled total ({got['candidates']} candidates)",
+             f"{got['formula_over_compiled_max']:.3f}", got["formula_max_candidate"]]])
+        write_json(RESULTS / f"plan_floors_{args.case}.json", got)
+        return
     if args.auto_worker:
         name, workers = args.auto_worker
         print(json.dumps(auto_worker(name, None if workers == "default" else int(workers))))
