@@ -82,17 +82,21 @@ def floors_worker(name: str, max_compiles: int, formula_prune: bool) -> dict:
 
     import nnx_shard as ns
     from nnx_shard import optimizers
-    from nnx_shard.models.named import build
+    from nnx_shard.models.named import build, named_config
     from nnx_shard.planner import explore
     from nnx_shard.planner.formula import formula_bytes
     from nnx_shard.presets import get
 
     # Nothing pruned by time (nor by the formula, where asked): the compiles measured.
+    floors, default = dict(explore.REMAT_TIME_FLOORS), explore.VARIANT_TIME_FLOOR
     explore.VARIANT_TIME_FLOOR = 0.0
+    explore.REMAT_TIME_FLOORS = {}
     if not formula_prune:
         explore.PRUNE_MARGIN = float("inf")
     case = CASES[name]
     cfg = _model(case)
+    if isinstance(cfg, str):  # a reference config by name
+        cfg = named_config(cfg)
     try:
         plan = ns.strategies.auto(cfg, devices=case["devices"], batch=case["batch"],
                                   seq=case["seq"], device_memory=case["device_memory"],
@@ -103,14 +107,21 @@ def floors_worker(name: str, max_compiles: int, formula_prune: bool) -> dict:
     steps = [c for c in plan.ranked + plan.dropped + plan.twins
              if c.compiled and c.predicted_s is not None]
     order = {"none": 0, "dots": 1, "full": 2}
+    explore_pairs = set(floors)
     layouts: dict = {}
     for c in steps:
         layouts.setdefault((c.strategy, tuple(c.mesh.items())), []).append(c)
     times = []
+    by_kind: dict = {}  # "none->dots" etc. (same microbatches), or "other"
     for group in layouts.values():
         group.sort(key=lambda c: (c.microbatches, order.get(str(c.remat), 3)))
-        times += [(b.predicted_s / a.predicted_s, b.label, a.label)
-                  for i, a in enumerate(group) for b in group[i + 1:]]
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                pair = (b.predicted_s / a.predicted_s, b.label, a.label)
+                times.append(pair)
+                kind = (f"{a.remat}->{b.remat}" if (a.remat, b.remat) in explore_pairs
+                        else "other")
+                by_kind[kind] = min(by_kind.get(kind, pair), pair)
     abstract = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
     tx = optimizers.get("adamw")
     formula = [(formula_bytes(abstract, cfg, get(c.strategy), c.mesh, tx,
@@ -119,9 +130,17 @@ def floors_worker(name: str, max_compiles: int, formula_prune: bool) -> dict:
                for c in steps if c.decided_by == "compiled" and c.bytes_per_device]
     low, high = min(times), max(formula)
     return {"compiled": plan.request["compiled"], "pairs": len(times),
-            "time_floor": low[0], "time_floor_pair": low[1:], "candidates": len(formula),
+            "time_floor": low[0], "time_floor_pair": low[1:],
+            "time_floor_by_kind": {k: {"ratio": v[0], "pair": v[1:],
+                                       "floor": floors.get(tuple(k.split("->")), default)}
+                                   for k, v in sorted(by_kind.items())},
+            "candidates": len(formula),
             "formula_over_compiled_max": high[0], "formula_max_candidate": high[1],
-            "best": plan.best.label}
+            "best": plan.best.label,
+            "steps": [{"label": c.label, "strategy": c.strategy, "mesh": c.mesh,
+                       "remat": c.remat, "microbatches": c.microbatches,
+                       "predicted_s": c.predicted_s, "bytes": c.bytes_per_device,
+                       "fits": c.fits, "decided_by": c.decided_by} for c in steps]}
 
 
 def compile_worker(order: str) -> dict:
@@ -205,6 +224,10 @@ def main() -> None:
              " after ".join(got["time_floor_pair"])],
             [f"largest formula / compiled total ({got['candidates']} candidates)",
              f"{got['formula_over_compiled_max']:.3f}", got["formula_max_candidate"]]])
+        print_table(["pair (earlier -> later step)", "least ratio measured", "floor the "
+                     "search prunes with", "where"], [
+            [k, f"{v['ratio']:.3f}", f"{v['floor']:g}", " after ".join(v["pair"])]
+            for k, v in got["time_floor_by_kind"].items()])
         write_json(RESULTS / f"plan_floors_{args.case}.json", got)
         return
     if args.auto_worker:

@@ -6,8 +6,10 @@ then remat policies and microbatches for the layouts that do not fit
 (:meth:`Search.variants`), and ranks what fits (:meth:`Search.rank`). It compiles in
 long-lived children (:class:`nnx_shard.simulated.Workers`), each program once
 (:mod:`nnx_shard.planner.twins`), and leaves out what cannot be chosen: what the
-formula alone puts past the memory, and the variants of a layout whose steps are all
-far slower than the best fitting one (:data:`VARIANT_TIME_FLOOR`).
+formula alone puts past the memory, a pipeline over one stage whose layout another
+candidate has (:meth:`Search.one_stage`), and the variants whose predicted time a
+compiled step of their layout bounds above the best fitting one's
+(:data:`REMAT_TIME_FLOORS`, :data:`VARIANT_TIME_FLOOR`).
 """
 
 from __future__ import annotations
@@ -44,21 +46,35 @@ from nnx_shard.planner.twins import signature
 from nnx_shard.planner.user import UserModel, user_request
 from nnx_shard.presets import get
 from nnx_shard.report import fmt_bytes
+from nnx_shard.rules import Rules
 from nnx_shard.simulated import Workers
 from nnx_shard.strategy import Strategy
 
-__all__ = ["VARIANT_TIME_FLOOR", "Problem", "Search", "apply_result", "batch_problem"]
+__all__ = ["REMAT_TIME_FLOORS", "VARIANT_TIME_FLOOR", "Problem", "Search", "apply_result",
+           "batch_problem"]
 
 
-#: A layout's remat and microbatch variants are not compiled once every compiled step
-#: of that layout is predicted slower than the best fitting candidate by more than
-#: 1 / VARIANT_TIME_FLOOR: no variant would be chosen. Over the pairs of compiled steps
-#: of one layout (remat none/dots/full x 1-8 microbatches) of a search that prunes
-#: nothing by time (``benchmarks/plan_time.py --floors``), a later step was never
-#: predicted under 0.68x an earlier one: 32 pairs for Llama-3.1 8B shapes on 8 devices
-#: (0.681, async_tp data=4,model=2, dots against none), 130 for 70B shapes on 256
-#: (0.815).
-VARIANT_TIME_FLOOR = 0.4
+#: A remat or microbatch variant of a layout is not compiled where its predicted step
+#: time cannot be under the best fitting candidate's: each compiled step of its
+#: layout bounds it from below, that step's time x the least a variant was measured to
+#: take of it. The measure is ``benchmarks/plan_time.py --floors``, a search that
+#: prunes nothing by time, over every pair of compiled steps of one layout (the
+#: earlier in the search's order first). :data:`REMAT_TIME_FLOORS` holds the floors of
+#: a stronger remat policy after a weaker one, and this one every other pair: more
+#: microbatches at the same or a weaker policy, a user factory's own remat. Least
+#: measured for those: 0.827 (README's small on 8 devices: cp data=2,context=4, none
+#: with 2 microbatches after full with 1), 0.983 (Llama-3.1 8B shapes on 8 devices),
+#: 0.815 over all pairs of 70B shapes on 256 devices.
+VARIANT_TIME_FLOOR = 0.7
+
+#: The floors of :data:`VARIANT_TIME_FLOOR` by (earlier step's remat, variant's remat),
+#: at any microbatch counts, each under the least measured (``plan_time.py --floors``):
+#: dots after none 0.681, full after none 0.531, full after dots 0.779 (all three on
+#: 8B shapes on 8 devices, async_tp data=4,model=2; small: 1.094, 1.197, 1.026; 70B:
+#: 0.815 or more). Recompute can cut a step's predicted time (its saved activations
+#: are not written and read back) but by no more than these pairs measured.
+REMAT_TIME_FLOORS: dict[tuple[str, str], float] = {
+    ("none", "dots"): 0.6, ("none", "full"): 0.45, ("dots", "full"): 0.7}
 
 
 
@@ -197,7 +213,8 @@ class Search:
         # The layouts' first candidates, laid out or not: the rest are variants.
         self.first_labels: set[str] = {c.label for c in dropped}
         self.best_s: float | None = None             # the fastest fitting step so far
-        self.fastest: dict[Any, float] = {}          # each layout's fastest compiled step
+        self.steps: dict[Any, list[tuple[str | None, float]]] = {}  # each layout's
+        # compiled steps: (remat, predicted seconds)
         self.slow_pruned = 0
         self.untrusted = 0                           # pipeline candidates dropped on CPU figures
         # Twins known before compiling (planner.twins): one compile per program.
@@ -256,8 +273,7 @@ class Search:
             self.stage_decide(c)
         if c.predicted_s is None:
             return
-        key = _key(c)
-        self.fastest[key] = min(self.fastest.get(key, math.inf), c.predicted_s)
+        self.steps.setdefault(_key(c), []).append((c.remat, c.predicted_s))
         if c.fits:
             self.best_s = min(self.best_s if self.best_s is not None else math.inf,
                               c.predicted_s)
@@ -295,21 +311,26 @@ class Search:
             f"{fmt_bytes(memory)} available")
         self.untrusted += 1
 
-    def too_slow(self, key: Any) -> str | None:
-        """Why the variants of layout ``key`` cannot be chosen (``None``: they can):
-        its fastest compiled step is over the best fitting one's by more than
-        1 / :data:`VARIANT_TIME_FLOOR`."""
-        fastest = self.fastest.get(key)
-        if fastest is None or self.best_s is None or fastest * VARIANT_TIME_FLOOR <= self.best_s:
+    def too_slow(self, v: Candidate) -> str | None:
+        """Why variant ``v`` cannot be chosen (``None``: it can): a compiled step of its
+        layout x the floor of :data:`REMAT_TIME_FLOORS` (else
+        :data:`VARIANT_TIME_FLOOR`) is over the best fitting candidate's time."""
+        if self.best_s is None:
             return None
-        return (f"not compiled: this layout's steps are predicted at {fastest:.3g} s or more, "
-                f"over {1 / VARIANT_TIME_FLOOR:g}x the best fitting candidate's "
-                f"{self.best_s:.3g} s (remat and microbatches were never measured to cut a "
-                f"step below {VARIANT_TIME_FLOOR:g}x of its layout's)")
+        bounds = [(t * REMAT_TIME_FLOORS.get((str(r), str(v.remat)), VARIANT_TIME_FLOOR), r, t)
+                  for r, t in self.steps.get(_key(v), [])]
+        if not bounds:
+            return None
+        bound, remat, t = max(bounds)
+        if bound <= self.best_s:
+            return None
+        return (f"not compiled: predicted at {bound:.3g} s or more (its layout's remat={remat} "
+                f"step at {t:.3g} s x {bound / t:g}, the least a remat={v.remat} variant was "
+                f"measured to take of it), over the best fitting candidate's {self.best_s:.3g} s")
 
     def prune_slow(self, v: Candidate) -> bool:
-        """Marks ``v`` not compiled where its layout is too slow to be chosen."""
-        why = self.too_slow(_key(v))
+        """Marks ``v`` not compiled where it is too slow to be chosen."""
+        why = self.too_slow(v)
         if why is None:
             return False
         v.fits, v.reason = False, why
@@ -401,10 +422,11 @@ class Search:
         for c, lead in followers:
             self.reuse(c, lead, bar)
 
-    def signature(self, c: Candidate) -> Any:
-        """:func:`~nnx_shard.planner.twins.signature` of a reference config's candidate."""
+    def signature(self, c: Candidate, strat: Strategy | None = None) -> Any:
+        """:func:`~nnx_shard.planner.twins.signature` of a reference config's candidate
+        (under ``strat`` in place of its preset where given)."""
         p = self.p
-        strat = p.strategy(c.strategy)
+        strat = strat or p.strategy(c.strategy)
         key = _key(c)
         if key not in self.rows:
             try:
@@ -448,12 +470,50 @@ class Search:
         self.same[c.label] = lead.label
         bar.update(1)
 
+    def one_stage(self, first: list[Candidate]) -> list[Candidate]:
+        """``first`` without the pipelines over one stage whose every array is laid out
+        as another candidate's of ``first`` (``pp_fsdp stage=1,data=8`` as ``fsdp
+        data=8``): a schedule over one stage adds its loop and nothing else, and the
+        twin is searched with the same remat policies and microbatch counts. They go
+        to the dropped, with why."""
+        p = self.p
+        if p.cfg is None:  # a model of the user's own: no signature to compare
+            return first
+        lone = set()
+        for c in first:
+            sched = p.strategy(c.strategy).rules.options.get("pipeline")
+            if sched is not None and c.mesh.get(sched.axis, 1) == 1:
+                lone.add(c.label)
+        if not lone:
+            return first
+        plain = {self.signature(c): c for c in first if c.label not in lone}
+        plain.pop(None, None)
+        out = []
+        for c in first:
+            strat = p.strategy(c.strategy)
+            twin = plain.get(self.signature(c, dataclasses.replace(
+                strat, rules=Rules(strat.rules, options={})))) if c.label in lone else None
+            if twin is None:
+                out.append(c)
+                continue
+            mesh = ",".join(f"{k}={v}" for k, v in twin.mesh.items())
+            c.reason = (f"not compiled: a pipeline over one stage lays every array out as "
+                        f"{twin.strategy} {mesh} does, which is searched (the schedule adds "
+                        "its loop and nothing else)")
+            self.dropped.append(c)
+        if len(out) < len(first):
+            self.pruned.append(f"{len(first) - len(out)} pipelines over one stage not compiled: "
+                               "each lays the model out as a preset without a pipeline that is "
+                               "searched")
+        return out
+
     def plain(self, viable: list[tuple[str, dict[str, int], int]]) -> list[Candidate]:
         """Phase 3: every viable layout with the first remat policy and the fewest
         microbatches it runs with (none but a pipeline's), within the compile budget."""
         max_compiles = self.opts.max_compiles
         first = [Candidate(n, s, self.p.policies[0], mb) for n, s, mb in viable]
         self.first_labels |= {c.label for c in first}
+        first = self.one_stage(first)
         stage1 = [c for c in first if not self.prune_by_formula(c)]
         if len(stage1) > self.budget:
             self.pruned.append(f"{len(stage1) - self.budget} layouts not compiled "
@@ -490,12 +550,11 @@ class Search:
         """One variant per layout still without a fitting one, within the budget."""
         batch_round = []
         for key in list(live):
-            if live[key] and self.too_slow(key) is not None:
-                for v in live[key]:
-                    self.prune_slow(v)
-                    self.dropped.append(v)
-                bar.update(len(live[key]))
-                live[key] = []
+            # Only the variant next in line is judged: one the layout never reaches
+            # (an earlier one fits) is not counted as pruned.
+            while live[key] and self.prune_slow(live[key][0]):
+                self.dropped.append(live[key].pop(0))
+                bar.update(1)
             if not live[key]:
                 del live[key]
                 continue
@@ -532,9 +591,9 @@ class Search:
             left = sum(len(v) for v in live.values())
             if self.slow_pruned:
                 self.pruned.append(
-                    f"{self.slow_pruned} remat/microbatch variants not compiled: their layout's "
-                    f"steps are predicted over {1 / VARIANT_TIME_FLOOR:g}x the best fitting "
-                    "candidate's time, which no variant was measured to cut")
+                    f"{self.slow_pruned} remat/microbatch variants not compiled: predicted "
+                    "slower than the best fitting candidate, by a compiled step of their "
+                    "layout x the least a variant was measured to take of it")
             if left:
                 self.pruned.append(f"{left} remat/microbatch variants not compiled "
                                    f"(max_compiles={self.opts.max_compiles})")

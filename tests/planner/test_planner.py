@@ -194,6 +194,65 @@ def test_a_pipeline_starts_at_as_many_microbatches_as_stages():
                               "stages")
 
 
+@pytest.mark.parametrize("dots_flops, full_compiled", [(1.5e9, False), (1.3e9, True)])
+def test_a_variant_whose_time_bound_is_past_the_best_is_not_compiled(dots_flops, full_compiled):
+    """Each compiled step of a layout bounds a variant's predicted time from below by
+    the measured floor of that remat transition: dp's full variant is bounded by its
+    dots step x 0.7 (REMAT_TIME_FLOORS) and by its none step x 0.45; it is compiled
+    only where the larger bound is under the best fitting candidate's 1 s."""
+    assert planner.explore.REMAT_TIME_FLOORS[("dots", "full")] == 0.7
+    assert planner.explore.REMAT_TIME_FLOORS[("none", "full")] == 0.45
+    fake = table({
+        "dp data=4 remat=none mb=1": {"total": 300, "flops": 1.5e9},
+        "dp data=4 remat=dots mb=1": {"total": 250, "flops": dots_flops},
+        "dp data=4 remat=full mb=1": {"total": 150, "flops": 1.6e9},
+        "fsdp data=4 remat=none mb=1": {"total": 100, "flops": 1e9},
+    })
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        device_memory=200, strategies=["dp", "fsdp"], progress=False)
+    compiled = ["dp data=4 remat=none mb=1", "fsdp data=4 remat=none mb=1",
+                "dp data=4 remat=dots mb=1"]
+    reasons = {c.label: c.reason for c in plan.dropped}
+    if full_compiled:  # 1.3 s x 0.7 = 0.91 s could beat 1 s
+        assert fake.seen == [*compiled, "dp data=4 remat=full mb=1"]
+        assert [c.label for c in plan.ranked] == ["fsdp data=4 remat=none mb=1",
+                                                  "dp data=4 remat=full mb=1"]
+        return
+    assert fake.seen == compiled  # 1.5 s x 0.7 = 1.05 s cannot
+    assert [c.label for c in plan.ranked] == ["fsdp data=4 remat=none mb=1"]
+    why = reasons["dp data=4 remat=full mb=1"]
+    assert why.startswith("not compiled: predicted at 1.05 s or more (its layout's remat=dots "
+                          "step at 1.5 s x 0.7, the least a remat=full variant was measured to "
+                          "take of it), over the best fitting candidate's 1 s"), why
+    # More microbatches: bounded by the other floor (0.7), so pruned too.
+    assert reasons["dp data=4 remat=none mb=2"].startswith("not compiled: predicted at 1.05 s")
+    assert any(p.startswith("4 remat/microbatch variants not compiled: predicted slower than "
+                            "the best fitting candidate") for p in plan.pruned), plan.pruned
+
+
+def test_a_pipeline_over_one_stage_is_left_to_its_twin_without_a_schedule():
+    """``pp_fsdp stage=1,data=4`` lays every array out as ``fsdp data=4``: where that
+    layout is searched the one-stage pipeline is not compiled, and says which twin
+    stands for it; searched alone it is compiled as before."""
+    cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
+    fake = table({}, default={"total": 100})
+    plan = planner.auto(cfg, devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        device_memory=200, strategies=["fsdp", "pp_fsdp"], progress=False)
+    assert fake.seen == ["fsdp data=4 remat=none mb=1", "pp_fsdp stage=2,data=2 remat=none mb=2"]
+    reasons = {c.label: c.reason for c in plan.dropped}
+    assert reasons["pp_fsdp stage=1,data=4 remat=none mb=1"] == (
+        "not compiled: a pipeline over one stage lays every array out as fsdp data=4 does, "
+        "which is searched (the schedule adds its loop and nothing else)")
+    assert ("1 pipelines over one stage not compiled: each lays the model out as a preset "
+            "without a pipeline that is searched") in plan.pruned
+    assert plan.request["considered"] == 3
+    # Without its twin in the search the one-stage pipeline is a layout like any other.
+    fake = table({}, default={"total": 100})
+    planner.auto(cfg, devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                 device_memory=200, strategies=["dp", "pp_fsdp"], progress=False)
+    assert "pp_fsdp stage=1,data=4 remat=none mb=1" in fake.seen
+
+
 @pytest.mark.slow
 def test_a_compiled_pipeline_is_decided_by_its_stage_formula(monkeypatch):
     """XLA CPU's figure for a pipeline is an upper bound: auto decides a pipeline

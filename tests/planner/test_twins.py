@@ -52,7 +52,7 @@ def test_the_search_compiles_each_program_once_with_the_same_figures(monkeypatch
     def run(dedupe):
         monkeypatch.setattr(Cache, "shared", {})  # compile again, not from memory
         if not dedupe:
-            monkeypatch.setattr(planner.explore.Search, "signature", lambda self, c: None)
+            monkeypatch.setattr(planner.explore.Search, "signature", lambda self, c, strat=None: None)
         return planner.auto("tiny", devices=4, batch=8, seq=16, device_memory="1GB",
                             strategies=["dp", "ep", "tp", "fsdp_tp"], progress=False)
 
