@@ -486,7 +486,10 @@ class Search:
                 lone.add(c.label)
         if not lone:
             return first
-        plain = {self.signature(c): c for c in first if c.label not in lone}
+        plain: dict[Any, Candidate] = {}  # the first of twins stands for them
+        for c in first:
+            if c.label not in lone:
+                plain.setdefault(self.signature(c), c)
         plain.pop(None, None)
         out = []
         for c in first:

@@ -89,11 +89,14 @@ class Plan:
         return self.ranked[0] if self.ranked else None
 
     def families(self) -> dict[str, str]:
-        """Per preset without a fitting candidate: why (its dropped candidates' reasons).
+        """Per preset without a fitting candidate: why (its dropped candidates' reasons,
+        those of compiled candidates first, then those of candidates the search left out,
+        then those of layouts that cannot be laid out: the most telling first).
 
-        >>> Plan([], [Candidate("tp", {"data": 1, "model": 8}, reason="x")], [],
+        >>> Plan([], [Candidate("tp", {"data": 1, "model": 8}, reason="x"),
+        ...           Candidate("tp", {"data": 4, "model": 2}, reason="y", compiled=True)], [],
         ...      PROFILES["h100-sxm"], {}).families()
-        {'tp': 'data=1,model=8: x'}
+        {'tp': 'data=4,model=2: y; data=1,model=8: x'}
         """
         # preset -> reason -> the candidates it applies to (one reason said once)
         out: dict[str, dict[str, list[str]]] = {}
@@ -106,7 +109,12 @@ class Plan:
             extra = "" if c.remat in ("none", None) and c.microbatches == 1 else \
                 f" (remat={c.remat}, mb={c.microbatches})"
             out.setdefault(c.strategy, {}).setdefault(str(c.reason), []).append(mesh + extra)
-        return {k: "; ".join(f"{' and '.join(_dedupe(who))}: {why}" for why, who in v.items())
+        rank: dict[str, int] = {}
+        for c in self.dropped:
+            r = 0 if c.compiled else 1 if str(c.reason).startswith("not compiled") else 2
+            rank[str(c.reason)] = min(rank.get(str(c.reason), r), r)
+        return {k: "; ".join(f"{' and '.join(_dedupe(who))}: {why}"
+                             for why, who in sorted(v.items(), key=lambda item: rank[item[0]]))
                 for k, v in out.items()}
 
     def python(self) -> str:
