@@ -12,6 +12,14 @@ process):
    (the first compile of a process pays a warm-up): seconds and whether the
    optimised HLO and the memory figures are the same.
 
+``--floors`` measures instead the bounds the search prunes with, from one search
+that prunes nothing by time: the least predicted-time ratio of a later compiled step
+of a layout to an earlier one, over all pairs and per kind of pair (full after dots,
+dots after none, full after none, any other), beside the floor the search uses for
+that kind (``explore.REMAT_TIME_FLOORS``, ``explore.VARIANT_TIME_FLOOR``), and the
+largest formula / compiled total; it writes ``plan_floors_<case>.json`` with every
+compiled step.
+
 Cases: ``8b`` (Llama-3.1 8B shapes as a TransformerConfig, float32, scanned
 layers, AdamW, 8 devices, 80 GB, batch 16 x seq 2048), ``70b`` (Llama-3.1 70B
 shapes likewise, 256 devices, 80 GB, torchtitan's global batch 512 x 8192) and
@@ -20,7 +28,8 @@ shapes likewise, 256 devices, 80 GB, torchtitan's global batch 512 x 8192) and
 
     .venv/bin/python benchmarks/plan_time.py --case 8b
     .venv/bin/python benchmarks/plan_time.py --case 70b --workers default --skip-compile
-    .venv/bin/python benchmarks/plan_time.py --case 8b --floors --max-compiles 64
+    .venv/bin/python benchmarks/plan_time.py --case 8b --floors --max-compiles 80
+    .venv/bin/python benchmarks/plan_time.py --case small --floors --max-compiles 80
     .venv/bin/python benchmarks/plan_time.py --case 70b --floors --max-compiles 64 --formula-prune
 """
 
