@@ -321,7 +321,7 @@ class Search:
                   for r, t in self.steps.get(_key(v), [])]
         if not bounds:
             return None
-        bound, remat, t = max(bounds)
+        bound, remat, t = max(bounds, key=lambda b: b[0])
         if bound <= self.best_s:
             return None
         return (f"not compiled: predicted at {bound:.3g} s or more (its layout's remat={remat} "
