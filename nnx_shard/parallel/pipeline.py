@@ -85,13 +85,14 @@ from nnx_shard.parallel.schedule import (
     check_stack,
     idle_fraction,
     schedule_table,
+    stage_count,
     work,
 )
 from nnx_shard.parallel.stack import stack, unstack
 from nnx_shard.pipeline_report import StageReport, explain
 
 __all__ = ["OPTION", "Schedule", "StageReport", "bubble", "check_stack", "explain", "idle_fraction",
-           "run", "scan", "schedule_table", "stack", "unstack"]
+           "run", "scan", "schedule_table", "stack", "stage_count", "unstack"]
 
 _U = PartitionSpec.UNCONSTRAINED
 

@@ -10,6 +10,7 @@ it per stage. Every name here is also ``nnx_shard.pipeline.<name>``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from flax import nnx
 from nnx_shard.errors import ShardingError, count
 
 __all__ = ["NO_STACK_FIX", "OPTION", "Schedule", "bubble", "check_layers", "check_stack", "idle_fraction",
-           "schedule_table", "work"]
+           "schedule_table", "stage_count", "work"]
 
 #: The execution option (``Rules.with_options(pipeline=Schedule(...))``) the pipeline reads.
 OPTION = "pipeline"
@@ -73,6 +74,21 @@ class Schedule:
     def name(self) -> str:
         """``"gpipe"`` or ``"circular"``."""
         return "gpipe" if self.repeats == 1 else "circular"
+
+
+def stage_count(rules: Any, sizes: Mapping[str, int]) -> int | None:
+    """How many stages the pipeline of ``rules`` (a :class:`~nnx_shard.Rules` whose
+    ``pipeline`` option is a :class:`Schedule`) has on mesh ``sizes``: the size of its
+    axis, 1 where the mesh has no such axis; ``None`` where ``rules`` run no pipeline.
+
+    >>> from nnx_shard.presets import get
+    >>> stage_count(get("pp").rules, {"stage": 4, "data": 2})
+    4
+    >>> stage_count(get("pp").rules, {"data": 8}), stage_count(get("fsdp").rules, {"data": 8})
+    (1, None)
+    """
+    sched = rules.options.get(OPTION)
+    return None if sched is None else int(sizes.get(sched.axis, 1))
 
 
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:

@@ -33,6 +33,7 @@ from nnx_shard.errors import CompileError
 from nnx_shard.mesh import make_mesh
 from nnx_shard.models import LlamaConfig, TransformerConfig, lm_loss
 from nnx_shard.models.named import build, named_config
+from nnx_shard.parallel.schedule import stage_count
 from nnx_shard.planner.costs import hlo_costs
 from nnx_shard.presets import get
 from nnx_shard.simulated import run_requests
@@ -161,8 +162,7 @@ def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: Mapping
     cfg, precision = planned_config(model, remat=remat, scan_layers=scan_layers,
                                     param_dtype=param_dtype, compute_dtype=compute_dtype)
     # A pipeline strategy needs microbatches: as many as stages (the fewest it takes).
-    sched = get(strategy).rules.options.get("pipeline")
-    micro = dict(sizes).get(sched.axis, 1) if sched is not None else 1
+    micro = stage_count(get(strategy).rules, sizes) or 1
     compiled, trainer, seconds = compile_fit(
         lambda: build(cfg, nnx.Rngs(0)), strategy, sizes, batch=batch, seq=seq,
         optimizer=optimizer, microbatches=micro, precision=precision, guard=guard)

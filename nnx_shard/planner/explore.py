@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from nnx_shard.axes import entry_axes
 from nnx_shard.errors import ShardingError
 from nnx_shard.models import LlamaConfig, TransformerConfig
+from nnx_shard.parallel.schedule import stage_count
 from nnx_shard.planner.cache import Cache, versions
 from nnx_shard.planner.compile import compile_step, config_dict
 from nnx_shard.planner.formula import (
@@ -103,9 +104,9 @@ class Problem:
     def batch_problem(self, strat: Strategy, sizes: dict[str, int], mb: int) -> str | None:
         """Why ``mb`` microbatches cannot run under ``strat`` on ``sizes`` (``None``:
         they can), known before any compile."""
-        sched = strat.rules.options.get("pipeline")
-        if sched is not None:
-            stages = sizes.get(sched.axis, 1)
+        stages = stage_count(strat.rules, sizes)
+        if stages is not None:
+            sched = strat.rules.options["pipeline"]
             if mb < stages and not (sched.allow_few_microbatches and sched.repeats == 1):
                 return (f"a pipeline over {stages} stages needs at least {stages} "
                         f"microbatches, not {mb}")
@@ -121,8 +122,7 @@ class Problem:
             why = self.batch_problem(strat, sizes, mb) or ""
             if not why:
                 return mb, ""
-        sched = strat.rules.options.get("pipeline")
-        stages = sizes.get(sched.axis, 1) if sched is not None else 1
+        stages = stage_count(strat.rules, sizes) or 1
         if stages > max(self.mbs):
             why = (f"a pipeline over {stages} stages needs at least {stages} microbatches; "
                    f"the counts searched are {', '.join(map(str, self.mbs))}. Fix: "
@@ -213,8 +213,8 @@ class Search:
         # The layouts' first candidates, laid out or not: the rest are variants.
         self.first_labels: set[str] = {c.label for c in dropped}
         self.best_s: float | None = None             # the fastest fitting step so far
-        self.steps: dict[Any, list[tuple[str | None, float]]] = {}  # each layout's
-        # compiled steps: (remat, predicted seconds)
+        # Each layout's compiled steps, (remat, predicted seconds): they bound its variants.
+        self.steps: dict[Any, list[tuple[str | None, float]]] = {}
         self.slow_pruned = 0
         self.untrusted = 0                           # pipeline candidates dropped on CPU figures
         # Twins known before compiling (planner.twins): one compile per program.
@@ -479,11 +479,11 @@ class Search:
         p = self.p
         if p.cfg is None:  # a model of the user's own: no signature to compare
             return first
-        lone = set()
+        lone: dict[str, Strategy] = {}  # label -> its strategy without the schedule
         for c in first:
-            sched = p.strategy(c.strategy).rules.options.get("pipeline")
-            if sched is not None and c.mesh.get(sched.axis, 1) == 1:
-                lone.add(c.label)
+            strat = p.strategy(c.strategy)
+            if stage_count(strat.rules, c.mesh) == 1:
+                lone[c.label] = dataclasses.replace(strat, rules=Rules(strat.rules, options={}))
         if not lone:
             return first
         plain: dict[Any, Candidate] = {}  # the first of twins stands for them
@@ -493,9 +493,7 @@ class Search:
         plain.pop(None, None)
         out = []
         for c in first:
-            strat = p.strategy(c.strategy)
-            twin = plain.get(self.signature(c, dataclasses.replace(
-                strat, rules=Rules(strat.rules, options={})))) if c.label in lone else None
+            twin = plain.get(self.signature(c, lone[c.label])) if c.label in lone else None
             if twin is None:
                 out.append(c)
                 continue
