@@ -86,7 +86,14 @@ def stage_count(rules: Any, sizes: Mapping[str, int]) -> int | None:
     4
     >>> stage_count(get("pp").rules, {"data": 8}), stage_count(get("fsdp").rules, {"data": 8})
     (1, None)
+    >>> stage_count(get("pp"), {"stage": 4})
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.ShardingError: stage_count: rules must be a Rules table, got Strategy. Fix: pass strategy.rules
     """
+    if not isinstance(getattr(rules, "options", None), Mapping):
+        raise ShardingError(f"stage_count: rules must be a Rules table, got "
+                            f"{type(rules).__name__}. Fix: pass strategy.rules")
     sched = rules.options.get(OPTION)
     return None if sched is None else int(sizes.get(sched.axis, 1))
 
