@@ -1190,6 +1190,25 @@ def _build_cases() -> None:
         ("launch_n_zero", ("launch", "-n", "0", "--", "true"), ("-n", "processes")),
     ]:
         proc(f"process/{label}", arg, *argv)
+    _build_case_files()
+
+
+def _build_case_files() -> None:
+    """Cases kept in files of their own, one per surface: ``tests/hostile_cases/*.py``,
+    each with ``build(hs)`` that registers its cases through this module (passed in, since
+    it runs both as ``tests.hostile_sweep`` and as a script)."""
+    import importlib.util
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostile_cases")
+    for name in sorted(os.listdir(here)) if os.path.isdir(here) else []:
+        if not name.endswith(".py") or name.startswith("_"):
+            continue
+        spec = importlib.util.spec_from_file_location(f"_hostile_cases_{name[:-3]}",
+                                                      os.path.join(here, name))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.build(sys.modules[__name__])
 
 
 # -- helpers the cases call ---------------------------------------------------------------------
