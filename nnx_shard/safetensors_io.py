@@ -36,6 +36,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from nnx_shard.errors import UsageError, short
+
 __all__ = ["DTYPES", "Header", "TensorInfo", "create", "dtype_name", "read_header",
            "read_slice", "write_slice"]
 
@@ -48,6 +50,14 @@ DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
+# Bits per element of every dtype the format defines (what its reference checks a
+# header against); the ones not in DTYPES are valid in a file but do not load.
+_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
+    "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
+    "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
+    "U64": 64,
+}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -83,26 +93,140 @@ class Header:
     metadata: Mapping[str, str]
 
 
-def _read_one(path: str) -> tuple[dict[str, Any], int]:
+_FIX_FILE = ("Fix: download or copy the file again, or re-save the checkpoint (its header "
+             "does not describe its bytes as the safetensors format requires).")
+
+
+def _bad(path: str, what: str, fix: str = _FIX_FILE) -> UsageError:
+    return UsageError(f"{path}: not a safetensors file: {what}. {fix}")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]], path: str) -> dict[str, Any]:
+    # json keeps the last of two equal names: a tensor could hide behind another.
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _bad(path, f"its header names tensor {short(k, 100)} twice")
+        out[k] = v
+    return out
+
+
+def _no_constant(path: str, name: str) -> Any:
+    raise _bad(path, f"its header holds {name}, which is not JSON")
+
+
+def _read_one(path: str) -> tuple[dict[str, Any], int, int]:
+    """The header of one file, the absolute offset of its data and the data's size."""
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header "
-                             "length).")
+            raise _bad(path, f"it has {len(raw)} bytes, fewer than the 8 of its header length")
         (n,) = struct.unpack("<Q", raw)
         if n > _MAX_HEADER:
-            raise ValueError(f"{path}: not a safetensors file (header length {n}).")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"{path}: not a safetensors file (header is not JSON: {e}).") \
-                from None
-    return header, 8 + n
+            raise _bad(path, f"header length {n} is over the format's limit of {_MAX_HEADER}")
+        if 8 + n > size:
+            raise _bad(path, f"header length {n} but the file has {size} bytes (truncated, or "
+                       "not a safetensors file)")
+        text = f.read(n)
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad(path, f"its header is not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        header = json.loads(decoded, object_pairs_hook=lambda kv: _no_duplicates(kv, path),
+                            parse_constant=lambda c: _no_constant(path, c))
+    except json.JSONDecodeError as e:
+        raise _bad(path, f"its header is not JSON ({e.msg} at character {e.pos})") from None
+    except RecursionError:
+        raise _bad(path, "its header is nested too deeply to be a safetensors header") from None
+    if not isinstance(header, dict):
+        raise _bad(path, f"its header is {_a(header)}, not a JSON object of tensors")
+    return header, 8 + n, size - 8 - n
+
+
+def _a(value: Any) -> str:
+    kind = {list: "list", dict: "object", str: "string", bool: "bool", int: "int",
+            float: "float", type(None): "null"}.get(type(value), type(value).__name__)
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} ({short(value, 60)})"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry(path: str, name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
+    """``(dtype, shape, begin, end)`` of one header entry, checked as the format
+    requires: a known dtype, a shape of non-negative ints and offsets that span exactly
+    the tensor's bytes."""
+    where = f"tensor {short(name, 100)}"
+    if not isinstance(info, dict):
+        raise _bad(path, f"{where} is {_a(info)}, not an object with dtype, shape and "
+                   "data_offsets")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+    if missing:
+        raise _bad(path, f"{where} has no {' and no '.join(missing)}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _BITS:
+        raise _bad(path, f"{where} has dtype {short(dtype, 60)}; the format's dtypes are "
+                   f"{', '.join(_BITS)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _bad(path, f"{where} has shape {short(shape, 100)}; a shape is a list of "
+                   "non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+            and 0 <= offsets[0] <= offsets[1]):
+        raise _bad(path, f"{where} has data_offsets {short(offsets, 100)}; they are "
+                   "[begin, end], two ints with 0 <= begin <= end")
+    begin, end = offsets
+    bits = math.prod(shape) * _BITS[dtype]
+    if bits % 8 or bits // 8 != end - begin:
+        raise _bad(path, f"{where} of {dtype} {shape} takes {bits / 8:g} bytes but its "
+                   f"data_offsets {offsets} span {end - begin}")
+    return dtype, tuple(shape), begin, end
+
+
+def _check_metadata(path: str, value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad(path, f"its '__metadata__' is {_a(value)}, not an object of strings")
+    bad = next((k for k, v in value.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise _bad(path, f"its '__metadata__' maps {short(bad, 60)} to "
+                   f"{_a(value[bad])}; metadata values are strings")
+    return value
+
+
+def _check_layout(path: str, spans: list[tuple[int, int, str]], start: int, data: int) -> None:
+    """The tensors' bytes must tile the data section: sorted by offset, each starts
+    where the one before it ends, the first at 0 and the last at the file's end (the
+    format indexes every byte, so no byte is read as two tensors or as none)."""
+    pos, before = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != pos:
+            was = (f"the tensor before it ({short(before, 100)}) ends at {pos}" if before
+                   is not None else "the data starts at 0")
+            how = "overlaps it" if begin < pos else f"leaves {begin - pos} bytes unindexed"
+            raise _bad(path, f"tensor {short(name, 100)} starts at byte {begin} of the data "
+                       f"but {was}: it {how}")
+        pos, before = end, name
+    if pos > data:
+        raise _bad(path, f"tensor {short(before, 100)} ends at byte {start + pos} but the file "
+                   f"has {start + data} bytes (truncated or partly copied)",
+                   "Fix: copy the file again.")
+    if pos < data:
+        last = f"the last tensor ({short(before, 100)})" if before is not None else "the header"
+        raise _bad(path, f"it has {data - pos} bytes after the last tensor: {last} ends at "
+                   f"byte {pos} of {data} (two files joined, or the header is not this file's)")
 
 
 def read_header(*paths: str) -> Header:
-    """The tensors of the files ``paths`` (a name in two files is an error),
-    after checking that every tensor lies inside its file.
+    """The tensors of the files ``paths`` (a name in two files is an error), after
+    checking each file's header as the format requires: known dtypes, shapes of
+    non-negative ints, every tensor's ``data_offsets`` spanning exactly its bytes,
+    and the tensors together covering the data without gap or overlap. A header that
+    is not one is a :class:`~nnx_shard.errors.UsageError` naming the file, the tensor,
+    what was found and the fix. No tensor data is read.
 
     >>> import tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -110,27 +234,29 @@ def read_header(*paths: str) -> Header:
     >>> h = read_header(path)
     >>> h.tensors["w"].shape, h.tensors["w"].nbytes, dict(h.metadata)
     ((2, 3), 12, {'format': 'pt'})
+    >>> from pathlib import Path
+    >>> f = Path(path)  # the same 12 bytes declared float32
+    >>> _ = f.write_bytes(f.read_bytes().replace(b'"BF16"', b'"F32" '))
+    >>> read_header(path)
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: ...: not a safetensors file: tensor 'w' of F32 [2, 3] takes 24 bytes but its data_offsets [0, 12] span 12. Fix: ...
     """
     tensors: dict[str, TensorInfo] = {}
     metadata: dict[str, str] = {}
     for path in paths:
-        header, start = _read_one(path)
-        size = os.path.getsize(path)
+        header, start, data = _read_one(path)
+        metadata.update(_check_metadata(path, header.pop("__metadata__", None)))
+        spans = []
         for name, info in header.items():
-            if name == "__metadata__":
-                metadata.update(info or {})
-                continue
+            dtype, shape, begin, end = _entry(path, name, info)
             if name in tensors:
-                raise ValueError(f"tensor {name!r} is in two files: {tensors[name].path} and "
-                                 f"{path}.")
-            begin, end = info["data_offsets"]
-            if start + end > size:
-                raise ValueError(
-                    f"{path}: tensor {name!r} ends at byte {start + end} but the file has "
-                    f"{size} bytes (truncated or partly copied). Fix: copy the file again."
-                )
-            tensors[name] = TensorInfo(path, info["dtype"], tuple(info["shape"]), start + begin,
-                                       end - begin)
+                raise UsageError(f"tensor {short(name, 100)} is in two files: "
+                                 f"{tensors[name].path} and {path}. Fix: pass the files of "
+                                 "one checkpoint (its index names each tensor's one file).")
+            spans.append((begin, end, name))
+            tensors[name] = TensorInfo(path, dtype, shape, start + begin, end - begin)
+        _check_layout(path, spans, start, data)
     return Header(tensors, metadata)
 
 
