@@ -141,11 +141,16 @@ def _read_one(path: str) -> tuple[dict[str, Any], int, int]:
     except RecursionError:
         raise _bad(path, "its header is nested too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
-        raise _bad(path, f"its header is {_a(header)}, not a JSON object of tensors")
+        raise _bad(path, f"its header is {described(header)}, not a JSON object of tensors")
     return header, 8 + n, size - 8 - n
 
 
-def _a(value: Any) -> str:
+def described(value: Any) -> str:
+    """A value found in a file, for a message: its JSON kind and its (bounded) repr.
+
+    >>> described([1, 2]), described(None)
+    ('a list ([1, 2])', 'a null (None)')
+    """
     kind = {list: "list", dict: "object", str: "string", bool: "bool", int: "int",
             float: "float", type(None): "null"}.get(type(value), type(value).__name__)
     return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} ({short(value, 60)})"
@@ -161,7 +166,7 @@ def _entry(path: str, name: str, info: Any) -> tuple[str, tuple[int, ...], int, 
     the tensor's bytes."""
     where = f"tensor {short(name, 100)}"
     if not isinstance(info, dict):
-        raise _bad(path, f"{where} is {_a(info)}, not an object with dtype, shape and "
+        raise _bad(path, f"{where} is {described(info)}, not an object with dtype, shape and "
                    "data_offsets")
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
     if missing:
@@ -189,11 +194,11 @@ def _check_metadata(path: str, value: Any) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _bad(path, f"its '__metadata__' is {_a(value)}, not an object of strings")
+        raise _bad(path, f"its '__metadata__' is {described(value)}, not an object of strings")
     bad = next((k for k, v in value.items() if not isinstance(v, str)), None)
     if bad is not None:
         raise _bad(path, f"its '__metadata__' maps {short(bad, 60)} to "
-                   f"{_a(value[bad])}; metadata values are strings")
+                   f"{described(value[bad])}; metadata values are strings")
     return value
 
 

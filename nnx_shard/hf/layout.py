@@ -12,11 +12,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard.errors import short
+from nnx_shard.errors import NnxShardError, UsageError, short
 from nnx_shard.hf.mapping import TRANSFORM_FNS, Leaf
 from nnx_shard.init import _auto_mesh
+from nnx_shard.safetensors_io import described
 
-__all__ = ['INDEX', 'MARKER', 'SINGLE', 'barrier', 'checkpoint_files', 'layouts', 'program']
+__all__ = ['INDEX', 'MARKER', 'SINGLE', 'CheckpointNotFound', 'barrier', 'checkpoint_files',
+           'layouts', 'program']
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -33,28 +35,86 @@ def as_path(path: Any, who: str) -> Path:
     return Path(path)
 
 
+class CheckpointNotFound(NnxShardError, FileNotFoundError):
+    """No checkpoint at a path, or files its index lists are absent."""
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json`` (tensor name -> file),
+    checked: a JSON object whose ``weight_map`` maps names to file names."""
+    fix = ("Fix: download the index again, or remove it and keep the single "
+           f"{SINGLE} it stands for.")
+    try:
+        content = json.loads(index.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        why = getattr(e, "msg", None) or getattr(e, "reason", None) or type(e).__name__
+        raise UsageError(f"load_safetensors: the index {index} is not JSON ({why}). "
+                         f"{fix}") from None
+    if not isinstance(content, dict):
+        raise UsageError(f"load_safetensors: the index {index} is {described(content)}, not a "
+                         "JSON object with a 'weight_map'. " + fix)
+    if "weight_map" not in content:
+        raise UsageError(f"load_safetensors: the index {index} has no 'weight_map' (found "
+                         f"keys {short(sorted(content), 100)}). " + fix)
+    weight_map = content["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise UsageError(f"load_safetensors: the index {index}'s 'weight_map' is "
+                         f"{described(weight_map)}, not an object of tensor name -> file. " + fix)
+    if not weight_map:
+        raise UsageError(f"load_safetensors: the index {index}'s 'weight_map' is empty: it "
+                         "names no tensor. " + fix)
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name or "\x00" in name:
+            raise UsageError(f"load_safetensors: the index {index} maps {short(key, 100)} to "
+                             f"{described(name) if not isinstance(name, str) else short(name, 100)}"
+                             ", not a file name. " + fix)
+    return weight_map
+
+
+def _inside(folder: Path, index: Path, name: str) -> Path:
+    """``folder / name`` when the name stays inside ``folder``: an index must not make
+    the loader read files elsewhere. The check is on the name; a shard that is itself
+    a link is followed (the Hugging Face hub cache links every shard to a blob kept
+    outside the snapshot folder)."""
+    parts = Path(name).parts
+    depth = 0
+    for part in parts:
+        depth += -1 if part == ".." else 0 if part == "." else 1
+        if depth < 0:
+            break
+    if Path(name).is_absolute() or depth < 0:
+        raise UsageError(f"load_safetensors: the index {index} names the file {short(name, 200)}"
+                         ", outside the checkpoint folder; only files inside it are read. Fix: "
+                         "name shards relative to the folder (e.g. "
+                         "'model-00001-of-00002.safetensors'), or load the folder that holds "
+                         "them.")
+    return folder / name
+
+
 def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     p = as_path(path, "load_safetensors")
     if p.is_file() and p.suffix == ".safetensors":
         return [str(p)]
     if not p.is_dir():
-        raise FileNotFoundError(f"load_safetensors: path {str(p)!r} is not a directory or a "
-                                ".safetensors file. Fix: pass the checkpoint directory (with "
-                                f"{SINGLE} or {INDEX}).")
+        raise CheckpointNotFound(f"load_safetensors: path {str(p)!r} is not a directory or a "
+                                 ".safetensors file. Fix: pass the checkpoint directory (with "
+                                 f"{SINGLE} or {INDEX}).")
     if (p / INDEX).is_file():
-        with open(p / INDEX) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        weight_map = _read_index(p / INDEX)
         names = sorted(set(weight_map.values()))
-        absent = [n for n in names if not (p / n).is_file()]
+        files = [_inside(p, p / INDEX, n) for n in names]
+        absent = [n for n, f in zip(names, files, strict=True) if not f.is_file()]
         if absent:
-            raise FileNotFoundError(f"load_safetensors: {p / INDEX} lists {len(absent)} files "
-                                    f"that are not there: {', '.join(absent)}. Fix: download "
-                                    "every shard of the checkpoint.")
-        return [str(p / n) for n in names]
+            shown = ", ".join(absent)
+            raise CheckpointNotFound(
+                f"load_safetensors: {p / INDEX} lists {len(absent)} files that are not there: "
+                f"{shown if len(shown) <= 400 else shown[:397] + '...'}. Fix: download every "
+                "shard of the checkpoint.")
+        return [str(f) for f in files]
     if (p / SINGLE).is_file():
         return [str(p / SINGLE)]
-    raise FileNotFoundError(f"load_safetensors: {p} holds neither {SINGLE} nor {INDEX}. Fix: "
-                            "pass the directory save_pretrained (or save_safetensors) wrote.")
+    raise CheckpointNotFound(f"load_safetensors: {p} holds neither {SINGLE} nor {INDEX}. Fix: "
+                             "pass the directory save_pretrained (or save_safetensors) wrote.")
 
 
 # -- compiled transforms ---------------------------------------------------------------------

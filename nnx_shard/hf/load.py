@@ -76,7 +76,15 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
         place (unused), parameters no tensor fills (missing), shapes and dtypes
         that do not fit; each names the Hugging Face key, the model path, both
         shapes and the fix.
-      FileNotFoundError: no checkpoint at ``path``, or files its index lists are absent.
+      UsageError: (a ValueError of :class:`~nnx_shard.NnxShardError`'s family) a file
+        that is not what its format requires, named with the fix: a safetensors
+        header whose entries do not describe its bytes exactly (unknown dtype, offsets
+        out of range, overlapping or leaving gaps, a span that is not the shape's
+        size), an index that is not a JSON ``weight_map`` of file names or names a
+        file outside the checkpoint folder; or a ``mapping`` value of none of the
+        forms above.
+      CheckpointNotFound: (a FileNotFoundError of the same family) no checkpoint at
+        ``path``, or files its index lists are absent.
 
     >>> import dataclasses
     >>> import nnx_shard as ns

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
+from nnx_shard.errors import UsageError, short
 
 __all__ = ['LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
 
@@ -117,24 +118,68 @@ class Rule:
         return f"pattern r'{self.pattern}'"
 
 
+_FORMS = ("Fix: give each pattern 'model/path', ('model/path', transform) with transform one "
+          f"of {', '.join(TRANSFORMS)}, or None to skip the tensor, e.g. "
+          "{r'dense\\.weight': ('kernel', 'transpose')}.")
+
+
+def _form(value: Any) -> str:
+    return f"{short(value, 80)} ({type(value).__name__})"
+
+
 def compile_rules(mapping: Mapping[str, MappingValue]) -> list[Rule]:
+    """The rules of a ``mapping=`` table, each value checked against the documented
+    forms (a :class:`~nnx_shard.errors.UsageError` naming the pattern and what it
+    maps to otherwise).
+
+    >>> [(r.pattern, r.template, r.transform) for r in compile_rules({"w": ("kernel", "transpose")})]
+    [('w', 'kernel', 'transpose')]
+    >>> compile_rules({"w": ("kernel", "transpose", "again")})
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: mapping: pattern r'w' maps to a tuple of 3, ('kernel', 'transpose', 'again'); ...
+    """
     if not isinstance(mapping, Mapping):
-        raise TypeError(f"mapping must be a dict of regex -> 'model/path', ('model/path', "
-                        f"transform) or None, got {type(mapping).__name__}.")
+        raise UsageError(f"mapping must be a dict of regex -> 'model/path', ('model/path', "
+                         f"transform) or None, got {_form(mapping)}. {_FORMS}")
     out = []
     for pattern, value in mapping.items():
+        if not isinstance(pattern, str):
+            raise UsageError(f"mapping: pattern {_form(pattern)} is not a string; patterns are "
+                             f"regular expressions on the Hugging Face name. {_FORMS}")
+        where = f"mapping: pattern r'{pattern if len(pattern) <= 200 else pattern[:197] + '...'}'"
         try:
             regex = re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"mapping: pattern r'{pattern}' is not a regular expression: "
-                             f"{e}") from None
+            raise UsageError(f"{where} is not a regular expression: {e}. Fix: escape its "
+                             "special characters, e.g. r'model\\.norm\\.weight'.") from None
         if value is None:
             out.append(Rule(pattern, regex, None, "copy"))
             continue
-        template, transform = (value, "copy") if isinstance(value, str) else tuple(value)
-        if transform not in TRANSFORM_FNS:
-            raise ValueError(f"mapping: pattern r'{pattern}' names transform {transform!r}; "
-                             f"known: {', '.join(TRANSFORMS)}.")
+        if isinstance(value, str):
+            template, transform = value, "copy"
+        elif isinstance(value, tuple | list) and len(value) == 2:
+            template, transform = value
+        elif isinstance(value, tuple | list):
+            raise UsageError(f"{where} maps to a {type(value).__name__} of {len(value)}, "
+                             f"{short(value, 120)}; a pair is ('model/path', transform). "
+                             + _FORMS)
+        else:
+            raise UsageError(f"{where} maps to {st.described(value)}. {_FORMS}")
+        if not isinstance(template, str):
+            raise UsageError(f"{where} maps to model path {_form(template)}, not a string. "
+                             + _FORMS)
+        if not isinstance(transform, str) or transform not in TRANSFORM_FNS:
+            raise UsageError(f"{where} names transform "
+                             f"{repr(transform) if isinstance(transform, str) else _form(transform)}; known: "
+                             f"{', '.join(TRANSFORMS)}. {_FORMS}")
+        refs = [int(m.group(1) or m.group(2))
+                for m in re.finditer(r"\\(\d+)|\\g<(\d+)>", template)]
+        if any(r > regex.groups for r in refs):
+            raise UsageError(f"{where} maps to {template!r}, which refers to group {max(refs)} "
+                             f"but the pattern has {regex.groups}. Fix: capture the group in "
+                             "the pattern, e.g. r'model\\.layers\\.(\\d+)\\.x' -> "
+                             "'blocks/\\1/x'.")
         out.append(Rule(pattern, regex, template, transform))
     return out
 

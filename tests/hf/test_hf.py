@@ -415,3 +415,127 @@ def test_save_and_load_refuse_wrong_arguments(tmp_path):
         hf.load_safetensors(tmp_path, 5)
     with pytest.raises(FileNotFoundError, match=r"path '.*nowhere' is not a directory"):
         hf.load_safetensors(tmp_path / "nowhere", _small_llama())
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+def _llama_copy(tmp_path: Path, name: str = "ckpt") -> Path:
+    """A folder holding hf_llama's config and weights, to be broken by a test."""
+    out = tmp_path / name
+    out.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (out / f).write_bytes((FIXTURES / "hf_llama" / f).read_bytes())
+    return out
+
+
+def _index(folder: Path, content: object) -> Path:
+    text = content if isinstance(content, str) else json.dumps(content)
+    (folder / hf.INDEX).write_text(text)
+    return folder / hf.INDEX
+
+
+def test_index_shards_outside_the_folder_are_refused(tmp_path) -> None:
+    # The weights sit next to the folder: a weight_map naming '../x' or an absolute
+    # path would read them (and any file the process can read) as the checkpoint's.
+    outside = _llama_copy(tmp_path, "outside") / "model.safetensors"
+    keys = list(safetensors_io.read_header(str(outside)).tensors)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for shard in ("../outside/model.safetensors", str(outside),
+                  "sub/../../outside/model.safetensors"):
+        index = _index(ckpt, {"weight_map": {k: shard for k in keys}})
+        with pytest.raises(ns.NnxShardError) as info:
+            hf.load_safetensors(ckpt, _target("hf_llama", "dp"))
+        text = str(info.value)
+        assert str(index) in text and repr(shard) in text and "outside the checkpoint" in text
+        assert "Fix:" in text
+
+
+def test_index_shards_inside_the_folder_and_symlinked_shards_load(tmp_path) -> None:
+    # Hugging Face's hub cache links each shard of a snapshot to a blob elsewhere:
+    # a link is followed, only the name in the index must stay inside.
+    blobs = _llama_copy(tmp_path, "blobs")
+    ckpt = tmp_path / "snapshot"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "sub" / "part.safetensors").symlink_to(blobs / "model.safetensors")
+    keys = list(safetensors_io.read_header(str(blobs / "model.safetensors")).tensors)
+    _index(ckpt, {"weight_map": {k: "sub/./part.safetensors" for k in keys}})
+    _same_arrays(hf.load_safetensors(ckpt, _target("hf_llama", "dp")), _loaded("hf_llama", "dp"))
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "is not JSON"),
+    ("[1, 2]", r"is a list \(\[1, 2\]\), not a JSON object"),
+    ("null", "is a null"),
+    ({"metadata": {}}, "has no 'weight_map'"),
+    ({"weight_map": ["model.safetensors"]}, "'weight_map' is a list"),
+    ({"weight_map": {"model.norm.weight": 1}}, r"maps 'model.norm.weight' to an int \(1\)"),
+    ({"weight_map": {"model.norm.weight": ""}}, "maps 'model.norm.weight' to ''"),
+    ({"weight_map": {}}, "'weight_map' is empty"),
+    ({"weight_map": {"model.norm.weight": "a\x00b"}}, "maps 'model.norm.weight' to"),
+])
+def test_index_files_that_are_not_indexes(tmp_path, content, match) -> None:
+    ckpt = _llama_copy(tmp_path)
+    index = _index(ckpt, content)
+    with pytest.raises(ns.NnxShardError, match=match) as info:
+        hf.load_safetensors(ckpt, _target("hf_llama", "dp"))
+    assert str(index) in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_index_naming_a_missing_file(tmp_path) -> None:
+    ckpt = _llama_copy(tmp_path)
+    index = _index(ckpt, {"weight_map": {"model.norm.weight": "model-2.safetensors"}})
+    with pytest.raises(ns.NnxShardError, match="lists 1 files that are not there: "
+                       "model-2.safetensors") as info:
+        hf.load_safetensors(ckpt, _target("hf_llama", "dp"))
+    assert isinstance(info.value, FileNotFoundError) and str(index) in str(info.value)
+
+
+def test_a_header_sharing_bytes_between_tensors_is_refused(tmp_path) -> None:
+    # model.norm.weight pointed at layer 0's input norm (both [32] F32): trusted, the
+    # final norm would load layer 0's weights.
+    ckpt = _llama_copy(tmp_path)
+    f = ckpt / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["model.norm.weight"]["data_offsets"] = header[
+        "model.layers.0.input_layernorm.weight"]["data_offsets"]
+    text = json.dumps(header).encode()
+    f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(ns.NnxShardError, match=r"model\.safetensors: not a safetensors file: "
+                       r"tensor '.*' starts at byte \d+ of the data but the tensor before it "
+                       r"\('.*'\) ends at \d+: it overlaps it"):
+        hf.load_safetensors(ckpt, _target("hf_llama", "dp"))
+
+
+@pytest.mark.parametrize("value, match", [
+    (("token_embed", "copy", "extra"), "a tuple of 3"),
+    (("token_embed",), "a tuple of 1"),
+    (5, r"an int \(5\)"),
+    ((5, "copy"), r"model path 5 \(int\)"),
+    (("token_embed", 5), r"transform 5 \(int\)"),
+    (("token_embed", ["copy"]), r"transform \['copy'\] \(list\)"),
+    (r"blocks/\3/attn", r"refers to group 3 but the pattern has 0"),
+])
+def test_mapping_values_of_the_wrong_form(value, match, tmp_path) -> None:
+    mapping = {**hf.LLAMA_MAPPING, r"model\.embed_tokens\.weight": value}
+    for call in (lambda: hf.load_safetensors(FIXTURES / "hf_llama", _target("hf_llama", "dp"),
+                                             mapping=mapping),
+                 lambda: hf.save_safetensors(tmp_path / "o", _loaded("hf_llama", "dp"),
+                                             mapping=mapping)):
+        with pytest.raises(ns.NnxShardError, match=match) as info:
+            call()
+        text = str(info.value)
+        assert text.startswith("mapping: ") and r"model\.embed_tokens\.weight" in text, text
+        assert "Fix:" in text
+    assert not (tmp_path / "o").exists()
+
+
+def test_mapping_patterns_that_are_not_patterns() -> None:
+    for table, match in [({5: "token_embed"}, r"pattern 5 \(int\) is not a string"),
+                         ({"(": "token_embed"}, r"pattern r'\(' is not a regular expression"),
+                         ([("x", "y")], "mapping must be a dict")]:
+        with pytest.raises(ns.NnxShardError, match=match):
+            hf.load_safetensors(FIXTURES / "hf_llama", _target("hf_llama", "dp"), mapping=table)
