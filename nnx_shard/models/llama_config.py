@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +19,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from nnx_shard.blockwise import KERNELS
+from nnx_shard.errors import NnxShardError, UsageError, count, short
 from nnx_shard.models.transformer import REMAT_POLICIES, _check_fields
+from nnx_shard.safetensors_io import described
 
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig", "get_llama_config"]
 
@@ -157,10 +160,17 @@ class LlamaConfig:
         ``param_dtype=jnp.bfloat16``). Parameters stay float32 unless overridden,
         whatever ``torch_dtype`` the file names: master weights for training.
 
-        Reads ``rope_theta`` and ``rope_scaling`` (or transformers 5's
-        ``rope_parameters``); ``rope_scaling`` of type ``llama3`` is implemented,
-        any other type is a ``ValueError``, as are sliding-window attention and
-        activations other than SiLU.
+        Reads ``rope_theta`` and ``rope_scaling`` as transformers 5 does:
+        ``rope_scaling`` when set, else ``rope_parameters``, with ``rope_theta``
+        inside it, else beside it, else 10000; ``rope_scaling`` of type ``llama3``
+        is implemented, any other type is an error, as are sliding-window attention,
+        partial rotation and activations other than SiLU. Values are checked as
+        transformers' config checks them: sizes are whole numbers >= 1 (never a bool
+        or a float), ``num_key_value_heads`` divides ``num_attention_heads``, numbers
+        are finite, flags are JSON ``true`` / ``false``, llama3's ``factor`` is >= 1
+        and its ``high_freq_factor`` above its ``low_freq_factor``. Each problem is a
+        :class:`~nnx_shard.errors.UsageError` naming the file (or ``config.json``
+        for a dict), the field, what was found and the fix.
 
         >>> hf = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
         ...       "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -172,51 +182,71 @@ class LlamaConfig:
         >>> LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
         Traceback (most recent call last):
         ...
-        ValueError: config.json: rope_scaling of type 'yarn' is not implemented (implemented: 'default', 'llama3'). ...
+        nnx_shard.errors.UsageError: config.json: rope_scaling of type 'yarn' is not implemented (implemented: 'default', 'llama3'). ...
+        >>> LlamaConfig.from_hf({**hf, "num_key_value_heads": 0})
+        Traceback (most recent call last):
+        ...
+        nnx_shard.errors.UsageError: config.json: num_key_value_heads must be a positive int, got 0. Fix: ...
         """
-        hf = _read_json(config)
+        hf, where = _read_json(config)
         kind = hf.get("model_type")
         if kind not in MODEL_TYPES:
-            raise ValueError(
-                f"config.json: model_type {kind!r} is not a Llama-family model this reads "
+            raise UsageError(
+                f"{where}: model_type {short(kind, 60)} is not a Llama-family model this reads "
                 f"(supported: {', '.join(MODEL_TYPES)}). Fix: pass the config.json of a "
                 "LlamaForCausalLM or Qwen3ForCausalLM checkpoint."
             )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"config.json: hidden_act={act!r}; the model implements SwiGLU "
-                             "with 'silu' only.")
-        if hf.get("use_sliding_window") or any(
-                t != "full_attention" for t in hf.get("layer_types") or ()):
-            raise ValueError("config.json: sliding-window attention layers are not implemented "
+            raise UsageError(f"{where}: hidden_act={short(act, 60)}; the model implements SwiGLU "
+                             "with 'silu' only. Fix: use a checkpoint of a SiLU model.")
+        layer_types = hf.get("layer_types")
+        if layer_types is not None and not (isinstance(layer_types, list) and all(
+                isinstance(t, str) for t in layer_types)):
+            raise UsageError(f"{where}: layer_types must be a list of strings (or null), got "
+                             f"{short(layer_types, 60)}. Fix: e.g. \"layer_types\": "
+                             "[\"full_attention\", \"full_attention\"].")
+        if _flag(hf, "use_sliding_window", False, where) or any(
+                t != "full_attention" for t in layer_types or ()):
+            raise UsageError(f"{where}: sliding-window attention layers are not implemented "
                              "(use_sliding_window / layer_types). Fix: use a checkpoint with "
                              "full attention in every layer.")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in hf]
         if missing:
-            raise ValueError(f"config.json: missing keys {missing}; a {kind} config.json "
-                             "names every size.")
-        theta, scaling = _rope(hf)
-        heads = int(hf["num_attention_heads"])
+            raise UsageError(f"{where}: missing keys {missing}; a {kind} config.json names "
+                             "every size. Fix: use the checkpoint's own config.json.")
+        heads = _count(hf, "num_attention_heads", None, where)
+        embed = _count(hf, "hidden_size", None, where)
+        max_length = _count(hf, "max_position_embeddings", 2048, where)
+        theta, scaling = _rope(hf, where, max_length)
         fields: dict[str, Any] = dict(
-            vocab=int(hf["vocab_size"]),
-            embed=int(hf["hidden_size"]),
+            vocab=_count(hf, "vocab_size", None, where),
+            embed=embed,
             heads=heads,
-            kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-            mlp=int(hf["intermediate_size"]),
-            layers=int(hf["num_hidden_layers"]),
+            # transformers' defaults for a null or absent value
+            kv_heads=_count(hf, "num_key_value_heads", heads, where),
+            head_dim=_count(hf, "head_dim", embed // heads, where),
+            mlp=_count(hf, "intermediate_size", None, where),
+            layers=_count(hf, "num_hidden_layers", None, where),
             rope_theta=theta,
             rope_scaling=scaling,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            norm_eps=_real(hf.get("rms_norm_eps"), "rms_norm_eps", 1e-6, where),
+            tie_embeddings=_flag(hf, "tie_word_embeddings", False, where),
             qk_norm=kind == "qwen3",
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)) if kind == "llama" else False,
-            max_length=int(hf.get("max_position_embeddings", 2048)),
+            attention_bias=_flag(hf, "attention_bias", False, where),
+            mlp_bias=_flag(hf, "mlp_bias", False, where) if kind == "llama" else False,
+            max_length=max_length,
             model_type=kind,
         )
-        return cls(**(fields | overrides))
+        try:
+            return cls(**(fields | overrides))
+        except NnxShardError:
+            raise
+        except ValueError as e:  # sizes that do not fit together, e.g. kv_heads and heads
+            raise UsageError(f"{where}: {e} Fix: use the config.json the checkpoint was saved "
+                             "with" + (", and check the overrides" if overrides else "")
+                             + ".") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The transformers ``config.json`` of this configuration (what
@@ -254,61 +284,174 @@ class LlamaConfig:
         return out
 
 
-def _read_json(config: Any) -> dict[str, Any]:
+_FIX_VALUE = "Fix: use the checkpoint's own config.json"
+
+
+def _read_json(config: Any) -> tuple[dict[str, Any], str]:
+    """The config as a dict, and how messages name it (the file, or ``config.json``)."""
     if isinstance(config, Mapping):
-        return dict(config)
+        return dict(config), "config.json"
+    if isinstance(config, bytes) or not isinstance(config, str | os.PathLike) or not str(config):
+        raise UsageError(f"LlamaConfig.from_hf: config must be a dict, a config.json path or "
+                         f"the directory holding it, got {type(config).__name__} "
+                         f"{short(config, 60)}. Fix: e.g. LlamaConfig.from_hf('checkpoints/llama')")
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"LlamaConfig.from_hf: no config.json at {path}. Fix: pass the "
                                 "checkpoint directory, its config.json, or the dict.")
-    with open(path) as f:
-        return json.load(f)
+    fix = "Fix: download the checkpoint's config.json again."
+
+    def constant(name: str) -> Any:
+        raise UsageError(f"{path}: holds {name}, which is not JSON and no size. {fix}")
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        hf = json.loads(raw.decode("utf-8"), parse_constant=constant)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: is not UTF-8 ({e.reason} at byte {e.start}). {fix}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: is not JSON ({e.msg} at character {e.pos}). {fix}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: is nested too deeply to be a config.json. {fix}") from None
+    if not isinstance(hf, dict):
+        raise UsageError(f"{path}: is {described(hf)}, not a JSON object of settings. {fix}")
+    return hf, path
 
 
-def _rope(hf: Mapping[str, Any]) -> tuple[float, Any]:
-    params = hf.get("rope_parameters")  # transformers >= 5
-    if isinstance(params, Mapping) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling = dict(params)
-        scaling.pop("rope_theta")
+def _count(hf: Mapping[str, Any], key: str, default: int | None, where: str) -> int:
+    """``hf[key]``, a whole count >= 1 (never a bool or a float: ``32.7`` or ``true``
+    is no size); ``default`` when absent or null, where the key may be."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    return count(value, f"{where}: {key}", fix=f"{_FIX_VALUE}, whose {key} is a whole "
+                 f"number, e.g. \"{key}\": 4")
+
+
+def _real(value: Any, name: str, default: float | None, where: str, *,
+          least: float = 0.0, strict: bool = True) -> float:
+    """``value``, a finite number > ``least`` (>= with ``strict=False``); ``default``
+    for null. Text, bools, NaN and infinities are refused."""
+    if value is None and default is not None:
+        return default
+    try:
+        ok = (isinstance(value, int | float) and not isinstance(value, bool)
+              and math.isfinite(value) and (value > least if strict else value >= least))
+    except OverflowError:  # an int past float's range
+        ok = False
+    if not ok:
+        bound = f"> {least:g}" if strict else f">= {least:g}"
+        raise UsageError(f"{where}: {name} must be a finite number {bound}, got "
+                         f"{short(value, 60)} ({type(value).__name__}). {_FIX_VALUE}.")
+    return float(value)
+
+
+def _flag(hf: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    """``hf[key]``, a JSON true or false (``"false"`` is text, and text is truthy)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise UsageError(f"{where}: {key} must be true or false, got {short(value, 60)} "
+                         f"({type(value).__name__}). Fix: write \"{key}\": true or "
+                         f"\"{key}\": false.")
+    return value
+
+
+def _llama3(items: Mapping[str, Any], where: str, key: str) -> dict[str, Any]:
+    """The llama3 scaling parameters of ``items`` (``where``'s ``key``), checked as
+    transformers checks them (factor >= 1, high_freq_factor > low_freq_factor > 0, an
+    int context): other values give infinite or NaN frequencies, or silently others."""
+    missing = [k for k in _LLAMA3_KEYS if k not in items]
+    if missing:
+        raise UsageError(f"{where}: {key} of type 'llama3' lacks {missing}. Fix: give every "
+                         f"one of {', '.join(_LLAMA3_KEYS)} (as the checkpoint's config.json "
+                         "does).")
+    out = {
+        "factor": _real(items["factor"], f"{key}['factor']", None, where, least=1.0,
+                        strict=False),
+        "low_freq_factor": _real(items["low_freq_factor"], f"{key}['low_freq_factor']", None,
+                                 where),
+        "high_freq_factor": _real(items["high_freq_factor"], f"{key}['high_freq_factor']",
+                                  None, where),
+        "original_max_position_embeddings": count(
+            items["original_max_position_embeddings"],
+            f"{where}: {key}['original_max_position_embeddings']",
+            fix="the pretraining context length, e.g. 8192"),
+    }
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise UsageError(f"{where}: {key}['high_freq_factor'] ({out['high_freq_factor']}) must "
+                         f"be greater than {key}['low_freq_factor'] ({out['low_freq_factor']}): "
+                         f"the band between them divides by their difference. {_FIX_VALUE}.")
+    return {"rope_type": "llama3", **out}
+
+
+def _rope(hf: Mapping[str, Any], where: str, max_length: int) -> tuple[float, Any]:
+    """``(rope_theta, rope_scaling)`` read as transformers 5 reads them: ``rope_scaling``
+    when set, else ``rope_parameters`` (its own spelling; a set for each layer type in
+    files that nest them); ``rope_theta`` inside it, else beside it, else 10000."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = hf.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise UsageError(f"{where}: {key} must be an object (or null), got "
+                             f"{short(value, 60)} ({type(value).__name__}). {_FIX_VALUE}, e.g. "
+                             f"\"{key}\": {{\"rope_type\": \"default\"}}.")
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = dict(hf.get(key) or {})
+    if isinstance(rope.get("full_attention"), Mapping):
+        rope = dict(rope["full_attention"])
+    name = f"{where}: {key}"
+    if "rope_theta" in rope:
+        theta = _real(rope["rope_theta"], f"{key}['rope_theta']", None, where)
     else:
-        theta = float(hf.get("rope_theta", 10000.0))
-        scaling = dict(hf.get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+        theta = _real(hf.get("rope_theta"), "rope_theta", 10000.0, where)
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise UsageError(f"{where}: partial_rotary_factor={short(partial, 60)} rotates only part "
+                         "of each head, which the model does not implement. Fix: use a "
+                         "checkpoint that rotates every feature (partial_rotary_factor 1.0).")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(kind, str):
+        raise UsageError(f"{name}: rope_type {short(kind, 60)} is not a name. Fix: e.g. "
+                         "\"rope_type\": \"llama3\".")
     if kind not in ROPE_TYPES:
-        raise ValueError(
-            f"config.json: rope_scaling of type {kind!r} is not implemented (implemented: "
+        raise UsageError(
+            f"{name} of type {kind!r} is not implemented (implemented: "
             f"{', '.join(repr(t) for t in ROPE_TYPES)}). Fix: use a checkpoint without that "
             "scaling, or add it to nnx_shard.models.llama.rope_frequencies."
         )
     if kind == "default":
         return theta, None
-    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
-    if missing:
-        raise ValueError(f"config.json: rope_scaling of type 'llama3' lacks {missing}.")
-    return theta, {"rope_type": "llama3", **{k: scaling[k] for k in _LLAMA3_KEYS}}
+    # transformers fills a scaling's pretraining context from max_position_embeddings
+    rope.setdefault("original_max_position_embeddings", max_length)
+    return theta, _llama3(rope, where, key)
 
 
 def _scaling(value: Any) -> tuple[tuple[str, Any], ...] | None:
     if not value:
         return None
-    items = dict(value)
+    if not isinstance(value, Mapping | tuple | list):
+        raise UsageError(f"LlamaConfig.rope_scaling must be None or a dict, got "
+                         f"{short(value, 60)} ({type(value).__name__}). Fix: e.g. "
+                         f"rope_scaling={_LLAMA31_ROPE}")
+    try:
+        items = dict(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"LlamaConfig.rope_scaling must be None or a dict, got "
+                         f"{short(value, 60)}. Fix: e.g. rope_scaling={_LLAMA31_ROPE}") from None
     kind = items.get("rope_type", items.get("type", "default"))
     if kind == "default":
         return None
     if kind != "llama3":
-        raise ValueError(f"LlamaConfig.rope_scaling: type {kind!r} is not implemented "
-                         f"(implemented: {', '.join(repr(t) for t in ROPE_TYPES)}).")
-    missing = [k for k in _LLAMA3_KEYS if k not in items]
-    if missing:
-        raise ValueError(f"LlamaConfig.rope_scaling of type 'llama3' lacks {missing}.")
-    items["rope_type"] = "llama3"
+        raise UsageError(f"LlamaConfig.rope_scaling: type {short(kind, 60)} is not implemented "
+                         f"(implemented: {', '.join(repr(t) for t in ROPE_TYPES)}). Fix: "
+                         f"e.g. rope_scaling={_LLAMA31_ROPE}")
+    items.update(_llama3(items, "LlamaConfig", "rope_scaling"))
     items.pop("type", None)
     return tuple(sorted(items.items()))
-
-
 
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

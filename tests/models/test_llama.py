@@ -222,6 +222,118 @@ def test_from_hf_errors(change: dict, match: str) -> None:
         LlamaConfig.from_hf(HF | change)
 
 
+
+# config.json values transformers would refuse (or read otherwise): each is one
+# NnxShardError naming the field, never a config built from a guess.
+_ROPE = HF["rope_scaling"]
+BAD_CONFIGS = [
+    ({"num_key_value_heads": 0}, "num_key_value_heads"),
+    ({"head_dim": 0}, "head_dim"),
+    ({"hidden_size": 32.7}, r"hidden_size must be a positive int, got 32.7 \(float\)"),
+    ({"num_attention_heads": 4.0}, "num_attention_heads"),
+    ({"num_hidden_layers": True}, r"num_hidden_layers must be a positive int, got True "
+     r"\(a bool\)"),
+    ({"vocab_size": None}, "vocab_size"),
+    ({"vocab_size": -5}, "vocab_size"),
+    ({"intermediate_size": "64"}, "intermediate_size"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"),
+    ({"tie_word_embeddings": "false"}, r"tie_word_embeddings must be true or false, got "
+     r"'false' \(str\)"),
+    ({"attention_bias": 1}, "attention_bias"),
+    ({"mlp_bias": "no"}, "mlp_bias"),
+    ({"use_sliding_window": "false"}, "use_sliding_window"),
+    ({"layer_types": 5}, "layer_types"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps"),
+    ({"rope_theta": "10000"}, r"rope_theta must be a finite number > 0, got '10000'"),
+    ({"rope_theta": float("inf")}, "rope_theta"),
+    ({"rope_theta": -1.0}, "rope_theta"),
+    ({"rope_scaling": "llama3"}, r"rope_scaling must be an object \(or null\), got 'llama3'"),
+    ({"rope_scaling": {**_ROPE, "factor": 0}}, r"rope_scaling\['factor'\] must be"),
+    ({"rope_scaling": {**_ROPE, "factor": -8.0}}, r"rope_scaling\['factor'\]"),
+    ({"rope_scaling": {**_ROPE, "factor": float("nan")}}, r"rope_scaling\['factor'\]"),
+    ({"rope_scaling": {**_ROPE, "factor": "8"}}, r"rope_scaling\['factor'\]"),
+    ({"rope_scaling": {**_ROPE, "original_max_position_embeddings": 0}},
+     r"rope_scaling\['original_max_position_embeddings'\] must be a positive int"),
+    ({"rope_scaling": {**_ROPE, "original_max_position_embeddings": 8192.5}},
+     r"rope_scaling\['original_max_position_embeddings'\]"),
+    ({"rope_scaling": {**_ROPE, "low_freq_factor": 4.0}},
+     r"high_freq_factor'\] \(4.0\) must be greater than rope_scaling\['low_freq_factor'\] "
+     r"\(4.0\)"),
+    ({"rope_scaling": {**_ROPE, "low_freq_factor": 0}}, r"rope_scaling\['low_freq_factor'\]"),
+    ({"rope_scaling": {**_ROPE, "high_freq_factor": None}},
+     r"rope_scaling\['high_freq_factor'\]"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
+    ({"rope_scaling": {"rope_type": 3}}, "rope_type 3"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope_scaling of type 'linear' is not implemented"),
+    ({"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    # transformers 5: rope_parameters, rope_theta inside it or beside it
+    ({"rope_scaling": None, "rope_parameters": "yarn"},
+     r"rope_parameters must be an object \(or null\)"),
+    ({"rope_scaling": None, "rope_theta": None,
+      "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                          "beta_slow": 1.0, "original_max_position_embeddings": 4096}},
+     "rope_parameters of type 'yarn' is not implemented"),
+    ({"rope_scaling": None, "rope_parameters": {**_ROPE, "factor": 0.0}},
+     r"rope_parameters\['factor'\]"),
+]
+
+
+@pytest.mark.parametrize("change, match", BAD_CONFIGS,
+                         ids=[f"{i}-{next(iter(c))}" for i, (c, _) in enumerate(BAD_CONFIGS)])
+def test_from_hf_refuses_values_transformers_would(change: dict, match: str) -> None:
+    with pytest.raises(ns.NnxShardError, match=match) as info:
+        LlamaConfig.from_hf(HF | change)
+    assert str(info.value).startswith("config.json: ") and "Fix:" in str(info.value)
+
+
+def test_from_hf_keeps_llama3_scaling_whatever_holds_rope_theta() -> None:
+    # transformers 5 reads rope_theta from rope_parameters, else beside it, else 10000.
+    base = {k: v for k, v in HF.items() if k not in ("rope_theta", "rope_scaling")}
+    want = LlamaConfig.from_hf(HF)
+    beside = LlamaConfig.from_hf(base | {"rope_theta": 500000.0, "rope_parameters": _ROPE})
+    assert beside == want
+    default = LlamaConfig.from_hf(base | {"rope_parameters": _ROPE})
+    assert default.rope_theta == 10000.0 and default.rope_scaling == want.rope_scaling
+    # the 'type' spelling of older files, and original_max_position_embeddings taken
+    # from max_position_embeddings when the scaling leaves it out, as transformers does
+    old = {k: v for k, v in _ROPE.items() if k not in ("rope_type",
+                                                       "original_max_position_embeddings")}
+    cfg = LlamaConfig.from_hf(HF | {"rope_scaling": {**old, "type": "llama3"}})
+    assert dict(cfg.rope_scaling)["original_max_position_embeddings"] == 4096
+    assert np.isfinite(rope_frequencies(cfg)).all()
+    # a qwen3 file nests its one parameter set under its layer type
+    q = {**HF, "model_type": "qwen3", "rope_scaling": None,
+         "layer_types": ["full_attention"] * 2,
+         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}}
+    assert LlamaConfig.from_hf(q).rope_theta == 1e6
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "is not JSON"),
+    ("[1, 2]", r"is a list \(\[1, 2\]\), not a JSON object"),
+    ("null", "is a null"),
+    ('{"model_type": "llama", "vocab_size": NaN}', "NaN"),
+    (b"\xff\xfe", "not UTF-8"),
+])
+def test_config_files_that_are_not_configs(tmp_path, text, match) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ns.NnxShardError, match=match) as info:
+        LlamaConfig.from_hf(tmp_path)
+    assert str(path) in str(info.value) and "Fix:" in str(info.value)
+    with pytest.raises(ns.NnxShardError, match="config must be"):
+        LlamaConfig.from_hf(5)  # type: ignore[arg-type]
+
+
+def test_rope_scaling_given_directly_is_checked_too() -> None:
+    with pytest.raises(ns.NnxShardError, match=r"rope_scaling\['factor'\] must be"):
+        LlamaConfig(rope_scaling={**_ROPE, "factor": 0.0})
+
+
 # Published totals (billions): Llama 3.1 model cards (8.03, 70.6, 405.9); Qwen3-0.6B's
 # card: 0.6 in all, 0.44 without embeddings (its 151936 x 1024 embedding is tied).
 PUBLISHED = {"llama3-8b": (8.03, 0.005), "llama3-70b": (70.6, 0.05),
