@@ -36,7 +36,12 @@ def as_path(path: Any, who: str) -> Path:
 
 
 class CheckpointNotFound(NnxShardError, FileNotFoundError):
-    """No checkpoint at a path, or files its index lists are absent."""
+    """No checkpoint at a path, or files its index lists are absent: a
+    FileNotFoundError of nnx_shard's error family.
+
+    >>> issubclass(CheckpointNotFound, FileNotFoundError), issubclass(CheckpointNotFound, NnxShardError)
+    (True, True)
+    """
 
 
 def _read_index(index: Path) -> dict[str, str]:
