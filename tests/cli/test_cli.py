@@ -703,7 +703,7 @@ def test_demo_of_one_step_runs_and_a_rerun_replaces_only_its_own_outputs(capsys,
     assert code == 0, err
     assert strict_json(out_dir / "summary.json")["steps"] == 2
     assert sorted(p.name for p in (out_dir / "checkpoint").iterdir()) == [
-        ".nnx_shard.lock", "2", "mine.txt"]
+        "2", "mine.txt"]
     assert (out_dir / "notes.txt").read_text() == "mine"
     assert (out_dir / "checkpoint" / "mine.txt").read_text() == "mine too"
 
