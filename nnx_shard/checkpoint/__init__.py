@@ -38,7 +38,14 @@ deleting leaves no half-deleted step behind, only that folder, which the next
 removed when a :class:`Checkpointer` is opened only if no process holds the
 directory's lock file: every save holds it (shared) while it writes and the
 kernel drops it when a process dies, so another process's save in flight is
-never deleted. (On a file system without ``flock`` nothing is removed.)
+never deleted. (On a file system without ``flock`` nothing is removed.) Either
+folder is removed only when a claim proves it ours: a record
+(``.nnx_shard-claim-*.json``) written before the folder was made or renamed,
+naming it, its inode and its writer, whose process is gone. A folder merely
+named like one (``5.orbax-checkpoint-tmp``, ``7.nnx_shard-deleting-mine``) is
+never touched, and a save of a step whose temporary name is taken is refused
+(orbax would delete the folder there); orbax's own by-name clean-up of
+temporary folders stays off.
 
 What is checked. Orbax's compressed chunks carry no checksum (a flipped byte
 decodes to wrong values), hence the manifest: restore recomputes every array's

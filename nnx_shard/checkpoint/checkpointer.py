@@ -19,6 +19,7 @@ from nnx_shard.checkpoint.folders import (
     _dir_lock,
     _finished_steps,
     _refuse_file,
+    _release_tmp,
     _remove_leftovers,
     _remove_tmp,
     _resolve_dir,
@@ -254,6 +255,7 @@ class Checkpointer:
                                              background=True)
                 self._failure.__cause__ = e
             else:
+                _release_tmp(self.directory, step)
                 _rotate(self._mngr, self.directory, self.keep)
             finally:
                 if self._lock is not None:

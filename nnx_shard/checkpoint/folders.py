@@ -10,6 +10,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import threading
 import uuid
 import weakref
@@ -17,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+
+from nnx_shard.errors import UsageError
 
 try:
     import fcntl
@@ -87,7 +90,15 @@ def _resolve_dir(directory: Any, caller: str) -> pathlib.Path:
             "directory. Fix: name a folder for the checkpoints, e.g. 'runs/ckpt' (created "
             "if missing)."
         )
-    return pathlib.Path(text).expanduser().absolute()
+    try:
+        return pathlib.Path(text).expanduser().absolute()
+    except RuntimeError:  # "~user" of no known user (pathlib cannot find a home)
+        user = text[1:].split("/", 1)[0] or "the current user"
+        raise UsageError(
+            f"{caller}: the directory {text!r} starts with '~' but the home directory of "
+            f"{user} is not known (no such user, or HOME is unset). Fix: write the path out, "
+            "e.g. '/home/me/ckpt' or 'runs/ckpt'."
+        ) from None
 
 
 def _refuse_file(directory: pathlib.Path, caller: str) -> None:
@@ -207,37 +218,155 @@ def _unfinished(directory: pathlib.Path, step: int | None = None) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if pattern.match(p.name))
 
 
-def _remove_leftovers(directory: pathlib.Path) -> None:
-    """Removes what interrupted work left (process 0 only): steps being deleted when
-    their process died, and temporary folders of saves that were killed, the latter
-    only while no process writes a step here (see :class:`_WriteLock`).
+# --------------------------------------------------------------------------- claims
+#
+# A folder is removed only when a claim of ours names it: a record written before the
+# folder was made (a save's temporary folder) or renamed (a step being deleted), with
+# the writer's host and process id and, once it exists, the folder's device and inode.
+# A name alone proves nothing: a user's "5.orbax-checkpoint-tmp" or
+# "7.nnx_shard-deleting-mine" is never touched.
 
-    Orbax's own ``cleanup_tmp_directories`` does not recognise every temporary
-    name it writes on a local filesystem, and does not know whether their writer
-    still runs, so the names are matched here.
+_CLAIM = ".nnx_shard-claim-"
+_CLAIM_NAME = re.compile(re.escape(_CLAIM) + r"[0-9a-f]{32}\.json")
+# What orbax and nnx_shard write at the top of a step folder.
+_STEP_CONTENT = {*_ITEMS, "extra", "manifest", "_CHECKPOINT_METADATA", "commit_success.txt"}
+
+
+def _tmp_name(step: int) -> str:
+    """The temporary folder orbax writes ``step`` into (renamed to ``step`` when done)."""
+    return f"{step}{_TMP_MARK}"
+
+
+def _claim(directory: pathlib.Path, kind: str, name: str, step: int) -> pathlib.Path:
+    """Records that this process is about to make (``kind="tmp"``) or rename into
+    (``"trash"``) the folder ``name``; returns the record's path."""
+    record = directory / f"{_CLAIM}{uuid.uuid4().hex}.json"
+    data = {"kind": kind, "name": name, "step": step, "host": socket.gethostname(),
+            "pid": os.getpid(), "ino": None, "dev": None}
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, record)
+    return record
+
+
+def _pin(record: pathlib.Path, folder: pathlib.Path) -> None:
+    """Adds ``folder``'s device and inode to its claim ``record`` (once it exists)."""
+    try:
+        data = json.loads(record.read_text())
+        st = os.lstat(folder)
+    except (OSError, ValueError):
+        return
+    data["dev"], data["ino"] = st.st_dev, st.st_ino
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, record)
+
+
+def _claims_in(directory: pathlib.Path) -> list[tuple[pathlib.Path, dict[str, Any]]]:
+    """Every readable claim record of ``directory``."""
+    found: list[tuple[pathlib.Path, dict[str, Any]]] = []
+    if not directory.is_dir():
+        return found
+    for p in directory.iterdir():
+        if not _CLAIM_NAME.fullmatch(p.name) or p.is_symlink():
+            continue
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("name"), str) and \
+                data.get("kind") in ("tmp", "trash") and isinstance(data.get("pid"), int):
+            found.append((p, data))
+    return found
+
+
+def _writer_gone(directory: pathlib.Path, data: dict[str, Any]) -> bool:
+    """Whether the process that wrote a claim is gone (never known of another host)."""
+    if data.get("host") != socket.gethostname():
+        return False
+    if data["pid"] == os.getpid():
+        return str(directory / data["name"]) not in _IN_FLIGHT
+    try:
+        os.kill(data["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+# Temporary folders of this process's saves in flight.
+_IN_FLIGHT: set[str] = set()
+
+
+def _proven(directory: pathlib.Path, data: dict[str, Any]) -> pathlib.Path | None:
+    """The folder a claim names, when it is provably the claimed one: a real folder
+    (not a link) named as claimed, the recorded device and inode, or, when the claim
+    was made before the folder existed, nothing in it but what a step holds."""
+    name = data["name"]
+    if "/" in name or name in ("", ".", ".."):
+        return None
+    pattern = _TRASH_NAME if data["kind"] == "trash" else re.compile(
+        r"[0-9]+" + re.escape(_TMP_MARK))
+    path = directory / name
+    if not pattern.fullmatch(name) or path.is_symlink() or not path.is_dir():
+        return None
+    if data.get("ino") is not None:
+        st = os.lstat(path)
+        return path if (st.st_dev, st.st_ino) == (data.get("dev"), data["ino"]) else None
+    try:
+        names = {p.name.split(_TMP_MARK)[0] for p in path.iterdir()}
+    except OSError:
+        return None
+    return path if names <= _STEP_CONTENT else None
+
+
+def _drop_claimed(directory: pathlib.Path, record: pathlib.Path, data: dict[str, Any]) -> None:
+    """Removes the folder a claim proves ours, then the claim."""
+    path = _proven(directory, data)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        record.unlink()
+
+
+def _remove_leftovers(directory: pathlib.Path) -> None:
+    """Removes what interrupted work of ours left (process 0 only): steps being
+    deleted when their process died, and temporary folders of saves that were
+    killed, the latter only while no process writes a step here (see
+    :class:`_WriteLock`) and once their writer is gone. Only folders a claim
+    proves ours (see :func:`_claim`) are removed; a folder merely named like one
+    is left alone. (Orbax's own ``cleanup_tmp_directories``, which goes by name,
+    stays off: see :func:`~nnx_shard.checkpoint.save._manager`.)
     """
     if jax.process_index() != 0 or not directory.is_dir():
         return
-    for p in directory.iterdir():
-        if _TRASH_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-    if not _unfinished(directory):
+    claims = _claims_in(directory)
+    for record, data in claims:
+        if data["kind"] == "trash":
+            _drop_claimed(directory, record, data)
+    tmp = [(r, d) for r, d in claims if d["kind"] == "tmp" and _writer_gone(directory, d)]
+    if not tmp:
         return
     with _alone(directory) as alone:
         if alone:
-            for name in _unfinished(directory):
-                shutil.rmtree(directory / name, ignore_errors=True)
+            for record, data in tmp:
+                _drop_claimed(directory, record, data)
 
 
 def _delete_step(directory: pathlib.Path, step: int) -> None:
     """Deletes a step of ours: renamed first (atomic), so a kill half-way leaves a
-    ``*.nnx_shard-deleting-*`` folder to finish later, never a half-deleted step."""
-    trash = directory / f"{step}{_TRASH_MARK}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    ``*.nnx_shard-deleting-*`` folder, claimed, to finish later, never a half-deleted
+    step."""
+    name = f"{step}{_TRASH_MARK}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    record = _claim(directory, "trash", name, step)
+    _pin(record, directory / str(step))  # the inode the rename keeps
     try:
-        os.rename(directory / str(step), trash)
+        os.rename(directory / str(step), directory / name)
     except FileNotFoundError:  # deleted meanwhile
+        record.unlink()
         return
-    shutil.rmtree(trash, ignore_errors=True)
+    _drop_claimed(directory, record, json.loads(record.read_text()))
 
 
 def _rotate(mngr: Any, directory: pathlib.Path, keep: int | None) -> None:
@@ -261,8 +390,48 @@ def _forget(mngr: Any, steps: Sequence[int]) -> None:
         mngr.reload()
 
 
+def _claim_tmp(directory: pathlib.Path, step: int, caller: str) -> pathlib.Path | None:
+    """Claims the temporary folder of this process's save of ``step`` before orbax
+    makes it (process 0; None elsewhere). A folder already there under that name is
+    removed only when a claim proves it a leftover of ours; anything else is an error
+    (orbax would delete it)."""
+    if jax.process_index() != 0:
+        return None
+    name = _tmp_name(step)
+    if os.path.lexists(directory / name):
+        for record, data in _claims_in(directory):
+            if data["kind"] == "tmp" and data["name"] == name and _writer_gone(directory, data):
+                _drop_claimed(directory, record, data)
+    if os.path.lexists(directory / name):
+        raise FileExistsError(
+            f"{caller}: {directory / name} is in the way of the save of step {step} (orbax "
+            "writes the step there first) and nnx_shard did not make it; it is never "
+            f"deleted. Fix: move it out of {directory}, or save under another step.")
+    _IN_FLIGHT.add(str(directory / name))
+    return _claim(directory, "tmp", name, step)
+
+
+def _pin_tmp(record: pathlib.Path | None, directory: pathlib.Path, step: int) -> None:
+    if record is not None and os.path.isdir(directory / _tmp_name(step)):
+        _pin(record, directory / _tmp_name(step))
+
+
 def _remove_tmp(directory: pathlib.Path, step: int) -> None:
-    """Removes the temporary folder this process's failed save of ``step`` left
-    (under the directory's lock: no other save of ours writes it)."""
-    for name in _unfinished(directory, step):
-        shutil.rmtree(directory / name, ignore_errors=True)
+    """Removes the temporary folder this process's failed save of ``step`` left, as
+    its claim proves it (under the directory's lock: no other save of ours writes it)."""
+    for record, data in _claims_in(directory):
+        if data["kind"] == "tmp" and data["name"] == _tmp_name(step) and \
+                data["pid"] == os.getpid():
+            _drop_claimed(directory, record, data)
+    _IN_FLIGHT.discard(str(directory / _tmp_name(step)))
+
+
+def _release_tmp(directory: pathlib.Path, step: int) -> None:
+    """Drops the claim of this process's finished save of ``step`` (its folder is
+    the step now)."""
+    for record, data in _claims_in(directory):
+        if data["kind"] == "tmp" and data["name"] == _tmp_name(step) and \
+                data["pid"] == os.getpid():
+            with contextlib.suppress(OSError):
+                record.unlink()
+    _IN_FLIGHT.discard(str(directory / _tmp_name(step)))

@@ -20,10 +20,13 @@ from nnx_shard.checkpoint.exits import _save_failed
 from nnx_shard.checkpoint.folders import (
     _FORMAT,
     _RESTORE_CONCURRENT_GB,
+    _claim_tmp,
     _claims,
     _dir_lock,
     _forget,
+    _pin_tmp,
     _refuse_file,
+    _release_tmp,
     _remove_tmp,
     _resolve_dir,
     _settle,
@@ -167,6 +170,9 @@ def _manager(directory: pathlib.Path, *, create: bool, **options: Any) -> Any:
     ocp = _ocp()
     opts = ocp.CheckpointManagerOptions(
         create=create, save_root_metadata=False,
+        # Orbax would remove every folder named like a temporary save; ours are
+        # removed by their claims (folders._remove_leftovers), a user's never.
+        cleanup_tmp_directories=False,
         # Step folders are created before save returns: on a read-only file system the
         # save fails at once. Created in the background, the failure left orbax's other
         # threads waiting 300 s for the folder, at exit.
@@ -208,18 +214,21 @@ def _do_save(
         _settle(directory)
         _refuse_existing(directory, step, caller)
         _forget(mngr, [step])  # a stale entry of orbax's (e.g. a user's "007/") must not block it
+        record = _claim_tmp(directory, step, caller)
         lock = _WriteLock(directory)
         try:
             with _quiet():
                 mngr.save(step, args=args, force=True)
         except ocp.checkpoint_manager.StepAlreadyExistsError:  # pragma: no cover - raced
             lock.release()
+            _remove_tmp(directory, step)
             _refuse_existing(directory, step, caller)
             raise
         except Exception as e:
             lock.release()
             _remove_tmp(directory, step)
             raise _save_failed(caller, directory, step, e, background=False) from e
+        _pin_tmp(record, directory, step)
     return lock
 
 
@@ -272,6 +281,7 @@ def save(
         mngr = _manager(directory, create=True, enable_async_checkpointing=False)
         try:
             _do_save(mngr, directory, step, args, "save").release()
+            _release_tmp(directory, int(step))
             return directory / str(int(step))
         finally:
             mngr.close()

@@ -62,6 +62,10 @@ def _check_out(args: argparse.Namespace) -> None:
     out = getattr(args, "out", None)
     if out is None:
         return
+    if not out.strip():
+        # Path("") is "." : the demo would write its outputs into the current directory.
+        raise UsageError(f"--out {out!r} is an empty path; give a folder (created if "
+                         "missing), e.g. --out nnx_shard_demo")
     path = Path(out)
     for p in (path, *path.parents):
         if p.exists():

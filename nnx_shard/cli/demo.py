@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 import warnings
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from nnx_shard.axes import sizes_str
+from nnx_shard.cli import demo_outputs
 from nnx_shard.cli.common import DEMO_MAX_STEPS, PROG
 from nnx_shard.cli.common import UsageError as _Usage
 from nnx_shard.cli.common import mesh_sizes as _mesh_sizes
@@ -178,74 +178,9 @@ def _check_size(cfg: Any) -> None:
 
 # --------------------------------------------------------------------------- what the demo wrote
 
-#: The demo's record, in ``--out``, of the files and folders it wrote there (JSON).
-MARKER = ".nnx_shard_demo.json"
-_OUTPUTS = ("summary.json", "loss.png", "checkpoint")
-
-
-class _Outputs:
-    """What the demo wrote in ``--out``, recorded in :data:`MARKER` before it is written:
-    the demo replaces or removes only those, never a file of the user's.
-
-    >>> import tempfile
-    >>> out = Path(tempfile.mkdtemp())
-    >>> mine = _Outputs(out)
-    >>> mine.record("summary.json"); _Outputs(out).wrote
-    ['summary.json']
-    >>> (out / "loss.png").write_text("the user's")
-    10
-    >>> try:
-    ...     _Outputs(out).check()
-    ... except _Usage as e:
-    ...     print(str(e).split("holds ")[1])
-    loss.png, which the demo did not write; choose another --out, or move it
-    """
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.wrote: list[str] = []
-        try:
-            data = json.loads((out / MARKER).read_text())
-        except (OSError, ValueError):
-            return
-        if isinstance(data, dict) and isinstance(data.get("wrote"), list):
-            self.wrote = [w for w in data["wrote"] if isinstance(w, str)]
-
-    def check(self) -> None:
-        """Refuses (one line) an output path that exists but was not written by the demo."""
-        for name in _OUTPUTS:
-            path = self.out / name
-            if os.path.lexists(path) and name not in self.wrote:
-                raise _Usage(
-                    f"--out {str(self.out)!r} already holds {name}, which the demo did not "
-                    "write; choose another --out, or move it"
-                )
-
-    def record(self, name: str) -> None:
-        """Records ``name`` as the demo's before it is written."""
-        if name not in self.wrote:
-            self.wrote.append(name)
-            self._save()
-
-    def forget(self, name: str) -> None:
-        if name in self.wrote:
-            self.wrote.remove(name)
-            self._save()
-
-    def remove_old_checkpoints(self) -> None:
-        """Deletes the checkpoint steps a previous demo run wrote (and only those)."""
-        for name in list(self.wrote):
-            head, _, step = name.partition("/")
-            if head == "checkpoint" and step.isdigit():
-                path = self.out / name
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                self.forget(name)
-
-    def _save(self) -> None:
-        tmp = self.out / (MARKER + ".tmp")
-        tmp.write_text(json.dumps({"wrote": self.wrote}, indent=1))
-        os.replace(tmp, self.out / MARKER)
+#: The demo's record, in ``--out``, of the outputs it wrote there (JSON).
+MARKER = demo_outputs.MARKER
+_Outputs = demo_outputs.Outputs
 
 
 def _strict_json(value: Any) -> Any:
@@ -276,6 +211,7 @@ class _Run:
     outputs: _Outputs
     simulated: bool
     t_start: float
+    stage: Any = None
     strategy: Any = None
     restore_strategy: Any = None
     devices: Any = None
@@ -304,17 +240,21 @@ class _Run:
 
 def _demo(args: argparse.Namespace) -> int:
     run = _setup(args)
-    _load_data(run)
-    _train(run)
-    if run.history.stop_reason is not None:
-        return _report_stop(run)
-    first, final, tokens_s = _report_training(run)
-    ckpt, restored, restored_loss = _checkpoint_restore(run, final)
-    prompt, sample = _sample_restored(run, restored)
-    png = _plot(run)
-    _finish(run, first=first, final=final, tokens_s=tokens_s, ckpt=ckpt,
-            restored_loss=restored_loss, prompt=prompt, sample=sample, png=png)
-    return 0
+    try:
+        _load_data(run)
+        _train(run)
+        if run.history.stop_reason is not None:
+            return _report_stop(run)
+        first, final, tokens_s = _report_training(run)
+        ckpt, restored, restored_loss = _checkpoint_restore(run, final)
+        prompt, sample = _sample_restored(run, restored)
+        png = _plot(run)
+        _finish(run, first=first, final=final, tokens_s=tokens_s, ckpt=ckpt,
+                restored_loss=restored_loss, prompt=prompt, sample=sample, png=png)
+        return 0
+    finally:
+        # What the run wrote but did not move into place (it failed or stopped early).
+        run.stage.remove()
 
 
 def _setup(args: argparse.Namespace) -> _Run:
@@ -376,8 +316,9 @@ def _setup(args: argparse.Namespace) -> _Run:
     run.target = restore_strategy.abstract_init(factory, run.restore_mesh)
 
     out.mkdir(parents=True, exist_ok=True)
-    # A previous demo's checkpoint steps (recorded as its own): this run writes its own.
-    outputs.remove_old_checkpoints()
+    # Everything is written here first; the previous run's outputs stay until this one
+    # has succeeded (_commit).
+    run.stage = demo_outputs.Stage.create(out)
     return run
 
 
@@ -476,8 +417,9 @@ def _report_stop(run: _Run) -> int:
     losses = history["loss"]
     # No held-out loss, checkpoint or sample of a run that did not finish: the last
     # evaluation would be stale. summary.json says what happened.
-    run.outputs.record("summary.json")
-    _write_summary(out / "summary.json", {
+    # The previous run's summary (if any) stays: this one goes beside it.
+    name = "summary.stopped.json" if run.outputs.owns("summary.json") else "summary.json"
+    _write_summary(run.stage.path / name, {
         "strategy": run.strategy.name, "mesh": run.sizes, "devices": run.n,
         "config": _jsonable_config(run.cfg), "steps": len(losses),
         "steps_requested": args.steps,
@@ -485,10 +427,63 @@ def _report_stop(run: _Run) -> int:
         "heldout_loss": None, "heldout_evals": [[s, v] for s, v in run.evals],
         "loss": losses.tolist(), "total_seconds": time.perf_counter() - run.t_start,
     })
+    _place(run, name)
+    kept = " (the previous run's outputs are kept)" if name != "summary.json" else ""
     print(f"{PROG}: error: training stopped after {len(losses)} of {args.steps} steps: "
-          f"{history.stop_reason}. No checkpoint was written (see "
-          f"{out / 'summary.json'}); try a lower --lr.", file=sys.stderr)
+          f"{history.stop_reason}. No checkpoint was written{kept} (see "
+          f"{out / name}); try a lower --lr.", file=sys.stderr)
     return 1
+
+
+def _place(run: _Run, name: str) -> None:
+    """Moves the staged output ``name`` into ``--out``, recorded first (the record
+    proves both the old and the new one until the move is done)."""
+    src, dst = run.stage.path / name, run.out / name
+    if os.path.lexists(dst) and not run.outputs.owns(name):
+        raise _Usage(f"--out {str(run.out)!r} now holds {name}, which the demo did not "
+                     "write (it appeared during the run); it is kept. Move it, and run again")
+    run.outputs.expect(name, src)
+    os.replace(src, dst)
+    run.outputs.prove(name)
+
+
+def _commit(run: _Run, png: Path | None) -> None:
+    """Moves a finished run's outputs into place, replacing the previous run's (only
+    what the record proves the demo wrote): checkpoint step, plot, summary last."""
+    from nnx_shard.checkpoint.folders import _delete_step
+
+    ckpt = run.out / "checkpoint"
+    if os.path.lexists(ckpt) and not run.outputs.owns("checkpoint"):
+        raise _Usage(f"--out {str(run.out)!r} now holds checkpoint, which the demo did not "
+                     "write (it appeared during the run); it is kept. Move it, and run again")
+    ckpt.mkdir(exist_ok=True)
+    run.outputs.prove("checkpoint")
+    old = run.outputs.steps()
+    step = run.trainer.step
+    name = f"checkpoint/{step}"
+    if step in old:
+        _delete_step(ckpt, step)
+        run.outputs.forget(name)
+    elif os.path.lexists(ckpt / str(step)):
+        raise _Usage(f"--out {str(run.out)!r} holds {name}, which the demo did not write; "
+                     "it is kept. Move it, and run again")
+    run.outputs.expect(name, run.stage.path / name)
+    os.rename(run.stage.path / name, ckpt / str(step))
+    run.outputs.prove(name)
+    for s in old:
+        if s != step:
+            _delete_step(ckpt, s)
+            run.outputs.forget(f"checkpoint/{s}")
+    if png is not None:
+        _place(run, "loss.png")
+    elif run.outputs.owns("loss.png"):
+        # A previous run's plot would pass for this one's.
+        (run.out / "loss.png").unlink()
+        run.outputs.forget("loss.png")
+    _place(run, "summary.json")
+    if run.outputs.owns("summary.stopped.json"):  # a stopped run's, older than this one
+        (run.out / "summary.stopped.json").unlink()
+        run.outputs.forget("summary.stopped.json")
 
 
 def _report_training(run: _Run) -> tuple[float, float, float]:
@@ -514,12 +509,11 @@ def _checkpoint_restore(run: _Run, final: float) -> tuple[Any, Any, float]:
     import nnx_shard as ns
 
     trainer, restore_strategy = run.trainer, run.restore_strategy
-    run.outputs.record("checkpoint")
-    run.outputs.record(f"checkpoint/{trainer.step}")
-    ckpt_dir = run.out / "checkpoint"
-    ckpt = ns.save(ckpt_dir, trainer.step, model=run.model, optimizer=run.optimizer,
-                   extra={"config": _jsonable_config(run.cfg), "strategy": run.strategy.name,
-                          "mesh": run.sizes, "data_position": trainer.data_position})
+    ckpt_dir = run.stage.path / "checkpoint"  # moved to --out once the run has succeeded
+    ns.save(ckpt_dir, trainer.step, model=run.model, optimizer=run.optimizer,
+            extra={"config": _jsonable_config(run.cfg), "strategy": run.strategy.name,
+                   "mesh": run.sizes, "data_position": trainer.data_position})
+    ckpt = run.out / "checkpoint" / str(trainer.step)
     _say(f"\nsaved checkpoint {ckpt} ({run.strategy.name} on {sizes_str(run.sizes)})")
     restored = ns.restore(ckpt_dir, model=run.target)
     restored_heldout = [ns.shard_batch(b, run.restore_mesh, restore_strategy.rules)
@@ -565,14 +559,11 @@ def _plot(run: _Run) -> Path | None:
     out, history = run.out, run.history
     steps = history["step"].tolist()
     png: Path | None = out / "loss.png"
-    run.outputs.record("loss.png")
     try:
-        plot_losses(out / "loss.png", list(zip(steps, history["loss"].tolist(), strict=True)),
+        plot_losses(run.stage.path / "loss.png",
+                    list(zip(steps, history["loss"].tolist(), strict=True)),
                     run.evals, run.baseline)
     except ImportError:
-        # A previous run's plot (the demo's: checked up front) would pass for this one's.
-        (out / "loss.png").unlink(missing_ok=True)
-        run.outputs.forget("loss.png")
         png = None
         _say(f"\nno loss plot: matplotlib is not installed ({PLOT_EXTRA} to get loss.png)")
     return png
@@ -604,8 +595,8 @@ def _finish(run: _Run, *, first: float, final: float, tokens_s: float, ckpt: Any
         "loss": losses.tolist(), "loss_png": None if png is None else str(png),
         "total_seconds": time.perf_counter() - run.t_start,
     }
-    run.outputs.record("summary.json")
-    _write_summary(out / "summary.json", summary)
+    _write_summary(run.stage.path / "summary.json", summary)
+    _commit(run, png)
     wrote = f"{png} and {out / 'summary.json'}" if png else f"{out / 'summary.json'}"
     _say(f"\nwrote {wrote} ({summary['total_seconds']:.0f} s in all)")
 

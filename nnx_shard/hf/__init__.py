@@ -29,7 +29,9 @@ checkpoint directory, one model parameter at a time:
 time, and every process writes the shards it owns straight into their byte
 ranges of the output files (the files are created, at their final size, by
 process 0): nothing is gathered to one host. Processes must share the
-filesystem.
+filesystem. The files are written in a staging folder beside the destination
+and swapped into place whole (:mod:`nnx_shard.hf.export_dir`): a failed or
+killed save leaves the previous export.
 
 Transforms (the second element of a mapping value): ``"copy"``,
 ``"transpose"`` (``[out, in] -> [in, out]``), ``"heads_out"`` (``[heads *

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard.errors import NnxShardError, UsageError, short
+from nnx_shard.hf import export_dir
 from nnx_shard.hf.mapping import TRANSFORM_FNS, Leaf
 from nnx_shard.init import _auto_mesh
 from nnx_shard.safetensors_io import described
@@ -22,7 +23,7 @@ __all__ = ['INDEX', 'MARKER', 'SINGLE', 'CheckpointNotFound', 'barrier', 'checkp
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-MARKER = ".nnx_shard_safetensors"
+MARKER = export_dir.MARKER
 
 
 def as_path(path: Any, who: str) -> Path:
@@ -104,6 +105,12 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
         raise CheckpointNotFound(f"load_safetensors: path {str(p)!r} is not a directory or a "
                                  ".safetensors file. Fix: pass the checkpoint directory (with "
                                  f"{SINGLE} or {INDEX}).")
+    marker = export_dir._marker_problem(p / MARKER) if (p / MARKER).is_file() else None
+    if isinstance(marker, export_dir.Marker) and not marker.complete:
+        raise export_dir.ExportError(
+            f"load_safetensors: {p} is an unfinished save_safetensors export (its save failed "
+            "or was killed before it was moved into place; its tensors are not all written). "
+            "Fix: load the export's destination folder, or save again.")
     if (p / INDEX).is_file():
         weight_map = _read_index(p / INDEX)
         names = sorted(set(weight_map.values()))

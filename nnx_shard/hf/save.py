@@ -3,9 +3,11 @@ the shards it owns."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,9 @@ from flax import nnx
 
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
-from nnx_shard.errors import count, short
-from nnx_shard.hf.layout import INDEX, MARKER, SINGLE, as_path, barrier, layouts, program
+from nnx_shard.errors import NnxShardError, count, short
+from nnx_shard.hf import export_dir
+from nnx_shard.hf.layout import INDEX, SINGLE, as_path, barrier, layouts, program
 from nnx_shard.hf.mapping import (
     TRANSFORM_FNS,
     Leaf,
@@ -59,35 +62,82 @@ def _plan_save(state: Any, rules: Sequence[Rule]) -> dict[str, Leaf]:
     return leaves
 
 
-def _prepare_dir(out: Path, names: Sequence[str]) -> None:
-    """Makes ``out`` ready for ``names``: files of an earlier save_safetensors (listed
-    in its marker) are removed; anything else in the way is an error."""
-    out.mkdir(parents=True, exist_ok=True)
-    marker = out / MARKER
-    ours = set(json.loads(marker.read_text())["files"]) if marker.is_file() else set()
+def _prepare(out: Path, names: Sequence[str]) -> set[str]:
+    """Checks that ``out`` can take an export of ``names`` and returns the files of
+    the previous export there (proven by its marker): what the new export replaces.
+    Anything else in the way is an error; nothing is deleted here."""
+    export_dir.clean_leftovers(out)
+    if not out.is_dir():
+        return set()
+    mine = export_dir.owned(out, export_dir.read_marker(out))
     present = {p.name for p in out.iterdir()}
     clash = sorted(((set(names) | {n for n in present if n.endswith(".safetensors")})
-                    & present) - ours)
+                    & present) - mine)
     if clash:
         raise FileExistsError(
             f"save_safetensors: {out} already holds {', '.join(clash)}, which save_safetensors "
-            "did not write there. Fix: save to a new or empty directory (nothing is "
-            "overwritten).")
-    for name in sorted(ours & present):
-        (out / name).unlink()
-    marker.write_text(json.dumps({"files": sorted(names)}) + "\n")
+            "did not write there (or which changed since). Fix: save to a new or empty "
+            "directory (nothing is overwritten or deleted).")
+    return mine
+
+
+def _target(path: Any) -> Path:
+    """The destination folder: ``path``, or the folder it links to; a path that is, or
+    is under, a file or a dangling link is an error naming it."""
+    out = as_path(path, "save_safetensors")
+    if out.is_symlink():
+        if not out.exists():
+            raise export_dir.ExportError(
+                f"save_safetensors: path {str(path)!r} is a symbolic link to "
+                f"{os.readlink(out)!r}, which does not exist. Fix: create the folder it points "
+                "to, remove the link, or save to another directory.")
+        out = Path(os.path.realpath(out))
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"save_safetensors: path {str(path)!r} is a file, not a directory "
+                              "(it is never written over). Fix: a directory path")
+    for parent in Path(os.path.abspath(out)).parents:
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise export_dir.ExportError(
+                    f"save_safetensors: path {str(path)!r} is under {str(parent)!r}, which is "
+                    "not a directory (a file or a dangling link). Fix: save to a directory "
+                    "path whose parents are folders.")
+            break
+    return out
+
+
+def _check_concrete(model: Any) -> None:
+    """Refuses a model without values (nnx.eval_shape, ns.abstract_init) or with deleted
+    (donated) arrays before anything is written: its export would be all zeros."""
+    flat = [(path_str(k), v.get_value() if isinstance(v, nnx.Variable) else v)
+            for k, v in nnx.to_flat_state(nnx.state(model))]
+    bad = [(p, v) for p, v in flat
+           if not isinstance(v, jax.Array) or (hasattr(v, "is_deleted") and v.is_deleted())]
+    if bad:
+        path, value = bad[0]
+        what = ("a deleted array (donated to a step)" if isinstance(value, jax.Array) else
+                f"abstract ({type(value).__name__}: a shape and dtype, no values)")
+        raise NnxShardError(
+            f"save_safetensors: parameter {path!r} is {what}; {len(bad)} of {len(flat)} "
+            "variables have no values to write. Nothing was written. Fix: save a model with "
+            "values: build it with ns.sharded_init / strategy.sharded_init, or fill an "
+            "abstract one with ns.load_safetensors or ns.restore first.")
 
 
 def _check_args(path: Any, model: Any, max_shard_bytes: Any, dtype: Any) -> None:
-    if as_path(path, "save_safetensors").exists() and not Path(path).is_dir():
-        raise FileExistsError(f"save_safetensors: path {str(path)!r} is a file, not a directory "
-                              "(it is never written over). Fix: a directory path")
+    _target(path)
     if dtype is not None:
         try:
-            st.dtype_name(dtype)
-        except TypeError:
+            kind = st.dtype_name(dtype)
+        except (TypeError, ValueError):
             raise TypeError(f"save_safetensors: dtype {short(dtype, 40)} is not a dtype. Fix: "
                             "e.g. dtype=jnp.bfloat16, or None to keep each parameter's") from None
+        if not kind.startswith(("F", "BF")):
+            raise NnxShardError(
+                f"save_safetensors: dtype {np.dtype(dtype).name} is not a floating-point dtype: "
+                "parameters cast to it lose their values, and nothing loads such a checkpoint "
+                "back into the model. Fix: e.g. dtype=jnp.bfloat16 or jnp.float32, or None to "
+                "keep each parameter's")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"save_safetensors: model must be an nnx.Module, got "
                         f"{type(model).__name__} {short(model, 60)}. Fix: the model to write")
@@ -138,8 +188,18 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     and written by its own process into its byte ranges; no array is gathered.
     Every process must call it (processes must share the filesystem).
     :func:`load_safetensors` of the result is bitwise the saved model (for the
-    same dtype). Files a previous ``save_safetensors`` wrote to ``path`` are
-    replaced; any other file in the way is an error, never overwritten.
+    same dtype).
+
+    The export is written whole into a folder beside ``path`` and swapped into
+    place when every byte is on disk (:mod:`nnx_shard.hf.export_dir`): a save
+    that fails (a full disk) or is killed leaves the previous export at
+    ``path`` as it was, and never a folder that loads. A previous export of
+    ``save_safetensors`` is replaced (the marker ``.nnx_shard_safetensors``
+    proves which files it wrote); the user's other files in ``path`` stay; a
+    file in the way of the export, or a marker save_safetensors did not write,
+    is an error and nothing is deleted. The model must hold values (not an
+    ``nnx.eval_shape`` / ``abstract_init`` one) and ``dtype`` must be a
+    floating-point type.
 
     Args:
       path: the output directory (created if needed).
@@ -165,30 +225,102 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     'bfloat16'
     """
     _check_args(path, model, max_shard_bytes, dtype)
+    _check_concrete(model)
     rules = compile_rules(mapping_for(model) if mapping is None else mapping)
     leaves = _plan_save(nnx.state(model), rules)
     tensors, order, groups, names = _plan_files(leaves, max_shard_bytes, dtype)
-    out = Path(path)
+    out = _target(path)
     cfg = getattr(model, "cfg", None)
     extra = ([INDEX] if len(groups) > 1 else []) + (["config.json"] if hasattr(cfg, "to_hf")
                                                      else [])
-    if jax.process_index() == 0:
-        _prepare_dir(out, names + extra)
-        for name, group in zip(names, groups, strict=True):
-            st.create(str(out / name), {k: tensors[k][:2] for k in group}, {"format": "pt"})
-        if len(groups) > 1:
-            total = sum(st.DTYPES[tensors[k][0]].itemsize * int(np.prod(tensors[k][1]))
-                        for k in order)
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {k: n for n, g in zip(names, groups, strict=True) for k in g}}
-            (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        if cfg is not None and hasattr(cfg, "to_hf"):
-            config = cfg.to_hf()
-            if dtype is not None:
-                config["torch_dtype"] = np.dtype(dtype).name
-            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    barrier("nnx_shard.save_safetensors.create")
-    header = st.read_header(*(str(out / n) for n in names))
+    token = _shared_token()
+    stage = export_dir.staging(out, token)
+    first = jax.process_index() == 0
+    export_dir._ACTIVE.add(token)
+    try:
+        if first:
+            with _failing(out, stage, token):
+                previous = _prepare(out, names + extra)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                stage.mkdir()
+                export_dir.write_marker(stage, token, out.name, None)
+                for name, group in zip(names, groups, strict=True):
+                    st.create(str(stage / name), {k: tensors[k][:2] for k in group},
+                              {"format": "pt"})
+        barrier("nnx_shard.save_safetensors.create")
+        with _failing(out, stage, token, remove=first):
+            _write_tensors(model, leaves, [str(stage / n) for n in names], dtype)
+        barrier("nnx_shard.save_safetensors.written")
+        if first:
+            with _failing(out, stage, token):
+                if len(groups) > 1:
+                    total = sum(st.DTYPES[tensors[k][0]].itemsize * int(np.prod(tensors[k][1]))
+                                for k in order)
+                    index = {"metadata": {"total_size": total},
+                             "weight_map": {k: n for n, g in zip(names, groups, strict=True)
+                                            for k in g}}
+                    st.write_file(str(stage / INDEX), (json.dumps(index, indent=2) + "\n").encode())
+                if cfg is not None and hasattr(cfg, "to_hf"):
+                    config = cfg.to_hf()
+                    if dtype is not None:
+                        config["torch_dtype"] = np.dtype(dtype).name
+                    st.write_file(str(stage / "config.json"),
+                                  (json.dumps(config, indent=2) + "\n").encode())
+                export_dir.write_marker(stage, token, out.name, names + extra)
+                export_dir.carry_over(out, stage, previous)
+                export_dir.fsync_dir(stage)
+                export_dir.swap_in(stage, out, token)
+        barrier("nnx_shard.save_safetensors.swapped")
+    finally:
+        export_dir._ACTIVE.discard(token)
+
+
+def _shared_token() -> str:
+    """One fresh export token, the same in every process (process 0's)."""
+    token = export_dir.new_token()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        raw = multihost_utils.broadcast_one_to_all(np.frombuffer(bytes.fromhex(token), np.uint8))
+        token = bytes(np.asarray(raw, np.uint8)).hex()
+    return token
+
+
+_FIXES = {errno.ENOSPC: "free space on that disk (the export needs about the model's size "
+                        "twice while the previous one is replaced), or save elsewhere",
+          errno.EDQUOT: "free space in your disk quota, or save elsewhere",
+          errno.EROFS: "save to a writable file system",
+          errno.EACCES: "save to a directory you may write (and its parent: the export is "
+                        "written beside it first)",
+          errno.EPERM: "save to a directory you may write (and its parent: the export is "
+                       "written beside it first)"}
+
+
+@contextlib.contextmanager
+def _failing(out: Path, stage: Path, token: str, *, remove: bool = True) -> Iterator[None]:
+    """On any failure, removes this save's staging folder (``remove``: process 0) and
+    reports an OSError as an :class:`~nnx_shard.hf.export_dir.ExportError` naming
+    ``out``; the previous export there is untouched."""
+    try:
+        yield
+    except BaseException as e:
+        if remove:
+            with contextlib.suppress(OSError):
+                export_dir.remove_stage(stage, token, out, mine=True)
+        if isinstance(e, OSError) and not isinstance(e, NnxShardError | FileExistsError):
+            where = f" ({e.filename})" if e.filename else ""
+            fix = _FIXES.get(e.errno or 0, "check the path and the disk, and save again")
+            raise export_dir.ExportError(
+                f"save_safetensors: could not write the export to {out}: "
+                f"{e.strerror or e}{where}. The previous export there (if any) is untouched and "
+                f"nothing of this one was kept. Fix: {fix}.") from e
+        raise
+
+
+def _write_tensors(model: Any, leaves: Mapping[str, Leaf], files: Sequence[str],
+                   dtype: Any) -> None:
+    """Writes this process's shards of every parameter into the created ``files``."""
+    header = st.read_header(*files)
     arrays = {path_str(k): v.get_value() if isinstance(v, nnx.Variable) else v
               for k, v in nnx.to_flat_state(nnx.state(model))}
     for leaf in leaves.values():
@@ -208,4 +340,5 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
                 key = leaf.keys[None]
                 st.write_slice(header.tensors[key].path, header, key, shard.index, data)
         del y
-    barrier("nnx_shard.save_safetensors.written")
+    for f in files:
+        st.sync(f)

@@ -344,12 +344,12 @@ def test_corrupt_or_unfinished_checkpoint_is_refused(tmp_path, saved):
 # ----------------------------------------------------------------------------- Checkpointer
 
 
-def test_checkpointer_keeps_last_k_and_cleans_unfinished(tmp_path):
-    junk = tmp_path / "4.orbax-checkpoint-tmp-99"
+def test_checkpointer_keeps_last_k_and_leaves_folders_not_its_own(tmp_path):
+    junk = tmp_path / "4.orbax-checkpoint-tmp-99"  # named like a temporary save: not ours
     junk.mkdir(parents=True)
     (junk / "half_written").write_bytes(b"x" * 10)
     with ns.Checkpointer(tmp_path, every=2, keep=2) as ckpt:
-        assert not junk.exists()
+        assert (junk / "half_written").read_bytes() == b"x" * 10
         model = MLP(nnx.Rngs(0))
         for step in (2, 4, 6):
             model.up.bias.set_value(jnp.full((32,), float(step)))
@@ -358,7 +358,8 @@ def test_checkpointer_keeps_last_k_and_cleans_unfinished(tmp_path):
         assert ckpt.steps() == [4, 6] and ckpt.latest_step() == 6
         restored = ckpt.restore(model=MLP(nnx.Rngs(1)), step=4)
         assert float(restored.up.bias[0]) == 4.0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".nnx_shard.lock", "4", "6"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".nnx_shard.lock", "4",
+                                                          "4.orbax-checkpoint-tmp-99", "6"]
     assert repr(ckpt).endswith("every=2, keep=2, async_save=True)")
     with pytest.raises(ValueError, match="every must be a positive int"):
         ns.Checkpointer(tmp_path, every=0)
@@ -567,6 +568,55 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     with ns.Checkpointer(tmp_path) as ckpt:  # opening one removes the partial save
         assert not list(tmp_path.glob("*.orbax-checkpoint-tmp*"))
         assert ckpt.latest_step() == killed_step - 1
+
+
+def test_folders_named_like_temporaries_are_never_deleted(tmp_path):
+    from nnx_shard.checkpoint import folders
+
+    users = ["5.orbax-checkpoint-tmp-1234", "5.orbax-checkpoint-tmp", "7.nnx_shard-deleting-mine"]
+    for name in users:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "precious.txt").write_text(name)
+    model = MLP(nnx.Rngs(0), d=2, h=2)
+    with ns.Checkpointer(tmp_path, every=1, keep=1) as ckpt:
+        for step in (1, 2, 3):  # rotation deletes steps 1 and 2, through claims
+            ckpt.save(step, model=model)
+        ckpt.wait()
+        # Orbax would delete "5.orbax-checkpoint-tmp" to write step 5 there: refused.
+        with pytest.raises(FileExistsError, match=r"5.orbax-checkpoint-tmp is in the way of "
+                           r"the save of step 5 .* nnx_shard did not make it; it is never "
+                           r"deleted. Fix: move it out"):
+            ckpt.save(5, model=model)
+        assert ckpt.steps() == [3]
+    with pytest.raises(FileExistsError, match="in the way of the save of step 5"):
+        ns.save(tmp_path, 5, model=model)
+    ns.Checkpointer(tmp_path).close()
+    for name in users:
+        assert (tmp_path / name / "precious.txt").read_text() == name
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".nnx_shard.lock", "3", *users])
+    # A step being deleted when its process died: claimed, so finished on the next open.
+    record = folders._claim(tmp_path, "trash", "3.nnx_shard-deleting-1-abcd", 3)
+    folders._pin(record, tmp_path / "3")
+    os.rename(tmp_path / "3", tmp_path / "3.nnx_shard-deleting-1-abcd")
+    # A claim that names a folder which is not the claimed one (another inode): left.
+    (tmp_path / "8.nnx_shard-deleting-9-ffff").mkdir()
+    other = folders._claim(tmp_path, "trash", "8.nnx_shard-deleting-9-ffff", 8)
+    folders._pin(other, tmp_path / "7.nnx_shard-deleting-mine")
+    ns.Checkpointer(tmp_path).close()
+    assert not (tmp_path / "3.nnx_shard-deleting-1-abcd").exists()
+    assert (tmp_path / "8.nnx_shard-deleting-9-ffff").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".nnx_shard.lock", "8.nnx_shard-deleting-9-ffff", *users])
+
+
+def test_a_tilde_of_no_known_user_is_named(tmp_path):
+    for call in (lambda: ns.Checkpointer("~no_such_user_xyz/ckpt"),
+                 lambda: ns.save("~no_such_user_xyz/ckpt", 1, model=MLP(nnx.Rngs(0), d=2, h=2))):
+        with pytest.raises(ns.NnxShardError, match=r"the directory '~no_such_user_xyz/ckpt' "
+                           r"starts with '~' but the home directory of no_such_user_xyz is not "
+                           r"known.*Fix: write the path out"):
+            call()
 
 
 # ----------------------------------------------------------------------------- hostile input

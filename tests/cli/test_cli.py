@@ -703,7 +703,7 @@ def test_demo_of_one_step_runs_and_a_rerun_replaces_only_its_own_outputs(capsys,
     assert code == 0, err
     assert strict_json(out_dir / "summary.json")["steps"] == 2
     assert sorted(p.name for p in (out_dir / "checkpoint").iterdir()) == [
-        ".nnx_shard.lock", "2", "mine.txt"]
+        "2", "mine.txt"]
     assert (out_dir / "notes.txt").read_text() == "mine"
     assert (out_dir / "checkpoint" / "mine.txt").read_text() == "mine too"
 
@@ -725,6 +725,92 @@ def test_demo_that_diverges_exits_1_without_a_stale_heldout_loss(capsys, tmp_pat
     summary = strict_json(out_dir / "summary.json")
     assert summary["stop_reason"] in lines[0] and summary["heldout_loss"] is None
     assert summary["steps"] < 6 == summary["steps_requested"] and summary["lr"] == 1e30
+
+
+def _previous_demo_run(out_dir):
+    """The outputs of an earlier demo run in ``out_dir``, recorded as the demo's: a
+    checkpoint step, a plot and a summary (their bytes, to compare)."""
+    from flax import nnx
+
+    import nnx_shard as ns
+
+    out_dir.mkdir()
+    ns.save(out_dir / "checkpoint", 3, model=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    (out_dir / "loss.png").write_bytes(b"the previous run's plot")
+    (out_dir / "summary.json").write_text('{"steps": 3}')
+    outputs = demo.demo_outputs.Outputs(out_dir)
+    for name in ("checkpoint", "checkpoint/3", "loss.png", "summary.json"):
+        outputs.prove(name)
+    return _tree(out_dir)
+
+
+def _tree(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != demo.MARKER}
+
+
+@needs_devices(8)
+def test_demo_that_diverges_keeps_the_previous_runs_outputs(capsys, tmp_path):
+    from flax import nnx
+
+    import nnx_shard as ns
+
+    out_dir = tmp_path / "demo"
+    before = _previous_demo_run(out_dir)
+    code, _, err = run(
+        capsys, "demo", "--steps", "6", "--steps-per-call", "3", *TINY_DEMO, "--lr", "1e30",
+        "--evals", "2", "--sample-chars", "8", "--out", str(out_dir),
+    )
+    assert code == 1
+    assert "No checkpoint was written (the previous run's outputs are kept) (see " \
+        f"{out_dir / 'summary.stopped.json'})" in err, err
+    stopped = strict_json(out_dir / "summary.stopped.json")
+    after = _tree(out_dir)
+    assert after.pop("summary.stopped.json") and after == before  # bitwise the previous run's
+    assert stopped["stop_reason"] and stopped["heldout_loss"] is None
+    assert not [p for p in out_dir.iterdir() if p.name.startswith(".nnx_shard_demo-run-")]
+    restored = ns.restore(out_dir / "checkpoint", model=nnx.eval_shape(
+        lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0))))
+    assert np.array_equal(restored.kernel[...], nnx.Linear(2, 2, rngs=nnx.Rngs(0)).kernel[...])
+
+
+def _forged_records():
+    from nnx_shard.cli import demo_outputs as do
+
+    names = ["summary.json", "checkpoint", "checkpoint/5"]
+    proofs = {n: ["file:0:x"] for n in names}
+    return {
+        "legacy": json.dumps({"wrote": names}),
+        "list": json.dumps(names),
+        "corrupt": "\x00{{{",
+        "bad_digest": json.dumps({"format": 2, "writer": "nnx-shard demo", "outputs": proofs,
+                                  "digest": "0" * 64}),
+        "wrong_proofs": json.dumps({"format": 2, "writer": "nnx-shard demo", "outputs": proofs,
+                                    "digest": do._digest(proofs)}),
+    }
+
+
+@pytest.mark.parametrize("label", ["legacy", "list", "corrupt", "bad_digest", "wrong_proofs"])
+def test_demo_a_forged_record_deletes_nothing(capsys, tmp_path, label):
+    out_dir = tmp_path / "d"
+    (out_dir / "checkpoint" / "5").mkdir(parents=True)
+    (out_dir / "checkpoint" / "5" / "thesis.tex").write_text("mine")
+    (out_dir / "summary.json").write_text("mine too")
+    (out_dir / demo.MARKER).write_text(_forged_records()[label])
+    before = _tree(out_dir)
+    code, out, err = run(capsys, "demo", "--steps", "2", *TINY_DEMO, "--evals", "1",
+                         "--sample-chars", "4", "--out", str(out_dir))
+    assert_one_line_error(code, err, f"--out {str(out_dir)!r} already holds summary.json",
+                          "which the demo did not write", "choose another --out")
+    assert out == "" and _tree(out_dir) == before
+
+
+@pytest.mark.parametrize("empty", ["", " "])
+def test_demo_refuses_an_empty_out(capsys, tmp_path, monkeypatch, empty):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "demo", "--steps", "2", "--out", empty)
+    assert_one_line_error(code, err, f"--out {empty!r} is an empty path", "give a folder")
+    assert out == "" and list(tmp_path.iterdir()) == []
 
 
 def assert_loss_png(path):
@@ -758,7 +844,7 @@ def test_demo_without_matplotlib_says_how_to_get_the_plot(capsys, tmp_path, monk
     out_dir = tmp_path / "demo"
     out_dir.mkdir()
     (out_dir / "loss.png").write_bytes(b"a previous run's plot")
-    (out_dir / demo.MARKER).write_text(json.dumps({"wrote": ["loss.png"]}))  # that run's record
+    demo.demo_outputs.Outputs(out_dir).prove("loss.png")  # that run's record
     hide_matplotlib(monkeypatch)
     code, out, err = run(
         capsys, "demo", "--steps", "4", "--steps-per-call", "2", *TINY_DEMO,
