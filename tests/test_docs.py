@@ -125,6 +125,10 @@ def test_docstrings_become_markdown():
     assert to_markdown("Text.\n\n>>> 1 + 1\n2\n\nMore.") == (
         "Text.\n\n```pycon\n>>> 1 + 1\n2\n```\n\nMore."
     )
+    table = "====  ==========\nname  what\n====  ==========\ndp    all-reduce [1]_\n      over data\n====  ==========\n"
+    assert to_markdown(table) == (
+        "| name | what |\n| --- | --- |\n| dp | all-reduce [1] over data |"
+    )
     grouped = to_markdown("Args:\n  mesh, rules: where batches go.\n  k: steps.")
     assert grouped == (
         "Args:\n  mesh: see ``rules``.\n  rules: (with ``mesh``) where batches go.\n  k: steps."

@@ -8,7 +8,9 @@ only the copy the site renders changes:
 * a run of ``>>>`` lines and their output becomes a fenced ``pycon`` block;
 * a paragraph ending in ``::`` (reST's literal-block marker) ends in ``:``, the indented block
   after it already being a Markdown code block;
-* ``.. [1]`` footnote labels become plain ``[1]``;
+* reST simple tables (``====  ====`` borders, rows continued where the first column is
+  blank) become Markdown tables;
+* ``.. [1]`` footnote labels and ``[1]_`` references become plain ``[1]``;
 * an ``Args:`` entry naming several parameters (``mesh, rules: ...``) becomes one entry per
   name, as the Google style the renderer parses has no grouped form.
 """
@@ -51,6 +53,49 @@ def _fence_doctests(lines: list[str]) -> list[str]:
     return out
 
 
+_BORDER = re.compile(r"^=+( +=+)+$")
+
+
+def _columns(border: str) -> list[tuple[int, int]]:
+    return [(m.start(), m.end()) for m in re.finditer(r"=+", border)]
+
+
+def _cells(line: str, cols: list[tuple[int, int]]) -> list[str]:
+    # The last column runs to the end of the line: its text may pass the border's width.
+    bounds = [start for start, _ in cols] + [len(line) + 1]
+    return [line[bounds[i]:bounds[i + 1]].strip() for i in range(len(cols))]
+
+
+def _rst_tables(lines: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if not _BORDER.match(lines[i]):
+            out.append(lines[i])
+            i += 1
+            continue
+        cols = _columns(lines[i])
+        rows: list[list[str]] = []
+        borders = 1
+        i += 1
+        while i < len(lines) and borders < 3:
+            line = lines[i]
+            i += 1
+            if _BORDER.match(line):
+                borders += 1
+                continue
+            cells = _cells(line, cols)
+            if rows and not cells[0] and borders > 1:
+                rows[-1] = [f"{a} {b}".strip() for a, b in zip(rows[-1], cells, strict=True)]
+            else:
+                rows.append(cells)
+        header, body = rows[0], rows[1:]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + " --- |" * len(header))
+        out += ["| " + " | ".join(row) + " |" for row in body]
+    return out
+
+
 _GROUPED = re.compile(r"^(\s+)(\w+(?:, \w+)+):(.*)$")
 
 
@@ -81,9 +126,11 @@ def to_markdown(text: str) -> str:
     """
     text = _ROLE.sub(_role, text)
     text = re.sub(r"^(\s*)\.\. \[(\d+)\]", r"\1[\2]", text, flags=re.M)
+    text = re.sub(r"\[(\d+)\]_", r"[\1]", text)
     text = re.sub(r"(\S)::[ \t]*$", r"\1:", text, flags=re.M)
     text = re.sub(r"^([ \t]*)::[ \t]*$", "", text, flags=re.M)
-    return "\n".join(_fence_doctests(_split_grouped_args(text.splitlines())))
+    lines = _rst_tables(_split_grouped_args(text.splitlines()))
+    return "\n".join(_fence_doctests(lines))
 
 
 class RstToMarkdown(griffe.Extension):
