@@ -105,20 +105,19 @@ def test_annotate_takes_a_module_not_a_factory():
     assert model.kernel.get_value().sharding.spec == P(None, "model")
 
 
-def test_readme_annotating_your_own_model_runs_as_written(capsys):
-    # The section's blocks, run in order: the MLP example trains (its rules map
+def test_annotate_guide_runs_as_written(capsys):
+    # The guide's blocks, run in order: the MLP example trains (its rules map
     # both batch and embed to data, which only works if activations do not name
     # embed), and a stock-layer model is annotated inside its factory.
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Annotating your own model", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    guide = Path(__file__).resolve().parent.parent / "docs" / "guides" / "annotate.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
     assert len(blocks) == 2
     namespace: dict = {}
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, "docs/guides/annotate.md", "exec"), namespace)
     history = namespace["history"]
     assert len(history) == 10 and history["loss"][-1] < history["loss"][0]
     assert namespace["net"].mlp.kernel.get_value().sharding.spec == P("data", "model")

@@ -3,6 +3,7 @@
 Every ```python block of README.md is executed in order, in one namespace (a later block may use
 what an earlier one defined, as a reader following the page would), in a fresh process on 8
 simulated CPU devices, inside a temporary directory (the examples write checkpoints there).
+tests/test_docs.py runs the documentation's pages the same way, one process per page.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ README = ROOT / "README.md"
 
 _RUNNER = r"""
 import json, sys, traceback
-blocks = json.load(open(sys.argv[1]))
+blocks, page = json.load(open(sys.argv[1])), sys.argv[2]
 ns = {"__name__": "__readme__"}
 for line, code in blocks:
-    print(f"== README block at line {line}", flush=True)
+    print(f"== {page} block at line {line}", flush=True)
     try:
-        exec(compile(code, f"README.md:{line}", "exec"), ns)
+        exec(compile(code, f"{page}:{line}", "exec"), ns)
     except BaseException:
         traceback.print_exc()
-        print(f"FAILED README block at line {line}", flush=True)
+        print(f"FAILED {page} block at line {line}", flush=True)
         sys.exit(1)
 print("ALL BLOCKS RAN", flush=True)
 """
@@ -49,23 +50,32 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
     return blocks
 
 
-def test_python_blocks_are_found():
-    blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 6
-    assert all("nnx_shard" in code or "ns." in code for _, code in blocks)
-
-
-@pytest.mark.slow
-@needs_devices(8)
-def test_readme_python_blocks_run_as_written(tmp_path):
-    blocks = python_blocks(README.read_text())
+def run_blocks(page: Path, tmp_path: Path, timeout: float = 600) -> None:
+    """Runs the page's python blocks in order in one namespace, in a fresh process on 8
+    simulated devices inside ``tmp_path``; fails with the failing block's traceback."""
+    blocks = python_blocks(page.read_text())
+    assert blocks, f"{page} has no python block"
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     (tmp_path / "run.py").write_text(_RUNNER)
     env = simulated_env(8)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "run.py", "blocks.json"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "run.py", "blocks.json", str(page.relative_to(ROOT))],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "ALL BLOCKS RAN" in proc.stdout, out[-6000:]
+
+
+def test_python_blocks_are_found():
+    # README keeps the quickstart; the guides under docs/ hold the rest (tests/test_docs.py).
+    blocks = python_blocks(README.read_text())
+    assert len(blocks) >= 1
+    assert all("nnx_shard" in code or "ns." in code for _, code in blocks)
+    assert any("ns.Trainer(" in code and "ns.restore(" in code for _, code in blocks)
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_readme_python_blocks_run_as_written(tmp_path):
+    run_blocks(README, tmp_path)
