@@ -738,8 +738,8 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     A batch with no kept target has no mean: with concrete targets (called
     outside ``jit``) that is a :class:`nnx_shard.errors.UsageError`; inside a
     compiled step, where values are unknown when it is traced, the loss is NaN
-    (0/0) and so are the gradients, which :class:`nnx_shard.Trainer`'s guard
-    reports and skips.
+    (0/0; the gradients are zero, every term being masked), a step that
+    :class:`nnx_shard.Trainer`'s guard reports and skips.
 
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
