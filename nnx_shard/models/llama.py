@@ -212,10 +212,11 @@ class Attention(nnx.Module):
         self.cached_value = kv_cache.new(shape, self.dtype, layers)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array) -> jax.Array:
+               sin: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """Attention of ``x [batch, T, embed]`` at positions ``index ..`` (their
         rotary tables ``cos``, ``sin``) against the cache, after storing its
-        keys and values there."""
+        keys and values there (``valid``: which cache positions hold real keys,
+        :func:`kv_cache.valid_keys`)."""
         dt = self.dtype
         heads, kv_heads = ("batch", None, "heads", "kv"), ("batch", None, "kv_heads", "kv")
         q = _add(einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads), self.q_bias, dt)
@@ -226,7 +227,7 @@ class Attention(nnx.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
         self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
-        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index)
+        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid)
         return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
                            RESIDUAL), self.o_bias, dt)
 
@@ -277,9 +278,10 @@ class Block(nnx.Module):
         return constrain(x + y, RESIDUAL)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array) -> jax.Array:
+               sin: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """The block on new positions ``index ..`` only, attending through the cache."""
-        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, cos, sin)
+        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, cos, sin,
+                                 valid)
         x = constrain(x, RESIDUAL)
         y = self.mlp(constrain(self.mlp_norm(x), GATHERED))
         return constrain(x + y, RESIDUAL)
@@ -444,11 +446,19 @@ class Llama(nnx.Module):
                              batch, length)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
-    def decode(self, tokens: jax.Array) -> jax.Array:
+    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
+               ) -> jax.Array:
         """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
         ones already in the cache (from :meth:`init_cache`), whose keys and values
         it stores. The logits equal those of :meth:`__call__` on the whole
         sequence at these positions (up to float rounding).
+
+        ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
+        cache (the prefill of :func:`nnx_shard.models.generate`): its padded
+        positions are never attended to and the positions of the real tokens
+        count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
+        mask computes. The cache does not keep the mask: later calls see the
+        padded keys again.
 
         >>> model = Llama(get_llama_config("tiny_qwen3"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
@@ -460,9 +470,24 @@ class Llama(nnx.Module):
         cfg = self.cfg
         index = self.cache_index[...]
         steps = tokens.shape[1]
-        cos, sin = _rotary_at(cfg, index, steps)
+        valid = None
+        if attention_mask is None:
+            cos, sin = _rotary_at(cfg, index, steps)
+        else:
+            extras = prepare(tokens, attention_mask=attention_mask, positions=None,
+                             segment_ids=None, caller="Llama.decode")
+            assert extras.positions is not None and extras.mask is not None
+            # Decoding runs on the gathered sequence (generation's rules): plain tables.
+            inv = jnp.asarray(rope_frequencies(cfg))
+            freqs = (index + extras.positions).astype(jnp.float32)[..., None] * inv
+            emb = jnp.concatenate([freqs, freqs], axis=-1)
+            cos, sin = jnp.cos(emb), jnp.sin(emb)
+            blocks = self.blocks
+            attn = blocks[0].attn if isinstance(blocks, nnx.List) else blocks.attn
+            valid = kv_cache.valid_keys(extras.mask[:, 0, 0], index,
+                                        int(attn.cached_key.shape[-3]))
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
-                                   lambda block, h: block.decode(h, index, cos, sin))
+                                   lambda block, h: block.decode(h, index, cos, sin, valid))
         self.cache_index[...] = index + steps
         return self._logits(x)

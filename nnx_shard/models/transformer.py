@@ -359,9 +359,11 @@ class Attention(nnx.Module):
         self.cached_key = kv_cache.new(shape, self.dtype, layers)
         self.cached_value = kv_cache.new(shape, self.dtype, layers)
 
-    def decode(self, x: jax.Array, index: jax.Array) -> jax.Array:
+    def decode(self, x: jax.Array, index: jax.Array, valid: jax.Array | None = None
+               ) -> jax.Array:
         """Attention of ``x [batch, T, embed]`` at positions ``index ..`` against
-        the cache, after storing its keys and values there."""
+        the cache, after storing its keys and values there (``valid``: which cache
+        positions hold real keys, :func:`kv_cache.valid_keys`)."""
         dt = self.dtype
         heads = ("batch", None, "heads", "kv")
         q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
@@ -369,7 +371,7 @@ class Attention(nnx.Module):
         v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
         self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
         self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
-        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index)
+        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid)
         return einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt), RESIDUAL)
 
 
@@ -473,9 +475,10 @@ class Block(nnx.Module):
         y, aux = self.mlp(constrain(self.mlp_norm(x), _block_input()))
         return constrain(x + y, RESIDUAL), aux
 
-    def decode(self, x: jax.Array, index: jax.Array) -> jax.Array:
+    def decode(self, x: jax.Array, index: jax.Array, valid: jax.Array | None = None
+               ) -> jax.Array:
         """The block on new positions ``index ..`` only, attending through the cache."""
-        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index)
+        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, valid)
         x = constrain(x, RESIDUAL)
         y, _ = self.mlp(constrain(self.mlp_norm(x), GATHERED))
         return constrain(x + y, RESIDUAL)
@@ -652,11 +655,19 @@ class Transformer(nnx.Module):
                              batch, length)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
-    def decode(self, tokens: jax.Array) -> jax.Array:
+    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
+               ) -> jax.Array:
         """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
         ones already in the cache (from :meth:`init_cache`), whose keys and values
         it stores. The logits equal those of :meth:`__call__` on the whole
         sequence at these positions (up to float rounding).
+
+        ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
+        cache (the prefill of :func:`nnx_shard.models.generate`): its padded
+        positions are never attended to and the positions of the real tokens
+        count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
+        mask computes. The cache does not keep the mask: later calls see the
+        padded keys again.
 
         >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
@@ -670,12 +681,29 @@ class Transformer(nnx.Module):
         index = self.cache_index[...]
         steps = tokens.shape[1]
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
-        positions = jax.lax.dynamic_slice_in_dim(whole(self.pos_embed[...]), index, steps)
-        x = constrain(x + positions.astype(cfg.dtype), RESIDUAL)
+        valid = None
+        if attention_mask is None:
+            positions = jax.lax.dynamic_slice_in_dim(whole(self.pos_embed[...]), index, steps)
+            x = constrain(x + positions.astype(cfg.dtype), RESIDUAL)
+        else:
+            extras = prepare(tokens, attention_mask=attention_mask, positions=None,
+                             segment_ids=None, caller="Transformer.decode")
+            assert extras.positions is not None and extras.mask is not None
+            x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype),
+                                     index + extras.positions, RESIDUAL), RESIDUAL)
+            valid = kv_cache.valid_keys(extras.mask[:, 0, 0], index,
+                                        _cache_length(self))
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
-                                   lambda block, h: block.decode(h, index))
+                                   lambda block, h: block.decode(h, index, valid))
         self.cache_index[...] = index + steps
         return self._logits(x)
+
+
+def _cache_length(model: Any) -> int:
+    """The positions of a model's key/value cache (from its first attention layer)."""
+    blocks = model.blocks
+    attn = blocks.attn if not isinstance(blocks, nnx.List) else blocks[0].attn
+    return int(attn.cached_key.shape[-3])
 
 
 def _check_batch(batch: Any) -> None:

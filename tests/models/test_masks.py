@@ -412,3 +412,48 @@ def test_pack_targets_segments_and_positions() -> None:
 def test_pack_errors(args: tuple, kwargs: dict, match: str) -> None:
     with pytest.raises(UsageError, match=match):
         ns.pack(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def test_decode_with_a_mask_is_the_masked_call() -> None:
+    # The prefill path: a left-padded prompt into an empty cache gives transformers'
+    # padded logits, for the fixture Llama and (against its own call) the Transformer.
+    e = _expected()
+    model, _ = _fixture_model("dp", "one")
+    model = nnx.clone(model)
+    model.init_cache(batch=4, length=16)
+    out = np.asarray(model.decode(e["pad_tokens"], attention_mask=e["pad_mask"]))
+    for i in range(4):
+        assert_close(out[i][e["pad_mask"][i] == 1], _alone(i), RTOL, f"decode row {i}",
+                     scale=_scale())
+    ref = Transformer(dataclasses.replace(get_config("tiny"), scan_layers=True), rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(e["pad_tokens"][:, :12])
+    want = np.asarray(ref(tokens, attention_mask=e["pad_mask"]))
+    ref.init_cache(batch=4, length=16)
+    got = np.asarray(ref.decode(tokens, attention_mask=e["pad_mask"]))
+    real = e["pad_mask"] == 1
+    assert_close(got[real], want[real], RTOL, "transformer decode")
+
+
+@pytest.mark.parametrize("strategy", [None, "tp"])
+def test_prefill_takes_an_attention_mask(strategy: str | None) -> None:
+    from nnx_shard.models.generation import _prepare
+
+    e = _expected()
+    if strategy is None:
+        model, mesh, rules = _fixture_model("dp", "one")[0], None, None
+        prompt, mask = e["pad_tokens"], e["pad_mask"]
+    else:
+        s = ns.strategies.get(strategy)
+        model, mesh = _fixture_model(strategy)
+        rules = s.rules
+        prompt, mask = _tile8(e["pad_tokens"]), _tile8(e["pad_mask"])
+    run = _prepare(model, prompt, 4, 0.0, None, 0, mesh, rules, "generate")
+    _, first = run.prefill(mask)
+    # Rows 0-2 are left-padded (row 3, right-padded, would continue after its padding).
+    want = [int(np.argmax(_alone(i)[-1])) for i in range(3)]
+    assert np.asarray(first)[:3].tolist() == want
+    _, unmasked = run.prefill()
+    assert np.asarray(unmasked)[:3].tolist() != want   # the mask is what made them equal
