@@ -337,6 +337,37 @@ def test_masks_under_layouts(strategy: str) -> None:
                  f"{strategy} loss and grads")
 
 
+@pytest.mark.slow
+@needs_devices(8)
+@pytest.mark.parametrize("variant", ["pp", "allgather"])
+def test_masks_through_the_pipeline_and_allgather(variant: str) -> None:
+    """The masks ride in the pipeline's carry (cut into microbatches with the
+    activations) and travel with the keys under all-gather context parallelism."""
+    e = _expected()
+    if variant == "pp":  # the fixture's 2 layers, one per stage
+        rules = ns.strategies.get("pp").rules
+        mesh = ns.make_mesh({"stage": 2, "data": 4}, axis_types="auto")
+        cfg = LlamaConfig.from_hf(FIXTURE, scan_layers=True)
+    else:
+        s = ns.strategies.get("cp")
+        rules, mesh = s.rules.with_options(attention="allgather"), s.make_mesh(8)
+        cfg = LlamaConfig.from_hf(FIXTURE)
+    model = hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+                                                          mesh, rules))
+    tokens = _tile8(np.pad(e["pad_tokens"], ((0, 0), (4, 0))))
+    mask = _tile8(np.pad(e["pad_mask"], ((0, 0), (4, 0))))
+    packed = {k: _tile8(v) for k, v in _packed()[0].items()}
+    with ns.use(mesh, rules):
+        call = nnx.jit(lambda m, t, kw: m(t, **kw))
+        padded = np.asarray(call(model, tokens, {"attention_mask": mask}))
+        out = np.asarray(call(model, packed["inputs"], {"segment_ids": packed["segment_ids"]}))
+    for i in range(4):
+        assert_close(padded[i][mask[i] == 1], _alone(i), RTOL, f"{variant} padded {i}",
+                     scale=_scale())
+    for i, r, span in _packed()[1]:
+        assert_close(out[r, span], _alone(i), RTOL, f"{variant} packed {i}", scale=_scale())
+
+
 # --------------------------------------------------------------------------- training
 
 
