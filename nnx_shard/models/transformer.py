@@ -767,7 +767,10 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     outside ``jit``) that is a :class:`nnx_shard.errors.UsageError`; inside a
     compiled step, where values are unknown when it is traced, the loss is NaN
     (0/0; the gradients are zero, every term being masked), a step that
-    :class:`nnx_shard.Trainer`'s guard reports and skips.
+    :class:`nnx_shard.Trainer`'s guard reports and skips. With microbatches
+    (``Trainer(..., microbatches=M)``) each microbatch's mean is its own and the
+    means are averaged, so microbatches count alike whatever their kept targets,
+    and one with none makes the step's loss NaN.
 
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
