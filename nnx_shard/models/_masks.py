@@ -95,8 +95,8 @@ def derive_positions(attention_mask: jax.Array | None, segment_ids: jax.Array | 
 
 def _concrete(x: Any) -> np.ndarray | None:
     """``x`` on the host when its values are known now (not a tracer)."""
-    if isinstance(x, jax.core.Tracer):
-        return None
+    if isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
+        return None  # traced, or spread over processes: nothing to read here
     try:
         return np.asarray(x)
     except (TypeError, ValueError, jax.errors.ConcretizationTypeError):

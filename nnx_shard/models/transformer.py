@@ -731,8 +731,8 @@ MODEL_KEYS = ("attention_mask", "positions", "segment_ids")
 def _check_targets(targets: Any, vocab: Any) -> None:
     """On the host, when the targets are concrete: ids in the vocabulary or
     :data:`IGNORE_INDEX`, and at least one kept."""
-    if isinstance(targets, jax.core.Tracer):
-        return
+    if isinstance(targets, jax.core.Tracer) or not getattr(targets, "is_fully_addressable", True):
+        return  # traced, or spread over processes: nothing to read here
     host = np.asarray(targets)
     kept = host != IGNORE_INDEX
     if not kept.any():

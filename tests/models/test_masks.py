@@ -60,9 +60,11 @@ def _alone(i: int) -> np.ndarray:
 @functools.cache
 def _fixture_model(strategy: str = "dp", mesh_spec: str | None = None, **overrides: object
                    ) -> tuple[Llama, jax.sharding.Mesh]:
+    """The fixture on one device (``mesh_spec="one"``) or laid out by ``strategy`` on 8
+    (``mesh_spec`` the axis types, Auto by default)."""
     s = ns.strategies.get(strategy)
     mesh = (ns.make_mesh("data=1", devices=jax.devices()[:1]) if mesh_spec == "one"
-            else s.make_mesh(8))
+            else s.make_mesh(8, axis_types=mesh_spec or "auto"))
     cfg = LlamaConfig.from_hf(FIXTURE, **overrides)
     return hf.load_safetensors(FIXTURE, s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
                                                         mesh)), mesh
@@ -293,7 +295,7 @@ def test_cudnn_off_a_gpu_is_refused() -> None:
 
 # --------------------------------------------------------------------------- layouts
 
-LAYOUTS = ("dp", "tp", "fsdp_tp", "sp", "cp")
+LAYOUTS = ("dp", "tp", "fsdp_tp", "sp", "async_tp", "cp", "fsdp_cp")
 
 
 def _tile8(x: np.ndarray) -> np.ndarray:
@@ -305,12 +307,13 @@ def _tile8(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("strategy", LAYOUTS)
 def test_masks_under_layouts(strategy: str) -> None:
     """Padding, packing and ignored targets under data, tensor, sequence and context
-    (ring) parallelism: the same logits as transformers, loss and gradients as on one
-    device. Lengths divide into cp's 2 x 4 zig-zag chunks: the padded rows get 4 more
-    pads on the left (positions derived from the mask do not move)."""
+    (ring) parallelism, on Explicit mesh axes: the same logits as transformers, loss and
+    gradients as on one device. Lengths divide into cp's 2 x 4 zig-zag chunks: the
+    padded rows get 4 more pads on the left (positions derived from the mask do not
+    move)."""
     e = _expected()
     s = ns.strategies.get(strategy)
-    model, mesh = _fixture_model(strategy)
+    model, mesh = _fixture_model(strategy, "explicit")
     ref, _ = _fixture_model("dp", "one")
     tokens = _tile8(np.pad(e["pad_tokens"], ((0, 0), (4, 0))))
     mask = _tile8(np.pad(e["pad_mask"], ((0, 0), (4, 0))))
