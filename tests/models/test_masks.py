@@ -248,8 +248,9 @@ def test_transformer_padding_and_packing(kernel: str, scan: bool) -> None:
     assert_close(out[1, 6:], alone_b[0], RTOL, "left-padded b", scale=scale)
     packed = ns.pack([np.asarray(a[0]).tolist(), np.asarray(b[0]).tolist()], 16)
     out = np.asarray(model(packed["inputs"], segment_ids=packed["segment_ids"]))
-    assert_close(out[0, :6], alone_a[0], RTOL, "packed a", scale=scale)
-    assert_close(out[0, 6:], alone_b[0], RTOL, "packed b", scale=scale)
+    assert packed["segment_ids"].tolist() == [[1] * 10 + [2] * 6]   # longest first
+    assert_close(out[0, :10], alone_b[0], RTOL, "packed b", scale=scale)
+    assert_close(out[0, 10:], alone_a[0], RTOL, "packed a", scale=scale)
 
 
 def test_mask_gradients_agree_between_kernels() -> None:
