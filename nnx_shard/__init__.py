@@ -3,6 +3,7 @@ import sys as _sys
 from nnx_shard import distributed, hf, models, strategies
 from nnx_shard.annotate import annotate, get_logical_axes, logical_axes, with_logical
 from nnx_shard.checkpoint import Checkpointer, restore, save
+from nnx_shard.data import pack
 from nnx_shard.errors import NnxShardError, ShardingError, ShardingWarning
 from nnx_shard.hf import load_safetensors, save_safetensors
 from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
@@ -44,6 +45,7 @@ __all__ = [
     "make_mesh",
     "models",
     "multistep",
+    "pack",
     "pipeline",
     "restore",
     "save",

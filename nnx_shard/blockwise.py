@@ -453,7 +453,8 @@ def _platform() -> str:
 def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool) -> str:
     """The kernel ``kernel`` names for these inputs: ``"auto"`` becomes ``"cudnn"`` where
     the fused kernel applies (see the module docs), else ``"blockwise"``; ``"cudnn"``
-    under context parallelism (which needs per-block statistics) becomes ``"blockwise"``.
+    under context parallelism (which needs per-block statistics) becomes ``"blockwise"``,
+    and elsewhere off a GPU is a ``ValueError`` (cuDNN is an NVIDIA library).
 
     >>> resolve("auto", jnp.ones((1, 8, 2, 8)), jnp.ones((1, 8, 2, 8)), Masks(),
     ...         context_parallel=False)   # on CPU
@@ -471,6 +472,13 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
         )
     if kernel == "cudnn" and context_parallel:
         return "blockwise"
+    if kernel == "cudnn" and _platform() != "gpu":
+        raise ValueError(
+            f"attention: implementation='cudnn' is cuDNN's fused kernel, for NVIDIA GPUs; "
+            f"this runs on {_platform()}. Fix: implementation='auto' (cuDNN on GPUs, "
+            "blockwise elsewhere) or 'blockwise' (TransformerConfig(attention=...) for the "
+            "reference models)."
+        )
     if kernel != "auto":
         return kernel
     if context_parallel or masks.present or _platform() != "gpu":

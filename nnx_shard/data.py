@@ -18,10 +18,14 @@ import math
 import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["HELDOUT_FILES", "TRAIN_FILES", "VOCAB", "CharCorpus", "decode", "encode", "load_stdlib"]
+from nnx_shard.errors import UsageError, short
+
+__all__ = ["HELDOUT_FILES", "IGNORE_INDEX", "TRAIN_FILES", "VOCAB", "CharCorpus", "decode",
+           "encode", "load_stdlib", "pack"]
 
 VOCAB = 128
 
@@ -57,6 +61,10 @@ TRAIN_FILES: tuple[str, ...] = (
 HELDOUT_FILES: tuple[str, ...] = ("textwrap.py", "queue.py")
 
 _UNKNOWN = ord("?")
+
+#: The target :func:`pack` writes where nothing is to be predicted, the one
+#: :func:`nnx_shard.models.lm_loss` skips (transformers' ``ignore_index``).
+IGNORE_INDEX = -100
 
 
 def encode(text: str) -> np.ndarray:
@@ -179,3 +187,116 @@ def bits(nats: float) -> float:
     1.0
     """
     return nats / math.log(2)
+
+
+def _examples(examples: Any, prompt_lengths: Any) -> list[tuple[np.ndarray, int]]:
+    if isinstance(examples, str | bytes) or not isinstance(examples, Sequence | np.ndarray):
+        raise UsageError(f"pack: examples must be a list of token lists, got "
+                         f"{type(examples).__name__} {short(examples, 60)}. Fix: e.g. "
+                         "pack([[1, 2, 3], [4, 5]], length=8).")
+    if prompt_lengths is not None and (
+            isinstance(prompt_lengths, str | bytes) or not isinstance(prompt_lengths, Sequence | np.ndarray)
+            or len(prompt_lengths) != len(examples)):
+        got = len(prompt_lengths) if isinstance(prompt_lengths, Sequence | np.ndarray) else \
+            short(prompt_lengths, 40)
+        raise UsageError(f"pack: prompt_lengths must give one count per example ({len(examples)}), "
+                         f"got {got}. Fix: prompt_lengths=[len(prompt) for prompt in prompts], "
+                         "or None to train on every token.")
+    out = []
+    for i, ex in enumerate(examples):
+        arr = np.asarray(ex) if not isinstance(ex, str | bytes) else np.asarray(None)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise UsageError(f"pack: example {i} must be a non-empty list of token ids, got "
+                             f"{short(ex, 60)}. Fix: drop empty examples and pass ints.")
+        p = 0 if prompt_lengths is None else prompt_lengths[i]
+        if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p <= arr.size:
+            raise UsageError(f"pack: prompt_lengths[{i}] = {short(p, 40)} is not a count from 0 "
+                             f"to the example's {arr.size} tokens. Fix: the number of prompt "
+                             "tokens at the start of the example.")
+        out.append((arr.astype(np.int64), int(p)))
+    return out
+
+
+def pack(examples: Sequence[Sequence[int]], length: int, *,
+         prompt_lengths: Sequence[int] | None = None, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Variable-length examples packed into rows of ``length`` tokens for
+    next-token training: a batch for :func:`nnx_shard.models.lm_loss` with the
+    keys ``inputs``, ``targets``, ``segment_ids`` and ``positions``, each int32
+    ``[rows, length]``.
+
+    Examples go, longest first, into the first row with room for them whole
+    (first-fit decreasing), so no example is split and rows stay close to full.
+    In each row:
+
+    * ``inputs``: the examples' tokens one after the other, then ``pad_id``;
+    * ``targets``: the next token of the same example, and :data:`IGNORE_INDEX`
+      (-100) where there is none to learn: where the next token is one of the
+      example's first ``prompt_lengths[i]`` tokens (the prompt), at an example's
+      last token (across the boundary to the next example), and on padding;
+    * ``segment_ids``: 1, 2, ... for the row's examples, 0 for padding: the
+      reference models attend within a segment only;
+    * ``positions``: 0, 1, ... restarting with each example (0 on padding).
+
+    Args:
+      examples: token id lists, each of 1 to ``length`` tokens.
+      length: the tokens per row.
+      prompt_lengths: per example, how many of its first tokens are the prompt
+        (never predicted); ``None`` trains on every next token.
+      pad_id: the input id of padding (never a target).
+
+    Raises:
+      UsageError: ``examples`` not a list of non-empty integer lists, an example
+        longer than ``length``, ``prompt_lengths`` not one count in ``0 ..
+        len(example)`` per example, a bad ``length`` or ``pad_id``.
+
+    >>> batch = pack([[1, 2, 3, 4], [5, 6, 7], [8, 9]], 6, prompt_lengths=[2, 1, 0])
+    >>> batch["inputs"].tolist()
+    [[1, 2, 3, 4, 8, 9], [5, 6, 7, 0, 0, 0]]
+    >>> batch["targets"].tolist()
+    [[-100, 3, 4, -100, 9, -100], [6, 7, -100, -100, -100, -100]]
+    >>> batch["segment_ids"].tolist(), batch["positions"].tolist()
+    ([[1, 1, 1, 1, 2, 2], [1, 1, 1, 0, 0, 0]], [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 0]])
+    """
+    if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
+        raise UsageError(f"pack: length must be a whole number of tokens >= 1, got "
+                         f"{short(length, 40)}. Fix: e.g. length=2048.")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer):
+        raise UsageError(f"pack: pad_id must be a token id (int), got {short(pad_id, 40)}. "
+                         "Fix: e.g. pad_id=0 (never a target, so any id in the vocabulary).")
+    items = _examples(examples, prompt_lengths)
+    rows: list[list[int]] = []   # example indices per row
+    room: list[int] = []
+    # First fit, longest first (stable: equal lengths keep their order): fuller rows
+    # than first fit in the given order, and as predictable.
+    for i in sorted(range(len(items)), key=lambda j: -items[j][0].size):
+        ex = items[i][0]
+        if ex.size > length:
+            raise UsageError(f"pack: example {i} has {ex.size} tokens, more than a row's "
+                             f"{length}. Fix: truncate it (e.g. ex[:{length}]) or pack into "
+                             "longer rows.")
+        row = next((r for r, free in enumerate(room) if free >= ex.size), None)
+        if row is None:
+            rows.append([])
+            room.append(length)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= ex.size
+    shape = (len(rows), length)
+    out = {"inputs": np.full(shape, pad_id, np.int32),
+           "targets": np.full(shape, IGNORE_INDEX, np.int32),
+           "segment_ids": np.zeros(shape, np.int32),
+           "positions": np.zeros(shape, np.int32)}
+    for r, members in enumerate(rows):
+        at = 0
+        for seg, i in enumerate(members, start=1):
+            ex, prompt = items[i]
+            n = ex.size
+            span = slice(at, at + n)
+            out["inputs"][r, span] = ex
+            out["segment_ids"][r, span] = seg
+            out["positions"][r, span] = np.arange(n)
+            nxt = np.arange(1, n)   # the index, in the example, of each token's target
+            kept = nxt >= prompt
+            out["targets"][r, at:at + n - 1] = np.where(kept, ex[1:], IGNORE_INDEX)
+            at += n
+    return out

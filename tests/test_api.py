@@ -5,6 +5,7 @@ EXPECTED = {
     "get_logical_axes", "logical_axes", "make_mesh", "shardings", "use", "with_logical",
     "abstract_init", "sharded_init", "sharded_optimizer",
     "Trainer", "Precision", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
+    "pack",
     "Checkpointer", "restore", "save", "load_safetensors", "save_safetensors",
     "distributed", "models", "pipeline", "strategies", "collective_matmul", "hf", "tp_layers",
 }

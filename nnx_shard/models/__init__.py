@@ -7,6 +7,11 @@ and context-parallel, :func:`attention_fn`, its adapter for
 generation with a key/value cache laid out by the same rules
 (:func:`explain_cache` reports its bytes per device).
 
+Both models take transformers' fine-tuning inputs, ``model(tokens, *,
+attention_mask=None, positions=None, segment_ids=None)`` (padding masked out and,
+on the left, shifting the positions; packed segments attending within
+themselves), and :func:`lm_loss` skips ``-100`` targets.
+
 >>> from flax import nnx
 >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
 >>> sorted(CONFIGS)[:3]

@@ -354,7 +354,7 @@ def pick(logits: jax.Array, key: jax.Array, position: Any, temperature: jax.Arra
 
 @dataclasses.dataclass(frozen=True)
 class _Programs:
-    prefill: Any   # (cache, rest, prompt, key, temperature) -> (cache, first token)
+    prefill: Any   # (cache, rest, prompt, key, temperature, mask) -> (cache, first token)
     decode: Any    # (rest, cache, prompt, first, key, temperature) -> (tokens, cache)
 
 
@@ -366,11 +366,15 @@ def _programs(graphdef: Any, with_cache: Any, mesh: Mesh | None, rules: Rules | 
     the same model graph, layout and shape compiles nothing)."""
     length = prompt_len + new
 
-    def _prefill(old: Any, rest: Any, prompt: Any, key: Any, temperature: Any) -> Any:
+    def _prefill(old: Any, rest: Any, prompt: Any, key: Any, temperature: Any,
+                 mask: Any = None) -> Any:
+        # ``mask [batch, prompt_len]`` (0: padding) reaches the model's decode as its
+        # attention_mask: a left-padded row's first token is the one of the row alone.
         model = nnx.merge(graphdef, old, rest)
         model.init_cache(batch, length)
         nnx.update(model, _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules))
-        logits = model.decode(prompt)[:, -1]
+        out = model.decode(prompt) if mask is None else model.decode(prompt, attention_mask=mask)
+        logits = out[:, -1]
         first = pick(logits, key, prompt_len, temperature, greedy, top_k)
         return _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules), first
 
@@ -412,10 +416,15 @@ class _Run:
             return contextlib.nullcontext()
         return use(self.mesh, self.rules)
 
-    def prefill(self) -> Any:
+    def prefill(self, attention_mask: Any = None) -> Any:
+        """The compiled prefill; ``attention_mask [batch, prompt_len]`` (0: padding)
+        masks the prompt's padding (the decode loop does not keep it yet)."""
         with self.context():
+            if attention_mask is None:
+                return self.programs.prefill(self.old, self.rest, self.prompt, self.key,
+                                             self.temperature)
             return self.programs.prefill(self.old, self.rest, self.prompt, self.key,
-                                         self.temperature)
+                                         self.temperature, np.asarray(attention_mask, np.int32))
 
     def decode(self, cache: Any, first: Any) -> Any:
         with self.context():

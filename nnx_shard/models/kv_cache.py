@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_shard.mesh import constrain, current
 
-__all__ = ["CACHE_AXES", "attend", "decode_layers", "init_layers", "new", "write"]
+__all__ = ["CACHE_AXES", "attend", "decode_layers", "init_layers", "new", "valid_keys", "write"]
 
 #: Logical names of a cache array's dimensions ``[batch, length, kv_heads, head_dim]``.
 CACHE_AXES: tuple[str, str, str, str] = ("cache_batch", "cache_length", "cache_kv_heads",
@@ -112,7 +112,31 @@ def write(cache: jax.Array, new_entries: jax.Array, index: jax.Array) -> jax.Arr
     return constrain(out, CACHE_AXES)
 
 
-def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
+def valid_keys(attention_mask: jax.Array | None, index: jax.Array, length: int
+               ) -> jax.Array | None:
+    """Which of a cache's ``length`` positions hold real keys after new tokens with
+    ``attention_mask [batch, T]`` (0: padding) are stored at ``index ..``: the
+    positions before ``index`` are taken as real, the new ones as the mask says
+    (``None`` without a mask: every key is real). Laid out as the cache's
+    ``[cache_batch, cache_length]`` dimensions.
+
+    >>> valid_keys(jnp.array([[0, 1, 1]]), jnp.int32(2), 6).astype(int).tolist()
+    [[1, 1, 0, 1, 1, 1]]
+    """
+    if attention_mask is None:
+        return None
+    batch = attention_mask.shape[0]
+    valid = jax.lax.dynamic_update_slice(jnp.ones((batch, length), bool),
+                                         attention_mask.astype(bool), (0, index))
+    if current() is None:
+        return valid
+    if _explicit():
+        return jax.sharding.reshard(valid, _spec(CACHE_AXES[:2], (batch, length)))
+    return constrain(valid, CACHE_AXES[:2])
+
+
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
+           valid: jax.Array | None = None) -> jax.Array:
     """Causal attention of queries ``q [batch, T, heads, head_dim]`` at positions
     ``index .. index + T - 1`` against the cache ``keys``, ``values [batch,
     length, kv_heads, head_dim]`` (grouped-query: query head ``h`` reads
@@ -121,7 +145,8 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array) -
     softmax, the probabilities cast back to the queries' dtype.
 
     Positions of the cache after a query's own are masked, so entries not yet
-    written never contribute. The key/value heads are never repeated: each
+    written never contribute; so are positions where ``valid [batch, length]``
+    (:func:`valid_keys`, e.g. the padding of a left-padded prompt) is ``False``. The key/value heads are never repeated: each
     group of query heads reads its cache head where it lies. Under a length
     split over a context axis, each device scores its positions and the
     softmax's sums and the output are reduced over that axis (small
@@ -147,6 +172,8 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array) -
                         out_sharding=score_spec).astype(jnp.float32)
     scores = scores / math.sqrt(dim)
     visible = jnp.arange(length)[None, :] <= (index + jnp.arange(steps))[:, None]
+    if valid is not None:
+        visible = visible & valid[:, None, None, None, :]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bgrtl,blgd->btgrd", probs, values, out_sharding=out_spec)

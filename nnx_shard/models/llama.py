@@ -45,6 +45,7 @@ from flax import nnx
 from nnx_shard.errors import short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
+from nnx_shard.models._masks import NO_EXTRAS, Extras, prepare
 from nnx_shard.models._ops import constrain, einsum, lookup, whole
 from nnx_shard.models.llama_config import LLAMA_CONFIGS, LlamaConfig, get_llama_config
 from nnx_shard.models.llama_config import MODEL_TYPES as MODEL_TYPES
@@ -108,13 +109,26 @@ def _rotary_at(cfg: LlamaConfig, index: jax.Array, steps: int) -> tuple[jax.Arra
     return jnp.cos(emb), jnp.sin(emb)
 
 
+def _rotary_of(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rotary tables ``[batch, length, head_dim]`` of per-token ``positions
+    [batch, length]``, computed as :func:`_rotary_tables`, laid out like the queries
+    they rotate (whole sequence; split under context parallelism)."""
+    inv = jnp.asarray(rope_frequencies(cfg))
+    freqs = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return constrain(jnp.cos(emb), _seq(GATHERED)), constrain(jnp.sin(emb), _seq(GATHERED))
+
+
 def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
     """Rotary embedding of ``x [batch, length, heads, head_dim]`` in transformers'
-    half-split convention (its checkpoints store q/k rows in that order)."""
+    half-split convention (its checkpoints store q/k rows in that order); the tables
+    are ``[length, head_dim]`` (shared by the batch) or ``[batch, length, head_dim]``."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    c = jnp.asarray(cos, x.dtype)[None, :, None, :]
-    s = jnp.asarray(sin, x.dtype)[None, :, None, :]
+    c = jnp.asarray(cos, x.dtype)
+    s = jnp.asarray(sin, x.dtype)
+    c, s = (c[None, :, None, :], s[None, :, None, :]) if c.ndim == 2 else \
+        (c[:, :, None, :], s[:, :, None, :])
     return x * c + rotated * s
 
 
@@ -169,7 +183,8 @@ class Attention(nnx.Module):
         self.kernel = cfg.attention
         self.dtype = cfg.dtype
 
-    def __call__(self, x: jax.Array, cos: np.ndarray, sin: np.ndarray) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS
+                 ) -> jax.Array:
         dt = self.dtype
         heads = _seq(("batch", None, "heads", "kv"))
         kv_heads = _seq(("batch", None, "kv_heads", "kv"))
@@ -183,7 +198,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # k, v keep their kv_heads: the op groups the query heads per key/value head.
-        out = attention(q, k, v, causal=True, implementation=self.kernel)
+        out = attention(q, k, v, causal=True, mask=extras.mask, segment_ids=extras.segment_ids,
+                        implementation=self.kernel)
         return _add(einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l"),
                     self.o_bias, dt)
 
@@ -196,10 +212,11 @@ class Attention(nnx.Module):
         self.cached_value = kv_cache.new(shape, self.dtype, layers)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array) -> jax.Array:
+               sin: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """Attention of ``x [batch, T, embed]`` at positions ``index ..`` (their
         rotary tables ``cos``, ``sin``) against the cache, after storing its
-        keys and values there."""
+        keys and values there (``valid``: which cache positions hold real keys,
+        :func:`kv_cache.valid_keys`)."""
         dt = self.dtype
         heads, kv_heads = ("batch", None, "heads", "kv"), ("batch", None, "kv_heads", "kv")
         q = _add(einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads), self.q_bias, dt)
@@ -210,7 +227,7 @@ class Attention(nnx.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
         self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
-        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index)
+        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid)
         return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
                            RESIDUAL), self.o_bias, dt)
 
@@ -253,24 +270,31 @@ class Block(nnx.Module):
         self.mlp_norm = norm()
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: np.ndarray, sin: np.ndarray) -> jax.Array:
-        x = x + self.attn(constrain(self.attn_norm(x), _block_input()), cos, sin)
+    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS
+                 ) -> jax.Array:
+        x = x + self.attn(constrain(self.attn_norm(x), _block_input()), cos, sin, extras)
         x = constrain(x, RESIDUAL)
         y = self.mlp(constrain(self.mlp_norm(x), _block_input()))
         return constrain(x + y, RESIDUAL)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array) -> jax.Array:
+               sin: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """The block on new positions ``index ..`` only, attending through the cache."""
-        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, cos, sin)
+        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, cos, sin,
+                                 valid)
         x = constrain(x, RESIDUAL)
         y = self.mlp(constrain(self.mlp_norm(x), GATHERED))
         return constrain(x + y, RESIDUAL)
 
 
 def _block_runner(cfg: LlamaConfig, cos: np.ndarray, sin: np.ndarray) -> Any:
-    def call(block: Block, x: jax.Array) -> jax.Array:
-        return block(x, cos, sin)
+    def call(block: Block, x: jax.Array, extras: Extras) -> jax.Array:
+        if extras.positions is None:
+            return block(x, cos, sin, extras)
+        # Per-token positions: each layer rebuilds its tables from them (a few
+        # elementwise ops) rather than taking traced tables by closure.
+        c, s = _rotary_of(cfg, extras.positions)
+        return block(x, c, s, extras)
 
     if cfg.remat == "none":
         return call
@@ -329,9 +353,17 @@ class Llama(nnx.Module):
             else _param(rngs, _dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
         )
 
-    def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
         """``(logits, 0.0)``: the logits and a zero auxiliary loss, the
         interface :func:`nnx_shard.models.lm_loss` reads.
+
+        ``attention_mask``, ``positions`` and ``segment_ids`` (each ``[batch,
+        length]``, optional) have transformers' meanings (see
+        :mod:`nnx_shard.models._masks`): padding is never attended to and, on the
+        left, shifts the positions (``cumsum(mask) - 1``); packed segments attend
+        within themselves, their positions restarting at 0.
 
         >>> model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
         >>> logits, aux = model.forward(jnp.zeros((1, 8), jnp.int32))
@@ -341,20 +373,26 @@ class Llama(nnx.Module):
         cfg = self.cfg
         if option("collective_matmul", False):
             check_tokens(tokens.shape)
+        extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
+                         segment_ids=segment_ids, caller="Llama.forward",
+                         max_positions=cfg.max_length).laid_out()
         cos, sin = _rotary_tables(cfg, tokens.shape[1])
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
         run = _block_runner(cfg, cos, sin)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
-            def body(h: Any, layer: Any) -> tuple[Any, None]:
-                return run(nnx.merge(graphdef, layer), h), None
+            def body(carry: Any, layer: Any) -> tuple[Any, None]:
+                h, ex = carry
+                return (run(nnx.merge(graphdef, layer), h, ex), ex), None
 
-            # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline).
-            x, _ = pipeline.scan(body, x, state)
+            # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline). The
+            # masks and positions ride in the carry: a pipeline cuts them into
+            # microbatches with x.
+            (x, _), _ = pipeline.scan(body, (x, extras), state)
         else:
             for block in self.blocks:
-                x = run(block, x)
+                x = run(block, x, extras)
         return self._logits(x), jnp.zeros((), jnp.float32)
 
     def _logits(self, x: jax.Array) -> jax.Array:
@@ -371,8 +409,19 @@ class Llama(nnx.Module):
         # float32 gradient under fsdp (1.12x the gathered bytes of casting after).
         return logits.astype(jnp.float32)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.forward(tokens)[0]
+    def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                 positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """The logits of :meth:`forward` (same arguments).
+
+        >>> model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+        >>> a, b = jnp.arange(1, 5, dtype=jnp.int32)[None], jnp.arange(9, 13, dtype=jnp.int32)[None]
+        >>> packed = model(jnp.concatenate([a, b], 1), segment_ids=jnp.array([[1] * 4 + [2] * 4]))
+        >>> bool(jnp.allclose(packed[:, 4:], model(b), atol=1e-4))   # b as if alone
+        True
+        """
+        return self.forward(tokens, attention_mask=attention_mask, positions=positions,
+                            segment_ids=segment_ids)[0]
 
     @property
     def max_length(self) -> int:
@@ -397,11 +446,19 @@ class Llama(nnx.Module):
                              batch, length)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
-    def decode(self, tokens: jax.Array) -> jax.Array:
+    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
+               ) -> jax.Array:
         """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
         ones already in the cache (from :meth:`init_cache`), whose keys and values
         it stores. The logits equal those of :meth:`__call__` on the whole
         sequence at these positions (up to float rounding).
+
+        ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
+        cache (the prefill of :func:`nnx_shard.models.generate`): its padded
+        positions are never attended to and the positions of the real tokens
+        count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
+        mask computes. The cache does not keep the mask: later calls see the
+        padded keys again.
 
         >>> model = Llama(get_llama_config("tiny_qwen3"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
@@ -413,9 +470,24 @@ class Llama(nnx.Module):
         cfg = self.cfg
         index = self.cache_index[...]
         steps = tokens.shape[1]
-        cos, sin = _rotary_at(cfg, index, steps)
+        valid = None
+        if attention_mask is None:
+            cos, sin = _rotary_at(cfg, index, steps)
+        else:
+            extras = prepare(tokens, attention_mask=attention_mask, positions=None,
+                             segment_ids=None, caller="Llama.decode")
+            assert extras.positions is not None and extras.mask is not None
+            # Decoding runs on the gathered sequence (generation's rules): plain tables.
+            inv = jnp.asarray(rope_frequencies(cfg))
+            freqs = (index + extras.positions).astype(jnp.float32)[..., None] * inv
+            emb = jnp.concatenate([freqs, freqs], axis=-1)
+            cos, sin = jnp.cos(emb), jnp.sin(emb)
+            blocks = self.blocks
+            attn = blocks[0].attn if isinstance(blocks, nnx.List) else blocks.attn
+            valid = kv_cache.valid_keys(extras.mask[:, 0, 0], index,
+                                        int(attn.cached_key.shape[-3]))
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
-                                   lambda block, h: block.decode(h, index, cos, sin))
+                                   lambda block, h: block.decode(h, index, cos, sin, valid))
         self.cache_index[...] = index + steps
         return self._logits(x)

@@ -46,16 +46,17 @@ from flax import nnx
 
 from nnx_shard.annotate import with_logical
 from nnx_shard.blockwise import KERNELS
-from nnx_shard.errors import short
+from nnx_shard.errors import UsageError, short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
+from nnx_shard.models._masks import NO_EXTRAS, Extras, prepare
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
 from nnx_shard.parallel import pipeline
 from nnx_shard.parallel.collective_matmul import check_tokens
 from nnx_shard.parallel.ring import attention
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "Transformer", "TransformerConfig", "get_config",
-           "lm_loss", "remat_policy"]
+__all__ = ["CONFIGS", "IGNORE_INDEX", "REMAT_POLICIES", "Transformer", "TransformerConfig",
+           "get_config", "lm_loss", "remat_policy"]
 
 RESIDUAL = ("batch", "length", None)
 GATHERED = ("batch", None, None)
@@ -341,13 +342,14 @@ class Attention(nnx.Module):
         self.dtype = cfg.dtype
         self.kernel = cfg.attention
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, extras: Extras = NO_EXTRAS) -> jax.Array:
         dt = self.dtype
         heads = _seq(("batch", None, "heads", "kv"))
         q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l")
         k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads, seq="l")
         v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads, seq="l")
-        out = attention(q, k, v, causal=True, implementation=self.kernel)
+        out = attention(q, k, v, causal=True, mask=extras.mask, segment_ids=extras.segment_ids,
+                        implementation=self.kernel)
         return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l")
 
     def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
@@ -357,9 +359,11 @@ class Attention(nnx.Module):
         self.cached_key = kv_cache.new(shape, self.dtype, layers)
         self.cached_value = kv_cache.new(shape, self.dtype, layers)
 
-    def decode(self, x: jax.Array, index: jax.Array) -> jax.Array:
+    def decode(self, x: jax.Array, index: jax.Array, valid: jax.Array | None = None
+               ) -> jax.Array:
         """Attention of ``x [batch, T, embed]`` at positions ``index ..`` against
-        the cache, after storing its keys and values there."""
+        the cache, after storing its keys and values there (``valid``: which cache
+        positions hold real keys, :func:`kv_cache.valid_keys`)."""
         dt = self.dtype
         heads = ("batch", None, "heads", "kv")
         q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
@@ -367,7 +371,7 @@ class Attention(nnx.Module):
         v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
         self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
         self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
-        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index)
+        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid)
         return einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt), RESIDUAL)
 
 
@@ -465,15 +469,16 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if cfg.experts else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(constrain(self.attn_norm(x), _block_input()))
+    def __call__(self, x: jax.Array, extras: Extras = NO_EXTRAS) -> tuple[jax.Array, jax.Array]:
+        x = x + self.attn(constrain(self.attn_norm(x), _block_input()), extras)
         x = constrain(x, RESIDUAL)
         y, aux = self.mlp(constrain(self.mlp_norm(x), _block_input()))
         return constrain(x + y, RESIDUAL), aux
 
-    def decode(self, x: jax.Array, index: jax.Array) -> jax.Array:
+    def decode(self, x: jax.Array, index: jax.Array, valid: jax.Array | None = None
+               ) -> jax.Array:
         """The block on new positions ``index ..`` only, attending through the cache."""
-        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index)
+        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, valid)
         x = constrain(x, RESIDUAL)
         y, _ = self.mlp(constrain(self.mlp_norm(x), GATHERED))
         return constrain(x + y, RESIDUAL)
@@ -485,8 +490,8 @@ def _block_input() -> tuple[str | None, ...]:
     return RESIDUAL if option("collective_matmul", False) else _seq(GATHERED)
 
 
-def _call_block(block: Block, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return block(x)
+def _call_block(block: Block, x: jax.Array, extras: Extras) -> tuple[jax.Array, jax.Array]:
+    return block(x, extras)
 
 
 def _block_runner(cfg: TransformerConfig) -> Any:
@@ -546,9 +551,17 @@ class Transformer(nnx.Module):
             else _param(rngs, _dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
         )
 
-    def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
         """``(logits, aux)``: the logits and the summed mixture-of-experts
         load-balancing loss (0 for a dense MLP).
+
+        ``attention_mask``, ``positions`` and ``segment_ids`` (each ``[batch,
+        length]``, optional) have transformers' meanings (see
+        :mod:`nnx_shard.models._masks`): padding is never attended to and, on the
+        left, shifts the positions; packed segments attend within themselves, their
+        positions restarting at 0.
 
         >>> model = Transformer(get_config("tiny_moe"), rngs=nnx.Rngs(0))
         >>> logits, aux = model.forward(jnp.zeros((2, 16), jnp.int32))
@@ -564,23 +577,33 @@ class Transformer(nnx.Module):
             )
         if option("collective_matmul", False):
             check_tokens(tokens.shape)
+        extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
+                         segment_ids=segment_ids, caller="Transformer.forward",
+                         max_positions=cfg.length).laid_out()
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
-        x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
+        if extras.positions is None:
+            x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
+        else:
+            x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype), extras.positions,
+                                     RESIDUAL), RESIDUAL)
+        # The blocks read the masks; the positions are in the embedding already.
+        extras = extras._replace(positions=None)
         aux = jnp.zeros((), jnp.float32)
         run = _block_runner(cfg)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
             def body(carry: Any, layer: Any) -> tuple[Any, None]:
-                h, total = carry
-                h, a = run(nnx.merge(graphdef, layer), h)
-                return (h, total + a), None
+                h, total, ex = carry
+                h, a = run(nnx.merge(graphdef, layer), h, ex)
+                return (h, total + a, ex), None
 
-            # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline).
-            (x, aux), _ = pipeline.scan(body, (x, aux), state)
+            # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline). The
+            # masks ride in the carry: a pipeline cuts them into microbatches with x.
+            (x, aux, _), _ = pipeline.scan(body, (x, aux, extras), state)
         else:
             for block in self.blocks:
-                x, a = run(block, x)
+                x, a = run(block, x, extras)
                 aux = aux + a
         return self._logits(x), aux
 
@@ -595,8 +618,20 @@ class Transformer(nnx.Module):
                             _seq(("batch", None, "vocab")))
         return logits.astype(jnp.float32)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.forward(tokens)[0]
+    def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                 positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """The logits of :meth:`forward` (same arguments).
+
+        >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+        >>> seq = jnp.arange(1, 6, dtype=jnp.int32)[None]
+        >>> padded = jnp.pad(seq, ((0, 0), (3, 0)))                  # 3 pads on the left
+        >>> out = model(padded, attention_mask=padded != 0)
+        >>> bool(jnp.allclose(out[:, 3:], model(seq), atol=1e-5))
+        True
+        """
+        return self.forward(tokens, attention_mask=attention_mask, positions=positions,
+                            segment_ids=segment_ids)[0]
 
     @property
     def max_length(self) -> int:
@@ -620,11 +655,19 @@ class Transformer(nnx.Module):
                              batch, length)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
-    def decode(self, tokens: jax.Array) -> jax.Array:
+    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
+               ) -> jax.Array:
         """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
         ones already in the cache (from :meth:`init_cache`), whose keys and values
         it stores. The logits equal those of :meth:`__call__` on the whole
         sequence at these positions (up to float rounding).
+
+        ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
+        cache (the prefill of :func:`nnx_shard.models.generate`): its padded
+        positions are never attended to and the positions of the real tokens
+        count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
+        mask computes. The cache does not keep the mask: later calls see the
+        padded keys again.
 
         >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
@@ -638,12 +681,29 @@ class Transformer(nnx.Module):
         index = self.cache_index[...]
         steps = tokens.shape[1]
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
-        positions = jax.lax.dynamic_slice_in_dim(whole(self.pos_embed[...]), index, steps)
-        x = constrain(x + positions.astype(cfg.dtype), RESIDUAL)
+        valid = None
+        if attention_mask is None:
+            positions = jax.lax.dynamic_slice_in_dim(whole(self.pos_embed[...]), index, steps)
+            x = constrain(x + positions.astype(cfg.dtype), RESIDUAL)
+        else:
+            extras = prepare(tokens, attention_mask=attention_mask, positions=None,
+                             segment_ids=None, caller="Transformer.decode")
+            assert extras.positions is not None and extras.mask is not None
+            x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype),
+                                     index + extras.positions, RESIDUAL), RESIDUAL)
+            valid = kv_cache.valid_keys(extras.mask[:, 0, 0], index,
+                                        _cache_length(self))
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
-                                   lambda block, h: block.decode(h, index))
+                                   lambda block, h: block.decode(h, index, valid))
         self.cache_index[...] = index + steps
         return self._logits(x)
+
+
+def _cache_length(model: Any) -> int:
+    """The positions of a model's key/value cache (from its first attention layer)."""
+    blocks = model.blocks
+    attn = blocks.attn if not isinstance(blocks, nnx.List) else blocks[0].attn
+    return int(attn.cached_key.shape[-3])
 
 
 def _check_batch(batch: Any) -> None:
@@ -661,16 +721,64 @@ def _check_batch(batch: Any) -> None:
         )
 
 
+#: The target id :func:`lm_loss` skips (transformers' and PyTorch's ``ignore_index``).
+IGNORE_INDEX = -100
+
+#: The batch keys :func:`lm_loss` hands to the model besides ``inputs``.
+MODEL_KEYS = ("attention_mask", "positions", "segment_ids")
+
+
+def _check_targets(targets: Any, vocab: Any) -> None:
+    """On the host, when the targets are concrete: ids in the vocabulary or
+    :data:`IGNORE_INDEX`, and at least one kept."""
+    if isinstance(targets, jax.core.Tracer) or not getattr(targets, "is_fully_addressable", True):
+        return  # traced, or spread over processes: nothing to read here
+    host = np.asarray(targets)
+    kept = host != IGNORE_INDEX
+    if not kept.any():
+        raise UsageError(
+            f"lm_loss: every target of the batch (shape {host.shape}) is {IGNORE_INDEX} "
+            "(ignored), so the mean over kept tokens is 0/0. Fix: keep at least one target "
+            "per batch (e.g. pack prompt-masked examples together with nnx_shard.data.pack), "
+            "or drop the batch.")
+    if isinstance(vocab, int) and host.size:
+        bad = kept & ((host < 0) | (host >= vocab))
+        if bad.any():
+            raise UsageError(
+                f"lm_loss: targets hold {int(host[bad][0])}, neither a token id of the "
+                f"vocabulary (0 .. {vocab - 1}) nor {IGNORE_INDEX} (ignored). Fix: mark "
+                f"targets to skip with {IGNORE_INDEX}, as transformers' labels do.")
+
+
 def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy of ``batch = {"inputs", "targets"}`` (int32
-    ``[batch, length]``), plus ``aux_loss_weight`` times the load-balancing
-    loss for a mixture of experts. ``model`` is a :class:`Transformer` or any
-    model with its ``forward(tokens) -> (logits, aux)`` and a ``cfg`` (e.g.
-    :class:`nnx_shard.models.Llama`).
+    ``[batch, length]``) over the targets not equal to ``-100``
+    (:data:`IGNORE_INDEX`: prompt tokens, padding), plus ``aux_loss_weight``
+    times the load-balancing loss for a mixture of experts. ``model`` is a
+    :class:`Transformer` or any model with its ``forward(tokens) -> (logits,
+    aux)`` and a ``cfg`` (e.g. :class:`nnx_shard.models.Llama`).
+
+    As transformers' causal-LM loss (``labels=``): the sum of the cross-entropy
+    over kept targets divided by their number. The batch keys
+    ``attention_mask``, ``positions`` and ``segment_ids``, where present, go to
+    ``model.forward`` as keyword arguments.
+
+    A batch with no kept target has no mean: with concrete targets (called
+    outside ``jit``) that is a :class:`nnx_shard.errors.UsageError`; inside a
+    compiled step, where values are unknown when it is traced, the loss is NaN
+    (0/0; the gradients are zero, every term being masked), a step that
+    :class:`nnx_shard.Trainer`'s guard reports and skips. With microbatches
+    (``Trainer(..., microbatches=M)``) each microbatch's mean is its own and the
+    means are averaged, so microbatches count alike whatever their kept targets,
+    and one with none makes the step's loss NaN.
 
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
     >>> float(lm_loss(model, {"inputs": tokens, "targets": tokens})) > 0
+    True
+    >>> half = tokens.at[:, :8].set(-100)                   # only the last 8 targets count
+    >>> bool(jnp.isclose(lm_loss(model, {"inputs": tokens, "targets": half}),
+    ...                  cross_entropy(model(tokens)[:, 8:], tokens[:, 8:]).mean()))
     True
     >>> lm_loss(model, {"x": tokens})
     Traceback (most recent call last):
@@ -678,11 +786,16 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     KeyError: "lm_loss: the batch needs keys 'inputs' and 'targets' (int32 [batch, length]); got a dict with keys ['x']. ..."
     """
     _check_batch(batch)
-    logits, aux = model.forward(batch["inputs"])
+    _check_targets(batch["targets"], getattr(getattr(model, "cfg", None), "vocab", None))
+    extra = {k: batch[k] for k in MODEL_KEYS if k in batch}
+    logits, aux = model.forward(batch["inputs"], **extra)
     # Targets arrive laid out like the inputs (under sequence parallelism: split
     # along ``length``); they must match the logits' layout, split along ``vocab``.
     targets = constrain(batch["targets"], _seq(("batch", None)))
-    ce = cross_entropy(logits, targets).mean()
+    kept = targets != IGNORE_INDEX
+    ce = jnp.where(kept, cross_entropy(logits, targets), 0.0)
+    # 0/0 = NaN when nothing is kept (see the docstring).
+    ce = jnp.sum(ce) / jnp.sum(kept).astype(jnp.float32)
     if getattr(model.cfg, "experts", 0):  # other models (e.g. Llama) have no experts
         return ce + model.cfg.aux_loss_weight * aux
     return ce
