@@ -17,7 +17,8 @@ import pytest
 # The fixture scripts run by hand in a separate venv with torch and transformers,
 # which the project never imports: pytest (its doctest collection too) skips them.
 # A second conftest.py under fixtures/ would shadow this one's `needs_devices`.
-collect_ignore = ["fixtures/make_hf.py", "fixtures/check_hf_reads.py"]
+# The fixture scripts run by hand under torch/transformers, which the tests never import.
+collect_ignore_glob = ["fixtures/make_*.py", "fixtures/check_*.py"]
 
 
 def needs_devices(n: int):
