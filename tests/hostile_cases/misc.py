@@ -28,3 +28,71 @@ def build(hs: Any) -> None:
                lambda field=field: _ns().Precision(**{field: _jnp().float8_e4m3fn}))
         hs.api(f"misc/precision_{field}_int8", field,
                lambda field=field: _ns().Precision(**{field: "int8"}))
+
+    # -- generate: bools are no temperature or seed; a seed is an int; ids and top_k fit
+    # the vocabulary of a model of the caller's (no cfg.vocab: decode's logits say it)
+    def tiny() -> Any:
+        from flax import nnx
+
+        from nnx_shard.models import Transformer, get_config
+
+        return Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+
+    def gen(model: Any = None, prompt: Any = ((1, 2, 3),), **kw: Any) -> Any:
+        from nnx_shard.models import generate
+
+        return generate(tiny() if model is None else model, prompt, 2, **kw)
+
+    hs.api("misc/generate_temperature_bool", "temperature", lambda: gen(temperature=True))
+    for label, seed in (("bool", True), ("float", 1.5), ("text", "abc"), ("none", None),
+                        ("huge", 2**70), ("key_array", "KEY")):
+        hs.api(f"misc/generate_seed_{label}", "seed", lambda seed=seed: gen(
+            temperature=1.0, seed=_key() if seed == "KEY" else seed))
+
+    def sampler(**kw: Any) -> Any:
+        from nnx_shard.models.sampling import generate as window_sample
+
+        args = {"temperature": 1.0, "seed": 0, **kw}
+        return window_sample(tiny(), [1, 2, 3], 2, args["temperature"], args["seed"])
+
+    hs.api("misc/sampler_temperature_bool", "temperature", lambda: sampler(temperature=True))
+    hs.api("misc/sampler_seed_bool", "seed", lambda: sampler(seed=True))
+    for label, prompt in (("id_at_vocab", ((1, 64, 3),)), ("id_negative", ((1, 2, -1),))):
+        hs.api(f"misc/generate_custom_{label}", ("prompt_tokens", "vocabulary"),
+               lambda prompt=prompt: gen(_stock_lm(), prompt))
+    hs.api("misc/generate_custom_top_k_past_vocab", "top_k",
+           lambda: gen(_stock_lm(), temperature=1.0, top_k=65))
+
+
+def _key() -> Any:
+    import jax
+
+    return jax.random.key(0)
+
+
+def _stock_lm() -> Any:
+    """A model of stock Flax layers with no ``cfg``: a vocabulary of 64 that only its logits
+    say."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nnx_shard.models import CACHE_AXES
+
+    class StockLM(nnx.Module):
+        max_length = 16
+
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.embed = nnx.Embed(64, 16, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(2, 16, decode=False, rngs=rngs)
+            self.out = nnx.Linear(16, 64, rngs=rngs)
+
+        def init_cache(self, batch: int, length: int) -> None:
+            self.attn.init_cache((batch, length, 16))
+            _ns().annotate(self, {r"attn/cached_(key|value)$": CACHE_AXES})
+
+        def decode(self, tokens: Any) -> Any:
+            steps = [self.out(self.attn(self.embed(tokens[:, t:t + 1]), decode=True))
+                     for t in range(tokens.shape[1])]
+            return jnp.concatenate(steps, axis=1)
+
+    return StockLM(nnx.Rngs(0))
