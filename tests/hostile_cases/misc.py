@@ -63,6 +63,14 @@ def build(hs: Any) -> None:
     hs.api("misc/generate_custom_top_k_past_vocab", "top_k",
            lambda: gen(_stock_lm(), temperature=1.0, top_k=65))
 
+    # -- plan --auto: no layout whose devices would all repeat one step; a bounded count
+    auto = ("plan", "--auto", "--model", "tiny", "--batch", "8", "--seq", "16", "--no-cache")
+    hs.cli("misc/plan_auto_three_devices_dense", ("devices", "no preset can use 3"),
+           *auto, "--devices", "3")
+    hs.cli("misc/plan_auto_devices_billion", "--devices", *auto, "--devices", "1000000000")
+    hs.api("misc/auto_devices_billion", "devices", lambda: _ns().planner.auto(
+        "tiny", devices=10**9, batch=8, seq=16, progress=False))
+
 
 def _key() -> Any:
     import jax
