@@ -80,9 +80,21 @@ def mesh_sizes(text: str) -> dict[str, int]:
     return sizes
 
 
-def strategy(name: str) -> Strategy:
-    """``--strategy NAME``: the preset (an unknown name is a ShardingError naming the known)."""
-    return presets.get(name)
+def strategy(name: str, flag: str = "--strategy") -> Strategy:
+    """``--strategy NAME``: the preset; an unknown name is the usage error of ``flag``,
+    naming the known ones.
+
+    >>> strategy("fsdp").name
+    'fsdp'
+    >>> strategy("fsdpp")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: --strategy 'fsdpp': unknown strategy 'fsdpp'. Did you mean 'fsdp'? ...
+    """
+    try:
+        return presets.get(name)
+    except ShardingError as e:
+        raise UsageError(f"{flag} {short(name, 60)}: {e}") from None
 
 
 def optimizer(name: str) -> optax.GradientTransformation:

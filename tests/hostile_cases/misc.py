@@ -71,6 +71,43 @@ def build(hs: Any) -> None:
     hs.api("misc/auto_devices_billion", "devices", lambda: _ns().planner.auto(
         "tiny", devices=10**9, batch=8, seq=16, progress=False))
 
+    # -- explain: --strategy is known and not given with --rules; a factory that ends the
+    # process itself, or a file that is not Python, is an error naming the factory
+    def explain(*argv: str) -> Any:
+        factory = hs.F.file("misc_factory.py", "from flax import nnx\ndef make():\n"
+                                               "    return nnx.Linear(4, 8, rngs=nnx.Rngs(0))\n")
+        rules = hs.F.file("misc_rules.json", '{"batch": "data"}')
+        subst = {"FACTORY": f"{factory}:make", "RULES": rules,
+                 "TXT": hs.F.file("misc_factory.txt", "def make(): pass\n") + ":make"}
+        return hs._run_cli(["explain", *(subst.get(a, a) for a in argv)])
+
+    hs.api("misc/explain_rules_and_unknown_strategy", "--strategy", lambda: explain(
+        "FACTORY", "--mesh", "data=8", "--rules", "RULES", "--strategy", "bogus"))
+    hs.api("misc/explain_rules_and_strategy", ("--rules", "--strategy"), lambda: explain(
+        "FACTORY", "--mesh", "data=8", "--rules", "RULES", "--strategy", "fsdp"))
+    hs.api("misc/explain_unknown_strategy", "--strategy", lambda: explain(
+        "FACTORY", "--mesh", "data=8", "--strategy", "bogus"))
+    hs.api("misc/explain_factory_not_py", "not a .py file", lambda: explain(
+        "TXT", "--mesh", "data=8", "--strategy", "dp"))
+    for label, source in (("factory", "import os\ndef make():\n    os._exit(0)\n"),
+                          ("module", "import os\nos._exit(0)\n")):
+        hs.api(f"misc/explain_os_exit_in_{label}", ("FACTORY", "os._exit"),
+               lambda label=label, source=source: _console(
+                   "explain", hs.F.file(f"misc_exit_{label}.py", source) + ":make",
+                   "--mesh", "data=8", "--strategy", "dp"), slow=True)
+
+
+def _console(*argv: str) -> Any:
+    """The console script in a fresh Python (for code that would end the sweep's worker)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NNX_SHARD_DEBUG"}
+    done = subprocess.run([sys.executable, "-m", "nnx_shard.cli", *argv], capture_output=True,
+                          text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    return ("cli", done.returncode, done.stdout, done.stderr)
+
 
 def _key() -> Any:
     import jax
