@@ -4,6 +4,7 @@ devices per process, and training a model with an integer parameter."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -95,6 +96,10 @@ def build(hs: Any) -> None:
                lambda label=label, source=source: _console(
                    "explain", hs.F.file(f"misc_exit_{label}.py", source) + ":make",
                    "--mesh", "data=8", "--strategy", "dp"), slow=True)
+
+    # -- launch: a bounded number of devices per process (100,000 grew each to gigabytes)
+    hs.cli("misc/launch_devices_per_process_huge", "--devices-per-process", "launch", "-n", "2",
+           "--devices-per-process", "100000", "--", sys.executable, "-c", "pass")
 
 
 def _console(*argv: str) -> Any:
