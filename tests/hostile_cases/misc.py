@@ -101,6 +101,30 @@ def build(hs: Any) -> None:
     hs.cli("misc/launch_devices_per_process_huge", "--devices-per-process", "launch", "-n", "2",
            "--devices-per-process", "100000", "--", sys.executable, "-c", "pass")
 
+    # -- an integer nnx.Param tracked by the optimizer: jax.grad failed inside fit
+    hs.api("misc/trainer_integer_param", ("integer parameter", "seen"), _int_param_fit)
+
+
+def _int_param_fit() -> Any:
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    class Counted(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.lin = nnx.Linear(2, 1, rngs=rngs)
+            self.seen = nnx.Param(jnp.array(0, jnp.int32))
+
+        def __call__(self, x: Any) -> Any:
+            return self.lin(x)
+
+    model = Counted(nnx.Rngs(0))
+    trainer = _ns().Trainer(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+                            lambda m, b: jnp.mean((m(b) - 1.0) ** 2), mesh="data=8",
+                            rules={"batch": "data"}, steps_per_call=2)
+    return trainer.fit([np.ones((8, 2), np.float32)] * 2, 2, progress=False)
+
 
 def _console(*argv: str) -> Any:
     """The console script in a fresh Python (for code that would end the sweep's worker)."""
