@@ -358,7 +358,8 @@ def test_bad_flags_from_the_console_script_have_no_traceback():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith(".")
     assert lines[0].startswith(
-        "nnx-shard: error: unknown strategy 'pipeline'. Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep"
+        "nnx-shard: error: --strategy 'pipeline': unknown strategy 'pipeline'. Known: dp, zero1, "
+        "fsdp, tp, fsdp_tp, sp, ep"
     )
 
 
