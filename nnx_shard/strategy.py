@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import itertools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -230,13 +229,14 @@ class Strategy:
         n = jax.device_count() if n_devices is None else int(n_devices)
         state = model if isinstance(model, nnx.State) else nnx.state(model)
         prefer = dict(prefer) if prefer else self.mesh_for(n)
-        best, best_cost = None, math.inf
-        for shape in factorizations(n, len(self.mesh_axes)):
-            sizes = dict(zip(self.mesh_axes, shape, strict=True))
-            cost = sum(abs(math.log(sizes[a] / max(prefer.get(a, 1), 1))) for a in sizes)
-            if cost < best_cost and not self._problems(state, sizes):
-                best, best_cost = sizes, cost
-        return best
+        def cost(sizes: dict[str, int]) -> float:
+            return sum(abs(math.log(sizes[a] / max(prefer.get(a, 1), 1))) for a in sizes)
+
+        # Closest first (a stable sort keeps the enumeration's order among equals): the
+        # first that fits is the answer, and each shape tried resolves every parameter.
+        meshes = sorted((dict(zip(self.mesh_axes, shape, strict=True))
+                         for shape in factorizations(n, len(self.mesh_axes))), key=cost)
+        return next((sizes for sizes in meshes if not self._problems(state, sizes)), None)
 
     def check(self, model: Any, mesh: Mesh | str | Mapping[str, int]) -> None:
         """Raises a ``ShardingError`` if the mesh lacks one of :attr:`mesh_axes` or a
@@ -367,14 +367,44 @@ def _sizes(mesh: Mesh | str | Mapping[str, int]) -> dict[str, int]:
     return mesh_sizes(mesh if isinstance(mesh, Mapping) else make_mesh(mesh))
 
 
+#: The largest device count plan and explain lay out (2**20: far past any machine; a
+#: mesh of 10**40 devices would only make the report's arithmetic crawl).
+MAX_PLAN_DEVICES = 1 << 20
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1`` in increasing order, from its prime factors (trial
+    division up to sqrt(n): a billion takes microseconds, not a billion divisions).
+
+    >>> divisors(12), divisors(1), divisors(97)
+    ([1, 2, 3, 4, 6, 12], [1], [1, 97])
+    """
+    out, rest, p = [1], n, 2
+    while p * p <= rest:
+        power = 1
+        while rest % p == 0:
+            rest //= p
+            power += 1
+        out = [d * p**e for d in out for e in range(power)]
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        out = [d * m for d in out for m in (1, rest)]
+    return sorted(out)
+
+
 def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
-    """Every way to write ``n`` as an ordered product of ``k`` positive factors.
+    """Every way to write ``n`` as an ordered product of ``k`` positive factors, in
+    lexicographic order; built divisor by divisor, so the work is the number of
+    answers, not ``n`` (nor the divisor count to the power ``k``).
 
     >>> factorizations(4, 2)
     [(1, 4), (2, 2), (4, 1)]
     """
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return [c for c in itertools.product(divisors, repeat=k) if math.prod(c) == n]
+    if k < 1:
+        return [()] if n == 1 else []
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in divisors(n) for rest in factorizations(n // d, k - 1)]
 
 
 def replicated(first: tuple[str, ...] = ()) -> Rules:

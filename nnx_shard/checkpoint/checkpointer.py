@@ -25,6 +25,7 @@ from nnx_shard.checkpoint.folders import (
     _resolve_dir,
     _rotate,
     _settle,
+    _taken,
     _WriteLock,
 )
 from nnx_shard.checkpoint.restore import restore
@@ -250,6 +251,7 @@ class Checkpointer:
                 with _quiet():
                     self._mngr.wait_until_finished()
             except Exception as e:
+                _taken(self._mngr)
                 _remove_tmp(self.directory, step)
                 self._failure = _save_failed("Checkpointer", self.directory, step, e,
                                              background=True)

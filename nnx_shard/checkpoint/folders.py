@@ -416,6 +416,18 @@ def _pin_tmp(record: pathlib.Path | None, directory: pathlib.Path, step: int) ->
         _pin(record, directory / _tmp_name(step))
 
 
+def _taken(mngr: Any) -> None:
+    """Marks the failure of ``mngr``'s last save as reported (nnx_shard raises it once,
+    as its own error). orbax keeps it on the finished finalize thread and raises it
+    again to each further thread that waits, closes included: closing from another
+    thread (exit closes from one) raised the raw error a second time and stopped
+    orbax's close halfway, leaving its threads to log tracebacks after ours."""
+    ref = getattr(mngr, "_finalize_thread", None)
+    thread = ref.get() if ref is not None and hasattr(ref, "get") else None
+    if thread is not None and not thread.is_alive() and getattr(thread, "exception", None):
+        thread.exception = None
+
+
 def _remove_tmp(directory: pathlib.Path, step: int) -> None:
     """Removes the temporary folder this process's failed save of ``step`` left, as
     its claim proves it (under the directory's lock: no other save of ours writes it)."""

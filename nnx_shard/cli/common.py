@@ -16,7 +16,7 @@ import optax
 from nnx_shard import optimizers, presets
 from nnx_shard.errors import ShardingError, UsageError, short
 from nnx_shard.mesh import parse_axes
-from nnx_shard.strategy import Strategy
+from nnx_shard.strategy import MAX_PLAN_DEVICES, Strategy
 from nnx_shard.units import parse_bytes
 
 __all__ = [
@@ -31,9 +31,6 @@ DEMO_MAX_STEPS = 1_000_000
 # Meshes up to this many devices are compiled by default (a 256-device compile of
 # the small models takes seconds; larger ones grow with the device count).
 COMPILE_MAX_DEVICES = 512
-# The largest mesh plan and explain lay out (2**20: far past any machine; a mesh of
-# 10**40 devices would only make the report's arithmetic crawl).
-MAX_PLAN_DEVICES = 1 << 20
 
 DEBUG_ENV = "NNX_SHARD_DEBUG"
 DEBUG_HINT = f"(--debug or {DEBUG_ENV}=1 shows the traceback)"
@@ -83,9 +80,21 @@ def mesh_sizes(text: str) -> dict[str, int]:
     return sizes
 
 
-def strategy(name: str) -> Strategy:
-    """``--strategy NAME``: the preset (an unknown name is a ShardingError naming the known)."""
-    return presets.get(name)
+def strategy(name: str, flag: str = "--strategy") -> Strategy:
+    """``--strategy NAME``: the preset; an unknown name is the usage error of ``flag``,
+    naming the known ones.
+
+    >>> strategy("fsdp").name
+    'fsdp'
+    >>> strategy("fsdpp")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: --strategy 'fsdpp': unknown strategy 'fsdpp'. Did you mean 'fsdp'? ...
+    """
+    try:
+        return presets.get(name)
+    except ShardingError as e:
+        raise UsageError(f"{flag} {short(name, 60)}: {e}") from None
 
 
 def optimizer(name: str) -> optax.GradientTransformation:

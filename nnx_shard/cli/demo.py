@@ -274,7 +274,7 @@ def _setup(args: argparse.Namespace) -> _Run:
                t_start=time.perf_counter())
     strategy = run.strategy = _strategy(args.strategy)
     restore_name = args.restore_strategy or ("fsdp" if strategy.name == "tp" else "tp")
-    restore_strategy = run.restore_strategy = _strategy(restore_name)
+    restore_strategy = run.restore_strategy = _strategy(restore_name, "--restore-strategy")
     devices = jax.devices()
     if len(devices) == 1 and len(jax.devices("cpu")) > 1:
         devices = jax.devices("cpu")  # one accelerator: use the simulated CPU devices

@@ -5,20 +5,22 @@ This runs the user's code: the module is imported (its top-level code runs) and 
 factory is called, under ``nnx.eval_shape`` so no parameter array is allocated. A
 module name is looked up on ``sys.path`` as it is, then in the current directory
 (appended last, for this import only, so a file there never shadows an installed
-module). The user's own failures (an import, a factory raising, ``sys.exit``) are
-one line and exit status 2.
+module). The user's own failures (an import, a factory raising, ``sys.exit`` or
+``os._exit``) are one line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from flax import nnx
 
@@ -32,6 +34,32 @@ from nnx_shard.rules import Rules
 __all__ = ["run"]
 
 
+class _HardExit(BaseException):
+    """``os._exit(code)`` called by the user's code: a BaseException, so their own
+    ``except Exception`` does not swallow it on its way out."""
+
+    def __init__(self, code: Any) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _no_hard_exit() -> Iterator[None]:
+    # os._exit ends the process at once, skipping every handler: a factory calling
+    # os._exit(0) would end explain with status 0 and no report, read as success.
+    # While the user's code runs it raises instead (posix._exit itself stays).
+    real = os._exit
+
+    def refuse(status: int) -> NoReturn:
+        raise _HardExit(status)
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def _import(spec: str, mod_name: str) -> Any:
     """The module of ``module:factory``: a file path or an importable name."""
     try:
@@ -41,11 +69,16 @@ def _import(spec: str, mod_name: str) -> Any:
                 raise UsageError(f"no file {str(path)!r}. Fix: the path of a .py file defining the "
                                  "factory")
             sp = importlib.util.spec_from_file_location(path.stem, path)
-            assert sp is not None and sp.loader is not None
+            if sp is None or sp.loader is None:  # importlib reads .py (and compiled) files only
+                raise UsageError(f"FACTORY {spec!r}: {str(path)!r} is not a .py file, so Python "
+                                 "cannot import it. Fix: the path of a .py file defining the "
+                                 "factory (rename it), or an importable module name")
             module = importlib.util.module_from_spec(sp)
-            sp.loader.exec_module(module)
+            with _no_hard_exit():
+                sp.loader.exec_module(module)
             return module
-        return _import_name(mod_name)
+        with _no_hard_exit():
+            return _import_name(mod_name)
     except ModuleNotFoundError as e:
         if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
             raise UsageError(f"cannot import {mod_name!r}: {e}. Fix: run from the directory "
@@ -54,9 +87,10 @@ def _import(spec: str, mod_name: str) -> Any:
                          f"ModuleNotFoundError: {_one_line(e)} {DEBUG_HINT}") from e
     except UsageError:
         raise
-    except SystemExit as e:  # the module's top level ended the process: say so, exit 2
+    except (SystemExit, _HardExit) as e:  # the module's top level would end the process
+        call = "os._exit" if isinstance(e, _HardExit) else "sys.exit"
         raise UsageError(f"FACTORY {spec!r}: importing {mod_name!r} called "
-                         f"sys.exit({e.code!r}). Fix: keep sys.exit under "
+                         f"{call}({e.code!r}). Fix: keep {call} under "
                          "`if __name__ == '__main__':`") from None
     except Exception as e:  # the user's module failed while importing: their code, one line
         raise UsageError(f"FACTORY {spec!r}: importing {mod_name!r} raised "
@@ -118,12 +152,13 @@ def _call_factory(spec: str, factory: Any) -> Any:
     try:
         # Names from nnx.with_partitioning are logical, not mesh axes: Flax must not place
         # them eagerly (there is no mesh here), as sharded_init does not let it either.
-        with nnx.use_eager_sharding(False):
+        with nnx.use_eager_sharding(False), _no_hard_exit():
             return nnx.eval_shape(factory)
     except ShardingError:
         raise
-    except SystemExit as e:  # exit 0 with no report would read as success
-        raise UsageError(f"FACTORY {spec!r} called sys.exit({e.code!r}) instead of returning "
+    except (SystemExit, _HardExit) as e:  # exit 0 with no report would read as success
+        call = "os._exit" if isinstance(e, _HardExit) else "sys.exit"
+        raise UsageError(f"FACTORY {spec!r} called {call}({e.code!r}) instead of returning "
                          "a module. Fix: return the model from the factory") from None
     except Exception as e:
         raise UsageError(f"FACTORY {spec!r} raised {type(e).__name__}: {_one_line(e)} "
@@ -146,6 +181,11 @@ def run(args: argparse.Namespace) -> int:
     sizes = mesh_sizes(args.mesh)
     opt_rules = None
     strat = None
+    if args.rules and args.strategy:
+        raise UsageError(f"--rules and --strategy are alternatives (a rules file, or a preset's "
+                         f"rules), got both: --rules {args.rules!r} --strategy "
+                         f"{args.strategy!r}. Fix: drop one; to change a preset's rules keep "
+                         "--strategy and add --rules-extra (e.g. norm=none)")
     if args.rules:
         if not Path(args.rules).is_file():
             raise UsageError(f"--rules {args.rules!r}: no such file. Fix: the path of a .toml, "

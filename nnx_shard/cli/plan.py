@@ -23,6 +23,7 @@ from nnx_shard import pipeline
 from nnx_shard.axes import abstract_mesh, sizes_str
 from nnx_shard.cli.common import (
     COMPILE_MAX_DEVICES,
+    MAX_PLAN_DEVICES,
     PROG,
     UsageError,
     device_memory,
@@ -470,6 +471,21 @@ def _auto_hardware(args: argparse.Namespace) -> Any:
         raise UsageError(str(e)) from None
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """--devices, --top and --max-compiles within their bounds."""
+    if args.devices < 1:
+        raise UsageError(f"--devices must be at least 1, got {args.devices}. Fix: e.g. --devices 8")
+    if args.devices > MAX_PLAN_DEVICES:
+        raise UsageError(f"--devices must be at most {MAX_PLAN_DEVICES:,} (the largest mesh "
+                         f"plan lays out, as for --mesh), got {args.devices:,}. Fix: e.g. "
+                         "--devices 1024")
+    if args.top < 0:
+        raise UsageError(f"--top must be 0 or more, got {args.top}. Fix: e.g. --top 5")
+    if args.max_compiles < 1:
+        raise UsageError(f"--max-compiles must be at least 1, got {args.max_compiles}. Fix: e.g. "
+                         "--max-compiles 64")
+
+
 def run_auto(args: argparse.Namespace) -> int:
     """``nnx-shard plan --auto``: prints the plan (or JSON); exit 0 when something
     fits, 1 when nothing does. Bad input raises the usage error.
@@ -488,13 +504,7 @@ def run_auto(args: argparse.Namespace) -> int:
                          "--compute-dtype apply to a plan of one mesh (drop --auto)")
     if args.mesh:
         raise UsageError("plan --auto chooses the mesh: drop --mesh (or drop --auto to check one)")
-    if args.devices < 1:
-        raise UsageError(f"--devices must be at least 1, got {args.devices}. Fix: e.g. --devices 8")
-    if args.top < 0:
-        raise UsageError(f"--top must be 0 or more, got {args.top}. Fix: e.g. --top 5")
-    if args.max_compiles < 1:
-        raise UsageError(f"--max-compiles must be at least 1, got {args.max_compiles}. Fix: e.g. "
-                         "--max-compiles 64")
+    _check_counts(args)
     names = None
     if args.strategies is not None:
         names = [s.strip() for s in args.strategies.split(",") if s.strip()]

@@ -86,7 +86,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from nnx_shard.annotate import logical_names, path_str
 from nnx_shard.axes import mesh_sizes
-from nnx_shard.errors import ShardingError, ShardingWarning
+from nnx_shard.errors import ShardingError, ShardingWarning, UsageError, short
 from nnx_shard.mesh import apply_sharding, current, make_mesh, use, variable_spec
 from nnx_shard.models._ops import whole
 from nnx_shard.models.kv_cache import CACHE_AXES
@@ -182,13 +182,59 @@ def _check_prompt(prompt: Any, model: Any, caller: str) -> np.ndarray:
             f"{caller}: prompt_tokens of shape {arr.shape} is empty; generation continues at "
             "least one token of at least one sequence."
         )
-    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
-    if isinstance(vocab, int) and arr.size and (arr.min() < 0 or arr.max() >= vocab):
-        raise ValueError(
-            f"{caller}: prompt_tokens hold ids from {arr.min()} to {arr.max()}, but the model's "
-            f"vocabulary has ids 0 .. {vocab - 1}."
-        )
+    _check_ids(arr, _config_vocab(model), caller)
     return arr.astype(np.int32)
+
+
+def _config_vocab(model: Any) -> int | None:
+    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
+    return int(vocab) if isinstance(vocab, int | np.integer) and not isinstance(vocab, bool) \
+        else None
+
+
+def _check_ids(arr: np.ndarray, vocab: int | None, caller: str,
+               name: str = "prompt_tokens") -> None:
+    """Every id of the host array ``arr`` in ``0 .. vocab - 1`` (an id past the
+    embedding table would be read clamped, silently); the first one outside is named."""
+    if vocab is None or not arr.size:
+        return
+    bad = (arr < 0) | (arr >= vocab)
+    if not bad.any():
+        return
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    at = f"{name}[{', '.join(map(str, where))}]"
+    raise UsageError(
+        f"{caller}: {at} is {int(arr[where])}, outside the model's vocabulary of {vocab} ids "
+        f"(0 .. {vocab - 1}); the prompt holds ids from {arr.min()} to {arr.max()}, "
+        f"{int(bad.sum())} outside. "
+        f"Fix: tokenize with the model's own tokenizer, or map ids into 0 .. {vocab - 1}."
+    )
+
+
+def _check_seed(seed: Any, caller: str) -> int:
+    """``seed`` as a Python int: ``jax.random.key`` takes an int64 (a bool, a float, text,
+    a key array, or an int past int64 fail deep inside JAX)."""
+    if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        raise UsageError(f"{caller}: seed must be an int, got a jax.random key array: the key "
+                         "is made from the seed (jax.random.key(seed)). Fix: seed=<the int the "
+                         "key was made from>, e.g. seed=0.")
+    if isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer):
+        what = "a bool" if isinstance(seed, bool | np.bool_) else type(seed).__name__
+        raise UsageError(f"{caller}: seed must be an int, got {' '.join(short(seed, 60).split())} "
+                         f"({what}). Fix: seed=0 (any int from -2**63 to 2**63-1).")
+    if not -(2**63) <= int(seed) < 2**63:
+        raise UsageError(f"{caller}: seed must be an int from -2**63 to 2**63-1 (what "
+                         f"jax.random.key takes), got {short(seed, 60)}. Fix: seed=0, or "
+                         "seed % 2**63.")
+    return int(seed)
+
+
+def _logits_vocab(fn: Any, *args: Any) -> int | None:
+    """The last dimension of ``fn(*args)``'s output, traced abstractly (nothing runs):
+    the vocabulary of a model that does not say its own."""
+    out = jax.eval_shape(fn, *args)
+    shape: tuple[int, ...] = tuple(getattr(out, "shape", ()))
+    return int(shape[-1]) if len(shape) == 3 else None
 
 
 def _context(model: Any) -> int | None:
@@ -221,7 +267,12 @@ def _check_lengths(model: Any, prompt_len: int, new: Any, caller: str) -> int:
     return new
 
 
-def _check_sampling(temperature: Any, top_k: Any, model: Any, caller: str) -> tuple[float, int | None]:
+def _check_temperature(temperature: Any, caller: str) -> float:
+    if isinstance(temperature, bool | np.bool_ | str | bytes):
+        # float(True) is 1.0 and float("0.5") is 0.5: neither is a temperature given.
+        raise UsageError(f"{caller}: temperature must be a number, got {short(temperature, 40)} "
+                         f"({'a bool' if isinstance(temperature, bool | np.bool_) else 'text'}). "
+                         "Fix: temperature=0.0 (greedy) or e.g. temperature=0.8.")
     try:
         t = float(temperature)
     except (TypeError, ValueError):
@@ -229,14 +280,23 @@ def _check_sampling(temperature: Any, top_k: Any, model: Any, caller: str) -> tu
     if not math.isfinite(t) or t < 0:
         raise ValueError(f"{caller}: temperature={temperature!r}; use 0 (greedy) or a positive "
                          "number.")
+    return t
+
+
+def _check_top_k(top_k: Any, vocab: int | None, caller: str) -> int | None:
     if top_k is None:
-        return t, None
-    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
-    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 1 or (
-            isinstance(vocab, int) and top_k > vocab):
-        raise ValueError(f"{caller}: top_k={top_k!r}; use None (every token) or an int from 1 "
-                         f"to the vocabulary size{f' ({vocab})' if isinstance(vocab, int) else ''}.")
-    return t, int(top_k)
+        return None
+    if isinstance(top_k, bool | np.bool_) or not isinstance(top_k, int | np.integer) \
+            or top_k < 1 or (vocab is not None and top_k > vocab):
+        raise UsageError(f"{caller}: top_k={short(top_k, 40)}; use None (every token) or an int "
+                         f"from 1 to the vocabulary size{f' ({vocab})' if vocab else ''}. "
+                         "Fix: e.g. top_k=40.")
+    return int(top_k)
+
+
+def _check_sampling(temperature: Any, top_k: Any, model: Any, caller: str) -> tuple[float, int | None]:
+    return _check_temperature(temperature, caller), _check_top_k(top_k, _config_vocab(model),
+                                                                 caller)
 
 
 def _placement(mesh: Any, rules: Any, caller: str) -> tuple[Mesh | None, Rules | None]:
@@ -439,6 +499,7 @@ def _prepare(model: Any, prompt_tokens: Any, max_new_tokens: Any, temperature: A
     batch, prompt_len = prompt.shape
     new = _check_lengths(model, prompt_len, max_new_tokens, caller)
     t, k = _check_sampling(temperature, top_k, model, caller)
+    seed = _check_seed(seed, caller)
     mesh, rules = _placement(mesh, rules, caller)
     gen_rules = None
     if mesh is not None:
@@ -446,6 +507,13 @@ def _prepare(model: Any, prompt_tokens: Any, max_new_tokens: Any, temperature: A
         _check_batch(batch, mesh, gen_rules, caller)
     graphdef, old, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
     with_cache, cache = _abstract_cache(graphdef, old, rest, batch, prompt_len + new)
+    if _config_vocab(model) is None:  # a model of the caller's: its logits say the vocabulary
+        with (use(mesh, gen_rules) if mesh is not None and gen_rules is not None
+              else contextlib.nullcontext()):
+            vocab = _logits_vocab(lambda c, r, x: nnx.merge(with_cache, c, r).decode(x), cache,
+                                  rest, jax.ShapeDtypeStruct((batch, 1), jnp.int32))
+        _check_ids(prompt, vocab, caller)
+        k = _check_top_k(top_k, vocab, caller)
     if mesh is not None:
         _warn_unannotated(cache, mesh, caller)
         for path, var in nnx.to_flat_state(cache):  # every other layout problem, by path
@@ -484,9 +552,14 @@ def generate(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperature
         are not integers; ``max_new_tokens`` is not an int; ``mesh`` without
         ``rules`` or the reverse.
       ValueError: ``prompt_tokens`` not of rank 2, empty, or with ids outside
-        the vocabulary; the prompt longer than the model's context
-        (``max_length``), or ``max_new_tokens`` < 1 or past it; a negative
-        ``temperature``, a ``top_k`` out of range.
+        the vocabulary (``cfg.vocab``, else the width of ``decode``'s logits);
+        the prompt longer than the model's context (``max_length``), or
+        ``max_new_tokens`` < 1 or past it; a negative ``temperature``, a
+        ``top_k`` out of range.
+      UsageError (a ValueError): a ``temperature`` given as a bool or text, a
+        ``seed`` that is not an int of int64's range (a bool, a float, a key
+        array), ids outside the vocabulary (the first one named by row and
+        column), a ``top_k`` past the vocabulary.
       ShardingError: the batch does not divide over the mesh axes of
         ``cache_batch`` (or ``batch``), or any cache array does not fit its rule.
 

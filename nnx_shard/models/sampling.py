@@ -31,8 +31,16 @@ def generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> 
     """
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
+    from nnx_shard.errors import count
+    from nnx_shard.models import generation as g
+
+    n = count(n, "generate: n")
+    temperature = g._check_temperature(temperature, "generate")
+    seed = g._check_seed(seed, "generate")
+    g._check_ids(np.asarray(prompt), g._config_vocab(model), "generate", "prompt")
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -115,6 +123,7 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
     batch, prompt_len = prompt.shape
     new = g._check_lengths(model, prompt_len, max_new_tokens, caller)
     t, k = g._check_sampling(temperature, top_k, model, caller)
+    seed = g._check_seed(seed, caller)
     mesh, rules = g._placement(mesh, rules, caller)
     ctx: Any = contextlib.nullcontext()
     gen_rules = None
@@ -123,6 +132,12 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
         g._check_batch(batch, mesh, gen_rules, caller)
         ctx = use(mesh, gen_rules)
     graphdef, state = nnx.split(model)
+    if g._config_vocab(model) is None:  # a model of the caller's: its logits say the vocabulary
+        with ctx:
+            vocab = g._logits_vocab(lambda s, x: nnx.merge(graphdef, s)(x), state,
+                                    jax.ShapeDtypeStruct(prompt.shape, jnp.int32))
+        g._check_ids(prompt, vocab, caller)
+        k = g._check_top_k(top_k, vocab, caller)
     run = _program(graphdef, mesh, gen_rules, batch, prompt_len, new, t == 0.0, k)
     with ctx:
         return run(state, prompt, jax.random.key(seed), jnp.float32(max(t, 1e-6)))

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 from jax.sharding import AbstractMesh
 from tqdm.auto import tqdm
 
@@ -43,7 +44,7 @@ from nnx_shard.planner.hardware import Hardware
 from nnx_shard.planner.options import AutoOptions
 from nnx_shard.planner.plan import Candidate, Plan
 from nnx_shard.planner.trust import compiled_trusted
-from nnx_shard.planner.twins import signature
+from nnx_shard.planner.twins import activation_entries, signature
 from nnx_shard.planner.user import UserModel, user_request
 from nnx_shard.presets import get
 from nnx_shard.report import fmt_bytes
@@ -113,6 +114,33 @@ class Problem:
         if self.user is not None:
             return self.user.batch_problem(strat, sizes, mb)
         return batch_problem(strat, sizes, self.opts.batch, self.opts.seq, mb)
+
+    def idle_axes(self, strat: Strategy, sizes: dict[str, int], mb: int) -> list[str]:
+        """The mesh axes of size > 1 that lay out nothing of the step under ``strat`` on
+        ``sizes``: no parameter, optimizer state, batch array (nor, for a reference
+        model, activation) is split over them, so every device along one would repeat
+        the same step (``ep`` on a dense model where the batch does not divide over
+        ``data`` x ``expert``). Empty where that cannot be told here: the compile says."""
+        big = [a for a, n in sizes.items() if n > 1]
+        if not big:
+            return []
+        mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+        try:
+            rows = abstract_report(self.abstract, sizes, strat.rules, self.tx,
+                                   strat.opt_rules).rows
+            entries = [tuple(entry_axes(e) for e in tuple(r.spec)) for r in rows]
+            if self.cfg is not None:
+                entries += activation_entries(strat, sizes, self.cfg, batch=self.opts.batch,
+                                              seq=self.opts.seq, microbatches=mb)
+            elif self.user is not None:
+                for x in jax.tree_util.tree_leaves(self.user.spec):
+                    spec = strat.rules.spec(("batch", *(None,) * (len(x.shape) - 1)),
+                                            shape=x.shape, mesh=mesh)
+                    entries.append(tuple(entry_axes(e) for e in spec))
+        except Exception:  # a layout the rules refuse: the compile will say what is wrong
+            return []
+        used = {a for spec in entries for e in spec for a in e}
+        return [a for a in big if a not in used]
 
     def first_mb(self, strat: Strategy, sizes: dict[str, int]) -> tuple[int | None, str]:
         """The fewest microbatches of the search's counts that can run under ``strat``

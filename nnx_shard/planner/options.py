@@ -16,7 +16,7 @@ from nnx_shard.errors import UsageError, short
 from nnx_shard.models import REMAT_POLICIES
 from nnx_shard.planner.hardware import Hardware, hardware
 from nnx_shard.presets import get
-from nnx_shard.strategy import PRESETS
+from nnx_shard.strategy import MAX_PLAN_DEVICES, PRESETS
 from nnx_shard.train.guard import DEFAULT_GUARD, GUARDS
 from nnx_shard.units import parse_bytes
 
@@ -113,6 +113,10 @@ def _check_sizes(opts: AutoOptions) -> None:
     if not _positive_int(devices):
         raise UsageError(f"auto: devices must be a positive int, got {short(devices, 60)}. "
                          "Fix: the number of devices to plan for, e.g. devices=8")
+    if devices > MAX_PLAN_DEVICES:
+        raise UsageError(f"auto: devices must be at most {MAX_PLAN_DEVICES:,} (2**20), got "
+                         f"{devices:,}: the largest mesh nnx_shard plans for. Fix: the "
+                         "number of devices of the machine to plan for, e.g. devices=1024")
     for arg, value in (("batch", opts.batch), ("seq", opts.seq)):
         if not _positive_int(value):
             raise UsageError(f"auto: {arg} must be a positive int, got {short(value, 60)}. "

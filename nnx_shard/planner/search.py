@@ -147,6 +147,14 @@ def _layouts(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
     for name, sizes in layouts:
         strat = p.strategy(name)
         base = Candidate(name, sizes, p.policies[0])
+        # The batch first: one rule lookup, where check resolves every parameter (and,
+        # failing, every mesh of the devices for a suggestion): with many devices most
+        # layouts cannot split the batch, and the search stays linear in the layouts.
+        mb, why = p.first_mb(strat, sizes)
+        if mb is None:
+            base.reason = why
+            dropped.append(base)
+            continue
         try:
             strat.check(p.abstract, sizes)
         except (ShardingError, ValueError, TypeError) as e:
@@ -154,9 +162,12 @@ def _layouts(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
             base.reason = "cannot lay out: " + " ".join(str(e).split())
             dropped.append(base)
             continue
-        mb, why = p.first_mb(strat, sizes)
-        if mb is None:
-            base.reason = why
+        idle = p.idle_axes(strat, sizes, mb)
+        if idle:
+            n = sizes[idle[0]]
+            base.reason = (f"mesh axis {idle[0]!r} (size {n}) splits nothing of this model: "
+                           "no parameter, optimizer state, batch or activation is laid out "
+                           f"over it, so its {n} devices would each repeat the same step")
             dropped.append(base)
             continue
         viable.append((name, sizes, mb))
@@ -166,9 +177,11 @@ def _layouts(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
         good = [d for d in range(max(1, n - 8), n + 9) if d != n and batch % d == 0 and d > 1]
         hint = (f" Device counts near {n} that divide the batch {batch}: "
                 f"{', '.join(map(str, good[:6]))}." if good else "")
+        # One line of bounded length, however many presets: each reason gets its share.
+        each = max(60, min(160, 1200 // max(len(fams), 1)))
         raise UsageError(
             f"auto: no preset can use {n} devices for this model with batch {batch} x "
-            f"seq {opts.seq}: " + "; ".join(f"{k}: {clip(v, 160)}" for k, v in fams.items())
+            f"seq {opts.seq}: " + "; ".join(f"{k}: {clip(v, each)}" for k, v in fams.items())
             + f".{hint} Fix: a global batch that divides by the data axes, or another "
             "device count")
     return layouts, viable, dropped, pruned

@@ -25,7 +25,7 @@ from typing import Any
 from nnx_shard.axes import abstract_mesh, entry_axes
 from nnx_shard.errors import ShardingError
 
-__all__ = ["ACTIVATIONS", "MOE_ACTIVATIONS", "signature"]
+__all__ = ["ACTIVATIONS", "MOE_ACTIVATIONS", "activation_entries", "signature"]
 
 #: The logical names the reference models (``Transformer``, ``Llama``) give their
 #: activations when no execution option is set, with each dimension's size: ``B``
@@ -56,6 +56,29 @@ def _sizes(cfg: Any, batch: int, seq: int, microbatches: int) -> dict[str, int]:
     return {"1": 2, "B": batch, "b": max(1, batch // microbatches), "S": seq, "E": cfg.embed,
             "H": cfg.heads, "G": g, "K": cfg.head_dim, "M": cfg.mlp, "V": cfg.vocab,
             "X": max(1, getattr(cfg, "experts", 0) or 1)}
+
+
+def activation_entries(strategy: Any, sizes: dict[str, int], cfg: Any, *, batch: int, seq: int,
+                       microbatches: int) -> list[tuple[tuple[str, ...], ...]]:
+    """The mesh axes of each dimension of the activations a reference model lays out by
+    name (:data:`ACTIVATIONS`, :data:`MOE_ACTIVATIONS` with experts) under ``strategy``
+    on ``sizes``; a :class:`~nnx_shard.errors.ShardingError` where the rules refuse one.
+
+    >>> from nnx_shard.models import get_config
+    >>> from nnx_shard.presets import get
+    >>> activation_entries(get("dp"), {"data": 4}, get_config("tiny"), batch=8, seq=16,
+    ...                    microbatches=1)[0]
+    ((), ('data',), ())
+    """
+    dims = _sizes(cfg, batch, seq, microbatches)
+    mesh = abstract_mesh(dict(sizes))
+    moe = MOE_ACTIVATIONS if getattr(cfg, "experts", 0) else ()
+    entries = []
+    for names, shape_of in (*ACTIVATIONS, *moe):
+        shape = tuple(dims[d] for d in shape_of)
+        spec = strategy.rules.spec(names, shape=shape, mesh=mesh)
+        entries.append(tuple(entry_axes(e) for e in spec))
+    return entries
 
 
 def _canonical(sizes: dict[str, int], entries: list[tuple[tuple[str, ...], ...]]
@@ -115,15 +138,9 @@ def signature(strategy: Any, sizes: dict[str, int], rows: Sequence[Any], cfg: An
     """
     if strategy.rules.options:
         return None
-    dims = _sizes(cfg, batch, seq, microbatches)
-    mesh = abstract_mesh(dict(sizes))
-    entries: list[tuple[tuple[str, ...], ...]] = []
     try:
-        moe = MOE_ACTIVATIONS if getattr(cfg, "experts", 0) else ()
-        for names, shape_of in (*ACTIVATIONS, *moe):
-            shape = tuple(dims[d] for d in shape_of)
-            spec = strategy.rules.spec(names, shape=shape, mesh=mesh)
-            entries.append(tuple(entry_axes(e) for e in spec))
+        entries = activation_entries(strategy, sizes, cfg, batch=batch, seq=seq,
+                                     microbatches=microbatches)
     except ShardingError:
         return None
     for r in rows:

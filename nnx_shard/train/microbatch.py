@@ -19,14 +19,15 @@ import optax
 from flax import nnx
 
 from nnx_shard._frames import Frames
+from nnx_shard.annotate import path_str
 from nnx_shard.axes import entry_axes
-from nnx_shard.errors import ShardingError, count, flag, short
+from nnx_shard.errors import ShardingError, UsageError, count, flag, short
 from nnx_shard.parallel.registry import microbatch_owner
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import fmt_shape, is_node, short_repr
 
-__all__ = ["StepMicrobatches", "check_device_rows", "spec_axes", "tracing_step",
-           "value_and_grad"]
+__all__ = ["StepMicrobatches", "check_device_rows", "check_tracked", "spec_axes",
+           "tracing_step", "value_and_grad"]
 
 
 @dataclasses.dataclass
@@ -158,7 +159,9 @@ def value_and_grad(
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       microbatches: M. ``None`` (default) takes M from the enclosing
         ``multistep(..., microbatches=M)``, else 1 (no splitting).
-      wrt: which Variables of the model to differentiate (an NNX filter).
+      wrt: which Variables of the model to differentiate (an NNX filter); of
+        those, the float (and complex) ones: an integer parameter (a count kept
+        with the weights) has no gradient and is left out of ``grads``.
       precision: a :class:`~nnx_shard.Precision`: inside ``loss_fn`` the model's
         float parameters read in its compute dtype (cast where each is used), the
         stored parameters and the gradients keep theirs. ``None`` (default) takes
@@ -185,6 +188,7 @@ def value_and_grad(
     if not callable(loss_fn):
         raise TypeError(f"value_and_grad: loss_fn must be callable, got {short(loss_fn, 80)}")
     precision = as_precision(precision, "value_and_grad: precision")
+    wrt = nnx.All(wrt, _inexact)  # jax.grad refuses integer inputs
     vg = nnx.value_and_grad(_reading(_checked_loss(loss_fn, has_aux)),
                             argnums=nnx.DiffState(0, wrt), has_aux=has_aux)
 
@@ -209,6 +213,51 @@ def value_and_grad(
             return _accumulate(vg, m, wrt, model, batch, args)
 
     return grad_fn
+
+
+def _inexact(path: Any, value: Any) -> bool:
+    """An NNX filter: a Variable holding a float or complex array (what has a gradient)."""
+    dtype = getattr(value, "dtype", None)
+    try:
+        return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:  # not a dtype JAX knows
+        return False
+
+
+def check_tracked(model: Any, optimizer: Any, who: str = "Trainer") -> None:
+    """Raises a :class:`~nnx_shard.errors.UsageError` naming the integer (or bool)
+    Variables ``optimizer`` updates: :func:`value_and_grad` gives them no gradient,
+    and an optimizer over them would fail inside the step (or, with weight decay,
+    change them). Called when a :class:`~nnx_shard.Trainer` is built.
+
+    >>> class Counted(nnx.Module):
+    ...     def __init__(self):
+    ...         self.w = nnx.Param(jnp.ones(2))
+    ...         self.n = nnx.Param(jnp.array(0))
+    >>> m = Counted()
+    >>> check_tracked(m, nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param))
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: Trainer: the optimizer tracks integer parameter 'n' (int32): ...
+    >>> check_tracked(m, nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.All(nnx.Param, "w")))
+    """
+    wrt = getattr(optimizer, "wrt", None)
+    if wrt is None:
+        return
+    ints = [(path_str(p), v.dtype) for p, v in nnx.to_flat_state(nnx.state(model, wrt))
+            if getattr(v, "dtype", None) is not None and not _inexact(p, v)]
+    if not ints:
+        return
+    (path, dtype), more = ints[0], len(ints) - 1
+    raise UsageError(
+        f"{who}: the optimizer tracks integer parameter {path!r} ({dtype})"
+        + (f" and {more} more" if more else "")
+        + ": gradients exist for float parameters only, so nothing could update it. Fix: "
+        "keep such a value in a Variable that is not a Param (e.g. "
+        "nnx.Variable(jnp.array(0))), or build the optimizer over the float parameters: "
+        "nnx.Optimizer(model, tx, wrt=nnx.All(nnx.Param, lambda path, v: "
+        "jnp.issubdtype(v.dtype, jnp.floating)))."
+    )
 
 
 # The precision of the value_and_grad call being traced (None: parameters as stored).

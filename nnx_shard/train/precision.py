@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard.annotate import path_str
-from nnx_shard.errors import UsageError
+from nnx_shard.errors import UsageError, short
 
 __all__ = ["Precision", "as_precision"]
 
@@ -47,14 +47,27 @@ _ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "fl
 _HOOK = "on_get_value"
 
 
+# The float dtypes a step can hold master weights in and compute in; float8/float6/
+# float4 are storage formats (no accumulation in them, no optimizer math), and None
+# would read as numpy's default, float64.
+_USABLE = ("float64", "float32", "bfloat16", "float16")
+
+
 def _float_dtype(value: Any, what: str) -> np.dtype:
+    fix = (f"Fix: e.g. {what}=jnp.float32 or {what}=jnp.bfloat16 (or 'float32', 'bf16'); "
+           f"leave {what} out for its default.")
+    if value is None:
+        raise UsageError(f"Precision({what}=None): a dtype is needed (None is not 'unchanged'). "
+                         + fix)
     try:
         dt = jnp.dtype(_ALIASES.get(value, value) if isinstance(value, str) else value)
     except TypeError:
         dt = None
     if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise UsageError(f"Precision({what}={value!r}): not a float dtype. Fix: e.g. "
-                         f"{what}=jnp.float32 or {what}=jnp.bfloat16 (or 'float32', 'bf16').")
+        raise UsageError(f"Precision({what}={short(value, 60)}): not a float dtype. " + fix)
+    if dt.name not in _USABLE:
+        raise UsageError(f"Precision({what}={dt.name}): a storage format, not a dtype to "
+                         f"train in (only {', '.join(_USABLE)} are). " + fix)
     return dt
 
 
@@ -66,8 +79,11 @@ class Precision:
     Pass it to :class:`~nnx_shard.Trainer` or :func:`~nnx_shard.multistep` (whose
     step must take its gradients with :func:`~nnx_shard.value_and_grad`), or to
     :func:`~nnx_shard.value_and_grad` itself. Dtypes are numpy/jax dtypes or their
-    names (``"float32"``, ``"bfloat16"``, ``"bf16"``). ``compute=float16`` is refused:
-    it needs loss scaling, which bfloat16 (float32's exponent range) does not.
+    names (``"float32"``, ``"bfloat16"``, ``"bf16"``); both are needed (``None`` is
+    refused, not read as "unchanged"), and only float64, float32, bfloat16 and float16
+    are dtypes to train in (float8/float6/float4 are storage formats; integers and bool
+    are refused too). ``compute=float16`` is refused: it needs loss scaling, which
+    bfloat16 (float32's exponent range) does not.
 
     The rules, checked each time the loss is traced (and by ``Trainer`` when it is
     built), each failure one :class:`~nnx_shard.errors.UsageError` naming the paths:

@@ -29,6 +29,7 @@ from nnx_shard.train.guard import (
     make_gated_step,
     make_step,
 )
+from nnx_shard.train.microbatch import check_tracked
 from nnx_shard.train.placement import LogicalNames, Placer
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.progress import Progress
@@ -133,6 +134,7 @@ class Trainer:
         if self.precision is not None:
             self.precision.check(model)  # here, not at the first step's trace
         self._guard_mode = check_guard(guard)
+        check_tracked(model, optimizer)
         self.model = model
         self.optimizer = optimizer
         self.mesh = make_mesh(mesh)

@@ -358,7 +358,8 @@ def test_bad_flags_from_the_console_script_have_no_traceback():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith(".")
     assert lines[0].startswith(
-        "nnx-shard: error: unknown strategy 'pipeline'. Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep"
+        "nnx-shard: error: --strategy 'pipeline': unknown strategy 'pipeline'. Known: dp, zero1, "
+        "fsdp, tp, fsdp_tp, sp, ep"
     )
 
 
@@ -1031,3 +1032,39 @@ def test_demo_samples_through_the_cached_path(caplog):
     np.testing.assert_array_equal(out[:8], first)
     second = np.asarray(generate(model, np.concatenate([prompt, first])[None, -8:], 8))[0, 8:]
     np.testing.assert_array_equal(out[8:16], second)
+
+
+def test_explain_strategy_must_be_known_and_is_not_combined_with_rules(capsys, factory_dir):
+    code, _, err = run(capsys, "explain", "my_models:make", "--mesh", "data=8",
+                       "--strategy", "bogus")
+    assert_one_line_error(code, err, "--strategy 'bogus': unknown strategy 'bogus'",
+                          "Known: dp, zero1, fsdp")
+    # --strategy is the alternative to --rules: both given, one would be ignored.
+    for name in ("bogus", "fsdp"):
+        code, out, err = run(capsys, "explain", "my_models:make", "--mesh", "data=8",
+                             "--rules", "rules.toml", "--strategy", name)
+        assert_one_line_error(code, err, "--rules and --strategy are alternatives")
+        assert out == ""
+
+
+def test_explain_a_factory_that_calls_os_exit_or_a_file_not_python(tmp_path):
+    # os._exit skips every handler: in this process it would end pytest too, so run the
+    # console script.
+    (tmp_path / "hard.py").write_text("import os\ndef make():\n    os._exit(0)\n")
+    (tmp_path / "hard_import.py").write_text("import os\nos._exit(0)\n")
+    (tmp_path / "model.txt").write_text(FACTORY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NNX_SHARD_DEBUG", None)
+    for factory, needle in [
+        ("hard:make", "FACTORY 'hard:make' called os._exit(0) instead of returning a module"),
+        ("hard_import:make", "FACTORY 'hard_import:make': importing 'hard_import' called "
+                             "os._exit(0)"),
+        (f"{tmp_path / 'model.txt'}:make", "is not a .py file"),
+    ]:
+        done = subprocess.run([PY, "-m", "nnx_shard.cli", "explain", factory, "--mesh", "data=8",
+                               "--strategy", "dp"], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env=env)
+        assert done.returncode == 2, (factory, done.returncode, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("nnx-shard: error: "), done.stderr
+        assert needle in lines[0] and done.stdout == ""

@@ -142,6 +142,8 @@ def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(capfd):
         (["-n", "2", "--"], "no command given"),
         (["-n", "0", "--", PY], "-n must be at least 1, got 0"),
         (["-n", "2", "--devices-per-process", "0", "--", PY], "--devices-per-process must be"),
+        (["-n", "2", "--devices-per-process", "100000", "--", PY],
+         "--devices-per-process must be at most 512, got 100000"),
         (["-n", "2", "--port", "70000", "--", PY], "--port must be in 1..65535, got 70000"),
         (["-n", "2", "--timeout", "0", "--", PY], "--timeout must be a finite number of seconds > 0"),
         (["-n", "2", "--timeout", "nan", "--", PY], "--timeout must be a finite number of seconds"),
@@ -225,3 +227,36 @@ def test_nnx_shard_launch_command():
     )
     assert done.returncode == 0, done.stderr
     assert "[0] id 0" in done.stdout and "[1] id 1" in done.stdout
+
+
+IGNORES_TERM = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('pid', os.getpid(), flush=True); time.sleep(60)")
+
+
+def test_a_timeout_kills_processes_that_ignore_sigterm_after_the_grace(capfd):
+    code, out, err, took = run_main(capfd, "-n", "2", "--timeout", "1", "--grace", "0.5", "--",
+                                    PY, "-c", IGNORES_TERM)
+    assert code == 124 and "timed out after 1 s; stopping processes 0, 1" in err
+    assert took < 30  # the children's 60 s sleep is not waited for
+    pids = pids_in(out)
+    assert len(pids) == 2 and all(gone(p) for p in pids)
+
+
+def test_a_second_sigterm_while_stopping_still_kills_what_ignores_the_first():
+    """Terminated twice while its processes ignore SIGTERM: the second signal lands in
+    the grace period and must neither skip the SIGKILL nor end in a traceback."""
+    p = subprocess.Popen([PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--grace", "2", "--",
+                          PY, "-c", IGNORES_TERM],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        lines = [p.stdout.readline(), p.stdout.readline()]
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 143, err
+    assert "Traceback" not in err and "terminated; stopping every process" in err
+    assert all(gone(pid) for pid in pids_in("".join(lines)))

@@ -402,3 +402,52 @@ def test_batch_that_does_not_divide_is_a_sharding_error() -> None:
     # The fix it names works.
     with ns.use(mesh, rules | {"batch": None, "cache_batch": None}):
         assert generate(model, _prompt(3), 4).shape == (3, 12)
+
+
+def test_sampling_arguments_and_seeds_are_checked() -> None:
+    model, good = _tiny(), _prompt(2)
+    cases = [
+        ("temperature", {"temperature": True}, r"temperature must be a number.*True \(a bool\)"),
+        ("temperature", {"temperature": "0.5"}, r"temperature must be a number.*'0.5'"),
+        ("seed", {"seed": True}, r"seed must be an int.*True \(a bool\)"),
+        ("seed", {"seed": 1.5}, r"seed must be an int.*1.5 \(float\)"),
+        ("seed", {"seed": "abc"}, r"seed must be an int.*'abc' \(str\)"),
+        ("seed", {"seed": None}, r"seed must be an int.*None"),
+        ("seed", {"seed": 2**70}, r"seed must be an int from -2\*\*63 to 2\*\*63-1.*1180591620"),
+        ("seed", {"seed": jax.random.key(0)}, r"seed must be an int, got a jax.random key array"),
+    ]
+    for name, kwargs, match in cases:
+        with pytest.raises(ns.NnxShardError, match=f"generate: {match}") as info:
+            generate(model, good, 2, **kwargs)
+        assert f"Fix: {name}=" in str(info.value)
+    # NumPy integers are seeds too, and the same seed gives the same tokens.
+    a = generate(model, good, 2, temperature=1.0, seed=np.int64(3))
+    np.testing.assert_array_equal(a, generate(model, good, 2, temperature=1.0, seed=3))
+
+
+def test_demo_sampler_checks_temperature_seed_and_ids() -> None:
+    from nnx_shard.models.sampling import generate as window_sample
+
+    model = _tiny()
+    with pytest.raises(ns.NnxShardError, match=r"generate: temperature must be a number.*bool"):
+        window_sample(model, [1, 2, 3], 2, True, 0)
+    with pytest.raises(ns.NnxShardError, match=r"generate: seed must be an int.*bool"):
+        window_sample(model, [1, 2, 3], 2, 1.0, True)
+    with pytest.raises(ns.NnxShardError, match=rf"prompt\[1\] is {CFG.vocab}, outside .* of {CFG.vocab} ids"):
+        window_sample(model, [1, CFG.vocab, 3], 2, 1.0, 0)
+
+
+def test_custom_model_prompt_ids_and_top_k_checked_against_its_logits() -> None:
+    # StockLM has no cfg.vocab: its vocabulary is the width of decode's logits (64).
+    model = StockLM(rngs=nnx.Rngs(0))
+    prompt = np.array([[1, 2, 3], [4, 64, 70]], np.int32)
+    for fn in (generate, recompute):
+        with pytest.raises(ns.NnxShardError, match=r"prompt_tokens\[1, 1\] is 64, outside the "
+                                                   r"model's vocabulary of 64 ids \(0 \.\. 63\)"):
+            fn(model, prompt, 2)
+        with pytest.raises(ns.NnxShardError, match=r"prompt_tokens\[0, 2\] is -1"):
+            fn(model, np.array([[1, 2, -1]], np.int32), 2)
+        with pytest.raises(ns.NnxShardError, match=r"top_k=65.*from 1 to the vocabulary size "
+                                                   r"\(64\)"):
+            fn(model, prompt[:1], 2, temperature=1.0, top_k=65)
+    assert generate(model, prompt[:1], 2, temperature=1.0, top_k=64).shape == (1, 5)

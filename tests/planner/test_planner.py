@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 
 import jax
 import numpy as np
@@ -66,7 +68,9 @@ def test_enumeration_covers_every_preset_and_mesh_and_says_what_it_skipped():
 def test_a_new_preset_joins_the_enumeration_without_edits(monkeypatch):
     def wide() -> strategies.Strategy:
         base = strategies.fsdp()
-        return dataclasses.replace(base, name="wide", mesh_axes=("data", "extra"), sizes=(2,))
+        # The batch over both axes: an axis that splits nothing is not offered.
+        return dataclasses.replace(base, name="wide", mesh_axes=("data", "extra"), sizes=(2,),
+                                   rules=base.rules | {"batch": ("data", "extra")})
 
     monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "wide"))
     monkeypatch.setitem(strategies.PRESETS, "wide", wide)
@@ -759,3 +763,52 @@ def test_plan_auto_with_a_corrupt_cache_is_one_line(capsys, monkeypatch, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "planner.json' is not a JSON object" in err[0], err
     assert main([*AUTO, "--no-cache"]) == 0
+
+
+def test_a_layout_whose_mesh_axis_splits_nothing_is_not_offered():
+    """ep data=1,expert=3 on a dense model with batch 8: the batch falls back to 'data'
+    (size 1) and nothing names 'expert', so all 3 devices would repeat one step."""
+    fake = table({}, default={"total": 1})
+    with pytest.raises(ns.NnxShardError, match=r"auto: no preset can use 3 devices for this "
+                       r"model with batch 8 x seq 16: .*ep: data=1,expert=3: mesh axis "
+                       r"'expert' \(size 3\) splits nothing of this model"):
+        planner.auto("tiny", devices=3, batch=8, seq=16, hardware=H, compile_fn=fake,
+                     progress=False)
+    # Where the batch spreads over data x expert, ep is dp's twin and stays offered.
+    plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
+                        strategies=["ep"], progress=False)
+    assert [c.label for c in plan.ranked] == ["ep data=1,expert=4 remat=none mb=1",
+                                              "ep data=2,expert=2 remat=none mb=1"]
+    # 6 rows do not divide over data=2 x expert=2: the batch falls back to data, and
+    # expert=2 lays out nothing; tp splits the heads and stays.
+    fake6 = table({}, default={"total": 1})
+    plan = planner.auto("tiny", devices=4, batch=6, seq=16, hardware=H, compile_fn=fake6,
+                        strategies=["tp", "ep"], microbatches=[1], progress=False)
+    assert {c.label for c in plan.ranked} == {"tp data=1,model=4 remat=none mb=1",
+                                              "tp data=2,model=2 remat=none mb=1"}
+    assert any("mesh axis 'expert' (size 2) splits nothing" in (c.reason or "")
+               for c in plan.dropped if c.strategy == "ep")
+
+
+def test_factorizations_are_fast_and_complete_for_large_counts():
+    from nnx_shard.strategy import factorizations
+
+    for n in (1, 2, 12, 36, 97, 120):
+        for k in (1, 2, 3):
+            brute = [c for c in itertools.product(range(1, n + 1), repeat=k)
+                     if math.prod(c) == n]
+            assert factorizations(n, k) == brute, (n, k)
+    # 10**9 = 2**9 * 5**9: 100 divisors, C(11, 2)**2 = 3025 ordered triples.
+    triples = factorizations(10**9, 3)
+    assert len(triples) == 3025 and all(math.prod(t) == 10**9 for t in triples)
+    assert factorizations(2**31 - 1, 2) == [(1, 2**31 - 1), (2**31 - 1, 1)]  # a prime
+
+
+def test_auto_caps_the_device_count_as_plan_does():
+    from nnx_shard.cli.common import MAX_PLAN_DEVICES
+
+    with pytest.raises(ns.NnxShardError, match=r"auto: devices must be at most 1,048,576 "
+                                               r"\(2\*\*20\), got 1,000,000,000"):
+        planner.auto("tiny", devices=10**9, batch=8, seq=16, hardware=H,
+                     compile_fn=table({}), progress=False)
+    assert MAX_PLAN_DEVICES == 1 << 20

@@ -300,3 +300,20 @@ def test_planner_compiles_master_weights_in_float32():
     model = nnx.eval_shape(lambda: Llama(planned, rngs=nnx.Rngs(0)))
     report = abstract_report(model, {"data": 8}, s.rules, optax.adamw(1e-3), s.opt_rules)
     assert report.param_bytes_per_device == mixed["params"]
+
+
+@pytest.mark.parametrize("field", ["params", "compute"])
+@pytest.mark.parametrize("value", [None, jnp.float8_e4m3fn, "float8_e5m2", jnp.float4_e2m1fn,
+                                   jnp.int8, bool, "uint16"])
+def test_precision_refuses_none_low_bit_floats_and_non_floats(field, value):
+    # None must not fall through to jnp.dtype(None), float64; float8/float4 and
+    # integers cannot hold master weights or run a step's matmuls.
+    with pytest.raises(UsageError, match=rf"Precision\({field}=.*Fix: e\.g\. {field}="):
+        ns.Precision(**{field: value})
+
+
+def test_precision_keeps_the_float_dtypes_it_documents():
+    for name in ("float32", "bfloat16", "bf16", "fp32", "float64"):
+        assert ns.Precision(params=name, compute="bf16").params.name in (
+            "float32", "bfloat16", "float64")
+    assert ns.Precision(params=jnp.bfloat16, compute=jnp.float32).compute == jnp.float32

@@ -1643,3 +1643,44 @@ def test_shard_batch_refuses_text_and_a_missing_steps_axis(kw, match):
     batch = kw.pop("batch", np.ones((2, 8, 2)))
     with pytest.raises(ns.NnxShardError, match=match):
         shard_batch(batch, "data=8", {"batch": "data"}, **kw)
+
+
+class _Counted(nnx.Module):
+    """A linear layer and an integer nnx.Param (a count kept with the weights)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.lin = nnx.Linear(2, 1, rngs=rngs)
+        self.seen = nnx.Param(jnp.array(7, jnp.int32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.lin(x)
+
+
+def _floats(path: object, v: object) -> bool:
+    return isinstance(v, nnx.Variable) and jnp.issubdtype(v.get_value().dtype, jnp.floating)
+
+
+@needs_devices(8)
+def test_an_integer_param_is_not_differentiated_and_an_optimizer_tracking_it_is_refused():
+    model = _Counted(nnx.Rngs(0))
+    mse = lambda m, b: jnp.mean((m(b) - 1.0) ** 2)  # noqa: E731
+    # value_and_grad differentiates the float parameters only (jax.grad takes no ints).
+    _, grads = value_and_grad(mse)(model, jnp.ones((8, 2)))
+    assert "lin" in grads and "seen" not in grads
+    # An optimizer over every Param would update the integer one: refused, naming it.
+    with pytest.raises(ns.NnxShardError, match=r"Trainer: the optimizer tracks integer "
+                       r"parameter 'seen' \(int32\).*Fix: .*nnx.Variable.*wrt=nnx.All\("
+                       r"nnx.Param"):
+        ns.Trainer(model, nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param), mse,
+                   mesh="data=8", rules={"batch": "data"})
+    # The optimizer over the float parameters, as the message says: trains, the count
+    # is kept as it is.
+    for tx in (optax.sgd(0.1), optax.adamw(0.1)):
+        model = _Counted(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, tx, wrt=nnx.All(nnx.Param, _floats))
+        trainer = ns.Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"},
+                             steps_per_call=2)
+        kernel = np.asarray(model.lin.kernel[...]).copy()
+        trainer.fit([np.ones((8, 2), np.float32)] * 4, 4, progress=False)
+        assert not np.allclose(np.asarray(model.lin.kernel[...]), kernel)
+        assert int(model.seen[...]) == 7 and model.seen[...].dtype == jnp.int32
