@@ -40,7 +40,7 @@ from nnx_shard.train.microbatch import check_device_rows, spec_axes, tracing_ste
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import is_node, leaf_path
 
-__all__ = ["Carry", "Fused", "multistep"]
+__all__ = ["Carry", "Fused", "Packed", "multistep", "pack"]
 
 
 def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
@@ -112,6 +112,69 @@ def _check_metrics(metrics: Any, fn_name: str) -> Any:
                 "from the returned metrics (compute them outside, from the stacked arrays)."
             )
     return jax.tree.unflatten(treedef, out)
+
+
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """A call's metrics as one byte vector (``buf``) and how to cut it back into
+    them (``spec``: the metrics' treedef and each leaf's dtype and shape, static,
+    so it comes back with every call's output). Reading one array back costs a
+    fixed ~7 us of Python whatever its size: a call's 4 metrics (loss, gradient
+    norm, guard flags) read as one cost a quarter.
+
+    >>> m = {"loss": jnp.array([0.5, 0.25]), "ok": jnp.array([True, False])}
+    >>> p = pack(m)
+    >>> p.buf.dtype, p.buf.shape
+    (dtype('uint8'), (10,))
+    >>> out = p.unpack()
+    >>> out["loss"].tolist(), out["ok"].tolist()
+    ([0.5, 0.25], [True, False])
+    """
+
+    def __init__(self, buf: Any, spec: Any) -> None:
+        self.buf = buf
+        self.spec = spec
+
+    def tree_flatten(self) -> tuple[tuple[Any], Any]:
+        return (self.buf,), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec: Any, children: Any) -> Packed:
+        return cls(children[0], spec)
+
+    def unpack(self) -> Any:
+        """The metrics, NumPy views of the bytes (read back first: ``jax.device_get``)."""
+        treedef, leaves = self.spec
+        buf = np.asarray(self.buf)
+        out, offset = [], 0
+        for dtype_name, shape in leaves:
+            flag = dtype_name == "bool"  # packed as one uint8 each
+            dtype = np.dtype(np.uint8) if flag else jnp.dtype(dtype_name)
+            count = int(np.prod(shape, dtype=np.int64))
+            x = np.frombuffer(buf, dtype, count, offset)
+            out.append((x.astype(bool) if flag else x).reshape(shape))
+            offset += count * dtype.itemsize
+        return jax.tree.unflatten(treedef, out)
+
+
+def pack(metrics: Any) -> Packed | Any:
+    """``metrics`` as one :class:`Packed` byte vector (traced, or eager), or as they
+    are where a leaf cannot be packed (a complex number, a sharded leaf)."""
+    leaves, treedef = jax.tree.flatten(metrics)
+    parts, spec = [], []
+    for x in leaves:
+        x = jnp.asarray(x)
+        spec_of = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+        if jnp.issubdtype(x.dtype, jnp.complexfloating) or any(e is not None for e in spec_of):
+            return metrics  # a sharded leaf would be gathered (or refused on Explicit axes)
+        if x.dtype == jnp.bool_:
+            b = x.astype(jnp.uint8)
+        else:
+            b = jax.lax.bitcast_convert_type(x, jnp.uint8)
+        parts.append(b.reshape(-1))
+        spec.append((jnp.dtype(x.dtype).name, tuple(x.shape)))
+    buf = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+    return Packed(buf, (treedef, tuple(spec)))
 
 
 def _structure_diff(before: Any, after: Any) -> str:
@@ -211,6 +274,7 @@ class Fused:
         self._jitted = _Cache()
         # The compiled calls that place host data themselves, by (call, data shardings).
         self._data_jits: dict[Any, Any] = {}
+        self._packed: dict[int, Any] = {}
         self._plans: dict[tuple[tuple[int, ...], int], _Plan] = {}
         self._names: dict[int, list[str]] = {}
         # Data layouts (shapes, shardings) whose rows per device were checked.
@@ -375,12 +439,22 @@ class Fused:
         host (NumPy) data is then copied to the devices by the call's own C++ dispatch,
         with no ``jax.device_put`` (which costs ~0.1 ms of Python per call). Data
         passed this way must be host arrays or arrays with exactly these shardings;
-        one trace per layout, as for placed data."""
+        one trace per layout, as for placed data. Its metrics come back
+        :class:`Packed` (one array to read back per call)."""
         leaves, treedef = jax.tree.flatten(data_shardings)
         key = (id(plan.jitted), treedef, tuple(leaves))
         jitted = self._data_jits.get(key)
         if jitted is None:
-            jitted = self._data_jits[key] = self._jit(plan.run, plan.shardings, data_shardings)
+            run = plan.run
+
+            def packed(values: list[Any], data: tuple[Any, ...]) -> Any:
+                new_values, metrics, count = run(values, data)
+                return new_values, pack(metrics), count
+
+            # The same function for every layout, so that a layout seen before (e.g.
+            # lowered by Trainer.lower) finds its trace.
+            packed = self._packed.setdefault(id(plan.jitted), packed)
+            jitted = self._data_jits[key] = self._jit(packed, plan.shardings, data_shardings)
         return jitted
 
     def _entry(self, what: str) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 
 from nnx_shard.checkpoint import Checkpointer
 from nnx_shard.train.feed import Feed, Group
-from nnx_shard.train.fused import Carry, Fused
+from nnx_shard.train.fused import Carry, Fused, Packed
 from nnx_shard.train.guard import Guard, not_finite_leaf, why_not_finite
 from nnx_shard.train.progress import Progress
 
@@ -226,10 +226,45 @@ class FitRun:
         if self.stop_reason is not None:
             self.pending.clear()  # in flight when training stopped: they applied nothing
             return
-        hosts = jax.device_get([c.metrics for c in self.pending])
-        for host in hosts:
-            self.finish_one(host)
+        hosts = [_unpacked(h) for h in jax.device_get([c.metrics for c in self.pending])]
+        if not self._apply_all(hosts):
+            for host in hosts:
+                self.finish_one(host)
         self._show_progress()
+
+    def _apply_all(self, hosts: list[dict[str, np.ndarray]]) -> bool:
+        """Counts the pending calls at once where that is all there is to do (every step
+        of every call applied and finite, no callbacks, no checkpoint due): the
+        history then gains one array per metric, whatever the number of calls.
+        False, with nothing done, otherwise."""
+        if self.callbacks or self.mode == "full" or len(hosts) < 2:
+            return False
+        t = self.trainer
+        if "state_finite" not in hosts[0] or any(set(h) != set(hosts[0]) for h in hosts):
+            return False
+        joined = {key: np.concatenate([np.reshape(h[key], (c.steps, -1) if key != "state_finite"
+                                                  else (1,)) for h, c in
+                                       zip(hosts, self.pending, strict=True)])
+                  for key in ("applied", "state_finite", "loss", "grad_norm")}
+        steps = sum(c.steps for c in self.pending)
+        if not (joined["applied"].all() and joined["state_finite"].all()
+                and np.isfinite(joined["loss"]).all() and np.isfinite(joined["grad_norm"]).all()):
+            return False
+        if self.saver is not None and any(
+                self.saver.due(s) for s in range(t.step + 1, t.step + steps + 1)):
+            return False
+        for key in hosts[0]:
+            if key not in ("applied", "state_finite"):
+                self.hist[key].append(np.concatenate([h[key] for h in hosts]))
+        self.hist["step"].append(np.arange(t.step + 1, t.step + steps + 1))
+        self.last_loss = hosts[-1]["loss"][-1]
+        self.examples = self.pending[-1].examples
+        t.step += steps
+        t.data_position += steps
+        self.done += steps
+        self.failure = None
+        self.pending.clear()
+        return True
 
     def finish_one(self, host: dict[str, Any] | None = None) -> None:
         """Counts the oldest pending call (``host``: its metrics, already read)."""
@@ -238,7 +273,7 @@ class FitRun:
         if self.stop_reason is not None:
             return  # in flight when training stopped: it applied nothing
         if host is None or call.generation < self.replays:
-            host = jax.device_get(call.metrics)
+            host = _unpacked(jax.device_get(call.metrics))
         if self.mode == "full" and (call.generation < self.replays or not host["applied"].all()):
             # This call failed the guard and was undone, or was queued behind one
             # that did (then it changed nothing): run it again, every step checked.
@@ -373,3 +408,8 @@ class FitRun:
         if not metrics:
             metrics = {"step": np.zeros((0,), np.int64)}
         return History(metrics, self.done, self.stop_reason, time.perf_counter() - self.start)
+
+
+def _unpacked(metrics: Any) -> dict[str, np.ndarray]:
+    """A call's metrics read back (see :class:`~nnx_shard.train.fused.Packed`)."""
+    return metrics.unpack() if isinstance(metrics, Packed) else dict(metrics)
