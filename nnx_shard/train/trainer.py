@@ -345,7 +345,10 @@ class Trainer:
         """
         self._record_layout()
         # As fit runs it: host data, placed by the call after these shardings (a
-        # leaf's own sharding where it has one).
+        # leaf's own sharding where it has one). Python numbers and lists become
+        # arrays, so that the checks of the shardings name them.
+        batch = jax.tree.map(
+            lambda x: x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x), batch)
         resolved = batch_shardings(batch, self.mesh, self.rules, self.batch_names, steps=True)
         shardings = jax.tree.map(
             lambda x, s: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)

@@ -243,3 +243,27 @@ def test_lower_describes_the_call_fit_runs_on_host_data():
     assert lowered.compile().memory_analysis().temp_size_in_bytes > 0
     h = t.fit(batches(4), num_steps=4, progress=False)
     assert h.steps == 4 and t.traces == 1  # fit reused the lowered trace
+
+
+def test_metrics_of_every_dtype_come_back_as_the_loss_returned_them():
+    """Each call's metrics travel as one packed byte vector: floats, bfloat16, ints and
+    flags come back with their dtypes and values, per step."""
+
+    def aux_loss(model, batch):
+        loss = loss_fn(model, batch)
+        return loss, {"half": loss.astype(jnp.bfloat16), "count": jnp.int32(7),
+                      "positive": loss > 0, "pair": jnp.stack([loss, 2 * loss])}
+
+    model, opt = model_and_opt()
+    t = Trainer(model, opt, aux_loss, mesh="data=8", rules={"batch": "data"},
+                steps_per_call=3, has_aux=True)
+    h = t.fit(batches(7), num_steps=7, progress=False)
+    assert h.steps == 7
+    assert h["loss"].dtype == np.float32 and h["grad_norm"].dtype == np.float32
+    assert h["half"].dtype == jnp.bfloat16 and h["half"].shape == (7,)
+    np.testing.assert_allclose(h["half"].astype(np.float32), h["loss"], rtol=1e-2)
+    assert h["count"].dtype == np.int32 and h["count"].tolist() == [7] * 7
+    assert h["positive"].dtype == np.bool_ and h["positive"].all()
+    assert h["pair"].shape == (7, 2)
+    np.testing.assert_allclose(h["pair"][:, 1], 2 * h["loss"], rtol=1e-6)
+    assert np.isfinite(h["grad_norm"]).all() and (h["grad_norm"] > 0).all()
