@@ -118,8 +118,18 @@ class Stacker:
     def __init__(self, place: Placer) -> None:
         self.place = place
         self._checked: set[Any] = set()
+        self._processes = jax.process_count()
+        # The keys (sorted, as pytrees order them) of a flat dict of arrays, the
+        # usual batch, whose columns are read by key: no flatten per batch.
+        self._flat_dict: tuple[Any, tuple[Any, ...]] | None = None
 
-    def __call__(self, host: list[Any]) -> Group:
+    def _columns(self, host: list[Any]) -> tuple[Any, list[list[Any]]]:
+        first = host[0]
+        if type(first) is dict and self._flat_dict is not None:
+            treedef, keys = self._flat_dict
+            if first.keys() == set(keys) and all(
+                    type(b) is dict and b.keys() == first.keys() for b in host):
+                return treedef, [[b[k] for b in host] for k in keys]
         flat = [jax.tree.flatten(b) for b in host]
         treedef = flat[0][1]
         for n, (_, td) in enumerate(flat[1:], start=1):
@@ -127,8 +137,16 @@ class Stacker:
                 raise ValueError(
                     f"host batch {n} of this group has structure {td} but the first "
                     f"has {treedef}; every batch must have the same structure.")
+        if type(first) is dict:
+            keys = tuple(sorted(first))
+            if treedef == jax.tree.structure(dict.fromkeys(keys, 0)):  # type: ignore[operator]
+                self._flat_dict = (treedef, keys)
+        return treedef, [list(column) for column in zip(*(f[0] for f in flat), strict=True)]
+
+    def __call__(self, host: list[Any]) -> Group:
+        treedef, columns = self._columns(host)
         try:
-            stacked = [_stack(list(column)) for column in zip(*(f[0] for f in flat), strict=True)]
+            stacked = [_stack(column) for column in columns]
         except ValueError:
             _ragged(host)
             raise
@@ -136,8 +154,8 @@ class Stacker:
         if key not in self._checked:  # a new structure, shape or dtype
             _check_first(host[0])
             self._checked.add(key)
-        data, shardings = self.place.host(jax.tree.unflatten(treedef, stacked))
-        examples = int(stacked[0].shape[1]) * jax.process_count() if stacked else 0
+        data, shardings = self.place.host_leaves(stacked, treedef, key)
+        examples = int(stacked[0].shape[1]) * self._processes if stacked else 0
         return Group(len(host), data, shardings, examples)
 
 

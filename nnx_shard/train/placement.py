@@ -240,8 +240,13 @@ class Placer:
         devices in its C++ dispatch, about 30x cheaper than ``jax.device_put``);
         across processes it is placed, each process giving its own rows."""
         leaves, treedef = jax.tree.flatten(batch)
-        key = self._key(leaves, treedef)
+        return self.host_leaves(leaves, treedef, self._key(leaves, treedef))
+
+    def host_leaves(self, leaves: list[Any], treedef: Any, key: Any) -> tuple[Any, Any]:
+        """:meth:`host` for a batch given as its leaves, treedef and layout key
+        (``(treedef, *((shape, dtype) per leaf))``), which the caller has at hand."""
         tree = self._trees.get(key)
+        batch = jax.tree.unflatten(treedef, leaves)
         if tree is None:
             if key not in self._layouts:
                 self(batch)  # resolved and checked by shard_batch, once per layout
