@@ -15,7 +15,8 @@ from nnx_shard.errors import ShardingError, flag, short
 from nnx_shard.mesh import make_mesh
 from nnx_shard.rules import Rules, as_rules
 
-__all__ = ["LogicalNames", "Placer", "batch_shardings", "check_array_leaf", "shard_batch"]
+__all__ = ["LogicalNames", "Placer", "batch_shardings", "check_array_leaf",
+           "host_sharding_types", "shard_batch"]
 
 LogicalNames = Sequence[str | None]
 
@@ -189,6 +190,17 @@ def _leaf_sharding(path: Any, arr: Any, leaf_names: Any, mesh: Mesh, rules: Rule
     return NamedSharding(mesh, spec)
 
 
+def host_sharding_types(mesh: Mesh) -> bool:
+    """True where arrays on ``mesh`` carry their sharding in their traced type (any
+    Explicit axis): host data given to a jitted call with ``in_shardings`` is traced
+    without it, so such a mesh needs placed arrays.
+
+    >>> host_sharding_types(make_mesh("data=8"))
+    False
+    """
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
 class Placer:
     """``shard_batch(batch, mesh, rules, names, steps=True)`` for a stream of batches:
     the shardings are resolved (and checked) once per layout (structure, shapes and
@@ -211,6 +223,9 @@ class Placer:
         self._layouts: dict[Any, list[Any]] = {}
         self._trees: dict[Any, Any] = {}
         self._single = jax.process_count() == 1
+        # Host data only where the traced types do not carry shardings: on Explicit
+        # axes a batch's type holds its sharding, which only a placed array gives.
+        self.host_data = self._single and not host_sharding_types(mesh)
 
     def _key(self, leaves: list[Any], treedef: Any) -> Any:
         return (treedef, *((np.shape(x), getattr(x, "dtype", None)) for x in leaves))
@@ -238,7 +253,8 @@ class Placer:
         layout (callers cache on its identity). In one process ``data`` is the
         host batch itself (``jax.jit`` with these ``in_shardings`` copies it to the
         devices in its C++ dispatch, about 30x cheaper than ``jax.device_put``);
-        across processes it is placed, each process giving its own rows."""
+        across processes, or on a mesh with Explicit axes (see
+        :func:`host_sharding_types`), it is placed."""
         leaves, treedef = jax.tree.flatten(batch)
         return self.host_leaves(leaves, treedef, self._key(leaves, treedef))
 
@@ -251,4 +267,4 @@ class Placer:
             if key not in self._layouts:
                 self(batch)  # resolved and checked by shard_batch, once per layout
             tree = self._trees[key] = jax.tree.unflatten(treedef, self._layouts[key])
-        return (batch if self._single else self(batch)), tree
+        return (batch if self.host_data else self(batch)), tree

@@ -30,7 +30,12 @@ from nnx_shard.train.guard import (
     make_gated_step,
     make_step,
 )
-from nnx_shard.train.placement import LogicalNames, Placer, batch_shardings
+from nnx_shard.train.placement import (
+    LogicalNames,
+    Placer,
+    batch_shardings,
+    host_sharding_types,
+)
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.progress import Progress
 from nnx_shard.train.run import FitRun, History, Saver
@@ -353,7 +358,8 @@ class Trainer:
         shardings = jax.tree.map(
             lambda x, s: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
             else s, batch, resolved)
-        host = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        host = (batch if host_sharding_types(self.mesh) else
+                jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
         with use(self.mesh, self.rules):
             return self._fused._lower((self.model, self.optimizer, host, self._guard),
                                       (shardings,))

@@ -267,3 +267,23 @@ def test_metrics_of_every_dtype_come_back_as_the_loss_returned_them():
     assert h["pair"].shape == (7, 2)
     np.testing.assert_allclose(h["pair"][:, 1], 2 * h["loss"], rtol=1e-6)
     assert np.isfinite(h["grad_norm"]).all() and (h["grad_norm"] > 0).all()
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_the_step_sees_the_batch_layout_it_saw_with_placed_batches(axis_types):
+    """Host batches are placed by the compiled call itself, except on Explicit axes,
+    where a batch's traced type carries its sharding: there they are placed first, so
+    the loss sees the same types as before."""
+    seen = []
+
+    def typed_loss(model, batch):
+        seen.append(jax.typeof(batch["x"]).sharding.spec)
+        return loss_fn(model, batch)
+
+    mesh = ns.make_mesh("data=8", axis_types=axis_types)
+    model, opt = model_and_opt()
+    t = Trainer(model, opt, typed_loss, mesh=mesh, rules={"batch": "data"}, steps_per_call=2)
+    h = t.fit(batches(4), num_steps=4, progress=False)
+    assert h.steps == 4 and t.traces == 1
+    assert seen[-1] == (P("data", None) if axis_types == "explicit" else P(None, None))
+    assert_state(t, reference_states(batches(4))[4])
