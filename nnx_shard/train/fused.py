@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ from nnx_shard.train.microbatch import check_device_rows, spec_axes, tracing_ste
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import is_node, leaf_path
 
-__all__ = ["Carry", "Fused", "Packed", "multistep", "pack"]
+__all__ = ["Carry", "Fused", "Packed", "multistep", "pack", "unpack_rows"]
 
 
 def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
@@ -143,18 +144,39 @@ class Packed:
         return cls(children[0], spec)
 
     def unpack(self) -> Any:
-        """The metrics, NumPy views of the bytes (read back first: ``jax.device_get``)."""
-        treedef, leaves = self.spec
-        buf = np.asarray(self.buf)
-        out, offset = [], 0
-        for dtype_name, shape in leaves:
-            flag = dtype_name == "bool"  # packed as one uint8 each
-            dtype = np.dtype(np.uint8) if flag else jnp.dtype(dtype_name)
-            count = int(np.prod(shape, dtype=np.int64))
-            x = np.frombuffer(buf, dtype, count, offset)
-            out.append((x.astype(bool) if flag else x).reshape(shape))
-            offset += count * dtype.itemsize
-        return jax.tree.unflatten(treedef, out)
+        """The metrics, NumPy arrays (read back first: ``jax.device_get``)."""
+        return unpack_rows(self.spec, np.asarray(self.buf)[None], 0)
+
+    def rows_of(self, others: Sequence[Packed]) -> Any:
+        """The metrics of calls of the same spec (``others``, read back), each leaf
+        stacked over the calls: one cut of a ``[calls, bytes]`` array per metric."""
+        rows = np.stack([np.asarray(p.buf) for p in others])
+        return unpack_rows(self.spec, rows, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _cuts(spec: Any) -> tuple[tuple[Any, int, int, tuple[int, ...], bool], ...]:
+    """Where each leaf of a packed spec lies: (dtype, first byte, bytes, shape, bool)."""
+    out, offset = [], 0
+    for dtype_name, shape in spec[1]:
+        is_bool = dtype_name == "bool"  # packed as one uint8 each
+        dtype = np.dtype(np.uint8) if is_bool else np.dtype(jnp.dtype(dtype_name))
+        nbytes = math.prod(shape) * dtype.itemsize
+        out.append((dtype, offset, nbytes, tuple(shape), is_bool))
+        offset += nbytes
+    return tuple(out)
+
+
+def unpack_rows(spec: Any, rows: np.ndarray, row: int | None) -> Any:
+    """The leaves of packed metrics from ``rows`` (``[calls, bytes]``): of one row,
+    or with ``row=None`` of all, each leaf then stacked over the calls."""
+    leaves = []
+    for dtype, offset, nbytes, shape, is_bool in _cuts(spec):
+        cut = rows[:, offset:offset + nbytes] if row is None else rows[row, offset:offset + nbytes]
+        x = np.ascontiguousarray(cut).view(dtype)
+        x = x.reshape(shape if row is not None else (len(rows), *shape))
+        leaves.append(x.astype(bool) if is_bool else x)
+    return jax.tree.unflatten(spec[0], leaves)
 
 
 def pack(metrics: Any) -> Packed | Any:

@@ -226,38 +226,41 @@ class FitRun:
         if self.stop_reason is not None:
             self.pending.clear()  # in flight when training stopped: they applied nothing
             return
-        hosts = [_unpacked(h) for h in jax.device_get([c.metrics for c in self.pending])]
-        if not self._apply_all(hosts):
-            for host in hosts:
-                self.finish_one(host)
+        raw = jax.device_get([c.metrics for c in self.pending])
+        if not self._apply_all(raw):
+            for host in raw:
+                self.finish_one(_unpacked(host))
         self._show_progress()
 
-    def _apply_all(self, hosts: list[dict[str, np.ndarray]]) -> bool:
-        """Counts the pending calls at once where that is all there is to do (every step
-        of every call applied and finite, no callbacks, no checkpoint due): the
-        history then gains one array per metric, whatever the number of calls.
-        False, with nothing done, otherwise."""
-        if self.callbacks or self.mode == "full" or len(hosts) < 2:
+    def _apply_all(self, raw: list[Any]) -> bool:
+        """Counts the pending calls at once where that is all there is to do (calls of
+        one layout, every step applied and finite, no callbacks, no checkpoint due):
+        each metric is cut once from the calls' packed bytes, and the history gains
+        one array per metric, whatever the number of calls. False, with nothing
+        done, otherwise."""
+        if self.callbacks or self.mode == "full" or len(raw) < 2:
+            return False
+        first = raw[0]
+        if not isinstance(first, Packed) or any(
+                not isinstance(p, Packed) or p.spec != first.spec for p in raw):
             return False
         t = self.trainer
-        if "state_finite" not in hosts[0] or any(set(h) != set(hosts[0]) for h in hosts):
+        n = self.pending[0].steps
+        steps = n * len(raw)
+        rows = first.rows_of(raw)  # each metric [calls, K, ...]; state_finite [calls]
+        if "state_finite" not in rows or "applied" not in rows:
             return False
-        joined = {key: np.concatenate([np.reshape(h[key], (c.steps, -1) if key != "state_finite"
-                                                  else (1,)) for h, c in
-                                       zip(hosts, self.pending, strict=True)])
-                  for key in ("applied", "state_finite", "loss", "grad_norm")}
-        steps = sum(c.steps for c in self.pending)
-        if not (joined["applied"].all() and joined["state_finite"].all()
-                and np.isfinite(joined["loss"]).all() and np.isfinite(joined["grad_norm"]).all()):
+        if not (rows["applied"].all() and rows["state_finite"].all()
+                and np.isfinite(rows["loss"]).all() and np.isfinite(rows["grad_norm"]).all()):
             return False
         if self.saver is not None and any(
                 self.saver.due(s) for s in range(t.step + 1, t.step + steps + 1)):
             return False
-        for key in hosts[0]:
+        for key, v in rows.items():
             if key not in ("applied", "state_finite"):
-                self.hist[key].append(np.concatenate([h[key] for h in hosts]))
+                self.hist[key].append(v.reshape(steps, *v.shape[2:]))
         self.hist["step"].append(np.arange(t.step + 1, t.step + steps + 1))
-        self.last_loss = hosts[-1]["loss"][-1]
+        self.last_loss = rows["loss"][-1, -1]
         self.examples = self.pending[-1].examples
         t.step += steps
         t.data_position += steps
