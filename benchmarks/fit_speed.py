@@ -1,10 +1,14 @@
 """Steps/s of the whole training loop: ``Trainer.fit`` against a hand-written scan and Keras 3.
 
-Two models, Adam, data in host NumPy arrays, on 1 CPU device and on 8
+Three models, Adam, data in host NumPy arrays, on 1 CPU device and on 8
 simulated CPU devices (data parallel: batch sharded over ``data``), each
 device count in its own subprocess (``XLA_FLAGS`` must be set before jax loads):
 
-* ``mlp``: MLP 32-128-128-8, batch 64, MSE, K=100 steps per call;
+* ``tiny_k1``, ``tiny_k10``, ``tiny_k100``: ``nnx.Linear(4, 4)``, batch 8, MSE,
+  K=1, 10 and 100 steps per call: the device has next to nothing to do, so these
+  price the host work of each call (fit's own overhead, nowhere to hide);
+* ``mlp_k1``, ``mlp_k10``, ``mlp``: MLP 32-128-128-8, batch 64, MSE, K=1, 10
+  and 100 steps per call;
 * ``lm``: the reference Transformer ``small`` (4 layers, embed 128, context
   128, vocab 512), batch 8 x 128, K=10 (``tiny`` with ``--quick``).
 
@@ -14,7 +18,10 @@ Ways to run the same steps over the same host arrays:
   ``nnx.split`` state (donated), fed one ``[K, B, ...]`` slice of the host
   arrays per call with ``jax.device_put``; at most two calls in flight. The
   practical limit: no checks, no metrics but the loss.
-* ``fit(batches)``: ``Trainer.fit`` on an iterable of per-step batches (slices
+* ``hand scan (stacked)``: the same loop fed from the list of per-step batches
+  ``fit(batches)`` reads: ``np.stack`` of K of them per leaf, then one
+  ``jax.device_put``, what a hand-written loop over a data loader does.
+* ``fit(batches)``: ``Trainer.fit`` on a list of per-step batches (slices
   of the same arrays), what most data loaders give.
 * ``fit(Batches)``: ``Trainer.fit(ns.Batches(arrays, batch_size))``: K steps
   read as one window of the arrays.
@@ -24,19 +31,24 @@ Ways to run the same steps over the same host arrays:
   ``keras.distribution.DataParallel``, and what happens is recorded.
 
 Every ``fit`` includes what a user's call pays: the NaN guard, the loss and
-gradient-norm history, the progress bookkeeping (bar off), the prefetch thread (per-step batches;
-an ``ns.Batches`` is read in the training thread).
+gradient-norm history, the progress bookkeeping (bar off), the stacking of
+per-step batches (an ``ns.Batches`` is read as windows).
 Variants run in interleaved rounds (rotating order), each round the same
 number of steps; the table shows the median round and the median of the
 per-round ratios (paired: both ran back to back, so shared load largely
-cancels). Results go to ``benchmarks/results/fit_speed.json``.
+cancels), and the host time of a call: microseconds of CPU time of the
+calling thread per fused call (median round; the thread that dispatches,
+stacks and reads back; XLA's own threads are not in it). Results go to
+``benchmarks/results/fit_speed.json``.
 
 Run (about 3 minutes on 2 CPU cores; ``--quick``: a shorter smoke run;
-``--only mlp1`` (or ``lm8``, ``mlp1,mlp8``...): only those models and device
-counts, e.g. to iterate on one figure)::
+``--only mlp:1`` (or ``lm:8``, ``tiny_k10:1,mlp:8``...): only those models and
+device counts, e.g. to iterate on one figure; ``mlp1`` also works for names
+without a trailing digit)::
 
     .venv/bin/python benchmarks/fit_speed.py
-    JAX_PLATFORMS=cuda .venv/bin/python benchmarks/fit_speed.py --only mlp1,lm1   # one GPU
+    .venv/bin/python benchmarks/fit_speed.py --only tiny_k1:1,tiny_k10:1,tiny_k100:1,mlp:1
+    JAX_PLATFORMS=cuda .venv/bin/python benchmarks/fit_speed.py --only mlp:1,lm:1   # one GPU
 """
 
 from __future__ import annotations
@@ -55,6 +67,11 @@ from _common import hand_scan, machine, mlp, parse, run_worker, worker_main, wri
 RESULTS = Path(__file__).resolve().parent / "results" / "fit_speed.json"
 DEVICE_COUNTS = (1, 8)
 MODELS = {  # name: (global batch, steps per call K, steps per round, quick steps per round)
+    "tiny_k1": (8, 1, 400, 100),
+    "tiny_k10": (8, 10, 2000, 500),
+    "tiny_k100": (8, 100, 10000, 2000),
+    "mlp_k1": (64, 1, 300, 100),
+    "mlp_k10": (64, 10, 1000, 300),
     "mlp": (64, 100, 3000, 1000),
     "lm": (8, 10, 20, 10),
 }
@@ -74,13 +91,16 @@ def _env(n: int, only: str = "") -> dict:
 
 
 def _selected(only: str) -> set[tuple[str, int]]:
-    """``--only mlp1,lm8`` -> {("mlp", 1), ("lm", 8)}; empty: everything."""
+    """``--only mlp:1,lm:8`` (or ``mlp1,lm8``) -> {("mlp", 1), ("lm", 8)}; empty: everything."""
     picked = set()
     for item in filter(None, (x.strip() for x in only.split(","))):
-        name, count = item.rstrip("0123456789"), item[len(item.rstrip("0123456789")):]
-        if name not in MODELS or not count or int(count) not in DEVICE_COUNTS:
+        if ":" in item:
+            name, _, count = item.partition(":")
+        else:
+            name, count = item.rstrip("0123456789"), item[len(item.rstrip("0123456789")):]
+        if name not in MODELS or not count.isdigit() or int(count) not in DEVICE_COUNTS:
             raise SystemExit(f"--only: {item!r} is not one of "
-                             f"{', '.join(m + str(n) for n in DEVICE_COUNTS for m in MODELS)}")
+                             f"{', '.join(f'{m}:{n}' for n in DEVICE_COUNTS for m in MODELS)}")
         picked.add((name, int(count)))
     return picked or {(m, n) for m in MODELS for n in DEVICE_COUNTS}
 
@@ -135,14 +155,16 @@ def worker(n_devices: int, quick: bool) -> dict:
         if (name, n_devices) not in picked:
             continue
         steps = quick_round if quick else per_round
-        if name == "mlp":
-            arrays = {"x": rng.normal(size=(steps * batch, 32)).astype(np.float32),
-                      "y": rng.normal(size=(steps * batch, 8)).astype(np.float32)}
+        if name.startswith(("mlp", "tiny")):
+            tiny = name.startswith("tiny")
+            d_in, d_out = (4, 4) if tiny else (32, 8)
+            arrays = {"x": rng.normal(size=(steps * batch, d_in)).astype(np.float32),
+                      "y": rng.normal(size=(steps * batch, d_out)).astype(np.float32)}
             loss_fn = mse
             cfg = None
 
-            def make(cfg=None):
-                model = mlp(nnx.Rngs(0))
+            def make(cfg=None, tiny=tiny):
+                model = nnx.Linear(4, 4, rngs=nnx.Rngs(0)) if tiny else mlp(nnx.Rngs(0))
                 opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
                 state = jax.device_put(nnx.state((model, opt)),
                                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -158,9 +180,9 @@ def worker(n_devices: int, quick: bool) -> dict:
                 model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
                 return model, strategy.optimizer(model, optax.adam(1e-3), mesh)
 
-        def per_step(arrays=arrays, batch=batch, steps=steps):
-            for i in range(steps):
-                yield {key: v[i * batch:(i + 1) * batch] for key, v in arrays.items()}
+        # What a data loader hands over: one batch per step (here views of the arrays).
+        per_step = [{key: v[i * batch:(i + 1) * batch] for key, v in arrays.items()}
+                    for i in range(steps)]
 
         # -- hand scan ---------------------------------------------------------------
         m0, o0 = make()
@@ -170,6 +192,7 @@ def worker(n_devices: int, quick: bool) -> dict:
 
         scan_train = hand_scan(graphdef, loss_fn)
         box = [state0]
+        calls = -(-steps // k)
 
         def hand(arrays=arrays, batch=batch, k=k, steps=steps, box=box, scan_train=scan_train,
                  data_sharding=data_sharding):
@@ -185,6 +208,21 @@ def worker(n_devices: int, quick: bool) -> dict:
                         res[-3].block_until_ready()
             jax.block_until_ready(res)
 
+        box_stacked = [nnx.split(make())[1]]
+
+        def hand_stacked(per_step=per_step, k=k, steps=steps, box=box_stacked,
+                         scan_train=scan_train, data_sharding=data_sharding):
+            res = []
+            with ns.use(mesh, rules):
+                for c in range(steps // k):
+                    group = per_step[c * k:(c + 1) * k]
+                    window = {key: np.stack([b[key] for b in group]) for key in group[0]}
+                    box[0], loss = scan_train(box[0], jax.device_put(window, data_sharding))
+                    res.append(loss)
+                    if len(res) > 2:
+                        res[-3].block_until_ready()
+            jax.block_until_ready(res)
+
         # -- Trainer.fit, twice --------------------------------------------------------
         def trainer(make=make, loss_fn=loss_fn, k=k):
             model, opt = make()
@@ -194,14 +232,15 @@ def worker(n_devices: int, quick: bool) -> dict:
         source = ns.Batches(arrays, batch)
 
         def fit_iter(t=t_iter, steps=steps, per_step=per_step):
-            h = t.fit(per_step(), steps, progress=False)
+            h = t.fit(per_step, steps, progress=False)
             assert h.steps == steps, h.stop_reason
 
         def fit_win(t=t_win, steps=steps, source=source):
             h = t.fit(source, steps, progress=False)
             assert h.steps == steps, h.stop_reason
 
-        variants = {"hand scan": hand, "fit(batches)": fit_iter, "fit(Batches)": fit_win}
+        variants = {"hand scan": hand, "hand scan (stacked)": hand_stacked,
+                    "fit(batches)": fit_iter, "fit(Batches)": fit_win}
 
         if name == "mlp" and have_keras:
             km = keras_mlp(k)
@@ -220,12 +259,14 @@ def worker(n_devices: int, quick: bool) -> dict:
             run()
         rates: dict[str, list[float]] = {v: [] for v in variants}
         cpu_rates: dict[str, list[float]] = {v: [] for v in variants}
+        host_us: dict[str, list[float]] = {v: [] for v in variants}
         order = list(variants)
         for r in range(rounds):
             for j in range(len(order)):
                 v = order[(j + r) % len(order)]
-                t0, c0 = time.perf_counter(), time.process_time()
+                t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
                 variants[v]()
+                host_us[v].append((time.thread_time() - h0) / calls * 1e6)
                 rates[v].append(steps / (time.perf_counter() - t0))
                 cpu_rates[v].append(steps / (time.process_time() - c0))
 
@@ -234,6 +275,7 @@ def worker(n_devices: int, quick: bool) -> dict:
 
         ratios, cpu_ratios = {}, {}
         pairs = [(v, "hand scan") for v in variants if v != "hand scan"]
+        pairs.append(("fit(batches)", "hand scan (stacked)"))
         if "keras" in variants:
             pairs += [(v, "keras") for v in ("fit(batches)", "fit(Batches)")]
         for a, b in pairs:
@@ -248,6 +290,8 @@ def worker(n_devices: int, quick: bool) -> dict:
             # wall time to other processes on a shared machine.
             "steps_per_cpu_s": {v: statistics.median(r) for v, r in cpu_rates.items()},
             "cpu_ratios": cpu_ratios, "cpu_rounds": cpu_rates,
+            # CPU microseconds of the calling thread per fused call (median round).
+            "host_us_per_call": {v: statistics.median(r) for v, r in host_us.items()},
         }
     if n_devices > 1 and ("mlp", n_devices) in picked:
         out["keras"] = keras_probe(n_devices, quick)
@@ -321,6 +365,11 @@ def fmt_table(all_results: list[dict]) -> str:
                 cells = [f"{r['models'][name][key][v]:.3f}" if v in r["models"][name][key]
                          else "-" for r in results]
                 lines.append(f"| {v}, {what} (median of paired rounds) | {' | '.join(cells)} |")
+        for v in variants:
+            cells = [f"{r['models'][name]['host_us_per_call'][v]:,.0f}"
+                     if v in r["models"][name].get("host_us_per_call", {}) else "-"
+                     for r in results]
+            lines.append(f"| {v}, calling thread CPU us per call | {' | '.join(cells)} |")
     for r in all_results:
         if "keras" in r:
             lines.append(f"\nkeras DataParallel on {r['n_devices']} simulated devices: "
@@ -348,7 +397,7 @@ def main() -> None:
           f"{os.cpu_count()} cores, load average {load[0]:.2f} at the end (shared machine)")
     print(fmt_table(results))
     # A partial run does not overwrite the full table's results.
-    path = RESULTS.with_name(f"fit_speed_{only.replace(',', '_')}.json") if only else RESULTS
+    path = RESULTS.with_name(f"fit_speed_{only.replace(',', '_').replace(':', '-')}.json") if only else RESULTS
     write_json(path, {
         "jax": jax.__version__, "cores": os.cpu_count(), "loadavg_end": load,
         "quick": args.quick, "only": only or None, "seconds": time.perf_counter() - t0, "results": results,

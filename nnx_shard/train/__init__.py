@@ -12,7 +12,7 @@ Three layers, each usable alone:
 * :func:`shard_batch` (:mod:`~nnx_shard.train.placement`) turns host NumPy
   batches into global ``jax.Array`` s laid out by logical names;
   :class:`Trainer` (:mod:`~nnx_shard.train.trainer`) puts the three together
-  with feeding and prefetching (:mod:`~nnx_shard.train.feed`, reading
+  with feeding (:mod:`~nnx_shard.train.feed`: stacking per-step batches or reading
   :class:`~nnx_shard.Batches` windows from :mod:`~nnx_shard.train.batches`), a
   progress bar (:mod:`~nnx_shard.train.progress`), a NaN/Inf stop and the
   gradient norm (:mod:`~nnx_shard.train.guard`), run call by call by

@@ -1,16 +1,22 @@
 """Feeding fit: host batches grouped K at a time (cut at checkpoint steps), stacked
-and placed on the devices, on a prefetch thread (:class:`Prefetcher`) or, for
-windows of a :class:`~nnx_shard.Batches`, in the training thread (:class:`Inline`)."""
+with one ``np.stack`` per leaf (or read as one window of a
+:class:`~nnx_shard.Batches`) and handed to the compiled call with their shardings,
+in the training thread right after the previous call is dispatched (:class:`Feed`).
+
+Why no prefetch thread: dispatch is asynchronous, so the training thread stacks the
+next group while the device runs the calls in flight. A thread beside it fought the
+dispatching thread for the GIL and added a queue hand-over per call: on one CPU
+device, ``Trainer.fit`` on a list of per-step batches of ``nnx.Linear(4, 4)`` spent
+half of its time waiting on that queue (benchmarks/fit_speed.py).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,8 +25,19 @@ from nnx_shard.train.batches import Batches
 from nnx_shard.train.placement import Placer, check_array_leaf
 from nnx_shard.train.trees import fmt_shape, short_repr
 
-__all__ = ["Inline", "Prefetcher", "build_group", "feeder", "group_sizes", "groups",
-           "iter_group_sizes", "stacked_groups", "window_groups"]
+__all__ = ["Feed", "Group", "Stacker", "group_sizes", "groups", "iter_group_sizes",
+           "stacked_groups", "window_groups"]
+
+
+class Group(NamedTuple):
+    """One fused call's input: ``steps`` (K), ``data`` (the ``[K, batch, ...]``
+    pytree: host arrays in one process, placed ones across processes), its leaves'
+    ``shardings`` (a pytree, one object per layout) and the examples per step."""
+
+    steps: int
+    data: Any
+    shardings: Any
+    examples: int
 
 
 def iter_group_sizes(start: int, count: int, k: int, every: int | None) -> Iterator[int]:
@@ -58,80 +75,26 @@ def stacked_groups(
     """Groups of K host batches from an iterable, each stacked by ``build``."""
     it = iter(data)
     for k in sizes:
-        host = []
-        for _ in range(k):
-            try:
-                host.append(next(it))
-            except StopIteration:
-                break
-            if stop.is_set():
-                return
+        host = list(itertools.islice(it, k))
+        if stop.is_set():
+            return
         if host:
             yield build(host)
         if len(host) < k:
             return
 
 
-class Prefetcher:
-    """Builds the next groups of K steps (stack + shard) on a thread while the
-    current fused call runs. At most two groups wait, so host memory stays bounded.
-
-    ``groups(stop)`` is a generator of built groups; it may check ``stop`` (an
-    Event set when training ends) to give up early."""
-
-    def __init__(self, groups: Callable[[threading.Event], Iterator[Any]]) -> None:
-        self._q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(groups,), daemon=True, name="nnx_shard-prefetch",
-        )
-        self._thread.start()
-
-    def _run(self, groups: Callable[[threading.Event], Iterator[Any]]) -> None:
-        try:
-            for group in groups(self._stop):
-                if not self._put(("ok", group)):
-                    return
-            self._put(("end", None))
-        except BaseException as e:  # re-raised in the training thread
-            self._put(("error", e))
-
-    def _put(self, item: tuple[str, Any]) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def get(self) -> Any:
-        kind, value = self._q.get()
-        if kind == "error":
-            raise value
-        return value if kind == "ok" else None
-
-    def close(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._q.get_nowait()
-        self._thread.join(timeout=5)
-
-
-class Inline:
-    """:class:`Prefetcher`'s interface without the thread, for windows of a
-    :class:`~nnx_shard.Batches`: reading one is a slice and a single copy to the
-    devices, which the training thread does while the previous call runs. Handing
-    it over from a thread cost more than it hid: on the 1-device MLP of
-    benchmarks/fit_speed.py (2 shared cores) fit ran at 0.85x the hand-written
-    scan with the thread, 0.89-0.92x without."""
+class Feed:
+    """What fit reads its groups from, in the training thread: ``get()`` gives the
+    next :class:`Group` (``None`` when the data ends), ``close()`` stops reading.
+    ``groups(stop)`` is a generator of groups; it may check ``stop`` (an Event set
+    when training ends) to give up early."""
 
     def __init__(self, groups: Callable[[threading.Event], Iterator[Any]]) -> None:
         self._stop = threading.Event()
         self._groups = groups(self._stop)
 
-    def get(self) -> Any:
+    def get(self) -> Group | None:
         return next(self._groups, None)
 
     def close(self) -> None:
@@ -139,13 +102,83 @@ class Inline:
         self._groups.close()  # type: ignore[attr-defined]  # a generator
 
 
-def build_group(host: list[Any], place: Placer) -> tuple[int, Any, int]:
-    """One fused call's input from K host batches: ``(K, the stacked batches placed
-    by ``place``, examples per step)``, with the batches checked."""
-    first = jax.tree_util.tree_flatten_with_path(host[0])
+def _stack(column: list[Any]) -> np.ndarray:
+    # One step: a copy with a new leading axis (np.stack's Python costs ~10x more). A
+    # copy, not a view: a loader may reuse its buffers while the call still reads them.
+    return np.stack(column) if len(column) > 1 else np.array(column[0])[None]
+
+
+class Stacker:
+    """Builds groups from K host batches each: one ``np.stack`` per leaf, placed by
+    ``place`` (:meth:`Placer.host`). The batches' structure and leaves are checked
+    in full for the first group of each layout; after that a batch costs one pytree
+    flatten and a comparison of its structure with the first's (a shape that
+    differs is found by ``np.stack``, and explained then)."""
+
+    def __init__(self, place: Placer) -> None:
+        self.place = place
+        self._checked: set[Any] = set()
+        self._processes = jax.process_count()
+        # The keys (sorted, as pytrees order them) of a flat dict of arrays, the
+        # usual batch, whose columns are read by key: no flatten per batch.
+        self._flat_dict: tuple[Any, tuple[Any, ...]] | None = None
+
+    def _columns(self, host: list[Any]) -> tuple[Any, list[list[Any]]]:
+        first = host[0]
+        if type(first) is dict and self._flat_dict is not None:
+            treedef, keys = self._flat_dict
+            if first.keys() == set(keys) and all(
+                    type(b) is dict and b.keys() == first.keys() for b in host):
+                return treedef, [[b[k] for b in host] for k in keys]
+        flat = [jax.tree.flatten(b) for b in host]
+        treedef = flat[0][1]
+        for n, (_, td) in enumerate(flat[1:], start=1):
+            if td != treedef:  # type: ignore[operator]
+                raise ValueError(
+                    f"host batch {n} of this group has structure {td} but the first "
+                    f"has {treedef}; every batch must have the same structure.")
+        if type(first) is dict:
+            keys = tuple(sorted(first))
+            if treedef == jax.tree.structure(dict.fromkeys(keys, 0)):  # type: ignore[operator]
+                self._flat_dict = (treedef, keys)
+        return treedef, [list(column) for column in zip(*(f[0] for f in flat), strict=True)]
+
+    def __call__(self, host: list[Any]) -> Group:
+        treedef, columns = self._columns(host)
+        try:
+            stacked = [_stack(column) for column in columns]
+        except ValueError:
+            _ragged(host)
+            raise
+        key = (treedef, *((x.shape, x.dtype) for x in stacked))
+        if key not in self._checked:  # a new structure, shape or dtype
+            _check_first(host[0])
+            self._checked.add(key)
+        data, shardings = self.place.host_leaves(stacked, treedef, key)
+        examples = int(stacked[0].shape[1]) * self._processes if stacked else 0
+        return Group(len(host), data, shardings, examples)
+
+
+def build_group(host: list[Any], place: Placer) -> Group:
+    """One fused call's input from K host batches (see :class:`Stacker`).
+
+    >>> from nnx_shard.mesh import make_mesh
+    >>> from nnx_shard.rules import as_rules
+    >>> place = Placer(make_mesh("data=8"), as_rules({"batch": "data"}), ("batch",))
+    >>> g = build_group([{"x": np.full((8, 2), i, np.float32)} for i in range(3)], place)
+    >>> g.steps, g.data["x"].shape, g.shardings["x"].spec, g.examples
+    (3, (3, 8, 2), P(None, 'data', None), 8)
+    """
+    return Stacker(place)(host)
+
+
+def _check_first(batch: Any) -> None:
+    """The checks of a group's first batch: arrays (not Python numbers, not text),
+    each with a leading batch axis."""
+    first = jax.tree_util.tree_flatten_with_path(batch)
     if not first[0]:
         raise TypeError(
-            f"Trainer.fit: a batch from data is {short_repr(host[0])}, which holds no "
+            f"Trainer.fit: a batch from data is {short_repr(batch)}, which holds no "
             "arrays. Batches are pytrees of arrays with a leading batch axis, e.g. "
             "{'x': np.ndarray of shape (batch, ...), 'y': ...}."
         )
@@ -157,36 +190,21 @@ def build_group(host: list[Any], place: Placer) -> tuple[int, Any, int]:
                 "every leaf of a batch needs a leading batch axis. Fix: give it one, "
                 "e.g. np.full((batch,), value)."
             )
-    # Per batch only a plain flatten and a shape comparison (this runs K times per
-    # fused call, on a thread beside XLA's): paths are worked out for errors only.
-    shapes = [np.shape(x) for _, x in first[0]]
-    columns: list[list[Any]] = [[x] for _, x in first[0]]
-    for n, b in enumerate(host[1:], start=1):
-        leaves, treedef = jax.tree.flatten(b)
-        if treedef != first[1]:  # type: ignore[operator]
-            raise ValueError(
-                f"host batch {n} of this group has structure {treedef} but the first "
-                f"has {first[1]}; every batch must have the same structure."
-            )
-        for column, x, shape in zip(columns, leaves, shapes, strict=True):
-            if getattr(x, "shape", None) != shape:
-                _ragged(n, b, first[0])
-            column.append(x)
-    stacked = jax.tree.unflatten(first[1], [np.stack(c) for c in columns])
-    leaves = first[0]
-    examples = int(np.shape(leaves[0][1])[0]) * jax.process_count() if leaves else 0
-    return len(host), place(stacked), examples
 
-def _ragged(n: int, batch: Any, first: list[tuple[Any, Any]]) -> None:
-    for (path, x), (_, x0) in zip(jax.tree_util.tree_flatten_with_path(batch)[0], first,
-                                  strict=True):
-        if np.shape(x) != np.shape(x0):
-            raise ValueError(
-                f"host batch {n} of this group has batch{jax.tree_util.keystr(path)} "
-                f"of shape {fmt_shape(x)}, but the first has {fmt_shape(x0)}. "
-                "Batches are stacked K at a time, so shapes must agree. Fix: drop "
-                "the last, smaller batch of an epoch (drop_last) or pad it."
-            )
+
+def _ragged(host: list[Any]) -> None:
+    """Names the first batch of a group whose leaf shapes differ from the first's."""
+    first = jax.tree_util.tree_flatten_with_path(host[0])[0]
+    for n, batch in enumerate(host[1:], start=1):
+        for (path, x), (_, x0) in zip(jax.tree_util.tree_flatten_with_path(batch)[0], first,
+                                      strict=True):
+            if np.shape(x) != np.shape(x0):
+                raise ValueError(
+                    f"host batch {n} of this group has batch{jax.tree_util.keystr(path)} "
+                    f"of shape {fmt_shape(x)}, but the first has {fmt_shape(x0)}. "
+                    "Batches are stacked K at a time, so shapes must agree. Fix: drop "
+                    "the last, smaller batch of an epoch (drop_last) or pad it."
+                )
 
 
 def window_groups(
@@ -204,7 +222,7 @@ def window_groups(
         if pos == start:  # one layout for the whole run: checked once
             for path, x in jax.tree_util.tree_flatten_with_path(window)[0]:
                 check_array_leaf(path, x, "Trainer.fit")
-        yield n, place(window), examples
+        yield Group(n, *place.host(window), examples)
         pos += n
         if n < k:
             return
@@ -213,9 +231,8 @@ def window_groups(
 def groups(
     data: Any, sizes: Iterator[int], place: Placer, *, position: int, resumed: bool
 ) -> Callable[[threading.Event], Iterator[Any]]:
-    """The generator of fused-call inputs ``(steps, sharded batch, examples per
-    step)``, reading ``data`` from the data position ``position`` (on the prefetch
-    thread, or for :class:`~nnx_shard.Batches` in the training thread)."""
+    """The generator of fused-call inputs (:class:`Group`), reading ``data`` from the
+    data position ``position``."""
     if isinstance(data, Batches):
         first = position if resumed else 0
         return functools.partial(window_groups, data, first, sizes, place)
@@ -223,13 +240,4 @@ def groups(
         data = data(position)
     elif resumed and position:
         data = itertools.islice(data, position, None)
-    return functools.partial(stacked_groups, data, sizes,
-                             functools.partial(build_group, place=place))
-
-
-def feeder(
-    data: Any, groups: Callable[[threading.Event], Iterator[Any]]
-) -> Prefetcher | Inline:
-    """What fit reads its groups from: :class:`Inline` for a
-    :class:`~nnx_shard.Batches`, else a :class:`Prefetcher` thread."""
-    return (Inline if isinstance(data, Batches) else Prefetcher)(groups)
+    return functools.partial(stacked_groups, data, sizes, Stacker(place))

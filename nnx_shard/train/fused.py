@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,14 +27,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard.errors import ShardingError, count, flag, sharding_types
+from nnx_shard.errors import (
+    ShardingError,
+    count,
+    flag,
+    is_sharding_type_error,
+    sharding_type_error,
+    sharding_types,
+)
 from nnx_shard.mesh import apply_sharding, current
 from nnx_shard.parallel.registry import checking_step, prepare_step
 from nnx_shard.train.microbatch import check_device_rows, spec_axes, tracing_step
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import is_node, leaf_path
 
-__all__ = ["Carry", "Fused", "multistep"]
+__all__ = ["Carry", "Fused", "Packed", "multistep", "pack", "unpack_rows"]
 
 
 def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
@@ -107,6 +115,90 @@ def _check_metrics(metrics: Any, fn_name: str) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """A call's metrics as one byte vector (``buf``) and how to cut it back into
+    them (``spec``: the metrics' treedef and each leaf's dtype and shape, static,
+    so it comes back with every call's output). Reading one array back costs a
+    fixed ~7 us of Python whatever its size: a call's 4 metrics (loss, gradient
+    norm, guard flags) read as one cost a quarter.
+
+    >>> m = {"loss": jnp.array([0.5, 0.25]), "ok": jnp.array([True, False])}
+    >>> p = pack(m)
+    >>> p.buf.dtype, p.buf.shape
+    (dtype('uint8'), (10,))
+    >>> out = p.unpack()
+    >>> out["loss"].tolist(), out["ok"].tolist()
+    ([0.5, 0.25], [True, False])
+    """
+
+    def __init__(self, buf: Any, spec: Any) -> None:
+        self.buf = buf
+        self.spec = spec
+
+    def tree_flatten(self) -> tuple[tuple[Any], Any]:
+        return (self.buf,), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec: Any, children: Any) -> Packed:
+        return cls(children[0], spec)
+
+    def unpack(self) -> Any:
+        """The metrics, NumPy arrays (read back first: ``jax.device_get``)."""
+        return unpack_rows(self.spec, np.asarray(self.buf)[None], 0)
+
+    def rows_of(self, others: Sequence[Packed]) -> Any:
+        """The metrics of calls of the same spec (``others``, read back), each leaf
+        stacked over the calls: one cut of a ``[calls, bytes]`` array per metric."""
+        rows = np.stack([np.asarray(p.buf) for p in others])
+        return unpack_rows(self.spec, rows, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _cuts(spec: Any) -> tuple[tuple[Any, int, int, tuple[int, ...], bool], ...]:
+    """Where each leaf of a packed spec lies: (dtype, first byte, bytes, shape, bool)."""
+    out, offset = [], 0
+    for dtype_name, shape in spec[1]:
+        is_bool = dtype_name == "bool"  # packed as one uint8 each
+        dtype = np.dtype(np.uint8) if is_bool else np.dtype(jnp.dtype(dtype_name))
+        nbytes = math.prod(shape) * dtype.itemsize
+        out.append((dtype, offset, nbytes, tuple(shape), is_bool))
+        offset += nbytes
+    return tuple(out)
+
+
+def unpack_rows(spec: Any, rows: np.ndarray, row: int | None) -> Any:
+    """The leaves of packed metrics from ``rows`` (``[calls, bytes]``): of one row,
+    or with ``row=None`` of all, each leaf then stacked over the calls."""
+    leaves = []
+    for dtype, offset, nbytes, shape, is_bool in _cuts(spec):
+        cut = rows[:, offset:offset + nbytes] if row is None else rows[row, offset:offset + nbytes]
+        x = np.ascontiguousarray(cut).view(dtype)
+        x = x.reshape(shape if row is not None else (len(rows), *shape))
+        leaves.append(x.astype(bool) if is_bool else x)
+    return jax.tree.unflatten(spec[0], leaves)
+
+
+def pack(metrics: Any) -> Packed | Any:
+    """``metrics`` as one :class:`Packed` byte vector (traced, or eager), or as they
+    are where a leaf cannot be packed (a complex number, a sharded leaf)."""
+    leaves, treedef = jax.tree.flatten(metrics)
+    parts, spec = [], []
+    for x in leaves:
+        x = jnp.asarray(x)
+        spec_of = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+        if jnp.issubdtype(x.dtype, jnp.complexfloating) or any(e is not None for e in spec_of):
+            return metrics  # a sharded leaf would be gathered (or refused on Explicit axes)
+        if x.dtype == jnp.bool_:
+            b = x.astype(jnp.uint8)
+        else:
+            b = jax.lax.bitcast_convert_type(x, jnp.uint8)
+        parts.append(b.reshape(-1))
+        spec.append((jnp.dtype(x.dtype).name, tuple(x.shape)))
+    buf = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+    return Packed(buf, (treedef, tuple(spec)))
+
+
 def _structure_diff(before: Any, after: Any) -> str:
     a = {leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(before)[0]}
     b = {leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(after)[0]}
@@ -149,6 +241,7 @@ class _Plan:
     context: Any
     node_def: Any = None
     perm: tuple[int, ...] | None = None
+    run: Any = None  # the function ``jitted`` compiles (see Fused._data_jit)
 
 
 class Fused:
@@ -201,6 +294,9 @@ class Fused:
         # One small output per call not yet known to be finished, oldest first.
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._jitted = _Cache()
+        # The compiled calls that place host data themselves, by (call, data shardings).
+        self._data_jits: dict[Any, Any] = {}
+        self._packed: dict[int, Any] = {}
         self._plans: dict[tuple[tuple[int, ...], int], _Plan] = {}
         self._names: dict[int, list[str]] = {}
         # Data layouts (shapes, shardings) whose rows per device were checked.
@@ -335,11 +431,12 @@ class Fused:
             x.sharding if isinstance(x, jax.Array) and x.committed else None for x in values
         )
         key = (graphdef, state_def, shardings, node_pos, nargs, context)
-        jitted = self._jitted.get(key)
-        if jitted is None:
-            jitted = self._build(graphdef, state_def, node_pos, nargs, shardings)
-            self._jitted.put(key, jitted)
-        plan = _Plan(jitted, state_def, shardings, context)
+        built = self._jitted.get(key)
+        if built is None:
+            run = self._build(graphdef, state_def, node_pos, nargs, shardings)
+            built = (self._jit(run, shardings, None), run)
+            self._jitted.put(key, built)
+        plan = _Plan(built[0], state_def, shardings, context, run=built[1])
         split_vars = jax.tree.leaves(state, is_leaf=_is_variable)
         index = {id(v): i for i, v in enumerate(variables)}
         if (
@@ -351,24 +448,60 @@ class Fused:
             plan.perm = tuple(index[id(v)] for v in split_vars)
         return plan, values
 
+    def _jit(self, run: Any, shardings: tuple[Any, ...], data_shardings: Any) -> Any:
+        return jax.jit(
+            run,
+            in_shardings=None if data_shardings is None else (None, data_shardings),
+            donate_argnums=(0,) if self.donate else (),
+            out_shardings=(list(shardings), None, None),
+        )
+
+    def _data_jit(self, plan: _Plan, data_shardings: tuple[Any, ...]) -> Any:
+        """``plan``'s call with the data arguments' shardings given (``in_shardings``):
+        host (NumPy) data is then copied to the devices by the call's own C++ dispatch,
+        with no ``jax.device_put`` (which costs ~0.1 ms of Python per call). Data
+        passed this way must be host arrays or arrays with exactly these shardings;
+        one trace per layout, as for placed data. Its metrics come back
+        :class:`Packed` (one array to read back per call)."""
+        leaves, treedef = jax.tree.flatten(data_shardings)
+        key = (id(plan.jitted), treedef, tuple(leaves))
+        jitted = self._data_jits.get(key)
+        if jitted is None:
+            run = plan.run
+
+            def packed(values: list[Any], data: tuple[Any, ...]) -> Any:
+                new_values, metrics, count = run(values, data)
+                return new_values, pack(metrics), count
+
+            # The same function for every layout, so that a layout seen before (e.g.
+            # lowered by Trainer.lower) finds its trace.
+            packed = self._packed.setdefault(id(plan.jitted), packed)
+            jitted = self._data_jits[key] = self._jit(packed, plan.shardings, data_shardings)
+        return jitted
+
     def _entry(self, what: str) -> str:
         # Error messages name the call the user made (Trainer.fit gives its own).
         return self.entry or f"multistep({getattr(self.step_fn, '__name__', 'step_fn')}){what}"
 
-    def _check_microbatches(self, args: tuple[Any, ...]) -> None:
+    def _check_microbatches(self, args: tuple[Any, ...],
+                            data_shardings: tuple[Any, ...] | None = None) -> None:
         """Each device's rows of every [K, batch, ...] leaf must split into the
-        microbatches. Checked on the host from the arrays' shardings, so Auto meshes
-        (whose array types carry no sharding) get the same message as Explicit ones."""
+        microbatches. Checked on the host from the arrays' shardings (or
+        ``data_shardings``, one pytree per data argument, for host data), so Auto
+        meshes (whose array types carry no sharding) get the same message as
+        Explicit ones."""
         data = [(i, a) for i, a in enumerate(args) if not is_node(a)]
         leaves = [jax.tree_util.tree_flatten_with_path(a)[0] for _, a in data]
-        layout = tuple((np.shape(x), getattr(x, "sharding", None)) for f in leaves for _, x in f)
+        given = ([jax.tree.leaves(d) for d in data_shardings] if data_shardings is not None
+                 else [[getattr(x, "sharding", None) for _, x in f] for f in leaves])
+        layout = tuple((np.shape(x), s) for f, g in zip(leaves, given, strict=True)
+                       for (_, x), s in zip(f, g, strict=True))
         if layout in self._rows_checked:
             return
         names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
         self._names[len(args)] = names
-        for (i, _), flat in zip(data, leaves, strict=True):
-            for path, x in flat:
-                sharding = getattr(x, "sharding", None)
+        for (i, _), flat, shardings in zip(data, leaves, given, strict=True):
+            for (path, x), sharding in zip(flat, shardings, strict=True):
                 if np.ndim(x) < 2 or not isinstance(sharding, NamedSharding):
                     continue
                 axes, devices = spec_axes(sharding, 1)
@@ -413,11 +546,18 @@ class Fused:
         >>> mem.temp_size_in_bytes >= 0
         True
         """
+        return self._lower(args, None)
+
+    def _lower(self, args: tuple[Any, ...], data_shardings: tuple[Any, ...] | None
+               ) -> jax.stages.Lowered:
+        """:meth:`lower`; with ``data_shardings`` (one pytree per data argument), the
+        call :class:`Carry` runs on host data with those shardings."""
         plan, _, _, values, data = self._prepare(args)
         if self.microbatches > 1:
-            self._check_microbatches(args)
+            self._check_microbatches(args, data_shardings)
+        jitted = plan.jitted if data_shardings is None else self._data_jit(plan, data_shardings)
         with sharding_types(self._entry(".lower(...)")):
-            return plan.jitted.lower(values, data)
+            return jitted.lower(values, data)
 
     # -- traced side ----------------------------------------------------------
 
@@ -428,7 +568,8 @@ class Fused:
         node_pos: tuple[int, ...],
         nargs: int,
         shardings: tuple[Any, ...],
-    ) -> Any:
+    ) -> Callable[..., Any]:
+        """The compiled call's function (``jax.jit`` of it in :meth:`_jit`)."""
         step_fn = self.step_fn
         fn_name = getattr(step_fn, "__name__", "step_fn")
         m, precision = self.microbatches, self.precision
@@ -492,26 +633,27 @@ class Fused:
                 new_values = pin(jax.tree.leaves(nnx.split(after)[1]))
             return new_values, metrics, count
 
-        return jax.jit(
-            run,
-            donate_argnums=(0,) if self.donate else (),
-            out_shardings=(list(shardings), None, None),
-        )
+        return run
 
 
 class Carry:
     """Calls of one :class:`Fused` in a loop that owns its NNX arguments (``Trainer.fit``),
     with the carried state kept as the flat list of arrays the compiled call takes
-    and returns, between calls.
+    and returns, between calls: fit's steady state is a loop over pure pytrees.
 
     :meth:`Fused.__call__` finds the state in the NNX objects and writes it back on
     every call (a pytree flatten of the objects, a check of the cached plan, one
-    write per Variable: about a tenth of a millisecond of Python, per call). Here
-    that happens once; a call then passes a flat list straight to the jitted
-    function (jax's C++ dispatch path), and the Variables receive the current
-    arrays only in :meth:`sync`, which the loop calls before anything looks at
-    the model (a callback, a checkpoint, a replay, its end). Until then the
+    write per Variable). Here that happens once: the first call after a
+    :meth:`sync` reads the objects (:meth:`Fused._prepare`); each call then passes
+    the flat list straight to the jitted function (jax's C++ dispatch path), with
+    host data and its shardings (``data_shardings``) placed by the call itself
+    (:meth:`Fused._data_jit`). The Variables receive the current arrays only in
+    :meth:`sync`, which the loop calls before anything looks at the model (a
+    callback, a checkpoint, a replay, an error, its end). Until then the
     Variables hold the arrays of the last sync, which donation has deleted.
+
+    ``done`` is the last call's step count, a scalar ready when the call is (for
+    bounding the calls in flight without reading the metrics).
     """
 
     def __init__(self, fused: Fused) -> None:
@@ -523,20 +665,42 @@ class Carry:
         # The current state, or None when the Variables hold it (before the first
         # call and after a sync).
         self.values: list[Any] | None = None
+        self.done: jax.Array | None = None
+        # The compiled call of the last data layout, and that layout (compared by
+        # identity: Placer.host hands out one shardings object per layout).
+        self._jitted: Any = None
+        self._layout: tuple[Any, ...] | None = None
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, data_shardings: tuple[Any, ...] | None = None) -> Any:
         f = self.fused
         if self.values is None:
             plan, self.variables, self.nodes, self.values, data = f._prepare(args)
-            self.plan = plan
             self.data_pos = tuple(i for i, a in enumerate(args) if not is_node(a))
+            if plan is not self.plan:
+                self.plan, self._layout = plan, None
         else:
             data = tuple(args[i] for i in self.data_pos)
-        if f.microbatches > 1:
-            f._check_microbatches(args)
-        with sharding_types(f._entry("(...)")):
-            self.values, metrics, _ = self.plan.jitted(self.values, data)  # type: ignore[union-attr]
+        layout = self._layout
+        if (data_shardings is None or layout is None or len(layout) != len(data_shardings)
+                or any(a is not b for a, b in zip(layout, data_shardings, strict=True))):
+            self._new_layout(args, data_shardings)
+        try:
+            self.values, metrics, self.done = self._jitted(self.values, data)
+        except Exception as e:
+            if is_sharding_type_error(e):
+                raise sharding_type_error(f._entry("(...)"), e) from e
+            raise
         return metrics
+
+    def _new_layout(self, args: tuple[Any, ...], data_shardings: tuple[Any, ...] | None
+                    ) -> None:
+        """The compiled call and the once-per-layout checks for a new data layout."""
+        f, plan = self.fused, self.plan
+        assert plan is not None
+        self._jitted = plan.jitted if data_shardings is None else f._data_jit(plan, data_shardings)
+        self._layout = data_shardings
+        if f.microbatches > 1:
+            f._check_microbatches(args, data_shardings)
 
     def sync(self) -> None:
         """Writes the current state into the NNX Variables (the next call reads it

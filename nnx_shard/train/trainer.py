@@ -1,5 +1,6 @@
 """``Trainer``: a (sharded) model trained K steps per compiled call, with batches
-sharded and prefetched, a progress bar, a NaN/Inf stop and checkpoints."""
+stacked and sharded while the device runs, a progress bar, a NaN/Inf stop and
+checkpoints."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import UsageError, count, flag, short
 from nnx_shard.mesh import make_mesh, use
 from nnx_shard.rules import Rules, as_rules
-from nnx_shard.train.feed import feeder, groups, iter_group_sizes
+from nnx_shard.train.feed import Feed, groups, iter_group_sizes
 from nnx_shard.train.fused import Fused
 from nnx_shard.train.guard import (
     DEFAULT_GUARD,
@@ -30,7 +31,12 @@ from nnx_shard.train.guard import (
     make_step,
 )
 from nnx_shard.train.microbatch import check_tracked
-from nnx_shard.train.placement import LogicalNames, Placer
+from nnx_shard.train.placement import (
+    LogicalNames,
+    Placer,
+    batch_shardings,
+    host_sharding_types,
+)
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.progress import Progress
 from nnx_shard.train.run import FitRun, History, Saver
@@ -40,7 +46,7 @@ __all__ = ["Trainer"]
 
 
 class Trainer:
-    """Trains a (sharded) model: K steps per compiled call, batches sharded, prefetched.
+    """Trains a (sharded) model: K steps per compiled call, batches stacked and sharded.
 
     ``loss_fn(model, batch) -> loss`` (or ``(loss, aux_dict)`` with
     ``has_aux=True``) is differentiated with :func:`value_and_grad`; each step
@@ -48,7 +54,7 @@ class Trainer:
     batches (pytrees of NumPy arrays with a leading batch axis) from any
     iterable, stacks ``steps_per_call`` of them, shards them with
     :func:`shard_batch` (``batch_names`` name the leading dims), and runs
-    them in one fused call while the next group is prepared on a thread.
+    them in one fused call; the next group is prepared while it runs.
 
     Args:
       model, optimizer: NNX model and ``nnx.Optimizer``, already laid out
@@ -200,9 +206,12 @@ class Trainer:
         nothing from that call is saved; what is kept depends on the
         Trainer's ``guard``, below); when ``data`` runs out (so with finite
         data a huge ``num_steps`` means "until the data ends": steps are
-        planned lazily); or when a callback returns ``True``. ``callback(step, metrics)`` runs after every fused call with
-        that call's per-step metrics (NumPy) and the model exactly as of
-        ``step``. A final group smaller than ``steps_per_call`` compiles once
+        planned lazily); or when a callback returns ``True``. ``callback(step,
+        metrics)`` runs after every fused call with that call's per-step
+        metrics (NumPy) and the model exactly as of ``step``. Without
+        callbacks, the metrics stay on the devices and are read back in bulk
+        (every 64 calls or 0.1 s): ``trainer.step`` and the bar catch up then,
+        and the steps after a non-finite one are dispatched but not applied. A final group smaller than ``steps_per_call`` compiles once
         more. With ``progress=True``, process 0 shows a tqdm bar (steps, loss,
         steps/s, examples/s): redrawn on a terminal, a widget in a notebook,
         and on stderr that is a log file a line at the start, every 30 s and
@@ -228,16 +237,17 @@ class Trainer:
         Data: ``data`` is an iterable of host batches, or a callable
         ``data(position)`` returning one that starts at batch ``position``,
         the number of batches consumed by applied steps so far
-        (``trainer.data_position``; batches prefetched but not applied, e.g.
+        (``trainer.data_position``; batches read but not applied, e.g.
         after an early stop, do not count). ``fit`` calls it with the current
         position. On resume, an iterable is taken to start at the beginning of
         the stream and the batches the restored steps consumed are skipped
         (read and dropped); a callable can seek there instead. An
         :class:`~nnx_shard.Batches` over whole arrays is read K steps at a time
-        as one ``[K, batch, ...]`` window (no per-step Python, no stacking), in
-        the calling thread while the previous call runs, and seeks to the data
-        position on resume; any other iterable is read and stacked on a
-        prefetch thread.
+        as one ``[K, batch, ...]`` window (no per-step Python, no stacking) and
+        seeks to the data position on resume; any other iterable is read and
+        stacked (one ``np.stack`` per leaf). Both happen in the calling thread
+        while the previous calls run, and the compiled call copies the group to
+        the devices itself.
 
         The NaN guard, ``Trainer(..., guard=...)``; every mode checks each
         step's loss and gradient norm and the state each fused call leaves:
@@ -296,23 +306,24 @@ class Trainer:
         reader = groups(data, sizes, place, position=self.data_position, resumed=resumed)
         self._guard.raise_()
         self._record_layout()
-        # Two calls in flight keep the device busy while the host reads the previous
-        # metrics; never more (docs/architecture.md: deeper queues deadlock XLA's CPU rendezvous).
-        # The user's callbacks see the model as of their step, so with them: one at a time.
+        # Two calls in flight keep the device busy while the host stacks the next group
+        # (never more: docs/architecture.md, deeper queues deadlock XLA's CPU rendezvous);
+        # the metrics are read in bulk, except that the user's callbacks see the model
+        # as of their step, so with them: one call at a time.
         # The run shows progress, stops on a non-finite step and saves before them (they
         # see only finite steps, and a save never follows a non-finite step).
         run = FitRun(self, self._fused, self._careful, self._checked, self._guard, callbacks,
                      depth=1 if callbacks else 2, progress=Progress(num_steps, progress),
                      saver=Saver(self, checkpointer) if checkpointer is not None else None,
                      mode=self._guard_mode)
-        prefetch = feeder(data, reader)
+        feed = Feed(reader)
         try:
             with use(self.mesh, self.rules):
-                run.dispatch(prefetch)
+                run.dispatch(feed)
                 run.save_last()
         finally:
             run.carry.sync()
-            prefetch.close()
+            feed.close()
             run.progress.close()
             if checkpointer is not None:
                 checkpointer.wait()
@@ -340,13 +351,25 @@ class Trainer:
         True
         """
         self._record_layout()
+        # As fit runs it: host data, placed by the call after these shardings (a
+        # leaf's own sharding where it has one). Python numbers and lists become
+        # arrays, so that the checks of the shardings name them.
+        batch = jax.tree.map(
+            lambda x: x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x), batch)
+        resolved = batch_shardings(batch, self.mesh, self.rules, self.batch_names, steps=True)
+        shardings = jax.tree.map(
+            lambda x, s: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
+            else s, batch, resolved)
+        host = (batch if host_sharding_types(self.mesh) else
+                jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
         with use(self.mesh, self.rules):
-            return self._fused.lower(self.model, self.optimizer, batch, self._guard)
+            return self._fused._lower((self.model, self.optimizer, host, self._guard),
+                                      (shardings,))
 
     def call(self, batch: Any) -> Any:
         """Runs the compiled call :meth:`fit` makes for one group of K steps, once, on
         ``batch`` placed as ``fit`` places it (e.g. :func:`~nnx_shard.shard_batch` with
-        ``steps=True``), without fit's host loop (no prefetch, no metrics read, no
+        ``steps=True``), without fit's host loop (no stacking, no metrics read, no
         callbacks): for timing the call itself. Returns the call's outputs as device
         arrays, not waited for; the model and optimizer are updated as by ``fit``.
 

@@ -1531,8 +1531,9 @@ def test_lower_is_the_call_fit_then_runs_and_keeps_a_copy_of_the_state_only_unde
                 for x in jax.tree.leaves(nnx.state((model, opt))))
     if guard == "full":
         assert state <= fit_temp - bare.temp_size_in_bytes <= 1.5 * state
-    else:  # a few scalars: the flags and norms of the checks
-        assert 0 <= fit_temp - bare.temp_size_in_bytes <= 0.25 * state
+    else:  # a few scalars: the flags and norms of the checks, and the metrics packed
+        # into one byte vector (fit reads one array back per call): bytes per step
+        assert 0 <= fit_temp - bare.temp_size_in_bytes <= 0.25 * state + 128 * 2
 
     data = [{"x": np.ones((16, 16), np.float32), "y": np.zeros((16, 8), np.float32)}] * 4
     history = trainer.fit(data, 4, progress=False)
