@@ -32,7 +32,7 @@ from nnx_shard.cli.common import (
 )
 from nnx_shard.cli.plan_user import user_model
 from nnx_shard.errors import CompileError, ShardingError, count
-from nnx_shard.lora import DEFAULT_TARGETS, lora
+from nnx_shard.low_rank import DEFAULT_TARGETS, lora
 from nnx_shard.models import explain_cache
 from nnx_shard.models.memory import ACTIVATION_FORMULA, activation_bytes
 from nnx_shard.models.named import build, max_length, named_config

@@ -1,5 +1,5 @@
 """PEFT LoRA adapter folders (``adapter_config.json`` + ``adapter_model.safetensors``)
-read onto and written from a Llama-family model with :mod:`nnx_shard.lora` adapters.
+read onto and written from a Llama-family model with :mod:`nnx_shard.low_rank` adapters.
 
 PEFT stores, per adapted ``nn.Linear`` ``M``, ``base_model.model.M.lora_A.weight``
 ``[r, in]`` and ``...lora_B.weight`` ``[out, r]`` (torch layout, ``W += s * B @ A``).
@@ -21,13 +21,15 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_shard import safetensors_io as st
+from nnx_shard.annotate import path_str
 from nnx_shard.errors import NnxShardError, UsageError, short
 from nnx_shard.hf.layout import as_path
 from nnx_shard.hf.mapping import compile_rules, mapping_for
-from nnx_shard.lora import adapters, lora
+from nnx_shard.low_rank import Adapted, adapters, lora
 
 __all__ = ["load_lora", "save_lora"]
 
@@ -107,11 +109,21 @@ def _module_paths(model: Any, modules: list[str], folder: Path) -> dict[str, tup
             out[m] = (f"blocks/{ours.group(2)}/{ours.group(3)}", int(ours.group(1)))
         else:
             out[m] = (path or "", None)
+    if not bad:
+        bad = _absent(model, out)
     if bad:
         raise _fail(folder, f"adapts modules that are not projections of this model: "
                     f"{', '.join(bad[:6])}", "adapt only q/k/v/o_proj and gate/up/down_proj "
                     "(embeddings and lm_head are not supported)")
     return out
+
+
+def _absent(model: Any, where: Mapping[str, tuple[str, int | None]]) -> list[str]:
+    """The modules of ``where`` whose kernel (or stacked layer) the model lacks."""
+    shapes = {path_str(p): tuple(n.shape) for p, n in nnx.iter_graph(model)
+              if isinstance(n, nnx.Param | Adapted) and not isinstance(n, nnx.LoRAParam)}
+    return [m for m, (kpath, layer) in sorted(where.items())
+            if kpath not in shapes or (layer is not None and layer >= shapes[kpath][0])]
 
 
 def _put(host: np.ndarray, like: Any) -> jax.Array:

@@ -15,7 +15,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard import safetensors_io as st
-from nnx_shard.lora import adapters
+from nnx_shard.low_rank import adapters
 from nnx_shard.models import Llama, LlamaConfig
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"

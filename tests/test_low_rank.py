@@ -1,4 +1,4 @@
-"""LoRA adapters (nnx_shard.lora): placement, names, sharding, training only the
+"""LoRA adapters (nnx_shard.low_rank): placement, names, sharding, training only the
 adapters, merging, and the errors of ns.lora."""
 
 import dataclasses
@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.lora import Adapted, adapters
+from nnx_shard.low_rank import Adapted, adapters
 from nnx_shard.models import Llama, get_llama_config, lm_loss
 
 
