@@ -165,3 +165,21 @@ def test_lora_twice_and_merge_without_adapters():
     assert len(adapters(model)) == 6
     with pytest.raises(ns.NnxShardError, match="has no LoRA adapters"):
         ns.merge_lora(_llama())
+
+
+def test_reference_transformer_adapts_and_merges():
+    from nnx_shard.models import Transformer, get_config
+
+    model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    ns.lora(model, 2, 4.0, targets=r"attn/(q|k|v|o)$|mlp/(up|down)$")
+    nodes = adapters(model)
+    assert len(nodes) == 6 * get_config("tiny").layers
+    for node in nodes.values():
+        node.lora_b.set_value(0.1 * jnp.ones(node.lora_b.shape))
+    tokens = jnp.asarray(_tokens(2)["inputs"])
+    adapted = model(tokens)
+    ns.merge_lora(model)
+    np.testing.assert_allclose(model(tokens), adapted, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ns.ShardingError, match="not a 2-D-like projection"):
+        ns.lora(Transformer(get_config("tiny_moe"), rngs=nnx.Rngs(0)), 2, 4.0,
+                targets=r"experts?/(up|down)$|moe/(up|down)$|mlp/(up|down)$")
