@@ -6,7 +6,9 @@ from nnx_shard.checkpoint import Checkpointer, restore, save
 from nnx_shard.data import pack
 from nnx_shard.errors import NnxShardError, ShardingError, ShardingWarning
 from nnx_shard.hf import load_safetensors, save_safetensors
+from nnx_shard.hf.peft import load_lora, save_lora
 from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
+from nnx_shard.low_rank import lora, merge_lora
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
 from nnx_shard.metrics import MetricsWriter
 from nnx_shard.parallel import collective_matmul, pipeline, ring, tp_layers
@@ -40,15 +42,19 @@ __all__ = [
     "explain",
     "get_logical_axes",
     "hf",
+    "load_lora",
     "load_safetensors",
     "logical_axes",
+    "lora",
     "make_mesh",
+    "merge_lora",
     "models",
     "multistep",
     "pack",
     "pipeline",
     "restore",
     "save",
+    "save_lora",
     "save_safetensors",
     "shard_batch",
     "sharded_init",

@@ -148,6 +148,12 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
                         "--factory for your own model")
     p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
     p.add_argument("--strategy", default="fsdp_tp")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="plan LoRA fine-tuning: adapters of this rank on --lora-targets, "
+                        "gradients and optimizer state for the adapters only")
+    p.add_argument("--lora-targets", default=None,
+                   help=r"regex over parameter paths of the adapted kernels (default "
+                        r"'attn/(q|v)$', PEFT's for Llama)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
     p.add_argument("--guard", choices=GUARDS, default=DEFAULT_GUARD,
                    help=f"Trainer.fit's NaN guard: {DEFAULT_GUARD} (default, Trainer's: no copy "

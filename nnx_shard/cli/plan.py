@@ -32,7 +32,8 @@ from nnx_shard.cli.common import (
     strategy,
 )
 from nnx_shard.cli.plan_user import user_model
-from nnx_shard.errors import CompileError, ShardingError
+from nnx_shard.errors import CompileError, ShardingError, count
+from nnx_shard.low_rank import DEFAULT_TARGETS, lora
 from nnx_shard.models import explain_cache
 from nnx_shard.models.memory import ACTIVATION_FORMULA, activation_bytes
 from nnx_shard.models.named import build, max_length, named_config
@@ -118,7 +119,8 @@ def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
 def _lay_out(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
              sizes: dict[str, int], tx: Any) -> _Layout:
     strat.check(model, sizes)
-    report = abstract_report(model, sizes, strat.rules, tx, strat.opt_rules)
+    wrt = nnx.LoRAParam if args.lora_rank is not None else nnx.Param
+    report = abstract_report(model, sizes, strat.rules, tx, strat.opt_rules, wrt=wrt)
     stages = _stage_report(model, sizes, strat, tx, cfg, args.batch, args.seq)
     try:
         acts = activation_bytes(cfg, strat.rules, sizes, args.batch, args.seq, args.remat)
@@ -137,7 +139,7 @@ def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
     """XLA's figures of the train step on ``devices`` simulated devices, unless
     --no-compile or the mesh is past the bound (``None``)."""
     compile_it = args.compile if args.compile is not None else devices <= COMPILE_MAX_DEVICES
-    if not compile_it:
+    if not compile_it or args.lora_rank is not None:  # the compiled step trains every Param
         return None
     try:
         return compiled_memory_subprocess(
@@ -211,6 +213,9 @@ def _check(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """``nnx-shard plan``: exit 0 when the model fits (or no ``--device-memory``), 1 when
     it does not, 2 for bad input or a layout that cannot be (its error on stderr)."""
+    if args.lora_rank is not None and (args.factory or args.auto or args.generate):
+        raise UsageError("--lora-rank plans a reference --model's fine-tuning step; it does "
+                         "not go with --auto, --generate or --factory. Fix: drop one of them")
     if args.factory or args.loss or args.batch_spec:  # the user's own model: the search
         return run_auto(args)
     if args.alias:
@@ -233,6 +238,12 @@ def run(args: argparse.Namespace) -> int:
     memory = device_memory(args.device_memory) if args.device_memory is not None else None
     tx = optimizer(args.optimizer)
     model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
+    if args.lora_rank is not None:  # alpha only scales: it changes no byte
+        count(args.lora_rank, "--lora-rank", fix="e.g. --lora-rank 16")
+        lora(model, args.lora_rank, 2 * args.lora_rank,
+             targets=args.lora_targets or DEFAULT_TARGETS)
+    elif args.lora_targets is not None:
+        raise UsageError("--lora-targets goes with --lora-rank. Fix: add e.g. --lora-rank 16")
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
@@ -241,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         "scan_layers": cfg.scan_layers if args.scan_layers is None else args.scan_layers,
         "param_dtype": jnp.dtype(cfg.param_dtype).name,
         "compute_dtype": jnp.dtype(cfg.dtype).name,
+        "lora_rank": args.lora_rank,
     }
     try:
         layout = _lay_out(args, model, cfg, strat, sizes, tx)
@@ -252,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG} plan: {args.model} on {args.mesh} with {strat.name}: cannot lay out")
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    per_device = formula(layout.report, layout.activations, args.guard, layout.compute)
+    per_device = formula(layout.report, layout.activations, args.guard, layout.compute,
+                         trained="Param" if args.lora_rank is None else "LoRAParam")
     compiled = _compile(args, strat, sizes, out["devices"])
     out.update(_results(layout, per_device, compiled, memory, args.top, strat))
     if args.json:
@@ -354,6 +367,10 @@ def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
           f"({out['devices']} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
           f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers, "
           f"guard {args.guard}")
+    if args.lora_rank is not None:
+        print(f"LoRA rank {args.lora_rank} on {args.lora_targets or DEFAULT_TARGETS}: "
+              "gradients and optimizer state for the adapters only (base frozen); "
+              "formula figures (the compiled step would train every parameter)")
     print()
     _print_bytes(out, layout.report)
     _print_largest(out, layout.report, args.top)
@@ -385,6 +402,12 @@ def run_generate(args: argparse.Namespace) -> int:
                          f"{max_length(cfg)} or less")
     memory = device_memory(args.device_memory) if args.device_memory else None
     model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
+    if args.lora_rank is not None:  # alpha only scales: it changes no byte
+        count(args.lora_rank, "--lora-rank", fix="e.g. --lora-rank 16")
+        lora(model, args.lora_rank, 2 * args.lora_rank,
+             targets=args.lora_targets or DEFAULT_TARGETS)
+    elif args.lora_targets is not None:
+        raise UsageError("--lora-targets goes with --lora-rank. Fix: add e.g. --lora-rank 16")
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "generate": True,

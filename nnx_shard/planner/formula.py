@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+from flax import nnx
 
 from nnx_shard.axes import abstract_mesh
 from nnx_shard.models.memory import activation_bytes
@@ -36,7 +37,7 @@ PRUNE_MARGIN = 1.1
 
 
 def abstract_report(model: Any, sizes: Mapping[str, int], rules: Rules, tx: Any = None,
-                    opt_rules: Rules | None = None) -> Report:
+                    opt_rules: Rules | None = None, wrt: Any = nnx.Param) -> Report:
     """:func:`nnx_shard.explain` on an ``AbstractMesh``: any device count, no devices needed.
 
     >>> from flax import nnx
@@ -47,7 +48,7 @@ def abstract_report(model: Any, sizes: Mapping[str, int], rules: Rules, tx: Any 
     >>> r.param_bytes_per_device == r.total_bytes  # dp: replicated
     True
     """
-    return explain(model, abstract_mesh(dict(sizes)), rules, tx, opt_rules=opt_rules)
+    return explain(model, abstract_mesh(dict(sizes)), rules, tx, wrt=wrt, opt_rules=opt_rules)
 
 
 def compute_copy(report: Report, compute_dtype: Any, remat: str = "none") -> int:
@@ -82,12 +83,14 @@ def compute_copy(report: Report, compute_dtype: Any, remat: str = "none") -> int
 
 
 def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
-            compute: int = 0) -> dict[str, int]:
+            compute: int = 0, trained: str = "Param") -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
     while a call runs (``guard="full"``, to put it back if the call is not finite;
     ``"grads"`` and ``"off"`` keep none), activations, and their ``total``; with
     ``compute`` (:func:`compute_copy`, mixed precision) that copy too, as ``compute``.
+    ``trained`` is the Variable kind that gets gradients (``"LoRAParam"`` when only
+    adapters are trained: the frozen base has none).
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
@@ -103,9 +106,9 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
     # sharded update instead of keeping the replicated sum.
     grads = {(r.path, r.shape): r.bytes_per_device for r in report.rows
-             if r.group == "params" and r.kind == "Param"}
+             if r.group == "params" and r.kind == trained}
     for r in report.rows:
-        if r.group == "optimizer" and r.kind == "Param":
+        if r.group == "optimizer" and r.kind == trained:
             names = r.path.split("/")
             for key in (("/".join(names[i:]), r.shape) for i in range(1, len(names))):
                 if key in grads:

@@ -330,20 +330,27 @@ def _finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
     return paths, flags
 
 
+def _differentiate(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``wrt -> value_and_grad(loss_fn, wrt=wrt)``: a step differentiates only what
+    its optimizer updates, so a frozen base (``wrt=nnx.LoRAParam``) gets no
+    gradient buffer."""
+    return lambda wrt: value_and_grad(loss_fn, has_aux=has_aux, wrt=wrt)
+
+
 def make_step(
     loss_fn: Callable[..., Any], has_aux: bool
 ) -> tuple[Callable[..., Any], list[tuple[str, str]]]:
     """The step with the per-step guard (the replay of a call :func:`guard_call`
     failed), and the leaves it checks after the update, filled while it is traced,
     in the order of its ``nonfinite`` metric (an index into that list)."""
-    grad_fn = value_and_grad(loss_fn, has_aux=has_aux)
+    grad_fn = _differentiate(loss_fn, has_aux)
     checked: list[tuple[str, str]] = []
 
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
         # Copies of the Variable wrappers (the arrays are shared, nothing is copied):
         # the state to fall back to if this step is not finite.
         before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
-        out, grads = grad_fn(model, batch)
+        out, grads = grad_fn(optimizer.wrt)(model, batch)
         loss, aux = out if has_aux else (out, {})
         optimizer.update(model, grads)
         grad_norm = grads_norm(grads, guard.layout.replicated)
@@ -379,10 +386,10 @@ def make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., 
     gradient norm, summed across devices at the end of the call
     (:func:`grad_sq_shares`).
     """
-    grad_fn = value_and_grad(loss_fn, has_aux=has_aux)
+    grad_fn = _differentiate(loss_fn, has_aux)
 
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
-        out, grads = grad_fn(model, batch)
+        out, grads = grad_fn(optimizer.wrt)(model, batch)
         loss, aux = out if has_aux else (out, {})
         optimizer.update(model, grads)
         aux = aux_metrics(aux)
@@ -464,13 +471,13 @@ def make_gated_step(loss_fn: Callable[..., Any], has_aux: bool,
     steps were applied; a step that is not applied drops the guard, so no later
     step of the call is applied either.
     """
-    grad_fn = value_and_grad(loss_fn, has_aux=has_aux)
+    grad_fn = _differentiate(loss_fn, has_aux)
 
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
         # What the forward pass may change besides the parameters (small: RNG counts,
         # batch statistics), to put back if the step is not applied.
         rest = jax.tree.map(lambda x: x, nnx.state(model, nnx.Not(optimizer.wrt)))
-        out, grads = grad_fn(model, batch)
+        out, grads = grad_fn(optimizer.wrt)(model, batch)
         loss, aux = out if has_aux else (out, {})
         aux = aux_metrics(aux)  # fit's own names refused, a non-mapping kept as "aux"
         layout = guard.layout

@@ -1,0 +1,53 @@
+"""``nnx-shard plan --lora-rank``: the adapters counted, gradients and optimizer
+state for them only."""
+
+import json
+
+import pytest
+
+from nnx_shard import cli
+
+LLAMA_8B = ("plan", "--model", "llama3-8b", "--strategy", "fsdp", "--mesh", "data=8",
+            "--device-memory", "80GB", "--batch", "8", "--seq", "2048", "--remat", "full",
+            "--no-compile", "--json")
+
+
+def _plan(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_lora_plan_counts_adapter_state_only(capsys):
+    code, out, _ = _plan(capsys, *LLAMA_8B, "--lora-rank", "16")
+    lora = json.loads(out)
+    code_full, out_full, _ = _plan(capsys, *LLAMA_8B)
+    full = json.loads(out_full)
+    assert code == code_full == 0 and lora["lora_rank"] == 16 and full["lora_rank"] is None
+    mine, theirs = lora["bytes_per_device"], full["bytes_per_device"]
+    # q and v adapters of 32 layers: A [4096, 16] + B [16, 4096] / [16, 1024], float32
+    adapters = 32 * (4096 * 16 + 16 * 4096 + 4096 * 16 + 16 * 1024) * 4
+    assert lora["bytes_total"]["params"] - full["bytes_total"]["params"] == adapters
+    assert lora["bytes_total"]["optimizer"] == 2 * adapters + 4  # two moments + the count
+    assert mine["optimizer"] < theirs["optimizer"] / 100
+    assert mine["grads"] < theirs["grads"] / 100
+    assert mine["params"] + mine["optimizer"] < 0.4 * (theirs["params"] + theirs["optimizer"])
+    assert mine["total"] < theirs["total"]
+
+
+def test_lora_plan_text_and_targets(capsys):
+    code, out, _ = _plan(capsys, *LLAMA_8B[:-1], "--lora-rank", "8", "--lora-targets",
+                         r"mlp/(up|down)$")
+    assert code == 0
+    assert "LoRA rank 8 on mlp/(up|down)$" in out
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (("--lora-rank", "0"), "--lora-rank must be a positive int"),
+    (("--lora-rank", "4", "--lora-targets", "nothing"), "no parameter path matches"),
+    (("--lora-targets", "q$"), "--lora-targets goes with --lora-rank"),
+])
+def test_lora_plan_errors(capsys, argv, words):
+    code, _, err = _plan(capsys, *LLAMA_8B, *argv)
+    assert code == 2
+    assert words in err and len(err.strip().splitlines()) == 1

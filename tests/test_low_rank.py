@@ -1,0 +1,185 @@
+"""LoRA adapters (nnx_shard.low_rank): placement, names, sharding, training only the
+adapters, merging, and the errors of ns.lora."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard.low_rank import Adapted, adapters
+from nnx_shard.models import Llama, get_llama_config, lm_loss
+
+
+def _llama(scan: bool = False) -> Llama:
+    return Llama(dataclasses.replace(get_llama_config("tiny"), scan_layers=scan),
+                 rngs=nnx.Rngs(0))
+
+
+def test_linear_starts_equal_and_merges():
+    layer = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 6))
+    y0 = layer(x)
+    assert ns.lora(layer, rank=2, alpha=8, targets=r"kernel$") is layer
+    node = layer.kernel
+    assert isinstance(node, Adapted) and node.scale == 4.0
+    assert isinstance(node.lora_a, nnx.LoRAParam) and node.lora_a.shape == (6, 2)
+    a = np.asarray(node.lora_a[...])
+    assert np.abs(a).max() <= 1 / math.sqrt(6) and np.abs(a).max() > 0  # PEFT's bound
+    assert not np.asarray(node.lora_b[...]).any()  # B zeros: starts as the base
+    np.testing.assert_array_equal(layer(x), y0)
+    node.lora_b[...] = jnp.ones((2, 3))
+    y1 = layer(x)
+    want = y0 + 4.0 * (x @ node.lora_a[...]) @ jnp.ones((2, 3))
+    np.testing.assert_allclose(y1, want, rtol=1e-5, atol=1e-5)
+    ns.merge_lora(layer)
+    assert type(layer.kernel) is nnx.Param and not adapters(layer)
+    np.testing.assert_allclose(layer(x), y1, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_general_splits_its_input_axes():
+    layer = nnx.LinearGeneral((4, 2), 5, axis=(-2, -1), rngs=nnx.Rngs(0))
+    ns.lora(layer, 3, 3.0, targets="kernel")
+    assert layer.kernel.lora_a.shape == (4, 2, 3) and layer.kernel.lora_b.shape == (3, 5)
+    layer.kernel.lora_b[...] = jnp.ones((3, 5))
+    x = jnp.ones((1, 4, 2))
+    got = layer(x)
+    ns.merge_lora(layer)
+    np.testing.assert_allclose(layer(x), got, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_llama_adapters_carry_the_kernels_names(scan):
+    model = ns.lora(_llama(scan), 4, 8.0, targets=r"attn/(q|o)$|mlp/down$")
+    nodes = adapters(model)
+    stack = ("layers",) if scan else ()
+    q = nodes["blocks/attn/q" if scan else "blocks/0/attn/q"]
+    o = nodes["blocks/attn/o" if scan else "blocks/0/attn/o"]
+    down = nodes["blocks/mlp/down" if scan else "blocks/1/mlp/down"]
+    assert len(nodes) == (3 if scan else 6)
+    assert q.lora_a.get_metadata("out_sharding") == (*stack, "embed", None)
+    assert q.lora_b.get_metadata("out_sharding") == (*stack, None, "heads", "kv")
+    assert o.lora_a.get_metadata("out_sharding") == (*stack, "heads", "kv", None)
+    assert o.lora_b.get_metadata("out_sharding") == (*stack, None, "embed")
+    assert down.lora_a.get_metadata("out_sharding") == (*stack, "mlp", None)
+    assert o.lora_a.shape[-3:] == (4, 8, 4)
+
+
+def test_sharded_adapters_follow_their_layer():
+    strategy = ns.strategies.fsdp_tp()
+    mesh = strategy.make_mesh(8)
+    model = strategy.sharded_init(
+        lambda: ns.lora(_llama(), 4, 8.0, targets=r"attn/(q|o)$"), mesh)
+    q = model.blocks[0].attn.q
+    kernel = tuple(q.base.get_value().sharding.spec)
+    assert tuple(q.lora_a.get_value().sharding.spec) == (kernel[0], None)
+    assert tuple(q.lora_b.get_value().sharding.spec)[:2] == (None, kernel[1])
+    assert "model" in str(q.lora_b.get_value().sharding.spec)
+    report = str(ns.explain(model, mesh, strategy.rules))
+    assert "blocks/0/attn/q/lora_a" in report and "blocks/0/attn/o/lora_b" in report
+
+
+def _tokens(n=8):
+    toks = np.random.default_rng(0).integers(0, 128, (n, 17)).astype(np.int32)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+
+@pytest.mark.slow
+def test_training_only_the_adapters_keeps_the_base_bitwise(tmp_path):
+    strategy = ns.strategies.fsdp()
+    mesh = strategy.make_mesh(8)
+    model = strategy.sharded_init(lambda: ns.lora(_llama(scan=True), 4, 8.0), mesh)
+    opt = strategy.optimizer(model, optax.adam(1e-2), mesh, wrt=nnx.LoRAParam)
+    state_paths = [jax.tree_util.keystr(p) for p, _ in
+                   jax.tree_util.tree_leaves_with_path(nnx.state(opt.opt_state))]
+    moments = [p for p in state_paths if "count" not in p]
+    assert len(moments) == 8  # mu and nu of q and v's A and B, nothing of the base
+    assert all("lora_a" in p or "lora_b" in p for p in moments)
+    base0 = jax.device_get(nnx.state(model, nnx.Not(nnx.LoRAParam)))
+    lora0 = jax.device_get(nnx.state(model, nnx.LoRAParam))
+    trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules,
+                         steps_per_call=2, batch_names=("batch", "length"))
+    history = trainer.fit((_tokens() for _ in range(8)), num_steps=4, progress=False)
+    assert history["loss"][-1] < history["loss"][0]
+    for a, b in zip(jax.tree.leaves(base0),
+                    jax.tree.leaves(jax.device_get(nnx.state(model, nnx.Not(nnx.LoRAParam)))),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(lora0),
+                    jax.tree.leaves(jax.device_get(nnx.state(model, nnx.LoRAParam))),
+                    strict=True):
+        assert not np.array_equal(a, b)
+    ns.save(tmp_path, 4, model=model, optimizer=opt)
+    fresh = strategy.sharded_init(lambda: ns.lora(_llama(scan=True), 4, 8.0, rngs=9), mesh)
+    fresh_opt = strategy.optimizer(fresh, optax.adam(1e-2), mesh, wrt=nnx.LoRAParam)
+    back, back_opt, _ = ns.restore(tmp_path, model=fresh, optimizer=fresh_opt)
+    for a, b in zip(jax.tree.leaves(nnx.state((model, opt))),
+                    jax.tree.leaves(nnx.state((back, back_opt))), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_adapter_only_steps_differentiate_only_the_adapters():
+    model = ns.lora(_llama(), 2, 4.0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.LoRAParam)
+    seen = []
+
+    def step(model, opt, batch):
+        loss, grads = ns.value_and_grad(lm_loss, wrt=opt.wrt)(model, batch)
+        seen.append(sorted({type(v).__name__ for v in jax.tree.leaves(
+            grads, is_leaf=lambda x: isinstance(x, nnx.Variable))}))
+        opt.update(model, grads)
+        return {"loss": loss}
+
+    batch = {k: v[None] for k, v in _tokens(2).items()}
+    ns.multistep(step)(model, opt, batch)
+    assert seen == [["LoRAParam"]]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "words"), [
+    ({"rank": 0}, ns.NnxShardError, "lora rank must be a positive int"),
+    ({"rank": True}, ns.NnxShardError, "(a bool)"),
+    ({"alpha": float("nan")}, ns.NnxShardError, "alpha must be a finite number"),
+    ({"alpha": "16"}, ns.NnxShardError, "alpha must be a finite number"),
+    ({"dropout": 0.1}, ns.NnxShardError, "dropout must be 0.0"),
+    ({"targets": r"nothing/here"}, ns.NnxShardError, "blocks/0/attn/q"),
+    ({"targets": "("}, ns.NnxShardError, "is not a regex"),
+    ({"targets": r"attn_norm/scale$"}, ns.ShardingError, "not a 2-D-like projection"),
+])
+def test_lora_errors(kwargs, error, words):
+    args = {"rank": 4, "alpha": 8.0} | kwargs
+    with pytest.raises(error, match="Fix:") as info:
+        ns.lora(_llama(), **args)
+    assert words in str(info.value)
+
+
+def test_lora_twice_and_merge_without_adapters():
+    model = ns.lora(_llama(), 2, 4.0)
+    with pytest.raises(ns.NnxShardError, match="already have adapters"):
+        ns.lora(model, 2, 4.0)
+    ns.lora(model, 2, 4.0, targets=r"mlp/up$")  # other kernels are fine
+    assert len(adapters(model)) == 6
+    with pytest.raises(ns.NnxShardError, match="has no LoRA adapters"):
+        ns.merge_lora(_llama())
+
+
+def test_reference_transformer_adapts_and_merges():
+    from nnx_shard.models import Transformer, get_config
+
+    model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    ns.lora(model, 2, 4.0, targets=r"attn/(q|k|v|o)$|mlp/(up|down)$")
+    nodes = adapters(model)
+    assert len(nodes) == 6 * get_config("tiny").layers
+    for node in nodes.values():
+        node.lora_b.set_value(0.1 * jnp.ones(node.lora_b.shape))
+    tokens = jnp.asarray(_tokens(2)["inputs"])
+    adapted = model(tokens)
+    ns.merge_lora(model)
+    np.testing.assert_allclose(model(tokens), adapted, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ns.ShardingError, match="not a 2-D-like projection"):
+        ns.lora(Transformer(get_config("tiny_moe"), rngs=nnx.Rngs(0)), 2, 4.0,
+                targets=r"experts?/(up|down)$|moe/(up|down)$|mlp/(up|down)$")
