@@ -3,10 +3,14 @@
 :func:`generate` runs two compiled programs per shape: the **prefill** creates
 the cache inside the program, each device allocating only its slice (the
 layout the rules give the cache's logical names), runs the whole prompt through
-the model in one call and picks the first new token; the **decode** program
-runs every further token in one ``jax.lax.fori_loop``, each step feeding one
-token per sequence and attending through the cache, which is passed in place
-(donated) and never gathered.
+the model in one call (its padding masked; the cache remembers it) and picks
+the first new token; the **decode** program runs every further token in one
+``jax.lax.while_loop``, each step feeding one token per sequence and attending
+through the cache, which is passed in place (donated) and never gathered, until
+``max_new_tokens`` or every row has stopped at an end-of-sequence token.
+:func:`stream` runs the same decode program a chunk of steps at a time. The
+prompts, their mask, the seed and every sampling option are arguments of the
+programs, never compiled in.
 
 The cache has its own logical names, :data:`CACHE_AXES` (``cache_batch``,
 ``cache_length``, ``cache_kv_heads``, ``cache_head_dim``, plus ``layers`` in
@@ -25,7 +29,9 @@ do):
   names (e.g. with :func:`nnx_shard.annotate` after stock
   ``nnx.MultiHeadAttention.init_cache``);
 * ``decode(tokens)``: logits ``[batch, T, vocab]`` of ``tokens [batch, T]``
-  placed after those already cached, storing theirs.
+  placed after those already cached, storing theirs; for padded prompts also
+  ``decode(tokens, attention_mask=)`` (0: padding, remembered for later calls,
+  which pass a mask of ones).
 
 A ``max_length`` attribute, where the model has one, is its context:
 :func:`generate` refuses prompts and lengths past it.

@@ -700,13 +700,6 @@ class Transformer(nnx.Module):
         return self._logits(x)
 
 
-def _cache_length(model: Any) -> int:
-    """The positions of a model's key/value cache (from its first attention layer)."""
-    blocks = model.blocks
-    attn = blocks.attn if not isinstance(blocks, nnx.List) else blocks[0].attn
-    return int(attn.cached_key.shape[-3])
-
-
 def _check_batch(batch: Any) -> None:
     fix = ("Fix: pass {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]} (what "
            "nnx_shard.data.CharCorpus.batches yields).")
