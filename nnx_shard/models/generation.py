@@ -723,8 +723,9 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
                          "takes no attention_mask, so the padding would be attended to. Fix: "
                          "give decode an attention_mask= (as Transformer and Llama have), or "
                          "prompts of one length.")
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise UsageError(f"{caller}: seed must be an int, got {type(seed).__name__} "
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not (
+            -2**63 <= seed < 2**63):
+        raise UsageError(f"{caller}: seed must be an int (64 bits), got {type(seed).__name__} "
                          f"{seed!r:.40}.")
     rows, prompt_len = prompt.shape
     new = _check_lengths(model, prompt_len, max_new_tokens, caller)

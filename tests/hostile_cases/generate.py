@@ -71,6 +71,7 @@ def build(hs: Any) -> None:
         ("logprobs_str", lambda: gen(return_logprobs="yes"), "return_logprobs"),
         ("seed_str", lambda: gen(seed="x"), "seed"),
         ("seed_float", lambda: gen(seed=1.5), "seed"),
+        ("seed_huge", lambda: gen(seed=2**70), "seed"),
         ("stream_chunk_zero", lambda: streamed(chunk=0), "chunk"),
         ("stream_chunk_float", lambda: streamed(chunk=2.5), "chunk"),
         ("stream_top_p", lambda: streamed(top_p=2.0, temperature=1.0), "top_p"),
