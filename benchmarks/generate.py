@@ -29,6 +29,11 @@ Run (about 5 minutes on 2 CPU cores)::
     .venv/bin/python benchmarks/generate.py
     JAX_PLATFORMS=cuda .venv/bin/python benchmarks/generate.py   # on a GPU
 
+Stream: ``nnx_shard.models.stream`` (16 decode steps per compiled call, each
+step's tokens brought to the host) against ``generate`` over 256 new tokens after
+a prompt of 16 (batch 8, one device): their tokens/s and the share streaming
+costs.
+
 ``--quick`` shortens everything (a smoke test of the script).
 """
 
@@ -47,6 +52,8 @@ from _common import parse, print_table, run_worker, worker_main, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
 PROMPT, NEW, BATCH = 64, 192, 8
+# stream vs generate: 256 new tokens after a prompt of 16, decoded 16 steps per call.
+STREAM_PROMPT, STREAM_NEW, STREAM_CHUNK = 16, 256, 16
 GPU_PLATFORMS = ("cuda", "gpu", "rocm")
 
 
@@ -118,14 +125,14 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
     logger.removeHandler(counter)
 
     # The two programs timed apart (the same compiled ones generate ran).
-    run = gen._prepare(model, prompts[0], new, 0.0, None, 0, mesh, rules, "benchmark")
+    run = gen._prepare(model, prompts[0], new, gen.Options(), 0, mesh, rules, "benchmark")
     prefill_s, decode_s = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        cache, token = jax.block_until_ready(run.prefill())
+        cache, carry = jax.block_until_ready(run.prefill())
         prefill_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        jax.block_until_ready(run.decode(cache, token))  # the cache is donated: a new one each round
+        jax.block_until_ready(run.decode(cache, carry, new))  # donated: a new cache each round
         decode_s.append(time.perf_counter() - t0)
     prefill_t, decode_t = statistics.median(prefill_s), statistics.median(decode_s)
 
@@ -163,6 +170,32 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
     }
 
 
+def _stream_row(new: int, rounds: int) -> dict:
+    """``stream`` (chunks of ``STREAM_CHUNK`` steps, each step's tokens on the host)
+    against ``generate`` on one device: tokens/s of each over ``new`` new tokens."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from nnx_shard.models import Transformer, generate, get_config, stream
+
+    cfg = dataclasses.replace(get_config("small"), length=STREAM_PROMPT + new)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    prompt = np.random.default_rng(0).integers(0, 512, (BATCH, STREAM_PROMPT)).astype(np.int32)
+    whole = np.asarray(generate(model, prompt, new))
+    steps = np.stack(list(stream(model, prompt, new, chunk=STREAM_CHUNK)), 1)
+    assert (steps == whole[:, STREAM_PROMPT:]).all(), "stream and generate differ"
+    generate_t = _median_time(lambda: generate(model, prompt, new), rounds)
+    stream_t = _median_time(lambda: list(stream(model, prompt, new, chunk=STREAM_CHUNK)),
+                            rounds)
+    return {"new": new, "chunk": STREAM_CHUNK, "batch": BATCH,
+            "generate_tokens_per_s": BATCH * new / generate_t,
+            "stream_tokens_per_s": BATCH * new / stream_t,
+            "stream_cost": 1 - generate_t / stream_t, "device_kind": jax.devices()[0].device_kind}
+
+
 def _measure(n: int, quick: bool) -> dict:
     import jax
     import numpy as np
@@ -173,7 +206,8 @@ def _measure(n: int, quick: bool) -> dict:
                for i in range(3)]
     rows = [_layout(label, strategy, n, new, rounds, prompts)
             for label, strategy in _layouts(n)]
-    return {"rows": rows, "backend": jax.default_backend(),
+    extra = {"stream": _stream_row(32 if quick else STREAM_NEW, rounds)} if n == 1 else {}
+    return {"rows": rows, **extra, "backend": jax.default_backend(),
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
@@ -203,7 +237,16 @@ def main() -> int:
           f"{r['cached_tokens_per_s']:.0f}", f"{r['recompute_tokens_per_s']:.0f}",
           f"{r['speedup_vs_recompute']:.1f}x", f"{r['window_tokens_per_s']:.0f}"]
          for r in rows])
-    write_json(RESULTS, {"meta": {k: v for k, v in results[0].items() if k != "rows"} |
+    for res in results:
+        if "stream" in res:
+            st = res["stream"]
+            print(f"\nstream (chunks of {st['chunk']}) vs generate, {st['new']} new tokens, batch "
+                  f"{st['batch']}, one device: {st['stream_tokens_per_s']:.0f} vs "
+                  f"{st['generate_tokens_per_s']:.0f} tok/s ({100 * st['stream_cost']:.1f}% "
+                  "slower)")
+    write_json(RESULTS, {"meta": {k: v for k, v in results[0].items() if k not in ("rows",
+                                                                                   "stream")} |
+                         {"stream": [r["stream"] for r in results if "stream" in r]} |
                          {"quick": args.quick}, "results": rows})
     print(json.dumps({"speedups": [round(r["speedup_vs_recompute"], 1) for r in rows]}))
     return 0

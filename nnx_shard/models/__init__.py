@@ -19,7 +19,13 @@ themselves), and :func:`lm_loss` skips ``-100`` targets.
 """
 
 from nnx_shard.models.adapters import attention_fn
-from nnx_shard.models.generation import CACHE_AXES, explain_cache, generate, generation_rules
+from nnx_shard.models.generation import (
+    CACHE_AXES,
+    explain_cache,
+    generate,
+    generation_rules,
+    stream,
+)
 from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
 from nnx_shard.models.transformer import (
     CONFIGS,
@@ -35,4 +41,4 @@ from nnx_shard.parallel.ring import attention
 __all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
            "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache",
            "generate", "generation_rules", "get_config", "get_llama_config", "lm_loss",
-           "remat_policy"]
+           "remat_policy", "stream"]

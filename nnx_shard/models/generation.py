@@ -3,10 +3,14 @@
 :func:`generate` runs two compiled programs per shape: the **prefill** creates
 the cache inside the program, each device allocating only its slice (the
 layout the rules give the cache's logical names), runs the whole prompt through
-the model in one call and picks the first new token; the **decode** program
-runs every further token in one ``jax.lax.fori_loop``, each step feeding one
-token per sequence and attending through the cache, which is passed in place
-(donated) and never gathered.
+the model in one call (its padding masked; the cache remembers it) and picks
+the first new token; the **decode** program runs every further token in one
+``jax.lax.while_loop``, each step feeding one token per sequence and attending
+through the cache, which is passed in place (donated) and never gathered, until
+``max_new_tokens`` or every row has stopped at an end-of-sequence token.
+:func:`stream` runs the same decode program a chunk of steps at a time. The
+prompts, their mask, the seed and every sampling option are arguments of the
+programs, never compiled in.
 
 The cache has its own logical names, :data:`CACHE_AXES` (``cache_batch``,
 ``cache_length``, ``cache_kv_heads``, ``cache_head_dim``, plus ``layers`` in
@@ -25,7 +29,9 @@ do):
   names (e.g. with :func:`nnx_shard.annotate` after stock
   ``nnx.MultiHeadAttention.init_cache``);
 * ``decode(tokens)``: logits ``[batch, T, vocab]`` of ``tokens [batch, T]``
-  placed after those already cached, storing theirs.
+  placed after those already cached, storing theirs; for padded prompts also
+  ``decode(tokens, attention_mask=)`` (0: padding, remembered for later calls,
+  which pass a mask of ones).
 
 A ``max_length`` attribute, where the model has one, is its context:
 :func:`generate` refuses prompts and lengths past it.
@@ -73,9 +79,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -86,14 +93,15 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from nnx_shard.annotate import logical_names, path_str
 from nnx_shard.axes import mesh_sizes
-from nnx_shard.errors import ShardingError, ShardingWarning, UsageError, short
+from nnx_shard.errors import ShardingError, ShardingWarning, UsageError, count, flag, short
 from nnx_shard.mesh import apply_sharding, current, make_mesh, use, variable_spec
 from nnx_shard.models._ops import whole
 from nnx_shard.models.kv_cache import CACHE_AXES
 from nnx_shard.report import Report, _rows
 from nnx_shard.rules import Rules, as_rules
 
-__all__ = ["CACHE_AXES", "explain_cache", "generate", "generation_rules"]
+__all__ = ["CACHE_AXES", "Options", "check_options", "choose", "explain_cache", "generate",
+           "generation_rules", "stream", "warp"]
 
 #: Execution options of training layouts that generation does not use: the
 #: sequence of new tokens is one position long, so it is neither split over a
@@ -409,53 +417,324 @@ def pick(logits: jax.Array, key: jax.Array, position: Any, temperature: jax.Arra
     return whole(sample.astype(jnp.int32))
 
 
+# -- the options, checked ------------------------------------------------------------
+
+#: Slots of the traced array of end-of-sequence ids (more ids take the next power
+#: of two: another program, which only a longer list of ids asks for).
+EOS_SLOTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The checked generation options, host values (traced into the programs as
+    arguments, so their values compile nothing)."""
+
+    temperature: float = 0.0
+    top_k: int = 0               # 0: off
+    top_p: float = 1.0           # 1: off
+    min_p: float = 0.0           # 0: off
+    repetition_penalty: float = 1.0
+    eos: tuple[int, ...] = ()
+    pad: int = 0
+
+    def traced(self) -> dict[str, Any]:
+        slots = max(EOS_SLOTS, 1 << max(0, len(self.eos) - 1).bit_length())
+        eos = np.full((slots,), -1, np.int32)
+        eos[:len(self.eos)] = self.eos
+        return {"temperature": np.float32(max(self.temperature, 1e-6)),
+                "greedy": np.bool_(self.temperature == 0.0), "top_k": np.int32(self.top_k),
+                "top_p": np.float32(self.top_p), "min_p": np.float32(self.min_p),
+                "penalty": np.float32(self.repetition_penalty), "eos": eos,
+                "pad": np.int32(self.pad)}
+
+
+def _number(value: Any, name: str, caller: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise UsageError(f"{caller}: {name} must be a number, got {type(value).__name__} "
+                         f"{value!r:.40}.")
+    return float(value)
+
+
+def _token_id(value: Any, name: str, vocab: int | None, caller: str) -> int:
+    within = f"0 .. {vocab - 1}" if vocab else "0 or more"
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0 or (
+            vocab is not None and value >= vocab):
+        raise UsageError(f"{caller}: {name}={value!r:.40} is not a token id of the model's "
+                         f"vocabulary ({within}). Fix: pass the tokenizer's id, e.g. "
+                         "its eos_token_id.")
+    return int(value)
+
+
+def _vocab(model: Any) -> int | None:
+    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
+    return vocab if isinstance(vocab, int) else None
+
+
+def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_p: Any = None,
+                  min_p: Any = None, repetition_penalty: Any = None, eos_token_id: Any = None,
+                  pad_token_id: Any = 0, caller: str = "generate") -> Options:
+    """The options of :func:`generate` checked, one :class:`~nnx_shard.UsageError`
+    (or the ``TypeError``/``ValueError`` of temperature and top-k) naming the
+    argument otherwise.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> check_options(model, temperature=0.7, top_p=0.9, eos_token_id=[2, 3]).eos
+    (2, 3)
+    """
+    t, k = _check_sampling(temperature, top_k, model, caller)
+    vocab = _vocab(model)
+    p = 1.0 if top_p is None else _number(top_p, "top_p", caller)
+    if not 0.0 < p <= 1.0:
+        raise UsageError(f"{caller}: top_p={top_p!r}; the nucleus keeps the most likely tokens "
+                         "whose probabilities sum to top_p: use a number in (0, 1] (1: off), "
+                         "or None.")
+    m = 0.0 if min_p is None else _number(min_p, "min_p", caller)
+    if not 0.0 <= m <= 1.0:
+        raise UsageError(f"{caller}: min_p={min_p!r}; it keeps tokens at least min_p times as "
+                         "likely as the most likely one: use a number in [0, 1], or None.")
+    r = 1.0 if repetition_penalty is None else _number(repetition_penalty,
+                                                        "repetition_penalty", caller)
+    if not math.isfinite(r) or r <= 0:
+        raise UsageError(f"{caller}: repetition_penalty={repetition_penalty!r}; use a finite "
+                         "number above 0 (1: off, above 1 discourages repeats), or None.")
+    if eos_token_id is None:
+        eos: tuple[int, ...] = ()
+    elif isinstance(eos_token_id, list | tuple | np.ndarray):
+        if len(eos_token_id) == 0:
+            raise UsageError(f"{caller}: eos_token_id=[] is empty; pass an id, a list of ids, "
+                             "or None (no end but max_new_tokens).")
+        eos = tuple(_token_id(v, "eos_token_id", vocab, caller) for v in list(eos_token_id))
+    else:
+        eos = (_token_id(eos_token_id, "eos_token_id", vocab, caller),)
+    pad = _token_id(pad_token_id, "pad_token_id", vocab, caller)
+    return Options(t, k or 0, p, m, r, eos, pad)
+
+
+# -- prompts: arrays, masks, ragged lists ----------------------------------------------
+
+
+def _ragged(prompts: Any) -> bool:
+    return isinstance(prompts, list | tuple) and len(prompts) > 0 and all(
+        isinstance(r, list | tuple | np.ndarray | jax.Array) for r in prompts) and (
+        len({len(r) for r in prompts}) > 1 or any(len(r) == 0 for r in prompts))
+
+
+def _check_mask(mask: Any, shape: tuple[int, int], caller: str) -> np.ndarray:
+    try:
+        arr = np.asarray(mask)
+    except (TypeError, ValueError):
+        arr = np.asarray(None)
+    if arr.dtype == object or arr.shape != shape:
+        raise UsageError(f"{caller}: attention_mask must be [batch, length] = {list(shape)} like "
+                         f"the prompt, got {getattr(arr, 'shape', '?')} ({type(mask).__name__}). "
+                         "Fix: 1 for real tokens, 0 for the padding on the left.")
+    if arr.dtype == bool:
+        arr = arr.astype(np.int32)
+    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)) or \
+            not np.isin(arr, (0, 1)).all():
+        raise UsageError(f"{caller}: attention_mask must hold only 0 and 1, got values "
+                         f"{np.unique(arr)[:6].tolist()} ({arr.dtype}).")
+    arr = arr.astype(np.int32)
+    empty = np.flatnonzero(arr.sum(axis=1) == 0)
+    if empty.size:
+        raise UsageError(f"{caller}: attention_mask row {int(empty[0])} is all padding; every "
+                         "prompt needs at least one real token.")
+    right = np.flatnonzero((np.diff(arr, axis=1) < 0).any(axis=1))
+    if right.size:
+        raise UsageError(f"{caller}: attention_mask row {int(right[0])} has padding after a real "
+                         "token; generation continues each row after its last column. Fix: pad "
+                         "on the left (tokenizer padding_side='left').")
+    return arr
+
+
+def _prompts(prompts: Any, attention_mask: Any, model: Any, caller: str
+             ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The prompt ``[batch, length]`` and its mask (``None``: no padding)."""
+    if _ragged(prompts):
+        if attention_mask is not None:
+            raise UsageError(f"{caller}: attention_mask is for an array prompt; a list of "
+                             "sequences of different lengths is padded (on the left) and "
+                             "masked by generate. Fix: drop attention_mask=.")
+        rows = []
+        for i, row in enumerate(prompts):
+            if len(row) == 0:
+                raise UsageError(f"{caller}: prompt row {i} is empty; every prompt needs at "
+                                 "least one token.")
+            ids = _check_prompt([list(np.asarray(row).tolist())], model, f"{caller} (row {i})")
+            rows.append(ids[0])
+        longest = max(len(r) for r in rows)
+        prompt = np.zeros((len(rows), longest), np.int32)
+        mask = np.zeros((len(rows), longest), np.int32)
+        for i, row in enumerate(rows):
+            prompt[i, longest - len(row):] = row
+            mask[i, longest - len(row):] = 1
+        return prompt, mask
+    prompt = _check_prompt(prompts, model, caller)
+    if attention_mask is None:
+        return prompt, None
+    mask = _check_mask(attention_mask, prompt.shape, caller)
+    return prompt, None if mask.all() else mask
+
+
+def _takes_mask(model: Any) -> bool:
+    try:
+        return "attention_mask" in inspect.signature(model.decode).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _batch_multiple(mesh: Any, rules: Rules) -> int:
+    """The row count the batch must be a multiple of to split as ``cache_batch``
+    and ``batch`` ask."""
+    sizes = mesh_sizes(mesh)
+    whole_mesh = math.prod(sizes.values())
+    out = 1
+    for name in ("cache_batch", "batch"):
+        spec = rules.spec((name,), shape=(whole_mesh,), mesh=mesh, path=name)
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+        out = math.lcm(out, math.prod(sizes[a] for a in axes))
+    return out
+
+
+# -- choosing a token ------------------------------------------------------------------
+
+
+def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """transformers' TopKLogitsWarper then TopPLogitsWarper (min_tokens_to_keep=1) on
+    ``scaled [batch, vocab]``: -inf outside the ``top_k`` largest (all ties of the
+    k-th kept), then outside the nucleus (ascending sort, cumulative probability
+    ``<= 1 - top_p`` dropped, the largest always kept)."""
+    batch, vocab = scaled.shape
+    order = jnp.argsort(scaled, axis=-1)                      # ascending
+    ascending = jnp.take_along_axis(scaled, order, axis=-1)
+    kth = jnp.take_along_axis(ascending, jnp.clip(vocab - top_k, 0, vocab - 1)[None, None]
+                              .repeat(batch, 0), axis=-1)
+    scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
+    ascending = jnp.where((top_k > 0) & (ascending < kth), -jnp.inf, ascending)
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    drop = (cumulative <= 1 - top_p) & (jnp.arange(vocab) < vocab - 1) & (top_p < 1)
+    rows = jnp.arange(batch)[:, None]
+    drop = jnp.zeros((batch, vocab), bool).at[rows, order].set(drop)
+    return jnp.where(drop, -jnp.inf, scaled)
+
+
+def warp(scores: jax.Array, o: Mapping[str, Any]) -> jax.Array:
+    """The sampling scores of float32 ``scores [batch, vocab]``: divided by the
+    temperature, then ``-inf`` outside transformers' top-k, top-p and min-p (each
+    off at 0, 1 and 0), in that order.
+
+    >>> o = Options(temperature=1.0, top_p=0.5).traced()
+    >>> warp(jnp.log(jnp.array([[0.1, 0.6, 0.3]])), o)[0].tolist()
+    [-inf, -0.5108256340026855, -inf]
+    """
+    scaled = scores / o["temperature"]
+    scaled = jax.lax.cond((o["top_k"] > 0) | (o["top_p"] < 1), _filtered,
+                          lambda s, k, q: s, scaled, o["top_k"], o["top_p"])
+    probs = jax.nn.softmax(scaled, axis=-1)
+    top = jnp.max(probs, axis=-1, keepdims=True)
+    keep = (probs >= o["min_p"] * top) | (jnp.arange(probs.shape[-1]) == jnp.argmax(
+        probs, axis=-1)[:, None])
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def choose(logits: jax.Array, seen: jax.Array, key: jax.Array, position: Any,
+           o: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The next token (int32 ``[batch]``) from ``logits [batch, vocab]`` and its
+    log-probability under the unprocessed distribution (``log_softmax`` of the
+    logits), the options ``o`` (:meth:`Options.traced`) applied in transformers'
+    order: the repetition penalty on the ``seen [batch, vocab]`` tokens (a
+    positive logit divided by it, a negative one multiplied), then greedy (the
+    argmax) or sampling at ``temperature`` after top-k, top-p and min-p, with
+    the key ``fold_in(key, position)``."""
+    raw = whole(logits.astype(jnp.float32))
+    p = o["penalty"]
+    scores = jnp.where(seen, jnp.where(raw < 0, raw * p, raw / p), raw)
+    greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    sample = jax.random.categorical(jax.random.fold_in(key, position), warp(scores, o),
+                                    axis=-1)
+    token = jnp.where(o["greedy"], greedy, sample.astype(jnp.int32))
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), token[:, None], axis=-1)
+    # Replicated on Explicit meshes, where the tokens join the replicated output.
+    return whole(token), whole(logprob[:, 0])
+
+
+def _record(carry: dict[str, Any], token: jax.Array, logprob: jax.Array, step: Any,
+            column: Any, o: Mapping[str, jax.Array]) -> dict[str, Any]:
+    """``carry`` with the token of ``step`` stored at ``column``: the pad of the
+    options (and log-probability 0) in rows already stopped; a row stops at an
+    end-of-sequence token."""
+    done = carry["done"]
+    token = jnp.where(done, o["pad"], token)
+    logprob = jnp.where(done, 0.0, logprob)
+    rows = jnp.arange(token.shape[0])
+    return {
+        "tokens": jax.lax.dynamic_update_slice(carry["tokens"], token[:, None], (0, column)),
+        "logprobs": jax.lax.dynamic_update_slice(carry["logprobs"], logprob[:, None], (0, step)),
+        "last": token,
+        "done": done | (token[:, None] == o["eos"][None, :]).any(axis=1),
+        "seen": carry["seen"].at[rows, token].set(True),
+        "step": jnp.asarray(step + 1, jnp.int32),
+    }
+
+
 # -- the compiled programs -----------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class _Programs:
-    prefill: Any   # (cache, rest, prompt, key, temperature, mask) -> (cache, first token)
-    decode: Any    # (rest, cache, prompt, first, key, temperature) -> (tokens, cache)
+    prefill: Any   # (old, rest, prompt, mask, real, key, options) -> (cache, carry)
+    decode: Any    # (rest, cache, carry, key, options, stop) -> (cache, carry)
 
 
 @functools.lru_cache(maxsize=32)
 def _programs(graphdef: Any, with_cache: Any, mesh: Mesh | None, rules: Rules | None,
-              batch: int, prompt_len: int, new: int, greedy: bool,
-              top_k: int | None) -> _Programs:
+              batch: int, prompt_len: int, new: int, masked: bool) -> _Programs:
     """The prefill and decode programs of one shape (cached: a second call with
-    the same model graph, layout and shape compiles nothing)."""
+    the same model graph, layout and shape compiles nothing; the prompt, mask,
+    seed and every option are arguments)."""
     length = prompt_len + new
 
-    def _prefill(old: Any, rest: Any, prompt: Any, key: Any, temperature: Any,
-                 mask: Any = None) -> Any:
+    def _prefill(old: Any, rest: Any, prompt: Any, mask: Any, real: Any, key: Any,
+                 o: Any) -> Any:
         # ``mask [batch, prompt_len]`` (0: padding) reaches the model's decode as its
-        # attention_mask: a left-padded row's first token is the one of the row alone.
+        # attention_mask, which the cache keeps: each row decodes as the row alone.
         model = nnx.merge(graphdef, old, rest)
         model.init_cache(batch, length)
         nnx.update(model, _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules))
-        out = model.decode(prompt) if mask is None else model.decode(prompt, attention_mask=mask)
+        out = model.decode(prompt, attention_mask=mask) if masked else model.decode(prompt)
         logits = out[:, -1]
-        first = pick(logits, key, prompt_len, temperature, greedy, top_k)
-        return _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules), first
+        seen = jnp.zeros((batch, logits.shape[-1]), jnp.int32).at[
+            jnp.arange(batch)[:, None], prompt].max(mask) > 0
+        carry = {"tokens": jnp.full((batch, length), o["pad"], jnp.int32)
+                 .at[:, :prompt_len].set(prompt),
+                 "logprobs": jnp.zeros((batch, new), jnp.float32), "last": prompt[:, -1],
+                 "done": ~real, "seen": whole(seen), "step": jnp.int32(0)}
+        token, logprob = choose(logits, carry["seen"], key, prompt_len, o)
+        carry = _record(carry, token, logprob, 0, prompt_len, o)
+        return _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules), carry
 
-    def _decode(rest: Any, cache: Any, prompt: Any, first: Any, key: Any,
-                temperature: Any) -> Any:
-        tokens = jnp.zeros((batch, length), jnp.int32).at[:, :prompt_len].set(prompt)
-        tokens = tokens.at[:, prompt_len].set(first)
+    def _decode(rest: Any, cache: Any, carry: Any, key: Any, o: Any, stop: Any) -> Any:
+        ones = jnp.ones((batch, 1), jnp.int32)
 
-        def step(i: Any, carry: Any) -> Any:
-            tokens, last, cache = carry
+        def more(state: Any) -> Any:
+            _, carry = state
+            return (carry["step"] < stop) & ~carry["done"].all()
+
+        def step(state: Any) -> Any:
+            cache, carry = state
             model = nnx.merge(with_cache, cache, rest)
-            logits = model.decode(last[:, None])[:, -1]
-            position = prompt_len + 1 + i
-            token = pick(logits, key, position, temperature, greedy, top_k)
-            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, position))
-            return tokens, token, _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules)
+            last = carry["last"][:, None]
+            out = model.decode(last, attention_mask=ones) if masked else model.decode(last)
+            column = prompt_len + carry["step"]
+            token, logprob = choose(out[:, -1], carry["seen"], key, column, o)
+            carry = _record(carry, token, logprob, carry["step"], column, o)
+            return _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules), carry
 
-        tokens, _, cache = jax.lax.fori_loop(0, new - 1, step, (tokens, first, cache))
-        return tokens, cache
+        return jax.lax.while_loop(more, step, (cache, carry))
 
-    return _Programs(prefill=jax.jit(_prefill), decode=jax.jit(_decode, donate_argnums=(1,)))
+    return _Programs(prefill=jax.jit(_prefill), decode=jax.jit(_decode, donate_argnums=(1, 2)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,8 +745,12 @@ class _Run:
     old: Any
     rest: Any
     prompt: np.ndarray
+    mask: np.ndarray
+    real: np.ndarray   # [batch] False for the rows added to divide over the mesh
+    rows: int          # the caller's rows
+    new: int
     key: jax.Array
-    temperature: jax.Array
+    options: dict[str, Any]
     mesh: Mesh | None
     rules: Rules | None
 
@@ -476,35 +759,50 @@ class _Run:
             return contextlib.nullcontext()
         return use(self.mesh, self.rules)
 
-    def prefill(self, attention_mask: Any = None) -> Any:
-        """The compiled prefill; ``attention_mask [batch, prompt_len]`` (0: padding)
-        masks the prompt's padding (the decode loop does not keep it yet)."""
+    def prefill(self) -> Any:
+        """The compiled prefill: ``(cache, carry)``, the first token chosen."""
         with self.context():
-            if attention_mask is None:
-                return self.programs.prefill(self.old, self.rest, self.prompt, self.key,
-                                             self.temperature)
-            return self.programs.prefill(self.old, self.rest, self.prompt, self.key,
-                                         self.temperature, np.asarray(attention_mask, np.int32))
+            return self.programs.prefill(self.old, self.rest, self.prompt, self.mask,
+                                         self.real, self.key, self.options)
 
-    def decode(self, cache: Any, first: Any) -> Any:
+    def decode(self, cache: Any, carry: Any, stop: int) -> Any:
+        """The compiled decode loop, up to ``stop`` new tokens (or every row stopped);
+        ``cache`` and ``carry`` are donated."""
         with self.context():
-            return self.programs.decode(self.rest, cache, self.prompt, first, self.key,
-                                        self.temperature)
+            return self.programs.decode(self.rest, cache, carry, self.key, self.options,
+                                        np.int32(stop))
 
 
-def _prepare(model: Any, prompt_tokens: Any, max_new_tokens: Any, temperature: Any,
-             top_k: Any, seed: int, mesh: Any, rules: Any, caller: str) -> _Run:
+def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, seed: Any,
+             mesh: Any, rules: Any, caller: str, attention_mask: Any = None) -> _Run:
     _check_model(model, caller)
-    prompt = _check_prompt(prompt_tokens, model, caller)
-    batch, prompt_len = prompt.shape
+    prompt, mask = _prompts(prompts, attention_mask, model, caller)
+    masked = _takes_mask(model)
+    if mask is not None and not masked:
+        raise UsageError(f"{caller}: the prompts are padded, but {type(model).__name__}.decode "
+                         "takes no attention_mask, so the padding would be attended to. Fix: "
+                         "give decode an attention_mask= (as Transformer and Llama have), or "
+                         "prompts of one length.")
+    rows, prompt_len = prompt.shape
     new = _check_lengths(model, prompt_len, max_new_tokens, caller)
-    t, k = _check_sampling(temperature, top_k, model, caller)
     seed = _check_seed(seed, caller)
     mesh, rules = _placement(mesh, rules, caller)
     gen_rules = None
+    batch = rows
     if mesh is not None:
         gen_rules = generation_rules(rules)
+        try:
+            multiple = _batch_multiple(mesh, gen_rules)
+        except ShardingError:
+            multiple = 1
+        batch = -(-rows // multiple) * multiple
         _check_batch(batch, mesh, gen_rules, caller)
+    if mask is None:
+        mask = np.ones_like(prompt)
+    real = np.arange(batch) < rows
+    if batch > rows:  # dummy rows (a copy of the first) so the batch divides over the mesh
+        prompt = np.concatenate([prompt, np.repeat(prompt[:1], batch - rows, 0)])
+        mask = np.concatenate([mask, np.repeat(mask[:1], batch - rows, 0)])
     graphdef, old, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
     with_cache, cache = _abstract_cache(graphdef, old, rest, batch, prompt_len + new)
     if _config_vocab(model) is None:  # a model of the caller's: its logits say the vocabulary
@@ -512,56 +810,79 @@ def _prepare(model: Any, prompt_tokens: Any, max_new_tokens: Any, temperature: A
               else contextlib.nullcontext()):
             vocab = _logits_vocab(lambda c, r, x: nnx.merge(with_cache, c, r).decode(x), cache,
                                   rest, jax.ShapeDtypeStruct((batch, 1), jnp.int32))
-        _check_ids(prompt, vocab, caller)
-        k = _check_top_k(top_k, vocab, caller)
+        _check_ids(np.where(mask > 0, prompt, 0), vocab, caller)
+        _check_top_k(options.top_k or None, vocab, caller)
     if mesh is not None:
         _warn_unannotated(cache, mesh, caller)
         for path, var in nnx.to_flat_state(cache):  # every other layout problem, by path
             variable_spec(var, mesh, gen_rules, path_str(path))  # type: ignore[arg-type]
-    programs = _programs(graphdef, with_cache, mesh, gen_rules, batch, prompt_len, new,
-                         t == 0.0, k)
-    return _Run(programs, old, rest, prompt, jax.random.key(seed),
-                jnp.float32(max(t, 1e-6)), mesh, gen_rules)
+    programs = _programs(graphdef, with_cache, mesh, gen_rules, batch, prompt_len, new, masked)
+    return _Run(programs, old, rest, prompt, mask, real, rows, new, jax.random.key(int(seed)),
+                options.traced(), mesh, gen_rules)
 
 
-def generate(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, mesh: Mesh | str | Mapping[str, int] | None = None,
-             rules: Rules | Mapping[str, Any] | None = None) -> jax.Array:
-    """``prompt_tokens`` (int ``[batch, length]``) continued by ``max_new_tokens``
-    tokens: int32 ``[batch, length + max_new_tokens]``, the prompt first.
+def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: Any = None,  # noqa: PLR0913
+             eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             min_p: float | None = None, repetition_penalty: float | None = None,
+             return_logprobs: bool = False, seed: int = 0,
+             mesh: Mesh | str | Mapping[str, int] | None = None,
+             rules: Rules | Mapping[str, Any] | None = None) -> Any:
+    """``prompts`` continued by up to ``max_new_tokens`` tokens: int32 ``[batch,
+    length + max_new_tokens]``, the prompt first, each row's new tokens in the
+    last ``max_new_tokens`` columns.
 
-    One compiled prefill creates the key/value cache in its layout and runs the
-    prompt; one compiled loop decodes the rest, a token per sequence per step,
-    through the cache. Both are compiled once per shape (model graph, layout,
-    batch, prompt length, ``max_new_tokens``, greedy or not, ``top_k``) and
-    reused: the prompt's values, ``temperature`` and ``seed`` change nothing.
+    ``prompts``: an int ``[batch, length]`` array (rows padded on the left marked
+    by ``attention_mask``, 1: real token, 0: padding) or a list of token-id
+    sequences of any lengths (padded on the left with ``pad_token_id`` to the
+    longest, and masked). A padded row generates what the row alone generates.
+
+    A row stops at its first ``eos_token_id`` (an id or a list of ids; the eos
+    is kept) and holds ``pad_token_id`` after it; the loop ends as soon as
+    every row has stopped.
 
     ``temperature=0`` is greedy (the argmax: deterministic); above 0 tokens are
-    sampled from ``softmax(logits / temperature)`` restricted to the ``top_k``
-    most likely (``None``: all), with a key that depends on ``seed`` and the
-    position only.
+    sampled with a key that depends on ``seed`` and the column only. The
+    options apply in transformers' order and meaning: ``repetition_penalty``
+    (a seen token's positive logit divided by it, a negative one multiplied;
+    greedy too), then ``temperature``, ``top_k`` (the k most likely),
+    ``top_p`` (the nucleus: the most likely tokens whose probabilities reach
+    ``top_p``), ``min_p`` (tokens at least ``min_p`` times as likely as the
+    most likely). ``return_logprobs=True`` returns ``(tokens, logprobs)``,
+    ``logprobs [batch, max_new_tokens]`` float32 the log-probability of each new
+    token under the model's unprocessed distribution (0 after a row stopped).
+
+    One compiled prefill creates the key/value cache in its layout and runs the
+    prompt; one compiled loop decodes the rest through the cache. Both are
+    compiled once per shape (model graph, layout, batch, prompt length,
+    ``max_new_tokens``) and reused: the prompts' values, the mask, ``seed`` and
+    every option's value are arguments of the programs.
 
     Under :func:`nnx_shard.use` (or with ``mesh=`` and ``rules=``) it runs
     sharded: parameters stay where they are, activations and the cache are laid
-    out by :func:`generation_rules` of the rules. ``model`` is any module with
-    ``init_cache`` and ``decode`` (see :mod:`nnx_shard.models.generation`); it is
-    not changed (the cache lives in the programs only).
+    out by :func:`generation_rules` of the rules; a batch that does not divide
+    over the batch's mesh axes is padded with dummy rows and cut back.
+    ``model`` is any module with ``init_cache`` and ``decode`` (see
+    :mod:`nnx_shard.models.generation`; padded prompts need ``decode(tokens,
+    attention_mask=)``); it is not changed (the cache lives in the programs
+    only).
 
     Raises:
-      TypeError: ``model`` lacks ``init_cache``/``decode``; ``prompt_tokens``
-        are not integers; ``max_new_tokens`` is not an int; ``mesh`` without
-        ``rules`` or the reverse.
-      ValueError: ``prompt_tokens`` not of rank 2, empty, or with ids outside
-        the vocabulary (``cfg.vocab``, else the width of ``decode``'s logits);
-        the prompt longer than the model's context (``max_length``), or
-        ``max_new_tokens`` < 1 or past it; a negative ``temperature``, a
-        ``top_k`` out of range.
-      UsageError (a ValueError): a ``temperature`` given as a bool or text, a
-        ``seed`` that is not an int of int64's range (a bool, a float, a key
-        array), ids outside the vocabulary (the first one named by row and
-        column), a ``top_k`` past the vocabulary.
-      ShardingError: the batch does not divide over the mesh axes of
-        ``cache_batch`` (or ``batch``), or any cache array does not fit its rule.
+      TypeError: ``model`` lacks ``init_cache``/``decode``; ``prompts`` are not
+        integers; ``max_new_tokens`` is not an int; ``mesh`` without ``rules``
+        or the reverse.
+      ValueError: ``prompts`` not of rank 2, empty, or with ids outside the
+        vocabulary; the prompt longer than the model's context
+        (``max_length``), or ``max_new_tokens`` < 1 or past it; a negative
+        ``temperature``, a ``top_k`` out of range; as
+        :class:`~nnx_shard.UsageError`: ``top_p``, ``min_p``,
+        ``repetition_penalty``, ``eos_token_id``, ``pad_token_id``, ``seed``
+        or ``attention_mask`` out of range, a list with an empty row; a
+        ``temperature`` given as a bool or text, a ``seed`` that is not an int
+        of int64's range (a bool, a float, a key array), prompt ids outside the
+        vocabulary (``cfg.vocab``, else the width of ``decode``'s logits; the
+        first one named by row and column).
+      ShardingError: a cache array does not fit its rule.
 
     >>> from flax import nnx
     >>> import nnx_shard as ns
@@ -570,12 +891,18 @@ def generate(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperature
     >>> out = generate(model, [[1, 2, 3, 4]], max_new_tokens=6)
     >>> out.shape, out.dtype, out[0, :4].tolist()
     ((1, 10), dtype('int32'), [1, 2, 3, 4])
+    >>> ragged = generate(model, [[1, 2, 3, 4], [3, 4]], max_new_tokens=6)
+    >>> ragged[1, :2].tolist(), bool((ragged[1, 4:] == generate(model, [[3, 4]], 6)[0, 2:]).all())
+    ([0, 0], True)
+    >>> tokens, logprobs = generate(model, [[1, 2, 3, 4]], 6, return_logprobs=True)
+    >>> logprobs.shape, bool((logprobs <= 0).all())
+    ((1, 6), True)
     >>> strategy = ns.strategies.get("tp")
     >>> mesh = strategy.make_mesh()                                   # data=2, model=4
     >>> sharded = strategy.sharded_init(lambda: Transformer(get_config("tiny"),
     ...                                                     rngs=nnx.Rngs(0)), mesh)
     >>> with ns.use(mesh, strategy.rules):
-    ...     again = generate(sharded, [[1, 2, 3, 4]] * 2, max_new_tokens=6)
+    ...     again = generate(sharded, [[1, 2, 3, 4]], max_new_tokens=6)   # 1 row of 2: padded
     >>> bool((again == out).all())
     True
     >>> generate(model, [[1, 2, 3, 4]], max_new_tokens=16)
@@ -583,11 +910,71 @@ def generate(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperature
     ...
     ValueError: generate: prompt (4 tokens) + max_new_tokens (16) = 20 positions, past the model's context of 16 (max_length). Fix: max_new_tokens <= 12, or a shorter prompt.
     """
-    run = _prepare(model, prompt_tokens, max_new_tokens, temperature, top_k, seed, mesh, rules,
-                   "generate")
-    cache, first = run.prefill()
-    tokens, _ = run.decode(cache, first)
+    options = check_options(model, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, repetition_penalty=repetition_penalty,
+                            eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    want_logprobs = flag(return_logprobs, "generate: return_logprobs")
+    run = _prepare(model, prompts, max_new_tokens, options, seed, mesh, rules, "generate",
+                   attention_mask)
+    cache, carry = run.prefill()
+    _, carry = run.decode(cache, carry, run.new)
+    tokens = carry["tokens"][:run.rows]
+    if want_logprobs:
+        return tokens, carry["logprobs"][:run.rows]
     return tokens
+
+
+def stream(model: Any, prompts: Any, max_new_tokens: int, *, chunk: int = 16,  # noqa: PLR0913
+           attention_mask: Any = None, eos_token_id: int | list[int] | None = None,
+           pad_token_id: int = 0, temperature: float = 0.0, top_k: int | None = None,
+           top_p: float | None = None, min_p: float | None = None,
+           repetition_penalty: float | None = None, return_logprobs: bool = False,
+           seed: int = 0, mesh: Mesh | str | Mapping[str, int] | None = None,
+           rules: Rules | Mapping[str, Any] | None = None) -> Iterator[Any]:
+    """:func:`generate` a step at a time: yields each step's new tokens (int32
+    numpy ``[batch]``; with ``return_logprobs=True`` ``(tokens, logprobs)``),
+    decoding ``chunk`` steps per call of the same compiled decode program that
+    :func:`generate` runs (one program whatever ``chunk``: it is an argument).
+    It ends after ``max_new_tokens`` steps or the step at which every row has
+    stopped (``eos_token_id``); what it yields, stacked, equals the new tokens
+    of :func:`generate` up to there (``pad_token_id`` after).
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> steps = list(stream(model, [[1, 2, 3, 4]], max_new_tokens=6, chunk=4))
+    >>> len(steps), steps[0].shape
+    (6, (1,))
+    >>> bool((np.stack(steps, 1) == generate(model, [[1, 2, 3, 4]], 6)[:, 4:]).all())
+    True
+    """
+    options = check_options(model, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, repetition_penalty=repetition_penalty,
+                            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                            caller="stream")
+    want_logprobs = flag(return_logprobs, "stream: return_logprobs")
+    size = count(chunk, "stream: chunk", fix="e.g. chunk=16")
+    run = _prepare(model, prompts, max_new_tokens, options, seed, mesh, rules, "stream",
+                   attention_mask)
+    return _steps(run, size, want_logprobs)
+
+
+def _steps(run: _Run, size: int, want_logprobs: bool) -> Iterator[Any]:
+    cache, carry = run.prefill()
+    start = run.prompt.shape[1]
+    done = 0
+    while True:
+        steps = int(carry["step"])
+        tokens = np.asarray(carry["tokens"][:run.rows, start + done:start + steps])
+        logprobs = np.asarray(carry["logprobs"][:run.rows, done:steps])
+        finished = steps >= run.new or bool(np.asarray(carry["done"]).all())
+        if not finished:  # the next chunk runs while these steps are yielded
+            cache, carry = run.decode(cache, carry, min(steps + size, run.new))
+        for i in range(steps - done):
+            yield (tokens[:, i], logprobs[:, i]) if want_logprobs else tokens[:, i]
+        done = steps
+        if finished:
+            return
 
 
 def explain_cache(model: Any, mesh: Mesh | AbstractMesh | str | Mapping[str, int],

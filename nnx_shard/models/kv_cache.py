@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_shard.mesh import constrain, current
 
-__all__ = ["CACHE_AXES", "attend", "decode_layers", "init_layers", "new", "valid_keys", "write"]
+__all__ = ["CACHE_AXES", "Rows", "attend", "decode_layers", "init_layers", "new", "valid_keys",
+           "write"]
 
 #: Logical names of a cache array's dimensions ``[batch, length, kv_heads, head_dim]``.
 CACHE_AXES: tuple[str, str, str, str] = ("cache_batch", "cache_length", "cache_kv_heads",
@@ -112,11 +113,12 @@ def write(cache: jax.Array, new_entries: jax.Array, index: jax.Array) -> jax.Arr
     return constrain(out, CACHE_AXES)
 
 
-def valid_keys(attention_mask: jax.Array | None, index: jax.Array, length: int
-               ) -> jax.Array | None:
+def valid_keys(attention_mask: jax.Array | None, index: jax.Array, length: int,
+               before: jax.Array | None = None) -> jax.Array | None:
     """Which of a cache's ``length`` positions hold real keys after new tokens with
     ``attention_mask [batch, T]`` (0: padding) are stored at ``index ..``: the
-    positions before ``index`` are taken as real, the new ones as the mask says
+    positions before ``index`` are taken as real (as ``before [batch, length]``
+    says where given: what :class:`Rows` remembers), the new ones as the mask says
     (``None`` without a mask: every key is real). Laid out as the cache's
     ``[cache_batch, cache_length]`` dimensions.
 
@@ -126,13 +128,64 @@ def valid_keys(attention_mask: jax.Array | None, index: jax.Array, length: int
     if attention_mask is None:
         return None
     batch = attention_mask.shape[0]
-    valid = jax.lax.dynamic_update_slice(jnp.ones((batch, length), bool),
-                                         attention_mask.astype(bool), (0, index))
+    base = jnp.ones((batch, length), bool) if before is None else before.astype(bool)
+    mask = attention_mask.astype(bool)
+    if before is not None and current() is not None and _explicit():
+        # Sharding in types: the new flags split over the batch as the remembered ones.
+        spec = _spec(CACHE_AXES[:2], (batch, length))
+        mask = jax.sharding.reshard(mask, P(spec[0], None))
+        base = jax.sharding.reshard(base, P(spec[0], spec[1]))
+    valid = jax.lax.dynamic_update_slice(base, mask, (0, index))
     if current() is None:
         return valid
     if _explicit():
         return jax.sharding.reshard(valid, _spec(CACHE_AXES[:2], (batch, length)))
     return constrain(valid, CACHE_AXES[:2])
+
+
+class Rows(nnx.Module):
+    """What a cache remembers of each row's padding, so that every call after a
+    masked one sees it: ``valid [batch, length]`` (which cache positions hold
+    real keys, named ``cache_batch``, ``cache_length``) and ``next_position
+    [batch]`` (the position the row's next real token takes: the real tokens
+    seen so far, named ``cache_batch``).
+
+    A left-padded prompt run with its mask, then one token at a time with a mask
+    of ones, attends and embeds as each row alone does.
+
+    >>> rows = Rows(2, 6)
+    >>> pos, valid = rows.advance(jnp.array([[0, 1, 1], [1, 1, 1]]), jnp.int32(0))
+    >>> pos.tolist(), rows.next_position[...].tolist()
+    ([[0, 0, 1], [0, 1, 2]], [2, 3])
+    >>> pos, valid = rows.advance(jnp.ones((2, 1), jnp.int32), jnp.int32(3))
+    >>> pos.tolist(), valid.astype(int).tolist()
+    ([[2], [3]], [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    """
+
+    def __init__(self, batch: int, length: int) -> None:
+        self.valid = nnx.Cache(jnp.ones((batch, length), bool), out_sharding=CACHE_AXES[:2],
+                               eager_sharding=False)
+        self.next_position = nnx.Cache(jnp.zeros((batch,), jnp.int32),
+                                       out_sharding=CACHE_AXES[:1], eager_sharding=False)
+
+    def advance(self, attention_mask: jax.Array, index: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+        """The positions ``[batch, T]`` of new tokens with ``attention_mask [batch,
+        T]`` (0: padding) stored at ``index ..`` (padding takes its row's next
+        position, clipped as transformers' ``cumsum(mask) - 1`` is), and the cache's
+        ``valid [batch, length]`` after them; both remembered."""
+        mask = attention_mask.astype(jnp.int32)
+        start = self.next_position[...]
+        if current() is not None and _explicit():  # both split over the batch alike
+            spec = _spec(CACHE_AXES[:2], self.valid.shape)
+            mask = jax.sharding.reshard(mask, P(spec[0], None))
+            start = jax.sharding.reshard(start, P(spec[0]))
+        positions = start[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        valid = valid_keys(mask, index, self.valid.shape[1], self.valid[...])
+        assert valid is not None
+        self.valid[...] = valid
+        self.next_position[...] = start + mask.sum(axis=1)
+        return positions, valid
 
 
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,

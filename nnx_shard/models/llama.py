@@ -445,6 +445,7 @@ class Llama(nnx.Module):
         kv_cache.init_layers(self.blocks, self.cfg.layers if self.cfg.scan_layers else None,
                              batch, length)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+        self.cache_rows = kv_cache.Rows(batch, length)
 
     def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
                ) -> jax.Array:
@@ -457,8 +458,9 @@ class Llama(nnx.Module):
         cache (the prefill of :func:`nnx_shard.models.generate`): its padded
         positions are never attended to and the positions of the real tokens
         count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
-        mask computes. The cache does not keep the mask: later calls see the
-        padded keys again.
+        mask computes. The cache keeps the mask (``cache_rows``): later calls,
+        given a mask too (ones for new tokens), skip the padded keys and continue
+        each row's positions.
 
         >>> model = Llama(get_llama_config("tiny_qwen3"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
@@ -476,16 +478,13 @@ class Llama(nnx.Module):
         else:
             extras = prepare(tokens, attention_mask=attention_mask, positions=None,
                              segment_ids=None, caller="Llama.decode")
-            assert extras.positions is not None and extras.mask is not None
+            assert extras.mask is not None
+            positions, valid = self.cache_rows.advance(extras.mask[:, 0, 0], index)
             # Decoding runs on the gathered sequence (generation's rules): plain tables.
             inv = jnp.asarray(rope_frequencies(cfg))
-            freqs = (index + extras.positions).astype(jnp.float32)[..., None] * inv
+            freqs = positions.astype(jnp.float32)[..., None] * inv
             emb = jnp.concatenate([freqs, freqs], axis=-1)
             cos, sin = jnp.cos(emb), jnp.sin(emb)
-            blocks = self.blocks
-            attn = blocks[0].attn if isinstance(blocks, nnx.List) else blocks.attn
-            valid = kv_cache.valid_keys(extras.mask[:, 0, 0], index,
-                                        int(attn.cached_key.shape[-3]))
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
                                    lambda block, h: block.decode(h, index, cos, sin, valid))

@@ -654,6 +654,7 @@ class Transformer(nnx.Module):
         kv_cache.init_layers(self.blocks, self.cfg.layers if self.cfg.scan_layers else None,
                              batch, length)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+        self.cache_rows = kv_cache.Rows(batch, length)
 
     def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
                ) -> jax.Array:
@@ -666,8 +667,9 @@ class Transformer(nnx.Module):
         cache (the prefill of :func:`nnx_shard.models.generate`): its padded
         positions are never attended to and the positions of the real tokens
         count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
-        mask computes. The cache does not keep the mask: later calls see the
-        padded keys again.
+        mask computes. The cache keeps the mask (``cache_rows``): later calls,
+        given a mask too (ones for new tokens), skip the padded keys and continue
+        each row's positions.
 
         >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
@@ -688,22 +690,14 @@ class Transformer(nnx.Module):
         else:
             extras = prepare(tokens, attention_mask=attention_mask, positions=None,
                              segment_ids=None, caller="Transformer.decode")
-            assert extras.positions is not None and extras.mask is not None
-            x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype),
-                                     index + extras.positions, RESIDUAL), RESIDUAL)
-            valid = kv_cache.valid_keys(extras.mask[:, 0, 0], index,
-                                        _cache_length(self))
+            assert extras.mask is not None
+            positions, valid = self.cache_rows.advance(extras.mask[:, 0, 0], index)
+            x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype), positions,
+                                     RESIDUAL), RESIDUAL)
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
                                    lambda block, h: block.decode(h, index, valid))
         self.cache_index[...] = index + steps
         return self._logits(x)
-
-
-def _cache_length(model: Any) -> int:
-    """The positions of a model's key/value cache (from its first attention layer)."""
-    blocks = model.blocks
-    attn = blocks.attn if not isinstance(blocks, nnx.List) else blocks[0].attn
-    return int(attn.cached_key.shape[-3])
 
 
 def _check_batch(batch: Any) -> None:

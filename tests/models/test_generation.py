@@ -184,14 +184,14 @@ def test_cache_length_over_context_equals_one_device(strategy: str) -> None:
 
 def _compiled(model, prompt, new, mesh, rules):  # type: ignore[no-untyped-def]
     """generate's two programs compiled for these arguments, and the prefill's outputs."""
-    run = gen._prepare(model, prompt, new, 0.0, None, 0, mesh, rules, "test")
+    run = gen._prepare(model, prompt, new, gen.Options(), 0, mesh, rules, "test")
+    args = (run.old, run.rest, run.prompt, run.mask, run.real, run.key, run.options)
     with run.context():
-        prefill = run.programs.prefill.lower(run.old, run.rest, run.prompt, run.key,
-                                             run.temperature).compile()
-        cache, first = prefill(run.old, run.rest, run.prompt, run.key, run.temperature)
-        decode = run.programs.decode.lower(run.rest, cache, run.prompt, first, run.key,
-                                           run.temperature).compile()
-    return prefill, decode, cache, first
+        prefill = run.programs.prefill.lower(*args).compile()
+        cache, carry = prefill(*args)
+        decode = run.programs.decode.lower(run.rest, cache, carry, run.key, run.options,
+                                           np.int32(new)).compile()
+    return prefill, decode, cache, carry
 
 
 @needs_devices(8)
@@ -209,10 +209,10 @@ def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int])
         factory = _build
     model, mesh, rules = _sharded(strategy, factory)
     prompt, new = _prompt(), 16
-    prefill, decode, cache, first = _compiled(model, prompt, new, mesh, rules)
+    prefill, decode, cache, carry = _compiled(model, prompt, new, mesh, rules)
 
     report = explain_cache(model, mesh, rules, batch=8, length=24)
-    arrays = [r for r in report.rows if r.names]
+    arrays = [r for r in report.rows if r.names == CACHE_AXES]
     assert len(arrays) == 2 * 2 and {r.names for r in arrays} == {CACHE_AXES}
     divide = int(np.prod(list(split.values())))
     assert divide == 8  # every device holds 1/8 of each cache array
@@ -225,10 +225,14 @@ def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int])
         want = next(r for r in report.rows if r.path == "/".join(map(str, path)))
         assert var.get_value().sharding.is_equivalent_to(NamedSharding(mesh, want.spec),
                                                          len(want.shape)), path
-    first_bytes = first.addressable_shards[0].data.nbytes
-    outputs = len(report.rows) + 1  # XLA counts the result tuple too: a pointer per output
+    # The padding each row remembers: [batch, length] flags and [batch] positions.
+    rows = {r.path.rpartition("/")[2]: r for r in report.rows if r.path.startswith("cache_rows")}
+    assert rows["valid"].names == CACHE_AXES[:2] and rows["valid"].shape == (8, 24)
+    assert rows["next_position"].names == CACHE_AXES[:1]
+    carry_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(carry))
+    outputs = len(report.rows) + len(jax.tree.leaves(carry))  # a pointer per output
     assert prefill.memory_analysis().output_size_in_bytes == (
-        report.param_bytes_per_device + first_bytes + 8 * outputs)
+        report.param_bytes_per_device + carry_bytes + 8 * outputs)
     # The decode loop moves no cache-shaped array between devices.
     layer = arrays[0].shape
     for c in compiled_collectives(decode.as_text(), mesh):
@@ -241,9 +245,12 @@ def test_explain_cache_plans_without_devices() -> None:
     mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"))
     report = explain_cache(model, mesh, ns.strategies.get("fsdp_tp").rules, batch=32,
                            length=4096)
-    # 80 layers x 2 (K, V) x 32 x 4096 x 8 kv heads x 128 x 2 bytes (bfloat16)
+    # 80 layers x 2 (K, V) x 32 x 4096 x 8 kv heads x 128 x 2 bytes (bfloat16), the
+    # index (4 bytes), each row's padding flags (32 x 4096 bools) and next position.
     whole = 80 * 2 * 32 * 4096 * 8 * 128 * 2
-    assert report.total_bytes - 4 == whole and report.param_bytes_per_device - 4 == whole // 64
+    rows = 32 * 4096 + 32 * 4
+    assert report.total_bytes - 4 - rows == whole
+    assert report.param_bytes_per_device - 4 - rows // 8 == whole // 64   # rows over data=8
     with pytest.raises(ns.ShardingError, match="a batch of 12 prompts does not divide"):
         explain_cache(model, mesh, ns.strategies.get("dp").rules, batch=12, length=4096)
 
@@ -268,9 +275,9 @@ def test_one_prefill_and_one_decode_program_per_shape(caplog: pytest.LogCaptureF
         assert sorted(_compiles(caplog)) == ["_decode", "_prefill"]
         generate(model, _prompt(2), 12)  # another shape: one more of each
         assert sorted(_compiles(caplog)) == ["_decode", "_decode", "_prefill", "_prefill"]
-        for t in (0.5, 1.5):  # sampling: one program pair whatever the temperature
+        for t in (0.5, 1.5):  # sampling: the same programs whatever the temperature
             generate(model, _prompt(2), 12, temperature=t)
-        assert len(_compiles(caplog)) == 6
+        assert len(_compiles(caplog)) == 4
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -355,13 +362,13 @@ def test_stock_multi_head_attention_cache_sharded() -> None:
     with ns.use(mesh, rules):
         out = np.asarray(generate(model, prompt, 6))
     np.testing.assert_array_equal(out, expected)
-    run = gen._prepare(model, prompt, 6, 0.0, None, 0, mesh, rules, "test")
+    run = gen._prepare(model, prompt, 6, gen.Options(), 0, mesh, rules, "test")
     key = run.prefill()[0]["attn"]["cached_key"].get_value()  # the programs are compiled
     assert key.sharding.is_equivalent_to(NamedSharding(mesh, jax.P("data", None, "model")), 4)
     # Without the annotation the cache is replicated, and generate says so.
     bare = nnx.eval_shape(lambda: StockLM(annotate=False, rngs=nnx.Rngs(0)))
     with pytest.warns(ns.ShardingWarning, match="replicated on every device: attn/cached_key"):
-        gen._prepare(bare, _prompt(8), 2, 0.0, None, 0, mesh, rules, "generate")
+        gen._prepare(bare, _prompt(8), 2, gen.Options(), 0, mesh, rules, "generate")
 
 
 # -- bad input -----------------------------------------------------------------------
@@ -392,16 +399,12 @@ def test_bad_input_one_clear_error_each() -> None:
 
 
 @needs_devices(8)
-def test_batch_that_does_not_divide_is_a_sharding_error() -> None:
+def test_batch_that_does_not_divide_is_padded_and_cut_back() -> None:
     model, mesh, rules = _sharded("dp", _build)
-    with ns.use(mesh, rules), pytest.raises(ns.ShardingError) as info:
-        generate(model, _prompt(3), 4)
-    msg = str(info.value)
-    assert "a batch of 3 prompts does not divide over mesh axis 'data' (size 8)" in msg
-    assert "'cache_batch'" in msg and "Fix: pass a batch that is a multiple of 8 (e.g. 8 rows" in msg
-    # The fix it names works.
-    with ns.use(mesh, rules | {"batch": None, "cache_batch": None}):
-        assert generate(model, _prompt(3), 4).shape == (3, 12)
+    with ns.use(mesh, rules):  # 3 rows over data=8: 5 dummy rows, cut back
+        out = np.asarray(generate(model, _prompt(3), 4))
+    assert out.shape == (3, 12)
+    np.testing.assert_array_equal(out, np.asarray(generate(_tiny(), _prompt(3), 4)))
 
 
 def test_sampling_arguments_and_seeds_are_checked() -> None:

@@ -474,7 +474,7 @@ def test_decode_with_a_mask_is_the_masked_call() -> None:
 
 @pytest.mark.parametrize("strategy", [None, "tp"])
 def test_prefill_takes_an_attention_mask(strategy: str | None) -> None:
-    from nnx_shard.models.generation import _prepare
+    from nnx_shard.models.generation import Options, _prepare
 
     e = _expected()
     if strategy is None:
@@ -485,10 +485,13 @@ def test_prefill_takes_an_attention_mask(strategy: str | None) -> None:
         model, mesh = _fixture_model(strategy)
         rules = s.rules
         prompt, mask = _tile8(e["pad_tokens"]), _tile8(e["pad_mask"])
-    run = _prepare(model, prompt, 4, 0.0, None, 0, mesh, rules, "generate")
-    _, first = run.prefill(mask)
-    # Rows 0-2 are left-padded (row 3, right-padded, would continue after its padding).
+    # Rows 0-2 are left-padded (row 3, right-padded, would continue after its padding:
+    # generate refuses that mask, so it runs here unmasked).
+    mask = np.where((np.arange(len(mask)) % 4 == 3)[:, None], 1, mask)
+    length = prompt.shape[1]
+    run = _prepare(model, prompt, 4, Options(), 0, mesh, rules, "generate", mask)
+    first = run.prefill()[1]["tokens"][:, length]
     want = [int(np.argmax(_alone(i)[-1])) for i in range(3)]
     assert np.asarray(first)[:3].tolist() == want
-    _, unmasked = run.prefill()
-    assert np.asarray(unmasked)[:3].tolist() != want   # the mask is what made them equal
+    unmasked = _prepare(model, prompt, 4, Options(), 0, mesh, rules, "generate").prefill()
+    assert np.asarray(unmasked[1]["tokens"][:, length])[:3].tolist() != want  # the mask did it
