@@ -237,7 +237,8 @@ def test_bad_options_one_clear_error_each() -> None:
             generate(model, good, 4, **kwargs)
     with pytest.raises(UsageError, match="prompt row 1 is empty"):
         generate(model, [[1, 2], []], 4)
-    with pytest.raises(ValueError, match="generate \\(row 1\\): prompt_tokens hold ids from 300 to 300"):
+    with pytest.raises(UsageError, match=r"generate \(row 1\): prompt_tokens\[0, 0\] is 300, "
+                                         r"outside the model's vocabulary of 128 ids"):
         generate(model, [[1, 2], [300]], 4)
     with pytest.raises(UsageError, match="stream: chunk must be a positive int"):
         stream(model, good, 4, chunk=0)
