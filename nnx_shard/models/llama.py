@@ -158,6 +158,17 @@ def _add(y: jax.Array, b: nnx.Param | None, dt: Any) -> jax.Array:
     return y if b is None else y + whole(b[...]).astype(dt)
 
 
+def _windowed(mask: jax.Array | None, window: int | None, length: int) -> jax.Array | None:
+    """``mask`` (``[batch, 1, 1, length]`` key padding, or ``None``) with the sliding
+    window's band: query ``i`` sees keys ``j > i - window`` (transformers'
+    ``sliding_window_overlay``, on indices in the sequence, as its masks are)."""
+    if window is None or window >= length:
+        return mask
+    i = np.arange(length)
+    band = jnp.asarray((i[None, :] > i[:, None] - window)[None, None])
+    return band if mask is None else mask & band
+
+
 class Attention(nnx.Module):
     """Grouped-query causal self-attention with rotary embeddings (and Qwen3's
     per-head q/k norm). Q/K/V split column-wise over ``heads`` / ``kv_heads``,
@@ -169,11 +180,11 @@ class Attention(nnx.Module):
         self.k = _param(rngs, _dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
         self.v = _param(rngs, _dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
         self.o = _param(rngs, _dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
-        bias = cfg.attention_bias
+        bias = cfg.attention_bias or cfg.qkv_bias
         self.q_bias = _bias(rngs, bias, (h, k), ("heads", "kv"), dt)
         self.k_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
         self.v_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
-        self.o_bias = _bias(rngs, bias, (e,), ("embed",), dt)
+        self.o_bias = _bias(rngs, cfg.attention_bias, (e,), ("embed",), dt)
         def norm() -> RMSNorm | None:
             return RMSNorm(k, ("kv",), cfg.norm_eps, cfg.dtype, dt, rngs=rngs) if cfg.qk_norm \
                 else None
@@ -181,6 +192,7 @@ class Attention(nnx.Module):
         self.q_norm: RMSNorm | None = nnx.data(norm())
         self.k_norm: RMSNorm | None = nnx.data(norm())
         self.kernel = cfg.attention
+        self.window = cfg.sliding_window
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS
@@ -198,8 +210,9 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # k, v keep their kv_heads: the op groups the query heads per key/value head.
-        out = attention(q, k, v, causal=True, mask=extras.mask, segment_ids=extras.segment_ids,
-                        implementation=self.kernel)
+        out = attention(q, k, v, causal=True, mask=_windowed(extras.mask, self.window,
+                                                             q.shape[1]),
+                        segment_ids=extras.segment_ids, implementation=self.kernel)
         return _add(einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l"),
                     self.o_bias, dt)
 
@@ -227,7 +240,8 @@ class Attention(nnx.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
         self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
-        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid)
+        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid,
+                              window=self.window)
         return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
                            RESIDUAL), self.o_bias, dt)
 
