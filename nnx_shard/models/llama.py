@@ -1,10 +1,13 @@
-"""A Llama-family decoder (Llama 2/3, Qwen3) annotated only with logical names.
+"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma) annotated only with logical names.
 
 The architecture of Hugging Face's ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``:
 token embedding, ``layers`` pre-norm blocks (RMSNorm, grouped-query attention
 with rotary position embeddings, RMSNorm, SwiGLU MLP), a final RMSNorm and an
 output projection (optionally tied to the embedding). Qwen3 adds an RMSNorm of
-each query and key head before the rotation and an explicit ``head_dim``.
+each query and key head before the rotation and an explicit ``head_dim``;
+Qwen2 biases on q/k/v only; Mistral a sliding window (a band in the attention
+mask, and in the cache's when decoding); Gemma a GELU-tanh MLP, embeddings
+scaled by ``sqrt(embed)`` and RMSNorm by ``1 + weight``: options of one model.
 :meth:`LlamaConfig.from_hf` reads a transformers ``config.json``;
 :func:`nnx_shard.load_safetensors` fills the parameters from a Hugging Face
 checkpoint.
@@ -134,18 +137,27 @@ def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale, computed in float32 (as
-    transformers' ``LlamaRMSNorm``)."""
+    transformers' ``LlamaRMSNorm``); with ``offset`` the scale is ``1 + weight``
+    (``GemmaRMSNorm``, whose weights start at 0)."""
 
     def __init__(self, size: int, names: tuple[str, ...], eps: float, dtype: Any,
-                 param_dtype: Any, *, rngs: nnx.Rngs) -> None:
-        self.scale = _param(rngs, nnx.initializers.ones, (size,), names, param_dtype)
+                 param_dtype: Any, *, rngs: nnx.Rngs, offset: bool = False) -> None:
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.scale = _param(rngs, init, (size,), names, param_dtype)
         self.eps = eps
+        self.offset = offset
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (whole(self.scale[...]).astype(jnp.float32) * x32).astype(self.dtype)
+        scale = whole(self.scale[...]).astype(jnp.float32)
+        return ((1.0 + scale if self.offset else scale) * x32).astype(self.dtype)
+
+
+def _norm(cfg: LlamaConfig, size: int, names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(size, names, cfg.norm_eps, cfg.dtype, cfg.param_dtype, rngs=rngs,
+                   offset=cfg.norm_offset)
 
 
 def _bias(rngs: nnx.Rngs, on: bool, shape: tuple[int, ...], names: tuple[Any, ...],
@@ -186,8 +198,7 @@ class Attention(nnx.Module):
         self.v_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
         self.o_bias = _bias(rngs, cfg.attention_bias, (e,), ("embed",), dt)
         def norm() -> RMSNorm | None:
-            return RMSNorm(k, ("kv",), cfg.norm_eps, cfg.dtype, dt, rngs=rngs) if cfg.qk_norm \
-                else None
+            return _norm(cfg, k, ("kv",), rngs) if cfg.qk_norm else None
 
         self.q_norm: RMSNorm | None = nnx.data(norm())
         self.k_norm: RMSNorm | None = nnx.data(norm())
@@ -258,6 +269,7 @@ class MLP(nnx.Module):
         self.gate_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
         self.up_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
         self.down_bias = _bias(rngs, cfg.mlp_bias, (e,), ("embed",), dt)
+        self.activation = cfg.activation
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -267,7 +279,8 @@ class MLP(nnx.Module):
                  self.gate_bias, dt)
         u = _add(einsum("ble,em->blm", x, self.up[...].astype(dt), hidden, seq="l"),
                  self.up_bias, dt)
-        return _add(einsum("blm,me->ble", jax.nn.silu(g) * u, self.down[...].astype(dt),
+        act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        return _add(einsum("blm,me->ble", act * u, self.down[...].astype(dt),
                            RESIDUAL, seq="l"), self.down_bias, dt)
 
 
@@ -276,8 +289,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         def norm() -> RMSNorm:
-            return RMSNorm(cfg.embed, ("embed",), cfg.norm_eps, cfg.dtype, cfg.param_dtype,
-                           rngs=rngs)
+            return _norm(cfg, cfg.embed, ("embed",), rngs)
 
         self.attn_norm = norm()
         self.attn = Attention(cfg, rngs=rngs)
@@ -361,7 +373,7 @@ class Llama(nnx.Module):
             self.blocks: Any = make(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
-        self.final_norm = RMSNorm(e, ("embed",), cfg.norm_eps, cfg.dtype, dt, rngs=rngs)
+        self.final_norm = _norm(cfg, e, ("embed",), rngs)
         self.unembed: nnx.Param | None = nnx.data(
             None if cfg.tie_embeddings
             else _param(rngs, _dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
@@ -391,7 +403,7 @@ class Llama(nnx.Module):
                          segment_ids=segment_ids, caller="Llama.forward",
                          max_positions=cfg.max_length).laid_out()
         cos, sin = _rotary_tables(cfg, tokens.shape[1])
-        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = self._embed(tokens)
         run = _block_runner(cfg, cos, sin)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
@@ -408,6 +420,13 @@ class Llama(nnx.Module):
             for block in self.blocks:
                 x = run(block, x, extras)
         return self._logits(x), jnp.zeros((), jnp.float32)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        if cfg.embed_scale:  # the factor rounded to the parameters' dtype, as transformers
+            x = x * jnp.asarray(math.sqrt(cfg.embed), cfg.param_dtype).astype(cfg.dtype)
+        return x
 
     def _logits(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -500,7 +519,7 @@ class Llama(nnx.Module):
             attn = blocks[0].attn if isinstance(blocks, nnx.List) else blocks.attn
             valid = kv_cache.valid_keys(extras.mask[:, 0, 0], index,
                                         int(attn.cached_key.shape[-3]))
-        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = self._embed(tokens)
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
                                    lambda block, h: block.decode(h, index, cos, sin, valid))
         self.cache_index[...] = index + steps

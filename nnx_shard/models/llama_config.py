@@ -26,10 +26,14 @@ from nnx_shard.safetensors_io import described
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig", "get_llama_config"]
 
 #: ``config.json`` model types :meth:`LlamaConfig.from_hf` reads.
-MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "gemma")
+#: MLP activations (transformers' ``hidden_act`` names) the model implements:
+#: SwiGLU's SiLU, and Gemma's tanh approximation of GELU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: The architectures :meth:`LlamaConfig.to_hf` names for each model type.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "gemma": "GemmaForCausalLM"}
 #: ``rope_scaling`` types the model implements (``"default"``: none).
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -63,6 +67,12 @@ class LlamaConfig:
       qk_norm: RMSNorm of each query and key head before the rotation (Qwen3).
       attention_bias: biases on the q, k, v and o projections.
       qkv_bias: biases on the q, k and v projections only (Qwen2).
+      activation: the gated MLP's activation, one of :data:`ACTIVATIONS`
+        (``hidden_act``: ``"silu"``, or Gemma's ``"gelu_pytorch_tanh"``).
+      embed_scale: multiply the token embeddings by ``sqrt(embed)`` (Gemma;
+        the factor rounded to the parameters' dtype, as transformers does).
+      norm_offset: every RMSNorm scales by ``1 + weight`` (Gemma; its weights
+        start at 0).
       sliding_window: ``None``, or the keys each query sees: itself and the
         ``sliding_window - 1`` before it (Mistral's ``sliding_window``, Qwen2's
         with ``use_sliding_window``), in every layer.
@@ -103,6 +113,9 @@ class LlamaConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qkv_bias: bool = False
+    activation: str = "silu"
+    embed_scale: bool = False
+    norm_offset: bool = False
     sliding_window: int | None = None
     max_length: int = 2048
     model_type: str = "llama"
@@ -116,7 +129,10 @@ class LlamaConfig:
         _check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
                             "max_length"), positive=("rope_theta", "norm_eps"),
                      flags=("tie_embeddings", "qk_norm", "attention_bias", "mlp_bias",
-                            "qkv_bias", "scan_layers"))
+                            "qkv_bias", "embed_scale", "norm_offset", "scan_layers"))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"LlamaConfig.activation={self.activation!r}; valid: "
+                             f"{', '.join(ACTIVATIONS)}.")
         if self.sliding_window is not None:
             count(self.sliding_window, "LlamaConfig.sliding_window",
                   fix="None (full attention) or the window in tokens, e.g. 4096")
@@ -210,10 +226,17 @@ class LlamaConfig:
                 f"(supported: {', '.join(MODEL_TYPES)}). Fix: pass the config.json of a "
                 "checkpoint of one of these types."
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UsageError(f"{where}: hidden_act={short(act, 60)}; the model implements SwiGLU "
-                             "with 'silu' only. Fix: use a checkpoint of a SiLU model.")
+        gemma = kind == "gemma"
+        act = hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if gemma and act == "gelu":  # transformers' GemmaConfig reads the legacy name so
+            act = "gelu_pytorch_tanh"
+        if act not in ACTIVATIONS:
+            raise UsageError(f"{where}: hidden_act={short(act, 60)}; the model implements the "
+                             f"gated MLP with {' or '.join(repr(a) for a in ACTIVATIONS)}. Fix: "
+                             "use a checkpoint of a model with one of those.")
+        if _flag(hf, "use_bidirectional_attention", False, where):
+            raise UsageError(f"{where}: use_bidirectional_attention is set; the model is a "
+                             "causal decoder. Fix: use a causal checkpoint.")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in hf]
         if missing:
@@ -236,12 +259,16 @@ class LlamaConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             norm_eps=_real(hf.get("rms_norm_eps"), "rms_norm_eps", 1e-6, where),
-            tie_embeddings=_flag(hf, "tie_word_embeddings", False, where),
+            # transformers' defaults: Gemma ties the embeddings, the others do not
+            tie_embeddings=_flag(hf, "tie_word_embeddings", gemma, where),
             qk_norm=kind == "qwen3",
             # Qwen2 always has q/k/v biases and no o bias; the others read the flag.
             attention_bias=(_flag(hf, "attention_bias", False, where)
-                            if kind in ("llama", "qwen3") else False),
+                            if kind in ("llama", "qwen3", "gemma") else False),
             qkv_bias=kind == "qwen2",
+            activation=act,
+            embed_scale=gemma,
+            norm_offset=gemma,
             mlp_bias=_flag(hf, "mlp_bias", False, where) if kind == "llama" else False,
             sliding_window=_window(hf, kind, layers, where),
             max_length=max_length,
@@ -274,7 +301,7 @@ class LlamaConfig:
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.activation,
             "max_position_embeddings": self.max_length,
             "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,
@@ -283,12 +310,14 @@ class LlamaConfig:
             "attention_dropout": 0.0,
             "torch_dtype": dtype,
         }
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", "gemma"):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
         elif self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
+        elif self.model_type == "gemma":
+            pass
         else:  # qwen2 / qwen3: a window in every layer, or none
             out["use_sliding_window"] = self.sliding_window is not None
             out["sliding_window"] = self.sliding_window
@@ -428,9 +457,9 @@ def _window(hf: Mapping[str, Any], kind: str, layers: int, where: str) -> int | 
         layer_types = ["sliding_attention" if size is not None and i >= first
                        else "full_attention" for i in range(layers)]
     sliding = [t == "sliding_attention" for t in layer_types]
-    if (kind == "llama" and any(sliding)) or (use and kind == "llama"):
+    if kind in ("llama", "gemma") and (use or any(sliding)):
         raise UsageError(f"{where}: sliding-window attention layers (use_sliding_window / "
-                         "layer_types) are not part of a llama model. Fix: use the "
+                         "layer_types) are not part of a {kind} model. Fix: use the "
                          "checkpoint's own config.json, or model_type \"mistral\".")
     if size is None or not any(sliding):
         return None
@@ -584,6 +613,8 @@ _SHAPE_FIELDS = {
     "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
     "head_dim": "head_dim", "mlp": "intermediate_size", "layers": "num_hidden_layers",
     "rope_theta": "rope_theta", "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
+    "activation": "hidden_act", "embed_scale": "embedding scale (sqrt(hidden_size))",
+    "norm_offset": "RMSNorm scale (1 + weight)",
     "tie_embeddings": "tie_word_embeddings", "qk_norm": "qk_norm (q_norm / k_norm)",
     "attention_bias": "attention_bias", "qkv_bias": "q/k/v biases",
     "mlp_bias": "mlp_bias", "sliding_window": "sliding_window",
@@ -605,8 +636,10 @@ def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaCo
     >>> tiny = get_llama_config("tiny")
     >>> differences(tiny.to_hf(), tiny)
     []
-    >>> differences({**tiny.to_hf(), "model_type": "gemma", "hidden_activation": "gelu"}, tiny)
-    ["model_type: checkpoint 'gemma', model 'llama'", "hidden_activation: checkpoint 'gelu', model 'silu'"]
+    >>> differences({**tiny.to_hf(), "model_type": "gemma", "hidden_act": "gelu"}, tiny)[:2]
+    ["model_type: checkpoint 'gemma', model 'llama'", "hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'"]
+    >>> differences({**tiny.to_hf(), "model_type": "gpt2", "hidden_act": "gelu"}, tiny)
+    ["model_type: checkpoint 'gpt2', model 'llama'", "hidden_act: checkpoint 'gelu', model 'silu'"]
     """
     hf, _ = _read_json(config)
     try:

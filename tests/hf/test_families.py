@@ -1,6 +1,7 @@
 """Model families beyond Llama and Qwen3 against transformers: Qwen2 (q/k/v
-biases without an o bias) and Mistral (a sliding window shorter than the
-sequences), loaded with ``load_pretrained``.
+biases without an o bias), Mistral (a sliding window shorter than the
+sequences) and Gemma (GELU-tanh MLP, scaled embeddings, RMSNorm by 1 + w),
+loaded with ``load_pretrained``.
 
 Ground truth: tests/fixtures/hf_<family>/ (tests/fixtures/make_hf_families.py, run
 by hand with torch and transformers). Logits must equal transformers' within
@@ -32,7 +33,7 @@ from tests.conftest import needs_devices
 pytestmark = needs_devices(8)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-FAMILIES = ("hf_qwen2", "hf_mistral")
+FAMILIES = ("hf_qwen2", "hf_mistral", "hf_gemma")
 RTOL = 2e-4
 # A greedy step whose top-2 margin is below this may go either way under float
 # rounding (the logits above err by ~1e-6 x max|logit|, far less).
@@ -82,7 +83,11 @@ def test_family_configs_are_read() -> None:
     mistral = LlamaConfig.from_hf(FIXTURES / "hf_mistral")
     assert (mistral.model_type, mistral.qkv_bias, mistral.sliding_window,
             mistral.tie_embeddings) == ("mistral", False, 5, False)
-    for cfg in (qwen2, mistral):
+    gemma = LlamaConfig.from_hf(FIXTURES / "hf_gemma")
+    assert (gemma.activation, gemma.embed_scale, gemma.norm_offset, gemma.head_dim,
+            gemma.tie_embeddings) == ("gelu_pytorch_tanh", True, True, 16, True)
+    assert (mistral.activation, mistral.embed_scale, mistral.norm_offset) == ("silu", False, False)
+    for cfg in (qwen2, mistral, gemma):
         assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
     model = _loaded("hf_qwen2", "one")
     attn = model.blocks[0].attn
@@ -153,19 +158,29 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     assert "- model_type: checkpoint 'mistral', model 'llama'" in text
     assert "- sliding_window: checkpoint 5, model None" in text
     assert "Fix: build the target from the checkpoint's config" in text
-    # A family this does not read (Gemma's activation and norm on Llama shapes):
-    # the fields the file states are compared.
-    gemma = _copy_with(tmp_path, "hf_mistral", {"model_type": "gemma",
-                                                "hidden_activation": "gelu_pytorch_tanh",
-                                                "hidden_act": "gelu_pytorch_tanh"})
+    # Gemma's tensors fill a Llama of its sizes too: activation, embedding scale and
+    # norm tell them apart.
+    gemma = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "hf_gemma"), model_type="llama",
+                                activation="silu", embed_scale=False, norm_offset=False)
     with pytest.raises(UsageError) as info:
-        ns.load_safetensors(gemma, target)
+        ns.load_safetensors(FIXTURES / "hf_gemma", ns.abstract_init(
+            lambda: Llama(gemma, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp").rules))
     text = str(info.value)
+    assert "4 fields differ" in text
     assert "- model_type: checkpoint 'gemma', model 'llama'" in text
     assert "- hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'" in text
+    assert "- embedding scale (sqrt(hidden_size)): checkpoint True, model False" in text
+    assert "- RMSNorm scale (1 + weight): checkpoint True, model False" in text
+    # A family this does not read: the fields the file states are compared.
+    gpt2 = _copy_with(tmp_path, "hf_mistral", {"model_type": "gpt2", "hidden_act": "gelu"})
+    with pytest.raises(UsageError) as info:
+        ns.load_safetensors(gpt2, target)
+    text = str(info.value)
+    assert "- model_type: checkpoint 'gpt2', model 'llama'" in text
+    assert "- hidden_act: checkpoint 'gelu', model 'silu'" in text
     # load_pretrained refuses the unknown family by name.
-    with pytest.raises(UsageError, match="model_type 'gemma' is not a family load_pretrained"):
-        load_pretrained(gemma, mesh="data=8", rules=ns.strategies.get("dp").rules)
+    with pytest.raises(UsageError, match="model_type 'gpt2' is not a family load_pretrained"):
+        load_pretrained(gpt2, mesh="data=8", rules=ns.strategies.get("dp").rules)
 
 
 def test_mixed_window_layers_are_refused() -> None:

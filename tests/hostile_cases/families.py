@@ -49,7 +49,8 @@ def build(hs: Any) -> None:
         from nnx_shard.models import Llama, LlamaConfig
 
         cfg = dataclasses.replace(LlamaConfig.from_hf(os.path.join(_FIXTURES, name)),
-                                  model_type="llama", sliding_window=None, qkv_bias=False)
+                                  model_type="llama", sliding_window=None, qkv_bias=False,
+                                  activation="silu", embed_scale=False, norm_offset=False)
         target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
         return ns.load_safetensors(copy(name, change), target)
@@ -64,8 +65,12 @@ def build(hs: Any) -> None:
         ("no_config", lambda: load(F.dir("families_empty")), "config.json"),
         ("config_not_json", lambda: load(copy("hf_mistral", raw="{nope")), "not JSON"),
         ("config_a_list", lambda: load(copy("hf_mistral", raw="[1, 2]")), "config.json"),
-        ("model_type_gemma", lambda: load(copy("hf_mistral", {"model_type": "gemma"})),
-         ("model_type", "gemma")),
+        ("model_type_gpt2", lambda: load(copy("hf_mistral", {"model_type": "gpt2"})),
+         ("model_type", "gpt2")),
+        ("gemma_bidirectional", lambda: load(copy("hf_gemma", {
+            "use_bidirectional_attention": True})), "use_bidirectional_attention"),
+        ("gemma_act_erf", lambda: load(copy("hf_gemma", {"hidden_act": "gelu_new"})),
+         "hidden_act"),
         ("model_type_missing", lambda: load(copy("hf_mistral", {"model_type": None})),
          "model_type"),
         ("window_zero", lambda: load(copy("hf_mistral", {"sliding_window": 0})),
@@ -84,8 +89,6 @@ def build(hs: Any) -> None:
         ("mistral_into_llama", lambda: into_llama("hf_mistral"),
          ("model_type", "sliding_window")),
         ("qwen2_into_llama", lambda: into_llama("hf_qwen2"), ("model_type", "q/k/v biases")),
-        ("gemma_into_llama", lambda: into_llama("hf_mistral", {
-            "model_type": "gemma", "hidden_activation": "gelu_pytorch_tanh"}),
-         ("model_type", "gemma")),
+        ("gemma_into_llama", lambda: into_llama("hf_gemma"), ("model_type", "hidden_act")),
     ]:
         hs.api(f"families/{label}", names, fn)
