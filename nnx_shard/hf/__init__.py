@@ -60,6 +60,7 @@ from nnx_shard.hf.load import load_safetensors
 from nnx_shard.hf.mapping import (
     LLAMA_MAPPING,
     LLAMA_TIED_MAPPING,
+    OLMO2_MAPPING,
     TRANSFORMS,
     MappingValue,
     mapping_for,
@@ -70,6 +71,7 @@ __all__ = [
     "INDEX",
     "LLAMA_MAPPING",
     "LLAMA_TIED_MAPPING",
+    "OLMO2_MAPPING",
     "SINGLE",
     "TRANSFORMS",
     "MappingValue",

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma) annotated only with logical names.
+"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma, OLMo 2) annotated only with logical names.
 
 The architecture of Hugging Face's ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``:
 token embedding, ``layers`` pre-norm blocks (RMSNorm, grouped-query attention
@@ -7,7 +7,9 @@ output projection (optionally tied to the embedding). Qwen3 adds an RMSNorm of
 each query and key head before the rotation and an explicit ``head_dim``;
 Qwen2 biases on q/k/v only; Mistral a sliding window (a band in the attention
 mask, and in the cache's when decoding); Gemma a GELU-tanh MLP, embeddings
-scaled by ``sqrt(embed)`` and RMSNorm by ``1 + weight``: options of one model.
+scaled by ``sqrt(embed)`` and RMSNorm by ``1 + weight``; OLMo 2 norms after
+attention and MLP (not before) and one q/k norm over all heads: options of one
+model.
 :meth:`LlamaConfig.from_hf` reads a transformers ``config.json``;
 :func:`nnx_shard.load_safetensors` fills the parameters from a Hugging Face
 checkpoint.
@@ -140,22 +142,25 @@ class RMSNorm(nnx.Module):
     transformers' ``LlamaRMSNorm``); with ``offset`` the scale is ``1 + weight``
     (``GemmaRMSNorm``, whose weights start at 0)."""
 
-    def __init__(self, size: int, names: tuple[str, ...], eps: float, dtype: Any,
-                 param_dtype: Any, *, rngs: nnx.Rngs, offset: bool = False) -> None:
+    def __init__(self, size: int | tuple[int, ...], names: tuple[str, ...], eps: float,
+                 dtype: Any, param_dtype: Any, *, rngs: nnx.Rngs, offset: bool = False) -> None:
         init = nnx.initializers.zeros if offset else nnx.initializers.ones
-        self.scale = _param(rngs, init, (size,), names, param_dtype)
+        # A tuple of sizes normalizes over that many trailing axes together.
+        shape = size if isinstance(size, tuple) else (size,)
+        self.scale = _param(rngs, init, shape, names, param_dtype)
         self.eps = eps
         self.offset = offset
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        axes = tuple(range(-self.scale.ndim, 0))
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
         scale = whole(self.scale[...]).astype(jnp.float32)
         return ((1.0 + scale if self.offset else scale) * x32).astype(self.dtype)
 
 
-def _norm(cfg: LlamaConfig, size: int, names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
+def _norm(cfg: LlamaConfig, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
     return RMSNorm(size, names, cfg.norm_eps, cfg.dtype, cfg.param_dtype, rngs=rngs,
                    offset=cfg.norm_offset)
 
@@ -197,11 +202,15 @@ class Attention(nnx.Module):
         self.k_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
         self.v_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
         self.o_bias = _bias(rngs, cfg.attention_bias, (e,), ("embed",), dt)
-        def norm() -> RMSNorm | None:
-            return _norm(cfg, k, ("kv",), rngs) if cfg.qk_norm else None
+        def norm(n: int, name: str) -> RMSNorm | None:
+            if not cfg.qk_norm:
+                return None
+            # OLMo 2 normalizes all heads' features together, Qwen3 each head's.
+            return _norm(cfg, (n, k), (name, "kv"), rngs) if cfg.qk_norm_full \
+                else _norm(cfg, k, ("kv",), rngs)
 
-        self.q_norm: RMSNorm | None = nnx.data(norm())
-        self.k_norm: RMSNorm | None = nnx.data(norm())
+        self.q_norm: RMSNorm | None = nnx.data(norm(h, "heads"))
+        self.k_norm: RMSNorm | None = nnx.data(norm(g, "kv_heads"))
         self.kernel = cfg.attention
         self.window = cfg.sliding_window
         self.dtype = cfg.dtype
@@ -291,26 +300,34 @@ class Block(nnx.Module):
         def norm() -> RMSNorm:
             return _norm(cfg, cfg.embed, ("embed",), rngs)
 
-        self.attn_norm = norm()
+        pre, post = (None, norm) if cfg.post_norms else (norm, None)
+        self.attn_norm: RMSNorm | None = nnx.data(pre and pre())
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = norm()
+        self.attn_post_norm: RMSNorm | None = nnx.data(post and post())
+        self.mlp_norm: RMSNorm | None = nnx.data(pre and pre())
         self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp_post_norm: RMSNorm | None = nnx.data(post and post())
+
+    @staticmethod
+    def _apply(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+        return x if norm is None else norm(x)
 
     def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS
                  ) -> jax.Array:
-        x = x + self.attn(constrain(self.attn_norm(x), _block_input()), cos, sin, extras)
-        x = constrain(x, RESIDUAL)
-        y = self.mlp(constrain(self.mlp_norm(x), _block_input()))
-        return constrain(x + y, RESIDUAL)
+        n = self._apply
+        y = self.attn(constrain(n(self.attn_norm, x), _block_input()), cos, sin, extras)
+        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+        y = self.mlp(constrain(n(self.mlp_norm, x), _block_input()))
+        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
                sin: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """The block on new positions ``index ..`` only, attending through the cache."""
-        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, cos, sin,
-                                 valid)
-        x = constrain(x, RESIDUAL)
-        y = self.mlp(constrain(self.mlp_norm(x), GATHERED))
-        return constrain(x + y, RESIDUAL)
+        n = self._apply
+        y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid)
+        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+        y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED))
+        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
 
 def _block_runner(cfg: LlamaConfig, cos: np.ndarray, sin: np.ndarray) -> Any:

@@ -26,14 +26,14 @@ from nnx_shard.safetensors_io import described
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig", "get_llama_config"]
 
 #: ``config.json`` model types :meth:`LlamaConfig.from_hf` reads.
-MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "gemma")
+MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "gemma", "olmo2")
 #: MLP activations (transformers' ``hidden_act`` names) the model implements:
 #: SwiGLU's SiLU, and Gemma's tanh approximation of GELU.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: The architectures :meth:`LlamaConfig.to_hf` names for each model type.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "gemma": "GemmaForCausalLM"}
+                 "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 #: ``rope_scaling`` types the model implements (``"default"``: none).
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -73,6 +73,10 @@ class LlamaConfig:
         the factor rounded to the parameters' dtype, as transformers does).
       norm_offset: every RMSNorm scales by ``1 + weight`` (Gemma; its weights
         start at 0).
+      post_norms: each block normalizes the attention's and the MLP's outputs
+        before adding them to the residual, and not their inputs (OLMo 2).
+      qk_norm_full: with ``qk_norm``, one RMSNorm over all the heads' queries
+        (keys) together rather than one per head (OLMo 2).
       sliding_window: ``None``, or the keys each query sees: itself and the
         ``sliding_window - 1`` before it (Mistral's ``sliding_window``, Qwen2's
         with ``use_sliding_window``), in every layer.
@@ -116,6 +120,8 @@ class LlamaConfig:
     activation: str = "silu"
     embed_scale: bool = False
     norm_offset: bool = False
+    post_norms: bool = False
+    qk_norm_full: bool = False
     sliding_window: int | None = None
     max_length: int = 2048
     model_type: str = "llama"
@@ -129,7 +135,8 @@ class LlamaConfig:
         _check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
                             "max_length"), positive=("rope_theta", "norm_eps"),
                      flags=("tie_embeddings", "qk_norm", "attention_bias", "mlp_bias",
-                            "qkv_bias", "embed_scale", "norm_offset", "scan_layers"))
+                            "qkv_bias", "embed_scale", "norm_offset", "post_norms", "qk_norm_full",
+                            "scan_layers"))
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"LlamaConfig.activation={self.activation!r}; valid: "
                              f"{', '.join(ACTIVATIONS)}.")
@@ -175,7 +182,7 @@ class LlamaConfig:
         if self.attention_bias:
             attn += e
         if self.qk_norm:
-            attn += 2 * d
+            attn += (h * d + g * d) if self.qk_norm_full else 2 * d
         ffn = 3 * e * m + ((2 * m + e) if self.mlp_bias else 0)
         block = attn + ffn + 2 * e
         unembed = 0 if self.tie_embeddings else e * self.vocab
@@ -261,10 +268,12 @@ class LlamaConfig:
             norm_eps=_real(hf.get("rms_norm_eps"), "rms_norm_eps", 1e-6, where),
             # transformers' defaults: Gemma ties the embeddings, the others do not
             tie_embeddings=_flag(hf, "tie_word_embeddings", gemma, where),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "olmo2"),
+            qk_norm_full=kind == "olmo2",
+            post_norms=kind == "olmo2",
             # Qwen2 always has q/k/v biases and no o bias; the others read the flag.
             attention_bias=(_flag(hf, "attention_bias", False, where)
-                            if kind in ("llama", "qwen3", "gemma") else False),
+                            if kind in ("llama", "qwen3", "gemma", "olmo2") else False),
             qkv_bias=kind == "qwen2",
             activation=act,
             embed_scale=gemma,
@@ -310,13 +319,13 @@ class LlamaConfig:
             "attention_dropout": 0.0,
             "torch_dtype": dtype,
         }
-        if self.model_type in ("llama", "qwen3", "gemma"):
+        if self.model_type in ("llama", "qwen3", "gemma", "olmo2"):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
         elif self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
-        elif self.model_type == "gemma":
+        elif self.model_type in ("gemma", "olmo2"):
             pass
         else:  # qwen2 / qwen3: a window in every layer, or none
             out["use_sliding_window"] = self.sliding_window is not None
@@ -457,7 +466,7 @@ def _window(hf: Mapping[str, Any], kind: str, layers: int, where: str) -> int | 
         layer_types = ["sliding_attention" if size is not None and i >= first
                        else "full_attention" for i in range(layers)]
     sliding = [t == "sliding_attention" for t in layer_types]
-    if kind in ("llama", "gemma") and (use or any(sliding)):
+    if kind in ("llama", "gemma", "olmo2") and (use or any(sliding)):
         raise UsageError(f"{where}: sliding-window attention layers (use_sliding_window / "
                          "layer_types) are not part of a {kind} model. Fix: use the "
                          "checkpoint's own config.json, or model_type \"mistral\".")
@@ -615,6 +624,8 @@ _SHAPE_FIELDS = {
     "rope_theta": "rope_theta", "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
     "activation": "hidden_act", "embed_scale": "embedding scale (sqrt(hidden_size))",
     "norm_offset": "RMSNorm scale (1 + weight)",
+    "post_norms": "norms after attention / MLP (post_feedforward_layernorm)",
+    "qk_norm_full": "q/k norm over all heads",
     "tie_embeddings": "tie_word_embeddings", "qk_norm": "qk_norm (q_norm / k_norm)",
     "attention_bias": "attention_bias", "qkv_bias": "q/k/v biases",
     "mlp_bias": "mlp_bias", "sliding_window": "sliding_window",

@@ -1,7 +1,7 @@
 """Model families beyond Llama and Qwen3 against transformers: Qwen2 (q/k/v
 biases without an o bias), Mistral (a sliding window shorter than the
-sequences) and Gemma (GELU-tanh MLP, scaled embeddings, RMSNorm by 1 + w),
-loaded with ``load_pretrained``.
+sequences), Gemma (GELU-tanh MLP, scaled embeddings, RMSNorm by 1 + w) and
+OLMo 2 (norms after attention and MLP, q/k norms over all heads), loaded with ``load_pretrained``.
 
 Ground truth: tests/fixtures/hf_<family>/ (tests/fixtures/make_hf_families.py, run
 by hand with torch and transformers). Logits must equal transformers' within
@@ -33,7 +33,7 @@ from tests.conftest import needs_devices
 pytestmark = needs_devices(8)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-FAMILIES = ("hf_qwen2", "hf_mistral", "hf_gemma")
+FAMILIES = ("hf_qwen2", "hf_mistral", "hf_gemma", "hf_olmo2")
 RTOL = 2e-4
 # A greedy step whose top-2 margin is below this may go either way under float
 # rounding (the logits above err by ~1e-6 x max|logit|, far less).
@@ -87,13 +87,20 @@ def test_family_configs_are_read() -> None:
     assert (gemma.activation, gemma.embed_scale, gemma.norm_offset, gemma.head_dim,
             gemma.tie_embeddings) == ("gelu_pytorch_tanh", True, True, 16, True)
     assert (mistral.activation, mistral.embed_scale, mistral.norm_offset) == ("silu", False, False)
-    for cfg in (qwen2, mistral, gemma):
+    olmo2 = LlamaConfig.from_hf(FIXTURES / "hf_olmo2")
+    assert (olmo2.post_norms, olmo2.qk_norm, olmo2.qk_norm_full) == (True, True, True)
+    block = _loaded("hf_olmo2", "one").blocks[0]
+    assert block.attn_norm is None and block.mlp_post_norm is not None
+    assert block.attn.q_norm.scale.get_value().shape == (olmo2.heads, olmo2.head_dim)
+    for cfg in (qwen2, mistral, gemma, olmo2):
         assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
     model = _loaded("hf_qwen2", "one")
     attn = model.blocks[0].attn
     assert attn.q_bias is not None and attn.v_bias is not None and attn.o_bias is None
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert params == qwen2.num_params
+    olmo = _loaded("hf_olmo2", "one")
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(olmo, nnx.Param))) == olmo2.num_params
 
 
 @pytest.mark.parametrize("strategy", LAYOUTS)
@@ -171,6 +178,12 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     assert "- hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'" in text
     assert "- embedding scale (sqrt(hidden_size)): checkpoint True, model False" in text
     assert "- RMSNorm scale (1 + weight): checkpoint True, model False" in text
+    # OLMo 2's post-norms have Llama's pre-norms' shapes.
+    olmo = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "hf_olmo2"), model_type="llama",
+                               post_norms=False)
+    with pytest.raises(UsageError, match=r"(?s)2 fields differ.*- norms after attention"):
+        ns.load_safetensors(FIXTURES / "hf_olmo2", ns.abstract_init(
+            lambda: Llama(olmo, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp").rules))
     # A family this does not read: the fields the file states are compared.
     gpt2 = _copy_with(tmp_path, "hf_mistral", {"model_type": "gpt2", "hidden_act": "gelu"})
     with pytest.raises(UsageError) as info:

@@ -50,7 +50,8 @@ def build(hs: Any) -> None:
 
         cfg = dataclasses.replace(LlamaConfig.from_hf(os.path.join(_FIXTURES, name)),
                                   model_type="llama", sliding_window=None, qkv_bias=False,
-                                  activation="silu", embed_scale=False, norm_offset=False)
+                                  activation="silu", embed_scale=False, norm_offset=False,
+                                  post_norms=False, qk_norm_full=False, qk_norm=False)
         target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
         return ns.load_safetensors(copy(name, change), target)
@@ -90,5 +91,6 @@ def build(hs: Any) -> None:
          ("model_type", "sliding_window")),
         ("qwen2_into_llama", lambda: into_llama("hf_qwen2"), ("model_type", "q/k/v biases")),
         ("gemma_into_llama", lambda: into_llama("hf_gemma"), ("model_type", "hidden_act")),
+        ("olmo2_into_llama", lambda: into_llama("hf_olmo2"), ("model_type", "norms after")),
     ]:
         hs.api(f"families/{label}", names, fn)
