@@ -65,6 +65,7 @@ from nnx_shard.hf.mapping import (
     MappingValue,
     mapping_for,
 )
+from nnx_shard.hf.pretrained import load_pretrained
 from nnx_shard.hf.save import save_safetensors
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "SINGLE",
     "TRANSFORMS",
     "MappingValue",
+    "load_pretrained",
     "load_safetensors",
     "mapping_for",
     "save_safetensors",

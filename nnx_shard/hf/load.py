@@ -71,7 +71,7 @@ def _check_config(path: str | os.PathLike[str], target: Any) -> None:
             + "\n".join(f"- {d}" for d in found)
             + "\nFix: build the target from the checkpoint's config "
             "(LlamaConfig.from_hf(path)), or load it with "
-            "nnx_shard.models.load_pretrained(path, mesh=..., rules=...).")
+            "nnx_shard.hf.load_pretrained(path, mesh=..., rules=...).")
 
 
 def load_safetensors(path: str | os.PathLike[str], target: Any,

@@ -1,6 +1,6 @@
 """Reference models annotated only with logical axis names (:class:`Transformer`,
 and :class:`Llama` for Llama-family checkpoints, built and filled from a
-Hugging Face checkpoint by :func:`load_pretrained`), the attention op
+Hugging Face checkpoint by :func:`nnx_shard.hf.load_pretrained`), the attention op
 (:func:`attention`: dense, blockwise or cuDNN on each device; ring / all-gather
 context parallelism as the strategy asks) a model calls to be memory-efficient
 and context-parallel, :func:`attention_fn`, its adapter for
@@ -22,7 +22,6 @@ themselves), and :func:`lm_loss` skips ``-100`` targets.
 from nnx_shard.models.adapters import attention_fn
 from nnx_shard.models.generation import CACHE_AXES, explain_cache, generate, generation_rules
 from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
-from nnx_shard.models.pretrained import load_pretrained
 from nnx_shard.models.transformer import (
     CONFIGS,
     REMAT_POLICIES,
@@ -37,4 +36,4 @@ from nnx_shard.parallel.ring import attention
 __all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
            "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache",
            "generate", "generation_rules", "get_config", "get_llama_config", "lm_loss",
-           "load_pretrained", "remat_policy"]
+           "remat_policy"]

@@ -26,7 +26,8 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard.errors import UsageError
-from nnx_shard.models import Llama, LlamaConfig, generate, load_pretrained
+from nnx_shard.hf import load_pretrained
+from nnx_shard.models import Llama, LlamaConfig, generate
 from tests._close import assert_close
 from tests.conftest import needs_devices
 

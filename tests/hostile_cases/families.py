@@ -1,4 +1,4 @@
-"""Hostile cases of ``nnx_shard.models.load_pretrained`` and of the config check of
+"""Hostile cases of ``nnx_shard.hf.load_pretrained`` and of the config check of
 ``load_safetensors``: paths that are not checkpoint folders, config files that are
 not configs or name another family, windows in some layers only, and a checkpoint
 of one family loaded into a model of another."""
@@ -19,7 +19,7 @@ def build(hs: Any) -> None:
 
     def load(path: Any, **kw: Any) -> Any:
         import nnx_shard as ns
-        from nnx_shard.models import load_pretrained
+        from nnx_shard.hf import load_pretrained
 
         args = {"mesh": "data=8", "rules": ns.strategies.get("dp").rules} | kw
         return load_pretrained(path, **args)

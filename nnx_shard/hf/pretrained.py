@@ -1,7 +1,8 @@
 """Pretrained Hugging Face checkpoints as sharded models in one call:
 :func:`load_pretrained` reads ``config.json``, picks the model family by its
 ``model_type``, builds the model abstractly under the rules and fills each
-device's slices from the safetensors files."""
+device's slices from the safetensors files (on the training floor, beside
+:func:`load_safetensors`: the models below it never import the loader)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard.errors import UsageError, short
+from nnx_shard.hf.load import load_safetensors
+from nnx_shard.init import abstract_init
 from nnx_shard.models.llama import Llama
 from nnx_shard.models.llama_config import MODEL_TYPES, LlamaConfig, _read_json
 
@@ -50,9 +53,6 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     >>> type(model).__name__, model.cfg.model_type, model.blocks[0].mlp.up.get_value().sharding.spec
     ('Llama', 'qwen3', P('data', 'model'))
     """
-    from nnx_shard.hf.load import load_safetensors
-    from nnx_shard.init import abstract_init
-
     if isinstance(path, bytes) or not isinstance(path, str | os.PathLike) or not str(path):
         raise UsageError(f"load_pretrained: path must be a checkpoint directory, got "
                          f"{type(path).__name__} {short(path, 60)}. Fix: e.g. "
