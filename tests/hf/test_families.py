@@ -130,13 +130,17 @@ def test_the_window_decides_mistral_logits() -> None:
     assert not np.allclose(banded[:, 5:], plain[:, 5:], atol=1e-2)
 
 
+@pytest.mark.parametrize("strategy", [
+    "one", pytest.param("fsdp_tp", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_family_greedy_generation_matches_transformers(name: str) -> None:
+def test_family_greedy_generation_matches_transformers(name: str, strategy: str) -> None:
     expected = _expected(name)
     prompt, want, margins = expected["prompt"], expected["generated"], expected["margins"]
-    mesh, rules = _mesh_rules("one")
-    got = np.asarray(generate(_loaded(name, "one"), prompt, want.shape[1], mesh=mesh,
-                              rules=rules))[:, prompt.shape[1]:]
+    mesh, rules = _mesh_rules(strategy)
+    rows = prompt.shape[0]
+    tiled = np.tile(prompt, (max(mesh.devices.size // rows, 1), 1))  # the batch splits
+    got = np.asarray(generate(_loaded(name, strategy), tiled, want.shape[1], mesh=mesh,
+                              rules=rules))[:rows, prompt.shape[1]:]
     for row in range(want.shape[0]):
         differ = np.flatnonzero(got[row] != want[row])
         if differ.size:  # only a near-tie may flip, and everything after follows it
