@@ -60,19 +60,23 @@ from nnx_shard.hf.load import load_safetensors
 from nnx_shard.hf.mapping import (
     LLAMA_MAPPING,
     LLAMA_TIED_MAPPING,
+    OLMO2_MAPPING,
     TRANSFORMS,
     MappingValue,
     mapping_for,
 )
+from nnx_shard.hf.pretrained import load_pretrained
 from nnx_shard.hf.save import save_safetensors
 
 __all__ = [
     "INDEX",
     "LLAMA_MAPPING",
     "LLAMA_TIED_MAPPING",
+    "OLMO2_MAPPING",
     "SINGLE",
     "TRANSFORMS",
     "MappingValue",
+    "load_pretrained",
     "load_safetensors",
     "mapping_for",
     "save_safetensors",

@@ -12,7 +12,7 @@ from flax import nnx
 
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
-from nnx_shard.errors import short
+from nnx_shard.errors import UsageError, short
 from nnx_shard.hf.layout import checkpoint_files, layouts, program
 from nnx_shard.hf.mapping import Leaf, MappingValue, compile_rules, leaves_of, mapping_for, match
 from nnx_shard.init import _rewrap
@@ -48,6 +48,32 @@ def _read_leaf(header: st.Header, leaf: Leaf) -> jax.Array:
     return _rewrap(y, leaf.sharding)
 
 
+def _check_config(path: str | os.PathLike[str], target: Any) -> None:
+    """Refuses a built-in model whose configuration differs from the checkpoint's
+    ``config.json`` (beside the weights): tensors of the same shapes can belong to
+    another family (a Gemma checkpoint fills a Llama of its sizes tensor for
+    tensor) and would load into silently wrong logits."""
+    from nnx_shard.models.llama import Llama
+    from nnx_shard.models.llama_config import differences
+
+    if not isinstance(target, Llama):
+        return
+    folder = os.fspath(path)
+    config = os.path.join(folder if os.path.isdir(folder) else os.path.dirname(folder),
+                          "config.json")
+    if not os.path.isfile(config):
+        return
+    found = differences(config, target.cfg)
+    if found:
+        raise UsageError(
+            f"load_safetensors: the checkpoint's {config} describes another model than the "
+            f"target; {len(found)} field{'s differ' if len(found) > 1 else ' differs'}:\n"
+            + "\n".join(f"- {d}" for d in found)
+            + "\nFix: build the target from the checkpoint's config "
+            "(LlamaConfig.from_hf(path)), or load it with "
+            "nnx_shard.hf.load_pretrained(path, mesh=..., rules=...).")
+
+
 def load_safetensors(path: str | os.PathLike[str], target: Any,
                      mapping: Mapping[str, MappingValue] | None = None) -> Any:
     """A concrete model with ``target``'s structure, every parameter read from the
@@ -71,7 +97,15 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
         Default: :func:`mapping_for` (built in for
         :class:`~nnx_shard.models.Llama`).
 
+    When the checkpoint has a ``config.json`` (beside the weights) and ``target``
+    is a built-in :class:`~nnx_shard.models.Llama`, the two configurations must
+    agree on everything that decides the logits (model type, activation, norm,
+    sizes, biases, rotary and window settings): same-shaped tensors of another
+    family would load into wrong logits without a single shape error.
+
     Raises:
+      UsageError: the checkpoint's ``config.json`` and the target's configuration
+        differ: one error listing each differing field.
       ValueError: one error listing every problem: tensors the mapping does not
         place (unused), parameters no tensor fills (missing), shapes and dtypes
         that do not fit; each names the Hugging Face key, the model path, both
@@ -101,9 +135,9 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     ...     lambda: Llama(wrong, rngs=nnx.Rngs(0)), "data=8"))
     Traceback (most recent call last):
     ...
-    ValueError: load_safetensors: 4 problems between the checkpoint tests/fixtures/hf_qwen3 and the model:
-    - shape: HF key 'model.layers.0.self_attn.k_proj.weight' [32, 32] F32 maps to model path 'blocks/0/attn/k' [32, 4, 16] float32, which needs HF shape [64, 32] (transform 'heads_out'). Fix: build the model from the checkpoint's own config.json (LlamaConfig.from_hf(path)), or correct the mapping.
-    ...
+    nnx_shard.errors.UsageError: load_safetensors: the checkpoint's tests/fixtures/hf_qwen3/config.json describes another model than the target; 1 field differs:
+    - num_key_value_heads: checkpoint 2, model 4
+    Fix: ...
     """
     if not nnx.graph.is_graph_node(target):
         raise TypeError(f"load_safetensors: target must be an nnx.Module (abstract or concrete) "
@@ -111,6 +145,7 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
                         f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Llama(cfg, "
                         "rngs=nnx.Rngs(0)), mesh, rules)")
     files = checkpoint_files(path)
+    _check_config(path, target)
     header = st.read_header(*files)
     rules = compile_rules(mapping_for(target) if mapping is None else mapping)
     graphdef, state = nnx.split(target)

@@ -19,7 +19,7 @@ from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
 from nnx_shard.errors import UsageError, short
 
-__all__ = ['LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
+__all__ = ['LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'OLMO2_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
 
 MappingValue = str | tuple[str, str] | None
 
@@ -44,6 +44,16 @@ LLAMA_MAPPING: dict[str, MappingValue] = {
 #: :data:`LLAMA_MAPPING` for tied embeddings: a ``lm_head.weight`` in the file is
 #: skipped, as transformers ties it to the embedding.
 LLAMA_TIED_MAPPING: dict[str, MappingValue] = {**LLAMA_MAPPING, r"lm_head\.weight": None}
+#: ``Olmo2ForCausalLM``: norms after attention and MLP (its
+#: ``post_attention_layernorm`` is not Llama's pre-MLP norm) and one q/k norm over
+#: all heads (``[heads * head_dim]`` in the file).
+OLMO2_MAPPING: dict[str, MappingValue] = {
+    **{k: v for k, v in LLAMA_MAPPING.items()
+       if "layernorm" not in k and "_norm" not in k},
+    _L + r"post_attention_layernorm\.weight": r"blocks/\1/attn_post_norm/scale",
+    _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
+    _L + r"self_attn\.(q|k)_norm\.weight": (r"blocks/\1/attn/\2_norm/scale", "heads_bias"),
+}
 
 
 def _keep(heads: Any, inner: Any) -> Any:
@@ -95,6 +105,9 @@ def mapping_for(model: Any) -> dict[str, MappingValue]:
     from nnx_shard.models.llama import Llama
 
     if isinstance(model, Llama):
+        if model.cfg.post_norms or model.cfg.qk_norm_full:
+            return (OLMO2_MAPPING | {r"lm_head\.weight": None} if model.cfg.tie_embeddings
+                    else OLMO2_MAPPING)
         return LLAMA_TIED_MAPPING if model.cfg.tie_embeddings else LLAMA_MAPPING
     raise ValueError(
         f"no built-in safetensors mapping for {type(model).__name__} (built in: "

@@ -1,5 +1,6 @@
 """Reference models annotated only with logical axis names (:class:`Transformer`,
-and :class:`Llama` for Llama-family checkpoints), the attention op
+and :class:`Llama` for Llama-family checkpoints, built and filled from a
+Hugging Face checkpoint by :func:`nnx_shard.hf.load_pretrained`), the attention op
 (:func:`attention`: dense, blockwise or cuDNN on each device; ring / all-gather
 context parallelism as the strategy asks) a model calls to be memory-efficient
 and context-parallel, :func:`attention_fn`, its adapter for

@@ -189,7 +189,7 @@ class Rows(nnx.Module):
 
 
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
-           valid: jax.Array | None = None) -> jax.Array:
+           valid: jax.Array | None = None, *, window: int | None = None) -> jax.Array:
     """Causal attention of queries ``q [batch, T, heads, head_dim]`` at positions
     ``index .. index + T - 1`` against the cache ``keys``, ``values [batch,
     length, kv_heads, head_dim]`` (grouped-query: query head ``h`` reads
@@ -199,7 +199,9 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
 
     Positions of the cache after a query's own are masked, so entries not yet
     written never contribute; so are positions where ``valid [batch, length]``
-    (:func:`valid_keys`, e.g. the padding of a left-padded prompt) is ``False``. The key/value heads are never repeated: each
+    (:func:`valid_keys`, e.g. the padding of a left-padded prompt) is ``False``,
+    and, with a sliding ``window``, those ``window`` or more before the query's own.
+    The key/value heads are never repeated: each
     group of query heads reads its cache head where it lies. Under a length
     split over a context axis, each device scores its positions and the
     softmax's sums and the output are reduced over that axis (small
@@ -224,7 +226,10 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
     scores = jnp.einsum("btgrd,blgd->bgrtl", grouped, keys,
                         out_sharding=score_spec).astype(jnp.float32)
     scores = scores / math.sqrt(dim)
-    visible = jnp.arange(length)[None, :] <= (index + jnp.arange(steps))[:, None]
+    at = (index + jnp.arange(steps))[:, None]
+    visible = jnp.arange(length)[None, :] <= at
+    if window is not None:
+        visible = visible & (jnp.arange(length)[None, :] > at - window)
     if valid is not None:
         visible = visible & valid[:, None, None, None, :]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)

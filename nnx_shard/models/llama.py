@@ -1,10 +1,15 @@
-"""A Llama-family decoder (Llama 2/3, Qwen3) annotated only with logical names.
+"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma, OLMo 2) annotated only with logical names.
 
 The architecture of Hugging Face's ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``:
 token embedding, ``layers`` pre-norm blocks (RMSNorm, grouped-query attention
 with rotary position embeddings, RMSNorm, SwiGLU MLP), a final RMSNorm and an
 output projection (optionally tied to the embedding). Qwen3 adds an RMSNorm of
-each query and key head before the rotation and an explicit ``head_dim``.
+each query and key head before the rotation and an explicit ``head_dim``;
+Qwen2 biases on q/k/v only; Mistral a sliding window (a band in the attention
+mask, and in the cache's when decoding); Gemma a GELU-tanh MLP, embeddings
+scaled by ``sqrt(embed)`` and RMSNorm by ``1 + weight``; OLMo 2 norms after
+attention and MLP (not before) and one q/k norm over all heads: options of one
+model.
 :meth:`LlamaConfig.from_hf` reads a transformers ``config.json``;
 :func:`nnx_shard.load_safetensors` fills the parameters from a Hugging Face
 checkpoint.
@@ -134,18 +139,30 @@ def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale, computed in float32 (as
-    transformers' ``LlamaRMSNorm``)."""
+    transformers' ``LlamaRMSNorm``); with ``offset`` the scale is ``1 + weight``
+    (``GemmaRMSNorm``, whose weights start at 0)."""
 
-    def __init__(self, size: int, names: tuple[str, ...], eps: float, dtype: Any,
-                 param_dtype: Any, *, rngs: nnx.Rngs) -> None:
-        self.scale = _param(rngs, nnx.initializers.ones, (size,), names, param_dtype)
+    def __init__(self, size: int | tuple[int, ...], names: tuple[str, ...], eps: float,
+                 dtype: Any, param_dtype: Any, *, rngs: nnx.Rngs, offset: bool = False) -> None:
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones
+        # A tuple of sizes normalizes over that many trailing axes together.
+        shape = size if isinstance(size, tuple) else (size,)
+        self.scale = _param(rngs, init, shape, names, param_dtype)
         self.eps = eps
+        self.offset = offset
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (whole(self.scale[...]).astype(jnp.float32) * x32).astype(self.dtype)
+        axes = tuple(range(-self.scale.ndim, 0))
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
+        scale = whole(self.scale[...]).astype(jnp.float32)
+        return ((1.0 + scale if self.offset else scale) * x32).astype(self.dtype)
+
+
+def _norm(cfg: LlamaConfig, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(size, names, cfg.norm_eps, cfg.dtype, cfg.param_dtype, rngs=rngs,
+                   offset=cfg.norm_offset)
 
 
 def _bias(rngs: nnx.Rngs, on: bool, shape: tuple[int, ...], names: tuple[Any, ...],
@@ -156,6 +173,17 @@ def _bias(rngs: nnx.Rngs, on: bool, shape: tuple[int, ...], names: tuple[Any, ..
 def _add(y: jax.Array, b: nnx.Param | None, dt: Any) -> jax.Array:
     # Biases are small: replicated where they meet activations (Explicit meshes).
     return y if b is None else y + whole(b[...]).astype(dt)
+
+
+def _windowed(mask: jax.Array | None, window: int | None, length: int) -> jax.Array | None:
+    """``mask`` (``[batch, 1, 1, length]`` key padding, or ``None``) with the sliding
+    window's band: query ``i`` sees keys ``j > i - window`` (transformers'
+    ``sliding_window_overlay``, on indices in the sequence, as its masks are)."""
+    if window is None or window >= length:
+        return mask
+    i = np.arange(length)
+    band = jnp.asarray((i[None, :] > i[:, None] - window)[None, None])
+    return band if mask is None else mask & band
 
 
 class Attention(nnx.Module):
@@ -169,18 +197,22 @@ class Attention(nnx.Module):
         self.k = _param(rngs, _dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
         self.v = _param(rngs, _dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
         self.o = _param(rngs, _dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
-        bias = cfg.attention_bias
+        bias = cfg.attention_bias or cfg.qkv_bias
         self.q_bias = _bias(rngs, bias, (h, k), ("heads", "kv"), dt)
         self.k_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
         self.v_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
-        self.o_bias = _bias(rngs, bias, (e,), ("embed",), dt)
-        def norm() -> RMSNorm | None:
-            return RMSNorm(k, ("kv",), cfg.norm_eps, cfg.dtype, dt, rngs=rngs) if cfg.qk_norm \
-                else None
+        self.o_bias = _bias(rngs, cfg.attention_bias, (e,), ("embed",), dt)
+        def norm(n: int, name: str) -> RMSNorm | None:
+            if not cfg.qk_norm:
+                return None
+            # OLMo 2 normalizes all heads' features together, Qwen3 each head's.
+            return _norm(cfg, (n, k), (name, "kv"), rngs) if cfg.qk_norm_full \
+                else _norm(cfg, k, ("kv",), rngs)
 
-        self.q_norm: RMSNorm | None = nnx.data(norm())
-        self.k_norm: RMSNorm | None = nnx.data(norm())
+        self.q_norm: RMSNorm | None = nnx.data(norm(h, "heads"))
+        self.k_norm: RMSNorm | None = nnx.data(norm(g, "kv_heads"))
         self.kernel = cfg.attention
+        self.window = cfg.sliding_window
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS
@@ -198,8 +230,9 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # k, v keep their kv_heads: the op groups the query heads per key/value head.
-        out = attention(q, k, v, causal=True, mask=extras.mask, segment_ids=extras.segment_ids,
-                        implementation=self.kernel)
+        out = attention(q, k, v, causal=True, mask=_windowed(extras.mask, self.window,
+                                                             q.shape[1]),
+                        segment_ids=extras.segment_ids, implementation=self.kernel)
         return _add(einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l"),
                     self.o_bias, dt)
 
@@ -227,7 +260,8 @@ class Attention(nnx.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
         self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
-        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid)
+        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid,
+                              window=self.window)
         return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
                            RESIDUAL), self.o_bias, dt)
 
@@ -244,6 +278,7 @@ class MLP(nnx.Module):
         self.gate_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
         self.up_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
         self.down_bias = _bias(rngs, cfg.mlp_bias, (e,), ("embed",), dt)
+        self.activation = cfg.activation
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -253,7 +288,8 @@ class MLP(nnx.Module):
                  self.gate_bias, dt)
         u = _add(einsum("ble,em->blm", x, self.up[...].astype(dt), hidden, seq="l"),
                  self.up_bias, dt)
-        return _add(einsum("blm,me->ble", jax.nn.silu(g) * u, self.down[...].astype(dt),
+        act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        return _add(einsum("blm,me->ble", act * u, self.down[...].astype(dt),
                            RESIDUAL, seq="l"), self.down_bias, dt)
 
 
@@ -262,29 +298,36 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         def norm() -> RMSNorm:
-            return RMSNorm(cfg.embed, ("embed",), cfg.norm_eps, cfg.dtype, cfg.param_dtype,
-                           rngs=rngs)
+            return _norm(cfg, cfg.embed, ("embed",), rngs)
 
-        self.attn_norm = norm()
+        pre, post = (None, norm) if cfg.post_norms else (norm, None)
+        self.attn_norm: RMSNorm | None = nnx.data(pre and pre())
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = norm()
+        self.attn_post_norm: RMSNorm | None = nnx.data(post and post())
+        self.mlp_norm: RMSNorm | None = nnx.data(pre and pre())
         self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp_post_norm: RMSNorm | None = nnx.data(post and post())
+
+    @staticmethod
+    def _apply(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+        return x if norm is None else norm(x)
 
     def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS
                  ) -> jax.Array:
-        x = x + self.attn(constrain(self.attn_norm(x), _block_input()), cos, sin, extras)
-        x = constrain(x, RESIDUAL)
-        y = self.mlp(constrain(self.mlp_norm(x), _block_input()))
-        return constrain(x + y, RESIDUAL)
+        n = self._apply
+        y = self.attn(constrain(n(self.attn_norm, x), _block_input()), cos, sin, extras)
+        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+        y = self.mlp(constrain(n(self.mlp_norm, x), _block_input()))
+        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
                sin: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """The block on new positions ``index ..`` only, attending through the cache."""
-        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, cos, sin,
-                                 valid)
-        x = constrain(x, RESIDUAL)
-        y = self.mlp(constrain(self.mlp_norm(x), GATHERED))
-        return constrain(x + y, RESIDUAL)
+        n = self._apply
+        y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid)
+        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+        y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED))
+        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
 
 def _block_runner(cfg: LlamaConfig, cos: np.ndarray, sin: np.ndarray) -> Any:
@@ -347,7 +390,7 @@ class Llama(nnx.Module):
             self.blocks: Any = make(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
-        self.final_norm = RMSNorm(e, ("embed",), cfg.norm_eps, cfg.dtype, dt, rngs=rngs)
+        self.final_norm = _norm(cfg, e, ("embed",), rngs)
         self.unembed: nnx.Param | None = nnx.data(
             None if cfg.tie_embeddings
             else _param(rngs, _dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
@@ -377,7 +420,7 @@ class Llama(nnx.Module):
                          segment_ids=segment_ids, caller="Llama.forward",
                          max_positions=cfg.max_length).laid_out()
         cos, sin = _rotary_tables(cfg, tokens.shape[1])
-        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = self._embed(tokens)
         run = _block_runner(cfg, cos, sin)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
@@ -394,6 +437,13 @@ class Llama(nnx.Module):
             for block in self.blocks:
                 x = run(block, x, extras)
         return self._logits(x), jnp.zeros((), jnp.float32)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        if cfg.embed_scale:  # the factor rounded to the parameters' dtype, as transformers
+            x = x * jnp.asarray(math.sqrt(cfg.embed), cfg.param_dtype).astype(cfg.dtype)
+        return x
 
     def _logits(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -485,7 +535,7 @@ class Llama(nnx.Module):
             freqs = positions.astype(jnp.float32)[..., None] * inv
             emb = jnp.concatenate([freqs, freqs], axis=-1)
             cos, sin = jnp.cos(emb), jnp.sin(emb)
-        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = self._embed(tokens)
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
                                    lambda block, h: block.decode(h, index, cos, sin, valid))
         self.cache_index[...] = index + steps

@@ -26,7 +26,14 @@ from nnx_shard.safetensors_io import described
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig", "get_llama_config"]
 
 #: ``config.json`` model types :meth:`LlamaConfig.from_hf` reads.
-MODEL_TYPES = ("llama", "qwen3")
+MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "gemma", "olmo2")
+#: MLP activations (transformers' ``hidden_act`` names) the model implements:
+#: SwiGLU's SiLU, and Gemma's tanh approximation of GELU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+#: The architectures :meth:`LlamaConfig.to_hf` names for each model type.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 #: ``rope_scaling`` types the model implements (``"default"``: none).
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -59,11 +66,25 @@ class LlamaConfig:
         (``tie_word_embeddings``).
       qk_norm: RMSNorm of each query and key head before the rotation (Qwen3).
       attention_bias: biases on the q, k, v and o projections.
+      qkv_bias: biases on the q, k and v projections only (Qwen2).
+      activation: the gated MLP's activation, one of :data:`ACTIVATIONS`
+        (``hidden_act``: ``"silu"``, or Gemma's ``"gelu_pytorch_tanh"``).
+      embed_scale: multiply the token embeddings by ``sqrt(embed)`` (Gemma;
+        the factor rounded to the parameters' dtype, as transformers does).
+      norm_offset: every RMSNorm scales by ``1 + weight`` (Gemma; its weights
+        start at 0).
+      post_norms: each block normalizes the attention's and the MLP's outputs
+        before adding them to the residual, and not their inputs (OLMo 2).
+      qk_norm_full: with ``qk_norm``, one RMSNorm over all the heads' queries
+        (keys) together rather than one per head (OLMo 2).
+      sliding_window: ``None``, or the keys each query sees: itself and the
+        ``sliding_window - 1`` before it (Mistral's ``sliding_window``, Qwen2's
+        with ``use_sliding_window``), in every layer.
       mlp_bias: biases on the gate, up and down projections (Llama's ``mlp_bias``).
       max_length: ``max_position_embeddings`` (written back to ``config.json``;
         the rotation itself works at any length).
-      model_type: ``"llama"`` or ``"qwen3"``: the ``config.json`` that
-        :meth:`to_hf` writes.
+      model_type: one of :data:`MODEL_TYPES` (``"llama"``, ``"qwen3"``,
+        ``"qwen2"``, ``"mistral"``): the ``config.json`` that :meth:`to_hf` writes.
       scan_layers, remat, attention, dtype, param_dtype: as in
         :class:`~nnx_shard.models.TransformerConfig` (``scan_layers=True``
         stacks the blocks on a leading ``layers`` axis: the pp presets need it;
@@ -95,6 +116,13 @@ class LlamaConfig:
     qk_norm: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False
+    activation: str = "silu"
+    embed_scale: bool = False
+    norm_offset: bool = False
+    post_norms: bool = False
+    qk_norm_full: bool = False
+    sliding_window: int | None = None
     max_length: int = 2048
     model_type: str = "llama"
     scan_layers: bool = False
@@ -107,7 +135,14 @@ class LlamaConfig:
         _check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
                             "max_length"), positive=("rope_theta", "norm_eps"),
                      flags=("tie_embeddings", "qk_norm", "attention_bias", "mlp_bias",
+                            "qkv_bias", "embed_scale", "norm_offset", "post_norms", "qk_norm_full",
                             "scan_layers"))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"LlamaConfig.activation={self.activation!r}; valid: "
+                             f"{', '.join(ACTIVATIONS)}.")
+        if self.sliding_window is not None:
+            count(self.sliding_window, "LlamaConfig.sliding_window",
+                  fix="None (full attention) or the window in tokens, e.g. 4096")
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"LlamaConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
@@ -142,10 +177,12 @@ class LlamaConfig:
         """
         e, h, g, d, m = self.embed, self.heads, self.kv_heads, self.head_dim, self.mlp
         attn = 2 * e * h * d + 2 * e * g * d
+        if self.attention_bias or self.qkv_bias:
+            attn += h * d + 2 * g * d
         if self.attention_bias:
-            attn += h * d + 2 * g * d + e
+            attn += e
         if self.qk_norm:
-            attn += 2 * d
+            attn += (h * d + g * d) if self.qk_norm_full else 2 * d
         ffn = 3 * e * m + ((2 * m + e) if self.mlp_bias else 0)
         block = attn + ffn + 2 * e
         unembed = 0 if self.tie_embeddings else e * self.vocab
@@ -194,23 +231,19 @@ class LlamaConfig:
             raise UsageError(
                 f"{where}: model_type {short(kind, 60)} is not a Llama-family model this reads "
                 f"(supported: {', '.join(MODEL_TYPES)}). Fix: pass the config.json of a "
-                "LlamaForCausalLM or Qwen3ForCausalLM checkpoint."
+                "checkpoint of one of these types."
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UsageError(f"{where}: hidden_act={short(act, 60)}; the model implements SwiGLU "
-                             "with 'silu' only. Fix: use a checkpoint of a SiLU model.")
-        layer_types = hf.get("layer_types")
-        if layer_types is not None and not (isinstance(layer_types, list) and all(
-                isinstance(t, str) for t in layer_types)):
-            raise UsageError(f"{where}: layer_types must be a list of strings (or null), got "
-                             f"{short(layer_types, 60)}. Fix: e.g. \"layer_types\": "
-                             "[\"full_attention\", \"full_attention\"].")
-        if _flag(hf, "use_sliding_window", False, where) or any(
-                t != "full_attention" for t in layer_types or ()):
-            raise UsageError(f"{where}: sliding-window attention layers are not implemented "
-                             "(use_sliding_window / layer_types). Fix: use a checkpoint with "
-                             "full attention in every layer.")
+        gemma = kind == "gemma"
+        act = hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if gemma and act == "gelu":  # transformers' GemmaConfig reads the legacy name so
+            act = "gelu_pytorch_tanh"
+        if act not in ACTIVATIONS:
+            raise UsageError(f"{where}: hidden_act={short(act, 60)}; the model implements the "
+                             f"gated MLP with {' or '.join(repr(a) for a in ACTIVATIONS)}. Fix: "
+                             "use a checkpoint of a model with one of those.")
+        if _flag(hf, "use_bidirectional_attention", False, where):
+            raise UsageError(f"{where}: use_bidirectional_attention is set; the model is a "
+                             "causal decoder. Fix: use a causal checkpoint.")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in hf]
         if missing:
@@ -220,6 +253,7 @@ class LlamaConfig:
         embed = _count(hf, "hidden_size", None, where)
         max_length = _count(hf, "max_position_embeddings", 2048, where)
         theta, scaling = _rope(hf, where, max_length)
+        layers = _count(hf, "num_hidden_layers", None, where)
         fields: dict[str, Any] = dict(
             vocab=_count(hf, "vocab_size", None, where),
             embed=embed,
@@ -228,14 +262,24 @@ class LlamaConfig:
             kv_heads=_count(hf, "num_key_value_heads", heads, where),
             head_dim=_count(hf, "head_dim", embed // heads, where),
             mlp=_count(hf, "intermediate_size", None, where),
-            layers=_count(hf, "num_hidden_layers", None, where),
+            layers=layers,
             rope_theta=theta,
             rope_scaling=scaling,
             norm_eps=_real(hf.get("rms_norm_eps"), "rms_norm_eps", 1e-6, where),
-            tie_embeddings=_flag(hf, "tie_word_embeddings", False, where),
-            qk_norm=kind == "qwen3",
-            attention_bias=_flag(hf, "attention_bias", False, where),
+            # transformers' defaults: Gemma ties the embeddings, the others do not
+            tie_embeddings=_flag(hf, "tie_word_embeddings", gemma, where),
+            qk_norm=kind in ("qwen3", "olmo2"),
+            qk_norm_full=kind == "olmo2",
+            post_norms=kind == "olmo2",
+            # Qwen2 always has q/k/v biases and no o bias; the others read the flag.
+            attention_bias=(_flag(hf, "attention_bias", False, where)
+                            if kind in ("llama", "qwen3", "gemma", "olmo2") else False),
+            qkv_bias=kind == "qwen2",
+            activation=act,
+            embed_scale=gemma,
+            norm_offset=gemma,
             mlp_bias=_flag(hf, "mlp_bias", False, where) if kind == "llama" else False,
+            sliding_window=_window(hf, kind, layers, where),
             max_length=max_length,
             model_type=kind,
         )
@@ -257,8 +301,7 @@ class LlamaConfig:
         """
         dtype = {v: k for k, v in _DTYPES.items()}.get(self.param_dtype, "float32")
         out: dict[str, Any] = {
-            "architectures": ["Qwen3ForCausalLM" if self.model_type == "qwen3"
-                              else "LlamaForCausalLM"],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab,
             "hidden_size": self.embed,
@@ -267,20 +310,27 @@ class LlamaConfig:
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.activation,
             "max_position_embeddings": self.max_length,
             "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "tie_word_embeddings": self.tie_embeddings,
-            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "torch_dtype": dtype,
         }
+        if self.model_type in ("llama", "qwen3", "gemma", "olmo2"):
+            out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
-        else:
-            out["use_sliding_window"] = False
+        elif self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        elif self.model_type in ("gemma", "olmo2"):
+            pass
+        else:  # qwen2 / qwen3: a window in every layer, or none
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["sliding_window"] = self.sliding_window
+            out["max_window_layers"] = 0 if self.sliding_window is not None else self.layers
         return out
 
 
@@ -389,6 +439,48 @@ def _llama3(items: Mapping[str, Any], where: str, key: str) -> dict[str, Any]:
     return {"rope_type": "llama3", **out}
 
 
+def _window(hf: Mapping[str, Any], kind: str, layers: int, where: str) -> int | None:
+    """The sliding window of every layer (``None``: full attention), read as each
+    family's transformers config reads it: Mistral's ``sliding_window`` applies to
+    every layer (its model ignores ``layer_types``); Qwen2/Qwen3 slide where
+    ``use_sliding_window`` is set, in the layers from ``max_window_layers`` on
+    (or as ``layer_types`` says); Llama has no window. A window in some layers
+    only is refused: the model applies one to all."""
+    fix = "Fix: e.g. \"sliding_window\": 4096, or null for full attention."
+    if kind == "mistral":
+        size = hf.get("sliding_window")
+        return None if size is None else _count(hf, "sliding_window", None, where)
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and not (isinstance(layer_types, list) and all(
+            t in ("full_attention", "sliding_attention") for t in layer_types)):
+        raise UsageError(f"{where}: layer_types must be a list of \"full_attention\" / "
+                         f"\"sliding_attention\" (or null), got {short(layer_types, 60)}. Fix: "
+                         "e.g. \"layer_types\": [\"full_attention\", \"full_attention\"].")
+    use = _flag(hf, "use_sliding_window", False, where)
+    size = None
+    if kind in ("qwen2", "qwen3") and use and hf.get("sliding_window") is not None:
+        size = _count(hf, "sliding_window", None, where)
+    if layer_types is None:
+        first = hf.get("max_window_layers", 28)
+        first = first if isinstance(first, int) and not isinstance(first, bool) else 28
+        layer_types = ["sliding_attention" if size is not None and i >= first
+                       else "full_attention" for i in range(layers)]
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if kind in ("llama", "gemma", "olmo2") and (use or any(sliding)):
+        raise UsageError(f"{where}: sliding-window attention layers (use_sliding_window / "
+                         "layer_types) are not part of a {kind} model. Fix: use the "
+                         "checkpoint's own config.json, or model_type \"mistral\".")
+    if size is None or not any(sliding):
+        return None
+    if not all(sliding):
+        raise UsageError(f"{where}: sliding-window attention in some layers only "
+                         f"({sum(sliding)} of {len(sliding)}, from use_sliding_window / "
+                         "max_window_layers / layer_types) is not implemented: the model "
+                         "applies one window to every layer. Fix: use a checkpoint with the "
+                         "window in every layer or in none. " + fix)
+    return size
+
+
 def _rope(hf: Mapping[str, Any], where: str, max_length: int) -> tuple[float, Any]:
     """``(rope_theta, rope_scaling)`` read as transformers 5 reads them: ``rope_scaling``
     when set, else ``rope_parameters`` (its own spelling; a set for each layer type in
@@ -460,8 +552,8 @@ _BIG = dict(scan_layers=True, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 
 #: Named configurations. ``tiny`` (grouped-query Llama) and ``tiny_qwen3``
 #: (q/k norm, ``head_dim`` != ``embed / heads``, tied embeddings) are for tests;
-#: the others carry the published shapes of Llama 3.1 8B / 70B / 405B and
-#: Qwen3-0.6B (from their ``config.json``; Llama 3's 8B and 70B have the same
+#: the others carry the published shapes of Llama 3.1 8B / 70B / 405B,
+#: Qwen3-0.6B, Mistral-7B-v0.1 and Qwen2.5-7B (from their ``config.json``; Llama 3's 8B and 70B have the same
 #: shapes, without ``rope_scaling``), with stacked layers and bfloat16
 #: parameters, for planning with :func:`nnx_shard.abstract_init`.
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
@@ -485,13 +577,23 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         vocab=151936, embed=1024, heads=16, kv_heads=8, head_dim=128, mlp=3072, layers=28,
         rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
         max_length=40960, model_type="qwen3", **_BIG),
+    # Mistral-7B-v0.1: a 4096-token window in every layer.
+    "mistral-7b": LlamaConfig(
+        vocab=32000, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
+        rope_theta=10000.0, norm_eps=1e-5, sliding_window=4096, max_length=32768,
+        model_type="mistral", **_BIG),
+    # Qwen2.5-7B: q/k/v biases, no window (use_sliding_window false).
+    "qwen2.5-7b": LlamaConfig(
+        vocab=152064, embed=3584, heads=28, kv_heads=4, head_dim=128, mlp=18944, layers=28,
+        rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, max_length=131072,
+        model_type="qwen2", **_BIG),
 }
 
 
 def get_llama_config(name: str) -> LlamaConfig:
     """A named :class:`LlamaConfig` from :data:`LLAMA_CONFIGS`: ``tiny``,
     ``tiny_qwen3`` (tests), ``llama3-8b``, ``llama3-70b``, ``llama3-405b``,
-    ``qwen3-0.6b`` (published shapes; plan them with
+    ``qwen3-0.6b``, ``mistral-7b``, ``qwen2.5-7b`` (published shapes; plan them with
     :func:`nnx_shard.abstract_init`, nothing is allocated).
 
     >>> get_llama_config("llama3-70b").kv_heads
@@ -499,7 +601,7 @@ def get_llama_config(name: str) -> LlamaConfig:
     >>> get_llama_config("llama-8b")
     Traceback (most recent call last):
     ...
-    ValueError: unknown Llama config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_qwen3, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b
+    ValueError: unknown Llama config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_qwen3, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b
     """
     try:
         return LLAMA_CONFIGS[name]
@@ -511,3 +613,56 @@ def get_llama_config(name: str) -> LlamaConfig:
         raise ValueError(
             f"unknown Llama config {name!r}.{mean} Known: {', '.join(LLAMA_CONFIGS)}"
         ) from None
+
+
+# The fields that decide what a checkpoint computes (not how it is run: layout,
+# remat, kernel, dtypes, context length), with their config.json names.
+_SHAPE_FIELDS = {
+    "model_type": "model_type", "vocab": "vocab_size", "embed": "hidden_size",
+    "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "mlp": "intermediate_size", "layers": "num_hidden_layers",
+    "rope_theta": "rope_theta", "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
+    "activation": "hidden_act", "embed_scale": "embedding scale (sqrt(hidden_size))",
+    "norm_offset": "RMSNorm scale (1 + weight)",
+    "post_norms": "norms after attention / MLP (post_feedforward_layernorm)",
+    "qk_norm_full": "q/k norm over all heads",
+    "tie_embeddings": "tie_word_embeddings", "qk_norm": "qk_norm (q_norm / k_norm)",
+    "attention_bias": "attention_bias", "qkv_bias": "q/k/v biases",
+    "mlp_bias": "mlp_bias", "sliding_window": "sliding_window",
+}
+# What a config.json that does not parse as a model type here is compared on.
+_RAW_KEYS = ("model_type", "hidden_act", "hidden_activation", "vocab_size", "hidden_size",
+             "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "tie_word_embeddings", "sliding_window")
+
+
+def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaConfig
+                ) -> list[str]:
+    """What the checkpoint ``config`` (a ``config.json``, its directory or the dict)
+    describes differently from ``cfg``, one ``"field: checkpoint X, model Y"`` line
+    per field that changes what the model computes (model type, activation, norm,
+    sizes, biases, rotary and window settings); ``[]`` when they agree. Layout,
+    remat, kernel, dtypes and the context length are not compared.
+
+    >>> tiny = get_llama_config("tiny")
+    >>> differences(tiny.to_hf(), tiny)
+    []
+    >>> differences({**tiny.to_hf(), "model_type": "gemma", "hidden_act": "gelu"}, tiny)[:2]
+    ["model_type: checkpoint 'gemma', model 'llama'", "hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'"]
+    >>> differences({**tiny.to_hf(), "model_type": "gpt2", "hidden_act": "gelu"}, tiny)
+    ["model_type: checkpoint 'gpt2', model 'llama'", "hidden_act: checkpoint 'gelu', model 'silu'"]
+    """
+    hf, _ = _read_json(config)
+    try:
+        theirs = LlamaConfig.from_hf(hf)
+    except NnxShardError:
+        theirs = None
+    if theirs is not None:
+        return [f"{name}: checkpoint {getattr(theirs, f)!r}, model {getattr(cfg, f)!r}"
+                for f, name in _SHAPE_FIELDS.items() if getattr(theirs, f) != getattr(cfg, f)]
+    # Not a model this reads (another family, or a value from_hf refuses): compare
+    # what the file states against what the model's own config.json would.
+    ours = cfg.to_hf()
+    ours["hidden_activation"] = ours["hidden_act"]
+    return [f"{key}: checkpoint {short(hf[key], 60)}, model {ours[key]!r}"
+            for key in _RAW_KEYS if key in hf and key in ours and hf[key] != ours[key]]

@@ -1,11 +1,12 @@
 """The named model configurations the planner and ``nnx-shard plan`` know: the
 reference Transformer's (:data:`~nnx_shard.models.CONFIGS`) and the Llama
 family's published shapes (``llama3-8b``, ``llama3-70b``, ``llama3-405b``,
-``qwen3-0.6b`` from :data:`~nnx_shard.models.LLAMA_CONFIGS`), with the one
+``qwen3-0.6b``, ``mistral-7b``, ``qwen2.5-7b`` from
+:data:`~nnx_shard.models.LLAMA_CONFIGS`), with the one
 function that builds either.
 
 >>> sorted(n for n in NAMED if n.startswith(("llama", "qwen")))
-['llama3-405b', 'llama3-70b', 'llama3-8b', 'qwen3-0.6b']
+['llama3-405b', 'llama3-70b', 'llama3-8b', 'qwen2.5-7b', 'qwen3-0.6b']
 >>> max_length(named_config("llama3-8b")), max_length(named_config("small"))
 (131072, 128)
 """
@@ -25,7 +26,8 @@ __all__ = ["LLAMA_PLANNED", "NAMED", "build", "max_length", "named_config"]
 
 #: The Llama-family configurations with published shapes (the test-sized ``tiny``
 #: ones are not planned by name: ``tiny`` names the reference Transformer's).
-LLAMA_PLANNED = ("llama3-8b", "llama3-70b", "llama3-405b", "qwen3-0.6b")
+LLAMA_PLANNED = ("llama3-8b", "llama3-70b", "llama3-405b", "qwen3-0.6b", "mistral-7b",
+                 "qwen2.5-7b")
 
 #: Every config the planner knows by name.
 NAMED: dict[str, TransformerConfig | LlamaConfig] = {
@@ -39,7 +41,7 @@ def named_config(name: str) -> TransformerConfig | LlamaConfig:
     >>> named_config("llama-8b")
     Traceback (most recent call last):
     ...
-    nnx_shard.errors.UsageError: unknown model 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b. Fix: one of those
+    nnx_shard.errors.UsageError: unknown model 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b. Fix: one of those
     """
     if name in NAMED:
         return NAMED[name]

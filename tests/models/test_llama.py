@@ -214,7 +214,9 @@ def test_llama3_rope_scaling_bands() -> None:
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "rope_scaling of type 'yarn' is not implemented"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "qwen3", "use_sliding_window": True}, "sliding-window attention"),
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4,
+      "max_window_layers": 1}, "sliding-window attention in some layers only"),
+    ({"use_sliding_window": True}, "sliding-window attention layers"),
     ({"num_key_value_heads": 3}, "kv_heads=3 must divide heads=4"),
 ])
 def test_from_hf_errors(change: dict, match: str) -> None:
@@ -336,8 +338,10 @@ def test_rope_scaling_given_directly_is_checked_too() -> None:
 
 # Published totals (billions): Llama 3.1 model cards (8.03, 70.6, 405.9); Qwen3-0.6B's
 # card: 0.6 in all, 0.44 without embeddings (its 151936 x 1024 embedding is tied).
+# Mistral-7B-v0.1: 7.24; Qwen2.5-7B's card: 7.61 (7.62 as commonly rounded up).
 PUBLISHED = {"llama3-8b": (8.03, 0.005), "llama3-70b": (70.6, 0.05),
-             "llama3-405b": (405.9, 0.05), "qwen3-0.6b": (0.60, 0.005)}
+             "llama3-405b": (405.9, 0.05), "qwen3-0.6b": (0.60, 0.005),
+             "mistral-7b": (7.24, 0.005), "qwen2.5-7b": (7.62, 0.01)}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -356,7 +360,8 @@ def test_named_configs_have_published_parameter_counts(name: str) -> None:
 
 def test_named_configs() -> None:
     assert sorted(LLAMA_CONFIGS) == sorted(["tiny", "tiny_qwen3", "llama3-8b", "llama3-70b",
-                                            "llama3-405b", "qwen3-0.6b"])
+                                            "llama3-405b", "qwen3-0.6b", "mistral-7b",
+                                            "qwen2.5-7b"])
     q = get_llama_config("qwen3-0.6b")
     assert (q.head_dim, q.kv_heads, q.tie_embeddings, q.qk_norm) == (128, 8, True, True)
     assert dict(get_llama_config("llama3-405b").rope_scaling)["factor"] == 8.0
