@@ -390,7 +390,7 @@ def run_generate(args: argparse.Namespace) -> int:
     >>> from nnx_shard.cli import main
     >>> main(["plan", "--generate", "--model", "tiny", "--mesh", "data=2,model=4",
     ...       "--strategy", "tp", "--batch", "8", "--seq", "16", "--json"])  # doctest: +ELLIPSIS
-    {"model": "tiny", ... "bytes_per_device": {"params": ..., "cache": 8196, "total": ...}, ...}
+    {"model": "tiny", ... "bytes_per_device": {"params": ..., "cache": 8276, "total": ...}, ...}
     0
     """
     cfg = _check(args)
