@@ -247,7 +247,7 @@ def build(hs: Any) -> None:
                 table = {**ns.hf.LLAMA_MAPPING, r"model\.embed_tokens\.weight": value}
                 if side == "load":
                     return ns.load_safetensors(os.path.join(FIXTURES, "hf_llama"),
-                                               hs._tiny_llama(), mapping=table)
+                                               _fixture_llama(), mapping=table)
                 return ns.save_safetensors(F.path(f"mapping_{label}"), hs._tiny_llama(),
                                            mapping=table)
 
@@ -255,5 +255,15 @@ def build(hs: Any) -> None:
                    _strict(fn, r"model\.embed_tokens\.weight", word))
     hs.api("headers/mapping_pattern_int", ("mapping",), _strict(
         lambda: __import__("nnx_shard").load_safetensors(
-            os.path.join(FIXTURES, "hf_llama"), hs._tiny_llama(), mapping={5: "token_embed"}),
+            os.path.join(FIXTURES, "hf_llama"), _fixture_llama(), mapping={5: "token_embed"}),
         "pattern 5"))
+
+
+def _fixture_llama() -> Any:
+    """A Llama of the fixture's own config (a mismatched one is refused before the mapping
+    is read)."""
+    from flax import nnx
+
+    from nnx_shard.models import Llama, LlamaConfig
+
+    return Llama(LlamaConfig.from_hf(os.path.join(FIXTURES, "hf_llama")), rngs=nnx.Rngs(0))
