@@ -237,13 +237,7 @@ def run(args: argparse.Namespace) -> int:
                          f"({max_length(cfg)}). Fix: --seq {max_length(cfg)} or less")
     memory = device_memory(args.device_memory) if args.device_memory is not None else None
     tx = optimizer(args.optimizer)
-    model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
-    if args.lora_rank is not None:  # alpha only scales: it changes no byte
-        count(args.lora_rank, "--lora-rank", fix="e.g. --lora-rank 16")
-        lora(model, args.lora_rank, 2 * args.lora_rank,
-             targets=args.lora_targets or DEFAULT_TARGETS)
-    elif args.lora_targets is not None:
-        raise UsageError("--lora-targets goes with --lora-rank. Fix: add e.g. --lora-rank 16")
+    model = _abstract_model(args, cfg, build)
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
@@ -401,13 +395,7 @@ def run_generate(args: argparse.Namespace) -> int:
                          f"({max_length(cfg)}): prompt + new tokens must fit it. Fix: --seq "
                          f"{max_length(cfg)} or less")
     memory = device_memory(args.device_memory) if args.device_memory else None
-    model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
-    if args.lora_rank is not None:  # alpha only scales: it changes no byte
-        count(args.lora_rank, "--lora-rank", fix="e.g. --lora-rank 16")
-        lora(model, args.lora_rank, 2 * args.lora_rank,
-             targets=args.lora_targets or DEFAULT_TARGETS)
-    elif args.lora_targets is not None:
-        raise UsageError("--lora-targets goes with --lora-rank. Fix: add e.g. --lora-rank 16")
+    model = _abstract_model(args, cfg, build)
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
         "mesh": sizes, "devices": math.prod(sizes.values()), "generate": True,
@@ -566,3 +554,15 @@ def run_auto(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"{PROG}: warning: {w.message}", file=sys.stderr)
     return 0
+
+
+def _abstract_model(args: argparse.Namespace, cfg: Any, build: Any) -> Any:
+    """The planned model, abstract, with ``--lora-rank`` adapters when asked."""
+    model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
+    if args.lora_rank is not None:  # alpha only scales: it changes no byte
+        count(args.lora_rank, "--lora-rank", fix="e.g. --lora-rank 16")
+        lora(model, args.lora_rank, 2 * args.lora_rank,
+             targets=args.lora_targets or DEFAULT_TARGETS)
+    elif args.lora_targets is not None:
+        raise UsageError("--lora-targets goes with --lora-rank. Fix: add e.g. --lora-rank 16")
+    return model
