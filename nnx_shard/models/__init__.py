@@ -6,7 +6,8 @@ context parallelism as the strategy asks) a model calls to be memory-efficient
 and context-parallel, :func:`attention_fn`, its adapter for
 ``nnx.MultiHeadAttention(attention_fn=...)``, and :func:`generate`: sharded text
 generation with a key/value cache laid out by the same rules
-(:func:`explain_cache` reports its bytes per device).
+(:func:`explain_cache` reports its bytes per device), and text in and out of it
+(:class:`Tokenizer`, :func:`generate_text`, :func:`stream_text`).
 
 Both models take transformers' fine-tuning inputs, ``model(tokens, *,
 attention_mask=None, positions=None, segment_ids=None)`` (padding masked out and,
@@ -28,6 +29,8 @@ from nnx_shard.models.generation import (
     stream,
 )
 from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
+from nnx_shard.models.text import generate_text, stream_text
+from nnx_shard.models.tokenizer import Tokenizer
 from nnx_shard.models.transformer import (
     CONFIGS,
     REMAT_POLICIES,
@@ -40,6 +43,6 @@ from nnx_shard.models.transformer import (
 from nnx_shard.parallel.ring import attention
 
 __all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
-           "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache",
-           "generate", "generation_rules", "get_config", "get_llama_config", "lm_loss",
-           "remat_policy", "stream"]
+           "Tokenizer", "Transformer", "TransformerConfig", "attention", "attention_fn",
+           "explain_cache", "generate", "generate_text", "generation_rules", "get_config",
+           "get_llama_config", "lm_loss", "remat_policy", "stream", "stream_text"]
