@@ -1,4 +1,4 @@
-"""The ``nnx-shard`` command: ``demo``, ``plan``, ``explain`` and ``launch``.
+"""The ``nnx-shard`` command: ``demo``, ``plan``, ``explain``, ``generate`` and ``launch``.
 
 * ``nnx-shard demo`` trains the reference transformer as a character-level
   language model on the Python standard library's sources, sharded with a
@@ -14,13 +14,17 @@
   activations.
 * ``nnx-shard explain module:factory`` prints the per-parameter report of your own model
   (it imports your module and calls the factory: your code runs).
+* ``nnx-shard generate --model DIR --prompt TEXT`` continues a prompt with a Hugging
+  Face checkpoint loaded sharded, printing the text as it streams (see
+  :mod:`nnx_shard.cli.generate`).
 * ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.cli.launch`).
 
 The package is the top floor of nnx_shard: nothing in the library imports it. This
 module holds the dispatch table, :data:`COMMANDS`; :mod:`~nnx_shard.cli.parser`
 the flags; each command runs from its own module (:mod:`~nnx_shard.cli.demo`,
 :mod:`~nnx_shard.cli.plan`, :mod:`~nnx_shard.cli.explain`,
-:mod:`~nnx_shard.cli.launch`), and :mod:`~nnx_shard.cli.common` holds what they share.
+:mod:`~nnx_shard.cli.generate`, :mod:`~nnx_shard.cli.launch`), and
+:mod:`~nnx_shard.cli.common` holds what they share.
 
 The demo asks for simulated devices (``jax_num_cpu_devices``) before JAX starts
 its backends (importing jax does not start them; the first ``jax.devices()``
@@ -41,7 +45,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from nnx_shard.cli import demo, explain, launch, plan
+from nnx_shard.cli import demo, explain, generate, launch, plan
 from nnx_shard.cli.common import DEBUG_ENV, PROG, UsageError
 from nnx_shard.cli.parser import build_parser
 from nnx_shard.errors import ShardingError
@@ -53,6 +57,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
     "demo": demo._demo,
     "plan": plan.run,
     "explain": explain.run,
+    "generate": generate.run,
     "launch": launch.run,
 }
 

@@ -78,6 +78,7 @@ def build_parser() -> Parser:
     _add_demo(sub)
     _add_plan(sub)
     _add_explain(sub)
+    _add_generate(sub)
     la = sub.add_parser("launch", help="run N local processes of one multi-process JAX job",
                         description="Run N local processes of one multi-process JAX job on "
                         "loopback, e.g. nnx-shard launch -n 2 -- python train.py")
@@ -253,3 +254,36 @@ def _add_explain(sub: argparse._SubParsersAction[Parser]) -> None:
                    help="with --generate: sequences generated at once")
     e.add_argument("--seq", type=int, default=None,
                    help="with --generate: positions per sequence (prompt + new tokens)")
+
+
+def _add_generate(sub: argparse._SubParsersAction[Parser]) -> None:
+    g = sub.add_parser("generate", help="continue a prompt with a Hugging Face checkpoint, "
+                       "sharded, printing the text as it is decoded",
+                       description="Loads a Hugging Face checkpoint (nnx_shard.hf."
+                       "load_pretrained) laid out by a strategy on a mesh, encodes the prompt "
+                       "with its tokenizer.json (pip install 'nnx_shard[text]') and prints the "
+                       "continuation as it streams, up to --max-new-tokens or the "
+                       "end-of-sequence token.")
+    g.add_argument("--model", required=True, help="checkpoint folder (config.json and "
+                   "*.safetensors, as save_pretrained writes it)")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--tokenizer", default=None,
+                   help="folder with tokenizer.json (default: the --model folder)")
+    g.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate at most (default 64)")
+    g.add_argument("--temperature", type=finite_non_negative, default=0.0,
+                   help="0 for greedy (default), above 0 samples")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
+    g.add_argument("--min-p", type=float, default=None, help="min-p sampling, in [0, 1]")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="above 1 discourages repeats (default off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--chat", action="store_true",
+                   help="render the prompt as a user message with the chat template")
+    g.add_argument("--strategy", default="tp",
+                   help="dp, fsdp, tp (default), fsdp_tp, ...: how the weights are laid out")
+    g.add_argument("--mesh", default=None,
+                   help="e.g. data=2,model=4 (default: the strategy's shape for all devices)")
+    g.add_argument("--chunk", type=int, default=8,
+                   help="tokens decoded per compiled call between prints (default 8)")

@@ -400,8 +400,9 @@ class Tokenizer:
                                          add_generation_prompt=bool(add_generation_prompt),
                                          **self.special_tokens)
         except jinja2.TemplateError as e:
+            said = str(e) if len(str(e)) <= 300 else str(e)[:297] + "..."
             raise UsageError(f"apply_chat_template: the chat template of {self.path} refused the "
-                             f"messages: {short(str(e), 300)}. Fix: give the roles and fields "
+                             f"messages: {said.rstrip('.')}. Fix: give the roles and fields "
                              "the template expects (e.g. 'system', 'user', 'assistant').") from e
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

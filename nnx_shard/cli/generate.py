@@ -1,0 +1,92 @@
+"""``nnx-shard generate --model DIR --prompt TEXT``: a Hugging Face checkpoint
+loaded sharded (:func:`nnx_shard.hf.load_pretrained`) continues a prompt, the
+text printed as it is decoded (:func:`nnx_shard.models.stream_text`).
+
+The mesh is ``--mesh`` or the strategy's shape over every device; the tokenizer
+is read from ``--tokenizer`` (default: the checkpoint folder). ``--chat`` renders
+the prompt as one user message with the tokenizer's chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any
+
+import jax
+
+from nnx_shard.cli.common import UsageError, mesh_sizes, strategy
+from nnx_shard.errors import NnxShardError, short
+
+__all__ = ["run"]
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Flags checked before anything is loaded, each error naming its flag."""
+    if not args.prompt.strip():
+        raise UsageError(f"--prompt {args.prompt!r} is empty; give the text to continue, "
+                         "e.g. --prompt 'Once upon a time'")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--chunk", args.chunk)):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1, e.g. {flag} 32")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k {args.top_k}: must be at least 1 (leave it out for all)")
+    if args.top_p is not None and not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise UsageError(f"--top-p {args.top_p}: must be a number in (0, 1] (1: off)")
+    if args.min_p is not None and not (math.isfinite(args.min_p) and 0 <= args.min_p <= 1):
+        raise UsageError(f"--min-p {args.min_p}: must be a number in [0, 1] (0: off)")
+    penalty = args.repetition_penalty
+    if penalty is not None and not (math.isfinite(penalty) and penalty > 0):
+        raise UsageError(f"--repetition-penalty {penalty}: must be a finite number above 0 "
+                         "(1: off)")
+    for flag, folder in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        if folder is not None and not os.path.isdir(folder):
+            raise UsageError(f"{flag} {short(folder, 120)} is not a folder; give the "
+                             "checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+
+
+def _mesh(args: argparse.Namespace, rules_of: Any) -> Any:
+    import nnx_shard as ns
+
+    sizes = mesh_sizes(args.mesh) if args.mesh else rules_of.mesh_for(jax.device_count())
+    need = math.prod(sizes.values())
+    if need > jax.device_count():
+        raise UsageError(f"--mesh {args.mesh} needs {need} devices but {jax.device_count()} "
+                         "are available")
+    return ns.make_mesh(sizes, devices=jax.devices()[:need])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the checkpoint and tokenizer, prints the continuation as it streams."""
+    _check(args)
+    from nnx_shard.hf import load_pretrained
+    from nnx_shard.models import Tokenizer, stream_text
+
+    preset = strategy(args.strategy)
+    try:
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer or args.model)
+    except (NnxShardError, FileNotFoundError) as e:
+        flag = "--tokenizer" if args.tokenizer else "--model"
+        hint = "" if args.tokenizer else " (or --tokenizer: the folder holding tokenizer.json)"
+        raise UsageError(f"{flag}: {e}{hint}") from e
+    mesh = _mesh(args, preset)
+    try:
+        model = load_pretrained(args.model, mesh=mesh, rules=preset.rules)
+    except (NnxShardError, FileNotFoundError) as e:  # no config, or files the loader refuses
+        raise UsageError(f"--model: {e}") from e
+    options = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+               "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+               "seed": args.seed, "mesh": mesh, "rules": preset.rules}
+    try:  # the checks run here, before any token: the prompt, the context, the options
+        pieces = stream_text(model, tokenizer, args.prompt, args.max_new_tokens,
+                             chat=args.chat, chunk=args.chunk, **options)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from e
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,346 @@
+"""Text in and out of generation: Tokenizer against transformers' AutoTokenizer (ids,
+text, chat template), generate_text and stream_text against transformers' greedy
+generate, and the ``nnx-shard generate`` command.
+
+The ground truth is ``tests/fixtures/hf_llama_text/expected.json``, written by
+``tests/fixtures/make_tokenizer.py`` with transformers; the model is ``hf_llama``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nnx_shard as ns
+from nnx_shard import NnxShardError, cli
+from nnx_shard.errors import UsageError
+from nnx_shard.hf import load_pretrained
+from nnx_shard.models import Tokenizer, generate, generate_text, stream_text
+from tests.conftest import needs_devices
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+TEXT = FIXTURES / "hf_llama_text"
+MODEL = FIXTURES / "hf_llama"
+EXPECTED = json.loads((TEXT / "expected.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_pretrained(TEXT)
+
+
+@pytest.fixture(scope="module")
+def model():  # type: ignore[no-untyped-def]
+    return load_pretrained(MODEL, mesh="data=8", rules=ns.strategies.get("dp").rules)
+
+
+def _copy(tmp_path: Path) -> Path:
+    folder = tmp_path / "tok"
+    shutil.copytree(TEXT, folder)
+    return folder
+
+
+def _with_config(tmp_path: Path, **changes) -> Path:  # type: ignore[no-untyped-def]
+    folder = _copy(tmp_path)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return folder
+
+
+# -- the tokenizer against transformers ------------------------------------------------
+
+
+def test_encode_equals_transformers(tok: Tokenizer) -> None:
+    assert len(EXPECTED["encode"]) == 10
+    for case in EXPECTED["encode"]:
+        assert tok.encode(case["text"], add_special_tokens=case["add_special_tokens"]) == \
+            case["ids"], case
+
+
+def test_decode_equals_transformers(tok: Tokenizer) -> None:
+    for case in EXPECTED["decode"]:
+        assert tok.decode(case["ids"], skip_special_tokens=case["skip_special_tokens"]) == \
+            case["text"], case
+        assert tok.decode(np.asarray(case["ids"], np.int32),
+                          skip_special_tokens=case["skip_special_tokens"]) == case["text"]
+
+
+def test_special_ids_equal_transformers(tok: Tokenizer) -> None:
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        EXPECTED["bos_token_id"], EXPECTED["eos_token_id"], EXPECTED["pad_token_id"])
+    # bos from a plain string, eos from an AddedToken dict (tokenizer_config.json), pad from
+    # the legacy special_tokens_map.json
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
+        "<|begin_of_text|>", "<|eot_id|>", "<|pad|>")
+    assert tok.eos_token_ids == (EXPECTED["eos_token_id"],)
+    assert tok.vocab_size == 128
+
+
+def test_chat_template_equals_transformers(tok: Tokenizer) -> None:
+    assert len(EXPECTED["chat"]) == 4
+    for case in EXPECTED["chat"]:
+        g = case["add_generation_prompt"]
+        assert tok.apply_chat_template(case["messages"], add_generation_prompt=g) == case["ids"]
+        assert tok.apply_chat_template(case["messages"], add_generation_prompt=g,
+                                       tokenize=False) == case["text"]
+
+
+def test_config_values_win_over_special_tokens_map(tmp_path: Path) -> None:
+    folder = _with_config(tmp_path, pad_token="<|end_header_id|>")
+    assert Tokenizer.from_pretrained(folder).pad_token_id == 2
+
+
+def test_generation_config_sets_the_stop_and_pad_ids(tmp_path: Path) -> None:
+    folder = _copy(tmp_path)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [14, 85], "pad_token_id": 3}))
+    tok = Tokenizer.from_pretrained(folder)
+    assert tok.eos_token_ids == (14, 85)
+    assert tok.eos_token_id == 14  # the tokenizer's own is unchanged
+    assert tok.generation_pad_token_id == 3
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 85}))
+    assert Tokenizer.from_pretrained(folder).eos_token_ids == (85,)
+
+
+def test_chat_template_jinja_file_wins_over_the_config(tmp_path: Path) -> None:
+    folder = _copy(tmp_path)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    tok = Tokenizer.from_pretrained(folder)
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                   tokenize=False) == "[user]Hi"
+
+
+def test_named_templates_use_default(tmp_path: Path) -> None:
+    folder = _with_config(tmp_path, chat_template=[
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}"}])
+    tok = Tokenizer.from_pretrained(folder)
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                   tokenize=False) == "<|begin_of_text|>Hi"
+    folder = _with_config(tmp_path / "b", chat_template=[{"name": "tool_use", "template": "x"}])
+    with pytest.raises(UsageError, match="none named 'default'"):
+        Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_template_globals_and_filters_are_transformers(tmp_path: Path) -> None:
+    folder = _with_config(tmp_path, chat_template=(
+        "{{ messages | tojson }}|{{ strftime_now('%Y') | length }}|{{ eos_token }}"))
+    text = Tokenizer.from_pretrained(folder).apply_chat_template(
+        [{"role": "user", "content": "<b>é</b>", "name": None}], tokenize=False)
+    # tojson leaves HTML and non-ASCII alone (jinja's own escapes both); None keys dropped
+    assert text == '[{"role": "user", "content": "<b>é</b>"}]|4|<|eot_id|>'
+
+
+def test_template_blocks_are_trimmed(tmp_path: Path) -> None:
+    folder = _with_config(tmp_path, chat_template="{% for m in messages %}\n"
+                          "    {% if true %}\n{{ m['content'] }}\n    {% endif %}\n{% endfor %}")
+    text = Tokenizer.from_pretrained(folder).apply_chat_template(
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], tokenize=False)
+    assert text == "a\nb\n"
+
+
+def test_template_sandbox_refuses_changes_and_internals(tmp_path: Path) -> None:
+    folder = _with_config(tmp_path, chat_template="{% set x = messages.append(1) %}ok")
+    with pytest.raises(UsageError, match="refused the messages"):
+        Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "u", "content": "x"}])
+    folder = _with_config(tmp_path / "b",
+                          chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(UsageError, match="chat template"):
+        Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "u", "content": "x"}])
+
+
+# -- the tokenizer's errors ------------------------------------------------------------
+
+
+def test_template_raise_exception_is_named(tok: Tokenizer) -> None:
+    with pytest.raises(UsageError, match=r"refused the messages: Unknown role: tool\..*Fix"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_no_chat_template(tmp_path: Path) -> None:
+    tok = Tokenizer.from_pretrained(_with_config(tmp_path, chat_template=None))
+    assert tok.encode("Hello")[0] == 0  # plain text still works
+    with pytest.raises(UsageError, match="no chat template.*base model"):
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+def test_template_that_does_not_compile(tmp_path: Path) -> None:
+    tok = Tokenizer.from_pretrained(_with_config(tmp_path, chat_template="{% for %}"))
+    with pytest.raises(UsageError, match="does not compile.*line 1"):
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+@pytest.mark.parametrize(("messages", "words"), [
+    ([], "non-empty list"),
+    ("Hello", "non-empty list"),
+    (["Hello"], r"messages\[0\] must be a dict"),
+    ([{"content": "x"}], r"messages\[0\] has no a text 'role'"),
+    ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\] has no a 'content'"),
+    ([{"role": 3, "content": "x"}], "text 'role'"),
+])
+def test_malformed_messages(tok: Tokenizer, messages, words) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UsageError, match=words):
+        tok.apply_chat_template(messages)
+
+
+def test_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json in .*hf_llama.*Fix"):
+        Tokenizer.from_pretrained(MODEL)
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        Tokenizer.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(UsageError, match="path must be the folder"):
+        Tokenizer.from_pretrained(b"tests")  # type: ignore[arg-type]
+    folder = _copy(tmp_path)
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(UsageError, match="tokenizer.json: tokenizers cannot read it"):
+        Tokenizer.from_pretrained(folder)
+    folder = _with_config(tmp_path / "b", bos_token="<s>")
+    with pytest.raises(UsageError, match="bos_token '<s>'.*not in tokenizer.json's vocabulary"):
+        Tokenizer.from_pretrained(folder)
+
+
+def test_bad_encode_and_decode_input(tok: Tokenizer) -> None:
+    with pytest.raises(UsageError, match="text must be a str"):
+        tok.encode(["Hello"])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="ids must be a sequence of token ids"):
+        tok.decode([[1, 2], [3, 4]])
+    with pytest.raises(UsageError, match="ids must be a sequence of token ids"):
+        tok.decode("Hello")
+    with pytest.raises(UsageError, match="holds -1"):
+        tok.decode([3, -1])
+    assert tok.decode([]) == "" and tok.decode(109) == tok.decode([109])
+
+
+@pytest.mark.parametrize("package", ["tokenizers", "jinja2"])
+def test_missing_extra_names_the_install(monkeypatch, package: str) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setitem(sys.modules, package, None)  # import raises ImportError
+    with pytest.raises(NnxShardError, match=r"needs the '" + package +
+                       r"' package.*pip install 'nnx_shard\[text\]'"):
+        Tokenizer.from_pretrained(TEXT).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# -- text generation against transformers --------------------------------------------
+
+
+@needs_devices(8)
+def test_generate_text_equals_transformers(model, tok: Tokenizer) -> None:  # type: ignore[no-untyped-def]
+    g = EXPECTED["generate"]
+    # the ragged prompts are encoded as transformers' (left-padded) batch holds them
+    for prompt, ids, mask in zip(g["prompts"], g["input_ids"], g["attention_mask"], strict=True):
+        assert tok.encode(prompt) == [i for i, m in zip(ids, mask, strict=True) if m]
+    texts = generate_text(model, tok, g["prompts"], g["max_new_tokens"])
+    assert texts == g["texts"]
+    # one row stopped at the tokenizer's eos, the other ran to max_new_tokens
+    assert tok.eos_token_id in g["new_tokens"][0] and tok.eos_token_id not in g["new_tokens"][1]
+    assert texts[0] == tok.decode(g["new_tokens"][0][:g["new_tokens"][0].index(14)])
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_generate_text_options_pass_through(model, tok: Tokenizer) -> None:  # type: ignore[no-untyped-def]
+    g = EXPECTED["generate"]
+    # an explicit eos replaces the tokenizer's: row 1 stops at its first 13
+    out = generate_text(model, tok, ["Hello"], g["max_new_tokens"], eos_token_id=[13])
+    assert out == [tok.decode(g["new_tokens"][1][:1])]
+    sampled = generate_text(model, tok, ["Hello"], 6, temperature=1.0, seed=3)
+    again = generate_text(model, tok, ["Hello"], 6, temperature=1.0, seed=3)
+    assert sampled == again and isinstance(sampled[0], str)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hello"}])
+    new = np.asarray(generate(model, [ids], 5, eos_token_id=14, pad_token_id=4))[0, len(ids):]
+    stop = [int(t) for t in new].index(14) if 14 in new else len(new)
+    assert generate_text(model, tok, ["Hello"], 5, chat=True) == [tok.decode(new[:stop])]
+
+
+@pytest.mark.slow
+@needs_devices(8)
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_stream_text_joins_to_generate_text(model, tok: Tokenizer, chunk: int) -> None:  # type: ignore[no-untyped-def]
+    g = EXPECTED["generate"]
+    for prompt, text in zip(g["prompts"], g["texts"], strict=True):
+        pieces = list(stream_text(model, tok, prompt, g["max_new_tokens"], chunk=chunk))
+        assert "".join(pieces) == text
+        assert len(pieces) > 1 or chunk > 1
+
+
+def test_generate_text_errors(tok: Tokenizer) -> None:
+    model = object()
+    with pytest.raises(UsageError, match="a list of one string"):
+        generate_text(model, tok, "Hello", 4)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="non-empty list of strings"):
+        generate_text(model, tok, [], 4)
+    with pytest.raises(UsageError, match="tokenizer must be a nnx_shard.models.Tokenizer"):
+        generate_text(model, "gpt2", ["Hello"], 4)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="attention_mask= is not taken"):
+        generate_text(model, tok, ["Hello"], 4, attention_mask=[[1]])
+    with pytest.raises(UsageError, match="unknown option temprature="):
+        generate_text(model, tok, ["Hello"], 4, temprature=0.5)
+    with pytest.raises(UsageError, match="chat must be True or False"):
+        generate_text(model, tok, ["Hello"], 4, chat="yes")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="prompt must be a string"):
+        stream_text(model, tok, ["Hello"], 4)  # type: ignore[arg-type]
+
+
+def test_a_prompt_that_encodes_to_nothing(tmp_path: Path) -> None:
+    folder = _copy(tmp_path)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["post_processor"] = None  # no bos added: "" is no tokens
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(UsageError, match=r"prompts\[1\] '' encodes to no tokens"):
+        generate_text(object(), Tokenizer.from_pretrained(folder), ["Hello", ""], 4)
+
+
+# -- the command -------------------------------------------------------------------------
+
+
+def _cli(capsys, *argv: str):  # type: ignore[no-untyped-def]
+    code = cli.main(["generate", "--model", str(MODEL), "--tokenizer", str(TEXT), *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_cli_prints_transformers_text(capsys) -> None:  # type: ignore[no-untyped-def]
+    g = EXPECTED["generate"]
+    code, out, err = _cli(capsys, "--prompt", g["prompts"][1], "--max-new-tokens",
+                          str(g["max_new_tokens"]), "--chunk", "3")
+    assert code == 0, err
+    assert out == g["texts"][1] + "\n"
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (("--prompt", "  "), "--prompt '  ' is empty"),
+    (("--prompt", "Hi", "--max-new-tokens", "0"), "--max-new-tokens 0"),
+    (("--prompt", "Hi", "--max-new-tokens", "many"), "--max-new-tokens"),
+    (("--prompt", "Hi", "--top-p", "0"), "--top-p 0.0"),
+    (("--prompt", "Hi", "--min-p", "nan"), "--min-p nan"),
+    (("--prompt", "Hi", "--temperature", "-1"), "--temperature"),
+    (("--prompt", "Hi", "--repetition-penalty", "0"), "--repetition-penalty"),
+    (("--prompt", "Hi", "--strategy", "tpp"), "--strategy 'tpp'"),
+    (("--prompt", "Hi", "--mesh", "data=16"), "--mesh data=16 needs 16 devices"),
+    (("--prompt", "Hi", "--tokenizer", str(MODEL)), "--tokenizer: Tokenizer.from_pretrained: "
+                                                    "no tokenizer.json"),
+])
+def test_cli_bad_input_is_one_line(capsys, argv, words) -> None:  # type: ignore[no-untyped-def]
+    code, out, err = _cli(capsys, *argv)
+    assert code == 2 and out == "", err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nnx-shard: error: "), err
+    assert words in lines[0], err
+
+
+def test_cli_missing_model_folder(capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    code = cli.main(["generate", "--model", str(tmp_path / "none"), "--prompt", "Hi"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--model" in err and "is not a folder" in err, err
