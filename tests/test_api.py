@@ -43,15 +43,17 @@ def test_every_deliberate_error_is_one_family():
 
 MODELS = {
     "CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
-    "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache", "generate",
-    "generation_rules", "get_config", "get_llama_config", "lm_loss", "remat_policy", "stream",
+    "Tokenizer", "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache",
+    "generate", "generate_text", "generation_rules", "get_config", "get_llama_config", "lm_loss",
+    "remat_policy", "stream", "stream_text",
 }
 
 
 def test_models_surface_is_pinned():
     assert set(ns.models.__all__) == MODELS
     assert all(hasattr(ns.models, n) for n in MODELS)
-    for name in ("generate", "explain_cache", "generation_rules", "stream"):
+    for name in ("generate", "explain_cache", "generation_rules", "stream", "Tokenizer",
+                 "generate_text", "stream_text"):
         assert ">>>" in (getattr(ns.models, name).__doc__ or ""), f"{name} has no example"
     assert ns.models.CACHE_AXES == ("cache_batch", "cache_length", "cache_kv_heads",
                                     "cache_head_dim")
