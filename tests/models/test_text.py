@@ -1,6 +1,6 @@
 """Text in and out of generation: Tokenizer against transformers' AutoTokenizer (ids,
 text, chat template), generate_text and stream_text against transformers' greedy
-generate, and the ``nnx-shard generate`` command.
+generate (the command: tests/cli/test_generate.py).
 
 The ground truth is ``tests/fixtures/hf_llama_text/expected.json``, written by
 ``tests/fixtures/make_tokenizer.py`` with transformers; the model is ``hf_llama``."""
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from nnx_shard import NnxShardError, cli
+from nnx_shard import NnxShardError
 from nnx_shard.errors import UsageError
 from nnx_shard.hf import load_pretrained
 from nnx_shard.models import Tokenizer, generate, generate_text, stream_text
@@ -298,49 +298,3 @@ def test_a_prompt_that_encodes_to_nothing(tmp_path: Path) -> None:
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(UsageError, match=r"prompts\[1\] '' encodes to no tokens"):
         generate_text(object(), Tokenizer.from_pretrained(folder), ["Hello", ""], 4)
-
-
-# -- the command -------------------------------------------------------------------------
-
-
-def _cli(capsys, *argv: str):  # type: ignore[no-untyped-def]
-    code = cli.main(["generate", "--model", str(MODEL), "--tokenizer", str(TEXT), *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.mark.slow
-@needs_devices(8)
-def test_cli_prints_transformers_text(capsys) -> None:  # type: ignore[no-untyped-def]
-    g = EXPECTED["generate"]
-    code, out, err = _cli(capsys, "--prompt", g["prompts"][1], "--max-new-tokens",
-                          str(g["max_new_tokens"]), "--chunk", "3")
-    assert code == 0, err
-    assert out == g["texts"][1] + "\n"
-
-
-@pytest.mark.parametrize(("argv", "words"), [
-    (("--prompt", "  "), "--prompt '  ' is empty"),
-    (("--prompt", "Hi", "--max-new-tokens", "0"), "--max-new-tokens 0"),
-    (("--prompt", "Hi", "--max-new-tokens", "many"), "--max-new-tokens"),
-    (("--prompt", "Hi", "--top-p", "0"), "--top-p 0.0"),
-    (("--prompt", "Hi", "--min-p", "nan"), "--min-p nan"),
-    (("--prompt", "Hi", "--temperature", "-1"), "--temperature"),
-    (("--prompt", "Hi", "--repetition-penalty", "0"), "--repetition-penalty"),
-    (("--prompt", "Hi", "--strategy", "tpp"), "--strategy 'tpp'"),
-    (("--prompt", "Hi", "--mesh", "data=16"), "--mesh data=16 needs 16 devices"),
-    (("--prompt", "Hi", "--tokenizer", str(MODEL)), "--tokenizer: Tokenizer.from_pretrained: "
-                                                    "no tokenizer.json"),
-])
-def test_cli_bad_input_is_one_line(capsys, argv, words) -> None:  # type: ignore[no-untyped-def]
-    code, out, err = _cli(capsys, *argv)
-    assert code == 2 and out == "", err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("nnx-shard: error: "), err
-    assert words in lines[0], err
-
-
-def test_cli_missing_model_folder(capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    code = cli.main(["generate", "--model", str(tmp_path / "none"), "--prompt", "Hi"])
-    _, err = capsys.readouterr()
-    assert code == 2 and "--model" in err and "is not a folder" in err, err
