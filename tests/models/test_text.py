@@ -67,6 +67,15 @@ def test_encode_equals_transformers(tok: Tokenizer) -> None:
             case["ids"], case
 
 
+def test_config_bos_eos_flags_keep_the_post_processor_as_transformers(tmp_path: Path) -> None:
+    # transformers 5's PreTrainedTokenizerFast keeps tokenizer.json's post-processor whatever
+    # add_bos_token / add_eos_token say; so does Tokenizer
+    for i, case in enumerate(EXPECTED["encode_flags"]):
+        folder = _with_config(tmp_path / str(i), add_bos_token=case["add_bos_token"],
+                              add_eos_token=case["add_eos_token"])
+        assert Tokenizer.from_pretrained(folder).encode(case["text"]) == case["ids"]
+
+
 def test_decode_equals_transformers(tok: Tokenizer) -> None:
     for case in EXPECTED["decode"]:
         assert tok.decode(case["ids"], skip_special_tokens=case["skip_special_tokens"]) == \
