@@ -68,7 +68,8 @@ def build_parser() -> Parser:
     'launch'
     """
     parser = Parser(prog=PROG, description="Sharded training for Flax NNX: demo, memory "
-                     "planner, sharding reports and a local multi-process launcher.",
+                     "planner, sharding reports, text generation and a local multi-process "
+                     "launcher.",
                      epilog="Exit status 2 and one 'nnx-shard: error: ...' line for bad "
                      "input (flags, files, your factory raising); an internal error shows "
                      "its traceback (exit 1).")
