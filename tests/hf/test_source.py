@@ -4,7 +4,7 @@ generation config and tokenizer files, in the source's dtype.
 
 The source is ``tests/fixtures/hf_publish`` (an older-style config with bos 1, eos
 ``[2, 3]``, a llama3 ``rope_scaling``, ``torch_dtype: bfloat16`` and an unknown
-field; a generation config; a tokenizer) beside the weights of ``hf_llama``.
+field; a generation config; a tokenizer) (the weights of ``hf_llama``).
 transformers' reading of such an export is checked by hand
 (``tests/fixtures/check_hf_reads.py``).
 """
@@ -40,7 +40,6 @@ def make_source(folder: Path, *, generation: bool = True) -> Path:
     for p in (FIXTURES / "hf_publish").iterdir():
         if generation or p.name != "generation_config.json":
             shutil.copy(p, folder / p.name)
-    shutil.copy(FIXTURES / "hf_llama" / "model.safetensors", folder / "model.safetensors")
     return folder
 
 

@@ -27,13 +27,12 @@ def build(hs: Any) -> None:
         return nnx_shard
 
     def source(label: str, **config: Any) -> Path:
-        """A fresh source checkpoint: hf_publish's files, hf_llama's weights."""
+        """A fresh copy of the hf_publish checkpoint."""
         folder = Path(F.path(f"export_meta_{label}"))
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         for p in (FIXTURES / "hf_publish").iterdir():
             shutil.copy(p, folder / p.name)
-        shutil.copy(FIXTURES / "hf_llama" / "model.safetensors", folder / "model.safetensors")
         if config:
             cfg = json.loads((folder / "config.json").read_text()) | config
             (folder / "config.json").write_text(json.dumps(cfg))
