@@ -160,3 +160,16 @@ def test_conflicting_dtypes_in_the_source_need_dtype(tmp_path):
     ns.save_safetensors(tmp_path / "out", model, source=src, dtype=jnp.float16)
     written = read(tmp_path / "out", "config.json")
     assert (written["torch_dtype"], written["dtype"]) == ("float16", "float16")
+
+
+def test_a_new_export_replaces_the_copied_files_of_the_previous_one(tmp_path):
+    model = load(make_source(tmp_path / "src"))
+    out = tmp_path / "out"
+    ns.save_safetensors(out, model)
+    (out / "README.md").write_text("the user's")
+    ns.save_safetensors(out, model, copy_tokenizer=False)
+    # The marker proved the tokenizer files ours: they go with the previous export.
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".nnx_shard_safetensors", "README.md", "config.json", "generation_config.json",
+        "model.safetensors"]
+    assert (out / "README.md").read_text() == "the user's"
