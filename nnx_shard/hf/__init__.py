@@ -31,7 +31,10 @@ ranges of the output files (the files are created, at their final size, by
 process 0): nothing is gathered to one host. Processes must share the
 filesystem. The files are written in a staging folder beside the destination
 and swapped into place whole (:mod:`nnx_shard.hf.export_dir`): a failed or
-killed save leaves the previous export.
+killed save leaves the previous export. A model of
+:func:`load_pretrained` remembers its checkpoint (:mod:`nnx_shard.hf.source`),
+and its export carries the checkpoint's config, generation config and
+tokenizer files, in its dtype: a folder to publish.
 
 Transforms (the second element of a mapping value): ``"copy"``,
 ``"transpose"`` (``[out, in] -> [in, out]``), ``"heads_out"`` (``[heads *
@@ -67,6 +70,7 @@ from nnx_shard.hf.mapping import (
 )
 from nnx_shard.hf.pretrained import load_pretrained
 from nnx_shard.hf.save import save_safetensors
+from nnx_shard.hf.source import Source, remember_source, source_of
 
 __all__ = [
     "INDEX",
@@ -76,8 +80,11 @@ __all__ = [
     "SINGLE",
     "TRANSFORMS",
     "MappingValue",
+    "Source",
     "load_pretrained",
     "load_safetensors",
     "mapping_for",
+    "remember_source",
     "save_safetensors",
+    "source_of",
 ]

@@ -13,8 +13,10 @@ export's token and, for each file, its size and a SHA-256 of its first and last
 MiB, and carries a digest of itself; a file is removed only when its name is one
 save_safetensors writes and its size and digest are the recorded ones. A marker
 that is not such a record (corrupt, forged, from an older nnx_shard) is an
-error, never a list of files to delete. Files of the user's in the destination
-(a README, a tokenizer) are hard-linked into the new export before the swap, or
+error, never a list of files to delete. The files copied from a model's source
+(``generation_config.json``, the tokenizer's) are written and recorded like the
+weights. Files of the user's in the destination (a README; a tokenizer when the
+export copies none) are hard-linked into the new export before the swap, or
 moved back after it. A staging folder left by a killed save is removed by the
 next save to the same destination, and only when its marker (token, host and
 process id) proves it is a save of ours whose process is gone.
@@ -39,17 +41,23 @@ from typing import Any
 from nnx_shard import safetensors_io as st
 from nnx_shard.errors import NnxShardError
 
-__all__ = ["ExportError", "Marker", "clean_leftovers", "new_token", "owned", "read_marker",
-           "remove_stage", "staging", "swap_in", "write_marker"]
+__all__ = ["TOKENIZER_FILES", "ExportError", "Marker", "clean_leftovers", "new_token", "owned",
+           "read_marker", "remove_stage", "staging", "swap_in", "write_marker"]
 
 MARKER = ".nnx_shard_safetensors"
 _FORMAT = 2
 _WRITER = "nnx_shard.save_safetensors"
 _STAGE = ".nnx_shard-export-"
 _TOKEN = re.compile(r"[0-9a-f]{32}")
+#: the tokenizer files save_safetensors copies from a model's source checkpoint.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
 #: the names of the files save_safetensors writes (and so may ever delete).
 OUR_NAMES = re.compile(r"model\.safetensors|model-[0-9]{5}-of-[0-9]{5}\.safetensors"
-                       r"|model\.safetensors\.index\.json|config\.json")
+                       r"|model\.safetensors\.index\.json|config\.json|generation_config\.json|"
+                       + "|".join(map(re.escape, TOKENIZER_FILES)))
 _PROBE = 1 << 20
 _MAX_MARKER = 1 << 20
 # Tokens of the saves this process has in flight: their staging folders are not leftovers.

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from nnx_shard.errors import UsageError, short
 from nnx_shard.hf.load import load_safetensors
+from nnx_shard.hf.source import read_source, remember_source
 from nnx_shard.init import abstract_init
 from nnx_shard.models.llama import Llama
 from nnx_shard.models.llama_config import MODEL_TYPES, LlamaConfig, _read_json
@@ -40,6 +41,12 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
       dtype: the compute dtype (default float32).
       param_dtype: the parameters' dtype (default float32: master weights for
         training, whatever ``torch_dtype`` the file names).
+
+    The model remembers its source (the folder, its ``config.json``,
+    ``generation_config.json`` and tokenizer files: :mod:`nnx_shard.hf.source`),
+    so that :func:`nnx_shard.save_safetensors` writes an export to publish: the
+    source's config with the model's sizes, its generation config and tokenizer,
+    in the source's dtype.
 
     Raises:
       UsageError: a ``model_type`` no family here reads, or a ``config.json``
@@ -73,4 +80,6 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
                  if v is not None}
     cfg = LlamaConfig.from_hf(hf, **overrides)
     target = abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules)
-    return load_safetensors(folder, target)
+    # Remembered for save_safetensors: the export then carries the source's config,
+    # generation config and tokenizer (nnx_shard.hf.source).
+    return remember_source(load_safetensors(folder, target), read_source(folder, hf))

@@ -31,6 +31,7 @@ from nnx_shard.hf.mapping import (
     mapping_for,
     natural,
 )
+from nnx_shard.hf.source import export_files
 from nnx_shard.init import _rewrap
 
 __all__ = ['save_safetensors']
@@ -176,7 +177,8 @@ def _plan_files(leaves: Mapping[str, Leaf], max_shard_bytes: int | None, dtype: 
 
 def save_safetensors(path: str | os.PathLike[str], model: Any,
                      mapping: Mapping[str, MappingValue] | None = None, *,
-                     max_shard_bytes: int | None = None, dtype: Any = None) -> None:
+                     max_shard_bytes: int | None = None, dtype: Any = None,
+                     source: Any = None, copy_tokenizer: bool = True) -> None:
     """Writes ``model``'s parameters as a Hugging Face checkpoint in the directory
     ``path``: ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` and
     ``model.safetensors.index.json`` with ``max_shard_bytes``), plus
@@ -209,7 +211,15 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
       max_shard_bytes: split the tensors over files of at most this many bytes
         (a tensor larger than that gets its own file).
       dtype: store every tensor in this dtype (e.g. ``jnp.bfloat16``); default:
-        each parameter's own.
+        the source's ``torch_dtype`` / ``dtype``, else each parameter's own.
+      source: the checkpoint the model comes from (:mod:`nnx_shard.hf.source`):
+        None for the one :func:`~nnx_shard.hf.load_pretrained` remembered (if
+        any), a checkpoint folder, or False for none. With a source the export is
+        one to publish: its ``config.json`` keeps the source's fields (token ids,
+        rope settings, unknown keys) with the model's sizes and the export's
+        dtype, ``generation_config.json`` is the source's (or the config's bos /
+        eos / pad ids), and the tokenizer files are copied.
+      copy_tokenizer: False leaves the source's tokenizer files out.
 
     >>> import tempfile
     >>> import jax.numpy as jnp
@@ -226,13 +236,12 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     """
     _check_args(path, model, max_shard_bytes, dtype)
     _check_concrete(model)
+    files, dtype = export_files(model, source, copy_tokenizer, dtype)
     rules = compile_rules(mapping_for(model) if mapping is None else mapping)
     leaves = _plan_save(nnx.state(model), rules)
     tensors, order, groups, names = _plan_files(leaves, max_shard_bytes, dtype)
     out = _target(path)
-    cfg = getattr(model, "cfg", None)
-    extra = ([INDEX] if len(groups) > 1 else []) + (["config.json"] if hasattr(cfg, "to_hf")
-                                                     else [])
+    extra = ([INDEX] if len(groups) > 1 else []) + list(files)
     token = _shared_token()
     stage = export_dir.staging(out, token)
     first = jax.process_index() == 0
@@ -260,12 +269,8 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
                              "weight_map": {k: n for n, g in zip(names, groups, strict=True)
                                             for k in g}}
                     st.write_file(str(stage / INDEX), (json.dumps(index, indent=2) + "\n").encode())
-                if cfg is not None and hasattr(cfg, "to_hf"):
-                    config = cfg.to_hf()
-                    if dtype is not None:
-                        config["torch_dtype"] = np.dtype(dtype).name
-                    st.write_file(str(stage / "config.json"),
-                                  (json.dumps(config, indent=2) + "\n").encode())
+                for name, raw in files.items():
+                    st.write_file(str(stage / name), raw)
                 export_dir.write_marker(stage, token, out.name, names + extra)
                 export_dir.carry_over(out, stage, previous)
                 export_dir.fsync_dir(stage)

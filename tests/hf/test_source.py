@@ -1,0 +1,175 @@
+"""Exports to publish: a model of ``load_pretrained`` remembers its checkpoint, and
+``save_safetensors`` writes its config (the source's fields, the model's sizes),
+generation config and tokenizer files, in the source's dtype.
+
+The source is ``tests/fixtures/hf_publish`` (an older-style config with bos 1, eos
+``[2, 3]``, a llama3 ``rope_scaling``, ``torch_dtype: bfloat16`` and an unknown
+field; a generation config; a tokenizer) (the weights of ``hf_llama``).
+transformers' reading of such an export is checked by hand
+(``tests/fixtures/check_hf_reads.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard import safetensors_io as st
+from nnx_shard.errors import NnxShardError, UsageError
+from nnx_shard.hf import export_dir, load_pretrained, source_of
+from nnx_shard.models import Llama, LlamaConfig
+from tests.conftest import needs_devices
+
+pytestmark = needs_devices(8)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+TOKENIZER = ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json")
+RULES = ns.strategies.get("fsdp_tp").rules
+
+
+def make_source(folder: Path, *, generation: bool = True) -> Path:
+    folder.mkdir()
+    for p in (FIXTURES / "hf_publish").iterdir():
+        if generation or p.name != "generation_config.json":
+            shutil.copy(p, folder / p.name)
+    return folder
+
+
+def load(folder: Path) -> nnx.Module:
+    return load_pretrained(folder, mesh="data=4,model=2", rules=RULES)
+
+
+def read(folder: Path, name: str) -> dict:
+    return json.loads((folder / name).read_text())
+
+
+def test_export_carries_the_sources_config_generation_config_tokenizer_and_dtype(tmp_path):
+    src = make_source(tmp_path / "src")
+    model = load(src)
+    assert source_of(model).folder == str(src)
+    assert source_of(model).tokenizer == ("tokenizer.json", "tokenizer_config.json",
+                                          "chat_template.jinja")
+    # Static data of the graph: through split / merge with the model, never in its state.
+    graph, state = nnx.split(model)
+    assert source_of(nnx.merge(graph, state)) == source_of(model)
+    assert all("hf_source" not in str(k) for k, _ in nnx.to_flat_state(state))
+    out = tmp_path / "out"
+    ns.save_safetensors(out, model)
+    config, source = read(out, "config.json"), read(src, "config.json")
+    assert config == source  # every field kept; the sizes are the model's, equal here
+    assert (config["eos_token_id"], config["bos_token_id"], config["pad_token_id"]) == ([2, 3], 1, 0)
+    assert config["rope_scaling"]["rope_type"] == "llama3" and config["custom_field"] == {"kept": True}
+    assert config["torch_dtype"] == "bfloat16" and "dtype" not in config
+    assert read(out, "generation_config.json") == read(src, "generation_config.json")
+    for name in TOKENIZER:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    header = st.read_header(str(out / "model.safetensors"))
+    assert {t.dtype for t in header.tensors.values()} == {"BF16"}
+    marker = export_dir.read_marker(out)
+    assert set(marker.files) == {"model.safetensors", "config.json", "generation_config.json",
+                                 *TOKENIZER}
+    # The export is itself a source: loading it and saving again writes the same files.
+    again = load(out)
+    assert source_of(again).folder == str(out)
+    ns.save_safetensors(tmp_path / "out2", again)
+    for name in ("config.json", "generation_config.json", *TOKENIZER, "model.safetensors"):
+        assert (tmp_path / "out2" / name).read_bytes() == (out / name).read_bytes(), name
+    # The bfloat16 weights are the model's, rounded.
+    q = np.asarray(model.blocks[0].attn.q.get_value().astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(again.blocks[0].attn.q.get_value()), q)
+
+
+def test_dtype_given_wins_and_the_tokenizer_can_be_left_out(tmp_path):
+    model = load(make_source(tmp_path / "src"))
+    out = tmp_path / "out"
+    ns.save_safetensors(out, model, dtype=jnp.float32, copy_tokenizer=False)
+    assert read(out, "config.json")["torch_dtype"] == "float32"
+    header = st.read_header(str(out / "model.safetensors"))
+    assert {t.dtype for t in header.tensors.values()} == {"F32"}
+    assert not any((out / n).exists() for n in TOKENIZER)
+    assert (out / "generation_config.json").exists()
+
+
+def test_generation_config_derived_from_the_configs_token_ids(tmp_path):
+    model = load(make_source(tmp_path / "src", generation=False))
+    assert source_of(model).generation_config is None
+    ns.save_safetensors(tmp_path / "out", model)
+    assert read(tmp_path / "out", "generation_config.json") == {
+        "_from_model_config": True, "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 0}
+
+
+def test_vanished_source_folder_is_named_and_nothing_is_written(tmp_path):
+    src = make_source(tmp_path / "src")
+    model = load(src)
+    shutil.rmtree(src)
+    with pytest.raises(NnxShardError, match=r"tokenizer file .*src/tokenizer.json.*folder is "
+                                            r"gone.*copy_tokenizer=False"):
+        ns.save_safetensors(tmp_path / "out", model)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # Config and generation config were read at load time: they still come out.
+    ns.save_safetensors(tmp_path / "out", model, copy_tokenizer=False)
+    assert read(tmp_path / "out", "config.json")["eos_token_id"] == [2, 3]
+
+
+def test_source_argument_for_a_model_built_by_hand(tmp_path):
+    src = make_source(tmp_path / "src")
+    s = ns.strategies.get("fsdp_tp")
+    model = ns.load_safetensors(src, s.abstract_init(
+        lambda: Llama(LlamaConfig.from_hf(src), rngs=nnx.Rngs(0)), "data=4,model=2"))
+    assert source_of(model) is None
+    ns.save_safetensors(tmp_path / "plain", model)  # no source: the model's own config only
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [
+        ".nnx_shard_safetensors", "config.json", "model.safetensors"]
+    assert "eos_token_id" not in read(tmp_path / "plain", "config.json")
+    ns.save_safetensors(tmp_path / "out", model, source=src)
+    assert read(tmp_path / "out", "config.json")["eos_token_id"] == [2, 3]
+    assert (tmp_path / "out" / "tokenizer.json").exists()
+    # source=False turns the remembered one off.
+    tuned = load(src)
+    ns.save_safetensors(tmp_path / "off", tuned, source=False)
+    assert not (tmp_path / "off" / "generation_config.json").exists()
+
+
+def test_a_model_that_computes_otherwise_than_its_source_is_refused(tmp_path):
+    src = make_source(tmp_path / "src")
+    cfg = dataclasses.replace(LlamaConfig.from_hf(src), activation="gelu_pytorch_tanh")
+    model = ns.strategies.get("fsdp").sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+                                                   "data=8")
+    with pytest.raises(UsageError, match=r"(?s)differs from its source .*hidden_act.*source=False"):
+        ns.save_safetensors(tmp_path / "out", model, source=src)
+    assert not (tmp_path / "out").exists()
+
+
+def test_conflicting_dtypes_in_the_source_need_dtype(tmp_path):
+    src = make_source(tmp_path / "src")
+    model = load(src)
+    config = read(src, "config.json") | {"dtype": "float16"}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match=r"names two dtypes.*torch_dtype='bfloat16'.*"
+                                         r"dtype='float16'.*Fix: pass dtype="):
+        ns.save_safetensors(tmp_path / "out", model, source=src)
+    ns.save_safetensors(tmp_path / "out", model, source=src, dtype=jnp.float16)
+    written = read(tmp_path / "out", "config.json")
+    assert (written["torch_dtype"], written["dtype"]) == ("float16", "float16")
+
+
+def test_a_new_export_replaces_the_copied_files_of_the_previous_one(tmp_path):
+    model = load(make_source(tmp_path / "src"))
+    out = tmp_path / "out"
+    ns.save_safetensors(out, model)
+    (out / "README.md").write_text("the user's")
+    ns.save_safetensors(out, model, copy_tokenizer=False)
+    # The marker proved the tokenizer files ours: they go with the previous export.
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".nnx_shard_safetensors", "README.md", "config.json", "generation_config.json",
+        "model.safetensors"]
+    assert (out / "README.md").read_text() == "the user's"
