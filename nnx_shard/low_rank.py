@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import logical_names, path_str
 from nnx_shard.errors import NnxShardError, ShardingError, UsageError, count, short
-from nnx_shard.quantized import QuantizedKernel, check_quantize, qwix_module, quantize_kernel
+from nnx_shard.quantized import QuantizedKernel, check_quantize, quantize_kernel, qwix_module
 
 __all__ = ["DEFAULT_TARGETS", "Adapted", "adapters", "lora", "merge_lora"]
 

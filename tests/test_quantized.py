@@ -4,6 +4,7 @@ over a bitwise-frozen quantized base, the loss curve against a float32 base, and
 merging."""
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ from nnx_shard.models import Llama, LlamaConfig, get_llama_config, lm_loss
 from nnx_shard.quantized import QuantizedKernel, QuantizedValue
 
 ALL = r"attn/(q|k|v|o)$|mlp/(gate|up|down)$"
+FIXTURES = Path(__file__).parent / "fixtures"
+PEFT_TARGETS = r"attn/(q|v|o)$|mlp/down$"  # the fixture adapter's modules
 
 
 def _llama(scan: bool = False, **kw) -> Llama:
@@ -82,3 +85,54 @@ def test_quantized_base_bytes_in_the_compiled_forward():
     # fsdp) add out / (in / 8) of the kernel: 8/256 here at most
     assert 0.5 < int8 <= 0.5 + 8 / 256
     assert 0.25 < int4 <= 0.25 + 8 / 256
+
+
+def _curve(quantize, steps=10):
+    """10 AdamW steps of the fixture's PEFT adapter on its base under fsdp: the losses,
+    and the base and adapter states before and after."""
+    strategy = ns.strategies.fsdp()
+    mesh = strategy.make_mesh(8)
+    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
+    target = strategy.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh)
+    model = ns.load_safetensors(FIXTURES / "hf_llama", target)
+    ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize)  # the file's r, alpha
+    ns.load_lora(FIXTURES / "peft_llama", model)
+    opt = strategy.optimizer(model, optax.adamw(1e-2), mesh, wrt=nnx.LoRAParam)
+    tokens = jnp.asarray(np.tile(np.load(FIXTURES / "peft_llama" / "expected.npz")["tokens"],
+                                 (4, 1)))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(
+            model, batch)
+        opt.update(model, grads)
+        return loss
+
+    frozen = lambda: jax.device_get(nnx.state(model, nnx.Not(nnx.LoRAParam)))  # noqa: E731
+    trained = lambda: jax.device_get(nnx.state(model, nnx.LoRAParam))  # noqa: E731
+    before = frozen(), trained()
+    with ns.use(mesh, strategy.rules):
+        losses = [float(step(model, opt, batch)) for _ in range(steps)]
+    return np.array(losses), before, (frozen(), trained()), model
+
+
+@pytest.mark.slow
+def test_qlora_loss_curve_follows_the_float_base_and_trains_only_adapters():
+    ref, *_ = _curve(None)
+    assert ref[-1] < 0.9 * ref[0]
+    gaps = {}
+    for quantize, tol in [("int8", 0.01), ("int4", 0.05)]:
+        losses, (base0, lora0), (base1, lora1), model = _curve(quantize)
+        gaps[quantize] = float(np.abs(losses - ref).max() / ref.max())
+        assert gaps[quantize] <= tol, (quantize, losses, ref)
+        assert losses[-1] < 0.9 * losses[0]
+        values = [leaf for leaf in jax.tree.leaves(base0) if leaf.dtype == jnp.dtype(quantize)]
+        assert len(values) == 2 * 4  # q, v, o, down of the 2 layers: quantized
+        for a, b in zip(jax.tree.leaves(base0), jax.tree.leaves(base1), strict=True):
+            np.testing.assert_array_equal(a, b)  # the quantized base is bitwise unchanged
+        for a, b in zip(jax.tree.leaves(lora0), jax.tree.leaves(lora1), strict=True):
+            assert not np.array_equal(a, b)
+        assert sorted(adapters(model))[:2] == ["blocks/0/attn/o", "blocks/0/attn/q"]
+    print("max loss gap / max loss:", gaps)
+    assert gaps["int8"] < gaps["int4"]
