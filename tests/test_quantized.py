@@ -136,3 +136,66 @@ def test_qlora_loss_curve_follows_the_float_base_and_trains_only_adapters():
         assert sorted(adapters(model))[:2] == ["blocks/0/attn/o", "blocks/0/attn/q"]
     print("max loss gap / max loss:", gaps)
     assert gaps["int8"] < gaps["int4"]
+
+
+def _fixture_model(strategy, mesh, quantize):
+    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
+    target = strategy.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh)
+    model = ns.load_safetensors(FIXTURES / "hf_llama", target)
+    ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize)
+    return ns.load_lora(FIXTURES / "peft_llama", model)
+
+
+def test_qlora_merges_dequantized_and_saves_peft_adapters(tmp_path):
+    from nnx_shard import safetensors_io as st
+
+    strategy = ns.strategies.tp()
+    mesh = strategy.make_mesh(2)
+    model = _fixture_model(strategy, mesh, "int8")
+    ns.save_lora(tmp_path / "out", model)
+    ours = st.read_header(str(tmp_path / "out" / "adapter_model.safetensors"))
+    theirs = st.read_header(str(FIXTURES / "peft_llama" / "adapter_model.safetensors"))
+    assert sorted(ours.tensors) == sorted(theirs.tensors)
+    for name, info in theirs.tensors.items():  # the adapters, bitwise, whatever the base
+        index = [slice(None)] * len(info.shape)
+        np.testing.assert_array_equal(st.read_slice(ours, name, index),
+                                      st.read_slice(theirs, name, index))
+    tokens = jnp.asarray(np.tile(np.load(FIXTURES / "peft_llama" / "expected.npz")["tokens"],
+                                 (4, 1)))
+    forward = nnx.jit(lambda m, t: m(t))
+    with ns.use(mesh, strategy.rules):
+        adapted = np.asarray(forward(model, tokens))
+        q = model.blocks[0].attn.q
+        want = np.asarray(q.base[...]) + np.asarray(q.delta())
+        ns.merge_lora(model)
+        merged = np.asarray(forward(model, tokens))
+    assert not adapters(model)
+    kernel = model.blocks[0].attn.q
+    assert type(kernel) is nnx.Param and kernel.dtype == jnp.float32
+    assert kernel.get_metadata("out_sharding") == ("embed", "heads", "kv")
+    assert kernel.get_value().sharding.spec[1] == "model"
+    np.testing.assert_allclose(np.asarray(kernel[...]), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(merged, adapted, atol=2e-4 * np.abs(adapted).max())
+    # the quantization error stays: the merged model is not the float base's merge
+    exp = np.load(FIXTURES / "peft_llama" / "expected.npz")["merged_logits"]
+    assert np.abs(merged[:2] - exp).max() > 1e-4
+
+
+def test_qlora_checkpoint_restores_the_int4_base_bitwise(tmp_path):
+    strategy = ns.strategies.fsdp()
+    mesh = strategy.make_mesh(8)
+
+    def make(seed):
+        model = strategy.sharded_init(
+            lambda: ns.lora(_llama(), 4, 8.0, quantize="int4", rngs=seed), mesh)
+        return model, strategy.optimizer(model, optax.adam(1e-2), mesh, wrt=nnx.LoRAParam)
+
+    model, opt = make(0)
+    ns.save(tmp_path, 1, model=model, optimizer=opt)
+    fresh, fresh_opt = make(5)
+    back, _, _ = ns.restore(tmp_path, model=fresh, optimizer=fresh_opt)
+    q = back.blocks[0].attn.q.base
+    assert q.qvalue.dtype == jnp.int4 and q.qvalue.get_value().sharding.spec[0] == "data"
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
