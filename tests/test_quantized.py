@@ -146,6 +146,7 @@ def _fixture_model(strategy, mesh, quantize):
     return ns.load_lora(FIXTURES / "peft_llama", model)
 
 
+@pytest.mark.slow
 def test_qlora_merges_dequantized_and_saves_peft_adapters(tmp_path):
     from nnx_shard import safetensors_io as st
 
@@ -181,6 +182,7 @@ def test_qlora_merges_dequantized_and_saves_peft_adapters(tmp_path):
     assert np.abs(merged[:2] - exp).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_qlora_checkpoint_restores_the_int4_base_bitwise(tmp_path):
     strategy = ns.strategies.fsdp()
     mesh = strategy.make_mesh(8)
