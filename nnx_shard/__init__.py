@@ -12,6 +12,7 @@ from nnx_shard.low_rank import lora, merge_lora
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
 from nnx_shard.metrics import MetricsWriter
 from nnx_shard.parallel import collective_matmul, pipeline, ring, tp_layers
+from nnx_shard.quantized import QuantizedKernel
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 from nnx_shard.train import Precision, Trainer, multistep, shard_batch, value_and_grad
@@ -29,6 +30,7 @@ __all__ = [
     "MetricsWriter",
     "NnxShardError",
     "Precision",
+    "QuantizedKernel",
     "Report",
     "Rules",
     "ShardingError",

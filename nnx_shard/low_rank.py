@@ -8,6 +8,8 @@ kernel's own layout, so no model code changes. The factors carry logical names
 derived from the kernel's (A: its input axes and an unsharded rank axis; B: the
 rank axis and its output axes), so every preset shards them with their layer.
 Train only them with ``wrt=nnx.LoRAParam``; :func:`merge_lora` folds them back.
+With ``quantize="int8" | "int4"`` the frozen ``W`` is stored quantized (QLoRA,
+:mod:`nnx_shard.quantized`) and dequantized where the layer reads it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard.annotate import logical_names, path_str
 from nnx_shard.errors import NnxShardError, ShardingError, UsageError, count, short
+from nnx_shard.quantized import QuantizedKernel, check_quantize, quantize_kernel, qwix_module
 
 __all__ = ["DEFAULT_TARGETS", "Adapted", "adapters", "lora", "merge_lora"]
 
@@ -43,7 +46,7 @@ class Adapted(nnx.Module):
     ('Adapted', (4, 3), (4, 2))
     """
 
-    def __init__(self, base: nnx.Variable[Any], lora_a: nnx.LoRAParam[Any],
+    def __init__(self, base: nnx.Variable[Any] | QuantizedKernel, lora_a: nnx.LoRAParam[Any],
                  lora_b: nnx.LoRAParam[Any], *, scale: float, stack: int, n_in: int) -> None:
         self.base = base
         self.lora_a = lora_a
@@ -213,7 +216,8 @@ def _candidates(model: Any) -> tuple[dict[str, tuple[Any, str | int, Any]], set[
 
 
 def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
-         dropout: float = 0.0, rngs: nnx.Rngs | int = 0, dtype: Any = jnp.float32) -> Any:
+         dropout: float = 0.0, rngs: nnx.Rngs | int = 0, dtype: Any = jnp.float32,
+         quantize: str | None = None) -> Any:
     """Adds LoRA adapters in place to the kernels of ``model`` whose path matches
     the regex ``targets`` (``re.search`` on paths like ``blocks/0/attn/q``), and
     returns ``model``.
@@ -227,6 +231,12 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     ``mlp/up|gate|down``, stacked blocks too), ``nnx.Linear`` and
     ``nnx.LinearGeneral``, and any layer that reads its kernel with ``[...]``.
 
+    ``quantize="int8"`` or ``"int4"`` (QLoRA; needs the ``qlora`` extra, qwix)
+    stores each adapted kernel's frozen ``W`` quantized, with absmax scales per
+    output channel (a :class:`~nnx_shard.quantized.QuantizedKernel` keeping the
+    kernel's logical names; its scales carry the output axes' names), and
+    dequantizes it where the layer reads it, shard by shard.
+
     >>> import optax
     >>> from nnx_shard.models import Llama, get_llama_config
     >>> model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
@@ -236,6 +246,9 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)  # adapters only
     """
     r, a = _check_scalars(rank, alpha, dropout)
+    quant = check_quantize(quantize)
+    if quant is not None:
+        qwix_module()
     if not isinstance(targets, str):
         raise UsageError(f"lora targets must be a regex string, got {short(targets, 60)} "
                          f"({type(targets).__name__}). Fix: e.g. targets=r'attn/(q|v)$'")
@@ -283,7 +296,9 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
         meta = {"eager_sharding": False}
         la = nnx.LoRAParam(a_val, out_sharding=a_names, **meta)
         lb = nnx.LoRAParam(b_val, out_sharding=b_names, **meta)
-        node = Adapted(var, la, lb, scale=a / r, stack=stack, n_in=n_in)
+        base: Any = var if quant is None else quantize_kernel(var, quant, stack=stack,
+                                                              n_in=n_in, names=names)
+        node = Adapted(base, la, lb, scale=a / r, stack=stack, n_in=n_in)
         _replace(owner, attr, node)
     return model
 
@@ -299,7 +314,9 @@ def merge_lora(model: Any) -> Any:
     """Folds every adapter into its kernel, ``W <- W + (alpha / rank) * A @ B`` in
     the kernel's dtype and sharding, and removes the adapters (the parameter paths
     are the base model's again, so ``ns.save_safetensors`` exports a plain
-    checkpoint). Returns ``model``.
+    checkpoint). Returns ``model``. A quantized base (``lora(..., quantize=)``) is
+    dequantized first: the merged kernel is a full-precision ``nnx.Param`` again
+    (the quantization error stays in it; quantize the merged model anew if needed).
 
     >>> import numpy as np
     >>> layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
@@ -320,19 +337,24 @@ def merge_lora(model: Any) -> Any:
                             "Fix: add them with ns.lora(model, rank, alpha) or ns.load_lora.")
     for owner, attr, node in todo:
         base = node.base
-        w = base.get_value()
+        w = base.qvalue.get_value() if isinstance(base, QuantizedKernel) else base.get_value()
         if not isinstance(w, jax.Array):
             raise NnxShardError("merge_lora: the model is abstract (nnx.eval_shape): there are "
                                 "no values to merge. Fix: merge a model with values.")
 
-        def fold(w: jax.Array, a: jax.Array, b: jax.Array, node: Adapted = node) -> jax.Array:
+        def fold(base: Any, a: jax.Array, b: jax.Array, node: Adapted = node) -> jax.Array:
+            w = base[...]
             d = _delta(node, a, b)
             return (w.astype(jnp.promote_types(w.dtype, d.dtype)) + d).astype(w.dtype)
 
         out_sh = w.sharding if isinstance(w.sharding, NamedSharding) else None
-        new = jax.jit(fold, out_shardings=out_sh)(w, node.lora_a.get_value(),
+        new = nnx.jit(fold, out_shardings=out_sh)(base, node.lora_a.get_value(),
                                                   node.lora_b.get_value())
-        base.set_value(new)
+        if isinstance(base, QuantizedKernel):
+            base = nnx.Param(new, out_sharding=base.qvalue.get_metadata().get("out_sharding"),
+                             eager_sharding=False)
+        else:
+            base.set_value(new)
         _replace(owner, attr, base)
     return model
 

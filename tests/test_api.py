@@ -7,7 +7,7 @@ EXPECTED = {
     "Trainer", "Precision", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
     "pack",
     "Checkpointer", "restore", "save", "load_safetensors", "save_safetensors",
-    "lora", "merge_lora", "load_lora", "save_lora",
+    "lora", "merge_lora", "load_lora", "save_lora", "QuantizedKernel",
     "distributed", "models", "pipeline", "strategies", "collective_matmul", "hf", "tp_layers",
 }
 

@@ -124,7 +124,7 @@ FLOORS: list[list[str]] = [
     ["cli"],
     ["planner", "simulated", "strategies"],
     ["train", "checkpoint", "metrics", "hf"],
-    ["models", "parallel", "blockwise", "pipeline_report", "low_rank"],
+    ["models", "parallel", "blockwise", "pipeline_report", "low_rank", "quantized"],
     ["strategy", "presets", "parallel.schedule"],
     ["rules", "annotate", "mesh", "init", "optstate", "report", "distributed"],
     ["errors", "axes", "units", "optimizers", "_frames", "safetensors_io", "data"],

@@ -80,6 +80,10 @@ def _bits(x: jax.Array) -> jax.Array:
     """The array's bits as uint32 (one element per 8/16/32 bits, two per 64)."""
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
+    if x.dtype.name in ("int4", "int2"):  # sub-byte ints (a quantized base): exact in 8 bits
+        x = x.astype(jnp.int8)
+    if x.dtype.name in ("uint4", "uint2"):
+        x = x.astype(jnp.uint8)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
     size = x.dtype.itemsize

@@ -157,6 +157,9 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--lora-targets", default=None,
                    help=r"regex over parameter paths of the adapted kernels (default "
                         r"'attn/(q|v)$', PEFT's for Llama)")
+    p.add_argument("--quantize-base", default=None, metavar="{int8,int4}",
+                   help="with --lora-rank, plan QLoRA: the adapted kernels' frozen base stored "
+                        "int8 or int4 with a scale per output channel (needs qwix)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
     p.add_argument("--guard", choices=GUARDS, default=DEFAULT_GUARD,
                    help=f"Trainer.fit's NaN guard: {DEFAULT_GUARD} (default, Trainer's: no copy "

@@ -247,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         "param_dtype": jnp.dtype(cfg.param_dtype).name,
         "compute_dtype": jnp.dtype(cfg.dtype).name,
         "lora_rank": args.lora_rank,
+        "quantize_base": args.quantize_base,
     }
     try:
         layout = _lay_out(args, model, cfg, strat, sizes, tx)
@@ -362,7 +363,8 @@ def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
           f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers, "
           f"guard {args.guard}")
     if args.lora_rank is not None:
-        print(f"LoRA rank {args.lora_rank} on {args.lora_targets or DEFAULT_TARGETS}: "
+        quant = f", base stored {args.quantize_base}" if args.quantize_base else ""
+        print(f"LoRA rank {args.lora_rank} on {args.lora_targets or DEFAULT_TARGETS}{quant}: "
               "gradients and optimizer state for the adapters only (base frozen); "
               "formula figures (the compiled step would train every parameter)")
     print()
@@ -561,8 +563,12 @@ def _abstract_model(args: argparse.Namespace, cfg: Any, build: Any) -> Any:
     model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
     if args.lora_rank is not None:  # alpha only scales: it changes no byte
         count(args.lora_rank, "--lora-rank", fix="e.g. --lora-rank 16")
+        if args.quantize_base not in (None, "int8", "int4"):
+            raise UsageError(f"--quantize-base must be int8 or int4, got {args.quantize_base!r}. "
+                             "Fix: --quantize-base int8 (or int4, or leave it out)")
         lora(model, args.lora_rank, 2 * args.lora_rank,
-             targets=args.lora_targets or DEFAULT_TARGETS)
-    elif args.lora_targets is not None:
-        raise UsageError("--lora-targets goes with --lora-rank. Fix: add e.g. --lora-rank 16")
+             targets=args.lora_targets or DEFAULT_TARGETS, quantize=args.quantize_base)
+    elif args.lora_targets is not None or args.quantize_base is not None:
+        flag = "--lora-targets" if args.lora_targets is not None else "--quantize-base"
+        raise UsageError(f"{flag} goes with --lora-rank. Fix: add e.g. --lora-rank 16")
     return model

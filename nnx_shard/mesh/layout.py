@@ -95,11 +95,18 @@ def shardings(tree: Any, mesh: Mesh, rules: Rules | Mapping[str, Any]) -> Any:
     return out
 
 
+_SUB_BYTE = {"int4": 4, "uint4": 4, "int2": 2, "uint2": 2, "float4_e2m1fn": 4}
+
+
 def nbytes(shape: Sequence[int], dtype: Any) -> int:
     """Bytes of an unsharded array; PRNG key dtypes (``key<fry>``) included."""
     # jax key dtypes are not NumPy dtypes but carry their own itemsize.
     itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else np.dtype(dtype).itemsize
-    return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+    n = int(np.prod(shape, dtype=np.int64))
+    bits = _SUB_BYTE.get(str(dtype))
+    if bits is not None:  # int4 and the like are stored packed, two (or more) to a byte
+        return -(-n * bits // 8)
+    return n * int(itemsize)
 
 
 def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec, mesh: Any) -> int:

@@ -51,3 +51,32 @@ def test_lora_plan_errors(capsys, argv, words):
     code, _, err = _plan(capsys, *LLAMA_8B, *argv)
     assert code == 2
     assert words in err and len(err.strip().splitlines()) == 1
+
+
+ALL_LINEAR = r"attn/(q|k|v|o)$|mlp/(gate|up|down)$"
+
+
+@pytest.mark.parametrize(("bits", "quantize"), [(8, "int8"), (4, "int4")])
+def test_qlora_plan_counts_the_base_quantized(capsys, bits, quantize):
+    lora_argv = ("--lora-rank", "16", "--lora-targets", ALL_LINEAR)
+    code, out, _ = _plan(capsys, *LLAMA_8B, *lora_argv)
+    code_q, out_q, _ = _plan(capsys, *LLAMA_8B, *lora_argv, "--quantize-base", quantize)
+    lora, qlora = json.loads(out), json.loads(out_q)
+    assert code == code_q == 0 and qlora["quantize_base"] == quantize
+    # the 7 projections of 32 layers: bf16 kernels, then packed ints + a bf16 scale per
+    # output channel (q, k, v, o, gate, up, down: 4096, 1024, 1024, 4096, 14336 x 2, 4096)
+    kernels = 32 * (4096 * (4096 + 1024 + 1024) + 4096 * 4096 + 3 * 4096 * 14336)
+    scales = 32 * (4096 + 1024 + 1024 + 4096 + 14336 * 2 + 4096) * 2
+    saved = kernels * 2 - (kernels * bits // 8 + scales)
+    assert lora["bytes_total"]["params"] - qlora["bytes_total"]["params"] == saved
+    assert qlora["bytes_total"]["optimizer"] == lora["bytes_total"]["optimizer"]
+    assert qlora["bytes_per_device"]["params"] < lora["bytes_per_device"]["params"]
+
+
+def test_qlora_plan_text_and_errors(capsys):
+    code, out, _ = _plan(capsys, *LLAMA_8B[:-1], "--lora-rank", "8", "--quantize-base", "int4")
+    assert code == 0 and "LoRA rank 8 on attn/(q|v)$, base stored int4" in out
+    code, _, err = _plan(capsys, *LLAMA_8B, "--quantize-base", "int8")
+    assert code == 2 and "--quantize-base goes with --lora-rank" in err
+    code, _, err = _plan(capsys, *LLAMA_8B, "--lora-rank", "8", "--quantize-base", "int3")
+    assert code == 2 and "--quantize-base must be int8 or int4, got 'int3'" in err
