@@ -353,7 +353,7 @@ STOCK_PATTERNS = {r"attn/(query|key|value)/kernel$": ("embed", "heads", "kv"),
 @pytest.mark.slow
 @needs_devices(8)
 def test_stock_multi_head_attention_cache_sharded() -> None:
-    prompt = _prompt(2, 4)
+    prompt = _prompt(2, 4) % 64  # StockLM's vocabulary
     plain = StockLM(rngs=nnx.Rngs(0))
     expected = np.asarray(generate(plain, prompt, 6))
     np.testing.assert_array_equal(expected, np.asarray(recompute(plain, prompt, 6)))
@@ -368,7 +368,7 @@ def test_stock_multi_head_attention_cache_sharded() -> None:
     # Without the annotation the cache is replicated, and generate says so.
     bare = nnx.eval_shape(lambda: StockLM(annotate=False, rngs=nnx.Rngs(0)))
     with pytest.warns(ns.ShardingWarning, match="replicated on every device: attn/cached_key"):
-        gen._prepare(bare, _prompt(8), 2, gen.Options(), 0, mesh, rules, "generate")
+        gen._prepare(bare, _prompt(8) % 64, 2, gen.Options(), 0, mesh, rules, "generate")
 
 
 # -- bad input -----------------------------------------------------------------------
