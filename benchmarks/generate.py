@@ -24,7 +24,8 @@ On CPU each device count runs in a subprocess with simulated devices. With
 real devices in one process: one device, plus the 8-device layouts when 8 are
 present. Timings: each program's median over rounds, the layouts interleaved.
 
-Run (about 5 minutes on 2 CPU cores)::
+Run (about 5 minutes on 2 CPU cores; ``--only cache`` skips the comparison
+with transformers below, which takes 20 minutes there with ``--rounds 1``)::
 
     .venv/bin/python benchmarks/generate.py
     JAX_PLATFORMS=cuda .venv/bin/python benchmarks/generate.py   # on a GPU
@@ -45,8 +46,9 @@ this process loads the same checkpoint with ``nnx_shard.hf.load_pretrained`` on
 one device. Greedy, prompts of 32 random tokens + 256 new ones, batch 1 and 16:
 transformers' ``generate`` (``use_cache=True``, ``torch.inference_mode``),
 ``nnx_shard.models.generate`` and ``nnx_shard.models.stream`` (chunks of 16), each
-warmed up first (compiles excluded), then timed in rounds that rotate the three
-(medians). The greedy tokens of the two libraries are compared row by row::
+warmed up first (compiles excluded; transformers' warm-up call runs 16 tokens),
+then timed in rounds that rotate the three (medians; ``--rounds``, default 3).
+The greedy tokens of the two libraries are compared row by row::
 
     .venv/bin/python benchmarks/generate.py --only hf --hf-python /path/to/python
 
@@ -333,11 +335,12 @@ class _Reference:
             raise SystemExit(f"hf_generate_ref.py ended ({self.proc.wait()}) without an answer")
         return json.loads(line)
 
-    def generate(self, prompt: Any) -> tuple[float, Any]:
+    def generate(self, prompt: Any, new: int | None = None) -> tuple[float, Any]:
         import numpy as np
 
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt": prompt.tolist()}) + "\n")
+        request = {"prompt": prompt.tolist()} | ({"new": new} if new else {})
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         answer = self._read()
         return answer["seconds"], np.asarray(answer["tokens"], np.int32)
@@ -382,13 +385,17 @@ def _hf_batch(ref: _Reference, model: Any, batch: int, new: int, rounds: int, vo
 
     sides = {"transformers": lambda: ref.generate(prompt), "generate": lambda: timed(ours),
              "stream": lambda: timed(streamed)}
-    outs = {name: fn()[1] for name, fn in sides.items()}  # warm-up: compiles, first calls
+    # Warm-up: our two compile (at the full length); transformers' first call runs
+    # 16 tokens (its first-call costs without another full-length call).
+    ref.generate(prompt, 16)
+    outs = {name: sides[name]()[1] for name in ("generate", "stream")}
     assert (outs["stream"] == outs["generate"]).all(), "stream and generate differ"
     times: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
     for r in range(rounds):
         for name in names[r % 3:] + names[:r % 3]:
-            times[name].append(sides[name]()[0])
+            seconds, outs[name] = sides[name]()
+            times[name].append(seconds)
         print(f"  batch {batch}, round {r + 1}: " + ", ".join(
             f"{n} {batch * new / times[n][-1]:.1f} tok/s" for n in names), flush=True)
     tps = {n: batch * new / statistics.median(t) for n, t in times.items()}

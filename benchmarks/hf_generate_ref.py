@@ -20,7 +20,8 @@ the greedy tokens are the plain argmax, as ``nnx_shard.models.generate``
 computes them without ``eos_token_id``.
 
 ``--serve``: after writing the checkpoint it prints a ``ready`` line, then
-answers each JSON request line on stdin (``{"prompt": [[ids...], ...]}``) with
+answers each JSON request line on stdin (``{"prompt": [[ids...], ...]}``, and
+optionally ``"new"``: fewer tokens, for a warm-up) with
 one line ``{"seconds": ..., "tokens": [[new ids...], ...]}``: one ``generate``
 call each, so that the caller can alternate its own rounds with these.
 """
@@ -95,8 +96,9 @@ def main() -> int:
     if args.serve:
         print(json.dumps({"ready": True, **meta}), flush=True)
         for line in sys.stdin:
-            prompt = np.asarray(json.loads(line)["prompt"], np.int64)
-            seconds, tokens = run(model, prompt, new)
+            request = json.loads(line)
+            prompt = np.asarray(request["prompt"], np.int64)
+            seconds, tokens = run(model, prompt, request.get("new", new))
             print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
         return 0
     rows = []
