@@ -24,7 +24,8 @@ On CPU each device count runs in a subprocess with simulated devices. With
 real devices in one process: one device, plus the 8-device layouts when 8 are
 present. Timings: each program's median over rounds, the layouts interleaved.
 
-Run (about 5 minutes on 2 CPU cores)::
+Run (about 5 minutes on 2 CPU cores; ``--only cache`` skips the comparison
+with transformers below, which takes 20 minutes there with ``--rounds 1``)::
 
     .venv/bin/python benchmarks/generate.py
     JAX_PLATFORMS=cuda .venv/bin/python benchmarks/generate.py   # on a GPU
@@ -34,23 +35,51 @@ step's tokens brought to the host) against ``generate`` over 256 new tokens afte
 a prompt of 16 (batch 8, one device): their tokens/s and the share streaming
 costs.
 
-``--quick`` shortens everything (a smoke test of the script).
+Against transformers (``--only hf`` runs this part alone; the default runs it
+after the rest): a Llama of 134.1M parameters (hidden 768, 12 layers, 12 heads,
+intermediate 2048, vocab 32000, untied embeddings; random weights, float32) that
+``benchmarks/hf_generate_ref.py`` builds from a fixed seed and writes with
+``save_pretrained`` to a temporary folder. That script runs in its own process
+with a Python that has torch and transformers (``--hf-python``, default
+``/work/hf-venv/bin/python``; without one the comparison is skipped, saying so);
+this process loads the same checkpoint with ``nnx_shard.hf.load_pretrained`` on
+one device. Greedy, prompts of 32 random tokens + 256 new ones, batch 1 and 16:
+transformers' ``generate`` (``use_cache=True``, ``torch.inference_mode``),
+``nnx_shard.models.generate`` and ``nnx_shard.models.stream`` (chunks of 16), each
+warmed up first (compiles excluded; transformers' warm-up call runs 16 tokens),
+then timed in rounds that rotate the three (medians; ``--rounds``, default 3).
+The greedy tokens of the two libraries are compared row by row::
+
+    .venv/bin/python benchmarks/generate.py --only hf --hf-python /path/to/python
+
+``--quick`` shortens everything (a smoke test of the script; for ``hf``, a Llama
+of 140k parameters and 32 new tokens).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parse, print_table, run_worker, worker_main, write_json
+from _common import print_table, run_worker, worker_main, write_json
 
-RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "generate.json"
+HF_RESULTS = HERE / "results" / "generate_hf.json"
+HF_PYTHON = "/work/hf-venv/bin/python"
+# against transformers: prompts of 32 tokens, 256 new, batches 1 and 16, stream chunk 16.
+HF_PROMPT, HF_NEW, HF_BATCHES, HF_ROUNDS = 32, 256, (1, 16), 3
 PROMPT, NEW, BATCH = 64, 192, 8
 # stream vs generate: 256 new tokens after a prompt of 16, decoded 16 steps per call.
 STREAM_PROMPT, STREAM_NEW, STREAM_CHUNK = 16, 256, 16
@@ -211,10 +240,30 @@ def _measure(n: int, quick: bool) -> dict:
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
+def _parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="short runs (smoke test)")
+    ap.add_argument("--only", choices=("cache", "hf"), default=None,
+                    help="cache: cached vs recompute and stream; hf: against transformers")
+    ap.add_argument("--hf-python", default=None,
+                    help=f"a Python with torch and transformers (default {HF_PYTHON})")
+    ap.add_argument("--rounds", type=int, default=HF_ROUNDS, help="timed rounds of the hf part")
+    return ap.parse_args()
+
+
 def main() -> int:
-    args = parse(__doc__)
+    args = _parse()
     if worker_main(args, {"worker": _measure}):
         return 0
+    if args.only != "hf":
+        _cache_part(args)
+    if args.only != "cache":
+        _hf_part(args)
+    return 0
+
+
+def _cache_part(args: argparse.Namespace) -> None:
     results = []
     if _gpu():
         import jax
@@ -249,7 +298,168 @@ def main() -> int:
                          {"stream": [r["stream"] for r in results if "stream" in r]} |
                          {"quick": args.quick}, "results": rows})
     print(json.dumps({"speedups": [round(r["speedup_vs_recompute"], 1) for r in rows]}))
-    return 0
+
+
+def _hf_python(given: str | None) -> str | None:
+    """The Python to run the transformers side with, or None (printing why)."""
+    path = given or HF_PYTHON
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        print(f"\nskipping the comparison with transformers: no Python at {path} "
+              "(pass --hf-python PATH, a Python with torch and transformers)")
+        return None
+    probe = subprocess.run([path, "-c", "import torch, transformers"], capture_output=True,
+                           text=True, timeout=300)
+    if probe.returncode != 0:
+        print(f"\nskipping the comparison with transformers: {path} cannot import torch and "
+              f"transformers ({probe.stderr.strip().splitlines()[-1:]})")
+        return None
+    return path
+
+
+class _Reference:
+    """transformers' side: ``hf_generate_ref.py --serve`` in its own process, one
+    ``generate`` call per request (so that its rounds alternate with ours)."""
+
+    def __init__(self, python: str, folder: str, quick: bool) -> None:
+        cmd = [python, str(HERE / "hf_generate_ref.py"), "--serve", "--save", folder,
+               "--prompt", str(HF_PROMPT)] + (["--quick"] if quick else ["--new", str(HF_NEW)])
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        self.meta = self._read()
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"hf_generate_ref.py ended ({self.proc.wait()}) without an answer")
+        return json.loads(line)
+
+    def generate(self, prompt: Any, new: int | None = None) -> tuple[float, Any]:
+        import numpy as np
+
+        assert self.proc.stdin is not None
+        request = {"prompt": prompt.tolist()} | ({"new": new} if new else {})
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        answer = self._read()
+        return answer["seconds"], np.asarray(answer["tokens"], np.int32)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _agreement(ours: Any, theirs: Any) -> dict:
+    """Rows of equal greedy tokens, and where the first differing row parts."""
+    import numpy as np
+
+    same = ours == theirs
+    rows = same.all(axis=1)
+    first = [int(np.argmin(r)) for r in same if not r.all()]
+    return {"rows_equal": int(rows.sum()), "rows": len(rows),
+            "first_difference_at": min(first) if first else None,
+            "tokens_equal_before_first_difference": float(np.mean(np.cumprod(same, axis=1)))}
+
+
+def _hf_batch(ref: _Reference, model: Any, batch: int, new: int, rounds: int, vocab: int) -> dict:
+    """One batch size: the three sides warmed up, then ``rounds`` rotating rounds."""
+    import jax
+    import numpy as np
+
+    from nnx_shard.models import generate, stream
+
+    prompt = np.random.default_rng(batch).integers(0, vocab, (batch, HF_PROMPT)).astype(np.int32)
+
+    def ours() -> Any:
+        return np.asarray(jax.block_until_ready(generate(model, prompt, new)))[:, HF_PROMPT:]
+
+    def streamed() -> Any:
+        return np.stack(list(stream(model, prompt, new, chunk=STREAM_CHUNK)), 1)
+
+    def timed(fn: Any) -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+    sides = {"transformers": lambda: ref.generate(prompt), "generate": lambda: timed(ours),
+             "stream": lambda: timed(streamed)}
+    # Warm-up: our two compile (at the full length); transformers' first call runs
+    # 16 tokens (its first-call costs without another full-length call).
+    ref.generate(prompt, 16)
+    outs = {name: sides[name]()[1] for name in ("generate", "stream")}
+    assert (outs["stream"] == outs["generate"]).all(), "stream and generate differ"
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    for r in range(rounds):
+        for name in names[r % 3:] + names[:r % 3]:
+            seconds, outs[name] = sides[name]()
+            times[name].append(seconds)
+        print(f"  batch {batch}, round {r + 1}: " + ", ".join(
+            f"{n} {batch * new / times[n][-1]:.1f} tok/s" for n in names), flush=True)
+    tps = {n: batch * new / statistics.median(t) for n, t in times.items()}
+    return {"batch": batch, "prompt": HF_PROMPT, "new": new,
+            **{f"{n}_tokens_per_s": v for n, v in tps.items()},
+            **{f"{n}_seconds": t for n, t in times.items()},
+            "generate_vs_transformers": tps["generate"] / tps["transformers"],
+            "stream_vs_generate": tps["stream"] / tps["generate"],
+            **_agreement(outs["generate"], outs["transformers"])}
+
+
+def _hf_part(args: argparse.Namespace) -> None:
+    """nnx_shard's generate and stream against transformers' generate, same weights."""
+    python = _hf_python(args.hf_python)
+    if python is None:
+        return
+    if not _gpu():
+        os.environ.update({"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    import platform
+
+    import jax
+
+    import nnx_shard as ns
+    from nnx_shard.hf import load_pretrained
+
+    new, rounds = (32, 1) if args.quick else (HF_NEW, args.rounds)
+    folder = tempfile.mkdtemp(prefix="nnx_shard_hf_llama_")
+    try:
+        ref = _Reference(python, folder, args.quick)
+        try:
+            model = load_pretrained(folder, mesh="data=1", rules=ns.strategies.get("dp").rules)
+            assert model.cfg.num_params == ref.meta["parameters"], (model.cfg.num_params,
+                                                                     ref.meta["parameters"])
+            rows = [_hf_batch(ref, model, b, new, rounds, model.cfg.vocab) for b in HF_BATCHES]
+        finally:
+            ref.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    shape = ref.meta["config"]
+    where = (f"{jax.default_backend()} ({jax.devices()[0].device_kind}), {os.cpu_count()} "
+             f"CPU cores, torch threads {ref.meta['threads']}")
+    print(f"\nagainst transformers: Llama of {ref.meta['parameters'] / 1e6:.1f}M parameters "
+          f"(hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
+          f"vocab {shape['vocab_size']}), float32, greedy, prompt {HF_PROMPT} + {new} new "
+          f"tokens, median of {rounds} rounds; {where}\n")
+    print_table(
+        ["batch", "nnx_shard generate tok/s", "nnx_shard stream tok/s",
+         "transformers generate tok/s", "generate / transformers", "stream / generate",
+         "rows equal (first difference)"],
+        [[r["batch"], f"{r['generate_tokens_per_s']:.1f}", f"{r['stream_tokens_per_s']:.1f}",
+          f"{r['transformers_tokens_per_s']:.1f}", f"{r['generate_vs_transformers']:.2f}x",
+          f"{r['stream_vs_generate']:.2f}",
+          f"{r['rows_equal']}/{r['rows']}" + (f" (token {r['first_difference_at']})"
+                                              if r["first_difference_at"] is not None else "")]
+         for r in rows])
+    meta = {k: v for k, v in ref.meta.items() if k not in ("ready", "checkpoint")}
+    write_json(HF_RESULTS, {"meta": meta | {
+        "jax": jax.__version__, "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind, "cpus": os.cpu_count(),
+        "machine": platform.machine(), "rounds": rounds, "stream_chunk": STREAM_CHUNK,
+        "quick": args.quick}, "results": rows})
+    print(json.dumps({"generate_vs_transformers": [round(r["generate_vs_transformers"], 2)
+                                                   for r in rows],
+                      "stream_vs_generate": [round(r["stream_vs_generate"], 3) for r in rows]}))
 
 
 if __name__ == "__main__":
