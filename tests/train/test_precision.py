@@ -317,3 +317,31 @@ def test_precision_keeps_the_float_dtypes_it_documents():
         assert ns.Precision(params=name, compute="bf16").params.name in (
             "float32", "bfloat16", "float64")
     assert ns.Precision(params=jnp.bfloat16, compute=jnp.float32).compute == jnp.float32
+
+
+def test_lora_adapters_train_in_bfloat16_compute():
+    # An adapted kernel computes nothing itself (the layer reading it does), so
+    # Precision accepts it; the adapters train, the base stays bitwise as loaded.
+    base_only = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+    losses = {}
+    for name, dtype, precision in (("f32", jnp.float32, None), ("bf16", jnp.bfloat16, MIXED)):
+        model = Llama(LlamaConfig(dtype=dtype), rngs=nnx.Rngs(0))
+        ns.lora(model, rank=4, alpha=8, targets=r"attn/(q|v)$|mlp/down$")
+        if precision is not None:
+            precision.check(model)
+        before = jax.tree.map(np.asarray, nnx.state(model, base_only))
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+        dp = ns.strategies.get("dp")
+        trainer = ns.Trainer(model, opt, lm_loss, mesh=dp.make_mesh(jax.device_count()),
+                             rules=dp.rules, steps_per_call=2, precision=precision)
+        tokens = np.random.default_rng(0).integers(
+            0, 128, (4, jax.device_count(), 16)).astype(np.int32)
+        hist = trainer.fit(({"inputs": t, "targets": t} for t in tokens), num_steps=4,
+                           progress=False)
+        losses[name] = np.asarray(hist["loss"])
+        after = nnx.state(model, base_only)
+        assert all(jax.tree.leaves(jax.tree.map(
+            lambda a, b: bool(np.array_equal(a, np.asarray(b))), before, after)))
+        assert model.blocks[0].attn.q.lora_b.get_value().dtype == jnp.float32
+        assert float(np.abs(model.blocks[0].attn.q.lora_b.get_value()).max()) > 0
+    assert_close(losses["bf16"], losses["f32"], rtol=BF16_RTOL, what="LoRA loss in bf16 compute")
