@@ -705,7 +705,7 @@ _BIG = dict(scan_layers=True, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 #: Named configurations. ``tiny`` (grouped-query Llama) and ``tiny_qwen3``
 #: (q/k norm, ``head_dim`` != ``embed / heads``, tied embeddings) are for tests;
 #: the others carry the published shapes of Llama 3.1 8B / 70B / 405B,
-#: Qwen3-0.6B, Mistral-7B-v0.1 and Qwen2.5-7B (from their ``config.json``; Llama 3's 8B and 70B have the same
+#: Qwen3-0.6B, Mistral-7B-v0.1, Qwen2.5-7B and Gemma 2 9B (from their ``config.json``; Llama 3's 8B and 70B have the same
 #: shapes, without ``rope_scaling``), with stacked layers and bfloat16
 #: parameters, for planning with :func:`nnx_shard.abstract_init`.
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
@@ -739,13 +739,23 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         vocab=152064, embed=3584, heads=28, kv_heads=4, head_dim=128, mlp=18944, layers=28,
         rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, max_length=131072,
         model_type="qwen2", **_BIG),
+    # Gemma 2 9B: four norms per block, soft-caps 50 (attention) / 30 (logits), a
+    # 4096-token window in every other layer from the first, query_pre_attn_scalar 256,
+    # tied. 9,241,705,984 parameters (the published 9.24B).
+    "gemma2-9b": LlamaConfig(
+        vocab=256000, embed=3584, heads=16, kv_heads=8, head_dim=256, mlp=14336, layers=42,
+        rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
+        activation="gelu_pytorch_tanh", embed_scale=True, norm_offset=True,
+        sandwich_norms=True, query_scale=256.0, attn_softcap=50.0, final_softcap=30.0,
+        sliding_window=4096, window_layers=(True, False) * 21, max_length=8192,
+        model_type="gemma2", **_BIG),
 }
 
 
 def get_llama_config(name: str) -> LlamaConfig:
     """A named :class:`LlamaConfig` from :data:`LLAMA_CONFIGS`: ``tiny``,
     ``tiny_qwen3`` (tests), ``llama3-8b``, ``llama3-70b``, ``llama3-405b``,
-    ``qwen3-0.6b``, ``mistral-7b``, ``qwen2.5-7b`` (published shapes; plan them with
+    ``qwen3-0.6b``, ``mistral-7b``, ``qwen2.5-7b``, ``gemma2-9b`` (published shapes; plan them with
     :func:`nnx_shard.abstract_init`, nothing is allocated).
 
     >>> get_llama_config("llama3-70b").kv_heads
@@ -753,7 +763,7 @@ def get_llama_config(name: str) -> LlamaConfig:
     >>> get_llama_config("llama-8b")
     Traceback (most recent call last):
     ...
-    ValueError: unknown Llama config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_qwen3, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b
+    ValueError: unknown Llama config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_qwen3, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b, gemma2-9b
     """
     try:
         return LLAMA_CONFIGS[name]
