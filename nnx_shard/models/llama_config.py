@@ -379,7 +379,11 @@ class LlamaConfig:
             out.update(hidden_activation=self.activation, sliding_window=self.sliding_window,
                        layer_types=["sliding_attention" if f else "full_attention"
                                     for f in local],
-                       query_pre_attn_scalar=self.query_scale,
+                       # transformers types it int (a float fails its config check)
+                       query_pre_attn_scalar=(int(self.query_scale)
+                                              if self.query_scale is not None
+                                              and self.query_scale.is_integer()
+                                              else self.query_scale),
                        attn_logit_softcapping=self.attn_softcap,
                        final_logit_softcapping=self.final_softcap)
         if self.model_type == "gemma3_text":
@@ -394,6 +398,9 @@ class LlamaConfig:
             out["mlp_bias"] = self.mlp_bias
         elif self.model_type in ("mistral", "phi3"):
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "phi3" and self.vocab <= 32000:
+            # Phi3Config's default pad id (32000) must index the embedding.
+            out["pad_token_id"] = None
         elif self.model_type in (*_GEMMAS, "olmo2"):
             pass
         else:  # qwen2 / qwen3: a window in every layer, or none
