@@ -658,9 +658,13 @@ def _optional_real(cfg: LlamaConfig, name: str) -> None:
         return
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or value <= 0:
+        example = {"attn_softcap": "50.0 (Gemma 2's attention soft-cap)",
+                   "final_softcap": "30.0 (Gemma 2's logit soft-cap)",
+                   "query_scale": "256.0 (Gemma 2's query_pre_attn_scalar)",
+                   "rope_local_theta": "10000.0 (Gemma 3's local rotary base)"}[name]
         raise UsageError(f"LlamaConfig.{name}={short(value, 60)} must be None or a finite "
-                         f"number > 0 ({type(value).__name__} given). Fix: e.g. {name}=50.0 "
-                         "(Gemma 2's attention soft-cap), or None to leave it out.")
+                         f"number > 0 ({type(value).__name__} given). Fix: e.g. {name}="
+                         f"{example}, or None to leave it out.")
     object.__setattr__(cfg, name, float(value))
 
 
