@@ -165,9 +165,15 @@ def _tile_mask(masks: Masks, causal: bool, q_offset: Any, q0: Any, nq: int, k0: 
 # --------------------------------------------------------------------------- block math
 
 
-def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
+def _scores(q: jax.Array, k: jax.Array, softcap: float | None = None) -> jax.Array:
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=_F32)
-    return s / math.sqrt(q.shape[-1])
+    return _capped(s / math.sqrt(q.shape[-1]), softcap)
+
+
+def _capped(s: jax.Array, softcap: float | None) -> jax.Array:
+    """Gemma 2's attention logit soft-capping, ``cap * tanh(s / cap)``, on the scaled
+    scores (before the mask); ``None``: the scores unchanged."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
 def _rows(w: jax.Array) -> jax.Array:
@@ -176,10 +182,10 @@ def _rows(w: jax.Array) -> jax.Array:
     return jnp.moveaxis(w, 3, 1)[..., None]
 
 
-def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+               softcap: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised output, row sums and row maxima of one query/key block."""
-    s = _scores(q, k)
+    s = _scores(q, k, softcap)
     if mask is not None:
         s = jnp.where(mask, s, _NEG)
     m = jnp.max(s, axis=-1)
@@ -219,14 +225,18 @@ def delta(do: jax.Array, out: jax.Array) -> jax.Array:
 
 
 def _block_bwd(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
-               dlt: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    s = _scores(q, k)
+               dlt: jax.Array, mask: jax.Array | None, softcap: float | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    s = _scores(q, k, softcap)
     p = jnp.exp(s - lse[..., None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, do)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", do, v.astype(_F32))
-    ds = p * (dp - dlt[..., None]) / math.sqrt(q.shape[-1])
+    ds = p * (dp - dlt[..., None])
+    if softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, and s = cap * tanh
+        ds = ds * (1.0 - jnp.square(s / softcap))
+    ds = ds / math.sqrt(q.shape[-1])
     dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k.astype(_F32))
     dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q.astype(_F32))
     return dq, dk, dv
@@ -276,7 +286,8 @@ def _q_start(j: Any, bq: int, bk: int, nq: int, causal: bool, q_offset: Any) -> 
 
 
 def stats(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, *, causal: bool,
-          q_offset: Any = 0, block: int | None = None) -> tuple[jax.Array, ...]:
+          q_offset: Any = 0, block: int | None = None, softcap: float | None = None
+          ) -> tuple[jax.Array, ...]:
     """``(output, row sums, row maxima)`` of queries ``q [b, q_len, kv_heads, group, d]``
     against keys/values ``k, v [b, kv_len, kv_heads, d]``, the output unnormalised
     (float32), the statistics ``[b, kv_heads, group, q_len]``: one tile if ``block`` is
@@ -291,7 +302,8 @@ def stats(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, *, causal: boo
     bq, nq = _blocks(lq, block)
     bk, nk = _blocks(lk, block)
     if nq == 1 and nk == 1:
-        return _block_fwd(q, k, v, _tile_mask(masks, causal, q_offset, 0, lq, 0, lk, None))
+        return _block_fwd(q, k, v, _tile_mask(masks, causal, q_offset, 0, lq, 0, lk, None),
+                          softcap)
     kv_len = lk if nk * bk != lk else None
     q = _pad(q, 1, nq * bq, 0)
     k, v = _pad(k, 1, nk * bk, 0), _pad(v, 1, nk * bk, 0)
@@ -308,7 +320,7 @@ def stats(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, *, causal: boo
             vj = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, 1)
             mask = _tile_mask(qmasks.keys(j * bk, bk), causal, q_offset, i * bq, bq, j * bk, bk,
                               kv_len)
-            return merge(tile, _block_fwd(qi, kj, vj, mask))
+            return merge(tile, _block_fwd(qi, kj, vj, mask, softcap))
 
         empty = (jnp.zeros((b, bq, hk, g, dv), _F32), jnp.zeros((b, hk, g, bq), _F32),
                  jnp.full((b, hk, g, bq), _NEG, _F32))
@@ -328,7 +340,8 @@ def stats(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, *, causal: boo
 
 def grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
           dlt: jax.Array, masks: Masks, *, causal: bool, q_offset: Any = 0,
-          block: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+          block: int | None = None, softcap: float | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Float32 ``(dq, dk, dv)`` of the attention :func:`stats` computes, from the output
     gradient ``do``, the log-sum-exp ``lse`` and :func:`delta`, recomputing each tile's
     scores: key blocks x the query blocks that see each (FlashAttention-2's order: a key
@@ -338,7 +351,7 @@ def grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Arra
     bk, nk = _blocks(lk, block)
     if nq == 1 and nk == 1:
         return _block_bwd(q, k, v, do, lse, dlt,
-                          _tile_mask(masks, causal, q_offset, 0, lq, 0, lk, None))
+                          _tile_mask(masks, causal, q_offset, 0, lq, 0, lk, None), softcap)
     kv_len = lk if nk * bk != lk else None
     q, do = _pad(q, 1, nq * bq, 0), _pad(do, 1, nq * bq, 0)
     # Padded query rows: lse = +inf makes their probabilities exp(s - inf) = 0.
@@ -358,7 +371,7 @@ def grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Arra
             mask = _tile_mask(kmasks.queries(i * bq, bq), causal, q_offset, i * bq, bq, j * bk,
                               bk, kv_len)
             dqb, dkb, dvb = _block_bwd(rows(q, axis=1), kj, vj, rows(do, axis=1),
-                                       rows(lse, axis=3), rows(dlt, axis=3), mask)
+                                       rows(lse, axis=3), rows(dlt, axis=3), mask, softcap)
             dq = jax.lax.dynamic_update_slice_in_dim(dq, rows(dq, axis=1) + dqb, i * bq, 1)
             return dq, dkj + dkb, dvj + dvb
 
@@ -378,26 +391,28 @@ def grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Arra
 # --------------------------------------------------------------------------- kernels
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, q_offset: Any,
-              causal: bool, block: int) -> jax.Array:
+              causal: bool, block: int, softcap: float | None = None) -> jax.Array:
     """The blockwise kernel on grouped queries ``[b, q_len, kv_heads, group, d]``; query
     row ``i`` sits at key position ``q_offset + i`` for the causal mask."""
-    return _blockwise_fwd(q, k, v, masks, q_offset, causal, block)[0]
+    return _blockwise_fwd(q, k, v, masks, q_offset, causal, block, softcap)[0]
 
 
 def _blockwise_fwd(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, q_offset: Any,
-                   causal: bool, block: int) -> tuple[jax.Array, Any]:
-    out, lse = finish(stats(q, k, v, masks, causal=causal, q_offset=q_offset, block=block),
-                      q.dtype)
+                   causal: bool, block: int, softcap: float | None = None
+                   ) -> tuple[jax.Array, Any]:
+    out, lse = finish(stats(q, k, v, masks, causal=causal, q_offset=q_offset, block=block,
+                            softcap=softcap), q.dtype)
     return out, (q, k, v, masks, q_offset, out, lse)
 
 
-def _blockwise_bwd(causal: bool, block: int, res: Any, g: jax.Array) -> tuple[Any, ...]:
+def _blockwise_bwd(causal: bool, block: int, softcap: float | None, res: Any, g: jax.Array
+                   ) -> tuple[Any, ...]:
     q, k, v, masks, q_offset, out, lse = res
     do = g.astype(_F32)
     dq, dk, dv = grads(q, k, v, do, lse, delta(do, out), masks, causal=causal,
-                       q_offset=q_offset, block=block)
+                       q_offset=q_offset, block=block, softcap=softcap)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
@@ -405,7 +420,7 @@ blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def dense(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, causal: bool,
-          q_offset: Any = 0) -> jax.Array:
+          q_offset: Any = 0, softcap: float | None = None) -> jax.Array:
     """The masked softmax on ``q [b, q_len, heads, d]``, ``k, v [b, kv_len, kv_heads, d]``
     (``masks`` in the grouped layout), differentiated by JAX: it keeps the scores and
     probabilities ``[b, heads, q_len, kv_len]``."""
@@ -420,7 +435,7 @@ def dense(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, causal: bool,
     else:
         qg = q.reshape(*q.shape[:2], hk, g, q.shape[3])
         scores = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=_F32)
-    scores = scores / math.sqrt(q.shape[-1])
+    scores = _capped(scores / math.sqrt(q.shape[-1]), softcap)
     if mask is not None:
         scores = jnp.where(mask, scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -450,7 +465,8 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool) -> str:
+def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool,
+            softcap: float | None = None) -> str:
     """The kernel ``kernel`` names for these inputs: ``"auto"`` becomes ``"cudnn"`` where
     the fused kernel applies (see the module docs), else ``"blockwise"``; ``"cudnn"``
     under context parallelism (which needs per-block statistics) becomes ``"blockwise"``,
@@ -470,6 +486,13 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
             "them (TransformerConfig(attention=...) for the reference model); 'auto' picks "
             "cudnn on GPUs and blockwise elsewhere."
         )
+    if kernel == "cudnn" and softcap is not None:
+        raise ValueError(
+            f"attention: implementation='cudnn' cannot soft-cap the attention logits "
+            f"(softcap={softcap}): jax.nn.dot_product_attention's fused kernel has no "
+            "soft-capping. Fix: implementation='blockwise' or 'dense' (LlamaConfig(attention="
+            "...)), or 'auto', which picks blockwise for soft-capped models."
+        )
     if kernel == "cudnn" and context_parallel:
         return "blockwise"
     if kernel == "cudnn" and _platform() != "gpu":
@@ -481,7 +504,7 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
         )
     if kernel != "auto":
         return kernel
-    if context_parallel or masks.present or _platform() != "gpu":
+    if context_parallel or masks.present or softcap is not None or _platform() != "gpu":
         return "blockwise"
     d = q.shape[-1]
     fits = (q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128
@@ -490,14 +513,15 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
 
 
 def attention_local(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, *, causal: bool,
-                    kernel: str, block: int = BLOCK, q_offset: Any = 0) -> jax.Array:
+                    kernel: str, block: int = BLOCK, q_offset: Any = 0,
+                    softcap: float | None = None) -> jax.Array:
     """Attention of ``q [b, q_len, heads, d]`` and ``k, v [b, kv_len, kv_heads, d]`` on one
     device with a resolved ``kernel`` (``masks`` in the grouped layout)."""
     if kernel == "dense":
-        return dense(q, k, v, masks, causal, q_offset)
+        return dense(q, k, v, masks, causal, q_offset, softcap)
     if kernel == "cudnn":
         return _cudnn(q, k, v, masks, causal)
     hk = k.shape[2]
     qg = q.reshape(*q.shape[:2], hk, q.shape[2] // hk, q.shape[3])
-    out = blockwise(qg, k, v, masks, jnp.asarray(q_offset, jnp.int32), causal, block)
+    out = blockwise(qg, k, v, masks, jnp.asarray(q_offset, jnp.int32), causal, block, softcap)
     return out.reshape(*q.shape[:3], v.shape[-1])

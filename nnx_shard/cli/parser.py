@@ -147,7 +147,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--model", default=None,
                    help="tiny, tiny_moe, small, 125m, 1b, 7b (the reference transformer); "
                         "llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, "
-                        "qwen2.5-7b (the Llama family); or "
+                        "qwen2.5-7b, gemma2-9b (the Llama family); or "
                         "--factory for your own model")
     p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
     p.add_argument("--strategy", default="fsdp_tp")

@@ -61,6 +61,7 @@ True
 from nnx_shard.hf.layout import INDEX, SINGLE
 from nnx_shard.hf.load import load_safetensors
 from nnx_shard.hf.mapping import (
+    GEMMA2_MAPPING,
     LLAMA_MAPPING,
     LLAMA_TIED_MAPPING,
     OLMO2_MAPPING,
@@ -73,6 +74,7 @@ from nnx_shard.hf.save import save_safetensors
 from nnx_shard.hf.source import Source, remember_source, source_of
 
 __all__ = [
+    "GEMMA2_MAPPING",
     "INDEX",
     "LLAMA_MAPPING",
     "LLAMA_TIED_MAPPING",

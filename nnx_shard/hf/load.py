@@ -13,6 +13,7 @@ from flax import nnx
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
 from nnx_shard.errors import UsageError, short
+from nnx_shard.hf import fused
 from nnx_shard.hf.layout import checkpoint_files, layouts, program
 from nnx_shard.hf.mapping import Leaf, MappingValue, compile_rules, leaves_of, mapping_for, match
 from nnx_shard.init import _rewrap
@@ -146,7 +147,8 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
                         "rngs=nnx.Rngs(0)), mesh, rules)")
     files = checkpoint_files(path)
     _check_config(path, target)
-    header = st.read_header(*files)
+    # Phi-3's fused tensors are read as their parts (views of their bytes).
+    header = fused.split(st.read_header(*files), fused.fusions_for(target), os.fspath(path))
     rules = compile_rules(mapping_for(target) if mapping is None else mapping)
     graphdef, state = nnx.split(target)
     leaves = leaves_of(state, "load_safetensors")

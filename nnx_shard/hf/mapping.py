@@ -19,7 +19,7 @@ from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
 from nnx_shard.errors import UsageError, short
 
-__all__ = ['LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'OLMO2_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
+__all__ = ['GEMMA2_MAPPING', 'LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'OLMO2_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
 
 MappingValue = str | tuple[str, str] | None
 
@@ -53,6 +53,17 @@ OLMO2_MAPPING: dict[str, MappingValue] = {
     _L + r"post_attention_layernorm\.weight": r"blocks/\1/attn_post_norm/scale",
     _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
     _L + r"self_attn\.(q|k)_norm\.weight": (r"blocks/\1/attn/\2_norm/scale", "heads_bias"),
+}
+
+
+#: ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``: four norms per block (before and
+#: after attention and MLP); Gemma 3's per-head q/k norms as Qwen3's.
+GEMMA2_MAPPING: dict[str, MappingValue] = {
+    **{k: v for k, v in LLAMA_MAPPING.items() if "layernorm" not in k},
+    _L + r"input_layernorm\.weight": r"blocks/\1/attn_norm/scale",
+    _L + r"post_attention_layernorm\.weight": r"blocks/\1/attn_post_norm/scale",
+    _L + r"pre_feedforward_layernorm\.weight": r"blocks/\1/mlp_norm/scale",
+    _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
 }
 
 
@@ -105,6 +116,9 @@ def mapping_for(model: Any) -> dict[str, MappingValue]:
     from nnx_shard.models.llama import Llama
 
     if isinstance(model, Llama):
+        if model.cfg.sandwich_norms:
+            return (GEMMA2_MAPPING | {r"lm_head\.weight": None} if model.cfg.tie_embeddings
+                    else GEMMA2_MAPPING)
         if model.cfg.post_norms or model.cfg.qk_norm_full:
             return (OLMO2_MAPPING | {r"lm_head\.weight": None} if model.cfg.tie_embeddings
                     else OLMO2_MAPPING)

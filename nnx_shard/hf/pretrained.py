@@ -29,7 +29,7 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     parameter read straight into the sharding ``rules`` give it on ``mesh``.
 
     The family comes from ``config.json``'s ``model_type``: ``llama``, ``qwen3``,
-    ``qwen2``, ``mistral``, ``gemma`` and ``olmo2`` build a :class:`~nnx_shard.models.Llama` from
+    ``qwen2``, ``mistral``, ``gemma``, ``olmo2``, ``gemma2``, ``gemma3_text`` and ``phi3`` build a :class:`~nnx_shard.models.Llama` from
     :meth:`LlamaConfig.from_hf <nnx_shard.models.LlamaConfig.from_hf>`. The
     equivalent by hand is ``ns.load_safetensors(path, ns.abstract_init(lambda:
     Llama(LlamaConfig.from_hf(path), rngs=nnx.Rngs(0)), mesh, rules))``.

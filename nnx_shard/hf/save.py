@@ -18,7 +18,7 @@ from flax import nnx
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
 from nnx_shard.errors import NnxShardError, count, short
-from nnx_shard.hf import export_dir
+from nnx_shard.hf import export_dir, fused
 from nnx_shard.hf.layout import INDEX, SINGLE, as_path, barrier, layouts, program
 from nnx_shard.hf.mapping import (
     TRANSFORM_FNS,
@@ -240,6 +240,9 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     rules = compile_rules(mapping_for(model) if mapping is None else mapping)
     leaves = _plan_save(nnx.state(model), rules)
     tensors, order, groups, names = _plan_files(leaves, max_shard_bytes, dtype)
+    # Phi-3 stores q/k/v and gate/up fused: written as parts into their fused tensors.
+    found = fused.fusions_for(model)
+    groups = fused.regroup(groups, found)
     out = _target(path)
     extra = ([INDEX] if len(groups) > 1 else []) + list(files)
     token = _shared_token()
@@ -254,11 +257,12 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
                 stage.mkdir()
                 export_dir.write_marker(stage, token, out.name, None)
                 for name, group in zip(names, groups, strict=True):
-                    st.create(str(stage / name), {k: tensors[k][:2] for k in group},
+                    st.create(str(stage / name),
+                              fused.fuse_names({k: tensors[k][:2] for k in group}, found),
                               {"format": "pt"})
         barrier("nnx_shard.save_safetensors.create")
         with _failing(out, stage, token, remove=first):
-            _write_tensors(model, leaves, [str(stage / n) for n in names], dtype)
+            _write_tensors(model, leaves, [str(stage / n) for n in names], dtype, found)
         barrier("nnx_shard.save_safetensors.written")
         if first:
             with _failing(out, stage, token):
@@ -267,7 +271,8 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
                                 for k in order)
                     index = {"metadata": {"total_size": total},
                              "weight_map": {k: n for n, g in zip(names, groups, strict=True)
-                                            for k in g}}
+                                            for k in fused.fuse_names(
+                                                {k: tensors[k][:2] for k in g}, found)}}
                     st.write_file(str(stage / INDEX), (json.dumps(index, indent=2) + "\n").encode())
                 for name, raw in files.items():
                     st.write_file(str(stage / name), raw)
@@ -323,9 +328,9 @@ def _failing(out: Path, stage: Path, token: str, *, remove: bool = True) -> Iter
 
 
 def _write_tensors(model: Any, leaves: Mapping[str, Leaf], files: Sequence[str],
-                   dtype: Any) -> None:
+                   dtype: Any, found: list[fused.Fusion]) -> None:
     """Writes this process's shards of every parameter into the created ``files``."""
-    header = st.read_header(*files)
+    header = fused.split(st.read_header(*files), found, "save_safetensors")
     arrays = {path_str(k): v.get_value() if isinstance(v, nnx.Variable) else v
               for k, v in nnx.to_flat_state(nnx.state(model))}
     for leaf in leaves.values():

@@ -189,7 +189,8 @@ class Rows(nnx.Module):
 
 
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
-           valid: jax.Array | None = None, *, window: int | None = None) -> jax.Array:
+           valid: jax.Array | None = None, *, window: Any = None,
+           softcap: float | None = None) -> jax.Array:
     """Causal attention of queries ``q [batch, T, heads, head_dim]`` at positions
     ``index .. index + T - 1`` against the cache ``keys``, ``values [batch,
     length, kv_heads, head_dim]`` (grouped-query: query head ``h`` reads
@@ -200,7 +201,9 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
     Positions of the cache after a query's own are masked, so entries not yet
     written never contribute; so are positions where ``valid [batch, length]``
     (:func:`valid_keys`, e.g. the padding of a left-padded prompt) is ``False``,
-    and, with a sliding ``window``, those ``window`` or more before the query's own.
+    and, with a sliding ``window`` (an int, or traced: a scanned layer's own), those
+    ``window`` or more before the query's own. ``softcap`` soft-caps the scaled
+    scores as :func:`nnx_shard.attention` does.
     The key/value heads are never repeated: each
     group of query heads reads its cache head where it lies. Under a length
     split over a context axis, each device scores its positions and the
@@ -226,6 +229,8 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
     scores = jnp.einsum("btgrd,blgd->bgrtl", grouped, keys,
                         out_sharding=score_spec).astype(jnp.float32)
     scores = scores / math.sqrt(dim)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     at = (index + jnp.arange(steps))[:, None]
     visible = jnp.arange(length)[None, :] <= at
     if window is not None:
@@ -250,23 +255,24 @@ def init_layers(blocks: Any, layers: int | None, batch: int, length: int) -> Non
 
 
 def decode_layers(blocks: Any, stacked: bool, x: jax.Array,
-                  step: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
+                  step: Callable[..., jax.Array], flags: Any = None) -> jax.Array:
     """``x`` through every block, ``step(block, x)`` each, caches updated in place:
     a Python loop over an ``nnx.List`` of blocks, or one ``jax.lax.scan`` over
     blocks stacked with ``nnx.vmap`` (the cache is stacked alike and scanned
     with the parameters; each layer's updated cache comes back as the scan's
-    output)."""
+    output). With ``flags`` (one per layer), ``step(block, x, flag)`` gets its layer's."""
     if not stacked:
-        for block in blocks:
-            x = step(block, x)
+        for i, block in enumerate(blocks):
+            x = step(block, x) if flags is None else step(block, x, jnp.asarray(flags[i]))
         return x
     graphdef, cache, rest = nnx.split(blocks, nnx.Cache, ...)  # type: ignore[misc]
 
     def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
-        block = nnx.merge(graphdef, *layer)
-        h = step(block, h)
+        *parts, local = layer
+        block = nnx.merge(graphdef, *parts)
+        h = step(block, h) if flags is None else step(block, h, local)
         return h, nnx.state(block, nnx.Cache)
 
-    x, updated = jax.lax.scan(body, x, (cache, rest))
+    x, updated = jax.lax.scan(body, x, (cache, rest, flags))
     nnx.update(blocks, updated)
     return x

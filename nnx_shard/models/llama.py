@@ -70,18 +70,20 @@ from nnx_shard.parallel.ring import attention
 
 __all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig", "get_llama_config"]
 
-def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
     """The rotary inverse frequencies ``[head_dim / 2]`` (float32), with the
     ``llama3`` scaling applied when the config has it, computed in float32 as
-    transformers does.
+    transformers does; ``local``: the sliding layers' (base ``rope_local_theta``
+    when the config has one, never scaled, as Gemma 3's).
 
     >>> rope_frequencies(get_llama_config("tiny"))[:2]
     array([1.  , 0.1], dtype=float32)
     """
     d = cfg.head_dim
     exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    inv = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
-    if cfg.rope_scaling is None:
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    if cfg.rope_scaling is None or (local and cfg.rope_local_theta):
         return inv
     s = dict(cfg.rope_scaling)
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
@@ -95,30 +97,33 @@ def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _rotary_tables(cfg: LlamaConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
+def _rotary_tables(cfg: LlamaConfig, length: int, local: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
     # Host constants (the positions are static): nothing traced is closed over
     # by the scanned or pipelined layer body.
-    inv = rope_frequencies(cfg)
+    inv = rope_frequencies(cfg, local)
     freqs = np.arange(length, dtype=np.float32)[:, None] * inv[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
-def _rotary_at(cfg: LlamaConfig, index: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
+def _rotary_at(cfg: LlamaConfig, index: jax.Array, steps: int, local: bool = False
+               ) -> tuple[jax.Array, jax.Array]:
     """The rotary tables of positions ``index .. index + steps - 1`` (``index``
     traced: the decode step's position), computed as :func:`_rotary_tables`."""
-    inv = jnp.asarray(rope_frequencies(cfg))
+    inv = jnp.asarray(rope_frequencies(cfg, local))
     positions = (index + jnp.arange(steps, dtype=jnp.int32)).astype(jnp.float32)
     freqs = positions[:, None] * inv[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def _rotary_of(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _rotary_of(cfg: LlamaConfig, positions: jax.Array, local: bool = False
+               ) -> tuple[jax.Array, jax.Array]:
     """The rotary tables ``[batch, length, head_dim]`` of per-token ``positions
     [batch, length]``, computed as :func:`_rotary_tables`, laid out like the queries
     they rotate (whole sequence; split under context parallelism)."""
-    inv = jnp.asarray(rope_frequencies(cfg))
+    inv = jnp.asarray(rope_frequencies(cfg, local))
     freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return constrain(jnp.cos(emb), _seq(GATHERED)), constrain(jnp.sin(emb), _seq(GATHERED))
@@ -186,6 +191,25 @@ def _windowed(mask: jax.Array | None, window: int | None, length: int) -> jax.Ar
     return band if mask is None else mask & band
 
 
+def _layer_mask(mask: jax.Array | None, window: int | None, length: int, local: Any
+                ) -> jax.Array | None:
+    """The mask of a layer: the window's band where ``local`` (``None``: the layers
+    are alike, every one windowed when ``window`` is set; else a traced flag, the
+    scanned layer's own, selecting between the banded and the plain mask)."""
+    banded = _windowed(mask, window, length)
+    if local is None or banded is mask or banded is None:
+        return banded
+    return jnp.where(local, banded, True if mask is None else mask)
+
+
+def _pick(local: Any, tables: Any, local_tables: Any) -> Any:
+    """The rotary tables of a layer: ``local_tables`` (the sliding layers' base) where
+    ``local``, else ``tables``."""
+    if local_tables is None or local is None:
+        return tables
+    return tuple(jnp.where(local, lt, t) for t, lt in zip(tables, local_tables, strict=True))
+
+
 class Attention(nnx.Module):
     """Grouped-query causal self-attention with rotary embeddings (and Qwen3's
     per-head q/k norm). Q/K/V split column-wise over ``heads`` / ``kv_heads``,
@@ -212,11 +236,22 @@ class Attention(nnx.Module):
         self.q_norm: RMSNorm | None = nnx.data(norm(h, "heads"))
         self.k_norm: RMSNorm | None = nnx.data(norm(g, "kv_heads"))
         self.kernel = cfg.attention
-        self.window = cfg.sliding_window
+        flags = cfg.local_layers()
+        # Alike layers apply their window (if any) statically; mixed ones get a flag.
+        self.window = cfg.sliding_window if all(flags) or not any(flags) else None
+        self.mixed_window = cfg.sliding_window if self.window is None else None
+        self.softcap = cfg.attn_softcap
+        # query_pre_attn_scalar: the kernels divide by sqrt(head_dim); the queries
+        # carry the rest of the factor.
+        self.q_factor = (None if cfg.query_scale is None or cfg.query_scale == k
+                         else math.sqrt(k / cfg.query_scale))
         self.dtype = cfg.dtype
 
-    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS
-                 ) -> jax.Array:
+    def _scaled(self, q: jax.Array) -> jax.Array:
+        return q if self.q_factor is None else q * jnp.asarray(self.q_factor, q.dtype)
+
+    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,
+                 local: Any = None) -> jax.Array:
         dt = self.dtype
         heads = _seq(("batch", None, "heads", "kv"))
         kv_heads = _seq(("batch", None, "kv_heads", "kv"))
@@ -230,9 +265,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # k, v keep their kv_heads: the op groups the query heads per key/value head.
-        out = attention(q, k, v, causal=True, mask=_windowed(extras.mask, self.window,
-                                                             q.shape[1]),
-                        segment_ids=extras.segment_ids, implementation=self.kernel)
+        mask = (_windowed(extras.mask, self.window, q.shape[1]) if self.mixed_window is None
+                else _layer_mask(extras.mask, self.mixed_window, q.shape[1], local))
+        out = attention(self._scaled(q), k, v, causal=True, mask=mask,
+                        segment_ids=extras.segment_ids, implementation=self.kernel,
+                        softcap=self.softcap)
         return _add(einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l"),
                     self.o_bias, dt)
 
@@ -245,7 +282,8 @@ class Attention(nnx.Module):
         self.cached_value = kv_cache.new(shape, self.dtype, layers)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+               sin: jax.Array, valid: jax.Array | None = None, local: Any = None
+               ) -> jax.Array:
         """Attention of ``x [batch, T, embed]`` at positions ``index ..`` (their
         rotary tables ``cos``, ``sin``) against the cache, after storing its
         keys and values there (``valid``: which cache positions hold real keys,
@@ -260,8 +298,12 @@ class Attention(nnx.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
         self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
-        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid,
-                              window=self.window)
+        window: Any = self.window
+        if self.mixed_window is not None and local is not None:
+            # A traced flag: a window past any position where the layer is global.
+            window = jnp.where(local, self.mixed_window, jnp.iinfo(jnp.int32).max // 2)
+        out = kv_cache.attend(self._scaled(q), self.cached_key[...], self.cached_value[...],
+                              index, valid, window=window, softcap=self.softcap)
         return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
                            RESIDUAL), self.o_bias, dt)
 
@@ -301,6 +343,8 @@ class Block(nnx.Module):
             return _norm(cfg, cfg.embed, ("embed",), rngs)
 
         pre, post = (None, norm) if cfg.post_norms else (norm, None)
+        if cfg.sandwich_norms:
+            pre = post = norm
         self.attn_norm: RMSNorm | None = nnx.data(pre and pre())
         self.attn = Attention(cfg, rngs=rngs)
         self.attn_post_norm: RMSNorm | None = nnx.data(post and post())
@@ -312,32 +356,46 @@ class Block(nnx.Module):
     def _apply(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
         return x if norm is None else norm(x)
 
-    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS
-                 ) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,
+                 local: Any = None) -> jax.Array:
         n = self._apply
-        y = self.attn(constrain(n(self.attn_norm, x), _block_input()), cos, sin, extras)
+        y = self.attn(constrain(n(self.attn_norm, x), _block_input()), cos, sin, extras, local)
         x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
         y = self.mlp(constrain(n(self.mlp_norm, x), _block_input()))
         return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+               sin: jax.Array, valid: jax.Array | None = None, local: Any = None) -> jax.Array:
         """The block on new positions ``index ..`` only, attending through the cache."""
         n = self._apply
-        y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid)
+        y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid,
+                             local)
         x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
         y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED))
         return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
 
-def _block_runner(cfg: LlamaConfig, cos: np.ndarray, sin: np.ndarray) -> Any:
-    def call(block: Block, x: jax.Array, extras: Extras) -> jax.Array:
+def _mixed(cfg: LlamaConfig) -> bool:
+    """Whether the layers differ (sliding and global ones, and their rotary bases)."""
+    flags = cfg.local_layers()
+    return any(flags) and not all(flags)
+
+
+def _block_runner(cfg: LlamaConfig, length: int) -> Any:
+    every_local = all(cfg.local_layers())
+    tables = _rotary_tables(cfg, length, every_local)
+    local_tables = (_rotary_tables(cfg, length, True) if _mixed(cfg) and cfg.rope_local_theta
+                    else None)
+
+    def call(block: Block, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
         if extras.positions is None:
-            return block(x, cos, sin, extras)
+            c, s = _pick(local, tables, local_tables)
+            return block(x, c, s, extras, local)
         # Per-token positions: each layer rebuilds its tables from them (a few
         # elementwise ops) rather than taking traced tables by closure.
-        c, s = _rotary_of(cfg, extras.positions)
-        return block(x, c, s, extras)
+        c, s = _pick(local, _rotary_of(cfg, extras.positions, every_local),
+                     None if local_tables is None else _rotary_of(cfg, extras.positions, True))
+        return block(x, c, s, extras, local)
 
     if cfg.remat == "none":
         return call
@@ -419,23 +477,25 @@ class Llama(nnx.Module):
         extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
                          segment_ids=segment_ids, caller="Llama.forward",
                          max_positions=cfg.max_length).laid_out()
-        cos, sin = _rotary_tables(cfg, tokens.shape[1])
         x = self._embed(tokens)
-        run = _block_runner(cfg, cos, sin)
+        run = _block_runner(cfg, tokens.shape[1])
+        # Mixed layers (Gemma 2 / 3): each layer's flag travels with its parameters.
+        flags = np.asarray(cfg.local_layers()) if _mixed(cfg) else None
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
             def body(carry: Any, layer: Any) -> tuple[Any, None]:
                 h, ex = carry
-                return (run(nnx.merge(graphdef, layer), h, ex), ex), None
+                params, local = layer
+                return (run(nnx.merge(graphdef, params), h, ex, local), ex), None
 
             # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline). The
             # masks and positions ride in the carry: a pipeline cuts them into
             # microbatches with x.
-            (x, _), _ = pipeline.scan(body, (x, extras), state)
+            (x, _), _ = pipeline.scan(body, (x, extras), (state, flags))
         else:
-            for block in self.blocks:
-                x = run(block, x, extras)
+            for i, block in enumerate(self.blocks):
+                x = run(block, x, extras, None if flags is None else jnp.asarray(flags[i]))
         return self._logits(x), jnp.zeros((), jnp.float32)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
@@ -453,6 +513,9 @@ class Llama(nnx.Module):
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype), names)
         else:
             logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype), names)
+        if cfg.final_softcap is not None:  # Gemma 2's, in float32 as transformers
+            cap = cfg.final_softcap
+            return cap * jnp.tanh(logits.astype(jnp.float32) / cap)
         # The product comes out in the compute dtype and is cast up for the softmax and
         # the loss (as MaxText does by default): asking the matmul for float32 output
         # (preferred_element_type) made XLA's partitioner all-gather the unembedding's
@@ -523,20 +586,34 @@ class Llama(nnx.Module):
         index = self.cache_index[...]
         steps = tokens.shape[1]
         valid = None
+        mixed, every_local = _mixed(cfg), all(cfg.local_layers())
+        local_tables = None
         if attention_mask is None:
-            cos, sin = _rotary_at(cfg, index, steps)
+            cos, sin = _rotary_at(cfg, index, steps, every_local)
+            if mixed and cfg.rope_local_theta:
+                local_tables = _rotary_at(cfg, index, steps, True)
         else:
             extras = prepare(tokens, attention_mask=attention_mask, positions=None,
                              segment_ids=None, caller="Llama.decode")
             assert extras.mask is not None
             positions, valid = self.cache_rows.advance(extras.mask[:, 0, 0], index)
             # Decoding runs on the gathered sequence (generation's rules): plain tables.
-            inv = jnp.asarray(rope_frequencies(cfg))
-            freqs = positions.astype(jnp.float32)[..., None] * inv
-            emb = jnp.concatenate([freqs, freqs], axis=-1)
-            cos, sin = jnp.cos(emb), jnp.sin(emb)
+            def tables(local: bool) -> tuple[jax.Array, jax.Array]:
+                inv = jnp.asarray(rope_frequencies(cfg, local))
+                freqs = positions.astype(jnp.float32)[..., None] * inv
+                emb = jnp.concatenate([freqs, freqs], axis=-1)
+                return jnp.cos(emb), jnp.sin(emb)
+
+            cos, sin = tables(every_local)
+            if mixed and cfg.rope_local_theta:
+                local_tables = tables(True)
         x = self._embed(tokens)
-        x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
-                                   lambda block, h: block.decode(h, index, cos, sin, valid))
+        flags = np.asarray(cfg.local_layers()) if mixed else None
+
+        def step(block: Block, h: jax.Array, local: Any = None) -> jax.Array:
+            c, s = _pick(local, (cos, sin), local_tables)
+            return block.decode(h, index, c, s, valid, local)
+
+        x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x, step, flags)
         self.cache_index[...] = index + steps
         return self._logits(x)

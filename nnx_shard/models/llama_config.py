@@ -26,14 +26,18 @@ from nnx_shard.safetensors_io import described
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig", "get_llama_config"]
 
 #: ``config.json`` model types :meth:`LlamaConfig.from_hf` reads.
-MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "gemma", "olmo2")
+MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "gemma", "olmo2", "gemma2", "gemma3_text",
+               "phi3")
 #: MLP activations (transformers' ``hidden_act`` names) the model implements:
 #: SwiGLU's SiLU, and Gemma's tanh approximation of GELU.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: The architectures :meth:`LlamaConfig.to_hf` names for each model type.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                 "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+_GEMMAS = ("gemma", "gemma2", "gemma3_text")
 #: ``rope_scaling`` types the model implements (``"default"``: none).
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -79,7 +83,22 @@ class LlamaConfig:
         (keys) together rather than one per head (OLMo 2).
       sliding_window: ``None``, or the keys each query sees: itself and the
         ``sliding_window - 1`` before it (Mistral's ``sliding_window``, Qwen2's
-        with ``use_sliding_window``), in every layer.
+        with ``use_sliding_window``), in every layer, or in the layers
+        ``window_layers`` marks.
+      window_layers: ``None`` (the window, if any, in every layer), or one flag per
+        layer: which layers slide (Gemma 2 / 3's ``layer_types``; the others attend
+        to every earlier key).
+      rope_local_theta: ``None``, or the rotary base of the sliding layers (Gemma 3's
+        ``rope_local_base_freq``; the others use ``rope_theta``).
+      sandwich_norms: each block normalizes the attention's and the MLP's inputs and
+        outputs (Gemma 2 / 3's four norms per block).
+      query_scale: ``None``, or the attention scores' divisor's square
+        (``query_pre_attn_scalar``: scores are ``q.k / sqrt(query_scale)``, not
+        ``/ sqrt(head_dim)``).
+      attn_softcap: ``None``, or the attention logit soft-cap (Gemma 2's
+        ``attn_logit_softcapping``): scores become ``cap * tanh(scores / cap)``.
+      final_softcap: ``None``, or the output logits' soft-cap
+        (``final_logit_softcapping``).
       mlp_bias: biases on the gate, up and down projections (Llama's ``mlp_bias``).
       max_length: ``max_position_embeddings`` (written back to ``config.json``;
         the rotation itself works at any length).
@@ -123,6 +142,12 @@ class LlamaConfig:
     post_norms: bool = False
     qk_norm_full: bool = False
     sliding_window: int | None = None
+    window_layers: Any = None
+    rope_local_theta: float | None = None
+    sandwich_norms: bool = False
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
     max_length: int = 2048
     model_type: str = "llama"
     scan_layers: bool = False
@@ -136,7 +161,9 @@ class LlamaConfig:
                             "max_length"), positive=("rope_theta", "norm_eps"),
                      flags=("tie_embeddings", "qk_norm", "attention_bias", "mlp_bias",
                             "qkv_bias", "embed_scale", "norm_offset", "post_norms", "qk_norm_full",
-                            "scan_layers"))
+                            "sandwich_norms", "scan_layers"))
+        for name in ("rope_local_theta", "query_scale", "attn_softcap", "final_softcap"):
+            _optional_real(self, name)
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"LlamaConfig.activation={self.activation!r}; valid: "
                              f"{', '.join(ACTIVATIONS)}.")
@@ -167,6 +194,7 @@ class LlamaConfig:
                              f"{', '.join(MODEL_TYPES)}.")
         # Hashable (the config is static metadata of the module's graph).
         object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling))
+        object.__setattr__(self, "window_layers", _window_layers(self))
 
     @property
     def num_params(self) -> int:
@@ -184,7 +212,7 @@ class LlamaConfig:
         if self.qk_norm:
             attn += (h * d + g * d) if self.qk_norm_full else 2 * d
         ffn = 3 * e * m + ((2 * m + e) if self.mlp_bias else 0)
-        block = attn + ffn + 2 * e
+        block = attn + ffn + (4 if self.sandwich_norms else 2) * e
         unembed = 0 if self.tie_embeddings else e * self.vocab
         return self.vocab * e + self.layers * block + e + unembed
 
@@ -233,8 +261,10 @@ class LlamaConfig:
                 f"(supported: {', '.join(MODEL_TYPES)}). Fix: pass the config.json of a "
                 "checkpoint of one of these types."
             )
-        gemma = kind == "gemma"
-        act = hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        gemma = kind in _GEMMAS
+        later = kind in ("gemma2", "gemma3_text")  # Gemma 2 and 3: four norms, windows
+        act = (hf.get("hidden_activation") if later else None) or hf.get("hidden_act") or (
+            "gelu_pytorch_tanh" if gemma else "silu")
         if gemma and act == "gelu":  # transformers' GemmaConfig reads the legacy name so
             act = "gelu_pytorch_tanh"
         if act not in ACTIVATIONS:
@@ -254,13 +284,16 @@ class LlamaConfig:
         max_length = _count(hf, "max_position_embeddings", 2048, where)
         theta, scaling = _rope(hf, where, max_length)
         layers = _count(hf, "num_hidden_layers", None, where)
+        window, window_layers = (_gemma_window(hf, kind, layers, where) if later
+                                 else (_window(hf, kind, layers, where), None))
         fields: dict[str, Any] = dict(
             vocab=_count(hf, "vocab_size", None, where),
             embed=embed,
             heads=heads,
             # transformers' defaults for a null or absent value
             kv_heads=_count(hf, "num_key_value_heads", heads, where),
-            head_dim=_count(hf, "head_dim", embed // heads, where),
+            head_dim=(embed // heads if kind == "phi3"  # Phi-3 has no head_dim key
+                      else _count(hf, "head_dim", 256 if later else embed // heads, where)),
             mlp=_count(hf, "intermediate_size", None, where),
             layers=layers,
             rope_theta=theta,
@@ -268,18 +301,26 @@ class LlamaConfig:
             norm_eps=_real(hf.get("rms_norm_eps"), "rms_norm_eps", 1e-6, where),
             # transformers' defaults: Gemma ties the embeddings, the others do not
             tie_embeddings=_flag(hf, "tie_word_embeddings", gemma, where),
-            qk_norm=kind in ("qwen3", "olmo2"),
+            qk_norm=kind in ("qwen3", "olmo2", "gemma3_text"),
             qk_norm_full=kind == "olmo2",
             post_norms=kind == "olmo2",
             # Qwen2 always has q/k/v biases and no o bias; the others read the flag.
             attention_bias=(_flag(hf, "attention_bias", False, where)
-                            if kind in ("llama", "qwen3", "gemma", "olmo2") else False),
+                            if kind in ("llama", "qwen3", "gemma", "olmo2", "gemma2",
+                                        "gemma3_text") else False),
             qkv_bias=kind == "qwen2",
             activation=act,
             embed_scale=gemma,
             norm_offset=gemma,
             mlp_bias=_flag(hf, "mlp_bias", False, where) if kind == "llama" else False,
-            sliding_window=_window(hf, kind, layers, where),
+            sliding_window=window,
+            window_layers=window_layers,
+            rope_local_theta=_local_theta(hf, where) if kind == "gemma3_text" else None,
+            sandwich_norms=later,
+            query_scale=(_real(hf.get("query_pre_attn_scalar"), "query_pre_attn_scalar", 256.0,
+                               where) if later else None),
+            attn_softcap=_softcap(hf, "attn_logit_softcapping", kind, 50.0, where),
+            final_softcap=_softcap(hf, "final_logit_softcapping", kind, 30.0, where),
             max_length=max_length,
             model_type=kind,
         )
@@ -291,6 +332,17 @@ class LlamaConfig:
             raise UsageError(f"{where}: {e} Fix: use the config.json the checkpoint was saved "
                              "with" + (", and check the overrides" if overrides else "")
                              + ".") from None
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """Which layers use the sliding window (every one with ``window_layers=None``
+        and a window; none without a window).
+
+        >>> LlamaConfig(layers=3, sliding_window=4, window_layers=(True, False, True)).local_layers()
+        (True, False, True)
+        """
+        if self.sliding_window is None:
+            return (False,) * self.layers
+        return self.window_layers or (True,) * self.layers
 
     def to_hf(self) -> dict[str, Any]:
         """The transformers ``config.json`` of this configuration (what
@@ -319,13 +371,37 @@ class LlamaConfig:
             "attention_dropout": 0.0,
             "torch_dtype": dtype,
         }
-        if self.model_type in ("llama", "qwen3", "gemma", "olmo2"):
+        if self.model_type in ("llama", "qwen3", "gemma", "olmo2", "gemma2", "gemma3_text"):
             out["attention_bias"] = self.attention_bias
+        if self.model_type in ("gemma2", "gemma3_text"):
+            del out["hidden_act"]
+            local = self.local_layers()
+            out.update(hidden_activation=self.activation, sliding_window=self.sliding_window,
+                       layer_types=["sliding_attention" if f else "full_attention"
+                                    for f in local],
+                       # transformers types it int (a float fails its config check)
+                       query_pre_attn_scalar=(int(self.query_scale)
+                                              if self.query_scale is not None
+                                              and self.query_scale.is_integer()
+                                              else self.query_scale),
+                       attn_logit_softcapping=self.attn_softcap,
+                       final_logit_softcapping=self.final_softcap)
+        if self.model_type == "gemma3_text":
+            global_rope = {"rope_type": "default", "rope_theta": self.rope_theta,
+                           **(dict(self.rope_scaling) if self.rope_scaling else {})}
+            out["rope_parameters"] = {
+                "full_attention": global_rope,
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": self.rope_local_theta or self.rope_theta}}
+            del out["rope_theta"], out["rope_scaling"]
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
-        elif self.model_type == "mistral":
+        elif self.model_type in ("mistral", "phi3"):
             out["sliding_window"] = self.sliding_window
-        elif self.model_type in ("gemma", "olmo2"):
+        if self.model_type == "phi3" and self.vocab <= 32000:
+            # Phi3Config's default pad id (32000) must index the embedding.
+            out["pad_token_id"] = None
+        elif self.model_type in (*_GEMMAS, "olmo2"):
             pass
         else:  # qwen2 / qwen3: a window in every layer, or none
             out["use_sliding_window"] = self.sliding_window is not None
@@ -447,7 +523,7 @@ def _window(hf: Mapping[str, Any], kind: str, layers: int, where: str) -> int | 
     (or as ``layer_types`` says); Llama has no window. A window in some layers
     only is refused: the model applies one to all."""
     fix = "Fix: e.g. \"sliding_window\": 4096, or null for full attention."
-    if kind == "mistral":
+    if kind in ("mistral", "phi3"):  # their models slide in every layer
         size = hf.get("sliding_window")
         return None if size is None else _count(hf, "sliding_window", None, where)
     layer_types = hf.get("layer_types")
@@ -479,6 +555,60 @@ def _window(hf: Mapping[str, Any], kind: str, layers: int, where: str) -> int | 
                          "applies one window to every layer. Fix: use a checkpoint with the "
                          "window in every layer or in none. " + fix)
     return size
+
+
+def _gemma_window(hf: Mapping[str, Any], kind: str, layers: int, where: str
+                  ) -> tuple[int | None, tuple[bool, ...] | None]:
+    """Gemma 2 / 3's window and its layers, as their configs read them: ``layer_types``,
+    else every other layer sliding from the first (Gemma 2) or all but every
+    ``sliding_window_pattern``-th (Gemma 3, 6 by default)."""
+    if hf.get("sliding_window") is None:
+        size = 4096 if "sliding_window" not in hf else None
+    else:
+        size = _count(hf, "sliding_window", None, where)
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        every = 2 if kind == "gemma2" else hf.get("sliding_window_pattern", 6)
+        every = count(every, f"{where}: sliding_window_pattern", fix="e.g. 6")
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                       for i in range(layers)]
+    if not (isinstance(layer_types, list) and len(layer_types) == layers and all(
+            t in ("full_attention", "sliding_attention") for t in layer_types)):
+        raise UsageError(f"{where}: layer_types must list \"full_attention\" / "
+                         f"\"sliding_attention\" for each of the {layers} layers, got "
+                         f"{short(layer_types, 80)}. {_FIX_VALUE}.")
+    flags = tuple(t == "sliding_attention" for t in layer_types)
+    if size is None or not any(flags):
+        return None, None
+    return size, (None if all(flags) else flags)
+
+
+def _local_theta(hf: Mapping[str, Any], where: str) -> float:
+    """Gemma 3's rotary base of the sliding layers: ``rope_parameters``'
+    ``sliding_attention`` entry, else ``rope_local_base_freq``, else 10000."""
+    rope = hf.get("rope_parameters")
+    local = rope.get("sliding_attention") if isinstance(rope, Mapping) else None
+    if isinstance(local, Mapping):
+        kind = local.get("rope_type", "default")
+        if kind != "default":
+            raise UsageError(f"{where}: rope_parameters['sliding_attention'] of type "
+                             f"{short(kind, 40)} is not implemented (the sliding layers rotate "
+                             "with the default frequencies). " + _FIX_VALUE + ".")
+        if "rope_theta" in local:
+            return _real(local["rope_theta"], "rope_parameters['sliding_attention']"
+                         "['rope_theta']", None, where)
+    return _real(hf.get("rope_local_base_freq"), "rope_local_base_freq", 10000.0, where)
+
+
+def _softcap(hf: Mapping[str, Any], key: str, kind: str, gemma2: float, where: str
+             ) -> float | None:
+    """A soft-cap of Gemma 2 / 3 (``None``: none); Gemma 2's configs default to
+    ``gemma2``, Gemma 3's to none; the other families have none."""
+    if kind not in ("gemma2", "gemma3_text"):
+        return None
+    if key not in hf:
+        return gemma2 if kind == "gemma2" else None
+    return None if hf[key] is None else _real(hf[key], key, None, where)
 
 
 def _rope(hf: Mapping[str, Any], where: str, max_length: int) -> tuple[float, Any]:
@@ -522,6 +652,39 @@ def _rope(hf: Mapping[str, Any], where: str, max_length: int) -> tuple[float, An
     return theta, _llama3(rope, where, key)
 
 
+def _optional_real(cfg: LlamaConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if value is None:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        example = {"attn_softcap": "50.0 (Gemma 2's attention soft-cap)",
+                   "final_softcap": "30.0 (Gemma 2's logit soft-cap)",
+                   "query_scale": "256.0 (Gemma 2's query_pre_attn_scalar)",
+                   "rope_local_theta": "10000.0 (Gemma 3's local rotary base)"}[name]
+        raise UsageError(f"LlamaConfig.{name}={short(value, 60)} must be None or a finite "
+                         f"number > 0 ({type(value).__name__} given). Fix: e.g. {name}="
+                         f"{example}, or None to leave it out.")
+    object.__setattr__(cfg, name, float(value))
+
+
+def _window_layers(cfg: LlamaConfig) -> tuple[bool, ...] | None:
+    """``cfg.window_layers`` as a tuple of bools (hashable), checked against the layers."""
+    value = cfg.window_layers
+    if value is None:
+        return None
+    flags = tuple(value) if isinstance(value, list | tuple) else None
+    if flags is None or len(flags) != cfg.layers or not all(isinstance(f, bool) for f in flags):
+        raise UsageError(f"LlamaConfig.window_layers={short(value, 60)} must be None or one "
+                         f"True/False per layer ({cfg.layers}). Fix: e.g. window_layers="
+                         "(True, False) * (layers // 2) for Gemma 2's alternation.")
+    if cfg.sliding_window is None:
+        raise UsageError("LlamaConfig.window_layers is set but sliding_window is None: no "
+                         "window to apply. Fix: set sliding_window=4096 (say), or "
+                         "window_layers=None.")
+    return None if all(flags) else flags
+
+
 def _scaling(value: Any) -> tuple[tuple[str, Any], ...] | None:
     if not value:
         return None
@@ -553,7 +716,7 @@ _BIG = dict(scan_layers=True, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 #: Named configurations. ``tiny`` (grouped-query Llama) and ``tiny_qwen3``
 #: (q/k norm, ``head_dim`` != ``embed / heads``, tied embeddings) are for tests;
 #: the others carry the published shapes of Llama 3.1 8B / 70B / 405B,
-#: Qwen3-0.6B, Mistral-7B-v0.1 and Qwen2.5-7B (from their ``config.json``; Llama 3's 8B and 70B have the same
+#: Qwen3-0.6B, Mistral-7B-v0.1, Qwen2.5-7B and Gemma 2 9B (from their ``config.json``; Llama 3's 8B and 70B have the same
 #: shapes, without ``rope_scaling``), with stacked layers and bfloat16
 #: parameters, for planning with :func:`nnx_shard.abstract_init`.
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
@@ -587,13 +750,23 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         vocab=152064, embed=3584, heads=28, kv_heads=4, head_dim=128, mlp=18944, layers=28,
         rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, max_length=131072,
         model_type="qwen2", **_BIG),
+    # Gemma 2 9B: four norms per block, soft-caps 50 (attention) / 30 (logits), a
+    # 4096-token window in every other layer from the first, query_pre_attn_scalar 256,
+    # tied. 9,241,705,984 parameters (the published 9.24B).
+    "gemma2-9b": LlamaConfig(
+        vocab=256000, embed=3584, heads=16, kv_heads=8, head_dim=256, mlp=14336, layers=42,
+        rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
+        activation="gelu_pytorch_tanh", embed_scale=True, norm_offset=True,
+        sandwich_norms=True, query_scale=256.0, attn_softcap=50.0, final_softcap=30.0,
+        sliding_window=4096, window_layers=(True, False) * 21, max_length=8192,
+        model_type="gemma2", **_BIG),
 }
 
 
 def get_llama_config(name: str) -> LlamaConfig:
     """A named :class:`LlamaConfig` from :data:`LLAMA_CONFIGS`: ``tiny``,
     ``tiny_qwen3`` (tests), ``llama3-8b``, ``llama3-70b``, ``llama3-405b``,
-    ``qwen3-0.6b``, ``mistral-7b``, ``qwen2.5-7b`` (published shapes; plan them with
+    ``qwen3-0.6b``, ``mistral-7b``, ``qwen2.5-7b``, ``gemma2-9b`` (published shapes; plan them with
     :func:`nnx_shard.abstract_init`, nothing is allocated).
 
     >>> get_llama_config("llama3-70b").kv_heads
@@ -601,7 +774,7 @@ def get_llama_config(name: str) -> LlamaConfig:
     >>> get_llama_config("llama-8b")
     Traceback (most recent call last):
     ...
-    ValueError: unknown Llama config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_qwen3, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b
+    ValueError: unknown Llama config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_qwen3, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b, gemma2-9b
     """
     try:
         return LLAMA_CONFIGS[name]
@@ -629,11 +802,17 @@ _SHAPE_FIELDS = {
     "tie_embeddings": "tie_word_embeddings", "qk_norm": "qk_norm (q_norm / k_norm)",
     "attention_bias": "attention_bias", "qkv_bias": "q/k/v biases",
     "mlp_bias": "mlp_bias", "sliding_window": "sliding_window",
+    "window_layers": "layer_types (which layers slide)",
+    "rope_local_theta": "rope_local_base_freq", "sandwich_norms":
+    "norms before and after attention / MLP (pre/post_feedforward_layernorm)",
+    "query_scale": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
+    "final_softcap": "final_logit_softcapping",
 }
 # What a config.json that does not parse as a model type here is compared on.
 _RAW_KEYS = ("model_type", "hidden_act", "hidden_activation", "vocab_size", "hidden_size",
              "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "tie_word_embeddings", "sliding_window")
+             "num_key_value_heads", "head_dim", "tie_word_embeddings", "sliding_window",
+             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
 
 
 def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaConfig
@@ -663,6 +842,7 @@ def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaCo
     # Not a model this reads (another family, or a value from_hf refuses): compare
     # what the file states against what the model's own config.json would.
     ours = cfg.to_hf()
-    ours["hidden_activation"] = ours["hidden_act"]
+    ours.setdefault("hidden_activation", ours.get("hidden_act"))
+    ours.setdefault("hidden_act", ours["hidden_activation"])
     return [f"{key}: checkpoint {short(hf[key], 60)}, model {ours[key]!r}"
             for key in _RAW_KEYS if key in hf and key in ours and hf[key] != ours[key]]

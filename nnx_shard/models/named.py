@@ -1,7 +1,7 @@
 """The named model configurations the planner and ``nnx-shard plan`` know: the
 reference Transformer's (:data:`~nnx_shard.models.CONFIGS`) and the Llama
 family's published shapes (``llama3-8b``, ``llama3-70b``, ``llama3-405b``,
-``qwen3-0.6b``, ``mistral-7b``, ``qwen2.5-7b`` from
+``qwen3-0.6b``, ``mistral-7b``, ``qwen2.5-7b``, ``gemma2-9b`` from
 :data:`~nnx_shard.models.LLAMA_CONFIGS`), with the one
 function that builds either.
 
@@ -27,7 +27,7 @@ __all__ = ["LLAMA_PLANNED", "NAMED", "build", "max_length", "named_config"]
 #: The Llama-family configurations with published shapes (the test-sized ``tiny``
 #: ones are not planned by name: ``tiny`` names the reference Transformer's).
 LLAMA_PLANNED = ("llama3-8b", "llama3-70b", "llama3-405b", "qwen3-0.6b", "mistral-7b",
-                 "qwen2.5-7b")
+                 "qwen2.5-7b", "gemma2-9b")
 
 #: Every config the planner knows by name.
 NAMED: dict[str, TransformerConfig | LlamaConfig] = {
@@ -41,7 +41,7 @@ def named_config(name: str) -> TransformerConfig | LlamaConfig:
     >>> named_config("llama-8b")
     Traceback (most recent call last):
     ...
-    nnx_shard.errors.UsageError: unknown model 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b. Fix: one of those
+    nnx_shard.errors.UsageError: unknown model 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b, gemma2-9b. Fix: one of those
     """
     if name in NAMED:
         return NAMED[name]

@@ -250,7 +250,8 @@ def expect_attention(fn_name: str = "the step") -> Iterator[None]:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               mask: jax.Array | None = None, segment_ids: Any = None,
-              implementation: str = "auto", block_size: int = BLOCK) -> jax.Array:
+              implementation: str = "auto", block_size: int = BLOCK,
+              softcap: float | None = None) -> jax.Array:
     """Softmax attention ``softmax(q k^T / sqrt(head_dim) [masked]) v`` of ``q [batch,
     q_len, heads, head_dim]`` and ``k, v [batch, kv_len, kv_heads, head_dim]``, run the
     way the active strategy asks (see the module docs): on each device, or ``"ring"`` or
@@ -268,6 +269,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
         ``"dense"`` or ``"cudnn"`` (see :mod:`nnx_shard.blockwise`); independent of
         the strategy's ``attention`` option, which only says how the sequence is split.
       block_size: the blockwise kernel's query and key/value block.
+      softcap: ``None``, or Gemma 2's attention logit soft-cap: the scaled scores
+        become ``softcap * tanh(scores / softcap)`` before the mask (every kernel
+        but cuDNN's, which refuses it; ``"auto"`` then picks blockwise).
 
     ``heads`` must be a multiple of ``kv_heads`` (grouped-query attention; K/V are
     never repeated). A query that sees no key gets zeros.
@@ -305,13 +309,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     if mode != "dense" and active is not None:
         axes = _context_axes(active[0], active[1], mode)
     c = math.prod(dict(active[0].shape)[a] for a in axes) if active is not None else 1
-    kernel = blockwise.resolve(implementation, q, k, masks, context_parallel=c > 1)
+    kernel = blockwise.resolve(implementation, q, k, masks, context_parallel=c > 1,
+                               softcap=softcap)
     block = block_size if kernel == "blockwise" else None
     if c == 1:
         k, v = _kv_per_device(q, k, v, active[0] if active is not None else None)
         return blockwise.attention_local(
             q, k, v, masks._replace(mask=group_mask(masks.mask, k.shape[2])), causal=causal,
-            kernel=kernel, block=block_size)
+            kernel=kernel, block=block_size, softcap=softcap)
     assert active is not None
     mesh, rules = active
     if q.shape[1] != k.shape[1]:
@@ -330,7 +335,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
         q, k, v = (_retype(a, spec) for a in (q, k, v))
         arrays = {n: _retype(x, specs[n]) for n, x in arrays.items()}
     body = functools.partial(_ring_local if mode == "ring" else _allgather_local,
-                             axes=axes, c=c, causal=causal, block=block)
+                             axes=axes, c=c, causal=causal, block=block, softcap=softcap)
     run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, specs), out_specs=spec,
                         axis_names=manual, check_vma=False)
     return run(q, k, v, arrays)
@@ -433,8 +438,8 @@ def _retype(x: jax.Array, spec: P) -> jax.Array:
 
 
 def _allgather_local(q: jax.Array, k: jax.Array, v: jax.Array, arrays: dict[str, jax.Array], *,
-                     axes: tuple[str, ...], c: int, causal: bool, block: int | None
-                     ) -> jax.Array:
+                     axes: tuple[str, ...], c: int, causal: bool, block: int | None,
+                     softcap: float | None = None) -> jax.Array:
     """Local queries (contiguous slice ``i``) against the gathered full-length K/V (and
     key-side masks); a full mask already holds this slice's rows at full key length."""
     n = q.shape[1]
@@ -450,7 +455,7 @@ def _allgather_local(q: jax.Array, k: jax.Array, v: jax.Array, arrays: dict[str,
     offset = jax.lax.axis_index(axes) * n
     return blockwise.attention_local(q, k_all, v_all, masks, causal=causal,
                                      kernel="dense" if block is None else "blockwise",
-                                     block=block or 0, q_offset=offset)
+                                     block=block or 0, q_offset=offset, softcap=softcap)
 
 
 # --------------------------------------------------------------------------- zig-zag
@@ -494,7 +499,8 @@ def _from_zigzag(x: jax.Array, axes: tuple[str, ...], c: int, axis: int) -> jax.
 
 
 def _ring_local(q: jax.Array, k: jax.Array, v: jax.Array, arrays: dict[str, jax.Array], *,
-                axes: tuple[str, ...], c: int, causal: bool, block: int | None) -> jax.Array:
+                axes: tuple[str, ...], c: int, causal: bool, block: int | None,
+                softcap: float | None = None) -> jax.Array:
     masks = Masks(**arrays)
     if causal:
         q = _to_zigzag(q, axes, c, axis=1)
@@ -508,7 +514,7 @@ def _ring_local(q: jax.Array, k: jax.Array, v: jax.Array, arrays: dict[str, jax.
     hk = k.shape[2]
     qg = q.reshape(*q.shape[:2], hk, q.shape[2] // hk, q.shape[3])
     out = _ring(qg, k, v, masks._replace(mask=group_mask(masks.mask, hk)), axes, c, causal,
-                block)
+                block, softcap)
     out = out.reshape(*q.shape[:3], v.shape[-1])
     return _from_zigzag(out, axes, c, axis=1) if causal else out
 
@@ -548,20 +554,21 @@ def _earlier(step: jax.Array, axes: tuple[str, ...], c: int) -> jax.Array:
     return (d - step) % c < d
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _ring(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, axes: tuple[str, ...], c: int,
-          causal: bool, block: int | None) -> jax.Array:
-    return _ring_fwd(q, k, v, masks, axes, c, causal, block)[0]
+          causal: bool, block: int | None, softcap: float | None = None) -> jax.Array:
+    return _ring_fwd(q, k, v, masks, axes, c, causal, block, softcap)[0]
 
 
 def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, axes: tuple[str, ...],
-              c: int, causal: bool, block: int | None) -> tuple[jax.Array, Any]:
+              c: int, causal: bool, block: int | None, softcap: float | None = None
+              ) -> tuple[jax.Array, Any]:
     # q: [b, n2, kv_heads, group, d] (grouped), k, v: [b, n2, kv_heads, d]. Each ring step
     # is one call of the per-device kernel's block math (nnx_shard.blockwise.stats): a
     # single tile, or (blockwise) query x key/value blocks of ``block``.
     n2 = q.shape[1]
     n = n2 // 2
-    tile = functools.partial(stats, block=block)
+    tile = functools.partial(stats, block=block, softcap=softcap)
     own = (k, v, masks.kv_seg, masks.kv_valid)
     # Each block is sent on before it is used, so that the transfer of step s + 1
     # can overlap the compute of step s (async collective-permutes on accelerators).
@@ -604,14 +611,14 @@ def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, axes: tupl
     return out, (q, k, v, masks, out, lse)
 
 
-def _ring_bwd(axes: tuple[str, ...], c: int, causal: bool, block: int | None, res: Any,
-              g: jax.Array) -> tuple[Any, ...]:
+def _ring_bwd(axes: tuple[str, ...], c: int, causal: bool, block: int | None,
+              softcap: float | None, res: Any, g: jax.Array) -> tuple[Any, ...]:
     q, k, v, masks, out, lse = res
     n2 = q.shape[1]
     n = n2 // 2
     do = g.astype(jnp.float32)
     dlt = blockwise.delta(do, out)
-    tile = functools.partial(grads, block=block)
+    tile = functools.partial(grads, block=block, softcap=softcap)
     own = (k, v, masks.kv_seg, masks.kv_valid)
     dq, dk, dv = tile(q, k, v, do, lse, dlt, _step_masks(masks, own, 0, axes, c, causal, n2),
                       causal=causal)

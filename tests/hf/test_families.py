@@ -1,12 +1,16 @@
 """Model families beyond Llama and Qwen3 against transformers: Qwen2 (q/k/v
 biases without an o bias), Mistral (a sliding window shorter than the
 sequences), Gemma (GELU-tanh MLP, scaled embeddings, RMSNorm by 1 + w) and
-OLMo 2 (norms after attention and MLP, q/k norms over all heads), loaded with ``load_pretrained``.
+OLMo 2 (norms after attention and MLP, q/k norms over all heads), Gemma 2 (four
+norms per block, soft-capped attention scores and logits, query_pre_attn_scalar,
+alternating sliding and global layers), Gemma 3 (per-head q/k norms, local and
+global rotary bases) and Phi-3 (fused q/k/v and gate/up tensors), loaded with
+``load_pretrained`` (``load_safetensors`` with stacked layers under pp).
 
 Ground truth: tests/fixtures/hf_<family>/ (tests/fixtures/make_hf_families.py, run
 by hand with torch and transformers). Logits must equal transformers' within
-2e-4 x max|logit| on one device (quick) and under dp, fsdp, tp and fsdp_tp
-(slow); greedy continuations through the key/value cache (where the window
+2e-4 x max|logit| on one device (quick) and under dp, fsdp, tp, fsdp_tp, pp
+(2 stages) and cp (slow); greedy continuations through the key/value cache (where the window
 applies to cached keys) must pick transformers' tokens wherever its top-2
 margin is not a near-tie.
 """
@@ -34,13 +38,15 @@ from tests.conftest import needs_devices
 pytestmark = needs_devices(8)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-FAMILIES = ("hf_qwen2", "hf_mistral", "hf_gemma", "hf_olmo2")
+FAMILIES = ("hf_qwen2", "hf_mistral", "hf_gemma", "hf_olmo2", "hf_gemma2", "hf_gemma3_text",
+            "hf_phi3")
 RTOL = 2e-4
 # A greedy step whose top-2 margin is below this may go either way under float
 # rounding (the logits above err by ~1e-6 x max|logit|, far less).
 NEAR_TIE = 1e-3
 LAYOUTS = [pytest.param("one", id="one")] + [
-    pytest.param(s, id=s, marks=pytest.mark.slow) for s in ("dp", "fsdp", "tp", "fsdp_tp")]
+    pytest.param(s, id=s, marks=pytest.mark.slow)
+    for s in ("dp", "fsdp", "tp", "fsdp_tp", "pp", "cp")]
 
 
 def _expected(name: str) -> dict[str, np.ndarray]:
@@ -52,12 +58,18 @@ def _mesh_rules(strategy: str) -> tuple[jax.sharding.Mesh, object]:
         return (jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
                 ns.strategies.get("dp").rules)
     s = ns.strategies.get(strategy)
+    if strategy == "pp":  # the fixtures have 2 or 4 layers: 2 stages
+        return ns.make_mesh({"stage": 2, "data": 4}), s.rules
     return s.make_mesh(8), s.rules
 
 
 @functools.cache
 def _loaded(name: str, strategy: str) -> Llama:
     mesh, rules = _mesh_rules(strategy)
+    if strategy == "pp":  # a pipeline runs stacked layers
+        cfg = LlamaConfig.from_hf(FIXTURES / name, scan_layers=True)
+        return ns.load_safetensors(FIXTURES / name, ns.abstract_init(
+            lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules))
     model = load_pretrained(FIXTURES / name, mesh=mesh, rules=rules)
     assert isinstance(model, Llama)
     return model

@@ -338,10 +338,13 @@ def test_rope_scaling_given_directly_is_checked_too() -> None:
 
 # Published totals (billions): Llama 3.1 model cards (8.03, 70.6, 405.9); Qwen3-0.6B's
 # card: 0.6 in all, 0.44 without embeddings (its 151936 x 1024 embedding is tied).
-# Mistral-7B-v0.1: 7.24; Qwen2.5-7B's card: 7.61 (7.62 as commonly rounded up).
+# Mistral-7B-v0.1: 7.24; Qwen2.5-7B's card: 7.61 (7.62 as commonly rounded up); Gemma 2
+# 9B: 9.24 (9,241,705,984 from the shapes: a 917.5M tied embedding and 42 blocks of
+# 198.2M).
 PUBLISHED = {"llama3-8b": (8.03, 0.005), "llama3-70b": (70.6, 0.05),
              "llama3-405b": (405.9, 0.05), "qwen3-0.6b": (0.60, 0.005),
-             "mistral-7b": (7.24, 0.005), "qwen2.5-7b": (7.62, 0.01)}
+             "mistral-7b": (7.24, 0.005), "qwen2.5-7b": (7.62, 0.01),
+             "gemma2-9b": (9.24, 0.005)}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -356,12 +359,18 @@ def test_named_configs_have_published_parameter_counts(name: str) -> None:
     assert abs(count / 1e9 - want) <= tol, count
     if name == "qwen3-0.6b":
         assert abs((count - cfg.vocab * cfg.embed) / 1e9 - 0.44) < 0.005
+    if name == "gemma2-9b":
+        assert count == 9_241_705_984
 
 
 def test_named_configs() -> None:
     assert sorted(LLAMA_CONFIGS) == sorted(["tiny", "tiny_qwen3", "llama3-8b", "llama3-70b",
                                             "llama3-405b", "qwen3-0.6b", "mistral-7b",
-                                            "qwen2.5-7b"])
+                                            "qwen2.5-7b", "gemma2-9b"])
+    g = get_llama_config("gemma2-9b")
+    assert g.local_layers()[:3] == (True, False, True) and sum(g.local_layers()) == 21
+    assert LlamaConfig.from_hf(g.to_hf(), scan_layers=True, dtype=g.dtype,
+                               param_dtype=g.param_dtype) == g
     q = get_llama_config("qwen3-0.6b")
     assert (q.head_dim, q.kv_heads, q.tie_embeddings, q.qk_norm) == (128, 8, True, True)
     assert dict(get_llama_config("llama3-405b").rope_scaling)["factor"] == 8.0
