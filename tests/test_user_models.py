@@ -12,8 +12,9 @@ glue beyond the documented one-liners:
   and pp_tp, checkpoints converted between the two forms;
 * async_tp runs the stock projection layers (annotated kernels) as collective
   matmuls, with no model edit; a model with none raises, as cp does;
-* the matrix (slow): each model x each preset that applies trains to the losses and
-  parameters of a plain one-device ``nnx.jit`` loop.
+* the matrix (slow): the Llama-style model under every preset, the MoE and stock-attention
+  models under each kind of parallelism, train to the losses and parameters of a plain
+  one-device ``nnx.jit`` loop.
 """
 
 from __future__ import annotations
@@ -375,9 +376,15 @@ MODELS = {
     "mha": (lambda: um.mha_lm(CFG, nnx.Rngs(0)), True),  # padding masks
 }
 PIPELINE = ("pp", "pp_fsdp", "pp_tp")
-ALL = ("dp", "zero1", "fsdp", "tp", "fsdp_tp", "sp", "async_tp", "cp", "fsdp_cp", *PIPELINE)
-# Every model under every preset; ep where it applies (the MoE).
-MATRIX = [(m, p) for m in MODELS for p in ALL] + [("moe", "ep")]
+ALL = tuple(p for p in ns.strategies.NAMES if p != "ep")
+# One kind of parallelism per preset: the other presets compose these (dp and zero1 shard no
+# parameter of the model; fsdp_tp, fsdp_cp, pp_fsdp and pp_tp pair two of them).
+KINDS = ("fsdp", "tp", "sp", "async_tp", "cp", "pp")
+# The Llama-style model under every preset; the MoE and the stock-attention model under each
+# kind, where their own layers (the router, nnx.MultiHeadAttention with padding masks) meet
+# it; ep where it applies (the MoE).
+MATRIX = ([("llama", p) for p in ALL] + [(m, p) for m in ("moe", "mha") for p in KINDS]
+          + [("moe", "ep")])
 
 
 @functools.cache
