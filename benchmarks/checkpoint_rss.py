@@ -59,9 +59,8 @@ def worker(variant: str, saves: int, every: int) -> dict:
     if variant == "orbax telemetry on":
         from orbax.checkpoint._src.serialization import tensorstore_utils
 
-        original = tensorstore_utils.get_tensorstore_raw_bytes
-        ns.checkpoint.backend.orbax_module()  # nnx_shard turns it off on first use: put it back after
-        tensorstore_utils.get_tensorstore_raw_bytes = original
+        # nnx_shard stands its own function in while it saves: make that orbax's own.
+        ns.checkpoint.backend._no_raw_bytes = tensorstore_utils.get_tensorstore_raw_bytes
     model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
     readings = []
     t0 = time.perf_counter()

@@ -170,6 +170,9 @@ def _duplicate_spec_error_class() -> type[Exception]:
 
 DuplicateSpecError: type[Exception] = _duplicate_spec_error_class()
 
+# JAX's error text, read as of jax 0.10.2 (it has no structured field for these; see
+# docs/architecture.md, "Where the library touches process state"). The patterns only
+# pick words for our message: text they do not match is still quoted whole.
 # A JAX TypeError that is about sharding types: scan's carry changed its sharding.
 _CARRY_MISMATCH = "carry input and carry output must have equal types"
 # Array types as JAX prints them: float32[8@data,16] (dims, @ the mesh axes sharding them).

@@ -85,11 +85,18 @@ class MLP(nnx.Module):
 
 def sleep_request(request: dict) -> dict:
     """A :class:`nnx_shard.simulated.Workers` function for the tests: sleeps
-    ``request["s"]`` seconds and answers with its process id."""
+    ``request["s"]`` seconds and answers with its process id. With ``request["gate"]``
+    (a path) it instead waits until that file exists, up to ``s`` seconds."""
     import os
     import time
 
-    time.sleep(request["s"])
+    gate = request.get("gate")
+    if gate is None:
+        time.sleep(request["s"])
+    else:
+        end = time.monotonic() + request["s"]
+        while not os.path.exists(gate) and time.monotonic() < end:
+            time.sleep(0.01)
     return {"slept": request["s"], "pid": os.getpid()}
 
 

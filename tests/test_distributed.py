@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -64,7 +63,7 @@ def spawn(pid: int, n: int, port: int, *, devices: int = 4, init_timeout: int = 
     )
 
 
-def finish(p: subprocess.Popen[str], timeout: float = 40) -> tuple[int, str]:
+def finish(p: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -267,11 +266,11 @@ def test_processes_report_coordinates_and_their_rows():
 
 
 def test_unreachable_coordinator_is_an_error_not_a_hang():
-    start = time.monotonic()
+    # Without its init_timeout the process would wait for the coordinator for good
+    # (finish's own limit is the hang guard).
     code, out = finish(spawn(1, 2, free_port(), init_timeout=3))
     assert code == 1, out
     assert "DistributedError: process 1 of 2 could not reach the coordinator at 127.0.0.1:" in out
-    assert time.monotonic() - start < 30
 
 
 def test_peer_that_never_comes_is_named_before_jax_aborts():
@@ -310,13 +309,14 @@ def test_uneven_device_counts_fail_clearly():
     ({"heartbeat_timeout": 0}, r"heartbeat_timeout must be a finite number of seconds >= 1"),
     ({"local_device_ids": "0"}, r"local_device_ids must be a list of device numbers"),
 ])
-def test_initialize_refuses_bad_arguments_before_joining(kwargs, match):
+def test_initialize_refuses_bad_arguments_before_joining(kwargs, match, monkeypatch):
     # Checked before anything is joined: a bad value never waits on a coordinator.
+    joins: list[dict] = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joins.append(kw))
     args = {"num_processes": 2, "process_id": 0, "coordinator_address": "127.0.0.1:1", **kwargs}
-    start = time.monotonic()
     with pytest.raises(ns.NnxShardError, match=match):
         ns.distributed.initialize(**args)
-    assert time.monotonic() - start < 5 and not jax.distributed.is_initialized()
+    assert joins == [] and not jax.distributed.is_initialized()
 
 
 @needs_devices(8)

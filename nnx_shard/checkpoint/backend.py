@@ -1,5 +1,7 @@
-"""orbax, imported once and tamed: its raw-bytes telemetry off, its log records
-and the closed-event-loop noise of its threads kept out of the user's output."""
+"""orbax, tamed while nnx_shard uses it: its raw-bytes telemetry off, its log
+records and the closed-event-loop noise of its threads kept out of the user's
+output; everything put back when the last save, restore or Checkpointer ends
+(docs/architecture.md, "Where the library touches process state")."""
 
 from __future__ import annotations
 
@@ -14,13 +16,10 @@ from typing import Any
 
 from nnx_shard.checkpoint.folders import _DEBUG_ENV
 
-_OCP_LOCK = threading.Lock()
-_ocp_tamed = False
-
 
 def orbax_module() -> Any:
-    """``orbax.checkpoint``, imported (on first use) and tamed as nnx_shard uses it: its
-    raw-bytes telemetry off, its log records and event-loop noise kept out of the output.
+    """``orbax.checkpoint``, imported on first use. Nothing about orbax, absl's logger
+    or asyncio changes until nnx_shard itself saves or restores (see :func:`_quiet`).
 
     >>> orbax_module().__name__
     'orbax.checkpoint'
@@ -30,13 +29,8 @@ def orbax_module() -> Any:
 
 def _ocp() -> Any:
     # orbax pulls in tensorstore and more; import it when checkpoints are used.
-    global _ocp_tamed
     import orbax.checkpoint as ocp
 
-    with _OCP_LOCK:
-        if not _ocp_tamed:
-            _ocp_tamed = True
-            _tame(ocp)
     return ocp
 
 
@@ -44,32 +38,58 @@ def _no_raw_bytes(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _tame(ocp: Any) -> None:
+# --------------------------------------------------------------------------- scoped taming
+
+# Open Checkpointers plus save/restore calls in progress. While any, orbax's
+# raw-bytes telemetry is off and its warnings and errors are dropped (a failure is
+# reported once, by us); when the last one ends, both are put back as they were.
+# A Checkpointer counts from open to close, so its background saves are covered.
+_users = 0
+_USERS_LOCK = threading.Lock()
+_saved_raw_bytes: Any = None  # orbax's own function while ours stands in for it
+_filter: logging.Filter | None = None
+
+
+def _tensorstore_utils() -> Any:
+    try:
+        from orbax.checkpoint._src.serialization import tensorstore_utils
+    except ImportError:  # pragma: no cover - another orbax layout: nothing to turn off
+        return None
+    return tensorstore_utils if hasattr(tensorstore_utils, "get_tensorstore_raw_bytes") else None
+
+
+def _tame() -> None:
     """Turns off orbax's raw-bytes telemetry and filters its log records (see
-    :class:`_OrbaxRecords`).
+    :class:`_OrbaxRecords`); :func:`_untame` puts both back. Called under the lock.
 
     For two log lines and two ``jax.monitoring`` scalars per array write or read,
     orbax asks tensorstore for its metrics (``get_tensorstore_raw_bytes`` ->
     ``tensorstore.experimental_collect_matching_metrics``). In tensorstore 0.1.86
     every result of that call stays referenced: about 8 KB a call, so resident
     memory grew ~30 KB per small save without bound. Orbax skips the telemetry
-    when the starting count is None, which is what this makes it get.
+    when the starting count is None, which is what this makes it get. Orbax
+    (0.12.8) offers no option for it, hence the stand-in, for nnx_shard's saves only.
     """
-    try:
-        from orbax.checkpoint._src.serialization import tensorstore_utils
-    except ImportError:  # pragma: no cover - another orbax layout: nothing to turn off
-        tensorstore_utils = None
-    if hasattr(tensorstore_utils, "get_tensorstore_raw_bytes"):
-        tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_bytes
-    logging.getLogger("absl").addFilter(_OrbaxRecords(os.path.dirname(ocp.__file__)))
+    global _saved_raw_bytes, _filter
+    ocp = _ocp()
+    utils = _tensorstore_utils()
+    if utils is not None:
+        _saved_raw_bytes = utils.get_tensorstore_raw_bytes
+        utils.get_tensorstore_raw_bytes = _no_raw_bytes
+    _filter = _OrbaxRecords(os.path.dirname(ocp.__file__))
+    logging.getLogger("absl").addFilter(_filter)
 
 
-# --------------------------------------------------------------------------- orbax's noise
-
-# Open Checkpointers plus save/restore calls in progress: while any, orbax's
-# warnings and errors are dropped (a failure is reported once, by us).
-_quiet_users = 0
-_QUIET_LOCK = threading.Lock()
+def _untame() -> None:
+    global _saved_raw_bytes, _filter
+    utils = _tensorstore_utils()
+    # Someone else's stand-in, installed meanwhile, is theirs to undo.
+    if utils is not None and utils.get_tensorstore_raw_bytes is _no_raw_bytes:
+        utils.get_tensorstore_raw_bytes = _saved_raw_bytes
+    _saved_raw_bytes = None
+    if _filter is not None:
+        logging.getLogger("absl").removeFilter(_filter)
+        _filter = None
 
 
 class _OrbaxRecords(logging.Filter):
@@ -86,15 +106,21 @@ class _OrbaxRecords(logging.Filter):
         self.root = root + os.sep
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if _quiet_users <= 0 or os.environ.get(_DEBUG_ENV, "") not in ("", "0"):
+        if os.environ.get(_DEBUG_ENV, "") not in ("", "0"):
             return True
         return not (record.levelno >= logging.WARNING and record.pathname.startswith(self.root))
 
 
 def _hush(delta: int) -> None:
-    global _quiet_users
-    with _QUIET_LOCK:
-        _quiet_users += delta
+    """One more (``+1``) or one fewer (``-1``) user of orbax: the first tames it, the
+    last puts everything back."""
+    global _users
+    with _USERS_LOCK:
+        if delta > 0 and _users == 0:
+            _tame()
+        _users += delta
+        if delta < 0 and _users == 0:
+            _untame()
 
 
 # --------------------------------------------------------------------------- orbax's event loops

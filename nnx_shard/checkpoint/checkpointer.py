@@ -11,7 +11,7 @@ from typing import Any
 from flax import nnx
 
 from nnx_shard.checkpoint.backend import _hush, _quiet
-from nnx_shard.checkpoint.exits import _register_exit, _save_failed
+from nnx_shard.checkpoint.exits import _register_exit, _save_failed, _unregister_exit
 from nnx_shard.checkpoint.folders import (
     _DIR_LOCKS_LOCK,
     _OPEN,
@@ -231,6 +231,7 @@ class Checkpointer:
                 with _DIR_LOCKS_LOCK:
                     _OPEN.get(self.directory, weakref.WeakSet()).discard(self)
                 _hush(-1)
+                _unregister_exit()
         self._raise_failure()
 
     def _check_open(self) -> None:
@@ -273,4 +274,6 @@ class Checkpointer:
         if failure is not None:
             with _DIR_LOCKS_LOCK:
                 _UNSETTLED.discard(self)
+            if self._closed:
+                _unregister_exit()
             raise failure

@@ -119,6 +119,8 @@ def _finish_saves_at_exit(in_shutdown: bool = True) -> None:
     failed, and one that makes no progress for ``NNX_SHARD_EXIT_STALL`` seconds,
     is one line on stderr and exit status 1; exit never hangs on one.
     """
+    global _exiting
+    _exiting = True  # closing below must not take this hook out of the running list
     with _DIR_LOCKS_LOCK:
         ckpts = {id(c): c for c in [*_UNSETTLED, *(c for s in _OPEN.values() for c in list(s))]}
     todo = list(ckpts.values())
@@ -170,11 +172,14 @@ def _finish_saves_at_exit(in_shutdown: bool = True) -> None:
             _exit_1()
 
 
+_EXIT_LOCK = threading.Lock()
 _exit_registered = False
+_exiting = False
 
 
 def _register_exit() -> None:
-    """Registers :func:`_finish_saves_at_exit` to run before the thread pools shut down.
+    """Registers :func:`_finish_saves_at_exit` to run before the thread pools shut down,
+    while a Checkpointer is open (:func:`_unregister_exit` takes it back).
 
     ``atexit`` runs too late (after ``concurrent.futures`` stopped its pools); the
     stdlib's own pools register through ``threading._register_atexit`` (Python >= 3.9),
@@ -183,11 +188,42 @@ def _register_exit() -> None:
     pools still accept work).
     """
     global _exit_registered
-    if _exit_registered:
-        return
-    _exit_registered = True
-    hook = getattr(threading, "_register_atexit", None)
-    if hook is None:  # pragma: no cover - a Python without the hook
-        atexit.register(_finish_saves_at_exit, False)
-    else:
-        hook(_finish_saves_at_exit)
+    with _EXIT_LOCK:
+        if _exit_registered:
+            return
+        hook = getattr(threading, "_register_atexit", None)
+        if hook is None:  # pragma: no cover - a Python without the hook
+            atexit.register(_finish_saves_at_exit, False)
+        else:
+            try:
+                hook(_finish_saves_at_exit)
+            except RuntimeError:  # pragma: no cover - the interpreter is already exiting
+                return
+        _exit_registered = True
+
+
+def _unregister_exit() -> None:
+    """Takes the exit hook back once no Checkpointer is open or holds an unreported
+    failure, so a process that closed its Checkpointers exits as if none was opened.
+
+    ``threading`` has no public way to undo ``_register_atexit``: its callbacks are the
+    list ``threading._threading_atexits`` (CPython 3.11 to 3.13), from which ours is removed.
+    Left alone (another Python), the hook stays and does nothing at exit.
+    """
+    global _exit_registered
+    with _DIR_LOCKS_LOCK:
+        busy = bool(_UNSETTLED) or any(len(s) for s in _OPEN.values())
+    with _EXIT_LOCK:
+        if busy or not _exit_registered or _exiting:
+            return
+        hooks = getattr(threading, "_threading_atexits", None)
+        # Each entry is functools.partial(callback) there.
+        ours = [h for h in hooks or () if getattr(h, "func", h) is _finish_saves_at_exit]
+        if isinstance(hooks, list) and ours:
+            for h in ours:
+                hooks.remove(h)
+        elif hooks is not None or getattr(threading, "_register_atexit", None) is not None:
+            return  # pragma: no cover - not where we put it: leave it registered
+        else:  # pragma: no cover - a Python without the hook: we used atexit
+            atexit.unregister(_finish_saves_at_exit)
+        _exit_registered = False

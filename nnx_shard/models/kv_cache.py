@@ -28,6 +28,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from nnx_shard.mesh import constrain, current
+from nnx_shard.models._masks import prepare
 
 __all__ = ["CACHE_AXES", "Rows", "attend", "decode_layers", "init_layers", "new", "valid_keys",
            "write"]
@@ -276,3 +277,82 @@ def decode_layers(blocks: Any, stacked: bool, x: jax.Array,
     x, updated = jax.lax.scan(body, x, (cache, rest, flags))
     nnx.update(blocks, updated)
     return x
+
+
+# --------------------------------------------------------------------------- shared by the models
+# Transformer and Llama keep their caches the same way; their attention differs only in
+# how it computes q, k and v.
+
+
+def init_attention(attn: Any, batch: int, length: int, layers: int | None = None) -> None:
+    """Creates ``attn.cached_key`` and ``attn.cached_value [batch, length, kv_heads,
+    head_dim]`` (``layers`` stacked in front for scanned blocks), sized from its key
+    projection ``attn.k [embed, kv_heads, head_dim]``: grouped-query attention caches
+    its ``kv_heads`` only, never the repeated ones.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> attn = Transformer(get_config("tiny"), rngs=nnx.Rngs(0)).blocks[0].attn
+    >>> init_attention(attn, batch=2, length=16)
+    >>> attn.cached_key.shape
+    (2, 16, 4, 8)
+    """
+    shape = (batch, length, *attn.k.shape[-2:])
+    attn.cached_key = new(shape, attn.dtype, layers)
+    attn.cached_value = new(shape, attn.dtype, layers)
+
+
+def store_and_attend(attn: Any, q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+                     valid: jax.Array | None = None, **options: Any) -> jax.Array:
+    """Stores ``k`` and ``v`` in ``attn``'s cache at positions ``index ..``, then
+    :func:`attend` of ``q`` to the whole cache (``options``: its ``window``,
+    ``softcap``).
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> attn = Transformer(get_config("tiny"), rngs=nnx.Rngs(0)).blocks[0].attn
+    >>> init_attention(attn, batch=1, length=4)
+    >>> x = jnp.ones((1, 2, 4, 8))
+    >>> store_and_attend(attn, x, x, x, jnp.asarray(0)).shape
+    (1, 2, 4, 8)
+    """
+    attn.cached_key[...] = write(attn.cached_key[...], k, index)
+    attn.cached_value[...] = write(attn.cached_value[...], v, index)
+    return attend(q, attn.cached_key[...], attn.cached_value[...], index, valid, **options)
+
+
+def init_model(blocks: Any, cfg: Any, batch: int, length: int) -> tuple[nnx.Cache, Rows]:
+    """A model's empty cache: every block's attention (:func:`init_layers`, stacked
+    when ``cfg.scan_layers``); returns the model's ``cache_index`` (the position of the
+    next token) and ``cache_rows`` (which positions hold real tokens).
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> index, rows = init_model(model.blocks, model.cfg, batch=2, length=16)
+    >>> int(index[...]), model.blocks[0].attn.cached_value.shape
+    (0, (2, 16, 4, 8))
+    """
+    init_layers(blocks, cfg.layers if cfg.scan_layers else None, batch, length)
+    return nnx.Cache(jnp.zeros((), jnp.int32)), Rows(batch, length)
+
+
+def masked_positions(model: Any, tokens: jax.Array, attention_mask: Any, index: jax.Array,
+                     caller: str) -> tuple[jax.Array, jax.Array]:
+    """For ``model.decode`` given ``attention_mask [batch, T]`` (checked as ``caller``):
+    the positions of ``tokens`` (each row counting its real tokens only) and which
+    cache positions hold real keys, with ``model.cache_rows`` advanced past them.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> model.init_cache(batch=1, length=4)
+    >>> tokens, mask = jnp.ones((1, 3), jnp.int32), jnp.asarray([[0, 1, 1]])
+    >>> positions, valid = masked_positions(model, tokens, mask, jnp.asarray(0), "decode")
+    >>> positions.tolist()
+    [[0, 0, 1]]
+    """
+    extras = prepare(tokens, attention_mask=attention_mask, positions=None,
+                     segment_ids=None, caller=caller)
+    assert extras.mask is not None
+    return model.cache_rows.advance(extras.mask[:, 0, 0], index)

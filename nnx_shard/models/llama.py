@@ -277,9 +277,7 @@ class Attention(nnx.Module):
         """Creates the key/value cache ``[batch, length, kv_heads, head_dim]``
         (``layers`` stacked in front for scanned blocks): grouped-query attention
         caches its ``kv_heads`` only, never the repeated ones."""
-        shape = (batch, length, *self.k.shape[-2:])
-        self.cached_key = kv_cache.new(shape, self.dtype, layers)
-        self.cached_value = kv_cache.new(shape, self.dtype, layers)
+        kv_cache.init_attention(self, batch, length, layers)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
                sin: jax.Array, valid: jax.Array | None = None, local: Any = None
@@ -296,14 +294,12 @@ class Attention(nnx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
-        self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
         window: Any = self.window
         if self.mixed_window is not None and local is not None:
             # A traced flag: a window past any position where the layer is global.
             window = jnp.where(local, self.mixed_window, jnp.iinfo(jnp.int32).max // 2)
-        out = kv_cache.attend(self._scaled(q), self.cached_key[...], self.cached_value[...],
-                              index, valid, window=window, softcap=self.softcap)
+        out = kv_cache.store_and_attend(self, self._scaled(q), k, v, index, valid,
+                                        window=window, softcap=self.softcap)
         return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
                            RESIDUAL), self.o_bias, dt)
 
@@ -555,10 +551,8 @@ class Llama(nnx.Module):
         >>> model.blocks[0].attn.cached_value.shape    # 2 key/value heads of 8
         (2, 16, 2, 8)
         """
-        kv_cache.init_layers(self.blocks, self.cfg.layers if self.cfg.scan_layers else None,
-                             batch, length)
-        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
-        self.cache_rows = kv_cache.Rows(batch, length)
+        self.cache_index, self.cache_rows = kv_cache.init_model(self.blocks, self.cfg,
+                                                                batch, length)
 
     def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
                ) -> jax.Array:
@@ -593,10 +587,8 @@ class Llama(nnx.Module):
             if mixed and cfg.rope_local_theta:
                 local_tables = _rotary_at(cfg, index, steps, True)
         else:
-            extras = prepare(tokens, attention_mask=attention_mask, positions=None,
-                             segment_ids=None, caller="Llama.decode")
-            assert extras.mask is not None
-            positions, valid = self.cache_rows.advance(extras.mask[:, 0, 0], index)
+            positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
+                                                         "Llama.decode")
             # Decoding runs on the gathered sequence (generation's rules): plain tables.
             def tables(local: bool) -> tuple[jax.Array, jax.Array]:
                 inv = jnp.asarray(rope_frequencies(cfg, local))

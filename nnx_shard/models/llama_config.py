@@ -18,9 +18,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from nnx_shard.blockwise import KERNELS
 from nnx_shard.errors import NnxShardError, UsageError, count, short
-from nnx_shard.models.transformer import REMAT_POLICIES, _check_fields
+from nnx_shard.models.transformer import _check_fields, _check_kernel_and_remat
 from nnx_shard.safetensors_io import described
 
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig", "get_llama_config"]
@@ -179,16 +178,7 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even (the rotary "
                              "embedding rotates pairs of features).")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(
-                f"LlamaConfig.remat={self.remat!r} is not a remat policy; valid: "
-                + ", ".join(repr(k) for k in REMAT_POLICIES) + "."
-            )
-        if self.attention not in KERNELS:
-            raise ValueError(
-                f"LlamaConfig.attention={self.attention!r} is not an attention kernel; "
-                "valid: " + ", ".join(repr(k) for k in KERNELS) + "."
-            )
+        _check_kernel_and_remat(self)
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"LlamaConfig.model_type={self.model_type!r}; valid: "
                              f"{', '.join(MODEL_TYPES)}.")

@@ -124,6 +124,22 @@ def _check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] 
     _check_dtypes(cfg, where)
 
 
+def _check_kernel_and_remat(cfg: Any) -> None:
+    """``cfg.attention`` names an attention kernel and ``cfg.remat`` a remat policy
+    (shared by every model config)."""
+    where = type(cfg).__name__
+    if cfg.attention not in KERNELS:
+        raise ValueError(
+            f"{where}.attention={cfg.attention!r} is not an attention kernel; "
+            "valid: " + ", ".join(repr(k) for k in KERNELS) + "."
+        )
+    if cfg.remat not in REMAT_POLICIES:
+        raise ValueError(
+            f"{where}.remat={cfg.remat!r} is not a remat policy; valid: "
+            + ", ".join(repr(k) for k in REMAT_POLICIES) + "."
+        )
+
+
 def _check_dtypes(cfg: Any, where: str) -> None:
     for f in ("dtype", "param_dtype"):
         try:
@@ -206,16 +222,7 @@ class TransformerConfig:
                 f"TransformerConfig: experts={self.experts}, top_k={self.top_k}; need experts "
                 ">= 0 and, with experts, 1 <= top_k <= experts."
             )
-        if self.attention not in KERNELS:
-            raise ValueError(
-                f"TransformerConfig.attention={self.attention!r} is not an attention kernel; "
-                "valid: " + ", ".join(repr(k) for k in KERNELS) + "."
-            )
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(
-                f"TransformerConfig.remat={self.remat!r} is not a remat policy; valid: "
-                + ", ".join(repr(k) for k in REMAT_POLICIES) + "."
-            )
+        _check_kernel_and_remat(self)
 
     @property
     def num_params(self) -> int:
@@ -355,9 +362,7 @@ class Attention(nnx.Module):
     def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
         """Creates the key/value cache ``[batch, length, heads, head_dim]`` (``layers``
         stacked in front for scanned blocks), named :data:`kv_cache.CACHE_AXES`."""
-        shape = (batch, length, *self.k.shape[-2:])
-        self.cached_key = kv_cache.new(shape, self.dtype, layers)
-        self.cached_value = kv_cache.new(shape, self.dtype, layers)
+        kv_cache.init_attention(self, batch, length, layers)
 
     def decode(self, x: jax.Array, index: jax.Array, valid: jax.Array | None = None
                ) -> jax.Array:
@@ -369,9 +374,7 @@ class Attention(nnx.Module):
         q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
         k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads)
         v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
-        self.cached_key[...] = kv_cache.write(self.cached_key[...], k, index)
-        self.cached_value[...] = kv_cache.write(self.cached_value[...], v, index)
-        out = kv_cache.attend(q, self.cached_key[...], self.cached_value[...], index, valid)
+        out = kv_cache.store_and_attend(self, q, k, v, index, valid)
         return einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt), RESIDUAL)
 
 
@@ -651,10 +654,8 @@ class Transformer(nnx.Module):
         >>> model.blocks[0].attn.cached_key.shape, int(model.cache_index[...])
         ((2, 16, 4, 8), 0)
         """
-        kv_cache.init_layers(self.blocks, self.cfg.layers if self.cfg.scan_layers else None,
-                             batch, length)
-        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
-        self.cache_rows = kv_cache.Rows(batch, length)
+        self.cache_index, self.cache_rows = kv_cache.init_model(self.blocks, self.cfg,
+                                                                batch, length)
 
     def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
                ) -> jax.Array:
@@ -688,10 +689,8 @@ class Transformer(nnx.Module):
             positions = jax.lax.dynamic_slice_in_dim(whole(self.pos_embed[...]), index, steps)
             x = constrain(x + positions.astype(cfg.dtype), RESIDUAL)
         else:
-            extras = prepare(tokens, attention_mask=attention_mask, positions=None,
-                             segment_ids=None, caller="Transformer.decode")
-            assert extras.mask is not None
-            positions, valid = self.cache_rows.advance(extras.mask[:, 0, 0], index)
+            positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
+                                                         "Transformer.decode")
             x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype), positions,
                                      RESIDUAL), RESIDUAL)
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,

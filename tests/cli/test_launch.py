@@ -23,8 +23,9 @@ SCRIPT = str(HERE / "distributed_script.py")
 PY = sys.executable
 
 
-def gone(pid: int, within: float = 5.0) -> bool:
-    """True once ``pid`` no longer runs (reaped, or a zombie awaiting its reaper)."""
+def gone(pid: int, within: float = 120.0) -> bool:
+    """True once ``pid`` no longer runs (reaped, or a zombie awaiting its reaper); the
+    wait is a hang guard only, a stopped process is gone at once."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
@@ -42,18 +43,17 @@ def pids_in(text: str, tag: str = "pid") -> list[int]:
             if f"{tag} " in line]
 
 
-def run_main(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str, float]:
-    start = time.monotonic()
+def run_main(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = launch.main(list(argv))
     out, err = capfd.readouterr()
-    return code, out, err, time.monotonic() - start
+    return code, out, err
 
 
 def test_every_process_gets_its_coordinates_and_output_is_prefixed(capfd):
     prog = ("import os; e = os.environ; print('id', e['NNX_SHARD_PROCESS_ID'], 'of', "
             "e['NNX_SHARD_NUM_PROCESSES'], e['NNX_SHARD_COORDINATOR'], "
             "e['JAX_NUM_CPU_DEVICES'], e.get('XLA_FLAGS'), e['JAX_PLATFORMS'])")
-    code, out, err, _ = run_main(capfd, "-n", "3", "--devices-per-process", "2", "--port", "29123",
+    code, out, err = run_main(capfd, "-n", "3", "--devices-per-process", "2", "--port", "29123",
                                  "--", PY, "-c", prog)
     assert code == 0, out + err
     # The forced device count of the test shell is dropped (2 devices each, not 8); its
@@ -80,11 +80,11 @@ def test_a_failing_process_stops_the_others_and_names_itself(capfd):
             "print('pid', os.getpid(), flush=True); "
             "g = subprocess.Popen(['sleep', '60']) if i == 2 else None; "
             "g and print('grandchild', g.pid, flush=True); "
-            "time.sleep(0.5); sys.exit(7) if i == 1 else time.sleep(60)")
-    code, out, err, took = run_main(capfd, "-n", "3", "--", PY, "-c", prog)
+            "time.sleep(0.5); sys.exit(7) if i == 1 else time.sleep(60); print('slept', flush=True)")
+    code, out, err = run_main(capfd, "-n", "3", "--", PY, "-c", prog)
     assert code == 7
     assert "nnx-shard launch: process 1 exited with code 7; stopping processes 0, 2" in err
-    assert took < 20
+    assert "slept" not in out  # stopped, not waited for
     pids = pids_in(out) + pids_in(out, "grandchild")
     assert len(pids) == 4
     assert all(gone(p) for p in pids), "a process outlived the launcher"
@@ -95,33 +95,32 @@ def test_a_process_leaving_early_is_named_before_the_peer_that_then_fails(capfd)
     # a participant would): the report leads with process 1, the exit code is 0's.
     prog = ("import os, sys, time; i = int(os.environ['NNX_SHARD_PROCESS_ID']); "
             "sys.exit(0) if i == 1 else time.sleep(1.5); sys.exit(4) if i == 0 else "
-            "time.sleep(60)")
-    code, _, err, took = run_main(capfd, "-n", "3", "--", PY, "-c", prog)
+            "time.sleep(60); print('slept', flush=True)")
+    code, out, err = run_main(capfd, "-n", "3", "--", PY, "-c", prog)
     assert code == 4
     assert ("nnx-shard launch: process 1 exited first (code 0) while the others were still "
             "running, then process 0 exited with code 4; stopping process 2") in err, err
-    assert took < 20
+    assert "slept" not in out  # process 2 was stopped, not waited for
 
 
 def test_more_processes_than_the_machine_can_hold_are_refused(capfd, monkeypatch):
-    code, out, err, took = run_main(capfd, "-n", "100000", "--", PY, "-c", "print('started')")
-    assert code == 2 and out == "" and took < 5
+    code, out, err = run_main(capfd, "-n", "100000", "--", PY, "-c", "print('started')")
+    assert code == 2 and out == ""  # nothing was started
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("nnx-shard launch: -n 100000 is more processes than this machine "
                                f"can run: at most {launch.max_processes()} (8 per CPU core)")
     assert "--devices-per-process" in lines[0]
     monkeypatch.setattr(launch, "max_processes", lambda: 2)
-    code, _, err, _ = run_main(capfd, "-n", "3", "--", PY, "-c", "print('started')")
+    code, _, err = run_main(capfd, "-n", "3", "--", PY, "-c", "print('started')")
     assert code == 2 and "-n 3 is more processes than this machine can run: at most 2" in err
 
 
 def test_timeout_stops_everything_with_exit_124(capfd):
     prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
-    code, out, err, took = run_main(capfd, "-n", "2", "--timeout", "1.5", "--", PY, "-c", prog)
+    code, out, err = run_main(capfd, "-n", "2", "--timeout", "1.5", "--", PY, "-c", prog)
     assert code == 124
     assert "nnx-shard launch: timed out after 1.5 s; stopping processes 0, 1" in err
-    assert took < 15
     assert all(gone(p) for p in pids_in(out))
 
 
@@ -129,9 +128,8 @@ def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(capfd):
     prog = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "print('pid', os.getpid(), flush=True); i = int(os.environ['NNX_SHARD_PROCESS_ID']); "
             "time.sleep(0.3); sys.exit(3) if i == 0 else time.sleep(60)")
-    code, out, err, took = run_main(capfd, "-n", "2", "--grace", "0.5", "--", PY, "-c", prog)
+    code, out, err = run_main(capfd, "-n", "2", "--grace", "0.5", "--", PY, "-c", prog)
     assert code == 3 and "process 0 exited with code 3; stopping process 1" in err
-    assert took < 15
     assert all(gone(p) for p in pids_in(out))
 
 
@@ -153,13 +151,13 @@ def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(capfd):
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(capfd, argv, message):
-    code, _, err, _ = run_main(capfd, *argv)
+    code, _, err = run_main(capfd, *argv)
     assert code == 2
     assert f"nnx-shard launch: {message}" in err
 
 
 def test_command_that_cannot_start_is_an_error(capfd):
-    code, _, err, _ = run_main(capfd, "-n", "2", "--", "/nonexistent/program")
+    code, _, err = run_main(capfd, "-n", "2", "--", "/nonexistent/program")
     assert code == 127
     assert "cannot start /nonexistent/program" in err
 
@@ -201,7 +199,6 @@ def test_add_arguments_composes_with_a_subcommand_parser(capfd):
 
 
 def test_a_killed_jax_peer_stops_the_job_within_the_timeout():
-    start = time.monotonic()
     done = subprocess.run(
         [PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--devices-per-process", "4",
          "--timeout", "40", "--init-timeout", "20", "--heartbeat-timeout", "10", "--",
@@ -211,7 +208,7 @@ def test_a_killed_jax_peer_stops_the_job_within_the_timeout():
     assert done.returncode == 128 + signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
     assert "[0] sum 8.0" in done.stdout and "[1] sum 8.0" in done.stdout
     assert "nnx-shard launch: process 1 was killed by SIGKILL; stopping process 0" in done.stderr
-    assert time.monotonic() - start < 45
+    assert "timed out" not in done.stderr  # stopped by the peer's death, not the 40 s limit
 
 
 @pytest.mark.skipif(
@@ -234,10 +231,9 @@ IGNORES_TERM = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.S
 
 
 def test_a_timeout_kills_processes_that_ignore_sigterm_after_the_grace(capfd):
-    code, out, err, took = run_main(capfd, "-n", "2", "--timeout", "1", "--grace", "0.5", "--",
+    code, out, err = run_main(capfd, "-n", "2", "--timeout", "1", "--grace", "0.5", "--",
                                     PY, "-c", IGNORES_TERM)
     assert code == 124 and "timed out after 1 s; stopping processes 0, 1" in err
-    assert took < 30  # the children's 60 s sleep is not waited for
     pids = pids_in(out)
     assert len(pids) == 2 and all(gone(p) for p in pids)
 

@@ -456,3 +456,13 @@ def test_every_preset_equals_one_device(name: str) -> None:
     want = ns.shardings(run.model, mesh, s.rules)
     got = jax.tree.map(lambda x: x.sharding.spec, nnx.state(run.model))
     assert got == jax.tree.map(lambda x: x.spec, want)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("remat", "everything", "LlamaConfig.remat='everything' is not a remat policy; valid: "),
+    ("attention", "flash", "LlamaConfig.attention='flash' is not an attention kernel; valid: "),
+])
+def test_llama_config_refuses_an_unknown_remat_policy_or_kernel_naming_itself(field, value, words):
+    with pytest.raises(ValueError) as e:
+        dataclasses.replace(get_llama_config("tiny"), **{field: value})
+    assert str(e.value).startswith(words), str(e.value)

@@ -734,16 +734,14 @@ YAML_BOMB = "".join(
 
 
 def test_a_yaml_alias_bomb_fails_fast_with_a_short_message(tmp_path):
-    import time
-
     assert len(YAML_BOMB) < 400
     path = tmp_path / "bomb.yaml"
     path.write_text(YAML_BOMB)
-    t0 = time.perf_counter()
+    # Refused by its expansion count, before expanding (billions of nodes otherwise).
     with pytest.raises(ShardingError, match=r"bomb.yaml.*aliases expand to more than 100,000"
                        ) as e:
         Rules.from_file(path)
-    assert time.perf_counter() - t0 < 5 and len(str(e.value)) < 400
+    assert len(str(e.value)) < 400
     # The same aliases, few: a table that reuses one list of candidates loads.
     path.write_text("c: &c [model, null]\nrules: {mlp: *c, heads: *c}\n")
     assert Rules.from_file(path)["heads"] == ["model", None]
@@ -764,8 +762,10 @@ def test_messages_that_show_user_values_are_bounded(tmp_path):
     assert len(str(e.value)) < 1500
 
 
-def _finishes(fn, seconds=10):
-    """Runs ``fn`` on a daemon thread: (finished in time, what it raised or returned)."""
+def _finishes(fn, seconds=120):
+    """Runs ``fn`` on a daemon thread: (finished, what it raised or returned). A file that
+    blocks (a FIFO with no writer, /dev/zero) would block for good; ``seconds`` only
+    keeps such a failure from hanging the run."""
     import threading
 
     out = []
@@ -791,7 +791,7 @@ def test_rules_files_that_are_not_regular_files_are_refused_without_blocking(tmp
     for name, kind in [("fifo.json", "a FIFO"), ("dir.toml", "a folder"),
                        ("zero.yaml", "a device")]:
         done, got = _finishes(lambda name=name: Rules.from_file(tmp_path / name))
-        assert done, f"{name}: still blocked after 10 s"
+        assert done, f"{name}: still blocked (hang guard)"
         assert isinstance(got, ShardingError) and f"is {kind}, not a regular file" in str(got)
 
 

@@ -13,7 +13,6 @@ import re
 import select
 import subprocess
 import sys
-import time
 import tracemalloc
 import warnings
 from pathlib import Path
@@ -1460,16 +1459,14 @@ def test_fit_with_a_huge_num_steps_on_finite_data_stops_when_the_data_ends():
     trainer = make_trainer(steps_per_call=2)
     tracemalloc.start()
     try:
-        start = time.perf_counter()
         h = trainer.fit(host_batches(5), num_steps=10**12, progress=False)
-        took = time.perf_counter() - start
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert h.steps == 5 and h.stop_reason == "data ran out after 5 of 1000000000000 steps"
     assert h["step"].tolist() == [1, 2, 3, 4, 5]
+    # Nothing sized by num_steps was built: a plan of 10**12 steps would show here.
     assert peak < 50 * 2**20, f"peak Python allocation {peak / 2**20:.0f} MiB"
-    assert took < 60
 
 
 def test_microbatch_rows_check_ignores_unsharded_leaves_and_runs_once_per_layout():
