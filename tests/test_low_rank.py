@@ -1,5 +1,6 @@
 """LoRA adapters (nnx_shard.low_rank): placement, names, sharding, training only the
-adapters, merging, and the errors of ns.lora."""
+adapters (under every preset, to the one-device numbers), the optimizer state's
+compiled bytes, merging, and the errors of ns.lora."""
 
 import dataclasses
 import functools
@@ -17,6 +18,9 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard.low_rank import Adapted, adapters
 from nnx_shard.models import Llama, get_llama_config, lm_loss
+from tests import _user_models as um
+from tests._close import assert_close
+from tests._shared import device_bytes, host, host_copy
 from tests.conftest import needs_devices
 
 
@@ -207,8 +211,6 @@ def _compiled_opt_init(rank: int, wrt: Any = nnx.LoRAParam) -> tuple[Any, Any, i
 @pytest.mark.slow  # three compilations
 @needs_devices(8)
 def test_adapter_only_adam_state_is_twice_the_adapters_per_device():
-    from tests._shared import device_bytes
-
     got, adapters_at = {}, {}
     for rank in (4, 8):
         model, memory, outputs = _compiled_opt_init(rank)
@@ -244,15 +246,14 @@ def _user_lora(stacked: bool = False) -> nnx.Module:
     """The user Llama of tests/_user_models.py with rank-2 adapters on q, v and down,
     both factors drawn per layer from the adapter's path (B non-zero, so the first step
     moves both), the same numbers whether its blocks are a list or stacked."""
-    from tests import _user_models as um
-
     model = um.Llama(um.Config(), rngs=nnx.Rngs(0))
     if stacked:  # adapters go on the stacked kernels, their leading axis the layer's
         model = ns.pipeline.stack(model, "layers")
     ns.lora(model, 2, 4.0, targets=LORA_TARGETS)
     for path, node in adapters(model).items():
         for factor in (node.lora_a, node.lora_b):
-            name = f"{path.split('/', 2)[-1] if not stacked else path.split('/', 1)[-1]}"
+            # the path less 'layers/' (and the layer index, in the list form)
+            name = path.split("/", 1 if stacked else 2)[-1]
             name += "/a" if factor is node.lora_a else "/b"
             if stacked:
                 rows = [_factor(name, i, factor.shape[1:]) for i in range(factor.shape[0])]
@@ -267,17 +268,12 @@ def _lora_tx() -> optax.GradientTransformation:
 
 
 def _lora_batches() -> list[dict[str, np.ndarray]]:
-    from tests import _user_models as um
-
     return um.batches(um.Config(), STEPS, 8)
 
 
 @functools.cache
 def _lora_reference() -> tuple[np.ndarray, Any]:
     """Losses and final adapters of a plain one-device nnx.jit loop."""
-    from tests import _user_models as um
-    from tests._shared import host
-
     with jax.default_device(jax.devices()[0]), nnx.use_eager_sharding(False):
         model = _user_lora()
         opt = nnx.Optimizer(model, _lora_tx(), wrt=nnx.LoRAParam)
@@ -289,8 +285,12 @@ def _lora_reference() -> tuple[np.ndarray, Any]:
             opt.update(model, grads)
             return loss
 
+        start = host(nnx.state(model, nnx.LoRAParam))
         losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b)))
                   for b in _lora_batches()]
+    end = host(nnx.state(model, nnx.LoRAParam))
+    assert all(not np.array_equal(a, b)  # both factors of every adapter move
+               for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(end), strict=True))
     return np.asarray(losses), host(nnx.state(model, nnx.LoRAParam))
 
 
@@ -298,10 +298,6 @@ def _lora_reference() -> tuple[np.ndarray, Any]:
 @needs_devices(8)
 @pytest.mark.parametrize("preset", ns.strategies.NAMES)
 def test_lora_trains_like_one_device_under_every_preset(preset):
-    from tests import _user_models as um
-    from tests._close import assert_close
-    from tests._shared import host, host_copy
-
     s = ns.strategies.get(preset).with_rules(um.ALIASES)
     pipelined = s.mesh_for(8).get("stage", 1) > 1
     mesh = s.make_mesh()

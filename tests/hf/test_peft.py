@@ -68,6 +68,7 @@ def test_load_lora_matches_peft_then_merge(name, devices):
     assert np.abs(merged - exp["merged_logits"]).max() <= tol
 
 
+@pytest.mark.slow  # a load and a ten-step compilation
 @needs_devices(8)
 def test_adapter_only_adamw_follows_peft_loss_curve():
     """Ten steps of AdamW on the adapters alone, through Trainer.fit under fsdp, give
