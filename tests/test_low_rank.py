@@ -1,8 +1,12 @@
 """LoRA adapters (nnx_shard.low_rank): placement, names, sharding, training only the
-adapters, merging, and the errors of ns.lora."""
+adapters (under every preset, to the one-device numbers), the optimizer state's
+compiled bytes, merging, and the errors of ns.lora."""
 
 import dataclasses
+import functools
 import math
+import zlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +18,10 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard.low_rank import Adapted, adapters
 from nnx_shard.models import Llama, get_llama_config, lm_loss
+from tests import _user_models as um
+from tests._close import assert_close
+from tests._shared import device_bytes, host, host_copy
+from tests.conftest import needs_devices
 
 
 def _llama(scan: bool = False) -> Llama:
@@ -183,3 +191,126 @@ def test_reference_transformer_adapts_and_merges():
     with pytest.raises(ns.ShardingError, match="not a 2-D-like projection"):
         ns.lora(Transformer(get_config("tiny_moe"), rngs=nnx.Rngs(0)), 2, 4.0,
                 targets=r"experts?/(up|down)$|moe/(up|down)$|mlp/(up|down)$")
+
+
+def _compiled_opt_init(rank: int, wrt: Any = nnx.LoRAParam) -> tuple[Any, Any, int]:
+    """The model (fsdp, 8 devices), the compiled memory analysis of the program
+    ``sharded_optimizer`` runs to build Adam's state for ``wrt``, and its output count."""
+    from nnx_shard.init import _lower_optimizer
+
+    strategy = ns.strategies.fsdp()
+    mesh = strategy.make_mesh(8)
+    model = strategy.sharded_init(
+        lambda: ns.lora(_llama(), rank, 8.0, targets=r"attn/(q|v|o)$|mlp/down$"), mesh)
+    _, lowered, _ = _lower_optimizer(model, optax.adam(1e-3), mesh, strategy.rules, wrt,
+                                     strategy.opt_rules)
+    outputs = len(jax.tree.leaves(lowered.out_info))
+    return model, lowered.compile().memory_analysis(), outputs
+
+
+@pytest.mark.slow  # three compilations
+@needs_devices(8)
+def test_adapter_only_adam_state_is_twice_the_adapters_per_device():
+    got, adapters_at = {}, {}
+    for rank in (4, 8):
+        model, memory, outputs = _compiled_opt_init(rank)
+        adapter = set(device_bytes(nnx.state(model, nnx.LoRAParam)).values())
+        assert len(adapter) == 1  # every device holds the same share
+        adapters_at[rank] = next(iter(adapter))
+        # XLA counts the output tuple's table (one 8-byte pointer an output) in the
+        # output size; the scalars are Adam's count and the optimizer's step (int32).
+        state = memory.output_size_in_bytes - 8 * outputs
+        assert state == 2 * adapter.pop() + 2 * 4, (rank, state)  # mu and nu, no base
+        got[rank] = state - 8
+    assert got[8] == 2 * got[4] > 0
+    # The same measure sees the base's moments when the base is trained too (wrt=Param
+    # takes LoRAParam, its subclass, as well).
+    model, memory, outputs = _compiled_opt_init(4, wrt=nnx.Param)
+    every = max(device_bytes(nnx.state(model, nnx.Param)).values())
+    assert every > 2 * adapters_at[4]  # the base is most of the model
+    assert memory.output_size_in_bytes - 8 * outputs == 2 * every + 8
+
+
+# --------------------------------------------------------------------------- every preset
+
+LORA_TARGETS = r"attn/(q_proj|v_proj)/kernel$|mlp/down/kernel$"
+STEPS = 2
+
+
+def _factor(path: str, layer: int, shape: tuple[int, ...]) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(zlib.crc32(path.encode())), layer)
+    return 0.3 * jax.random.normal(key, shape)
+
+
+def _user_lora(stacked: bool = False) -> nnx.Module:
+    """The user Llama of tests/_user_models.py with rank-2 adapters on q, v and down,
+    both factors drawn per layer from the adapter's path (B non-zero, so the first step
+    moves both), the same numbers whether its blocks are a list or stacked."""
+    model = um.Llama(um.Config(), rngs=nnx.Rngs(0))
+    if stacked:  # adapters go on the stacked kernels, their leading axis the layer's
+        model = ns.pipeline.stack(model, "layers")
+    ns.lora(model, 2, 4.0, targets=LORA_TARGETS)
+    for path, node in adapters(model).items():
+        for factor in (node.lora_a, node.lora_b):
+            # the path less 'layers/' (and the layer index, in the list form)
+            name = path.split("/", 1 if stacked else 2)[-1]
+            name += "/a" if factor is node.lora_a else "/b"
+            if stacked:
+                rows = [_factor(name, i, factor.shape[1:]) for i in range(factor.shape[0])]
+                factor.set_value(jnp.stack(rows))
+            else:
+                factor.set_value(_factor(name, int(path.split("/")[1]), factor.shape))
+    return model
+
+
+def _lora_tx() -> optax.GradientTransformation:
+    return optax.adam(1e-2)
+
+
+def _lora_batches() -> list[dict[str, np.ndarray]]:
+    return um.batches(um.Config(), STEPS, 8)
+
+
+@functools.cache
+def _lora_reference() -> tuple[np.ndarray, Any]:
+    """Losses and final adapters of a plain one-device nnx.jit loop."""
+    with jax.default_device(jax.devices()[0]), nnx.use_eager_sharding(False):
+        model = _user_lora()
+        opt = nnx.Optimizer(model, _lora_tx(), wrt=nnx.LoRAParam)
+
+        @nnx.jit
+        def step(model, opt, batch):
+            loss, grads = nnx.value_and_grad(um.loss_fn, argnums=nnx.DiffState(
+                0, nnx.LoRAParam))(model, batch)
+            opt.update(model, grads)
+            return loss
+
+        start = host(nnx.state(model, nnx.LoRAParam))
+        losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b)))
+                  for b in _lora_batches()]
+    end = host(nnx.state(model, nnx.LoRAParam))
+    assert all(not np.array_equal(a, b)  # both factors of every adapter move
+               for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(end), strict=True))
+    return np.asarray(losses), host(nnx.state(model, nnx.LoRAParam))
+
+
+@pytest.mark.slow
+@needs_devices(8)
+@pytest.mark.parametrize("preset", ns.strategies.NAMES)
+def test_lora_trains_like_one_device_under_every_preset(preset):
+    s = ns.strategies.get(preset).with_rules(um.ALIASES)
+    pipelined = s.mesh_for(8).get("stage", 1) > 1
+    mesh = s.make_mesh()
+    model = s.sharded_init(lambda: _user_lora(stacked=pipelined), mesh)
+    opt = s.optimizer(model, _lora_tx(), mesh, wrt=nnx.LoRAParam)
+    trainer = ns.Trainer(model, opt, um.loss_fn, mesh=mesh, rules=s.rules,
+                         steps_per_call=STEPS, batch_names=("batch", "length"),
+                         microbatches=4 if pipelined else 1)
+    history = trainer.fit(_lora_batches(), STEPS, progress=False)
+    losses, want = _lora_reference()
+    assert_close(np.asarray(history["loss"]), losses, 1e-4, f"loss under {preset}")
+    if pipelined:
+        model = ns.pipeline.unstack(host_copy(model), "layers")
+    got = host(nnx.state(model, nnx.LoRAParam))
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(want))
+    assert_close(got, want, 1e-4, f"adapters under {preset}", scale=scale)

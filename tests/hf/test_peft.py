@@ -1,5 +1,6 @@
-"""PEFT adapter folders: ns.load_lora against peft's own logits, merge_lora, and
-save_lora's files (exact PEFT names and config; read back bitwise)."""
+"""PEFT adapter folders: ns.load_lora against peft's own logits under dp, tp, fsdp and
+fsdp_tp, merge_lora, save_lora's files (exact PEFT names and config; read back bitwise),
+and adapter-only AdamW training against peft's own loss curve."""
 
 import json
 import os
@@ -10,13 +11,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard import safetensors_io as st
+from nnx_shard.hf import load_pretrained
 from nnx_shard.low_rank import adapters
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Llama, LlamaConfig, lm_loss
+from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 PEFT = FIXTURES / "peft_llama"
@@ -43,10 +47,14 @@ def _logits(model, strategy, mesh, tokens):
     return np.asarray(out)[: tokens.shape[0]]
 
 
-@pytest.mark.parametrize("name", ["dp", "tp"])
-def test_load_lora_matches_peft_then_merge(name):
-    strategy = getattr(ns.strategies, name)()
-    mesh = strategy.make_mesh(2)
+@pytest.mark.parametrize(("name", "devices"), [
+    ("dp", 2), ("tp", 2),
+    pytest.param("fsdp", 8, marks=needs_devices(8)),  # embed over data=8
+    pytest.param("fsdp_tp", 8, marks=needs_devices(8)),  # data=4 x model=2
+])
+def test_load_lora_matches_peft_then_merge(name, devices):
+    strategy = ns.strategies.get(name)
+    mesh = strategy.make_mesh(devices)
     model = ns.load_lora(PEFT, _base(strategy, mesh))
     exp = _expected()
     assert sorted(adapters(model))[:4] == ["blocks/0/attn/o", "blocks/0/attn/q",
@@ -58,6 +66,43 @@ def test_load_lora_matches_peft_then_merge(name):
     assert not adapters(model)
     merged = _logits(model, strategy, mesh, exp["tokens"])
     assert np.abs(merged - exp["merged_logits"]).max() <= tol
+
+
+@pytest.mark.slow  # a load and a ten-step compilation
+@needs_devices(8)
+def test_adapter_only_adamw_follows_peft_loss_curve():
+    """Ten steps of AdamW on the adapters alone, through Trainer.fit under fsdp, give
+    peft's losses (torch.optim.AdamW, the same batches and hyper-parameters) and leave
+    every base weight bitwise as loaded."""
+    exp = _expected()
+    lr, b1, b2, eps, wd = (float(x) for x in exp["train_hparams"])
+    tokens = exp["train_tokens"]
+    strategy = ns.strategies.get("fsdp")
+    mesh = strategy.make_mesh(8)
+    model = ns.load_lora(PEFT, load_pretrained(FIXTURES / "hf_llama", mesh=mesh,
+                                               rules=strategy.rules))
+    # torch's AdamW: eps outside the square root, decoupled decay on every trained tensor.
+    tx = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
+    opt = strategy.optimizer(model, tx, mesh, wrt=nnx.LoRAParam)
+    base0 = jax.device_get(nnx.state(model, nnx.Not(nnx.LoRAParam)))
+    lora0 = jax.device_get(nnx.state(model, nnx.LoRAParam))
+    trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules,
+                         steps_per_call=len(tokens), batch_names=("batch", "length"))
+    batches = ({"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens)
+    history = trainer.fit(batches, num_steps=len(tokens), progress=False)
+    got, want = np.asarray(history["loss"]), exp["train_losses"]
+    assert got.shape == want.shape == (10,)
+    gap = np.abs(got - want) / np.abs(want)
+    assert gap.max() <= 2e-3, (got, want, gap)
+    assert want[-1] < want[0]  # the curve moves: a frozen adapter would not match it
+    base1 = jax.device_get(nnx.state(model, nnx.Not(nnx.LoRAParam)))
+    leaves0, leaves1 = jax.tree.leaves(base0), jax.tree.leaves(base1)
+    assert len(leaves0) == len(leaves1) > 0
+    for a, b in zip(leaves0, leaves1, strict=True):
+        np.testing.assert_array_equal(a, b)
+    moved = jax.tree.leaves(jax.device_get(nnx.state(model, nnx.LoRAParam)))
+    assert all(not np.array_equal(a, b)
+               for a, b in zip(jax.tree.leaves(lora0), moved, strict=True))
 
 
 def test_save_lora_writes_peft_names_and_reads_back_bitwise(tmp_path):
