@@ -186,9 +186,10 @@ def grads_norm(grads: Any, replicated: bool = False) -> jax.Array:
     """``optax.tree.norm(grads)``, with the small replicated leaves summed as one vector.
 
     XLA's CPU backend runs every reduction as a kernel of its own, and for the
-    small leaves of a small model that fixed cost dominates: one reduction per
-    leaf took ~25% of an MLP's step; one over the concatenated small leaves
-    (a copy of at most ``_SMALL_LEAF`` elements each) ~5%. Sharded leaves keep
+    small leaves of a small model that fixed cost dominates: one reduction over
+    the concatenated small leaves (a copy of at most ``_SMALL_LEAF`` elements
+    each) costs a fraction of one per leaf (docs/benchmarks.md, "Fused
+    training"). Sharded leaves keep
     their own reduction (a concatenation would gather them).
 
     >>> import optax
@@ -255,9 +256,8 @@ def grad_sq_shares(
     fused call that is one more collective every step. Here every device sums the
     squares of its own blocks (a block held by several devices counted once, on
     the first of them), and the K steps' shares are summed across devices once,
-    at the end of the call. On 8 simulated CPU devices under fsdp that took the
-    small transformer's call from 1.16x to 1.07x of a bare scan's
-    (``benchmarks/fit_call_cost.py``). ``specs`` are the gradient leaves' specs
+    at the end of the call; what that saves under fsdp is measured by
+    ``benchmarks/fit_call_cost.py`` (docs/benchmarks.md, "Fused training"). ``specs`` are the gradient leaves' specs
     on ``mesh`` (the parameters', read on the host; Explicit axes give their
     own). None where it does not apply: one device, a layout not known, or every
     leaf replicated (then nothing is sharded and :func:`grads_norm` needs no
