@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from nnx_shard.checkpoint.folders import _DEBUG_ENV
+from nnx_shard.checkpoint._internal import _DEBUG_ENV
 
 _OCP_LOCK = threading.Lock()
 _ocp_tamed = False
