@@ -609,12 +609,12 @@ def _rate(marks: list[tuple[int, float]], tokens_per_step: int) -> float | None:
 
 
 def _spec_of(model: Any, path: str) -> str:
-    from nnx_shard.report import _spec_txt
+    from nnx_shard.report import spec_txt
 
     obj = model
     for part in path.split("/"):
         obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return _spec_txt(obj.get_value().sharding.spec)
+    return spec_txt(obj.get_value().sharding.spec)
 
 
 def _jsonable_config(cfg: Any) -> dict[str, Any]:

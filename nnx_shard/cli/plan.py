@@ -51,7 +51,7 @@ from nnx_shard.planner import (
 from nnx_shard.planner.compile import planned_config
 from nnx_shard.planner.formula import compute_copy, stage_config
 from nnx_shard.planner.trust import compiled_trusted
-from nnx_shard.report import Report, _spec_txt, fmt_bytes
+from nnx_shard.report import Report, fmt_bytes, spec_txt
 from nnx_shard.strategy import Strategy
 
 __all__ = ["run", "run_auto", "run_generate"]
@@ -308,7 +308,7 @@ def _print_bytes(out: dict[str, Any], report: Report) -> None:
 
 def _print_rows(rows: Any) -> None:
     """Path, shape, spec and bytes per device of report rows, in aligned columns."""
-    cols = [(r.path, str(r.shape), _spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
+    cols = [(r.path, str(r.shape), spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
             for r in rows]
     widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
     for c in cols:
