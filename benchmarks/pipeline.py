@@ -13,7 +13,7 @@ train steps (:func:`nnx_shard.multistep`), and the table shows
 * ``temp MiB``: the temporaries (where the microbatches in flight live);
 * ``bubble``: the analytic idle fraction ``(S-1)/(M*V+S-1)``;
 * ``idle``: the fraction of idle stage-steps counted in the schedule the
-  pipeline loop runs (:func:`nnx_shard.pipeline.schedule_table`, built from the
+  pipeline loop runs (:func:`nnx_shard.parallel.pipeline.schedule_table`, built from the
   same function the loop uses); the script checks that it equals ``bubble``;
 * ``remat``: two more rows at M = 2S with ``pp(..., remat=True)`` (each stage
   recomputed in the backward pass);

@@ -1,5 +1,3 @@
-import sys as _sys
-
 from nnx_shard import distributed, hf, models, strategies
 from nnx_shard.annotate import annotate, get_logical_axes, logical_axes, with_logical
 from nnx_shard.checkpoint import Checkpointer, restore, save
@@ -11,18 +9,12 @@ from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.low_rank import lora, merge_lora
 from nnx_shard.mesh import constrain, make_mesh, shardings, use
 from nnx_shard.metrics import MetricsWriter
-from nnx_shard.parallel import collective_matmul, pipeline, ring, tp_layers
+from nnx_shard.parallel import collective_matmul, pipeline, tp_layers
 from nnx_shard.quantized import QuantizedKernel
 from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 from nnx_shard.train import Precision, Trainer, multistep, shard_batch, value_and_grad
 from nnx_shard.train.batches import Batches
-
-# The parallel ops were modules of this package before nnx_shard.parallel: their old
-# import paths (``from nnx_shard.collective_matmul import ...``) name the same modules.
-for _op in (collective_matmul, pipeline, ring):
-    _sys.modules.setdefault(f"nnx_shard.{_op.__name__.rpartition('.')[2]}", _op)
-del _op
 
 __all__ = [
     "Batches",

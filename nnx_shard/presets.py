@@ -63,7 +63,7 @@ def _cp(data: str, context: str) -> Rules:
 
 def _pp(stage: str, data: str, repeats: int, allow_few_microbatches: bool,
         remat: bool) -> Rules:
-    """The stacked layers over ``stage``, run by :func:`nnx_shard.pipeline.scan`."""
+    """The stacked layers over ``stage``, run by :func:`nnx_shard.parallel.pipeline.scan`."""
     schedule = Schedule(axis=stage, repeats=repeats,
                         allow_few_microbatches=allow_few_microbatches, remat=remat)
     return Rules({"batch": data, "cache_batch": data, "layers": stage},
@@ -220,7 +220,7 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
 def async_tp(*, data: str = "data", model: str = "model") -> Strategy:
     """Asynchronous tensor parallelism: :func:`tp`'s parameter layout, with the
     attention and MLP projections run as collective matmuls
-    (:mod:`nnx_shard.collective_matmul`) that overlap their communication with
+    (:mod:`nnx_shard.parallel.collective_matmul`) that overlap their communication with
     the matmul, block by block.
 
     The residual stream is sharded along ``length`` over ``model`` as under
@@ -256,7 +256,7 @@ def cp(*, data: str = "data", context: str = "context") -> Strategy:
     replicated. Attention runs as ring attention (rules option
     ``attention="ring"``, read by :func:`nnx_shard.models.attention`): each device
     keeps its queries and passes key/value blocks around the ``context`` ring, in
-    zig-zag chunk order for causal load balance (see :mod:`nnx_shard.ring`).
+    zig-zag chunk order for causal load balance (see :mod:`nnx_shard.parallel.ring`).
     ``strategy.rules.with_options(attention="allgather")`` all-gathers K/V instead.
 
     Mesh axes: ``data``, ``context``. Collectives: collective-permutes over
@@ -299,13 +299,13 @@ def pp(*, stage: str = "stage", data: str = "data", repeats: int = 1,
     stacked layer axis (``layers``) split over ``stage``, each device holding
     ``layers/stages`` consecutive layers and their optimizer state; everything
     else replicated over ``stage``. The rules carry the execution option
-    ``pipeline=Schedule(stage, repeats)``, which :func:`nnx_shard.pipeline.scan`
+    ``pipeline=Schedule(stage, repeats)``, which :func:`nnx_shard.parallel.pipeline.scan`
     reads: ``repeats=1`` is GPipe, ``repeats=V > 1`` the circular schedule.
     Microbatches are the trainer's ``microbatches=M`` (at least the number of
     stages, unless ``allow_few_microbatches=True``: GPipe then runs with idle stages
     and a warning). ``remat=True`` keeps only each stage's input per pipeline
     iteration for the backward pass and recomputes the stage. See
-    :mod:`nnx_shard.pipeline`.
+    :mod:`nnx_shard.parallel.pipeline`.
 
     Mesh axes: ``stage``, ``data``. Collectives: collective-permutes over
     ``stage`` (activations passed between stages at every pipeline iteration,

@@ -45,7 +45,7 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _spec_txt(spec: PartitionSpec) -> str:
+def spec_txt(spec: PartitionSpec) -> str:
     return "P(" + ", ".join(repr(e) if e is not None else "None" for e in spec) + ")"
 
 
@@ -92,7 +92,7 @@ class Report:
                 str(r.shape),
                 r.dtype,
                 "-" if r.names is None else str(r.names),
-                _spec_txt(r.spec),
+                spec_txt(r.spec),
                 fmt_bytes(r.total_bytes),
                 fmt_bytes(r.bytes_per_device),
                 r.source,
@@ -158,7 +158,7 @@ def _row(path: str, kind: str, value: Any, names: Any, spec: PartitionSpec, sour
     )
 
 
-def _rows(state: Any, mesh: Any, rules: Rules) -> list[Row]:
+def layout_rows(state: Any, mesh: Any, rules: Rules) -> list[Row]:
     leaves = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )[0]
@@ -240,7 +240,7 @@ def explain(
     if not isinstance(mesh, AbstractMesh):
         mesh = make_mesh(mesh)
     rules = as_rules(rules)
-    rows = _rows(state, mesh, rules)
+    rows = layout_rows(state, mesh, rules)
     if optimizer is not None:
         o_rules = rules if opt_rules is None else as_rules(opt_rules)
         # What nnx.Optimizer(model, optimizer, wrt=wrt) initialises, by shape only.

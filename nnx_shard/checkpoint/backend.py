@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from nnx_shard.checkpoint.folders import _DEBUG_ENV
+from nnx_shard.checkpoint._internal import _DEBUG_ENV
 
 
 def orbax_module() -> Any:

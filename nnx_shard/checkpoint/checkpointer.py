@@ -10,9 +10,7 @@ from typing import Any
 
 from flax import nnx
 
-from nnx_shard.checkpoint.backend import _hush, _quiet
-from nnx_shard.checkpoint.exits import _register_exit, _save_failed, _unregister_exit
-from nnx_shard.checkpoint.folders import (
+from nnx_shard.checkpoint._internal import (
     _DIR_LOCKS_LOCK,
     _OPEN,
     _UNSETTLED,
@@ -28,8 +26,10 @@ from nnx_shard.checkpoint.folders import (
     _taken,
     _WriteLock,
 )
+from nnx_shard.checkpoint.backend import _hush, _quiet
+from nnx_shard.checkpoint.exits import _register_exit, _save_failed, _unregister_exit
 from nnx_shard.checkpoint.restore import restore
-from nnx_shard.checkpoint.save import _do_save, _manager, _save_args
+from nnx_shard.checkpoint.save import do_save, manager, save_args
 from nnx_shard.errors import count, flag
 
 # --------------------------------------------------------------------------- Checkpointer
@@ -99,7 +99,7 @@ class Checkpointer:
             with _quiet():
                 # Rotation is ours (only our own steps): orbax would delete any folder
                 # with a number for a name.
-                self._mngr = _manager(
+                self._mngr = manager(
                     self.directory, create=True, enable_async_checkpointing=async_save
                 )
             _remove_leftovers(self.directory)
@@ -174,10 +174,10 @@ class Checkpointer:
         ('7', 7)
         """
         self._check_open()
-        args = _save_args(step, model, optimizer, extra)
+        args = save_args(step, model, optimizer, extra)
         self.wait()  # a failure of the previous save is raised first; this one is not started
         with _dir_lock(self.directory):
-            lock = _do_save(self._mngr, self.directory, step, args, "Checkpointer")
+            lock = do_save(self._mngr, self.directory, step, args, "Checkpointer")
             self._pending, self._lock = int(step), lock
             with _DIR_LOCKS_LOCK:
                 _UNSETTLED.add(self)

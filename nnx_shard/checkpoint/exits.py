@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_shard.checkpoint.folders import (
+from nnx_shard.checkpoint._internal import (
     _DIR_LOCKS_LOCK,
     _OPEN,
     _STALL_DEFAULT_S,

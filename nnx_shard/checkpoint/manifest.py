@@ -18,21 +18,21 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from nnx_shard.annotate import path_str
-from nnx_shard.checkpoint.folders import _FORMAT, _FORMATS, _HASH_BATCH_BYTES, _ITEMS
+from nnx_shard.checkpoint._internal import _FORMAT, _FORMATS, _HASH_BATCH_BYTES, _ITEMS
 from nnx_shard.mesh import current, nbytes
 
 # --------------------------------------------------------------------------- leaves
 
 
-def _is_key(dtype: Any) -> bool:
+def is_key_dtype(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _key_impl(keys: jax.Array) -> str:
+def key_impl_name(keys: jax.Array) -> str:
     return str(jax.random.key_impl(keys))
 
 
-def _flat(obj: Any, what: str) -> tuple[Any, Any, list[tuple[tuple[Any, ...], str, Any]]]:
+def flatten_state(obj: Any, what: str) -> tuple[Any, Any, list[tuple[tuple[Any, ...], str, Any]]]:
     """(graphdef, state, [(path, 'a/b/c', Variable)]) of an NNX object."""
     if not (isinstance(obj, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(obj)):
         raise TypeError(
@@ -46,11 +46,11 @@ def _flat(obj: Any, what: str) -> tuple[Any, Any, list[tuple[tuple[Any, ...], st
     return graphdef, state, rows
 
 
-def _value(var: Any) -> Any:
+def var_value(var: Any) -> Any:
     return var.get_value() if isinstance(var, nnx.Variable) else var
 
 
-def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     """{'a/b': x} -> {'a': {'b': x}}: orbax stores nested dicts of arrays."""
     out: dict[str, Any] = {}
     for key, x in flat.items():
@@ -62,12 +62,12 @@ def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _unnest(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def unnest(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}/{k}" if prefix else str(k)
         if isinstance(v, Mapping):
-            out.update(_unnest(v, key))
+            out.update(unnest(v, key))
         else:
             out[key] = v
     return out
@@ -155,7 +155,7 @@ def _hash_all(xs: list[jax.Array], version: int) -> list[jax.Array]:
     return [fn(x) for x in xs]
 
 
-def _checksums(values: Sequence[jax.Array], version: int = _FORMAT) -> list[list[int]]:
+def checksums_of(values: Sequence[jax.Array], version: int = _FORMAT) -> list[list[int]]:
     """One [a, b] pair per array (the checksum of manifest format ``version``); one
     compiled call per set of devices and batch.
 
@@ -164,8 +164,8 @@ def _checksums(values: Sequence[jax.Array], version: int = _FORMAT) -> list[list
     whatever the model's size (a restore's host memory is what it costs).
 
     >>> import jax.numpy as jnp
-    >>> ones = _checksums([jnp.ones(512)])[0]
-    >>> ones != [0, 0], _checksums([jnp.ones(512)], version=1)[0]
+    >>> ones = checksums_of([jnp.ones(512)])[0]
+    >>> ones != [0, 0], checksums_of([jnp.ones(512)], version=1)[0]
     (True, [0, 0])
     """
     groups: dict[Any, list[int]] = {}
@@ -220,7 +220,7 @@ def _concrete_mesh(abstract: AbstractMesh) -> Mesh:
     )
 
 
-def _target_sharding(x: Any) -> jax.sharding.Sharding:
+def target_sharding(x: Any) -> jax.sharding.Sharding:
     sharding = getattr(x, "sharding", None)
     if sharding is None:
         # Unplaced values (a target from jax.eval_shape, NumPy arrays) go to one device.
@@ -232,7 +232,7 @@ def _target_sharding(x: Any) -> jax.sharding.Sharding:
     return sharding
 
 
-def _key_data_sharding(sharding: jax.sharding.Sharding, ndim: int) -> jax.sharding.Sharding:
+def key_data_sharding(sharding: jax.sharding.Sharding, ndim: int) -> jax.sharding.Sharding:
     """The sharding of ``key_data`` of keys laid out by ``sharding`` (one more dim)."""
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
@@ -244,12 +244,12 @@ def _canonical(x: Any) -> bytes:
     return json.dumps(x, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _extra_hash(extra: Any) -> str:
+def extra_hash(extra: Any) -> str:
     """sha256 of ``extra`` as JSON: the manifest's record of extra/metadata."""
     return hashlib.sha256(_canonical(extra)).hexdigest()
 
 
-def _digest(manifest: Mapping[str, Any]) -> str:
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
     """The manifest's digest, stored in it: a damaged manifest (a flipped byte in a
     name, a shape, a checksum, the step or extra's hash) is caught as such. Format
     1 digested the entries only."""
@@ -290,7 +290,7 @@ def _entry_problem(name: str, key: str, e: Any) -> str | None:
     return None
 
 
-def _manifest_problem(manifest: Any) -> str | None:
+def manifest_problem(manifest: Any) -> str | None:
     """What is wrong with a manifest read back, or None."""
     if not isinstance(manifest, Mapping):
         return f"is not a JSON object ({manifest!r:.60})"
@@ -307,7 +307,7 @@ def _manifest_problem(manifest: Any) -> str | None:
     items = manifest.get("items")
     if not isinstance(items, Mapping):
         return "has no 'items'"
-    if manifest["digest"] != _digest(manifest):
+    if manifest["digest"] != manifest_digest(manifest):
         return "does not match the digest written with it"
     if fmt >= 2:
         step = manifest.get("step")

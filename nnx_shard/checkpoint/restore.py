@@ -13,8 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnx_shard.checkpoint.backend import _ocp, _quiet
-from nnx_shard.checkpoint.folders import (
+from nnx_shard.checkpoint._internal import (
     _SHOW,
     _claims,
     _finished_steps,
@@ -23,19 +22,20 @@ from nnx_shard.checkpoint.folders import (
     _step_folders,
     _unfinished,
 )
+from nnx_shard.checkpoint.backend import _ocp, _quiet
 from nnx_shard.checkpoint.manifest import (
-    _checksums,
-    _extra_hash,
-    _flat,
-    _is_key,
-    _key_data_sharding,
-    _manifest_problem,
-    _nest,
-    _target_sharding,
-    _unnest,
-    _value,
+    checksums_of,
+    extra_hash,
+    flatten_state,
+    is_key_dtype,
+    key_data_sharding,
+    manifest_problem,
+    nest,
+    target_sharding,
+    unnest,
+    var_value,
 )
-from nnx_shard.checkpoint.save import _manager
+from nnx_shard.checkpoint.save import manager
 from nnx_shard.errors import count
 
 # --------------------------------------------------------------------------- restore
@@ -101,11 +101,11 @@ def _match(
     if extra:
         problems.append(f"in the checkpoint but not in the target: {_listing(extra)}")
     for key in sorted(set(target) & set(entries)):
-        x = _value(target[key])
+        x = var_value(target[key])
         saved = entries[key]
         shape = tuple(np.shape(x))
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-        is_key = _is_key(dtype)
+        is_key = is_key_dtype(dtype)
         if tuple(saved["shape"]) != shape:
             problems.append(
                 f"{what}/{key}: checkpoint has shape {tuple(saved['shape'])}, target has {shape}"
@@ -130,14 +130,14 @@ def _match(
 def _orbax_target(rows: list[tuple[tuple[Any, ...], str, Any]]) -> dict[str, Any]:
     flat = {}
     for _, key, var in rows:
-        x = _value(var)
+        x = var_value(var)
         shape, dtype = tuple(np.shape(x)), x.dtype
-        sharding = _target_sharding(x)
-        if _is_key(dtype):
+        sharding = target_sharding(x)
+        if is_key_dtype(dtype):
             data_shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
             flat[key] = jax.ShapeDtypeStruct(
                 data_shape.shape, data_shape.dtype,
-                sharding=_key_data_sharding(sharding, len(shape)),
+                sharding=key_data_sharding(sharding, len(shape)),
             )
         else:
             flat[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -168,7 +168,7 @@ def _read(
     if not directory.is_dir():
         raise FileNotFoundError(f"restore: checkpoint directory {directory} does not exist.")
     with _quiet():
-        return _read_open(ocp, _manager(directory, create=False), directory, step, targets)
+        return _read_open(ocp, manager(directory, create=False), directory, step, targets)
 
 
 def _read_open(
@@ -185,7 +185,7 @@ def _read_open(
             manifest, extra = meta["manifest"], meta["extra"]
         except Exception as e:
             raise _corrupt(where, e) from e
-        problem = _manifest_problem(manifest)
+        problem = manifest_problem(manifest)
         fix = "Fix: restore another step (restore(..., step=N)) or re-create this one."
         if problem:
             raise ValueError(
@@ -199,7 +199,7 @@ def _read_open(
                 f"{where / 'manifest' / 'metadata'} was written for step {manifest['step']}, "
                 f"not {step} (the folder was renamed or copied). {fix}"
             )
-        if manifest["format"] >= 2 and _extra_hash(extra) != manifest["extra"]:
+        if manifest["format"] >= 2 and extra_hash(extra) != manifest["extra"]:
             raise ValueError(
                 f"restore: the checkpoint at {where} is corrupt: {where / 'extra' / 'metadata'} "
                 "does not match the digest in its manifest (edited or damaged: the step "
@@ -214,11 +214,11 @@ def _read_open(
                     f"{', '.join(sorted(saved))}). Fix: pass {name}=None, or restore a "
                     f"checkpoint saved with a {name}."
                 )
-            graphdef, _, rows = _flat(obj, name)
+            graphdef, _, rows = flatten_state(obj, name)
             _match(name, rows, saved[name], where)
             layouts[name] = (graphdef, rows, _orbax_target(rows))
         args = {
-            name: ocp.args.StandardRestore(_nest(layout[2])) for name, layout in layouts.items()
+            name: ocp.args.StandardRestore(nest(layout[2])) for name, layout in layouts.items()
         }
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(**args))
@@ -229,9 +229,9 @@ def _read_open(
 
     out = {}
     for name, (graphdef, rows, _) in layouts.items():
-        arrays = _unnest(restored[name])
+        arrays = unnest(restored[name])
         keys = [key for _, key, _ in rows]
-        sums = _checksums([arrays[k] for k in keys], version=manifest["format"])
+        sums = checksums_of([arrays[k] for k in keys], version=manifest["format"])
         bad = [k for k, s in zip(keys, sums, strict=True) if s != saved[name][k]["checksum"]]
         if bad:
             raise ValueError(

@@ -15,9 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_shard.checkpoint.backend import _ocp, _quiet
-from nnx_shard.checkpoint.exits import _save_failed
-from nnx_shard.checkpoint.folders import (
+from nnx_shard.checkpoint._internal import (
     _FORMAT,
     _RESTORE_CONCURRENT_GB,
     _claim_tmp,
@@ -32,15 +30,17 @@ from nnx_shard.checkpoint.folders import (
     _settle,
     _WriteLock,
 )
+from nnx_shard.checkpoint.backend import _ocp, _quiet
+from nnx_shard.checkpoint.exits import _save_failed
 from nnx_shard.checkpoint.manifest import (
-    _checksums,
-    _digest,
-    _extra_hash,
-    _flat,
-    _is_key,
-    _key_impl,
-    _nest,
-    _value,
+    checksums_of,
+    extra_hash,
+    flatten_state,
+    is_key_dtype,
+    key_impl_name,
+    manifest_digest,
+    nest,
+    var_value,
 )
 from nnx_shard.errors import count, short
 
@@ -49,11 +49,11 @@ from nnx_shard.errors import count, short
 
 def _saveable(obj: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(flat arrays to write, manifest entries) for one NNX object."""
-    _, _, rows = _flat(obj, what)
+    _, _, rows = flatten_state(obj, what)
     arrays: dict[str, Any] = {}
     entries: dict[str, Any] = {}
     for _, key, var in rows:
-        x = _value(var)
+        x = var_value(var)
         if isinstance(x, jax.ShapeDtypeStruct):
             raise TypeError(
                 f"save: {what}/{key} is abstract ({x.shape}, {x.dtype}): there is nothing "
@@ -69,8 +69,8 @@ def _saveable(obj: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
         if not isinstance(x, jax.Array):
             x = jnp.asarray(np.asarray(x))
         entry: dict[str, Any] = {"shape": list(x.shape), "dtype": None, "key": None}
-        if _is_key(x.dtype):
-            entry["key"] = _key_impl(x)
+        if is_key_dtype(x.dtype):
+            entry["key"] = key_impl_name(x)
             x = jax.random.key_data(x)
         entry["dtype"] = str(x.dtype)
         arrays[key] = x
@@ -121,7 +121,7 @@ def _check_extra(extra: Any) -> None:
     walk(extra, "extra")
 
 
-def _save_args(
+def save_args(
     step: int, model: Any, optimizer: Any, extra: Mapping[str, Any] | None
 ) -> Any:
     ocp = _ocp()
@@ -135,17 +135,17 @@ def _save_args(
     extra = json.loads(json.dumps(dict(extra or {})))
     items: dict[str, Any] = {}
     manifest: dict[str, Any] = {"format": _FORMAT, "step": int(step), "items": {},
-                                "extra": _extra_hash(extra)}
+                                "extra": extra_hash(extra)}
     for name, obj in (("model", model), ("optimizer", optimizer)):
         if obj is None:
             continue
         arrays, entries = _saveable(obj, name)
         keys = list(arrays)
-        for key, checksum in zip(keys, _checksums([arrays[k] for k in keys]), strict=True):
+        for key, checksum in zip(keys, checksums_of([arrays[k] for k in keys]), strict=True):
             entries[key]["checksum"] = checksum
-        items[name] = ocp.args.StandardSave(_nest(arrays))
+        items[name] = ocp.args.StandardSave(nest(arrays))
         manifest["items"][name] = entries
-    manifest["digest"] = _digest(manifest)
+    manifest["digest"] = manifest_digest(manifest)
     items["extra"] = ocp.args.JsonSave(extra)
     items["manifest"] = ocp.args.JsonSave(manifest)
     return ocp.args.Composite(**items)
@@ -166,7 +166,7 @@ def _handlers() -> dict[str, Any]:
     }
 
 
-def _manager(directory: pathlib.Path, *, create: bool, **options: Any) -> Any:
+def manager(directory: pathlib.Path, *, create: bool, **options: Any) -> Any:
     ocp = _ocp()
     opts = ocp.CheckpointManagerOptions(
         create=create, save_root_metadata=False,
@@ -201,7 +201,7 @@ def _refuse_existing(directory: pathlib.Path, step: int, caller: str) -> None:
     )
 
 
-def _do_save(
+def do_save(
     mngr: Any, directory: pathlib.Path, step: int, args: Any, caller: str
 ) -> _WriteLock:
     """Starts the save under the directory's lock, after every in-process save to it
@@ -276,11 +276,11 @@ def save(
     """
     directory = _resolve_dir(directory, "save")
     _refuse_file(directory, "save")
-    args = _save_args(step, model, optimizer, extra)
+    args = save_args(step, model, optimizer, extra)
     with _dir_lock(directory), _quiet():
-        mngr = _manager(directory, create=True, enable_async_checkpointing=False)
+        mngr = manager(directory, create=True, enable_async_checkpointing=False)
         try:
-            _do_save(mngr, directory, step, args, "save").release()
+            do_save(mngr, directory, step, args, "save").release()
             _release_tmp(directory, int(step))
             return directory / str(int(step))
         finally:

@@ -450,7 +450,7 @@ def _place(run: _Run, name: str) -> None:
 def _commit(run: _Run, png: Path | None) -> None:
     """Moves a finished run's outputs into place, replacing the previous run's (only
     what the record proves the demo wrote): checkpoint step, plot, summary last."""
-    from nnx_shard.checkpoint.folders import _delete_step
+    from nnx_shard.checkpoint._internal import delete_step
 
     ckpt = run.out / "checkpoint"
     if os.path.lexists(ckpt) and not run.outputs.owns("checkpoint"):
@@ -462,7 +462,7 @@ def _commit(run: _Run, png: Path | None) -> None:
     step = run.trainer.step
     name = f"checkpoint/{step}"
     if step in old:
-        _delete_step(ckpt, step)
+        delete_step(ckpt, step)
         run.outputs.forget(name)
     elif os.path.lexists(ckpt / str(step)):
         raise _Usage(f"--out {str(run.out)!r} holds {name}, which the demo did not write; "
@@ -472,7 +472,7 @@ def _commit(run: _Run, png: Path | None) -> None:
     run.outputs.prove(name)
     for s in old:
         if s != step:
-            _delete_step(ckpt, s)
+            delete_step(ckpt, s)
             run.outputs.forget(f"checkpoint/{s}")
     if png is not None:
         _place(run, "loss.png")
@@ -609,12 +609,12 @@ def _rate(marks: list[tuple[int, float]], tokens_per_step: int) -> float | None:
 
 
 def _spec_of(model: Any, path: str) -> str:
-    from nnx_shard.report import _spec_txt
+    from nnx_shard.report import spec_txt
 
     obj = model
     for part in path.split("/"):
         obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return _spec_txt(obj.get_value().sharding.spec)
+    return spec_txt(obj.get_value().sharding.spec)
 
 
 def _jsonable_config(cfg: Any) -> dict[str, Any]:

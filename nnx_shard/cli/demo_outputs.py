@@ -58,7 +58,7 @@ def proof(path: Path) -> str | None:
     >>> proof(d / "summary.json")[:8]
     'file:2:4'
     """
-    from nnx_shard.checkpoint.folders import _not_whole
+    from nnx_shard.checkpoint._internal import not_whole
 
     if path.is_symlink():
         return None
@@ -72,7 +72,7 @@ def proof(path: Path) -> str | None:
         return None
     if path.name == "checkpoint":
         return "dir"
-    if _not_whole(path) is not None:
+    if not_whole(path) is not None:
         return None
     try:
         digest = json.loads((path / "manifest" / "metadata").read_bytes()).get("digest")
@@ -234,15 +234,15 @@ class Stage:
                 q.unlink()
         ckpt = p / "checkpoint"
         if ckpt.is_dir() and not ckpt.is_symlink():
-            from nnx_shard.checkpoint.folders import _LOCK_FILE, _STEP_NAME, _TMP_MARK
+            from nnx_shard.checkpoint._internal import LOCK_FILE, STEP_NAME, TMP_MARK
 
             for q in ckpt.iterdir():
                 if q.is_symlink():
                     continue
-                if q.is_dir() and (_STEP_NAME.fullmatch(q.name) or (q.name.split(_TMP_MARK)[0]
-                                   .isdigit() and _TMP_MARK in q.name)):
+                if q.is_dir() and (STEP_NAME.fullmatch(q.name) or (q.name.split(TMP_MARK)[0]
+                                   .isdigit() and TMP_MARK in q.name)):
                     shutil.rmtree(q, ignore_errors=True)
-                elif q.is_file() and (q.name == _LOCK_FILE or q.name.startswith(
+                elif q.is_file() and (q.name == LOCK_FILE or q.name.startswith(
                         ".nnx_shard-claim-")):
                     q.unlink()
             with contextlib.suppress(OSError):

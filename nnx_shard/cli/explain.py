@@ -60,7 +60,7 @@ def _no_hard_exit() -> Iterator[None]:
         os._exit = real
 
 
-def _import(spec: str, mod_name: str) -> Any:
+def import_factory_module(spec: str, mod_name: str) -> Any:
     """The module of ``module:factory``: a file path or an importable name."""
     try:
         if mod_name.endswith(".py") or os.sep in mod_name:
@@ -116,7 +116,7 @@ def _load_factory(spec: str) -> Any:
     mod_name, colon, attr = spec.partition(":")
     if not colon or not mod_name or not attr:
         raise UsageError(f"{spec!r} is not 'module:factory' (e.g. mypkg.models:make_model)")
-    factory = _import(spec, mod_name)
+    factory = import_factory_module(spec, mod_name)
     module = factory
     for part in attr.split("."):
         if not hasattr(factory, part):
@@ -165,7 +165,7 @@ def _call_factory(spec: str, factory: Any) -> Any:
                          f"{DEBUG_HINT}") from e
 
 
-def _pairs(text: str | None, flag: str, example: str) -> dict[str, str]:
+def parse_pairs(text: str | None, flag: str, example: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in (text or "").split(","):
         name, eq, value = item.strip().partition("=")
@@ -198,10 +198,10 @@ def run(args: argparse.Namespace) -> int:
         strat = strategy(args.strategy)
     else:
         raise UsageError("give --rules FILE (.toml, .json or .yaml) or --strategy NAME")
-    aliases = _pairs(args.alias, "--alias", "fsdp=embed,tp=mlp") if args.alias else {}
+    aliases = parse_pairs(args.alias, "--alias", "fsdp=embed,tp=mlp") if args.alias else {}
     # A one-candidate list: mesh axes, never read as an alias by Strategy.with_rules.
     extra = {k: None if v.lower() == "none" else [tuple(v.split("+")) if "+" in v else v]
-             for k, v in (_pairs(args.rules_extra, "--rules-extra", "norm=none")
+             for k, v in (parse_pairs(args.rules_extra, "--rules-extra", "norm=none")
                           if args.rules_extra else {}).items()}
     try:
         if strat is not None:

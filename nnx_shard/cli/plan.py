@@ -51,7 +51,7 @@ from nnx_shard.planner import (
 from nnx_shard.planner.compile import planned_config
 from nnx_shard.planner.formula import compute_copy, stage_config
 from nnx_shard.planner.trust import compiled_trusted
-from nnx_shard.report import Report, _spec_txt, fmt_bytes
+from nnx_shard.report import Report, fmt_bytes, spec_txt
 from nnx_shard.strategy import Strategy
 
 __all__ = ["run", "run_auto", "run_generate"]
@@ -63,10 +63,10 @@ _DECIDES = {
         "under full, its copy of the state), compiled for this mesh on simulated CPU devices "
         "from abstract inputs (nothing allocated); total = arguments + temp + outputs - "
         "donated buffers. It decides whether the model fits: the formula is off by more than "
-        "15% ({ratio}here; 0.33-0.93 over the presets, remat policies and meshes measured), "
+        "15% ({ratio}here; over the presets and remat policies: docs/guides/planner.md), "
         "as it models neither XLA's temporaries nor how remat is scheduled. These are XLA "
-        "CPU's figures: a GPU or TPU compile can differ (on published H100 runs without a "
-        "pipeline, full remat, they were 0.87-1.07x the runs' figures; nnx_shard.planner.trust)."),
+        "CPU's figures: a GPU or TPU compile can differ (against published H100 runs: "
+        "docs/benchmarks.md, 'Planned against published runs'; nnx_shard.planner.trust)."),
     "stage formula": (
         "* compiled, not trusted: {notice} Per-stage formula: the formula estimate with the "
         "activations of one stage's layers for every microbatch ({stage}) in place of "
@@ -74,8 +74,8 @@ _DECIDES = {
     "formula": (
         "* not compiled (--no-compile, or more than "
         f"{COMPILE_MAX_DEVICES} devices): the formula decides, and it under-counts what XLA "
-        "allocates (0.33-0.93 of the compiled total over the presets, remat policies and "
-        "meshes measured); leave headroom, or compile with --compile."),
+        "allocates (by how much over the presets and remat policies: docs/guides/planner.md); "
+        "leave headroom, or compile with --compile."),
 }
 
 
@@ -308,7 +308,7 @@ def _print_bytes(out: dict[str, Any], report: Report) -> None:
 
 def _print_rows(rows: Any) -> None:
     """Path, shape, spec and bytes per device of report rows, in aligned columns."""
-    cols = [(r.path, str(r.shape), _spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
+    cols = [(r.path, str(r.shape), spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
             for r in rows]
     widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
     for c in cols:

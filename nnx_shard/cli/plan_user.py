@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from nnx_shard.cli.common import UsageError, simulate_devices
-from nnx_shard.cli.explain import _import, _pairs
+from nnx_shard.cli.explain import import_factory_module, parse_pairs
 from nnx_shard.planner.user import UserModel, parse_batch_spec
 
 __all__ = ["user_model"]
@@ -20,7 +20,7 @@ def _load(spec: str, flag: str, example: str) -> Any:
     mod_name, colon, attr = spec.partition(":")
     if not colon or not mod_name or not attr:
         raise UsageError(f"{flag} {spec!r} is not module:function. Fix: e.g. {flag} {example}")
-    obj = _import(spec, mod_name)
+    obj = import_factory_module(spec, mod_name)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UsageError(f"{flag} {spec!r}: module {mod_name!r} has no attribute {attr!r}. "
@@ -62,7 +62,7 @@ def user_model(args: argparse.Namespace) -> UserModel:
         spec = parse_batch_spec(args.batch_spec)
     except UsageError as e:
         raise UsageError(f"--batch-spec: {e}") from None
-    aliases = _pairs(args.alias, "--alias", "fsdp=embed,tp=mlp") if args.alias else None
+    aliases = parse_pairs(args.alias, "--alias", "fsdp=embed,tp=mlp") if args.alias else None
     simulate_devices(args.devices)  # before the factory or loss starts JAX's backends
     factory = _load(args.factory, "--factory", "mymodels:make_model")
     loss = _load(args.loss, "--loss", "mymodels:loss_fn")

@@ -17,7 +17,7 @@ from nnx_shard.hf.load import load_safetensors
 from nnx_shard.hf.source import read_source, remember_source
 from nnx_shard.init import abstract_init
 from nnx_shard.models.llama import Llama
-from nnx_shard.models.llama_config import MODEL_TYPES, LlamaConfig, _read_json
+from nnx_shard.models.llama_config import MODEL_TYPES, LlamaConfig, read_json
 
 __all__ = ["load_pretrained"]
 
@@ -69,7 +69,7 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
         raise FileNotFoundError(f"load_pretrained: {folder} is not a directory. Fix: pass the "
                                 "checkpoint directory save_pretrained wrote (config.json and "
                                 "*.safetensors).")
-    hf, where = _read_json(folder)
+    hf, where = read_json(folder)
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:
         raise UsageError(f"{where}: model_type {short(kind, 60)} is not a family "

@@ -70,9 +70,9 @@ class Source:
 
 
 def _json_file(path: str) -> dict[str, Any]:
-    from nnx_shard.models.llama_config import _read_json
+    from nnx_shard.models.llama_config import read_json
 
-    return _read_json(path)[0]
+    return read_json(path)[0]
 
 
 def read_source(path: str | os.PathLike[str], config: dict[str, Any] | None = None) -> Source:

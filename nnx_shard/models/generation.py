@@ -97,7 +97,7 @@ from nnx_shard.errors import ShardingError, ShardingWarning, UsageError, count, 
 from nnx_shard.mesh import apply_sharding, current, make_mesh, use, variable_spec
 from nnx_shard.models._ops import whole
 from nnx_shard.models.kv_cache import CACHE_AXES
-from nnx_shard.report import Report, _rows
+from nnx_shard.report import Report, layout_rows
 from nnx_shard.rules import Rules, as_rules
 
 __all__ = ["CACHE_AXES", "Options", "check_options", "choose", "explain_cache", "generate",
@@ -1010,4 +1010,4 @@ def explain_cache(model: Any, mesh: Mesh | AbstractMesh | str | Mapping[str, int
     _check_batch(int(batch), mesh, gen_rules, "explain_cache")
     graphdef, old, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
     _, cache = _abstract_cache(graphdef, old, rest, int(batch), int(length))
-    return Report(rows=tuple(_rows(cache, mesh, gen_rules)), mesh_shape=mesh_sizes(mesh))
+    return Report(rows=tuple(layout_rows(cache, mesh, gen_rules)), mesh_shape=mesh_sizes(mesh))

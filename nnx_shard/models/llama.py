@@ -515,7 +515,8 @@ class Llama(nnx.Module):
         # The product comes out in the compute dtype and is cast up for the softmax and
         # the loss (as MaxText does by default): asking the matmul for float32 output
         # (preferred_element_type) made XLA's partitioner all-gather the unembedding's
-        # float32 gradient under fsdp (1.12x the gathered bytes of casting after).
+        # float32 gradient under fsdp (more gathered bytes than casting after;
+        # docs/guides/fine-tuning.md).
         return logits.astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,

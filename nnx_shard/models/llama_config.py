@@ -243,7 +243,7 @@ class LlamaConfig:
         ...
         nnx_shard.errors.UsageError: config.json: num_key_value_heads must be a positive int, got 0. Fix: ...
         """
-        hf, where = _read_json(config)
+        hf, where = read_json(config)
         kind = hf.get("model_type")
         if kind not in MODEL_TYPES:
             raise UsageError(
@@ -403,7 +403,7 @@ class LlamaConfig:
 _FIX_VALUE = "Fix: use the checkpoint's own config.json"
 
 
-def _read_json(config: Any) -> tuple[dict[str, Any], str]:
+def read_json(config: Any) -> tuple[dict[str, Any], str]:
     """The config as a dict, and how messages name it (the file, or ``config.json``)."""
     if isinstance(config, Mapping):
         return dict(config), "config.json"
@@ -821,7 +821,7 @@ def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaCo
     >>> differences({**tiny.to_hf(), "model_type": "gpt2", "hidden_act": "gelu"}, tiny)
     ["model_type: checkpoint 'gpt2', model 'llama'", "hidden_act: checkpoint 'gelu', model 'silu'"]
     """
-    hf, _ = _read_json(config)
+    hf, _ = read_json(config)
     try:
         theirs = LlamaConfig.from_hf(hf)
     except NnxShardError:

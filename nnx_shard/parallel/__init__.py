@@ -11,6 +11,8 @@ rules, never by a model edit:
 
 Each registers in :mod:`~nnx_shard.parallel.registry` what the fused training
 step needs from it. The ops are public as ``nnx_shard.models.attention``,
-``nnx_shard.collective_matmul`` and ``nnx_shard.pipeline``; this package imports
+``nnx_shard.parallel.collective_matmul`` and ``nnx_shard.parallel.pipeline`` (the
+latter two also as attributes ``nnx_shard.collective_matmul`` and
+``nnx_shard.pipeline``); this package imports
 none of them itself, so the registry can be imported alone.
 """

@@ -63,18 +63,14 @@ __all__ = ["REMAT_TIME_FLOORS", "VARIANT_TIME_FLOOR", "Problem", "Search", "appl
 #: prunes nothing by time, over every pair of compiled steps of one layout (the
 #: earlier in the search's order first). :data:`REMAT_TIME_FLOORS` holds the floors of
 #: a stronger remat policy after a weaker one, and this one every other pair: more
-#: microbatches at the same or a weaker policy, a user factory's own remat. Least
-#: measured for those: 0.827 (README's small on 8 devices: cp data=2,context=4, none
-#: with 2 microbatches after full with 1), 0.983 (Llama-3.1 8B shapes on 8 devices),
-#: 0.898 (70B shapes on 256 devices).
+#: microbatches at the same or a weaker policy, a user factory's own remat. Each floor
+#: is under the least ratio measured; the measured ratios are in docs/guides/planner.md
+#: ("Time floors of remat and microbatch variants").
 VARIANT_TIME_FLOOR = 0.7
 
 #: The floors of :data:`VARIANT_TIME_FLOOR` by (earlier step's remat, variant's remat),
-#: at any microbatch counts, each under the least measured (``plan_time.py --floors``):
-#: dots after none 0.681, full after none 0.531, full after dots 0.779 (all three on
-#: 8B shapes on 8 devices, async_tp data=4,model=2; small: 1.094, 1.197, 1.026; 70B,
-#: where the formula leaves no none step to compile: full after dots 0.815). Recompute can cut a step's predicted time (its saved activations
-#: are not written and read back) but by no more than these pairs measured.
+#: at any microbatch counts. Recompute can cut a step's predicted time (its saved
+#: activations are not written and read back) but by no more than the pairs measured.
 REMAT_TIME_FLOORS: dict[tuple[str, str], float] = {
     ("none", "dots"): 0.6, ("none", "full"): 0.45, ("dots", "full"): 0.7}
 

@@ -24,13 +24,10 @@ __all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formul
            "stage_config", "stage_formula_bytes"]
 
 #: The formula decides "does not fit" without a compile only when it is this many
-#: times over the budget. Over every preset x mesh factorisation of 8 devices
-#: (benchmarks/formula_bound.py, scanned layers) it was 0.22-1.07x XLA's compiled total
-#: of fit's call for remat none and full (tiny and small; 1.07: zero1 full remat, small);
-#: dots layouts are judged on the full formula (see formula_bytes), 0.37-0.99x of
-#: their compiled total on small. On the candidates compiled by ``plan --auto`` for
-#: Llama-3.1 8B shapes on 8 devices (52, nothing pruned by the formula) and 70B shapes
-#: on 256 (64) it was at most 1.009x and 0.950x (``benchmarks/plan_time.py --floors``).
+#: times over the budget: over every preset x mesh factorisation of 8 devices
+#: (``benchmarks/formula_bound.py``) and the candidates ``plan --auto`` compiles for
+#: Llama-3.1 8B and 70B shapes (``benchmarks/plan_time.py --floors``) the formula
+#: stayed under it (the ratios: docs/guides/planner.md, "``nnx-shard plan --auto``").
 #: tests/planner/test_planner.py
 #: ::test_the_formula_prunes_only_what_xla_would_not_fit holds it under this margin.
 PRUNE_MARGIN = 1.1
@@ -135,8 +132,8 @@ def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx
     compile only past :data:`PRUNE_MARGIN` times the memory.
     """
     # The formula counts dots (and offload) as no remat, but with scanned layers XLA
-    # keeps only the saved matmul outputs: 1.29x its compiled total for zero1 dots on
-    # small. Dots keeps at least what full remat keeps, so the full formula is a floor
+    # keeps only the saved matmul outputs, so the dots formula overshoots its compiled
+    # total (docs/guides/planner.md). Dots keeps at least what full remat keeps, so the full formula is a floor
     # that cannot prune a dots layout that fits.
     remat = "full" if remat in ("dots", "offload") else remat
     return _total(abstract, cfg, cfg, strat, sizes, tx, batch, seq, remat, guard)

@@ -77,11 +77,11 @@ class AutoOptions:
     compile_fn: Callable[..., Mapping[str, Any]] | None = None
 
 
-def _positive_int(value: Any) -> bool:
+def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _names_list(value: Any, arg: str, example: str) -> list[Any]:
+def names_list(value: Any, arg: str, example: str) -> list[Any]:
     """A list or tuple option (``strategies``, ``remat``, ``microbatches``): a string or a
     number there would be read item by item, or fail deep inside."""
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
@@ -93,7 +93,7 @@ def _names_list(value: Any, arg: str, example: str) -> list[Any]:
     return list(value)
 
 
-def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], Any]:
+def check_auto_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], Any]:
     _check_sizes(opts)
     _check_kinds(opts)
     hw = opts.hardware if isinstance(opts.hardware, Hardware) else hardware(
@@ -110,7 +110,7 @@ def _check_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[str], 
 def _check_sizes(opts: AutoOptions) -> None:
     """The counts and the timeout."""
     devices = opts.devices
-    if not _positive_int(devices):
+    if not positive_int(devices):
         raise UsageError(f"auto: devices must be a positive int, got {short(devices, 60)}. "
                          "Fix: the number of devices to plan for, e.g. devices=8")
     if devices > MAX_PLAN_DEVICES:
@@ -118,10 +118,10 @@ def _check_sizes(opts: AutoOptions) -> None:
                          f"{devices:,}: the largest mesh nnx_shard plans for. Fix: the "
                          "number of devices of the machine to plan for, e.g. devices=1024")
     for arg, value in (("batch", opts.batch), ("seq", opts.seq)):
-        if not _positive_int(value):
+        if not positive_int(value):
             raise UsageError(f"auto: {arg} must be a positive int, got {short(value, 60)}. "
                              f"Fix: e.g. {arg}=16")
-    if not _positive_int(opts.max_compiles):
+    if not positive_int(opts.max_compiles):
         raise UsageError(f"auto: max_compiles must be a positive int, got "
                          f"{short(opts.max_compiles, 60)}. Fix: e.g. max_compiles=64")
     timeout = opts.timeout
@@ -172,7 +172,7 @@ def _device_memory(device_memory: int | str | None, hw: Hardware) -> int | None:
 
 def _strategy_names(strategies: Sequence[str] | None) -> list[str]:
     # The registry as it is now: a preset registered after import is searched too.
-    names = list(PRESETS if strategies is None else _names_list(
+    names = list(PRESETS if strategies is None else names_list(
         strategies, "strategies", "['fsdp', 'tp']"))
     for s in names:
         if not isinstance(s, str):
@@ -182,8 +182,8 @@ def _strategy_names(strategies: Sequence[str] | None) -> list[str]:
     return names
 
 
-def _policies(remat: Sequence[str] | None) -> list[str | None]:
-    given = REMAT_ORDER if remat is None else _names_list(remat, "remat", "['dots', 'full']")
+def remat_policies(remat: Sequence[str] | None) -> list[str | None]:
+    given = REMAT_ORDER if remat is None else names_list(remat, "remat", "['dots', 'full']")
     policies: list[str | None] = ["none", *[p for p in given if p != "none"]]
     bad = [p for p in policies if p not in REMAT_POLICIES]
     if bad:

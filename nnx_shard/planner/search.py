@@ -28,10 +28,10 @@ from nnx_shard.planner.explore import Problem, Search
 from nnx_shard.planner.options import (
     REMAT_ORDER,
     AutoOptions,
-    _check_options,
-    _names_list,
-    _policies,
-    _positive_int,
+    check_auto_options,
+    names_list,
+    positive_int,
+    remat_policies,
 )
 from nnx_shard.planner.plan import Candidate, Plan, clip
 from nnx_shard.planner.user import UserModel
@@ -60,7 +60,7 @@ class NothingFits(NnxShardError, ValueError):
 
 def _resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Problem:
     """Checks ``opts``, resolves ``model`` and builds it abstractly (nothing allocated)."""
-    hw, memory, names, tx = _check_options(opts)
+    hw, memory, names, tx = check_auto_options(opts)
     if user is not None:
         mbs = sorted({int(m) for m in opts.microbatches if int(m) >= 1} | {1})
         return Problem(opts, hw, memory, names, tx, None, model, None, False, [None],
@@ -85,18 +85,18 @@ def _resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Pr
         raise UsageError(f"auto: seq {opts.seq} is longer than the model allows "
                          f"({max_length(cfg)}); use a smaller seq")
     if cfg is not None:
-        policies = _policies(opts.remat)
+        policies = remat_policies(opts.remat)
         make = config_factory(config_dict(cfg), "none")
     else:
-        policies = _policies(opts.remat) if takes_remat else [None]
+        policies = remat_policies(opts.remat) if takes_remat else [None]
         make = (lambda: model(remat="none")) if takes_remat else model
     try:
         abstract = nnx.eval_shape(make)
     except Exception as e:
         raise UsageError(f"auto: the model factory raised {type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]}") from e
-    counts = _names_list(opts.microbatches, "microbatches", "[1, 2, 4]")
-    bad = [m for m in counts if not _positive_int(m)]
+    counts = names_list(opts.microbatches, "microbatches", "[1, 2, 4]")
+    bad = [m for m in counts if not positive_int(m)]
     if bad:
         raise UsageError(f"auto: microbatches must be positive ints, got {short(bad[0], 60)}. "
                          "Fix: e.g. microbatches=[1, 2, 4]")

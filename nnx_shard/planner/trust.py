@@ -2,19 +2,14 @@
 
 ``nnx-shard plan`` and the planner's search compile the train step for simulated CPU
 devices: the figures are XLA CPU's buffer assignment, which can differ from a GPU's or
-a TPU's. Measured against published training runs (``benchmarks/published.py``:
-torchtitan's Llama 3.1 8B, 70B and 405B on H100s, float32 master weights and AdamW
-state, bfloat16 compute, full activation checkpointing), the CPU compile of
-:meth:`nnx_shard.Trainer.fit`'s call with no NaN-guard copy came to:
-
-* 0.87-1.07x the published per-device memory on layouts without a pipeline (8B FSDP 8
-  at 32k tokens 0.87x, FSDP 4 x CP 2 at 64k 1.05x, 70B FSDP 32 x TP 8 with the
-  sequence over the TP axis between blocks 1.07x): there the compiled figure is
-  trusted;
-* 2.11x on 405B FSDP 8 x TP 8 x PP 8: the pipeline's loop on XLA CPU keeps every
-  microbatch's carries and stage buffers alive across its iterations, where the
-  published 1F1B run freed them; the per-stage formula
-  (:class:`nnx_shard.pipeline_report.StageReport` plus the gradients) was 0.99x.
+a TPU's. Compared with published training runs (``benchmarks/published.py``; the figures are
+in docs/benchmarks.md, "Planned against published runs"), the CPU compile of
+:meth:`nnx_shard.Trainer.fit`'s call is close to the published per-device memory on
+layouts without a pipeline, and there the compiled figure is trusted. Under a pipeline
+it is far above: the pipeline's loop on XLA CPU keeps every microbatch's carries and
+stage buffers alive across its iterations, where a 1F1B run frees them, while the
+per-stage formula (:class:`nnx_shard.pipeline_report.StageReport` plus the gradients)
+stays close.
 
 So under a pipeline the compiled figure is an upper bound and the per-stage formula
 decides. JAX compiles for an absent accelerator only for TPUs, and only where libtpu is
@@ -30,10 +25,9 @@ __all__ = ["PIPELINE_NOTICE", "compiled_trusted"]
 #: What ``plan`` says where the CPU compile of a pipeline is not trusted.
 PIPELINE_NOTICE = (
     "XLA CPU's figure for a pipeline is not an accelerator's: its pipeline loop keeps "
-    "every microbatch's buffers alive across iterations (measured 2.11x the per-device "
-    "memory of a published 405B FSDP 8 x TP 8 x PP 8 run on H100s, where the per-stage "
-    "formula was 0.99x). The compiled total is an upper bound; the per-stage formula "
-    "decides.")
+    "every microbatch's buffers alive across iterations (against published runs: "
+    "docs/benchmarks.md, 'Planned against published runs'). The compiled total is an "
+    "upper bound; the per-stage formula decides.")
 
 
 def compiled_trusted(strategy: Any, backend: str = "cpu") -> tuple[bool, str | None]:

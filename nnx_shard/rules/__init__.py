@@ -39,40 +39,19 @@ Two ways to write a table:
 
 The package: :mod:`~nnx_shard.rules.values` (placements, their forms, the option
 registry), :mod:`~nnx_shard.rules.files` (reading rules files), :mod:`~nnx_shard.rules.resolve`
-(the table walk) and :mod:`~nnx_shard.rules.table` (the ``Rules`` class); every name is
-importable from ``nnx_shard.rules``.
+(the table walk) and :mod:`~nnx_shard.rules.table` (the ``Rules`` class); every public
+name is importable from ``nnx_shard.rules``.
 """
 
 from nnx_shard.rules.files import MAX_FILE_BYTES as MAX_FILE_BYTES
 from nnx_shard.rules.files import MAX_YAML_NODES as MAX_YAML_NODES
-from nnx_shard.rules.files import _file_value as _file_value
-from nnx_shard.rules.files import _load as _load
-from nnx_shard.rules.files import _no_duplicates as _no_duplicates
-from nnx_shard.rules.files import _read_text as _read_text
-from nnx_shard.rules.files import _yaml as _yaml
-from nnx_shard.rules.resolve import _UNASSIGNED as _UNASSIGNED
 from nnx_shard.rules.table import Rules as Rules
 from nnx_shard.rules.table import as_rules as as_rules
-from nnx_shard.rules.values import _KNOWN_OPTIONS as _KNOWN_OPTIONS
 from nnx_shard.rules.values import UNCONSTRAINED as UNCONSTRAINED
 from nnx_shard.rules.values import Indivisible as Indivisible
 from nnx_shard.rules.values import LogicalNames as LogicalNames
 from nnx_shard.rules.values import Placement as Placement
 from nnx_shard.rules.values import RuleValue as RuleValue
-from nnx_shard.rules.values import _cand_txt as _cand_txt
-from nnx_shard.rules.values import _candidates as _candidates
-from nnx_shard.rules.values import _check_logical as _check_logical
-from nnx_shard.rules.values import _check_options as _check_options
-from nnx_shard.rules.values import _check_shape as _check_shape
-from nnx_shard.rules.values import _fmt_mesh as _fmt_mesh
-from nnx_shard.rules.values import _fmt_value as _fmt_value
-from nnx_shard.rules.values import _mesh_sizes as _mesh_sizes
-from nnx_shard.rules.values import _one as _one
-from nnx_shard.rules.values import _pair_placement as _pair_placement
-from nnx_shard.rules.values import _placement as _placement
-from nnx_shard.rules.values import _product as _product
-from nnx_shard.rules.values import _public_value as _public_value
-from nnx_shard.rules.values import _Unconstrained as _Unconstrained
 from nnx_shard.rules.values import declare_option as declare_option
 from nnx_shard.rules.values import describe as describe
 from nnx_shard.rules.values import known_options as known_options

@@ -154,7 +154,7 @@ def _load(path: Path) -> Any:
                             "path of the rules file itself") from None
 
 
-def _file_value(v: Any) -> Any:
+def file_value(v: Any) -> Any:
     """A value of the dict file format: "" replicates (TOML has no null); in a
     candidate list, a nested list is a product of mesh axes."""
     if v == "":

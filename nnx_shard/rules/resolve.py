@@ -17,14 +17,14 @@ from nnx_shard.rules.values import (
     UNCONSTRAINED,
     LogicalNames,
     Placement,
-    _cand_txt,
-    _check_shape,
-    _fmt_mesh,
-    _fmt_value,
-    _mesh_sizes,
-    _one,
-    _public_value,
+    cand_txt,
+    check_shape,
     describe,
+    fmt_mesh,
+    fmt_value,
+    mesh_axis_sizes,
+    one_placement,
+    public_value,
 )
 
 _UNASSIGNED: Any = object()
@@ -44,9 +44,9 @@ def resolve(
     """The validated ``PartitionSpec`` of ``names`` under the table ``entries`` (in order;
     ``table`` groups them by name), as :meth:`Rules.spec <nnx_shard.rules.Rules.spec>`
     documents."""
-    shape = _check_shape(shape, path, names)
+    shape = check_shape(shape, path, names)
     names_t = _check_names(names, shape, path)
-    sizes = _mesh_sizes(mesh)
+    sizes = mesh_axis_sizes(mesh)
     has_mesh = mesh is not None
     head = describe(path, shape, names_t)
 
@@ -84,7 +84,7 @@ def resolve(
 
     if not allow_unconstrained:
         _require_definite(out, names_t, head)
-    return PartitionSpec(*(_one(p) for p in out))
+    return PartitionSpec(*(one_placement(p) for p in out))
 
 
 def _require_definite(out: list[Any], names_t: tuple[Any, ...], head: str) -> None:
@@ -148,7 +148,7 @@ def _leftover(
     or the ShardingError that explains why there is none."""
     if name in table:
         indexed = [(i, p) for i, (n, p) in enumerate(entries) if n == name]
-        rule_txt = f"rule {name!r} -> {_fmt_value(_public_value(table[name]))}"
+        rule_txt = f"rule {name!r} -> {fmt_value(public_value(table[name]))}"
     elif has_mesh and name in sizes:
         indexed = [(-1, (name,))]
         rule_txt = f"{name!r} (a mesh axis, used directly)"
@@ -191,16 +191,16 @@ def _error(
     sizes: dict[str, int],
     failures: list[tuple[Placement, str]],
 ) -> ShardingError:
-    detail = "; ".join(f"{_cand_txt(c)}: {f}" for c, f in failures)
-    first = _cand_txt(failures[0][0])
+    detail = "; ".join(f"{cand_txt(c)}: {f}" for c, f in failures)
+    first = cand_txt(failures[0][0])
     if any(f.startswith("not in the mesh") for _, f in failures):
         missing = sorted({a for c, _ in failures if c is not UNCONSTRAINED
                           for a in c if a not in sizes})
         return ShardingError(
-            f"{rule_txt} names a mesh axis that is not in the mesh (axes: {_fmt_mesh(sizes)}) "
+            f"{rule_txt} names a mesh axis that is not in the mesh (axes: {fmt_mesh(sizes)}) "
             f"for dimension {dim} of {head}: {detail}. Fix: build the mesh with axis "
             f"{' and '.join(repr(m) for m in missing)}, or map {key!r} to an existing axis "
-            f"({_fmt_mesh(sizes)}) or None: rules | {{{key!r}: None}}."
+            f"({fmt_mesh(sizes)}) or None: rules | {{{key!r}: None}}."
         )
     if any(f.startswith("already used") for _, f in failures):
         return ShardingError(

@@ -11,7 +11,8 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from nnx_shard.errors import ShardingError, short
-from nnx_shard.rules.files import _file_value, read_table
+from nnx_shard.rules.files import file_value as _file_value
+from nnx_shard.rules.files import read_table
 from nnx_shard.rules.resolve import resolve
 from nnx_shard.rules.values import (
     UNCONSTRAINED,
@@ -19,14 +20,14 @@ from nnx_shard.rules.values import (
     LogicalNames,
     Placement,
     RuleValue,
-    _candidates,
-    _check_logical,
-    _check_options,
-    _fmt_value,
-    _one,
-    _pair_placement,
-    _public_value,
 )
+from nnx_shard.rules.values import check_logical as _check_logical
+from nnx_shard.rules.values import check_options as _check_options
+from nnx_shard.rules.values import fmt_value as _fmt_value
+from nnx_shard.rules.values import one_placement as _one
+from nnx_shard.rules.values import pair_placement as _pair_placement
+from nnx_shard.rules.values import placement_candidates as _candidates
+from nnx_shard.rules.values import public_value as _public_value
 
 
 class Rules(Mapping[str, RuleValue]):

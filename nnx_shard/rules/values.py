@@ -106,7 +106,7 @@ def _placement(value: Any, logical: str) -> Placement:
     )
 
 
-def _candidates(value: Any, logical: str) -> tuple[Placement, ...]:
+def placement_candidates(value: Any, logical: str) -> tuple[Placement, ...]:
     if isinstance(value, list):
         if not value:
             raise ShardingError(
@@ -117,7 +117,7 @@ def _candidates(value: Any, logical: str) -> tuple[Placement, ...]:
     return (_placement(value, logical),)
 
 
-def _pair_placement(value: Any, logical: str) -> Placement:
+def pair_placement(value: Any, logical: str) -> Placement:
     """One placement as Flax / MaxText write it: a list or tuple is a product of axes."""
     if value is None or (isinstance(value, str | list | tuple) and len(value) == 0):
         return ()
@@ -136,7 +136,7 @@ def _pair_placement(value: Any, logical: str) -> Placement:
     )
 
 
-def _one(p: Placement) -> str | tuple[str, ...] | _Unconstrained | None:
+def one_placement(p: Placement) -> str | tuple[str, ...] | _Unconstrained | None:
     """The public form of one placement: None, an axis name, a tuple, or UNCONSTRAINED."""
     if p is UNCONSTRAINED:
         return UNCONSTRAINED
@@ -145,13 +145,13 @@ def _one(p: Placement) -> str | tuple[str, ...] | _Unconstrained | None:
     return p[0] if len(p) == 1 else p
 
 
-def _public_value(cands: tuple[Placement, ...]) -> RuleValue:
+def public_value(cands: tuple[Placement, ...]) -> RuleValue:
     if len(cands) == 1:
-        return _one(cands[0])
-    return [_one(c) for c in cands]
+        return one_placement(cands[0])
+    return [one_placement(c) for c in cands]
 
 
-def _check_logical(name: Any) -> str:
+def check_logical(name: Any) -> str:
     if not isinstance(name, str) or not name:
         raise ShardingError(
             f"logical axis name {short(name)} ({type(name).__name__}) in a rules table: "
@@ -160,7 +160,7 @@ def _check_logical(name: Any) -> str:
     return name
 
 
-def _mesh_sizes(mesh: Any) -> dict[str, int]:
+def mesh_axis_sizes(mesh: Any) -> dict[str, int]:
     """Axis name -> size for a jax Mesh / AbstractMesh or a plain mapping."""
     try:
         return mesh_sizes(mesh)
@@ -176,16 +176,16 @@ def _mesh_sizes(mesh: Any) -> dict[str, int]:
     )
 
 
-def _fmt_mesh(sizes: Mapping[str, int]) -> str:
+def fmt_mesh(sizes: Mapping[str, int]) -> str:
     return sizes_str(sizes, ", ", "no axes")
 
 
-def _fmt_value(v: Any) -> str:
+def fmt_value(v: Any) -> str:
     """repr() of a rule value, with UNCONSTRAINED written as code that builds it."""
     if v is UNCONSTRAINED:
         return "P.UNCONSTRAINED"
     if isinstance(v, list):
-        return "[" + ", ".join(_fmt_value(c) for c in v) + "]"
+        return "[" + ", ".join(fmt_value(c) for c in v) + "]"
     return repr(v)
 
 
@@ -200,7 +200,7 @@ def describe(path: str, shape: Sequence[int] | None, names: Any) -> str:
     return f"{what} ({', '.join(parts)})"
 
 
-def _check_shape(shape: Any, path: str, names: Any) -> tuple[int, ...] | None:
+def check_shape(shape: Any, path: str, names: Any) -> tuple[int, ...] | None:
     """``shape`` as a tuple of sizes; a size that is not an int >= 0 is an error (a
     negative or float size would be checked for divisibility as if it were one)."""
     if shape is None:
@@ -220,7 +220,7 @@ def _check_shape(shape: Any, path: str, names: Any) -> tuple[int, ...] | None:
     return tuple(int(d) for d in shape)
 
 
-def _check_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+def check_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     if not isinstance(options, Mapping):
         raise TypeError(f"Rules options must be a mapping of option name to a hashable value, "
                         f"got {type(options).__name__} {short(options)}. Fix: e.g. "
@@ -249,7 +249,7 @@ def _check_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(options.items()))
 
 
-def _cand_txt(c: Placement) -> str:
+def cand_txt(c: Placement) -> str:
     if c is UNCONSTRAINED:
         return "P.UNCONSTRAINED"
     if not c:

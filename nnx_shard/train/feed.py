@@ -103,7 +103,7 @@ class Feed:
 
 
 def _stack(column: list[Any]) -> np.ndarray:
-    # One step: a copy with a new leading axis (np.stack's Python costs ~10x more). A
+    # One step: a copy with a new leading axis (np.stack's Python costs far more). A
     # copy, not a view: a loader may reuse its buffers while the call still reads them.
     return np.stack(column) if len(column) > 1 else np.array(column[0])[None]
 

@@ -229,7 +229,7 @@ class _Plan:
 
     ``perm[i]`` is the position, among the Variables of ``jax.tree.flatten(nodes)``,
     of the i-th Variable of ``nnx.split(nodes)``'s state. Flattening the NNX
-    objects as pytrees (about 10x cheaper than ``nnx.split``) then gives the
+    objects as pytrees (much cheaper than ``nnx.split``) then gives the
     state without a graph traversal, as long as the pytree structure (which
     holds every static attribute, e.g. ``deterministic`` after ``model.eval()``)
     is unchanged and no Variable is shared (pytrees do not see sharing).
@@ -767,8 +767,8 @@ def multistep(
         itself, e.g. by reading each call's metrics).
       unroll: steps per iteration of the compiled loop (``jax.lax.scan``'s
         ``unroll``). The rolled default compiles fastest; a small model's
-        loop can gain a little from 2 (``benchmarks/unroll.py``: 1.03x steps/s
-        on an MLP at 1.4x the compile time; 0.7x at 10).
+        loop can gain a little from 2, at a longer compile (``benchmarks/unroll.py``;
+        its figures are in docs/benchmarks.md, "Fused training").
       precision: a :class:`~nnx_shard.Precision` (e.g. float32 parameters,
         bfloat16 compute): :func:`value_and_grad` inside the step reads the
         model's float parameters in the compute dtype where they are used; the

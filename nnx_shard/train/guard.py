@@ -7,7 +7,7 @@ loss, gradient norm or final state is undone on the device and replayed with
 (:func:`why_not_finite`). The gradient norm and the checks reduce small
 replicated leaves as one vector (:func:`grads_norm`, :func:`all_finite`) and
 sharded gradients as per-device shares (:func:`grad_sq_shares`), as the
-:class:`Layout` the :class:`Guard` carries allows.
+:class:`GuardLayout` the :class:`Guard` carries allows.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from nnx_shard.mesh import apply_sharding
 from nnx_shard.train.microbatch import value_and_grad
 from nnx_shard.train.trees import leaf_path
 
-__all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "Layout", "all_finite",
+__all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "GuardLayout", "all_finite",
            "aux_metrics", "check_call", "check_guard", "grad_sq_shares", "grads_norm", "guard_call",
            "make_fast_step", "make_gated_step", "make_step", "not_finite_leaf", "select",
            "skip_update_with", "why_not_finite"]
@@ -66,7 +66,7 @@ def check_guard(guard: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class GuardLayout:
     """What the host knows of the model and optimizer state's layout that the traced
     types may not show (Auto mesh axes hide it), for the steps to read when traced.
 
@@ -82,9 +82,9 @@ class Layout:
     >>> from flax import nnx
     >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    >>> Layout.of(model, opt, None)   # one device: replicated, on no mesh
-    Layout(replicated=True, grad_specs=None, mesh=None)
-    >>> Layout.of(model, opt, jax.make_mesh((8,), ("data",))).grad_specs   # placed on it
+    >>> GuardLayout.of(model, opt, None)   # one device: replicated, on no mesh
+    GuardLayout(replicated=True, grad_specs=None, mesh=None)
+    >>> GuardLayout.of(model, opt, jax.make_mesh((8,), ("data",))).grad_specs   # placed on it
     (P(), P())
     """
 
@@ -93,7 +93,7 @@ class Layout:
     mesh: Mesh | None = None
 
     @classmethod
-    def of(cls, model: Any, optimizer: Any, mesh: Mesh | None) -> Layout:
+    def of(cls, model: Any, optimizer: Any, mesh: Mesh | None) -> GuardLayout:
         """The layout of ``model`` and ``optimizer``'s arrays, read on the host, as the
         fused call on ``mesh`` lays them out: fresh eager values (uncommitted) join
         its mesh replicated there (see :func:`nnx_shard.multistep`), so a second fit
@@ -123,7 +123,7 @@ class Layout:
 class Guard(nnx.Module):
     """What the fused steps of ``Trainer.fit`` are given besides the model, optimizer
     and batch: a device flag carried across fused calls (False once a step was not
-    finite) and the state's :class:`Layout`, a static attribute, so the compiled
+    finite) and the state's :class:`GuardLayout`, a static attribute, so the compiled
     call is traced again whenever it changes.
 
     >>> guard = Guard()
@@ -131,9 +131,9 @@ class Guard(nnx.Module):
     (True, False)
     """
 
-    def __init__(self, layout: Layout | None = None) -> None:
+    def __init__(self, layout: GuardLayout | None = None) -> None:
         self.ok = nnx.Variable(jnp.array(True))
-        self.layout = layout if layout is not None else Layout()
+        self.layout = layout if layout is not None else GuardLayout()
 
     def raise_(self) -> None:
         """Sets the flag up again, keeping its placement: a fresh (uncommitted) value
@@ -186,9 +186,10 @@ def grads_norm(grads: Any, replicated: bool = False) -> jax.Array:
     """``optax.tree.norm(grads)``, with the small replicated leaves summed as one vector.
 
     XLA's CPU backend runs every reduction as a kernel of its own, and for the
-    small leaves of a small model that fixed cost dominates: one reduction per
-    leaf took ~25% of an MLP's step; one over the concatenated small leaves
-    (a copy of at most ``_SMALL_LEAF`` elements each) ~5%. Sharded leaves keep
+    small leaves of a small model that fixed cost dominates: one reduction over
+    the concatenated small leaves (a copy of at most ``_SMALL_LEAF`` elements
+    each) costs a fraction of one per leaf (docs/benchmarks.md, "Fused
+    training"). Sharded leaves keep
     their own reduction (a concatenation would gather them).
 
     >>> import optax
@@ -255,9 +256,8 @@ def grad_sq_shares(
     fused call that is one more collective every step. Here every device sums the
     squares of its own blocks (a block held by several devices counted once, on
     the first of them), and the K steps' shares are summed across devices once,
-    at the end of the call. On 8 simulated CPU devices under fsdp that took the
-    small transformer's call from 1.16x to 1.07x of a bare scan's
-    (``benchmarks/fit_call_cost.py``). ``specs`` are the gradient leaves' specs
+    at the end of the call; what that saves under fsdp is measured by
+    ``benchmarks/fit_call_cost.py`` (docs/benchmarks.md, "Fused training"). ``specs`` are the gradient leaves' specs
     on ``mesh`` (the parameters', read on the host; Explicit axes give their
     own). None where it does not apply: one device, a layout not known, or every
     leaf replicated (then nothing is sharded and :func:`grads_norm` needs no
@@ -381,7 +381,7 @@ def make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., 
     finiteness reductions and the select): on a small MLP it halved the steps/s. Here
     the check runs once per fused call; a call that fails is undone in the compiled
     call and replayed with the per-step guard (see ``Trainer.fit``), which finds the
-    exact step and leaf. With sharded gradients (the guard's :class:`Layout` gives
+    exact step and leaf. With sharded gradients (the guard's :class:`GuardLayout` gives
     their specs and mesh) the step hands on each device's share of the squared
     gradient norm, summed across devices at the end of the call
     (:func:`grad_sq_shares`).
@@ -606,3 +606,15 @@ def why_not_finite(host: Mapping[str, np.ndarray], i: int, checked: Sequence[tup
         what = "updated parameters are" if owner == "model" else "updated optimizer state is"
         return f"{what} not finite (first: {path}; loss and grad_norm were finite)"
     return "the step was not finite"
+
+
+def __getattr__(name: str) -> Any:
+    # ``Layout`` was this module's name for GuardLayout; nnx_shard.optstate has its own
+    # Layout, and public class names are unique across the package.
+    if name == "Layout":
+        import warnings
+
+        warnings.warn("nnx_shard.train.guard.Layout is now GuardLayout", DeprecationWarning,
+                      stacklevel=2)
+        return GuardLayout
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

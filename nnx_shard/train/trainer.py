@@ -22,7 +22,7 @@ from nnx_shard.train.fused import Fused
 from nnx_shard.train.guard import (
     DEFAULT_GUARD,
     Guard,
-    Layout,
+    GuardLayout,
     check_call,
     check_guard,
     guard_call,
@@ -152,7 +152,7 @@ class Trainer:
         # run's data continues (saved in checkpoints, see fit).
         self.data_position = 0
         # The steps' last argument: the NaN flag carried across calls and the state's
-        # Layout, which fit records from the arrays (Auto mesh axes hide it from the
+        # GuardLayout, which fit records from the arrays (Auto mesh axes hide it from the
         # traced types) and the steps read when traced.
         self._guard = Guard()
         # fit bounds the calls in flight itself (it reads each call's metrics), so the
@@ -393,10 +393,10 @@ class Trainer:
     # -- the phases of fit --------------------------------------------------------
 
     def _record_layout(self) -> None:
-        """Gives the guard the :class:`~nnx_shard.train.guard.Layout` of the model and
+        """Gives the guard the :class:`~nnx_shard.train.guard.GuardLayout` of the model and
         optimizer state as it is now: the steps read it when traced, and a new one
         (a static attribute of the guard) traces them again."""
-        layout = Layout.of(self.model, self.optimizer, self.mesh)
+        layout = GuardLayout.of(self.model, self.optimizer, self.mesh)
         if layout != self._guard.layout:
             self._guard.layout = layout
 

@@ -571,7 +571,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
 
 
 def test_folders_named_like_temporaries_are_never_deleted(tmp_path):
-    from nnx_shard.checkpoint import folders
+    from nnx_shard.checkpoint import _internal as folders
 
     users = ["5.orbax-checkpoint-tmp-1234", "5.orbax-checkpoint-tmp", "7.nnx_shard-deleting-mine"]
     for name in users:
@@ -660,11 +660,11 @@ def test_a_flipped_byte_in_the_manifest_is_a_corrupt_checkpoint(tmp_path):
     # Every entry is checked on its own too (a manifest with a recomputed digest).
     import json
 
-    from nnx_shard.checkpoint.manifest import _digest
+    from nnx_shard.checkpoint.manifest import manifest_digest
 
     bad = json.loads(text)
     bad["items"]["model"]["up/kernel"]["checksum"] = [1, 2, 3]
-    bad["digest"] = _digest(bad)
+    bad["digest"] = manifest_digest(bad)
     manifest.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"entry model/up/kernel has the checksum \[1, 2, 3\]"):
         ns.restore(tmp_path, model=target)
@@ -958,19 +958,19 @@ def test_editing_extra_or_renaming_a_step_is_detected(tmp_path):
 def test_checksums_do_not_collapse_on_constant_round_arrays():
     """Norm scales and biases are often constant and round: every such float32 array
     of a size multiple of 512 used to checksum to [0, 0]."""
-    from nnx_shard.checkpoint.manifest import _checksums
+    from nnx_shard.checkpoint.manifest import checksums_of
 
     arrays = [jnp.ones(512), jnp.ones(1024), jnp.full((512,), 2.0), jnp.zeros(512),
               jnp.full((4096,), 0.5), jnp.ones(512, jnp.bfloat16), jnp.full((512,), -1.0),
               jnp.arange(512.0), jnp.arange(512.0)[::-1]]
-    sums = [tuple(s) for s in _checksums(arrays)]
+    sums = [tuple(s) for s in checksums_of(arrays)]
     assert (0, 0) not in sums
     assert len(set(sums)) == len(sums), sums  # each array its own checksum, order too
     # Bits and their row-major positions only: the shape is checked on its own.
-    assert _checksums([jnp.ones((2, 512))]) == _checksums([jnp.ones(1024)])
+    assert checksums_of([jnp.ones((2, 512))]) == checksums_of([jnp.ones(1024)])
     # The same values laid out on 8 devices checksum the same.
     sharded = jax.device_put(jnp.ones(1024), NamedSharding(MESH8, jax.sharding.PartitionSpec("data")))
-    assert _checksums([sharded]) == _checksums([jnp.ones(1024)])
+    assert checksums_of([sharded]) == checksums_of([jnp.ones(1024)])
 
 
 def test_data_of_another_checkpoint_with_constant_arrays_is_refused(tmp_path):

@@ -1,4 +1,4 @@
-"""Collective matmuls (nnx_shard.collective_matmul) and the async_tp strategy.
+"""Collective matmuls (nnx_shard.parallel.collective_matmul) and the async_tp strategy.
 
 (a) each op equals the plain einsum, values and gradients, on 2-, 4- and
     8-way model axes, one-way and bidirectional rings, Auto and Explicit axes;

@@ -47,15 +47,14 @@ def test_each_op_declares_the_option_it_reads():
     assert ops["attention"].check_step is not None and ops["pipeline"].microbatched is not None
 
 
-def test_old_module_paths_name_the_moved_modules():
-    import nnx_shard.collective_matmul
-    import nnx_shard.pipeline
-    import nnx_shard.ring
+def test_the_ops_are_attributes_of_the_package_and_live_in_parallel():
+    import sys
 
-    assert nnx_shard.pipeline is ns.pipeline is ns.parallel.pipeline
-    assert nnx_shard.collective_matmul is ns.collective_matmul
-    assert nnx_shard.ring.attention is ns.models.attention
+    assert ns.pipeline is ns.parallel.pipeline
+    assert ns.collective_matmul is ns.parallel.collective_matmul
+    assert ns.parallel.ring.attention is ns.models.attention
     assert ns.pipeline.explain.__module__ == "nnx_shard.pipeline_report"
+    assert "nnx_shard.ring" not in sys.modules  # no alias module paths
 
 
 def _step(model, opt, x):

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (nnx_shard.pipeline, the pp presets) on 8 simulated devices.
+"""Pipeline parallelism (nnx_shard.parallel.pipeline, the pp presets) on 8 simulated devices.
 
 The proof runs (one module-scoped compilation each): the reference transformer
 with ``scan_layers=True`` trained for K fused steps under GPipe and the

@@ -1,6 +1,7 @@
-"""The checkpoint directory: whose step folders are whose (only folders a save of
-nnx_shard finished or claimed are ever touched), the write lock, leftovers and
-rotation."""
+"""The checkpoint package's shared helpers: the checkpoint directory, whose step
+folders are whose (only folders a save of nnx_shard finished or claimed are ever
+touched), the write lock, leftovers and rotation. Its private names are for the
+package's own modules (save, restore, the Checkpointer, exits, the backend)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ except ImportError:  # pragma: no cover - Windows: no flock, no removal of tempo
 _FORMAT = 2
 _FORMATS = (1, 2)  # the manifest formats this nnx_shard reads
 _ITEMS = ("model", "optimizer")
-_TMP_MARK = ".orbax-checkpoint-tmp"
+TMP_MARK = ".orbax-checkpoint-tmp"
 _TRASH_MARK = ".nnx_shard-deleting"
-_LOCK_FILE = ".nnx_shard.lock"
-_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+LOCK_FILE = ".nnx_shard.lock"
+STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 _TRASH_NAME = re.compile(r"[0-9]+" + re.escape(_TRASH_MARK) + r"-.*")
 _SHOW = 8  # paths listed in one error message before "... and N more"
 # Bounds the host/device memory a restore or save needs beyond the state itself.
@@ -131,7 +132,7 @@ class _WriteLock:
         if fcntl is None:  # pragma: no cover - no flock (Windows)
             return
         try:
-            fd = os.open(directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:  # e.g. a read-only directory: the save itself reports it
             return
         try:
@@ -155,7 +156,7 @@ def _alone(directory: pathlib.Path) -> Iterator[bool]:
         yield False
         return
     try:
-        fd = os.open(directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         yield False
         return
@@ -175,7 +176,7 @@ def _step_folders(directory: pathlib.Path) -> dict[int, pathlib.Path]:
     if not directory.is_dir():
         return {}
     return {int(p.name): p for p in directory.iterdir()
-            if _STEP_NAME.fullmatch(p.name) and not p.is_symlink() and p.is_dir()}
+            if STEP_NAME.fullmatch(p.name) and not p.is_symlink() and p.is_dir()}
 
 
 def _claims(path: pathlib.Path) -> bool:
@@ -183,7 +184,7 @@ def _claims(path: pathlib.Path) -> bool:
     return (path / "manifest" / "metadata").is_file()
 
 
-def _not_whole(path: pathlib.Path) -> str | None:
+def not_whole(path: pathlib.Path) -> str | None:
     """Why ``path`` is not a whole checkpoint of ours, or None when it is one: our
     manifest (a known format, with its digest) and the files of every item it lists."""
     try:
@@ -207,14 +208,14 @@ def _finished_steps(directory: pathlib.Path) -> list[int]:
     """The whole checkpoints of ours, oldest first. From the disk, not orbax's cache:
     a save in flight is not one yet, nor a folder of the user's with a number for a
     name, nor a damaged or half-deleted step."""
-    return sorted(s for s, p in _step_folders(directory).items() if _not_whole(p) is None)
+    return sorted(s for s, p in _step_folders(directory).items() if not_whole(p) is None)
 
 
 def _unfinished(directory: pathlib.Path, step: int | None = None) -> list[str]:
     if not directory.is_dir():
         return []
     head = str(step) if step is not None else r"\d+"
-    pattern = re.compile("^" + head + re.escape(_TMP_MARK))
+    pattern = re.compile("^" + head + re.escape(TMP_MARK))
     return sorted(p.name for p in directory.iterdir() if pattern.match(p.name))
 
 
@@ -234,7 +235,7 @@ _STEP_CONTENT = {*_ITEMS, "extra", "manifest", "_CHECKPOINT_METADATA", "commit_s
 
 def _tmp_name(step: int) -> str:
     """The temporary folder orbax writes ``step`` into (renamed to ``step`` when done)."""
-    return f"{step}{_TMP_MARK}"
+    return f"{step}{TMP_MARK}"
 
 
 def _claim(directory: pathlib.Path, kind: str, name: str, step: int) -> pathlib.Path:
@@ -307,7 +308,7 @@ def _proven(directory: pathlib.Path, data: dict[str, Any]) -> pathlib.Path | Non
     if "/" in name or name in ("", ".", ".."):
         return None
     pattern = _TRASH_NAME if data["kind"] == "trash" else re.compile(
-        r"[0-9]+" + re.escape(_TMP_MARK))
+        r"[0-9]+" + re.escape(TMP_MARK))
     path = directory / name
     if not pattern.fullmatch(name) or path.is_symlink() or not path.is_dir():
         return None
@@ -315,7 +316,7 @@ def _proven(directory: pathlib.Path, data: dict[str, Any]) -> pathlib.Path | Non
         st = os.lstat(path)
         return path if (st.st_dev, st.st_ino) == (data.get("dev"), data["ino"]) else None
     try:
-        names = {p.name.split(_TMP_MARK)[0] for p in path.iterdir()}
+        names = {p.name.split(TMP_MARK)[0] for p in path.iterdir()}
     except OSError:
         return None
     return path if names <= _STEP_CONTENT else None
@@ -337,7 +338,7 @@ def _remove_leftovers(directory: pathlib.Path) -> None:
     :class:`_WriteLock`) and once their writer is gone. Only folders a claim
     proves ours (see :func:`_claim`) are removed; a folder merely named like one
     is left alone. (Orbax's own ``cleanup_tmp_directories``, which goes by name,
-    stays off: see :func:`~nnx_shard.checkpoint.save._manager`.)
+    stays off: see :func:`~nnx_shard.checkpoint.save.manager`.)
     """
     if jax.process_index() != 0 or not directory.is_dir():
         return
@@ -354,7 +355,7 @@ def _remove_leftovers(directory: pathlib.Path) -> None:
                 _drop_claimed(directory, record, data)
 
 
-def _delete_step(directory: pathlib.Path, step: int) -> None:
+def delete_step(directory: pathlib.Path, step: int) -> None:
     """Deletes a step of ours: renamed first (atomic), so a kill half-way leaves a
     ``*.nnx_shard-deleting-*`` folder, claimed, to finish later, never a half-deleted
     step."""
@@ -376,7 +377,7 @@ def _rotate(mngr: Any, directory: pathlib.Path, keep: int | None) -> None:
     steps = _finished_steps(directory)
     gone = steps[:-keep] if len(steps) > keep else []
     for step in gone:
-        _delete_step(directory, step)
+        delete_step(directory, step)
     if gone:
         _forget(mngr, gone)
 
