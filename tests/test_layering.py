@@ -16,19 +16,10 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nnx_shard"
 #: is to be made public in its module or moved to an ``_internal`` helper; the list only
 #: shrinks.
 STILL_SHARED: dict[tuple[str, str], set[str]] = {
-    ("nnx_shard.checkpoint.checkpointer", "nnx_shard.checkpoint.backend"): {"_hush", "_quiet"},
-    ("nnx_shard.checkpoint.checkpointer", "nnx_shard.checkpoint.exits"):
-        {"_register_exit", "_save_failed"},
-    ("nnx_shard.checkpoint.restore", "nnx_shard.checkpoint.backend"): {"_ocp", "_quiet"},
-    ("nnx_shard.checkpoint.save", "nnx_shard.checkpoint.backend"): {"_ocp", "_quiet"},
-    ("nnx_shard.checkpoint.save", "nnx_shard.checkpoint.exits"): {"_save_failed"},
     ("nnx_shard.hf.layout", "nnx_shard.init"): {"_auto_mesh"},
     ("nnx_shard.hf.load", "nnx_shard.init"): {"_rewrap"},
     ("nnx_shard.hf.save", "nnx_shard.init"): {"_rewrap"},
     ("nnx_shard.strategy", "nnx_shard.init"): {"_abstract"},
-    ("nnx_shard.models.llama", "nnx_shard.models.transformer"):
-        {"_block_input", "_dense_init", "_param", "_seq"},
-    ("nnx_shard.models.llama_config", "nnx_shard.models.transformer"): {"_check_fields"},
 }
 
 #: Public class names still defined twice (the Llama blocks beside the Transformer's);

@@ -19,15 +19,15 @@ from nnx_shard.checkpoint._internal import _DEBUG_ENV
 
 def orbax_module() -> Any:
     """``orbax.checkpoint``, imported on first use. Nothing about orbax, absl's logger
-    or asyncio changes until nnx_shard itself saves or restores (see :func:`_quiet`).
+    or asyncio changes until nnx_shard itself saves or restores (see :func:`quiet_orbax`).
 
     >>> orbax_module().__name__
     'orbax.checkpoint'
     """
-    return _ocp()
+    return load_orbax()
 
 
-def _ocp() -> Any:
+def load_orbax() -> Any:
     # orbax pulls in tensorstore and more; import it when checkpoints are used.
     import orbax.checkpoint as ocp
 
@@ -71,7 +71,7 @@ def _tame() -> None:
     (0.12.8) offers no option for it, hence the stand-in, for nnx_shard's saves only.
     """
     global _saved_raw_bytes, _filter
-    ocp = _ocp()
+    ocp = load_orbax()
     utils = _tensorstore_utils()
     if utils is not None:
         _saved_raw_bytes = utils.get_tensorstore_raw_bytes
@@ -111,7 +111,7 @@ class _OrbaxRecords(logging.Filter):
         return not (record.levelno >= logging.WARNING and record.pathname.startswith(self.root))
 
 
-def _hush(delta: int) -> None:
+def hush(delta: int) -> None:
     """One more (``+1``) or one fewer (``-1``) user of orbax: the first tames it, the
     last puts everything back."""
     global _users
@@ -212,11 +212,11 @@ def _quiet_loops() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_orbax() -> Iterator[None]:
     """Around every call into orbax: quiet event loops, orbax's log records dropped."""
-    _hush(1)
+    hush(1)
     try:
         with _quiet_loops():
             yield
     finally:
-        _hush(-1)
+        hush(-1)

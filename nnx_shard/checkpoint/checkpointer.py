@@ -26,8 +26,8 @@ from nnx_shard.checkpoint._internal import (
     _taken,
     _WriteLock,
 )
-from nnx_shard.checkpoint.backend import _hush, _quiet
-from nnx_shard.checkpoint.exits import _register_exit, _save_failed, _unregister_exit
+from nnx_shard.checkpoint.backend import hush, quiet_orbax
+from nnx_shard.checkpoint.exits import register_exit, save_failed, unregister_exit
 from nnx_shard.checkpoint.restore import restore
 from nnx_shard.checkpoint.save import do_save, manager, save_args
 from nnx_shard.errors import count, flag
@@ -96,7 +96,7 @@ class Checkpointer:
         with _dir_lock(self.directory):
             # Temporary directories of this process's saves in flight are not leftovers.
             _settle(self.directory)
-            with _quiet():
+            with quiet_orbax():
                 # Rotation is ours (only our own steps): orbax would delete any folder
                 # with a number for a name.
                 self._mngr = manager(
@@ -105,8 +105,8 @@ class Checkpointer:
             _remove_leftovers(self.directory)
             with _DIR_LOCKS_LOCK:
                 _OPEN.setdefault(self.directory, weakref.WeakSet()).add(self)
-        _hush(1)
-        _register_exit()
+        hush(1)
+        register_exit()
 
     def __repr__(self) -> str:
         return (
@@ -224,14 +224,14 @@ class Checkpointer:
         if not self._closed:
             try:
                 self._collect()
-                with _quiet():
+                with quiet_orbax():
                     self._mngr.close()
             finally:
                 self._closed = True
                 with _DIR_LOCKS_LOCK:
                     _OPEN.get(self.directory, weakref.WeakSet()).discard(self)
-                _hush(-1)
-                _unregister_exit()
+                hush(-1)
+                unregister_exit()
         self._raise_failure()
 
     def _check_open(self) -> None:
@@ -249,12 +249,12 @@ class Checkpointer:
             if step is None:
                 return
             try:
-                with _quiet():
+                with quiet_orbax():
                     self._mngr.wait_until_finished()
             except Exception as e:
                 _taken(self._mngr)
                 _remove_tmp(self.directory, step)
-                self._failure = _save_failed("Checkpointer", self.directory, step, e,
+                self._failure = save_failed("Checkpointer", self.directory, step, e,
                                              background=True)
                 self._failure.__cause__ = e
             else:
@@ -275,5 +275,5 @@ class Checkpointer:
             with _DIR_LOCKS_LOCK:
                 _UNSETTLED.discard(self)
             if self._closed:
-                _unregister_exit()
+                unregister_exit()
             raise failure

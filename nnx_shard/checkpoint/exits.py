@@ -44,7 +44,7 @@ def _errno_of(e: BaseException) -> int | None:
     return None
 
 
-def _save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseException,
+def save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseException,
                  background: bool) -> OSError:
     """One clear OSError for a save that failed: which, why, what is left, the fix."""
     code = _errno_of(e)
@@ -115,7 +115,7 @@ def _finish_saves_at_exit(in_shutdown: bool = True) -> None:
     Orbax writes through asyncio's default thread pool, which refuses new work
     once the interpreter starts shutting down ("cannot schedule new futures after
     interpreter shutdown"): a save in flight was lost, with tracebacks on stderr.
-    This runs first in the shutdown sequence (see ``_register_exit``). A save that
+    This runs first in the shutdown sequence (see ``register_exit``). A save that
     failed, and one that makes no progress for ``NNX_SHARD_EXIT_STALL`` seconds,
     is one line on stderr and exit status 1; exit never hangs on one.
     """
@@ -177,9 +177,9 @@ _exit_registered = False
 _exiting = False
 
 
-def _register_exit() -> None:
+def register_exit() -> None:
     """Registers :func:`_finish_saves_at_exit` to run before the thread pools shut down,
-    while a Checkpointer is open (:func:`_unregister_exit` takes it back).
+    while a Checkpointer is open (:func:`unregister_exit` takes it back).
 
     ``atexit`` runs too late (after ``concurrent.futures`` stopped its pools); the
     stdlib's own pools register through ``threading._register_atexit`` (Python >= 3.9),
@@ -202,7 +202,7 @@ def _register_exit() -> None:
         _exit_registered = True
 
 
-def _unregister_exit() -> None:
+def unregister_exit() -> None:
     """Takes the exit hook back once no Checkpointer is open or holds an unreported
     failure, so a process that closed its Checkpointers exits as if none was opened.
 

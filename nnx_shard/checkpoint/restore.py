@@ -22,7 +22,7 @@ from nnx_shard.checkpoint._internal import (
     _step_folders,
     _unfinished,
 )
-from nnx_shard.checkpoint.backend import _ocp, _quiet
+from nnx_shard.checkpoint.backend import load_orbax, quiet_orbax
 from nnx_shard.checkpoint.manifest import (
     checksums_of,
     extra_hash,
@@ -160,14 +160,14 @@ def _read(
 
     Returns (step, {item: new State}, extra).
     """
-    ocp = _ocp()
+    ocp = load_orbax()
     if step is not None:
         step = count(step, "restore: step", least=0,
                      fix="a saved step number, or step=None for the latest")
     _refuse_file(directory, "restore")
     if not directory.is_dir():
         raise FileNotFoundError(f"restore: checkpoint directory {directory} does not exist.")
-    with _quiet():
+    with quiet_orbax():
         return _read_open(ocp, manager(directory, create=False), directory, step, targets)
 
 

@@ -30,8 +30,8 @@ from nnx_shard.checkpoint._internal import (
     _settle,
     _WriteLock,
 )
-from nnx_shard.checkpoint.backend import _ocp, _quiet
-from nnx_shard.checkpoint.exits import _save_failed
+from nnx_shard.checkpoint.backend import load_orbax, quiet_orbax
+from nnx_shard.checkpoint.exits import save_failed
 from nnx_shard.checkpoint.manifest import (
     checksums_of,
     extra_hash,
@@ -124,7 +124,7 @@ def _check_extra(extra: Any) -> None:
 def save_args(
     step: int, model: Any, optimizer: Any, extra: Mapping[str, Any] | None
 ) -> Any:
-    ocp = _ocp()
+    ocp = load_orbax()
     step = count(step, "save: step", least=0, fix="the step number, e.g. save(d, 100, ...)")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"save: model must be an nnx.Module, got {type(model).__name__} "
@@ -152,7 +152,7 @@ def save_args(
 
 
 def _handlers() -> dict[str, Any]:
-    ocp = _ocp()
+    ocp = load_orbax()
     # Orbax reads up to restore_concurrent_gb into host buffers before placing
     # them; its default (96 GB) stages a whole model at once next to the result.
     def arrays() -> Any:
@@ -167,7 +167,7 @@ def _handlers() -> dict[str, Any]:
 
 
 def manager(directory: pathlib.Path, *, create: bool, **options: Any) -> Any:
-    ocp = _ocp()
+    ocp = load_orbax()
     opts = ocp.CheckpointManagerOptions(
         create=create, save_root_metadata=False,
         # Orbax would remove every folder named like a temporary save; ours are
@@ -208,7 +208,7 @@ def do_save(
     finished, so of concurrent saves of one step exactly one writes it and the
     others are refused. Returns the write lock, held until the save is finished.
     A save that fails before returning is one clear OSError."""
-    ocp = _ocp()
+    ocp = load_orbax()
     step = int(step)
     with _dir_lock(directory):
         _settle(directory)
@@ -217,7 +217,7 @@ def do_save(
         record = _claim_tmp(directory, step, caller)
         lock = _WriteLock(directory)
         try:
-            with _quiet():
+            with quiet_orbax():
                 mngr.save(step, args=args, force=True)
         except ocp.checkpoint_manager.StepAlreadyExistsError:  # pragma: no cover - raced
             lock.release()
@@ -227,7 +227,7 @@ def do_save(
         except Exception as e:
             lock.release()
             _remove_tmp(directory, step)
-            raise _save_failed(caller, directory, step, e, background=False) from e
+            raise save_failed(caller, directory, step, e, background=False) from e
         _pin_tmp(record, directory, step)
     return lock
 
@@ -277,7 +277,7 @@ def save(
     directory = _resolve_dir(directory, "save")
     _refuse_file(directory, "save")
     args = save_args(step, model, optimizer, extra)
-    with _dir_lock(directory), _quiet():
+    with _dir_lock(directory), quiet_orbax():
         mngr = manager(directory, create=True, enable_async_checkpointing=False)
         try:
             do_save(mngr, directory, step, args, "save").release()

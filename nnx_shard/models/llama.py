@@ -58,11 +58,11 @@ from nnx_shard.models.llama_config import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models.transformer import (
     GATHERED,
     RESIDUAL,
-    _block_input,
-    _dense_init,
-    _param,
-    _seq,
+    block_input_names,
+    dense_init,
+    new_param,
     remat_policy,
+    seq_names,
 )
 from nnx_shard.parallel import pipeline
 from nnx_shard.parallel.collective_matmul import check_tokens
@@ -126,7 +126,7 @@ def _rotary_of(cfg: LlamaConfig, positions: jax.Array, local: bool = False
     inv = jnp.asarray(rope_frequencies(cfg, local))
     freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return constrain(jnp.cos(emb), _seq(GATHERED)), constrain(jnp.sin(emb), _seq(GATHERED))
+    return constrain(jnp.cos(emb), seq_names(GATHERED)), constrain(jnp.sin(emb), seq_names(GATHERED))
 
 
 def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
@@ -152,7 +152,7 @@ class RMSNorm(nnx.Module):
         init = nnx.initializers.zeros if offset else nnx.initializers.ones
         # A tuple of sizes normalizes over that many trailing axes together.
         shape = size if isinstance(size, tuple) else (size,)
-        self.scale = _param(rngs, init, shape, names, param_dtype)
+        self.scale = new_param(rngs, init, shape, names, param_dtype)
         self.eps = eps
         self.offset = offset
         self.dtype = dtype
@@ -172,7 +172,7 @@ def _norm(cfg: LlamaConfig, size: int | tuple[int, ...], names: tuple[str, ...],
 
 def _bias(rngs: nnx.Rngs, on: bool, shape: tuple[int, ...], names: tuple[Any, ...],
           dt: Any) -> nnx.Param | None:
-    return nnx.data(_param(rngs, nnx.initializers.zeros, shape, names, dt) if on else None)
+    return nnx.data(new_param(rngs, nnx.initializers.zeros, shape, names, dt) if on else None)
 
 
 def _add(y: jax.Array, b: nnx.Param | None, dt: Any) -> jax.Array:
@@ -217,10 +217,10 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         e, h, g, k, dt = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
-        self.q = _param(rngs, _dense_init(e), (e, h, k), ("embed", "heads", "kv"), dt)
-        self.k = _param(rngs, _dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
-        self.v = _param(rngs, _dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
-        self.o = _param(rngs, _dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
+        self.q = new_param(rngs, dense_init(e), (e, h, k), ("embed", "heads", "kv"), dt)
+        self.k = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
+        self.v = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
+        self.o = new_param(rngs, dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
         bias = cfg.attention_bias or cfg.qkv_bias
         self.q_bias = _bias(rngs, bias, (h, k), ("heads", "kv"), dt)
         self.k_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
@@ -253,8 +253,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,
                  local: Any = None) -> jax.Array:
         dt = self.dtype
-        heads = _seq(("batch", None, "heads", "kv"))
-        kv_heads = _seq(("batch", None, "kv_heads", "kv"))
+        heads = seq_names(("batch", None, "heads", "kv"))
+        kv_heads = seq_names(("batch", None, "kv_heads", "kv"))
         q = _add(einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l"),
                  self.q_bias, dt)
         k = _add(einsum("ble,egk->blgk", x, self.k[...].astype(dt), kv_heads, seq="l"),
@@ -310,9 +310,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
-        self.gate = _param(rngs, _dense_init(e), (e, m), ("embed", "mlp"), dt)
-        self.up = _param(rngs, _dense_init(e), (e, m), ("embed", "mlp"), dt)
-        self.down = _param(rngs, _dense_init(m), (m, e), ("mlp", "embed"), dt)
+        self.gate = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
+        self.up = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
+        self.down = new_param(rngs, dense_init(m), (m, e), ("mlp", "embed"), dt)
         self.gate_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
         self.up_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
         self.down_bias = _bias(rngs, cfg.mlp_bias, (e,), ("embed",), dt)
@@ -321,7 +321,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        hidden = _seq(("batch", None, "mlp"))
+        hidden = seq_names(("batch", None, "mlp"))
         g = _add(einsum("ble,em->blm", x, self.gate[...].astype(dt), hidden, seq="l"),
                  self.gate_bias, dt)
         u = _add(einsum("ble,em->blm", x, self.up[...].astype(dt), hidden, seq="l"),
@@ -355,9 +355,9 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,
                  local: Any = None) -> jax.Array:
         n = self._apply
-        y = self.attn(constrain(n(self.attn_norm, x), _block_input()), cos, sin, extras, local)
+        y = self.attn(constrain(n(self.attn_norm, x), block_input_names()), cos, sin, extras, local)
         x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
-        y = self.mlp(constrain(n(self.mlp_norm, x), _block_input()))
+        y = self.mlp(constrain(n(self.mlp_norm, x), block_input_names()))
         return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
     def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
@@ -431,7 +431,7 @@ class Llama(nnx.Module):
         self.cfg = cfg
         remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype
-        self.token_embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
+        self.token_embed = new_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
                                   ("vocab", "embed"), dt)
         if cfg.scan_layers:
 
@@ -447,7 +447,7 @@ class Llama(nnx.Module):
         self.final_norm = _norm(cfg, e, ("embed",), rngs)
         self.unembed: nnx.Param | None = nnx.data(
             None if cfg.tie_embeddings
-            else _param(rngs, _dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
+            else new_param(rngs, dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
         )
 
     def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -503,8 +503,8 @@ class Llama(nnx.Module):
 
     def _logits(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = constrain(self.final_norm(x), _seq(GATHERED))
-        names = _seq(("batch", None, "vocab"))
+        x = constrain(self.final_norm(x), seq_names(GATHERED))
+        names = seq_names(("batch", None, "vocab"))
         if self.unembed is None:
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype), names)
         else:

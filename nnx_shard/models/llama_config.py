@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from nnx_shard.errors import NnxShardError, UsageError, count, short
-from nnx_shard.models.transformer import _check_fields, _check_kernel_and_remat
+from nnx_shard.models.transformer import check_fields, check_kernel_and_remat
 from nnx_shard.safetensors_io import described
 
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig", "get_llama_config"]
@@ -156,7 +156,7 @@ class LlamaConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
-        _check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
+        check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
                             "max_length"), positive=("rope_theta", "norm_eps"),
                      flags=("tie_embeddings", "qk_norm", "attention_bias", "mlp_bias",
                             "qkv_bias", "embed_scale", "norm_offset", "post_norms", "qk_norm_full",
@@ -178,7 +178,7 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even (the rotary "
                              "embedding rotates pairs of features).")
-        _check_kernel_and_remat(self)
+        check_kernel_and_remat(self)
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"LlamaConfig.model_type={self.model_type!r}; valid: "
                              f"{', '.join(MODEL_TYPES)}.")

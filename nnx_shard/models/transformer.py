@@ -62,7 +62,7 @@ RESIDUAL = ("batch", "length", None)
 GATHERED = ("batch", None, None)
 
 
-def _seq(names: tuple[Any, ...]) -> tuple[Any, ...]:
+def seq_names(names: tuple[Any, ...]) -> tuple[Any, ...]:
     """``names`` with the sequence kept split under context parallelism (the
     ``attention`` option of the ``cp`` presets): there the sequence stays on its
     ``length`` axes through the whole block, and only the attention op gathers
@@ -84,7 +84,7 @@ REMAT_POLICIES: dict[str, str] = {
 }
 
 
-def _check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] = (),
+def check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] = (),
                  positive: tuple[str, ...] = (), finite: tuple[str, ...] = (),
                  flags: tuple[str, ...] = ()) -> None:
     """A config's fields checked by kind, each failure a ``ValueError`` naming the
@@ -124,7 +124,7 @@ def _check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] 
     _check_dtypes(cfg, where)
 
 
-def _check_kernel_and_remat(cfg: Any) -> None:
+def check_kernel_and_remat(cfg: Any) -> None:
     """``cfg.attention`` names an attention kernel and ``cfg.remat`` a remat policy
     (shared by every model config)."""
     where = type(cfg).__name__
@@ -214,7 +214,7 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
-        _check_fields(self, ("vocab", "length", "embed", "heads", "head_dim", "mlp", "layers"),
+        check_fields(self, ("vocab", "length", "embed", "heads", "head_dim", "mlp", "layers"),
                      whole0=("experts", "top_k"), positive=("capacity_factor",),
                      finite=("aux_loss_weight",), flags=("scan_layers", "tie_embeddings"))
         if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
@@ -222,7 +222,7 @@ class TransformerConfig:
                 f"TransformerConfig: experts={self.experts}, top_k={self.top_k}; need experts "
                 ">= 0 and, with experts, 1 <= top_k <= experts."
             )
-        _check_kernel_and_remat(self)
+        check_kernel_and_remat(self)
 
     @property
     def num_params(self) -> int:
@@ -313,12 +313,12 @@ def remat_policy(name: str) -> Any:
     return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
 
 
-def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[Any, ...],
+def new_param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[Any, ...],
            dtype: Any) -> nnx.Param:
     return nnx.Param(with_logical(init, names)(rngs.params(), shape, dtype))
 
 
-def _dense_init(fan_in: int) -> Any:
+def dense_init(fan_in: int) -> Any:
     return nnx.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
 
 
@@ -326,7 +326,7 @@ class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale (``embed``)."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
-        self.scale = _param(rngs, nnx.initializers.ones, (cfg.embed,), ("embed",),
+        self.scale = new_param(rngs, nnx.initializers.ones, (cfg.embed,), ("embed",),
                             cfg.param_dtype)
         self.dtype = cfg.dtype
 
@@ -342,16 +342,16 @@ class Attention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         e, h, k, dt = cfg.embed, cfg.heads, cfg.head_dim, cfg.param_dtype
         qkv = ("embed", "heads", "kv")
-        self.q = _param(rngs, _dense_init(e), (e, h, k), qkv, dt)
-        self.k = _param(rngs, _dense_init(e), (e, h, k), qkv, dt)
-        self.v = _param(rngs, _dense_init(e), (e, h, k), qkv, dt)
-        self.o = _param(rngs, _dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
+        self.q = new_param(rngs, dense_init(e), (e, h, k), qkv, dt)
+        self.k = new_param(rngs, dense_init(e), (e, h, k), qkv, dt)
+        self.v = new_param(rngs, dense_init(e), (e, h, k), qkv, dt)
+        self.o = new_param(rngs, dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
         self.dtype = cfg.dtype
         self.kernel = cfg.attention
 
     def __call__(self, x: jax.Array, extras: Extras = NO_EXTRAS) -> jax.Array:
         dt = self.dtype
-        heads = _seq(("batch", None, "heads", "kv"))
+        heads = seq_names(("batch", None, "heads", "kv"))
         q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l")
         k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads, seq="l")
         v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads, seq="l")
@@ -383,14 +383,14 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
-        self.up = _param(rngs, _dense_init(e), (e, m), ("embed", "mlp"), dt)
-        self.down = _param(rngs, _dense_init(m), (m, e), ("mlp", "embed"), dt)
+        self.up = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
+        self.down = new_param(rngs, dense_init(m), (m, e), ("mlp", "embed"), dt)
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         dt = self.dtype
         h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt),
-                               _seq(("batch", None, "mlp")), seq="l"))
+                               seq_names(("batch", None, "mlp")), seq="l"))
         return einsum("blm,me->ble", h, self.down[...].astype(dt), RESIDUAL, seq="l"), jnp.zeros(())
 
 
@@ -405,9 +405,9 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         e, m, x, dt = cfg.embed, cfg.mlp, cfg.experts, cfg.param_dtype
-        self.router = _param(rngs, _dense_init(e), (e, x), ("embed", None), dt)
-        self.up = _param(rngs, _dense_init(e), (x, e, m), ("expert", "embed", "mlp"), dt)
-        self.down = _param(rngs, _dense_init(m), (x, m, e), ("expert", "mlp", "embed"), dt)
+        self.router = new_param(rngs, dense_init(e), (e, x), ("embed", None), dt)
+        self.up = new_param(rngs, dense_init(e), (x, e, m), ("expert", "embed", "mlp"), dt)
+        self.down = new_param(rngs, dense_init(m), (x, m, e), ("expert", "mlp", "embed"), dt)
         self.top_k = cfg.top_k
         self.capacity_factor = cfg.capacity_factor
         self.dtype = cfg.dtype
@@ -473,9 +473,9 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if cfg.experts else MLP(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, extras: Extras = NO_EXTRAS) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(constrain(self.attn_norm(x), _block_input()), extras)
+        x = x + self.attn(constrain(self.attn_norm(x), block_input_names()), extras)
         x = constrain(x, RESIDUAL)
-        y, aux = self.mlp(constrain(self.mlp_norm(x), _block_input()))
+        y, aux = self.mlp(constrain(self.mlp_norm(x), block_input_names()))
         return constrain(x + y, RESIDUAL), aux
 
     def decode(self, x: jax.Array, index: jax.Array, valid: jax.Array | None = None
@@ -487,10 +487,10 @@ class Block(nnx.Module):
         return constrain(x + y, RESIDUAL)
 
 
-def _block_input() -> tuple[str | None, ...]:
+def block_input_names() -> tuple[str | None, ...]:
     # Collective matmuls gather the sequence inside the projections, block by
     # block: the input stays in the residual layout until then.
-    return RESIDUAL if option("collective_matmul", False) else _seq(GATHERED)
+    return RESIDUAL if option("collective_matmul", False) else seq_names(GATHERED)
 
 
 def _call_block(block: Block, x: jax.Array, extras: Extras) -> tuple[jax.Array, jax.Array]:
@@ -533,9 +533,9 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype
-        self.token_embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
+        self.token_embed = new_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
                                   ("vocab", "embed"), dt)
-        self.pos_embed = _param(rngs, nnx.initializers.normal(0.02), (cfg.length, e),
+        self.pos_embed = new_param(rngs, nnx.initializers.normal(0.02), (cfg.length, e),
                                 (None, "embed"), dt)
         if cfg.scan_layers:
 
@@ -551,7 +551,7 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         self.unembed: nnx.Param | None = nnx.data(
             None if cfg.tie_embeddings
-            else _param(rngs, _dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
+            else new_param(rngs, dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
         )
 
     def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -612,13 +612,13 @@ class Transformer(nnx.Module):
 
     def _logits(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = constrain(self.final_norm(x), _seq(GATHERED))
+        x = constrain(self.final_norm(x), seq_names(GATHERED))
         if self.unembed is None:
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype),
-                            _seq(("batch", None, "vocab")))
+                            seq_names(("batch", None, "vocab")))
         else:
             logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype),
-                            _seq(("batch", None, "vocab")))
+                            seq_names(("batch", None, "vocab")))
         return logits.astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -784,7 +784,7 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     logits, aux = model.forward(batch["inputs"], **extra)
     # Targets arrive laid out like the inputs (under sequence parallelism: split
     # along ``length``); they must match the logits' layout, split along ``vocab``.
-    targets = constrain(batch["targets"], _seq(("batch", None)))
+    targets = constrain(batch["targets"], seq_names(("batch", None)))
     kept = targets != IGNORE_INDEX
     ce = jnp.where(kept, cross_entropy(logits, targets), 0.0)
     # 0/0 = NaN when nothing is kept (see the docstring).
