@@ -387,7 +387,7 @@ def make():
 def factory_dir(tmp_path, monkeypatch):
     (tmp_path / "my_models.py").write_text(FACTORY)
     (tmp_path / "rules.toml").write_text('[rules]\nembed = "data"\nmlp = "model"\n')
-    (tmp_path / "rules.json").write_text('{"embed": null, "mlp": ["model", null]}')
+    (tmp_path / "rules.json").write_text('[["embed", null], ["mlp", "model"], ["mlp", null]]')
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "my_models", raising=False)
     return tmp_path
