@@ -63,6 +63,7 @@ class Rules(Mapping[str, RuleValue]):
         :func:`nnx_shard.mesh.option`. Values must be hashable. See
         :meth:`with_options`.
 
+    >>> from nnx_shard.rules import Fallbacks
     >>> rules = Rules({"batch": "data", "embed": None, "mlp": Fallbacks("model", None)})
     >>> rules.spec(("embed", "mlp"), shape=(16, 32), mesh={"data": 2, "model": 4})
     P(None, 'model')
@@ -296,6 +297,7 @@ class Rules(Mapping[str, RuleValue]):
         """Ordered candidate placements of ``name`` (each a tuple of mesh axes, or
         ``PartitionSpec.UNCONSTRAINED``).
 
+        >>> from nnx_shard.rules import Fallbacks
         >>> Rules({"mlp": Fallbacks("model", None)}).candidates("mlp")
         (('model',), ())
         """
