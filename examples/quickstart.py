@@ -37,7 +37,7 @@ class MLP(nnx.Module):
 
 def main() -> None:
     mesh = ns.make_mesh({"data": -1, "model": 2} if jax.device_count() % 2 == 0 else {"data": -1})
-    rules = ns.Rules({"batch": "data", "embed": "data", "mlp": ["model", None]})
+    rules = ns.Rules({"batch": "data", "embed": "data", "mlp": ns.Fallbacks("model", None)})
     print(rules, "\n")
 
     abstract = nnx.eval_shape(lambda: MLP(256, 1024, nnx.Rngs(0)))

@@ -12,13 +12,14 @@ from nnx_shard.metrics import MetricsWriter
 from nnx_shard.parallel import collective_matmul, pipeline, tp_layers
 from nnx_shard.quantized import QuantizedKernel
 from nnx_shard.report import Report, explain
-from nnx_shard.rules import Rules
+from nnx_shard.rules import Fallbacks, Rules
 from nnx_shard.train import Precision, Trainer, multistep, shard_batch, value_and_grad
 from nnx_shard.train.batches import Batches
 
 __all__ = [
     "Batches",
     "Checkpointer",
+    "Fallbacks",
     "MetricsWriter",
     "NnxShardError",
     "Precision",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import jax
 import numpy as np
@@ -44,9 +44,45 @@ from nnx_shard.errors import ShardingError, sharding_types
 from nnx_shard.mesh import make_mesh, mesh_str, shardings
 from nnx_shard.rules import Rules, as_rules
 
+if TYPE_CHECKING:
+    from nnx_shard.strategy import Strategy
+
 __all__ = ["abstract_init", "sharded_init", "sharded_optimizer"]
 
 M = TypeVar("M", bound=nnx.Module)
+
+#: What every entry point takes for the layout: a rules table, or a strategy (its
+#: ``rules`` and ``opt_rules``, checked against the model and mesh first).
+Layout: TypeAlias = "Rules | Mapping[str, Any] | Strategy"
+
+
+def tables(rules: Any, opt_rules: Any, caller: str) -> tuple[Rules, Rules | None, Strategy | None]:
+    """``(rules, opt_rules, strategy or None)`` of what an entry point was given.
+
+    A :class:`~nnx_shard.strategies.Strategy` brings both of its tables. A
+    strategy's own ``rules`` table carries its ``opt_rules`` along, so
+    ``sharded_optimizer(model, tx, mesh, zero1.rules)`` shards ZeRO-1's optimizer
+    state as ``sharded_optimizer(model, tx, mesh, zero1)`` does, instead of
+    silently laying it out like the (replicated) parameters.
+
+    >>> from nnx_shard.strategies import get
+    >>> r, o, s = tables(get("zero1"), None, "sharded_optimizer")
+    >>> s.name, r["embed"], o["embed"], tables(get("zero1").rules, None, "x")[1]["embed"]
+    ('zero1', None, 'data', 'data')
+    """
+    from nnx_shard.strategy import Strategy  # strategy builds on this module
+
+    if isinstance(rules, Strategy):
+        if opt_rules is not None:
+            raise ShardingError(
+                f"{caller}: opt_rules= given together with strategy {rules.name!r}, which "
+                "brings its own optimizer-state rules. Fix: pass the strategy alone, or "
+                "strategy.rules with opt_rules=... to override them.")
+        return rules.rules, rules.opt_rules, rules
+    table = as_rules(rules)
+    if opt_rules is None:
+        return table, getattr(table, "_strategy_opt_rules", None), None
+    return table, as_rules(opt_rules), None
 
 
 # Helpers
@@ -202,7 +238,7 @@ def _is_abstract(state: Any) -> bool:
 def abstract_init(
     factory: Callable[[], M],
     mesh: Mesh | str | Mapping[str, int],
-    rules: Rules | Mapping[str, Any],
+    rules: Layout,
 ) -> M:
     """The model ``factory`` would build, with ``jax.ShapeDtypeStruct`` leaves carrying
     the sharding each Variable resolves to; nothing is allocated.
@@ -215,7 +251,8 @@ def abstract_init(
       factory: a zero-argument callable that builds the module, e.g.
         ``lambda: MyModel(cfg, rngs=nnx.Rngs(0))``.
       mesh: a ``jax.sharding.Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
-      rules: the logical-to-mesh table.
+      rules: the logical-to-mesh table, or a strategy (``ns.strategies.get("fsdp")``),
+        whose :meth:`~nnx_shard.strategies.Strategy.check` runs first.
 
     >>> from flax import nnx
     >>> import nnx_shard as ns
@@ -227,15 +264,17 @@ def abstract_init(
     ('ShapeDtypeStruct', (8, 16), P('data', 'model'))
     """
     mesh = make_mesh(mesh)
-    rules = as_rules(rules)
+    table, _, strategy = tables(rules, None, "abstract_init")
     graphdef, state = _abstract(factory, mesh, "abstract_init")
-    return nnx.merge(graphdef, _with_shardings(state, shardings(state, mesh, rules)))
+    if strategy is not None:
+        strategy.check(state, mesh)
+    return nnx.merge(graphdef, _with_shardings(state, shardings(state, mesh, table)))
 
 
 def sharded_init(
     factory: Callable[[], M],
     mesh: Mesh | str | Mapping[str, int],
-    rules: Rules | Mapping[str, Any],
+    rules: Layout,
 ) -> M:
     """Builds the model ``factory`` returns directly in its sharded layout.
 
@@ -253,7 +292,8 @@ def sharded_init(
         ``lambda: MyModel(cfg, rngs=nnx.Rngs(0))``. It is traced twice (once
         for shapes, once compiled), so it must not depend on side effects.
       mesh: a ``jax.sharding.Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
-      rules: the logical-to-mesh table.
+      rules: the logical-to-mesh table, or a strategy (``ns.strategies.get("tp")``),
+        whose :meth:`~nnx_shard.strategies.Strategy.check` runs first.
 
     Raises:
       ShardingError: a Variable cannot be laid out (raised before compiling).
@@ -267,6 +307,10 @@ def sharded_init(
     ...                      "data=4,model=2", {"embed": "data", "mlp": "model"})
     >>> model.kernel.get_value().sharding.spec, model.bias.get_value().sharding.spec
     (P('data', 'model'), P())
+    >>> m = sharded_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+    ...                  "data=8", ns.strategies.get("fsdp"))
+    >>> m.kernel.get_value().sharding.spec
+    P('data', None)
     """
     graphdef, lowered = lower_init(factory, mesh, rules)
     return nnx.merge(graphdef, lowered.compile()())
@@ -275,7 +319,7 @@ def sharded_init(
 def lower_init(
     factory: Callable[[], nnx.Module],
     mesh: Mesh | str | Mapping[str, int],
-    rules: Rules | Mapping[str, Any],
+    rules: Layout,
 ) -> tuple[nnx.GraphDef, jax.stages.Lowered]:
     """The graphdef and the lowered (not yet compiled) init program of :func:`sharded_init`.
 
@@ -294,9 +338,11 @@ def lower_init(
     True
     """
     mesh = make_mesh(mesh)
-    rules = as_rules(rules)
+    table, _, strategy = tables(rules, None, "sharded_init")
     graphdef, abstract_state = _abstract(factory, mesh, "sharded_init")
-    out_shardings = shardings(abstract_state, mesh, rules)
+    if strategy is not None:
+        strategy.check(abstract_state, mesh)
+    out_shardings = shardings(abstract_state, mesh, table)
     inner = _on_mesh(out_shardings, _auto_mesh(mesh))
 
     def init() -> Any:
@@ -394,7 +440,7 @@ def sharded_optimizer(
     model: nnx.Module,
     tx: optax.GradientTransformation,
     mesh: Mesh | str | Mapping[str, int],
-    rules: Rules | Mapping[str, Any],
+    rules: Layout,
     wrt: Any = nnx.Param,
     *,
     opt_rules: Rules | Mapping[str, Any] | None = None,
@@ -405,7 +451,9 @@ def sharded_optimizer(
     ``mu`` and ``nu``) gets that parameter's sharding; scalars such as the step
     count are replicated. With ``opt_rules`` the state's logical names are
     resolved by that table instead, e.g. ZeRO-1: parameters replicated by
-    ``rules``, optimizer state sharded by ``opt_rules``.
+    ``rules``, optimizer state sharded by ``opt_rules``. A strategy passed as
+    ``rules`` brings its own ``opt_rules`` (so does the ``rules`` table of a
+    strategy: ``zero1.rules`` lays the state out as ``zero1`` does).
 
     Given an abstract model (from :func:`abstract_init`) it returns an abstract
     optimizer, with ``ShapeDtypeStruct`` leaves carrying the shardings (a
@@ -415,9 +463,10 @@ def sharded_optimizer(
       model: the model, laid out by ``rules`` on ``mesh`` (as :func:`sharded_init` makes it).
       tx: an optax transformation.
       mesh: a ``jax.sharding.Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
-      rules: the table the model was built with.
+      rules: the table the model was built with, or the strategy it was built with.
       wrt: which Variables the optimizer updates (as in ``nnx.Optimizer``).
-      opt_rules: a separate table for the optimizer state (default: ``rules``).
+      opt_rules: a separate table for the optimizer state (default: the strategy's
+        ``opt_rules``, else ``rules``); not together with a strategy.
 
     Raises:
       ShardingError: optimizer state cannot be laid out, the model's arrays live on
@@ -440,6 +489,12 @@ def sharded_optimizer(
     >>> opt = sharded_optimizer(model, optax.adam(1e-3), "data=4,model=2", rules)
     >>> opt.opt_state[0].mu["kernel"].get_value().sharding.spec
     P('data', 'model')
+    >>> zero1 = ns.strategies.get("zero1")
+    >>> model = sharded_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+    ...                      "data=8", zero1)
+    >>> opt = sharded_optimizer(model, optax.adam(1e-3), "data=8", zero1)
+    >>> model.kernel.get_value().sharding.spec, opt.opt_state[0].mu["kernel"].get_value().sharding.spec
+    (P(None, None), P('data', None))
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(
@@ -455,7 +510,7 @@ def _lower_optimizer(
     model: nnx.Module,
     tx: optax.GradientTransformation,
     mesh: Mesh | str | Mapping[str, int],
-    rules: Rules | Mapping[str, Any],
+    rules: Layout,
     wrt: Any,
     opt_rules: Rules | Mapping[str, Any] | None,
 ) -> tuple[nnx.GraphDef, Any, Any]:
@@ -463,8 +518,8 @@ def _lower_optimizer(
     for an abstract model, the lowered slot holds ``{"abstract": state}`` instead."""
     optstate.check_transformation(tx, "sharded_optimizer")
     mesh = make_mesh(mesh)
-    rules = as_rules(rules)
-    o_rules = rules if opt_rules is None else as_rules(opt_rules)
+    rules, own_opt_rules, _ = tables(rules, opt_rules, "sharded_optimizer")
+    o_rules = rules if own_opt_rules is None else own_opt_rules
     graphdef, state = nnx.split(model)
     _check_same_mesh(state, mesh)
     auto = _auto_mesh(mesh)
@@ -482,7 +537,7 @@ def _lower_optimizer(
     out_shardings = _opt_shardings(abstract_state, owners, mesh, o_rules)
     if _is_abstract(state):
         return opt_graphdef, {"abstract": _with_shardings(abstract_state, out_shardings)}, None
-    if opt_rules is None:
+    if own_opt_rules is None:
         params = nnx.state(model, wrt)
         _check_params_follow_rules(params, shardings(params, mesh, rules), mesh)
     inner = _on_mesh(out_shardings, auto)

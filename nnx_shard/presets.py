@@ -16,7 +16,7 @@ import inspect
 
 from nnx_shard.errors import ShardingError, short
 from nnx_shard.parallel.schedule import Schedule
-from nnx_shard.rules import Rules
+from nnx_shard.rules import Fallbacks, Rules
 from nnx_shard.strategy import PRESETS, REPLICATED, Strategy, preset, replicated
 
 __all__ = [
@@ -45,8 +45,8 @@ def _tp(data: str, model: str) -> Rules:
     ``model=16``): the second candidate of the rule; the generation cache's key/value
     heads (``cache_kv_heads``) do the same.
     """
-    return _dp(data) | {"heads": model, "kv_heads": [model, None], "mlp": model,
-                        "vocab": model, "cache_kv_heads": [model, None]}
+    return _dp(data) | {"heads": model, "kv_heads": Fallbacks(model, None), "mlp": model,
+                        "vocab": model, "cache_kv_heads": Fallbacks(model, None)}
 
 
 def _sp(data: str, model: str) -> Rules:
@@ -206,12 +206,13 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
     ``expert`` must divide the number of experts.
 
     >>> ep().rules["expert"], ep().rules["batch"]
-    ('expert', [('data', 'expert'), 'data'])
+    ('expert', Fallbacks(('data', 'expert'), 'data'))
     """
     # expert ahead of batch: the dispatched tokens ("expert", "batch", ...) keep the
     # expert axis for the experts and fall back to data for the batch.
-    rules = replicated(first=("expert",)) | {"batch": [(data, expert), data], "expert": expert,
-                                              "cache_batch": [(data, expert), data]}
+    rules = replicated(first=("expert",)) | {
+        "batch": Fallbacks((data, expert), data), "expert": expert,
+        "cache_batch": Fallbacks((data, expert), data)}
     return Strategy(name="ep", rules=rules, opt_rules=None, mesh_axes=(data, expert), sizes=(4,),
                     collectives=("all-to-all", "all-gather", "all-reduce"))
 

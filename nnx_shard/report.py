@@ -14,8 +14,9 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from nnx_shard import optstate
 from nnx_shard.annotate import SOURCE_KEY, logical_names, path_str
 from nnx_shard.axes import mesh_sizes, sizes_str
+from nnx_shard.init import Layout, tables
 from nnx_shard.mesh import as_state, bytes_per_device, make_mesh, nbytes, variable_spec
-from nnx_shard.rules import Rules, as_rules
+from nnx_shard.rules import Rules
 
 __all__ = ["Report", "Row", "explain"]
 
@@ -199,7 +200,7 @@ def _opt_rows(opt_state: Any, owners: Any, mesh: Any, rules: Rules) -> list[Row]
 def explain(
     model: Any,
     mesh: Mesh | AbstractMesh | str | Mapping[str, int],
-    rules: Rules | Mapping[str, Any],
+    rules: Layout,
     optimizer: optax.GradientTransformation | None = None,
     *,
     wrt: Any = nnx.Param,
@@ -211,7 +212,8 @@ def explain(
     ``nnx_shard.abstract_init``) without allocating anything. When an optax
     ``optimizer`` is given, its state is derived abstractly (``jax.eval_shape``
     of ``optimizer.init``) and reported too, laid out by ``opt_rules``
-    (default: ``rules``), the way ``nnx.Optimizer`` stores it.
+    (default: the strategy's, else ``rules``), the way ``nnx.Optimizer`` stores it.
+    ``rules`` may be a strategy (``ns.strategies.get("zero1")``): its two tables.
 
     Raises ``ShardingError`` exactly where sharding the model would, and
     ``TypeError`` when ``model`` is not a Module/State/abstract model or
@@ -239,10 +241,10 @@ def explain(
         optstate.check_transformation(optimizer, "explain", "optimizer")
     if not isinstance(mesh, AbstractMesh):
         mesh = make_mesh(mesh)
-    rules = as_rules(rules)
+    rules, own_opt_rules, _ = tables(rules, opt_rules, "explain")
     rows = layout_rows(state, mesh, rules)
     if optimizer is not None:
-        o_rules = rules if opt_rules is None else as_rules(opt_rules)
+        o_rules = rules if own_opt_rules is None else own_opt_rules
         # What nnx.Optimizer(model, optimizer, wrt=wrt) initialises, by shape only.
         params = state if isinstance(model, nnx.State) else nnx.state(model, wrt)
         opt_state = jax.eval_shape(optimizer.init, params)

@@ -313,7 +313,7 @@ def _setup(args: argparse.Namespace) -> _Run:
     run.restore_sizes = restore_sizes
     run.restore_mesh = ns.make_mesh(restore_sizes,
                                     devices=devices[: math.prod(restore_sizes.values())])
-    run.target = restore_strategy.abstract_init(factory, run.restore_mesh)
+    run.target = ns.abstract_init(factory, run.restore_mesh, restore_strategy)
 
     out.mkdir(parents=True, exist_ok=True)
     # Everything is written here first; the previous run's outputs stay until this one
@@ -363,10 +363,10 @@ def _train(run: _Run) -> None:
                                                   args.lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b2=0.99, weight_decay=0.01))
-    model = run.model = strategy.sharded_init(run.factory, mesh)
-    optimizer = run.optimizer = strategy.optimizer(model, tx, mesh)
-    run.report = strategy.explain(model, mesh, tx)
-    _say(f"\nsharding report (ns.strategies.get({strategy.name!r}).explain):")
+    model = run.model = ns.sharded_init(run.factory, mesh, strategy)
+    optimizer = run.optimizer = ns.sharded_optimizer(model, tx, mesh, strategy)
+    run.report = ns.explain(model, mesh, strategy, tx)
+    _say(f"\nsharding report (ns.explain(model, mesh, ns.strategies.get({strategy.name!r}), tx)):")
     _say(_short_report(run.report))
 
     heldout = [ns.shard_batch(b, mesh, strategy.rules) for b in run.heldout_host]

@@ -48,10 +48,10 @@ head_dim, embed] -> [embed, heads, head_dim]``: q/k/v), ``"heads_in"``
 >>> from nnx_shard.models import Llama, get_llama_config
 >>> factory = lambda: Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
 >>> fsdp = ns.strategies.get("fsdp")
->>> model = fsdp.sharded_init(factory, "data=8")
+>>> model = ns.sharded_init(factory, "data=8", fsdp)
 >>> out = tempfile.mkdtemp()
 >>> save_safetensors(out, model)
->>> loaded = load_safetensors(out, ns.strategies.get("tp").abstract_init(factory, "data=2,model=4"))
+>>> loaded = load_safetensors(out, ns.abstract_init(factory, "data=2,model=4", ns.strategies.get("tp")))
 >>> loaded.blocks[0].attn.q.get_value().sharding.spec
 P(None, 'model', None)
 >>> bool((loaded.blocks[0].attn.q.get_value() == model.blocks[0].attn.q.get_value()).all())

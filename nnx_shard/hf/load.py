@@ -126,14 +126,14 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     >>> from nnx_shard.models import Llama, LlamaConfig
     >>> ckpt = "tests/fixtures/hf_qwen3"   # transformers' save_pretrained output
     >>> cfg = LlamaConfig.from_hf(ckpt)
-    >>> target = ns.strategies.get("fsdp_tp").abstract_init(
-    ...     lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=4,model=2")
+    >>> target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=4,model=2",
+    ...                           ns.strategies.get("fsdp_tp"))
     >>> model = load_safetensors(ckpt, target)
     >>> model.blocks[1].mlp.up.get_value().sharding.spec
     P('data', 'model')
     >>> wrong = dataclasses.replace(cfg, kv_heads=4)   # not the checkpoint's sizes
-    >>> load_safetensors(ckpt, ns.strategies.get("dp").abstract_init(
-    ...     lambda: Llama(wrong, rngs=nnx.Rngs(0)), "data=8"))
+    >>> load_safetensors(ckpt, ns.abstract_init(
+    ...     lambda: Llama(wrong, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp")))
     Traceback (most recent call last):
     ...
     nnx_shard.errors.UsageError: load_safetensors: the checkpoint's tests/fixtures/hf_qwen3/config.json describes another model than the target; 1 field differs:

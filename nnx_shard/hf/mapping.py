@@ -318,7 +318,7 @@ def leaves_of(state: Any, caller: str) -> dict[str, Leaf]:
         raise ValueError(
             f"{caller}: {len(bad)} variables carry no NamedSharding (e.g. {bad[0]!r}). Fix: "
             "build the target with ns.abstract_init(factory, mesh, rules) or "
-            "strategy.abstract_init(factory, mesh) (shapes and shardings, nothing "
+            "ns.abstract_init(factory, mesh, strategy) (shapes and shardings, nothing "
             "allocated)."
         )
     return out

@@ -225,8 +225,8 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     >>> import jax.numpy as jnp
     >>> import nnx_shard as ns
     >>> from nnx_shard.models import Llama, get_llama_config
-    >>> model = ns.strategies.get("fsdp_tp").sharded_init(
-    ...     lambda: Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0)), "data=4,model=2")
+    >>> model = ns.sharded_init(lambda: Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0)),
+    ...                         "data=4,model=2", ns.strategies.get("fsdp_tp"))
     >>> out = tempfile.mkdtemp()
     >>> save_safetensors(out, model, max_shard_bytes=40_000, dtype=jnp.bfloat16)
     >>> sorted(os.listdir(out))[:3]

@@ -899,8 +899,8 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
     ((1, 6), True)
     >>> strategy = ns.strategies.get("tp")
     >>> mesh = strategy.make_mesh()                                   # data=2, model=4
-    >>> sharded = strategy.sharded_init(lambda: Transformer(get_config("tiny"),
-    ...                                                     rngs=nnx.Rngs(0)), mesh)
+    >>> sharded = ns.sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)),
+    ...                           mesh, strategy)
     >>> with ns.use(mesh, strategy.rules):
     ...     again = generate(sharded, [[1, 2, 3, 4]], max_new_tokens=6)   # 1 row of 2: padded
     >>> bool((again == out).all())

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 
 from nnx_shard import optimizers
 from nnx_shard.errors import CompileError
+from nnx_shard.init import abstract_init, sharded_optimizer
 from nnx_shard.mesh import make_mesh
 from nnx_shard.models import LlamaConfig, TransformerConfig, lm_loss
 from nnx_shard.models.named import build, named_config
@@ -94,8 +95,8 @@ def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: Map
         n *= int(v)
     mesh = make_mesh(dict(sizes), devices=jax.devices()[:n])
     t0 = time.perf_counter()
-    abstract = strat.abstract_init(factory, mesh)
-    opt = strat.optimizer(abstract, optimizers.get(optimizer), mesh)
+    abstract = abstract_init(factory, mesh, strat)
+    opt = sharded_optimizer(abstract, optimizers.get(optimizer), mesh, strat)
     if batch_spec is not None:
         data = steps_batch(batch_spec, strat.rules, mesh, steps)
     else:

@@ -146,9 +146,9 @@ class Plan:
         return (
             f"{head}strategy = ns.strategies.get({c.strategy!r})\n"
             f"mesh = ns.make_mesh({{{mesh}}})\n{make}"
-            "model = strategy.sharded_init(factory, mesh)\n"
-            f"opt = strategy.optimizer(model, optax.{self.request.get('optimizer', 'adamw')}"
-            "(1e-3), mesh)\n"
+            "model = ns.sharded_init(factory, mesh, strategy)\n"
+            f"opt = ns.sharded_optimizer(model, optax.{self.request.get('optimizer', 'adamw')}"
+            "(1e-3), mesh, strategy)\n"
             "trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules,\n"
             f"                     microbatches={c.microbatches}, batch_names=(\"batch\", \"length\")"
             + (f",\n                     guard={guard!r})\n" if guard != DEFAULT_GUARD else ")\n")

@@ -331,9 +331,9 @@ def user_python(request: Mapping[str, Any], strategy: str, mesh: Mapping[str, in
         f"import optax\n\nimport nnx_shard as ns\n{imports}\n"
         f"strategy = {strat}\n"
         f"mesh = ns.make_mesh({{{sizes}}})\n"
-        f"model = strategy.sharded_init({fname}, mesh)\n"
-        f"opt = strategy.optimizer(model, optax.{request.get('optimizer', 'adamw')}(1e-3), "
-        "mesh)\n"
+        f"model = ns.sharded_init({fname}, mesh, strategy)\n"
+        f"opt = ns.sharded_optimizer(model, optax.{request.get('optimizer', 'adamw')}(1e-3), "
+        "mesh, strategy)\n"
         f"trainer = ns.Trainer(model, opt, {lname}, mesh=mesh, rules=strategy.rules,\n"
         f"                     microbatches={microbatches})\n"
         f"# trainer.fit(batches)  # batches: {request.get('batch_spec')}\n")

@@ -31,8 +31,9 @@ A logical name with no entry that is itself a mesh axis maps to that axis.
 Two ways to write a table:
 
 * ``Rules({...})`` / ``Rules([(logical, value), ...])``: a value is a placement
-  or a Python **list** of placements, the ordered candidates of that name (they
-  become consecutive entries); a product of axes is a **tuple**.
+  (a product of axes is a **tuple**) or :class:`Fallbacks` of placements, the
+  ordered candidates of that name (they become consecutive entries). A plain
+  list is refused as ambiguous: Flax and MaxText read it as a product.
 * ``Rules.from_pairs(pairs)`` and :meth:`Rules.from_file` read tables as Flax and
   MaxText write them: a list **or** tuple value is a product of mesh axes,
   ``[]`` / ``None`` / ``""`` replicate, and a repeated name is the next candidate.
@@ -48,6 +49,7 @@ from nnx_shard.rules.files import MAX_YAML_NODES as MAX_YAML_NODES
 from nnx_shard.rules.table import Rules as Rules
 from nnx_shard.rules.table import as_rules as as_rules
 from nnx_shard.rules.values import UNCONSTRAINED as UNCONSTRAINED
+from nnx_shard.rules.values import Fallbacks as Fallbacks
 from nnx_shard.rules.values import Indivisible as Indivisible
 from nnx_shard.rules.values import LogicalNames as LogicalNames
 from nnx_shard.rules.values import Placement as Placement
@@ -56,4 +58,4 @@ from nnx_shard.rules.values import declare_option as declare_option
 from nnx_shard.rules.values import describe as describe
 from nnx_shard.rules.values import known_options as known_options
 
-__all__ = ["MAX_FILE_BYTES", "MAX_YAML_NODES", "Rules", "declare_option", "known_options"]
+__all__ = ["MAX_FILE_BYTES", "MAX_YAML_NODES", "Fallbacks", "Rules", "declare_option", "known_options"]

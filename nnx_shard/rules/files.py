@@ -154,13 +154,20 @@ def _load(path: Path) -> Any:
                             "path of the rules file itself") from None
 
 
-def file_value(v: Any) -> Any:
-    """A value of the dict file format: "" replicates (TOML has no null); in a
-    candidate list, a nested list is a product of mesh axes."""
+def file_value(v: Any, logical: Any = "") -> Any:
+    """A value of the dict file format: "" replicates (TOML has no null). An array is
+    refused: the pairs layout reads it as a product of mesh axes (as Flax and MaxText
+    do), so the same array must not mean fallbacks one layout over."""
     if v == "":
         return None
     if isinstance(v, list):
-        return [tuple(c) if isinstance(c, list) else (None if c == "" else c) for c in v]
+        raise ShardingError(
+            f"rule {short(logical)} -> {short(v)}: an array in a table of logical name to "
+            "value is ambiguous (a product of mesh axes, or ordered fallbacks?). Fix: write "
+            "the table as [logical, mesh] pairs, where an array is a product of mesh axes "
+            "and a repeated name the next fallback, e.g. logical_axis_rules = "
+            f"[[{short(logical)}, ['data', 'fsdp']], [{short(logical)}, 'data']]."
+        )
     return v
 
 

@@ -207,12 +207,12 @@ def _error(
             f"{rule_txt} cannot shard dimension {dim} of {head}: {detail}. A mesh axis can "
             "shard only one dimension of an array, and rules claim mesh axes in table "
             f"order. Fix: map {key!r} to another axis, or add None as a last candidate, "
-            f"e.g. rules | {{{key!r}: [{first}, None]}}."
+            f"e.g. rules | {{{key!r}: Fallbacks({first}, None)}}."
         )
     return ShardingError(
         f"{rule_txt} cannot shard dimension {dim} of {head}: {detail}. "
         f"Fix: make the dimension divisible, add None as a last candidate "
-        f"(rules | {{{key!r}: [{first}, None]}}), or pass "
+        f"(rules | {{{key!r}: Fallbacks({first}, None)}}), or pass "
         "Rules(..., indivisible='replicate') to replicate such dimensions with a warning."
     )
 

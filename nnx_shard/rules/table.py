@@ -46,12 +46,14 @@ class Rules(Mapping[str, RuleValue]):
       table: a mapping ``{logical: value}``, a sequence of ``(logical, value)``
         pairs, or another ``Rules``. A value is a mesh axis name, a **tuple** of
         mesh axis names (their product), ``None`` (replicate),
-        ``PartitionSpec.UNCONSTRAINED`` (activations only), or a Python **list**
-        of those: ordered candidates of that name, entered consecutively. A
-        logical name repeated in a sequence of pairs adds its values as further
-        entries at that place in the table. An empty string is an error (use
-        ``None``). For tables written as Flax and MaxText write them, where a
-        list means a *product* of mesh axes, use :meth:`from_pairs`.
+        ``PartitionSpec.UNCONSTRAINED`` (activations only), or
+        :class:`~nnx_shard.Fallbacks` of those: ordered candidates of that name,
+        entered consecutively. A plain list is refused (Flax and MaxText read it
+        as a product of mesh axes): write a tuple for a product, ``Fallbacks``
+        for fallbacks. A logical name repeated in a sequence of pairs adds its
+        values as further entries at that place in the table. An empty string
+        is an error (use ``None``). Tables written as Flax and MaxText write
+        them, a list being a product, load with :meth:`from_pairs`.
       indivisible: what to do when a dimension does not divide by its mesh axes
         and no other entry fits: ``"error"`` (default) raises a
         ``ShardingError``; ``"replicate"`` replicates that dimension and emits a
@@ -62,7 +64,8 @@ class Rules(Mapping[str, RuleValue]):
         :func:`nnx_shard.mesh.option`. Values must be hashable. See
         :meth:`with_options`.
 
-    >>> rules = Rules({"batch": "data", "embed": None, "mlp": ["model", None]})
+    >>> from nnx_shard.rules import Fallbacks
+    >>> rules = Rules({"batch": "data", "embed": None, "mlp": Fallbacks("model", None)})
     >>> rules.spec(("embed", "mlp"), shape=(16, 32), mesh={"data": 2, "model": 4})
     P(None, 'model')
     >>> rules.spec(("embed", "mlp"), shape=(16, 30), mesh={"data": 2, "model": 4})
@@ -70,7 +73,7 @@ class Rules(Mapping[str, RuleValue]):
     >>> (rules | {"embed": "data"})["embed"]
     'data'
     >>> Rules([("mlp", "model"), ("mlp", "data")])["mlp"]
-    ['model', 'data']
+    Fallbacks('model', 'data')
 
     Table order, not dimension order, decides which name gets a contested axis:
 
@@ -163,7 +166,7 @@ class Rules(Mapping[str, RuleValue]):
         ...     ["norm", []],                              # replicated
         ... ])
         >>> rules["vocab"], rules["embed"], rules["norm"]
-        (('tensor', 'autoregressive'), [('fsdp', 'tensor'), 'fsdp'], None)
+        (('tensor', 'autoregressive'), Fallbacks(('fsdp', 'tensor'), 'fsdp'), None)
         >>> mesh = {"data": 1, "fsdp": 2, "tensor": 2, "autoregressive": 2}
         >>> rules.spec(("embed", "vocab"), shape=(8, 16), mesh=mesh)
         P('fsdp', ('tensor', 'autoregressive'))
@@ -295,7 +298,8 @@ class Rules(Mapping[str, RuleValue]):
         """Ordered candidate placements of ``name`` (each a tuple of mesh axes, or
         ``PartitionSpec.UNCONSTRAINED``).
 
-        >>> Rules({"mlp": ["model", None]}).candidates("mlp")
+        >>> from nnx_shard.rules import Fallbacks
+        >>> Rules({"mlp": Fallbacks("model", None)}).candidates("mlp")
         (('model',), ())
         """
         return self._table[name]
@@ -382,8 +386,8 @@ class Rules(Mapping[str, RuleValue]):
           other keys ignored, so MaxText's ``base.yml`` loads unchanged;
         * a table of logical name to value, at the top level or under a
           ``rules`` key, read as ``Rules({...})``: a string names a mesh axis,
-          ``null`` or ``""`` (TOML has no null) replicates, an array lists
-          ordered candidates, where a nested array is a product of mesh axes.
+          ``null`` or ``""`` (TOML has no null) replicates; an array is refused
+          as ambiguous (write products and fallbacks in the pairs layout).
 
         An optional top-level ``indivisible`` sets the policy. YAML needs PyYAML
         (``pip install nnx_shard[yaml]``)::
@@ -391,25 +395,25 @@ class Rules(Mapping[str, RuleValue]):
             # rules.toml, pairs                       # rules.toml, table
             logical_axis_rules = [                    [rules]
               ["batch", "data"],                      batch = "data"
-              ["vocab", ["tensor", "expert"]],        vocab = [["tensor", "expert"]]
-              ["mlp", "model"], ["mlp", ""],          mlp = ["model", ""]
+              ["vocab", ["tensor", "expert"]],        mlp = "model"
+              ["mlp", "model"], ["mlp", ""],          norm = ""
             ]
 
         >>> import tempfile, os
         >>> d = tempfile.mkdtemp(); p = os.path.join(d, "r.toml")
-        >>> _ = open(p, "w").write('[rules]\\nbatch = "data"\\nmlp = ["model", ""]\\n')
+        >>> _ = open(p, "w").write('[rules]\\nbatch = "data"\\nmlp = "model"\\n')
         >>> Rules.from_file(p)
-        Rules({'batch': 'data', 'mlp': ['model', None]})
+        Rules({'batch': 'data', 'mlp': 'model'})
         >>> _ = open(p, "w").write('logical_axis_rules = [["batch", "data"], '
         ...                        '["vocab", ["tensor", "expert"]], ["mlp", "model"], ["mlp", ""]]')
         >>> Rules.from_file(p)
-        Rules({'batch': 'data', 'vocab': ('tensor', 'expert'), 'mlp': ['model', None]})
+        Rules({'batch': 'data', 'vocab': ('tensor', 'expert'), 'mlp': Fallbacks('model', None)})
         """
         where, table, indivisible = read_table(path)
         try:
             if isinstance(table, list):
                 return cls.from_pairs(table, indivisible=indivisible)
-            return cls({k: _file_value(v) for k, v in table.items()}, indivisible=indivisible)
+            return cls({k: _file_value(v, k) for k, v in table.items()}, indivisible=indivisible)
         except ShardingError as e:
             raise ShardingError(f"{where}: {e}") from None
 

@@ -25,7 +25,7 @@ else:
 Placement: TypeAlias = tuple[str, ...] | _Unconstrained
 RuleValue: TypeAlias = (
     str | tuple[str, ...] | list[str | tuple[str, ...] | None] | _Unconstrained | None
-)
+)  # a list only as Fallbacks(...): a plain list is ambiguous and refused
 LogicalNames: TypeAlias = Sequence[str | None]
 Indivisible = Literal["error", "replicate"]
 
@@ -76,6 +76,30 @@ def _product(axes: tuple[Any, ...], logical: str, shown: Any, fix: str) -> tuple
     return tuple(axes)
 
 
+class Fallbacks(list[Any]):
+    """Ordered fallback placements of one logical name, for ``Rules({...})``: the first
+    that fits the mesh and the dimension wins, the others are tried in turn.
+
+    The same table as Flax and MaxText spell it, a repeated ``(logical, mesh)`` pair
+    per candidate: ``Rules({"mlp": Fallbacks("model", None)})`` equals
+    ``Rules.from_pairs([("mlp", "model"), ("mlp", None)])``. Each placement is a mesh
+    axis name, a tuple of mesh axis names (their product), ``None`` (replicate) or
+    ``PartitionSpec.UNCONSTRAINED``. A plain list is refused in ``Rules({...})``,
+    because Flax reads a list as a product of mesh axes.
+
+    >>> from nnx_shard.rules import Rules
+    >>> r = Rules({"mlp": Fallbacks("model", None)})
+    >>> r["mlp"], r.spec(("mlp",), shape=(30,), mesh={"model": 4})
+    (Fallbacks('model', None), P(None,))
+    """
+
+    def __init__(self, *placements: Any) -> None:
+        super().__init__(placements)
+
+    def __repr__(self) -> str:
+        return "Fallbacks(" + ", ".join(fmt_value(c) for c in self) + ")"
+
+
 def _placement(value: Any, logical: str) -> Placement:
     """One placement as ``Rules({...})`` writes it: str | tuple[str, ...] | None | UNCONSTRAINED."""
     fix = f"Rules({{{short(logical)}: None}})"
@@ -92,27 +116,46 @@ def _placement(value: Any, logical: str) -> Placement:
         return (value,)
     if isinstance(value, tuple):
         return _product(value, logical, value, fix)
-    hint = ""
     if isinstance(value, list):
-        hint = (
-            " In Rules({...}) a list holds candidates and a product of axes is a tuple; "
-            "Rules.from_pairs reads lists as products, as Flax and MaxText write them."
-        )
+        raise _ambiguous_list(value, logical)
     raise ShardingError(
         f"rule {short(logical)} -> {short(value)}: a rule value must be a mesh axis name, a "
-        "tuple of mesh axis names, None (replicate), PartitionSpec.UNCONSTRAINED or a list of "
-        f"those (ordered candidates).{hint} Fix: e.g. Rules({{{short(logical)}: 'model'}}) or "
-        f"{fix}."
+        "tuple of mesh axis names (their product), None (replicate), "
+        "PartitionSpec.UNCONSTRAINED or nnx_shard.Fallbacks(...) of those (ordered "
+        f"candidates). Fix: e.g. Rules({{{short(logical)}: 'model'}}) or {fix}."
+    )
+
+
+def _ambiguous_list(value: list[Any], logical: str) -> ShardingError:
+    """A list rule value: Flax and MaxText read it as a product of mesh axes, older
+    tables of ours as ordered fallbacks; guessing either would shard silently wrong."""
+    shown = [None if v == "" else v for v in value[:4]]
+    inner = ", ".join(fmt_value(v) if v is UNCONSTRAINED else short(v, 40)
+                      for v in shown) or "'model'"
+    prod = tuple(v for v in shown if isinstance(v, str) and v) or ("data", "fsdp")
+    return ShardingError(
+        f"rule {short(logical)} -> {short(value)}: a list is ambiguous in Rules({{...}}) (Flax "
+        "and MaxText read it as a product of mesh axes, it used to mean ordered fallbacks). "
+        f"Fix: write a product of mesh axes as a tuple, Rules({{{short(logical)}: {short(prod)}}}), "
+        f"or ordered fallbacks as Rules({{{short(logical)}: nnx_shard.Fallbacks({inner})}}) "
+        "(the same as repeating the pair in Rules.from_pairs)."
     )
 
 
 def placement_candidates(value: Any, logical: str) -> tuple[Placement, ...]:
-    if isinstance(value, list):
+    if isinstance(value, Fallbacks):
         if not value:
             raise ShardingError(
-                f"rule {short(logical)} -> []: an empty candidate list can never fit. "
+                f"rule {short(logical)} -> Fallbacks(): an empty fallback list can never fit. "
                 f"Fix: use None to replicate, e.g. Rules({{{short(logical)}: None}})."
             )
+        for v in value:
+            if isinstance(v, list):
+                raise ShardingError(
+                    f"rule {short(logical)} -> {value!r}: a fallback must be one placement, got "
+                    f"the list {short(v)}. Fix: a tuple for a product of mesh axes, e.g. "
+                    f"Fallbacks({tuple(v)!r}, None)."
+                )
         return tuple(_placement(v, logical) for v in value)
     return (_placement(value, logical),)
 
@@ -125,6 +168,12 @@ def pair_placement(value: Any, logical: str) -> Placement:
         return UNCONSTRAINED
     if isinstance(value, str):
         return (value,)
+    if isinstance(value, Fallbacks):
+        raise ShardingError(
+            f"rule {short(logical)} -> {value!r}: in a table of [logical, mesh] pairs a "
+            "fallback is a repeated pair, not Fallbacks(...). Fix: e.g. "
+            f"[[{short(logical)}, 'model'], [{short(logical)}, None]]."
+        )
     if isinstance(value, list | tuple):
         fix = f"[{short(logical)}, ['data', 'fsdp']] or [{short(logical)}, None]"
         return _product(tuple(value), logical, value, fix)
@@ -148,7 +197,7 @@ def one_placement(p: Placement) -> str | tuple[str, ...] | _Unconstrained | None
 def public_value(cands: tuple[Placement, ...]) -> RuleValue:
     if len(cands) == 1:
         return one_placement(cands[0])
-    return [one_placement(c) for c in cands]
+    return Fallbacks(*(one_placement(c) for c in cands))
 
 
 def check_logical(name: Any) -> str:
@@ -184,6 +233,8 @@ def fmt_value(v: Any) -> str:
     """repr() of a rule value, with UNCONSTRAINED written as code that builds it."""
     if v is UNCONSTRAINED:
         return "P.UNCONSTRAINED"
+    if isinstance(v, Fallbacks):
+        return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(fmt_value(c) for c in v) + "]"
     return repr(v)

@@ -5,7 +5,7 @@ checkpoints."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -42,6 +42,9 @@ from nnx_shard.train.progress import Progress
 from nnx_shard.train.run import FitRun, History, Saver
 from nnx_shard.train.trees import short_repr
 
+if TYPE_CHECKING:
+    from nnx_shard.strategy import Strategy
+
 __all__ = ["Trainer"]
 
 
@@ -61,6 +64,10 @@ class Trainer:
         (e.g. by ``sharded_init`` / ``sharded_optimizer``); updated in place.
       loss_fn: the loss, a mean over the examples of the batch.
       mesh, rules: where batches go (``rules`` maps ``batch_names``).
+      strategy: instead of ``rules``, the strategy the model was built with
+        (``ns.strategies.get("fsdp")``): its rules, after the same
+        :meth:`~nnx_shard.strategies.Strategy.check` ``ns.sharded_init`` runs.
+        ``mesh`` then defaults to the mesh the model's arrays live on.
       steps_per_call: K, steps per compiled call.
       microbatches: split each step's batch into this many, averaging gradients.
       batch_names: logical names of the leading dims of every batch leaf.
@@ -95,8 +102,9 @@ class Trainer:
         optimizer: nnx.Optimizer,
         loss_fn: Callable[..., Any],
         *,
-        mesh: Mesh | str | Mapping[str, int],
-        rules: Rules | Mapping[str, Any],
+        mesh: Mesh | str | Mapping[str, int] | None = None,
+        rules: Rules | Mapping[str, Any] | None = None,
+        strategy: Strategy | None = None,
         steps_per_call: int = 10,
         microbatches: int = 1,
         batch_names: LogicalNames = ("batch",),
@@ -143,8 +151,7 @@ class Trainer:
         check_tracked(model, optimizer)
         self.model = model
         self.optimizer = optimizer
-        self.mesh = make_mesh(mesh)
-        self.rules = as_rules(rules)
+        self.mesh, self.rules = _layout(model, mesh, rules, strategy)
         self.steps_per_call = steps_per_call
         self.batch_names = tuple(batch_names)
         self.step = 0
@@ -454,3 +461,35 @@ def _check_fit_args(data: Any, callbacks: Any, checkpointer: Any, progress: Any,
     flag(progress, "Trainer.fit: progress")
     flag(resume, "Trainer.fit: resume")
     return callbacks
+
+
+def _layout(model: nnx.Module, mesh: Any, rules: Any, strategy: Any) -> tuple[Mesh, Rules]:
+    """``(mesh, rules)`` of the Trainer's ``mesh=``, ``rules=`` and ``strategy=`` (a
+    strategy given as ``rules=`` counts as ``strategy=``)."""
+    from nnx_shard.strategy import Strategy  # strategy imports training code
+
+    if isinstance(rules, Strategy):
+        rules, strategy = (None, rules) if strategy is None else (rules, strategy)
+    if (rules is None) == (strategy is None):
+        raise UsageError(
+            "Trainer: " + ("both rules= and strategy= given" if strategy is not None
+                           else "neither rules= nor strategy= given")
+            + ". Fix: pass one, e.g. Trainer(model, optimizer, loss_fn, "
+            "strategy=ns.strategies.get('fsdp')) or Trainer(..., mesh=mesh, rules=rules).")
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"Trainer: strategy must be a Strategy (ns.strategies.get(name)), got "
+                        f"{short_repr(strategy)}.")
+    if mesh is None:
+        found = [x.sharding.mesh for x in jax.tree.leaves(nnx.state(model))
+                 if isinstance(getattr(x, "sharding", None), NamedSharding)]
+        if strategy is None or not found:
+            raise UsageError(
+                "Trainer: mesh= not given" + ("" if strategy is None else
+                                              " and the model's arrays are not on a mesh")
+                + ". Fix: pass the mesh the model was built on, e.g. mesh='data=8'.")
+        mesh = found[0]
+    mesh = make_mesh(mesh)
+    if strategy is None:
+        return mesh, as_rules(rules)
+    strategy.check(model, mesh)
+    return mesh, strategy.rules

@@ -387,7 +387,7 @@ def make():
 def factory_dir(tmp_path, monkeypatch):
     (tmp_path / "my_models.py").write_text(FACTORY)
     (tmp_path / "rules.toml").write_text('[rules]\nembed = "data"\nmlp = "model"\n')
-    (tmp_path / "rules.json").write_text('{"embed": null, "mlp": ["model", null]}')
+    (tmp_path / "rules.json").write_text('[["embed", null], ["mlp", "model"], ["mlp", null]]')
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "my_models", raising=False)
     return tmp_path
@@ -886,7 +886,7 @@ def test_demo_end_to_end(capsys, tmp_path):
     assert_loss_png(out_dir / "loss.png")
     assert summary["loss_png"] == str(out_dir / "loss.png")
     # What the user reads: the report, progress, the baseline comparison, the restore.
-    assert "sharding report (ns.strategies.get('fsdp_tp').explain)" in out
+    assert "sharding report (ns.explain(model, mesh, ns.strategies.get('fsdp_tp'), tx))" in out
     assert "blocks/0/mlp/up" in out and "P('data', 'model')" in out
     assert "step 40/40  loss " in out and " tokens/s" in out
     assert "unigram baseline" in out and "restored it as tp on data=2,model=4" in out

@@ -305,7 +305,7 @@ def test_every_preset_names_the_cache() -> None:
 
 
 def test_generation_rules_derive_missing_cache_names() -> None:
-    r = generation_rules(ns.Rules({"batch": ["data", None], "kv_heads": "model"}))
+    r = generation_rules(ns.Rules({"batch": ns.Fallbacks("data", None), "kv_heads": "model"}))
     assert r["cache_batch"] == ["data", None] and r["cache_kv_heads"] == "model"
     assert r["cache_length"] is None and r["cache_head_dim"] is None
     own = generation_rules(ns.Rules({"batch": "data", "cache_batch": None}))

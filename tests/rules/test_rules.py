@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard import Rules, ShardingError, ShardingWarning
+from nnx_shard import Fallbacks, Rules, ShardingError, ShardingWarning
 
 MESH = {"data": 2, "fsdp": 2, "model": 2}
 
@@ -26,7 +26,7 @@ def test_dict_and_pairs_and_candidates():
     assert r["mlp"] == ["model", "data"]
     assert r["embed"] is None
     # first fit wins: model is taken by dim 0, so dim 1 falls back to data
-    assert Rules({"a": "model", "mlp": ["model", "data"]}).spec(
+    assert Rules({"a": "model", "mlp": Fallbacks("model", "data")}).spec(
         ("a", "mlp"), shape=(4, 4), mesh=MESH
     ) == P("model", "data")
     assert r.spec(("mlp",), shape=(4,), mesh=MESH) == P("model")
@@ -59,13 +59,13 @@ def test_frozen_printable_mergeable():
 
 def test_from_json_and_toml(tmp_path):
     j = tmp_path / "r.json"
-    j.write_text(json.dumps({"rules": {"batch": "data", "embed": [["data", "fsdp"]], "kv": None},
-                             "indivisible": "replicate"}))
+    j.write_text(json.dumps({"rules": [["batch", "data"], ["embed", ["data", "fsdp"]],
+                                       ["kv", None]], "indivisible": "replicate"}))
     r = Rules.from_file(j)
     assert r["embed"] == ("data", "fsdp") and r["kv"] is None and r.indivisible == "replicate"
     t = tmp_path / "r.toml"
-    t.write_text('batch = "data"\nmlp = ["model", ""]\n')
-    assert Rules.from_file(t) == Rules({"batch": "data", "mlp": ["model", None]})
+    t.write_text('batch = "data"\nmlp = ""\n')
+    assert Rules.from_file(t) == Rules({"batch": "data", "mlp": None})
     assert Rules.from_file(j).to_dict()["embed"] == [["data", "fsdp"]]
     bad = tmp_path / "r.ini"
     bad.write_text("x")
@@ -341,8 +341,8 @@ def test_earlier_entry_claims_axis_whatever_the_dimension_order():
     msg = str(e.value)
     assert "rule 'embed' -> 'data' cannot shard dimension 0" in msg
     assert "already used by dimension 1" in msg and "table order" in msg
-    assert "rules | {'embed': ['data', None]}" in msg
-    assert (rules | {"embed": ["data", None]}).spec(("embed", "mlp"), (4, 4), MESH) == P(None, "data")
+    assert "rules | {'embed': Fallbacks('data', None)}" in msg
+    assert (rules | {"embed": Fallbacks("data", None)}).spec(("embed", "mlp"), (4, 4), MESH) == P(None, "data")
 
 
 def test_unfitting_entry_tries_the_next_one():
@@ -382,7 +382,7 @@ def test_size_one_axis_never_blocks_but_keeps_flax_order():
 
 
 def test_repeated_name_in_one_array():
-    rules = Rules({"embed": ["data", None]})
+    rules = Rules({"embed": Fallbacks("data", None)})
     assert rules.spec(("embed", "embed"), (4, 4), MESH) == P("data", None)
     # the first entry goes to the first dimension it fits
     assert rules.spec(("embed", "embed"), (3, 4), MESH) == P(None, "data")
@@ -579,8 +579,10 @@ def test_from_pairs_values():
     assert rules["vocab"] == rules["heads"] == ("tensor", "expert")
     assert rules["mlp"] == ["model", None]
     assert rules["norm"] is None and rules["kv"] is None and rules["act"] is P.UNCONSTRAINED
-    # in Rules({...}) a list is candidates: the same words mean something else there
-    assert Rules({"vocab": ["tensor", "expert"]})["vocab"] == ["tensor", "expert"]
+    # in Rules({...}) the same list is refused as ambiguous; a tuple is the same product
+    with pytest.raises(ShardingError, match="ambiguous"):
+        Rules({"vocab": ["tensor", "expert"]})
+    assert Rules({"vocab": ("tensor", "expert")})["vocab"] == rules["vocab"]
     assert Rules.from_pairs(rules.to_pairs()) == rules == Rules(rules.to_pairs())
 
 
@@ -623,7 +625,7 @@ def test_from_file_pairs_formats(tmp_path):
 
 # --- '' is not a mesh axis ------------------------------------------------------------
 
-@pytest.mark.parametrize("value", ["", ("data", ""), ["model", ""]])
+@pytest.mark.parametrize("value", ["", ("data", ""), Fallbacks("model", "")])
 def test_empty_string_axis_is_an_error(value):
     with pytest.raises(ShardingError) as e:
         Rules({"batch": value})
@@ -680,7 +682,7 @@ def test_unconstrained_for_a_parameter_is_an_error():
 
 
 def test_mesh_axes_given_directly_are_fixed_first():
-    rules = Rules({"embed": ["data", None]})
+    rules = Rules({"embed": Fallbacks("data", None)})
     # as in Flax, axes written directly in the names block the table's entries
     assert rules.spec(("embed", ("data", "model")), (8, 8), MESH) == P(None, ("data", "model"))
     assert rules.spec(("embed", ("fsdp", "model")), (8, 8), MESH) == P("data", ("fsdp", "model"))
@@ -742,9 +744,9 @@ def test_a_yaml_alias_bomb_fails_fast_with_a_short_message(tmp_path):
                        ) as e:
         Rules.from_file(path)
     assert len(str(e.value)) < 400
-    # The same aliases, few: a table that reuses one list of candidates loads.
-    path.write_text("c: &c [model, null]\nrules: {mlp: *c, heads: *c}\n")
-    assert Rules.from_file(path)["heads"] == ["model", None]
+    # The same aliases, few: a table that reuses one product of mesh axes loads.
+    path.write_text("c: &c [model, data]\nrules: [[mlp, *c], [heads, *c]]\n")
+    assert Rules.from_file(path)["heads"] == ("model", "data")
 
 
 def test_messages_that_show_user_values_are_bounded(tmp_path):
@@ -756,8 +758,8 @@ def test_messages_that_show_user_values_are_bounded(tmp_path):
         with pytest.raises(ShardingError) as e:
             make()
         assert len(str(e.value)) < 1500, str(e.value)[:200]
-    (tmp_path / "big.json").write_text(json.dumps({"a": [["x" * 500_000, 7]]}))
-    with pytest.raises(ShardingError, match=r"big.json': rule 'a' -> \('xxx.*\.\.\.") as e:
+    (tmp_path / "big.json").write_text(json.dumps([["a", ["x" * 500_000, 7]]]))
+    with pytest.raises(ShardingError, match=r"big.json': rule 'a' -> \['xxx.*\.\.\.") as e:
         Rules.from_file(tmp_path / "big.json")
     assert len(str(e.value)) < 1500
 

@@ -1,0 +1,124 @@
+"""One path per task: the free functions take a strategy wherever they take rules, with
+the strategy's checks and optimizer-state rules; the Strategy methods are deprecated
+spellings that delegate to them."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import nnx_shard as ns
+from nnx_shard.errors import UsageError
+
+INIT = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.up = nnx.Linear(16, 32, kernel_init=INIT, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(32, 1, use_bias=False, rngs=rngs,
+                               kernel_init=ns.with_logical(nnx.initializers.lecun_normal(),
+                                                           ("mlp", None)))
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def factory():
+    return Net(nnx.Rngs(0))
+
+
+def spec(x):
+    return x.get_value().sharding.spec
+
+
+def test_zero1_optimizer_state_is_sharded_by_every_spelling():
+    zero1 = ns.strategies.get("zero1")
+    model = ns.sharded_init(factory, "data=8", zero1)
+    assert spec(model.up.kernel) == P(None, None)  # parameters replicated
+    for table in (zero1, zero1.rules):  # the strategy, or its rules table alone
+        opt = ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", table)
+        state = opt.opt_state[0]
+        assert spec(state.mu["up"]["kernel"]) == P("data", None)
+        assert spec(state.nu["up"]["kernel"]) == P("data", None)
+    # a table derived from the strategy's is the user's own: no opt_rules ride along
+    opt = ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", zero1.rules | {"x": None})
+    assert spec(opt.opt_state[0].mu["up"]["kernel"]) == P(None, None)
+    report = ns.explain(model, "data=8", zero1.rules, optax.adam(1e-3))
+    assert report == ns.explain(model, "data=8", zero1, optax.adam(1e-3))
+    with pytest.raises(ns.ShardingError, match="opt_rules= given together with strategy 'zero1'"):
+        ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", zero1, opt_rules=zero1.rules)
+
+
+def test_free_function_and_strategy_method_raise_the_same_check():
+    tp = ns.strategies.get("tp")
+    errors = []
+    for call in (lambda: ns.sharded_init(factory, "data=8", tp),
+                 lambda: ns.abstract_init(factory, "data=8", tp),
+                 lambda: tp.sharded_init(factory, "data=8"),
+                 lambda: tp.abstract_init(factory, "data=8")):
+        with pytest.raises(ns.ShardingError) as e, warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            call()
+        errors.append(str(e.value))
+    assert "the mesh has no axis 'model'" in errors[0]
+    assert len(set(errors)) == 1
+
+
+@pytest.mark.parametrize(("method", "replacement"), [
+    ("abstract_init", "ns.abstract_init(factory, mesh, strategy)"),
+    ("sharded_init", "ns.sharded_init(factory, mesh, strategy)"),
+])
+def test_deprecated_strategy_methods_warn_and_delegate(method, replacement):
+    fsdp = ns.strategies.get("fsdp")
+    with pytest.warns(DeprecationWarning, match=replacement.replace("(", r"\(").replace(")", r"\)")):
+        m = getattr(fsdp, method)(factory, "data=8")
+    assert spec(m.up.kernel) == P("data", None)
+    model = ns.sharded_init(factory, "data=8", fsdp)
+    with pytest.warns(DeprecationWarning, match=r"ns\.sharded_optimizer\(model, tx, mesh, strategy"):
+        opt = fsdp.optimizer(model, optax.adam(1e-3), "data=8")
+    assert spec(opt.opt_state[0].mu["up"]["kernel"]) == P("data", None)
+    with pytest.warns(DeprecationWarning, match=r"ns\.explain\(model, mesh, strategy"):
+        r = fsdp.explain(model, "data=8", optax.adam(1e-3))
+    assert r == ns.explain(model, "data=8", fsdp, optax.adam(1e-3))
+
+
+def _train(**layout):
+    fsdp = ns.strategies.get("fsdp")
+    model = ns.sharded_init(factory, "data=8", fsdp)
+    opt = ns.sharded_optimizer(model, optax.sgd(0.1), "data=8", fsdp)
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)  # noqa: E731
+    trainer = ns.Trainer(model, opt, loss, steps_per_call=2, **layout)
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.normal(size=(8, 16)).astype(np.float32),
+             "y": rng.normal(size=(8, 1)).astype(np.float32)} for _ in range(4)]
+    history = trainer.fit(iter(data), num_steps=4, progress=False)
+    return history["loss"], np.asarray(model.up.kernel.get_value())
+
+
+def test_trainer_takes_a_strategy_and_trains_as_mesh_plus_rules():
+    fsdp = ns.strategies.get("fsdp")
+    loss_a, kernel_a = _train(mesh="data=8", rules=fsdp.rules)
+    loss_b, kernel_b = _train(strategy=fsdp)  # the mesh is the model's
+    _, kernel_c = _train(mesh="data=8", strategy=fsdp)
+    np.testing.assert_array_equal(loss_a, loss_b)
+    np.testing.assert_array_equal(kernel_a, kernel_b)
+    np.testing.assert_array_equal(kernel_a, kernel_c)
+
+
+def test_trainer_wants_exactly_one_of_rules_and_strategy():
+    fsdp = ns.strategies.get("fsdp")
+    model = ns.sharded_init(factory, "data=8", fsdp)
+    opt = ns.sharded_optimizer(model, optax.sgd(0.1), "data=8", fsdp)
+    loss = lambda m, b: jnp.mean(m(b["x"]))  # noqa: E731
+    with pytest.raises(UsageError, match="both rules= and strategy="):
+        ns.Trainer(model, opt, loss, mesh="data=8", rules=fsdp.rules, strategy=fsdp)
+    with pytest.raises(UsageError, match="neither rules= nor strategy="):
+        ns.Trainer(model, opt, loss, mesh="data=8")
+    with pytest.raises(ns.ShardingError, match="strategy 'tp'.*no axis 'model'"):
+        ns.Trainer(model, opt, loss, strategy=ns.strategies.get("tp"))
