@@ -322,8 +322,8 @@ def lm_problem(strategy_name: str, n_devices: int, quick: bool, k: int, batch: i
                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
 
     def make() -> tuple[Any, Any]:
-        model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-        return model, strategy.optimizer(model, optax.adam(1e-3), mesh)
+        model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+        return model, ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
 
     return LMProblem(strategy, mesh, cfg, arrays, window, make)
 

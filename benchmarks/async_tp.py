@@ -70,8 +70,8 @@ def prepare(label: str) -> Setup:
     rules = s.rules if ring is None else s.rules.with_options(collective_matmul=ring)
     cfg = get_config("small")
     mesh = ns.make_mesh(MESH)
-    model = s.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    opt = s.optimizer(model, optax.adamw(1e-3), mesh)
+    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    opt = ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, s)
     row: dict = {"variant": label, "strategy": preset, "mesh": dict(mesh.shape),
                  "collective_matmul": rules.options.get("collective_matmul")}
     with ns.use(mesh, rules):

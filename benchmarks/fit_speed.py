@@ -177,8 +177,8 @@ def worker(n_devices: int, quick: bool) -> dict:
             loss_fn = lm_loss
 
             def make(cfg=cfg):
-                model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-                return model, strategy.optimizer(model, optax.adam(1e-3), mesh)
+                model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+                return model, ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
 
         # What a data loader hands over: one batch per step (here views of the arrays).
         per_step = [{key: v[i * batch:(i + 1) * batch] for key, v in arrays.items()}

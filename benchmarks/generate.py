@@ -140,7 +140,7 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
     else:
         s = ns.strategies.get(strategy)
         mesh, rules = s.make_mesh(n), s.rules
-        model = s.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+        model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
 
     counter = _Compiles()
     logger = logging.getLogger("jax")

@@ -16,7 +16,7 @@ reports
 
 Variants:
 
-* ``ours``: ``ns.load_safetensors(path, strategy.abstract_init(...))`` with
+* ``ours``: ``ns.load_safetensors(path, ns.abstract_init(..., strategy))`` with
   unstacked layers (``scan_layers=False``);
 * ``ours_scanned``: the same with the layers stacked (``scan_layers=True``):
   the largest parameter in flight is a whole ``[layers, ...]`` stack;
@@ -126,7 +126,7 @@ def _worker(variant: str, path: str, quick: bool) -> dict:
     cfg = _config(quick, scan=variant == "ours_scanned")
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(N_DEVICES)
-    target = s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh)
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s)
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target)))
     # JAX's own start-up (backend, threads) happens before the measured window.
     jax.block_until_ready(jax.device_put(jax.numpy.ones(8), jax.devices()[0]))
@@ -161,7 +161,7 @@ def _write_checkpoint(path: Path, quick: bool) -> int:
         "from load_memory import _config\n"
         "import nnx_shard as ns\nfrom flax import nnx\nfrom nnx_shard.models import Llama\n"
         "s = ns.strategies.get('fsdp')\n"
-        f"m = s.sharded_init(lambda: Llama(_config({quick!r}), rngs=nnx.Rngs(0)), s.make_mesh(8))\n"
+        f"m = ns.sharded_init(lambda: Llama(_config({quick!r}), rngs=nnx.Rngs(0)), s.make_mesh(8), s)\n"
         f"ns.save_safetensors({str(path)!r}, m)\n"
     )
     env = {**os.environ, **simulated_cpu(N_DEVICES)}

@@ -85,8 +85,8 @@ def build(name: str, batch: int, length: int, k: int, concrete: bool):
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(8)
     factory = lambda: Llama(cfg, rngs=nnx.Rngs(0))  # noqa: E731
-    model = s.sharded_init(factory, mesh) if concrete else s.abstract_init(factory, mesh)
-    opt = s.optimizer(model, optax.adamw(1e-3), mesh)
+    model = ns.sharded_init(factory, mesh, s) if concrete else ns.abstract_init(factory, mesh, s)
+    opt = ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, s)
     trainer = ns.Trainer(model, opt, loss, mesh=mesh, rules=s.rules, steps_per_call=k,
                          precision=precision)
     spec = NamedSharding(mesh, PartitionSpec(None, "data"))
@@ -151,9 +151,9 @@ def fine_tune(steps: int) -> dict[str, dict[str, float]]:
         cfg = dataclasses.replace(LlamaConfig.from_hf(FIXTURE), dtype=dtype)
         s = ns.strategies.get("fsdp")
         mesh = s.make_mesh(8)
-        model = ns.load_safetensors(FIXTURE, s.abstract_init(
-            lambda cfg=cfg: Llama(cfg, rngs=nnx.Rngs(0)), mesh))
-        opt = s.optimizer(model, optax.adamw(3e-3), mesh)
+        model = ns.load_safetensors(FIXTURE, ns.abstract_init(
+            lambda cfg=cfg: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s))
+        opt = ns.sharded_optimizer(model, optax.adamw(3e-3), mesh, s)
         trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules,
                              steps_per_call=min(50, steps), precision=precision)
         hist = trainer.fit(corpus.batches(batch=16, length=64), num_steps=steps, progress=False)

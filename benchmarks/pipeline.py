@@ -73,8 +73,8 @@ def build(m: int, v: int, host: dict, remat: bool = False) -> dict:
     cfg = dataclasses.replace(get_config("tiny"), layers=LAYERS, scan_layers=True)
     strategy = ns.strategies.get("pp", repeats=v, remat=remat)
     mesh = ns.make_mesh({"stage": S, "data": DATA})
-    model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    opt = strategy.optimizer(model, optax.adam(1e-3), mesh)
+    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
     with ns.use(mesh, strategy.rules):
         batch = ns.shard_batch(host, mesh, strategy.rules, ("batch", "length"), steps=True)
         fused = ns.multistep(_step, microbatches=m)

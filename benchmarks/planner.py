@@ -64,8 +64,8 @@ def build(c: planner.Candidate, model: str, batch: int, seq: int):
     n = int(np.prod(list(c.mesh.values())))
     mesh = ns.make_mesh(c.mesh, devices=jax.devices()[:n])
     cfg = dataclasses.replace(get_config(model), remat=c.remat or "none")
-    m = strat.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    opt = strat.optimizer(m, optax.adamw(1e-3), mesh)
+    m = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strat)
+    opt = ns.sharded_optimizer(m, optax.adamw(1e-3), mesh, strat)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab, (STEPS, batch, seq + 1)).astype(np.int32)
     host = {"inputs": tokens[:, :, :-1], "targets": tokens[:, :, 1:]}

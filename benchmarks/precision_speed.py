@@ -60,8 +60,8 @@ def main() -> None:
                  ns.Precision(params=jnp.float32, compute=jnp.bfloat16)))
     for label, dtype, precision in variants:
         c = dataclasses.replace(cfg, dtype=dtype)
-        model = strategy.sharded_init(lambda c=c: Llama(c, rngs=nnx.Rngs(0)), mesh)
-        trainer = ns.Trainer(model, strategy.optimizer(model, optax.adamw(1e-4), mesh), lm_loss,
+        model = ns.sharded_init(lambda c=c: Llama(c, rngs=nnx.Rngs(0)), mesh, strategy)
+        trainer = ns.Trainer(model, ns.sharded_optimizer(model, optax.adamw(1e-4), mesh, strategy), lm_loss,
                              mesh=mesh, rules=strategy.rules, steps_per_call=K,
                              precision=precision)
         t0 = time.perf_counter()

@@ -74,9 +74,9 @@ def prepare(name: str) -> Setup:
     cfg = config_for(name)
     mesh = s.make_mesh(8, axis_types="explicit")  # where the README figures were taken
     tx = optax.adamw(1e-3)
-    model = s.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    opt = s.optimizer(model, tx, mesh)
-    report = s.explain(model, mesh, tx)
+    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    opt = ns.sharded_optimizer(model, tx, mesh, s)
+    report = ns.explain(model, mesh, s, tx)
     row: dict = {
         "strategy": name,
         "mesh": dict(mesh.shape),

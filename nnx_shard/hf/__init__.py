@@ -1,8 +1,7 @@
 """Hugging Face safetensors checkpoints, loaded straight into a sharded layout and
 saved back from any mesh.
 
-:func:`load_safetensors` fills an abstract model (``ns.abstract_init`` /
-``Strategy.abstract_init``: shapes and shardings, nothing allocated) from a
+:func:`load_safetensors` fills an abstract model (``ns.abstract_init``: shapes and shardings, nothing allocated) from a
 checkpoint directory, one model parameter at a time:
 
 1. every Hugging Face tensor is matched to a parameter by a mapping table

@@ -85,8 +85,7 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
       path: a directory with ``model.safetensors`` or a sharded
         ``model.safetensors.index.json`` (what ``save_pretrained`` writes), or
         one ``.safetensors`` file.
-      target: the model to fill, abstract (:func:`nnx_shard.abstract_init`,
-        :meth:`Strategy.abstract_init <nnx_shard.strategies.Strategy.abstract_init>`:
+      target: the model to fill, abstract (:func:`nnx_shard.abstract_init`:
         nothing allocated) or concrete and sharded; every variable must carry a
         ``NamedSharding``. Its dtypes decide the loaded dtypes (a bfloat16 file
         loads into float32 parameters, and back).
