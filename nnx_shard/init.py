@@ -89,7 +89,7 @@ def tables(rules: Any, opt_rules: Any, caller: str) -> tuple[Rules, Rules | None
 # ------------------------------------------------------------------------------
 
 
-def _auto_mesh(mesh: Mesh) -> Mesh:
+def auto_typed_mesh(mesh: Mesh) -> Mesh:
     """The same devices and axis names with every axis typed Auto."""
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
@@ -142,7 +142,7 @@ def _trace_context(mesh: Mesh) -> Iterator[None]:
     # created without an input (random draws, zeros) are typed replicated and
     # get materialised whole before any constraint can slice them.
     with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(
-        _auto_mesh(mesh).abstract_mesh
+        auto_typed_mesh(mesh).abstract_mesh
     ):
         yield
 
@@ -207,7 +207,7 @@ def _split_shapes(fn: Callable[..., Any], *args: Any) -> tuple[nnx.GraphDef, Any
     return box["graphdef"], state
 
 
-def _abstract(factory: Callable[[], Any], mesh: Mesh, caller: str) -> tuple[nnx.GraphDef, Any]:
+def abstract_graph(factory: Callable[[], Any], mesh: Mesh, caller: str) -> tuple[nnx.GraphDef, Any]:
     _check_factory(factory, caller)
 
     def build() -> nnx.Module:
@@ -265,7 +265,7 @@ def abstract_init(
     """
     mesh = make_mesh(mesh)
     table, _, strategy = tables(rules, None, "abstract_init")
-    graphdef, state = _abstract(factory, mesh, "abstract_init")
+    graphdef, state = abstract_graph(factory, mesh, "abstract_init")
     if strategy is not None:
         strategy.check(state, mesh)
     return nnx.merge(graphdef, _with_shardings(state, shardings(state, mesh, table)))
@@ -339,11 +339,11 @@ def lower_init(
     """
     mesh = make_mesh(mesh)
     table, _, strategy = tables(rules, None, "sharded_init")
-    graphdef, abstract_state = _abstract(factory, mesh, "sharded_init")
+    graphdef, abstract_state = abstract_graph(factory, mesh, "sharded_init")
     if strategy is not None:
         strategy.check(abstract_state, mesh)
     out_shardings = shardings(abstract_state, mesh, table)
-    inner = _on_mesh(out_shardings, _auto_mesh(mesh))
+    inner = _on_mesh(out_shardings, auto_typed_mesh(mesh))
 
     def init() -> Any:
         with _trace_context(mesh):
@@ -522,7 +522,7 @@ def _lower_optimizer(
     o_rules = rules if own_opt_rules is None else own_opt_rules
     graphdef, state = nnx.split(model)
     _check_same_mesh(state, mesh)
-    auto = _auto_mesh(mesh)
+    auto = auto_typed_mesh(mesh)
     # The params are seen through the Auto mesh, like everything else traced
     # here, so constraints on the state (which may differ from the params'
     # layout, as in ZeRO-1) propagate freely.
@@ -548,7 +548,7 @@ def _lower_optimizer(
             return _constrain(nnx.state(opt), inner)
 
     lowered = _lower(jax.jit(init, out_shardings=out_shardings), abstract_in)
-    args = jax.tree.map(lambda x, a: _rewrap(x, a.sharding), state, abstract_in)
+    args = jax.tree.map(lambda x, a: rewrap(x, a.sharding), state, abstract_in)
     return opt_graphdef, lowered, args
 
 
@@ -558,7 +558,7 @@ def _auto_view(x: Any, auto: Mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(auto, spec))
 
 
-def _rewrap(x: Any, sharding: NamedSharding) -> Any:
+def rewrap(x: Any, sharding: NamedSharding) -> Any:
     """``x`` viewed with ``sharding``: the same buffers when only the mesh's axis
     types differ (no copy), else a transfer."""
     s = getattr(x, "sharding", None)

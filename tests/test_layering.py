@@ -15,12 +15,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nnx_shard"
 #: Private names still imported across modules, by (importer, source module). Each entry
 #: is to be made public in its module or moved to an ``_internal`` helper; the list only
 #: shrinks.
-STILL_SHARED: dict[tuple[str, str], set[str]] = {
-    ("nnx_shard.hf.layout", "nnx_shard.init"): {"_auto_mesh"},
-    ("nnx_shard.hf.load", "nnx_shard.init"): {"_rewrap"},
-    ("nnx_shard.hf.save", "nnx_shard.init"): {"_rewrap"},
-    ("nnx_shard.strategy", "nnx_shard.init"): {"_abstract"},
-}
+STILL_SHARED: dict[tuple[str, str], set[str]] = {}
+
 
 #: Public class names still defined twice (the Llama blocks beside the Transformer's);
 #: the list only shrinks.

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nnx_shard.errors import NnxShardError, UsageError, short
 from nnx_shard.hf import export_dir
 from nnx_shard.hf.mapping import TRANSFORM_FNS, Leaf
-from nnx_shard.init import _auto_mesh
+from nnx_shard.init import auto_typed_mesh
 from nnx_shard.safetensors_io import described
 
 __all__ = ['INDEX', 'MARKER', 'SINGLE', 'CheckpointNotFound', 'barrier', 'checkpoint_files',
@@ -143,7 +143,7 @@ def layouts(leaf: Leaf) -> tuple[tuple[int, ...], NamedSharding, NamedSharding]:
         hf = (spec[0], *t.hf_spec(spec[1:]))
     else:
         shape, hf = tuple(t.hf_shape(leaf.shape)), tuple(t.hf_spec(spec))
-    mesh = _auto_mesh(leaf.sharding.mesh)  # type: ignore[arg-type]  # concrete: laid out
+    mesh = auto_typed_mesh(leaf.sharding.mesh)  # type: ignore[arg-type]  # concrete: laid out
     return shape, NamedSharding(mesh, PartitionSpec(*hf)), NamedSharding(mesh,
                                                                          PartitionSpec(*spec))
 

@@ -16,7 +16,7 @@ from nnx_shard.errors import UsageError, short
 from nnx_shard.hf import fused
 from nnx_shard.hf.layout import checkpoint_files, layouts, program
 from nnx_shard.hf.mapping import Leaf, MappingValue, compile_rules, leaves_of, mapping_for, match
-from nnx_shard.init import _rewrap
+from nnx_shard.init import rewrap
 
 __all__ = ['load_safetensors']
 
@@ -46,7 +46,7 @@ def _read_leaf(header: st.Header, leaf: Leaf) -> jax.Array:
         y = program(leaf, "load", leaf.dtype)(x)
         del x
     y.block_until_ready()  # the Hugging Face-layout copy is freed before the next read
-    return _rewrap(y, leaf.sharding)
+    return rewrap(y, leaf.sharding)
 
 
 def _check_config(path: str | os.PathLike[str], target: Any) -> None:

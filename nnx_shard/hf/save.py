@@ -32,7 +32,7 @@ from nnx_shard.hf.mapping import (
     natural,
 )
 from nnx_shard.hf.source import export_files
-from nnx_shard.init import _rewrap
+from nnx_shard.init import rewrap
 
 __all__ = ['save_safetensors']
 
@@ -335,7 +335,7 @@ def _write_tensors(model: Any, leaves: Mapping[str, Leaf], files: Sequence[str],
               for k, v in nnx.to_flat_state(nnx.state(model))}
     for leaf in leaves.values():
         # The Auto view of the parameter's mesh (the same buffers), as the program takes it.
-        x = _rewrap(arrays.pop(leaf.path), layouts(leaf)[2])
+        x = rewrap(arrays.pop(leaf.path), layouts(leaf)[2])
         y = program(leaf, "save", leaf.dtype if dtype is None else dtype)(x)
         for shard in y.addressable_shards:
             if shard.replica_id != 0:
