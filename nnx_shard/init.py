@@ -109,8 +109,9 @@ def _fused_threefry() -> Any | None:
 
     JAX registers a CPU-only rule that rolls threefry's five rounds into a
     ``while`` loop to save compile time; the loop keeps two ``uint32`` arrays the
-    size of the parameter shard alive, so an init program needs ~3x its largest
-    shard in temporaries on CPU. The generic rule (what GPU and TPU use) computes
+    size of the parameter shard alive, so an init program holds two extra
+    shard-sized arrays in temporaries on CPU (docs/architecture.md lists this
+    site). The generic rule (what GPU and TPU use) computes
     the same bits with straight-line code that XLA fuses into the output.
     The override travels with our own lowering only (JAX's rule registry is not
     touched), so programs other threads lower at the same time keep JAX's rules.
