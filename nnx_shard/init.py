@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import jax
 import numpy as np
@@ -44,19 +44,36 @@ from nnx_shard.errors import ShardingError, sharding_types
 from nnx_shard.mesh import make_mesh, mesh_str, shardings
 from nnx_shard.rules import Rules, as_rules
 
-if TYPE_CHECKING:
-    from nnx_shard.strategy import Strategy
-
 __all__ = ["abstract_init", "sharded_init", "sharded_optimizer"]
 
 M = TypeVar("M", bound=nnx.Module)
 
 #: What every entry point takes for the layout: a rules table, or a strategy (its
 #: ``rules`` and ``opt_rules``, checked against the model and mesh first).
-Layout: TypeAlias = "Rules | Mapping[str, Any] | Strategy"
+Layout: TypeAlias = "Rules | Mapping[str, Any] | StrategyLike"
 
 
-def tables(rules: Any, opt_rules: Any, caller: str) -> tuple[Rules, Rules | None, Strategy | None]:
+@runtime_checkable
+class StrategyLike(Protocol):
+    """What the entry points read of a :class:`~nnx_shard.strategies.Strategy`.
+
+    Spelled as a protocol because the strategy module builds on this one: an
+    import of it from here would be a cycle.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def rules(self) -> Rules: ...
+
+    @property
+    def opt_rules(self) -> Rules | None: ...
+
+    def check(self, model: Any, mesh: Any) -> None: ...
+
+
+def tables(rules: Any, opt_rules: Any, caller: str) -> tuple[Rules, Rules | None, StrategyLike | None]:
     """``(rules, opt_rules, strategy or None)`` of what an entry point was given.
 
     A :class:`~nnx_shard.strategies.Strategy` brings both of its tables. A
@@ -70,9 +87,7 @@ def tables(rules: Any, opt_rules: Any, caller: str) -> tuple[Rules, Rules | None
     >>> s.name, r["embed"], o["embed"], tables(get("zero1").rules, None, "x")[1]["embed"]
     ('zero1', None, 'data', 'data')
     """
-    from nnx_shard.strategy import Strategy  # strategy builds on this module
-
-    if isinstance(rules, Strategy):
+    if isinstance(rules, StrategyLike) and not isinstance(rules, Rules | Mapping):
         if opt_rules is not None:
             raise ShardingError(
                 f"{caller}: opt_rules= given together with strategy {rules.name!r}, which "

@@ -1,7 +1,7 @@
 import nnx_shard as ns
 
 EXPECTED = {
-    "NnxShardError", "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
+    "Fallbacks", "NnxShardError", "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
     "get_logical_axes", "logical_axes", "make_mesh", "shardings", "use", "with_logical",
     "abstract_init", "sharded_init", "sharded_optimizer",
     "Trainer", "Precision", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
