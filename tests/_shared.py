@@ -110,3 +110,18 @@ def die_request(request: dict) -> dict:
         print("dying on purpose", file=sys.stderr, flush=True)
         os._exit(3)
     return {"pid": os.getpid()}
+
+
+def load_refusal(folder: Any, cfg: Any) -> str:
+    """The text of the UsageError ``load_safetensors`` raises filling a dp-sharded
+    ``Llama(cfg)`` on ``data=8`` from ``folder`` (fails the test if it loads)."""
+    import pytest
+
+    from nnx_shard.errors import UsageError
+    from nnx_shard.models import Llama
+
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
+                              ns.strategies.get("dp").rules)
+    with pytest.raises(UsageError) as info:
+        ns.load_safetensors(folder, target)
+    return str(info.value)
