@@ -24,10 +24,6 @@ def orbax_module() -> Any:
     >>> orbax_module().__name__
     'orbax.checkpoint'
     """
-    return load_orbax()
-
-
-def load_orbax() -> Any:
     # orbax pulls in tensorstore and more; import it when checkpoints are used.
     import orbax.checkpoint as ocp
 
@@ -71,7 +67,7 @@ def _tame() -> None:
     (0.12.8) offers no option for it, hence the stand-in, for nnx_shard's saves only.
     """
     global _saved_raw_bytes, _filter
-    ocp = load_orbax()
+    ocp = orbax_module()
     utils = _tensorstore_utils()
     if utils is not None:
         _saved_raw_bytes = utils.get_tensorstore_raw_bytes

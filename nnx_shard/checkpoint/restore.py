@@ -22,7 +22,7 @@ from nnx_shard.checkpoint._internal import (
     _step_folders,
     _unfinished,
 )
-from nnx_shard.checkpoint.backend import load_orbax, quiet_orbax
+from nnx_shard.checkpoint.backend import orbax_module, quiet_orbax
 from nnx_shard.checkpoint.manifest import (
     checksums_of,
     extra_hash,
@@ -160,7 +160,7 @@ def _read(
 
     Returns (step, {item: new State}, extra).
     """
-    ocp = load_orbax()
+    ocp = orbax_module()
     if step is not None:
         step = count(step, "restore: step", least=0,
                      fix="a saved step number, or step=None for the latest")

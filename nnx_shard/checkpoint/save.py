@@ -30,7 +30,7 @@ from nnx_shard.checkpoint._internal import (
     _settle,
     _WriteLock,
 )
-from nnx_shard.checkpoint.backend import load_orbax, quiet_orbax
+from nnx_shard.checkpoint.backend import orbax_module, quiet_orbax
 from nnx_shard.checkpoint.exits import save_failed
 from nnx_shard.checkpoint.manifest import (
     checksums_of,
@@ -124,7 +124,7 @@ def _check_extra(extra: Any) -> None:
 def save_args(
     step: int, model: Any, optimizer: Any, extra: Mapping[str, Any] | None
 ) -> Any:
-    ocp = load_orbax()
+    ocp = orbax_module()
     step = count(step, "save: step", least=0, fix="the step number, e.g. save(d, 100, ...)")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"save: model must be an nnx.Module, got {type(model).__name__} "
@@ -152,7 +152,7 @@ def save_args(
 
 
 def _handlers() -> dict[str, Any]:
-    ocp = load_orbax()
+    ocp = orbax_module()
     # Orbax reads up to restore_concurrent_gb into host buffers before placing
     # them; its default (96 GB) stages a whole model at once next to the result.
     def arrays() -> Any:
@@ -167,7 +167,7 @@ def _handlers() -> dict[str, Any]:
 
 
 def manager(directory: pathlib.Path, *, create: bool, **options: Any) -> Any:
-    ocp = load_orbax()
+    ocp = orbax_module()
     opts = ocp.CheckpointManagerOptions(
         create=create, save_root_metadata=False,
         # Orbax would remove every folder named like a temporary save; ours are
@@ -208,7 +208,7 @@ def do_save(
     finished, so of concurrent saves of one step exactly one writes it and the
     others are refused. Returns the write lock, held until the save is finished.
     A save that fails before returning is one clear OSError."""
-    ocp = load_orbax()
+    ocp = orbax_module()
     step = int(step)
     with _dir_lock(directory):
         _settle(directory)
