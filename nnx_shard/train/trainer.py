@@ -5,7 +5,7 @@ checkpoints."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -15,8 +15,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from nnx_shard.checkpoint import Checkpointer, restore_into
 from nnx_shard.errors import UsageError, count, flag, short
+from nnx_shard.init import StrategyLike, tables
 from nnx_shard.mesh import make_mesh, use
-from nnx_shard.rules import Rules, as_rules
+from nnx_shard.rules import Rules
 from nnx_shard.train.feed import Feed, groups, iter_group_sizes
 from nnx_shard.train.fused import Fused
 from nnx_shard.train.guard import (
@@ -41,9 +42,6 @@ from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.progress import Progress
 from nnx_shard.train.run import FitRun, History, Saver
 from nnx_shard.train.trees import short_repr
-
-if TYPE_CHECKING:
-    from nnx_shard.strategy import Strategy
 
 __all__ = ["Trainer"]
 
@@ -104,7 +102,7 @@ class Trainer:
         *,
         mesh: Mesh | str | Mapping[str, int] | None = None,
         rules: Rules | Mapping[str, Any] | None = None,
-        strategy: Strategy | None = None,
+        strategy: StrategyLike | None = None,
         steps_per_call: int = 10,
         microbatches: int = 1,
         batch_names: LogicalNames = ("batch",),
@@ -465,20 +463,23 @@ def _check_fit_args(data: Any, callbacks: Any, checkpointer: Any, progress: Any,
 
 def _layout(model: nnx.Module, mesh: Any, rules: Any, strategy: Any) -> tuple[Mesh, Rules]:
     """``(mesh, rules)`` of the Trainer's ``mesh=``, ``rules=`` and ``strategy=`` (a
-    strategy given as ``rules=`` counts as ``strategy=``)."""
-    from nnx_shard.strategy import Strategy  # strategy imports training code
-
-    if isinstance(rules, Strategy):
-        rules, strategy = (None, rules) if strategy is None else (rules, strategy)
-    if (rules is None) == (strategy is None):
+    strategy given as ``rules=`` counts as ``strategy=``; :func:`nnx_shard.init.tables`
+    tells the two apart, as for every other entry point)."""
+    if rules is not None and strategy is not None:
+        problem = "both rules= and strategy= given"
+    elif rules is None and strategy is None:
+        problem = "neither rules= nor strategy= given"
+    else:
+        problem = ""
+    if problem:
         raise UsageError(
-            "Trainer: " + ("both rules= and strategy= given" if strategy is not None
-                           else "neither rules= nor strategy= given")
-            + ". Fix: pass one, e.g. Trainer(model, optimizer, loss_fn, "
+            f"Trainer: {problem}. Fix: pass one, e.g. Trainer(model, optimizer, loss_fn, "
             "strategy=ns.strategies.get('fsdp')) or Trainer(..., mesh=mesh, rules=rules).")
-    if strategy is not None and not isinstance(strategy, Strategy):
+    if strategy is not None and (isinstance(strategy, Rules | Mapping)
+                                 or not isinstance(strategy, StrategyLike)):
         raise TypeError(f"Trainer: strategy must be a Strategy (ns.strategies.get(name)), got "
                         f"{short_repr(strategy)}.")
+    table, _, strategy = tables(rules if strategy is None else strategy, None, "Trainer")
     if mesh is None:
         found = [x.sharding.mesh for x in jax.tree.leaves(nnx.state(model))
                  if isinstance(getattr(x, "sharding", None), NamedSharding)]
@@ -489,7 +490,6 @@ def _layout(model: nnx.Module, mesh: Any, rules: Any, strategy: Any) -> tuple[Me
                 + ". Fix: pass the mesh the model was built on, e.g. mesh='data=8'.")
         mesh = found[0]
     mesh = make_mesh(mesh)
-    if strategy is None:
-        return mesh, as_rules(rules)
-    strategy.check(model, mesh)
-    return mesh, strategy.rules
+    if strategy is not None:
+        strategy.check(model, mesh)
+    return mesh, table
