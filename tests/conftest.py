@@ -10,6 +10,12 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 if "--xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += (" --xla_cpu_collective_call_terminate_timeout_seconds=600"
                                 " --xla_cpu_collective_timeout_seconds=600")
+# The tests compile hundreds of tiny programs and run each a few times, so LLVM's optimisation
+# of the generated CPU code is about a third of their time and buys run speed no test measures.
+# It changes neither the optimised HLO (shardings, collectives) nor XLA's memory figures, which
+# tests/test_compile_level.py checks against a process at XLA's default level.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax
 import pytest
