@@ -52,6 +52,7 @@ from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
 from nnx_shard.models._masks import NO_EXTRAS, Extras, prepare
 from nnx_shard.models._ops import constrain, einsum, lookup, whole
+from nnx_shard.models.layers import RMSNorm, dense_init, new_param
 from nnx_shard.models.llama_config import LLAMA_CONFIGS, LlamaConfig, get_llama_config
 from nnx_shard.models.llama_config import MODEL_TYPES as MODEL_TYPES
 from nnx_shard.models.llama_config import ROPE_TYPES as ROPE_TYPES
@@ -59,8 +60,6 @@ from nnx_shard.models.transformer import (
     GATHERED,
     RESIDUAL,
     block_input_names,
-    dense_init,
-    new_param,
     remat_policy,
     seq_names,
 )
@@ -142,29 +141,6 @@ def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
     return x * c + rotated * s
 
 
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm with a learned scale, computed in float32 (as
-    transformers' ``LlamaRMSNorm``); with ``offset`` the scale is ``1 + weight``
-    (``GemmaRMSNorm``, whose weights start at 0)."""
-
-    def __init__(self, size: int | tuple[int, ...], names: tuple[str, ...], eps: float,
-                 dtype: Any, param_dtype: Any, *, rngs: nnx.Rngs, offset: bool = False) -> None:
-        init = nnx.initializers.zeros if offset else nnx.initializers.ones
-        # A tuple of sizes normalizes over that many trailing axes together.
-        shape = size if isinstance(size, tuple) else (size,)
-        self.scale = new_param(rngs, init, shape, names, param_dtype)
-        self.eps = eps
-        self.offset = offset
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        axes = tuple(range(-self.scale.ndim, 0))
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
-        scale = whole(self.scale[...]).astype(jnp.float32)
-        return ((1.0 + scale if self.offset else scale) * x32).astype(self.dtype)
-
-
 def _norm(cfg: LlamaConfig, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
     return RMSNorm(size, names, cfg.norm_eps, cfg.dtype, cfg.param_dtype, rngs=rngs,
                    offset=cfg.norm_offset)
@@ -210,10 +186,15 @@ def _pick(local: Any, tables: Any, local_tables: Any) -> Any:
     return tuple(jnp.where(local, lt, t) for t, lt in zip(tables, local_tables, strict=True))
 
 
-class Attention(nnx.Module):
+class LlamaAttention(nnx.Module):
     """Grouped-query causal self-attention with rotary embeddings (and Qwen3's
     per-head q/k norm). Q/K/V split column-wise over ``heads`` / ``kv_heads``,
-    O row-wise over ``heads``."""
+    O row-wise over ``heads``. Transformers' ``LlamaAttention``.
+
+    >>> attn = LlamaAttention(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+    >>> attn.q.shape, attn.k.shape       # [embed, heads, head_dim], [embed, kv_heads, head_dim]
+    ((32, 4, 8), (32, 2, 8))
+    """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         e, h, g, k, dt = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
@@ -304,9 +285,15 @@ class Attention(nnx.Module):
                            RESIDUAL), self.o_bias, dt)
 
 
-class MLP(nnx.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))``; gate and up split column-wise,
-    down row-wise over ``mlp``."""
+class LlamaMLP(nnx.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` (GELU-tanh in place of SiLU for
+    Gemma); gate and up split column-wise, down row-wise over ``mlp``. Transformers'
+    ``LlamaMLP``.
+
+    >>> mlp = LlamaMLP(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+    >>> mlp(jnp.ones((1, 4, 32))).shape
+    (1, 4, 32)
+    """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
@@ -331,8 +318,15 @@ class MLP(nnx.Module):
                            RESIDUAL, seq="l"), self.down_bias, dt)
 
 
-class Block(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+class LlamaBlock(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (norms after
+    attention and MLP instead, or both, as the config says). Transformers'
+    ``LlamaDecoderLayer``; :class:`Llama` holds ``cfg.layers`` of them in ``blocks``.
+
+    >>> block = LlamaBlock(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+    >>> type(block.attn).__name__, type(block.mlp).__name__, block.attn_norm.scale.shape
+    ('LlamaAttention', 'LlamaMLP', (32,))
+    """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         def norm() -> RMSNorm:
@@ -342,10 +336,10 @@ class Block(nnx.Module):
         if cfg.sandwich_norms:
             pre = post = norm
         self.attn_norm: RMSNorm | None = nnx.data(pre and pre())
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = LlamaAttention(cfg, rngs=rngs)
         self.attn_post_norm: RMSNorm | None = nnx.data(post and post())
         self.mlp_norm: RMSNorm | None = nnx.data(pre and pre())
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = LlamaMLP(cfg, rngs=rngs)
         self.mlp_post_norm: RMSNorm | None = nnx.data(post and post())
 
     @staticmethod
@@ -383,7 +377,7 @@ def _block_runner(cfg: LlamaConfig, length: int) -> Any:
     local_tables = (_rotary_tables(cfg, length, True) if _mixed(cfg) and cfg.rope_local_theta
                     else None)
 
-    def call(block: Block, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
+    def call(block: LlamaBlock, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
         if extras.positions is None:
             c, s = _pick(local, tables, local_tables)
             return block(x, c, s, extras, local)
@@ -438,12 +432,12 @@ class Llama(nnx.Module):
             @nnx.split_rngs(splits=cfg.layers)
             @nnx.vmap(in_axes=(0,), out_axes=0,
                       transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def make(r: nnx.Rngs) -> Block:
-                return Block(cfg, rngs=r)
+            def make(r: nnx.Rngs) -> LlamaBlock:
+                return LlamaBlock(cfg, rngs=r)
 
             self.blocks: Any = make(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+            self.blocks = nnx.List([LlamaBlock(cfg, rngs=rngs) for _ in range(cfg.layers)])
         self.final_norm = _norm(cfg, e, ("embed",), rngs)
         self.unembed: nnx.Param | None = nnx.data(
             None if cfg.tie_embeddings
@@ -603,10 +597,27 @@ class Llama(nnx.Module):
         x = self._embed(tokens)
         flags = np.asarray(cfg.local_layers()) if mixed else None
 
-        def step(block: Block, h: jax.Array, local: Any = None) -> jax.Array:
+        def step(block: LlamaBlock, h: jax.Array, local: Any = None) -> jax.Array:
             c, s = _pick(local, (cos, sin), local_tables)
             return block.decode(h, index, c, s, valid, local)
 
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x, step, flags)
         self.cache_index[...] = index + steps
         return self._logits(x)
+
+
+#: The Llama blocks' former names, from when they shared them with the Transformer's.
+_RENAMED = {"Attention": "LlamaAttention", "MLP": "LlamaMLP", "Block": "LlamaBlock"}
+
+
+def __getattr__(name: str) -> Any:
+    # The old names stay importable for a while; public class names are unique across
+    # the package (the Transformer has its own Attention, MLP and Block).
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(f"nnx_shard.models.llama.{name} is now {new}", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,13 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_shard.annotate import with_logical
 from nnx_shard.blockwise import KERNELS
 from nnx_shard.errors import UsageError, short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
 from nnx_shard.models._masks import NO_EXTRAS, Extras, prepare
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
+from nnx_shard.models.layers import RMSNorm, dense_init, new_param
 from nnx_shard.parallel import pipeline
 from nnx_shard.parallel.collective_matmul import check_tokens
 from nnx_shard.parallel.ring import attention
@@ -313,27 +313,9 @@ def remat_policy(name: str) -> Any:
     return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
 
 
-def new_param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[Any, ...],
-           dtype: Any) -> nnx.Param:
-    return nnx.Param(with_logical(init, names)(rngs.params(), shape, dtype))
-
-
-def dense_init(fan_in: int) -> Any:
-    return nnx.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
-
-
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm with a learned scale (``embed``)."""
-
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
-        self.scale = new_param(rngs, nnx.initializers.ones, (cfg.embed,), ("embed",),
-                            cfg.param_dtype)
-        self.dtype = cfg.dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-        return (x32 * whole(self.scale[...]).astype(jnp.float32)).astype(self.dtype)
+def _norm(cfg: TransformerConfig, rngs: nnx.Rngs) -> RMSNorm:
+    # The Transformer's norms: over ``embed``, eps 1e-6, weights starting at 1.
+    return RMSNorm(cfg.embed, ("embed",), 1e-6, cfg.dtype, cfg.param_dtype, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -467,9 +449,9 @@ class Block(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
-        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn_norm = _norm(cfg, rngs)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp_norm = _norm(cfg, rngs)
         self.mlp = MoE(cfg, rngs=rngs) if cfg.experts else MLP(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, extras: Extras = NO_EXTRAS) -> tuple[jax.Array, jax.Array]:
@@ -548,7 +530,7 @@ class Transformer(nnx.Module):
             self.blocks: Any = make(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
-        self.final_norm = RMSNorm(cfg, rngs=rngs)
+        self.final_norm = _norm(cfg, rngs)
         self.unembed: nnx.Param | None = nnx.data(
             None if cfg.tie_embeddings
             else new_param(rngs, dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
