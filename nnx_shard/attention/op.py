@@ -164,6 +164,7 @@ def expect_attention(fn_name: str = "the step") -> Iterator[None]:
             "'length' over a context axis (e.g. 'fsdp')."
         )
 
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               mask: jax.Array | None = None, segment_ids: Any = None,
               implementation: str = "auto", block_size: int = BLOCK,
@@ -182,9 +183,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
       segment_ids: int ``[batch, length]`` (or a pair for queries and keys): tokens
         see only tokens of their own segment (packed sequences).
       implementation: the per-device kernel, ``"auto"`` (default), ``"blockwise"``,
-        ``"dense"`` or ``"cudnn"`` (see :mod:`nnx_shard.attention.kernels`); independent of the
-        strategy's ``attention`` option (:data:`~nnx_shard.attention.modes.MODES`), which
-        only says how the sequence is split.
+        ``"dense"`` or ``"cudnn"`` (see :mod:`nnx_shard.attention.kernels`);
+        independent of the strategy's ``attention`` option (one of
+        :data:`~nnx_shard.attention.modes.MODES`), which only says how the sequence
+        is split.
       block_size: the blockwise kernel's query and key/value block.
       softcap: ``None``, or Gemma 2's attention logit soft-cap: the scaled scores
         become ``softcap * tanh(scores / softcap)`` before the mask (every kernel
@@ -196,10 +198,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     Raises:
       ValueError: q, k, v of bad ranks or mismatched shapes; a mask or segment ids
         of the wrong shape; an unknown implementation.
-      ShardingError: an ``attention`` option that is not a mode; in ring/allgather mode, a sequence length that does not split
-        into ``2 x context`` zig-zag chunks (``context`` slices for all-gather),
-        rules without a ``length`` entry, or kv heads that the heads' mesh axes do
-        not divide.
+      ShardingError: an ``attention`` option that is not a mode; in ring/allgather
+        mode, a sequence length that does not split into ``2 x context`` zig-zag
+        chunks (``context`` slices for all-gather), rules without a ``length``
+        entry, or kv heads that the heads' mesh axes do not divide.
 
     >>> import jax.numpy as jnp
     >>> q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
