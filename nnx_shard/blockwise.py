@@ -1,4 +1,5 @@
-"""Moved: the per-device attention kernels are :mod:`nnx_shard.attention.kernels`.
+"""Moved: the per-device attention kernels are :mod:`nnx_shard.attention.kernels`, their
+block math :mod:`nnx_shard.attention.blocks`.
 
 Every public name of this module still reads from here, with a
 ``DeprecationWarning`` naming its new home.
@@ -15,18 +16,22 @@ from __future__ import annotations
 
 from typing import Any
 
-#: The names this module had, now in nnx_shard.attention.kernels.
-MOVED = ("BLOCK", "KERNELS", "Masks", "attention_local", "blockwise", "delta", "dense",
-         "finish", "grads", "group_mask", "merge", "resolve", "stats")
+#: The names this module had, and the module of nnx_shard.attention each is in now.
+MOVED = {
+    **dict.fromkeys(("BLOCK", "KERNELS", "attention_local", "blockwise", "dense", "resolve"),
+                    "kernels"),
+    **dict.fromkeys(("Masks", "delta", "finish", "grads", "group_mask", "merge", "stats"),
+                    "blocks"),
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in MOVED:
+        import importlib
         import warnings
 
-        from nnx_shard.attention import kernels
-
-        warnings.warn(f"nnx_shard.blockwise.{name} is deprecated: use "
-                      f"nnx_shard.attention.kernels.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(kernels, name)
+        home = f"nnx_shard.attention.{MOVED[name]}"
+        warnings.warn(f"nnx_shard.blockwise.{name} is deprecated: use {home}.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""The per-device attention kernels (nnx_shard.attention.kernels) through the op
-(nnx_shard.models.attention) on one device: blockwise and dense against attention
+"""The per-device attention kernels (nnx_shard.attention.kernels, their block math in
+nnx_shard.attention.blocks) through the op (nnx_shard.models.attention) on one device: blockwise and dense against attention
 computed the plain way (repeated K/V heads, one masked softmax), values and
 gradients, for causal and not, grouped-query heads, segment ids, key padding and
 full masks, lengths that are not a multiple of the block, cross-attention; the
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_shard.attention import kernels
-from nnx_shard.attention.kernels import Masks, stats
+from nnx_shard.attention import blocks, kernels
+from nnx_shard.attention.blocks import Masks, stats
 from nnx_shard.models import attention
 from tests._close import assert_close
 
@@ -165,7 +165,7 @@ def _count_tiles(monkeypatch) -> dict[str, int]:
     """Counts the tiles the blockwise loops compute, forward and backward, at run time
     (a host callback in each tile: a loop that skips a tile never calls it)."""
     seen = {"fwd": 0, "bwd": 0}
-    fwd, bwd = kernels._block_fwd, kernels._block_bwd
+    fwd, bwd = blocks._block_fwd, blocks._block_bwd
 
     def counted(name, fn):
         def tile(*args):
@@ -173,8 +173,8 @@ def _count_tiles(monkeypatch) -> dict[str, int]:
             return fn(*args)
         return tile
 
-    monkeypatch.setattr(kernels, "_block_fwd", counted("fwd", fwd))
-    monkeypatch.setattr(kernels, "_block_bwd", counted("bwd", bwd))
+    monkeypatch.setattr(blocks, "_block_fwd", counted("fwd", fwd))
+    monkeypatch.setattr(blocks, "_block_bwd", counted("bwd", bwd))
     return seen
 
 

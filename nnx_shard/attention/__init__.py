@@ -9,7 +9,10 @@ owns one piece of them:
   mode, and hands the work to a kernel on each device or to context parallelism.
 * :mod:`~nnx_shard.attention.kernels`: the **kernel**, the model's choice
   (``implementation``, :data:`KERNELS`): ``"dense"`` (the plain masked softmax),
-  ``"blockwise"``, ``"cudnn"`` or ``"auto"``, and the block math the ring reuses.
+  ``"blockwise"``, ``"cudnn"`` or ``"auto"``, and which one ``"auto"`` picks.
+* :mod:`~nnx_shard.attention.blocks`: the block math under the blockwise kernel
+  and the ring (one query block against one key/value block, the online softmax,
+  the recomputed backward pass).
 * :mod:`~nnx_shard.attention.modes`: the **context-parallel mode**, the
   strategy's choice (the rules' execution option ``attention``, :data:`MODES`):
   ``"local"`` (no context parallelism, the default), ``"ring"`` or ``"allgather"``.
@@ -23,7 +26,7 @@ The ring lives here rather than in :mod:`nnx_shard.parallel`, beside the other
 collective algorithms, because it is attention: it runs the kernels' block math
 at every step, and nothing else calls it. Imports point one way: the op reads
 the modes and calls the kernels or the context-parallel algorithms, which call
-the kernels.
+the kernels and the block math.
 
 >>> import jax
 >>> import jax.numpy as jnp
@@ -37,7 +40,8 @@ the kernels.
 (True, ('local', 'ring', 'allgather'), ('auto', 'blockwise', 'dense', 'cudnn'))
 """
 
-from nnx_shard.attention.kernels import BLOCK, KERNELS, Masks, attention_local, resolve
+from nnx_shard.attention.blocks import Masks
+from nnx_shard.attention.kernels import BLOCK, KERNELS, attention_local, resolve
 from nnx_shard.attention.modes import LOCAL, MODES, OPTION, context_mode
 from nnx_shard.attention.op import attention, expect_attention
 

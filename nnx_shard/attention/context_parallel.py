@@ -48,7 +48,7 @@ position embeddings permuted alike: a model change, which this op avoids at
 the price of four permutes of the local q/k/v/output slice per layer (small
 next to the ``C - 1`` key/value block permutes of the ring itself).
 
-Each step runs the per-device block math of :mod:`nnx_shard.attention.kernels`.
+Each step runs the per-device block math of :mod:`nnx_shard.attention.blocks`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from nnx_shard.attention import kernels
-from nnx_shard.attention.kernels import Masks, finish, grads, group_mask, merge, stats
+from nnx_shard.attention.blocks import Masks, delta, finish, grads, group_mask, merge, stats
 from nnx_shard.axes import entry_axes
 from nnx_shard.errors import ShardingError
 
@@ -127,7 +127,7 @@ def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, *, m
     >>> rules = ns.strategies.get("cp").rules
     >>> with ns.use("data=4,context=2", rules) as mesh:
     ...     out = jax.jit(lambda q: split_attention(
-    ...         q, q, q, kernels.Masks(), mode="ring", axes=("context",), mesh=mesh,
+    ...         q, q, q, Masks(), mode="ring", axes=("context",), mesh=mesh,
     ...         rules=rules, causal=True, block=None))(q)
     >>> out.shape
     (2, 8, 2, 4)
@@ -352,7 +352,7 @@ def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, axes: tupl
               c: int, causal: bool, block: int | None, softcap: float | None = None
               ) -> tuple[jax.Array, Any]:
     # q: [b, n2, kv_heads, group, d] (grouped), k, v: [b, n2, kv_heads, d]. Each ring step
-    # is one call of the per-device kernel's block math (nnx_shard.attention.kernels.stats): a
+    # is one call of the per-device kernel's block math (nnx_shard.attention.blocks.stats): a
     # single tile, or (blockwise) query x key/value blocks of ``block``.
     n2 = q.shape[1]
     n = n2 // 2
@@ -405,7 +405,7 @@ def _ring_bwd(axes: tuple[str, ...], c: int, causal: bool, block: int | None,
     n2 = q.shape[1]
     n = n2 // 2
     do = g.astype(jnp.float32)
-    dlt = kernels.delta(do, out)
+    dlt = delta(do, out)
     tile = functools.partial(grads, block=block, softcap=softcap)
     own = (k, v, masks.kv_seg, masks.kv_valid)
     dq, dk, dv = tile(q, k, v, do, lse, dlt, _step_masks(masks, own, 0, axes, c, causal, n2),

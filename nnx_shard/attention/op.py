@@ -45,7 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_shard._frames import Frames
 from nnx_shard.attention import context_parallel, kernels
-from nnx_shard.attention.kernels import BLOCK, Masks, group_mask
+from nnx_shard.attention.blocks import Masks, group_mask
+from nnx_shard.attention.kernels import BLOCK
 from nnx_shard.attention.modes import LOCAL, OPTION, context_mode
 from nnx_shard.axes import entry_axes
 from nnx_shard.errors import ShardingError
@@ -87,7 +88,7 @@ def _check_qkv(q: Any, k: Any, v: Any) -> None:
 
 
 def _check_masks(q: jax.Array, k: jax.Array, mask: Any, segment_ids: Any) -> Masks:
-    """The op's ``mask`` and ``segment_ids`` as :class:`~nnx_shard.attention.kernels.Masks`, the
+    """The op's ``mask`` and ``segment_ids`` as :class:`~nnx_shard.attention.blocks.Masks`, the
     mask still in the ``[b|1, heads|1, q_len|1, kv_len|1]`` layout of the arguments (a
     mask of keys alone, ``[b|1, 1, 1, kv_len]``, becomes ``kv_valid``)."""
     b, lq, h, _ = q.shape

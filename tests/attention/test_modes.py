@@ -92,7 +92,8 @@ def test_an_unknown_option_value_lists_the_modes(value: object) -> None:
     ("nnx_shard.parallel.ring", "MODES", "nnx_shard.attention.MODES"),
     ("nnx_shard.parallel.ring", "OPTION", "nnx_shard.attention.OPTION"),
     ("nnx_shard.blockwise", "KERNELS", "nnx_shard.attention.kernels.KERNELS"),
-    ("nnx_shard.blockwise", "Masks", "nnx_shard.attention.kernels.Masks"),
+    ("nnx_shard.blockwise", "Masks", "nnx_shard.attention.blocks.Masks"),
+    ("nnx_shard.blockwise", "stats", "nnx_shard.attention.blocks.stats"),
     ("nnx_shard.blockwise", "attention_local", "nnx_shard.attention.kernels.attention_local"),
     ("nnx_shard.blockwise", "resolve", "nnx_shard.attention.kernels.resolve"),
 ])
