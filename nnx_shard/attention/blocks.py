@@ -104,7 +104,13 @@ def tile_mask(masks: Masks, causal: bool, q_offset: Any, q0: Any, nq: int, k0: A
     """What query rows ``q0 : q0 + nq`` see of key columns ``k0 : k0 + nk`` (``masks``
     already cut to them), broadcastable to the scores ``[b, kv_heads, group, nq, nk]``;
     ``None`` if they see everything. Query row ``i`` sits at position ``q_offset + i``
-    of the key sequence (causal masking); keys from ``kv_len`` on are padding."""
+    of the key sequence (causal masking); keys from ``kv_len`` on are padding.
+
+    >>> tile_mask(Masks(), True, 0, 0, 3, 0, 3, None).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    >>> tile_mask(Masks(), False, 0, 0, 2, 0, 2, None) is None
+    True
+    """
     out: jax.Array | None = None
 
     def both(m: jax.Array) -> None:
@@ -137,7 +143,11 @@ def _scores(q: jax.Array, k: jax.Array, softcap: float | None = None) -> jax.Arr
 
 def capped(s: jax.Array, softcap: float | None) -> jax.Array:
     """Gemma 2's attention logit soft-capping, ``cap * tanh(s / cap)``, on the scaled
-    scores (before the mask); ``None``: the scores unchanged."""
+    scores (before the mask); ``None``: the scores unchanged.
+
+    >>> capped(jnp.array([0.0, 100.0]), 5.0).round(3).tolist()
+    [0.0, 5.0]
+    """
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
