@@ -92,7 +92,7 @@ def main() -> None:
         *_, compiled, _, _, seconds = build(length, c, mode)
         m = compiled.memory_analysis()
         peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-        mem_rows.append({"length": length, "context": c, "attention": "dense" if c == 1 else mode,
+        mem_rows.append({"length": length, "context": c, "attention": "local" if c == 1 else mode,
                          "temp_bytes": m.temp_size_in_bytes, "peak_bytes": peak,
                          "compile_s": seconds})
         print(f"bytes: length {length} C={c} {mem_rows[-1]['attention']}: temp "
@@ -104,7 +104,7 @@ def main() -> None:
         state = materialize(cfg, mesh, rules, state)
         jax.block_until_ready(compiled(state, data))  # warm up
         speed_rows.append({"length": length, "context": c,
-                           "attention": "dense" if c == 1 else mode})
+                           "attention": "local" if c == 1 else mode})
         runs.append((compiled, state, data))
     time_compiled(speed_rows, runs, rounds, steps)
 

@@ -257,7 +257,7 @@ def cp(*, data: str = "data", context: str = "context") -> Strategy:
     replicated. Attention runs as ring attention (rules option
     ``attention="ring"``, read by :func:`nnx_shard.models.attention`): each device
     keeps its queries and passes key/value blocks around the ``context`` ring, in
-    zig-zag chunk order for causal load balance (see :mod:`nnx_shard.parallel.ring`).
+    zig-zag chunk order for causal load balance (see :mod:`nnx_shard.attention.context_parallel`).
     ``strategy.rules.with_options(attention="allgather")`` all-gathers K/V instead.
 
     Mesh axes: ``data``, ``context``. Collectives: collective-permutes over

@@ -1,5 +1,5 @@
-"""The per-device attention kernels (nnx_shard.blockwise) through the op
-(nnx_shard.models.attention) on one device: blockwise and dense against attention
+"""The per-device attention kernels (nnx_shard.attention.kernels, their block math in
+nnx_shard.attention.blocks) through the op (nnx_shard.models.attention) on one device: blockwise and dense against attention
 computed the plain way (repeated K/V heads, one masked softmax), values and
 gradients, for causal and not, grouped-query heads, segment ids, key padding and
 full masks, lengths that are not a multiple of the block, cross-attention; the
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_shard import blockwise
-from nnx_shard.blockwise import Masks, stats
+from nnx_shard.attention import blocks, kernels
+from nnx_shard.attention.blocks import Masks, stats
 from nnx_shard.models import attention
 from tests._close import assert_close
 
@@ -165,7 +165,7 @@ def _count_tiles(monkeypatch) -> dict[str, int]:
     """Counts the tiles the blockwise loops compute, forward and backward, at run time
     (a host callback in each tile: a loop that skips a tile never calls it)."""
     seen = {"fwd": 0, "bwd": 0}
-    fwd, bwd = blockwise._block_fwd, blockwise._block_bwd
+    fwd, bwd = blocks._block_fwd, blocks._block_bwd
 
     def counted(name, fn):
         def tile(*args):
@@ -173,8 +173,8 @@ def _count_tiles(monkeypatch) -> dict[str, int]:
             return fn(*args)
         return tile
 
-    monkeypatch.setattr(blockwise, "_block_fwd", counted("fwd", fwd))
-    monkeypatch.setattr(blockwise, "_block_bwd", counted("bwd", bwd))
+    monkeypatch.setattr(blocks, "_block_fwd", counted("fwd", fwd))
+    monkeypatch.setattr(blocks, "_block_bwd", counted("bwd", bwd))
     return seen
 
 
@@ -212,16 +212,16 @@ def test_causal_skipping_with_a_query_offset(monkeypatch) -> None:
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="what 'auto' picks on CPU")
 def test_auto_is_blockwise_on_cpu() -> None:
     q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-    assert blockwise.resolve("auto", q, q, Masks(), context_parallel=False) == "blockwise"
-    assert blockwise.resolve("dense", q, q, Masks(), context_parallel=True) == "dense"
+    assert kernels.resolve("auto", q, q, Masks(), context_parallel=False) == "blockwise"
+    assert kernels.resolve("dense", q, q, Masks(), context_parallel=True) == "dense"
     # Context parallelism needs per-block statistics that cuDNN's kernel does not return.
-    assert blockwise.resolve("cudnn", q, q, Masks(), context_parallel=True) == "blockwise"
+    assert kernels.resolve("cudnn", q, q, Masks(), context_parallel=True) == "blockwise"
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
 def test_cudnn_kernel_on_gpu() -> None:
     q, k, v, w = (x.astype(jnp.bfloat16) for x in _inputs(length=64, d=64))
-    assert blockwise.resolve("auto", q, k, Masks(), context_parallel=False) == "cudnn"
+    assert kernels.resolve("auto", q, k, Masks(), context_parallel=False) == "cudnn"
     for kernel in ("auto", "cudnn", "blockwise"):
         got = _value_and_grads(functools.partial(attention, implementation=kernel), q, k, v, w)
         want = _value_and_grads(plain, *(x.astype(jnp.float32) for x in (q, k, v)),

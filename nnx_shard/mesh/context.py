@@ -58,10 +58,10 @@ def option(name: str, default: Any = None) -> Any:
 
     >>> rules = Rules({"batch": "data"}).with_options(attention="ring")
     >>> with use("data=8", rules):
-    ...     option("attention"), option("missing", "dense")
-    ('ring', 'dense')
-    >>> option("attention", "dense")
-    'dense'
+    ...     option("attention"), option("missing", "local")
+    ('ring', 'local')
+    >>> option("attention", "local")
+    'local'
     """
     active = current()
     if active is None:

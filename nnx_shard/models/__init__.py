@@ -20,6 +20,7 @@ themselves), and :func:`lm_loss` skips ``-100`` targets.
 ['125m', '1b', '7b']
 """
 
+from nnx_shard.attention import attention
 from nnx_shard.models.adapters import attention_fn
 from nnx_shard.models.generation import (
     CACHE_AXES,
@@ -40,7 +41,6 @@ from nnx_shard.models.transformer import (
     lm_loss,
     remat_policy,
 )
-from nnx_shard.parallel.ring import attention
 
 __all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
            "Tokenizer", "Transformer", "TransformerConfig", "attention", "attention_fn",

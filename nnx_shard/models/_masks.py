@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnx_shard.attention import LOCAL, context_mode
 from nnx_shard.errors import UsageError, short
-from nnx_shard.mesh import constrain, option
+from nnx_shard.mesh import constrain
 
 __all__ = ["NO_EXTRAS", "Extras", "derive_positions", "prepare"]
 
@@ -55,7 +56,7 @@ class Extras(NamedTuple):
         split as the tokens', the sequence whole (split on ``length`` under context
         parallelism, where the attention op moves them with the key/value blocks)."""
         def seq(names: tuple[Any, ...]) -> tuple[Any, ...]:
-            if option("attention", "dense") in ("ring", "allgather"):
+            if context_mode() != LOCAL:
                 return (*names[:-1], "length")
             return names
 

@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
-from nnx_shard.blockwise import BLOCK
-from nnx_shard.parallel.ring import attention
+from nnx_shard.attention import BLOCK, attention
 
 __all__ = ["attention_fn"]
 

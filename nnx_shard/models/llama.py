@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_shard.attention import attention
 from nnx_shard.errors import short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
@@ -65,7 +66,6 @@ from nnx_shard.models.transformer import (
 )
 from nnx_shard.parallel import pipeline
 from nnx_shard.parallel.collective_matmul import check_tokens
-from nnx_shard.parallel.ring import attention
 
 __all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig", "get_llama_config"]
 

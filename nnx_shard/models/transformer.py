@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_shard.blockwise import KERNELS
+from nnx_shard.attention import KERNELS, attention
 from nnx_shard.errors import UsageError, short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
@@ -53,7 +53,6 @@ from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whol
 from nnx_shard.models.layers import RMSNorm, dense_init, new_param
 from nnx_shard.parallel import pipeline
 from nnx_shard.parallel.collective_matmul import check_tokens
-from nnx_shard.parallel.ring import attention
 
 __all__ = ["CONFIGS", "IGNORE_INDEX", "REMAT_POLICIES", "Transformer", "TransformerConfig",
            "get_config", "lm_loss", "remat_policy"]
@@ -68,7 +67,7 @@ def seq_names(names: tuple[Any, ...]) -> tuple[Any, ...]:
     ``length`` axes through the whole block, and only the attention op gathers
     keys and values, in its own way. Elsewhere ``names`` as given (sequence
     parallelism gathers the sequence at these points)."""
-    if option("attention", "dense") in ("ring", "allgather"):
+    if option("attention", "local") in ("ring", "allgather"):
         return (names[0], "length", *names[2:])
     return names
 
@@ -179,7 +178,7 @@ class TransformerConfig:
         unchanged. On XLA CPU only scanned blocks show the memory saving:
         unrolled blocks recompute, but the scheduler keeps the peak.
       attention: the attention kernel on each device (see
-        :mod:`nnx_shard.blockwise`): ``"auto"`` (default: cuDNN's fused kernel on
+        :mod:`nnx_shard.attention.kernels`): ``"auto"`` (default: cuDNN's fused kernel on
         GPUs where it applies, else blockwise), ``"blockwise"`` (online softmax over
         query x key/value blocks, recomputed in the backward pass: activations linear
         in the sequence), ``"dense"`` (the float32 ``[batch, heads, seq, seq]``

@@ -1,6 +1,6 @@
 """What the parallel ops tell the generic training code, which knows none of them by name.
 
-Each sharding-aware op (:mod:`~nnx_shard.parallel.ring` attention, the
+Each sharding-aware op (:mod:`~nnx_shard.attention` attention, the
 :mod:`~nnx_shard.parallel.pipeline`, :mod:`~nnx_shard.parallel.collective_matmul`)
 runs the way an execution option of the active rules asks
 (:meth:`nnx_shard.Rules.with_options`). On import it registers a

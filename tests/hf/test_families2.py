@@ -23,9 +23,9 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import nnx_shard as ns
+from nnx_shard.attention import attention
 from nnx_shard.errors import UsageError
 from nnx_shard.models import Llama, LlamaConfig
-from nnx_shard.parallel.ring import attention
 from tests._close import assert_close
 from tests._shared import load_refusal
 from tests.conftest import needs_devices

@@ -56,7 +56,7 @@ def build(hs: Any) -> None:
     def cudnn_softcap() -> Any:
         import jax.numpy as jnp
 
-        from nnx_shard.parallel.ring import attention
+        from nnx_shard.attention import attention
 
         q = jnp.ones((1, 8, 2, 8))
         return attention(q, q, q, softcap=5.0, implementation="cudnn")

@@ -170,11 +170,11 @@ def test_shardings_rejects_what_is_not_a_model_or_state(tree):
 def test_option_reads_the_innermost_rules():
     outer = Rules({"batch": "data"}).with_options(attention="ring")
     inner = Rules({"batch": "data"})
-    assert ns_mesh.option("attention", "dense") == "dense"
+    assert ns_mesh.option("attention", "local") == "local"
     with ns_mesh.use("data=8", outer):
         assert ns_mesh.option("attention") == "ring"
         with ns_mesh.use("data=8", inner):
-            assert ns_mesh.option("attention", "dense") == "dense"
+            assert ns_mesh.option("attention", "local") == "local"
         assert ns_mesh.option("attention") == "ring"
 
 

@@ -21,7 +21,8 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard import blockwise, hf
+from nnx_shard import hf
+from nnx_shard.attention import kernels
 from nnx_shard.errors import UsageError
 from nnx_shard.models import Llama, LlamaConfig, Transformer, get_config, get_llama_config, lm_loss
 from nnx_shard.models._masks import derive_positions, prepare
@@ -276,7 +277,7 @@ def test_cudnn_kernel_builds_the_same_mask(monkeypatch: pytest.MonkeyPatch) -> N
         return original(q, k, v, mask=mask, is_causal=is_causal)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", xla)
-    monkeypatch.setattr(blockwise, "_platform", lambda: "gpu")
+    monkeypatch.setattr(kernels, "_platform", lambda: "gpu")
     model, _ = _fixture_model("dp", "one", attention="cudnn")
     e = _expected()
     _padded_check(model, e["pad_tokens"], e["pad_mask"], "cudnn")

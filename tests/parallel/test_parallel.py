@@ -41,7 +41,7 @@ def test_the_training_package_imports_no_parallel_op():
 
 def test_each_op_declares_the_option_it_reads():
     ops = {op.name: op for op in registry.registered()}
-    assert ops["attention"].option == ns.parallel.ring.OPTION == "attention"
+    assert ops["attention"].option == ns.attention.OPTION == "attention"
     assert ops["pipeline"].option == ns.pipeline.OPTION == "pipeline"
     assert ops["collective_matmul"].option == ns.collective_matmul.OPTION == "collective_matmul"
     assert ops["attention"].check_step is not None and ops["pipeline"].microbatched is not None
@@ -52,7 +52,7 @@ def test_the_ops_are_attributes_of_the_package_and_live_in_parallel():
 
     assert ns.pipeline is ns.parallel.pipeline
     assert ns.collective_matmul is ns.parallel.collective_matmul
-    assert ns.parallel.ring.attention is ns.models.attention
+    assert ns.attention.attention is ns.models.attention
     assert ns.pipeline.explain.__module__ == "nnx_shard.pipeline_report"
     assert "nnx_shard.ring" not in sys.modules  # no alias module paths
 

@@ -1,4 +1,4 @@
-"""Context parallelism: the attention op (nnx_shard.parallel.ring / nnx_shard.models.attention)
+"""Context parallelism: the attention op (nnx_shard.attention / nnx_shard.models.attention)
 in dense, ring and all-gather mode, and the cp presets training the reference
 transformer, on 8 simulated devices.
 
@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
+from nnx_shard.attention.context_parallel import _zigzag_pairs
 from nnx_shard.models import Transformer, attention, get_config, lm_loss
-from nnx_shard.parallel.ring import _zigzag_pairs
 from nnx_shard.strategies import compiled_collectives
 from tests._close import assert_close
 from tests._lm import lm_batches, lm_step
@@ -219,7 +219,7 @@ def test_bad_shapes_and_options() -> None:
     with pytest.raises(ValueError, match=r"heads a multiple of kv_heads"):
         attention(q[:, :, :1].repeat(3, 2), q, q)   # 3 query heads, 2 kv heads
     with ns.use("data=8", ns.Rules({"batch": "data"}).with_options(attention="flash")):
-        with pytest.raises(ValueError, match=r"attention='flash' is not one of \('dense', "
+        with pytest.raises(ns.ShardingError, match=r"attention='flash' is not one of \('local', "
                            r"'ring', 'allgather'\)\. Fix: rules.with_options"):
             attention(q, q, q)
     with ns.use("data=8", ns.Rules({"batch": "data"}).with_options(attention="ring")):
