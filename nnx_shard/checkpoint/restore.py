@@ -37,7 +37,7 @@ from nnx_shard.checkpoint.manifest import (
     var_value,
 )
 from nnx_shard.checkpoint.save import manager
-from nnx_shard.errors import count
+from nnx_shard.errors import count, short
 
 # --------------------------------------------------------------------------- restore
 
@@ -154,6 +154,20 @@ def _corrupt(where: pathlib.Path, e: BaseException) -> ValueError:
     )
 
 
+def check_targets(targets: Mapping[str, Any]) -> None:
+    """Every restore route's first check: each target is an NNX object (before the
+    directory is looked at, so a wrong target is named whatever the disk holds)."""
+    for name, obj in targets.items():
+        if not (isinstance(obj, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(obj)):
+            raise TypeError(
+                f"restore: {name} must be an NNX object (nnx.Module or nnx.Optimizer), got "
+                f"{type(obj).__name__} {short(obj, 60)}. Fix: a target that says where every "
+                f"array goes, e.g. {name}=ns.abstract_init(factory, mesh, strategy)"
+                + (" and optimizer=ns.sharded_optimizer(model, tx, mesh, strategy)."
+                   if name == "optimizer" else ".")
+            )
+
+
 def _read(
     directory: pathlib.Path, step: int | None, targets: Mapping[str, Any]
 ) -> tuple[int, dict[str, Any], dict[str, Any]]:
@@ -162,6 +176,7 @@ def _read(
     Returns (step, {item: new State}, extra).
     """
     ocp = orbax_module()
+    check_targets(targets)
     if step is not None:
         step = count(step, "restore: step", least=0,
                      fix="a saved step number, or step=None for the latest")
@@ -345,6 +360,7 @@ def restore_in_place(
     targets: dict[str, Any] = {"model": model}
     if optimizer is not None:
         targets["optimizer"] = optimizer
+    check_targets(targets)
     # A fresh eager model (values not yet committed to a device) restores as one: orbax
     # returns committed arrays, and a committed single-device value cannot join a
     # Trainer's mesh, while an uncommitted one is placed on it like the fresh model was.

@@ -106,7 +106,8 @@ def _restore_routes(d):
     }
 
 
-@pytest.mark.parametrize("case", ["shape", "structure", "no optimizer", "step", "bool step"])
+@pytest.mark.parametrize("case", ["shape", "structure", "no optimizer", "step", "bool step",
+                                  "not a target"])
 def test_every_restore_route_refuses_alike(tmp_path, case):
     ns.save(tmp_path, 3, model=linear())
     target = {"shape": lambda: linear(n_in=5), "structure": lambda: nnx.Linear(
@@ -114,7 +115,8 @@ def test_every_restore_route_refuses_alike(tmp_path, case):
     kw = {"no optimizer": lambda: {"optimizer": nnx.Optimizer(
         (m := target()), optax.sgd(0.1), wrt=nnx.Param), "model": m},
         "step": lambda: {"model": target(), "step": 4},
-        "bool step": lambda: {"model": target(), "step": True}}.get(
+        "bool step": lambda: {"model": target(), "step": True},
+        "not a target": lambda: {"model": 5}}.get(
             case, lambda: {"model": target()})
     routes = _restore_routes(tmp_path)
     got = {name: _raised(lambda r=r: r(**kw())) for name, r in routes.items()}
@@ -125,9 +127,11 @@ def test_every_restore_route_refuses_alike(tmp_path, case):
     words = {"shape": "checkpoint has shape (2, 3), target has (5, 3)",
              "structure": "in the checkpoint but not in the target: bias",
              "no optimizer": "has no optimizer", "step": "step 4",
-             "bool step": "step must be a non-negative int, got True"}[case]
+             "bool step": "step must be a non-negative int, got True",
+             "not a target": "model must be an NNX object (nnx.Module or nnx.Optimizer), got int"}[case]
     assert words in text, text
-    assert issubclass(kind, ValueError | FileNotFoundError)
+    assert issubclass(kind, ValueError | FileNotFoundError | TypeError)
+    assert "Fix" in text or case == "step", text
 
 
 def test_every_restore_route_reads_the_same_bits(tmp_path):
