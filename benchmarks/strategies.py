@@ -5,7 +5,7 @@ reference transformer (``small``: 4 layers, d=128, 4 heads, vocab 512, seq 128;
 ``ep`` runs the same with a 4-expert top-2 mixture-of-experts MLP, capacity
 factor 1.0, since expert parallelism needs experts), AdamW, global batch 16, one table:
 
-* params / opt state per device: from ``Strategy.explain`` (no allocation);
+* params / opt state per device: from ``ns.explain`` (no allocation);
 * state per device (compiled): ``argument_size_in_bytes`` of the compiled train
   step's ``memory_analysis()`` minus the batch (what the step really takes in);
   temp: its ``temp_size_in_bytes`` (activations, gathered parameters, ...);

@@ -1,4 +1,4 @@
-"""Per-stage bytes of a pipelined model (``nnx_shard.pipeline.explain``): each
+"""Per-stage bytes of a pipelined model (``nnx_shard.pipeline.stage_report``): each
 stage's share of the layer stack and of its optimizer state, what lies outside
 the stack, and the activations the schedule keeps in flight.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -89,8 +90,8 @@ class StageReport:
         return "\n".join(lines)
 
 
-def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
-            carry: Any, microbatches: int) -> StageReport:
+def stage_report(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
+                 carry: Any, microbatches: int) -> StageReport:
     """Per-stage parameter, optimizer and activation bytes of ``model`` (concrete or
     abstract) pipelined by ``strategy`` (a pp preset, or rules with the ``pipeline``
     option) on ``mesh``.
@@ -107,8 +108,8 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     >>> cfg = dataclasses.replace(get_config("tiny"), layers=8, scan_layers=True)
     >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     >>> x = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
-    >>> r = explain(model, "stage=4,data=2", ns.strategies.get("pp"), optax.adam(1e-3),
-    ...             carry=x, microbatches=8)
+    >>> r = stage_report(model, "stage=4,data=2", ns.strategies.get("pp"), optax.adam(1e-3),
+    ...                  carry=x, microbatches=8)
     >>> r.groups[1], r.microbatch_bytes, r.bubble
     ((2, 3), 2048, 0.2727272727272727)
     >>> print(r)   # doctest: +NORMALIZE_WHITESPACE
@@ -119,20 +120,20 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     3      6-7     64.50 KiB     129.00 KiB  34.12 KiB     68.25 KiB  62.00 KiB    357.88 KiB
     GPipe: 4 stages, 8 microbatches of 2.00 KiB per device, bubble 27.3% of stage-steps
     """
-    m = count(microbatches, "pipeline.explain: microbatches", fix="e.g. microbatches=8")
+    m = count(microbatches, "pipeline.stage_report: microbatches", fix="e.g. microbatches=8")
     if isinstance(strategy, str):  # a preset's name
         strategy = get(strategy)
     rules = getattr(strategy, "rules", strategy)
     if not isinstance(rules, Rules):
         raise ShardingError(
-            f"pipeline.explain: strategy must be a pp preset (its name or Strategy) or Rules "
+            f"pipeline.stage_report: strategy must be a pp preset (its name or Strategy) or Rules "
             f"with the pipeline option, got {type(strategy).__name__} {short(strategy, 60)}. "
             "Fix: e.g. ns.strategies.get('pp')")
     opt_rules = getattr(strategy, "opt_rules", None)
     sched = rules.options.get(OPTION)
     if not isinstance(sched, Schedule):
         raise ShardingError(
-            f"pipeline.explain: the rules carry no pipeline option (got {sched!r}). Fix: pass "
+            f"pipeline.stage_report: the rules carry no pipeline option (got {sched!r}). Fix: pass "
             "a pp strategy, e.g. ns.strategies.get('pp'), or "
             "rules.with_options(pipeline=Schedule())."
         )
@@ -143,7 +144,7 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     check_stack(state, sizes, sched)
     if sched.axis not in sizes:
         raise ShardingError(
-            f"pipeline.explain: the mesh ({', '.join(f'{k}={v}' for k, v in sizes.items())}) "
+            f"pipeline.stage_report: the mesh ({', '.join(f'{k}={v}' for k, v in sizes.items())}) "
             f"has no {sched.axis!r} axis. Fix: e.g. make_mesh('{sched.axis}=4,data=2')."
         )
     rep = report(model, mesh, rules, optimizer, opt_rules=opt_rules)
@@ -174,16 +175,16 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
         where = f"carry{jax.tree_util.keystr(path)}"
         if shape is None or not hasattr(x, "dtype") or not shape:
             raise ShardingError(
-                f"pipeline.explain: {where} is {type(x).__name__} {short(x, 60)}, not an array "
+                f"pipeline.stage_report: {where} is {type(x).__name__} {short(x, 60)}, not an array "
                 "with a leading batch axis. Fix: the activations entering the stack, e.g. "
                 "jax.ShapeDtypeStruct((batch, length, embed), jnp.float32)")
         if shape[0] % (m * data):
             raise ShardingError(
-                f"pipeline.explain: {where} has {shape[0]} rows, which do not split into "
+                f"pipeline.stage_report: {where} has {shape[0]} rows, which do not split into "
                 f"microbatches={m} on each of {data} data replica(s). Fix: a batch that is a "
                 f"multiple of {m * data}, or another number of microbatches")
     if not leaves:
-        raise ShardingError("pipeline.explain: carry holds no array. Fix: e.g. "
+        raise ShardingError("pipeline.stage_report: carry holds no array. Fix: e.g. "
                             "carry=jax.ShapeDtypeStruct((batch, length, embed), jnp.float32)")
     whole = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for _, x in leaves)
     micro = whole // (m * data)
@@ -194,3 +195,27 @@ def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
                        other_param_bytes=total("params", False),
                        other_opt_bytes=total("optimizer", False),
                        microbatch_bytes=micro, activation_bytes=acts, bubble=bubble(s, m, v))
+
+
+def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
+            carry: Any, microbatches: int) -> StageReport:
+    """Deprecated: ``ns.pipeline.stage_report`` (the same arguments, checks and result).
+
+    ``ns.explain`` is the per-parameter report of any strategy; the per-stage bytes
+    of a pipeline are :func:`stage_report`.
+
+    >>> import pytest, jax.numpy as jnp
+    >>> import nnx_shard as ns
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> cfg = dataclasses.replace(get_config("tiny"), layers=4, scan_layers=True)
+    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> x = jax.ShapeDtypeStruct((8, cfg.length, cfg.embed), jnp.float32)
+    >>> with pytest.warns(DeprecationWarning, match="ns.pipeline.stage_report"):
+    ...     r = explain(model, "stage=4,data=2", "pp", carry=x, microbatches=4)
+    >>> r.stages
+    4
+    """
+    warnings.warn("ns.pipeline.explain is deprecated: use ns.pipeline.stage_report(model, mesh, "
+                  "strategy, optimizer, carry=..., microbatches=...), the same per-stage report "
+                  "(ns.explain is the per-parameter one).", DeprecationWarning, stacklevel=2)
+    return stage_report(model, mesh, strategy, optimizer, carry=carry, microbatches=microbatches)

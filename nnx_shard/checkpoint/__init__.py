@@ -12,6 +12,12 @@ through one device. :class:`Checkpointer` saves every N steps in the
 background, keeps the last K, and is what ``Trainer.fit(checkpointer=...,
 resume=True)`` uses.
 
+One way per use, one implementation behind them (the same checks, the same
+errors): a checkpoint by hand is :func:`save` / :func:`restore`; in a training run it
+is a :class:`Checkpointer` given to ``Trainer.fit``, whose :meth:`Checkpointer.save`
+writes what :func:`save` writes and whose :meth:`Checkpointer.restore` is
+:func:`restore`. ``restore_into`` (in place) is deprecated: it warns and delegates.
+
 On disk, one directory per step, written by orbax's ``CheckpointManager``::
 
     <directory>/<step>/model/       arrays (tensorstore, zarr in OCDBT)

@@ -1,11 +1,12 @@
 """Reading a step back onto any mesh: the step to read, matching its leaves to the
 targets, checking the manifest and checksums, and :func:`restore` /
-:func:`restore_into`."""
+:func:`restore_in_place` (what ``Trainer.fit(resume=True)`` runs)."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from nnx_shard.checkpoint.manifest import (
     var_value,
 )
 from nnx_shard.checkpoint.save import manager
-from nnx_shard.errors import count
+from nnx_shard.errors import count, short
 
 # --------------------------------------------------------------------------- restore
 
@@ -153,6 +154,20 @@ def _corrupt(where: pathlib.Path, e: BaseException) -> ValueError:
     )
 
 
+def check_targets(targets: Mapping[str, Any]) -> None:
+    """Every restore route's first check: each target is an NNX object (before the
+    directory is looked at, so a wrong target is named whatever the disk holds)."""
+    for name, obj in targets.items():
+        if not (isinstance(obj, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(obj)):
+            raise TypeError(
+                f"restore: {name} must be an NNX object (nnx.Module or nnx.Optimizer), got "
+                f"{type(obj).__name__} {short(obj, 60)}. Fix: a target that says where every "
+                f"array goes, e.g. {name}=ns.abstract_init(factory, mesh, strategy)"
+                + (" and optimizer=ns.sharded_optimizer(model, tx, mesh, strategy)."
+                   if name == "optimizer" else ".")
+            )
+
+
 def _read(
     directory: pathlib.Path, step: int | None, targets: Mapping[str, Any]
 ) -> tuple[int, dict[str, Any], dict[str, Any]]:
@@ -161,6 +176,7 @@ def _read(
     Returns (step, {item: new State}, extra).
     """
     ocp = orbax_module()
+    check_targets(targets)
     if step is not None:
         step = count(step, "restore: step", least=0,
                      fix="a saved step number, or step=None for the latest")
@@ -322,12 +338,14 @@ def _uncommitted(x: jax.Array) -> jax.Array:
     return jax.device_put(np.asarray(x))
 
 
-def restore_into(
+def restore_in_place(
     directory: str | os.PathLike[str], model: nnx.Module, optimizer: nnx.Optimizer | None,
     step: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Restores in place, into the layouts ``model``/``optimizer`` have now; returns
-    ``(step, extra)``. (What ``Trainer.fit(resume=True)`` uses.)
+    """:func:`restore`'s read, written into ``model``/``optimizer`` in the layouts they
+    have now; returns ``(step, extra)``. This is what ``Trainer.fit(checkpointer=...,
+    resume=True)`` runs: a training run keeps its objects. To restore by hand, call
+    :func:`restore` (new objects, the same checks and errors).
 
     >>> import tempfile
     >>> from flax import nnx
@@ -335,13 +353,14 @@ def restore_into(
     >>> d = tempfile.mkdtemp()
     >>> _ = save(d, 5, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)), extra={"a": 1})
     >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(1))
-    >>> restore_into(d, model, None), float(model.kernel[0, 0]) == float(
+    >>> restore_in_place(d, model, None), float(model.kernel[0, 0]) == float(
     ...     nnx.Linear(1, 1, rngs=nnx.Rngs(0)).kernel[0, 0])
     ((5, {'a': 1}), True)
     """
     targets: dict[str, Any] = {"model": model}
     if optimizer is not None:
         targets["optimizer"] = optimizer
+    check_targets(targets)
     # A fresh eager model (values not yet committed to a device) restores as one: orbax
     # returns committed arrays, and a committed single-device value cannot join a
     # Trainer's mesh, while an uncommitted one is placed on it like the fresh model was.
@@ -358,3 +377,30 @@ def restore_into(
                     for x, loose in zip(leaves, fresh[name], strict=True)])
         nnx.update(obj, state)
     return step, extra
+
+
+def restore_into(
+    directory: str | os.PathLike[str], model: nnx.Module, optimizer: nnx.Optimizer | None,
+    step: int | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Deprecated: ``ns.restore(directory, model=..., optimizer=...)`` restores by hand
+    (new objects); ``Trainer.fit(checkpointer=..., resume=True)`` resumes a run in place.
+
+    Still restores in place (the read of :func:`restore`, its checks and errors) and
+    returns ``(step, extra)``.
+
+    >>> import pytest, tempfile
+    >>> from flax import nnx
+    >>> from nnx_shard.checkpoint import save
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save(d, 5, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)), extra={"a": 1})
+    >>> with pytest.warns(DeprecationWarning, match="ns.restore"):
+    ...     restore_into(d, nnx.Linear(1, 1, rngs=nnx.Rngs(1)), None)
+    (5, {'a': 1})
+    """
+    warnings.warn(
+        "nnx_shard.checkpoint.restore_into is deprecated: use ns.restore(directory, "
+        "model=..., optimizer=...) to restore by hand, or Trainer.fit(checkpointer=..., "
+        "resume=True) to resume a run; both run the same checks.",
+        DeprecationWarning, stacklevel=2)
+    return restore_in_place(directory, model, optimizer, step)

@@ -112,8 +112,8 @@ def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
     if sched is None or sched.axis not in sizes:
         return None
     carry = jax.ShapeDtypeStruct((batch, seq, cfg.embed), jnp.dtype(cfg.dtype))
-    return pipeline.explain(model, abstract_mesh(sizes), strat, tx, carry=carry,
-                            microbatches=sizes[sched.axis])
+    return pipeline.stage_report(model, abstract_mesh(sizes), strat, tx, carry=carry,
+                                 microbatches=sizes[sched.axis])
 
 
 def _lay_out(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,

@@ -29,6 +29,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard.errors import (
     ShardingError,
+    UsageError,
     count,
     flag,
     is_sharding_type_error,
@@ -260,7 +261,9 @@ class Fused:
       after the K steps, inside the compiled call, updating ``nodes_after`` in
       place (the Trainer's NaN guard checks the call's result there, not every
       step);
-    * ``entry``: the call error messages name (default ``multistep(step_fn)(...)``).
+    * ``entry``: the call error messages name (default ``multistep(step_fn)(...)``);
+    * ``owner``: the constructor its option errors name (``"Trainer"``): the same
+      checks, word for word, whichever of the two took the options.
 
     Attributes:
       traces: how many times the step was traced (one per compilation).
@@ -281,10 +284,11 @@ class Fused:
         finish: Callable[[Any, Any, Any], Any] | None = None,
         entry: str | None = None,
         precision: Precision | None = None,
+        owner: str = "multistep",
     ) -> None:
-        _check_options(step_fn, microbatches, max_in_flight, unroll)
-        flag(donate, "donate")
-        self.precision = as_precision(precision, "multistep: precision")
+        check_options(step_fn, microbatches, max_in_flight, unroll, owner)
+        flag(donate, f"{owner}: donate")
+        self.precision = as_precision(precision, f"{owner}: precision")
         self.step_fn = step_fn
         self.donate = donate
         self.microbatches = microbatches
@@ -794,21 +798,23 @@ def multistep(
                  unroll=unroll, precision=precision)
 
 
-def _check_options(step_fn: Any, microbatches: Any, max_in_flight: Any, unroll: Any) -> None:
+def check_options(step_fn: Any, microbatches: Any, max_in_flight: Any, unroll: Any,
+                   owner: str = "multistep") -> None:
     """The checks of :func:`multistep`'s arguments (made by :class:`Fused` itself, so a
-    Fused built directly gets them too)."""
+    Fused built directly, and :class:`~nnx_shard.Trainer` on it, get them too), the
+    message naming ``owner``, the call that took them."""
     if not callable(step_fn):
         raise TypeError(f"multistep expects a callable step function, got {step_fn!r}")
-    count(microbatches, "microbatches", fix="e.g. microbatches=2, or 1 for no split")
+    count(microbatches, f"{owner}: microbatches", fix="e.g. microbatches=2, or 1 for no split")
     if max_in_flight is not None and (
         not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1
     ):
-        raise ValueError(
-            f"multistep: max_in_flight must be a positive int or None (unbounded), got "
+        raise UsageError(
+            f"{owner}: max_in_flight must be a positive int or None (unbounded), got "
             f"{max_in_flight!r}. Fix: e.g. max_in_flight=2 (the default)."
         )
     if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
-        raise ValueError(
-            f"unroll must be a positive int (steps per loop iteration), got "
+        raise UsageError(
+            f"{owner}: unroll must be a positive int (steps per loop iteration), got "
             f"{unroll!r}. Fix: e.g. unroll=1 (the default, a rolled loop) or 2."
         )

@@ -237,7 +237,8 @@ def as_precision(value: Any, where: str = "precision") -> Precision | None:
     if value is None or isinstance(value, Precision):
         return value
     raise UsageError(f"{where} must be an nnx_shard.Precision or None, got {value!r}. Fix: "
-                     f"{where}=ns.Precision(params=jnp.float32, compute=jnp.bfloat16).")
+                     f"{where.rpartition(' ')[2]}=ns.Precision(params=jnp.float32, "
+                     "compute=jnp.bfloat16).")
 
 
 def _float_of(x: Any) -> np.dtype | None:

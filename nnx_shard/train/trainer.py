@@ -13,13 +13,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_shard.checkpoint import Checkpointer, restore_into
+from nnx_shard.checkpoint import Checkpointer
+from nnx_shard.checkpoint.restore import restore_in_place
 from nnx_shard.errors import UsageError, count, flag, short
 from nnx_shard.init import StrategyLike, tables
 from nnx_shard.mesh import make_mesh, use
 from nnx_shard.rules import Rules
 from nnx_shard.train.feed import Feed, groups, iter_group_sizes
-from nnx_shard.train.fused import Fused
+from nnx_shard.train.fused import Fused, check_options
 from nnx_shard.train.guard import (
     DEFAULT_GUARD,
     Guard,
@@ -133,7 +134,7 @@ class Trainer:
                 f"Trainer: loss_fn must be callable as loss_fn(model, batch), got "
                 f"{short_repr(loss_fn)}."
             )
-        steps_per_call = count(steps_per_call, "steps_per_call", fix="e.g. steps_per_call=10")
+        steps_per_call = count(steps_per_call, "Trainer: steps_per_call", fix="e.g. steps_per_call=10")
         if isinstance(batch_names, str | bytes) or not isinstance(batch_names, Sequence) or not (
                 batch_names and all(n is None or (isinstance(n, str) and n) for n in batch_names)):
             raise UsageError(
@@ -141,6 +142,8 @@ class Trainer:
                 f"leading dim of every batch leaf, got {short(batch_names, 60)}. Fix: e.g. "
                 "batch_names=('batch',) or ('batch', 'length')")
         flag(has_aux, "Trainer: has_aux")
+        # multistep's own checks of the options both take, naming Trainer
+        check_options(loss_fn, microbatches, None, unroll, "Trainer")
         flag(donate, "Trainer: donate")
         self.precision = as_precision(precision, "Trainer: precision")
         if self.precision is not None:
@@ -175,11 +178,12 @@ class Trainer:
         self._fused = Fused(
             step, donate=donate, microbatches=microbatches,
             max_in_flight=None, unroll=unroll, finish=finish, entry="Trainer.fit",
-            precision=self.precision,
+            precision=self.precision, owner="Trainer",
         )
         careful_step, self._checked = make_step(loss_fn, has_aux)
         self._careful = Fused(careful_step, donate=donate, microbatches=microbatches,
-                              max_in_flight=None, entry="Trainer.fit", precision=self.precision)
+                              max_in_flight=None, entry="Trainer.fit", precision=self.precision,
+                              owner="Trainer")
 
     @property
     def guard(self) -> str:
@@ -417,7 +421,7 @@ class Trainer:
         latest = checkpointer.latest_step()
         if resume and latest is not None:
             checkpointer.wait()
-            step, extra = restore_into(checkpointer.directory, self.model, self.optimizer)
+            step, extra = restore_in_place(checkpointer.directory, self.model, self.optimizer)
             self.step = int(extra.get("step", step))
             self.data_position = int(extra.get("data_position", self.step))
             resumed = True

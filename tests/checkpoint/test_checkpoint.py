@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import nnx_shard as ns
+from nnx_shard.checkpoint.restore import restore_in_place
 from nnx_shard.simulated import simulated_env
 from nnx_shard.train.feed import group_sizes as _group_sizes
 from tests._shared import MLP
@@ -480,7 +481,7 @@ def test_resume_a_fresh_unplaced_model_onto_the_trainers_mesh(tmp_path):
 
     run(0, 4, False)
     fresh = Net(7)
-    ns.checkpoint.restore_into(tmp_path, fresh, None)
+    restore_in_place(tmp_path, fresh, None)  # what fit(resume=True) runs
     assert not any(x.committed for x in jax.tree.leaves(nnx.state(fresh)))
     t, model = run(7, 6, True)
     assert t.step == 6

@@ -53,7 +53,7 @@ def test_the_ops_are_attributes_of_the_package_and_live_in_parallel():
     assert ns.pipeline is ns.parallel.pipeline
     assert ns.collective_matmul is ns.parallel.collective_matmul
     assert ns.attention.attention is ns.models.attention
-    assert ns.pipeline.explain.__module__ == "nnx_shard.pipeline_report"
+    assert ns.pipeline.stage_report.__module__ == "nnx_shard.pipeline_report"
     assert "nnx_shard.ring" not in sys.modules  # no alias module paths
 
 

@@ -149,8 +149,8 @@ def test_explain_per_stage_matches_the_arrays(run: Run) -> None:
     cfg = run.model.cfg
     v = run.strategy.rules.options["pipeline"].repeats
     carry = jax.ShapeDtypeStruct((BATCH, cfg.length, cfg.embed), jnp.float32)
-    r = pipeline.explain(run.model, run.mesh, run.strategy, optax.adam(LR), carry=carry,
-                         microbatches=m)
+    r = pipeline.stage_report(run.model, run.mesh, run.strategy, optax.adam(LR), carry=carry,
+                              microbatches=m)
     stack = nnx.state(run.model.blocks, nnx.Param)
     other = nnx.state(run.model, nnx.Param)
     del other["blocks"]
@@ -351,7 +351,7 @@ def test_remat_per_stage_same_values_less_memory() -> None:
             temp = fused.lower(model, opt, b).compile().memory_analysis().temp_size_in_bytes
             metrics = jax.device_get(fused(model, opt, b))
         carry = jax.ShapeDtypeStruct((BATCH, cfg.length, cfg.embed), jnp.float32)
-        acts = pipeline.explain(model, mesh, s, carry=carry, microbatches=2).activation_bytes
+        acts = pipeline.stage_report(model, mesh, s, carry=carry, microbatches=2).activation_bytes
         out[remat] = (metrics, nnx.state(model, nnx.Param), temp, acts)
     assert_close(out[True][0], out[False][0], RTOL, "loss and grads")
     assert_close(out[True][1], out[False][1], RTOL_PARAMS, "params")
@@ -633,12 +633,10 @@ def test_pipeline_explain_refuses_microbatches_that_would_give_wrong_bytes(micro
     carry = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
     mesh = ns.make_mesh({"stage": 4, "data": 1}, devices=jax.devices()[:4])
     with pytest.raises(ns.NnxShardError, match=match):
-        ns.pipeline.explain(model, mesh, "pp", carry=carry,
-                            microbatches=microbatches)
-    report = ns.pipeline.explain(model, mesh, "pp", carry=carry,
-                                 microbatches=4)
+        ns.pipeline.stage_report(model, mesh, "pp", carry=carry, microbatches=microbatches)
+    report = ns.pipeline.stage_report(model, mesh, "pp", carry=carry, microbatches=4)
     assert report.microbatch_bytes == 16 * cfg.length * cfg.embed * 4 // 4
     with pytest.raises(ns.ShardingError, match=r"carry is int 5, not an array"):
-        ns.pipeline.explain(model, mesh, "pp", carry=5, microbatches=4)
+        ns.pipeline.stage_report(model, mesh, "pp", carry=5, microbatches=4)
     with pytest.raises(ns.ShardingError, match=r"unknown strategy 'nope'"):
-        ns.pipeline.explain(model, mesh, "nope", carry=carry, microbatches=4)
+        ns.pipeline.stage_report(model, mesh, "nope", carry=carry, microbatches=4)

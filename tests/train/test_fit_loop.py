@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.checkpoint import restore_into
+from nnx_shard.checkpoint.restore import restore_in_place
 from nnx_shard.mesh import make_mesh
 from nnx_shard.rules import as_rules
 from nnx_shard.train import Fused, Trainer, run
@@ -139,7 +139,7 @@ def test_checkpoints_hold_the_state_of_their_step(tmp_path, monkeypatch):
     assert_state(t, want[12])
     for step in (4, 8, 12):
         model, opt = model_and_opt()
-        got, extra = restore_into(tmp_path / "ckpt", model, opt, step=step)
+        got, extra = restore_in_place(tmp_path / "ckpt", model, opt, step=step)
         assert got == step and extra == {"step": step, "data_position": step}
         assert_close(jax.tree.map(np.asarray, nnx.state((model, opt))), want[step], RTOL,
                      f"checkpoint {step}")

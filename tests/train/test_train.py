@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.checkpoint import restore_into
+from nnx_shard.checkpoint.restore import restore_in_place
 from nnx_shard.simulated import simulated_env
 from nnx_shard.train import Fused, Trainer, multistep, placement, shard_batch, value_and_grad
 from nnx_shard.train.guard import GRAD_SQ, Guard, guard_call
@@ -774,7 +774,7 @@ def test_nan_guard_modes_never_save_a_non_finite_state(tmp_path, mode, route, ba
     else:
         assert ckpt.latest_step() == 3
         fresh = build()
-        step, extra = restore_into(ckpt.directory, fresh.model, fresh.optimizer)
+        step, extra = restore_in_place(ckpt.directory, fresh.model, fresh.optimizer)
         assert step == 3 and extra["step"] == 3
         assert all_finite(fresh.model, fresh.optimizer)
         assert_close(nnx.state((fresh.model, fresh.optimizer)), after(3), RTOL, "saved state")
