@@ -110,14 +110,12 @@ class Evaluator:
                 "optimizer": opts.optimizer, "guard": opts.guard, "v": self.version}
         return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
-
     def done(self, c: Candidate, result: dict[str, Any], bar: Any) -> None:
         self.store.put(self.key_of(c), result)
         self.counters["compiled"] += 1
         self.applied(c, result)
         bar.set_postfix_str(c.label, refresh=False)
         bar.update(1)
-
 
     def applied(self, c: Candidate, result: Mapping[str, Any]) -> None:
         """Applies a compile's ``result`` to ``c``."""
@@ -251,7 +249,6 @@ class Evaluator:
         self.applied(c, result)
         self.same[c.label] = lead.label
         bar.update(1)
-
 
 
 def apply_result(c: Candidate, result: Mapping[str, Any], memory: int | None, hw: Hardware) -> None:

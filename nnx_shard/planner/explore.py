@@ -66,7 +66,6 @@ REMAT_TIME_FLOORS: dict[tuple[str, str], float] = {
     ("none", "dots"): 0.6, ("none", "full"): 0.45, ("dots", "full"): 0.7}
 
 
-
 class Search(Evaluator):
     """The compiles of one :func:`auto` call: the budget, and the candidates as they
     are ranked, dropped or pruned."""
@@ -112,7 +111,6 @@ class Search(Evaluator):
                     f"{PRUNE_MARGIN}x the {fmt_bytes(self.p.memory or 0)} available "
                     "(not compiled)")
         return True
-
 
     def applied(self, c: Candidate, result: Mapping[str, Any]) -> None:
         """Applies a compile's ``result`` to ``c`` and keeps the times the search
@@ -193,7 +191,6 @@ class Search(Evaluator):
         self.budget += 1  # not compiled after all
         bar.update(1)
         return True
-
 
     def one_stage(self, first: list[Candidate]) -> list[Candidate]:
         """``first`` without the pipelines over one stage whose every array is laid out

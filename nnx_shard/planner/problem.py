@@ -139,7 +139,6 @@ def batch_problem(strat: Strategy, sizes: dict[str, int], batch: int, seq: int,
     return None
 
 
-
 def resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Problem:
     """Checks ``opts``, resolves ``model`` and builds it abstractly (nothing allocated);
     ``user``: a model of the user's own, with its loss and batch.

@@ -58,7 +58,6 @@ class NothingFits(NnxShardError, ValueError):
         self.plan = plan
 
 
-
 def auto(model: Any = "small", options: AutoOptions | None = None, *,
          loss: Callable[[Any, Any], Any] | None = None, batch_spec: Any = None,
          aliases: Mapping[str, str] | None = None, **knobs: Any) -> Plan:
