@@ -61,8 +61,8 @@ def main() -> None:
             mb = 2 * sizes["stage"] if "stage" in sizes else 1
             label = f"{name} {sizes_str(sizes)} remat={remat} mb={mb}"
             try:
-                abstract = strat.abstract_init(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)),
-                                               mesh)
+                abstract = ns.abstract_init(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)),
+                                            mesh, strat)
                 formula = planner.formula_bytes(abstract, cfg, strat, sizes, tx,
                                                  args.batch // mb, args.seq, remat)
                 compiled = planner.compile_step(

@@ -488,7 +488,7 @@ def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
     compiled = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy,
                                     sizes, batch=16, seq=32, microbatches=mb)["total"]
     mesh = ns.make_mesh(sizes, devices=jax.devices()[:8])
-    abstract = strat.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    abstract = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strat)
     formula = planner.formula_bytes(abstract, cfg, strat, sizes, optimizer("adamw"),
                                      16 // mb, 32, remat)
     # 1.07: the largest measured (benchmarks/formula_bound.py), under the margin.
