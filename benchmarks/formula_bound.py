@@ -36,7 +36,7 @@ from nnx_shard import planner, strategies
 from nnx_shard.axes import sizes_str
 from nnx_shard.models import Transformer, get_config
 from nnx_shard.optimizers import get as optimizer
-from nnx_shard.planner.search import enumerate_layouts
+from nnx_shard.planner.layouts import enumerate_layouts
 
 
 def main() -> None:

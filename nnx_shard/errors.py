@@ -6,8 +6,10 @@ import contextlib
 import importlib.util
 import linecache
 import os
+import pathlib
 import re
 import reprlib
+import stat
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -133,6 +135,85 @@ def flag(value: Any, name: str) -> bool:
         raise UsageError(f"{name} must be True or False, got {short(value, 60)} "
                          f"({type(value).__name__}). Fix: {arg}=True or {arg}=False")
     return bool(value)
+
+
+def mode_kind(mode: int) -> str:
+    """What a ``stat`` mode is, in a message's words.
+
+    >>> import stat
+    >>> mode_kind(stat.S_IFDIR), mode_kind(stat.S_IFREG), mode_kind(stat.S_IFIFO)
+    ('a folder', 'a file', 'a FIFO')
+    """
+    return ("a folder" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def path_kind(path: str | os.PathLike[str]) -> str | None:
+    """What is at ``path`` (a link followed), in a message's words; ``None`` where
+    nothing is.
+
+    >>> path_kind("nnx_shard"), path_kind("pyproject.toml"), path_kind("no/such/path")
+    ('a folder', 'a file', None)
+    """
+    try:
+        return mode_kind(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a parent is a file
+        return "a symbolic link to nothing" if os.path.islink(path) else None
+    except OSError as e:  # a loop of links, a name too long
+        return f"a path that cannot be looked at ({e.strerror or e})"
+
+
+def check_path(path: str | os.PathLike[str], who: str, *, want: str = "folder", fix: str,
+               expected: str | None = None, name: str | None = None,
+               missing_ok: bool = False, error: type[Exception] = FileNotFoundError,
+               kind_error: type[Exception] | None = None) -> None:
+    """Refuses ``path`` unless it is a ``want`` (``"folder"`` or ``"file"``) this
+    process may read; ``missing_ok``: a folder that is created when missing, so only
+    what is there is checked (the path, then the first of its parents that exists).
+
+    The message starts with ``who``, names the path as ``name`` (default: the path),
+    says what was ``expected`` (default ``"a folder"`` or ``"a file"``), what was
+    found, and ends with ``Fix: {fix}``. A path that is missing or cannot be read
+    raises ``error``, one of another kind ``kind_error`` (default ``error``), so
+    that each caller keeps the type it documents.
+
+    >>> check_path("nnx_shard", "load", fix="pass a checkpoint folder")
+    >>> check_path("pyproject.toml", "load", fix="pass a checkpoint folder")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: load: pyproject.toml is a file, not a folder. Fix: pass a checkpoint folder
+    >>> check_path("no/such", "load", want="file", expected="a config.json", fix="pass one")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: load: no/such is not a config.json (nothing is there). Fix: pass one
+    """
+    if want not in ("folder", "file"):
+        raise ValueError(f"check_path: want must be 'folder' or 'file', got {want!r}")
+    expected = expected or f"a {want}"
+    name = name or os.fspath(path)
+    wrong = kind_error or error
+    right = "a folder" if want == "folder" else "a file"
+    kind = path_kind(path)
+    if kind is None:
+        if not missing_ok:
+            raise error(f"{who}: {name} is not {expected} (nothing is there). Fix: {fix}")
+        # Created when missing: the first parent that exists must be a folder.
+        for parent in pathlib.Path(os.path.abspath(path)).parents:
+            above = path_kind(parent)
+            if above is None:
+                continue
+            if above != "a folder":
+                raise wrong(f"{who}: {name} is under {parent}, which is {above}, not "
+                            f"{expected}. Fix: {fix}")
+            return
+        return
+    if kind != right:
+        raise wrong(f"{who}: {name} is {kind}, not {expected}. Fix: {fix}")
+    if not missing_ok and not os.access(path, os.R_OK | (os.X_OK if want == "folder" else 0)):
+        raise error(f"{who}: {name} is {kind} this process may not read. Fix: give it read "
+                    f"permission, or {fix}")
 
 
 def raise_collected(errors: list[str], what: str = "variables") -> None:

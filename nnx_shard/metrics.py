@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from nnx_shard.errors import check_path
+
 JSONL_NAME = "metrics.jsonl"
 #: Rows a later run wrote again (see :class:`MetricsWriter`) move here, not away.
 REPLACED_NAME = "metrics.replaced.jsonl"
@@ -65,13 +67,9 @@ def _directory(directory: Any) -> Path:
             "directory). Fix: name a folder, e.g. MetricsWriter('logs') or "
             "MetricsWriter('.') for the current one."
         )
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(
-            f"MetricsWriter: directory {text!r:.200} is a file, not a folder. Fix: name a "
-            "folder (created if missing)."
-        )
-    return path
+    check_path(text, "MetricsWriter", name=f"directory {text!r:.200}", missing_ok=True,
+               kind_error=NotADirectoryError, fix="name a folder (created if missing).")
+    return Path(text)
 
 
 class MetricsWriter:

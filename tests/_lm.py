@@ -50,9 +50,9 @@ def lm_run(strategy, mesh, cfg, batches: dict[str, np.ndarray], lr: float,
     ``strategy`` on ``mesh``, then trained with Adam over the host ``batches``
     (``[K, batch, length]``) in one fused call, whose compilation is the one
     inspected (``Run.hlo``)."""
-    model = strategy.sharded_init(lambda: model_class(cfg, rngs=nnx.Rngs(0)), mesh)
+    model = ns.sharded_init(lambda: model_class(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     init_params = jax.device_get(nnx.state(model, nnx.Param))
-    opt = strategy.optimizer(model, optax.adam(lr), mesh)
+    opt = ns.sharded_optimizer(model, optax.adam(lr), mesh, strategy)
     with ns.use(mesh, strategy.rules):
         batch = ns.shard_batch(batches, mesh, strategy.rules, ("batch", "length"), steps=True)
         fused = ns.multistep(lm_step, microbatches=microbatches)
@@ -94,8 +94,8 @@ def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
 
     strat = ns.strategies.get(strategy)
     mesh = ns.make_mesh(sizes)
-    model = strat.abstract_init(lambda: Transformer(get_config(config), rngs=nnx.Rngs(0)), mesh)
-    opt = strat.optimizer(model, optimizer("adamw"), mesh)
+    model = ns.abstract_init(lambda: Transformer(get_config(config), rngs=nnx.Rngs(0)), mesh, strat)
+    opt = ns.sharded_optimizer(model, optimizer("adamw"), mesh, strat)
     spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh)
     tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,
                                   sharding=NamedSharding(mesh, spec))

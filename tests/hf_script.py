@@ -41,8 +41,8 @@ def load() -> tuple[object, object, object, dict[str, int]]:
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(8)
     cfg = LlamaConfig.from_hf(FIXTURE, scan_layers=True)
-    model = ns.load_safetensors(FIXTURE, s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
-                                                         mesh))
+    model = ns.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+                                                          mesh, s))
     safetensors_io.read_slice = read
     return model, mesh, s, counted
 

@@ -81,8 +81,8 @@ def test_llama_adapters_carry_the_kernels_names(scan):
 def test_sharded_adapters_follow_their_layer():
     strategy = ns.strategies.fsdp_tp()
     mesh = strategy.make_mesh(8)
-    model = strategy.sharded_init(
-        lambda: ns.lora(_llama(), 4, 8.0, targets=r"attn/(q|o)$"), mesh)
+    model = ns.sharded_init(
+        lambda: ns.lora(_llama(), 4, 8.0, targets=r"attn/(q|o)$"), mesh, strategy)
     q = model.blocks[0].attn.q
     kernel = tuple(q.base.get_value().sharding.spec)
     assert tuple(q.lora_a.get_value().sharding.spec) == (kernel[0], None)
@@ -101,8 +101,8 @@ def _tokens(n=8):
 def test_training_only_the_adapters_keeps_the_base_bitwise(tmp_path):
     strategy = ns.strategies.fsdp()
     mesh = strategy.make_mesh(8)
-    model = strategy.sharded_init(lambda: ns.lora(_llama(scan=True), 4, 8.0), mesh)
-    opt = strategy.optimizer(model, optax.adam(1e-2), mesh, wrt=nnx.LoRAParam)
+    model = ns.sharded_init(lambda: ns.lora(_llama(scan=True), 4, 8.0), mesh, strategy)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-2), mesh, strategy, wrt=nnx.LoRAParam)
     state_paths = [jax.tree_util.keystr(p) for p, _ in
                    jax.tree_util.tree_leaves_with_path(nnx.state(opt.opt_state))]
     moments = [p for p in state_paths if "count" not in p]
@@ -123,8 +123,8 @@ def test_training_only_the_adapters_keeps_the_base_bitwise(tmp_path):
                     strict=True):
         assert not np.array_equal(a, b)
     ns.save(tmp_path, 4, model=model, optimizer=opt)
-    fresh = strategy.sharded_init(lambda: ns.lora(_llama(scan=True), 4, 8.0, rngs=9), mesh)
-    fresh_opt = strategy.optimizer(fresh, optax.adam(1e-2), mesh, wrt=nnx.LoRAParam)
+    fresh = ns.sharded_init(lambda: ns.lora(_llama(scan=True), 4, 8.0, rngs=9), mesh, strategy)
+    fresh_opt = ns.sharded_optimizer(fresh, optax.adam(1e-2), mesh, strategy, wrt=nnx.LoRAParam)
     back, back_opt, _ = ns.restore(tmp_path, model=fresh, optimizer=fresh_opt)
     for a, b in zip(jax.tree.leaves(nnx.state((model, opt))),
                     jax.tree.leaves(nnx.state((back, back_opt))), strict=True):
@@ -200,8 +200,8 @@ def _compiled_opt_init(rank: int, wrt: Any = nnx.LoRAParam) -> tuple[Any, Any, i
 
     strategy = ns.strategies.fsdp()
     mesh = strategy.make_mesh(8)
-    model = strategy.sharded_init(
-        lambda: ns.lora(_llama(), rank, 8.0, targets=r"attn/(q|v|o)$|mlp/down$"), mesh)
+    model = ns.sharded_init(
+        lambda: ns.lora(_llama(), rank, 8.0, targets=r"attn/(q|v|o)$|mlp/down$"), mesh, strategy)
     _, lowered, _ = _lower_optimizer(model, optax.adam(1e-3), mesh, strategy.rules, wrt,
                                      strategy.opt_rules)
     outputs = len(jax.tree.leaves(lowered.out_info))
@@ -301,8 +301,8 @@ def test_lora_trains_like_one_device_under_every_preset(preset):
     s = ns.strategies.get(preset).with_rules(um.ALIASES)
     pipelined = s.mesh_for(8).get("stage", 1) > 1
     mesh = s.make_mesh()
-    model = s.sharded_init(lambda: _user_lora(stacked=pipelined), mesh)
-    opt = s.optimizer(model, _lora_tx(), mesh, wrt=nnx.LoRAParam)
+    model = ns.sharded_init(lambda: _user_lora(stacked=pipelined), mesh, s)
+    opt = ns.sharded_optimizer(model, _lora_tx(), mesh, s, wrt=nnx.LoRAParam)
     trainer = ns.Trainer(model, opt, um.loss_fn, mesh=mesh, rules=s.rules,
                          steps_per_call=STEPS, batch_names=("batch", "length"),
                          microbatches=4 if pipelined else 1)

@@ -32,8 +32,8 @@ def _llama(scan: bool = False, **kw) -> Llama:
 def test_quantized_base_keeps_names_and_shards_scales_on_outputs(quantize, dtype):
     strategy = ns.strategies.tp()
     mesh = strategy.make_mesh(2)
-    model = strategy.sharded_init(
-        lambda: ns.lora(_llama(scan=True), 4, 8.0, targets=ALL, quantize=quantize), mesh)
+    model = ns.sharded_init(
+        lambda: ns.lora(_llama(scan=True), 4, 8.0, targets=ALL, quantize=quantize), mesh, strategy)
     q = model.blocks.attn.q
     assert isinstance(q.base, QuantizedKernel)
     assert q.base.qvalue.get_metadata("out_sharding") == ("layers", "embed", "heads", "kv")
@@ -56,8 +56,8 @@ def _base_bytes(quantize):
     mesh = strategy.make_mesh(8)
     cfg = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, vocab=64, embed=256, mlp=512,
                heads=4, kv_heads=4, head_dim=64)
-    model = strategy.sharded_init(
-        lambda: ns.lora(_llama(scan=True, **cfg), 4, 8.0, targets=ALL, quantize=quantize), mesh)
+    model = ns.sharded_init(
+        lambda: ns.lora(_llama(scan=True, **cfg), 4, 8.0, targets=ALL, quantize=quantize), mesh, strategy)
     tokens = jnp.zeros((8, 16), jnp.int32)
     with ns.use(mesh, strategy.rules):
         compiled = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile()
@@ -93,11 +93,11 @@ def _curve(quantize, steps=10):
     strategy = ns.strategies.fsdp()
     mesh = strategy.make_mesh(8)
     cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
-    target = strategy.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh)
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     model = ns.load_safetensors(FIXTURES / "hf_llama", target)
     ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize)  # the file's r, alpha
     ns.load_lora(FIXTURES / "peft_llama", model)
-    opt = strategy.optimizer(model, optax.adamw(1e-2), mesh, wrt=nnx.LoRAParam)
+    opt = ns.sharded_optimizer(model, optax.adamw(1e-2), mesh, strategy, wrt=nnx.LoRAParam)
     tokens = jnp.asarray(np.tile(np.load(FIXTURES / "peft_llama" / "expected.npz")["tokens"],
                                  (4, 1)))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -140,7 +140,7 @@ def test_qlora_loss_curve_follows_the_float_base_and_trains_only_adapters():
 
 def _fixture_model(strategy, mesh, quantize):
     cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
-    target = strategy.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh)
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     model = ns.load_safetensors(FIXTURES / "hf_llama", target)
     ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize)
     return ns.load_lora(FIXTURES / "peft_llama", model)
@@ -188,9 +188,9 @@ def test_qlora_checkpoint_restores_the_int4_base_bitwise(tmp_path):
     mesh = strategy.make_mesh(8)
 
     def make(seed):
-        model = strategy.sharded_init(
-            lambda: ns.lora(_llama(), 4, 8.0, quantize="int4", rngs=seed), mesh)
-        return model, strategy.optimizer(model, optax.adam(1e-2), mesh, wrt=nnx.LoRAParam)
+        model = ns.sharded_init(
+            lambda: ns.lora(_llama(), 4, 8.0, quantize="int4", rngs=seed), mesh, strategy)
+        return model, ns.sharded_optimizer(model, optax.adam(1e-2), mesh, strategy, wrt=nnx.LoRAParam)
 
     model, opt = make(0)
     ns.save(tmp_path, 1, model=model, optimizer=opt)

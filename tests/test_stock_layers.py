@@ -307,7 +307,7 @@ def test_stock_model_trains_like_one_device(name: str, preset: str, tmp_path) ->
     assert set(mesh.axis_types) == {AxisType.Auto}  # the presets' default mesh
 
     # Init through the strategy: every Variable laid out as the rules say.
-    model = s.sharded_init(case.factory(), mesh)
+    model = ns.sharded_init(case.factory(), mesh, s)
     state = nnx.state(model)
     want = ns.shardings(state, mesh, s.rules)
     assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(want)
@@ -318,7 +318,7 @@ def test_stock_model_trains_like_one_device(name: str, preset: str, tmp_path) ->
     # ... and that is what the preset promises for these names (spelled out here).
     want_axes = tuple(PROMISED[preset].get(n) for n in names)
     assert tuple(spec) + (None,) * (len(names) - len(spec)) == want_axes
-    opt = s.optimizer(model, _tx(), mesh)
+    opt = ns.sharded_optimizer(model, _tx(), mesh, s)
 
     trainer = ns.Trainer(model, opt, case.loss_fn, mesh=mesh, rules=s.rules,
                          steps_per_call=STEPS, batch_names=case.batch_names)
@@ -341,7 +341,7 @@ def test_stock_model_trains_like_one_device(name: str, preset: str, tmp_path) ->
     ns.save(tmp_path / "ckpt", STEPS, model=model)
     other = ns.strategies.get(RESTORE_ON[preset])
     other_mesh = other.make_mesh()
-    restored = ns.restore(tmp_path / "ckpt", model=other.abstract_init(case.factory(), other_mesh))
+    restored = ns.restore(tmp_path / "ckpt", model=ns.abstract_init(case.factory(), other_mesh, other))
     restored_state = nnx.state(restored)
     assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, restored_state)) == jax.tree.leaves(
         ns.shardings(restored_state, other_mesh, other.rules))
@@ -383,9 +383,9 @@ EMBED_PATTERNS = {r"embedding$": ("vocab", "embed"), r"up/kernel$": ("embed", "m
 def _explicit_run(preset: str, model_cls, patterns, data, batch_names=("batch",)):
     s = ns.strategies.get(preset)
     mesh = s.make_mesh(axis_types="explicit")
-    model = s.sharded_init(lambda: ns.annotate(model_cls(nnx.Rngs(0)), patterns, strict=True),
-                           mesh)
-    opt = s.optimizer(model, _tx(), mesh)
+    model = ns.sharded_init(lambda: ns.annotate(model_cls(nnx.Rngs(0)), patterns, strict=True),
+                            mesh, s)
+    opt = ns.sharded_optimizer(model, _tx(), mesh, s)
     trainer = ns.Trainer(model, opt, lambda m, b: _ce(m(b["x"]), b["y"]), mesh=mesh,
                          rules=s.rules, steps_per_call=2, batch_names=batch_names)
     return trainer.fit([data] * 2, 2, progress=False)
@@ -463,8 +463,8 @@ def test_scan_carry_changing_sharding_on_explicit_axes_raises_sharding_error() -
     assert re.search(FIX, msg)
     # The same model trains on the preset's default (Auto) mesh.
     mesh = s.make_mesh()
-    model = s.sharded_init(lambda: ns.annotate(ScanMLP(nnx.Rngs(0)), pats, strict=True), mesh)
-    trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh),
+    model = ns.sharded_init(lambda: ns.annotate(ScanMLP(nnx.Rngs(0)), pats, strict=True), mesh, s)
+    trainer = ns.Trainer(model, ns.sharded_optimizer(model, _tx(), mesh, s),
                          lambda m, b: _ce(m(b["x"]), b["y"]), mesh=mesh, rules=s.rules,
                          steps_per_call=2)
     assert np.isfinite(trainer.fit([data] * 2, 2, progress=False)["loss"]).all()

@@ -167,7 +167,7 @@ def test_bytes_per_device_match_promise(run: Run) -> None:
     # Every device holds the same, and exactly the promised, number of bytes.
     assert _device_bytes(params) == [want_params] * 8
     assert _device_bytes(opt_state) == [want_opt] * 8
-    report = run.strategy.explain(run.model, run.mesh, optax.adam(LR))
+    report = ns.explain(run.model, run.mesh, run.strategy, optax.adam(LR))
     assert report.total_bytes == total
     assert report.param_bytes_per_device == want_params
     assert report.opt_bytes_per_device == want_opt
@@ -246,8 +246,8 @@ def test_trainer_with_strategy_matches_one_device() -> None:
     s = ns.strategies.get("fsdp_tp")
     mesh = s.make_mesh(8)
     cfg = _config("fsdp_tp")
-    model = s.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    opt = s.optimizer(model, optax.adam(LR), mesh)
+    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    opt = ns.sharded_optimizer(model, optax.adam(LR), mesh, s)
     trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, steps_per_call=K,
                          batch_names=("batch", "length"))
     host = _host_batches(cfg)
@@ -296,12 +296,12 @@ def _factory(cfg):
 def test_mesh_missing_strategy_axis(name, mesh, missing, param, suggest) -> None:
     s = ns.strategies.get(name)
     with pytest.raises(ns.ShardingError) as e:
-        s.sharded_init(_factory(get_config("tiny")), mesh)
+        ns.sharded_init(_factory(get_config("tiny")), mesh, s)
     msg = str(e.value)
     assert f"no axis '{missing}'" in msg and f"'{param}'" in msg
     assert f"Suggested mesh: {suggest}" in msg
     with pytest.raises(ns.ShardingError, match="Suggested mesh"):
-        s.abstract_init(_factory(get_config("tiny")), mesh)
+        ns.abstract_init(_factory(get_config("tiny")), mesh, s)
 
 
 def test_missing_axis_with_renamed_axes() -> None:
@@ -334,7 +334,7 @@ def test_indivisible_dimension(name, cfg, mesh, param, logical, suggest) -> None
     config = dataclasses.replace(get_config("tiny"), **cfg)
     s = ns.strategies.get(name)
     with pytest.raises(ns.ShardingError) as e:
-        s.sharded_init(_factory(config), ns.make_mesh(mesh))
+        ns.sharded_init(_factory(config), ns.make_mesh(mesh), s)
     msg = str(e.value)
     assert f"parameter '{param}'" in msg and f"rule '{logical}'" in msg
     assert f"Suggested mesh: {suggest}" in msg

@@ -88,6 +88,17 @@ def test_deprecated_strategy_methods_warn_and_delegate(method, replacement):
     assert r == ns.explain(model, "data=8", fsdp, optax.adam(1e-3))
 
 
+
+def test_a_deprecated_strategy_method_is_an_error_in_the_tests():
+    # pyproject's filterwarnings: a test that calls one unawares fails, so none comes back.
+    with pytest.raises(DeprecationWarning, match=r"Strategy\.abstract_init\(factory, mesh\) is "
+                                                 r"deprecated"):
+        ns.strategies.get("fsdp").abstract_init(factory, "data=8")
+    from nnx_shard.planner import search
+
+    with pytest.raises(DeprecationWarning, match="planner.search.enumerate_layouts is deprecated"):
+        search.enumerate_layouts  # noqa: B018
+
 def _train(**layout):
     fsdp = ns.strategies.get("fsdp")
     model = ns.sharded_init(factory, "data=8", fsdp)

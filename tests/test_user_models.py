@@ -101,9 +101,9 @@ def test_unhashable_static_attribute_trains_like_nnx_jit() -> None:
 def test_duplicate_spec_on_explicit_axes_is_a_sharding_error() -> None:
     s = ns.strategies.get("fsdp").with_rules(um.ALIASES)
     mesh = s.make_mesh(axis_types="explicit")
-    model = s.sharded_init(lambda: um.Llama(dataclasses.replace(CFG, layers=1),
-                                            rngs=nnx.Rngs(0)), mesh)
-    trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh), um.loss_fn, mesh=mesh,
+    model = ns.sharded_init(lambda: um.Llama(dataclasses.replace(CFG, layers=1),
+                                             rngs=nnx.Rngs(0)), mesh, s)
+    trainer = ns.Trainer(model, ns.sharded_optimizer(model, _tx(), mesh, s), um.loss_fn, mesh=mesh,
                          rules=s.rules, steps_per_call=1, batch_names=("batch", "length"))
     with pytest.raises(ns.ShardingError) as info:
         trainer.fit(um.batches(CFG, 1, BATCH), 1, progress=False)
@@ -193,8 +193,8 @@ def _one_layer_step(name: str, preset: str) -> tuple[float, str, Any]:
     make = um.mha_lm if name == "mha" else (lambda c, r: um.Llama(c, rngs=r))
     s = ns.strategies.get(preset).with_rules(um.ALIASES)
     mesh = s.make_mesh()
-    model = s.sharded_init(lambda: make(cfg, nnx.Rngs(0)), mesh)
-    opt = s.optimizer(model, _tx(), mesh)
+    model = ns.sharded_init(lambda: make(cfg, nnx.Rngs(0)), mesh, s)
+    opt = ns.sharded_optimizer(model, _tx(), mesh, s)
 
     def step(model, opt, batch):
         loss, grads = ns.value_and_grad(um.loss_fn)(model, batch)
@@ -280,8 +280,8 @@ def test_async_tp_raises_when_the_model_runs_no_collective_matmul() -> None:
 
     s = ns.strategies.get("async_tp")
     mesh = s.make_mesh()
-    model = s.sharded_init(lambda: Unannotated(nnx.Rngs(0)), mesh)
-    trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh), um.loss_fn, mesh=mesh,
+    model = ns.sharded_init(lambda: Unannotated(nnx.Rngs(0)), mesh, s)
+    trainer = ns.Trainer(model, ns.sharded_optimizer(model, _tx(), mesh, s), um.loss_fn, mesh=mesh,
                          rules=s.rules, steps_per_call=1, batch_names=("batch", "length"))
     with pytest.raises(ns.ShardingError, match=r"collective_matmul=True \(strategy 'async_tp'"
                        r"\), but the model never ran a projection .* Fix: annotate the "
@@ -343,8 +343,8 @@ def test_checkpoints_convert_between_list_and_stacked(tmp_path) -> None:
     def make():
         return um.Llama(CFG, rngs=nnx.Rngs(0))
 
-    listed = fsdp.sharded_init(make, fmesh)
-    stacked = pp.sharded_init(lambda: ns.pipeline.stack(make(), "layers"), pmesh)
+    listed = ns.sharded_init(make, fmesh, fsdp)
+    stacked = ns.sharded_init(lambda: ns.pipeline.stack(make(), "layers"), pmesh, pp)
     # One compiled init gives the same bits in either form.
     assert_close(nnx.state(ns.pipeline.unstack(_host_copy(stacked), "layers")),
                  _host(nnx.state(listed)), 0, "stacked init")
@@ -359,7 +359,7 @@ def test_checkpoints_convert_between_list_and_stacked(tmp_path) -> None:
     assert kernel.sharding.spec[0] == "stage"
     # Saved stacked, restored stacked, unstacked onto the fsdp mesh.
     ns.save(tmp_path / "stacked", 1, model=stacked)
-    target = pp.abstract_init(lambda: ns.pipeline.stack(make(), "layers"), pmesh)
+    target = ns.abstract_init(lambda: ns.pipeline.stack(make(), "layers"), pmesh, pp)
     back = ns.pipeline.unstack(ns.restore(tmp_path / "stacked", model=target), "layers",
                                mesh=fmesh, rules=fsdp.rules)
     assert_close(_host(nnx.state(back)), _host(nnx.state(listed)), 0, "stacked -> list")
@@ -403,8 +403,8 @@ def test_user_model_trains_like_one_device(name: str, preset: str) -> None:
     pipelined = preset in PIPELINE
     factory = (lambda: ns.pipeline.stack(make(), "layers")) if pipelined else make
     mesh = s.make_mesh()
-    model = s.sharded_init(factory, mesh)
-    trainer = ns.Trainer(model, s.optimizer(model, _tx(), mesh), um.loss_fn, mesh=mesh,
+    model = ns.sharded_init(factory, mesh, s)
+    trainer = ns.Trainer(model, ns.sharded_optimizer(model, _tx(), mesh, s), um.loss_fn, mesh=mesh,
                          rules=s.rules, steps_per_call=STEPS, batch_names=("batch", "length"),
                          microbatches=4 if pipelined else 1)
     history = trainer.fit(um.batches(CFG, STEPS, BATCH, pad=pad), STEPS, progress=False)

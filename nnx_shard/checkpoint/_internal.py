@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard.errors import UsageError
+from nnx_shard.errors import UsageError, check_path
 
 try:
     import fcntl
@@ -104,16 +104,10 @@ def _resolve_dir(directory: Any, caller: str) -> pathlib.Path:
 
 def _refuse_file(directory: pathlib.Path, caller: str) -> None:
     """A NotADirectoryError when ``directory`` (or a parent of it) is an existing file."""
-    for path in (directory, *directory.parents):
-        if path.exists():
-            if path.is_dir():
-                return
-            what = "is a file" if path == directory else f"is under {path}, which is a file"
-            raise NotADirectoryError(
-                f"{caller}: {directory} {what}, not a checkpoint directory. Fix: pass a "
-                "directory (it holds one subdirectory per step; save and Checkpointer create "
-                "it when missing), e.g. a new folder name."
-            )
+    check_path(directory, caller, expected="a checkpoint directory", missing_ok=True,
+               kind_error=NotADirectoryError,
+               fix="pass a directory (it holds one subdirectory per step; save and "
+                   "Checkpointer create it when missing), e.g. a new folder name.")
 
 
 # --------------------------------------------------------------------------- whose folders

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard.errors import NnxShardError, UsageError, short
+from nnx_shard.errors import NnxShardError, UsageError, check_path, short
 from nnx_shard.hf import export_dir
 from nnx_shard.hf.mapping import TRANSFORM_FNS, Leaf
 from nnx_shard.init import auto_typed_mesh
@@ -101,10 +101,9 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     p = as_path(path, "load_safetensors")
     if p.is_file() and p.suffix == ".safetensors":
         return [str(p)]
-    if not p.is_dir():
-        raise CheckpointNotFound(f"load_safetensors: path {str(p)!r} is not a directory or a "
-                                 ".safetensors file. Fix: pass the checkpoint directory (with "
-                                 f"{SINGLE} or {INDEX}).")
+    check_path(p, "load_safetensors", name=f"path {str(p)!r}",
+               expected="a directory or a .safetensors file", error=CheckpointNotFound,
+               fix=f"pass the checkpoint directory (with {SINGLE} or {INDEX}).")
     marker = export_dir._marker_problem(p / MARKER) if (p / MARKER).is_file() else None
     if isinstance(marker, export_dir.Marker) and not marker.complete:
         raise export_dir.ExportError(

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 from nnx_shard import safetensors_io as st
 from nnx_shard.annotate import path_str
-from nnx_shard.errors import NnxShardError, UsageError, short
+from nnx_shard.errors import NnxShardError, UsageError, check_path, short
 from nnx_shard.hf.layout import as_path
 from nnx_shard.hf.mapping import compile_rules, mapping_for
 from nnx_shard.low_rank import Adapted, adapters, lora
@@ -49,9 +49,9 @@ def _fail(folder: Path, what: str, fix: str) -> NnxShardError:
 
 def _read_config(folder: Path) -> tuple[int, float, dict[str, Any]]:
     file = folder / CONFIG
-    if not folder.is_dir():
-        raise _fail(folder, "is not a directory", "pass the folder PeftModel.save_pretrained "
-                    "wrote (it holds adapter_config.json and adapter_model.safetensors)")
+    check_path(folder, "load_lora", expected="a directory", error=UsageError,
+               fix="pass the folder PeftModel.save_pretrained wrote (it holds "
+                   "adapter_config.json and adapter_model.safetensors)")
     try:
         cfg = json.loads(file.read_text())
     except FileNotFoundError as e:

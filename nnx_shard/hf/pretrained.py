@@ -12,7 +12,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard.errors import UsageError, short
+from nnx_shard.errors import UsageError, check_path, short
 from nnx_shard.hf.load import load_safetensors
 from nnx_shard.hf.source import read_source, remember_source
 from nnx_shard.init import abstract_init
@@ -65,10 +65,9 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
                          f"{type(path).__name__} {short(path, 60)}. Fix: e.g. "
                          "load_pretrained('checkpoints/qwen2.5-7b', mesh=..., rules=...)")
     folder = os.fspath(path)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"load_pretrained: {folder} is not a directory. Fix: pass the "
-                                "checkpoint directory save_pretrained wrote (config.json and "
-                                "*.safetensors).")
+    check_path(folder, "load_pretrained", expected="a directory",
+               fix="pass the checkpoint directory save_pretrained wrote (config.json and "
+                   "*.safetensors).")
     hf, where = read_json(folder)
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from nnx_shard.errors import NnxShardError, UsageError, short
+from nnx_shard.errors import NnxShardError, UsageError, check_path, short
 from nnx_shard.hf.export_dir import TOKENIZER_FILES
 
 __all__ = ["TOKENIZER_FILES", "Source", "export_files", "read_source", "remember_source",
@@ -90,9 +90,8 @@ def read_source(path: str | os.PathLike[str], config: dict[str, Any] | None = No
         raise UsageError(f"source: must be a checkpoint folder, got {type(path).__name__} "
                          f"{short(path, 60)}. Fix: e.g. source='checkpoints/llama'")
     folder = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"source: {folder} is not a directory. Fix: pass the folder "
-                                "of the checkpoint the model was loaded from.")
+    check_path(folder, "source", expected="a directory",
+               fix="pass the folder of the checkpoint the model was loaded from.")
     hf = _json_file(folder) if config is None else config
     gen_path = os.path.join(folder, GENERATION)
     gen = _json_file(gen_path) if os.path.isfile(gen_path) else None

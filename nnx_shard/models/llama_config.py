@@ -18,7 +18,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from nnx_shard.errors import NnxShardError, UsageError, count, short
+from nnx_shard.errors import NnxShardError, UsageError, check_path, count, short
 from nnx_shard.models.transformer import check_fields, check_kernel_and_remat
 from nnx_shard.safetensors_io import described
 
@@ -414,9 +414,8 @@ def read_json(config: Any) -> tuple[dict[str, Any], str]:
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"LlamaConfig.from_hf: no config.json at {path}. Fix: pass the "
-                                "checkpoint directory, its config.json, or the dict.")
+    check_path(path, "LlamaConfig.from_hf", want="file", expected="a config.json file",
+               fix="pass the checkpoint directory, its config.json, or the dict.")
     fix = "Fix: download the checkpoint's config.json again."
 
     def constant(name: str) -> Any:

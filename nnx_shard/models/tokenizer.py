@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_shard.errors import NnxShardError, UsageError, short
+from nnx_shard.errors import NnxShardError, UsageError, check_path, short
 
 __all__ = ["Tokenizer"]
 
@@ -188,9 +188,8 @@ class Tokenizer:
                              f"tokenizer.json, got {type(path).__name__} {short(path, 60)}. Fix: "
                              "e.g. Tokenizer.from_pretrained('checkpoints/llama3-8b')")
         folder = os.fspath(path)
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"Tokenizer.from_pretrained: {folder} is not a folder. Fix: "
-                                    "pass the checkpoint folder holding tokenizer.json.")
+        check_path(folder, "Tokenizer.from_pretrained",
+                   fix="pass the checkpoint folder holding tokenizer.json.")
         file = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(file):
             raise FileNotFoundError(

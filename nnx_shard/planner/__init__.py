@@ -45,7 +45,12 @@ calibration), :mod:`~nnx_shard.planner.costs` (the HLO reader),
 :mod:`~nnx_shard.planner.compile` (the train step compiled from abstract inputs,
 here or in a child Python), :mod:`~nnx_shard.planner.formula` (the formula's
 bytes), :mod:`~nnx_shard.planner.plan` (candidates and the plan),
-:mod:`~nnx_shard.planner.cache` and :mod:`~nnx_shard.planner.search` (:func:`auto`).
+:mod:`~nnx_shard.planner.cache` (compiles kept across runs), and for :func:`auto`:
+:mod:`~nnx_shard.planner.options` (its options), :mod:`~nnx_shard.planner.problem` (the
+model and options it plans for), :mod:`~nnx_shard.planner.layouts` (the preset x mesh
+candidates), :mod:`~nnx_shard.planner.evaluate` (a candidate's figures: compiled,
+cached or a twin's), :mod:`~nnx_shard.planner.explore` (the phases, pruning and ranking)
+and :mod:`~nnx_shard.planner.search` (:func:`auto` itself).
 
 >>> PROFILES["h100-sxm"].peak_flops
 989000000000000.0

@@ -27,7 +27,7 @@ _SOURCES = Path(__file__).resolve().parents[1]
 
 _FIX = ("Fix: delete it (compile results are computed again and saved), or leave the cache "
         "out (--no-cache, cache=None)")
-# A compile result's numbers: what the search reads (see explore.apply_result).
+# A compile result's numbers: what the search reads (see evaluate.apply_result).
 _COUNTS = ("total", "temp")
 _FIGURES = ("flops", "collective_bytes", "collectives", "memory_bytes")
 

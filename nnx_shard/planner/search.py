@@ -1,45 +1,48 @@
-"""The planner's search: :func:`auto` over its :class:`AutoOptions` (defined, with
+"""The planner's entry point: :func:`auto` over its :class:`AutoOptions` (defined, with
 their checks, in :mod:`nnx_shard.planner.options`).
 
-:func:`auto` runs in named phases: :func:`_resolve` checks the options and builds
-the model abstractly; :func:`_layouts` enumerates preset x mesh and drops what
-cannot be laid out; a :class:`~nnx_shard.planner.explore.Search` compiles the plain
-layouts, then remat policies and microbatches for the layouts that do not fit, and
-ranks what fits. See :mod:`nnx_shard.planner` for the cost model.
+:func:`auto` runs in named phases: :func:`~nnx_shard.planner.problem.resolve` checks the
+options and builds the model abstractly; :func:`~nnx_shard.planner.layouts.viable_layouts`
+enumerates preset x mesh and drops what cannot be laid out; a
+:class:`~nnx_shard.planner.explore.Search` compiles the plain layouts, then remat policies
+and microbatches for the layouts that do not fit, and ranks what fits. See
+:mod:`nnx_shard.planner` for the cost model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
+import importlib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-from flax import nnx
 
-from nnx_shard.errors import NnxShardError, ShardingError, UsageError, short
-from nnx_shard.models import LlamaConfig, TransformerConfig
-from nnx_shard.models.named import NAMED, max_length
-from nnx_shard.planner.compile import config_dict, config_factory
-from nnx_shard.planner.explore import Problem, Search
-from nnx_shard.planner.options import (
-    REMAT_ORDER,
-    AutoOptions,
-    check_auto_options,
-    names_list,
-    positive_int,
-    remat_policies,
-)
-from nnx_shard.planner.plan import Candidate, Plan, clip
+from nnx_shard.errors import NnxShardError, UsageError, short
+from nnx_shard.planner.explore import Search
+from nnx_shard.planner.layouts import viable_layouts
+from nnx_shard.planner.options import REMAT_ORDER, AutoOptions
+from nnx_shard.planner.plan import Plan, clip
+from nnx_shard.planner.problem import resolve
 from nnx_shard.planner.user import UserModel
-from nnx_shard.presets import get
 from nnx_shard.report import fmt_bytes
-from nnx_shard.strategy import factorizations
 
-__all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto", "enumerate_layouts"]
+__all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto"]
+
+#: Names this module held before the planner's modules split by job: still importable
+#: from here, with a DeprecationWarning naming where each lives now.
+MOVED = {"enumerate_layouts": "nnx_shard.planner.layouts"}
+
+
+def __getattr__(name: str) -> Any:
+    where = MOVED.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: import it from {where}",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(where), name)
 
 
 class NothingFits(NnxShardError, ValueError):
@@ -53,138 +56,6 @@ class NothingFits(NnxShardError, ValueError):
     def __init__(self, plan: Plan, message: str) -> None:
         super().__init__(message)
         self.plan = plan
-
-
-# -- phase 1: the options and the model ---------------------------------------------------
-
-
-def _resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Problem:
-    """Checks ``opts``, resolves ``model`` and builds it abstractly (nothing allocated)."""
-    hw, memory, names, tx = check_auto_options(opts)
-    if user is not None:
-        mbs = sorted({int(m) for m in opts.microbatches if int(m) >= 1} | {1})
-        return Problem(opts, hw, memory, names, tx, None, model, None, False, [None],
-                        user.abstract(), mbs, user)
-    cfg, model_name, takes_remat = None, None, False
-    if isinstance(model, str):
-        if model not in NAMED:
-            raise UsageError(f"auto: unknown model {model!r}; known: {', '.join(NAMED)}, or "
-                             "pass a TransformerConfig, a LlamaConfig or a factory")
-        cfg, model_name = NAMED[model], model
-    elif isinstance(model, TransformerConfig | LlamaConfig):
-        cfg = model
-    elif callable(model):
-        try:
-            takes_remat = "remat" in inspect.signature(model).parameters
-        except (TypeError, ValueError):
-            takes_remat = False
-    else:
-        raise UsageError(f"auto: model must be a config name, a TransformerConfig or a "
-                         f"factory, got {type(model).__name__}. Fix: e.g. auto('small', ...)")
-    if cfg is not None and opts.seq > max_length(cfg):
-        raise UsageError(f"auto: seq {opts.seq} is longer than the model allows "
-                         f"({max_length(cfg)}); use a smaller seq")
-    if cfg is not None:
-        policies = remat_policies(opts.remat)
-        make = config_factory(config_dict(cfg), "none")
-    else:
-        policies = remat_policies(opts.remat) if takes_remat else [None]
-        make = (lambda: model(remat="none")) if takes_remat else model
-    try:
-        abstract = nnx.eval_shape(make)
-    except Exception as e:
-        raise UsageError(f"auto: the model factory raised {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:300]}") from e
-    counts = names_list(opts.microbatches, "microbatches", "[1, 2, 4]")
-    bad = [m for m in counts if not positive_int(m)]
-    if bad:
-        raise UsageError(f"auto: microbatches must be positive ints, got {short(bad[0], 60)}. "
-                         "Fix: e.g. microbatches=[1, 2, 4]")
-    mbs = sorted(set(counts) | {1})
-    return Problem(opts, hw, memory, names, tx, cfg, model, model_name, takes_remat, policies,
-                    abstract, mbs)
-
-
-# -- phase 2: the layouts ---------------------------------------------------------------------
-
-
-def enumerate_layouts(n: int, names: Sequence[str]) -> tuple[list[tuple[str, dict[str, int]]],
-                                                              list[str]]:
-    """Every preset of ``names`` on every factorisation of ``n`` devices over its mesh
-    axes, but those with a size-1 axis beyond the first (a preset with fewer axes
-    lays the model out the same); and what was skipped, in words.
-
-    >>> layouts, pruned = enumerate_layouts(4, ["dp", "tp"])
-    >>> layouts
-    [('dp', {'data': 4}), ('tp', {'data': 1, 'model': 4}), ('tp', {'data': 2, 'model': 2})]
-    """
-    out, pruned = [], []
-    skipped = 0
-    for name in names:
-        strat = get(name)
-        for shape in factorizations(n, len(strat.mesh_axes)):
-            sizes = dict(zip(strat.mesh_axes, shape, strict=True))
-            if n > 1 and len(shape) > 1 and 1 in shape[1:]:
-                skipped += 1
-                continue
-            out.append((name, sizes))
-    if skipped:
-        pruned.append(f"{skipped} meshes with a size-1 axis beyond the first (the same layout "
-                      "as a preset with fewer axes, e.g. tp model=1 is dp)")
-    return out, pruned
-
-
-def _layouts(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
-                                   list[tuple[str, dict[str, int], int]], list[Candidate],
-                                   list[str]]:
-    """Every layout, those that can be laid out (with the fewest microbatches they
-    run with: a pipeline's stage count), the dropped ones (with why) and what the
-    enumeration skipped; raises when no preset can use the devices."""
-    opts = p.opts
-    layouts, pruned = enumerate_layouts(opts.devices, p.names)
-    dropped: list[Candidate] = []
-    viable: list[tuple[str, dict[str, int], int]] = []
-    for name, sizes in layouts:
-        strat = p.strategy(name)
-        base = Candidate(name, sizes, p.policies[0])
-        # The batch first: one rule lookup, where check resolves every parameter (and,
-        # failing, every mesh of the devices for a suggestion): with many devices most
-        # layouts cannot split the batch, and the search stays linear in the layouts.
-        mb, why = p.first_mb(strat, sizes)
-        if mb is None:
-            base.reason = why
-            dropped.append(base)
-            continue
-        try:
-            strat.check(p.abstract, sizes)
-        except (ShardingError, ValueError, TypeError) as e:
-            # A preset states what it needs of the model by raising from check.
-            base.reason = "cannot lay out: " + " ".join(str(e).split())
-            dropped.append(base)
-            continue
-        idle = p.idle_axes(strat, sizes, mb)
-        if idle:
-            n = sizes[idle[0]]
-            base.reason = (f"mesh axis {idle[0]!r} (size {n}) splits nothing of this model: "
-                           "no parameter, optimizer state, batch or activation is laid out "
-                           f"over it, so its {n} devices would each repeat the same step")
-            dropped.append(base)
-            continue
-        viable.append((name, sizes, mb))
-    if not viable:
-        fams = Plan([], dropped, pruned, p.hw, {}).families()
-        n, batch = opts.devices, opts.batch
-        good = [d for d in range(max(1, n - 8), n + 9) if d != n and batch % d == 0 and d > 1]
-        hint = (f" Device counts near {n} that divide the batch {batch}: "
-                f"{', '.join(map(str, good[:6]))}." if good else "")
-        # One line of bounded length, however many presets: each reason gets its share.
-        each = max(60, min(160, 1200 // max(len(fams), 1)))
-        raise UsageError(
-            f"auto: no preset can use {n} devices for this model with batch {batch} x "
-            f"seq {opts.seq}: " + "; ".join(f"{k}: {clip(v, each)}" for k, v in fams.items())
-            + f".{hint} Fix: a global batch that divides by the data axes, or another "
-            "device count")
-    return layouts, viable, dropped, pruned
 
 
 def auto(model: Any = "small", options: AutoOptions | None = None, *,
@@ -243,10 +114,10 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
         raise UsageError("auto: aliases= goes with a model of your own (loss= and "
                          "batch_spec=); the reference configs use the presets' names")
     opts = _options(options, knobs)
-    p = _resolve(model, opts, user)
+    p = resolve(model, opts, user)
     if user is not None:
         user.check_names(p.abstract, p.names)
-    layouts, viable, dropped, pruned = _layouts(p)
+    layouts, viable, dropped, pruned = viable_layouts(p)
     search = Search(p, layouts, dropped, pruned)
     if p.cfg is None and opts.compile_fn is None and jax.device_count() < opts.devices:
         raise UsageError(

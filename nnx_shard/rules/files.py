@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from nnx_shard.errors import ShardingError, short
+from nnx_shard.errors import ShardingError, mode_kind, short
 
 #: A rules file larger than this is refused (MaxText's base.yml is ~40 KB).
 MAX_FILE_BYTES = 16 << 20
@@ -37,10 +37,7 @@ def _read_text(path: Path) -> str:
     try:
         mode = os.fstat(fd).st_mode if fd is not None else stat.S_IFDIR
         if not stat.S_ISREG(mode):
-            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-            raise ShardingError(f"{where} is {kind}, not a regular file. Fix: the path of a "
+            raise ShardingError(f"{where} is {mode_kind(mode)}, not a regular file. Fix: the path of a "
                                 ".json, .toml or .yaml rules file")
         assert fd is not None
         os.set_blocking(fd, True)

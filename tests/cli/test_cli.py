@@ -214,7 +214,7 @@ def in_process_compile(remat="none", scan_layers=False):
     cfg = dataclasses.replace(get_config("tiny"), remat=remat, scan_layers=scan_layers)
     strategy = ns.strategies.get("fsdp_tp")
     mesh = ns.make_mesh("data=4,model=2")
-    model = strategy.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    model = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     opt = ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, strategy.rules,
                                opt_rules=strategy.opt_rules)
     spec = strategy.rules.spec((None, "batch", "length"), shape=(2, 8, 16), mesh=mesh)

@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
     from nnx_shard.hf import export_dir
     from nnx_shard.models import Llama, LlamaConfig
 
-    model = ns.strategies.get("fsdp").sharded_init(
-        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(seed)), "data=8")
+    model = ns.sharded_init(
+        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(seed)), "data=8", ns.strategies.get("fsdp"))
     kind, _, arg = point.partition(":")
     if kind == "bytes":
         budget = [int(arg)]

@@ -37,8 +37,8 @@ SHARD = 30_000  # several files and an index: every kind of file is written
 
 
 def _model(seed: int) -> Llama:
-    return ns.strategies.get("fsdp").sharded_init(
-        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(seed)), "data=8")
+    return ns.sharded_init(
+        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(seed)), "data=8", ns.strategies.get("fsdp"))
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -51,8 +51,8 @@ def _arrays(model: Any) -> dict[str, np.ndarray]:
 
 
 def _load(folder: Path) -> dict[str, np.ndarray]:
-    target = ns.strategies.get("fsdp").abstract_init(
-        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(0)), "data=8")
+    target = ns.abstract_init(
+        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("fsdp"))
     return _arrays(hf.load_safetensors(folder, target))
 
 
@@ -312,7 +312,7 @@ def test_an_abstract_model_is_refused_before_writing(tmp_path, previous) -> None
     before = _files(out)
     factory = lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(0))  # noqa: E731
     for abstract in (nnx.eval_shape(factory),
-                     ns.strategies.get("fsdp").abstract_init(factory, "data=8")):
+                     ns.abstract_init(factory, "data=8", ns.strategies.get("fsdp"))):
         with pytest.raises(ns.NnxShardError, match=r"save_safetensors: parameter "
                            r"'blocks/0/attn/k' is abstract \(ShapeDtypeStruct.*Nothing was "
                            r"written. Fix: save a model with values"):

@@ -96,8 +96,8 @@ def test_each_option_decides_the_logits(name: str, change: dict, same_first: int
 def test_phi3_export_writes_the_fused_tensors_back(tmp_path: Path) -> None:
     s = ns.strategies.get("fsdp_tp")
     cfg = _cfg("hf_phi3", scan_layers=True)
-    model = ns.load_safetensors(FIXTURES / "hf_phi3", s.abstract_init(
-        lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8)))
+    model = ns.load_safetensors(FIXTURES / "hf_phi3", ns.abstract_init(
+        lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s))
     want = load_file(FIXTURES / "hf_phi3" / "model.safetensors")
     assert want["model.layers.1.self_attn.qkv_proj.weight"].shape == (64, 32)
     for out, kwargs in ((tmp_path / "one", {}), (tmp_path / "split", {"max_shard_bytes": 12_000})):
@@ -112,8 +112,8 @@ def test_phi3_export_writes_the_fused_tensors_back(tmp_path: Path) -> None:
             files = list(out.glob("*.safetensors"))
             index = json.loads((out / "model.safetensors.index.json").read_text())
             assert len(files) > 1 and sorted(index["weight_map"]) == sorted(want)
-        again = ns.load_safetensors(out, s.abstract_init(
-            lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8)))
+        again = ns.load_safetensors(out, ns.abstract_init(
+            lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s))
         for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)),
                         strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

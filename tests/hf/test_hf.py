@@ -59,7 +59,7 @@ def _mesh(strategy: str) -> jax.sharding.Mesh:
 def _target(name: str, strategy: str, **overrides: object) -> Llama:
     cfg = LlamaConfig.from_hf(FIXTURES / name, **overrides)
     s = ns.strategies.get(strategy)
-    return s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), _mesh(strategy))
+    return ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), _mesh(strategy), s)
 
 
 def _hf_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -115,8 +115,8 @@ def test_explicit_mesh_axes() -> None:
     cfg = LlamaConfig.from_hf(FIXTURES / "hf_qwen3")
     s = ns.strategies.get("fsdp_tp")
     mesh = s.make_mesh(8, axis_types="explicit")
-    model = hf.load_safetensors(FIXTURES / "hf_qwen3", s.abstract_init(
-        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh))
+    model = hf.load_safetensors(FIXTURES / "hf_qwen3", ns.abstract_init(
+        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s))
     q = model.blocks[0].attn.q.get_value()
     assert q.sharding.mesh.axis_types == (jax.sharding.AxisType.Explicit,) * 2
     assert q.sharding.spec == jax.P("data", "model", None)

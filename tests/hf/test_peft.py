@@ -36,7 +36,7 @@ def _base(strategy, mesh, scan=False):
     if scan:
         import dataclasses
         cfg = dataclasses.replace(cfg, scan_layers=True)
-    target = strategy.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh)
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     return ns.load_safetensors(FIXTURES / "hf_llama", target)
 
 
@@ -83,7 +83,7 @@ def test_adapter_only_adamw_follows_peft_loss_curve():
                                                rules=strategy.rules))
     # torch's AdamW: eps outside the square root, decoupled decay on every trained tensor.
     tx = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
-    opt = strategy.optimizer(model, tx, mesh, wrt=nnx.LoRAParam)
+    opt = ns.sharded_optimizer(model, tx, mesh, strategy, wrt=nnx.LoRAParam)
     base0 = jax.device_get(nnx.state(model, nnx.Not(nnx.LoRAParam)))
     lora0 = jax.device_get(nnx.state(model, nnx.LoRAParam))
     trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules,

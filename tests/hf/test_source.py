@@ -123,8 +123,8 @@ def test_vanished_source_folder_is_named_and_nothing_is_written(tmp_path):
 def test_source_argument_for_a_model_built_by_hand(tmp_path):
     src = make_source(tmp_path / "src")
     s = ns.strategies.get("fsdp_tp")
-    model = ns.load_safetensors(src, s.abstract_init(
-        lambda: Llama(LlamaConfig.from_hf(src), rngs=nnx.Rngs(0)), "data=4,model=2"))
+    model = ns.load_safetensors(src, ns.abstract_init(
+        lambda: Llama(LlamaConfig.from_hf(src), rngs=nnx.Rngs(0)), "data=4,model=2", s))
     assert source_of(model) is None
     ns.save_safetensors(tmp_path / "plain", model)  # no source: the model's own config only
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [
@@ -142,8 +142,8 @@ def test_source_argument_for_a_model_built_by_hand(tmp_path):
 def test_a_model_that_computes_otherwise_than_its_source_is_refused(tmp_path):
     src = make_source(tmp_path / "src")
     cfg = dataclasses.replace(LlamaConfig.from_hf(src), activation="gelu_pytorch_tanh")
-    model = ns.strategies.get("fsdp").sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
-                                                   "data=8")
+    model = ns.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+                            "data=8", ns.strategies.get("fsdp"))
     with pytest.raises(UsageError, match=r"(?s)differs from its source .*hidden_act.*source=False"):
         ns.save_safetensors(tmp_path / "out", model, source=src)
     assert not (tmp_path / "out").exists()

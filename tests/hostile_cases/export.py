@@ -102,7 +102,7 @@ def build(hs: Any) -> None:
         out = previous(f"abstract_{how}")
         factory = hs._tiny_llama
         model = (nnx.eval_shape(factory) if how == "eval_shape" else
-                 ns().strategies.get("fsdp").abstract_init(factory, "data=8"))
+                 ns().abstract_init(factory, "data=8", ns().strategies.get("fsdp")))
         return _keeps(out, lambda: ns().save_safetensors(out, model))
 
     hs.api("export/save_abstract_eval_shape", ("abstract", "blocks/0"),

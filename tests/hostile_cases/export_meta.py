@@ -111,8 +111,8 @@ def build(hs: Any) -> None:
         folder = source("differs")
         cfg = dataclasses.replace(ns().models.LlamaConfig.from_hf(folder),
                                   activation="gelu_pytorch_tanh")
-        model = ns().strategies.get("dp").sharded_init(
-            lambda: ns().models.Llama(cfg, rngs=nnx.Rngs(0)), "data=8")
+        model = ns().sharded_init(
+            lambda: ns().models.Llama(cfg, rngs=nnx.Rngs(0)), "data=8", ns().strategies.get("dp"))
         return save_nothing("differs", model, source=folder)
 
     hs.api("export_meta/model_differs_from_source", ("source", "hidden_act"), differs)

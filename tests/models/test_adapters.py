@@ -213,8 +213,8 @@ def test_user_models_under_context_parallelism_equal_one_device(name, preset) ->
     cls, patterns = MODELS[name]
     s = ns.strategies.get(preset)
     mesh = s.make_mesh()
-    model = s.sharded_init(lambda: ns.annotate(cls(nnx.Rngs(0)), patterns, strict=True), mesh)
-    opt = s.optimizer(model, _tx(), mesh)
+    model = ns.sharded_init(lambda: ns.annotate(cls(nnx.Rngs(0)), patterns, strict=True), mesh, s)
+    opt = ns.sharded_optimizer(model, _tx(), mesh, s)
     trainer = ns.Trainer(model, opt, _masked_ce, mesh=mesh, rules=s.rules, steps_per_call=STEPS,
                          batch_names=("batch", "length"))
     history = trainer.fit(_batches(), STEPS, progress=False)

@@ -39,8 +39,8 @@ def _expected(name: str) -> dict[str, np.ndarray]:
 def _model(name: str, strategy: str | None = None) -> Llama:
     cfg = LlamaConfig.from_hf(FIXTURES / name)
     s = ns.strategies.get(strategy or "dp")
-    target = s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
-                             s.make_mesh(1 if strategy is None else 8))
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+                              s.make_mesh(1 if strategy is None else 8), s)
     return hf.load_safetensors(FIXTURES / name, target)
 
 

@@ -67,7 +67,7 @@ def _tiny(scan: bool = False) -> Transformer:  # one device, built once
 def _sharded(strategy: str, factory, explicit: bool = False):  # type: ignore[no-untyped-def]
     s = ns.strategies.get(strategy)
     mesh = s.make_mesh(8, axis_types="explicit" if explicit else "auto")
-    return s.sharded_init(factory, mesh), mesh, s.rules
+    return ns.sharded_init(factory, mesh, s), mesh, s.rules
 
 
 # -- transformers' greedy tokens -----------------------------------------------------
@@ -77,7 +77,7 @@ def _sharded(strategy: str, factory, explicit: bool = False):  # type: ignore[no
 def _fixture_model(name: str, strategy: str) -> Llama:
     cfg = LlamaConfig.from_hf(FIXTURES / name)
     s = ns.strategies.get(strategy)
-    target = s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8))
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s)
     return hf.load_safetensors(FIXTURES / name, target)
 
 

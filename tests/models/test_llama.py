@@ -381,9 +381,9 @@ def test_named_configs() -> None:
 @needs_devices(8)
 def test_kv_heads_follow_heads_where_they_divide() -> None:
     factory = functools.partial(_model, get_llama_config("tiny"))  # 4 heads, 2 kv heads
-    on2 = ns.strategies.get("fsdp_tp").abstract_init(factory, "data=4,model=2")
+    on2 = ns.abstract_init(factory, "data=4,model=2", ns.strategies.get("fsdp_tp"))
     assert on2.blocks[0].attn.k.get_value().sharding.spec == P("data", "model", None)
-    on4 = ns.strategies.get("tp").abstract_init(factory, "data=2,model=4")
+    on4 = ns.abstract_init(factory, "data=2,model=4", ns.strategies.get("tp"))
     assert on4.blocks[0].attn.k.get_value().sharding.spec == P(None, None, None)
     assert on4.blocks[0].attn.q.get_value().sharding.spec == P(None, "model", None)
 
@@ -401,7 +401,7 @@ def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
     want_loss, want_grads = nnx.value_and_grad(lm_loss)(ref, batch)
     s = ns.strategies.get("tp")
     mesh = ns.make_mesh("data=2,model=4", axis_types=axis_types)
-    model = s.sharded_init(functools.partial(_model, cfg), mesh)
+    model = ns.sharded_init(functools.partial(_model, cfg), mesh, s)
     with ns.use(mesh, s.rules):
         logits = nnx.jit(lambda m, t: m(t))(model, tokens)
         loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)

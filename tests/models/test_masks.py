@@ -67,8 +67,8 @@ def _fixture_model(strategy: str = "dp", mesh_spec: str | None = None, **overrid
     mesh = (ns.make_mesh("data=1", devices=jax.devices()[:1]) if mesh_spec == "one"
             else s.make_mesh(8, axis_types=mesh_spec or "auto"))
     cfg = LlamaConfig.from_hf(FIXTURE, **overrides)
-    return hf.load_safetensors(FIXTURE, s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
-                                                        mesh)), mesh
+    return hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+                                                         mesh, s)), mesh
 
 
 # --------------------------------------------------------------------------- positions
@@ -388,8 +388,8 @@ def test_trainer_and_batches_carry_the_mask_keys() -> None:
     cfg = get_llama_config("tiny")
     s = ns.strategies.get("dp")
     mesh = s.make_mesh(8)
-    model = s.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh)
-    opt = s.optimizer(model, optax.sgd(0.0), mesh)
+    model = ns.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    opt = ns.sharded_optimizer(model, optax.sgd(0.0), mesh, s)
     with ns.use(mesh, s.rules):
         placed = ns.shard_batch(data, mesh, s.rules, ("batch", None))
     specs = {k: v.sharding.spec for k, v in placed.items()}

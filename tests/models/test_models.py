@@ -107,7 +107,7 @@ def test_scan_layers_shard_with_layers_axis() -> None:
     # The stacked axis is named, so optimizer state and strategies see 4-D specs.
     cfg = dataclasses.replace(TINY, scan_layers=True)
     s = ns.strategies.get("fsdp_tp")
-    model = s.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "data=4,model=2")
+    model = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "data=4,model=2", s)
     assert model.blocks.attn.q.get_value().sharding.spec == jax.sharding.PartitionSpec(
         None, "data", "model", None)
     rules = s.rules | {"layers": "data", "embed": None}
@@ -249,10 +249,10 @@ def test_7b_abstract_without_allocation() -> None:
 @needs_devices(8)
 def test_7b_planned_under_fsdp() -> None:
     s = ns.strategies.get("fsdp")
-    model = s.abstract_init(lambda: Transformer(get_config("7b"), rngs=nnx.Rngs(0)), "data=8")
+    model = ns.abstract_init(lambda: Transformer(get_config("7b"), rngs=nnx.Rngs(0)), "data=8", s)
     assert all(isinstance(x, jax.ShapeDtypeStruct)
                for x in jax.tree.leaves(nnx.state(model)))
-    report = s.explain(model, "data=8", optax.adam(1e-4))
+    report = ns.explain(model, "data=8", s, optax.adam(1e-4))
     assert report.total_bytes == 2 * get_config("7b").num_params  # bf16
     assert report.param_bytes_per_device == report.total_bytes // 8
     assert report.opt_bytes_per_device == 2 * report.total_bytes // 8 + 4
@@ -268,7 +268,7 @@ def test_sharded_model_runs_under_plain_jit_without_rules(
     # sharded over Explicit axes are gathered, values equal the unsharded model.
     s = ns.strategies.get(name)
     mesh = s.make_mesh(8, axis_types=axis_types)
-    model = s.sharded_init(lambda: Transformer(TINY, rngs=nnx.Rngs(0)), mesh)
+    model = ns.sharded_init(lambda: Transformer(TINY, rngs=nnx.Rngs(0)), mesh, s)
     tokens = _tokens(TINY)
     out = nnx.jit(lambda m, t: m(t))(model, tokens)
     assert_close(out, tiny(tokens), 1e-5, "logits")

@@ -293,7 +293,7 @@ class _Stack(nnx.Module):
 
 def _stack_grads(s, microbatches, own=None):
     mesh = s.make_mesh(8)
-    model = s.sharded_init(lambda: _Stack(4, 8, nnx.Rngs(0), own), mesh)
+    model = ns.sharded_init(lambda: _Stack(4, 8, nnx.Rngs(0), own), mesh, s)
     x = jax.random.normal(jax.random.key(1), (8, 8))
     with ns.use(mesh, s.rules):
         return nnx.jit(lambda m: ns.value_and_grad(
@@ -343,8 +343,8 @@ def test_remat_per_stage_same_values_less_memory() -> None:
     for remat in (False, True):
         s = ns.strategies.get("pp", remat=remat)
         mesh = ns.make_mesh({"stage": 2, "data": 4})
-        model = s.sharded_init(_factory(cfg), mesh)
-        opt = s.optimizer(model, optax.adam(LR), mesh)
+        model = ns.sharded_init(_factory(cfg), mesh, s)
+        opt = ns.sharded_optimizer(model, optax.adam(LR), mesh, s)
         with ns.use(mesh, s.rules):
             b = ns.shard_batch(batch, mesh, s.rules, ("batch", "length"), steps=True)
             fused = ns.multistep(_step, microbatches=2)
@@ -387,7 +387,7 @@ def test_layers_not_divisible_by_stages() -> None:
             "parameter 'blocks/attn/k' stacks 6 layers, which do not divide into 4 stages "
             "(mesh stage=4, data=2). Fix: a layer count that is a multiple of 4, or a 'stage' "
             "axis of size 1 / 2 / 3 / 6.")):
-        s.sharded_init(_factory(_config(6)), "stage=4,data=2")
+        ns.sharded_init(_factory(_config(6)), "stage=4,data=2", s)
 
 
 def test_layers_not_divisible_by_stages_at_trace_time() -> None:
@@ -404,7 +404,7 @@ def test_layers_not_divisible_by_stages_times_repeats() -> None:
     s = ns.strategies.get("pp", repeats=2)
     with pytest.raises(ns.ShardingError, match=re.escape(
             "stacks 4 layers, which do not divide into 4 stages x 2 repeats = 8 layer groups")):
-        s.abstract_init(_factory(_config(4)), "stage=4,data=2")
+        ns.abstract_init(_factory(_config(4)), "stage=4,data=2", s)
 
 
 def test_model_without_stacked_layers() -> None:
@@ -412,7 +412,7 @@ def test_model_without_stacked_layers() -> None:
     cfg = dataclasses.replace(get_config("tiny"), layers=4)  # scan_layers=False
     with pytest.raises(ns.ShardingError, match="no stacked layer axis.*scan_layers=True.*"
                        r"nnx\.vmap.*PARTITION_NAME"):
-        s.sharded_init(_factory(cfg), "stage=4,data=2")
+        ns.sharded_init(_factory(cfg), "stage=4,data=2", s)
     # Built without the strategy's check: the first step says the same.
     assert re.search("microbatches=4: the model has no stacked layer axis .*scan_layers=True",
                      _fit_error(cfg, 4))
@@ -447,7 +447,7 @@ def test_mesh_without_stage_axis() -> None:
     s = ns.strategies.get("pp")
     with pytest.raises(ns.ShardingError, match="the mesh has no axis 'stage'.*Suggested mesh: "
                        r"\{'stage': 4, 'data': 2\}"):
-        s.sharded_init(_factory(_config(4)), "data=8")
+        ns.sharded_init(_factory(_config(4)), "data=8", s)
     # Rules carrying the pipeline option, on a mesh without the axis, at trace time.
     with ns.use("data=8", s.rules), pytest.raises(ns.ShardingError, match=re.escape(
             "pipeline schedule over mesh axis 'stage', but the mesh has axes data=8. Fix: a mesh "
@@ -502,8 +502,8 @@ def _nan_at_step(bad: int) -> optax.GradientTransformation:
 
 
 def _fit(strategy, mesh, cfg, steps, tx=None, steps_per_call=K, guard="grads"):
-    model = strategy.sharded_init(_factory(cfg), mesh)
-    opt = strategy.optimizer(model, tx or optax.adam(LR), mesh)
+    model = ns.sharded_init(_factory(cfg), mesh, strategy)
+    opt = ns.sharded_optimizer(model, tx or optax.adam(LR), mesh, strategy)
     trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules,
                          steps_per_call=steps_per_call, microbatches=4,
                          batch_names=("batch", "length"), guard=guard)
@@ -535,16 +535,16 @@ def test_compositions_match_one_device_and_checkpoint_across_strategies(name, tm
     # Saved under pp_*, restored under fsdp, saved again, restored under pp_*: bitwise.
     ns.save(tmp_path / "a", 1, model=model, optimizer=opt)
     fsdp = ns.strategies.get("fsdp")
-    target = fsdp.abstract_init(_factory(cfg), "data=8")
+    target = ns.abstract_init(_factory(cfg), "data=8", fsdp)
     m2, o2, _ = ns.restore(tmp_path / "a", model=target,
-                           optimizer=fsdp.optimizer(target, optax.adam(LR), "data=8"))
+                           optimizer=ns.sharded_optimizer(target, optax.adam(LR), "data=8", fsdp))
     assert m2.blocks.mlp.up.get_value().sharding.spec == P(None, "data", None)
     assert_close(nnx.state(m2), nnx.state(model), 0, "restored under fsdp")
     assert_close(o2.opt_state, opt.opt_state, 0, "optimizer restored under fsdp")
     ns.save(tmp_path / "b", 1, model=m2, optimizer=o2)
-    target = s.abstract_init(_factory(cfg), mesh)
+    target = ns.abstract_init(_factory(cfg), mesh, s)
     m3, o3, _ = ns.restore(tmp_path / "b", model=target,
-                           optimizer=s.optimizer(target, optax.adam(LR), mesh))
+                           optimizer=ns.sharded_optimizer(target, optax.adam(LR), mesh, s))
     assert m3.blocks.mlp.up.get_value().sharding == stack.sharding
     assert_close(nnx.state(m3), nnx.state(model), 0, "restored under " + name)
     assert_close(o3.opt_state, opt.opt_state, 0, "optimizer restored under " + name)
@@ -556,8 +556,8 @@ def test_compositions_never_gather_layers_over_stage(name) -> None:
     s = ns.strategies.get(name)
     mesh = s.make_mesh(8)
     cfg = _config(4)
-    model = s.sharded_init(_factory(cfg), mesh)
-    opt = s.optimizer(model, optax.adam(LR), mesh)
+    model = ns.sharded_init(_factory(cfg), mesh, s)
+    opt = ns.sharded_optimizer(model, optax.adam(LR), mesh, s)
     with ns.use(mesh, s.rules):
         batch = ns.shard_batch({k: v[:1] for k, v in _host_batches(cfg).items()}, mesh, s.rules,
                                ("batch", "length"), steps=True)

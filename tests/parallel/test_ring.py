@@ -342,7 +342,7 @@ def test_trainer_with_cp_and_logits_in_order() -> None:
     cfg = dataclasses.replace(get_config("tiny"), layers=1)
     s = ns.strategies.get("cp")
     mesh = s.make_mesh(8)
-    model = s.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
     ref = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = _batches(cfg.length)["inputs"][0]
     with ns.use(mesh, s.rules):
@@ -350,7 +350,7 @@ def test_trainer_with_cp_and_logits_in_order() -> None:
     assert logits.sharding.spec[1] == "context"
     assert_close(logits, ref(tokens), RTOL, "logits")
 
-    opt = s.optimizer(model, optax.adam(LR), mesh)
+    opt = ns.sharded_optimizer(model, optax.adam(LR), mesh, s)
     trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, steps_per_call=K,
                          batch_names=("batch", "length"))
     host = _batches(cfg.length)

@@ -49,7 +49,7 @@ def test_enumeration_covers_every_preset_and_mesh_and_says_what_it_skipped():
                         progress=False)
     labels = {c.label for c in plan.ranked}
     # What the registry holds now (a preset added later joins without edits here) ...
-    from nnx_shard.planner.search import enumerate_layouts
+    from nnx_shard.planner.layouts import enumerate_layouts
     from nnx_shard.strategy import PRESETS
 
     layouts, skipped = enumerate_layouts(4, list(PRESETS))
@@ -341,7 +341,7 @@ def test_the_compile_budget_is_bounded_and_says_so():
     assert len(fake.seen) == 3 and len(plan.ranked) == 3
     # Every layout of the registry's presets on 4 devices, but the pipelines the unstacked
     # tiny model cannot use: all but the 3 compiled are over the budget.
-    from nnx_shard.planner.search import enumerate_layouts
+    from nnx_shard.planner.layouts import enumerate_layouts
     from nnx_shard.strategy import PRESETS
 
     layouts, _ = enumerate_layouts(4, list(PRESETS))
@@ -488,7 +488,7 @@ def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
     compiled = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy,
                                     sizes, batch=16, seq=32, microbatches=mb)["total"]
     mesh = ns.make_mesh(sizes, devices=jax.devices()[:8])
-    abstract = strat.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    abstract = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strat)
     formula = planner.formula_bytes(abstract, cfg, strat, sizes, optimizer("adamw"),
                                      16 // mb, 32, remat)
     # 1.07: the largest measured (benchmarks/formula_bound.py), under the margin.

@@ -133,8 +133,8 @@ def _direct_bytes(factory, loss, strat, sizes, batch):
     batch laid out here by hand (first dimension on the data axis), not by the planner."""
     mesh = ns.make_mesh(sizes, devices=jax.devices()[:sum(1 for _ in range(
         int(jnp.prod(jnp.array(list(sizes.values()))))))])
-    model = strat.abstract_init(factory, mesh)
-    opt = strat.optimizer(model, optax.adamw(1e-3), mesh)
+    model = ns.abstract_init(factory, mesh, strat)
+    opt = ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, strat)
     data = {k: jax.ShapeDtypeStruct((2, *v.shape), v.dtype,
                                     sharding=NamedSharding(mesh, P(None, "data", None)))
             for k, v in batch.items()}

@@ -125,8 +125,8 @@ def test_stock_model_follows_float32_one_device(strategy):
     want_loss, want_grads = _reference(steps)
     s = ns.strategies.get(strategy)
     mesh = s.make_mesh(8)
-    model = s.sharded_init(_net, mesh)
-    opt = s.optimizer(model, optax.adam(1e-2), mesh)
+    model = ns.sharded_init(_net, mesh, s)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-2), mesh, s)
     with ns.use(mesh, s.rules):
         batch = ns.shard_batch(_batches(steps), mesh, s.rules, ("batch", "length"), steps=True)
         fused = ns.multistep(_step, precision=MIXED)
@@ -154,8 +154,8 @@ def test_stock_model_follows_float32_one_device(strategy):
 def test_trainer_precision_matches_multistep_and_checks_model():
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(8)
-    model = s.sharded_init(_net, mesh)
-    opt = s.optimizer(model, optax.adam(1e-2), mesh)
+    model = ns.sharded_init(_net, mesh, s)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-2), mesh, s)
     trainer = ns.Trainer(model, opt, ce_loss, mesh=mesh, rules=s.rules, steps_per_call=2,
                          precision=MIXED)
     data = _batches(4)
@@ -212,8 +212,8 @@ def _all_gather_bytes(precision, text_of) -> int:
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(8)
     dtype = jnp.float32 if precision is None else jnp.bfloat16
-    model = s.abstract_init(lambda: _net(vocab=256, d=256, h=1024, dtype=dtype), mesh)
-    opt = s.optimizer(model, optax.adam(1e-3), mesh)
+    model = ns.abstract_init(lambda: _net(vocab=256, d=256, h=1024, dtype=dtype), mesh, s)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, s)
     trainer = ns.Trainer(model, opt, ce_loss, mesh=mesh, rules=s.rules, steps_per_call=2,
                          precision=precision)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
@@ -237,7 +237,7 @@ def test_fsdp_all_gathers_move_bfloat16_bytes():
 def _fixture(name: str, strategy: str, dtype) -> tuple[Llama, dict]:
     cfg = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / name), dtype=dtype)
     s = ns.strategies.get(strategy)
-    target = s.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8))
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s)
     return ns.load_safetensors(FIXTURES / name, target), dict(
         np.load(FIXTURES / name / "expected.npz"))
 
@@ -269,7 +269,7 @@ def test_fine_tune_in_bfloat16_ends_near_float32():
         model, _ = _fixture("hf_llama", "fsdp", dtype)
         s = ns.strategies.get("fsdp")
         mesh = s.make_mesh(8)
-        opt = s.optimizer(model, optax.adamw(3e-3), mesh)
+        opt = ns.sharded_optimizer(model, optax.adamw(3e-3), mesh, s)
         trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, steps_per_call=20,
                              precision=precision)
         hist = trainer.fit(corpus.batches(batch=16, length=64), num_steps=60, progress=False)

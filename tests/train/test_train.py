@@ -1341,8 +1341,8 @@ def test_microbatches_that_split_one_device_rows_are_explained():
     cfg = get_config("tiny")
     mesh = ns.make_mesh("data=8")
     strategy = ns.strategies.get("dp")
-    model = strategy.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    opt = strategy.optimizer(model, optax.adam(1e-3), mesh)
+    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
     trainer = Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules, microbatches=4,
                       steps_per_call=1)
     tokens = np.zeros((8, cfg.length), np.int32)
