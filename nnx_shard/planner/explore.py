@@ -13,12 +13,11 @@ a compiled step of their layout bounds above the best fitting one's
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_shard.errors import moved_names
 from nnx_shard.parallel.schedule import stage_count
 from nnx_shard.planner.evaluate import Evaluator, layout_key, progress_bar
 from nnx_shard.planner.formula import PRUNE_MARGIN, formula_bytes, stage_formula_bytes
@@ -37,14 +36,7 @@ __all__ = ["REMAT_TIME_FLOORS", "VARIANT_TIME_FLOOR", "Search"]
 MOVED = {"batch_problem": "nnx_shard.planner.problem",
          "apply_result": "nnx_shard.planner.evaluate"}
 
-
-def __getattr__(name: str) -> Any:
-    where = MOVED.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} is deprecated: import it from {where}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(where), name)
+__getattr__ = moved_names(__name__, MOVED)
 
 
 #: A remat or microbatch variant of a layout is not compiled where its predicted step

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
-from nnx_shard.errors import NnxShardError, UsageError, short
+from nnx_shard.errors import NnxShardError, UsageError, moved_names, short
 from nnx_shard.planner.explore import Search
 from nnx_shard.planner.layouts import viable_layouts
 from nnx_shard.planner.options import REMAT_ORDER, AutoOptions
@@ -35,14 +34,7 @@ __all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto"]
 #: from here, with a DeprecationWarning naming where each lives now.
 MOVED = {"enumerate_layouts": "nnx_shard.planner.layouts"}
 
-
-def __getattr__(name: str) -> Any:
-    where = MOVED.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} is deprecated: import it from {where}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(where), name)
+__getattr__ = moved_names(__name__, MOVED)
 
 
 class NothingFits(NnxShardError, ValueError):
