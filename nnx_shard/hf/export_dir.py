@@ -24,6 +24,7 @@ process id) proves it is a save of ours whose process is gone.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -33,16 +34,18 @@ import os
 import re
 import secrets
 import socket
+import stat
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from nnx_shard import safetensors_io as st
 from nnx_shard.errors import NnxShardError
 
-__all__ = ["TOKENIZER_FILES", "ExportError", "Marker", "clean_leftovers", "new_token", "owned",
-           "read_marker", "remove_stage", "staging", "swap_in", "write_marker"]
+__all__ = ["TOKENIZER_FILES", "ExportError", "Marker", "Modes", "clean_leftovers", "make_stage",
+           "new_token", "owned", "read_marker", "remove_stage", "staging", "swap_in", "write_marker",
+           "writing"]
 
 MARKER = ".nnx_shard_safetensors"
 _FORMAT = 2
@@ -91,6 +94,88 @@ def staging(out: Path, token: str) -> Path:
     return out.parent / f".{out.name}{_STAGE}{token}"
 
 
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Names ``path`` in an OSError raised without a file name (a full disk fails a
+    ``write`` with a bare ``[Errno 28]``): the error then says which file it was.
+
+    >>> with writing(Path("/x/model.safetensors")):
+    ...     raise OSError(28, "No space left on device")
+    Traceback (most recent call last):
+    ...
+    OSError: [Errno 28] No space left on device: '/x/model.safetensors'
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
+@dataclasses.dataclass(frozen=True)
+class Modes:
+    """The permissions and owner an export takes: the destination folder's when it
+    exists (a private 0700 folder stays private), else a new folder's; its files
+    never more open than the folder lets them be read, nor than the files they
+    replace."""
+
+    folder: int
+    files: int
+    owner: tuple[int, int] | None
+    replaced: dict[str, int]
+
+    def apply(self, stage: Path, names: Iterable[str]) -> None:
+        """Gives the written ``names`` in ``stage`` and ``stage`` itself their modes."""
+        for name in names:
+            p = stage / name
+            with writing(p):
+                os.chmod(p, self.files & self.replaced.get(name, 0o7777))
+            self._own(p)
+        with writing(stage):
+            os.chmod(stage, self.folder)
+        self._own(stage)
+
+    def _own(self, p: Path) -> None:
+        if self.owner is None:
+            return
+        info = os.lstat(p)
+        if (info.st_uid, info.st_gid) != self.owner:
+            # Only root may give a file away; a group of the user's may be taken.
+            with contextlib.suppress(OSError):
+                os.chown(p, self.owner[0], self.owner[1], follow_symlinks=False)
+            with contextlib.suppress(OSError):
+                os.chown(p, -1, self.owner[1], follow_symlinks=False)
+
+
+def make_stage(stage: Path, out: Path) -> Modes:
+    """Makes the staging folder ``stage`` of an export to ``out``, readable by this
+    user only while it is written, and returns the modes the export takes.
+
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp())
+    >>> os.chmod(out, 0o700)
+    >>> modes = make_stage(staging(out, "0" * 32), out)
+    >>> oct(modes.folder), oct(modes.files & 0o077)
+    ('0o700', '0o0')
+    """
+    # A plain mkdir's mode (the umask's) is what a new destination gets; the folder is
+    # empty until it is closed to others.
+    os.mkdir(stage)
+    fresh = stat.S_IMODE(os.stat(stage).st_mode)
+    os.chmod(stage, 0o700)
+    if not out.is_dir():
+        return Modes(fresh, fresh & 0o666, None, {})
+    info = os.stat(out)
+    folder = stat.S_IMODE(info.st_mode)
+    reach = 0o700 | (0o070 if folder & 0o010 else 0) | (0o007 if folder & 0o001 else 0)
+    replaced = {}
+    for p in out.iterdir():
+        if OUR_NAMES.fullmatch(p.name) and not p.is_symlink() and p.is_file():
+            replaced[p.name] = stat.S_IMODE(p.stat().st_mode) | 0o600
+    return Modes(folder, fresh & 0o666 & reach, (info.st_uid, info.st_gid), replaced)
+
+
 def _fingerprint(path: Path) -> dict[str, Any]:
     """The size of ``path`` and a SHA-256 of its first and last MiB (a safetensors
     header, with every tensor's name, shape and offset, is in the first)."""
@@ -136,8 +221,10 @@ def write_marker(folder: Path, token: str, target: str, files: Iterable[str] | N
             "files": {n: _fingerprint(folder / n) for n in sorted(files or ())}}
     raw = (json.dumps({**body, "digest": _digest(body)}, indent=1) + "\n").encode()
     tmp = folder / (MARKER + ".tmp")
-    st.write_file(str(tmp), raw)
-    os.replace(tmp, folder / MARKER)
+    with writing(folder / MARKER):
+        st.write_file(str(tmp), raw)
+        os.chmod(tmp, stat.S_IMODE(os.stat(folder).st_mode) & 0o666)
+        os.replace(tmp, folder / MARKER)
 
 
 def read_marker(folder: Path) -> Marker | None:

@@ -96,6 +96,7 @@ def _target(path: Any) -> Path:
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"save_safetensors: path {str(path)!r} is a file, not a directory "
                               "(it is never written over). Fix: a directory path")
+    _not_in_use(path, out)
     for parent in Path(os.path.abspath(out)).parents:
         if os.path.lexists(parent):
             if not parent.is_dir():
@@ -105,6 +106,30 @@ def _target(path: Any) -> Path:
                     "path whose parents are folders.")
             break
     return out
+
+
+def _not_in_use(path: Any, out: Path) -> None:
+    """Refuses a destination the export cannot be swapped into: the working directory
+    or a folder above it (the swap would pull the process's working directory away
+    with the previous export) and a mount point (which no rename moves)."""
+    real = Path(os.path.realpath(out))
+    try:
+        cwd: Path | None = Path(os.path.realpath(os.getcwd()))
+    except OSError:  # the working directory is gone: nothing of it to pull away
+        cwd = None
+    fix = (f"Fix: save to a subfolder, e.g. save_safetensors({os.path.join(str(path), 'export')!r}"
+           ", model); nothing was written.")
+    if cwd is not None and (cwd == real or real in cwd.parents):
+        what = "the working directory" if cwd == real else f"above the working directory {cwd}"
+        raise export_dir.ExportError(
+            f"save_safetensors: path {str(path)!r} ({real}) is {what}: the export is written "
+            "beside the destination and swapped in whole, which would move the working "
+            f"directory of this process with the previous folder. {fix}")
+    if real.is_dir() and os.path.ismount(real):
+        raise export_dir.ExportError(
+            f"save_safetensors: path {str(path)!r} ({real}) is a mount point: the export is "
+            "written beside the destination and swapped in by a rename, which cannot move a "
+            f"mount point. {fix}")
 
 
 def _check_concrete(model: Any) -> None:
@@ -254,12 +279,13 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
             with _failing(out, stage, token):
                 previous = _prepare(out, names + extra)
                 out.parent.mkdir(parents=True, exist_ok=True)
-                stage.mkdir()
+                modes = export_dir.make_stage(stage, out)
                 export_dir.write_marker(stage, token, out.name, None)
                 for name, group in zip(names, groups, strict=True):
-                    st.create(str(stage / name),
-                              fused.fuse_names({k: tensors[k][:2] for k in group}, found),
-                              {"format": "pt"})
+                    with export_dir.writing(stage / name):
+                        st.create(str(stage / name),
+                                  fused.fuse_names({k: tensors[k][:2] for k in group}, found),
+                                  {"format": "pt"})
         barrier("nnx_shard.save_safetensors.create")
         with _failing(out, stage, token, remove=first):
             _write_tensors(model, leaves, [str(stage / n) for n in names], dtype, found)
@@ -273,9 +299,13 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
                              "weight_map": {k: n for n, g in zip(names, groups, strict=True)
                                             for k in fused.fuse_names(
                                                 {k: tensors[k][:2] for k in g}, found)}}
-                    st.write_file(str(stage / INDEX), (json.dumps(index, indent=2) + "\n").encode())
+                    with export_dir.writing(stage / INDEX):
+                        st.write_file(str(stage / INDEX),
+                                      (json.dumps(index, indent=2) + "\n").encode())
                 for name, raw in files.items():
-                    st.write_file(str(stage / name), raw)
+                    with export_dir.writing(stage / name):
+                        st.write_file(str(stage / name), raw)
+                modes.apply(stage, names + extra)
                 export_dir.write_marker(stage, token, out.name, names + extra)
                 export_dir.carry_over(out, stage, previous)
                 export_dir.fsync_dir(stage)
@@ -318,7 +348,11 @@ def _failing(out: Path, stage: Path, token: str, *, remove: bool = True) -> Iter
             with contextlib.suppress(OSError):
                 export_dir.remove_stage(stage, token, out, mine=True)
         if isinstance(e, OSError) and not isinstance(e, NnxShardError | FileExistsError):
-            where = f" ({e.filename})" if e.filename else ""
+            where = ""
+            if e.filename:
+                name = Path(os.fsdecode(e.filename))
+                where = (f" (writing {name.name})" if name.parent == stage else
+                         f" (writing {name})")
             fix = _FIXES.get(e.errno or 0, "check the path and the disk, and save again")
             raise export_dir.ExportError(
                 f"save_safetensors: could not write the export to {out}: "
@@ -344,11 +378,15 @@ def _write_tensors(model: Any, leaves: Mapping[str, Leaf], files: Sequence[str],
             if leaf.layers:
                 first = shard.index[0].indices(leaf.layers)[0]
                 for i in range(data.shape[0]):
-                    st.write_slice(header.tensors[leaf.keys[first + i]].path, header,
-                                   leaf.keys[first + i], shard.index[1:], data[i])
+                    key = leaf.keys[first + i]
+                    with export_dir.writing(Path(header.tensors[key].path)):
+                        st.write_slice(header.tensors[key].path, header, key, shard.index[1:],
+                                       data[i])
             else:
                 key = leaf.keys[None]
-                st.write_slice(header.tensors[key].path, header, key, shard.index, data)
+                with export_dir.writing(Path(header.tensors[key].path)):
+                    st.write_slice(header.tensors[key].path, header, key, shard.index, data)
         del y
     for f in files:
-        st.sync(f)
+        with export_dir.writing(Path(f)):
+            st.sync(f)
