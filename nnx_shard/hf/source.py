@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -168,17 +170,134 @@ def _config(model: Any, source: Source, dtype: Any) -> dict[str, Any]:
     return config
 
 
+def _hub_repo(folder: str) -> str | None:
+    """The repository folder of the Hugging Face hub cache (``models--org--name``)
+    holding the snapshot ``folder`` (``.../snapshots/<revision>``), None otherwise."""
+    p = Path(folder)
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return str(p.parent.parent)
+    return None
+
+
+def _linked_inside(source: Source, name: str) -> str:
+    """The path of the source's file ``name``; where it is a link, the file it leads to,
+    which must be inside the checkpoint folder, or inside its hub cache repository (a
+    snapshot's files link to ``../../blobs/<hash>``): the export is for publishing, and
+    a link elsewhere (a key, a system file) must not copy a file of the machine into it."""
+    path = os.path.join(source.folder, name)
+    if not os.path.islink(path):
+        return path
+    folder = os.path.realpath(source.folder)
+    target = os.path.realpath(path)
+    repo = _hub_repo(folder)
+    roots = [folder] if repo is None else [folder, repo]
+    if any(os.path.commonpath([target, root]) == root for root in roots):
+        return target
+    within = folder if repo is None else f"{folder} or its hub cache repository {repo}"
+    raise UsageError(
+        f"save_safetensors: the source's {name} ({path}) is a symbolic link to {target}, "
+        f"outside {within}: the export is for publishing, and only the checkpoint's own files "
+        "are copied into it. Nothing was written. Fix: replace the link with a copy of the "
+        f"file if it belongs to the model (cp --remove-destination {target} {path}), pass "
+        "copy_tokenizer=False to leave the tokenizer out, or source=False.")
+
+
 def _read(source: Source, name: str) -> bytes:
     path = os.path.join(source.folder, name)
+    real = _linked_inside(source, name)
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        with open(real, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise OSError(0, "not a regular file")
+            raw = f.read()
     except OSError as e:
         gone = "" if os.path.isdir(source.folder) else " (the folder is gone)"
         raise NnxShardError(
             f"save_safetensors: cannot copy the tokenizer file {path} of the model's source"
             f"{gone}: {e.strerror or e}. Nothing was written. Fix: restore the source folder, "
             "pass source= a folder with the tokenizer files, or copy_tokenizer=False.") from None
+    if name.endswith(".json"):
+        _check_tokenizer_json(path, name, raw)
+    return raw
+
+
+# The entries of tokenizer_config.json / special_tokens_map.json that name a token:
+# its text, or transformers' AddedToken record with the text as "content".
+_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+               "mask_token")
+
+
+def _check_tokenizer_json(path: str, name: str, raw: bytes) -> None:
+    """Refuses a JSON tokenizer file that transformers cannot read: not JSON, or not
+    an object; special tokens that are neither text nor a record with a ``content``."""
+    fix = ("Fix: download the tokenizer's files again, or pass copy_tokenizer=False to leave "
+           "them out.")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = getattr(e, "msg", None) or getattr(e, "reason", None) or type(e).__name__
+        raise UsageError(f"save_safetensors: the source's tokenizer file {path} is not JSON "
+                         f"({why}); nothing was written. {fix}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"save_safetensors: the source's tokenizer file {path} is "
+                         f"{_kind(data)}, not a JSON object; nothing was written. {fix}")
+    if name not in ("tokenizer_config.json", "special_tokens_map.json"):
+        return
+    for key in _TOKEN_KEYS:
+        value = data.get(key)
+        if value is None or isinstance(value, str) or (
+                isinstance(value, dict) and isinstance(value.get("content"), str)):
+            continue
+        raise UsageError(f"save_safetensors: the source's {path} gives {key} as "
+                         f"{_kind(value)} {short(value, 60)}, not the token's text (or a "
+                         "record with its 'content'); nothing was written. " + fix)
+    extra = data.get("additional_special_tokens")
+    if extra is not None and not isinstance(extra, list):
+        raise UsageError(f"save_safetensors: the source's {path} gives additional_special_tokens"
+                         f" as {_kind(extra)}, not a list of tokens; nothing was written. " + fix)
+
+
+def _kind(value: Any) -> str:
+    from nnx_shard.safetensors_io import described
+
+    return described(value)
+
+
+#: The token ids a generation config (or config.json) may give; eos may be a list.
+_GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _check_ids(gen: dict[str, Any], where: str, vocab: int | None) -> None:
+    """Refuses token ids of ``gen`` (the file ``where``) that are not ids of the
+    model's vocabulary: generation would never stop at such an eos."""
+    for key in _GENERATION_IDS:
+        value = gen.get(key)
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) and key == "eos_token_id" else [value]
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (
+                    vocab is not None and i >= vocab):
+                span = f"0..{vocab - 1}" if vocab is not None else "a whole number >= 0"
+                raise UsageError(
+                    f"save_safetensors: {where} gives {key} {short(value, 60)}, and "
+                    f"{short(i, 30)} is not a token id of the model (its vocabulary: {span}); "
+                    "generation would never stop at it. Nothing was written. Fix: correct "
+                    f"{key} in {where}, or pass source=False.")
+
+
+def _generation(found: Source, config: dict[str, Any]) -> dict[str, Any]:
+    """The export's generation config: the source's, else the config's token ids."""
+    vocab = config.get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    gen = found.generation_config
+    if gen is None:
+        gen = {"_from_model_config": True,
+               **{k: config[k] for k in _TOKEN_IDS if config.get(k) is not None}}
+        _check_ids(gen, os.path.join(found.folder, "config.json"), vocab)
+    else:
+        _check_ids(gen, os.path.join(found.folder, GENERATION), vocab)
+    return gen
 
 
 def _dumps(obj: Any) -> bytes:
@@ -228,11 +347,10 @@ def export_files(model: Any, source: Any, copy_tokenizer: Any, dtype: Any
             config = _config(model, found, cfg.param_dtype)
     else:
         config = _config(model, found, dtype)
-    gen = found.generation_config
-    if gen is None:
-        gen = {"_from_model_config": True,
-               **{k: config[k] for k in _TOKEN_IDS if config.get(k) is not None}}
-    files = {"config.json": _dumps(config), GENERATION: _dumps(gen)}
+    for name in ("config.json", GENERATION):
+        if os.path.lexists(os.path.join(found.folder, name)):
+            _linked_inside(found, name)
+    files = {"config.json": _dumps(config), GENERATION: _dumps(_generation(found, config))}
     if copy_tokenizer:
         files.update({n: _read(found, n) for n in found.tokenizer})
     return files, dtype
