@@ -110,6 +110,10 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
             f"load_safetensors: {p} is an unfinished save_safetensors export (its save failed "
             "or was killed before it was moved into place; its tensors are not all written). "
             "Fix: load the export's destination folder, or save again.")
+    # transformers' from_pretrained reads model.safetensors when a folder holds both it
+    # and an index (a sharded copy beside it is never looked at): the same weights here.
+    if (p / SINGLE).is_file():
+        return [str(p / SINGLE)]
     if (p / INDEX).is_file():
         weight_map = _read_index(p / INDEX)
         names = sorted(set(weight_map.values()))
@@ -122,8 +126,6 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
                 f"{shown if len(shown) <= 400 else shown[:397] + '...'}. Fix: download every "
                 "shard of the checkpoint.")
         return [str(f) for f in files]
-    if (p / SINGLE).is_file():
-        return [str(p / SINGLE)]
     raise CheckpointNotFound(f"load_safetensors: {p} holds neither {SINGLE} nor {INDEX}. Fix: "
                              "pass the directory save_pretrained (or save_safetensors) wrote.")
 

@@ -18,7 +18,39 @@ from nnx_shard.hf.layout import checkpoint_files, layouts, program
 from nnx_shard.hf.mapping import Leaf, MappingValue, compile_rules, leaves_of, mapping_for, match
 from nnx_shard.init import rewrap
 
-__all__ = ['load_safetensors']
+__all__ = ['load_safetensors', 'separate_head']
+
+HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+_CHUNK = 1 << 24
+
+
+def separate_head(header: st.Header) -> bool:
+    """Whether the checkpoint holds an output head ``lm_head.weight`` that is not a copy
+    of its embedding. transformers (5) then keeps the two apart whatever
+    ``tie_word_embeddings`` says (it ties them only when the file's values agree), so
+    the model computes its logits with that head.
+
+    >>> separate_head(st.read_header(*checkpoint_files("tests/fixtures/hf_llama")))
+    True
+    >>> separate_head(st.read_header(*checkpoint_files("tests/fixtures/hf_llama_tied")))
+    False
+    """
+    head, embed = header.tensors.get(HEAD), header.tensors.get(EMBED)
+    if head is None:
+        return False
+    if embed is None or (head.dtype, head.shape, head.nbytes) != (
+            embed.dtype, embed.shape, embed.nbytes):
+        return True
+    with open(head.path, "rb") as a, open(embed.path, "rb") as b:
+        for start in range(0, head.nbytes, _CHUNK):
+            n = min(_CHUNK, head.nbytes - start)
+            a.seek(head.offset + start)
+            b.seek(embed.offset + start)
+            if a.read(n) != b.read(n):
+                return True
+    return False
+
 
 def _read_leaf(header: st.Header, leaf: Leaf) -> jax.Array:
     shape, hf, model = layouts(leaf)
@@ -49,22 +81,36 @@ def _read_leaf(header: st.Header, leaf: Leaf) -> jax.Array:
     return rewrap(y, leaf.sharding)
 
 
-def _check_config(path: str | os.PathLike[str], target: Any) -> None:
+def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
+                  mapping: Any) -> None:
     """Refuses a built-in model whose configuration differs from the checkpoint's
     ``config.json`` (beside the weights): tensors of the same shapes can belong to
     another family (a Gemma checkpoint fills a Llama of its sizes tensor for
-    tensor) and would load into silently wrong logits."""
+    tensor) and would load into silently wrong logits. A separate ``lm_head.weight``
+    unties the embeddings, as in transformers."""
     from nnx_shard.models.llama import Llama
-    from nnx_shard.models.llama_config import differences
+    from nnx_shard.models.llama_config import differences, read_json
 
     if not isinstance(target, Llama):
         return
+    untied = separate_head(header)
+    if untied and target.cfg.tie_embeddings and mapping is None:
+        raise UsageError(
+            f"load_safetensors: the checkpoint {os.fspath(path)} holds {HEAD} apart from "
+            f"its embedding (other values), which transformers computes the logits with "
+            "(whatever tie_word_embeddings says); the target ties its output head to the "
+            "embedding and has no place for it. Fix: build the target untied, "
+            "dataclasses.replace(cfg, tie_embeddings=False), or load it with "
+            "nnx_shard.hf.load_pretrained(path, mesh=..., rules=...), which does.")
     folder = os.fspath(path)
     config = os.path.join(folder if os.path.isdir(folder) else os.path.dirname(folder),
                           "config.json")
     if not os.path.isfile(config):
         return
-    found = differences(config, target.cfg)
+    hf, _ = read_json(config)
+    if untied:
+        hf["tie_word_embeddings"] = False
+    found = differences(hf, target.cfg)
     if found:
         raise UsageError(
             f"load_safetensors: the checkpoint's {config} describes another model than the "
@@ -145,9 +191,10 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
                         f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Llama(cfg, "
                         "rngs=nnx.Rngs(0)), mesh, rules)")
     files = checkpoint_files(path)
-    _check_config(path, target)
+    raw = st.read_header(*files)
+    _check_config(path, target, raw, mapping)
     # Phi-3's fused tensors are read as their parts (views of their bytes).
-    header = fused.split(st.read_header(*files), fused.fusions_for(target), os.fspath(path))
+    header = fused.split(raw, fused.fusions_for(target), os.fspath(path))
     rules = compile_rules(mapping_for(target) if mapping is None else mapping)
     graphdef, state = nnx.split(target)
     leaves = leaves_of(state, "load_safetensors")

@@ -6,14 +6,17 @@ device's slices from the safetensors files (on the training floor, beside
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
 
+from nnx_shard import safetensors_io as st
 from nnx_shard.errors import UsageError, check_path, short
-from nnx_shard.hf.load import load_safetensors
+from nnx_shard.hf.layout import checkpoint_files
+from nnx_shard.hf.load import load_safetensors, separate_head
 from nnx_shard.hf.source import read_source, remember_source
 from nnx_shard.init import abstract_init
 from nnx_shard.models.llama import Llama
@@ -41,6 +44,10 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
       dtype: the compute dtype (default float32).
       param_dtype: the parameters' dtype (default float32: master weights for
         training, whatever ``torch_dtype`` the file names).
+
+    A checkpoint with ``tie_word_embeddings: true`` that still holds an
+    ``lm_head.weight`` of its own (other values than the embedding) gives an untied
+    model computing its logits with that head, as transformers does.
 
     The model remembers its source (the folder, its ``config.json``,
     ``generation_config.json`` and tokenizer files: :mod:`nnx_shard.hf.source`),
@@ -78,6 +85,10 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype))
                  if v is not None}
     cfg = LlamaConfig.from_hf(hf, **overrides)
+    if cfg.tie_embeddings and separate_head(st.read_header(*checkpoint_files(folder))):
+        # transformers keeps a separate lm_head.weight of the file (tie_word_embeddings
+        # or not) and computes the logits with it: so does the model.
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
     target = abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules)
     # Remembered for save_safetensors: the export then carries the source's config,
     # generation config and tokenizer (nnx_shard.hf.source).
