@@ -12,7 +12,7 @@ import re
 import reprlib
 import stat
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -215,33 +215,6 @@ def check_path(path: str | os.PathLike[str], who: str, *, want: str = "folder", 
     if not missing_ok and not os.access(path, os.R_OK | (os.X_OK if want == "folder" else 0)):
         raise error(f"{who}: {name} is {kind} this process may not read. Fix: give it read "
                     f"permission, or {fix}")
-
-
-def moved_names(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` that serves names moved to other modules, each with a
-    ``DeprecationWarning`` naming its new home; any other name is an ``AttributeError``.
-
-    >>> import warnings
-    >>> getattr_ = moved_names("pkg.old", {"sqrt": "math"})
-    >>> with warnings.catch_warnings(record=True) as seen:
-    ...     warnings.simplefilter("always")
-    ...     getattr_("sqrt")(4.0)
-    2.0
-    >>> str(seen[0].message)
-    'pkg.old.sqrt is deprecated: import it from math'
-    """
-    def __getattr__(name: str) -> Any:
-        where = moved.get(name)
-        if where is None:
-            raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        import warnings
-
-        # stacklevel 2: this is the module's own __getattr__, so the caller's line is shown.
-        warnings.warn(f"{module}.{name} is deprecated: import it from {where}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(where), name)
-
-    return __getattr__
 
 
 def raise_collected(errors: list[str], what: str = "variables") -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
 import jax
@@ -25,12 +24,12 @@ from nnx_shard.report import explain as report
 from nnx_shard.report import fmt_bytes
 from nnx_shard.rules import Rules
 
-__all__ = ["StageReport", "explain"]
+__all__ = ["StageReport", "stage_report"]
 
 
 @dataclasses.dataclass(frozen=True)
 class StageReport:
-    """Per-stage bytes of a pipelined model (see :func:`explain`); every figure is per
+    """Per-stage bytes of a pipelined model (see :func:`stage_report`); every figure is per
     device of that stage.
 
     Attributes:
@@ -195,27 +194,3 @@ def stage_report(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
                        other_param_bytes=total("params", False),
                        other_opt_bytes=total("optimizer", False),
                        microbatch_bytes=micro, activation_bytes=acts, bubble=bubble(s, m, v))
-
-
-def explain(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
-            carry: Any, microbatches: int) -> StageReport:
-    """Deprecated: ``ns.pipeline.stage_report`` (the same arguments, checks and result).
-
-    ``ns.explain`` is the per-parameter report of any strategy; the per-stage bytes
-    of a pipeline are :func:`stage_report`.
-
-    >>> import pytest, jax.numpy as jnp
-    >>> import nnx_shard as ns
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> cfg = dataclasses.replace(get_config("tiny"), layers=4, scan_layers=True)
-    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    >>> x = jax.ShapeDtypeStruct((8, cfg.length, cfg.embed), jnp.float32)
-    >>> with pytest.warns(DeprecationWarning, match="ns.pipeline.stage_report"):
-    ...     r = explain(model, "stage=4,data=2", "pp", carry=x, microbatches=4)
-    >>> r.stages
-    4
-    """
-    warnings.warn("ns.pipeline.explain is deprecated: use ns.pipeline.stage_report(model, mesh, "
-                  "strategy, optimizer, carry=..., microbatches=...), the same per-stage report "
-                  "(ns.explain is the per-parameter one).", DeprecationWarning, stacklevel=2)
-    return stage_report(model, mesh, strategy, optimizer, carry=carry, microbatches=microbatches)

@@ -12,22 +12,18 @@ import dataclasses
 import functools
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
-import optax
 from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard.annotate import path_str
 from nnx_shard.axes import mesh_sizes
 from nnx_shard.errors import ShardingError, count
-from nnx_shard.init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard.mesh import make_mesh, variable_spec
 from nnx_shard.parallel.schedule import Schedule, check_stack
-from nnx_shard.report import Report, explain
 from nnx_shard.rules import Rules
 
 __all__ = ["LOGICAL", "REPLICATED", "Strategy", "factorizations", "preset", "replicated"]
@@ -313,74 +309,6 @@ class Strategy:
                         return True
         return False
 
-    # -- deprecated spellings of the library calls ----------------------------------
-
-    def abstract_init(self, factory: Callable[[], M], mesh: Mesh | str | Mapping[str, int]) -> M:
-        """Deprecated: ``nnx_shard.abstract_init(factory, mesh, strategy)``, the same
-        :meth:`check` first.
-
-        >>> import pytest
-        >>> from nnx_shard.strategies import get
-        >>> from nnx_shard.models import Transformer, get_config
-        >>> with pytest.warns(DeprecationWarning, match="ns.abstract_init"):
-        ...     m = get("fsdp").abstract_init(
-        ...         lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=8")
-        >>> m.blocks[0].mlp.up.get_value().sharding.spec
-        P('data', None)
-        """
-        _deprecated("abstract_init(factory, mesh)", "ns.abstract_init(factory, mesh, strategy)")
-        return abstract_init(factory, mesh, self)
-
-    def sharded_init(self, factory: Callable[[], M], mesh: Mesh | str | Mapping[str, int]) -> M:
-        """Deprecated: ``nnx_shard.sharded_init(factory, mesh, strategy)``, the same
-        :meth:`check` first.
-
-        >>> import pytest
-        >>> from nnx_shard.strategies import get
-        >>> from nnx_shard.models import Transformer, get_config
-        >>> with pytest.warns(DeprecationWarning, match="ns.sharded_init"):
-        ...     m = get("tp").sharded_init(
-        ...         lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=2,model=4")
-        >>> m.blocks[0].attn.o.get_value().sharding.spec
-        P('model', None, None)
-        """
-        _deprecated("sharded_init(factory, mesh)", "ns.sharded_init(factory, mesh, strategy)")
-        return sharded_init(factory, mesh, self)
-
-    def optimizer(self, model: nnx.Module, tx: optax.GradientTransformation,
-                  mesh: Mesh | str | Mapping[str, int], *, wrt: Any = nnx.Param) -> nnx.Optimizer:
-        """Deprecated: ``nnx_shard.sharded_optimizer(model, tx, mesh, strategy)``.
-
-        >>> import pytest
-        >>> from nnx_shard import sharded_init
-        >>> from nnx_shard.strategies import get
-        >>> from nnx_shard.models import Transformer, get_config
-        >>> s = get("zero1")
-        >>> m = sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "data=8", s)
-        >>> with pytest.warns(DeprecationWarning, match="ns.sharded_optimizer"):
-        ...     opt = s.optimizer(m, optax.adam(1e-3), "data=8")
-        >>> opt.opt_state[0].mu["unembed"].get_value().sharding.spec
-        P('data', None)
-        """
-        _deprecated("optimizer(model, tx, mesh)", "ns.sharded_optimizer(model, tx, mesh, strategy)")
-        return sharded_optimizer(model, tx, mesh, self, wrt=wrt)
-
-    def explain(self, model: Any, mesh: Mesh | str | Mapping[str, int],
-                optimizer: optax.GradientTransformation | None = None) -> Report:
-        """Deprecated: ``nnx_shard.explain(model, mesh, strategy, optimizer)``.
-
-        >>> import pytest
-        >>> from nnx_shard.strategies import get
-        >>> from nnx_shard.models import Transformer, get_config
-        >>> m = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
-        >>> with pytest.warns(DeprecationWarning, match="ns.explain"):
-        ...     r = get("fsdp").explain(m, "data=8", optax.adam(1e-3))
-        >>> r.param_bytes_per_device * 8 == r.total_bytes
-        True
-        """
-        _deprecated("explain(model, mesh, optimizer)", "ns.explain(model, mesh, strategy, optimizer)")
-        return explain(model, mesh, self, optimizer)
-
 
 class _StrategyRules(Rules):
     """A strategy's parameter table, carrying its optimizer-state table along (read by
@@ -396,11 +324,6 @@ def _carrying(rules: Rules, opt_rules: Rules) -> Rules:
     out._set(rules._entries, rules.indivisible, rules.options)
     object.__setattr__(out, "_strategy_opt_rules", opt_rules)
     return out
-
-
-def _deprecated(method: str, replacement: str) -> None:
-    warnings.warn(f"Strategy.{method} is deprecated: use {replacement}, which runs the same "
-                  "checks (and accepts mesh + rules alike).", DeprecationWarning, stacklevel=3)
 
 
 def _sizes(mesh: Mesh | str | Mapping[str, int]) -> dict[str, int]:

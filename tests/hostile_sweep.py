@@ -866,10 +866,10 @@ def _build_cases() -> None:
                           ("microbatches_true", True, "microbatches"),
                           ("microbatches_float", 4.0, "microbatches"),
                           ("microbatches_not_dividing", 3, "microbatches")]:
-        api(f"pipeline.explain/{label}", arg, lambda m=m: _pipeline_explain(m))
-    api("pipeline.explain/carry_int", "carry", lambda: _pipeline_explain(4, carry=5))
-    api("pipeline.explain/strategy_str_unknown", "strategy",
-        lambda: _pipeline_explain(4, strategy="nope"))
+        api(f"pipeline.stage_report/{label}", arg, lambda m=m: _stage_report(m))
+    api("pipeline.stage_report/carry_int", "carry", lambda: _stage_report(4, carry=5))
+    api("pipeline.stage_report/strategy_str_unknown", "strategy",
+        lambda: _stage_report(4, strategy="nope"))
     api("pipeline.scan/body_int", "body", lambda: _under(
         lambda: pl().scan(5, jnp().ones((4,)), F.model())))
     api("pipeline.scan/microbatches_zero", "microbatches", lambda: _under(
@@ -1307,7 +1307,7 @@ def _attention_mode(mode: str) -> Any:
                                    jnp.ones((8, 4, 2, 8)))
 
 
-def _pipeline_explain(m: Any, carry: Any = None, strategy: Any = "pp") -> Any:
+def _stage_report(m: Any, carry: Any = None, strategy: Any = "pp") -> Any:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -1319,7 +1319,7 @@ def _pipeline_explain(m: Any, carry: Any = None, strategy: Any = "pp") -> Any:
     if carry is None:
         carry = jax.ShapeDtypeStruct((8, 16, cfg.embed), jnp.float32)
     strat = ns.strategies.get(strategy) if strategy == "pp" else strategy
-    return ns.pipeline.explain(model, "stage=4,data=2", strat, carry=carry, microbatches=m)
+    return ns.pipeline.stage_report(model, "stage=4,data=2", strat, carry=carry, microbatches=m)
 
 
 def _hostile_cache(label: str, content: str | bytes) -> Any:

@@ -1,13 +1,11 @@
 """``ns.explain`` is the one report of a layout: the ``nnx-shard explain`` command prints
-it, ``Strategy.explain`` delegates to it (tests/test_strategy_entry_points.py), and the
-per-stage bytes of a pipeline have their own name, ``ns.pipeline.stage_report``, whose
-old name ``ns.pipeline.explain`` warns and delegates."""
+it, and the per-stage bytes of a pipeline have their own name,
+``ns.pipeline.stage_report``."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -29,35 +27,18 @@ def pipelined():
     return model, carry
 
 
-def test_pipeline_explain_warns_naming_stage_report_and_delegates():
-    model, carry = pipelined()
-    pp = ns.strategies.get("pp")
-    want = ns.pipeline.stage_report(model, "stage=4,data=2", pp, optax.adam(1e-3), carry=carry,
-                                    microbatches=4)
-    with pytest.warns(DeprecationWarning, match=r"ns\.pipeline\.stage_report\(model, mesh") as w:
-        got = ns.pipeline.explain(model, "stage=4,data=2", pp, optax.adam(1e-3), carry=carry,
-                                  microbatches=4)
-    assert w[0].filename == __file__
-    assert got == want and got.stages == 4 and got.microbatch_bytes > 0
-
-
 @pytest.mark.parametrize(("strategy", "kw"), [
     ("pp", {"microbatches": 0}),
     ("pp", {"microbatches": 3}),  # 8 rows do not split into 3 on 2 replicas
     ("pp", {"carry": 5}),
     ("fsdp", {}),  # no pipeline option
 ])
-def test_pipeline_explain_and_stage_report_refuse_alike(strategy, kw):
+def test_stage_report_refuses_naming_itself(strategy, kw):
     model, carry = pipelined()
     args = {"carry": carry, "microbatches": 4, **kw}
-    errors = []
-    for fn in (ns.pipeline.stage_report, ns.pipeline.explain):
-        with pytest.raises(ns.NnxShardError) as e, warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            fn(model, "stage=4,data=2", strategy, **args)
-        errors.append((type(e.value), str(e.value)))
-    assert errors[0] == errors[1]
-    assert errors[0][1].startswith("pipeline.stage_report: "), errors[0]
+    with pytest.raises(ns.NnxShardError) as e:
+        ns.pipeline.stage_report(model, "stage=4,data=2", strategy, **args)
+    assert str(e.value).startswith("pipeline.stage_report: "), e.value
 
 
 FACTORY = '''

@@ -124,7 +124,7 @@ FLOORS: list[list[str]] = [
     ["cli"],
     ["planner", "simulated", "strategies"],
     ["train", "checkpoint", "metrics", "hf"],
-    ["models", "parallel", "attention", "blockwise", "pipeline_report", "low_rank",
+    ["models", "parallel", "attention", "pipeline_report", "low_rank",
      "quantized"],
     ["strategy", "presets", "parallel.schedule"],
     ["rules", "annotate", "mesh", "init", "optstate", "report", "distributed"],
@@ -146,7 +146,7 @@ def floor_of(name: str) -> int | None:
 
 def test_floors_place_the_longest_match():
     assert floor_of("nnx_shard.parallel.schedule") == 4
-    assert floor_of("nnx_shard.parallel.ring") == 3
+    assert floor_of("nnx_shard.attention.op") == 3
     assert floor_of("nnx_shard.cli.plan") == 0
     assert floor_of("nnx_shard.nowhere") is None
 

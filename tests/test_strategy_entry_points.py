@@ -1,8 +1,6 @@
 """One path per task: the free functions take a strategy wherever they take rules, with
-the strategy's checks and optimizer-state rules; the Strategy methods are deprecated
-spellings that delegate to them."""
+the strategy's checks and optimizer-state rules."""
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -55,49 +53,17 @@ def test_zero1_optimizer_state_is_sharded_by_every_spelling():
         ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", zero1, opt_rules=zero1.rules)
 
 
-def test_free_function_and_strategy_method_raise_the_same_check():
+def test_sharded_and_abstract_init_raise_the_same_check():
     tp = ns.strategies.get("tp")
     errors = []
     for call in (lambda: ns.sharded_init(factory, "data=8", tp),
-                 lambda: ns.abstract_init(factory, "data=8", tp),
-                 lambda: tp.sharded_init(factory, "data=8"),
-                 lambda: tp.abstract_init(factory, "data=8")):
-        with pytest.raises(ns.ShardingError) as e, warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
+                 lambda: ns.abstract_init(factory, "data=8", tp)):
+        with pytest.raises(ns.ShardingError) as e:
             call()
         errors.append(str(e.value))
     assert "the mesh has no axis 'model'" in errors[0]
     assert len(set(errors)) == 1
 
-
-@pytest.mark.parametrize(("method", "replacement"), [
-    ("abstract_init", "ns.abstract_init(factory, mesh, strategy)"),
-    ("sharded_init", "ns.sharded_init(factory, mesh, strategy)"),
-])
-def test_deprecated_strategy_methods_warn_and_delegate(method, replacement):
-    fsdp = ns.strategies.get("fsdp")
-    with pytest.warns(DeprecationWarning, match=replacement.replace("(", r"\(").replace(")", r"\)")):
-        m = getattr(fsdp, method)(factory, "data=8")
-    assert spec(m.up.kernel) == P("data", None)
-    model = ns.sharded_init(factory, "data=8", fsdp)
-    with pytest.warns(DeprecationWarning, match=r"ns\.sharded_optimizer\(model, tx, mesh, strategy"):
-        opt = fsdp.optimizer(model, optax.adam(1e-3), "data=8")
-    assert spec(opt.opt_state[0].mu["up"]["kernel"]) == P("data", None)
-    with pytest.warns(DeprecationWarning, match=r"ns\.explain\(model, mesh, strategy"):
-        r = fsdp.explain(model, "data=8", optax.adam(1e-3))
-    assert r == ns.explain(model, "data=8", fsdp, optax.adam(1e-3))
-
-
-
-def test_a_deprecated_strategy_method_is_an_error_in_the_tests():
-    # pyproject's filterwarnings: a test that calls one unawares fails, so none comes back.
-    with pytest.raises(DeprecationWarning, match=r"Strategy\.abstract_init\(factory, mesh\) is "
-                                                 r"deprecated"):
-        ns.strategies.get("fsdp").abstract_init(factory, "data=8")
-    from nnx_shard.planner import search
-
-    with pytest.raises(DeprecationWarning, match="planner.search.enumerate_layouts is deprecated"):
-        search.enumerate_layouts  # noqa: B018
 
 def _train(**layout):
     fsdp = ns.strategies.get("fsdp")

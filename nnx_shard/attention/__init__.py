@@ -20,8 +20,7 @@ owns one piece of them:
   algorithms (``jax.shard_map``, zig-zag load balance, the backward ring).
 
 "Dense" names a kernel only; the mode without context parallelism is
-``"local"`` (see :mod:`~nnx_shard.attention.modes` for why, and for the old
-``attention="dense"`` option value, still read with a ``DeprecationWarning``).
+``"local"`` (see :mod:`~nnx_shard.attention.modes` for why).
 The ring lives here rather than in :mod:`nnx_shard.parallel`, beside the other
 collective algorithms, because it is attention: it runs the kernels' block math
 at every step, and nothing else calls it. Imports point one way: the op reads

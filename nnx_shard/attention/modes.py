@@ -9,11 +9,8 @@ A strategy says how the attention op splits the sequence through its rules
 * ``"allgather"``: each device gathers the full-length keys and values.
 
 The first value is called ``"local"`` because that is what it means: the work
-stays on the device, whichever kernel does it. It was once called ``"dense"``,
-the name of a kernel as well (``implementation="dense"``, the plain masked
-softmax), so that ``attention="dense"`` read as "the dense kernel" while it
-asked for no context parallelism with any kernel. ``"dense"`` is still read
-as ``"local"``, with a ``DeprecationWarning``.
+stays on the device, whichever kernel does it (``"dense"`` names a kernel,
+``implementation="dense"``, never a mode).
 
 >>> import nnx_shard as ns
 >>> context_mode()                      # outside ns.use: no context parallelism
@@ -25,12 +22,10 @@ as ``"local"``, with a ``DeprecationWarning``.
 
 from __future__ import annotations
 
-import warnings
-
 from nnx_shard.errors import ShardingError, short
 from nnx_shard.mesh import option
 
-__all__ = ["LOCAL", "MODES", "OPTION", "RENAMED", "context_mode"]
+__all__ = ["LOCAL", "MODES", "OPTION", "context_mode"]
 
 #: The execution option (``Rules.with_options(attention=...)``) the attention op reads.
 OPTION = "attention"
@@ -40,9 +35,6 @@ LOCAL = "local"
 
 #: The values of the ``attention`` execution option.
 MODES = (LOCAL, "ring", "allgather")
-
-#: Old option values still read, and the value each now is.
-RENAMED = {"dense": LOCAL}
 
 
 def context_mode() -> str:
@@ -61,13 +53,6 @@ def context_mode() -> str:
     nnx_shard.errors.ShardingError: attention: execution option attention='rings' is not one of ('local', 'ring', 'allgather'). Fix: rules.with_options(attention='ring') or 'allgather' for context parallelism, or attention='local' (the same as leaving it unset) for none.
     """
     mode = option(OPTION, LOCAL)
-    if isinstance(mode, str) and mode in RENAMED:
-        new = RENAMED[mode]
-        warnings.warn(
-            f"the execution option attention={mode!r} is deprecated: use attention={new!r} "
-            f"(no context parallelism; {mode!r} names the per-device kernel "
-            f"implementation={mode!r} only)", DeprecationWarning, stacklevel=3)
-        return new
     if not isinstance(mode, str) or mode not in MODES:
         raise ShardingError(
             f"attention: execution option attention={short(mode, 60)} is not one of {MODES}. "

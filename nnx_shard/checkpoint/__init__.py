@@ -16,7 +16,7 @@ One way per use, one implementation behind them (the same checks, the same
 errors): a checkpoint by hand is :func:`save` / :func:`restore`; in a training run it
 is a :class:`Checkpointer` given to ``Trainer.fit``, whose :meth:`Checkpointer.save`
 writes what :func:`save` writes and whose :meth:`Checkpointer.restore` is
-:func:`restore`. ``restore_into`` (in place) is deprecated: it warns and delegates.
+:func:`restore`.
 
 On disk, one directory per step, written by orbax's ``CheckpointManager``::
 
@@ -84,7 +84,7 @@ and re-wrapped on restore with the implementation the target's dtype names.
 """
 
 from nnx_shard.checkpoint.checkpointer import Checkpointer
-from nnx_shard.checkpoint.restore import restore, restore_into
+from nnx_shard.checkpoint.restore import restore
 from nnx_shard.checkpoint.save import save
 
-__all__ = ["Checkpointer", "restore", "restore_into", "save"]
+__all__ = ["Checkpointer", "restore", "save"]

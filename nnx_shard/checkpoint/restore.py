@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -377,30 +376,3 @@ def restore_in_place(
                     for x, loose in zip(leaves, fresh[name], strict=True)])
         nnx.update(obj, state)
     return step, extra
-
-
-def restore_into(
-    directory: str | os.PathLike[str], model: nnx.Module, optimizer: nnx.Optimizer | None,
-    step: int | None = None,
-) -> tuple[int, dict[str, Any]]:
-    """Deprecated: ``ns.restore(directory, model=..., optimizer=...)`` restores by hand
-    (new objects); ``Trainer.fit(checkpointer=..., resume=True)`` resumes a run in place.
-
-    Still restores in place (the read of :func:`restore`, its checks and errors) and
-    returns ``(step, extra)``.
-
-    >>> import pytest, tempfile
-    >>> from flax import nnx
-    >>> from nnx_shard.checkpoint import save
-    >>> d = tempfile.mkdtemp()
-    >>> _ = save(d, 5, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)), extra={"a": 1})
-    >>> with pytest.warns(DeprecationWarning, match="ns.restore"):
-    ...     restore_into(d, nnx.Linear(1, 1, rngs=nnx.Rngs(1)), None)
-    (5, {'a': 1})
-    """
-    warnings.warn(
-        "nnx_shard.checkpoint.restore_into is deprecated: use ns.restore(directory, "
-        "model=..., optimizer=...) to restore by hand, or Trainer.fit(checkpointer=..., "
-        "resume=True) to resume a run; both run the same checks.",
-        DeprecationWarning, stacklevel=2)
-    return restore_in_place(directory, model, optimizer, step)

@@ -604,20 +604,3 @@ class Llama(nnx.Module):
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x, step, flags)
         self.cache_index[...] = index + steps
         return self._logits(x)
-
-
-#: The Llama blocks' former names, from when they shared them with the Transformer's.
-_RENAMED = {"Attention": "LlamaAttention", "MLP": "LlamaMLP", "Block": "LlamaBlock"}
-
-
-def __getattr__(name: str) -> Any:
-    # The old names stay importable for a while; public class names are unique across
-    # the package (the Transformer has its own Attention, MLP and Block).
-    if name in _RENAMED:
-        import warnings
-
-        new = _RENAMED[name]
-        warnings.warn(f"nnx_shard.models.llama.{name} is now {new}", DeprecationWarning,
-                      stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

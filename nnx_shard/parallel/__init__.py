@@ -9,8 +9,7 @@ rules, never by a model edit:
 
 The attention op, whose option ``attention`` picks ring or all-gather context
 parallelism, registers here too but lives with its kernels in
-:mod:`nnx_shard.attention` (``nnx_shard.parallel.ring`` is its old, deprecated
-path).
+:mod:`nnx_shard.attention`.
 
 Each registers in :mod:`~nnx_shard.parallel.registry` what the fused training
 step needs from it. The ops are public as ``nnx_shard.models.attention``,
@@ -19,15 +18,3 @@ latter two also as attributes ``nnx_shard.collective_matmul`` and
 ``nnx_shard.pipeline``); this package imports
 none of them itself, so the registry can be imported alone.
 """
-
-from typing import Any
-
-
-def __getattr__(name: str) -> Any:
-    # ``nnx_shard.parallel.ring`` was imported with the package's models; it is a
-    # deprecated alias now that nothing imports, so load it on first access.
-    if name == "ring":
-        import importlib
-
-        return importlib.import_module(f"{__name__}.ring")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -89,9 +89,9 @@ from nnx_shard.parallel.schedule import (
     work,
 )
 from nnx_shard.parallel.stack import stack, unstack
-from nnx_shard.pipeline_report import StageReport, explain, stage_report
+from nnx_shard.pipeline_report import StageReport, stage_report
 
-__all__ = ["OPTION", "Schedule", "StageReport", "bubble", "check_stack", "explain", "idle_fraction",
+__all__ = ["OPTION", "Schedule", "StageReport", "bubble", "check_stack", "idle_fraction",
            "run", "scan", "schedule_table", "stack", "stage_count", "stage_report", "unstack"]
 
 _U = PartitionSpec.UNCONSTRAINED

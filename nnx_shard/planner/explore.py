@@ -17,7 +17,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from nnx_shard.errors import moved_names
 from nnx_shard.parallel.schedule import stage_count
 from nnx_shard.planner.evaluate import Evaluator, layout_key, progress_bar
 from nnx_shard.planner.formula import PRUNE_MARGIN, formula_bytes, stage_formula_bytes
@@ -30,13 +29,6 @@ from nnx_shard.rules import Rules
 from nnx_shard.strategy import Strategy
 
 __all__ = ["REMAT_TIME_FLOORS", "VARIANT_TIME_FLOOR", "Search"]
-
-#: Names this module held before the planner's modules split by job: still importable
-#: from here, with a DeprecationWarning naming where each lives now.
-MOVED = {"batch_problem": "nnx_shard.planner.problem",
-         "apply_result": "nnx_shard.planner.evaluate"}
-
-__getattr__ = moved_names(__name__, MOVED)
 
 
 #: A remat or microbatch variant of a layout is not compiled where its predicted step

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard.errors import NnxShardError, UsageError, moved_names, short
+from nnx_shard.errors import NnxShardError, UsageError, short
 from nnx_shard.planner.explore import Search
 from nnx_shard.planner.layouts import viable_layouts
 from nnx_shard.planner.options import REMAT_ORDER, AutoOptions
@@ -29,12 +29,6 @@ from nnx_shard.planner.user import UserModel
 from nnx_shard.report import fmt_bytes
 
 __all__ = ["REMAT_ORDER", "AutoOptions", "NothingFits", "auto"]
-
-#: Names this module held before the planner's modules split by job: still importable
-#: from here, with a DeprecationWarning naming where each lives now.
-MOVED = {"enumerate_layouts": "nnx_shard.planner.layouts"}
-
-__getattr__ = moved_names(__name__, MOVED)
 
 
 class NothingFits(NnxShardError, ValueError):

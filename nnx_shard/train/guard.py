@@ -606,15 +606,3 @@ def why_not_finite(host: Mapping[str, np.ndarray], i: int, checked: Sequence[tup
         what = "updated parameters are" if owner == "model" else "updated optimizer state is"
         return f"{what} not finite (first: {path}; loss and grad_norm were finite)"
     return "the step was not finite"
-
-
-def __getattr__(name: str) -> Any:
-    # ``Layout`` was this module's name for GuardLayout; nnx_shard.optstate has its own
-    # Layout, and public class names are unique across the package.
-    if name == "Layout":
-        import warnings
-
-        warnings.warn("nnx_shard.train.guard.Layout is now GuardLayout", DeprecationWarning,
-                      stacklevel=2)
-        return GuardLayout
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

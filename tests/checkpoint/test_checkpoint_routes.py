@@ -1,12 +1,11 @@
 """One implementation behind every checkpoint route: ``ns.save`` / ``ns.restore`` by hand,
-``ns.Checkpointer`` in a run (what ``Trainer.fit(checkpointer=..., resume=True)`` drives),
-and the deprecated ``nnx_shard.checkpoint.restore_into``. The same bad input raises the
-same error type and text through each; the same checkpoint restores to the same bits."""
+and ``ns.Checkpointer`` in a run (what ``Trainer.fit(checkpointer=..., resume=True)``
+drives). The same bad input raises the same error type and text through each; the same
+checkpoint restores to the same bits."""
 
 from __future__ import annotations
 
 import re
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +14,6 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.checkpoint import restore_into
 
 
 def linear(n_in=2, seed=0):
@@ -33,8 +31,7 @@ def _text(e: BaseException) -> str:
 
 
 def _raised(call):
-    with pytest.raises(Exception) as e, warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with pytest.raises(Exception) as e:
         call()
     return type(e.value), _text(e.value)
 
@@ -101,8 +98,6 @@ def _restore_routes(d):
         "ns.restore": lambda model, optimizer=None, step=None: ns.restore(
             d, model=model, optimizer=optimizer, step=step),
         "Checkpointer.restore": by_checkpointer,
-        "restore_into": lambda model, optimizer=None, step=None: restore_into(
-            d, model, optimizer, step),
     }
 
 
@@ -139,31 +134,13 @@ def test_every_restore_route_reads_the_same_bits(tmp_path):
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     ns.save(tmp_path, 7, model=model, optimizer=opt, extra={"step": 7, "data_position": 7})
     kernels = []
-    for name, route in _restore_routes(tmp_path).items():
+    for route in _restore_routes(tmp_path).values():
         target = linear(seed=5)
         t_opt = nnx.Optimizer(target, optax.adam(1e-2), wrt=nnx.Param)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            out = route(target, t_opt)
-        got = target if name == "restore_into" else out[0]
-        kernels.append(np.asarray(got.kernel[...]))
+        kernels.append(np.asarray(route(target, t_opt)[0].kernel[...]))
     target = linear(seed=5)
     resumed = _resume_route(tmp_path, target, nnx.Optimizer(target, optax.adam(1e-2),
                                                             wrt=nnx.Param))
     kernels.append(np.asarray(resumed.kernel[...]))
     for k in kernels:
         np.testing.assert_array_equal(k, model.kernel[...])
-
-
-def test_restore_into_warns_naming_the_replacements(tmp_path):
-    ns.save(tmp_path, 2, model=linear(), extra={"a": 1})
-    target = linear(seed=4)
-    with pytest.warns(DeprecationWarning) as record:
-        step, extra = restore_into(tmp_path, target, None)
-    text = str(record[0].message)
-    assert "restore_into is deprecated" in text
-    assert "ns.restore(directory, model=..., optimizer=...)" in text
-    assert "Trainer.fit(checkpointer=..., resume=True)" in text
-    assert record[0].filename == __file__  # points at the caller's line
-    assert (step, extra) == (2, {"a": 1})
-    np.testing.assert_array_equal(target.kernel[...], linear().kernel[...])

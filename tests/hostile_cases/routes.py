@@ -1,11 +1,9 @@
-"""Hostile cases of the routes that delegate: the deprecated ``restore_into`` and
-``ns.pipeline.explain``, the new ``ns.pipeline.stage_report``, ``Checkpointer.save`` /
-``restore`` and ``Trainer``'s options checked by ``multistep``'s code. Each must be as
-clear as the call it delegates to."""
+"""Hostile cases of the routes that delegate: ``ns.restore``, ``ns.pipeline.stage_report``,
+``Checkpointer.save`` / ``restore`` and ``Trainer``'s options checked by ``multistep``'s
+code. Each must be as clear as the call it delegates to."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 
@@ -17,20 +15,10 @@ def build(hs: Any) -> None:
 
         return nnx_shard
 
-    def quiet(fn: Any) -> Any:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return fn()
-
-    def restore_into(*args: Any) -> Any:
-        from nnx_shard.checkpoint import restore_into as deprecated
-
-        return quiet(lambda: deprecated(*args))
-
-    hs.api("routes/restore_into_missing_dir", ("restore", "does not exist"),
-           lambda: restore_into(F.path("routes_nowhere"), F.model(), None))
-    hs.api("routes/restore_into_model_int", ("restore", "model"),
-           lambda: restore_into(F.dir("routes_empty"), 5, None))
+    hs.api("routes/restore_missing_dir", ("restore", "does not exist"),
+           lambda: ns().restore(F.path("routes_nowhere"), model=F.model()))
+    hs.api("routes/restore_model_int", ("restore", "model"),
+           lambda: ns().restore(F.dir("routes_empty"), model=5))
 
     def saved() -> str:
         d = F.dir("routes_ckpt")
@@ -40,15 +28,15 @@ def build(hs: Any) -> None:
             ns().save(d, 1, model=F.model())
         return d
 
-    hs.api("routes/restore_into_step_bool", "step",
-           lambda: restore_into(saved(), F.model(), None, True))
+    hs.api("routes/restore_step_bool", "step",
+           lambda: ns().restore(saved(), model=F.model(), step=True))
     hs.api("routes/checkpointer_save_extra_set", "extra",
            lambda: ns().Checkpointer(F.dir("routes_ck2"), async_save=False).save(
                1, model=F.model(), extra={"a": {1, 2}}))
     hs.api("routes/checkpointer_restore_step_missing", ("step 9", "step"),
            lambda: ns().Checkpointer(saved()).restore(model=F.model(), step=9))
 
-    def stage_report(deprecated: bool = False, **kw: Any) -> Any:
+    def stage_report(**kw: Any) -> Any:
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -57,15 +45,12 @@ def build(hs: Any) -> None:
         model = nnx.eval_shape(lambda: ns().models.Transformer(cfg, rngs=nnx.Rngs(0)))
         args = {"carry": jax.ShapeDtypeStruct((8, 16, cfg.embed), jnp.float32),
                 "microbatches": 4, **kw}
-        if deprecated:
-            return quiet(lambda: ns().pipeline.explain(model, "stage=4,data=2", "pp", **args))
         return ns().pipeline.stage_report(model, "stage=4,data=2", "pp", **args)
 
     hs.api("routes/stage_report_microbatches_nan", "microbatches",
            lambda: stage_report(microbatches=float("nan")))
     hs.api("routes/stage_report_carry_none", "carry", lambda: stage_report(carry=None))
-    hs.api("routes/pipeline_explain_carry_str", "carry",
-           lambda: stage_report(deprecated=True, carry="x"))
+    hs.api("routes/stage_report_carry_str", "carry", lambda: stage_report(carry="x"))
 
     def trainer(**kw: Any) -> Any:
         import jax.numpy as jnp

@@ -466,20 +466,3 @@ def test_llama_config_refuses_an_unknown_remat_policy_or_kernel_naming_itself(fi
     with pytest.raises(ValueError) as e:
         dataclasses.replace(get_llama_config("tiny"), **{field: value})
     assert str(e.value).startswith(words), str(e.value)
-
-
-@pytest.mark.parametrize("old, new", [("Attention", "LlamaAttention"), ("MLP", "LlamaMLP"),
-                                      ("Block", "LlamaBlock")])
-def test_the_blocks_former_names_warn_and_give_the_renamed_class(old: str, new: str) -> None:
-    import nnx_shard.models.llama as llama
-
-    with pytest.warns(DeprecationWarning, match=rf"^nnx_shard\.models\.llama\.{old} is now {new}$"):
-        cls = getattr(llama, old)
-    assert cls is getattr(llama, new) and cls.__name__ == new
-    with pytest.warns(DeprecationWarning, match=new):
-        exec(f"from nnx_shard.models.llama import {old}", {})
-    with pytest.raises(AttributeError, match=r"'nnx_shard.models.llama' has no attribute 'Mlp'"):
-        llama.Mlp  # noqa: B018
-    block = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0)).blocks[0]
-    assert (type(block), type(block.attn), type(block.mlp)) == (
-        llama.LlamaBlock, llama.LlamaAttention, llama.LlamaMLP)
