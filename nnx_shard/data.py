@@ -189,6 +189,31 @@ def bits(nats: float) -> float:
     return nats / math.log(2)
 
 
+#: The largest token id :func:`pack` can write: its rows are int32.
+_ID_MAX = int(np.iinfo(np.int32).max)
+
+
+def _check_ids(i: int, ids: np.ndarray | list[int]) -> None:
+    """Example ``i``'s token ids are 0 .. int32's largest: a negative id or one that
+    int32 cannot hold must not be wrapped (2**40 and 2**63 would both become 0)."""
+    if isinstance(ids, np.ndarray):
+        # Compared in the ids' own dtype (uint64 2**63 is no negative int64 here).
+        if not ids.size or (ids.min() >= 0 and ids.max() <= _ID_MAX):
+            return
+        at = int(np.flatnonzero((ids < 0) | (ids > _ID_MAX))[0])
+        value = int(ids[at])
+    else:
+        bad = next(((j, t) for j, t in enumerate(ids) if not 0 <= t <= _ID_MAX), None)
+        if bad is None:
+            return
+        at, value = bad
+    why = "negative" if value < 0 else f"more than int32 holds ({_ID_MAX})"
+    raise UsageError(f"pack: example {i} has token id {value} at index {at}, {why}. Token ids "
+                     f"are 0 .. {_ID_MAX} (the vocabulary's; rows are int32). Fix: map the "
+                     "example through the tokenizer's vocabulary, and mark tokens not to learn "
+                     "with prompt_lengths, not with negative ids.")
+
+
 def _examples(examples: Any, prompt_lengths: Any) -> list[tuple[np.ndarray, int]]:
     if isinstance(examples, str | bytes) or not isinstance(examples, Sequence | np.ndarray):
         raise UsageError(f"pack: examples must be a list of token lists, got "
@@ -205,9 +230,13 @@ def _examples(examples: Any, prompt_lengths: Any) -> list[tuple[np.ndarray, int]
     out = []
     for i, ex in enumerate(examples):
         arr = np.asarray(ex) if not isinstance(ex, str | bytes) else np.asarray(None)
+        if arr.ndim == 1 and arr.dtype == object and arr.size and all(
+                type(t) is int for t in arr.tolist()):
+            _check_ids(i, arr.tolist())   # Python ints past int64, kept as objects by NumPy
         if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
             raise UsageError(f"pack: example {i} must be a non-empty list of token ids, got "
                              f"{short(ex, 60)}. Fix: drop empty examples and pass ints.")
+        _check_ids(i, arr)
         p = 0 if prompt_lengths is None else prompt_lengths[i]
         if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p <= arr.size:
             raise UsageError(f"pack: prompt_lengths[{i}] = {short(p, 40)} is not a count from 0 "
@@ -245,9 +274,10 @@ def pack(examples: Sequence[Sequence[int]], length: int, *,
       pad_id: the input id of padding (never a target).
 
     Raises:
-      UsageError: ``examples`` not a list of non-empty integer lists, an example
-        longer than ``length``, ``prompt_lengths`` not one count in ``0 ..
-        len(example)`` per example, a bad ``length`` or ``pad_id``.
+      UsageError: ``examples`` not a list of non-empty integer lists, a token id
+        that is negative or that int32 cannot hold, an example longer than
+        ``length``, ``prompt_lengths`` not one count in ``0 .. len(example)`` per
+        example, a bad ``length`` or ``pad_id``.
 
     >>> batch = pack([[1, 2, 3, 4], [5, 6, 7], [8, 9]], 6, prompt_lengths=[2, 1, 0])
     >>> batch["inputs"].tolist()
@@ -263,6 +293,10 @@ def pack(examples: Sequence[Sequence[int]], length: int, *,
     if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer):
         raise UsageError(f"pack: pad_id must be a token id (int), got {short(pad_id, 40)}. "
                          "Fix: e.g. pad_id=0 (never a target, so any id in the vocabulary).")
+    if not 0 <= pad_id <= _ID_MAX:
+        raise UsageError(f"pack: pad_id {int(pad_id)} is not a token id: ids are 0 .. "
+                         f"{_ID_MAX} (rows are int32). Fix: e.g. pad_id=0 (never a target, so "
+                         "any id in the vocabulary).")
     items = _examples(examples, prompt_lengths)
     rows: list[list[int]] = []   # example indices per row
     room: list[int] = []
