@@ -238,10 +238,23 @@ def _claim(directory: pathlib.Path, kind: str, name: str, step: int) -> pathlib.
     record = directory / f"{_CLAIM}{uuid.uuid4().hex}.json"
     data = {"kind": kind, "name": name, "step": step, "host": socket.gethostname(),
             "pid": os.getpid(), "ino": None, "dev": None}
-    tmp = record.with_name(record.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, record)
+    _write_record(record, data)
     return record
+
+
+def _write_record(record: pathlib.Path, data: dict[str, Any]) -> None:
+    """Writes a claim whole (a temporary file renamed over it); a failed write (a full
+    disk) leaves no temporary file and names the record in its error."""
+    tmp = record.with_name(record.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, record)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if e.filename is None:
+            e.filename = str(record)
+        raise
 
 
 def _pin(record: pathlib.Path, folder: pathlib.Path) -> None:
@@ -252,9 +265,9 @@ def _pin(record: pathlib.Path, folder: pathlib.Path) -> None:
     except (OSError, ValueError):
         return
     data["dev"], data["ino"] = st.st_dev, st.st_ino
-    tmp = record.with_name(record.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, record)
+    # Without the inode (a full disk), the claim still proves the folder by its content.
+    with contextlib.suppress(OSError):
+        _write_record(record, data)
 
 
 def _claims_in(directory: pathlib.Path) -> list[tuple[pathlib.Path, dict[str, Any]]]:

@@ -27,7 +27,12 @@ from nnx_shard.checkpoint._internal import (
     _WriteLock,
 )
 from nnx_shard.checkpoint.backend import hush, quiet_orbax
-from nnx_shard.checkpoint.exits import register_exit, save_failed, unregister_exit
+from nnx_shard.checkpoint.exits import (
+    register_exit,
+    rotate_failed,
+    save_failed,
+    unregister_exit,
+)
 from nnx_shard.checkpoint.restore import restore
 from nnx_shard.checkpoint.save import do_save, manager, save_args
 from nnx_shard.errors import count, flag
@@ -259,7 +264,11 @@ class Checkpointer:
                 self._failure.__cause__ = e
             else:
                 _release_tmp(self.directory, step)
-                _rotate(self._mngr, self.directory, self.keep)
+                try:
+                    _rotate(self._mngr, self.directory, self.keep)
+                except OSError as e:
+                    self._failure = rotate_failed(self.directory, step, self.keep, e)
+                    self._failure.__cause__ = e
             finally:
                 if self._lock is not None:
                     self._lock.release()

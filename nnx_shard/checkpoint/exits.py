@@ -26,8 +26,19 @@ from nnx_shard.checkpoint._internal import (
     _finished_steps,
     _unfinished,
 )
+from nnx_shard.errors import NnxShardError
 
 # --------------------------------------------------------------------------- failures
+
+
+class CheckpointWriteError(NnxShardError, OSError):
+    """A checkpoint could not be written (a full disk, a read-only file system): the
+    message names the step, the checkpoint directory, the file being written when
+    known, and the fix.
+
+    >>> issubclass(CheckpointWriteError, OSError)
+    True
+    """
 
 
 def _errno_of(e: BaseException) -> int | None:
@@ -44,13 +55,27 @@ def _errno_of(e: BaseException) -> int | None:
     return None
 
 
+def _filename_of(e: BaseException) -> str | None:
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.filename:
+            return os.fsdecode(x.filename)
+        x = x.__cause__ or x.__context__
+    return None
+
+
 def save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseException,
-                 background: bool) -> OSError:
+                background: bool) -> CheckpointWriteError:
     """One clear OSError for a save that failed: which, why, what is left, the fix."""
     code = _errno_of(e)
     text = " ".join(str(e).split()) or type(e).__name__
     text = text if len(text) <= 300 else text[:300] + "..."
     reason = f"{os.strerror(code)} ({text})" if code else text
+    name = _filename_of(e)
+    if name is not None and name not in reason:
+        reason += f", writing {name}"
     if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         fix = "free disk space (or keep fewer checkpoints: keep=), then save again"
     elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
@@ -58,10 +83,24 @@ def save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseExceptio
     else:
         fix = "check the directory, then save again"
     what = "background save" if background else "save"
-    err = OSError(
+    err = CheckpointWriteError(
         f"{caller}: the {what} of step {step} to {directory} failed: {reason}; that step "
         f"was not written (finished steps: {_finished_steps(directory)}). Fix: {fix}."
     )
+    err.errno = code
+    return err
+
+
+def rotate_failed(directory: pathlib.Path, step: int, keep: int | None,
+                  e: BaseException) -> CheckpointWriteError:
+    """The error of a save that finished while deleting the checkpoints beyond ``keep``
+    failed (a full disk fails the few bytes of the deletion's claim)."""
+    code = _errno_of(e)
+    text = " ".join(str(e).split())[:300] or type(e).__name__
+    err = CheckpointWriteError(
+        f"Checkpointer: step {step} was saved to {directory}, but deleting the checkpoints "
+        f"beyond keep={keep} failed: {text}; they are kept (finished steps: "
+        f"{_finished_steps(directory)}). Fix: free disk space; the next save deletes them.")
     err.errno = code
     return err
 

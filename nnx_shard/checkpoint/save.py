@@ -214,8 +214,14 @@ def do_save(
         _settle(directory)
         _refuse_existing(directory, step, caller)
         _forget(mngr, [step])  # a stale entry of orbax's (e.g. a user's "007/") must not block it
-        record = _claim_tmp(directory, step, caller)
-        lock = _WriteLock(directory)
+        try:
+            record = _claim_tmp(directory, step, caller)
+            lock = _WriteLock(directory)
+        except FileExistsError:
+            raise
+        except OSError as e:  # a full disk fails the claim's few bytes first
+            _remove_tmp(directory, step)
+            raise save_failed(caller, directory, step, e, background=False) from e
         try:
             with quiet_orbax():
                 mngr.save(step, args=args, force=True)
