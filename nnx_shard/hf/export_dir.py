@@ -223,7 +223,9 @@ def write_marker(folder: Path, token: str, target: str, files: Iterable[str] | N
     tmp = folder / (MARKER + ".tmp")
     with writing(folder / MARKER):
         st.write_file(str(tmp), raw)
-        os.chmod(tmp, stat.S_IMODE(os.stat(folder).st_mode) & 0o666)
+        info = os.stat(folder)  # the export's mode and owner are the folder's by now
+        os.chmod(tmp, stat.S_IMODE(info.st_mode) & 0o666)
+        Modes(0, 0, (info.st_uid, info.st_gid), {})._own(tmp)
         os.replace(tmp, folder / MARKER)
 
 

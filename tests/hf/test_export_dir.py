@@ -379,3 +379,106 @@ def test_an_unfinished_export_does_not_load(tmp_path) -> None:
 def test_one_process_token_is_fresh() -> None:
     assert jax.process_count() == 1
     assert export_dir.new_token() != export_dir.new_token()
+
+
+# --------------------------------------------------------------------------- modes and places
+
+
+def _mode(p: Path) -> int:
+    return p.stat().st_mode & 0o7777
+
+
+def test_a_private_folder_stays_private(tmp_path) -> None:
+    out = tmp_path / "private"
+    out.mkdir()
+    os.chmod(out, 0o700)
+    model = _model(0)
+    for _ in range(2):  # into the empty folder, then over its export
+        hf.save_safetensors(out, model, max_shard_bytes=SHARD)
+        assert _mode(out) == 0o700
+        modes = {p.name: _mode(p) for p in out.iterdir()}
+        assert modes and all(m & 0o077 == 0 for m in modes.values()), modes
+    assert _others(out) == []
+    # A group-readable folder lets the group read the files, others not.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o750)
+    hf.save_safetensors(shared, model)
+    assert _mode(shared) == 0o750
+    assert all(_mode(p) & 0o007 == 0 for p in shared.iterdir())
+
+
+def test_a_new_folder_takes_the_umask_and_files_no_wider_than_before(tmp_path) -> None:
+    old = os.umask(0o027)
+    try:
+        hf.save_safetensors(tmp_path / "new", _model(0))
+    finally:
+        os.umask(old)
+    assert _mode(tmp_path / "new") == 0o750
+    assert {_mode(p) for p in (tmp_path / "new").iterdir()} == {0o640}
+    # A file of the previous export the owner closed stays closed in the new one.
+    out = tmp_path / "open"
+    hf.save_safetensors(out, _model(0))
+    os.chmod(out, 0o755)
+    os.chmod(out / "model.safetensors", 0o600)
+    hf.save_safetensors(out, _model(1))
+    assert _mode(out / "model.safetensors") == 0o600
+    assert _mode(out / "config.json") & 0o044 == 0o044  # the umask's, not narrowed
+
+
+@pytest.mark.parametrize("how", [".", "cwd", "parent", ".."])
+def test_the_working_directory_and_folders_above_it_are_refused(tmp_path, monkeypatch,
+                                                                  how) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("the user's")
+    monkeypatch.chdir(work)
+    target = {"cwd": work, "parent": tmp_path}.get(how, how)
+    with pytest.raises(export_dir.ExportError, match=r"working directory.*Fix: save to a "
+                       r"subfolder, e\.g\. save_safetensors\(.*export'"):
+        hf.save_safetensors(target, _model(0))
+    assert os.getcwd() == str(work) and sorted(os.listdir(tmp_path)) == ["work"]
+    assert os.listdir(work) == ["notes.txt"]
+    # A subfolder of the working directory is fine.
+    hf.save_safetensors("export", _model(0))
+    assert (work / "export" / "model.safetensors").is_file() and os.getcwd() == str(work)
+
+
+def test_a_mount_point_is_refused(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(out) or real(p))
+    with pytest.raises(export_dir.ExportError, match=r"'.*mnt'.* is a mount point.*Fix: save to "
+                       "a subfolder"):
+        hf.save_safetensors(out, _model(0))
+    assert os.listdir(out) == [] and _others(out) == []
+
+
+@pytest.mark.parametrize("name", ["model-00002-of-00005.safetensors",
+                                  "model.safetensors.index.json", "config.json",
+                                  ".nnx_shard_safetensors.tmp"])
+def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch, name) -> None:
+    real = st._pwrite
+
+    def full(fd: int, data: Any, offset: int) -> int:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # no file name, as a write
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(st, "_pwrite", full)
+    out = tmp_path / "out"
+    with pytest.raises(export_dir.ExportError, match=rf"No space left on device \(writing "
+                       rf"{name.removesuffix('.tmp')}\).*Fix: free space"):
+        hf.save_safetensors(out, _model(0), max_shard_bytes=SHARD)
+    assert os.listdir(tmp_path) == []  # no export, no staging folder, no partial file
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may give a folder to another user")
+def test_the_destinations_owner_is_kept(tmp_path) -> None:
+    out = tmp_path / "theirs"
+    out.mkdir()
+    os.chown(out, 12345, 23456)
+    hf.save_safetensors(out, _model(0))
+    assert (out.stat().st_uid, out.stat().st_gid) == (12345, 23456)
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in out.iterdir()} == {(12345, 23456)}

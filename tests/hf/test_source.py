@@ -173,3 +173,64 @@ def test_a_new_export_replaces_the_copied_files_of_the_previous_one(tmp_path):
         ".nnx_shard_safetensors", "README.md", "config.json", "generation_config.json",
         "model.safetensors"]
     assert (out / "README.md").read_text() == "the user's"
+
+
+def _hub_snapshot(root: Path) -> Path:
+    """hf_publish laid out as huggingface_hub caches it: every file of the snapshot a
+    link to ../../blobs/<hash>."""
+    repo = root / "models--org--tiny"
+    snap = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for p in (FIXTURES / "hf_publish").iterdir():
+        shutil.copy(p, repo / "blobs" / f"hash-{p.name}")
+        (snap / p.name).symlink_to(Path("..", "..", "blobs", f"hash-{p.name}"))
+    return snap
+
+
+def test_a_hub_cache_snapshot_is_exported_with_the_blobs_content(tmp_path):
+    snap = _hub_snapshot(tmp_path / "hub")
+    model = load(snap)
+    out = tmp_path / "out"
+    ns.save_safetensors(out, model)
+    for name in TOKENIZER:
+        assert not (out / name).is_symlink()
+        assert (out / name).read_bytes() == (FIXTURES / "hf_publish" / name).read_bytes(), name
+    assert read(out, "generation_config.json") == read(snap, "generation_config.json")
+    # A link inside the checkpoint folder itself is followed too.
+    src = make_source(tmp_path / "src")
+    (src / "tok.real").write_bytes((src / "tokenizer.json").read_bytes())
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to("tok.real")
+    ns.save_safetensors(tmp_path / "out2", load(src))
+    assert (tmp_path / "out2" / "tokenizer.json").read_bytes() == (src / "tok.real").read_bytes()
+
+
+@pytest.mark.parametrize("where", ["folder", "hub"])
+def test_a_link_out_of_the_checkpoint_is_never_copied(tmp_path, where):
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    src = make_source(tmp_path / "src") if where == "folder" else _hub_snapshot(tmp_path / "h")
+    model = load(src)
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(secret)
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=r"the source's tokenizer\.json \(.*\) is a symbolic "
+                       rf"link to {secret}, outside .*Fix: replace the link with a copy"):
+        ns.save_safetensors(out, model)
+    assert not out.exists()
+    ns.save_safetensors(out, model, copy_tokenizer=False)
+    assert not (out / "tokenizer.json").exists()
+
+
+def test_generation_token_ids_must_be_ids_of_the_model(tmp_path):
+    src = make_source(tmp_path / "src")
+    model = load(src)
+    gen = read(src, "generation_config.json")
+    (src / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [2, 128]}))
+    with pytest.raises(UsageError, match=r"generation_config\.json gives eos_token_id \[2, 128\]"
+                       r", and 128 in it, not a token id of the model \(its vocabulary: 0\.\.127\)"):
+        ns.save_safetensors(tmp_path / "out", model, source=src)
+    (src / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": 127}))
+    ns.save_safetensors(tmp_path / "out", model, source=src)
+    assert read(tmp_path / "out", "generation_config.json")["eos_token_id"] == 127
