@@ -272,11 +272,19 @@ class Tokenizer:
         (14,)
         """
         value = self._generation.get("eos_token_id")
-        if isinstance(value, int) and not isinstance(value, bool):
-            return (value,)
-        if isinstance(value, list) and value and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return tuple(value)
+        found = (value,) if isinstance(value, int) and not isinstance(value, bool) else \
+            tuple(value) if isinstance(value, list) and value and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value) else None
+        if found is not None:
+            n = self.vocab_size
+            bad = [i for i in found if not 0 <= i < n]
+            if bad:  # generation would never stop at it
+                raise UsageError(
+                    f"{os.path.join(self.path, 'generation_config.json')}: eos_token_id "
+                    f"{short(value, 60)}: {bad[0]} is not an id of the tokenizer's vocabulary "
+                    f"(0..{n - 1}), so generation would never stop at it. Fix: correct "
+                    "eos_token_id there, or download the model's files again.")
+            return found
         own = self.eos_token_id
         return () if own is None else (own,)
 
