@@ -249,7 +249,7 @@ def _check_tokenizer_json(path: str, name: str, raw: bytes) -> None:
                 isinstance(value, dict) and isinstance(value.get("content"), str)):
             continue
         raise UsageError(f"save_safetensors: the source's {path} gives {key} as "
-                         f"{_kind(value)} {short(value, 60)}, not the token's text (or a "
+                         f"{_kind(value)}, not the token's text (or a "
                          "record with its 'content'); nothing was written. " + fix)
     extra = data.get("additional_special_tokens")
     if extra is not None and not isinstance(extra, list):
@@ -279,11 +279,13 @@ def _check_ids(gen: dict[str, Any], where: str, vocab: int | None) -> None:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (
                     vocab is not None and i >= vocab):
                 span = f"0..{vocab - 1}" if vocab is not None else "a whole number >= 0"
+                held = "" if ids == [value] else f", and {short(i, 30)} in it"
+                why = ("generation would never stop at it" if key == "eos_token_id" else
+                       "generation would use a token the model does not have")
                 raise UsageError(
-                    f"save_safetensors: {where} gives {key} {short(value, 60)}, and "
-                    f"{short(i, 30)} is not a token id of the model (its vocabulary: {span}); "
-                    "generation would never stop at it. Nothing was written. Fix: correct "
-                    f"{key} in {where}, or pass source=False.")
+                    f"save_safetensors: {where} gives {key} {short(value, 60)}{held}, not a "
+                    f"token id of the model (its vocabulary: {span}): {why}. Nothing was "
+                    f"written. Fix: correct {key} in {where}, or pass source=False.")
 
 
 def _generation(found: Source, config: dict[str, Any]) -> dict[str, Any]:
