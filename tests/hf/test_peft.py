@@ -4,6 +4,7 @@ and adapter-only AdamW training against peft's own loss curve."""
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,220 @@ def test_load_lora_errors(tmp_path, config, words):
 def test_load_lora_missing_folder(tmp_path):
     with pytest.raises(ns.NnxShardError, match="is not a directory"):
         ns.load_lora(tmp_path / "nope", nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+# --- load_lora reads what PEFT's config selects, as PEFT does ------------------------------------
+CASES = FIXTURES / "peft_cases"
+ALL = {"attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down"}
+
+
+@pytest.mark.parametrize(("case", "loaded"), [
+    ("full", {f"blocks/{i}/{p}" for i in (0, 1) for p in ALL}),
+    ("all_linear", {f"blocks/{i}/{p}" for i in (0, 1) for p in ALL}),
+    ("narrow_targets", {f"blocks/{i}/{p}" for i in (0, 1) for p in ("attn/q", "mlp/down")}),
+    ("regex_targets", {"blocks/1/attn/q", "blocks/1/attn/k"}),
+    ("layers_to_transform", {"blocks/1/attn/q", "blocks/1/attn/v", "blocks/1/mlp/up"}),
+    ("layers_pattern", {"blocks/0/attn/o", "blocks/0/mlp/gate"}),
+    ("exclude_list", {f"blocks/{i}/{p}" for i in (0, 1) for p in ALL - {"mlp/down"}}
+     - {"blocks/0/attn/q"}),
+    ("exclude_regex", {f"blocks/{i}/attn/{p}" for i in (0, 1) for p in "qkvo"}),
+    ("no_alpha", {f"blocks/{i}/{p}" for i in (0, 1) for p in ("attn/k", "mlp/up")}),
+])
+def test_load_lora_selects_modules_as_peft_does(case, loaded):
+    """Every file holds factors of all 14 projections; PEFT loads only those its config
+    selects (and lora_alpha defaults to 8): our logits are PEFT's on each folder."""
+    exp = np.load(CASES / "expected.npz")
+    strategy = ns.strategies.dp()
+    mesh = strategy.make_mesh(2)
+    model = ns.load_lora(CASES / case, _base(strategy, mesh))
+    assert set(adapters(model)) == loaded
+    want = exp[f"logits_{case}"]
+    tol = 2e-4 * np.abs(want).max()
+    got = _logits(model, strategy, mesh, exp["tokens"])
+    assert np.abs(got - want).max() <= tol
+    assert np.abs(exp["logits_base"] - want).max() > 100 * tol  # the adapter moves the logits
+    if case == "no_alpha":
+        assert {n.scale for n in adapters(model).values()} == {8 / 2}
+
+
+def test_load_lora_layers_to_transform_onto_stacked_blocks():
+    exp = np.load(CASES / "expected.npz")
+    strategy = ns.strategies.dp()
+    mesh = strategy.make_mesh(2)
+    model = ns.load_lora(CASES / "layers_to_transform", _base(strategy, mesh, scan=True))
+    assert set(adapters(model)) == {"blocks/attn/q", "blocks/attn/v", "blocks/mlp/up"}
+    q = model.blocks.attn.q
+    assert not np.asarray(q.lora_b[...][0]).any() and np.asarray(q.lora_b[...][1]).any()
+    want = exp["logits_layers_to_transform"]
+    got = _logits(model, strategy, mesh, exp["tokens"])
+    assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
+
+
+# --- save_lora replaces the folder whole, never through a link -----------------------------------
+def _tiny(rank=2, alpha=4.0, targets=r"attn/q$", seed=0):
+    from nnx_shard.models import get_llama_config
+
+    model = ns.lora(Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0)), rank, alpha,
+                    targets=targets, rngs=seed)
+    for i, node in enumerate(adapters(model).values()):
+        node.lora_b.set_value(jax.random.normal(jax.random.key(seed * 100 + i), node.lora_b.shape))
+    return model
+
+
+def _files(folder):
+    """The adapter in ``folder``: its config and every tensor, as read from disk."""
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    header = st.read_header(str(folder / "adapter_model.safetensors"))
+    return cfg, {n: st.read_slice(header, n, [slice(None)] * len(i.shape))
+                 for n, i in header.tensors.items()}
+
+
+def _same(a, b):
+    return a[0] == b[0] and sorted(a[1]) == sorted(b[1]) and all(
+        np.array_equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def _saved(model, tmp_path, name):
+    ns.save_lora(tmp_path / name, model)
+    return _files(tmp_path / name)
+
+
+def test_save_lora_never_writes_through_links(tmp_path):
+    out = tmp_path / "adapter"
+    out.mkdir()
+    outside = {n: tmp_path / n for n in ("config.txt", "weights.bin", "partial.bin")}
+    for p in outside.values():
+        p.write_bytes(b"precious")
+    (out / "adapter_config.json").symlink_to(outside["config.txt"])
+    (out / "adapter_model.safetensors").symlink_to(outside["weights.bin"])
+    (out / "adapter_model.safetensors.partial").symlink_to(outside["partial.bin"])
+    model = _tiny()
+    ns.save_lora(out, model)
+    assert all(p.read_bytes() == b"precious" for p in outside.values())
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not any((out / n).is_symlink() for n in os.listdir(out))
+    assert _same(_files(out), _saved(model, tmp_path, "fresh"))
+
+
+def test_save_lora_keeps_the_folder_mode_and_other_files(tmp_path):
+    out = tmp_path / "adapter"
+    ns.save_lora(out, _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$"))
+    (out / "README.md").write_text("mine")
+    (out / "runs").mkdir()
+    (out / "runs" / "log.txt").write_text("log")
+    (out / "link").symlink_to(tmp_path / "elsewhere")
+    out.chmod(0o750)
+    model = _tiny()
+    ns.save_lora(out, model)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    assert (out / "README.md").read_text() == "mine"
+    assert (out / "runs" / "log.txt").read_text() == "log"
+    assert os.readlink(out / "link") == str(tmp_path / "elsewhere")
+    cfg, tensors = _files(out)
+    assert (cfg["r"], cfg["lora_alpha"]) == (2, 4)  # the new adapter only: no old v_proj
+    assert not any("v_proj" in k for k in tensors)
+    assert sorted(os.listdir(tmp_path)) == ["adapter"]  # no staging folder left
+
+
+def test_save_lora_new_folder_takes_the_umask_and_link_is_followed(tmp_path):
+    old = os.umask(0o027)
+    try:
+        ns.save_lora(tmp_path / "a" / "b", _tiny())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a" / "b").stat().st_mode) == 0o750
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    ns.save_lora(tmp_path / "via", _tiny())
+    assert (tmp_path / "via").is_symlink()
+    assert sorted(os.listdir(tmp_path / "real")) == ["adapter_config.json",
+                                                     "adapter_model.safetensors"]
+
+
+@pytest.mark.parametrize("where", ["weights", "config", "swap"])
+def test_save_lora_failing_midway_keeps_the_previous_adapter_whole(tmp_path, monkeypatch, where):
+    from nnx_shard.hf import peft as peft_io
+
+    out = tmp_path / "adapter"
+    ns.save_lora(out, _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$"))
+    before = _files(out)
+
+    def boom(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    target = {"weights": (peft_io.st, "write_slice"), "config": (peft_io.st, "write_file"),
+              "swap": (peft_io.export_dir, "_exchange")}[where]
+    monkeypatch.setattr(*target, boom)
+    with pytest.raises(ns.NnxShardError, match="No space left") as info:
+        ns.save_lora(out, _tiny())
+    assert str(out) in str(info.value) and "Fix:" in str(info.value)
+    assert _same(_files(out), before)
+    assert sorted(os.listdir(tmp_path)) == ["adapter"]
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+_KILLED = r"""
+import os, signal, sys
+from pathlib import Path
+import nnx_shard as ns
+from nnx_shard.hf import peft as peft_io
+from tests.hf.test_peft import _tiny
+
+real = peft_io.st.write_file
+def write_file(path, data):  # the weights are on disk: die before the config is
+    os.kill(os.getpid(), signal.SIGKILL)
+peft_io.st.write_file = write_file
+ns.save_lora(Path(sys.argv[1]), _tiny())
+"""
+
+
+@pytest.mark.slow  # a fresh process importing JAX
+def test_save_lora_killed_midway_leaves_the_previous_adapter(tmp_path):
+    out = tmp_path / "adapter"
+    old = _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$")
+    ns.save_lora(out, old)
+    before = _files(out)
+    done = subprocess.run([sys.executable, "-c", _KILLED, str(out)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert done.returncode == -9, done.stderr
+    assert _same(_files(out), before)
+    back = ns.load_lora(out, Llama(old.cfg, rngs=nnx.Rngs(0)))
+    assert {n.scale for n in adapters(back).values()} == {4.0}
+
+
+def test_concurrent_save_lora_leaves_one_whole_adapter(tmp_path):
+    """Two threads save different adapters into one folder at once, ten times over:
+    the folder holds exactly one of the two, whole, and nothing is left beside it."""
+    import threading
+
+    models = [_tiny(), _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$|mlp/up$", seed=1)]
+    want = [_saved(m, tmp_path, f"want{i}") for i, m in enumerate(models)]
+    out = tmp_path / "shared" / "adapter"
+    seen = set()
+    for trial in range(10):
+        gate = threading.Barrier(2)
+        errors = []
+
+        def save(model, gate=gate, errors=errors):
+            try:
+                gate.wait()
+                ns.save_lora(out, model)
+            except BaseException as e:  # reported below, not lost in the thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=save, args=(m,)) for m in models[::(-1) ** trial]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        got = _files(out)
+        match = [i for i, w in enumerate(want) if _same(got, w)]
+        assert len(match) == 1, (trial, got[0])
+        seen.add(match[0])
+        assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert os.listdir(out.parent) == ["adapter"]
+    assert seen  # at least one whole adapter each time (which one is up to the scheduler)
 
 
 if __name__ == "__main__":
