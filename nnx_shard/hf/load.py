@@ -130,7 +130,8 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     Args:
       path: a directory with ``model.safetensors`` or a sharded
         ``model.safetensors.index.json`` (what ``save_pretrained`` writes), or
-        one ``.safetensors`` file.
+        one ``.safetensors`` file. With both, ``model.safetensors`` is read, as
+        transformers reads it.
       target: the model to fill, abstract (:func:`nnx_shard.abstract_init`:
         nothing allocated) or concrete and sharded; every variable must carry a
         ``NamedSharding``. Its dtypes decide the loaded dtypes (a bfloat16 file
@@ -149,9 +150,14 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     sizes, biases, rotary and window settings): same-shaped tensors of another
     family would load into wrong logits without a single shape error.
 
+    A checkpoint holding an ``lm_head.weight`` other than its embedding is untied,
+    whatever ``tie_word_embeddings`` says (transformers computes the logits with
+    that head): a built-in target must then be untied too.
+
     Raises:
       UsageError: the checkpoint's ``config.json`` and the target's configuration
-        differ: one error listing each differing field.
+        differ: one error listing each differing field; or the checkpoint holds a
+        separate ``lm_head.weight`` and the target ties its head to the embedding.
       ValueError: one error listing every problem: tensors the mapping does not
         place (unused), parameters no tensor fills (missing), shapes and dtypes
         that do not fit; each names the Hugging Face key, the model path, both

@@ -228,6 +228,13 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     ``nnx.eval_shape`` / ``abstract_init`` one) and ``dtype`` must be a
     floating-point type.
 
+    The export keeps the destination folder's mode and owner (a private 0700
+    folder stays private), and its files are no more open than the folder lets
+    them be read, nor than the files they replace. A destination the swap cannot
+    take is refused before anything is written: the working directory, a folder
+    above it, a mount point (save to a subfolder). A failed write names the file
+    it was writing.
+
     Args:
       path: the output directory (created if needed).
       model: a concrete model with sharded (or single-device) arrays.

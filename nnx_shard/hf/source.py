@@ -14,6 +14,13 @@ beside the weights: ``config.json`` (the source's fields, with the model's sizes
 ``generation_config.json`` (the source's, or one made of the config's bos / eos /
 pad ids) and copies of the tokenizer files (read at save time from the folder,
 which must still be there); the default tensor dtype is the source's.
+
+The export is for publishing, so a file of the source that is a symbolic link is
+copied only when the link stays inside the checkpoint folder, or inside its hub
+cache repository (``models--org--name``: a snapshot's files link to
+``../../blobs/<hash>``); a link elsewhere (a key, ``/etc/hostname``) is an error
+naming the file and its target. Tokenizer JSON files must be JSON objects (with
+special tokens given as text), and generation token ids ids of the model.
 """
 
 from __future__ import annotations
