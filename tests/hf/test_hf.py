@@ -430,6 +430,10 @@ def _llama_copy(tmp_path: Path, name: str = "ckpt") -> Path:
 
 
 def _index(folder: Path, content: object) -> Path:
+    # An index beside model.safetensors is never read (as in transformers): the
+    # single file goes, its bytes stay as a shard.
+    if (folder / hf.SINGLE).exists():
+        (folder / hf.SINGLE).rename(folder / "model-00001-of-00001.safetensors")
     text = content if isinstance(content, str) else json.dumps(content)
     (folder / hf.INDEX).write_text(text)
     return folder / hf.INDEX
