@@ -48,8 +48,8 @@ class CheckpointNotFound(NnxShardError, FileNotFoundError):
 def _read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a ``model.safetensors.index.json`` (tensor name -> file),
     checked: a JSON object whose ``weight_map`` maps names to file names."""
-    fix = ("Fix: download the index again, or remove it and keep the single "
-           f"{SINGLE} it stands for.")
+    fix = (f"Fix: download the index again (or the checkpoint as one {SINGLE}, which is "
+           "read instead when it is there).")
     try:
         content = json.loads(index.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

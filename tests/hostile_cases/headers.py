@@ -139,8 +139,9 @@ def build(hs: Any) -> None:
     def index(label: str, content: Any, shard: bool = True) -> Callable[[], Any]:
         def fn() -> Any:
             folder = F.dir(f"index_{label}")
-            if shard:
-                shutil.copy(os.path.join(FIXTURES, "hf_llama", "model.safetensors"), folder)
+            if shard:  # as a shard: an index beside model.safetensors is never read
+                shutil.copy(os.path.join(FIXTURES, "hf_llama", "model.safetensors"),
+                            os.path.join(folder, "model-00001-of-00001.safetensors"))
             text = content if isinstance(content, str) else json.dumps(content)
             with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
                 f.write(text)
