@@ -19,7 +19,7 @@ from nnx_shard.errors import UsageError, count, flag, short
 from nnx_shard.init import StrategyLike, tables
 from nnx_shard.mesh import make_mesh, use
 from nnx_shard.rules import Rules
-from nnx_shard.train.feed import Feed, groups, iter_group_sizes
+from nnx_shard.train.feed import BatchCheck, Feed, groups, iter_group_sizes
 from nnx_shard.train.fused import Fused, check_options
 from nnx_shard.train.guard import (
     DEFAULT_GUARD,
@@ -258,6 +258,17 @@ class Trainer:
         while the previous calls run, and the compiled call copies the group to
         the devices itself.
 
+        Each group's integer fields the library knows by name are checked on the
+        host before the call (:class:`~nnx_shard.train.feed.BatchCheck`), since
+        inside it they are traced and the model's own checks cannot run:
+        ``attention_mask`` 0 or 1, ``targets`` / ``labels`` token ids or -100
+        (ignored), ``positions`` from 0, token ids (``input_ids``, ``tokens``;
+        ``inputs`` for a model with a vocabulary) from 0, and below the
+        vocabulary size and the context of a model with a ``cfg.vocab`` (the
+        reference Transformer and Llama). A bad value is a
+        :class:`~nnx_shard.errors.UsageError` naming the batch, the field and
+        the value.
+
         The NaN guard, ``Trainer(..., guard=...)``; every mode checks each
         step's loss and gradient norm and the state each fused call leaves:
 
@@ -312,7 +323,8 @@ class Trainer:
         every = checkpointer.every if checkpointer is not None else None
         sizes = iter_group_sizes(self.step, num_steps, self.steps_per_call, every)
         place = Placer(self.mesh, self.rules, self.batch_names)
-        reader = groups(data, sizes, place, position=self.data_position, resumed=resumed)
+        reader = groups(data, sizes, place, position=self.data_position, resumed=resumed,
+                        check=BatchCheck.of(self.model))
         self._guard.raise_()
         self._record_layout()
         # Two calls in flight keep the device busy while the host stacks the next group
