@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import stat
 import warnings
 from collections.abc import Callable, Mapping
@@ -569,12 +571,45 @@ _FIXES = {errno.ENOSPC: "free space on that disk, or save elsewhere",
                        "written beside it first)"}
 
 
+def _owner() -> str:
+    """This process, as stage folder names record it: a digest of the host name, the pid."""
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    return f"{host}-{os.getpid()}"
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Tidies the folders that killed saves of this host left beside ``out``: a new adapter
+    never swapped in, or a previous one swapped out; their other entries go back to
+    ``out`` (as after a finished save). A folder of a process still running is left."""
+    host = _owner().partition("-")[0]
+    pattern = re.compile(rf"\.{re.escape(out.name)}{_STAGE}{host}-(\d+)-[0-9a-f]{{32}}")
+    if not out.parent.is_dir():
+        return
+    for p in out.parent.iterdir():
+        hit = pattern.fullmatch(p.name)
+        if hit is None or p.is_symlink() or not p.is_dir() or _running(int(hit.group(1))):
+            continue
+        _drop_previous(p, out, "the folder a killed save left,")
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # a save in flight in another thread of this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _new_stage(out: Path) -> Path:
     """A fresh, uniquely named folder beside ``out``, made as ``out`` would be (mode
     0o777 less the umask), then given ``out``'s mode when ``out`` exists."""
     out.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        stage = out.parent / f".{out.name}{_STAGE}{export_dir.new_token()}"
+        stage = out.parent / f".{out.name}{_STAGE}{_owner()}-{export_dir.new_token()}"
         try:
             stage.mkdir()
         except FileExistsError:
@@ -590,6 +625,7 @@ def _replace_folder(out: Path, write: Callable[[Path], None]) -> None:
     atomically; on any failure removes it and leaves ``out`` as it was."""
     stage: Path | None = None
     try:
+        _clean_leftovers(out)
         stage = _new_stage(out)
         write(stage)
         _carry_over(out, stage)
@@ -644,9 +680,10 @@ def _swap(stage: Path, out: Path) -> Path | None:
     raise OSError(errno.EBUSY, "the folder kept changing under concurrent saves", str(out))
 
 
-def _drop_previous(old: Path, out: Path) -> None:
-    """Removes the previous folder ``old`` (swapped out of ``out``): its adapter files
-    go, the other entries come back to ``out`` unless ``out`` has them already."""
+def _drop_previous(old: Path, out: Path, what: str = "its previous folder") -> None:
+    """Removes the folder ``old`` beside ``out`` (the previous one, swapped out): its
+    adapter files go, the other entries come back to ``out`` unless ``out`` has them
+    already; what cannot be is left, with a warning."""
     try:
         for p in list(old.iterdir()):
             if p.name in _MINE or _same_file(p, out / p.name):
@@ -656,9 +693,8 @@ def _drop_previous(old: Path, out: Path) -> None:
                 os.rename(p, out / p.name)
         old.rmdir()
     except OSError as e:
-        warnings.warn(f"save_lora: the adapter is saved in {out}, but its previous folder, "
-                      f"now {old}, could not be removed ({e}); remove it yourself.",
-                      stacklevel=3)
+        warnings.warn(f"save_lora: {what} {old}, beside {out}, could not be removed ({e}); "
+                      "remove it yourself.", stacklevel=4)
 
 
 def _same_file(a: Path, b: Path) -> bool:

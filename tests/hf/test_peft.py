@@ -354,6 +354,32 @@ def test_save_lora_killed_midway_leaves_the_previous_adapter(tmp_path):
     assert _same(_files(out), before)
     back = ns.load_lora(out, Llama(old.cfg, rngs=nnx.Rngs(0)))
     assert {n.scale for n in adapters(back).values()} == {4.0}
+    left, = [p for p in os.listdir(tmp_path) if p != "adapter"]  # the killed save's folder
+    assert left.startswith(".adapter.save_lora-")
+    ns.save_lora(out, old)  # the next save tidies it
+    assert os.listdir(tmp_path) == ["adapter"]
+
+
+def test_save_lora_tidies_only_folders_of_dead_saves(tmp_path):
+    from nnx_shard.hf import peft as peft_io
+
+    out = tmp_path / "adapter"
+    ns.save_lora(out, _tiny())
+    (out / "README.md").write_text("mine")
+    host, _, pid = peft_io._owner().partition("-")
+    token = "0" * 32
+    dead = tmp_path / f".adapter.save_lora-{host}-{2**30}-{token}"  # no such process
+    mine = tmp_path / f".adapter.save_lora-{host}-{pid}-{token}"  # a save in flight
+    other = tmp_path / f".adapter.save_lora-ffffffff-{2**30}-{token}"  # another host's
+    for d in (dead, mine, other):
+        d.mkdir()
+        (d / "adapter_config.json").write_text("{}")
+    (dead / "notes.txt").write_text("moved back")  # a user's file of a swapped-out folder
+    os.link(out / "README.md", dead / "README.md")
+    ns.save_lora(out, _tiny())
+    assert sorted(os.listdir(tmp_path)) == sorted(["adapter", mine.name, other.name])
+    assert (out / "notes.txt").read_text() == "moved back"
+    assert (out / "README.md").read_text() == "mine"
 
 
 def test_concurrent_save_lora_leaves_one_whole_adapter(tmp_path):
