@@ -606,7 +606,7 @@ def _running(pid: int) -> bool:
 
 def _new_stage(out: Path) -> Path:
     """A fresh, uniquely named folder beside ``out``, made as ``out`` would be (mode
-    0o777 less the umask), then given ``out``'s mode when ``out`` exists."""
+    0o777 less the umask)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     while True:
         stage = out.parent / f".{out.name}{_STAGE}{_owner()}-{export_dir.new_token()}"
@@ -615,8 +615,6 @@ def _new_stage(out: Path) -> Path:
         except FileExistsError:
             continue
         break
-    with contextlib.suppress(FileNotFoundError):
-        stage.chmod(stat.S_IMODE(out.stat().st_mode))
     return stage
 
 
@@ -629,6 +627,8 @@ def _replace_folder(out: Path, write: Callable[[Path], None]) -> None:
         stage = _new_stage(out)
         write(stage)
         _carry_over(out, stage)
+        with contextlib.suppress(FileNotFoundError):  # last: a read-only mode is kept too
+            stage.chmod(stat.S_IMODE(out.stat().st_mode))
         export_dir.fsync_dir(stage)
         old = _swap(stage, out)
     except BaseException as e:
@@ -685,6 +685,7 @@ def _drop_previous(old: Path, out: Path, what: str = "its previous folder") -> N
     adapter files go, the other entries come back to ``out`` unless ``out`` has them
     already; what cannot be is left, with a warning."""
     try:
+        old.chmod(0o700)  # it kept the destination's mode, which may be read-only
         for p in list(old.iterdir()):
             if p.name in _MINE or _same_file(p, out / p.name):
                 if p.is_symlink() or not p.is_dir():

@@ -253,6 +253,17 @@ def _saved(model, tmp_path, name):
     return _files(tmp_path / name)
 
 
+def test_save_lora_some_layers_reads_back_through_its_regex(tmp_path):
+    model = _tiny(targets=r"blocks/1/attn/q$|blocks/0/mlp/up$")
+    ns.save_lora(tmp_path / "a", model)
+    assert isinstance(json.loads((tmp_path / "a" / "adapter_config.json").read_text())[
+        "target_modules"], str)
+    back = ns.load_lora(tmp_path / "a", Llama(model.cfg, rngs=nnx.Rngs(0)))
+    assert sorted(adapters(back)) == ["blocks/0/mlp/up", "blocks/1/attn/q"]
+    np.testing.assert_array_equal(np.asarray(back.blocks[1].attn.q.lora_b[...]),
+                                  np.asarray(model.blocks[1].attn.q.lora_b[...]))
+
+
 def test_save_lora_never_writes_through_links(tmp_path):
     out = tmp_path / "adapter"
     out.mkdir()
@@ -288,6 +299,11 @@ def test_save_lora_keeps_the_folder_mode_and_other_files(tmp_path):
     assert (cfg["r"], cfg["lora_alpha"]) == (2, 4)  # the new adapter only: no old v_proj
     assert not any("v_proj" in k for k in tensors)
     assert sorted(os.listdir(tmp_path)) == ["adapter"]  # no staging folder left
+    out.chmod(0o555)  # read-only: the mode is set after the files are written
+    ns.save_lora(out, _tiny(rank=4, alpha=16.0))
+    assert stat.S_IMODE(out.stat().st_mode) == 0o555
+    assert _files(out)[0]["r"] == 4 and (out / "README.md").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["adapter"]
 
 
 def test_save_lora_new_folder_takes_the_umask_and_link_is_followed(tmp_path):
