@@ -34,7 +34,7 @@ from nnx_shard.attention import LOCAL, context_mode
 from nnx_shard.errors import UsageError, short
 from nnx_shard.mesh import constrain
 
-__all__ = ["NO_EXTRAS", "Extras", "derive_positions", "prepare"]
+__all__ = ["NO_EXTRAS", "Extras", "check_token_ids", "derive_positions", "prepare"]
 
 
 class Extras(NamedTuple):
@@ -102,6 +102,30 @@ def _concrete(x: Any) -> np.ndarray | None:
         return np.asarray(x)
     except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
         return None
+
+
+def check_token_ids(tokens: Any, vocab: int, caller: str) -> None:
+    """Concrete ``tokens`` (a call outside ``jit``) are ids ``0 .. vocab - 1``: an
+    embedding lookup clamps or wraps any other (-1 reads the last row, ``vocab + 5``
+    gives NaN) without an error. Traced tokens cannot be read: ``Trainer.fit`` checks
+    its batches on the host before its compiled step instead.
+
+    >>> check_token_ids(jnp.array([[3, -1, 130]]), 128, "Llama.forward")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.UsageError: Llama.forward: tokens hold ids [-1, 130], outside the vocabulary of 128 (ids 0 .. 127). Fix: encode with the model's tokenizer; pad with a real id (e.g. 0) and mask it with attention_mask.
+    """
+    dtype = getattr(tokens, "dtype", None)
+    if dtype is None or not np.issubdtype(np.dtype(dtype), np.integer):
+        return  # not ids: the lookup's own error names them
+    host = _concrete(tokens)
+    if host is None or not host.size or (host.min() >= 0 and host.max() < vocab):
+        return
+    bad = np.unique(host[(host < 0) | (host >= vocab)])
+    shown = [int(v) for v in (bad if bad.size <= 4 else (*bad[:3], bad[-1]))]
+    raise UsageError(f"{caller}: tokens hold ids {shown}, outside the vocabulary of {vocab} "
+                     f"(ids 0 .. {vocab - 1}). Fix: encode with the model's tokenizer; pad "
+                     "with a real id (e.g. 0) and mask it with attention_mask.")
 
 
 def _array(name: str, x: Any, shape: tuple[int, ...], caller: str, *, mask: bool = False

@@ -51,7 +51,7 @@ from nnx_shard.attention import attention
 from nnx_shard.errors import short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
-from nnx_shard.models._masks import NO_EXTRAS, Extras, prepare
+from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
 from nnx_shard.models._ops import constrain, einsum, lookup, whole
 from nnx_shard.models.layers import RMSNorm, dense_init, new_param
 from nnx_shard.models.llama_config import LLAMA_CONFIGS, LlamaConfig, get_llama_config
@@ -456,6 +456,10 @@ class Llama(nnx.Module):
         left, shifts the positions (``cumsum(mask) - 1``); packed segments attend
         within themselves, their positions restarting at 0.
 
+        Concrete token ids (a call outside ``jit``) outside ``0 .. vocab - 1`` are a
+        :class:`~nnx_shard.errors.UsageError` naming them; traced ids cannot be read
+        (``Trainer.fit`` checks its batches on the host before its compiled step).
+
         >>> model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
         >>> logits, aux = model.forward(jnp.zeros((1, 8), jnp.int32))
         >>> logits.dtype, float(aux)
@@ -464,6 +468,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         if option("collective_matmul", False):
             check_tokens(tokens.shape)
+        check_token_ids(tokens, cfg.vocab, "Llama.forward")
         extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
                          segment_ids=segment_ids, caller="Llama.forward",
                          max_positions=cfg.max_length).laid_out()
@@ -572,6 +577,7 @@ class Llama(nnx.Module):
         True
         """
         cfg = self.cfg
+        check_token_ids(tokens, cfg.vocab, "Llama.decode")
         index = self.cache_index[...]
         steps = tokens.shape[1]
         valid = None

@@ -48,7 +48,7 @@ from nnx_shard.attention import KERNELS, attention
 from nnx_shard.errors import UsageError, short
 from nnx_shard.mesh import option
 from nnx_shard.models import kv_cache
-from nnx_shard.models._masks import NO_EXTRAS, Extras, prepare
+from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
 from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
 from nnx_shard.models.layers import RMSNorm, dense_init, new_param
 from nnx_shard.parallel import pipeline
@@ -547,6 +547,10 @@ class Transformer(nnx.Module):
         left, shifts the positions; packed segments attend within themselves, their
         positions restarting at 0.
 
+        Concrete token ids (a call outside ``jit``) outside ``0 .. vocab - 1`` are a
+        :class:`~nnx_shard.errors.UsageError` naming them; traced ids cannot be read
+        (``Trainer.fit`` checks its batches on the host before its compiled step).
+
         >>> model = Transformer(get_config("tiny_moe"), rngs=nnx.Rngs(0))
         >>> logits, aux = model.forward(jnp.zeros((2, 16), jnp.int32))
         >>> logits.shape, bool(aux > 0)
@@ -561,6 +565,7 @@ class Transformer(nnx.Module):
             )
         if option("collective_matmul", False):
             check_tokens(tokens.shape)
+        check_token_ids(tokens, cfg.vocab, "Transformer.forward")
         extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
                          segment_ids=segment_ids, caller="Transformer.forward",
                          max_positions=cfg.length).laid_out()
@@ -662,6 +667,7 @@ class Transformer(nnx.Module):
         (True, 6)
         """
         cfg = self.cfg
+        check_token_ids(tokens, cfg.vocab, "Transformer.decode")
         index = self.cache_index[...]
         steps = tokens.shape[1]
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
