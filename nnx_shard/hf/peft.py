@@ -64,6 +64,8 @@ _UNSUPPORTED = ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern",
                 "trainable_token_indices", "use_qalora", "use_bdlora", "arrow_config",
                 "kasa_config", "monteclora_config")
 
+_REWRITES_BASE = ("pissa", "olora", "corda", "loftq")
+
 
 def _read_json(folder: Path) -> dict[str, Any]:
     file = folder / CONFIG
@@ -100,12 +102,18 @@ def _read_config(folder: Path) -> tuple[int, float, dict[str, Any]]:
     unsupported = [(k, cfg.get(k)) for k in _UNSUPPORTED if cfg.get(k)]
     if cfg.get("bias", "none") != "none":
         unsupported.insert(0, ("bias", cfg.get("bias")))
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_REWRITES_BASE):
+        # PEFT's from_pretrained runs these initializations again, which replace the base
+        # weights by a residual: the adapter is not a delta on the plain base model.
+        unsupported.insert(0, ("init_lora_weights", init))
     if unsupported:
         k, v = unsupported[0]
         raise _fail(folder, f"{k}={short(v, 60)} is not supported (plain LoRA only: one rank "
-                    "and alpha on the targeted projections, no DoRA, aLoRA, biases, replicated "
-                    "layers or fully trained modules)",
-                    f"train the adapter without {k}, or merge it with PEFT first")
+                    "and alpha on the targeted projections of the unchanged base model, no "
+                    "DoRA, aLoRA, biases, replicated layers or fully trained modules)",
+                    f"train the adapter without {k}, or merge it with PEFT first (PiSSA, "
+                    "OLoRA: save it with path_initial_model_for_weight_conversion)")
     _check_targets(folder, cfg)
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return r, float(scale), cfg

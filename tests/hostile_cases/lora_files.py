@@ -102,9 +102,12 @@ def build(hs: Any) -> None:
                          ("target_parameters", ["mlp.experts.gate_up_proj"]),
                          ("trainable_token_indices", [0, 1]), ("use_qalora", True),
                          ("use_bdlora", {"target_modules_bd_a": ["q_proj"]}),
-                         ("arrow_config", {"top_k": 2}), ("lora_bias", True)]:
-        hs.api(f"lora_files/load_{field}", field,
-               lambda f=field, v=value: load(folder(f, {f: v})))
+                         ("arrow_config", {"top_k": 2}), ("lora_bias", True),
+                         ("init_lora_weights", "pissa"), ("init_lora_weights", "OLoRA"),
+                         ("init_lora_weights", "pissa_niter_4")]:
+        label = f"{field}_{value.lower()}" if field == "init_lora_weights" else field
+        hs.api(f"lora_files/load_{label}", field,
+               lambda f=field, v=value, n=label: load(folder(n, {f: v})))
     hs.api("lora_files/load_alpha_none", "lora_alpha",
            lambda: load(folder("anone", {"lora_alpha": None})))
 
