@@ -48,7 +48,11 @@ class Masks(NamedTuple):
     sequences); a query sees a key only if their ids are equal. ``kv_valid
     [b|1, kv_len]``: key padding, ``False`` keys are unseen. ``mask [b|1,
     kv_heads|1, group|1, q_len|1, kv_len|1]``: any boolean mask (``True``:
-    seen), in the grouped head layout of the kernels.
+    seen), in the grouped head layout of the kernels. ``window`` (an int32 scalar,
+    possibly traced): a sliding window on the causal positions, the query at key
+    position ``p`` sees keys at positions ``> p - window`` only (a prefill against a
+    key/value cache: the band costs no ``[q_len, kv_len]`` mask, and key blocks wholly
+    before it are skipped).
 
     >>> Masks().present
     False
@@ -58,6 +62,7 @@ class Masks(NamedTuple):
     kv_seg: jax.Array | None = None
     kv_valid: jax.Array | None = None
     mask: jax.Array | None = None
+    window: jax.Array | None = None
 
     @property
     def present(self) -> bool:
@@ -117,11 +122,13 @@ def tile_mask(masks: Masks, causal: bool, q_offset: Any, q0: Any, nq: int, k0: A
         nonlocal out
         out = m if out is None else out & m
 
-    if causal or kv_len is not None:
+    if causal or kv_len is not None or masks.window is not None:
         kpos = k0 + jnp.arange(nk)
+        qpos = q_offset + q0 + jnp.arange(nq)
         if causal:
-            qpos = q_offset + q0 + jnp.arange(nq)
             both(qpos[:, None] >= kpos[None, :])
+        if masks.window is not None:
+            both(kpos[None, :] > qpos[:, None] - masks.window)
         if kv_len is not None:
             both(jnp.broadcast_to(kpos < kv_len, (nq, nk)))
     if masks.q_seg is not None and masks.kv_seg is not None:
@@ -242,7 +249,7 @@ def _pad(x: jax.Array | None, axis: int, to: int, value: Any) -> jax.Array | Non
 def _pad_masks(masks: Masks, lq: int, lk: int) -> Masks:
     return Masks(_pad(masks.q_seg, 1, lq, 0), _pad(masks.kv_seg, 1, lk, 0),
                  _pad(masks.kv_valid, -1, lk, False),
-                 _pad(_pad(masks.mask, -2, lq, False), -1, lk, False))
+                 _pad(_pad(masks.mask, -2, lq, False), -1, lk, False), masks.window)
 
 
 def _kv_end(i: Any, bq: int, bk: int, nk: int, causal: bool, q_offset: Any) -> Any:
@@ -251,6 +258,12 @@ def _kv_end(i: Any, bq: int, bk: int, nk: int, causal: bool, q_offset: Any) -> A
         return nk
     last = q_offset + (i + 1) * bq - 1   # position of the block's last query row
     return jnp.clip(last // bk + 1, 0, nk)
+
+
+def _kv_start(i: Any, bq: int, bk: int, window: Any, q_offset: Any) -> Any:
+    """The first key block that query block ``i`` sees under a sliding ``window``."""
+    first = q_offset + i * bq - window + 1   # the first key the block's first row sees
+    return jnp.maximum(first // bk, 0)
 
 
 def _q_start(j: Any, bq: int, bk: int, nq: int, causal: bool, q_offset: Any) -> Any:
@@ -299,9 +312,12 @@ def stats(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks, *, causal: boo
 
         empty = (jnp.zeros((b, bq, hk, g, dv), _F32), jnp.zeros((b, hk, g, bq), _F32),
                  jnp.full((b, hk, g, bq), MASKED, _F32))
-        # Causal: the loop ends at the last key block this query block sees.
-        oi, li, mi = jax.lax.fori_loop(0, _kv_end(i, bq, bk, nk, causal, q_offset), kv_block,
-                                       empty)
+        # Causal: the loop ends at the last key block this query block sees (and, under
+        # a sliding window, starts at the first).
+        end = _kv_end(i, bq, bk, nk, causal, q_offset)
+        start = (0 if masks.window is None
+                 else jnp.minimum(_kv_start(i, bq, bk, masks.window, q_offset), end))
+        oi, li, mi = jax.lax.fori_loop(start, end, kv_block, empty)
         o, rowsum, m = acc
         return (jax.lax.dynamic_update_slice_in_dim(o, oi, i * bq, 1),
                 jax.lax.dynamic_update_slice_in_dim(rowsum, li, i * bq, 3),

@@ -296,9 +296,11 @@ def _ring_local(q: jax.Array, k: jax.Array, v: jax.Array, arrays: dict[str, jax.
             k, v = _to_zigzag(jnp.stack([k, v]), axes, c, axis=2)
         else:
             k, v = _to_zigzag(k, axes, c, axis=1), _to_zigzag(v, axes, c, axis=1)
-        masks = Masks(*(None if x is None else x if x.shape[ax] == 1
-                        else _to_zigzag(x, axes, c, axis=ax)
-                        for x, ax in zip(masks, (1, 1, -1, 2), strict=True)))
+        masks = masks._replace(**{
+            name: None if x is None else x if x.shape[ax] == 1
+            else _to_zigzag(x, axes, c, axis=ax)
+            for name, ax in (("q_seg", 1), ("kv_seg", 1), ("kv_valid", -1), ("mask", 2))
+            for x in (getattr(masks, name),)})
     hk = k.shape[2]
     qg = q.reshape(*q.shape[:2], hk, q.shape[2] // hk, q.shape[3])
     out = _ring(qg, k, v, masks._replace(mask=group_mask(masks.mask, hk)), axes, c, causal,

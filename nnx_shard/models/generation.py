@@ -4,10 +4,14 @@
 the cache inside the program, each device allocating only its slice (the
 layout the rules give the cache's logical names), runs the whole prompt through
 the model in one call (its padding masked; the cache remembers it) and picks
-the first new token; the **decode** program runs every further token in one
-``jax.lax.while_loop``, each step feeding one token per sequence and attending
-through the cache, which is passed in place (donated) and never gathered, until
-``max_new_tokens`` or every row has stopped at an end-of-sequence token.
+the first new token, attending with the model's attention kernel as training does
+(the blockwise one keeps a few tiles of scores, never ``[prompt, cache]``: the
+prefill's memory grows linearly with the prompt, see
+:func:`nnx_shard.models.kv_cache.attend`); the **decode** program runs every
+further token in one ``jax.lax.while_loop``, each step feeding one token per
+sequence and attending through the cache, which is passed in place (donated) and
+never gathered, until ``max_new_tokens`` or every row has stopped at an
+end-of-sequence token.
 :func:`stream` runs the same decode program a chunk of steps at a time. The
 prompts, their mask, the seed and every sampling option are arguments of the
 programs, never compiled in.

@@ -27,6 +27,9 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from nnx_shard.attention.blocks import Masks
+from nnx_shard.attention.kernels import BLOCK, KERNELS, attention_local, resolve
+from nnx_shard.axes import entry_axes
 from nnx_shard.mesh import constrain, current
 from nnx_shard.models._masks import prepare
 
@@ -191,13 +194,24 @@ class Rows(nnx.Module):
 
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
            valid: jax.Array | None = None, *, window: Any = None,
-           softcap: float | None = None) -> jax.Array:
+           softcap: float | None = None, kernel: str = "auto", block: int = BLOCK
+           ) -> jax.Array:
     """Causal attention of queries ``q [batch, T, heads, head_dim]`` at positions
     ``index .. index + T - 1`` against the cache ``keys``, ``values [batch,
     length, kv_heads, head_dim]`` (grouped-query: query head ``h`` reads
-    key/value head ``h // (heads / kv_heads)``), in the operation order of the
-    dense attention (:func:`nnx_shard.models.attention`): float32 scores, masked
-    softmax, the probabilities cast back to the queries' dtype.
+    key/value head ``h // (heads / kv_heads)``).
+
+    A prefill (``T > 1``) runs the model's attention ``kernel`` (``"auto"``,
+    ``"blockwise"``, ``"cudnn"``, ``"dense"``; see :mod:`nnx_shard.attention.kernels`),
+    as training does: the memory-efficient ones keep a few ``[block, block]`` tiles of
+    scores, never ``[T, length]``, so a prefill's memory grows linearly with the
+    prompt (``"auto"`` is the blockwise kernel here: its queries sit after ``index``
+    and the cache is longer than the prompt, which cuDNN's causal mask does not
+    express). One token at a time (``T == 1``), ``kernel="dense"``, or a cache whose
+    positions are split over a context axis attend in one step, in the operation
+    order of the dense attention (:func:`nnx_shard.models.attention`): float32
+    scores ``[T, length]``, masked softmax, the probabilities cast back to the
+    queries' dtype.
 
     Positions of the cache after a query's own are masked, so entries not yet
     written never contribute; so are positions where ``valid [batch, length]``
@@ -214,7 +228,21 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
     >>> q = jnp.ones((1, 1, 2, 4))
     >>> attend(q, jnp.ones((1, 8, 1, 4)), jnp.ones((1, 8, 1, 4)), jnp.int32(3)).shape
     (1, 1, 2, 4)
+    >>> q = jax.random.normal(jax.random.key(0), (1, 6, 2, 4))
+    >>> kv = jax.random.normal(jax.random.key(1), (1, 8, 1, 4))
+    >>> fast = attend(q, kv, kv, jnp.int32(2), window=3, block=4)   # blockwise prefill
+    >>> slow = attend(q, kv, kv, jnp.int32(2), window=3, kernel="dense")
+    >>> bool(jnp.allclose(fast, slow, atol=1e-6))
+    True
     """
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"attend: kernel={kernel!r} is not one of {KERNELS}. Fix: pass one of them "
+            "(the model's attention kernel, e.g. LlamaConfig(attention=...)).")
+    if q.shape[1] > 1 and kernel != "dense":
+        out = _prefill(q, keys, values, index, valid, window, softcap, kernel, block)
+        if out is not None:
+            return out
     batch, steps, heads, dim = q.shape
     length, kv_heads = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
@@ -242,6 +270,55 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bgrtl,blgd->btgrd", probs, values, out_sharding=out_spec)
     return out.reshape(batch, steps, heads, dim)
+
+
+def _prefill(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
+             valid: jax.Array | None, window: Any, softcap: float | None, kernel: str,
+             block: int) -> jax.Array | None:
+    """:func:`attend` of several queries with a memory-efficient kernel; ``None`` where
+    ``kernel`` resolves to ``"dense"``, or the cache's positions are split over a
+    context axis (each device then scores its own positions in the one-step path,
+    which gathers nothing).
+
+    Under a mesh the kernel runs in a ``jax.shard_map`` manual over the axes of the
+    cache's batch and key/value heads: attention is per row and per head, so each
+    device attends its own rows and heads to its own slice of the cache and nothing
+    moves (the partitioner, left to itself, may gather the cache around the kernel's
+    loops)."""
+    masks = Masks(kv_valid=valid,
+                  window=None if window is None else jnp.asarray(window, jnp.int32))
+    resolved = resolve(kernel, q, keys, masks, context_parallel=False, softcap=softcap)
+    if resolved == "dense":
+        return None
+    if resolved == "cudnn" and (masks.present or q.shape[1] != keys.shape[1]):
+        # cuDNN's causal mask puts query i at key i: right only for a prompt that fills
+        # the cache from position 0 (index is traced, so the cache length must say so).
+        resolved = "blockwise"
+
+    def run(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
+            valid: jax.Array | None, window: jax.Array | None) -> jax.Array:
+        return attention_local(q, keys, values, Masks(kv_valid=valid, window=window),
+                               causal=True, kernel=resolved, block=block, q_offset=index,
+                               softcap=softcap)
+
+    args = (q, keys, values, jnp.asarray(index, jnp.int32), masks.kv_valid, masks.window)
+    active = current()
+    spec = None if active is None else _spec(CACHE_AXES, keys.shape)
+    if active is None or spec is None:
+        return run(*args)
+    if spec[1] is not None:
+        return None
+    manual = {a for entry in (spec[0], spec[2]) for a in entry_axes(entry)}
+    if not manual:
+        return run(*args)
+    b, g = spec[0], spec[2]
+    qkv = P(b, None, g, None)
+    if _explicit():  # the query heads take the cache heads' axis, as in the one-step path
+        args = (jax.sharding.reshard(q, qkv), *args[1:])
+    valid_spec = None if valid is None else P(b if valid.shape[0] > 1 else None, None)
+    in_specs = (qkv, qkv, qkv, P(), valid_spec, None if window is None else P())
+    return jax.shard_map(run, mesh=active[0], in_specs=in_specs, out_specs=qkv,
+                         axis_names=manual, check_vma=False)(*args)
 
 
 def init_layers(blocks: Any, layers: int | None, batch: int, length: int) -> None:
@@ -306,7 +383,8 @@ def store_and_attend(attn: Any, q: jax.Array, k: jax.Array, v: jax.Array, index:
                      valid: jax.Array | None = None, **options: Any) -> jax.Array:
     """Stores ``k`` and ``v`` in ``attn``'s cache at positions ``index ..``, then
     :func:`attend` of ``q`` to the whole cache (``options``: its ``window``,
-    ``softcap``).
+    ``softcap``, ``kernel``: ``attn.kernel`` by default, the kernel the model trains
+    with).
 
     >>> from flax import nnx
     >>> from nnx_shard.models import Transformer, get_config
@@ -318,6 +396,8 @@ def store_and_attend(attn: Any, q: jax.Array, k: jax.Array, v: jax.Array, index:
     """
     attn.cached_key[...] = write(attn.cached_key[...], k, index)
     attn.cached_value[...] = write(attn.cached_value[...], v, index)
+    # The model's attention kernel, as its training runs it (its ``kernel``, where set).
+    options.setdefault("kernel", getattr(attn, "kernel", "auto"))
     return attend(q, attn.cached_key[...], attn.cached_value[...], index, valid, **options)
 
 
