@@ -114,9 +114,14 @@ def adapters(model: Any) -> dict[str, Adapted]:
     return {path_str(p): n for p, n in _nodes(model) if isinstance(n, Adapted)}
 
 
-def _split(path: str, var: nnx.Variable[Any], owner: Any) -> tuple[int, int, tuple[Any, ...]]:
+def kernel_axes(path: str, var: nnx.Variable[Any], owner: Any) -> tuple[int, int, tuple[Any, ...]]:
     """``(stack, n_in, names)`` of a kernel: its leading stacked axes, how many of
-    the rest are input axes, and its logical names (Nones when unannotated)."""
+    the rest are input axes, and its logical names (Nones when unannotated).
+
+    >>> lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    >>> kernel_axes("kernel", lin.kernel, lin)
+    (0, 1, (None, None))
+    """
     shape = tuple(var.shape)
     names = logical_names(var, path) or (None,) * len(shape)
     stack = 0
@@ -197,9 +202,14 @@ def _init_factors(key: jax.Array, var: nnx.Variable[Any], stack: int, n_in: int,
     return jax.jit(make, out_shardings=(a_sh, b_sh))()
 
 
-def _candidates(model: Any) -> tuple[dict[str, tuple[Any, str | int, Any]], set[str]]:
+def adaptable_kernels(model: Any) -> tuple[dict[str, tuple[Any, str | int, Any]], set[str]]:
     """Projection-like Params of ``model`` by path, with their owner and attribute,
-    and the paths of kernels already adapted."""
+    and the paths of kernels already adapted.
+
+    >>> found, done = adaptable_kernels(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+    >>> sorted(found), done
+    (['bias', 'kernel'], set())
+    """
     owners = _owners(model)
     found: dict[str, tuple[Any, str | int, Any]] = {}
     done: set[str] = set()
@@ -269,7 +279,7 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
                          "Fix: e.g. dtype=jnp.float32") from e
     if not jnp.issubdtype(dt, jnp.floating):
         raise UsageError(f"lora dtype must be a float type, got {dt}. Fix: dtype=jnp.float32")
-    found, done = _candidates(model)
+    found, done = adaptable_kernels(model)
     again = sorted(p for p in done if rx.search(p))
     if again:
         raise NnxShardError(
@@ -288,7 +298,7 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
         if not jnp.issubdtype(var.dtype, jnp.floating):
             raise ShardingError(f"lora: parameter {path!r} has dtype {var.dtype}, not a float "
                                 "kernel. Fix: narrow targets= to the projection kernels.")
-        plans.append((path, owner, attr, var, *_split(path, var, owner)))
+        plans.append((path, owner, attr, var, *kernel_axes(path, var, owner)))
     for _, owner, attr, var, stack, n_in, names in plans:
         a_val, b_val = _init_factors(rngs.params(), var, stack, n_in, r, dt)
         a_names = (*names[:stack + n_in], None)

@@ -37,7 +37,7 @@ from nnx_shard.errors import NnxShardError, UsageError, check_path, short
 from nnx_shard.hf import export_dir
 from nnx_shard.hf.layout import as_path
 from nnx_shard.hf.mapping import compile_rules, mapping_for
-from nnx_shard.low_rank import Adapted, _candidates, _split, adapters, lora
+from nnx_shard.low_rank import Adapted, adaptable_kernels, adapters, kernel_axes, lora
 
 __all__ = ["load_lora", "save_lora"]
 
@@ -388,7 +388,7 @@ def _host_factors(folder: Path, header: Any, model: Any, factors: Mapping[str, A
     shapes = {path_str(p): n for p, n in nnx.iter_graph(model)
               if isinstance(n, nnx.Param | Adapted) and not isinstance(n, nnx.LoRAParam)}
     nodes = adapters(model)
-    plain, _ = _candidates(model)
+    plain, _ = adaptable_kernels(model)
     hosts: dict[str, list[np.ndarray]] = {}
     errors = []
     for module, (kpath, layer) in sorted(where.items()):
@@ -401,7 +401,7 @@ def _host_factors(folder: Path, header: Any, model: Any, factors: Mapping[str, A
             n_in = node.n_in
         else:  # the split lora() makes of this kernel
             owner, _, var = plain[kpath]
-            n_in = _split(kpath, var, owner)[1]
+            n_in = kernel_axes(kpath, var, owner)[1]
         shape = full[1:] if layer is not None else full
         ins, outs = shape[:n_in], shape[n_in:]
         a_hf = st.read_slice(header, factors[module]["A"], [slice(None)] * 2)
