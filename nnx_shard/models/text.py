@@ -12,7 +12,7 @@ from typing import Any, cast
 import numpy as np
 
 from nnx_shard.errors import UsageError, count, flag, short
-from nnx_shard.models.generation import generate, stream
+from nnx_shard.models.generation import check_options, generate, stream
 from nnx_shard.models.tokenizer import Tokenizer
 
 __all__ = ["generate_text", "stream_text"]
@@ -25,8 +25,10 @@ _OWN = {"attention_mask": "prompts of any lengths are padded and masked here",
         "return_logprobs": "the text has no per-token values; call generate for them"}
 
 
-def _options(options: dict[str, Any], tokenizer: Tokenizer, caller: str) -> dict[str, Any]:
-    """The options for generate: eos and pad from the tokenizer unless given."""
+def _options(options: dict[str, Any], tokenizer: Tokenizer, caller: str,
+             model: Any) -> dict[str, Any]:
+    """The options for generate: eos and pad from the tokenizer unless given (an id
+    the model has not is named with the file it was read from)."""
     for name in options:
         if name in _OWN:
             raise UsageError(f"{caller}: {name}= is not taken ({_OWN[name]}). Fix: drop it.")
@@ -37,13 +39,28 @@ def _options(options: dict[str, Any], tokenizer: Tokenizer, caller: str) -> dict
     if out.get("eos_token_id") is None:
         eos = tokenizer.eos_token_ids
         out["eos_token_id"] = list(eos) if eos else None
+        if eos:
+            _model_has(model, tokenizer, "eos_token_id", list(eos), caller)
     if "pad_token_id" not in out:
         pad = tokenizer.generation_pad_token_id
         eos = out["eos_token_id"]
         first = eos[0] if isinstance(eos, list | tuple) and eos else eos
         # transformers' choice too: no pad token, the (first) eos pads.
         out["pad_token_id"] = pad if pad is not None else first if first is not None else 0
+        if pad is not None:
+            _model_has(model, tokenizer, "pad_token_id", pad, caller)
     return out
+
+
+def _model_has(model: Any, tokenizer: Tokenizer, name: str, value: Any, caller: str) -> None:
+    """The tokenizer's stop or pad ids checked against the model's vocabulary."""
+    try:
+        check_options(model, **{name: value})
+    except UsageError as e:
+        said = str(e).split(": ", 1)[-1].split(". Fix")[0]
+        raise UsageError(f"{caller}: {name} {value} read from {tokenizer.stop_source(name)} "
+                         f"is not an id of this model ({said}). Fix: pass {name}= explicitly, "
+                         "or use the model's own tokenizer folder.") from None
 
 
 def _stops(eos: Any) -> set[int]:
@@ -113,7 +130,7 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompts: Sequence[str],
     ['Whhar', 'har1y wPhWh capitalzhar']
     """
     rows = _encode(tokenizer, prompts, chat, "generate_text")
-    opts = _options(options, tokenizer, "generate_text")
+    opts = _options(options, tokenizer, "generate_text", model)
     tokens = np.asarray(generate(model, rows, max_new_tokens, **opts))
     width = max(len(r) for r in rows)
     stops = _stops(opts["eos_token_id"])
@@ -140,7 +157,7 @@ def stream_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: i
         raise UsageError(f"stream_text: prompt must be a string, got {type(prompt).__name__} "
                          f"{short(prompt, 60)}. Fix: e.g. 'Once upon a time'.")
     rows = _encode(tokenizer, [prompt], chat, "stream_text")
-    opts = _options(options, tokenizer, "stream_text")
+    opts = _options(options, tokenizer, "stream_text", model)
     size = count(chunk, "stream_text: chunk", fix="e.g. chunk=8")
     stops = _stops(opts["eos_token_id"])
     steps = stream(model, rows, max_new_tokens, chunk=size, **opts)

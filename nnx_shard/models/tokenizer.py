@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import numpy as np
 
-from nnx_shard.errors import NnxShardError, UsageError, check_path, short
+from nnx_shard.errors import NnxShardError, UsageError, check_path, path_kind, short
 
 __all__ = ["Tokenizer"]
 
@@ -41,72 +41,165 @@ def _require(module: str) -> Any:
                             f"({e}). Fix: {EXTRA}") from None
 
 
-def _read(path: str) -> Any:
-    """The JSON file at ``path``, or ``None`` where there is none."""
+#: How deep a message's values may nest (a tool's JSON schema nests a few levels).
+MAX_MESSAGE_DEPTH = 100
+# The files a tokenizer folder holds; what each must be at the top (None: any JSON).
+_KINDS = {"tokenizer_config.json": dict, "special_tokens_map.json": dict,
+          "generation_config.json": dict}
+
+
+def _root(folder: str) -> str:
+    """The folder whose inside a tokenizer file may link to: the nearest
+    ``models--*`` ancestor (a huggingface_hub cache repo, whose snapshots link to
+    its ``blobs``), else the folder itself."""
+    real = os.path.realpath(folder)
+    for p in (real, *_parents(real)):
+        if os.path.basename(p).startswith("models--"):
+            return p
+    return real
+
+
+def _parents(path: str) -> list[str]:
+    out = []
+    while (up := os.path.dirname(path)) != path:
+        out.append(up)
+        path = up
+    return out
+
+
+def _inside(path: str, folder: str) -> str:
+    """``path`` (a file of ``folder``) once its link, if any, is known to stay
+    inside the folder (see :func:`_root`); a link out is refused, since a
+    template or config read from it is sent to the model in every prompt."""
+    target = os.path.realpath(path)
+    root = _root(folder)
+    if os.path.commonpath([target, root]) != root:
+        link = os.readlink(path) if os.path.islink(path) else target
+        raise UsageError(f"{path}: is a link to {short(link, 200)} ({short(target, 200)}), "
+                         f"outside the tokenizer's folder {root}; its text would be read into "
+                         "every prompt. Fix: copy the file into the folder (or download the "
+                         "tokenizer's files again) instead of linking out.")
+    return path
+
+
+def _present(path: str, folder: str) -> bool:
+    """Whether the folder has the file ``path`` (a link out of the folder, or a
+    device, pipe or folder in its place, is refused)."""
+    if not os.path.lexists(path):
+        return False
+    _inside(path, folder)
     if not os.path.isfile(path):
-        return None
+        raise UsageError(f"{path}: is {path_kind(path)}, not a file. Fix: put the file there, or remove "
+                         "what is in its place.")
+    return True
+
+
+def _text(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 4]!r})."
+                         " Fix: save it as UTF-8, or download the tokenizer's files again.") from None
+
+
+def _read(path: str, folder: str) -> Any:
+    """The JSON file at ``path``, or ``None`` where there is none; a file whose top
+    is not what the folder's file of that name holds (an object) is refused."""
+    if not _present(path, folder):
+        return None
+    text = _text(path)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
         raise UsageError(f"{path}: is not a JSON file ({e}). Fix: download the tokenizer's "
                          "files again.") from None
+    except RecursionError:
+        raise UsageError(f"{path}: nests too deep to read (JSON). Fix: download the "
+                         "tokenizer's files again.") from None
+    kind = _KINDS.get(os.path.basename(path))
+    if kind is not None and not isinstance(value, kind):
+        raise UsageError(f"{path}: holds a JSON {_json_type(value)}, not an object "
+                         f"({{...}}). Fix: download the tokenizer's files again.")
+    return value
 
 
-def _content(value: Any) -> str | None:
-    """A special token as the configs write it: text, or an AddedToken dict."""
-    if isinstance(value, Mapping):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+def _json_type(value: Any) -> str:
+    for kind, name in ((bool, "boolean"), (str, "string"), (int, "number"), (float, "number"),
+                       (list, "list"), (dict, "object")):
+        if isinstance(value, kind):
+            return f"{name} {short(value, 40)}"
+    return "null"
 
 
-def _plain(value: Any) -> Any:
+def _special(value: Any, name: str, file: str) -> str | None:
+    """A special token as the configs write it (text, or an AddedToken object with a
+    text ``content``), ``None`` where absent; any other value is refused."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping) and "content" in value:
+        value = value["content"]
+    if not isinstance(value, str):
+        raise UsageError(f"{file}: {name} must be the token's text (or an object with a text "
+                         f"'content'), got a JSON {_json_type(value)}. Fix: e.g. "
+                         f'"{name}": "</s>", or download the tokenizer\'s files again.')
+    return value
+
+
+def _ids(value: Any, name: str, file: str, *, many: bool) -> Any:
+    """A token id of ``generation_config.json`` (or, where ``many``, a list of them)."""
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if value is None or ok(value) or (many and isinstance(value, list) and value
+                                      and all(ok(v) for v in value)):
+        return value
+    what = "a token id (an integer 0 or more) or a list of them" if many else \
+        "a token id (an integer 0 or more)"
+    raise UsageError(f"{file}: {name} must be {what}, got a JSON {_json_type(value)}. Fix: "
+                     f"e.g. \"{name}\": 2, or download the model's files again.")
+
+
+def _plain(value: Any, where: str, depth: int = 0) -> Any:
     """What a chat template may see: JSON values only (anything else becomes a
     ``<type>`` placeholder, as transformers does, so no object's methods reach the
-    sandbox)."""
+    sandbox), nested at most :data:`MAX_MESSAGE_DEPTH` deep."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, np.generic):
-        return _plain(value.item())
+        return _plain(value.item(), where, depth)
     for kind in (bool, str, int, float):  # subclasses (enums ...) carry methods of their own
         if isinstance(value, kind):
             return kind(value)
+    if isinstance(value, Mapping | list | tuple) and depth >= MAX_MESSAGE_DEPTH:
+        raise UsageError(f"apply_chat_template: {where} nests lists and dicts more than "
+                         f"{MAX_MESSAGE_DEPTH} deep. Fix: pass plain messages (text content, "
+                         "or a list of content parts).")
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {_plain(k, where, depth + 1): _plain(v, where, depth + 1)
+                for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [_plain(v, where, depth + 1) for v in value]
     return f"<{type(value).__name__}>"
 
 
 def _compile(source: str, where: str) -> Any:
-    """The chat template as transformers compiles it: a sandbox that cannot change
+    """The chat template as transformers compiles it (a sandbox that cannot change
     what it is given, blocks trimmed, ``raise_exception``, ``strftime_now`` and a
-    ``tojson`` that leaves HTML alone."""
+    ``tojson`` that leaves HTML alone), its rendering bounded
+    (:mod:`nnx_shard.models._chat_template`)."""
     jinja2 = _require("jinja2")
-    from jinja2 import ext, sandbox
+    from nnx_shard.models import _chat_template
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
     try:
-        return env.from_string(source)
+        return _chat_template.compile_template(source)
     except jinja2.TemplateSyntaxError as e:
         raise UsageError(f"{where}: the chat template does not compile (line {e.lineno}: "
                          f"{e.message}). Fix: correct the template, or download the tokenizer's "
                          "files again.") from None
+    except (_chat_template.Limit, RecursionError, MemoryError) as e:
+        what = e.what if isinstance(e, _chat_template.Limit) else type(e).__name__
+        raise UsageError(f"{where}: the chat template does not compile ({what}). Fix: correct "
+                         "the template, or download the tokenizer's files again.") from None
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
@@ -128,8 +221,32 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             missing = "a text 'role'" if not isinstance(role, str) else "a 'content'"
             raise UsageError(f"apply_chat_template: messages[{i}] has no {missing}: "
                              f"{short(message, 80)}. Fix: {example}")
-        out.append(_plain(message))
+        out.append(_plain(message, f"messages[{i}]"))
     return out
+
+
+def _line(e: BaseException) -> str:
+    """`` (line N)``: the template's line the error was raised at, where jinja knows it."""
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+             if f.filename == "<template>"]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def _failed(where: str, e: BaseException) -> UsageError:
+    said = " ".join(str(e).split())
+    said = said if len(said) <= 200 else said[:197] + "..."
+    if isinstance(e, RecursionError):
+        why = "it recurses without end (a macro or recursive loop that never stops)"
+    elif isinstance(e, MemoryError):
+        why = "it ran out of memory"
+    elif "no loader" in said:
+        why = ("include, import and extends are not available: the template must be whole "
+               f"({said})")
+    else:
+        why = f"{type(e).__name__}: {said}" if said else type(e).__name__
+    return UsageError(f"apply_chat_template: the chat template {where} failed{_line(e)}: "
+                      f"{why}. Fix: correct the template, or download the tokenizer's files "
+                      "again.")
 
 
 class Tokenizer:
@@ -148,18 +265,27 @@ class Tokenizer:
     def __init__(self, backend: Any, *, path: str, config: Mapping[str, Any],
                  special_map: Mapping[str, Any] | None = None,
                  generation: Mapping[str, Any] | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | list[Any] | None = None) -> None:
         self.backend = backend
         self.path = path
         self.config = dict(config)
         self.chat_template = chat_template
-        self._generation = dict(generation or {})
+        #: Where the chat template was read, as its errors name it.
+        self.template_file = os.path.join(path, "tokenizer_config.json") + " (chat_template)"
+        files = {n: os.path.join(path, n) for n in _KINDS}
+        generation = dict(generation or {})
+        gen_file = files["generation_config.json"]
+        _ids(generation.get("eos_token_id"), "eos_token_id", gen_file, many=True)
+        pad = generation.get("pad_token_id")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
+            _ids(pad, "pad_token_id", gen_file, many=False)
+        self._generation = generation
         # tokenizer_config.json's value first, the legacy special_tokens_map.json's after.
         self.special_tokens: dict[str, str] = {}
         for name in SPECIAL_NAMES:
-            token = _content(self.config.get(name))
+            token = _special(self.config.get(name), name, files["tokenizer_config.json"])
             if token is None and special_map:
-                token = _content(special_map.get(name))
+                token = _special(special_map.get(name), name, files["special_tokens_map.json"])
             if token is not None:
                 self.special_tokens[name] = token
         self._template: Any = None
@@ -191,28 +317,47 @@ class Tokenizer:
         check_path(folder, "Tokenizer.from_pretrained",
                    fix="pass the checkpoint folder holding tokenizer.json.")
         file = os.path.join(folder, "tokenizer.json")
-        if not os.path.isfile(file):
+        if not _present(file, folder):
             raise FileNotFoundError(
                 f"Tokenizer.from_pretrained: no tokenizer.json in {folder} (only "
                 f"tokenizers' own format is read, not sentencepiece's tokenizer.model). Fix: pass "
                 "the folder holding it, or convert the tokenizer once with transformers: "
                 "AutoTokenizer.from_pretrained(folder).save_pretrained(folder).")
         tokenizers = _require("tokenizers")
+        spec = _text(file)
+        if not spec.lstrip().startswith("{"):
+            try:
+                top = json.loads(spec)
+            except (json.JSONDecodeError, RecursionError):
+                raise UsageError(f"{file}: is not a JSON file. Fix: download the tokenizer's "
+                                 "files again.") from None
+            raise UsageError(f"{file}: holds a JSON {_json_type(top)}, not the tokenizer's "
+                             "object ({...}). Fix: download the tokenizer's files again.")
         try:
-            backend = tokenizers.Tokenizer.from_file(file)
-        except Exception as e:  # the Rust reader's own error type
+            backend = tokenizers.Tokenizer.from_str(spec)
+        except BaseException as e:  # the Rust reader's own error type, or its panic
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
             raise UsageError(f"{file}: tokenizers cannot read it ({short(str(e), 200)}). Fix: "
                              "download the tokenizer's files again.") from None
-        config = _read(os.path.join(folder, "tokenizer_config.json")) or {}
+        config = _read(os.path.join(folder, "tokenizer_config.json"), folder) or {}
         template = config.get("chat_template")
+        template_file = os.path.join(folder, "tokenizer_config.json") + " (chat_template)"
+        if template is not None and not isinstance(template, str) and not (
+                isinstance(template, list) and all(isinstance(t, Mapping) for t in template)):
+            raise UsageError(f"{template_file}: must be the template's text or a list of "
+                             "{'name', 'template'} objects, got a JSON "
+                             f"{_json_type(template)}. Fix: download the tokenizer's files "
+                             "again.")
         jinja = os.path.join(folder, "chat_template.jinja")
-        if os.path.isfile(jinja):
-            with open(jinja, encoding="utf-8") as f:
-                template = f.read()
+        if _present(jinja, folder):
+            template = _text(jinja)
+            template_file = jinja
         tok = cls(backend, path=folder, config=config,
-                  special_map=_read(os.path.join(folder, "special_tokens_map.json")),
-                  generation=_read(os.path.join(folder, "generation_config.json")),
+                  special_map=_read(os.path.join(folder, "special_tokens_map.json"), folder),
+                  generation=_read(os.path.join(folder, "generation_config.json"), folder),
                   chat_template=template)
+        tok.template_file = template_file
         for name in tok.special_tokens:
             tok._id(name)  # an unknown special token is named now, not at first use
         return tok
@@ -287,6 +432,18 @@ class Tokenizer:
             return found
         own = self.eos_token_id
         return () if own is None else (own,)
+
+    def stop_source(self, name: str = "eos_token_id") -> str:
+        """The file :attr:`eos_token_ids` (``name="eos_token_id"``) or
+        :attr:`generation_pad_token_id` (``"pad_token_id"``) was read from, as
+        errors name it."""
+        if self._generation.get(name) is not None and (
+                name == "eos_token_id" or self.generation_pad_token_id ==
+                self._generation.get(name)):
+            return f"{os.path.join(self.path, 'generation_config.json')} ({name})"
+        token = "eos_token" if name == "eos_token_id" else "pad_token"
+        return (f"{os.path.join(self.path, 'tokenizer_config.json')} or "
+                f"special_tokens_map.json ({token})")
 
     @property
     def generation_pad_token_id(self) -> int | None:
@@ -366,6 +523,10 @@ class Tokenizer:
                 raise UsageError(f"{self.path}: tokenizer_config.json has several chat "
                                  f"templates ({', '.join(map(str, named))}) and none named "
                                  "'default'. Fix: name one 'default'.")
+            if not isinstance(template, str):
+                raise UsageError(f"{self.template_file}: the template named 'default' must be "
+                                 f"text, got a JSON {_json_type(template)}. Fix: download the "
+                                 "tokenizer's files again.")
         if not isinstance(template, str) or not template:
             raise UsageError(f"{self.path}: the tokenizer has no chat template (no chat_template "
                              "in tokenizer_config.json, no chat_template.jinja): it is likely a "
@@ -400,17 +561,28 @@ class Tokenizer:
                 raise UsageError(f"apply_chat_template: {name} must be True or False, got "
                                  f"{short(value, 40)}.")
         if self._template is None:
-            self._template = _compile(self._chat_source(), self.path)
+            self._template = _compile(self._chat_source(), self.template_file)
         jinja2 = _require("jinja2")
+        from nnx_shard.models import _chat_template
+
+        where = self.template_file
         try:
-            text = self._template.render(messages=chat, tools=None, documents=None,
-                                         add_generation_prompt=bool(add_generation_prompt),
-                                         **self.special_tokens)
+            text = _chat_template.render(self._template, dict(
+                messages=chat, tools=None, documents=None,
+                add_generation_prompt=bool(add_generation_prompt), **self.special_tokens))
+        except _chat_template.Limit as e:
+            raise UsageError(f"apply_chat_template: the chat template {where} was stopped: "
+                             f"{e.what}{_line(e)}. A chat template renders in milliseconds; "
+                             "this one loops, recurses or builds text without end. Fix: correct "
+                             "the template, or download the tokenizer's files again.") from None
         except jinja2.TemplateError as e:
             said = str(e) if len(str(e)) <= 300 else str(e)[:297] + "..."
-            raise UsageError(f"apply_chat_template: the chat template of {self.path} refused the "
-                             f"messages: {said.rstrip('.')}. Fix: give the roles and fields "
-                             "the template expects (e.g. 'system', 'user', 'assistant').") from e
+            raise UsageError(f"apply_chat_template: the chat template {where} refused the "
+                             f"messages{_line(e)}: {said.rstrip('.')}. Fix: give the roles and "
+                             "fields the template expects (e.g. 'system', 'user', "
+                             "'assistant').") from e
+        except (Exception, RecursionError, MemoryError) as e:  # the template's own code failed
+            raise _failed(where, e) from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def __repr__(self) -> str:

@@ -169,11 +169,183 @@ def test_template_sandbox_refuses_changes_and_internals(tmp_path: Path) -> None:
         Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "u", "content": "x"}])
 
 
+CHAT = FIXTURES / "chat_templates"
+
+
+def test_real_chat_templates_render_as_transformers(tmp_path: Path) -> None:
+    # ChatML, Llama 3.1, Gemma and Mistral templates, rendered within the limits: the text
+    # of transformers' apply_chat_template (tests/fixtures/make_chat_templates.py)
+    expected = json.loads((CHAT / "expected.json").read_text())["cases"]
+    assert {c["template"] for c in expected} == {"chatml.jinja", "llama3.jinja", "gemma.jinja",
+                                                 "mistral.jinja"}
+    toks = {}
+    for case in expected:
+        name = case["template"]
+        if name not in toks:
+            folder = _copy(tmp_path / name)
+            shutil.copy(CHAT / name, folder / "chat_template.jinja")
+            toks[name] = Tokenizer.from_pretrained(folder)
+        assert toks[name].apply_chat_template(
+            case["messages"], add_generation_prompt=case["add_generation_prompt"],
+            tokenize=False) == case["text"], (name, case["messages"])
+
+
+def test_bounded_rendering_equals_jinja_on_filters_and_methods(tmp_path: Path) -> None:
+    # every checked operation gives Python's own value
+    import jinja2.sandbox
+
+    source = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}{% endfor %}"
+              "{{ '%s-%05d' % ('a', 3) }}{{ '{:>5}|{x}'.format('y', x=2) }}"
+              "{{ ['a', 'b'] | join(', ') }}{{ range(4) | sum }}{{ 'ab' | center(6) }}|"
+              "{{ messages | tojson(indent=2) }}{{ [1, 2, 3] | slice(2) | list }}"
+              "{% for x in [3, 1, 2] | sort %}{{ loop.index }}{{ loop.last }}{{ loop.length }}"
+              "{% else %}none{% endfor %}{% for x in [] %}{% else %}empty{% endfor %}"
+              "{% set ns = namespace(a='') %}{% for i in range(3) %}{% set ns.a = ns.a ~ i %}"
+              "{% endfor %}{{ ns.a }}{{ 'a\nb' | indent(2, true) }}{{ 'x' * 3 }}{{ [0] * 2 }}"
+              "{{ 2 ** 10 }}{{ 'abc'.replace('b', 'BB') }}{{ '-'.join(['p', 'q']) }}"
+              "{{ 'ab'.ljust(4, '.') }}{{ [1, 2] + [3] }}{{ 'q' + 'r' }}{{ 7 % 3 }}"
+              "{{ [[1, 2], [3]] | sum(start=[]) }}{{ [1, 2, 3] | batch(2, 0) | list }}"
+              "{{ 'a b c d' | wordwrap(3) }}{{ {'k': [1, {'z': none}]} }}{{ '%(n)s' % {'n': 5} }}"
+              "{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+              "{{ f(3) }}{% for a in [[1, [2]], [3, [4]]] recursive %}{{ a }}{% endfor %}")
+    folder = _with_config(tmp_path, chat_template=source)
+    messages = [{"role": "user", "content": " Hi "}, {"role": "assistant", "content": "yo"}]
+    ours = Tokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
+                                                              indent=indent)
+    plain = env.from_string(source).render(messages=messages, add_generation_prompt=True)
+    assert ours == plain
+    assert "a-00003" in ours and "    y|2" in ours and "012" in ours
+
+
+@pytest.mark.parametrize(("source", "words"), [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "loop iterations would be 1,000,001"),
+    ("{{ lipsum(10**7) }}", "lipsum(10000000, max=100) would be 1,000,000,000 words"),
+    ("{{ 'a' * 10**10 }}", "'a' * 10000000000 would be 10,000,000,000 characters"),
+    ("{{ 'x'.center(10**10) }}", "str.center(10000000000)"),
+    ("{{ 'x' | center(10**10) }}", "center(10000000000)"),
+    ("{{ messages | tojson(indent=10**9) }}", "tojson(indent=1000000000)"),
+    ("{{ 10 ** (10 ** 10) }}", "bits"),
+    ("{% set ns = namespace(x='ab') %}{% for i in range(60) %}{% set ns.x = ns.x ~ ns.x %}"
+     "{% endfor %}", "'~' of strings would be 33,554,432 characters"),
+    ("{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}"
+     "{{ f(60) }}", "time limit of 2 s"),
+    ("{% set s = 'a' * 1000000 %}{{ [s] * 100000 }}", "a printed value would be"),
+])
+def test_runaway_templates_are_stopped(tmp_path: Path, source: str, words: str) -> None:
+    folder = _copy(tmp_path)
+    (folder / "chat_template.jinja").write_text(source)
+    tok = Tokenizer.from_pretrained(folder)
+    with pytest.raises(UsageError, match="chat_template.jinja was stopped") as e:
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert words in str(e.value) and "past the" in str(e.value)
+
+
+@pytest.mark.parametrize(("source", "words"), [
+    ("{{ 1 / 0 }}", "failed (line 1): ZeroDivisionError: division by zero"),
+    ("{{ 10.0 ** 400 }}", "OverflowError"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses without end"),
+    ("{% include 'other.jinja' %}", "include, import and extends are not available"),
+    ("{% extends 'base.jinja' %}", "include, import and extends are not available"),
+    ("{% import 'm.jinja' as m %}", "include, import and extends are not available"),
+])
+def test_template_exceptions_are_named(tmp_path: Path, source: str, words: str) -> None:
+    folder = _copy(tmp_path)
+    (folder / "chat_template.jinja").write_text(source)
+    with pytest.raises(UsageError, match="chat_template.jinja failed") as e:
+        Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "x"}])
+    assert words in str(e.value)
+
+
+def test_links_out_of_the_folder_are_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0")
+    for name in ("chat_template.jinja", "tokenizer_config.json", "tokenizer.json",
+                 "special_tokens_map.json", "generation_config.json"):
+        folder = _copy(tmp_path / name)
+        (folder / name).unlink(missing_ok=True)
+        (folder / name).symlink_to(secret)
+        with pytest.raises(UsageError, match=rf"{name}: is a link to .*secret.txt.*outside the "
+                                             "tokenizer's folder"):
+            Tokenizer.from_pretrained(folder)
+
+
+def test_links_inside_a_hub_cache_repo_are_read(tmp_path: Path) -> None:
+    # huggingface_hub's cache: snapshots/<rev>/file -> ../../blobs/<hash>
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    files = {name: (TEXT / name).read_bytes() for name in
+             ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")}
+    files["chat_template.jinja"] = template.encode()
+    for i, (name, data) in enumerate(files.items()):
+        (blobs / f"hash{i}").write_bytes(data)
+        (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / f"hash{i}")
+    tok = Tokenizer.from_pretrained(snapshot)
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                   tokenize=False) == "<user>Hi"
+    assert tok.encode("Hello world") == Tokenizer.from_pretrained(TEXT).encode("Hello world")
+    # a link inside the folder (no cache around it) is read as well
+    folder = _copy(tmp_path / "plain")
+    (folder / "real.jinja").write_text(template)
+    (folder / "chat_template.jinja").symlink_to("real.jinja")
+    assert Tokenizer.from_pretrained(folder).chat_template == template
+
+
+@pytest.mark.parametrize(("name", "content", "words"), [
+    ("tokenizer_config.json", "[1, 2]", "holds a JSON list"),
+    ("tokenizer_config.json", '{"bos_token": 5}', "bos_token must be the token's text"),
+    ("tokenizer_config.json", '{"eos_token": {"content": 3}}', "eos_token must be"),
+    ("tokenizer_config.json", '{"chat_template": 7}', "must be the template's text"),
+    ("tokenizer_config.json", '{"chat_template": [{"name": "default", "template": 1}]}',
+     "named 'default' must be text"),
+    ("special_tokens_map.json", '"x"', "holds a JSON string"),
+    ("special_tokens_map.json", '{"pad_token": [1]}', "pad_token must be"),
+    ("generation_config.json", "3", "holds a JSON number"),
+    ("generation_config.json", '{"eos_token_id": "</s>"}', "eos_token_id must be a token id"),
+    ("generation_config.json", '{"eos_token_id": [1, -2]}', "eos_token_id must be"),
+    ("generation_config.json", '{"pad_token_id": "0"}', "pad_token_id must be"),
+    ("tokenizer.json", "[1, 2]", "holds a JSON list"),
+    ("tokenizer.json", "7", "holds a JSON number"),
+    ("tokenizer_config.json", b'{"bos_token": "\xff"}', "is not UTF-8 text"),
+    ("chat_template.jinja", b"{{ '\xff' }}", "is not UTF-8 text"),
+    ("tokenizer_config.json", "[" * 100_000 + "]" * 100_000, "nests too deep"),
+])
+def test_files_of_the_wrong_kind_are_named(tmp_path: Path, name: str, content, words) -> None:  # type: ignore[no-untyped-def]
+    folder = _copy(tmp_path)
+    path = folder / name
+    if isinstance(content, bytes):
+        path.write_bytes(content.decode("unicode_escape").encode("latin-1"))
+    else:
+        path.write_text(content)
+    with pytest.raises(UsageError, match=name.replace(".", r"\.")) as e:
+        Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "x"}])
+    assert words in str(e.value) and "Fix" in str(e.value)
+
+
+def test_deeply_nested_messages_are_refused(tok: Tokenizer) -> None:
+    content: object = "x"
+    for _ in range(10**4):
+        content = [content]
+    with pytest.raises(UsageError, match=r"messages\[0\] nests lists and dicts more than 100"):
+        tok.apply_chat_template([{"role": "user", "content": content}])
+    nested: object = "x"
+    for _ in range(50):
+        nested = [nested]
+    assert "x" in str(tok.apply_chat_template([{"role": "user", "content": nested}],
+                                              tokenize=False))
+
+
 # -- the tokenizer's errors ------------------------------------------------------------
 
 
 def test_template_raise_exception_is_named(tok: Tokenizer) -> None:
-    with pytest.raises(UsageError, match=r"refused the messages: Unknown role: tool\..*Fix"):
+    with pytest.raises(UsageError, match=r"tokenizer_config.json \(chat_template\) "
+                       r"refused the messages \(line 4\): Unknown role: tool\..*Fix"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
