@@ -475,6 +475,13 @@ class Tokenizer:
         if not isinstance(add_special_tokens, bool | np.bool_):
             raise UsageError(f"Tokenizer.encode: add_special_tokens must be True or False, got "
                              f"{short(add_special_tokens, 40)}.")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates: tokenizers takes only valid text
+            raise UsageError(f"Tokenizer.encode: text holds {text[e.start:e.end]!r} at "
+                             f"{e.start}, which is not a character (a lone surrogate, e.g. "
+                             "from bytes decoded with errors='surrogateescape'). Fix: decode "
+                             "the text as UTF-8 first.") from None
         return list(self.backend.encode(text, add_special_tokens=bool(add_special_tokens)).ids)
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:

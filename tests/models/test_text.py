@@ -394,6 +394,8 @@ def test_missing_files(tmp_path: Path) -> None:
 def test_bad_encode_and_decode_input(tok: Tokenizer) -> None:
     with pytest.raises(UsageError, match="text must be a str"):
         tok.encode(["Hello"])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"text holds '\\udce9' at 3, which is not a character"):
+        tok.encode("caf\udce9")
     with pytest.raises(UsageError, match="ids must be a sequence of token ids"):
         tok.decode([[1, 2], [3, 4]])
     with pytest.raises(UsageError, match="ids must be a sequence of token ids"):
