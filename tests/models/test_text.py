@@ -474,6 +474,23 @@ def test_generate_text_errors(tok: Tokenizer) -> None:
         stream_text(model, tok, ["Hello"], 4)  # type: ignore[arg-type]
 
 
+@needs_devices(8)
+def test_stop_and_pad_ids_the_model_has_not_name_their_file(model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder = _copy(tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"pad_token_id": 5000}))
+    with pytest.raises(UsageError, match=r"generate_text: pad_token_id 5000 read from .*"
+                                         r"generation_config.json \(pad_token_id\) is not an id "
+                                         r"of this model .*0 \.\. 127"):
+        generate_text(model, Tokenizer.from_pretrained(folder), ["Hello"], 2)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [14, 4096]}))
+    with pytest.raises(UsageError, match=r"generation_config.json: eos_token_id \[14, 4096\]"):
+        generate_text(model, Tokenizer.from_pretrained(folder), ["Hello"], 2)
+    # given explicitly, the ids are the caller's: nothing read from the file is checked
+    tok = Tokenizer.from_pretrained(_copy(tmp_path / "b"))
+    assert generate_text(model, tok, ["Hello"], 2, pad_token_id=3) == \
+        generate_text(model, tok, ["Hello"], 2)
+
+
 def test_a_prompt_that_encodes_to_nothing(tmp_path: Path) -> None:
     folder = _copy(tmp_path)
     spec = json.loads((folder / "tokenizer.json").read_text())
