@@ -45,7 +45,7 @@ MODELS = {
     "CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
     "Tokenizer", "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache",
     "generate", "generate_text", "generation_rules", "get_config", "get_llama_config", "lm_loss",
-    "remat_policy", "stream", "stream_text",
+    "remat_policy", "resize_token_embeddings", "stream", "stream_text",
 }
 
 
@@ -53,7 +53,7 @@ def test_models_surface_is_pinned():
     assert set(ns.models.__all__) == MODELS
     assert all(hasattr(ns.models, n) for n in MODELS)
     for name in ("generate", "explain_cache", "generation_rules", "stream", "Tokenizer",
-                 "generate_text", "stream_text"):
+                 "generate_text", "stream_text", "resize_token_embeddings"):
         assert ">>>" in (getattr(ns.models, name).__doc__ or ""), f"{name} has no example"
     assert ns.models.CACHE_AXES == ("cache_batch", "cache_length", "cache_kv_heads",
                                     "cache_head_dim")

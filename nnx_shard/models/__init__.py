@@ -30,6 +30,7 @@ from nnx_shard.models.generation import (
     stream,
 )
 from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
+from nnx_shard.models.resize import resize_token_embeddings
 from nnx_shard.models.text import generate_text, stream_text
 from nnx_shard.models.tokenizer import Tokenizer
 from nnx_shard.models.transformer import (
@@ -45,4 +46,5 @@ from nnx_shard.models.transformer import (
 __all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
            "Tokenizer", "Transformer", "TransformerConfig", "attention", "attention_fn",
            "explain_cache", "generate", "generate_text", "generation_rules", "get_config",
-           "get_llama_config", "lm_loss", "remat_policy", "stream", "stream_text"]
+           "get_llama_config", "lm_loss", "remat_policy", "resize_token_embeddings", "stream",
+           "stream_text"]
