@@ -15,6 +15,7 @@ from nnx_shard.report import Report, explain
 from nnx_shard.rules import Fallbacks, Rules
 from nnx_shard.train import Precision, Trainer, multistep, shard_batch, value_and_grad
 from nnx_shard.train.batches import Batches
+from nnx_shard.weighting import mean_over
 
 __all__ = [
     "Batches",
@@ -42,6 +43,7 @@ __all__ = [
     "logical_axes",
     "lora",
     "make_mesh",
+    "mean_over",
     "merge_lora",
     "models",
     "multistep",

@@ -4,7 +4,7 @@ EXPECTED = {
     "Fallbacks", "NnxShardError", "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
     "get_logical_axes", "logical_axes", "make_mesh", "shardings", "use", "with_logical",
     "abstract_init", "sharded_init", "sharded_optimizer",
-    "Trainer", "Precision", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
+    "Trainer", "Precision", "mean_over", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
     "pack",
     "Checkpointer", "restore", "save", "load_safetensors", "save_safetensors",
     "lora", "merge_lora", "load_lora", "save_lora", "QuantizedKernel",

@@ -128,7 +128,8 @@ FLOORS: list[list[str]] = [
      "quantized"],
     ["strategy", "presets", "parallel.schedule"],
     ["rules", "annotate", "mesh", "init", "optstate", "report", "distributed"],
-    ["errors", "axes", "units", "optimizers", "_frames", "safetensors_io", "data"],
+    ["errors", "axes", "units", "optimizers", "_frames", "safetensors_io", "data",
+     "weighting"],
 ]
 
 

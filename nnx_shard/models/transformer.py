@@ -53,6 +53,7 @@ from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whol
 from nnx_shard.models.layers import RMSNorm, dense_init, new_param
 from nnx_shard.parallel import pipeline
 from nnx_shard.parallel.collective_matmul import check_tokens
+from nnx_shard.weighting import mean_over
 
 __all__ = ["CONFIGS", "IGNORE_INDEX", "REMAT_POLICIES", "Transformer", "TransformerConfig",
            "get_config", "lm_loss", "remat_policy"]
@@ -730,6 +731,13 @@ def _check_targets(targets: Any, vocab: Any) -> None:
                 f"targets to skip with {IGNORE_INDEX}, as transformers' labels do.")
 
 
+def _kept_targets(batch: dict[str, jax.Array]) -> jax.Array:
+    """The number of targets :func:`lm_loss` averages over (those not ``-100``)."""
+    _check_batch(batch)
+    return jnp.sum(jnp.asarray(batch["targets"]) != IGNORE_INDEX)
+
+
+@mean_over(_kept_targets)
 def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy of ``batch = {"inputs", "targets"}`` (int32
     ``[batch, length]``) over the targets not equal to ``-100``
@@ -743,14 +751,23 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     ``attention_mask``, ``positions`` and ``segment_ids``, where present, go to
     ``model.forward`` as keyword arguments.
 
+    With microbatches (``Trainer(..., microbatches=M)``, ``multistep(...,
+    microbatches=M)``, ``value_and_grad(..., microbatches=M)``) the loss is
+    declared a mean over its kept targets (:func:`nnx_shard.mean_over`): the
+    step's kept targets are counted before the batch is split and each
+    microbatch weighs as many as it keeps (its summed cross-entropy over the
+    step's count, transformers' ``num_items_in_batch``), so the step's loss and
+    update are those of M = 1 (up to float rounding), and a microbatch keeping
+    none adds nothing. The load-balancing loss of a mixture of experts is
+    weighted the same way (it is a mean over each microbatch's tokens, so it
+    differs slightly from M = 1's).
+
     A batch with no kept target has no mean: with concrete targets (called
     outside ``jit``) that is a :class:`nnx_shard.errors.UsageError`; inside a
     compiled step, where values are unknown when it is traced, the loss is NaN
     (0/0; the gradients are zero, every term being masked), a step that
-    :class:`nnx_shard.Trainer`'s guard reports and skips. With microbatches
-    (``Trainer(..., microbatches=M)``) each microbatch's mean is its own and the
-    means are averaged, so microbatches count alike whatever their kept targets,
-    and one with none makes the step's loss NaN.
+    :class:`nnx_shard.Trainer`'s guard reports and skips, with microbatches as
+    with one.
 
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)

@@ -16,7 +16,10 @@ call runs the stack as a pipeline:
   :class:`nnx_shard.Trainer` / :func:`nnx_shard.multistep`: under a pipeline
   strategy they are consumed inside one forward pass instead of
   :func:`nnx_shard.value_and_grad`'s accumulation loop); microbatch ``j`` holds
-  rows ``j, j+M, ...`` as gradient accumulation does;
+  rows ``j, j+M, ...`` as gradient accumulation does. Only the stack sees
+  microbatches: the layers after it and the loss run once on the whole batch,
+  so a mean over kept targets (:func:`nnx_shard.models.lm_loss`) is the step's
+  mean, as with one microbatch, whatever each microbatch keeps;
 * a state buffer ``[S, microbatch, ...]`` sharded over ``stage`` holds what
   each stage works on. For ``M*V + S - 1`` iterations every stage applies its
   layers (``jax.vmap`` over the stage dimension with ``spmd_axis_name``, so
@@ -141,7 +144,9 @@ def _microbatched(grad_fn: Callable[..., Any], m: int, model: Any, batch: Any,
                   *args: Any) -> tuple[Any, Any]:
     """One step's gradients under a pipeline strategy: the whole batch goes through one
     forward pass, in which :func:`scan` runs the ``m`` microbatches through the stages
-    (what :func:`nnx_shard.value_and_grad` calls instead of its accumulation loop)."""
+    (what :func:`nnx_shard.value_and_grad` calls instead of its accumulation loop).
+    The loss is computed once, on the whole batch: a loss declared with
+    :func:`nnx_shard.mean_over` needs no weighting here, its mean is the step's."""
     with microbatches(m) as frame:
         out = grad_fn(model, batch, *args)
     if not frame.used:
@@ -241,7 +246,8 @@ def scan(
     Under the pipeline, ``carry``'s leaves are either batch-major activations
     (``[batch, ...]``, cut into microbatches) or scalars (e.g. a summed
     auxiliary loss: each microbatch starts from the given value and the result
-    is the mean over microbatches, as gradient accumulation averages it), and
+    is the mean over microbatches, as gradient accumulation averages it for
+    microbatches of as many items), and
     ``body`` must return ``y = None`` (the per-layer outputs are not collected).
 
     Args:

@@ -7,8 +7,9 @@ Three layers, each usable alone:
   carrying the model, the optimizer and any other NNX object passed, updating
   them in place like ``nnx.jit``.
 * :func:`value_and_grad` (:mod:`~nnx_shard.train.microbatch`) is
-  ``nnx.value_and_grad`` that can split the batch into microbatches and average
-  the gradients (set per call, or by ``multistep(..., microbatches=M)``).
+  ``nnx.value_and_grad`` that can split the batch into microbatches and accumulate
+  the gradients (set per call, or by ``multistep(..., microbatches=M)``), weighing
+  each by its items for a loss declared with :func:`~nnx_shard.mean_over`.
 * :func:`shard_batch` (:mod:`~nnx_shard.train.placement`) turns host NumPy
   batches into global ``jax.Array`` s laid out by logical names;
   :class:`Trainer` (:mod:`~nnx_shard.train.trainer`) puts the three together

@@ -764,7 +764,10 @@ def multistep(
       step_fn: the train step; it must return arrays or numbers (a dict of them).
       donate: reuse the state buffers for the new state.
       microbatches: split each step's batch into this many microbatches,
-        averaging the gradients. ``step_fn`` must compute its gradients with
+        accumulating the gradients so that the step is the one of the whole
+        batch: a loss declared with :func:`~nnx_shard.mean_over` (e.g.
+        ``lm_loss``, over its kept targets) weighs each microbatch by its items,
+        any other has them averaged. ``step_fn`` must compute its gradients with
         :func:`value_and_grad` (the batch is split there).
       max_in_flight: how many calls may run unfinished (default 2); ``None``
         never waits (unbounded dispatch: only when the caller bounds it

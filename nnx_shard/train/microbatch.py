@@ -1,8 +1,38 @@
 """Gradients over microbatches: :func:`value_and_grad` splits a step's batch into M
-microbatches and averages their gradients (M per call, or from the enclosing
+microbatches and accumulates their gradients (M per call, or from the enclosing
 ``multistep(..., microbatches=M)`` through :func:`tracing_step`), unless a
 parallel op takes the microbatches over (the pipeline, see
-:mod:`nnx_shard.parallel.registry`)."""
+:mod:`nnx_shard.parallel.registry`).
+
+How microbatches are weighted. A step with M microbatches must give the loss and
+the update of the same step with M = 1, whatever M is. A loss that is a mean over
+a varying number of items (the next-token cross-entropy over the targets not
+masked by ``-100``) breaks that when each microbatch's mean counts alike: a
+microbatch with 2 kept targets would weigh as much as one with 64, and one with
+none would make the whole step NaN (0/0). transformers fixed the same defect in
+2024 by dividing each microbatch's summed loss by the number of items of the
+whole step (``num_items_in_batch``), counted before the step is split.
+
+Here a loss says what it is a mean over, with :func:`~nnx_shard.mean_over`: a count of the
+items of a batch (:func:`nnx_shard.models.lm_loss` counts its kept targets).
+:func:`value_and_grad` counts the items of the whole step once, before the
+split, and weighs microbatch ``j``'s loss, aux and gradients by ``n_j / N``
+(its items over the step's): the sum of the per-item losses over ``N``, as with
+M = 1 (up to float rounding). The loss keeps its plain ``loss_fn(model, batch)``
+signature, so it stays a loss of its own microbatch, callable alone and
+testable; transformers' alternative, a ``num_items_in_batch`` argument passed to
+every loss, would change the signature of every user loss. A microbatch with no
+item adds nothing (its loss, NaN or not, is never used); a step with no item at
+all has no mean, and its microbatches then count alike, as without
+:func:`~nnx_shard.mean_over`: for ``lm_loss`` a NaN loss with zero gradients, exactly the
+M = 1 result, which :class:`~nnx_shard.Trainer`'s guard reports and skips. A
+loss without :func:`~nnx_shard.mean_over` keeps equal weights (the microbatch means
+averaged): exact for a mean over examples, the microbatches being of equal size.
+
+Under a pipeline strategy the loss sees the whole batch (the pipeline cuts it
+into microbatches only inside the stacked layers), so its value is the M = 1
+value by construction.
+"""
 
 from __future__ import annotations
 
@@ -25,9 +55,10 @@ from nnx_shard.errors import ShardingError, UsageError, count, flag, short
 from nnx_shard.parallel.registry import microbatch_owner
 from nnx_shard.train.precision import Precision, as_precision
 from nnx_shard.train.trees import fmt_shape, is_node, short_repr
+from nnx_shard.weighting import items_counter
 
-__all__ = ["StepMicrobatches", "check_device_rows", "check_tracked", "spec_axes",
-           "tracing_step", "value_and_grad"]
+__all__ = ["StepMicrobatches", "check_device_rows", "check_tracked", "spec_axes", "tracing_step",
+           "value_and_grad"]
 
 
 @dataclasses.dataclass
@@ -131,6 +162,20 @@ def _split_microbatches(batch: Any, m: int) -> Any:
     return jax.tree_util.tree_map_with_path(one, batch)
 
 
+def _counted(items: Callable[[Any], Any], batch: Any, loss_fn: Any) -> jax.Array:
+    """``items(batch)`` as a float32 scalar, or a :class:`UsageError` naming the loss."""
+    n = items(batch)
+    dtype = n.dtype if hasattr(n, "dtype") else np.result_type(type(n))
+    if np.ndim(n) != 0 or not (jnp.issubdtype(dtype, jnp.integer)
+                               or jnp.issubdtype(dtype, jnp.floating)):
+        name = getattr(loss_fn, "__name__", "loss_fn")
+        raise UsageError(
+            f"mean_over: the item count of {name} for a batch is {_describe_value(n)} "
+            f"({dtype}), not a scalar number. Fix: make items(batch) return one count, e.g. "
+            "jnp.sum(batch['mask']).")
+    return jnp.asarray(n, jnp.float32)
+
+
 def value_and_grad(
     loss_fn: Callable[..., Any],
     *,
@@ -146,9 +191,13 @@ def value_and_grad(
     equal microbatches (rows ``j, j+M, j+2M, ...`` form microbatch ``j``), the
     loss and gradients are computed one microbatch at a time inside a
     ``jax.lax.scan`` (activations of one microbatch live at a time) and
-    averaged: for a loss that is a mean over examples this equals the
-    full-batch result up to float rounding. ``aux`` (with ``has_aux=True``) is
-    averaged the same way. ``args`` are passed to every microbatch unchanged;
+    combined so that they equal the full-batch result up to float rounding: a
+    loss declared with :func:`~nnx_shard.mean_over` (as :func:`nnx_shard.models.lm_loss`,
+    a mean over its kept targets) weighs each microbatch by its share of the
+    step's items, counted before the split (the sum of the per-item losses over
+    the step's items, transformers' ``num_items_in_batch``); any other loss
+    has its microbatches averaged alike (exact for a mean over examples).
+    ``aux`` (with ``has_aux=True``) is combined the same way. ``args`` are passed to every microbatch unchanged;
     NNX objects among them (e.g. ``nnx.Rngs``) are carried through. Under a
     pipeline strategy (``strategies.get("pp")``) the whole batch goes through
     one forward pass instead, and :func:`nnx_shard.pipeline.scan` runs the M
@@ -188,6 +237,8 @@ def value_and_grad(
     if not callable(loss_fn):
         raise TypeError(f"value_and_grad: loss_fn must be callable, got {short(loss_fn, 80)}")
     precision = as_precision(precision, "value_and_grad: precision")
+    items = items_counter(loss_fn)
+    weigh = None if items is None else functools.partial(_counted, items, loss_fn=loss_fn)
     wrt = nnx.All(wrt, _inexact)  # jax.grad refuses integer inputs
     vg = nnx.value_and_grad(_reading(_checked_loss(loss_fn, has_aux)),
                             argnums=nnx.DiffState(0, wrt), has_aux=has_aux)
@@ -210,7 +261,7 @@ def value_and_grad(
                 return owner.microbatched(vg, m or 1, model, batch, *args)
             if m is None or m == 1:
                 return vg(model, batch, *args)
-            return _accumulate(vg, m, wrt, model, batch, args)
+            return _accumulate(vg, m, wrt, model, batch, args, weigh)
 
     return grad_fn
 
@@ -330,9 +381,15 @@ def _describe_value(x: Any) -> str:
 
 
 def _accumulate(
-    vg: Callable[..., Any], m: int, wrt: Any, model: Any, batch: Any, args: tuple[Any, ...]
+    vg: Callable[..., Any], m: int, wrt: Any, model: Any, batch: Any, args: tuple[Any, ...],
+    weigh: Callable[[Any], jax.Array] | None = None,
 ) -> tuple[Any, Any]:
+    """``vg`` over the ``m`` microbatches of ``batch``, combined: averaged alike, or with
+    ``weigh`` (the loss's item count, see :func:`~nnx_shard.mean_over`) weighted by each
+    microbatch's share of the whole step's items."""
     micro = _split_microbatches(batch, m)
+    # Counted on the whole step, before the split (transformers' num_items_in_batch).
+    total = None if weigh is None else weigh(batch)
     node_pos = [i for i, a in enumerate(args) if is_node(a)]
     graphdef, state = nnx.split((model, *(args[i] for i in node_pos)))
     zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, wrt))
@@ -349,11 +406,31 @@ def _accumulate(
         # from the zeros' (the structure is the same array for array).
         g_leaves, g_def = jax.tree.flatten(grads)
         grads_def.append(g_def)
+        if weigh is not None and total is not None:
+            n = weigh(mb)
+            # A step with no item at all has no mean: its microbatches count alike
+            # (the loss is NaN as with one microbatch). Otherwise one with no item
+            # adds nothing, whatever its loss (0/0) and gradients are.
+            share = jnp.where(total > 0, n / total, 1.0 / m)
+            used = (n > 0) | (total <= 0)
+            g_leaves = [_part(g, share, used) for g in g_leaves]
+            out = jax.tree.map(lambda x: _part(x, share, used), out)
         acc = [a + g for a, g in zip(acc, g_leaves, strict=True)]
         _, state = nnx.split(nodes)
         return (state, acc), out
 
     (state, acc), outs = jax.lax.scan(body, (state, jax.tree.leaves(zeros)), micro)
     nnx.update((model, *(args[i] for i in node_pos)), state)
+    if weigh is not None:
+        grads = jax.tree.unflatten(grads_def[0], acc)
+        return jax.tree.map(lambda x: jnp.sum(x, axis=0), outs), grads
     grads = jax.tree.unflatten(grads_def[0], [a / m for a in acc])
     return jax.tree.map(lambda x: jnp.mean(x, axis=0), outs), grads
+
+
+def _part(x: Any, share: jax.Array, used: jax.Array) -> jax.Array:
+    """One microbatch's part of a weighted sum: ``x * share``, or 0 where not ``used``
+    (``where``, not a product: ``x`` may be NaN there). Floats keep their dtype."""
+    x = jnp.asarray(x)
+    part = jnp.where(used, x * share, jnp.zeros((), share.dtype))
+    return part.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else part

@@ -68,7 +68,9 @@ class Trainer:
         :meth:`~nnx_shard.strategies.Strategy.check` ``ns.sharded_init`` runs.
         ``mesh`` then defaults to the mesh the model's arrays live on.
       steps_per_call: K, steps per compiled call.
-      microbatches: split each step's batch into this many, averaging gradients.
+      microbatches: split each step's batch into this many, accumulating gradients to
+        the whole batch's step (a loss declared with :func:`~nnx_shard.mean_over`, as
+        ``lm_loss``, weighs each by its items; see :func:`value_and_grad`).
       batch_names: logical names of the leading dims of every batch leaf.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux metrics go to the history.
       donate: reuse state buffers across calls (see :func:`multistep`).
