@@ -30,6 +30,9 @@ COVARIANCE_SCALE = 1e-9
 #: standard deviation of new rows with ``mean_resizing=False``.
 INITIALIZER_RANGE = 0.02
 
+#: The most ids a vocabulary can have: the models take int32 token ids.
+MAX_VOCAB = 2**31 - 1
+
 _WHO = "resize_token_embeddings"
 _MODEL_FIX = ("Fix: pass a model with a token_embed [vocab, embed] parameter and a cfg with "
               "a vocab field, e.g. ns.models.Llama or ns.models.Transformer (LoRA-adapted or "
@@ -82,7 +85,14 @@ def _new_size(old: int, new_vocab: Any, pad_to_multiple_of: Any) -> int:
         size = old
     else:
         size = count(new_vocab, "new_vocab", fix=f"e.g. new_vocab={old + 1}")
-    return size if multiple is None else -(-size // multiple) * multiple
+    if multiple is not None:
+        size = -(-size // multiple) * multiple
+    if size > MAX_VOCAB:
+        padded = "" if multiple is None else f" (padded to a multiple of {multiple})"
+        raise UsageError(f"{_WHO}: new_vocab {size}{padded} is more ids than int32 token "
+                         f"ids address ({MAX_VOCAB}). Fix: the tokenizer's size, e.g. "
+                         "new_vocab=tokenizer.vocab_size")
+    return size
 
 
 def _mean_rows(old: jax.Array, added: int, key: jax.Array) -> jax.Array:
@@ -127,8 +137,9 @@ def _spec(var: nnx.Param[Any], name: str, shape: tuple[int, ...], axis: int, mes
         try:
             return table.spec(names, shape=shape, mesh=mesh, path=name, allow_unconstrained=False)
         except ShardingError as e:
-            raise ShardingError(f"{_WHO}: new vocab {size} (new_vocab, pad_to_multiple_of) "
-                                f"cannot be laid out by the rules: {e} Fix: {fix}.") from None
+            raise ShardingError(f"{_WHO}: rules= cannot lay out {name} at the new vocab {size} "
+                                f"(new_vocab, pad_to_multiple_of): {e} (Where the size does "
+                                f"not divide: {fix}.)") from None
     entries = tuple(old_spec) + (None,) * (len(shape) - len(tuple(old_spec)))
     sizes = mesh_sizes(mesh)
     devices = int(np.prod([sizes[a] for a in entry_axes(entries[axis])], dtype=np.int64))
@@ -205,7 +216,13 @@ def resize_token_embeddings(model: Any, new_vocab: int | None, *,
     size = _new_size(cfg.vocab, new_vocab, pad_to_multiple_of)
     mean_resizing = flag(mean_resizing, "mean_resizing")
     seed = count(seed, "seed", least=0, fix="e.g. seed=0")
-    table = None if rules is None else tables(rules, None, _WHO)[0]
+    if seed >= 2**63:
+        raise UsageError(f"{_WHO}: seed must be below 2**63 (jax.random.key takes an int64), "
+                         f"got {seed}. Fix: e.g. seed=0")
+    try:
+        table = None if rules is None else tables(rules, None, _WHO)[0]
+    except ShardingError as e:
+        raise ShardingError(f"{_WHO}: rules= {e}") from None
     if size == cfg.vocab:
         return model
     key = jax.random.key(seed)
