@@ -183,7 +183,8 @@ def resize_token_embeddings(model: Any, new_vocab: int | None, *,
     Each resized parameter stays on its mesh in its layout; ``rules`` (a table or a
     strategy) lays it out anew for the new shape instead. A new size that its vocab
     axis's devices do not divide is a :class:`~nnx_shard.ShardingError`: pad it
-    with ``pad_to_multiple_of``.
+    with ``pad_to_multiple_of``. Resize before making the optimizer: an optimizer
+    state made earlier has the old shapes.
 
     Args:
       model: a :class:`~nnx_shard.models.Llama` or :class:`~nnx_shard.models.Transformer`
