@@ -188,16 +188,16 @@ def _compile(source: str, where: str) -> Any:
     ``tojson`` that leaves HTML alone), its rendering bounded
     (:mod:`nnx_shard.models._chat_template`)."""
     jinja2 = _require("jinja2")
-    from nnx_shard.models import _chat_template
+    from nnx_shard.models._chat_template import Limit, compile_template
 
     try:
-        return _chat_template.compile_template(source)
+        return compile_template(source)
     except jinja2.TemplateSyntaxError as e:
         raise UsageError(f"{where}: the chat template does not compile (line {e.lineno}: "
                          f"{e.message}). Fix: correct the template, or download the tokenizer's "
                          "files again.") from None
-    except (_chat_template.Limit, RecursionError, MemoryError) as e:
-        what = e.what if isinstance(e, _chat_template.Limit) else type(e).__name__
+    except (Limit, RecursionError, MemoryError) as e:
+        what = e.what if isinstance(e, Limit) else type(e).__name__
         raise UsageError(f"{where}: the chat template does not compile ({what}). Fix: correct "
                          "the template, or download the tokenizer's files again.") from None
 
@@ -570,14 +570,14 @@ class Tokenizer:
         if self._template is None:
             self._template = _compile(self._chat_source(), self.template_file)
         jinja2 = _require("jinja2")
-        from nnx_shard.models import _chat_template
+        from nnx_shard.models._chat_template import Limit, render
 
         where = self.template_file
         try:
-            text = _chat_template.render(self._template, dict(
+            text = render(self._template, dict(
                 messages=chat, tools=None, documents=None,
                 add_generation_prompt=bool(add_generation_prompt), **self.special_tokens))
-        except _chat_template.Limit as e:
+        except Limit as e:
             raise UsageError(f"apply_chat_template: the chat template {where} was stopped: "
                              f"{e.what}{_line(e)}. A chat template renders in milliseconds; "
                              "this one loops, recurses or builds text without end. Fix: correct "
