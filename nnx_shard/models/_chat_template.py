@@ -24,6 +24,13 @@ Templates of real checkpoints stay orders of magnitude below every limit, and
 they render exactly as without them: the hooks only check, the values are
 Python's own.
 
+``{% generation %} ... {% endgeneration %}`` blocks (the assistant's text, as
+transformers' ``AssistantTracker`` extension reads them) render their body as
+it is; :func:`render` given a ``spans`` list records there the characters each
+block printed, where the output stood when the block ended (so a block inside a
+macro or a ``{% set %}`` block is placed as transformers places it). The spans
+recorded count against :data:`MAX_ITEMS`.
+
 This module imports jinja2: it is imported only when a template is compiled.
 """
 
@@ -80,6 +87,19 @@ class _Budget:
 
 _BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_budget",
                                                                          default=None)
+
+
+@dataclasses.dataclass
+class _Tracker:
+    """Where the output of a rendering stands (``size``, the characters yielded so
+    far) and the ``(start, end)`` characters of each generation block."""
+
+    spans: list[tuple[int, int]]
+    size: int = 0
+
+
+_TRACKER: contextvars.ContextVar[_Tracker | None] = contextvars.ContextVar("chat_tracker",
+                                                                          default=None)
 
 
 def _tick() -> None:
@@ -413,6 +433,31 @@ _PASS_TYPES = (jinja2.nodes.EvalContext, jinja2.Environment, jinja2.runtime.Cont
 # -- the environment -----------------------------------------------------------------
 
 
+class _Generation(ext.Extension):
+    """``{% generation %}`` ... ``{% endgeneration %}``: the body rendered as it is,
+    its characters recorded while :func:`render` tracks them (transformers'
+    ``AssistantTracker``, same parse, same positions)."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja reads it from the class, as a set)
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_generation_support"), [], [],
+                               body).set_lineno(lineno)
+
+    def _generation_support(self, caller: Callable[[], str]) -> str:
+        rv = caller()
+        tracker = _TRACKER.get()
+        if tracker is not None:
+            if len(tracker.spans) >= MAX_ITEMS:
+                raise _past("the generation blocks rendered", len(tracker.spans) + 1,
+                            MAX_ITEMS, "blocks")
+            tracker.spans.append((tracker.size, tracker.size + len(rv)))
+        return rv
+
+
+
 class _Environment(sandbox.ImmutableSandboxedEnvironment):
     """transformers' sandbox with every multiplying operation checked."""
 
@@ -548,7 +593,7 @@ def compile_template(source: str) -> Any:
     """``source`` compiled as transformers compiles a chat template, its
     rendering bounded (the jinja errors of a bad template are raised as they
     are)."""
-    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols],
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, ext.loopcontrols],
                        finalize=_finalize)
     env.filters["tojson"] = _tojson
     env.filters = {name: _wrap_filter(name, f) for name, f in env.filters.items()}
@@ -559,15 +604,28 @@ def compile_template(source: str) -> Any:
         return env.from_string(_bound_ast(env, env.parse(source)))
 
 
-def render(template: Any, context: Mapping[str, Any]) -> str:
-    """``template`` rendered with ``context``, within the limits."""
+def render(template: Any, context: Mapping[str, Any],
+           spans: list[tuple[int, int]] | None = None) -> str:
+    """``template`` rendered with ``context``, within the limits; with ``spans``,
+    the ``(start, end)`` characters of each generation block appended to it."""
     out: list[str] = []
+    tracker = _Tracker(spans) if spans is not None else None
+    token = _TRACKER.set(tracker)
     size = 0
-    with budget():
-        for chunk in template.generate(**context):
-            size += len(chunk)
-            if size > MAX_TEXT:
-                raise _past("the rendered prompt", size, MAX_TEXT)
-            _tick()
-            out.append(chunk)
+    try:
+        with budget():
+            for chunk in template.generate(**context):
+                size += len(chunk)
+                if size > MAX_TEXT:
+                    raise _past("the rendered prompt", size, MAX_TEXT)
+                _tick()
+                out.append(chunk)
+                if tracker is not None:  # what the template has yielded when it resumes
+                    tracker.size = size
+    finally:
+        _TRACKER.reset(token)
     return "".join(out)
+
+
+#: transformers' test for a template that marks the assistant's text.
+GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -249,6 +250,24 @@ def _failed(where: str, e: BaseException) -> UsageError:
                       "again.")
 
 
+def _assistant_mask(offsets: Sequence[tuple[int, int]],
+                    spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters (``offsets``) reach into a generation
+    block's (``spans``), 0 elsewhere: transformers' single pass over both, in
+    order, step for step (so even a token at an empty block's position, or at
+    the position of a block placed out of order, is marked as it marks it)."""
+    mask = [0] * len(offsets)
+    at = 0
+    for i, (start, end) in enumerate(offsets):
+        while at < len(spans) and start >= spans[at][1]:
+            at += 1
+        if at == len(spans):
+            break
+        if end > spans[at][0]:
+            mask[i] = 1
+    return mask
+
+
 class Tokenizer:
     """A Hugging Face tokenizer (``tokenizer.json``) with its special tokens and
     chat template, read from the checkpoint folder as transformers reads them.
@@ -475,14 +494,18 @@ class Tokenizer:
         if not isinstance(add_special_tokens, bool | np.bool_):
             raise UsageError(f"Tokenizer.encode: add_special_tokens must be True or False, got "
                              f"{short(add_special_tokens, 40)}.")
+        return list(self._encoding(text, bool(add_special_tokens), "Tokenizer.encode").ids)
+
+    def _encoding(self, text: str, add_special_tokens: bool, where: str) -> Any:
+        """The backend's ``Encoding`` of ``text`` (ids and character offsets)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # lone surrogates: tokenizers takes only valid text
-            raise UsageError(f"Tokenizer.encode: text holds {text[e.start:e.end]!r} at "
+            raise UsageError(f"{where}: text holds {text[e.start:e.end]!r} at "
                              f"{e.start}, which is not a character (a lone surrogate, e.g. "
                              "from bytes decoded with errors='surrogateescape'). Fix: decode "
                              "the text as UTF-8 first.") from None
-        return list(self.backend.encode(text, add_special_tokens=bool(add_special_tokens)).ids)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         """The text of token ``ids`` (a sequence or a 1-D array of ints), special
@@ -542,41 +565,82 @@ class Tokenizer:
         return template
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int] | str:
+                            add_generation_prompt: bool = True, tokenize: bool = True,
+                            return_dict: bool = False,
+                            return_assistant_tokens_mask: bool = False,
+                            ) -> list[int] | str | dict[str, list[int]]:
         """``messages`` (``[{"role": "user", "content": "..."}, ...]``) rendered
         with the tokenizer's chat template as transformers renders it, then
         encoded without adding special tokens (the template writes them):
         the ids of ``AutoTokenizer.apply_chat_template``, or the text with
         ``tokenize=False``. ``add_generation_prompt`` (default ``True``, unlike
         transformers: here the next turn is the model's) ends with the
-        assistant's header.
+        assistant's header; give ``False`` to encode a whole conversation for
+        training.
+
+        ``return_dict=True`` returns ``{"input_ids": [...], "attention_mask":
+        [1, ...]}`` instead of the ids (ignored with ``tokenize=False``, as in
+        transformers). ``return_assistant_tokens_mask=True`` (with both
+        ``return_dict`` and ``tokenize``) adds ``"assistant_masks"``: 1 for each
+        token the template rendered inside a ``{% generation %} ...
+        {% endgeneration %}`` block (the assistant's turns), 0 elsewhere, by
+        transformers' rule: a token is 1 where its characters overlap a block's
+        (a token cut by a block's edge counts). :func:`nnx_shard.pack` takes the
+        dict as an example and trains on the tokens marked 1. A template with no
+        generation block gives a mask of zeros and a ``UserWarning``, as
+        transformers gives them.
 
         Raises:
           UsageError: malformed ``messages``, no chat template, a template that
             does not compile or raises (``raise_exception``, e.g. on an unknown
-            role).
+            role), ``return_assistant_tokens_mask`` without ``return_dict`` and
+            ``tokenize``.
 
         >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
         >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
         '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n'
+        >>> chat = Tokenizer(tok.backend, path=tok.path, config=tok.config, chat_template=(
+        ...     "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}"
+        ...     "{% generation %}{{ m.content }}{% endgeneration %}"
+        ...     "{% else %}{{ m.content }}{% endif %}\\n{% endfor %}"))
+        >>> out = chat.apply_chat_template(
+        ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        ...     add_generation_prompt=False, return_dict=True, return_assistant_tokens_mask=True)
+        >>> sorted(out), chat.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
+        (['assistant_masks', 'attention_mask', 'input_ids'], 'Hello')
         """
         chat = _messages(messages)
         for name, value in (("add_generation_prompt", add_generation_prompt),
-                            ("tokenize", tokenize)):
+                            ("tokenize", tokenize), ("return_dict", return_dict),
+                            ("return_assistant_tokens_mask", return_assistant_tokens_mask)):
             if not isinstance(value, bool | np.bool_):
                 raise UsageError(f"apply_chat_template: {name} must be True or False, got "
                                  f"{short(value, 40)}.")
+        if return_assistant_tokens_mask and not (return_dict and tokenize):
+            raise UsageError("apply_chat_template: return_assistant_tokens_mask=True needs "
+                             f"return_dict=True and tokenize=True (got return_dict={return_dict},"
+                             f" tokenize={tokenize}): the mask is one value per token. Fix: "
+                             "apply_chat_template(messages, return_dict=True, "
+                             "return_assistant_tokens_mask=True).")
+        source = self._chat_source()
         if self._template is None:
-            self._template = _compile(self._chat_source(), self.template_file)
+            self._template = _compile(source, self.template_file)
         jinja2 = _require("jinja2")
-        from nnx_shard.models._chat_template import Limit, render
+        from nnx_shard.models._chat_template import GENERATION_TAG, Limit, render
 
         where = self.template_file
+        spans: list[tuple[int, int]] | None = [] if return_assistant_tokens_mask else None
+        if return_assistant_tokens_mask and not GENERATION_TAG.search(source):
+            warnings.warn(f"apply_chat_template: return_assistant_tokens_mask=True, but the chat "
+                          f"template {where} has no {{% generation %}} block, so every token's "
+                          "mask is 0 (nothing to train on). Fix: wrap each assistant turn's text "
+                          "in {% generation %} ... {% endgeneration %} in the template.",
+                          UserWarning, stacklevel=2)
         try:
             text = render(self._template, dict(
                 messages=chat, tools=None, documents=None,
-                add_generation_prompt=bool(add_generation_prompt), **self.special_tokens))
+                add_generation_prompt=bool(add_generation_prompt), **self.special_tokens),
+                spans)
         except Limit as e:
             raise UsageError(f"apply_chat_template: the chat template {where} was stopped: "
                              f"{e.what}{_line(e)}. A chat template renders in milliseconds; "
@@ -590,7 +654,16 @@ class Tokenizer:
                              "'assistant').") from e
         except (Exception, RecursionError, MemoryError) as e:  # the template's own code failed
             raise _failed(where, e) from None
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        encoding = self._encoding(text, False, "apply_chat_template")
+        ids = list(encoding.ids)
+        if not return_dict:
+            return ids
+        out = {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        if spans is not None:
+            out["assistant_masks"] = _assistant_mask(encoding.offsets, spans)
+        return out
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, "
