@@ -171,7 +171,7 @@ def _counted(items: Callable[[Any], Any], batch: Any, loss_fn: Any) -> jax.Array
         name = getattr(loss_fn, "__name__", "loss_fn")
         raise UsageError(
             f"mean_over: the item count of {name} for a batch is {_describe_value(n)} "
-            f"({dtype}), not a scalar number. Fix: make items(batch) return one count, e.g. "
+            f"({dtype}), not one integer or float. Fix: make items(batch) return one count, e.g. "
             "jnp.sum(batch['mask']).")
     return jnp.asarray(n, jnp.float32)
 
@@ -388,15 +388,21 @@ def _accumulate(
     ``weigh`` (the loss's item count, see :func:`~nnx_shard.mean_over`) weighted by each
     microbatch's share of the whole step's items."""
     micro = _split_microbatches(batch, m)
-    # Counted on the whole step, before the split (transformers' num_items_in_batch).
-    total = None if weigh is None else weigh(batch)
+    counts = total = ok = None
+    if weigh is not None:
+        # Counted on the whole step, before the split (transformers' num_items_in_batch),
+        # and per microbatch, which must add up to it.
+        total = weigh(batch)
+        counts = jax.vmap(weigh)(micro)
+        ok = _check_counts(counts, total, weigh)
     node_pos = [i for i, a in enumerate(args) if is_node(a)]
     graphdef, state = nnx.split((model, *(args[i] for i in node_pos)))
     zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, wrt))
     grads_def: list[Any] = []
 
-    def body(carry: Any, mb: Any) -> Any:
+    def body(carry: Any, xs: Any) -> Any:
         state, acc = carry
+        mb, n = xs
         nodes = nnx.merge(graphdef, state)
         call_args = list(args)
         for i, node in zip(node_pos, nodes[1:], strict=True):
@@ -406,8 +412,7 @@ def _accumulate(
         # from the zeros' (the structure is the same array for array).
         g_leaves, g_def = jax.tree.flatten(grads)
         grads_def.append(g_def)
-        if weigh is not None and total is not None:
-            n = weigh(mb)
+        if n is not None and total is not None:
             # A step with no item at all has no mean: its microbatches count alike
             # (the loss is NaN as with one microbatch). Otherwise one with no item
             # adds nothing, whatever its loss (0/0) and gradients are.
@@ -419,13 +424,41 @@ def _accumulate(
         _, state = nnx.split(nodes)
         return (state, acc), out
 
-    (state, acc), outs = jax.lax.scan(body, (state, jax.tree.leaves(zeros)), micro)
+    (state, acc), outs = jax.lax.scan(body, (state, jax.tree.leaves(zeros)), (micro, counts))
     nnx.update((model, *(args[i] for i in node_pos)), state)
-    if weigh is not None:
+    if ok is not None:
         grads = jax.tree.unflatten(grads_def[0], acc)
-        return jax.tree.map(lambda x: jnp.sum(x, axis=0), outs), grads
+        # Counts that are no counts (traced, so not refused by _check_counts) give a NaN
+        # loss, which the Trainer's guard stops at, rather than silently wrong weights.
+        return jax.tree.map(lambda x: _poison(jnp.sum(x, axis=0), ok), outs), grads
     grads = jax.tree.unflatten(grads_def[0], [a / m for a in acc])
     return jax.tree.map(lambda x: jnp.mean(x, axis=0), outs), grads
+
+
+def _check_counts(counts: jax.Array, total: jax.Array, weigh: Any) -> jax.Array:
+    """Whether the microbatches' item ``counts`` are counts of the step's ``total``:
+    finite, not negative, adding up to it. Known values that are not are a
+    :class:`UsageError`; traced ones give the returned flag."""
+    ok = (jnp.all(jnp.isfinite(counts)) & jnp.all(counts >= 0) & jnp.isfinite(total)
+          & (jnp.abs(jnp.sum(counts) - total) <= 1e-5 * jnp.abs(total) + 1e-3))
+    if isinstance(ok, jax.core.Tracer) or bool(ok):
+        return ok
+    loss_fn = getattr(weigh, "keywords", {}).get("loss_fn")
+    name = getattr(loss_fn, "__name__", "loss_fn")
+    seen = ", ".join(f"{float(c):g}" for c in np.asarray(counts)[:8])
+    raise UsageError(
+        f"mean_over: the item counts of {name} are no counts of the step: its "
+        f"{counts.shape[0]} microbatches count [{seen}{', ...' if counts.shape[0] > 8 else ''}] "
+        f"and the whole step {float(total):g}; they must be finite, not negative, and add up "
+        "to the step's. Fix: make items(batch) count the batch's items (e.g. "
+        "jnp.sum(batch['mask'])), not average or normalise them.")
+
+
+def _poison(x: jax.Array, ok: jax.Array) -> jax.Array:
+    """``x``, or NaN where ``ok`` is false (for float ``x``)."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return jnp.where(ok, x, jnp.asarray(jnp.nan, x.dtype))
 
 
 def _part(x: Any, share: jax.Array, used: jax.Array) -> jax.Array:

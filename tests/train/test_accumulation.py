@@ -238,6 +238,48 @@ def test_mean_over_refuses_what_is_no_count() -> None:
         ns.value_and_grad(bad, microbatches=2)(model, _mse_batch())
 
 
+@pytest.mark.parametrize("label,items,seen", [
+    ("a mean", lambda b: jnp.mean(b["mask"]), r"count \[1, 0, 0, 0.5\] and the whole step 0.375"),
+    ("negative", lambda b: -jnp.sum(b["mask"]), r"count \[-2, -0, -0, -1\]"),
+    ("nan", lambda b: jnp.sum(b["mask"]) * jnp.nan, r"count \[nan"),
+])
+def test_counts_that_are_no_counts(label, items, seen) -> None:
+    """Known counts that do not add up (a mean), negative or NaN are refused; traced
+    inside a compiled step, they make the loss NaN, which the guard stops at."""
+    loss_fn = ns.mean_over(items)(_masked_mse)
+    model, batch = nnx.Linear(3, 1, rngs=nnx.Rngs(0)), _mse_batch()
+    with pytest.raises(UsageError, match=r"item counts of _masked_mse are no counts .*" + seen):
+        ns.value_and_grad(loss_fn, microbatches=4)(model, batch)
+    loss, _ = nnx.jit(ns.value_and_grad(loss_fn, microbatches=4))(model, batch)
+    assert np.isnan(float(loss)), label
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "tp"])
+def test_sharded_presets_weigh_microbatches_alike(preset: str) -> None:
+    """On 8 devices the step's count is a sum over devices, each microbatch's too: M = 2
+    (one row per device per microbatch) gives the one-device M = 1 step."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    s = ns.strategies.get(preset)
+    mesh = s.make_mesh(8)
+    model = _model(mesh, s)
+    opt = ns.sharded_optimizer(model, optax.sgd(LR), mesh, s)
+    # 16 rows, the uneven batch tiled: the same mean, 2 rows per device of the data axis.
+    batch = {k: np.tile(v, (4, 1)) for k, v in _batch("uneven").items()}
+    trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, microbatches=2,
+                         steps_per_call=1)
+    history = trainer.fit([batch], num_steps=1, progress=False)
+    loss1, weights1 = _train_cached("trainer", "uneven", 1)
+    assert_close(float(history["loss"][0]), loss1, RTOL, f"{preset} loss vs one device")
+    got = _hf_weights(model)
+    for w in WEIGHTS:
+        assert_close(got[w] - _initial()[w], weights1[w] - _initial()[w], RTOL,
+                     f"{preset} update of {w} vs one device")
+
+
 # --------------------------------------------------------------------------- pipeline
 
 
