@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -214,11 +214,81 @@ def _check_ids(i: int, ids: np.ndarray | list[int]) -> None:
                      "with prompt_lengths, not with negative ids.")
 
 
-def _examples(examples: Any, prompt_lengths: Any) -> list[tuple[np.ndarray, int]]:
+#: The keys a dict example may have: ``apply_chat_template(..., return_dict=True,
+#: return_assistant_tokens_mask=True)``'s.
+_KEYS = ("input_ids", "assistant_masks", "attention_mask")
+_MASKED = ("an example with its own mask is a dict {'input_ids': ids, 'assistant_masks': mask} "
+           "or a tuple (ids, mask)")
+
+
+def _is_row(value: Any) -> bool:
+    """Whether ``value`` is a list of values (not one value, not text)."""
+    if isinstance(value, np.ndarray):
+        return value.ndim >= 1
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def _split(i: int, ex: Any) -> tuple[Any, Any, str]:
+    """Example ``i`` as ``(ids, mask or None, what names the mask)``."""
+    if isinstance(ex, Mapping):
+        unknown = [k for k in ex if k not in _KEYS]
+        if unknown:
+            hint = (" Fix: a mask of the tokens to learn, e.g. assistant_masks=[int(t != -100) "
+                    "for t in labels]." if "labels" in unknown else
+                    f" Fix: keep only {', '.join(_KEYS)}.")
+            raise UsageError(f"pack: example {i} has the key {short(unknown[0], 40)}; a dict "
+                             f"example has 'input_ids' and may have 'assistant_masks' (1: "
+                             f"learn the token) and 'attention_mask' (all 1).{hint}")
+        if "input_ids" not in ex:
+            raise UsageError(f"pack: example {i} is a dict without 'input_ids' (keys: "
+                             f"{short(list(ex), 60)}). Fix: {_MASKED}, as "
+                             "tok.apply_chat_template(messages, return_dict=True, "
+                             "return_assistant_tokens_mask=True) returns it.")
+        ids = ex["input_ids"]
+        attention = ex.get("attention_mask")
+        if attention is not None:
+            att = np.asarray(attention) if not isinstance(attention, str | bytes) else None
+            if att is None or att.shape != (np.size(ids),) or not np.all(att == 1):
+                raise UsageError(f"pack: example {i}'s attention_mask must be 1 for each of "
+                                 f"its tokens, got {short(attention, 60)}: pack pads the rows "
+                                 "itself. Fix: keep only the tokens where attention_mask is 1 "
+                                 "(and their assistant_masks), or drop attention_mask.")
+        return ids, ex.get("assistant_masks"), f"example {i}'s assistant_masks"
+    if isinstance(ex, tuple) and len(ex) == 2 and _is_row(ex[0]):
+        return ex[0], ex[1], f"example {i}'s mask (the tuple's second item)"
+    return ex, None, ""
+
+
+def _mask(i: int, mask: Any, n: int, what: str) -> np.ndarray:
+    """The per-token mask of example ``i`` (``n`` tokens): one 0 or 1 per token."""
+    arr = np.asarray(mask) if not isinstance(mask, str | bytes) else np.asarray(None)
+    if arr.ndim != 1 or not (arr.dtype == bool or np.issubdtype(arr.dtype, np.integer)):
+        raise UsageError(f"pack: {what} must be a list of 0s and 1s (ints or bools), one per "
+                         f"token, got {short(mask, 60)}. Fix: 1 where the token is to be "
+                         "learned (the assistant's), 0 elsewhere.")
+    if arr.size != n:
+        raise UsageError(f"pack: {what} has {arr.size} values for the example's {n} tokens. "
+                         "Fix: one 0 or 1 per token: take the ids and the mask from the same "
+                         "apply_chat_template call, and cut both alike.")
+    bad = np.flatnonzero((arr != 0) & (arr != 1))
+    if bad.size:
+        at = int(bad[0])
+        hint = (" (labels, not a mask: assistant_masks=[int(t != -100) for t in labels])"
+                if int(arr[at]) == -100 else "")
+        raise UsageError(f"pack: {what} holds {int(arr[at])} at index {at}; a mask is 0 or 1 "
+                         f"per token{hint}. Fix: 1 where the token is to be learned, 0 "
+                         "elsewhere.")
+    return arr.astype(bool)
+
+
+def _examples(examples: Any, prompt_lengths: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``examples`` as ``(ids, learn)`` pairs: ``learn[k]`` is whether token ``k``
+    may be a target (a prompt's tokens, or a mask's 0s, may not)."""
     if isinstance(examples, str | bytes) or not isinstance(examples, Sequence | np.ndarray):
+        one = " (one example: put it in a list)" if isinstance(examples, Mapping) else ""
         raise UsageError(f"pack: examples must be a list of token lists, got "
-                         f"{type(examples).__name__} {short(examples, 60)}. Fix: e.g. "
-                         "pack([[1, 2, 3], [4, 5]], length=8).")
+                         f"{type(examples).__name__} {short(examples, 60)}{one}. Fix: e.g. "
+                         f"pack([[1, 2, 3], [4, 5]], length=8); {_MASKED}.")
     if prompt_lengths is not None and (
             isinstance(prompt_lengths, str | bytes) or not isinstance(prompt_lengths, Sequence | np.ndarray)
             or len(prompt_lengths) != len(examples)):
@@ -228,25 +298,36 @@ def _examples(examples: Any, prompt_lengths: Any) -> list[tuple[np.ndarray, int]
                          f"got {got}. Fix: prompt_lengths=[len(prompt) for prompt in prompts], "
                          "or None to train on every token.")
     out = []
-    for i, ex in enumerate(examples):
-        arr = np.asarray(ex) if not isinstance(ex, str | bytes) else np.asarray(None)
+    for i, given in enumerate(examples):
+        ex, mask, what = _split(i, given)
+        arr = np.asarray(ex) if not isinstance(ex, str | bytes | Mapping) else np.asarray(None)
         if arr.ndim == 1 and arr.dtype == object and arr.size and all(
                 type(t) is int for t in arr.tolist()):
             _check_ids(i, arr.tolist())   # Python ints past int64, kept as objects by NumPy
         if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
             raise UsageError(f"pack: example {i} must be a non-empty list of token ids, got "
-                             f"{short(ex, 60)}. Fix: drop empty examples and pass ints.")
+                             f"{short(ex, 60)}. Fix: drop empty examples and pass ints ("
+                             f"{_MASKED}).")
         _check_ids(i, arr)
-        p = 0 if prompt_lengths is None else prompt_lengths[i]
-        if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p <= arr.size:
-            raise UsageError(f"pack: prompt_lengths[{i}] = {short(p, 40)} is not a count from 0 "
-                             f"to the example's {arr.size} tokens. Fix: the number of prompt "
-                             "tokens at the start of the example.")
-        out.append((arr.astype(np.int64), int(p)))
+        if mask is not None:
+            if prompt_lengths is not None:
+                raise UsageError(f"pack: example {i} carries its own mask and prompt_lengths "
+                                 "is given too. Fix: one or the other: prompt_lengths=None "
+                                 "(a mask of 0s on the prompt does what prompt_lengths does), "
+                                 "or examples without masks.")
+            learn = _mask(i, mask, arr.size, what)
+        else:
+            p = 0 if prompt_lengths is None else prompt_lengths[i]
+            if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p <= arr.size:
+                raise UsageError(f"pack: prompt_lengths[{i}] = {short(p, 40)} is not a count "
+                                 f"from 0 to the example's {arr.size} tokens. Fix: the number "
+                                 "of prompt tokens at the start of the example.")
+            learn = np.arange(arr.size) >= int(p)
+        out.append((arr.astype(np.int64), learn))
     return out
 
 
-def pack(examples: Sequence[Sequence[int]], length: int, *,
+def pack(examples: Sequence[Any], length: int, *,
          prompt_lengths: Sequence[int] | None = None, pad_id: int = 0) -> dict[str, np.ndarray]:
     """Variable-length examples packed into rows of ``length`` tokens for
     next-token training: a batch for :func:`nnx_shard.models.lm_loss` with the
@@ -260,24 +341,37 @@ def pack(examples: Sequence[Sequence[int]], length: int, *,
     * ``inputs``: the examples' tokens one after the other, then ``pad_id``;
     * ``targets``: the next token of the same example, and :data:`IGNORE_INDEX`
       (-100) where there is none to learn: where the next token is one of the
-      example's first ``prompt_lengths[i]`` tokens (the prompt), at an example's
-      last token (across the boundary to the next example), and on padding;
+      example's first ``prompt_lengths[i]`` tokens (the prompt) or is 0 in the
+      example's own mask, at an example's last token (across the boundary to
+      the next example), and on padding;
     * ``segment_ids``: 1, 2, ... for the row's examples, 0 for padding: the
       reference models attend within a segment only;
     * ``positions``: 0, 1, ... restarting with each example (0 on padding).
 
     Args:
-      examples: token id lists, each of 1 to ``length`` tokens.
+      examples: token id lists, each of 1 to ``length`` tokens; or examples
+        with their own per-token masks (1: learn the token, 0: do not), as
+        dicts ``{"input_ids": ids, "assistant_masks": mask}`` (what
+        :meth:`~nnx_shard.models.Tokenizer.apply_chat_template` returns with
+        ``return_dict=True, return_assistant_tokens_mask=True``; an
+        ``attention_mask`` of 1s may come with them) or tuples ``(ids, mask)``.
+        The mask is transformers' convention: token ``k + 1`` is the target at
+        ``k`` where ``mask[k + 1]`` is 1, so every assistant turn of a
+        conversation is learned and the rest is not.
       length: the tokens per row.
       prompt_lengths: per example, how many of its first tokens are the prompt
-        (never predicted); ``None`` trains on every next token.
+        (never predicted); ``None`` trains on every next token (or on the
+        examples' own masks, which it cannot be given with).
       pad_id: the input id of padding (never a target).
 
     Raises:
       UsageError: ``examples`` not a list of non-empty integer lists, a token id
         that is negative or that int32 cannot hold, an example longer than
         ``length``, ``prompt_lengths`` not one count in ``0 .. len(example)`` per
-        example, a bad ``length`` or ``pad_id``.
+        example, a mask not one 0 or 1 per token, a mask with
+        ``prompt_lengths``, a dict example with other keys or an
+        ``attention_mask`` with 0s, a bad ``length`` or ``pad_id``; each
+        naming the example's index.
 
     >>> batch = pack([[1, 2, 3, 4], [5, 6, 7], [8, 9]], 6, prompt_lengths=[2, 1, 0])
     >>> batch["inputs"].tolist()
@@ -286,6 +380,12 @@ def pack(examples: Sequence[Sequence[int]], length: int, *,
     [[-100, 3, 4, -100, 9, -100], [6, 7, -100, -100, -100, -100]]
     >>> batch["segment_ids"].tolist(), batch["positions"].tolist()
     ([[1, 1, 1, 1, 2, 2], [1, 1, 1, 0, 0, 0]], [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 0]])
+
+    A conversation's masks (user, assistant, user, assistant):
+
+    >>> chat = {"input_ids": [1, 2, 3, 4, 5, 6, 7], "assistant_masks": [0, 0, 1, 1, 0, 1, 1]}
+    >>> pack([chat, ([8, 9, 10], [0, 1, 1])], 10)["targets"].tolist()
+    [[-100, 3, 4, -100, 6, 7, -100, 9, 10, -100]]
     """
     if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
         raise UsageError(f"pack: length must be a whole number of tokens >= 1, got "
@@ -323,14 +423,13 @@ def pack(examples: Sequence[Sequence[int]], length: int, *,
     for r, members in enumerate(rows):
         at = 0
         for seg, i in enumerate(members, start=1):
-            ex, prompt = items[i]
+            ex, learn = items[i]
             n = ex.size
             span = slice(at, at + n)
             out["inputs"][r, span] = ex
             out["segment_ids"][r, span] = seg
             out["positions"][r, span] = np.arange(n)
-            nxt = np.arange(1, n)   # the index, in the example, of each token's target
-            kept = nxt >= prompt
-            out["targets"][r, at:at + n - 1] = np.where(kept, ex[1:], IGNORE_INDEX)
+            # Token k's target is token k + 1, kept where that one is to be learned.
+            out["targets"][r, at:at + n - 1] = np.where(learn[1:], ex[1:], IGNORE_INDEX)
             at += n
     return out

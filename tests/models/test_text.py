@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,122 @@ def test_real_chat_templates_render_as_transformers(tmp_path: Path) -> None:
         assert toks[name].apply_chat_template(
             case["messages"], add_generation_prompt=case["add_generation_prompt"],
             tokenize=False) == case["text"], (name, case["messages"])
+
+
+MASKS = FIXTURES / "chat_masks"
+MASKS_EXPECTED = json.loads((MASKS / "expected.json").read_text())
+MASK_TEMPLATES = sorted({c["template"] for c in MASKS_EXPECTED["cases"]})
+
+
+def _template_tok(tmp_path: Path, template: str) -> Tokenizer:
+    folder = _copy(tmp_path / template.replace("/", "_"))
+    shutil.copy(FIXTURES / template, folder / "chat_template.jinja")
+    return Tokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("template", MASK_TEMPLATES)
+def test_assistant_masks_equal_transformers(tmp_path: Path, template: str) -> None:
+    # ids and assistant_masks of transformers' apply_chat_template(..., return_dict=True,
+    # return_assistant_tokens_mask=True) (tests/fixtures/make_chat_masks.py), token for token
+    tok = _template_tok(tmp_path, template)
+    blocks = "generation %}" in (FIXTURES / template).read_text()
+    cases = [c for c in MASKS_EXPECTED["cases"] if c["template"] == template]
+    assert len(cases) == 6
+    for case in cases:
+        messages = MASKS_EXPECTED["messages"][case["messages"]]
+        prompt = case["add_generation_prompt"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = tok.apply_chat_template(messages, add_generation_prompt=prompt,
+                                          return_dict=True, return_assistant_tokens_mask=True)
+        assert isinstance(out, dict)
+        assert out["input_ids"] == case["input_ids"], (template, case["messages"], prompt)
+        assert out["assistant_masks"] == case["assistant_masks"], (template, case["messages"])
+        assert out["attention_mask"] == [1] * len(case["input_ids"])
+        # the same rendering with and without the tracking
+        assert tok.apply_chat_template(messages, add_generation_prompt=prompt,
+                                       tokenize=False) == case["text"]
+        assert tok.apply_chat_template(messages, add_generation_prompt=prompt) == \
+            case["input_ids"]
+        warned = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        if blocks:
+            assert not warned
+        else:  # transformers warns and gives zeros
+            assert len(warned) == 1 and "no {% generation %} block" in warned[0], warned
+            assert "chat_template.jinja" in warned[0]
+            assert not any(case["assistant_masks"])
+    if blocks:
+        three = next(c for c in cases if c["messages"] == "three_turns")
+        assert 0 < sum(three["assistant_masks"]) < len(three["input_ids"])
+
+
+def test_assistant_masks_mark_the_turns_and_tokens_cut_by_a_block(tmp_path: Path) -> None:
+    tok = _template_tok(tmp_path, "chat_masks/llama3.jinja")
+    messages = MASKS_EXPECTED["messages"]["three_turns"]
+    out = tok.apply_chat_template(messages, add_generation_prompt=False, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    assert isinstance(out, dict)
+    kept = [i for i, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m]
+    eot = tok.eos_token_id
+    # each assistant turn's text and its <|eot_id|>, nothing of the user's or the headers
+    turns = [[*tok.encode(m["content"], add_special_tokens=False), eot]
+             for m in messages if m["role"] == "assistant"]
+    assert kept == [t for turn in turns for t in turn]
+    # edges.jinja opens a block inside the word "is" (" i" outside, "s" inside): the token
+    # " is" starts before the block and is marked, transformers' overlap rule (a rule of
+    # tokens starting inside a block would not mark it)
+    edges = _template_tok(tmp_path, "chat_masks/edges.jinja")
+    out = edges.apply_chat_template(MASKS_EXPECTED["messages"]["ends_with_user"],
+                                     add_generation_prompt=False, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+    assert isinstance(out, dict)
+    (word,) = edges.encode(" is", add_special_tokens=False)
+    at = out["input_ids"].index(word)
+    assert out["assistant_masks"][at - 1:at + 2] == [0, 1, 1]
+
+
+def test_return_dict_and_mask_arguments(tok: Tokenizer) -> None:
+    user = [{"role": "user", "content": "Hi"}]
+    out = tok.apply_chat_template(user, return_dict=True)
+    assert isinstance(out, dict) and sorted(out) == ["attention_mask", "input_ids"]
+    assert out["input_ids"] == tok.apply_chat_template(user)
+    # as transformers: return_dict means nothing without tokenize
+    assert tok.apply_chat_template(user, return_dict=True, tokenize=False) == \
+        tok.apply_chat_template(user, tokenize=False)
+    for kw in ({}, {"tokenize": False, "return_dict": True}):
+        with pytest.raises(UsageError, match=r"return_assistant_tokens_mask=True needs "
+                                             r"return_dict=True and tokenize=True"):
+            tok.apply_chat_template(user, return_assistant_tokens_mask=True, **kw)
+    for name in ("return_dict", "return_assistant_tokens_mask"):
+        with pytest.raises(UsageError, match=rf"{name} must be True or False, got 'yes'"):
+            tok.apply_chat_template(user, **{name: "yes"})
+
+
+@needs_devices(8)
+def test_multi_turn_sft_trains_on_the_packed_assistant_turns(tmp_path: Path) -> None:
+    import optax
+
+    from nnx_shard.models import lm_loss
+
+    tok = _template_tok(tmp_path, "chat_masks/llama3.jinja")
+    examples = [tok.apply_chat_template(m, add_generation_prompt=False, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+                for m in MASKS_EXPECTED["messages"].values()]
+    rows = ns.pack(examples, 256)
+    kept = sum(sum(e["assistant_masks"][1:]) for e in examples)  # type: ignore[index]
+    assert int((rows["targets"] != -100).sum()) == kept
+    # 16 rows: 2 per device of data=8 for 2 microbatches
+    batch = {k: np.tile(v, (8, 1)) for k, v in rows.items()}
+    dp = ns.strategies.get("dp")
+    mesh = dp.make_mesh()
+    model = load_pretrained(MODEL, mesh=mesh, rules=dp.rules)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-2), mesh, dp)
+    trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=dp.rules,
+                         microbatches=2, steps_per_call=1)
+    history = trainer.fit([batch] * 2, num_steps=2, progress=False)
+    losses = [float(x) for x in history["loss"]]
+    assert np.isfinite(losses).all()
+    assert losses[-1] < losses[0]
 
 
 def test_bounded_rendering_equals_jinja_on_filters_and_methods(tmp_path: Path) -> None:
