@@ -23,10 +23,17 @@ batch 1, 16 new tokens. ``bytes/token`` is the temporary bytes over the prompt
 length; ``slope`` the temporary bytes each token added since the previous length
 (flat when memory is linear).
 
-Run (about 2 minutes on 2 CPU cores; ``--quick``: prompts of 512 and 1024)::
+A second table, the logits: the same model with Llama 3's vocabulary (128256) and
+the ``auto`` kernel, its prefill as it runs (``last``: the final norm and the
+unembedding on the last position only, ``decode(..., logits_to_keep=1)``) against
+a model whose ``decode`` returns every position's logits (``all``, before: float32
+``[prompt, vocab]``, ~513 KB a token, of which generation reads the last).
+
+Run (about 4 minutes on 2 CPU cores; ``--quick``: prompts of 512 and 1024)::
 
     .venv/bin/python benchmarks/prefill_memory.py
     .venv/bin/python benchmarks/prefill_memory.py --lengths 2048 8192 --kernels auto
+    .venv/bin/python benchmarks/prefill_memory.py --tables logits
 """
 
 from __future__ import annotations
@@ -44,31 +51,44 @@ KERNELS = ("dense", "auto")
 NEW = 16
 MODEL = dict(layers=1, embed=512, heads=32, kv_heads=8, head_dim=64, mlp=1024, vocab=2048,
              max_length=65536)
+LARGE_VOCAB = 128256   # Llama 3's
+LOGITS = ("last", "all")
+TABLES = ("kernels", "logits")
 
 
-def compiled_prefill(prompt_len: int, kernel: str, new: int = NEW, **overrides: object):
+def compiled_prefill(prompt_len: int, kernel: str, new: int = NEW, all_logits: bool = False,
+                     **overrides: object):
     """generate's prefill program compiled for a batch of one prompt of ``prompt_len``
     tokens and ``new`` new ones, on an abstract Llama of :data:`MODEL` (``overrides``
-    replace fields) whose attention kernel is ``kernel``."""
+    replace fields) whose attention kernel is ``kernel``; ``all_logits``: its decode
+    returns every position's logits (it takes no ``logits_to_keep``)."""
     import numpy as np
     from flax import nnx
 
     from nnx_shard.models import Llama, get_llama_config
     from nnx_shard.models import generation as gen
 
+    class AllLogits(Llama):
+        def decode(self, tokens, *, attention_mask=None):  # type: ignore[no-untyped-def, override]
+            return super().decode(tokens, attention_mask=attention_mask)
+
     cfg = dataclasses.replace(get_llama_config("tiny"), **(MODEL | overrides),  # type: ignore[arg-type]
                               attention=kernel)
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    cls = AllLogits if all_logits else Llama
+    model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
     run = gen._prepare(model, np.zeros((1, prompt_len), np.int32), new, gen.Options(), 0,
                        None, None, "prefill_memory")
     args = (run.old, run.rest, run.prompt, run.mask, run.real, run.key, run.options)
     return run.programs.prefill.lower(*args).compile()
 
 
-def measure(prompt_len: int, kernel: str) -> dict:
+def measure(prompt_len: int, kernel: str, logits: str = "last", vocab: int = MODEL["vocab"]
+            ) -> dict:
     t0 = time.perf_counter()
-    mem = compiled_prefill(prompt_len, kernel).memory_analysis()
-    return {"prompt": prompt_len, "kernel": kernel, "temp_bytes": mem.temp_size_in_bytes,
+    mem = compiled_prefill(prompt_len, kernel, all_logits=logits == "all",
+                           vocab=vocab).memory_analysis()
+    return {"prompt": prompt_len, "kernel": kernel, "logits": logits, "vocab": vocab,
+            "temp_bytes": mem.temp_size_in_bytes,
             "argument_bytes": mem.argument_size_in_bytes,
             "output_bytes": mem.output_size_in_bytes,
             "temp_bytes_per_token": mem.temp_size_in_bytes / prompt_len,
@@ -85,6 +105,9 @@ def main() -> None:
                     help=f"prompt lengths (default {' '.join(map(str, LENGTHS))})")
     ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
                     help="attention kernels to compile (dense: before, auto: after)")
+    ap.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES),
+                    help="kernels: dense against auto at vocab 2048; logits: the last "
+                    f"position's logits against all of them at vocab {LARGE_VOCAB}")
     ap.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     ap.add_argument("--quick", action="store_true", help="prompts of 512 and 1024 (smoke test)")
     args = ap.parse_args()
@@ -92,8 +115,52 @@ def main() -> None:
 
     import jax
 
+    rows: list[dict] = []
+    if "kernels" in args.tables:
+        rows += _kernels_table(args.kernels, lengths)
+    if "logits" in args.tables:
+        rows += _logits_table(lengths)
+    write_json(args.json, {
+        "meta": {"jax": jax.__version__, "backend": jax.default_backend(),
+                 "machine": machine(), "model": MODEL, "large_vocab": LARGE_VOCAB, "batch": 1,
+                 "new_tokens": NEW,
+                 "measure": "jax.jit(prefill).lower(abstract args).compile().memory_analysis()"},
+        "rows": rows})
+
+
+def _slope(rows: list[dict], i: int) -> str:
+    if not i:
+        return ""
+    r, prev = rows[i], rows[i - 1]
+    return f"{(r['temp_bytes'] - prev['temp_bytes']) / (r['prompt'] - prev['prompt']):,.0f}"
+
+
+def _logits_table(lengths: list[int]) -> list[dict]:
     rows = []
-    for kernel in args.kernels:
+    for logits in LOGITS:
+        for n in lengths:
+            rows.append(measure(n, "auto", logits, LARGE_VOCAB))
+            r = rows[-1]
+            print(f"{logits:>5} {n:>6}: temp {_mb(r['temp_bytes'])} ({r['compile_s']} s)",
+                  flush=True)
+    by = {(r["logits"], r["prompt"]): r for r in rows}
+    table = []
+    for i, n in enumerate(lengths):
+        last = [by["last", m] for m in lengths]
+        every = [by["all", m] for m in lengths]
+        table.append([n, _mb(last[i]["temp_bytes"]), f"{last[i]['temp_bytes_per_token']:,.0f}",
+                      _slope(last, i), _mb(every[i]["temp_bytes"]), _slope(every, i),
+                      _mb(4 * n * LARGE_VOCAB)])
+    print(f"\ngenerate's prefill at vocab {LARGE_VOCAB}, XLA memory_analysis ({machine()}); "
+          f"one-layer Llama, auto kernel, batch 1, {NEW} new tokens")
+    print_table(["prompt", "temp last", "bytes/token last", "slope last", "temp all",
+                 "slope all", "[prompt, vocab] f32"], table)
+    return rows
+
+
+def _kernels_table(kernels: list[str], lengths: list[int]) -> list[dict]:
+    rows = []
+    for kernel in kernels:
         for n in lengths:
             rows.append(measure(n, kernel))
             r = rows[-1]
@@ -102,13 +169,13 @@ def main() -> None:
                   f"({r['compile_s']} s)", flush=True)
     by = {(r["kernel"], r["prompt"]): r for r in rows}
     columns = ["prompt"]
-    for kernel in args.kernels:
+    for kernel in kernels:
         columns += [f"temp {kernel}", f"bytes/token {kernel}", f"slope {kernel}"]
     columns += ["arguments", "outputs"]
     table = []
     for i, n in enumerate(lengths):
         line: list = [n]
-        for kernel in args.kernels:
+        for kernel in kernels:
             r = by[kernel, n]
             slope = ""
             if i:
@@ -116,17 +183,13 @@ def main() -> None:
                 added = (r["temp_bytes"] - prev["temp_bytes"]) / (n - prev["prompt"])
                 slope = f"{added:,.0f}"
             line += [_mb(r["temp_bytes"]), f"{r['temp_bytes_per_token']:,.0f}", slope]
-        last = by[args.kernels[-1], n]
+        last = by[kernels[-1], n]
         line += [_mb(last["argument_bytes"]), _mb(last["output_bytes"])]
         table.append(line)
     print(f"\ngenerate's prefill, XLA memory_analysis ({machine()}); one-layer Llama, "
           f"batch 1, {NEW} new tokens")
     print_table(columns, table)
-    write_json(args.json, {
-        "meta": {"jax": jax.__version__, "backend": jax.default_backend(),
-                 "machine": machine(), "model": MODEL, "batch": 1, "new_tokens": NEW,
-                 "measure": "jax.jit(prefill).lower(abstract args).compile().memory_analysis()"},
-        "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

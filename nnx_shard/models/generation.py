@@ -35,7 +35,10 @@ do):
 * ``decode(tokens)``: logits ``[batch, T, vocab]`` of ``tokens [batch, T]``
   placed after those already cached, storing theirs; for padded prompts also
   ``decode(tokens, attention_mask=)`` (0: padding, remembered for later calls,
-  which pass a mask of ones).
+  which pass a mask of ones). A ``decode`` that takes ``logits_to_keep`` (as
+  transformers' models do: 1 returns the last position's logits ``[batch, 1,
+  vocab]`` only) is asked for the last one in the prefill, which then never
+  holds ``[prompt, vocab]`` logits.
 
 A ``max_length`` attribute, where the model has one, is its context:
 :func:`generate` refuses prompts and lengths past it.
@@ -582,9 +585,10 @@ def _prompts(prompts: Any, attention_mask: Any, model: Any, caller: str
     return prompt, None if mask.all() else mask
 
 
-def _takes_mask(model: Any) -> bool:
+def _takes(model: Any, name: str) -> bool:
+    """Whether the model's ``decode`` takes the keyword ``name``."""
     try:
-        return "attention_mask" in inspect.signature(model.decode).parameters
+        return name in inspect.signature(model.decode).parameters
     except (TypeError, ValueError):
         return False
 
@@ -694,11 +698,14 @@ class _Programs:
 
 @functools.lru_cache(maxsize=32)
 def _programs(graphdef: Any, with_cache: Any, mesh: Mesh | None, rules: Rules | None,
-              batch: int, prompt_len: int, new: int, masked: bool) -> _Programs:
+              batch: int, prompt_len: int, new: int, masked: bool, last_only: bool
+              ) -> _Programs:
     """The prefill and decode programs of one shape (cached: a second call with
     the same model graph, layout and shape compiles nothing; the prompt, mask,
-    seed and every option are arguments)."""
+    seed and every option are arguments). ``last_only``: the model's decode takes
+    ``logits_to_keep``, and the prefill asks for the last position's logits only."""
     length = prompt_len + new
+    keep = {"logits_to_keep": 1} if last_only else {}
 
     def _prefill(old: Any, rest: Any, prompt: Any, mask: Any, real: Any, key: Any,
                  o: Any) -> Any:
@@ -707,7 +714,8 @@ def _programs(graphdef: Any, with_cache: Any, mesh: Mesh | None, rules: Rules | 
         model = nnx.merge(graphdef, old, rest)
         model.init_cache(batch, length)
         nnx.update(model, _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules))
-        out = model.decode(prompt, attention_mask=mask) if masked else model.decode(prompt)
+        out = (model.decode(prompt, attention_mask=mask, **keep) if masked
+               else model.decode(prompt, **keep))
         logits = out[:, -1]
         seen = jnp.zeros((batch, logits.shape[-1]), jnp.int32).at[
             jnp.arange(batch)[:, None], prompt].max(mask) > 0
@@ -781,7 +789,7 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
              mesh: Any, rules: Any, caller: str, attention_mask: Any = None) -> _Run:
     _check_model(model, caller)
     prompt, mask = _prompts(prompts, attention_mask, model, caller)
-    masked = _takes_mask(model)
+    masked = _takes(model, "attention_mask")
     if mask is not None and not masked:
         raise UsageError(f"{caller}: the prompts are padded, but {type(model).__name__}.decode "
                          "takes no attention_mask, so the padding would be attended to. Fix: "
@@ -820,7 +828,8 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
         _warn_unannotated(cache, mesh, caller)
         for path, var in nnx.to_flat_state(cache):  # every other layout problem, by path
             variable_spec(var, mesh, gen_rules, path_str(path))  # type: ignore[arg-type]
-    programs = _programs(graphdef, with_cache, mesh, gen_rules, batch, prompt_len, new, masked)
+    programs = _programs(graphdef, with_cache, mesh, gen_rules, batch, prompt_len, new, masked,
+                         _takes(model, "logits_to_keep"))
     return _Run(programs, old, rest, prompt, mask, real, rows, new, jax.random.key(int(seed)),
                 options.traced(), mesh, gen_rules)
 

@@ -61,6 +61,7 @@ from nnx_shard.models.transformer import (
     GATHERED,
     RESIDUAL,
     block_input_names,
+    last_positions,
     remat_policy,
     seq_names,
 )
@@ -554,12 +555,18 @@ class Llama(nnx.Module):
         self.cache_index, self.cache_rows = kv_cache.init_model(self.blocks, self.cfg,
                                                                 batch, length)
 
-    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
-               ) -> jax.Array:
+    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+               logits_to_keep: int = 0) -> jax.Array:
         """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
         ones already in the cache (from :meth:`init_cache`), whose keys and values
         it stores. The logits equal those of :meth:`__call__` on the whole
         sequence at these positions (up to float rounding).
+
+        ``logits_to_keep`` (transformers' meaning): 0 for every position, else the
+        logits of the last ``logits_to_keep`` positions only, ``[batch,
+        logits_to_keep, vocab]``: the final norm, unembedding and soft-capping run on
+        those alone (generation's prefill keeps 1, instead of ``[prompt, vocab]``
+        float32).
 
         ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
         cache (the prefill of :func:`nnx_shard.models.generate`): its padded
@@ -609,4 +616,4 @@ class Llama(nnx.Module):
 
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x, step, flags)
         self.cache_index[...] = index + steps
-        return self._logits(x)
+        return self._logits(last_positions(x, logits_to_keep, "Llama.decode"))

@@ -644,12 +644,17 @@ class Transformer(nnx.Module):
         self.cache_index, self.cache_rows = kv_cache.init_model(self.blocks, self.cfg,
                                                                 batch, length)
 
-    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None
-               ) -> jax.Array:
+    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+               logits_to_keep: int = 0) -> jax.Array:
         """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
         ones already in the cache (from :meth:`init_cache`), whose keys and values
         it stores. The logits equal those of :meth:`__call__` on the whole
         sequence at these positions (up to float rounding).
+
+        ``logits_to_keep`` (transformers' meaning): 0 for every position, else the
+        logits of the last ``logits_to_keep`` positions only, ``[batch,
+        logits_to_keep, vocab]``: the final norm and the unembedding run on those
+        alone (generation's prefill keeps 1, instead of ``[prompt, vocab]`` float32).
 
         ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
         cache (the prefill of :func:`nnx_shard.models.generate`): its padded
@@ -684,7 +689,18 @@ class Transformer(nnx.Module):
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
                                    lambda block, h: block.decode(h, index, valid))
         self.cache_index[...] = index + steps
-        return self._logits(x)
+        return self._logits(last_positions(x, logits_to_keep, "Transformer.decode"))
+
+
+def last_positions(x: jax.Array, logits_to_keep: Any, caller: str) -> jax.Array:
+    """The hidden states ``x [batch, T, embed]`` of the positions whose logits
+    ``decode(..., logits_to_keep=)`` returns: all for 0, else the last ones."""
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int | np.integer) \
+            or logits_to_keep < 0:
+        raise UsageError(f"{caller}: logits_to_keep={short(logits_to_keep, 40)} must be an int "
+                         ">= 0 (0: every position, n: the last n). Fix: e.g. logits_to_keep=1.")
+    keep = int(logits_to_keep)
+    return x if keep == 0 or keep >= x.shape[1] else x[:, x.shape[1] - keep:]
 
 
 def _check_batch(batch: Any) -> None:

@@ -1,8 +1,10 @@
 """generate's prefill attends with the model's memory-efficient kernel.
 
 Outside references: XLA's ``memory_analysis`` of the compiled prefill program
-(nothing allocated; the model abstract) and the dense one-step attention
-(``LlamaConfig(attention="dense")``), whose logits the blockwise prefill must give.
+(nothing allocated; the model abstract), the dense one-step attention
+(``LlamaConfig(attention="dense")``), whose logits the blockwise prefill must give,
+and the bytes of float32 ``[prompt, vocab]`` logits, which the prefill no longer
+computes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nnx_shard.errors import UsageError
 from nnx_shard.models import Llama, get_llama_config
 from nnx_shard.models import generation as gen
 
@@ -22,9 +25,10 @@ SMALL = dict(layers=1, embed=64, heads=8, kv_heads=2, head_dim=16, mlp=128, voca
              max_length=8192)
 
 
-def _temp_bytes(prompt_len: int, kernel: str) -> int:
+def _temp_bytes(prompt_len: int, kernel: str, **overrides: int) -> int:
     """XLA's temporary bytes of generate's prefill for one prompt of ``prompt_len``."""
-    cfg = dataclasses.replace(get_llama_config("tiny"), **SMALL, attention=kernel)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(get_llama_config("tiny"), **(SMALL | overrides),  # type: ignore[arg-type]
+                              attention=kernel)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     run = gen._prepare(model, np.zeros((1, prompt_len), np.int32), 8, gen.Options(), 0, None,
                        None, "test")
@@ -43,6 +47,41 @@ BOUND = 1.3 * 4
 def test_prefill_memory_grows_linearly_with_the_prompt() -> None:
     ratio = _temp_bytes(4096, "auto") / _temp_bytes(1024, "auto")
     assert ratio <= BOUND, ratio
+
+
+def test_the_prefill_computes_the_last_positions_logits_only() -> None:
+    # Llama 3's vocabulary: float32 logits [4096, 128256] alone would take 2.1 GB; the
+    # prefill unembeds the last position only, so its temporaries stay under a quarter
+    # of that (every position's logits made them 2.1 GB and more).
+    vocab, prompt = 128256, 4096
+    temp = _temp_bytes(prompt, "auto", vocab=vocab)
+    assert temp < prompt * vocab * 4 / 4, temp
+
+
+def test_decode_logits_to_keep() -> None:
+    cfg = dataclasses.replace(get_llama_config("tiny"), final_softcap=5.0)
+    graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.arange(1, 7, dtype=jnp.int32)[None]
+
+    @jax.jit
+    def run(state: nnx.State) -> list[jax.Array]:
+        out = []
+        for keep in (0, 1, 2, 50):
+            model = nnx.merge(graphdef, state)
+            model.init_cache(1, 8)
+            out.append(model.decode(tokens, logits_to_keep=keep))
+        return out
+
+    every, last, two, more = (np.asarray(a) for a in run(state))
+    assert every.shape == (1, 6, cfg.vocab) and last.shape == (1, 1, cfg.vocab)
+    np.testing.assert_allclose(last, every[:, -1:], atol=1e-5)   # soft-capped alike
+    np.testing.assert_allclose(two, every[:, -2:], atol=1e-5)
+    np.testing.assert_allclose(more, every, atol=1e-5)   # more than T: all of them
+    model = nnx.merge(graphdef, state)
+    model.init_cache(1, 8)
+    for bad in (-1, True, 1.0):
+        with pytest.raises(UsageError, match="logits_to_keep"):
+            model.decode(tokens, logits_to_keep=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
