@@ -211,7 +211,7 @@ def _check_ids(i: int, ids: np.ndarray | list[int]) -> None:
     raise UsageError(f"pack: example {i} has token id {value} at index {at}, {why}. Token ids "
                      f"are 0 .. {_ID_MAX} (the vocabulary's; rows are int32). Fix: map the "
                      "example through the tokenizer's vocabulary, and mark tokens not to learn "
-                     "with prompt_lengths, not with negative ids.")
+                     "with prompt_lengths or a mask, not with negative ids.")
 
 
 #: The keys a dict example may have: ``apply_chat_template(..., return_dict=True,

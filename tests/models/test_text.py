@@ -280,6 +280,22 @@ def test_return_dict_and_mask_arguments(tok: Tokenizer) -> None:
             tok.apply_chat_template(user, **{name: "yes"})
 
 
+def test_generation_blocks_count_against_the_items_limit(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from nnx_shard.models import _chat_template
+
+    folder = _copy(tmp_path)
+    (folder / "chat_template.jinja").write_text(
+        "{% for i in range(9) %}{% generation %}x{% endgeneration %}{% endfor %}")
+    monkeypatch.setattr(_chat_template, "MAX_ITEMS", 8)
+    tok = Tokenizer.from_pretrained(folder)
+    user = [{"role": "user", "content": "Hi"}]
+    # only tracked renderings record the blocks
+    assert tok.apply_chat_template(user, tokenize=False) == "x" * 9
+    with pytest.raises(UsageError, match=r"stopped: the generation blocks rendered would be 9 "
+                                         r"blocks, past the limit of 8"):
+        tok.apply_chat_template(user, return_dict=True, return_assistant_tokens_mask=True)
+
+
 @needs_devices(8)
 def test_multi_turn_sft_trains_on_the_packed_assistant_turns(tmp_path: Path) -> None:
     import optax
