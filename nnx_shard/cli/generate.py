@@ -43,6 +43,15 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p {args.top_p}: must be a number in (0, 1] (1: off)")
     if args.min_p is not None and not (math.isfinite(args.min_p) and 0 <= args.min_p <= 1):
         raise UsageError(f"--min-p {args.min_p}: must be a number in [0, 1] (0: off)")
+    least = args.min_new_tokens
+    if least is not None and not 0 <= least <= args.max_new_tokens:
+        raise UsageError(f"--min-new-tokens {least}: must be from 0 to --max-new-tokens "
+                         f"({args.max_new_tokens})")
+    if args.no_repeat_ngram_size is not None and args.no_repeat_ngram_size < 1:
+        raise UsageError(f"--no-repeat-ngram-size {args.no_repeat_ngram_size}: must be at "
+                         "least 1 (leave it out for off)")
+    if args.stop is not None and not all(args.stop):
+        raise UsageError("--stop '': a stop string must be non-empty text, e.g. --stop 'User:'")
     penalty = args.repetition_penalty
     if penalty is not None and not (math.isfinite(penalty) and penalty > 0):
         raise UsageError(f"--repetition-penalty {penalty}: must be a finite number above 0 "
@@ -95,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(_one_line(f"--model: {e}")) from e
     options = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+               "min_new_tokens": args.min_new_tokens,
+               "no_repeat_ngram_size": args.no_repeat_ngram_size, "stop_strings": args.stop,
                "seed": args.seed, "mesh": mesh, "rules": rules}
     try:  # the checks run here, before any token: the prompt, the context, the options
         pieces = stream_text(model, tokenizer, args.prompt, args.max_new_tokens,

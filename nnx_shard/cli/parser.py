@@ -282,6 +282,12 @@ def _add_generate(sub: argparse._SubParsersAction[Parser]) -> None:
     g.add_argument("--min-p", type=float, default=None, help="min-p sampling, in [0, 1]")
     g.add_argument("--repetition-penalty", type=float, default=None,
                    help="above 1 discourages repeats (default off)")
+    g.add_argument("--min-new-tokens", type=int, default=None,
+                   help="tokens before the end-of-sequence token may end the text")
+    g.add_argument("--no-repeat-ngram-size", type=int, default=None,
+                   help="n: no n-gram of tokens occurs twice (default off)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop once the text contains TEXT (repeat for several)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--chat", action="store_true",
                    help="render the prompt as a user message with the chat template")

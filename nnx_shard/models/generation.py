@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -443,6 +444,10 @@ class Options:
     repetition_penalty: float = 1.0
     eos: tuple[int, ...] = ()
     pad: int = 0
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0  # 0: off
+    stop_strings: tuple[str, ...] = ()
+    num_return_sequences: int = 1
 
     def traced(self) -> dict[str, Any]:
         slots = max(EOS_SLOTS, 1 << max(0, len(self.eos) - 1).bit_length())
@@ -452,7 +457,8 @@ class Options:
                 "greedy": np.bool_(self.temperature == 0.0), "top_k": np.int32(self.top_k),
                 "top_p": np.float32(self.top_p), "min_p": np.float32(self.min_p),
                 "penalty": np.float32(self.repetition_penalty), "eos": eos,
-                "pad": np.int32(self.pad)}
+                "pad": np.int32(self.pad), "min_new": np.int32(self.min_new_tokens),
+                "ngram": np.int32(self.no_repeat_ngram_size)}
 
 
 def _number(value: Any, name: str, caller: str) -> float:
@@ -477,18 +483,23 @@ def _vocab(model: Any) -> int | None:
     return vocab if isinstance(vocab, int) else None
 
 
-def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_p: Any = None,
+def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_p: Any = None,  # noqa: PLR0913
                   min_p: Any = None, repetition_penalty: Any = None, eos_token_id: Any = None,
-                  pad_token_id: Any = 0, caller: str = "generate") -> Options:
+                  pad_token_id: Any = 0, min_new_tokens: Any = None,
+                  no_repeat_ngram_size: Any = None, stop_strings: Any = None,
+                  tokenizer: Any = None, num_return_sequences: Any = None,
+                  caller: str = "generate") -> Options:
     """The options of :func:`generate` checked, one :class:`~nnx_shard.UsageError`
     (or the ``TypeError``/``ValueError`` of temperature and top-k) naming the
-    argument otherwise.
+    argument otherwise. ``tokenizer`` is only checked: ``stop_strings`` need one.
 
     >>> from flax import nnx
     >>> from nnx_shard.models import Transformer, get_config
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> check_options(model, temperature=0.7, top_p=0.9, eos_token_id=[2, 3]).eos
     (2, 3)
+    >>> check_options(model, no_repeat_ngram_size=3, min_new_tokens=2).no_repeat_ngram_size
+    3
     """
     t, k = _check_sampling(temperature, top_k, model, caller)
     vocab = _vocab(model)
@@ -516,7 +527,53 @@ def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_
     else:
         eos = (_token_id(eos_token_id, "eos_token_id", vocab, caller),)
     pad = _token_id(pad_token_id, "pad_token_id", vocab, caller)
-    return Options(t, k or 0, p, m, r, eos, pad)
+    least = _count_option(min_new_tokens, "min_new_tokens", 0, caller,
+                          "the fewest new tokens before an eos_token_id may end a row")
+    ngram = _count_option(no_repeat_ngram_size, "no_repeat_ngram_size", 1, caller,
+                          "the size of the n-grams that may not occur twice in a row", off=0)
+    returned = _count_option(num_return_sequences, "num_return_sequences", 1, caller,
+                             "the continuations sampled per prompt")
+    if returned > 1 and t == 0.0:
+        raise UsageError(f"{caller}: num_return_sequences={returned} with temperature=0 "
+                         "(greedy) would return the same continuation each time (transformers "
+                         "refuses it without beam search too). Fix: sample (e.g. "
+                         "temperature=0.8), or num_return_sequences=1.")
+    stops = _check_stop_strings(stop_strings, tokenizer, caller)
+    return Options(t, k or 0, p, m, r, eos, pad, least, ngram, stops, returned)
+
+
+def _count_option(value: Any, name: str, least: int, caller: str, what: str,
+                  off: int | None = None) -> int:
+    """An int option of at least ``least`` (``None``: ``off``, else ``least``)."""
+    if value is None:
+        return least if off is None else off
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) \
+            or value < least:
+        got = "a bool" if isinstance(value, bool | np.bool_) else type(value).__name__
+        raise UsageError(f"{caller}: {name}={short(value, 40)} ({got}) must be an int >= "
+                         f"{least} ({what}), or None. Fix: e.g. {name}={max(least, 2)}.")
+    return int(value)
+
+
+def _check_stop_strings(stop_strings: Any, tokenizer: Any, caller: str) -> tuple[str, ...]:
+    if stop_strings is None:
+        return ()
+    strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    fix = "Fix: e.g. stop_strings=['\\n\\n', 'User:']."
+    if not isinstance(strings, list | tuple) or not strings:
+        raise UsageError(f"{caller}: stop_strings={short(stop_strings, 60)} must be a non-empty "
+                         f"list of non-empty strings (or one string). {fix}")
+    for i, text in enumerate(strings):
+        if not isinstance(text, str) or not text:
+            raise UsageError(f"{caller}: stop_strings[{i}] is {short(text, 40)} "
+                             f"({type(text).__name__}); each stop string must be non-empty "
+                             f"text. {fix}")
+    if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+        got = "no tokenizer" if tokenizer is None else f"tokenizer={short(tokenizer, 40)}"
+        raise UsageError(f"{caller}: stop_strings need the tokenizer that decodes the tokens "
+                         f"(decode(ids)), got {got}. Fix: pass tokenizer=Tokenizer."
+                         "from_pretrained(checkpoint_folder) (or transformers' tokenizer).")
+    return tuple(strings)
 
 
 # -- prompts: arrays, masks, ragged lists ----------------------------------------------
@@ -648,17 +705,30 @@ def warp(scores: jax.Array, o: Mapping[str, Any]) -> jax.Array:
 
 
 def choose(logits: jax.Array, seen: jax.Array, key: jax.Array, position: Any,
-           o: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+           o: Mapping[str, jax.Array], banned: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
     """The next token (int32 ``[batch]``) from ``logits [batch, vocab]`` and its
     log-probability under the unprocessed distribution (``log_softmax`` of the
     logits), the options ``o`` (:meth:`Options.traced`) applied in transformers'
     order: the repetition penalty on the ``seen [batch, vocab]`` tokens (a
-    positive logit divided by it, a negative one multiplied), then greedy (the
-    argmax) or sampling at ``temperature`` after top-k, top-p and min-p, with
-    the key ``fold_in(key, position)``."""
+    positive logit divided by it, a negative one multiplied), the ``banned
+    [batch, vocab]`` tokens at ``-inf`` (repeated n-grams, an eos before
+    ``min_new_tokens``: :func:`banned_tokens`), then greedy (the argmax) or
+    sampling at ``temperature`` after top-k, top-p and min-p, with the key
+    ``fold_in(key, position)``.
+
+    >>> o = Options(repetition_penalty=2.0).traced()
+    >>> logits, seen = jnp.array([[1.0, 3.0, 2.0]]), jnp.array([[False, True, False]])
+    >>> int(choose(logits, seen, jax.random.key(0), 0, o)[0][0])   # 3 / 2 < 2
+    2
+    >>> int(choose(logits, seen, jax.random.key(0), 0, o, jnp.array([[0, 0, 1]], bool))[0][0])
+    1
+    """
     raw = whole(logits.astype(jnp.float32))
     p = o["penalty"]
     scores = jnp.where(seen, jnp.where(raw < 0, raw * p, raw / p), raw)
+    if banned is not None:
+        scores = jnp.where(banned, -jnp.inf, scores)
     greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
     sample = jax.random.categorical(jax.random.fold_in(key, position), warp(scores, o),
                                     axis=-1)
@@ -666,6 +736,50 @@ def choose(logits: jax.Array, seen: jax.Array, key: jax.Array, position: Any,
     logprob = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), token[:, None], axis=-1)
     # Replicated on Explicit meshes, where the tokens join the replicated output.
     return whole(token), whole(logprob[:, 0])
+
+
+def _repeated_ngrams(tokens: jax.Array, start: jax.Array, column: Any, n: jax.Array,
+                     vocab: int) -> jax.Array:
+    """``[batch, vocab]`` True for each token that, placed at ``column``, would
+    repeat an ``n``-gram of ``tokens[b, start[b]:column]`` (transformers'
+    NoRepeatNGramLogitsProcessor, the padding before ``start`` left out): every
+    ``j`` whose ``n - 1`` tokens equal the row's last ``n - 1`` bans the token
+    after them. One vectorised pass of ``n - 1`` comparisons over the buffer."""
+    batch, length = tokens.shape
+    ahead = jnp.concatenate([tokens, jnp.full((batch, length), -1, tokens.dtype)], axis=1)
+
+    def same(k: Any, match: jax.Array) -> jax.Array:
+        shifted = jax.lax.dynamic_slice_in_dim(ahead, k, length, axis=1)
+        recent = jax.lax.dynamic_slice_in_dim(tokens, jnp.maximum(column - n + 1 + k, 0), 1,
+                                              axis=1)
+        return match & (shifted == recent)
+
+    match = jax.lax.fori_loop(0, n - 1, same, jnp.ones((batch, length), bool))
+    j = jnp.arange(length)[None]
+    first = start[:, None]
+    # the n-gram at j lies in the row (j >= start, its last token before column) and so do
+    # the row's last n - 1 tokens (a row of fewer than n - 1 tokens bans nothing)
+    match &= (j >= first) & (j + n - 1 < column) & (column - n + 1 >= first)
+    after = jax.lax.dynamic_slice_in_dim(ahead, n - 1, length, axis=1)
+    ids = jnp.where(match, after, vocab)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
+    return jnp.zeros((batch, vocab), bool).at[rows, ids].set(True, mode="drop")
+
+
+def banned_tokens(carry: Mapping[str, jax.Array], column: Any, vocab: int,
+                  o: Mapping[str, jax.Array]) -> jax.Array:
+    """``[batch, vocab]`` True for the tokens the next step may not choose: those
+    repeating an n-gram (``no_repeat_ngram_size``, 0: off) and, before
+    ``min_new_tokens`` new tokens, the end-of-sequence ids (transformers'
+    MinNewTokensLengthLogitsProcessor)."""
+    tokens, start = carry["tokens"], carry["start"]
+    batch = tokens.shape[0]
+    ngrams = jax.lax.cond(o["ngram"] > 0,
+                          lambda: _repeated_ngrams(tokens, start, column, o["ngram"], vocab),
+                          lambda: jnp.zeros((batch, vocab), bool))
+    eos = (jnp.arange(vocab)[None, :] == o["eos"][:, None]).any(axis=0)
+    early = carry["step"] < o["min_new"]
+    return whole(ngrams | (eos & early)[None, :])
 
 
 def _record(carry: dict[str, Any], token: jax.Array, logprob: jax.Array, step: Any,
@@ -683,6 +797,7 @@ def _record(carry: dict[str, Any], token: jax.Array, logprob: jax.Array, step: A
         "last": token,
         "done": done | (token[:, None] == o["eos"][None, :]).any(axis=1),
         "seen": carry["seen"].at[rows, token].set(True),
+        "start": carry["start"],
         "step": jnp.asarray(step + 1, jnp.int32),
     }
 
@@ -693,7 +808,7 @@ def _record(carry: dict[str, Any], token: jax.Array, logprob: jax.Array, step: A
 @dataclasses.dataclass(frozen=True)
 class _Programs:
     prefill: Any   # (old, rest, prompt, mask, real, key, options) -> (cache, carry)
-    decode: Any    # (rest, cache, carry, key, options, stop) -> (cache, carry)
+    decode: Any    # (rest, cache, carry, key, options, stop, halt) -> (cache, carry)
 
 
 @functools.lru_cache(maxsize=32)
@@ -717,18 +832,25 @@ def _programs(graphdef: Any, with_cache: Any, mesh: Mesh | None, rules: Rules | 
         out = (model.decode(prompt, attention_mask=mask, **keep) if masked
                else model.decode(prompt, **keep))
         logits = out[:, -1]
-        seen = jnp.zeros((batch, logits.shape[-1]), jnp.int32).at[
+        vocab = logits.shape[-1]
+        seen = jnp.zeros((batch, vocab), jnp.int32).at[
             jnp.arange(batch)[:, None], prompt].max(mask) > 0
         carry = {"tokens": jnp.full((batch, length), o["pad"], jnp.int32)
                  .at[:, :prompt_len].set(prompt),
                  "logprobs": jnp.zeros((batch, new), jnp.float32), "last": prompt[:, -1],
-                 "done": ~real, "seen": whole(seen), "step": jnp.int32(0)}
-        token, logprob = choose(logits, carry["seen"], key, prompt_len, o)
+                 "done": ~real, "seen": whole(seen),
+                 "start": (prompt_len - mask.sum(axis=1)).astype(jnp.int32),
+                 "step": jnp.int32(0)}
+        token, logprob = choose(logits, carry["seen"], key, prompt_len, o,
+                                banned_tokens(carry, prompt_len, vocab, o))
         carry = _record(carry, token, logprob, 0, prompt_len, o)
         return _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules), carry
 
-    def _decode(rest: Any, cache: Any, carry: Any, key: Any, o: Any, stop: Any) -> Any:
+    def _decode(rest: Any, cache: Any, carry: Any, key: Any, o: Any, stop: Any,
+                halt: Any) -> Any:
+        # ``halt [batch]``: rows the host stopped (a stop string), padded from here on.
         ones = jnp.ones((batch, 1), jnp.int32)
+        carry = carry | {"done": carry["done"] | halt}
 
         def more(state: Any) -> Any:
             _, carry = state
@@ -740,7 +862,9 @@ def _programs(graphdef: Any, with_cache: Any, mesh: Mesh | None, rules: Rules | 
             last = carry["last"][:, None]
             out = model.decode(last, attention_mask=ones) if masked else model.decode(last)
             column = prompt_len + carry["step"]
-            token, logprob = choose(out[:, -1], carry["seen"], key, column, o)
+            logits = out[:, -1]
+            token, logprob = choose(logits, carry["seen"], key, column, o,
+                                    banned_tokens(carry, column, logits.shape[-1], o))
             carry = _record(carry, token, logprob, carry["step"], column, o)
             return _constrain_cache(nnx.state(model, nnx.Cache), mesh, rules), carry
 
@@ -765,6 +889,7 @@ class _Run:
     options: dict[str, Any]
     mesh: Mesh | None
     rules: Rules | None
+    stops: _StopStrings | None = None
 
     def context(self) -> Any:
         if self.mesh is None or self.rules is None:
@@ -777,18 +902,79 @@ class _Run:
             return self.programs.prefill(self.old, self.rest, self.prompt, self.mask,
                                          self.real, self.key, self.options)
 
-    def decode(self, cache: Any, carry: Any, stop: int) -> Any:
+    def decode(self, cache: Any, carry: Any, stop: int, halt: np.ndarray | None = None) -> Any:
         """The compiled decode loop, up to ``stop`` new tokens (or every row stopped);
-        ``cache`` and ``carry`` are donated."""
+        ``cache`` and ``carry`` are donated. ``halt [batch]``: rows to stop now."""
+        if halt is None:
+            halt = np.zeros(self.prompt.shape[0], bool)
         with self.context():
             return self.programs.decode(self.rest, cache, carry, self.key, self.options,
-                                        np.int32(stop))
+                                        np.int32(stop), halt)
+
+
+class _StopStrings:
+    """transformers' StopStringCriteria on the host, between compiled chunks: a row
+    stops at the first new token whose text completes a stop string, i.e. the
+    string occurs in the row's text (prompt and new tokens, the padding left out)
+    ending inside that token's text (it may start in earlier tokens or the prompt;
+    the token may run past it). Only the last tokens are decoded, enough for the
+    longest string (a token decodes to at least a quarter of a character: a
+    4-byte character split over four byte tokens)."""
+
+    def __init__(self, strings: tuple[str, ...], tokenizer: Any, prompt: np.ndarray,
+                 mask: np.ndarray, eos: tuple[int, ...]) -> None:
+        self.strings = strings
+        self.tokenizer = tokenizer
+        self.window = 4 * max(len(t) for t in strings) + 8
+        self.history = [[int(t) for t in row[m > 0]] for row, m in zip(prompt, mask, strict=True)]
+        self.eos = set(eos)
+        self.end = np.full(len(self.history), -1)  # the step a row ended at (eos or string)
+        self.halted = np.zeros(len(self.history), bool)  # ended by a stop string
+
+    def _text(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _completes(self, ids: list[int]) -> bool:
+        before, after = self._text(ids[:-1]), self._text(ids)
+        # the text the last token added, from where the two decodings part (a character
+        # whose bytes the token completes is rewritten, not appended)
+        same = next((i for i, (a, b) in enumerate(zip(before, after, strict=False))
+                     if a != b), min(len(before), len(after)))
+        return any(t in after[max(0, same - len(t) + 1):] for t in self.strings)
+
+    def scan(self, tokens: np.ndarray, logprobs: np.ndarray, first: int, pad: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """The new ``tokens``/``logprobs [rows, k]`` of steps ``first ..`` with the
+        steps after a row's end padded (``pad``, 0); rows ending here are recorded."""
+        tokens, logprobs = tokens.copy(), logprobs.copy()
+        for r, history in enumerate(self.history):
+            for i in range(tokens.shape[1]):
+                if self.end[r] >= 0:
+                    if self.halted[r]:
+                        tokens[r, i], logprobs[r, i] = pad, 0.0
+                    continue
+                token = int(tokens[r, i])
+                history.append(token)
+                del history[:-self.window]
+                if token in self.eos:
+                    self.end[r] = first + i
+                elif self._completes(history):
+                    self.end[r], self.halted[r] = first + i, True
+        return tokens, logprobs
+
+    def last(self) -> int | None:
+        """The step at which every row had ended, else ``None``."""
+        return int(self.end.max()) if (self.end >= 0).all() else None
 
 
 def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, seed: Any,
-             mesh: Any, rules: Any, caller: str, attention_mask: Any = None) -> _Run:
+             mesh: Any, rules: Any, caller: str, attention_mask: Any = None,
+             tokenizer: Any = None) -> _Run:
     _check_model(model, caller)
     prompt, mask = _prompts(prompts, attention_mask, model, caller)
+    if options.num_return_sequences > 1:  # transformers' order: each prompt's copies together
+        prompt = np.repeat(prompt, options.num_return_sequences, axis=0)
+        mask = None if mask is None else np.repeat(mask, options.num_return_sequences, axis=0)
     masked = _takes(model, "attention_mask")
     if mask is not None and not masked:
         raise UsageError(f"{caller}: the prompts are padded, but {type(model).__name__}.decode "
@@ -797,6 +983,10 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
                          "prompts of one length.")
     rows, prompt_len = prompt.shape
     new = _check_lengths(model, prompt_len, max_new_tokens, caller)
+    if options.min_new_tokens > new:
+        raise UsageError(f"{caller}: min_new_tokens={options.min_new_tokens} is more than "
+                         f"max_new_tokens={new}: no row could reach it. Fix: min_new_tokens <= "
+                         "max_new_tokens.")
     seed = _check_seed(seed, caller)
     mesh, rules = _placement(mesh, rules, caller)
     gen_rules = None
@@ -830,17 +1020,24 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
             variable_spec(var, mesh, gen_rules, path_str(path))  # type: ignore[arg-type]
     programs = _programs(graphdef, with_cache, mesh, gen_rules, batch, prompt_len, new, masked,
                          _takes(model, "logits_to_keep"))
+    stops = None
+    if options.stop_strings:
+        stops = _StopStrings(options.stop_strings, tokenizer, prompt[:rows], mask[:rows],
+                             options.eos)
     return _Run(programs, old, rest, prompt, mask, real, rows, new, jax.random.key(int(seed)),
-                options.traced(), mesh, gen_rules)
+                options.traced(), mesh, gen_rules, stops)
 
 
 def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: Any = None,  # noqa: PLR0913
              eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              min_p: float | None = None, repetition_penalty: float | None = None,
+             min_new_tokens: int | None = None, no_repeat_ngram_size: int | None = None,
+             stop_strings: str | list[str] | None = None, tokenizer: Any = None,
+             num_return_sequences: int | None = None,
              return_logprobs: bool = False, seed: int = 0,
              mesh: Mesh | str | Mapping[str, int] | None = None,
-             rules: Rules | Mapping[str, Any] | None = None) -> Any:
+             rules: Rules | Mapping[str, Any] | None = None, **unknown: Any) -> Any:
     """``prompts`` continued by up to ``max_new_tokens`` tokens: int32 ``[batch,
     length + max_new_tokens]``, the prompt first, each row's new tokens in the
     last ``max_new_tokens`` columns.
@@ -864,6 +1061,26 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
     most likely). ``return_logprobs=True`` returns ``(tokens, logprobs)``,
     ``logprobs [batch, max_new_tokens]`` float32 the log-probability of each new
     token under the model's unprocessed distribution (0 after a row stopped).
+
+    Controls, in transformers' meaning (its logits processors and stopping
+    criteria), inside the compiled loop but for the stop strings:
+
+    * ``min_new_tokens``: the ``eos_token_id`` ids are masked (``-inf``) until a
+      row has that many new tokens;
+    * ``no_repeat_ngram_size=n``: a token that would repeat an n-gram of the
+      row's prompt and new tokens is masked (a vectorised match over the
+      token buffer at each step; the padding of ragged prompts is no part of a
+      row, so a padded row generates what it generates alone);
+    * ``stop_strings`` (a string or a list of them, with the ``tokenizer``
+      that decodes the tokens, e.g. :class:`~nnx_shard.models.Tokenizer`): a
+      row stops at the new token whose text completes one of them (it may
+      start in the prompt or earlier tokens; the token is kept, ``pad_token_id``
+      follows). The text is only known on the host: the loop then runs in
+      chunks of 16 steps, the rows that stopped are padded from their stop on
+      and halted before the next chunk;
+    * ``num_return_sequences=n`` (sampling only): each prompt row is
+      continued ``n`` times, the output's rows ``[row 0] * n, [row 1] * n,
+      ...`` (each copy sampled with its own noise).
 
     One compiled prefill creates the key/value cache in its layout and runs the
     prompt; one compiled loop decodes the rest through the cache. Both are
@@ -896,6 +1113,10 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
         vocabulary (``cfg.vocab``, else the width of ``decode``'s logits; the
         first one named by row and column).
       ShardingError: a cache array does not fit its rule.
+      UsageError: ``min_new_tokens`` < 0 or above ``max_new_tokens``,
+        ``no_repeat_ngram_size`` < 1, ``stop_strings`` not non-empty text or
+        without a ``tokenizer``, ``num_return_sequences`` < 1 or above 1 when
+        greedy, an option ``generate`` does not take (the valid ones listed).
 
     >>> from flax import nnx
     >>> import nnx_shard as ns
@@ -922,13 +1143,34 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
     Traceback (most recent call last):
     ...
     ValueError: generate: prompt (4 tokens) + max_new_tokens (16) = 20 positions, past the model's context of 16 (max_length). Fix: max_new_tokens <= 12, or a shorter prompt.
+    >>> no_repeat = generate(model, [[1, 2, 3, 4]], 12, no_repeat_ngram_size=2)[0].tolist()
+    >>> pairs = list(zip(no_repeat, no_repeat[1:]))
+    >>> len(pairs) == len(set(pairs))
+    True
+    >>> generate(model, [[1, 2, 3, 4]], 6, temperature=0.8, num_return_sequences=3).shape
+    (3, 10)
     """
+    _refuse_unknown(unknown, "generate")
     options = check_options(model, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty,
-                            eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                            min_new_tokens=min_new_tokens,
+                            no_repeat_ngram_size=no_repeat_ngram_size,
+                            stop_strings=stop_strings, tokenizer=tokenizer,
+                            num_return_sequences=num_return_sequences)
     want_logprobs = flag(return_logprobs, "generate: return_logprobs")
     run = _prepare(model, prompts, max_new_tokens, options, seed, mesh, rules, "generate",
-                   attention_mask)
+                   attention_mask, tokenizer)
+    if run.stops is not None:  # the text is read on the host between chunks
+        steps = list(_steps(run, STOP_CHUNK, True))
+        tokens = np.full((run.rows, run.prompt.shape[1] + run.new), options.pad, np.int32)
+        tokens[:, :run.prompt.shape[1]] = run.prompt[:run.rows]
+        logprobs = np.zeros((run.rows, run.new), np.float32)
+        if steps:
+            tokens[:, run.prompt.shape[1]:run.prompt.shape[1] + len(steps)] = np.stack(
+                [t for t, _ in steps], 1)
+            logprobs[:, :len(steps)] = np.stack([lp for _, lp in steps], 1)
+        return (tokens, logprobs) if want_logprobs else tokens
     cache, carry = run.prefill()
     _, carry = run.decode(cache, carry, run.new)
     tokens = carry["tokens"][:run.rows]
@@ -937,20 +1179,46 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
     return tokens
 
 
+#: Steps per compiled call when stop strings are checked on the host between calls.
+STOP_CHUNK = 16
+
+#: The keyword options of :func:`generate` (:func:`stream` adds ``chunk``).
+OPTION_NAMES = ("attention_mask", "eos_token_id", "pad_token_id", "temperature", "top_k",
+                "top_p", "min_p", "repetition_penalty", "min_new_tokens",
+                "no_repeat_ngram_size", "stop_strings", "tokenizer", "num_return_sequences",
+                "return_logprobs", "seed", "mesh", "rules")
+
+
+def _refuse_unknown(unknown: Mapping[str, Any], caller: str) -> None:
+    if not unknown:
+        return
+    names = OPTION_NAMES + (("chunk",) if caller == "stream" else ())
+    bad = sorted(unknown)
+    close = [m for n in bad for m in difflib.get_close_matches(n, names, 1)]
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise UsageError(f"{caller}: unknown option{'s' if len(bad) > 1 else ''} "
+                     f"{', '.join(f'{n}=' for n in bad)}{hint}; it takes {', '.join(names)}. "
+                     "Fix: drop or rename it (beam search is not implemented).")
+
+
 def stream(model: Any, prompts: Any, max_new_tokens: int, *, chunk: int = 16,  # noqa: PLR0913
            attention_mask: Any = None, eos_token_id: int | list[int] | None = None,
            pad_token_id: int = 0, temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, min_p: float | None = None,
-           repetition_penalty: float | None = None, return_logprobs: bool = False,
+           repetition_penalty: float | None = None, min_new_tokens: int | None = None,
+           no_repeat_ngram_size: int | None = None,
+           stop_strings: str | list[str] | None = None, tokenizer: Any = None,
+           num_return_sequences: int | None = None, return_logprobs: bool = False,
            seed: int = 0, mesh: Mesh | str | Mapping[str, int] | None = None,
-           rules: Rules | Mapping[str, Any] | None = None) -> Iterator[Any]:
+           rules: Rules | Mapping[str, Any] | None = None, **unknown: Any) -> Iterator[Any]:
     """:func:`generate` a step at a time: yields each step's new tokens (int32
     numpy ``[batch]``; with ``return_logprobs=True`` ``(tokens, logprobs)``),
     decoding ``chunk`` steps per call of the same compiled decode program that
     :func:`generate` runs (one program whatever ``chunk``: it is an argument).
     It ends after ``max_new_tokens`` steps or the step at which every row has
-    stopped (``eos_token_id``); what it yields, stacked, equals the new tokens
-    of :func:`generate` up to there (``pad_token_id`` after).
+    stopped (``eos_token_id`` or ``stop_strings``, checked after each chunk);
+    what it yields, stacked, equals the new tokens of :func:`generate` up to
+    there (``pad_token_id`` after).
 
     >>> from flax import nnx
     >>> from nnx_shard.models import Transformer, get_config
@@ -961,28 +1229,41 @@ def stream(model: Any, prompts: Any, max_new_tokens: int, *, chunk: int = 16,  #
     >>> bool((np.stack(steps, 1) == generate(model, [[1, 2, 3, 4]], 6)[:, 4:]).all())
     True
     """
+    _refuse_unknown(unknown, "stream")
     options = check_options(model, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty,
                             eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                            caller="stream")
+                            min_new_tokens=min_new_tokens,
+                            no_repeat_ngram_size=no_repeat_ngram_size,
+                            stop_strings=stop_strings, tokenizer=tokenizer,
+                            num_return_sequences=num_return_sequences, caller="stream")
     want_logprobs = flag(return_logprobs, "stream: return_logprobs")
     size = count(chunk, "stream: chunk", fix="e.g. chunk=16")
     run = _prepare(model, prompts, max_new_tokens, options, seed, mesh, rules, "stream",
-                   attention_mask)
+                   attention_mask, tokenizer)
     return _steps(run, size, want_logprobs)
 
 
 def _steps(run: _Run, size: int, want_logprobs: bool) -> Iterator[Any]:
     cache, carry = run.prefill()
     start = run.prompt.shape[1]
+    pad = int(run.options["pad"])
+    halt = np.zeros(run.prompt.shape[0], bool)
     done = 0
     while True:
         steps = int(carry["step"])
-        tokens = np.asarray(carry["tokens"][:run.rows, start + done:start + steps])
-        logprobs = np.asarray(carry["logprobs"][:run.rows, done:steps])
+        tokens = np.array(carry["tokens"][:run.rows, start + done:start + steps])
+        logprobs = np.array(carry["logprobs"][:run.rows, done:steps])
         finished = steps >= run.new or bool(np.asarray(carry["done"]).all())
+        if run.stops is not None:
+            tokens, logprobs = run.stops.scan(tokens, logprobs, done, pad)
+            halt[:run.rows] = run.stops.halted
+            last = run.stops.last()
+            if last is not None:  # every row ended (an eos or a stop string) at step `last`
+                finished = True
+                steps = min(steps, last + 1)
         if not finished:  # the next chunk runs while these steps are yielded
-            cache, carry = run.decode(cache, carry, min(steps + size, run.new))
+            cache, carry = run.decode(cache, carry, min(steps + size, run.new), halt.copy())
         for i in range(steps - done):
             yield (tokens[:, i], logprobs[:, i]) if want_logprobs else tokens[:, i]
         done = steps

@@ -19,7 +19,8 @@ __all__ = ["generate_text", "stream_text"]
 
 #: The options of :func:`~nnx_shard.models.generate` that pass through as given.
 OPTIONS = ("eos_token_id", "pad_token_id", "temperature", "top_k", "top_p", "min_p",
-           "repetition_penalty", "seed", "mesh", "rules")
+           "repetition_penalty", "min_new_tokens", "no_repeat_ngram_size", "stop_strings",
+           "num_return_sequences", "seed", "mesh", "rules")
 # What the text functions decide themselves.
 _OWN = {"attention_mask": "prompts of any lengths are padded and masked here",
         "return_logprobs": "the text has no per-token values; call generate for them"}
@@ -36,6 +37,8 @@ def _options(options: dict[str, Any], tokenizer: Tokenizer, caller: str,
             raise UsageError(f"{caller}: unknown option {name}=; it takes generate's "
                              f"{', '.join(OPTIONS)}. Fix: drop or rename it.")
     out = dict(options)
+    if out.get("stop_strings") is not None:  # decoded with the prompts' tokenizer
+        out["tokenizer"] = tokenizer
     if out.get("eos_token_id") is None:
         eos = tokenizer.eos_token_ids
         out["eos_token_id"] = list(eos) if eos else None
@@ -110,10 +113,12 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompts: Sequence[str],
     ``chat=True`` rendered as one user message each by its chat template; prompts
     of different lengths are padded on the left and masked. ``options`` are
     :func:`~nnx_shard.models.generate`'s: ``temperature``, ``top_k``, ``top_p``,
-    ``min_p``, ``repetition_penalty``, ``seed``, ``mesh``, ``rules``, and
-    ``eos_token_id`` and ``pad_token_id``, which default to the tokenizer's
-    (:attr:`Tokenizer.eos_token_ids`: ``generation_config.json``'s first; the pad
-    falls back to the eos, as in transformers).
+    ``min_p``, ``repetition_penalty``, ``min_new_tokens``, ``no_repeat_ngram_size``,
+    ``stop_strings`` (decoded with ``tokenizer``), ``num_return_sequences`` (then
+    each prompt's continuations follow one another), ``seed``, ``mesh``,
+    ``rules``, and ``eos_token_id`` and ``pad_token_id``, which default to the
+    tokenizer's (:attr:`Tokenizer.eos_token_ids`: ``generation_config.json``'s
+    first; the pad falls back to the eos, as in transformers).
 
     Raises:
       UsageError: ``prompts`` not a list of strings, a prompt that encodes to
@@ -157,6 +162,11 @@ def stream_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: i
         raise UsageError(f"stream_text: prompt must be a string, got {type(prompt).__name__} "
                          f"{short(prompt, 60)}. Fix: e.g. 'Once upon a time'.")
     rows = _encode(tokenizer, [prompt], chat, "stream_text")
+    if options.get("num_return_sequences") not in (None, 1):
+        raise UsageError(f"stream_text: num_return_sequences="
+                         f"{short(options['num_return_sequences'], 40)}; it streams one "
+                         "continuation. Fix: generate_text(..., num_return_sequences=n), or "
+                         "drop it.")
     opts = _options(options, tokenizer, "stream_text", model)
     size = count(chunk, "stream_text: chunk", fix="e.g. chunk=8")
     stops = _stops(opts["eos_token_id"])

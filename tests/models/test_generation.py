@@ -190,7 +190,8 @@ def _compiled(model, prompt, new, mesh, rules):  # type: ignore[no-untyped-def]
         prefill = run.programs.prefill.lower(*args).compile()
         cache, carry = prefill(*args)
         decode = run.programs.decode.lower(run.rest, cache, carry, run.key, run.options,
-                                           np.int32(new)).compile()
+                                           np.int32(new), np.zeros(len(run.real), bool)
+                                           ).compile()
     return prefill, decode, cache, carry
 
 
