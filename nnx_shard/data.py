@@ -221,6 +221,17 @@ _MASKED = ("an example with its own mask is a dict {'input_ids': ids, 'assistant
            "or a tuple (ids, mask)")
 
 
+def _array(value: Any) -> np.ndarray:
+    """``value`` as an array; text, a dict or a ragged list as a 0-d ``None``
+    (refused by the caller, naming the example)."""
+    if isinstance(value, str | bytes | Mapping):
+        return np.asarray(None)
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError):  # ragged nesting
+        return np.asarray(None)
+
+
 def _is_row(value: Any) -> bool:
     """Whether ``value`` is a list of values (not one value, not text)."""
     if isinstance(value, np.ndarray):
@@ -247,8 +258,8 @@ def _split(i: int, ex: Any) -> tuple[Any, Any, str]:
         ids = ex["input_ids"]
         attention = ex.get("attention_mask")
         if attention is not None:
-            att = np.asarray(attention) if not isinstance(attention, str | bytes) else None
-            if att is None or att.shape != (np.size(ids),) or not np.all(att == 1):
+            att, n = _array(attention), _array(ids).size
+            if att.shape != (n,) or att.dtype == object or not np.all(att == 1):
                 raise UsageError(f"pack: example {i}'s attention_mask must be 1 for each of "
                                  f"its tokens, got {short(attention, 60)}: pack pads the rows "
                                  "itself. Fix: keep only the tokens where attention_mask is 1 "
@@ -261,7 +272,7 @@ def _split(i: int, ex: Any) -> tuple[Any, Any, str]:
 
 def _mask(i: int, mask: Any, n: int, what: str) -> np.ndarray:
     """The per-token mask of example ``i`` (``n`` tokens): one 0 or 1 per token."""
-    arr = np.asarray(mask) if not isinstance(mask, str | bytes) else np.asarray(None)
+    arr = _array(mask)
     if arr.ndim != 1 or not (arr.dtype == bool or np.issubdtype(arr.dtype, np.integer)):
         raise UsageError(f"pack: {what} must be a list of 0s and 1s (ints or bools), one per "
                          f"token, got {short(mask, 60)}. Fix: 1 where the token is to be "
@@ -300,7 +311,7 @@ def _examples(examples: Any, prompt_lengths: Any) -> list[tuple[np.ndarray, np.n
     out = []
     for i, given in enumerate(examples):
         ex, mask, what = _split(i, given)
-        arr = np.asarray(ex) if not isinstance(ex, str | bytes | Mapping) else np.asarray(None)
+        arr = _array(ex)
         if arr.ndim == 1 and arr.dtype == object and arr.size and all(
                 type(t) is int for t in arr.tolist()):
             _check_ids(i, arr.tolist())   # Python ints past int64, kept as objects by NumPy

@@ -129,5 +129,11 @@ def build(hs: Any) -> None:
         ("pack_list_pair", lambda: pack([[[1, 2], [0, 1]]]), "example 0"),
         ("pack_pair_ids_empty", lambda: pack([([], [])]), "example 0"),
         ("pack_chat_too_long", lambda: pack([masks()], 4), "example 0"),
+        ("pack_ragged_ids", lambda: pack([[1], [[1, 2], [3]]]), "example 1"),
+        ("pack_ragged_mask", lambda: pack([([1, 2], [[0], [1, 1]])]), "example 0"),
+        ("pack_dict_ragged_ids", lambda: pack([{"input_ids": [[1], [2, 3]]}]), "example 0"),
+        ("pack_dict_ragged_attention", lambda: pack([{"input_ids": [1, 2],
+                                                      "attention_mask": [[1], [1, 1]]}]),
+         "example 0"),
     ]:
         hs.api(f"chat_masks/{label}", names, fn)
