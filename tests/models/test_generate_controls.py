@@ -25,6 +25,7 @@ import nnx_shard as ns
 from nnx_shard import hf
 from nnx_shard.errors import UsageError
 from nnx_shard.models import Llama, LlamaConfig, Tokenizer, generate, stream
+from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -183,3 +184,22 @@ def test_control_values_compile_nothing(caplog: pytest.LogCaptureFixture) -> Non
                        dict(stop_strings="ab", tokenizer=_tokenizer())):
             generate(model, prompt, 5, **kwargs)
         assert _compiles(caplog) == ["_decode", "_prefill"]
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_controls_sharded_equal_transformers() -> None:
+    # tp: 3 and 2 rows over data=2, padded with dummy rows; the host's halt reaches them.
+    e = _expected()
+    s = ns.strategies.get("tp")
+    mesh = s.make_mesh(8)
+    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama")
+    model = hf.load_safetensors(FIXTURES / "hf_llama", ns.abstract_init(
+        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s))
+    with ns.use(mesh, s.rules):
+        ngram = generate(model, e["prompt"], _new(e), no_repeat_ngram_size=2)
+        stopped = generate(model, e["text_ids"], _new(e), attention_mask=e["text_mask"],
+                           pad_token_id=int(e["pad_id"]), stop_strings=e["stop_strings"].tolist(),
+                           tokenizer=_tokenizer())
+    np.testing.assert_array_equal(np.asarray(ngram), e["ngram_out_2"])
+    np.testing.assert_array_equal(np.asarray(stopped), e["stop_out"])
