@@ -34,7 +34,9 @@ def mean_over(items: Callable[[Any], Any]) -> Callable[[LossFn], LossFn]:
     the sum of its items' losses divided by ``items(batch)``. The step's items are
     counted once, before the batch is split, and microbatch ``j``'s loss (aux,
     gradients) is weighted by its items over the step's; one with no item adds
-    nothing. A step with no item at all has no mean: its microbatches then count
+    nothing. The microbatches' counts must add up to the step's (a count, not a
+    mean), finite and not negative: known ones that do not are a
+    :class:`~nnx_shard.errors.UsageError`, traced ones make the loss NaN. A step with no item at all has no mean: its microbatches then count
     alike. It returns a new function (``loss_fn`` itself is left unmarked);
     :func:`nnx_shard.models.lm_loss` is declared so (over its kept targets). A loss
     without it counts every microbatch alike (their means averaged).
