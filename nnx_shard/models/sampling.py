@@ -36,11 +36,12 @@ def generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> 
 
     from nnx_shard.errors import count
     from nnx_shard.models import generation as g
+    from nnx_shard.models._decoding import check_temperature, config_vocab
 
     n = count(n, "generate: n")
-    temperature = g._check_temperature(temperature, "generate")
+    temperature = check_temperature(temperature, "generate")
     seed = g._check_seed(seed, "generate")
-    g._check_ids(np.asarray(prompt), g._config_vocab(model), "generate", "prompt")
+    g._check_ids(np.asarray(prompt), config_vocab(model), "generate", "prompt")
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -72,7 +73,7 @@ def _program(graphdef: Any, mesh: Any, rules: Any, batch: int, prompt_len: int, 
     import jax.numpy as jnp
     from flax import nnx
 
-    from nnx_shard.models.generation import pick
+    from nnx_shard.models._decoding import pick
 
     def run(state: Any, prompt: Any, key: Any, temperature: Any) -> Any:
         model = nnx.merge(graphdef, state)
@@ -115,6 +116,7 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
 
     from nnx_shard.mesh import use
     from nnx_shard.models import generation as g
+    from nnx_shard.models._decoding import check_sampling, check_top_k, config_vocab
 
     caller = "recompute"
     if not isinstance(model, nnx.Module):
@@ -122,7 +124,7 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
     prompt = g._check_prompt(prompt_tokens, model, caller)
     batch, prompt_len = prompt.shape
     new = g._check_lengths(model, prompt_len, max_new_tokens, caller)
-    t, k = g._check_sampling(temperature, top_k, model, caller)
+    t, k = check_sampling(temperature, top_k, model, caller)
     seed = g._check_seed(seed, caller)
     mesh, rules = g._placement(mesh, rules, caller)
     ctx: Any = contextlib.nullcontext()
@@ -132,12 +134,12 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
         g._check_batch(batch, mesh, gen_rules, caller)
         ctx = use(mesh, gen_rules)
     graphdef, state = nnx.split(model)
-    if g._config_vocab(model) is None:  # a model of the caller's: its logits say the vocabulary
+    if config_vocab(model) is None:  # a model of the caller's: its logits say the vocabulary
         with ctx:
             vocab = g._logits_vocab(lambda s, x: nnx.merge(graphdef, s)(x), state,
                                     jax.ShapeDtypeStruct(prompt.shape, jnp.int32))
         g._check_ids(prompt, vocab, caller)
-        k = g._check_top_k(top_k, vocab, caller)
+        k = check_top_k(top_k, vocab, caller)
     run = _program(graphdef, mesh, gen_rules, batch, prompt_len, new, t == 0.0, k)
     with ctx:
         return run(state, prompt, jax.random.key(seed), jnp.float32(max(t, 1e-6)))
