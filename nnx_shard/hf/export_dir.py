@@ -44,8 +44,8 @@ from nnx_shard import safetensors_io as st
 from nnx_shard.errors import NnxShardError
 
 __all__ = ["TOKENIZER_FILES", "ExportError", "Marker", "Modes", "clean_leftovers", "make_stage",
-           "new_token", "owned", "read_marker", "remove_stage", "staging", "swap_in", "write_marker",
-           "writing"]
+           "new_token", "owned", "read_marker", "remove_stage", "staging", "swap_in", "write_fix",
+           "write_marker", "writing"]
 
 MARKER = ".nnx_shard_safetensors"
 _FORMAT = 2
@@ -92,6 +92,25 @@ def staging(out: Path, token: str) -> Path:
     '.llama.nnx_shard-export-00000000000000000000000000000000'
     """
     return out.parent / f".{out.name}{_STAGE}{token}"
+
+
+def write_fix(code: int | None, written: str, folder: str = "folder", need: str = "") -> str:
+    """The fix for an ``OSError`` of errno ``code`` met while writing ``written`` (the
+    export, the adapter) beside its ``folder``: more space (``need`` says how much), a
+    writable file system or permission; anything else asks to check the path and disk.
+
+    >>> write_fix(errno.EACCES, "the adapter")
+    'save to a folder you may write (and its parent: the adapter is written beside it first)'
+    >>> write_fix(None, "the export")
+    'check the path and the disk, and save again'
+    """
+    denied = (f"save to a {folder} you may write (and its parent: {written} is written "
+              "beside it first)")
+    fixes = {errno.ENOSPC: f"free space on that disk{need}, or save elsewhere",
+             errno.EDQUOT: "free space in your disk quota, or save elsewhere",
+             errno.EROFS: "save to a writable file system",
+             errno.EACCES: denied, errno.EPERM: denied}
+    return fixes.get(code or 0, "check the path and the disk, and save again")
 
 
 @contextlib.contextmanager

@@ -570,13 +570,6 @@ def _write_adapter(stage: Path, tensors: Mapping[str, np.ndarray], config: bytes
 
 _MINE = (CONFIG, WEIGHTS, WEIGHTS + ".partial")  # the last: left by an older, killed save_lora
 _STAGE = ".save_lora-"
-_FIXES = {errno.ENOSPC: "free space on that disk, or save elsewhere",
-          errno.EDQUOT: "free space in your disk quota, or save elsewhere",
-          errno.EROFS: "save to a writable file system",
-          errno.EACCES: "save to a folder you may write (and its parent: the adapter is "
-                        "written beside it first)",
-          errno.EPERM: "save to a folder you may write (and its parent: the adapter is "
-                       "written beside it first)"}
 
 
 def _owner() -> str:
@@ -644,7 +637,7 @@ def _replace_folder(out: Path, write: Callable[[Path], None]) -> None:
             shutil.rmtree(stage, ignore_errors=True)
         if isinstance(e, OSError) and not isinstance(e, NnxShardError):
             where = f" ({e.filename})" if e.filename else ""
-            fix = _FIXES.get(e.errno or 0, "check the path and the disk, and save again")
+            fix = export_dir.write_fix(e.errno, "the adapter")
             raise NnxShardError(
                 f"save_lora: could not write the adapter to {out}: {e.strerror or e}{where}. "
                 "The previous adapter there (if any) is untouched and nothing of this save was "

@@ -4,7 +4,6 @@ the shards it owns."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -333,16 +332,6 @@ def _shared_token() -> str:
     return token
 
 
-_FIXES = {errno.ENOSPC: "free space on that disk (the export needs about the model's size "
-                        "twice while the previous one is replaced), or save elsewhere",
-          errno.EDQUOT: "free space in your disk quota, or save elsewhere",
-          errno.EROFS: "save to a writable file system",
-          errno.EACCES: "save to a directory you may write (and its parent: the export is "
-                        "written beside it first)",
-          errno.EPERM: "save to a directory you may write (and its parent: the export is "
-                       "written beside it first)"}
-
-
 @contextlib.contextmanager
 def _failing(out: Path, stage: Path, token: str, *, remove: bool = True) -> Iterator[None]:
     """On any failure, removes this save's staging folder (``remove``: process 0) and
@@ -360,7 +349,9 @@ def _failing(out: Path, stage: Path, token: str, *, remove: bool = True) -> Iter
                 name = Path(os.fsdecode(e.filename))
                 where = (f" (writing {name.name})" if name.parent == stage else
                          f" (writing {name})")
-            fix = _FIXES.get(e.errno or 0, "check the path and the disk, and save again")
+            fix = export_dir.write_fix(
+                e.errno, "the export", "directory", " (the export needs about the model's size "
+                "twice while the previous one is replaced)")
             raise export_dir.ExportError(
                 f"save_safetensors: could not write the export to {out}: "
                 f"{e.strerror or e}{where}. The previous export there (if any) is untouched and "
