@@ -160,11 +160,6 @@ def _token_id(value: Any, name: str, vocab: int | None, caller: str) -> int:
     return int(value)
 
 
-def _vocab(model: Any) -> int | None:
-    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
-    return vocab if isinstance(vocab, int) else None
-
-
 def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_p: Any = None,  # noqa: PLR0913
                   min_p: Any = None, repetition_penalty: Any = None, eos_token_id: Any = None,
                   pad_token_id: Any = 0, min_new_tokens: Any = None,
@@ -184,7 +179,7 @@ def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_
     3
     """
     t, k = check_sampling(temperature, top_k, model, caller)
-    vocab = _vocab(model)
+    vocab = config_vocab(model)
     p = 1.0 if top_p is None else _number(top_p, "top_p", caller)
     if not 0.0 < p <= 1.0:
         raise UsageError(f"{caller}: top_p={top_p!r}; the nucleus keeps the most likely tokens "
