@@ -44,8 +44,8 @@ from nnx_shard import safetensors_io as st
 from nnx_shard.errors import NnxShardError
 
 __all__ = ["TOKENIZER_FILES", "ExportError", "Marker", "Modes", "clean_leftovers", "make_stage",
-           "new_token", "owned", "read_marker", "remove_stage", "staging", "swap_in", "write_fix",
-           "write_marker", "writing"]
+           "new_token", "owned", "pid_running", "read_marker", "remove_stage", "staging",
+           "swap_in", "write_fix", "write_marker", "writing"]
 
 MARKER = ".nnx_shard_safetensors"
 _FORMAT = 2
@@ -385,8 +385,18 @@ def _alive(marker: Marker) -> bool:
         return True
     if marker.pid == os.getpid():
         return marker.token in _ACTIVE
+    return pid_running(marker.pid)
+
+
+def pid_running(pid: int) -> bool:
+    """Whether the process ``pid`` of this host may still run: it exists, or it is
+    one this process may not signal (so it cannot be proven gone).
+
+    >>> pid_running(os.getpid())
+    True
+    """
     try:
-        os.kill(marker.pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:

@@ -596,13 +596,7 @@ def _clean_leftovers(out: Path) -> None:
 def _running(pid: int) -> bool:
     if pid == os.getpid():
         return True  # a save in flight in another thread of this process
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
+    return export_dir.pid_running(pid)
 
 
 def _new_stage(out: Path) -> Path:
