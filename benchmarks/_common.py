@@ -66,7 +66,7 @@ def worker_main(args: argparse.Namespace, workers: dict[str, Callable[[int, bool
 def run_worker(script: str, n: int, quick: bool, *, flag: str = "--worker",
                env: dict[str, str] | None = None, timeout: float = 900) -> dict:
     """Runs ``script flag n`` with ``n`` simulated CPU devices; its last line, parsed."""
-    from nnx_shard.simulated import simulated_env
+    from nnx_shard._simulated import simulated_env
 
     cmd = [sys.executable, script, flag, str(n)] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env or simulated_env(n), capture_output=True, text=True,

@@ -49,9 +49,9 @@ import optax
 from flax import nnx
 
 import nnx_shard as ns
+from nnx_shard._report import fmt_bytes
 from nnx_shard.models import Transformer, get_config
-from nnx_shard.report import fmt_bytes
-from nnx_shard.strategies import compiled_collectives
+from nnx_shard.planner import compiled_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async_tp.json"
 MESH = "data=2,model=4"

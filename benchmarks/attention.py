@@ -7,7 +7,7 @@ The ``small`` transformer (embed 128, 4 heads of 32, mlp 512, vocab 512) with
 
 * bytes: ``compile().memory_analysis()`` of the step (nothing is run): ``temp``
   (activations and attention scratch) at each length of ``--lengths``; next to it
-  the activation formula of ``nnx_shard.models.memory`` (what ``nnx-shard plan``
+  the activation formula of ``nnx_shard.models._memory`` (what ``nnx-shard plan``
   prints) for the same kernel. Dense attention keeps the float32 ``[batch, heads,
   seq, seq]`` probabilities per layer (O(L^2)); blockwise keeps q, k, v, the
   output and a log-sum-exp per row, plus a few ``block x block`` tiles while it
@@ -44,7 +44,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard.models import Transformer, get_config, lm_loss
-from nnx_shard.models.memory import activation_bytes
+from nnx_shard.models._memory import activation_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention.json"
 RULES = ns.strategies.get("dp").rules
@@ -116,7 +116,7 @@ def main() -> None:
     mib = 2.0**20
     print(f"\nsmall (2 scanned layers), batch {args.batch}, {args.dtype}, {machine()}")
     print("\nBytes of one value_and_grad step (memory_analysis temp; formula: "
-          "nnx_shard.models.memory):")
+          "nnx_shard.models._memory):")
     cols = ["length"] + [f"{k} temp MiB" for k in kernels] + [f"{k} formula MiB"
                                                                for k in kernels]
     table = []

@@ -60,7 +60,7 @@ def worker(variant: str, saves: int, every: int) -> dict:
         from orbax.checkpoint._src.serialization import tensorstore_utils
 
         # nnx_shard stands its own function in while it saves: make that orbax's own.
-        ns.checkpoint.backend._no_raw_bytes = tensorstore_utils.get_tensorstore_raw_bytes
+        ns._checkpoint._backend._no_raw_bytes = tensorstore_utils.get_tensorstore_raw_bytes
     model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
     readings = []
     t0 = time.perf_counter()

@@ -61,10 +61,10 @@ def worker(n_devices: int, quick: bool) -> dict:
     from flax import nnx
 
     import nnx_shard as ns
+    from nnx_shard._train import _guard as train_guard
+    from nnx_shard._train import _trainer as train_trainer
+    from nnx_shard._train._fused import Carry
     from nnx_shard.models import lm_loss
-    from nnx_shard.train import guard as train_guard
-    from nnx_shard.train import trainer as train_trainer
-    from nnx_shard.train.fused import Carry
 
     assert jax.device_count() == n_devices, (jax.device_count(), n_devices)
     name = os.environ.get(STRATEGY_ENV, "dp")
@@ -155,7 +155,7 @@ def main() -> None:
     args = parse(__doc__)
     if worker_main(args, {"worker": worker}):
         return
-    from nnx_shard.simulated import simulated_env
+    from nnx_shard._simulated import simulated_env
 
     results = [run_worker(__file__, n, args.quick, env={**simulated_env(n), STRATEGY_ENV: name})
                for n, name in SETTINGS]

@@ -78,7 +78,7 @@ MODELS = {  # name: (global batch, steps per call K, steps per round, quick step
 
 
 def _env(n: int, only: str = "") -> dict:
-    from nnx_shard.simulated import simulated_env
+    from nnx_shard._simulated import simulated_env
 
     # The worker reads --only from its environment (the shared worker command line
     # carries only the device count and --quick).

@@ -1,7 +1,7 @@
 """How far the activation formula is from XLA's compiled figure, per preset.
 
 The planner (``nnx-shard plan --auto``) skips compiling a layout when the
-formula alone is over ``planner.PRUNE_MARGIN`` x the memory budget; that is
+formula alone is over ``_formula.PRUNE_MARGIN`` x the memory budget; that is
 safe only while the formula stays near or under XLA's compiled total. For every
 preset x mesh factorisation of 8 simulated CPU devices x remat policy, this
 compiles the fused AdamW train step of a scanned reference Transformer
@@ -32,11 +32,12 @@ import jax
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard import planner, strategies
-from nnx_shard.axes import sizes_str
+from nnx_shard import strategies
+from nnx_shard._axes import sizes_str
+from nnx_shard._optimizers import get as optimizer
 from nnx_shard.models import Transformer, get_config
-from nnx_shard.optimizers import get as optimizer
-from nnx_shard.planner.layouts import enumerate_layouts
+from nnx_shard.planner import _compile, _formula
+from nnx_shard.planner._layouts import enumerate_layouts
 
 
 def main() -> None:
@@ -63,9 +64,9 @@ def main() -> None:
             try:
                 abstract = ns.abstract_init(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)),
                                             mesh, strat)
-                formula = planner.formula_bytes(abstract, cfg, strat, sizes, tx,
+                formula = _formula.formula_bytes(abstract, cfg, strat, sizes, tx,
                                                  args.batch // mb, args.seq, remat)
-                compiled = planner.compile_step(
+                compiled = _compile.compile_step(
                     lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)), name, sizes,
                     batch=args.batch, seq=args.seq, microbatches=mb)["total"]
             except Exception as e:  # a layout the model cannot take: said, not counted
@@ -80,7 +81,7 @@ def main() -> None:
         print(f"| {r:.2f} | {label} |")
     if ratios:
         print(f"\nrange {ratios[0][0]:.2f}-{ratios[-1][0]:.2f} over {len(ratios)} layouts; "
-              f"the planner prunes past {planner.PRUNE_MARGIN}x")
+              f"the planner prunes past {_formula.PRUNE_MARGIN}x")
 
 
 if __name__ == "__main__":

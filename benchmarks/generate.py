@@ -8,9 +8,9 @@ tokens each (greedy). Per layout:
   layout, the prompt run at once) and one compiled decode loop; its prefill
   latency, its per-token latency (decode program time / 191 steps) and tokens/s
   (batch x 192 / (prefill + decode));
-* ``recompute``: ``nnx_shard.models.sampling.recompute``, same arguments and
+* ``recompute``: ``nnx_shard.inference._sampling.recompute``, same arguments and
   tokens, the whole sequence (padded to 256) re-run for every new token;
-* ``window``: the demo's sampler ``nnx_shard.models.sampling.generate`` (one
+* ``window``: the demo's sampler ``nnx_shard.inference._sampling.generate`` (one
   sequence, a sliding window of the prompt's 64 tokens): what generation was
   before the cache. Batch 1, so its tokens/s counts one sequence.
 
@@ -130,8 +130,10 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Transformer, generate, get_config, sampling
-    from nnx_shard.models import generation as gen
+    from nnx_shard.inference import _generation as gen
+    from nnx_shard.inference import _sampling as sampling
+    from nnx_shard.inference import generate
+    from nnx_shard.models import Transformer, get_config
 
     cfg = dataclasses.replace(get_config("small"), length=PROMPT + NEW)
     mesh = rules = None
@@ -208,7 +210,8 @@ def _stream_row(new: int, rounds: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from nnx_shard.models import Transformer, generate, get_config, stream
+    from nnx_shard.inference import generate, stream
+    from nnx_shard.models import Transformer, get_config
 
     cfg = dataclasses.replace(get_config("small"), length=STREAM_PROMPT + new)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -368,7 +371,7 @@ def _hf_batch(ref: _Reference, model: Any, batch: int, new: int, rounds: int, vo
     import jax
     import numpy as np
 
-    from nnx_shard.models import generate, stream
+    from nnx_shard.inference import generate, stream
 
     prompt = np.random.default_rng(batch).integers(0, vocab, (batch, HF_PROMPT)).astype(np.int32)
 

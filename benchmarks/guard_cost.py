@@ -13,7 +13,7 @@
 
 ``grads, select gate`` is ``grads`` with the update computed and the old values
 selected back (``jnp.where`` per leaf) instead of the ``cond``: not an option of
-``Trainer``, set here through ``nnx_shard.train.guard.skip_update_with`` to show why the
+``Trainer``, set here through ``nnx_shard._train._guard.skip_update_with`` to show why the
 ``cond`` was chosen. ``hand scan`` is the bare ``jax.jit(jax.lax.scan)`` of the
 same steps (no checks, no gradient norm), the floor.
 
@@ -63,7 +63,7 @@ def _gate(gate: str | None):
     """A context setting make_gated_step's gate while the step is traced."""
     import contextlib
 
-    from nnx_shard.train.guard import skip_update_with
+    from nnx_shard._train._guard import skip_update_with
 
     return skip_update_with(gate) if gate else contextlib.nullcontext()
 
@@ -85,10 +85,10 @@ def memory_worker(n_devices: int, quick: bool) -> dict:
     from jax.sharding import NamedSharding
 
     import nnx_shard as ns
+    from nnx_shard._optimizers import get as optimizer
     from nnx_shard.models import LLAMA_CONFIGS, Llama, lm_loss
-    from nnx_shard.optimizers import get as optimizer
-    from nnx_shard.planner.compile import compile_fit
-    from nnx_shard.planner.formula import abstract_report, formula
+    from nnx_shard.planner._compile import compile_fit
+    from nnx_shard.planner._formula import abstract_report, formula
 
     assert jax.device_count() == n_devices
     name = "tiny" if quick else "llama3-8b"
@@ -134,8 +134,8 @@ def time_worker(n_devices: int, quick: bool) -> dict:
     from flax import nnx
 
     import nnx_shard as ns
+    from nnx_shard._train._fused import Carry
     from nnx_shard.models import lm_loss
-    from nnx_shard.train.fused import Carry
 
     assert jax.device_count() == n_devices
     name = os.environ.get(STRATEGY_ENV, "dp")
@@ -224,7 +224,7 @@ def main() -> None:
     if args.memory_worker:
         print(json.dumps(memory_worker(args.memory_worker, args.quick)))
         return
-    from nnx_shard.simulated import simulated_env
+    from nnx_shard._simulated import simulated_env
 
     big = None
     if not args.skip_8b:

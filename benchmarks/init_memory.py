@@ -78,7 +78,7 @@ def _worker(model_name: str, variant: str, axis_types: str, quick: bool) -> dict
     from flax import nnx
 
     import nnx_shard as ns
-    import nnx_shard.init as ns_init
+    import nnx_shard._init as ns_init
 
     lecun = nnx.initializers.lecun_normal()
     zeros = nnx.initializers.zeros_init()

@@ -1,8 +1,8 @@
-"""Memory of loading a Hugging Face checkpoint sharded: ns.load_safetensors vs the
+"""Memory of loading a Hugging Face checkpoint sharded: ns.hf.load_safetensors vs the
 naive path.
 
 A Llama of about 2.4 GB (float32: vocab 32000, embed 2048, 16 heads, 8 key/value
-heads, mlp 5632, 10 layers) is written once with ``ns.save_safetensors`` (one
+heads, mlp 5632, 10 layers) is written once with ``ns.hf.save_safetensors`` (one
 ``model.safetensors``, transformers' layout). Then, for each variant, a fresh
 subprocess with 8 simulated CPU devices loads it under fsdp (``data=8``) and
 reports
@@ -16,7 +16,7 @@ reports
 
 Variants:
 
-* ``ours``: ``ns.load_safetensors(path, ns.abstract_init(..., strategy))`` with
+* ``ours``: ``ns.hf.load_safetensors(path, ns.abstract_init(..., strategy))`` with
   unstacked layers (``scan_layers=False``);
 * ``ours_scanned``: the same with the layers stacked (``scan_layers=True``):
   the largest parameter in flight is a whole ``[layers, ...]`` stack;
@@ -80,7 +80,7 @@ def _naive(path: Path, target):  # type: ignore[no-untyped-def]
     from flax import nnx
     from safetensors.numpy import load_file
 
-    from nnx_shard.annotate import path_str
+    from nnx_shard._annotate import path_str
 
     tensors = load_file(path / "model.safetensors")
     cfg = target.cfg
@@ -134,7 +134,7 @@ def _worker(variant: str, path: str, quick: bool) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     start = time.perf_counter()
-    model = ns.load_safetensors(path, target) if variant.startswith("ours") else _naive(
+    model = ns.hf.load_safetensors(path, target) if variant.startswith("ours") else _naive(
         Path(path), target)
     jax.block_until_ready(nnx.state(model))
     seconds = time.perf_counter() - start
@@ -162,7 +162,7 @@ def _write_checkpoint(path: Path, quick: bool) -> int:
         "import nnx_shard as ns\nfrom flax import nnx\nfrom nnx_shard.models import Llama\n"
         "s = ns.strategies.get('fsdp')\n"
         f"m = ns.sharded_init(lambda: Llama(_config({quick!r}), rngs=nnx.Rngs(0)), s.make_mesh(8), s)\n"
-        f"ns.save_safetensors({str(path)!r}, m)\n"
+        f"ns.hf.save_safetensors({str(path)!r}, m)\n"
     )
     env = {**os.environ, **simulated_cpu(N_DEVICES)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=1800)

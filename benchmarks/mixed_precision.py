@@ -50,9 +50,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import nnx_shard as ns
-from nnx_shard.data import load_stdlib
+from nnx_shard._data import load_stdlib
 from nnx_shard.models import Llama, LlamaConfig, lm_loss
-from nnx_shard.strategies import compiled_collectives, partitioned_hlo
+from nnx_shard.planner import compiled_collectives, partitioned_hlo
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mixed_precision.json"
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf_llama"
@@ -151,7 +151,7 @@ def fine_tune(steps: int) -> dict[str, dict[str, float]]:
         cfg = dataclasses.replace(LlamaConfig.from_hf(FIXTURE), dtype=dtype)
         s = ns.strategies.get("fsdp")
         mesh = s.make_mesh(8)
-        model = ns.load_safetensors(FIXTURE, ns.abstract_init(
+        model = ns.hf.load_safetensors(FIXTURE, ns.abstract_init(
             lambda cfg=cfg: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s))
         opt = ns.sharded_optimizer(model, optax.adamw(3e-3), mesh, s)
         trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules,

@@ -69,7 +69,7 @@ def worker(n_devices: int, quick: bool) -> dict:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.train import multistep, shard_batch
+    from nnx_shard._train import multistep, shard_batch
 
     def split_state_step(graphdef, step):
         """One training step as ``jax.jit`` over the split (model, optimizer) state, donated."""

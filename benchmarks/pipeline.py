@@ -13,7 +13,7 @@ train steps (:func:`nnx_shard.multistep`), and the table shows
 * ``temp MiB``: the temporaries (where the microbatches in flight live);
 * ``bubble``: the analytic idle fraction ``(S-1)/(M*V+S-1)``;
 * ``idle``: the fraction of idle stage-steps counted in the schedule the
-  pipeline loop runs (:func:`nnx_shard.parallel.pipeline.schedule_table`, built from the
+  pipeline loop runs (:func:`nnx_shard._parallel.pipeline.schedule_table`, built from the
   same function the loop uses); the script checks that it equals ``bubble``;
 * ``remat``: two more rows at M = 2S with ``pp(..., remat=True)`` (each stage
   recomputed in the backward pass);
@@ -56,7 +56,7 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard import pipeline
 from nnx_shard.models import Transformer, get_config, lm_loss
-from nnx_shard.strategies import compiled_collectives
+from nnx_shard.planner import compiled_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
 S, DATA, LAYERS, BATCH = 4, 2, 8, 64

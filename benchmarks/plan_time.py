@@ -8,7 +8,7 @@ process):
    alternated: wall seconds, compiles, the sum of the per-compile seconds the
    children report, and whether the ranking and the choice are the same.
 2. One candidate's compile (``fsdp`` on ``data=8``) with XLA's default options
-   and with :data:`nnx_shard.planner.compile.PLAN_COMPILER_OPTIONS`, both orders
+   and with :data:`nnx_shard.planner._compile.PLAN_COMPILER_OPTIONS`, both orders
    (the first compile of a process pays a warm-up): seconds and whether the
    optimised HLO and the memory figures are the same.
 
@@ -70,7 +70,7 @@ def auto_worker(name: str, workers: int | None) -> dict:
 
     case = CASES[name]
     t0 = time.perf_counter()
-    plan = ns.strategies.auto(_model(case), devices=case["devices"], batch=case["batch"],
+    plan = ns.planner.auto(_model(case), devices=case["devices"], batch=case["batch"],
                               seq=case["seq"], device_memory=case["device_memory"],
                               progress=False, workers=workers)
     wall = time.perf_counter() - t0
@@ -90,11 +90,11 @@ def floors_worker(name: str, max_compiles: int, formula_prune: bool) -> dict:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard import optimizers
-    from nnx_shard.models.named import build, named_config
-    from nnx_shard.planner import explore
-    from nnx_shard.planner.formula import formula_bytes
-    from nnx_shard.presets import get
+    from nnx_shard import _optimizers as optimizers
+    from nnx_shard.models._named import build, get_config
+    from nnx_shard.planner import _explore as explore
+    from nnx_shard.planner._formula import formula_bytes
+    from nnx_shard.strategies._presets import get
 
     # Nothing pruned by time (nor by the formula, where asked): the compiles measured.
     floors, default = dict(explore.REMAT_TIME_FLOORS), explore.VARIANT_TIME_FLOOR
@@ -105,9 +105,9 @@ def floors_worker(name: str, max_compiles: int, formula_prune: bool) -> dict:
     case = CASES[name]
     cfg = _model(case)
     if isinstance(cfg, str):  # a reference config by name
-        cfg = named_config(cfg)
+        cfg = get_config(cfg)
     try:
-        plan = ns.strategies.auto(cfg, devices=case["devices"], batch=case["batch"],
+        plan = ns.planner.auto(cfg, devices=case["devices"], batch=case["batch"],
                                   seq=case["seq"], device_memory=case["device_memory"],
                                   progress=False, max_compiles=max_compiles)
     except ns.planner.NothingFits as e:
@@ -161,7 +161,7 @@ def compile_worker(order: str) -> dict:
     from jax.sharding import NamedSharding
 
     from nnx_shard.models import Transformer
-    from nnx_shard.planner import compile as planner_compile
+    from nnx_shard.planner import _compile as planner_compile
 
     case = CASES["8b"]
     model = _model(case)
@@ -190,7 +190,7 @@ def compile_worker(order: str) -> dict:
 def _child(args: list[str], devices: int | None = None) -> dict:
     env = dict(os.environ)
     if devices:
-        from nnx_shard.simulated import simulated_env
+        from nnx_shard._simulated import simulated_env
 
         env = simulated_env(devices)
     proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True,

@@ -53,6 +53,7 @@ from scipy.stats import spearmanr
 import nnx_shard as ns
 from nnx_shard import planner
 from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.planner import _hardware
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner.json"
 STEPS = 4
@@ -103,20 +104,20 @@ def main() -> None:
     devices = jax.device_count()
 
     t0 = time.perf_counter()
-    hw = planner.calibrate(devices, seconds=0.5 if args.quick else 1.5)
+    hw = _hardware.calibrate(devices, seconds=0.5 if args.quick else 1.5)
     print(f"calibrated in {time.perf_counter() - t0:.1f} s: {hw.peak_flops / 1e9:.1f} GFLOP/s, "
           f"{hw.link_bandwidth / 1e9:.2f} GB/s link, "
           f"{(hw.memory_bandwidth or 0) / 1e9:.2f} GB/s memory, latency {hw.link_latency * 1e6:.0f} us per "
           f"device ({hw.source})")
     t0 = time.perf_counter()
-    plan = ns.strategies.auto(args.model, devices=devices, batch=batch, seq=seq, hardware=hw,
+    plan = ns.planner.auto(args.model, devices=devices, batch=batch, seq=seq, hardware=hw,
                               device_memory=args.device_memory, strategies=names,
                               progress=True)
     plan_s = time.perf_counter() - t0
     print(f"planned in {plan_s:.0f} s: {plan.request['compiled']} compiles, "
           f"{len(plan.ranked)} candidates fit")
     cands = plan.ranked
-    h100 = planner.PROFILES["h100-sxm"]
+    h100 = _hardware.PROFILES["h100-sxm"]
     calls = []
     for c in cands:
         call = build(c, args.model, batch, seq)

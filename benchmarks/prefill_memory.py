@@ -65,14 +65,14 @@ def compiled_prefill(prompt_len: int, kernel: str, new: int = NEW, all_logits: b
     import numpy as np
     from flax import nnx
 
-    from nnx_shard.models import Llama, get_llama_config
-    from nnx_shard.models import generation as gen
+    from nnx_shard.inference import _generation as gen
+    from nnx_shard.models import Llama, get_config
 
     class AllLogits(Llama):
         def decode(self, tokens, *, attention_mask=None):  # type: ignore[no-untyped-def, override]
             return super().decode(tokens, attention_mask=attention_mask)
 
-    cfg = dataclasses.replace(get_llama_config("tiny"), **(MODEL | overrides),  # type: ignore[arg-type]
+    cfg = dataclasses.replace(get_config("llama-tiny"), **(MODEL | overrides),  # type: ignore[arg-type]
                               attention=kernel)
     cls = AllLogits if all_logits else Llama
     model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))

@@ -3,9 +3,9 @@
 Each layout below is a published training run: its model, parallel degrees, batch,
 sequence length, activation checkpointing and the per-device memory it reported
 (or, where none was reported, the memory of the devices it ran on). The script plans
-the same layout with nnx_shard's formula (``nnx_shard.planner.formula``: parameters,
+the same layout with nnx_shard's formula (``nnx_shard.planner._formula``: parameters,
 gradients, optimizer state, the NaN guard's copy, and the activations of
-``nnx_shard.models.memory``, memory-efficient attention included) and, with
+``nnx_shard.models._memory``, memory-efficient attention included) and, with
 ``--compile``, XLA's compiled figure of the call ``Trainer.fit`` makes, on as many
 simulated CPU devices as the layout has (layouts of at most ``--compile-max``
 devices: compiling an 8B model for 128 devices is past what 2 CPU cores do in
@@ -44,7 +44,7 @@ Run::
 
 writes ``benchmarks/results/published.json`` (rows of layouts not run keep their last
 figures) and prints the table. Under a pipeline the compiled figure is XLA CPU's upper
-bound, not trusted (:mod:`nnx_shard.planner.trust`): the formula decides there.
+bound, not trusted (:mod:`nnx_shard.planner._trust`): the formula decides there.
 """
 
 from __future__ import annotations
@@ -126,14 +126,14 @@ def config(model: str, remat: str, attention: str = "auto", layers: int | None =
     """The nnx_shard config of a published model: float32 parameters, bfloat16 compute."""
     import jax.numpy as jnp
 
-    from nnx_shard.models import TransformerConfig, get_llama_config
+    from nnx_shard.models import TransformerConfig, get_config
 
     mixed = dict(param_dtype=jnp.float32, dtype=jnp.bfloat16, scan_layers=True, remat=remat,
                  attention=attention)
     if layers is not None:
         mixed["layers"] = layers
     if model.startswith("llama3-"):
-        return dataclasses.replace(get_llama_config(model), **mixed)
+        return dataclasses.replace(get_config(model), **mixed)
     gpt = dict(vocab=51200, length=2048, tie_embeddings=True, **mixed)
     if model == "megatron-1.7b":
         return TransformerConfig(embed=2304, heads=24, head_dim=96, mlp=4 * 2304, layers=24,
@@ -155,10 +155,10 @@ def strategy(layout: Layout):
 def formula_row(layout: Layout) -> dict:
     from flax import nnx
 
-    from nnx_shard import optimizers
-    from nnx_shard.models.memory import activation_bytes
-    from nnx_shard.models.named import build
-    from nnx_shard.planner.formula import abstract_report, formula, stage_config
+    from nnx_shard import _optimizers as optimizers
+    from nnx_shard.models._memory import activation_bytes
+    from nnx_shard.models._named import build
+    from nnx_shard.planner._formula import abstract_report, formula, stage_config
 
     cfg = config(layout.model, layout.remat, layout.attention, layout.layers)
     strat = strategy(layout)
@@ -178,8 +178,8 @@ def compile_one(index: int) -> dict:
     import jax
     from flax import nnx
 
-    from nnx_shard.models.named import build
-    from nnx_shard.planner.compile import compile_fit
+    from nnx_shard.models._named import build
+    from nnx_shard.planner._compile import compile_fit
 
     layout = LAYOUTS[index]
     cfg = config(layout.model, layout.remat, layout.attention, layout.layers)
@@ -194,7 +194,7 @@ def compile_one(index: int) -> dict:
 
 
 def compiled_row(index: int, timeout: float) -> dict:
-    from nnx_shard.simulated import simulated_env
+    from nnx_shard._simulated import simulated_env
 
     n = math.prod(LAYOUTS[index].mesh.values())
     t0 = time.perf_counter()
@@ -230,7 +230,7 @@ def main() -> None:
         c = (compiled_row(i, args.compile_timeout)
              if args.compile and devices <= args.compile_max else None)
         pub = layout.published_bytes
-        from nnx_shard.planner.trust import compiled_trusted
+        from nnx_shard.planner._trust import compiled_trusted
 
         trusted, _ = compiled_trusted(strategy(layout))
         row = {**dataclasses.asdict(layout), "devices": devices, "formula": f, "compiled": c,

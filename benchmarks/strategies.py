@@ -14,7 +14,7 @@ factor 1.0, since expert parallelism needs experts), AdamW, global batch 16, one
   the median of 3 rounds that interleave the strategies;
 * collective bytes per step: the result sizes of the all-reduce, all-gather,
   reduce-scatter, all-to-all and collective-permute operations of the compiled
-  one-step program (``ns.strategies.compiled_collectives``), per device.
+  one-step program (``ns.planner.compiled_collectives``), per device.
 
 8 simulated devices share the machine's cores and "communicate" through memory,
 so steps/s compares the partitioned programs' total work and overheads, not
@@ -55,9 +55,9 @@ import optax
 from flax import nnx
 
 import nnx_shard as ns
+from nnx_shard._report import fmt_bytes
 from nnx_shard.models import Transformer, get_config
-from nnx_shard.report import fmt_bytes
-from nnx_shard.strategies import compiled_collectives
+from nnx_shard.planner import compiled_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results" / "strategies.json"
 

@@ -42,24 +42,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_shard.errors import NnxShardError, count, short
-from nnx_shard.mesh import make_mesh
-from nnx_shard.rules import Rules, as_rules
+from nnx_shard._errors import NnxShardError, count, short
+from nnx_shard._mesh import make_mesh
+from nnx_shard._rules import Rules, as_rules
 
-__all__ = [
-    "ENV_COORDINATOR",
-    "ENV_HEARTBEAT_TIMEOUT",
-    "ENV_INIT_TIMEOUT",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
-    "Coordinates",
-    "DistributedError",
-    "gather",
-    "initialize",
-    "is_main",
-    "local_part",
-    "process_slice",
-]
+__all__ = ["Coordinates", "DistributedError", "gather", "initialize", "is_main", "local_part",
+           "process_slice"]
 
 ENV_COORDINATOR = "NNX_SHARD_COORDINATOR"
 ENV_NUM_PROCESSES = "NNX_SHARD_NUM_PROCESSES"

@@ -89,8 +89,8 @@ def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
+    from nnx_shard._optimizers import get as optimizer
     from nnx_shard.models import get_config
-    from nnx_shard.optimizers import get as optimizer
 
     strat = ns.strategies.get(strategy)
     mesh = ns.make_mesh(sizes)

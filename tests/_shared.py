@@ -84,7 +84,7 @@ class MLP(nnx.Module):
 
 
 def sleep_request(request: dict) -> dict:
-    """A :class:`nnx_shard.simulated.Workers` function for the tests: sleeps
+    """A :class:`nnx_shard._simulated.Workers` function for the tests: sleeps
     ``request["s"]`` seconds and answers with its process id. With ``request["gate"]``
     (a path) it instead waits until that file exists, up to ``s`` seconds."""
     import os
@@ -101,7 +101,7 @@ def sleep_request(request: dict) -> dict:
 
 
 def die_request(request: dict) -> dict:
-    """A :class:`nnx_shard.simulated.Workers` function for the tests: the child exits
+    """A :class:`nnx_shard._simulated.Workers` function for the tests: the child exits
     with status 3 when ``request["die"]``, else answers with its process id."""
     import os
     import sys
@@ -117,11 +117,11 @@ def load_refusal(folder: Any, cfg: Any) -> str:
     ``Llama(cfg)`` on ``data=8`` from ``folder`` (fails the test if it loads)."""
     import pytest
 
-    from nnx_shard.errors import UsageError
+    from nnx_shard._errors import UsageError
     from nnx_shard.models import Llama
 
     target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
                               ns.strategies.get("dp").rules)
     with pytest.raises(UsageError) as info:
-        ns.load_safetensors(folder, target)
+        ns.hf.load_safetensors(folder, target)
     return str(info.value)

@@ -26,7 +26,7 @@ def load() -> tuple[object, object, object, dict[str, int]]:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard import safetensors_io
+    from nnx_shard import _safetensors_io as safetensors_io
     from nnx_shard.models import Llama, LlamaConfig
 
     counted = {"bytes": 0}
@@ -41,7 +41,7 @@ def load() -> tuple[object, object, object, dict[str, int]]:
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(8)
     cfg = LlamaConfig.from_hf(FIXTURE, scan_layers=True)
-    model = ns.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+    model = ns.hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
                                                           mesh, s))
     safetensors_io.read_slice = read
     return model, mesh, s, counted
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     import jax
     from flax import nnx
 
-    from nnx_shard import safetensors_io
+    from nnx_shard import _safetensors_io as safetensors_io
 
     mode = argv[0]
     model, mesh, strategy, counted = load()
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
             np.savez(f"{out}.npz", logits=logits)
         print(f"read {counted['bytes']} of {total} bytes", flush=True)
     elif mode == "save":
-        ns.save_safetensors(argv[1], model, max_shard_bytes=30_000)
+        ns.hf.save_safetensors(argv[1], model, max_shard_bytes=30_000)
         print("saved", flush=True)
     return 0
 

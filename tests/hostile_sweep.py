@@ -224,7 +224,7 @@ def _build_cases() -> None:
     api("make_mesh/axis_types_list_of_int", "axis_types",
         lambda: ns().make_mesh("data=8", axis_types=[1]))
     api("make_mesh/axis_types_wrong_count", "axis_types",
-        lambda: ns().make_mesh("data=4,model=2", axis_types=[ns().mesh.build.AxisType.Auto]))
+        lambda: ns().make_mesh("data=4,model=2", axis_types=[__import__("jax").sharding.AxisType.Auto]))
     api("make_mesh/devices_empty", "devices", lambda: ns().make_mesh("data=8", devices=[]))
     api("make_mesh/devices_str", "devices", lambda: ns().make_mesh("data=8", devices="cpu"))
     api("make_mesh/devices_ints", "devices", lambda: ns().make_mesh("data=2", devices=[1, 2]))
@@ -822,7 +822,7 @@ def _build_cases() -> None:
     for label, fn, arg in [
         ("get_config_unknown", lambda: mdl().get_config("huge"), "huge"),
         ("get_config_int", lambda: mdl().get_config(5), ("name", "config")),
-        ("get_llama_config_unknown", lambda: mdl().get_llama_config("huge"), "huge"),
+        ("get_llama_config_unknown", lambda: mdl().get_config("huge"), "huge"),
         ("remat_policy_unknown", lambda: mdl().remat_policy("bogus"), "bogus"),
         ("transformer_cfg_int", lambda: mdl().Transformer(5, rngs=_rngs()), ("cfg", "config")),
         ("llama_cfg_str", lambda: mdl().Llama("tiny", rngs=_rngs()), ("cfg", "config")),
@@ -1292,7 +1292,7 @@ def _hf_file() -> str:
     if not os.path.isdir(p):
         import nnx_shard as ns
 
-        ns.save_safetensors(p, _tiny_llama())
+        ns.hf.save_safetensors(p, _tiny_llama())
     return p
 
 
@@ -1326,10 +1326,10 @@ def _hostile_cache(label: str, content: str | bytes) -> Any:
     import nnx_shard as ns
 
     path = F.path(f"{label}.json")
-    _write_cache(path, content, lambda: ns.strategies.auto(
+    _write_cache(path, content, lambda: ns.planner.auto(
         "tiny", devices=8, batch=8, seq=16, strategies=["dp"], progress=False,
         device_memory=1000, cache=path, compile_fn=_no_compile))
-    return ns.strategies.auto("tiny", devices=8, batch=8, seq=16, strategies=["dp"],
+    return ns.planner.auto("tiny", devices=8, batch=8, seq=16, strategies=["dp"],
                               progress=False, device_memory=1000, cache=path,
                               compile_fn=_no_compile)
 
@@ -1358,7 +1358,7 @@ def _cache_keys() -> list[str]:
     """The planner's cache keys for the request the cache cases make."""
     if not _KEYS:
         import nnx_shard as ns
-        from nnx_shard.planner import cache as cache_mod
+        from nnx_shard.planner import _cache as cache_mod
 
         path = F.path("keys_cache.json")
         fake = lambda c: {"total": 100, "temp": 1, "flops": 1e9,  # noqa: E731
@@ -1366,7 +1366,7 @@ def _cache_keys() -> list[str]:
         saved = cache_mod.Cache.shared
         cache_mod.Cache.shared = {}
         try:
-            ns.strategies.auto("tiny", devices=8, batch=8, seq=16, strategies=["dp"],
+            ns.planner.auto("tiny", devices=8, batch=8, seq=16, strategies=["dp"],
                                progress=False, device_memory=1000, cache=path, compile_fn=fake)
         finally:
             cache_mod.Cache.shared = saved
@@ -1379,7 +1379,7 @@ def _unwritable_cache() -> Any:
     import nnx_shard as ns
 
     blocker = F.file("cache_blocker", "a file where a folder should be")
-    plan = ns.strategies.auto("tiny", devices=8, batch=8, seq=16, strategies=["dp"],
+    plan = ns.planner.auto("tiny", devices=8, batch=8, seq=16, strategies=["dp"],
                               progress=False, device_memory=1000,
                               cache=os.path.join(blocker, "sub", "planner.json"),
                               compile_fn=lambda c: {"total": 100, "temp": 1, "flops": 1e9,
@@ -1395,8 +1395,8 @@ def _fake_child_compiles(keys: list[str] | None = None, *, allowed: bool = True)
     """``plan --auto`` in this process without its compile subprocess: every compile
     gets a fixed result (its key recorded in ``keys``), or, with ``allowed=False``,
     fails the case (the cache was expected to answer)."""
-    from nnx_shard.planner import cache as cache_mod
-    from nnx_shard.planner import explore
+    from nnx_shard.planner import _cache as cache_mod
+    from nnx_shard.planner import _explore as explore
 
     real = explore.Search.compile_in_child
 
@@ -1525,7 +1525,7 @@ def _names_in(text: str, names: Sequence[str]) -> bool:
 
 def classify_exception(e: BaseException, names: Sequence[str]) -> tuple[str, str]:
     """``(outcome, why)`` of an exception raised by an API case."""
-    from nnx_shard.errors import NnxShardError
+    from nnx_shard._errors import NnxShardError
 
     msg = str(e)
     head = f"{type(e).__module__}.{type(e).__name__}: {' '.join(msg.split())[:300]}"

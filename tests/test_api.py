@@ -1,15 +1,60 @@
+"""The public surface, pinned: every public module's ``__all__`` (a module whose dotted
+path has no part starting with ``_``), at most 150 names in all, each documented."""
+
+import ast
+import importlib
+import pathlib
+
 import nnx_shard as ns
 
+PACKAGE = pathlib.Path(ns.__file__).resolve().parent
+
 EXPECTED = {
-    "Fallbacks", "NnxShardError", "Report", "Rules", "ShardingError", "ShardingWarning", "annotate", "constrain", "explain",
-    "get_logical_axes", "logical_axes", "make_mesh", "shardings", "use", "with_logical",
+    "Fallbacks", "NnxShardError", "UsageError", "CompileError", "Report", "Rules",
+    "ShardingError", "ShardingWarning", "annotate", "constrain", "explain", "get_logical_axes",
+    "logical_axes", "make_mesh", "shardings", "use", "with_logical",
     "abstract_init", "sharded_init", "sharded_optimizer",
-    "Trainer", "Precision", "mean_over", "multistep", "shard_batch", "value_and_grad", "MetricsWriter", "Batches",
-    "pack",
-    "Checkpointer", "restore", "save", "load_safetensors", "save_safetensors",
-    "lora", "merge_lora", "load_lora", "save_lora", "QuantizedKernel",
-    "distributed", "models", "pipeline", "strategies", "collective_matmul", "hf", "tp_layers",
+    "Trainer", "Precision", "mean_over", "multistep", "shard_batch", "value_and_grad",
+    "MetricsWriter", "Batches", "pack",
+    "Checkpointer", "restore", "save",
+    "lora", "merge_lora", "QuantizedKernel",
+    "distributed", "hf", "inference", "models", "pipeline", "planner", "strategies",
+    "collective_matmul", "tp_layers",
 }
+
+#: Each public module other than the package itself, with its ``__all__``.
+MODULES = {
+    "nnx_shard.models": {"CONFIGS", "Llama", "LlamaConfig", "REMAT_POLICIES", "Transformer",
+                         "TransformerConfig", "attention", "attention_fn", "get_config",
+                         "lm_loss", "remat_policy", "resize_token_embeddings"},
+    "nnx_shard.inference": {"CACHE_AXES", "Tokenizer", "explain_cache", "generate",
+                            "generate_text", "generation_rules", "stream", "stream_text"},
+    "nnx_shard.hf": {"LLAMA_MAPPING", "Source", "load_lora", "load_pretrained", "load_safetensors",
+                     "mapping_for", "save_lora", "save_safetensors", "source_of"},
+    "nnx_shard.strategies": {"LOGICAL", "NAMES", "Strategy", "get", "preset"},
+    "nnx_shard.planner": {"AutoOptions", "Candidate", "Collective", "Hardware", "NothingFits",
+                          "Plan", "UserModel", "auto", "compiled_collectives", "compiled_memory",
+                          "hardware", "partitioned_hlo"},
+    "nnx_shard.pipeline": {"Schedule", "StageReport", "bubble", "idle_fraction", "run", "scan",
+                           "schedule_table", "stack", "stage_count", "stage_report", "unstack"},
+    "nnx_shard.distributed": {"Coordinates", "DistributedError", "gather", "initialize",
+                              "is_main", "local_part", "process_slice"},
+    "nnx_shard.collective_matmul": {"all_gather_matmul", "matmul_reduce_scatter"},
+    "nnx_shard.tp_layers": {"ProjectionOp", "intercept"},
+    "nnx_shard.cli": {"main"},
+}
+
+
+def public_modules() -> list[str]:
+    """Every module of the package whose dotted path has no part starting with ``_``."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if not any(part.startswith("_") for part in parts):
+            out.append(".".join(parts))
+    return out
 
 
 def test_public_surface_is_pinned():
@@ -19,12 +64,36 @@ def test_public_surface_is_pinned():
     assert public - modules == EXPECTED - modules
 
 
+def test_every_public_module_is_pinned_and_the_surface_is_small():
+    assert set(public_modules()) == {"nnx_shard", *MODULES}
+    for name, names in MODULES.items():
+        module = importlib.import_module(name)
+        assert set(module.__all__) == names, name
+        assert all(hasattr(module, n) for n in names), name
+    total = len(ns.__all__) + sum(len(v) for v in MODULES.values())
+    assert total <= 150, total
+
+
+def test_every_public_module_defines_all():
+    for name in public_modules():
+        tree = ast.parse(pathlib.Path(importlib.import_module(name).__file__).read_text())
+        assert any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__"
+                                                     for t in n.targets) for n in tree.body), name
+
+
 def test_every_public_function_has_an_example():
     for name in ns.__all__:
         doc = getattr(ns, name).__doc__ or ""
         assert doc.strip(), name
-        if callable(getattr(ns, name)) and name not in {"ShardingError", "ShardingWarning", "Report"}:
+        if callable(getattr(ns, name)) and name not in {"ShardingError", "ShardingWarning",
+                                                        "Report", "UsageError", "CompileError"}:
             assert ">>>" in doc, f"{name} has no example"
+    for module, names in MODULES.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            obj = getattr(mod, name)
+            if callable(obj) and not isinstance(obj, type):
+                assert ">>>" in (obj.__doc__ or ""), f"{module}.{name} has no example"
 
 
 def test_sharding_error_is_value_error():
@@ -33,27 +102,14 @@ def test_sharding_error_is_value_error():
 
 def test_every_deliberate_error_is_one_family():
     from nnx_shard.distributed import DistributedError
-    from nnx_shard.errors import CompileError, UsageError
 
-    for error in (ns.ShardingError, UsageError, CompileError, DistributedError):
+    for error in (ns.ShardingError, ns.UsageError, ns.CompileError, DistributedError):
         assert issubclass(error, ns.NnxShardError), error
-    assert issubclass(UsageError, ValueError) and issubclass(CompileError, RuntimeError)
+    assert issubclass(ns.UsageError, ValueError) and issubclass(ns.CompileError, RuntimeError)
     assert issubclass(DistributedError, RuntimeError)
 
 
-MODELS = {
-    "CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
-    "Tokenizer", "Transformer", "TransformerConfig", "attention", "attention_fn", "explain_cache",
-    "generate", "generate_text", "generation_rules", "get_config", "get_llama_config", "lm_loss",
-    "remat_policy", "resize_token_embeddings", "stream", "stream_text",
-}
 
-
-def test_models_surface_is_pinned():
-    assert set(ns.models.__all__) == MODELS
-    assert all(hasattr(ns.models, n) for n in MODELS)
-    for name in ("generate", "explain_cache", "generation_rules", "stream", "Tokenizer",
-                 "generate_text", "stream_text", "resize_token_embeddings"):
-        assert ">>>" in (getattr(ns.models, name).__doc__ or ""), f"{name} has no example"
-    assert ns.models.CACHE_AXES == ("cache_batch", "cache_length", "cache_kv_heads",
-                                    "cache_head_dim")
+def test_cache_axes_are_named():
+    assert ns.inference.CACHE_AXES == ("cache_batch", "cache_length", "cache_kv_heads",
+                                       "cache_head_dim")

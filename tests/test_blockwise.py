@@ -1,5 +1,5 @@
-"""The per-device attention kernels (nnx_shard.attention.kernels, their block math in
-nnx_shard.attention.blocks) through the op (nnx_shard.models.attention) on one device: blockwise and dense against attention
+"""The per-device attention kernels (nnx_shard._attention._kernels, their block math in
+nnx_shard._attention._blocks) through the op (nnx_shard.models.attention) on one device: blockwise and dense against attention
 computed the plain way (repeated K/V heads, one masked softmax), values and
 gradients, for causal and not, grouped-query heads, segment ids, key padding and
 full masks, lengths that are not a multiple of the block, cross-attention; the
@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_shard.attention import blocks, kernels
-from nnx_shard.attention.blocks import Masks, stats
+from nnx_shard._attention import _blocks as blocks
+from nnx_shard._attention import _kernels as kernels
+from nnx_shard._attention._blocks import Masks, stats
 from nnx_shard.models import attention
 from tests._close import assert_close
 

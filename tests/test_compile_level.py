@@ -29,7 +29,7 @@ def figures() -> dict[str, Any]:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import transformer as T
+    from nnx_shard.models import _transformer as T
 
     mesh = ns.make_mesh({"data": 4, "model": 2})
     strategy = ns.strategies.get("fsdp_tp")

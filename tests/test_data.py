@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from nnx_shard.errors import UsageError
+from nnx_shard._errors import UsageError
 
 
 @pytest.mark.parametrize(("examples", "words"), [

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from nnx_shard.cli import launch
+from nnx_shard.cli import _launch as launch
 from nnx_shard.distributed import DistributedError, _resolve
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -42,7 +42,7 @@ def free_port() -> int:
 def run_job(*args: str, n: int = 2, devices: int = 4) -> subprocess.CompletedProcess[str]:
     """``nnx-shard launch`` of the test script, itself bounded by a timeout."""
     cmd = [
-        sys.executable, "-m", "nnx_shard.cli.launch", "-n", str(n),
+        sys.executable, "-m", "nnx_shard.cli._launch", "-n", str(n),
         "--devices-per-process", str(devices), "--timeout", str(JOB_TIMEOUT - 5),
         "--init-timeout", "20", "--heartbeat-timeout", "10", "--",
         sys.executable, SCRIPT, *args,

@@ -118,7 +118,7 @@ def test_a_name_added_to_all_gets_its_page(monkeypatch):
 def test_docstrings_become_markdown():
     pytest.importorskip("griffe")
     to_markdown = _load("griffe_rst").to_markdown
-    assert to_markdown("See :func:`~nnx_shard.mesh.use` and :class:`nnx_shard.Rules`.") == (
+    assert to_markdown("See :func:`~nnx_shard._mesh.use` and :class:`nnx_shard.Rules`.") == (
         "See `use` and `nnx_shard.Rules`."
     )
     assert to_markdown("On disk::\n\n    a/b") == "On disk:\n\n    a/b"

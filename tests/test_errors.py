@@ -1,4 +1,4 @@
-"""nnx_shard.errors' path check: one message shape (who, the path, what was expected,
+"""nnx_shard._errors' path check: one message shape (who, the path, what was expected,
 what was found, the fix) and each caller's own error types."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from nnx_shard import errors
-from nnx_shard.errors import UsageError, check_path, path_kind
+from nnx_shard import _errors as errors
+from nnx_shard._errors import UsageError, check_path, path_kind
 
 
 def test_a_missing_path_says_nothing_is_there(tmp_path):

@@ -15,7 +15,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard import cli
-from nnx_shard.axes import abstract_mesh
+from nnx_shard._axes import abstract_mesh
 from nnx_shard.models import Transformer, get_config
 
 CFG = dataclasses.replace(get_config("tiny"), layers=4, scan_layers=True)

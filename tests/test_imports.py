@@ -98,10 +98,10 @@ def in_cli(name: str) -> bool:
 
 def test_the_walk_sees_the_package():
     edges = graph()
-    assert {"nnx_shard", "nnx_shard.strategies", "nnx_shard.planner.search", CLI,
-            "nnx_shard.cli.plan"} <= set(edges)
-    assert "nnx_shard.presets" in edges["nnx_shard.strategies"]
-    assert "nnx_shard.planner" in edges["nnx_shard.strategies"]  # strategies.auto
+    assert {"nnx_shard", "nnx_shard.strategies", "nnx_shard.planner._search", CLI,
+            "nnx_shard.cli._plan"} <= set(edges)
+    assert "nnx_shard.strategies._presets" in edges["nnx_shard.strategies"]
+    assert "nnx_shard.strategies._strategy" in edges["nnx_shard.strategies"]
 
 
 def test_the_walk_finds_a_circle():
@@ -122,14 +122,14 @@ def test_nothing_outside_the_cli_imports_it():
 #: ones below. A name matches its module and everything under it; the longest match wins.
 FLOORS: list[list[str]] = [
     ["cli"],
-    ["planner", "simulated", "strategies"],
-    ["train", "checkpoint", "metrics", "hf"],
-    ["models", "parallel", "attention", "pipeline_report", "low_rank",
-     "quantized"],
-    ["strategy", "presets", "parallel.schedule"],
-    ["rules", "annotate", "mesh", "init", "optstate", "report", "distributed"],
-    ["errors", "axes", "units", "optimizers", "_frames", "safetensors_io", "data",
-     "weighting"],
+    ["planner", "_simulated"],
+    ["_train", "_checkpoint", "_metrics", "hf", "inference"],
+    ["models", "_parallel", "_attention", "_stage_report", "_low_rank", "_quantized", "pipeline",
+     "collective_matmul", "tp_layers"],
+    ["strategies", "_parallel.schedule"],
+    ["_rules", "_annotate", "_mesh", "_init", "_optstate", "_report", "distributed"],
+    ["_errors", "_axes", "_units", "_optimizers", "_frames", "_safetensors_io", "_data",
+     "_weighting"],
 ]
 
 
@@ -146,9 +146,9 @@ def floor_of(name: str) -> int | None:
 
 
 def test_floors_place_the_longest_match():
-    assert floor_of("nnx_shard.parallel.schedule") == 4
-    assert floor_of("nnx_shard.attention.op") == 3
-    assert floor_of("nnx_shard.cli.plan") == 0
+    assert floor_of("nnx_shard._parallel.schedule") == 4
+    assert floor_of("nnx_shard._attention._op") == 3
+    assert floor_of("nnx_shard.cli._plan") == 0
     assert floor_of("nnx_shard.nowhere") is None
 
 

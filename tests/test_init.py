@@ -12,8 +12,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-import nnx_shard.init as ns_init
-from nnx_shard.init import abstract_init, lower_init, sharded_init, sharded_optimizer
+import nnx_shard._init as ns_init
+from nnx_shard._init import abstract_init, lower_init, sharded_init, sharded_optimizer
 from tests._close import assert_close
 from tests._shared import MLP as SharedMLP
 from tests.conftest import needs_devices

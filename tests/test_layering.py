@@ -1,5 +1,5 @@
 """The package's layering, read from its source: modules share only public names (or
-their package's ``_internal`` helpers), public class names are unique, ``nnx_shard.rules``
+their package's ``_internal`` helpers), public class names are unique, ``nnx_shard._rules``
 re-exports nothing private, no module aliases itself in ``sys.modules``, and measured
 figures stay in the benchmarks' output and the docs, not in code."""
 
@@ -9,6 +9,7 @@ import ast
 import collections
 import pathlib
 import re
+import types
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nnx_shard"
 
@@ -29,6 +30,13 @@ def _modules(root: pathlib.Path = PACKAGE) -> dict[str, tuple[pathlib.Path, ast.
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
+
+
+def _is_module(package: str, name: str) -> bool:
+    """Whether ``from package import name`` imports a module (a private module is how a
+    package shares its implementation: its public names are the package's to use)."""
+    folder = PACKAGE.parent.joinpath(*package.split("."), name)
+    return folder.with_suffix(".py").is_file() or (folder / "__init__.py").is_file()
 
 
 def _package(module: str, path: pathlib.Path) -> str:
@@ -55,7 +63,7 @@ def private_imports(root: pathlib.Path = PACKAGE) -> dict[tuple[str, str], set[s
             src = _source(module, path, node)
             if src.endswith("._internal") and (pkg + ".").startswith(src[: -len("_internal")]):
                 continue
-            names = {a.name for a in node.names if _private(a.name)}
+            names = {a.name for a in node.names if _private(a.name) and not _is_module(src, a.name)}
             if names:
                 found[(module, src)] |= names
     return dict(found)
@@ -88,13 +96,14 @@ def test_public_class_names_are_unique():
 
 
 def test_rules_reexports_nothing_private():
-    import nnx_shard.rules as rules
+    import nnx_shard._rules as rules
 
-    _, tree = _modules()["nnx_shard.rules"]
+    _, tree = _modules()["nnx_shard._rules"]
     imported = [a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                 for a in n.names]
     assert imported and [n for n in imported if _private(n)] == []
-    assert [n for n in vars(rules) if _private(n) and not n.startswith("_internal")] == []
+    assert [n for n, v in vars(rules).items() if _private(n) and not n.startswith("_internal")
+            and not isinstance(v, types.ModuleType)] == []
 
 
 def test_no_module_assigns_sys_modules():

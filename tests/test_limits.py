@@ -54,15 +54,17 @@ TESTS = Path(__file__).resolve().parent
 def test_tests_mirror_the_package_layout():
     # A folder of tests is a package of the library; a test file named after a module of
     # a package lives in that package's folder, not at the top.
-    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    packages = {p.parent.name.lstrip("_") for p in PACKAGE.glob("*/__init__.py")}
     folders = {p.parent.name for p in TESTS.glob("*/test_*.py")}
     assert folders and folders <= packages, folders - packages
     misplaced = []
     for test in TESTS.glob("test_*.py"):
         module = test.stem.removeprefix("test_")
-        if (PACKAGE / f"{module}.py").exists() or (PACKAGE / module).is_dir():
+        if any((PACKAGE / f"{m}.py").exists() or (PACKAGE / m).is_dir()
+               for m in (module, f"_{module}")):
             continue
-        homes = sorted(p.parent.name for p in PACKAGE.glob(f"*/{module}.py"))
+        homes = sorted(p.parent.name.lstrip("_") for p in PACKAGE.glob(f"*/{module}.py")) + sorted(
+            p.parent.name.lstrip("_") for p in PACKAGE.glob(f"*/_{module}.py"))
         if homes:
             misplaced.append(f"{test.name} -> tests/{homes[0]}/")
     assert misplaced == []

@@ -1,4 +1,4 @@
-"""LoRA adapters (nnx_shard.low_rank): placement, names, sharding, training only the
+"""LoRA adapters (nnx_shard._low_rank): placement, names, sharding, training only the
 adapters (under every preset, to the one-device numbers), the optimizer state's
 compiled bytes, merging, and the errors of ns.lora."""
 
@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.low_rank import Adapted, adapters
-from nnx_shard.models import Llama, get_llama_config, lm_loss
+from nnx_shard._low_rank import Adapted, adapters
+from nnx_shard.models import Llama, get_config, lm_loss
 from tests import _user_models as um
 from tests._close import assert_close
 from tests._shared import device_bytes, host, host_copy
@@ -25,7 +25,7 @@ from tests.conftest import needs_devices
 
 
 def _llama(scan: bool = False) -> Llama:
-    return Llama(dataclasses.replace(get_llama_config("tiny"), scan_layers=scan),
+    return Llama(dataclasses.replace(get_config("llama-tiny"), scan_layers=scan),
                  rngs=nnx.Rngs(0))
 
 
@@ -79,7 +79,7 @@ def test_llama_adapters_carry_the_kernels_names(scan):
 
 
 def test_sharded_adapters_follow_their_layer():
-    strategy = ns.strategies.fsdp_tp()
+    strategy = ns.strategies.get("fsdp_tp")
     mesh = strategy.make_mesh(8)
     model = ns.sharded_init(
         lambda: ns.lora(_llama(), 4, 8.0, targets=r"attn/(q|o)$"), mesh, strategy)
@@ -99,7 +99,7 @@ def _tokens(n=8):
 
 @pytest.mark.slow
 def test_training_only_the_adapters_keeps_the_base_bitwise(tmp_path):
-    strategy = ns.strategies.fsdp()
+    strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
     model = ns.sharded_init(lambda: ns.lora(_llama(scan=True), 4, 8.0), mesh, strategy)
     opt = ns.sharded_optimizer(model, optax.adam(1e-2), mesh, strategy, wrt=nnx.LoRAParam)
@@ -196,9 +196,9 @@ def test_reference_transformer_adapts_and_merges():
 def _compiled_opt_init(rank: int, wrt: Any = nnx.LoRAParam) -> tuple[Any, Any, int]:
     """The model (fsdp, 8 devices), the compiled memory analysis of the program
     ``sharded_optimizer`` runs to build Adam's state for ``wrt``, and its output count."""
-    from nnx_shard.init import _lower_optimizer
+    from nnx_shard._init import _lower_optimizer
 
-    strategy = ns.strategies.fsdp()
+    strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
     model = ns.sharded_init(
         lambda: ns.lora(_llama(), rank, 8.0, targets=r"attn/(q|v|o)$|mlp/down$"), mesh, strategy)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.metrics import MetricsWriter
+from nnx_shard._metrics import MetricsWriter
 
 
 def mse(model, batch):

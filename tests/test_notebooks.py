@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from nnx_shard.simulated import simulated_env
+from nnx_shard._simulated import simulated_env
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

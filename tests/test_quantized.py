@@ -1,4 +1,4 @@
-"""QLoRA (nnx_shard.quantized via ns.lora(quantize=)): the quantized base's names and
+"""QLoRA (nnx_shard._quantized via ns.lora(quantize=)): the quantized base's names and
 sharding, its per-device bytes in XLA's compiled forward, training only the adapters
 over a bitwise-frozen quantized base, the loss curve against a float32 base, and
 merging."""
@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.low_rank import adapters
-from nnx_shard.models import Llama, LlamaConfig, get_llama_config, lm_loss
-from nnx_shard.quantized import QuantizedKernel, QuantizedValue
+from nnx_shard._low_rank import adapters
+from nnx_shard._quantized import QuantizedKernel, QuantizedValue
+from nnx_shard.models import Llama, LlamaConfig, get_config, lm_loss
 
 ALL = r"attn/(q|k|v|o)$|mlp/(gate|up|down)$"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -24,13 +24,13 @@ PEFT_TARGETS = r"attn/(q|v|o)$|mlp/down$"  # the fixture adapter's modules
 
 
 def _llama(scan: bool = False, **kw) -> Llama:
-    return Llama(dataclasses.replace(get_llama_config("tiny"), scan_layers=scan, **kw),
+    return Llama(dataclasses.replace(get_config("llama-tiny"), scan_layers=scan, **kw),
                  rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize(("quantize", "dtype"), [("int8", jnp.int8), ("int4", jnp.int4)])
 def test_quantized_base_keeps_names_and_shards_scales_on_outputs(quantize, dtype):
-    strategy = ns.strategies.tp()
+    strategy = ns.strategies.get("tp")
     mesh = strategy.make_mesh(2)
     model = ns.sharded_init(
         lambda: ns.lora(_llama(scan=True), 4, 8.0, targets=ALL, quantize=quantize), mesh, strategy)
@@ -52,7 +52,7 @@ def test_quantized_base_keeps_names_and_shards_scales_on_outputs(quantize, dtype
 
 def _base_bytes(quantize):
     """Per-device argument bytes of the compiled forward, less the non-base arguments."""
-    strategy = ns.strategies.fsdp()
+    strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
     cfg = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, vocab=64, embed=256, mlp=512,
                heads=4, kv_heads=4, head_dim=64)
@@ -90,13 +90,13 @@ def test_quantized_base_bytes_in_the_compiled_forward():
 def _curve(quantize, steps=10):
     """10 AdamW steps of the fixture's PEFT adapter on its base under fsdp: the losses,
     and the base and adapter states before and after."""
-    strategy = ns.strategies.fsdp()
+    strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
     cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
     target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
-    model = ns.load_safetensors(FIXTURES / "hf_llama", target)
+    model = ns.hf.load_safetensors(FIXTURES / "hf_llama", target)
     ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize)  # the file's r, alpha
-    ns.load_lora(FIXTURES / "peft_llama", model)
+    ns.hf.load_lora(FIXTURES / "peft_llama", model)
     opt = ns.sharded_optimizer(model, optax.adamw(1e-2), mesh, strategy, wrt=nnx.LoRAParam)
     tokens = jnp.asarray(np.tile(np.load(FIXTURES / "peft_llama" / "expected.npz")["tokens"],
                                  (4, 1)))
@@ -141,19 +141,19 @@ def test_qlora_loss_curve_follows_the_float_base_and_trains_only_adapters():
 def _fixture_model(strategy, mesh, quantize):
     cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
     target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
-    model = ns.load_safetensors(FIXTURES / "hf_llama", target)
+    model = ns.hf.load_safetensors(FIXTURES / "hf_llama", target)
     ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize)
-    return ns.load_lora(FIXTURES / "peft_llama", model)
+    return ns.hf.load_lora(FIXTURES / "peft_llama", model)
 
 
 @pytest.mark.slow
 def test_qlora_merges_dequantized_and_saves_peft_adapters(tmp_path):
-    from nnx_shard import safetensors_io as st
+    from nnx_shard import _safetensors_io as st
 
-    strategy = ns.strategies.tp()
+    strategy = ns.strategies.get("tp")
     mesh = strategy.make_mesh(2)
     model = _fixture_model(strategy, mesh, "int8")
-    ns.save_lora(tmp_path / "out", model)
+    ns.hf.save_lora(tmp_path / "out", model)
     ours = st.read_header(str(tmp_path / "out" / "adapter_model.safetensors"))
     theirs = st.read_header(str(FIXTURES / "peft_llama" / "adapter_model.safetensors"))
     assert sorted(ours.tensors) == sorted(theirs.tensors)
@@ -184,7 +184,7 @@ def test_qlora_merges_dequantized_and_saves_peft_adapters(tmp_path):
 
 @pytest.mark.slow
 def test_qlora_checkpoint_restores_the_int4_base_bitwise(tmp_path):
-    strategy = ns.strategies.fsdp()
+    strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
 
     def make(seed):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nnx_shard.simulated import simulated_env
+from nnx_shard._simulated import simulated_env
 from tests.conftest import needs_devices
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.annotate import path_str
+from nnx_shard._annotate import path_str
 from tests.conftest import needs_devices
 
 lecun = nnx.initializers.lecun_normal()

@@ -1,4 +1,4 @@
-"""nnx_shard.safetensors_io against the format's reference implementation (the
+"""nnx_shard._safetensors_io against the format's reference implementation (the
 ``safetensors`` package): each reads what the other writes, and every slice of a
 tensor read with ranged reads equals numpy's slice of the whole tensor."""
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from nnx_shard import safetensors_io as st
-from nnx_shard.errors import NnxShardError
+from nnx_shard import _safetensors_io as st
+from nnx_shard._errors import NnxShardError
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int64, np.int8]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nnx_shard.simulated import Workers, simulated_env
+from nnx_shard._simulated import Workers, simulated_env
 
 
 def test_workers_answer_every_request_in_long_lived_children():

@@ -358,7 +358,7 @@ def test_sharding_type_error_is_where_nnx_shard_looks_for_it() -> None:
     # into ShardingError silently stops, so this fails loudly instead.
     from jax._src import core
 
-    assert ns.errors.ShardingTypeError is core.ShardingTypeError
+    assert ns._errors.ShardingTypeError is core.ShardingTypeError
     mesh = ns.make_mesh("data=8", axis_types="explicit")
     table = jnp.ones((VOCAB, EMBED))
     idx = jax.device_put(np.zeros((BATCH, 2), np.int32),
@@ -410,7 +410,7 @@ def test_stock_embed_on_explicit_axes_raises_sharding_error(preset: str) -> None
     assert f"Arrays involved (dims@mesh axes): {table}, int32[{BATCH}@data,{LENGTH},1]" in msg
     assert "Use `.at[...].get(out_sharding=)`" in msg  # JAX's own words are kept
     assert re.search(FIX, msg)
-    assert isinstance(info.value.__cause__, ns.errors.ShardingTypeError)
+    assert isinstance(info.value.__cause__, ns._errors.ShardingTypeError)
 
 
 def test_stock_linear_chain_on_explicit_axes_raises_sharding_error() -> None:

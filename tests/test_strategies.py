@@ -27,7 +27,8 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard.models import Transformer, get_config, lm_loss
-from nnx_shard.strategies import compiled_collectives
+from nnx_shard.planner import compiled_collectives
+from nnx_shard.planner._costs import KINDS as COLLECTIVE_KINDS
 from tests._close import assert_close
 from tests._lm import Run, assert_same_values, lm_batches, lm_run
 from tests._shared import device_bytes
@@ -356,7 +357,7 @@ def test_get_and_mesh_for() -> None:
     for name in NAMES:
         s = ns.strategies.get(name)
         assert s.name == name and s.mesh_axes[0] == "data"
-        assert set(s.collectives) <= set(ns.strategies.KINDS)
+        assert set(s.collectives) <= set(COLLECTIVE_KINDS)
         assert np.prod(list(s.mesh_for(8).values())) == 8
         for logical in ns.strategies.LOGICAL:
             assert logical in s.rules

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.errors import UsageError
+from nnx_shard._errors import UsageError
 
 INIT = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
 

@@ -113,13 +113,13 @@ def test_duplicate_spec_on_explicit_axes_is_a_sharding_error() -> None:
     assert "called from Embedder.encode (" in msg and "self.input_embedding[(tokens,)]" in msg
     assert "P('data', None, 'data') has duplicate entries" in msg
     assert "Fix: build the mesh with Auto axes" in msg
-    assert isinstance(info.value.__cause__, ns.errors.DuplicateSpecError)
+    assert isinstance(info.value.__cause__, ns._errors.DuplicateSpecError)
 
 
 def test_duplicate_spec_error_is_where_nnx_shard_looks_for_it() -> None:
     from jax._src import named_sharding
 
-    assert ns.errors.DuplicateSpecError is named_sharding.DuplicateSpecError
+    assert ns._errors.DuplicateSpecError is named_sharding.DuplicateSpecError
 
 
 # --------------------------------------------------------------------------- item: aliases
@@ -217,7 +217,7 @@ def _one_layer_step(name: str, preset: str) -> tuple[float, str, Any]:
 @needs_devices(8)
 @pytest.mark.parametrize("name", ["llama", pytest.param("mha", marks=pytest.mark.slow)])
 def test_async_tp_runs_the_stock_layers_as_rings(name: str) -> None:
-    from nnx_shard.strategies import compiled_collectives
+    from nnx_shard.planner import compiled_collectives
 
     loss, hlo, mesh = _one_layer_step(name, "async_tp")
     sp_loss, sp_hlo, _ = _one_layer_step(name, "sp")
@@ -247,11 +247,11 @@ def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
                                                                         "dot_general")
     assert block.mlp.down.dot_general.names == ("tp", "fsdp")
     assert isinstance(model.lm_head.dot_general, functools.partial)  # left alone
-    with pytest.raises(ns.errors.UsageError, match=r"model must be an nnx.Module .* got str"):
+    with pytest.raises(ns.UsageError, match=r"model must be an nnx.Module .* got str"):
         ns.tp_layers.intercept("model")
-    with pytest.raises(ns.errors.UsageError, match=r"kind must be 'dot_general' or 'einsum'"):
+    with pytest.raises(ns.UsageError, match=r"kind must be 'dot_general' or 'einsum'"):
         ns.tp_layers.ProjectionOp(("embed",), "matmul")  # type: ignore[arg-type]
-    with pytest.raises(ns.errors.UsageError, match=r"names must be a tuple of logical names"):
+    with pytest.raises(ns.UsageError, match=r"names must be a tuple of logical names"):
         ns.tp_layers.ProjectionOp(["embed"], "einsum")  # type: ignore[arg-type]
     einsum = nnx.Einsum("ble,ef->blf", (16, 8), rngs=nnx.Rngs(0))
     assert ns.tp_layers.intercept(einsum).einsum_op is jnp.einsum  # unannotated

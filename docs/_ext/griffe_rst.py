@@ -121,7 +121,7 @@ def _split_grouped_args(lines: list[str]) -> list[str]:
 def to_markdown(text: str) -> str:
     """The Markdown the site shows for one docstring.
 
-    >>> to_markdown("Calls :func:`~nnx_shard.mesh.use`::")
+    >>> to_markdown("Calls :func:`~nnx_shard._mesh.use`::")
     'Calls `use`:'
     """
     text = _ROLE.sub(_role, text)

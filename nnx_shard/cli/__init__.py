@@ -16,15 +16,15 @@
   (it imports your module and calls the factory: your code runs).
 * ``nnx-shard generate --model DIR --prompt TEXT`` continues a prompt with a Hugging
   Face checkpoint loaded sharded, printing the text as it streams (see
-  :mod:`nnx_shard.cli.generate`).
-* ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.cli.launch`).
+  :mod:`nnx_shard.cli._generate`).
+* ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.cli._launch`).
 
 The package is the top floor of nnx_shard: nothing in the library imports it. This
-module holds the dispatch table, :data:`COMMANDS`; :mod:`~nnx_shard.cli.parser`
-the flags; each command runs from its own module (:mod:`~nnx_shard.cli.demo`,
-:mod:`~nnx_shard.cli.plan`, :mod:`~nnx_shard.cli.explain`,
-:mod:`~nnx_shard.cli.generate`, :mod:`~nnx_shard.cli.launch`), and
-:mod:`~nnx_shard.cli.common` holds what they share.
+module holds the dispatch table, :data:`COMMANDS`; :mod:`~nnx_shard.cli._parser`
+the flags; each command runs from its own module (:mod:`~nnx_shard.cli._demo`,
+:mod:`~nnx_shard.cli._plan`, :mod:`~nnx_shard.cli._explain`,
+:mod:`~nnx_shard.cli._generate`, :mod:`~nnx_shard.cli._launch`), and
+:mod:`~nnx_shard.cli._common` holds what they share.
 
 The demo asks for simulated devices (``jax_num_cpu_devices``) before JAX starts
 its backends (importing jax does not start them; the first ``jax.devices()``
@@ -45,12 +45,16 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from nnx_shard.cli import demo, explain, generate, launch, plan
-from nnx_shard.cli.common import DEBUG_ENV, PROG, UsageError
-from nnx_shard.cli.parser import build_parser
-from nnx_shard.errors import ShardingError
+from nnx_shard._errors import ShardingError
+from nnx_shard.cli import _demo as demo
+from nnx_shard.cli import _explain as explain
+from nnx_shard.cli import _generate as generate
+from nnx_shard.cli import _launch as launch
+from nnx_shard.cli import _plan as plan
+from nnx_shard.cli._common import DEBUG_ENV, PROG, UsageError
+from nnx_shard.cli._parser import build_parser
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["main"]
 
 #: Each command's handler: the parsed arguments in, the exit status out.
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {

@@ -6,12 +6,12 @@ checkpoint directory, one model parameter at a time:
 
 1. every Hugging Face tensor is matched to a parameter by a mapping table
    (:data:`LLAMA_MAPPING`: regular expressions on the Hugging Face name ->
-   parameter path and transform, the style of :func:`nnx_shard.annotate`);
+   parameter path and transform, the style of :func:`nnx_shard._annotate`);
    every problem (missing, unused, mis-shaped or mis-typed tensors) is
    collected into one error;
 2. the tensor is read in the Hugging Face layout with a sharding derived from
    the parameter's own (``jax.make_array_from_callback``): each process reads,
-   with ranged reads (:mod:`nnx_shard.safetensors_io`), only the slices its
+   with ranged reads (:mod:`nnx_shard._safetensors_io`), only the slices its
    devices hold; a parameter stacked over layers (``scan_layers``) is read as
    one ``[layers, ...]`` array whose layer dimension is split like the
    parameter's (pipeline stages read only their own layers);
@@ -29,9 +29,9 @@ time, and every process writes the shards it owns straight into their byte
 ranges of the output files (the files are created, at their final size, by
 process 0): nothing is gathered to one host. Processes must share the
 filesystem. The files are written in a staging folder beside the destination
-and swapped into place whole (:mod:`nnx_shard.hf.export_dir`): a failed or
+and swapped into place whole (:mod:`nnx_shard.hf._export_dir`): a failed or
 killed save leaves the previous export. A model of
-:func:`load_pretrained` remembers its checkpoint (:mod:`nnx_shard.hf.source`),
+:func:`load_pretrained` remembers its checkpoint (:mod:`nnx_shard.hf._source`),
 and its export carries the checkpoint's config, generation config and
 tokenizer files, in its dtype: a folder to publish.
 
@@ -44,8 +44,8 @@ head_dim, embed] -> [embed, heads, head_dim]``: q/k/v), ``"heads_in"``
 >>> import tempfile
 >>> from flax import nnx
 >>> import nnx_shard as ns
->>> from nnx_shard.models import Llama, get_llama_config
->>> factory = lambda: Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+>>> from nnx_shard.models import Llama, get_config
+>>> factory = lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
 >>> fsdp = ns.strategies.get("fsdp")
 >>> model = ns.sharded_init(factory, "data=8", fsdp)
 >>> out = tempfile.mkdtemp()
@@ -57,35 +57,12 @@ P(None, 'model', None)
 True
 """
 
-from nnx_shard.hf.layout import INDEX, SINGLE
-from nnx_shard.hf.load import load_safetensors
-from nnx_shard.hf.mapping import (
-    GEMMA2_MAPPING,
-    LLAMA_MAPPING,
-    LLAMA_TIED_MAPPING,
-    OLMO2_MAPPING,
-    TRANSFORMS,
-    MappingValue,
-    mapping_for,
-)
-from nnx_shard.hf.pretrained import load_pretrained
-from nnx_shard.hf.save import save_safetensors
-from nnx_shard.hf.source import Source, remember_source, source_of
+from nnx_shard.hf._load import load_safetensors
+from nnx_shard.hf._mapping import LLAMA_MAPPING, mapping_for
+from nnx_shard.hf._peft import load_lora, save_lora
+from nnx_shard.hf._pretrained import load_pretrained
+from nnx_shard.hf._save import save_safetensors
+from nnx_shard.hf._source import Source, source_of
 
-__all__ = [
-    "GEMMA2_MAPPING",
-    "INDEX",
-    "LLAMA_MAPPING",
-    "LLAMA_TIED_MAPPING",
-    "OLMO2_MAPPING",
-    "SINGLE",
-    "TRANSFORMS",
-    "MappingValue",
-    "Source",
-    "load_pretrained",
-    "load_safetensors",
-    "mapping_for",
-    "remember_source",
-    "save_safetensors",
-    "source_of",
-]
+__all__ = ["LLAMA_MAPPING", "Source", "load_lora", "load_pretrained", "load_safetensors",
+           "mapping_for", "save_lora", "save_safetensors", "source_of"]

@@ -1,13 +1,12 @@
-"""Reference models annotated only with logical axis names (:class:`Transformer`,
-and :class:`Llama` for Llama-family checkpoints, built and filled from a
-Hugging Face checkpoint by :func:`nnx_shard.hf.load_pretrained`), the attention op
-(:func:`attention`: dense, blockwise or cuDNN on each device; ring / all-gather
-context parallelism as the strategy asks) a model calls to be memory-efficient
-and context-parallel, :func:`attention_fn`, its adapter for
-``nnx.MultiHeadAttention(attention_fn=...)``, and :func:`generate`: sharded text
-generation with a key/value cache laid out by the same rules
-(:func:`explain_cache` reports its bytes per device), and text in and out of it
-(:class:`Tokenizer`, :func:`generate_text`, :func:`stream_text`).
+"""Reference models annotated only with logical axis names: :class:`Transformer`
+(GPT-style, for tests, demos and planning) and :class:`Llama` (the Llama family:
+Llama, Qwen2/3, Mistral, Gemma 2, OLMo 2; built and filled from a Hugging Face
+checkpoint by :func:`nnx_shard.hf.load_pretrained`), the configurations they are
+built from (:func:`get_config`), their loss (:func:`lm_loss`), remat policies, and the
+attention op a model calls to be memory-efficient and context-parallel
+(:func:`attention`, and :func:`attention_fn`, its adapter for
+``nnx.MultiHeadAttention(attention_fn=...)``). Generation is
+:mod:`nnx_shard.inference`.
 
 Both models take transformers' fine-tuning inputs, ``model(tokens, *,
 attention_mask=None, positions=None, segment_ids=None)`` (padding masked out and,
@@ -20,31 +19,19 @@ themselves), and :func:`lm_loss` skips ``-100`` targets.
 ['125m', '1b', '7b']
 """
 
-from nnx_shard.attention import attention
-from nnx_shard.models.adapters import attention_fn
-from nnx_shard.models.generation import (
-    CACHE_AXES,
-    explain_cache,
-    generate,
-    generation_rules,
-    stream,
-)
-from nnx_shard.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config
-from nnx_shard.models.resize import resize_token_embeddings
-from nnx_shard.models.text import generate_text, stream_text
-from nnx_shard.models.tokenizer import Tokenizer
-from nnx_shard.models.transformer import (
-    CONFIGS,
+from nnx_shard._attention import attention
+from nnx_shard.models._adapters import attention_fn
+from nnx_shard.models._llama import Llama, LlamaConfig
+from nnx_shard.models._named import CONFIGS, get_config
+from nnx_shard.models._resize import resize_token_embeddings
+from nnx_shard.models._transformer import (
     REMAT_POLICIES,
     Transformer,
     TransformerConfig,
-    get_config,
     lm_loss,
     remat_policy,
 )
 
-__all__ = ["CACHE_AXES", "CONFIGS", "LLAMA_CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig",
-           "Tokenizer", "Transformer", "TransformerConfig", "attention", "attention_fn",
-           "explain_cache", "generate", "generate_text", "generation_rules", "get_config",
-           "get_llama_config", "lm_loss", "remat_policy", "resize_token_embeddings", "stream",
-           "stream_text"]
+__all__ = ["CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Transformer", "TransformerConfig",
+           "attention", "attention_fn", "get_config", "lm_loss", "remat_policy",
+           "resize_token_embeddings"]

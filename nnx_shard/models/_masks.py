@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_shard.attention import LOCAL, context_mode
-from nnx_shard.errors import UsageError, short
-from nnx_shard.mesh import constrain
+from nnx_shard._attention import LOCAL, context_mode
+from nnx_shard._errors import UsageError, short
+from nnx_shard._mesh import constrain
 
 __all__ = ["NO_EXTRAS", "Extras", "check_token_ids", "derive_positions", "prepare"]
 
@@ -113,7 +113,7 @@ def check_token_ids(tokens: Any, vocab: int, caller: str) -> None:
     >>> check_token_ids(jnp.array([[3, -1, 130]]), 128, "Llama.forward")
     Traceback (most recent call last):
     ...
-    nnx_shard.errors.UsageError: Llama.forward: tokens hold ids [-1, 130], outside the vocabulary of 128 (ids 0 .. 127). Fix: encode with the model's tokenizer; pad with a real id (e.g. 0) and mask it with attention_mask.
+    nnx_shard._errors.UsageError: Llama.forward: tokens hold ids [-1, 130], outside the vocabulary of 128 (ids 0 .. 127). Fix: encode with the model's tokenizer; pad with a real id (e.g. 0) and mask it with attention_mask.
     """
     dtype = getattr(tokens, "dtype", None)
     if dtype is None or not np.issubdtype(np.dtype(dtype), np.integer):
@@ -171,7 +171,7 @@ def prepare(tokens: jax.Array, *, attention_mask: Any, positions: Any, segment_i
     ...         segment_ids=jnp.zeros((2, 3), jnp.int32), caller="Llama")
     Traceback (most recent call last):
     ...
-    nnx_shard.errors.UsageError: Llama: segment_ids must be integers (or bools) of the tokens' shape (2, 4), got int32 of shape (2, 3). Fix: pass one value per token, int or bool [batch, length] like the tokens.
+    nnx_shard._errors.UsageError: Llama: segment_ids must be integers (or bools) of the tokens' shape (2, 4), got int32 of shape (2, 3). Fix: pass one value per token, int or bool [batch, length] like the tokens.
     """
     shape = tuple(tokens.shape)
     if attention_mask is None and positions is None and segment_ids is None:

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nnx_shard.axes import axes_entry, entry_axes
-from nnx_shard.mesh import constrain, current, option
-from nnx_shard.parallel.collective_matmul import projection
+from nnx_shard._axes import axes_entry, entry_axes
+from nnx_shard._mesh import constrain, current, option
+from nnx_shard._parallel.collective_matmul import projection
 
 __all__ = ["constrain", "einsum", "lookup", "whole"]
 

@@ -1,6 +1,6 @@
 """A planner that chooses: strategy preset x mesh shape x remat policy x microbatches.
 
-:func:`auto` (also ``ns.strategies.auto``, and ``nnx-shard plan --auto``)
+:func:`auto` (also ``ns.planner.auto``, and ``nnx-shard plan --auto``)
 enumerates every preset of :data:`nnx_shard.strategies.NAMES` on every
 factorisation of the device count over the preset's mesh axes, drops what
 cannot be laid out (the preset's ``check`` raises, or the batch does not divide)
@@ -18,7 +18,7 @@ abstract inputs, nothing allocated; per-step figures are the call's halved)::
   ``2 x |result| x |contracted dims|`` each, times the trip count of every loop
   around it (scanned layers, microbatches); elementwise work is left out.
 * Collective bytes: each collective of the HLO (read with
-  :func:`~nnx_shard.planner.costs.compiled_collectives`) as a ring algorithm sends
+  :func:`~nnx_shard.planner._costs.compiled_collectives`) as a ring algorithm sends
   them over its ``n`` devices: all-reduce ``2 (n-1)/n x size``, all-gather and
   all-to-all ``(n-1)/n x size``, reduce-scatter ``(n-1) x size``,
   collective-permute ``size``; times the loop trip counts.
@@ -40,48 +40,29 @@ plain step does not fit, cheapest first, stopping at the first that fits; and
 at most ``max_compiles`` compiles run. :attr:`Plan.pruned` says what was
 skipped. Compiles are cached by their configuration.
 
-The package, one job a module: :mod:`~nnx_shard.planner.hardware` (profiles,
-calibration), :mod:`~nnx_shard.planner.costs` (the HLO reader),
-:mod:`~nnx_shard.planner.compile` (the train step compiled from abstract inputs,
-here or in a child Python), :mod:`~nnx_shard.planner.formula` (the formula's
-bytes), :mod:`~nnx_shard.planner.plan` (candidates and the plan),
-:mod:`~nnx_shard.planner.cache` (compiles kept across runs), and for :func:`auto`:
-:mod:`~nnx_shard.planner.options` (its options), :mod:`~nnx_shard.planner.problem` (the
-model and options it plans for), :mod:`~nnx_shard.planner.layouts` (the preset x mesh
-candidates), :mod:`~nnx_shard.planner.evaluate` (a candidate's figures: compiled,
-cached or a twin's), :mod:`~nnx_shard.planner.explore` (the phases, pruning and ranking)
-and :mod:`~nnx_shard.planner.search` (:func:`auto` itself).
+The package, one job a module: :mod:`~nnx_shard.planner._hardware` (profiles,
+calibration), :mod:`~nnx_shard.planner._costs` (the HLO reader),
+:mod:`~nnx_shard.planner._compile` (the train step compiled from abstract inputs,
+here or in a child Python), :mod:`~nnx_shard.planner._formula` (the formula's
+bytes), :mod:`~nnx_shard.planner._plan` (candidates and the plan),
+:mod:`~nnx_shard.planner._cache` (compiles kept across runs), and for :func:`auto`:
+:mod:`~nnx_shard.planner._options` (its options), :mod:`~nnx_shard.planner._problem` (the
+model and options it plans for), :mod:`~nnx_shard.planner._layouts` (the preset x mesh
+candidates), :mod:`~nnx_shard.planner._evaluate` (a candidate's figures: compiled,
+cached or a twin's), :mod:`~nnx_shard.planner._explore` (the phases, pruning and ranking)
+and :mod:`~nnx_shard.planner._search` (:func:`auto` itself).
 
->>> PROFILES["h100-sxm"].peak_flops
+>>> hardware("h100-sxm").peak_flops
 989000000000000.0
 """
 
 
-from nnx_shard.errors import CompileError
-from nnx_shard.planner.cache import default_cache
-from nnx_shard.planner.compile import (
-    compile_fit,
-    compile_step,
-    compiled_memory,
-    compiled_memory_subprocess,
-)
-from nnx_shard.planner.costs import KINDS, Collective, compiled_collectives, hlo_costs
-from nnx_shard.planner.formula import PRUNE_MARGIN, abstract_report, formula, formula_bytes
-from nnx_shard.planner.hardware import (
-    PROFILES,
-    Hardware,
-    calibrate,
-    calibrate_subprocess,
-    hardware,
-)
-from nnx_shard.planner.plan import Candidate, Plan, plan_json
-from nnx_shard.planner.search import REMAT_ORDER, AutoOptions, NothingFits, auto
-from nnx_shard.planner.user import UserModel, parse_batch_spec
+from nnx_shard.planner._compile import compiled_memory
+from nnx_shard.planner._costs import Collective, compiled_collectives, partitioned_hlo
+from nnx_shard.planner._hardware import Hardware, hardware
+from nnx_shard.planner._plan import Candidate, Plan
+from nnx_shard.planner._search import AutoOptions, NothingFits, auto
+from nnx_shard.planner._user import UserModel
 
-__all__ = [
-    "KINDS", "PROFILES", "PRUNE_MARGIN", "REMAT_ORDER", "AutoOptions", "Candidate", "Collective",
-    "CompileError", "Hardware", "NothingFits", "Plan", "UserModel", "abstract_report", "auto", "calibrate",
-    "calibrate_subprocess", "compile_fit", "compile_step", "compiled_collectives",
-    "compiled_memory", "compiled_memory_subprocess", "default_cache", "formula",
-    "formula_bytes", "hardware", "hlo_costs", "parse_batch_spec", "plan_json",
-]
+__all__ = ["AutoOptions", "Candidate", "Collective", "Hardware", "NothingFits", "Plan", "UserModel",
+           "auto", "compiled_collectives", "compiled_memory", "hardware", "partitioned_hlo"]

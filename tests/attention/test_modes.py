@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from nnx_shard.attention import LOCAL, MODES, attention, context_mode, expect_attention
+from nnx_shard._attention import LOCAL, MODES, attention, context_mode, expect_attention
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_shard.attention.blocks import Masks, finish, stats, tile_mask
-from nnx_shard.attention.kernels import attention_local, dense
-from nnx_shard.models.kv_cache import attend
+from nnx_shard._attention._blocks import Masks, finish, stats, tile_mask
+from nnx_shard._attention._kernels import attention_local, dense
+from nnx_shard.models._kv_cache import attend
 
 
 def _qkv(lq: int, lk: int, heads: int = 4, kv_heads: int = 2, d: int = 8, seed: int = 0):

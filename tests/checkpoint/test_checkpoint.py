@@ -27,9 +27,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import nnx_shard as ns
-from nnx_shard.checkpoint.restore import restore_in_place
-from nnx_shard.simulated import simulated_env
-from nnx_shard.train.feed import group_sizes as _group_sizes
+from nnx_shard._checkpoint._restore import restore_in_place
+from nnx_shard._simulated import simulated_env
+from nnx_shard._train._feed import group_sizes as _group_sizes
 from tests._shared import MLP
 from tests.conftest import needs_devices
 
@@ -572,7 +572,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
 
 
 def test_folders_named_like_temporaries_are_never_deleted(tmp_path):
-    from nnx_shard.checkpoint import _internal as folders
+    from nnx_shard._checkpoint import _internal as folders
 
     users = ["5.orbax-checkpoint-tmp-1234", "5.orbax-checkpoint-tmp", "7.nnx_shard-deleting-mine"]
     for name in users:
@@ -661,7 +661,7 @@ def test_a_flipped_byte_in_the_manifest_is_a_corrupt_checkpoint(tmp_path):
     # Every entry is checked on its own too (a manifest with a recomputed digest).
     import json
 
-    from nnx_shard.checkpoint.manifest import manifest_digest
+    from nnx_shard._checkpoint._manifest import manifest_digest
 
     bad = json.loads(text)
     bad["items"]["model"]["up/kernel"]["checksum"] = [1, 2, 3]
@@ -959,7 +959,7 @@ def test_editing_extra_or_renaming_a_step_is_detected(tmp_path):
 def test_checksums_do_not_collapse_on_constant_round_arrays():
     """Norm scales and biases are often constant and round: every such float32 array
     of a size multiple of 512 used to checksum to [0, 0]."""
-    from nnx_shard.checkpoint.manifest import checksums_of
+    from nnx_shard._checkpoint._manifest import checksums_of
 
     arrays = [jnp.ones(512), jnp.ones(1024), jnp.full((512,), 2.0), jnp.zeros(512),
               jnp.full((4096,), 0.5), jnp.ones(512, jnp.bfloat16), jnp.full((512,), -1.0),

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.checkpoint.exits import CheckpointWriteError
+from nnx_shard._checkpoint._exits import CheckpointWriteError
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)

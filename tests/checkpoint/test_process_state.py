@@ -52,7 +52,7 @@ def test_import_changes_no_process_state() -> None:
     out = _run('''
         import orbax.checkpoint  # imported first, so its own import-time state is in "before"
         out = {"before": snapshot()}
-        import nnx_shard, nnx_shard.checkpoint
+        import nnx_shard, nnx_shard._checkpoint
         out["after"] = snapshot()
     ''')
     assert out["before"]["orbax"] == {"raw_bytes":
@@ -65,8 +65,8 @@ def test_save_restore_and_checkpointer_put_everything_back(tmp_path) -> None:
         import orbax.checkpoint
         from flax import nnx
         import nnx_shard
-        from nnx_shard.checkpoint import Checkpointer, restore, save
-        from nnx_shard.checkpoint import backend
+        from nnx_shard._checkpoint import Checkpointer, restore, save
+        from nnx_shard._checkpoint import _backend as backend
         out = {{"before": snapshot()}}
         model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
         seen = []

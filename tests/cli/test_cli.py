@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from nnx_shard import cli
-from nnx_shard.cli import demo
-from nnx_shard.cli import plan as plan_command
-from nnx_shard.cli.common import DEMO_MAX_STEPS
+from nnx_shard._units import parse_bytes
+from nnx_shard.cli import _demo as demo
+from nnx_shard.cli import _plan as plan_command
+from nnx_shard.cli._common import DEMO_MAX_STEPS
 from nnx_shard.models import get_config
-from nnx_shard.units import parse_bytes
 from tests.conftest import needs_devices
 
 PY = sys.executable
@@ -159,7 +159,7 @@ def test_plan_llama3_8b_mixed_precision_counts_master_weights_and_compute_copy(c
     """llama3-8b's named config is pure bfloat16 (param_dtype=bfloat16: no master
     weights). --param-dtype float32 --compute-dtype bfloat16 is ns.Precision's layout:
     float32 parameters and Adam moments, plus the bfloat16 copy the step reads."""
-    from nnx_shard.models import get_llama_config
+    from nnx_shard.models import get_config
 
     argv = ["plan", "--model", "llama3-8b", "--mesh", "data=8,model=8", "--strategy",
             "fsdp_tp", "--batch", "8", "--seq", "4096", "--json", "--no-compile"]
@@ -169,7 +169,7 @@ def test_plan_llama3_8b_mixed_precision_counts_master_weights_and_compute_copy(c
     code, out, err = run(capsys, *argv, "--param-dtype", "float32", "--compute-dtype", "bfloat16")
     assert code == 0, err
     mixed = json.loads(out)
-    n = get_llama_config("llama3-8b").num_params
+    n = get_config("llama3-8b").num_params
     assert (pure["param_dtype"], pure["compute_dtype"]) == ("bfloat16", "bfloat16")
     assert (mixed["param_dtype"], mixed["compute_dtype"]) == ("float32", "bfloat16")
     assert pure["bytes_total"]["params"] == 2 * n and mixed["bytes_total"]["params"] == 4 * n
@@ -331,7 +331,7 @@ def test_plan_sharding_error_is_reported_with_a_suggestion(capsys):
          ["unknown strategy 'ddp'", "Did you mean 'dp'"]),
         (["plan", "--model", "7b", "--mesh", "data=8,,model"], ["'model' is not 'axis=size'"]),
         (["plan", "--model", "7b", "--mesh", "data=eight"], ["size 'eight' of axis 'data'"]),
-        (["plan", "--model", "8b", "--mesh", "data=8"], ["unknown model '8b'", "7b"]),
+        (["plan", "--model", "8b", "--mesh", "data=8"], ["unknown model config '8b'", "7b"]),
         (["plan", "--model", "7b", "--mesh", "data=8", "--device-memory", "lots"],
          ["--device-memory 'lots'"]),
         (["plan", "--model", "7b", "--mesh", "data=8", "--optimizer", "adagrad"],
@@ -776,7 +776,7 @@ def test_demo_that_diverges_keeps_the_previous_runs_outputs(capsys, tmp_path):
 
 
 def _forged_records():
-    from nnx_shard.cli import demo_outputs as do
+    from nnx_shard.cli import _demo_outputs as do
 
     names = ["summary.json", "checkpoint", "checkpoint/5"]
     proofs = {n: ["file:0:x"] for n in names}
@@ -894,12 +894,12 @@ def test_demo_end_to_end(capsys, tmp_path):
 
 
 def run_fresh(*statements: str) -> tuple[list[str], str]:
-    """Runs ``statements`` after ``import os, nnx_shard, jax; from nnx_shard.cli import common``
+    """Runs ``statements`` after ``import os, nnx_shard, jax; from nnx_shard.cli import _common as common``
     in a fresh CPU-only Python that was given no device count; the words it
     printed, and its stderr."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
-    code = "; ".join(("import os, nnx_shard, jax", "from nnx_shard.cli import common",
+    code = "; ".join(("import os, nnx_shard, jax", "from nnx_shard.cli import _common as common",
                       *statements))
     done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
@@ -1022,7 +1022,8 @@ def test_demo_samples_through_the_cached_path(caplog):
     import jax
     from flax import nnx
 
-    from nnx_shard.models import Transformer, generate
+    from nnx_shard.inference import generate
+    from nnx_shard.models import Transformer
 
     model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # a context of 16
     prompt = np.arange(16, dtype=np.int32) % 7

@@ -85,8 +85,8 @@ def test_generation_rules_keep_uneven_caches_whole() -> None:
     from jax.sharding import PartitionSpec as P
 
     import nnx_shard as ns
-    from nnx_shard.cli.generate import _generation_rules
-    from nnx_shard.rules import Fallbacks
+    from nnx_shard._rules import Fallbacks
+    from nnx_shard.cli._generate import _generation_rules
 
     rules = _generation_rules(ns.strategies.get("cp").rules)
     assert rules["cache_length"] == Fallbacks("context", None)

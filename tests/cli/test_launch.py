@@ -1,4 +1,4 @@
-"""nnx_shard.cli.launch: local multi-process jobs that never hang and leave no process behind.
+"""nnx_shard.cli._launch: local multi-process jobs that never hang and leave no process behind.
 
 Most jobs here run tiny ``python -c`` programs (no JAX, fast); one runs real JAX
 processes whose peer is killed mid-job.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nnx_shard.cli import launch
+from nnx_shard.cli import _launch as launch
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
 SCRIPT = str(HERE / "distributed_script.py")
@@ -164,7 +164,7 @@ def test_command_that_cannot_start_is_an_error(capfd):
 
 def test_terminating_the_launcher_stops_its_processes():
     prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
-    p = subprocess.Popen([PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--", PY, "-c", prog],
+    p = subprocess.Popen([PY, "-m", "nnx_shard.cli._launch", "-n", "2", "--", PY, "-c", prog],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
@@ -180,7 +180,7 @@ def test_terminating_the_launcher_stops_its_processes():
 
 def test_killing_the_launcher_outright_takes_its_processes_along():
     prog = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
-    p = subprocess.Popen([PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--", PY, "-c", prog],
+    p = subprocess.Popen([PY, "-m", "nnx_shard.cli._launch", "-n", "2", "--", PY, "-c", prog],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert p.stdout is not None
     lines = [p.stdout.readline(), p.stdout.readline()]
@@ -200,7 +200,7 @@ def test_add_arguments_composes_with_a_subcommand_parser(capfd):
 
 def test_a_killed_jax_peer_stops_the_job_within_the_timeout():
     done = subprocess.run(
-        [PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--devices-per-process", "4",
+        [PY, "-m", "nnx_shard.cli._launch", "-n", "2", "--devices-per-process", "4",
          "--timeout", "40", "--init-timeout", "20", "--heartbeat-timeout", "10", "--",
          PY, SCRIPT, "die"],
         capture_output=True, text=True, timeout=50, cwd=HERE.parent,
@@ -241,7 +241,7 @@ def test_a_timeout_kills_processes_that_ignore_sigterm_after_the_grace(capfd):
 def test_a_second_sigterm_while_stopping_still_kills_what_ignores_the_first():
     """Terminated twice while its processes ignore SIGTERM: the second signal lands in
     the grace period and must neither skip the SIGKILL nor end in a traceback."""
-    p = subprocess.Popen([PY, "-m", "nnx_shard.cli.launch", "-n", "2", "--grace", "2", "--",
+    p = subprocess.Popen([PY, "-m", "nnx_shard.cli._launch", "-n", "2", "--grace", "2", "--",
                           PY, "-c", IGNORES_TERM],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

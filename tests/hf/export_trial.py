@@ -24,8 +24,8 @@ def main(argv: list[str]) -> int:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard import safetensors_io as st
-    from nnx_shard.hf import export_dir
+    from nnx_shard import _safetensors_io as st
+    from nnx_shard.hf import _export_dir as export_dir
     from nnx_shard.models import Llama, LlamaConfig
 
     model = ns.sharded_init(
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
             _die()
 
         export_dir._exchange = exchanged  # type: ignore[assignment]
-    ns.save_safetensors(out, model, max_shard_bytes=30_000)
+    ns.hf.save_safetensors(out, model, max_shard_bytes=30_000)
     return 0
 
 

@@ -21,8 +21,8 @@ from safetensors.numpy import load_file, save_file
 
 import nnx_shard as ns
 from nnx_shard import hf
-from nnx_shard.errors import UsageError
-from nnx_shard.hf import layout
+from nnx_shard._errors import UsageError
+from nnx_shard.hf import _layout as layout
 from nnx_shard.models import Llama, LlamaConfig
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -86,7 +86,7 @@ def test_a_head_equal_to_the_embedding_stays_tied(tmp_path: Path) -> None:
 def test_the_export_of_a_separate_head_loads_back_untied(tmp_path: Path) -> None:
     model = hf.load_pretrained(TIED_HEAD, mesh="data=8", rules=RULES)
     out = tmp_path / "out"
-    ns.save_safetensors(out, model)
+    ns.hf.save_safetensors(out, model)
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
     assert "lm_head.weight" in load_file(out / "model.safetensors")

@@ -1,5 +1,5 @@
 """save_safetensors replaces an export whole or not at all, and deletes only what it
-proves it wrote (nnx_shard.hf.export_dir).
+proves it wrote (nnx_shard.hf._export_dir).
 
 The trials: a save over a previous export fails with ENOSPC after N bytes (for
 N spread over every byte it writes), or its process is SIGKILLed at points
@@ -25,9 +25,9 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
+from nnx_shard import _safetensors_io as st
 from nnx_shard import hf
-from nnx_shard import safetensors_io as st
-from nnx_shard.hf import export_dir
+from nnx_shard.hf import _export_dir as export_dir
 from nnx_shard.models import Llama, LlamaConfig
 from tests.conftest import needs_devices
 

@@ -30,9 +30,10 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.errors import UsageError
+from nnx_shard._errors import UsageError
 from nnx_shard.hf import load_pretrained
-from nnx_shard.models import Llama, LlamaConfig, generate
+from nnx_shard.inference import generate
+from nnx_shard.models import Llama, LlamaConfig
 from tests._close import assert_close
 from tests._shared import load_refusal
 from tests.conftest import needs_devices
@@ -70,7 +71,7 @@ def _loaded(name: str, strategy: str) -> Llama:
     mesh, rules = _mesh_rules(strategy)
     if strategy == "pp":  # a pipeline runs stacked layers
         cfg = LlamaConfig.from_hf(FIXTURES / name, scan_layers=True)
-        return ns.load_safetensors(FIXTURES / name, ns.abstract_init(
+        return ns.hf.load_safetensors(FIXTURES / name, ns.abstract_init(
             lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules))
     model = load_pretrained(FIXTURES / name, mesh=mesh, rules=rules)
     assert isinstance(model, Llama)
@@ -132,7 +133,7 @@ def test_the_window_decides_mistral_logits() -> None:
     # than its 16 tokens, so the test above checks the window.
     cfg = LlamaConfig.from_hf(FIXTURES / "hf_mistral")
     mesh, rules = _mesh_rules("one")
-    full = ns.load_safetensors(FIXTURES / "hf_mistral", ns.abstract_init(
+    full = ns.hf.load_safetensors(FIXTURES / "hf_mistral", ns.abstract_init(
         lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules))
     unbanded = nnx.merge(nnx.graphdef(Llama(dataclasses.replace(cfg, sliding_window=None),
                                             rngs=nnx.Rngs(0))), nnx.state(full))
@@ -178,7 +179,7 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     target = ns.abstract_init(lambda: Llama(llama, rngs=nnx.Rngs(0)), "data=8",
                               ns.strategies.get("dp").rules)
     with pytest.raises(UsageError) as info:
-        ns.load_safetensors(FIXTURES / "hf_mistral", target)
+        ns.hf.load_safetensors(FIXTURES / "hf_mistral", target)
     text = str(info.value)
     assert "2 fields differ" in text and "hf_mistral/config.json" in text
     assert "- model_type: checkpoint 'mistral', model 'llama'" in text
@@ -202,7 +203,7 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     # A family this does not read: the fields the file states are compared.
     gpt2 = _copy_with(tmp_path, "hf_mistral", {"model_type": "gpt2", "hidden_act": "gelu"})
     with pytest.raises(UsageError) as info:
-        ns.load_safetensors(gpt2, target)
+        ns.hf.load_safetensors(gpt2, target)
     text = str(info.value)
     assert "- model_type: checkpoint 'gpt2', model 'llama'" in text
     assert "- hidden_act: checkpoint 'gelu', model 'silu'" in text

@@ -23,8 +23,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import nnx_shard as ns
-from nnx_shard.attention import attention
-from nnx_shard.errors import UsageError
+from nnx_shard._attention import attention
+from nnx_shard._errors import UsageError
 from nnx_shard.models import Llama, LlamaConfig
 from tests._close import assert_close
 from tests._shared import load_refusal
@@ -42,7 +42,7 @@ def _model(name: str, cfg: LlamaConfig | None = None) -> Llama:
     """The fixture's weights in a model of ``cfg`` (the fixture's own by default)."""
     own = _cfg(name)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    loaded = ns.load_safetensors(FIXTURES / name, ns.abstract_init(
+    loaded = ns.hf.load_safetensors(FIXTURES / name, ns.abstract_init(
         lambda: Llama(own, rngs=nnx.Rngs(0)), mesh, ns.strategies.get("dp").rules))
     if cfg is None:
         return loaded
@@ -96,12 +96,12 @@ def test_each_option_decides_the_logits(name: str, change: dict, same_first: int
 def test_phi3_export_writes_the_fused_tensors_back(tmp_path: Path) -> None:
     s = ns.strategies.get("fsdp_tp")
     cfg = _cfg("hf_phi3", scan_layers=True)
-    model = ns.load_safetensors(FIXTURES / "hf_phi3", ns.abstract_init(
+    model = ns.hf.load_safetensors(FIXTURES / "hf_phi3", ns.abstract_init(
         lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s))
     want = load_file(FIXTURES / "hf_phi3" / "model.safetensors")
     assert want["model.layers.1.self_attn.qkv_proj.weight"].shape == (64, 32)
     for out, kwargs in ((tmp_path / "one", {}), (tmp_path / "split", {"max_shard_bytes": 12_000})):
-        ns.save_safetensors(out, model, **kwargs)
+        ns.hf.save_safetensors(out, model, **kwargs)
         got: dict[str, np.ndarray] = {}
         for f in sorted(out.glob("*.safetensors")):
             got.update(load_file(f))
@@ -112,7 +112,7 @@ def test_phi3_export_writes_the_fused_tensors_back(tmp_path: Path) -> None:
             files = list(out.glob("*.safetensors"))
             index = json.loads((out / "model.safetensors.index.json").read_text())
             assert len(files) > 1 and sorted(index["weight_map"]) == sorted(want)
-        again = ns.load_safetensors(out, ns.abstract_init(
+        again = ns.hf.load_safetensors(out, ns.abstract_init(
             lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s))
         for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)),
                         strict=True):
@@ -144,7 +144,7 @@ def test_transformers_reads_the_exports(tmp_path: Path) -> None:
 def test_phi3_fused_tensor_of_other_rows_is_named(tmp_path: Path) -> None:
     cfg = dataclasses.replace(_cfg("hf_phi3"), kv_heads=4)  # q/k/v rows 32 + 32 + 32 != 64
     with pytest.raises(UsageError) as info:
-        ns.load_safetensors(FIXTURES / "hf_phi3", ns.abstract_init(
+        ns.hf.load_safetensors(FIXTURES / "hf_phi3", ns.abstract_init(
             lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp").rules))
     assert "num_key_value_heads: checkpoint 2, model 4" in str(info.value)
     # Without its config.json the tensor itself is checked against the model.
@@ -154,7 +154,7 @@ def test_phi3_fused_tensor_of_other_rows_is_named(tmp_path: Path) -> None:
                                              .read_bytes())
     with pytest.raises(UsageError, match=r"fused tensor 'model\.layers\.0\.self_attn\.qkv_proj"
                        r"\.weight' has shape \[64, 32\]; the config stacks 32 \+ 32 \+ 32"):
-        ns.load_safetensors(bare, ns.abstract_init(
+        ns.hf.load_safetensors(bare, ns.abstract_init(
             lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp").rules))
 
 

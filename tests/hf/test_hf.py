@@ -28,10 +28,12 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import nnx_shard as ns
-from nnx_shard import hf, safetensors_io
-from nnx_shard.hf import layout, mapping
+from nnx_shard import _safetensors_io as safetensors_io
+from nnx_shard import hf
+from nnx_shard.hf import _layout as layout
+from nnx_shard.hf import _mapping as mapping
 from nnx_shard.models import Llama, LlamaConfig
-from nnx_shard.strategies import compiled_collectives
+from nnx_shard.planner import compiled_collectives
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
@@ -215,7 +217,7 @@ def test_save_then_load_is_bitwise_and_transformers_layout(tmp_path) -> None:
     # From a stacked model on a pipeline mesh, split over files: the same checkpoint.
     stacked = hf.load_safetensors(tmp_path / "one", _target(name, "pp_tp", scan_layers=True))
     hf.save_safetensors(tmp_path / "many", stacked, max_shard_bytes=20_000)
-    index = json.loads((tmp_path / "many" / hf.INDEX).read_text())
+    index = json.loads((tmp_path / "many" / layout.INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 2 and index["weight_map"].keys() == \
         original.keys()
     back = hf.load_safetensors(tmp_path / "many", _target(name, "fsdp_tp"))
@@ -291,7 +293,7 @@ def test_two_tensors_for_one_parameter(tmp_path) -> None:
 def test_missing_files_and_targets(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="holds neither model.safetensors nor"):
         hf.load_safetensors(tmp_path, _target("hf_llama", "dp"))
-    (tmp_path / hf.INDEX).write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    (tmp_path / layout.INDEX).write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="lists 1 files that are not there: "
                        "part-1.safetensors"):
         hf.load_safetensors(tmp_path, _target("hf_llama", "dp"))
@@ -347,7 +349,7 @@ JOB_TIMEOUT = 120
 
 
 def _job(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "nnx_shard.cli.launch", "-n", "2", "--devices-per-process", "4",
+    cmd = [sys.executable, "-m", "nnx_shard.cli._launch", "-n", "2", "--devices-per-process", "4",
            "--timeout", str(JOB_TIMEOUT - 10), "--init-timeout", "30",
            "--heartbeat-timeout", "20", "--", sys.executable, str(HERE / "hf_script.py"), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT,
@@ -378,7 +380,7 @@ def test_two_processes_save_one_checkpoint(tmp_path) -> None:
     assert saved.keys() == original.keys()
     for key in original:
         np.testing.assert_array_equal(saved[key], original[key], err_msg=key)
-    assert (tmp_path / "ckpt" / hf.INDEX).is_file()
+    assert (tmp_path / "ckpt" / layout.INDEX).is_file()
 
 
 
@@ -432,11 +434,11 @@ def _llama_copy(tmp_path: Path, name: str = "ckpt") -> Path:
 def _index(folder: Path, content: object) -> Path:
     # An index beside model.safetensors is never read (as in transformers): the
     # single file goes, its bytes stay as a shard.
-    if (folder / hf.SINGLE).exists():
-        (folder / hf.SINGLE).rename(folder / "model-00001-of-00001.safetensors")
+    if (folder / layout.SINGLE).exists():
+        (folder / layout.SINGLE).rename(folder / "model-00001-of-00001.safetensors")
     text = content if isinstance(content, str) else json.dumps(content)
-    (folder / hf.INDEX).write_text(text)
-    return folder / hf.INDEX
+    (folder / layout.INDEX).write_text(text)
+    return folder / layout.INDEX
 
 
 def test_index_shards_outside_the_folder_are_refused(tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""PEFT adapter folders: ns.load_lora against peft's own logits under dp, tp, fsdp and
+"""PEFT adapter folders: ns.hf.load_lora against peft's own logits under dp, tp, fsdp and
 fsdp_tp, merge_lora, save_lora's files (exact PEFT names and config; read back bitwise),
 and adapter-only AdamW training against peft's own loss curve."""
 
@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard import safetensors_io as st
+from nnx_shard import _safetensors_io as st
+from nnx_shard._low_rank import adapters
 from nnx_shard.hf import load_pretrained
-from nnx_shard.low_rank import adapters
 from nnx_shard.models import Llama, LlamaConfig, lm_loss
 from tests.conftest import needs_devices
 
@@ -38,7 +38,7 @@ def _base(strategy, mesh, scan=False):
         import dataclasses
         cfg = dataclasses.replace(cfg, scan_layers=True)
     target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
-    return ns.load_safetensors(FIXTURES / "hf_llama", target)
+    return ns.hf.load_safetensors(FIXTURES / "hf_llama", target)
 
 
 def _logits(model, strategy, mesh, tokens):
@@ -56,7 +56,7 @@ def _logits(model, strategy, mesh, tokens):
 def test_load_lora_matches_peft_then_merge(name, devices):
     strategy = ns.strategies.get(name)
     mesh = strategy.make_mesh(devices)
-    model = ns.load_lora(PEFT, _base(strategy, mesh))
+    model = ns.hf.load_lora(PEFT, _base(strategy, mesh))
     exp = _expected()
     assert sorted(adapters(model))[:4] == ["blocks/0/attn/o", "blocks/0/attn/q",
                                            "blocks/0/attn/v", "blocks/0/mlp/down"]
@@ -80,7 +80,7 @@ def test_adapter_only_adamw_follows_peft_loss_curve():
     tokens = exp["train_tokens"]
     strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
-    model = ns.load_lora(PEFT, load_pretrained(FIXTURES / "hf_llama", mesh=mesh,
+    model = ns.hf.load_lora(PEFT, load_pretrained(FIXTURES / "hf_llama", mesh=mesh,
                                                rules=strategy.rules))
     # torch's AdamW: eps outside the square root, decoupled decay on every trained tensor.
     tx = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
@@ -107,10 +107,10 @@ def test_adapter_only_adamw_follows_peft_loss_curve():
 
 
 def test_save_lora_writes_peft_names_and_reads_back_bitwise(tmp_path):
-    strategy = ns.strategies.dp()
+    strategy = ns.strategies.get("dp")
     mesh = strategy.make_mesh(2)
-    model = ns.load_lora(PEFT, _base(strategy, mesh))
-    ns.save_lora(tmp_path / "out", model, base_model_name_or_path="hf_llama")
+    model = ns.hf.load_lora(PEFT, _base(strategy, mesh))
+    ns.hf.save_lora(tmp_path / "out", model, base_model_name_or_path="hf_llama")
     cfg = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["base_model_name_or_path"]) == (
         "LORA", 4, 8, "hf_llama")
@@ -123,7 +123,7 @@ def test_save_lora_writes_peft_names_and_reads_back_bitwise(tmp_path):
         np.testing.assert_array_equal(st.read_slice(ours, name, index),
                                       st.read_slice(theirs, name, index))
     # onto a model with stacked blocks: the same adapters, layer by layer
-    stacked = ns.load_lora(tmp_path / "out", _base(strategy, mesh, scan=True))
+    stacked = ns.hf.load_lora(tmp_path / "out", _base(strategy, mesh, scan=True))
     q = stacked.blocks.attn.q
     np.testing.assert_array_equal(np.asarray(q.lora_a[...][1]),
                                   np.asarray(model.blocks[1].attn.q.lora_a[...]))
@@ -132,13 +132,13 @@ def test_save_lora_writes_peft_names_and_reads_back_bitwise(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not HF_VENV.exists(), reason="no torch/peft virtual environment")
 def test_peft_reads_what_save_lora_writes(tmp_path):
-    strategy = ns.strategies.dp()
+    strategy = ns.strategies.get("dp")
     mesh = strategy.make_mesh(2)
     model = ns.lora(_base(strategy, mesh), 2, 6.0, targets=r"attn/k$|mlp/(gate|up)$", rngs=3)
     for node in adapters(model).values():
         node.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(1), node.lora_b.shape))
     out = tmp_path / "adapter"
-    ns.save_lora(out, model)
+    ns.hf.save_lora(out, model)
     np.save(out / "expected_logits.npy", _logits(model, strategy, mesh, _expected()["tokens"]))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([str(HF_VENV), str(FIXTURES / "make_peft.py"), "--check", str(out)],
@@ -165,16 +165,16 @@ def _copy(tmp_path, **config):
     ({"r": 8}, "lora_A (4, 32)"),
 ])
 def test_load_lora_errors(tmp_path, config, words):
-    strategy = ns.strategies.dp()
+    strategy = ns.strategies.get("dp")
     mesh = strategy.make_mesh(2)
     with pytest.raises(ns.NnxShardError, match="Fix:") as info:
-        ns.load_lora(_copy(tmp_path, **config), _base(strategy, mesh))
+        ns.hf.load_lora(_copy(tmp_path, **config), _base(strategy, mesh))
     assert words in str(info.value)
 
 
 def test_load_lora_missing_folder(tmp_path):
     with pytest.raises(ns.NnxShardError, match="is not a directory"):
-        ns.load_lora(tmp_path / "nope", nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+        ns.hf.load_lora(tmp_path / "nope", nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
 
 
 # --- load_lora reads what PEFT's config selects, as PEFT does ------------------------------------
@@ -198,9 +198,9 @@ def test_load_lora_selects_modules_as_peft_does(case, loaded):
     """Every file holds factors of all 14 projections; PEFT loads only those its config
     selects (and lora_alpha defaults to 8): our logits are PEFT's on each folder."""
     exp = np.load(CASES / "expected.npz")
-    strategy = ns.strategies.dp()
+    strategy = ns.strategies.get("dp")
     mesh = strategy.make_mesh(2)
-    model = ns.load_lora(CASES / case, _base(strategy, mesh))
+    model = ns.hf.load_lora(CASES / case, _base(strategy, mesh))
     assert set(adapters(model)) == loaded
     want = exp[f"logits_{case}"]
     tol = 2e-4 * np.abs(want).max()
@@ -213,9 +213,9 @@ def test_load_lora_selects_modules_as_peft_does(case, loaded):
 
 def test_load_lora_layers_to_transform_onto_stacked_blocks():
     exp = np.load(CASES / "expected.npz")
-    strategy = ns.strategies.dp()
+    strategy = ns.strategies.get("dp")
     mesh = strategy.make_mesh(2)
-    model = ns.load_lora(CASES / "layers_to_transform", _base(strategy, mesh, scan=True))
+    model = ns.hf.load_lora(CASES / "layers_to_transform", _base(strategy, mesh, scan=True))
     assert set(adapters(model)) == {"blocks/attn/q", "blocks/attn/v", "blocks/mlp/up"}
     q = model.blocks.attn.q
     assert not np.asarray(q.lora_b[...][0]).any() and np.asarray(q.lora_b[...][1]).any()
@@ -226,9 +226,9 @@ def test_load_lora_layers_to_transform_onto_stacked_blocks():
 
 # --- save_lora replaces the folder whole, never through a link -----------------------------------
 def _tiny(rank=2, alpha=4.0, targets=r"attn/q$", seed=0):
-    from nnx_shard.models import get_llama_config
+    from nnx_shard.models import get_config
 
-    model = ns.lora(Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0)), rank, alpha,
+    model = ns.lora(Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), rank, alpha,
                     targets=targets, rngs=seed)
     for i, node in enumerate(adapters(model).values()):
         node.lora_b.set_value(jax.random.normal(jax.random.key(seed * 100 + i), node.lora_b.shape))
@@ -249,16 +249,16 @@ def _same(a, b):
 
 
 def _saved(model, tmp_path, name):
-    ns.save_lora(tmp_path / name, model)
+    ns.hf.save_lora(tmp_path / name, model)
     return _files(tmp_path / name)
 
 
 def test_save_lora_some_layers_reads_back_through_its_regex(tmp_path):
     model = _tiny(targets=r"blocks/1/attn/q$|blocks/0/mlp/up$")
-    ns.save_lora(tmp_path / "a", model)
+    ns.hf.save_lora(tmp_path / "a", model)
     assert isinstance(json.loads((tmp_path / "a" / "adapter_config.json").read_text())[
         "target_modules"], str)
-    back = ns.load_lora(tmp_path / "a", Llama(model.cfg, rngs=nnx.Rngs(0)))
+    back = ns.hf.load_lora(tmp_path / "a", Llama(model.cfg, rngs=nnx.Rngs(0)))
     assert sorted(adapters(back)) == ["blocks/0/mlp/up", "blocks/1/attn/q"]
     np.testing.assert_array_equal(np.asarray(back.blocks[1].attn.q.lora_b[...]),
                                   np.asarray(model.blocks[1].attn.q.lora_b[...]))
@@ -274,7 +274,7 @@ def test_save_lora_never_writes_through_links(tmp_path):
     (out / "adapter_model.safetensors").symlink_to(outside["weights.bin"])
     (out / "adapter_model.safetensors.partial").symlink_to(outside["partial.bin"])
     model = _tiny()
-    ns.save_lora(out, model)
+    ns.hf.save_lora(out, model)
     assert all(p.read_bytes() == b"precious" for p in outside.values())
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
     assert not any((out / n).is_symlink() for n in os.listdir(out))
@@ -283,14 +283,14 @@ def test_save_lora_never_writes_through_links(tmp_path):
 
 def test_save_lora_keeps_the_folder_mode_and_other_files(tmp_path):
     out = tmp_path / "adapter"
-    ns.save_lora(out, _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$"))
+    ns.hf.save_lora(out, _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$"))
     (out / "README.md").write_text("mine")
     (out / "runs").mkdir()
     (out / "runs" / "log.txt").write_text("log")
     (out / "link").symlink_to(tmp_path / "elsewhere")
     out.chmod(0o750)
     model = _tiny()
-    ns.save_lora(out, model)
+    ns.hf.save_lora(out, model)
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
     assert (out / "README.md").read_text() == "mine"
     assert (out / "runs" / "log.txt").read_text() == "log"
@@ -300,7 +300,7 @@ def test_save_lora_keeps_the_folder_mode_and_other_files(tmp_path):
     assert not any("v_proj" in k for k in tensors)
     assert sorted(os.listdir(tmp_path)) == ["adapter"]  # no staging folder left
     out.chmod(0o555)  # read-only: the mode is set after the files are written
-    ns.save_lora(out, _tiny(rank=4, alpha=16.0))
+    ns.hf.save_lora(out, _tiny(rank=4, alpha=16.0))
     assert stat.S_IMODE(out.stat().st_mode) == 0o555
     assert _files(out)[0]["r"] == 4 and (out / "README.md").read_text() == "mine"
     assert sorted(os.listdir(tmp_path)) == ["adapter"]
@@ -309,13 +309,13 @@ def test_save_lora_keeps_the_folder_mode_and_other_files(tmp_path):
 def test_save_lora_new_folder_takes_the_umask_and_link_is_followed(tmp_path):
     old = os.umask(0o027)
     try:
-        ns.save_lora(tmp_path / "a" / "b", _tiny())
+        ns.hf.save_lora(tmp_path / "a" / "b", _tiny())
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "a" / "b").stat().st_mode) == 0o750
     (tmp_path / "real").mkdir()
     (tmp_path / "via").symlink_to(tmp_path / "real")
-    ns.save_lora(tmp_path / "via", _tiny())
+    ns.hf.save_lora(tmp_path / "via", _tiny())
     assert (tmp_path / "via").is_symlink()
     assert sorted(os.listdir(tmp_path / "real")) == ["adapter_config.json",
                                                      "adapter_model.safetensors"]
@@ -323,10 +323,10 @@ def test_save_lora_new_folder_takes_the_umask_and_link_is_followed(tmp_path):
 
 @pytest.mark.parametrize("where", ["weights", "config", "swap"])
 def test_save_lora_failing_midway_keeps_the_previous_adapter_whole(tmp_path, monkeypatch, where):
-    from nnx_shard.hf import peft as peft_io
+    from nnx_shard.hf import _peft as peft_io
 
     out = tmp_path / "adapter"
-    ns.save_lora(out, _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$"))
+    ns.hf.save_lora(out, _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$"))
     before = _files(out)
 
     def boom(*args, **kwargs):
@@ -336,7 +336,7 @@ def test_save_lora_failing_midway_keeps_the_previous_adapter_whole(tmp_path, mon
               "swap": (peft_io.export_dir, "_exchange")}[where]
     monkeypatch.setattr(*target, boom)
     with pytest.raises(ns.NnxShardError, match="No space left") as info:
-        ns.save_lora(out, _tiny())
+        ns.hf.save_lora(out, _tiny())
     assert str(out) in str(info.value) and "Fix:" in str(info.value)
     assert _same(_files(out), before)
     assert sorted(os.listdir(tmp_path)) == ["adapter"]
@@ -354,7 +354,7 @@ real = peft_io.st.write_file
 def write_file(path, data):  # the weights are on disk: die before the config is
     os.kill(os.getpid(), signal.SIGKILL)
 peft_io.st.write_file = write_file
-ns.save_lora(Path(sys.argv[1]), _tiny())
+ns.hf.save_lora(Path(sys.argv[1]), _tiny())
 """
 
 
@@ -362,25 +362,25 @@ ns.save_lora(Path(sys.argv[1]), _tiny())
 def test_save_lora_killed_midway_leaves_the_previous_adapter(tmp_path):
     out = tmp_path / "adapter"
     old = _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$")
-    ns.save_lora(out, old)
+    ns.hf.save_lora(out, old)
     before = _files(out)
     done = subprocess.run([sys.executable, "-c", _KILLED, str(out)], capture_output=True,
                           text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert done.returncode == -9, done.stderr
     assert _same(_files(out), before)
-    back = ns.load_lora(out, Llama(old.cfg, rngs=nnx.Rngs(0)))
+    back = ns.hf.load_lora(out, Llama(old.cfg, rngs=nnx.Rngs(0)))
     assert {n.scale for n in adapters(back).values()} == {4.0}
     left, = [p for p in os.listdir(tmp_path) if p != "adapter"]  # the killed save's folder
     assert left.startswith(".adapter.save_lora-")
-    ns.save_lora(out, old)  # the next save tidies it
+    ns.hf.save_lora(out, old)  # the next save tidies it
     assert os.listdir(tmp_path) == ["adapter"]
 
 
 def test_save_lora_tidies_only_folders_of_dead_saves(tmp_path):
-    from nnx_shard.hf import peft as peft_io
+    from nnx_shard.hf import _peft as peft_io
 
     out = tmp_path / "adapter"
-    ns.save_lora(out, _tiny())
+    ns.hf.save_lora(out, _tiny())
     (out / "README.md").write_text("mine")
     host, _, pid = peft_io._owner().partition("-")
     token = "0" * 32
@@ -392,7 +392,7 @@ def test_save_lora_tidies_only_folders_of_dead_saves(tmp_path):
         (d / "adapter_config.json").write_text("{}")
     (dead / "notes.txt").write_text("moved back")  # a user's file of a swapped-out folder
     os.link(out / "README.md", dead / "README.md")
-    ns.save_lora(out, _tiny())
+    ns.hf.save_lora(out, _tiny())
     assert sorted(os.listdir(tmp_path)) == sorted(["adapter", mine.name, other.name])
     assert (out / "notes.txt").read_text() == "moved back"
     assert (out / "README.md").read_text() == "mine"
@@ -414,7 +414,7 @@ def test_concurrent_save_lora_leaves_one_whole_adapter(tmp_path):
         def save(model, gate=gate, errors=errors):
             try:
                 gate.wait()
-                ns.save_lora(out, model)
+                ns.hf.save_lora(out, model)
             except BaseException as e:  # reported below, not lost in the thread
                 errors.append(e)
 

@@ -22,9 +22,10 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard import safetensors_io as st
-from nnx_shard.errors import NnxShardError, UsageError
-from nnx_shard.hf import export_dir, load_pretrained, source_of
+from nnx_shard import _safetensors_io as st
+from nnx_shard._errors import NnxShardError, UsageError
+from nnx_shard.hf import _export_dir as export_dir
+from nnx_shard.hf import load_pretrained, source_of
 from nnx_shard.models import Llama, LlamaConfig
 from tests.conftest import needs_devices
 
@@ -62,7 +63,7 @@ def test_export_carries_the_sources_config_generation_config_tokenizer_and_dtype
     assert source_of(nnx.merge(graph, state)) == source_of(model)
     assert all("hf_source" not in str(k) for k, _ in nnx.to_flat_state(state))
     out = tmp_path / "out"
-    ns.save_safetensors(out, model)
+    ns.hf.save_safetensors(out, model)
     config, source = read(out, "config.json"), read(src, "config.json")
     assert config == source  # every field kept; the sizes are the model's, equal here
     assert (config["eos_token_id"], config["bos_token_id"], config["pad_token_id"]) == ([2, 3], 1, 0)
@@ -79,7 +80,7 @@ def test_export_carries_the_sources_config_generation_config_tokenizer_and_dtype
     # The export is itself a source: loading it and saving again writes the same files.
     again = load(out)
     assert source_of(again).folder == str(out)
-    ns.save_safetensors(tmp_path / "out2", again)
+    ns.hf.save_safetensors(tmp_path / "out2", again)
     for name in ("config.json", "generation_config.json", *TOKENIZER, "model.safetensors"):
         assert (tmp_path / "out2" / name).read_bytes() == (out / name).read_bytes(), name
     # The bfloat16 weights are the model's, rounded.
@@ -90,7 +91,7 @@ def test_export_carries_the_sources_config_generation_config_tokenizer_and_dtype
 def test_dtype_given_wins_and_the_tokenizer_can_be_left_out(tmp_path):
     model = load(make_source(tmp_path / "src"))
     out = tmp_path / "out"
-    ns.save_safetensors(out, model, dtype=jnp.float32, copy_tokenizer=False)
+    ns.hf.save_safetensors(out, model, dtype=jnp.float32, copy_tokenizer=False)
     assert read(out, "config.json")["torch_dtype"] == "float32"
     header = st.read_header(str(out / "model.safetensors"))
     assert {t.dtype for t in header.tensors.values()} == {"F32"}
@@ -101,7 +102,7 @@ def test_dtype_given_wins_and_the_tokenizer_can_be_left_out(tmp_path):
 def test_generation_config_derived_from_the_configs_token_ids(tmp_path):
     model = load(make_source(tmp_path / "src", generation=False))
     assert source_of(model).generation_config is None
-    ns.save_safetensors(tmp_path / "out", model)
+    ns.hf.save_safetensors(tmp_path / "out", model)
     assert read(tmp_path / "out", "generation_config.json") == {
         "_from_model_config": True, "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 0}
 
@@ -112,30 +113,30 @@ def test_vanished_source_folder_is_named_and_nothing_is_written(tmp_path):
     shutil.rmtree(src)
     with pytest.raises(NnxShardError, match=r"tokenizer file .*src/tokenizer.json.*folder is "
                                             r"gone.*copy_tokenizer=False"):
-        ns.save_safetensors(tmp_path / "out", model)
+        ns.hf.save_safetensors(tmp_path / "out", model)
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     # Config and generation config were read at load time: they still come out.
-    ns.save_safetensors(tmp_path / "out", model, copy_tokenizer=False)
+    ns.hf.save_safetensors(tmp_path / "out", model, copy_tokenizer=False)
     assert read(tmp_path / "out", "config.json")["eos_token_id"] == [2, 3]
 
 
 def test_source_argument_for_a_model_built_by_hand(tmp_path):
     src = make_source(tmp_path / "src")
     s = ns.strategies.get("fsdp_tp")
-    model = ns.load_safetensors(src, ns.abstract_init(
+    model = ns.hf.load_safetensors(src, ns.abstract_init(
         lambda: Llama(LlamaConfig.from_hf(src), rngs=nnx.Rngs(0)), "data=4,model=2", s))
     assert source_of(model) is None
-    ns.save_safetensors(tmp_path / "plain", model)  # no source: the model's own config only
+    ns.hf.save_safetensors(tmp_path / "plain", model)  # no source: the model's own config only
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [
         ".nnx_shard_safetensors", "config.json", "model.safetensors"]
     assert "eos_token_id" not in read(tmp_path / "plain", "config.json")
-    ns.save_safetensors(tmp_path / "out", model, source=src)
+    ns.hf.save_safetensors(tmp_path / "out", model, source=src)
     assert read(tmp_path / "out", "config.json")["eos_token_id"] == [2, 3]
     assert (tmp_path / "out" / "tokenizer.json").exists()
     # source=False turns the remembered one off.
     tuned = load(src)
-    ns.save_safetensors(tmp_path / "off", tuned, source=False)
+    ns.hf.save_safetensors(tmp_path / "off", tuned, source=False)
     assert not (tmp_path / "off" / "generation_config.json").exists()
 
 
@@ -145,7 +146,7 @@ def test_a_model_that_computes_otherwise_than_its_source_is_refused(tmp_path):
     model = ns.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
                             "data=8", ns.strategies.get("fsdp"))
     with pytest.raises(UsageError, match=r"(?s)differs from its source .*hidden_act.*source=False"):
-        ns.save_safetensors(tmp_path / "out", model, source=src)
+        ns.hf.save_safetensors(tmp_path / "out", model, source=src)
     assert not (tmp_path / "out").exists()
 
 
@@ -156,8 +157,8 @@ def test_conflicting_dtypes_in_the_source_need_dtype(tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(UsageError, match=r"names two dtypes.*torch_dtype='bfloat16'.*"
                                          r"dtype='float16'.*Fix: pass dtype="):
-        ns.save_safetensors(tmp_path / "out", model, source=src)
-    ns.save_safetensors(tmp_path / "out", model, source=src, dtype=jnp.float16)
+        ns.hf.save_safetensors(tmp_path / "out", model, source=src)
+    ns.hf.save_safetensors(tmp_path / "out", model, source=src, dtype=jnp.float16)
     written = read(tmp_path / "out", "config.json")
     assert (written["torch_dtype"], written["dtype"]) == ("float16", "float16")
 
@@ -165,9 +166,9 @@ def test_conflicting_dtypes_in_the_source_need_dtype(tmp_path):
 def test_a_new_export_replaces_the_copied_files_of_the_previous_one(tmp_path):
     model = load(make_source(tmp_path / "src"))
     out = tmp_path / "out"
-    ns.save_safetensors(out, model)
+    ns.hf.save_safetensors(out, model)
     (out / "README.md").write_text("the user's")
-    ns.save_safetensors(out, model, copy_tokenizer=False)
+    ns.hf.save_safetensors(out, model, copy_tokenizer=False)
     # The marker proved the tokenizer files ours: they go with the previous export.
     assert sorted(p.name for p in out.iterdir()) == [
         ".nnx_shard_safetensors", "README.md", "config.json", "generation_config.json",
@@ -192,7 +193,7 @@ def test_a_hub_cache_snapshot_is_exported_with_the_blobs_content(tmp_path):
     snap = _hub_snapshot(tmp_path / "hub")
     model = load(snap)
     out = tmp_path / "out"
-    ns.save_safetensors(out, model)
+    ns.hf.save_safetensors(out, model)
     for name in TOKENIZER:
         assert not (out / name).is_symlink()
         assert (out / name).read_bytes() == (FIXTURES / "hf_publish" / name).read_bytes(), name
@@ -202,7 +203,7 @@ def test_a_hub_cache_snapshot_is_exported_with_the_blobs_content(tmp_path):
     (src / "tok.real").write_bytes((src / "tokenizer.json").read_bytes())
     (src / "tokenizer.json").unlink()
     (src / "tokenizer.json").symlink_to("tok.real")
-    ns.save_safetensors(tmp_path / "out2", load(src))
+    ns.hf.save_safetensors(tmp_path / "out2", load(src))
     assert (tmp_path / "out2" / "tokenizer.json").read_bytes() == (src / "tok.real").read_bytes()
 
 
@@ -217,9 +218,9 @@ def test_a_link_out_of_the_checkpoint_is_never_copied(tmp_path, where):
     out = tmp_path / "out"
     with pytest.raises(UsageError, match=r"the source's tokenizer\.json \(.*\) is a symbolic "
                        rf"link to {secret}, outside .*Fix: replace the link with a copy"):
-        ns.save_safetensors(out, model)
+        ns.hf.save_safetensors(out, model)
     assert not out.exists()
-    ns.save_safetensors(out, model, copy_tokenizer=False)
+    ns.hf.save_safetensors(out, model, copy_tokenizer=False)
     assert not (out / "tokenizer.json").exists()
 
 
@@ -230,7 +231,7 @@ def test_generation_token_ids_must_be_ids_of_the_model(tmp_path):
     (src / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [2, 128]}))
     with pytest.raises(UsageError, match=r"generation_config\.json gives eos_token_id \[2, 128\]"
                        r", and 128 in it, not a token id of the model \(its vocabulary: 0\.\.127\)"):
-        ns.save_safetensors(tmp_path / "out", model, source=src)
+        ns.hf.save_safetensors(tmp_path / "out", model, source=src)
     (src / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": 127}))
-    ns.save_safetensors(tmp_path / "out", model, source=src)
+    ns.hf.save_safetensors(tmp_path / "out", model, source=src)
     assert read(tmp_path / "out", "generation_config.json")["eos_token_id"] == 127

@@ -11,7 +11,7 @@ def build(hs: Any) -> None:
         import jax.numpy as jnp
 
         import nnx_shard as ns
-        from nnx_shard.attention import attention
+        from nnx_shard._attention import attention
 
         q = jnp.ones((8, 8, 2, 4))
         rules = ns.Rules({"batch": "data"}).with_options(attention=value)

@@ -28,7 +28,7 @@ def build(hs: Any) -> None:
         return nnx_shard
 
     def tok(label: str = "llama3", template: str | None = None) -> Any:
-        from nnx_shard.models import Tokenizer
+        from nnx_shard.inference import Tokenizer
 
         out = F.path(f"chat_masks_{label}")
         if not os.path.isdir(out):

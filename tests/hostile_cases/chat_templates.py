@@ -116,7 +116,7 @@ def build(hs: Any) -> None:
         return out
 
     def tok(path: str) -> Any:
-        from nnx_shard.models import Tokenizer
+        from nnx_shard.inference import Tokenizer
 
         return Tokenizer.from_pretrained(path)
 
@@ -273,7 +273,7 @@ def build(hs: Any) -> None:
     def text_with(path: str) -> Any:
         import nnx_shard as ns
         from nnx_shard.hf import load_pretrained
-        from nnx_shard.models import generate_text
+        from nnx_shard.inference import generate_text
 
         model = load_pretrained(_MODEL, mesh="data=8", rules=ns.strategies.get("dp").rules)
         return generate_text(model, tok(path), ["Hello"], 2)

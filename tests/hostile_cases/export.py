@@ -51,13 +51,13 @@ def build(hs: Any) -> None:
         """A folder (alone in its own parent) with a finished export and a user's file."""
         out = os.path.join(F.dir(f"export_{label}"), "export")
         if not os.path.isdir(out):
-            ns().save_safetensors(out, hs._tiny_llama(), max_shard_bytes=30_000)
+            ns().hf.save_safetensors(out, hs._tiny_llama(), max_shard_bytes=30_000)
             with open(os.path.join(out, "notes.txt"), "w") as f:
                 f.write("the user's")
         return out
 
     def failing_write(label: str, after: int, err: int) -> Any:
-        from nnx_shard import safetensors_io as st
+        from nnx_shard import _safetensors_io as st
 
         out = previous(label)
         real, budget = st._pwrite, [after]
@@ -70,7 +70,7 @@ def build(hs: Any) -> None:
 
         st._pwrite = pwrite
         try:
-            return _keeps(out, lambda: ns().save_safetensors(out, hs._tiny_llama(),
+            return _keeps(out, lambda: ns().hf.save_safetensors(out, hs._tiny_llama(),
                                                              max_shard_bytes=30_000))
         finally:
             st._pwrite = real
@@ -90,7 +90,7 @@ def build(hs: Any) -> None:
 
         os.mkdir = mkdir  # type: ignore[assignment]
         try:
-            return _keeps(out, lambda: ns().save_safetensors(out, hs._tiny_llama()))
+            return _keeps(out, lambda: ns().hf.save_safetensors(out, hs._tiny_llama()))
         finally:
             os.mkdir = real
 
@@ -103,7 +103,7 @@ def build(hs: Any) -> None:
         factory = hs._tiny_llama
         model = (nnx.eval_shape(factory) if how == "eval_shape" else
                  ns().abstract_init(factory, "data=8", ns().strategies.get("fsdp")))
-        return _keeps(out, lambda: ns().save_safetensors(out, model))
+        return _keeps(out, lambda: ns().hf.save_safetensors(out, model))
 
     hs.api("export/save_abstract_eval_shape", ("abstract", "blocks/0"),
            lambda: abstract("eval_shape"))
@@ -116,7 +116,7 @@ def build(hs: Any) -> None:
             f.write("keep")
         with open(os.path.join(folder, ".nnx_shard_safetensors"), "wb") as f:
             f.write(raw)
-        return _keeps(folder, lambda: ns().save_safetensors(folder, hs._tiny_llama()))
+        return _keeps(folder, lambda: ns().hf.save_safetensors(folder, hs._tiny_llama()))
 
     for label, raw in [
         ("legacy", json.dumps({"files": ["precious.txt"]}).encode()),
@@ -131,16 +131,16 @@ def build(hs: Any) -> None:
 
     for dtype in ("int8", "int32", "bool", "uint8"):
         hs.api(f"export/save_dtype_{dtype}", "dtype",
-               lambda dtype=dtype: ns().save_safetensors(F.path(f"export_dt_{dtype}"),
+               lambda dtype=dtype: ns().hf.save_safetensors(F.path(f"export_dt_{dtype}"),
                                                          hs._tiny_llama(), dtype=dtype))
-    hs.api("export/save_under_a_file", ("path", "not a directory"), lambda: ns().save_safetensors(
+    hs.api("export/save_under_a_file", ("path", "not a directory"), lambda: ns().hf.save_safetensors(
         os.path.join(F.file("export_plain_file", "x"), "sub"), hs._tiny_llama()))
 
     def dangling() -> Any:
         link = F.path("export_dangling")
         if not os.path.lexists(link):
             os.symlink(F.path("export_nowhere"), link)
-        return ns().save_safetensors(link, hs._tiny_llama())
+        return ns().hf.save_safetensors(link, hs._tiny_llama())
 
     hs.api("export/save_dangling_symlink", ("symbolic link", "path"), dangling)
 

@@ -54,7 +54,7 @@ def build(hs: Any) -> None:
         out = parent / "out"
         before = _listing(parent)
         try:
-            return ns().save_safetensors(out, model, **kw)
+            return ns().hf.save_safetensors(out, model, **kw)
         finally:
             if out.exists() or _listing(parent) != before:
                 raise AssertionError(f"{parent}: an export or a staging folder was left")
@@ -195,7 +195,7 @@ def build(hs: Any) -> None:
         gen = folder / "generation_config.json"
         data = json.loads(gen.read_text()) if gen.is_file() else {}
         gen.write_text(json.dumps(data | {"eos_token_id": 10**6}))
-        return ns().models.Tokenizer.from_pretrained(folder).eos_token_ids
+        return ns().inference.Tokenizer.from_pretrained(folder).eos_token_ids
 
     hs.api("export_files/tokenizer_eos_outside_vocabulary", "generation_config.json",
            tokenizer_eos)
@@ -211,7 +211,7 @@ def build(hs: Any) -> None:
         os.chdir(work)
         try:
             target = {"dot": ".", "abs": str(work), "parent": str(folder), "dotdot": ".."}[how]
-            return ns().save_safetensors(target, hs._tiny_llama())
+            return ns().hf.save_safetensors(target, hs._tiny_llama())
         finally:
             moved = os.getcwd() != str(work) or _listing(work) != ["notes.txt"] or \
                 _listing(folder) != before
@@ -230,7 +230,7 @@ def build(hs: Any) -> None:
             raise OSError(errno.ENOENT, "no mount point to try")
         before = _listing(Path(found).parent)
         try:
-            return ns().save_safetensors(found, hs._tiny_llama())
+            return ns().hf.save_safetensors(found, hs._tiny_llama())
         finally:
             if _listing(Path(found).parent) != before:
                 raise AssertionError(f"{found}: something was left beside the mount point")
@@ -241,7 +241,7 @@ def build(hs: Any) -> None:
 
     def enospc_on(label: str, name: str, **kw: Any) -> Any:
         """Fails every write to the export's file ``name`` with a bare ENOSPC."""
-        from nnx_shard import safetensors_io as st
+        from nnx_shard import _safetensors_io as st
 
         real = st._pwrite
 
@@ -313,7 +313,7 @@ def build(hs: Any) -> None:
         cfg = ns().models.LlamaConfig.from_hf(FIXTURES / "hf_tied_head")
         target = ns().abstract_init(lambda: ns().models.Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
                                     ns().strategies.get("dp"))
-        return ns().load_safetensors(FIXTURES / "hf_tied_head", target)
+        return ns().hf.load_safetensors(FIXTURES / "hf_tied_head", target)
 
     hs.api("export_files/tied_target_for_a_separate_lm_head", ("lm_head.weight", "tie"),
            tied_target)

@@ -45,7 +45,7 @@ def build(hs: Any) -> None:
     def save_nothing(label: str, model: Any, **kw: Any) -> Any:
         out = Path(F.path(f"export_meta_{label}_out"))
         try:
-            return ns().save_safetensors(out, model, **kw)
+            return ns().hf.save_safetensors(out, model, **kw)
         finally:
             if out.exists():
                 raise AssertionError(f"{out}: an export was written")
@@ -122,7 +122,7 @@ def build(hs: Any) -> None:
         out = Path(F.dir("export_meta_user_tok_out"))
         (out / "tokenizer.json").write_text("the user's")
         try:
-            return ns().save_safetensors(out, model)
+            return ns().hf.save_safetensors(out, model)
         finally:
             if sorted(p.name for p in out.iterdir()) != ["tokenizer.json"] or \
                     (out / "tokenizer.json").read_text() != "the user's":

@@ -54,7 +54,7 @@ def build(hs: Any) -> None:
                                   post_norms=False, qk_norm_full=False, qk_norm=False)
         target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
-        return ns.load_safetensors(copy(name, change), target)
+        return ns.hf.load_safetensors(copy(name, change), target)
 
     for label, fn, names in [
         ("path_none", lambda: load(None), "path"),

@@ -51,12 +51,12 @@ def build(hs: Any) -> None:
         c = dataclasses.replace(LlamaConfig.from_hf(os.path.join(_FIXTURES, name)), **change)
         target = ns.abstract_init(lambda: Llama(c, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
-        return ns.load_safetensors(os.path.join(_FIXTURES, name), target)
+        return ns.hf.load_safetensors(os.path.join(_FIXTURES, name), target)
 
     def cudnn_softcap() -> Any:
         import jax.numpy as jnp
 
-        from nnx_shard.attention import attention
+        from nnx_shard._attention import attention
 
         q = jnp.ones((1, 8, 2, 8))
         return attention(q, q, q, softcap=5.0, implementation="cudnn")
@@ -75,7 +75,7 @@ def build(hs: Any) -> None:
                                 mlp=48)
         target = ns.abstract_init(lambda: Llama(c, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
-        return ns.load_safetensors(out, target)
+        return ns.hf.load_safetensors(out, target)
 
     softcap = "attn_logit_softcapping"
     for label, fn, names in [

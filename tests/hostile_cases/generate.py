@@ -12,14 +12,14 @@ def build(hs: Any) -> None:
     def tiny() -> Any:
         from flax import nnx
 
-        from nnx_shard.models import Llama, get_llama_config
+        from nnx_shard.models import Llama, get_config
 
-        return Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+        return Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
 
     def gen(prompts: Any = None, new: Any = 2, **kw: Any) -> Any:
         import numpy as np
 
-        from nnx_shard.models import generate
+        from nnx_shard.inference import generate
 
         return generate(tiny(), np.ones((2, 4), np.int32) if prompts is None else prompts,
                         new, **kw)
@@ -27,7 +27,7 @@ def build(hs: Any) -> None:
     def streamed(**kw: Any) -> Any:
         import numpy as np
 
-        from nnx_shard.models import stream
+        from nnx_shard.inference import stream
 
         return list(stream(tiny(), np.ones((2, 4), np.int32), 2, **kw))
 

@@ -18,33 +18,33 @@ def build(hs: Any) -> None:
     def tiny() -> Any:
         from flax import nnx
 
-        from nnx_shard.models import Llama, get_llama_config
+        from nnx_shard.models import Llama, get_config
 
-        return Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+        return Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
 
     def tok() -> Any:
-        from nnx_shard.models import Tokenizer
+        from nnx_shard.inference import Tokenizer
 
         return Tokenizer.from_pretrained(_TEXT)
 
     def gen(new: Any = 4, **kw: Any) -> Any:
         import numpy as np
 
-        from nnx_shard.models import generate
+        from nnx_shard.inference import generate
 
         return generate(tiny(), np.ones((2, 4), np.int32), new, **kw)
 
     def streamed(**kw: Any) -> Any:
         import numpy as np
 
-        from nnx_shard.models import stream
+        from nnx_shard.inference import stream
 
         return list(stream(tiny(), np.ones((2, 4), np.int32), 4, **kw))
 
     def text(fn: str, **kw: Any) -> Any:
         import nnx_shard as ns
         from nnx_shard.hf import load_pretrained
-        from nnx_shard.models import text as t
+        from nnx_shard.inference import _text as t
 
         model = load_pretrained(_MODEL, mesh="data=8", rules=ns.strategies.get("dp").rules)
         if fn == "stream_text":

@@ -30,7 +30,7 @@ def _strict(fn: Callable[[], Any], *words: str) -> Callable[[], Any]:
     """``fn`` whose error must be of nnx_shard's family and hold every word."""
 
     def run() -> Any:
-        from nnx_shard.errors import NnxShardError
+        from nnx_shard._errors import NnxShardError
 
         try:
             return fn()
@@ -60,7 +60,7 @@ def build(hs: Any) -> None:
     def load(path: str) -> Any:
         import nnx_shard as ns
 
-        return ns.load_safetensors(path, hs._tiny_llama())
+        return ns.hf.load_safetensors(path, hs._tiny_llama())
 
     # safetensors headers: wrong weights if trusted, or a raw error today ------------------
     for label, header, size, tensor in [
@@ -247,9 +247,9 @@ def build(hs: Any) -> None:
 
                 table = {**ns.hf.LLAMA_MAPPING, r"model\.embed_tokens\.weight": value}
                 if side == "load":
-                    return ns.load_safetensors(os.path.join(FIXTURES, "hf_llama"),
+                    return ns.hf.load_safetensors(os.path.join(FIXTURES, "hf_llama"),
                                                _fixture_llama(), mapping=table)
-                return ns.save_safetensors(F.path(f"mapping_{label}"), hs._tiny_llama(),
+                return ns.hf.save_safetensors(F.path(f"mapping_{label}"), hs._tiny_llama(),
                                            mapping=table)
 
             hs.api(f"headers/mapping_{side}_{label}", ("mapping",),

@@ -1,6 +1,6 @@
 """Hostile cases of the LoRA surface: ``ns.lora`` / ``ns.merge_lora`` arguments,
-PEFT adapter folders for ``ns.load_lora`` (bad configs, stray or mis-shaped
-tensors, modules the model does not have), ``ns.save_lora`` of models it cannot
+PEFT adapter folders for ``ns.hf.load_lora`` (bad configs, stray or mis-shaped
+tensors, modules the model does not have), ``ns.hf.save_lora`` of models it cannot
 write, and ``nnx-shard plan --lora-rank``."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def build(hs: Any) -> None:
 
     hs.api("lora/merge_abstract", "abstract", merge_abstract)
 
-    # ns.load_lora: PEFT folders ----------------------------------------------------------------
+    # ns.hf.load_lora: PEFT folders ----------------------------------------------------------------
     def folder(name: str, config: Any = "keep", tensors: dict[str, Any] | None = None) -> str:
         out = F.path(f"peft_{name}")
         if not os.path.isdir(out):
@@ -78,7 +78,7 @@ def build(hs: Any) -> None:
             if tensors is not None:
                 import numpy as np
 
-                from nnx_shard import safetensors_io as st
+                from nnx_shard import _safetensors_io as st
 
                 file = os.path.join(out, "adapter_model.safetensors")
                 os.remove(file)
@@ -101,7 +101,7 @@ def build(hs: Any) -> None:
                 f"{pre}.lora_B.weight": np.zeros((32, 4), np.float32), **extra}
 
     def load(path: Any, model: Any = None) -> Any:
-        return ns().load_lora(path, hs._tiny_llama() if model is None else model)
+        return ns().hf.load_lora(path, hs._tiny_llama() if model is None else model)
 
     hs.api("lora/load_path_none", "path", lambda: load(None))
     hs.api("lora/load_path_missing", "directory", lambda: load(F.path("no_such_adapter")))
@@ -147,28 +147,28 @@ def build(hs: Any) -> None:
     hs.api("lora/load_layer_out_of_range", ("layers.7", "projections"), lambda: load(folder(
         "layer7", tensors={k.replace("layers.0", "layers.7"): v for k, v in factors().items()})))
     hs.api("lora/load_onto_linear", ("Linear", "mapping"), lambda: load(PEFT, lin()))
-    hs.api("lora/load_model_none", ("NoneType", "mapping"), lambda: ns().load_lora(PEFT, None))
+    hs.api("lora/load_model_none", ("NoneType", "mapping"), lambda: ns().hf.load_lora(PEFT, None))
 
-    # ns.save_lora ----------------------------------------------------------------------------
+    # ns.hf.save_lora ----------------------------------------------------------------------------
     hs.api("lora/save_without_adapters", "adapters",
-           lambda: ns().save_lora(F.path("out_none"), hs._tiny_llama()))
+           lambda: ns().hf.save_lora(F.path("out_none"), hs._tiny_llama()))
     hs.api("lora/save_path_none", "path",
-           lambda: ns().save_lora(None, ns().lora(hs._tiny_llama(), 2, 4.0)))
-    hs.api("lora/save_path_file", "directory", lambda: ns().save_lora(
+           lambda: ns().hf.save_lora(None, ns().lora(hs._tiny_llama(), 2, 4.0)))
+    hs.api("lora/save_path_file", "directory", lambda: ns().hf.save_lora(
         F.file("taken.txt", "x"), ns().lora(hs._tiny_llama(), 2, 4.0)))
     hs.api("lora/save_linear", ("Linear", "mapping"),
-           lambda: ns().save_lora(F.path("out_lin"), lora(2, 4.0)))
+           lambda: ns().hf.save_lora(F.path("out_lin"), lora(2, 4.0)))
 
     def mixed() -> Any:
         m = ns().lora(hs._tiny_llama(), 2, 4.0, targets=r"attn/q$")
         ns().lora(m, 4, 4.0, targets=r"attn/v$")
-        return ns().save_lora(F.path("out_mixed"), m)
+        return ns().hf.save_lora(F.path("out_mixed"), m)
 
     hs.api("lora/save_mixed_ranks", ("rank", "lora_alpha"), mixed)
 
     def embed() -> Any:
         m = ns().lora(hs._tiny_llama(), 2, 4.0, targets=r"token_embed$")
-        return ns().save_lora(F.path("out_embed"), m)
+        return ns().hf.save_lora(F.path("out_embed"), m)
 
     hs.api("lora/save_embedding_adapter", ("token_embed", "projection"), embed)
 

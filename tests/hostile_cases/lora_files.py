@@ -1,7 +1,7 @@
-"""Hostile cases of PEFT adapter folders: ``ns.load_lora`` of folders whose config
+"""Hostile cases of PEFT adapter folders: ``ns.hf.load_lora`` of folders whose config
 selects nothing, sets a LoRA variant's field or malformed selection fields, or whose
 factors are not matrices or belong to a named adapter, and onto a model without
-values; ``ns.save_lora`` to a dangling link, under a file, over a folder where a file
+values; ``ns.hf.save_lora`` to a dangling link, under a file, over a folder where a file
 goes, of a model without values, and onto a full disk (simulated).
 
 Folders are copies of ``tests/fixtures/peft_cases/full`` (factors of all fourteen
@@ -46,7 +46,7 @@ def build(hs: Any) -> None:
         if tensors is not None:
             import numpy as np
 
-            from nnx_shard import safetensors_io as st
+            from nnx_shard import _safetensors_io as st
 
             file = os.path.join(out, "adapter_model.safetensors")
             header = st.read_header(file)
@@ -61,7 +61,7 @@ def build(hs: Any) -> None:
         return out
 
     def load(path: str, model: Any = None) -> Any:
-        return ns().load_lora(path, hs._tiny_llama() if model is None else model)
+        return ns().hf.load_lora(path, hs._tiny_llama() if model is None else model)
 
     # load_lora: the config's selection and variant fields ---------------------------------------
     hs.api("lora_files/load_target_nothing", ("target_modules", "nothing_proj"),
@@ -160,24 +160,24 @@ def build(hs: Any) -> None:
         link = F.path("lora_files_dangling")
         if not os.path.lexists(link):
             os.symlink(F.path("lora_files_nowhere"), link)
-        return ns().save_lora(link, adapted())
+        return ns().hf.save_lora(link, adapted())
 
     hs.api("lora_files/save_dangling_link", ("lora_files_dangling", "symbolic link"), dangling)
     hs.api("lora_files/save_under_file", ("lora_files_plain.txt", "not a directory"),
-           lambda: ns().save_lora(os.path.join(F.file("lora_files_plain.txt", "x"), "adapter"),
+           lambda: ns().hf.save_lora(os.path.join(F.file("lora_files_plain.txt", "x"), "adapter"),
                                   adapted()))
 
     def config_is_folder() -> Any:
         out = F.dir("lora_files_cfgdir")
         os.makedirs(os.path.join(out, "adapter_config.json"), exist_ok=True)
-        return ns().save_lora(out, adapted())
+        return ns().hf.save_lora(out, adapted())
 
     hs.api("lora_files/save_config_is_folder", "adapter_config.json", config_is_folder)
 
     def save_abstract() -> Any:
         from flax import nnx
 
-        return ns().save_lora(F.path("lora_files_abs"), nnx.eval_shape(adapted))
+        return ns().hf.save_lora(F.path("lora_files_abs"), nnx.eval_shape(adapted))
 
     hs.api("lora_files/save_abstract_model", ("abstract", "model"), save_abstract)
 
@@ -195,16 +195,16 @@ def build(hs: Any) -> None:
             setattr(module, name, real)
 
     def full_disk(name: str, where: str, code: int) -> Any:
-        from nnx_shard.hf import peft
+        from nnx_shard.hf import _peft as peft
 
         out = F.path(name)
         model = adapted()
         if where == "swap":  # a previous adapter there: the new one is exchanged with it
-            ns().save_lora(out, model)
+            ns().hf.save_lora(out, model)
         target = {"weights": (peft.st, "write_slice"), "config": (peft.st, "write_file"),
                   "swap": (peft.export_dir, "_exchange")}[where]
         with failing(*target, code):
-            ns().save_lora(out, model)
+            ns().hf.save_lora(out, model)
         return None
 
     for where, code in [("weights", errno.ENOSPC), ("config", errno.ENOSPC),

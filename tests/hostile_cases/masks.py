@@ -17,10 +17,10 @@ def build(hs: Any) -> None:
     def tiny(kind: str = "llama") -> Any:
         from flax import nnx
 
-        from nnx_shard.models import Llama, Transformer, get_config, get_llama_config
+        from nnx_shard.models import Llama, Transformer, get_config
 
         if kind == "llama":
-            return Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+            return Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         return Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
 
     def call(kind: str = "llama", **kw: Any) -> Any:

@@ -40,7 +40,7 @@ def build(hs: Any) -> None:
         return Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
 
     def gen(model: Any = None, prompt: Any = ((1, 2, 3),), **kw: Any) -> Any:
-        from nnx_shard.models import generate
+        from nnx_shard.inference import generate
 
         return generate(tiny() if model is None else model, prompt, 2, **kw)
 
@@ -51,7 +51,7 @@ def build(hs: Any) -> None:
             temperature=1.0, seed=_key() if seed == "KEY" else seed))
 
     def sampler(**kw: Any) -> Any:
-        from nnx_shard.models.sampling import generate as window_sample
+        from nnx_shard.inference._sampling import generate as window_sample
 
         args = {"temperature": 1.0, "seed": 0, **kw}
         return window_sample(tiny(), [1, 2, 3], 2, args["temperature"], args["seed"])
@@ -150,7 +150,7 @@ def _stock_lm() -> Any:
     import jax.numpy as jnp
     from flax import nnx
 
-    from nnx_shard.models import CACHE_AXES
+    from nnx_shard.inference import CACHE_AXES
 
     class StockLM(nnx.Module):
         max_length = 16

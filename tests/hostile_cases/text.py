@@ -19,7 +19,7 @@ def build(hs: Any) -> None:
     F = hs.F
 
     def tok(path: Any = _TEXT) -> Any:
-        from nnx_shard.models import Tokenizer
+        from nnx_shard.inference import Tokenizer
 
         return Tokenizer.from_pretrained(path)
 
@@ -46,7 +46,7 @@ def build(hs: Any) -> None:
     def text(prompts: Any = ("Hello",), new: Any = 2, **kw: Any) -> Any:
         import nnx_shard as ns
         from nnx_shard.hf import load_pretrained
-        from nnx_shard.models import generate_text
+        from nnx_shard.inference import generate_text
 
         model = load_pretrained(_MODEL, mesh="data=8", rules=ns.strategies.get("dp").rules)
         return generate_text(model, tok(), list(prompts) if isinstance(prompts, tuple)
@@ -104,7 +104,7 @@ def build(hs: Any) -> None:
         hs.api(f"text/{label}", arg, fn)
 
     def stream(prompt: Any = "Hello", **kw: Any) -> Any:
-        from nnx_shard.models import stream_text
+        from nnx_shard.inference import stream_text
 
         return list(stream_text(object(), tok(), prompt, 2, **kw))
 

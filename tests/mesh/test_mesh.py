@@ -7,9 +7,9 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard import mesh as ns_mesh
-from nnx_shard.mesh import current
-from nnx_shard.rules import Rules
+from nnx_shard import _mesh as ns_mesh
+from nnx_shard._mesh import current
+from nnx_shard._rules import Rules
 from tests.conftest import needs_devices
 
 lecun = nnx.initializers.lecun_normal()

@@ -1,5 +1,5 @@
 """Models nnx_shard never saw, made memory-efficient and context-parallel by one
-argument or one line (nnx_shard.models.adapters):
+argument or one line (nnx_shard.models._adapters):
 
 * stock ``nnx.MultiHeadAttention(attention_fn=ns.models.attention_fn)`` equals the
   stock layer (flax's own attention), values and gradients, with a padding mask
@@ -233,7 +233,7 @@ def test_user_models_under_context_parallelism_equal_one_device(name, preset) ->
     with ns.use(mesh, s.rules):
         batch = ns.shard_batch(stacked, mesh, s.rules, ("batch", "length"), steps=True)
         text = ns.multistep(_step).lower(model, opt, batch).compile().as_text()
-    kinds = {(x.kind, x.axes) for x in ns.strategies.compiled_collectives(text, mesh)}
+    kinds = {(x.kind, x.axes) for x in ns.planner.compiled_collectives(text, mesh)}
     assert ("collective-permute", ("context",)) in kinds
 
 

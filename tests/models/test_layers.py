@@ -1,4 +1,4 @@
-"""What the reference models share (nnx_shard.models.layers): one RMSNorm for the
+"""What the reference models share (nnx_shard.models._layers): one RMSNorm for the
 Transformer and Llama, with the parameter paths, logical names, dtypes and values each
 model had with its own copy, so checkpoints and Hugging Face mappings address them as
 before."""
@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_shard.models import Llama, Transformer, get_config, get_llama_config, llama, transformer
-from nnx_shard.models.layers import RMSNorm
+from nnx_shard.models import Llama, Transformer, get_config
+from nnx_shard.models import _llama as llama
+from nnx_shard.models import _transformer as transformer
+from nnx_shard.models._layers import RMSNorm
 
 TRANSFORMER_BLOCK = ["attn/k", "attn/o", "attn/q", "attn/v", "attn_norm/scale", "mlp/down",
                      "mlp/up", "mlp_norm/scale"]
@@ -32,7 +34,7 @@ def _blocks(per_block: list[str], layers: int) -> list[str]:
 
 def test_both_models_build_every_norm_from_the_one_rmsnorm() -> None:
     t = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
-    q = Llama(get_llama_config("tiny_qwen3"), rngs=nnx.Rngs(0))
+    q = Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))
     norms = [t.final_norm, t.blocks[0].attn_norm, t.blocks[1].mlp_norm, q.final_norm,
              q.blocks[0].attn_norm, q.blocks[1].mlp_norm, q.blocks[0].attn.q_norm,
              q.blocks[0].attn.k_norm]
@@ -41,7 +43,7 @@ def test_both_models_build_every_norm_from_the_one_rmsnorm() -> None:
 
 
 def test_parameter_paths_are_those_checkpoints_and_mappings_address() -> None:
-    cfg, lcfg = get_config("tiny"), get_llama_config("tiny")
+    cfg, lcfg = get_config("tiny"), get_config("llama-tiny")
     assert (cfg.layers, lcfg.layers) == (2, 2)
     assert _paths(Transformer(cfg, rngs=nnx.Rngs(0))) == sorted(
         [*_blocks(TRANSFORMER_BLOCK, 2), "final_norm/scale", "pos_embed", "token_embed",
@@ -52,7 +54,7 @@ def test_parameter_paths_are_those_checkpoints_and_mappings_address() -> None:
          "token_embed", "unembed"])
     assert _paths(Llama(lcfg, rngs=nnx.Rngs(0))) == sorted(
         [*_blocks(LLAMA_BLOCK, 2), "final_norm/scale", "token_embed", "unembed"])
-    assert _paths(Llama(get_llama_config("tiny_qwen3"), rngs=nnx.Rngs(0))) == sorted(
+    assert _paths(Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))) == sorted(
         [*_blocks(QWEN3_BLOCK, 2), "final_norm/scale", "token_embed"])  # tied: no unembed
 
 
@@ -64,7 +66,7 @@ def test_norm_scales_keep_their_names_dtypes_and_initial_values() -> None:
     assert t.blocks.attn_norm.scale.get_metadata("out_sharding") == ("layers", "embed")
     assert t.blocks.attn_norm.scale.dtype == jnp.bfloat16
     np.testing.assert_array_equal(t.final_norm.scale[...], np.ones(32))
-    gemma = dataclasses.replace(get_llama_config("tiny_qwen3"), norm_offset=True,
+    gemma = dataclasses.replace(get_config("qwen3-tiny"), norm_offset=True,
                                 qk_norm_full=True)
     g = Llama(gemma, rngs=nnx.Rngs(0))
     assert g.blocks[0].attn.q_norm.scale.get_metadata("out_sharding") == ("heads", "kv")
@@ -77,7 +79,7 @@ def test_the_models_norms_compute_the_same_values(dtype) -> None:
     """The Transformer's norms (eps 1e-6) and Llama's with the same eps, given the same
     weights and input, agree exactly, and match the float32 formula."""
     t = Transformer(dataclasses.replace(get_config("tiny"), dtype=dtype), rngs=nnx.Rngs(0))
-    lcfg = dataclasses.replace(get_llama_config("tiny"), norm_eps=1e-6, dtype=dtype)
+    lcfg = dataclasses.replace(get_config("llama-tiny"), norm_eps=1e-6, dtype=dtype)
     q = Llama(lcfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     w = rng.normal(size=32).astype(np.float32)

@@ -23,8 +23,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.models import LLAMA_CONFIGS, Llama, LlamaConfig, get_llama_config, lm_loss
-from nnx_shard.models.llama import rope_frequencies
+from nnx_shard.models import CONFIGS, Llama, LlamaConfig, get_config, lm_loss
+from nnx_shard.models._llama import rope_frequencies
 from tests._close import assert_close
 from tests._lm import Run, assert_same_values, lm_batches, lm_run
 from tests.conftest import needs_devices
@@ -38,9 +38,9 @@ def _tokens(batch: int = 2, length: int = 16, seed: int = 0) -> jax.Array:
     return jax.random.randint(jax.random.key(seed), (batch, length), 0, 128, jnp.int32)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_qwen3"])
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 def test_shapes_dtypes_and_names(name: str) -> None:
-    cfg = get_llama_config(name)
+    cfg = get_config(name)
     model = _model(cfg)
     logits = model(_tokens())
     assert logits.shape == (2, 16, 128) and logits.dtype == jnp.float32
@@ -55,7 +55,7 @@ def test_shapes_dtypes_and_names(name: str) -> None:
 
 
 def test_causal() -> None:
-    model = _model(get_llama_config("tiny"))
+    model = _model(get_config("llama-tiny"))
     a, b = _tokens(seed=0), _tokens(seed=1)
     mixed = jnp.concatenate([a[:, :9], b[:, 9:]], axis=1)
     np.testing.assert_array_equal(model(a)[:, :9], model(mixed)[:, :9])
@@ -65,7 +65,7 @@ def test_causal() -> None:
 def test_grouped_query_attention_is_multi_head_with_shared_kv() -> None:
     # Query head h reads key/value head h // (heads / kv_heads): a multi-head
     # model whose K/V weights repeat each group's computes the same logits.
-    gqa_cfg = get_llama_config("tiny")
+    gqa_cfg = get_config("llama-tiny")
     gqa = _model(gqa_cfg)
     mha = _model(dataclasses.replace(gqa_cfg, kv_heads=gqa_cfg.heads))
     group = gqa_cfg.heads // gqa_cfg.kv_heads
@@ -88,7 +88,7 @@ def _stack(unrolled: Llama, scanned: Llama) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_scan_layers_equals_unrolled(remat: str) -> None:
-    cfg = get_llama_config("tiny_qwen3")
+    cfg = get_config("qwen3-tiny")
     unrolled = _model(cfg)
     scanned = _model(dataclasses.replace(cfg, scan_layers=True, remat=remat))
     _stack(unrolled, scanned)
@@ -102,8 +102,8 @@ def test_scan_layers_equals_unrolled(remat: str) -> None:
 
 
 def test_bfloat16_compute() -> None:
-    cfg = dataclasses.replace(get_llama_config("tiny"), dtype=jnp.bfloat16)
-    f32 = _model(get_llama_config("tiny"))
+    cfg = dataclasses.replace(get_config("llama-tiny"), dtype=jnp.bfloat16)
+    f32 = _model(get_config("llama-tiny"))
     bf16 = _model(cfg)
     logits = bf16(_tokens())
     assert logits.dtype == jnp.float32
@@ -126,11 +126,11 @@ def _kernel_grads(cfg: LlamaConfig, kernel: str, length: int) -> tuple[jax.Array
     37,  # odd: one tile
     600,  # two 512-blocks, the second padded
 ])
-@pytest.mark.parametrize("name", ["tiny", "tiny_qwen3"])
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 def test_blockwise_equals_dense(name: str, length: int) -> None:
     # Grouped-query attention (4 heads, 2 kv heads) with K/V kept at kv_heads, causal,
     # rotary (and Qwen3's q/k norm): logits, loss and every gradient of the two kernels.
-    cfg = get_llama_config(name)
+    cfg = get_config(name)
     assert cfg.attention == "auto"  # the memory-efficient default (blockwise on CPU)
     dense = _kernel_grads(cfg, "dense", length)
     blockwise = _kernel_grads(cfg, "blockwise", length)
@@ -144,14 +144,14 @@ def test_attention_kernel_config() -> None:
                        r"kernel; valid: 'auto', 'blockwise', 'dense', 'cudnn'\."):
         LlamaConfig(attention="flash")
     # K/V reach the op with kv_heads: no [batch, length, heads, head_dim] copy of them.
-    cfg = dataclasses.replace(get_llama_config("tiny"), attention="dense")
+    cfg = dataclasses.replace(get_config("llama-tiny"), attention="dense")
     shapes = []
 
     def spy(q, k, v, **kw):
         shapes.append((q.shape, k.shape, v.shape, kw["implementation"]))
         return ns.models.attention(q, k, v, **kw)
 
-    import nnx_shard.models.llama as llama_module
+    import nnx_shard.models._llama as llama_module
 
     model = _model(cfg)
     with pytest.MonkeyPatch.context() as mp:
@@ -161,9 +161,9 @@ def test_attention_kernel_config() -> None:
 
 
 def test_activation_formula_counts_grouped_kv_and_swiglu() -> None:
-    from nnx_shard.models.memory import activation_bytes
+    from nnx_shard.models._memory import activation_bytes
 
-    cfg = get_llama_config("tiny")  # embed 32, 4 heads / 2 kv heads x 8, mlp 64, vocab 128
+    cfg = get_config("llama-tiny")  # embed 32, 4 heads / 2 kv heads x 8, mlp 64, vocab 128
     tokens = 4 * 16 // 2            # batch over data=2
     p = 4                           # float32 activations
     layer = p * (4 * 32 + 2 * 4 * 8 + 2 * 2 * 8 + 4 * 64) + 4 * 4  # log-sum-exp 4h; SwiGLU 4m
@@ -349,7 +349,7 @@ PUBLISHED = {"llama3-8b": (8.03, 0.005), "llama3-70b": (70.6, 0.05),
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_named_configs_have_published_parameter_counts(name: str) -> None:
-    cfg = get_llama_config(name)
+    cfg = get_config(name)
     abstract = nnx.eval_shape(lambda: _model(cfg))  # nothing allocated
     params = jax.tree.leaves(nnx.state(abstract, nnx.Param))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in params)
@@ -364,23 +364,23 @@ def test_named_configs_have_published_parameter_counts(name: str) -> None:
 
 
 def test_named_configs() -> None:
-    assert sorted(LLAMA_CONFIGS) == sorted(["tiny", "tiny_qwen3", "llama3-8b", "llama3-70b",
-                                            "llama3-405b", "qwen3-0.6b", "mistral-7b",
-                                            "qwen2.5-7b", "gemma2-9b"])
-    g = get_llama_config("gemma2-9b")
+    llama = sorted(n for n, c in CONFIGS.items() if isinstance(c, LlamaConfig))
+    assert llama == sorted(["llama-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b",
+                            "llama3-405b", "qwen3-0.6b", "mistral-7b", "qwen2.5-7b", "gemma2-9b"])
+    g = get_config("gemma2-9b")
     assert g.local_layers()[:3] == (True, False, True) and sum(g.local_layers()) == 21
     assert LlamaConfig.from_hf(g.to_hf(), scan_layers=True, dtype=g.dtype,
                                param_dtype=g.param_dtype) == g
-    q = get_llama_config("qwen3-0.6b")
+    q = get_config("qwen3-0.6b")
     assert (q.head_dim, q.kv_heads, q.tie_embeddings, q.qk_norm) == (128, 8, True, True)
-    assert dict(get_llama_config("llama3-405b").rope_scaling)["factor"] == 8.0
-    with pytest.raises(ValueError, match="Did you mean 'llama3-8b'"):
-        get_llama_config("llama3-8B")
+    assert dict(get_config("llama3-405b").rope_scaling)["factor"] == 8.0
+    with pytest.raises(ns.UsageError, match="Did you mean 'llama3-8b'"):
+        get_config("llama3-8B")
 
 
 @needs_devices(8)
 def test_kv_heads_follow_heads_where_they_divide() -> None:
-    factory = functools.partial(_model, get_llama_config("tiny"))  # 4 heads, 2 kv heads
+    factory = functools.partial(_model, get_config("llama-tiny"))  # 4 heads, 2 kv heads
     on2 = ns.abstract_init(factory, "data=4,model=2", ns.strategies.get("fsdp_tp"))
     assert on2.blocks[0].attn.k.get_value().sharding.spec == P("data", "model", None)
     on4 = ns.abstract_init(factory, "data=2,model=4", ns.strategies.get("tp"))
@@ -394,7 +394,7 @@ def test_kv_heads_follow_heads_where_they_divide() -> None:
 def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
     # 2 kv heads, 4 query heads over model=4: the rules replicate K/V, the op hands each
     # device the key/value head of its query head; logits and gradients as on one device.
-    cfg = get_llama_config("tiny")
+    cfg = get_config("llama-tiny")
     tokens = _tokens()
     batch = {"inputs": tokens, "targets": _tokens(seed=3)}
     ref = _model(cfg)
@@ -421,8 +421,8 @@ PP = ("pp", "pp_fsdp", "pp_tp")
 
 def _config(name: str) -> LlamaConfig:
     if name in PP:  # stacked layers, one per stage of S=4 (pp, pp_fsdp) or two (pp_tp)
-        return dataclasses.replace(get_llama_config("tiny_qwen3"), layers=4, scan_layers=True)
-    return get_llama_config("tiny")
+        return dataclasses.replace(get_config("qwen3-tiny"), layers=4, scan_layers=True)
+    return get_config("llama-tiny")
 
 
 def _batches(name: str) -> dict[str, np.ndarray]:
@@ -443,7 +443,7 @@ def _reference(name: str) -> Run:
 @pytest.mark.parametrize("name", ns.strategies.NAMES)
 def test_every_preset_equals_one_device(name: str) -> None:
     # ep has no experts to split here: its rules run the model data-parallel over
-    # data x expert (documented in nnx_shard.models.llama).
+    # data x expert (documented in nnx_shard.models._llama).
     s = ns.strategies.get(name)
     pp = name in PP
     # Explicit axes where the presets document their programs; the pipeline runs on Auto.
@@ -464,5 +464,5 @@ def test_every_preset_equals_one_device(name: str) -> None:
 ])
 def test_llama_config_refuses_an_unknown_remat_policy_or_kernel_naming_itself(field, value, words):
     with pytest.raises(ValueError) as e:
-        dataclasses.replace(get_llama_config("tiny"), **{field: value})
+        dataclasses.replace(get_config("llama-tiny"), **{field: value})
     assert str(e.value).startswith(words), str(e.value)

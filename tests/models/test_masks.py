@@ -22,9 +22,9 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard import hf
-from nnx_shard.attention import kernels
-from nnx_shard.errors import UsageError
-from nnx_shard.models import Llama, LlamaConfig, Transformer, get_config, get_llama_config, lm_loss
+from nnx_shard._attention import _kernels as kernels
+from nnx_shard._errors import UsageError
+from nnx_shard.models import Llama, LlamaConfig, Transformer, get_config, lm_loss
 from nnx_shard.models._masks import derive_positions, prepare
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -123,7 +123,7 @@ def test_ignored_targets_loss_equals_transformers() -> None:
 
 
 def test_loss_is_the_mean_over_kept_targets() -> None:
-    model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+    model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 128, jnp.int32)
     targets = np.asarray(jax.random.randint(jax.random.key(1), (2, 8), 0, 128, jnp.int32))
     ignored = targets.copy()
@@ -258,7 +258,7 @@ def test_mask_gradients_agree_between_kernels() -> None:
     batch = _packed()[0] | {"attention_mask": (_packed()[0]["segment_ids"] > 0).astype(np.int32)}
     results = {}
     for kernel in ("dense", "blockwise"):
-        cfg = dataclasses.replace(get_llama_config("tiny"), attention=kernel)
+        cfg = dataclasses.replace(get_config("llama-tiny"), attention=kernel)
         model = Llama(cfg, rngs=nnx.Rngs(0))
         loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
         results[kernel] = (loss, jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
@@ -288,7 +288,7 @@ def test_cudnn_kernel_builds_the_same_mask(monkeypatch: pytest.MonkeyPatch) -> N
 def test_cudnn_off_a_gpu_is_refused() -> None:
     if jax.default_backend() == "gpu":
         pytest.skip("cuDNN runs here")
-    model = Llama(dataclasses.replace(get_llama_config("tiny"), attention="cudnn"),
+    model = Llama(dataclasses.replace(get_config("llama-tiny"), attention="cudnn"),
                   rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"implementation='cudnn' is cuDNN's fused kernel, for "
                        r"NVIDIA GPUs; this runs on cpu\. Fix: implementation='auto'"):
@@ -385,7 +385,7 @@ def test_trainer_and_batches_carry_the_mask_keys() -> None:
     data = ns.pack(examples, 16, prompt_lengths=[2] * len(examples))
     rows = data["inputs"].shape[0] // 8 * 8
     data = {k: v[:rows] for k, v in data.items()}
-    cfg = get_llama_config("tiny")
+    cfg = get_config("llama-tiny")
     s = ns.strategies.get("dp")
     mesh = s.make_mesh(8)
     model = ns.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s)
@@ -475,7 +475,7 @@ def test_decode_with_a_mask_is_the_masked_call() -> None:
 
 @pytest.mark.parametrize("strategy", [None, "tp"])
 def test_prefill_takes_an_attention_mask(strategy: str | None) -> None:
-    from nnx_shard.models.generation import Options, _prepare
+    from nnx_shard.inference._generation import Options, _prepare
 
     e = _expected()
     if strategy is None:

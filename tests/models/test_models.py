@@ -16,7 +16,7 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard.models import Transformer, TransformerConfig, get_config, lm_loss
 from nnx_shard.models._ops import cross_entropy
-from nnx_shard.models.transformer import MoE
+from nnx_shard.models._transformer import MoE
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
@@ -225,10 +225,15 @@ def test_config_errors(kwargs: dict, match: str) -> None:
 
 
 def test_get_config() -> None:
-    assert set(ns.models.CONFIGS) == {"tiny", "tiny_moe", "small", "125m", "1b", "7b"}
+    transformers = {n for n, c in ns.models.CONFIGS.items()
+                    if isinstance(c, ns.models.TransformerConfig)}
+    assert transformers == {"tiny", "tiny_moe", "small", "125m", "1b", "7b"}
     assert get_config("tiny") is ns.models.CONFIGS["tiny"]
-    with pytest.raises(ValueError, match="unknown transformer config 'huge'; known: tiny"):
+    assert isinstance(get_config("llama-tiny"), ns.models.LlamaConfig)
+    with pytest.raises(ns.UsageError, match=r"unknown model config 'huge'\. Known: tiny, "):
         get_config("huge")
+    with pytest.raises(ns.UsageError, match="name must be a config name"):
+        get_config(7)  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
         TINY.layers = 3  # type: ignore[misc]
 
@@ -407,7 +412,7 @@ def test_activation_formula_follows_the_kernel() -> None:
     lengths it stays under XLA's compiled temp bytes, within a band, and grows as they do
     (measured on XLA CPU: blockwise 41.0 -> 61.1 MiB, formula 9.5 -> 19.1; dense 135.2 ->
     502.3 MiB, formula 41.5 -> 147.0)."""
-    from nnx_shard.models.memory import activation_bytes
+    from nnx_shard.models._memory import activation_bytes
 
     base = dataclasses.replace(get_config("small"), vocab=128, embed=64, mlp=256, heads=4,
                                head_dim=16, layers=2, scan_layers=True)

@@ -21,13 +21,13 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import nnx_shard as ns
-from nnx_shard.errors import ShardingError, UsageError
+from nnx_shard._errors import ShardingError, UsageError
+from nnx_shard.inference import Tokenizer
 from nnx_shard.models import (
     Llama,
-    Tokenizer,
     Transformer,
     TransformerConfig,
-    get_llama_config,
+    get_config,
     resize_token_embeddings,
 )
 
@@ -95,7 +95,7 @@ def test_added_tokens_match_transformers_and_export_its_tensors(tmp_path):
     _close_logits(model(jnp.asarray([ids], jnp.int32)), want["logits"])
 
     out = tmp_path / "export"
-    ns.save_safetensors(out, model)
+    ns.hf.save_safetensors(out, model)
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 131
     got, expected = load_file(out / "model.safetensors"), load_file(RESIZE / "model.safetensors")
     assert got["model.embed_tokens.weight"].shape == (131, 32)
@@ -117,7 +117,7 @@ def test_tied_model_padded_under_tp_stays_tied_and_matches_transformers(tmp_path
     _set_rows(model.token_embed, 128, want["rows"])
     _close_logits(model(jnp.asarray(want["tokens"])), want["logits"])
 
-    ns.save_safetensors(tmp_path / "export", model)
+    ns.hf.save_safetensors(tmp_path / "export", model)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["vocab_size"] == 136 and config["tie_word_embeddings"] is True
     tensors = load_file(tmp_path / "export" / "model.safetensors")
@@ -175,7 +175,7 @@ def test_mean_resizing_off_draws_from_the_initializer_range():
 
 def test_seed_decides_the_draw():
     def rows(seed: int) -> np.ndarray:
-        m = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+        m = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         return np.asarray(resize_token_embeddings(m, 130, seed=seed).token_embed[128:])
 
     np.testing.assert_array_equal(rows(1), rows(1))
@@ -183,7 +183,7 @@ def test_seed_decides_the_draw():
 
 
 def test_shrinking_keeps_the_first_rows_and_their_logits():
-    model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+    model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     tokens = jnp.asarray([[1, 5, 99, 7]], jnp.int32)
     before = np.asarray(model(tokens))
     embed = np.asarray(model.token_embed[...])
@@ -196,7 +196,7 @@ def test_shrinking_keeps_the_first_rows_and_their_logits():
 
 
 def test_same_size_is_left_alone_and_none_pads_the_current_size():
-    model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+    model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     value = model.token_embed.get_value()
     assert resize_token_embeddings(model, 128, pad_to_multiple_of=64) is model
     assert model.token_embed.get_value() is value and model.cfg.vocab == 128
@@ -207,7 +207,7 @@ def test_same_size_is_left_alone_and_none_pads_the_current_size():
 @pytest.mark.parametrize("strategy,mesh", [("fsdp", "data=8"), ("tp", "data=4,model=2")])
 def test_each_parameter_keeps_its_layout(strategy, mesh):
     rules = ns.strategies.get(strategy)
-    model = ns.sharded_init(lambda: Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0)), mesh,
+    model = ns.sharded_init(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), mesh,
                             rules)
     before = {n: getattr(model, n).get_value().sharding for n in ("token_embed", "unembed")}
     resize_token_embeddings(model, 130, pad_to_multiple_of=8)
@@ -222,7 +222,7 @@ def test_each_parameter_keeps_its_layout(strategy, mesh):
 
 def test_explicit_mesh_keeps_its_axis_types():
     mesh = ns.make_mesh("data=4,model=2", axis_types="explicit")
-    model = ns.sharded_init(lambda: Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0)), mesh,
+    model = ns.sharded_init(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), mesh,
                             ns.strategies.get("fsdp_tp"))
     before = model.token_embed.get_value().sharding
     resize_token_embeddings(model, 136)
@@ -231,7 +231,7 @@ def test_explicit_mesh_keeps_its_axis_types():
 
 
 def test_a_size_its_devices_do_not_divide_is_refused_with_the_fix():
-    model = ns.sharded_init(lambda: Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0)),
+    model = ns.sharded_init(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
                             "data=4,model=2", ns.strategies.get("tp"))
     value = model.token_embed.get_value()
     with pytest.raises(ShardingError, match="pad_to_multiple_of=2") as e:
@@ -259,7 +259,7 @@ def test_a_size_its_devices_do_not_divide_is_refused_with_the_fix():
     ({"new_vocab": 130, "seed": -1}, "seed"),
 ])
 def test_bad_arguments_name_themselves(kw, name):
-    model = Llama(get_llama_config("tiny"), rngs=nnx.Rngs(0))
+    model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     with pytest.raises(UsageError, match=name):
         resize_token_embeddings(model, **kw)
     assert model.cfg.vocab == 128 and model.token_embed.shape == (128, 32)

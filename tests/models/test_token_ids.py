@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_shard.errors import UsageError
+from nnx_shard._errors import UsageError
 from nnx_shard.models import Llama, LlamaConfig, Transformer, TransformerConfig
 
 

@@ -1,4 +1,4 @@
-"""Collective matmuls (nnx_shard.parallel.collective_matmul) and the async_tp strategy.
+"""Collective matmuls (nnx_shard._parallel.collective_matmul) and the async_tp strategy.
 
 (a) each op equals the plain einsum, values and gradients, on 2-, 4- and
     8-way model axes, one-way and bidirectional rings, Auto and Explicit axes;
@@ -24,13 +24,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, get_config, lm_loss
-from nnx_shard.parallel.collective_matmul import (
+from nnx_shard._parallel.collective_matmul import (
     all_gather_matmul,
+    check_tokens,
     matmul_reduce_scatter,
     projection,
 )
-from nnx_shard.strategies import compiled_collectives
+from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.planner import compiled_collectives
 from tests._close import assert_close
 from tests._lm import lm_batches, lm_step
 from tests.conftest import needs_devices
@@ -374,7 +375,7 @@ def test_bad_option_value() -> None:
 def test_batch_not_divisible_by_data_axis() -> None:
     s = ns.strategies.get("async_tp")
     with ns.use("data=2,model=4", s.rules), pytest.raises(ns.ShardingError) as e:
-        ns.collective_matmul.check_tokens((3, 16))
+        check_tokens((3, 16))
     assert str(e.value).startswith("rule 'batch' splits the batch size over mesh axis 'data' "
                                    "(size 2), but the tokens (shape (3, 16)")
     assert "multiple of 2 (e.g. 2 or 4), use a mesh with data=1." in str(e.value)
@@ -387,4 +388,4 @@ def test_batch_not_divisible_by_data_axis() -> None:
 ])
 def test_check_tokens_refuses_shapes_that_are_not(args, match):
     with pytest.raises(ns.ShardingError, match=match):
-        ns.collective_matmul.check_tokens(*args)
+        check_tokens(*args)

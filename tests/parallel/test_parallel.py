@@ -1,4 +1,4 @@
-"""The parallel wing's registry (nnx_shard.parallel.registry) and the frame stacks
+"""The parallel wing's registry (nnx_shard._parallel.registry) and the frame stacks
 (nnx_shard._frames): the fused step knows the ops only through what they register."""
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
+from nnx_shard._attention import _modes as attention_modes
 from nnx_shard._frames import Frames
-from nnx_shard.parallel import registry
+from nnx_shard._parallel import collective_matmul as matmul_impl
+from nnx_shard._parallel import pipeline as pipeline_impl
+from nnx_shard._parallel import registry
 
-TRAIN = Path(ns.__file__).parent / "train"
+TRAIN = Path(ns.__file__).parent / "_train"
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -34,26 +37,25 @@ def _imported_modules(path: Path) -> set[str]:
 def test_the_training_package_imports_no_parallel_op():
     imported = set().union(*(_imported_modules(p) for p in TRAIN.glob("*.py")))
     ops = {f"nnx_shard.{m}" for m in ("pipeline", "ring", "collective_matmul")}
-    ops |= {f"nnx_shard.parallel.{m}" for m in ("pipeline", "ring", "collective_matmul")}
+    ops |= {f"nnx_shard._parallel.{m}" for m in ("pipeline", "ring", "collective_matmul")}
     assert not imported & ops, imported & ops
-    assert "nnx_shard.parallel.registry" in imported
+    assert "nnx_shard._parallel.registry" in imported
 
 
 def test_each_op_declares_the_option_it_reads():
     ops = {op.name: op for op in registry.registered()}
-    assert ops["attention"].option == ns.attention.OPTION == "attention"
-    assert ops["pipeline"].option == ns.pipeline.OPTION == "pipeline"
-    assert ops["collective_matmul"].option == ns.collective_matmul.OPTION == "collective_matmul"
+    assert ops["attention"].option == attention_modes.OPTION == "attention"
+    assert ops["pipeline"].option == pipeline_impl.OPTION == "pipeline"
+    assert ops["collective_matmul"].option == matmul_impl.OPTION == "collective_matmul"
     assert ops["attention"].check_step is not None and ops["pipeline"].microbatched is not None
 
 
 def test_the_ops_are_attributes_of_the_package_and_live_in_parallel():
     import sys
 
-    assert ns.pipeline is ns.parallel.pipeline
-    assert ns.collective_matmul is ns.parallel.collective_matmul
-    assert ns.attention.attention is ns.models.attention
-    assert ns.pipeline.stage_report.__module__ == "nnx_shard.pipeline_report"
+    assert ns.pipeline.scan is pipeline_impl.scan
+    assert ns.collective_matmul.all_gather_matmul is matmul_impl.all_gather_matmul
+    assert ns.pipeline.stage_report.__module__ == "nnx_shard._stage_report"
     assert "nnx_shard.ring" not in sys.modules  # no alias module paths
 
 

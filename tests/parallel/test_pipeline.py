@@ -1,4 +1,4 @@
-"""Pipeline parallelism (nnx_shard.parallel.pipeline, the pp presets) on 8 simulated devices.
+"""Pipeline parallelism (nnx_shard._parallel.pipeline, the pp presets) on 8 simulated devices.
 
 The proof runs (one module-scoped compilation each): the reference transformer
 with ``scan_layers=True`` trained for K fused steps under GPipe and the
@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 import nnx_shard as ns
 from nnx_shard import pipeline
 from nnx_shard.models import Transformer, get_config, lm_loss
-from nnx_shard.strategies import compiled_collectives
+from nnx_shard.planner import compiled_collectives
+from nnx_shard.planner._costs import KINDS as COLLECTIVE_KINDS
 from tests._close import assert_close
 from tests._lm import Run, assert_same_values, lm_batches, lm_run, lm_step
 from tests._shared import device_bytes
@@ -203,7 +204,7 @@ def test_plan_cli_a_compiled_pipeline_is_an_upper_bound_and_the_stage_formula_de
     import json
 
     from nnx_shard.cli import main
-    from nnx_shard.models.memory import activation_bytes
+    from nnx_shard.models._memory import activation_bytes
 
     flags = ["plan", "--model", "tiny", "--mesh", "stage=2,data=4", "--strategy", "pp_fsdp",
              "--scan-layers", "--batch", "8", "--seq", "16"]
@@ -470,7 +471,7 @@ def test_presets() -> None:
         s = ns.strategies.get(name, stage="pipe", data="dp")
         assert s.mesh_axes[:2] == ("pipe", "dp") and s.rules["layers"] == "pipe"
         assert s.rules.options["pipeline"] == pipeline.Schedule(axis="pipe")
-        assert set(s.collectives) <= set(ns.strategies.KINDS)
+        assert set(s.collectives) <= set(COLLECTIVE_KINDS)
         assert np.prod(list(s.mesh_for(8).values())) == 8
         assert all(logical in s.rules for logical in ns.strategies.LOGICAL)
     assert ns.strategies.get("pp_fsdp").mesh_for(8) == {"stage": 4, "data": 2}

@@ -1,4 +1,4 @@
-"""Context parallelism: the attention op (nnx_shard.attention / nnx_shard.models.attention)
+"""Context parallelism: the attention op (nnx_shard._attention / nnx_shard.models.attention)
 in dense, ring and all-gather mode, and the cp presets training the reference
 transformer, on 8 simulated devices.
 
@@ -24,9 +24,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.attention.context_parallel import _zigzag_pairs
+from nnx_shard._attention._context_parallel import _zigzag_pairs
 from nnx_shard.models import Transformer, attention, get_config, lm_loss
-from nnx_shard.strategies import compiled_collectives
+from nnx_shard.planner import compiled_collectives
 from tests._close import assert_close
 from tests._lm import lm_batches, lm_step
 from tests.conftest import needs_devices

@@ -2,7 +2,9 @@
 
 import pytest
 
-from nnx_shard.planner import CompileError, compiled_memory, compiled_memory_subprocess
+from nnx_shard import CompileError
+from nnx_shard.planner import compiled_memory
+from nnx_shard.planner._compile import compiled_memory_subprocess
 from tests.conftest import needs_devices
 
 
@@ -43,9 +45,9 @@ def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy
     the planner's formula counts exactly that copy for each mode."""
     from flax import nnx
 
+    from nnx_shard._optimizers import get as optimizer
     from nnx_shard.models import Transformer, get_config
-    from nnx_shard.optimizers import get as optimizer
-    from nnx_shard.planner import abstract_report, formula
+    from nnx_shard.planner._formula import abstract_report, formula
     from nnx_shard.strategies import get
     from tests._lm import lower_bare_steps
 
@@ -82,8 +84,8 @@ def test_the_planners_compile_options_change_no_figure(strategy, sizes, remat):
     from jax.sharding import NamedSharding
 
     from nnx_shard.models import Transformer, get_config
-    from nnx_shard.planner import compile as planner_compile
-    from nnx_shard.planner.costs import hlo_costs
+    from nnx_shard.planner import _compile as planner_compile
+    from nnx_shard.planner._costs import hlo_costs
 
     cfg = dataclasses.replace(get_config("tiny"), remat=remat, scan_layers=True)
     _, trainer, _ = planner_compile.compile_fit(

@@ -13,11 +13,14 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard import optimizers, planner, strategies
+from nnx_shard import _optimizers as optimizers
+from nnx_shard import planner, strategies
+from nnx_shard._report import fmt_bytes
 from nnx_shard.cli import main
 from nnx_shard.models import Transformer, get_config
-from nnx_shard.planner.formula import stage_formula_bytes
-from nnx_shard.report import fmt_bytes
+from nnx_shard.planner import _compile, _costs, _explore, _formula, _hardware
+from nnx_shard.planner._formula import stage_formula_bytes
+from nnx_shard.strategies._strategy import PRESETS
 from tests.conftest import needs_devices
 
 H = planner.Hardware("test", peak_flops=1e9, link_bandwidth=1e6)
@@ -49,8 +52,8 @@ def test_enumeration_covers_every_preset_and_mesh_and_says_what_it_skipped():
                         progress=False)
     labels = {c.label for c in plan.ranked}
     # What the registry holds now (a preset added later joins without edits here) ...
-    from nnx_shard.planner.layouts import enumerate_layouts
-    from nnx_shard.strategy import PRESETS
+    from nnx_shard.planner._layouts import enumerate_layouts
+    from nnx_shard.strategies._strategy import PRESETS
 
     layouts, skipped = enumerate_layouts(4, list(PRESETS))
     usable = [(n, sz) for n, sz in layouts if not n.startswith("pp")]  # tiny is unstacked
@@ -79,13 +82,13 @@ def test_enumeration_covers_every_preset_and_mesh_and_says_what_it_skipped():
 
 def test_a_new_preset_joins_the_enumeration_without_edits(monkeypatch):
     def wide() -> strategies.Strategy:
-        base = strategies.fsdp()
+        base = strategies.get("fsdp")
         # The batch over both axes: an axis that splits nothing is not offered.
         return dataclasses.replace(base, name="wide", mesh_axes=("data", "extra"), sizes=(2,),
                                    rules=base.rules | {"batch": ("data", "extra")})
 
     monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "wide"))
-    monkeypatch.setitem(strategies.PRESETS, "wide", wide)
+    monkeypatch.setitem(PRESETS, "wide", wide)
     fake = table({}, default={"total": 1})
     plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
                         progress=False)
@@ -123,11 +126,11 @@ def test_a_preset_with_requirements_the_model_lacks_is_skipped(monkeypatch):
             raise ValueError("pipeline stages need scan_layers=True; set it in the config")
 
     def staged() -> strategies.Strategy:
-        base = strategies.fsdp()
+        base = strategies.get("fsdp")
         return Staged("staged", base.rules, None, ("data", "stage"), (2,))
 
     monkeypatch.setattr(strategies, "NAMES", (*strategies.NAMES, "staged"))
-    monkeypatch.setitem(strategies.PRESETS, "staged", staged)
+    monkeypatch.setitem(PRESETS, "staged", staged)
     fake = table({}, default={"total": 1})
     plan = planner.auto("tiny", devices=4, batch=8, seq=16, hardware=H, compile_fn=fake,
                         strategies=["dp", "staged"], progress=False)
@@ -216,8 +219,8 @@ def test_a_variant_whose_time_bound_is_past_the_best_is_not_compiled(dots_flops,
     the measured floor of that remat transition: dp's full variant is bounded by its
     dots step x 0.7 (REMAT_TIME_FLOORS) and by its none step x 0.45; it is compiled
     only where the larger bound is under the best fitting candidate's 1 s."""
-    assert planner.explore.REMAT_TIME_FLOORS[("dots", "full")] == 0.7
-    assert planner.explore.REMAT_TIME_FLOORS[("none", "full")] == 0.45
+    assert _explore.REMAT_TIME_FLOORS[("dots", "full")] == 0.7
+    assert _explore.REMAT_TIME_FLOORS[("none", "full")] == 0.45
     fake = table({
         "dp data=4 remat=none mb=1": {"total": 300, "flops": 1.5e9},
         "dp data=4 remat=dots mb=1": {"total": 250, "flops": dots_flops},
@@ -273,7 +276,7 @@ def test_a_pipeline_over_one_stage_is_left_to_its_twin_without_a_schedule():
 def test_a_compiled_pipeline_is_decided_by_its_stage_formula(monkeypatch):
     """XLA CPU's figure for a pipeline is an upper bound: auto decides a pipeline
     candidate with its per-stage formula, and says so."""
-    from nnx_shard.planner.cache import Cache
+    from nnx_shard.planner._cache import Cache
 
     monkeypatch.setattr(Cache, "shared", {})
     cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
@@ -281,7 +284,7 @@ def test_a_compiled_pipeline_is_decided_by_its_stage_formula(monkeypatch):
     sizes = {"stage": 2, "data": 2}
     stage = stage_formula_bytes(model, cfg, strategies.get("pp"), sizes,
                                 optimizers.get("adamw"), 8, 16, "none")
-    compiled = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "pp", sizes,
+    compiled = _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "pp", sizes,
                                     batch=8, seq=16, microbatches=2)["total"]
     assert stage < compiled
     memory = (stage + compiled) // 2  # the compiled figure alone would not fit
@@ -341,8 +344,8 @@ def test_the_compile_budget_is_bounded_and_says_so():
     assert len(fake.seen) == 3 and len(plan.ranked) == 3
     # Every layout of the registry's presets on 4 devices, but the pipelines the unstacked
     # tiny model cannot use: all but the 3 compiled are over the budget.
-    from nnx_shard.planner.layouts import enumerate_layouts
-    from nnx_shard.strategy import PRESETS
+    from nnx_shard.planner._layouts import enumerate_layouts
+    from nnx_shard.strategies._strategy import PRESETS
 
     layouts, _ = enumerate_layouts(4, list(PRESETS))
     usable = [name for name, _ in layouts if not name.startswith("pp")]
@@ -431,7 +434,7 @@ def test_profiles_have_datasheet_numbers_and_unknown_names_list_the_known():
 
 @needs_devices(8)
 def test_calibrate_measures_this_machine():
-    hw = planner.calibrate(8, seconds=0.05)
+    hw = _hardware.calibrate(8, seconds=0.05)
     assert hw.peak_flops > 1e6 and hw.link_bandwidth > 1e5 and hw.link_latency > 0
     assert hw.device_memory is None and "measured:" in hw.source
 
@@ -445,7 +448,7 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
     """cost_analysis() counts a loop body once; the planner weights it by the trip count."""
     def figures(scan: bool) -> dict:
         cfg = dataclasses.replace(get_config("tiny"), layers=4, scan_layers=scan)
-        return planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "fsdp_tp",
+        return _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "fsdp_tp",
                                     {"data": 4, "model": 2}, batch=8, seq=16)
 
     scanned, unrolled = figures(True), figures(False)
@@ -456,9 +459,9 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
     assert scanned["unknown_loops"] == 0
     # Microbatches: the same matmuls, in a loop of 2.
     cfg = get_config("tiny")
-    mb = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
+    mb = _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
                               batch=16, seq=16, microbatches=2)
-    one = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
+    one = _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
                                batch=16, seq=16)
     assert mb["flops"] == pytest.approx(one["flops"], rel=0.02)
 
@@ -479,21 +482,21 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
 def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
     """The planner skips a compile when the formula alone is over the budget by
     PRUNE_MARGIN: that is only safe while the formula stays near or under XLA's figure."""
-    from nnx_shard.optimizers import get as optimizer
+    from nnx_shard._optimizers import get as optimizer
 
     cfg = dataclasses.replace(get_config("tiny"), heads=8, head_dim=4, layers=4, length=32,
                               scan_layers=True, remat=remat)
     strat = strategies.get(strategy)
     mb = 2 * sizes.get("stage", 0) or 1
-    compiled = planner.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy,
+    compiled = _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy,
                                     sizes, batch=16, seq=32, microbatches=mb)["total"]
     mesh = ns.make_mesh(sizes, devices=jax.devices()[:8])
     abstract = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strat)
-    formula = planner.formula_bytes(abstract, cfg, strat, sizes, optimizer("adamw"),
+    formula = _formula.formula_bytes(abstract, cfg, strat, sizes, optimizer("adamw"),
                                      16 // mb, 32, remat)
     # 1.07: the largest measured (benchmarks/formula_bound.py), under the margin.
     assert 0.15 * compiled < formula <= 1.07 * compiled
-    assert 1.07 < planner.PRUNE_MARGIN
+    assert 1.07 < _formula.PRUNE_MARGIN
 
 
 @needs_devices(8)
@@ -505,7 +508,7 @@ def test_a_factory_compiles_in_process_with_its_remat():
         return Transformer(dataclasses.replace(get_config("tiny"), remat=remat),
                            rngs=nnx.Rngs(0))
 
-    plan = ns.strategies.auto(factory, devices=8, batch=8, seq=16, hardware=H,
+    plan = ns.planner.auto(factory, devices=8, batch=8, seq=16, hardware=H,
                               strategies=["fsdp"], progress=False)
     assert plan.best.label == "fsdp data=8 remat=none mb=1" and plan.best.compiled
     assert plan.best.bytes_per_device > 0 and plan.best.flops > 0
@@ -562,7 +565,7 @@ def test_plan_auto_end_to_end(capsys, tmp_path, monkeypatch):
 def test_compiles_side_by_side_plan_as_one_subprocess_does(monkeypatch):
     """workers=2 splits the compiles over two children: the figures, the ranking and
     the choice are those of one child compiling them all."""
-    from nnx_shard.planner.cache import Cache
+    from nnx_shard.planner._cache import Cache
 
     def run(workers):
         monkeypatch.setattr(Cache, "shared", {})  # compile again, not from memory
@@ -612,10 +615,10 @@ def test_fits_call_adds_no_collective_bytes_to_the_bare_step(strategy):
     from tests._lm import lower_bare_steps
 
     factory = lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
-    fit = planner.compile_step(factory, strategy, {"data": 8}, batch=16, seq=16)
+    fit = _compile.compile_step(factory, strategy, {"data": 8}, batch=16, seq=16)
     mesh = ns.make_mesh({"data": 8})
     compiled = lower_bare_steps(strategy, {"data": 8}, batch=16, seq=16)
-    bare = planner.hlo_costs(compiled.compile().as_text(), mesh)
+    bare = _costs.hlo_costs(compiled.compile().as_text(), mesh)
     for kind, sent in bare["by_kind"].items():
         assert fit["by_kind"].get(kind, 0.0) == pytest.approx(sent / 2, rel=0.01), kind
     assert fit["collective_bytes"] == pytest.approx(bare["collective_bytes"] / 2, rel=0.01)
@@ -715,7 +718,8 @@ def test_a_cache_that_cannot_be_written_still_gives_the_plan(tmp_path):
 
 def fake_child_compiles(monkeypatch):
     """plan --auto without its compile subprocess: every config 'compiles' to 1 KB."""
-    from nnx_shard.planner import cache, explore
+    from nnx_shard.planner import _cache as cache
+    from nnx_shard.planner import _explore as explore
 
     def fake(self, todo, bar):
         for c in todo:
@@ -810,7 +814,7 @@ def test_a_layout_whose_mesh_axis_splits_nothing_is_not_offered():
 
 
 def test_factorizations_are_fast_and_complete_for_large_counts():
-    from nnx_shard.strategy import factorizations
+    from nnx_shard.strategies._strategy import factorizations
 
     for n in (1, 2, 12, 36, 97, 120):
         for k in (1, 2, 3):
@@ -824,7 +828,7 @@ def test_factorizations_are_fast_and_complete_for_large_counts():
 
 
 def test_auto_caps_the_device_count_as_plan_does():
-    from nnx_shard.cli.common import MAX_PLAN_DEVICES
+    from nnx_shard.cli._common import MAX_PLAN_DEVICES
 
     with pytest.raises(ns.NnxShardError, match=r"auto: devices must be at most 1,048,576 "
                                                r"\(2\*\*20\), got 1,000,000,000"):

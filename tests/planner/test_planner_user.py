@@ -20,9 +20,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
+from nnx_shard._errors import UsageError
 from nnx_shard.cli import main
-from nnx_shard.errors import UsageError
-from nnx_shard.planner import UserModel, auto, compile_step, parse_batch_spec
+from nnx_shard.planner import UserModel, auto
+from nnx_shard.planner._compile import compile_step
+from nnx_shard.planner._user import parse_batch_spec
 from tests import _user_models as um
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nnx_shard import strategies
-from nnx_shard.planner.trust import PIPELINE_NOTICE, compiled_trusted
+from nnx_shard.planner._trust import PIPELINE_NOTICE, compiled_trusted
 
 
 def test_every_pipeline_preset_and_only_those_are_untrusted_on_cpu():

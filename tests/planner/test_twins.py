@@ -7,12 +7,14 @@ import dataclasses
 import pytest
 from flax import nnx
 
-from nnx_shard import optimizers, planner
+from nnx_shard import _optimizers as optimizers
+from nnx_shard import planner
 from nnx_shard.models import Transformer, get_config
-from nnx_shard.planner.cache import Cache
-from nnx_shard.planner.formula import abstract_report
-from nnx_shard.planner.twins import signature
-from nnx_shard.presets import get
+from nnx_shard.planner import _explore
+from nnx_shard.planner._cache import Cache
+from nnx_shard.planner._formula import abstract_report
+from nnx_shard.planner._twins import signature
+from nnx_shard.strategies._presets import get
 
 
 def _sig(cfg, name, sizes, *, microbatches=1, remat="none"):
@@ -52,7 +54,7 @@ def test_the_search_compiles_each_program_once_with_the_same_figures(monkeypatch
     def run(dedupe):
         monkeypatch.setattr(Cache, "shared", {})  # compile again, not from memory
         if not dedupe:
-            monkeypatch.setattr(planner.explore.Search, "signature", lambda self, c, strat=None: None)
+            monkeypatch.setattr(_explore.Search, "signature", lambda self, c, strat=None: None)
         return planner.auto("tiny", devices=4, batch=8, seq=16, device_memory="1GB",
                             strategies=["dp", "ep", "tp", "fsdp_tp"], progress=False)
 

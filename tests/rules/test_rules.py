@@ -717,7 +717,7 @@ def test_unknown_options_are_refused_with_a_did_you_mean(make):
 
 
 def test_an_op_registered_declares_its_option(monkeypatch):
-    from nnx_shard.parallel import registry
+    from nnx_shard._parallel import registry
 
     monkeypatch.setattr(registry, "_OPS", dict(registry._OPS))
     with pytest.raises(ShardingError, match="'my_probe' is not an option"):

@@ -23,7 +23,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard import hf
-from nnx_shard.errors import UsageError
+from nnx_shard._errors import UsageError
 from nnx_shard.models import Llama, LlamaConfig, lm_loss
 from tests._close import assert_close
 

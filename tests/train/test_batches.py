@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.train import Trainer
+from nnx_shard._train import Trainer
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -188,8 +188,8 @@ def test_a_call_the_per_step_guard_accepts_is_kept_with_the_calls_queued_behind_
     guard finds every step finite, training goes on from the replayed state, and
     the call queued behind the failed one (undone in the compiled call) is replayed
     too, so no batch is lost."""
-    from nnx_shard.train import trainer as trainer_module
-    from nnx_shard.train.guard import guard_call, select
+    from nnx_shard._train import _trainer as trainer_module
+    from nnx_shard._train._guard import guard_call, select
 
     def fail_first_call(before, after, metrics):
         metrics = guard_call(before, after, metrics)
@@ -250,7 +250,7 @@ def test_grain_map_dataset_and_data_loader_feed_fit():
 
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_grad_norm_equals_optax_with_sharded_and_replicated_leaves(axis_types):
-    from nnx_shard.train.guard import grads_norm
+    from nnx_shard._train._guard import grads_norm
 
     mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     rng = np.random.default_rng(0)
@@ -270,7 +270,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_grad_sq_shares_sum_to_the_norm_with_no_collective(axis_types):
-    from nnx_shard.train.guard import grad_sq_shares
+    from nnx_shard._train._guard import grad_sq_shares
 
     mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     rng = np.random.default_rng(0)

@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.errors import UsageError
+from nnx_shard._errors import UsageError
+from nnx_shard._train._feed import BatchCheck
 from nnx_shard.models import Llama, LlamaConfig, lm_loss
-from nnx_shard.train.feed import BatchCheck
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)

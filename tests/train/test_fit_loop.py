@@ -17,12 +17,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.checkpoint.restore import restore_in_place
-from nnx_shard.mesh import make_mesh
-from nnx_shard.rules import as_rules
-from nnx_shard.train import Fused, Trainer, run
-from nnx_shard.train.feed import Stacker
-from nnx_shard.train.placement import Placer
+from nnx_shard._checkpoint._restore import restore_in_place
+from nnx_shard._mesh import make_mesh
+from nnx_shard._rules import as_rules
+from nnx_shard._train import Fused, Trainer
+from nnx_shard._train import _run as run
+from nnx_shard._train._feed import Stacker
+from nnx_shard._train._placement import Placer
 from tests._close import assert_close
 from tests.conftest import needs_devices
 

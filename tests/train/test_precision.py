@@ -19,9 +19,9 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.errors import UsageError
+from nnx_shard._errors import UsageError
 from nnx_shard.models import Llama, LlamaConfig, lm_loss
-from nnx_shard.strategies import compiled_collectives, partitioned_hlo
+from nnx_shard.planner import compiled_collectives, partitioned_hlo
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
@@ -238,7 +238,7 @@ def _fixture(name: str, strategy: str, dtype) -> tuple[Llama, dict]:
     cfg = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / name), dtype=dtype)
     s = ns.strategies.get(strategy)
     target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s)
-    return ns.load_safetensors(FIXTURES / name, target), dict(
+    return ns.hf.load_safetensors(FIXTURES / name, target), dict(
         np.load(FIXTURES / name / "expected.npz"))
 
 
@@ -260,7 +260,7 @@ def test_bfloat16_compute_logits_follow_transformers(name):
 def test_fine_tune_in_bfloat16_ends_near_float32():
     """A short fine-tune of the tiny Llama fixture on the stdlib corpus (the
     300-step figure is benchmarks/mixed_precision.py's)."""
-    from nnx_shard.data import load_stdlib
+    from nnx_shard._data import load_stdlib
 
     corpus = load_stdlib()
     final = {}
@@ -284,11 +284,11 @@ def test_planner_compiles_master_weights_in_float32():
     """The planner's compile of a Llama with float32 master weights and bfloat16
     compute holds float32 parameters and Adam moments (twice pure bfloat16's), and
     the formula's parameter bytes are XLA's."""
-    from nnx_shard.models import get_llama_config
-    from nnx_shard.planner import abstract_report
-    from nnx_shard.planner.compile import compiled_memory, planned_config
+    from nnx_shard.models import get_config
+    from nnx_shard.planner._compile import compiled_memory, planned_config
+    from nnx_shard.planner._formula import abstract_report
 
-    cfg = get_llama_config("tiny")
+    cfg = get_config("llama-tiny")
     kw = dict(sizes={"data": 8}, strategy="fsdp", batch=8, seq=16)
     pure = compiled_memory(cfg, param_dtype="bfloat16", compute_dtype="bfloat16", **kw)
     mixed = compiled_memory(cfg, param_dtype="float32", compute_dtype="bfloat16", **kw)

@@ -28,12 +28,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.checkpoint.restore import restore_in_place
-from nnx_shard.simulated import simulated_env
-from nnx_shard.train import Fused, Trainer, multistep, placement, shard_batch, value_and_grad
-from nnx_shard.train.guard import GRAD_SQ, Guard, guard_call
-from nnx_shard.train.microbatch import _split_microbatches
-from nnx_shard.train.progress import Progress
+from nnx_shard._checkpoint._restore import restore_in_place
+from nnx_shard._simulated import simulated_env
+from nnx_shard._train import Fused, Trainer, multistep, shard_batch, value_and_grad
+from nnx_shard._train import _placement as placement
+from nnx_shard._train._guard import GRAD_SQ, Guard, guard_call
+from nnx_shard._train._microbatch import _split_microbatches
+from nnx_shard._train._progress import Progress
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
@@ -798,7 +799,7 @@ def test_a_call_queued_behind_a_failed_one_applies_nothing_without_undo(mode):
 
 
 def test_trainer_guard_is_checked_and_defaults_to_grads():
-    assert make_trainer().guard == "grads" == ns.train.guard.DEFAULT_GUARD
+    assert make_trainer().guard == "grads" == ns._train._guard.DEFAULT_GUARD
     with pytest.raises(ValueError, match=r"guard must be one of 'full', 'grads', 'off', got "
                                          r"'none'\. Fix: guard='grads'"):
         make_trainer(guard="none")
@@ -1216,7 +1217,7 @@ def test_fused_call_retraces_under_other_rules():
 def test_with_sharded_init_and_sharded_optimizer():
     """The library path: fsdp x tensor parallel on an Auto 4x2 mesh (on Explicit axes
     a contracting dimension sharded on both sides needs out_sharding in model code)."""
-    init = pytest.importorskip("nnx_shard.init")
+    init = pytest.importorskip("nnx_shard._init")
     mesh = ns.make_mesh("data=4,model=2", axis_types="auto")
     rules = ns.Rules({"batch": "data", "in": "data", "out": "model"})
 

@@ -1,0 +1,446 @@
+"""A character-level text corpus that every machine has: the Python standard library's sources.
+
+The demo needs real text with no download. Python ships its standard library as
+source, so a fixed list of its modules, read in a fixed order, gives the same
+corpus on every machine with the same Python version (about 1 MB). Training
+text and held-out text come from different files, so the held-out loss measures
+text the model has never seen. Characters are ASCII codes (vocabulary 128, a
+power of two so it divides any mesh axis); the rare non-ASCII character becomes
+``?``.
+
+Nothing here imports jax: batches are NumPy, ready for ``nnx_shard.shard_batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sysconfig
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nnx_shard._errors import UsageError, short
+
+__all__ = ["HELDOUT_FILES", "IGNORE_INDEX", "TRAIN_FILES", "VOCAB", "CharCorpus", "decode",
+           "encode", "load_stdlib", "pack"]
+
+VOCAB = 128
+
+# Plain, long-lived modules present in every CPython >= 3.11; order matters (it
+# fixes the corpus). Held-out files are never used for training.
+TRAIN_FILES: tuple[str, ...] = (
+    "argparse.py",
+    "functools.py",
+    "dataclasses.py",
+    "collections/__init__.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "string.py",
+    "shutil.py",
+    "pathlib.py",
+    "inspect.py",
+    "typing.py",
+    "enum.py",
+    "heapq.py",
+    "bisect.py",
+    "fractions.py",
+    "random.py",
+    "statistics.py",
+    "difflib.py",
+    "csv.py",
+    "configparser.py",
+    "logging/__init__.py",
+    "contextlib.py",
+    "abc.py",
+    "copy.py",
+    "pprint.py",
+)
+HELDOUT_FILES: tuple[str, ...] = ("textwrap.py", "queue.py")
+
+_UNKNOWN = ord("?")
+
+#: The target :func:`pack` writes where nothing is to be predicted, the one
+#: :func:`nnx_shard.models.lm_loss` skips (transformers' ``ignore_index``).
+IGNORE_INDEX = -100
+
+
+def encode(text: str) -> np.ndarray:
+    """Text -> ``uint8`` character codes in ``[0, 128)``; non-ASCII becomes ``?``.
+
+    >>> encode("def f():").tolist()
+    [100, 101, 102, 32, 102, 40, 41, 58]
+    >>> decode(encode("naïve"))
+    'na?ve'
+    """
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    return np.where(codes < VOCAB, codes, _UNKNOWN).astype(np.uint8)
+
+
+def decode(tokens: Sequence[int] | np.ndarray) -> str:
+    """Character codes -> text (the inverse of :func:`encode` on ASCII).
+
+    >>> decode([104, 105])
+    'hi'
+    """
+    return "".join(chr(int(t)) for t in np.asarray(tokens).reshape(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class CharCorpus:
+    """Training and held-out character codes, with batch iterators and a baseline.
+
+    >>> c = CharCorpus(encode("abcab" * 40), encode("abcab" * 8), files=("x",), heldout_files=("y",))
+    >>> b = next(c.batches(batch=2, length=8, seed=0))
+    >>> b["inputs"].shape, b["inputs"].dtype, bool((b["inputs"][:, 1:] == b["targets"][:, :-1]).all())
+    ((2, 8), dtype('int32'), True)
+    >>> round(c.unigram_baseline(), 3)   # nats per character
+    1.535
+    """
+
+    train: np.ndarray
+    heldout: np.ndarray
+    files: tuple[str, ...]
+    heldout_files: tuple[str, ...]
+    vocab: int = VOCAB
+
+    def batches(self, batch: int, length: int, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """An endless, seeded stream of random training windows.
+
+        Each batch is ``{"inputs": int32[batch, length], "targets": int32[batch, length]}``
+        with targets the inputs shifted by one character.
+        """
+        if len(self.train) <= length + 1:
+            raise ValueError(f"training text has {len(self.train)} characters; need > {length + 1}")
+        rng = np.random.default_rng(seed)
+        offsets = np.arange(length + 1)
+        while True:
+            starts = rng.integers(0, len(self.train) - length - 1, size=batch)
+            windows = self.train[starts[:, None] + offsets].astype(np.int32)
+            yield {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+    def heldout_batches(self, batch: int, length: int, max_batches: int = 8) -> list[dict[str, np.ndarray]]:
+        """Fixed, non-overlapping held-out windows (the same every call), at most ``max_batches``.
+
+        >>> c = CharCorpus(encode("ab" * 50), encode("xy" * 50), files=(), heldout_files=())
+        >>> [b["inputs"].shape for b in c.heldout_batches(batch=2, length=10)]
+        [(2, 10), (2, 10), (2, 10), (2, 10)]
+        """
+        n = (len(self.heldout) - 1) // length
+        n_batches = min(n // batch, max_batches)
+        if n_batches == 0:
+            raise ValueError(
+                f"held-out text has {len(self.heldout)} characters; need at least "
+                f"{batch * length + 1} for one batch of {batch} x {length}"
+            )
+        # Spread the windows over the whole held-out text, not just its start.
+        stride = n // (n_batches * batch)
+        starts = np.arange(n_batches * batch) * stride * length
+        windows = self.heldout[starts[:, None] + np.arange(length + 1)].astype(np.int32)
+        windows = windows.reshape(n_batches, batch, length + 1)
+        return [{"inputs": w[:, :-1], "targets": w[:, 1:]} for w in windows]
+
+    def unigram_baseline(self) -> float:
+        """Cross-entropy (nats per character) of the held-out text under the training
+        text's character frequencies (add-one smoothed): the loss of a model that
+        ignores context. A language model must get below it to have learned anything."""
+        counts = np.bincount(self.train, minlength=self.vocab).astype(np.float64) + 1.0
+        logp = np.log(counts / counts.sum())
+        return float(-logp[self.heldout].mean())
+
+
+def load_stdlib(root: str | Path | None = None) -> CharCorpus:
+    """The corpus of :data:`TRAIN_FILES` and :data:`HELDOUT_FILES` from the running
+    Python's standard library (or from ``root``). Files missing from an unusual
+    installation are skipped; too little text left is an error.
+
+    >>> corpus = load_stdlib()
+    >>> len(corpus.train) > 500_000, len(corpus.heldout) > 10_000, corpus.vocab
+    (True, True, 128)
+    >>> 2.5 < corpus.unigram_baseline() < 4.0
+    True
+    """
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+
+    def read(names: tuple[str, ...]) -> tuple[np.ndarray, tuple[str, ...]]:
+        found = [n for n in names if (base / n).is_file()]
+        text = "\n".join((base / n).read_text(encoding="utf-8", errors="replace") for n in found)
+        return encode(text), tuple(found)
+
+    train, files = read(TRAIN_FILES)
+    heldout, heldout_files = read(HELDOUT_FILES)
+    if len(train) < 100_000 or len(heldout) < 5_000:
+        raise FileNotFoundError(
+            f"found only {len(train):,} training and {len(heldout):,} held-out characters of "
+            f"Python sources under {str(base)!r}; the demo reads the standard library's .py "
+            "files (is this a Python build without its sources?)"
+        )
+    return CharCorpus(train, heldout, files, heldout_files)
+
+
+def bits(nats: float) -> float:
+    """Nats -> bits.
+
+    >>> round(bits(math.log(2)), 6)
+    1.0
+    """
+    return nats / math.log(2)
+
+
+#: The largest token id :func:`pack` can write: its rows are int32.
+_ID_MAX = int(np.iinfo(np.int32).max)
+
+
+def _check_ids(i: int, ids: np.ndarray | list[int]) -> None:
+    """Example ``i``'s token ids are 0 .. int32's largest: a negative id or one that
+    int32 cannot hold must not be wrapped (2**40 and 2**63 would both become 0)."""
+    if isinstance(ids, np.ndarray):
+        # Compared in the ids' own dtype (uint64 2**63 is no negative int64 here).
+        if not ids.size or (ids.min() >= 0 and ids.max() <= _ID_MAX):
+            return
+        at = int(np.flatnonzero((ids < 0) | (ids > _ID_MAX))[0])
+        value = int(ids[at])
+    else:
+        bad = next(((j, t) for j, t in enumerate(ids) if not 0 <= t <= _ID_MAX), None)
+        if bad is None:
+            return
+        at, value = bad
+    why = "negative" if value < 0 else f"more than int32 holds ({_ID_MAX})"
+    raise UsageError(f"pack: example {i} has token id {value} at index {at}, {why}. Token ids "
+                     f"are 0 .. {_ID_MAX} (the vocabulary's; rows are int32). Fix: map the "
+                     "example through the tokenizer's vocabulary, and mark tokens not to learn "
+                     "with prompt_lengths or a mask, not with negative ids.")
+
+
+#: The keys a dict example may have: ``apply_chat_template(..., return_dict=True,
+#: return_assistant_tokens_mask=True)``'s.
+_KEYS = ("input_ids", "assistant_masks", "attention_mask")
+_MASKED = ("an example with its own mask is a dict {'input_ids': ids, 'assistant_masks': mask} "
+           "or a tuple (ids, mask)")
+
+
+def _array(value: Any) -> np.ndarray:
+    """``value`` as an array; text, a dict or a ragged list as a 0-d ``None``
+    (refused by the caller, naming the example)."""
+    if isinstance(value, str | bytes | Mapping):
+        return np.asarray(None)
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError):  # ragged nesting
+        return np.asarray(None)
+
+
+def _is_row(value: Any) -> bool:
+    """Whether ``value`` is a list of values (not one value, not text)."""
+    if isinstance(value, np.ndarray):
+        return value.ndim >= 1
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def _split(i: int, ex: Any) -> tuple[Any, Any, str]:
+    """Example ``i`` as ``(ids, mask or None, what names the mask)``."""
+    if isinstance(ex, Mapping):
+        unknown = [k for k in ex if k not in _KEYS]
+        if unknown:
+            hint = (" Fix: a mask of the tokens to learn, e.g. assistant_masks=[int(t != -100) "
+                    "for t in labels]." if "labels" in unknown else
+                    f" Fix: keep only {', '.join(_KEYS)}.")
+            raise UsageError(f"pack: example {i} has the key {short(unknown[0], 40)}; a dict "
+                             f"example has 'input_ids' and may have 'assistant_masks' (1: "
+                             f"learn the token) and 'attention_mask' (all 1).{hint}")
+        if "input_ids" not in ex:
+            raise UsageError(f"pack: example {i} is a dict without 'input_ids' (keys: "
+                             f"{short(list(ex), 60)}). Fix: {_MASKED}, as "
+                             "tok.apply_chat_template(messages, return_dict=True, "
+                             "return_assistant_tokens_mask=True) returns it.")
+        ids = ex["input_ids"]
+        attention = ex.get("attention_mask")
+        if attention is not None:
+            att, n = _array(attention), _array(ids).size
+            if att.shape != (n,) or att.dtype == object or not np.all(att == 1):
+                raise UsageError(f"pack: example {i}'s attention_mask must be 1 for each of "
+                                 f"its tokens, got {short(attention, 60)}: pack pads the rows "
+                                 "itself. Fix: keep only the tokens where attention_mask is 1 "
+                                 "(and their assistant_masks), or drop attention_mask.")
+        return ids, ex.get("assistant_masks"), f"example {i}'s assistant_masks"
+    if isinstance(ex, tuple) and len(ex) == 2 and _is_row(ex[0]):
+        return ex[0], ex[1], f"example {i}'s mask (the tuple's second item)"
+    return ex, None, ""
+
+
+def _mask(i: int, mask: Any, n: int, what: str) -> np.ndarray:
+    """The per-token mask of example ``i`` (``n`` tokens): one 0 or 1 per token."""
+    arr = _array(mask)
+    if arr.ndim != 1 or not (arr.dtype == bool or np.issubdtype(arr.dtype, np.integer)):
+        raise UsageError(f"pack: {what} must be a list of 0s and 1s (ints or bools), one per "
+                         f"token, got {short(mask, 60)}. Fix: 1 where the token is to be "
+                         "learned (the assistant's), 0 elsewhere.")
+    if arr.size != n:
+        raise UsageError(f"pack: {what} has {arr.size} values for the example's {n} tokens. "
+                         "Fix: one 0 or 1 per token: take the ids and the mask from the same "
+                         "apply_chat_template call, and cut both alike.")
+    bad = np.flatnonzero((arr != 0) & (arr != 1))
+    if bad.size:
+        at = int(bad[0])
+        hint = (" (labels, not a mask: assistant_masks=[int(t != -100) for t in labels])"
+                if int(arr[at]) == -100 else "")
+        raise UsageError(f"pack: {what} holds {int(arr[at])} at index {at}; a mask is 0 or 1 "
+                         f"per token{hint}. Fix: 1 where the token is to be learned, 0 "
+                         "elsewhere.")
+    return arr.astype(bool)
+
+
+def _examples(examples: Any, prompt_lengths: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``examples`` as ``(ids, learn)`` pairs: ``learn[k]`` is whether token ``k``
+    may be a target (a prompt's tokens, or a mask's 0s, may not)."""
+    if isinstance(examples, str | bytes) or not isinstance(examples, Sequence | np.ndarray):
+        one = " (one example: put it in a list)" if isinstance(examples, Mapping) else ""
+        raise UsageError(f"pack: examples must be a list of token lists, got "
+                         f"{type(examples).__name__} {short(examples, 60)}{one}. Fix: e.g. "
+                         f"pack([[1, 2, 3], [4, 5]], length=8); {_MASKED}.")
+    if prompt_lengths is not None and (
+            isinstance(prompt_lengths, str | bytes) or not isinstance(prompt_lengths, Sequence | np.ndarray)
+            or len(prompt_lengths) != len(examples)):
+        got = len(prompt_lengths) if isinstance(prompt_lengths, Sequence | np.ndarray) else \
+            short(prompt_lengths, 40)
+        raise UsageError(f"pack: prompt_lengths must give one count per example ({len(examples)}), "
+                         f"got {got}. Fix: prompt_lengths=[len(prompt) for prompt in prompts], "
+                         "or None to train on every token.")
+    out = []
+    for i, given in enumerate(examples):
+        ex, mask, what = _split(i, given)
+        arr = _array(ex)
+        if arr.ndim == 1 and arr.dtype == object and arr.size and all(
+                type(t) is int for t in arr.tolist()):
+            _check_ids(i, arr.tolist())   # Python ints past int64, kept as objects by NumPy
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise UsageError(f"pack: example {i} must be a non-empty list of token ids, got "
+                             f"{short(ex, 60)}. Fix: drop empty examples and pass ints ("
+                             f"{_MASKED}).")
+        _check_ids(i, arr)
+        if mask is not None:
+            if prompt_lengths is not None:
+                raise UsageError(f"pack: example {i} carries its own mask and prompt_lengths "
+                                 "is given too. Fix: one or the other: prompt_lengths=None "
+                                 "(a mask of 0s on the prompt does what prompt_lengths does), "
+                                 "or examples without masks.")
+            learn = _mask(i, mask, arr.size, what)
+        else:
+            p = 0 if prompt_lengths is None else prompt_lengths[i]
+            if isinstance(p, bool) or not isinstance(p, int | np.integer) or not 0 <= p <= arr.size:
+                raise UsageError(f"pack: prompt_lengths[{i}] = {short(p, 40)} is not a count "
+                                 f"from 0 to the example's {arr.size} tokens. Fix: the number "
+                                 "of prompt tokens at the start of the example.")
+            learn = np.arange(arr.size) >= int(p)
+        out.append((arr.astype(np.int64), learn))
+    return out
+
+
+def pack(examples: Sequence[Any], length: int, *,
+         prompt_lengths: Sequence[int] | None = None, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Variable-length examples packed into rows of ``length`` tokens for
+    next-token training: a batch for :func:`nnx_shard.models.lm_loss` with the
+    keys ``inputs``, ``targets``, ``segment_ids`` and ``positions``, each int32
+    ``[rows, length]``.
+
+    Examples go, longest first, into the first row with room for them whole
+    (first-fit decreasing), so no example is split and rows stay close to full.
+    In each row:
+
+    * ``inputs``: the examples' tokens one after the other, then ``pad_id``;
+    * ``targets``: the next token of the same example, and :data:`IGNORE_INDEX`
+      (-100) where there is none to learn: where the next token is one of the
+      example's first ``prompt_lengths[i]`` tokens (the prompt) or is 0 in the
+      example's own mask, at an example's last token (across the boundary to
+      the next example), and on padding;
+    * ``segment_ids``: 1, 2, ... for the row's examples, 0 for padding: the
+      reference models attend within a segment only;
+    * ``positions``: 0, 1, ... restarting with each example (0 on padding).
+
+    Args:
+      examples: token id lists, each of 1 to ``length`` tokens; or examples
+        with their own per-token masks (1: learn the token, 0: do not), as
+        dicts ``{"input_ids": ids, "assistant_masks": mask}`` (what
+        :meth:`~nnx_shard.models.Tokenizer.apply_chat_template` returns with
+        ``return_dict=True, return_assistant_tokens_mask=True``; an
+        ``attention_mask`` of 1s may come with them) or tuples ``(ids, mask)``.
+        The mask is transformers' convention: token ``k + 1`` is the target at
+        ``k`` where ``mask[k + 1]`` is 1, so every assistant turn of a
+        conversation is learned and the rest is not.
+      length: the tokens per row.
+      prompt_lengths: per example, how many of its first tokens are the prompt
+        (never predicted); ``None`` trains on every next token (or on the
+        examples' own masks, which it cannot be given with).
+      pad_id: the input id of padding (never a target).
+
+    Raises:
+      UsageError: ``examples`` not a list of non-empty integer lists, a token id
+        that is negative or that int32 cannot hold, an example longer than
+        ``length``, ``prompt_lengths`` not one count in ``0 .. len(example)`` per
+        example, a mask not one 0 or 1 per token, a mask with
+        ``prompt_lengths``, a dict example with other keys or an
+        ``attention_mask`` with 0s, a bad ``length`` or ``pad_id``; each
+        naming the example's index.
+
+    >>> batch = pack([[1, 2, 3, 4], [5, 6, 7], [8, 9]], 6, prompt_lengths=[2, 1, 0])
+    >>> batch["inputs"].tolist()
+    [[1, 2, 3, 4, 8, 9], [5, 6, 7, 0, 0, 0]]
+    >>> batch["targets"].tolist()
+    [[-100, 3, 4, -100, 9, -100], [6, 7, -100, -100, -100, -100]]
+    >>> batch["segment_ids"].tolist(), batch["positions"].tolist()
+    ([[1, 1, 1, 1, 2, 2], [1, 1, 1, 0, 0, 0]], [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 0]])
+
+    A conversation's masks (user, assistant, user, assistant):
+
+    >>> chat = {"input_ids": [1, 2, 3, 4, 5, 6, 7], "assistant_masks": [0, 0, 1, 1, 0, 1, 1]}
+    >>> pack([chat, ([8, 9, 10], [0, 1, 1])], 10)["targets"].tolist()
+    [[-100, 3, 4, -100, 6, 7, -100, 9, 10, -100]]
+    """
+    if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
+        raise UsageError(f"pack: length must be a whole number of tokens >= 1, got "
+                         f"{short(length, 40)}. Fix: e.g. length=2048.")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer):
+        raise UsageError(f"pack: pad_id must be a token id (int), got {short(pad_id, 40)}. "
+                         "Fix: e.g. pad_id=0 (never a target, so any id in the vocabulary).")
+    if not 0 <= pad_id <= _ID_MAX:
+        raise UsageError(f"pack: pad_id {int(pad_id)} is not a token id: ids are 0 .. "
+                         f"{_ID_MAX} (rows are int32). Fix: e.g. pad_id=0 (never a target, so "
+                         "any id in the vocabulary).")
+    items = _examples(examples, prompt_lengths)
+    rows: list[list[int]] = []   # example indices per row
+    room: list[int] = []
+    # First fit, longest first (stable: equal lengths keep their order): fuller rows
+    # than first fit in the given order, and as predictable.
+    for i in sorted(range(len(items)), key=lambda j: -items[j][0].size):
+        ex = items[i][0]
+        if ex.size > length:
+            raise UsageError(f"pack: example {i} has {ex.size} tokens, more than a row's "
+                             f"{length}. Fix: truncate it (e.g. ex[:{length}]) or pack into "
+                             "longer rows.")
+        row = next((r for r, free in enumerate(room) if free >= ex.size), None)
+        if row is None:
+            rows.append([])
+            room.append(length)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= ex.size
+    shape = (len(rows), length)
+    out = {"inputs": np.full(shape, pad_id, np.int32),
+           "targets": np.full(shape, IGNORE_INDEX, np.int32),
+           "segment_ids": np.zeros(shape, np.int32),
+           "positions": np.zeros(shape, np.int32)}
+    for r, members in enumerate(rows):
+        at = 0
+        for seg, i in enumerate(members, start=1):
+            ex, learn = items[i]
+            n = ex.size
+            span = slice(at, at + n)
+            out["inputs"][r, span] = ex
+            out["segment_ids"][r, span] = seg
+            out["positions"][r, span] = np.arange(n)
+            # Token k's target is token k + 1, kept where that one is to be learned.
+            out["targets"][r, at:at + n - 1] = np.where(learn[1:], ex[1:], IGNORE_INDEX)
+            at += n
+    return out

@@ -1,0 +1,26 @@
+"""Meshes and where arrays go on them, in three modules:
+
+* :mod:`~nnx_shard._mesh._build`: :func:`make_mesh` (from ``"data=4,model=2"``, a
+  dict or a Mesh) and :func:`mesh_str`, its text form;
+* :mod:`~nnx_shard._mesh._context`: the active ``(mesh, rules)`` of :func:`use`,
+  read by :func:`current` and :func:`option`, and :func:`constrain` for
+  activations;
+* :mod:`~nnx_shard._mesh._layout`: :func:`shardings` of a model's Variables, one
+  sharding applied to a traced value, bytes per device.
+
+Every name is importable from ``nnx_shard._mesh`` directly.
+"""
+
+from nnx_shard._mesh._build import make_mesh, mesh_str, parse_axes
+from nnx_shard._mesh._context import constrain, current, option, use
+from nnx_shard._mesh._layout import (
+    apply_sharding,
+    as_state,
+    bytes_per_device,
+    nbytes,
+    shardings,
+    variable_spec,
+)
+
+__all__ = ["apply_sharding", "as_state", "bytes_per_device", "constrain", "current", "make_mesh",
+           "mesh_str", "nbytes", "option", "parse_axes", "shardings", "use", "variable_spec"]

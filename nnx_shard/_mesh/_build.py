@@ -1,0 +1,208 @@
+"""Device meshes: ``make_mesh`` from ``"data=4,model=2"``, a dict or a Mesh, and their text form."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from nnx_shard._axes import sizes_str
+from nnx_shard._errors import ShardingError, short
+
+__all__ = ["make_mesh", "mesh_str"]
+
+_AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+
+
+def mesh_str(mesh: Any) -> str:
+    """``"data=4,model=2"``: a mesh (or a mapping of axis sizes) as :func:`make_mesh` reads it.
+
+    >>> mesh_str({"data": 4, "model": 2})
+    'data=4,model=2'
+    """
+    return sizes_str(mesh)
+
+
+_SPEC_FIX = "e.g. make_mesh('data=4,model=2') or make_mesh({'data': 4, 'model': 2})"
+
+
+def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """Mesh axis sizes from ``"data=4,model=2"`` or a dict, checked (``-1``: the rest).
+
+    >>> parse_axes("data=4,model=2")
+    {'data': 4, 'model': 2}
+    """
+    if isinstance(spec, Mapping):
+        items: list[tuple[str, Any]] = list(spec.items())
+        for name, size in items:
+            # bool is an int and 8.5 truncates: both would give a mesh nobody asked for.
+            if isinstance(size, bool) or not isinstance(size, int | np.integer):
+                raise ShardingError(
+                    f"mesh spec {short(dict(spec))}: size {short(size)} of axis {short(name)} "
+                    f"is a {type(size).__name__}, not an int. Fix: give whole device counts, "
+                    f"{_SPEC_FIX}."
+                )
+    elif not isinstance(spec, str):
+        hint = f"make_mesh('data={spec}')" if isinstance(spec, int) and not isinstance(
+            spec, bool) else _SPEC_FIX
+        raise TypeError(
+            f"make_mesh: spec must be a string 'axis=size,...', a dict {{axis: size}} or a "
+            f"jax.sharding.Mesh, got {type(spec).__name__} {short(spec, 60)}. Fix: {hint}."
+        )
+    else:
+        items = []
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            name, eq, size_txt = part.partition("=")
+            if not eq or not name:
+                raise ShardingError(
+                    f"mesh spec {short(spec)}: {short(part)} is not 'axis=size'. "
+                    "Fix: e.g. make_mesh('data=4,model=2')."
+                )
+            items.append((name, size_txt))
+    axes: dict[str, int] = {}
+    shown = short(spec)
+    for name, size in items:
+        try:
+            size_i = int(size)
+        except (TypeError, ValueError, OverflowError):
+            raise ShardingError(
+                f"mesh spec {shown}: size {short(size)} of axis {short(name)} is not an "
+                f"integer. Fix: {_SPEC_FIX}."
+            ) from None
+        if not isinstance(name, str) or not name:
+            raise ShardingError(f"mesh spec {shown}: axis names must be non-empty strings, got "
+                                f"{short(name)}. Fix: {_SPEC_FIX}.")
+        if name in axes:
+            raise ShardingError(f"mesh spec {shown}: axis {short(name)} appears twice. Fix: "
+                                "name each axis once.")
+        if size_i == 0 or size_i < -1:
+            raise ShardingError(
+                f"mesh spec {shown}: axis {short(name)} has size {size_i}; sizes are positive "
+                f"(or -1 for 'all remaining devices'). Fix: {_SPEC_FIX}."
+            )
+        axes[name] = size_i
+    if not axes:
+        raise ShardingError(f"mesh spec {shown} names no axes. Fix: e.g. 'data=8'.")
+    return axes
+
+
+def make_mesh(
+    spec: str | Mapping[str, int] | Mesh,
+    *,
+    axis_types: str | Sequence[AxisType] | None = "auto",
+    devices: Sequence[Any] | None = None,
+) -> Mesh:
+    """Builds a device mesh from ``"data=4,model=2"``, a dict, or returns a Mesh as is.
+
+    One axis may have size ``-1``: it takes all remaining devices.
+
+    Args:
+      spec: axis sizes in order, e.g. ``"data=4,model=2"`` or ``{"data": 4, "model": 2}``.
+      axis_types: ``"auto"`` (the default; ``None`` means the same), ``"explicit"``,
+        or a tuple of ``jax.sharding.AxisType`` per axis. Auto axes let XLA
+        propagate layouts, so any Flax model trains as written; Explicit axes
+        (``jax.make_mesh``'s default) put shardings in the array types and
+        reject at trace time any operation whose output sharding is ambiguous,
+        which stock layers such as ``nnx.Embed`` do not spell out.
+      devices: the devices to use (default: all of ``jax.devices()``), each once.
+
+    Raises:
+      TypeError: ``spec`` is not a string, dict or Mesh (e.g. ``8`` or ``None``), or
+        ``devices`` is not a list of jax devices.
+      ShardingError: a size that is not a positive int (``8.5``, ``True``), sizes that do
+        not multiply to the number of devices (the fix names ``devices=...[:n]`` when the
+        mesh is smaller), an empty or repeating ``devices`` list.
+
+    >>> mesh = make_mesh("data=4,model=2")
+    >>> dict(mesh.shape)
+    {'data': 4, 'model': 2}
+    >>> dict(make_mesh({"data": -1}).shape)
+    {'data': 8}
+    >>> make_mesh("data=8").axis_types, make_mesh("data=8", axis_types="explicit").axis_types
+    ((Auto,), (Explicit,))
+    """
+    if isinstance(spec, Mesh):
+        return spec
+    axes = parse_axes(spec)
+    devs = _check_devices(devices) if devices is not None else jax.devices()
+    n = len(devs)
+    unknown = [k for k, v in axes.items() if v == -1]
+    if len(unknown) > 1:
+        raise ShardingError(f"mesh spec {short(spec)}: only one axis may have size -1. Fix: "
+                            "give the other axes their sizes.")
+    known = math.prod(v for v in axes.values() if v != -1)
+    if unknown:
+        if n % known:
+            raise ShardingError(
+                f"mesh spec {short(spec)}: {n} devices do not divide by {known}, so "
+                f"{unknown[0]!r}=-1 has no integer size. Fix: axis sizes whose product "
+                f"divides {n}."
+            )
+        axes[unknown[0]] = n // known
+    total = math.prod(axes.values())
+    if total != n:
+        fix = f"Fix: make the axis sizes multiply to {n}, or use -1 for one axis (e.g. 'data=-1')"
+        if total < n:
+            subset = "devices" if devices is not None else "jax.devices()"
+            fix += f", or use {total} of them: devices={subset}[:{total}]"
+        raise ShardingError(
+            f"mesh {mesh_str(axes)} needs {total} devices but {n} are "
+            f"{'given' if devices is not None else 'available'}. {fix}."
+        )
+    types: tuple[AxisType, ...] | None
+    if axis_types is None:
+        axis_types = "auto"
+    if isinstance(axis_types, str):
+        if axis_types.lower() not in _AXIS_TYPES:
+            raise ShardingError(f"make_mesh: axis_types={short(axis_types)}: expected 'explicit' "
+                                "or 'auto'. Fix: e.g. make_mesh('data=8', axis_types='auto').")
+        types = (_AXIS_TYPES[axis_types.lower()],) * len(axes)
+    else:
+        if not isinstance(axis_types, Sequence) or not all(
+                isinstance(t, AxisType) for t in axis_types) or len(axis_types) != len(axes):
+            raise ShardingError(
+                f"make_mesh: axis_types={short(axis_types)}: expected 'auto', 'explicit' or one "
+                f"jax.sharding.AxisType per axis ({len(axes)} here). Fix: e.g. "
+                "axis_types='auto', or (AxisType.Auto,) * number of axes."
+            )
+        types = tuple(axis_types)  # type: ignore[arg-type]  # checked above: AxisTypes
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devs)
+
+
+def _check_devices(devices: Any) -> list[Any]:
+    if isinstance(devices, str) or not isinstance(devices, Sequence | np.ndarray):
+        raise TypeError(
+            f"make_mesh: devices must be a list of jax devices, got {type(devices).__name__} "
+            f"{devices!r:.60}. Fix: e.g. devices=jax.devices()[:4]."
+        )
+    devs = list(np.ravel(np.asarray(devices, dtype=object)))
+    if not devs:
+        raise ShardingError(
+            "make_mesh: devices=[] is empty; a mesh needs at least one device. Fix: leave "
+            "devices out (all of jax.devices()), or pass some, e.g. devices=jax.devices()[:4]."
+        )
+    bad = [d for d in devs if not isinstance(d, jax.Device)]
+    if bad:
+        raise TypeError(
+            f"make_mesh: devices must be jax devices, got {type(bad[0]).__name__} {bad[0]!r:.40}. "
+            "Fix: e.g. devices=jax.devices()[:4]."
+        )
+    seen: set[int] = set()
+    twice = []
+    for d in devs:
+        if d.id in seen:
+            twice.append(d)
+        seen.add(d.id)
+    if twice:
+        raise ShardingError(
+            f"make_mesh: devices lists {twice[0]} more than once ({len(devs)} entries, "
+            f"{len(seen)} distinct devices); each device can hold one place of the mesh. Fix: "
+            "pass distinct devices, e.g. devices=jax.devices()[:4]."
+        )
+    return devs

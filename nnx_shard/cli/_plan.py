@@ -1,0 +1,568 @@
+"""``nnx-shard plan``: what a model needs per device on a mesh, from the compiled
+train step (a subprocess with that many simulated CPU devices) and a formula;
+with ``--auto``, the planner's choice of strategy, mesh, remat and microbatches.
+Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import textwrap
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnx_shard import pipeline
+from nnx_shard._axes import abstract_mesh, sizes_str
+from nnx_shard._errors import CompileError, ShardingError, count
+from nnx_shard._low_rank import DEFAULT_TARGETS, lora
+from nnx_shard._parallel.schedule import OPTION as PIPELINE_OPTION
+from nnx_shard._report import Report, fmt_bytes, spec_txt
+from nnx_shard.cli._common import (
+    COMPILE_MAX_DEVICES,
+    MAX_PLAN_DEVICES,
+    PROG,
+    UsageError,
+    device_memory,
+    mesh_sizes,
+    optimizer,
+    strategy,
+)
+from nnx_shard.cli._plan_user import user_model
+from nnx_shard.inference import explain_cache
+from nnx_shard.models._memory import ACTIVATION_FORMULA, activation_bytes
+from nnx_shard.models._named import build, get_config, max_length
+from nnx_shard.planner import NothingFits, auto, hardware
+from nnx_shard.planner._cache import default_cache
+from nnx_shard.planner._compile import compiled_memory_subprocess, planned_config
+from nnx_shard.planner._formula import abstract_report, compute_copy, formula, stage_config
+from nnx_shard.planner._hardware import calibrate_subprocess
+from nnx_shard.planner._plan import plan_json
+from nnx_shard.planner._trust import compiled_trusted
+from nnx_shard.strategies._strategy import Strategy
+
+__all__ = ["run", "run_auto", "run_generate"]
+
+_DECIDES = {
+    "compiled": (
+        "* compiled: XLA's buffer assignment of the call Trainer.fit makes (two steps of "
+        "value_and_grad of lm_loss + the optimizer update, and the NaN guard of --guard: "
+        "under full, its copy of the state), compiled for this mesh on simulated CPU devices "
+        "from abstract inputs (nothing allocated); total = arguments + temp + outputs - "
+        "donated buffers. It decides whether the model fits: the formula is off by more than "
+        "15% ({ratio}here; over the presets and remat policies: docs/guides/planner.md), "
+        "as it models neither XLA's temporaries nor how remat is scheduled. These are XLA "
+        "CPU's figures: a GPU or TPU compile can differ (against published H100 runs: "
+        "docs/benchmarks.md, 'Planned against published runs'; nnx_shard.planner._trust)."),
+    "stage formula": (
+        "* compiled, not trusted: {notice} Per-stage formula: the formula estimate with the "
+        "activations of one stage's layers for every microbatch ({stage}) in place of "
+        "every layer's: {need} (like the formula, a floor: leave headroom)."),
+    "formula": (
+        "* not compiled (--no-compile, or more than "
+        f"{COMPILE_MAX_DEVICES} devices): the formula decides, and it under-counts what XLA "
+        "allocates (by how much over the presets and remat policies: docs/guides/planner.md); "
+        "leave headroom, or compile with --compile."),
+}
+
+
+def _count(n: int) -> str:
+    """935040 -> '935,040'; 124_439_808 -> '124.4 M'; 6_720_000_000 -> '6.72 B'.
+
+    >>> _count(935040), _count(124_439_808), _count(6_720_000_000)
+    ('935,040', '124.4 M', '6.72 B')
+    """
+    if n < 1_000_000:
+        return f"{n:,}"
+    if n < 1_000_000_000:
+        return f"{n / 1e6:.1f} M"
+    return f"{n / 1e9:.2f} B"
+
+
+@dataclasses.dataclass
+class _Layout:
+    """What the formula knows of the model on the mesh: its report, the pipeline
+    stages (``None`` without a pipeline) and the activations."""
+
+    report: Report
+    stages: Any
+    activations: int
+    compute: int = 0
+    stage_activations: int | None = None  # one pipeline stage's layers, every microbatch
+
+
+def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
+                  cfg: Any, batch: int, seq: int) -> Any:
+    """Per-stage bytes under a pipeline strategy (``None`` otherwise), with as many
+    microbatches as stages."""
+    sched = strat.rules.options.get(PIPELINE_OPTION)
+    if sched is None or sched.axis not in sizes:
+        return None
+    carry = jax.ShapeDtypeStruct((batch, seq, cfg.embed), jnp.dtype(cfg.dtype))
+    return pipeline.stage_report(model, abstract_mesh(sizes), strat, tx, carry=carry,
+                                 microbatches=sizes[sched.axis])
+
+
+def _lay_out(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
+             sizes: dict[str, int], tx: Any) -> _Layout:
+    strat.check(model, sizes)
+    wrt = nnx.LoRAParam if args.lora_rank is not None else nnx.Param
+    report = abstract_report(model, sizes, strat.rules, tx, strat.opt_rules, wrt=wrt)
+    stages = _stage_report(model, sizes, strat, tx, cfg, args.batch, args.seq)
+    try:
+        acts = activation_bytes(cfg, strat.rules, sizes, args.batch, args.seq, args.remat)
+    except ShardingError as e:
+        raise ShardingError(f"activations of --batch {args.batch} x --seq {args.seq}: {e}") from None
+    # A stage keeps its own layers' activations for every microbatch of the step.
+    per_stage = stage_config(cfg, strat, sizes)
+    stage_acts = None if per_stage is None else activation_bytes(
+        per_stage, strat.rules, sizes, args.batch, args.seq, args.remat)
+    return _Layout(report, stages, acts, compute_copy(report, cfg.dtype, args.remat),
+                   stage_acts)
+
+
+def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
+             devices: int) -> dict[str, Any] | None:
+    """XLA's figures of the train step on ``devices`` simulated devices, unless
+    --no-compile or the mesh is past the bound (``None``)."""
+    compile_it = args.compile if args.compile is not None else devices <= COMPILE_MAX_DEVICES
+    if not compile_it or args.lora_rank is not None:  # the compiled step trains every Param
+        return None
+    try:
+        return compiled_memory_subprocess(
+            args.model, sizes, strategy=strat.name, optimizer=args.optimizer,
+            batch=args.batch, seq=args.seq, remat=args.remat,
+            scan_layers=args.scan_layers, guard=args.guard, timeout=args.compile_timeout,
+            param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
+    except CompileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _stage_need(layout: _Layout, per_device: dict[str, int]) -> int:
+    """The per-stage formula's bytes per device: the formula's, with the activations
+    of one stage's layers (for every microbatch) in place of every layer's."""
+    assert layout.stage_activations is not None
+    return int(per_device["total"] - per_device["activations"] + layout.stage_activations)
+
+
+def _results(layout: _Layout, per_device: dict[str, int], compiled: dict[str, Any] | None,
+             memory: int | None, top: int, strat: Strategy) -> dict[str, Any]:
+    """The plan's JSON fields past the request's: bytes, the verdict, the largest tensors."""
+    report = layout.report
+    need = compiled["total"] if compiled is not None else per_device["total"]
+    decided_by = "compiled" if compiled is not None else "formula"
+    trusted, notice = (compiled_trusted(strat, compiled.get("backend", "cpu"))
+                       if compiled is not None else (True, None))
+    if not trusted and layout.stages is not None:
+        need, decided_by = _stage_need(layout, per_device), "stage formula"
+    largest = sorted((r for r in report.rows if r.group == "params"),
+                     key=lambda r: -r.bytes_per_device)[:top]
+    return {
+        "bytes_per_device": per_device,
+        "compiled": compiled,
+        "decided_by": decided_by,
+        "compiled_trusted": trusted if compiled is not None else None,
+        "notice": notice,
+        "bytes_needed": need,
+        "bytes_total": {"params": report.total_bytes, "optimizer": report.opt_total_bytes},
+        "largest": [
+            {"path": r.path, "shape": list(r.shape), "dtype": r.dtype,
+             "spec": [None if x is None else x if isinstance(x, str) else list(x) for x in r.spec],
+             "bytes_per_device": r.bytes_per_device}
+            for r in largest
+        ],
+        "replicated_params": sum(1 for r in report.replicated if r.group == "params"),
+        "stages": None if layout.stages is None else dataclasses.asdict(layout.stages),
+        "stage_activations": layout.stage_activations,
+        "activation_formula": ACTIVATION_FORMULA,
+        "device_memory": memory,
+        "fits": None if memory is None else need <= memory,
+        "error": None,
+    }
+
+
+def _check(args: argparse.Namespace) -> Any:
+    """The flags ``plan`` needs beyond the parser's; the config of ``--model`` as it is
+    compiled (``--scan-layers``, ``--param-dtype``, ``--compute-dtype`` applied)."""
+    if not args.mesh:
+        raise UsageError("plan needs --mesh (e.g. data=8,model=8), or --auto --devices N to "
+                         "choose one")
+    if args.batch < 1 or args.seq < 1:
+        raise UsageError("--batch and --seq must be at least 1. Fix: e.g. --batch 8 --seq 16")
+    if args.top < 0:
+        raise UsageError(f"--top must be 0 or more, got {args.top}. Fix: e.g. --top 5")
+    # The planned model is the compiled one (pp needs a stack; the dtypes decide the bytes).
+    cfg, _ = planned_config(args.model, scan_layers=args.scan_layers,
+                            param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
+    return dataclasses.replace(cfg, remat=get_config(args.model).remat)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``nnx-shard plan``: exit 0 when the model fits (or no ``--device-memory``), 1 when
+    it does not, 2 for bad input or a layout that cannot be (its error on stderr)."""
+    if args.lora_rank is not None and (args.factory or args.auto or args.generate):
+        raise UsageError("--lora-rank plans a reference --model's fine-tuning step; it does "
+                         "not go with --auto, --generate or --factory. Fix: drop one of them")
+    if args.factory or args.loss or args.batch_spec:  # the user's own model: the search
+        return run_auto(args)
+    if args.alias:
+        raise UsageError("--alias maps your own model's names: it goes with --factory (for "
+                         "a reference --model, drop it)")
+    if args.model is None:
+        raise UsageError("plan needs --model NAME (tiny, small, ...), or --factory mod:fn "
+                         "--loss mod:fn --batch-spec ... for your own model")
+    get_config(args.model)  # an unknown name is the usage error naming the known ones
+    if args.auto:
+        return run_auto(args)  # which refuses --generate
+    if args.generate:
+        return run_generate(args)
+    cfg = _check(args)
+    strat = strategy(args.strategy)
+    sizes = mesh_sizes(args.mesh)
+    if args.seq > max_length(cfg):
+        raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
+                         f"({max_length(cfg)}). Fix: --seq {max_length(cfg)} or less")
+    memory = device_memory(args.device_memory) if args.device_memory is not None else None
+    tx = optimizer(args.optimizer)
+    model = _abstract_model(args, cfg, build)
+    out: dict[str, Any] = {
+        "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
+        "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
+        "guard": args.guard,
+        "batch": args.batch, "seq": args.seq, "remat": args.remat,
+        "scan_layers": cfg.scan_layers if args.scan_layers is None else args.scan_layers,
+        "param_dtype": jnp.dtype(cfg.param_dtype).name,
+        "compute_dtype": jnp.dtype(cfg.dtype).name,
+        "lora_rank": args.lora_rank,
+        "quantize_base": args.quantize_base,
+    }
+    try:
+        layout = _lay_out(args, model, cfg, strat, sizes, tx)
+    except ShardingError as e:
+        out["error"] = str(e)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"{PROG} plan: {args.model} on {args.mesh} with {strat.name}: cannot lay out")
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    per_device = formula(layout.report, layout.activations, args.guard, layout.compute,
+                         trained="Param" if args.lora_rank is None else "LoRAParam")
+    compiled = _compile(args, strat, sizes, out["devices"])
+    out.update(_results(layout, per_device, compiled, memory, args.top, strat))
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print_plan(args, cfg, out, layout)
+    return 0 if out["fits"] in (None, True) else 1
+
+
+# -- the text -------------------------------------------------------------------------------
+
+
+def _print_bytes(out: dict[str, Any], report: Report) -> None:
+    per_device, compiled = out["bytes_per_device"], out["compiled"]
+    if compiled is not None:
+        print("per device          compiled*   formula estimate")
+        rows = [("params", compiled["params"], per_device["params"]),
+                ("grads", None, per_device["grads"]),
+                ("optimizer", compiled["optimizer"], per_device["optimizer"]),
+                ("guard copy", None, per_device["guard"]),
+                *([("compute copy", None, per_device["compute"])]
+                  if "compute" in per_device else []),
+                ("temp", compiled["temp"], None),
+                ("activations", None, per_device["activations"]),
+                ("total", compiled["total"], per_device["total"])]
+        # Only guard="full" keeps a copy of the state (in XLA's temp); "grads" and "off" none.
+        no_copy = ("total",) if out.get("guard") == "full" else ("total", "guard copy")
+        for label, c, f in rows:
+            ctxt = fmt_bytes(c) if c is not None else "(in temp)" if label not in no_copy else ""
+            ftxt = fmt_bytes(f) if f is not None else ""
+            print(f"  {label:<13} {ctxt:>12}   {ftxt:>12}")
+        print(f"  (compiled in {compiled['compile_s']:.1f} s on {out['devices']} simulated CPU "
+              "devices; total = arguments + temp + outputs - donated)")
+    else:
+        print("per device (formula estimate; not compiled):")
+        for key in ("params", "grads", "optimizer", "guard", "compute", "activations", "total"):
+            if key not in per_device:
+                continue
+            label = {"guard": "guard copy", "compute": "compute copy"}.get(key, key)
+            print(f"  {label:<13} {fmt_bytes(per_device[key]):>12}")
+    print(f"  (unsharded: params {fmt_bytes(report.total_bytes)}, optimizer state "
+          f"{fmt_bytes(report.opt_total_bytes)})")
+    print()
+
+
+def _print_rows(rows: Any) -> None:
+    """Path, shape, spec and bytes per device of report rows, in aligned columns."""
+    cols = [(r.path, str(r.shape), spec_txt(r.spec), fmt_bytes(r.bytes_per_device))
+            for r in rows]
+    widths = [max(len(c[i]) for c in cols) for i in range(4)] if cols else [0] * 4
+    for c in cols:
+        print("  " + "  ".join(f"{x:<{w}}" for x, w in zip(c[:3], widths, strict=False))
+              + f"  {c[3]:>{widths[3]}}")
+
+
+def _print_largest(out: dict[str, Any], report: Report, top: int) -> None:
+    print(f"largest parameters per device (of {sum(1 for r in report.rows if r.group == 'params')}; "
+          f"{out['replicated_params']} replicated):")
+    largest = sorted((r for r in report.rows if r.group == "params"),
+                     key=lambda r: -r.bytes_per_device)[:top]
+    _print_rows(largest)
+    print()
+
+
+def _print_notes(args: argparse.Namespace, out: dict[str, Any], stages: Any) -> None:
+    per_device, compiled = out["bytes_per_device"], out["compiled"]
+    if stages is not None:
+        print(f"per pipeline stage (microbatches = {stages.microbatches}, the stage count):")
+        print(textwrap.indent(str(stages), "  "))
+        print("  (the formula estimate above counts every layer's activations on every "
+              "device; a stage keeps its own layers' for the microbatches in flight)\n")
+    if compiled is not None and args.remat != "none" and not out["scan_layers"]:
+        print(textwrap.fill(
+            f"* remat {args.remat} with unrolled layers: on XLA CPU the compiled temp of "
+            "unrolled blocks does not fall with remat (measured on small); --scan-layers "
+            "compiles one scanned block, where remat lowers it.",
+            width=100, subsequent_indent="  "))
+    ratio = (f"formula / compiled = {per_device['total'] / compiled['total']:.2f} "
+             if compiled is not None else "")
+    print(textwrap.fill(_DECIDES[out["decided_by"]].format(
+        ratio=ratio, notice=out.get("notice") or "",
+        stage=fmt_bytes(out.get("stage_activations") or 0),
+        need=fmt_bytes(out["bytes_needed"])), width=100, subsequent_indent="  "))
+    print(textwrap.fill(f"* formula activations: {ACTIVATION_FORMULA}", width=100,
+                        subsequent_indent="  "))
+    memory = out["device_memory"]
+    if memory is not None:
+        verdict = "fits" if out["fits"] else "does NOT fit"
+        print(f"\n{verdict} in {fmt_bytes(memory)} per device "
+              f"({100 * out['bytes_needed'] / memory:.0f}% used, {out['decided_by']} total)")
+
+
+def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
+                layout: _Layout) -> None:
+    dtypes = (out["param_dtype"] if out["param_dtype"] == out["compute_dtype"] else
+              f"{out['param_dtype']} master weights, {out['compute_dtype']} compute")
+    print(f"plan: model {args.model} ({_count(cfg.num_params)} parameters, "
+          f"{dtypes}), strategy {out['strategy']}, mesh {sizes_str(out['mesh'])} "
+          f"({out['devices']} devices), {args.optimizer}, batch {args.batch} x seq {args.seq}, "
+          f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers, "
+          f"guard {args.guard}")
+    if args.lora_rank is not None:
+        quant = f", base stored {args.quantize_base}" if args.quantize_base else ""
+        print(f"LoRA rank {args.lora_rank} on {args.lora_targets or DEFAULT_TARGETS}{quant}: "
+              "gradients and optimizer state for the adapters only (base frozen); "
+              "formula figures (the compiled step would train every parameter)")
+    print()
+    _print_bytes(out, layout.report)
+    _print_largest(out, layout.report, args.top)
+    _print_notes(args, out, layout.stages)
+
+
+# -- --generate -------------------------------------------------------------------------------
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``nnx-shard plan --generate``: the bytes per device of generating ``--batch``
+    sequences of ``--seq`` positions (prompt + new tokens) with
+    :func:`nnx_shard.models.generate`: the parameters in the strategy's layout and
+    the key/value cache laid out by its rules (``cache_batch``, ``cache_length``,
+    ``cache_kv_heads``, ``cache_head_dim``). Exit as :func:`run`.
+
+    >>> from nnx_shard.cli import main
+    >>> main(["plan", "--generate", "--model", "tiny", "--mesh", "data=2,model=4",
+    ...       "--strategy", "tp", "--batch", "8", "--seq", "16", "--json"])  # doctest: +ELLIPSIS
+    {"model": "tiny", ... "bytes_per_device": {"params": ..., "cache": 8276, "total": ...}, ...}
+    0
+    """
+    cfg = _check(args)
+    strat = strategy(args.strategy)
+    sizes = mesh_sizes(args.mesh)
+    if args.seq > max_length(cfg):
+        raise UsageError(f"--seq {args.seq} is longer than model {args.model!r}'s context "
+                         f"({max_length(cfg)}): prompt + new tokens must fit it. Fix: --seq "
+                         f"{max_length(cfg)} or less")
+    memory = device_memory(args.device_memory) if args.device_memory else None
+    model = _abstract_model(args, cfg, build)
+    out: dict[str, Any] = {
+        "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
+        "mesh": sizes, "devices": math.prod(sizes.values()), "generate": True,
+        "batch": args.batch, "seq": args.seq, "param_dtype": jnp.dtype(cfg.param_dtype).name,
+    }
+    try:
+        strat.check(model, sizes)
+        params = abstract_report(model, sizes, strat.rules)
+        cache = explain_cache(model, abstract_mesh(sizes), strat.rules, batch=args.batch,
+                              length=args.seq)
+    except ShardingError as e:
+        out["error"] = str(e)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"{PROG} plan --generate: {args.model} on {args.mesh} with {strat.name}: "
+                  "cannot lay out")
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    per_device = {"params": params.param_bytes_per_device,
+                  "cache": cache.param_bytes_per_device}
+    per_device["total"] = per_device["params"] + per_device["cache"]
+    out.update({
+        "bytes_per_device": per_device,
+        "bytes_total": {"params": params.total_bytes, "cache": cache.total_bytes},
+        "cache": [{"path": r.path, "shape": list(r.shape), "dtype": r.dtype,
+                   "spec": [None if x is None else x if isinstance(x, str) else list(x)
+                            for x in r.spec],
+                   "bytes_per_device": r.bytes_per_device} for r in cache.rows],
+        "device_memory": memory,
+        "fits": None if memory is None else per_device["total"] <= memory,
+        "error": None,
+    })
+    if args.json:
+        print(json.dumps(out))
+        return 0 if out["fits"] in (None, True) else 1
+    print(f"plan --generate: model {args.model} ({_count(cfg.num_params)} parameters, "
+          f"{out['param_dtype']}), strategy {strat.name}, mesh {sizes_str(sizes)} "
+          f"({out['devices']} devices), batch {args.batch} x {args.seq} positions "
+          "(prompt + new tokens)")
+    print()
+    print("per device")
+    for key in ("params", "cache", "total"):
+        label = "key/value cache" if key == "cache" else key
+        print(f"  {label:<16} {fmt_bytes(per_device[key]):>12}")
+    print(f"  (unsharded: params {fmt_bytes(params.total_bytes)}, cache "
+          f"{fmt_bytes(cache.total_bytes)})")
+    print()
+    arrays = [r for r in cache.rows if r.shape]
+    print(f"cache arrays ({len(arrays)}; names cache_batch, cache_length, cache_kv_heads, "
+          "cache_head_dim):")
+    shown = arrays[:args.top]
+    _print_rows(shown)
+    if len(arrays) > len(shown):
+        print(f"  ... and {len(arrays) - len(shown)} more alike")
+    print()
+    print(textwrap.fill(
+        "* the cache's bytes per device are those the compiled prefill of "
+        "nnx_shard.models.generate outputs (XLA's memory_analysis; the decode loop updates "
+        "the cache in place); the activations of one decode step and the prefill's are not "
+        "counted.", width=100, subsequent_indent="  "))
+    if memory is not None:
+        verdict = "fits" if out["fits"] else "does NOT fit"
+        print(f"\n{verdict} in {fmt_bytes(memory)} per device "
+              f"({100 * per_device['total'] / memory:.0f}% used)")
+    return 0 if out["fits"] in (None, True) else 1
+
+
+# -- --auto -----------------------------------------------------------------------------------
+
+
+def _auto_hardware(args: argparse.Namespace) -> Any:
+    """``--hardware`` (or ``--calibrate``) with the flags that override its figures."""
+    try:
+        if args.calibrate:
+            hw = calibrate_subprocess(min(args.devices, 64))
+        else:
+            hw = hardware(args.hardware or "h100-sxm")
+        return hw.replace(peak_flops=args.peak_flops, link_bandwidth=args.link_bandwidth,
+                          link_latency=args.link_latency,
+                          device_memory=device_memory(args.device_memory)
+                          if args.device_memory is not None else None)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """--devices, --top and --max-compiles within their bounds."""
+    if args.devices < 1:
+        raise UsageError(f"--devices must be at least 1, got {args.devices}. Fix: e.g. --devices 8")
+    if args.devices > MAX_PLAN_DEVICES:
+        raise UsageError(f"--devices must be at most {MAX_PLAN_DEVICES:,} (the largest mesh "
+                         f"plan lays out, as for --mesh), got {args.devices:,}. Fix: e.g. "
+                         "--devices 1024")
+    if args.top < 0:
+        raise UsageError(f"--top must be 0 or more, got {args.top}. Fix: e.g. --top 5")
+    if args.max_compiles < 1:
+        raise UsageError(f"--max-compiles must be at least 1, got {args.max_compiles}. Fix: e.g. "
+                         "--max-compiles 64")
+
+
+def run_auto(args: argparse.Namespace) -> int:
+    """``nnx-shard plan --auto``: prints the plan (or JSON); exit 0 when something
+    fits, 1 when nothing does. Bad input raises the usage error.
+
+    >>> from nnx_shard.cli import main
+    >>> main(["plan", "--auto", "--model", "tiny", "--batch", "8", "--seq", "16"])
+    2
+    """
+    if args.generate:
+        raise UsageError("--generate plans one strategy and mesh: drop --auto and give "
+                         "--mesh (e.g. --mesh data=2,model=4 --strategy tp)")
+    if args.devices is None:
+        raise UsageError("plan --auto needs --devices N (the device count to plan for)")
+    if args.param_dtype or args.compute_dtype:
+        raise UsageError("plan --auto plans the model's own dtypes; --param-dtype and "
+                         "--compute-dtype apply to a plan of one mesh (drop --auto)")
+    if args.mesh:
+        raise UsageError("plan --auto chooses the mesh: drop --mesh (or drop --auto to check one)")
+    _check_counts(args)
+    names = None
+    if args.strategies is not None:
+        names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        if not names:
+            raise UsageError(f"--strategies {args.strategies!r} names no preset. Fix: e.g. "
+                             "--strategies fsdp,tp, or leave it out to try every preset")
+    # Your own model: batch and seq come from --batch-spec.
+    user = user_model(args) if args.factory or args.loss or args.batch_spec else None
+    model, own = (args.model, {"batch": args.batch, "seq": args.seq}) if user is None else (
+        user.factory, {"loss": user.loss, "batch_spec": user.batch, "aliases": user.aliases})
+    hw = _auto_hardware(args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            plan = auto(model, devices=args.devices, **own, device_memory=hw.device_memory,
+                        hardware=hw, optimizer=args.optimizer, guard=args.guard,
+                        strategies=names, max_compiles=args.max_compiles,
+                        cache=None if args.no_cache else default_cache(),
+                        progress=not args.json and sys.stderr.isatty(),
+                        timeout=args.compile_timeout)
+        except NothingFits as e:
+            if args.json:
+                print(json.dumps(plan_json(e.plan, str(e))))
+            else:
+                print(e.plan)
+            print(f"nnx-shard: {e}", file=sys.stderr)
+            return 1
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(plan_json(plan, None)))
+    else:
+        plan.request["top"] = args.top
+        print(plan)
+    # After the plan: a cache that could not be written costs only the next run.
+    for w in caught:
+        print(f"{PROG}: warning: {w.message}", file=sys.stderr)
+    return 0
+
+
+def _abstract_model(args: argparse.Namespace, cfg: Any, build: Any) -> Any:
+    """The planned model, abstract, with ``--lora-rank`` adapters when asked."""
+    model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
+    if args.lora_rank is not None:  # alpha only scales: it changes no byte
+        count(args.lora_rank, "--lora-rank", fix="e.g. --lora-rank 16")
+        if args.quantize_base not in (None, "int8", "int4"):
+            raise UsageError(f"--quantize-base must be int8 or int4, got {args.quantize_base!r}. "
+                             "Fix: --quantize-base int8 (or int4, or leave it out)")
+        lora(model, args.lora_rank, 2 * args.lora_rank,
+             targets=args.lora_targets or DEFAULT_TARGETS, quantize=args.quantize_base)
+    elif args.lora_targets is not None or args.quantize_base is not None:
+        flag = "--lora-targets" if args.lora_targets is not None else "--quantize-base"
+        raise UsageError(f"{flag} goes with --lora-rank. Fix: add e.g. --lora-rank 16")
+    return model

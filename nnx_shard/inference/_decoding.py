@@ -1,0 +1,372 @@
+"""Choosing each new token: the generation options checked (:class:`Options`,
+:func:`check_options`) and applied to the logits in transformers' order
+(repetition penalty, banned tokens, then greedy or sampling after top-k, top-p and
+min-p). :mod:`nnx_shard.inference` runs these inside its compiled
+prefill and decode programs; every option is a traced argument there, so its
+value compiles nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnx_shard._errors import UsageError, short
+from nnx_shard.models._ops import whole
+
+__all__ = ["EOS_SLOTS", "Options", "banned_tokens", "check_options", "check_sampling",
+           "check_temperature", "check_top_k", "choose", "config_vocab", "pick", "warp"]
+
+
+# -- the options, checked: sampling ----
+
+
+def config_vocab(model: Any) -> int | None:
+    """The vocabulary size of ``model.cfg.vocab``, or None for a model without one.
+
+    >>> config_vocab(object()) is None
+    True
+    """
+    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
+    return int(vocab) if isinstance(vocab, int | np.integer) and not isinstance(vocab, bool) \
+        else None
+
+
+def check_temperature(temperature: Any, caller: str) -> float:
+    """``temperature`` as a float: 0 (greedy) or a positive finite number.
+
+    >>> check_temperature(0.7, "generate")
+    0.7
+    """
+    if isinstance(temperature, bool | np.bool_ | str | bytes):
+        # float(True) is 1.0 and float("0.5") is 0.5: neither is a temperature given.
+        raise UsageError(f"{caller}: temperature must be a number, got {short(temperature, 40)} "
+                         f"({'a bool' if isinstance(temperature, bool | np.bool_) else 'text'}). "
+                         "Fix: temperature=0.0 (greedy) or e.g. temperature=0.8.")
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise TypeError(f"{caller}: temperature must be a number, got {temperature!r:.40}.") from None
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"{caller}: temperature={temperature!r}; use 0 (greedy) or a positive "
+                         "number.")
+    return t
+
+
+def check_top_k(top_k: Any, vocab: int | None, caller: str) -> int | None:
+    """``top_k`` as an int from 1 to ``vocab``, or None (every token).
+
+    >>> check_top_k(40, 128, "generate")
+    40
+    """
+    if top_k is None:
+        return None
+    if isinstance(top_k, bool | np.bool_) or not isinstance(top_k, int | np.integer) \
+            or top_k < 1 or (vocab is not None and top_k > vocab):
+        raise UsageError(f"{caller}: top_k={short(top_k, 40)}; use None (every token) or an int "
+                         f"from 1 to the vocabulary size{f' ({vocab})' if vocab else ''}. "
+                         "Fix: e.g. top_k=40.")
+    return int(top_k)
+
+
+def check_sampling(temperature: Any, top_k: Any, model: Any, caller: str
+                   ) -> tuple[float, int | None]:
+    """``(temperature, top_k)`` checked for ``model``'s vocabulary.
+
+    >>> check_sampling(0.0, None, object(), "generate")
+    (0.0, None)
+    """
+    return check_temperature(temperature, caller), check_top_k(top_k, config_vocab(model),
+                                                                 caller)
+
+
+# -- sampling ------------------------------------------------------------------------
+
+
+def pick(logits: jax.Array, key: jax.Array, position: Any, temperature: jax.Array,
+         greedy: bool, top_k: int | None) -> jax.Array:
+    """The token (int32 ``[batch]``) at ``position`` from float ``logits [batch,
+    vocab]``: the argmax when ``greedy``, else a sample at ``temperature`` among
+    the ``top_k`` largest (all when ``None``) with the key ``fold_in(key,
+    position)``, so each position's draw depends on the seed and the position
+    only (the same under any layout or loop)."""
+    if greedy:
+        return whole(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    scaled = logits.astype(jnp.float32) / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    sample = jax.random.categorical(jax.random.fold_in(key, position), scaled, axis=-1)
+    # Replicated on Explicit meshes, where the tokens join the replicated output.
+    return whole(sample.astype(jnp.int32))
+
+
+# -- the options, checked ------------------------------------------------------------
+
+#: Slots of the traced array of end-of-sequence ids (more ids take the next power
+#: of two: another program, which only a longer list of ids asks for).
+EOS_SLOTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The checked generation options, host values (traced into the programs as
+    arguments, so their values compile nothing)."""
+
+    temperature: float = 0.0
+    top_k: int = 0               # 0: off
+    top_p: float = 1.0           # 1: off
+    min_p: float = 0.0           # 0: off
+    repetition_penalty: float = 1.0
+    eos: tuple[int, ...] = ()
+    pad: int = 0
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0  # 0: off
+    stop_strings: tuple[str, ...] = ()
+    num_return_sequences: int = 1
+
+    def traced(self) -> dict[str, Any]:
+        slots = max(EOS_SLOTS, 1 << max(0, len(self.eos) - 1).bit_length())
+        eos = np.full((slots,), -1, np.int32)
+        eos[:len(self.eos)] = self.eos
+        return {"temperature": np.float32(max(self.temperature, 1e-6)),
+                "greedy": np.bool_(self.temperature == 0.0), "top_k": np.int32(self.top_k),
+                "top_p": np.float32(self.top_p), "min_p": np.float32(self.min_p),
+                "penalty": np.float32(self.repetition_penalty), "eos": eos,
+                "pad": np.int32(self.pad), "min_new": np.int32(self.min_new_tokens),
+                "ngram": np.int32(self.no_repeat_ngram_size)}
+
+
+def _number(value: Any, name: str, caller: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise UsageError(f"{caller}: {name} must be a number, got {type(value).__name__} "
+                         f"{value!r:.40}.")
+    return float(value)
+
+
+def _token_id(value: Any, name: str, vocab: int | None, caller: str) -> int:
+    within = f"0 .. {vocab - 1}" if vocab else "0 or more"
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0 or (
+            vocab is not None and value >= vocab):
+        raise UsageError(f"{caller}: {name}={value!r:.40} is not a token id of the model's "
+                         f"vocabulary ({within}). Fix: pass the tokenizer's id, e.g. "
+                         "its eos_token_id.")
+    return int(value)
+
+
+def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_p: Any = None,  # noqa: PLR0913
+                  min_p: Any = None, repetition_penalty: Any = None, eos_token_id: Any = None,
+                  pad_token_id: Any = 0, min_new_tokens: Any = None,
+                  no_repeat_ngram_size: Any = None, stop_strings: Any = None,
+                  tokenizer: Any = None, num_return_sequences: Any = None,
+                  caller: str = "generate") -> Options:
+    """The options of :func:`generate` checked, one :class:`~nnx_shard.UsageError`
+    (or the ``TypeError``/``ValueError`` of temperature and top-k) naming the
+    argument otherwise. ``tokenizer`` is only checked: ``stop_strings`` need one.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> check_options(model, temperature=0.7, top_p=0.9, eos_token_id=[2, 3]).eos
+    (2, 3)
+    >>> check_options(model, no_repeat_ngram_size=3, min_new_tokens=2).no_repeat_ngram_size
+    3
+    """
+    t, k = check_sampling(temperature, top_k, model, caller)
+    vocab = config_vocab(model)
+    p = 1.0 if top_p is None else _number(top_p, "top_p", caller)
+    if not 0.0 < p <= 1.0:
+        raise UsageError(f"{caller}: top_p={top_p!r}; the nucleus keeps the most likely tokens "
+                         "whose probabilities sum to top_p: use a number in (0, 1] (1: off), "
+                         "or None.")
+    m = 0.0 if min_p is None else _number(min_p, "min_p", caller)
+    if not 0.0 <= m <= 1.0:
+        raise UsageError(f"{caller}: min_p={min_p!r}; it keeps tokens at least min_p times as "
+                         "likely as the most likely one: use a number in [0, 1], or None.")
+    r = 1.0 if repetition_penalty is None else _number(repetition_penalty,
+                                                        "repetition_penalty", caller)
+    if not math.isfinite(r) or r <= 0:
+        raise UsageError(f"{caller}: repetition_penalty={repetition_penalty!r}; use a finite "
+                         "number above 0 (1: off, above 1 discourages repeats), or None.")
+    if eos_token_id is None:
+        eos: tuple[int, ...] = ()
+    elif isinstance(eos_token_id, list | tuple | np.ndarray):
+        if len(eos_token_id) == 0:
+            raise UsageError(f"{caller}: eos_token_id=[] is empty; pass an id, a list of ids, "
+                             "or None (no end but max_new_tokens).")
+        eos = tuple(_token_id(v, "eos_token_id", vocab, caller) for v in list(eos_token_id))
+    else:
+        eos = (_token_id(eos_token_id, "eos_token_id", vocab, caller),)
+    pad = _token_id(pad_token_id, "pad_token_id", vocab, caller)
+    least = _count_option(min_new_tokens, "min_new_tokens", 0, caller,
+                          "the fewest new tokens before an eos_token_id may end a row")
+    ngram = _count_option(no_repeat_ngram_size, "no_repeat_ngram_size", 1, caller,
+                          "the size of the n-grams that may not occur twice in a row", off=0)
+    returned = _count_option(num_return_sequences, "num_return_sequences", 1, caller,
+                             "the continuations sampled per prompt")
+    if returned > 1 and t == 0.0:
+        raise UsageError(f"{caller}: num_return_sequences={returned} with temperature=0 "
+                         "(greedy) would return the same continuation each time (transformers "
+                         "refuses it without beam search too). Fix: sample (e.g. "
+                         "temperature=0.8), or num_return_sequences=1.")
+    stops = _check_stop_strings(stop_strings, tokenizer, caller)
+    return Options(t, k or 0, p, m, r, eos, pad, least, ngram, stops, returned)
+
+
+def _count_option(value: Any, name: str, least: int, caller: str, what: str,
+                  off: int | None = None) -> int:
+    """An int option of at least ``least`` (``None``: ``off``, else ``least``)."""
+    if value is None:
+        return least if off is None else off
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) \
+            or value < least:
+        got = "a bool" if isinstance(value, bool | np.bool_) else type(value).__name__
+        raise UsageError(f"{caller}: {name}={short(value, 40)} ({got}) must be an int >= "
+                         f"{least} ({what}), or None. Fix: e.g. {name}={max(least, 2)}.")
+    return int(value)
+
+
+def _check_stop_strings(stop_strings: Any, tokenizer: Any, caller: str) -> tuple[str, ...]:
+    if stop_strings is None:
+        return ()
+    strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    fix = "Fix: e.g. stop_strings=['\\n\\n', 'User:']."
+    if not isinstance(strings, list | tuple) or not strings:
+        raise UsageError(f"{caller}: stop_strings={short(stop_strings, 60)} must be a non-empty "
+                         f"list of non-empty strings (or one string). {fix}")
+    for i, text in enumerate(strings):
+        if not isinstance(text, str) or not text:
+            raise UsageError(f"{caller}: stop_strings[{i}] is {short(text, 40)} "
+                             f"({type(text).__name__}); each stop string must be non-empty "
+                             f"text. {fix}")
+    if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+        got = "no tokenizer" if tokenizer is None else f"tokenizer={short(tokenizer, 40)}"
+        raise UsageError(f"{caller}: stop_strings need the tokenizer that decodes the tokens "
+                         f"(decode(ids)), got {got}. Fix: pass tokenizer=Tokenizer."
+                         "from_pretrained(checkpoint_folder) (or transformers' tokenizer).")
+    return tuple(strings)
+
+
+# -- choosing a token ------------------------------------------------------------------
+
+
+def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """transformers' TopKLogitsWarper then TopPLogitsWarper (min_tokens_to_keep=1) on
+    ``scaled [batch, vocab]``: -inf outside the ``top_k`` largest (all ties of the
+    k-th kept), then outside the nucleus (ascending sort, cumulative probability
+    ``<= 1 - top_p`` dropped, the largest always kept)."""
+    batch, vocab = scaled.shape
+    order = jnp.argsort(scaled, axis=-1)                      # ascending
+    ascending = jnp.take_along_axis(scaled, order, axis=-1)
+    kth = jnp.take_along_axis(ascending, jnp.clip(vocab - top_k, 0, vocab - 1)[None, None]
+                              .repeat(batch, 0), axis=-1)
+    scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
+    ascending = jnp.where((top_k > 0) & (ascending < kth), -jnp.inf, ascending)
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    drop = (cumulative <= 1 - top_p) & (jnp.arange(vocab) < vocab - 1) & (top_p < 1)
+    rows = jnp.arange(batch)[:, None]
+    drop = jnp.zeros((batch, vocab), bool).at[rows, order].set(drop)
+    return jnp.where(drop, -jnp.inf, scaled)
+
+
+def warp(scores: jax.Array, o: Mapping[str, Any]) -> jax.Array:
+    """The sampling scores of float32 ``scores [batch, vocab]``: divided by the
+    temperature, then ``-inf`` outside transformers' top-k, top-p and min-p (each
+    off at 0, 1 and 0), in that order.
+
+    >>> o = Options(temperature=1.0, top_p=0.5).traced()
+    >>> [round(v, 4) for v in warp(jnp.log(jnp.array([[0.1, 0.6, 0.3]])), o)[0].tolist()]
+    [-inf, -0.5108, -inf]
+    """
+    scaled = scores / o["temperature"]
+    scaled = jax.lax.cond((o["top_k"] > 0) | (o["top_p"] < 1), _filtered,
+                          lambda s, k, q: s, scaled, o["top_k"], o["top_p"])
+    probs = jax.nn.softmax(scaled, axis=-1)
+    top = jnp.max(probs, axis=-1, keepdims=True)
+    keep = (probs >= o["min_p"] * top) | (jnp.arange(probs.shape[-1]) == jnp.argmax(
+        probs, axis=-1)[:, None])
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def choose(logits: jax.Array, seen: jax.Array, key: jax.Array, position: Any,
+           o: Mapping[str, jax.Array], banned: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+    """The next token (int32 ``[batch]``) from ``logits [batch, vocab]`` and its
+    log-probability under the unprocessed distribution (``log_softmax`` of the
+    logits), the options ``o`` (:meth:`Options.traced`) applied in transformers'
+    order: the repetition penalty on the ``seen [batch, vocab]`` tokens (a
+    positive logit divided by it, a negative one multiplied), the ``banned
+    [batch, vocab]`` tokens at ``-inf`` (repeated n-grams, an eos before
+    ``min_new_tokens``: :func:`banned_tokens`), then greedy (the argmax) or
+    sampling at ``temperature`` after top-k, top-p and min-p, with the key
+    ``fold_in(key, position)``.
+
+    >>> o = Options(repetition_penalty=2.0).traced()
+    >>> logits, seen = jnp.array([[1.0, 3.0, 2.0]]), jnp.array([[False, True, False]])
+    >>> int(choose(logits, seen, jax.random.key(0), 0, o)[0][0])   # 3 / 2 < 2
+    2
+    >>> int(choose(logits, seen, jax.random.key(0), 0, o, jnp.array([[0, 0, 1]], bool))[0][0])
+    1
+    """
+    raw = whole(logits.astype(jnp.float32))
+    p = o["penalty"]
+    scores = jnp.where(seen, jnp.where(raw < 0, raw * p, raw / p), raw)
+    if banned is not None:
+        scores = jnp.where(banned, -jnp.inf, scores)
+    greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    sample = jax.random.categorical(jax.random.fold_in(key, position), warp(scores, o),
+                                    axis=-1)
+    token = jnp.where(o["greedy"], greedy, sample.astype(jnp.int32))
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), token[:, None], axis=-1)
+    # Replicated on Explicit meshes, where the tokens join the replicated output.
+    return whole(token), whole(logprob[:, 0])
+
+
+def _repeated_ngrams(tokens: jax.Array, start: jax.Array, column: Any, n: jax.Array,
+                     vocab: int) -> jax.Array:
+    """``[batch, vocab]`` True for each token that, placed at ``column``, would
+    repeat an ``n``-gram of ``tokens[b, start[b]:column]`` (transformers'
+    NoRepeatNGramLogitsProcessor, the padding before ``start`` left out): every
+    ``j`` whose ``n - 1`` tokens equal the row's last ``n - 1`` bans the token
+    after them. One vectorised pass of ``n - 1`` comparisons over the buffer."""
+    batch, length = tokens.shape
+    ahead = jnp.concatenate([tokens, jnp.full((batch, length), -1, tokens.dtype)], axis=1)
+
+    def same(k: Any, match: jax.Array) -> jax.Array:
+        shifted = jax.lax.dynamic_slice_in_dim(ahead, k, length, axis=1)
+        recent = jax.lax.dynamic_slice_in_dim(tokens, jnp.maximum(column - n + 1 + k, 0), 1,
+                                              axis=1)
+        return match & (shifted == recent)
+
+    match = jax.lax.fori_loop(0, n - 1, same, jnp.ones((batch, length), bool))
+    j = jnp.arange(length)[None]
+    first = start[:, None]
+    # the n-gram at j lies in the row (j >= start, its last token before column) and so do
+    # the row's last n - 1 tokens (a row of fewer than n - 1 tokens bans nothing)
+    match &= (j >= first) & (j + n - 1 < column) & (column - n + 1 >= first)
+    after = jax.lax.dynamic_slice_in_dim(ahead, n - 1, length, axis=1)
+    ids = jnp.where(match, after, vocab)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
+    return jnp.zeros((batch, vocab), bool).at[rows, ids].set(True, mode="drop")
+
+
+def banned_tokens(carry: Mapping[str, jax.Array], column: Any, vocab: int,
+                  o: Mapping[str, jax.Array]) -> jax.Array:
+    """``[batch, vocab]`` True for the tokens the next step may not choose: those
+    repeating an n-gram (``no_repeat_ngram_size``, 0: off) and, before
+    ``min_new_tokens`` new tokens, the end-of-sequence ids (transformers'
+    MinNewTokensLengthLogitsProcessor)."""
+    tokens, start = carry["tokens"], carry["start"]
+    batch = tokens.shape[0]
+    ngrams = jax.lax.cond(o["ngram"] > 0,
+                          lambda: _repeated_ngrams(tokens, start, column, o["ngram"], vocab),
+                          lambda: jnp.zeros((batch, vocab), bool))
+    eos = (jnp.arange(vocab)[None, :] == o["eos"][:, None]).any(axis=0)
+    early = carry["step"] < o["min_new"]
+    return whole(ngrams | (eos & early)[None, :])

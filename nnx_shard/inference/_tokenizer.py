@@ -1,0 +1,670 @@
+"""Text to token ids and back for a Hugging Face checkpoint: :class:`Tokenizer`
+reads ``tokenizer.json`` with Hugging Face's ``tokenizers`` package and renders
+the checkpoint's chat template with ``jinja2`` as transformers does, so the ids
+equal ``AutoTokenizer``'s without torch or transformers installed.
+
+Both packages are the optional extra ``nnx_shard[text]`` and are imported only
+when a tokenizer is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from nnx_shard._errors import NnxShardError, UsageError, check_path, path_kind, short
+
+__all__ = ["Tokenizer"]
+
+EXTRA = "pip install 'nnx_shard[text]'"
+#: The named special tokens transformers hands a chat template (its ``special_tokens_map``).
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
+# transformers' clean_up_tokenization (applied only where the config asks, never to BPE).
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _require(module: str) -> Any:
+    """The optional package ``module``, or an error naming the extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise NnxShardError(f"Tokenizer needs the {module!r} package, which is not installed "
+                            f"({e}). Fix: {EXTRA}") from None
+
+
+#: How deep a message's values may nest (a tool's JSON schema nests a few levels).
+MAX_MESSAGE_DEPTH = 100
+# The files a tokenizer folder holds; what each must be at the top (None: any JSON).
+_KINDS = {"tokenizer_config.json": dict, "special_tokens_map.json": dict,
+          "generation_config.json": dict}
+
+
+def _root(folder: str) -> str:
+    """The folder whose inside a tokenizer file may link to: the nearest
+    ``models--*`` ancestor (a huggingface_hub cache repo, whose snapshots link to
+    its ``blobs``), else the folder itself."""
+    real = os.path.realpath(folder)
+    for p in (real, *_parents(real)):
+        if os.path.basename(p).startswith("models--"):
+            return p
+    return real
+
+
+def _parents(path: str) -> list[str]:
+    out = []
+    while (up := os.path.dirname(path)) != path:
+        out.append(up)
+        path = up
+    return out
+
+
+def _inside(path: str, folder: str) -> str:
+    """``path`` (a file of ``folder``) once its link, if any, is known to stay
+    inside the folder (see :func:`_root`); a link out is refused, since a
+    template or config read from it is sent to the model in every prompt."""
+    target = os.path.realpath(path)
+    root = _root(folder)
+    if os.path.commonpath([target, root]) != root:
+        link = os.readlink(path) if os.path.islink(path) else target
+        raise UsageError(f"{path}: is a link to {short(link, 200)} ({short(target, 200)}), "
+                         f"outside the tokenizer's folder {root}; its text would be read into "
+                         "every prompt. Fix: copy the file into the folder (or download the "
+                         "tokenizer's files again) instead of linking out.")
+    return path
+
+
+def _present(path: str, folder: str) -> bool:
+    """Whether the folder has the file ``path`` (a link out of the folder, or a
+    device, pipe or folder in its place, is refused)."""
+    if not os.path.lexists(path):
+        return False
+    _inside(path, folder)
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: is {path_kind(path)}, not a file. Fix: put the file there, or remove "
+                         "what is in its place.")
+    return True
+
+
+def _text(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 4]!r})."
+                         " Fix: save it as UTF-8, or download the tokenizer's files again.") from None
+
+
+def _read(path: str, folder: str) -> Any:
+    """The JSON file at ``path``, or ``None`` where there is none; a file whose top
+    is not what the folder's file of that name holds (an object) is refused."""
+    if not _present(path, folder):
+        return None
+    text = _text(path)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: is not a JSON file ({e}). Fix: download the tokenizer's "
+                         "files again.") from None
+    except RecursionError:
+        raise UsageError(f"{path}: nests too deep to read (JSON). Fix: download the "
+                         "tokenizer's files again.") from None
+    kind = _KINDS.get(os.path.basename(path))
+    if kind is not None and not isinstance(value, kind):
+        raise UsageError(f"{path}: holds a JSON {_json_type(value)}, not an object "
+                         f"({{...}}). Fix: download the tokenizer's files again.")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    for kind, name in ((bool, "boolean"), (str, "string"), (int, "number"), (float, "number"),
+                       (list, "list"), (dict, "object")):
+        if isinstance(value, kind):
+            return f"{name} {short(value, 40)}"
+    return "null"
+
+
+def _special(value: Any, name: str, file: str) -> str | None:
+    """A special token as the configs write it (text, or an AddedToken object with a
+    text ``content``), ``None`` where absent; any other value is refused."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping) and "content" in value:
+        value = value["content"]
+    if not isinstance(value, str):
+        raise UsageError(f"{file}: {name} must be the token's text (or an object with a text "
+                         f"'content'), got a JSON {_json_type(value)}. Fix: e.g. "
+                         f'"{name}": "</s>", or download the tokenizer\'s files again.')
+    return value
+
+
+def _ids(value: Any, name: str, file: str, *, many: bool) -> Any:
+    """A token id of ``generation_config.json`` (or, where ``many``, a list of them)."""
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if value is None or ok(value) or (many and isinstance(value, list) and value
+                                      and all(ok(v) for v in value)):
+        return value
+    what = "a token id (an integer 0 or more) or a list of them" if many else \
+        "a token id (an integer 0 or more)"
+    raise UsageError(f"{file}: {name} must be {what}, got a JSON {_json_type(value)}. Fix: "
+                     f"e.g. \"{name}\": 2, or download the model's files again.")
+
+
+def _plain(value: Any, where: str, depth: int = 0) -> Any:
+    """What a chat template may see: JSON values only (anything else becomes a
+    ``<type>`` placeholder, as transformers does, so no object's methods reach the
+    sandbox), nested at most :data:`MAX_MESSAGE_DEPTH` deep."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, np.generic):
+        return _plain(value.item(), where, depth)
+    for kind in (bool, str, int, float):  # subclasses (enums ...) carry methods of their own
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, Mapping | list | tuple) and depth >= MAX_MESSAGE_DEPTH:
+        raise UsageError(f"apply_chat_template: {where} nests lists and dicts more than "
+                         f"{MAX_MESSAGE_DEPTH} deep. Fix: pass plain messages (text content, "
+                         "or a list of content parts).")
+    if isinstance(value, Mapping):
+        return {_plain(k, where, depth + 1): _plain(v, where, depth + 1)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, where, depth + 1) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+def _compile(source: str, where: str) -> Any:
+    """The chat template as transformers compiles it (a sandbox that cannot change
+    what it is given, blocks trimmed, ``raise_exception``, ``strftime_now`` and a
+    ``tojson`` that leaves HTML alone), its rendering bounded
+    (:mod:`nnx_shard.inference._chat_template`)."""
+    jinja2 = _require("jinja2")
+    from nnx_shard.inference._chat_template import Limit, compile_template
+
+    try:
+        return compile_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(f"{where}: the chat template does not compile (line {e.lineno}: "
+                         f"{e.message}). Fix: correct the template, or download the tokenizer's "
+                         "files again.") from None
+    except (Limit, RecursionError, MemoryError) as e:
+        what = e.what if isinstance(e, Limit) else type(e).__name__
+        raise UsageError(f"{where}: the chat template does not compile ({what}). Fix: correct "
+                         "the template, or download the tokenizer's files again.") from None
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """``messages`` checked (a non-empty list of dicts, each with a text ``role`` and
+    a ``content``) and copied as plain data, keys holding ``None`` dropped."""
+    example = "e.g. [{'role': 'user', 'content': 'Hello'}]"
+    if not isinstance(messages, list | tuple) or not messages:
+        raise UsageError(f"apply_chat_template: messages must be a non-empty list of "
+                         f"{{'role', 'content'}} dicts, got {short(messages, 80)}. Fix: {example}")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise UsageError(f"apply_chat_template: messages[{i}] must be a dict with 'role' and "
+                             f"'content', got {type(message).__name__} {short(message, 60)}. "
+                             f"Fix: {example}")
+        message = {k: v for k, v in message.items() if v is not None}
+        role = message.get("role")
+        if not isinstance(role, str) or "content" not in message:
+            missing = "a text 'role'" if not isinstance(role, str) else "a 'content'"
+            raise UsageError(f"apply_chat_template: messages[{i}] has no {missing}: "
+                             f"{short(message, 80)}. Fix: {example}")
+        out.append(_plain(message, f"messages[{i}]"))
+    return out
+
+
+def _line(e: BaseException) -> str:
+    """`` (line N)``: the template's line the error was raised at, where jinja knows it."""
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+             if f.filename == "<template>"]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def _failed(where: str, e: BaseException) -> UsageError:
+    said = " ".join(str(e).split())
+    said = said if len(said) <= 200 else said[:197] + "..."
+    if isinstance(e, RecursionError):
+        why = "it recurses without end (a macro or recursive loop that never stops)"
+    elif isinstance(e, MemoryError):
+        why = "it ran out of memory"
+    elif "no loader" in said:
+        why = ("include, import and extends are not available: the template must be whole "
+               f"({said})")
+    else:
+        why = f"{type(e).__name__}: {said}" if said else type(e).__name__
+    return UsageError(f"apply_chat_template: the chat template {where} failed{_line(e)}: "
+                      f"{why}. Fix: correct the template, or download the tokenizer's files "
+                      "again.")
+
+
+def _assistant_mask(offsets: Sequence[tuple[int, int]],
+                    spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters (``offsets``) reach into a generation
+    block's (``spans``), 0 elsewhere: transformers' single pass over both, in
+    order, step for step (so even a token at an empty block's position, or at
+    the position of a block placed out of order, is marked as it marks it)."""
+    mask = [0] * len(offsets)
+    at = 0
+    for i, (start, end) in enumerate(offsets):
+        while at < len(spans) and start >= spans[at][1]:
+            at += 1
+        if at == len(spans):
+            break
+        if end > spans[at][0]:
+            mask[i] = 1
+    return mask
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer (``tokenizer.json``) with its special tokens and
+    chat template, read from the checkpoint folder as transformers reads them.
+
+    Load it with :meth:`from_pretrained`; :func:`nnx_shard.models.generate_text`
+    turns text into text with it.
+
+    >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
+    >>> ids = tok.encode("Hello world")
+    >>> ids[0] == tok.bos_token_id, tok.decode(ids)
+    (True, 'Hello world')
+    """
+
+    def __init__(self, backend: Any, *, path: str, config: Mapping[str, Any],
+                 special_map: Mapping[str, Any] | None = None,
+                 generation: Mapping[str, Any] | None = None,
+                 chat_template: str | list[Any] | None = None) -> None:
+        self.backend = backend
+        self.path = path
+        self.config = dict(config)
+        self.chat_template = chat_template
+        #: Where the chat template was read, as its errors name it.
+        self.template_file = os.path.join(path, "tokenizer_config.json") + " (chat_template)"
+        files = {n: os.path.join(path, n) for n in _KINDS}
+        generation = dict(generation or {})
+        gen_file = files["generation_config.json"]
+        _ids(generation.get("eos_token_id"), "eos_token_id", gen_file, many=True)
+        pad = generation.get("pad_token_id")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
+            _ids(pad, "pad_token_id", gen_file, many=False)
+        self._generation = generation
+        # tokenizer_config.json's value first, the legacy special_tokens_map.json's after.
+        self.special_tokens: dict[str, str] = {}
+        for name in SPECIAL_NAMES:
+            token = _special(self.config.get(name), name, files["tokenizer_config.json"])
+            if token is None and special_map:
+                token = _special(special_map.get(name), name, files["special_tokens_map.json"])
+            if token is not None:
+                self.special_tokens[name] = token
+        self._template: Any = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """The tokenizer of the folder ``path``: ``tokenizer.json`` (required),
+        ``tokenizer_config.json`` (special tokens, ``chat_template``),
+        ``special_tokens_map.json`` (older special tokens), ``chat_template.jinja``
+        (which transformers prefers to the config's template) and
+        ``generation_config.json`` (the ids generation stops at).
+
+        Raises:
+          FileNotFoundError: ``path`` is not a folder, or has no ``tokenizer.json``.
+          UsageError: a file that is not JSON, a special token not in the vocabulary.
+          NnxShardError: ``tokenizers`` or ``jinja2`` not installed
+            (``pip install 'nnx_shard[text]'``).
+
+        >>> Tokenizer.from_pretrained("tests/fixtures/hf_llama").eos_token_id
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: Tokenizer.from_pretrained: no tokenizer.json in tests/fixtures/hf_llama ...
+        """
+        if isinstance(path, bytes) or not isinstance(path, str | os.PathLike) or not str(path):
+            raise UsageError(f"Tokenizer.from_pretrained: path must be the folder holding "
+                             f"tokenizer.json, got {type(path).__name__} {short(path, 60)}. Fix: "
+                             "e.g. Tokenizer.from_pretrained('checkpoints/llama3-8b')")
+        folder = os.fspath(path)
+        check_path(folder, "Tokenizer.from_pretrained",
+                   fix="pass the checkpoint folder holding tokenizer.json.")
+        file = os.path.join(folder, "tokenizer.json")
+        if not _present(file, folder):
+            raise FileNotFoundError(
+                f"Tokenizer.from_pretrained: no tokenizer.json in {folder} (only "
+                f"tokenizers' own format is read, not sentencepiece's tokenizer.model). Fix: pass "
+                "the folder holding it, or convert the tokenizer once with transformers: "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder).")
+        tokenizers = _require("tokenizers")
+        spec = _text(file)
+        if not spec.lstrip().startswith("{"):
+            try:
+                top = json.loads(spec)
+            except (json.JSONDecodeError, RecursionError):
+                raise UsageError(f"{file}: is not a JSON file. Fix: download the tokenizer's "
+                                 "files again.") from None
+            raise UsageError(f"{file}: holds a JSON {_json_type(top)}, not the tokenizer's "
+                             "object ({...}). Fix: download the tokenizer's files again.")
+        try:
+            backend = tokenizers.Tokenizer.from_str(spec)
+        except BaseException as e:  # the Rust reader's own error type, or its panic
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            raise UsageError(f"{file}: tokenizers cannot read it ({short(str(e), 200)}). Fix: "
+                             "download the tokenizer's files again.") from None
+        config = _read(os.path.join(folder, "tokenizer_config.json"), folder) or {}
+        template = config.get("chat_template")
+        template_file = os.path.join(folder, "tokenizer_config.json") + " (chat_template)"
+        if template is not None and not isinstance(template, str) and not (
+                isinstance(template, list) and all(isinstance(t, Mapping) for t in template)):
+            raise UsageError(f"{template_file}: must be the template's text or a list of "
+                             "{'name', 'template'} objects, got a JSON "
+                             f"{_json_type(template)}. Fix: download the tokenizer's files "
+                             "again.")
+        jinja = os.path.join(folder, "chat_template.jinja")
+        if _present(jinja, folder):
+            template = _text(jinja)
+            template_file = jinja
+        tok = cls(backend, path=folder, config=config,
+                  special_map=_read(os.path.join(folder, "special_tokens_map.json"), folder),
+                  generation=_read(os.path.join(folder, "generation_config.json"), folder),
+                  chat_template=template)
+        tok.template_file = template_file
+        for name in tok.special_tokens:
+            tok._id(name)  # an unknown special token is named now, not at first use
+        return tok
+
+    # -- special tokens ---------------------------------------------------------------
+
+    def _id(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        if token is None:
+            return None
+        found = self.backend.token_to_id(token)
+        if found is None:
+            raise UsageError(f"{self.path}: {name} {token!r} (tokenizer_config.json or "
+                             "special_tokens_map.json) is not in tokenizer.json's vocabulary. "
+                             "Fix: name a token of the vocabulary, or download the tokenizer's "
+                             "files again.")
+        return int(found)
+
+    @property
+    def bos_token(self) -> str | None:
+        """The beginning-of-sequence token's text (``None``: the tokenizer has none)."""
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        """The end-of-sequence token's text (``None``: none)."""
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        """The padding token's text (``None``: none)."""
+        return self.special_tokens.get("pad_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The id of :attr:`bos_token`."""
+        return self._id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of :attr:`eos_token` (the tokenizer's; generation stops at
+        :attr:`eos_token_ids`)."""
+        return self._id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The id of :attr:`pad_token`."""
+        return self._id("pad_token")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids generation stops at, as transformers' ``generate`` takes them:
+        ``generation_config.json``'s ``eos_token_id`` (an id or a list: Llama 3
+        instruct stops at several), else the tokenizer's :attr:`eos_token_id`.
+
+        >>> Tokenizer.from_pretrained("tests/fixtures/hf_llama_text").eos_token_ids
+        (14,)
+        """
+        value = self._generation.get("eos_token_id")
+        found = (value,) if isinstance(value, int) and not isinstance(value, bool) else \
+            tuple(value) if isinstance(value, list) and value and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value) else None
+        if found is not None:
+            n = self.vocab_size
+            bad = [i for i in found if not 0 <= i < n]
+            if bad:  # generation would never stop at it
+                raise UsageError(
+                    f"{os.path.join(self.path, 'generation_config.json')}: eos_token_id "
+                    f"{short(value, 60)}: {bad[0]} is not an id of the tokenizer's vocabulary "
+                    f"(0..{n - 1}), so generation would never stop at it. Fix: correct "
+                    "eos_token_id there, or download the model's files again.")
+            return found
+        own = self.eos_token_id
+        return () if own is None else (own,)
+
+    def stop_source(self, name: str = "eos_token_id") -> str:
+        """The file :attr:`eos_token_ids` (``name="eos_token_id"``) or
+        :attr:`generation_pad_token_id` (``"pad_token_id"``) was read from, as
+        errors name it."""
+        if self._generation.get(name) is not None and (
+                name == "eos_token_id" or self.generation_pad_token_id ==
+                self._generation.get(name)):
+            return f"{os.path.join(self.path, 'generation_config.json')} ({name})"
+        token = "eos_token" if name == "eos_token_id" else "pad_token"
+        return (f"{os.path.join(self.path, 'tokenizer_config.json')} or "
+                f"special_tokens_map.json ({token})")
+
+    @property
+    def generation_pad_token_id(self) -> int | None:
+        """The pad id generation fills with: ``generation_config.json``'s
+        ``pad_token_id``, else the tokenizer's :attr:`pad_token_id`."""
+        value = self._generation.get("pad_token_id")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        return self.pad_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids of the vocabulary, added tokens included."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    # -- text -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``; ``add_special_tokens`` adds what the tokenizer's
+        post-processor adds (e.g. the bos token in front).
+
+        >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
+        >>> tok.encode("Hello", add_special_tokens=False) == tok.encode("Hello")[1:]
+        True
+        """
+        if not isinstance(text, str):
+            raise UsageError(f"Tokenizer.encode: text must be a str, got {type(text).__name__} "
+                             f"{short(text, 60)}. Fix: e.g. tok.encode('Hello')")
+        if not isinstance(add_special_tokens, bool | np.bool_):
+            raise UsageError(f"Tokenizer.encode: add_special_tokens must be True or False, got "
+                             f"{short(add_special_tokens, 40)}.")
+        return list(self._encoding(text, bool(add_special_tokens), "Tokenizer.encode").ids)
+
+    def _encoding(self, text: str, add_special_tokens: bool, where: str) -> Any:
+        """The backend's ``Encoding`` of ``text`` (ids and character offsets)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates: tokenizers takes only valid text
+            raise UsageError(f"{where}: text holds {text[e.start:e.end]!r} at "
+                             f"{e.start}, which is not a character (a lone surrogate, e.g. "
+                             "from bytes decoded with errors='surrogateescape'). Fix: decode "
+                             "the text as UTF-8 first.") from None
+        return self.backend.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        """The text of token ``ids`` (a sequence or a 1-D array of ints), special
+        tokens left out unless ``skip_special_tokens=False``. Ids past the
+        vocabulary (a model's padded embedding table) decode to nothing, as in
+        transformers.
+
+        >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
+        >>> tok.decode(tok.encode("Hello")), tok.decode(tok.encode("Hello"), skip_special_tokens=False)
+        ('Hello', '<|begin_of_text|>Hello')
+        """
+        try:
+            arr = np.asarray(ids)
+        except (TypeError, ValueError):
+            arr = np.asarray(None)
+        if arr.ndim == 0 and arr.dtype != object and np.issubdtype(arr.dtype, np.integer):
+            arr = arr.reshape(1)
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise UsageError(f"Tokenizer.decode: ids must be a sequence of token ids (ints), got "
+                             f"{type(ids).__name__} {short(ids, 60)}. Fix: one row at a time, "
+                             "e.g. tok.decode(tokens[0]).")
+        if arr.size and arr.min() < 0:
+            raise UsageError(f"Tokenizer.decode: ids holds {int(arr.min())}; token ids are 0 or "
+                             "more. Fix: drop the padding marker before decoding.")
+        if not isinstance(skip_special_tokens, bool | np.bool_):
+            raise UsageError(f"Tokenizer.decode: skip_special_tokens must be True or False, got "
+                             f"{short(skip_special_tokens, 40)}.")
+        text = str(self.backend.decode([int(i) for i in arr],
+                                       skip_special_tokens=bool(skip_special_tokens)))
+        # transformers cleans up only where the config asks, and never after a BPE model.
+        if self.config.get("clean_up_tokenization_spaces") is True and \
+                type(self.backend.model).__name__ != "BPE":
+            for old, new in _CLEAN_UP:
+                text = text.replace(old, new)
+        return text
+
+    # -- chat -------------------------------------------------------------------------
+
+    def _chat_source(self) -> str:
+        template = self.chat_template
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+            if template is None:
+                raise UsageError(f"{self.path}: tokenizer_config.json has several chat "
+                                 f"templates ({', '.join(map(str, named))}) and none named "
+                                 "'default'. Fix: name one 'default'.")
+            if not isinstance(template, str):
+                raise UsageError(f"{self.template_file}: the template named 'default' must be "
+                                 f"text, got a JSON {_json_type(template)}. Fix: download the "
+                                 "tokenizer's files again.")
+        if not isinstance(template, str) or not template:
+            raise UsageError(f"{self.path}: the tokenizer has no chat template (no chat_template "
+                             "in tokenizer_config.json, no chat_template.jinja): it is likely a "
+                             "base model, not a chat one. Fix: pass plain text (no --chat), or "
+                             "use the instruct model's tokenizer.")
+        return template
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True, tokenize: bool = True,
+                            return_dict: bool = False,
+                            return_assistant_tokens_mask: bool = False,
+                            ) -> list[int] | str | dict[str, list[int]]:
+        """``messages`` (``[{"role": "user", "content": "..."}, ...]``) rendered
+        with the tokenizer's chat template as transformers renders it, then
+        encoded without adding special tokens (the template writes them):
+        the ids of ``AutoTokenizer.apply_chat_template``, or the text with
+        ``tokenize=False``. ``add_generation_prompt`` (default ``True``, unlike
+        transformers: here the next turn is the model's) ends with the
+        assistant's header; give ``False`` to encode a whole conversation for
+        training.
+
+        ``return_dict=True`` returns ``{"input_ids": [...], "attention_mask":
+        [1, ...]}`` instead of the ids (ignored with ``tokenize=False``, as in
+        transformers). ``return_assistant_tokens_mask=True`` (with both
+        ``return_dict`` and ``tokenize``) adds ``"assistant_masks"``: 1 for each
+        token the template rendered inside a ``{% generation %} ...
+        {% endgeneration %}`` block (the assistant's turns), 0 elsewhere, by
+        transformers' rule: a token is 1 where its characters overlap a block's
+        (a token cut by a block's edge counts). :func:`nnx_shard.pack` takes the
+        dict as an example and trains on the tokens marked 1. A template with no
+        generation block gives a mask of zeros and a ``UserWarning``, as
+        transformers gives them.
+
+        Raises:
+          UsageError: malformed ``messages``, no chat template, a template that
+            does not compile or raises (``raise_exception``, e.g. on an unknown
+            role), ``return_assistant_tokens_mask`` without ``return_dict`` and
+            ``tokenize``.
+
+        >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
+        >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+        '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n'
+        >>> chat = Tokenizer(tok.backend, path=tok.path, config=tok.config, chat_template=(
+        ...     "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}"
+        ...     "{% generation %}{{ m.content }}{% endgeneration %}"
+        ...     "{% else %}{{ m.content }}{% endif %}\\n{% endfor %}"))
+        >>> out = chat.apply_chat_template(
+        ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        ...     add_generation_prompt=False, return_dict=True, return_assistant_tokens_mask=True)
+        >>> sorted(out), chat.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
+        (['assistant_masks', 'attention_mask', 'input_ids'], 'Hello')
+        """
+        chat = _messages(messages)
+        for name, value in (("add_generation_prompt", add_generation_prompt),
+                            ("tokenize", tokenize), ("return_dict", return_dict),
+                            ("return_assistant_tokens_mask", return_assistant_tokens_mask)):
+            if not isinstance(value, bool | np.bool_):
+                raise UsageError(f"apply_chat_template: {name} must be True or False, got "
+                                 f"{short(value, 40)}.")
+        if return_assistant_tokens_mask and not (return_dict and tokenize):
+            raise UsageError("apply_chat_template: return_assistant_tokens_mask=True needs "
+                             f"return_dict=True and tokenize=True (got return_dict={return_dict},"
+                             f" tokenize={tokenize}): the mask is one value per token. Fix: "
+                             "apply_chat_template(messages, return_dict=True, "
+                             "return_assistant_tokens_mask=True).")
+        source = self._chat_source()
+        if self._template is None:
+            self._template = _compile(source, self.template_file)
+        jinja2 = _require("jinja2")
+        from nnx_shard.inference._chat_template import GENERATION_TAG, Limit, render
+
+        where = self.template_file
+        spans: list[tuple[int, int]] | None = [] if return_assistant_tokens_mask else None
+        if return_assistant_tokens_mask and not GENERATION_TAG.search(source):
+            warnings.warn(f"apply_chat_template: return_assistant_tokens_mask=True, but the chat "
+                          f"template {where} has no {{% generation %}} block, so every token's "
+                          "mask is 0 (nothing to train on). Fix: wrap each assistant turn's text "
+                          "in {% generation %} ... {% endgeneration %} in the template.",
+                          UserWarning, stacklevel=2)
+        try:
+            text = render(self._template, dict(
+                messages=chat, tools=None, documents=None,
+                add_generation_prompt=bool(add_generation_prompt), **self.special_tokens),
+                spans)
+        except Limit as e:
+            raise UsageError(f"apply_chat_template: the chat template {where} was stopped: "
+                             f"{e.what}{_line(e)}. A chat template renders in milliseconds; "
+                             "this one loops, recurses or builds text without end. Fix: correct "
+                             "the template, or download the tokenizer's files again.") from None
+        except jinja2.TemplateError as e:
+            said = str(e) if len(str(e)) <= 300 else str(e)[:297] + "..."
+            raise UsageError(f"apply_chat_template: the chat template {where} refused the "
+                             f"messages{_line(e)}: {said.rstrip('.')}. Fix: give the roles and "
+                             "fields the template expects (e.g. 'system', 'user', "
+                             "'assistant').") from e
+        except (Exception, RecursionError, MemoryError) as e:  # the template's own code failed
+            raise _failed(where, e) from None
+        if not tokenize:
+            return text
+        encoding = self._encoding(text, False, "apply_chat_template")
+        ids = list(encoding.ids)
+        if not return_dict:
+            return ids
+        out = {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        if spans is not None:
+            out["assistant_masks"] = _assistant_mask(encoding.offsets, spans)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, "
+                f"bos={self.bos_token!r}, eos={self.eos_token!r})")

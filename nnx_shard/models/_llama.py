@@ -1,0 +1,619 @@
+"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma, OLMo 2) annotated only with logical names.
+
+The architecture of Hugging Face's ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``:
+token embedding, ``layers`` pre-norm blocks (RMSNorm, grouped-query attention
+with rotary position embeddings, RMSNorm, SwiGLU MLP), a final RMSNorm and an
+output projection (optionally tied to the embedding). Qwen3 adds an RMSNorm of
+each query and key head before the rotation and an explicit ``head_dim``;
+Qwen2 biases on q/k/v only; Mistral a sliding window (a band in the attention
+mask, and in the cache's when decoding); Gemma a GELU-tanh MLP, embeddings
+scaled by ``sqrt(embed)`` and RMSNorm by ``1 + weight``; OLMo 2 norms after
+attention and MLP (not before) and one q/k norm over all heads: options of one
+model.
+:meth:`LlamaConfig.from_hf` reads a transformers ``config.json``;
+:func:`nnx_shard.hf.load_safetensors` fills the parameters from a Hugging Face
+checkpoint.
+
+Parameters carry the logical names of :class:`nnx_shard.models.Transformer`
+(``vocab``, ``embed``, ``heads``, ``kv``, ``mlp``, ``layers``) plus
+``kv_heads``, the key/value heads of grouped-query attention (``kv`` is the
+width of one head, as in the reference model). Activations are constrained at
+the same points as in the reference model, so every preset applies unchanged:
+dp, zero1, fsdp, tp, fsdp_tp, sp, async_tp, cp, fsdp_cp, and pp / pp_fsdp /
+pp_tp with ``scan_layers=True``. The ``ep`` preset shards experts; this model
+has none, so under ``ep`` it trains as plain data parallelism over both mesh
+axes (nothing is split over ``expert``).
+
+Tensor-parallel presets split ``kv_heads`` over the model axis where it
+divides, and replicate the key/value projections where it does not (e.g. 8
+key/value heads on a model axis of 16): the rule is ``[model, None]``.
+
+>>> from flax import nnx
+>>> cfg = LLAMA_CONFIGS["llama-tiny"]
+>>> model = Llama(cfg, rngs=nnx.Rngs(0))
+>>> model(jnp.zeros((2, 16), jnp.int32)).shape
+(2, 16, 128)
+>>> model.blocks[0].attn.k.get_metadata("out_sharding")
+('embed', 'kv_heads', 'kv')
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnx_shard._attention import attention
+from nnx_shard._errors import short
+from nnx_shard._mesh import option
+from nnx_shard._parallel import pipeline
+from nnx_shard._parallel.collective_matmul import check_tokens
+from nnx_shard.models import _kv_cache as kv_cache
+from nnx_shard.models._layers import RMSNorm, dense_init, new_param
+from nnx_shard.models._llama_config import LLAMA_CONFIGS, LlamaConfig
+from nnx_shard.models._llama_config import MODEL_TYPES as MODEL_TYPES
+from nnx_shard.models._llama_config import ROPE_TYPES as ROPE_TYPES
+from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
+from nnx_shard.models._ops import constrain, einsum, lookup, whole
+from nnx_shard.models._transformer import (
+    GATHERED,
+    RESIDUAL,
+    block_input_names,
+    last_positions,
+    remat_policy,
+    seq_names,
+)
+
+__all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig"]
+
+def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
+    """The rotary inverse frequencies ``[head_dim / 2]`` (float32), with the
+    ``llama3`` scaling applied when the config has it, computed in float32 as
+    transformers does; ``local``: the sliding layers' (base ``rope_local_theta``
+    when the config has one, never scaled, as Gemma 3's).
+
+    >>> rope_frequencies(LLAMA_CONFIGS["llama-tiny"])[:2]
+    array([1.  , 0.1], dtype=float32)
+    """
+    d = cfg.head_dim
+    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    if cfg.rope_scaling is None or (local and cfg.rope_local_theta):
+        return inv
+    s = dict(cfg.rope_scaling)
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _rotary_tables(cfg: LlamaConfig, length: int, local: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    # Host constants (the positions are static): nothing traced is closed over
+    # by the scanned or pipelined layer body.
+    inv = rope_frequencies(cfg, local)
+    freqs = np.arange(length, dtype=np.float32)[:, None] * inv[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def _rotary_at(cfg: LlamaConfig, index: jax.Array, steps: int, local: bool = False
+               ) -> tuple[jax.Array, jax.Array]:
+    """The rotary tables of positions ``index .. index + steps - 1`` (``index``
+    traced: the decode step's position), computed as :func:`_rotary_tables`."""
+    inv = jnp.asarray(rope_frequencies(cfg, local))
+    positions = (index + jnp.arange(steps, dtype=jnp.int32)).astype(jnp.float32)
+    freqs = positions[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotary_of(cfg: LlamaConfig, positions: jax.Array, local: bool = False
+               ) -> tuple[jax.Array, jax.Array]:
+    """The rotary tables ``[batch, length, head_dim]`` of per-token ``positions
+    [batch, length]``, computed as :func:`_rotary_tables`, laid out like the queries
+    they rotate (whole sequence; split under context parallelism)."""
+    inv = jnp.asarray(rope_frequencies(cfg, local))
+    freqs = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return constrain(jnp.cos(emb), seq_names(GATHERED)), constrain(jnp.sin(emb), seq_names(GATHERED))
+
+
+def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
+    """Rotary embedding of ``x [batch, length, heads, head_dim]`` in transformers'
+    half-split convention (its checkpoints store q/k rows in that order); the tables
+    are ``[length, head_dim]`` (shared by the batch) or ``[batch, length, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c = jnp.asarray(cos, x.dtype)
+    s = jnp.asarray(sin, x.dtype)
+    c, s = (c[None, :, None, :], s[None, :, None, :]) if c.ndim == 2 else \
+        (c[:, :, None, :], s[:, :, None, :])
+    return x * c + rotated * s
+
+
+def _norm(cfg: LlamaConfig, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(size, names, cfg.norm_eps, cfg.dtype, cfg.param_dtype, rngs=rngs,
+                   offset=cfg.norm_offset)
+
+
+def _bias(rngs: nnx.Rngs, on: bool, shape: tuple[int, ...], names: tuple[Any, ...],
+          dt: Any) -> nnx.Param | None:
+    return nnx.data(new_param(rngs, nnx.initializers.zeros, shape, names, dt) if on else None)
+
+
+def _add(y: jax.Array, b: nnx.Param | None, dt: Any) -> jax.Array:
+    # Biases are small: replicated where they meet activations (Explicit meshes).
+    return y if b is None else y + whole(b[...]).astype(dt)
+
+
+def _windowed(mask: jax.Array | None, window: int | None, length: int) -> jax.Array | None:
+    """``mask`` (``[batch, 1, 1, length]`` key padding, or ``None``) with the sliding
+    window's band: query ``i`` sees keys ``j > i - window`` (transformers'
+    ``sliding_window_overlay``, on indices in the sequence, as its masks are)."""
+    if window is None or window >= length:
+        return mask
+    i = np.arange(length)
+    band = jnp.asarray((i[None, :] > i[:, None] - window)[None, None])
+    return band if mask is None else mask & band
+
+
+def _layer_mask(mask: jax.Array | None, window: int | None, length: int, local: Any
+                ) -> jax.Array | None:
+    """The mask of a layer: the window's band where ``local`` (``None``: the layers
+    are alike, every one windowed when ``window`` is set; else a traced flag, the
+    scanned layer's own, selecting between the banded and the plain mask)."""
+    banded = _windowed(mask, window, length)
+    if local is None or banded is mask or banded is None:
+        return banded
+    return jnp.where(local, banded, True if mask is None else mask)
+
+
+def _pick(local: Any, tables: Any, local_tables: Any) -> Any:
+    """The rotary tables of a layer: ``local_tables`` (the sliding layers' base) where
+    ``local``, else ``tables``."""
+    if local_tables is None or local is None:
+        return tables
+    return tuple(jnp.where(local, lt, t) for t, lt in zip(tables, local_tables, strict=True))
+
+
+class LlamaAttention(nnx.Module):
+    """Grouped-query causal self-attention with rotary embeddings (and Qwen3's
+    per-head q/k norm). Q/K/V split column-wise over ``heads`` / ``kv_heads``,
+    O row-wise over ``heads``. Transformers' ``LlamaAttention``.
+
+    >>> attn = LlamaAttention(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+    >>> attn.q.shape, attn.k.shape       # [embed, heads, head_dim], [embed, kv_heads, head_dim]
+    ((32, 4, 8), (32, 2, 8))
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+        e, h, g, k, dt = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
+        self.q = new_param(rngs, dense_init(e), (e, h, k), ("embed", "heads", "kv"), dt)
+        self.k = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
+        self.v = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
+        self.o = new_param(rngs, dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
+        bias = cfg.attention_bias or cfg.qkv_bias
+        self.q_bias = _bias(rngs, bias, (h, k), ("heads", "kv"), dt)
+        self.k_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
+        self.v_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
+        self.o_bias = _bias(rngs, cfg.attention_bias, (e,), ("embed",), dt)
+        def norm(n: int, name: str) -> RMSNorm | None:
+            if not cfg.qk_norm:
+                return None
+            # OLMo 2 normalizes all heads' features together, Qwen3 each head's.
+            return _norm(cfg, (n, k), (name, "kv"), rngs) if cfg.qk_norm_full \
+                else _norm(cfg, k, ("kv",), rngs)
+
+        self.q_norm: RMSNorm | None = nnx.data(norm(h, "heads"))
+        self.k_norm: RMSNorm | None = nnx.data(norm(g, "kv_heads"))
+        self.kernel = cfg.attention
+        flags = cfg.local_layers()
+        # Alike layers apply their window (if any) statically; mixed ones get a flag.
+        self.window = cfg.sliding_window if all(flags) or not any(flags) else None
+        self.mixed_window = cfg.sliding_window if self.window is None else None
+        self.softcap = cfg.attn_softcap
+        # query_pre_attn_scalar: the kernels divide by sqrt(head_dim); the queries
+        # carry the rest of the factor.
+        self.q_factor = (None if cfg.query_scale is None or cfg.query_scale == k
+                         else math.sqrt(k / cfg.query_scale))
+        self.dtype = cfg.dtype
+
+    def _scaled(self, q: jax.Array) -> jax.Array:
+        return q if self.q_factor is None else q * jnp.asarray(self.q_factor, q.dtype)
+
+    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,
+                 local: Any = None) -> jax.Array:
+        dt = self.dtype
+        heads = seq_names(("batch", None, "heads", "kv"))
+        kv_heads = seq_names(("batch", None, "kv_heads", "kv"))
+        q = _add(einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l"),
+                 self.q_bias, dt)
+        k = _add(einsum("ble,egk->blgk", x, self.k[...].astype(dt), kv_heads, seq="l"),
+                 self.k_bias, dt)
+        v = _add(einsum("ble,egk->blgk", x, self.v[...].astype(dt), kv_heads, seq="l"),
+                 self.v_bias, dt)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # k, v keep their kv_heads: the op groups the query heads per key/value head.
+        mask = (_windowed(extras.mask, self.window, q.shape[1]) if self.mixed_window is None
+                else _layer_mask(extras.mask, self.mixed_window, q.shape[1], local))
+        out = attention(self._scaled(q), k, v, causal=True, mask=mask,
+                        segment_ids=extras.segment_ids, implementation=self.kernel,
+                        softcap=self.softcap)
+        return _add(einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l"),
+                    self.o_bias, dt)
+
+    def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
+        """Creates the key/value cache ``[batch, length, kv_heads, head_dim]``
+        (``layers`` stacked in front for scanned blocks): grouped-query attention
+        caches its ``kv_heads`` only, never the repeated ones."""
+        kv_cache.init_attention(self, batch, length, layers)
+
+    def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
+               sin: jax.Array, valid: jax.Array | None = None, local: Any = None
+               ) -> jax.Array:
+        """Attention of ``x [batch, T, embed]`` at positions ``index ..`` (their
+        rotary tables ``cos``, ``sin``) against the cache, after storing its
+        keys and values there (``valid``: which cache positions hold real keys,
+        :func:`kv_cache.valid_keys`)."""
+        dt = self.dtype
+        heads, kv_heads = ("batch", None, "heads", "kv"), ("batch", None, "kv_heads", "kv")
+        q = _add(einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads), self.q_bias, dt)
+        k = _add(einsum("ble,egk->blgk", x, self.k[...].astype(dt), kv_heads), self.k_bias, dt)
+        v = _add(einsum("ble,egk->blgk", x, self.v[...].astype(dt), kv_heads), self.v_bias, dt)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        window: Any = self.window
+        if self.mixed_window is not None and local is not None:
+            # A traced flag: a window past any position where the layer is global.
+            window = jnp.where(local, self.mixed_window, jnp.iinfo(jnp.int32).max // 2)
+        out = kv_cache.store_and_attend(self, self._scaled(q), k, v, index, valid,
+                                        window=window, softcap=self.softcap)
+        return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
+                           RESIDUAL), self.o_bias, dt)
+
+
+class LlamaMLP(nnx.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` (GELU-tanh in place of SiLU for
+    Gemma); gate and up split column-wise, down row-wise over ``mlp``. Transformers'
+    ``LlamaMLP``.
+
+    >>> mlp = LlamaMLP(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+    >>> mlp(jnp.ones((1, 4, 32))).shape
+    (1, 4, 32)
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+        e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
+        self.gate = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
+        self.up = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
+        self.down = new_param(rngs, dense_init(m), (m, e), ("mlp", "embed"), dt)
+        self.gate_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
+        self.up_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
+        self.down_bias = _bias(rngs, cfg.mlp_bias, (e,), ("embed",), dt)
+        self.activation = cfg.activation
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        hidden = seq_names(("batch", None, "mlp"))
+        g = _add(einsum("ble,em->blm", x, self.gate[...].astype(dt), hidden, seq="l"),
+                 self.gate_bias, dt)
+        u = _add(einsum("ble,em->blm", x, self.up[...].astype(dt), hidden, seq="l"),
+                 self.up_bias, dt)
+        act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        return _add(einsum("blm,me->ble", act * u, self.down[...].astype(dt),
+                           RESIDUAL, seq="l"), self.down_bias, dt)
+
+
+class LlamaBlock(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (norms after
+    attention and MLP instead, or both, as the config says). Transformers'
+    ``LlamaDecoderLayer``; :class:`Llama` holds ``cfg.layers`` of them in ``blocks``.
+
+    >>> block = LlamaBlock(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+    >>> type(block.attn).__name__, type(block.mlp).__name__, block.attn_norm.scale.shape
+    ('LlamaAttention', 'LlamaMLP', (32,))
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+        def norm() -> RMSNorm:
+            return _norm(cfg, cfg.embed, ("embed",), rngs)
+
+        pre, post = (None, norm) if cfg.post_norms else (norm, None)
+        if cfg.sandwich_norms:
+            pre = post = norm
+        self.attn_norm: RMSNorm | None = nnx.data(pre and pre())
+        self.attn = LlamaAttention(cfg, rngs=rngs)
+        self.attn_post_norm: RMSNorm | None = nnx.data(post and post())
+        self.mlp_norm: RMSNorm | None = nnx.data(pre and pre())
+        self.mlp = LlamaMLP(cfg, rngs=rngs)
+        self.mlp_post_norm: RMSNorm | None = nnx.data(post and post())
+
+    @staticmethod
+    def _apply(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+        return x if norm is None else norm(x)
+
+    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,
+                 local: Any = None) -> jax.Array:
+        n = self._apply
+        y = self.attn(constrain(n(self.attn_norm, x), block_input_names()), cos, sin, extras, local)
+        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+        y = self.mlp(constrain(n(self.mlp_norm, x), block_input_names()))
+        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
+
+    def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
+               sin: jax.Array, valid: jax.Array | None = None, local: Any = None) -> jax.Array:
+        """The block on new positions ``index ..`` only, attending through the cache."""
+        n = self._apply
+        y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid,
+                             local)
+        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+        y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED))
+        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
+
+
+def _mixed(cfg: LlamaConfig) -> bool:
+    """Whether the layers differ (sliding and global ones, and their rotary bases)."""
+    flags = cfg.local_layers()
+    return any(flags) and not all(flags)
+
+
+def _block_runner(cfg: LlamaConfig, length: int) -> Any:
+    every_local = all(cfg.local_layers())
+    tables = _rotary_tables(cfg, length, every_local)
+    local_tables = (_rotary_tables(cfg, length, True) if _mixed(cfg) and cfg.rope_local_theta
+                    else None)
+
+    def call(block: LlamaBlock, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
+        if extras.positions is None:
+            c, s = _pick(local, tables, local_tables)
+            return block(x, c, s, extras, local)
+        # Per-token positions: each layer rebuilds its tables from them (a few
+        # elementwise ops) rather than taking traced tables by closure.
+        c, s = _pick(local, _rotary_of(cfg, extras.positions, every_local),
+                     None if local_tables is None else _rotary_of(cfg, extras.positions, True))
+        return block(x, c, s, extras, local)
+
+    if cfg.remat == "none":
+        return call
+    # As in the reference transformer: scan's loop boundary already prevents CSE.
+    return nnx.remat(call, policy=remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
+
+
+class Llama(nnx.Module):
+    """Llama-family decoder LM (Llama 2/3, Qwen3): ``int32 [batch, length] ->
+    float32 logits [batch, length, vocab]``.
+
+    Parameter paths (``blocks/<i>/...``, or ``blocks/...`` stacked on a leading
+    ``layers`` axis with ``scan_layers``): ``token_embed [vocab, embed]``,
+    ``attn_norm/scale``, ``attn/q [embed, heads, head_dim]``, ``attn/k`` and
+    ``attn/v [embed, kv_heads, head_dim]``, ``attn/o [heads, head_dim, embed]``
+    (``attn/q_norm/scale``, ``attn/k_norm/scale`` for Qwen3; ``attn/*_bias``
+    with ``attention_bias``), ``mlp_norm/scale``, ``mlp/gate``, ``mlp/up [embed,
+    mlp]``, ``mlp/down [mlp, embed]``, ``final_norm/scale``, ``unembed [embed,
+    vocab]`` (absent when tied). :data:`nnx_shard.hf.LLAMA_MAPPING` maps them to
+    Hugging Face names.
+
+    :func:`nnx_shard.models.lm_loss` trains it (next-token cross-entropy).
+
+    >>> cfg = LLAMA_CONFIGS["qwen3-tiny"]
+    >>> model = Llama(cfg, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 16), jnp.int32)).shape, model.unembed is None
+    ((2, 16, 128), True)
+    >>> model.blocks[0].attn.q_norm.scale.get_metadata("out_sharding")
+    ('kv',)
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+        if not isinstance(cfg, LlamaConfig):
+            raise TypeError(f"Llama: cfg must be a LlamaConfig, got {type(cfg).__name__} "
+                            f"{short(cfg, 60)}. Fix: e.g. Llama(ns.models.get_config('llama3-8b'), "
+                            "rngs=nnx.Rngs(0)), or LlamaConfig.from_hf(path)")
+        self.cfg = cfg
+        remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
+        e, dt = cfg.embed, cfg.param_dtype
+        self.token_embed = new_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
+                                  ("vocab", "embed"), dt)
+        if cfg.scan_layers:
+
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(r: nnx.Rngs) -> LlamaBlock:
+                return LlamaBlock(cfg, rngs=r)
+
+            self.blocks: Any = make(rngs)
+        else:
+            self.blocks = nnx.List([LlamaBlock(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.final_norm = _norm(cfg, e, ("embed",), rngs)
+        self.unembed: nnx.Param | None = nnx.data(
+            None if cfg.tie_embeddings
+            else new_param(rngs, dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
+        )
+
+    def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+        """``(logits, 0.0)``: the logits and a zero auxiliary loss, the
+        interface :func:`nnx_shard.models.lm_loss` reads.
+
+        ``attention_mask``, ``positions`` and ``segment_ids`` (each ``[batch,
+        length]``, optional) have transformers' meanings (see
+        :mod:`nnx_shard.models._masks`): padding is never attended to and, on the
+        left, shifts the positions (``cumsum(mask) - 1``); packed segments attend
+        within themselves, their positions restarting at 0.
+
+        Concrete token ids (a call outside ``jit``) outside ``0 .. vocab - 1`` are a
+        :class:`~nnx_shard._errors.UsageError` naming them; traced ids cannot be read
+        (``Trainer.fit`` checks its batches on the host before its compiled step).
+
+        >>> model = Llama(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+        >>> logits, aux = model.forward(jnp.zeros((1, 8), jnp.int32))
+        >>> logits.dtype, float(aux)
+        (dtype('float32'), 0.0)
+        """
+        cfg = self.cfg
+        if option("collective_matmul", False):
+            check_tokens(tokens.shape)
+        check_token_ids(tokens, cfg.vocab, "Llama.forward")
+        extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
+                         segment_ids=segment_ids, caller="Llama.forward",
+                         max_positions=cfg.max_length).laid_out()
+        x = self._embed(tokens)
+        run = _block_runner(cfg, tokens.shape[1])
+        # Mixed layers (Gemma 2 / 3): each layer's flag travels with its parameters.
+        flags = np.asarray(cfg.local_layers()) if _mixed(cfg) else None
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.blocks)
+
+            def body(carry: Any, layer: Any) -> tuple[Any, None]:
+                h, ex = carry
+                params, local = layer
+                return (run(nnx.merge(graphdef, params), h, ex, local), ex), None
+
+            # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline). The
+            # masks and positions ride in the carry: a pipeline cuts them into
+            # microbatches with x.
+            (x, _), _ = pipeline.scan(body, (x, extras), (state, flags))
+        else:
+            for i, block in enumerate(self.blocks):
+                x = run(block, x, extras, None if flags is None else jnp.asarray(flags[i]))
+        return self._logits(x), jnp.zeros((), jnp.float32)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        if cfg.embed_scale:  # the factor rounded to the parameters' dtype, as transformers
+            x = x * jnp.asarray(math.sqrt(cfg.embed), cfg.param_dtype).astype(cfg.dtype)
+        return x
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        x = constrain(self.final_norm(x), seq_names(GATHERED))
+        names = seq_names(("batch", None, "vocab"))
+        if self.unembed is None:
+            logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype), names)
+        else:
+            logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype), names)
+        if cfg.final_softcap is not None:  # Gemma 2's, in float32 as transformers
+            cap = cfg.final_softcap
+            return cap * jnp.tanh(logits.astype(jnp.float32) / cap)
+        # The product comes out in the compute dtype and is cast up for the softmax and
+        # the loss (as MaxText does by default): asking the matmul for float32 output
+        # (preferred_element_type) made XLA's partitioner all-gather the unembedding's
+        # float32 gradient under fsdp (more gathered bytes than casting after;
+        # docs/guides/fine-tuning.md).
+        return logits.astype(jnp.float32)
+
+    def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                 positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """The logits of :meth:`forward` (same arguments).
+
+        >>> model = Llama(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+        >>> a, b = jnp.arange(1, 5, dtype=jnp.int32)[None], jnp.arange(9, 13, dtype=jnp.int32)[None]
+        >>> packed = model(jnp.concatenate([a, b], 1), segment_ids=jnp.array([[1] * 4 + [2] * 4]))
+        >>> bool(jnp.allclose(packed[:, 4:], model(b), atol=1e-4))   # b as if alone
+        True
+        """
+        return self.forward(tokens, attention_mask=attention_mask, positions=positions,
+                            segment_ids=segment_ids)[0]
+
+    @property
+    def max_length(self) -> int:
+        """The context: the most positions a sequence can have (``cfg.max_length``,
+        transformers' ``max_position_embeddings``)."""
+        return self.cfg.max_length
+
+    def init_cache(self, batch: int, length: int) -> None:
+        """Creates an empty key/value cache for ``batch`` sequences of up to
+        ``length`` positions (what :func:`nnx_shard.models.generate` calls inside
+        its compiled prefill): ``cached_key`` and ``cached_value [batch, length,
+        kv_heads, head_dim]`` on every attention layer, named ``cache_batch``,
+        ``cache_length``, ``cache_kv_heads``, ``cache_head_dim`` (``layers`` first
+        for stacked blocks), and the position of the next token, ``cache_index``.
+
+        >>> model = Llama(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+        >>> model.init_cache(batch=2, length=16)
+        >>> model.blocks[0].attn.cached_value.shape    # 2 key/value heads of 8
+        (2, 16, 2, 8)
+        """
+        self.cache_index, self.cache_rows = kv_cache.init_model(self.blocks, self.cfg,
+                                                                batch, length)
+
+    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+               logits_to_keep: int = 0) -> jax.Array:
+        """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
+        ones already in the cache (from :meth:`init_cache`), whose keys and values
+        it stores. The logits equal those of :meth:`__call__` on the whole
+        sequence at these positions (up to float rounding).
+
+        ``logits_to_keep`` (transformers' meaning): 0 for every position, else the
+        logits of the last ``logits_to_keep`` positions only, ``[batch,
+        logits_to_keep, vocab]``: the final norm, unembedding and soft-capping run on
+        those alone (generation's prefill keeps 1, instead of ``[prompt, vocab]``
+        float32).
+
+        ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
+        cache (the prefill of :func:`nnx_shard.models.generate`): its padded
+        positions are never attended to and the positions of the real tokens
+        count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
+        mask computes. The cache keeps the mask (``cache_rows``): later calls,
+        given a mask too (ones for new tokens), skip the padded keys and continue
+        each row's positions.
+
+        >>> model = Llama(LLAMA_CONFIGS["qwen3-tiny"], rngs=nnx.Rngs(0))
+        >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
+        >>> model.init_cache(batch=1, length=8)
+        >>> first, last = model.decode(tokens[:, :5]), model.decode(tokens[:, 5:])
+        >>> bool(jnp.allclose(last[:, 0], model(tokens)[:, 5], atol=1e-4))
+        True
+        """
+        cfg = self.cfg
+        check_token_ids(tokens, cfg.vocab, "Llama.decode")
+        index = self.cache_index[...]
+        steps = tokens.shape[1]
+        valid = None
+        mixed, every_local = _mixed(cfg), all(cfg.local_layers())
+        local_tables = None
+        if attention_mask is None:
+            cos, sin = _rotary_at(cfg, index, steps, every_local)
+            if mixed and cfg.rope_local_theta:
+                local_tables = _rotary_at(cfg, index, steps, True)
+        else:
+            positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
+                                                         "Llama.decode")
+            # Decoding runs on the gathered sequence (generation's rules): plain tables.
+            def tables(local: bool) -> tuple[jax.Array, jax.Array]:
+                inv = jnp.asarray(rope_frequencies(cfg, local))
+                freqs = positions.astype(jnp.float32)[..., None] * inv
+                emb = jnp.concatenate([freqs, freqs], axis=-1)
+                return jnp.cos(emb), jnp.sin(emb)
+
+            cos, sin = tables(every_local)
+            if mixed and cfg.rope_local_theta:
+                local_tables = tables(True)
+        x = self._embed(tokens)
+        flags = np.asarray(cfg.local_layers()) if mixed else None
+
+        def step(block: LlamaBlock, h: jax.Array, local: Any = None) -> jax.Array:
+            c, s = _pick(local, (cos, sin), local_tables)
+            return block.decode(h, index, c, s, valid, local)
+
+        x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x, step, flags)
+        self.cache_index[...] = index + steps
+        return self._logits(last_positions(x, logits_to_keep, "Llama.decode"))

@@ -1,0 +1,123 @@
+"""The reference models' activation bytes per device, by formula (the
+Transformer's and the Llama family's): the estimate ``nnx-shard plan`` and the
+planner print next to XLA's compiled figures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from nnx_shard._axes import abstract_mesh, entry_axes
+from nnx_shard._rules import as_rules
+
+__all__ = ['ACTIVATION_FORMULA', 'activation_bytes']
+
+ACTIVATION_FORMULA = (
+    "per device, no rematerialization: tokens/device x [layers x (p(4e/Dl + 4hk/Dh + 2m'/Dm) "
+    "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes "
+    "(the compute dtype), e = embed, h = heads, k = head_dim, m' = mlp (x top_k x "
+    "capacity_factor for experts), s = seq, V = vocab, D* = devices the rules shard batch, "
+    "length, heads, mlp, vocab over. "
+    "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk; for the "
+    "Llama family q and the output (2hk) with k/v at kv_heads g (2gk), never repeated, "
+    "plus q/k norm inputs (hk + gk) with Qwen3's qk_norm), MLP hidden before and after "
+    "GELU (2m'; Llama's SwiGLU keeps 4m': gate, its SiLU, up and their product), "
+    "float32 attention probabilities (4hs) with the dense "
+    "attention kernel (TransformerConfig.attention='dense'), or only a float32 log-sum-exp "
+    "per row and head (4h) with the memory-efficient ones (blockwise, cudnn, auto: the "
+    "default; their backward pass recomputes the probabilities block by block, in a few "
+    "float32 [batch, heads, 512, 512] tiles that are not counted); plus the residual input "
+    "and float32 logits and their gradient (8V). With --remat full only each "
+    "block's input is kept (layers x p x e/Dl per token) plus one layer's activations and the "
+    "logits; dots and offload count as none. Under context parallelism the sequence stays "
+    "split through the block, so Dh, Dm and Dv include the length axes, and the ring "
+    "(attention='ring') keeps no probabilities whatever the kernel (4h, as above)."
+)
+
+
+def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: Any,
+             *dims: int) -> int:
+    """How many devices share the dimensions ``dims`` of an activation."""
+    spec = tuple(rules.spec(names, shape=shape, mesh=mesh, path="activation"))
+    axes: list[str] = []
+    for dim in dims:
+        entry = spec[dim] if dim < len(spec) else None
+        axes += entry_axes(entry)
+    return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
+def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, seq: int,
+                     remat: str = "none") -> int:
+    """Estimated activation bytes per device of one training step of
+    :class:`nnx_shard.models.Transformer` or :class:`nnx_shard.models.Llama`
+    (``cfg`` a ``TransformerConfig`` or ``LlamaConfig``; see ``ACTIVATION_FORMULA``).
+
+    >>> import dataclasses
+    >>> from nnx_shard.models import get_config
+    >>> from nnx_shard._rules import Rules
+    >>> cfg = get_config("tiny")   # embed 32, heads 4 x 8, mlp 64, vocab 128, 2 layers, f32
+    >>> tokens = 4 * 16 // 2                 # batch over data=2
+    >>> layer = 4 * (4 * 32 + 4 * 4 * 8 + 2 * 64) + 4 * 4   # p=4 bytes; log-sum-exp 4h
+    >>> edges = 2 * 4 * 32 + 8 * 128
+    >>> activation_bytes(cfg, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
+    ...     tokens * (2 * layer + edges))
+    True
+    >>> dense = dataclasses.replace(cfg, attention="dense")   # probabilities 4hs
+    >>> activation_bytes(dense, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
+    ...     tokens * (2 * (layer + 4 * 4 * 16 - 4 * 4) + edges))
+    True
+    >>> from nnx_shard.models import get_config   # SwiGLU: 4 x mlp, not 2
+    >>> llama = get_config("llama-tiny")    # embed 32, heads 4 x 8, 2 kv heads, mlp 64
+    >>> gqa = 4 * (2 * 4 * 8 + 2 * 2 * 8) - 4 * (4 * 4 * 8)      # q, o and k/v at 2 heads
+    >>> activation_bytes(llama, Rules({"batch": "data"}), {"data": 2}, batch=4, seq=16) == (
+    ...     tokens * (2 * (layer + gqa + 4 * 2 * 64) + edges))
+    True
+    """
+    mesh = abstract_mesh(sizes)
+    rules = as_rules(rules)
+    # A name the table does not mention is replicated, as for any activation.
+    rules = rules | {n: None for n in ("batch", "length", "heads", "kv", "mlp", "vocab")
+                     if n not in rules}
+    b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
+    experts = getattr(cfg, "experts", 0)  # the Llama family has none
+    m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if experts else 1)
+    # Grouped-query attention (the Llama family) keeps k and v at kv_heads.
+    g = getattr(cfg, "kv_heads", None)
+    qkvo = 4 * h * k if g is None else 2 * h * k + 2 * g * k
+    p = np.dtype(cfg.dtype).itemsize
+    # Context parallelism keeps the sequence split through the whole block (q/k/v,
+    # MLP hidden, logits); elsewhere only the residual stream is (sequence parallelism
+    # gathers it before attention and the MLP).
+    attention = dict(rules.options).get("attention")
+    seq_name = "length" if attention in ("ring", "allgather") else None
+    d_b = _divisor(rules, ("batch",), (b,), mesh, 0)
+    d_l = _divisor(rules, ("batch", "length", None), (b, s, e), mesh, 1)
+    d_h = _divisor(rules, ("batch", seq_name, "heads", "kv"), (b, s, h, k), mesh, 1, 2)
+    d_m = _divisor(rules, ("batch", seq_name, "mlp"), (b, s, cfg.mlp), mesh, 1, 2)
+    d_v = _divisor(rules, ("batch", seq_name, "vocab"), (b, s, v), mesh, 1, 2)
+    tokens = b * s / d_b
+    # Probabilities are [queries, keys] per head (d_h counts the query split under
+    # context parallelism), kept by the dense kernel alone; the memory-efficient
+    # kernels and the ring keep a float32 log-sum-exp per query row and head and
+    # recompute the probabilities block by block in the backward pass.
+    kernel = getattr(cfg, "attention", "auto")  # the op's default for configs without one
+    if attention != "ring" and kernel == "dense":
+        probs = 4 * h * s / d_h
+    else:
+        # Their working set while one layer's backward pass runs (a few float32
+        # [batch, heads, block, block] tiles) is a transient, like the dense kernel's
+        # forward temporaries: not counted, so that the formula stays a floor.
+        probs = 4 * h / d_h
+    # SwiGLU keeps four mlp-wide tensors (gate, SiLU(gate), up, product), GELU two.
+    mlp = (2 if g is None else 4) * m / d_m
+    qk_norm = (h * k + g * k) / d_h if g is not None and cfg.qk_norm else 0.0
+    layer = p * (4 * e / d_l + qkvo / d_h + mlp + qk_norm) + probs
+    edges = 2 * p * e / d_l + 8 * v / d_v
+    if remat == "full":
+        per_token = cfg.layers * p * e / d_l + layer + edges
+    else:
+        per_token = cfg.layers * layer + edges
+    return int(tokens * per_token)

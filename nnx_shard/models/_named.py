@@ -1,0 +1,71 @@
+"""Every named model configuration, of both families, in one table: the reference
+Transformer's (``tiny``, ``tiny_moe``, ``small``, ``125m``, ``1b``, ``7b``) and the Llama
+family's (the test-sized ``llama-tiny`` and ``qwen3-tiny``, and the published shapes
+``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``qwen3-0.6b``, ``mistral-7b``,
+``qwen2.5-7b``, ``gemma2-9b``), with the one getter and the one builder the planner,
+the command and users share.
+
+>>> sorted(n for n in CONFIGS if n.startswith(("llama", "qwen")))
+['llama-tiny', 'llama3-405b', 'llama3-70b', 'llama3-8b', 'qwen2.5-7b', 'qwen3-0.6b', 'qwen3-tiny']
+>>> max_length(get_config("llama3-8b")), max_length(get_config("small"))
+(131072, 128)
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from flax import nnx
+
+from nnx_shard._errors import UsageError, short
+from nnx_shard.models._llama import LLAMA_CONFIGS, Llama, LlamaConfig
+from nnx_shard.models._transformer import TRANSFORMER_CONFIGS, Transformer, TransformerConfig
+
+__all__ = ["CONFIGS", "build", "get_config", "max_length"]
+
+#: Every configuration known by name: a :class:`~nnx_shard.models.TransformerConfig` or a
+#: :class:`~nnx_shard.models.LlamaConfig`. The large ones are for planning with
+#: :func:`nnx_shard.abstract_init` (nothing is allocated).
+CONFIGS: dict[str, TransformerConfig | LlamaConfig] = {**TRANSFORMER_CONFIGS, **LLAMA_CONFIGS}
+
+
+def get_config(name: str) -> TransformerConfig | LlamaConfig:
+    """The configuration called ``name`` in :data:`CONFIGS`: a
+    :class:`~nnx_shard.models.TransformerConfig` for the reference Transformer's names,
+    a :class:`~nnx_shard.models.LlamaConfig` for the Llama family's. An unknown name is
+    a :class:`~nnx_shard.UsageError` naming the closest and the known ones.
+
+    >>> get_config("tiny").layers, get_config("llama3-70b").kv_heads
+    (2, 8)
+    >>> get_config("llama-8b")
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: unknown model config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama-tiny, qwen3-tiny, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b, gemma2-9b. Fix: one of those
+    """
+    if not isinstance(name, str):
+        raise UsageError(f"get_config: name must be a config name (str), got "
+                         f"{type(name).__name__} {short(name, 60)}. Known: {', '.join(CONFIGS)}.")
+    if name in CONFIGS:
+        return CONFIGS[name]
+    close = difflib.get_close_matches(name, CONFIGS, n=1)
+    mean = f" Did you mean {close[0]!r}?" if close else ""
+    raise UsageError(f"unknown model config {name!r}.{mean} Known: {', '.join(CONFIGS)}. "
+                     "Fix: one of those")
+
+
+def build(cfg: TransformerConfig | LlamaConfig, rngs: nnx.Rngs) -> Any:
+    """The model of ``cfg``: a :class:`~nnx_shard.models.Llama` for a
+    :class:`~nnx_shard.models.LlamaConfig`, else a :class:`~nnx_shard.models.Transformer`.
+
+    >>> type(nnx.eval_shape(lambda: build(get_config("qwen3-0.6b"), nnx.Rngs(0)))).__name__
+    'Llama'
+    """
+    if isinstance(cfg, LlamaConfig):
+        return Llama(cfg, rngs=rngs)
+    return Transformer(cfg, rngs=rngs)
+
+
+def max_length(cfg: TransformerConfig | LlamaConfig) -> int:
+    """The longest sequence ``cfg`` takes (``length``, or Llama's ``max_length``)."""
+    return int(cfg.max_length if isinstance(cfg, LlamaConfig) else cfg.length)

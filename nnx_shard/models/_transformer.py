@@ -1,0 +1,806 @@
+"""A decoder-only transformer LM annotated only with logical axis names.
+
+Parameters carry logical names (``vocab``, ``embed``, ``heads``, ``kv``,
+``mlp``, ``expert``, and ``layers`` when the blocks are stacked); activations
+are constrained at the points where parallelism strategies differ:
+
+* the residual stream is ``("batch", "length", None)``: sequence parallelism
+  maps ``length`` to the model axis there;
+* the input of attention and of the MLP is ``("batch", None, None)``: under
+  sequence parallelism this is where the sequence is all-gathered;
+* queries, keys and values are ``("batch", None, "heads", "kv")`` and the MLP
+  hidden layer ``("batch", None, "mlp")``: Megatron's column-parallel half;
+* the attention and MLP outputs return to the residual layout: the
+  row-parallel half (an all-reduce, or a reduce-scatter under sequence
+  parallelism);
+* under rules with the option ``collective_matmul`` (``async_tp``) the
+  projections gather and scatter the sequence themselves, in ring steps
+  (:mod:`nnx_shard.collective_matmul`), so the input of attention and of the
+  MLP stays in the residual layout;
+* the mixture-of-experts layer dispatches tokens to ``("expert", "batch",
+  None, None)``: expert parallelism turns that into collectives over the
+  expert axis;
+* under context parallelism (the rules' ``attention`` option, set by the
+  ``cp`` presets) the sequence stays split on ``length`` at the dense ones of these
+  points, and the attention core, :func:`nnx_shard.models.attention`, runs
+  as ring (or all-gather-KV) attention over the ``length`` axes.
+
+The embedding dimension of activations is never named: strategies that shard
+parameters over ``embed`` (FSDP) use the same mesh axis for ``batch``.
+
+Works on one device with no mesh, and under :func:`nnx_shard.use` with meshes
+whose axes are Auto or Explicit (JAX's default); see ``nnx_shard.models._ops``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnx_shard._attention import KERNELS, attention
+from nnx_shard._errors import UsageError, short
+from nnx_shard._mesh import option
+from nnx_shard._parallel import pipeline
+from nnx_shard._parallel.collective_matmul import check_tokens
+from nnx_shard._weighting import mean_over
+from nnx_shard.models import _kv_cache as kv_cache
+from nnx_shard.models._layers import RMSNorm, dense_init, new_param
+from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
+from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
+
+__all__ = [
+    "IGNORE_INDEX",
+    "REMAT_POLICIES",
+    "TRANSFORMER_CONFIGS",
+    "Transformer",
+    "TransformerConfig",
+    "lm_loss",
+    "remat_policy",
+]
+
+RESIDUAL = ("batch", "length", None)
+GATHERED = ("batch", None, None)
+
+
+def seq_names(names: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``names`` with the sequence kept split under context parallelism (the
+    ``attention`` option of the ``cp`` presets): there the sequence stays on its
+    ``length`` axes through the whole block, and only the attention op gathers
+    keys and values, in its own way. Elsewhere ``names`` as given (sequence
+    parallelism gathers the sequence at these points)."""
+    if option("attention", "local") in ("ring", "allgather"):
+        return (names[0], "length", *names[2:])
+    return names
+
+
+REMAT_POLICIES: dict[str, str] = {
+    "none": "keep every intermediate of each block for the backward pass (no remat)",
+    "full": "save only each block's input; recompute the rest of the block in the backward "
+            "pass (jax.checkpoint_policies.nothing_saveable)",
+    "dots": "save matmul outputs without batch dimensions, recompute the rest "
+            "(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)",
+    "offload": "as 'dots', but move the saved matmul outputs to pinned host memory "
+               "(jax.checkpoint_policies.offload_dot_with_no_batch_dims)",
+}
+
+
+def check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] = (),
+                 positive: tuple[str, ...] = (), finite: tuple[str, ...] = (),
+                 flags: tuple[str, ...] = ()) -> None:
+    """A config's fields checked by kind, each failure a ``ValueError`` naming the
+    field: ``counts`` whole numbers >= 1, ``whole0`` whole numbers (their range is
+    checked by the config), ``positive`` finite numbers > 0, ``finite`` finite
+    numbers, ``flags`` bools; ``dtype`` and ``param_dtype`` NumPy/JAX dtypes. A bool
+    is no count and ``"128"`` no size: both would fail deep inside a layer."""
+    where = type(cfg).__name__
+
+    def bad(f: str, want: str) -> ValueError:
+        return ValueError(f"{where}.{f} must be {want}, got {short(getattr(cfg, f), 60)} "
+                          f"({type(getattr(cfg, f)).__name__}). Fix: e.g. "
+                          f"{where}({f}={getattr(type(cfg), f, 4)!r})")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+    def is_real(v: Any) -> bool:
+        return isinstance(v, int | float | np.integer | np.floating) and not isinstance(
+            v, bool | np.bool_) and math.isfinite(v)
+
+    for f in counts:
+        if not is_int(getattr(cfg, f)) or getattr(cfg, f) < 1:
+            raise bad(f, ">= 1 (a whole count)")
+    for f in whole0:
+        if not is_int(getattr(cfg, f)):
+            raise bad(f, "a whole number")
+    for f in positive:
+        if not is_real(getattr(cfg, f)) or getattr(cfg, f) <= 0:
+            raise bad(f, "a finite number > 0")
+    for f in finite:
+        if not is_real(getattr(cfg, f)):
+            raise bad(f, "a finite number")
+    for f in flags:
+        if not isinstance(getattr(cfg, f), bool):
+            raise bad(f, "True or False")
+    _check_dtypes(cfg, where)
+
+
+def check_kernel_and_remat(cfg: Any) -> None:
+    """``cfg.attention`` names an attention kernel and ``cfg.remat`` a remat policy
+    (shared by every model config)."""
+    where = type(cfg).__name__
+    if cfg.attention not in KERNELS:
+        raise ValueError(
+            f"{where}.attention={cfg.attention!r} is not an attention kernel; "
+            "valid: " + ", ".join(repr(k) for k in KERNELS) + "."
+        )
+    if cfg.remat not in REMAT_POLICIES:
+        raise ValueError(
+            f"{where}.remat={cfg.remat!r} is not a remat policy; valid: "
+            + ", ".join(repr(k) for k in REMAT_POLICIES) + "."
+        )
+
+
+def _check_dtypes(cfg: Any, where: str) -> None:
+    for f in ("dtype", "param_dtype"):
+        try:
+            jnp.dtype(getattr(cfg, f))
+        except TypeError:
+            raise ValueError(f"{where}.{f} must be a dtype, got {short(getattr(cfg, f), 60)}. "
+                             f"Fix: e.g. {f}=jnp.float32 or {f}='bfloat16'") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes and options of :class:`Transformer` (frozen: derive variants with
+    ``dataclasses.replace``).
+
+    Attributes:
+      vocab: vocabulary size.
+      length: maximum sequence length (learned position embeddings).
+      embed: width of the residual stream.
+      heads: attention heads; ``head_dim``: width of each.
+      mlp: hidden width of the MLP (of each expert, for a mixture of experts).
+      layers: number of blocks.
+      experts: experts of a mixture-of-experts MLP; 0 is a dense MLP.
+      top_k: experts each token is sent to.
+      capacity_factor: expert capacity, as a multiple of an even share of the
+        ``top_k`` assignments of a sequence (tokens over capacity are dropped).
+      aux_loss_weight: weight of the load-balancing loss :func:`lm_loss` adds.
+      scan_layers: stack the blocks (``nnx.vmap``, leading ``layers`` axis)
+        and run them with ``jax.lax.scan``: one compiled block for any depth.
+      tie_embeddings: reuse the token embedding as the output projection.
+      remat: what each block keeps for the backward pass, one of
+        :data:`REMAT_POLICIES`: ``"none"`` (everything), ``"full"`` (only the
+        block's input; recompute the rest), ``"dots"`` (matmul outputs without
+        batch dimensions), ``"offload"`` (those, in pinned host memory; needs a
+        backend with host memory spaces; on CPU, where device memory is host
+        memory, it compiles to the ``"dots"`` program). Applied per block (per
+        scanned block with ``scan_layers``) with ``nnx.remat``; the values are
+        unchanged. On XLA CPU only scanned blocks show the memory saving:
+        unrolled blocks recompute, but the scheduler keeps the peak.
+      attention: the attention kernel on each device (see
+        :mod:`nnx_shard._attention._kernels`): ``"auto"`` (default: cuDNN's fused kernel on
+        GPUs where it applies, else blockwise), ``"blockwise"`` (online softmax over
+        query x key/value blocks, recomputed in the backward pass: activations linear
+        in the sequence), ``"dense"`` (the float32 ``[batch, heads, seq, seq]``
+        probabilities kept for the backward pass) or ``"cudnn"``. Context parallelism
+        (the strategy's ``attention`` option, ``cp`` presets) splits the sequence
+        over devices and runs this kernel on each device's share.
+      dtype: activation dtype; ``param_dtype``: parameter dtype.
+
+    >>> cfg = TransformerConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=32, layers=1)
+    >>> dataclasses.replace(cfg, experts=4).experts
+    4
+    >>> dataclasses.replace(cfg, remat="full").remat
+    'full'
+    """
+
+    vocab: int = 128
+    length: int = 16
+    embed: int = 32
+    heads: int = 4
+    head_dim: int = 8
+    mlp: int = 64
+    layers: int = 2
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 2.0
+    aux_loss_weight: float = 0.01
+    scan_layers: bool = False
+    tie_embeddings: bool = False
+    remat: str = "none"
+    attention: str = "auto"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        check_fields(self, ("vocab", "length", "embed", "heads", "head_dim", "mlp", "layers"),
+                     whole0=("experts", "top_k"), positive=("capacity_factor",),
+                     finite=("aux_loss_weight",), flags=("scan_layers", "tie_embeddings"))
+        if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
+            raise ValueError(
+                f"TransformerConfig: experts={self.experts}, top_k={self.top_k}; need experts "
+                ">= 0 and, with experts, 1 <= top_k <= experts."
+            )
+        check_kernel_and_remat(self)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, computed from the sizes.
+
+        >>> TRANSFORMER_CONFIGS["tiny"].num_params
+        25248
+        """
+        e, m = self.embed, self.mlp
+        attn = 4 * e * self.heads * self.head_dim
+        ffn = (self.experts * 2 * e * m + e * self.experts) if self.experts else 2 * e * m
+        block = attn + ffn + 2 * e
+        unembed = 0 if self.tie_embeddings else e * self.vocab
+        return self.vocab * e + self.length * e + self.layers * block + e + unembed
+
+
+TRANSFORMER_CONFIGS: dict[str, TransformerConfig] = {
+    "tiny": TransformerConfig(),
+    "tiny_moe": TransformerConfig(experts=4, top_k=2),
+    "small": TransformerConfig(
+        vocab=512, length=128, embed=128, heads=4, head_dim=32, mlp=512, layers=4
+    ),
+    "125m": TransformerConfig(
+        vocab=50304, length=2048, embed=768, heads=12, head_dim=64, mlp=3072, layers=12,
+        tie_embeddings=True,
+    ),
+    "1b": TransformerConfig(
+        vocab=32000, length=2048, embed=2048, heads=16, head_dim=128, mlp=8192, layers=16,
+        scan_layers=True,
+    ),
+    "7b": TransformerConfig(
+        vocab=32000, length=4096, embed=4096, heads=32, head_dim=128, mlp=16384, layers=32,
+        scan_layers=True, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+    ),
+}
+
+
+def remat_policy(name: str) -> Any:
+    """The ``jax.checkpoint`` policy of a :data:`REMAT_POLICIES` name: ``None``
+    for ``"none"`` (no remat at all), else the callable ``nnx.remat`` gets.
+
+    ``"offload"`` needs host memory on the default backend and raises a
+    ``ValueError`` naming the alternatives where there is none.
+
+    >>> remat_policy("none") is None
+    True
+    >>> remat_policy("full") is jax.checkpoint_policies.nothing_saveable
+    True
+    >>> remat_policy("everything")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown remat policy 'everything'; valid: 'none', 'full', 'dots', 'offload'.
+    """
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {name!r}; valid: "
+                         + ", ".join(repr(k) for k in REMAT_POLICIES) + ".")
+    cp = jax.checkpoint_policies
+    if name == "none":
+        return None
+    if name == "full":
+        return cp.nothing_saveable
+    if name == "dots":
+        return cp.dots_with_no_batch_dims_saveable
+    device = jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(
+            f"remat='offload' moves saved activations to pinned host memory, but the "
+            f"{device.platform} backend ({device.device_kind}) has no 'pinned_host' memory "
+            f"(its memories: {', '.join(sorted(kinds))}). Fix: use remat='dots' (same "
+            "activations kept on the device) or remat='full' (least memory)."
+        )
+    return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+
+def _norm(cfg: TransformerConfig, rngs: nnx.Rngs) -> RMSNorm:
+    # The Transformer's norms: over ``embed``, eps 1e-6, weights starting at 1.
+    return RMSNorm(cfg.embed, ("embed",), 1e-6, cfg.dtype, cfg.param_dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention; Q/K/V split column-wise and O row-wise over ``heads``."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        e, h, k, dt = cfg.embed, cfg.heads, cfg.head_dim, cfg.param_dtype
+        qkv = ("embed", "heads", "kv")
+        self.q = new_param(rngs, dense_init(e), (e, h, k), qkv, dt)
+        self.k = new_param(rngs, dense_init(e), (e, h, k), qkv, dt)
+        self.v = new_param(rngs, dense_init(e), (e, h, k), qkv, dt)
+        self.o = new_param(rngs, dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
+        self.dtype = cfg.dtype
+        self.kernel = cfg.attention
+
+    def __call__(self, x: jax.Array, extras: Extras = NO_EXTRAS) -> jax.Array:
+        dt = self.dtype
+        heads = seq_names(("batch", None, "heads", "kv"))
+        q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l")
+        k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads, seq="l")
+        v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads, seq="l")
+        out = attention(q, k, v, causal=True, mask=extras.mask, segment_ids=extras.segment_ids,
+                        implementation=self.kernel)
+        return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l")
+
+    def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
+        """Creates the key/value cache ``[batch, length, heads, head_dim]`` (``layers``
+        stacked in front for scanned blocks), named :data:`kv_cache.CACHE_AXES`."""
+        kv_cache.init_attention(self, batch, length, layers)
+
+    def decode(self, x: jax.Array, index: jax.Array, valid: jax.Array | None = None
+               ) -> jax.Array:
+        """Attention of ``x [batch, T, embed]`` at positions ``index ..`` against
+        the cache, after storing its keys and values there (``valid``: which cache
+        positions hold real keys, :func:`kv_cache.valid_keys`)."""
+        dt = self.dtype
+        heads = ("batch", None, "heads", "kv")
+        q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
+        k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads)
+        v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
+        out = kv_cache.store_and_attend(self, q, k, v, index, valid)
+        return einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt), RESIDUAL)
+
+
+class MLP(nnx.Module):
+    """Two-layer GELU MLP; ``up`` split column-wise and ``down`` row-wise over ``mlp``."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
+        self.up = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
+        self.down = new_param(rngs, dense_init(m), (m, e), ("mlp", "embed"), dt)
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        dt = self.dtype
+        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt),
+                               seq_names(("batch", None, "mlp")), seq="l"))
+        return einsum("blm,me->ble", h, self.down[...].astype(dt), RESIDUAL, seq="l"), jnp.zeros(())
+
+
+class MoE(nnx.Module):
+    """Mixture-of-experts MLP: a top-k softmax router and per-expert MLPs.
+
+    Tokens are dispatched GShard-style with a fixed capacity per sequence and
+    expert (``capacity_factor``); tokens over capacity skip the layer (the
+    residual carries them). Returns the output and the load-balancing loss
+    ``experts * sum_e(fraction routed to e * mean router probability of e)``.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        e, m, x, dt = cfg.embed, cfg.mlp, cfg.experts, cfg.param_dtype
+        self.router = new_param(rngs, dense_init(e), (e, x), ("embed", None), dt)
+        self.up = new_param(rngs, dense_init(e), (x, e, m), ("expert", "embed", "mlp"), dt)
+        self.down = new_param(rngs, dense_init(m), (x, m, e), ("expert", "mlp", "embed"), dt)
+        self.top_k = cfg.top_k
+        self.capacity_factor = cfg.capacity_factor
+        self.dtype = cfg.dtype
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(dispatch, combine, aux)`` for ``x [batch, length, embed]``.
+
+        ``dispatch [batch, length, experts, capacity]`` is 1 where a token takes
+        a slot of an expert's buffer (each slot holds at most one token, each
+        token at most ``top_k`` slots); ``combine`` holds the token's
+        renormalised gate there instead. ``aux`` is the load-balancing loss.
+
+        >>> cfg = dataclasses.replace(TRANSFORMER_CONFIGS["tiny_moe"], capacity_factor=0.5)
+        >>> moe = MoE(cfg, rngs=nnx.Rngs(0))
+        >>> dispatch, combine, aux = moe.route(jnp.ones((2, 16, cfg.embed)))
+        >>> dispatch.shape, float(dispatch.sum(axis=1).max())   # capacity 4, never over
+        ((2, 16, 4, 4), 1.0)
+        """
+        dt = self.dtype
+        b, length, _ = x.shape
+        n_exp = self.router.shape[-1]
+        k = self.top_k
+        logits = einsum("ble,ex->blx", x, self.router[...].astype(dt), GATHERED)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        gates, idx = jax.lax.top_k(probs, k)  # [b, l, k]
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+        capacity = max(1, math.ceil(k * length * self.capacity_factor / n_exp))
+        # Slot of each (token, choice) in its expert's buffer: first choices of
+        # every token are served before second choices, in sequence order.
+        chosen = jax.nn.one_hot(idx, n_exp, dtype=jnp.int32)  # [b, l, k, x]
+        order = jnp.swapaxes(chosen, 1, 2).reshape(b, k * length, n_exp)
+        slot = jnp.cumsum(order, axis=1) * order - 1
+        slot = jnp.swapaxes(slot.reshape(b, k, length, n_exp), 1, 2)  # [b, l, k, x]
+        keep = (slot >= 0) & (slot < capacity)
+        onehot_slot = jax.nn.one_hot(jnp.where(keep, slot, -1), capacity, dtype=jnp.float32)
+        dispatch = jnp.sum(onehot_slot, axis=2)  # [b, l, x, c]
+        combine = jnp.sum(onehot_slot * gates[..., None, None], axis=2)
+        dispatch = constrain(dispatch.astype(dt), ("batch", None, None, None))
+        combine = constrain(combine.astype(dt), ("batch", None, None, None))
+        routed = jnp.mean(jnp.sum(chosen, axis=2).astype(jnp.float32), axis=(0, 1)) / k
+        aux = n_exp * jnp.sum(routed * jnp.mean(probs, axis=(0, 1)))
+        return dispatch, combine, aux
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        dt = self.dtype
+        dispatch, combine, aux = self.route(x)
+        expert_in = einsum("blxc,ble->xbce", dispatch, x, ("expert", "batch", None, None))
+        h = jax.nn.gelu(einsum("xbce,xem->xbcm", expert_in, self.up[...].astype(dt),
+                               ("expert", "batch", None, "mlp")))
+        expert_out = einsum("xbcm,xme->xbce", h, self.down[...].astype(dt),
+                            ("expert", "batch", None, None))
+        out = einsum("xbce,blxc->ble", expert_out, combine, RESIDUAL)
+        return out, aux
+
+
+class Block(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        self.attn_norm = _norm(cfg, rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = _norm(cfg, rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if cfg.experts else MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, extras: Extras = NO_EXTRAS) -> tuple[jax.Array, jax.Array]:
+        x = x + self.attn(constrain(self.attn_norm(x), block_input_names()), extras)
+        x = constrain(x, RESIDUAL)
+        y, aux = self.mlp(constrain(self.mlp_norm(x), block_input_names()))
+        return constrain(x + y, RESIDUAL), aux
+
+    def decode(self, x: jax.Array, index: jax.Array, valid: jax.Array | None = None
+               ) -> jax.Array:
+        """The block on new positions ``index ..`` only, attending through the cache."""
+        x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, valid)
+        x = constrain(x, RESIDUAL)
+        y, _ = self.mlp(constrain(self.mlp_norm(x), GATHERED))
+        return constrain(x + y, RESIDUAL)
+
+
+def block_input_names() -> tuple[str | None, ...]:
+    # Collective matmuls gather the sequence inside the projections, block by
+    # block: the input stays in the residual layout until then.
+    return RESIDUAL if option("collective_matmul", False) else seq_names(GATHERED)
+
+
+def _call_block(block: Block, x: jax.Array, extras: Extras) -> tuple[jax.Array, jax.Array]:
+    return block(x, extras)
+
+
+def _block_runner(cfg: TransformerConfig) -> Any:
+    if cfg.remat == "none":
+        return _call_block
+    # Inside scan the loop boundary already keeps XLA from merging the forward
+    # and backward recomputation, so CSE prevention would only cost speed (see
+    # jax.checkpoint's docs); unrolled blocks need it.
+    return nnx.remat(_call_block, policy=remat_policy(cfg.remat),
+                     prevent_cse=not cfg.scan_layers)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer LM: ``int32 [batch, length] -> float32 logits
+    [batch, length, vocab]``.
+
+    Token and position embeddings, ``cfg.layers`` pre-norm blocks (multi-head
+    attention, then a dense or mixture-of-experts MLP), a final norm and an
+    output projection (tied to the token embedding if ``cfg.tie_embeddings``).
+    Annotated only with logical names: pick a layout with a
+    :mod:`nnx_shard.strategies` preset or any :class:`nnx_shard.Rules`.
+
+    >>> cfg = TRANSFORMER_CONFIGS["tiny"]
+    >>> model = Transformer(cfg, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+    (2, 16, 128)
+    >>> model.blocks[0].attn.q.get_metadata("out_sharding")
+    ('embed', 'heads', 'kv')
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        if not isinstance(cfg, TransformerConfig):
+            raise TypeError(f"Transformer: cfg must be a TransformerConfig, got "
+                            f"{type(cfg).__name__} {short(cfg, 60)}. Fix: e.g. "
+                            "Transformer(ns.models.get_config('tiny'), rngs=nnx.Rngs(0))")
+        self.cfg = cfg
+        remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
+        e, dt = cfg.embed, cfg.param_dtype
+        self.token_embed = new_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
+                                  ("vocab", "embed"), dt)
+        self.pos_embed = new_param(rngs, nnx.initializers.normal(0.02), (cfg.length, e),
+                                (None, "embed"), dt)
+        if cfg.scan_layers:
+
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(r: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=r)
+
+            self.blocks: Any = make(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.final_norm = _norm(cfg, rngs)
+        self.unembed: nnx.Param | None = nnx.data(
+            None if cfg.tie_embeddings
+            else new_param(rngs, dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
+        )
+
+    def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+        """``(logits, aux)``: the logits and the summed mixture-of-experts
+        load-balancing loss (0 for a dense MLP).
+
+        ``attention_mask``, ``positions`` and ``segment_ids`` (each ``[batch,
+        length]``, optional) have transformers' meanings (see
+        :mod:`nnx_shard.models._masks`): padding is never attended to and, on the
+        left, shifts the positions; packed segments attend within themselves, their
+        positions restarting at 0.
+
+        Concrete token ids (a call outside ``jit``) outside ``0 .. vocab - 1`` are a
+        :class:`~nnx_shard._errors.UsageError` naming them; traced ids cannot be read
+        (``Trainer.fit`` checks its batches on the host before its compiled step).
+
+        >>> model = Transformer(TRANSFORMER_CONFIGS["tiny_moe"], rngs=nnx.Rngs(0))
+        >>> logits, aux = model.forward(jnp.zeros((2, 16), jnp.int32))
+        >>> logits.shape, bool(aux > 0)
+        ((2, 16, 128), True)
+        """
+        cfg = self.cfg
+        length = tokens.shape[1]
+        if length > cfg.length:
+            raise ValueError(
+                f"tokens have length {length} but the model has {cfg.length} positions "
+                "(TransformerConfig.length)."
+            )
+        if option("collective_matmul", False):
+            check_tokens(tokens.shape)
+        check_token_ids(tokens, cfg.vocab, "Transformer.forward")
+        extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
+                         segment_ids=segment_ids, caller="Transformer.forward",
+                         max_positions=cfg.length).laid_out()
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        if extras.positions is None:
+            x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
+        else:
+            x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype), extras.positions,
+                                     RESIDUAL), RESIDUAL)
+        # The blocks read the masks; the positions are in the embedding already.
+        extras = extras._replace(positions=None)
+        aux = jnp.zeros((), jnp.float32)
+        run = _block_runner(cfg)
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.blocks)
+
+            def body(carry: Any, layer: Any) -> tuple[Any, None]:
+                h, total, ex = carry
+                h, a = run(nnx.merge(graphdef, layer), h, ex)
+                return (h, total + a, ex), None
+
+            # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline). The
+            # masks ride in the carry: a pipeline cuts them into microbatches with x.
+            (x, aux, _), _ = pipeline.scan(body, (x, aux, extras), state)
+        else:
+            for block in self.blocks:
+                x, a = run(block, x, extras)
+                aux = aux + a
+        return self._logits(x), aux
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        x = constrain(self.final_norm(x), seq_names(GATHERED))
+        if self.unembed is None:
+            logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype),
+                            seq_names(("batch", None, "vocab")))
+        else:
+            logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype),
+                            seq_names(("batch", None, "vocab")))
+        return logits.astype(jnp.float32)
+
+    def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                 positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """The logits of :meth:`forward` (same arguments).
+
+        >>> model = Transformer(TRANSFORMER_CONFIGS["tiny"], rngs=nnx.Rngs(0))
+        >>> seq = jnp.arange(1, 6, dtype=jnp.int32)[None]
+        >>> padded = jnp.pad(seq, ((0, 0), (3, 0)))                  # 3 pads on the left
+        >>> out = model(padded, attention_mask=padded != 0)
+        >>> bool(jnp.allclose(out[:, 3:], model(seq), atol=1e-5))
+        True
+        """
+        return self.forward(tokens, attention_mask=attention_mask, positions=positions,
+                            segment_ids=segment_ids)[0]
+
+    @property
+    def max_length(self) -> int:
+        """The context: the most positions a sequence can have (``cfg.length``)."""
+        return self.cfg.length
+
+    def init_cache(self, batch: int, length: int) -> None:
+        """Creates an empty key/value cache for ``batch`` sequences of up to
+        ``length`` positions (what :func:`nnx_shard.models.generate` calls inside
+        its compiled prefill): ``cached_key`` and ``cached_value`` on every
+        attention layer, named ``cache_batch``, ``cache_length``,
+        ``cache_kv_heads``, ``cache_head_dim`` (``layers`` first for stacked
+        blocks), and the position of the next token, ``cache_index``.
+
+        >>> model = Transformer(TRANSFORMER_CONFIGS["tiny"], rngs=nnx.Rngs(0))
+        >>> model.init_cache(batch=2, length=16)
+        >>> model.blocks[0].attn.cached_key.shape, int(model.cache_index[...])
+        ((2, 16, 4, 8), 0)
+        """
+        self.cache_index, self.cache_rows = kv_cache.init_model(self.blocks, self.cfg,
+                                                                batch, length)
+
+    def decode(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+               logits_to_keep: int = 0) -> jax.Array:
+        """Logits ``[batch, T, vocab]`` of ``tokens [batch, T]`` placed after the
+        ones already in the cache (from :meth:`init_cache`), whose keys and values
+        it stores. The logits equal those of :meth:`__call__` on the whole
+        sequence at these positions (up to float rounding).
+
+        ``logits_to_keep`` (transformers' meaning): 0 for every position, else the
+        logits of the last ``logits_to_keep`` positions only, ``[batch,
+        logits_to_keep, vocab]``: the final norm and the unembedding run on those
+        alone (generation's prefill keeps 1, instead of ``[prompt, vocab]`` float32).
+
+        ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
+        cache (the prefill of :func:`nnx_shard.models.generate`): its padded
+        positions are never attended to and the positions of the real tokens
+        count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
+        mask computes. The cache keeps the mask (``cache_rows``): later calls,
+        given a mask too (ones for new tokens), skip the padded keys and continue
+        each row's positions.
+
+        >>> model = Transformer(TRANSFORMER_CONFIGS["tiny"], rngs=nnx.Rngs(0))
+        >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
+        >>> model.init_cache(batch=1, length=8)
+        >>> first, last = model.decode(tokens[:, :5]), model.decode(tokens[:, 5:])
+        >>> full = model(tokens)
+        >>> bool(jnp.allclose(last[:, 0], full[:, 5], atol=1e-4)), int(model.cache_index[...])
+        (True, 6)
+        """
+        cfg = self.cfg
+        check_token_ids(tokens, cfg.vocab, "Transformer.decode")
+        index = self.cache_index[...]
+        steps = tokens.shape[1]
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        valid = None
+        if attention_mask is None:
+            positions = jax.lax.dynamic_slice_in_dim(whole(self.pos_embed[...]), index, steps)
+            x = constrain(x + positions.astype(cfg.dtype), RESIDUAL)
+        else:
+            positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
+                                                         "Transformer.decode")
+            x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype), positions,
+                                     RESIDUAL), RESIDUAL)
+        x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
+                                   lambda block, h: block.decode(h, index, valid))
+        self.cache_index[...] = index + steps
+        return self._logits(last_positions(x, logits_to_keep, "Transformer.decode"))
+
+
+def last_positions(x: jax.Array, logits_to_keep: Any, caller: str) -> jax.Array:
+    """The hidden states ``x [batch, T, embed]`` of the positions whose logits
+    ``decode(..., logits_to_keep=)`` returns: all for 0, else the last ones."""
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int | np.integer) \
+            or logits_to_keep < 0:
+        raise UsageError(f"{caller}: logits_to_keep={short(logits_to_keep, 40)} must be an int "
+                         ">= 0 (0: every position, n: the last n). Fix: e.g. logits_to_keep=1.")
+    keep = int(logits_to_keep)
+    return x if keep == 0 or keep >= x.shape[1] else x[:, x.shape[1] - keep:]
+
+
+def _check_batch(batch: Any) -> None:
+    fix = ("Fix: pass {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]} (what "
+           "nnx_shard._data.CharCorpus.batches yields).")
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            "lm_loss: the batch must be a dict with keys 'inputs' and 'targets' (int32 "
+            f"[batch, length]); got {type(batch).__name__} of shape {np.shape(batch)}. {fix}"
+        )
+    if "inputs" not in batch or "targets" not in batch:
+        raise KeyError(
+            "lm_loss: the batch needs keys 'inputs' and 'targets' (int32 [batch, length]); "
+            f"got a dict with keys {list(batch)}. {fix}"
+        )
+
+
+#: The target id :func:`lm_loss` skips (transformers' and PyTorch's ``ignore_index``).
+IGNORE_INDEX = -100
+
+#: The batch keys :func:`lm_loss` hands to the model besides ``inputs``.
+MODEL_KEYS = ("attention_mask", "positions", "segment_ids")
+
+
+def _check_targets(targets: Any, vocab: Any) -> None:
+    """On the host, when the targets are concrete: ids in the vocabulary or
+    :data:`IGNORE_INDEX`, and at least one kept."""
+    if isinstance(targets, jax.core.Tracer) or not getattr(targets, "is_fully_addressable", True):
+        return  # traced, or spread over processes: nothing to read here
+    host = np.asarray(targets)
+    kept = host != IGNORE_INDEX
+    if not kept.any():
+        raise UsageError(
+            f"lm_loss: every target of the batch (shape {host.shape}) is {IGNORE_INDEX} "
+            "(ignored), so the mean over kept tokens is 0/0. Fix: keep at least one target "
+            "per batch (e.g. pack prompt-masked examples together with nnx_shard._data.pack), "
+            "or drop the batch.")
+    if isinstance(vocab, int) and host.size:
+        bad = kept & ((host < 0) | (host >= vocab))
+        if bad.any():
+            raise UsageError(
+                f"lm_loss: targets hold {int(host[bad][0])}, neither a token id of the "
+                f"vocabulary (0 .. {vocab - 1}) nor {IGNORE_INDEX} (ignored). Fix: mark "
+                f"targets to skip with {IGNORE_INDEX}, as transformers' labels do.")
+
+
+def _kept_targets(batch: dict[str, jax.Array]) -> jax.Array:
+    """The number of targets :func:`lm_loss` averages over (those not ``-100``)."""
+    _check_batch(batch)
+    return jnp.sum(jnp.asarray(batch["targets"]) != IGNORE_INDEX)
+
+
+@mean_over(_kept_targets)
+def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-token cross-entropy of ``batch = {"inputs", "targets"}`` (int32
+    ``[batch, length]``) over the targets not equal to ``-100``
+    (:data:`IGNORE_INDEX`: prompt tokens, padding), plus ``aux_loss_weight``
+    times the load-balancing loss for a mixture of experts. ``model`` is a
+    :class:`Transformer` or any model with its ``forward(tokens) -> (logits,
+    aux)`` and a ``cfg`` (e.g. :class:`nnx_shard.models.Llama`).
+
+    As transformers' causal-LM loss (``labels=``): the sum of the cross-entropy
+    over kept targets divided by their number. The batch keys
+    ``attention_mask``, ``positions`` and ``segment_ids``, where present, go to
+    ``model.forward`` as keyword arguments.
+
+    With microbatches (``Trainer(..., microbatches=M)``, ``multistep(...,
+    microbatches=M)``, ``value_and_grad(..., microbatches=M)``) the loss is
+    declared a mean over its kept targets (:func:`nnx_shard.mean_over`): the
+    step's kept targets are counted before the batch is split and each
+    microbatch weighs as many as it keeps (its summed cross-entropy over the
+    step's count, transformers' ``num_items_in_batch``), so the step's loss and
+    update are those of M = 1 (up to float rounding), and a microbatch keeping
+    none adds nothing. The load-balancing loss of a mixture of experts is
+    weighted the same way (it is a mean over each microbatch's tokens, so it
+    differs slightly from M = 1's).
+
+    A batch with no kept target has no mean: with concrete targets (called
+    outside ``jit``) that is a :class:`nnx_shard._errors.UsageError`; inside a
+    compiled step, where values are unknown when it is traced, the loss is NaN
+    (0/0; the gradients are zero, every term being masked), a step that
+    :class:`nnx_shard.Trainer`'s guard reports and skips, with microbatches as
+    with one.
+
+    >>> model = Transformer(TRANSFORMER_CONFIGS["tiny"], rngs=nnx.Rngs(0))
+    >>> tokens = jnp.zeros((2, 16), jnp.int32)
+    >>> float(lm_loss(model, {"inputs": tokens, "targets": tokens})) > 0
+    True
+    >>> half = tokens.at[:, :8].set(-100)                   # only the last 8 targets count
+    >>> bool(jnp.isclose(lm_loss(model, {"inputs": tokens, "targets": half}),
+    ...                  cross_entropy(model(tokens)[:, 8:], tokens[:, 8:]).mean()))
+    True
+    >>> lm_loss(model, {"x": tokens})
+    Traceback (most recent call last):
+    ...
+    KeyError: "lm_loss: the batch needs keys 'inputs' and 'targets' (int32 [batch, length]); got a dict with keys ['x']. ..."
+    """
+    _check_batch(batch)
+    _check_targets(batch["targets"], getattr(getattr(model, "cfg", None), "vocab", None))
+    extra = {k: batch[k] for k in MODEL_KEYS if k in batch}
+    logits, aux = model.forward(batch["inputs"], **extra)
+    # Targets arrive laid out like the inputs (under sequence parallelism: split
+    # along ``length``); they must match the logits' layout, split along ``vocab``.
+    targets = constrain(batch["targets"], seq_names(("batch", None)))
+    kept = targets != IGNORE_INDEX
+    ce = jnp.where(kept, cross_entropy(logits, targets), 0.0)
+    # 0/0 = NaN when nothing is kept (see the docstring).
+    ce = jnp.sum(ce) / jnp.sum(kept).astype(jnp.float32)
+    if getattr(model.cfg, "experts", 0):  # other models (e.g. Llama) have no experts
+        return ce + model.cfg.aux_loss_weight * aux
+    return ce

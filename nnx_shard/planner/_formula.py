@@ -1,0 +1,200 @@
+"""The formula's bytes per device: parameters, gradients, optimizer state, the NaN
+guard's copy (``guard="full"`` only), the compute-dtype copy of the parameters
+(mixed precision) and activations, from the sharding report of an abstract model
+(no devices, no compile). ``nnx-shard plan`` prints it beside XLA's compiled
+figure; the planner's search skips a compile when it alone is far over the memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from nnx_shard._axes import abstract_mesh
+from nnx_shard._report import Report, explain
+from nnx_shard._rules import Rules
+from nnx_shard._train._guard import DEFAULT_GUARD
+from nnx_shard.models._memory import activation_bytes
+
+__all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formula_bytes",
+           "stage_config", "stage_formula_bytes"]
+
+#: The formula decides "does not fit" without a compile only when it is this many
+#: times over the budget: over every preset x mesh factorisation of 8 devices
+#: (``benchmarks/formula_bound.py``) and the candidates ``plan --auto`` compiles for
+#: Llama-3.1 8B and 70B shapes (``benchmarks/plan_time.py --floors``) the formula
+#: stayed under it (the ratios: docs/guides/planner.md, "``nnx-shard plan --auto``").
+#: tests/planner/test_planner.py
+#: ::test_the_formula_prunes_only_what_xla_would_not_fit holds it under this margin.
+PRUNE_MARGIN = 1.1
+
+
+def abstract_report(model: Any, sizes: Mapping[str, int], rules: Rules, tx: Any = None,
+                    opt_rules: Rules | None = None, wrt: Any = nnx.Param) -> Report:
+    """:func:`nnx_shard.explain` on an ``AbstractMesh``: any device count, no devices needed.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+    >>> from nnx_shard.strategies._strategy import REPLICATED
+    >>> r = abstract_report(model, {"data": 4096}, REPLICATED | {"batch": "data"})  # no devices
+    >>> r.param_bytes_per_device == r.total_bytes  # dp: replicated
+    True
+    """
+    return explain(model, abstract_mesh(dict(sizes)), rules, tx, wrt=wrt, opt_rules=opt_rules)
+
+
+def compute_copy(report: Report, compute_dtype: Any, remat: str = "none") -> int:
+    """Bytes per device of the parameters' copy in the compute dtype, which mixed
+    precision (float32 master weights read in bfloat16: :class:`nnx_shard.Precision`,
+    or a reference model with ``param_dtype`` != ``dtype``) adds: each float
+    parameter not stored in ``compute_dtype``, at its per-device size, re-counted at
+    the compute dtype's width. Without rematerialization the backward pass needs
+    every layer's cast weights, so they are counted as kept through the step; with a
+    remat policy (``full``, ``dots``, ``offload``) the cast, done where the weight
+    is used, is redone in the backward pass and nothing is kept (0).
+
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))   # 36 float32
+    >>> report = abstract_report(model, {"data": 2}, Rules({}))
+    >>> compute_copy(report, jnp.bfloat16), compute_copy(report, jnp.float32)
+    (72, 0)
+    >>> compute_copy(report, jnp.bfloat16, remat="full")
+    0
+    """
+    if remat != "none":
+        return 0
+    compute = jnp.dtype(compute_dtype)
+    total = 0
+    for r in report.rows:
+        dt = jnp.dtype(r.dtype)
+        if (r.group == "params" and r.kind == "Param" and jnp.issubdtype(dt, jnp.floating)
+                and dt != compute):
+            total += r.bytes_per_device // dt.itemsize * compute.itemsize
+    return int(total)
+
+
+def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
+            compute: int = 0, trained: str = "Param") -> dict[str, int]:
+    """The formula's bytes per device: parameters, their gradients, optimizer state,
+    the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
+    while a call runs (``guard="full"``, to put it back if the call is not finite;
+    ``"grads"`` and ``"off"`` keep none), activations, and their ``total``; with
+    ``compute`` (:func:`compute_copy`, mixed precision) that copy too, as ``compute``.
+    ``trained`` is the Variable kind that gets gradients (``"LoRAParam"`` when only
+    adapters are trained: the frozen base has none).
+
+    >>> from flax import nnx
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+    >>> report = abstract_report(model, {"data": 2}, Rules({}))
+    >>> formula(report, 100)
+    {'params': 144, 'grads': 144, 'optimizer': 0, 'guard': 0, 'activations': 100, 'total': 388}
+    >>> formula(report, 100, guard="full")["guard"]
+    144
+    >>> formula(report, 100, compute=72)["total"]
+    460
+    """
+    # A gradient takes the layout of the optimizer moment it updates where that is
+    # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
+    # sharded update instead of keeping the replicated sum.
+    grads = {(r.path, r.shape): r.bytes_per_device for r in report.rows
+             if r.group == "params" and r.kind == trained}
+    for r in report.rows:
+        if r.group == "optimizer" and r.kind == trained:
+            names = r.path.split("/")
+            for key in (("/".join(names[i:]), r.shape) for i in range(1, len(names))):
+                if key in grads:
+                    grads[key] = min(grads[key], r.bytes_per_device)
+                    break
+    parts = {
+        "params": int(report.param_bytes_per_device),
+        "grads": int(sum(grads.values())),
+        "optimizer": int(report.opt_bytes_per_device),
+        "guard": (int(report.param_bytes_per_device + report.opt_bytes_per_device)
+                  if guard == "full" else 0),
+        "activations": int(activations),
+    }
+    if compute:
+        parts["compute"] = int(compute)
+    return {**parts, "total": sum(parts.values())}
+
+
+def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
+                  batch: int, seq: int, remat: str, guard: str = DEFAULT_GUARD) -> int | None:
+    """``nnx-shard plan``'s formula total for ``abstract`` under preset ``strat`` (the
+    activations of reference config ``cfg``, none without one); ``None`` where it
+    cannot be computed (the compile will say what is wrong). The search skips a
+    compile only past :data:`PRUNE_MARGIN` times the memory.
+    """
+    # The formula counts dots (and offload) as no remat, but with scanned layers XLA
+    # keeps only the saved matmul outputs, so the dots formula overshoots its compiled
+    # total (docs/guides/planner.md). Dots keeps at least what full remat keeps, so the full formula is a floor
+    # that cannot prune a dots layout that fits.
+    remat = "full" if remat in ("dots", "offload") else remat
+    return _total(abstract, cfg, cfg, strat, sizes, tx, batch, seq, remat, guard)
+
+
+def stage_config(cfg: Any, strat: Any, sizes: dict[str, int]) -> Any:
+    """Reference config ``cfg`` with the layers one stage of ``strat``'s pipeline holds
+    on mesh ``sizes`` (``None`` without a pipeline over an axis of ``sizes``): what a
+    stage's activations are counted on.
+
+    >>> import dataclasses
+    >>> from nnx_shard.models import get_config
+    >>> from nnx_shard.strategies._presets import get
+    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)   # 2 layers
+    >>> stage_config(cfg, get("pp"), {"stage": 2, "data": 4}).layers
+    1
+    >>> stage_config(cfg, get("fsdp"), {"data": 8}) is None
+    True
+    """
+    sched = strat.rules.options.get("pipeline")
+    if sched is None or sched.axis not in sizes:
+        return None
+    return dataclasses.replace(cfg, layers=max(1, cfg.layers // sizes[sched.axis]))
+
+
+def stage_formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
+                        batch: int, seq: int, remat: str,
+                        guard: str = DEFAULT_GUARD) -> int | None:
+    """The per-stage formula of a pipeline (the trusted figure where XLA CPU's is an
+    upper bound, :mod:`nnx_shard.planner._trust`): the parameters, gradients and
+    optimizer state of ``abstract`` laid out by ``strat`` (a stage's share of the layer
+    stack), and the activations of one stage's layers (:func:`stage_config`) for the
+    step's whole ``batch`` (every microbatch is in flight); ``dots`` counted as no
+    remat, as :func:`nnx_shard.models._memory.activation_bytes` does. ``None`` without a
+    pipeline, or where it cannot be computed.
+
+    >>> from flax import nnx
+    >>> import dataclasses
+    >>> from nnx_shard.models import Transformer, get_config
+    >>> from nnx_shard.strategies._presets import get
+    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
+    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> stage = stage_formula_bytes(model, cfg, get("pp"), {"stage": 2, "data": 4},
+    ...                             None, 8, 16, "none")
+    >>> stage < formula_bytes(model, cfg, get("pp"), {"stage": 2, "data": 4}, None, 8, 16,
+    ...                       "none")
+    True
+    """
+    stage_cfg = stage_config(cfg, strat, sizes)
+    if stage_cfg is None:
+        return None
+    return _total(abstract, cfg, stage_cfg, strat, sizes, tx, batch, seq, remat, guard)
+
+
+def _total(abstract: Any, cfg: Any, acts_cfg: Any, strat: Any, sizes: dict[str, int],
+           tx: Any, batch: int, seq: int, remat: str, guard: str) -> int | None:
+    """The formula's total, activations counted on ``acts_cfg`` (none without ``cfg``)."""
+    try:
+        report = abstract_report(abstract, sizes, strat.rules, tx, strat.opt_rules)
+        acts = activation_bytes(acts_cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
+    except Exception:  # the compile will say what is wrong
+        return None
+    compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
+    return formula(report, acts, guard, compute)["total"]
