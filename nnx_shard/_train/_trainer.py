@@ -62,11 +62,11 @@ class Trainer:
       model, optimizer: NNX model and ``nnx.Optimizer``, already laid out
         (e.g. by ``sharded_init`` / ``sharded_optimizer``); updated in place.
       loss_fn: the loss, a mean over the examples of the batch.
-      mesh, rules: where batches go (``rules`` maps ``batch_names``).
-      strategy: instead of ``rules``, the strategy the model was built with
-        (``ns.strategies.get("fsdp")``): its rules, after the same
-        :meth:`~nnx_shard.strategies.Strategy.check` ``ns.sharded_init`` runs.
-        ``mesh`` then defaults to the mesh the model's arrays live on.
+      mesh: where batches go; with a strategy as ``rules``, it defaults to the mesh the
+        model's arrays live on.
+      rules: what ``ns.sharded_init`` took: a rules table (maps ``batch_names``) or the
+        strategy the model was built with (``ns.strategies.get("fsdp")``: its rules,
+        after the same :meth:`~nnx_shard.strategies.Strategy.check`).
       steps_per_call: K, steps per compiled call.
       microbatches: split each step's batch into this many, accumulating gradients to
         the whole batch's step (a loss declared with :func:`~nnx_shard.mean_over`, as
@@ -104,8 +104,7 @@ class Trainer:
         loss_fn: Callable[..., Any],
         *,
         mesh: Mesh | str | Mapping[str, int] | None = None,
-        rules: Rules | Mapping[str, Any] | None = None,
-        strategy: StrategyLike | None = None,
+        rules: Rules | Mapping[str, Any] | StrategyLike | None = None,
         steps_per_call: int = 10,
         microbatches: int = 1,
         batch_names: LogicalNames = ("batch",),
@@ -154,7 +153,7 @@ class Trainer:
         check_tracked(model, optimizer)
         self.model = model
         self.optimizer = optimizer
-        self.mesh, self.rules = _layout(model, mesh, rules, strategy)
+        self.mesh, self.rules = _layout(model, mesh, rules)
         self.steps_per_call = steps_per_call
         self.batch_names = tuple(batch_names)
         self.step = 0
@@ -479,25 +478,15 @@ def _check_fit_args(data: Any, callbacks: Any, checkpointer: Any, progress: Any,
     return callbacks
 
 
-def _layout(model: nnx.Module, mesh: Any, rules: Any, strategy: Any) -> tuple[Mesh, Rules]:
-    """``(mesh, rules)`` of the Trainer's ``mesh=``, ``rules=`` and ``strategy=`` (a
-    strategy given as ``rules=`` counts as ``strategy=``; :func:`nnx_shard._init.tables`
-    tells the two apart, as for every other entry point)."""
-    if rules is not None and strategy is not None:
-        problem = "both rules= and strategy= given"
-    elif rules is None and strategy is None:
-        problem = "neither rules= nor strategy= given"
-    else:
-        problem = ""
-    if problem:
+def _layout(model: nnx.Module, mesh: Any, rules: Any) -> tuple[Mesh, Rules]:
+    """``(mesh, rules)`` of the Trainer's ``mesh=`` and ``rules=`` (a table or a strategy:
+    :func:`nnx_shard._init.tables` tells the two apart, as for every other entry point)."""
+    if rules is None:
         raise UsageError(
-            f"Trainer: {problem}. Fix: pass one, e.g. Trainer(model, optimizer, loss_fn, "
-            "strategy=ns.strategies.get('fsdp')) or Trainer(..., mesh=mesh, rules=rules).")
-    if strategy is not None and (isinstance(strategy, Rules | Mapping)
-                                 or not isinstance(strategy, StrategyLike)):
-        raise TypeError(f"Trainer: strategy must be a Strategy (ns.strategies.get(name)), got "
-                        f"{short_repr(strategy)}.")
-    table, _, strategy = tables(rules if strategy is None else strategy, None, "Trainer")
+            "Trainer: rules= not given. Fix: pass what ns.sharded_init took, e.g. "
+            "Trainer(model, optimizer, loss_fn, rules=ns.strategies.get('fsdp')) or "
+            "Trainer(..., mesh=mesh, rules=rules).")
+    table, _, strategy = tables(rules, None, "Trainer")
     if mesh is None:
         found = [x.sharding.mesh for x in jax.tree.leaves(nnx.state(model))
                  if isinstance(getattr(x, "sharding", None), NamedSharding)]

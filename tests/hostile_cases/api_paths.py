@@ -38,10 +38,7 @@ def build(hs: Any) -> None:
            lambda: _ns().sharded_optimizer(F.model(), _optax().sgd(0.1), "data=8",
                                            _ns().strategies.get("zero1"),
                                            opt_rules={"batch": "data"}))
-    hs.api("api_paths/trainer_rules_and_strategy", ["rules=", "strategy="],
-           lambda: _ns().Trainer(F.model(), F.opt(), F.mse, mesh="data=8",
-                                 rules={"batch": "data"}, strategy=_ns().strategies.get("dp")))
-    hs.api("api_paths/trainer_no_layout", ["rules=", "strategy="],
+    hs.api("api_paths/trainer_no_layout", ["rules="],
            lambda: _ns().Trainer(F.model(), F.opt(), F.mse, mesh="data=8"))
-    hs.api("api_paths/trainer_strategy_not_one", ["strategy", "ns.strategies.get"],
-           lambda: _ns().Trainer(F.model(), F.opt(), F.mse, mesh="data=8", strategy="dp"))
+    hs.api("api_paths/trainer_rules_a_preset_name", ["Rules", "dp"],
+           lambda: _ns().Trainer(F.model(), F.opt(), F.mse, mesh="data=8", rules="dp"))

@@ -80,7 +80,7 @@ def build(hs: Any) -> None:
         mesh = s.make_mesh(8)
         model = ns().sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s)
         opt = ns().sharded_optimizer(model, optax.sgd(0.1), mesh, s)
-        trainer = ns().Trainer(model, opt, lm_loss, mesh=mesh, strategy=s, steps_per_call=2)
+        trainer = ns().Trainer(model, opt, lm_loss, mesh=mesh, rules=s, steps_per_call=2)
         tokens = np.ones((8, 8), np.int32)
         batch = {"inputs": tokens, "targets": tokens, "attention_mask": tokens,
                  "positions": np.zeros((8, 8), np.int32)}

@@ -29,7 +29,7 @@ def llama_trainer(lr: float = 0.1, steps_per_call: int = 2) -> ns.Trainer:
     mesh = s.make_mesh(8)
     model = ns.sharded_init(lambda: Llama(CFG, rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, optax.sgd(lr), mesh, s)
-    return ns.Trainer(model, opt, lm_loss, mesh=mesh, strategy=s, steps_per_call=steps_per_call)
+    return ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s, steps_per_call=steps_per_call)
 
 
 def lm_batch(seed: int = 0, **change: np.ndarray) -> dict[str, np.ndarray]:
