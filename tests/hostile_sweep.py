@@ -697,13 +697,13 @@ def _build_cases() -> None:
         ("get_axis_int", lambda: st().get("dp", data=5), "data"),
         ("get_axis_empty", lambda: st().get("dp", data=""), "data"),
         ("get_axis_unknown", lambda: st().get("dp", bogus="x"), "bogus"),
-        ("tp_same_axes", lambda: st().tp(data="x", model="x"), ("data", "model")),
-        ("pp_repeats_zero", lambda: st().pp(repeats=0), "repeats"),
-        ("pp_repeats_true", lambda: st().pp(repeats=True), "repeats"),
-        ("pp_repeats_float", lambda: st().pp(repeats=1.5), "repeats"),
-        ("pp_repeats_neg", lambda: st().pp(repeats=-2), "repeats"),
-        ("pp_remat_str", lambda: st().pp(remat="yes"), "remat"),
-        ("pp_allow_str", lambda: st().pp(allow_few_microbatches="no"),
+        ("tp_same_axes", lambda: st().get("tp", data="x", model="x"), ("data", "model")),
+        ("pp_repeats_zero", lambda: st().get("pp", repeats=0), "repeats"),
+        ("pp_repeats_true", lambda: st().get("pp", repeats=True), "repeats"),
+        ("pp_repeats_float", lambda: st().get("pp", repeats=1.5), "repeats"),
+        ("pp_repeats_neg", lambda: st().get("pp", repeats=-2), "repeats"),
+        ("pp_remat_str", lambda: st().get("pp", remat="yes"), "remat"),
+        ("pp_allow_str", lambda: st().get("pp", allow_few_microbatches="no"),
          "allow_few_microbatches"),
         ("mesh_for_zero", lambda: st().get("fsdp_tp").mesh_for(0), "n_devices"),
         ("mesh_for_neg", lambda: st().get("fsdp_tp").mesh_for(-8), "n_devices"),
@@ -713,9 +713,9 @@ def _build_cases() -> None:
         ("check_model_int", lambda: st().get("fsdp").check(5, "data=8"), "model"),
         ("check_mesh_zero", lambda: st().get("fsdp").check(lin(), {"data": 0}), "data"),
         ("suggest_mesh_zero", lambda: st().get("fsdp_tp").suggest_mesh(lin(), 0), "n_devices"),
-        ("compiled_collectives_int", lambda: st().compiled_collectives(5, F.mesh()),
+        ("compiled_collectives_int", lambda: ns().planner.compiled_collectives(5, F.mesh()),
          "hlo_text"),
-        ("compiled_collectives_mesh_str", lambda: st().compiled_collectives("", "data=8"),
+        ("compiled_collectives_mesh_str", lambda: ns().planner.compiled_collectives("", "data=8"),
          "mesh"),
     ]:
         api(f"strategies/{label}", arg, fn)
@@ -727,7 +727,7 @@ def _build_cases() -> None:
         base = {"devices": 8, "batch": 8, "seq": 16, "strategies": ["dp"],
                 "compile_fn": fake, "progress": False, "device_memory": 1000}
         base.update(kw)
-        return st().auto("tiny", **base)
+        return ns().planner.auto("tiny", **base)
 
     for label, kw, arg in [
         ("devices_zero", {"devices": 0}, "devices"),
@@ -769,9 +769,9 @@ def _build_cases() -> None:
         ("unknown_knob", {"devicez": 8}, "devicez"),
     ]:
         api(f"auto/{label}", arg, lambda kw=kw: auto(**kw))
-    api("auto/model_int", "model", lambda: st().auto(5, devices=8, batch=8, seq=16))
-    api("auto/model_unknown", "model", lambda: st().auto("hug", devices=8, batch=8, seq=16))
-    api("auto/options_int", "options", lambda: st().auto("tiny", 5))
+    api("auto/model_int", "model", lambda: ns().planner.auto(5, devices=8, batch=8, seq=16))
+    api("auto/model_unknown", "model", lambda: ns().planner.auto("hug", devices=8, batch=8, seq=16))
+    api("auto/options_int", "options", lambda: ns().planner.auto("tiny", 5))
     hostile_caches = {
         "cache_list": "[1, 2, 3]",
         "cache_entry_int": "ENTRY:5",
@@ -878,6 +878,7 @@ def _build_cases() -> None:
 
     # collective_matmul -----------------------------------------------------------------------------
     cm = lambda: ns().collective_matmul  # noqa: E731
+    cm_impl = lambda: __import__("nnx_shard._parallel.collective_matmul", fromlist=["x"])  # noqa: E731
     for label, fn, arg in [
         ("ag_eq_bad", lambda: cm().all_gather_matmul("bogus", jnp().ones((8, 4)),
                                                      jnp().ones((4, 8)), gather="b",
@@ -897,9 +898,9 @@ def _build_cases() -> None:
         ("rs_not_dividing", lambda: cm().matmul_reduce_scatter(
             "bd,df->bf", jnp().ones((6, 8)), jnp().ones((8, 8)), scatter="b", contract="d",
             mesh=F.mesh("model=8")), ("scatter", "divid", "6")),
-        ("check_tokens_neg", lambda: cm().check_tokens((-1, 4)), ("shape", "tokens")),
-        ("check_tokens_str", lambda: cm().check_tokens("ab"), ("shape", "tokens")),
-        ("check_tokens_names_mismatch", lambda: cm().check_tokens((8, 4), ("batch",)),
+        ("check_tokens_neg", lambda: cm_impl().check_tokens((-1, 4)), ("shape", "tokens")),
+        ("check_tokens_str", lambda: cm_impl().check_tokens("ab"), ("shape", "tokens")),
+        ("check_tokens_names_mismatch", lambda: cm_impl().check_tokens((8, 4), ("batch",)),
          ("names", "shape")),
     ]:
         api(f"collective_matmul/{label}", arg, fn)

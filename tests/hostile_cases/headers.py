@@ -255,7 +255,7 @@ def build(hs: Any) -> None:
             hs.api(f"headers/mapping_{side}_{label}", ("mapping",),
                    _strict(fn, r"model\.embed_tokens\.weight", word))
     hs.api("headers/mapping_pattern_int", ("mapping",), _strict(
-        lambda: __import__("nnx_shard").load_safetensors(
+        lambda: __import__("nnx_shard").hf.load_safetensors(
             os.path.join(FIXTURES, "hf_llama"), _fixture_llama(), mapping={5: "token_embed"}),
         "pattern 5"))
 

@@ -98,7 +98,7 @@ def build(hs: Any) -> None:
         ("text_eos_past_vocab", lambda: text(eos_token_id=500), "eos_token_id"),
         ("text_top_p", lambda: text(top_p=0.0, temperature=1.0), "top_p"),
         ("text_chat_str", lambda: text(chat="yes"), "chat"),
-        ("text_tokenizer_str", lambda: __import__("nnx_shard.models", fromlist=["x"])
+        ("text_tokenizer_str", lambda: __import__("nnx_shard.inference", fromlist=["x"])
          .generate_text(None, "gpt2", ["Hi"], 2), "tokenizer"),
     ]:
         hs.api(f"text/{label}", arg, fn)
