@@ -50,7 +50,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import nnx_shard as ns
-from nnx_shard._data import load_stdlib
+from nnx_shard.corpus import load_stdlib
 from nnx_shard.models import Llama, LlamaConfig, lm_loss
 from nnx_shard.planner import compiled_collectives, partitioned_hlo
 

@@ -1,5 +1,6 @@
 from nnx_shard import (
     collective_matmul,
+    corpus,
     distributed,
     hf,
     inference,
@@ -11,7 +12,7 @@ from nnx_shard import (
 )
 from nnx_shard._annotate import annotate, get_logical_axes, logical_axes, with_logical
 from nnx_shard._checkpoint import Checkpointer, restore, save
-from nnx_shard._data import pack
+from nnx_shard._pack import pack
 from nnx_shard._errors import (
     CompileError,
     NnxShardError,
@@ -49,6 +50,7 @@ __all__ = [
     "annotate",
     "collective_matmul",
     "constrain",
+    "corpus",
     "distributed",
     "explain",
     "get_logical_axes",

@@ -19,7 +19,7 @@ EXPECTED = {
     "Checkpointer", "restore", "save",
     "lora", "merge_lora", "QuantizedKernel",
     "distributed", "hf", "inference", "models", "pipeline", "planner", "strategies",
-    "collective_matmul", "tp_layers",
+    "collective_matmul", "tp_layers", "corpus",
 }
 
 #: Each public module other than the package itself, with its ``__all__``.
@@ -42,6 +42,7 @@ MODULES = {
     "nnx_shard.collective_matmul": {"all_gather_matmul", "matmul_reduce_scatter"},
     "nnx_shard.tp_layers": {"ProjectionOp", "intercept"},
     "nnx_shard.cli": {"main"},
+    "nnx_shard.corpus": {"VOCAB", "CharCorpus", "decode", "encode", "load_stdlib"},
 }
 
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, NoReturn, TypeGuard
 import jax
 import numpy as np
 
-from nnx_shard._data import IGNORE_INDEX
+from nnx_shard._pack import IGNORE_INDEX
 from nnx_shard._errors import UsageError
 from nnx_shard._train._batches import Batches
 from nnx_shard._train._placement import Placer, check_array_leaf
@@ -79,7 +79,7 @@ class BatchCheck:
     """The host check of the values of the batch fields the library knows by name,
     run on each group of K batches before it enters the compiled call, where the
     values are traced and nothing can be checked: ``attention_mask`` 0 or 1;
-    ``targets`` / ``labels`` token ids or :data:`~nnx_shard._data.IGNORE_INDEX`
+    ``targets`` / ``labels`` token ids or :data:`~nnx_shard._pack.IGNORE_INDEX`
     (-100); ``positions`` from 0; token ids (``input_ids``, ``tokens``, and
     ``inputs`` when the model has a vocabulary) from 0. With ``vocab`` (the
     model's vocabulary size) ids and targets must be below it, with
@@ -293,9 +293,10 @@ class Stacker:
         treedef = flat[0][1]
         for n, (_, td) in enumerate(flat[1:], start=1):
             if td != treedef:  # type: ignore[operator]
-                raise ValueError(
+                raise UsageError(
                     f"host batch {n} of this group has structure {td} but the first "
-                    f"has {treedef}; every batch must have the same structure.")
+                    f"has {treedef}; every batch must have the same structure. Fix: let "
+                    "data yield batches of one structure (the same keys and nesting).")
         if type(first) is dict:
             keys = tuple(sorted(first))
             if treedef == jax.tree.structure(dict.fromkeys(keys, 0)):  # type: ignore[operator]
@@ -340,15 +341,15 @@ def _check_first(batch: Any) -> None:
     each with a leading batch axis."""
     first = jax.tree_util.tree_flatten_with_path(batch)
     if not first[0]:
-        raise TypeError(
+        raise UsageError(
             f"Trainer.fit: a batch from data is {short_repr(batch)}, which holds no "
-            "arrays. Batches are pytrees of arrays with a leading batch axis, e.g. "
-            "{'x': np.ndarray of shape (batch, ...), 'y': ...}."
+            "arrays. Batches are pytrees of arrays with a leading batch axis. Fix: let "
+            "data yield e.g. {'x': np.ndarray of shape (batch, ...), 'y': ...}."
         )
     for path, x in first[0]:
         check_array_leaf(path, x, "Trainer.fit")
         if np.ndim(x) == 0:
-            raise TypeError(
+            raise UsageError(
                 f"Trainer.fit: batch{jax.tree_util.keystr(path)} is a scalar (shape ()): "
                 "every leaf of a batch needs a leading batch axis. Fix: give it one, "
                 "e.g. np.full((batch,), value)."
@@ -362,7 +363,7 @@ def _ragged(host: list[Any]) -> None:
         for (path, x), (_, x0) in zip(jax.tree_util.tree_flatten_with_path(batch)[0], first,
                                       strict=True):
             if np.shape(x) != np.shape(x0):
-                raise ValueError(
+                raise UsageError(
                     f"host batch {n} of this group has batch{jax.tree_util.keystr(path)} "
                     f"of shape {fmt_shape(x)}, but the first has {fmt_shape(x0)}. "
                     "Batches are stacked K at a time, so shapes must agree. Fix: drop "

@@ -99,7 +99,7 @@ def plot_losses(path: str | os.PathLike[str], train: Sequence[tuple[float, float
 
 
 def _demo_config(args: argparse.Namespace, strategy_name: str) -> Any:
-    from nnx_shard._data import VOCAB
+    from nnx_shard.corpus import VOCAB
     from nnx_shard.models import TransformerConfig
 
     experts = args.experts if args.experts is not None else (4 if strategy_name == "ep" else 0)
@@ -328,7 +328,7 @@ def _say(*parts: Any) -> None:
 
 def _load_data(run: _Run) -> None:
     """Loads the corpus and its held-out batches, and says what runs on what."""
-    from nnx_shard._data import load_stdlib
+    from nnx_shard.corpus import load_stdlib
 
     args, cfg = run.args, run.cfg
     corpus = run.corpus = load_stdlib()
@@ -532,7 +532,7 @@ def _checkpoint_restore(run: _Run, final: float) -> tuple[Any, Any, float]:
 def _sample_restored(run: _Run, restored: Any) -> tuple[Any, str]:
     """Samples the restored model from a held-out prompt: (prompt tokens, sample text)."""
     import nnx_shard as ns
-    from nnx_shard._data import decode
+    from nnx_shard.corpus import decode
 
     args, corpus = run.args, run.corpus
     window = run.cfg.length
@@ -572,7 +572,7 @@ def _plot(run: _Run) -> Path | None:
 def _finish(run: _Run, *, first: float, final: float, tokens_s: float, ckpt: Any,
             restored_loss: float, prompt: Any, sample: str, png: Path | None) -> None:
     """Writes summary.json and says where the outputs are."""
-    from nnx_shard._data import decode
+    from nnx_shard.corpus import decode
 
     args, cfg, out, history, report = run.args, run.cfg, run.out, run.history, run.report
     losses = history["loss"]

@@ -260,7 +260,7 @@ def test_bfloat16_compute_logits_follow_transformers(name):
 def test_fine_tune_in_bfloat16_ends_near_float32():
     """A short fine-tune of the tiny Llama fixture on the stdlib corpus (the
     300-step figure is benchmarks/mixed_precision.py's)."""
-    from nnx_shard._data import load_stdlib
+    from nnx_shard.corpus import load_stdlib
 
     corpus = load_stdlib()
     final = {}
