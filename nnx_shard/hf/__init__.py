@@ -1,6 +1,20 @@
 """Hugging Face safetensors checkpoints, loaded straight into a sharded layout and
 saved back from any mesh.
 
+Which to call:
+
+* :func:`load_pretrained` ``(folder, mesh=, rules=)``: a checkpoint of a family nnx_shard
+  knows (its ``config.json`` says which: Llama, Qwen2/3, Mistral, Gemma 1/2/3, OLMo 2,
+  Phi-3). It reads the config, builds the :class:`~nnx_shard.models.Llama` abstractly
+  and fills it: one call from a folder to a sharded model;
+* :func:`load_safetensors` ``(folder, model)``: a model you built yourself (any
+  module, abstract from ``ns.abstract_init``), filled through a mapping table
+  (:data:`LLAMA_MAPPING`, :func:`mapping_for`, or your own) — what
+  :func:`load_pretrained` calls underneath;
+* :func:`save_safetensors` ``(folder, model)``: the way back, from any mesh;
+* :func:`load_lora` / :func:`save_lora`: PEFT adapter folders onto and from a model
+  adapted with :func:`nnx_shard.lora`.
+
 :func:`load_safetensors` fills an abstract model (``ns.abstract_init``: shapes and shardings, nothing allocated) from a
 checkpoint directory, one model parameter at a time:
 
