@@ -35,7 +35,7 @@ from nnx_shard._checkpoint._internal import (
 )
 from nnx_shard._checkpoint._restore import restore
 from nnx_shard._checkpoint._save import do_save, manager, save_args
-from nnx_shard._errors import count, flag
+from nnx_shard._errors import UsageError, count, flag
 
 # --------------------------------------------------------------------------- Checkpointer
 
@@ -61,7 +61,7 @@ class Checkpointer:
 
     Args:
       directory: where the step directories go (created if missing; a file is
-        refused with ``NotADirectoryError``, an empty path with ``ValueError``).
+        refused with ``NotADirectoryError``, an empty path with ``UsageError``).
       every: save when the step counter is a multiple of this.
       keep: how many of the latest checkpoints to keep (``None``: all).
       async_save: write in the background.
@@ -241,7 +241,7 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(
+            raise UsageError(
                 f"Checkpointer: {self!r} is closed. Fix: open a new Checkpointer on "
                 f"{self.directory}."
             )

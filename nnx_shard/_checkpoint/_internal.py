@@ -77,16 +77,17 @@ def _settle(directory: pathlib.Path) -> None:
 def _resolve_dir(directory: Any, caller: str) -> pathlib.Path:
     """``directory`` as an absolute path; an empty path or a non-path is refused."""
     if isinstance(directory, bytes) or not isinstance(directory, str | os.PathLike):
-        raise TypeError(
+        raise UsageError(
             f"{caller}: the directory must be a path (str or os.PathLike), got "
             f"{type(directory).__name__} {directory!r:.60}. Fix: e.g. 'runs/ckpt'."
         )
     text = os.fspath(directory)
     if not isinstance(text, str):
-        raise TypeError(f"{caller}: the directory must be a str path, got {text!r:.60}.")
+        raise UsageError(f"{caller}: the directory must be a str path, got {text!r:.60}. "
+                         "Fix: e.g. 'runs/ckpt'.")
     if text == "" or (isinstance(directory, pathlib.PurePath) and not directory.parts):
         # pathlib.Path("") is "."; an empty string would silently mean the current directory.
-        raise ValueError(
+        raise UsageError(
             f"{caller}: the directory is an empty path; it would mean the current "
             "directory. Fix: name a folder for the checkpoints, e.g. 'runs/ckpt' (created "
             "if missing)."

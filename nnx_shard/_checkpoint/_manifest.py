@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Singl
 
 from nnx_shard._annotate import path_str
 from nnx_shard._checkpoint._internal import _FORMAT, _FORMATS, _HASH_BATCH_BYTES, _ITEMS
+from nnx_shard._errors import ShardingError, UsageError
 from nnx_shard._mesh import current, nbytes
 
 # --------------------------------------------------------------------------- leaves
@@ -35,9 +36,10 @@ def key_impl_name(keys: jax.Array) -> str:
 def flatten_state(obj: Any, what: str) -> tuple[Any, Any, list[tuple[tuple[Any, ...], str, Any]]]:
     """(graphdef, state, [(path, 'a/b/c', Variable)]) of an NNX object."""
     if not (isinstance(obj, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(obj)):
-        raise TypeError(
+        raise UsageError(
             f"{what} must be an NNX object (nnx.Module or nnx.Optimizer), got "
-            f"{type(obj).__name__}."
+            f"{type(obj).__name__}. Fix: pass the model (or optimizer) itself, e.g. "
+            f"{what}=ns.sharded_init(factory, mesh, rules)."
         )
     graphdef, state = nnx.split(obj)
     rows = []
@@ -208,7 +210,7 @@ def _concrete_mesh(abstract: AbstractMesh) -> Mesh:
     size = math.prod(abstract.axis_sizes)
     devices = jax.devices()
     if size > len(devices):
-        raise ValueError(
+        raise ShardingError(
             f"restore: the target is laid out on an abstract mesh {dict(abstract.shape)} "
             f"({size} devices) but only {len(devices)} devices exist. Fix: build the target "
             "with ns.abstract_init(factory, mesh, rules) on a mesh of these devices."

@@ -36,7 +36,7 @@ from nnx_shard._checkpoint._manifest import (
     var_value,
 )
 from nnx_shard._checkpoint._save import manager
-from nnx_shard._errors import count, short
+from nnx_shard._errors import UsageError, count, short
 
 # --------------------------------------------------------------------------- restore
 
@@ -91,7 +91,7 @@ def _match(
     what: str, rows: list[tuple[tuple[Any, ...], str, Any]], entries: Mapping[str, Any],
     where: pathlib.Path,
 ) -> None:
-    """Raises one ValueError naming every path and shape that differs."""
+    """Raises one UsageError naming every path and shape that differs."""
     target = {key: var for _, key, var in rows}
     problems = []
     missing = sorted(set(target) - set(entries))
@@ -119,7 +119,7 @@ def _match(
                 "(restore with the saved dtype, then cast)"
             )
     if problems:
-        raise ValueError(
+        raise UsageError(
             f"restore: the {what} target does not match the checkpoint at {where}:\n"
             + "\n".join(f"- {p}" for p in problems)
             + f"\nFix: build the target from the same {what} definition and config that "
@@ -144,9 +144,9 @@ def _orbax_target(rows: list[tuple[tuple[Any, ...], str, Any]]) -> dict[str, Any
     return flat
 
 
-def _corrupt(where: pathlib.Path, e: BaseException) -> ValueError:
+def _corrupt(where: pathlib.Path, e: BaseException) -> UsageError:
     text = " ".join(str(e).split())
-    return ValueError(
+    return UsageError(
         f"restore: the checkpoint at {where} could not be read; it is corrupt or incomplete "
         f"({type(e).__name__}: {text[:400]}). Fix: restore another step "
         "(restore(..., step=N)) or re-create this one."
@@ -158,7 +158,7 @@ def check_targets(targets: Mapping[str, Any]) -> None:
     directory is looked at, so a wrong target is named whatever the disk holds)."""
     for name, obj in targets.items():
         if not (isinstance(obj, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(obj)):
-            raise TypeError(
+            raise UsageError(
                 f"restore: {name} must be an NNX object (nnx.Module or nnx.Optimizer), got "
                 f"{type(obj).__name__} {short(obj, 60)}. Fix: a target that says where every "
                 f"array goes, e.g. {name}=ns.abstract_init(factory, mesh, strategy)"
@@ -203,19 +203,19 @@ def _read_open(
         problem = manifest_problem(manifest)
         fix = "Fix: restore another step (restore(..., step=N)) or re-create this one."
         if problem:
-            raise ValueError(
+            raise UsageError(
                 f"restore: the checkpoint at {where} is corrupt: its manifest "
                 f"{where / 'manifest' / 'metadata'} {problem} (damaged, or not written by "
                 f"nnx_shard.save). {fix}"
             )
         if manifest["format"] >= 2 and manifest["step"] != step:
-            raise ValueError(
+            raise UsageError(
                 f"restore: the checkpoint at {where} is corrupt: its manifest "
                 f"{where / 'manifest' / 'metadata'} was written for step {manifest['step']}, "
                 f"not {step} (the folder was renamed or copied). {fix}"
             )
         if manifest["format"] >= 2 and extra_hash(extra) != manifest["extra"]:
-            raise ValueError(
+            raise UsageError(
                 f"restore: the checkpoint at {where} is corrupt: {where / 'extra' / 'metadata'} "
                 "does not match the digest in its manifest (edited or damaged: the step "
                 f"counter and data position it holds cannot be trusted). {fix}"
@@ -224,7 +224,7 @@ def _read_open(
         layouts = {}
         for name, obj in targets.items():
             if name not in saved:
-                raise ValueError(
+                raise UsageError(
                     f"restore: the checkpoint at {where} has no {name} (it holds "
                     f"{', '.join(sorted(saved))}). Fix: pass {name}=None, or restore a "
                     f"checkpoint saved with a {name}."
@@ -249,7 +249,7 @@ def _read_open(
         sums = checksums_of([arrays[k] for k in keys], version=manifest["format"])
         bad = [k for k, s in zip(keys, sums, strict=True) if s != saved[name][k]["checksum"]]
         if bad:
-            raise ValueError(
+            raise UsageError(
                 f"restore: the checkpoint at {where} is corrupt: the data read for "
                 f"{_listing([f'{name}/{k}' for k in bad])} does not match the checksum written "
                 "when it was saved. Fix: restore another step (restore(..., step=N))."
@@ -299,7 +299,7 @@ def restore(
       FileNotFoundError: no such directory, no finished checkpoint, or no
         finished checkpoint for ``step`` (an interrupted save is named as such).
       NotADirectoryError: ``directory`` is a file.
-      ValueError: the target's structure differs from the checkpoint's (every
+      UsageError: the target's structure differs from the checkpoint's (every
         missing, unexpected and mis-shaped path is named), or the checkpoint
         is corrupt or incomplete (nothing is returned in that case).
 

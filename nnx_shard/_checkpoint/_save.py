@@ -42,7 +42,7 @@ from nnx_shard._checkpoint._manifest import (
     nest,
     var_value,
 )
-from nnx_shard._errors import count, short
+from nnx_shard._errors import UsageError, count, short
 
 # --------------------------------------------------------------------------- save
 
@@ -55,13 +55,13 @@ def _saveable(obj: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
     for _, key, var in rows:
         x = var_value(var)
         if isinstance(x, jax.ShapeDtypeStruct):
-            raise TypeError(
+            raise UsageError(
                 f"save: {what}/{key} is abstract ({x.shape}, {x.dtype}): there is nothing "
                 "to write. Fix: save a model built with ns.sharded_init (or restored), not "
                 "the target from ns.abstract_init."
             )
         if isinstance(x, jax.Array) and x.is_deleted():
-            raise ValueError(
+            raise UsageError(
                 f"save: {what}/{key} was deleted, most likely donated to a fused call "
                 "(multistep/Trainer donate=True) after being read from the model. Fix: pass "
                 "the model object itself; its Variables hold the live arrays."
@@ -82,7 +82,7 @@ def _check_extra(extra: Any) -> None:
     """Extra must come back from JSON as it was given: a dict with str keys (JSON turns
     the key 1 into "1") holding JSON data, each bad piece named by its place."""
     if not isinstance(extra, Mapping):
-        raise TypeError(
+        raise UsageError(
             f"save: extra must be a dict, got {type(extra).__name__} {extra!r:.60}. Fix: e.g. "
             "extra={'data_position': 100}."
         )
@@ -95,7 +95,7 @@ def _check_extra(extra: Any) -> None:
                         back = f", so it would come back as {next(iter(json.loads(json.dumps({k: 0}))))!r}"
                     except TypeError:
                         back = ""
-                    raise TypeError(
+                    raise UsageError(
                         f"save: {where} has the key {k!r} ({type(k).__name__}); JSON object keys "
                         f"are strings{back}. Fix: use str keys, e.g. {str(k)!r}."
                     )
@@ -107,12 +107,12 @@ def _check_extra(extra: Any) -> None:
             pass
         elif isinstance(x, float):
             if not math.isfinite(x):
-                raise TypeError(
+                raise UsageError(
                     f"save: {where} is {x!r}, which strict JSON cannot hold. Fix: store a "
                     "finite number, or None."
                 )
         else:
-            raise TypeError(
+            raise UsageError(
                 f"save: {where} is a {type(x).__name__} ({x!r:.40}), not JSON data (dicts, "
                 "lists, strings, finite numbers, bools, None). Fix: keep arrays in the model; "
                 "convert scalars first (e.g. float(x), int(x), x.tolist())."
@@ -127,8 +127,8 @@ def save_args(
     ocp = orbax_module()
     step = count(step, "save: step", least=0, fix="the step number, e.g. save(d, 100, ...)")
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"save: model must be an nnx.Module, got {type(model).__name__} "
-                        f"{short(model, 60)}. Fix: save(directory, step, model=model)")
+        raise UsageError(f"save: model must be an nnx.Module, got {type(model).__name__} "
+                         f"{short(model, 60)}. Fix: save(directory, step, model=model)")
     if extra is not None:
         _check_extra(extra)
     # As it will read back: tuples become lists.
@@ -269,9 +269,8 @@ def save(
       NotADirectoryError: ``directory`` is a file, or inside one.
       OSError: the write failed (disk full, read-only file system): one line naming
         the step and the cause; nothing of the step is left.
-      TypeError: ``extra`` is not a dict of JSON data with str keys (each bad key or
-        value is named), or the model is abstract.
-      ValueError: ``directory`` is an empty path.
+      UsageError: ``extra`` is not a dict of JSON data with str keys (each bad key or
+        value is named), the model is abstract, or ``directory`` is an empty path.
 
     >>> import tempfile
     >>> from flax import nnx
