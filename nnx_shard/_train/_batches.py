@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_shard._errors import count
+from nnx_shard._errors import UsageError, count
 
 __all__ = ["Batches"]
 
@@ -71,40 +71,41 @@ class Batches:
 
     def __init__(self, arrays: Any, batch_size: int, *, epochs: int | None = 1) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(
+            raise UsageError(
                 f"Batches: batch_size must be a positive int, got {batch_size!r}. Fix: e.g. "
                 "Batches(arrays, batch_size=64)."
             )
         if epochs is not None and (
             isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
         ):
-            raise ValueError(
-                f"Batches: epochs must be a positive int or None (repeat forever), got {epochs!r}."
+            raise UsageError(
+                f"Batches: epochs must be a positive int or None (repeat forever), got {epochs!r}. "
+                "Fix: e.g. epochs=1, or epochs=None."
             )
         leaves = _leaves(arrays)
         for path, x in leaves:
             shape = getattr(x, "shape", None)
             if shape is None or not hasattr(x, "__getitem__") or getattr(x, "dtype", None) is None:
-                raise TypeError(
+                raise UsageError(
                     f"Batches: arrays{path} is {type(x).__name__}, not an array. Fix: pass "
                     "NumPy arrays (np.memmap and other sliceable arrays with .shape and "
                     "dtype work too), e.g. Batches({'x': x, 'y': y}, batch_size=64)."
                 )
             if len(shape) == 0:
-                raise ValueError(
+                raise UsageError(
                     f"Batches: arrays{path} is a scalar; every leaf needs a leading example "
-                    "axis (axis 0)."
+                    "axis (axis 0). Fix: give it one, e.g. x[None] or np.full((n,), value)."
                 )
         counts = {int(x.shape[0]) for _, x in leaves}
         if len(counts) != 1:
             listing = ", ".join(f"arrays{p} has {x.shape[0]}" for p, x in leaves)
-            raise ValueError(
+            raise UsageError(
                 f"Batches: the arrays disagree on the number of examples (axis 0): {listing}. "
                 "Fix: give every leaf the same number of rows."
             )
         examples = counts.pop()
         if examples < batch_size:
-            raise ValueError(
+            raise UsageError(
                 f"Batches: {examples} examples make no batch of batch_size={batch_size}. "
                 "Fix: a smaller batch_size, or more data."
             )

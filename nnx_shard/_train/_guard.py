@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnx_shard._errors import UsageError
 from nnx_shard._mesh import apply_sharding
 from nnx_shard._train._microbatch import value_and_grad
 from nnx_shard._train._trees import leaf_path
@@ -54,10 +55,10 @@ def check_guard(guard: Any) -> str:
     >>> check_guard("on")
     Traceback (most recent call last):
     ...
-    ValueError: Trainer: guard must be one of 'full', 'grads', 'off', got 'on'. Fix: ...
+    nnx_shard._errors.UsageError: Trainer: guard must be one of 'full', 'grads', 'off', got 'on'. Fix: ...
     """
     if not isinstance(guard, str) or guard not in GUARDS:
-        raise ValueError(
+        raise UsageError(
             f"Trainer: guard must be one of {', '.join(map(repr, GUARDS))}, got {guard!r}. "
             "Fix: guard='grads' (the default: a step with a non-finite loss or gradient is "
             "not applied), 'full' (also undoes a step whose update makes the state "
@@ -222,13 +223,13 @@ def aux_metrics(aux: Any) -> dict[str, Any]:
     >>> aux_metrics({"loss": 1.0})
     Traceback (most recent call last):
     ...
-    ValueError: Trainer(has_aux=True): the loss function's aux metric 'loss' has the name of one of fit's own metrics ...
+    nnx_shard._errors.UsageError: Trainer(has_aux=True): the loss function's aux metric 'loss' has the name of one of fit's own metrics ...
     """
     if not isinstance(aux, Mapping):
         return {"aux": aux}
     clash = [k for k in aux if k in RESERVED]
     if clash:
-        raise ValueError(
+        raise UsageError(
             f"Trainer(has_aux=True): the loss function's aux metric {clash[0]!r} has the name "
             f"of one of fit's own metrics ({', '.join(RESERVED[:3])}), whose value it would "
             "replace in the History and in MetricsWriter's rows. Fix: rename it in the aux "
@@ -426,11 +427,12 @@ def skip_update_with(kind: str) -> Iterator[None]:
     ...     pass
     Traceback (most recent call last):
     ...
-    ValueError: skip_update_with: kind must be 'cond' or 'select', got 'where'
+    nnx_shard._errors.UsageError: skip_update_with: kind must be 'cond' or 'select', got 'where'. Fix: ...
     """
     global _GATE
     if kind not in ("cond", "select"):
-        raise ValueError(f"skip_update_with: kind must be 'cond' or 'select', got {kind!r}")
+        raise UsageError(f"skip_update_with: kind must be 'cond' or 'select', got {kind!r}. "
+                         "Fix: skip_update_with('cond') or skip_update_with('select')")
     saved, _GATE = _GATE, kind
     try:
         yield

@@ -148,7 +148,7 @@ def _split_microbatches(batch: Any, m: int) -> Any:
 
     def one(path: Any, x: Any) -> Any:
         if np.ndim(x) == 0 or x.shape[0] % m:
-            raise ValueError(
+            raise UsageError(
                 f"microbatches={m} must divide the batch dimension (axis 0) of every batch "
                 f"leaf, but batch{jax.tree_util.keystr(path)} has shape {fmt_shape(x)}. Fix: "
                 f"use a batch size that is a multiple of {m}, or another number of microbatches."
@@ -235,7 +235,8 @@ def value_and_grad(
               fix="a positive int, or None to take it from the enclosing multistep")
     flag(has_aux, "value_and_grad: has_aux")
     if not callable(loss_fn):
-        raise TypeError(f"value_and_grad: loss_fn must be callable, got {short(loss_fn, 80)}")
+        raise UsageError(f"value_and_grad: loss_fn must be callable, got {short(loss_fn, 80)}. "
+                         "Fix: e.g. ns.value_and_grad(lambda model, batch: loss)")
     precision = as_precision(precision, "value_and_grad: precision")
     items = items_counter(loss_fn)
     weigh = None if items is None else functools.partial(_counted, items, loss_fn=loss_fn)
@@ -341,14 +342,14 @@ def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., A
         out = loss_fn(*args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple | list) and len(out) == 2):
-                raise TypeError(
+                raise UsageError(
                     f"{name} returned {_describe_value(out)}, but "
                     "has_aux=True expects a pair (loss, aux), e.g. return loss, {'acc': acc}. "
                     "Fix: return the pair, or drop has_aux=True."
                 )
             loss = out[0]
         elif isinstance(out, tuple | list):
-            raise TypeError(
+            raise UsageError(
                 f"{name} returned a {type(out).__name__} of {len(out)} values, not one scalar "
                 "loss. Fix: if it returns (loss, aux), pass has_aux=True (Trainer(..., "
                 "has_aux=True) or ns.value_and_grad(loss_fn, has_aux=True)); else return "
@@ -357,13 +358,13 @@ def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., A
         else:
             loss = out
         if np.ndim(loss) != 0:
-            raise TypeError(
+            raise UsageError(
                 f"{name} returned a loss of shape {fmt_shape(loss)}, not a scalar. Fix: "
                 "reduce it over the examples, e.g. jnp.mean(per_example_loss)."
             )
         dtype = getattr(loss, "dtype", None) or np.result_type(type(loss))
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
+            raise UsageError(
                 f"{name} returned a loss of dtype {dtype} ({short(loss, 40)}), not a float: "
                 "it cannot be differentiated. Fix: compute the loss from the model's output "
                 "in floating point, e.g. jnp.mean((model(x) - y) ** 2).")

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_shard._errors import ShardingError, flag, short
+from nnx_shard._errors import ShardingError, UsageError, flag, short
 from nnx_shard._mesh import make_mesh
 from nnx_shard._rules import Rules, as_rules
 
@@ -36,19 +36,19 @@ _NAMES_FIX = (
 
 def _check_names_prefix(names: Any, batch: Any) -> Any:
     """``names`` as a pytree prefix of ``batch`` whose leaves are name tuples, or a
-    TypeError / ValueError saying what does not fit."""
+    ShardingError saying what does not fit."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=_is_names)
     for path, leaf in flat:
         if not _is_names(leaf):
             where = f"names{jax.tree_util.keystr(path)}" if path else "names"
-            raise TypeError(
+            raise ShardingError(
                 f"shard_batch: {where} = {leaf!r} ({type(leaf).__name__}) is not a tuple of "
                 f"logical names. Fix: {_NAMES_FIX}."
             )
     try:
         treedef.flatten_up_to(batch)  # type: ignore[attr-defined]
     except (ValueError, TypeError) as e:
-        raise ValueError(
+        raise ShardingError(
             "shard_batch: names is a pytree prefix that does not match the batch: names has "
             f"structure {jax.tree.structure(names, is_leaf=_is_names)}, the batch "
             f"{jax.tree.structure(batch)} ({e}). Fix: {_NAMES_FIX}."
@@ -65,14 +65,14 @@ def check_array_leaf(path: Any, leaf: Any, who: str) -> None:
             " (an item of a Python list or tuple)"
             if path and isinstance(path[-1], jax.tree_util.SequenceKey) else ""
         )
-        raise TypeError(
+        raise UsageError(
             f"{who}: {where} is a Python {type(leaf).__name__} ({leaf!r}){inside}: batches "
             "must be arrays (NumPy or jax.Array) with a leading batch axis, not Python "
             f"lists or numbers. Fix: convert it, e.g. np.asarray(values, np.float32)."
         )
     dtype = getattr(leaf, "dtype", None)
     if getattr(dtype, "kind", "") in ("O", "U", "S", "M"):
-        raise TypeError(
+        raise UsageError(
             f"{who}: batch{jax.tree_util.keystr(path)} has dtype {dtype}: batches must be "
             "numeric arrays. Fix: encode it as numbers (e.g. token ids) before batching."
         )

@@ -115,7 +115,7 @@ class Trainer:
         guard: str = DEFAULT_GUARD,
     ) -> None:
         if not isinstance(model, nnx.Module):
-            raise TypeError(
+            raise UsageError(
                 f"Trainer: model must be an nnx.Module, got {type(model).__name__} "
                 f"({short_repr(model)}). Fix: pass the Flax NNX model itself, e.g. "
                 "ns.sharded_init(lambda: MyModel(rngs=nnx.Rngs(0)), mesh, rules)."
@@ -125,15 +125,15 @@ class Trainer:
                 "an optax transformation" if isinstance(optimizer, optax.GradientTransformation)
                 else f"{type(optimizer).__name__} ({short_repr(optimizer)})"
             )
-            raise TypeError(
+            raise UsageError(
                 f"Trainer: optimizer must be an nnx.Optimizer holding the optimizer state, got "
                 f"{given}. Fix: ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, rules), "
                 "or nnx.Optimizer(model, tx, wrt=nnx.Param)."
             )
         if not callable(loss_fn):
-            raise TypeError(
+            raise UsageError(
                 f"Trainer: loss_fn must be callable as loss_fn(model, batch), got "
-                f"{short_repr(loss_fn)}."
+                f"{short_repr(loss_fn)}. Fix: def loss_fn(model, batch): return a scalar loss."
             )
         steps_per_call = count(steps_per_call, "Trainer: steps_per_call", fix="e.g. steps_per_call=10")
         if isinstance(batch_names, str | bytes) or not isinstance(batch_names, Sequence) or not (
@@ -316,8 +316,8 @@ class Trainer:
         num_steps = count(num_steps, "num_steps", least=0, fix="e.g. num_steps=1000")
         callbacks = _check_fit_args(data, callbacks, checkpointer, progress, resume)
         if resume and checkpointer is None:
-            raise ValueError(
-                "fit(resume=True) needs the checkpointer to resume from, e.g. "
+            raise UsageError(
+                "fit(resume=True) needs the checkpointer to resume from. Fix: pass one, e.g. "
                 "checkpointer=ns.Checkpointer(directory, every=1000)."
             )
         num_steps, resumed = self._resume(checkpointer, resume, num_steps)
@@ -439,7 +439,7 @@ class Trainer:
             self.data_position = int(extra.get("data_position", self.step))
             resumed = True
         elif latest is not None and latest > self.step:
-            raise ValueError(
+            raise UsageError(
                 f"fit: {checkpointer.directory} already holds a checkpoint for step "
                 f"{latest}, later than this trainer's step {self.step}. Fix: pass "
                 "resume=True to continue from it, or use another directory."

@@ -87,7 +87,7 @@ def test_batches_errors_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match=r"disagree on the number of examples.*"
                        r"arrays\['x'\] has 4, arrays\['y'\] has 5"):
         ns.Batches({"x": np.zeros((4, 1)), "y": np.zeros((5, 1))}, 2)
-    with pytest.raises(TypeError, match=r"arrays\['x'\]\[0\] is float, not an array.*Fix: pass NumPy arrays"):
+    with pytest.raises(ns.UsageError, match=r"arrays\['x'\]\[0\] is float, not an array.*Fix: pass NumPy arrays"):
         ns.Batches({"x": [1.0, 2.0]}, 1)
     with pytest.raises(ValueError, match=r"3 examples make no batch of batch_size=4"):
         ns.Batches({"x": np.zeros((3, 1))}, 4)
@@ -153,7 +153,7 @@ def test_resume_on_batches_seeks_to_the_data_position(tmp_path):
 
 def test_fit_rejects_a_window_of_strings_with_the_fix():
     data = ns.Batches({"x": np.array(["a"] * 16)}, B)
-    with pytest.raises(TypeError, match=r"Trainer.fit: batch\['x'\] has dtype <U1.*numbers"):
+    with pytest.raises(ns.UsageError, match=r"Trainer.fit: batch\['x'\] has dtype <U1.*numbers"):
         trainer().fit(data, 2, progress=False)
 
 

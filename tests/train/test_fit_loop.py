@@ -232,7 +232,7 @@ def test_the_feed_stacks_each_leaf_once_with_the_batch_sharding():
         stack([host[0], {"x": host[1]["x"][:4], "y": host[1]["y"]}])
     with pytest.raises(ValueError, match="every batch must have the same structure"):
         stack([host[0], {"x": host[1]["x"]}])
-    with pytest.raises(TypeError, match="Python float"):
+    with pytest.raises(ns.UsageError, match="Python float"):
         stack([{"x": 1.0, "y": host[0]["y"]}])
 
 
