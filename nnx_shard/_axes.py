@@ -13,16 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from nnx_shard._errors import short
+from nnx_shard._errors import ShardingError, short
 
 __all__ = ["axes_entry", "entry_axes", "mesh_sizes", "sizes_str"]
+
+_FIX = ("Fix: e.g. mesh={'data': 4, 'model': 2}, or a mesh from "
+        "nnx_shard.make_mesh('data=4,model=2').")
 
 
 def mesh_sizes(mesh: Any) -> dict[str, int]:
     """Axis name -> size of a Mesh / AbstractMesh (anything with a ``shape``
     mapping) or a mapping; ``None`` gives ``{}``. Strings are parsed by
-    :func:`nnx_shard.make_mesh`, not here. Raises ``TypeError`` for anything else, and
-    ``ValueError`` for a size that is not an int >= 1.
+    :func:`nnx_shard.make_mesh`, not here. Anything else, an axis name that is not a
+    non-empty string or a size that is not an int >= 1 is a ``ShardingError``.
 
     >>> import jax
     >>> mesh_sizes(jax.sharding.AbstractMesh((2, 4), ("data", "model")))
@@ -39,14 +42,16 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
             # A bool is an int and 2.5 or NaN would truncate or fail deep inside a
             # divisibility check: a size is a whole device count.
             if not isinstance(k, str) or not k:
-                raise ValueError(f"mesh axis names must be non-empty strings, got {short(k)}")
+                raise ShardingError(f"mesh axis names must be non-empty strings, got "
+                                    f"{short(k)}. {_FIX}")
             if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) or v < 1:
-                raise ValueError(f"mesh axis {short(k)} has size {short(v)} "
-                                 f"({type(v).__name__}); mesh sizes are ints >= 1")
+                raise ShardingError(f"mesh axis {short(k)} has size {short(v)} "
+                                    f"({type(v).__name__}); mesh sizes are ints >= 1. {_FIX}")
             out[k] = int(v)
         return out
-    raise TypeError(f"expected a mesh or a mapping of axis name to size, got "
-                    f"{type(mesh).__name__} {short(mesh)}")
+    raise ShardingError(f"mesh must be a jax.sharding.Mesh or a mapping of axis name to size, "
+                        f"got {type(mesh).__name__} {short(mesh)}. Fix: build one with "
+                        "nnx_shard.make_mesh('data=4,model=2').")
 
 
 def sizes_str(mesh: Any, sep: str = ",", empty: str = "") -> str:

@@ -49,7 +49,7 @@ def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
     elif not isinstance(spec, str):
         hint = f"make_mesh('data={spec}')" if isinstance(spec, int) and not isinstance(
             spec, bool) else _SPEC_FIX
-        raise TypeError(
+        raise ShardingError(
             f"make_mesh: spec must be a string 'axis=size,...', a dict {{axis: size}} or a "
             f"jax.sharding.Mesh, got {type(spec).__name__} {short(spec, 60)}. Fix: {hint}."
         )
@@ -113,9 +113,8 @@ def make_mesh(
       devices: the devices to use (default: all of ``jax.devices()``), each once.
 
     Raises:
-      TypeError: ``spec`` is not a string, dict or Mesh (e.g. ``8`` or ``None``), or
-        ``devices`` is not a list of jax devices.
-      ShardingError: a size that is not a positive int (``8.5``, ``True``), sizes that do
+      ShardingError: ``spec`` is not a string, dict or Mesh (e.g. ``8`` or ``None``), or
+        ``devices`` is not a list of jax devices; a size that is not a positive int (``8.5``, ``True``), sizes that do
         not multiply to the number of devices (the fix names ``devices=...[:n]`` when the
         mesh is smaller), an empty or repeating ``devices`` list.
 
@@ -177,7 +176,7 @@ def make_mesh(
 
 def _check_devices(devices: Any) -> list[Any]:
     if isinstance(devices, str) or not isinstance(devices, Sequence | np.ndarray):
-        raise TypeError(
+        raise ShardingError(
             f"make_mesh: devices must be a list of jax devices, got {type(devices).__name__} "
             f"{devices!r:.60}. Fix: e.g. devices=jax.devices()[:4]."
         )
@@ -189,7 +188,7 @@ def _check_devices(devices: Any) -> list[Any]:
         )
     bad = [d for d in devs if not isinstance(d, jax.Device)]
     if bad:
-        raise TypeError(
+        raise ShardingError(
             f"make_mesh: devices must be jax devices, got {type(bad[0]).__name__} {bad[0]!r:.40}. "
             "Fix: e.g. devices=jax.devices()[:4]."
         )

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from nnx_shard._errors import UsageError
 from nnx_shard._frames import Frames
 from nnx_shard._mesh._build import make_mesh
 from nnx_shard._mesh._layout import apply_sharding
@@ -85,8 +86,8 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
     True
     """
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"constrain: x must be an array, got {type(x).__name__} "
-                        f"({x!r:.60}). Fix: constrain(activation, ('batch', 'embed'))")
+        raise UsageError(f"constrain: x must be an array, got {type(x).__name__} "
+                         f"({x!r:.60}). Fix: constrain(activation, ('batch', 'embed'))")
     active = current()
     if active is None:
         return x

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._annotate import logical_names, path_str
 from nnx_shard._axes import entry_axes, mesh_sizes
-from nnx_shard._errors import ShardingError, raise_collected
+from nnx_shard._errors import ShardingError, UsageError, raise_collected
 from nnx_shard._mesh._build import make_mesh
 from nnx_shard._rules import Rules, as_rules
 
@@ -37,7 +37,7 @@ def as_state(tree: Any, caller: str, arg: str = "tree") -> nnx.State:
         return tree
     if isinstance(tree, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(tree):
         return nnx.state(tree)
-    raise TypeError(
+    raise UsageError(
         f"{caller}: {arg} must be an nnx.Module, an nnx.Optimizer, an nnx.State or an abstract "
         f"model, got {type(tree).__name__} {tree!r:.60}. Fix: pass the model, e.g. "
         f"{caller}(model, mesh, rules), or nnx.eval_shape(lambda: MyModel(cfg, rngs=nnx.Rngs(0))) "

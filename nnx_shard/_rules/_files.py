@@ -172,15 +172,15 @@ def read_table(path: Any) -> tuple[str, Any, Any]:
     """What :meth:`Rules.from_file` builds a table from: the phrase naming the file, its
     table (a list of pairs or a dict of logical name to value) and its ``indivisible``."""
     if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
-        raise TypeError(
+        raise ShardingError(
             f"Rules.from_file: path must be a str or os.PathLike, got "
             f"{type(path).__name__} {short(path, 60)}. Fix: e.g. "
             "Rules.from_file('rules.toml')."
         )
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
-        raise TypeError(f"Rules.from_file: path {short(text, 60)} names no file. Fix: e.g. "
-                        "Rules.from_file('rules.toml').")
+        raise ShardingError(f"Rules.from_file: path {short(text, 60)} names no file. Fix: e.g. "
+                            "Rules.from_file('rules.toml').")
     path = Path(text)
     where = f"rules file {short(str(path), 1000)}"
     data = _load(path)

@@ -210,19 +210,9 @@ def check_logical(name: Any) -> str:
 
 
 def mesh_axis_sizes(mesh: Any) -> dict[str, int]:
-    """Axis name -> size for a jax Mesh / AbstractMesh or a plain mapping."""
-    try:
-        return mesh_sizes(mesh)
-    except ValueError as e:
-        raise ShardingError(f"{e}. Fix: e.g. mesh={{'data': 4, 'model': 2}}, or a mesh from "
-                            "nnx_shard.make_mesh('data=4,model=2').") from None
-    except TypeError:
-        pass
-    raise ShardingError(
-        f"expected a jax.sharding.Mesh or a mapping of axis name to size, got "
-        f"{type(mesh).__name__} {short(mesh)}. "
-        "Fix: build one with nnx_shard.make_mesh('data=4,model=2')."
-    )
+    """Axis name -> size for a jax Mesh / AbstractMesh or a plain mapping (anything else
+    is the ShardingError of :func:`~nnx_shard._axes.mesh_sizes`)."""
+    return mesh_sizes(mesh)
 
 
 def fmt_mesh(sizes: Mapping[str, int]) -> str:
@@ -273,13 +263,13 @@ def check_shape(shape: Any, path: str, names: Any) -> tuple[int, ...] | None:
 
 def check_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     if not isinstance(options, Mapping):
-        raise TypeError(f"Rules options must be a mapping of option name to a hashable value, "
-                        f"got {type(options).__name__} {short(options)}. Fix: e.g. "
-                        "Rules({...}, options={'attention': 'ring'}).")
+        raise ShardingError(f"Rules options must be a mapping of option name to a hashable value, "
+                            f"got {type(options).__name__} {short(options)}. Fix: e.g. "
+                            "Rules({...}, options={'attention': 'ring'}).")
     for key, value in options.items():
         if not isinstance(key, str):
-            raise TypeError(f"Rules option names must be str, got {short(key)}. Fix: e.g. "
-                            "options={'attention': 'ring'}.")
+            raise ShardingError(f"Rules option names must be str, got {short(key)}. Fix: e.g. "
+                                "options={'attention': 'ring'}.")
         if key not in _KNOWN_OPTIONS:
             close = difflib.get_close_matches(key, sorted(_KNOWN_OPTIONS), n=1, cutoff=0.6)
             mean = f" Did you mean {close[0]!r}?" if close else ""
@@ -293,7 +283,7 @@ def check_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
         try:
             hash(value)
         except TypeError:
-            raise TypeError(
+            raise ShardingError(
                 f"Rules option {key}={short(value)} is not hashable (rules are hashed into "
                 "compiled programs' cache keys). Fix: use a tuple or a frozen dataclass."
             ) from None

@@ -116,10 +116,10 @@ def test_use_and_constrain(axis_types):
 @pytest.mark.parametrize(
     "spec, error, match",
     [
-        (None, TypeError, r"spec must be a string 'axis=size,...'.*got NoneType None.*Fix: e.g. "
+        (None, ns.ShardingError, r"spec must be a string 'axis=size,...'.*got NoneType None.*Fix: e.g. "
          r"make_mesh\('data=4,model=2'\)"),
-        (8, TypeError, r"got int 8\. Fix: make_mesh\('data=8'\)"),
-        ([("data", 8)], TypeError, r"got list \[\('data', 8\)\].*Fix: e.g. make_mesh"),
+        (8, ns.ShardingError, r"got int 8\. Fix: make_mesh\('data=8'\)"),
+        ([("data", 8)], ns.ShardingError, r"got list \[\('data', 8\)\].*Fix: e.g. make_mesh"),
         ({"data": 8.5}, ns.ShardingError, r"size 8.5 of axis 'data' is a float, not an int.*Fix"),
         ({"data": True}, ns.ShardingError, r"size True of axis 'data' is a bool, not an int"),
         ({"data": "8"}, ns.ShardingError, r"size '8' of axis 'data' is a str"),
@@ -138,9 +138,9 @@ def test_make_mesh_device_list_errors():
     with pytest.raises(ns.ShardingError, match=r"devices lists cpu:0 more than once \(4 entries, "
                        r"3 distinct devices\).*Fix: pass distinct devices"):
         ns.make_mesh("data=4", devices=[devs[0], devs[1], devs[0], devs[2]])
-    with pytest.raises(TypeError, match=r"devices must be a list of jax devices, got int 4"):
+    with pytest.raises(ns.ShardingError, match=r"devices must be a list of jax devices, got int 4"):
         ns.make_mesh("data=4", devices=4)
-    with pytest.raises(TypeError, match=r"devices must be jax devices, got int 0"):
+    with pytest.raises(ns.ShardingError, match=r"devices must be jax devices, got int 0"):
         ns.make_mesh("data=2", devices=[0, 1])
 
 
@@ -161,7 +161,7 @@ def test_mesh_smaller_than_the_devices_names_the_subset_to_pass():
 @needs_devices(8)
 @pytest.mark.parametrize("tree", [3, "model", None, [1, 2]])
 def test_shardings_rejects_what_is_not_a_model_or_state(tree):
-    with pytest.raises(TypeError, match=rf"shardings: tree must be an nnx.Module, an "
+    with pytest.raises(ns.UsageError, match=rf"shardings: tree must be an nnx.Module, an "
                        rf"nnx.Optimizer, an nnx.State or an abstract model, got "
                        rf"{type(tree).__name__}.*Fix: pass the model"):
         ns.shardings(tree, ns.make_mesh("data=8"), RULES)

@@ -700,7 +700,7 @@ def test_options_travel_with_the_table():
     assert (base | ring).options == ring.options
     assert ring.with_options(collective_matmul=None).options == {"attention": "ring"}
     assert "options={'attention': 'ring', 'collective_matmul': 2}" in repr(ring)
-    with pytest.raises(TypeError, match="not hashable"):
+    with pytest.raises(ShardingError, match="not hashable"):
         base.with_options(pipeline=[1, 2])
 
 
@@ -829,9 +829,9 @@ def test_a_huge_rules_file_is_refused_before_it_is_parsed(tmp_path):
 
 
 @pytest.mark.parametrize("path, error, match", [
-    (None, TypeError, "path must be a str or os.PathLike, got NoneType"),
-    (b"rules.json", TypeError, "path must be a str or os.PathLike, got bytes"),
-    (5, TypeError, "got int 5"), ("", TypeError, "names no file"),
+    (None, ShardingError, "path must be a str or os.PathLike, got NoneType"),
+    (b"rules.json", ShardingError, "path must be a str or os.PathLike, got bytes"),
+    (5, ShardingError, "got int 5"), ("", ShardingError, "names no file"),
     ("/no/such/rules.toml", FileNotFoundError, "rules file '/no/such/rules.toml': no such file"),
 ])
 def test_rules_file_paths_that_name_no_file(path, error, match):
