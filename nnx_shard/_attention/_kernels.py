@@ -64,6 +64,7 @@ from nnx_shard._attention._blocks import (
     stats,
     tile_mask,
 )
+from nnx_shard._errors import UsageError
 from nnx_shard._mesh import current
 
 __all__ = ["BLOCK", "KERNELS", "attention_local", "blockwise", "dense", "resolve"]
@@ -159,7 +160,7 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
     """The kernel ``kernel`` names for these inputs: ``"auto"`` becomes ``"cudnn"`` where
     the fused kernel applies (see the module docs), else ``"blockwise"``; ``"cudnn"``
     under context parallelism (which needs per-block statistics) becomes ``"blockwise"``,
-    and elsewhere off a GPU is a ``ValueError`` (cuDNN is an NVIDIA library).
+    and elsewhere off a GPU is a ``UsageError`` (cuDNN is an NVIDIA library).
 
     >>> resolve("auto", jnp.ones((1, 8, 2, 8)), jnp.ones((1, 8, 2, 8)), Masks(),
     ...         context_parallel=False)   # on CPU
@@ -167,16 +168,16 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
     >>> resolve("flash", None, None, Masks(), context_parallel=False)
     Traceback (most recent call last):
     ...
-    ValueError: attention: implementation='flash' is not one of ('auto', 'blockwise', 'dense', 'cudnn'). Fix: pass one of them (TransformerConfig(attention=...) for the reference model); 'auto' picks cudnn on GPUs and blockwise elsewhere.
+    nnx_shard._errors.UsageError: attention: implementation='flash' is not one of ('auto', 'blockwise', 'dense', 'cudnn'). Fix: pass one of them (TransformerConfig(attention=...) for the reference model); 'auto' picks cudnn on GPUs and blockwise elsewhere.
     """
     if kernel not in KERNELS:
-        raise ValueError(
+        raise UsageError(
             f"attention: implementation={kernel!r} is not one of {KERNELS}. Fix: pass one of "
             "them (TransformerConfig(attention=...) for the reference model); 'auto' picks "
             "cudnn on GPUs and blockwise elsewhere."
         )
     if kernel == "cudnn" and softcap is not None:
-        raise ValueError(
+        raise UsageError(
             f"attention: implementation='cudnn' cannot soft-cap the attention logits "
             f"(softcap={softcap}): jax.nn.dot_product_attention's fused kernel has no "
             "soft-capping. Fix: implementation='blockwise' or 'dense' (LlamaConfig(attention="
@@ -185,7 +186,7 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
     if kernel == "cudnn" and context_parallel:
         return "blockwise"
     if kernel == "cudnn" and _platform() != "gpu":
-        raise ValueError(
+        raise UsageError(
             f"attention: implementation='cudnn' is cuDNN's fused kernel, for NVIDIA GPUs; "
             f"this runs on {_platform()}. Fix: implementation='auto' (cuDNN on GPUs, "
             "blockwise elsewhere) or 'blockwise' (TransformerConfig(attention=...) for the "

@@ -49,7 +49,7 @@ from nnx_shard._attention._blocks import Masks, group_mask
 from nnx_shard._attention._kernels import BLOCK
 from nnx_shard._attention._modes import LOCAL, OPTION, context_mode
 from nnx_shard._axes import entry_axes
-from nnx_shard._errors import ShardingError
+from nnx_shard._errors import ShardingError, UsageError
 from nnx_shard._frames import Frames
 from nnx_shard._mesh import current
 from nnx_shard._parallel.registry import ParallelOp, register
@@ -70,7 +70,7 @@ _watches: Frames[_Watch] = Frames()
 def _check_qkv(q: Any, k: Any, v: Any) -> None:
     for name, a in (("q", q), ("k", k), ("v", v)):
         if getattr(a, "ndim", None) != 4:
-            raise ValueError(
+            raise UsageError(
                 f"attention: {name} must be [batch, length, heads, head_dim] (rank 4), got "
                 f"{type(a).__name__} of shape {getattr(a, 'shape', None)}. Fix: reshape the "
                 "projections to [batch, length, heads, head_dim], e.g. "
@@ -78,7 +78,7 @@ def _check_qkv(q: Any, k: Any, v: Any) -> None:
             )
     (b, _, h, d), (bk, _, hk, dk) = q.shape, k.shape
     if k.shape[:3] != v.shape[:3] or b != bk or d != dk or h % hk:
-        raise ValueError(
+        raise UsageError(
             f"attention: got q {q.shape}, k {k.shape}, v {v.shape}; need q [batch, q_len, heads, "
             "head_dim], k and v [batch, kv_len, kv_heads, head_dim] with the same batch, k and "
             "v of one length and number of heads, q and k of one head_dim, and heads a "
@@ -98,7 +98,7 @@ def _check_masks(q: jax.Array, k: jax.Array, mask: Any, segment_ids: Any) -> Mas
     if segment_ids is not None:
         pair = segment_ids if isinstance(segment_ids, tuple | list) else (segment_ids,) * 2
         if len(pair) != 2:
-            raise ValueError(
+            raise UsageError(
                 f"attention: segment_ids must be one [batch, length] array or a pair "
                 f"(q_segment_ids, kv_segment_ids), got {len(pair)} arrays. Fix: pass "
                 "segment_ids=ids for self-attention."
@@ -106,7 +106,7 @@ def _check_masks(q: jax.Array, k: jax.Array, mask: Any, segment_ids: Any) -> Mas
         q_seg, kv_seg = (jnp.asarray(x) for x in pair)
         for name, ids, n in (("q", q_seg, lq), ("kv", kv_seg, lk)):
             if ids.shape != (b, n) or not jnp.issubdtype(ids.dtype, jnp.integer):
-                raise ValueError(
+                raise UsageError(
                     f"attention: {name} segment ids must be integers of shape (batch, "
                     f"{'q_len' if name == 'q' else 'kv_len'}) = {(b, n)}, got {ids.dtype} of "
                     f"shape {ids.shape} (q {q.shape}, k {k.shape}). Fix: one id per token, equal "
@@ -116,7 +116,7 @@ def _check_masks(q: jax.Array, k: jax.Array, mask: Any, segment_ids: Any) -> Mas
         mask = jnp.asarray(mask)
         want = (b, h, lq, lk)
         if mask.ndim != 4 or any(n not in (1, w) for n, w in zip(mask.shape, want, strict=True)):
-            raise ValueError(
+            raise UsageError(
                 f"attention: mask of shape {mask.shape} does not broadcast to [batch, heads, "
                 f"q_len, kv_len] = {want} (each dimension its size or 1; the heads dimension "
                 f"counts query heads). Fix: e.g. flax.nnx.make_attention_mask(q_valid, "
@@ -198,7 +198,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     never repeated). A query that sees no key gets zeros.
 
     Raises:
-      ValueError: q, k, v of bad ranks or mismatched shapes; a mask or segment ids
+      UsageError: q, k, v of bad ranks or mismatched shapes; a mask or segment ids
         of the wrong shape; an unknown implementation.
       ShardingError: an ``attention`` option that is not a mode; in ring/allgather
         mode, a sequence length that does not split into ``2 x context`` zig-zag
