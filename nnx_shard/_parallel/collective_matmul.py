@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._axes import axes_entry, entry_axes
-from nnx_shard._errors import ShardingError
+from nnx_shard._errors import ShardingError, UsageError
 from nnx_shard._frames import Frames
 from nnx_shard._mesh import current, option
 
@@ -29,22 +29,24 @@ OPTION = "collective_matmul"
 
 def _parse(eq: Any, x: jax.Array, w: jax.Array) -> tuple[str, str, str]:
     if not isinstance(eq, str) or eq.count("->") != 1 or eq.split("->")[0].count(",") != 1:
-        raise ValueError(f"eq must be a two-operand einsum like 'ble,ehk->blhk', got {eq!r}")
+        raise UsageError(f"eq must be a two-operand einsum, got {eq!r}. Fix: e.g. "
+                         "eq='ble,ehk->blhk'")
     ins, out = eq.replace(" ", "").split("->")
     xl, wl = ins.split(",")
     for what, letters, a in (("x", xl, x), ("w", wl, w)):
         if len(letters) != jnp.ndim(a):
-            raise ValueError(
+            raise UsageError(
                 f"eq {eq!r} gives {what} {len(letters)} dimensions ({letters!r}) but {what} has "
-                f"shape {tuple(jnp.shape(a))}; write one letter per dimension."
+                f"shape {tuple(jnp.shape(a))}. Fix: write one letter per dimension of {what} in eq."
             )
     return xl, wl, out
 
 
 def _letter(eq: str, letters: str, letter: Any, what: str, role: str) -> int:
     if not isinstance(letter, str) or len(letter) != 1 or letter not in letters:
-        raise ValueError(
-            f"{role}={letter!r} must be one letter of {what} in eq {eq!r} (one of {list(letters)})"
+        raise UsageError(
+            f"{role}={letter!r} must be one letter of {what} in eq {eq!r} (one of "
+            f"{list(letters)}). Fix: {role}={letters[0]!r}, or another letter of {what}."
         )
     return letters.index(letter)
 
@@ -141,9 +143,9 @@ def _mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh:
         return mesh
     abstract = jax.sharding.get_abstract_mesh()
     if abstract.empty:
-        raise ValueError(
-            "mesh=None and no mesh is active: pass mesh= or call inside nnx_shard.use(...) "
-            "(or jax.set_mesh)."
+        raise ShardingError(
+            "mesh=None and no mesh is active. Fix: pass mesh=, or call inside "
+            "nnx_shard.use(...) (or jax.set_mesh)."
         )
     return abstract
 
@@ -152,7 +154,7 @@ def _halves(n_block: int, n: int, bidirectional: bool | None) -> bool:
     if bidirectional is None:
         return n > 2 and n_block % 2 == 0
     if bidirectional and n_block % 2:
-        raise ValueError(
+        raise UsageError(
             f"bidirectional=True splits each device's block of {n_block} rows in two halves "
             "that go opposite ways round the ring; it needs an even block. Fix: "
             "bidirectional=None (chooses) or False."
@@ -273,12 +275,14 @@ def all_gather_matmul(eq: str, x: jax.Array, w: jax.Array, *, gather: str, shard
     xl, wl, out = _parse(eq, x, w)
     g = _letter(eq, xl, gather, "x", "gather")
     if gather not in out:
-        raise ValueError(f"gather={gather!r} must also be an output letter of eq {eq!r}")
+        raise UsageError(f"gather={gather!r} must also be an output letter of eq {eq!r}. "
+                         "Fix: gather a dimension of x that the output keeps")
     h = _letter(eq, wl, shard, "w", "shard")
     if shard not in out or shard in xl:
-        raise ValueError(
+        raise UsageError(
             f"shard={shard!r} must be a letter of w that is in the output and not in x "
-            f"(column-parallel) in eq {eq!r}"
+            f"(column-parallel) in eq {eq!r}. Fix: shard= the letter of w's output "
+            "dimension, e.g. 'k' in 'ble,ehk->blhk'"
         )
     return _ring(_gather_body, eq, x, w, (xl, wl, out), (gather, shard, shard),
                  [("x", x.shape, g, gather, "gathers"), ("w", w.shape, h, shard, "shards")],
@@ -313,12 +317,14 @@ def matmul_reduce_scatter(eq: str, x: jax.Array, w: jax.Array, *, scatter: str, 
     xl, wl, out = _parse(eq, x, w)
     s = _letter(eq, xl, scatter, "x", "scatter")
     if scatter not in out or scatter in wl:
-        raise ValueError(f"scatter={scatter!r} must be a letter of x in the output, not in w, "
-                         f"in eq {eq!r}")
+        raise UsageError(f"scatter={scatter!r} must be a letter of x in the output, not in w, "
+                         f"in eq {eq!r}. Fix: scatter= a dimension of x that the output "
+                         "keeps, e.g. 'l' in 'blf,fe->ble'")
     c = _letter(eq, xl, contract, "x", "contract")
     if contract not in wl or contract in out:
-        raise ValueError(f"contract={contract!r} must be a letter of both operands that the "
-                         f"output sums over, in eq {eq!r}")
+        raise UsageError(f"contract={contract!r} must be a letter of both operands that the "
+                         f"output sums over, in eq {eq!r}. Fix: contract= the summed "
+                         "letter, e.g. 'f' in 'blf,fe->ble'")
     return _ring(_scatter_body, eq, x, w, (xl, wl, out), (contract, contract, scatter),
                  [("x", x.shape, s, scatter, "scatters"), ("x", x.shape, c, contract, "reduces")],
                  axis, mesh, bidirectional, layout)
@@ -354,7 +360,7 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
     spec = tuple(out.spec) + (None,) * (len(ol) - len(out.spec))
     value = option(OPTION, True)
     if value not in _DIRECTIONS:
-        raise ValueError(
+        raise ShardingError(
             f"rules option collective_matmul={value!r} is not a ring kind; valid: True, "
             "'bidirectional', 'unidirectional' (or False / None: plain einsums). Fix: "
             "rules.with_options(collective_matmul=True)."

@@ -332,21 +332,21 @@ def test_op_dimension_not_divisible() -> None:
 def test_op_argument_errors() -> None:
     mesh = ns.make_mesh("data=2,model=4")
     x, w = _rand(0, (2, 8, 16)), _rand(1, (16, 4, 2))
-    with pytest.raises(ValueError, match="two-operand einsum"):
+    with pytest.raises(ns.UsageError, match="two-operand einsum"):
         all_gather_matmul("ble->bl", x, w, gather="l", shard="h", mesh=mesh)
-    with pytest.raises(ValueError, match="gives x 2 dimensions .* shape \\(2, 8, 16\\)"):
+    with pytest.raises(ns.UsageError, match="gives x 2 dimensions .* shape \\(2, 8, 16\\)"):
         all_gather_matmul("be,ehk->bhk", x, w, gather="b", shard="h", mesh=mesh)
-    with pytest.raises(ValueError, match="shard='e' must be a letter of w that is in the output"):
+    with pytest.raises(ns.UsageError, match="shard='e' must be a letter of w that is in the output"):
         all_gather_matmul(COLUMN, x, w, gather="l", shard="e", mesh=mesh)
-    with pytest.raises(ValueError, match="contract='l' must be a letter of both operands"):
+    with pytest.raises(ns.UsageError, match="contract='l' must be a letter of both operands"):
         matmul_reduce_scatter(ROW, _rand(0, (2, 8, 4, 2)), _rand(1, (4, 2, 16)), scatter="l",
                               contract="l", mesh=mesh)
     with pytest.raises(ns.ShardingError, match="mesh has axes \\('data', 'model'\\)"):
         all_gather_matmul(COLUMN, x, w, gather="l", shard="h", axis="tensor", mesh=mesh)
-    with pytest.raises(ValueError, match="needs an even block"):
+    with pytest.raises(ns.UsageError, match="needs an even block"):
         all_gather_matmul(COLUMN, _rand(0, (2, 12, 16)), w, gather="l", shard="h", mesh=mesh,
                           bidirectional=True)
-    with pytest.raises(ValueError, match="no mesh is active"):
+    with pytest.raises(ns.ShardingError, match="no mesh is active"):
         all_gather_matmul(COLUMN, x, w, gather="l", shard="h")
 
 
