@@ -23,7 +23,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._errors import ShardingError
+from nnx_shard._errors import ShardingError, UsageError, short
 
 __all__ = ["annotate", "get_logical_axes", "logical_axes", "logical_names", "with_logical"]
 
@@ -112,7 +112,8 @@ def with_logical(initializer: F, names: Sequence[str | None], **metadata: Any) -
     names_t = _check_names(names, "with_logical")
     _check_metadata_keys(metadata, "with_logical")
     if not callable(initializer):
-        raise TypeError(f"with_logical: initializer must be callable, got {initializer!r}")
+        raise UsageError(f"with_logical: initializer must be callable, got {short(initializer, 80)}. "
+                         "Fix: e.g. with_logical(nnx.initializers.lecun_normal(), ('embed', 'mlp'))")
     return nnx.with_metadata(
         initializer, out_sharding=names_t, eager_sharding=False, **metadata
     )
@@ -153,7 +154,8 @@ def logical_axes(**names: Sequence[str | None]) -> Callable[[C], C]:
 
     def decorate(cls: C) -> C:
         if not isinstance(cls, type):
-            raise TypeError(f"logical_axes decorates a class, got {cls!r}")
+            raise UsageError(f"logical_axes decorates a class, got {short(cls, 80)}. Fix: put "
+                             "@ns.logical_axes(...) above a class statement")
         original_init = cls.__init__  # type: ignore[misc]  # the class's own, read once
 
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -225,7 +227,7 @@ def annotate(
     """
     if not nnx.graph.is_graph_node(model):
         what = "a function" if callable(model) else type(model).__name__
-        raise TypeError(
+        raise UsageError(
             f"annotate: model must be an nnx.Module (concrete, or abstract from "
             f"nnx.eval_shape), got {what} ({model!r:.80}). annotate relabels the Variables "
             "of a module that exists. Fix: annotate the built module inside your factory, "
@@ -234,7 +236,7 @@ def annotate(
             "ns.annotate(nnx.eval_shape(lambda: MyModel(rngs=nnx.Rngs(0))), patterns)."
         )
     if not isinstance(patterns, Mapping):
-        raise TypeError(
+        raise ShardingError(
             f"annotate: patterns must be a dict of {{regex: logical names}}, got "
             f"{type(patterns).__name__} ({patterns!r:.80}). Fix: e.g. "
             "{'kernel': ('embed', 'mlp'), 'bias': ('mlp',)}")
@@ -315,7 +317,7 @@ def get_logical_axes(tree: Any) -> nnx.State:
     (('embed', 'mlp'), None)
     """
     if not isinstance(tree, nnx.State) and not nnx.graph.is_graph_node(tree):
-        raise TypeError(
+        raise UsageError(
             f"get_logical_axes: tree must be an nnx.Module or nnx.State, got "
             f"{type(tree).__name__} ({tree!r:.80}). Fix: pass the model, or nnx.state(model)")
     state = tree if isinstance(tree, nnx.State) else nnx.state(tree)

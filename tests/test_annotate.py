@@ -90,10 +90,10 @@ def test_annotate_rank_check_names_path_and_pattern():
 
 
 def test_annotate_takes_a_module_not_a_factory():
-    with pytest.raises(TypeError, match=r"model must be an nnx.Module .* got a function .*"
+    with pytest.raises(ns.UsageError, match=r"model must be an nnx.Module .* got a function .*"
                        r"ns.sharded_init\(lambda: ns.annotate\(MyModel.*nnx.eval_shape"):
         ns.annotate(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)), {r"kernel$": ("embed", "mlp")})
-    with pytest.raises(TypeError, match="got dict"):
+    with pytest.raises(ns.UsageError, match="got dict"):
         ns.annotate({"kernel": 1}, {r"kernel$": ("embed", "mlp")})
     # What the message suggests works: an abstract module, and annotate inside the factory.
     pats = {r"kernel$": ("embed", "mlp"), r"bias$": ("mlp",)}
@@ -127,11 +127,11 @@ def test_annotate_guide_runs_as_written(capsys):
 
 def test_wrong_types_are_named():
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    with pytest.raises(TypeError, match=r"annotate: patterns must be a dict .* got int"):
+    with pytest.raises(ns.ShardingError, match=r"annotate: patterns must be a dict .* got int"):
         ns.annotate(model, 5)
-    with pytest.raises(TypeError, match=r"get_logical_axes: tree must be an nnx.Module or "
+    with pytest.raises(ns.UsageError, match=r"get_logical_axes: tree must be an nnx.Module or "
                                          r"nnx.State, got int"):
         ns.get_logical_axes(5)
     with ns.use("data=8", {"batch": "data"}):
-        with pytest.raises(TypeError, match=r"constrain: x must be an array, got str"):
+        with pytest.raises(ns.UsageError, match=r"constrain: x must be an array, got str"):
             ns.constrain("x", ("batch",))
