@@ -19,7 +19,7 @@ same steps (no checks, no gradient norm), the floor.
 
 Two parts, each in subprocesses with simulated CPU devices:
 
-1. Memory of Llama-3.1 8B (``LLAMA_CONFIGS["llama3-8b"]``: bfloat16 parameters,
+1. Memory of Llama-3.1 8B (``ns.models.CONFIGS["llama3-8b"]``: bfloat16 parameters,
    AdamW, scanned layers, remat full) under ``fsdp`` on ``data=8``, batch 8 x seq
    256, compiled from abstract inputs as ``nnx-shard plan`` does (nothing is
    allocated): XLA's temp, argument and total bytes per device of fit's call per
@@ -86,13 +86,13 @@ def memory_worker(n_devices: int, quick: bool) -> dict:
 
     import nnx_shard as ns
     from nnx_shard._optimizers import get as optimizer
-    from nnx_shard.models import LLAMA_CONFIGS, Llama, lm_loss
+    from nnx_shard.models import CONFIGS, Llama, lm_loss
     from nnx_shard.planner._compile import compile_fit
     from nnx_shard.planner._formula import abstract_report, formula
 
     assert jax.device_count() == n_devices
     name = "tiny" if quick else "llama3-8b"
-    cfg = dataclasses.replace(LLAMA_CONFIGS[name], remat="full", scan_layers=True)
+    cfg = dataclasses.replace(CONFIGS[name], remat="full", scan_layers=True)
     batch, seq = (8, 16) if quick else (LLAMA_BATCH, LLAMA_SEQ)
     sizes = {"data": n_devices}
     factory = lambda: Llama(cfg, rngs=nnx.Rngs(0))  # noqa: E731
