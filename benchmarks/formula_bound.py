@@ -37,7 +37,7 @@ from nnx_shard._axes import sizes_str
 from nnx_shard._optimizers import get as optimizer
 from nnx_shard.models import Transformer, get_config
 from nnx_shard.planner import _compile, _formula
-from nnx_shard.planner._layouts import enumerate_layouts
+from nnx_shard.planner._candidates import enumerate_candidates
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.config.split(",") if kv)}
     base = dataclasses.replace(get_config(args.model), scan_layers=True, **overrides)
-    layouts, _ = enumerate_layouts(jax.device_count(), args.strategies.split(","))
+    layouts, _ = enumerate_candidates(jax.device_count(), args.strategies.split(","))
     tx = optimizer("adamw")
     ratios = []
     for name, sizes in layouts:

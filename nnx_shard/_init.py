@@ -50,7 +50,7 @@ M = TypeVar("M", bound=nnx.Module)
 
 #: What every entry point takes for the layout: a rules table, or a strategy (its
 #: ``rules`` and ``opt_rules``, checked against the model and mesh first).
-Layout: TypeAlias = "Rules | Mapping[str, Any] | StrategyLike"
+RulesLike: TypeAlias = "Rules | Mapping[str, Any] | StrategyLike"
 
 
 @runtime_checkable
@@ -254,7 +254,7 @@ def _is_abstract(state: Any) -> bool:
 def abstract_init(
     factory: Callable[[], M],
     mesh: Mesh | str | Mapping[str, int],
-    rules: Layout,
+    rules: RulesLike,
 ) -> M:
     """The model ``factory`` would build, with ``jax.ShapeDtypeStruct`` leaves carrying
     the sharding each Variable resolves to; nothing is allocated.
@@ -290,7 +290,7 @@ def abstract_init(
 def sharded_init(
     factory: Callable[[], M],
     mesh: Mesh | str | Mapping[str, int],
-    rules: Layout,
+    rules: RulesLike,
 ) -> M:
     """Builds the model ``factory`` returns directly in its sharded layout.
 
@@ -335,7 +335,7 @@ def sharded_init(
 def lower_init(
     factory: Callable[[], nnx.Module],
     mesh: Mesh | str | Mapping[str, int],
-    rules: Layout,
+    rules: RulesLike,
 ) -> tuple[nnx.GraphDef, jax.stages.Lowered]:
     """The graphdef and the lowered (not yet compiled) init program of :func:`sharded_init`.
 
@@ -377,15 +377,15 @@ def _opt_shardings(opt_state: Any, owners: Any, mesh: Mesh, rules: Rules) -> Any
     """A NamedSharding for every optimizer-state Variable, as :mod:`nnx_shard._optstate`
     decides (the same decision :func:`nnx_shard.explain` reports)."""
 
-    def make(path: str, leaf: Any, layout: optstate.Layout) -> Any:
-        sharding = NamedSharding(mesh, layout.spec)
+    def make(path: str, leaf: Any, leaf_spec: optstate.StateLeafSpec) -> Any:
+        sharding = NamedSharding(mesh, leaf_spec.spec)
         if not isinstance(leaf, nnx.Variable):
             return sharding
         # A Variable holding no array (multi_transform's MaskedNode) keeps its empty value,
         # so this tree has the state's structure.
         return leaf.replace(sharding) if hasattr(leaf.get_value(), "shape") else leaf
 
-    return optstate.layouts(opt_state, owners, mesh, rules, make=make)
+    return optstate.leaf_specs(opt_state, owners, mesh, rules, make=make)
 
 
 def _check_same_mesh(state: Any, mesh: Mesh) -> None:
@@ -456,7 +456,7 @@ def sharded_optimizer(
     model: nnx.Module,
     tx: optax.GradientTransformation,
     mesh: Mesh | str | Mapping[str, int],
-    rules: Layout,
+    rules: RulesLike,
     wrt: Any = nnx.Param,
     *,
     opt_rules: Rules | Mapping[str, Any] | None = None,
@@ -526,7 +526,7 @@ def _lower_optimizer(
     model: nnx.Module,
     tx: optax.GradientTransformation,
     mesh: Mesh | str | Mapping[str, int],
-    rules: Layout,
+    rules: RulesLike,
     wrt: Any,
     opt_rules: Rules | Mapping[str, Any] | None,
 ) -> tuple[nnx.GraphDef, Any, Any]:

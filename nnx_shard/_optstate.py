@@ -34,20 +34,21 @@ from nnx_shard._annotate import SOURCE_KEY, logical_names, path_str
 from nnx_shard._errors import ShardingError, raise_collected
 from nnx_shard._rules import Rules
 
-__all__ = ["Layout", "check_transformation", "layouts", "owner_shapes"]
+__all__ = ["StateLeafSpec", "check_transformation", "leaf_specs", "owner_shapes"]
 
 Owners = Mapping[tuple[str, ...], tuple[int, ...]]
 
 
-class Layout(NamedTuple):
-    """The decision for one optimizer-state leaf."""
+class StateLeafSpec(NamedTuple):
+    """The decision for one optimizer-state leaf: its spec, the logical names it came
+    from and how it was decided."""
 
     names: tuple[Any, ...] | None  # logical names used (None: replicated, unannotated)
     spec: PartitionSpec
     source: str  # how it was decided, as shown by explain
 
 
-_REPLICATED = Layout(None, PartitionSpec(), "default (replicated)")
+_REPLICATED = StateLeafSpec(None, PartitionSpec(), "default (replicated)")
 
 
 def check_transformation(tx: Any, caller: str, arg: str = "tx") -> None:
@@ -99,7 +100,7 @@ def kept_names(
     return found.pop() if len(found) == 1 else None
 
 
-def _decide(path: str, leaf: Any, owners: Owners, mesh: Any, rules: Rules) -> Layout:
+def _decide(path: str, leaf: Any, owners: Owners, mesh: Any, rules: Rules) -> StateLeafSpec:
     if not isinstance(leaf, nnx.Variable):
         return _REPLICATED
     value = leaf.get_value()
@@ -115,7 +116,7 @@ def _decide(path: str, leaf: Any, owners: Owners, mesh: Any, rules: Rules) -> La
     if param_shape == shape:
         source = leaf.get_metadata().get(SOURCE_KEY, "annotation")
         spec = rules.spec(names, shape=shape, mesh=mesh, path=path, allow_unconstrained=False)
-        return Layout(names, spec, source)
+        return StateLeafSpec(names, spec, source)
     kept = None if param_shape is None else kept_names(shape, param_shape, names)
     if kept is None:
         return _REPLICATED
@@ -123,15 +124,15 @@ def _decide(path: str, leaf: Any, owners: Owners, mesh: Any, rules: Rules) -> La
         spec = rules.spec(kept, shape=shape, mesh=mesh, path=path, allow_unconstrained=False)
     except ShardingError:
         return _REPLICATED  # the parameter itself fits; its reduced statistics need not
-    return Layout(kept, spec, "parameter's kept dims")
+    return StateLeafSpec(kept, spec, "parameter's kept dims")
 
 
-def layouts(
+def leaf_specs(
     opt_state: Any, owners: Owners, mesh: Any, rules: Rules, prefix: str = "",
-    make: Callable[[str, Any, Layout], Any] | None = None,
+    make: Callable[[str, Any, StateLeafSpec], Any] | None = None,
 ) -> Any:
-    """The tree of ``opt_state`` with each leaf replaced by ``make(path, leaf, layout)``
-    (default: the :class:`Layout`). ``Variable`` leaves are leaves. Every state leaf
+    """The tree of ``opt_state`` with each leaf replaced by ``make(path, leaf, spec)``
+    (default: the :class:`StateLeafSpec`). ``Variable`` leaves are leaves. Every state leaf
     that cannot be laid out is named in one ShardingError.
 
     >>> import optax
@@ -139,7 +140,7 @@ def layouts(
     >>> init = with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> params = nnx.state(nnx.Linear(32, 64, kernel_init=init, rngs=nnx.Rngs(0)), nnx.Param)
     >>> state = jax.eval_shape(optax.adafactor(1e-3, min_dim_size_to_factor=8).init, params)
-    >>> out = layouts(state, owner_shapes(params), {"data": 4, "model": 2},
+    >>> out = leaf_specs(state, owner_shapes(params), {"data": 4, "model": 2},
     ...               Rules({"embed": "data", "mlp": "model"}))
     >>> out[0].v_row["kernel"].spec, out[0].v_col["kernel"].spec, out[0].v_row["bias"].spec
     (P('data',), P('model',), P())
@@ -149,11 +150,11 @@ def layouts(
     def one(p: Any, leaf: Any) -> Any:
         path = prefix + path_str(p)
         try:
-            layout = _decide(path, leaf, owners, mesh, rules)
+            spec = _decide(path, leaf, owners, mesh, rules)
         except ShardingError as e:
             errors.append(str(e))  # keep going: one run names every piece that needs a fix
-            layout = _REPLICATED
-        return layout if make is None else make(path, leaf, layout)
+            spec = _REPLICATED
+        return spec if make is None else make(path, leaf, spec)
 
     out = jax.tree_util.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)

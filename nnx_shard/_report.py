@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from nnx_shard import _optstate as optstate
 from nnx_shard._annotate import SOURCE_KEY, logical_names, path_str
 from nnx_shard._axes import mesh_sizes, sizes_str
-from nnx_shard._init import Layout, tables
+from nnx_shard._init import RulesLike, tables
 from nnx_shard._mesh import as_state, bytes_per_device, make_mesh, nbytes, variable_spec
 from nnx_shard._rules import Rules
 
@@ -185,22 +185,22 @@ def _opt_rows(opt_state: Any, owners: Any, mesh: Any, rules: Rules) -> list[Row]
     """Rows of the optimizer state, laid out by the very function sharded_optimizer uses."""
     rows: list[Row] = []
 
-    def make(path: str, leaf: Any, layout: optstate.Layout) -> None:
+    def make(path: str, leaf: Any, leaf_spec: optstate.StateLeafSpec) -> None:
         var = isinstance(leaf, nnx.Variable)
         row = _row(path, type(leaf).__name__ if var else "array",
-                   leaf.get_value() if var else leaf, layout.names, layout.spec, layout.source,
-                   mesh, "optimizer")
+                   leaf.get_value() if var else leaf, leaf_spec.names, leaf_spec.spec,
+                   leaf_spec.source, mesh, "optimizer")
         if row is not None:
             rows.append(row)
 
-    optstate.layouts(opt_state, owners, mesh, rules, prefix="opt_state/", make=make)
+    optstate.leaf_specs(opt_state, owners, mesh, rules, prefix="opt_state/", make=make)
     return rows
 
 
 def explain(
     model: Any,
     mesh: Mesh | AbstractMesh | str | Mapping[str, int],
-    rules: Layout,
+    rules: RulesLike,
     optimizer: optax.GradientTransformation | None = None,
     *,
     wrt: Any = nnx.Param,

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from nnx_shard._errors import UsageError
 from nnx_shard._frames import Frames
 from nnx_shard._mesh._build import make_mesh
-from nnx_shard._mesh._layout import apply_sharding
+from nnx_shard._mesh._placement import apply_sharding
 from nnx_shard._rules import Rules, as_rules
 
 __all__ = ["constrain", "current", "option", "use"]

@@ -1,5 +1,6 @@
-"""Where arrays go: one sharding applied to a value, the ``NamedSharding`` of every
-Variable of a model (:func:`shardings`), and bytes per device of a layout."""
+"""Placing arrays on a mesh by rules: one sharding applied to a value, the
+``NamedSharding`` of every Variable of a model (:func:`shardings`), and the bytes
+per device that placement gives."""
 
 from __future__ import annotations
 

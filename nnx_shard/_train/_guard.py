@@ -7,7 +7,7 @@ loss, gradient norm or final state is undone on the device and replayed with
 (:func:`why_not_finite`). The gradient norm and the checks reduce small
 replicated leaves as one vector (:func:`grads_norm`, :func:`all_finite`) and
 sharded gradients as per-device shares (:func:`grad_sq_shares`), as the
-:class:`GuardLayout` the :class:`Guard` carries allows.
+:class:`StateLayout` the :class:`Guard` carries allows.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from nnx_shard._mesh import apply_sharding
 from nnx_shard._train._microbatch import value_and_grad
 from nnx_shard._train._trees import leaf_path
 
-__all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "GuardLayout", "all_finite",
+__all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "StateLayout", "all_finite",
            "aux_metrics", "check_call", "check_guard", "grad_sq_shares", "grads_norm", "guard_call",
            "make_fast_step", "make_gated_step", "make_step", "not_finite_leaf", "select",
            "skip_update_with", "why_not_finite"]
@@ -67,7 +67,7 @@ def check_guard(guard: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class GuardLayout:
+class StateLayout:
     """What the host knows of the model and optimizer state's layout that the traced
     types may not show (Auto mesh axes hide it), for the steps to read when traced.
 
@@ -83,9 +83,9 @@ class GuardLayout:
     >>> from flax import nnx
     >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    >>> GuardLayout.of(model, opt, None)   # one device: replicated, on no mesh
-    GuardLayout(replicated=True, grad_specs=None, mesh=None)
-    >>> GuardLayout.of(model, opt, jax.make_mesh((8,), ("data",))).grad_specs   # placed on it
+    >>> StateLayout.of(model, opt, None)   # one device: replicated, on no mesh
+    StateLayout(replicated=True, grad_specs=None, mesh=None)
+    >>> StateLayout.of(model, opt, jax.make_mesh((8,), ("data",))).grad_specs   # placed on it
     (P(), P())
     """
 
@@ -94,7 +94,7 @@ class GuardLayout:
     mesh: Mesh | None = None
 
     @classmethod
-    def of(cls, model: Any, optimizer: Any, mesh: Mesh | None) -> GuardLayout:
+    def of(cls, model: Any, optimizer: Any, mesh: Mesh | None) -> StateLayout:
         """The layout of ``model`` and ``optimizer``'s arrays, read on the host, as the
         fused call on ``mesh`` lays them out: fresh eager values (uncommitted) join
         its mesh replicated there (see :func:`nnx_shard.multistep`), so a second fit
@@ -124,7 +124,7 @@ class GuardLayout:
 class Guard(nnx.Module):
     """What the fused steps of ``Trainer.fit`` are given besides the model, optimizer
     and batch: a device flag carried across fused calls (False once a step was not
-    finite) and the state's :class:`GuardLayout`, a static attribute, so the compiled
+    finite) and the state's :class:`StateLayout`, a static attribute, so the compiled
     call is traced again whenever it changes.
 
     >>> guard = Guard()
@@ -132,9 +132,9 @@ class Guard(nnx.Module):
     (True, False)
     """
 
-    def __init__(self, layout: GuardLayout | None = None) -> None:
+    def __init__(self, layout: StateLayout | None = None) -> None:
         self.ok = nnx.Variable(jnp.array(True))
-        self.layout = layout if layout is not None else GuardLayout()
+        self.layout = layout if layout is not None else StateLayout()
 
     def raise_(self) -> None:
         """Sets the flag up again, keeping its placement: a fresh (uncommitted) value
@@ -382,7 +382,7 @@ def make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., 
     finiteness reductions and the select): on a small MLP it halved the steps/s. Here
     the check runs once per fused call; a call that fails is undone in the compiled
     call and replayed with the per-step guard (see ``Trainer.fit``), which finds the
-    exact step and leaf. With sharded gradients (the guard's :class:`GuardLayout` gives
+    exact step and leaf. With sharded gradients (the guard's :class:`StateLayout` gives
     their specs and mesh) the step hands on each device's share of the squared
     gradient norm, summed across devices at the end of the call
     (:func:`grad_sq_shares`).

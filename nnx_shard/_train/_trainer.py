@@ -24,7 +24,7 @@ from nnx_shard._train._fused import Fused, check_options
 from nnx_shard._train._guard import (
     DEFAULT_GUARD,
     Guard,
-    GuardLayout,
+    StateLayout,
     check_call,
     check_guard,
     guard_call,
@@ -161,7 +161,7 @@ class Trainer:
         # run's data continues (saved in checkpoints, see fit).
         self.data_position = 0
         # The steps' last argument: the NaN flag carried across calls and the state's
-        # GuardLayout, which fit records from the arrays (Auto mesh axes hide it from the
+        # StateLayout, which fit records from the arrays (Auto mesh axes hide it from the
         # traced types) and the steps read when traced.
         self._guard = Guard()
         # fit bounds the calls in flight itself (it reads each call's metrics), so the
@@ -415,10 +415,10 @@ class Trainer:
     # -- the phases of fit --------------------------------------------------------
 
     def _record_layout(self) -> None:
-        """Gives the guard the :class:`~nnx_shard._train._guard.GuardLayout` of the model and
+        """Gives the guard the :class:`~nnx_shard._train._guard.StateLayout` of the model and
         optimizer state as it is now: the steps read it when traced, and a new one
         (a static attribute of the guard) traces them again."""
-        layout = GuardLayout.of(self.model, self.optimizer, self.mesh)
+        layout = StateLayout.of(self.model, self.optimizer, self.mesh)
         if layout != self._guard.layout:
             self._guard.layout = layout
 

@@ -87,9 +87,10 @@ def _count(n: int) -> str:
 
 
 @dataclasses.dataclass
-class _Layout:
-    """What the formula knows of the model on the mesh: its report, the pipeline
-    stages (``None`` without a pipeline) and the activations."""
+class _Footprint:
+    """The model's bytes on the mesh, as the formula knows them: its report, the
+    pipeline stages (``None`` without a pipeline), the activations and the
+    compute-dtype copy."""
 
     report: Report
     stages: Any
@@ -110,8 +111,8 @@ def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
                                  microbatches=sizes[sched.axis])
 
 
-def _lay_out(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
-             sizes: dict[str, int], tx: Any) -> _Layout:
+def _footprint(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
+               sizes: dict[str, int], tx: Any) -> _Footprint:
     strat.check(model, sizes)
     wrt = nnx.LoRAParam if args.lora_rank is not None else nnx.Param
     report = abstract_report(model, sizes, strat.rules, tx, strat.opt_rules, wrt=wrt)
@@ -124,8 +125,8 @@ def _lay_out(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
     per_stage = stage_config(cfg, strat, sizes)
     stage_acts = None if per_stage is None else activation_bytes(
         per_stage, strat.rules, sizes, args.batch, args.seq, args.remat)
-    return _Layout(report, stages, acts, compute_copy(report, cfg.dtype, args.remat),
-                   stage_acts)
+    return _Footprint(report, stages, acts, compute_copy(report, cfg.dtype, args.remat),
+                      stage_acts)
 
 
 def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
@@ -145,23 +146,23 @@ def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
         raise UsageError(str(e)) from None
 
 
-def _stage_need(layout: _Layout, per_device: dict[str, int]) -> int:
+def _stage_need(fp: _Footprint, per_device: dict[str, int]) -> int:
     """The per-stage formula's bytes per device: the formula's, with the activations
     of one stage's layers (for every microbatch) in place of every layer's."""
-    assert layout.stage_activations is not None
-    return int(per_device["total"] - per_device["activations"] + layout.stage_activations)
+    assert fp.stage_activations is not None
+    return int(per_device["total"] - per_device["activations"] + fp.stage_activations)
 
 
-def _results(layout: _Layout, per_device: dict[str, int], compiled: dict[str, Any] | None,
+def _results(fp: _Footprint, per_device: dict[str, int], compiled: dict[str, Any] | None,
              memory: int | None, top: int, strat: Strategy) -> dict[str, Any]:
     """The plan's JSON fields past the request's: bytes, the verdict, the largest tensors."""
-    report = layout.report
+    report = fp.report
     need = compiled["total"] if compiled is not None else per_device["total"]
     decided_by = "compiled" if compiled is not None else "formula"
     trusted, notice = (compiled_trusted(strat, compiled.get("backend", "cpu"))
                        if compiled is not None else (True, None))
-    if not trusted and layout.stages is not None:
-        need, decided_by = _stage_need(layout, per_device), "stage formula"
+    if not trusted and fp.stages is not None:
+        need, decided_by = _stage_need(fp, per_device), "stage formula"
     largest = sorted((r for r in report.rows if r.group == "params"),
                      key=lambda r: -r.bytes_per_device)[:top]
     return {
@@ -179,8 +180,8 @@ def _results(layout: _Layout, per_device: dict[str, int], compiled: dict[str, An
             for r in largest
         ],
         "replicated_params": sum(1 for r in report.replicated if r.group == "params"),
-        "stages": None if layout.stages is None else dataclasses.asdict(layout.stages),
-        "stage_activations": layout.stage_activations,
+        "stages": None if fp.stages is None else dataclasses.asdict(fp.stages),
+        "stage_activations": fp.stage_activations,
         "activation_formula": ACTIVATION_FORMULA,
         "device_memory": memory,
         "fits": None if memory is None else need <= memory,
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         "quantize_base": args.quantize_base,
     }
     try:
-        layout = _lay_out(args, model, cfg, strat, sizes, tx)
+        fp = _footprint(args, model, cfg, strat, sizes, tx)
     except ShardingError as e:
         out["error"] = str(e)
         if args.json:
@@ -253,14 +254,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG} plan: {args.model} on {args.mesh} with {strat.name}: cannot lay out")
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    per_device = formula(layout.report, layout.activations, args.guard, layout.compute,
+    per_device = formula(fp.report, fp.activations, args.guard, fp.compute,
                          trained="Param" if args.lora_rank is None else "LoRAParam")
     compiled = _compile(args, strat, sizes, out["devices"])
-    out.update(_results(layout, per_device, compiled, memory, args.top, strat))
+    out.update(_results(fp, per_device, compiled, memory, args.top, strat))
     if args.json:
         print(json.dumps(out))
     else:
-        _print_plan(args, cfg, out, layout)
+        _print_plan(args, cfg, out, fp)
     return 0 if out["fits"] in (None, True) else 1
 
 
@@ -348,7 +349,7 @@ def _print_notes(args: argparse.Namespace, out: dict[str, Any], stages: Any) -> 
 
 
 def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
-                layout: _Layout) -> None:
+                fp: _Footprint) -> None:
     dtypes = (out["param_dtype"] if out["param_dtype"] == out["compute_dtype"] else
               f"{out['param_dtype']} master weights, {out['compute_dtype']} compute")
     print(f"plan: model {args.model} ({_count(cfg.num_params)} parameters, "
@@ -362,9 +363,9 @@ def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
               "gradients and optimizer state for the adapters only (base frozen); "
               "formula figures (the compiled step would train every parameter)")
     print()
-    _print_bytes(out, layout.report)
-    _print_largest(out, layout.report, args.top)
-    _print_notes(args, out, layout.stages)
+    _print_bytes(out, fp.report)
+    _print_largest(out, fp.report, args.top)
+    _print_notes(args, out, fp.stages)
 
 
 # -- --generate -------------------------------------------------------------------------------

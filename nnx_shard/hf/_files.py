@@ -1,5 +1,6 @@
-"""Checkpoint files and the per-parameter programs between the Hugging Face
-layout and the model's: what loading and saving share."""
+"""The files of a Hugging Face checkpoint (:func:`checkpoint_files`: one
+``model.safetensors`` or the shards its index lists) and the per-parameter programs
+between the Hugging Face layout and the model's: what loading and saving share."""
 
 from __future__ import annotations
 

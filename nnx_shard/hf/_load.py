@@ -15,7 +15,7 @@ from nnx_shard._annotate import path_str
 from nnx_shard._errors import UsageError, short
 from nnx_shard._init import rewrap
 from nnx_shard.hf import _fused as fused
-from nnx_shard.hf._layout import checkpoint_files, layouts, program
+from nnx_shard.hf._files import checkpoint_files, layouts, program
 from nnx_shard.hf._mapping import Leaf, MappingValue, compile_rules, leaves_of, mapping_for, match
 
 __all__ = ['load_safetensors', 'separate_head']

@@ -36,7 +36,7 @@ from nnx_shard._annotate import path_str
 from nnx_shard._errors import NnxShardError, UsageError, check_path, short
 from nnx_shard._low_rank import Adapted, adaptable_kernels, adapters, kernel_axes, lora
 from nnx_shard.hf import _export_dir as export_dir
-from nnx_shard.hf._layout import as_path
+from nnx_shard.hf._files import as_path
 from nnx_shard.hf._mapping import compile_rules, mapping_for
 
 __all__ = ["load_lora", "save_lora"]

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from nnx_shard import _safetensors_io as st
 from nnx_shard._errors import UsageError, check_path, short
 from nnx_shard._init import abstract_init
-from nnx_shard.hf._layout import checkpoint_files
+from nnx_shard.hf._files import checkpoint_files
 from nnx_shard.hf._load import load_safetensors, separate_head
 from nnx_shard.hf._source import read_source, remember_source
 from nnx_shard.models._llama import Llama

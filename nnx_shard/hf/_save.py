@@ -20,7 +20,7 @@ from nnx_shard._errors import NnxShardError, count, short
 from nnx_shard._init import rewrap
 from nnx_shard.hf import _export_dir as export_dir
 from nnx_shard.hf import _fused as fused
-from nnx_shard.hf._layout import INDEX, SINGLE, as_path, barrier, layouts, program
+from nnx_shard.hf._files import INDEX, SINGLE, as_path, barrier, layouts, program
 from nnx_shard.hf._mapping import (
     TRANSFORM_FNS,
     Leaf,

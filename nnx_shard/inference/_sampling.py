@@ -35,13 +35,13 @@ def generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> 
     from flax import nnx
 
     from nnx_shard._errors import count
-    from nnx_shard.inference import _generation as g
+    from nnx_shard.inference import _checks as g
     from nnx_shard.inference._decoding import check_temperature, config_vocab
 
     n = count(n, "generate: n")
     temperature = check_temperature(temperature, "generate")
-    seed = g._check_seed(seed, "generate")
-    g._check_ids(np.asarray(prompt), config_vocab(model), "generate", "prompt")
+    seed = g.check_seed(seed, "generate")
+    g.check_ids(np.asarray(prompt), config_vocab(model), "generate", "prompt")
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -115,31 +115,34 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
     import jax.numpy as jnp
     from flax import nnx
 
+    from nnx_shard._errors import UsageError
     from nnx_shard._mesh import use
-    from nnx_shard.inference import _generation as g
+    from nnx_shard.inference import _checks as g
     from nnx_shard.inference._decoding import check_sampling, check_top_k, config_vocab
+    from nnx_shard.inference._generation import generation_rules
 
     caller = "recompute"
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"{caller}: model must be an nnx.Module, got {type(model).__name__}.")
-    prompt = g._check_prompt(prompt_tokens, model, caller)
+        raise UsageError(f"{caller}: model must be an nnx.Module, got {type(model).__name__}. "
+                         "Fix: pass the model itself, e.g. recompute(model, prompts, ...)")
+    prompt = g.check_prompt(prompt_tokens, model, caller)
     batch, prompt_len = prompt.shape
-    new = g._check_lengths(model, prompt_len, max_new_tokens, caller)
+    new = g.check_lengths(model, prompt_len, max_new_tokens, caller)
     t, k = check_sampling(temperature, top_k, model, caller)
-    seed = g._check_seed(seed, caller)
-    mesh, rules = g._placement(mesh, rules, caller)
+    seed = g.check_seed(seed, caller)
+    mesh, rules = g.placement(mesh, rules, caller)
     ctx: Any = contextlib.nullcontext()
     gen_rules = None
     if mesh is not None:
-        gen_rules = g.generation_rules(rules)
-        g._check_batch(batch, mesh, gen_rules, caller)
+        gen_rules = generation_rules(rules)
+        g.check_batch(batch, mesh, gen_rules, caller)
         ctx = use(mesh, gen_rules)
     graphdef, state = nnx.split(model)
     if config_vocab(model) is None:  # a model of the caller's: its logits say the vocabulary
         with ctx:
-            vocab = g._logits_vocab(lambda s, x: nnx.merge(graphdef, s)(x), state,
-                                    jax.ShapeDtypeStruct(prompt.shape, jnp.int32))
-        g._check_ids(prompt, vocab, caller)
+            vocab = g.logits_vocab(lambda s, x: nnx.merge(graphdef, s)(x), state,
+                                   jax.ShapeDtypeStruct(prompt.shape, jnp.int32))
+        g.check_ids(prompt, vocab, caller)
         k = check_top_k(top_k, vocab, caller)
     run = _program(graphdef, mesh, gen_rules, batch, prompt_len, new, t == 0.0, k)
     with ctx:

@@ -47,7 +47,7 @@ here or in a child Python), :mod:`~nnx_shard.planner._formula` (the formula's
 bytes), :mod:`~nnx_shard.planner._plan` (candidates and the plan),
 :mod:`~nnx_shard.planner._cache` (compiles kept across runs), and for :func:`auto`:
 :mod:`~nnx_shard.planner._options` (its options), :mod:`~nnx_shard.planner._problem` (the
-model and options it plans for), :mod:`~nnx_shard.planner._layouts` (the preset x mesh
+model and options it plans for), :mod:`~nnx_shard.planner._candidates` (the preset x mesh
 candidates), :mod:`~nnx_shard.planner._evaluate` (a candidate's figures: compiled,
 cached or a twin's), :mod:`~nnx_shard.planner._explore` (the phases, pruning and ranking)
 and :mod:`~nnx_shard.planner._search` (:func:`auto` itself).

@@ -1,6 +1,6 @@
-"""The layouts one :func:`nnx_shard.planner.auto` call considers: every preset on every
-mesh of the devices (:func:`enumerate_layouts`), less those that cannot be laid out, with
-why (:func:`viable_layouts`).
+"""The candidates one :func:`nnx_shard.planner.auto` call considers, each a preset on a
+mesh of the devices: every preset on every mesh (:func:`enumerate_candidates`), less those
+that cannot be laid out, with why (:func:`viable_candidates`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from nnx_shard.planner._problem import Problem
 from nnx_shard.strategies._presets import get
 from nnx_shard.strategies._strategy import factorizations
 
-__all__ = ["enumerate_layouts", "viable_layouts"]
+__all__ = ["enumerate_candidates", "viable_candidates"]
 
 
-def enumerate_layouts(n: int, names: Sequence[str]) -> tuple[list[tuple[str, dict[str, int]]],
+def enumerate_candidates(n: int, names: Sequence[str]) -> tuple[list[tuple[str, dict[str, int]]],
                                                               list[str]]:
     """Every preset of ``names`` on every factorisation of ``n`` devices over its mesh
     axes, but those with a size-1 axis beyond the first (a preset with fewer axes
     lays the model out the same); and what was skipped, in words.
 
-    >>> layouts, pruned = enumerate_layouts(4, ["dp", "tp"])
-    >>> layouts
+    >>> candidates, pruned = enumerate_candidates(4, ["dp", "tp"])
+    >>> candidates
     [('dp', {'data': 4}), ('tp', {'data': 1, 'model': 4}), ('tp', {'data': 2, 'model': 2})]
     """
     out, pruned = [], []
@@ -42,7 +42,7 @@ def enumerate_layouts(n: int, names: Sequence[str]) -> tuple[list[tuple[str, dic
     return out, pruned
 
 
-def viable_layouts(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
+def viable_candidates(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
                                    list[tuple[str, dict[str, int], int]], list[Candidate],
                                    list[str]]:
     """Every layout, those that can be laid out (with the fewest microbatches they
@@ -52,12 +52,12 @@ def viable_layouts(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
     >>> from nnx_shard.planner._problem import resolve
     >>> from nnx_shard.planner._options import AutoOptions
     >>> p = resolve("tiny", AutoOptions(devices=2, batch=3, seq=8, strategies=["dp", "tp"]))
-    >>> layouts, viable, dropped, pruned = viable_layouts(p)
+    >>> candidates, viable, dropped, pruned = viable_candidates(p)
     >>> viable, [c.label for c in dropped]
     ([('tp', {'data': 1, 'model': 2}, 1)], ['dp data=2 remat=none mb=1'])
     """
     opts = p.opts
-    layouts, pruned = enumerate_layouts(opts.devices, p.names)
+    layouts, pruned = enumerate_candidates(opts.devices, p.names)
     dropped: list[Candidate] = []
     viable: list[tuple[str, dict[str, int], int]] = []
     for name, sizes in layouts:

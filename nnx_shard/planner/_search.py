@@ -2,7 +2,7 @@
 their checks, in :mod:`nnx_shard.planner._options`).
 
 :func:`auto` runs in named phases: :func:`~nnx_shard.planner._problem.resolve` checks the
-options and builds the model abstractly; :func:`~nnx_shard.planner._layouts.viable_layouts`
+options and builds the model abstractly; :func:`~nnx_shard.planner._candidates.viable_candidates`
 enumerates preset x mesh and drops what cannot be laid out; a
 :class:`~nnx_shard.planner._explore.Search` compiles the plain layouts, then remat policies
 and microbatches for the layouts that do not fit, and ranks what fits. See
@@ -21,8 +21,8 @@ import jax
 
 from nnx_shard._errors import NnxShardError, UsageError, short
 from nnx_shard._report import fmt_bytes
+from nnx_shard.planner._candidates import viable_candidates
 from nnx_shard.planner._explore import Search
-from nnx_shard.planner._layouts import viable_layouts
 from nnx_shard.planner._options import REMAT_ORDER, AutoOptions
 from nnx_shard.planner._plan import Plan, clip
 from nnx_shard.planner._problem import resolve
@@ -103,8 +103,8 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
     p = resolve(model, opts, user)
     if user is not None:
         user.check_names(p.abstract, p.names)
-    layouts, viable, dropped, pruned = viable_layouts(p)
-    search = Search(p, layouts, dropped, pruned)
+    candidates, viable, dropped, pruned = viable_candidates(p)
+    search = Search(p, candidates, dropped, pruned)
     if p.cfg is None and opts.compile_fn is None and jax.device_count() < opts.devices:
         raise UsageError(
             f"auto: a model factory compiles in this process, which has "

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 import nnx_shard as ns
 from nnx_shard import hf
 from nnx_shard._errors import UsageError
-from nnx_shard.hf import _layout as layout
+from nnx_shard.hf import _files as files
 from nnx_shard.models import Llama, LlamaConfig
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -102,12 +102,12 @@ def test_model_safetensors_is_read_before_an_index(tmp_path: Path) -> None:
     # An index of shards that are not there: never read while model.safetensors is.
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
-    assert layout.checkpoint_files(folder) == [str(folder / "model.safetensors")]
+    assert files.checkpoint_files(folder) == [str(folder / "model.safetensors")]
     model = hf.load_pretrained(folder, mesh="data=8", rules=RULES)
     weights = load_file(folder / "model.safetensors")
     np.testing.assert_array_equal(np.asarray(model.final_norm.scale.get_value()),
                                   weights["model.norm.weight"])
     # Without model.safetensors, the index is what is read (and its shards must be there).
     (folder / "model.safetensors").unlink()
-    with pytest.raises(layout.CheckpointNotFound, match="lists 1 files that are not there"):
-        layout.checkpoint_files(folder)
+    with pytest.raises(files.CheckpointNotFound, match="lists 1 files that are not there"):
+        files.checkpoint_files(folder)

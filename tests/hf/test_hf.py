@@ -30,7 +30,7 @@ from safetensors.numpy import load_file, save_file
 import nnx_shard as ns
 from nnx_shard import _safetensors_io as safetensors_io
 from nnx_shard import hf
-from nnx_shard.hf import _layout as layout
+from nnx_shard.hf import _files as files
 from nnx_shard.hf import _mapping as mapping
 from nnx_shard.models import Llama, LlamaConfig
 from nnx_shard.planner import compiled_collectives
@@ -185,18 +185,18 @@ def test_transforms_are_local(strategy: str) -> None:
     # the slice it holds.
     name = "hf_qwen3"
     target = _target(name, strategy, scan_layers=strategy.startswith("pp"))
-    header = safetensors_io.read_header(*layout.checkpoint_files(FIXTURES / name))
+    header = safetensors_io.read_header(*files.checkpoint_files(FIXTURES / name))
     leaves = mapping.leaves_of(nnx.state(target), "test")
     mapping.match(header, leaves, mapping.compile_rules(hf.mapping_for(target)), name)
     checked = 0
     mesh = _mesh(strategy)
     for leaf in leaves.values():
-        shape, hf_sharding, model_sharding = layout.layouts(leaf)
+        shape, hf_sharding, model_sharding = files.layouts(leaf)
         for direction, arg in (("load", jax.ShapeDtypeStruct(shape, jnp.float32,
                                                              sharding=hf_sharding)),
                                ("save", jax.ShapeDtypeStruct(leaf.shape, jnp.float32,
                                                              sharding=model_sharding))):
-            hlo = layout.program(leaf, direction, jnp.float32).lower(arg).compile().as_text()
+            hlo = files.program(leaf, direction, jnp.float32).lower(arg).compile().as_text()
             assert compiled_collectives(hlo, mesh) == [], (leaf.path, direction)
             checked += 1
     assert checked == 2 * len(leaves) and any(leaf.transform == "heads_out"
@@ -217,7 +217,7 @@ def test_save_then_load_is_bitwise_and_transformers_layout(tmp_path) -> None:
     # From a stacked model on a pipeline mesh, split over files: the same checkpoint.
     stacked = hf.load_safetensors(tmp_path / "one", _target(name, "pp_tp", scan_layers=True))
     hf.save_safetensors(tmp_path / "many", stacked, max_shard_bytes=20_000)
-    index = json.loads((tmp_path / "many" / layout.INDEX).read_text())
+    index = json.loads((tmp_path / "many" / files.INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 2 and index["weight_map"].keys() == \
         original.keys()
     back = hf.load_safetensors(tmp_path / "many", _target(name, "fsdp_tp"))
@@ -293,7 +293,7 @@ def test_two_tensors_for_one_parameter(tmp_path) -> None:
 def test_missing_files_and_targets(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="holds neither model.safetensors nor"):
         hf.load_safetensors(tmp_path, _target("hf_llama", "dp"))
-    (tmp_path / layout.INDEX).write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    (tmp_path / files.INDEX).write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="lists 1 files that are not there: "
                        "part-1.safetensors"):
         hf.load_safetensors(tmp_path, _target("hf_llama", "dp"))
@@ -380,7 +380,7 @@ def test_two_processes_save_one_checkpoint(tmp_path) -> None:
     assert saved.keys() == original.keys()
     for key in original:
         np.testing.assert_array_equal(saved[key], original[key], err_msg=key)
-    assert (tmp_path / "ckpt" / layout.INDEX).is_file()
+    assert (tmp_path / "ckpt" / files.INDEX).is_file()
 
 
 
@@ -434,11 +434,11 @@ def _llama_copy(tmp_path: Path, name: str = "ckpt") -> Path:
 def _index(folder: Path, content: object) -> Path:
     # An index beside model.safetensors is never read (as in transformers): the
     # single file goes, its bytes stay as a shard.
-    if (folder / layout.SINGLE).exists():
-        (folder / layout.SINGLE).rename(folder / "model-00001-of-00001.safetensors")
+    if (folder / files.SINGLE).exists():
+        (folder / files.SINGLE).rename(folder / "model-00001-of-00001.safetensors")
     text = content if isinstance(content, str) else json.dumps(content)
-    (folder / layout.INDEX).write_text(text)
-    return folder / layout.INDEX
+    (folder / files.INDEX).write_text(text)
+    return folder / files.INDEX
 
 
 def test_index_shards_outside_the_folder_are_refused(tmp_path) -> None:

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import nnx_shard as ns
-from nnx_shard import hf
+from nnx_shard import UsageError, hf
 from nnx_shard.inference import CACHE_AXES, explain_cache, generate, generation_rules
 from nnx_shard.inference import _generation as gen
 from nnx_shard.inference._sampling import recompute
@@ -370,23 +370,23 @@ def test_bad_input_one_clear_error_each() -> None:
     model = _tiny()
     good = _prompt(2)
     cases = [
-        (TypeError, "integer token ids, got dtype float32", good.astype(np.float32), 4, {}),
-        (ValueError, "rank 2 .* Fix: tokens\\[None\\]", good[0], 4, {}),
+        (UsageError, "integer token ids, got dtype float32", good.astype(np.float32), 4, {}),
+        (UsageError, "rank 2 .* Fix: tokens\\[None\\]", good[0], 4, {}),
         (ValueError, "ids from 0 to 200", np.array([[0, 200]]), 4, {}),
-        (ValueError, "prompt has 30 tokens but the model's context is 24", _prompt(1, 30), 1, {}),
-        (ValueError, "max_new_tokens=0; generate at least 1", good, 0, {}),
-        (ValueError, "max_new_tokens=-3", good, -3, {}),
-        (TypeError, "max_new_tokens must be an int", good, 2.0, {}),
-        (ValueError, "max_new_tokens \\(17\\) = 25 positions, past the model.s context of 24.*<= 16",
+        (UsageError, "prompt has 30 tokens but the model's context is 24", _prompt(1, 30), 1, {}),
+        (UsageError, "max_new_tokens=0; generate at least 1", good, 0, {}),
+        (UsageError, "max_new_tokens=-3", good, -3, {}),
+        (UsageError, "max_new_tokens must be an int", good, 2.0, {}),
+        (UsageError, "max_new_tokens \\(17\\) = 25 positions, past the model.s context of 24.*<= 16",
          good, 17, {}),
         (ValueError, "temperature=-1", good, 4, {"temperature": -1}),
         (ValueError, "top_k=0", good, 4, {"top_k": 0, "temperature": 1.0}),
-        (TypeError, "mesh= was given without rules=", good, 4, {"mesh": "data=8"}),
+        (UsageError, "mesh= was given without rules=", good, 4, {"mesh": "data=8"}),
     ]
     for err, match, prompt, new, kwargs in cases:
         with pytest.raises(err, match=match):
             generate(model, prompt, new, **kwargs)
-    with pytest.raises(TypeError, match="init_cache\\(batch, length\\) and decode"):
+    with pytest.raises(UsageError, match="init_cache\\(batch, length\\) and decode"):
         generate(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), good, 4)
 
 

@@ -52,10 +52,10 @@ def test_enumeration_covers_every_preset_and_mesh_and_says_what_it_skipped():
                         progress=False)
     labels = {c.label for c in plan.ranked}
     # What the registry holds now (a preset added later joins without edits here) ...
-    from nnx_shard.planner._layouts import enumerate_layouts
+    from nnx_shard.planner._candidates import enumerate_candidates
     from nnx_shard.strategies._strategy import PRESETS
 
-    layouts, skipped = enumerate_layouts(4, list(PRESETS))
+    layouts, skipped = enumerate_candidates(4, list(PRESETS))
     usable = [(n, sz) for n, sz in layouts if not n.startswith("pp")]  # tiny is unstacked
     assert labels == {f"{n} {','.join(f'{a}={k}' for a, k in sz.items())} remat=none mb=1"
                       for n, sz in usable}
@@ -344,10 +344,10 @@ def test_the_compile_budget_is_bounded_and_says_so():
     assert len(fake.seen) == 3 and len(plan.ranked) == 3
     # Every layout of the registry's presets on 4 devices, but the pipelines the unstacked
     # tiny model cannot use: all but the 3 compiled are over the budget.
-    from nnx_shard.planner._layouts import enumerate_layouts
+    from nnx_shard.planner._candidates import enumerate_candidates
     from nnx_shard.strategies._strategy import PRESETS
 
-    layouts, _ = enumerate_layouts(4, list(PRESETS))
+    layouts, _ = enumerate_candidates(4, list(PRESETS))
     usable = [name for name, _ in layouts if not name.startswith("pp")]
     assert f"{len(usable) - 3} layouts not compiled (max_compiles=3)" in plan.pruned
     over = [c for c in plan.dropped if c.reason == "not compiled: over max_compiles=3"]
