@@ -48,7 +48,7 @@ __all__ = ["abstract_init", "sharded_init", "sharded_optimizer"]
 
 M = TypeVar("M", bound=nnx.Module)
 
-#: What every entry point takes for the layout: a rules table, or a strategy (its
+#: What every entry point takes as its rules: a rules table (or a mapping), or a strategy (its
 #: ``rules`` and ``opt_rules``, checked against the model and mesh first).
 RulesLike: TypeAlias = "Rules | Mapping[str, Any] | StrategyLike"
 

@@ -5,7 +5,7 @@
 * :mod:`~nnx_shard._mesh._context`: the active ``(mesh, rules)`` of :func:`use`,
   read by :func:`current` and :func:`option`, and :func:`constrain` for
   activations;
-* :mod:`~nnx_shard._mesh._layout`: :func:`shardings` of a model's Variables, one
+* :mod:`~nnx_shard._mesh._placement`: :func:`shardings` of a model's Variables, one
   sharding applied to a traced value, bytes per device.
 
 Every name is importable from ``nnx_shard._mesh`` directly.
@@ -13,7 +13,7 @@ Every name is importable from ``nnx_shard._mesh`` directly.
 
 from nnx_shard._mesh._build import make_mesh, mesh_str, parse_axes
 from nnx_shard._mesh._context import constrain, current, option, use
-from nnx_shard._mesh._layout import (
+from nnx_shard._mesh._placement import (
     apply_sharding,
     as_state,
     bytes_per_device,

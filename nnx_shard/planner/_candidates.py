@@ -45,7 +45,7 @@ def enumerate_candidates(n: int, names: Sequence[str]) -> tuple[list[tuple[str, 
 def viable_candidates(p: Problem) -> tuple[list[tuple[str, dict[str, int]]],
                                    list[tuple[str, dict[str, int], int]], list[Candidate],
                                    list[str]]:
-    """Every layout, those that can be laid out (with the fewest microbatches they
+    """Every candidate, those that can be laid out (with the fewest microbatches they
     run with: a pipeline's stage count), the dropped ones (with why) and what the
     enumeration skipped; raises when no preset can use the devices.
 
