@@ -24,11 +24,10 @@ from nnx_shard.models._adapters import attention_fn
 from nnx_shard.models._llama import Llama, LlamaConfig
 from nnx_shard.models._named import CONFIGS, get_config
 from nnx_shard.models._resize import resize_token_embeddings
-from nnx_shard.models._transformer import (
+from nnx_shard.models._transformer import Transformer, lm_loss
+from nnx_shard.models._transformer_config import (
     REMAT_POLICIES,
-    Transformer,
     TransformerConfig,
-    lm_loss,
     remat_policy,
 )
 

@@ -64,9 +64,9 @@ from nnx_shard.models._transformer import (
     RESIDUAL,
     block_input_names,
     last_positions,
-    remat_policy,
     seq_names,
 )
+from nnx_shard.models._transformer_config import remat_policy
 
 __all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig"]
 

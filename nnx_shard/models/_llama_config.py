@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from nnx_shard._errors import NnxShardError, UsageError, check_path, count, short
 from nnx_shard._safetensors_io import described
-from nnx_shard.models._transformer import check_fields, check_kernel_and_remat
+from nnx_shard.models._transformer_config import check_fields, check_kernel_and_remat
 
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig"]
 

@@ -20,7 +20,8 @@ from flax import nnx
 
 from nnx_shard._errors import UsageError, short
 from nnx_shard.models._llama import LLAMA_CONFIGS, Llama, LlamaConfig
-from nnx_shard.models._transformer import TRANSFORMER_CONFIGS, Transformer, TransformerConfig
+from nnx_shard.models._transformer import Transformer
+from nnx_shard.models._transformer_config import TRANSFORMER_CONFIGS, TransformerConfig
 
 __all__ = ["CONFIGS", "build", "get_config", "max_length"]
 

@@ -287,7 +287,7 @@ def test_lm_loss_names_the_batch_keys(tiny: Transformer) -> None:
         lm_loss(tiny, {"x": tokens, "y": tokens})
     with pytest.raises(KeyError, match=r"keys \['inputs'\]"):
         lm_loss(tiny, {"inputs": tokens})
-    with pytest.raises(TypeError, match=r"must be a dict with keys 'inputs' and 'targets' .*; "
+    with pytest.raises(ns.UsageError, match=r"must be a dict with keys 'inputs' and 'targets' .*; "
                        rf"got (ArrayImpl|Array) of shape \(2, {TINY.length}\)"):
         lm_loss(tiny, tokens)
 
@@ -460,7 +460,7 @@ def test_config_fields_refuse_bools_text_and_nan(cls, kwargs, match) -> None:
 
 
 def test_models_refuse_a_config_of_the_wrong_kind() -> None:
-    with pytest.raises(TypeError, match=r"Transformer: cfg must be a TransformerConfig, got int"):
+    with pytest.raises(ns.UsageError, match=r"Transformer: cfg must be a TransformerConfig, got int"):
         Transformer(5, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"Llama: cfg must be a LlamaConfig, got str 'tiny'"):
         ns.models.Llama("tiny", rngs=nnx.Rngs(0))
