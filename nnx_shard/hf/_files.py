@@ -31,9 +31,9 @@ def as_path(path: Any, who: str) -> Path:
     """``path`` as a Path: a str or os.PathLike (None, bytes or a number would fail
     inside pathlib with no word of which argument)."""
     if isinstance(path, bytes) or not isinstance(path, str | os.PathLike) or not str(path):
-        raise TypeError(f"{who}: path must be a directory path (str or os.PathLike), got "
-                        f"{type(path).__name__} {short(path, 60)}. Fix: e.g. "
-                        f"{who}('checkpoints/llama', ...)")
+        raise UsageError(f"{who}: path must be a directory path (str or os.PathLike), got "
+                         f"{type(path).__name__} {short(path, 60)}. Fix: e.g. "
+                         f"{who}('checkpoints/llama', ...)")
     return Path(path)
 
 

@@ -158,7 +158,7 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
       UsageError: the checkpoint's ``config.json`` and the target's configuration
         differ: one error listing each differing field; or the checkpoint holds a
         separate ``lm_head.weight`` and the target ties its head to the embedding.
-      ValueError: one error listing every problem: tensors the mapping does not
+      UsageError: one error listing every problem: tensors the mapping does not
         place (unused), parameters no tensor fills (missing), shapes and dtypes
         that do not fit; each names the Hugging Face key, the model path, both
         shapes and the fix.
@@ -192,10 +192,10 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     Fix: ...
     """
     if not nnx.graph.is_graph_node(target):
-        raise TypeError(f"load_safetensors: target must be an nnx.Module (abstract or concrete) "
-                        f"giving the structure and shardings, got {type(target).__name__} "
-                        f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Llama(cfg, "
-                        "rngs=nnx.Rngs(0)), mesh, rules)")
+        raise UsageError(f"load_safetensors: target must be an nnx.Module (abstract or concrete) "
+                         f"giving the structure and shardings, got {type(target).__name__} "
+                         f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Llama(cfg, "
+                         "rngs=nnx.Rngs(0)), mesh, rules)")
     files = checkpoint_files(path)
     raw = st.read_header(*files)
     _check_config(path, target, raw, mapping)

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard import _safetensors_io as st
 from nnx_shard._annotate import path_str
-from nnx_shard._errors import UsageError, short
+from nnx_shard._errors import ShardingError, UsageError, short
 
 __all__ = ['GEMMA2_MAPPING', 'LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'OLMO2_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
 
@@ -111,7 +111,7 @@ def mapping_for(model: Any) -> dict[str, MappingValue]:
     >>> mapping_for(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     Traceback (most recent call last):
     ...
-    ValueError: no built-in safetensors mapping for Linear (built in: nnx_shard.models.Llama). Fix: pass mapping={regex on the Hugging Face name: 'model/path' or ('model/path', transform)}, e.g. {r'dense\\.weight': ('kernel', 'transpose')}.
+    nnx_shard._errors.UsageError: no built-in safetensors mapping for Linear (built in: nnx_shard.models.Llama). Fix: pass mapping={regex on the Hugging Face name: 'model/path' or ('model/path', transform)}, e.g. {r'dense\\.weight': ('kernel', 'transpose')}.
     """
     from nnx_shard.models._llama import Llama
 
@@ -123,7 +123,7 @@ def mapping_for(model: Any) -> dict[str, MappingValue]:
             return (OLMO2_MAPPING | {r"lm_head\.weight": None} if model.cfg.tie_embeddings
                     else OLMO2_MAPPING)
         return LLAMA_TIED_MAPPING if model.cfg.tie_embeddings else LLAMA_MAPPING
-    raise ValueError(
+    raise UsageError(
         f"no built-in safetensors mapping for {type(model).__name__} (built in: "
         "nnx_shard.models.Llama). Fix: pass mapping={regex on the Hugging Face name: "
         "'model/path' or ('model/path', transform)}, e.g. "
@@ -315,7 +315,7 @@ def leaves_of(state: Any, caller: str) -> dict[str, Leaf]:
         out[p] = Leaf(p, tuple(value.shape), value.dtype, sharding,
                        tuple(names) if isinstance(names, tuple | list) else None)
     if bad:
-        raise ValueError(
+        raise ShardingError(
             f"{caller}: {len(bad)} variables carry no NamedSharding (e.g. {bad[0]!r}). Fix: "
             "build the target with ns.abstract_init(factory, mesh, rules) or "
             "ns.abstract_init(factory, mesh, strategy) (shapes and shardings, nothing "
@@ -457,7 +457,7 @@ def _missing(leaf: Leaf, rules: Sequence[Rule], tried: set[tuple[str, int | None
 
 def match(header: st.Header, leaves: dict[str, Leaf], rules: Sequence[Rule],
           where: str) -> None:
-    """Assigns every tensor to its parameter; one ValueError listing every problem."""
+    """Assigns every tensor to its parameter; one UsageError listing every problem."""
     tried: set[tuple[str, int | None]] = set()  # (path, layer) a tensor was reported for
     problems = [p for key in sorted(header.tensors, key=natural)
                 if (p := _assign(header, key, leaves, rules, tried)) is not None]
@@ -466,4 +466,4 @@ def match(header: st.Header, leaves: dict[str, Leaf], rules: Sequence[Rule],
         head = (f"load_safetensors: {len(problems)} problem"
                 f"{'s' if len(problems) > 1 else ''} between the checkpoint {where} and the "
                 "model:\n")
-        raise ValueError(head + "\n".join(f"- {p}" for p in problems))
+        raise UsageError(head + "\n".join(f"- {p}" for p in problems))

@@ -16,7 +16,7 @@ from flax import nnx
 
 from nnx_shard import _safetensors_io as st
 from nnx_shard._annotate import path_str
-from nnx_shard._errors import NnxShardError, count, short
+from nnx_shard._errors import NnxShardError, UsageError, count, short
 from nnx_shard._init import rewrap
 from nnx_shard.hf import _export_dir as export_dir
 from nnx_shard.hf import _fused as fused
@@ -58,7 +58,7 @@ def _plan_save(state: Any, rules: Sequence[Rule]) -> dict[str, Leaf]:
             continue
         leaf.transform = leaf.rule.transform
     if problems:
-        raise ValueError(f"save_safetensors: {len(problems)} parameters cannot be named:\n"
+        raise UsageError(f"save_safetensors: {len(problems)} parameters cannot be named:\n"
                          + "\n".join(f"- {p}" for p in problems))
     return leaves
 
@@ -156,8 +156,8 @@ def _check_args(path: Any, model: Any, max_shard_bytes: Any, dtype: Any) -> None
         try:
             kind = st.dtype_name(dtype)
         except (TypeError, ValueError):
-            raise TypeError(f"save_safetensors: dtype {short(dtype, 40)} is not a dtype. Fix: "
-                            "e.g. dtype=jnp.bfloat16, or None to keep each parameter's") from None
+            raise UsageError(f"save_safetensors: dtype {short(dtype, 40)} is not a dtype. Fix: "
+                             "e.g. dtype=jnp.bfloat16, or None to keep each parameter's") from None
         if not kind.startswith(("F", "BF")):
             raise NnxShardError(
                 f"save_safetensors: dtype {np.dtype(dtype).name} is not a floating-point dtype: "
@@ -165,8 +165,8 @@ def _check_args(path: Any, model: Any, max_shard_bytes: Any, dtype: Any) -> None
                 "back into the model. Fix: e.g. dtype=jnp.bfloat16 or jnp.float32, or None to "
                 "keep each parameter's")
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"save_safetensors: model must be an nnx.Module, got "
-                        f"{type(model).__name__} {short(model, 60)}. Fix: the model to write")
+        raise UsageError(f"save_safetensors: model must be an nnx.Module, got "
+                         f"{type(model).__name__} {short(model, 60)}. Fix: the model to write")
     if max_shard_bytes is not None:
         count(max_shard_bytes, "save_safetensors: max_shard_bytes",
               fix="bytes per file, e.g. 5 * 10**9, or None for one file")

@@ -326,9 +326,9 @@ def export_files(model: Any, source: Any, copy_tokenizer: Any, dtype: Any
     ({}, None)
     """
     if not isinstance(copy_tokenizer, bool):
-        raise TypeError(f"save_safetensors: copy_tokenizer must be True or False, got "
-                        f"{short(copy_tokenizer, 40)}. Fix: copy_tokenizer=False to leave "
-                        "the tokenizer files out")
+        raise UsageError(f"save_safetensors: copy_tokenizer must be True or False, got "
+                         f"{short(copy_tokenizer, 40)}. Fix: copy_tokenizer=False to leave "
+                         "the tokenizer files out")
     if source is None:
         found = source_of(model)
     elif source is False:
@@ -336,8 +336,8 @@ def export_files(model: Any, source: Any, copy_tokenizer: Any, dtype: Any
     elif isinstance(source, Source):
         found = source
     elif isinstance(source, bool):
-        raise TypeError("save_safetensors: source=True is not a folder. Fix: source=None for "
-                        "the model's own, source=False for none, or a checkpoint folder")
+        raise UsageError("save_safetensors: source=True is not a folder. Fix: source=None for "
+                         "the model's own, source=False for none, or a checkpoint folder")
     else:
         found = read_source(source)
     cfg = getattr(model, "cfg", None)

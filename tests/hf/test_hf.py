@@ -393,9 +393,9 @@ def _small_llama():
 
 @pytest.mark.parametrize("path", [None, 5, b"dir", ""])
 def test_paths_that_are_not_paths_are_named(path):
-    with pytest.raises(TypeError, match=r"load_safetensors: path must be a directory path"):
+    with pytest.raises(ns.UsageError, match=r"load_safetensors: path must be a directory path"):
         hf.load_safetensors(path, _small_llama())
-    with pytest.raises(TypeError, match=r"save_safetensors: path must be a directory path"):
+    with pytest.raises(ns.UsageError, match=r"save_safetensors: path must be a directory path"):
         hf.save_safetensors(path, Llama(LlamaConfig(), rngs=nnx.Rngs(0)))
 
 
@@ -405,15 +405,15 @@ def test_save_and_load_refuse_wrong_arguments(tmp_path):
     with pytest.raises(FileExistsError, match=r"path '.*afile' is a file, not a directory"):
         hf.save_safetensors(tmp_path / "afile", model)
     assert (tmp_path / "afile").read_text() == "keep me"
-    with pytest.raises(TypeError, match=r"dtype 'float99' is not a dtype"):
+    with pytest.raises(ns.UsageError, match=r"dtype 'float99' is not a dtype"):
         hf.save_safetensors(tmp_path / "o", model, dtype="float99")
     for size in (0, True, float("nan")):
         with pytest.raises(ns.NnxShardError, match=r"max_shard_bytes must be a positive int"):
             hf.save_safetensors(tmp_path / "o", model, max_shard_bytes=size)
-    with pytest.raises(TypeError, match=r"save_safetensors: model must be an nnx.Module, got int"):
+    with pytest.raises(ns.UsageError, match=r"save_safetensors: model must be an nnx.Module, got int"):
         hf.save_safetensors(tmp_path / "o", 5)
     assert not (tmp_path / "o").exists()
-    with pytest.raises(TypeError, match=r"load_safetensors: target must be an nnx.Module"):
+    with pytest.raises(ns.UsageError, match=r"load_safetensors: target must be an nnx.Module"):
         hf.load_safetensors(tmp_path, 5)
     with pytest.raises(FileNotFoundError, match=r"path '.*nowhere' is not a directory"):
         hf.load_safetensors(tmp_path / "nowhere", _small_llama())
