@@ -229,6 +229,7 @@ def _format(env: Any, text: str, name: str, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> str:
     if name == "format_map":
         if kwargs or len(args) != 1:
+            # not user input: the TypeError str.format_map itself raises, mirrored in the sandbox
             raise TypeError("format_map() takes exactly one argument")
         mapping = args[0]
         args, kwargs = (), mapping

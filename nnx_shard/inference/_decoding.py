@@ -52,10 +52,11 @@ def check_temperature(temperature: Any, caller: str) -> float:
     try:
         t = float(temperature)
     except (TypeError, ValueError):
-        raise TypeError(f"{caller}: temperature must be a number, got {temperature!r:.40}.") from None
+        raise UsageError(f"{caller}: temperature must be a number, got {temperature!r:.40}. "
+                         "Fix: temperature=0.0 (greedy) or e.g. temperature=0.8.") from None
     if not math.isfinite(t) or t < 0:
-        raise ValueError(f"{caller}: temperature={temperature!r}; use 0 (greedy) or a positive "
-                         "number.")
+        raise UsageError(f"{caller}: temperature={temperature!r}; use 0 (greedy) or a positive "
+                         "number. Fix: temperature=0.0 (greedy) or e.g. temperature=0.8.")
     return t
 
 
@@ -167,8 +168,7 @@ def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_
                   tokenizer: Any = None, num_return_sequences: Any = None,
                   caller: str = "generate") -> Options:
     """The options of :func:`generate` checked, one :class:`~nnx_shard.UsageError`
-    (or the ``TypeError``/``ValueError`` of temperature and top-k) naming the
-    argument otherwise. ``tokenizer`` is only checked: ``stop_strings`` need one.
+    naming the argument otherwise. ``tokenizer`` is only checked: ``stop_strings`` need one.
 
     >>> from flax import nnx
     >>> from nnx_shard.models import Transformer, get_config
