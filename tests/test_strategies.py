@@ -376,9 +376,9 @@ def test_strategy_helpers_refuse_wrong_types():
     for n in (True, 8.0, 0):
         with pytest.raises(ns.NnxShardError, match=r"mesh_for: n_devices must be a positive int"):
             ns.strategies.get("tp").mesh_for(n)
-    with pytest.raises(TypeError, match=r"Strategy.check: model must be an nnx.Module"):
+    with pytest.raises(ns.UsageError, match=r"Strategy.check: model must be an nnx.Module"):
         ns.strategies.get("tp").check(5, {"data": 2, "model": 4})
-    with pytest.raises(TypeError, match=r"compiled_collectives: hlo_text must be the text"):
+    with pytest.raises(ns.UsageError, match=r"compiled_collectives: hlo_text must be the text"):
         compiled_collectives(5, ns.make_mesh("data=8"))
-    with pytest.raises(TypeError, match=r"compiled_collectives: mesh must be a jax Mesh, got str"):
+    with pytest.raises(ns.UsageError, match=r"compiled_collectives: mesh must be a jax Mesh, got str"):
         compiled_collectives("", "data=8")

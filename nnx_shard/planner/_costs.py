@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
+from nnx_shard._errors import UsageError
+
 __all__ = ["KINDS", "Collective", "compiled_collectives", "hlo_costs", "partitioned_hlo"]
 
 
@@ -155,12 +157,12 @@ def compiled_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
     [('all-reduce', ('model',), 16, ((4,),))]
     """
     if not isinstance(hlo_text, str):
-        raise TypeError(f"compiled_collectives: hlo_text must be the text of a compiled program "
-                        f"(str), got {type(hlo_text).__name__}. Fix: "
-                        "jax.jit(f).lower(...).compile().as_text()")
+        raise UsageError(f"compiled_collectives: hlo_text must be the text of a compiled program "
+                         f"(str), got {type(hlo_text).__name__}. Fix: "
+                         "jax.jit(f).lower(...).compile().as_text()")
     if not isinstance(mesh, Mesh | AbstractMesh):
-        raise TypeError(f"compiled_collectives: mesh must be a jax Mesh, got "
-                        f"{type(mesh).__name__} {mesh!r:.60}. Fix: ns.make_mesh('data=8')")
+        raise UsageError(f"compiled_collectives: mesh must be a jax Mesh, got "
+                         f"{type(mesh).__name__} {mesh!r:.60}. Fix: ns.make_mesh('data=8')")
     out = []
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)

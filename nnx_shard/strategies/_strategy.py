@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from nnx_shard._annotate import path_str
 from nnx_shard._axes import mesh_sizes
-from nnx_shard._errors import ShardingError, count
+from nnx_shard._errors import ShardingError, UsageError, count
 from nnx_shard._mesh import make_mesh, variable_spec
 from nnx_shard._parallel.schedule import Schedule, check_stack
 from nnx_shard._rules import Rules
@@ -256,9 +256,9 @@ class Strategy:
         nnx_shard._errors.ShardingError: strategy 'tp' cannot lay out this model on mesh data=1, model=8: ... 'blocks/0/attn/k' ... Suggested mesh: {'data': 2, 'model': 4} ...
         """
         if not isinstance(model, nnx.State) and not nnx.graph.is_graph_node(model):
-            raise TypeError(f"Strategy.check: model must be an nnx.Module (concrete or "
-                            f"abstract) or its nnx.State, got {type(model).__name__} "
-                            f"({model!r:.60}). Fix: e.g. nnx.eval_shape(lambda: MyModel(...))")
+            raise UsageError(f"Strategy.check: model must be an nnx.Module (concrete or "
+                             f"abstract) or its nnx.State, got {type(model).__name__} "
+                             f"({model!r:.60}). Fix: e.g. nnx.eval_shape(lambda: MyModel(...))")
         sizes = _sizes(mesh)
         state = model if isinstance(model, nnx.State) else nnx.state(model)
         if isinstance(self.rules.options.get("pipeline"), Schedule):
