@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
 from nnx_shard._attention import BLOCK, attention
+from nnx_shard._errors import UsageError
 
 __all__ = ["attention_fn"]
 
@@ -57,19 +58,19 @@ def attention_fn(  # noqa: PLR0913  # flax's nnx.dot_product_attention signature
     """
     fix = "Fix: use flax's own attention_fn (the default) for this layer."
     if bias is not None:
-        raise ValueError(f"attention_fn: an additive attention bias is not supported. {fix}")
+        raise UsageError(f"attention_fn: bias=...: an additive attention bias is not supported. {fix}")
     if dropout_rate > 0.0 and not deterministic:
-        raise ValueError(
+        raise UsageError(
             f"attention_fn: dropout on the attention weights (dropout_rate={dropout_rate}) "
             "needs the probability matrix, which this path never builds. Fix: "
             "nnx.MultiHeadAttention(..., dropout_rate=0.0), or flax's own attention_fn."
         )
     if module is not None:
-        raise ValueError(f"attention_fn: sow_weights=True needs the attention weights. {fix}")
+        raise UsageError(f"attention_fn: sow_weights=True needs the attention weights. {fix}")
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     batch = query.shape[:-3]
     if key.shape[:-3] != batch or value.shape[:-3] != batch:
-        raise ValueError(
+        raise UsageError(
             f"attention_fn: query {query.shape}, key {key.shape} and value {value.shape} "
             "need the same batch dimensions. Fix: broadcast them before the call."
         )
@@ -78,7 +79,7 @@ def attention_fn(  # noqa: PLR0913  # flax's nnx.dot_product_attention signature
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.ndim < 3:
-            raise ValueError(
+            raise UsageError(
                 f"attention_fn: mask of shape {mask.shape} must be [batch..., heads, q_len, "
                 "kv_len]. Fix: build it with nnx.make_attention_mask / nnx.make_causal_mask."
             )

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_shard._attention._blocks import Masks
 from nnx_shard._attention._kernels import BLOCK, KERNELS, attention_local, resolve
 from nnx_shard._axes import entry_axes
+from nnx_shard._errors import UsageError
 from nnx_shard._mesh import constrain, current
 from nnx_shard.models._masks import prepare
 
@@ -236,7 +237,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
     True
     """
     if kernel not in KERNELS:
-        raise ValueError(
+        raise UsageError(
             f"attend: kernel={kernel!r} is not one of {KERNELS}. Fix: pass one of them "
             "(the model's attention kernel, e.g. LlamaConfig(attention=...)).")
     if q.shape[1] > 1 and kernel != "dense":

@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard._attention import attention
-from nnx_shard._errors import short
+from nnx_shard._errors import UsageError, short
 from nnx_shard._mesh import option
 from nnx_shard._parallel import pipeline
 from nnx_shard._parallel.collective_matmul import check_tokens
@@ -420,9 +420,9 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         if not isinstance(cfg, LlamaConfig):
-            raise TypeError(f"Llama: cfg must be a LlamaConfig, got {type(cfg).__name__} "
-                            f"{short(cfg, 60)}. Fix: e.g. Llama(ns.models.get_config('llama3-8b'), "
-                            "rngs=nnx.Rngs(0)), or LlamaConfig.from_hf(path)")
+            raise UsageError(f"Llama: cfg must be a LlamaConfig, got {type(cfg).__name__} "
+                             f"{short(cfg, 60)}. Fix: e.g. Llama(ns.models.get_config('llama3-8b'), "
+                             "rngs=nnx.Rngs(0)), or LlamaConfig.from_hf(path)")
         self.cfg = cfg
         remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype

@@ -91,10 +91,10 @@ def test_adapter_equals_stock_multi_head_attention(kv_heads) -> None:
 
 def test_adapter_rejects_what_it_cannot_compute() -> None:
     q = jnp.ones((2, 4, 2, 8))
-    with pytest.raises(ValueError, match=r"dropout on the attention weights \(dropout_rate=0\.1"
+    with pytest.raises(ns.UsageError, match=r"dropout on the attention weights \(dropout_rate=0\.1"
                        r"\) .* Fix: nnx\.MultiHeadAttention\(\.\.\., dropout_rate=0\.0\)"):
         ns.models.attention_fn(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"additive attention bias is not supported\. Fix: use "
+    with pytest.raises(ns.UsageError, match=r"additive attention bias is not supported\. Fix: use "
                        r"flax's own attention_fn"):
         ns.models.attention_fn(q, q, q, bias=jnp.zeros((2, 2, 4, 4)))
     # Extra batch dimensions are flattened and restored, as flax's function does.

@@ -462,5 +462,5 @@ def test_config_fields_refuse_bools_text_and_nan(cls, kwargs, match) -> None:
 def test_models_refuse_a_config_of_the_wrong_kind() -> None:
     with pytest.raises(ns.UsageError, match=r"Transformer: cfg must be a TransformerConfig, got int"):
         Transformer(5, rngs=nnx.Rngs(0))
-    with pytest.raises(TypeError, match=r"Llama: cfg must be a LlamaConfig, got str 'tiny'"):
+    with pytest.raises(ns.UsageError, match=r"Llama: cfg must be a LlamaConfig, got str 'tiny'"):
         ns.models.Llama("tiny", rngs=nnx.Rngs(0))
