@@ -40,7 +40,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from nnx_shard import _optstate as optstate
 from nnx_shard._annotate import path_str
-from nnx_shard._errors import ShardingError, sharding_types
+from nnx_shard._errors import ShardingError, UsageError, sharding_types, short
 from nnx_shard._mesh import make_mesh, mesh_str, shardings
 from nnx_shard._rules import Rules, as_rules
 
@@ -187,7 +187,7 @@ def _build(factory: Callable[[], Any], caller: str) -> nnx.Module:
             f"{hint}, e.g. lambda: MyModel(cfg, rngs=nnx.Rngs(0))."
         ) from e
     if not isinstance(module, nnx.Module):
-        raise TypeError(
+        raise UsageError(
             f"{caller}: the factory {_name(factory)} returned {type(module).__name__}, not an "
             "nnx.Module. Fix: pass a zero-argument callable that builds the module, e.g. "
             "lambda: MyModel(cfg, rngs=nnx.Rngs(0)) (not the module itself, not a function of rngs)."
@@ -197,12 +197,13 @@ def _build(factory: Callable[[], Any], caller: str) -> nnx.Module:
 
 def _check_factory(factory: Any, caller: str) -> None:
     if isinstance(factory, nnx.Module):
-        raise TypeError(
-            f"{caller}: got an already built {type(factory).__name__}; pass a factory instead, "
-            "e.g. lambda: MyModel(cfg, rngs=nnx.Rngs(0)), so it is built sharded."
+        raise UsageError(
+            f"{caller}: factory is an already built {type(factory).__name__}; pass a factory "
+            "instead. Fix: e.g. lambda: MyModel(cfg, rngs=nnx.Rngs(0)), so it is built sharded."
         )
     if not callable(factory):
-        raise TypeError(f"{caller}: factory must be a zero-argument callable, got {factory!r}")
+        raise UsageError(f"{caller}: factory must be a zero-argument callable, got "
+                         f"{short(factory, 80)}. Fix: e.g. lambda: MyModel(cfg, rngs=nnx.Rngs(0))")
 
 
 def _split_shapes(fn: Callable[..., Any], *args: Any) -> tuple[nnx.GraphDef, Any]:
@@ -313,7 +314,7 @@ def sharded_init(
 
     Raises:
       ShardingError: a Variable cannot be laid out (raised before compiling).
-      TypeError: ``factory`` is not callable or does not return an ``nnx.Module``.
+      UsageError: ``factory`` is not callable or does not return an ``nnx.Module``.
       RuntimeError: ``factory`` raised; the original exception is chained.
 
     >>> from flax import nnx
@@ -488,7 +489,7 @@ def sharded_optimizer(
       ShardingError: optimizer state cannot be laid out, the model's arrays live on
         another mesh than ``mesh`` (the parameter and both meshes are named), or
         (without ``opt_rules``) the model's parameters are not laid out as ``rules`` says.
-      TypeError: ``model`` is not an ``nnx.Module`` or ``tx`` not an optax transformation.
+      UsageError: ``model`` is not an ``nnx.Module`` or ``tx`` not an optax transformation.
 
     Optimizer-state layouts are decided by :mod:`nnx_shard._optstate`, the same
     function :func:`nnx_shard.explain` reports with: state shaped like its
@@ -513,8 +514,9 @@ def sharded_optimizer(
     (P(None, None), P('data', None))
     """
     if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"sharded_optimizer: model must be an nnx.Module, got {type(model).__name__}"
+        raise UsageError(
+            f"sharded_optimizer: model must be an nnx.Module, got {type(model).__name__}. "
+            "Fix: sharded_optimizer(model, optax.adamw(1e-3), mesh, rules) with the model itself"
         )
     opt_graphdef, lowered, args = _lower_optimizer(model, tx, mesh, rules, wrt, opt_rules)
     if isinstance(lowered, Mapping):  # an abstract model: the abstract optimizer state

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnx_shard._errors import check_path
+from nnx_shard._errors import UsageError, check_path
 
 JSONL_NAME = "metrics.jsonl"
 #: Rows a later run wrote again (see :class:`MetricsWriter`) move here, not away.
@@ -39,8 +39,8 @@ def _value(v: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if not isinstance(x, bool | int | float):
-        raise TypeError(f"MetricsWriter: a metric holds {x!r} ({type(x).__name__}), not a "
-                        "number. Fix: return numbers or numeric arrays as metrics.")
+        raise UsageError(f"MetricsWriter: a metric holds {x!r} ({type(x).__name__}), not a "
+                         "number. Fix: return numbers or numeric arrays as metrics.")
     return x
 
 
@@ -56,13 +56,13 @@ def _row_step(line: str) -> int | None:
 
 def _directory(directory: Any) -> Path:
     if isinstance(directory, bytes) or not isinstance(directory, str | os.PathLike):
-        raise TypeError(
+        raise UsageError(
             f"MetricsWriter: directory must be a str or os.PathLike path, got "
             f"{type(directory).__name__} {directory!r:.60}. Fix: e.g. MetricsWriter('logs')."
         )
     text = os.fspath(directory)
     if not isinstance(text, str) or text == "":
-        raise ValueError(
+        raise UsageError(
             f"MetricsWriter: directory {text!r:.60} is empty (it would mean the current "
             "directory). Fix: name a folder, e.g. MetricsWriter('logs') or "
             "MetricsWriter('.') for the current one."
@@ -115,9 +115,9 @@ class MetricsWriter:
     def __init__(self, directory: str | os.PathLike[str], *,
                  tensorboard: bool | None = None) -> None:
         if tensorboard is not None and not isinstance(tensorboard, bool):
-            raise TypeError(
+            raise UsageError(
                 f"MetricsWriter(tensorboard=...) takes None (when tensorboardX is installed), "
-                f"True or False, got {tensorboard!r}"
+                f"True or False, got {tensorboard!r}. Fix: tensorboard=True, False or None"
             )
         self.directory = _directory(directory)
         self._file: Any = None
@@ -160,7 +160,7 @@ class MetricsWriter:
         if self._file is None:
             return
         if "step" in metrics:
-            raise ValueError(
+            raise UsageError(
                 "MetricsWriter: a metric is named 'step', which numbers the rows. Fix: "
                 "rename it (Trainer.fit refuses such aux metrics up front)."
             )

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from nnx_shard._annotate import SOURCE_KEY, logical_names, path_str
-from nnx_shard._errors import ShardingError, raise_collected
+from nnx_shard._errors import ShardingError, UsageError, raise_collected
 from nnx_shard._rules import Rules
 
 __all__ = ["StateLeafSpec", "check_transformation", "leaf_specs", "owner_shapes"]
@@ -52,9 +52,9 @@ _REPLICATED = StateLeafSpec(None, PartitionSpec(), "default (replicated)")
 
 
 def check_transformation(tx: Any, caller: str, arg: str = "tx") -> None:
-    """Raises a TypeError unless ``tx`` is an optax transformation (``init`` and ``update``)."""
+    """Raises a UsageError unless ``tx`` is an optax transformation (``init`` and ``update``)."""
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(
+        raise UsageError(
             f"{caller}: {arg} must be an optax.GradientTransformation, got "
             f"{type(tx).__name__} {tx!r:.60}. Fix: pass the transformation itself, e.g. "
             f"{arg}=optax.adam(1e-3) (not its name, not None)."

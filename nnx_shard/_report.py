@@ -216,7 +216,7 @@ def explain(
     ``rules`` may be a strategy (``ns.strategies.get("zero1")``): its two tables.
 
     Raises ``ShardingError`` exactly where sharding the model would, and
-    ``TypeError`` when ``model`` is not a Module/State/abstract model or
+    ``UsageError`` when ``model`` is not a Module/State/abstract model or
     ``optimizer`` not an optax transformation. Optimizer-state layouts come from
     the function :func:`nnx_shard.sharded_optimizer` builds them with
     (:mod:`nnx_shard._optstate`), so the bytes reported are the bytes it allocates.

@@ -71,7 +71,8 @@ def dtype_name(dtype: Any) -> str:
     for name, known in DTYPES.items():
         if known == d:
             return name
-    raise ValueError(f"safetensors has no dtype for {d}; known: {', '.join(DTYPES)}")
+    raise UsageError(f"dtype: safetensors has no dtype for {d}; known: {', '.join(DTYPES)}. "
+                     "Fix: cast to one of them, e.g. dtype=jnp.float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +409,7 @@ def write_slice(path: str, header: Header, name: str, index: Sequence[slice],
     offsets, run, sub = _runs(info.shape, index, dtype.itemsize)
     data = np.asarray(data, order="C")  # (ascontiguousarray makes a scalar 1-d)
     if data.shape != sub or data.dtype != dtype:
+        # not user input: callers write the slices of the header they created; a mismatch is a bug
         raise ValueError(f"write_slice: tensor {name!r}{list(index)} takes {dtype}{list(sub)}, "
                          f"got {data.dtype}{list(data.shape)}")
     raw = memoryview(data.reshape(-1).view(np.uint8).data)

@@ -112,7 +112,8 @@ class CharCorpus:
         with targets the inputs shifted by one character.
         """
         if len(self.train) <= length + 1:
-            raise ValueError(f"training text has {len(self.train)} characters; need > {length + 1}")
+            raise UsageError(f"batches: length={length}: the training text has {len(self.train)} "
+                             f"characters; need > {length + 1}. Fix: a shorter length, or more text")
         rng = np.random.default_rng(seed)
         offsets = np.arange(length + 1)
         while True:
@@ -130,9 +131,10 @@ class CharCorpus:
         n = (len(self.heldout) - 1) // length
         n_batches = min(n // batch, max_batches)
         if n_batches == 0:
-            raise ValueError(
-                f"held-out text has {len(self.heldout)} characters; need at least "
-                f"{batch * length + 1} for one batch of {batch} x {length}"
+            raise UsageError(
+                f"heldout_batches: batch={batch}, length={length}: the held-out text has "
+                f"{len(self.heldout)} characters; need at least {batch * length + 1} for one "
+                f"batch of {batch} x {length}. Fix: a smaller batch or length"
             )
         # Spread the windows over the whole held-out text, not just its start.
         stride = n // (n_batches * batch)

@@ -310,11 +310,11 @@ def test_sharding_errors_name_the_path_before_compiling(fn, monkeypatch):
 @needs_devices(8)
 @pytest.mark.parametrize("fn", [abstract_init, sharded_init])
 def test_factory_must_return_a_module(fn):
-    with pytest.raises(TypeError, match=r"returned dict, not an nnx.Module"):
+    with pytest.raises(ns.UsageError, match=r"returned dict, not an nnx.Module"):
         fn(lambda: {"w": jnp.ones(3)}, "data=8", RULES)
-    with pytest.raises(TypeError, match=r"already built MLP; pass a factory"):
+    with pytest.raises(ns.UsageError, match=r"already built MLP; pass a factory"):
         fn(mlp(), "data=8", RULES)
-    with pytest.raises(TypeError, match="zero-argument callable"):
+    with pytest.raises(ns.UsageError, match="zero-argument callable"):
         fn(42, "data=8", RULES)
 
 
@@ -451,7 +451,7 @@ def test_optimizer_rejects_a_model_laid_out_by_other_rules():
     model = sharded_init(mlp, mesh, RULES)
     with pytest.raises(ns.ShardingError, match=r"up/kernel: model has P\('data', 'model'\), rules give P\(None, 'model'\)"):
         sharded_optimizer(model, optax.adam(1e-3), mesh, RULES | {"embed": None})
-    with pytest.raises(TypeError, match="must be an nnx.Module"):
+    with pytest.raises(ns.UsageError, match="must be an nnx.Module"):
         sharded_optimizer(nnx.state(model), optax.adam(1e-3), mesh, RULES)
 
 
@@ -479,7 +479,7 @@ def test_factored_optimizer_state_keeps_the_layout_of_the_dims_it_kept():
 def test_sharded_optimizer_rejects_what_is_not_an_optax_transformation(tx):
     rules = ns.Rules({"embed": "data", "mlp": "model"})
     model = ns.abstract_init(lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0)), "data=8", rules)
-    with pytest.raises(TypeError, match=r"sharded_optimizer: tx must be an "
+    with pytest.raises(ns.UsageError, match=r"sharded_optimizer: tx must be an "
                        rf"optax.GradientTransformation, got {type(tx).__name__}.*"
                        r"Fix: .*tx=optax.adam\(1e-3\)"):
         ns.sharded_optimizer(model, tx, "data=8", rules)

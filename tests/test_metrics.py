@@ -108,7 +108,7 @@ def test_tensorboard_true_without_tensorboardx_names_the_extra(tmp_path, monkeyp
 
 
 def test_bad_tensorboard_argument(tmp_path):
-    with pytest.raises(TypeError, match="tensorboard=.*got 'yes'"):
+    with pytest.raises(ns.UsageError, match="tensorboard=.*got 'yes'"):
         MetricsWriter(tmp_path, tensorboard="yes")
 
 
@@ -224,8 +224,8 @@ def test_a_line_cut_short_and_rows_written_again_move_aside(tmp_path):
 
 
 @pytest.mark.parametrize("directory, error, match", [
-    (None, TypeError, "directory must be a str"), (5, TypeError, "directory must be a str"),
-    ("", ValueError, "is empty"), (b"logs", TypeError, "directory must be a str")])
+    (None, ns.UsageError, "directory must be a str"), (5, ns.UsageError, "directory must be a str"),
+    ("", ns.UsageError, "is empty"), (b"logs", ns.UsageError, "directory must be a str")])
 def test_bad_directories_are_refused(directory, error, match):
     with pytest.raises(error, match=match):
         MetricsWriter(directory, tensorboard=False)

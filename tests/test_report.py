@@ -152,7 +152,7 @@ def test_factored_statistics_keep_the_names_of_the_dims_they_kept():
 @needs_devices(8)
 @pytest.mark.parametrize("model", [5, "model", None])
 def test_explain_rejects_what_is_not_a_model(model):
-    with pytest.raises(TypeError, match=r"explain: model must be an nnx.Module.*got "
+    with pytest.raises(ns.UsageError, match=r"explain: model must be an nnx.Module.*got "
                        rf"{type(model).__name__}.*Fix: .*nnx.eval_shape"):
         ns.explain(model, "data=8", ns.Rules({}))
 
@@ -160,6 +160,6 @@ def test_explain_rejects_what_is_not_a_model(model):
 @needs_devices(8)
 @pytest.mark.parametrize("optimizer", ["adam", 1e-3, optax.adam])
 def test_explain_rejects_what_is_not_an_optax_transformation(optimizer):
-    with pytest.raises(TypeError, match=r"explain: optimizer must be an "
+    with pytest.raises(ns.UsageError, match=r"explain: optimizer must be an "
                        r"optax.GradientTransformation, got .*optimizer=optax.adam\(1e-3\)"):
         ns.explain(nnx.eval_shape(mlp), "data=8", ns.Rules({}), optimizer=optimizer)

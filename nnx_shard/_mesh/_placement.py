@@ -33,7 +33,7 @@ def apply_sharding(x: Any, sharding: NamedSharding) -> Any:
 
 def as_state(tree: Any, caller: str, arg: str = "tree") -> nnx.State:
     """``nnx.state(tree)`` of a Module, Optimizer or abstract model; an ``nnx.State`` as is.
-    Anything else is a TypeError that says what to pass."""
+    Anything else is a UsageError that says what to pass."""
     if isinstance(tree, nnx.State):
         return tree
     if isinstance(tree, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(tree):
