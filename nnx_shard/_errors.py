@@ -19,9 +19,21 @@ from typing import Any
 class NnxShardError(Exception):
     """The base of every error nnx_shard raises on purpose.
 
-    Each says what is wrong with the input it was given and ends with a
-    ``Fix:``; catching this class catches them all, and nothing else (a bug of
-    ours, or of JAX, is not one of them).
+    Each says what is wrong with the input it was given, names the argument, and
+    ends with a ``Fix:``; catching this class catches them all, and nothing else
+    (a bug of ours, or of JAX, is not one of them). Which class is for what:
+
+    - :class:`ShardingError` (a ``ValueError``): rules, annotations, meshes,
+      shapes that a mesh does not divide, and JAX's sharding-type errors.
+    - :class:`UsageError` (a ``ValueError``): any other bad input, a value of the
+      wrong type included: arguments, names, sizes, files, batches, what a
+      user's loss function returns, and the ``nnx-shard`` command's flags.
+    - :class:`CompileError` (a ``RuntimeError``): a program compiled in a fresh
+      Python failed or ran out of time.
+
+    nnx_shard raises no bare ``ValueError`` or ``TypeError`` for bad input
+    (``tests/test_errors.py`` pins it); the few left signal a bug of ours or
+    follow a Python protocol.
 
     >>> [c.__name__ for c in (ShardingError, UsageError, CompileError)
     ...  if issubclass(c, NnxShardError)]
@@ -191,6 +203,7 @@ def check_path(path: str | os.PathLike[str], who: str, *, want: str = "folder", 
     FileNotFoundError: load: no/such is not a config.json (nothing is there). Fix: pass one
     """
     if want not in ("folder", "file"):
+        # not user input: want is fixed by nnx_shard's own callers; another value is a bug
         raise ValueError(f"check_path: want must be 'folder' or 'file', got {want!r}")
     expected = expected or f"a {want}"
     name = name or os.fspath(path)

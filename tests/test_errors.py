@@ -85,3 +85,50 @@ def test_a_fifo_is_named(tmp_path):
 def test_want_is_folder_or_file():
     with pytest.raises(ValueError, match="want must be 'folder' or 'file'"):
         check_path(".", "x", want="dir", fix="-")
+
+
+# The plain ValueError / TypeError raises that are not about user input, by module and why;
+# every other raise of bad input is a UsageError or a ShardingError.
+_NOT_USER_INPUT = {
+    ("nnx_shard/_errors.py", "check_path: want is fixed by nnx_shard's own callers"),
+    ("nnx_shard/_safetensors_io.py", "write_slice: callers write the slices they created"),
+    ("nnx_shard/inference/_chat_template.py", "the TypeError str.format_map itself raises"),
+}
+
+
+def _plain_raises() -> list[tuple[str, int, str]]:
+    import ast
+    import pathlib
+
+    root = pathlib.Path(errors.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id in ("ValueError", "TypeError"):
+                found.append((f"nnx_shard/{path.relative_to(root).as_posix()}", node.lineno,
+                              exc.id))
+    return found
+
+
+def test_bad_input_is_never_a_plain_value_or_type_error():
+    allowed = {module for module, _ in _NOT_USER_INPUT}
+    stray = [f"{m}:{line}: raise {kind}" for m, line, kind in _plain_raises() if m not in allowed]
+    assert not stray, ("raise UsageError (or ShardingError for rules, meshes and shardings) "
+                       "for bad input, naming the argument and ending with a Fix:\n"
+                       + "\n".join(stray))
+
+
+def test_each_plain_raise_left_says_why():
+    import linecache
+
+    left = [(m, line) for m, line, _ in _plain_raises()
+            if m in {module for module, _ in _NOT_USER_INPUT}]
+    assert {m for m, _ in left} == {module for module, _ in _NOT_USER_INPUT}, left
+    root = os.path.dirname(os.path.dirname(errors.__file__))
+    for m, line in left:
+        text = "".join(linecache.getline(os.path.join(root, m), n) for n in (line - 1, line))
+        assert "# not user input:" in text, (m, line)
