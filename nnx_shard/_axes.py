@@ -24,7 +24,7 @@ _FIX = ("Fix: e.g. mesh={'data': 4, 'model': 2}, or a mesh from "
 def mesh_sizes(mesh: Any) -> dict[str, int]:
     """Axis name -> size of a Mesh / AbstractMesh (anything with a ``shape``
     mapping) or a mapping; ``None`` gives ``{}``. Strings are parsed by
-    :func:`nnx_shard.make_mesh`, not here. Anything else, an axis name that is not a
+    :func:`nnx_shard._mesh.parse_axes`, not here. Anything else, an axis name that is not a
     non-empty string or a size that is not an int >= 1 is a ``ShardingError``.
 
     >>> import jax

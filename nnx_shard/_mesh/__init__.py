@@ -1,7 +1,8 @@
 """Meshes and where arrays go on them, in three modules:
 
-* :mod:`~nnx_shard._mesh._build`: :func:`make_mesh` (from ``"data=4,model=2"``, a
-  dict or a Mesh) and :func:`mesh_str`, its text form;
+* :mod:`~nnx_shard._mesh._build`: :func:`parse_axes` (the one reader of mesh text such
+  as ``"data=4,model=2"``, whose docstring states the grammar), :func:`make_mesh` (from
+  such text, a dict or a Mesh) and :func:`mesh_str`, its text form;
 * :mod:`~nnx_shard._mesh._context`: the active ``(mesh, rules)`` of :func:`use`,
   read by :func:`current` and :func:`option`, and :func:`constrain` for
   activations;

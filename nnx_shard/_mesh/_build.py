@@ -1,4 +1,5 @@
-"""Device meshes: ``make_mesh`` from ``"data=4,model=2"``, a dict or a Mesh, and their text form."""
+"""Device meshes: ``parse_axes``, the one reader of mesh text such as ``"data=4,model=2"``,
+``make_mesh`` from such text, a dict or a Mesh, and ``mesh_str``, their text form."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from nnx_shard._axes import sizes_str
-from nnx_shard._errors import ShardingError, short
+from nnx_shard._errors import ShardingError, UsageError, short
 
-__all__ = ["make_mesh", "mesh_str"]
+__all__ = ["make_mesh", "mesh_str", "parse_axes"]
 
 _AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 
@@ -27,68 +28,104 @@ def mesh_str(mesh: Any) -> str:
     return sizes_str(mesh)
 
 
-_SPEC_FIX = "e.g. make_mesh('data=4,model=2') or make_mesh({'data': 4, 'model': 2})"
+_FIX = "write axis=size pairs separated by commas, e.g. 'data=4,model=2' or {'data': 4, 'model': 2}"
 
 
-def parse_axes(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """Mesh axis sizes from ``"data=4,model=2"`` or a dict, checked (``-1``: the rest).
-
-    >>> parse_axes("data=4,model=2")
-    {'data': 4, 'model': 2}
-    """
+def _pairs(spec: Any) -> list[tuple[Any, Any]]:
+    """The ``(name, size)`` pairs of a mapping or of ``"axis=size,..."`` text, as given
+    (sizes still text); what is not a pair, or a mapping's size that is not an int,
+    is the UsageError."""
     if isinstance(spec, Mapping):
-        items: list[tuple[str, Any]] = list(spec.items())
+        items: list[tuple[Any, Any]] = list(spec.items())
         for name, size in items:
             # bool is an int and 8.5 truncates: both would give a mesh nobody asked for.
             if isinstance(size, bool) or not isinstance(size, int | np.integer):
-                raise ShardingError(
+                raise UsageError(
                     f"mesh spec {short(dict(spec))}: size {short(size)} of axis {short(name)} "
-                    f"is a {type(size).__name__}, not an int. Fix: give whole device counts, "
-                    f"{_SPEC_FIX}."
+                    f"is a {type(size).__name__}, not an int. Fix: give whole device counts; "
+                    f"{_FIX}."
                 )
-    elif not isinstance(spec, str):
+        return items
+    if not isinstance(spec, str):
         hint = f"make_mesh('data={spec}')" if isinstance(spec, int) and not isinstance(
-            spec, bool) else _SPEC_FIX
-        raise ShardingError(
+            spec, bool) else "e.g. make_mesh('data=4,model=2') or make_mesh({'data': 4, 'model': 2})"
+        raise UsageError(
             f"make_mesh: spec must be a string 'axis=size,...', a dict {{axis: size}} or a "
             f"jax.sharding.Mesh, got {type(spec).__name__} {short(spec, 60)}. Fix: {hint}."
         )
-    else:
-        items = []
-        for part in spec.replace(" ", "").split(","):
-            if not part:
-                continue
-            name, eq, size_txt = part.partition("=")
-            if not eq or not name:
-                raise ShardingError(
-                    f"mesh spec {short(spec)}: {short(part)} is not 'axis=size'. "
-                    "Fix: e.g. make_mesh('data=4,model=2')."
-                )
-            items.append((name, size_txt))
+    items = []
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        name, eq, size_txt = part.partition("=")
+        if not eq or not name:
+            raise UsageError(f"mesh spec {short(spec)}: {short(part)} is not 'axis=size'. "
+                             f"Fix: {_FIX}.")
+        items.append((name, size_txt))
+    return items
+
+
+def parse_axes(spec: str | Mapping[str, int], *, rest: bool = True) -> dict[str, int]:
+    """Mesh axis sizes from ``"data=4,model=2"`` or a mapping, checked: the one reader of
+    mesh text in nnx_shard (:func:`make_mesh`, ``Strategy.check``, the planner's
+    ``sizes`` and every ``--mesh`` flag of the ``nnx-shard`` command call it, so a bad
+    string gives the same message wherever it is written).
+
+    The grammar: ``axis=size`` pairs separated by commas, as in
+    ``"data=4,model=2"`` (spaces and empty pairs are ignored). The order is kept: it
+    is the order of the mesh's axes, the first varying slowest. Each axis is named once;
+    a size is a whole number >= 1, or ``-1`` on at most one axis: all the devices the
+    other axes leave (``make_mesh`` fills it in; where there are no devices to count,
+    ``rest=False``, every axis needs its size). A mapping ``{"data": 4, "model": 2}``
+    follows the same rules, its sizes ints. Anything else is a
+    :class:`~nnx_shard.UsageError` that names the spec, the part at fault and a fix.
+
+    >>> parse_axes("data=4,model=2")
+    {'data': 4, 'model': 2}
+    >>> parse_axes("model=2, data=-1")        # order kept; -1: the rest
+    {'model': 2, 'data': -1}
+    >>> parse_axes("data=4,model")
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: mesh spec 'data=4,model': 'model' is not 'axis=size'. Fix: ...
+    >>> parse_axes("data=-1,model=-1")
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: mesh spec 'data=-1,model=-1': only one axis may have size -1 ...
+    >>> parse_axes("data=-1", rest=False)
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: mesh spec 'data=-1': every axis needs a size here ...
+    """
+    items = _pairs(spec)
     axes: dict[str, int] = {}
     shown = short(spec)
     for name, size in items:
         try:
             size_i = int(size)
         except (TypeError, ValueError, OverflowError):
-            raise ShardingError(
-                f"mesh spec {shown}: size {short(size)} of axis {short(name)} is not an "
-                f"integer. Fix: {_SPEC_FIX}."
-            ) from None
+            raise UsageError(f"mesh spec {shown}: size {short(size)} of axis {short(name)} is "
+                             f"not an integer. Fix: {_FIX}.") from None
         if not isinstance(name, str) or not name:
-            raise ShardingError(f"mesh spec {shown}: axis names must be non-empty strings, got "
-                                f"{short(name)}. Fix: {_SPEC_FIX}.")
+            raise UsageError(f"mesh spec {shown}: axis names must be non-empty strings, got "
+                             f"{short(name)}. Fix: {_FIX}.")
         if name in axes:
-            raise ShardingError(f"mesh spec {shown}: axis {short(name)} appears twice. Fix: "
-                                "name each axis once.")
+            raise UsageError(f"mesh spec {shown}: axis {short(name)} appears twice. Fix: "
+                             "name each axis once.")
         if size_i == 0 or size_i < -1:
-            raise ShardingError(
-                f"mesh spec {shown}: axis {short(name)} has size {size_i}; sizes are positive "
-                f"(or -1 for 'all remaining devices'). Fix: {_SPEC_FIX}."
-            )
+            raise UsageError(f"mesh spec {shown}: axis {short(name)} has size {size_i}; sizes "
+                             f"are positive (or -1 for 'all remaining devices'). Fix: {_FIX}.")
         axes[name] = size_i
     if not axes:
-        raise ShardingError(f"mesh spec {shown} names no axes. Fix: e.g. 'data=8'.")
+        raise UsageError(f"mesh spec {shown} names no axes. Fix: {_FIX}.")
+    unknown = [k for k, v in axes.items() if v == -1]
+    if len(unknown) > 1:
+        raise UsageError(f"mesh spec {shown}: only one axis may have size -1 (all remaining "
+                         "devices). Fix: give the other axes their sizes.")
+    if unknown and not rest:
+        raise UsageError(f"mesh spec {shown}: every axis needs a size here (-1, all remaining "
+                         "devices, needs real devices to count). Fix: give "
+                         f"{short(unknown[0])} its size, e.g. '{unknown[0]}=8'.")
     return axes
 
 
@@ -100,7 +137,8 @@ def make_mesh(
 ) -> Mesh:
     """Builds a device mesh from ``"data=4,model=2"``, a dict, or returns a Mesh as is.
 
-    One axis may have size ``-1``: it takes all remaining devices.
+    One axis may have size ``-1``: it takes all remaining devices. The text is read
+    by :func:`parse_axes`, which states its grammar.
 
     Args:
       spec: axis sizes in order, e.g. ``"data=4,model=2"`` or ``{"data": 4, "model": 2}``.
@@ -113,10 +151,12 @@ def make_mesh(
       devices: the devices to use (default: all of ``jax.devices()``), each once.
 
     Raises:
-      ShardingError: ``spec`` is not a string, dict or Mesh (e.g. ``8`` or ``None``), or
-        ``devices`` is not a list of jax devices; a size that is not a positive int (``8.5``, ``True``), sizes that do
-        not multiply to the number of devices (the fix names ``devices=...[:n]`` when the
-        mesh is smaller), an empty or repeating ``devices`` list.
+      UsageError: ``spec`` is not a string, dict or Mesh (e.g. ``8`` or ``None``), or does
+        not follow :func:`parse_axes`'s grammar (``"data"``, ``"data=x"``, a size that is
+        not a positive int such as ``8.5`` or ``True``, two ``-1`` axes).
+      ShardingError: sizes that do not multiply to the number of devices (the fix names
+        ``devices=...[:n]`` when the mesh is smaller), a ``-1`` axis the devices do not
+        divide into; ``devices`` not a list of jax devices, empty or repeating.
 
     >>> mesh = make_mesh("data=4,model=2")
     >>> dict(mesh.shape)
@@ -132,9 +172,6 @@ def make_mesh(
     devs = _check_devices(devices) if devices is not None else jax.devices()
     n = len(devs)
     unknown = [k for k, v in axes.items() if v == -1]
-    if len(unknown) > 1:
-        raise ShardingError(f"mesh spec {short(spec)}: only one axis may have size -1. Fix: "
-                            "give the other axes their sizes.")
     known = math.prod(v for v in axes.values() if v != -1)
     if unknown:
         if n % known:

@@ -62,20 +62,23 @@ def simulate_devices(n: int = SIMULATED_DEVICES) -> bool:
     return True
 
 
-def mesh_sizes(text: str) -> dict[str, int]:
-    """``--mesh data=8,model=8`` as sizes; every axis needs a size (no devices here).
+def mesh_sizes(text: str, flag: str = "--mesh") -> dict[str, int]:
+    """``--mesh data=8,model=8`` as sizes, read by :func:`nnx_shard._mesh.parse_axes`
+    (its messages, after the flag); every axis needs a size (no devices here).
 
     >>> mesh_sizes("data=4,model=2")
     {'data': 4, 'model': 2}
+    >>> mesh_sizes("data=4,model")
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: --mesh: mesh spec 'data=4,model': 'model' is not 'axis=size'. ...
     """
     try:
-        sizes = parse_axes(text)
-    except ShardingError as e:
-        raise UsageError(f"--mesh: {e}") from None
-    if any(v == -1 for v in sizes.values()):
-        raise UsageError(f"--mesh {short(text)}: give every axis a size (-1 needs real devices)")
+        sizes = parse_axes(text, rest=False)
+    except UsageError as e:
+        raise UsageError(f"{flag}: {e}") from None
     if math.prod(sizes.values()) > MAX_PLAN_DEVICES:
-        raise UsageError(f"--mesh {short(text)} has {math.prod(sizes.values()):,} devices, more "
+        raise UsageError(f"{flag} {short(text)} has {math.prod(sizes.values()):,} devices, more "
                          f"than the {MAX_PLAN_DEVICES:,} planned for. Fix: a mesh of at most "
                          f"{MAX_PLAN_DEVICES:,} devices")
     return sizes

@@ -303,7 +303,7 @@ def _setup(args: argparse.Namespace) -> _Run:
     # Every layout is checked before training, so a bad flag never costs a run.
     strategy.check(nnx.eval_shape(factory), sizes)
     if args.restore_mesh:
-        restore_sizes = _mesh_sizes(args.restore_mesh)
+        restore_sizes = _mesh_sizes(args.restore_mesh, "--restore-mesh")
         if math.prod(restore_sizes.values()) > n:
             raise _Usage(f"--restore-mesh {args.restore_mesh} needs more than the {n} "
                          "devices available")

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from nnx_shard import _optimizers as optimizers
 from nnx_shard._errors import CompileError
 from nnx_shard._init import abstract_init, sharded_optimizer
-from nnx_shard._mesh import make_mesh
+from nnx_shard._mesh import make_mesh, parse_axes
 from nnx_shard._parallel.schedule import stage_count
 from nnx_shard._simulated import run_requests
 from nnx_shard._train import Precision, Trainer
@@ -53,7 +53,7 @@ __all__ = ["PLAN_COMPILER_OPTIONS", "CompileError", "compile_fit", "compile_step
 PLAN_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
 
 
-def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: Mapping[str, int], *,
+def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: str | Mapping[str, int], *,
                 batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
                 loss: Callable[..., Any] | None = None, steps: int = 2,
                 precision: Precision | None = None, guard: str = DEFAULT_GUARD,
@@ -61,7 +61,8 @@ def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: Map
     """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for ``steps`` steps of
     ``factory()``'s model under preset ``strategy`` (a name, or a
     :class:`~nnx_shard.Strategy` such as one ``with_rules``) on mesh ``sizes`` (of this
-    process's devices), from abstract inputs: nothing is allocated. The batch is
+    process's devices; ``"data=4,model=2"`` or a dict, read by
+    :func:`~nnx_shard._mesh.parse_axes`, every axis sized), from abstract inputs: nothing is allocated. The batch is
     ``{"inputs", "targets"}``, int32 ``[steps, batch, seq]`` tokens laid out by
     the preset's rules; ``loss`` defaults to :func:`nnx_shard.models.lm_loss`;
     ``precision`` is the trainer's (:class:`nnx_shard.Precision`).
@@ -89,6 +90,7 @@ def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: Map
     >>> compiled.memory_analysis().temp_size_in_bytes > 0
     True
     """
+    sizes = parse_axes(sizes, rest=False)
     strat = strategy if isinstance(strategy, Strategy) else get(strategy)
     n = 1
     for v in sizes.values():
@@ -133,7 +135,8 @@ def steps_batch(batch_spec: Any, rules: Any, mesh: Any, steps: int) -> Any:
     return jax.tree_util.tree_map_with_path(one, batch_spec)
 
 
-def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: Mapping[str, int], strategy: str = "fsdp_tp",
+def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: str | Mapping[str, int],
+                    strategy: str = "fsdp_tp",
                     optimizer: str = "adamw", batch: int = 8, seq: int = 16,
                     remat: str = "none", scan_layers: bool | None = None,
                     param_dtype: str | None = None,
@@ -153,12 +156,15 @@ def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: Mapping
     ``param_dtype`` and ``compute_dtype`` (``None``: the config's) replace those of
     the config; where the parameter and compute dtypes differ the trainer gets
     ``Precision(params=param_dtype, compute=compute_dtype)`` (mixed precision). The
-    mesh must fit in ``jax.device_count()``.
+    mesh ``sizes``, ``"data=4,model=2"`` or a dict (read by
+    :func:`~nnx_shard._mesh.parse_axes`, every axis sized), must fit in
+    ``jax.device_count()``.
 
     >>> m = compiled_memory("tiny", {"data": 4, "model": 2}, "fsdp_tp", batch=8, seq=16)
     >>> m["total"] == m["argument"] + m["temp"] + m["output"] - m["alias"] > 0
     True
     """
+    sizes = parse_axes(sizes, rest=False)
     cfg, precision = planned_config(model, remat=remat, scan_layers=scan_layers,
                                     param_dtype=param_dtype, compute_dtype=compute_dtype)
     # A pipeline strategy needs microbatches: as many as stages (the fewest it takes).
@@ -208,7 +214,7 @@ def planned_config(model: str | TransformerConfig | LlamaConfig, *, remat: str =
     return cfg, (Precision(params=params, compute=compute) if params != compute else None)
 
 
-def compile_step(factory: Callable[[], Any], strategy: str | Strategy, sizes: Mapping[str, int], *,
+def compile_step(factory: Callable[[], Any], strategy: str | Strategy, sizes: str | Mapping[str, int], *,
                  batch: int, seq: int, optimizer: str = "adamw", microbatches: int = 1,
                  loss: Callable[..., Any] | None = None,
                  guard: str = DEFAULT_GUARD, batch_spec: Any = None) -> dict[str, Any]:
@@ -286,7 +292,7 @@ def compiled_memory_request(request: Mapping[str, Any]) -> dict[str, Any]:
     return compiled_memory(**request)
 
 
-def compiled_memory_subprocess(model: str, sizes: Mapping[str, int], *,
+def compiled_memory_subprocess(model: str, sizes: str | Mapping[str, int], *,
                                timeout: float = 300.0, **kwargs: Any) -> dict[str, Any]:
     """:func:`compiled_memory` in a fresh Python with as many simulated CPU
     devices as the mesh has (``JAX_PLATFORMS=cpu``); raises
@@ -297,6 +303,7 @@ def compiled_memory_subprocess(model: str, sizes: Mapping[str, int], *,
     >>> m["devices"], m["backend"]
     (2, 'cpu')
     """
+    sizes = parse_axes(sizes, rest=False)
     n = 1
     for v in sizes.values():
         n *= int(v)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_shard._axes import abstract_mesh
+from nnx_shard._mesh import parse_axes
 from nnx_shard._report import Report, explain
 from nnx_shard._rules import Rules
 from nnx_shard._train._guard import DEFAULT_GUARD
@@ -33,7 +34,7 @@ __all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formul
 PRUNE_MARGIN = 1.1
 
 
-def abstract_report(model: Any, sizes: Mapping[str, int], rules: Rules, tx: Any = None,
+def abstract_report(model: Any, sizes: str | Mapping[str, int], rules: Rules, tx: Any = None,
                     opt_rules: Rules | None = None, wrt: Any = nnx.Param) -> Report:
     """:func:`nnx_shard.explain` on an ``AbstractMesh``: any device count, no devices needed.
 
@@ -45,7 +46,8 @@ def abstract_report(model: Any, sizes: Mapping[str, int], rules: Rules, tx: Any 
     >>> r.param_bytes_per_device == r.total_bytes  # dp: replicated
     True
     """
-    return explain(model, abstract_mesh(dict(sizes)), rules, tx, wrt=wrt, opt_rules=opt_rules)
+    mesh = abstract_mesh(parse_axes(sizes, rest=False))
+    return explain(model, mesh, rules, tx, wrt=wrt, opt_rules=opt_rules)
 
 
 def compute_copy(report: Report, compute_dtype: Any, remat: str = "none") -> int:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from nnx_shard._annotate import path_str
 from nnx_shard._axes import mesh_sizes
 from nnx_shard._errors import ShardingError, UsageError, count
-from nnx_shard._mesh import make_mesh, variable_spec
+from nnx_shard._mesh import make_mesh, parse_axes, variable_spec
 from nnx_shard._parallel.schedule import Schedule, check_stack
 from nnx_shard._rules import Rules
 
@@ -327,6 +327,12 @@ def _carrying(rules: Rules, opt_rules: Rules) -> Rules:
 
 
 def _sizes(mesh: Mesh | str | Mapping[str, int]) -> dict[str, int]:
+    """The axis sizes a check reads: text through :func:`~nnx_shard._mesh.parse_axes`
+    (checking a layout needs no devices, so ``"data=16,model=4"`` is read on any
+    machine; only a ``-1`` axis counts this process's devices)."""
+    if isinstance(mesh, str):
+        axes = parse_axes(mesh)
+        return mesh_sizes(make_mesh(axes) if -1 in axes.values() else axes)
     return mesh_sizes(mesh if isinstance(mesh, Mapping) else make_mesh(mesh))
 
 

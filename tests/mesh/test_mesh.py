@@ -27,13 +27,59 @@ def test_make_mesh_forms():
 
 @needs_devices(8)
 @pytest.mark.parametrize(
-    "spec, match",
-    [("data=3,model=2", "needs 6 devices but 8"), ("data", "not 'axis=size'"),
-     ("data=x", "not an integer"), ("data=-1,model=-1", "only one axis"), ("data=0", "size 0")],
+    "spec, error, match",
+    [("data=3,model=2", ns.ShardingError, "needs 6 devices but 8"),
+     ("data", ns.UsageError, "not 'axis=size'"), ("data=x", ns.UsageError, "not an integer"),
+     ("data=-1,model=-1", ns.UsageError, "only one axis"), ("data=0", ns.UsageError, "size 0")],
 )
-def test_make_mesh_errors(spec, match):
-    with pytest.raises(ns.ShardingError, match=match):
+def test_make_mesh_errors(spec, error, match):
+    with pytest.raises(error, match=match):
         ns.make_mesh(spec)
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("data=4,model=2", {"data": 4, "model": 2}),
+    ("model=2,data=4", {"model": 2, "data": 4}),
+    (" data = 4 , , model=-1 ", {"data": 4, "model": -1}),
+    ({"data": 2, "model": -1}, {"data": 2, "model": -1}),
+])
+def test_parse_axes_grammar(spec, want):
+    axes = ns_mesh.parse_axes(spec)
+    assert axes == want and list(axes) == list(want)  # the order is the mesh's
+
+
+BAD_MESHES = [
+    ("data=4,model", "mesh spec 'data=4,model': 'model' is not 'axis=size'."),
+    ("data=four", "mesh spec 'data=four': size 'four' of axis 'data' is not an integer."),
+    ("data=2,data=4", "mesh spec 'data=2,data=4': axis 'data' appears twice."),
+    ("data=0", "mesh spec 'data=0': axis 'data' has size 0;"),
+    ("data=-1,model=-1", "mesh spec 'data=-1,model=-1': only one axis may have size -1"),
+    (",", "mesh spec ',' names no axes."),
+]
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("spec, core", BAD_MESHES)
+def test_a_bad_mesh_string_reads_the_same_everywhere(spec, core, capsys):
+    from nnx_shard import cli, planner
+
+    def message(call):
+        with pytest.raises(ns.UsageError) as e:
+            call()
+        return str(e.value)
+
+    by_make_mesh = message(lambda: ns.make_mesh(spec))
+    by_planner = message(lambda: planner.compiled_memory("tiny", spec, "dp"))
+    assert by_make_mesh.startswith(core) and by_planner == by_make_mesh
+    assert cli.main(["plan", "--model", "tiny", "--mesh", spec]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"nnx-shard: error: --mesh: {by_make_mesh}"
+
+
+def test_a_rest_axis_needs_devices_to_count():
+    with pytest.raises(ns.UsageError, match=r"'data=-1': every axis needs a size here.*'data=8'"):
+        ns_mesh.parse_axes("data=-1", rest=False)
+    assert ns_mesh.parse_axes("data=-1") == {"data": -1}
 
 
 class Block(nnx.Module):
@@ -116,13 +162,13 @@ def test_use_and_constrain(axis_types):
 @pytest.mark.parametrize(
     "spec, error, match",
     [
-        (None, ns.ShardingError, r"spec must be a string 'axis=size,...'.*got NoneType None.*Fix: e.g. "
+        (None, ns.UsageError, r"spec must be a string 'axis=size,...'.*got NoneType None.*Fix: e.g. "
          r"make_mesh\('data=4,model=2'\)"),
-        (8, ns.ShardingError, r"got int 8\. Fix: make_mesh\('data=8'\)"),
-        ([("data", 8)], ns.ShardingError, r"got list \[\('data', 8\)\].*Fix: e.g. make_mesh"),
-        ({"data": 8.5}, ns.ShardingError, r"size 8.5 of axis 'data' is a float, not an int.*Fix"),
-        ({"data": True}, ns.ShardingError, r"size True of axis 'data' is a bool, not an int"),
-        ({"data": "8"}, ns.ShardingError, r"size '8' of axis 'data' is a str"),
+        (8, ns.UsageError, r"got int 8\. Fix: make_mesh\('data=8'\)"),
+        ([("data", 8)], ns.UsageError, r"got list \[\('data', 8\)\].*Fix: e.g. make_mesh"),
+        ({"data": 8.5}, ns.UsageError, r"size 8.5 of axis 'data' is a float, not an int.*Fix"),
+        ({"data": True}, ns.UsageError, r"size True of axis 'data' is a bool, not an int"),
+        ({"data": "8"}, ns.UsageError, r"size '8' of axis 'data' is a str"),
     ],
 )
 def test_make_mesh_rejects_specs_it_would_misread(spec, error, match):
