@@ -1,15 +1,30 @@
-"""Low-rank adapters (LoRA) on the projections of any NNX model.
+"""Low-rank adapters (LoRA) on the projections of any NNX model, applied to the
+activations.
 
-:func:`lora` replaces each matching projection kernel ``W`` by an
-:class:`Adapted` node holding ``W`` (as ``base``) and two ``nnx.LoRAParam``
-factors ``lora_a`` and ``lora_b``; reading it (``kernel[...]``, as the reference
-models and ``nnx.Linear`` do) gives ``W + (alpha / rank) * A @ B`` in the
-kernel's own layout, so no model code changes. The factors carry logical names
-derived from the kernel's (A: its input axes and an unsharded rank axis; B: the
-rank axis and its output axes), so every preset shards them with their layer.
-Train only them with ``wrt=nnx.LoRAParam``; :func:`merge_lora` folds them back.
-With ``quantize="int8" | "int4"`` the frozen ``W`` is stored quantized (QLoRA,
-:mod:`nnx_shard._quantized`) and dequantized where the layer reads it.
+:func:`lora` leaves each matching projection kernel ``W`` a plain ``nnx.Param``
+and puts beside it an :class:`Adapter`: two ``nnx.LoRAParam`` factors ``lora_a``
+``[*in, r]`` and ``lora_b`` ``[r, *out]``, the scale ``alpha / rank`` and an
+``nnx.Dropout``. The projection then computes ``x @ W + s * (dropout(x) @ A) @ B``:
+the adapter's two thin matmuls cost ``2 r (in + out)`` FLOPs a token instead of
+rebuilding ``W + s * A @ B`` (``in * out * r``) at every read, and the backward
+pass of adapter-only training never forms a gradient of ``W``'s size. Where the
+adapter lives, one layout per kind of layer:
+
+- the reference models (:mod:`nnx_shard.models`) hold it as a sibling attribute of
+  the kernel, ``lora_<kernel>`` (``blocks/0/attn/lora_q``), which their
+  ``project`` call sites (:func:`nnx_shard.models._ops.project`) read; a module
+  says which of its kernels it projects that way in ``lora_kernels``;
+- stock ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Einsum`` hold it in place of
+  their ``dot_general`` / ``einsum_op`` (``q_proj/dot_general``), which it calls and
+  adds its own term to, so the stock ``__call__`` runs unchanged.
+
+Both keep the adapter a child of the module that owns the kernel, so it is sliced
+with it by a scan over stacked blocks and sharded from its own logical names
+(A: the kernel's input axes and an unsharded rank axis; B: the rank axis and its
+output axes; a stacked ``layers`` axis in front). Train only the factors with
+``wrt=nnx.LoRAParam``; :func:`merge_lora` folds them back into ``W`` and removes
+the adapters. With ``quantize="int8" | "int4"`` the frozen ``W`` is stored
+quantized (QLoRA, :mod:`nnx_shard._quantized`) and dequantized where it is read.
 """
 
 from __future__ import annotations
@@ -29,70 +44,119 @@ from nnx_shard._annotate import logical_names, path_str
 from nnx_shard._errors import NnxShardError, ShardingError, UsageError, count, short
 from nnx_shard._quantized import QuantizedKernel, check_quantize, quantize_kernel, qwix_module
 
-__all__ = ["DEFAULT_TARGETS", "Adapted", "adapters", "lora", "merge_lora"]
+__all__ = ["DEFAULT_TARGETS", "Adapter", "adapter_name", "adapters", "lora", "lora_equations",
+           "merge_lora"]
 
 #: The projections PEFT adapts in a Llama by default (``q_proj``, ``v_proj``).
 DEFAULT_TARGETS = r"attn/(q|v)$"
 _STACK = ("layers",)  # leading logical axes of stacked (scanned) blocks
+# Stock layers: the attribute the adapter stands in for, and its kind.
+_STOCK: tuple[tuple[type, str, str], ...] = (
+    (nnx.Einsum, "einsum_op", "einsum"),
+    (nnx.LinearGeneral, "dot_general", "dot_general"),
+    (nnx.Linear, "dot_general", "dot_general"))
 
 
-class Adapted(nnx.Module):
-    """A projection kernel with a low-rank adapter: reads as
-    ``base + scale * A @ B`` in the kernel's layout (``[*stack, *in, *out]``).
+def adapter_name(kernel: str) -> str:
+    """The attribute holding the adapter of the kernel attribute ``kernel`` on a
+    module that projects through :func:`nnx_shard.models._ops.project`.
+
+    >>> adapter_name("q")
+    'lora_q'
+    """
+    return f"lora_{kernel}"
+
+
+def lora_equations(eq: str) -> tuple[str, str]:
+    """The einsums ``x @ A`` and ``(x @ A) @ B`` of a projection ``eq`` (``x, W -> y``):
+    the input letters are those ``x`` and ``W`` share, the output letters the rest
+    of ``W``'s, and a new letter is the rank.
+
+    >>> lora_equations("ble,ehk->blhk")
+    ('ble,ez->blz', 'blz,zhk->blhk')
+    >>> lora_equations("blhk,hke->ble")
+    ('blhk,hkz->blz', 'blz,ze->ble')
+    """
+    ins, out = eq.replace(" ", "").split("->")
+    xl, wl = ins.split(",")
+    inl = "".join(c for c in wl if c in xl)
+    outl = "".join(c for c in wl if c not in xl)
+    rest = "".join(c for c in xl if c not in inl)
+    z = next(c for c in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in eq)
+    return f"{xl},{inl}{z}->{rest}{z}", f"{rest}{z},{z}{outl}->{out}"
+
+
+class Adapter(nnx.Module):
+    """The low-rank adapter of one projection kernel: the factors ``lora_a``
+    ``[*stack, *in, r]`` and ``lora_b`` ``[*stack, r, *out]`` (``nnx.LoRAParam``),
+    ``scale`` (``alpha / r``) and ``dropout`` (an ``nnx.Dropout`` on the adapter's
+    input, ``None`` at rate 0). ``kernel`` names the kernel attribute it adapts;
+    ``op`` is the stock op it wraps (``"dot_general"`` or ``"einsum"``; ``None``
+    on the reference models, whose ``project`` reads it).
 
     >>> layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     >>> _ = lora(layer, rank=2, alpha=4.0, targets="kernel")
-    >>> type(layer.kernel).__name__, layer.kernel.shape, layer.kernel.lora_a.shape
-    ('Adapted', (4, 3), (4, 2))
+    >>> type(layer.kernel).__name__, type(layer.dot_general).__name__
+    ('Param', 'Adapter')
+    >>> layer.dot_general.lora_a.shape, layer.dot_general.lora_b.shape, layer.dot_general.scale
+    ((4, 2), (2, 3), 2.0)
     """
 
-    def __init__(self, base: nnx.Variable[Any] | QuantizedKernel, lora_a: nnx.LoRAParam[Any],
-                 lora_b: nnx.LoRAParam[Any], *, scale: float, stack: int, n_in: int) -> None:
-        self.base = base
+    def __init__(self, lora_a: nnx.LoRAParam[Any], lora_b: nnx.LoRAParam[Any], *, scale: float,
+                 n_in: int, kernel: str, op: str | None = None, inner: Any = None,
+                 dropout: nnx.Dropout | None = None) -> None:
         self.lora_a = lora_a
         self.lora_b = lora_b
         self.scale = float(scale)
-        self.stack = int(stack)
         self.n_in = int(n_in)
+        self.kernel = str(kernel)
+        self.op = op
+        self.inner = inner  # the stock op this one wraps (static: a function)
+        self.dropout: nnx.Dropout | None = nnx.data(dropout)
 
     @property
     def rank(self) -> int:
         """The adapter's rank ``r``."""
         return int(self.lora_a.shape[-1])
 
+    def dropped(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
+        """``x`` through the adapter's dropout (``x`` itself at rate 0, in
+        evaluation mode (``model.eval()``) or with ``deterministic=True``)."""
+        if self.dropout is None:
+            return x
+        return self.dropout(x, deterministic=deterministic)
+
     def delta(self) -> jax.Array:
-        """``scale * A @ B`` in the kernel's layout (float32 or wider)."""
+        """``scale * A @ B`` in the kernel's layout (float32 or wider): what
+        :func:`merge_lora` adds to the kernel."""
         return _delta(self, self.lora_a[...], self.lora_b[...])
 
-    def merged(self) -> jax.Array:
-        """The adapted kernel ``base + scale * A @ B`` (in the wider of the two dtypes)."""
-        w = self.base[...]
-        d = self.delta()
-        dt = jnp.promote_types(w.dtype, self.lora_a.dtype)
-        return w.astype(dt) + d.astype(dt)
+    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+        """The stock op it stands in for (``dot_general(x, w, dims, ...)`` or
+        ``einsum(eq, x, w, ...)``) plus the adapter's term."""
+        if self.op == "einsum":
+            eq, x, w = args[:3]
+            y = self.inner(eq, x, w, *args[3:], **kwargs)
+            if "..." in eq or eq.count(",") != 1:  # fold it into the kernel instead
+                return self.inner(eq, x, self._folded(w), *args[3:], **kwargs)
+            eq_a, eq_b = lora_equations(eq)
+            a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
+            h = jnp.einsum(eq_a, self.dropped(x), a) * jnp.asarray(self.scale, x.dtype)
+            return y + jnp.einsum(eq_b, h, b).astype(y.dtype)
+        x, w, dims = args[:3]
+        (lc, rc), (lb, rb) = dims
+        y = self.inner(x, w, dims, *args[3:], **kwargs)
+        if lb or rb or tuple(rc) != tuple(range(self.n_in)):
+            return self.inner(x, self._folded(w), dims, *args[3:], **kwargs)
+        a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
+        h = jax.lax.dot_general(self.dropped(x), a, ((tuple(lc), tuple(range(self.n_in))),
+                                                     ((), ())))
+        h = h * jnp.asarray(self.scale, x.dtype)
+        d = jax.lax.dot_general(h, b, (((h.ndim - 1,), (0,)), ((), ())))
+        return y + d.astype(y.dtype)
 
-    def __getitem__(self, key: Any) -> jax.Array:
-        return self.merged()[key]
-
-    @property
-    def value(self) -> jax.Array:
-        return self.merged()
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.base.shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.base.shape)
-
-    @property
-    def dtype(self) -> Any:
-        return self.base.dtype
-
-    def get_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        """The base kernel's metadata (its logical names)."""
-        return self.base.get_metadata(*args, **kwargs)
+    def _folded(self, w: jax.Array) -> jax.Array:
+        return (w + self.delta().astype(w.dtype)).astype(w.dtype)
 
 
 def _nodes(model: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -104,14 +168,25 @@ def _owners(model: Any) -> dict[tuple[Any, ...], Any]:
     return {tuple(p): n for p, n in _nodes(model)}
 
 
-def adapters(model: Any) -> dict[str, Adapted]:
-    """The :class:`Adapted` kernels of ``model`` by path.
+def _adapter_sites(model: Any) -> list[tuple[tuple[Any, ...], Any, str, Adapter]]:
+    """``(kernel path, owner, attribute holding the adapter, adapter)`` of every adapter."""
+    owners = _owners(model)
+    out = []
+    for path, node in owners.items():
+        if isinstance(node, Adapter) and path:
+            owner = owners.get(tuple(path[:-1]))
+            out.append(((*path[:-1], node.kernel), owner, str(path[-1]), node))
+    return out
+
+
+def adapters(model: Any) -> dict[str, Adapter]:
+    """The :class:`Adapter` of each adapted kernel of ``model``, by the kernel's path.
 
     >>> layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     >>> list(adapters(lora(layer, 2, 4.0, targets="kernel")))
     ['kernel']
     """
-    return {path_str(p): n for p, n in _nodes(model) if isinstance(n, Adapted)}
+    return {path_str(k): node for k, _, _, node in _adapter_sites(model)}
 
 
 def kernel_axes(path: str, var: nnx.Variable[Any], owner: Any) -> tuple[int, int, tuple[Any, ...]]:
@@ -164,7 +239,7 @@ def _factor_sharding(var: nnx.Variable[Any], keep: list[int], rank_at: int) -> A
     return NamedSharding(mesh, PartitionSpec(*entries))
 
 
-def _check_scalars(rank: Any, alpha: Any, dropout: Any) -> tuple[int, float]:
+def _check_scalars(rank: Any, alpha: Any, dropout: Any) -> tuple[int, float, float]:
     r = count(rank, "lora rank", fix="e.g. ns.lora(model, rank=8, alpha=16)")
     if isinstance(alpha, bool | np.bool_) or not isinstance(alpha, int | float | np.number) \
             or not math.isfinite(float(alpha)):
@@ -172,12 +247,12 @@ def _check_scalars(rank: Any, alpha: Any, dropout: Any) -> tuple[int, float]:
                          f"({type(alpha).__name__}). Fix: e.g. alpha=16 (the update is "
                          "scaled by alpha / rank, as PEFT does)")
     if isinstance(dropout, bool | np.bool_) or not isinstance(dropout, int | float | np.number) \
-            or float(dropout) != 0.0:
+            or not 0.0 <= float(dropout) < 1.0:
         raise UsageError(
-            f"lora dropout must be 0.0, got {short(dropout, 60)}: the adapter is folded into "
-            "the kernel where the layer reads it, so there is no separate adapter input to "
-            "drop. Fix: dropout=0.0 (regularise with weight decay on the adapters instead)")
-    return r, float(alpha)
+            f"lora dropout must be a number in [0, 1), got {short(dropout, 60)} "
+            f"({type(dropout).__name__}): the probability of dropping each input of the "
+            "adapter while training. Fix: e.g. dropout=0.05, or 0.0 for none")
+    return r, float(alpha), float(dropout)
 
 
 def _init_factors(key: jax.Array, var: nnx.Variable[Any], stack: int, n_in: int, rank: int,
@@ -202,6 +277,41 @@ def _init_factors(key: jax.Array, var: nnx.Variable[Any], stack: int, n_in: int,
     return jax.jit(make, out_shardings=(a_sh, b_sh))()
 
 
+def _stock(owner: Any, attr: str | int) -> tuple[str, str] | None:
+    """``(attribute, kind)`` of the op an adapter of ``owner.attr`` stands in for, when
+    ``owner`` is a stock layer and ``attr`` its kernel."""
+    if attr != "kernel":
+        return None
+    for cls, op_attr, kind in _STOCK:
+        if isinstance(owner, cls):
+            return op_attr, kind
+    return None
+
+
+def _site(path: str, owner: Any, attr: str | int) -> tuple[str, str | None]:
+    """Where the adapter of ``owner.attr`` goes: ``(attribute, stock op kind or None)``."""
+    stock = _stock(owner, attr)
+    if stock is not None:
+        op_attr, kind = stock
+        current = getattr(owner, op_attr, None)
+        if isinstance(current, Adapter):
+            raise NnxShardError(f"lora: {path!r} already has an adapter. "
+                                "Fix: ns.merge_lora(model) first, or target other kernels.")
+        if getattr(owner, "dot_general_cls", None) is not None:
+            raise UsageError(
+                f"lora: {path!r} belongs to a {type(owner).__name__} with a custom "
+                "dot_general_cls, whose product the adapter cannot join. Fix: build the layer "
+                "with its default dot_general, or narrow targets=.")
+        return op_attr, kind
+    if isinstance(owner, nnx.Module) and isinstance(attr, str) \
+            and attr in getattr(type(owner), "lora_kernels", ()):
+        return adapter_name(attr), None
+    raise UsageError(
+        f"lora: {path!r} belongs to a {type(owner).__name__}, which reads it itself: an adapter "
+        "beside it would never be applied. Fix: adapt kernels of nnx.Linear / nnx.LinearGeneral "
+        "/ nnx.Einsum or of the reference models (their projections), or narrow targets=.")
+
+
 def adaptable_kernels(model: Any) -> tuple[dict[str, tuple[Any, str | int, Any]], set[str]]:
     """Projection-like Params of ``model`` by path, with their owner and attribute,
     and the paths of kernels already adapted.
@@ -212,14 +322,12 @@ def adaptable_kernels(model: Any) -> tuple[dict[str, tuple[Any, str | int, Any]]
     """
     owners = _owners(model)
     found: dict[str, tuple[Any, str | int, Any]] = {}
-    done: set[str] = set()
+    done = {path_str(k) for k, _, _, _ in _adapter_sites(model)}
     for path, node in owners.items():
-        if isinstance(node, Adapted):
-            done.add(path_str(path))
         if not isinstance(node, nnx.Param) or isinstance(node, nnx.LoRAParam) or not path:
             continue
         owner = owners.get(tuple(path[:-1]))
-        if isinstance(owner, Adapted):
+        if isinstance(owner, Adapter):
             continue
         found[path_str(path)] = (owner, path[-1], node)
     return found, done
@@ -232,14 +340,21 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     the regex ``targets`` (``re.search`` on paths like ``blocks/0/attn/q``), and
     returns ``model``.
 
-    Each kernel ``W`` becomes ``W + (alpha / rank) * A @ B`` with ``A``
-    ``[*in, rank]`` drawn as PEFT draws it (uniform, bound ``1/sqrt(fan_in)``) and
-    ``B`` ``[rank, *out]`` zeros, so the adapted model starts equal to the base.
-    ``A`` and ``B`` are ``nnx.LoRAParam`` (``dtype``, float32 by default), named
-    after the kernel's logical axes so they shard with it; on a sharded model they
-    are created sharded. Works on the reference models (``attn/q|k|v|o``,
-    ``mlp/up|gate|down``, stacked blocks too), ``nnx.Linear`` and
-    ``nnx.LinearGeneral``, and any layer that reads its kernel with ``[...]``.
+    Each projection ``x @ W`` becomes ``x @ W + (alpha / rank) * (dropout(x) @ A) @ B``
+    with ``A`` ``[*in, rank]`` drawn as PEFT draws it (uniform, bound
+    ``1/sqrt(fan_in)``) and ``B`` ``[rank, *out]`` zeros, so the adapted model starts
+    equal to the base. ``W`` stays as it is; ``A`` and ``B`` are ``nnx.LoRAParam``
+    (``dtype``, float32 by default) of an :class:`Adapter` beside it, named after
+    the kernel's logical axes so they shard with it; on a sharded model they are
+    created sharded. Works on the reference models (``attn/q|k|v|o``,
+    ``mlp/gate|up|down``, ``unembed``; stacked blocks too), ``nnx.Linear``,
+    ``nnx.LinearGeneral`` and ``nnx.Einsum``.
+
+    ``dropout`` (PEFT's ``lora_dropout``) drops inputs of the adapter while the
+    model trains (an ``nnx.Dropout``, on from the start; ``model.eval()`` turns it
+    off, ``model.train()`` on again) and never in the reference models' decoding
+    (generation); it draws from the ``dropout`` stream of ``rngs``. Blocks stacked
+    for a scan take no dropout.
 
     ``quantize="int8"`` or ``"int4"`` (QLoRA; needs the ``qlora`` extra, qwix)
     stores each adapted kernel's frozen ``W`` quantized, with absmax scales per
@@ -251,11 +366,11 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     >>> from nnx_shard.models import Llama, get_config
     >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     >>> _ = lora(model, rank=4, alpha=8.0, targets=r"attn/(q|v)$")
-    >>> model.blocks[0].attn.q.lora_a.get_metadata("out_sharding")
+    >>> model.blocks[0].attn.lora_q.lora_a.get_metadata("out_sharding")
     ('embed', None)
     >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)  # adapters only
     """
-    r, a = _check_scalars(rank, alpha, dropout)
+    r, a, p = _check_scalars(rank, alpha, dropout)
     quant = check_quantize(quantize)
     if quant is not None:
         qwix_module()
@@ -280,12 +395,12 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     if not jnp.issubdtype(dt, jnp.floating):
         raise UsageError(f"lora dtype must be a float type, got {dt}. Fix: dtype=jnp.float32")
     found, done = adaptable_kernels(model)
-    again = sorted(p for p in done if rx.search(p))
+    again = sorted(q for q in done if rx.search(q))
     if again:
         raise NnxShardError(
             f"lora: {len(again)} kernel(s) matching targets {targets!r} already have adapters "
             f"(e.g. {again[0]!r}). Fix: ns.merge_lora(model) first, or target other kernels.")
-    matched = {p: v for p, v in found.items() if rx.search(p)}
+    matched = {q: v for q, v in found.items() if rx.search(q)}
     if not matched:
         known = sorted(found)
         shown = ", ".join(known[:12]) + (f", ... ({len(known)} in all)" if len(known) > 12 else "")
@@ -299,17 +414,29 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
             raise ShardingError(f"lora: parameter {path!r} has dtype {var.dtype}, not a float "
                                 "kernel. Fix: narrow targets= to the projection kernels.")
         plans.append((path, owner, attr, var, *kernel_axes(path, var, owner)))
-    for _, owner, attr, var, stack, n_in, names in plans:
+    plans = [(*plan, *_site(plan[0], plan[1], plan[2])) for plan in plans]
+    stacked = [q for q, *_, stack, _, _, _, _ in plans if stack]
+    if p and stacked:
+        raise UsageError(
+            f"lora: dropout={p} on stacked (scanned) blocks ({stacked[0]!r}): the scan would "
+            "draw the same mask at every step. Fix: dropout=0.0, or build the model with "
+            "scan_layers=False.")
+    for _, owner, attr, var, stack, n_in, names, where, op in plans:
         a_val, b_val = _init_factors(rngs.params(), var, stack, n_in, r, dt)
         a_names = (*names[:stack + n_in], None)
         b_names = (*names[:stack], None, *names[stack + n_in:])
         meta = {"eager_sharding": False}
         la = nnx.LoRAParam(a_val, out_sharding=a_names, **meta)
         lb = nnx.LoRAParam(b_val, out_sharding=b_names, **meta)
-        base: Any = var if quant is None else quantize_kernel(var, quant, stack=stack,
-                                                              n_in=n_in, names=names)
-        node = Adapted(base, la, lb, scale=a / r, stack=stack, n_in=n_in)
-        _replace(owner, attr, node)
+        drop = nnx.Dropout(p, rngs=rngs) if p else None
+        # LinearGeneral's dot_general defaults to None, which it reads as lax.dot_general.
+        inner = (getattr(owner, where) or jax.lax.dot_general) if op is not None else None
+        node = Adapter(la, lb, scale=a / r, n_in=n_in, kernel=str(attr), op=op, inner=inner,
+                       dropout=drop)
+        if quant is not None:
+            _replace(owner, attr, quantize_kernel(var, quant, stack=stack, n_in=n_in,
+                                                  names=names))
+        setattr(owner, where, nnx.data(node))
     return model
 
 
@@ -331,28 +458,27 @@ def merge_lora(model: Any) -> Any:
     >>> import numpy as np
     >>> layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     >>> _ = lora(layer, 2, 4.0, targets="kernel")
-    >>> layer.kernel.lora_b[...] = jnp.ones((2, 3))
+    >>> layer.dot_general.lora_b[...] = jnp.ones((2, 3))
     >>> y = layer(jnp.ones((1, 4)))
     >>> _ = merge_lora(layer)
-    >>> type(layer.kernel).__name__, bool(np.allclose(layer(jnp.ones((1, 4))), y, atol=1e-5))
-    ('Param', True)
+    >>> sorted(nnx.state(layer)), bool(np.allclose(layer(jnp.ones((1, 4))), y, atol=1e-5))
+    (['bias', 'kernel'], True)
     """
-    owners = _owners(model)
-    todo = []
-    for path, node in owners.items():
-        if isinstance(node, Adapted):
-            todo.append((owners.get(tuple(path[:-1])), path[-1], node))
-    if not todo:
+    sites = _adapter_sites(model)
+    if not sites:
         raise NnxShardError("merge_lora: the model has no LoRA adapters. "
                             "Fix: add them with ns.lora(model, rank, alpha) or ns.hf.load_lora.")
-    for owner, attr, node in todo:
-        base = node.base
+    for _, owner, _, node in sites:
+        base = getattr(owner, node.kernel)
         w = base.qvalue.get_value() if isinstance(base, QuantizedKernel) else base.get_value()
         if not isinstance(w, jax.Array):
             raise NnxShardError("merge_lora: the model is abstract (nnx.eval_shape): there are "
                                 "no values to merge. Fix: merge a model with values.")
+    for _, owner, where, node in sites:
+        base = getattr(owner, node.kernel)
+        w = base.qvalue.get_value() if isinstance(base, QuantizedKernel) else base.get_value()
 
-        def fold(base: Any, a: jax.Array, b: jax.Array, node: Adapted = node) -> jax.Array:
+        def fold(base: Any, a: jax.Array, b: jax.Array, node: Adapter = node) -> jax.Array:
             w = base[...]
             d = _delta(node, a, b)
             return (w.astype(jnp.promote_types(w.dtype, d.dtype)) + d).astype(w.dtype)
@@ -361,15 +487,18 @@ def merge_lora(model: Any) -> Any:
         new = nnx.jit(fold, out_shardings=out_sh)(base, node.lora_a.get_value(),
                                                   node.lora_b.get_value())
         if isinstance(base, QuantizedKernel):
-            base = nnx.Param(new, out_sharding=base.qvalue.get_metadata().get("out_sharding"),
-                             eager_sharding=False)
+            setattr(owner, node.kernel, nnx.Param(
+                new, out_sharding=base.qvalue.get_metadata().get("out_sharding"),
+                eager_sharding=False))
         else:
             base.set_value(new)
-        _replace(owner, attr, base)
+        delattr(owner, where)
+        if node.op is not None:
+            setattr(owner, where, nnx.static(node.inner))
     return model
 
 
-def _delta(node: Adapted, a: jax.Array, b: jax.Array) -> jax.Array:
+def _delta(node: Adapter, a: jax.Array, b: jax.Array) -> jax.Array:
     # Inside a scan over stacked blocks the leading axes are sliced off: count them.
     n_in = node.n_in
     s = a.ndim - n_in - 1

@@ -34,20 +34,21 @@ def test_quantized_base_keeps_names_and_shards_scales_on_outputs(quantize, dtype
     mesh = strategy.make_mesh(2)
     model = ns.sharded_init(
         lambda: ns.lora(_llama(scan=True), 4, 8.0, targets=ALL, quantize=quantize), mesh, strategy)
-    q = model.blocks.attn.q
-    assert isinstance(q.base, QuantizedKernel)
-    assert q.base.qvalue.get_metadata("out_sharding") == ("layers", "embed", "heads", "kv")
-    assert q.base.scale.get_metadata("out_sharding") == ("layers", None, "heads", "kv")
-    assert q.base.qvalue.dtype == dtype and q.base.scale.shape == (2, 1, 4, 8)
-    w_spec = q.base.qvalue.get_value().sharding.spec
-    s_spec = q.base.scale.get_value().sharding.spec
+    q = model.blocks.attn.q  # the frozen kernel, quantized; its adapter beside it
+    assert isinstance(q, QuantizedKernel)
+    assert model.blocks.attn.lora_q.lora_a.shape == (2, 32, 4)
+    assert q.qvalue.get_metadata("out_sharding") == ("layers", "embed", "heads", "kv")
+    assert q.scale.get_metadata("out_sharding") == ("layers", None, "heads", "kv")
+    assert q.qvalue.dtype == dtype and q.scale.shape == (2, 1, 4, 8)
+    w_spec = q.qvalue.get_value().sharding.spec
+    s_spec = q.scale.get_value().sharding.spec
     assert w_spec[2] == "model" and s_spec[2] == "model"  # scales split with their heads
     assert q.shape == (2, 32, 4, 8) and q.dtype == jnp.float32
     # dequantized within one step of the int grid: absmax per output channel
     ref = _llama(scan=True).blocks.attn.q[...]
     levels = 127 if quantize == "int8" else 7
     step = np.abs(np.asarray(ref)).max(axis=1, keepdims=True) / levels
-    assert np.all(np.abs(np.asarray(q.base[...]) - np.asarray(ref)) <= 0.5 * step + 1e-6)
+    assert np.all(np.abs(np.asarray(q[...]) - np.asarray(ref)) <= 0.5 * step + 1e-6)
 
 
 def _base_bytes(quantize):
@@ -62,17 +63,17 @@ def _base_bytes(quantize):
     with ns.use(mesh, strategy.rules):
         compiled = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile()
     args = compiled.memory_analysis().argument_size_in_bytes
-    other = nnx.state(model, nnx.Not(nnx.Any(QuantizedValue, _AdaptedBase())))
+    other = nnx.state(model, nnx.Not(nnx.Any(QuantizedValue, _AdaptedKernel())))
     rest = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(other))
     rest += tokens.addressable_shards[0].data.nbytes
     return args - rest
 
 
-class _AdaptedBase:
-    """A filter: the full-precision kernels under an adapter (``.../base``)."""
+class _AdaptedKernel:
+    """A filter: the full-precision kernels that have an adapter (all seven projections)."""
 
     def __call__(self, path, value):
-        return bool(path) and path[-1] == "base"
+        return bool(path) and path[-1] in ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @pytest.mark.slow
@@ -166,8 +167,8 @@ def test_qlora_merges_dequantized_and_saves_peft_adapters(tmp_path):
     forward = nnx.jit(lambda m, t: m(t))
     with ns.use(mesh, strategy.rules):
         adapted = np.asarray(forward(model, tokens))
-        q = model.blocks[0].attn.q
-        want = np.asarray(q.base[...]) + np.asarray(q.delta())
+        attn = model.blocks[0].attn
+        want = np.asarray(attn.q[...]) + np.asarray(attn.lora_q.delta())
         ns.merge_lora(model)
         merged = np.asarray(forward(model, tokens))
     assert not adapters(model)
@@ -196,7 +197,7 @@ def test_qlora_checkpoint_restores_the_int4_base_bitwise(tmp_path):
     ns.save(tmp_path, 1, model=model, optimizer=opt)
     fresh, fresh_opt = make(5)
     back, _, _ = ns.restore(tmp_path, model=fresh, optimizer=fresh_opt)
-    q = back.blocks[0].attn.q.base
+    q = back.blocks[0].attn.q
     assert q.qvalue.dtype == jnp.int4 and q.qvalue.get_value().sharding.spec[0] == "data"
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back)),
                     strict=True):

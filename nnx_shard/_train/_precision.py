@@ -39,7 +39,6 @@ from flax import nnx
 
 from nnx_shard._annotate import path_str
 from nnx_shard._errors import UsageError, short
-from nnx_shard._low_rank import Adapted
 
 __all__ = ["Precision", "as_precision"]
 
@@ -153,9 +152,7 @@ class Precision:
                 dt = _float_of(node.get_raw_value())
                 if dt is not None and dt != self.params:
                     stored.append(f"{path_str(path) or '(the model)'}: {dt.name}")
-            elif self.casts and isinstance(node, nnx.Module) and not isinstance(node, Adapted):
-                # An adapted kernel computes nothing itself: the layer that reads it does, and
-                # that layer's dtype is checked; its base and factors are read cast like any Param.
+            elif self.casts and isinstance(node, nnx.Module):
                 dt = _module_dtype(node)
                 if dt is not None and dt != self.compute and _owns_params(node):
                     where = path_str(path) or "(the model)"

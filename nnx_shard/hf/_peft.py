@@ -34,7 +34,8 @@ from jax.sharding import NamedSharding
 from nnx_shard import _safetensors_io as st
 from nnx_shard._annotate import path_str
 from nnx_shard._errors import NnxShardError, UsageError, check_path, short
-from nnx_shard._low_rank import Adapted, adaptable_kernels, adapters, kernel_axes, lora
+from nnx_shard._low_rank import Adapter, adaptable_kernels, adapters, kernel_axes, lora
+from nnx_shard._quantized import QuantizedKernel
 from nnx_shard.hf import _export_dir as export_dir
 from nnx_shard.hf._files import as_path
 from nnx_shard.hf._mapping import compile_rules, mapping_for
@@ -243,7 +244,7 @@ def _module_paths(model: Any, modules: list[str], folder: Path) -> dict[str, tup
 def _absent(model: Any, where: Mapping[str, tuple[str, int | None]]) -> list[str]:
     """The modules of ``where`` whose kernel (or stacked layer) the model lacks."""
     shapes = {path_str(p): tuple(n.shape) for p, n in nnx.iter_graph(model)
-              if isinstance(n, nnx.Param | Adapted) and not isinstance(n, nnx.LoRAParam)}
+              if isinstance(n, nnx.Param | QuantizedKernel) and not isinstance(n, nnx.LoRAParam)}
     return [m for m, (kpath, layer) in sorted(where.items())
             if kpath not in shapes or (layer is not None and layer >= shapes[kpath][0])]
 
@@ -297,7 +298,7 @@ def _model_modules(model: Any) -> list[str]:
     their Hugging Face names, its output layer and its embedding."""
     names = ["lm_head", "model.embed_tokens"]
     for p, n in nnx.iter_graph(model):
-        if not isinstance(n, nnx.Param | Adapted) or isinstance(n, nnx.LoRAParam):
+        if not isinstance(n, nnx.Param | QuantizedKernel) or isinstance(n, nnx.LoRAParam):
             continue
         hf = _hf_module(path_str(p))
         if hf is not None:
@@ -386,7 +387,7 @@ def _host_factors(folder: Path, header: Any, model: Any, factors: Mapping[str, A
     """Our kernel path -> [A, B] on the host in our layout (stacked: every layer's slot,
     zero where the file has none); every problem is found before the model changes."""
     shapes = {path_str(p): n for p, n in nnx.iter_graph(model)
-              if isinstance(n, nnx.Param | Adapted) and not isinstance(n, nnx.LoRAParam)}
+              if isinstance(n, nnx.Param | QuantizedKernel) and not isinstance(n, nnx.LoRAParam)}
     nodes = adapters(model)
     plain, _ = adaptable_kernels(model)
     hosts: dict[str, list[np.ndarray]] = {}
@@ -505,7 +506,7 @@ def save_lora(path: str | os.PathLike[str], model: Any, *,
     _replace_folder(out, lambda stage: _write_adapter(stage, tensors, raw))
 
 
-def _peft_tensors(nodes: Mapping[str, Adapted], r: int
+def _peft_tensors(nodes: Mapping[str, Adapter], r: int
                   ) -> tuple[dict[str, np.ndarray], dict[int, set[str]]]:
     """PEFT's factors by key, and the projections adapted in each layer."""
     tensors: dict[str, np.ndarray] = {}

@@ -58,7 +58,7 @@ from nnx_shard.models._llama_config import LLAMA_CONFIGS, LlamaConfig
 from nnx_shard.models._llama_config import MODEL_TYPES as MODEL_TYPES
 from nnx_shard.models._llama_config import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
-from nnx_shard.models._ops import constrain, einsum, lookup, whole
+from nnx_shard.models._ops import constrain, einsum, lookup, project, whole
 from nnx_shard.models._transformer import (
     GATHERED,
     RESIDUAL,
@@ -197,6 +197,9 @@ class LlamaAttention(nnx.Module):
     ((32, 4, 8), (32, 2, 8))
     """
 
+    #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
+    lora_kernels = ("q", "k", "v", "o")
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         e, h, g, k, dt = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
         self.q = new_param(rngs, dense_init(e), (e, h, k), ("embed", "heads", "kv"), dt)
@@ -237,12 +240,9 @@ class LlamaAttention(nnx.Module):
         dt = self.dtype
         heads = seq_names(("batch", None, "heads", "kv"))
         kv_heads = seq_names(("batch", None, "kv_heads", "kv"))
-        q = _add(einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l"),
-                 self.q_bias, dt)
-        k = _add(einsum("ble,egk->blgk", x, self.k[...].astype(dt), kv_heads, seq="l"),
-                 self.k_bias, dt)
-        v = _add(einsum("ble,egk->blgk", x, self.v[...].astype(dt), kv_heads, seq="l"),
-                 self.v_bias, dt)
+        q = _add(project("ble,ehk->blhk", x, self, "q", dt, heads, seq="l"), self.q_bias, dt)
+        k = _add(project("ble,egk->blgk", x, self, "k", dt, kv_heads, seq="l"), self.k_bias, dt)
+        v = _add(project("ble,egk->blgk", x, self, "v", dt, kv_heads, seq="l"), self.v_bias, dt)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -252,7 +252,7 @@ class LlamaAttention(nnx.Module):
         out = attention(self._scaled(q), k, v, causal=True, mask=mask,
                         segment_ids=extras.segment_ids, implementation=self.kernel,
                         softcap=self.softcap)
-        return _add(einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l"),
+        return _add(project("blhk,hke->ble", out, self, "o", dt, RESIDUAL, seq="l"),
                     self.o_bias, dt)
 
     def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
@@ -270,9 +270,10 @@ class LlamaAttention(nnx.Module):
         :func:`kv_cache.valid_keys`)."""
         dt = self.dtype
         heads, kv_heads = ("batch", None, "heads", "kv"), ("batch", None, "kv_heads", "kv")
-        q = _add(einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads), self.q_bias, dt)
-        k = _add(einsum("ble,egk->blgk", x, self.k[...].astype(dt), kv_heads), self.k_bias, dt)
-        v = _add(einsum("ble,egk->blgk", x, self.v[...].astype(dt), kv_heads), self.v_bias, dt)
+        off = {"deterministic": True}  # no adapter dropout while decoding
+        q = _add(project("ble,ehk->blhk", x, self, "q", dt, heads, **off), self.q_bias, dt)
+        k = _add(project("ble,egk->blgk", x, self, "k", dt, kv_heads, **off), self.k_bias, dt)
+        v = _add(project("ble,egk->blgk", x, self, "v", dt, kv_heads, **off), self.v_bias, dt)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -282,8 +283,8 @@ class LlamaAttention(nnx.Module):
             window = jnp.where(local, self.mixed_window, jnp.iinfo(jnp.int32).max // 2)
         out = kv_cache.store_and_attend(self, self._scaled(q), k, v, index, valid,
                                         window=window, softcap=self.softcap)
-        return _add(einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt),
-                           RESIDUAL), self.o_bias, dt)
+        return _add(project("blhk,hke->ble", constrain(out, heads), self, "o", dt, RESIDUAL,
+                            **off), self.o_bias, dt)
 
 
 class LlamaMLP(nnx.Module):
@@ -296,6 +297,9 @@ class LlamaMLP(nnx.Module):
     (1, 4, 32)
     """
 
+    #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
+    lora_kernels = ("gate", "up", "down")
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
         self.gate = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
@@ -307,16 +311,17 @@ class LlamaMLP(nnx.Module):
         self.activation = cfg.activation
         self.dtype = cfg.dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
+    def __call__(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
+        """``deterministic=True``: no adapter dropout (decoding)."""
+        dt, off = self.dtype, {"deterministic": deterministic}
         hidden = seq_names(("batch", None, "mlp"))
-        g = _add(einsum("ble,em->blm", x, self.gate[...].astype(dt), hidden, seq="l"),
+        g = _add(project("ble,em->blm", x, self, "gate", dt, hidden, seq="l", **off),
                  self.gate_bias, dt)
-        u = _add(einsum("ble,em->blm", x, self.up[...].astype(dt), hidden, seq="l"),
+        u = _add(project("ble,em->blm", x, self, "up", dt, hidden, seq="l", **off),
                  self.up_bias, dt)
         act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
-        return _add(einsum("blm,me->ble", act * u, self.down[...].astype(dt),
-                           RESIDUAL, seq="l"), self.down_bias, dt)
+        return _add(project("blm,me->ble", act * u, self, "down", dt, RESIDUAL, seq="l", **off),
+                    self.down_bias, dt)
 
 
 class LlamaBlock(nnx.Module):
@@ -362,7 +367,7 @@ class LlamaBlock(nnx.Module):
         y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid,
                              local)
         x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
-        y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED))
+        y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED), deterministic=True)
         return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
 
@@ -417,6 +422,9 @@ class Llama(nnx.Module):
     >>> model.blocks[0].attn.q_norm.scale.get_metadata("out_sharding")
     ('kv',)
     """
+
+    #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
+    lora_kernels = ("unembed",)
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         if not isinstance(cfg, LlamaConfig):
@@ -501,14 +509,15 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(math.sqrt(cfg.embed), cfg.param_dtype).astype(cfg.dtype)
         return x
 
-    def _logits(self, x: jax.Array) -> jax.Array:
+    def _logits(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
         cfg = self.cfg
         x = constrain(self.final_norm(x), seq_names(GATHERED))
         names = seq_names(("batch", None, "vocab"))
         if self.unembed is None:
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype), names)
         else:
-            logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype), names)
+            logits = project("ble,ev->blv", x, self, "unembed", cfg.dtype, names,
+                             deterministic=deterministic)
         if cfg.final_softcap is not None:  # Gemma 2's, in float32 as transformers
             cap = cfg.final_softcap
             return cap * jnp.tanh(logits.astype(jnp.float32) / cap)
@@ -616,4 +625,4 @@ class Llama(nnx.Module):
 
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x, step, flags)
         self.cache_index[...] = index + steps
-        return self._logits(last_positions(x, logits_to_keep, "Llama.decode"))
+        return self._logits(last_positions(x, logits_to_keep, "Llama.decode"), deterministic=True)

@@ -24,10 +24,11 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nnx_shard._axes import axes_entry, entry_axes
+from nnx_shard._low_rank import adapter_name, lora_equations
 from nnx_shard._mesh import constrain, current, option
 from nnx_shard._parallel.collective_matmul import projection
 
-__all__ = ["constrain", "einsum", "lookup", "whole"]
+__all__ = ["constrain", "einsum", "lookup", "project", "whole"]
 
 
 def _explicit() -> bool:
@@ -164,3 +165,43 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     logits = logits.astype(jnp.float32)
     picked = jnp.sum(logits * jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), -1)
     return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def project(eq: str, x: jax.Array, owner: Any, name: str, dt: Any,
+            names: Sequence[str | None], *, seq: str | None = None,
+            deterministic: bool | None = None) -> jax.Array:
+    """The projection ``einsum(eq, x, owner.<name>)`` in the compute dtype ``dt``,
+    laid out by ``names`` (see :func:`einsum`), plus the LoRA adapter's
+    ``scale * (dropout(x) @ A) @ B`` when the kernel has one (``owner.lora_<name>``,
+    :func:`nnx_shard.lora`). The adapter's einsums come from ``eq``'s letters
+    (:func:`nnx_shard._low_rank.lora_equations`); ``deterministic=True`` turns its
+    dropout off (decoding).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> class Proj(nnx.Module):
+    ...     lora_kernels = ("w",)
+    ...     def __init__(self):
+    ...         self.w = nnx.Param(jnp.ones((3, 4)))
+    >>> owner = Proj()
+    >>> float(project("bd,df->bf", jnp.ones((2, 3)), owner, "w", jnp.float32, ("batch", None))[0, 0])
+    3.0
+    >>> import nnx_shard as ns
+    >>> _ = ns.lora(owner, 2, 2.0, targets="w")
+    >>> owner.lora_w.lora_b[...] = jnp.ones((2, 4))
+    >>> y = project("bd,df->bf", jnp.ones((2, 3)), owner, "w", jnp.float32, ("batch", None))
+    >>> bool(jnp.allclose(y, 3.0 + jnp.ones(3) @ owner.lora_w.lora_a[...] @ jnp.ones((2, 4))))
+    True
+    """
+    y = einsum(eq, x, getattr(owner, name)[...].astype(dt), names, seq=seq)
+    adapter = getattr(owner, adapter_name(name), None)
+    if adapter is None:
+        return y
+    eq_a, eq_b = lora_equations(eq)
+    out = eq.split("->")[1]
+    by_letter = dict(zip(out, names, strict=True))
+    rank_out = eq_a.split("->")[1]
+    h = einsum(eq_a, adapter.dropped(x, deterministic), adapter.lora_a[...].astype(dt),
+               [by_letter.get(c) for c in rank_out])
+    h = h * jnp.asarray(adapter.scale, dt)
+    return y + einsum(eq_b, h, adapter.lora_b[...].astype(dt), names)

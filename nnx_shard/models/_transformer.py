@@ -52,7 +52,7 @@ from nnx_shard._weighting import mean_over
 from nnx_shard.models import _kv_cache as kv_cache
 from nnx_shard.models._layers import RMSNorm, dense_init, new_param
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
-from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, whole
+from nnx_shard.models._ops import constrain, cross_entropy, einsum, lookup, project, whole
 from nnx_shard.models._transformer_config import (
     TransformerConfig,
     remat_policy,
@@ -83,6 +83,9 @@ def _norm(cfg: TransformerConfig, rngs: nnx.Rngs) -> RMSNorm:
 class Attention(nnx.Module):
     """Causal multi-head self-attention; Q/K/V split column-wise and O row-wise over ``heads``."""
 
+    #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
+    lora_kernels = ("q", "k", "v", "o")
+
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         e, h, k, dt = cfg.embed, cfg.heads, cfg.head_dim, cfg.param_dtype
         qkv = ("embed", "heads", "kv")
@@ -96,12 +99,12 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, extras: Extras = NO_EXTRAS) -> jax.Array:
         dt = self.dtype
         heads = seq_names(("batch", None, "heads", "kv"))
-        q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads, seq="l")
-        k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads, seq="l")
-        v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads, seq="l")
+        q = project("ble,ehk->blhk", x, self, "q", dt, heads, seq="l")
+        k = project("ble,ehk->blhk", x, self, "k", dt, heads, seq="l")
+        v = project("ble,ehk->blhk", x, self, "v", dt, heads, seq="l")
         out = attention(q, k, v, causal=True, mask=extras.mask, segment_ids=extras.segment_ids,
                         implementation=self.kernel)
-        return einsum("blhk,hke->ble", out, self.o[...].astype(dt), RESIDUAL, seq="l")
+        return project("blhk,hke->ble", out, self, "o", dt, RESIDUAL, seq="l")
 
     def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
         """Creates the key/value cache ``[batch, length, heads, head_dim]`` (``layers``
@@ -115,15 +118,19 @@ class Attention(nnx.Module):
         positions hold real keys, :func:`kv_cache.valid_keys`)."""
         dt = self.dtype
         heads = ("batch", None, "heads", "kv")
-        q = einsum("ble,ehk->blhk", x, self.q[...].astype(dt), heads)
-        k = einsum("ble,ehk->blhk", x, self.k[...].astype(dt), heads)
-        v = einsum("ble,ehk->blhk", x, self.v[...].astype(dt), heads)
+        off = {"deterministic": True}  # no adapter dropout while decoding
+        q = project("ble,ehk->blhk", x, self, "q", dt, heads, **off)
+        k = project("ble,ehk->blhk", x, self, "k", dt, heads, **off)
+        v = project("ble,ehk->blhk", x, self, "v", dt, heads, **off)
         out = kv_cache.store_and_attend(self, q, k, v, index, valid)
-        return einsum("blhk,hke->ble", constrain(out, heads), self.o[...].astype(dt), RESIDUAL)
+        return project("blhk,hke->ble", constrain(out, heads), self, "o", dt, RESIDUAL, **off)
 
 
 class MLP(nnx.Module):
     """Two-layer GELU MLP; ``up`` split column-wise and ``down`` row-wise over ``mlp``."""
+
+    #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
+    lora_kernels = ("up", "down")
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
@@ -133,9 +140,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         dt = self.dtype
-        h = jax.nn.gelu(einsum("ble,em->blm", x, self.up[...].astype(dt),
-                               seq_names(("batch", None, "mlp")), seq="l"))
-        return einsum("blm,me->ble", h, self.down[...].astype(dt), RESIDUAL, seq="l"), jnp.zeros(())
+        h = jax.nn.gelu(project("ble,em->blm", x, self, "up", dt,
+                                seq_names(("batch", None, "mlp")), seq="l"))
+        return project("blm,me->ble", h, self, "down", dt, RESIDUAL, seq="l"), jnp.zeros(())
 
 
 class MoE(nnx.Module):
@@ -269,6 +276,9 @@ class Transformer(nnx.Module):
     ('embed', 'heads', 'kv')
     """
 
+    #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
+    lora_kernels = ("unembed",)
+
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         if not isinstance(cfg, TransformerConfig):
             raise UsageError(f"Transformer: cfg must be a TransformerConfig, got "
@@ -367,8 +377,8 @@ class Transformer(nnx.Module):
             logits = einsum("ble,ve->blv", x, self.token_embed[...].astype(cfg.dtype),
                             seq_names(("batch", None, "vocab")))
         else:
-            logits = einsum("ble,ev->blv", x, self.unembed[...].astype(cfg.dtype),
-                            seq_names(("batch", None, "vocab")))
+            logits = project("ble,ev->blv", x, self, "unembed", cfg.dtype,
+                             seq_names(("batch", None, "vocab")))
         return logits.astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,

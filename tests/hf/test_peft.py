@@ -124,9 +124,9 @@ def test_save_lora_writes_peft_names_and_reads_back_bitwise(tmp_path):
                                       st.read_slice(theirs, name, index))
     # onto a model with stacked blocks: the same adapters, layer by layer
     stacked = ns.hf.load_lora(tmp_path / "out", _base(strategy, mesh, scan=True))
-    q = stacked.blocks.attn.q
+    q = stacked.blocks.attn.lora_q
     np.testing.assert_array_equal(np.asarray(q.lora_a[...][1]),
-                                  np.asarray(model.blocks[1].attn.q.lora_a[...]))
+                                  np.asarray(model.blocks[1].attn.lora_q.lora_a[...]))
 
 
 @pytest.mark.slow
@@ -217,7 +217,7 @@ def test_load_lora_layers_to_transform_onto_stacked_blocks():
     mesh = strategy.make_mesh(2)
     model = ns.hf.load_lora(CASES / "layers_to_transform", _base(strategy, mesh, scan=True))
     assert set(adapters(model)) == {"blocks/attn/q", "blocks/attn/v", "blocks/mlp/up"}
-    q = model.blocks.attn.q
+    q = model.blocks.attn.lora_q
     assert not np.asarray(q.lora_b[...][0]).any() and np.asarray(q.lora_b[...][1]).any()
     want = exp["logits_layers_to_transform"]
     got = _logits(model, strategy, mesh, exp["tokens"])
@@ -260,8 +260,8 @@ def test_save_lora_some_layers_reads_back_through_its_regex(tmp_path):
         "target_modules"], str)
     back = ns.hf.load_lora(tmp_path / "a", Llama(model.cfg, rngs=nnx.Rngs(0)))
     assert sorted(adapters(back)) == ["blocks/0/mlp/up", "blocks/1/attn/q"]
-    np.testing.assert_array_equal(np.asarray(back.blocks[1].attn.q.lora_b[...]),
-                                  np.asarray(model.blocks[1].attn.q.lora_b[...]))
+    np.testing.assert_array_equal(np.asarray(back.blocks[1].attn.lora_q.lora_b[...]),
+                                  np.asarray(model.blocks[1].attn.lora_q.lora_b[...]))
 
 
 def test_save_lora_never_writes_through_links(tmp_path):

@@ -39,7 +39,7 @@ def build(hs: Any) -> None:
     for label, alpha in [("nan", NAN), ("inf", INF), ("bool", False), ("none", None),
                          ("str", "16"), ("complex", 1j)]:
         hs.api(f"lora/alpha_{label}", "alpha", lambda a=alpha: lora(4, a))
-    for label, p in [("half", 0.5), ("nan", NAN), ("str", "0"), ("negative", -0.1)]:
+    for label, p in [("one", 1.0), ("nan", NAN), ("str", "0"), ("negative", -0.1)]:
         hs.api(f"lora/dropout_{label}", "dropout", lambda p=p: lora(2, 4.0, dropout=p))
     hs.api("lora/targets_none", "targets", lambda: lora(2, 4.0, targets=None))
     hs.api("lora/targets_bad_regex", "targets", lambda: lora(2, 4.0, targets="(["))

@@ -320,8 +320,8 @@ def test_precision_keeps_the_float_dtypes_it_documents():
 
 
 def test_lora_adapters_train_in_bfloat16_compute():
-    # An adapted kernel computes nothing itself (the layer reading it does), so
-    # Precision accepts it; the adapters train, the base stays bitwise as loaded.
+    # An adapter computes in the dtype of the projection it joins, so Precision accepts
+    # it; the adapters train, the base stays bitwise as loaded.
     base_only = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
     losses = {}
     for name, dtype, precision in (("f32", jnp.float32, None), ("bf16", jnp.bfloat16, MIXED)):
@@ -342,6 +342,6 @@ def test_lora_adapters_train_in_bfloat16_compute():
         after = nnx.state(model, base_only)
         assert all(jax.tree.leaves(jax.tree.map(
             lambda a, b: bool(np.array_equal(a, np.asarray(b))), before, after)))
-        assert model.blocks[0].attn.q.lora_b.get_value().dtype == jnp.float32
-        assert float(np.abs(model.blocks[0].attn.q.lora_b.get_value()).max()) > 0
+        assert model.blocks[0].attn.lora_q.lora_b.get_value().dtype == jnp.float32
+        assert float(np.abs(model.blocks[0].attn.lora_q.lora_b.get_value()).max()) > 0
     assert_close(losses["bf16"], losses["f32"], rtol=BF16_RTOL, what="LoRA loss in bf16 compute")
