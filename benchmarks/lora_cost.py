@@ -91,9 +91,8 @@ def decode_cost(cfg: Any, cache: int, adapters: bool) -> dict[str, float]:
     from flax import nnx
 
     def make() -> Any:
-        from nnx_shard.models import Llama
-
         import nnx_shard as ns
+        from nnx_shard.models import Llama
 
         model = Llama(cfg, rngs=nnx.Rngs(0))
         if adapters:

@@ -408,13 +408,14 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
             f"lora: no parameter path matches targets {targets!r}. Parameter paths: "
             f"{shown or '(none)'}. Fix: a regex searched in these paths, e.g. "
             r"targets=r'attn/(q|v)$' or r'kernel$'.")
-    plans = []
+    found_axes = []
     for path, (owner, attr, var) in matched.items():
         if not jnp.issubdtype(var.dtype, jnp.floating):
             raise ShardingError(f"lora: parameter {path!r} has dtype {var.dtype}, not a float "
                                 "kernel. Fix: narrow targets= to the projection kernels.")
-        plans.append((path, owner, attr, var, *kernel_axes(path, var, owner)))
-    plans = [(*plan, *_site(plan[0], plan[1], plan[2])) for plan in plans]
+        found_axes.append((path, owner, attr, var, *kernel_axes(path, var, owner)))
+    # Every kernel's axes are checked before any owner is (a clearer error first).
+    plans = [(*plan, *_site(plan[0], plan[1], plan[2])) for plan in found_axes]
     stacked = [q for q, *_, stack, _, _, _, _ in plans if stack]
     if p and stacked:
         raise UsageError(

@@ -270,7 +270,7 @@ class LlamaAttention(nnx.Module):
         :func:`kv_cache.valid_keys`)."""
         dt = self.dtype
         heads, kv_heads = ("batch", None, "heads", "kv"), ("batch", None, "kv_heads", "kv")
-        off = {"deterministic": True}  # no adapter dropout while decoding
+        off: dict[str, Any] = {"deterministic": True}  # no adapter dropout while decoding
         q = _add(project("ble,ehk->blhk", x, self, "q", dt, heads, **off), self.q_bias, dt)
         k = _add(project("ble,egk->blgk", x, self, "k", dt, kv_heads, **off), self.k_bias, dt)
         v = _add(project("ble,egk->blgk", x, self, "v", dt, kv_heads, **off), self.v_bias, dt)
@@ -313,7 +313,8 @@ class LlamaMLP(nnx.Module):
 
     def __call__(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
         """``deterministic=True``: no adapter dropout (decoding)."""
-        dt, off = self.dtype, {"deterministic": deterministic}
+        dt = self.dtype
+        off: dict[str, Any] = {"deterministic": deterministic}
         hidden = seq_names(("batch", None, "mlp"))
         g = _add(project("ble,em->blm", x, self, "gate", dt, hidden, seq="l", **off),
                  self.gate_bias, dt)

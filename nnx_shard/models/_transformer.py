@@ -118,7 +118,7 @@ class Attention(nnx.Module):
         positions hold real keys, :func:`kv_cache.valid_keys`)."""
         dt = self.dtype
         heads = ("batch", None, "heads", "kv")
-        off = {"deterministic": True}  # no adapter dropout while decoding
+        off: dict[str, Any] = {"deterministic": True}  # no adapter dropout while decoding
         q = project("ble,ehk->blhk", x, self, "q", dt, heads, **off)
         k = project("ble,ehk->blhk", x, self, "k", dt, heads, **off)
         v = project("ble,ehk->blhk", x, self, "v", dt, heads, **off)
