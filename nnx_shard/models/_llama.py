@@ -53,6 +53,7 @@ from nnx_shard._mesh import option
 from nnx_shard._parallel import pipeline
 from nnx_shard._parallel.collective_matmul import check_tokens
 from nnx_shard.models import _kv_cache as kv_cache
+from nnx_shard.models import _rope as rope
 from nnx_shard.models._layers import RMSNorm, dense_init, new_param
 from nnx_shard.models._llama_config import LLAMA_CONFIGS, LlamaConfig
 from nnx_shard.models._llama_config import MODEL_TYPES as MODEL_TYPES
@@ -70,63 +71,75 @@ from nnx_shard.models._transformer_config import remat_policy
 
 __all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig"]
 
-def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
-    """The rotary inverse frequencies ``[head_dim / 2]`` (float32), with the
-    ``llama3`` scaling applied when the config has it, computed in float32 as
-    transformers does; ``local``: the sliding layers' (base ``rope_local_theta``
-    when the config has one, never scaled, as Gemma 3's).
+def rope_frequencies(cfg: LlamaConfig, local: bool = False, seq_len: int | None = None
+                     ) -> np.ndarray:
+    """The rotary inverse frequencies ``[head_dim / 2]`` (float32) of a sequence of
+    ``seq_len`` positions, with the config's ``rope_scaling`` applied as transformers
+    computes it (:func:`nnx_shard.models._rope.frequencies`); ``local``: the sliding
+    layers' (base ``rope_local_theta`` when the config has one, never scaled, as
+    Gemma 3's).
 
     >>> rope_frequencies(LLAMA_CONFIGS["llama-tiny"])[:2]
     array([1.  , 0.1], dtype=float32)
     """
-    d = cfg.head_dim
-    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
-    inv = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
-    if cfg.rope_scaling is None or (local and cfg.rope_local_theta):
-        return inv
-    s = dict(cfg.rope_scaling)
-    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-    old = float(s["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old / low, old / high
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
+    return _scaled(cfg, local, seq_len)[0]
+
+
+def _scaled(cfg: LlamaConfig, local: bool, seq_len: int | None = None
+            ) -> tuple[np.ndarray, float]:
+    """``(inv_freq, attention_factor)``: the factor scales cos and sin."""
+    if local and cfg.rope_local_theta:
+        return rope.default(cfg, cfg.rope_local_theta)
+    return rope.frequencies(cfg, seq_len)
+
+
+def _traced(cfg: LlamaConfig, local: bool, seq_len: Any) -> tuple[jax.Array, float]:
+    """:func:`_scaled` for a traced sequence length (``dynamic`` / ``longrope``
+    choose their frequencies by it)."""
+    if local and cfg.rope_local_theta:
+        inv, factor = _scaled(cfg, True)
+        return jnp.asarray(inv), factor
+    return rope.frequencies_at(cfg, seq_len)
 
 
 def _rotary_tables(cfg: LlamaConfig, length: int, local: bool = False
                    ) -> tuple[np.ndarray, np.ndarray]:
     # Host constants (the positions are static): nothing traced is closed over
-    # by the scanned or pipelined layer body.
-    inv = rope_frequencies(cfg, local)
+    # by the scanned or pipelined layer body. The sequence length is ``length``.
+    inv, factor = _scaled(cfg, local, length)
     freqs = np.arange(length, dtype=np.float32)[:, None] * inv[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    return ((np.cos(emb) * np.float32(factor)).astype(np.float32),
+            (np.sin(emb) * np.float32(factor)).astype(np.float32))
 
 
 def _rotary_at(cfg: LlamaConfig, index: jax.Array, steps: int, local: bool = False
                ) -> tuple[jax.Array, jax.Array]:
     """The rotary tables of positions ``index .. index + steps - 1`` (``index``
-    traced: the decode step's position), computed as :func:`_rotary_tables`."""
-    inv = jnp.asarray(rope_frequencies(cfg, local))
+    traced: the decode step's position; the sequence length ``index + steps``),
+    computed as :func:`_rotary_tables`."""
+    inv, factor = _traced(cfg, local, index + steps)
     positions = (index + jnp.arange(steps, dtype=jnp.int32)).astype(jnp.float32)
     freqs = positions[:, None] * inv[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return _times(jnp.cos(emb), factor), _times(jnp.sin(emb), factor)
+
+
+def _times(table: jax.Array, factor: float) -> jax.Array:
+    return table if factor == 1.0 else table * jnp.float32(factor)
 
 
 def _rotary_of(cfg: LlamaConfig, positions: jax.Array, local: bool = False
                ) -> tuple[jax.Array, jax.Array]:
     """The rotary tables ``[batch, length, head_dim]`` of per-token ``positions
-    [batch, length]``, computed as :func:`_rotary_tables`, laid out like the queries
-    they rotate (whole sequence; split under context parallelism)."""
-    inv = jnp.asarray(rope_frequencies(cfg, local))
+    [batch, length]`` (the sequence length: the highest position + 1), computed as
+    :func:`_rotary_tables`, laid out like the queries they rotate (whole sequence;
+    split under context parallelism)."""
+    inv, factor = _traced(cfg, local, jnp.max(positions) + 1)
     freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return constrain(jnp.cos(emb), seq_names(GATHERED)), constrain(jnp.sin(emb), seq_names(GATHERED))
+    return (constrain(_times(jnp.cos(emb), factor), seq_names(GATHERED)),
+            constrain(_times(jnp.sin(emb), factor), seq_names(GATHERED)))
 
 
 def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
@@ -546,7 +559,11 @@ class Llama(nnx.Module):
     @property
     def max_length(self) -> int:
         """The context: the most positions a sequence can have (``cfg.max_length``,
-        transformers' ``max_position_embeddings``)."""
+        transformers' ``max_position_embeddings``; ``factor`` times it under ``dynamic``
+        scaling, which stretches the rotation past it)."""
+        scaling = dict(self.cfg.rope_scaling or ())
+        if scaling.get("rope_type") == "dynamic":
+            return int(self.cfg.max_length * scaling["factor"])
         return self.cfg.max_length
 
     def init_cache(self, batch: int, length: int) -> None:
@@ -609,10 +626,10 @@ class Llama(nnx.Module):
                                                          "Llama.decode")
             # Decoding runs on the gathered sequence (generation's rules): plain tables.
             def tables(local: bool) -> tuple[jax.Array, jax.Array]:
-                inv = jnp.asarray(rope_frequencies(cfg, local))
+                inv, factor = _traced(cfg, local, jnp.max(positions) + 1)
                 freqs = positions.astype(jnp.float32)[..., None] * inv
                 emb = jnp.concatenate([freqs, freqs], axis=-1)
-                return jnp.cos(emb), jnp.sin(emb)
+                return _times(jnp.cos(emb), factor), _times(jnp.sin(emb), factor)
 
             cos, sin = tables(every_local)
             if mixed and cfg.rope_local_theta:

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 
 from nnx_shard._errors import NnxShardError, UsageError, check_path, count, short
 from nnx_shard._safetensors_io import described
+from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
+from nnx_shard.models._rope import checked
 from nnx_shard.models._transformer_config import check_fields, check_kernel_and_remat
 
 __all__ = ["LLAMA_CONFIGS", "LlamaConfig"]
@@ -38,10 +40,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM"}
 _GEMMAS = ("gemma", "gemma2", "gemma3_text")
-#: ``rope_scaling`` types the model implements (``"default"``: none).
-ROPE_TYPES = ("default", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -61,10 +59,15 @@ class LlamaConfig:
       mlp: hidden width of the SwiGLU MLP (``intermediate_size``).
       layers: number of blocks (``num_hidden_layers``).
       rope_theta: base of the rotary frequencies.
-      rope_scaling: ``None``, or the ``llama3`` frequency scaling as sorted
-        ``(key, value)`` pairs (a dict is accepted and converted), e.g.
+      rope_scaling: ``None``, or the rotary frequency scaling as sorted
+        ``(key, value)`` pairs (a dict is accepted, checked and converted; lists
+        become tuples), of a type in :data:`ROPE_TYPES` (``linear``, ``dynamic``,
+        ``yarn``, ``longrope``, ``llama3``; computed in
+        :mod:`nnx_shard.models._rope` as transformers computes them), e.g.
         ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}`` or
+        Qwen2.5's ``{"rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 32768}``.
       norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
       tie_embeddings: reuse the token embedding as the output projection
         (``tie_word_embeddings``).
@@ -101,7 +104,9 @@ class LlamaConfig:
         (``final_logit_softcapping``).
       mlp_bias: biases on the gate, up and down projections (Llama's ``mlp_bias``).
       max_length: ``max_position_embeddings`` (written back to ``config.json``;
-        the rotation itself works at any length).
+        the rotation itself works at any length; ``dynamic`` scaling grows its
+        base past it, and ``longrope`` / ``yarn`` without a ``factor`` take it
+        over ``original_max_position_embeddings`` as theirs).
       model_type: one of :data:`MODEL_TYPES` (``"llama"``, ``"qwen3"``,
         ``"qwen2"``, ``"mistral"``): the ``config.json`` that :meth:`to_hf` writes.
       scan_layers, remat, attention, dtype, param_dtype: as in
@@ -184,7 +189,7 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.model_type={self.model_type!r}; valid: "
                              f"{', '.join(MODEL_TYPES)}.")
         # Hashable (the config is static metadata of the module's graph).
-        object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling))
+        object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling, self.head_dim))
         object.__setattr__(self, "window_layers", _window_layers(self))
 
     @property
@@ -218,13 +223,19 @@ class LlamaConfig:
 
         Reads ``rope_theta`` and ``rope_scaling`` as transformers 5 does:
         ``rope_scaling`` when set, else ``rope_parameters``, with ``rope_theta``
-        inside it, else beside it, else 10000; ``rope_scaling`` of type ``llama3``
-        is implemented, any other type is an error, as are sliding-window attention,
-        partial rotation and activations other than SiLU. Values are checked as
+        inside it, else beside it, else 10000; ``rope_scaling`` of the types in
+        :data:`ROPE_TYPES` (``linear``, ``dynamic``, ``yarn``, ``longrope``,
+        ``llama3``) is implemented, any other type is an error, as are partial
+        rotation and activations the model lacks. ``original_max_position_embeddings``
+        defaults to ``max_position_embeddings`` for ``yarn``, ``longrope`` and
+        ``llama3``; Phi-3's own top-level ``original_max_position_embeddings`` (4096
+        when absent) overrides it, and its legacy ``yarn`` / ``su`` mean ``longrope``,
+        as in transformers. Values are checked as
         transformers' config checks them: sizes are whole numbers >= 1 (never a bool
         or a float), ``num_key_value_heads`` divides ``num_attention_heads``, numbers
-        are finite, flags are JSON ``true`` / ``false``, llama3's ``factor`` is >= 1
-        and its ``high_freq_factor`` above its ``low_freq_factor``. Each problem is a
+        are finite, flags are JSON ``true`` / ``false``, a scaling's ``factor`` is >= 1,
+        llama3's ``high_freq_factor`` above its ``low_freq_factor``, longrope's
+        ``short_factor`` / ``long_factor`` one number per rotary frequency. Each problem is a
         :class:`~nnx_shard._errors.UsageError` naming the file (or ``config.json``
         for a dict), the field, what was found and the fix.
 
@@ -235,10 +246,13 @@ class LlamaConfig:
         >>> cfg = LlamaConfig.from_hf(hf, scan_layers=True)
         >>> cfg.head_dim, cfg.qk_norm, cfg.tie_embeddings, cfg.scan_layers
         (8, True, True, True)
-        >>> LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        >>> LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+        ...     "original_max_position_embeddings": 32768}}).rope_scaling
+        (('factor', 4.0), ('original_max_position_embeddings', 32768), ('rope_type', 'yarn'))
+        >>> LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "ntk", "factor": 4.0}})
         Traceback (most recent call last):
         ...
-        nnx_shard._errors.UsageError: config.json: rope_scaling of type 'yarn' is not implemented (implemented: 'default', 'llama3'). ...
+        nnx_shard._errors.UsageError: config.json: rope_scaling of type 'ntk' is not implemented (implemented: 'default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3'). ...
         >>> LlamaConfig.from_hf({**hf, "num_key_value_heads": 0})
         Traceback (most recent call last):
         ...
@@ -357,7 +371,7 @@ class LlamaConfig:
             "max_position_embeddings": self.max_length,
             "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_scaling": _hf_scaling(self.rope_scaling),
             "tie_word_embeddings": self.tie_embeddings,
             "attention_dropout": 0.0,
             "torch_dtype": dtype,
@@ -379,7 +393,7 @@ class LlamaConfig:
                        final_logit_softcapping=self.final_softcap)
         if self.model_type == "gemma3_text":
             global_rope = {"rope_type": "default", "rope_theta": self.rope_theta,
-                           **(dict(self.rope_scaling) if self.rope_scaling else {})}
+                           **(_hf_scaling(self.rope_scaling) or {})}
             out["rope_parameters"] = {
                 "full_attention": global_rope,
                 "sliding_attention": {"rope_type": "default",
@@ -389,6 +403,10 @@ class LlamaConfig:
             out["mlp_bias"] = self.mlp_bias
         elif self.model_type in ("mistral", "phi3"):
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "phi3" and self.rope_scaling:
+            # Phi3Config puts its own (default 4096) over the scaling's
+            out["original_max_position_embeddings"] = dict(self.rope_scaling).get(
+                "original_max_position_embeddings", self.max_length)
         if self.model_type == "phi3" and self.vocab <= 32000:
             # Phi3Config's default pad id (32000) must index the embedding.
             out["pad_token_id"] = None
@@ -475,34 +493,6 @@ def _flag(hf: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
                          f"({type(value).__name__}). Fix: write \"{key}\": true or "
                          f"\"{key}\": false.")
     return value
-
-
-def _llama3(items: Mapping[str, Any], where: str, key: str) -> dict[str, Any]:
-    """The llama3 scaling parameters of ``items`` (``where``'s ``key``), checked as
-    transformers checks them (factor >= 1, high_freq_factor > low_freq_factor > 0, an
-    int context): other values give infinite or NaN frequencies, or silently others."""
-    missing = [k for k in _LLAMA3_KEYS if k not in items]
-    if missing:
-        raise UsageError(f"{where}: {key} of type 'llama3' lacks {missing}. Fix: give every "
-                         f"one of {', '.join(_LLAMA3_KEYS)} (as the checkpoint's config.json "
-                         "does).")
-    out = {
-        "factor": _real(items["factor"], f"{key}['factor']", None, where, least=1.0,
-                        strict=False),
-        "low_freq_factor": _real(items["low_freq_factor"], f"{key}['low_freq_factor']", None,
-                                 where),
-        "high_freq_factor": _real(items["high_freq_factor"], f"{key}['high_freq_factor']",
-                                  None, where),
-        "original_max_position_embeddings": count(
-            items["original_max_position_embeddings"],
-            f"{where}: {key}['original_max_position_embeddings']",
-            fix="the pretraining context length, e.g. 8192"),
-    }
-    if out["high_freq_factor"] <= out["low_freq_factor"]:
-        raise UsageError(f"{where}: {key}['high_freq_factor'] ({out['high_freq_factor']}) must "
-                         f"be greater than {key}['low_freq_factor'] ({out['low_freq_factor']}): "
-                         f"the band between them divides by their difference. {_FIX_VALUE}.")
-    return {"rope_type": "llama3", **out}
 
 
 def _window(hf: Mapping[str, Any], kind: str, layers: int, where: str) -> int | None:
@@ -626,20 +616,19 @@ def _rope(hf: Mapping[str, Any], where: str, max_length: int) -> tuple[float, An
                          "of each head, which the model does not implement. Fix: use a "
                          "checkpoint that rotates every feature (partial_rotary_factor 1.0).")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if not isinstance(kind, str):
-        raise UsageError(f"{name}: rope_type {short(kind, 60)} is not a name. Fix: e.g. "
-                         "\"rope_type\": \"llama3\".")
-    if kind not in ROPE_TYPES:
-        raise UsageError(
-            f"{name} of type {kind!r} is not implemented (implemented: "
-            f"{', '.join(repr(t) for t in ROPE_TYPES)}). Fix: use a checkpoint without that "
-            "scaling, or add it to nnx_shard.models._llama.rope_frequencies."
-        )
-    if kind == "default":
-        return theta, None
-    # transformers fills a scaling's pretraining context from max_position_embeddings
-    rope.setdefault("original_max_position_embeddings", max_length)
-    return theta, _llama3(rope, where, key)
+    if hf.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        kind = rope["rope_type"] = "longrope"  # Phi3Config's legacy names
+    if hf.get("model_type") == "phi3" and kind not in ("default", "longrope"):
+        raise UsageError(f"{name} of type {short(kind, 40)}: Phi-3 rotates with the default "
+                         f"or longrope frequencies only (as Phi3Config checks). {_FIX_VALUE}.")
+    if kind in ("llama3", "yarn", "longrope"):
+        # transformers fills a scaling's pretraining context from max_position_embeddings,
+        # Phi-3 from its own top-level value
+        if hf.get("model_type") == "phi3":
+            rope["original_max_position_embeddings"] = hf.get(
+                "original_max_position_embeddings", 4096)
+        rope.setdefault("original_max_position_embeddings", max_length)
+    return theta, checked(rope, where, key)
 
 
 def _optional_real(cfg: LlamaConfig, name: str) -> None:
@@ -675,7 +664,7 @@ def _window_layers(cfg: LlamaConfig) -> tuple[bool, ...] | None:
     return None if all(flags) else flags
 
 
-def _scaling(value: Any) -> tuple[tuple[str, Any], ...] | None:
+def _scaling(value: Any, head_dim: int) -> tuple[tuple[str, Any], ...] | None:
     if not value:
         return None
     if not isinstance(value, Mapping | tuple | list):
@@ -687,16 +676,15 @@ def _scaling(value: Any) -> tuple[tuple[str, Any], ...] | None:
     except (TypeError, ValueError):
         raise UsageError(f"LlamaConfig.rope_scaling must be None or a dict, got "
                          f"{short(value, 60)}. Fix: e.g. rope_scaling={_LLAMA31_ROPE}") from None
-    kind = items.get("rope_type", items.get("type", "default"))
-    if kind == "default":
+    out = checked(items, "LlamaConfig", "rope_scaling", head_dim)
+    return None if out is None else tuple(sorted(out.items()))
+
+
+def _hf_scaling(scaling: Any) -> dict[str, Any] | None:
+    """``rope_scaling`` as config.json spells it (longrope's factors as lists)."""
+    if not scaling:
         return None
-    if kind != "llama3":
-        raise UsageError(f"LlamaConfig.rope_scaling: type {short(kind, 60)} is not implemented "
-                         f"(implemented: {', '.join(repr(t) for t in ROPE_TYPES)}). Fix: "
-                         f"e.g. rope_scaling={_LLAMA31_ROPE}")
-    items.update(_llama3(items, "LlamaConfig", "rope_scaling"))
-    items.pop("type", None)
-    return tuple(sorted(items.items()))
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in scaling}
 
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -218,14 +218,14 @@ def build(hs: Any) -> None:
          "original_max_position_embeddings"),
         ("rope_equal_freq_factors", {**_HF, "rope_scaling": {
             **_ROPE, "low_freq_factor": 4.0}}, "low_freq_factor"),
-        ("rope_unknown_type", {**_HF, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-         "linear"),
+        ("rope_unknown_type", {**_HF, "rope_scaling": {"rope_type": "ntk", "factor": 2.0}},
+         "ntk"),
         ("rope_parameters_string", {**_HF, "rope_scaling": None, "rope_parameters": "yarn"},
          "rope_parameters"),
         ("yarn_without_theta", {**{k: v for k, v in _HF.items() if k != "rope_theta"},
                                 "rope_scaling": None,
-                                "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-         "yarn"),
+                                "rope_parameters": {"rope_type": "yarn", "factor": 0.5}},
+         "factor"),
         ("partial_rotary", {**_HF, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ]:
         hs.api(f"headers/config_{label}", ("config.json",),

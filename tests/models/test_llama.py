@@ -211,8 +211,8 @@ def test_llama3_rope_scaling_bands() -> None:
 
 @pytest.mark.parametrize("change, match", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not a Llama-family model"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-     "rope_scaling of type 'yarn' is not implemented"),
+    ({"rope_scaling": {"rope_type": "ntk", "factor": 4.0}},
+     "rope_scaling of type 'ntk' is not implemented"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4,
       "max_window_layers": 1}, "sliding-window attention in some layers only"),
@@ -267,8 +267,9 @@ BAD_CONFIGS = [
      r"rope_scaling\['high_freq_factor'\]"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
     ({"rope_scaling": {"rope_type": 3}}, "rope_type 3"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-     "rope_scaling of type 'linear' is not implemented"),
+    ({"rope_scaling": {"rope_type": "su", "factor": 2.0}},
+     "rope_scaling of type 'su' is not implemented"),
+    ({"rope_scaling": {"rope_type": "linear"}}, r"type 'linear' lacks \['factor'\]"),
     ({"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -277,8 +278,8 @@ BAD_CONFIGS = [
      r"rope_parameters must be an object \(or null\)"),
     ({"rope_scaling": None, "rope_theta": None,
       "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
-                          "beta_slow": 1.0, "original_max_position_embeddings": 4096}},
-     "rope_parameters of type 'yarn' is not implemented"),
+                          "beta_slow": 1.0, "original_max_position_embeddings": 4096.5}},
+     r"rope_parameters\['original_max_position_embeddings'\]"),
     ({"rope_scaling": None, "rope_parameters": {**_ROPE, "factor": 0.0}},
      r"rope_parameters\['factor'\]"),
 ]
