@@ -9,6 +9,10 @@ only as a cached pytree flatten, see :class:`_Plan`), and none of the
 ``nnx.scan`` pitfalls apply (``in_axes=None`` silently freezing the model,
 closures across trace levels). The step knows no parallel op: each registers
 what it checks in :mod:`nnx_shard._parallel.registry`.
+
+This module is the host side (the compiled calls by argument layout, the state
+read from and written back to the NNX objects, the bounded dispatch);
+:mod:`._traced` builds the function each call compiles.
 """
 
 from __future__ import annotations
@@ -17,12 +21,10 @@ import collections
 import dataclasses
 import functools
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
@@ -35,14 +37,15 @@ from nnx_shard._errors import (
     is_sharding_type_error,
     sharding_type_error,
     sharding_types,
+    short,
 )
-from nnx_shard._mesh import apply_sharding, current
-from nnx_shard._parallel.registry import checking_step, prepare_step
-from nnx_shard._train._microbatch import check_device_rows, spec_axes, tracing_step
+from nnx_shard._mesh import current
+from nnx_shard._train._microbatch import check_device_rows, spec_axes
 from nnx_shard._train._precision import Precision, as_precision
-from nnx_shard._train._trees import is_node, leaf_path
+from nnx_shard._train._traced import build_run, pack
+from nnx_shard._train._trees import is_node
 
-__all__ = ["Carry", "Fused", "Packed", "multistep", "pack", "unpack_rows"]
+__all__ = ["Carry", "Fused", "multistep"]
 
 
 def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
@@ -93,122 +96,6 @@ def _equal(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # e.g. arrays among static attributes: no truth value
         return a is b
-
-
-def _check_metrics(metrics: Any, fn_name: str) -> Any:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(metrics)
-    out = []
-    for path, x in flat:
-        if isinstance(x, jax.Array):  # tracers included
-            out.append(x)
-        elif (isinstance(x, np.ndarray | np.generic) and x.dtype.kind in "biufc") or isinstance(
-            x, bool | int | float | complex
-        ):
-            out.append(jnp.asarray(x))
-        else:
-            where = f"metrics{jax.tree_util.keystr(path)}" if path else "the metrics"
-            raise TypeError(
-                f"{fn_name} returned {where} = {x!r} ({type(x).__name__}), which is not an "
-                "array. The fused call stacks every metric to [K, ...], so metrics must be "
-                "arrays or numbers, e.g. return {'loss': loss}. Fix: drop Python objects "
-                "from the returned metrics (compute them outside, from the stacked arrays)."
-            )
-    return jax.tree.unflatten(treedef, out)
-
-
-@jax.tree_util.register_pytree_node_class
-class Packed:
-    """A call's metrics as one byte vector (``buf``) and how to cut it back into
-    them (``spec``: the metrics' treedef and each leaf's dtype and shape, static,
-    so it comes back with every call's output). Reading one array back costs a
-    fixed ~7 us of Python whatever its size: a call's 4 metrics (loss, gradient
-    norm, guard flags) read as one cost a quarter.
-
-    >>> m = {"loss": jnp.array([0.5, 0.25]), "ok": jnp.array([True, False])}
-    >>> p = pack(m)
-    >>> p.buf.dtype, p.buf.shape
-    (dtype('uint8'), (10,))
-    >>> out = p.unpack()
-    >>> out["loss"].tolist(), out["ok"].tolist()
-    ([0.5, 0.25], [True, False])
-    """
-
-    def __init__(self, buf: Any, spec: Any) -> None:
-        self.buf = buf
-        self.spec = spec
-
-    def tree_flatten(self) -> tuple[tuple[Any], Any]:
-        return (self.buf,), self.spec
-
-    @classmethod
-    def tree_unflatten(cls, spec: Any, children: Any) -> Packed:
-        return cls(children[0], spec)
-
-    def unpack(self) -> Any:
-        """The metrics, NumPy arrays (read back first: ``jax.device_get``)."""
-        return unpack_rows(self.spec, np.asarray(self.buf)[None], 0)
-
-    def rows_of(self, others: Sequence[Packed]) -> Any:
-        """The metrics of calls of the same spec (``others``, read back), each leaf
-        stacked over the calls: one cut of a ``[calls, bytes]`` array per metric."""
-        rows = np.stack([np.asarray(p.buf) for p in others])
-        return unpack_rows(self.spec, rows, None)
-
-
-@functools.lru_cache(maxsize=256)
-def _cuts(spec: Any) -> tuple[tuple[Any, int, int, tuple[int, ...], bool], ...]:
-    """Where each leaf of a packed spec lies: (dtype, first byte, bytes, shape, bool)."""
-    out, offset = [], 0
-    for dtype_name, shape in spec[1]:
-        is_bool = dtype_name == "bool"  # packed as one uint8 each
-        dtype = np.dtype(np.uint8) if is_bool else np.dtype(jnp.dtype(dtype_name))
-        nbytes = math.prod(shape) * dtype.itemsize
-        out.append((dtype, offset, nbytes, tuple(shape), is_bool))
-        offset += nbytes
-    return tuple(out)
-
-
-def unpack_rows(spec: Any, rows: np.ndarray, row: int | None) -> Any:
-    """The leaves of packed metrics from ``rows`` (``[calls, bytes]``): of one row,
-    or with ``row=None`` of all, each leaf then stacked over the calls."""
-    leaves = []
-    for dtype, offset, nbytes, shape, is_bool in _cuts(spec):
-        cut = rows[:, offset:offset + nbytes] if row is None else rows[row, offset:offset + nbytes]
-        x = np.ascontiguousarray(cut).view(dtype)
-        x = x.reshape(shape if row is not None else (len(rows), *shape))
-        leaves.append(x.astype(bool) if is_bool else x)
-    return jax.tree.unflatten(spec[0], leaves)
-
-
-def pack(metrics: Any) -> Packed | Any:
-    """``metrics`` as one :class:`Packed` byte vector (traced, or eager), or as they
-    are where a leaf cannot be packed (a complex number, a sharded leaf)."""
-    leaves, treedef = jax.tree.flatten(metrics)
-    parts, spec = [], []
-    for x in leaves:
-        x = jnp.asarray(x)
-        spec_of = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
-        if jnp.issubdtype(x.dtype, jnp.complexfloating) or any(e is not None for e in spec_of):
-            return metrics  # a sharded leaf would be gathered (or refused on Explicit axes)
-        if x.dtype == jnp.bool_:
-            b = x.astype(jnp.uint8)
-        else:
-            b = jax.lax.bitcast_convert_type(x, jnp.uint8)
-        parts.append(b.reshape(-1))
-        spec.append((jnp.dtype(x.dtype).name, tuple(x.shape)))
-    buf = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
-    return Packed(buf, (treedef, tuple(spec)))
-
-
-def _structure_diff(before: Any, after: Any) -> str:
-    a = {leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(before)[0]}
-    b = {leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(after)[0]}
-    parts = []
-    if b - a:
-        parts.append("added " + ", ".join(sorted(b - a)))
-    if a - b:
-        parts.append("removed " + ", ".join(sorted(a - b)))
-    return "; ".join(parts) or "the Variable types or metadata changed"
 
 
 def _mesh_of(trees: Sequence[Any]) -> Mesh | AbstractMesh | None:
@@ -338,14 +225,16 @@ class Fused:
                 shape = np.shape(x)
                 seen.append((names[i] + jax.tree_util.keystr(path), shape, shape[0] if shape else None))
         if not seen:
-            raise ValueError(
+            raise UsageError(
                 "multistep needs at least one array argument with a leading steps axis K "
-                "(e.g. a batch shaped [K, batch, ...]) to know how many steps to run."
+                "(e.g. a batch shaped [K, batch, ...]) to know how many steps to run. Fix: "
+                "pass the step batches stacked [K, batch, ...], e.g. fused(model, optimizer, "
+                "np.stack(step_batches))."
             )
         listing = "; ".join(
             f"{p} has shape {s} -> K={k if k is not None else 'none (scalar)'}" for p, s, k in seen
         )
-        raise ValueError(
+        raise UsageError(
             "batch leaves disagree on the number of steps K (their leading axis): "
             f"{listing}. Every leaf of the data arguments needs the same leading steps "
             "axis, laid out [K, batch, ...] (not [batch, K, ...]). Fix: stack the K step "
@@ -378,9 +267,9 @@ class Fused:
     def _prepare(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         node_pos = tuple(i for i, a in enumerate(args) if is_node(a))
         if not node_pos:
-            raise TypeError(
-                "multistep: no NNX object among the arguments. Call the fused step like the "
-                "step itself, e.g. fused(model, optimizer, batch)."
+            raise UsageError(
+                "multistep: no NNX object among the arguments. Fix: call the fused step like "
+                "the step itself, e.g. fused(model, optimizer, batch)."
             )
         self._steps(args, node_pos)
         nodes = tuple(args[i] for i in node_pos)
@@ -437,7 +326,7 @@ class Fused:
         key = (graphdef, state_def, shardings, node_pos, nargs, context)
         built = self._jitted.get(key)
         if built is None:
-            run = self._build(graphdef, state_def, node_pos, nargs, shardings)
+            run = build_run(self, graphdef, state_def, node_pos, nargs, shardings)
             built = (self._jit(run, shardings, None), run)
             self._jitted.put(key, built)
         plan = _Plan(built[0], state_def, shardings, context, run=built[1])
@@ -466,7 +355,7 @@ class Fused:
         with no ``jax.device_put`` (which costs ~0.1 ms of Python per call). Data
         passed this way must be host arrays or arrays with exactly these shardings;
         one trace per layout, as for placed data. Its metrics come back
-        :class:`Packed` (one array to read back per call)."""
+        :class:`~nnx_shard._train._traced.Packed` (one array to read back per call)."""
         leaves, treedef = jax.tree.flatten(data_shardings)
         key = (id(plan.jitted), treedef, tuple(leaves))
         jitted = self._data_jits.get(key)
@@ -562,82 +451,6 @@ class Fused:
         jitted = plan.jitted if data_shardings is None else self._data_jit(plan, data_shardings)
         with sharding_types(self._entry(".lower(...)")):
             return jitted.lower(values, data)
-
-    # -- traced side ----------------------------------------------------------
-
-    def _build(
-        self,
-        graphdef: Any,
-        state_def: Any,
-        node_pos: tuple[int, ...],
-        nargs: int,
-        shardings: tuple[Any, ...],
-    ) -> Callable[..., Any]:
-        """The compiled call's function (``jax.jit`` of it in :meth:`_jit`)."""
-        step_fn = self.step_fn
-        fn_name = getattr(step_fn, "__name__", "step_fn")
-        m, precision = self.microbatches, self.precision
-
-        def pin(values: list[Any]) -> list[Any]:
-            # Keeps the carry in its input layout at every step, so the loop never
-            # reshards mid-way and the output matches the input exactly.
-            return [
-                apply_sharding(x, s) if isinstance(s, NamedSharding) else x
-                for x, s in zip(values, shardings, strict=True)
-            ]
-
-        def body(values: list[Any], xs: tuple[Any, ...]) -> tuple[list[Any], Any]:
-            nodes = nnx.merge(graphdef, jax.tree.unflatten(state_def, values))
-            prepare_step(nodes)  # on this traced copy only: the caller's model is untouched
-            it_nodes, it_xs = iter(nodes), iter(xs)
-            call_args = [next(it_nodes) if i in node_pos else next(it_xs) for i in range(nargs)]
-            # Registered parallel ops check the traced step (checking_step); value_and_grad
-            # inside it takes the microbatches from the frame.
-            with tracing_step(m, precision) as frame, checking_step(fn_name):
-                metrics = step_fn(*call_args)
-            if (m > 1 or (precision is not None and precision.casts)) and not frame.taken:
-                what = (f"microbatches={m}" if m > 1 else f"precision={precision!r}")
-                where = ("the batch is split into microbatches" if m > 1
-                         else "the parameters are read in the compute dtype")
-                raise ValueError(
-                    f"multistep(..., {what}): {fn_name} never called "
-                    f"nnx_shard.value_and_grad, where {where}. "
-                    "Fix: compute gradients with ns.value_and_grad(loss_fn)(model, batch) "
-                    "instead of nnx.value_and_grad."
-                )
-            metrics = _check_metrics(metrics, fn_name)
-            _, new_state = nnx.split(nodes)
-            new_values, new_def = jax.tree.flatten(new_state)
-            if new_def != state_def:
-                raise ValueError(
-                    f"{fn_name} changed the structure of the NNX objects it was given "
-                    f"({_structure_diff(jax.tree.unflatten(state_def, values), new_state)}). "
-                    "State carried across fused steps must keep its structure. Fix: create "
-                    "every Variable before the first call (e.g. build metrics and optimizer "
-                    "state up front)."
-                )
-            return pin(new_values), metrics
-
-        def counted(carry: tuple[list[Any], jax.Array], xs: Any) -> Any:
-            values, count = carry
-            values, metrics = body(values, xs)
-            return (values, count + 1), metrics
-
-        def run(values: list[Any], data: tuple[Any, ...]) -> tuple[list[Any], Any, jax.Array]:
-            self.traces += 1
-            # The step count is a by-product of the loop, so it is ready only when the
-            # call is: a scalar the host can wait on (never donated, unlike the state).
-            (new_values, count), metrics = jax.lax.scan(
-                counted, (values, jnp.zeros((), jnp.int32)), data, unroll=self.unroll
-            )
-            if self.finish is not None:
-                before = nnx.merge(graphdef, jax.tree.unflatten(state_def, values))
-                after = nnx.merge(graphdef, jax.tree.unflatten(state_def, new_values))
-                metrics = self.finish(before, after, metrics)
-                new_values = pin(jax.tree.leaves(nnx.split(after)[1]))
-            return new_values, metrics, count
-
-        return run
 
 
 class Carry:
@@ -807,7 +620,9 @@ def check_options(step_fn: Any, microbatches: Any, max_in_flight: Any, unroll: A
     Fused built directly, and :class:`~nnx_shard.Trainer` on it, get them too), the
     message naming ``owner``, the call that took them."""
     if not callable(step_fn):
-        raise TypeError(f"multistep expects a callable step function, got {step_fn!r}")
+        raise UsageError(f"multistep expects a callable step function (step_fn), got "
+                         f"{short(step_fn, 60)}. Fix: pass the function itself, e.g. "
+                         "multistep(train_step), not train_step(...).")
     count(microbatches, f"{owner}: microbatches", fix="e.g. microbatches=2, or 1 for no split")
     if max_in_flight is not None and (
         not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1

@@ -21,9 +21,10 @@ import numpy as np
 
 from nnx_shard._checkpoint import Checkpointer
 from nnx_shard._train._feed import Feed, Group
-from nnx_shard._train._fused import Carry, Fused, Packed
+from nnx_shard._train._fused import Carry, Fused
 from nnx_shard._train._guard import Guard, not_finite_leaf, why_not_finite
 from nnx_shard._train._progress import Progress
+from nnx_shard._train._traced import Packed
 
 __all__ = ["FitRun", "History", "Saver", "TrainState"]
 
@@ -414,5 +415,5 @@ class FitRun:
 
 
 def _unpacked(metrics: Any) -> dict[str, np.ndarray]:
-    """A call's metrics read back (see :class:`~nnx_shard._train._fused.Packed`)."""
+    """A call's metrics read back (see :class:`~nnx_shard._train._traced.Packed`)."""
     return metrics.unpack() if isinstance(metrics, Packed) else dict(metrics)

@@ -485,7 +485,7 @@ def test_non_array_metrics_name_the_metric():
 
     model = seed_model()
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    with pytest.raises(TypeError, match=r"step returned metrics\['note'\] = 'hello' \(str\)"):
+    with pytest.raises(ns.UsageError, match=r"step returned metrics\['note'\] = 'hello' \(str\)"):
         multistep(step)(model, opt, data(2, 4, 20, 1))
 
 
@@ -502,7 +502,7 @@ def test_changing_structure_inside_the_step_is_explained():
 
 
 def test_no_nnx_argument():
-    with pytest.raises(TypeError, match="no NNX object"):
+    with pytest.raises(ns.UsageError, match="no NNX object"):
         multistep(lambda b: {"x": b})(np.zeros((2, 3)))
 
 
