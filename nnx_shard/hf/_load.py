@@ -88,8 +88,9 @@ def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
     another family (a Gemma checkpoint fills a Llama of its sizes tensor for
     tensor) and would load into silently wrong logits. A separate ``lm_head.weight``
     unties the embeddings, as in transformers."""
+    from nnx_shard.models._hf_config import read_json
     from nnx_shard.models._llama import Llama
-    from nnx_shard.models._llama_config import differences, read_json
+    from nnx_shard.models._llama_config import differences
 
     if not isinstance(target, Llama):
         return

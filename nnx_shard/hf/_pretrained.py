@@ -19,8 +19,9 @@ from nnx_shard._init import abstract_init
 from nnx_shard.hf._files import checkpoint_files
 from nnx_shard.hf._load import load_safetensors, separate_head
 from nnx_shard.hf._source import read_source, remember_source
+from nnx_shard.models._hf_config import MODEL_TYPES, read_json
 from nnx_shard.models._llama import Llama
-from nnx_shard.models._llama_config import MODEL_TYPES, LlamaConfig, read_json
+from nnx_shard.models._llama_config import LlamaConfig
 
 __all__ = ["load_pretrained"]
 

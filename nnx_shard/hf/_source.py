@@ -79,7 +79,7 @@ class Source:
 
 
 def _json_file(path: str) -> dict[str, Any]:
-    from nnx_shard.models._llama_config import read_json
+    from nnx_shard.models._hf_config import read_json
 
     return read_json(path)[0]
 

@@ -54,9 +54,9 @@ from nnx_shard._parallel import pipeline
 from nnx_shard._parallel.collective_matmul import check_tokens
 from nnx_shard.models import _kv_cache as kv_cache
 from nnx_shard.models import _rope as rope
+from nnx_shard.models._hf_config import MODEL_TYPES as MODEL_TYPES
 from nnx_shard.models._layers import RMSNorm, dense_init, new_param
 from nnx_shard.models._llama_config import LLAMA_CONFIGS, LlamaConfig
-from nnx_shard.models._llama_config import MODEL_TYPES as MODEL_TYPES
 from nnx_shard.models._llama_config import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
 from nnx_shard.models._ops import constrain, einsum, lookup, project, whole
