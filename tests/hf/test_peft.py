@@ -323,7 +323,7 @@ def test_save_lora_new_folder_takes_the_umask_and_link_is_followed(tmp_path):
 
 @pytest.mark.parametrize("where", ["weights", "config", "swap"])
 def test_save_lora_failing_midway_keeps_the_previous_adapter_whole(tmp_path, monkeypatch, where):
-    from nnx_shard.hf import _peft as peft_io
+    from nnx_shard.hf import _lora_folder as peft_io
 
     out = tmp_path / "adapter"
     ns.hf.save_lora(out, _tiny(rank=4, alpha=16.0, targets=r"attn/(q|v)$"))
@@ -377,12 +377,12 @@ def test_save_lora_killed_midway_leaves_the_previous_adapter(tmp_path):
 
 
 def test_save_lora_tidies_only_folders_of_dead_saves(tmp_path):
-    from nnx_shard.hf import _peft as peft_io
+    from nnx_shard.hf import _lora_folder as peft_io
 
     out = tmp_path / "adapter"
     ns.hf.save_lora(out, _tiny())
     (out / "README.md").write_text("mine")
-    host, _, pid = peft_io._owner().partition("-")
+    host, _, pid = peft_io.owner().partition("-")
     token = "0" * 32
     dead = tmp_path / f".adapter.save_lora-{host}-{2**30}-{token}"  # no such process
     mine = tmp_path / f".adapter.save_lora-{host}-{pid}-{token}"  # a save in flight

@@ -195,7 +195,7 @@ def build(hs: Any) -> None:
             setattr(module, name, real)
 
     def full_disk(name: str, where: str, code: int) -> Any:
-        from nnx_shard.hf import _peft as peft
+        from nnx_shard.hf import _lora_folder as peft
 
         out = F.path(name)
         model = adapted()
