@@ -243,7 +243,7 @@ def _explain_cache(args: argparse.Namespace, model: Any, sizes: dict[str, int],
             and callable(getattr(model, "decode", None))):
         raise UsageError(f"FACTORY {args.factory!r} returned a {type(model).__name__} without "
                          "init_cache(batch, length) and decode(tokens), which generation "
-                         "needs. Fix: implement both (see nnx_shard.inference._generation)")
+                         "needs. Fix: implement both (see the nnx_shard.inference docs)")
     cache = explain_cache(model, abstract_mesh(sizes), rules, batch=args.batch,
                           length=args.seq)
     print(f"\nkey/value cache for generation, batch {args.batch} x {args.seq} positions: "
