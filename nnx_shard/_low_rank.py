@@ -132,22 +132,23 @@ class Adapter(nnx.Module):
         return _delta(self, self.lora_a[...], self.lora_b[...])
 
     def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
-        """The stock op it stands in for (``dot_general(x, w, dims, ...)`` or
-        ``einsum(eq, x, w, ...)``) plus the adapter's term."""
+        """The op it stands in for (``dot_general(x, w, dims, ...)`` or
+        ``einsum(eq, x, w, ...)``: Flax's, or a :class:`~nnx_shard.tp_layers.ProjectionOp`
+        that ``tp_layers.intercept`` put there) plus the adapter's term."""
         if self.op == "einsum":
             eq, x, w = args[:3]
-            y = self.inner(eq, x, w, *args[3:], **kwargs)
             if "..." in eq or eq.count(",") != 1:  # fold it into the kernel instead
                 return self.inner(eq, x, self._folded(w), *args[3:], **kwargs)
+            y = self.inner(eq, x, w, *args[3:], **kwargs)
             eq_a, eq_b = lora_equations(eq)
             a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
             h = jnp.einsum(eq_a, self.dropped(x), a) * jnp.asarray(self.scale, x.dtype)
             return y + jnp.einsum(eq_b, h, b).astype(y.dtype)
         x, w, dims = args[:3]
         (lc, rc), (lb, rb) = dims
-        y = self.inner(x, w, dims, *args[3:], **kwargs)
         if lb or rb or tuple(rc) != tuple(range(self.n_in)):
             return self.inner(x, self._folded(w), dims, *args[3:], **kwargs)
+        y = self.inner(x, w, dims, *args[3:], **kwargs)
         a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
         h = jax.lax.dot_general(self.dropped(x), a, ((tuple(lc), tuple(range(self.n_in))),
                                                      ((), ())))

@@ -359,3 +359,118 @@ def test_adapter_only_step_costs_less_than_full_fine_tuning():
     lora_flops, lora_temp = _step_cost(cfg, adapters=True)
     assert lora_flops / full_flops <= 0.72, (lora_flops, full_flops)
     assert lora_temp / full_temp <= 0.75, (lora_temp, full_temp)
+
+
+@pytest.mark.slow  # two compilations
+@needs_devices(8)
+def test_adapted_stock_layers_still_run_as_rings_under_async_tp():
+    from nnx_shard.planner import compiled_collectives
+
+    s = ns.strategies.get("async_tp").with_rules(um.ALIASES)
+    mesh = s.make_mesh()
+    model = ns.sharded_init(_user_lora, mesh, s)
+    opt = ns.sharded_optimizer(model, _lora_tx(), mesh, s, wrt=nnx.LoRAParam)
+
+    def step(model, opt, batch):
+        loss, grads = ns.value_and_grad(um.loss_fn, wrt=opt.wrt)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    with ns.use(mesh, s.rules):
+        host_batches = _lora_batches()
+        stacked = {k: np.stack([b[k] for b in host_batches]) for k in ("x", "y")}
+        batch = ns.shard_batch(stacked, mesh, s.rules, ("batch", "length"), steps=True)
+        fused = ns.multistep(step)
+        hlo = fused.lower(model, opt, batch).compile().as_text()
+        losses = np.asarray(jax.device_get(fused(model, opt, batch)))
+    # The adapter calls the collective matmul its layer would have run, then adds its term:
+    # ring steps over model for q, v and down, forward and backward.
+    rings = [c for c in compiled_collectives(hlo, mesh)
+             if c.kind == "collective-permute" and "ppermute" in c.op_name]
+    assert rings and all(c.axes == ("model",) for c in rings)
+    assert len(rings) >= 3 * 3 * 2
+    # The caller's layers keep Flax's op under their adapters: the step intercepted a copy.
+    assert model.layers[0].attn.q_proj.dot_general.inner is jax.lax.dot_general
+    want, _ = _lora_reference()
+    assert_close(losses, want, 1e-4, "adapted loss under async_tp against one device")
+
+
+def test_intercept_puts_the_projection_op_under_the_adapter():
+    with nnx.use_eager_sharding(False):
+        model = ns.tp_layers.intercept(_user_lora())
+        fresh = ns.tp_layers.intercept(um.Llama(um.Config(), rngs=nnx.Rngs(0)))
+    node = model.layers[0].attn.q_proj.dot_general
+    assert isinstance(node, Adapter) and isinstance(node.inner, ns.tp_layers.ProjectionOp)
+    assert node.inner.kind == "dot_general"
+    assert isinstance(model.layers[0].attn.k_proj.dot_general, ns.tp_layers.ProjectionOp)
+    assert ns.tp_layers.intercept(model).layers[0].attn.q_proj.dot_general is node  # again
+    # lora after intercept wraps the ProjectionOp; merge_lora puts it back on the layer.
+    ns.lora(fresh, 2, 4.0, targets=LORA_TARGETS)
+    op = fresh.layers[0].attn.q_proj.dot_general.inner
+    assert isinstance(op, ns.tp_layers.ProjectionOp)
+    ns.merge_lora(fresh)
+    assert fresh.layers[0].attn.q_proj.dot_general is op
+
+
+# --------------------------------------------------------------------------- dropout
+
+DROP_TARGETS = r"attn/(q|v|o)$|mlp/(up|down)$"
+
+
+def _dropout_llama(p: float) -> Llama:
+    """The tiny Llama with adapters of dropout ``p`` on q, v, o, up and down, whose
+    factors are drawn from their paths (B non-zero), whatever ``p``."""
+    model = ns.lora(_llama(), 4, 8.0, targets=DROP_TARGETS, dropout=p)
+    for path, node in adapters(model).items():
+        node.lora_a.set_value(_factor(path + "/a", 0, node.lora_a.shape))
+        node.lora_b.set_value(_factor(path + "/b", 0, node.lora_b.shape))
+    return model
+
+
+def test_adapter_dropout_draws_in_training_and_is_off_in_eval():
+    model = _dropout_llama(0.5)
+    node = model.blocks[0].attn.lora_q
+    assert isinstance(node.dropout, nnx.Dropout) and node.dropout.rate == 0.5
+    assert _dropout_llama(0.0).blocks[0].attn.lora_q.dropout is None
+    tokens = jnp.asarray(_tokens(2)["inputs"])
+    first, second = np.asarray(model(tokens)), np.asarray(model(tokens))
+    assert not np.allclose(first, second, atol=1e-3)  # a new mask every call
+    model.eval()
+    evaluated = np.asarray(model(tokens))
+    assert not np.allclose(first, evaluated, atol=1e-3)
+    assert not np.allclose(second, evaluated, atol=1e-3)
+    # Evaluation mode is the model without dropout, the same factors.
+    np.testing.assert_array_equal(evaluated, np.asarray(_dropout_llama(0.0)(tokens)))
+    np.testing.assert_array_equal(np.asarray(model(tokens)), evaluated)
+    model.train()
+    assert not np.allclose(np.asarray(model(tokens)), evaluated, atol=1e-3)
+
+
+def test_generation_and_decoding_apply_no_adapter_dropout():
+    from nnx_shard.inference import generate
+    from nnx_shard.models import Transformer
+
+    model = _dropout_llama(0.5)
+    prompt = np.asarray(_tokens(2)["inputs"][:, :6])
+    dropped = np.asarray(generate(model, prompt, 8))
+    model.eval()
+    np.testing.assert_array_equal(dropped, np.asarray(generate(model, prompt, 8)))
+    # The reference Transformer's decoding too: attention, MLP and the head.
+    tiny = dataclasses.replace(get_config("tiny"), tie_embeddings=False)
+
+    def logits(model: Transformer, tokens: jax.Array) -> np.ndarray:
+        model.init_cache(batch=tokens.shape[0], length=tokens.shape[1])
+        return np.asarray(model.decode(tokens))
+
+    targets = r"attn/(q|k|v|o)$|mlp/(up|down)$|unembed$"
+    trained = ns.lora(Transformer(tiny, rngs=nnx.Rngs(0)), 2, 4.0, targets=targets,
+                      dropout=0.5)
+    for path, node in adapters(trained).items():
+        node.lora_b.set_value(_factor(path, 0, node.lora_b.shape))
+    tokens = jnp.asarray(_tokens(2)["inputs"][:, :8])
+    train_logits = logits(trained, tokens)
+    assert not np.allclose(np.asarray(trained(tokens)), np.asarray(trained(tokens)), atol=1e-3)
+    trained.eval()
+    np.testing.assert_allclose(train_logits, logits(trained, tokens), rtol=0, atol=0)
+    np.testing.assert_allclose(train_logits[:, -1], np.asarray(trained(tokens))[:, -1],
+                               atol=1e-4)

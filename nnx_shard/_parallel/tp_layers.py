@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._axes import axes_entry, entry_axes
 from nnx_shard._errors import UsageError, short
+from nnx_shard._low_rank import Adapter
 from nnx_shard._mesh import current, option
 from nnx_shard._parallel.collective_matmul import (
     OPTION,
@@ -148,7 +149,9 @@ _STOCK: tuple[tuple[type, str, _Kind, tuple[Any, ...]], ...] = (
 def intercept(model: M) -> M:
     """Sets the projection op of every stock ``nnx.Linear``, ``nnx.LinearGeneral`` and
     ``nnx.Einsum`` in ``model`` whose kernel carries logical names (and whose op is
-    still Flax's default) to a :class:`ProjectionOp`, in place; returns ``model``.
+    still Flax's default) to a :class:`ProjectionOp`, in place; returns ``model``. A layer
+    with a LoRA adapter (:func:`nnx_shard.lora`) keeps it: the adapter calls the
+    :class:`ProjectionOp` in place of the op it wraps, then adds its own term.
 
     Under the ``async_tp`` strategy those layers then run as collective matmuls; under
     any other rules (or none) they compute what the stock op computes. Layers with a
@@ -172,15 +175,24 @@ def intercept(model: M) -> M:
             if not isinstance(node, cls):
                 continue
             layer: Any = node
+            holder, slot = layer, attr
             current_op = getattr(layer, attr)
+            if isinstance(current_op, Adapter) and current_op.op == kind:
+                holder, slot, current_op = current_op, "inner", current_op.inner
             custom = getattr(layer, "dot_general_cls", None) is not None
             if custom or not any(current_op is d for d in defaults):
                 break
-            names = layer.kernel.get_metadata().get("out_sharding")
+            names = _kernel_names(layer.kernel)
             if names:
-                setattr(layer, attr, ProjectionOp(tuple(names), kind))
+                setattr(holder, slot, ProjectionOp(tuple(names), kind))
             break
     return model
+
+
+def _kernel_names(kernel: Any) -> Any:
+    # A QLoRA kernel (a QuantizedKernel) keeps the names on its stored values.
+    meta = getattr(kernel, "qvalue", kernel).get_metadata()
+    return meta.get("out_sharding")
 
 
 def _prepare(nodes: Any) -> None:

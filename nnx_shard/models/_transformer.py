@@ -138,11 +138,15 @@ class MLP(nnx.Module):
         self.down = new_param(rngs, dense_init(m), (m, e), ("mlp", "embed"), dt)
         self.dtype = cfg.dtype
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, deterministic: bool | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        """``deterministic=True``: no adapter dropout (decoding)."""
         dt = self.dtype
+        off: dict[str, Any] = {"deterministic": deterministic}
         h = jax.nn.gelu(project("ble,em->blm", x, self, "up", dt,
-                                seq_names(("batch", None, "mlp")), seq="l"))
-        return project("blm,me->ble", h, self, "down", dt, RESIDUAL, seq="l"), jnp.zeros(())
+                                seq_names(("batch", None, "mlp")), seq="l", **off))
+        return (project("blm,me->ble", h, self, "down", dt, RESIDUAL, seq="l", **off),
+                jnp.zeros(()))
 
 
 class MoE(nnx.Module):
@@ -202,7 +206,9 @@ class MoE(nnx.Module):
         aux = n_exp * jnp.sum(routed * jnp.mean(probs, axis=(0, 1)))
         return dispatch, combine, aux
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, deterministic: bool | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        """``deterministic``: :class:`MLP`'s argument; the experts take no adapters."""
         dt = self.dtype
         dispatch, combine, aux = self.route(x)
         expert_in = einsum("blxc,ble->xbce", dispatch, x, ("expert", "batch", None, None))
@@ -234,7 +240,7 @@ class Block(nnx.Module):
         """The block on new positions ``index ..`` only, attending through the cache."""
         x = x + self.attn.decode(constrain(self.attn_norm(x), GATHERED), index, valid)
         x = constrain(x, RESIDUAL)
-        y, _ = self.mlp(constrain(self.mlp_norm(x), GATHERED))
+        y, _ = self.mlp(constrain(self.mlp_norm(x), GATHERED), deterministic=True)
         return constrain(x + y, RESIDUAL)
 
 
@@ -370,7 +376,7 @@ class Transformer(nnx.Module):
                 aux = aux + a
         return self._logits(x), aux
 
-    def _logits(self, x: jax.Array) -> jax.Array:
+    def _logits(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
         cfg = self.cfg
         x = constrain(self.final_norm(x), seq_names(GATHERED))
         if self.unembed is None:
@@ -378,7 +384,7 @@ class Transformer(nnx.Module):
                             seq_names(("batch", None, "vocab")))
         else:
             logits = project("ble,ev->blv", x, self, "unembed", cfg.dtype,
-                             seq_names(("batch", None, "vocab")))
+                             seq_names(("batch", None, "vocab")), deterministic=deterministic)
         return logits.astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -462,7 +468,8 @@ class Transformer(nnx.Module):
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
                                    lambda block, h: block.decode(h, index, valid))
         self.cache_index[...] = index + steps
-        return self._logits(last_positions(x, logits_to_keep, "Transformer.decode"))
+        return self._logits(last_positions(x, logits_to_keep, "Transformer.decode"),
+                            deterministic=True)
 
 
 def last_positions(x: jax.Array, logits_to_keep: Any, caller: str) -> jax.Array:

@@ -347,7 +347,7 @@ _KILLED = r"""
 import os, signal, sys
 from pathlib import Path
 import nnx_shard as ns
-from nnx_shard.hf import peft as peft_io
+from nnx_shard.hf import _lora_folder as peft_io
 from tests.hf.test_peft import _tiny
 
 real = peft_io.st.write_file
