@@ -16,39 +16,24 @@ file, an offset into the fused tensor, its rows.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from nnx_shard import _safetensors_io as st
 from nnx_shard._errors import UsageError
+from nnx_shard.models._families import Fusion, family_of
 
 __all__ = ["Fusion", "fuse_names", "fusions", "fusions_for", "split"]
 
 _LAYER = re.compile(r"(model\.layers\.\d+\.)(.*)")
 
 
-@dataclasses.dataclass(frozen=True)
-class Fusion:
-    """A per-layer checkpoint tensor ``fused`` (name after ``model.layers.<i>.``) that
-    stacks ``parts`` of ``rows`` rows each, in that order."""
-
-    fused: str
-    parts: tuple[str, ...]
-    rows: tuple[int, ...]
-
-
 def fusions(cfg: Any) -> list[Fusion]:
-    """The fused tensors of a :class:`~nnx_shard.models.LlamaConfig`'s checkpoints:
-    Phi-3's, none for the other families (see the module example)."""
-    if getattr(cfg, "model_type", None) != "phi3":
-        return []
-    h, g, d, m = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp
-    return [Fusion("self_attn.qkv_proj.weight", tuple(f"self_attn.{p}_proj.weight"
-                                                      for p in "qkv"), (h * d, g * d, g * d)),
-            Fusion("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                   (m, m))]
+    """The fused tensors of a :class:`~nnx_shard.models.LlamaConfig`'s checkpoints,
+    as its family has them (Phi-3's; none for the others: see the module example)."""
+    fused = family_of(cfg.model_type).fused
+    return [] if fused is None else fused(cfg)
 
 
 def fusions_for(model: Any) -> list[Fusion]:

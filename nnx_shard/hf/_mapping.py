@@ -18,53 +18,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nnx_shard import _safetensors_io as st
 from nnx_shard._annotate import path_str
 from nnx_shard._errors import ShardingError, UsageError, short
+from nnx_shard.models._families import (
+    GEMMA2_MAPPING,
+    LLAMA_MAPPING,
+    LLAMA_TIED_MAPPING,
+    OLMO2_MAPPING,
+    MappingValue,
+    family_of,
+)
 
 __all__ = ['GEMMA2_MAPPING', 'LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'OLMO2_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
-
-MappingValue = str | tuple[str, str] | None
-
-_L = r"model\.layers\.(\d+)\."
-#: Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` names -> paths of
-#: :class:`nnx_shard.models.Llama` (``blocks/<i>/...``: a model with
-#: ``scan_layers`` takes layer ``i`` of its stacked ``blocks/...``).
-LLAMA_MAPPING: dict[str, MappingValue] = {
-    r"model\.embed_tokens\.weight": "token_embed",
-    _L + r"input_layernorm\.weight": r"blocks/\1/attn_norm/scale",
-    _L + r"self_attn\.(q|k|v)_proj\.weight": (r"blocks/\1/attn/\2", "heads_out"),
-    _L + r"self_attn\.(q|k|v)_proj\.bias": (r"blocks/\1/attn/\2_bias", "heads_bias"),
-    _L + r"self_attn\.(q|k)_norm\.weight": r"blocks/\1/attn/\2_norm/scale",
-    _L + r"self_attn\.o_proj\.weight": (r"blocks/\1/attn/o", "heads_in"),
-    _L + r"self_attn\.o_proj\.bias": r"blocks/\1/attn/o_bias",
-    _L + r"post_attention_layernorm\.weight": r"blocks/\1/mlp_norm/scale",
-    _L + r"mlp\.(gate|up|down)_proj\.weight": (r"blocks/\1/mlp/\2", "transpose"),
-    _L + r"mlp\.(gate|up|down)_proj\.bias": r"blocks/\1/mlp/\2_bias",
-    r"model\.norm\.weight": "final_norm/scale",
-    r"lm_head\.weight": ("unembed", "transpose"),
-}
-#: :data:`LLAMA_MAPPING` for tied embeddings: a ``lm_head.weight`` in the file is
-#: skipped, as transformers ties it to the embedding.
-LLAMA_TIED_MAPPING: dict[str, MappingValue] = {**LLAMA_MAPPING, r"lm_head\.weight": None}
-#: ``Olmo2ForCausalLM``: norms after attention and MLP (its
-#: ``post_attention_layernorm`` is not Llama's pre-MLP norm) and one q/k norm over
-#: all heads (``[heads * head_dim]`` in the file).
-OLMO2_MAPPING: dict[str, MappingValue] = {
-    **{k: v for k, v in LLAMA_MAPPING.items()
-       if "layernorm" not in k and "_norm" not in k},
-    _L + r"post_attention_layernorm\.weight": r"blocks/\1/attn_post_norm/scale",
-    _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
-    _L + r"self_attn\.(q|k)_norm\.weight": (r"blocks/\1/attn/\2_norm/scale", "heads_bias"),
-}
-
-
-#: ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``: four norms per block (before and
-#: after attention and MLP); Gemma 3's per-head q/k norms as Qwen3's.
-GEMMA2_MAPPING: dict[str, MappingValue] = {
-    **{k: v for k, v in LLAMA_MAPPING.items() if "layernorm" not in k},
-    _L + r"input_layernorm\.weight": r"blocks/\1/attn_norm/scale",
-    _L + r"post_attention_layernorm\.weight": r"blocks/\1/attn_post_norm/scale",
-    _L + r"pre_feedforward_layernorm\.weight": r"blocks/\1/mlp_norm/scale",
-    _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
-}
 
 
 def _keep(heads: Any, inner: Any) -> Any:
@@ -100,9 +63,10 @@ TRANSFORMS: tuple[str, ...] = tuple(TRANSFORM_FNS)
 
 
 def mapping_for(model: Any) -> dict[str, MappingValue]:
-    """The built-in mapping table of ``model`` (concrete or abstract):
-    :data:`LLAMA_MAPPING`, or :data:`LLAMA_TIED_MAPPING` for a
-    :class:`~nnx_shard.models.Llama` with tied embeddings.
+    """The built-in mapping table of ``model`` (concrete or abstract): for a
+    :class:`~nnx_shard.models.Llama`, its family's (by ``cfg.model_type``, e.g.
+    :data:`LLAMA_MAPPING`), the tied one (e.g. :data:`LLAMA_TIED_MAPPING`) for tied
+    embeddings.
 
     >>> from nnx_shard.models import Llama, get_config
     >>> m = nnx.eval_shape(lambda: Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0)))
@@ -116,13 +80,7 @@ def mapping_for(model: Any) -> dict[str, MappingValue]:
     from nnx_shard.models._llama import Llama
 
     if isinstance(model, Llama):
-        if model.cfg.sandwich_norms:
-            return (GEMMA2_MAPPING | {r"lm_head\.weight": None} if model.cfg.tie_embeddings
-                    else GEMMA2_MAPPING)
-        if model.cfg.post_norms or model.cfg.qk_norm_full:
-            return (OLMO2_MAPPING | {r"lm_head\.weight": None} if model.cfg.tie_embeddings
-                    else OLMO2_MAPPING)
-        return LLAMA_TIED_MAPPING if model.cfg.tie_embeddings else LLAMA_MAPPING
+        return family_of(model.cfg.model_type).table(model.cfg.tie_embeddings)
     raise UsageError(
         f"no built-in safetensors mapping for {type(model).__name__} (built in: "
         "nnx_shard.models.Llama). Fix: pass mapping={regex on the Hugging Face name: "

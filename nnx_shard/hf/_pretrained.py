@@ -19,7 +19,8 @@ from nnx_shard._init import abstract_init
 from nnx_shard.hf._files import checkpoint_files
 from nnx_shard.hf._load import load_safetensors, separate_head
 from nnx_shard.hf._source import read_source, remember_source
-from nnx_shard.models._hf_config import MODEL_TYPES, read_json
+from nnx_shard.models._families import family_of, model_types
+from nnx_shard.models._hf_config import read_json
 from nnx_shard.models._llama import Llama
 from nnx_shard.models._llama_config import LlamaConfig
 
@@ -32,8 +33,10 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     ``save_pretrained`` writes: ``config.json`` and safetensors files), every
     parameter read straight into the sharding ``rules`` give it on ``mesh``.
 
-    The family comes from ``config.json``'s ``model_type``: ``llama``, ``qwen3``,
-    ``qwen2``, ``mistral``, ``gemma``, ``olmo2``, ``gemma2``, ``gemma3_text`` and ``phi3`` build a :class:`~nnx_shard.models.Llama` from
+    The family comes from ``config.json``'s ``model_type`` through the registry of
+    :mod:`nnx_shard.models._families`: ``llama``, ``qwen3``, ``qwen2``, ``mistral``,
+    ``gemma``, ``olmo2``, ``gemma2``, ``gemma3_text`` and ``phi3`` build a
+    :class:`~nnx_shard.models.Llama` from
     :meth:`LlamaConfig.from_hf <nnx_shard.models.LlamaConfig.from_hf>`. The
     equivalent by hand is ``ns.hf.load_safetensors(path, ns.abstract_init(lambda:
     Llama(LlamaConfig.from_hf(path), rngs=nnx.Rngs(0)), mesh, rules))``.
@@ -78,11 +81,14 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
                    "*.safetensors).")
     hf, where = read_json(folder)
     kind = hf.get("model_type")
-    if kind not in MODEL_TYPES:
+    try:
+        family_of(kind)
+    except UsageError:
         raise UsageError(f"{where}: model_type {short(kind, 60)} is not a family "
-                         f"load_pretrained builds (supported: {', '.join(MODEL_TYPES)}). Fix: "
-                         "pass a checkpoint of one of these, or build the model yourself and "
-                         "fill it with ns.hf.load_safetensors(path, target, mapping=...).")
+                         f"load_pretrained builds (supported: {', '.join(model_types())}). "
+                         "Fix: pass a checkpoint of one of these, or build the model yourself "
+                         "and fill it with ns.hf.load_safetensors(path, target, mapping=...)."
+                         ) from None
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype))
                  if v is not None}
     cfg = LlamaConfig.from_hf(hf, **overrides)

@@ -17,13 +17,14 @@ import jax.numpy as jnp
 
 from nnx_shard._errors import UsageError, check_path, count, short
 from nnx_shard._safetensors_io import described
+from nnx_shard.models._families import family_of, model_types
 from nnx_shard.models._rope import checked
 
 __all__ = ["ACTIVATIONS", "ARCHITECTURES", "MODEL_TYPES", "hf_config", "hf_fields", "read_json"]
 
-#: ``config.json`` model types :meth:`LlamaConfig.from_hf` reads.
-MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "gemma", "olmo2", "gemma2", "gemma3_text",
-               "phi3")
+#: ``config.json`` model types :meth:`LlamaConfig.from_hf` reads: the registered
+#: families (:mod:`nnx_shard.models._families`).
+MODEL_TYPES = model_types()
 
 
 #: MLP activations (transformers' ``hidden_act`` names) the model implements:
@@ -32,14 +33,15 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 #: The architectures :meth:`LlamaConfig.to_hf` names for each model type.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+ARCHITECTURES = {kind: family_of(kind).architectures[0] for kind in MODEL_TYPES}
 
 
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
+
+
+#: The :class:`LlamaConfig` options a family fixes (``Family.options``; off unless named).
+_FAMILY_OPTIONS = ("qk_norm", "qk_norm_full", "post_norms", "qkv_bias", "embed_scale",
+                   "norm_offset", "sandwich_norms", "attention_bias", "mlp_bias")
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -269,12 +271,15 @@ def hf_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     ``config.json`` ``hf`` (``where``: how messages name it), each value checked as
     transformers checks it (see :meth:`LlamaConfig.from_hf`)."""
     kind = hf.get("model_type")
-    if kind not in MODEL_TYPES:
+    try:
+        family = family_of(kind)
+    except UsageError:
         raise UsageError(
             f"{where}: model_type {short(kind, 60)} is not a Llama-family model this reads "
-            f"(supported: {', '.join(MODEL_TYPES)}). Fix: pass the config.json of a "
+            f"(supported: {', '.join(model_types())}). Fix: pass the config.json of a "
             "checkpoint of one of these types."
-        )
+        ) from None
+    kind = family.model_type
     gemma = kind in GEMMAS
     later = kind in ("gemma2", "gemma3_text")  # Gemma 2 and 3: four norms, windows
     act = (hf.get("hidden_activation") if later else None) or hf.get("hidden_act") or (
@@ -314,23 +319,14 @@ def hf_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         rope_scaling=scaling,
         norm_eps=_real(hf.get("rms_norm_eps"), "rms_norm_eps", 1e-6, where),
         # transformers' defaults: Gemma ties the embeddings, the others do not
-        tie_embeddings=_flag(hf, "tie_word_embeddings", gemma, where),
-        qk_norm=kind in ("qwen3", "olmo2", "gemma3_text"),
-        qk_norm_full=kind == "olmo2",
-        post_norms=kind == "olmo2",
-        # Qwen2 always has q/k/v biases and no o bias; the others read the flag.
-        attention_bias=(_flag(hf, "attention_bias", False, where)
-                        if kind in ("llama", "qwen3", "gemma", "olmo2", "gemma2",
-                                    "gemma3_text") else False),
-        qkv_bias=kind == "qwen2",
+        tie_embeddings=_flag(hf, "tie_word_embeddings", family.tied_default, where),
+        # the options the family fixes (off unless it names them) and the flags it reads
+        **({name: bool(family.options.get(name, False)) for name in _FAMILY_OPTIONS}
+           | {name: _flag(hf, name, False, where) for name in family.hf_flags}),
         activation=act,
-        embed_scale=gemma,
-        norm_offset=gemma,
-        mlp_bias=_flag(hf, "mlp_bias", False, where) if kind == "llama" else False,
         sliding_window=window,
         window_layers=window_layers,
         rope_local_theta=_local_theta(hf, where) if kind == "gemma3_text" else None,
-        sandwich_norms=later,
         query_scale=(_real(hf.get("query_pre_attn_scalar"), "query_pre_attn_scalar", 256.0,
                            where) if later else None),
         attn_softcap=_softcap(hf, "attn_logit_softcapping", kind, 50.0, where),
@@ -345,8 +341,9 @@ def hf_config(cfg: Any) -> dict[str, Any]:
     """The transformers ``config.json`` of the :class:`~nnx_shard.models.LlamaConfig`
     ``cfg`` (see :meth:`LlamaConfig.to_hf`)."""
     dtype = {v: k for k, v in DTYPES.items()}.get(cfg.param_dtype, "float32")
+    family = family_of(cfg.model_type)
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[cfg.model_type]],
+        "architectures": list(family.architectures),
         "model_type": cfg.model_type,
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.embed,
@@ -364,8 +361,7 @@ def hf_config(cfg: Any) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "torch_dtype": dtype,
     }
-    if cfg.model_type in ("llama", "qwen3", "gemma", "olmo2", "gemma2", "gemma3_text"):
-        out["attention_bias"] = cfg.attention_bias
+    out.update({name: getattr(cfg, name) for name in family.hf_flags if name != "mlp_bias"})
     if cfg.model_type in ("gemma2", "gemma3_text"):
         del out["hidden_act"]
         local = cfg.local_layers()
@@ -387,7 +383,7 @@ def hf_config(cfg: Any) -> dict[str, Any]:
             "sliding_attention": {"rope_type": "default",
                                   "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}
         del out["rope_theta"], out["rope_scaling"]
-    if cfg.model_type == "llama":
+    if "mlp_bias" in family.hf_flags:
         out["mlp_bias"] = cfg.mlp_bias
     elif cfg.model_type in ("mistral", "phi3"):
         out["sliding_window"] = cfg.sliding_window

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma, OLMo 2) annotated only with logical names.
+"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma, Gemma 2/3, OLMo 2, Phi-3)
+annotated only with logical names.
 
 The architecture of Hugging Face's ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``:
 token embedding, ``layers`` pre-norm blocks (RMSNorm, grouped-query attention
@@ -8,8 +9,11 @@ each query and key head before the rotation and an explicit ``head_dim``;
 Qwen2 biases on q/k/v only; Mistral a sliding window (a band in the attention
 mask, and in the cache's when decoding); Gemma a GELU-tanh MLP, embeddings
 scaled by ``sqrt(embed)`` and RMSNorm by ``1 + weight``; OLMo 2 norms after
-attention and MLP (not before) and one q/k norm over all heads: options of one
-model.
+attention and MLP (not before) and one q/k norm over all heads; Gemma 2 / 3 four
+norms per block, soft-capped scores and logits and sliding layers among global ones
+(Gemma 3 with their own rotary base); Phi-3 Llama's blocks with fused q/k/v and
+gate/up tensors in its checkpoints: options of one model, each family registered
+by ``model_type`` in :mod:`nnx_shard.models._families`.
 :meth:`LlamaConfig.from_hf` reads a transformers ``config.json``;
 :func:`nnx_shard.hf.load_safetensors` fills the parameters from a Hugging Face
 checkpoint.
@@ -414,18 +418,23 @@ def _block_runner(cfg: LlamaConfig, length: int) -> Any:
 
 
 class Llama(nnx.Module):
-    """Llama-family decoder LM (Llama 2/3, Qwen3): ``int32 [batch, length] ->
-    float32 logits [batch, length, vocab]``.
+    """Llama-family decoder LM: ``int32 [batch, length] -> float32 logits [batch,
+    length, vocab]``, for the nine families of ``config.json``'s ``model_type``
+    (``llama``: Llama 2/3; ``qwen2``, ``qwen3``, ``mistral``, ``gemma``, ``gemma2``,
+    ``gemma3_text``, ``olmo2``, ``phi3``), as :class:`LlamaConfig` options; sliding
+    windows (in every layer, or Gemma 2 / 3's in some) are part of the model.
 
     Parameter paths (``blocks/<i>/...``, or ``blocks/...`` stacked on a leading
     ``layers`` axis with ``scan_layers``): ``token_embed [vocab, embed]``,
     ``attn_norm/scale``, ``attn/q [embed, heads, head_dim]``, ``attn/k`` and
     ``attn/v [embed, kv_heads, head_dim]``, ``attn/o [heads, head_dim, embed]``
-    (``attn/q_norm/scale``, ``attn/k_norm/scale`` for Qwen3; ``attn/*_bias``
-    with ``attention_bias``), ``mlp_norm/scale``, ``mlp/gate``, ``mlp/up [embed,
-    mlp]``, ``mlp/down [mlp, embed]``, ``final_norm/scale``, ``unembed [embed,
-    vocab]`` (absent when tied). :data:`nnx_shard.hf.LLAMA_MAPPING` maps them to
-    Hugging Face names.
+    (``attn/q_norm/scale``, ``attn/k_norm/scale`` for Qwen3, OLMo 2 and Gemma 3;
+    ``attn/*_bias`` with ``attention_bias`` or ``qkv_bias``; ``attn_post_norm``,
+    ``mlp_post_norm`` for OLMo 2 and Gemma 2 / 3), ``mlp_norm/scale``, ``mlp/gate``,
+    ``mlp/up [embed, mlp]``, ``mlp/down [mlp, embed]``, ``final_norm/scale``,
+    ``unembed [embed, vocab]`` (absent when tied). The family's table
+    (:func:`nnx_shard.hf.mapping_for`, e.g. :data:`nnx_shard.hf.LLAMA_MAPPING`) maps
+    them to Hugging Face names.
 
     :func:`nnx_shard.models.lm_loss` trains it (next-token cross-entropy).
 

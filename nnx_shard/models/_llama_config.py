@@ -19,6 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from nnx_shard._errors import NnxShardError, UsageError, count, short
+from nnx_shard.models._families import family_of
 from nnx_shard.models._hf_config import ACTIVATIONS, MODEL_TYPES, hf_config, hf_fields, read_json
 from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._rope import checked
@@ -92,7 +93,12 @@ class LlamaConfig:
         base past it, and ``longrope`` / ``yarn`` without a ``factor`` take it
         over ``original_max_position_embeddings`` as theirs).
       model_type: one of :data:`MODEL_TYPES` (``"llama"``, ``"qwen3"``,
-        ``"qwen2"``, ``"mistral"``): the ``config.json`` that :meth:`to_hf` writes.
+        ``"qwen2"``, ``"mistral"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``,
+        ``"olmo2"``, ``"phi3"``): the family (:mod:`nnx_shard.models._families`):
+        the ``config.json`` that :meth:`to_hf` writes and the checkpoint's tensor
+        names. ``post_norms`` is OLMo 2's and ``sandwich_norms`` Gemma 2 / 3's:
+        either with another family's type is refused, as are ``post_norms`` with
+        ``sandwich_norms`` and ``qkv_bias`` with ``attention_bias``.
       scan_layers, remat, attention, dtype, param_dtype: as in
         :class:`~nnx_shard.models.TransformerConfig` (``scan_layers=True``
         stacks the blocks on a leading ``layers`` axis: the pp presets need it;
@@ -175,6 +181,7 @@ class LlamaConfig:
         if self.model_type not in MODEL_TYPES:
             raise UsageError(f"LlamaConfig.model_type={self.model_type!r}; valid: "
                              f"{', '.join(MODEL_TYPES)}. Fix: e.g. model_type='llama'.")
+        _check_contradictions(self)
         # Hashable (the config is static metadata of the module's graph).
         object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling, self.head_dim))
         object.__setattr__(self, "window_layers", _window_layers(self))
@@ -203,8 +210,10 @@ class LlamaConfig:
     def from_hf(cls, config: str | os.PathLike[str] | Mapping[str, Any],
                 **overrides: Any) -> LlamaConfig:
         """The configuration of a transformers ``config.json`` (a dict, the file,
-        or the directory holding it) of model type ``llama`` or ``qwen3``;
-        ``overrides`` replace fields (e.g. ``scan_layers=True``,
+        or the directory holding it) of a registered family's model type
+        (``llama``, ``qwen3``, ``qwen2``, ``mistral``, ``gemma``, ``gemma2``,
+        ``gemma3_text``, ``olmo2``, ``phi3``: :func:`~nnx_shard.models._families.family_of`
+        finds it, and it fixes the family's options); ``overrides`` replace fields (e.g. ``scan_layers=True``,
         ``param_dtype=jnp.bfloat16``). Parameters stay float32 unless overridden,
         whatever ``torch_dtype`` the file names: master weights for training.
 
@@ -213,7 +222,11 @@ class LlamaConfig:
         inside it, else beside it, else 10000; ``rope_scaling`` of the types in
         :data:`ROPE_TYPES` (``linear``, ``dynamic``, ``yarn``, ``longrope``,
         ``llama3``) is implemented, any other type is an error, as are partial
-        rotation and activations the model lacks. ``original_max_position_embeddings``
+        rotation and activations the model lacks. Sliding windows are read as each
+        family's transformers config reads them (Mistral's and Phi-3's in every layer,
+        Qwen2/3's with ``use_sliding_window``, Gemma 2 / 3's ``layer_types``); a window
+        in some layers only is refused for the families whose model has one in all.
+        ``original_max_position_embeddings``
         defaults to ``max_position_embeddings`` for ``yarn``, ``longrope`` and
         ``llama3``; Phi-3's own top-level ``original_max_position_embeddings`` (4096
         when absent) overrides it, and its legacy ``yarn`` / ``su`` mean ``longrope``,
@@ -274,6 +287,28 @@ class LlamaConfig:
         ['Qwen3ForCausalLM']
         """
         return hf_config(self)
+
+
+def _check_contradictions(cfg: LlamaConfig) -> None:
+    """Refuses options that contradict each other, or the family of ``cfg.model_type``."""
+    if cfg.post_norms and cfg.sandwich_norms:
+        raise UsageError("LlamaConfig: post_norms=True (OLMo 2: norms after attention and MLP "
+                         "only) contradicts sandwich_norms=True (Gemma 2 / 3: norms before and "
+                         "after). Fix: set one of them, post_norms=False or "
+                         "sandwich_norms=False.")
+    if cfg.qkv_bias and cfg.attention_bias:
+        raise UsageError("LlamaConfig: qkv_bias=True (biases on q, k and v only, Qwen2) "
+                         "contradicts attention_bias=True (biases on q, k, v and o). Fix: set "
+                         "one of them: attention_bias=True for an o bias too, else "
+                         "qkv_bias=True.")
+    family = family_of(cfg.model_type)
+    for name in ("post_norms", "sandwich_norms"):
+        if getattr(cfg, name) and not family.options.get(name):
+            has = [t for t in MODEL_TYPES if family_of(t).options.get(name)]
+            raise UsageError(f"LlamaConfig: {name}=True is not part of model_type="
+                             f"{cfg.model_type!r} (its checkpoints have no such norms; "
+                             f"{' and '.join(has)} have them). Fix: model_type="
+                             f"{has[0]!r}, or {name}=False.")
 
 
 def _optional_real(cfg: LlamaConfig, name: str) -> None:

@@ -1,0 +1,129 @@
+"""The family registry (nnx_shard.models._families): every family resolves by its
+``model_type``; the tables, fusions and config.json it gives are the ones the options
+used to pick; an unknown type and contradictory options are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from nnx_shard._errors import UsageError
+from nnx_shard.hf import mapping_for
+from nnx_shard.hf._fused import fusions
+from nnx_shard.hf._mapping import (
+    GEMMA2_MAPPING,
+    LLAMA_MAPPING,
+    LLAMA_TIED_MAPPING,
+    OLMO2_MAPPING,
+)
+from nnx_shard.models import CONFIGS, Llama, LlamaConfig, get_config
+from nnx_shard.models._families import Family, family_of, model_types, register
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+NINE = ("llama", "qwen3", "qwen2", "mistral", "gemma", "olmo2", "gemma2", "gemma3_text",
+        "phi3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+
+
+def _tiny(kind: str) -> LlamaConfig:
+    """Each family's tiny config: the named ones, else its test fixture's."""
+    if kind in ("llama", "qwen3"):
+        return get_config(f"{kind}-tiny")  # type: ignore[return-value]
+    return LlamaConfig.from_hf(FIXTURES / f"hf_{kind}")
+
+
+def _by_flags(cfg: LlamaConfig) -> dict:
+    """The table the options picked before the registry (the reference)."""
+    head = {r"lm_head\.weight": None}
+    if cfg.sandwich_norms:
+        return GEMMA2_MAPPING | head if cfg.tie_embeddings else GEMMA2_MAPPING
+    if cfg.post_norms or cfg.qk_norm_full:
+        return OLMO2_MAPPING | head if cfg.tie_embeddings else OLMO2_MAPPING
+    return LLAMA_TIED_MAPPING if cfg.tie_embeddings else LLAMA_MAPPING
+
+
+@pytest.mark.parametrize("kind", NINE)
+def test_every_family_resolves_by_its_model_type(kind: str) -> None:
+    family = family_of(kind)
+    assert family.model_type == kind
+    assert family.architectures == (ARCHITECTURES[kind],)
+    assert set(model_types()) == set(NINE)
+
+
+@pytest.mark.parametrize("kind", NINE)
+@pytest.mark.parametrize("tie", [False, True])
+def test_mapping_for_gives_the_table_the_options_gave(kind: str, tie: bool) -> None:
+    cfg = dataclasses.replace(_tiny(kind), tie_embeddings=tie)
+    assert cfg.model_type == kind
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    table = mapping_for(model)
+    assert table == _by_flags(cfg)
+    if kind in ("llama", "qwen3", "qwen2", "mistral", "gemma", "phi3"):
+        assert table is (LLAMA_TIED_MAPPING if tie else LLAMA_MAPPING)
+    assert mapping_for(model) is table  # one tied table per family table
+    assert cfg.to_hf()["architectures"] == [ARCHITECTURES[kind]]
+    assert cfg.to_hf()["model_type"] == kind
+
+
+def test_named_configs_are_their_familys() -> None:
+    named = {n for kind in NINE for n in family_of(kind).named_configs}
+    llama_named = {n for n, c in CONFIGS.items() if isinstance(c, LlamaConfig)}
+    assert named == llama_named
+    for kind in NINE:
+        for name in family_of(kind).named_configs:
+            assert CONFIGS[name].model_type == kind  # type: ignore[union-attr]
+
+
+def test_only_phi3_has_fused_tensors() -> None:
+    for kind in NINE:
+        found = fusions(_tiny(kind))
+        assert bool(found) == (kind == "phi3")
+    phi3 = _tiny("phi3")
+    assert [f.fused for f in fusions(phi3)] == ["self_attn.qkv_proj.weight",
+                                                "mlp.gate_up_proj.weight"]
+
+
+def test_an_unknown_model_type_is_refused_naming_it() -> None:
+    with pytest.raises(UsageError, match=r"model_type 'gpt2' is not a registered model family "
+                                         r"\(known: llama, qwen3, .*phi3\)\. Fix"):
+        family_of("gpt2")
+    with pytest.raises(UsageError, match=r"'gpt2' is not a Llama-family model.*Fix"):
+        LlamaConfig.from_hf({**get_config("llama-tiny").to_hf(),  # type: ignore[union-attr]
+                             "model_type": "gpt2"})
+    with pytest.raises(UsageError, match=r"model_type='gpt2'.*Fix"):
+        LlamaConfig(model_type="gpt2")
+    with pytest.raises(UsageError, match="expected a Family"):
+        register("llama")  # type: ignore[arg-type]
+
+
+def test_a_registered_family_is_found() -> None:
+    family = family_of("llama")
+    assert register(family) is family_of("llama") is family
+    assert isinstance(family, Family) and family.fused is None
+
+
+@pytest.mark.parametrize(("change", "names"), [
+    (dict(post_norms=True, sandwich_norms=True, model_type="gemma2"),
+     ("post_norms", "sandwich_norms")),
+    (dict(qkv_bias=True, attention_bias=True), ("qkv_bias", "attention_bias")),
+    (dict(sandwich_norms=True), ("sandwich_norms", "model_type='llama'")),
+    (dict(post_norms=True, model_type="qwen3"), ("post_norms", "model_type='qwen3'")),
+])
+def test_contradictory_options_are_refused_naming_both(change: dict, names: tuple) -> None:
+    with pytest.raises(UsageError) as info:
+        LlamaConfig(**change)
+    text = str(info.value)
+    assert all(n in text for n in names) and "Fix:" in text
+
+
+def test_a_familys_own_options_are_accepted() -> None:
+    assert LlamaConfig(model_type="olmo2", post_norms=True).post_norms
+    assert LlamaConfig(model_type="gemma3_text", sandwich_norms=True).sandwich_norms
+    assert LlamaConfig(model_type="qwen2", qkv_bias=True).qkv_bias
