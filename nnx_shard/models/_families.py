@@ -70,8 +70,9 @@ GEMMA2_MAPPING: dict[str, MappingValue] = {
     _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
 }
 
-# One tied table per table, made once: callers may compare tables by identity.
-_TIED: dict[int, dict[str, MappingValue]] = {}
+# One tied table per table, made once: callers may compare tables by identity. Each entry
+# keeps its table alive, so that its id is never another table's.
+_TIED: dict[int, tuple[dict[str, MappingValue], dict[str, MappingValue]]] = {}
 
 
 def tied(mapping: dict[str, MappingValue]) -> dict[str, MappingValue]:
@@ -81,10 +82,10 @@ def tied(mapping: dict[str, MappingValue]) -> dict[str, MappingValue]:
     >>> tied(LLAMA_MAPPING) is LLAMA_TIED_MAPPING, tied(LLAMA_MAPPING)[r"lm_head\\.weight"]
     (True, None)
     """
-    found = _TIED.get(id(mapping))
-    if found is None:
-        found = _TIED[id(mapping)] = {**mapping, _HEAD: None}
-    return found
+    entry = _TIED.get(id(mapping))
+    if entry is None:
+        entry = _TIED[id(mapping)] = (mapping, {**mapping, _HEAD: None})
+    return entry[1]
 
 
 #: :data:`LLAMA_MAPPING` for tied embeddings.
