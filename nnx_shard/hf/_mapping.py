@@ -290,7 +290,7 @@ def _resolve(path: str, leaves: Mapping[str, Leaf]) -> tuple[Leaf | None, int | 
         if part.isdigit():
             leaf = leaves.get("/".join(parts[:i] + parts[i + 1:]))
             if leaf is not None and leaf.shape and int(part) < leaf.shape[0] and (
-                    leaf.names is None or leaf.names[0] in ("layers", None)):
+                    leaf.names is None or leaf.names[0] in ("layers", "expert", None)):
                 return leaf, int(part)
     return None, None
 

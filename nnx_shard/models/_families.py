@@ -15,7 +15,7 @@ them and :mod:`nnx_shard.hf` applies them.
 >>> family_of("gpt2")
 Traceback (most recent call last):
 ...
-nnx_shard._errors.UsageError: model_type 'gpt2' is not a registered model family (known: llama, qwen3, qwen2, mistral, gemma, olmo2, gemma2, gemma3_text, phi3). Fix: use a checkpoint or config of one of these, or register(Family(model_type='gpt2', ...)) for a new family.
+nnx_shard._errors.UsageError: model_type 'gpt2' is not a registered model family (known: llama, qwen3, qwen2, mistral, gemma, olmo2, gemma2, gemma3_text, phi3, mixtral, qwen3_moe). Fix: use a checkpoint or config of one of these, or register(Family(model_type='gpt2', ...)) for a new family.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any
 
 from nnx_shard._errors import UsageError, short
 
-__all__ = ["GEMMA2_MAPPING", "LLAMA_MAPPING", "LLAMA_TIED_MAPPING", "OLMO2_MAPPING", "Family",
+__all__ = ["GEMMA2_MAPPING", "LLAMA_MAPPING", "LLAMA_TIED_MAPPING", "MIXTRAL_MAPPING",
+           "OLMO2_MAPPING", "QWEN3_MOE_MAPPING", "Family",
            "Fusion", "MappingValue", "family_of", "model_types", "register", "tied"]
 
 MappingValue = str | tuple[str, str] | None
@@ -68,6 +69,28 @@ GEMMA2_MAPPING: dict[str, MappingValue] = {
     _L + r"post_attention_layernorm\.weight": r"blocks/\1/attn_post_norm/scale",
     _L + r"pre_feedforward_layernorm\.weight": r"blocks/\1/mlp_norm/scale",
     _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
+}
+#: ``MixtralForCausalLM``: Llama's attention, and a sparse MoE MLP whose router is
+#: ``block_sparse_moe.gate`` and whose experts' ``w1`` / ``w3`` / ``w2`` (gate, up,
+#: down) stack into ``mlp/gate``, ``mlp/up``, ``mlp/down [experts, ...]``.
+MIXTRAL_MAPPING: dict[str, MappingValue] = {
+    **{k: v for k, v in LLAMA_MAPPING.items() if "mlp" not in k},
+    _L + r"block_sparse_moe\.gate\.weight": (r"blocks/\1/mlp/router", "transpose"),
+    _L + r"block_sparse_moe\.experts\.(\d+)\.w1\.weight": (r"blocks/\1/mlp/gate/\2",
+                                                          "transpose"),
+    _L + r"block_sparse_moe\.experts\.(\d+)\.w3\.weight": (r"blocks/\1/mlp/up/\2",
+                                                          "transpose"),
+    _L + r"block_sparse_moe\.experts\.(\d+)\.w2\.weight": (r"blocks/\1/mlp/down/\2",
+                                                          "transpose"),
+}
+#: ``Qwen3MoeForCausalLM``: Qwen3's attention; MoE layers' router ``mlp.gate`` and
+#: experts ``mlp.experts.<e>.{gate,up,down}_proj``, dense layers (``mlp_only_layers``)
+#: Llama's MLP names.
+QWEN3_MOE_MAPPING: dict[str, MappingValue] = {
+    **LLAMA_MAPPING,
+    _L + r"mlp\.gate\.weight": (r"blocks/\1/mlp/router", "transpose"),
+    _L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight": (r"blocks/\1/mlp/\3/\2",
+                                                              "transpose"),
 }
 
 # One tied table per table, made once: callers may compare tables by identity. Each entry
@@ -130,6 +153,9 @@ class Family:
         :class:`LlamaConfig` option of the same name and written back
         (``attention_bias``, ``mlp_bias``).
       tied_default: ``tie_word_embeddings`` when the file leaves it out.
+      moe: a mixture-of-experts family's ``config.json`` keys and transformers'
+        defaults for them (``num_local_experts`` or ``num_experts``,
+        ``num_experts_per_tok``, ...); empty for a dense family.
     """
 
     model_type: str
@@ -140,6 +166,7 @@ class Family:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     hf_flags: tuple[str, ...] = ()
     tied_default: bool = False
+    moe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def table(self, tie_embeddings: bool) -> dict[str, MappingValue]:
         """Its mapping table, the tied one for tied embeddings.
@@ -220,3 +247,13 @@ register(Family("gemma3_text", ("Gemma3ForCausalLM",), GEMMA2_MAPPING,
                 hf_flags=_BIASES, tied_default=True))
 # Phi-3 stores q/k/v and gate/up fused; split into Llama's names on reading.
 register(Family("phi3", ("Phi3ForCausalLM",), LLAMA_MAPPING, fused=_phi3_fusions))
+# Mixture-of-experts families: per-expert tensors stack into [experts, ...] parameters.
+_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "output_router_logits": False}
+register(Family("mixtral", ("MixtralForCausalLM",), MIXTRAL_MAPPING,
+                named_configs=("mixtral-8x7b",),
+                moe={"num_local_experts": 8, **_MOE}))
+register(Family("qwen3_moe", ("Qwen3MoeForCausalLM",), QWEN3_MOE_MAPPING,
+                named_configs=("qwen3-30b-a3b",), options={"qk_norm": True}, hf_flags=_BIASES,
+                moe={"num_experts": 128, **_MOE, "num_experts_per_tok": 8,
+                     "moe_intermediate_size": 768, "norm_topk_prob": False,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []}))

@@ -131,7 +131,7 @@ def _window(hf: Mapping[str, Any], kind: str, layers: int, where: str) -> int | 
     (or as ``layer_types`` says); Llama has no window. A window in some layers
     only is refused: the model applies one to all."""
     fix = "Fix: e.g. \"sliding_window\": 4096, or null for full attention."
-    if kind in ("mistral", "phi3"):  # their models slide in every layer
+    if kind in ("mistral", "phi3", "mixtral"):  # their models slide in every layer
         size = hf.get("sliding_window")
         return None if size is None else _count(hf, "sliding_window", None, where)
     layer_types = hf.get("layer_types")
@@ -142,7 +142,7 @@ def _window(hf: Mapping[str, Any], kind: str, layers: int, where: str) -> int | 
                          "e.g. \"layer_types\": [\"full_attention\", \"full_attention\"].")
     use = _flag(hf, "use_sliding_window", False, where)
     size = None
-    if kind in ("qwen2", "qwen3") and use and hf.get("sliding_window") is not None:
+    if kind in ("qwen2", "qwen3", "qwen3_moe") and use and hf.get("sliding_window") is not None:
         size = _count(hf, "sliding_window", None, where)
     if layer_types is None:
         first = hf.get("max_window_layers", 28)
@@ -334,7 +334,39 @@ def hf_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         max_length=max_length,
         model_type=kind,
     )
+    if family.moe:
+        fields.update(_moe_fields(hf, family.moe, fields["mlp"], where))
     return fields
+
+
+def _moe_fields(hf: Mapping[str, Any], moe: Mapping[str, Any], mlp: int, where: str
+                ) -> dict[str, Any]:
+    """The mixture-of-experts fields of a MoE family's ``config.json`` (``moe``: its
+    keys and transformers' defaults; the expert count under either of transformers'
+    names, ``num_local_experts`` or ``num_experts``)."""
+    experts_key = next(k for k in moe if k in ("num_local_experts", "num_experts"))
+    key = next((k for k in ("num_local_experts", "num_experts") if hf.get(k) is not None),
+               experts_key)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                             for i in only):
+        raise UsageError(f"{where}: mlp_only_layers must be a list of layer indices, got "
+                         f"{short(only, 60)}. {_FIX_VALUE}.")
+    return dict(
+        experts=_count(hf, key, moe[experts_key], where),
+        top_k=_count(hf, "num_experts_per_tok", moe["num_experts_per_tok"], where),
+        moe_mlp=(_count(hf, "moe_intermediate_size", moe["moe_intermediate_size"], where)
+                 if "moe_intermediate_size" in moe else None),
+        # Mixtral always renormalises its top-k weights
+        norm_topk_prob=(_flag(hf, "norm_topk_prob", moe["norm_topk_prob"], where)
+                        if "norm_topk_prob" in moe else True),
+        sparse_step=(_count(hf, "decoder_sparse_step", 1, where)
+                     if "decoder_sparse_step" in moe else 1),
+        mlp_only_layers=tuple(only),
+        router_aux_loss_coef=_real(hf.get("router_aux_loss_coef"), "router_aux_loss_coef",
+                                   moe["router_aux_loss_coef"], where, strict=False),
+        output_router_logits=_flag(hf, "output_router_logits", False, where),
+    )
 
 
 def hf_config(cfg: Any) -> dict[str, Any]:
@@ -385,19 +417,32 @@ def hf_config(cfg: Any) -> dict[str, Any]:
         del out["rope_theta"], out["rope_scaling"]
     if "mlp_bias" in family.hf_flags:
         out["mlp_bias"] = cfg.mlp_bias
-    elif cfg.model_type in ("mistral", "phi3"):
+    elif cfg.model_type in ("mistral", "phi3", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
     if cfg.model_type == "phi3" and cfg.rope_scaling:
         # Phi3Config puts its own (default 4096) over the scaling's
         out["original_max_position_embeddings"] = dict(cfg.rope_scaling).get(
             "original_max_position_embeddings", cfg.max_length)
+    if family.moe:
+        out.update(_moe_config(cfg, family.moe))
     if cfg.model_type == "phi3" and cfg.vocab <= 32000:
         # Phi3Config's default pad id (32000) must index the embedding.
         out["pad_token_id"] = None
-    elif cfg.model_type in (*GEMMAS, "olmo2"):
+    elif cfg.model_type in (*GEMMAS, "olmo2", "mixtral"):
         pass
     else:  # qwen2 / qwen3: a window in every layer, or none
         out["use_sliding_window"] = cfg.sliding_window is not None
         out["sliding_window"] = cfg.sliding_window
         out["max_window_layers"] = 0 if cfg.sliding_window is not None else cfg.layers
     return out
+
+
+def _moe_config(cfg: Any, moe: Mapping[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts keys of a MoE family's ``config.json``."""
+    values = {"num_local_experts": cfg.experts, "num_experts": cfg.experts,
+              "num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.expert_mlp,
+              "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": cfg.sparse_step,
+              "mlp_only_layers": list(cfg.mlp_only_layers),
+              "router_aux_loss_coef": cfg.router_aux_loss_coef,
+              "output_router_logits": cfg.output_router_logits}
+    return {key: values[key] for key in moe}

@@ -63,6 +63,7 @@ from nnx_shard.models._layers import RMSNorm, dense_init, new_param
 from nnx_shard.models._llama_config import LLAMA_CONFIGS, LlamaConfig
 from nnx_shard.models._llama_config import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
+from nnx_shard.models._moe import LlamaMoE, RouterStats, add_stats, aux_loss, no_stats
 from nnx_shard.models._ops import constrain, einsum, lookup, project, whole
 from nnx_shard.models._transformer import (
     GATHERED,
@@ -363,8 +364,11 @@ class LlamaBlock(nnx.Module):
         self.attn = LlamaAttention(cfg, rngs=rngs)
         self.attn_post_norm: RMSNorm | None = nnx.data(post and post())
         self.mlp_norm: RMSNorm | None = nnx.data(pre and pre())
-        self.mlp = LlamaMLP(cfg, rngs=rngs)
+        self.mlp: Any = self._mlp(cfg, rngs)
         self.mlp_post_norm: RMSNorm | None = nnx.data(post and post())
+
+    def _mlp(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> Any:
+        return LlamaMLP(cfg, rngs=rngs)
 
     @staticmethod
     def _apply(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
@@ -387,6 +391,37 @@ class LlamaBlock(nnx.Module):
         x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
         y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED), deterministic=True)
         return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
+
+
+class LlamaMoEBlock(LlamaBlock):
+    """:class:`LlamaBlock` with the sparse MoE MLP (:class:`~nnx_shard.models._moe.LlamaMoE`,
+    ``mlp/router``, ``mlp/gate`` ...): the layers of ``cfg.moe_layers()``. Returns ``(x,
+    router statistics)``, which :class:`Llama` sums into the load-balancing loss."""
+
+    def _mlp(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> Any:
+        return LlamaMoE(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,  # type: ignore[override]
+                 local: Any = None) -> tuple[jax.Array, RouterStats]:
+        n = self._apply
+        y = self.attn(constrain(n(self.attn_norm, x), block_input_names()), cos, sin, extras, local)
+        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+        valid = None if extras.mask is None else extras.mask[:, 0, 0, :]
+        y, stats = self.mlp(constrain(n(self.mlp_norm, x), block_input_names()), valid=valid)
+        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL), stats
+
+    def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
+               sin: jax.Array, valid: jax.Array | None = None, local: Any = None) -> jax.Array:
+        n = self._apply
+        y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid,
+                             local)
+        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+        y, _ = self.mlp(constrain(n(self.mlp_norm, x), GATHERED))
+        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
+
+
+def _block(cfg: LlamaConfig, i: int, rngs: nnx.Rngs) -> LlamaBlock:
+    return (LlamaMoEBlock if cfg.moe_layers()[i] else LlamaBlock)(cfg, rngs=rngs)
 
 
 def _mixed(cfg: LlamaConfig) -> bool:
@@ -465,11 +500,11 @@ class Llama(nnx.Module):
             @nnx.vmap(in_axes=(0,), out_axes=0,
                       transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make(r: nnx.Rngs) -> LlamaBlock:
-                return LlamaBlock(cfg, rngs=r)
+                return _block(cfg, 0, r)
 
             self.blocks: Any = make(rngs)
         else:
-            self.blocks = nnx.List([LlamaBlock(cfg, rngs=rngs) for _ in range(cfg.layers)])
+            self.blocks = nnx.List([_block(cfg, i, rngs) for i in range(cfg.layers)])
         self.final_norm = _norm(cfg, e, ("embed",), rngs)
         self.unembed: nnx.Param | None = nnx.data(
             None if cfg.tie_embeddings
@@ -508,22 +543,25 @@ class Llama(nnx.Module):
         run = _block_runner(cfg, tokens.shape[1])
         # Mixed layers (Gemma 2 / 3): each layer's flag travels with its parameters.
         flags = np.asarray(cfg.local_layers()) if _mixed(cfg) else None
+        stats = no_stats(cfg)  # the MoE layers' router statistics, summed
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
             def body(carry: Any, layer: Any) -> tuple[Any, None]:
-                h, ex = carry
+                h, ex, st = carry
                 params, local = layer
-                return (run(nnx.merge(graphdef, params), h, ex, local), ex), None
+                h, st = add_stats(run(nnx.merge(graphdef, params), h, ex, local), st)
+                return (h, ex, st), None
 
             # The plain scan, or a pipeline under a pp strategy (nnx_shard.pipeline). The
             # masks and positions ride in the carry: a pipeline cuts them into
             # microbatches with x.
-            (x, _), _ = pipeline.scan(body, (x, extras), (state, flags))
+            (x, _, stats), _ = pipeline.scan(body, (x, extras, stats), (state, flags))
         else:
             for i, block in enumerate(self.blocks):
-                x = run(block, x, extras, None if flags is None else jnp.asarray(flags[i]))
-        return self._logits(x), jnp.zeros((), jnp.float32)
+                x, stats = add_stats(run(block, x, extras, None if flags is None
+                                         else jnp.asarray(flags[i])), stats)
+        return self._logits(x), aux_loss(cfg, stats)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg

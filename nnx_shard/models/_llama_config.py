@@ -99,6 +99,20 @@ class LlamaConfig:
         names. ``post_norms`` is OLMo 2's and ``sandwich_norms`` Gemma 2 / 3's:
         either with another family's type is refused, as are ``post_norms`` with
         ``sandwich_norms`` and ``qkv_bias`` with ``attention_bias``.
+      experts: ``0`` (a dense model), or the experts of each MoE layer (Mixtral's
+        ``num_local_experts``, Qwen3-MoE's ``num_experts``): those layers' MLP is
+        the sparse :class:`~nnx_shard.models._moe.LlamaMoE`.
+      top_k: experts each token is routed to (``num_experts_per_tok``).
+      moe_mlp: ``None`` (``mlp``), or each expert's hidden width (Qwen3-MoE's
+        ``moe_intermediate_size``; ``mlp`` stays the dense layers' width).
+      norm_topk_prob: renormalise the top-k routing weights to sum to 1 (Mixtral
+        always; Qwen3-MoE's ``norm_topk_prob``).
+      sparse_step, mlp_only_layers: Qwen3-MoE's ``decoder_sparse_step`` and
+        ``mlp_only_layers``: layer ``i`` is a MoE layer unless listed, where ``(i + 1)``
+        is a multiple of ``sparse_step`` (:meth:`moe_layers`).
+      router_aux_loss_coef, output_router_logits: transformers' names: the
+        load-balancing loss's weight, added to the training loss only with
+        ``output_router_logits`` (:attr:`aux_loss_weight`).
       scan_layers, remat, attention, dtype, param_dtype: as in
         :class:`~nnx_shard.models.TransformerConfig` (``scan_layers=True``
         stacks the blocks on a leading ``layers`` axis: the pp presets need it;
@@ -145,6 +159,14 @@ class LlamaConfig:
     final_softcap: float | None = None
     max_length: int = 2048
     model_type: str = "llama"
+    experts: int = 0
+    top_k: int = 2
+    moe_mlp: int | None = None
+    norm_topk_prob: bool = True
+    sparse_step: int = 1
+    mlp_only_layers: Any = ()
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
     scan_layers: bool = False
     remat: str = "none"
     attention: str = "auto"
@@ -182,6 +204,7 @@ class LlamaConfig:
             raise UsageError(f"LlamaConfig.model_type={self.model_type!r}; valid: "
                              f"{', '.join(MODEL_TYPES)}. Fix: e.g. model_type='llama'.")
         _check_contradictions(self)
+        _check_experts(self)
         # Hashable (the config is static metadata of the module's graph).
         object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling, self.head_dim))
         object.__setattr__(self, "window_layers", _window_layers(self))
@@ -204,7 +227,41 @@ class LlamaConfig:
         ffn = 3 * e * m + ((2 * m + e) if self.mlp_bias else 0)
         block = attn + ffn + (4 if self.sandwich_norms else 2) * e
         unembed = 0 if self.tie_embeddings else e * self.vocab
-        return self.vocab * e + self.layers * block + e + unembed
+        sparse = sum(self.moe_layers())
+        moe = e * self.experts + 3 * e * self.expert_mlp * self.experts - ffn
+        return self.vocab * e + self.layers * block + sparse * moe + e + unembed
+
+    @property
+    def active_params(self) -> int:
+        """Parameters each token computes with: :attr:`num_params` less the experts it
+        is not routed to (``experts - top_k`` per MoE layer); ``num_params`` for a dense
+        model.
+
+        >>> LLAMA_CONFIGS["qwen3-30b-a3b"].active_params    # the published 3.3B
+        3353032704
+        """
+        idle = 3 * self.embed * self.expert_mlp * max(self.experts - self.top_k, 0)
+        return self.num_params - sum(self.moe_layers()) * idle
+
+    @property
+    def expert_mlp(self) -> int:
+        """Each expert's hidden width (``moe_mlp``, else ``mlp``)."""
+        return self.mlp if self.moe_mlp is None else self.moe_mlp
+
+    @property
+    def aux_loss_weight(self) -> float:
+        """The load-balancing loss's weight in :func:`nnx_shard.models.lm_loss`:
+        ``router_aux_loss_coef`` with ``output_router_logits``, else 0 (as transformers)."""
+        return self.router_aux_loss_coef if self.output_router_logits else 0.0
+
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Which layers have the sparse MoE MLP (none without experts).
+
+        >>> LlamaConfig(layers=3, experts=4, mlp_only_layers=(1,)).moe_layers()
+        (True, False, True)
+        """
+        return tuple(bool(self.experts) and i not in self.mlp_only_layers
+                     and (i + 1) % self.sparse_step == 0 for i in range(self.layers))
 
     @classmethod
     def from_hf(cls, config: str | os.PathLike[str] | Mapping[str, Any],
@@ -311,6 +368,29 @@ def _check_contradictions(cfg: LlamaConfig) -> None:
                              f"{has[0]!r}, or {name}=False.")
 
 
+def _check_experts(cfg: LlamaConfig) -> None:
+    """Checks the mixture-of-experts fields; ``mlp_only_layers`` becomes a tuple."""
+    check_fields(cfg, ("top_k", "sparse_step"), flags=("norm_topk_prob", "output_router_logits"))
+    if cfg.moe_mlp is not None:
+        count(cfg.moe_mlp, "LlamaConfig.moe_mlp", fix="None (mlp) or a width, e.g. 768")
+    if not isinstance(cfg.experts, int) or isinstance(cfg.experts, bool) or cfg.experts < 0 \
+            or (cfg.experts and cfg.top_k > cfg.experts):
+        raise UsageError(f"LlamaConfig.experts={short(cfg.experts, 40)} must be 0 (dense) or a "
+                         f"whole number >= top_k={cfg.top_k}. Fix: e.g. experts=8, top_k=2.")
+    only = cfg.mlp_only_layers
+    if not isinstance(only, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.layers for i in only):
+        raise UsageError(f"LlamaConfig.mlp_only_layers={short(only, 60)} must list layer "
+                         f"indices below layers={cfg.layers}. Fix: e.g. mlp_only_layers=() .")
+    object.__setattr__(cfg, "mlp_only_layers", tuple(only))
+    check_fields(cfg, (), finite=("router_aux_loss_coef",))
+    object.__setattr__(cfg, "router_aux_loss_coef", float(cfg.router_aux_loss_coef))
+    if cfg.scan_layers and len(set(cfg.moe_layers())) > 1:
+        raise UsageError("LlamaConfig: scan_layers=True stacks alike blocks, but some layers "
+                         "are MoE layers and some dense (sparse_step / mlp_only_layers). Fix: "
+                         "scan_layers=False.")
+
+
 def _optional_real(cfg: LlamaConfig, name: str) -> None:
     value = getattr(cfg, name)
     if value is None:
@@ -411,6 +491,18 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         sandwich_norms=True, query_scale=256.0, attn_softcap=50.0, final_softcap=30.0,
         sliding_window=4096, window_layers=(True, False) * 21, max_length=8192,
         model_type="gemma2", **_BIG),
+    # Mixtral-8x7B-v0.1: 8 experts, top-2, 46,702,792,704 parameters (the published
+    # 46.7B), 12.9B of them active.
+    "mixtral-8x7b": LlamaConfig(
+        vocab=32000, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
+        rope_theta=1000000.0, norm_eps=1e-5, max_length=32768, experts=8, top_k=2,
+        router_aux_loss_coef=0.02, model_type="mixtral", **_BIG),
+    # Qwen3-30B-A3B: 128 experts of width 768, top-8 renormalised, q/k norm; 30.5B
+    # parameters, 3.3B active.
+    "qwen3-30b-a3b": LlamaConfig(
+        vocab=151936, embed=2048, heads=32, kv_heads=4, head_dim=128, mlp=6144, layers=48,
+        rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_length=40960, experts=128,
+        top_k=8, moe_mlp=768, norm_topk_prob=True, model_type="qwen3_moe", **_BIG),
 }
 
 
@@ -433,6 +525,9 @@ _SHAPE_FIELDS = {
     "norms before and after attention / MLP (pre/post_feedforward_layernorm)",
     "query_scale": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
     "final_softcap": "final_logit_softcapping",
+    "experts": "num_local_experts / num_experts", "top_k": "num_experts_per_tok",
+    "moe_mlp": "moe_intermediate_size", "norm_topk_prob": "norm_topk_prob",
+    "sparse_step": "decoder_sparse_step", "mlp_only_layers": "mlp_only_layers",
 }
 # What a config.json that does not parse as a model type here is compared on.
 _RAW_KEYS = ("model_type", "hidden_act", "hidden_activation", "vocab_size", "hidden_size",

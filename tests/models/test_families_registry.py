@@ -29,7 +29,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                  "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# The mixture-of-experts families (tests/models/test_moe.py checks them against transformers).
+MOE = ("mixtral", "qwen3_moe")
 
 
 def _tiny(kind: str) -> LlamaConfig:
@@ -54,7 +57,8 @@ def test_every_family_resolves_by_its_model_type(kind: str) -> None:
     family = family_of(kind)
     assert family.model_type == kind
     assert family.architectures == (ARCHITECTURES[kind],)
-    assert set(model_types()) == set(NINE)
+    assert set(model_types()) == set(NINE + MOE)
+    assert [family_of(k).architectures[0] for k in MOE] == [ARCHITECTURES[k] for k in MOE]
 
 
 @pytest.mark.parametrize("kind", NINE)
@@ -73,10 +77,10 @@ def test_mapping_for_gives_the_table_the_options_gave(kind: str, tie: bool) -> N
 
 
 def test_named_configs_are_their_familys() -> None:
-    named = {n for kind in NINE for n in family_of(kind).named_configs}
+    named = {n for kind in NINE + MOE for n in family_of(kind).named_configs}
     llama_named = {n for n, c in CONFIGS.items() if isinstance(c, LlamaConfig)}
     assert named == llama_named
-    for kind in NINE:
+    for kind in NINE + MOE:
         for name in family_of(kind).named_configs:
             assert CONFIGS[name].model_type == kind  # type: ignore[union-attr]
 
@@ -92,7 +96,7 @@ def test_only_phi3_has_fused_tensors() -> None:
 
 def test_an_unknown_model_type_is_refused_naming_it() -> None:
     with pytest.raises(UsageError, match=r"model_type 'gpt2' is not a registered model family "
-                                         r"\(known: llama, qwen3, .*phi3\)\. Fix"):
+                                         r"\(known: llama, qwen3, .*phi3, mixtral, qwen3_moe\)\. Fix"):
         family_of("gpt2")
     with pytest.raises(UsageError, match=r"'gpt2' is not a Llama-family model.*Fix"):
         LlamaConfig.from_hf({**get_config("llama-tiny").to_hf(),  # type: ignore[union-attr]

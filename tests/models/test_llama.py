@@ -367,7 +367,8 @@ def test_named_configs_have_published_parameter_counts(name: str) -> None:
 def test_named_configs() -> None:
     llama = sorted(n for n, c in CONFIGS.items() if isinstance(c, LlamaConfig))
     assert llama == sorted(["llama-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b",
-                            "llama3-405b", "qwen3-0.6b", "mistral-7b", "qwen2.5-7b", "gemma2-9b"])
+                            "llama3-405b", "qwen3-0.6b", "mistral-7b", "qwen2.5-7b", "gemma2-9b",
+                            "mixtral-8x7b", "qwen3-30b-a3b"])
     g = get_config("gemma2-9b")
     assert g.local_layers()[:3] == (True, False, True) and sum(g.local_layers()) == 21
     assert LlamaConfig.from_hf(g.to_hf(), scan_layers=True, dtype=g.dtype,

@@ -1,0 +1,134 @@
+"""The sparse mixture-of-experts MLP of the Llama family's MoE models (Mixtral,
+Qwen3-MoE): :class:`LlamaMoE`, and the router statistics the model sums over its
+MoE layers into transformers' load-balancing loss (:func:`aux_loss`).
+
+Every routed token is computed, none dropped (as transformers does): the
+``tokens x top_k`` slots are sorted by expert and the experts' gated MLPs run as
+grouped matmuls (``jax.lax.ragged_dot``) over the sorted slots, one group per
+expert, so the cost is that of the active parameters, not of every expert.
+
+>>> from flax import nnx
+>>> from nnx_shard.models._llama_config import LlamaConfig
+>>> cfg = LlamaConfig(experts=4, top_k=2, model_type="mixtral")
+>>> moe = LlamaMoE(cfg, rngs=nnx.Rngs(0))
+>>> y, stats = moe(jnp.ones((2, 8, cfg.embed)))
+>>> y.shape, moe.gate.get_metadata("out_sharding"), stats.counts.shape
+((2, 8, 32), ('expert', 'embed', 'mlp'), (4,))
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnx_shard.models._layers import dense_init, new_param
+from nnx_shard.models._ops import constrain, whole
+from nnx_shard.models._transformer import RESIDUAL
+
+__all__ = ["LlamaMoE", "RouterStats", "add_stats", "aux_loss", "no_stats"]
+
+
+class RouterStats(NamedTuple):
+    """The router's sums over the real tokens of the MoE layers so far: top-k
+    assignments per expert (``counts [experts]``), softmax probabilities per expert
+    (``probs [experts]``) and the tokens counted (``rows``), as transformers'
+    ``load_balancing_loss_func`` accumulates them."""
+
+    counts: jax.Array
+    probs: jax.Array
+    rows: jax.Array
+
+
+def no_stats(cfg: Any) -> RouterStats | None:
+    """Zero statistics for a model with experts; ``None`` for a dense one."""
+    if not getattr(cfg, "experts", 0):
+        return None
+    zeros = jnp.zeros((cfg.experts,), jnp.float32)
+    return RouterStats(zeros, zeros, jnp.zeros((), jnp.float32))
+
+
+def add_stats(out: Any, stats: RouterStats | None) -> tuple[jax.Array, RouterStats | None]:
+    """``(x, stats)`` after a block: a MoE block's ``(x, its stats)`` added in; a dense
+    block's ``x`` leaves them as they are."""
+    if not isinstance(out, tuple):
+        return out, stats
+    x, mine = out
+    if stats is None:
+        return x, None
+    return x, RouterStats(*(a + b for a, b in zip(stats, mine, strict=True)))
+
+
+def aux_loss(cfg: Any, stats: RouterStats | None) -> jax.Array:
+    """Transformers' load-balancing loss of the summed ``stats`` (0 without experts):
+    ``experts * sum_e(fraction of assignments to e * mean probability of e)``, the
+    fractions over every MoE layer's real tokens together."""
+    if stats is None:
+        return jnp.zeros((), jnp.float32)
+    rows = jnp.maximum(stats.rows, 1.0)
+    return cfg.experts * jnp.sum((stats.counts / rows) * (stats.probs / rows))
+
+
+class LlamaMoE(nnx.Module):
+    """The sparse MoE MLP: ``router [embed, experts]`` logits, softmax, top-k, the
+    top-k weights renormalised (Mixtral; Qwen3-MoE with ``norm_topk_prob``), and
+    ``experts`` gated MLPs stacked as ``gate``, ``up [experts, embed, moe_mlp]`` and
+    ``down [experts, moe_mlp, embed]``, the logical ``expert`` axis first (the
+    ``ep`` preset shards it; ``fsdp`` and ``tp`` shard ``embed`` / ``mlp`` as in the
+    dense MLP). Transformers' ``MixtralSparseMoeBlock`` / ``Qwen3MoeSparseMoeBlock``.
+    Returns the output and this layer's :class:`RouterStats`."""
+
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs) -> None:
+        e, m, n, dt = cfg.embed, cfg.expert_mlp, cfg.experts, cfg.param_dtype
+        self.router = new_param(rngs, dense_init(e), (e, n), ("embed", None), dt)
+        self.gate = new_param(rngs, dense_init(e), (n, e, m), ("expert", "embed", "mlp"), dt)
+        self.up = new_param(rngs, dense_init(e), (n, e, m), ("expert", "embed", "mlp"), dt)
+        self.down = new_param(rngs, dense_init(m), (n, m, e), ("expert", "mlp", "embed"), dt)
+        self.experts, self.top_k, self.renormalise = n, cfg.top_k, cfg.norm_topk_prob
+        self.activation = cfg.activation
+        self.dtype = cfg.dtype
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(logits [T, experts], weights [T, top_k], experts [T, top_k])`` of the
+        tokens ``x [T, embed]``: the softmax in float32, as transformers."""
+        logits = jnp.dot(x, whole(self.router[...]).astype(x.dtype))
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, self.top_k)
+        if self.renormalise:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return logits, weights, chosen
+
+    def __call__(self, x: jax.Array, deterministic: bool | None = None,
+                 valid: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+        """``x [batch, length, embed]`` -> ``(y, stats)``; ``valid [batch, length]``
+        (``None``: every token) marks the real tokens the statistics count.
+        ``deterministic``: the dense MLP's argument; the experts take no adapters."""
+        del deterministic
+        dt = self.dtype
+        b, length, e = x.shape
+        # The tokens whole on every device: the sort and the grouped matmuls have no
+        # partitioned form here (the expert weights are gathered as under fsdp).
+        flat = whole(x).reshape(b * length, e)
+        logits, weights, chosen = self.route(flat)
+        k = self.top_k
+        slots = chosen.reshape(-1)
+        order = jnp.argsort(slots, stable=True)
+        sizes = jnp.bincount(slots, length=self.experts).astype(jnp.int32)
+        rows = flat[order // k]
+
+        def grouped(h: jax.Array, w: nnx.Param) -> jax.Array:
+            return jax.lax.ragged_dot(h, whole(w[...]).astype(dt), sizes)
+
+        g, u = grouped(rows, self.gate), grouped(rows, self.up)
+        act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        out = grouped(act * u, self.down)
+        unsorted = jnp.zeros_like(out).at[order].set(out).reshape(b * length, k, e)
+        y = jnp.einsum("tke,tk->te", unsorted, weights.astype(dt)).reshape(b, length, e)
+        mask = (jnp.ones((b * length,), jnp.float32) if valid is None
+                else whole(valid).reshape(-1).astype(jnp.float32))
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        counts = jnp.zeros((self.experts,), jnp.float32).at[slots].add(jnp.repeat(mask, k))
+        stats = RouterStats(counts, jnp.sum(probs * mask[:, None], axis=0), jnp.sum(mask))
+        return constrain(y, RESIDUAL), stats

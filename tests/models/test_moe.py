@@ -1,0 +1,140 @@
+"""The mixture-of-experts families (Mixtral, Qwen3-MoE) against transformers:
+tests/fixtures/make_moe.py wrote tiny random checkpoints and transformers' logits,
+greedy tokens, loss and load-balancing loss."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard.models import Llama, LlamaConfig, get_config
+from nnx_shard.models._families import family_of
+from nnx_shard.models._moe import LlamaMoE
+
+FIXTURES = pathlib.Path(__file__).parent.parent / "fixtures" / "moe"
+FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def _one() -> tuple[jax.sharding.Mesh, object]:
+    return (jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+            ns.strategies.get("dp").rules)
+
+
+@functools.cache
+def _expected(family: str) -> dict[str, np.ndarray]:
+    return dict(np.load(FIXTURES / family / "expected.npz"))
+
+
+@functools.cache
+def _loaded(family: str, strategy: str) -> Llama:
+    if strategy == "one":
+        mesh, rules = _one()
+    else:
+        s = ns.strategies.get(strategy)
+        mesh, rules = s.mesh_for(8), s.rules
+    model = ns.hf.load_pretrained(FIXTURES / family, mesh=mesh, rules=rules)
+    assert isinstance(model, Llama)
+    return model
+
+
+def _logits(family: str, strategy: str) -> np.ndarray:
+    ids = _expected(family)["ids"]
+    if strategy == "one":
+        return np.asarray(_loaded(family, strategy)(jnp.asarray(ids)))
+    s = ns.strategies.get(strategy)
+    mesh = s.mesh_for(8)
+    host = np.tile(ids, (4, 1))  # a batch every data shard divides
+    with ns.use(mesh, s.rules):
+        out = nnx.jit(lambda m, t: m(t))(_loaded(family, strategy), host)
+    return np.asarray(out)[:ids.shape[0]]
+
+
+def test_configs_are_read_and_written_back() -> None:
+    mixtral = LlamaConfig.from_hf(FIXTURES / "mixtral")
+    assert (mixtral.experts, mixtral.top_k, mixtral.expert_mlp, mixtral.norm_topk_prob,
+            mixtral.moe_layers(), mixtral.aux_loss_weight) == (4, 2, 96, True, (True, True), 0.02)
+    qwen = LlamaConfig.from_hf(FIXTURES / "qwen3_moe")
+    assert (qwen.experts, qwen.top_k, qwen.moe_mlp, qwen.mlp, qwen.norm_topk_prob, qwen.qk_norm,
+            qwen.moe_layers()) == (8, 2, 48, 96, False, True, (True, False, True))
+    for cfg in (mixtral, qwen, get_config("mixtral-8x7b"), get_config("qwen3-30b-a3b")):
+        assert LlamaConfig.from_hf(cfg.to_hf(), scan_layers=cfg.scan_layers,
+                                   dtype=cfg.dtype, param_dtype=cfg.param_dtype) == cfg
+    assert family_of("mixtral").architectures == ("MixtralForCausalLM",)
+    assert qwen.to_hf()["num_experts"] == 8 and mixtral.to_hf()["num_local_experts"] == 4
+
+
+def test_named_configs_have_the_published_counts() -> None:
+    mixtral, qwen = get_config("mixtral-8x7b"), get_config("qwen3-30b-a3b")
+    assert round(mixtral.num_params / 1e9, 1) == 46.7
+    assert round(mixtral.active_params / 1e9, 1) == 12.9
+    assert round(qwen.num_params / 1e9, 1) == 30.5
+    assert int(qwen.active_params / 1e8) == 33  # the published 3.3B
+    model = nnx.eval_shape(lambda: Llama(dataclasses.replace(
+        get_config("qwen3-tiny"), experts=4, moe_mlp=16, model_type="qwen3_moe"),
+        rngs=nnx.Rngs(0)))
+    counted = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert counted == model.cfg.num_params
+
+
+def test_experts_carry_the_expert_axis() -> None:
+    model = _loaded("mixtral", "one")
+    moe = model.blocks[0].mlp
+    assert isinstance(moe, LlamaMoE)
+    assert moe.gate.shape == (4, 64, 96)
+    assert moe.down.get_metadata("out_sharding") == ("expert", "mlp", "embed")
+    assert ns.strategies.get("ep").rules["expert"] == "expert"
+
+
+def test_bad_expert_settings_are_refused() -> None:
+    with pytest.raises(ns.UsageError, match="experts"):
+        LlamaConfig(experts=2, top_k=3)
+    with pytest.raises(ns.UsageError, match="scan_layers"):
+        LlamaConfig(layers=2, experts=4, mlp_only_layers=(1,), scan_layers=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family: str) -> None:
+    want = _expected(family)["logits"]
+    got = _logits(family, "one")
+    assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_with_aux_matches_transformers(family: str) -> None:
+    exp = _expected(family)
+    model = _loaded(family, "one")
+    # transformers shifts the labels inside its loss (the targets here are shifted
+    # already); its router sees every real position, the last one included.
+    _, aux = model.forward(jnp.asarray(exp["ids"]), attention_mask=jnp.asarray(exp["mask"]))
+    np.testing.assert_allclose(float(aux), exp["aux_loss"], rtol=1e-5)
+    full = {"inputs": jnp.asarray(exp["ids"]),
+            "targets": jnp.asarray(np.concatenate([exp["labels"][:, 1:],
+                                                   np.full((2, 1), -100)], axis=1)),
+            "attention_mask": jnp.asarray(exp["mask"])}
+    np.testing.assert_allclose(float(ns.models.lm_loss(model, full)), exp["loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_match_transformers(family: str) -> None:
+    exp = _expected(family)
+    model = _loaded(family, "one")
+    out = ns.inference.generate(model, jnp.asarray(exp["prompt"]), max_new_tokens=6)
+    np.testing.assert_array_equal(np.asarray(out)[:, -6:], exp["greedy"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ep", "fsdp"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_under_ep_and_fsdp(family: str, strategy: str) -> None:
+    want = _expected(family)["logits"]
+    got = _logits(family, strategy)
+    assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
