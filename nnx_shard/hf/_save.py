@@ -40,7 +40,8 @@ def _plan_save(state: Any, rules: Sequence[Rule]) -> dict[str, Leaf]:
     leaves = leaves_of(state, "save_safetensors")
     problems = []
     for leaf in leaves.values():
-        found = hf_key(rules, leaf, None)
+        # Stacked experts are one tensor per expert (a whole-tensor pattern may match too).
+        found = None if leaf.names and leaf.names[0] == "expert" else hf_key(rules, leaf, None)
         if found is not None:
             leaf.keys[None], leaf.rule = found
         elif leaf.shape and (layered := hf_key(rules, leaf, 0)) is not None:

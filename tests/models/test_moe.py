@@ -138,3 +138,16 @@ def test_logits_under_ep_and_fsdp(family: str, strategy: str) -> None:
     want = _expected(family)["logits"]
     got = _logits(family, strategy)
     assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_writes_the_checkpoint_back(family: str, tmp_path: pathlib.Path) -> None:
+    from safetensors.numpy import load_file
+
+    model = _loaded(family, "one")
+    ns.hf.save_safetensors(tmp_path, model)
+    want = load_file(FIXTURES / family / "model.safetensors")
+    got = load_file(tmp_path / "model.safetensors")
+    assert sorted(got) == sorted(want)  # one tensor per expert, under the family's names
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    assert LlamaConfig.from_hf(tmp_path) == model.cfg
