@@ -485,7 +485,7 @@ def last_positions(x: jax.Array, logits_to_keep: Any, caller: str) -> jax.Array:
 
 def _check_batch(batch: Any) -> None:
     fix = ("Fix: pass {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]} (what "
-           "nnx_shard._data.CharCorpus.batches yields).")
+           "nnx_shard.corpus.CharCorpus.batches yields).")
     if not isinstance(batch, Mapping):
         raise UsageError(
             "lm_loss: the batch must be a dict with keys 'inputs' and 'targets' (int32 "
@@ -516,7 +516,7 @@ def _check_targets(targets: Any, vocab: Any) -> None:
         raise UsageError(
             f"lm_loss: every target of the batch (shape {host.shape}) is {IGNORE_INDEX} "
             "(ignored), so the mean over kept tokens is 0/0. Fix: keep at least one target "
-            "per batch (e.g. pack prompt-masked examples together with nnx_shard._data.pack), "
+            "per batch (e.g. pack prompt-masked examples together with ns.pack), "
             "or drop the batch.")
     if isinstance(vocab, int) and host.size:
         bad = kept & ((host < 0) | (host >= vocab))
