@@ -35,7 +35,7 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
 
     The family comes from ``config.json``'s ``model_type`` through the registry of
     :mod:`nnx_shard.models._families`: ``llama``, ``qwen3``, ``qwen2``, ``mistral``,
-    ``gemma``, ``olmo2``, ``gemma2``, ``gemma3_text`` and ``phi3`` build a
+    ``gemma``, ``olmo2``, ``gemma2``, ``gemma3_text``, ``phi3``, ``mixtral`` and ``qwen3_moe`` build a
     :class:`~nnx_shard.models.Llama` from
     :meth:`LlamaConfig.from_hf <nnx_shard.models.LlamaConfig.from_hf>`. The
     equivalent by hand is ``ns.hf.load_safetensors(path, ns.abstract_init(lambda:

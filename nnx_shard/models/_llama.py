@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma, Gemma 2/3, OLMo 2, Phi-3)
-annotated only with logical names.
+"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma, Gemma 2/3, OLMo 2, Phi-3,
+and the mixtures of experts Mixtral and Qwen3-MoE) annotated only with logical names.
 
 The architecture of Hugging Face's ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``:
 token embedding, ``layers`` pre-norm blocks (RMSNorm, grouped-query attention
@@ -24,9 +24,9 @@ Parameters carry the logical names of :class:`nnx_shard.models.Transformer`
 width of one head, as in the reference model). Activations are constrained at
 the same points as in the reference model, so every preset applies unchanged:
 dp, zero1, fsdp, tp, fsdp_tp, sp, async_tp, cp, fsdp_cp, and pp / pp_fsdp /
-pp_tp with ``scan_layers=True``. The ``ep`` preset shards experts; this model
-has none, so under ``ep`` it trains as plain data parallelism over both mesh
-axes (nothing is split over ``expert``).
+pp_tp with ``scan_layers=True``. The ``ep`` preset shards the experts of the MoE
+layers (:class:`LlamaMoEBlock`) over ``expert``; a dense model trains under it as
+plain data parallelism over both mesh axes.
 
 Tensor-parallel presets split ``kv_heads`` over the model axis where it
 divides, and replicate the key/value projections where it does not (e.g. 8
@@ -454,9 +454,9 @@ def _block_runner(cfg: LlamaConfig, length: int) -> Any:
 
 class Llama(nnx.Module):
     """Llama-family decoder LM: ``int32 [batch, length] -> float32 logits [batch,
-    length, vocab]``, for the nine families of ``config.json``'s ``model_type``
-    (``llama``: Llama 2/3; ``qwen2``, ``qwen3``, ``mistral``, ``gemma``, ``gemma2``,
-    ``gemma3_text``, ``olmo2``, ``phi3``), as :class:`LlamaConfig` options; sliding
+    length, vocab]``, for the families of ``config.json``'s ``model_type`` (``llama``:
+    Llama 2/3; ``qwen2``, ``qwen3``, ``mistral``, ``gemma``, ``gemma2``, ``gemma3_text``,
+    ``olmo2``, ``phi3``, ``mixtral``, ``qwen3_moe``), as :class:`LlamaConfig` options; sliding
     windows (in every layer, or Gemma 2 / 3's in some) are part of the model.
 
     Parameter paths (``blocks/<i>/...``, or ``blocks/...`` stacked on a leading
@@ -514,8 +514,8 @@ class Llama(nnx.Module):
     def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
                 positions: jax.Array | None = None, segment_ids: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array]:
-        """``(logits, 0.0)``: the logits and a zero auxiliary loss, the
-        interface :func:`nnx_shard.models.lm_loss` reads.
+        """``(logits, aux)``: the logits and the load-balancing loss of the MoE layers
+        (0 for a dense model), the interface :func:`nnx_shard.models.lm_loss` reads.
 
         ``attention_mask``, ``positions`` and ``segment_ids`` (each ``[batch,
         length]``, optional) have transformers' meanings (see

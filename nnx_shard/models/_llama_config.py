@@ -94,7 +94,7 @@ class LlamaConfig:
         over ``original_max_position_embeddings`` as theirs).
       model_type: one of :data:`MODEL_TYPES` (``"llama"``, ``"qwen3"``,
         ``"qwen2"``, ``"mistral"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``,
-        ``"olmo2"``, ``"phi3"``): the family (:mod:`nnx_shard.models._families`):
+        ``"olmo2"``, ``"phi3"``, ``"mixtral"``, ``"qwen3_moe"``): the family (:mod:`nnx_shard.models._families`):
         the ``config.json`` that :meth:`to_hf` writes and the checkpoint's tensor
         names. ``post_norms`` is OLMo 2's and ``sandwich_norms`` Gemma 2 / 3's:
         either with another family's type is refused, as are ``post_norms`` with
@@ -269,7 +269,8 @@ class LlamaConfig:
         """The configuration of a transformers ``config.json`` (a dict, the file,
         or the directory holding it) of a registered family's model type
         (``llama``, ``qwen3``, ``qwen2``, ``mistral``, ``gemma``, ``gemma2``,
-        ``gemma3_text``, ``olmo2``, ``phi3``: :func:`~nnx_shard.models._families.family_of`
+        ``gemma3_text``, ``olmo2``, ``phi3``, ``mixtral``, ``qwen3_moe``:
+        :func:`~nnx_shard.models._families.family_of`
         finds it, and it fixes the family's options); ``overrides`` replace fields (e.g. ``scan_layers=True``,
         ``param_dtype=jnp.bfloat16``). Parameters stay float32 unless overridden,
         whatever ``torch_dtype`` the file names: master weights for training.
