@@ -151,3 +151,20 @@ def test_save_writes_the_checkpoint_back(family: str, tmp_path: pathlib.Path) ->
     assert sorted(got) == sorted(want)  # one tensor per expert, under the family's names
     assert all(np.array_equal(got[k], want[k]) for k in want)
     assert LlamaConfig.from_hf(tmp_path) == model.cfg
+
+
+@pytest.mark.slow
+def test_gradients_under_ep_match_one_device() -> None:
+    ids = np.tile(_expected("mixtral")["ids"], (4, 1))
+    batch = {"inputs": jnp.asarray(ids), "targets": jnp.asarray(ids)}
+
+    def step(model: Llama, b: dict) -> tuple:
+        return nnx.value_and_grad(lambda m: ns.models.lm_loss(m, b))(model)
+
+    s = ns.strategies.get("ep")
+    with ns.use(s.mesh_for(8), s.rules):
+        loss, grads = nnx.jit(step)(_loaded("mixtral", "ep"), batch)
+    want_loss, want = step(_loaded("mixtral", "one"), batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    got, ref = (np.asarray(g["blocks"][0]["mlp"]["gate"][...]) for g in (grads, want))
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
