@@ -168,3 +168,12 @@ def test_gradients_under_ep_match_one_device() -> None:
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     got, ref = (np.asarray(g["blocks"][0]["mlp"]["gate"][...]) for g in (grads, want))
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_lora_adapts_attention_and_refuses_the_experts() -> None:
+    cfg = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "mixtral"), layers=1)
+    model = ns.lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0)
+    ids = jnp.asarray(_expected("mixtral")["ids"])
+    assert model(ids).shape == (2, 12, 128)
+    with pytest.raises(ns.ShardingError, match="not a 2-D-like projection kernel"):
+        ns.lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0, targets=r"mlp/gate$")
