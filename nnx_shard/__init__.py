@@ -12,7 +12,6 @@ from nnx_shard import (
 )
 from nnx_shard._annotate import annotate, get_logical_axes, logical_axes, with_logical
 from nnx_shard._checkpoint import Checkpointer, restore, save
-from nnx_shard._pack import pack
 from nnx_shard._errors import (
     CompileError,
     NnxShardError,
@@ -24,6 +23,7 @@ from nnx_shard._init import abstract_init, sharded_init, sharded_optimizer
 from nnx_shard._low_rank import lora, merge_lora
 from nnx_shard._mesh import constrain, make_mesh, shardings, use
 from nnx_shard._metrics import MetricsWriter
+from nnx_shard._pack import pack
 from nnx_shard._quantized import QuantizedKernel
 from nnx_shard._report import Report, explain
 from nnx_shard._rules import Fallbacks, Rules

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple, NoReturn, TypeGuard
 import jax
 import numpy as np
 
-from nnx_shard._pack import IGNORE_INDEX
 from nnx_shard._errors import UsageError
+from nnx_shard._pack import IGNORE_INDEX
 from nnx_shard._train._batches import Batches
 from nnx_shard._train._placement import Placer, check_array_leaf
 from nnx_shard._train._trees import fmt_shape, short_repr
