@@ -2,11 +2,12 @@
 Transformer's (``tiny``, ``tiny_moe``, ``small``, ``125m``, ``1b``, ``7b``) and the Llama
 family's (the test-sized ``llama-tiny`` and ``qwen3-tiny``, and the published shapes
 ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``qwen3-0.6b``, ``mistral-7b``,
-``qwen2.5-7b``, ``gemma2-9b``), with the one getter and the one builder the planner,
+``qwen2.5-7b``, ``gemma2-9b``, and the mixtures of experts ``mixtral-8x7b`` and
+``qwen3-30b-a3b``), with the one getter and the one builder the planner,
 the command and users share.
 
 >>> sorted(n for n in CONFIGS if n.startswith(("llama", "qwen")))
-['llama-tiny', 'llama3-405b', 'llama3-70b', 'llama3-8b', 'qwen2.5-7b', 'qwen3-0.6b', 'qwen3-tiny']
+['llama-tiny', 'llama3-405b', 'llama3-70b', 'llama3-8b', 'qwen2.5-7b', 'qwen3-0.6b', 'qwen3-30b-a3b', 'qwen3-tiny']
 >>> max_length(get_config("llama3-8b")), max_length(get_config("small"))
 (131072, 128)
 """
@@ -42,7 +43,7 @@ def get_config(name: str) -> TransformerConfig | LlamaConfig:
     >>> get_config("llama-8b")
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: unknown model config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama-tiny, qwen3-tiny, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b, gemma2-9b. Fix: one of those
+    nnx_shard._errors.UsageError: unknown model config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama-tiny, qwen3-tiny, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b, gemma2-9b, mixtral-8x7b, qwen3-30b-a3b. Fix: one of those
     """
     if not isinstance(name, str):
         raise UsageError(f"get_config: name must be a config name (str), got "
