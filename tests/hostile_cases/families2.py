@@ -121,9 +121,9 @@ def build(hs: Any) -> None:
         ("phi3_partial_rotary", lambda: load(copy("hf_phi3", {"rope_parameters": {
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}})),
          "partial_rotary_factor"),
-        ("phi3_longrope", lambda: load(copy("hf_phi3", {"rope_parameters": {
-            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
-            "long_factor": [1.0] * 4}})), ("rope", "longrope")),
+        ("phi3_longrope_short_lists", lambda: load(copy("hf_phi3", {"rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 3,
+            "long_factor": [1.0] * 3}})), ("short_factor", "longrope")),
         ("phi3_fused_rows", bare_phi3_other_rows, ("gate_up_proj", "fused")),
         ("gemma2_without_softcaps", lambda: into("hf_gemma2", attn_softcap=None,
                                                  final_softcap=None),
