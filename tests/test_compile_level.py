@@ -33,7 +33,7 @@ def figures() -> dict[str, Any]:
 
     mesh = ns.make_mesh({"data": 4, "model": 2})
     strategy = ns.strategies.get("fsdp_tp")
-    cfg = T.get_config("tiny")
+    cfg = ns.models.get_config("tiny")
     model = ns.sharded_init(lambda: T.Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
 
