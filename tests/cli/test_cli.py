@@ -429,6 +429,28 @@ def test_explain_with_a_strategy_and_bad_factories(capsys, factory_dir):
     assert_one_line_error(code, err, "give --rules FILE")
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
+def test_explain_with_a_strategy_prints_ns_explain(capsys, factory_dir, monkeypatch, strategy):
+    # The command's report is ns.explain's, the strategy's optimizer-state rules (zero1's)
+    # included.
+    import optax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard._axes import abstract_mesh
+
+    code, out, err = run(capsys, "explain", "my_models:make", "--mesh", "data=64",
+                         "--strategy", strategy, "--optimizer", "adam")
+    assert code == 0, err
+    monkeypatch.syspath_prepend(str(factory_dir))
+    from my_models import make
+
+    report = ns.explain(nnx.eval_shape(make), abstract_mesh({"data": 64}),
+                        ns.strategies.get(strategy), optax.adam(1e-3))
+    assert str(report) in out
+    assert report.opt_bytes_per_device > 0
+
+
 BAD_FACTORIES = '''
 from flax import nnx
 

@@ -633,7 +633,7 @@ def test_pipeline_explain_refuses_microbatches_that_would_give_wrong_bytes(micro
     model = nnx.eval_shape(lambda: ns.models.Transformer(cfg, rngs=nnx.Rngs(0)))
     carry = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
     mesh = ns.make_mesh({"stage": 4, "data": 1}, devices=jax.devices()[:4])
-    with pytest.raises(ns.NnxShardError, match=match):
+    with pytest.raises(ns.NnxShardError, match=rf"^pipeline\.stage_report: {match}"):
         ns.pipeline.stage_report(model, mesh, "pp", carry=carry, microbatches=microbatches)
     report = ns.pipeline.stage_report(model, mesh, "pp", carry=carry, microbatches=4)
     assert report.microbatch_bytes == 16 * cfg.length * cfg.embed * 4 // 4
@@ -641,3 +641,6 @@ def test_pipeline_explain_refuses_microbatches_that_would_give_wrong_bytes(micro
         ns.pipeline.stage_report(model, mesh, "pp", carry=5, microbatches=4)
     with pytest.raises(ns.ShardingError, match=r"unknown strategy 'nope'"):
         ns.pipeline.stage_report(model, mesh, "nope", carry=carry, microbatches=4)
+    with pytest.raises(ns.ShardingError, match=r"^pipeline\.stage_report: the rules carry no "
+                       r"pipeline option .*Fix: pass a pp strategy"):
+        ns.pipeline.stage_report(model, mesh, "fsdp", carry=carry, microbatches=4)
