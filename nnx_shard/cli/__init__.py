@@ -1,4 +1,5 @@
-"""The ``nnx-shard`` command: ``demo``, ``plan``, ``explain``, ``generate`` and ``launch``.
+"""The ``nnx-shard`` command: ``demo``, ``plan``, ``explain``, ``generate``, ``launch`` and
+``tiny-checkpoint``.
 
 * ``nnx-shard demo`` trains the reference transformer as a character-level
   language model on the Python standard library's sources, sharded with a
@@ -18,6 +19,8 @@
   Face checkpoint loaded sharded, printing the text as it streams (see
   :mod:`nnx_shard.cli._generate`).
 * ``nnx-shard launch`` starts a local multi-process job (see :mod:`nnx_shard.cli._launch`).
+* ``nnx-shard tiny-checkpoint PATH --family llama`` writes a tiny Hugging Face checkpoint of
+  random weights with a tokenizer (:func:`nnx_shard.hf.tiny_checkpoint`).
 
 The package is the top floor of nnx_shard: nothing in the library imports it. This
 module holds the dispatch table, :data:`COMMANDS`; :mod:`~nnx_shard.cli._parser`
@@ -51,6 +54,7 @@ from nnx_shard.cli import _explain as explain
 from nnx_shard.cli import _generate as generate
 from nnx_shard.cli import _launch as launch
 from nnx_shard.cli import _plan as plan
+from nnx_shard.cli import _tiny as tiny
 from nnx_shard.cli._common import DEBUG_ENV, PROG, UsageError
 from nnx_shard.cli._parser import build_parser
 
@@ -63,6 +67,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
     "explain": explain.run,
     "generate": generate.run,
     "launch": launch.run,
+    "tiny-checkpoint": tiny.run,
 }
 
 

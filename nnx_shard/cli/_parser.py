@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from nnx_shard._train._guard import DEFAULT_GUARD, GUARDS
 from nnx_shard.cli import _launch as launch
+from nnx_shard.cli import _tiny as tiny
 from nnx_shard.cli._common import COMPILE_MAX_DEVICES, DEBUG_ENV, DEMO_MAX_STEPS, PROG, UsageError
 from nnx_shard.models import REMAT_POLICIES
 
@@ -84,6 +85,11 @@ def build_parser() -> Parser:
                         description="Run N local processes of one multi-process JAX job on "
                         "loopback, e.g. nnx-shard launch -n 2 -- python train.py")
     launch.add_arguments(la)
+    tiny.add_arguments(sub.add_parser(
+        "tiny-checkpoint", help="write a tiny Hugging Face checkpoint of random weights",
+        description="Writes a tiny Hugging Face checkpoint (config.json, model.safetensors "
+        "and a tokenizer with a chat template) of random weights: something to try generate, "
+        "fine-tuning and the guides on without a download."))
     for name, command in sub.choices.items():
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="on bad input, also print the traceback")

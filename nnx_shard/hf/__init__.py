@@ -13,7 +13,9 @@ Which to call:
   :func:`load_pretrained` calls underneath;
 * :func:`save_safetensors` ``(folder, model)``: the way back, from any mesh;
 * :func:`load_lora` / :func:`save_lora`: PEFT adapter folders onto and from a model
-  adapted with :func:`nnx_shard.lora`.
+  adapted with :func:`nnx_shard.lora`;
+* :func:`tiny_checkpoint` ``(folder, family)``: a tiny checkpoint of random weights with a
+  tokenizer, written without torch or a download: something to try the others on.
 
 :func:`load_safetensors` fills an abstract model (``ns.abstract_init``: shapes and shardings, nothing allocated) from a
 checkpoint directory, one model parameter at a time:
@@ -77,6 +79,7 @@ from nnx_shard.hf._peft import load_lora, save_lora
 from nnx_shard.hf._pretrained import load_pretrained
 from nnx_shard.hf._save import save_safetensors
 from nnx_shard.hf._source import Source, source_of
+from nnx_shard.hf._tiny import tiny_checkpoint
 
 __all__ = ["LLAMA_MAPPING", "Source", "load_lora", "load_pretrained", "load_safetensors",
-           "mapping_for", "save_lora", "save_safetensors", "source_of"]
+           "mapping_for", "save_lora", "save_safetensors", "source_of", "tiny_checkpoint"]
