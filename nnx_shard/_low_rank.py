@@ -497,6 +497,13 @@ def merge_lora(model: Any) -> Any:
         delattr(owner, where)
         if node.op is not None:
             setattr(owner, where, nnx.static(node.inner))
+    # Parameters trained in full beside the adapters (PEFT's modules_to_save, which
+    # ns.hf.load_lora makes LoRAParam) are base weights again once merged.
+    owners = _owners(model)
+    for path, node in owners.items():
+        if isinstance(node, nnx.LoRAParam) and path:
+            _replace(owners[tuple(path[:-1])], path[-1],
+                     nnx.Param(node.get_value(), **node.get_metadata()))
     return model
 
 

@@ -482,7 +482,7 @@ class Llama(nnx.Module):
     """
 
     #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
-    lora_kernels = ("unembed",)
+    lora_kernels = ("unembed", "token_embed")
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         if not isinstance(cfg, LlamaConfig):
@@ -566,6 +566,11 @@ class Llama(nnx.Module):
     def _embed(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        adapter = getattr(self, "lora_token_embed", None)
+        if adapter is not None:  # PEFT's embedding LoRA: A's rows @ B, scaled; no dropout
+            h = lookup(adapter.lora_a[...].astype(cfg.dtype), tokens, (*RESIDUAL[:-1], None))
+            h = h * jnp.asarray(adapter.scale, cfg.dtype)
+            x = x + einsum("blz,ze->ble", h, adapter.lora_b[...].astype(cfg.dtype), RESIDUAL)
         if cfg.embed_scale:  # the factor rounded to the parameters' dtype, as transformers
             x = x * jnp.asarray(math.sqrt(cfg.embed), cfg.param_dtype).astype(cfg.dtype)
         return x

@@ -1,0 +1,206 @@
+"""ns.hf.load_lora on each kind of PEFT adapter (rank/alpha patterns, rsLoRA, dropout,
+modules_to_save, embedding and lm_head LoRA, Phi-3's fused qkv_proj / gate_up_proj)
+against PEFT's own logits under one device, fsdp and fsdp_tp; save_lora's output as
+PEFT reads it back (names, shapes and logits written by make_peft_kinds.py --check)."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard import _safetensors_io as st
+from nnx_shard._low_rank import adapters
+from nnx_shard.hf._peft import trained_in_full
+from nnx_shard.hf._peft_names import kernel_module, model_modules
+from nnx_shard.models import Llama, LlamaConfig
+from tests.conftest import needs_devices
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+KINDS = FIXTURES / "peft_kinds"
+FAMILY = {"phi3_fused": "phi3"}
+CASES = ["patterns", "rslora", "modules_to_save", "embedding", "dropout", "phi3_fused"]
+
+
+def _base(family, strategy=None, mesh=None, scan=False):
+    cfg = LlamaConfig.from_hf(FIXTURES / f"hf_{family}" / "config.json")
+    if scan:
+        cfg = dataclasses.replace(cfg, scan_layers=True)
+    if strategy is None:
+        return ns.hf.load_safetensors(FIXTURES / f"hf_{family}", Llama(cfg, rngs=nnx.Rngs(0)))
+    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    return ns.hf.load_safetensors(FIXTURES / f"hf_{family}", target)
+
+
+def _logits(model, tokens, strategy=None, mesh=None):
+    model.eval()
+    if strategy is None:
+        return np.asarray(model(jnp.asarray(tokens)))
+    with ns.use(mesh, strategy.rules):
+        out = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(np.tile(tokens, (8, 1))))
+    return np.asarray(out)[: tokens.shape[0]]
+
+
+def _err(got, want):
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_load_lora_kind_matches_peft(case):
+    exp = np.load(KINDS / "expected.npz")
+    family = FAMILY.get(case, "llama")
+    model = ns.hf.load_lora(KINDS / case, _base(family))
+    want = exp[f"logits_{case}"]
+    assert _err(_logits(model, exp["tokens"]), want) <= 2e-4
+    assert _err(exp[f"base_{family}"], want) > 0.05  # the adapter moves the logits
+
+
+@pytest.mark.slow  # two 8-device compilations per case
+@needs_devices(8)
+@pytest.mark.parametrize("preset", ["fsdp", "fsdp_tp"])
+@pytest.mark.parametrize("case", CASES)
+def test_load_lora_kind_matches_peft_sharded(case, preset):
+    exp = np.load(KINDS / "expected.npz")
+    strategy = ns.strategies.get(preset)
+    mesh = strategy.make_mesh(8)
+    model = ns.hf.load_lora(KINDS / case, _base(FAMILY.get(case, "llama"), strategy, mesh))
+    got = _logits(model, exp["tokens"], strategy, mesh)
+    assert _err(got, exp[f"logits_{case}"]) <= 2e-4
+
+
+def test_patterns_give_each_module_its_rank_and_scale():
+    model = ns.hf.load_lora(KINDS / "patterns", _base("llama"))
+    nodes = adapters(model)
+    assert (nodes["blocks/0/attn/q"].rank, nodes["blocks/0/attn/q"].scale) == (4, 1.0)
+    assert (nodes["blocks/1/mlp/down"].rank, nodes["blocks/1/mlp/down"].scale) == (3, 4 / 3)
+    assert nodes["blocks/0/attn/v"].scale == 6.0 and nodes["blocks/0/mlp/up"].scale == 0.5
+    assert (nodes["blocks/1/mlp/up"].rank, nodes["blocks/1/mlp/up"].scale) == (2, 2.0)
+
+
+def test_rslora_scales_by_sqrt_rank():
+    model = ns.hf.load_lora(KINDS / "rslora", _base("llama"))
+    assert {n.scale for n in adapters(model).values()} == {8 / 2}
+
+
+def test_dropout_is_kept_for_training_and_off_in_eval():
+    exp = np.load(KINDS / "expected.npz")
+    model = ns.hf.load_lora(KINDS / "dropout", _base("llama"))
+    nodes = adapters(model)
+    assert {n.dropout.rate for n in nodes.values()} == {0.25}
+    model.train()
+    a, b = (np.asarray(model(jnp.asarray(exp["tokens"]))) for _ in range(2))
+    assert not np.array_equal(a, b)  # fresh masks each call
+    assert _err(_logits(model, exp["tokens"]), exp["logits_dropout"]) <= 2e-4
+
+
+def test_modules_to_save_are_loaded_and_trained_with_the_adapters():
+    model = ns.hf.load_lora(KINDS / "modules_to_save", _base("llama"))
+    assert sorted(trained_in_full(model)) == ["token_embed", "unembed"]
+    trained = nnx.state(model, nnx.LoRAParam)
+    paths = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(trained)}
+    assert {"unembed", "token_embed", "blocks/0/attn/lora_q/lora_a"} <= paths
+    ns.merge_lora(model)
+    assert not adapters(model) and not trained_in_full(model)
+    assert type(model.unembed) is nnx.Param
+
+
+def test_embedding_and_lm_head_adapters():
+    model = ns.hf.load_lora(KINDS / "embedding", _base("llama"))
+    nodes = adapters(model)
+    assert {"token_embed", "unembed", "blocks/0/attn/q"} <= set(nodes)
+    assert nodes["token_embed"].lora_a.shape == (128, 3) and nodes["token_embed"].dropout is None
+
+
+def test_phi3_fused_modules_are_their_parts():
+    model = ns.hf.load_lora(KINDS / "phi3_fused", _base("phi3"))
+    assert {"blocks/0/attn/q", "blocks/0/attn/k", "blocks/0/attn/v", "blocks/0/mlp/gate",
+            "blocks/0/mlp/up"} <= set(adapters(model))
+    assert "model.layers.0.self_attn.qkv_proj" in model_modules(model)
+    assert "model.layers.0.self_attn.q_proj" not in model_modules(model)
+    assert kernel_module("token_embed") == ("model.embed_tokens", None)
+
+
+def test_phi3_fused_onto_stacked_blocks():
+    exp = np.load(KINDS / "expected.npz")
+    model = ns.hf.load_lora(KINDS / "phi3_fused", _base("phi3", scan=True))
+    assert _err(_logits(model, exp["tokens"]), exp["logits_phi3_fused"]) <= 2e-4
+
+
+# --- save_lora writes what PEFT reads ------------------------------------------------------------
+# Each entry: (case, family, names and shapes PEFT loaded from our folder, PEFT's logits on it),
+# as `make_peft_kinds.py --check FAMILY DIR` printed and wrote them (READBACK.json).
+READBACK = json.loads((KINDS / "readback.json").read_text()) if (
+    KINDS / "readback.json").exists() else {}
+
+
+def _bump(model, seed=1):
+    """Every adapter's factors distinct per part (a fused save must keep them apart)."""
+    for i, node in enumerate(adapters(model).values()):
+        key = jax.random.key(seed * 100 + i)
+        node.lora_a.set_value(jax.random.normal(key, node.lora_a.shape) * 0.3)
+        node.lora_b.set_value(jax.random.normal(jax.random.fold_in(key, 1),
+                                                node.lora_b.shape) * 0.3)
+    return model
+
+
+def saved_models():
+    """The models whose save_lora output PEFT read back (also run by the fixture step)."""
+    phi = ns.lora(_base("phi3"), 2, 4.0, targets=r"attn/(q|v)$|mlp/up$", rngs=1)
+    ns.lora(phi, 3, 9.0, targets=r"attn/k$|attn/o$", rngs=2)
+    mixed = ns.hf.load_lora(KINDS / "patterns", _base("llama"))
+    saved = ns.hf.load_lora(KINDS / "modules_to_save", _base("llama"))
+    embed = ns.hf.load_lora(KINDS / "embedding", _base("llama"))
+    return {"phi3_parts": ("phi3", _bump(phi)), "patterns": ("llama", mixed),
+            "modules_to_save": ("llama", saved), "embedding": ("llama", embed),
+            "phi3_fused": ("phi3", ns.hf.load_lora(KINDS / "phi3_fused", _base("phi3")))}
+
+
+@pytest.mark.slow  # five models built and saved
+def test_save_lora_is_what_peft_reads_back(tmp_path):
+    exp = np.load(KINDS / "expected.npz")
+    assert set(READBACK) == set(saved_models())
+    for name, (family, model) in saved_models().items():
+        ns.hf.save_lora(tmp_path / name, model)
+        header = st.read_header(str(tmp_path / name / "adapter_model.safetensors"))
+        ours = {k: list(v.shape) for k, v in header.tensors.items()}
+        peft_loaded = READBACK[name]["loaded"]
+        assert len(ours) == len(peft_loaded), name
+        for key, shape in ours.items():  # PEFT's parameter name for each of our tensors
+            assert shape in peft_loaded.values(), (name, key)
+        got = _logits(model, exp["tokens"])
+        assert _err(got, np.asarray(READBACK[name]["logits"])) <= 2e-4, name
+        back = ns.hf.load_lora(tmp_path / name, _base(family))
+        assert _err(_logits(back, exp["tokens"]), got) <= 2e-4, name
+
+
+def write_readback() -> None:
+    """Regenerates READBACK: saves each of saved_models() and has PEFT read it back
+    (``python -m tests.hf.test_peft_names`` with /work/refvenv holding torch and peft)."""
+    import os
+    import subprocess
+    import tempfile
+
+    exp = np.load(KINDS / "expected.npz")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (family, model) in saved_models().items():
+            folder = Path(tmp) / name
+            ns.hf.save_lora(folder, model)
+            done = subprocess.run(["/work/refvenv/bin/python", str(FIXTURES / "make_peft_kinds.py"),
+                                   "--check", family, str(folder)], capture_output=True,
+                                  text=True, env=env, check=True)
+            logits = np.load(folder / "peft_logits.npy")
+            print(name, _err(_logits(model, exp["tokens"]), logits))
+            out[name] = {"loaded": json.loads(done.stdout.strip().splitlines()[-1]),
+                         "logits": np.round(logits.astype(np.float64), 7).tolist()}
+    (KINDS / "readback.json").write_text(json.dumps(out, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    write_readback()
