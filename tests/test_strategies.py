@@ -1,5 +1,8 @@
-"""Each strategy preset does what it claims, on 8 simulated devices with the
-reference transformer (``tiny``; ``tiny_moe`` for expert parallelism):
+"""Each strategy preset does what it claims, on 8 simulated devices: the one place where a
+preset's correctness is proved, on a representative set of models.
+
+The reference transformer (``tiny``; ``tiny_moe`` for expert parallelism) under every
+preset but the pipeline ones (tests/parallel/test_pipeline.py runs those on it):
 
 (a) loss, gradients, parameters and optimizer state after a few fused steps
     equal a single-device run;
@@ -9,7 +12,20 @@ reference transformer (``tiny``; ``tiny_moe`` for expert parallelism):
     the mesh axes it names, read from the HLO.
 
 One module-scoped run per strategy (init, one compilation, K fused steps) feeds
-all three.
+all three. Then (slow) the other representative models, each under the presets that
+meet its own layers, trained against a plain one-device loop:
+
+* :class:`nnx_shard.models.Llama` (grouped-query attention, RoPE, stacked layers) under
+  pp_tp;
+* a user's own model (tests/_user_models.py: a GQA Llama with its own metadata names, a
+  list of blocks and an unhashable config; its Qwen3-MoE-style variant; stock
+  ``nnx.MultiHeadAttention`` blocks with padding masks), through
+  ``strategy.with_rules(ALIASES)``, under each kind of parallelism (the composed presets
+  fsdp_tp, fsdp_cp, pp_fsdp and pp_tp stand for their parts);
+* models of stock ``flax.nnx`` layers only (tests/_stock_models.py), annotated from
+  outside, under fsdp_tp (and sp where they have a sequence): every Variable laid out as
+  the rules say, the batch statistics and dropout keys carried, and a checkpoint restored
+  onto another preset's mesh bit for bit.
 """
 
 from __future__ import annotations
@@ -26,12 +42,14 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Llama, Transformer, get_config, lm_loss
 from nnx_shard.planner import compiled_collectives
 from nnx_shard.planner._costs import KINDS as COLLECTIVE_KINDS
+from tests import _stock_models as sm
+from tests import _user_models as um
 from tests._close import assert_close
 from tests._lm import Run, assert_same_values, lm_batches, lm_run
-from tests._shared import device_bytes
+from tests._shared import device_bytes, host, host_copy, one_device_run
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -276,6 +294,188 @@ def test_auto_mesh_gives_same_values(name) -> None:
     if name == "sp":
         return
     assert "all-to-all" in {c.kind for c in compiled_collectives(r.hlo, r.mesh)}
+
+
+# --------------------------------------------------------------------------- Llama
+
+
+@pytest.mark.slow
+def test_llama_trains_like_one_device_under_pp_tp() -> None:
+    # The library's own Llama, its 4 stacked layers two per stage, the heads and MLP split
+    # over model inside each stage; K fused Adam steps on one batch (the loss must fall).
+    # The reference transformer's pipeline runs are in tests/parallel/test_pipeline.py.
+    cfg = dataclasses.replace(get_config("qwen3-tiny"), layers=4, scan_layers=True)
+    one = lm_batches(1, 16, 16, 128)
+    batches = {k: np.repeat(v, K, axis=0) for k, v in one.items()}
+    s = ns.strategies.get("pp_tp")
+    mesh = s.make_mesh(8)
+    run = lm_run(s, mesh, cfg, batches, 1e-2, microbatches=4, model_class=Llama)
+    ref = lm_run(ns.strategies.get("dp"), ns.make_mesh("data=1", devices=jax.devices()[:1]),
+                 cfg, batches, 1e-2, model_class=Llama)
+    assert_same_values(run, ref, RTOL, RTOL_PARAMS)
+    want = ns.shardings(run.model, mesh, s.rules)
+    got = jax.tree.map(lambda x: x.sharding.spec, nnx.state(run.model))
+    assert got == jax.tree.map(lambda x: x.spec, want)
+    assert run.model.blocks.attn.q.get_value().sharding.spec[0] == "stage"
+
+
+# --------------------------------------------------------------------------- a user's model
+
+USER_STEPS, USER_BATCH = 2, 8
+USER_MODELS = {
+    "llama": (lambda: um.Llama(um.Config(), rngs=nnx.Rngs(0)), False),
+    "moe": (lambda: um.Llama(um.Config(experts=4), rngs=nnx.Rngs(0)), False),
+    "mha": (lambda: um.mha_lm(um.Config(), nnx.Rngs(0)), True),  # padding masks
+}
+# The Llama-style model under each kind of parallelism (dp, zero1 and fsdp shard no more of
+# it than fsdp_tp does; cp's ring runs in fsdp_cp, pp's schedule in pp_fsdp and pp_tp); the
+# MoE where its router and experts meet a split (ep, fsdp_tp); the stock-attention model
+# where its padding masks meet one (the heads over model, the sequence over context) and
+# its stock modules are stacked for a pipeline.
+USER_MATRIX = ([("llama", p) for p in ("fsdp_tp", "sp", "async_tp", "fsdp_cp", "pp_fsdp",
+                                       "pp_tp")]
+               + [("moe", "ep"), ("moe", "fsdp_tp"), ("mha", "tp"), ("mha", "cp"), ("mha", "pp")])
+
+
+def _sgd() -> optax.GradientTransformation:
+    # SGD with momentum: updates are linear in the gradients, so float rounding of
+    # differently ordered sums stays at rounding size (Adam's m/sqrt(v) turns a near-zero
+    # gradient's rounding into a full-size step). Momentum gives zero1 a state to shard.
+    return optax.sgd(0.05, momentum=0.9)
+
+
+@functools.cache
+def _user_reference(name: str) -> tuple[np.ndarray, object]:
+    """Losses and final parameters of a plain nnx.jit loop on one device."""
+    make, pad = USER_MODELS[name]
+    return one_device_run(make, um.loss_fn, _sgd(),
+                          um.batches(um.Config(), USER_STEPS, USER_BATCH, pad=pad))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "preset"), USER_MATRIX, ids=[f"{m}-{p}" for m, p in USER_MATRIX])
+def test_user_model_trains_like_one_device(name: str, preset: str) -> None:
+    make, pad = USER_MODELS[name]
+    s = ns.strategies.get(preset).with_rules(um.ALIASES)
+    pipelined = preset.startswith("pp")
+    factory = (lambda: ns.pipeline.stack(make(), "layers")) if pipelined else make
+    mesh = s.make_mesh()
+    model = ns.sharded_init(factory, mesh, s)
+    trainer = ns.Trainer(model, ns.sharded_optimizer(model, _sgd(), mesh, s), um.loss_fn,
+                         mesh=mesh, rules=s.rules, steps_per_call=USER_STEPS,
+                         batch_names=("batch", "length"), microbatches=4 if pipelined else 1)
+    history = trainer.fit(um.batches(um.Config(), USER_STEPS, USER_BATCH, pad=pad), USER_STEPS,
+                          progress=False)
+    losses, params = _user_reference(name)
+    assert_close(np.asarray(history["loss"]), losses, RTOL, "loss")
+    state = nnx.state(model)
+    want = ns.shardings(state, mesh, s.rules)
+    assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(want)
+    if pipelined:
+        stacked = model.layers.attn if name == "mha" else model.layers.attn.q_proj
+        assert next(iter(jax.tree.leaves(nnx.state(stacked)))).sharding.spec[0] == "stage"
+        model = ns.pipeline.unstack(host_copy(model), "layers")
+    # Tensors whose gradient is zero by symmetry hold rounding noise: the model's scale.
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(params))
+    assert_close(host(nnx.state(model, nnx.Param)), params, RTOL, f"{name} under {preset}",
+                 scale=scale)
+
+
+# --------------------------------------------------------------------------- stock layers
+
+STOCK_STEPS = 2
+# fsdp_tp splits every annotated dimension a stock layer has (embed over data; heads, mlp and
+# vocab over model); sp adds the sequence, for the models that have one.
+STOCK_MATRIX = [(c, p) for c in sm.CASES for p in ("fsdp_tp", "sp")
+                if p != "sp" or "length" in sm.CASES[c].batch_names]
+TP_AXES = {"heads": "model", "mlp": "model", "vocab": "model"}
+PROMISED = {"fsdp_tp": {"embed": "data", **TP_AXES}, "sp": TP_AXES}
+# Where each run's checkpoint is restored: another preset, another mesh shape.
+RESTORE_ON = {"fsdp_tp": "dp", "sp": "fsdp"}
+
+
+@functools.cache
+def _stock_batches(name: str) -> tuple[dict[str, np.ndarray], ...]:
+    rng = np.random.default_rng(0)
+    return tuple(sm.CASES[name].data(rng) for _ in range(STOCK_STEPS))
+
+
+@functools.cache
+def _stock_reference(name: str) -> tuple[np.ndarray, object]:
+    """Losses and final state (batch statistics and RNG counts too) of a plain nnx.jit
+    loop on one device."""
+    case = sm.CASES[name]
+    return one_device_run(case.factory(), case.loss_fn, _sgd(), _stock_batches(name), ...)
+
+
+def _assert_stock_close(actual, expected, what: str) -> None:
+    a_flat = nnx.to_flat_state(actual)
+    e_flat = nnx.to_flat_state(expected)
+    assert [p for p, _ in a_flat] == [p for p, _ in e_flat], what
+    # A tensor whose gradient is zero by symmetry (attention's key bias: softmax
+    # ignores a constant shift of the scores) holds only rounding noise (~1e-9),
+    # so each tensor's scale is floored at 1e-3 of the model's largest value.
+    floor = 1e-3 * max(float(np.max(np.abs(v.get_value()))) for _, v in e_flat
+                       if np.asarray(v.get_value()).dtype.kind == "f")
+    for (path, a), (_, e) in zip(a_flat, e_flat, strict=True):
+        a, e = np.asarray(a.get_value()), np.asarray(e.get_value())
+        where = f"{what}: {'/'.join(map(str, path))}"
+        if e.dtype.kind != "f":  # RNG keys and counters: exactly
+            np.testing.assert_array_equal(a, e, err_msg=where)
+            continue
+        scale = max(float(np.max(np.abs(e))) if e.size else 0.0, floor)
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=RTOL * scale, err_msg=where)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "preset"), STOCK_MATRIX,
+                         ids=[f"{c}-{p}" for c, p in STOCK_MATRIX])
+def test_stock_model_trains_like_one_device(name: str, preset: str, tmp_path) -> None:
+    case = sm.CASES[name]
+    s = ns.strategies.get(preset)
+    mesh = s.make_mesh()
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}  # the presets' default mesh
+
+    # Init through the strategy: every Variable laid out as the rules say.
+    model = ns.sharded_init(case.factory(), mesh, s)
+    state = nnx.state(model)
+    want = ns.shardings(state, mesh, s.rules)
+    assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(want)
+    path, names = case.probe
+    probe = dict(nnx.to_flat_state(state))[tuple(path.split("/"))].get_value()
+    spec = s.rules.spec(names, shape=probe.shape, mesh=mesh)
+    assert probe.sharding.spec == spec
+    # ... and that is what the preset promises for these names (spelled out here).
+    want_axes = tuple(PROMISED[preset].get(n) for n in names)
+    assert tuple(spec) + (None,) * (len(names) - len(spec)) == want_axes
+
+    trainer = ns.Trainer(model, ns.sharded_optimizer(model, _sgd(), mesh, s), case.loss_fn,
+                         mesh=mesh, rules=s.rules, steps_per_call=STOCK_STEPS,
+                         batch_names=case.batch_names)
+    history = trainer.fit(list(_stock_batches(name)), STOCK_STEPS, progress=False)
+    losses, ref_state = _stock_reference(name)
+    scale = float(np.max(np.abs(losses)))
+    np.testing.assert_allclose(history["loss"], losses, rtol=RTOL, atol=RTOL * scale)
+    _assert_stock_close(host(nnx.state(model)), ref_state, f"{name} under {preset}")
+    # Train-mode state moved, and was carried: the reference agrees on it above.
+    if name == "lm":
+        assert int(model.drop.rngs.count[...]) == STOCK_STEPS  # a dropout key per step
+    if name == "conv":
+        assert np.abs(np.asarray(model.bn.mean[...])).max() > 0  # batch statistics
+    state = nnx.state(model)  # training kept the layouts
+    assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(want)
+
+    # Saved sharded, restored onto another preset's mesh: the same bits.
+    ns.save(tmp_path / "ckpt", STOCK_STEPS, model=model)
+    other = ns.strategies.get(RESTORE_ON[preset])
+    other_mesh = other.make_mesh()
+    restored = nnx.state(ns.restore(tmp_path / "ckpt", model=ns.abstract_init(
+        case.factory(), other_mesh, other)))
+    assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, restored)) == jax.tree.leaves(
+        ns.shardings(restored, other_mesh, other.rules))
+    for (p, a), (_, b) in zip(nnx.to_flat_state(host(restored)),
+                              nnx.to_flat_state(host(state)), strict=True):
+        np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg="/".join(map(str, p)))
 
 
 # --------------------------------------------------------------------------- bad input

@@ -1,7 +1,7 @@
 """A user's own model (tests/_user_models.py: a GQA Llama with its own metadata names,
 a list of blocks and an unhashable dataclass config; a Qwen3-MoE-style router MLP;
-stock nnx.MultiHeadAttention blocks with ``attention_fn``) under every preset with no
-glue beyond the documented one-liners:
+stock nnx.MultiHeadAttention blocks with ``attention_fn``) with no glue beyond the
+documented one-liners:
 
 * the fused step accepts unhashable static attributes; a DuplicateSpecError on
   Explicit axes is a ShardingError;
@@ -11,10 +11,10 @@ glue beyond the documented one-liners:
 * ``ns.pipeline.stack`` / ``unstack`` / ``run``: a list of blocks under pp, pp_fsdp
   and pp_tp, checkpoints converted between the two forms;
 * async_tp runs the stock projection layers (annotated kernels) as collective
-  matmuls, with no model edit; a model with none raises, as cp does;
-* the matrix (slow): the Llama-style model under every preset, the MoE and stock-attention
-  models under each kind of parallelism, train to the losses and parameters of a plain
-  one-device ``nnx.jit`` loop.
+  matmuls, with no model edit; a model with none raises, as cp does.
+
+The models under the presets, against a plain one-device ``nnx.jit`` loop, are a row of
+the preset matrix in tests/test_strategies.py.
 """
 
 from __future__ import annotations
@@ -36,12 +36,11 @@ from tests import _user_models as um
 from tests._close import assert_close
 from tests._shared import host as _host
 from tests._shared import host_copy as _host_copy
-from tests._shared import one_device_run
 from tests.conftest import needs_devices
 
 CFG = um.Config()
 MOE = um.Config(experts=4)
-STEPS, BATCH = 2, 8
+BATCH = 8
 RTOL = 1e-4
 
 
@@ -114,12 +113,6 @@ def test_duplicate_spec_on_explicit_axes_is_a_sharding_error() -> None:
     assert "P('data', None, 'data') has duplicate entries" in msg
     assert "Fix: build the mesh with Auto axes" in msg
     assert isinstance(info.value.__cause__, ns._errors.DuplicateSpecError)
-
-
-def test_duplicate_spec_error_is_where_nnx_shard_looks_for_it() -> None:
-    from jax._src import named_sharding
-
-    assert ns._errors.DuplicateSpecError is named_sharding.DuplicateSpecError
 
 
 # --------------------------------------------------------------------------- item: aliases
@@ -365,56 +358,3 @@ def test_checkpoints_convert_between_list_and_stacked(tmp_path) -> None:
     assert_close(_host(nnx.state(back)), _host(nnx.state(listed)), 0, "stacked -> list")
     q = back.layers[0].attn.q_proj.kernel.get_value()
     assert q.sharding.spec == listed.layers[0].attn.q_proj.kernel.get_value().sharding.spec
-
-
-# --------------------------------------------------------------------------- the matrix
-
-
-MODELS = {
-    "llama": (lambda: um.Llama(CFG, rngs=nnx.Rngs(0)), False),
-    "moe": (lambda: um.Llama(MOE, rngs=nnx.Rngs(0)), False),
-    "mha": (lambda: um.mha_lm(CFG, nnx.Rngs(0)), True),  # padding masks
-}
-PIPELINE = ("pp", "pp_fsdp", "pp_tp")
-ALL = tuple(p for p in ns.strategies.NAMES if p != "ep")
-# One kind of parallelism per preset: the other presets compose these (dp and zero1 shard no
-# parameter of the model; fsdp_tp, fsdp_cp, pp_fsdp and pp_tp pair two of them).
-KINDS = ("fsdp", "tp", "sp", "async_tp", "cp", "pp")
-# The Llama-style model under every preset; the MoE and the stock-attention model under each
-# kind, where their own layers (the router, nnx.MultiHeadAttention with padding masks) meet
-# it; ep where it applies (the MoE).
-MATRIX = ([("llama", p) for p in ALL] + [(m, p) for m in ("moe", "mha") for p in KINDS]
-          + [("moe", "ep")])
-
-
-@functools.cache
-def _reference(name: str) -> tuple[np.ndarray, Any]:
-    """Losses and final parameters of a plain nnx.jit loop on one device."""
-    make, pad = MODELS[name]
-    return one_device_run(make, um.loss_fn, _tx(), um.batches(CFG, STEPS, BATCH, pad=pad))
-
-
-@pytest.mark.slow
-@needs_devices(8)
-@pytest.mark.parametrize(("name", "preset"), MATRIX, ids=[f"{m}-{p}" for m, p in MATRIX])
-def test_user_model_trains_like_one_device(name: str, preset: str) -> None:
-    make, pad = MODELS[name]
-    s = ns.strategies.get(preset).with_rules(um.ALIASES)
-    pipelined = preset in PIPELINE
-    factory = (lambda: ns.pipeline.stack(make(), "layers")) if pipelined else make
-    mesh = s.make_mesh()
-    model = ns.sharded_init(factory, mesh, s)
-    trainer = ns.Trainer(model, ns.sharded_optimizer(model, _tx(), mesh, s), um.loss_fn, mesh=mesh,
-                         rules=s.rules, steps_per_call=STEPS, batch_names=("batch", "length"),
-                         microbatches=4 if pipelined else 1)
-    history = trainer.fit(um.batches(CFG, STEPS, BATCH, pad=pad), STEPS, progress=False)
-    losses, params = _reference(name)
-    assert_close(np.asarray(history["loss"]), losses, RTOL, "loss")
-    if pipelined:
-        stacked = model.layers.attn if name == "mha" else model.layers.attn.q_proj
-        assert next(iter(jax.tree.leaves(nnx.state(stacked)))).sharding.spec[0] == "stage"
-        model = ns.pipeline.unstack(_host_copy(model), "layers")
-    # Tensors whose gradient is zero by symmetry hold rounding noise: the model's scale.
-    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(params))
-    assert_close(_host(nnx.state(model, nnx.Param)), params, RTOL, f"{name} under {preset}",
-                 scale=scale)

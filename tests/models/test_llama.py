@@ -1,12 +1,11 @@
-"""nnx_shard.models.Llama: the model, its configuration, and every preset on it.
+"""nnx_shard.models.Llama: the model and its configuration.
 
 Values against transformers' own logits are in tests/hf/test_hf.py (the fixtures);
 here: shapes, causality, grouped-query attention against multi-head attention
 with repeated key/value weights, stacked layers against unrolled ones, remat,
 ``config.json`` parsing, the named configurations' parameter counts against
-the published ones, and (slow) K fused Adam steps under every preset equal to
-one device, as tests/test_strategies.py and tests/parallel/test_pipeline.py check for
-the reference transformer.
+the published ones. The model under the presets against one device is a row of the
+preset matrix in tests/test_strategies.py.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import nnx_shard as ns
 from nnx_shard.models import CONFIGS, Llama, LlamaConfig, get_config, lm_loss
 from nnx_shard.models._llama import rope_frequencies
 from tests._close import assert_close
-from tests._lm import Run, assert_same_values, lm_batches, lm_run
 from tests.conftest import needs_devices
 
 
@@ -411,53 +409,6 @@ def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
     assert_close(loss, want_loss, 1e-6, "loss")
     assert_close(jax.tree.map(np.asarray, nnx.to_pure_dict(grads)),
                  nnx.to_pure_dict(want_grads), 1e-5, "grads")
-
-
-# --------------------------------------------------------------------------- every preset
-
-K = 3
-LR = 1e-2
-RTOL, RTOL_PARAMS = 1e-4, 1e-3  # as tests/test_strategies.py
-PP = ("pp", "pp_fsdp", "pp_tp")
-
-
-def _config(name: str) -> LlamaConfig:
-    if name in PP:  # stacked layers, one per stage of S=4 (pp, pp_fsdp) or two (pp_tp)
-        return dataclasses.replace(get_config("qwen3-tiny"), layers=4, scan_layers=True)
-    return get_config("llama-tiny")
-
-
-def _batches(name: str) -> dict[str, np.ndarray]:
-    # One batch, K times: the loss must fall (what assert_same_values checks last).
-    one = lm_batches(1, 16 if name in PP else 8, 16, 128)
-    return {k: np.repeat(v, K, axis=0) for k, v in one.items()}
-
-
-@functools.cache
-def _reference(name: str) -> Run:
-    mesh = ns.make_mesh("data=1", devices=jax.devices()[:1])
-    return lm_run(ns.strategies.get("dp"), mesh, _config(name), _batches(name), LR,
-                  model_class=Llama)
-
-
-@pytest.mark.slow
-@needs_devices(8)
-@pytest.mark.parametrize("name", ns.strategies.NAMES)
-def test_every_preset_equals_one_device(name: str) -> None:
-    # ep has no experts to split here: its rules run the model data-parallel over
-    # data x expert (documented in nnx_shard.models._llama).
-    s = ns.strategies.get(name)
-    pp = name in PP
-    # Explicit axes where the presets document their programs; the pipeline runs on Auto.
-    mesh = s.make_mesh(8, axis_types="auto" if pp else "explicit")
-    run = lm_run(s, mesh, _config(name), _batches(name), LR, microbatches=4 if pp else 1,
-                 model_class=Llama)
-    ref = _reference("pp" if pp else "dp")
-    assert_same_values(run, ref, RTOL, RTOL_PARAMS)
-    # Every parameter kept the layout the strategy gave it.
-    want = ns.shardings(run.model, mesh, s.rules)
-    got = jax.tree.map(lambda x: x.sharding.spec, nnx.state(run.model))
-    assert got == jax.tree.map(lambda x: x.spec, want)
 
 
 @pytest.mark.parametrize("field, value, words", [
