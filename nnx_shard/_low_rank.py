@@ -23,7 +23,7 @@ with it by a scan over stacked blocks and sharded from its own logical names
 (A: the kernel's input axes and an unsharded rank axis; B: the rank axis and its
 output axes; a stacked ``layers`` axis in front). Train only the factors with
 ``wrt=nnx.LoRAParam``; :func:`merge_lora` folds them back into ``W`` and removes
-the adapters. With ``quantize="int8" | "int4"`` the frozen ``W`` is stored
+the adapters. With ``quantize="nf4" | "int4" | "int8"`` the frozen ``W`` is stored
 quantized (QLoRA, :mod:`nnx_shard._quantized`) and dequantized where it is read.
 """
 
@@ -42,7 +42,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._annotate import logical_names, path_str
 from nnx_shard._errors import NnxShardError, ShardingError, UsageError, count, short
-from nnx_shard._quantized import QuantizedKernel, check_quantize, quantize_kernel, qwix_module
+from nnx_shard._quantized import (
+    BLOCK,
+    QuantizedKernel,
+    check_blocks,
+    check_quantize,
+    quantize_kernel,
+    qwix_module,
+)
 
 __all__ = ["DEFAULT_TARGETS", "Adapter", "adapter_name", "adapters", "lora", "lora_equations",
            "merge_lora"]
@@ -336,7 +343,8 @@ def adaptable_kernels(model: Any) -> tuple[dict[str, tuple[Any, str | int, Any]]
 
 def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
          dropout: float = 0.0, rngs: nnx.Rngs | int = 0, dtype: Any = jnp.float32,
-         quantize: str | None = None) -> Any:
+         quantize: str | None = None, quant_block: int | None = BLOCK,
+         double_quant: bool = False) -> Any:
     """Adds LoRA adapters in place to the kernels of ``model`` whose path matches
     the regex ``targets`` (``re.search`` on paths like ``blocks/0/attn/q``), and
     returns ``model``.
@@ -357,11 +365,13 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     (generation); it draws from the ``dropout`` stream of ``rngs``. Blocks stacked
     for a scan take no dropout.
 
-    ``quantize="int8"`` or ``"int4"`` (QLoRA; needs the ``qlora`` extra, qwix)
-    stores each adapted kernel's frozen ``W`` quantized, with absmax scales per
-    output channel (a :class:`~nnx_shard._quantized.QuantizedKernel` keeping the
-    kernel's logical names; its scales carry the output axes' names), and
-    dequantizes it where the layer reads it, shard by shard.
+    ``quantize="nf4"`` (QLoRA's 4-bit NormalFloat), ``"int4"`` or ``"int8"``
+    (needs the ``qlora`` extra, qwix) stores each adapted kernel's frozen ``W``
+    quantized (a :class:`~nnx_shard._quantized.QuantizedKernel` keeping the
+    kernel's logical names) with float32 absmax scales per ``quant_block`` (64)
+    entries of its last input axis and output channel, or per output channel with
+    ``quant_block=None``; ``double_quant=True`` stores those scales in 8 bits too.
+    The reference models' projections dequantize it tile by tile inside the matmul.
 
     >>> import optax
     >>> from nnx_shard.models import Llama, get_config
@@ -370,9 +380,13 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     >>> model.blocks[0].attn.lora_q.lora_a.get_metadata("out_sharding")
     ('embed', None)
     >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)  # adapters only
+    >>> qlayer = lora(nnx.Linear(128, 4, rngs=nnx.Rngs(0)), 2, 4.0, targets="kernel",
+    ...               quantize="nf4", double_quant=True)  # QLoRA's base: NF4, block 64
+    >>> str(qlayer.kernel.qvalue.dtype), qlayer.kernel.scale.shape, str(qlayer.kernel.scale.dtype)
+    ('uint4', (2, 4), 'int8')
     """
     r, a, p = _check_scalars(rank, alpha, dropout)
-    quant = check_quantize(quantize)
+    quant = check_quantize(quantize, quant_block, double_quant)
     if quant is not None:
         qwix_module()
     if not isinstance(targets, str):
@@ -423,6 +437,8 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
             f"lora: dropout={p} on stacked (scanned) blocks ({stacked[0]!r}): the scan would "
             "draw the same mask at every step. Fix: dropout=0.0, or build the model with "
             "scan_layers=False.")
+    check_blocks(quant, [(q, tuple(var.shape), stack, n_in)
+                         for q, _, _, var, stack, n_in, *_ in plans])
     for _, owner, attr, var, stack, n_in, names, where, op in plans:
         a_val, b_val = _init_factors(rngs.params(), var, stack, n_in, r, dt)
         a_names = (*names[:stack + n_in], None)

@@ -1,7 +1,8 @@
-"""QLoRA (nnx_shard._quantized via ns.lora(quantize=)): the quantized base's names and
-sharding, its per-device bytes in XLA's compiled forward, training only the adapters
-over a bitwise-frozen quantized base, the loss curve against a float32 base, and
-merging."""
+"""QLoRA (nnx_shard._quantized via ns.lora(quantize=)): NF4 / int4 / int8 codes with block
+scales (and double quantization) as qwix and QLoRA define them, their names and sharding,
+the projection that dequantizes tile by tile, the base's per-device bytes in XLA's compiled
+forward, the loss of LoRA over a quantized base against a bf16 base, merging and
+checkpointing."""
 
 import dataclasses
 from pathlib import Path
@@ -14,13 +15,19 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
+import nnx_shard._quantized as quantized
 from nnx_shard._low_rank import adapters
-from nnx_shard._quantized import QuantizedKernel, QuantizedValue
+from nnx_shard._quantized import QuantizedKernel, QuantizedValue, QuantSpec, quantize_kernel
 from nnx_shard.models import Llama, LlamaConfig, get_config, lm_loss
 
 ALL = r"attn/(q|k|v|o)$|mlp/(gate|up|down)$"
 FIXTURES = Path(__file__).parent / "fixtures"
 PEFT_TARGETS = r"attn/(q|v|o)$|mlp/down$"  # the fixture adapter's modules
+NF4_LEVELS = np.array([-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.1847734,
+                       -0.0910500, 0.0, 0.0795803, 0.1609302, 0.2461123, 0.3379152,
+                       0.4407098, 0.5626170, 0.7229568, 1.0])
+# Input axes divisible by QLoRA's block of 64 (o's last input axis is head_dim).
+WIDE = dict(vocab=64, embed=512, heads=4, kv_heads=4, head_dim=64, mlp=512)
 
 
 def _llama(scan: bool = False, **kw) -> Llama:
@@ -28,37 +35,163 @@ def _llama(scan: bool = False, **kw) -> Llama:
                  rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize(("quantize", "dtype"), [("int8", jnp.int8), ("int4", jnp.int4)])
-def test_quantized_base_keeps_names_and_shards_scales_on_outputs(quantize, dtype):
-    strategy = ns.strategies.get("tp")
-    mesh = strategy.make_mesh(2)
-    model = ns.sharded_init(
-        lambda: ns.lora(_llama(scan=True), 4, 8.0, targets=ALL, quantize=quantize), mesh, strategy)
-    q = model.blocks.attn.q  # the frozen kernel, quantized; its adapter beside it
-    assert isinstance(q, QuantizedKernel)
-    assert model.blocks.attn.lora_q.lora_a.shape == (2, 32, 4)
+def _kernel(shape, seed=0, outliers=True):
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0.0, 0.02, shape)
+    if outliers:
+        w[rng.choice(shape[0], 2, replace=False)] *= 8.0
+    return nnx.Param(jnp.asarray(w, jnp.float32))
+
+
+def test_nf4_codes_and_block_scales_are_qloras():
+    w = _kernel((256, 8))
+    q = quantize_kernel(w, QuantSpec("nf4"), stack=0, n_in=1)
+    assert str(q.qvalue.dtype) == "uint4" and q.scale.dtype == jnp.float32
+    ref = np.asarray(w[...]).reshape(4, 64, 8)
+    absmax = np.abs(ref).max(axis=1)  # one scale per 64 inputs and output channel
+    np.testing.assert_allclose(np.asarray(q.scale[...]), absmax, rtol=1e-6)
+    nearest = np.abs(ref[:, :, None, :] / absmax[:, None, None, :]
+                     - NF4_LEVELS[None, None, :, None]).argmin(axis=2)
+    np.testing.assert_array_equal(np.asarray(q.qvalue[...]).reshape(4, 64, 8), nearest)
+    np.testing.assert_allclose(np.asarray(q[...]).reshape(4, 64, 8),
+                               NF4_LEVELS[nearest] * absmax[:, None, :], rtol=1e-6, atol=1e-9)
+    # double quantization: the scales less their mean, int8 in groups of up to 256
+    d = quantize_kernel(w, QuantSpec("nf4", 64, double=True), stack=0, n_in=1)
+    assert d.scale.dtype == jnp.int8 and d.scale.shape == (4, 8)
+    assert d.scale_scale.shape == (1, 1) and d.scale_offset.shape == (1, 1)
+    np.testing.assert_allclose(np.asarray(d.float_scales()), absmax,
+                               atol=np.abs(absmax - absmax.mean()).max() / 127)
+    np.testing.assert_array_equal(np.asarray(d.qvalue[...]), np.asarray(q.qvalue[...]))
+    for qtype, levels in [("int4", 7.5), ("int8", 127.5)]:
+        b = quantize_kernel(w, QuantSpec(qtype), stack=0, n_in=1)
+        assert b.qvalue.dtype == jnp.dtype(qtype) and b.scale.shape == (4, 8)
+        step = np.repeat(np.asarray(b.scale[...]), 64, axis=0)
+        np.testing.assert_allclose(step, np.repeat(absmax, 64, axis=0) / levels, rtol=1e-6)
+        assert np.all(np.abs(np.asarray(b[...] - w[...])) <= 0.5 * step + 1e-7)
+
+
+@pytest.mark.parametrize("qtype", ["nf4", "int8"])
+def test_contraction_dequantizes_tile_by_tile_without_a_float_kernel(qtype):
+    w = nnx.Param(jax.random.normal(jax.random.key(0), (1024, 4096), jnp.float32) * 0.02)
+    q = quantize_kernel(w, QuantSpec(qtype, double=qtype == "nf4"), stack=0, n_in=1)
+    x = jax.random.normal(jax.random.key(1), (8, 1024))
+
+    def tiled(x, q):
+        return jnp.sum(jnp.sin(q.contract("bi,io->bo", x, jnp.float32)))
+
+    def whole(x, q):
+        return jnp.sum(jnp.sin(x @ q[...]))
+
+    kernel_bytes = 1024 * 4096 * 4
+    temps = {}
+    for name, f in [("tiled", tiled), ("whole", whole)]:
+        compiled = nnx.jit(nnx.value_and_grad(f)).lower(x, q).compile()
+        temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps["tiled"] < 0.6 * kernel_bytes <= temps["whole"], temps
+    (y, g), (y_ref, g_ref) = (nnx.jit(nnx.value_and_grad(f))(x, q) for f in (tiled, whole))
+    np.testing.assert_allclose(float(y), float(y_ref), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-5 * float(
+        np.abs(np.asarray(g_ref)).max()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fsdp", "fsdp_tp"])
+def test_quantized_base_shards_codes_and_block_scales_by_the_kernels_names(preset):
+    strategy = ns.strategies.get(preset)
+    mesh = strategy.make_mesh(8)
+    model = ns.sharded_init(lambda: ns.lora(_llama(scan=True, **WIDE), 4, 8.0, targets=ALL,
+                                            quantize="nf4", double_quant=True), mesh, strategy)
+    q = model.blocks.attn.q
+    assert isinstance(q, QuantizedKernel) and q.shape == (2, 512, 4, 64)
     assert q.qvalue.get_metadata("out_sharding") == ("layers", "embed", "heads", "kv")
-    assert q.scale.get_metadata("out_sharding") == ("layers", None, "heads", "kv")
-    assert q.qvalue.dtype == dtype and q.scale.shape == (2, 1, 4, 8)
-    w_spec = q.qvalue.get_value().sharding.spec
-    s_spec = q.scale.get_value().sharding.spec
-    assert w_spec[2] == "model" and s_spec[2] == "model"  # scales split with their heads
-    assert q.shape == (2, 32, 4, 8) and q.dtype == jnp.float32
-    # dequantized within one step of the int grid: absmax per output channel
-    ref = _llama(scan=True).blocks.attn.q[...]
-    levels = 127 if quantize == "int8" else 7
-    step = np.abs(np.asarray(ref)).max(axis=1, keepdims=True) / levels
-    assert np.all(np.abs(np.asarray(q[...]) - np.asarray(ref)) <= 0.5 * step + 1e-6)
+    # the block axis (512 / 64 = 8 blocks) is named, and split, after the input axis
+    assert q.scale.shape == (2, 8, 4, 64)
+    assert q.scale.get_metadata("out_sharding") == ("layers", "embed", "heads", "kv")
+    assert q.scale_scale.get_metadata("out_sharding") == ("layers", None, None, None)
+    data = "data"
+    w_spec = tuple(q.qvalue.get_value().sharding.spec)
+    s_spec = tuple(q.scale.get_value().sharding.spec)
+    assert w_spec[1] == s_spec[1] == data
+    if preset == "fsdp_tp":
+        assert w_spec[2] == s_spec[2] == "model"
+    o = model.blocks.attn.o  # [heads, kv, embed]: blocks along kv, one per head
+    assert o.scale.shape == (2, 4, 1, 512)
 
 
-def _base_bytes(quantize):
+def _wide_lora(strategy=None, mesh=None):
+    def make():
+        return ns.lora(_llama(**WIDE), 4, 8.0, targets=ALL, quantize="nf4", rngs=1)
+
+    model = make() if strategy is None else ns.sharded_init(make, mesh, strategy)
+    for site in adapters(model).values():  # B != 0: the step moves every factor
+        b = site.lora_b.get_value()
+        site.lora_b.set_value(jax.device_put(jnp.full(b.shape, 0.01, b.dtype), b.sharding))
+    return model
+
+
+def _lora_step(model, batch, rules=None, mesh=None):
+    # SGD: Adam's first step is a sign, which flips on the rounding of near-zero gradients
+    opt = nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.LoRAParam)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(
+            model, batch)
+        opt.update(model, grads)
+        return loss
+
+    if rules is None:
+        loss = step(model, opt, batch)
+    else:
+        with ns.use(mesh, rules):
+            loss = step(model, opt, batch)
+    return float(loss), jax.device_get(nnx.state(model, nnx.LoRAParam))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fsdp", "fsdp_tp"])
+def test_sharded_nf4_lora_step_matches_one_device(preset, monkeypatch):
+    monkeypatch.setattr(quantized, "TILE_BYTES", 64 << 10)  # tiles of 2 blocks: the loop runs
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, WIDE["vocab"])
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    ref_loss, ref = _lora_step(_wide_lora(), batch)
+    strategy = ns.strategies.get(preset)
+    mesh = strategy.make_mesh(8)
+    loss, got = _lora_step(_wide_lora(strategy, mesh), batch, strategy.rules, mesh)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                   atol=1e-5 * max(1.0, float(np.abs(np.asarray(b)).max())))
+
+
+def test_bad_block_size_and_unknown_quant_type_are_usage_errors():
+    with pytest.raises(ns.UsageError) as e:
+        ns.lora(_llama(), 4, 8.0, targets=r"attn/q$", quantize="nf4")
+    msg = str(e.value)
+    assert "blocks/0/attn/q" in msg and "(32, 4, 8)" in msg and "quant_block=32" in msg
+    assert "quant_block=None" in msg
+    model = _llama()
+    with pytest.raises(ns.UsageError, match=r"'blocks/0/attn/o' of shape \(4, 8, 32\)"):
+        ns.lora(model, 4, 8.0, targets=ALL, quantize="int4", quant_block=32)
+    assert not adapters(model)  # checked before any kernel changed
+    with pytest.raises(ns.UsageError, match="'nf4', 'int4' or 'int8', got 'fp4'"):
+        ns.lora(_llama(), 4, 8.0, quantize="fp4")
+    with pytest.raises(ns.UsageError, match="quant_block must be a positive int"):
+        ns.lora(_llama(), 4, 8.0, quantize="nf4", quant_block=0)
+    with pytest.raises(ns.UsageError, match="double_quant=True needs block scales"):
+        ns.lora(_llama(), 4, 8.0, quantize="nf4", quant_block=None, double_quant=True)
+    q = ns.lora(_llama(), 4, 8.0, targets="attn/o$", quantize="nf4", quant_block=8)
+    o = q.blocks[0].attn.o
+    assert o.scale.shape == (4, 1, 32) and str(o.qvalue.dtype) == "uint4"
+
+
+def _base_bytes(quantize, **kw):
     """Per-device argument bytes of the compiled forward, less the non-base arguments."""
     strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
-    cfg = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, vocab=64, embed=256, mlp=512,
-               heads=4, kv_heads=4, head_dim=64)
-    model = ns.sharded_init(
-        lambda: ns.lora(_llama(scan=True, **cfg), 4, 8.0, targets=ALL, quantize=quantize), mesh, strategy)
+    cfg = dict(WIDE, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    model = ns.sharded_init(lambda: ns.lora(_llama(scan=True, **cfg), 4, 8.0, targets=ALL,
+                                            quantize=quantize, **kw), mesh, strategy)
     tokens = jnp.zeros((8, 16), jnp.int32)
     with ns.use(mesh, strategy.rules):
         compiled = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile()
@@ -79,29 +212,46 @@ class _AdaptedKernel:
 @pytest.mark.slow
 def test_quantized_base_bytes_in_the_compiled_forward():
     bf16 = _base_bytes(None)
-    int8 = _base_bytes("int8") / bf16
-    int4 = _base_bytes("int4") / bf16
-    print(f"base bytes per device: bf16 {bf16}, int8 {int8:.4f}x, int4 {int4:.4f}x")
-    # the values halve / quarter; the bf16 scales (one per output channel, unsplit under
-    # fsdp) add out / (in / 8) of the kernel: 8/256 here at most
-    assert 0.5 < int8 <= 0.5 + 8 / 256
-    assert 0.25 < int4 <= 0.25 + 8 / 256
+    ratios = {name: _base_bytes(q, **kw) / bf16 for name, q, kw in [
+        ("nf4", "nf4", {}), ("nf4_dq", "nf4", {"double_quant": True}),
+        ("int8", "int8", {}), ("int4_channel", "int4", {"quant_block": None})]}
+    print("base bytes per device vs bf16:", ratios)
+    # 4-bit codes (0.25) plus a float32 scale per 64 (4 / 64 / 2 = 0.03125)
+    assert 0.275 < ratios["nf4"] <= 0.2813
+    # int8 block scales (1 / 64 / 2) plus a float32 per group of scales and an offset
+    assert 0.255 < ratios["nf4_dq"] <= 0.262
+    assert 0.53 < ratios["int8"] <= 0.5313
+    assert 0.25 < ratios["int4_channel"] <= 0.26
 
 
-def _curve(quantize, steps=10):
-    """10 AdamW steps of the fixture's PEFT adapter on its base under fsdp: the losses,
-    and the base and adapter states before and after."""
-    strategy = ns.strategies.get("fsdp")
-    mesh = strategy.make_mesh(8)
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
-    model = ns.hf.load_safetensors(FIXTURES / "hf_llama", target)
-    ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize)  # the file's r, alpha
-    ns.hf.load_lora(FIXTURES / "peft_llama", model)
-    opt = ns.sharded_optimizer(model, optax.adamw(1e-2), mesh, strategy, wrt=nnx.LoRAParam)
-    tokens = jnp.asarray(np.tile(np.load(FIXTURES / "peft_llama" / "expected.npz")["tokens"],
-                                 (4, 1)))
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+def realistic_llama() -> Llama:
+    """A bf16 Llama whose kernels have a trained model's spread: normal(0, 0.02) with a
+    few input channels 8x wider (outliers), unit embeddings and an unembedding sharp
+    enough that the base's own predictions are a learnable target."""
+    cfg = dataclasses.replace(get_config("llama-tiny"), vocab=256, embed=256, heads=4,
+                              kv_heads=4, head_dim=64, mlp=512, param_dtype=jnp.bfloat16)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param) and var.ndim >= 2:
+            name = str(path[-1])
+            std = {"embedding": 1.0, "unembed": 0.1}.get(name, 0.02)
+            w = rng.normal(0.0, std, var.shape)
+            if name not in ("embedding", "unembed"):
+                w[rng.choice(var.shape[0], max(1, var.shape[0] // 64), replace=False)] *= 8.0
+            var[...] = jnp.asarray(w, var.dtype)
+    return model
+
+
+def final_loss(quantize=None, steps=10, **kw) -> float:
+    """The loss after ``steps`` AdamW steps of LoRA (all projections, dropout 0) over the
+    realistic base, quantized or not, fitting the float base's own next-token choices."""
+    model = realistic_llama()
+    tokens = jax.random.randint(jax.random.key(1), (8, 32), 0, 256)
+    batch = {"inputs": tokens, "targets": jnp.argmax(nnx.jit(lambda m, t: m(t))(model, tokens),
+                                                     -1)}
+    ns.lora(model, 8, 16.0, targets=ALL, quantize=quantize, **kw)
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.LoRAParam)
 
     @nnx.jit
     def step(model, opt, batch):
@@ -110,40 +260,26 @@ def _curve(quantize, steps=10):
         opt.update(model, grads)
         return loss
 
-    frozen = lambda: jax.device_get(nnx.state(model, nnx.Not(nnx.LoRAParam)))  # noqa: E731
-    trained = lambda: jax.device_get(nnx.state(model, nnx.LoRAParam))  # noqa: E731
-    before = frozen(), trained()
-    with ns.use(mesh, strategy.rules):
-        losses = [float(step(model, opt, batch)) for _ in range(steps)]
-    return np.array(losses), before, (frozen(), trained()), model
+    for _ in range(steps):
+        step(model, opt, batch)
+    return float(nnx.jit(lm_loss)(model, batch))
 
 
 @pytest.mark.slow
-def test_qlora_loss_curve_follows_the_float_base_and_trains_only_adapters():
-    ref, *_ = _curve(None)
-    assert ref[-1] < 0.9 * ref[0]
-    gaps = {}
-    for quantize, tol in [("int8", 0.01), ("int4", 0.05)]:
-        losses, (base0, lora0), (base1, lora1), model = _curve(quantize)
-        gaps[quantize] = float(np.abs(losses - ref).max() / ref.max())
-        assert gaps[quantize] <= tol, (quantize, losses, ref)
-        assert losses[-1] < 0.9 * losses[0]
-        values = [leaf for leaf in jax.tree.leaves(base0) if leaf.dtype == jnp.dtype(quantize)]
-        assert len(values) == 2 * 4  # q, v, o, down of the 2 layers: quantized
-        for a, b in zip(jax.tree.leaves(base0), jax.tree.leaves(base1), strict=True):
-            np.testing.assert_array_equal(a, b)  # the quantized base is bitwise unchanged
-        for a, b in zip(jax.tree.leaves(lora0), jax.tree.leaves(lora1), strict=True):
-            assert not np.array_equal(a, b)
-        assert sorted(adapters(model))[:2] == ["blocks/0/attn/o", "blocks/0/attn/q"]
-    print("max loss gap / max loss:", gaps)
-    assert gaps["int8"] < gaps["int4"]
+def test_qlora_nf4_loss_follows_the_bf16_base():
+    ref = final_loss()
+    nf4 = abs(final_loss("nf4") - ref) / ref
+    channel = abs(final_loss("int4", quant_block=None) - ref) / ref
+    print(f"final loss gap vs bf16 base: nf4 {nf4:.4f}, int4 per channel {channel:.4f}")
+    assert nf4 < 0.03
+    assert channel > 3 * nf4  # the outlier channels sink per-channel scales, not blocks
 
 
-def _fixture_model(strategy, mesh, quantize):
+def _fixture_model(strategy, mesh, quantize, **kw):
     cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
     target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     model = ns.hf.load_safetensors(FIXTURES / "hf_llama", target)
-    ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize)
+    ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize, **kw)
     return ns.hf.load_lora(FIXTURES / "peft_llama", model)
 
 
@@ -153,7 +289,7 @@ def test_qlora_merges_dequantized_and_saves_peft_adapters(tmp_path):
 
     strategy = ns.strategies.get("tp")
     mesh = strategy.make_mesh(2)
-    model = _fixture_model(strategy, mesh, "int8")
+    model = _fixture_model(strategy, mesh, "int8", quant_block=8)  # the fixture's head_dim
     ns.hf.save_lora(tmp_path / "out", model)
     ours = st.read_header(str(tmp_path / "out" / "adapter_model.safetensors"))
     theirs = st.read_header(str(FIXTURES / "peft_llama" / "adapter_model.safetensors"))
@@ -184,21 +320,22 @@ def test_qlora_merges_dequantized_and_saves_peft_adapters(tmp_path):
 
 
 @pytest.mark.slow
-def test_qlora_checkpoint_restores_the_int4_base_bitwise(tmp_path):
+def test_qlora_checkpoint_restores_the_nf4_base_bitwise(tmp_path):
     strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
 
     def make(seed):
-        model = ns.sharded_init(
-            lambda: ns.lora(_llama(), 4, 8.0, quantize="int4", rngs=seed), mesh, strategy)
-        return model, ns.sharded_optimizer(model, optax.adam(1e-2), mesh, strategy, wrt=nnx.LoRAParam)
+        model = ns.sharded_init(lambda: ns.lora(_llama(**WIDE), 4, 8.0, quantize="nf4",
+                                                double_quant=True, rngs=seed), mesh, strategy)
+        return model, ns.sharded_optimizer(model, optax.adam(1e-2), mesh, strategy,
+                                           wrt=nnx.LoRAParam)
 
     model, opt = make(0)
     ns.save(tmp_path, 1, model=model, optimizer=opt)
     fresh, fresh_opt = make(5)
     back, _, _ = ns.restore(tmp_path, model=fresh, optimizer=fresh_opt)
     q = back.blocks[0].attn.q
-    assert q.qvalue.dtype == jnp.int4 and q.qvalue.get_value().sharding.spec[0] == "data"
+    assert str(q.qvalue.dtype) == "uint4" and q.qvalue.get_value().sharding.spec[0] == "data"
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back)),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

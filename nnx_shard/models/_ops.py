@@ -17,6 +17,7 @@ sharded model can also be called under a plain ``nnx.jit``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -193,7 +194,11 @@ def project(eq: str, x: jax.Array, owner: Any, name: str, dt: Any,
     >>> bool(jnp.allclose(y, 3.0 + jnp.ones(3) @ owner.lora_w.lora_a[...] @ jnp.ones((2, 4))))
     True
     """
-    y = einsum(eq, x, getattr(owner, name)[...].astype(dt), names, seq=seq)
+    kernel = getattr(owner, name)
+    if hasattr(kernel, "contract"):  # a quantized base: dequantized tile by tile
+        y = kernel.contract(eq, x, dt, partial(einsum, names=names, seq=seq))
+    else:
+        y = einsum(eq, x, kernel[...].astype(dt), names, seq=seq)
     adapter = getattr(owner, adapter_name(name), None)
     if adapter is None:
         return y

@@ -17,16 +17,26 @@ def build(hs: Any) -> None:
     def lin() -> Any:
         from flax import nnx
 
-        return nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        return nnx.Linear(64, 3, rngs=nnx.Rngs(0))  # 64 inputs: one block of scales
 
     def qlora(quantize: Any, targets: str = "kernel", model: Any = None) -> Any:
         return ns().lora(lin() if model is None else model, 2, 4.0, targets=targets,
                          quantize=quantize)
 
     for label, q in [("int3", "int3"), ("bits_8", 8), ("bool", True), ("upper", "INT8"),
-                     ("nf4", "nf4"), ("dtype", "int8 "), ("list", ["int8"])]:
+                     ("fp4", "fp4"), ("dtype", "int8 "), ("list", ["int8"])]:
         hs.api(f"qlora/quantize_{label}", "quantize", lambda q=q: qlora(q))
     hs.api("qlora/quantize_a_bias", ("bias", "projection"), lambda: qlora("int8", "bias"))
+
+    def indivisible() -> Any:
+        from flax import nnx
+
+        return ns().lora(nnx.Linear(48, 3, rngs=nnx.Rngs(0)), 2, 4.0, targets="kernel",
+                         quantize="nf4")
+
+    hs.api("qlora/quant_block_indivisible", ("quant_block", "(48, 3)"), indivisible)
+    hs.api("qlora/quant_block_zero", "quant_block",
+           lambda: ns().lora(lin(), 2, 4.0, targets="kernel", quantize="nf4", quant_block=0))
     hs.api("qlora/quantize_a_norm", ("scale", "projection"),
            lambda: qlora("int4", "norm/scale$", hs._tiny_llama()))
     hs.api("qlora/quantize_nothing", "targets", lambda: qlora("int8", "q$"))
