@@ -54,10 +54,11 @@ def test_shapes_dtypes_and_names(name: str) -> None:
 
 def test_causal() -> None:
     model = _model(get_config("llama-tiny"))
+    forward = nnx.jit(lambda m, t: m(t))
     a, b = _tokens(seed=0), _tokens(seed=1)
     mixed = jnp.concatenate([a[:, :9], b[:, 9:]], axis=1)
-    np.testing.assert_array_equal(model(a)[:, :9], model(mixed)[:, :9])
-    assert not np.allclose(model(a)[:, 9:], model(mixed)[:, 9:])
+    np.testing.assert_array_equal(forward(model, a)[:, :9], forward(model, mixed)[:, :9])
+    assert not np.allclose(forward(model, a)[:, 9:], forward(model, mixed)[:, 9:])
 
 
 def test_grouped_query_attention_is_multi_head_with_shared_kv() -> None:
@@ -91,8 +92,10 @@ def test_scan_layers_equals_unrolled(remat: str) -> None:
     scanned = _model(dataclasses.replace(cfg, scan_layers=True, remat=remat))
     _stack(unrolled, scanned)
     batch = {"inputs": _tokens(), "targets": _tokens(seed=3)}
-    loss_u, g_u = nnx.value_and_grad(lm_loss)(unrolled, batch)
-    loss_s, g_s = nnx.value_and_grad(lm_loss)(scanned, batch)
+    # Compiled: op by op, the unrolled model's backward pass compiles each op alone.
+    grad = nnx.jit(nnx.value_and_grad(lm_loss))
+    loss_u, g_u = grad(unrolled, batch)
+    loss_s, g_s = grad(scanned, batch)
     assert_close(loss_s, loss_u, 1e-6, "loss")
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[g_u["blocks"][i] for i in range(2)])
     assert_close(g_s["blocks"], stacked, 1e-5, "block grads")
@@ -114,8 +117,9 @@ def test_bfloat16_compute() -> None:
 def _kernel_grads(cfg: LlamaConfig, kernel: str, length: int) -> tuple[jax.Array, ...]:
     model = _model(dataclasses.replace(cfg, attention=kernel))
     batch = {"inputs": _tokens(1, length, seed=1), "targets": _tokens(1, length, seed=2)}
-    logits = model(batch["inputs"])
-    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+    # Compiled, as training runs them (op by op, each op of the kernels compiles alone).
+    logits = nnx.jit(lambda m, t: m(t))(model, batch["inputs"])
+    loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
     return logits, loss, grads
 
 
