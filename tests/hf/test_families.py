@@ -9,10 +9,11 @@ global rotary bases) and Phi-3 (fused q/k/v and gate/up tensors), loaded with
 
 Ground truth: tests/fixtures/hf_<family>/ (tests/fixtures/make_hf_families.py, run
 by hand with torch and transformers). Logits must equal transformers' within
-2e-4 x max|logit| on one device (quick) and under dp, fsdp, tp, fsdp_tp, pp
-(2 stages) and cp (slow); greedy continuations through the key/value cache (where the window
-applies to cached keys) must pick transformers' tokens wherever its top-2
-margin is not a near-tie.
+2e-4 x max|logit| on one device (quick) and (slow) under fsdp_tp and the presets that
+meet the family's own features (cp for the sliding windows and soft-capping, pp with 2
+stages for Gemma 2's alternating layers); greedy continuations through the key/value
+cache (where the window applies to cached keys) must pick transformers' tokens wherever
+its top-2 margin is not a near-tie.
 """
 
 from __future__ import annotations
@@ -47,9 +48,17 @@ RTOL = 2e-4
 # A greedy step whose top-2 margin is below this may go either way under float
 # rounding (the logits above err by ~1e-6 x max|logit|, far less).
 NEAR_TIE = 1e-3
-LAYOUTS = [pytest.param("one", id="one")] + [
-    pytest.param(s, id=s, marks=pytest.mark.slow)
-    for s in ("dp", "fsdp", "tp", "fsdp_tp", "pp", "cp")]
+# Each family on one device (quick), then (slow) under fsdp_tp, its parameters split over
+# data and model, and under the presets that meet its own features: a sliding window under
+# context parallelism (the window's band crosses the context shards), soft-capped scores in
+# cp's ring, Gemma 2's alternating window layers stacked for a pipeline. Q/K/V biases
+# (Qwen2), q/k norms over all heads (OLMo 2) and fused q/k/v and gate/up tensors (Phi-3)
+# meet the model split of fsdp_tp. That the presets compute what one device does is the
+# preset matrix's (tests/test_strategies.py).
+FEATURE_LAYOUTS = {"hf_mistral": ("cp",), "hf_gemma2": ("cp", "pp"), "hf_gemma3_text": ("cp",)}
+LAYOUTS = [pytest.param(name, "one", id=f"{name}-one") for name in FAMILIES] + [
+    pytest.param(name, s, id=f"{name}-{s}", marks=pytest.mark.slow)
+    for name in FAMILIES for s in ("fsdp_tp", *FEATURE_LAYOUTS.get(name, ()))]
 
 
 def _expected(name: str) -> dict[str, np.ndarray]:
@@ -119,8 +128,7 @@ def test_family_configs_are_read() -> None:
     assert sum(x.size for x in jax.tree.leaves(nnx.state(olmo, nnx.Param))) == olmo2.num_params
 
 
-@pytest.mark.parametrize("strategy", LAYOUTS)
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(("name", "strategy"), LAYOUTS)
 def test_family_logits_match_transformers(name: str, strategy: str) -> None:
     expected = _expected(name)
     assert float(expected["logits"].std()) > 5  # far from uniform: the comparison bites
@@ -145,9 +153,15 @@ def test_the_window_decides_mistral_logits() -> None:
     assert not np.allclose(banded[:, 5:], plain[:, 5:], atol=1e-2)
 
 
-@pytest.mark.parametrize("strategy", [
-    "one", pytest.param("fsdp_tp", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", FAMILIES)
+# Sharded generation (slow) where the cache meets a family's own feature: the window over
+# cached keys, uniform (Mistral) and alternating with global layers under soft-capping
+# (Gemma 2).
+GENERATION = [pytest.param(name, "one", id=f"{name}-one") for name in FAMILIES] + [
+    pytest.param(name, "fsdp_tp", id=f"{name}-fsdp_tp", marks=pytest.mark.slow)
+    for name in ("hf_mistral", "hf_gemma2")]
+
+
+@pytest.mark.parametrize(("name", "strategy"), GENERATION)
 def test_family_greedy_generation_matches_transformers(name: str, strategy: str) -> None:
     expected = _expected(name)
     prompt, want, margins = expected["prompt"], expected["generated"], expected["margins"]

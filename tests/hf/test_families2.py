@@ -1,5 +1,6 @@
 """Gemma 2, Gemma 3 and Phi-3 beyond their logits (which tests/hf/test_families.py
-compares with transformers under every preset): the configs read, that each new
+compares with transformers on one device, under fsdp_tp and under the presets that meet
+each family's features): the configs read, that each new
 option decides the fixture's logits (dropping it changes them), Phi-3's fused
 tensors written back bit for bit (and read by transformers), soft-capping in each
 attention kernel, and the config check on load naming the new fields.
