@@ -6,6 +6,10 @@ Every routed token is computed, none dropped (as transformers does): the
 ``tokens x top_k`` slots are sorted by expert and the experts' gated MLPs run as
 grouped matmuls (``jax.lax.ragged_dot``) over the sorted slots, one group per
 expert, so the cost is that of the active parameters, not of every expert.
+Under rules that split the experts over mesh axes that also split the tokens (the
+``ep`` preset) the slots travel to their experts' devices and back with all-to-all
+(:mod:`nnx_shard.models._expert_parallel`); otherwise the layer gathers tokens and
+expert weights.
 
 >>> from flax import nnx
 >>> from nnx_shard.models._llama_config import LlamaConfig
@@ -24,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnx_shard.models._expert_parallel import Routing, dispatch_combine, expert_plan
 from nnx_shard.models._layers import dense_init, new_param
 from nnx_shard.models._ops import constrain, whole
 from nnx_shard.models._transformer import RESIDUAL
@@ -108,6 +113,13 @@ class LlamaMoE(nnx.Module):
         del deterministic
         dt = self.dtype
         b, length, e = x.shape
+        plan = expert_plan(self.experts, self.up.shape[-1], x)
+        if plan is not None:
+            y, sums = dispatch_combine(
+                plan, x, jnp.ones((b, length), jnp.float32) if valid is None else valid,
+                self.router[...], self.gate[...], self.up[...], self.down[...],
+                Routing(self.top_k, self.renormalise, self.activation, dt))
+            return constrain(y, RESIDUAL), RouterStats(*sums)
         # The tokens whole on every device: the sort and the grouped matmuls have no
         # partitioned form here (the expert weights are gathered as under fsdp).
         flat = whole(x).reshape(b * length, e)

@@ -33,13 +33,23 @@ def _expected(family: str) -> dict[str, np.ndarray]:
     return dict(np.load(FIXTURES / family / "expected.npz"))
 
 
+def _layout(strategy: str) -> tuple[jax.sharding.Mesh, object]:
+    """The mesh and rules of a preset; ``fsdp_ep`` is ``ep`` whose parameters are also
+    split over ``data`` along ``embed`` (ZeRO-3 with expert parallelism)."""
+    if strategy == "fsdp_ep":
+        s = ns.strategies.get("ep")
+        pairs = [(k, "data" if k == "embed" else v) for k, v in s.rules.to_pairs()]
+        return s.mesh_for(8), ns.Rules.from_pairs(pairs)
+    s = ns.strategies.get(strategy)
+    return s.mesh_for(8), s.rules
+
+
 @functools.cache
 def _loaded(family: str, strategy: str) -> Llama:
     if strategy == "one":
         mesh, rules = _one()
     else:
-        s = ns.strategies.get(strategy)
-        mesh, rules = s.mesh_for(8), s.rules
+        mesh, rules = _layout(strategy)
     model = ns.hf.load_pretrained(FIXTURES / family, mesh=mesh, rules=rules)
     assert isinstance(model, Llama)
     return model
@@ -49,10 +59,9 @@ def _logits(family: str, strategy: str) -> np.ndarray:
     ids = _expected(family)["ids"]
     if strategy == "one":
         return np.asarray(_loaded(family, strategy)(jnp.asarray(ids)))
-    s = ns.strategies.get(strategy)
-    mesh = s.mesh_for(8)
+    mesh, rules = _layout(strategy)
     host = np.tile(ids, (4, 1))  # a batch every data shard divides
-    with ns.use(mesh, s.rules):
+    with ns.use(mesh, rules):
         out = nnx.jit(lambda m, t: m(t))(_loaded(family, strategy), host)
     return np.asarray(out)[:ids.shape[0]]
 
@@ -132,9 +141,9 @@ def test_greedy_tokens_match_transformers(family: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ep", "fsdp"])
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "ep", "fsdp_ep", "pp"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_under_ep_and_fsdp(family: str, strategy: str) -> None:
+def test_logits_under_presets(family: str, strategy: str) -> None:
     want = _expected(family)["logits"]
     got = _logits(family, strategy)
     assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
@@ -177,3 +186,38 @@ def test_lora_adapts_attention_and_refuses_the_experts() -> None:
     assert model(ids).shape == (2, 12, 128)
     with pytest.raises(ns.ShardingError, match="not a 2-D-like projection kernel"):
         ns.lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0, targets=r"mlp/gate$")
+
+
+def _ep_tp() -> tuple[str, object]:
+    """``ep`` whose experts' mlp columns are also split over ``model``."""
+    pairs = [(k, "model" if k == "mlp" else v) for k, v in ns.strategies.get("ep").rules.to_pairs()]
+    return "data=2,expert=2,model=2", ns.Rules.from_pairs(pairs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep", "fsdp_ep", "ep_tp"])
+def test_expert_parallelism_moves_tokens_with_all_to_all(layout: str) -> None:
+    cfg = LlamaConfig(experts=8, top_k=2, model_type="mixtral", layers=1, vocab=64)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (8, 8)))
+    batch = {"inputs": ids, "targets": ids}
+
+    def step(m: Llama, b: dict) -> tuple:
+        return nnx.value_and_grad(lambda m: ns.models.lm_loss(m, b))(m)
+
+    want_loss, want = nnx.jit(step)(Llama(cfg, rngs=nnx.Rngs(0)), batch)
+    mesh, rules = _ep_tp() if layout == "ep_tp" else _layout(layout)
+    with ns.use(mesh, rules) as m:
+        model = ns.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), m, rules)
+        state = nnx.state(model)
+        compiled = jax.jit(lambda s, b: step(nnx.merge(nnx.graphdef(model), s), b)).lower(
+            state, batch).compile()
+        loss, grads = compiled(state, batch)
+        hlo = compiled.as_text()
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    got, ref = (np.asarray(g["blocks"][0]["mlp"]["up"][...]) for g in (grads, want))
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    # Dispatch and combine, forward and backward, each move slots and their tags.
+    assert sum(" all-to-all(" in line for line in hlo.splitlines()) >= 4
+    # No device gathers every expert: an all-gather's result never has all 8.
+    gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
+    assert not [g for g in gathers if "[8,32," in g.split("all-gather(")[0]], gathers
