@@ -128,7 +128,15 @@ def _reference(cfg) -> Run:
     return _run(ns.strategies.get("dp"), mesh, cfg)
 
 
-@pytest.fixture(scope="module", params=NAMES)
+# The quick tier runs the presets that compose the others (fsdp_tp: fsdp's and tp's
+# tables; fsdp_cp: cp's ring; async_tp: sp's sequence split with the projections as rings)
+# and those with their own optimizer-state or token routing (zero1, ep); the slow tier
+# adds the parts alone.
+PARTS = ("fsdp", "tp", "sp", "cp")
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(n, marks=pytest.mark.slow) if n in PARTS else n for n in NAMES])
 def run(request) -> Run:
     # Explicit axes: the collectives each preset documents are those of the
     # Explicit-typed program (on Auto axes, the default, XLA's partitioner picks
@@ -322,10 +330,13 @@ def test_llama_trains_like_one_device_under_pp_tp() -> None:
 # --------------------------------------------------------------------------- a user's model
 
 USER_STEPS, USER_BATCH = 2, 8
+# Four blocks where a pipeline of 4 stages needs them (pp, pp_fsdp), else two: one per stage
+# of pp_tp's 2, and half the compilation of four.
 USER_MODELS = {
-    "llama": (lambda: um.Llama(um.Config(), rngs=nnx.Rngs(0)), False),
-    "moe": (lambda: um.Llama(um.Config(experts=4), rngs=nnx.Rngs(0)), False),
-    "mha": (lambda: um.mha_lm(um.Config(), nnx.Rngs(0)), True),  # padding masks
+    "llama": (lambda layers: um.Llama(um.Config(layers=layers), rngs=nnx.Rngs(0)), False),
+    "moe": (lambda layers: um.Llama(um.Config(layers=layers, experts=4), rngs=nnx.Rngs(0)),
+            False),
+    "mha": (lambda layers: um.mha_lm(um.Config(layers=layers), nnx.Rngs(0)), True),  # masks
 }
 # The Llama-style model under each kind of parallelism (dp, zero1 and fsdp shard no more of
 # it than fsdp_tp does; cp's ring runs in fsdp_cp, pp's schedule in pp_fsdp and pp_tp); the
@@ -344,11 +355,15 @@ def _sgd() -> optax.GradientTransformation:
     return optax.sgd(0.05, momentum=0.9)
 
 
+def _user_layers(preset: str) -> int:
+    return 4 if ns.strategies.get(preset).mesh_for(8).get("stage", 1) == 4 else 2
+
+
 @functools.cache
-def _user_reference(name: str) -> tuple[np.ndarray, object]:
+def _user_reference(name: str, layers: int) -> tuple[np.ndarray, object]:
     """Losses and final parameters of a plain nnx.jit loop on one device."""
     make, pad = USER_MODELS[name]
-    return one_device_run(make, um.loss_fn, _sgd(),
+    return one_device_run(lambda: make(layers), um.loss_fn, _sgd(),
                           um.batches(um.Config(), USER_STEPS, USER_BATCH, pad=pad))
 
 
@@ -356,9 +371,11 @@ def _user_reference(name: str) -> tuple[np.ndarray, object]:
 @pytest.mark.parametrize(("name", "preset"), USER_MATRIX, ids=[f"{m}-{p}" for m, p in USER_MATRIX])
 def test_user_model_trains_like_one_device(name: str, preset: str) -> None:
     make, pad = USER_MODELS[name]
+    layers = _user_layers(preset)
     s = ns.strategies.get(preset).with_rules(um.ALIASES)
     pipelined = preset.startswith("pp")
-    factory = (lambda: ns.pipeline.stack(make(), "layers")) if pipelined else make
+    factory = ((lambda: ns.pipeline.stack(make(layers), "layers")) if pipelined
+               else (lambda: make(layers)))
     mesh = s.make_mesh()
     model = ns.sharded_init(factory, mesh, s)
     trainer = ns.Trainer(model, ns.sharded_optimizer(model, _sgd(), mesh, s), um.loss_fn,
@@ -366,7 +383,7 @@ def test_user_model_trains_like_one_device(name: str, preset: str) -> None:
                          batch_names=("batch", "length"), microbatches=4 if pipelined else 1)
     history = trainer.fit(um.batches(um.Config(), USER_STEPS, USER_BATCH, pad=pad), USER_STEPS,
                           progress=False)
-    losses, params = _user_reference(name)
+    losses, params = _user_reference(name, layers)
     assert_close(np.asarray(history["loss"]), losses, RTOL, "loss")
     state = nnx.state(model)
     want = ns.shardings(state, mesh, s.rules)
