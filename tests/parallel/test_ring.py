@@ -291,7 +291,7 @@ def _reference(cfg):
     return jax.device_get(nnx.state(model, nnx.Param)), metrics
 
 
-# Slow: the cp presets train against one device in tests/test_strategies.py's quick tier.
+# Slow: fsdp_cp trains against one device in tests/test_strategies.py's quick tier.
 @pytest.mark.slow
 @pytest.mark.parametrize("c", [2, 4, 8])
 def test_ring_training_equals_one_device(c) -> None:
@@ -313,7 +313,7 @@ def test_ring_training_equals_one_device(c) -> None:
     assert all(x.bytes < full_kv for x in gathers), [(x.bytes, x.op_name) for x in gathers]
 
 
-# Slow: the cp and fsdp_cp presets train against one device in test_strategies' quick tier.
+# Slow: fsdp_cp trains against one device in test_strategies' quick tier (cp in its slow tier).
 @pytest.mark.slow
 def test_allgather_and_fsdp_cp_training_equal_one_device() -> None:
     cfg = get_config("tiny")
