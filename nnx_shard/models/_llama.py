@@ -57,7 +57,6 @@ from nnx_shard._mesh import option
 from nnx_shard._parallel import pipeline
 from nnx_shard._parallel.collective_matmul import check_tokens
 from nnx_shard.models import _kv_cache as kv_cache
-from nnx_shard.models import _rope as rope
 from nnx_shard.models._hf_config import MODEL_TYPES as MODEL_TYPES
 from nnx_shard.models._layers import RMSNorm, dense_init, new_param
 from nnx_shard.models._llama_config import LLAMA_CONFIGS, LlamaConfig
@@ -65,6 +64,7 @@ from nnx_shard.models._llama_config import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
 from nnx_shard.models._moe import LlamaMoE, RouterStats, add_stats, aux_loss, no_stats
 from nnx_shard.models._ops import constrain, einsum, lookup, project, whole
+from nnx_shard.models._rotary import rotary_at, rotary_of, rotary_tables, rotate, scaled_at, times
 from nnx_shard.models._transformer import (
     GATHERED,
     RESIDUAL,
@@ -75,90 +75,6 @@ from nnx_shard.models._transformer import (
 from nnx_shard.models._transformer_config import remat_policy
 
 __all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig"]
-
-def rope_frequencies(cfg: LlamaConfig, local: bool = False, seq_len: int | None = None
-                     ) -> np.ndarray:
-    """The rotary inverse frequencies ``[head_dim / 2]`` (float32) of a sequence of
-    ``seq_len`` positions, with the config's ``rope_scaling`` applied as transformers
-    computes it (:func:`nnx_shard.models._rope.frequencies`); ``local``: the sliding
-    layers' (base ``rope_local_theta`` when the config has one, never scaled, as
-    Gemma 3's).
-
-    >>> rope_frequencies(LLAMA_CONFIGS["llama-tiny"])[:2]
-    array([1.  , 0.1], dtype=float32)
-    """
-    return _scaled(cfg, local, seq_len)[0]
-
-
-def _scaled(cfg: LlamaConfig, local: bool, seq_len: int | None = None
-            ) -> tuple[np.ndarray, float]:
-    """``(inv_freq, attention_factor)``: the factor scales cos and sin."""
-    if local and cfg.rope_local_theta:
-        return rope.default(cfg, cfg.rope_local_theta)
-    return rope.frequencies(cfg, seq_len)
-
-
-def _traced(cfg: LlamaConfig, local: bool, seq_len: Any) -> tuple[jax.Array, float]:
-    """:func:`_scaled` for a traced sequence length (``dynamic`` / ``longrope``
-    choose their frequencies by it)."""
-    if local and cfg.rope_local_theta:
-        inv, factor = _scaled(cfg, True)
-        return jnp.asarray(inv), factor
-    return rope.frequencies_at(cfg, seq_len)
-
-
-def _rotary_tables(cfg: LlamaConfig, length: int, local: bool = False
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    # Host constants (the positions are static): nothing traced is closed over
-    # by the scanned or pipelined layer body. The sequence length is ``length``.
-    inv, factor = _scaled(cfg, local, length)
-    freqs = np.arange(length, dtype=np.float32)[:, None] * inv[None, :]
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    return ((np.cos(emb) * np.float32(factor)).astype(np.float32),
-            (np.sin(emb) * np.float32(factor)).astype(np.float32))
-
-
-def _rotary_at(cfg: LlamaConfig, index: jax.Array, steps: int, local: bool = False
-               ) -> tuple[jax.Array, jax.Array]:
-    """The rotary tables of positions ``index .. index + steps - 1`` (``index``
-    traced: the decode step's position; the sequence length ``index + steps``),
-    computed as :func:`_rotary_tables`."""
-    inv, factor = _traced(cfg, local, index + steps)
-    positions = (index + jnp.arange(steps, dtype=jnp.int32)).astype(jnp.float32)
-    freqs = positions[:, None] * inv[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return _times(jnp.cos(emb), factor), _times(jnp.sin(emb), factor)
-
-
-def _times(table: jax.Array, factor: float) -> jax.Array:
-    return table if factor == 1.0 else table * jnp.float32(factor)
-
-
-def _rotary_of(cfg: LlamaConfig, positions: jax.Array, local: bool = False
-               ) -> tuple[jax.Array, jax.Array]:
-    """The rotary tables ``[batch, length, head_dim]`` of per-token ``positions
-    [batch, length]`` (the sequence length: the highest position + 1), computed as
-    :func:`_rotary_tables`, laid out like the queries they rotate (whole sequence;
-    split under context parallelism)."""
-    inv, factor = _traced(cfg, local, jnp.max(positions) + 1)
-    freqs = positions.astype(jnp.float32)[..., None] * inv
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return (constrain(_times(jnp.cos(emb), factor), seq_names(GATHERED)),
-            constrain(_times(jnp.sin(emb), factor), seq_names(GATHERED)))
-
-
-def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
-    """Rotary embedding of ``x [batch, length, heads, head_dim]`` in transformers'
-    half-split convention (its checkpoints store q/k rows in that order); the tables
-    are ``[length, head_dim]`` (shared by the batch) or ``[batch, length, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    c = jnp.asarray(cos, x.dtype)
-    s = jnp.asarray(sin, x.dtype)
-    c, s = (c[None, :, None, :], s[None, :, None, :]) if c.ndim == 2 else \
-        (c[:, :, None, :], s[:, :, None, :])
-    return x * c + rotated * s
-
 
 def _norm(cfg: LlamaConfig, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
     return RMSNorm(size, names, cfg.norm_eps, cfg.dtype, cfg.param_dtype, rngs=rngs,
@@ -263,7 +179,7 @@ class LlamaAttention(nnx.Module):
         v = _add(project("ble,egk->blgk", x, self, "v", dt, kv_heads, seq="l"), self.v_bias, dt)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         # k, v keep their kv_heads: the op groups the query heads per key/value head.
         mask = (_windowed(extras.mask, self.window, q.shape[1]) if self.mixed_window is None
                 else _layer_mask(extras.mask, self.mixed_window, q.shape[1], local))
@@ -294,7 +210,7 @@ class LlamaAttention(nnx.Module):
         v = _add(project("ble,egk->blgk", x, self, "v", dt, kv_heads, **off), self.v_bias, dt)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         window: Any = self.window
         if self.mixed_window is not None and local is not None:
             # A traced flag: a window past any position where the layer is global.
@@ -432,8 +348,8 @@ def _mixed(cfg: LlamaConfig) -> bool:
 
 def _block_runner(cfg: LlamaConfig, length: int) -> Any:
     every_local = all(cfg.local_layers())
-    tables = _rotary_tables(cfg, length, every_local)
-    local_tables = (_rotary_tables(cfg, length, True) if _mixed(cfg) and cfg.rope_local_theta
+    tables = rotary_tables(cfg, length, every_local)
+    local_tables = (rotary_tables(cfg, length, True) if _mixed(cfg) and cfg.rope_local_theta
                     else None)
 
     def call(block: LlamaBlock, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
@@ -442,8 +358,8 @@ def _block_runner(cfg: LlamaConfig, length: int) -> Any:
             return block(x, c, s, extras, local)
         # Per-token positions: each layer rebuilds its tables from them (a few
         # elementwise ops) rather than taking traced tables by closure.
-        c, s = _pick(local, _rotary_of(cfg, extras.positions, every_local),
-                     None if local_tables is None else _rotary_of(cfg, extras.positions, True))
+        c, s = _pick(local, rotary_of(cfg, extras.positions, every_local),
+                     None if local_tables is None else rotary_of(cfg, extras.positions, True))
         return block(x, c, s, extras, local)
 
     if cfg.remat == "none":
@@ -473,7 +389,10 @@ class Llama(nnx.Module):
 
     :func:`nnx_shard.models.lm_loss` trains it (next-token cross-entropy).
 
-    >>> cfg = LLAMA_CONFIGS["qwen3-tiny"]
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Llama, get_config
+    >>> cfg = get_config("qwen3-tiny")
     >>> model = Llama(cfg, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 16), jnp.int32)).shape, model.unembed is None
     ((2, 16, 128), True)
@@ -527,7 +446,10 @@ class Llama(nnx.Module):
         :class:`~nnx_shard._errors.UsageError` naming them; traced ids cannot be read
         (``Trainer.fit`` checks its batches on the host before its compiled step).
 
-        >>> model = Llama(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from nnx_shard.models import Llama, get_config
+        >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         >>> logits, aux = model.forward(jnp.zeros((1, 8), jnp.int32))
         >>> logits.dtype, float(aux)
         (dtype('float32'), 0.0)
@@ -599,7 +521,7 @@ class Llama(nnx.Module):
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """The logits of :meth:`forward` (same arguments).
 
-        >>> model = Llama(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+        >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         >>> a, b = jnp.arange(1, 5, dtype=jnp.int32)[None], jnp.arange(9, 13, dtype=jnp.int32)[None]
         >>> packed = model(jnp.concatenate([a, b], 1), segment_ids=jnp.array([[1] * 4 + [2] * 4]))
         >>> bool(jnp.allclose(packed[:, 4:], model(b), atol=1e-4))   # b as if alone
@@ -626,7 +548,9 @@ class Llama(nnx.Module):
         ``cache_length``, ``cache_kv_heads``, ``cache_head_dim`` (``layers`` first
         for stacked blocks), and the position of the next token, ``cache_index``.
 
-        >>> model = Llama(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+        >>> from flax import nnx
+        >>> from nnx_shard.models import Llama, get_config
+        >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         >>> model.init_cache(batch=2, length=16)
         >>> model.blocks[0].attn.cached_value.shape    # 2 key/value heads of 8
         (2, 16, 2, 8)
@@ -655,7 +579,10 @@ class Llama(nnx.Module):
         given a mask too (ones for new tokens), skip the padded keys and continue
         each row's positions.
 
-        >>> model = Llama(LLAMA_CONFIGS["qwen3-tiny"], rngs=nnx.Rngs(0))
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> from nnx_shard.models import Llama, get_config
+        >>> model = Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
         >>> model.init_cache(batch=1, length=8)
         >>> first, last = model.decode(tokens[:, :5]), model.decode(tokens[:, 5:])
@@ -670,18 +597,18 @@ class Llama(nnx.Module):
         mixed, every_local = _mixed(cfg), all(cfg.local_layers())
         local_tables = None
         if attention_mask is None:
-            cos, sin = _rotary_at(cfg, index, steps, every_local)
+            cos, sin = rotary_at(cfg, index, steps, every_local)
             if mixed and cfg.rope_local_theta:
-                local_tables = _rotary_at(cfg, index, steps, True)
+                local_tables = rotary_at(cfg, index, steps, True)
         else:
             positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
                                                          "Llama.decode")
             # Decoding runs on the gathered sequence (generation's rules): plain tables.
             def tables(local: bool) -> tuple[jax.Array, jax.Array]:
-                inv, factor = _traced(cfg, local, jnp.max(positions) + 1)
+                inv, factor = scaled_at(cfg, local, jnp.max(positions) + 1)
                 freqs = positions.astype(jnp.float32)[..., None] * inv
                 emb = jnp.concatenate([freqs, freqs], axis=-1)
-                return _times(jnp.cos(emb), factor), _times(jnp.sin(emb), factor)
+                return times(jnp.cos(emb), factor), times(jnp.sin(emb), factor)
 
             cos, sin = tables(every_local)
             if mixed and cfg.rope_local_theta:

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
 from nnx_shard.models import CONFIGS, Llama, LlamaConfig, get_config, lm_loss
-from nnx_shard.models._llama import rope_frequencies
+from nnx_shard.models._rotary import rope_frequencies
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
