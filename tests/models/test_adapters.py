@@ -195,7 +195,7 @@ MODELS = {"mha": (MHALM, MHA_PATTERNS), "gqa": (GQALM, GQA_PATTERNS)}
 
 
 def _tx() -> optax.GradientTransformation:
-    return optax.sgd(0.05, momentum=0.9)  # linear in the gradients: see test_stock_layers
+    return optax.sgd(0.05, momentum=0.9)  # linear in the gradients: see test_strategies' _sgd
 
 
 @functools.cache
@@ -207,7 +207,9 @@ def _reference(name: str) -> tuple[np.ndarray, Any]:
 
 @pytest.mark.slow
 @needs_devices(8)
-@pytest.mark.parametrize("preset", ["cp", "fsdp_cp"])
+# fsdp_cp runs cp's ring with the parameters split over data too: the adapter's masks and
+# segments meet the ring the same way under both (cp itself: the preset matrix).
+@pytest.mark.parametrize("preset", ["fsdp_cp"])
 @pytest.mark.parametrize("name", ["mha", "gqa"])
 def test_user_models_under_context_parallelism_equal_one_device(name, preset) -> None:
     cls, patterns = MODELS[name]
