@@ -5,6 +5,7 @@ model's ``init_cache``, nothing allocated)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -28,10 +30,37 @@ def _with_cache(graphdef: Any, cache: Any, rest: Any, batch: int, length: int) -
     return model
 
 
+def _avals(tree: Any) -> tuple[Any, ...]:
+    """What tracing sees of ``tree``: its structure and each leaf's shape, dtype and
+    sharding (the arrays themselves are not kept: a key of :data:`_ABSTRACT`)."""
+    leaves, structure = jax.tree_util.tree_flatten(tree)
+    return structure, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
+                             getattr(x, "sharding", None)) for x in leaves)
+
+
+#: :func:`abstract_cache`'s results by model graph, avals and cache size (the newest last).
+_ABSTRACT: collections.OrderedDict[Any, tuple[Any, nnx.State]] = collections.OrderedDict()
+
+
 def abstract_cache(graphdef: Any, cache: Any, rest: Any, batch: int,
                    length: int) -> tuple[Any, nnx.State]:
     """The graph of the model with its cache, and the cache's abstract state:
-    shapes, dtypes and logical names from ``init_cache``, nothing allocated."""
+    shapes, dtypes and logical names from ``init_cache``, nothing allocated.
+    Traced once per model graph, parameter avals and cache size: a second
+    ``generate`` call of the same shape traces nothing here."""
+    key = (graphdef, _avals(cache), _avals(rest), batch, length,
+           jax.sharding.get_abstract_mesh())
+    if key not in _ABSTRACT:
+        _ABSTRACT[key] = _trace_cache(graphdef, cache, rest, batch, length)
+        while len(_ABSTRACT) > 32:
+            _ABSTRACT.popitem(last=False)
+    _ABSTRACT.move_to_end(key)
+    with_cache, state = _ABSTRACT[key]
+    return with_cache, jax.tree.map(lambda x: x, state)  # the caller's own copy
+
+
+def _trace_cache(graphdef: Any, cache: Any, rest: Any, batch: int, length: int
+                 ) -> tuple[Any, nnx.State]:
     graphs = []
 
     def build(c: Any, r: Any) -> nnx.State:
