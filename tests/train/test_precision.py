@@ -119,7 +119,9 @@ def _reference_grads(batch):
 
 @pytest.mark.slow
 @needs_devices(8)
-@pytest.mark.parametrize("strategy", ["dp", "fsdp", "fsdp_tp"])
+# dp: mixed precision alone; fsdp_tp: with the parameters split over data and model (fsdp's
+# split is one half of it).
+@pytest.mark.parametrize("strategy", ["dp", "fsdp_tp"])
 def test_stock_model_follows_float32_one_device(strategy):
     steps = 4
     want_loss, want_grads = _reference(steps)
