@@ -25,7 +25,7 @@ real devices in one process: one device, plus the 8-device layouts when 8 are
 present. Timings: each program's median over rounds, the layouts interleaved.
 
 Run (about 5 minutes on 2 CPU cores; ``--only cache`` skips the comparison
-with transformers below, which takes 20 minutes there with ``--rounds 1``)::
+with transformers below, which takes about 6 minutes there)::
 
     .venv/bin/python benchmarks/generate.py
     JAX_PLATFORMS=cuda .venv/bin/python benchmarks/generate.py   # on a GPU
@@ -43,12 +43,21 @@ intermediate 2048, vocab 32000, untied embeddings; random weights, float32) that
 with a Python that has torch and transformers (``--hf-python``, default
 ``/work/hf-venv/bin/python``; without one the comparison is skipped, saying so);
 this process loads the same checkpoint with ``nnx_shard.hf.load_pretrained`` on
-one device. Greedy, prompts of 32 random tokens + 256 new ones, batch 1 and 16:
-transformers' ``generate`` (``use_cache=True``, ``torch.inference_mode``),
-``nnx_shard.models.generate`` and ``nnx_shard.models.stream`` (chunks of 16), each
-warmed up first (compiles excluded; transformers' warm-up call runs 16 tokens),
-then timed in rounds that rotate the three (medians; ``--rounds``, default 3).
-The greedy tokens of the two libraries are compared row by row::
+one device. Greedy, prompts of 32 random tokens + 64 new ones (``--new-tokens``,
+e.g. 256), batch 1 and 16: transformers' ``generate`` (``use_cache=True``,
+``torch.inference_mode``), ``nnx_shard.inference.generate`` and
+``nnx_shard.inference.stream`` (chunks of 16), each warmed up first (compiles
+excluded; transformers' warm-up call runs 16 tokens), then timed in rounds that
+rotate the three (medians; ``--rounds``, default 3). The greedy tokens of the two
+libraries are compared row by row.
+
+Threads: ``--threads`` (default 2) a side: ``torch.set_num_threads`` in the
+reference process; XLA's CPU client sizes its intra-op pool by the CPUs the process
+may run on, so this process is held to that many CPUs where the machine has more
+(on 2 cores both sides use 2 as they are). The JSON (``results/generate_hf.json``)
+records both counts, the 1-minute load average before and after (and per batch),
+the versions and the command: other work on the machine slows either side, so run
+it when the load is low::
 
     .venv/bin/python benchmarks/generate.py --only hf --hf-python /path/to/python
 
@@ -59,6 +68,7 @@ of 140k parameters and 32 new tokens).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -78,8 +88,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "generate.json"
 HF_RESULTS = HERE / "results" / "generate_hf.json"
 HF_PYTHON = "/work/hf-venv/bin/python"
-# against transformers: prompts of 32 tokens, 256 new, batches 1 and 16, stream chunk 16.
-HF_PROMPT, HF_NEW, HF_BATCHES, HF_ROUNDS = 32, 256, (1, 16), 3
+# against transformers: prompts of 32 tokens, 64 new (--new-tokens), batches 1 and 16,
+# 3 rounds, 2 threads a side (--threads).
+HF_PROMPT, HF_NEW, HF_BATCHES, HF_ROUNDS, HF_THREADS = 32, 64, (1, 16), 3, 2
 PROMPT, NEW, BATCH = 64, 192, 8
 # stream vs generate: 256 new tokens after a prompt of 16, decoded 16 steps per call.
 STREAM_PROMPT, STREAM_NEW, STREAM_CHUNK = 16, 256, 16
@@ -252,6 +263,10 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--hf-python", default=None,
                     help=f"a Python with torch and transformers (default {HF_PYTHON})")
     ap.add_argument("--rounds", type=int, default=HF_ROUNDS, help="timed rounds of the hf part")
+    ap.add_argument("--new-tokens", type=int, default=HF_NEW,
+                    help=f"new tokens per row in the hf part (default {HF_NEW}; e.g. 256)")
+    ap.add_argument("--threads", type=int, default=HF_THREADS,
+                    help=f"CPU threads of each side in the hf part (default {HF_THREADS})")
     return ap.parse_args()
 
 
@@ -323,9 +338,10 @@ class _Reference:
     """transformers' side: ``hf_generate_ref.py --serve`` in its own process, one
     ``generate`` call per request (so that its rounds alternate with ours)."""
 
-    def __init__(self, python: str, folder: str, quick: bool) -> None:
+    def __init__(self, python: str, folder: str, quick: bool, new: int, threads: int) -> None:
         cmd = [python, str(HERE / "hf_generate_ref.py"), "--serve", "--save", folder,
-               "--prompt", str(HF_PROMPT)] + (["--quick"] if quick else ["--new", str(HF_NEW)])
+               "--prompt", str(HF_PROMPT), "--new", str(new), "--threads", str(threads)] + (
+                   ["--quick"] if quick else [])
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env)
@@ -373,6 +389,7 @@ def _hf_batch(ref: _Reference, model: Any, batch: int, new: int, rounds: int, vo
 
     from nnx_shard.inference import generate, stream
 
+    load = os.getloadavg()[0]
     prompt = np.random.default_rng(batch).integers(0, vocab, (batch, HF_PROMPT)).astype(np.int32)
 
     def ours() -> Any:
@@ -402,12 +419,33 @@ def _hf_batch(ref: _Reference, model: Any, batch: int, new: int, rounds: int, vo
         print(f"  batch {batch}, round {r + 1}: " + ", ".join(
             f"{n} {batch * new / times[n][-1]:.1f} tok/s" for n in names), flush=True)
     tps = {n: batch * new / statistics.median(t) for n, t in times.items()}
-    return {"batch": batch, "prompt": HF_PROMPT, "new": new,
+    return {"batch": batch, "prompt": HF_PROMPT, "new": new, "rounds": rounds,
+            "loadavg_1min": [load, os.getloadavg()[0]],
             **{f"{n}_tokens_per_s": v for n, v in tps.items()},
             **{f"{n}_seconds": t for n, t in times.items()},
             "generate_vs_transformers": tps["generate"] / tps["transformers"],
             "stream_vs_generate": tps["stream"] / tps["generate"],
             **_agreement(outs["generate"], outs["transformers"])}
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def _xla_threads(threads: int) -> int:
+    """Holds this process (before jax loads) to ``threads`` CPUs where it may use more:
+    XLA's CPU client sizes its intra-op thread pool by the CPUs the process may run
+    on. Returns that count."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if 0 < threads < len(cpus):
+        os.sched_setaffinity(0, cpus[:threads])
+    return len(os.sched_getaffinity(0))
 
 
 def _hf_part(args: argparse.Namespace) -> None:
@@ -417,17 +455,21 @@ def _hf_part(args: argparse.Namespace) -> None:
         return
     if not _gpu():
         os.environ.update({"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    load_before = os.getloadavg()
+    xla_threads = _xla_threads(args.threads) if not _gpu() else None
     import platform
 
+    import flax
     import jax
+    import numpy
 
     import nnx_shard as ns
     from nnx_shard.hf import load_pretrained
 
-    new, rounds = (32, 1) if args.quick else (HF_NEW, args.rounds)
+    new, rounds = (32, 1) if args.quick else (args.new_tokens, args.rounds)
     folder = tempfile.mkdtemp(prefix="nnx_shard_hf_llama_")
     try:
-        ref = _Reference(python, folder, args.quick)
+        ref = _Reference(python, folder, args.quick, new, args.threads)
         try:
             model = load_pretrained(folder, mesh="data=1", rules=ns.strategies.get("dp").rules)
             assert model.cfg.num_params == ref.meta["parameters"], (model.cfg.num_params,
@@ -437,9 +479,11 @@ def _hf_part(args: argparse.Namespace) -> None:
             ref.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    load_after = os.getloadavg()
     shape = ref.meta["config"]
     where = (f"{jax.default_backend()} ({jax.devices()[0].device_kind}), {os.cpu_count()} "
-             f"CPU cores, torch threads {ref.meta['threads']}")
+             f"CPU cores, threads: XLA {xla_threads}, torch {ref.meta['threads']}; load "
+             f"{load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print(f"\nagainst transformers: Llama of {ref.meta['parameters'] / 1e6:.1f}M parameters "
           f"(hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
           f"vocab {shape['vocab_size']}), float32, greedy, prompt {HF_PROMPT} + {new} new "
@@ -456,9 +500,15 @@ def _hf_part(args: argparse.Namespace) -> None:
          for r in rows])
     meta = {k: v for k, v in ref.meta.items() if k not in ("ready", "checkpoint")}
     write_json(HF_RESULTS, {"meta": meta | {
-        "jax": jax.__version__, "backend": jax.default_backend(),
-        "device_kind": jax.devices()[0].device_kind, "cpus": os.cpu_count(),
-        "machine": platform.machine(), "rounds": rounds, "stream_chunk": STREAM_CHUNK,
+        "jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"), "flax": flax.__version__,
+        "numpy": numpy.__version__, "python": platform.python_version(),
+        "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+        "cpus": os.cpu_count(), "machine": platform.machine(),
+        "processor": platform.processor() or _cpu_model(),
+        "xla_threads": xla_threads, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "loadavg_before": load_before, "loadavg_after": load_after,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "prompt": HF_PROMPT, "new": new, "rounds": rounds, "stream_chunk": STREAM_CHUNK,
         "quick": args.quick}, "results": rows})
     print(json.dumps({"generate_vs_transformers": [round(r["generate_vs_transformers"], 2)
                                                    for r in rows],

@@ -12,7 +12,7 @@ It builds ``LlamaForCausalLM`` from a fixed seed (shape ``full``: hidden 768,
 writes it with ``save_pretrained`` (to ``--save`` or a temporary folder) and
 times greedy ``generate`` (``use_cache=True``, ``min_new_tokens`` =
 ``max_new_tokens``, under ``torch.inference_mode``, a warm-up call first,
-torch's threads = the machine's cores) on a fixed random prompt, printing one
+``--threads`` torch threads, default 2) on a fixed random prompt, printing one
 JSON line: tokens/s and the new tokens of each batch.
 
 The configuration has no ``eos_token_id``, so no token is ever suppressed and
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -82,8 +81,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serve", action="store_true", help="answer requests on stdin")
+    ap.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     shape = "quick" if args.quick else "full"
     new = args.new or (32 if args.quick else 256)
     model = build(shape, args.seed)
@@ -92,7 +92,8 @@ def main() -> int:
     meta = {"shape": shape, "config": SHAPES[shape], "tied_embeddings": False,
             "parameters": sum(p.numel() for p in model.parameters()), "checkpoint": folder,
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "new": new}
+            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "new": new}
     if args.serve:
         print(json.dumps({"ready": True, **meta}), flush=True)
         for line in sys.stdin:
