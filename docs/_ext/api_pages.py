@@ -11,11 +11,29 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 PACKAGE = "nnx_shard"
 API_DIR = "api"
+GUIDES = Path(__file__).resolve().parents[1] / "guides"
+
+
+def guides_using(name: str) -> list[tuple[str, str]]:
+    """(title, path under docs/) of each guide whose text uses ``nnx_shard.<name>``
+    (``ns.<name>``, ``nnx_shard.<name>``, or imported from the package or the module)."""
+    word = re.escape(name)
+    used = re.compile(rf"\bns\.{word}\b|\bnnx_shard\.{word}\b"
+                      rf"|from nnx_shard import [^\n]*\b{word}\b")
+    found = []
+    for path in sorted(GUIDES.glob("*.md")):
+        text = path.read_text()
+        if used.search(text):
+            title = text.splitlines()[0].lstrip("# ").strip()
+            found.append((title, f"guides/{path.name}"))
+    return found
 
 
 def public_names() -> list[str]:
@@ -36,6 +54,9 @@ def page(name: str) -> tuple[str, str]:
     """(path under docs/, Markdown) of the reference page of ``nnx_shard.<name>``."""
     obj = getattr(importlib.import_module(PACKAGE), name)
     lines = [f"# `{PACKAGE}.{name}`", ""]
+    guides = guides_using(name)
+    if guides:
+        lines += ["Guides: " + ", ".join(f"[{t}](../{p})" for t, p in guides) + ".", ""]
     if inspect.ismodule(obj):
         members = module_members(obj)
         lines += [
