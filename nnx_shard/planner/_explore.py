@@ -343,7 +343,7 @@ class Search(Evaluator):
             "model_name": p.model_name, "model_label": label, "devices": opts.devices,
             "batch": opts.batch, "seq": opts.seq, "optimizer": opts.optimizer,
             "guard": opts.guard,
-            "device_memory": p.memory}
+            "device_memory": p.memory, **_param_counts(p)}
         if self.same:
             self.pruned.append(f"{len(self.same)} candidates not compiled: the same program as "
                                f"one compiled (every array laid out alike): "
@@ -360,3 +360,18 @@ class Search(Evaluator):
             request.update(user_request(p.user))
         return Plan(self.ranked, self.dropped, self.pruned, p.hw, request, twins)
 
+def _param_counts(p: Problem) -> dict[str, int]:
+    """The model's parameter count, and for a mixture of experts the parameters each
+    token computes with (``active_params``), for the plan's header."""
+    import jax
+    from flax import nnx
+
+    try:
+        total = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(p.abstract, nnx.Param)))
+    except Exception:
+        return {}
+    out = {"params": int(total)}
+    active = getattr(p.cfg, "active_params", None)
+    if active is not None and active != total:
+        out["active_params"] = int(active)
+    return out

@@ -208,6 +208,7 @@ class Plan:
         out = [f"plan --auto: model {r.get('model_label')}, {r.get('devices')} devices, batch "
                f"{r.get('batch')} x seq {r.get('seq')}, {r.get('optimizer')}, memory {mem} "
                "per device",
+               *_params_line(r),
                f"hardware: {hw.name}: {hw.peak_flops / 1e12:.3g} TFLOP/s ({hw.precision}), "
                f"link {hw.link_bandwidth / 1e9:.3g} GB/s"
                + (f", memory {hw.memory_bandwidth / 1e9:.4g} GB/s" if hw.memory_bandwidth
@@ -272,3 +273,22 @@ def plan_json(plan: Plan, error: str | None) -> dict[str, Any]:
             "dropped": [c.as_dict() for c in plan.dropped], "families": plan.families(),
             "pruned": plan.pruned, "python": plan.python(), "command": plan.command(),
             "error": error}
+
+def _params_line(request: dict[str, Any]) -> list[str]:
+    """``parameters: 46.7B, 12.9B active per token`` (a mixture of experts: the
+    experts a token is not routed to do not count), or nothing when not known.
+
+    >>> _params_line({"params": 46_702_792_704, "active_params": 12_879_925_248})
+    ['parameters: 46.7B, 12.9B active per token (mixture of experts)']
+    >>> _params_line({})
+    []
+    """
+    if "params" not in request:
+        return []
+    def count(n: int) -> str:
+        return (f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6
+                else f"{n:,}")
+    line = f"parameters: {count(request['params'])}"
+    if "active_params" in request:
+        line += f", {count(request['active_params'])} active per token (mixture of experts)"
+    return [line]

@@ -835,3 +835,15 @@ def test_auto_caps_the_device_count_as_plan_does():
         planner.auto("tiny", devices=10**9, batch=8, seq=16, hardware=H,
                      compile_fn=table({}), progress=False)
     assert MAX_PLAN_DEVICES == 1 << 20
+
+
+def test_a_plan_of_a_mixture_of_experts_counts_total_and_active_parameters() -> None:
+    from nnx_shard.planner._problem import resolve
+
+    cfg = dataclasses.replace(get_config("mixtral-8x7b"), layers=1, vocab=256)
+    p = resolve(cfg, planner.AutoOptions(devices=8, batch=8, seq=16))
+    counts = _explore._param_counts(p)
+    assert counts == {"params": cfg.num_params, "active_params": cfg.active_params}
+    assert counts["active_params"] < counts["params"] / 3  # 2 of 8 experts per token
+    dense = resolve(get_config("tiny"), planner.AutoOptions(devices=8, batch=8, seq=16))
+    assert set(_explore._param_counts(dense)) == {"params"}
