@@ -373,7 +373,9 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     ``quant_block=None``; ``double_quant=True`` stores those scales in 8 bits too.
     The reference models' projections dequantize it tile by tile inside the matmul.
 
+    >>> from flax import nnx
     >>> import optax
+    >>> from nnx_shard import lora
     >>> from nnx_shard.models import Llama, get_config
     >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     >>> _ = lora(model, rank=4, alpha=8.0, targets=r"attn/(q|v)$")
@@ -382,8 +384,8 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)  # adapters only
     >>> qlayer = lora(nnx.Linear(128, 4, rngs=nnx.Rngs(0)), 2, 4.0, targets="kernel",
     ...               quantize="nf4", double_quant=True)  # QLoRA's base: NF4, block 64
-    >>> str(qlayer.kernel.qvalue.dtype), qlayer.kernel.scale.shape, str(qlayer.kernel.scale.dtype)
-    ('uint4', (2, 4), 'int8')
+    >>> qlayer.kernel.qtype, qlayer.kernel.scale.shape, str(qlayer.kernel.scale.dtype)
+    ('nf4', (2, 4), 'int8')
     """
     r, a, p = _check_scalars(rank, alpha, dropout)
     quant = check_quantize(quantize, quant_block, double_quant)
@@ -473,7 +475,10 @@ def merge_lora(model: Any) -> Any:
     dequantized first: the merged kernel is a full-precision ``nnx.Param`` again
     (the quantization error stays in it; quantize the merged model anew if needed).
 
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
     >>> import numpy as np
+    >>> from nnx_shard import lora, merge_lora
     >>> layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     >>> _ = lora(layer, 2, 4.0, targets="kernel")
     >>> layer.dot_general.lora_b[...] = jnp.ones((2, 3))

@@ -144,15 +144,19 @@ class QuantizedValue(nnx.Variable[Any]):
 
 
 class QuantizedKernel(nnx.Module):
-    """A kernel stored as ``qvalue`` (codes: the kernel's shape and names) and
+    """A kernel stored as ``qvalue`` (codes: the kernel's shape and names; NF4's
+    level indices 0..15 in int4 bits) and
     ``scale`` (float32 block or channel scales, or their int8 codes with
     ``scale_scale`` and ``scale_offset`` under double quantization); reads
     dequantized.
 
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from nnx_shard._quantized import QuantSpec, quantize_kernel
     >>> layer = nnx.Linear(128, 3, rngs=nnx.Rngs(0))
     >>> q = quantize_kernel(layer.kernel, QuantSpec("nf4"), stack=0, n_in=1)
-    >>> str(q.qvalue.dtype), q.scale.shape, q.shape, q.dtype
-    ('uint4', (2, 3), (128, 3), dtype('float32'))
+    >>> q.qtype, str(q.qvalue.dtype), q.scale.shape, q.shape, q.dtype
+    ('nf4', 'int4', (2, 3), (128, 3), dtype('float32'))
     >>> w = layer.kernel[...]  # within half the widest gap of the NF4 levels (0.30)
     >>> bool(jnp.abs(q[...] - w).max() <= 0.16 * jnp.abs(w).max())
     True
@@ -207,6 +211,9 @@ class QuantizedKernel(nnx.Module):
         the backward pass: the float kernel is never whole in memory. ``eq``'s
         kernel letters are the kernel's axes (stacked axes sliced off or not).
 
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from nnx_shard._quantized import QuantSpec, quantize_kernel
         >>> layer = nnx.Linear(256, 8, rngs=nnx.Rngs(0))
         >>> q = quantize_kernel(layer.kernel, QuantSpec("nf4"), stack=0, n_in=1)
         >>> x = jnp.ones((2, 256))
@@ -246,6 +253,8 @@ class QuantizedKernel(nnx.Module):
 
 def _dequantize(codes: jax.Array, scales: jax.Array, qtype: str, dt: Any) -> jax.Array:
     qwix = qwix_module()
+    if qtype == "nf4":
+        codes = jax.lax.bitcast_convert_type(codes, jnp.uint4)
     return qwix.dequantize(qwix.QArray(codes, scales, None, QUANT_TYPES[qtype])).astype(dt)
 
 
@@ -362,7 +371,11 @@ def _quantizer(spec: QuantSpec, ndim: int, stack: int, n_in: int) -> Callable[..
         else:
             q = qwix.quantize(w, qt, channelwise_axes=[i for i in range(ndim) if i != axis],
                               tiled_axes={axis: spec.block})
-        out = {"qvalue": q.qvalue, "scale": q.scale}
+        # qwix's NF4 codes are uint4, which checkpoints (tensorstore) cannot hold: the
+        # same 4 bits are stored as int4 and read back as uint4.
+        codes = q.qvalue if q.qvalue.dtype != jnp.uint4 else jax.lax.bitcast_convert_type(
+            q.qvalue, jnp.int4)
+        out = {"qvalue": codes, "scale": q.scale}
         if spec.double:
             scale = q.scale
             offset = jnp.mean(scale, axis=tuple(range(stack, ndim)), keepdims=True)

@@ -46,13 +46,14 @@ def _kernel(shape, seed=0, outliers=True):
 def test_nf4_codes_and_block_scales_are_qloras():
     w = _kernel((256, 8))
     q = quantize_kernel(w, QuantSpec("nf4"), stack=0, n_in=1)
-    assert str(q.qvalue.dtype) == "uint4" and q.scale.dtype == jnp.float32
+    assert q.qvalue.dtype == jnp.int4 and q.scale.dtype == jnp.float32  # uint4 codes' bits
     ref = np.asarray(w[...]).reshape(4, 64, 8)
     absmax = np.abs(ref).max(axis=1)  # one scale per 64 inputs and output channel
     np.testing.assert_allclose(np.asarray(q.scale[...]), absmax, rtol=1e-6)
     nearest = np.abs(ref[:, :, None, :] / absmax[:, None, None, :]
                      - NF4_LEVELS[None, None, :, None]).argmin(axis=2)
-    np.testing.assert_array_equal(np.asarray(q.qvalue[...]).reshape(4, 64, 8), nearest)
+    codes = np.asarray(q.qvalue[...]).astype(np.int8) % 16  # the int4 bits as 0..15
+    np.testing.assert_array_equal(codes.reshape(4, 64, 8), nearest)
     np.testing.assert_allclose(np.asarray(q[...]).reshape(4, 64, 8),
                                NF4_LEVELS[nearest] * absmax[:, None, :], rtol=1e-6, atol=1e-9)
     # double quantization: the scales less their mean, int8 in groups of up to 256
@@ -182,7 +183,7 @@ def test_bad_block_size_and_unknown_quant_type_are_usage_errors():
         ns.lora(_llama(), 4, 8.0, quantize="nf4", quant_block=None, double_quant=True)
     q = ns.lora(_llama(), 4, 8.0, targets="attn/o$", quantize="nf4", quant_block=8)
     o = q.blocks[0].attn.o
-    assert o.scale.shape == (4, 1, 32) and str(o.qvalue.dtype) == "uint4"
+    assert o.scale.shape == (4, 1, 32) and o.qtype == "nf4"
 
 
 def _base_bytes(quantize, **kw):
@@ -221,13 +222,14 @@ def test_quantized_base_bytes_in_the_compiled_forward():
     # int8 block scales (1 / 64 / 2) plus a float32 per group of scales and an offset
     assert 0.255 < ratios["nf4_dq"] <= 0.262
     assert 0.53 < ratios["int8"] <= 0.5313
-    assert 0.25 < ratios["int4_channel"] <= 0.26
+    # one float32 scale per output channel, whole on each of the 8 devices under fsdp
+    assert 0.25 < ratios["int4_channel"] <= 0.25 + 8 * 4 / (2 * 512)
 
 
 def realistic_llama() -> Llama:
-    """A bf16 Llama whose kernels have a trained model's spread: normal(0, 0.02) with a
-    few input channels 8x wider (outliers), unit embeddings and an unembedding sharp
-    enough that the base's own predictions are a learnable target."""
+    """A bf16 Llama whose kernels have a trained model's spread: normal(0, 0.02) with two
+    input channels 8x wider (outliers), unit embeddings and an unembedding wide enough
+    that the base's own next-token distribution is a learnable target."""
     cfg = dataclasses.replace(get_config("llama-tiny"), vocab=256, embed=256, heads=4,
                               kv_heads=4, head_dim=64, mlp=512, param_dtype=jnp.bfloat16)
     model = Llama(cfg, rngs=nnx.Rngs(0))
@@ -238,18 +240,18 @@ def realistic_llama() -> Llama:
             std = {"embedding": 1.0, "unembed": 0.1}.get(name, 0.02)
             w = rng.normal(0.0, std, var.shape)
             if name not in ("embedding", "unembed"):
-                w[rng.choice(var.shape[0], max(1, var.shape[0] // 64), replace=False)] *= 8.0
+                w[rng.choice(var.shape[0], 2, replace=False)] *= 8.0  # 2 outlier inputs
             var[...] = jnp.asarray(w, var.dtype)
     return model
 
 
 def final_loss(quantize=None, steps=10, **kw) -> float:
     """The loss after ``steps`` AdamW steps of LoRA (all projections, dropout 0) over the
-    realistic base, quantized or not, fitting the float base's own next-token choices."""
+    realistic base, quantized or not, on next tokens drawn from the float base itself."""
     model = realistic_llama()
     tokens = jax.random.randint(jax.random.key(1), (8, 32), 0, 256)
-    batch = {"inputs": tokens, "targets": jnp.argmax(nnx.jit(lambda m, t: m(t))(model, tokens),
-                                                     -1)}
+    logits = nnx.jit(lambda m, t: m(t))(model, tokens).astype(jnp.float32)
+    batch = {"inputs": tokens, "targets": jax.random.categorical(jax.random.key(2), logits)}
     ns.lora(model, 8, 16.0, targets=ALL, quantize=quantize, **kw)
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.LoRAParam)
 
@@ -335,7 +337,8 @@ def test_qlora_checkpoint_restores_the_nf4_base_bitwise(tmp_path):
     fresh, fresh_opt = make(5)
     back, _, _ = ns.restore(tmp_path, model=fresh, optimizer=fresh_opt)
     q = back.blocks[0].attn.q
-    assert str(q.qvalue.dtype) == "uint4" and q.qvalue.get_value().sharding.spec[0] == "data"
+    assert q.qtype == "nf4" and q.qvalue.dtype == jnp.int4
+    assert q.qvalue.get_value().sharding.spec[0] == "data"
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back)),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
