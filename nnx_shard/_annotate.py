@@ -104,6 +104,7 @@ def with_logical(initializer: F, names: Sequence[str | None], **metadata: Any) -
       **metadata: extra Variable metadata passed through to Flax.
 
     >>> from flax import nnx
+    >>> from nnx_shard import with_logical
     >>> init = with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> layer = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
     >>> layer.kernel.get_metadata("out_sharding")
@@ -143,7 +144,11 @@ def logical_axes(**names: Sequence[str | None]) -> Callable[[C], C]:
     Each keyword is an attribute holding a Variable after ``__init__``; attributes
     that are ``None`` (e.g. ``bias`` with ``use_bias=False``) are skipped.
 
+    Args:
+      **names: attribute name -> the logical names of its Variable's dimensions.
+
     >>> from flax import nnx
+    >>> from nnx_shard import logical_axes
     >>> @logical_axes(kernel=("embed", "mlp"), bias=("mlp",))
     ... class Up(nnx.Linear):
     ...     pass
@@ -220,6 +225,7 @@ def annotate(
         matched nothing.
 
     >>> from flax import nnx
+    >>> from nnx_shard import annotate
     >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)))
     >>> _ = annotate(model, {r"kernel$": ("embed", "mlp"), r"bias$": ("mlp",)}, strict=True)
     >>> model.layers[0].kernel.get_metadata("out_sharding")
@@ -310,7 +316,11 @@ def get_logical_axes(tree: Any) -> nnx.State:
     """The logical names of every Variable, as an ``nnx.State`` of tuples
     (``None`` where a Variable is unannotated).
 
+    Args:
+      tree: a Module, an ``nnx.State`` or an abstract model.
+
     >>> from flax import nnx
+    >>> from nnx_shard import get_logical_axes, with_logical
     >>> init = with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> axes = get_logical_axes(nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0)))
     >>> axes["kernel"], axes["bias"]

@@ -35,6 +35,7 @@ class NnxShardError(Exception):
     (``tests/test_errors.py`` pins it); the few left signal a bug of ours or
     follow a Python protocol.
 
+    >>> from nnx_shard import CompileError, NnxShardError, ShardingError, UsageError
     >>> [c.__name__ for c in (ShardingError, UsageError, CompileError)
     ...  if issubclass(c, NnxShardError)]
     ['ShardingError', 'UsageError', 'CompileError']
@@ -47,6 +48,7 @@ class ShardingError(NnxShardError, ValueError):
     Messages name the parameter path, its shape, its logical names, the rule
     involved and a fix, so the error can be acted on without a debugger.
 
+    >>> from nnx_shard import ShardingError
     >>> issubclass(ShardingError, ValueError)
     True
     """
@@ -69,6 +71,7 @@ class CompileError(NnxShardError, RuntimeError):
     """A program compiled (or measured) in a fresh Python with simulated devices
     failed or ran out of time; the message is one line and says what to change.
 
+    >>> from nnx_shard import CompileError
     >>> issubclass(CompileError, RuntimeError)
     True
     """

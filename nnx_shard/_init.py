@@ -273,6 +273,7 @@ def abstract_init(
 
     >>> from flax import nnx
     >>> import nnx_shard as ns
+    >>> from nnx_shard import abstract_init
     >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> model = abstract_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
     ...                       "data=4,model=2", {"embed": "data", "mlp": "model"})
@@ -319,6 +320,7 @@ def sharded_init(
 
     >>> from flax import nnx
     >>> import nnx_shard as ns
+    >>> from nnx_shard import sharded_init
     >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> model = sharded_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
     ...                      "data=4,model=2", {"embed": "data", "mlp": "model"})
@@ -499,6 +501,7 @@ def sharded_optimizer(
     >>> import optax
     >>> from flax import nnx
     >>> import nnx_shard as ns
+    >>> from nnx_shard import sharded_init, sharded_optimizer
     >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> rules = ns.Rules({"embed": "data", "mlp": "model"})
     >>> model = sharded_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),

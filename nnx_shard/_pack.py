@@ -211,6 +211,7 @@ def pack(examples: Sequence[Any], length: int, *,
         ``attention_mask`` with 0s, a bad ``length`` or ``pad_id``; each
         naming the example's index.
 
+    >>> from nnx_shard import pack
     >>> batch = pack([[1, 2, 3, 4], [5, 6, 7], [8, 9]], 6, prompt_lengths=[2, 1, 0])
     >>> batch["inputs"].tolist()
     [[1, 2, 3, 4, 8, 9], [5, 6, 7, 0, 0, 0]]

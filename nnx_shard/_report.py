@@ -129,6 +129,7 @@ class Report:
         """The report as a Markdown table followed by totals.
 
         >>> from flax import nnx
+        >>> from nnx_shard import Rules, explain, make_mesh
         >>> r = explain(nnx.Linear(2, 4, rngs=nnx.Rngs(0)), make_mesh("data=8"), Rules({}))
         >>> print(r.to_markdown().splitlines()[0])
         | path | shape | dtype | logical | spec | total | per device | source |
@@ -222,8 +223,18 @@ def explain(
     (:mod:`nnx_shard._optstate`), so the bytes reported are the bytes it allocates.
     A ``jax.sharding.AbstractMesh`` plans a mesh of any size with no devices.
 
+    Args:
+      model: a module, concrete or abstract (``nnx.eval_shape``, ``ns.abstract_init``).
+      mesh: a ``Mesh``, an ``AbstractMesh`` or a spec for :func:`nnx_shard.make_mesh`.
+      rules: the logical-to-mesh table, or a strategy (its rules and optimizer-state rules).
+      optimizer: an optax transformation whose state is reported too (``None``: none).
+      wrt: the Variables the optimizer updates (as ``nnx.Optimizer(wrt=)``).
+      opt_rules: the optimizer state's rules (default: the strategy's, else ``rules``).
+
+    >>> import jax
     >>> import optax
     >>> from flax import nnx
+    >>> from nnx_shard import Rules, explain
     >>> from nnx_shard._annotate import with_logical
     >>> init = with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> model = nnx.eval_shape(lambda: nnx.Linear(64, 128, kernel_init=init, rngs=nnx.Rngs(0)))

@@ -101,6 +101,10 @@ def stage_report(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
         reference Transformer.
       microbatches: M.
 
+    >>> import dataclasses
+    >>> import jax
+    >>> from flax import nnx
+    >>> from nnx_shard.pipeline import stage_report
     >>> import jax.numpy as jnp, optax
     >>> import nnx_shard as ns
     >>> from nnx_shard.models import Transformer, get_config

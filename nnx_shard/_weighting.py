@@ -41,6 +41,10 @@ def mean_over(items: Callable[[Any], Any]) -> Callable[[LossFn], LossFn]:
     :func:`nnx_shard.models.lm_loss` is declared so (over its kept targets). A loss
     without it counts every microbatch alike (their means averaged).
 
+    Args:
+      items: ``items(batch)``: the number of items the loss averages over (e.g. the targets a mask
+        keeps).
+
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import nnx_shard as ns

@@ -10,6 +10,7 @@ power of two so it divides any mesh axis); the rare non-ASCII character becomes
 
 Nothing here imports jax: batches are NumPy, ready for ``nnx_shard.shard_batch``.
 
+>>> from nnx_shard.corpus import VOCAB, decode, encode, load_stdlib
 >>> corpus = load_stdlib()
 >>> decode(encode("def f():")), VOCAB
 ('def f():', 128)
@@ -69,6 +70,10 @@ _UNKNOWN = ord("?")
 def encode(text: str) -> np.ndarray:
     """Text -> ``uint8`` character codes in ``[0, 128)``; non-ASCII becomes ``?``.
 
+    Args:
+      text: the text.
+
+    >>> from nnx_shard.corpus import decode, encode
     >>> encode("def f():").tolist()
     [100, 101, 102, 32, 102, 40, 41, 58]
     >>> decode(encode("naïve"))
@@ -81,6 +86,7 @@ def encode(text: str) -> np.ndarray:
 def decode(tokens: Sequence[int] | np.ndarray) -> str:
     """Character codes -> text (the inverse of :func:`encode` on ASCII).
 
+    >>> from nnx_shard.corpus import decode
     >>> decode([104, 105])
     'hi'
     """
@@ -91,6 +97,7 @@ def decode(tokens: Sequence[int] | np.ndarray) -> str:
 class CharCorpus:
     """Training and held-out character codes, with batch iterators and a baseline.
 
+    >>> from nnx_shard.corpus import CharCorpus, encode
     >>> c = CharCorpus(encode("abcab" * 40), encode("abcab" * 8), files=("x",), heldout_files=("y",))
     >>> b = next(c.batches(batch=2, length=8, seed=0))
     >>> b["inputs"].shape, b["inputs"].dtype, bool((b["inputs"][:, 1:] == b["targets"][:, :-1]).all())
@@ -124,6 +131,7 @@ class CharCorpus:
     def heldout_batches(self, batch: int, length: int, max_batches: int = 8) -> list[dict[str, np.ndarray]]:
         """Fixed, non-overlapping held-out windows (the same every call), at most ``max_batches``.
 
+        >>> from nnx_shard.corpus import CharCorpus, encode
         >>> c = CharCorpus(encode("ab" * 50), encode("xy" * 50), files=(), heldout_files=())
         >>> [b["inputs"].shape for b in c.heldout_batches(batch=2, length=10)]
         [(2, 10), (2, 10), (2, 10), (2, 10)]
@@ -157,6 +165,10 @@ def load_stdlib(root: str | Path | None = None) -> CharCorpus:
     Python's standard library (or from ``root``). Files missing from an unusual
     installation are skipped; too little text left is an error.
 
+    Args:
+      root: the standard library's folder (default: the running Python's).
+
+    >>> from nnx_shard.corpus import load_stdlib
     >>> corpus = load_stdlib()
     >>> len(corpus.train) > 500_000, len(corpus.heldout) > 10_000, corpus.vocab
     (True, True, 128)

@@ -63,6 +63,8 @@ class DistributedError(NnxShardError, RuntimeError):
     """Processes of one job cannot work together: unreachable coordinator,
     inconsistent process counts, uneven devices, bad coordinates.
 
+    >>> from nnx_shard import NnxShardError
+    >>> from nnx_shard.distributed import DistributedError
     >>> issubclass(DistributedError, RuntimeError), issubclass(DistributedError, NnxShardError)
     (True, True)
     """
@@ -74,6 +76,7 @@ class Coordinates:
 
     ``coordinator_address`` is ``None`` for a single process (nothing to join).
 
+    >>> from nnx_shard.distributed import Coordinates
     >>> Coordinates("10.0.0.1:1234", 2, 1, "arguments")
     Coordinates(coordinator_address='10.0.0.1:1234', num_processes=2, process_id=1, source='arguments')
     """
@@ -410,6 +413,7 @@ def initialize(
       DistributedError: incomplete or invalid coordinates, an unreachable
         coordinator, processes disagreeing on their number or device counts.
 
+    >>> from nnx_shard.distributed import initialize
     >>> initialize()   # no coordinates anywhere: a single process
     Coordinates(coordinator_address=None, num_processes=1, process_id=0, source='single process')
     """
@@ -479,6 +483,7 @@ def _client_address() -> str | None:
 def is_main() -> bool:
     """True on process 0, the one that prints progress and writes non-array files.
 
+    >>> from nnx_shard.distributed import is_main
     >>> is_main()
     True
     """
@@ -503,6 +508,13 @@ def process_slice(
     batch not split over a mesh axis that spans processes) are loaded by each
     of them. On one process: every row.
 
+    Args:
+      batch_size: the global batch's rows.
+      mesh: a ``Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
+      rules: the logical-to-mesh table.
+      name: the logical name of the batch dimension.
+
+    >>> from nnx_shard.distributed import process_slice
     >>> process_slice(16, "data=8", {"batch": "data"})
     slice(0, 16, None)
     """
@@ -540,7 +552,14 @@ def local_part(
     For data every process can produce whole (synthetic data, a small
     dataset); large datasets should read only ``process_slice`` rows.
 
+    Args:
+      batch: the global host batch (a pytree of arrays, every process the same).
+      mesh: a ``Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
+      rules: the logical-to-mesh table.
+      name: the logical name of the batch dimension.
+
     >>> import numpy as np
+    >>> from nnx_shard.distributed import local_part
     >>> local_part({"x": np.arange(8)}, "data=8", {"batch": "data"})["x"].shape
     (8,)
     """
@@ -565,7 +584,11 @@ def gather(tree: Any) -> Any:
     Arrays sharded over devices of other processes are all-gathered (a
     collective: every process must call it with the same tree).
 
+    Args:
+      tree: a pytree of arrays (sharded or not).
+
     >>> import jax.numpy as jnp
+    >>> from nnx_shard.distributed import gather
     >>> gather({"w": jnp.ones((2, 3))})["w"].shape
     (2, 3)
     """

@@ -53,6 +53,7 @@ with Explicit axes are not supported (a ``ShardingError`` says to use Auto axes,
 the default of :func:`nnx_shard.make_mesh`).
 
 >>> import jax.numpy as jnp
+>>> from nnx_shard.pipeline import scan
 >>> layers = {"w": jnp.full((4, 3), 0.5)}
 >>> body = lambda h, layer: (h * layer["w"], None)
 >>> out, _ = scan(body, jnp.ones((2, 3)), layers)   # no pipeline active: jax.lax.scan

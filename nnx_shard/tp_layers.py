@@ -31,6 +31,7 @@ call :func:`intercept` for a step you jit yourself under :func:`nnx_shard.use`.
 >>> import jax.numpy as jnp
 >>> from flax import nnx
 >>> import nnx_shard as ns
+>>> from nnx_shard.tp_layers import intercept
 >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
 >>> layer = nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0))
 >>> intercept(layer).dot_general

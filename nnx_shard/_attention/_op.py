@@ -205,7 +205,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
         chunks (``context`` slices for all-gather), rules without a ``length``
         entry, or kv heads that the heads' mesh axes do not divide.
 
+    >>> import jax
     >>> import jax.numpy as jnp
+    >>> from nnx_shard.models import attention
     >>> q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
     >>> out = attention(q, q, q)
     >>> out.shape, bool(jnp.allclose(out[:, 0], q[:, 0]))   # token 0 sees only itself

@@ -68,6 +68,7 @@ class Checkpointer:
 
     >>> import tempfile
     >>> from flax import nnx
+    >>> from nnx_shard import Checkpointer
     >>> with Checkpointer(tempfile.mkdtemp(), every=10, keep=2) as ckpt:
     ...     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     ...     for step in (10, 20, 30):
@@ -129,6 +130,7 @@ class Checkpointer:
         """True when ``step`` is a save step (a positive multiple of ``every``).
 
         >>> import tempfile
+        >>> from nnx_shard import Checkpointer
         >>> ckpt = Checkpointer(tempfile.mkdtemp(), every=5)
         >>> ckpt.should_save(0), ckpt.should_save(5), ckpt.should_save(7)
         (False, True, False)
@@ -140,6 +142,7 @@ class Checkpointer:
         """The finished checkpoints on disk, oldest first (a save in flight is not one yet).
 
         >>> import tempfile
+        >>> from nnx_shard import Checkpointer
         >>> Checkpointer(tempfile.mkdtemp()).steps()
         []
         """
@@ -149,6 +152,7 @@ class Checkpointer:
         """The latest finished step, or ``None`` when there is none.
 
         >>> import tempfile
+        >>> from nnx_shard import Checkpointer
         >>> print(Checkpointer(tempfile.mkdtemp()).latest_step())
         None
         """
@@ -174,6 +178,7 @@ class Checkpointer:
 
         >>> import tempfile
         >>> from flax import nnx
+        >>> from nnx_shard import Checkpointer
         >>> ckpt = Checkpointer(tempfile.mkdtemp(), async_save=False)
         >>> ckpt.save(7, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0))).name, ckpt.latest_step()
         ('7', 7)
@@ -201,6 +206,7 @@ class Checkpointer:
 
         >>> import tempfile
         >>> from flax import nnx
+        >>> from nnx_shard import Checkpointer
         >>> ckpt = Checkpointer(tempfile.mkdtemp())
         >>> _ = ckpt.save(3, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
         >>> type(ckpt.restore(model=nnx.Linear(1, 1, rngs=nnx.Rngs(1)))).__name__
@@ -214,6 +220,7 @@ class Checkpointer:
         ``OSError`` (once) if one failed: which step, why, what is left.
 
         >>> import tempfile
+        >>> from nnx_shard import Checkpointer
         >>> Checkpointer(tempfile.mkdtemp()).wait()
         """
         self._collect()
@@ -224,6 +231,7 @@ class Checkpointer:
         :meth:`wait`; closing again does nothing).
 
         >>> import tempfile
+        >>> from nnx_shard import Checkpointer
         >>> Checkpointer(tempfile.mkdtemp()).close()
         """
         if not self._closed:

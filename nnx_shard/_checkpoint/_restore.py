@@ -305,8 +305,9 @@ def restore(
 
     >>> import tempfile
     >>> from flax import nnx
-    >>> from nnx_shard._checkpoint import save
     >>> import nnx_shard as ns
+    >>> from nnx_shard import restore
+    >>> from nnx_shard._checkpoint import save
     >>> d = tempfile.mkdtemp()
     >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> factory = lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0))

@@ -274,6 +274,7 @@ def save(
 
     >>> import tempfile
     >>> from flax import nnx
+    >>> from nnx_shard import save
     >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     >>> path = save(tempfile.mkdtemp(), 100, model=model, extra={"data_position": 100})
     >>> path.name, sorted(p.name for p in path.iterdir() if p.is_dir())

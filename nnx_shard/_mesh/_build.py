@@ -158,6 +158,7 @@ def make_mesh(
         ``devices=...[:n]`` when the mesh is smaller), a ``-1`` axis the devices do not
         divide into; ``devices`` not a list of jax devices, empty or repeating.
 
+    >>> from nnx_shard import make_mesh
     >>> mesh = make_mesh("data=4,model=2")
     >>> dict(mesh.shape)
     {'data': 4, 'model': 2}

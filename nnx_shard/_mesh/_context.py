@@ -29,10 +29,15 @@ def use(mesh: Mesh | str | Mapping[str, int], rules: Rules | Mapping[str, Any]) 
     """Makes ``(mesh, rules)`` active: JAX's mesh context plus the rules that
     :func:`constrain` and the trainer read.
 
+    Args:
+      mesh: a ``Mesh`` or a spec for :func:`nnx_shard.make_mesh` (``"data=4,model=2"``).
+      rules: the logical-to-mesh table (:class:`~nnx_shard.Rules` or a dict).
+
+    >>> from nnx_shard import Rules, use
     >>> rules = Rules({"batch": "data"})
     >>> with use("data=8", rules) as mesh:
-    ...     current()[1] is rules
-    True
+    ...     dict(mesh.shape)
+    {'data': 8}
     """
     mesh = make_mesh(mesh)
     rules = as_rules(rules)
@@ -76,7 +81,13 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
     Outside any :func:`use` context it returns ``x`` unchanged, so model code
     that calls it still runs on one device with no mesh.
 
+    Args:
+      x: the activation (a ``jax.Array``, inside ``jit``).
+      names: one logical name (or ``None``) per dimension of ``x``.
+
+    >>> import jax
     >>> import jax.numpy as jnp
+    >>> from nnx_shard import Rules, constrain, use
     >>> x = jnp.ones((8, 4))
     >>> with use("data=8", Rules({"batch": "data", "embed": None})):
     ...     y = jax.jit(lambda x: constrain(x * 2, ("batch", "embed")))(x)

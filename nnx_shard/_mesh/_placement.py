@@ -64,7 +64,13 @@ def shardings(tree: Any, mesh: Mesh, rules: Rules | Mapping[str, Any]) -> Any:
     does), so it can be passed as ``out_shardings`` to ``jax.jit`` for that state.
     Unannotated Variables are replicated.
 
+    Args:
+      tree: a Module, an ``nnx.State`` or an abstract model.
+      mesh: the mesh the shardings are on.
+      rules: the logical-to-mesh table.
+
     >>> from flax import nnx
+    >>> from nnx_shard import Rules, make_mesh, shardings
     >>> from nnx_shard._annotate import with_logical
     >>> init = with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> model = nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0))

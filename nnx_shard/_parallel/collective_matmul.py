@@ -264,7 +264,9 @@ def all_gather_matmul(eq: str, x: jax.Array, w: jax.Array, *, gather: str, shard
     Raises:
       ShardingError: a sharded dimension does not divide by the ``axis`` size.
 
+    >>> import jax.numpy as jnp
     >>> import numpy as np
+    >>> from nnx_shard.collective_matmul import all_gather_matmul
     >>> from nnx_shard import make_mesh
     >>> mesh = make_mesh("data=2,model=4")
     >>> x, w = jnp.ones((2, 8, 16)), jnp.ones((16, 4, 2))
@@ -307,6 +309,8 @@ def matmul_reduce_scatter(eq: str, x: jax.Array, w: jax.Array, *, scatter: str, 
     Raises:
       ShardingError: a sharded dimension does not divide by the ``axis`` size.
 
+    >>> import jax.numpy as jnp
+    >>> from nnx_shard.collective_matmul import matmul_reduce_scatter
     >>> from nnx_shard import make_mesh
     >>> mesh = make_mesh("data=2,model=4")
     >>> x, w = jnp.ones((2, 8, 4, 2)), jnp.ones((4, 2, 16))

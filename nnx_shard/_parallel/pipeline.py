@@ -199,8 +199,10 @@ def scan(
         Explicit axes, layers not divisible by stages (x repeats), fewer
         microbatches than stages, a batch not divisible by microbatches x data.
 
+    >>> import jax
     >>> import jax.numpy as jnp
     >>> import nnx_shard as ns
+    >>> from nnx_shard.pipeline import scan
     >>> layers = {"w": jnp.arange(1.0, 5.0)[:, None] * jnp.ones((4, 3))}
     >>> body = lambda h, layer: (h * layer["w"], None)
     >>> rules = ns.strategies.get("pp").rules
@@ -266,12 +268,18 @@ def run(layers: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     own state (batch statistics, a dropout stream held by the block): the stacked loop
     does not carry it.
 
+    Args:
+      layers: a list of blocks, or the module :func:`stack` made of them.
+      x: the input of the first block.
+      *args: further inputs every block takes.
+      **kwargs: further keyword inputs every block takes.
+
     Raises:
       ShardingError: a stacked block updated its state; see :func:`scan` for the rest.
 
     >>> from flax import nnx
-    >>> from nnx_shard.pipeline import stack
     >>> import jax.numpy as jnp
+    >>> from nnx_shard.pipeline import run, stack
     >>> class Net(nnx.Module):
     ...     def __init__(self, rngs):
     ...         self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(3)])

@@ -48,6 +48,7 @@ class Schedule:
         pass and recompute the stage's layers there (``jax.checkpoint`` per stage):
         the activations in flight shrink from every layer's to one per stage.
 
+    >>> from nnx_shard.pipeline import Schedule
     >>> Schedule(), Schedule(repeats=2).name
     (Schedule(axis='stage', repeats=1, allow_few_microbatches=False, remat=False), 'circular')
     """
@@ -81,6 +82,11 @@ def stage_count(rules: Any, sizes: Mapping[str, int]) -> int | None:
     ``pipeline`` option is a :class:`Schedule`) has on mesh ``sizes``: the size of its
     axis, 1 where the mesh has no such axis; ``None`` where ``rules`` run no pipeline.
 
+    Args:
+      rules: a :class:`~nnx_shard.Rules` (or a strategy's rules).
+      sizes: the mesh's axis sizes, e.g. ``{"stage": 4, "data": 2}``.
+
+    >>> from nnx_shard.pipeline import stage_count
     >>> from nnx_shard.strategies._presets import get
     >>> stage_count(get("pp").rules, {"stage": 4, "data": 2})
     4
@@ -101,6 +107,12 @@ def stage_count(rules: Any, sizes: Mapping[str, int]) -> int | None:
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The analytic idle fraction of stage-steps: ``(S-1)/(M*V+S-1)``.
 
+    Args:
+      stages: pipeline stages ``S``.
+      microbatches: microbatches ``M`` per step.
+      repeats: layer groups per stage ``V`` (interleaved schedules).
+
+    >>> from nnx_shard.pipeline import bubble
     >>> bubble(4, 4), bubble(4, 16), bubble(4, 4, repeats=2)
     (0.42857142857142855, 0.15789473684210525, 0.2727272727272727)
     """
@@ -125,6 +137,12 @@ def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarr
     loop computes it: ``[iterations, stages]`` of ``microbatch * repeats + repeat``
     (the layer-group pass of one microbatch), ``-1`` where the stage is idle.
 
+    Args:
+      stages: pipeline stages.
+      microbatches: microbatches per step.
+      repeats: layer groups per stage.
+
+    >>> from nnx_shard.pipeline import schedule_table
     >>> schedule_table(2, 2)
     array([[ 0, -1],
            [ 1,  0],
@@ -151,6 +169,12 @@ def work(t: Any, stage: Any, m: int, v: int) -> tuple[Any, Any]:
 def idle_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The fraction of idle entries of :func:`schedule_table`: the measured bubble.
 
+    Args:
+      stages: pipeline stages.
+      microbatches: microbatches per step.
+      repeats: layer groups per stage.
+
+    >>> from nnx_shard.pipeline import bubble, idle_fraction
     >>> idle_fraction(4, 8) == bubble(4, 8)
     True
     """

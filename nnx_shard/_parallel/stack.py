@@ -71,11 +71,18 @@ def stack(model: M, attr: str, *, mesh: Any = None, rules: Any = None) -> M:
     With ``mesh`` and ``rules`` (a concrete model, e.g. restored from a checkpoint
     of the list form) the result is laid out by the rules.
 
+    Args:
+      model: the model holding the blocks.
+      attr: the attribute holding the list of blocks.
+      mesh: with ``rules``: lay the stacked Variables out on this mesh.
+      rules: the logical-to-mesh table.
+
     Raises:
       ShardingError: ``model.<attr>`` is not a non-empty list of modules, or the
         blocks differ in structure, static attributes, shapes or dtypes.
 
     >>> from flax import nnx
+    >>> from nnx_shard.pipeline import stack
     >>> class Net(nnx.Module):
     ...     def __init__(self, rngs):
     ...         self.blocks = nnx.List([nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 3, rngs=rngs)])
@@ -128,7 +135,14 @@ def unstack(model: M, attr: str, *, mesh: Any = None, rules: Any = None) -> M:
     leading ``layers`` name dropped from the sharding metadata; returns ``model``.
     With ``mesh`` and ``rules`` the result is laid out by the rules.
 
+    Args:
+      model: the model holding the stacked module.
+      attr: the attribute holding it.
+      mesh: with ``rules``: lay the blocks out on this mesh.
+      rules: the logical-to-mesh table.
+
     >>> from flax import nnx
+    >>> from nnx_shard.pipeline import stack, unstack
     >>> class Net(nnx.Module):
     ...     def __init__(self, rngs):
     ...         self.layers = nnx.List([nnx.Linear(2, 2, rngs=rngs) for _ in range(2)])

@@ -90,6 +90,8 @@ class ProjectionOp:
       names: the logical names of the layer's kernel (its ``out_sharding``).
       kind: which of the layer's attributes it stands in for.
 
+    >>> import jax.numpy as jnp
+    >>> from nnx_shard.tp_layers import ProjectionOp
     >>> op = ProjectionOp(("embed", "mlp"), "dot_general")
     >>> op(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ()))).shape
     (2, 4)
@@ -158,8 +160,12 @@ def intercept(model: M) -> M:
     custom ``dot_general`` / ``dot_general_cls`` / ``einsum_op``, or unannotated
     kernels, are left alone. Calling it again changes nothing.
 
+    Args:
+      model: a module with stock projection layers whose kernels carry logical names.
+
     >>> from flax import nnx
     >>> import nnx_shard as ns
+    >>> from nnx_shard.tp_layers import intercept
     >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     >>> mlp = nnx.Sequential(nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0)),
     ...                      nnx.Linear(8, 4, rngs=nnx.Rngs(0)))  # unannotated: left alone

@@ -64,6 +64,7 @@ class Rules(Mapping[str, RuleValue]):
         :func:`nnx_shard._mesh.option`. Values must be hashable. See
         :meth:`with_options`.
 
+    >>> from nnx_shard import Rules
     >>> from nnx_shard._rules import Fallbacks
     >>> rules = Rules({"batch": "data", "embed": None, "mlp": Fallbacks("model", None)})
     >>> rules.spec(("embed", "mlp"), shape=(16, 32), mesh={"data": 2, "model": 4})
@@ -158,6 +159,7 @@ class Rules(Mapping[str, RuleValue]):
         candidate for that name. Resolution is the table walk described on
         :class:`Rules`.
 
+        >>> from nnx_shard import Rules
         >>> rules = Rules.from_pairs([
         ...     ["batch", "data"],
         ...     ["vocab", ["tensor", "autoregressive"]],   # a product, as in MaxText
@@ -242,6 +244,7 @@ class Rules(Mapping[str, RuleValue]):
         alias gets that name's entries, placed right after them (so it claims mesh axes
         in that name's turn). For models whose metadata speaks its own names.
 
+        >>> from nnx_shard import Rules
         >>> r = Rules({"batch": "data", "embed": "data", "mlp": "model"})
         >>> r.alias({"fsdp": "embed", "tp": "mlp"}).to_pairs()
         [('batch', 'data'), ('embed', 'data'), ('fsdp', 'data'), ('mlp', 'model'), ('tp', 'model')]
@@ -271,6 +274,7 @@ class Rules(Mapping[str, RuleValue]):
     def options(self) -> Mapping[str, Any]:
         """The execution options carried with the table (read-only).
 
+        >>> from nnx_shard import Rules
         >>> Rules({"batch": "data"}).with_options(attention="ring").options["attention"]
         'ring'
         """
@@ -279,6 +283,7 @@ class Rules(Mapping[str, RuleValue]):
     def with_options(self, **options: Any) -> Rules:
         """A copy with ``options`` merged into :attr:`options` (``None`` removes one).
 
+        >>> from nnx_shard import Rules
         >>> r = Rules({"length": "context"}).with_options(attention="ring")
         >>> r.options == {"attention": "ring"}, r.with_options(attention=None).options == {}
         (True, True)
@@ -298,6 +303,7 @@ class Rules(Mapping[str, RuleValue]):
         """Ordered candidate placements of ``name`` (each a tuple of mesh axes, or
         ``PartitionSpec.UNCONSTRAINED``).
 
+        >>> from nnx_shard import Rules
         >>> from nnx_shard._rules import Fallbacks
         >>> Rules({"mlp": Fallbacks("model", None)}).candidates("mlp")
         (('model',), ())
@@ -309,6 +315,7 @@ class Rules(Mapping[str, RuleValue]):
         a tuple (product), ``None`` or ``PartitionSpec.UNCONSTRAINED``. The result is
         a table for :meth:`from_pairs`, ``Rules(...)`` and Flax linen alike.
 
+        >>> from nnx_shard import Rules
         >>> Rules([("mlp", "model"), ("embed", ("data", "fsdp")), ("mlp", None)]).to_pairs()
         [('mlp', 'model'), ('embed', ('data', 'fsdp')), ('mlp', None)]
         """
@@ -321,6 +328,7 @@ class Rules(Mapping[str, RuleValue]):
         :meth:`to_pairs` keeps the exact table order. ``PartitionSpec.UNCONSTRAINED``
         stays that object (JSON has no spelling for it).
 
+        >>> from nnx_shard import Rules
         >>> Rules({"embed": ("data", "fsdp"), "mlp": "model"}).to_dict()
         {'embed': [['data', 'fsdp']], 'mlp': 'model'}
         """
@@ -399,6 +407,7 @@ class Rules(Mapping[str, RuleValue]):
               ["mlp", "model"], ["mlp", ""],          norm = ""
             ]
 
+        >>> from nnx_shard import Rules
         >>> import tempfile, os
         >>> d = tempfile.mkdtemp(); p = os.path.join(d, "r.toml")
         >>> _ = open(p, "w").write('[rules]\\nbatch = "data"\\nmlp = "model"\\n')
@@ -450,6 +459,7 @@ class Rules(Mapping[str, RuleValue]):
         itself a mesh axis of ``mesh`` maps to that axis, so models annotated for
         Flax with mesh axis names keep working.
 
+        >>> from nnx_shard import Rules
         >>> rules = Rules({"embed": "fsdp", "mlp": "model"})
         >>> rules.spec(("embed", "mlp"), shape=(8, 4), mesh={"fsdp": 2, "model": 2})
         P('fsdp', 'model')

@@ -87,6 +87,7 @@ class Fallbacks(list[Any]):
     ``PartitionSpec.UNCONSTRAINED``. A plain list is refused in ``Rules({...})``,
     because Flax reads a list as a product of mesh axes.
 
+    >>> from nnx_shard import Fallbacks
     >>> from nnx_shard._rules import Rules
     >>> r = Rules({"mlp": Fallbacks("model", None)})
     >>> r["mlp"], r.spec(("mlp",), shape=(30,), mesh={"model": 4})

@@ -58,6 +58,8 @@ class Batches:
     per-step Python), and on ``resume=True`` seeks to the data position instead
     of reading and dropping the batches already trained on.
 
+    >>> import numpy as np
+    >>> from nnx_shard import Batches
     >>> x = np.arange(20, dtype=np.float32).reshape(10, 2)
     >>> data = Batches({"x": x, "y": np.arange(10)}, batch_size=4, epochs=2)
     >>> len(data), data.total

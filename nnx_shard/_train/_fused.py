@@ -595,6 +595,7 @@ def multistep(
         parameters, the optimizer state and the gradients stay in theirs. The
         step must take its gradients with :func:`value_and_grad`.
 
+    >>> from nnx_shard import multistep
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
     >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))

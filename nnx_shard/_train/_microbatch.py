@@ -218,6 +218,7 @@ def value_and_grad(
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
+    >>> from nnx_shard import value_and_grad
     >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
     >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}
     >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)

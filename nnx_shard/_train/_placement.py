@@ -101,7 +101,17 @@ def shard_batch(
     built with ``jax.make_array_from_process_local_data``: on several hosts each
     process passes its own slice of the batch.
 
+    Args:
+      batch: a pytree of host (NumPy) arrays, the global batch (on several hosts, this process's
+        slice).
+      mesh: a ``Mesh`` or a spec for :func:`nnx_shard.make_mesh`.
+      rules: the logical-to-mesh table (:class:`~nnx_shard.Rules` or a dict).
+      names: the logical names of each leaf's leading dimensions, or a pytree prefix of ``batch`` of
+        them.
+      steps: every leaf has a leading, unsharded ``[K, ...]`` steps axis.
+
     >>> import numpy as np
+    >>> from nnx_shard import Rules, shard_batch
     >>> rules = Rules({"batch": "data", "length": None})
     >>> batch = {"tokens": np.zeros((8, 16), np.int32), "label": np.zeros((8,), np.int32)}
     >>> out = shard_batch(batch, "data=8", rules, ("batch", "length"))

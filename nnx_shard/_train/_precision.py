@@ -100,6 +100,8 @@ class Precision:
       param_dtype=jnp.float32)`` (such a model already casts each parameter where it
       uses it; ``Precision`` then changes nothing but checks).
 
+    >>> import jax.numpy as jnp
+    >>> from nnx_shard import Precision
     >>> p = Precision(params=jnp.float32, compute="bf16")
     >>> p, p.casts
     (Precision(params=float32, compute=bfloat16), True)
@@ -136,7 +138,9 @@ class Precision:
         parameter not stored in ``params`` and every module whose own compute
         dtype is not ``compute`` (see the class docstring); returns quietly else.
 
+        >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from nnx_shard import Precision
         >>> Precision().check(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))   # dtype=None: follows
         >>> Precision().check(nnx.Linear(2, 3, dtype=jnp.float32, rngs=nnx.Rngs(0)))
         Traceback (most recent call last):
@@ -186,7 +190,9 @@ class Precision:
         stored values are untouched. Used inside the differentiated loss by
         :func:`~nnx_shard.value_and_grad`; it checks the model first (:meth:`check`).
 
+        >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from nnx_shard import Precision
         >>> layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
         >>> with Precision().reading(layer):
         ...     layer.kernel[...].dtype, layer(jnp.ones((1, 2), jnp.bfloat16)).dtype

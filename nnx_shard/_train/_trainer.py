@@ -83,6 +83,7 @@ class Trainer:
       guard: the NaN guard of :meth:`fit` (``"grads"``, the default, ``"full"`` or
         ``"off"``): what it catches and what it costs are in :meth:`fit`.
 
+    >>> from nnx_shard import Trainer
     >>> import numpy as np, jax.numpy as jnp, optax
     >>> from flax import nnx
     >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
@@ -298,6 +299,7 @@ class Trainer:
         each mode's bytes; ``benchmarks/guard_cost.py`` measures them and the
         steps/s of each.
 
+        >>> from nnx_shard import Trainer
         >>> import numpy as np, jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
@@ -360,6 +362,7 @@ class Trainer:
         ``[K, batch, ...]`` arrays, or ``jax.ShapeDtypeStruct`` with their shardings;
         the model and optimizer may be abstract (:func:`~nnx_shard.abstract_init`).
 
+        >>> from nnx_shard import Trainer
         >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
@@ -395,6 +398,7 @@ class Trainer:
         callbacks): for timing the call itself. Returns the call's outputs as device
         arrays, not waited for; the model and optimizer are updated as by ``fit``.
 
+        >>> from nnx_shard import Trainer
         >>> import jax.numpy as jnp, numpy as np, optax
         >>> from flax import nnx
         >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))

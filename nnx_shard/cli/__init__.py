@@ -33,6 +33,7 @@ The demo asks for simulated devices (``jax_num_cpu_devices``) before JAX starts
 its backends (importing jax does not start them; the first ``jax.devices()``
 does).
 
+>>> from nnx_shard.cli import main
 >>> main(["plan", "--model", "tiny", "--mesh", "data=4,model=2", "--batch", "8",
 ...       "--seq", "16", "--json", "--no-compile"])  # doctest: +ELLIPSIS
 {"model": "tiny", ...}
@@ -105,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``NNX_SHARD_DEBUG=1``) adds the traceback. Other exceptions are bugs: their
     traceback is shown as Python shows it.
 
+    Args:
+      argv: the command's arguments (default ``sys.argv[1:]``).
+
+    >>> from nnx_shard.cli import main
     >>> main(["plan", "--model", "huge", "--mesh", "data=8"])
     2
     """

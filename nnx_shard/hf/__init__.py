@@ -60,6 +60,7 @@ head_dim, embed] -> [embed, heads, head_dim]``: q/k/v), ``"heads_in"``
 >>> import tempfile
 >>> from flax import nnx
 >>> import nnx_shard as ns
+>>> from nnx_shard.hf import load_safetensors, save_safetensors
 >>> from nnx_shard.models import Llama, get_config
 >>> factory = lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
 >>> fsdp = ns.strategies.get("fsdp")

@@ -179,8 +179,10 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     >>> ckpt = "tests/fixtures/hf_qwen3"   # transformers' save_pretrained output
     >>> cfg = LlamaConfig.from_hf(ckpt)
     >>> target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=4,model=2",
+    >>> from flax import nnx
     ...                           ns.strategies.get("fsdp_tp"))
     >>> model = load_safetensors(ckpt, target)
+    >>> from nnx_shard.hf import load_safetensors
     >>> model.blocks[1].mlp.up.get_value().sharding.spec
     P('data', 'model')
     >>> wrong = dataclasses.replace(cfg, kv_heads=4)   # not the checkpoint's sizes

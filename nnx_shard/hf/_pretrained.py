@@ -66,6 +66,7 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
       FileNotFoundError: no ``config.json`` at ``path``.
 
     >>> import nnx_shard as ns
+    >>> from nnx_shard.hf import load_pretrained
     >>> model = load_pretrained("tests/fixtures/hf_qwen3", mesh="data=4,model=2",
     ...                         rules=ns.strategies.get("fsdp_tp").rules)
     >>> type(model).__name__, model.cfg.model_type, model.blocks[0].mlp.up.get_value().sharding.spec

@@ -262,9 +262,13 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     ...                         "data=4,model=2", ns.strategies.get("fsdp_tp"))
     >>> out = tempfile.mkdtemp()
     >>> save_safetensors(out, model, max_shard_bytes=40_000, dtype=jnp.bfloat16)
+    >>> import json
+    >>> import os
+    >>> from flax import nnx
     >>> sorted(os.listdir(out))[:3]
     ['.nnx_shard_safetensors', 'config.json', 'model-00001-of-00002.safetensors']
     >>> json.load(open(os.path.join(out, "config.json")))["torch_dtype"]
+    >>> from nnx_shard.hf import save_safetensors
     'bfloat16'
     """
     _check_args(path, model, max_shard_bytes, dtype)

@@ -56,6 +56,7 @@ class Source:
     ``config.json`` and ``generation_config.json`` (as JSON text: the record is
     hashable, as static data of a model must be) and its tokenizer files' names.
 
+    >>> from nnx_shard.hf._source import read_source
     >>> s = read_source("tests/fixtures/hf_llama")
     >>> s.config["model_type"], s.generation_config["use_cache"], s.tokenizer
     ('llama', True, ())
@@ -127,6 +128,10 @@ def remember_source(model: Any, source: Source | str | os.PathLike[str]) -> Any:
 def source_of(model: Any) -> Source | None:
     """The :class:`Source` ``model`` remembers, None when it has none.
 
+    Args:
+      model: a model, e.g. one of :func:`load_pretrained`.
+
+    >>> from nnx_shard.hf import source_of
     >>> source_of(object()) is None
     True
     """

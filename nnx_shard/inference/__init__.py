@@ -55,6 +55,7 @@ names :func:`generate` warns that the cache is replicated.
 >>> from flax import nnx
 >>> from jax.sharding import AbstractMesh
 >>> import nnx_shard as ns
+>>> from nnx_shard.inference import CACHE_AXES, explain_cache, generate
 >>> class StockLM(nnx.Module):
 ...     max_length = 16
 ...     def __init__(self, rngs):

@@ -73,6 +73,8 @@ def generation_rules(rules: Rules | Mapping[str, Any]) -> Rules:
     split over ``stage`` are gathered by XLA as the loop reaches them
     (generation runs no pipeline schedule).
 
+    >>> from nnx_shard import Rules
+    >>> from nnx_shard.inference import generation_rules
     >>> r = generation_rules(Rules({"batch": "data", "heads": "model", "length": "model"}))
     >>> r["length"], r["cache_batch"], r["cache_kv_heads"], r["cache_length"]
     (None, 'data', 'model', None)
@@ -350,6 +352,7 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
 
     >>> from flax import nnx
     >>> import nnx_shard as ns
+    >>> from nnx_shard.inference import generate
     >>> from nnx_shard.models import Transformer, get_config
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> out = generate(model, [[1, 2, 3, 4]], max_new_tokens=6)
@@ -450,7 +453,9 @@ def stream(model: Any, prompts: Any, max_new_tokens: int, *, chunk: int = 16,  #
     what it yields, stacked, equals the new tokens of :func:`generate` up to
     there (``pad_token_id`` after).
 
+    >>> import numpy as np
     >>> from flax import nnx
+    >>> from nnx_shard.inference import generate, stream
     >>> from nnx_shard.models import Transformer, get_config
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> steps = list(stream(model, [[1, 2, 3, 4]], max_new_tokens=6, chunk=4))
@@ -512,8 +517,10 @@ def explain_cache(model: Any, mesh: Mesh | AbstractMesh | str | Mapping[str, int
     (plan a mesh of any size); the per-device bytes are what the compiled
     prefill program outputs (XLA's ``memory_analysis``).
 
+    >>> import jax
     >>> from flax import nnx
     >>> import nnx_shard as ns
+    >>> from nnx_shard.inference import explain_cache
     >>> from nnx_shard.models import Llama, get_config
     >>> model = nnx.eval_shape(lambda: Llama(get_config("llama3-8b"), rngs=nnx.Rngs(0)))
     >>> mesh = jax.sharding.AbstractMesh((4, 8), ("data", "model"))

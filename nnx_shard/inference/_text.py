@@ -127,6 +127,7 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompts: Sequence[str],
         :meth:`Tokenizer.apply_chat_template` raise.
 
     >>> import nnx_shard as ns
+    >>> from nnx_shard.inference import Tokenizer, generate_text
     >>> from nnx_shard.hf import load_pretrained
     >>> model = load_pretrained("tests/fixtures/hf_llama", mesh="data=8",
     ...                         rules=ns.strategies.get("dp").rules)
@@ -151,6 +152,7 @@ def stream_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: i
     end-of-sequence id.
 
     >>> import nnx_shard as ns
+    >>> from nnx_shard.inference import Tokenizer, stream_text
     >>> from nnx_shard.hf import load_pretrained
     >>> model = load_pretrained("tests/fixtures/hf_llama", mesh="data=8",
     ...                         rules=ns.strategies.get("dp").rules)

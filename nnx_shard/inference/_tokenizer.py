@@ -275,6 +275,7 @@ class Tokenizer:
     Load it with :meth:`from_pretrained`; :func:`nnx_shard.models.generate_text`
     turns text into text with it.
 
+    >>> from nnx_shard.inference import Tokenizer
     >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
     >>> ids = tok.encode("Hello world")
     >>> ids[0] == tok.bos_token_id, tok.decode(ids)
@@ -323,6 +324,7 @@ class Tokenizer:
           NnxShardError: ``tokenizers`` or ``jinja2`` not installed
             (``pip install 'nnx_shard[text]'``).
 
+        >>> from nnx_shard.inference import Tokenizer
         >>> Tokenizer.from_pretrained("tests/fixtures/hf_llama").eos_token_id
         Traceback (most recent call last):
         ...
@@ -432,6 +434,7 @@ class Tokenizer:
         ``generation_config.json``'s ``eos_token_id`` (an id or a list: Llama 3
         instruct stops at several), else the tokenizer's :attr:`eos_token_id`.
 
+        >>> from nnx_shard.inference import Tokenizer
         >>> Tokenizer.from_pretrained("tests/fixtures/hf_llama_text").eos_token_ids
         (14,)
         """
@@ -484,6 +487,7 @@ class Tokenizer:
         """The ids of ``text``; ``add_special_tokens`` adds what the tokenizer's
         post-processor adds (e.g. the bos token in front).
 
+        >>> from nnx_shard.inference import Tokenizer
         >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
         >>> tok.encode("Hello", add_special_tokens=False) == tok.encode("Hello")[1:]
         True
@@ -513,6 +517,7 @@ class Tokenizer:
         vocabulary (a model's padded embedding table) decode to nothing, as in
         transformers.
 
+        >>> from nnx_shard.inference import Tokenizer
         >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
         >>> tok.decode(tok.encode("Hello")), tok.decode(tok.encode("Hello"), skip_special_tokens=False)
         ('Hello', '<|begin_of_text|>Hello')
@@ -596,6 +601,7 @@ class Tokenizer:
             role), ``return_assistant_tokens_mask`` without ``return_dict`` and
             ``tokenize``.
 
+        >>> from nnx_shard.inference import Tokenizer
         >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
         >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
         '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n'

@@ -14,6 +14,7 @@ on the left, shifting the positions; packed segments attending within
 themselves), and :func:`lm_loss` skips ``-100`` targets.
 
 >>> from flax import nnx
+>>> from nnx_shard.models import CONFIGS, Transformer, get_config
 >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
 >>> sorted(CONFIGS)[:3]
 ['125m', '1b', '7b']

@@ -48,7 +48,9 @@ def attention_fn(  # noqa: PLR0913  # flax's nnx.dot_product_attention signature
     float32). Attention-weight bias, dropout during training and ``sow_weights`` need
     the probability matrix this path never builds, and raise.
 
+    >>> import jax.numpy as jnp
     >>> from flax import nnx
+    >>> from nnx_shard.models import attention_fn
     >>> mha = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0),
     ...                              attention_fn=attention_fn)
     >>> x = jnp.ones((1, 5, 8))

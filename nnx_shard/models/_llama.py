@@ -521,7 +521,7 @@ class Llama(nnx.Module):
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """The logits of :meth:`forward` (same arguments).
 
-        >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+        >>> model = Llama(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
         >>> a, b = jnp.arange(1, 5, dtype=jnp.int32)[None], jnp.arange(9, 13, dtype=jnp.int32)[None]
         >>> packed = model(jnp.concatenate([a, b], 1), segment_ids=jnp.array([[1] * 4 + [2] * 4]))
         >>> bool(jnp.allclose(packed[:, 4:], model(b), atol=1e-4))   # b as if alone

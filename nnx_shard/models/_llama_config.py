@@ -121,6 +121,7 @@ class LlamaConfig:
         the float32 ``[batch, heads, seq, seq]`` probabilities). Grouped-query
         attention never repeats K/V, in any kernel.
 
+    >>> from nnx_shard.models import LlamaConfig
     >>> cfg = LlamaConfig(vocab=64, embed=16, heads=4, kv_heads=2, head_dim=4, mlp=32, layers=1)
     >>> cfg.num_params
     4400
@@ -213,7 +214,8 @@ class LlamaConfig:
     def num_params(self) -> int:
         """Parameter count, computed from the sizes (tied embeddings counted once).
 
-        >>> round(LLAMA_CONFIGS["llama3-8b"].num_params / 1e9, 2)
+        >>> from nnx_shard.models import get_config
+        >>> round(get_config("llama3-8b").num_params / 1e9, 2)
         8.03
         """
         e, h, g, d, m = self.embed, self.heads, self.kv_heads, self.head_dim, self.mlp
@@ -237,7 +239,8 @@ class LlamaConfig:
         is not routed to (``experts - top_k`` per MoE layer); ``num_params`` for a dense
         model.
 
-        >>> LLAMA_CONFIGS["qwen3-30b-a3b"].active_params    # the published 3.3B
+        >>> from nnx_shard.models import get_config
+        >>> get_config("qwen3-30b-a3b").active_params    # the published 3.3B
         3353032704
         """
         idle = 3 * self.embed * self.expert_mlp * max(self.experts - self.top_k, 0)
@@ -257,6 +260,7 @@ class LlamaConfig:
     def moe_layers(self) -> tuple[bool, ...]:
         """Which layers have the sparse MoE MLP (none without experts).
 
+        >>> from nnx_shard.models import LlamaConfig
         >>> LlamaConfig(layers=3, experts=4, mlp_only_layers=(1,)).moe_layers()
         (True, False, True)
         """
@@ -297,6 +301,7 @@ class LlamaConfig:
         :class:`~nnx_shard._errors.UsageError` naming the file (or ``config.json``
         for a dict), the field, what was found and the fix.
 
+        >>> from nnx_shard.models import LlamaConfig
         >>> hf = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
         ...       "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         ...       "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
@@ -330,6 +335,7 @@ class LlamaConfig:
         """Which layers use the sliding window (every one with ``window_layers=None``
         and a window; none without a window).
 
+        >>> from nnx_shard.models import LlamaConfig
         >>> LlamaConfig(layers=3, sliding_window=4, window_layers=(True, False, True)).local_layers()
         (True, False, True)
         """
@@ -341,7 +347,8 @@ class LlamaConfig:
         """The transformers ``config.json`` of this configuration (what
         :func:`nnx_shard.hf.save_safetensors` writes next to the weights).
 
-        >>> LLAMA_CONFIGS["qwen3-0.6b"].to_hf()["architectures"]
+        >>> from nnx_shard.models import get_config
+        >>> get_config("qwen3-0.6b").to_hf()["architectures"]
         ['Qwen3ForCausalLM']
         """
         return hf_config(self)

@@ -38,6 +38,10 @@ def get_config(name: str) -> TransformerConfig | LlamaConfig:
     a :class:`~nnx_shard.models.LlamaConfig` for the Llama family's. An unknown name is
     a :class:`~nnx_shard.UsageError` naming the closest and the known ones.
 
+    Args:
+      name: a key of :data:`CONFIGS`, e.g. ``"llama3-8b"`` or ``"tiny"``.
+
+    >>> from nnx_shard.models import get_config
     >>> get_config("tiny").layers, get_config("llama3-70b").kv_heads
     (2, 8)
     >>> get_config("llama-8b")

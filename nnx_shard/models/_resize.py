@@ -203,8 +203,9 @@ def resize_token_embeddings(model: Any, new_vocab: int | None, *,
       UsageError: a bad argument (named), or a model without a token embedding.
       ShardingError: the new size does not divide over the devices of its axis.
 
+    >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from nnx_shard.models import Llama, get_config
+    >>> from nnx_shard.models import Llama, get_config, resize_token_embeddings
     >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     >>> old = model.token_embed[...]
     >>> model = resize_token_embeddings(model, 131, pad_to_multiple_of=8)

@@ -274,6 +274,9 @@ class Transformer(nnx.Module):
     Annotated only with logical names: pick a layout with a
     :mod:`nnx_shard.strategies` preset or any :class:`nnx_shard.Rules`.
 
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, TransformerConfig
     >>> cfg = TransformerConfig()
     >>> model = Transformer(cfg, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 16), jnp.int32)).shape
@@ -330,6 +333,9 @@ class Transformer(nnx.Module):
         :class:`~nnx_shard._errors.UsageError` naming them; traced ids cannot be read
         (``Trainer.fit`` checks its batches on the host before its compiled step).
 
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from nnx_shard.models import Transformer, TransformerConfig
         >>> model = Transformer(TransformerConfig(experts=4, top_k=2), rngs=nnx.Rngs(0))
         >>> logits, aux = model.forward(jnp.zeros((2, 16), jnp.int32))
         >>> logits.shape, bool(aux > 0)
@@ -415,6 +421,8 @@ class Transformer(nnx.Module):
         ``cache_kv_heads``, ``cache_head_dim`` (``layers`` first for stacked
         blocks), and the position of the next token, ``cache_index``.
 
+        >>> from flax import nnx
+        >>> from nnx_shard.models import Transformer, TransformerConfig
         >>> model = Transformer(TransformerConfig(), rngs=nnx.Rngs(0))
         >>> model.init_cache(batch=2, length=16)
         >>> model.blocks[0].attn.cached_key.shape, int(model.cache_index[...])
@@ -443,6 +451,9 @@ class Transformer(nnx.Module):
         given a mask too (ones for new tokens), skip the padded keys and continue
         each row's positions.
 
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from nnx_shard.models import Transformer, TransformerConfig
         >>> model = Transformer(TransformerConfig(), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
         >>> model.init_cache(batch=1, length=8)
@@ -565,13 +576,24 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     :class:`nnx_shard.Trainer`'s guard reports and skips, with microbatches as
     with one.
 
+    Args:
+      model: a :class:`Transformer`, a :class:`Llama`, or a model with ``forward(tokens) -> (logits,
+        aux)`` and a ``cfg``.
+      batch: ``{"inputs", "targets"}`` int32 ``[batch, length]``, optionally ``attention_mask``,
+        ``positions``, ``segment_ids``.
+
+    >>> import optax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Transformer, TransformerConfig, lm_loss
     >>> model = Transformer(TransformerConfig(), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
     >>> float(lm_loss(model, {"inputs": tokens, "targets": tokens})) > 0
     True
     >>> half = tokens.at[:, :8].set(-100)                   # only the last 8 targets count
     >>> bool(jnp.isclose(lm_loss(model, {"inputs": tokens, "targets": half}),
-    ...                  cross_entropy(model(tokens)[:, 8:], tokens[:, 8:]).mean()))
+    ...                  optax.softmax_cross_entropy_with_integer_labels(
+    ...                      model(tokens)[:, 8:], tokens[:, 8:]).mean()))
     True
     >>> lm_loss(model, {"x": tokens})
     Traceback (most recent call last):

@@ -137,6 +137,8 @@ class TransformerConfig:
         over devices and runs this kernel on each device's share.
       dtype: activation dtype; ``param_dtype``: parameter dtype.
 
+    >>> import dataclasses
+    >>> from nnx_shard.models import TransformerConfig
     >>> cfg = TransformerConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=32, layers=1)
     >>> dataclasses.replace(cfg, experts=4).experts
     4
@@ -178,7 +180,8 @@ class TransformerConfig:
     def num_params(self) -> int:
         """Parameter count, computed from the sizes.
 
-        >>> TRANSFORMER_CONFIGS["tiny"].num_params
+        >>> from nnx_shard.models import get_config
+        >>> get_config("tiny").num_params
         25248
         """
         e, m = self.embed, self.mlp
@@ -217,6 +220,11 @@ def remat_policy(name: str) -> Any:
     ``"offload"`` needs host memory on the default backend and raises a
     :class:`~nnx_shard.UsageError` naming the alternatives where there is none.
 
+    Args:
+      name: one of :data:`REMAT_POLICIES` (``none``, ``full``, ``dots``, ``offload``).
+
+    >>> import jax
+    >>> from nnx_shard.models import remat_policy
     >>> remat_policy("none") is None
     True
     >>> remat_policy("full") is jax.checkpoint_policies.nothing_saveable

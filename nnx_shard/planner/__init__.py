@@ -52,6 +52,7 @@ candidates), :mod:`~nnx_shard.planner._evaluate` (a candidate's figures: compile
 cached or a twin's), :mod:`~nnx_shard.planner._explore` (the phases, pruning and ranking)
 and :mod:`~nnx_shard.planner._search` (:func:`auto` itself).
 
+>>> from nnx_shard.planner import hardware
 >>> hardware("h100-sxm").peak_flops
 989000000000000.0
 """

@@ -160,6 +160,7 @@ def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: str | M
     :func:`~nnx_shard._mesh.parse_axes`, every axis sized), must fit in
     ``jax.device_count()``.
 
+    >>> from nnx_shard.planner import compiled_memory
     >>> m = compiled_memory("tiny", {"data": 4, "model": 2}, "fsdp_tp", batch=8, seq=16)
     >>> m["total"] == m["argument"] + m["temp"] + m["output"] - m["alias"] > 0
     True

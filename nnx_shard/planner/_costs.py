@@ -59,6 +59,7 @@ class Collective:
       shapes: the shape of its result on one device (one per element of a
         tuple result), e.g. to tell which array it moves.
 
+    >>> from nnx_shard.planner import Collective
     >>> Collective("all-reduce", ("data",), 1024, "transpose(jvp(...))").axes
     ('data',)
     """
@@ -147,6 +148,11 @@ def compiled_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
     fused steps of :func:`nnx_shard.multistep`, or stacked layers) runs once per
     iteration.
 
+    Args:
+      hlo_text: the compiled program's text (``.compile().as_text()``) or :func:`partitioned_hlo`'s.
+      mesh: the mesh the program runs on.
+
+    >>> from nnx_shard.planner import compiled_collectives
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> from nnx_shard import make_mesh
@@ -181,6 +187,10 @@ def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
     float32 one (with converts around it) in the final program, while GPUs and TPUs
     run it in bfloat16. Read both with :func:`compiled_collectives`.
 
+    Args:
+      lowered: a lowered program, ``jax.jit(f).lower(...)`` (or ``Trainer.lower``).
+
+    >>> from nnx_shard.planner import compiled_collectives, partitioned_hlo
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> from nnx_shard import make_mesh

@@ -50,6 +50,7 @@ class Hardware:
       precision: the number format ``peak_flops`` is for.
       source: where the figures come from.
 
+    >>> from nnx_shard.planner import Hardware
     >>> Hardware("mine", peak_flops=1e12, link_bandwidth=1e10).predict(1e12, 1e10, 0)
     2.0
     """
@@ -87,9 +88,10 @@ class Hardware:
                 memory_bytes: float = 0.0) -> float:
         """Predicted seconds of one step from its per-device figures.
 
-        >>> PROFILES["a100-80gb"].predict(312e12, 0, 0)
+        >>> from nnx_shard.planner import hardware
+        >>> hardware("a100-80gb").predict(312e12, 0, 0)
         1.0
-        >>> PROFILES["a100-80gb"].predict(0, 0, 0, memory_bytes=2.039e12)
+        >>> hardware("a100-80gb").predict(0, 0, 0, memory_bytes=2.039e12)
         1.0
         """
         memory = memory_bytes / self.memory_bandwidth if self.memory_bandwidth else 0.0
@@ -99,7 +101,8 @@ class Hardware:
     def replace(self, **changes: Any) -> Hardware:
         """A copy with some figures changed (``None`` values are ignored).
 
-        >>> PROFILES["h100-sxm"].replace(device_memory=40e9, peak_flops=None).device_memory
+        >>> from nnx_shard.planner import hardware
+        >>> hardware("h100-sxm").replace(device_memory=40e9, peak_flops=None).device_memory
         40000000000
         """
         changes = {k: v for k, v in changes.items() if v is not None}
@@ -145,6 +148,11 @@ PROFILES: dict[str, Hardware] = {
 def hardware(name: str) -> Hardware:
     """The profile ``name`` of :data:`PROFILES`.
 
+    Args:
+      name: a key of :data:`PROFILES`: ``a100-80gb``, ``h100-sxm``, ``h200``, ``tpu-v5e``,
+        ``tpu-v5p``.
+
+    >>> from nnx_shard.planner import hardware
     >>> hardware("tpu-v5e").device_memory
     16000000000
     >>> hardware("h100")

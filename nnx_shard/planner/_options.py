@@ -55,6 +55,7 @@ class AutoOptions:
         ``compile_fn(candidate) -> dict`` with ``total``, ``temp``, ``flops``,
         ``collective_bytes``, ``collectives``.
 
+    >>> from nnx_shard.planner import AutoOptions
     >>> AutoOptions(devices=8, batch=16, seq=16).max_compiles
     64
     """

@@ -35,6 +35,7 @@ class Candidate:
       flops, collective_bytes, collectives, memory_bytes: per device per step.
       predicted_s: the cost model's step time.
 
+    >>> from nnx_shard.planner import Candidate
     >>> c = Candidate("dp", {"data": 8})
     >>> c.label
     'dp data=8 remat=none mb=1'
@@ -74,7 +75,8 @@ class Plan:
     words), the ``hardware``, the request and ``twins`` (fitting candidates left
     out of ``ranked`` as they compile to the program of a better-ranked one).
 
-    >>> Plan([], [], [], PROFILES["h100-sxm"], {}).best is None
+    >>> from nnx_shard.planner import Plan, hardware
+    >>> Plan([], [], [], hardware("h100-sxm"), {}).best is None
     True
     """
 
@@ -94,9 +96,10 @@ class Plan:
         those of compiled candidates first, then those of candidates the search left out,
         then those of layouts that cannot be laid out: the most telling first).
 
+        >>> from nnx_shard.planner import Candidate, Plan, hardware
         >>> Plan([], [Candidate("tp", {"data": 1, "model": 8}, reason="x"),
         ...           Candidate("tp", {"data": 4, "model": 2}, reason="y", compiled=True)], [],
-        ...      PROFILES["h100-sxm"], {}).families()
+        ...      hardware("h100-sxm"), {}).families()
         {'tp': 'data=4,model=2: y; data=1,model=8: x'}
         """
         # preset -> reason -> the candidates it applies to (one reason said once)
@@ -121,7 +124,8 @@ class Plan:
     def python(self) -> str:
         """Python that trains with the best candidate.
 
-        >>> Plan([], [], [], PROFILES["h100-sxm"], {}).python()
+        >>> from nnx_shard.planner import Plan, hardware
+        >>> Plan([], [], [], hardware("h100-sxm"), {}).python()
         ''
         """
         c = self.best
@@ -160,7 +164,8 @@ class Plan:
     def command(self) -> str:
         """The ``nnx-shard plan`` command that shows the best candidate's memory in detail.
 
-        >>> Plan([], [], [], PROFILES["h100-sxm"], {}).command()
+        >>> from nnx_shard.planner import Plan, hardware
+        >>> Plan([], [], [], hardware("h100-sxm"), {}).command()
         ''
         """
         c = self.best
@@ -177,7 +182,8 @@ class Plan:
     def table(self, top: int = 5) -> str:
         """The ranked candidates as a text table.
 
-        >>> print(Plan([], [], [], PROFILES["h100-sxm"], {}).table())
+        >>> from nnx_shard.planner import Plan, hardware
+        >>> print(Plan([], [], [], hardware("h100-sxm"), {}).table())
         (no candidate fits)
         """
         if not self.ranked:

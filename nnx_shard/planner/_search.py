@@ -35,6 +35,7 @@ class NothingFits(NnxShardError, ValueError):
     """No candidate fits the memory; ``plan`` holds what was tried, and the message
     names the smallest need and the knob that cuts it most.
 
+    >>> from nnx_shard.planner import NothingFits
     >>> issubclass(NothingFits, ValueError)
     True
     """
@@ -73,6 +74,7 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
         plan = auto(make_llama, loss=loss_fn, batch_spec="x=int32[16,128],y=int32[16,128]",
                     aliases={"fsdp": "embed", "tp": "mlp"}, devices=8)
 
+    >>> from nnx_shard.planner import auto
     >>> fake = lambda c: {"total": 100 * (1 + (c.strategy == "dp")), "temp": 1,
     ...                   "flops": 1e9, "collective_bytes": 1e6 * c.mesh.get("model", 1),
     ...                   "collectives": 1}

@@ -121,7 +121,9 @@ class UserModel:
     laid out as ``Trainer.fit`` places it by default: every leaf's first dimension
     on ``batch``. :meth:`check` validates all of it on the abstract model.
 
+    >>> from flax import nnx
     >>> import optax
+    >>> from nnx_shard.planner import UserModel
     >>> def loss(model, batch):
     ...     return optax.l2_loss(model(batch["x"]), batch["y"]).mean()
     >>> user = UserModel(lambda: nnx.Linear(4, 2, rngs=nnx.Rngs(0)), loss,

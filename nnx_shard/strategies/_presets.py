@@ -372,6 +372,12 @@ def get(name: str, **axes: str) -> Strategy:
     """The preset ``name`` (one of :data:`NAMES`), with mesh-axis names overridable by
     keyword (``data=``, ``model=``, ``expert=`` as the preset takes them).
 
+    Args:
+      name: one of :data:`NAMES` (``"dp"``, ``"fsdp"``, ``"fsdp_tp"``, ...).
+      **axes: mesh-axis names to use instead of the preset's (``data=``, ``model=``, ``expert=``,
+        ...).
+
+    >>> from nnx_shard.strategies import get
     >>> get("fsdp", data="fsdp").mesh_axes
     ('fsdp',)
     >>> get("ddp")

@@ -170,6 +170,7 @@ class Strategy:
         axes this strategy has no rule for, naming the alias fix (:meth:`with_rules`).
         :meth:`check` does this first.
 
+        >>> from flax import nnx
         >>> from nnx_shard.strategies import get
         >>> init = nnx.with_partitioning(nnx.initializers.ones, ("fsdp", "tp"))
         >>> with nnx.use_eager_sharding(False):
@@ -224,6 +225,7 @@ class Strategy:
         parameter of ``model`` (concrete or abstract) can be laid out, closest to
         ``prefer`` (default :meth:`mesh_for`); ``None`` if there is none.
 
+        >>> from flax import nnx
         >>> from nnx_shard.strategies import get
         >>> from nnx_shard.models import Transformer, get_config
         >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
@@ -247,6 +249,7 @@ class Strategy:
         parameter of ``model`` (concrete or abstract) cannot be laid out, naming the
         parameter and suggesting a mesh shape with the same devices that works.
 
+        >>> from flax import nnx
         >>> from nnx_shard.strategies import get
         >>> from nnx_shard.models import Transformer, get_config
         >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
@@ -413,13 +416,15 @@ def preset(build: Callable[..., Strategy]) -> Callable[..., Strategy]:
     name mesh axes, which are checked to be non-empty and distinct before it runs.
     The :class:`Strategy` it returns must carry its name.
 
+    >>> from nnx_shard.strategies import LOGICAL, Strategy, get, preset
     >>> @preset
     ... def solo(*, data: str = "data") -> Strategy:
-    ...     return Strategy(name="solo", rules=REPLICATED | {"batch": data}, opt_rules=None,
-    ...                     mesh_axes=(data,))
-    >>> PRESETS["solo"](data="d").rules["batch"]
+    ...     rules = {name: None for name in LOGICAL} | {"batch": data}
+    ...     return Strategy(name="solo", rules=rules, opt_rules=None, mesh_axes=(data,))
+    >>> get("solo", data="d").rules["batch"]
     'd'
-    >>> del PRESETS["solo"]
+    >>> from nnx_shard.strategies._strategy import PRESETS
+    >>> del PRESETS["solo"]                # the example's preset, unregistered again
     """
     name = build.__name__
     signature = inspect.signature(build)
