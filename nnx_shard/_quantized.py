@@ -224,16 +224,18 @@ class QuantizedKernel(nnx.Module):
         run = einsum if einsum is not None else partial(jnp.einsum)
         codes, scales = self.qvalue[...], self.float_scales()
         axis = codes.ndim - self.n_out - 1  # the blocked (last input) axis
-        block = self.block or codes.shape[axis]
-        n_blocks = codes.shape[axis] // block
+        size = codes.shape[axis]
+        # One scale per output channel: tiles of 64 inputs share the channel's scales.
+        block = self.block or (BLOCK if size % BLOCK == 0 else size)
+        n_blocks = size // block
         per_block = math.prod(codes.shape) // n_blocks * jnp.dtype(dt).itemsize
         group = max((g for g in range(1, n_blocks + 1)
                      if n_blocks % g == 0 and g * per_block <= TILE_BYTES), default=1)
-        if group == n_blocks or self.block is None:
+        if group == n_blocks:
             return run(eq, x, _dequantize(codes, scales, self.qtype, dt))
         xl, wl = eq.replace(" ", "").split("->")[0].split(",")
         tiling = _Tiling(eq, run, self.qtype, jnp.dtype(dt).name, axis,
-                         xl.index(wl[axis]), group * block, group)
+                         xl.index(wl[axis]), group * block, group if self.block else 0)
         return _tiled(tiling, x, codes, scales)
 
     def __getitem__(self, key: Any) -> jax.Array:
@@ -262,7 +264,8 @@ def _dequantize(codes: jax.Array, scales: jax.Array, qtype: str, dt: Any) -> jax
 class _Tiling:
     """How :func:`_tiled` walks a kernel: the einsum and its runner, the codes'
     type, the dequantized dtype, the blocked axis of the codes and of ``x``, and
-    the entries and scales of one tile along it."""
+    the entries and scales of one tile along it (0 scales: one per output channel,
+    the same for every tile)."""
 
     eq: str
     run: Callable[..., jax.Array]
@@ -275,7 +278,8 @@ class _Tiling:
 
     def tile(self, codes: jax.Array, scales: jax.Array, i: jax.Array) -> jax.Array:
         c = jax.lax.dynamic_slice_in_dim(codes, i * self.size, self.size, self.axis)
-        s = jax.lax.dynamic_slice_in_dim(scales, i * self.scales, self.scales, self.axis)
+        s = scales if not self.scales else jax.lax.dynamic_slice_in_dim(
+            scales, i * self.scales, self.scales, self.axis)
         return _dequantize(c, s, self.qtype, self.dt)
 
     def part(self, x: jax.Array, i: jax.Array) -> jax.Array:

@@ -71,10 +71,11 @@ def test_nf4_codes_and_block_scales_are_qloras():
         assert np.all(np.abs(np.asarray(b[...] - w[...])) <= 0.5 * step + 1e-7)
 
 
-@pytest.mark.parametrize("qtype", ["nf4", "int8"])
-def test_contraction_dequantizes_tile_by_tile_without_a_float_kernel(qtype):
+@pytest.mark.parametrize("spec", [QuantSpec("nf4", double=True), QuantSpec("int8", None)],
+                         ids=["nf4_double", "int8_channel"])
+def test_contraction_dequantizes_tile_by_tile_without_a_float_kernel(spec):
     w = nnx.Param(jax.random.normal(jax.random.key(0), (1024, 4096), jnp.float32) * 0.02)
-    q = quantize_kernel(w, QuantSpec(qtype, double=qtype == "nf4"), stack=0, n_in=1)
+    q = quantize_kernel(w, spec, stack=0, n_in=1)
     x = jax.random.normal(jax.random.key(1), (8, 1024))
 
     def tiled(x, q):
