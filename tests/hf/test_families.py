@@ -153,10 +153,14 @@ def test_the_window_decides_mistral_logits() -> None:
     assert not np.allclose(banded[:, 5:], plain[:, 5:], atol=1e-2)
 
 
-# Sharded generation (slow) where the cache meets a family's own feature: the window over
-# cached keys, uniform (Mistral) and alternating with global layers under soft-capping
-# (Gemma 2).
-GENERATION = [pytest.param(name, "one", id=f"{name}-one") for name in FAMILIES] + [
+# Greedy generation through the cache on one device: in the quick tier where the cache meets
+# a family's own feature (the window over cached keys: Mistral, Gemma 2, Gemma 3), in the
+# slow tier for the others; sharded (slow) for the uniform window (Mistral) and the one
+# alternating with global layers under soft-capping (Gemma 2).
+WINDOWED = ("hf_mistral", "hf_gemma2", "hf_gemma3_text")
+GENERATION = [pytest.param(name, "one", id=f"{name}-one",
+                           marks=() if name in WINDOWED else pytest.mark.slow)
+              for name in FAMILIES] + [
     pytest.param(name, "fsdp_tp", id=f"{name}-fsdp_tp", marks=pytest.mark.slow)
     for name in ("hf_mistral", "hf_gemma2")]
 
