@@ -92,6 +92,11 @@ class MetricsWriter:
     the replaced ones too. With several processes only process 0 writes. Close
     it with :meth:`close`, or use it as a context manager.
 
+    Args:
+      directory: the folder of ``metrics.jsonl`` (created if needed).
+      tensorboard: also write TensorBoard event files (needs ``tensorboardX``); ``None``: when it is
+        installed.
+
     >>> import json, os, tempfile
     >>> import numpy as np, jax.numpy as jnp, optax
     >>> from flax import nnx

@@ -86,6 +86,9 @@ def encode(text: str) -> np.ndarray:
 def decode(tokens: Sequence[int] | np.ndarray) -> str:
     """Character codes -> text (the inverse of :func:`encode` on ASCII).
 
+    Args:
+      tokens: character codes (a sequence or an array).
+
     >>> from nnx_shard.corpus import decode
     >>> decode([104, 105])
     'hi'

@@ -87,6 +87,10 @@ class Fallbacks(list[Any]):
     ``PartitionSpec.UNCONSTRAINED``. A plain list is refused in ``Rules({...})``,
     because Flax reads a list as a product of mesh axes.
 
+    Args:
+      *placements: the candidates in order: a mesh axis, a tuple of mesh axes, ``None`` or
+        ``PartitionSpec.UNCONSTRAINED``.
+
     >>> from nnx_shard import Fallbacks
     >>> from nnx_shard._rules import Rules
     >>> r = Rules({"mlp": Fallbacks("model", None)})

@@ -58,6 +58,11 @@ class Batches:
     per-step Python), and on ``resume=True`` seeks to the data position instead
     of reading and dropping the batches already trained on.
 
+    Args:
+      arrays: an array, or a dict / list / tuple of them (nested), examples along axis 0.
+      batch_size: examples per batch.
+      epochs: passes over the arrays (``None``: forever).
+
     >>> import numpy as np
     >>> from nnx_shard import Batches
     >>> x = np.arange(20, dtype=np.float32).reshape(10, 2)

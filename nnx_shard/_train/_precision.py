@@ -100,6 +100,10 @@ class Precision:
       param_dtype=jnp.float32)`` (such a model already casts each parameter where it
       uses it; ``Precision`` then changes nothing but checks).
 
+    Args:
+      params: the dtype parameters (and so optimizer state) are stored in.
+      compute: the dtype parameters are read in inside the differentiated loss.
+
     >>> import jax.numpy as jnp
     >>> from nnx_shard import Precision
     >>> p = Precision(params=jnp.float32, compute="bf16")

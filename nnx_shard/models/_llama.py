@@ -389,6 +389,11 @@ class Llama(nnx.Module):
 
     :func:`nnx_shard.models.lm_loss` trains it (next-token cross-entropy).
 
+    Args:
+      cfg: the configuration (:class:`LlamaConfig`, e.g. ``get_config("llama3-8b")`` or
+        ``LlamaConfig.from_hf(folder)``).
+      rngs: the random streams the parameters are drawn from.
+
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from nnx_shard.models import Llama, get_config

@@ -274,6 +274,10 @@ class Transformer(nnx.Module):
     Annotated only with logical names: pick a layout with a
     :mod:`nnx_shard.strategies` preset or any :class:`nnx_shard.Rules`.
 
+    Args:
+      cfg: the configuration (:class:`TransformerConfig`, e.g. ``get_config("small")``).
+      rngs: the random streams the parameters are drawn from.
+
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from nnx_shard.models import Transformer, TransformerConfig

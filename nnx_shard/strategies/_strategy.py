@@ -416,6 +416,10 @@ def preset(build: Callable[..., Strategy]) -> Callable[..., Strategy]:
     name mesh axes, which are checked to be non-empty and distinct before it runs.
     The :class:`Strategy` it returns must carry its name.
 
+    Args:
+      build: a function of keyword-only mesh-axis names returning the :class:`Strategy` named after
+        it.
+
     >>> from nnx_shard.strategies import LOGICAL, Strategy, get, preset
     >>> @preset
     ... def solo(*, data: str = "data") -> Strategy:
