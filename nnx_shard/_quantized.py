@@ -152,13 +152,13 @@ class QuantizedKernel(nnx.Module):
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from nnx_shard._quantized import QuantSpec, quantize_kernel
+    >>> import nnx_shard as ns
     >>> layer = nnx.Linear(128, 3, rngs=nnx.Rngs(0))
-    >>> q = quantize_kernel(layer.kernel, QuantSpec("nf4"), stack=0, n_in=1)
-    >>> q.qtype, str(q.qvalue.dtype), q.scale.shape, q.shape, q.dtype
-    ('nf4', 'int4', (2, 3), (128, 3), dtype('float32'))
-    >>> w = layer.kernel[...]  # within half the widest gap of the NF4 levels (0.30)
-    >>> bool(jnp.abs(q[...] - w).max() <= 0.16 * jnp.abs(w).max())
+    >>> w = layer.kernel[...]
+    >>> q = ns.lora(layer, 2, 4.0, targets="kernel", quantize="nf4").kernel  # QLoRA's base
+    >>> type(q).__name__, q.qtype, str(q.qvalue.dtype), q.scale.shape, q.shape, q.dtype
+    ('QuantizedKernel', 'nf4', 'int4', (2, 3), (128, 3), dtype('float32'))
+    >>> bool(jnp.abs(q[...] - w).max() <= 0.16 * jnp.abs(w).max())  # half NF4's widest gap
     True
     """
 
@@ -213,9 +213,9 @@ class QuantizedKernel(nnx.Module):
 
         >>> import jax.numpy as jnp
         >>> from flax import nnx
-        >>> from nnx_shard._quantized import QuantSpec, quantize_kernel
+        >>> import nnx_shard as ns
         >>> layer = nnx.Linear(256, 8, rngs=nnx.Rngs(0))
-        >>> q = quantize_kernel(layer.kernel, QuantSpec("nf4"), stack=0, n_in=1)
+        >>> q = ns.lora(layer, 2, 4.0, targets="kernel", quantize="nf4").kernel
         >>> x = jnp.ones((2, 256))
         >>> y = q.contract("bi,io->bo", x, jnp.float32)
         >>> bool(jnp.allclose(y, x @ q[...], atol=1e-4))
