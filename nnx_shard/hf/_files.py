@@ -141,8 +141,9 @@ def layouts(leaf: Leaf) -> tuple[tuple[int, ...], NamedSharding, NamedSharding]:
     t = TRANSFORM_FNS[leaf.transform or "copy"]
     spec = leaf.spec()
     if leaf.layers:
-        shape = (leaf.layers, *t.hf_shape(leaf.layer_shape))
-        hf = (spec[0], *t.hf_spec(spec[1:]))
+        d = leaf.depth
+        shape = (*leaf.shape[:d], *t.hf_shape(leaf.layer_shape))
+        hf = (*spec[:d], *t.hf_spec(spec[d:]))
     else:
         shape, hf = tuple(t.hf_shape(leaf.shape)), tuple(t.hf_spec(spec))
     mesh = auto_typed_mesh(leaf.sharding.mesh)  # type: ignore[arg-type]  # concrete: laid out
@@ -159,8 +160,8 @@ def program(leaf: Leaf, direction: str, dtype: Any) -> Any:
     _, hf, model = layouts(leaf)
     t = TRANSFORM_FNS[leaf.transform or "copy"]
     layer_shape = leaf.layer_shape
-    key = (direction, leaf.transform, leaf.layers is not None, layer_shape, np.dtype(dtype).name,
-           hf, model)
+    depth = leaf.depth if leaf.layers else 0
+    key = (direction, leaf.transform, depth, layer_shape, np.dtype(dtype).name, hf, model)
     if key not in _programs:
         if len(_programs) > 256:  # a bound on what a long session keeps compiled
             _programs.clear()
@@ -172,7 +173,9 @@ def program(leaf: Leaf, direction: str, dtype: Any) -> Any:
             def one(x: jax.Array) -> jax.Array:
                 return t.to_hf(x).astype(dtype)
             src, dst = model, hf
-        fn = jax.vmap(one) if leaf.layers else one
+        fn = one
+        for _ in range(depth):
+            fn = jax.vmap(fn)
         _programs[key] = jax.jit(fn, in_shardings=src, out_shardings=dst)
     return _programs[key]
 

@@ -62,7 +62,13 @@ def _read_leaf(header: st.Header, leaf: Leaf) -> jax.Array:
         # Devices holding the same slice (replicas) share one read.
         box = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
         if box not in cache:
-            if leaf.layers:
+            if leaf.layers and leaf.depth == 2:
+                # Experts under scanned layers: slice (layer, expert) is one tensor.
+                (l0, l1), (e0, e1), rest = box[0], box[1], index[2:]
+                cache[box] = np.stack([np.stack([
+                    st.read_slice(header, leaf.keys[i * leaf.shape[1] + j], rest)
+                    for j in range(e0, e1)]) for i in range(l0, l1)])
+            elif leaf.layers:
                 (l0, l1), rest = box[0], index[1:]
                 cache[box] = np.stack([st.read_slice(header, leaf.keys[i], rest)
                                        for i in range(l0, l1)])
@@ -173,16 +179,16 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
       CheckpointNotFound: (a FileNotFoundError of the same family) no checkpoint at
         ``path``, or files its index lists are absent.
 
+    >>> from flax import nnx
     >>> import dataclasses
     >>> import nnx_shard as ns
+    >>> from nnx_shard.hf import load_safetensors
     >>> from nnx_shard.models import Llama, LlamaConfig
     >>> ckpt = "tests/fixtures/hf_qwen3"   # transformers' save_pretrained output
     >>> cfg = LlamaConfig.from_hf(ckpt)
     >>> target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=4,model=2",
-    >>> from flax import nnx
     ...                           ns.strategies.get("fsdp_tp"))
     >>> model = load_safetensors(ckpt, target)
-    >>> from nnx_shard.hf import load_safetensors
     >>> model.blocks[1].mlp.up.get_value().sharding.spec
     P('data', 'model')
     >>> wrong = dataclasses.replace(cfg, kv_heads=4)   # not the checkpoint's sizes

@@ -5,6 +5,7 @@ into one error."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -68,12 +69,12 @@ def mapping_for(model: Any) -> dict[str, MappingValue]:
     :data:`LLAMA_MAPPING`), the tied one (e.g. :data:`LLAMA_TIED_MAPPING`) for tied
     embeddings.
 
-    >>> from nnx_shard.models import Llama, get_config
     Args:
       model: a model, concrete or abstract.
 
     >>> from flax import nnx
     >>> from nnx_shard.hf import mapping_for
+    >>> from nnx_shard.models import Llama, get_config
     >>> m = nnx.eval_shape(lambda: Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0)))
     >>> None in mapping_for(m).values()     # tied: the file's lm_head.weight is skipped
     True
@@ -241,14 +242,22 @@ class Leaf:
     dtype: Any
     sharding: NamedSharding
     names: tuple[Any, ...] | None
-    layers: int | None = None  # stacked: the size of the leading layer axis
+    layers: int | None = None  # stacked: the slices along the leading stacked axes
     transform: str | None = None
     rule: Rule | None = None
+    # The slice index (flat over the stacked axes, row-major) -> its tensor's name.
     keys: dict[int | None, str] = dataclasses.field(default_factory=dict)
+    # Leading axes stacked from one tensor each: 1 (layers, or experts), 2 (experts of
+    # scanned layers: ``[layers, expert, ...]``).
+    depth: int = 1
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
-        return self.shape[1:] if self.layers else self.shape
+        return self.shape[self.depth:] if self.layers else self.shape
+
+    def index(self, flat: int) -> int | tuple[int, int]:
+        """The stacked index of slice ``flat``: an int, or ``(layer, expert)``."""
+        return flat if self.depth == 1 else divmod(flat, self.shape[1])
 
     def spec(self) -> tuple[Any, ...]:
         spec = tuple(self.sharding.spec)
@@ -287,28 +296,46 @@ def leaves_of(state: Any, caller: str) -> dict[str, Leaf]:
     return out
 
 
-def _resolve(path: str, leaves: Mapping[str, Leaf]) -> tuple[Leaf | None, int | None]:
+_STACKED = ("layers", "expert", None)
+
+
+def _resolve(path: str, leaves: Mapping[str, Leaf]
+             ) -> tuple[Leaf | None, int | tuple[int, int] | None]:
     if path in leaves:
         return leaves[path], None
     parts = path.split("/")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            leaf = leaves.get("/".join(parts[:i] + parts[i + 1:]))
-            if leaf is not None and leaf.shape and int(part) < leaf.shape[0] and (
-                    leaf.names is None or leaf.names[0] in ("layers", "expert", None)):
-                return leaf, int(part)
+    digits = [i for i, part in enumerate(parts) if part.isdigit()]
+    for i in digits:
+        leaf = leaves.get("/".join(parts[:i] + parts[i + 1:]))
+        if leaf is not None and leaf.shape and int(parts[i]) < leaf.shape[0] and (
+                leaf.names is None or leaf.names[0] in _STACKED):
+            return leaf, int(parts[i])
+    # A layer's expert (``blocks/3/mlp/up/5``) in experts stacked under scanned layers.
+    for a, i in enumerate(digits):
+        for j in digits[a + 1:]:
+            leaf = leaves.get("/".join(p for k, p in enumerate(parts) if k not in (i, j)))
+            if leaf is not None and len(leaf.shape) > 2 and int(parts[i]) < leaf.shape[0] \
+                    and int(parts[j]) < leaf.shape[1] and (
+                        leaf.names is None or (leaf.names[0] in _STACKED
+                        and leaf.names[1] in _STACKED)):
+                return leaf, (int(parts[i]), int(parts[j]))
     return None, None
 
 
-def hf_key(rules: Sequence[Rule], leaf: Leaf, layer: int | None
+def hf_key(rules: Sequence[Rule], leaf: Leaf, layer: int | tuple[int, int] | None
             ) -> tuple[str, Rule] | None:
-    """The Hugging Face name of ``leaf`` (layer ``layer`` of a stacked one)."""
+    """The Hugging Face name of ``leaf`` (layer ``layer`` of a stacked one; ``(layer,
+    expert)`` of experts stacked under scanned layers)."""
+    parts = leaf.path.split("/")
+    n = len(parts) + 1
     if layer is None:
         candidates = [leaf.path]
+    elif isinstance(layer, tuple):
+        first, second = (str(x) for x in layer)
+        candidates = ["/".join([*parts[:i], first, *parts[i:j], second, *parts[j:]])
+                      for i in range(n) for j in range(i, n)]
     else:
-        parts = leaf.path.split("/")
-        candidates = ["/".join([*parts[:i], str(layer), *parts[i:]])
-                      for i in range(len(parts) + 1)]
+        candidates = ["/".join([*parts[:i], str(layer), *parts[i:]]) for i in range(n)]
     for rule in rules:
         if rule.template is None:
             continue
@@ -352,24 +379,28 @@ def _assign(header: st.Header, key: str, leaves: dict[str, Leaf], rules: Sequenc
     if rule.template is None:
         return None
     target = rule.regex.fullmatch(key).expand(rule.template)  # type: ignore[union-attr]
-    leaf, layer = _resolve(target, leaves)
+    leaf, at_index = _resolve(target, leaves)
+    depth = 2 if isinstance(at_index, tuple) else 1
     if leaf is None:
         return (f"unused: {file} maps ({rule.describe()}) to model path {target!r}, which the "
                 f"model does not have. {_FIX_CONFIG}, or skip the tensor: "
                 f"{{r'{re.escape(key)}': None}}.")
+    # One flat index over the stacked axes (row-major) keys the slice.
+    layer = (at_index[0] * leaf.shape[1] + at_index[1] if isinstance(at_index, tuple)
+             else at_index)
     tried.add((leaf.path, layer))
     want = tuple(TRANSFORM_FNS[rule.transform].hf_shape(
-        leaf.shape[1:] if layer is not None else leaf.shape))
+        leaf.shape[depth:] if layer is not None else leaf.shape))
     mixed = (leaf.keys.get(None) if layer is not None else
              next(iter(leaf.keys.values()), None) if leaf.layers is not None else None)
     first = next(iter(leaf.keys.values()), None)
-    at = f" layer {layer}" if layer is not None else ""
+    at = f" layer {at_index}" if layer is not None else ""
     if mixed is not None:
         return (f"conflict: {file} and {mixed!r} both map to {leaf.describe()}, one as a "
                 "whole and one as a layer. Fix: make the patterns disjoint.")
     if info.shape != want:
         return (f"shape: {file} maps to {leaf.describe()}"
-                + (f" (layer {layer})" if layer is not None else "")
+                + (f" (layer {at_index})" if layer is not None else "")
                 + f", which needs HF shape {list(want)} (transform {rule.transform!r}). "
                 + _FIX_CONFIG + ".")
     if info.dtype not in st.DTYPES or (_is_float(leaf.dtype)
@@ -384,7 +415,8 @@ def _assign(header: st.Header, key: str, leaves: dict[str, Leaf], rules: Sequenc
         return (f"dtype: {file} differs from {first!r} "
                 f"({header.tensors[first].dtype}), stacked into one parameter.")
     if layer is not None:
-        leaf.layers = leaf.shape[0]
+        leaf.depth = depth
+        leaf.layers = math.prod(leaf.shape[:depth])
     leaf.transform, leaf.rule = rule.transform, rule
     leaf.keys[layer] = key
     return None
@@ -396,15 +428,17 @@ def _missing(leaf: Leaf, rules: Sequence[Rule], tried: set[tuple[str, int | None
     missing: list[int | None]
     if leaf.layers is not None or any((leaf.path, i) in tried for i in range(
             leaf.shape[0] if leaf.shape else 0)):
-        n = leaf.shape[0]
+        n = math.prod(leaf.shape[:leaf.depth])
         missing = [i for i in range(n) if i not in leaf.keys and (leaf.path, i) not in tried]
         leaf.layers = n
     else:
         missing = [] if leaf.keys or (leaf.path, None) in tried else [None]
     if not missing:
         return None
-    shown = ", ".join(str(i) for i in missing[:8]) + (" ..." if len(missing) > 8 else "")
-    expected = hf_key(rules, leaf, missing[0] if leaf.layers else None)
+    shown = ", ".join(str(leaf.index(i)) for i in missing[:8] if i is not None) + (
+        " ..." if len(missing) > 8 else "")
+    expected = hf_key(rules, leaf, leaf.index(missing[0])  # type: ignore[arg-type]
+                      if leaf.layers else None)
     hint = ""
     if expected is not None:
         key, rule = expected

@@ -51,6 +51,14 @@ def _plan_save(state: Any, rules: Sequence[Rule]) -> dict[str, Leaf]:
                 if got is not None:
                     leaf.keys[i], leaf.rule = got
             leaf.rule = layered[1]
+        elif len(leaf.shape) > 2 and (layered := hf_key(rules, leaf, (0, 0))) is not None:
+            # Experts under scanned layers: one tensor per (layer, expert).
+            leaf.depth, leaf.layers = 2, leaf.shape[0] * leaf.shape[1]
+            for i in range(leaf.layers):
+                got = hf_key(rules, leaf, leaf.index(i))
+                if got is not None:
+                    leaf.keys[i], leaf.rule = got
+            leaf.rule = layered[1]
         if leaf.rule is None:
             problems.append(f"{leaf.describe()} has no Hugging Face name: no mapping "
                             "template produces its path (templates of patterns with regex "
@@ -254,21 +262,21 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
         eos / pad ids), and the tokenizer files are copied.
       copy_tokenizer: False leaves the source's tokenizer files out.
 
+    >>> import json
+    >>> import os
+    >>> from flax import nnx
     >>> import tempfile
     >>> import jax.numpy as jnp
     >>> import nnx_shard as ns
+    >>> from nnx_shard.hf import save_safetensors
     >>> from nnx_shard.models import Llama, get_config
     >>> model = ns.sharded_init(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
     ...                         "data=4,model=2", ns.strategies.get("fsdp_tp"))
     >>> out = tempfile.mkdtemp()
     >>> save_safetensors(out, model, max_shard_bytes=40_000, dtype=jnp.bfloat16)
-    >>> import json
-    >>> import os
-    >>> from flax import nnx
     >>> sorted(os.listdir(out))[:3]
     ['.nnx_shard_safetensors', 'config.json', 'model-00001-of-00002.safetensors']
     >>> json.load(open(os.path.join(out, "config.json")))["torch_dtype"]
-    >>> from nnx_shard.hf import save_safetensors
     'bfloat16'
     """
     _check_args(path, model, max_shard_bytes, dtype)
@@ -379,7 +387,16 @@ def _write_tensors(model: Any, leaves: Mapping[str, Leaf], files: Sequence[str],
             if shard.replica_id != 0:
                 continue
             data = np.asarray(shard.data)
-            if leaf.layers:
+            if leaf.layers and leaf.depth == 2:
+                l0 = shard.index[0].indices(leaf.shape[0])[0]
+                e0 = shard.index[1].indices(leaf.shape[1])[0]
+                for i in range(data.shape[0]):
+                    for j in range(data.shape[1]):
+                        key = leaf.keys[(l0 + i) * leaf.shape[1] + e0 + j]
+                        with export_dir.writing(Path(header.tensors[key].path)):
+                            st.write_slice(header.tensors[key].path, header, key,
+                                           shard.index[2:], data[i, j])
+            elif leaf.layers:
                 first = shard.index[0].indices(leaf.layers)[0]
                 for i in range(data.shape[0]):
                     key = leaf.keys[first + i]

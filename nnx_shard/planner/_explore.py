@@ -360,6 +360,7 @@ class Search(Evaluator):
             request.update(user_request(p.user))
         return Plan(self.ranked, self.dropped, self.pruned, p.hw, request, twins)
 
+
 def _param_counts(p: Problem) -> dict[str, int]:
     """The model's parameter count, and for a mixture of experts the parameters each
     token computes with (``active_params``), for the plan's header."""

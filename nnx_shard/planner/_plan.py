@@ -280,6 +280,7 @@ def plan_json(plan: Plan, error: str | None) -> dict[str, Any]:
             "pruned": plan.pruned, "python": plan.python(), "command": plan.command(),
             "error": error}
 
+
 def _params_line(request: dict[str, Any]) -> list[str]:
     """``parameters: 46.7B, 12.9B active per token`` (a mixture of experts: the
     experts a token is not routed to do not count), or nothing when not known.

@@ -221,3 +221,25 @@ def test_expert_parallelism_moves_tokens_with_all_to_all(layout: str) -> None:
     # No device gathers every expert: an all-gather's result never has all 8.
     gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
     assert not [g for g in gathers if "[8,32," in g.split("all-gather(")[0]], gathers
+
+
+@pytest.mark.parametrize("strategy", ["one", "ep"])
+def test_scanned_layers_load_and_save_each_experts_tensor(strategy: str,
+                                                          tmp_path: pathlib.Path) -> None:
+    from safetensors.numpy import load_file
+
+    path = FIXTURES / "mixtral"
+    mesh, rules = _one() if strategy == "one" else _layout(strategy)
+    cfg = LlamaConfig.from_hf(path, scan_layers=True)
+    model = ns.hf.load_safetensors(path, ns.abstract_init(
+        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules))
+    assert model.blocks.mlp.up.shape == (2, 4, 64, 96)  # [layers, expert, embed, mlp]
+    exp = _expected("mixtral")
+    with ns.use(mesh, rules):
+        got = np.asarray(nnx.jit(lambda m, t: m(t))(model, np.tile(exp["ids"], (4, 1))))
+    want = exp["logits"]
+    assert np.abs(got[:len(want)] - want).max() <= 2e-4 * np.abs(want).max()
+    ns.hf.save_safetensors(tmp_path, model)
+    written, source = (load_file(p / "model.safetensors") for p in (tmp_path, path))
+    assert sorted(written) == sorted(source)
+    assert all(np.array_equal(written[k], source[k]) for k in source)
