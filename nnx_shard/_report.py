@@ -52,7 +52,12 @@ def spec_txt(spec: PartitionSpec) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """The result of :func:`explain`: rows plus totals, printable as text or Markdown."""
+    """The result of :func:`explain`: rows plus totals, printable as text or Markdown.
+
+    Args:
+      rows: one row per Variable (what :func:`explain` builds).
+      mesh_shape: the mesh's axis sizes.
+    """
 
     rows: tuple[Row, ...]
     mesh_shape: Mapping[str, int]

@@ -100,6 +100,13 @@ def decode(tokens: Sequence[int] | np.ndarray) -> str:
 class CharCorpus:
     """Training and held-out character codes, with batch iterators and a baseline.
 
+    Args:
+      train: the training text's character codes.
+      heldout: the held-out text's character codes.
+      files: the training files' names.
+      heldout_files: the held-out files' names.
+      vocab: the number of codes (128: ASCII).
+
     >>> from nnx_shard.corpus import CharCorpus, encode
     >>> c = CharCorpus(encode("abcab" * 40), encode("abcab" * 8), files=("x",), heldout_files=("y",))
     >>> b = next(c.batches(batch=2, length=8, seed=0))

@@ -76,6 +76,12 @@ class Coordinates:
 
     ``coordinator_address`` is ``None`` for a single process (nothing to join).
 
+    Args:
+      coordinator_address: ``host:port`` of process 0, ``None`` for a single process.
+      num_processes: the processes in the job.
+      process_id: this process's index.
+      source: where the values were read from (the arguments, the environment).
+
     >>> from nnx_shard.distributed import Coordinates
     >>> Coordinates("10.0.0.1:1234", 2, 1, "arguments")
     Coordinates(coordinator_address='10.0.0.1:1234', num_processes=2, process_id=1, source='arguments')

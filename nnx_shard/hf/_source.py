@@ -56,6 +56,12 @@ class Source:
     ``config.json`` and ``generation_config.json`` (as JSON text: the record is
     hashable, as static data of a model must be) and its tokenizer files' names.
 
+    Args:
+      folder: the checkpoint folder.
+      config_text: its ``config.json``, as JSON text.
+      generation_text: its ``generation_config.json`` as JSON text, ``None`` when there is none.
+      tokenizer: the tokenizer files present in the folder.
+
     >>> from nnx_shard.hf._source import read_source
     >>> s = read_source("tests/fixtures/hf_llama")
     >>> s.config["model_type"], s.generation_config["use_cache"], s.tokenizer

@@ -160,6 +160,20 @@ def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: str | M
     :func:`~nnx_shard._mesh.parse_axes`, every axis sized), must fit in
     ``jax.device_count()``.
 
+    Args:
+      model: a name of :data:`nnx_shard.models.CONFIGS`, or such a config.
+      sizes: the mesh, ``"data=4,model=2"`` or a dict, within ``jax.device_count()``.
+      strategy: a preset name.
+      optimizer: ``adamw``, ``adam`` or ``sgd``.
+      batch: the global batch (rows).
+      seq: the sequence length.
+      remat: a name of :data:`nnx_shard.models.REMAT_POLICIES`.
+      scan_layers: stack the layers in a scan (``None``: the config's).
+      param_dtype: the parameters' dtype (``None``: the config's).
+      compute_dtype: the compute dtype (``None``: the config's); differing from ``param_dtype``
+        means mixed precision.
+      guard: the trainer's NaN guard (``"grads"``, ``"full"`` or ``"off"``).
+
     >>> from nnx_shard.planner import compiled_memory
     >>> m = compiled_memory("tiny", {"data": 4, "model": 2}, "fsdp_tp", batch=8, seq=16)
     >>> m["total"] == m["argument"] + m["temp"] + m["output"] - m["alias"] > 0
