@@ -142,11 +142,15 @@ def _lora_step(model, batch, rules=None, mesh=None):
         opt.update(model, grads)
         return loss
 
+    base = jax.device_get(nnx.state(model, QuantizedValue))
     if rules is None:
         loss = step(model, opt, batch)
     else:
         with ns.use(mesh, rules):
             loss = step(model, opt, batch)
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(nnx.state(model, QuantizedValue)),
+                    strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))  # the base is frozen, bitwise
     return float(loss), jax.device_get(nnx.state(model, nnx.LoRAParam))
 
 
