@@ -207,8 +207,13 @@ def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
     True
     """
     with tempfile.TemporaryDirectory(prefix="nnx_shard_hlo_") as tmp:
+        # JAX leaves the dump options out of its persistent cache's key, so a program
+        # compiled before would be read back and no pass would run: an option that is
+        # in the key (naming this call's folder; it only concerns GPU autotuning) makes
+        # the key this call's own.
         compiled = lowered.compile(compiler_options={
-            "xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+            "xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning",
+            "xla_gpu_dump_autotune_results_to": os.path.join(tmp, "autotune.textproto")})
         found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
         if not found:
             raise RuntimeError("XLA wrote no HLO after its spmd-partitioning pass (a program "

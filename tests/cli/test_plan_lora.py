@@ -63,10 +63,11 @@ def test_qlora_plan_counts_the_base_quantized(capsys, bits, quantize):
     code_q, out_q, _ = _plan(capsys, *LLAMA_8B, *lora_argv, "--quantize-base", quantize)
     lora, qlora = json.loads(out), json.loads(out_q)
     assert code == code_q == 0 and qlora["quantize_base"] == quantize
-    # the 7 projections of 32 layers: bf16 kernels, then packed ints + a bf16 scale per
-    # output channel (q, k, v, o, gate, up, down: 4096, 1024, 1024, 4096, 14336 x 2, 4096)
+    # the 7 projections of 32 layers: bf16 kernels, then packed ints + a float32 scale per
+    # block of 64 inputs and output channel (q, k, v, o, gate, up: 4096 inputs in 64 blocks,
+    # down: 14336 in 224; outputs 4096, 1024, 1024, 4096, 14336 x 2, 4096)
     kernels = 32 * (4096 * (4096 + 1024 + 1024) + 4096 * 4096 + 3 * 4096 * 14336)
-    scales = 32 * (4096 + 1024 + 1024 + 4096 + 14336 * 2 + 4096) * 2
+    scales = 32 * (64 * (4096 + 1024 + 1024 + 4096 + 14336 * 2) + 224 * 4096) * 4
     saved = kernels * 2 - (kernels * bits // 8 + scales)
     assert lora["bytes_total"]["params"] - qlora["bytes_total"]["params"] == saved
     assert qlora["bytes_total"]["optimizer"] == lora["bytes_total"]["optimizer"]
