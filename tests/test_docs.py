@@ -27,8 +27,8 @@ MKDOCS_YML = ROOT / "mkdocs.yml"
 # One page per README section that moved; each must hold at least one python block that runs.
 GUIDES = [
     "annotate", "rules", "sharded-init", "training", "strategies", "your-model", "async-tp",
-    "pipeline", "context", "attention", "checkpoints", "pretrained", "fine-tuning", "generation",
-    "multi-host", "planner",
+    "pipeline", "context", "attention", "checkpoints", "pretrained", "fine-tuning", "lora",
+    "generation", "multi-host", "planner",
 ]
 GUIDES_WITHOUT_PYTHON = ["cli"]  # shell commands only
 
