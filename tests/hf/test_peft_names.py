@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -18,7 +19,7 @@ from nnx_shard import _safetensors_io as st
 from nnx_shard._low_rank import adapters
 from nnx_shard.hf._peft import trained_in_full
 from nnx_shard.hf._peft_names import kernel_module, model_modules
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Llama, LlamaConfig, lm_loss
 from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -120,6 +121,10 @@ def test_phi3_fused_modules_are_their_parts():
     model = ns.hf.load_lora(KINDS / "phi3_fused", _base("phi3"))
     assert {"blocks/0/attn/q", "blocks/0/attn/k", "blocks/0/attn/v", "blocks/0/mlp/gate",
             "blocks/0/mlp/up"} <= set(adapters(model))
+    nodes = adapters(model)  # one lora_A for the parts of a fused module, as in PEFT
+    assert nodes["blocks/0/attn/q"].lora_a is nodes["blocks/0/attn/v"].lora_a
+    assert nodes["blocks/0/mlp/gate"].lora_a is nodes["blocks/0/mlp/up"].lora_a
+    assert nodes["blocks/0/attn/q"].lora_a is not nodes["blocks/1/attn/q"].lora_a
     assert "model.layers.0.self_attn.qkv_proj" in model_modules(model)
     assert "model.layers.0.self_attn.q_proj" not in model_modules(model)
     assert kernel_module("token_embed") == ("model.embed_tokens", None)
@@ -129,6 +134,36 @@ def test_phi3_fused_onto_stacked_blocks():
     exp = np.load(KINDS / "expected.npz")
     model = ns.hf.load_lora(KINDS / "phi3_fused", _base("phi3", scan=True))
     assert _err(_logits(model, exp["tokens"]), exp["logits_phi3_fused"]) <= 2e-4
+
+
+TRAIN = json.loads((KINDS / "train.json").read_text())
+
+
+def _train_curve(case):
+    """Ten adapter-only AdamW steps through Trainer.fit on one device, as make_peft_kinds.py
+    --train ran them in PEFT (torch's AdamW: decoupled decay on every trained tensor)."""
+    hp = TRAIN["adamw"]
+    strategy = ns.strategies.get("dp")
+    mesh = strategy.make_mesh(1)
+    model = ns.hf.load_lora(KINDS / case, _base(FAMILY.get(case, "llama"), strategy, mesh))
+    tx = optax.adamw(hp["lr"], b1=hp["beta1"], b2=hp["beta2"], eps=hp["eps"],
+                     weight_decay=hp["weight_decay"])
+    opt = ns.sharded_optimizer(model, tx, mesh, strategy, wrt=nnx.LoRAParam)
+    tokens = np.asarray(TRAIN["tokens"], np.int32)
+    trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules,
+                         steps_per_call=len(tokens), batch_names=("batch", "length"))
+    batches = ({"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens)
+    return np.asarray(trainer.fit(batches, num_steps=len(tokens), progress=False)["loss"])
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN["losses"]))
+def test_adamw_curve_of_kind_follows_peft(case):
+    want = np.asarray(TRAIN["losses"][case])
+    got = _train_curve(case)
+    assert got.shape == want.shape == (10,)
+    gap = np.abs(got - want) / np.abs(want)
+    assert gap.max() <= 2e-4, (case, got, want, gap)
+    assert abs(want[-1] - want[0]) > 0.5  # the curve moves: a frozen adapter would not match it
 
 
 # --- save_lora writes what PEFT reads ------------------------------------------------------------
