@@ -373,6 +373,38 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     ``quant_block=None``; ``double_quant=True`` stores those scales in 8 bits too.
     The reference models' projections dequantize it tile by tile inside the matmul.
 
+    Args:
+      model: any NNX model (a reference model, or one holding ``nnx.Linear``,
+        ``nnx.LinearGeneral`` or ``nnx.Einsum`` layers), concrete or sharded; changed
+        in place.
+      rank: the adapters' rank ``r``, a positive int.
+      alpha: the scale's numerator: the update is scaled by ``alpha / rank``, as PEFT's
+        ``lora_alpha`` (for rsLoRA's ``alpha / sqrt(rank)``, pass ``alpha * sqrt(rank)``).
+      targets: a regex searched in the kernels' paths (``blocks/0/attn/q``,
+        ``unembed``, ``token_embed``, ``.../kernel``); default ``attn/(q|v)$``, the
+        projections PEFT adapts in a Llama by default.
+      dropout: the probability of dropping each input of the adapter while training,
+        in ``[0, 1)``; 0 on stacked blocks.
+      rngs: an ``nnx.Rngs`` or an int seed: ``params`` draws ``A``, ``dropout`` the
+        masks.
+      dtype: the factors' float dtype (float32 by default, whatever the kernel's).
+      quantize: ``None`` (the base stays as it is), ``"nf4"``, ``"int4"`` or ``"int8"``.
+      quant_block: entries of the last input axis per scale (64), or ``None`` for one
+        scale per output channel; it must divide that axis.
+      double_quant: store the block scales as int8 in groups of up to 256, each group
+        with a float32 scale.
+
+    Returns:
+      ``model``, with the adapters added.
+
+    Raises:
+      UsageError: a ``rank``, ``alpha``, ``dropout``, ``rngs``, ``dtype``,
+        ``quantize`` or ``quant_block`` out of range, a ``targets`` that is not a regex
+        or matches no kernel (the paths listed), ``dropout`` on stacked blocks.
+      NnxShardError: a matched kernel already has an adapter, or ``quantize`` without
+        qwix installed (``pip install 'nnx_shard[qlora]'``).
+      ShardingError: a matched parameter is not a float kernel.
+
     >>> from flax import nnx
     >>> import optax
     >>> from nnx_shard import lora
@@ -474,6 +506,17 @@ def merge_lora(model: Any) -> Any:
     checkpoint). Returns ``model``. A quantized base (``lora(..., quantize=)``) is
     dequantized first: the merged kernel is a full-precision ``nnx.Param`` again
     (the quantization error stays in it; quantize the merged model anew if needed).
+
+    Args:
+      model: a model with adapters (from :func:`lora` or ``ns.hf.load_lora``), holding
+        values (not abstract); changed in place. Parameters trained in full beside the
+        adapters (PEFT's ``modules_to_save``) become ``nnx.Param`` again.
+
+    Returns:
+      ``model``, merged.
+
+    Raises:
+      NnxShardError: the model has no adapters, or is abstract.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx

@@ -148,7 +148,21 @@ class QuantizedKernel(nnx.Module):
     level indices 0..15 in int4 bits) and
     ``scale`` (float32 block or channel scales, or their int8 codes with
     ``scale_scale`` and ``scale_offset`` under double quantization); reads
-    dequantized.
+    dequantized. :func:`nnx_shard.lora` builds it (``quantize=``); it is rarely built
+    by hand.
+
+    Args:
+      qvalue: the codes, with the kernel's shape and logical names.
+      scale: the float32 scales (one per ``block`` entries of the last input axis and
+        output channel, or per output channel), or their int8 codes.
+      qtype: ``"nf4"``, ``"int4"`` or ``"int8"``.
+      dtype: the full-precision kernel's dtype, which reads return.
+      n_out: the number of output axes (the trailing axes of the kernel).
+      block: the block size along the last input axis, ``None`` per output channel.
+      scale_scale: under double quantization, the float32 scale of each group of
+        scales; else ``None``.
+      scale_offset: under double quantization, the mean the scales were quantized
+        around; else ``None``.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx

@@ -309,6 +309,21 @@ def load_lora(path: str | os.PathLike[str], model: Any, *, rngs: int = 0) -> Any
     lacks and of a named (non-default) adapter. Each device takes its slice of the
     factors in the adapter's sharding.
 
+    Args:
+      path: the adapter folder (``adapter_config.json`` and
+        ``adapter_model.safetensors``), as ``PeftModel.save_pretrained`` writes it.
+      model: a Llama-family model holding values (not abstract), any sharding; changed
+        in place.
+      rngs: the seed of the adapters :func:`nnx_shard.lora` adds (their dropout masks;
+        the factors are then overwritten by the file's).
+
+    Returns:
+      ``model``, with the adapter's factors (and ``modules_to_save`` weights) loaded.
+
+    Raises:
+      UsageError: a config field refused, malformed or unreadable, or factors that do
+        not fit the model (the module and the fix named).
+
     >>> import tempfile
     >>> from flax import nnx
     >>> from nnx_shard import lora
@@ -547,6 +562,16 @@ def save_lora(path: str | os.PathLike[str], model: Any, *,
     mode; the other files in it stay (hard-linked into the new folder, or moved
     back after the swap). No file is ever written through a symbolic link; a
     ``path`` that is a link to a folder saves into that folder.
+
+    Args:
+      path: the adapter folder to write (created, or replaced whole).
+      model: a Llama-family model with adapters (or parameters trained in full),
+        holding values.
+      base_model_name_or_path: written into ``adapter_config.json`` for PEFT to find
+        the base model (``None``: left null).
+
+    Raises:
+      NnxShardError: the model has no adapters, or is abstract.
 
     >>> import os
     >>> import tempfile

@@ -73,6 +73,13 @@ def generation_rules(rules: Rules | Mapping[str, Any]) -> Rules:
     split over ``stage`` are gathered by XLA as the loop reaches them
     (generation runs no pipeline schedule).
 
+    Args:
+      rules: a :class:`~nnx_shard.Rules` table or a mapping of logical name to mesh
+        axes: the training layout.
+
+    Returns:
+      A new :class:`~nnx_shard.Rules`; ``rules`` is not changed.
+
     >>> from nnx_shard import Rules
     >>> from nnx_shard.inference import generation_rules
     >>> r = generation_rules(Rules({"batch": "data", "heads": "model", "length": "model"}))
@@ -322,6 +329,35 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
     ``max_new_tokens``) and reused: the prompts' values, the mask, ``seed`` and
     every option's value are arguments of the programs.
 
+    Args:
+      model: any module with ``init_cache`` and ``decode`` (the reference models).
+      prompts: an int ``[batch, length]`` array, or a list of token-id lists.
+      max_new_tokens: the most tokens each row gets.
+      attention_mask: ``[batch, length]``, 1 on tokens and 0 on left padding; built for
+        a list of prompts.
+      eos_token_id: an id or a list of ids a row stops at; ``None`` never stops.
+      pad_token_id: what pads the prompts and follows a row's stop.
+      temperature: 0 (greedy) or above (sampled).
+      top_k: sample from the k most likely tokens.
+      top_p: sample from the nucleus whose probabilities reach it.
+      min_p: drop tokens less than ``min_p`` times as likely as the most likely.
+      repetition_penalty: divides a seen token's positive logit (multiplies a negative
+        one).
+      min_new_tokens: the eos ids are masked until a row has that many new tokens.
+      no_repeat_ngram_size: a token that would repeat an n-gram of the row is masked.
+      stop_strings: a string or a list of them; needs ``tokenizer``.
+      tokenizer: decodes the tokens for ``stop_strings``.
+      num_return_sequences: continuations per prompt row (sampling only).
+      return_logprobs: also return the new tokens' log-probabilities.
+      seed: the sampling key's seed (an int).
+      mesh: the mesh to run on (with ``rules``); else :func:`nnx_shard.use`'s, if any.
+      rules: the layout's rules (with ``mesh``).
+      **unknown: refused, naming the options ``generate`` takes.
+
+    Returns:
+      int32 ``[batch * num_return_sequences, length + max_new_tokens]``, or
+      ``(tokens, logprobs)`` with ``return_logprobs=True``.
+
     Under :func:`nnx_shard.use` (or with ``mesh=`` and ``rules=``) it runs
     sharded: parameters stay where they are, activations and the cache are laid
     out by :func:`generation_rules` of the rules; a batch that does not divide
@@ -453,6 +489,34 @@ def stream(model: Any, prompts: Any, max_new_tokens: int, *, chunk: int = 16,  #
     what it yields, stacked, equals the new tokens of :func:`generate` up to
     there (``pad_token_id`` after).
 
+    Args:
+      model: as :func:`generate`'s.
+      prompts: as :func:`generate`'s.
+      max_new_tokens: the most steps.
+      chunk: decode steps per call of the compiled program (a positive int).
+      attention_mask: as :func:`generate`'s; every option below as well.
+      eos_token_id: an id or a list of ids a row stops at.
+      pad_token_id: what pads the prompts and follows a row's stop.
+      temperature: 0 (greedy) or above (sampled).
+      top_k: sample from the k most likely tokens.
+      top_p: sample from the nucleus whose probabilities reach it.
+      min_p: drop tokens less than ``min_p`` times as likely as the most likely.
+      repetition_penalty: divides a seen token's positive logit (multiplies a negative
+        one).
+      min_new_tokens: the eos ids are masked until a row has that many new tokens.
+      no_repeat_ngram_size: a token that would repeat an n-gram of the row is masked.
+      stop_strings: a string or a list of them; needs ``tokenizer``.
+      tokenizer: decodes the tokens for ``stop_strings``.
+      num_return_sequences: continuations per prompt row (sampling only).
+      return_logprobs: yield ``(tokens, logprobs)`` pairs.
+      seed: the sampling key's seed (an int).
+      mesh: the mesh to run on (with ``rules``).
+      rules: the layout's rules (with ``mesh``).
+      **unknown: refused, naming the options ``stream`` takes.
+
+    Yields:
+      Each step's new tokens, int32 numpy ``[batch]`` (or ``(tokens, logprobs)``).
+
     >>> import numpy as np
     >>> from flax import nnx
     >>> from nnx_shard.inference import generate, stream
@@ -516,6 +580,16 @@ def explain_cache(model: Any, mesh: Mesh | AbstractMesh | str | Mapping[str, int
     :func:`nnx_shard.abstract_init`) and ``mesh`` a ``jax.sharding.AbstractMesh``
     (plan a mesh of any size); the per-device bytes are what the compiled
     prefill program outputs (XLA's ``memory_analysis``).
+
+    Args:
+      model: a module with ``init_cache`` and ``decode``, concrete or abstract.
+      mesh: a mesh, an ``AbstractMesh``, or its axes (``"data=4,model=2"``).
+      rules: the layout's rules (before :func:`generation_rules`).
+      batch: sequences in the cache (a positive int).
+      length: positions per sequence, prompt and new tokens (a positive int).
+
+    Returns:
+      A :class:`~nnx_shard.Report` of the cache arrays.
 
     >>> import jax
     >>> from flax import nnx

@@ -48,6 +48,34 @@ def attention_fn(  # noqa: PLR0913  # flax's nnx.dot_product_attention signature
     float32). Attention-weight bias, dropout during training and ``sow_weights`` need
     the probability matrix this path never builds, and raise.
 
+    Args:
+      query: ``[batch..., q_len, heads, head_dim]``.
+      key: ``[batch..., kv_len, kv_heads, head_dim]`` (``heads`` a multiple of
+        ``kv_heads``).
+      value: as ``key``.
+      bias: must be ``None`` (an additive bias is refused).
+      mask: ``None`` or a boolean ``[batch..., heads|1, q_len, kv_len]`` (``True``:
+        attend).
+      broadcast_dropout: flax's; unused (attention dropout is refused).
+      dropout_rng: flax's; unused.
+      dropout_rate: must be 0 unless ``deterministic``.
+      deterministic: flax's; with it any ``dropout_rate`` is ignored.
+      dtype: the dtype ``query``, ``key`` and ``value`` are promoted to (``None``:
+        their common one).
+      precision: flax's; not used (scores are computed in float32).
+      module: must be ``None`` (``sow_weights`` is refused).
+      promote_dtype: the function that promotes the inputs (flax's by default).
+      is_causal: add the causal mask.
+      implementation: the kernel: ``"auto"``, ``"dense"``, ``"blockwise"`` or
+        ``"cudnn"`` (see :func:`nnx_shard.models.attention`).
+      block_size: the blockwise kernel's query and key/value block.
+
+    Returns:
+      ``[batch..., q_len, heads, head_dim]`` in the promoted dtype.
+
+    Raises:
+      UsageError: a ``bias``, attention dropout while training, or ``sow_weights``.
+
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from nnx_shard.models import attention_fn

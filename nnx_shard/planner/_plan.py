@@ -75,6 +75,15 @@ class Plan:
     words), the ``hardware``, the request and ``twins`` (fitting candidates left
     out of ``ranked`` as they compile to the program of a better-ranked one).
 
+    Attributes:
+      ranked: the fitting candidates, the fastest predicted first.
+      dropped: the candidates that do not fit or failed, each with its ``reason``.
+      pruned: what the search skipped, in words.
+      hardware: the :class:`Hardware` profile the costs were predicted for.
+      request: what was asked (model, devices, batch, ...), as the report shows it.
+      twins: fitting candidates left out of ``ranked``: they compile to the program of
+        a better-ranked one.
+
     >>> from nnx_shard.planner import Plan, hardware
     >>> Plan([], [], [], hardware("h100-sxm"), {}).best is None
     True

@@ -35,6 +35,10 @@ class NothingFits(NnxShardError, ValueError):
     """No candidate fits the memory; ``plan`` holds what was tried, and the message
     names the smallest need and the knob that cuts it most.
 
+    Args:
+      plan: the :class:`Plan` of the search (its ``dropped`` candidates say why).
+      message: the error's text.
+
     >>> from nnx_shard.planner import NothingFits
     >>> issubclass(NothingFits, ValueError)
     True
@@ -62,6 +66,19 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
     an :class:`AutoOptions`, or its fields as keywords (``auto("small", devices=8,
     batch=16, seq=16)``); keywords given with ``options`` replace its fields.
     Raises :class:`NothingFits` when no candidate fits.
+
+    Args:
+      model: a reference config name, a ``TransformerConfig``, or a zero-argument
+        factory of the model.
+      options: an :class:`AutoOptions`; ``None`` builds one from ``knobs``.
+      loss: with a model of your own, ``loss(model, batch) -> scalar``.
+      batch_spec: with ``loss``, one step's global batch (a pytree of
+        ``jax.ShapeDtypeStruct`` or ``"x=int32[16,128],..."`` text).
+      aliases: the model's logical names mapped onto the presets'.
+      **knobs: :class:`AutoOptions` fields, replacing those of ``options``.
+
+    Returns:
+      A :class:`Plan`: the fitting candidates ranked, the others with reasons.
 
     A model of the user's own (no ``forward``, no reference config) comes with
     ``loss(model, batch) -> scalar`` and ``batch_spec``, one step's global batch (a

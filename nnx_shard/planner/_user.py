@@ -121,6 +121,13 @@ class UserModel:
     laid out as ``Trainer.fit`` places it by default: every leaf's first dimension
     on ``batch``. :meth:`check` validates all of it on the abstract model.
 
+    Attributes:
+      factory: a zero-argument function that builds the model.
+      loss: ``loss(model, batch) -> scalar``.
+      batch: one step's global batch: a pytree of ``jax.ShapeDtypeStruct`` (or arrays,
+        or ``"int32[16,128]"`` strings), or ``"x=int32[16,128],y=..."`` text.
+      aliases: the model's logical names mapped onto the presets' (``None``: none).
+
     >>> from flax import nnx
     >>> import optax
     >>> from nnx_shard.planner import UserModel
