@@ -163,9 +163,16 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--lora-targets", default=None,
                    help=r"regex over parameter paths of the adapted kernels (default "
                         r"'attn/(q|v)$', PEFT's for Llama)")
-    p.add_argument("--quantize-base", default=None, metavar="{int8,int4}",
+    p.add_argument("--quantize-base", default=None, metavar="{nf4,int4,int8}",
                    help="with --lora-rank, plan QLoRA: the adapted kernels' frozen base stored "
-                        "int8 or int4 with a scale per output channel (needs qwix)")
+                        "nf4 (QLoRA's 4-bit NormalFloat), int4 or int8 with float32 absmax "
+                        "scales per --quant-block inputs and output channel (needs qwix)")
+    p.add_argument("--quant-block", default=None, metavar="N|none",
+                   help="with --quantize-base: entries of the last input axis per scale "
+                        "(default 64, QLoRA's), or 'none' for one scale per output channel")
+    p.add_argument("--double-quant", action="store_true",
+                   help="with --quantize-base: store the block scales in 8 bits too (QLoRA's "
+                        "double quantization)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
     p.add_argument("--guard", choices=GUARDS, default=DEFAULT_GUARD,
                    help=f"Trainer.fit's NaN guard: {DEFAULT_GUARD} (default, Trainer's: no copy "

@@ -24,6 +24,7 @@ from nnx_shard._axes import abstract_mesh, sizes_str
 from nnx_shard._errors import CompileError, ShardingError, count
 from nnx_shard._low_rank import DEFAULT_TARGETS, lora
 from nnx_shard._parallel.schedule import OPTION as PIPELINE_OPTION
+from nnx_shard._quantized import BLOCK, QUANT_TYPES
 from nnx_shard._report import Report, fmt_bytes, spec_txt
 from nnx_shard.cli._common import (
     COMPILE_MAX_DEVICES,
@@ -243,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
         "compute_dtype": jnp.dtype(cfg.dtype).name,
         "lora_rank": args.lora_rank,
         "quantize_base": args.quantize_base,
+        "quant_block": _quant_args(args).get("quant_block"),
+        "double_quant": bool(args.double_quant),
     }
     try:
         fp = _footprint(args, model, cfg, strat, sizes, tx)
@@ -358,7 +361,12 @@ def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
           f"remat {args.remat}, {'scanned' if out['scan_layers'] else 'unrolled'} layers, "
           f"guard {args.guard}")
     if args.lora_rank is not None:
-        quant = f", base stored {args.quantize_base}" if args.quantize_base else ""
+        quant = ""
+        if args.quantize_base:
+            per = (f"a scale per {out['quant_block']} inputs" if out["quant_block"] else
+                   "a scale per output channel")
+            quant = (f", base stored {args.quantize_base} with {per}"
+                     + (", scales in 8 bits" if out["double_quant"] else ""))
         print(f"LoRA rank {args.lora_rank} on {args.lora_targets or DEFAULT_TARGETS}{quant}: "
               "gradients and optimizer state for the adapters only (base frozen); "
               "formula figures (the compiled step would train every parameter)")
@@ -558,12 +566,42 @@ def _abstract_model(args: argparse.Namespace, cfg: Any, build: Any) -> Any:
     model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
     if args.lora_rank is not None:  # alpha only scales: it changes no byte
         count(args.lora_rank, "--lora-rank", fix="e.g. --lora-rank 16")
-        if args.quantize_base not in (None, "int8", "int4"):
-            raise UsageError(f"--quantize-base must be int8 or int4, got {args.quantize_base!r}. "
-                             "Fix: --quantize-base int8 (or int4, or leave it out)")
-        lora(model, args.lora_rank, 2 * args.lora_rank,
-             targets=args.lora_targets or DEFAULT_TARGETS, quantize=args.quantize_base)
+        try:
+            lora(model, args.lora_rank, 2 * args.lora_rank,
+                 targets=args.lora_targets or DEFAULT_TARGETS, **_quant_args(args))
+        except UsageError as e:  # lora's argument names, as this command's flags
+            text = str(e).replace("quant_block=None", "--quant-block none")
+            raise UsageError(text.replace("quant_block=", "--quant-block ")) from None
     elif args.lora_targets is not None or args.quantize_base is not None:
         flag = "--lora-targets" if args.lora_targets is not None else "--quantize-base"
         raise UsageError(f"{flag} goes with --lora-rank. Fix: add e.g. --lora-rank 16")
     return model
+
+
+def _quant_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quantize-base``, ``--quant-block`` and ``--double-quant`` as ``lora``'s
+    ``quantize``, ``quant_block`` and ``double_quant``, each checked and named by its flag."""
+    if args.quantize_base is None:
+        if args.quant_block is not None or args.double_quant:
+            flag = "--quant-block" if args.quant_block is not None else "--double-quant"
+            raise UsageError(f"{flag} goes with --quantize-base. Fix: add e.g. "
+                             "--quantize-base nf4")
+        return {}
+    accepted = ", ".join(QUANT_TYPES)
+    if args.quantize_base not in QUANT_TYPES:
+        raise UsageError(f"--quantize-base must be one of {accepted}, got "
+                         f"{args.quantize_base!r}. Fix: --quantize-base nf4 (QLoRA's 4-bit "
+                         "NormalFloat), or leave it out")
+    block: int | None = BLOCK
+    if args.quant_block is not None:
+        text = str(args.quant_block).strip().lower()
+        block = None if text == "none" else int(text) if text.isdigit() else 0
+        if block == 0:
+            raise UsageError(f"--quant-block must be a positive int or 'none', got "
+                             f"{args.quant_block!r}. Fix: --quant-block 64 (QLoRA's), or "
+                             "--quant-block none (one scale per output channel)")
+    if args.double_quant and block is None:
+        raise UsageError("--double-quant needs block scales, got --quant-block none. Fix: "
+                         "--quant-block 64, or drop --double-quant")
+    return {"quantize": args.quantize_base, "quant_block": block,
+            "double_quant": args.double_quant}

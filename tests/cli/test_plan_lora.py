@@ -79,5 +79,77 @@ def test_qlora_plan_text_and_errors(capsys):
     assert code == 0 and "LoRA rank 8 on attn/(q|v)$, base stored int4" in out
     code, _, err = _plan(capsys, *LLAMA_8B, "--quantize-base", "int8")
     assert code == 2 and "--quantize-base goes with --lora-rank" in err
-    code, _, err = _plan(capsys, *LLAMA_8B, "--lora-rank", "8", "--quantize-base", "int3")
-    assert code == 2 and "--quantize-base must be int8 or int4, got 'int3'" in err
+    code, out, _ = _plan(capsys, *LLAMA_8B[:-1], "--lora-rank", "8", "--quantize-base", "nf4",
+                         "--quant-block", "128", "--double-quant")
+    assert code == 0 and ("base stored nf4 with a scale per 128 inputs, scales in 8 bits"
+                          in out)
+    code, out, _ = _plan(capsys, *LLAMA_8B, "--lora-rank", "8", "--quantize-base", "int8",
+                         "--quant-block", "none")
+    plan = json.loads(out)
+    assert code == 0 and (plan["quant_block"], plan["double_quant"]) == (None, False)
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (("--quantize-base", "int3"), ["--quantize-base must be one of nf4, int4, int8",
+                                   "got 'int3'"]),
+    (("--quantize-base", "NF4"), ["got 'NF4'"]),
+    (("--quantize-base", "nf4", "--quant-block", "0"),
+     ["--quant-block must be a positive int or 'none'", "got '0'"]),
+    (("--quantize-base", "nf4", "--quant-block", "x"), ["got 'x'"]),
+    (("--quantize-base", "nf4", "--quant-block", "100"), ["--quant-block 64", "4096"]),
+    (("--quantize-base", "nf4", "--quant-block", "none", "--double-quant"),
+     ["--double-quant needs block scales"]),
+    (("--quant-block", "64"), ["--quant-block goes with --quantize-base"]),
+    (("--double-quant",), ["--double-quant goes with --quantize-base"]),
+])
+def test_qlora_plan_refuses_bad_quantization(capsys, argv, words):
+    code, _, err = _plan(capsys, *LLAMA_8B, "--lora-rank", "8", *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert all(w in err for w in words), err
+
+
+def _xla_argument_bytes(quant):
+    """XLA's per-device argument bytes of the llama-tiny forward under fsdp on 2 devices,
+    all seven projections adapted and stored as ``quant`` (lora's keywords), less the
+    tokens'."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard.models import Llama, get_config
+
+    strategy = ns.strategies.get("fsdp")
+    mesh = strategy.make_mesh(2)
+    model = ns.sharded_init(lambda: ns.lora(Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
+                                            4, 8.0, targets=ALL_LINEAR, **quant), mesh, strategy)
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    with ns.use(mesh, strategy.rules):
+        compiled = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile()
+    return compiled.memory_analysis().argument_size_in_bytes - 16 * 4  # a row of tokens
+
+
+@pytest.mark.slow  # five compilations
+def test_qlora_plan_params_are_xla_argument_bytes(capsys):
+    """The plan's parameter bytes per device for each storage of the base (nf4, int4,
+    int8; block scales, per-channel scales, 8-bit scales) save exactly the bytes XLA's
+    compiled forward saves, and stay within 0.5% of its argument bytes."""
+    tiny = ("plan", "--model", "llama-tiny", "--strategy", "fsdp", "--mesh", "data=2",
+            "--batch", "2", "--seq", "16", "--no-compile", "--json", "--lora-rank", "4",
+            "--lora-targets", ALL_LINEAR)
+    cases = [((), {}),
+             (("nf4", "8"), {"quantize": "nf4", "quant_block": 8}),
+             (("nf4", "8", "--double-quant"), {"quantize": "nf4", "quant_block": 8,
+                                                "double_quant": True}),
+             (("int4", "8"), {"quantize": "int4", "quant_block": 8}),
+             (("int8", "none"), {"quantize": "int8", "quant_block": None})]
+    saved = []
+    for argv, quant in cases:
+        flags = ("--quantize-base", argv[0], "--quant-block", *argv[1:]) if argv else ()
+        code, out, err = _plan(capsys, *tiny, *flags)
+        assert code == 0, err
+        plan, xla = json.loads(out)["bytes_per_device"]["params"], _xla_argument_bytes(quant)
+        assert abs(plan - xla) <= 0.005 * xla, (argv, plan, xla)
+        saved.append((plan, xla))
+    (plan0, xla0), rest = saved[0], saved[1:]
+    assert [plan0 - p for p, _ in rest] == [xla0 - x for _, x in rest]
+    assert all(plan0 - p > 0.3 * plan0 for p, _ in rest)

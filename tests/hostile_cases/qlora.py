@@ -73,3 +73,7 @@ def build(hs: Any) -> None:
     hs.cli("qlora/plan_quantize_empty", "--quantize-base", *plan, "--lora-rank", "4",
            "--quantize-base", "")
     hs.cli("qlora/plan_quantize_alone", "--quantize-base", *plan, "--quantize-base", "int8")
+    hs.cli("qlora/plan_quant_block_zero", "--quant-block", *plan, "--lora-rank", "4",
+           "--quantize-base", "nf4", "--quant-block", "0")
+    hs.cli("qlora/plan_double_quant_alone", "--double-quant", *plan, "--lora-rank", "4",
+           "--double-quant")
