@@ -31,9 +31,13 @@ def separate_head(header: st.Header) -> bool:
     ``tie_word_embeddings`` says (it ties them only when the file's values agree), so
     the model computes its logits with that head.
 
-    >>> separate_head(st.read_header(*checkpoint_files("tests/fixtures/hf_llama")))
+    >>> import tempfile
+    >>> import nnx_shard as ns
+    >>> untied = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False)
+    >>> tied = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False, tie_embeddings=True)
+    >>> separate_head(st.read_header(*checkpoint_files(untied)))
     True
-    >>> separate_head(st.read_header(*checkpoint_files("tests/fixtures/hf_llama_tied")))
+    >>> separate_head(st.read_header(*checkpoint_files(tied)))
     False
     """
     head, embed = header.tensors.get(HEAD), header.tensors.get(EMBED)
@@ -179,24 +183,27 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
       CheckpointNotFound: (a FileNotFoundError of the same family) no checkpoint at
         ``path``, or files its index lists are absent.
 
-    >>> from flax import nnx
     >>> import dataclasses
+    >>> import tempfile
+    >>> from flax import nnx
     >>> import nnx_shard as ns
     >>> from nnx_shard.hf import load_safetensors
     >>> from nnx_shard.models import Llama, LlamaConfig
-    >>> ckpt = "tests/fixtures/hf_qwen3"   # transformers' save_pretrained output
+    >>> ckpt = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), "qwen3", tokenizer=False)
     >>> cfg = LlamaConfig.from_hf(ckpt)
-    >>> target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=4,model=2",
-    ...                           ns.strategies.get("fsdp_tp"))
+    >>> fsdp_tp = ns.strategies.get("fsdp_tp")
+    >>> target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), fsdp_tp.make_mesh(),
+    ...                           fsdp_tp)
     >>> model = load_safetensors(ckpt, target)
     >>> model.blocks[1].mlp.up.get_value().sharding.spec
     P('data', 'model')
     >>> wrong = dataclasses.replace(cfg, kv_heads=4)   # not the checkpoint's sizes
+    >>> dp = ns.strategies.get("dp")
     >>> load_safetensors(ckpt, ns.abstract_init(
-    ...     lambda: Llama(wrong, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp")))
+    ...     lambda: Llama(wrong, rngs=nnx.Rngs(0)), dp.make_mesh(), dp))
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: load_safetensors: the checkpoint's tests/fixtures/hf_qwen3/config.json describes another model than the target; 1 field differs:
+    nnx_shard._errors.UsageError: load_safetensors: the checkpoint's .../config.json describes another model than the target; 1 field differs:
     - num_key_value_heads: checkpoint 2, model 4
     Fix: ...
     """

@@ -65,10 +65,12 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
         :func:`nnx_shard.hf.load_safetensors` raises.
       FileNotFoundError: no ``config.json`` at ``path``.
 
+    >>> import tempfile
     >>> import nnx_shard as ns
     >>> from nnx_shard.hf import load_pretrained
-    >>> model = load_pretrained("tests/fixtures/hf_qwen3", mesh="data=4,model=2",
-    ...                         rules=ns.strategies.get("fsdp_tp").rules)
+    >>> folder = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), "qwen3", tokenizer=False)
+    >>> fsdp_tp = ns.strategies.get("fsdp_tp")
+    >>> model = load_pretrained(folder, mesh=fsdp_tp.make_mesh(), rules=fsdp_tp.rules)
     >>> type(model).__name__, model.cfg.model_type, model.blocks[0].mlp.up.get_value().sharding.spec
     ('Llama', 'qwen3', P('data', 'model'))
     """

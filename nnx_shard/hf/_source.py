@@ -62,10 +62,12 @@ class Source:
       generation_text: its ``generation_config.json`` as JSON text, ``None`` when there is none.
       tokenizer: the tokenizer files present in the folder.
 
+    >>> import tempfile
+    >>> import nnx_shard as ns
     >>> from nnx_shard.hf._source import read_source
-    >>> s = read_source("tests/fixtures/hf_llama")
-    >>> s.config["model_type"], s.generation_config["use_cache"], s.tokenizer
-    ('llama', True, ())
+    >>> s = read_source(ns.hf.tiny_checkpoint(tempfile.mkdtemp()))
+    >>> s.config["model_type"], s.generation_config["eos_token_id"], s.tokenizer
+    ('llama', 2, ('tokenizer.json', 'tokenizer_config.json'))
     """
 
     folder: str
@@ -99,7 +101,9 @@ def read_source(path: str | os.PathLike[str], config: dict[str, Any] | None = No
       FileNotFoundError: ``path`` is not a directory, or has no ``config.json``.
       UsageError: its ``config.json`` or ``generation_config.json`` is not a JSON object.
 
-    >>> read_source("tests/fixtures/hf_qwen3").config["model_type"]
+    >>> import tempfile
+    >>> import nnx_shard as ns
+    >>> read_source(ns.hf.tiny_checkpoint(tempfile.mkdtemp(), "qwen3")).config["model_type"]
     'qwen3'
     """
     if isinstance(path, bytes) or not isinstance(path, str | os.PathLike) or not str(path):
@@ -120,10 +124,12 @@ def remember_source(model: Any, source: Source | str | os.PathLike[str]) -> Any:
     """Records ``source`` (a :class:`Source`, or a checkpoint folder) as ``model``'s
     (its ``hf_source`` attribute) and returns the model.
 
+    >>> import tempfile
     >>> from flax import nnx
+    >>> import nnx_shard as ns
     >>> from nnx_shard.models import Llama, LlamaConfig
-    >>> m = remember_source(Llama(LlamaConfig.from_hf("tests/fixtures/hf_llama"),
-    ...                           rngs=nnx.Rngs(0)), "tests/fixtures/hf_llama")
+    >>> folder = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False)
+    >>> m = remember_source(Llama(LlamaConfig.from_hf(folder), rngs=nnx.Rngs(0)), folder)
     >>> source_of(nnx.clone(m)).config["vocab_size"]
     128
     """

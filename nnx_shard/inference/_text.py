@@ -106,7 +106,7 @@ def _text(tokenizer: Tokenizer, new: Any, stops: set[int]) -> str:
 def generate_text(model: Any, tokenizer: Tokenizer, prompts: Sequence[str],
                   max_new_tokens: int, *, chat: bool = False, **options: Any) -> list[str]:
     """Each of ``prompts`` continued by up to ``max_new_tokens`` tokens of
-    :func:`~nnx_shard.models.generate`, as text: only the new tokens, up to (not
+    :func:`~nnx_shard.inference.generate`, as text: only the new tokens, up to (not
     including) the first end-of-sequence id, decoded without special tokens.
 
     Prompts are encoded with ``tokenizer`` (its bos token added), or with
@@ -120,20 +120,33 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompts: Sequence[str],
     tokenizer's (:attr:`Tokenizer.eos_token_ids`: ``generation_config.json``'s
     first; the pad falls back to the eos, as in transformers).
 
+    Args:
+      model: a module with ``init_cache`` and ``decode`` (the reference models).
+      tokenizer: the checkpoint's :class:`Tokenizer`.
+      prompts: a list of strings.
+      max_new_tokens: the most tokens each continuation gets.
+      chat: render each prompt as one user message with the chat template.
+      **options: :func:`~nnx_shard.inference.generate`'s options (above).
+
+    Returns:
+      One string per prompt (``num_return_sequences`` per prompt, in order).
+
     Raises:
       UsageError: ``prompts`` not a list of strings, a prompt that encodes to
         nothing, an option generate does not take (or ``attention_mask`` /
         ``return_logprobs``); plus what :func:`~nnx_shard.models.generate` and
         :meth:`Tokenizer.apply_chat_template` raise.
 
+    >>> import tempfile
     >>> import nnx_shard as ns
     >>> from nnx_shard.inference import Tokenizer, generate_text
-    >>> from nnx_shard.hf import load_pretrained
-    >>> model = load_pretrained("tests/fixtures/hf_llama", mesh="data=8",
-    ...                         rules=ns.strategies.get("dp").rules)
-    >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
-    >>> generate_text(model, tok, ["The quick brown fox", "Hello"], max_new_tokens=10)
-    ['Whhar', 'har1y wPhWh capitalzhar']
+    >>> folder = ns.hf.tiny_checkpoint(tempfile.mkdtemp())   # random weights
+    >>> dp = ns.strategies.get("dp")
+    >>> model = ns.hf.load_pretrained(folder, mesh=dp.make_mesh(), rules=dp.rules)
+    >>> tok = Tokenizer.from_pretrained(folder)
+    >>> texts = generate_text(model, tok, ["The quick brown fox", "Hello"], max_new_tokens=10)
+    >>> len(texts), texts[1] == generate_text(model, tok, ["Hello"], max_new_tokens=10)[0]
+    (2, True)
     """
     rows = _encode(tokenizer, prompts, chat, "generate_text")
     opts = _options(options, tokenizer, "generate_text", model)
@@ -146,19 +159,33 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompts: Sequence[str],
 def stream_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, *,
                 chat: bool = False, chunk: int = 8, **options: Any) -> Iterator[str]:
     """One prompt's continuation as :func:`generate_text` returns it, yielded in
-    pieces as :func:`~nnx_shard.models.stream` decodes ``chunk`` tokens at a time:
+    pieces as :func:`~nnx_shard.inference.stream` decodes ``chunk`` tokens at a time:
     the pieces joined are the whole text. A piece ends on whole characters (a
     character split over tokens waits for its last byte); it stops at the
     end-of-sequence id.
 
+    Args:
+      model: a module with ``init_cache`` and ``decode``.
+      tokenizer: the checkpoint's :class:`Tokenizer`.
+      prompt: one string.
+      max_new_tokens: the most tokens of the continuation.
+      chat: render the prompt as one user message with the chat template.
+      chunk: tokens decoded per call of the compiled program.
+      **options: as :func:`generate_text`'s (``num_return_sequences`` only 1).
+
+    Yields:
+      Pieces of text, whole characters each.
+
+    >>> import tempfile
     >>> import nnx_shard as ns
-    >>> from nnx_shard.inference import Tokenizer, stream_text
-    >>> from nnx_shard.hf import load_pretrained
-    >>> model = load_pretrained("tests/fixtures/hf_llama", mesh="data=8",
-    ...                         rules=ns.strategies.get("dp").rules)
-    >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
-    >>> "".join(stream_text(model, tok, "Hello", max_new_tokens=10, chunk=4))
-    'har1y wPhWh capitalzhar'
+    >>> from nnx_shard.inference import Tokenizer, generate_text, stream_text
+    >>> folder = ns.hf.tiny_checkpoint(tempfile.mkdtemp())   # random weights
+    >>> dp = ns.strategies.get("dp")
+    >>> model = ns.hf.load_pretrained(folder, mesh=dp.make_mesh(), rules=dp.rules)
+    >>> tok = Tokenizer.from_pretrained(folder)
+    >>> pieces = list(stream_text(model, tok, "Hello", max_new_tokens=10, chunk=4))
+    >>> "".join(pieces) == generate_text(model, tok, ["Hello"], max_new_tokens=10)[0]
+    True
     """
     if not isinstance(prompt, str):
         raise UsageError(f"stream_text: prompt must be a string, got {type(prompt).__name__} "

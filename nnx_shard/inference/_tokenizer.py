@@ -272,14 +272,27 @@ class Tokenizer:
     """A Hugging Face tokenizer (``tokenizer.json``) with its special tokens and
     chat template, read from the checkpoint folder as transformers reads them.
 
-    Load it with :meth:`from_pretrained`; :func:`nnx_shard.models.generate_text`
+    Load it with :meth:`from_pretrained`; :func:`nnx_shard.inference.generate_text`
     turns text into text with it.
 
+    Args:
+      backend: the ``tokenizers.Tokenizer`` read from ``tokenizer.json``.
+      path: the folder the files were read from (errors name its files).
+      config: ``tokenizer_config.json``'s fields (special tokens, ``chat_template``).
+      special_map: ``special_tokens_map.json``'s fields, read where the config lacks a
+        special token.
+      generation: ``generation_config.json``'s fields (``eos_token_id``,
+        ``pad_token_id``).
+      chat_template: the chat template (a string, or transformers' list of named
+        templates), ``None`` without one.
+
+    >>> import tempfile
+    >>> import nnx_shard as ns
     >>> from nnx_shard.inference import Tokenizer
-    >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
+    >>> tok = Tokenizer.from_pretrained(ns.hf.tiny_checkpoint(tempfile.mkdtemp()))
     >>> ids = tok.encode("Hello world")
-    >>> ids[0] == tok.bos_token_id, tok.decode(ids)
-    (True, 'Hello world')
+    >>> tok.decode(ids), tok.eos_token
+    ('Hello world', '<|im_end|>')
     """
 
     def __init__(self, backend: Any, *, path: str, config: Mapping[str, Any],
@@ -324,11 +337,14 @@ class Tokenizer:
           NnxShardError: ``tokenizers`` or ``jinja2`` not installed
             (``pip install 'nnx_shard[text]'``).
 
+        >>> import tempfile
+        >>> import nnx_shard as ns
         >>> from nnx_shard.inference import Tokenizer
-        >>> Tokenizer.from_pretrained("tests/fixtures/hf_llama").eos_token_id
+        >>> folder = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False)
+        >>> Tokenizer.from_pretrained(folder).eos_token_id
         Traceback (most recent call last):
         ...
-        FileNotFoundError: Tokenizer.from_pretrained: no tokenizer.json in tests/fixtures/hf_llama ...
+        FileNotFoundError: Tokenizer.from_pretrained: no tokenizer.json in ...
         """
         if isinstance(path, bytes) or not isinstance(path, str | os.PathLike) or not str(path):
             raise UsageError(f"Tokenizer.from_pretrained: path must be the folder holding "
@@ -434,9 +450,11 @@ class Tokenizer:
         ``generation_config.json``'s ``eos_token_id`` (an id or a list: Llama 3
         instruct stops at several), else the tokenizer's :attr:`eos_token_id`.
 
+        >>> import tempfile
+        >>> import nnx_shard as ns
         >>> from nnx_shard.inference import Tokenizer
-        >>> Tokenizer.from_pretrained("tests/fixtures/hf_llama_text").eos_token_ids
-        (14,)
+        >>> Tokenizer.from_pretrained(ns.hf.tiny_checkpoint(tempfile.mkdtemp())).eos_token_ids
+        (2,)
         """
         value = self._generation.get("eos_token_id")
         found = (value,) if isinstance(value, int) and not isinstance(value, bool) else \
@@ -487,10 +505,13 @@ class Tokenizer:
         """The ids of ``text``; ``add_special_tokens`` adds what the tokenizer's
         post-processor adds (e.g. the bos token in front).
 
+        >>> import tempfile
+        >>> import nnx_shard as ns
         >>> from nnx_shard.inference import Tokenizer
-        >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
-        >>> tok.encode("Hello", add_special_tokens=False) == tok.encode("Hello")[1:]
-        True
+        >>> tok = Tokenizer.from_pretrained(ns.hf.tiny_checkpoint(tempfile.mkdtemp()))
+        >>> ids = tok.encode("Hello world")   # this tokenizer adds no bos token
+        >>> len(ids), ids == tok.encode("Hello world", add_special_tokens=False)
+        (5, True)
         """
         if not isinstance(text, str):
             raise UsageError(f"Tokenizer.encode: text must be a str, got {type(text).__name__} "
@@ -517,10 +538,13 @@ class Tokenizer:
         vocabulary (a model's padded embedding table) decode to nothing, as in
         transformers.
 
+        >>> import tempfile
+        >>> import nnx_shard as ns
         >>> from nnx_shard.inference import Tokenizer
-        >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
-        >>> tok.decode(tok.encode("Hello")), tok.decode(tok.encode("Hello"), skip_special_tokens=False)
-        ('Hello', '<|begin_of_text|>Hello')
+        >>> tok = Tokenizer.from_pretrained(ns.hf.tiny_checkpoint(tempfile.mkdtemp()))
+        >>> ids = tok.encode("Hello") + [tok.eos_token_id]
+        >>> tok.decode(ids), tok.decode(ids, skip_special_tokens=False)
+        ('Hello', 'Hello<|im_end|>')
         """
         try:
             arr = np.asarray(ids)
@@ -601,10 +625,12 @@ class Tokenizer:
             role), ``return_assistant_tokens_mask`` without ``return_dict`` and
             ``tokenize``.
 
+        >>> import tempfile
+        >>> import nnx_shard as ns
         >>> from nnx_shard.inference import Tokenizer
-        >>> tok = Tokenizer.from_pretrained("tests/fixtures/hf_llama_text")
+        >>> tok = Tokenizer.from_pretrained(ns.hf.tiny_checkpoint(tempfile.mkdtemp()))
         >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
-        '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n'
+        '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
         >>> chat = Tokenizer(tok.backend, path=tok.path, config=tok.config, chat_template=(
         ...     "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}"
         ...     "{% generation %}{{ m.content }}{% endgeneration %}"
