@@ -77,9 +77,38 @@ def run_worker(script: str, n: int, quick: bool, *, flag: str = "--worker",
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def provenance() -> dict[str, Any]:
+    """Where and how a result was measured: the CPU model and cores, the load average when
+    the result was written, the versions of the packages a run uses, and the command."""
+    import platform
+    from importlib import metadata
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    versions = {}
+    for name in ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "qwix",
+                 "nnx_shard"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return {"cpu": cpu, "cores": os.cpu_count(),
+            "loadavg_at_write": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "python": platform.python_version(), "versions": versions,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "command": " ".join(["python", *sys.argv])}
+
+
 def write_json(path: Path, payload: dict) -> None:
+    """Writes ``payload`` with its :func:`provenance` (unless it has one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
+    path.write_text(json.dumps({**payload, "provenance": payload.get("provenance")
+                                or provenance()}, indent=2))
     print(f"wrote {path}")
 
 
