@@ -49,6 +49,7 @@ from nnx_shard._quantized import (
     check_quantize,
     quantize_kernel,
     qwix_module,
+    read_whole,
 )
 
 __all__ = ["DEFAULT_TARGETS", "Adapter", "adapter_name", "adapters", "lora", "lora_equations",
@@ -146,7 +147,7 @@ class Adapter(nnx.Module):
             eq, x, w = args[:3]
             if "..." in eq or eq.count(",") != 1:  # fold it into the kernel instead
                 return self.inner(eq, x, self._folded(w), *args[3:], **kwargs)
-            y = self.inner(eq, x, w, *args[3:], **kwargs)
+            y = self._base(eq, x, w, args[3:], kwargs)
             eq_a, eq_b = lora_equations(eq)
             a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
             h = jnp.einsum(eq_a, self.dropped(x), a) * jnp.asarray(self.scale, x.dtype)
@@ -155,7 +156,8 @@ class Adapter(nnx.Module):
         (lc, rc), (lb, rb) = dims
         if lb or rb or tuple(rc) != tuple(range(self.n_in)):
             return self.inner(x, self._folded(w), dims, *args[3:], **kwargs)
-        y = self.inner(x, w, dims, *args[3:], **kwargs)
+        y = self._base(_dot_equation(x.ndim, w.ndim, tuple(lc), self.n_in), x, w, args[3:],
+                       kwargs, dims)
         a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
         h = jax.lax.dot_general(self.dropped(x), a, ((tuple(lc), tuple(range(self.n_in))),
                                                      ((), ())))
@@ -163,8 +165,36 @@ class Adapter(nnx.Module):
         d = jax.lax.dot_general(h, b, (((h.ndim - 1,), (0,)), ((), ())))
         return y + d.astype(y.dtype)
 
+    def _base(self, eq: str, x: jax.Array, w: jax.Array, rest: tuple[Any, ...],
+              kwargs: dict[str, Any], dims: Any = None) -> jax.Array:
+        """The wrapped op on the kernel ``w``; on a quantized kernel read whole by the
+        stock layer (and Flax's own op, no options), its codes contracted tile by tile
+        (:meth:`~nnx_shard._quantized.QuantizedKernel.contract`) so the float kernel is
+        never whole in memory: ``w`` is then unused and ``jit`` drops its dequantization."""
+        source = read_whole(w)
+        plain = self.inner in (jax.lax.dot_general, jnp.einsum) and not rest and not any(
+            v is not None for v in kwargs.values())
+        if source is not None and plain and x.dtype == w.dtype:
+            return source.contract(eq, x, w.dtype)
+        if dims is None:
+            return self.inner(eq, x, w, *rest, **kwargs)
+        return self.inner(x, w, dims, *rest, **kwargs)
+
     def _folded(self, w: jax.Array) -> jax.Array:
         return (w + self.delta().astype(w.dtype)).astype(w.dtype)
+
+
+def _dot_equation(x_ndim: int, w_ndim: int, lc: tuple[int, ...], n_in: int) -> str:
+    """The einsum of ``dot_general(x, w, ((lc, range(n_in)), ((), ())))``.
+
+    >>> _dot_equation(3, 2, (2,), 1)
+    'abc,cd->abd'
+    """
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    xl = [next(letters) for _ in range(x_ndim)]
+    wl = [xl[i] for i in lc] + [next(letters) for _ in range(w_ndim - n_in)]
+    out = [c for i, c in enumerate(xl) if i not in lc] + wl[n_in:]
+    return f"{''.join(xl)},{''.join(wl)}->{''.join(out)}"
 
 
 def _nodes(model: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -371,7 +401,9 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     kernel's logical names) with float32 absmax scales per ``quant_block`` (64)
     entries of its last input axis and output channel, or per output channel with
     ``quant_block=None``; ``double_quant=True`` stores those scales in 8 bits too.
-    The reference models' projections dequantize it tile by tile inside the matmul.
+    The reference models' projections dequantize it tile by tile inside the matmul, and so
+    do stock layers running Flax's own op on the kernel in its dtype (their adapter
+    contracts the codes; ``jit`` drops the layer's unused whole ``kernel[...]`` read).
 
     Args:
       model: any NNX model (a reference model, or one holding ``nnx.Linear``,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -40,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nnx_shard._errors import NnxShardError, UsageError, short
 
 __all__ = ["QUANT_TYPES", "QuantSpec", "QuantizedKernel", "QuantizedValue", "check_blocks",
-           "check_quantize", "quantize_kernel"]
+           "check_quantize", "quantize_kernel", "read_whole"]
 
 #: The storage types of a quantized base, by name (qwix's qtypes).
 QUANT_TYPES: dict[str, Any] = {"nf4": "nf4", "int4": jnp.int4, "int8": jnp.int8}
@@ -214,7 +216,12 @@ class QuantizedKernel(nnx.Module):
 
     def dequantized(self) -> jax.Array:
         """The whole kernel in its dtype (``qwix.dequantize``)."""
-        return _dequantize(self.qvalue[...], self.float_scales(), self.qtype, self.dtype)
+        w = _dequantize(self.qvalue[...], self.float_scales(), self.qtype, self.dtype)
+        # A stock layer reads its kernel whole before calling the op its adapter wraps:
+        # the adapter finds the codes behind that array and contracts them tile by tile,
+        # leaving the whole dequantization unused (jit drops it).
+        _LAST_READ.pair = (weakref.ref(w), weakref.ref(self))
+        return w
 
     def contract(self, eq: str, x: jax.Array, dt: Any,
                  einsum: Callable[[str, jax.Array, jax.Array], jax.Array] | None = None
@@ -253,7 +260,8 @@ class QuantizedKernel(nnx.Module):
         return _tiled(tiling, x, codes, scales)
 
     def __getitem__(self, key: Any) -> jax.Array:
-        return self.dequantized()[key]
+        w = self.dequantized()
+        return w if key is Ellipsis else w[key]
 
     @property
     def value(self) -> jax.Array:
@@ -265,6 +273,28 @@ class QuantizedKernel(nnx.Module):
     def get_metadata(self, *args: Any, **kwargs: Any) -> Any:
         """The stored values' metadata (the kernel's logical names)."""
         return self.qvalue.get_metadata(*args, **kwargs)
+
+
+_LAST_READ = threading.local()
+
+
+def read_whole(w: Any) -> QuantizedKernel | None:
+    """The :class:`QuantizedKernel` whose last whole read on this thread (``kernel[...]``)
+    is the array ``w`` itself, else ``None``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import nnx_shard as ns
+    >>> q = ns.lora(nnx.Linear(128, 4, rngs=nnx.Rngs(0)), 2, 4.0, targets="kernel",
+    ...             quantize="nf4").kernel
+    >>> w = q[...]
+    >>> read_whole(w) is q, read_whole(w + 0) is None
+    (True, True)
+    """
+    pair = getattr(_LAST_READ, "pair", None)
+    if pair is None or pair[0]() is not w:
+        return None
+    return pair[1]()
 
 
 def _dequantize(codes: jax.Array, scales: jax.Array, qtype: str, dt: Any) -> jax.Array:

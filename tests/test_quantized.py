@@ -98,6 +98,46 @@ def test_contraction_dequantizes_tile_by_tile_without_a_float_kernel(spec):
         np.abs(np.asarray(g_ref)).max()))
 
 
+STOCK = {
+    "linear": lambda: nnx.Linear(1024, 4096, use_bias=False, rngs=nnx.Rngs(0)),
+    "linear_general": lambda: nnx.LinearGeneral((4, 256), 4096, axis=(-2, -1), use_bias=False,
+                                                rngs=nnx.Rngs(0)),
+    "einsum": lambda: nnx.Einsum("bi,io->bo", (1024, 4096), rngs=nnx.Rngs(0)),
+}
+
+
+@pytest.mark.parametrize(("layer", "quantize", "kw"), [
+    ("linear", "nf4", {"double_quant": True}), ("linear", "int8", {"quant_block": None}),
+    ("linear_general", "nf4", {}), ("einsum", "int4", {})])
+def test_stock_layer_dequantizes_tile_by_tile_without_a_float_kernel(layer, quantize, kw):
+    """Stock nnx.Linear / LinearGeneral / Einsum under QLoRA: their forward and backward
+    contract the codes tile by tile, never holding the float kernel, and compute what the
+    dequantized kernel and the adapter compute."""
+    model = ns.lora(STOCK[layer](), 4, 8.0, targets="kernel", quantize=quantize, **kw)
+    node = next(iter(adapters(model).values()))
+    node.lora_b[...] = 0.1 * jnp.ones(node.lora_b.shape)
+    x = jax.random.normal(jax.random.key(1), (8, 4, 256) if layer == "linear_general" else
+                          (8, 1024))
+
+    def loss(x, model):
+        return jnp.sum(jnp.sin(model(x)))
+
+    kernel_bytes = 1024 * 4096 * 4
+    step = nnx.jit(nnx.value_and_grad(loss))
+    temp = step.lower(x, model).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 0.6 * kernel_bytes, temp
+    xs = np.asarray(x).reshape(8, 1024)
+    w = np.asarray(model.kernel[...]).reshape(1024, 4096)
+    a, b = np.asarray(node.lora_a[...]).reshape(1024, 4), np.asarray(node.lora_b[...])
+    want = xs @ w + node.scale * (xs @ a) @ b
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(model, x))
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+    (y, g), g_ref = step(x, model), np.cos(want) @ (w + node.scale * a @ b).T
+    np.testing.assert_allclose(float(y), np.sin(want).sum(), rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(g).reshape(8, 1024), g_ref,
+                               atol=1e-4 * np.abs(g_ref).max())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["fsdp", "fsdp_tp"])
 def test_quantized_base_shards_codes_and_block_scales_by_the_kernels_names(preset):
