@@ -20,15 +20,13 @@ from nnx_shard import _safetensors_io as st
 from nnx_shard._annotate import path_str
 from nnx_shard._errors import ShardingError, UsageError, short
 from nnx_shard.models._families import (
-    GEMMA2_MAPPING,
     LLAMA_MAPPING,
     LLAMA_TIED_MAPPING,
-    OLMO2_MAPPING,
     MappingValue,
     family_of,
 )
 
-__all__ = ['GEMMA2_MAPPING', 'LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'OLMO2_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
+__all__ = ['LLAMA_MAPPING', 'LLAMA_TIED_MAPPING', 'TRANSFORMS', 'TRANSFORM_FNS', 'Leaf', 'MappingValue', 'Rule', 'compile_rules', 'hf_key', 'leaves_of', 'mapping_for', 'match', 'natural']
 
 
 def _keep(heads: Any, inner: Any) -> Any:

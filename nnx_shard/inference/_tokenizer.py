@@ -281,10 +281,8 @@ class Tokenizer:
       config: ``tokenizer_config.json``'s fields (special tokens, ``chat_template``).
       special_map: ``special_tokens_map.json``'s fields, read where the config lacks a
         special token.
-      generation: ``generation_config.json``'s fields (``eos_token_id``,
-        ``pad_token_id``).
-      chat_template: the chat template (a string, or transformers' list of named
-        templates), ``None`` without one.
+      generation: ``generation_config.json``'s fields (``eos_token_id``, ``pad_token_id``).
+      chat_template: the chat template (a string, or transformers' list), or ``None``.
 
     >>> import tempfile
     >>> import nnx_shard as ns

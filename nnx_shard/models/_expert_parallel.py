@@ -61,7 +61,7 @@ class Routing(NamedTuple):
 
     top_k: int
     renormalise: bool
-    activation: str
+    activation: Any
     dtype: Any
 
 
@@ -177,7 +177,7 @@ def _local(x: jax.Array, valid: jax.Array, router: jax.Array, gate: jax.Array, u
     h = rows[by_expert]
     g = jax.lax.ragged_dot(h, gate.astype(dtype), sizes)
     u = jax.lax.ragged_dot(h, up.astype(dtype), sizes)
-    act = jax.nn.silu(g) if routing.activation == "silu" else jax.nn.gelu(g, approximate=True)
+    act = routing.activation(g)
     out = jax.lax.ragged_dot(act * u, down.astype(dtype), sizes)
     if mlp:
         out = jax.lax.psum(out, mlp)

@@ -1,10 +1,13 @@
 """The model families :class:`~nnx_shard.models.Llama` serves, by ``config.json``'s
-``model_type``: each :class:`Family` names its transformers architecture, its table of
-Hugging Face tensor names, its fused tensors, its named configurations and the
-:class:`~nnx_shard.models.LlamaConfig` options it fixes. :func:`family_of` finds a
-family; :func:`register` adds one. The checkpoint readers and writers
-(:mod:`nnx_shard.hf`) and ``config.json``'s reading (:meth:`LlamaConfig.from_hf`)
-look a family up here, never guess it from the options.
+``model_type``. Each family is one module of :mod:`nnx_shard.models._family` that
+registers one :class:`Family` record: its transformers architecture, its table of
+Hugging Face tensor names and fused tensors, what its decoder is made of (the block
+class, its q/k norm, biases, norms, and the hooks on the embeddings and logits), the
+:class:`~nnx_shard.models.LlamaConfig` fields it has, the ``config.json`` keys it reads
+and its named configurations. The shared decoder (:mod:`nnx_shard.models._llama`), the
+checkpoint readers and writers (:mod:`nnx_shard.hf`) and ``config.json``'s reading
+(:meth:`LlamaConfig.from_hf`) look a family up here; none of them tests which family
+it is.
 
 The tables are plain data (regular expressions on the Hugging Face name -> model
 path, or ``(model path, transform)``, or ``None`` to skip), so that this floor holds
@@ -15,7 +18,7 @@ them and :mod:`nnx_shard.hf` applies them.
 >>> family_of("gpt2")
 Traceback (most recent call last):
 ...
-nnx_shard._errors.UsageError: model_type 'gpt2' is not a registered model family (known: llama, qwen3, qwen2, mistral, gemma, olmo2, gemma2, gemma3_text, phi3, mixtral, qwen3_moe). Fix: use a checkpoint or config of one of these, or register(Family(model_type='gpt2', ...)) for a new family.
+nnx_shard._errors.UsageError: model_type 'gpt2' is not a registered model family (known: gemma, gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe). Fix: use a checkpoint or config of one of these, or register(Family(model_type='gpt2', ...)) for a new family.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from typing import Any
 
 from nnx_shard._errors import UsageError, short
 
-__all__ = ["GEMMA2_MAPPING", "LLAMA_MAPPING", "LLAMA_TIED_MAPPING", "MIXTRAL_MAPPING",
-           "OLMO2_MAPPING", "QWEN3_MOE_MAPPING", "Family",
+__all__ = ["LAYER", "LLAMA_MAPPING", "LLAMA_TIED_MAPPING", "MOE_FIELDS", "OPTIONAL_FIELDS", "Family",
            "Fusion", "MappingValue", "family_of", "model_types", "register", "tied"]
 
 MappingValue = str | tuple[str, str] | None
 
-_L = r"model\.layers\.(\d+)\."
+#: The prefix of a layer's tensors, capturing the layer index.
+LAYER = r"model\.layers\.(\d+)\."
+_L = LAYER
 _HEAD = r"lm_head\.weight"
 #: Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` names -> paths of
 #: :class:`nnx_shard.models.Llama` (``blocks/<i>/...``: a model with
@@ -51,48 +55,6 @@ LLAMA_MAPPING: dict[str, MappingValue] = {
     r"model\.norm\.weight": "final_norm/scale",
     _HEAD: ("unembed", "transpose"),
 }
-#: ``Olmo2ForCausalLM``: norms after attention and MLP (its
-#: ``post_attention_layernorm`` is not Llama's pre-MLP norm) and one q/k norm over
-#: all heads (``[heads * head_dim]`` in the file).
-OLMO2_MAPPING: dict[str, MappingValue] = {
-    **{k: v for k, v in LLAMA_MAPPING.items()
-       if "layernorm" not in k and "_norm" not in k},
-    _L + r"post_attention_layernorm\.weight": r"blocks/\1/attn_post_norm/scale",
-    _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
-    _L + r"self_attn\.(q|k)_norm\.weight": (r"blocks/\1/attn/\2_norm/scale", "heads_bias"),
-}
-#: ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``: four norms per block (before and
-#: after attention and MLP); Gemma 3's per-head q/k norms as Qwen3's.
-GEMMA2_MAPPING: dict[str, MappingValue] = {
-    **{k: v for k, v in LLAMA_MAPPING.items() if "layernorm" not in k},
-    _L + r"input_layernorm\.weight": r"blocks/\1/attn_norm/scale",
-    _L + r"post_attention_layernorm\.weight": r"blocks/\1/attn_post_norm/scale",
-    _L + r"pre_feedforward_layernorm\.weight": r"blocks/\1/mlp_norm/scale",
-    _L + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
-}
-#: ``MixtralForCausalLM``: Llama's attention, and a sparse MoE MLP whose router is
-#: ``block_sparse_moe.gate`` and whose experts' ``w1`` / ``w3`` / ``w2`` (gate, up,
-#: down) stack into ``mlp/gate``, ``mlp/up``, ``mlp/down [experts, ...]``.
-MIXTRAL_MAPPING: dict[str, MappingValue] = {
-    **{k: v for k, v in LLAMA_MAPPING.items() if "mlp" not in k},
-    _L + r"block_sparse_moe\.gate\.weight": (r"blocks/\1/mlp/router", "transpose"),
-    _L + r"block_sparse_moe\.experts\.(\d+)\.w1\.weight": (r"blocks/\1/mlp/gate/\2",
-                                                          "transpose"),
-    _L + r"block_sparse_moe\.experts\.(\d+)\.w3\.weight": (r"blocks/\1/mlp/up/\2",
-                                                          "transpose"),
-    _L + r"block_sparse_moe\.experts\.(\d+)\.w2\.weight": (r"blocks/\1/mlp/down/\2",
-                                                          "transpose"),
-}
-#: ``Qwen3MoeForCausalLM``: Qwen3's attention; MoE layers' router ``mlp.gate`` and
-#: experts ``mlp.experts.<e>.{gate,up,down}_proj``, dense layers (``mlp_only_layers``)
-#: Llama's MLP names.
-QWEN3_MOE_MAPPING: dict[str, MappingValue] = {
-    **LLAMA_MAPPING,
-    _L + r"mlp\.gate\.weight": (r"blocks/\1/mlp/router", "transpose"),
-    _L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight": (r"blocks/\1/mlp/\3/\2",
-                                                              "transpose"),
-}
-
 # One tied table per table, made once: callers may compare tables by identity. Each entry
 # keeps its table alive, so that its id is never another table's.
 _TIED: dict[int, tuple[dict[str, MappingValue], dict[str, MappingValue]]] = {}
@@ -125,18 +87,46 @@ class Fusion:
     rows: tuple[int, ...]
 
 
-def _phi3_fusions(cfg: Any) -> list[Fusion]:
-    """Phi-3's ``qkv_proj`` and ``gate_up_proj``: q, k, v and gate, up stacked by rows."""
-    h, g, d, m = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp
-    return [Fusion("self_attn.qkv_proj.weight", tuple(f"self_attn.{p}_proj.weight"
-                                                      for p in "qkv"), (h * d, g * d, g * d)),
-            Fusion("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                   (m, m))]
+def _same(x: Any, cfg: Any) -> Any:
+    """The embeddings as looked up (most families)."""
+    return x
+
+
+def _float32(logits: Any, cfg: Any) -> Any:
+    """The logits cast to float32 for the softmax and the loss (most families)."""
+    return logits.astype("float32")
+
+
+def _as_written(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``config.json`` already in the shared spelling (most families)."""
+    return hf
+
+
+def _nothing_more(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """No fields beyond the shared ones."""
+    return {}
+
+
+def _no_keys(cfg: Any, out: dict[str, Any]) -> None:
+    """No ``config.json`` keys beyond the shared ones."""
+
+
+#: The :class:`~nnx_shard.models.LlamaConfig` fields only some families have, with the
+#: value that means "not there"; a family lists the ones it has in ``Family.fields``.
+OPTIONAL_FIELDS: dict[str, Any] = {
+    "attention_bias": False, "mlp_bias": False, "sliding_window": None,
+    "window_layers": None, "rope_local_theta": None, "query_scale": None,
+    "attn_softcap": None, "final_softcap": None, "experts": 0, "top_k": 2, "moe_mlp": None,
+    "norm_topk_prob": True, "sparse_step": 1, "mlp_only_layers": (),
+    "router_aux_loss_coef": 0.001, "output_router_logits": False,
+}
+#: The mixture-of-experts fields (every MoE family has them).
+MOE_FIELDS = ("experts", "top_k", "router_aux_loss_coef", "output_router_logits")
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family of :class:`~nnx_shard.models.Llama`.
+    """One model family of :class:`~nnx_shard.models.Llama`: what its module registers.
 
     Attributes:
       model_type: ``config.json``'s ``model_type``.
@@ -145,12 +135,27 @@ class Family:
       fused: the checkpoint tensors that stack several parameters, of a config
         (``None``: none).
       named_configs: the names in :data:`nnx_shard.models.CONFIGS` of this family.
-      options: the :class:`LlamaConfig` options the family fixes, as
-        :meth:`LlamaConfig.from_hf` sets them; an option left out is off. A
-        structural option (``post_norms``, ``sandwich_norms``) is refused with a
-        model type whose family does not have it.
+      block: the block class of its dense layers (pre-norm
+        :class:`~nnx_shard.models._llama.LlamaBlock`, or a post-norm or sandwich
+        variant); ``moe_block`` the one of its mixture-of-experts layers.
+      qk_norm: ``None``, ``"head"`` (an RMSNorm of each query and key head, Qwen3) or
+        ``"all"`` (one over all heads' features, OLMo 2), before the rotation.
+      qkv_bias: biases on q, k and v always, and none on o (Qwen2).
+      norm_offset: its RMSNorms scale by ``1 + weight`` (Gemma).
+      embed: ``(embeddings, cfg) -> embeddings`` after the lookup (Gemma scales them).
+      logits: ``(logits, cfg) -> float32 logits`` (Gemma 2 soft-caps them).
+      fields: the fields of :data:`OPTIONAL_FIELDS` its configuration may set (the
+        others keep their "not there" value: a config expresses only what its family
+        has).
+      hf_in: ``(config.json dict, where) -> dict``: the family's own spellings of
+        shared keys made the shared ones (Gemma's ``hidden_activation``, Phi-3's rotary
+        names), before the shared reading.
+      read: ``(config.json dict, where, shared fields) -> fields``: the family's own
+        fields, each checked (its window, soft-caps, ...).
+      write: ``(cfg, config.json dict) -> None``: adds the family's own keys to what
+        :meth:`LlamaConfig.to_hf` writes.
       hf_flags: the true / false keys of its ``config.json`` read into the
-        :class:`LlamaConfig` option of the same name and written back
+        :class:`LlamaConfig` field of the same name and written back
         (``attention_bias``, ``mlp_bias``).
       tied_default: ``tie_word_embeddings`` when the file leaves it out.
       moe: a mixture-of-experts family's ``config.json`` keys and transformers'
@@ -163,10 +168,28 @@ class Family:
     mapping: dict[str, MappingValue]
     fused: Callable[[Any], list[Fusion]] | None = None
     named_configs: tuple[str, ...] = ()
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    block: Any = None
+    moe_block: Any = None
+    qk_norm: str | None = None
+    qkv_bias: bool = False
+    norm_offset: bool = False
+    embed: Callable[[Any, Any], Any] = _same
+    logits: Callable[[Any, Any], Any] = _float32
+    fields: tuple[str, ...] = ()
+    hf_in: Callable[[dict[str, Any], str], dict[str, Any]] = _as_written
+    read: Callable[[Mapping[str, Any], str, dict[str, Any]], dict[str, Any]] = _nothing_more
+    write: Callable[[Any, dict[str, Any]], None] = _no_keys
     hf_flags: tuple[str, ...] = ()
     tied_default: bool = False
     moe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.fields) - set(OPTIONAL_FIELDS))
+        if unknown or self.qk_norm not in (None, "head", "all"):
+            raise UsageError(f"Family({self.model_type!r}): fields {unknown} are not optional "
+                             f"fields ({', '.join(OPTIONAL_FIELDS)}), or qk_norm="
+                             f"{self.qk_norm!r} is not None, 'head' or 'all'. Fix: list only "
+                             "those fields; qk_norm=None, 'head' or 'all'.")
 
     def table(self, tie_embeddings: bool) -> dict[str, MappingValue]:
         """Its mapping table, the tied one for tied embeddings.
@@ -195,12 +218,12 @@ def register(family: Family) -> Family:
 
 
 def model_types() -> tuple[str, ...]:
-    """The registered ``model_type`` values, in the order they were registered.
+    """The registered ``model_type`` values, sorted.
 
     >>> model_types()[:3]
-    ('llama', 'qwen3', 'qwen2')
+    ('gemma', 'gemma2', 'gemma3_text')
     """
-    return tuple(_FAMILIES)
+    return tuple(sorted(_FAMILIES))
 
 
 def family_of(model_type: Any) -> Family:
@@ -216,44 +239,3 @@ def family_of(model_type: Any) -> Family:
             f"{', '.join(_FAMILIES)}). Fix: use a checkpoint or config of one of these, or "
             f"register(Family(model_type={short(model_type, 40)}, ...)) for a new family.")
     return family
-
-
-# -- the families ---------------------------------------------------------------------
-# Gemma's families tie the embeddings by default and scale them, and offset their norms.
-_GEMMA = {"embed_scale": True, "norm_offset": True}
-_BIASES = ("attention_bias",)
-
-register(Family("llama", ("LlamaForCausalLM",), LLAMA_MAPPING,
-                named_configs=("llama-tiny", "llama3-8b", "llama3-70b", "llama3-405b"),
-                hf_flags=("attention_bias", "mlp_bias")))
-register(Family("qwen3", ("Qwen3ForCausalLM",), LLAMA_MAPPING,
-                named_configs=("qwen3-tiny", "qwen3-0.6b"), options={"qk_norm": True},
-                hf_flags=_BIASES))
-# Qwen2 always has q/k/v biases and no o bias.
-register(Family("qwen2", ("Qwen2ForCausalLM",), LLAMA_MAPPING,
-                named_configs=("qwen2.5-7b",), options={"qkv_bias": True}))
-register(Family("mistral", ("MistralForCausalLM",), LLAMA_MAPPING,
-                named_configs=("mistral-7b",)))
-register(Family("gemma", ("GemmaForCausalLM",), LLAMA_MAPPING, options=_GEMMA,
-                hf_flags=_BIASES, tied_default=True))
-register(Family("olmo2", ("Olmo2ForCausalLM",), OLMO2_MAPPING,
-                options={"qk_norm": True, "qk_norm_full": True, "post_norms": True},
-                hf_flags=_BIASES))
-register(Family("gemma2", ("Gemma2ForCausalLM",), GEMMA2_MAPPING,
-                named_configs=("gemma2-9b",), options={**_GEMMA, "sandwich_norms": True},
-                hf_flags=_BIASES, tied_default=True))
-register(Family("gemma3_text", ("Gemma3ForCausalLM",), GEMMA2_MAPPING,
-                options={**_GEMMA, "sandwich_norms": True, "qk_norm": True},
-                hf_flags=_BIASES, tied_default=True))
-# Phi-3 stores q/k/v and gate/up fused; split into Llama's names on reading.
-register(Family("phi3", ("Phi3ForCausalLM",), LLAMA_MAPPING, fused=_phi3_fusions))
-# Mixture-of-experts families: per-expert tensors stack into [experts, ...] parameters.
-_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "output_router_logits": False}
-register(Family("mixtral", ("MixtralForCausalLM",), MIXTRAL_MAPPING,
-                named_configs=("mixtral-8x7b",),
-                moe={"num_local_experts": 8, **_MOE}))
-register(Family("qwen3_moe", ("Qwen3MoeForCausalLM",), QWEN3_MOE_MAPPING,
-                named_configs=("qwen3-30b-a3b",), options={"qk_norm": True}, hf_flags=_BIASES,
-                moe={"num_experts": 128, **_MOE, "num_experts_per_tok": 8,
-                     "moe_intermediate_size": 768, "norm_topk_prob": False,
-                     "decoder_sparse_step": 1, "mlp_only_layers": []}))

@@ -14,6 +14,7 @@ Hugging Face mappings and rules tables address them alike.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -24,7 +25,14 @@ from flax import nnx
 from nnx_shard._annotate import with_logical
 from nnx_shard.models._ops import whole
 
-__all__ = ["RMSNorm", "dense_init", "new_param"]
+__all__ = ["ACTIVATION_FNS", "RMSNorm", "dense_init", "new_param"]
+
+#: The gated MLP's activations, by transformers' ``hidden_act`` name (dense and expert
+#: MLPs alike).
+ACTIVATION_FNS: dict[str, Any] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
 
 
 def new_param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[Any, ...],

@@ -1,19 +1,19 @@
-"""A Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Gemma, Gemma 2/3, OLMo 2, Phi-3,
-and the mixtures of experts Mixtral and Qwen3-MoE) annotated only with logical names.
+"""The shared decoder of every model family (Llama 2/3, Qwen2/3, Mistral, Gemma, Gemma 2/3,
+OLMo 2, Phi-3, and the mixtures of experts Mixtral and Qwen3-MoE), annotated only with
+logical names.
 
-The architecture of Hugging Face's ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``:
-token embedding, ``layers`` pre-norm blocks (RMSNorm, grouped-query attention
-with rotary position embeddings, RMSNorm, SwiGLU MLP), a final RMSNorm and an
-output projection (optionally tied to the embedding). Qwen3 adds an RMSNorm of
-each query and key head before the rotation and an explicit ``head_dim``;
-Qwen2 biases on q/k/v only; Mistral a sliding window (a band in the attention
-mask, and in the cache's when decoding); Gemma a GELU-tanh MLP, embeddings
-scaled by ``sqrt(embed)`` and RMSNorm by ``1 + weight``; OLMo 2 norms after
-attention and MLP (not before) and one q/k norm over all heads; Gemma 2 / 3 four
-norms per block, soft-capped scores and logits and sliding layers among global ones
-(Gemma 3 with their own rotary base); Phi-3 Llama's blocks with fused q/k/v and
-gate/up tensors in its checkpoints: options of one model, each family registered
-by ``model_type`` in :mod:`nnx_shard.models._families`.
+The architecture of Hugging Face's ``LlamaForCausalLM``: token embedding, ``layers``
+blocks (RMSNorm, grouped-query attention with rotary position embeddings, RMSNorm,
+gated MLP), a final RMSNorm and an output projection (optionally tied to the
+embedding). What a family changes comes from its record
+(:class:`~nnx_shard.models._families.Family`, one module each in
+:mod:`nnx_shard.models._family`), never from a test of which family it is: its block
+class (:class:`LlamaBlock` pre-norm, :class:`PostNormBlock` for OLMo 2,
+:class:`SandwichBlock` for Gemma 2 / 3, :class:`LlamaMoEBlock` for the MoE layers), its
+q/k norm and biases, its norm's offset, and hooks on the embeddings (Gemma's scale)
+and the logits (Gemma 2's soft-cap). Attention options that are values (a sliding
+window, in every layer or in some; a score soft-cap; a query scale) are fields of the
+config, which a family allows or refuses.
 :meth:`LlamaConfig.from_hf` reads a transformers ``config.json``;
 :func:`nnx_shard.hf.load_safetensors` fills the parameters from a Hugging Face
 checkpoint.
@@ -33,7 +33,7 @@ divides, and replicate the key/value projections where it does not (e.g. 8
 key/value heads on a model axis of 16): the rule is ``[model, None]``.
 
 >>> from flax import nnx
->>> cfg = LLAMA_CONFIGS["llama-tiny"]
+>>> cfg = LlamaConfig()
 >>> model = Llama(cfg, rngs=nnx.Rngs(0))
 >>> model(jnp.zeros((2, 16), jnp.int32)).shape
 (2, 16, 128)
@@ -57,10 +57,9 @@ from nnx_shard._mesh import option
 from nnx_shard._parallel import pipeline
 from nnx_shard._parallel.collective_matmul import check_tokens
 from nnx_shard.models import _kv_cache as kv_cache
-from nnx_shard.models._hf_config import MODEL_TYPES as MODEL_TYPES
-from nnx_shard.models._layers import RMSNorm, dense_init, new_param
-from nnx_shard.models._llama_config import LLAMA_CONFIGS, LlamaConfig
+from nnx_shard.models._layers import ACTIVATION_FNS, RMSNorm, dense_init, new_param
 from nnx_shard.models._llama_config import ROPE_TYPES as ROPE_TYPES
+from nnx_shard.models._llama_config import LlamaConfig
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
 from nnx_shard.models._moe import LlamaMoE, RouterStats, add_stats, aux_loss, no_stats
 from nnx_shard.models._ops import constrain, einsum, lookup, project, whole
@@ -74,11 +73,12 @@ from nnx_shard.models._transformer import (
 )
 from nnx_shard.models._transformer_config import remat_policy
 
-__all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig"]
+__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "LlamaMoEBlock", "PostNormBlock",
+           "SandwichBlock"]
 
 def _norm(cfg: LlamaConfig, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
     return RMSNorm(size, names, cfg.norm_eps, cfg.dtype, cfg.param_dtype, rngs=rngs,
-                   offset=cfg.norm_offset)
+                   offset=cfg.family.norm_offset)
 
 
 def _bias(rngs: nnx.Rngs, on: bool, shape: tuple[int, ...], names: tuple[Any, ...],
@@ -126,7 +126,7 @@ class LlamaAttention(nnx.Module):
     per-head q/k norm). Q/K/V split column-wise over ``heads`` / ``kv_heads``,
     O row-wise over ``heads``. Transformers' ``LlamaAttention``.
 
-    >>> attn = LlamaAttention(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+    >>> attn = LlamaAttention(LlamaConfig(), rngs=nnx.Rngs(0))
     >>> attn.q.shape, attn.k.shape       # [embed, heads, head_dim], [embed, kv_heads, head_dim]
     ((32, 4, 8), (32, 2, 8))
     """
@@ -140,17 +140,17 @@ class LlamaAttention(nnx.Module):
         self.k = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
         self.v = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
         self.o = new_param(rngs, dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
-        bias = cfg.attention_bias or cfg.qkv_bias
+        bias = cfg.attention_bias or cfg.family.qkv_bias
         self.q_bias = _bias(rngs, bias, (h, k), ("heads", "kv"), dt)
         self.k_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
         self.v_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
         self.o_bias = _bias(rngs, cfg.attention_bias, (e,), ("embed",), dt)
+        qk_norm = cfg.family.qk_norm
+
         def norm(n: int, name: str) -> RMSNorm | None:
-            if not cfg.qk_norm:
-                return None
             # OLMo 2 normalizes all heads' features together, Qwen3 each head's.
-            return _norm(cfg, (n, k), (name, "kv"), rngs) if cfg.qk_norm_full \
-                else _norm(cfg, k, ("kv",), rngs)
+            return {None: lambda: None, "all": lambda: _norm(cfg, (n, k), (name, "kv"), rngs),
+                    "head": lambda: _norm(cfg, k, ("kv",), rngs)}[qk_norm]()
 
         self.q_norm: RMSNorm | None = nnx.data(norm(h, "heads"))
         self.k_norm: RMSNorm | None = nnx.data(norm(g, "kv_heads"))
@@ -226,7 +226,7 @@ class LlamaMLP(nnx.Module):
     Gemma); gate and up split column-wise, down row-wise over ``mlp``. Transformers'
     ``LlamaMLP``.
 
-    >>> mlp = LlamaMLP(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+    >>> mlp = LlamaMLP(LlamaConfig(), rngs=nnx.Rngs(0))
     >>> mlp(jnp.ones((1, 4, 32))).shape
     (1, 4, 32)
     """
@@ -242,7 +242,7 @@ class LlamaMLP(nnx.Module):
         self.gate_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
         self.up_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
         self.down_bias = _bias(rngs, cfg.mlp_bias, (e,), ("embed",), dt)
-        self.activation = cfg.activation
+        self.activation = ACTIVATION_FNS[cfg.activation]
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
@@ -254,34 +254,38 @@ class LlamaMLP(nnx.Module):
                  self.gate_bias, dt)
         u = _add(project("ble,em->blm", x, self, "up", dt, hidden, seq="l", **off),
                  self.up_bias, dt)
-        act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        act = self.activation(g)
         return _add(project("blm,me->ble", act * u, self, "down", dt, RESIDUAL, seq="l", **off),
                     self.down_bias, dt)
 
 
 class LlamaBlock(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (norms after
-    attention and MLP instead, or both, as the config says). Transformers'
-    ``LlamaDecoderLayer``; :class:`Llama` holds ``cfg.layers`` of them in ``blocks``.
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. Transformers'
+    ``LlamaDecoderLayer``; :class:`Llama` holds ``cfg.layers`` of the family's block
+    class (``Family.block``) in ``blocks``. :class:`PostNormBlock` and
+    :class:`SandwichBlock` place the norms differently; the forward pass is the same,
+    each norm applied where the variant has it.
 
-    >>> block = LlamaBlock(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+    >>> block = LlamaBlock(LlamaConfig(), rngs=nnx.Rngs(0))
     >>> type(block.attn).__name__, type(block.mlp).__name__, block.attn_norm.scale.shape
     ('LlamaAttention', 'LlamaMLP', (32,))
     """
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
-        def norm() -> RMSNorm:
-            return _norm(cfg, cfg.embed, ("embed",), rngs)
+    #: Norms before attention and MLP (on their inputs) and after (on their outputs).
+    pre_norms, post_norms = True, False
+    #: Norm weights of ``embed`` entries per block (``LlamaConfig.num_params``).
+    norms = 2
 
-        pre, post = (None, norm) if cfg.post_norms else (norm, None)
-        if cfg.sandwich_norms:
-            pre = post = norm
-        self.attn_norm: RMSNorm | None = nnx.data(pre and pre())
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+        def norm(on: bool) -> RMSNorm | None:
+            return _norm(cfg, cfg.embed, ("embed",), rngs) if on else None
+
+        self.attn_norm: RMSNorm | None = nnx.data(norm(self.pre_norms))
         self.attn = LlamaAttention(cfg, rngs=rngs)
-        self.attn_post_norm: RMSNorm | None = nnx.data(post and post())
-        self.mlp_norm: RMSNorm | None = nnx.data(pre and pre())
+        self.attn_post_norm: RMSNorm | None = nnx.data(norm(self.post_norms))
+        self.mlp_norm: RMSNorm | None = nnx.data(norm(self.pre_norms))
         self.mlp: Any = self._mlp(cfg, rngs)
-        self.mlp_post_norm: RMSNorm | None = nnx.data(post and post())
+        self.mlp_post_norm: RMSNorm | None = nnx.data(norm(self.post_norms))
 
     def _mlp(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> Any:
         return LlamaMLP(cfg, rngs=rngs)
@@ -307,6 +311,31 @@ class LlamaBlock(nnx.Module):
         x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
         y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED), deterministic=True)
         return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
+
+
+class PostNormBlock(LlamaBlock):
+    """OLMo 2's block: ``x + norm(attn(x))``, then ``x + norm(mlp(x))`` (norms on the
+    outputs only; ``attn_post_norm``, ``mlp_post_norm``).
+
+    >>> block = PostNormBlock(LlamaConfig(model_type="olmo2"), rngs=nnx.Rngs(0))
+    >>> block.attn_norm is None, block.attn_post_norm.scale.shape
+    (True, (32,))
+    """
+
+    pre_norms, post_norms = False, True
+
+
+class SandwichBlock(LlamaBlock):
+    """Gemma 2 / 3's block: four norms, on the inputs and on the outputs of attention
+    and MLP: ``x + post(attn(pre(x)))``, then ``x + post(mlp(pre(x)))``.
+
+    >>> block = SandwichBlock(LlamaConfig(model_type="gemma2"), rngs=nnx.Rngs(0))
+    >>> block.attn_norm.scale.shape, block.mlp_post_norm.scale.shape
+    ((32,), (32,))
+    """
+
+    pre_norms, post_norms = True, True
+    norms = 4
 
 
 class LlamaMoEBlock(LlamaBlock):
@@ -337,7 +366,9 @@ class LlamaMoEBlock(LlamaBlock):
 
 
 def _block(cfg: LlamaConfig, i: int, rngs: nnx.Rngs) -> LlamaBlock:
-    return (LlamaMoEBlock if cfg.moe_layers()[i] else LlamaBlock)(cfg, rngs=rngs)
+    family = cfg.family
+    block: type[LlamaBlock] = family.moe_block if cfg.moe_layers()[i] else family.block
+    return block(cfg, rngs=rngs)
 
 
 def _mixed(cfg: LlamaConfig) -> bool:
@@ -349,8 +380,8 @@ def _mixed(cfg: LlamaConfig) -> bool:
 def _block_runner(cfg: LlamaConfig, length: int) -> Any:
     every_local = all(cfg.local_layers())
     tables = rotary_tables(cfg, length, every_local)
-    local_tables = (rotary_tables(cfg, length, True) if _mixed(cfg) and cfg.rope_local_theta
-                    else None)
+    # Mixed layers take their tables by their flag (equal tables without a local base).
+    local_tables = rotary_tables(cfg, length, True) if _mixed(cfg) else None
 
     def call(block: LlamaBlock, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
         if extras.positions is None:
@@ -372,8 +403,9 @@ class Llama(nnx.Module):
     """Llama-family decoder LM: ``int32 [batch, length] -> float32 logits [batch,
     length, vocab]``, for the families of ``config.json``'s ``model_type`` (``llama``:
     Llama 2/3; ``qwen2``, ``qwen3``, ``mistral``, ``gemma``, ``gemma2``, ``gemma3_text``,
-    ``olmo2``, ``phi3``, ``mixtral``, ``qwen3_moe``), as :class:`LlamaConfig` options; sliding
-    windows (in every layer, or Gemma 2 / 3's in some) are part of the model.
+    ``olmo2``, ``phi3``, ``mixtral``, ``qwen3_moe``), each built of its family's parts
+    (``cfg.family``); sliding windows (in every layer, or Gemma 2 / 3's in some) are
+    part of the model.
 
     Parameter paths (``blocks/<i>/...``, or ``blocks/...`` stacked on a leading
     ``layers`` axis with ``scan_layers``): ``token_embed [vocab, embed]``,
@@ -498,9 +530,7 @@ class Llama(nnx.Module):
             h = lookup(adapter.lora_a[...].astype(cfg.dtype), tokens, (*RESIDUAL[:-1], None))
             h = h * jnp.asarray(adapter.scale, cfg.dtype)
             x = x + einsum("blz,ze->ble", h, adapter.lora_b[...].astype(cfg.dtype), RESIDUAL)
-        if cfg.embed_scale:  # the factor rounded to the parameters' dtype, as transformers
-            x = x * jnp.asarray(math.sqrt(cfg.embed), cfg.param_dtype).astype(cfg.dtype)
-        return x
+        return cfg.family.embed(x, cfg)
 
     def _logits(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
         cfg = self.cfg
@@ -511,22 +541,19 @@ class Llama(nnx.Module):
         else:
             logits = project("ble,ev->blv", x, self, "unembed", cfg.dtype, names,
                              deterministic=deterministic)
-        if cfg.final_softcap is not None:  # Gemma 2's, in float32 as transformers
-            cap = cfg.final_softcap
-            return cap * jnp.tanh(logits.astype(jnp.float32) / cap)
-        # The product comes out in the compute dtype and is cast up for the softmax and
-        # the loss (as MaxText does by default): asking the matmul for float32 output
-        # (preferred_element_type) made XLA's partitioner all-gather the unembedding's
-        # float32 gradient under fsdp (more gathered bytes than casting after;
-        # docs/guides/fine-tuning.md).
-        return logits.astype(jnp.float32)
+        # The product comes out in the compute dtype and the family's hook casts it up for
+        # the softmax and the loss (as MaxText does by default): asking the matmul for
+        # float32 output (preferred_element_type) made XLA's partitioner all-gather the
+        # unembedding's float32 gradient under fsdp (more gathered bytes than casting
+        # after; docs/guides/fine-tuning.md).
+        return cfg.family.logits(logits, cfg)
 
     def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
                  positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """The logits of :meth:`forward` (same arguments).
 
-        >>> model = Llama(LLAMA_CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))
+        >>> model = Llama(LlamaConfig(), rngs=nnx.Rngs(0))
         >>> a, b = jnp.arange(1, 5, dtype=jnp.int32)[None], jnp.arange(9, 13, dtype=jnp.int32)[None]
         >>> packed = model(jnp.concatenate([a, b], 1), segment_ids=jnp.array([[1] * 4 + [2] * 4]))
         >>> bool(jnp.allclose(packed[:, 4:], model(b), atol=1e-4))   # b as if alone
@@ -603,7 +630,7 @@ class Llama(nnx.Module):
         local_tables = None
         if attention_mask is None:
             cos, sin = rotary_at(cfg, index, steps, every_local)
-            if mixed and cfg.rope_local_theta:
+            if mixed:
                 local_tables = rotary_at(cfg, index, steps, True)
         else:
             positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
@@ -616,7 +643,7 @@ class Llama(nnx.Module):
                 return times(jnp.cos(emb), factor), times(jnp.sin(emb), factor)
 
             cos, sin = tables(every_local)
-            if mixed and cfg.rope_local_theta:
+            if mixed:
                 local_tables = tables(True)
         x = self._embed(tokens)
         flags = np.asarray(cfg.local_layers()) if mixed else None

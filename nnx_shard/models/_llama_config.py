@@ -1,11 +1,11 @@
 """The configuration of :class:`~nnx_shard.models.Llama`: :class:`LlamaConfig`
-(sizes and options; :meth:`LlamaConfig.from_hf` reads a transformers
-``config.json``, :meth:`LlamaConfig.to_hf` writes one) and the named
-configurations :data:`LLAMA_CONFIGS` (read them with
-:func:`nnx_shard.models.get_config`).
+(sizes, and the fields its family has; :meth:`LlamaConfig.from_hf` reads a
+transformers ``config.json``, :meth:`LlamaConfig.to_hf` writes one). Each family's
+module (:mod:`nnx_shard.models._family`) holds its named configurations (read them
+with :func:`nnx_shard.models.get_config`).
 
->>> LLAMA_CONFIGS["llama-tiny"].kv_heads
-2
+>>> LlamaConfig(model_type="qwen3").family.qk_norm
+'head'
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 import jax.numpy as jnp
 
 from nnx_shard._errors import NnxShardError, UsageError, count, short
-from nnx_shard.models._families import family_of
-from nnx_shard.models._hf_config import ACTIVATIONS, MODEL_TYPES, hf_config, hf_fields, read_json
+from nnx_shard.models._families import OPTIONAL_FIELDS, Family, family_of, model_types
+from nnx_shard.models._hf_config import ACTIVATIONS, hf_config, hf_fields, read_json
 from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._rope import checked
 from nnx_shard.models._transformer_config import check_fields, check_kernel_and_remat
 
-__all__ = ["LLAMA_CONFIGS", "LlamaConfig"]
+__all__ = ["BIG", "LLAMA31_ROPE", "LlamaConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,19 +56,10 @@ class LlamaConfig:
       norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
       tie_embeddings: reuse the token embedding as the output projection
         (``tie_word_embeddings``).
-      qk_norm: RMSNorm of each query and key head before the rotation (Qwen3).
-      attention_bias: biases on the q, k, v and o projections.
-      qkv_bias: biases on the q, k and v projections only (Qwen2).
+      attention_bias: biases on the q, k, v and o projections (the families whose
+        ``config.json`` has ``attention_bias``).
       activation: the gated MLP's activation, one of :data:`ACTIVATIONS`
         (``hidden_act``: ``"silu"``, or Gemma's ``"gelu_pytorch_tanh"``).
-      embed_scale: multiply the token embeddings by ``sqrt(embed)`` (Gemma;
-        the factor rounded to the parameters' dtype, as transformers does).
-      norm_offset: every RMSNorm scales by ``1 + weight`` (Gemma; its weights
-        start at 0).
-      post_norms: each block normalizes the attention's and the MLP's outputs
-        before adding them to the residual, and not their inputs (OLMo 2).
-      qk_norm_full: with ``qk_norm``, one RMSNorm over all the heads' queries
-        (keys) together rather than one per head (OLMo 2).
       sliding_window: ``None``, or the keys each query sees: itself and the
         ``sliding_window - 1`` before it (Mistral's ``sliding_window``, Qwen2's
         with ``use_sliding_window``), in every layer, or in the layers
@@ -78,8 +69,6 @@ class LlamaConfig:
         to every earlier key).
       rope_local_theta: ``None``, or the rotary base of the sliding layers (Gemma 3's
         ``rope_local_base_freq``; the others use ``rope_theta``).
-      sandwich_norms: each block normalizes the attention's and the MLP's inputs and
-        outputs (Gemma 2 / 3's four norms per block).
       query_scale: ``None``, or the attention scores' divisor's square
         (``query_pre_attn_scalar``: scores are ``q.k / sqrt(query_scale)``, not
         ``/ sqrt(head_dim)``).
@@ -92,13 +81,13 @@ class LlamaConfig:
         the rotation itself works at any length; ``dynamic`` scaling grows its
         base past it, and ``longrope`` / ``yarn`` without a ``factor`` take it
         over ``original_max_position_embeddings`` as theirs).
-      model_type: one of :data:`MODEL_TYPES` (``"llama"``, ``"qwen3"``,
+      model_type: one of the registered families (``"llama"``, ``"qwen3"``,
         ``"qwen2"``, ``"mistral"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``,
         ``"olmo2"``, ``"phi3"``, ``"mixtral"``, ``"qwen3_moe"``): the family (:mod:`nnx_shard.models._families`):
         the ``config.json`` that :meth:`to_hf` writes and the checkpoint's tensor
-        names. ``post_norms`` is OLMo 2's and ``sandwich_norms`` Gemma 2 / 3's:
-        either with another family's type is refused, as are ``post_norms`` with
-        ``sandwich_norms`` and ``qkv_bias`` with ``attention_bias``.
+        names, and what its decoder is made of (its block, q/k norm, biases, norm
+        and embedding scale). A field the family does not have (Gemma 2's soft-caps on
+        a Llama, experts on a dense family) is refused, naming the families that have it.
       experts: ``0`` (a dense model), or the experts of each MoE layer (Mixtral's
         ``num_local_experts``, Qwen3-MoE's ``num_experts``): those layers' MLP is
         the sparse :class:`~nnx_shard.models._moe.LlamaMoE`.
@@ -142,19 +131,12 @@ class LlamaConfig:
     rope_scaling: Any = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    qk_norm: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    qkv_bias: bool = False
     activation: str = "silu"
-    embed_scale: bool = False
-    norm_offset: bool = False
-    post_norms: bool = False
-    qk_norm_full: bool = False
     sliding_window: int | None = None
     window_layers: Any = None
     rope_local_theta: float | None = None
-    sandwich_norms: bool = False
     query_scale: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -177,9 +159,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
                             "max_length"), positive=("rope_theta", "norm_eps"),
-                     flags=("tie_embeddings", "qk_norm", "attention_bias", "mlp_bias",
-                            "qkv_bias", "embed_scale", "norm_offset", "post_norms", "qk_norm_full",
-                            "sandwich_norms", "scan_layers"))
+                     flags=("tie_embeddings", "attention_bias", "mlp_bias", "scan_layers"))
         for name in ("rope_local_theta", "query_scale", "attn_softcap", "final_softcap"):
             _optional_real(self, name)
         if self.activation not in ACTIVATIONS:
@@ -201,11 +181,11 @@ class LlamaConfig:
                              "embedding rotates pairs of features). Fix: e.g. "
                              f"head_dim={self.head_dim + 1}.")
         check_kernel_and_remat(self)
-        if self.model_type not in MODEL_TYPES:
-            raise UsageError(f"LlamaConfig.model_type={self.model_type!r}; valid: "
-                             f"{', '.join(MODEL_TYPES)}. Fix: e.g. model_type='llama'.")
-        _check_contradictions(self)
+        if self.model_type not in model_types():
+            raise UsageError(f"LlamaConfig.model_type={short(self.model_type, 40)}; valid: "
+                             f"{', '.join(model_types())}. Fix: e.g. model_type='llama'.")
         _check_experts(self)
+        _check_family(self)
         # Hashable (the config is static metadata of the module's graph).
         object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling, self.head_dim))
         object.__setattr__(self, "window_layers", _window_layers(self))
@@ -219,19 +199,30 @@ class LlamaConfig:
         8.03
         """
         e, h, g, d, m = self.embed, self.heads, self.kv_heads, self.head_dim, self.mlp
+        family = self.family
         attn = 2 * e * h * d + 2 * e * g * d
-        if self.attention_bias or self.qkv_bias:
+        if self.attention_bias or family.qkv_bias:
             attn += h * d + 2 * g * d
         if self.attention_bias:
             attn += e
-        if self.qk_norm:
-            attn += (h * d + g * d) if self.qk_norm_full else 2 * d
+        attn += {None: 0, "head": 2 * d, "all": h * d + g * d}[family.qk_norm]
         ffn = 3 * e * m + ((2 * m + e) if self.mlp_bias else 0)
-        block = attn + ffn + (4 if self.sandwich_norms else 2) * e
+        block = attn + ffn + family.block.norms * e
         unembed = 0 if self.tie_embeddings else e * self.vocab
         sparse = sum(self.moe_layers())
         moe = e * self.experts + 3 * e * self.expert_mlp * self.experts - ffn
         return self.vocab * e + self.layers * block + sparse * moe + e + unembed
+
+    @property
+    def family(self) -> Family:
+        """The registered family of :attr:`model_type`
+        (:func:`~nnx_shard.models._families.family_of`): what the decoder is built of.
+
+        >>> from nnx_shard.models import get_config
+        >>> get_config("qwen3-tiny").family.qk_norm
+        'head'
+        """
+        return family_of(self.model_type)
 
     @property
     def active_params(self) -> int:
@@ -261,7 +252,7 @@ class LlamaConfig:
         """Which layers have the sparse MoE MLP (none without experts).
 
         >>> from nnx_shard.models import LlamaConfig
-        >>> LlamaConfig(layers=3, experts=4, mlp_only_layers=(1,)).moe_layers()
+        >>> LlamaConfig(layers=3, experts=4, mlp_only_layers=(1,), model_type="qwen3_moe").moe_layers()
         (True, False, True)
         """
         return tuple(bool(self.experts) and i not in self.mlp_only_layers
@@ -307,8 +298,8 @@ class LlamaConfig:
         ...       "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
         ...       "rope_theta": 1e6, "tie_word_embeddings": True}
         >>> cfg = LlamaConfig.from_hf(hf, scan_layers=True)
-        >>> cfg.head_dim, cfg.qk_norm, cfg.tie_embeddings, cfg.scan_layers
-        (8, True, True, True)
+        >>> cfg.head_dim, cfg.family.qk_norm, cfg.tie_embeddings, cfg.scan_layers
+        (8, 'head', True, True)
         >>> LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
         ...     "original_max_position_embeddings": 32768}}).rope_scaling
         (('factor', 4.0), ('original_max_position_embeddings', 32768), ('rope_type', 'yarn'))
@@ -336,7 +327,8 @@ class LlamaConfig:
         and a window; none without a window).
 
         >>> from nnx_shard.models import LlamaConfig
-        >>> LlamaConfig(layers=3, sliding_window=4, window_layers=(True, False, True)).local_layers()
+        >>> LlamaConfig(layers=3, sliding_window=4, window_layers=(True, False, True),
+        ...             model_type="gemma2").local_layers()
         (True, False, True)
         """
         if self.sliding_window is None:
@@ -354,26 +346,18 @@ class LlamaConfig:
         return hf_config(self)
 
 
-def _check_contradictions(cfg: LlamaConfig) -> None:
-    """Refuses options that contradict each other, or the family of ``cfg.model_type``."""
-    if cfg.post_norms and cfg.sandwich_norms:
-        raise UsageError("LlamaConfig: post_norms=True (OLMo 2: norms after attention and MLP "
-                         "only) contradicts sandwich_norms=True (Gemma 2 / 3: norms before and "
-                         "after). Fix: set one of them, post_norms=False or "
-                         "sandwich_norms=False.")
-    if cfg.qkv_bias and cfg.attention_bias:
-        raise UsageError("LlamaConfig: qkv_bias=True (biases on q, k and v only, Qwen2) "
-                         "contradicts attention_bias=True (biases on q, k, v and o). Fix: set "
-                         "one of them: attention_bias=True for an o bias too, else "
-                         "qkv_bias=True.")
-    family = family_of(cfg.model_type)
-    for name in ("post_norms", "sandwich_norms"):
-        if getattr(cfg, name) and not family.options.get(name):
-            has = [t for t in MODEL_TYPES if family_of(t).options.get(name)]
-            raise UsageError(f"LlamaConfig: {name}=True is not part of model_type="
-                             f"{cfg.model_type!r} (its checkpoints have no such norms; "
-                             f"{' and '.join(has)} have them). Fix: model_type="
-                             f"{has[0]!r}, or {name}=False.")
+def _check_family(cfg: LlamaConfig) -> None:
+    """Refuses a field the family of ``cfg.model_type`` does not have (its value other
+    than the one meaning "not there"), naming the families that have it."""
+    family = cfg.family
+    for name, absent in OPTIONAL_FIELDS.items():
+        if name in family.fields or getattr(cfg, name) == absent:
+            continue
+        has = [t for t in model_types() if name in family_of(t).fields]
+        raise UsageError(f"LlamaConfig: {name}={short(getattr(cfg, name), 40)} is not part of "
+                         f"model_type={cfg.model_type!r} (its checkpoints have no such thing; "
+                         f"{', '.join(has)} have it). Fix: model_type={has[0]!r}, or leave "
+                         f"{name} out ({name}={absent!r}).")
 
 
 def _check_experts(cfg: LlamaConfig) -> None:
@@ -438,80 +422,14 @@ def _scaling(value: Any, head_dim: int) -> tuple[tuple[str, Any], ...] | None:
     if not isinstance(value, Mapping | tuple | list):
         raise UsageError(f"LlamaConfig.rope_scaling must be None or a dict, got "
                          f"{short(value, 60)} ({type(value).__name__}). Fix: e.g. "
-                         f"rope_scaling={_LLAMA31_ROPE}")
+                         f"rope_scaling={LLAMA31_ROPE}")
     try:
         items = dict(value)
     except (TypeError, ValueError):
         raise UsageError(f"LlamaConfig.rope_scaling must be None or a dict, got "
-                         f"{short(value, 60)}. Fix: e.g. rope_scaling={_LLAMA31_ROPE}") from None
+                         f"{short(value, 60)}. Fix: e.g. rope_scaling={LLAMA31_ROPE}") from None
     out = checked(items, "LlamaConfig", "rope_scaling", head_dim)
     return None if out is None else tuple(sorted(out.items()))
-
-
-_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-_BIG = dict(scan_layers=True, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-
-#: Named configurations. ``llama-tiny`` (grouped-query Llama) and ``qwen3-tiny``
-#: (q/k norm, ``head_dim`` != ``embed / heads``, tied embeddings) are for tests;
-#: the others carry the published shapes of Llama 3.1 8B / 70B / 405B,
-#: Qwen3-0.6B, Mistral-7B-v0.1, Qwen2.5-7B and Gemma 2 9B (from their ``config.json``; Llama 3's 8B and 70B have the same
-#: shapes, without ``rope_scaling``), with stacked layers and bfloat16
-#: parameters, for planning with :func:`nnx_shard.abstract_init`.
-LLAMA_CONFIGS: dict[str, LlamaConfig] = {
-    "llama-tiny": LlamaConfig(max_length=64),
-    "qwen3-tiny": LlamaConfig(head_dim=16, qk_norm=True, tie_embeddings=True,
-                              norm_eps=1e-6, rope_theta=1e6, max_length=64,
-                              model_type="qwen3"),
-    "llama3-8b": LlamaConfig(
-        vocab=128256, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
-        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
-        **_BIG),
-    "llama3-70b": LlamaConfig(
-        vocab=128256, embed=8192, heads=64, kv_heads=8, head_dim=128, mlp=28672, layers=80,
-        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
-        **_BIG),
-    "llama3-405b": LlamaConfig(
-        vocab=128256, embed=16384, heads=128, kv_heads=8, head_dim=128, mlp=53248, layers=126,
-        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
-        **_BIG),
-    "qwen3-0.6b": LlamaConfig(
-        vocab=151936, embed=1024, heads=16, kv_heads=8, head_dim=128, mlp=3072, layers=28,
-        rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
-        max_length=40960, model_type="qwen3", **_BIG),
-    # Mistral-7B-v0.1: a 4096-token window in every layer.
-    "mistral-7b": LlamaConfig(
-        vocab=32000, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
-        rope_theta=10000.0, norm_eps=1e-5, sliding_window=4096, max_length=32768,
-        model_type="mistral", **_BIG),
-    # Qwen2.5-7B: q/k/v biases, no window (use_sliding_window false).
-    "qwen2.5-7b": LlamaConfig(
-        vocab=152064, embed=3584, heads=28, kv_heads=4, head_dim=128, mlp=18944, layers=28,
-        rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, max_length=131072,
-        model_type="qwen2", **_BIG),
-    # Gemma 2 9B: four norms per block, soft-caps 50 (attention) / 30 (logits), a
-    # 4096-token window in every other layer from the first, query_pre_attn_scalar 256,
-    # tied. 9,241,705,984 parameters (the published 9.24B).
-    "gemma2-9b": LlamaConfig(
-        vocab=256000, embed=3584, heads=16, kv_heads=8, head_dim=256, mlp=14336, layers=42,
-        rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
-        activation="gelu_pytorch_tanh", embed_scale=True, norm_offset=True,
-        sandwich_norms=True, query_scale=256.0, attn_softcap=50.0, final_softcap=30.0,
-        sliding_window=4096, window_layers=(True, False) * 21, max_length=8192,
-        model_type="gemma2", **_BIG),
-    # Mixtral-8x7B-v0.1: 8 experts, top-2, 46,702,792,704 parameters (the published
-    # 46.7B), 12.9B of them active.
-    "mixtral-8x7b": LlamaConfig(
-        vocab=32000, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
-        rope_theta=1000000.0, norm_eps=1e-5, max_length=32768, experts=8, top_k=2,
-        router_aux_loss_coef=0.02, model_type="mixtral", **_BIG),
-    # Qwen3-30B-A3B: 128 experts of width 768, top-8 renormalised, q/k norm; 30.5B
-    # parameters, 3.3B active.
-    "qwen3-30b-a3b": LlamaConfig(
-        vocab=151936, embed=2048, heads=32, kv_heads=4, head_dim=128, mlp=6144, layers=48,
-        rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_length=40960, experts=128,
-        top_k=8, moe_mlp=768, norm_topk_prob=True, model_type="qwen3_moe", **_BIG),
-}
 
 
 # The fields that decide what a checkpoint computes (not how it is run: layout,
@@ -521,16 +439,11 @@ _SHAPE_FIELDS = {
     "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
     "head_dim": "head_dim", "mlp": "intermediate_size", "layers": "num_hidden_layers",
     "rope_theta": "rope_theta", "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
-    "activation": "hidden_act", "embed_scale": "embedding scale (sqrt(hidden_size))",
-    "norm_offset": "RMSNorm scale (1 + weight)",
-    "post_norms": "norms after attention / MLP (post_feedforward_layernorm)",
-    "qk_norm_full": "q/k norm over all heads",
-    "tie_embeddings": "tie_word_embeddings", "qk_norm": "qk_norm (q_norm / k_norm)",
-    "attention_bias": "attention_bias", "qkv_bias": "q/k/v biases",
+    "activation": "hidden_act", "tie_embeddings": "tie_word_embeddings",
+    "attention_bias": "attention_bias",
     "mlp_bias": "mlp_bias", "sliding_window": "sliding_window",
     "window_layers": "layer_types (which layers slide)",
-    "rope_local_theta": "rope_local_base_freq", "sandwich_norms":
-    "norms before and after attention / MLP (pre/post_feedforward_layernorm)",
+    "rope_local_theta": "rope_local_base_freq",
     "query_scale": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
     "final_softcap": "final_logit_softcapping",
     "experts": "num_local_experts / num_experts", "top_k": "num_experts_per_tok",
@@ -552,7 +465,7 @@ def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaCo
     sizes, biases, rotary and window settings); ``[]`` when they agree. Layout,
     remat, kernel, dtypes and the context length are not compared.
 
-    >>> tiny = LLAMA_CONFIGS["llama-tiny"]
+    >>> tiny = LlamaConfig(max_length=64)
     >>> differences(tiny.to_hf(), tiny)
     []
     >>> differences({**tiny.to_hf(), "model_type": "gemma", "hidden_act": "gelu"}, tiny)[:2]
@@ -575,3 +488,10 @@ def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaCo
     ours.setdefault("hidden_act", ours["hidden_activation"])
     return [f"{key}: checkpoint {short(hf[key], 60)}, model {ours[key]!r}"
             for key in _RAW_KEYS if key in hf and key in ours and hf[key] != ours[key]]
+
+
+#: Llama 3.1's rotary scaling (``rope_scaling`` of its ``config.json``).
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+#: The layout of the published shapes, for planning: stacked layers, bfloat16.
+BIG: dict[str, Any] = dict(scan_layers=True, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)

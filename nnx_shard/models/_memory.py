@@ -113,7 +113,8 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
         probs = 4 * h / d_h
     # SwiGLU keeps four mlp-wide tensors (gate, SiLU(gate), up, product), GELU two.
     mlp = (2 if g is None else 4) * m / d_m
-    qk_norm = (h * k + g * k) / d_h if g is not None and cfg.qk_norm else 0.0
+    qk_norm = ((h * k + g * k) / d_h if g is not None and cfg.family.qk_norm is not None
+               else 0.0)
     layer = p * (4 * e / d_l + qkvo / d_h + mlp + qk_norm) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
     if remat == "full":

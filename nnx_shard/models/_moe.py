@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_shard.models._expert_parallel import Routing, dispatch_combine, expert_plan
-from nnx_shard.models._layers import dense_init, new_param
+from nnx_shard.models._layers import ACTIVATION_FNS, dense_init, new_param
 from nnx_shard.models._ops import constrain, whole
 from nnx_shard.models._transformer import RESIDUAL
 
@@ -92,7 +92,7 @@ class LlamaMoE(nnx.Module):
         self.up = new_param(rngs, dense_init(e), (n, e, m), ("expert", "embed", "mlp"), dt)
         self.down = new_param(rngs, dense_init(m), (n, m, e), ("expert", "mlp", "embed"), dt)
         self.experts, self.top_k, self.renormalise = n, cfg.top_k, cfg.norm_topk_prob
-        self.activation = cfg.activation
+        self.activation = ACTIVATION_FNS[cfg.activation]
         self.dtype = cfg.dtype
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -134,7 +134,7 @@ class LlamaMoE(nnx.Module):
             return jax.lax.ragged_dot(h, whole(w[...]).astype(dt), sizes)
 
         g, u = grouped(rows, self.gate), grouped(rows, self.up)
-        act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        act = self.activation(g)
         out = grouped(act * u, self.down)
         unsorted = jnp.zeros_like(out).at[order].set(out).reshape(b * length, k, e)
         y = jnp.einsum("tke,tk->te", unsorted, weights.astype(dt)).reshape(b, length, e)

@@ -20,7 +20,8 @@ from typing import Any
 from flax import nnx
 
 from nnx_shard._errors import UsageError, short
-from nnx_shard.models._llama import LLAMA_CONFIGS, Llama, LlamaConfig
+from nnx_shard.models._family import CONFIGS as FAMILY_CONFIGS
+from nnx_shard.models._llama import Llama, LlamaConfig
 from nnx_shard.models._transformer import Transformer
 from nnx_shard.models._transformer_config import TRANSFORMER_CONFIGS, TransformerConfig
 
@@ -29,7 +30,7 @@ __all__ = ["CONFIGS", "build", "get_config", "max_length"]
 #: Every configuration known by name: a :class:`~nnx_shard.models.TransformerConfig` or a
 #: :class:`~nnx_shard.models.LlamaConfig`. The large ones are for planning with
 #: :func:`nnx_shard.abstract_init` (nothing is allocated).
-CONFIGS: dict[str, TransformerConfig | LlamaConfig] = {**TRANSFORMER_CONFIGS, **LLAMA_CONFIGS}
+CONFIGS: dict[str, TransformerConfig | LlamaConfig] = {**TRANSFORMER_CONFIGS, **FAMILY_CONFIGS}
 
 
 def get_config(name: str) -> TransformerConfig | LlamaConfig:
@@ -47,7 +48,7 @@ def get_config(name: str) -> TransformerConfig | LlamaConfig:
     >>> get_config("llama-8b")
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: unknown model config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama-tiny, qwen3-tiny, llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, qwen2.5-7b, gemma2-9b, mixtral-8x7b, qwen3-30b-a3b. Fix: one of those
+    nnx_shard._errors.UsageError: unknown model config 'llama-8b'. Did you mean 'llama3-8b'? Known: tiny, tiny_moe, small, 125m, 1b, 7b, llama-tiny, llama3-8b, llama3-70b, llama3-405b, qwen3-tiny, qwen3-0.6b, qwen2.5-7b, mistral-7b, gemma2-9b, mixtral-8x7b, qwen3-30b-a3b. Fix: one of those
     """
     if not isinstance(name, str):
         raise UsageError(f"get_config: name must be a config name (str), got "

@@ -5,8 +5,8 @@ positions, and the rotation itself in transformers' half-split convention. The
 sliding layers of a family with their own rotary base (``rope_local_theta``) take
 ``local=True``.
 
->>> from nnx_shard.models._llama_config import LLAMA_CONFIGS
->>> cos, sin = rotary_tables(LLAMA_CONFIGS["llama-tiny"], 4)
+>>> from nnx_shard.models import get_config
+>>> cos, sin = rotary_tables(get_config("llama-tiny"), 4)
 >>> cos.shape, float(cos[0, 0])
 ((4, 8), 1.0)
 """
@@ -36,8 +36,8 @@ def rope_frequencies(cfg: LlamaConfig, local: bool = False, seq_len: int | None 
     layers' (base ``rope_local_theta`` when the config has one, never scaled, as
     Gemma 3's).
 
-    >>> from nnx_shard.models._llama_config import LLAMA_CONFIGS
-    >>> rope_frequencies(LLAMA_CONFIGS["llama-tiny"])[:2]
+    >>> from nnx_shard.models import get_config
+    >>> rope_frequencies(get_config("llama-tiny"))[:2]
     array([1.  , 0.1], dtype=float32)
     """
     return scaled(cfg, local, seq_len)[0]

@@ -103,17 +103,18 @@ def _logits(name: str, strategy: str, tokens: np.ndarray) -> np.ndarray:
 
 def test_family_configs_are_read() -> None:
     qwen2 = LlamaConfig.from_hf(FIXTURES / "hf_qwen2")
-    assert (qwen2.model_type, qwen2.qkv_bias, qwen2.attention_bias, qwen2.sliding_window,
+    assert (qwen2.model_type, qwen2.family.qkv_bias, qwen2.attention_bias, qwen2.sliding_window,
             qwen2.tie_embeddings) == ("qwen2", True, False, None, True)
     mistral = LlamaConfig.from_hf(FIXTURES / "hf_mistral")
-    assert (mistral.model_type, mistral.qkv_bias, mistral.sliding_window,
+    assert (mistral.model_type, mistral.family.qkv_bias, mistral.sliding_window,
             mistral.tie_embeddings) == ("mistral", False, 5, False)
     gemma = LlamaConfig.from_hf(FIXTURES / "hf_gemma")
-    assert (gemma.activation, gemma.embed_scale, gemma.norm_offset, gemma.head_dim,
-            gemma.tie_embeddings) == ("gelu_pytorch_tanh", True, True, 16, True)
-    assert (mistral.activation, mistral.embed_scale, mistral.norm_offset) == ("silu", False, False)
+    assert (gemma.activation, gemma.family.embed.__name__, gemma.family.norm_offset,
+            gemma.head_dim, gemma.tie_embeddings) == ("gelu_pytorch_tanh", "scale_embeddings",
+                                                      True, 16, True)
+    assert (mistral.activation, mistral.family.norm_offset) == ("silu", False)
     olmo2 = LlamaConfig.from_hf(FIXTURES / "hf_olmo2")
-    assert (olmo2.post_norms, olmo2.qk_norm, olmo2.qk_norm_full) == (True, True, True)
+    assert (olmo2.family.block.__name__, olmo2.family.qk_norm) == ("PostNormBlock", "all")
     block = _loaded("hf_olmo2", "one").blocks[0]
     assert block.attn_norm is None and block.mlp_post_norm is not None
     assert block.attn.q_norm.scale.get_value().shape == (olmo2.heads, olmo2.head_dim)
@@ -203,20 +204,17 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     assert "- model_type: checkpoint 'mistral', model 'llama'" in text
     assert "- sliding_window: checkpoint 5, model None" in text
     assert "Fix: build the target from the checkpoint's config" in text
-    # Gemma's tensors fill a Llama of its sizes too: activation, embedding scale and
-    # norm tell them apart.
+    # Gemma's tensors fill a Llama of its sizes too: the family (its embedding scale and
+    # norm) and the activation tell them apart.
     gemma = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "hf_gemma"), model_type="llama",
-                                activation="silu", embed_scale=False, norm_offset=False)
+                                activation="silu")
     text = load_refusal(FIXTURES / "hf_gemma", gemma)
-    assert "4 fields differ" in text
+    assert "2 fields differ" in text
     assert "- model_type: checkpoint 'gemma', model 'llama'" in text
     assert "- hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'" in text
-    assert "- embedding scale (sqrt(hidden_size)): checkpoint True, model False" in text
-    assert "- RMSNorm scale (1 + weight): checkpoint True, model False" in text
-    # OLMo 2's post-norms have Llama's pre-norms' shapes.
-    olmo = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "hf_olmo2"), model_type="llama",
-                               post_norms=False)
-    assert re.search(r"(?s)2 fields differ.*- norms after attention",
+    # OLMo 2's post-norms have Llama's pre-norms' shapes: the family tells them apart.
+    olmo = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "hf_olmo2"), model_type="llama")
+    assert re.search(r"(?s)differ.*- model_type: checkpoint 'olmo2', model 'llama'",
                      load_refusal(FIXTURES / "hf_olmo2", olmo))
     # A family this does not read: the fields the file states are compared.
     gpt2 = _copy_with(tmp_path, "hf_mistral", {"model_type": "gpt2", "hidden_act": "gelu"})

@@ -56,13 +56,13 @@ def _tokens(name: str) -> np.ndarray:
 
 def test_new_family_configs_are_read() -> None:
     g2 = _cfg("hf_gemma2")
-    assert (g2.model_type, g2.sandwich_norms, g2.attn_softcap, g2.final_softcap, g2.query_scale,
-            g2.sliding_window, g2.window_layers, g2.embed_scale, g2.norm_offset,
-            g2.tie_embeddings) == ("gemma2", True, 5.0, 20.0, 12.0, 5,
-                                   (True, False, True, False), True, True, True)
+    assert (g2.model_type, g2.family.block.__name__, g2.attn_softcap, g2.final_softcap,
+            g2.query_scale, g2.sliding_window, g2.window_layers, g2.family.norm_offset,
+            g2.tie_embeddings) == ("gemma2", "SandwichBlock", 5.0, 20.0, 12.0, 5,
+                                   (True, False, True, False), True, True)
     g3 = _cfg("hf_gemma3_text")
-    assert (g3.qk_norm, g3.qk_norm_full, g3.rope_theta, g3.rope_local_theta, g3.attn_softcap,
-            g3.final_softcap, g3.window_layers) == (True, False, 1e6, 100.0, None, None,
+    assert (g3.family.qk_norm, g3.rope_theta, g3.rope_local_theta, g3.attn_softcap,
+            g3.final_softcap, g3.window_layers) == ("head", 1e6, 100.0, None, None,
                                                     (True, True, False, True))
     phi = _cfg("hf_phi3")
     assert (phi.model_type, phi.head_dim, phi.sliding_window, phi.tie_embeddings) == (
@@ -170,10 +170,9 @@ def test_load_compares_the_new_fields() -> None:
     assert "- query_pre_attn_scalar: checkpoint 12.0, model None" in text
     assert ("- layer_types (which layers slide): checkpoint (True, False, True, False), "
             "model None") in text
-    g3 = dataclasses.replace(_cfg("hf_gemma3_text"), rope_local_theta=10000.0,
-                             sandwich_norms=False)
-    assert re.search(r"(?s)2 fields differ.*rope_local_base_freq: "
-                     r"checkpoint 100\.0, model 10000\.0.*norms before and after",
+    g3 = dataclasses.replace(_cfg("hf_gemma3_text"), rope_local_theta=10000.0)
+    assert re.search(r"(?s)1 field differs.*rope_local_base_freq: "
+                     r"checkpoint 100\.0, model 10000\.0",
                      load_refusal(FIXTURES / "hf_gemma3_text", g3))
 
 

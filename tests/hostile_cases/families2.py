@@ -38,7 +38,7 @@ def build(hs: Any) -> None:
     def cfg(**kw: Any) -> Any:
         from nnx_shard.models import LlamaConfig
 
-        return LlamaConfig(**kw)
+        return LlamaConfig(**{"model_type": "gemma2", **kw})  # the family with these fields
 
     def into(name: str, **change: Any) -> Any:
         import dataclasses

@@ -13,14 +13,11 @@ from flax import nnx
 from nnx_shard._errors import UsageError
 from nnx_shard.hf import mapping_for
 from nnx_shard.hf._fused import fusions
-from nnx_shard.hf._mapping import (
-    GEMMA2_MAPPING,
-    LLAMA_MAPPING,
-    LLAMA_TIED_MAPPING,
-    OLMO2_MAPPING,
-)
+from nnx_shard.hf._mapping import LLAMA_MAPPING, LLAMA_TIED_MAPPING
 from nnx_shard.models import CONFIGS, Llama, LlamaConfig, get_config
 from nnx_shard.models._families import Family, family_of, model_types, register
+from nnx_shard.models._family.gemma2 import GEMMA2_MAPPING
+from nnx_shard.models._family.olmo2 import OLMO2_MAPPING
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NINE = ("llama", "qwen3", "qwen2", "mistral", "gemma", "olmo2", "gemma2", "gemma3_text",
@@ -42,12 +39,13 @@ def _tiny(kind: str) -> LlamaConfig:
     return LlamaConfig.from_hf(FIXTURES / f"hf_{kind}")
 
 
-def _by_flags(cfg: LlamaConfig) -> dict:
-    """The table the options picked before the registry (the reference)."""
+def _by_structure(cfg: LlamaConfig) -> dict:
+    """The table the model's structure asks for (the reference): the block's norms."""
     head = {r"lm_head\.weight": None}
-    if cfg.sandwich_norms:
+    block = cfg.family.block
+    if block.pre_norms and block.post_norms:
         return GEMMA2_MAPPING | head if cfg.tie_embeddings else GEMMA2_MAPPING
-    if cfg.post_norms or cfg.qk_norm_full:
+    if block.post_norms:
         return OLMO2_MAPPING | head if cfg.tie_embeddings else OLMO2_MAPPING
     return LLAMA_TIED_MAPPING if cfg.tie_embeddings else LLAMA_MAPPING
 
@@ -68,7 +66,7 @@ def test_mapping_for_gives_the_table_the_options_gave(kind: str, tie: bool) -> N
     assert cfg.model_type == kind
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     table = mapping_for(model)
-    assert table == _by_flags(cfg)
+    assert table == _by_structure(cfg)
     if kind in ("llama", "qwen3", "qwen2", "mistral", "gemma", "phi3"):
         assert table is (LLAMA_TIED_MAPPING if tie else LLAMA_MAPPING)
     assert mapping_for(model) is table  # one tied table per family table
@@ -96,7 +94,7 @@ def test_only_phi3_has_fused_tensors() -> None:
 
 def test_an_unknown_model_type_is_refused_naming_it() -> None:
     with pytest.raises(UsageError, match=r"model_type 'gpt2' is not a registered model family "
-                                         r"\(known: llama, qwen3, .*phi3, mixtral, qwen3_moe\)\. Fix"):
+                                         r"\(known: gemma, .*, qwen3, qwen3_moe\)\. Fix"):
         family_of("gpt2")
     with pytest.raises(UsageError, match=r"'gpt2' is not a Llama-family model.*Fix"):
         LlamaConfig.from_hf({**get_config("llama-tiny").to_hf(),  # type: ignore[union-attr]
@@ -114,20 +112,26 @@ def test_a_registered_family_is_found() -> None:
 
 
 @pytest.mark.parametrize(("change", "names"), [
-    (dict(post_norms=True, sandwich_norms=True, model_type="gemma2"),
-     ("post_norms", "sandwich_norms")),
-    (dict(qkv_bias=True, attention_bias=True), ("qkv_bias", "attention_bias")),
-    (dict(sandwich_norms=True), ("sandwich_norms", "model_type='llama'")),
-    (dict(post_norms=True, model_type="qwen3"), ("post_norms", "model_type='qwen3'")),
+    (dict(attn_softcap=50.0), ("attn_softcap=50.0", "model_type='llama'", "gemma2")),
+    (dict(mlp_bias=True, model_type="qwen2"), ("mlp_bias", "model_type='qwen2'", "llama")),
+    (dict(experts=4, model_type="qwen3"), ("experts=4", "mixtral", "qwen3_moe")),
+    (dict(rope_local_theta=1e4, model_type="gemma2", sliding_window=4),
+     ("rope_local_theta", "gemma3_text")),
+    (dict(sliding_window=4), ("sliding_window", "mistral")),
 ])
-def test_contradictory_options_are_refused_naming_both(change: dict, names: tuple) -> None:
+def test_a_field_the_family_lacks_is_refused_naming_who_has_it(change: dict,
+                                                               names: tuple) -> None:
     with pytest.raises(UsageError) as info:
         LlamaConfig(**change)
     text = str(info.value)
     assert all(n in text for n in names) and "Fix:" in text
 
 
-def test_a_familys_own_options_are_accepted() -> None:
-    assert LlamaConfig(model_type="olmo2", post_norms=True).post_norms
-    assert LlamaConfig(model_type="gemma3_text", sandwich_norms=True).sandwich_norms
-    assert LlamaConfig(model_type="qwen2", qkv_bias=True).qkv_bias
+def test_a_familys_own_fields_are_accepted_and_its_structure_is_its_records() -> None:
+    assert LlamaConfig(model_type="gemma2", attn_softcap=50.0).attn_softcap == 50.0
+    assert LlamaConfig(model_type="mistral", sliding_window=4).sliding_window == 4
+    assert LlamaConfig(model_type="llama", mlp_bias=True).mlp_bias
+    assert [family_of(k).block.__name__ for k in ("llama", "olmo2", "gemma2")] == [
+        "LlamaBlock", "PostNormBlock", "SandwichBlock"]
+    assert [family_of(k).qk_norm for k in NINE] == [None, "head", None, None, None, "all",
+                                                     None, "head", None]

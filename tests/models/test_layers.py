@@ -66,12 +66,13 @@ def test_norm_scales_keep_their_names_dtypes_and_initial_values() -> None:
     assert t.blocks.attn_norm.scale.get_metadata("out_sharding") == ("layers", "embed")
     assert t.blocks.attn_norm.scale.dtype == jnp.bfloat16
     np.testing.assert_array_equal(t.final_norm.scale[...], np.ones(32))
-    gemma = dataclasses.replace(get_config("qwen3-tiny"), norm_offset=True,
-                                qk_norm_full=True)
-    g = Llama(gemma, rngs=nnx.Rngs(0))
-    assert g.blocks[0].attn.q_norm.scale.get_metadata("out_sharding") == ("heads", "kv")
-    assert g.blocks[0].attn.k_norm.scale.shape == (2, 16)  # kv_heads x head_dim together
-    np.testing.assert_array_equal(g.final_norm.scale[...], np.zeros(32))  # 1 + weight
+    olmo = Llama(dataclasses.replace(get_config("qwen3-tiny"), model_type="olmo2"),
+                 rngs=nnx.Rngs(0))
+    assert olmo.blocks[0].attn.q_norm.scale.get_metadata("out_sharding") == ("heads", "kv")
+    assert olmo.blocks[0].attn.k_norm.scale.shape == (2, 16)  # kv_heads x head_dim together
+    gemma = Llama(dataclasses.replace(get_config("qwen3-tiny"), model_type="gemma"),
+                  rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(gemma.final_norm.scale[...], np.zeros(32))  # 1 + weight
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -48,7 +48,7 @@ def test_shapes_dtypes_and_names(name: str) -> None:
     assert attn.q.get_value().shape == (cfg.embed, cfg.heads, cfg.head_dim)
     assert attn.k.get_value().shape == (cfg.embed, cfg.kv_heads, cfg.head_dim)
     assert attn.o.get_metadata("out_sharding") == ("heads", "kv", "embed")
-    assert (attn.q_norm is not None) == cfg.qk_norm
+    assert (attn.q_norm is not None) == (cfg.family.qk_norm is not None)
     assert (model.unembed is None) == cfg.tie_embeddings
 
 
@@ -191,7 +191,7 @@ def test_from_hf_reads_a_config_file_and_transformers_5_rope_parameters(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(HF))
     cfg = LlamaConfig.from_hf(tmp_path)
     assert (cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp) == (32, 4, 2, 8, 64)
-    assert dict(cfg.rope_scaling)["factor"] == 8.0 and not cfg.qk_norm
+    assert dict(cfg.rope_scaling)["factor"] == 8.0 and cfg.family.qk_norm is None
     v5 = {k: v for k, v in HF.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {**HF["rope_scaling"], "rope_theta": 500000.0}
     assert LlamaConfig.from_hf(v5) == cfg
@@ -376,7 +376,7 @@ def test_named_configs() -> None:
     assert LlamaConfig.from_hf(g.to_hf(), scan_layers=True, dtype=g.dtype,
                                param_dtype=g.param_dtype) == g
     q = get_config("qwen3-0.6b")
-    assert (q.head_dim, q.kv_heads, q.tie_embeddings, q.qk_norm) == (128, 8, True, True)
+    assert (q.head_dim, q.kv_heads, q.tie_embeddings, q.family.qk_norm) == (128, 8, True, "head")
     assert dict(get_config("llama3-405b").rope_scaling)["factor"] == 8.0
     with pytest.raises(ns.UsageError, match="Did you mean 'llama3-8b'"):
         get_config("llama3-8B")

@@ -71,8 +71,10 @@ def test_configs_are_read_and_written_back() -> None:
     assert (mixtral.experts, mixtral.top_k, mixtral.expert_mlp, mixtral.norm_topk_prob,
             mixtral.moe_layers(), mixtral.aux_loss_weight) == (4, 2, 96, True, (True, True), 0.02)
     qwen = LlamaConfig.from_hf(FIXTURES / "qwen3_moe")
-    assert (qwen.experts, qwen.top_k, qwen.moe_mlp, qwen.mlp, qwen.norm_topk_prob, qwen.qk_norm,
-            qwen.moe_layers()) == (8, 2, 48, 96, False, True, (True, False, True))
+    assert (qwen.experts, qwen.top_k, qwen.moe_mlp, qwen.mlp, qwen.norm_topk_prob,
+            qwen.family.qk_norm,
+            qwen.moe_layers()) == (8, 2, 48, 96, False, "head",
+                                    (True, False, True))
     for cfg in (mixtral, qwen, get_config("mixtral-8x7b"), get_config("qwen3-30b-a3b")):
         assert LlamaConfig.from_hf(cfg.to_hf(), scan_layers=cfg.scan_layers,
                                    dtype=cfg.dtype, param_dtype=cfg.param_dtype) == cfg

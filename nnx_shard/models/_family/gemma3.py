@@ -1,0 +1,67 @@
+"""Gemma 3's text model (``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``): Gemma
+2's decoder with per-head q/k norms and the sliding layers' own rotary base
+(``rope_local_base_freq``).
+
+>>> FAMILY.qk_norm, FAMILY.block.__name__
+('head', 'SandwichBlock')
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from nnx_shard._errors import UsageError, short
+from nnx_shard.models._families import Family, register
+from nnx_shard.models._family import gemma2
+from nnx_shard.models._family.gemma import scale_embeddings
+from nnx_shard.models._family.gemma2 import FIELDS, GEMMA2_MAPPING, hf_in, soft_capped
+from nnx_shard.models._hf_config import FIX_VALUE, hf_scaling, real_value
+from nnx_shard.models._llama import SandwichBlock
+
+__all__ = ["CONFIGS", "FAMILY", "local_theta", "read", "write"]
+
+def local_theta(hf: Mapping[str, Any], where: str) -> float:
+    """The rotary base of the sliding layers: ``rope_parameters``'
+    ``sliding_attention`` entry, else ``rope_local_base_freq``, else 10000."""
+    rope = hf.get("rope_parameters")
+    local = rope.get("sliding_attention") if isinstance(rope, Mapping) else None
+    if isinstance(local, Mapping):
+        kind = local.get("rope_type", "default")
+        if kind != "default":
+            raise UsageError(f"{where}: rope_parameters['sliding_attention'] of type "
+                             f"{short(kind, 40)} is not implemented (the sliding layers rotate "
+                             "with the default frequencies). " + FIX_VALUE + ".")
+        if "rope_theta" in local:
+            return real_value(local["rope_theta"], "rope_parameters['sliding_attention']"
+                              "['rope_theta']", None, where)
+    return real_value(hf.get("rope_local_base_freq"), "rope_local_base_freq", 10000.0, where)
+
+
+def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's fields with Gemma 3's defaults (all but every
+    ``sliding_window_pattern``-th layer sliding, 6 when absent; no soft-caps when
+    absent) and the sliding layers' rotary base."""
+    return {**gemma2.read_later(hf, where, fields, hf.get("sliding_window_pattern", 6),
+                                (None, None)),
+            "rope_local_theta": local_theta(hf, where)}
+
+
+def write(cfg: Any, out: dict[str, Any]) -> None:
+    """Gemma 2's keys, and the rotary settings of each layer type
+    (``rope_parameters``) in place of ``rope_theta`` / ``rope_scaling``."""
+    gemma2.write(cfg, out)
+    global_rope = {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                   **(hf_scaling(cfg.rope_scaling) or {})}
+    out["rope_parameters"] = {
+        "full_attention": global_rope,
+        "sliding_attention": {"rope_type": "default",
+                              "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}
+    del out["rope_theta"], out["rope_scaling"]
+
+
+FAMILY = register(Family(
+    "gemma3_text", ("Gemma3ForCausalLM",), GEMMA2_MAPPING, block=SandwichBlock,
+    qk_norm="head", norm_offset=True, embed=scale_embeddings, logits=soft_capped,
+    fields=(*FIELDS, "rope_local_theta"), hf_in=hf_in, read=read, write=write,
+    hf_flags=("attention_bias",), tied_default=True))
+
+CONFIGS: dict[str, Any] = {}

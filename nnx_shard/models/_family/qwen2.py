@@ -1,0 +1,39 @@
+"""Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): Llama's decoder with biases on q, k and v
+(none on o); a sliding window with ``use_sliding_window``.
+
+>>> CONFIGS["qwen2.5-7b"].family.qkv_bias
+True
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from nnx_shard.models._families import LLAMA_MAPPING, Family, register
+from nnx_shard.models._hf_config import qwen_window
+from nnx_shard.models._llama import LlamaBlock
+from nnx_shard.models._llama_config import BIG, LlamaConfig
+
+__all__ = ["CONFIGS", "FAMILY"]
+
+def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The window of ``use_sliding_window`` (:func:`~nnx_shard.models._hf_config.qwen_window`)."""
+    return {"sliding_window": qwen_window(hf, fields["layers"], where)}
+
+
+def write(cfg: Any, out: dict[str, Any]) -> None:
+    """The window as Qwen's configs state it: in every layer, or in none."""
+    out.update(use_sliding_window=cfg.sliding_window is not None,
+               sliding_window=cfg.sliding_window,
+               max_window_layers=0 if cfg.sliding_window is not None else cfg.layers)
+
+
+FAMILY = register(Family(
+    "qwen2", ("Qwen2ForCausalLM",), LLAMA_MAPPING, named_configs=("qwen2.5-7b",),
+    block=LlamaBlock, qkv_bias=True, fields=("sliding_window",), read=read, write=write))
+
+#: Qwen2.5-7B's published shapes (no window: ``use_sliding_window`` false).
+CONFIGS = {
+    "qwen2.5-7b": LlamaConfig(
+        vocab=152064, embed=3584, heads=28, kv_heads=4, head_dim=128, mlp=18944, layers=28,
+        rope_theta=1000000.0, norm_eps=1e-6, max_length=131072, model_type="qwen2", **BIG),
+}
