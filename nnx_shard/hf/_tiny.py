@@ -27,9 +27,6 @@ TEXT_EXTRA = "pip install 'nnx_shard[text]'"
 _SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
           "max_position_embeddings": 256}
-_MOE = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32}
-_GEMMA = {"query_pre_attn_scalar": 8, "sliding_window": 16}
 
 # ChatML, with the assistant's turns inside generation blocks (their tokens are the ones
 # trained on with return_assistant_tokens_mask=True).
@@ -80,12 +77,7 @@ def _tokenizer() -> Any:
 
 
 def _hf_config(family: str, vocab: int) -> dict[str, Any]:
-    hf: dict[str, Any] = {"model_type": family, "vocab_size": vocab, **_SIZES}
-    if family_of(family).moe:
-        hf.update(_MOE)
-    if family in ("gemma2", "gemma3_text"):
-        hf.update(_GEMMA)
-    return hf
+    return {"model_type": family, "vocab_size": vocab, **_SIZES, **family_of(family).tiny}
 
 
 def _write_tokenizer(tok: Any, out: Path, max_length: int) -> dict[str, int]:

@@ -158,6 +158,9 @@ class Family:
         :class:`LlamaConfig` field of the same name and written back
         (``attention_bias``, ``mlp_bias``).
       tied_default: ``tie_word_embeddings`` when the file leaves it out.
+      tiny: the ``config.json`` keys a tiny checkpoint of the family sets beyond the
+        shared tiny sizes (:func:`nnx_shard.hf.tiny_checkpoint`: its experts, Gemma 2's
+        window and query scale sized for it).
       moe: a mixture-of-experts family's ``config.json`` keys and transformers'
         defaults for them (``num_local_experts`` or ``num_experts``,
         ``num_experts_per_tok``, ...); empty for a dense family.
@@ -181,6 +184,7 @@ class Family:
     write: Callable[[Any, dict[str, Any]], None] = _no_keys
     hf_flags: tuple[str, ...] = ()
     tied_default: bool = False
+    tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     moe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -26,8 +26,8 @@ from nnx_shard.models._hf_config import FIX_VALUE, count_key, real_value
 from nnx_shard.models._llama import SandwichBlock
 from nnx_shard.models._llama_config import BIG, LlamaConfig
 
-__all__ = ["CONFIGS", "FAMILY", "FIELDS", "GEMMA2_MAPPING", "hf_in", "read_later", "soft_capped",
-           "window", "write"]
+__all__ = ["CONFIGS", "FAMILY", "FIELDS", "GEMMA2_MAPPING", "TINY", "hf_in", "read_later",
+           "soft_capped", "window", "write"]
 
 #: ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` names: four norms per block (before
 #: and after attention and MLP); Gemma 3's per-head q/k norms as Qwen3's.
@@ -122,11 +122,15 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
                final_logit_softcapping=cfg.final_softcap)
 
 
+#: A tiny checkpoint's window and query scale (the defaults, 4096 and 256, are sized
+#: for the published model).
+TINY = {"query_pre_attn_scalar": 8, "sliding_window": 16}
+
 FAMILY = register(Family(
     "gemma2", ("Gemma2ForCausalLM",), GEMMA2_MAPPING, named_configs=("gemma2-9b",),
     block=SandwichBlock, norm_offset=True, embed=scale_embeddings, logits=soft_capped,
     fields=FIELDS, hf_in=hf_in, read=read, write=write, hf_flags=("attention_bias",),
-    tied_default=True))
+    tied_default=True, tiny=TINY))
 
 #: Gemma 2 9B's published shapes: soft-caps 50 (attention) / 30 (logits), a 4096-token
 #: window in every other layer from the first, ``query_pre_attn_scalar`` 256, tied.

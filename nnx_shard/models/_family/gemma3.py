@@ -13,7 +13,7 @@ from nnx_shard._errors import UsageError, short
 from nnx_shard.models._families import Family, register
 from nnx_shard.models._family import gemma2
 from nnx_shard.models._family.gemma import scale_embeddings
-from nnx_shard.models._family.gemma2 import FIELDS, GEMMA2_MAPPING, hf_in, soft_capped
+from nnx_shard.models._family.gemma2 import FIELDS, GEMMA2_MAPPING, TINY, hf_in, soft_capped
 from nnx_shard.models._hf_config import FIX_VALUE, hf_scaling, real_value
 from nnx_shard.models._llama import SandwichBlock
 
@@ -62,6 +62,6 @@ FAMILY = register(Family(
     "gemma3_text", ("Gemma3ForCausalLM",), GEMMA2_MAPPING, block=SandwichBlock,
     qk_norm="head", norm_offset=True, embed=scale_embeddings, logits=soft_capped,
     fields=(*FIELDS, "rope_local_theta"), hf_in=hf_in, read=read, write=write,
-    hf_flags=("attention_bias",), tied_default=True))
+    hf_flags=("attention_bias",), tied_default=True, tiny=TINY))
 
 CONFIGS: dict[str, Any] = {}

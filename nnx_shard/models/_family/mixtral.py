@@ -40,7 +40,8 @@ FAMILY = register(Family(
     block=LlamaBlock, moe_block=LlamaMoEBlock, fields=("sliding_window", *MOE_FIELDS),
     read=read, write=write,
     moe={"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
-         "output_router_logits": False}))
+         "output_router_logits": False},
+    tiny={"num_local_experts": 4, "num_experts_per_tok": 2}))
 
 #: Mixtral-8x7B-v0.1's published shapes: 8 experts, top-2.
 CONFIGS = {

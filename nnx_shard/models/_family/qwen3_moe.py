@@ -40,7 +40,8 @@ FAMILY = register(Family(
     read=read, write=write, hf_flags=("attention_bias",),
     moe={"num_experts": 128, "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001,
          "output_router_logits": False, "moe_intermediate_size": 768,
-         "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}))
+         "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}))
 
 #: Qwen3-30B-A3B's published shapes: 128 experts of width 768, top-8 renormalised.
 CONFIGS = {
