@@ -290,7 +290,8 @@ def load_lora(path: str | os.PathLike[str], model: Any, *, rngs: int = 0) -> Any
     when it has none there yet; existing ones must have the file's rank): the
     projections (Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` as their q, k, v / gate,
     up kernels, each with the rows of ``lora_B`` it owns and one ``lora_A`` variable for
-    all, so a training step moves it by their summed gradients as PEFT's does),
+    all, so a training step moves it by their summed gradients as PEFT's does, and one
+    dropout mask for all, as PEFT drops the fused module's input once),
     ``lm_head`` and ``embed_tokens`` (``lora_embedding_A`` / ``_B``, applied to the
     looked-up rows). Each is scaled ``lora_alpha / r`` (``/ sqrt(r)`` with
     ``use_rslora``; ``rank_pattern`` / ``alpha_pattern`` per module, matched as PEFT
@@ -366,23 +367,24 @@ def load_lora(path: str | os.PathLike[str], model: Any, *, rngs: int = 0) -> Any
                       "one mask for every layer); build the model with scan_layers=False to "
                       "train with it", stacklevel=2)
     nodes = adapters(model)
+    seeds = nnx.Rngs(rngs)  # one stream for every adapter: each forks its own mask stream
     groups: dict[tuple[int, float, float], list[str]] = {}
     for kpath, h in hosts.items():
         p = 0.0 if kpath == "token_embed" or kpath in stacked else cfg.dropout
         if kpath not in nodes:
             groups.setdefault((h.rank, h.scale, p), []).append(kpath)
         else:
-            nodes[kpath].dropout = nnx.data(nnx.Dropout(p, rngs=nnx.Rngs(rngs)) if p else None)
+            nodes[kpath].dropout = nnx.data(nnx.Dropout(p, rngs=seeds) if p else None)
     for (r, scale, p), paths in sorted(groups.items()):
         targets = "^(" + "|".join(re.escape(k) for k in paths) + ")$"
-        lora(model, r, scale * r, targets=targets, rngs=rngs, dropout=p)
+        lora(model, r, scale * r, targets=targets, rngs=seeds, dropout=p)
     nodes = adapters(model)
     for kpath, h in hosts.items():
         node = nodes[kpath]
         node.lora_a.set_value(_put(h.a, node.lora_a.get_value()))
         node.lora_b.set_value(_put(h.b, node.lora_b.get_value()))
         node.scale = h.scale
-    _share_fused_a(nodes, hosts, where)
+    _share_fused(nodes, hosts, where)
     params = kernels(model)
     for kpath, value in values.items():
         params[kpath].set_value(_put(value, params[kpath].get_value()))
@@ -390,14 +392,20 @@ def load_lora(path: str | os.PathLike[str], model: Any, *, rngs: int = 0) -> Any
     return model
 
 
-def _share_fused_a(nodes: Mapping[str, Adapter], hosts: Mapping[str, _Host],
-                   where: Mapping[str, list[Part]]) -> None:
+def _share_fused(nodes: Mapping[str, Adapter], hosts: Mapping[str, _Host],
+                 where: Mapping[str, list[Part]]) -> None:
     """The parts of a fused module (Phi-3's q, k, v of ``qkv_proj``) hold one ``lora_A``
     variable, as PEFT's one factor: a gradient step then moves it by the sum of the parts'
-    gradients, not each copy by its own."""
+    gradients, not each copy by its own. Their dropouts are copies of one (same key, same
+    count, each its own variables): the block calls every part once per forward on the
+    same input, so the copies draw one mask, as PEFT drops the fused module's input once."""
     groups = {tuple(sorted({kpath for kpath, _, _ in parts}))
               for parts in where.values() if len(parts) > 1}
     for group in groups:
+        drop = nodes[group[0]].dropout
+        if drop is not None:
+            for kpath in group[1:]:
+                nodes[kpath].dropout = nnx.data(nnx.clone(drop))
         first = hosts[group[0]]
         if all(np.array_equal(hosts[k].a, first.a) for k in group[1:]):
             for kpath in group[1:]:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
 from nnx_shard import _safetensors_io as st
-from nnx_shard._low_rank import adapters
+from nnx_shard._low_rank import Adapter, adapters
 from nnx_shard.hf._peft import trained_in_full
 from nnx_shard.hf._peft_names import kernel_module, model_modules
 from nnx_shard.models import Llama, LlamaConfig, lm_loss
@@ -135,6 +135,51 @@ def test_phi3_fused_onto_stacked_blocks():
     exp = np.load(KINDS / "expected.npz")
     model = ns.hf.load_lora(KINDS / "phi3_fused", _base("phi3", scan=True))
     assert _err(_logits(model, exp["tokens"]), exp["logits_phi3_fused"]) <= 2e-4
+
+
+
+def _masks(model, tokens, monkeypatch):
+    """Each adapter's dropout mask (its dropped input's zeros) in one training-mode forward."""
+    names = {id(node): path for path, node in adapters(model).items()}
+    seen = {}
+    dropped = Adapter.dropped
+
+    def record(self, x, deterministic=None):
+        out = dropped(self, x, deterministic)
+        seen[names[id(self)]] = np.asarray(out) == 0
+        return out
+
+    monkeypatch.setattr(Adapter, "dropped", record)
+    model.train()
+    model(jnp.asarray(tokens))
+    monkeypatch.undo()
+    return seen
+
+
+def test_phi3_fused_parts_draw_one_dropout_mask(tmp_path, monkeypatch):
+    exp = np.load(KINDS / "expected.npz")
+    folder = tmp_path / "phi3_fused"
+    folder.mkdir()
+    cfg = json.loads((KINDS / "phi3_fused" / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(cfg | {"lora_dropout": 0.25}))
+    (folder / "adapter_model.safetensors").write_bytes(
+        (KINDS / "phi3_fused" / "adapter_model.safetensors").read_bytes())
+    model = ns.hf.load_lora(folder, _base("phi3"))
+    seen = []
+    for step in range(2):  # the parts' mask streams stay in step from one forward to the next
+        m = _masks(model, exp["tokens"], monkeypatch)
+        q, k, v = (m[f"blocks/0/attn/{p}"] for p in "qkv")
+        assert 0.15 < q.mean() < 0.35, step  # rate 0.25: a mask, not an input's own zeros
+        assert np.array_equal(q, k) and np.array_equal(q, v), step
+        assert np.array_equal(m["blocks/0/mlp/gate"], m["blocks/0/mlp/up"]), step
+        assert not np.array_equal(q, m["blocks/0/mlp/gate"])  # each fused module its own
+        assert not np.array_equal(q, m["blocks/1/attn/q"])
+        seen.append(q)
+    assert not np.array_equal(*seen)  # a fresh mask each forward
+    apart = ns.lora(_base("phi3"), 2, 4.0, targets=r"attn/(q|k|v)$", dropout=0.25)
+    m = _masks(apart, exp["tokens"], monkeypatch)  # separate adapters: separate masks
+    assert not np.array_equal(m["blocks/0/attn/q"], m["blocks/0/attn/k"])
+    assert _err(_logits(model, exp["tokens"]), exp["logits_phi3_fused"]) <= 2e-4  # eval: none
 
 
 TRAIN = json.loads((KINDS / "train.json").read_text())
