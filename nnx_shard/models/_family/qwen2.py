@@ -13,10 +13,12 @@ from nnx_shard.models._hf_config import qwen_window
 from nnx_shard.models._llama import LlamaBlock
 from nnx_shard.models._llama_config import BIG, LlamaConfig
 
-__all__ = ["CONFIGS", "FAMILY"]
+__all__ = ["CONFIGS", "FAMILY", "read", "write"]
+
 
 def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """The window of ``use_sliding_window`` (:func:`~nnx_shard.models._hf_config.qwen_window`)."""
+    """The window of ``use_sliding_window`` (:func:`~nnx_shard.models._hf_config.qwen_window`),
+    as Qwen2 / Qwen3 read it."""
     return {"sliding_window": qwen_window(hf, fields["layers"], where)}
 
 

@@ -6,27 +6,12 @@ head before the rotation and an explicit ``head_dim``; a sliding window with
 'head'
 """
 
-from collections.abc import Mapping
-from typing import Any
-
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
-from nnx_shard.models._hf_config import qwen_window
+from nnx_shard.models._family.qwen2 import read, write
 from nnx_shard.models._llama import LlamaBlock
 from nnx_shard.models._llama_config import BIG, LlamaConfig
 
-__all__ = ["CONFIGS", "FAMILY", "read", "write"]
-
-def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """The window of ``use_sliding_window`` (:func:`~nnx_shard.models._hf_config.qwen_window`)."""
-    return {"sliding_window": qwen_window(hf, fields["layers"], where)}
-
-
-def write(cfg: Any, out: dict[str, Any]) -> None:
-    """The window as Qwen's configs state it: in every layer, or in none."""
-    out.update(use_sliding_window=cfg.sliding_window is not None,
-               sliding_window=cfg.sliding_window,
-               max_window_layers=0 if cfg.sliding_window is not None else cfg.layers)
-
+__all__ = ["CONFIGS", "FAMILY"]
 
 FAMILY = register(Family(
     "qwen3", ("Qwen3ForCausalLM",), LLAMA_MAPPING, named_configs=("qwen3-tiny", "qwen3-0.6b"),

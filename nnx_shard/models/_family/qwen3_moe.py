@@ -16,7 +16,7 @@ from nnx_shard.models._families import (
     MappingValue,
     register,
 )
-from nnx_shard.models._family.qwen3 import read, write
+from nnx_shard.models._family.qwen2 import read, write
 from nnx_shard.models._llama import LlamaBlock, LlamaMoEBlock
 from nnx_shard.models._llama_config import BIG, LlamaConfig
 
