@@ -412,7 +412,7 @@ class Llama(nnx.Module):
     ``attn_norm/scale``, ``attn/q [embed, heads, head_dim]``, ``attn/k`` and
     ``attn/v [embed, kv_heads, head_dim]``, ``attn/o [heads, head_dim, embed]``
     (``attn/q_norm/scale``, ``attn/k_norm/scale`` for Qwen3, OLMo 2 and Gemma 3;
-    ``attn/*_bias`` with ``attention_bias`` or ``qkv_bias``; ``attn_post_norm``,
+    ``attn/*_bias`` with ``attention_bias`` or Qwen2's q/k/v biases; ``attn_post_norm``,
     ``mlp_post_norm`` for OLMo 2 and Gemma 2 / 3), ``mlp_norm/scale``, ``mlp/gate``,
     ``mlp/up [embed, mlp]``, ``mlp/down [mlp, embed]``, ``final_norm/scale``,
     ``unembed [embed, vocab]`` (absent when tied). The family's table
