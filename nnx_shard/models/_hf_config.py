@@ -29,7 +29,6 @@ __all__ = ["ACTIVATIONS", "FIX_VALUE", "count_key", "every_layer_window", "flag_
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
-
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

@@ -19,6 +19,7 @@ from nnx_shard.models._llama import SandwichBlock
 
 __all__ = ["CONFIGS", "FAMILY", "local_theta", "read", "write"]
 
+
 def local_theta(hf: Mapping[str, Any], where: str) -> float:
     """The rotary base of the sliding layers: ``rope_parameters``'
     ``sliding_attention`` entry, else ``rope_local_base_freq``, else 10000."""

@@ -16,6 +16,7 @@ from nnx_shard.models._llama_config import BIG, LLAMA31_ROPE, LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY"]
 
+
 def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
     """Nothing beyond the shared fields; a sliding window is refused (Llama has none)."""
     no_window(hf, "llama", where)

@@ -15,6 +15,7 @@ from nnx_shard.models._llama_config import BIG, LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY", "read", "write"]
 
+
 def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
     """The window, in every layer (the model ignores ``layer_types``)."""
     return {"sliding_window": every_layer_window(hf, where)}

@@ -30,6 +30,7 @@ OLMO2_MAPPING: dict[str, MappingValue] = {
     LAYER + r"self_attn\.(q|k)_norm\.weight": (r"blocks/\1/attn/\2_norm/scale", "heads_bias"),
 }
 
+
 def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
     """Nothing beyond the shared fields; a sliding window is refused (OLMo 2 has none)."""
     no_window(hf, "olmo2", where)
