@@ -3,7 +3,11 @@ and the one-device reference run that layouts are compared with."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -13,6 +17,20 @@ import optax
 from flax import nnx
 
 import nnx_shard as ns
+
+
+def load_file(path: Path, name: str) -> ModuleType:
+    """The Python file ``path`` (a benchmark script, a docs hook) imported as module
+    ``name``, its folder importable while it loads (benchmarks import their ``_common``)."""
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(path.parent))
 
 
 def host(tree: Any) -> Any:

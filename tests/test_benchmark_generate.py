@@ -4,27 +4,20 @@ there is no Python to run transformers with, and how it counts equal tokens
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from tests._shared import load_file
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "generate.py"
 
 
 def _module():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return load_file(SCRIPT, "bench_generate")
 
 
 def test_without_a_transformers_python_the_comparison_is_skipped_by_name(tmp_path):

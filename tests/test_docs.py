@@ -7,7 +7,6 @@ The site itself is built by ``mkdocs build --strict`` (``.ci/docs``; here the sl
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import re
@@ -19,6 +18,7 @@ from types import ModuleType
 import pytest
 
 import nnx_shard
+from tests._shared import load_file
 from tests.conftest import needs_devices
 from tests.test_readme import README, ROOT, python_blocks, run_blocks
 
@@ -34,11 +34,7 @@ GUIDES_WITHOUT_PYTHON = ["cli"]  # shell commands only
 
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, DOCS / "_ext" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(DOCS / "_ext" / f"{name}.py", name)
 
 
 def _nav_files(nav: object) -> list[str]:

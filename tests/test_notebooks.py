@@ -4,7 +4,6 @@ Each run that passes leaves its executed copy in ``build/notebooks/`` for the do
 (``docs/_ext/executed_notebooks.py``).
 """
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 
 from nnx_shard._simulated import simulated_env
+from tests._shared import load_file
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -24,12 +24,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def _executed_notebooks() -> ModuleType:
-    path = ROOT / "docs" / "_ext" / "executed_notebooks.py"
-    spec = importlib.util.spec_from_file_location("executed_notebooks", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(ROOT / "docs" / "_ext" / "executed_notebooks.py", "executed_notebooks")
 
 
 def test_the_six_notebooks_exist():

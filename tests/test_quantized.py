@@ -5,8 +5,6 @@ forward, the loss of LoRA over a quantized base against a bf16 base, merging and
 checkpointing."""
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax
@@ -21,6 +19,7 @@ import nnx_shard._quantized as quantized
 from nnx_shard._low_rank import adapters
 from nnx_shard._quantized import QuantizedKernel, QuantizedValue, QuantSpec, quantize_kernel
 from nnx_shard.models import Llama, LlamaConfig, get_config, lm_loss
+from tests._shared import load_file
 
 ALL = r"attn/(q|k|v|o)$|mlp/(gate|up|down)$"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -275,16 +274,8 @@ def test_quantized_base_bytes_in_the_compiled_forward():
 
 def _benchmark():  # type: ignore[no-untyped-def]
     """benchmarks/qlora.py, whose realistic base and 10 AdamW steps the gap table measures."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora.py"
-    sys.path.insert(0, str(script.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_qlora", script)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(script.parent))
+    return load_file(Path(__file__).resolve().parents[1] / "benchmarks" / "qlora.py",
+                     "bench_qlora")
 
 
 def final_loss(quantize=None, **kw) -> float:
