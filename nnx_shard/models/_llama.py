@@ -63,7 +63,15 @@ from nnx_shard.models._llama_config import LlamaConfig
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
 from nnx_shard.models._moe import LlamaMoE, RouterStats, add_stats, aux_loss, no_stats
 from nnx_shard.models._ops import constrain, einsum, lookup, project, whole
-from nnx_shard.models._rotary import rotary_at, rotary_of, rotary_tables, rotate, scaled_at, times
+from nnx_shard.models._rotary import (
+    own_local_rotation,
+    rotary_at,
+    rotary_of,
+    rotary_tables,
+    rotate,
+    scaled_at,
+    times,
+)
 from nnx_shard.models._transformer import (
     GATHERED,
     RESIDUAL,
@@ -380,8 +388,9 @@ def _mixed(cfg: LlamaConfig) -> bool:
 def _block_runner(cfg: LlamaConfig, length: int) -> Any:
     every_local = all(cfg.local_layers())
     tables = rotary_tables(cfg, length, every_local)
-    # Mixed layers take their tables by their flag (equal tables without a local base).
-    local_tables = rotary_tables(cfg, length, True) if _mixed(cfg) else None
+    # Mixed layers whose sliding ones rotate by their own base pick tables by their flag.
+    local = _mixed(cfg) and own_local_rotation(cfg)
+    local_tables = rotary_tables(cfg, length, True) if local else None
 
     def call(block: LlamaBlock, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
         if extras.positions is None:
@@ -630,7 +639,7 @@ class Llama(nnx.Module):
         local_tables = None
         if attention_mask is None:
             cos, sin = rotary_at(cfg, index, steps, every_local)
-            if mixed:
+            if mixed and own_local_rotation(cfg):
                 local_tables = rotary_at(cfg, index, steps, True)
         else:
             positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
@@ -643,7 +652,7 @@ class Llama(nnx.Module):
                 return times(jnp.cos(emb), factor), times(jnp.sin(emb), factor)
 
             cos, sin = tables(every_local)
-            if mixed:
+            if mixed and own_local_rotation(cfg):
                 local_tables = tables(True)
         x = self._embed(tokens)
         flags = np.asarray(cfg.local_layers()) if mixed else None

@@ -24,7 +24,7 @@ from nnx_shard.models._llama_config import LlamaConfig
 from nnx_shard.models._ops import constrain
 from nnx_shard.models._transformer import GATHERED, seq_names
 
-__all__ = ["rope_frequencies", "rotary_at", "rotary_of", "rotary_tables", "rotate", "scaled",
+__all__ = ["own_local_rotation", "rope_frequencies", "rotary_at", "rotary_of", "rotary_tables", "rotate", "scaled",
            "scaled_at", "times"]
 
 
@@ -43,10 +43,21 @@ def rope_frequencies(cfg: LlamaConfig, local: bool = False, seq_len: int | None 
     return scaled(cfg, local, seq_len)[0]
 
 
+def own_local_rotation(cfg: LlamaConfig) -> bool:
+    """Whether the sliding layers rotate by a base of their own (Gemma 3's
+    ``rope_local_theta``), so that they need tables apart from the global layers'.
+
+    >>> from nnx_shard.models import LlamaConfig
+    >>> own_local_rotation(LlamaConfig(model_type="gemma3_text", rope_local_theta=1e4))
+    True
+    """
+    return bool(cfg.rope_local_theta)
+
+
 def scaled(cfg: LlamaConfig, local: bool, seq_len: int | None = None
             ) -> tuple[np.ndarray, float]:
     """``(inv_freq, attention_factor)``: the factor scales cos and sin."""
-    if local and cfg.rope_local_theta:
+    if local and own_local_rotation(cfg):
         return rope.default(cfg, cfg.rope_local_theta)
     return rope.frequencies(cfg, seq_len)
 
@@ -54,7 +65,7 @@ def scaled(cfg: LlamaConfig, local: bool, seq_len: int | None = None
 def scaled_at(cfg: LlamaConfig, local: bool, seq_len: Any) -> tuple[jax.Array, float]:
     """:func:`scaled` for a traced sequence length (``dynamic`` / ``longrope``
     choose their frequencies by it)."""
-    if local and cfg.rope_local_theta:
+    if local and own_local_rotation(cfg):
         inv, factor = scaled(cfg, True)
         return jnp.asarray(inv), factor
     return rope.frequencies_at(cfg, seq_len)
