@@ -141,6 +141,29 @@ def time_compiled(rows: list[dict], runs: list[tuple], rounds: int, steps: int) 
         row["steps_per_s"] = rate
 
 
+def median_ms(step: Callable[[], Any], rounds: int, steps: int) -> float:
+    """Median milliseconds of one ``step()`` (which blocks on its result) over
+    ``rounds`` rounds of ``steps`` calls, after one warm-up call."""
+    import statistics
+    import time
+
+    step()
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        per_round.append((time.perf_counter() - t0) / steps * 1e3)
+    return statistics.median(per_round)
+
+
+def hlo_ops(compiled: Any, names: tuple[str, ...]) -> dict[str, int]:
+    """How often each of ``names`` occurs in the optimised HLO of ``compiled``
+    (which kernels a backend chose, e.g. ``ragged-dot`` or a Triton custom call)."""
+    text = compiled.as_text()
+    return {name: text.count(name) for name in names}
+
+
 def print_table(columns: list[str], rows: list[list]) -> None:
     """Prints a markdown table: a header of ``columns``, then one line a row of cells."""
     print("| " + " | ".join(columns) + " |")

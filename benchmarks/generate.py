@@ -340,8 +340,8 @@ class _Reference:
 
     def __init__(self, python: str, folder: str, quick: bool, new: int, threads: int) -> None:
         cmd = [python, str(HERE / "hf_generate_ref.py"), "--serve", "--save", folder,
-               "--prompt", str(HF_PROMPT), "--new", str(new), "--threads", str(threads)] + (
-                   ["--quick"] if quick else [])
+               "--prompt", str(HF_PROMPT), "--new", str(new), "--threads", str(threads),
+               "--device", "cuda" if _gpu() else "cpu"] + (["--quick"] if quick else [])
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env)

@@ -12,8 +12,9 @@ It builds ``LlamaForCausalLM`` from a fixed seed (shape ``full``: hidden 768,
 writes it with ``save_pretrained`` (to ``--save`` or a temporary folder) and
 times greedy ``generate`` (``use_cache=True``, ``min_new_tokens`` =
 ``max_new_tokens``, under ``torch.inference_mode``, a warm-up call first,
-``--threads`` torch threads, default 2) on a fixed random prompt, printing one
-JSON line: tokens/s and the new tokens of each batch.
+``--threads`` torch threads, default 2, on ``--device``, default the CPU) on a
+fixed random prompt, printing one JSON line: tokens/s and the new tokens of each
+batch.
 
 The configuration has no ``eos_token_id``, so no token is ever suppressed and
 the greedy tokens are the plain argmax, as ``nnx_shard.models.generate``
@@ -61,12 +62,14 @@ def build(shape: str, seed: int) -> transformers.LlamaForCausalLM:
 
 def run(model: transformers.LlamaForCausalLM, prompt: np.ndarray, new: int) -> tuple[float, list]:
     """One greedy ``generate`` call: its seconds and the new tokens."""
-    ids = torch.from_numpy(prompt.astype(np.int64))
+    ids = torch.from_numpy(prompt.astype(np.int64)).to(model.device)
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=new, min_new_tokens=new, use_cache=True,
                              pad_token_id=0)
+        if out.is_cuda:  # kernels run asynchronously: wait for the last one
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     return seconds, out[:, prompt.shape[1]:].tolist()
 
@@ -82,6 +85,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serve", action="store_true", help="answer requests on stdin")
     ap.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
+    ap.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shape = "quick" if args.quick else "full"
@@ -89,7 +93,8 @@ def main() -> int:
     model = build(shape, args.seed)
     folder = args.save or tempfile.mkdtemp(prefix="hf_llama_")
     model.save_pretrained(folder)
-    meta = {"shape": shape, "config": SHAPES[shape], "tied_embeddings": False,
+    model.to(args.device)
+    meta = {"device": args.device, "shape": shape, "config": SHAPES[shape], "tied_embeddings": False,
             "parameters": sum(p.numel() for p in model.parameters()), "checkpoint": folder,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),

@@ -17,9 +17,16 @@ The model: one Llama-3-8B block (``ns.models.get_config("llama3-8b")`` with
 point: the adapter-only step against full fine-tuning (flops and temporary bytes),
 the adapted decode step against the base's.
 
+``--adamw`` adds the two train steps with ``optax.adamw`` in place of SGD (on a
+GPU, XLA writes SGD's update into the gradient's matrix product, so full
+fine-tuning keeps no weight gradient there; AdamW needs each gradient);
+``--time R`` also runs every program on real arrays and reports its median
+milliseconds (meant for an accelerator: on 2 CPU cores a step takes seconds).
+
 Run (about 2 minutes on 2 CPU cores; ``--quick``: 256 tokens)::
 
     .venv/bin/python benchmarks/lora_cost.py
+    JAX_PLATFORMS=cuda .venv/bin/python benchmarks/lora_cost.py --adamw --time 5
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from _common import machine, print_table, write_json
+from _common import machine, median_ms, print_table, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lora_cost.json"
 ALL = r"attn/(q|k|v|o)$|mlp/(gate|up|down)$"
 RANK = 16
+STEPS = 5  # calls per timed round (--time)
 
 
 def config(**overrides: Any) -> Any:
@@ -44,8 +52,9 @@ def config(**overrides: Any) -> Any:
     return dataclasses.replace(get_config("llama3-8b"), **(base | overrides))
 
 
-def abstract(cfg: Any, adapters: bool) -> Any:
-    """The model of ``cfg``, shapes only, with rank-16 adapters on every projection."""
+def abstract(cfg: Any, adapters: bool, real: bool = False) -> Any:
+    """The model of ``cfg``, shapes only (``real``: allocated, to time it), with
+    rank-16 adapters on every projection."""
     from flax import nnx
 
     import nnx_shard as ns
@@ -55,37 +64,66 @@ def abstract(cfg: Any, adapters: bool) -> Any:
         model = Llama(cfg, rngs=nnx.Rngs(0))
         return ns.lora(model, RANK, 2 * RANK, targets=ALL) if adapters else model
 
-    return nnx.eval_shape(make)
+    return make() if real else nnx.eval_shape(make)
 
 
-def train_cost(cfg: Any, tokens: int, adapters: bool) -> dict[str, float]:
+def train_cost(cfg: Any, tokens: int, adapters: bool, rounds: int = 0,
+               adamw: bool = False) -> dict[str, float]:
     """Flops and temporary bytes of one compiled train step: the adapters alone
-    (``adapters``) or every Param of the base model."""
+    (``adapters``) or every Param of the base model, updated by SGD (``adamw``:
+    by ``optax.adamw``, whose moments are arguments); with ``rounds``, also its
+    median milliseconds on real arrays (``ms``)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from nnx_shard.models import lm_loss
 
-    model = abstract(cfg, adapters)
+    model = abstract(cfg, adapters, real=rounds > 0)
     wrt = nnx.LoRAParam if adapters else nnx.Param
     graphdef, trained, frozen = nnx.split(model, wrt, ...)
     batch = {k: jax.ShapeDtypeStruct((1, tokens), jnp.int32) for k in ("inputs", "targets")}
 
-    def step(trained: Any, frozen: Any, batch: dict[str, jax.Array]) -> Any:
-        def loss(p: Any) -> jax.Array:
-            return lm_loss(nnx.merge(graphdef, p, frozen), batch)
+    def loss(p: Any, frozen: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        return lm_loss(nnx.merge(graphdef, p, frozen), batch)
 
-        value, grads = jax.value_and_grad(loss)(trained)
+    def step(trained: Any, frozen: Any, batch: dict[str, jax.Array]) -> Any:
+        value, grads = jax.value_and_grad(loss)(trained, frozen, batch)
         return value, jax.tree.map(lambda p, g: p - (1e-3 * g).astype(p.dtype), trained, grads)
 
+    if adamw:
+        import optax
+
+        opt = optax.adamw(1e-3)
+        moments = jax.eval_shape(opt.init, trained)
+
+        def adam_step(held: Any, frozen: Any, batch: dict[str, jax.Array]) -> Any:
+            params, moments = held
+            value, grads = jax.value_and_grad(loss)(params, frozen, batch)
+            updates, moments = opt.update(grads, moments, params)
+            return value, (optax.apply_updates(params, updates), moments)
+
+        compiled = jax.jit(adam_step, donate_argnums=0).lower(
+            (trained, moments), frozen, batch).compile()
+        return _cost(compiled)
     compiled = jax.jit(step, donate_argnums=0).lower(trained, frozen, batch).compile()
-    return _cost(compiled)
+    cost = _cost(compiled)
+    if rounds:
+        tokens_in = jnp.zeros((1, tokens), jnp.int32)
+        state = {"trained": trained}
+
+        def run() -> None:
+            value, state["trained"] = compiled(
+                state["trained"], frozen, {"inputs": tokens_in, "targets": tokens_in})
+            jax.block_until_ready(value)
+
+        cost["ms"] = median_ms(run, rounds, STEPS)
+    return cost
 
 
-def decode_cost(cfg: Any, cache: int, adapters: bool) -> dict[str, float]:
+def decode_cost(cfg: Any, cache: int, adapters: bool, rounds: int = 0) -> dict[str, float]:
     """Flops and temporary bytes of one compiled decode step (one token after a
-    ``cache``-position prompt)."""
+    ``cache``-position prompt); with ``rounds``, also its median milliseconds."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -100,7 +138,7 @@ def decode_cost(cfg: Any, cache: int, adapters: bool) -> dict[str, float]:
         model.init_cache(1, cache)
         return model
 
-    graphdef, state = nnx.split(nnx.eval_shape(make))
+    graphdef, state = nnx.split(make() if rounds else nnx.eval_shape(make))
     token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
 
     def step(state: Any, token: jax.Array) -> Any:
@@ -108,7 +146,19 @@ def decode_cost(cfg: Any, cache: int, adapters: bool) -> dict[str, float]:
         logits = model.decode(token)
         return logits, nnx.state(model)
 
-    return _cost(jax.jit(step, donate_argnums=0).lower(state, token).compile())
+    compiled = jax.jit(step, donate_argnums=0).lower(state, token).compile()
+    cost = _cost(compiled)
+    if rounds:
+        # Each step writes one cache position: the rounds stay inside the cache.
+        real_token = jnp.zeros((1, 1), jnp.int32)
+        held = {"state": state}
+
+        def run() -> None:
+            logits, held["state"] = compiled(held["state"], real_token)
+            jax.block_until_ready(logits)
+
+        cost["ms"] = median_ms(run, rounds, STEPS)
+    return cost
 
 
 def _cost(compiled: Any) -> dict[str, float]:
@@ -122,13 +172,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="256 tokens")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
+                    help="also run each program on real arrays: median ms over ROUNDS "
+                         f"rounds of {STEPS} calls (meant for an accelerator)")
+    ap.add_argument("--adamw", action="store_true",
+                    help="also the two train steps with optax.adamw instead of SGD")
     args = ap.parse_args()
     tokens = 256 if args.quick else 1024
     cfg = config()
-    full = train_cost(cfg, tokens, adapters=False)
-    lora = train_cost(cfg, tokens, adapters=True)
-    base_dec = decode_cost(cfg, tokens, adapters=False)
-    lora_dec = decode_cost(cfg, tokens, adapters=True)
+    full = train_cost(cfg, tokens, adapters=False, rounds=args.time)
+    lora = train_cost(cfg, tokens, adapters=True, rounds=args.time)
+    base_dec = decode_cost(cfg, tokens, adapters=False, rounds=args.time)
+    lora_dec = decode_cost(cfg, tokens, adapters=True, rounds=args.time)
+    adam = ({"full": train_cost(cfg, tokens, adapters=False, adamw=True),
+             "adapters": train_cost(cfg, tokens, adapters=True, adamw=True)}
+            if args.adamw else None)
     rows = [
         ["train: full fine-tuning", f"{full['flops'] / 1e9:.1f}",
          f"{full['temp_bytes'] / 2**20:.1f}", "1.00x", "1.00x"],
@@ -143,7 +201,19 @@ def main() -> None:
     ]
     print(f"One Llama-3-8B block (vocab 4096, bf16), batch 1 x {tokens} tokens, rank {RANK} on "
           f"q/k/v/o/gate/up/down; {machine()}")
-    print_table(["program", "GFLOPs", "temp MiB", "flops ratio", "temp ratio"], rows)
+    columns = ["program", "GFLOPs", "temp MiB", "flops ratio", "temp ratio"]
+    if args.time:
+        columns.append("ms (median)")
+        for row, cost in zip(rows, (full, lora, base_dec, lora_dec), strict=True):
+            row.append(f"{cost['ms']:.3f}")
+    if adam:
+        for name, label in (("full", "full fine-tuning"), ("adapters", "adapters only")):
+            rows.append([f"train, AdamW: {label}", f"{adam[name]['flops'] / 1e9:.1f}",
+                         f"{adam[name]['temp_bytes'] / 2**20:.1f}",
+                         f"{adam[name]['flops'] / adam['full']['flops']:.2f}x",
+                         f"{adam[name]['temp_bytes'] / adam['full']['temp_bytes']:.2f}x"]
+                        + ([""] if args.time else []))
+    print_table(columns, rows)
     write_json(args.out, {
         "machine": machine(), "tokens": tokens, "rank": RANK,
         "model": "llama3-8b, layers=1, vocab=4096, bfloat16",
@@ -153,7 +223,13 @@ def main() -> None:
         "decode_adapters": lora_dec,
         "ratios": {"train_flops": lora["flops"] / full["flops"],
                    "train_temp_bytes": lora["temp_bytes"] / full["temp_bytes"],
-                   "decode_flops": lora_dec["flops"] / base_dec["flops"]},
+                   "decode_flops": lora_dec["flops"] / base_dec["flops"],
+                   **({"train_ms": lora["ms"] / full["ms"],
+                       "decode_ms": lora_dec["ms"] / base_dec["ms"]} if args.time else {})},
+        **({"adamw": adam | {"ratios": {
+            "train_flops": adam["adapters"]["flops"] / adam["full"]["flops"],
+            "train_temp_bytes": adam["adapters"]["temp_bytes"] / adam["full"]["temp_bytes"]}}}
+           if adam else {}),
     })
 
 

@@ -18,13 +18,16 @@ expert for every token costs ``experts / top_k`` = 4x the expert FLOPs).
 XLA's CPU backend has no grouped-matmul kernel: it rewrites ``ragged_dot`` into a
 dense product over all experts before counting (a standalone ``ragged_dot`` of
 512 rows over 8 groups counts 8x the grouped FLOPs there), so on CPU the ratio
-shows the all-experts cost; on GPU and TPU the op lowers to grouped kernels. The
-table says which backend measured it.
+shows the all-experts cost. XLA's GPU backend in jax 0.11.2 rewrites it too (the
+HLO check below finds no ``ragged-dot`` left), and its ``cost_analysis()`` counts
+cuBLAS calls partially, so on a GPU read the times (``--time``), not the FLOPs.
+The table says which backend measured it and how many ``ragged-dot`` ops the
+optimised HLO kept.
 
 Run (about 1 minute on 2 CPU cores; ``--quick``: 128 tokens)::
 
     .venv/bin/python benchmarks/moe_cost.py
-    JAX_PLATFORMS=cuda .venv/bin/python benchmarks/moe_cost.py
+    JAX_PLATFORMS=cuda .venv/bin/python benchmarks/moe_cost.py --time 5   # also time it
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from _common import machine, print_table, write_json
+from _common import hlo_ops, machine, median_ms, print_table, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe_cost.json"
 
@@ -51,15 +54,20 @@ def configs() -> tuple[Any, Any]:
     return moe, dense
 
 
-def step_flops(cfg: Any, tokens: int) -> float:
-    """XLA's flops of one compiled training step of the model of ``cfg``."""
+def step_flops(cfg: Any, tokens: int, rounds: int = 0) -> dict[str, Any]:
+    """XLA's flops of one compiled training step of the model of ``cfg``, the
+    grouped-matmul ops left in its optimised HLO, and with ``rounds`` its median
+    milliseconds on real arrays."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from nnx_shard.models import Llama, lm_loss
 
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    def make() -> Any:
+        return Llama(cfg, rngs=nnx.Rngs(0))
+
+    model = make() if rounds else nnx.eval_shape(make)
     graphdef, params = nnx.split(model, nnx.Param)
     batch = {k: jax.ShapeDtypeStruct((1, tokens), jnp.int32) for k in ("inputs", "targets")}
 
@@ -71,7 +79,20 @@ def step_flops(cfg: Any, tokens: int) -> float:
     compiled = jax.jit(step, donate_argnums=0).lower(params, batch).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
-    return float(cost["flops"])
+    out: dict[str, Any] = {"flops": float(cost["flops"]),
+                           "hlo": hlo_ops(compiled, ("ragged-dot", "__gpu$xla.gpu.triton",
+                                                     "custom-call"))}
+    if rounds:
+        inputs = jax.random.randint(jax.random.key(0), (1, tokens), 0, cfg.vocab)
+        real = {"inputs": inputs, "targets": inputs}
+        held = {"params": params}
+
+        def run() -> None:
+            value, held["params"] = compiled(held["params"], real)
+            jax.block_until_ready(value)
+
+        out["ms"] = median_ms(run, rounds, 5)
+    return out
 
 
 def main() -> None:
@@ -80,26 +101,44 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="128 tokens")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
+                    help="also run each step on real arrays: median ms over ROUNDS rounds "
+                         "of 5 steps (meant for an accelerator)")
+    ap.add_argument("--pallas", action="store_true",
+                    help="GPU: lower ragged_dot with JAX's Pallas/Triton grouped kernel "
+                         "(jax_ragged_dot_use_gpu_pallas_triton_lowering)")
     args = ap.parse_args()
+    if args.pallas:
+        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
     tokens = 128 if args.quick else 2048
     moe, dense = configs()
-    flops = {"moe": step_flops(moe, tokens), "dense": step_flops(dense, tokens)}
+    runs = {"moe": step_flops(moe, tokens, args.time),
+            "dense": step_flops(dense, tokens, args.time)}
+    flops = {name: run["flops"] for name, run in runs.items()}
     ratio = flops["moe"] / flops["dense"]
     backend = jax.default_backend()
-    print(f"One training step, batch 1 x {tokens} tokens, bf16; {machine()}")
-    print_table(["model", "params", "active params", "GFLOPs", "vs dense active"], [
+    print(f"One training step, batch 1 x {tokens} tokens, bf16; {machine()}"
+          + ("; ragged_dot through Pallas/Triton" if args.pallas else ""))
+    rows = [
         ["MoE (8 experts, top-2)", f"{moe.num_params / 1e6:.0f}M",
          f"{moe.active_params / 1e6:.0f}M", f"{flops['moe'] / 1e9:.1f}", f"{ratio:.2f}x"],
         ["dense, active width", f"{dense.num_params / 1e6:.0f}M",
          f"{dense.num_params / 1e6:.0f}M", f"{flops['dense'] / 1e9:.1f}", "1.00x"],
-    ])
+    ]
+    columns = ["model", "params", "active params", "GFLOPs", "vs dense active"]
+    if args.time:
+        columns += ["ms (median)", "ms vs dense"]
+        for row, name in zip(rows, ("moe", "dense"), strict=True):
+            row += [f"{runs[name]['ms']:.2f}", f"{runs[name]['ms'] / runs['dense']['ms']:.2f}x"]
+    print_table(columns, rows)
+    print(f"grouped-matmul ops in the MoE step's optimised HLO: {runs['moe']['hlo']}")
     if backend == "cpu":
         print("CPU: XLA expands ragged_dot into a product over every expert before counting.")
     write_json(args.out, {
         "machine": machine(), "backend": backend, "tokens": tokens,
-        "moe": {"params": moe.num_params, "active_params": moe.active_params,
-                "flops": flops["moe"]},
-        "dense": {"params": dense.num_params, "flops": flops["dense"]},
+        "ragged_dot_lowering": "pallas-triton" if args.pallas else "default",
+        "moe": {"params": moe.num_params, "active_params": moe.active_params, **runs["moe"]},
+        "dense": {"params": dense.num_params, **runs["dense"]},
         "ratio": ratio,
         "measure": "jax.jit(step).lower(abstract args).compile().cost_analysis()['flops']",
     })
