@@ -22,3 +22,27 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
     def pytest_unconfigure(config):
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs each docstring example once. ``tests/test_api_examples.py`` runs every example
+    the API pages render in a fresh namespace (the stricter check: it must import what it
+    uses); when it is part of the run, ``--doctest-modules`` keeps only the docstrings it
+    does not cover (private helpers' examples)."""
+    if not any(item.nodeid.startswith("tests/test_api_examples.py::test_example_runs_as_written")
+               for item in items):
+        return
+    import inspect
+
+    from _pytest.doctest import DoctestItem
+
+    from tests.test_api_examples import EXAMPLES
+
+    covered = {inspect.cleandoc(doc) for doc in EXAMPLES.values()}
+    kept, dropped = [], []
+    for item in items:
+        doc = item.dtest.docstring if isinstance(item, DoctestItem) else None
+        (dropped if doc and inspect.cleandoc(doc) in covered else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
