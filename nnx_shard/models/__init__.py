@@ -22,6 +22,7 @@ themselves), and :func:`lm_loss` skips ``-100`` targets.
 
 from nnx_shard._attention import attention
 from nnx_shard.models._adapters import attention_fn
+from nnx_shard.models._family.qwen3_moe import Qwen3MoeConfig
 from nnx_shard.models._llama import Llama, LlamaConfig
 from nnx_shard.models._named import CONFIGS, get_config
 from nnx_shard.models._resize import resize_token_embeddings
@@ -32,6 +33,6 @@ from nnx_shard.models._transformer_config import (
     remat_policy,
 )
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Transformer", "TransformerConfig",
-           "attention", "attention_fn", "get_config", "lm_loss", "remat_policy",
-           "resize_token_embeddings"]
+__all__ = ["CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Qwen3MoeConfig", "Transformer",
+           "TransformerConfig", "attention", "attention_fn", "get_config", "lm_loss",
+           "remat_policy", "resize_token_embeddings"]

@@ -116,8 +116,7 @@ def _no_keys(cfg: Any, out: dict[str, Any]) -> None:
 OPTIONAL_FIELDS: dict[str, Any] = {
     "attention_bias": False, "mlp_bias": False, "sliding_window": None,
     "window_layers": None, "rope_local_theta": None, "query_scale": None,
-    "attn_softcap": None, "final_softcap": None, "experts": 0, "top_k": 2, "moe_mlp": None,
-    "norm_topk_prob": True, "sparse_step": 1, "mlp_only_layers": (),
+    "attn_softcap": None, "final_softcap": None, "experts": 0, "top_k": 2,
     "router_aux_loss_coef": 0.001, "output_router_logits": False,
 }
 #: The mixture-of-experts fields (every MoE family has them).
@@ -164,6 +163,10 @@ class Family:
       moe: a mixture-of-experts family's ``config.json`` keys and transformers'
         defaults for them (``num_local_experts`` or ``num_experts``,
         ``num_experts_per_tok``, ...); empty for a dense family.
+      config: the family's config class when it has fields of its own (a frozen
+        dataclass subclassing :class:`~nnx_shard.models.LlamaConfig` in the family's
+        module, e.g. Qwen3-MoE's expert width); ``None``: ``LlamaConfig`` itself.
+        ``LlamaConfig(model_type=...)`` builds it.
     """
 
     model_type: str
@@ -186,6 +189,7 @@ class Family:
     tied_default: bool = False
     tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     moe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    config: Any = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.fields) - set(OPTIONAL_FIELDS))

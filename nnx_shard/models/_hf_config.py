@@ -260,31 +260,19 @@ def hf_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def moe_fields(hf: Mapping[str, Any], moe: Mapping[str, Any], mlp: int, where: str
-                ) -> dict[str, Any]:
-    """The mixture-of-experts fields of a MoE family's ``config.json`` (``moe``: its
-    keys and transformers' defaults; the expert count under either of transformers'
-    names, ``num_local_experts`` or ``num_experts``)."""
+               ) -> dict[str, Any]:
+    """The mixture-of-experts fields every MoE family has, from its ``config.json``
+    (``moe``: its keys and transformers' defaults; the expert count under either of
+    transformers' names, ``num_local_experts`` or ``num_experts``). A family's own
+    expert keys (Qwen3-MoE's width, renormalisation, dense layers) are its ``read``'s."""
     experts_key = next(k for k in moe if k in ("num_local_experts", "num_experts"))
     key = next((k for k in ("num_local_experts", "num_experts") if hf.get(k) is not None),
                experts_key)
-    only = hf.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                             for i in only):
-        raise UsageError(f"{where}: mlp_only_layers must be a list of layer indices, got "
-                         f"{short(only, 60)}. {FIX_VALUE}.")
     return dict(
         experts=count_key(hf, key, moe[experts_key], where),
         top_k=count_key(hf, "num_experts_per_tok", moe["num_experts_per_tok"], where),
-        moe_mlp=(count_key(hf, "moe_intermediate_size", moe["moe_intermediate_size"], where)
-                 if "moe_intermediate_size" in moe else None),
-        # Mixtral always renormalises its top-k weights
-        norm_topk_prob=(flag_key(hf, "norm_topk_prob", moe["norm_topk_prob"], where)
-                        if "norm_topk_prob" in moe else True),
-        sparse_step=(count_key(hf, "decoder_sparse_step", 1, where)
-                     if "decoder_sparse_step" in moe else 1),
-        mlp_only_layers=tuple(only),
         router_aux_loss_coef=real_value(hf.get("router_aux_loss_coef"), "router_aux_loss_coef",
-                                   moe["router_aux_loss_coef"], where, strict=False),
+                                        moe["router_aux_loss_coef"], where, strict=False),
         output_router_logits=flag_key(hf, "output_router_logits", False, where),
     )
 
@@ -323,9 +311,7 @@ def hf_config(cfg: Any) -> dict[str, Any]:
 def moe_config(cfg: Any, moe: Mapping[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts keys of a MoE family's ``config.json``."""
     values = {"num_local_experts": cfg.experts, "num_experts": cfg.experts,
-              "num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.expert_mlp,
-              "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": cfg.sparse_step,
-              "mlp_only_layers": list(cfg.mlp_only_layers),
+              "num_experts_per_tok": cfg.top_k,
               "router_aux_loss_coef": cfg.router_aux_loss_coef,
               "output_router_logits": cfg.output_router_logits}
     return {key: values[key] for key in moe}

@@ -144,10 +144,6 @@ class LlamaConfig:
     model_type: str = "llama"
     experts: int = 0
     top_k: int = 2
-    moe_mlp: int | None = None
-    norm_topk_prob: bool = True
-    sparse_step: int = 1
-    mlp_only_layers: Any = ()
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
     scan_layers: bool = False
@@ -155,6 +151,21 @@ class LlamaConfig:
     attention: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LlamaConfig:
+        # LlamaConfig(model_type=...) builds the config class the family registers (a
+        # family with fields of its own declares them on a subclass), so that every
+        # caller, from_hf and dataclasses.replace included, gets that family's fields.
+        if cls is LlamaConfig and not args:
+            try:
+                cls = family_of(kwargs.get("model_type", "llama")).config or cls
+            except UsageError:
+                pass  # __post_init__ names the valid model types
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in kwargs:
+            if name not in names:
+                raise UsageError(_not_a_field(cls, name, kwargs.get("model_type", cls.model_type)))
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
@@ -184,6 +195,7 @@ class LlamaConfig:
         if self.model_type not in model_types():
             raise UsageError(f"LlamaConfig.model_type={short(self.model_type, 40)}; valid: "
                              f"{', '.join(model_types())}. Fix: e.g. model_type='llama'.")
+        _check_class(self)
         _check_experts(self)
         _check_family(self)
         # Hashable (the config is static metadata of the module's graph).
@@ -239,8 +251,15 @@ class LlamaConfig:
 
     @property
     def expert_mlp(self) -> int:
-        """Each expert's hidden width (``moe_mlp``, else ``mlp``)."""
-        return self.mlp if self.moe_mlp is None else self.moe_mlp
+        """Each expert's hidden width: ``mlp`` (a family whose experts have a width of
+        their own, Qwen3-MoE's ``moe_mlp``, says so in its config class)."""
+        return self.mlp
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        """Whether the router renormalises the top-k weights to sum to 1 (Mixtral does;
+        Qwen3-MoE's config class makes it a field, ``norm_topk_prob``)."""
+        return True
 
     @property
     def aux_loss_weight(self) -> float:
@@ -249,14 +268,16 @@ class LlamaConfig:
         return self.router_aux_loss_coef if self.output_router_logits else 0.0
 
     def moe_layers(self) -> tuple[bool, ...]:
-        """Which layers have the sparse MoE MLP (none without experts).
+        """Which layers have the sparse MoE MLP: every one with experts, none without
+        (Qwen3-MoE's config class keeps some dense).
 
         >>> from nnx_shard.models import LlamaConfig
+        >>> LlamaConfig(layers=3, experts=4, model_type="mixtral").moe_layers()
+        (True, True, True)
         >>> LlamaConfig(layers=3, experts=4, mlp_only_layers=(1,), model_type="qwen3_moe").moe_layers()
         (True, False, True)
         """
-        return tuple(bool(self.experts) and i not in self.mlp_only_layers
-                     and (i + 1) % self.sparse_step == 0 for i in range(self.layers))
+        return (bool(self.experts),) * self.layers
 
     @classmethod
     def from_hf(cls, config: str | os.PathLike[str] | Mapping[str, Any],
@@ -360,21 +381,38 @@ def _check_family(cfg: LlamaConfig) -> None:
                          f"{name} out ({name}={absent!r}).")
 
 
+def _not_a_field(cls: type, name: str, model_type: Any) -> str:
+    """The error for a keyword that is not a field of the config class ``cls``."""
+    has = [t for t in model_types() if (c := family_of(t).config) is not None
+           and name in {f.name for f in dataclasses.fields(c)}]
+    where = f"model_type={model_type!r}" if model_type is not None else cls.__name__
+    if has:
+        owner = family_of(has[0]).config.__name__
+        return (f"{cls.__name__}: {name} is not part of {where} (its checkpoints have no such "
+                f"thing; {owner}, model_type {', '.join(map(repr, has))}, has it). Fix: "
+                f"model_type={has[0]!r}, or leave {name} out.")
+    fields = ", ".join(f.name for f in dataclasses.fields(cls))
+    return (f"{cls.__name__} has no field {name!r} (fields: {fields}). Fix: one of those, "
+            "spelled as listed.")
+
+
+def _check_class(cfg: LlamaConfig) -> None:
+    """Refuses a config class that is not the one its family registers (a subclass
+    carrying another family's fields)."""
+    want = cfg.family.config or LlamaConfig
+    if type(cfg) is not want:
+        raise UsageError(f"{type(cfg).__name__}: model_type={cfg.model_type!r} is configured "
+                         f"by {want.__name__}. Fix: {want.__name__}(...), or "
+                         f"LlamaConfig(model_type={cfg.model_type!r}, ...), which builds it.")
+
+
 def _check_experts(cfg: LlamaConfig) -> None:
-    """Checks the mixture-of-experts fields; ``mlp_only_layers`` becomes a tuple."""
-    check_fields(cfg, ("top_k", "sparse_step"), flags=("norm_topk_prob", "output_router_logits"))
-    if cfg.moe_mlp is not None:
-        count(cfg.moe_mlp, "LlamaConfig.moe_mlp", fix="None (mlp) or a width, e.g. 768")
+    """Checks the mixture-of-experts fields every MoE family has."""
+    check_fields(cfg, ("top_k",), flags=("output_router_logits",))
     if not isinstance(cfg.experts, int) or isinstance(cfg.experts, bool) or cfg.experts < 0 \
             or (cfg.experts and cfg.top_k > cfg.experts):
         raise UsageError(f"LlamaConfig.experts={short(cfg.experts, 40)} must be 0 (dense) or a "
                          f"whole number >= top_k={cfg.top_k}. Fix: e.g. experts=8, top_k=2.")
-    only = cfg.mlp_only_layers
-    if not isinstance(only, list | tuple) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.layers for i in only):
-        raise UsageError(f"LlamaConfig.mlp_only_layers={short(only, 60)} must list layer "
-                         f"indices below layers={cfg.layers}. Fix: e.g. mlp_only_layers=() .")
-    object.__setattr__(cfg, "mlp_only_layers", tuple(only))
     check_fields(cfg, (), finite=("router_aux_loss_coef",))
     object.__setattr__(cfg, "router_aux_loss_coef", float(cfg.router_aux_loss_coef))
     if cfg.scan_layers and len(set(cfg.moe_layers())) > 1:
@@ -479,8 +517,10 @@ def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaCo
     except NnxShardError:
         theirs = None
     if theirs is not None:
-        return [f"{name}: checkpoint {getattr(theirs, f)!r}, model {getattr(cfg, f)!r}"
-                for f, name in _SHAPE_FIELDS.items() if getattr(theirs, f) != getattr(cfg, f)]
+        # A field of one family's config class is absent (None) from another's.
+        return [f"{name}: checkpoint {getattr(theirs, f, None)!r}, model "
+                f"{getattr(cfg, f, None)!r}" for f, name in _SHAPE_FIELDS.items()
+                if getattr(theirs, f, None) != getattr(cfg, f, None)]
     # Not a model this reads (another family, or a value from_hf refuses): compare
     # what the file states against what the model's own config.json would.
     ours = cfg.to_hf()

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Llama, LlamaConfig, get_config
+from nnx_shard.models import Llama, LlamaConfig, Qwen3MoeConfig, get_config
 from nnx_shard.models._families import family_of
 from nnx_shard.models._moe import LlamaMoE
 
@@ -108,7 +108,26 @@ def test_bad_expert_settings_are_refused() -> None:
     with pytest.raises(ns.UsageError, match="experts"):
         LlamaConfig(experts=2, top_k=3)
     with pytest.raises(ns.UsageError, match="scan_layers"):
-        LlamaConfig(layers=2, experts=4, mlp_only_layers=(1,), scan_layers=True)
+        LlamaConfig(layers=2, experts=4, mlp_only_layers=(1,), scan_layers=True,
+                    model_type="qwen3_moe")
+
+
+def test_qwen3_moe_fields_live_on_its_own_config_class() -> None:
+    cfg = LlamaConfig(layers=3, experts=4, moe_mlp=16, mlp_only_layers=[1],
+                      model_type="qwen3_moe")
+    assert type(cfg) is Qwen3MoeConfig
+    assert (cfg.mlp_only_layers, cfg.expert_mlp, cfg.moe_layers()) == ((1,), 16,
+                                                                        (True, False, True))
+    assert dataclasses.replace(cfg, layers=4).moe_layers() == (True, False, True, True)
+    assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+    mixtral = LlamaConfig(experts=4, model_type="mixtral")
+    assert type(mixtral) is LlamaConfig
+    assert (mixtral.norm_topk_prob, mixtral.expert_mlp) == (True, mixtral.mlp)
+    assert "moe_intermediate_size" not in mixtral.to_hf()
+    with pytest.raises(ns.UsageError, match=r"moe_mlp .*'mixtral'.*Fix: model_type='qwen3_moe'"):
+        LlamaConfig(experts=4, moe_mlp=16, model_type="mixtral")
+    with pytest.raises(ns.UsageError, match=r"Qwen3MoeConfig: model_type='mixtral'.*Fix"):
+        Qwen3MoeConfig(experts=4, model_type="mixtral")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
