@@ -15,8 +15,8 @@ parameters.
   every result, at shorter lengths (XLA CPU runs the simulated devices' work
   and collectives on the host's cores, so this shows overheads, not a speedup).
 
-Results go to ``benchmarks/results/context.json``. Run (14 minutes on 2 shared
-CPU cores; ``--quick``: short sequences, 2 minutes)::
+Results go to ``benchmarks/results/context.json``. Run (about 3 minutes on 2 shared
+CPU cores; ``--quick``: short sequences)::
 
     .venv/bin/python benchmarks/context.py [--quick]
 """

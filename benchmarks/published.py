@@ -8,8 +8,8 @@ gradients, optimizer state, the NaN guard's copy, and the activations of
 ``nnx_shard.models._memory``, memory-efficient attention included) and, with
 ``--compile``, XLA's compiled figure of the call ``Trainer.fit`` makes, on as many
 simulated CPU devices as the layout has (layouts of at most ``--compile-max``
-devices: compiling an 8B model for 128 devices is past what 2 CPU cores do in
-minutes, so the 128-device layouts are planned by formula alone).
+devices, default 8; each compile takes seconds on 2 CPU cores, so ``--compile-max
+128`` or ``512`` with ``--only`` compiles the larger layouts too).
 
 Published facts (carried as numbers, the sources' own words are not copied):
 
