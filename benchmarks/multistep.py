@@ -37,14 +37,13 @@ Run (about 4 minutes on 2 CPU cores)::
 from __future__ import annotations
 
 import gc
-import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
 
-from _common import mlp, parse, run_worker, worker_main
+from _common import mlp, parse, run_worker, worker_main, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "multistep.json"
 DEVICE_COUNTS = (1, 8)
@@ -388,9 +387,7 @@ def main() -> None:
     print(fmt_table(results))
     print(f"\n(jax {meta['jax']}, {meta['cpus']} CPUs, {meta['seconds']:.0f} s; "
           "8 dev = simulated CPU devices sharing the same cores)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"wrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    write_json(RESULTS, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

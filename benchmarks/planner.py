@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import os
 
-from _common import simulated_cpu
+from _common import simulated_cpu, write_json
 
 os.environ.update(simulated_cpu(8))  # before jax is imported
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import time
@@ -178,8 +177,7 @@ def main() -> None:
           f"fastest = {cpu_ratio:.3f})")
     out = RESULTS if not args.device_memory else RESULTS.with_name(
         f"planner_{args.device_memory.lower()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    write_json(out, {
         "model": args.model, "batch": batch, "seq": seq, "devices": devices,
         "backend": jax.default_backend(), "jax": jax.__version__, "rounds": rounds,
         "steps_per_call": STEPS, "hardware": dataclasses.asdict(hw), "plan_s": plan_s,
@@ -190,8 +188,7 @@ def main() -> None:
                   "cpu_s": u} for c, m, p, t, u in zip(cands, measured, pred_h100, times, cpu,
                                                        strict=True)],
         "dropped": [c.as_dict() for c in plan.dropped], "pruned": plan.pruned,
-    }, indent=2))
-    print(f"wrote {out}")
+    })
 
 
 if __name__ == "__main__":
