@@ -636,10 +636,11 @@ class Llama(nnx.Module):
         steps = tokens.shape[1]
         valid = None
         mixed, every_local = _mixed(cfg), all(cfg.local_layers())
+        own_local = mixed and own_local_rotation(cfg)
         local_tables = None
         if attention_mask is None:
             cos, sin = rotary_at(cfg, index, steps, every_local)
-            if mixed and own_local_rotation(cfg):
+            if own_local:
                 local_tables = rotary_at(cfg, index, steps, True)
         else:
             positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
@@ -652,7 +653,7 @@ class Llama(nnx.Module):
                 return times(jnp.cos(emb), factor), times(jnp.sin(emb), factor)
 
             cos, sin = tables(every_local)
-            if mixed and own_local_rotation(cfg):
+            if own_local:
                 local_tables = tables(True)
         x = self._embed(tokens)
         flags = np.asarray(cfg.local_layers()) if mixed else None

@@ -385,12 +385,12 @@ def _not_a_field(cls: type, name: str, model_type: Any) -> str:
     """The error for a keyword that is not a field of the config class ``cls``."""
     has = [t for t in model_types() if (c := family_of(t).config) is not None
            and name in {f.name for f in dataclasses.fields(c)}]
-    where = f"model_type={model_type!r}" if model_type is not None else cls.__name__
     if has:
         owner = family_of(has[0]).config.__name__
-        return (f"{cls.__name__}: {name} is not part of {where} (its checkpoints have no such "
-                f"thing; {owner}, model_type {', '.join(map(repr, has))}, has it). Fix: "
-                f"model_type={has[0]!r}, or leave {name} out.")
+        return (f"{cls.__name__}: {name} is not part of model_type={model_type!r} (its "
+                f"checkpoints have no such thing; {owner}, model_type "
+                f"{', '.join(map(repr, has))}, has it). Fix: model_type={has[0]!r}, or leave "
+                f"{name} out.")
     fields = ", ".join(f.name for f in dataclasses.fields(cls))
     return (f"{cls.__name__} has no field {name!r} (fields: {fields}). Fix: one of those, "
             "spelled as listed.")
@@ -416,8 +416,8 @@ def _check_experts(cfg: LlamaConfig) -> None:
     check_fields(cfg, (), finite=("router_aux_loss_coef",))
     object.__setattr__(cfg, "router_aux_loss_coef", float(cfg.router_aux_loss_coef))
     if cfg.scan_layers and len(set(cfg.moe_layers())) > 1:
-        raise UsageError("LlamaConfig: scan_layers=True stacks alike blocks, but some layers "
-                         "are MoE layers and some dense (sparse_step / mlp_only_layers). Fix: "
+        raise UsageError(f"{type(cfg).__name__}: scan_layers=True stacks alike blocks, but some "
+                         "layers are MoE layers and some dense (moe_layers()). Fix: "
                          "scan_layers=False.")
 
 

@@ -24,8 +24,8 @@ from nnx_shard.models._llama_config import LlamaConfig
 from nnx_shard.models._ops import constrain
 from nnx_shard.models._transformer import GATHERED, seq_names
 
-__all__ = ["own_local_rotation", "rope_frequencies", "rotary_at", "rotary_of", "rotary_tables", "rotate", "scaled",
-           "scaled_at", "times"]
+__all__ = ["own_local_rotation", "rope_frequencies", "rotary_at", "rotary_of", "rotary_tables",
+           "rotate", "scaled", "scaled_at", "times"]
 
 
 def rope_frequencies(cfg: LlamaConfig, local: bool = False, seq_len: int | None = None

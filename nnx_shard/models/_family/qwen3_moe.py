@@ -65,11 +65,7 @@ class Qwen3MoeConfig(LlamaConfig):
             raise UsageError(f"Qwen3MoeConfig.mlp_only_layers={short(only, 60)} must list layer "
                              f"indices below layers={self.layers}. Fix: e.g. mlp_only_layers=() .")
         object.__setattr__(self, "mlp_only_layers", tuple(only))
-        super().__post_init__()
-        if self.scan_layers and len(set(self.moe_layers())) > 1:
-            raise UsageError("Qwen3MoeConfig: scan_layers=True stacks alike blocks, but some "
-                             "layers are MoE layers and some dense (sparse_step / "
-                             "mlp_only_layers). Fix: scan_layers=False.")
+        super().__post_init__()  # its checks read moe_layers(), this class's
 
     @property
     def expert_mlp(self) -> int:
