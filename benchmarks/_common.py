@@ -142,19 +142,10 @@ def time_compiled(rows: list[dict], runs: list[tuple], rounds: int, steps: int) 
 
 
 def median_ms(step: Callable[[], Any], rounds: int, steps: int) -> float:
-    """Median milliseconds of one ``step()`` (which blocks on its result) over
-    ``rounds`` rounds of ``steps`` calls, after one warm-up call."""
-    import statistics
-    import time
-
+    """Milliseconds of one ``step()`` (which blocks on its result) at :func:`interleaved`'s
+    median rate over ``rounds`` rounds of ``steps`` calls, after one warm-up call."""
     step()
-    per_round = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        per_round.append((time.perf_counter() - t0) / steps * 1e3)
-    return statistics.median(per_round)
+    return 1e3 / interleaved([step], rounds, steps, lambda run: run())[0]
 
 
 def hlo_ops(compiled: Any, names: tuple[str, ...]) -> dict[str, int]:

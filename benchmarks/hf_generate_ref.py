@@ -94,7 +94,8 @@ def main() -> int:
     folder = args.save or tempfile.mkdtemp(prefix="hf_llama_")
     model.save_pretrained(folder)
     model.to(args.device)
-    meta = {"device": args.device, "shape": shape, "config": SHAPES[shape], "tied_embeddings": False,
+    meta = {"device": args.device, "shape": shape, "config": SHAPES[shape],
+            "tied_embeddings": False,
             "parameters": sum(p.numel() for p in model.parameters()), "checkpoint": folder,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
