@@ -4,6 +4,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -24,17 +26,24 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         shutil.rmtree(_CACHE, ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Runs each docstring example once. ``tests/test_api_examples.py`` runs every example
-    the API pages render in a fresh namespace (the stricter check: it must import what it
-    uses); when it is part of the run, ``--doctest-modules`` keeps only the docstrings it
-    does not cover (private helpers' examples)."""
+    """Marks the private examples named in ``tests/_tiers.py`` slow, and runs each docstring
+    example once: ``tests/test_api_examples.py`` runs every example the API pages render in a
+    fresh namespace (the stricter check: it must import what it uses); when it is part of the
+    run, ``--doctest-modules`` keeps only the docstrings it does not cover (private helpers'
+    examples)."""
+    from _pytest.doctest import DoctestItem
+
+    from tests._tiers import SLOW_DOCTESTS
+
+    for item in items:
+        if isinstance(item, DoctestItem) and item.name in SLOW_DOCTESTS:
+            item.add_marker(pytest.mark.slow)
     if not any(item.nodeid.startswith("tests/test_api_examples.py::test_example_runs_as_written")
                for item in items):
         return
     import inspect
-
-    from _pytest.doctest import DoctestItem
 
     from tests.test_api_examples import EXAMPLES
 

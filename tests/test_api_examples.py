@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import nnx_shard
+from tests._tiers import SLOW_DOCTESTS
 from tests.test_api import MODULES
 
 _PARSER = doctest.DocTestParser()
@@ -66,7 +67,29 @@ def test_the_reference_has_examples():
     assert len(EXAMPLES) >= 60, len(EXAMPLES)
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+# Examples that compile a dozen programs or more (several seconds each on CPU) run in the slow
+# tier, with the guides' and notebooks' code; the rest keep the quick tier's check.
+SLOW_EXAMPLES = {
+    "nnx_shard.collective_matmul.all_gather_matmul",
+    "nnx_shard.collective_matmul.matmul_reduce_scatter",
+    "nnx_shard.inference.generate",
+    "nnx_shard.inference.generate_text",
+    "nnx_shard.models.Llama.decode",
+    "nnx_shard.tp_layers",
+}
+
+
+def test_slow_examples_are_examples():
+    assert SLOW_EXAMPLES <= EXAMPLES.keys(), SLOW_EXAMPLES - EXAMPLES.keys()
+    for dotted in SLOW_DOCTESTS:
+        module, _, attr = dotted.rpartition(".")
+        obj = getattr(importlib.import_module(module), attr)
+        assert ">>>" in (obj.__doc__ or ""), dotted
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_EXAMPLES else name
+    for name in sorted(EXAMPLES)])
 def test_example_runs_as_written(name, tmp_path, monkeypatch):
     test = _PARSER.get_doctest(EXAMPLES[name], {"__name__": "__example__"}, name, None, 0)
     runner = doctest.DocTestRunner(optionflags=_FLAGS)

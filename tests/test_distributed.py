@@ -135,6 +135,7 @@ def _slurm_job(tasks_per_node: str) -> str:
     return done.stdout.split("|")[1].strip()
 
 
+@pytest.mark.slow
 def test_slurm_one_task_per_node_joins_through_jax_detection_with_every_device():
     # JAX picks the address, count and id; only the device restriction is lifted.
     assert _slurm_job("1") == "all"
@@ -257,6 +258,7 @@ def test_checkpoint_written_by_one_process_restores_in_two(tmp_path):
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
 
 
+@pytest.mark.slow
 def test_processes_report_coordinates_and_their_rows():
     done = run_job("check")
     assert "[0] process 0 of 2 from NNX_SHARD_* environment; 4 local of 8 devices" in done.stdout
@@ -265,6 +267,7 @@ def test_processes_report_coordinates_and_their_rows():
     assert "[0] rows 0:8 of 16" in done.stdout and "[1] rows 8:16 of 16" in done.stdout
 
 
+@pytest.mark.slow
 def test_unreachable_coordinator_is_an_error_not_a_hang():
     # Without its init_timeout the process would wait for the coordinator for good
     # (finish's own limit is the hang guard).
@@ -273,6 +276,7 @@ def test_unreachable_coordinator_is_an_error_not_a_hang():
     assert "DistributedError: process 1 of 2 could not reach the coordinator at 127.0.0.1:" in out
 
 
+@pytest.mark.slow
 def test_peer_that_never_comes_is_named_before_jax_aborts():
     code, out = finish(spawn(0, 2, free_port(), init_timeout=3))
     assert code != 0

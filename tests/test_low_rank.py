@@ -469,6 +469,7 @@ def test_adapter_dropout_draws_in_training_and_is_off_in_eval():
     assert not np.allclose(np.asarray(model(tokens)), evaluated, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_generation_and_decoding_apply_no_adapter_dropout():
     from nnx_shard.inference import generate
     from nnx_shard.models import Transformer

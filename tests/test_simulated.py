@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nnx_shard._simulated import Workers, simulated_env
 
 
@@ -31,6 +33,7 @@ def test_a_slow_request_does_not_hold_the_others_back(tmp_path):
     assert order[-1] == 0 and gate.exists()
 
 
+@pytest.mark.slow
 def test_a_request_past_the_timeout_kills_its_child_and_the_next_gets_a_new_one():
     got: dict[int, dict] = {}
     with Workers("tests._shared:sleep_request", 2, size=1, timeout=1.0) as w:

@@ -534,6 +534,7 @@ def _saving_child(directory: str) -> None:
         step += 1
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
@@ -629,6 +630,7 @@ def _key_spans(text):
     return [(m.start(1), m.end(1)) for m in re.finditer(r'"([^"]*)"\s*:', text)]
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_the_manifest_is_a_corrupt_checkpoint(tmp_path):
     model = MLP(nnx.Rngs(0), d=2, h=2)  # RNG state too: its entries name a key impl
     ns.save(tmp_path, 3, model=model)
@@ -857,6 +859,7 @@ def _run_child(script, timeout=120, env=None):
     return out.returncode, out.stdout, out.stderr
 
 
+@pytest.mark.slow
 def test_another_processes_save_in_flight_is_left_alone(tmp_path):
     """Opening a Checkpointer removes temporary folders of killed saves, but never the
     one of a save another process is still writing (it holds the directory's lock)."""

@@ -265,6 +265,7 @@ def test_plan_the_compiled_figure_decides_and_the_formula_is_labelled(capsys):
     assert json.loads(out)["compiled"] is None and json.loads(out)["decided_by"] == "formula"
 
 
+@pytest.mark.slow
 def test_plan_compiles_a_256_device_mesh(capsys):
     code, out, err = run(capsys, "plan", "--model", "tiny", "--mesh", "data=256", "--strategy",
                          "dp", "--batch", "256", "--seq", "16", "--json")
@@ -605,6 +606,7 @@ def test_explain_help_says_it_runs_the_module(capsys):
     assert "imports and runs your module" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.slow
 def test_console_entry_prints_one_line_for_a_failing_factory(bad_factories):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("NNX_SHARD_DEBUG", None)
@@ -732,6 +734,7 @@ def test_demo_of_one_step_runs_and_a_rerun_replaces_only_its_own_outputs(capsys,
 
 
 @needs_devices(8)
+@pytest.mark.slow
 def test_demo_that_diverges_exits_1_without_a_stale_heldout_loss(capsys, tmp_path):
     out_dir = tmp_path / "demo"
     code, out, err = run(
@@ -1075,6 +1078,7 @@ def test_explain_strategy_must_be_known_and_is_not_combined_with_rules(capsys, f
         assert out == ""
 
 
+@pytest.mark.slow
 def test_explain_a_factory_that_calls_os_exit_or_a_file_not_python(tmp_path):
     # os._exit skips every handler: in this process it would end pytest too, so run the
     # console script.

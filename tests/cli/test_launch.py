@@ -198,6 +198,7 @@ def test_add_arguments_composes_with_a_subcommand_parser(capfd):
     assert "[0] ok" in capfd.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_killed_jax_peer_stops_the_job_within_the_timeout():
     done = subprocess.run(
         [PY, "-m", "nnx_shard.cli._launch", "-n", "2", "--devices-per-process", "4",
@@ -238,6 +239,7 @@ def test_a_timeout_kills_processes_that_ignore_sigterm_after_the_grace(capfd):
     assert len(pids) == 2 and all(gone(p) for p in pids)
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_while_stopping_still_kills_what_ignores_the_first():
     """Terminated twice while its processes ignore SIGTERM: the second signal lands in
     the grace period and must neither skip the SIGKILL nor end in a traceback."""

@@ -187,6 +187,7 @@ def test_option_values_compile_nothing(caplog: pytest.LogCaptureFixture) -> None
 # -- stream ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stream_equals_generate() -> None:
     model = _model("hf_llama")
     e = _expected("hf_llama")

@@ -391,6 +391,7 @@ def test_bad_input_one_clear_error_each() -> None:
 
 
 @needs_devices(8)
+@pytest.mark.slow
 def test_batch_that_does_not_divide_is_padded_and_cut_back() -> None:
     model, mesh, rules = _sharded("dp", _build)
     with ns.use(mesh, rules):  # 3 rows over data=8: 5 dummy rows, cut back

@@ -107,6 +107,7 @@ def test_bad_mask_arguments(kwargs: dict, match: str) -> None:
 # --------------------------------------------------------------------------- lm_loss
 
 
+@pytest.mark.slow
 def test_ignored_targets_loss_equals_transformers() -> None:
     e = _expected()
     model, _ = _fixture_model("dp", "one")
@@ -254,6 +255,7 @@ def test_transformer_padding_and_packing(kernel: str, scan: bool) -> None:
     assert_close(out[0, 10:], alone_a[0], RTOL, "packed a", scale=scale)
 
 
+@pytest.mark.slow
 def test_mask_gradients_agree_between_kernels() -> None:
     batch = _packed()[0] | {"attention_mask": (_packed()[0]["segment_ids"] > 0).astype(np.int32)}
     results = {}
@@ -377,6 +379,7 @@ def test_masks_through_the_pipeline_and_allgather(variant: str) -> None:
 
 
 @needs_devices(8)
+@pytest.mark.slow
 def test_trainer_and_batches_carry_the_mask_keys() -> None:
     """A packed dataset through ns.Batches and the Trainer: every key sharded like the
     tokens, and each step's loss the eager loss of its batch (learning rate 0)."""

@@ -178,6 +178,7 @@ def test_moe_equals_dense_mixture_when_nothing_dropped() -> None:
 # --------------------------------------------------------------------------- tied
 
 
+@pytest.mark.slow
 def test_tied_embeddings() -> None:
     cfg = dataclasses.replace(TINY, tie_embeddings=True)
     model = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -193,6 +193,7 @@ def test_yarn_defaults_as_transformers() -> None:
     assert dict(bare.rope_scaling)["original_max_position_embeddings"] == 64
 
 
+@pytest.mark.slow
 def test_per_token_positions_choose_by_the_highest() -> None:
     # a padding mask gives per-token positions: the sequence length is the highest + 1,
     # so an all-ones mask computes what the static length does, on both sides of the

@@ -197,6 +197,7 @@ def test_plan_cli_shows_stages(capsys) -> None:
     assert "GPipe: 4 stages, 4 microbatches of 64.00 KiB per device, bubble 42.9%" in text
 
 
+@pytest.mark.slow
 def test_plan_cli_a_compiled_pipeline_is_an_upper_bound_and_the_stage_formula_decides(
         capsys) -> None:
     """On XLA CPU a pipeline's compiled figure is not an accelerator's: plan says so and

@@ -137,6 +137,7 @@ def test_one_microbatch_matches_transformers() -> None:
                          RTOL_HF, f"{name} update of {w}")
 
 
+@pytest.mark.slow
 def test_averaging_microbatch_means_would_differ() -> None:
     """The fixture can tell the two rules apart: averaging each microbatch's mean (what
     a loss without ns.mean_over gets) gives another loss than the step's mean."""

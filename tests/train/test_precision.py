@@ -96,6 +96,7 @@ def _reference(steps: int) -> tuple[np.ndarray, dict]:
     return np.array(jax.device_get(losses)), grads
 
 
+@pytest.mark.slow
 def test_value_and_grad_reads_bfloat16_and_returns_float32_gradients():
     """One device, no mesh: the fast check of what the sharded tests below repeat."""
     model = Net(nnx.Rngs(0))

@@ -1384,6 +1384,7 @@ print("done", int(opt.step[...]), round(time.perf_counter() - start, 1))
 """
 
 
+@pytest.mark.slow
 def test_an_unblocked_loop_of_fused_calls_does_not_abort(tmp_path):
     """3,000 unblocked K=1 FSDP calls on 8 simulated devices: with unbounded dispatch
     (max_in_flight=None) XLA's CPU rendezvous aborted the process (SIGABRT) after ~75
