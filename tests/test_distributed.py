@@ -283,6 +283,7 @@ def test_peer_that_never_comes_is_named_before_jax_aborts():
     assert "process 0 of 2 has waited 2.7 s for all processes to connect to 127.0.0.1:" in out
 
 
+@pytest.mark.slow
 def test_processes_disagreeing_on_their_number_fail_clearly():
     port = free_port()
     a, b = spawn(0, 2, port), spawn(1, 3, port)
@@ -293,6 +294,7 @@ def test_processes_disagreeing_on_their_number_fail_clearly():
     assert "process 1 was started with num_processes=3, process 0 with 2" in ob
 
 
+@pytest.mark.slow
 def test_uneven_device_counts_fail_clearly():
     port = free_port()
     a, b = spawn(0, 2, port, devices=4), spawn(1, 2, port, devices=2)

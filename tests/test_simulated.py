@@ -7,6 +7,7 @@ import pytest
 from nnx_shard._simulated import Workers, simulated_env
 
 
+@pytest.mark.slow
 def test_workers_answer_every_request_in_long_lived_children():
     got: dict[int, dict] = {}
     with Workers("tests._shared:sleep_request", 2, size=2, timeout=60) as w:
@@ -17,6 +18,7 @@ def test_workers_answer_every_request_in_long_lived_children():
     assert len({r["pid"] for r in got.values()}) == 2
 
 
+@pytest.mark.slow
 def test_a_slow_request_does_not_hold_the_others_back(tmp_path):
     # The slow request waits for a file written only once the three quick ones are
     # answered: held back, they never would be (the slow one would run out its 120 s).
@@ -44,6 +46,7 @@ def test_a_request_past_the_timeout_kills_its_child_and_the_next_gets_a_new_one(
     assert got[2]["slept"] == 0.0 and got[2]["pid"] != got[0]["pid"]
 
 
+@pytest.mark.slow
 def test_a_child_that_dies_reports_its_last_words_and_is_replaced():
     got: dict[int, dict] = {}
     with Workers("tests._shared:die_request", 2, size=1, timeout=60) as w:

@@ -750,6 +750,7 @@ def test_extra_must_come_back_as_given(tmp_path, extra, match):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_failed_restores_leave_no_event_loop_tracebacks(tmp_path):
     """Orbax closes its event loop while tensorstore still finishes the reads that did
     not fail; their late callbacks used to print 'Event loop is closed' tracebacks."""
@@ -778,6 +779,7 @@ for _ in range(8):
     assert "Event loop is closed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_saves_in_flight_at_interpreter_exit_finish(tmp_path):
     """A Checkpointer never closed: its background save finishes at exit, instead of
     failing in orbax's threads ('cannot schedule new futures after interpreter shutdown')."""
@@ -1008,6 +1010,7 @@ def test_checkpoints_of_the_previous_format_still_restore(tmp_path):
     assert extra == {"step": 5, "data_position": 5}
 
 
+@pytest.mark.slow
 def test_damage_to_orbax_metadata_files_is_an_error_or_harmless(tmp_path):
     """The files orbax reads besides the arrays only steer reading: damage there gives
     an error or the right values, never wrong ones."""
@@ -1051,6 +1054,7 @@ big = nnx.Linear(512, 512, rngs=nnx.Rngs(0))
 """
 
 
+@pytest.mark.slow
 def test_a_failed_background_save_is_raised_at_the_next_save_wait_and_close(tmp_path):
     script = _SMALL_DISK + f"""
 ckpt = ns.Checkpointer({str(tmp_path)!r}, keep=None)
@@ -1106,6 +1110,7 @@ print("saving in the background", flush=True)
     assert not list(tmp_path.glob("7*"))
 
 
+@pytest.mark.slow
 def test_a_save_to_a_read_only_directory_fails_at_once_and_exit_does_not_hang(tmp_path):
     """Orbax created step folders on a background thread; when that failed (read-only
     file system) the other threads waited 300 s for it, at exit."""
@@ -1137,6 +1142,7 @@ for step in (3, 4):
                             r"process can write\.", line), line
 
 
+@pytest.mark.slow
 def test_exit_gives_up_on_a_save_that_makes_no_progress(tmp_path):
     script = f"""
 import threading
@@ -1176,6 +1182,7 @@ def test_saves_and_restores_do_not_collect_tensorstore_metrics(tmp_path, monkeyp
     assert calls == []
 
 
+@pytest.mark.slow
 def test_failed_saves_and_restores_print_one_line_each(tmp_path):
     """No pages of absl tracebacks and tensorstore specs: what failed, once."""
     script = f"""
@@ -1277,6 +1284,7 @@ os.rename = read_only
 """
 
 
+@pytest.mark.slow
 def test_a_background_failure_taken_by_wait_is_not_raised_again_by_any_thread(tmp_path):
     """orbax re-raises a failed save once per thread that waits: closing from another
     thread (as exit does) raised the raw error again and left orbax half closed."""

@@ -144,6 +144,7 @@ def enospc_trials(tmp_path: Path, previous: Any, monkeypatch: pytest.MonkeyPatch
     return len(points)
 
 
+@pytest.mark.slow
 def test_enospc_partway_leaves_the_previous_export(tmp_path, previous, monkeypatch) -> None:
     trials = enospc_trials(tmp_path, previous, monkeypatch)
     assert trials >= 12
