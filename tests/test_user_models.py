@@ -29,6 +29,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
 from nnx_shard import cli
@@ -229,6 +230,7 @@ def test_async_tp_runs_the_stock_layers_as_rings(name: str) -> None:
     assert rings(sp_hlo) == []
 
 
+@needs_devices(8)
 def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
     cfg = dataclasses.replace(CFG, layers=1)
     with nnx.use_eager_sharding(False):
@@ -254,6 +256,15 @@ def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
     dims = (((2,), (0,)), ((), ()))
     np.testing.assert_array_equal(op(x, block.mlp.gate.kernel[...], dims),
                                   jax.lax.dot_general(x, block.mlp.gate.kernel[...], dims))
+    # Under async_tp a kernel split along the ring's axis runs as a ring (its output split
+    # there); one the rules keep whole on that axis is the plain product, left unsplit.
+    w = jax.random.normal(jax.random.key(2), (16, 8))
+    with ns.use("data=2,model=4", ns.strategies.get("async_tp").rules):
+        ring = ns.tp_layers.ProjectionOp(("embed", "vocab"), "dot_general")(x, w, dims)
+        whole = ns.tp_layers.ProjectionOp(("kv", "kv"), "dot_general")(x, w, dims)
+    assert ring.sharding.spec == P("data", None, "model")
+    assert whole.sharding.spec == P()
+    np.testing.assert_array_equal(whole, jax.lax.dot_general(x, w, dims))
     # Under async_tp a sequence the ring cannot split is refused in those terms.
     with ns.use("data=2,model=4", ns.strategies.get("async_tp").with_rules(um.ALIASES).rules), \
             pytest.raises(ns.ShardingError, match=r"sequence length 14, not divisible by 4 .* "
