@@ -1,6 +1,18 @@
-"""Docstring examples of private helpers that run in the slow tier (the root conftest.py marks
-them): each starts Python processes or compiles collective matmuls, a few seconds apiece."""
+"""Docstring examples that run in the slow tier: each compiles a dozen programs or more, starts
+Python processes or compiles collective matmuls, a few seconds apiece on CPU. The guides' and
+notebooks' code runs there too; every other example keeps the quick tier's check."""
 
+# Examples of the API reference, run by tests/test_api_examples.py.
+SLOW_EXAMPLES = frozenset({
+    "nnx_shard.collective_matmul.all_gather_matmul",
+    "nnx_shard.collective_matmul.matmul_reduce_scatter",
+    "nnx_shard.inference.generate",
+    "nnx_shard.inference.generate_text",
+    "nnx_shard.models.Llama.decode",
+    "nnx_shard.tp_layers",
+})
+
+# Private helpers' examples, run by --doctest-modules (the root conftest.py marks them).
 SLOW_DOCTESTS = frozenset({
     "nnx_shard._parallel.collective_matmul.projection",
     "nnx_shard._simulated.Workers",

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import nnx_shard
-from tests._tiers import SLOW_DOCTESTS
+from tests._tiers import SLOW_DOCTESTS, SLOW_EXAMPLES
 from tests.test_api import MODULES
 
 _PARSER = doctest.DocTestParser()
@@ -65,18 +65,6 @@ EXAMPLES = {name: doc for name, doc in _documented() if ">>>" in doc}
 
 def test_the_reference_has_examples():
     assert len(EXAMPLES) >= 60, len(EXAMPLES)
-
-
-# Examples that compile a dozen programs or more (several seconds each on CPU) run in the slow
-# tier, with the guides' and notebooks' code; the rest keep the quick tier's check.
-SLOW_EXAMPLES = {
-    "nnx_shard.collective_matmul.all_gather_matmul",
-    "nnx_shard.collective_matmul.matmul_reduce_scatter",
-    "nnx_shard.inference.generate",
-    "nnx_shard.inference.generate_text",
-    "nnx_shard.models.Llama.decode",
-    "nnx_shard.tp_layers",
-}
 
 
 def test_slow_examples_are_examples():
