@@ -8,7 +8,8 @@ axes that also split the tokens (the ``ep`` preset: ``batch`` over
 its own tokens and holds only its own experts. Nothing is dropped: each device's
 send buffer has room for all of its ``tokens x top_k`` slots towards every peer
 (the dropless worst case), and the receiver computes only the rows it was sent
-(``jax.lax.ragged_dot`` groups; the rest of the buffer is outside every group).
+(grouped matmuls, :func:`~nnx_shard.models._grouped.grouped_matmul`; the rest of the
+buffer is outside every group, and its tiles are skipped).
 Where the tokens are not split over the expert axes, or no rules are active, the
 layer gathers instead (:class:`nnx_shard.models._moe.LlamaMoE`).
 
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_shard._axes import axes_entry, entry_axes
 from nnx_shard._errors import ShardingError
 from nnx_shard._mesh import current
+from nnx_shard.models._grouped import grouped_matmul, tile_rows
 
 __all__ = ["ExpertPlan", "Routing", "dispatch_combine", "expert_plan"]
 
@@ -57,12 +59,14 @@ class ExpertPlan(NamedTuple):
 
 class Routing(NamedTuple):
     """How the layer routes and computes: top-``k`` experts per token, their weights
-    renormalised or not, the gated MLP's ``activation`` and compute ``dtype``."""
+    renormalised or not, the gated MLP's ``activation`` and compute ``dtype``, and
+    the grouped matmuls' ``matmul`` (``LlamaConfig.expert_matmul``)."""
 
     top_k: int
     renormalise: bool
     activation: Any
     dtype: Any
+    matmul: str = "auto"
 
 
 def _axes(rules: Any, mesh: Any, names: tuple[str | None, ...], shape: tuple[int, ...]
@@ -175,10 +179,14 @@ def _local(x: jax.Array, valid: jax.Array, router: jax.Array, gate: jax.Array, u
     by_expert = jnp.argsort(tags, stable=True)
     sizes = jnp.bincount(tags, length=local + 1)[:local].astype(jnp.int32)
     h = rows[by_expert]
-    g = jax.lax.ragged_dot(h, gate.astype(dtype), sizes)
-    u = jax.lax.ragged_dot(h, up.astype(dtype), sizes)
+    # About s rows arrive on average (every device sends s slots), however large the
+    # buffer that has room for the worst case.
+    grouped = partial(grouped_matmul, sizes=sizes, kind=routing.matmul,
+                      tile=tile_rows(s, local))
+    g = grouped(h, gate.astype(dtype))
+    u = grouped(h, up.astype(dtype))
     act = routing.activation(g)
-    out = jax.lax.ragged_dot(act * u, down.astype(dtype), sizes)
+    out = grouped(act * u, down.astype(dtype))
     if mlp:
         out = jax.lax.psum(out, mlp)
     back = jnp.zeros_like(out).at[by_expert].set(out).reshape(p, s, e)

@@ -117,10 +117,11 @@ OPTIONAL_FIELDS: dict[str, Any] = {
     "attention_bias": False, "mlp_bias": False, "sliding_window": None,
     "window_layers": None, "rope_local_theta": None, "query_scale": None,
     "attn_softcap": None, "final_softcap": None, "experts": 0, "top_k": 2,
-    "router_aux_loss_coef": 0.001, "output_router_logits": False,
+    "router_aux_loss_coef": 0.001, "output_router_logits": False, "expert_matmul": "auto",
 }
 #: The mixture-of-experts fields (every MoE family has them).
-MOE_FIELDS = ("experts", "top_k", "router_aux_loss_coef", "output_router_logits")
+MOE_FIELDS = ("experts", "top_k", "router_aux_loss_coef", "output_router_logits",
+              "expert_matmul")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from nnx_shard._errors import NnxShardError, UsageError, count, short
 from nnx_shard.models._families import OPTIONAL_FIELDS, Family, family_of, model_types
+from nnx_shard.models._grouped import EXPERT_MATMULS
 from nnx_shard.models._hf_config import ACTIVATIONS, hf_config, hf_fields, read_json
 from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._rope import checked
@@ -102,6 +103,12 @@ class LlamaConfig:
       router_aux_loss_coef, output_router_logits: transformers' names: the
         load-balancing loss's weight, added to the training loss only with
         ``output_router_logits`` (:attr:`aux_loss_weight`).
+      expert_matmul: how the experts' grouped matmuls run
+        (:mod:`nnx_shard.models._grouped`): ``"tiles"`` (a loop over tiles of the
+        tokens sorted by expert: the active experts' FLOPs on every backend),
+        ``"ragged_dot"`` (``jax.lax.ragged_dot``: a grouped kernel on TPU, every
+        expert for every token on XLA's CPU and GPU backends), or ``"auto"`` (the
+        default: ``ragged_dot`` on TPU, ``tiles`` elsewhere). Not in ``config.json``.
       scan_layers, remat, attention, dtype, param_dtype: as in
         :class:`~nnx_shard.models.TransformerConfig` (``scan_layers=True``
         stacks the blocks on a leading ``layers`` axis: the pp presets need it;
@@ -146,6 +153,7 @@ class LlamaConfig:
     top_k: int = 2
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
+    expert_matmul: str = "auto"
     scan_layers: bool = False
     remat: str = "none"
     attention: str = "auto"
@@ -414,6 +422,10 @@ def _check_experts(cfg: LlamaConfig) -> None:
         raise UsageError(f"LlamaConfig.experts={short(cfg.experts, 40)} must be 0 (dense) or a "
                          f"whole number >= top_k={cfg.top_k}. Fix: e.g. experts=8, top_k=2.")
     check_fields(cfg, (), finite=("router_aux_loss_coef",))
+    if cfg.expert_matmul not in EXPERT_MATMULS:
+        raise UsageError(f"LlamaConfig.expert_matmul={short(cfg.expert_matmul, 40)}; valid: "
+                         + ", ".join(repr(k) for k in EXPERT_MATMULS)
+                         + ". Fix: e.g. expert_matmul='auto'.")
     object.__setattr__(cfg, "router_aux_loss_coef", float(cfg.router_aux_loss_coef))
     if cfg.scan_layers and len(set(cfg.moe_layers())) > 1:
         raise UsageError(f"{type(cfg).__name__}: scan_layers=True stacks alike blocks, but some "

@@ -4,8 +4,9 @@ MoE layers into transformers' load-balancing loss (:func:`aux_loss`).
 
 Every routed token is computed, none dropped (as transformers does): the
 ``tokens x top_k`` slots are sorted by expert and the experts' gated MLPs run as
-grouped matmuls (``jax.lax.ragged_dot``) over the sorted slots, one group per
-expert, so the cost is that of the active parameters, not of every expert.
+grouped matmuls over the sorted slots, one group per expert
+(:func:`~nnx_shard.models._grouped.grouped_matmul`, as ``LlamaConfig.expert_matmul``
+says), so the cost is that of the active parameters, not of every expert.
 Under rules that split the experts over mesh axes that also split the tokens (the
 ``ep`` preset) the slots travel to their experts' devices and back with all-to-all
 (:mod:`nnx_shard.models._expert_parallel`); otherwise the layer gathers tokens and
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_shard.models._expert_parallel import Routing, dispatch_combine, expert_plan
+from nnx_shard.models._grouped import grouped_matmul
 from nnx_shard.models._layers import ACTIVATION_FNS, dense_init, new_param
 from nnx_shard.models._ops import constrain, whole
 from nnx_shard.models._transformer import RESIDUAL
@@ -93,7 +95,7 @@ class LlamaMoE(nnx.Module):
         self.down = new_param(rngs, dense_init(m), (n, m, e), ("expert", "mlp", "embed"), dt)
         self.experts, self.top_k, self.renormalise = n, cfg.top_k, cfg.norm_topk_prob
         self.activation = ACTIVATION_FNS[cfg.activation]
-        self.dtype = cfg.dtype
+        self.dtype, self.matmul = cfg.dtype, cfg.expert_matmul
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(logits [T, experts], weights [T, top_k], experts [T, top_k])`` of the
@@ -118,7 +120,7 @@ class LlamaMoE(nnx.Module):
             y, sums = dispatch_combine(
                 plan, x, jnp.ones((b, length), jnp.float32) if valid is None else valid,
                 self.router[...], self.gate[...], self.up[...], self.down[...],
-                Routing(self.top_k, self.renormalise, self.activation, dt))
+                Routing(self.top_k, self.renormalise, self.activation, dt, self.matmul))
             return constrain(y, RESIDUAL), RouterStats(*sums)
         # The tokens whole on every device: the sort and the grouped matmuls have no
         # partitioned form here (the expert weights are gathered as under fsdp).
@@ -131,7 +133,7 @@ class LlamaMoE(nnx.Module):
         rows = flat[order // k]
 
         def grouped(h: jax.Array, w: nnx.Param) -> jax.Array:
-            return jax.lax.ragged_dot(h, whole(w[...]).astype(dt), sizes)
+            return grouped_matmul(h, whole(w[...]).astype(dt), sizes, self.matmul)
 
         g, u = grouped(rows, self.gate), grouped(rows, self.up)
         act = self.activation(g)

@@ -138,6 +138,55 @@ def test_logits_match_transformers(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_dot_gives_the_same_logits_as_the_tiles(family: str) -> None:
+    want = _expected(family)["logits"]
+    cfg = LlamaConfig.from_hf(FIXTURES / family, expert_matmul="ragged_dot")
+    model = ns.hf.load_safetensors(FIXTURES / family, ns.abstract_init(
+        lambda: Llama(cfg, rngs=nnx.Rngs(0)), *_one()))
+    got = np.asarray(model(jnp.asarray(_expected(family)["ids"])))
+    assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
+    assert model.blocks[0].mlp.matmul == "ragged_dot"
+
+
+def test_expert_matmul_is_an_option_of_the_moe_families_only() -> None:
+    cfg = LlamaConfig(experts=4, model_type="mixtral", expert_matmul="tiles")
+    assert "expert_matmul" not in cfg.to_hf() and "tiles" not in str(cfg.to_hf())
+    assert LlamaConfig.from_hf(cfg.to_hf()).expert_matmul == "auto"
+    with pytest.raises(ns.UsageError, match=r"expert_matmul='tiles' is not part of "
+                                            r"model_type='llama'.*mixtral, qwen3_moe have it"):
+        LlamaConfig(expert_matmul="tiles")
+    with pytest.raises(ns.UsageError, match=r"LlamaConfig.expert_matmul='grouped'; valid: "
+                                            r"'auto', 'tiles', 'ragged_dot'"):
+        LlamaConfig(experts=4, model_type="mixtral", expert_matmul="grouped")
+
+
+@pytest.mark.slow
+def test_a_training_step_costs_the_active_parameters() -> None:
+    """XLA's count of one training step with the tiles is within 1.25x of the dense
+    model of the active width (the all-experts product: experts / top_k more)."""
+    from nnx_shard.models._grouped import unrolled
+
+    shared = dict(embed=64, heads=4, kv_heads=2, head_dim=16, layers=1, vocab=64)
+    moe = LlamaConfig(**shared, mlp=96, experts=4, top_k=2, model_type="mixtral",
+                      expert_matmul="tiles")
+    dense = LlamaConfig(**shared, mlp=2 * 96)
+    batch = {k: jax.ShapeDtypeStruct((1, 256), jnp.int32) for k in ("inputs", "targets")}
+
+    def flops(cfg: LlamaConfig) -> float:
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+        def step(p: object, b: dict) -> object:
+            return jax.value_and_grad(lambda p: ns.models.lm_loss(nnx.merge(graphdef, p), b))(p)
+
+        with unrolled():
+            return jax.jit(step).lower(params, batch).compile().cost_analysis()["flops"]
+
+    assert moe.active_params == dense.num_params + 64 * 4  # the router is the difference
+    ratio = flops(moe) / flops(dense)
+    assert ratio <= 1.25, ratio
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_loss_with_aux_matches_transformers(family: str) -> None:
     exp = _expected(family)
     model = _loaded(family, "one")
@@ -216,9 +265,12 @@ def _ep_tp() -> tuple[str, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep", "fsdp_ep", "ep_tp"])
+@pytest.mark.parametrize("layout", ["ep", "fsdp_ep", "ep_tp", "ep_ragged_dot"])
 def test_expert_parallelism_moves_tokens_with_all_to_all(layout: str) -> None:
-    cfg = LlamaConfig(experts=8, top_k=2, model_type="mixtral", layers=1, vocab=64)
+    matmul = "ragged_dot" if layout.endswith("ragged_dot") else "tiles"
+    layout = layout.removesuffix("_ragged_dot")
+    cfg = LlamaConfig(experts=8, top_k=2, model_type="mixtral", layers=1, vocab=64,
+                      expert_matmul=matmul)
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (8, 8)))
     batch = {"inputs": ids, "targets": ids}
 

@@ -1,0 +1,234 @@
+"""Grouped matmuls for the experts: ``x [rows, k] @ w[group] [k, n]`` for rows
+sorted by group, with the semantics of ``jax.lax.ragged_dot`` (rows past the last
+group give zeros) and two ways to compute them (:data:`EXPERT_MATMULS`):
+
+* ``"ragged_dot"``: ``jax.lax.ragged_dot`` itself. XLA compiles it as a grouped
+  matmul on TPU; XLA's CPU and GPU backends (jax 0.10-0.11, measured) rewrite it
+  into a product of every row with every group's matrix, masked: ``groups`` times
+  the FLOPs of the grouped product.
+* ``"tiles"``: the rows in tiles of :func:`tile_rows` rows, and a loop
+  (``jax.lax.scan``) over *visits*: each visit multiplies one tile by one group's
+  matrix, keeping the tile's rows of that group. A tile that straddles a group
+  boundary is visited once per group it holds, so at most ``tiles + groups - 1``
+  visits cover every row: the FLOPs of the grouped product plus at most
+  ``(groups - 1) x tile`` rows, and no copy of the weights (the same schedule as
+  the grouped-matmul kernels of TPU MoE libraries, in plain JAX). Visits past the
+  last group's rows are skipped at run time (``jax.lax.cond``), so a buffer that is
+  mostly empty (expert parallelism's receive buffer) costs what it holds.
+
+``"auto"`` is ``"ragged_dot"`` on TPU and ``"tiles"`` elsewhere.
+
+XLA's ``cost_analysis()`` counts a loop's body once, whatever its trip count
+(measured: a 10-step scan of a matmul counts one matmul), so a program with the
+tile loop under-reports its FLOPs; inside :func:`unrolled` the loop is compiled
+unrolled, the same visits, for counting them.
+
+>>> x = jnp.arange(12.0).reshape(6, 2)
+>>> w = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])
+>>> sizes = jnp.array([2, 3], jnp.int32)              # rows 0-1 group 0, 2-4 group 1
+>>> grouped_matmul(x, w, sizes, "tiles")[:, 0]
+Array([ 0.,  2.,  8., 12., 16.,  0.], dtype=float32)
+>>> bool(jnp.array_equal(grouped_matmul(x, w, sizes, "tiles"),
+...                      jax.lax.ragged_dot(x, w, sizes)))
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from nnx_shard._errors import UsageError
+
+__all__ = ["EXPERT_MATMULS", "grouped_matmul", "resolve", "tile_rows", "unrolled"]
+
+#: The values of ``LlamaConfig.expert_matmul``.
+EXPERT_MATMULS = ("auto", "tiles", "ragged_dot")
+
+_UNROLL: contextvars.ContextVar[bool] = contextvars.ContextVar("nnx_shard_unroll_tiles",
+                                                               default=False)
+
+
+@contextlib.contextmanager
+def unrolled() -> Iterator[None]:
+    """Within it, the ``"tiles"`` loop traces unrolled (one matmul per visit in the
+    program), so that XLA's ``cost_analysis()`` counts every visit: for measuring,
+    not for running (more compile time and memory). It acts when a function is
+    traced: wrap one that jax has traced already anew (jax reuses a trace).
+
+    >>> with unrolled():
+    ...     y = jax.jit(lambda x: grouped_matmul(x, jnp.ones((2, 3, 4)),
+    ...                 jnp.array([5, 3], jnp.int32), "tiles")).lower(jnp.ones((8, 3)))
+    >>> "while" in y.as_text()
+    False
+    """
+    token = _UNROLL.set(True)
+    try:
+        yield
+    finally:
+        _UNROLL.reset(token)
+
+
+def resolve(kind: str) -> str:
+    """``"tiles"`` or ``"ragged_dot"`` for an :data:`EXPERT_MATMULS` value on the
+    default backend (``"auto"``: ``ragged_dot`` on TPU, where XLA has a grouped kernel
+    for it).
+
+    >>> resolve("auto") if jax.default_backend() != "tpu" else "tiles"
+    'tiles'
+    """
+    if kind not in EXPERT_MATMULS:
+        raise UsageError(f"expert_matmul={kind!r}; valid: "
+                         + ", ".join(repr(k) for k in EXPERT_MATMULS)
+                         + ". Fix: e.g. expert_matmul='auto'.")
+    if kind == "auto":
+        return "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
+    return kind
+
+
+def tile_rows(rows: int, groups: int) -> int:
+    """The tile height for about ``rows`` rows over ``groups`` groups: the largest
+    power of two with ``(groups - 1) x tile <= rows / 8`` (the straddling visits add
+    at most 1/8 to the FLOPs), between 8 and 512, and no taller than the rows need.
+
+    >>> tile_rows(4096, 8), tile_rows(32768, 128), tile_rows(32, 4), tile_rows(100, 1)
+    (64, 32, 8, 128)
+    """
+    need = 1 << max(rows - 1, 0).bit_length()
+    if groups <= 1:
+        return max(8, min(512, need))
+    budget = rows // (8 * (groups - 1))
+    tile = 1 << max(budget.bit_length() - 1, 0) if budget else 1
+    return max(8, min(512, tile, need))
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kind: str = "auto", *,
+                   tile: int | None = None) -> jax.Array:
+    """``jax.lax.ragged_dot(x, w, sizes)``: ``x [rows, k]`` sorted by group, ``w
+    [groups, k, n]``, ``sizes [groups]`` (int32, summing to at most ``rows``; later rows
+    give zeros), computed as ``kind`` says (:data:`EXPERT_MATMULS`); ``tile``: the
+    tile height of ``"tiles"`` (default :func:`tile_rows`). Differentiable in ``x`` and
+    ``w``.
+
+    >>> x, w = jnp.ones((5, 3)), jnp.ones((2, 3, 4))
+    >>> grouped_matmul(x, w, jnp.array([2, 2], jnp.int32), "tiles", tile=2)[:, 0]
+    Array([3., 3., 3., 3., 0.], dtype=float32)
+    """
+    kind = resolve(kind)
+    if kind == "ragged_dot":
+        return jax.lax.ragged_dot(x, w, sizes)
+    return _tiles(x, w, sizes.astype(jnp.int32), tile or tile_rows(x.shape[0], w.shape[0]))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiles(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int) -> jax.Array:
+    return _products(x, w, sizes, tile)
+
+
+def _tiles_fwd(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    return _products(x, w, sizes, tile), (x, w, sizes)
+
+
+def _tiles_bwd(tile: int, res: tuple[jax.Array, jax.Array, jax.Array], dy: jax.Array
+               ) -> tuple[jax.Array, jax.Array, None]:
+    # Written out rather than differentiated through the loop: autodiff of the loop
+    # would add each visit's weight gradient into a zero array of every group's
+    # weights (groups x k x n per visit); here it goes into its own group's slice.
+    x, w, sizes = res
+    dx = _products(dy, jnp.swapaxes(w, 1, 2), sizes, tile).astype(x.dtype)
+    return dx, _weight_grads(x, dy, sizes, tile, w.shape[0]).astype(w.dtype), None
+
+
+_tiles.defvjp(_tiles_fwd, _tiles_bwd)
+
+
+def _visits(rows: int, groups: int, sizes: jax.Array, tile: int
+            ) -> tuple[int, int, tuple[jax.Array, ...]]:
+    tiles = -(-rows // tile)
+    visits = tiles + groups - 1
+    return tiles, visits, _schedule(sizes, tile, tiles, visits)
+
+
+def _masked_tile(a: jax.Array, tile: int, t: jax.Array, lo: jax.Array, hi: jax.Array
+                 ) -> jax.Array:
+    """Tile ``t`` of the padded ``a [tiles, tile, ...]``, zero outside rows ``lo..hi``."""
+    r = t * tile + jnp.arange(tile)
+    at = jax.lax.dynamic_index_in_dim(a, t, 0, keepdims=False)
+    return jnp.where(((r >= lo) & (r < hi))[:, None], at, jnp.zeros((), at.dtype))
+
+
+def _padded(a: jax.Array, tiles: int, tile: int) -> jax.Array:
+    return jnp.pad(a, ((0, tiles * tile - a.shape[0]), (0, 0))).reshape(tiles, tile, -1)
+
+
+def _products(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int) -> jax.Array:
+    """The forward loop: each visit's tile times its group's matrix, summed per tile."""
+    rows = x.shape[0]
+    groups, _, n = w.shape
+    tiles, visits, schedule = _visits(rows, groups, sizes, tile)
+    padded = _padded(x, tiles, tile)
+    out_dtype = jnp.result_type(x.dtype, w.dtype)
+
+    def step(carry: None, v: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
+        t, g, on, lo, hi = v
+
+        def product() -> jax.Array:
+            wg = jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False)
+            return jnp.dot(_masked_tile(padded, tile, t, lo, hi), wg).astype(out_dtype)
+
+        return carry, jax.lax.cond(on, product, lambda: jnp.zeros((tile, n), out_dtype))
+
+    _, ys = jax.lax.scan(step, None, schedule, unroll=visits if _UNROLL.get() else 1)
+    out = jax.ops.segment_sum(ys, schedule[0], num_segments=tiles, indices_are_sorted=True)
+    return out.reshape(tiles * tile, n)[:rows]
+
+
+def _weight_grads(x: jax.Array, dy: jax.Array, sizes: jax.Array, tile: int,
+                  groups: int) -> jax.Array:
+    """``dw [groups, k, n]``: each visit's ``tile^T @ dy tile`` added into its group's
+    slice, in float32."""
+    rows, k = x.shape
+    n = dy.shape[1]
+    tiles, visits, schedule = _visits(rows, groups, sizes, tile)
+    xs, dys = _padded(x, tiles, tile), _padded(dy, tiles, tile)
+
+    def step(acc: jax.Array, v: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+        t, g, on, lo, hi = v
+
+        def product() -> jax.Array:
+            return jnp.dot(_masked_tile(xs, tile, t, lo, hi).T,
+                           jax.lax.dynamic_index_in_dim(dys, t, 0, keepdims=False),
+                           preferred_element_type=jnp.float32)
+
+        part = jax.lax.cond(on, product, lambda: jnp.zeros((k, n), jnp.float32))
+        return acc.at[g].add(part), None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros((groups, k, n), jnp.float32), schedule,
+                          unroll=visits if _UNROLL.get() else 1)
+    return acc
+
+
+def _schedule(sizes: jax.Array, tile: int, tiles: int, visits: int
+              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The visits, in group order: each one's tile, group, whether it is live, and the
+    group's first and past-last rows. Group ``g`` spans tiles ``first[g]..last[g]``; the
+    spare visits repeat the last tile and are not live."""
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile
+    last = (jnp.maximum(ends, 1) - 1) // tile
+    per_group = jnp.where(sizes > 0, last - first + 1, 0)
+    through = jnp.cumsum(per_group)
+    v = jnp.arange(visits, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(through, v, side="right", method="compare_all"),
+                        sizes.shape[0] - 1)
+    live = v < through[-1]
+    which = jnp.where(live, first[group] + v - (through - per_group)[group], tiles - 1)
+    which = jnp.clip(which, 0, tiles - 1).astype(jnp.int32)
+    return which, group.astype(jnp.int32), live, starts[group], ends[group]

@@ -1,0 +1,137 @@
+"""The experts' grouped matmuls: the tile loop against ``jax.lax.ragged_dot`` (values
+and gradients for any group sizes), and its FLOPs by XLA's count."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nnx_shard as ns
+from nnx_shard.models._grouped import grouped_matmul, resolve, tile_rows, unrolled
+
+ROWS, K, N, GROUPS = 40, 8, 12, 5
+
+
+@functools.cache
+def _operands() -> tuple[jax.Array, jax.Array]:
+    x = jax.random.normal(jax.random.key(0), (ROWS, K))
+    w = jax.random.normal(jax.random.key(1), (GROUPS, K, N))
+    return x, w
+
+
+@functools.cache
+def _programs(tile: int | None) -> tuple:
+    """Jitted (values, gradients) of the tiles and of ragged_dot, for one tile height:
+    compiled once, run for every set of sizes."""
+
+    def loss(kind: str, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+        y = grouped_matmul(x, w, sizes, kind, tile=tile)
+        return jnp.sum(jnp.sin(y))  # a cotangent that differs row by row
+
+    out = []
+    for kind in ("tiles", "ragged_dot"):
+        out.append(jax.jit(lambda x, w, s, kind=kind: grouped_matmul(x, w, s, kind, tile=tile)))
+        out.append(jax.jit(jax.grad(functools.partial(loss, kind), argnums=(0, 1))))
+    return tuple(out)
+
+
+def _close(got: jax.Array, want: jax.Array) -> None:
+    scale = max(float(jnp.max(jnp.abs(want))), 1.0)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale
+
+
+# Sizes summing to at most ROWS: the gaps between sorted cut points (empty groups and
+# rows past the last group included).
+sizes_strategy = st.lists(st.integers(0, ROWS), min_size=GROUPS, max_size=GROUPS).map(
+    lambda cuts: [int(d) for d in np.diff([0, *sorted(cuts)])])
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=sizes_strategy, tile=st.sampled_from([None, 1, 8, 16, 64]))
+def test_tiles_equal_ragged_dot_for_any_sizes(sizes: list[int], tile: int | None) -> None:
+    x, w = _operands()
+    s = jnp.asarray(sizes, jnp.int32)
+    tiles, tiles_grad, ragged, ragged_grad = _programs(tile)
+    got, want = tiles(x, w, s), ragged(x, w, s)
+    _close(got, want)
+    assert not np.asarray(got)[sum(sizes):].any()  # rows past the groups are zeros
+    for g, r in zip(tiles_grad(x, w, s), ragged_grad(x, w, s), strict=True):
+        _close(g, r)
+
+
+def test_edge_sizes_and_dtype() -> None:
+    x, w = _operands()
+    tiles, _, ragged, _ = _programs(8)
+    for sizes in ([0] * GROUPS, [ROWS, 0, 0, 0, 0], [0, 0, 0, 0, ROWS], [8, 8, 8, 8, 8],
+                  [7, 1, 9, 15, 8]):
+        s = jnp.asarray(sizes, jnp.int32)
+        _close(tiles(x, w, s), ragged(x, w, s))
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    s = jnp.asarray([10, 0, 20, 5, 5], jnp.int32)
+    got = grouped_matmul(xb, wb, s, "tiles")
+    want = jax.lax.ragged_dot(xb, wb, s)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    assert float(jnp.max(jnp.abs((got - want).astype(jnp.float32)))) <= 2e-2 * scale
+
+
+def test_unrolled_is_the_same_visits_without_a_loop() -> None:
+    x, w = _operands()
+    s = jnp.asarray([10, 0, 20, 5, 5], jnp.int32)
+
+    def f(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
+        return grouped_matmul(x, w, s, "tiles", tile=8)
+
+    looped = jax.jit(f).lower(x, w, s)
+    with unrolled():
+        flat = jax.jit(lambda *a: f(*a)).lower(x, w, s)
+    assert "while" in looped.as_text() and "while" not in flat.as_text()
+    np.testing.assert_array_equal(np.asarray(flat.compile()(x, w, s)),
+                                  np.asarray(looped.compile()(x, w, s)))
+
+
+@pytest.mark.parametrize("rows,groups", [(512, 4), (4096, 8)])
+def test_flops_are_the_grouped_products_plus_the_straddling_tiles(rows: int,
+                                                                 groups: int) -> None:
+    k, n = 64, 96
+    x = jax.ShapeDtypeStruct((rows, k), jnp.float32)
+    w = jax.ShapeDtypeStruct((groups, k, n), jnp.float32)
+    s = jax.ShapeDtypeStruct((groups,), jnp.int32)
+    tile = tile_rows(rows, groups)
+    visits = -(-rows // tile) + groups - 1
+
+    def f(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
+        return grouped_matmul(x, w, s, "tiles")
+
+    with unrolled():
+        flops = jax.jit(lambda *a: f(*a)).lower(x, w, s).compile().cost_analysis()["flops"]
+    grouped = 2 * rows * k * n  # every row times its own group's matrix, once
+    assert visits * 2 * tile * k * n <= flops <= 1.05 * visits * 2 * tile * k * n
+    assert flops <= 1.2 * grouped
+    # XLA counts a loop's body once: the loop form alone would claim far less.
+    looped = jax.jit(f).lower(x, w, s).compile().cost_analysis()["flops"]
+    assert looped < 0.2 * flops
+
+
+def test_tile_rows_bounds_the_straddling_rows() -> None:
+    for rows in (1, 7, 100, 512, 4096, 32768, 10**6):
+        for groups in (1, 2, 8, 64, 128):
+            tile = tile_rows(rows, groups)
+            assert tile & (tile - 1) == 0 and 8 <= tile <= 512
+            assert tile <= max(8, 1 << max(rows - 1, 0).bit_length())
+            if tile > 8:  # above the floor, straddling adds at most an eighth
+                assert (groups - 1) * tile <= rows / 8
+
+
+def test_kinds_resolve_and_a_bad_one_is_named() -> None:
+    assert resolve("auto") == ("ragged_dot" if jax.default_backend() == "tpu" else "tiles")
+    assert (resolve("tiles"), resolve("ragged_dot")) == ("tiles", "ragged_dot")
+    with pytest.raises(ns.UsageError, match=r"expert_matmul='dense'; valid: 'auto', 'tiles', "
+                                            r"'ragged_dot'\. Fix: e\.g\. expert_matmul='auto'"):
+        grouped_matmul(jnp.ones((4, 2)), jnp.ones((2, 2, 3)), jnp.array([2, 2]), "dense")
