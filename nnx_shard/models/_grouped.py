@@ -197,8 +197,9 @@ def _products(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int,
 def _weight_grads(x: jax.Array, dy: jax.Array, sizes: jax.Array, tile: int,
                   groups: int, dtype: jnp.dtype) -> jax.Array:
     """``dw [groups, k, n]`` in ``dtype``: each visit's ``tile^T @ dy tile`` added into
-    its group's slice of a float32 accumulator (one in bfloat16 took 18% less memory in
-    the benchmark's step but 1.3x its time on CPU, where bfloat16 adds are emulated)."""
+    its group's slice of a float32 accumulator (one in bfloat16 takes less memory but
+    is slower on CPU, where bfloat16 adds are emulated: the MoE section of
+    docs/benchmarks.md)."""
     rows, k = x.shape
     n = dy.shape[1]
     tiles, visits, schedule = _visits(rows, groups, sizes, tile)
