@@ -79,8 +79,9 @@ def resolve(kind: str) -> str:
     default backend (``"auto"``: ``ragged_dot`` on TPU, where XLA has a grouped kernel
     for it).
 
-    >>> resolve("auto") if jax.default_backend() != "tpu" else "tiles"
-    'tiles'
+    >>> resolve("tiles"), resolve("auto") == ("ragged_dot" if jax.default_backend() == "tpu"
+    ...                                       else "tiles")
+    ('tiles', True)
     """
     if kind not in EXPERT_MATMULS:
         raise UsageError(f"expert_matmul={kind!r}; valid: "
@@ -181,6 +182,7 @@ def _products(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int,
 
     def step(carry: None, v: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
         t, g, on, lo, hi = v
+
         def product() -> jax.Array:
             wg = jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False)
             xt = _masked_tile(padded, tile, t, lo, hi)
@@ -214,7 +216,7 @@ def _weight_grads(x: jax.Array, dy: jax.Array, sizes: jax.Array, tile: int,
                            preferred_element_type=jnp.float32)
 
         part = jax.lax.cond(on, product, lambda: jnp.zeros((k, n), jnp.float32))
-        return acc.at[g].add(part.astype(acc.dtype)), None
+        return acc.at[g].add(part), None
 
     acc, _ = jax.lax.scan(step, jnp.zeros((groups, k, n), jnp.float32), schedule,
                           unroll=visits if _UNROLL.get() else 1)
