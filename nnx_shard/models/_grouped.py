@@ -43,9 +43,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from nnx_shard._errors import UsageError
+from nnx_shard._errors import UsageError, short
 
-__all__ = ["EXPERT_MATMULS", "grouped_matmul", "resolve", "tile_rows", "unrolled"]
+__all__ = ["EXPERT_MATMULS", "check_kind", "grouped_matmul", "resolve", "tile_rows",
+           "unrolled"]
 
 #: The values of ``LlamaConfig.expert_matmul``.
 EXPERT_MATMULS = ("auto", "tiles", "ragged_dot")
@@ -74,6 +75,21 @@ def unrolled() -> Iterator[None]:
         _UNROLL.reset(token)
 
 
+def check_kind(kind: object, where: str = "") -> None:
+    """Refuses a value that is not one of :data:`EXPERT_MATMULS` (``where`` prefixes the
+    name, e.g. ``"LlamaConfig."``).
+
+    >>> check_kind("dense", "LlamaConfig.")
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: LlamaConfig.expert_matmul='dense'; valid: 'auto', 'tiles', 'ragged_dot'. Fix: e.g. expert_matmul='auto'.
+    """
+    if kind not in EXPERT_MATMULS:
+        raise UsageError(f"{where}expert_matmul={short(kind, 40)}; valid: "
+                         + ", ".join(repr(k) for k in EXPERT_MATMULS)
+                         + ". Fix: e.g. expert_matmul='auto'.")
+
+
 def resolve(kind: str) -> str:
     """``"tiles"`` or ``"ragged_dot"`` for an :data:`EXPERT_MATMULS` value on the
     default backend (``"auto"``: ``ragged_dot`` on TPU, where XLA has a grouped kernel
@@ -83,10 +99,7 @@ def resolve(kind: str) -> str:
     ...                                       else "tiles")
     ('tiles', True)
     """
-    if kind not in EXPERT_MATMULS:
-        raise UsageError(f"expert_matmul={kind!r}; valid: "
-                         + ", ".join(repr(k) for k in EXPERT_MATMULS)
-                         + ". Fix: e.g. expert_matmul='auto'.")
+    check_kind(kind)
     if kind == "auto":
         return "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
     return kind
@@ -123,37 +136,38 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kind: str = "au
     kind = resolve(kind)
     if kind == "ragged_dot":
         return jax.lax.ragged_dot(x, w, sizes)
-    return _tiles(x, w, sizes.astype(jnp.int32), tile or tile_rows(x.shape[0], w.shape[0]))
+    rows, groups = x.shape[0], w.shape[0]
+    tile = tile or tile_rows(rows, groups)
+    tiles = -(-rows // tile)
+    schedule = _schedule(sizes.astype(jnp.int32), tile, tiles, tiles + groups - 1)
+    out = _tiles(_padded(x, tiles, tile), w, schedule, tile)
+    return out.reshape(tiles * tile, -1)[:rows]
 
 
+# The visits' schedule and the padded rows are computed once per call and kept for the
+# backward pass, which walks the same visits.
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiles(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int) -> jax.Array:
-    return _products(x, w, sizes, tile)
+def _tiles(xp: jax.Array, w: jax.Array, schedule: tuple[jax.Array, ...], tile: int
+           ) -> jax.Array:
+    return _products(xp, w, schedule, tile)
 
 
-def _tiles_fwd(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int
-               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    return _products(x, w, sizes, tile), (x, w, sizes)
+def _tiles_fwd(xp: jax.Array, w: jax.Array, schedule: tuple[jax.Array, ...], tile: int
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]]:
+    return _products(xp, w, schedule, tile), (xp, w, schedule)
 
 
-def _tiles_bwd(tile: int, res: tuple[jax.Array, jax.Array, jax.Array], dy: jax.Array
-               ) -> tuple[jax.Array, jax.Array, None]:
+def _tiles_bwd(tile: int, res: tuple[jax.Array, jax.Array, tuple[jax.Array, ...]],
+               dy: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     # Written out rather than differentiated through the loop: autodiff of the loop
     # would add each visit's weight gradient into a zero array of every group's
     # weights (groups x k x n per visit); here it goes into its own group's slice.
-    x, w, sizes = res
-    dx = _products(dy, w, sizes, tile, transposed=True).astype(x.dtype)
-    return dx, _weight_grads(x, dy, sizes, tile, w.shape[0], w.dtype), None
+    xp, w, schedule = res  # dy is padded like xp: the rows past x's are zero
+    dx = _products(dy, w, schedule, tile, transposed=True).astype(xp.dtype)
+    return dx, _weight_grads(xp, dy, schedule, tile, w.shape[0], w.dtype), None
 
 
 _tiles.defvjp(_tiles_fwd, _tiles_bwd)
-
-
-def _visits(rows: int, groups: int, sizes: jax.Array, tile: int
-            ) -> tuple[int, int, tuple[jax.Array, ...]]:
-    tiles = -(-rows // tile)
-    visits = tiles + groups - 1
-    return tiles, visits, _schedule(sizes, tile, tiles, visits)
 
 
 def _masked_tile(a: jax.Array, tile: int, t: jax.Array, lo: jax.Array, hi: jax.Array
@@ -168,58 +182,55 @@ def _padded(a: jax.Array, tiles: int, tile: int) -> jax.Array:
     return jnp.pad(a, ((0, tiles * tile - a.shape[0]), (0, 0))).reshape(tiles, tile, -1)
 
 
-def _products(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int,
+def _unroll(schedule: tuple[jax.Array, ...]) -> int:
+    return schedule[0].shape[0] if _UNROLL.get() else 1
+
+
+def _products(xp: jax.Array, w: jax.Array, schedule: tuple[jax.Array, ...], tile: int,
               transposed: bool = False) -> jax.Array:
-    """The forward loop: each visit's tile times its group's matrix (``w [groups, k,
-    n]``, or with ``transposed`` ``[groups, n, k]`` used as its transpose), summed per
-    tile."""
-    rows = x.shape[0]
-    groups = w.shape[0]
+    """The forward loop over the padded rows ``xp [tiles, tile, k]``: each visit's tile
+    times its group's matrix (``w [groups, k, n]``, or with ``transposed`` ``[groups,
+    n, k]`` used as its transpose), summed per tile: ``[tiles, tile, n]``."""
+    tiles = xp.shape[0]
     n = w.shape[1] if transposed else w.shape[2]
-    tiles, visits, schedule = _visits(rows, groups, sizes, tile)
-    padded = _padded(x, tiles, tile)
-    out_dtype = jnp.result_type(x.dtype, w.dtype)
+    out_dtype = jnp.result_type(xp.dtype, w.dtype)
 
     def step(carry: None, v: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
         t, g, on, lo, hi = v
 
         def product() -> jax.Array:
             wg = jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False)
-            xt = _masked_tile(padded, tile, t, lo, hi)
+            xt = _masked_tile(xp, tile, t, lo, hi)
             return jax.lax.dot_general(xt, wg, (((1,), (1 if transposed else 0,)), ((), ())),
                                        ).astype(out_dtype)
 
         return carry, jax.lax.cond(on, product, lambda: jnp.zeros((tile, n), out_dtype))
 
-    _, ys = jax.lax.scan(step, None, schedule, unroll=visits if _UNROLL.get() else 1)
-    out = jax.ops.segment_sum(ys, schedule[0], num_segments=tiles, indices_are_sorted=True)
-    return out.reshape(tiles * tile, n)[:rows]
+    _, ys = jax.lax.scan(step, None, schedule, unroll=_unroll(schedule))
+    return jax.ops.segment_sum(ys, schedule[0], num_segments=tiles, indices_are_sorted=True)
 
 
-def _weight_grads(x: jax.Array, dy: jax.Array, sizes: jax.Array, tile: int,
-                  groups: int, dtype: jnp.dtype) -> jax.Array:
-    """``dw [groups, k, n]`` in ``dtype``: each visit's ``tile^T @ dy tile`` added into
-    its group's slice of a float32 accumulator (one in bfloat16 takes less memory but
-    is slower on CPU, where bfloat16 adds are emulated: the MoE section of
-    docs/benchmarks.md)."""
-    rows, k = x.shape
-    n = dy.shape[1]
-    tiles, visits, schedule = _visits(rows, groups, sizes, tile)
-    xs, dys = _padded(x, tiles, tile), _padded(dy, tiles, tile)
+def _weight_grads(xp: jax.Array, dyp: jax.Array, schedule: tuple[jax.Array, ...],
+                  tile: int, groups: int, dtype: jnp.dtype) -> jax.Array:
+    """``dw [groups, k, n]`` in ``dtype`` from the padded rows and output gradients:
+    each visit's ``tile^T @ dy tile`` added into its group's slice of a float32
+    accumulator (one in bfloat16 takes less memory but is slower on CPU, where
+    bfloat16 adds are emulated: the MoE section of docs/benchmarks.md)."""
+    k, n = xp.shape[2], dyp.shape[2]
 
     def step(acc: jax.Array, v: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         t, g, on, lo, hi = v
 
         def product() -> jax.Array:
-            return jnp.dot(_masked_tile(xs, tile, t, lo, hi).T,
-                           jax.lax.dynamic_index_in_dim(dys, t, 0, keepdims=False),
+            return jnp.dot(_masked_tile(xp, tile, t, lo, hi).T,
+                           jax.lax.dynamic_index_in_dim(dyp, t, 0, keepdims=False),
                            preferred_element_type=jnp.float32)
 
         part = jax.lax.cond(on, product, lambda: jnp.zeros((k, n), jnp.float32))
         return acc.at[g].add(part), None
 
     acc, _ = jax.lax.scan(step, jnp.zeros((groups, k, n), jnp.float32), schedule,
-                          unroll=visits if _UNROLL.get() else 1)
+                          unroll=_unroll(schedule))
     return acc.astype(dtype)
 
 

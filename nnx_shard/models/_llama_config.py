@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from nnx_shard._errors import NnxShardError, UsageError, count, short
 from nnx_shard.models._families import OPTIONAL_FIELDS, Family, family_of, model_types
-from nnx_shard.models._grouped import EXPERT_MATMULS
+from nnx_shard.models._grouped import check_kind
 from nnx_shard.models._hf_config import ACTIVATIONS, hf_config, hf_fields, read_json
 from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._rope import checked
@@ -422,10 +422,7 @@ def _check_experts(cfg: LlamaConfig) -> None:
         raise UsageError(f"LlamaConfig.experts={short(cfg.experts, 40)} must be 0 (dense) or a "
                          f"whole number >= top_k={cfg.top_k}. Fix: e.g. experts=8, top_k=2.")
     check_fields(cfg, (), finite=("router_aux_loss_coef",))
-    if cfg.expert_matmul not in EXPERT_MATMULS:
-        raise UsageError(f"LlamaConfig.expert_matmul={short(cfg.expert_matmul, 40)}; valid: "
-                         + ", ".join(repr(k) for k in EXPERT_MATMULS)
-                         + ". Fix: e.g. expert_matmul='auto'.")
+    check_kind(cfg.expert_matmul, "LlamaConfig.")
     object.__setattr__(cfg, "router_aux_loss_coef", float(cfg.router_aux_loss_coef))
     if cfg.scan_layers and len(set(cfg.moe_layers())) > 1:
         raise UsageError(f"{type(cfg).__name__}: scan_layers=True stacks alike blocks, but some "
