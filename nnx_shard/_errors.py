@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import importlib.util
 import linecache
@@ -12,8 +13,8 @@ import re
 import reprlib
 import stat
 import traceback
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, BinaryIO
 
 
 class NnxShardError(Exception):
@@ -231,6 +232,152 @@ def check_path(path: str | os.PathLike[str], who: str, *, want: str = "folder", 
     if not missing_ok and not os.access(path, os.R_OK | (os.X_OK if want == "folder" else 0)):
         raise error(f"{who}: {name} is {kind} this process may not read. Fix: give it read "
                     f"permission, or {fix}")
+
+
+class LinkedOut(UsageError):
+    """A file that leads out of the folder it must be read from: a symbolic link out
+    of it, or a link swapped in while the file was being opened. ``path`` is the file
+    as it was named, ``target`` where it led; callers say what that means to them.
+
+    >>> LinkedOut("/ckpt/tokenizer.json", "/etc/hostname").target
+    '/etc/hostname'
+    """
+
+    def __init__(self, path: str, target: str) -> None:
+        super().__init__(f"{path} leads to {target}, outside the folder it is read from. "
+                         "Fix: put a copy of the file in the folder instead of a link out.")
+        self.path, self.target = path, target
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.target)
+
+
+class NotAFile(NnxShardError, OSError):
+    """What is at a path that must be a regular file is something else (a folder, a
+    FIFO, a device); ``kind`` says what, as :func:`mode_kind` words it.
+
+    >>> NotAFile("/ckpt/tokenizer.json", "a FIFO").strerror
+    'a FIFO, not a regular file'
+    """
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"{kind}, not a regular file", path)
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.filename, self.kind)
+
+
+def _within(target: str, roots: Sequence[str]) -> bool:
+    return any(os.path.commonpath([target, root]) == root for root in roots)
+
+
+def _opened_at(fd: int) -> str | None:
+    """Where the open file ``fd`` is, as the kernel resolved it when it was opened
+    (None where the system cannot say)."""
+    try:
+        where = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        where = ""
+        try:
+            import fcntl
+
+            getpath = getattr(fcntl, "F_GETPATH", None)  # macOS
+            if getpath is not None:
+                where = os.fsdecode(fcntl.fcntl(fd, getpath, bytes(1024)).rstrip(b"\0"))
+        except (ImportError, OSError):
+            pass
+    # A file removed (replaced) after it was opened still reads as what was opened.
+    where = where.removesuffix(" (deleted)")
+    return where if os.path.isabs(where) else None
+
+
+@contextlib.contextmanager
+def open_within(path: str | os.PathLike[str], roots: Sequence[str | os.PathLike[str]] | None
+                ) -> Iterator[BinaryIO]:
+    """The regular file at ``path``, opened once for reading: everything read of it
+    comes from that one descriptor, so a file swapped for a link between a check and
+    the read cannot lead anywhere else.
+
+    With ``roots`` (folders) a symbolic link is followed only when it resolves inside
+    one of them, the resolved file is opened without following a link in its last
+    component (``O_NOFOLLOW``), and where the opened file really is (the kernel's
+    record of the descriptor) must be inside one of them too: that covers a folder
+    on the way swapped for a link. Without ``roots`` no link is followed at all.
+
+    Raises:
+      LinkedOut: the file leads out of ``roots``.
+      NotAFile: it is a folder, a FIFO or a device (a FIFO is never waited on).
+      OSError: it cannot be opened.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with open(os.path.join(d, "a.txt"), "w") as f:
+    ...     _ = f.write("hi")
+    >>> with open_within(os.path.join(d, "a.txt"), [d]) as f:
+    ...     f.read()
+    b'hi'
+    >>> os.symlink("/etc/hostname", os.path.join(d, "b.txt"))
+    >>> with open_within(os.path.join(d, "b.txt"), [d]) as f:
+    ...     pass
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.LinkedOut: ...b.txt leads to /etc/hostname, outside the folder ...
+    """
+    path = os.fspath(path)
+    flags = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+             | getattr(os, "O_CLOEXEC", 0))
+    if roots is None:
+        real, inside = path, None
+    else:
+        inside = [os.path.realpath(r) for r in roots]
+        real = os.path.realpath(path)
+        if not _within(real, inside):
+            raise LinkedOut(path, real)
+    try:
+        fd = os.open(real, flags)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EMLINK):  # EMLINK: the BSDs' O_NOFOLLOW
+            raise
+        target = os.path.realpath(real)
+        if inside is not None and not _within(target, inside):
+            raise LinkedOut(path, target) from None
+        raise NotAFile(path, "a symbolic link") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotAFile(path, mode_kind(info.st_mode))
+        if inside is not None:
+            where = _opened_at(fd)
+            if where is None:  # no record: the path must still resolve to the opened file
+                again = os.path.realpath(real)
+                try:
+                    same = os.path.samestat(info, os.stat(again))
+                except OSError:
+                    same = False
+                if not (same and again == real):
+                    raise LinkedOut(path, f"{again} (it changed while it was opened)")
+                where = again
+            if not _within(where, inside):
+                raise LinkedOut(path, where)
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f
+
+
+def read_within(path: str | os.PathLike[str], roots: Sequence[str | os.PathLike[str]] | None
+                ) -> bytes:
+    """The bytes of the regular file at ``path``, read as :func:`open_within` opens it.
+
+    >>> read_within("pyproject.toml", ["."])[:9]
+    b'[build-sy'
+    """
+    with open_within(path, roots) as f:
+        return f.read()
 
 
 def raise_collected(errors: list[str], what: str = "variables") -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from nnx_shard import _safetensors_io as st
-from nnx_shard._errors import NnxShardError
+from nnx_shard._errors import NnxShardError, NotAFile, open_within
 
 __all__ = ["TOKENIZER_FILES", "ExportError", "Marker", "Modes", "clean_leftovers", "make_stage",
            "new_token", "owned", "pid_running", "read_marker", "remove_stage", "staging",
@@ -197,8 +197,9 @@ def make_stage(stage: Path, out: Path) -> Modes:
 
 def _fingerprint(path: Path) -> dict[str, Any]:
     """The size of ``path`` and a SHA-256 of its first and last MiB (a safetensors
-    header, with every tensor's name, shape and offset, is in the first)."""
-    with open(path, "rb") as f:
+    header, with every tensor's name, shape and offset, is in the first); read through
+    one descriptor of the file itself, never what a link in its place leads to."""
+    with open_within(path, None) as f:
         size = os.fstat(f.fileno()).st_size
         h = hashlib.sha256(f.read(_PROBE))
         if size > _PROBE:
@@ -278,9 +279,12 @@ def _marker_problem(path: Path) -> Marker | str:
     if path.is_symlink() or not path.is_file():
         return "not a regular file"
     try:
-        if path.stat().st_size > _MAX_MARKER:
-            return "too large"
-        data = json.loads(path.read_bytes())
+        with open_within(path, None) as f:
+            if os.fstat(f.fileno()).st_size > _MAX_MARKER:
+                return "too large"
+            data = json.loads(f.read())
+    except NotAFile:  # swapped for a link or a pipe since the look above
+        return "not a regular file"
     except (OSError, ValueError, RecursionError) as e:
         return f"unreadable: {type(e).__name__}"
     if not isinstance(data, dict) or data.get("format") != _FORMAT or \
@@ -456,8 +460,11 @@ def _nascent(p: Path) -> bool:
     tmp = p / (MARKER + ".tmp")
     if [q.name for q in p.iterdir()] != [tmp.name] or tmp.is_symlink() or not tmp.is_file():
         return False
-    with open(tmp, "rb") as f:
-        head = f.read(len(_HEAD) + 1)
+    try:
+        with open_within(tmp, None) as f:
+            head = f.read(len(_HEAD) + 1)
+    except OSError:
+        return False
     if not (_HEAD.startswith(head) or head.startswith(_HEAD)):
         return False
     _unlink(tmp)

@@ -141,22 +141,56 @@ def _not_in_use(path: Any, out: Path) -> None:
             f"mount point. {fix}")
 
 
-def _check_concrete(model: Any) -> None:
-    """Refuses a model without values (nnx.eval_shape, ns.abstract_init) or with deleted
-    (donated) arrays before anything is written: its export would be all zeros."""
-    flat = [(path_str(k), v.get_value() if isinstance(v, nnx.Variable) else v)
-            for k, v in nnx.to_flat_state(nnx.state(model))]
-    bad = [(p, v) for p, v in flat
-           if not isinstance(v, jax.Array) or (hasattr(v, "is_deleted") and v.is_deleted())]
+def _check_plain(model: Any) -> None:
+    """Refuses a model with LoRA adapters or a quantized (QLoRA) base before anything is
+    written: a Hugging Face checkpoint holds plain weights, which those are not yet."""
+    from nnx_shard._low_rank import adapters
+    from nnx_shard._quantized import QuantizedKernel
+
+    found = sorted(adapters(model))
+    quantized = sorted(path_str(p) for p, node in nnx.iter_graph(model)
+                       if isinstance(node, QuantizedKernel))
+    if not found and not quantized:
+        return
+    what = (f"LoRA adapters on {len(found)} kernel(s) (e.g. {found[0]!r})" if found else
+            f"{len(quantized)} quantized kernel(s) (e.g. {quantized[0]!r})")
+    base = " over a quantized base" if found and quantized else ""
+    merge = ("ns.merge_lora(model) (which also dequantizes the base)" if quantized else
+             "ns.merge_lora(model)")
+    raise UsageError(
+        f"save_safetensors: model has {what}{base}, which a Hugging Face checkpoint cannot "
+        f"hold. Nothing was written. Fix: merge them into the weights first with {merge}, "
+        "or save the adapter alone with ns.hf.save_lora(path, model).")
+
+
+def _values(model: Any) -> Any:
+    """``model``'s state, its values checked: host (numpy) arrays are placed on the
+    default device (written as any single-device array is); a model without values
+    (nnx.eval_shape, ns.abstract_init) or with deleted (donated) arrays is refused
+    before anything is written, since its export would be all zeros."""
+    flat = []
+    bad = []
+    for key, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        if isinstance(value, np.ndarray | np.generic):
+            # A copy of the variable: the user's model keeps its own values.
+            value = jax.numpy.asarray(value)
+            var = var.replace(value) if isinstance(var, nnx.Variable) else value
+        if not isinstance(value, jax.Array) or value.is_deleted():
+            bad.append((path_str(key), value))
+        flat.append((key, var))
     if bad:
         path, value = bad[0]
         what = ("a deleted array (donated to a step)" if isinstance(value, jax.Array) else
-                f"abstract ({type(value).__name__}: a shape and dtype, no values)")
+                f"abstract ({type(value).__name__}: a shape and dtype, no values)"
+                if isinstance(value, jax.ShapeDtypeStruct) else
+                f"a {type(value).__name__} ({short(value, 40)}), not an array")
         raise NnxShardError(
             f"save_safetensors: parameter {path!r} is {what}; {len(bad)} of {len(flat)} "
             "variables have no values to write. Nothing was written. Fix: save a model with "
             "values: build it with ns.sharded_init / strategy.sharded_init, or fill an "
             "abstract one with ns.hf.load_safetensors or ns.restore first.")
+    return nnx.from_flat_state(flat)
 
 
 def _check_args(path: Any, model: Any, max_shard_bytes: Any, dtype: Any) -> None:
@@ -212,7 +246,8 @@ def _plan_files(leaves: Mapping[str, Leaf], max_shard_bytes: int | None, dtype: 
 def save_safetensors(path: str | os.PathLike[str], model: Any,
                      mapping: Mapping[str, MappingValue] | None = None, *,
                      max_shard_bytes: int | None = None, dtype: Any = None,
-                     source: Any = None, copy_tokenizer: bool = True) -> None:
+                     source: Any = None, copy_tokenizer: bool = True,
+                     tokenizer: Any = None) -> None:
     """Writes ``model``'s parameters as a Hugging Face checkpoint in the directory
     ``path``: ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` and
     ``model.safetensors.index.json`` with ``max_shard_bytes``), plus
@@ -261,6 +296,14 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
         dtype, ``generation_config.json`` is the source's (or the config's bos /
         eos / pad ids), and the tokenizer files are copied.
       copy_tokenizer: False leaves the source's tokenizer files out.
+      tokenizer: the :class:`~nnx_shard.inference.Tokenizer` whose ids the model
+        reads, written in place of the source's tokenizer files (its
+        ``tokenizer.json`` with any tokens added to it, its config and chat
+        template): pass it after adding tokens and
+        :func:`~nnx_shard.models.resize_token_embeddings`. Without it, a model
+        resized from its source's ``vocab_size`` is refused while the source's
+        tokenizer lacks the ids it was resized for (its size names both); a
+        tokenizer with more ids than the model's vocabulary is refused.
 
     >>> import json
     >>> import os
@@ -280,10 +323,11 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     'bfloat16'
     """
     _check_args(path, model, max_shard_bytes, dtype)
-    _check_concrete(model)
-    files, dtype = export_files(model, source, copy_tokenizer, dtype)
+    _check_plain(model)
+    state = _values(model)
+    files, dtype = export_files(model, source, copy_tokenizer, dtype, tokenizer)
     rules = compile_rules(mapping_for(model) if mapping is None else mapping)
-    leaves = _plan_save(nnx.state(model), rules)
+    leaves = _plan_save(state, rules)
     tensors, order, groups, names = _plan_files(leaves, max_shard_bytes, dtype)
     # Phi-3 stores q/k/v and gate/up fused: written as parts into their fused tensors.
     found = fused.fusions_for(model)
@@ -308,7 +352,7 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
                                   {"format": "pt"})
         barrier("nnx_shard.save_safetensors.create")
         with _failing(out, stage, token, remove=first):
-            _write_tensors(model, leaves, [str(stage / n) for n in names], dtype, found)
+            _write_tensors(state, leaves, [str(stage / n) for n in names], dtype, found)
         barrier("nnx_shard.save_safetensors.written")
         if first:
             with _failing(out, stage, token):
@@ -373,12 +417,13 @@ def _failing(out: Path, stage: Path, token: str, *, remove: bool = True) -> Iter
         raise
 
 
-def _write_tensors(model: Any, leaves: Mapping[str, Leaf], files: Sequence[str],
+def _write_tensors(state: Any, leaves: Mapping[str, Leaf], files: Sequence[str],
                    dtype: Any, found: list[fused.Fusion]) -> None:
-    """Writes this process's shards of every parameter into the created ``files``."""
+    """Writes this process's shards of every parameter of ``state`` into the created
+    ``files``."""
     header = fused.split(st.read_header(*files), found, "save_safetensors")
     arrays = {path_str(k): v.get_value() if isinstance(v, nnx.Variable) else v
-              for k, v in nnx.to_flat_state(nnx.state(model))}
+              for k, v in nnx.to_flat_state(state)}
     for leaf in leaves.values():
         # The Auto view of the parameter's mesh (the same buffers), as the program takes it.
         x = rewrap(arrays.pop(leaf.path), layouts(leaf)[2])

@@ -28,13 +28,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 
-from nnx_shard._errors import NnxShardError, UsageError, check_path, short
+from nnx_shard._errors import (
+    LinkedOut,
+    NnxShardError,
+    UsageError,
+    check_path,
+    read_within,
+    short,
+)
 from nnx_shard.hf._export_dir import TOKENIZER_FILES
 
 __all__ = ["TOKENIZER_FILES", "Source", "export_files", "read_source", "remember_source",
@@ -203,37 +209,47 @@ def _hub_repo(folder: str) -> str | None:
     return None
 
 
-def _linked_inside(source: Source, name: str) -> str:
-    """The path of the source's file ``name``; where it is a link, the file it leads to,
-    which must be inside the checkpoint folder, or inside its hub cache repository (a
-    snapshot's files link to ``../../blobs/<hash>``): the export is for publishing, and
-    a link elsewhere (a key, a system file) must not copy a file of the machine into it."""
-    path = os.path.join(source.folder, name)
-    if not os.path.islink(path):
-        return path
+def _roots(source: Source) -> list[str]:
+    """The folders a file of ``source`` may lead into: the checkpoint folder, and its
+    hub cache repository (a snapshot's files link to ``../../blobs/<hash>``)."""
     folder = os.path.realpath(source.folder)
-    target = os.path.realpath(path)
     repo = _hub_repo(folder)
-    roots = [folder] if repo is None else [folder, repo]
-    if any(os.path.commonpath([target, root]) == root for root in roots):
-        return target
-    within = folder if repo is None else f"{folder} or its hub cache repository {repo}"
-    raise UsageError(
-        f"save_safetensors: the source's {name} ({path}) is a symbolic link to {target}, "
+    return [folder] if repo is None else [folder, repo]
+
+
+def _linked_out(source: Source, name: str, target: str) -> UsageError:
+    path = os.path.join(source.folder, name)
+    folder, *repo = _roots(source)
+    within = f"{folder} or its hub cache repository {repo[0]}" if repo else folder
+    how = "is a symbolic link to" if os.path.islink(path) else "leads to"
+    return UsageError(
+        f"save_safetensors: the source's {name} ({path}) {how} {target}, "
         f"outside {within}: the export is for publishing, and only the checkpoint's own files "
         "are copied into it. Nothing was written. Fix: replace the link with a copy of the "
         f"file if it belongs to the model (cp --remove-destination {target} {path}), pass "
         "copy_tokenizer=False to leave the tokenizer out, or source=False.")
 
 
-def _read(source: Source, name: str) -> bytes:
+def _linked_inside(source: Source, name: str) -> None:
+    """Refuses the source's file ``name`` where it is a link out of the checkpoint
+    folder (or its hub cache repository): the export is for publishing, and a link
+    elsewhere (a key, a system file) must not pass for a file of the model."""
     path = os.path.join(source.folder, name)
-    real = _linked_inside(source, name)
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        if not any(os.path.commonpath([target, r]) == r for r in _roots(source)):
+            raise _linked_out(source, name, target)
+
+
+def _read(source: Source, name: str) -> bytes:
+    """The bytes of the source's file ``name``, read through one descriptor of the file
+    found inside the checkpoint folder (:func:`~nnx_shard._errors.read_within`): a file
+    swapped for a link while the export runs cannot copy what the link leads to."""
+    path = os.path.join(source.folder, name)
     try:
-        with open(real, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise OSError(0, "not a regular file")
-            raw = f.read()
+        raw = read_within(path, _roots(source))
+    except LinkedOut as e:
+        raise _linked_out(source, name, e.target) from None
     except OSError as e:
         gone = "" if os.path.isdir(source.folder) else " (the folder is gone)"
         raise NnxShardError(
@@ -330,13 +346,145 @@ def _dumps(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2) + "\n").encode()
 
 
-def export_files(model: Any, source: Any, copy_tokenizer: Any, dtype: Any
-                 ) -> tuple[dict[str, bytes], Any]:
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _tokenizer_size(raw: bytes) -> int | None:
+    """The ids of a ``tokenizer.json`` (one past the largest of its model's vocabulary
+    and its added tokens), None when it does not say."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    ids = [i for i in (vocab.values() if isinstance(vocab, dict) else ()) if _count(i) is not None]
+    if isinstance(vocab, list) and vocab:  # Unigram: [token, score] pairs in id order
+        ids.append(len(vocab) - 1)
+    added = data.get("added_tokens") if isinstance(data, dict) else None
+    for token in added if isinstance(added, list) else ():
+        if isinstance(token, dict) and _count(token.get("id")) is not None:
+            ids.append(token["id"])
+    return max(ids) + 1 if ids else None
+
+
+_TOKENIZER_FIX = ("Fix: pass tokenizer= the ns.inference.Tokenizer the model was resized for "
+                  "(e.g. tokenizer=tok after tok.backend.add_tokens(...) and "
+                  "ns.models.resize_token_embeddings(model, tok.vocab_size)), or "
+                  "copy_tokenizer=False to leave the tokenizer out.")
+
+
+def _check_copied_vocab(found: Source, config: dict[str, Any], files: dict[str, bytes]) -> None:
+    """Refuses the source's tokenizer beside a model resized away from the source's
+    ``vocab_size`` unless the tokenizer has the ids it was resized for: one grown past
+    the source's vocabulary must come with a tokenizer grown past it too (tokens added
+    to a tokenizer, then the model resized), and no tokenizer may have ids past the
+    model's vocabulary. A vocabulary larger than the tokenizer is normal otherwise
+    (padded to a multiple), so an unresized model is exported as its source is."""
+    vocab, before = _count(config.get("vocab_size")), _count(found.config.get("vocab_size"))
+    if vocab is None or before is None or vocab == before:
+        return
+    size = _tokenizer_size(files["tokenizer.json"]) if "tokenizer.json" in files else None
+    if size is not None and size <= vocab and (size > before or vocab < before):
+        return
+    if size is None:
+        has = "whose size cannot be told (no tokenizer.json to count its ids in)"
+    elif size > vocab:
+        has = (f"with {size} ids, more than the model's {vocab}: ids from {vocab} on would "
+               "read past its embedding")
+    else:
+        has = (f"with {size} ids, none beyond the source's {before}: the tokens the model was "
+               "resized for are not in it")
+    raise UsageError(
+        f"save_safetensors: the model's vocabulary ({vocab} ids) was resized from its source's "
+        f"vocab_size {before} ({os.path.join(found.folder, 'config.json')}), but the source's "
+        f"tokenizer would be copied beside it, {has}. Nothing was written. {_TOKENIZER_FIX}")
+
+
+def _tokenizer_files(tokenizer: Any, vocab: int | None) -> dict[str, bytes]:
+    """The files of the :class:`~nnx_shard.inference.Tokenizer` ``tokenizer``:
+    ``tokenizer.json`` from its backend (tokens added to it included),
+    ``tokenizer_config.json`` (its config, with the special tokens it uses) and
+    ``chat_template.jinja`` where its template is not the config's."""
+    from nnx_shard.inference._tokenizer import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise UsageError(
+            f"save_safetensors: tokenizer must be an ns.inference.Tokenizer, got "
+            f"{type(tokenizer).__name__} {short(tokenizer, 60)}. Fix: "
+            "tokenizer=ns.inference.Tokenizer.from_pretrained(folder), or None (a transformers "
+            "tokenizer: save it into the export with its own save_pretrained(path)).")
+    size = tokenizer.vocab_size
+    if vocab is not None and size > vocab:
+        raise UsageError(
+            f"save_safetensors: tokenizer has {size} ids (tokenizer.vocab_size, from "
+            f"{tokenizer.path}), more than the model's vocabulary of {vocab}: ids from {vocab} "
+            "on would read past its embedding. Nothing was written. Fix: "
+            "ns.models.resize_token_embeddings(model, tokenizer.vocab_size) first, or pass the "
+            "tokenizer the model was trained with.")
+    to_str = getattr(tokenizer.backend, "to_str", None)
+    if not callable(to_str):
+        raise UsageError(
+            f"save_safetensors: tokenizer's backend is a {type(tokenizer.backend).__name__}, "
+            "not a tokenizers.Tokenizer, so it cannot be written as tokenizer.json. Fix: "
+            "tokenizer=ns.inference.Tokenizer.from_pretrained(folder).")
+    config = dict(tokenizer.config)
+    for name, token in tokenizer.special_tokens.items():
+        config.setdefault(name, token)
+    try:
+        files = {"tokenizer.json": (to_str(pretty=True) + "\n").encode(),
+                 "tokenizer_config.json": _dumps(config)}
+    except (TypeError, ValueError) as e:
+        raise UsageError(
+            f"save_safetensors: tokenizer's config (tokenizer.config, from {tokenizer.path}) "
+            f"cannot be written as JSON ({e}). Nothing was written. Fix: keep its values "
+            "JSON's (text, numbers, lists, dicts).") from None
+    template = tokenizer.chat_template
+    if isinstance(template, str) and template != config.get("chat_template"):
+        files["chat_template.jinja"] = template.encode()
+    return files
+
+
+def _found(model: Any, source: Any) -> Source | None:
+    """The source ``source`` names: None for the model's remembered one, False for none."""
+    if source is None:
+        return source_of(model)
+    if source is False:
+        return None
+    if isinstance(source, Source):
+        return source
+    if isinstance(source, bool):
+        raise UsageError("save_safetensors: source=True is not a folder. Fix: source=None for "
+                         "the model's own, source=False for none, or a checkpoint folder")
+    return read_source(source)
+
+
+def _own_files(cfg: Any, dtype: Any, tokenizer: Any) -> dict[str, bytes]:
+    """The files of an export without a source: a Llama's own ``config.json``, and the
+    tokenizer's files where one is given."""
+    files: dict[str, bytes] = {}
+    vocab = None
+    if cfg is not None and hasattr(cfg, "to_hf"):
+        config = cfg.to_hf()
+        if dtype is not None:
+            config["torch_dtype"] = jnp.dtype(dtype).name
+        files["config.json"] = _dumps(config)
+        vocab = _count(config.get("vocab_size"))
+    if tokenizer is not None:
+        files.update(_tokenizer_files(tokenizer, vocab))
+    return files
+
+
+def export_files(model: Any, source: Any, copy_tokenizer: Any, dtype: Any,
+                 tokenizer: Any = None) -> tuple[dict[str, bytes], Any]:
     """The files ``save_safetensors`` writes beside the weights (name -> bytes) and the
     tensors' dtype (``dtype``, else the source's, else None: each parameter's own).
 
     ``source``: None for the model's remembered one, False for none, or a folder.
     Without a source, only a :class:`~nnx_shard.models.Llama`'s own ``config.json``.
+    ``tokenizer``: a :class:`~nnx_shard.inference.Tokenizer` written in place of the
+    source's tokenizer files.
 
     >>> files, dtype = export_files(object(), False, True, None)
     >>> files, dtype
@@ -346,25 +494,14 @@ def export_files(model: Any, source: Any, copy_tokenizer: Any, dtype: Any
         raise UsageError(f"save_safetensors: copy_tokenizer must be True or False, got "
                          f"{short(copy_tokenizer, 40)}. Fix: copy_tokenizer=False to leave "
                          "the tokenizer files out")
-    if source is None:
-        found = source_of(model)
-    elif source is False:
-        found = None
-    elif isinstance(source, Source):
-        found = source
-    elif isinstance(source, bool):
-        raise UsageError("save_safetensors: source=True is not a folder. Fix: source=None for "
-                         "the model's own, source=False for none, or a checkpoint folder")
-    else:
-        found = read_source(source)
+    if tokenizer is not None and not copy_tokenizer:
+        raise UsageError("save_safetensors: tokenizer= was given with copy_tokenizer=False, "
+                         "which leaves every tokenizer file out. Fix: drop copy_tokenizer=False "
+                         "to write the tokenizer, or pass tokenizer=None.")
+    found = _found(model, source)
     cfg = getattr(model, "cfg", None)
     if found is None:
-        if cfg is None or not hasattr(cfg, "to_hf"):
-            return {}, dtype
-        config = cfg.to_hf()
-        if dtype is not None:
-            config["torch_dtype"] = jnp.dtype(dtype).name
-        return {"config.json": _dumps(config)}, dtype
+        return _own_files(cfg, dtype, tokenizer), dtype
     if dtype is None:
         dtype = _dtype_of(found.config, found.folder)
     if dtype is None:
@@ -377,6 +514,11 @@ def export_files(model: Any, source: Any, copy_tokenizer: Any, dtype: Any
         if os.path.lexists(os.path.join(found.folder, name)):
             _linked_inside(found, name)
     files = {"config.json": _dumps(config), GENERATION: _dumps(_generation(found, config))}
-    if copy_tokenizer:
-        files.update({n: _read(found, n) for n in found.tokenizer})
+    if tokenizer is not None:
+        files.update(_tokenizer_files(tokenizer, _count(config.get("vocab_size"))))
+    elif copy_tokenizer:
+        copied = {n: _read(found, n) for n in found.tokenizer}
+        if copied:
+            _check_copied_vocab(found, config, copied)
+        files.update(copied)
     return files, dtype

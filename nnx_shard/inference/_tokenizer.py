@@ -18,7 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from nnx_shard._errors import NnxShardError, UsageError, check_path, path_kind, short
+from nnx_shard._errors import (
+    LinkedOut,
+    NnxShardError,
+    NotAFile,
+    UsageError,
+    check_path,
+    path_kind,
+    read_within,
+    short,
+)
 
 __all__ = ["Tokenizer"]
 
@@ -68,36 +77,33 @@ def _parents(path: str) -> list[str]:
     return out
 
 
-def _inside(path: str, folder: str) -> str:
-    """``path`` (a file of ``folder``) once its link, if any, is known to stay
-    inside the folder (see :func:`_root`); a link out is refused, since a
-    template or config read from it is sent to the model in every prompt."""
-    target = os.path.realpath(path)
-    root = _root(folder)
-    if os.path.commonpath([target, root]) != root:
-        link = os.readlink(path) if os.path.islink(path) else target
-        raise UsageError(f"{path}: is a link to {short(link, 200)} ({short(target, 200)}), "
-                         f"outside the tokenizer's folder {root}; its text would be read into "
-                         "every prompt. Fix: copy the file into the folder (or download the "
-                         "tokenizer's files again) instead of linking out.")
-    return path
+def _linked_out(path: str, folder: str, target: str) -> UsageError:
+    link = os.readlink(path) if os.path.islink(path) else target
+    return UsageError(f"{path}: is a link to {short(link, 200)} ({short(target, 200)}), "
+                      f"outside the tokenizer's folder {_root(folder)}; its text would be read "
+                      "into every prompt. Fix: copy the file into the folder (or download the "
+                      "tokenizer's files again) instead of linking out.")
 
 
-def _present(path: str, folder: str) -> bool:
-    """Whether the folder has the file ``path`` (a link out of the folder, or a
-    device, pipe or folder in its place, is refused)."""
+def _load(path: str, folder: str) -> bytes | None:
+    """The bytes of the folder's file ``path``, ``None`` where there is none. A link is
+    followed only inside the folder (see :func:`_root`), since a template or config
+    read from it is sent to the model in every prompt; the file is read through the
+    one descriptor that was checked (a file swapped for a link out in between is
+    refused), and a device, pipe or folder in its place is refused."""
     if not os.path.lexists(path):
-        return False
-    _inside(path, folder)
-    if not os.path.isfile(path):
-        raise UsageError(f"{path}: is {path_kind(path)}, not a file. Fix: put the file there, or remove "
-                         "what is in its place.")
-    return True
+        return None
+    try:
+        return read_within(path, [_root(folder)])
+    except LinkedOut as e:
+        raise _linked_out(path, folder, e.target) from None
+    except (NotAFile, FileNotFoundError) as e:  # the latter: a link to nothing
+        kind = e.kind if isinstance(e, NotAFile) else path_kind(path) or "gone"
+        raise UsageError(f"{path}: is {kind}, not a file. Fix: put the file there, or "
+                         "remove what is in its place.") from None
 
 
-def _text(path: str) -> str:
-    with open(path, "rb") as f:
-        data = f.read()
+def _text(path: str, data: bytes) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -108,9 +114,10 @@ def _text(path: str) -> str:
 def _read(path: str, folder: str) -> Any:
     """The JSON file at ``path``, or ``None`` where there is none; a file whose top
     is not what the folder's file of that name holds (an object) is refused."""
-    if not _present(path, folder):
+    data = _load(path, folder)
+    if data is None:
         return None
-    text = _text(path)
+    text = _text(path, data)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -352,14 +359,15 @@ class Tokenizer:
         check_path(folder, "Tokenizer.from_pretrained",
                    fix="pass the checkpoint folder holding tokenizer.json.")
         file = os.path.join(folder, "tokenizer.json")
-        if not _present(file, folder):
+        data = _load(file, folder)
+        if data is None:
             raise FileNotFoundError(
                 f"Tokenizer.from_pretrained: no tokenizer.json in {folder} (only "
                 f"tokenizers' own format is read, not sentencepiece's tokenizer.model). Fix: pass "
                 "the folder holding it, or convert the tokenizer once with transformers: "
                 "AutoTokenizer.from_pretrained(folder).save_pretrained(folder).")
         tokenizers = _require("tokenizers")
-        spec = _text(file)
+        spec = _text(file, data)
         if not spec.lstrip().startswith("{"):
             try:
                 top = json.loads(spec)
@@ -385,8 +393,9 @@ class Tokenizer:
                              f"{_json_type(template)}. Fix: download the tokenizer's files "
                              "again.")
         jinja = os.path.join(folder, "chat_template.jinja")
-        if _present(jinja, folder):
-            template = _text(jinja)
+        jinja_data = _load(jinja, folder)
+        if jinja_data is not None:
+            template = _text(jinja, jinja_data)
             template_file = jinja
         tok = cls(backend, path=folder, config=config,
                   special_map=_read(os.path.join(folder, "special_tokens_map.json"), folder),

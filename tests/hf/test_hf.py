@@ -545,3 +545,32 @@ def test_mapping_patterns_that_are_not_patterns() -> None:
                          ([("x", "y")], "mapping must be a dict")]:
         with pytest.raises(ns.NnxShardError, match=match):
             hf.load_safetensors(FIXTURES / "hf_llama", _target("hf_llama", "dp"), mapping=table)
+
+
+def _on_host(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model`` whose every variable holds a numpy array."""
+    host = nnx.clone(model)
+    nnx.update(host, jax.tree.map(np.asarray, nnx.state(host)))
+    assert all(type(v.get_value()) is np.ndarray
+               for _, v in nnx.to_flat_state(nnx.state(host)))
+    return host
+
+
+def test_host_numpy_values_export_the_same_bytes(tmp_path) -> None:
+    model = _loaded("hf_llama", "fsdp")
+    host = _on_host(model)
+    hf.save_safetensors(tmp_path / "device", model, dtype=jnp.bfloat16)
+    hf.save_safetensors(tmp_path / "host", host, dtype=jnp.bfloat16)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "host" / name).read_bytes() == \
+            (tmp_path / "device" / name).read_bytes(), name
+    assert type(host.token_embed.get_value()) is np.ndarray  # the model is left as it was
+    # Adapters too: save_lora writes host factors as it writes device ones.
+    adapted = ns.lora(_loaded("hf_llama", "dp"), 4, 8.0)
+    adapted.blocks[0].attn.lora_q.lora_b[...] = jnp.full_like(
+        adapted.blocks[0].attn.lora_q.lora_b[...], 0.25)
+    ns.hf.save_lora(tmp_path / "lora_device", adapted)
+    ns.hf.save_lora(tmp_path / "lora_host", _on_host(adapted))
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (tmp_path / "lora_host" / name).read_bytes() == \
+            (tmp_path / "lora_device" / name).read_bytes(), name

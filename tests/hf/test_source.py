@@ -235,3 +235,176 @@ def test_generation_token_ids_must_be_ids_of_the_model(tmp_path):
     (src / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": 127}))
     ns.hf.save_safetensors(tmp_path / "out", model, source=src)
     assert read(tmp_path / "out", "generation_config.json")["eos_token_id"] == 127
+
+
+# -- files swapped for links while they are read -------------------------------------------
+
+PRIVATE = '{"secret": "-----BEGIN PRIVATE KEY----- not to be published"}'
+
+
+def _swap_on_open(monkeypatch, name: str, swap) -> list[str]:
+    """Calls ``swap()`` once, right before the first open of a file called ``name`` (by
+    ``open`` or ``os.open``), whatever was checked about it before: a deterministic
+    form of another process replacing the file between a check and the open."""
+    import builtins
+    import os
+
+    done: list[str] = []
+
+    def wrap(real):
+        def opener(file, *args, **kwargs):
+            if not done and isinstance(file, str | os.PathLike) and \
+                    os.path.basename(os.fspath(file)) == name:
+                done.append(os.fspath(file))
+                swap()
+            return real(file, *args, **kwargs)
+        return opener
+
+    monkeypatch.setattr(builtins, "open", wrap(builtins.open))
+    monkeypatch.setattr(os, "open", wrap(os.open))
+    return done
+
+
+def _private_swap(src: Path, name: str, how: str):
+    """``name`` of ``src`` (``how="file"``) or ``src`` itself (``"folder"``) replaced by a
+    link to a private file (a folder of private files)."""
+    private = src.parent / "private"
+    private.mkdir()
+    for n in TOKENIZER:
+        (private / n).write_text(PRIVATE)
+
+    def swap() -> None:
+        if how == "file":
+            (src / name).unlink()
+            (src / name).symlink_to(private / name)
+        else:
+            src.rename(src.parent / "moved")
+            src.symlink_to(private, target_is_directory=True)
+    return swap
+
+
+@pytest.mark.parametrize("how", ["file", "folder"])
+def test_a_tokenizer_file_swapped_for_a_link_after_its_check_is_never_followed(
+        tmp_path, monkeypatch, how):
+    src = make_source(tmp_path / "src")
+    model = load(src)
+    out = tmp_path / "out"
+    opened = _swap_on_open(monkeypatch, "tokenizer.json", _private_swap(src, "tokenizer.json",
+                                                                        how))
+    with pytest.raises(UsageError, match=r"the source's tokenizer\.json \(.*\) (is a symbolic "
+                       r"link to|leads to) .*private.*, outside .*Nothing was written"):
+        ns.hf.save_safetensors(out, model)
+    monkeypatch.undo()
+    assert opened, "the swap never ran: the test proves nothing"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("how", ["file", "folder"])
+def test_a_tokenizer_folder_file_swapped_for_a_link_is_never_read(tmp_path, monkeypatch, how):
+    from nnx_shard.inference import Tokenizer
+
+    src = make_source(tmp_path / "src")
+    opened = _swap_on_open(monkeypatch, "chat_template.jinja",
+                           _private_swap(src, "chat_template.jinja", how))
+    with pytest.raises(UsageError, match=r"chat_template\.jinja: is a link to .*private.*"
+                       r"outside the tokenizer's folder"):
+        Tokenizer.from_pretrained(src)
+    monkeypatch.undo()
+    assert opened
+
+
+def test_a_tokenizer_file_replaced_by_a_fifo_is_named_without_waiting(tmp_path):
+    import os
+
+    src = make_source(tmp_path / "src")
+    model = load(src)
+    (src / "tokenizer.json").unlink()
+    os.mkfifo(src / "tokenizer.json")
+    with pytest.raises(NnxShardError, match=r"cannot copy the tokenizer file .*tokenizer\.json"
+                       r".*: a FIFO, not a regular file\. Nothing was written"):
+        ns.hf.save_safetensors(tmp_path / "out", model)
+    assert not (tmp_path / "out").exists()
+
+
+def test_open_within_reads_links_inside_and_refuses_everything_else(tmp_path):
+    import os
+
+    from nnx_shard._errors import LinkedOut, NotAFile, open_within, read_within
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").write_bytes(b"inside")
+    (tmp_path / "d" / "link").symlink_to("a")
+    (tmp_path / "out").write_bytes(b"outside")
+    (tmp_path / "d" / "escape").symlink_to(tmp_path / "out")
+    assert read_within(tmp_path / "d" / "link", [tmp_path / "d"]) == b"inside"
+    with pytest.raises(LinkedOut) as e:
+        read_within(tmp_path / "d" / "escape", [tmp_path / "d"])
+    assert e.value.target == str(tmp_path / "out")
+    with pytest.raises(NotAFile, match="a symbolic link, not a regular file"):
+        read_within(tmp_path / "d" / "link", None)  # no roots: no link is followed
+    os.mkfifo(tmp_path / "d" / "fifo")
+    with pytest.raises(NotAFile, match="a FIFO"):
+        read_within(tmp_path / "d" / "fifo", [tmp_path / "d"])
+    with pytest.raises(NotAFile, match="a folder"):
+        read_within(tmp_path / "d", [tmp_path])
+    with open_within(tmp_path / "d" / "a", [tmp_path / "d"]) as f:
+        assert f.read(2) == b"in"
+
+
+# -- the tokenizer of a resized model ------------------------------------------------------
+
+ADDED = ["<tool_call>", "</tool_call>", "<think>"]
+
+
+def _grown(src: Path):
+    from nnx_shard.inference import Tokenizer
+
+    # Replicated: 131 rows divide over no mesh axis.
+    model = load_pretrained(src, mesh="data=8", rules=ns.strategies.get("dp").rules)
+    tok = Tokenizer.from_pretrained(src)
+    assert tok.backend.add_tokens(ADDED) == 3 and tok.vocab_size == 131
+    ns.models.resize_token_embeddings(model, tok.vocab_size)
+    return model, tok
+
+
+def test_a_resized_model_exports_the_tokenizer_it_is_given(tmp_path):
+    from nnx_shard.inference import Tokenizer
+
+    src = make_source(tmp_path / "src")
+    model, tok = _grown(src)
+    out = tmp_path / "out"
+    ns.hf.save_safetensors(out, model, tokenizer=tok)
+    assert read(out, "config.json")["vocab_size"] == 131
+    back = Tokenizer.from_pretrained(out)
+    assert back.vocab_size == 131
+    assert back.encode("<think>", add_special_tokens=False) == [130]
+    assert back.encode("hello <tool_call>", add_special_tokens=False) == \
+        tok.encode("hello <tool_call>", add_special_tokens=False)
+    # What the source's files said is kept: special tokens, chat template.
+    assert read(out, "tokenizer_config.json") == read(src, "tokenizer_config.json")
+    assert (out / "chat_template.jinja").read_bytes() == (src / "chat_template.jinja").read_bytes()
+    assert back.eos_token == tok.eos_token == "</s>"
+    # The same with no source: the model's config and the tokenizer's files.
+    ns.hf.save_safetensors(tmp_path / "bare", model, source=False, tokenizer=tok)
+    assert Tokenizer.from_pretrained(tmp_path / "bare").vocab_size == 131
+    assert read(tmp_path / "bare", "config.json")["vocab_size"] == 131
+
+
+def test_the_sources_tokenizer_goes_with_a_model_resized_only_where_it_fits(tmp_path):
+    src = make_source(tmp_path / "src")
+    model, tok = _grown(src)
+    # A vocabulary padded past the tokenizer is normal once the tokenizer is given.
+    ns.models.resize_token_embeddings(model, 131, pad_to_multiple_of=8)
+    assert model.cfg.vocab == 136
+    ns.hf.save_safetensors(tmp_path / "padded", model, tokenizer=tok)
+    assert read(tmp_path / "padded", "config.json")["vocab_size"] == 136
+    # A source whose tokenizer already had the tokens the model grew into is copied.
+    (src / "tokenizer.json").write_text(tok.backend.to_str())
+    ns.hf.save_safetensors(tmp_path / "copied", model)
+    assert (tmp_path / "copied" / "tokenizer.json").read_text() == tok.backend.to_str()
+    # An unresized model with a tokenizer of more ids than its vocabulary: refused.
+    with pytest.raises(UsageError, match=r"tokenizer has 131 ids .*more than the model's "
+                       r"vocabulary of 128.*resize_token_embeddings"):
+        ns.hf.save_safetensors(tmp_path / "small", load(make_source(tmp_path / "s2")),
+                               tokenizer=tok)
+    assert not (tmp_path / "small").exists()

@@ -1,0 +1,206 @@
+"""Hostile cases of what ``save_safetensors`` and ``Tokenizer.from_pretrained`` read and
+write: a source's tokenizer file (or the source folder itself) swapped for a link to a
+private file between its check and its open, or replaced by a FIFO; a model resized
+away from its source's vocabulary while the source's tokenizer would be copied beside
+it; a ``tokenizer=`` that is not a Tokenizer, has more ids than the model, or comes with
+``copy_tokenizer=False``; a model with LoRA adapters (or a QLoRA base), and variables
+that hold no array, for ``save_safetensors`` and ``save_lora``.
+
+Every case must leave the destination as it was: an export or a staging folder left
+behind makes the case ``raw`` (an AssertionError of this file), whatever the error said,
+and so does a private file's content read anywhere.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+SECRET = '{"secret": "-----BEGIN PRIVATE KEY----- not to be published"}'
+ADDED = ["<tool_call>", "</tool_call>", "<think>"]
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(os.listdir(folder)) if folder.is_dir() else []
+
+
+def build(hs: Any) -> None:
+    F = hs.F
+
+    def ns() -> Any:
+        import nnx_shard
+
+        return nnx_shard
+
+    def source(label: str) -> Path:
+        """A fresh copy of the hf_publish checkpoint (a tokenizer of 128 ids)."""
+        folder = Path(F.path(f"r6export_{label}")) / "src"
+        shutil.rmtree(folder.parent, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for p in (FIXTURES / "hf_publish").iterdir():
+            shutil.copy(p, folder / p.name)
+        return folder
+
+    def load(folder: Path) -> Any:
+        return ns().hf.load_pretrained(folder, mesh="data=8",
+                                       rules=ns().strategies.get("dp").rules)
+
+    def save_nothing(label: str, model: Any, **kw: Any) -> Any:
+        """Saves to a fresh destination that must stay absent, with nothing beside it."""
+        parent = Path(F.dir(f"r6export_{label}_parent"))
+        out = parent / "out"
+        before = _listing(parent)
+        try:
+            return ns().hf.save_safetensors(out, model, **kw)
+        finally:
+            if out.exists() or _listing(parent) != before:
+                raise AssertionError(f"{parent}: an export or a staging folder was left")
+
+    # -- files swapped for links between their check and their open -------------------------
+
+    def swapping(folder: Path, name: str, how: str, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` while the first open of a file called ``name`` first replaces it
+        (``how="file"``) or ``folder`` (``"folder"``) by a link to private files."""
+        private = folder.parent / "private"
+        private.mkdir()
+        for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (private / n).write_text(SECRET)
+        swapped: list[str] = []
+
+        def wrap(real: Any) -> Any:
+            def opener(file: Any, *args: Any, **kwargs: Any) -> Any:
+                if not swapped and isinstance(file, str | os.PathLike) and \
+                        os.path.basename(os.fspath(file)) == name:
+                    swapped.append(name)
+                    if how == "file":
+                        (folder / name).unlink()
+                        (folder / name).symlink_to(private / name)
+                    else:
+                        folder.rename(folder.parent / "moved")
+                        folder.symlink_to(private, target_is_directory=True)
+                return real(file, *args, **kwargs)
+            return opener
+
+        real_open, real_os_open = builtins.open, os.open
+        builtins.open, os.open = wrap(real_open), wrap(real_os_open)  # type: ignore[assignment]
+        try:
+            result = fn()
+        finally:
+            builtins.open, os.open = real_open, real_os_open  # type: ignore[assignment]
+        if not swapped:
+            raise AssertionError(f"{name} was never opened: the case proves nothing")
+        if "PRIVATE KEY" in repr(result):
+            raise AssertionError("a private file's content was read through the swapped link")
+        return result
+
+    def export_swapped(label: str, how: str) -> Any:
+        folder = source(label)
+        model = load(folder)
+        return swapping(folder, "tokenizer.json", how, lambda: save_nothing(label, model))
+
+    hs.api("r6export/tokenizer_swapped_for_a_link_after_its_check", "tokenizer.json",
+           lambda: export_swapped("swap_file", "file"))
+    hs.api("r6export/source_folder_swapped_for_a_link_after_its_check", "tokenizer.json",
+           lambda: export_swapped("swap_folder", "folder"))
+
+    def tokenizer_swapped(label: str, how: str) -> Any:
+        folder = source(label)
+        return swapping(folder, "chat_template.jinja", how, lambda: ns().inference.Tokenizer
+                        .from_pretrained(folder).chat_template)
+
+    hs.api("r6export/chat_template_swapped_for_a_link_while_a_tokenizer_loads",
+           "chat_template.jinja", lambda: tokenizer_swapped("tok_swap_file", "file"))
+    hs.api("r6export/tokenizer_folder_swapped_for_a_link_while_it_loads",
+           "chat_template.jinja", lambda: tokenizer_swapped("tok_swap_folder", "folder"))
+
+    def fifo_in_place(label: str, name: str, export: bool) -> Any:
+        folder = source(label)
+        model = load(folder) if export else None
+        (folder / name).unlink()
+        os.mkfifo(folder / name)
+        if export:
+            return save_nothing(label, model)
+        return ns().inference.Tokenizer.from_pretrained(folder)
+
+    hs.api("r6export/tokenizer_replaced_by_a_fifo_after_loading", ("tokenizer.json", "FIFO"),
+           lambda: fifo_in_place("fifo_export", "tokenizer.json", True))
+    hs.api("r6export/tokenizer_folder_chat_template_a_fifo", ("chat_template.jinja", "FIFO"),
+           lambda: fifo_in_place("fifo_tok", "chat_template.jinja", False))
+
+    # -- the tokenizer of a resized model ----------------------------------------------------
+
+    def resized(label: str, new: int, pad: int | None = None, **kw: Any) -> Any:
+        model = load(source(label))
+        ns().models.resize_token_embeddings(model, new, pad_to_multiple_of=pad)
+        return save_nothing(label, model, **kw)
+
+    hs.api("r6export/resized_for_added_tokens_with_the_sources_tokenizer",
+           ("tokenizer=", "vocab_size 128", "131"), lambda: resized("grown", 131))
+    hs.api("r6export/resized_and_padded_with_the_sources_tokenizer",
+           ("tokenizer=", "vocab_size 128", "136"), lambda: resized("padded", 131, 8))
+    hs.api("r6export/shrunk_below_the_sources_tokenizer", ("tokenizer", "100", "128 ids"),
+           lambda: resized("shrunk", 100))
+
+    def grown_tokenizer(folder: Path) -> Any:
+        tok = ns().inference.Tokenizer.from_pretrained(folder)
+        tok.backend.add_tokens(ADDED)
+        return tok
+
+    def tokenizer_too_large() -> Any:
+        folder = source("tok_large")
+        return save_nothing("tok_large", load(folder), tokenizer=grown_tokenizer(folder))
+
+    hs.api("r6export/tokenizer_with_more_ids_than_the_model", ("tokenizer", "131", "128"),
+           tokenizer_too_large)
+    for label, value in (("str", "tokenizer.json"), ("folder", "FOLDER"), ("int", 3)):
+        def wrong(label: str = label, value: Any = value) -> Any:
+            folder = source(f"tok_{label}")
+            given = str(folder) if value == "FOLDER" else value
+            return save_nothing(f"tok_{label}", load(folder), tokenizer=given)
+
+        hs.api(f"r6export/tokenizer_given_as_a_{label}", ("tokenizer", "Tokenizer"), wrong)
+
+    def tokenizer_without_copy() -> Any:
+        folder = source("tok_nocopy")
+        return save_nothing("tok_nocopy", load(folder), copy_tokenizer=False,
+                            tokenizer=ns().inference.Tokenizer.from_pretrained(folder))
+
+    hs.api("r6export/tokenizer_with_copy_tokenizer_false", ("tokenizer=", "copy_tokenizer"),
+           tokenizer_without_copy)
+
+    # -- adapters and values that are not arrays --------------------------------------------
+
+    def adapted(quantize: str | None) -> Any:
+        model = hs._tiny_llama()
+        if quantize is None:
+            return ns().lora(model, 4, 8.0)
+        return ns().lora(model, 4, 8.0, quantize=quantize, quant_block=32)
+
+    hs.api("r6export/lora_model", ("merge_lora", "save_lora"),
+           lambda: save_nothing("lora", adapted(None)))
+    hs.api("r6export/qlora_int4_model", ("merge_lora", "save_lora", "quantized"),
+           lambda: save_nothing("qlora", adapted("int4")))
+    hs.api("r6export/qlora_nf4_model", ("merge_lora", "save_lora", "quantized"),
+           lambda: save_nothing("qlora_nf4", adapted("nf4")))
+
+    def listed(save_lora: bool) -> Any:
+        model = adapted(None) if save_lora else hs._tiny_llama()
+        model.blocks[0].attn.k.set_value([[0.0] * 4] * 32)
+        if save_lora:
+            out = Path(F.path("r6export_lora_list"))
+            try:
+                return ns().hf.save_lora(out, model)
+            finally:
+                if out.exists():
+                    raise AssertionError(f"{out}: an adapter was written")
+        return save_nothing("param_list", model)
+
+    hs.api("r6export/parameter_holding_a_list", ("blocks/0/attn/k", "not an array"),
+           lambda: listed(False))
+    hs.api("r6export/save_lora_parameter_holding_a_list", ("blocks/0/attn/k", "not an array"),
+           lambda: listed(True))
