@@ -55,8 +55,11 @@ from nnx_shard.hf._peft_names import (
 __all__ = ["load_lora", "save_lora", "trained_in_full"]
 
 _PREFIX = "base_model.model."
-# The factors PEFT saves; a name between (``lora_A.other.weight``) is a named adapter's,
-# which PEFT's from_pretrained does not read.
+# The factors PEFT saves; a name between (``lora_A.other.weight``) is a named adapter's.
+# PEFT 0.21's from_pretrained loads the adapter it names ``default``: a plain key goes to
+# that adapter's parameter (``lora_A.default.weight``), and a key already holding the name
+# ``default`` goes there as it is; any other name's factors are left out.
+_DEFAULT = "default"
 _LINEAR = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])(?:\.([\w-]+))?\.weight$")
 _EMBED = re.compile(r"^base_model\.model\.(.+)\.lora_embedding_([AB])(?:\.([\w-]+))?$")
 # The base layer of an adapted embedding or output layer, saved beside its factors
@@ -74,17 +77,19 @@ class _File(NamedTuple):
 
 def _scan_file(folder: Path, header: Any, cfg: AdapterConfig) -> _File:
     factors: dict[str, dict[str, str]] = {}
+    twins: dict[tuple[str, str], list[str]] = {}  # (module, A/B) -> keys naming it
     embedding: set[str] = set()
     full: dict[str, str] = {}
     stray, named, flat = [], [], []
     for name, info in header.tensors.items():
         m = _LINEAR.match(name) or _EMBED.match(name)
         base = _BASE.match(name)
-        if m is not None and m.group(3) is not None:
+        if m is not None and m.group(3) not in (None, _DEFAULT):
             named.append(name)
         elif m is not None and len(info.shape) != 2:
             flat.append(f"{name} {list(info.shape)}")
         elif m is not None:
+            twins.setdefault((m.group(1), m.group(2)), []).append(name)
             factors.setdefault(m.group(1), {})[m.group(2)] = name
             if m.re is _EMBED:
                 embedding.add(m.group(1))
@@ -100,12 +105,19 @@ def _scan_file(folder: Path, header: Any, cfg: AdapterConfig) -> _File:
                    "PEFT loads no such tensor: drop them from the file, or add their module "
                    "to modules_to_save in adapter_config.json if it was trained in full")
     if named:
-        # PEFT reads only unnamed factors (lora_A.weight) into its adapter: it would load
-        # none of these and run the base model unchanged.
+        # PEFT would load none of these and run the base model unchanged.
         raise fail(folder, f"{WEIGHTS} holds factors of a named adapter, e.g. {named[0]}, "
                    "which PEFT's from_pretrained does not load (it reads "
-                   "...lora_A.weight / ...lora_B.weight)", "save the adapter with "
-                   "PeftModel.save_pretrained, or rename the keys to drop the adapter name")
+                   "...lora_A.weight / ...lora_B.weight, and ...lora_A.default.weight as its "
+                   "adapter 'default')", "save the adapter with PeftModel.save_pretrained, or "
+                   "rename the keys to drop the adapter name")
+    clash = _differing_twins(header, twins)
+    if clash:
+        raise fail(folder, f"{WEIGHTS} holds {clash[0]} and {clash[1]} with different values: "
+                   "PEFT loads both into the one parameter of its adapter 'default' and keeps "
+                   "whichever its state dict lists last, which follows the order of the file's "
+                   "bytes or the keys' names as the safetensors version reads them", "keep one "
+                   "of the two keys in the file (the factor the adapter was trained with)")
     if flat:
         raise fail(folder, f"{WEIGHTS} holds factors that are not matrices: "
                    f"{', '.join(flat[:4])}", "lora_A is [r, in] and lora_B [out, r]; save "
@@ -116,6 +128,19 @@ def _scan_file(folder: Path, header: Any, cfg: AdapterConfig) -> _File:
                    else "holds no tensors"), "save the adapter again with "
                    "PeftModel.save_pretrained")
     return _File(factors, embedding, full)
+
+
+def _differing_twins(header: Any, twins: Mapping[tuple[str, str], list[str]]
+                     ) -> tuple[str, str] | None:
+    """The first pair of keys naming one factor (``lora_A.weight`` and
+    ``lora_A.default.weight``) whose tensors differ: equal ones give PEFT one value."""
+    for keys in twins.values():
+        if len(keys) < 2:
+            continue
+        first, other = (st.read_slice(header, k, [slice(None)] * 2) for k in keys[:2])
+        if first.shape != other.shape or not np.array_equal(first, other):
+            return keys[0], keys[1]
+    return None
 
 
 def _selected(folder: Path, cfg: AdapterConfig, model: Any, found: _File) -> list[str]:
@@ -175,8 +200,11 @@ def _host_factors(folder: Path, cfg: AdapterConfig, header: Any, model: Any, fou
             b_part = b_hf[rows]
             want = ((r, math.prod(ins)), (math.prod(outs), r))
             if (a_hf.shape, b_part.shape) != want:
+                qa = bool(cfg.raw.get("use_qalora")) and a_hf.shape[1] != want[0][1]
+                pooled = (" (use_qalora: trained on GPTQ layers, whose QA-LoRA pools the "
+                          "inputs; PEFT runs plain LoRA on any other layer)") if qa else ""
                 errors.append(f"{module}: lora_A {a_hf.shape} / lora_B {b_hf.shape}, this "
-                              f"model needs {want[0]} / {want[1]} (rank {r})")
+                              f"model needs {want[0]} / {want[1]} (rank {r}){pooled}")
                 break
             if node is not None and node.rank != r:
                 errors.append(f"{kpath} has an adapter of rank {node.rank}, the file's is {r}")
@@ -304,11 +332,16 @@ def load_lora(path: str | os.PathLike[str], model: Any, *, rngs: int = 0) -> Any
     ``from_pretrained``, it loads only the factors of the modules the config
     selects: ``target_modules`` (a list of names or ``.``-suffixes, a regex over the
     whole name, or ``"all-linear"``), within ``layers_to_transform`` (and
-    ``layers_pattern``), less ``exclude_modules``. Every other config field is
-    ignored where it changes nothing PEFT computes, or refused naming it
-    (:data:`nnx_shard.hf._peft_config.FIELDS`), as are factors of modules the model
-    lacks and of a named (non-default) adapter. Each device takes its slice of the
-    factors in the adapter's sharding.
+    ``layers_pattern``), less ``exclude_modules``. The config's regexes match as
+    PEFT's ``re`` matches them, within one time bound for the load (a pattern that
+    backtracks without end is refused naming it, not run for hours); one PEFT could
+    not compile is refused naming it. Every other config field is ignored where it
+    changes nothing PEFT computes, or refused naming it
+    (:data:`nnx_shard.hf._peft_config.FIELDS`). Factors are read under their plain
+    keys and under the adapter name ``default`` (``lora_A.default.weight``), as PEFT
+    reads both into its adapter ``default``; one factor under both keys with
+    different values, factors of another adapter name and of modules the model lacks
+    are refused. Each device takes its slice of the factors in the adapter's sharding.
 
     Args:
       path: the adapter folder (``adapter_config.json`` and
@@ -544,6 +577,25 @@ def _config(model: Any, entries: list[_Entry], saved: list[str], dropout: float,
     }
 
 
+def _check_values(model: Any) -> None:
+    """save_lora's check of ``model``'s values: host (numpy) arrays are values and are
+    written as they are; a model without values (abstract) or with deleted (donated)
+    arrays is refused."""
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        if isinstance(value, np.ndarray | np.generic) or (
+                isinstance(value, jax.Array) and not value.is_deleted()):
+            continue
+        what = ("a deleted array (donated to a step)" if isinstance(value, jax.Array) else
+                f"abstract ({type(value).__name__}: a shape and dtype, no values)"
+                if isinstance(value, jax.ShapeDtypeStruct) else
+                f"a {type(value).__name__}, not an array")
+        raise UsageError(f"save_lora: model parameter {path_str(key)!r} is {what}. Nothing was "
+                         "written. Fix: pass a model with values: load the base weights first "
+                         "(ns.hf.load_pretrained, or ns.hf.load_safetensors into an abstract_init "
+                         "model)")
+
+
 def save_lora(path: str | os.PathLike[str], model: Any, *,
               base_model_name_or_path: str | None = None) -> None:
     """Writes the adapters of the Llama-family ``model`` as a PEFT adapter folder
@@ -600,7 +652,7 @@ def save_lora(path: str | os.PathLike[str], model: Any, *,
     if not nodes and not full:
         raise NnxShardError("save_lora: the model has no LoRA adapters. Fix: add them with "
                             "ns.lora(model, rank, alpha) or ns.hf.load_lora.")
-    _check_concrete(model, "save_lora")
+    _check_values(model)
     entries = _entries(model, nodes)
     tensors: dict[str, np.ndarray] = {}
     for e in entries:

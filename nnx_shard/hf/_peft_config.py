@@ -14,14 +14,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from re import _parser as re_parser  # type: ignore[attr-defined]
 from typing import Any
+
+import regex
 
 from nnx_shard._errors import UsageError, check_path, short
 
-__all__ = ["CONFIG", "FIELDS", "MERGE_FIX", "AdapterConfig", "fail"]
+__all__ = ["CONFIG", "FIELDS", "MATCH_SECONDS", "MAX_PATTERN_ITEMS", "MERGE_FIX", "AdapterConfig",
+           "Patterns", "fail"]
 
 CONFIG = "adapter_config.json"
 
@@ -56,17 +62,19 @@ FIELDS: dict[str, str] = {
     "corda_config": "ignored", "lora_ga_config": "ignored",
     # Megatron-LM base layers only; a transformers model has none.
     "megatron_config": "ignored", "megatron_core": "ignored",
-    # PEFT's QA-LoRA group size only matters with use_qalora (refused).
-    "qalora_group_size": "ignored",
+    # QA-LoRA (pooled adapter inputs) is PEFT's variant of GPTQ-quantized linear layers
+    # only: on any other layer PEFT runs plain LoRA whatever these say, and the bases
+    # read here are never GPTQ (a GPTQ adapter's narrower lora_A is refused by shape).
+    "use_qalora": "ignored", "qalora_group_size": "ignored",
     # Device placement of DoRA's weight norm (DoRA itself is refused).
     "runtime_config": "ignored",
     # Ties the adapters of a tied embedding and output layer; a tied model with
     # embedding LoRA or modules_to_save is refused where they are read.
     "ensure_weight_tying": "ignored",
     # LoRA variants that compute something else than x @ W + s * (x @ A) @ B.
-    "use_dora": "refused", "alora_invocation_tokens": "refused", "use_qalora": "refused",
-    "lora_bias": "refused", "layer_replication": "refused", "target_parameters": "refused",
-    "trainable_token_indices": "refused", "use_bdlora": "refused", "arrow_config": "refused",
+    "use_dora": "refused", "alora_invocation_tokens": "refused", "lora_bias": "refused",
+    "layer_replication": "refused", "target_parameters": "refused", "trainable_token_indices":
+    "refused", "use_bdlora": "refused", "arrow_config": "refused",
     "kasa_config": "refused", "monteclora_config": "refused", "velora_config": "refused",
 }
 
@@ -74,7 +82,7 @@ FIELDS: dict[str, str] = {
 _VARIANT = {
     "use_dora": "DoRA (weight-decomposed LoRA)", "alora_invocation_tokens":
     "aLoRA (activated LoRA: the adapter applies only after the invocation tokens)",
-    "use_qalora": "QA-LoRA (pooled adapter inputs)", "lora_bias": "a trained bias on lora_B",
+    "lora_bias": "a trained bias on lora_B",
     "layer_replication": "replicated layers", "target_parameters":
     "LoRA on raw parameters (e.g. MoE experts)", "trainable_token_indices":
     "trainable token embeddings", "use_bdlora": "block-diagonal LoRA",
@@ -86,6 +94,197 @@ _REWRITES_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 def fail(folder: Path, what: str, fix: str) -> UsageError:
     return UsageError(f"load_lora: {folder}: {what}. Fix: {fix}")
+
+
+#: Seconds one read config (each load_lora reads its own) may spend matching its patterns
+#: against the model's module names, every match together: a name takes microseconds, and
+#: a pattern that backtracks without end (a repeat inside a repeat, ``(x+)*``) is stopped
+#: here instead of running for hours as it would under Python's re.
+MATCH_SECONDS = 2.0
+#: The most items a pattern may have once its counted repeats are written out (``a{1000}``
+#: is 1000): the regex engine writes them out when it compiles, a few hundred bytes each.
+#: save_lora's regex of every module name of a large model is some 30,000.
+MAX_PATTERN_ITEMS = 200_000
+
+# How PEFT 0.21 builds and calls each pattern field's regex: get_pattern_key for the keys
+# of rank_pattern / alpha_pattern, match_target_against_key and check_target_module_exists
+# for the others.
+_USES: dict[str, tuple[Callable[[str], str], str]] = {
+    "rank_pattern": (lambda p: rf"(.*\.)?({p})$", "match"),
+    "alpha_pattern": (lambda p: rf"(.*\.)?({p})$", "match"),
+    "target_modules": (lambda p: p, "fullmatch"),
+    "exclude_modules": (lambda p: p, "fullmatch"),
+    "layers_pattern": (lambda p: rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "match"),
+}
+_REPEATS = (re_parser.MAX_REPEAT, re_parser.MIN_REPEAT, re_parser.POSSESSIVE_REPEAT)
+
+
+def _children(op: Any, av: Any) -> list[Any]:
+    """The sub-patterns of one node of re's parse tree."""
+    if op in _REPEATS:
+        return [av[2]]
+    if op is re_parser.SUBPATTERN:
+        return [av[3]]
+    if op is re_parser.BRANCH:
+        return list(av[1])
+    if op in (re_parser.ASSERT, re_parser.ASSERT_NOT):
+        return [av[1]]
+    if op is re_parser.ATOMIC_GROUP:
+        return [av]
+    if op is re_parser.GROUPREF_EXISTS:
+        return [sub for sub in av[1:] if sub is not None]
+    return []
+
+
+def _items(tree: Any) -> int:
+    """Items of re's parse ``tree`` with every repeat written out ``max(min, 1)`` times,
+    as the regex engine compiles them."""
+    n = 0
+    for op, av in tree:
+        inner = sum(_items(sub) for sub in _children(op, av))
+        n += max(av[0], 1) * inner if op in _REPEATS else inner or 1
+    return n
+
+
+def _read_apart(tree: Any) -> str | None:
+    """What of re's parse ``tree`` the regex engine reads otherwise than re: a ``{`` that
+    re takes as text (regex may take ``{e<=1}`` for a fuzzy match) and a ``[`` in a set
+    (``[[:alpha:]]`` is a POSIX class to regex, three characters and a ``]`` to re)."""
+    for op, av in tree:
+        if op is re_parser.LITERAL and av == ord("{"):
+            return "a '{' read as text"
+        if op is re_parser.IN and (re_parser.LITERAL, ord("[")) in av:
+            return "a '[' inside a [...] set"
+        found = next(filter(None, map(_read_apart, _children(op, av))), None)
+        if found:
+            return found
+    return None
+
+
+def _literal(pattern: str) -> str | None:
+    r"""The text ``pattern`` matches when it is plain text with no flags (``q_proj``,
+    ``model\.layers\.0\.mlp``: what save_lora writes), else None."""
+    try:
+        tree = re_parser.parse(pattern)
+    except re.error:
+        return None  # a fragment PEFT's surrounding pattern completes
+    if tree.state.flags & ~re.UNICODE or any(op is not re_parser.LITERAL for op, _ in tree):
+        return None
+    return "".join(chr(av) for _, av in tree)
+
+
+class Patterns:
+    r"""The regexes of one adapter config, each checked as PEFT builds it (Python's re
+    compiles it, or PEFT would fail too) and matched with the ``regex`` engine, which
+    matches what re matches and can be stopped: checking and matching every pattern of
+    one config together get :data:`MATCH_SECONDS`. Plain names are compared as text, as
+    their regex would match them.
+
+    >>> pats = Patterns(Path("adapter"))
+    >>> pats.add("rank_pattern", r"layers\.1\..*")
+    >>> bool(pats.match("rank_pattern", r"layers\.1\..*", "model.layers.1.mlp.up_proj"))
+    True
+    >>> pats.add("rank_pattern", "(?i)Q_PROJ")
+    Traceback (most recent call last):
+    nnx_shard._errors.UsageError: load_lora: adapter: rank_pattern key '(?i)Q_PROJ' ...
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.left = MATCH_SECONDS
+        self._compiled: dict[tuple[str, str], Any] = {}
+        self._text: dict[tuple[str, str], str] = {}
+
+    @staticmethod
+    def _shown(field: str, pattern: str) -> str:
+        what = f"{field} key" if field in ("rank_pattern", "alpha_pattern") else field
+        return f"{what} {short(pattern, 80)}"
+
+    def add(self, field: str, pattern: str) -> None:
+        """Checks ``pattern`` of the config's ``field``; a pattern PEFT cannot compile, or
+        that the regex engine would read otherwise, is a UsageError naming both."""
+        if (field, pattern) in self._compiled or (field, pattern) in self._text:
+            return
+        start = time.monotonic()
+        self._check(field, pattern)
+        self._spend(start, field, pattern, None)
+
+    def _check(self, field: str, pattern: str) -> None:
+        build, _ = _USES[field]
+        full, shown = build(pattern), self._shown(field, pattern)
+        inside = f" inside {build('...')}" if build("...") != "..." else ""
+        fix = f"write {field} as a Python regex that compiles{inside}, or as module names"
+        try:
+            with warnings.catch_warnings():  # re's warning of [[, refused below
+                warnings.simplefilter("ignore", FutureWarning)
+                re.compile(full)
+                tree = re_parser.parse(full)
+            items, apart = _items(tree), _read_apart(tree)
+        except (re.error, OverflowError) as e:  # re's "repetition number is too large"
+            if "global flags not at the start" in str(e):
+                fix = ("scope the flag to the pattern, e.g. (?i:q_proj): PEFT puts it"
+                       f"{inside}, where a flag for the whole pattern is an error")
+            elif "redefinition of group name 'idx'" in str(e):
+                fix = ("drop the group's name 'idx' (a (...) group works): PEFT's own pattern "
+                       "names the layer index 'idx'")
+            raise fail(self.folder, f"{shown} is not a regex as PEFT uses it"
+                       f"{inside.replace(' inside', ', inside', 1)}: {e}", fix) from e
+        except RecursionError as e:
+            raise fail(self.folder, f"{shown} nests its groups too deep to compile", fix) from e
+        if items > MAX_PATTERN_ITEMS:
+            raise fail(self.folder, f"{shown} repeats too much: written out it has {items} "
+                       f"items, over {MAX_PATTERN_ITEMS}", "use * or + in place of large "
+                       "counts (x{1000}): module names are a few dozen characters")
+        if apart is not None:
+            raise fail(self.folder, f"{shown} holds {apart}, which no module name has and "
+                       "which the bounded regex engine reads otherwise than Python's re",
+                       "remove it from the pattern (it matches nothing in module names)")
+        text = _literal(pattern) if field != "layers_pattern" else None
+        if text is not None:
+            self._text[(field, pattern)] = text  # its regex is compiled if ever needed
+            return
+        try:
+            self._compiled[(field, pattern)] = regex.compile(full, regex.V0)
+        except (regex.error, RecursionError, OverflowError, MemoryError) as e:
+            raise fail(self.folder, f"{shown} cannot be compiled by the bounded regex engine "
+                       f"({short(str(e), 80)})", fix) from e
+
+    def match(self, field: str, pattern: str, name: str) -> Any:
+        """PEFT's match of ``pattern`` for ``field`` against the module name ``name``
+        (checked first if :meth:`add` has not): truthy when it matches (a match object of
+        layers_pattern)."""
+        if (field, pattern) not in self._compiled and (field, pattern) not in self._text:
+            self.add(field, pattern)
+        text = self._text.get((field, pattern))
+        if text is not None and "\n" not in name:  # re's $ also matches before a last \n
+            if field in ("rank_pattern", "alpha_pattern"):
+                return name == text or name.endswith(f".{text}")
+            return name == text
+        start = time.monotonic()
+        compiled = self._compiled.get((field, pattern))
+        if compiled is None:  # a plain name's, for a name with a newline
+            compiled = self._compiled[(field, pattern)] = regex.compile(
+                _USES[field][0](pattern), regex.V0)
+        hit = None
+        try:
+            if self.left > 0:
+                hit = getattr(compiled, _USES[field][1])(name, timeout=self.left)
+        except TimeoutError:
+            self.left = 0.0
+        self._spend(start, field, pattern, name)
+        return hit
+
+    def _spend(self, start: float, field: str, pattern: str, name: str | None) -> None:
+        self.left -= time.monotonic() - start
+        if self.left > 0:
+            return
+        at = f"{self._shown(field, pattern)}" + (f" on {short(name, 80)}" if name else "")
+        raise fail(self.folder, f"checking and matching the config's patterns against the "
+                   f"module names ran past the {MATCH_SECONDS:g} s one load gives them, at "
+                   f"{at}: a pattern that backtracks without end (a repeat inside a repeat, "
+                   "such as (x+)* or (a|ab)*), or a great many patterns", f"write {field} as "
+                   "module names, or as a regex without nested repeats (e.g. \"q_proj\", or "
+                   "\".*\\\\.q_proj\")")
 
 
 def _names(value: Any) -> bool:
@@ -110,6 +309,8 @@ class AdapterConfig:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     modules_to_save: list[str] = field(default_factory=list)
     folder: Path = Path(".")
+    patterns: Patterns = field(default_factory=lambda: Patterns(Path(".")), repr=False,
+                               compare=False)
 
     @classmethod
     def read(cls, folder: Path) -> AdapterConfig:
@@ -144,7 +345,7 @@ class AdapterConfig:
         if not _number(alpha):
             raise fail(folder, f"lora_alpha is {short(alpha, 40)}, not a finite number",
                        "an adapter config has e.g. \"lora_alpha\": 16")
-        out = cls(r, float(alpha), cfg, folder=folder)
+        out = cls(r, float(alpha), cfg, folder=folder, patterns=Patterns(folder))
         out._refusals()
         out.rslora = bool(cfg.get("use_rslora"))
         dropout = cfg.get("lora_dropout") or 0.0
@@ -192,11 +393,7 @@ class AdapterConfig:
             raise fail(self.folder, f"{key} is {short(value, 60)}, not a map of module name "
                        f"patterns to {what}", f"e.g. \"{key}\": {{\"q_proj\": 8}}, or {{}}")
         for k in value:
-            try:
-                re.compile(k)
-            except re.error as e:
-                raise fail(self.folder, f"{key} key {k!r} is not a regex ({e})",
-                           f"write the {key} keys as Python regexes") from e
+            self.patterns.add(key, k)
         return {k: kind(v) for k, v in value.items()}
 
     def rank_scale(self, module: str) -> tuple[int, float]:
@@ -204,9 +401,11 @@ class AdapterConfig:
         ``alpha_pattern``'s first key matching a ``.``-suffix of the name (PEFT's
         ``get_pattern_key``), else ``r`` / ``lora_alpha``; scale ``alpha / r``
         (``alpha / sqrt(r)`` with rsLoRA)."""
-        r = next((v for k, v in self.rank_pattern.items() if _suffix(k, module)), self.r)
-        alpha = next((v for k, v in self.alpha_pattern.items() if _suffix(k, module)),
-                     self.alpha)
+        match = self.patterns.match
+        r = next((v for k, v in self.rank_pattern.items()
+                  if match("rank_pattern", k, module)), self.r)
+        alpha = next((v for k, v in self.alpha_pattern.items()
+                      if match("alpha_pattern", k, module)), self.alpha)
         return r, alpha / math.sqrt(r) if self.rslora else alpha / r
 
     def saves(self, module: str) -> bool:
@@ -233,13 +432,10 @@ class AdapterConfig:
         if pattern is not None and not (isinstance(pattern, str) or _names(pattern)):
             raise fail(folder, f"layers_pattern is {short(pattern, 60)}, not a name or a list "
                        "of names", "e.g. \"layers_pattern\": \"layers\", or null")
-        for key, regex in (("target_modules", targets), ("exclude_modules", exclude)):
-            if isinstance(regex, str):
-                try:
-                    re.compile(regex)
-                except re.error as e:
-                    raise fail(folder, f"{key} {short(regex, 60)} is not a regex ({e})",
-                               f"write {key} as a Python regex or a list of names") from e
+        if isinstance(targets, str) and targets.lower() != "all-linear":
+            self.patterns.add("target_modules", targets)
+        if isinstance(exclude, str) and exclude:
+            self.patterns.add("exclude_modules", exclude)
         if isinstance(targets, str) and (layers is not None or pattern is not None):
             key = "layers_to_transform" if layers is not None else "layers_pattern"
             raise fail(folder, f"{key} is set with a regex target_modules (PEFT refuses this "
@@ -249,13 +445,17 @@ class AdapterConfig:
             raise fail(folder, "layers_pattern is set without layers_to_transform (PEFT "
                        "refuses this config)", "set layers_to_transform too, or remove "
                        "layers_pattern")
+        if pattern and layers != []:  # PEFT reads it only to pick layers
+            for p in [pattern] if isinstance(pattern, str) else pattern:
+                self.patterns.add("layers_pattern", p)
 
     def targeted(self, key: str) -> bool:
         """Whether PEFT adapts the module ``key`` (``model.layers.0.self_attn.q_proj``):
         ``peft.tuners.tuners_utils.check_target_module_exists`` for these fields."""
         cfg = self.raw
         exclude = cfg.get("exclude_modules")
-        if isinstance(exclude, str) and re.fullmatch(exclude, key):
+        if isinstance(exclude, str) and exclude and self.patterns.match(
+                "exclude_modules", exclude, key):
             return False
         if isinstance(exclude, list) and any(key == e or key.endswith(f".{e}") for e in exclude):
             return False
@@ -264,37 +464,33 @@ class AdapterConfig:
             # Every nn.Linear but the output layer: the projections of the blocks.
             return key.startswith("model.layers.")
         if isinstance(targets, str):  # a regex over the whole name
-            return re.fullmatch(targets, key) is not None
+            return bool(self.patterns.match("target_modules", targets, key))
         if key in targets:  # named in full: no layer selection
             return True
         if not any(key.endswith(f".{t}") for t in targets):
             return False
-        return _in_layers(cfg, key)
+        return self._in_layers(key)
+
+    def _in_layers(self, key: str) -> bool:
+        layers, pattern = self.raw.get("layers_to_transform"), self.raw.get("layers_pattern")
+        if layers is None or layers == []:
+            return True
+        hit = None
+        if not pattern:
+            hit = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        else:
+            for p in [pattern] if isinstance(pattern, str) else pattern:
+                hit = self.patterns.match("layers_pattern", p, key)
+                if hit is not None:
+                    break
+        # A pattern with a top-level | can match without the index group: no layer, as PEFT.
+        index = None if hit is None else hit.groupdict().get("idx")
+        if index is None:
+            return False
+        return int(index) == layers if isinstance(layers, int) else int(index) in layers
 
     def fields(self) -> str:
         """The selection fields set, for messages."""
         return ", ".join(f"{k}={short(self.raw.get(k), 60)}" for k in (
             "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
             if self.raw.get(k) is not None)
-
-
-def _suffix(pattern: str, name: str) -> bool:
-    return re.match(rf"(.*\.)?({pattern})$", name) is not None
-
-
-def _in_layers(cfg: Mapping[str, Any], key: str) -> bool:
-    layers, pattern = cfg.get("layers_to_transform"), cfg.get("layers_pattern")
-    if layers is None or layers == []:
-        return True
-    hit = None
-    if not pattern:
-        hit = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-    else:
-        for p in [pattern] if isinstance(pattern, str) else pattern:
-            hit = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
-            if hit is not None:
-                break
-    if hit is None:
-        return False
-    index = int(hit.group("idx"))
-    return index == layers if isinstance(layers, int) else index in layers

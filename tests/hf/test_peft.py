@@ -2,8 +2,10 @@
 fsdp_tp, merge_lora, save_lora's files (exact PEFT names and config; read back bitwise),
 and adapter-only AdamW training against peft's own loss curve."""
 
+import functools
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 import nnx_shard as ns
 from nnx_shard import _safetensors_io as st
@@ -175,6 +178,83 @@ def test_load_lora_errors(tmp_path, config, words):
 def test_load_lora_missing_folder(tmp_path):
     with pytest.raises(ns.NnxShardError, match="is not a directory"):
         ns.hf.load_lora(tmp_path / "nope", nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+# --- factors under the adapter name "default" -----------------------------------------------------
+def _named(key, name="default"):
+    """``key`` with the adapter ``name`` PEFT's model gives its parameters put in."""
+    for factor in ("lora_A", "lora_B"):
+        key = key.replace(f".{factor}.weight", f".{factor}.{name}.weight")
+    for factor in ("lora_embedding_A", "lora_embedding_B"):
+        key = key.replace(f".{factor}", f".{factor}.{name}") if key.endswith(factor) else key
+    return key
+
+
+def _rekeyed(tmp_path, source, change):
+    out = tmp_path / "rekeyed"
+    shutil.copytree(source, out)
+    file = out / "adapter_model.safetensors"
+    save_file(change(load_file(file)), file)
+    return out
+
+
+def _factors(folder):
+    strategy = ns.strategies.get("dp")
+    model = ns.hf.load_lora(folder, _base(strategy, strategy.make_mesh(2)))
+    return {k: (np.asarray(n.lora_a[...]), np.asarray(n.lora_b[...]), n.scale)
+            for k, n in adapters(model).items()}
+
+
+@functools.cache
+def _plain(folder):
+    return _factors(folder)
+
+
+@pytest.mark.parametrize(("source", "which"), [
+    (PEFT, "every"), (PEFT, "attention"), (PEFT, "beside equal"),
+    (FIXTURES / "peft_kinds" / "embedding", "every"),
+])
+def test_load_lora_reads_the_default_adapter_s_factors(tmp_path, source, which):
+    """PEFT 0.21's from_pretrained loads ...lora_A.default.weight (lora_embedding_A.default)
+    into the adapter it names "default", as the plain keys: in place of them, beside them
+    for other modules, or beside equal copies of them. The factors are the plain file's."""
+    def change(tensors):
+        if which == "every":
+            return {_named(k): v for k, v in tensors.items()}
+        if which == "attention":
+            return {_named(k) if "self_attn" in k else k: v for k, v in tensors.items()}
+        return tensors | {_named(k): v.copy() for k, v in tensors.items() if "lora_" in k}
+
+    folder = _rekeyed(tmp_path, source, change)
+    names = load_file(folder / "adapter_model.safetensors")
+    assert any(".default" in k for k in names) and (which == "every") != any(
+        ".lora_A.weight" in k for k in names)
+    got, want = _factors(folder), _plain(source)
+    assert sorted(got) == sorted(want) and len(got) >= 4
+    for k, (a, b, scale) in got.items():
+        assert np.array_equal(a, want[k][0]) and np.array_equal(b, want[k][1])
+        assert scale == want[k][2]
+
+
+def test_load_lora_refuses_a_factor_twice_with_different_values(tmp_path):
+    """Two different tensors for one parameter: PEFT keeps whichever it reads last, which
+    depends on how the file was written; refused, naming both keys."""
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    folder = _rekeyed(tmp_path, PEFT, lambda t: t | {_named(key): t[key] + 1.0})
+    strategy = ns.strategies.get("dp")
+    with pytest.raises(ns.UsageError, match="Fix:") as info:
+        ns.hf.load_lora(folder, _base(strategy, strategy.make_mesh(2)))
+    text = str(info.value)
+    assert key in text and _named(key) in text and "different values" in text
+    assert "keep one" in text
+
+
+def test_load_lora_still_refuses_other_adapter_names(tmp_path):
+    folder = _rekeyed(tmp_path, PEFT, lambda t: {_named(k, "other"): v for k, v in t.items()})
+    strategy = ns.strategies.get("dp")
+    with pytest.raises(ns.UsageError, match="named adapter") as info:
+        ns.hf.load_lora(folder, _base(strategy, strategy.make_mesh(2)))
+    assert ".lora_A.other.weight" in str(info.value) or ".lora_B.other.weight" in str(info.value)
 
 
 # --- load_lora reads what PEFT's config selects, as PEFT does ------------------------------------

@@ -100,7 +100,7 @@ def build(hs: Any) -> None:
     for field, value in [("alora_invocation_tokens", [1, 2, 3]),
                          ("layer_replication", [[0, 2], [1, 2]]),
                          ("target_parameters", ["mlp.experts.gate_up_proj"]),
-                         ("trainable_token_indices", [0, 1]), ("use_qalora", True),
+                         ("trainable_token_indices", [0, 1]),
                          ("use_bdlora", {"target_modules_bd_a": ["q_proj"]}),
                          ("arrow_config", {"top_k": 2}), ("lora_bias", True),
                          ("init_lora_weights", "pissa"), ("init_lora_weights", "OLoRA"),
@@ -129,10 +129,12 @@ def build(hs: Any) -> None:
            lambda: load(folder("named", tensors=lambda old: {
                k.replace(".lora_A.", ".lora_A.other.").replace(".lora_B.", ".lora_B.other."): v
                for k, v in old.items()})))
-    hs.api("lora_files/load_default_adapter_name", ("lora_A.default.weight", "named adapter"),
-           lambda: load(folder("named_default", tensors=lambda old: {
-               k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."):
-               v for k, v in old.items()})))
+    # Factors under the name "default" alone load (PEFT 0.21 reads them into its adapter
+    # "default"); beside plain ones of other values, PEFT's pick depends on the file's order.
+    hs.api("lora_files/load_default_adapter_twice", ("lora_A.default.weight", "different values"),
+           lambda: load(folder("named_default", tensors=lambda old: old | {
+               k.replace(".lora_A.", ".lora_A.default."): v + 1.0
+               for k, v in old.items() if ".lora_A." in k})))
     hs.api("lora_files/load_scalar_factor", ("lora_B", "matrices"),
            lambda: load(folder("scalar", tensors=lambda old: old | {
                "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight":
