@@ -87,7 +87,8 @@ def _read_leaf(header: st.Header, leaf: Leaf) -> jax.Array:
     else:
         y = program(leaf, "load", leaf.dtype)(x)
         del x
-    y.block_until_ready()  # the Hugging Face-layout copy is freed before the next read
+    if not isinstance(y, jax.core.Tracer):  # traced (nnx.eval_shape, jit): nothing to wait for
+        y.block_until_ready()  # the Hugging Face-layout copy is freed before the next read
     return rewrap(y, leaf.sharding)
 
 

@@ -59,6 +59,11 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     source's config with the model's sizes, its generation config and tokenizer,
     in the source's dtype.
 
+    Traced (``nnx.eval_shape(lambda: load_pretrained(...))``) it gives the abstract
+    model: its shapes, dtypes and source, no values. The files are still read then;
+    ``ns.abstract_init(lambda: Llama(LlamaConfig.from_hf(path), rngs=nnx.Rngs(0)), mesh,
+    rules)`` gives the same abstract model without reading a weight.
+
     Raises:
       UsageError: a ``model_type`` no family here reads, or a ``config.json``
         value :meth:`LlamaConfig.from_hf` refuses; plus what

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 
 from nnx_shard._errors import UsageError, short
 
-__all__ = ["EXPERT_MATMULS", "check_kind", "grouped_matmul", "resolve", "tile_rows",
-           "unrolled"]
+__all__ = ["EXPERT_MATMULS", "check_kind", "check_shapes", "grouped_matmul", "resolve",
+           "tile_rows", "unrolled"]
 
 #: The values of ``LlamaConfig.expert_matmul``.
 EXPERT_MATMULS = ("auto", "tiles", "ragged_dot")
@@ -134,14 +134,44 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kind: str = "au
     Array([3., 3., 3., 3., 0.], dtype=float32)
     """
     kind = resolve(kind)
+    check_shapes(x, w, sizes)
     if kind == "ragged_dot":
         return jax.lax.ragged_dot(x, w, sizes)
     rows, groups = x.shape[0], w.shape[0]
+    if rows == 0:  # no tile to visit: ragged_dot's empty product
+        return jnp.zeros((0, w.shape[2]), jnp.result_type(x.dtype, w.dtype))
     tile = tile or tile_rows(rows, groups)
     tiles = -(-rows // tile)
     schedule = _schedule(sizes.astype(jnp.int32), tile, tiles, tiles + groups - 1)
     out = _tiles(_padded(x, tiles, tile), w, schedule, tile)
     return out.reshape(tiles * tile, -1)[:rows]
+
+
+def check_shapes(x: jax.Array, w: jax.Array, sizes: jax.Array) -> None:
+    """Refuses the shapes ``jax.lax.ragged_dot`` refuses (``x [rows, k]``, ``w [groups,
+    k, n]``, ``sizes [groups]`` of integers), whichever way the product is computed:
+    the tile loop would read a ``sizes`` of another length without an error.
+
+    >>> check_shapes(jnp.ones((6, 2)), jnp.ones((3, 2, 4)), jnp.ones((2,), jnp.int32))
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: grouped_matmul: sizes (ragged_dot's group_sizes) has 2 entries but w has 3 groups (w [groups, k, n] of shape (3, 2, 4)): one size per group. Fix: sizes of shape (3,), e.g. jnp.bincount(group_ids, length=3).
+    """
+    xs, ws, ss = (tuple(getattr(a, "shape", ())) for a in (x, w, sizes))
+    if len(xs) != 2 or len(ws) != 3 or xs[1] != ws[1]:
+        raise UsageError(f"grouped_matmul: x of shape {xs} and w of shape {ws} are not x "
+                         "[rows, k] and w [groups, k, n] with the same k. Fix: rows sorted "
+                         "by group as x [rows, k], one matrix per group as w [groups, k, n].")
+    dtype = getattr(sizes, "dtype", None)
+    if len(ss) != 1 or ss[0] != ws[0]:
+        count = f"{ss[0]} entries" if len(ss) == 1 else f"shape {ss}"
+        raise UsageError(f"grouped_matmul: sizes (ragged_dot's group_sizes) has {count} but "
+                         f"w has {ws[0]} groups (w [groups, k, n] of shape {ws}): one size per "
+                         f"group. Fix: sizes of shape ({ws[0]},), e.g. "
+                         f"jnp.bincount(group_ids, length={ws[0]}).")
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise UsageError(f"grouped_matmul: sizes (ragged_dot's group_sizes) must hold integers "
+                         f"(rows per group), got {dtype}. Fix: sizes.astype(jnp.int32).")
 
 
 # The visits' schedule and the padded rows are computed once per call and kept for the

@@ -74,8 +74,9 @@ def count_key(hf: Mapping[str, Any], key: str, default: int | None, where: str) 
     value = hf.get(key)
     if value is None and default is not None:
         return default
-    return count(value, f"{where}: {key}", fix=f"{FIX_VALUE}, whose {key} is a whole "
-                 f"number, e.g. \"{key}\": 4")
+    # count() writes the "Fix: " itself
+    return count(value, f"{where}: {key}", fix=f"{FIX_VALUE.removeprefix('Fix: ')}, whose "
+                 f"{key} is a whole number, e.g. \"{key}\": 4")
 
 
 def real_value(value: Any, name: str, default: float | None, where: str, *,

@@ -76,6 +76,7 @@ from nnx_shard.models._transformer import (
     GATHERED,
     RESIDUAL,
     block_input_names,
+    empty_tokens,
     last_positions,
     seq_names,
 )
@@ -501,6 +502,7 @@ class Llama(nnx.Module):
         (dtype('float32'), 0.0)
         """
         cfg = self.cfg
+        empty_tokens(tokens, "Llama.forward")
         if option("collective_matmul", False):
             check_tokens(tokens.shape)
         check_token_ids(tokens, cfg.vocab, "Llama.forward")

@@ -23,7 +23,7 @@ from nnx_shard.models._families import OPTIONAL_FIELDS, Family, family_of, model
 from nnx_shard.models._grouped import check_kind
 from nnx_shard.models._hf_config import ACTIVATIONS, hf_config, hf_fields, read_json
 from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
-from nnx_shard.models._rope import checked
+from nnx_shard.models._rope import check_tables, checked
 from nnx_shard.models._transformer_config import check_fields, check_kernel_and_remat
 
 __all__ = ["BIG", "LLAMA31_ROPE", "LlamaConfig"]
@@ -208,6 +208,8 @@ class LlamaConfig:
         _check_family(self)
         # Hashable (the config is static metadata of the module's graph).
         object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling, self.head_dim))
+        # Fields that each pass can still give non-finite rotary tables together.
+        check_tables(self)
         object.__setattr__(self, "window_layers", _window_layers(self))
 
     @property
@@ -421,6 +423,14 @@ def _check_experts(cfg: LlamaConfig) -> None:
             or (cfg.experts and cfg.top_k > cfg.experts):
         raise UsageError(f"LlamaConfig.experts={short(cfg.experts, 40)} must be 0 (dense) or a "
                          f"whole number >= top_k={cfg.top_k}. Fix: e.g. experts=8, top_k=2.")
+    if cfg.family.moe and cfg.experts < 1:
+        # 0 experts would be written as a dense model of a mixture-of-experts type, which
+        # transformers reads without experts and no checkpoint of the family matches.
+        key = next(k for k in cfg.family.moe if k in ("num_local_experts", "num_experts"))
+        raise UsageError(f"{type(cfg).__name__}.experts={cfg.experts}: model_type="
+                         f"{cfg.model_type!r} is a mixture-of-experts family: its models have "
+                         f"experts (config.json's {key} >= 1). Fix: e.g. experts=8, "
+                         "top_k=2, or the model_type of a dense family.")
     check_fields(cfg, (), finite=("router_aux_loss_coef",))
     check_kind(cfg.expert_matmul, "LlamaConfig.")
     object.__setattr__(cfg, "router_aux_loss_coef", float(cfg.router_aux_loss_coef))

@@ -53,7 +53,7 @@ import numpy as np
 
 from nnx_shard._errors import UsageError, count, short
 
-__all__ = ["ROPE_TYPES", "checked", "frequencies", "frequencies_at"]
+__all__ = ["ROPE_TYPES", "check_tables", "checked", "frequencies", "frequencies_at"]
 
 #: ``rope_scaling`` types the model implements (``"default"``: none).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -372,3 +372,133 @@ def checked(items: Mapping[str, Any], where: str, key: str,
                          f"be greater than {key}['low_freq_factor'] ({out['low_freq_factor']}): "
                          f"the band between them divides by their difference. {_FIX}.")
     return out
+
+
+def _longest(cfg: Any) -> int:
+    """The most positions a sequence of ``cfg`` reaches: ``max_length``, or ``factor``
+    times it under ``dynamic`` scaling (:attr:`~nnx_shard.models.Llama.max_length`)."""
+    s = _params(cfg)
+    if s["rope_type"] == "dynamic":
+        return max(int(cfg.max_length * float(s["factor"])), cfg.max_length)
+    return cfg.max_length
+
+
+def _named(s: Mapping[str, Any], names: tuple[str, ...]) -> str:
+    given = [f"rope_scaling['{n}']={short(s[n], 40)}" for n in names if s.get(n) is not None]
+    return ", ".join(given) or f"rope_scaling['{names[0]}']"
+
+
+def _finite(inv: np.ndarray, positions: int) -> bool:
+    # The angles grow with the position: the last position's being finite is every one's.
+    inv = np.asarray(inv, _F32)
+    return bool(np.all(np.isfinite(inv)) and np.all(np.isfinite(
+        inv * _F32(max(positions - 1, 0)))))
+
+
+def _scale_ok(scale: float) -> bool:
+    # The factor multiplies both the query's and the key's rotation tables, so the
+    # attention scores carry its square: that must stay inside float32's range.
+    try:
+        f32 = _F32(scale)
+    except OverflowError:
+        return False
+    return bool(np.isfinite(f32) and np.isfinite(f32 * f32) and f32 > 0)
+
+
+#: The ``rope_scaling`` keys the frequencies of each type come from (for the
+#: messages); the attention factor's come from :func:`_scale_fields`.
+_FREQ_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",), "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+
+
+def _scale_fields(s: Mapping[str, Any]) -> tuple[str, ...]:
+    if s.get("attention_factor") is not None:
+        return ("attention_factor",)
+    if s["rope_type"] == "yarn" and s.get("mscale") and s.get("mscale_all_dim"):
+        return ("mscale", "mscale_all_dim")
+    return ("factor", "original_max_position_embeddings")
+
+
+def check_tables(cfg: Any, where: str = "LlamaConfig") -> None:
+    """Refuses a rotary configuration whose frequencies or attention factor are not
+    finite numbers in float32 (computed on the host for every sequence length the
+    model reaches, as the model computes them) or whose formula divides by zero:
+    values that each pass their own check can still make every logit NaN (a
+    ``dynamic`` factor of ``1e17`` cancels the grown base to 0, a ``rope_theta`` of
+    ``1e-50`` is 0 in float32). Each problem is a
+    :class:`~nnx_shard._errors.UsageError` naming the field, its value and the fix.
+
+    >>> from nnx_shard.models import LlamaConfig
+    >>> LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+    ...             "original_max_position_embeddings": 256, "attention_factor": 1e30})
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: LlamaConfig: rope_scaling['attention_factor']=1e+30 (rope_type 'yarn') gives the rotary attention factor 1e+30, whose square, scaling every attention score, is past float32's range: every logit would be NaN. Fix: use the checkpoint's own config.json (attention factors are near 1, e.g. 1.2).
+    """
+    s = _params(cfg)
+    kind, d, theta = s["rope_type"], cfg.head_dim, cfg.rope_theta
+    if kind == "dynamic" and d == 2:
+        raise UsageError(f"{where}: head_dim=2 with rope_scaling of type 'dynamic': its grown "
+                         "base has the exponent head_dim / (head_dim - 2), a division by "
+                         "zero. Fix: head_dim >= 4 (as every dynamic-NTK checkpoint has), "
+                         "or another rope_type.")
+    if kind == "yarn" and theta == 1.0:
+        raise UsageError(f"{where}: rope_theta=1.0 with rope_scaling of type 'yarn': the "
+                         "ramp's bounds divide by ln(rope_theta) = 0. Fix: the checkpoint's "
+                         "rope_theta, e.g. 10000.0 or 1000000.0.")
+    if kind == "longrope" and s.get("attention_factor") is None:
+        old = s["original_max_position_embeddings"]
+        factor = s.get("factor")
+        if factor is None:
+            factor = cfg.max_length / old
+        if old == 1 and factor > 1.0:
+            raise UsageError(f"{where}: rope_scaling['original_max_position_embeddings']=1 "
+                             "(rope_type 'longrope'): its attention factor divides by "
+                             "ln(original_max_position_embeddings) = 0. Fix: the pretraining "
+                             "context length, e.g. 4096, or give attention_factor.")
+    top = _longest(cfg)
+    problem = "every logit would be NaN. " + _FIX
+    with np.errstate(all="ignore"):
+        if not _finite(default(cfg)[0], top):
+            raise UsageError(f"{where}: rope_theta={short(theta, 40)} gives rotary "
+                             f"frequencies 1 / rope_theta ** (2i / {d}) that are not finite in "
+                             f"float32 over {top} positions: {problem} (rotary bases are "
+                             "large, e.g. 10000.0 or 1000000.0).")
+        local = getattr(cfg, "rope_local_theta", None)
+        if local and not _finite(default(cfg, local)[0], top):
+            raise UsageError(f"{where}: rope_local_theta={short(local, 40)} gives rotary "
+                             f"frequencies that are not finite in float32 over {top} "
+                             f"positions: {problem} (e.g. 10000.0).")
+        if kind == "default":
+            return
+        lengths: list[int | None] = [None]
+        if kind == "dynamic":
+            lengths.append(top)
+        if kind == "longrope":
+            lengths.append(s["original_max_position_embeddings"] + 1)
+        for length in lengths:
+            try:
+                inv, scale = frequencies(cfg, length)
+            except (ZeroDivisionError, OverflowError, ValueError) as e:
+                raise UsageError(f"{where}: rope_scaling of type {kind!r} "
+                                 f"({_named(s, _FREQ_FIELDS[kind])}, rope_theta="
+                                 f"{short(theta, 40)}) cannot be computed ({e}). "
+                                 f"{_FIX}.") from None
+            if not _finite(inv, top):
+                fields = _FREQ_FIELDS[kind]
+                if kind == "longrope":
+                    fields = ("long_factor",) if length else ("short_factor",)
+                raise UsageError(f"{where}: {_named(s, fields)} (rope_type {kind!r}) gives "
+                                 f"rotary frequencies that are not finite in float32 over "
+                                 f"{top} positions: {problem} (scaling factors are small "
+                                 "numbers, e.g. 2.0 or 8.0).")
+            if not _scale_ok(scale):
+                raise UsageError(f"{where}: {_named(s, _scale_fields(s))} (rope_type {kind!r}) "
+                                 f"gives the rotary attention factor {short(scale, 40)}, whose "
+                                 "square, scaling every attention score, is past float32's "
+                                 f"range: every logit would be NaN. {_FIX} (attention factors "
+                                 "are near 1, e.g. 1.2).")

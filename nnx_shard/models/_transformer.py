@@ -346,6 +346,7 @@ class Transformer(nnx.Module):
         ((2, 16, 128), True)
         """
         cfg = self.cfg
+        empty_tokens(tokens, "Transformer.forward")
         length = tokens.shape[1]
         if length > cfg.length:
             raise UsageError(
@@ -496,6 +497,23 @@ def last_positions(x: jax.Array, logits_to_keep: Any, caller: str) -> jax.Array:
                          ">= 0 (0: every position, n: the last n). Fix: e.g. logits_to_keep=1.")
     keep = int(logits_to_keep)
     return x if keep == 0 or keep >= x.shape[1] else x[:, x.shape[1] - keep:]
+
+
+def empty_tokens(tokens: Any, caller: str) -> None:
+    """Refuses tokens with no rows or no positions: attention has no key to attend to
+    and the router no token to route, and their reductions have no empty form.
+
+    >>> empty_tokens(jnp.zeros((2, 0), jnp.int32), "Llama.forward")
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: Llama.forward: tokens of shape (2, 0) hold no token (a batch of 2 rows of 0 positions). Fix: at least one row of at least one token, e.g. tokens of shape (2, 1).
+    """
+    shape = tuple(getattr(tokens, "shape", ()))
+    if len(shape) == 2 and 0 in shape:
+        raise UsageError(f"{caller}: tokens of shape {shape} hold no token (a batch of "
+                         f"{shape[0]} rows of {shape[1]} positions). Fix: at least one row of at "
+                         f"least one token, e.g. tokens of shape ({max(shape[0], 1)}, "
+                         f"{max(shape[1], 1)}).")
 
 
 def _check_batch(batch: Any) -> None:

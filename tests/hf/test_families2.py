@@ -176,6 +176,21 @@ def test_load_compares_the_new_fields() -> None:
                      load_refusal(FIXTURES / "hf_gemma3_text", g3))
 
 
+def test_load_pretrained_under_eval_shape_gives_the_abstract_model() -> None:
+    # Traced, nothing is waited on: the shapes, dtypes and the source come back as
+    # load_pretrained's, with no value.
+    dp = ns.strategies.get("dp")
+    path = FIXTURES / "hf_gemma2"
+    model = nnx.eval_shape(lambda: ns.hf.load_pretrained(path, mesh="data=8", rules=dp.rules))
+    concrete = ns.hf.load_pretrained(path, mesh="data=8", rules=dp.rules)
+    got = jax.tree.leaves(nnx.state(model, nnx.Param))
+    want = jax.tree.leaves(nnx.state(concrete, nnx.Param))
+    assert all(isinstance(v, jax.ShapeDtypeStruct) for v in got)
+    assert [(v.shape, v.dtype) for v in got] == [(v.shape, v.dtype) for v in want]
+    assert model.cfg == concrete.cfg
+    assert ns.hf.source_of(model) is not None
+
+
 @pytest.mark.parametrize("kernel", ["blockwise", "dense"])
 def test_softcap_in_each_kernel_matches_the_formula(kernel: str) -> None:
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 12, 4, 8)) * 3 for i in range(3))

@@ -81,6 +81,33 @@ def test_edge_sizes_and_dtype() -> None:
     assert float(jnp.max(jnp.abs((got - want).astype(jnp.float32)))) <= 2e-2 * scale
 
 
+@pytest.mark.parametrize("count", [GROUPS - 1, GROUPS + 1])
+def test_sizes_of_another_length_are_refused_as_ragged_dot_refuses(count: int) -> None:
+    x, w = _operands()
+    sizes = jnp.full((count,), 2, jnp.int32)
+    with pytest.raises(TypeError, match="group"):  # ragged_dot's own refusal
+        jax.lax.ragged_dot(x, w, sizes)
+    for kind in ("tiles", "ragged_dot"):
+        with pytest.raises(ns.UsageError, match=rf"group_sizes\) has {count} entries but w "
+                                                rf"has {GROUPS} groups.*Fix: sizes of shape "
+                                                rf"\({GROUPS},\)"):
+            grouped_matmul(x, w, sizes, kind)
+    with pytest.raises(ns.UsageError, match="must hold integers"):
+        grouped_matmul(x, w, jnp.ones((GROUPS,)), "tiles")
+    with pytest.raises(ns.UsageError, match=r"shape \(5, 1\) but w has 5 groups"):
+        grouped_matmul(x, w, jnp.ones((GROUPS, 1), jnp.int32), "tiles")
+    with pytest.raises(ns.UsageError, match="same k"):
+        grouped_matmul(x[:, :3], w, jnp.ones((GROUPS,), jnp.int32), "tiles")
+
+
+def test_no_rows_give_ragged_dots_empty_product() -> None:
+    _, w = _operands()
+    x = jnp.zeros((0, K))
+    s = jnp.zeros((GROUPS,), jnp.int32)
+    got, want = grouped_matmul(x, w, s, "tiles"), jax.lax.ragged_dot(x, w, s)
+    assert got.shape == want.shape == (0, N) and got.dtype == want.dtype
+
+
 def test_unrolled_is_the_same_visits_without_a_loop() -> None:
     x, w = _operands()
     s = jnp.asarray([10, 0, 20, 5, 5], jnp.int32)

@@ -107,6 +107,14 @@ def test_experts_carry_the_expert_axis() -> None:
 def test_bad_expert_settings_are_refused() -> None:
     with pytest.raises(ns.UsageError, match="experts"):
         LlamaConfig(experts=2, top_k=3)
+    # A mixture-of-experts type without experts would be written as num_experts 0,
+    # which transformers reads as a dense model.
+    for kind, key in (("mixtral", "num_local_experts"), ("qwen3_moe", "num_experts")):
+        with pytest.raises(ns.UsageError, match=rf"experts=0: model_type='{kind}' is a "
+                                                rf"mixture-of-experts family.*{key} >= 1.*Fix"):
+            LlamaConfig(experts=0, model_type=kind)
+        with pytest.raises(ns.UsageError, match="top_k=3"):
+            LlamaConfig(experts=2, top_k=3, model_type=kind)
     with pytest.raises(ns.UsageError, match="scan_layers"):
         LlamaConfig(layers=2, experts=4, mlp_only_layers=(1,), scan_layers=True,
                     model_type="qwen3_moe")
@@ -128,6 +136,24 @@ def test_qwen3_moe_fields_live_on_its_own_config_class() -> None:
         LlamaConfig(experts=4, moe_mlp=16, model_type="mixtral")
     with pytest.raises(ns.UsageError, match=r"Qwen3MoeConfig: model_type='mixtral'.*Fix"):
         Qwen3MoeConfig(experts=4, model_type="mixtral")
+
+
+def test_mlp_only_layers_must_be_a_list_in_config_json() -> None:
+    hf = LlamaConfig.from_hf(FIXTURES / "qwen3_moe").to_hf()
+    for value in (0, False, "", {}, 1):
+        with pytest.raises(ns.UsageError, match=r"mlp_only_layers must be a list of layer "
+                                                r"indices, got .*Fix"):
+            LlamaConfig.from_hf({**hf, "mlp_only_layers": value})
+    assert LlamaConfig.from_hf({**hf, "mlp_only_layers": None}).mlp_only_layers == ()
+    assert LlamaConfig.from_hf({**hf, "mlp_only_layers": []}).moe_layers() == (True,) * 3
+
+
+def test_no_tokens_are_refused_by_shape() -> None:
+    model = Llama(LlamaConfig(experts=4, model_type="mixtral"), rngs=nnx.Rngs(0))
+    for shape in ((0, 8), (2, 0)):
+        with pytest.raises(ns.UsageError, match=rf"Llama.forward: tokens of shape "
+                                                rf"\({shape[0]}, {shape[1]}\) hold no token"):
+            model(jnp.zeros(shape, jnp.int32))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

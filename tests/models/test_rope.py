@@ -181,6 +181,71 @@ def test_malformed_parameters_are_refused(scaling: dict, match: str) -> None:
         assert "Fix:" in str(info.value)
 
 
+# Values that each pass their own check but give non-finite tables (every logit NaN)
+# or a formula that divides by zero: refused when the config is built, naming the field.
+_YARN_FAR = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}
+NON_FINITE = [
+    ("dynamic_factor", {"rope_scaling": {"rope_type": "dynamic", "factor": 1e17}},
+     r"rope_scaling\['factor'\]=1e\+17 \(rope_type 'dynamic'\).*not finite"),
+    ("tiny_theta", {"rope_theta": 1e-50}, r"rope_theta=1e-50 .*not finite in float32"),
+    ("attention_factor", {"rope_scaling": {**_YARN_FAR, "attention_factor": 1e300}},
+     r"rope_scaling\['attention_factor'\]=1e\+300.*past float32's range"),
+    ("attention_factor_squared", {"rope_scaling": {**_YARN_FAR, "attention_factor": 1e30}},
+     r"rope_scaling\['attention_factor'\]=1e\+30.*square"),
+    ("mscale", {"rope_scaling": {**_YARN_FAR, "mscale": 1e308, "mscale_all_dim": 1.0}},
+     r"rope_scaling\['mscale'\]=1e\+308.*attention factor"),
+    ("longrope_original_1", {"rope_scaling": {**_LONG, "original_max_position_embeddings": 1}},
+     r"rope_scaling\['original_max_position_embeddings'\]=1 .*ln\(original"),
+    ("short_factor", {"rope_scaling": {**_LONG, "short_factor": [1e-45] * 4}},
+     r"rope_scaling\['short_factor'\]=.*not finite"),
+    ("yarn_theta_1", {"rope_theta": 1.0, "rope_scaling": _YARN_FAR},
+     r"rope_theta=1.0 with rope_scaling of type 'yarn'.*ln\(rope_theta\) = 0"),
+    ("dynamic_head_dim_2", {"head_dim": 2, "rope_scaling": {"rope_type": "dynamic",
+                                                           "factor": 2.0}},
+     r"head_dim=2 with rope_scaling of type 'dynamic'.*division by zero"),
+]
+
+
+@pytest.mark.parametrize("fields, match", [c[1:] for c in NON_FINITE],
+                         ids=[c[0] for c in NON_FINITE])
+def test_non_finite_tables_are_refused_by_field(fields: dict, match: str) -> None:
+    hf = {**_HF, **fields}  # config.json spells these three as the fields
+    built = [lambda: LlamaConfig(**fields), lambda: LlamaConfig.from_hf(hf)]
+    # transformers 5's own spelling: the rotary base inside rope_parameters
+    rope = {"rope_type": "default", **fields.get("rope_scaling", {})}
+    rope["rope_theta"] = fields.get("rope_theta", 10000.0)
+    built.append(lambda: LlamaConfig.from_hf(
+        {**{k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")},
+         "rope_parameters": rope}))
+    for build in built:
+        with pytest.raises(ns.UsageError, match=match) as info:
+            build()
+        assert "Fix:" in str(info.value)
+
+
+@pytest.mark.slow
+def test_the_first_forward_of_a_refused_config_was_nan() -> None:
+    # What the check guards against: the same values, past it, give NaN logits.
+    cfg = LlamaConfig(rope_theta=1e6)
+    object.__setattr__(cfg, "rope_theta", 1e-50)
+    with np.errstate(all="ignore"):
+        logits = Llama(cfg, rngs=nnx.Rngs(0))(jnp.ones((1, 4), jnp.int32))
+    assert np.isnan(np.asarray(logits)).all()
+
+
+def test_every_published_and_fixture_config_passes_the_table_check() -> None:
+    from nnx_shard.models import CONFIGS
+
+    for cfg in CONFIGS.values():
+        if isinstance(cfg, LlamaConfig):
+            rope.check_tables(cfg)  # no error: each named config stays buildable
+    for kind in TYPES:
+        rope.check_tables(LlamaConfig.from_hf(FIXTURES / kind))
+    # near the edges, still finite: a large but real base, a factor near 1
+    LlamaConfig(rope_theta=1e12, rope_scaling={**_YARN_FAR, "attention_factor": 1e3})
+    LlamaConfig(head_dim=4, rope_scaling={"rope_type": "dynamic", "factor": 64.0})
+
+
 def test_yarn_defaults_as_transformers() -> None:
     # a null factor is max / original; mscale and mscale_all_dim set the attention
     # factor (DeepSeek: equal, so 1); a missing original context is max_position_embeddings

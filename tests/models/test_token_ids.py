@@ -53,3 +53,18 @@ def test_valid_and_traced_ids(kind: str) -> None:
     # Under jit the ids are traced: nothing to read, the call compiles and runs.
     jitted = np.asarray(nnx.jit(lambda mod, t: mod(t))(m, tokens))
     np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "transformer"])
+def test_tokens_with_no_row_or_no_position_are_refused(kind: str) -> None:
+    # Static shapes: refused under jit too, before the attention's empty reductions.
+    m = model(kind)
+    name = "Llama" if kind == "llama" else "Transformer"
+    for shape in ((0, 8), (2, 0)):
+        tokens = jnp.zeros(shape, jnp.int32)
+        for call in (m, lambda t: nnx.jit(lambda mm, tt: mm(tt))(m, t)):
+            with pytest.raises(UsageError, match=re.escape(
+                    f"{name}.forward: tokens of shape {shape} hold no token")) as info:
+                call(tokens)
+            assert "Fix:" in str(info.value)
+    assert m(jnp.zeros((1, 1), jnp.int32)).shape == (1, 1, 32)

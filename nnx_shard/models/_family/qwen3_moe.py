@@ -81,7 +81,9 @@ class Qwen3MoeConfig(LlamaConfig):
 def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
     """Qwen's window, and the four keys of :class:`Qwen3MoeConfig` with transformers'
     defaults."""
-    only = hf.get("mlp_only_layers") or []
+    only = hf.get("mlp_only_layers")
+    if only is None:  # transformers' default; a 0 or "" is no list of layers
+        only = []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                              for i in only):
         raise UsageError(f"{where}: mlp_only_layers must be a list of layer indices, got "
