@@ -359,3 +359,68 @@ def test_qlora_checkpoint_restores_the_nf4_base_bitwise(tmp_path):
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back)),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _qlinear(kind: str) -> nnx.Linear:
+    return ns.lora(nnx.Linear(128, 4, rngs=nnx.Rngs(0)), 2, 4.0, targets="kernel",
+                   quantize=kind)
+
+
+def _manifest(directory: Path, step: int = 1) -> tuple[Path, dict]:
+    import json
+
+    path = directory / str(step) / "manifest" / "metadata"
+    return path, json.loads(path.read_text())
+
+
+def test_checkpoint_records_the_codes_kind_and_refuses_another(tmp_path):
+    nf4 = _qlinear("nf4")
+    ns.save(tmp_path, 1, model=nf4)
+    entries = _manifest(tmp_path)[1]["items"]["model"]
+    assert entries["kernel/qvalue"]["quant"] == "nf4"
+    assert "quant" not in entries["kernel/scale"] and "quant" not in entries["bias"]
+    int4 = _qlinear("int4")
+    # The same bits as int4 levels: another kernel, which the restore must not make.
+    assert int4.kernel.qvalue.dtype == nf4.kernel.qvalue.dtype == jnp.int4
+    with pytest.raises(ns.UsageError) as e:
+        ns.restore(tmp_path, model=int4)
+    message = str(e.value)
+    assert "model/kernel/qvalue: checkpoint holds nf4 codes" in message
+    assert "target quantizes as int4" in message
+    assert "ns.lora(..., quantize='nf4')" in message
+    back = ns.restore(tmp_path, model=_qlinear("nf4"))
+    assert back.kernel.qtype == "nf4"
+    x = jnp.ones((1, 128))
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(nf4(x)))
+
+
+def test_checkpoint_without_the_kind_record_still_restores(tmp_path):
+    import json
+
+    from nnx_shard._checkpoint._manifest import manifest_digest
+
+    ns.save(tmp_path, 1, model=_qlinear("nf4"))
+    path, manifest = _manifest(tmp_path)
+    del manifest["items"]["model"]["kernel/qvalue"]["quant"]  # as written before the record
+    manifest["digest"] = manifest_digest(manifest)
+    path.write_text(json.dumps(manifest))
+    back = ns.restore(tmp_path, model=_qlinear("int4"))  # nothing tells the kinds apart
+    assert back.kernel.qtype == "int4"
+    np.testing.assert_array_equal(np.asarray(back.kernel.qvalue[...]),
+                                  np.asarray(_qlinear("nf4").kernel.qvalue[...]))
+
+
+@pytest.mark.parametrize("record", [4, "", None, "x" * 41])
+def test_a_damaged_kind_record_is_a_corrupt_manifest(tmp_path, record):
+    import json
+
+    from nnx_shard._checkpoint._manifest import manifest_digest
+
+    ns.save(tmp_path, 1, model=_qlinear("nf4"))
+    path, manifest = _manifest(tmp_path)
+    manifest["items"]["model"]["kernel/qvalue"]["quant"] = record
+    manifest["digest"] = manifest_digest(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ns.UsageError, match="is corrupt") as e:
+        ns.restore(tmp_path, model=_qlinear("nf4"))
+    assert "model/kernel/qvalue has the quantization kind" in str(e.value)

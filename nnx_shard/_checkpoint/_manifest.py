@@ -1,6 +1,6 @@
 """What a checkpoint says about itself: the flat leaves of a model, the checksum of
-every array, the layouts restored arrays take, and the manifest's digest and
-checks."""
+every array, the storage kind of a quantized base's codes, the layouts restored
+arrays take, and the manifest's digest and checks."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from nnx_shard._annotate import path_str
 from nnx_shard._checkpoint._internal import _FORMAT, _FORMATS, _HASH_BATCH_BYTES, _ITEMS
 from nnx_shard._errors import ShardingError, UsageError
 from nnx_shard._mesh import current, nbytes
+from nnx_shard._quantized import QuantizedKernel
 
 # --------------------------------------------------------------------------- leaves
 
@@ -46,6 +47,24 @@ def flatten_state(obj: Any, what: str) -> tuple[Any, Any, list[tuple[tuple[Any, 
     for path, var in nnx.to_flat_state(state):
         rows.append((tuple(path), path_str(path), var))
     return graphdef, state, rows
+
+
+def quant_kinds(obj: Any) -> dict[str, str]:
+    """The storage kind (``"nf4"``, ``"int4"``, ``"int8"``) of each quantized kernel's
+    codes in ``obj``, by the codes' flat path (``.../q/qvalue``). NF4 and int4 codes
+    are both int4 arrays of the kernel's shape: only this record tells them apart,
+    and the same bits read as the other kind are other weights.
+
+    >>> from flax import nnx
+    >>> import nnx_shard as ns
+    >>> quant_kinds(ns.lora(nnx.Linear(128, 4, rngs=nnx.Rngs(0)), 2, 4.0, targets="kernel",
+    ...                     quantize="nf4"))
+    {'kernel/qvalue': 'nf4'}
+    """
+    if not (isinstance(obj, nnx.Module | nnx.Optimizer) or nnx.graphlib.is_graph_node(obj)):
+        return {}
+    return {path_str((*path, "qvalue")): node.qtype for path, node in nnx.iter_graph(obj)
+            if isinstance(node, QuantizedKernel)}
 
 
 def var_value(var: Any) -> Any:
@@ -261,14 +280,19 @@ def manifest_digest(manifest: Mapping[str, Any]) -> str:
 
 
 _ENTRY_KEYS = {"shape", "dtype", "key", "checksum"}
+#: Written on a quantized kernel's codes only (checkpoints from before it have none).
+QUANT_KEY = "quant"
 _MANIFEST_KEYS = {1: {"format", "items", "digest"},
                   2: {"format", "step", "items", "extra", "digest"}}
 
 
 def _entry_problem(name: str, key: str, e: Any) -> str | None:
-    if not isinstance(e, Mapping) or set(e) != _ENTRY_KEYS:
+    if not isinstance(e, Mapping) or set(e) - {QUANT_KEY} != _ENTRY_KEYS:
         got = sorted(e) if isinstance(e, Mapping) else type(e).__name__
         return f"entry {name}/{key} has {got}, not {sorted(_ENTRY_KEYS)}"
+    kind = e.get(QUANT_KEY)
+    if QUANT_KEY in e and not (isinstance(kind, str) and 0 < len(kind) <= 40):
+        return f"entry {name}/{key} has the quantization kind {kind!r:.60}"
     shape, dtype, impl, checksum = e["shape"], e["dtype"], e["key"], e["checksum"]
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape

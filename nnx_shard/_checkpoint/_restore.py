@@ -24,6 +24,7 @@ from nnx_shard._checkpoint._internal import (
     _unfinished,
 )
 from nnx_shard._checkpoint._manifest import (
+    QUANT_KEY,
     checksums_of,
     extra_hash,
     flatten_state,
@@ -31,6 +32,7 @@ from nnx_shard._checkpoint._manifest import (
     key_data_sharding,
     manifest_problem,
     nest,
+    quant_kinds,
     target_sharding,
     unnest,
     var_value,
@@ -89,11 +91,14 @@ def _listing(paths: Sequence[str]) -> str:
 
 def _match(
     what: str, rows: list[tuple[tuple[Any, ...], str, Any]], entries: Mapping[str, Any],
-    where: pathlib.Path,
+    where: pathlib.Path, kinds: Mapping[str, str] | None = None,
 ) -> None:
-    """Raises one UsageError naming every path and shape that differs."""
+    """Raises one UsageError naming every path, shape, dtype and quantization kind
+    (``kinds``: the target's, by the codes' path) that differs."""
     target = {key: var for _, key, var in rows}
+    kinds = kinds or {}
     problems = []
+    quant_fix = ""
     missing = sorted(set(target) - set(entries))
     extra = sorted(set(entries) - set(target))
     if missing:
@@ -118,12 +123,21 @@ def _match(
                 f"{what}/{key}: checkpoint has dtype {saved_dtype}, target has {dtype} "
                 "(restore with the saved dtype, then cast)"
             )
+        # A checkpoint from before the kind was recorded has none: it is taken as it is.
+        elif QUANT_KEY in saved and saved[QUANT_KEY] != kinds.get(key, saved[QUANT_KEY]):
+            problems.append(
+                f"{what}/{key}: checkpoint holds {saved[QUANT_KEY]} codes (quantize="
+                f"{saved[QUANT_KEY]!r}), target quantizes as {kinds[key]} (quantize="
+                f"{kinds[key]!r}); the same bits read as the other kind are other weights"
+            )
+            quant_fix = (f" For the quantized base: ns.lora(..., quantize="
+                         f"{saved[QUANT_KEY]!r}) as it was saved.")
     if problems:
         raise UsageError(
             f"restore: the {what} target does not match the checkpoint at {where}:\n"
             + "\n".join(f"- {p}" for p in problems)
             + f"\nFix: build the target from the same {what} definition and config that "
-            "was saved (e.g. ns.abstract_init(factory, mesh, rules))."
+            f"was saved (e.g. ns.abstract_init(factory, mesh, rules)).{quant_fix}"
         )
 
 
@@ -230,7 +244,7 @@ def _read_open(
                     f"checkpoint saved with a {name}."
                 )
             graphdef, _, rows = flatten_state(obj, name)
-            _match(name, rows, saved[name], where)
+            _match(name, rows, saved[name], where, quant_kinds(obj))
             layouts[name] = (graphdef, rows, _orbax_target(rows))
         args = {
             name: ocp.args.StandardRestore(nest(layout[2])) for name, layout in layouts.items()

@@ -33,6 +33,7 @@ from nnx_shard._checkpoint._internal import (
     _WriteLock,
 )
 from nnx_shard._checkpoint._manifest import (
+    QUANT_KEY,
     checksums_of,
     extra_hash,
     flatten_state,
@@ -40,6 +41,7 @@ from nnx_shard._checkpoint._manifest import (
     key_impl_name,
     manifest_digest,
     nest,
+    quant_kinds,
     var_value,
 )
 from nnx_shard._errors import UsageError, count, short
@@ -50,6 +52,7 @@ from nnx_shard._errors import UsageError, count, short
 def _saveable(obj: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(flat arrays to write, manifest entries) for one NNX object."""
     _, _, rows = flatten_state(obj, what)
+    kinds = quant_kinds(obj)
     arrays: dict[str, Any] = {}
     entries: dict[str, Any] = {}
     for _, key, var in rows:
@@ -73,6 +76,8 @@ def _saveable(obj: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
             entry["key"] = key_impl_name(x)
             x = jax.random.key_data(x)
         entry["dtype"] = str(x.dtype)
+        if key in kinds:  # NF4 and int4 codes share shape and dtype: restore checks the kind
+            entry[QUANT_KEY] = kinds[key]
         arrays[key] = x
         entries[key] = entry
     return arrays, entries

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from typing import Any
 
@@ -111,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
         pieces = stream_text(model, tokenizer, args.prompt, args.max_new_tokens,
                              chat=args.chat, chunk=args.chunk, **options)
     except UsageError as e:
-        raise UsageError(_one_line(
-            f"{'--chat: ' if args.chat and 'chat template' in str(e) else ''}{e}")) from e
+        raise UsageError(_one_line(_flagged(
+            f"{'--chat: ' if args.chat and 'chat template' in str(e) else ''}{e}"))) from e
     except (NnxShardError, ValueError, TypeError) as e:
         raise UsageError(_one_line(str(e))) from e
     try:
@@ -124,6 +125,25 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     return 0
+
+
+#: The library's names of the options the command passes, and their flags.
+_FLAGS = (("max_new_tokens", "--max-new-tokens"), ("min_new_tokens", "--min-new-tokens"),
+          ("no_repeat_ngram_size", "--no-repeat-ngram-size"), ("stop_strings", "--stop"),
+          ("top_k", "--top-k"), ("top_p", "--top-p"), ("min_p", "--min-p"),
+          ("repetition_penalty", "--repetition-penalty"), ("temperature", "--temperature"),
+          ("chunk", "--chunk"), ("the prompt has", "--prompt"))
+
+
+def _flagged(text: str) -> str:
+    """``text`` (a library error, which names its arguments as Python does) led by the
+    flags of the options it names, so the line names what to change on the command.
+
+    >>> _flagged("stream_text: no_repeat_ngram_size=9 is too long")
+    '--no-repeat-ngram-size: stream_text: no_repeat_ngram_size=9 is too long'
+    """
+    flags = [f for name, f in _FLAGS if re.search(rf"\b{re.escape(name)}\b", text)]
+    return f"{', '.join(flags)}: {text}" if flags else text
 
 
 def _one_line(text: str, limit: int = 1500) -> str:

@@ -19,7 +19,7 @@ from nnx_shard._axes import mesh_sizes
 from nnx_shard._errors import ShardingError, UsageError, short
 from nnx_shard._mesh import current, make_mesh
 from nnx_shard._rules import Rules, as_rules
-from nnx_shard.inference._decoding import config_vocab
+from nnx_shard.inference._decoding import config_vocab, model_context
 from nnx_shard.models._kv_cache import CACHE_AXES
 
 
@@ -120,11 +120,6 @@ def logits_vocab(fn: Any, *args: Any) -> int | None:
     return int(shape[-1]) if len(shape) == 3 else None
 
 
-def _context(model: Any) -> int | None:
-    value = getattr(model, "max_length", None)
-    return int(value) if isinstance(value, int | np.integer) else None
-
-
 def check_lengths(model: Any, prompt_len: int, new: Any, caller: str) -> int:
     """``max_new_tokens`` (``new``) as an int >= 1 that fits the model's context
     (``max_length``, where it has one) after a prompt of ``prompt_len`` tokens."""
@@ -135,14 +130,17 @@ def check_lengths(model: Any, prompt_len: int, new: Any, caller: str) -> int:
     if new < 1:
         raise UsageError(f"{caller}: max_new_tokens={new}; generate at least 1 token. Fix: "
                          "max_new_tokens >= 1, e.g. max_new_tokens=32.")
-    context = _context(model)
+    context = model_context(model)
     if context is None:
         return new
-    if prompt_len > context:
+    if prompt_len >= context:
+        fills = "fills" if prompt_len == context else "is longer than"
+        shorter = (f"a prompt shorter than {context} tokens (keep the last {context - 1}, "
+                   f"e.g. prompt_tokens[:, -{context - 1}:]), or " if context > 1 else "")
         raise UsageError(
-            f"{caller}: the prompt has {prompt_len} tokens but the model's context is {context} "
-            f"positions (max_length). Fix: keep the last {context - 1} tokens, e.g. "
-            f"prompt_tokens[:, -{context - 1}:], to leave room for new ones."
+            f"{caller}: the prompt has {prompt_len} tokens, which {fills} the model's context "
+            f"of {context} positions (max_length): no position is left for a new token. Fix: "
+            f"{shorter}a model with a longer context (max_length)."
         )
     if prompt_len + new > context:
         raise UsageError(

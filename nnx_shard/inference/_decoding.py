@@ -20,9 +20,9 @@ import numpy as np
 from nnx_shard._errors import UsageError, short
 from nnx_shard.models._ops import whole
 
-__all__ = ["EOS_SLOTS", "Options", "banned_tokens", "check_options", "check_sampling",
-           "check_temperature", "check_top_k", "choose", "config_vocab", "first_argmax", "pick",
-           "warp"]
+__all__ = ["EOS_SLOTS", "INT32_MAX", "Options", "banned_tokens", "check_options",
+           "check_sampling", "check_temperature", "check_top_k", "choose", "config_vocab",
+           "first_argmax", "model_context", "pick", "warp"]
 
 
 # -- the options, checked: sampling ----
@@ -209,6 +209,13 @@ def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_
                           "the fewest new tokens before an eos_token_id may end a row")
     ngram = _count_option(no_repeat_ngram_size, "no_repeat_ngram_size", 1, caller,
                           "the size of the n-grams that may not occur twice in a row", off=0)
+    context = model_context(model)
+    most, within = ((context, f"the model's context of {context} positions (max_length)")
+                    if context is not None else (INT32_MAX, "the int32 the programs take"))
+    if ngram > most:
+        raise UsageError(f"{caller}: no_repeat_ngram_size={ngram} is longer than {within}: no "
+                         f"n-gram that long fits in a row. Fix: e.g. no_repeat_ngram_size=3 "
+                         f"(at most {most}), or None for off.")
     returned = _count_option(num_return_sequences, "num_return_sequences", 1, caller,
                              "the continuations sampled per prompt")
     if returned > 1 and t == 0.0:
@@ -218,6 +225,22 @@ def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_
                          "temperature=0.8), or num_return_sequences=1.")
     stops = _check_stop_strings(stop_strings, tokenizer, caller)
     return Options(t, k or 0, p, m, r, eos, pad, least, ngram, stops, returned)
+
+
+#: The largest value an int32 option of the compiled programs holds.
+INT32_MAX = 2**31 - 1
+
+
+def model_context(model: Any) -> int | None:
+    """The most positions a sequence of ``model`` can have (its ``max_length``), or
+    None for a model that does not say.
+
+    >>> model_context(object()) is None
+    True
+    """
+    value = getattr(model, "max_length", None)
+    return int(value) if isinstance(value, int | np.integer) and not isinstance(
+        value, bool) else None
 
 
 def _count_option(value: Any, name: str, least: int, caller: str, what: str,

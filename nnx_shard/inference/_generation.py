@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh, Mesh
 from nnx_shard._annotate import logical_names, path_str
 from nnx_shard._axes import mesh_sizes
 from nnx_shard._errors import ShardingError, ShardingWarning, UsageError, count, flag
-from nnx_shard._mesh import make_mesh, use, variable_spec
+from nnx_shard._mesh import make_mesh, nbytes, use, variable_spec
 from nnx_shard._report import Report, layout_rows
 from nnx_shard._rules import Rules, as_rules
 from nnx_shard.inference._checks import (
@@ -48,6 +48,7 @@ from nnx_shard.inference._decoding import (
 )
 from nnx_shard.inference._programs import Programs, abstract_cache, build_programs
 from nnx_shard.models._kv_cache import CACHE_AXES
+from nnx_shard.models._resize import memory_shortfall
 
 __all__ = ["CACHE_AXES", "Options", "check_options", "choose", "explain_cache", "generate",
            "generation_rules", "stream", "warp"]
@@ -214,6 +215,8 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
     check_model(model, caller)
     prompt, mask = read_prompts(prompts, attention_mask, model, caller)
     if options.num_return_sequences > 1:  # transformers' order: each prompt's copies together
+        _check_copies(model, prompt.shape, options.num_return_sequences, max_new_tokens, mesh,
+                      rules, caller)
         prompt = np.repeat(prompt, options.num_return_sequences, axis=0)
         mask = None if mask is None else np.repeat(mask, options.num_return_sequences, axis=0)
     masked = decode_takes(model, "attention_mask")
@@ -224,6 +227,10 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
                          "prompts of one length.")
     rows, prompt_len = prompt.shape
     new = check_lengths(model, prompt_len, max_new_tokens, caller)
+    if options.no_repeat_ngram_size > prompt_len + new:
+        # No n-gram that long fits in a row, so none is banned: off, rather than a loop
+        # of n - 1 comparisons at every step finding nothing.
+        options = dataclasses.replace(options, no_repeat_ngram_size=0)
     if options.min_new_tokens > new:
         raise UsageError(f"{caller}: min_new_tokens={options.min_new_tokens} is more than "
                          f"max_new_tokens={new}: no row could reach it. Fix: min_new_tokens <= "
@@ -267,6 +274,44 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
                              options.eos)
     return _Run(programs, old, rest, prompt, mask, real, rows, new, jax.random.key(int(seed)),
                 options.traced(), mesh, gen_rules, stops)
+
+
+#: Host bytes a row takes per position beyond its cache: its token, mask and
+#: log-probability.
+_ROW_BYTES = 12
+
+
+def _check_copies(model: Any, shape: tuple[int, int], copies: int, max_new_tokens: Any,
+                  mesh: Any, rules: Any, caller: str) -> None:
+    """Refuses ``num_return_sequences`` whose ``rows * copies`` rows (their cache and
+    tokens, split over every device at best) the devices' memory cannot hold, before
+    the prompt is copied: one UsageError naming the most that fit."""
+    rows, prompt_len = shape
+    positions = prompt_len + check_lengths(model, prompt_len, max_new_tokens, caller)
+    where = placement(mesh, rules, caller)[0]
+    devices = list(where.devices.flat) if where is not None else jax.devices()[:1]
+    graphdef, old, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
+    _, cache = abstract_cache(graphdef, old, rest, 1, positions)
+    per_row = positions * _ROW_BYTES + sum(nbytes(x.shape, x.dtype)
+                                           for x in jax.tree.leaves(cache))
+
+    def short(n: int) -> str | None:
+        each = -(-rows * n * per_row // len(devices))
+        return memory_shortfall(dict.fromkeys(devices, each))
+
+    problem = short(copies)
+    if problem is None:
+        return
+    low, high = 0, copies  # the most copies that fit: short(low) is None, short(high) is not
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if short(mid) is None else (low, mid)
+    most = (f"num_return_sequences <= {low} for {rows} prompt(s) of this length" if low
+            else "fewer prompts")
+    raise UsageError(
+        f"{caller}: num_return_sequences={copies} makes {rows} prompt(s) x {copies} = "
+        f"{rows * copies:,} rows of {positions} positions, whose cache and tokens need "
+        f"{problem}. Fix: {most}, or a smaller max_new_tokens.")
 
 
 def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: Any = None,  # noqa: PLR0913
@@ -373,17 +418,18 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
         (``cfg.vocab``, else the width of ``decode``'s logits; the first one
         named by row and column), a list with an empty row;
         ``max_new_tokens`` not an int, < 1, or past the model's context
-        (``max_length``), or the prompt longer than it; ``mesh`` without
+        (``max_length``), or a prompt that fills it; ``mesh`` without
         ``rules`` or the reverse; a negative ``temperature``, a ``top_k`` out of
         range; ``top_p``, ``min_p``,
         ``repetition_penalty``, ``eos_token_id``, ``pad_token_id``, ``seed``
         or ``attention_mask`` out of range; a ``temperature`` given as a bool
         or text, a ``seed`` that is not an int of int64's range (a bool, a
         float, a key array); ``min_new_tokens`` < 0 or above
-        ``max_new_tokens``, ``no_repeat_ngram_size`` < 1, ``stop_strings`` not
-        non-empty text or without a ``tokenizer``, ``num_return_sequences`` < 1
-        or above 1 when greedy, an option ``generate`` does not take (the valid
-        ones listed).
+        ``max_new_tokens``, ``no_repeat_ngram_size`` < 1 or longer than the
+        context, ``stop_strings`` not non-empty text or without a ``tokenizer``,
+        ``num_return_sequences`` < 1, above 1 when greedy, or more copies than the
+        devices' memory holds (the most that fit named), an option ``generate``
+        does not take (the valid ones listed).
       ShardingError: a cache array does not fit its rule.
 
     >>> from flax import nnx

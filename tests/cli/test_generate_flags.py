@@ -54,6 +54,11 @@ def test_cli_no_repeat_ngram_changes_a_repeating_text(capsys) -> None:  # type: 
     (("--min-new-tokens", "9", "--max-new-tokens", "4"), "--min-new-tokens 9"),
     (("--no-repeat-ngram-size", "0"), "--no-repeat-ngram-size 0"),
     (("--stop", ""), "--stop ''"),
+    (("--no-repeat-ngram-size", str(2**31)),
+     "--no-repeat-ngram-size: stream: no_repeat_ngram_size=2147483648 is longer than the "
+     "model's context of 131072 positions"),
+    (("--max-new-tokens", str(2**31)), "--max-new-tokens: stream: prompt (3 tokens) + "
+     "max_new_tokens (2147483648)"),
 ])
 def test_cli_bad_controls_are_one_line(capsys, argv, words) -> None:  # type: ignore[no-untyped-def]
     code, out, err = _cli(capsys, "--prompt", "Hi", *argv)

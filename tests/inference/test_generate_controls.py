@@ -167,6 +167,49 @@ def test_bad_controls_name_their_argument(kwargs: dict, match: str) -> None:
         generate(_model(), _expected()["prompt"], 4, **kwargs)
 
 
+@pytest.mark.parametrize("size", [2**31, 2**31 - 1, 10**30, np.int64(2**40)])
+def test_no_repeat_ngram_size_past_the_context_is_refused(size) -> None:
+    model = _model()
+    with pytest.raises(UsageError) as e:
+        generate(model, _expected()["prompt"], 4, no_repeat_ngram_size=size)
+    assert (f"no_repeat_ngram_size={int(size)} is longer than the model's context of "
+            f"{model.max_length} positions (max_length)") in str(e.value)
+    assert f"at most {model.max_length}" in str(e.value)
+
+
+def test_no_repeat_ngram_longer_than_the_rows_bans_nothing() -> None:
+    e = _expected()
+    prompt = e["prompt"][:, :6]  # not the shapes test_control_values_compile_nothing compiles
+    plain = np.asarray(generate(_model(), prompt, 4))
+    for size in (10, 11, 500):  # 6 + 4 positions: no such n-gram fits, within the context
+        np.testing.assert_array_equal(
+            np.asarray(generate(_model(), prompt, 4, no_repeat_ngram_size=size)), plain)
+    banned = np.asarray(generate(_model(), prompt, 4, no_repeat_ngram_size=1))
+    assert not np.array_equal(banned, plain)  # a ban that fits does act on these rows
+
+
+def test_num_return_sequences_past_memory_is_refused_with_the_most_that_fit() -> None:
+    import os
+
+    prompt = _expected()["prompt"]
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for copies in (2**31, 10**20):
+        with pytest.raises(UsageError) as e:
+            generate(_model(), prompt, 4, temperature=1.0, num_return_sequences=copies)
+        message = str(e.value)
+        assert (f"num_return_sequences={copies} makes {len(prompt)} prompt(s) x {copies} = "
+                f"{len(prompt) * copies:,} rows of {prompt.shape[1] + 4} positions") in message
+        assert f"this host's {host / 2**30:,.1f} GiB of memory" in message
+        most = int(message.split("num_return_sequences <= ")[1].split()[0])
+        assert 1 < most < 2**31
+    # the bound is computed, not guessed: the most that fit are accepted by the check
+    from nnx_shard.inference._generation import _check_copies
+
+    _check_copies(_model(), prompt.shape, most, 4, None, None, "generate")
+    with pytest.raises(UsageError, match="num_return_sequences"):
+        _check_copies(_model(), prompt.shape, 2 * most + 2, 4, None, None, "generate")
+
+
 def _compiles(caplog: pytest.LogCaptureFixture) -> list[str]:
     names = [r.getMessage().split()[1] for r in caplog.records
              if r.getMessage().startswith("Compiling ")]

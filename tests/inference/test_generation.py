@@ -373,7 +373,11 @@ def test_bad_input_one_clear_error_each() -> None:
         (UsageError, "integer token ids, got dtype float32", good.astype(np.float32), 4, {}),
         (UsageError, "rank 2 .* Fix: tokens\\[None\\]", good[0], 4, {}),
         (ValueError, "ids from 0 to 200", np.array([[0, 200]]), 4, {}),
-        (UsageError, "prompt has 30 tokens but the model's context is 24", _prompt(1, 30), 1, {}),
+        (UsageError, "prompt has 30 tokens, which is longer than the model's context of 24",
+         _prompt(1, 30), 1, {}),
+        (UsageError, "prompt has 24 tokens, which fills the model's context of 24 positions "
+         r"\(max_length\): no position is left for a new token\. Fix: a prompt shorter than 24 "
+         r"tokens \(keep the last 23.*or a model with a longer context", _prompt(1, 24), 1, {}),
         (UsageError, "max_new_tokens=0; generate at least 1", good, 0, {}),
         (UsageError, "max_new_tokens=-3", good, -3, {}),
         (UsageError, "max_new_tokens must be an int", good, 2.0, {}),
