@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from typing import NoReturn
 
 from nnx_shard._train._guard import DEFAULT_GUARD, GUARDS
@@ -22,7 +23,15 @@ class Parser(argparse.ArgumentParser):
     """argparse, with errors on one line (no usage dump) and no exit from inside parsing."""
 
     def error(self, message: str) -> NoReturn:
+        # argparse quotes the value it refused whole: a value of thousands of characters
+        # would make the one-line error as long.
+        message = _LONG_QUOTE.sub(lambda m: f"{m.group(1)}...' ({len(m.group(0)) - 2:,} "
+                                  "characters)", message)
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+#: A quoted value over 80 characters in argparse's message: its first 60 kept.
+_LONG_QUOTE = re.compile(r"('[^'\n]{60})[^'\n]{21,}'")
 
 
 def finite_positive(text: str) -> float:
@@ -153,7 +162,8 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--model", default=None,
                    help="tiny, tiny_moe, small, 125m, 1b, 7b (the reference transformer); "
                         "llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, "
-                        "qwen2.5-7b, gemma2-9b (the Llama family); or "
+                        "qwen2.5-7b, gemma2-9b, and the mixtures of experts mixtral-8x7b "
+                        "and qwen3-30b-a3b (the Llama family); or "
                         "--factory for your own model")
     p.add_argument("--mesh", default=None, help="e.g. data=8,model=8 (required without --auto)")
     p.add_argument("--strategy", default="fsdp_tp")

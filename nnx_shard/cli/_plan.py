@@ -21,7 +21,7 @@ from flax import nnx
 
 from nnx_shard import pipeline
 from nnx_shard._axes import abstract_mesh, sizes_str
-from nnx_shard._errors import CompileError, ShardingError, count
+from nnx_shard._errors import CompileError, ShardingError, count, short
 from nnx_shard._low_rank import DEFAULT_TARGETS, lora
 from nnx_shard._parallel.schedule import OPTION as PIPELINE_OPTION
 from nnx_shard._quantized import BLOCK, QUANT_TYPES
@@ -595,10 +595,13 @@ def _quant_args(args: argparse.Namespace) -> dict[str, Any]:
     block: int | None = BLOCK
     if args.quant_block is not None:
         text = str(args.quant_block).strip().lower()
-        block = None if text == "none" else int(text) if text.isdigit() else 0
+        # ASCII digits only: str.isdigit() takes '²', which int() refuses, and a few
+        # thousand digits are past what int() reads.
+        digits = text.isascii() and text.isdigit() and len(text) <= 18
+        block = None if text == "none" else int(text) if digits else 0
         if block == 0:
             raise UsageError(f"--quant-block must be a positive int or 'none', got "
-                             f"{args.quant_block!r}. Fix: --quant-block 64 (QLoRA's), or "
+                             f"{short(args.quant_block, 60)}. Fix: --quant-block 64 (QLoRA's), or "
                              "--quant-block none (one scale per output channel)")
     if args.double_quant and block is None:
         raise UsageError("--double-quant needs block scales, got --quant-block none. Fix: "

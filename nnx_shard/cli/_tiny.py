@@ -23,6 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="layers (default 2)")
 
 
+#: How the checks of tiny_checkpoint name this command's arguments.
+_FLAGS = {"path": "PATH", "family": "--family", "seed": "--seed", "layers": "--layers",
+          "tokenizer": "--no-tokenizer"}
+
+
 def run(args: argparse.Namespace) -> int:
     """Writes the checkpoint and prints its folder.
 
@@ -31,12 +36,16 @@ def run(args: argparse.Namespace) -> int:
     >>> main(["tiny-checkpoint", tempfile.mkdtemp(), "--family", "gpt2"])
     2
     """
-    from nnx_shard.hf import tiny_checkpoint
+    from nnx_shard.hf._export_dir import ExportError
+    from nnx_shard.hf._tiny import Names, write_tiny  # the hf package only when it runs
 
-    if args.layers is not None and args.layers < 1:
-        raise UsageError(f"--layers {args.layers}: must be at least 1, e.g. --layers 2")
     overrides = {} if args.layers is None else {"layers": args.layers}
-    out = tiny_checkpoint(args.path, args.family, tokenizer=not args.no_tokenizer,
-                          seed=args.seed, **overrides)
+    try:
+        out = write_tiny(args.path, args.family, tokenizer=not args.no_tokenizer,
+                         seed=args.seed, overrides=overrides,
+                         names=Names("tiny-checkpoint", _FLAGS))
+    except ExportError as e:  # a full disk, or a folder in the way found while writing
+        raise UsageError(f"PATH {args.path!r}: {e}") from None
     print(f"wrote a tiny {args.family} checkpoint to {out}")
     return 0
+

@@ -19,7 +19,8 @@ ACTIVATION_FORMULA = (
     "per device, no rematerialization: tokens/device x [layers x (p(4e/Dl + 4hk/Dh + 2m'/Dm) "
     "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes "
     "(the compute dtype), e = embed, h = heads, k = head_dim, m' = mlp (x top_k x "
-    "capacity_factor for experts), s = seq, V = vocab, D* = devices the rules shard batch, "
+    "capacity_factor for the reference Transformer's experts; the Llama family's MoE "
+    "layers: the expert's width x top_k), s = seq, V = vocab, D* = devices the rules shard batch, "
     "length, heads, mlp, vocab over. "
     "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk; for the "
     "Llama family q and the output (2hk) with k/v at kv_heads g (2gk), never repeated, "
@@ -47,6 +48,19 @@ def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: A
         entry = spec[dim] if dim < len(spec) else None
         axes += entry_axes(entry)
     return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
+def _mlp_width(cfg: Any) -> float:
+    """The MLP's hidden width per token, averaged over the layers: the reference
+    Transformer's experts hold ``top_k x capacity_factor`` slots per token; the Llama
+    family's (Mixtral, Qwen3-MoE) exactly ``top_k``, each ``expert_mlp`` wide, sorted by
+    expert with no capacity, and Qwen3-MoE's ``mlp_only_layers`` stay dense."""
+    if not getattr(cfg, "experts", 0):
+        return float(cfg.mlp)
+    if hasattr(cfg, "capacity_factor"):
+        return float(cfg.mlp * cfg.top_k * cfg.capacity_factor)
+    moe = sum(cfg.moe_layers())
+    return (moe * cfg.expert_mlp * cfg.top_k + (cfg.layers - moe) * cfg.mlp) / cfg.layers
 
 
 def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, seq: int,
@@ -82,8 +96,7 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     rules = rules | {n: None for n in ("batch", "length", "heads", "kv", "mlp", "vocab")
                      if n not in rules}
     b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
-    experts = getattr(cfg, "experts", 0)  # the Llama family has none
-    m = cfg.mlp * (cfg.top_k * cfg.capacity_factor if experts else 1)
+    m = _mlp_width(cfg)
     # Grouped-query attention (the Llama family) keeps k and v at kv_heads.
     g = getattr(cfg, "kv_heads", None)
     qkvo = 4 * h * k if g is None else 2 * h * k + 2 * g * k

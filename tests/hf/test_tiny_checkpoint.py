@@ -9,6 +9,7 @@ of each family, checked by hand; the suite does not import transformers.)
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard.cli import main
+from nnx_shard.hf import _tiny
 from nnx_shard.inference import Tokenizer
 from nnx_shard.models import Llama
 from nnx_shard.models._families import family_of, model_types
@@ -99,3 +101,132 @@ def test_the_command_writes_one(tmp_path, capsys):
     assert (config["model_type"], config["num_hidden_layers"]) == ("mistral", 1)
     assert main(["tiny-checkpoint", str(tmp_path / "x"), "--family", "gpt2"]) == 2
     assert "llama, mistral" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"seed": True}, ["seed must be a non-negative int", "True (a bool)"]),
+    ({"seed": 1.5}, ["seed must be", "1.5 (float)"]),
+    ({"seed": "0"}, ["seed must be", "'0' (str)"]),
+    ({"seed": None}, ["seed must be", "None"]),
+    ({"seed": -1}, ["seed must be a non-negative int", "-1"]),
+    ({"seed": 2**70}, ["seed must be at most 2**63-1", str(2**70)]),
+    ({"tokenizer": "no"}, ["tokenizer must be True or False", "'no' (str)"]),
+    ({"tokenizer": 1}, ["tokenizer must be True or False"]),
+    ({"model_type": "qwen3"}, ["model_type='qwen3' names another family than family='llama'",
+                               "Fix: family='qwen3'"]),
+    ({"param_dtype": "int8"}, ["param_dtype='int8' is not a float dtype", "float32, bfloat16"]),
+    ({"dtype": "float64"}, ["dtype='float64' is not a float dtype"]),
+    ({"layers": True}, ["layers must be a positive int", "True (a bool)"]),
+    ({"layers": 1_000_000}, ["layers=1000000 would build a model of 9,280,024,608 parameters",
+                             "more than the 100,000,000", "smaller layers",
+                             "the tiny llama has 43,168"]),
+    ({"vocab": 10**7, "embed": 64}, ["vocab=10000000, embed=64 would build",
+                                     "smaller vocab and embed"]),
+    ({"embed": 0}, ["tiny_checkpoint: LlamaConfig.embed must be >= 1"]),
+])
+def test_arguments_are_checked_before_anything_is_built(tmp_path, monkeypatch, kwargs, words):
+    def no_build(*args, **kw):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(_tiny, "Llama", no_build)
+    with pytest.raises(ns.UsageError, match="^tiny_checkpoint: ") as err:
+        ns.hf.tiny_checkpoint(tmp_path / "out", "llama", **kwargs)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_model_type_may_repeat_the_family_and_the_layers_follow_it(tmp_path):
+    folder = ns.hf.tiny_checkpoint(tmp_path / "l", "llama", tokenizer=False, model_type="llama")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    # Gemma 2's sliding layers come from its layer count: every other one, from the first.
+    folder = ns.hf.tiny_checkpoint(tmp_path / "g", "gemma2", tokenizer=False, layers=3)
+    model = ns.hf.load_pretrained(folder, mesh="data=-1", rules=ns.strategies.get("dp").rules)
+    assert model.cfg.layers == 3 and model.cfg.window_layers == (True, False, True)
+    # A trillion layers are counted, not laid out one flag each.
+    with pytest.raises(ns.UsageError, match=r"layers=1000000000000 would build a model of "
+                                            r"9,344,000,000,004,128 parameters"):
+        ns.hf.tiny_checkpoint(tmp_path / "big", "gemma2", tokenizer=False, layers=10**12)
+
+
+def test_paths_it_cannot_write_are_refused_naming_them(tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path, words in [(afile, "is a file, not a folder"),
+                        (afile / "sub", "which is a file, not a folder"),
+                        ("a\0b", "holds a NUL character")]:
+        with pytest.raises(ns.UsageError, match="^tiny_checkpoint: path ") as err:
+            ns.hf.tiny_checkpoint(path, tokenizer=False)
+        assert words in str(err.value)
+    monkeypatch.chdir(tmp_path)
+    for path, words in [(".", "is the working directory"),
+                        (os.path.dirname(tmp_path), "is above the working directory")]:
+        with pytest.raises(ns.UsageError, match="^tiny_checkpoint: path ") as err:
+            ns.hf.tiny_checkpoint(path, tokenizer=False)
+        assert words in str(err.value) and "Fix: a new folder" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_tokenizer_that_cannot_be_written_names_the_path(tmp_path, monkeypatch):
+    real = _tiny._tokenizer
+
+    class Full:
+        """The tokenizer, its save failing as tokenizers' does on a full disk."""
+
+        def __init__(self) -> None:
+            self.tok = real()
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def save(self, path):
+            raise Exception("File too large (os error 27)")
+
+    def no_build(*args, **kw):
+        raise AssertionError("the model was built before the tokenizer's files were written")
+
+    monkeypatch.setattr(_tiny, "_tokenizer", Full)
+    monkeypatch.setattr(_tiny, "Llama", no_build)
+    with pytest.raises(OSError, match="could not write the tokenizer files for path ") as err:
+        ns.hf.tiny_checkpoint(tmp_path / "out")
+    assert isinstance(err.value, ns.NnxShardError)
+    assert "File too large (os error 27)" in str(err.value)
+    assert str(tmp_path / "out") in str(err.value) and "Fix: free space" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["."], ["PATH '.'", "is the working directory"]),
+    (["afile/sub"], ["PATH 'afile/sub' is under", "which is a file"]),
+    (["out", "--seed", str(2**70)], ["--seed must be at most 2**63-1"]),
+    (["out", "--seed", "-3"], ["--seed must be a non-negative int"]),
+    (["out", "--layers", "1000000"], ["--layers 1000000 would build a model of",
+                                      "Fix: smaller --layers"]),
+    (["out", "--layers", "0"], ["--layers must be a positive int"]),
+    (["out", "--family", "gpt2"], ["unknown --family 'gpt2'"]),
+    (["out", "--layers", "9" * 5000], ["argument --layers: invalid int value: '999",
+                                       "...' (5,000 characters)"]),
+])
+def test_the_command_refuses_in_one_line_naming_the_flag(tmp_path, monkeypatch, capsys, argv,
+                                                         words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    assert main(["tiny-checkpoint", *argv, "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("nnx-shard: error: ") and len(err) < 400
+    for w in words:
+        assert w in err, (w, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_the_command_reports_a_write_that_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    from nnx_shard.hf._export_dir import ExportError
+
+    def failing(*args, **kwargs):
+        raise ExportError("save_safetensors: could not write the export to x: File too large")
+
+    monkeypatch.setattr(_tiny, "save_safetensors", failing)
+    assert main(["tiny-checkpoint", str(tmp_path / "m"), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"nnx-shard: error: PATH {str(tmp_path / 'm')!r}: save_safetensors: could "
+                   "not write the export to x: File too large")
