@@ -423,23 +423,8 @@ def _scale_fields(s: Mapping[str, Any]) -> tuple[str, ...]:
     return ("factor", "original_max_position_embeddings")
 
 
-def check_tables(cfg: Any, where: str = "LlamaConfig") -> None:
-    """Refuses a rotary configuration whose frequencies or attention factor are not
-    finite numbers in float32 (computed on the host for every sequence length the
-    model reaches, as the model computes them) or whose formula divides by zero:
-    values that each pass their own check can still make every logit NaN (a
-    ``dynamic`` factor of ``1e17`` cancels the grown base to 0, a ``rope_theta`` of
-    ``1e-50`` is 0 in float32). Each problem is a
-    :class:`~nnx_shard._errors.UsageError` naming the field, its value and the fix.
-
-    >>> from nnx_shard.models import LlamaConfig
-    >>> LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-    ...             "original_max_position_embeddings": 256, "attention_factor": 1e30})
-    Traceback (most recent call last):
-    ...
-    nnx_shard._errors.UsageError: LlamaConfig: rope_scaling['attention_factor']=1e+30 (rope_type 'yarn') gives the rotary attention factor 1e+30, whose square, scaling every attention score, is past float32's range: every logit would be NaN. Fix: use the checkpoint's own config.json (attention factors are near 1, e.g. 1.2).
-    """
-    s = _params(cfg)
+def _check_divisions(cfg: Any, s: Mapping[str, Any], where: str) -> None:
+    """Refuses the settings whose rotary formula divides by zero."""
     kind, d, theta = s["rope_type"], cfg.head_dim, cfg.rope_theta
     if kind == "dynamic" and d == 2:
         raise UsageError(f"{where}: head_dim=2 with rope_scaling of type 'dynamic': its grown "
@@ -460,6 +445,27 @@ def check_tables(cfg: Any, where: str = "LlamaConfig") -> None:
                              "(rope_type 'longrope'): its attention factor divides by "
                              "ln(original_max_position_embeddings) = 0. Fix: the pretraining "
                              "context length, e.g. 4096, or give attention_factor.")
+
+
+def check_tables(cfg: Any, where: str = "LlamaConfig") -> None:
+    """Refuses a rotary configuration whose frequencies or attention factor are not
+    finite numbers in float32 (computed on the host for every sequence length the
+    model reaches, as the model computes them) or whose formula divides by zero:
+    values that each pass their own check can still make every logit NaN (a
+    ``dynamic`` factor of ``1e17`` cancels the grown base to 0, a ``rope_theta`` of
+    ``1e-50`` is 0 in float32). Each problem is a
+    :class:`~nnx_shard._errors.UsageError` naming the field, its value and the fix.
+
+    >>> from nnx_shard.models import LlamaConfig
+    >>> LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+    ...             "original_max_position_embeddings": 256, "attention_factor": 1e30})
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: LlamaConfig: rope_scaling['attention_factor']=1e+30 (rope_type 'yarn') gives the rotary attention factor 1e+30, whose square, scaling every attention score, is past float32's range: every logit would be NaN. Fix: use the checkpoint's own config.json (attention factors are near 1, e.g. 1.2).
+    """
+    s = _params(cfg)
+    kind, d, theta = s["rope_type"], cfg.head_dim, cfg.rope_theta
+    _check_divisions(cfg, s, where)
     top = _longest(cfg)
     problem = "every logit would be NaN. " + _FIX
     with np.errstate(all="ignore"):
