@@ -9,6 +9,8 @@ combination of indices of the dimensions before the last partial one. Reading
 a slice reads exactly those runs with ``os.preadv`` into the destination
 buffer, nothing else of the file; writing one ``pwrite``s them, so processes
 holding different shards of a tensor can write them into one file at once.
+Files a loader was pointed at are read through :func:`opened`: each opened once,
+its header and every slice read from that one descriptor.
 :mod:`nnx_shard.hf` builds sharded loading and saving on these.
 
 >>> import os, tempfile
@@ -24,22 +26,24 @@ array([[ 8.,  9.],
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
 import os
 import struct
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, BinaryIO
 
 import ml_dtypes
 import numpy as np
 
 from nnx_shard._errors import UsageError, short
+from nnx_shard._trusted_files import open_within
 
-__all__ = ["DTYPES", "Header", "TensorInfo", "create", "dtype_name", "read_header",
-           "read_slice", "sync", "write_file", "write_slice"]
+__all__ = ["DTYPES", "Header", "TensorInfo", "create", "dtype_name", "opened", "read_bytes",
+           "read_header", "read_slice", "sync", "write_file", "write_slice"]
 
 #: safetensors dtype names and their numpy dtypes.
 DTYPES: dict[str, np.dtype] = {
@@ -92,6 +96,11 @@ class Header:
 
     tensors: Mapping[str, TensorInfo]
     metadata: Mapping[str, str]
+    #: The open file of each path that reads of the tensors' bytes come from (a header
+    #: of :func:`opened`, while its block runs); a path not here is opened by name at
+    #: each read.
+    files: Mapping[str, BinaryIO] = dataclasses.field(default_factory=dict, compare=False,
+                                                      repr=False)
 
 
 _FIX_FILE = ("Fix: download or copy the file again, or re-save the checkpoint (its header "
@@ -116,20 +125,34 @@ def _no_constant(path: str, name: str) -> Any:
     raise _bad(path, f"its header holds {name}, which is not JSON")
 
 
-def _read_one(path: str) -> tuple[dict[str, Any], int, int]:
-    """The header of one file, the absolute offset of its data and the data's size."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise _bad(path, f"it has {len(raw)} bytes, fewer than the 8 of its header length")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise _bad(path, f"header length {n} is over the format's limit of {_MAX_HEADER}")
-        if 8 + n > size:
-            raise _bad(path, f"header length {n} but the file has {size} bytes (truncated, or "
-                       "not a safetensors file)")
-        text = f.read(n)
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    """``n`` bytes at ``offset`` (fewer only at the end of the file); positional, so
+    the file's own position (and another reader of the descriptor) is never moved."""
+    parts, got = [], 0
+    while got < n:
+        part = os.pread(fd, n - got, offset + got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _read_one(path: str, f: BinaryIO) -> tuple[dict[str, Any], int, int]:
+    """The header of the file ``path``, open as ``f``, the absolute offset of its data
+    and the data's size."""
+    fd = f.fileno()
+    size = os.fstat(fd).st_size
+    raw = _pread(fd, 8, 0)
+    if len(raw) != 8:
+        raise _bad(path, f"it has {len(raw)} bytes, fewer than the 8 of its header length")
+    (n,) = struct.unpack("<Q", raw)
+    if n > _MAX_HEADER:
+        raise _bad(path, f"header length {n} is over the format's limit of {_MAX_HEADER}")
+    if 8 + n > size:
+        raise _bad(path, f"header length {n} but the file has {size} bytes (truncated, or "
+                   "not a safetensors file)")
+    text = _pread(fd, n, 8)
     try:
         decoded = text.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -248,10 +271,43 @@ def read_header(*paths: str) -> Header:
     ...
     nnx_shard._errors.UsageError: ...: not a safetensors file: tensor 'w' of F32 [2, 3] takes 24 bytes but its data_offsets [0, 12] span 12. Fix: ...
     """
+    with contextlib.ExitStack() as stack:
+        files = {p: stack.enter_context(open(p, "rb")) for p in dict.fromkeys(paths)}
+        return _parse(paths, files)
+
+
+@contextlib.contextmanager
+def opened(paths: Sequence[str], roots: Sequence[str]) -> Iterator[Header]:
+    """:func:`read_header` of ``paths``, each file opened once
+    (:func:`~nnx_shard._trusted_files.open_within` with ``roots``: a regular file, where
+    a link leads only inside ``roots``) and kept open while the block runs: the header
+    and every :func:`read_slice` of it come from that one descriptor, so a file
+    replaced while it is read cannot put another file's bytes into the tensors.
+
+    Raises what :func:`read_header` and :func:`~nnx_shard._trusted_files.open_within`
+    raise.
+
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> path = os.path.join(folder, "o.safetensors")
+    >>> create(path, {"o": ("I32", (3,))})
+    >>> write_slice(path, read_header(path), "o", (slice(0, 3),), np.arange(3, dtype=np.int32))
+    >>> with opened([path], [folder]) as h:
+    ...     os.remove(path)  # the open file is still what is read
+    ...     read_slice(h, "o", (slice(None),))
+    array([0, 1, 2], dtype=int32)
+    """
+    with contextlib.ExitStack() as stack:
+        files = {p: stack.enter_context(open_within(p, roots)) for p in dict.fromkeys(paths)}
+        yield dataclasses.replace(_parse(paths, files), files=files)
+
+
+def _parse(paths: Sequence[str], files: Mapping[str, BinaryIO]) -> Header:
+    """The checked header of ``paths``, each read from its open file in ``files``."""
     tensors: dict[str, TensorInfo] = {}
     metadata: dict[str, str] = {}
     for path in paths:
-        header, start, data = _read_one(path)
+        header, start, data = _read_one(path, files[path])
         metadata.update(_check_metadata(path, header.pop("__metadata__", None)))
         spans = []
         for name, info in header.items():
@@ -304,7 +360,8 @@ def read_slice(header: Header, name: str, index: Sequence[slice]) -> np.ndarray:
     offsets, run, sub = _runs(info.shape, index, dtype.itemsize)
     out = np.empty(math.prod(sub) * dtype.itemsize, np.uint8)
     if offsets:
-        fd = os.open(info.path, os.O_RDONLY)
+        f = header.files.get(info.path)
+        fd = os.open(info.path, os.O_RDONLY) if f is None else f.fileno()
         try:
             view = memoryview(out.data)
             for i, off in enumerate(offsets):
@@ -312,8 +369,29 @@ def read_slice(header: Header, name: str, index: Sequence[slice]) -> np.ndarray:
                 if got != run:
                     raise OSError(f"{info.path}: short read of tensor {name!r}")
         finally:
-            os.close(fd)
+            if f is None:
+                os.close(fd)
     return out.view(dtype).reshape(sub)
+
+
+def read_bytes(header: Header, name: str, start: int, n: int) -> bytes:
+    """``n`` bytes of tensor ``name``'s data from its byte ``start`` on (fewer past its
+    end), read as :func:`read_slice` reads.
+
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "b.safetensors")
+    >>> create(path, {"b": ("U8", (4,))})
+    >>> write_slice(path, read_header(path), "b", (slice(0, 4),), np.arange(4, dtype=np.uint8))
+    >>> read_bytes(read_header(path), "b", 1, 2)
+    b'\\x01\\x02'
+    """
+    info = header.tensors[name]
+    n = max(0, min(n, info.nbytes - start))
+    f = header.files.get(info.path)
+    if f is not None:
+        return _pread(f.fileno(), n, info.offset + start)
+    with open(info.path, "rb") as g:
+        return _pread(g.fileno(), n, info.offset + start)
 
 
 def create(path: str, tensors: Mapping[str, tuple[str, Sequence[int]]],

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from nnx_shard import _safetensors_io as st
-from nnx_shard._errors import NnxShardError, NotAFile, open_within
+from nnx_shard._errors import NnxShardError, NotAFile
+from nnx_shard._trusted_files import open_within
 
 __all__ = ["TOKENIZER_FILES", "ExportError", "Marker", "Modes", "clean_leftovers", "make_stage",
            "new_token", "owned", "pid_running", "read_marker", "remove_stage", "staging",

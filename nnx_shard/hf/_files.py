@@ -1,11 +1,14 @@
 """The files of a Hugging Face checkpoint (:func:`checkpoint_files`: one
-``model.safetensors`` or the shards its index lists) and the per-parameter programs
-between the Hugging Face layout and the model's: what loading and saving share."""
+``model.safetensors`` or the shards its index lists; :func:`open_checkpoint`: their
+header, each file opened once) and the per-parameter programs between the Hugging Face
+layout and the model's: what loading and saving share."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +16,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._errors import NnxShardError, UsageError, check_path, short
+from nnx_shard import _safetensors_io as st
+from nnx_shard._errors import LinkedOut, NnxShardError, NotAFile, UsageError, check_path, short
 from nnx_shard._init import auto_typed_mesh
 from nnx_shard._safetensors_io import described
+from nnx_shard._trusted_files import ANYWHERE, folder_roots, read_within, roots_words
 from nnx_shard.hf import _export_dir as export_dir
 from nnx_shard.hf._mapping import TRANSFORM_FNS, Leaf
 
 __all__ = ['INDEX', 'MARKER', 'SINGLE', 'CheckpointNotFound', 'barrier', 'checkpoint_files',
-           'layouts', 'program']
+           'layouts', 'open_checkpoint', 'program']
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -51,8 +56,21 @@ def _read_index(index: Path) -> dict[str, str]:
     checked: a JSON object whose ``weight_map`` maps names to file names."""
     fix = (f"Fix: download the index again (or the checkpoint as one {SINGLE}, which is "
            "read instead when it is there).")
+    roots = folder_roots(index.parent)
     try:
-        content = json.loads(index.read_bytes().decode("utf-8"))
+        # One descriptor, inside the folder (or its hub cache repository): an index
+        # swapped for a link out would put another file's keys into the messages below.
+        raw = read_within(index, roots)
+    except LinkedOut as e:
+        raise UsageError(f"load_safetensors: the index {index} leads to {e.target}, outside "
+                         f"the checkpoint folder {roots_words(roots)}; only the checkpoint's own "
+                         "files are read. Fix: put a copy of the index in the folder instead of "
+                         f"the link (cp --remove-destination {e.target} {index}).") from None
+    except NotAFile as e:
+        raise UsageError(f"load_safetensors: the index {index} is {e.kind}, not a file. "
+                         f"{fix}") from None
+    try:
+        content = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         why = getattr(e, "msg", None) or getattr(e, "reason", None) or type(e).__name__
         raise UsageError(f"load_safetensors: the index {index} is not JSON ({why}). "
@@ -129,6 +147,42 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
         return [str(f) for f in files]
     raise CheckpointNotFound(f"load_safetensors: {p} holds neither {SINGLE} nor {INDEX}. Fix: "
                              "pass the directory save_pretrained (or save_safetensors) wrote.")
+
+
+@contextlib.contextmanager
+def open_checkpoint(path: str | os.PathLike[str]) -> Iterator[st.Header]:
+    """The header of the checkpoint at ``path`` (its :func:`checkpoint_files`), each
+    file opened once and kept open while the block runs: every tensor is read from
+    the descriptor its header was read from (:func:`~nnx_shard._safetensors_io.opened`).
+    A shard that is a link is followed wherever it leads, as :func:`checkpoint_files`
+    says; it must be a regular file when it is opened.
+
+    Raises:
+      CheckpointNotFound: a file of the checkpoint is gone when it is opened.
+      UsageError: a file of the checkpoint is a folder, a FIFO or a device when it is
+        opened (a FIFO is never waited on).
+
+    >>> import tempfile
+    >>> import nnx_shard as ns
+    >>> with open_checkpoint(ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False)) as h:
+    ...     h.tensors["model.norm.weight"].shape
+    (32,)
+    """
+    files = checkpoint_files(path)
+    with contextlib.ExitStack() as stack:
+        try:
+            header = stack.enter_context(st.opened(files, ANYWHERE))
+        except NotAFile as e:
+            what = ("was swapped for another link while it was opened" if e.kind ==
+                    "a symbolic link" else f"is {e.kind}, not a file")
+            raise UsageError(f"load_safetensors: {e.filename} {what}. Fix: download the "
+                             "checkpoint's files again, and leave them be while they "
+                             "load.") from None
+        except FileNotFoundError as e:
+            raise CheckpointNotFound(f"load_safetensors: {e.filename} is gone (removed while "
+                                     "the checkpoint was opened). Fix: download every file of "
+                                     "the checkpoint again.") from None
+        yield header
 
 
 # -- compiled transforms ---------------------------------------------------------------------

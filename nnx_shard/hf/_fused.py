@@ -16,6 +16,7 @@ file, an offset into the fused tensor, its rows.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -73,7 +74,7 @@ def split(header: st.Header, found: list[Fusion], where: str) -> st.Header:
                                                    info.offset + start * row_bytes,
                                                    rows * row_bytes)
             start += rows
-    return st.Header(out, header.metadata)
+    return dataclasses.replace(header, tensors=out)  # the same open files, if any
 
 
 def fuse_names(tensors: Mapping[str, tuple[str, tuple[int, ...]]], found: list[Fusion]

@@ -15,10 +15,10 @@ from nnx_shard._annotate import path_str
 from nnx_shard._errors import UsageError, short
 from nnx_shard._init import rewrap
 from nnx_shard.hf import _fused as fused
-from nnx_shard.hf._files import checkpoint_files, layouts, program
+from nnx_shard.hf._files import layouts, open_checkpoint, program
 from nnx_shard.hf._mapping import Leaf, MappingValue, compile_rules, leaves_of, mapping_for, match
 
-__all__ = ['load_safetensors', 'separate_head']
+__all__ = ['load_opened', 'load_safetensors', 'separate_head']
 
 HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
@@ -35,9 +35,11 @@ def separate_head(header: st.Header) -> bool:
     >>> import nnx_shard as ns
     >>> untied = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False)
     >>> tied = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False, tie_embeddings=True)
-    >>> separate_head(st.read_header(*checkpoint_files(untied)))
+    >>> with open_checkpoint(untied) as header:
+    ...     separate_head(header)
     True
-    >>> separate_head(st.read_header(*checkpoint_files(tied)))
+    >>> with open_checkpoint(tied) as header:
+    ...     separate_head(header)
     False
     """
     head, embed = header.tensors.get(HEAD), header.tensors.get(EMBED)
@@ -46,13 +48,10 @@ def separate_head(header: st.Header) -> bool:
     if embed is None or (head.dtype, head.shape, head.nbytes) != (
             embed.dtype, embed.shape, embed.nbytes):
         return True
-    with open(head.path, "rb") as a, open(embed.path, "rb") as b:
-        for start in range(0, head.nbytes, _CHUNK):
-            n = min(_CHUNK, head.nbytes - start)
-            a.seek(head.offset + start)
-            b.seek(embed.offset + start)
-            if a.read(n) != b.read(n):
-                return True
+    for start in range(0, head.nbytes, _CHUNK):
+        if st.read_bytes(header, HEAD, start, _CHUNK) != st.read_bytes(header, EMBED, start,
+                                                                        _CHUNK):
+            return True
     return False
 
 
@@ -99,6 +98,7 @@ def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
     another family (a Gemma checkpoint fills a Llama of its sizes tensor for
     tensor) and would load into silently wrong logits. A separate ``lm_head.weight``
     unties the embeddings, as in transformers."""
+    from nnx_shard._trusted_files import folder_roots
     from nnx_shard.models._hf_config import read_json
     from nnx_shard.models._llama import Llama
     from nnx_shard.models._llama_config import differences
@@ -115,11 +115,11 @@ def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
             "dataclasses.replace(cfg, tie_embeddings=False), or load it with "
             "nnx_shard.hf.load_pretrained(path, mesh=..., rules=...), which does.")
     folder = os.fspath(path)
-    config = os.path.join(folder if os.path.isdir(folder) else os.path.dirname(folder),
-                          "config.json")
+    folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
+    config = os.path.join(folder, "config.json")
     if not os.path.isfile(config):
         return
-    hf, _ = read_json(config)
+    hf, _ = read_json(config, roots=folder_roots(folder))
     if untied:
         hf["tie_word_embeddings"] = False
     found = differences(hf, target.cfg)
@@ -213,8 +213,29 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
                          f"giving the structure and shardings, got {type(target).__name__} "
                          f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Llama(cfg, "
                          "rngs=nnx.Rngs(0)), mesh, rules)")
-    files = checkpoint_files(path)
-    raw = st.read_header(*files)
+    with open_checkpoint(path) as raw:
+        return load_opened(path, raw, target, mapping)
+
+
+def load_opened(path: str | os.PathLike[str], raw: st.Header, target: Any,
+                mapping: Mapping[str, MappingValue] | None = None) -> Any:
+    """:func:`load_safetensors` of the checkpoint at ``path`` whose header ``raw``
+    :func:`~nnx_shard.hf._files.open_checkpoint` opened (every tensor is read from the
+    files it holds open).
+
+    >>> import tempfile
+    >>> import nnx_shard as ns
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Llama, LlamaConfig
+    >>> ckpt = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False)
+    >>> dp = ns.strategies.get("dp")
+    >>> target = ns.abstract_init(lambda: Llama(LlamaConfig.from_hf(ckpt), rngs=nnx.Rngs(0)),
+    ...                           dp.make_mesh(), dp)
+    >>> with open_checkpoint(ckpt) as header:
+    ...     model = load_opened(ckpt, header, target)
+    >>> model.final_norm.scale.get_value().shape
+    (32,)
+    """
     _check_config(path, target, raw, mapping)
     # Phi-3's fused tensors are read as their parts (views of their bytes).
     header = fused.split(raw, fused.fusions_for(target), os.fspath(path))

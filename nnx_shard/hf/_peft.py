@@ -17,6 +17,7 @@ and a fused module (Phi-3's ``qkv_proj``) stands for the kernels of its rows
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,12 +35,13 @@ from jax.sharding import NamedSharding
 
 from nnx_shard import _safetensors_io as st
 from nnx_shard._annotate import path_str
-from nnx_shard._errors import NnxShardError, UsageError
+from nnx_shard._errors import LinkedOut, NnxShardError, NotAFile, UsageError
 from nnx_shard._low_rank import Adapter, adaptable_kernels, adapters, kernel_axes, lora
+from nnx_shard._trusted_files import folder_roots
 from nnx_shard.hf._files import as_path
 from nnx_shard.hf._lora_folder import WEIGHTS, destination, replace_folder, write_adapter
 from nnx_shard.hf._mapping import TRANSFORM_FNS, mapping_for
-from nnx_shard.hf._peft_config import MERGE_FIX, AdapterConfig, fail
+from nnx_shard.hf._peft_config import MERGE_FIX, AdapterConfig, fail, refused_file
 from nnx_shard.hf._peft_names import (
     Part,
     full_param,
@@ -381,18 +383,25 @@ def load_lora(path: str | os.PathLike[str], model: Any, *, rngs: int = 0) -> Any
         found_files = ", ".join(sorted(p.name for p in folder.iterdir())[:8])
         raise fail(folder, f"has no {WEIGHTS} (found: {found_files or 'nothing'})",
                    "save the adapter with safe_serialization=True (PEFT's default)")
-    header = st.read_header(str(file))
-    found = _scan_file(folder, header, cfg)
-    mapping_for(model)  # a model with no Hugging Face names fails here, with its fix
-    where, bad = module_parts(model, sorted(found.factors))
-    if bad:
-        raise fail(folder, f"adapts modules that are not projections, lm_head or embed_tokens "
-                   f"of this model: {', '.join(bad[:6])}", "load it onto the model it was "
-                   "trained for (its base_model_name_or_path; Phi-3 names qkv_proj and "
-                   "gate_up_proj, not q/k/v_proj or gate/up_proj)")
-    where = {m: where[m] for m in _selected(folder, cfg, model, found)}
-    hosts = _host_factors(folder, cfg, header, model, found, where)
-    values, trained = _full_values(folder, cfg, header, model, found)
+    with contextlib.ExitStack() as stack:
+        # The weights file opened once, inside the folder: its header and every factor
+        # come from that one descriptor (a file swapped for a link out is refused).
+        roots = folder_roots(folder)  # before the open: a refusal names the folder checked
+        try:
+            header = stack.enter_context(st.opened([str(file)], roots))
+        except (LinkedOut, NotAFile) as e:
+            raise refused_file(folder, WEIGHTS, e, roots) from None
+        found = _scan_file(folder, header, cfg)
+        mapping_for(model)  # a model with no Hugging Face names fails here, with its fix
+        where, bad = module_parts(model, sorted(found.factors))
+        if bad:
+            raise fail(folder, f"adapts modules that are not projections, lm_head or "
+                       f"embed_tokens of this model: {', '.join(bad[:6])}", "load it onto the "
+                       "model it was trained for (its base_model_name_or_path; Phi-3 names "
+                       "qkv_proj and gate_up_proj, not q/k/v_proj or gate/up_proj)")
+        where = {m: where[m] for m in _selected(folder, cfg, model, found)}
+        hosts = _host_factors(folder, cfg, header, model, found, where)
+        values, trained = _full_values(folder, cfg, header, model, found)
     stacked = {k for k in hosts if _scanned(model) and k.startswith("blocks/")}
     if cfg.dropout and stacked:
         warnings.warn(f"load_lora: {folder}: lora_dropout={cfg.dropout} is not applied to the "

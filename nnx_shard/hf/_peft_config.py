@@ -24,10 +24,11 @@ from typing import Any
 
 import regex
 
-from nnx_shard._errors import UsageError, check_path, short
+from nnx_shard._errors import LinkedOut, NotAFile, UsageError, check_path, short
+from nnx_shard._trusted_files import folder_roots, read_within, roots_words
 
 __all__ = ["CONFIG", "FIELDS", "MATCH_SECONDS", "MAX_PATTERN_ITEMS", "MERGE_FIX", "AdapterConfig",
-           "Patterns", "fail"]
+           "Patterns", "fail", "refused_file"]
 
 CONFIG = "adapter_config.json"
 
@@ -94,6 +95,27 @@ _REWRITES_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 def fail(folder: Path, what: str, fix: str) -> UsageError:
     return UsageError(f"load_lora: {folder}: {what}. Fix: {fix}")
+
+
+def refused_file(folder: Path, name: str, e: LinkedOut | NotAFile, roots: list[str]
+                 ) -> UsageError:
+    """The error of the adapter folder's file ``name`` that
+    :func:`~nnx_shard._trusted_files.open_within` refused: a link out of ``roots`` (the
+    folder, or its hub cache repository, as they were when the file was opened), or not
+    a regular file when it was opened.
+
+    >>> print(refused_file(Path("a"), "adapter_config.json", NotAFile("a/adapter_config.json",
+    ...                                                                 "a FIFO"), ["/a"]))
+    load_lora: a: adapter_config.json is a FIFO, not a file. Fix: put the file PeftModel.save_pretrained wrote there
+    """
+    if isinstance(e, LinkedOut):
+        return fail(folder, f"{name} leads to {e.target}, outside the adapter folder "
+                    f"{roots_words(roots)} "
+                    "(only the adapter's own files are read)", "put a copy of the file in the "
+                    f"folder instead of the link (cp --remove-destination {e.target} "
+                    f"{folder / name})")
+    return fail(folder, f"{name} is {e.kind}, not a file",
+                "put the file PeftModel.save_pretrained wrote there")
 
 
 #: Seconds one read config (each load_lora reads its own) may spend matching its patterns
@@ -318,8 +340,13 @@ class AdapterConfig:
         check_path(folder, "load_lora", expected="a directory", error=UsageError,
                    fix="pass the folder PeftModel.save_pretrained wrote (it holds "
                        "adapter_config.json and adapter_model.safetensors)")
+        # One descriptor of a file inside the folder: a config swapped for a link out while
+        # it is read is refused, not read.
+        roots = folder_roots(folder)
         try:
-            cfg = json.loads((folder / CONFIG).read_text())
+            cfg = json.loads(read_within(folder / CONFIG, roots).decode("utf-8"))
+        except (LinkedOut, NotAFile) as e:
+            raise refused_file(folder, CONFIG, e, roots) from None
         except FileNotFoundError as e:
             raise fail(folder, f"has no {CONFIG}", "pass a PEFT adapter folder") from e
         except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -13,11 +13,10 @@ from typing import Any
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard import _safetensors_io as st
 from nnx_shard._errors import UsageError, check_path, short
 from nnx_shard._init import abstract_init
-from nnx_shard.hf._files import checkpoint_files
-from nnx_shard.hf._load import load_safetensors, separate_head
+from nnx_shard.hf._files import open_checkpoint
+from nnx_shard.hf._load import load_opened, separate_head
 from nnx_shard.hf._source import read_source, remember_source
 from nnx_shard.models._families import family_of, model_types
 from nnx_shard.models._hf_config import read_json
@@ -100,11 +99,14 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype))
                  if v is not None}
     cfg = LlamaConfig.from_hf(hf, **overrides)
-    if cfg.tie_embeddings and separate_head(st.read_header(*checkpoint_files(folder))):
-        # transformers keeps a separate lm_head.weight of the file (tie_word_embeddings
-        # or not) and computes the logits with it: so does the model.
-        cfg = dataclasses.replace(cfg, tie_embeddings=False)
-    target = abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+    # Each file opened once: the head check and every weight read from one descriptor.
+    with open_checkpoint(folder) as header:
+        if cfg.tie_embeddings and separate_head(header):
+            # transformers keeps a separate lm_head.weight of the file (tie_word_embeddings
+            # or not) and computes the logits with it: so does the model.
+            cfg = dataclasses.replace(cfg, tie_embeddings=False)
+        target = abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+        model = load_opened(folder, header, target)
     # Remembered for save_safetensors: the export then carries the source's config,
     # generation config and tokenizer (nnx_shard.hf._source).
-    return remember_source(load_safetensors(folder, target), read_source(folder, hf))
+    return remember_source(model, read_source(folder, hf))

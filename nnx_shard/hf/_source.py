@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -38,9 +37,9 @@ from nnx_shard._errors import (
     NnxShardError,
     UsageError,
     check_path,
-    read_within,
     short,
 )
+from nnx_shard._trusted_files import folder_roots, read_within
 from nnx_shard.hf._export_dir import TOKENIZER_FILES
 
 __all__ = ["TOKENIZER_FILES", "Source", "export_files", "read_source", "remember_source",
@@ -93,10 +92,13 @@ class Source:
         return None if self.generation_text is None else json.loads(self.generation_text)
 
 
-def _json_file(path: str) -> dict[str, Any]:
+def _json_file(path: str, folder: str) -> dict[str, Any]:
+    """The JSON object of the file ``path`` of the checkpoint ``folder``, read through
+    one descriptor of a file inside the folder (or its hub cache repository): what is
+    read here is published by an export."""
     from nnx_shard.models._hf_config import read_json
 
-    return read_json(path)[0]
+    return read_json(path, roots=folder_roots(folder))[0]
 
 
 def read_source(path: str | os.PathLike[str], config: dict[str, Any] | None = None) -> Source:
@@ -118,9 +120,9 @@ def read_source(path: str | os.PathLike[str], config: dict[str, Any] | None = No
     folder = os.path.abspath(os.fspath(path))
     check_path(folder, "source", expected="a directory",
                fix="pass the folder of the checkpoint the model was loaded from.")
-    hf = _json_file(folder) if config is None else config
+    hf = _json_file(folder, folder) if config is None else config
     gen_path = os.path.join(folder, GENERATION)
-    gen = _json_file(gen_path) if os.path.isfile(gen_path) else None
+    gen = _json_file(gen_path, folder) if os.path.isfile(gen_path) else None
     tokenizer = tuple(n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n)))
     return Source(folder, json.dumps(hf, sort_keys=True),
                   None if gen is None else json.dumps(gen, sort_keys=True), tokenizer)
@@ -200,21 +202,10 @@ def _config(model: Any, source: Source, dtype: Any) -> dict[str, Any]:
     return config
 
 
-def _hub_repo(folder: str) -> str | None:
-    """The repository folder of the Hugging Face hub cache (``models--org--name``)
-    holding the snapshot ``folder`` (``.../snapshots/<revision>``), None otherwise."""
-    p = Path(folder)
-    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
-        return str(p.parent.parent)
-    return None
-
-
 def _roots(source: Source) -> list[str]:
     """The folders a file of ``source`` may lead into: the checkpoint folder, and its
     hub cache repository (a snapshot's files link to ``../../blobs/<hash>``)."""
-    folder = os.path.realpath(source.folder)
-    repo = _hub_repo(folder)
-    return [folder] if repo is None else [folder, repo]
+    return folder_roots(source.folder)
 
 
 def _linked_out(source: Source, name: str, target: str) -> UsageError:
@@ -243,7 +234,7 @@ def _linked_inside(source: Source, name: str) -> None:
 
 def _read(source: Source, name: str) -> bytes:
     """The bytes of the source's file ``name``, read through one descriptor of the file
-    found inside the checkpoint folder (:func:`~nnx_shard._errors.read_within`): a file
+    found inside the checkpoint folder (:func:`~nnx_shard._trusted_files.read_within`): a file
     swapped for a link while the export runs cannot copy what the link leads to."""
     path = os.path.join(source.folder, name)
     try:

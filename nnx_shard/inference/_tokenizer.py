@@ -19,14 +19,17 @@ from typing import Any
 import numpy as np
 
 from nnx_shard._errors import (
-    LinkedOut,
     NnxShardError,
-    NotAFile,
     UsageError,
     check_path,
-    path_kind,
-    read_within,
     short,
+)
+from nnx_shard.inference._tokenizer_files import (
+    FILES,
+    as_text,
+    json_type,
+    load_file,
+    read_json,
 )
 
 __all__ = ["Tokenizer"]
@@ -53,94 +56,6 @@ def _require(module: str) -> Any:
 
 #: How deep a message's values may nest (a tool's JSON schema nests a few levels).
 MAX_MESSAGE_DEPTH = 100
-# The files a tokenizer folder holds; what each must be at the top (None: any JSON).
-_KINDS = {"tokenizer_config.json": dict, "special_tokens_map.json": dict,
-          "generation_config.json": dict}
-
-
-def _root(folder: str) -> str:
-    """The folder whose inside a tokenizer file may link to: the nearest
-    ``models--*`` ancestor (a huggingface_hub cache repo, whose snapshots link to
-    its ``blobs``), else the folder itself."""
-    real = os.path.realpath(folder)
-    for p in (real, *_parents(real)):
-        if os.path.basename(p).startswith("models--"):
-            return p
-    return real
-
-
-def _parents(path: str) -> list[str]:
-    out = []
-    while (up := os.path.dirname(path)) != path:
-        out.append(up)
-        path = up
-    return out
-
-
-def _linked_out(path: str, folder: str, target: str) -> UsageError:
-    link = os.readlink(path) if os.path.islink(path) else target
-    return UsageError(f"{path}: is a link to {short(link, 200)} ({short(target, 200)}), "
-                      f"outside the tokenizer's folder {_root(folder)}; its text would be read "
-                      "into every prompt. Fix: copy the file into the folder (or download the "
-                      "tokenizer's files again) instead of linking out.")
-
-
-def _load(path: str, folder: str) -> bytes | None:
-    """The bytes of the folder's file ``path``, ``None`` where there is none. A link is
-    followed only inside the folder (see :func:`_root`), since a template or config
-    read from it is sent to the model in every prompt; the file is read through the
-    one descriptor that was checked (a file swapped for a link out in between is
-    refused), and a device, pipe or folder in its place is refused."""
-    if not os.path.lexists(path):
-        return None
-    try:
-        return read_within(path, [_root(folder)])
-    except LinkedOut as e:
-        raise _linked_out(path, folder, e.target) from None
-    except (NotAFile, FileNotFoundError) as e:  # the latter: a link to nothing
-        kind = e.kind if isinstance(e, NotAFile) else path_kind(path) or "gone"
-        raise UsageError(f"{path}: is {kind}, not a file. Fix: put the file there, or "
-                         "remove what is in its place.") from None
-
-
-def _text(path: str, data: bytes) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{path}: is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 4]!r})."
-                         " Fix: save it as UTF-8, or download the tokenizer's files again.") from None
-
-
-def _read(path: str, folder: str) -> Any:
-    """The JSON file at ``path``, or ``None`` where there is none; a file whose top
-    is not what the folder's file of that name holds (an object) is refused."""
-    data = _load(path, folder)
-    if data is None:
-        return None
-    text = _text(path, data)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path}: is not a JSON file ({e}). Fix: download the tokenizer's "
-                         "files again.") from None
-    except RecursionError:
-        raise UsageError(f"{path}: nests too deep to read (JSON). Fix: download the "
-                         "tokenizer's files again.") from None
-    kind = _KINDS.get(os.path.basename(path))
-    if kind is not None and not isinstance(value, kind):
-        raise UsageError(f"{path}: holds a JSON {_json_type(value)}, not an object "
-                         f"({{...}}). Fix: download the tokenizer's files again.")
-    return value
-
-
-def _json_type(value: Any) -> str:
-    for kind, name in ((bool, "boolean"), (str, "string"), (int, "number"), (float, "number"),
-                       (list, "list"), (dict, "object")):
-        if isinstance(value, kind):
-            return f"{name} {short(value, 40)}"
-    return "null"
-
-
 def _special(value: Any, name: str, file: str) -> str | None:
     """A special token as the configs write it (text, or an AddedToken object with a
     text ``content``), ``None`` where absent; any other value is refused."""
@@ -150,7 +65,7 @@ def _special(value: Any, name: str, file: str) -> str | None:
         value = value["content"]
     if not isinstance(value, str):
         raise UsageError(f"{file}: {name} must be the token's text (or an object with a text "
-                         f"'content'), got a JSON {_json_type(value)}. Fix: e.g. "
+                         f"'content'), got a JSON {json_type(value)}. Fix: e.g. "
                          f'"{name}": "</s>", or download the tokenizer\'s files again.')
     return value
 
@@ -163,7 +78,7 @@ def _ids(value: Any, name: str, file: str, *, many: bool) -> Any:
         return value
     what = "a token id (an integer 0 or more) or a list of them" if many else \
         "a token id (an integer 0 or more)"
-    raise UsageError(f"{file}: {name} must be {what}, got a JSON {_json_type(value)}. Fix: "
+    raise UsageError(f"{file}: {name} must be {what}, got a JSON {json_type(value)}. Fix: "
                      f"e.g. \"{name}\": 2, or download the model's files again.")
 
 
@@ -310,7 +225,7 @@ class Tokenizer:
         self.chat_template = chat_template
         #: Where the chat template was read, as its errors name it.
         self.template_file = os.path.join(path, "tokenizer_config.json") + " (chat_template)"
-        files = {n: os.path.join(path, n) for n in _KINDS}
+        files = {n: os.path.join(path, n) for n in FILES}
         generation = dict(generation or {})
         gen_file = files["generation_config.json"]
         _ids(generation.get("eos_token_id"), "eos_token_id", gen_file, many=True)
@@ -359,7 +274,7 @@ class Tokenizer:
         check_path(folder, "Tokenizer.from_pretrained",
                    fix="pass the checkpoint folder holding tokenizer.json.")
         file = os.path.join(folder, "tokenizer.json")
-        data = _load(file, folder)
+        data = load_file(file, folder)
         if data is None:
             raise FileNotFoundError(
                 f"Tokenizer.from_pretrained: no tokenizer.json in {folder} (only "
@@ -367,14 +282,14 @@ class Tokenizer:
                 "the folder holding it, or convert the tokenizer once with transformers: "
                 "AutoTokenizer.from_pretrained(folder).save_pretrained(folder).")
         tokenizers = _require("tokenizers")
-        spec = _text(file, data)
+        spec = as_text(file, data)
         if not spec.lstrip().startswith("{"):
             try:
                 top = json.loads(spec)
             except (json.JSONDecodeError, RecursionError):
                 raise UsageError(f"{file}: is not a JSON file. Fix: download the tokenizer's "
                                  "files again.") from None
-            raise UsageError(f"{file}: holds a JSON {_json_type(top)}, not the tokenizer's "
+            raise UsageError(f"{file}: holds a JSON {json_type(top)}, not the tokenizer's "
                              "object ({...}). Fix: download the tokenizer's files again.")
         try:
             backend = tokenizers.Tokenizer.from_str(spec)
@@ -383,23 +298,23 @@ class Tokenizer:
                 raise
             raise UsageError(f"{file}: tokenizers cannot read it ({short(str(e), 200)}). Fix: "
                              "download the tokenizer's files again.") from None
-        config = _read(os.path.join(folder, "tokenizer_config.json"), folder) or {}
+        config = read_json(os.path.join(folder, "tokenizer_config.json"), folder) or {}
         template = config.get("chat_template")
         template_file = os.path.join(folder, "tokenizer_config.json") + " (chat_template)"
         if template is not None and not isinstance(template, str) and not (
                 isinstance(template, list) and all(isinstance(t, Mapping) for t in template)):
             raise UsageError(f"{template_file}: must be the template's text or a list of "
                              "{'name', 'template'} objects, got a JSON "
-                             f"{_json_type(template)}. Fix: download the tokenizer's files "
+                             f"{json_type(template)}. Fix: download the tokenizer's files "
                              "again.")
         jinja = os.path.join(folder, "chat_template.jinja")
-        jinja_data = _load(jinja, folder)
+        jinja_data = load_file(jinja, folder)
         if jinja_data is not None:
-            template = _text(jinja, jinja_data)
+            template = as_text(jinja, jinja_data)
             template_file = jinja
         tok = cls(backend, path=folder, config=config,
-                  special_map=_read(os.path.join(folder, "special_tokens_map.json"), folder),
-                  generation=_read(os.path.join(folder, "generation_config.json"), folder),
+                  special_map=read_json(os.path.join(folder, "special_tokens_map.json"), folder),
+                  generation=read_json(os.path.join(folder, "generation_config.json"), folder),
                   chat_template=template)
         tok.template_file = template_file
         for name in tok.special_tokens:
@@ -591,7 +506,7 @@ class Tokenizer:
                                  "'default'. Fix: name one 'default'.")
             if not isinstance(template, str):
                 raise UsageError(f"{self.template_file}: the template named 'default' must be "
-                                 f"text, got a JSON {_json_type(template)}. Fix: download the "
+                                 f"text, got a JSON {json_type(template)}. Fix: download the "
                                  "tokenizer's files again.")
         if not isinstance(template, str) or not template:
             raise UsageError(f"{self.path}: the tokenizer has no chat template (no chat_template "

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 
-from nnx_shard._errors import UsageError, check_path, count, short
+from nnx_shard._errors import LinkedOut, NotAFile, UsageError, check_path, count, short
 from nnx_shard._safetensors_io import described
+from nnx_shard._trusted_files import folder_roots, read_within, roots_words
 from nnx_shard.models._families import family_of, model_types
 from nnx_shard.models._rope import checked
 
@@ -35,8 +36,22 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 FIX_VALUE = "Fix: use the checkpoint's own config.json"
 
 
-def read_json(config: Any) -> tuple[dict[str, Any], str]:
-    """The config as a dict, and how messages name it (the file, or ``config.json``)."""
+def read_json(config: Any, *, roots: Sequence[str] | None = None) -> tuple[dict[str, Any], str]:
+    """The config as a dict, and how messages name it (the file, or ``config.json``).
+
+    A file is read through one descriptor
+    (:func:`~nnx_shard._trusted_files.read_within`), where a link may lead only into
+    ``roots``: by default the checkpoint folder given (or, for a file named itself, the
+    folder of the file that name leads to) and its hub cache repository
+    (:func:`~nnx_shard._trusted_files.folder_roots`). A ``config.json`` linking out of
+    its checkpoint, or swapped for such a link while it is read, is refused: what is
+    read here is what an export of the model publishes.
+
+    >>> import tempfile
+    >>> import nnx_shard as ns
+    >>> read_json(ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False))[0]["model_type"]
+    'llama'
+    """
     if isinstance(config, Mapping):
         return dict(config), "config.json"
     if isinstance(config, bytes) or not isinstance(config, str | os.PathLike) or not str(config):
@@ -45,16 +60,34 @@ def read_json(config: Any) -> tuple[dict[str, Any], str]:
                          f"{short(config, 60)}. Fix: e.g. LlamaConfig.from_hf('checkpoints/llama')")
     path = os.fspath(config)
     if os.path.isdir(path):
+        roots = folder_roots(path) if roots is None else roots
         path = os.path.join(path, "config.json")
-    check_path(path, "LlamaConfig.from_hf", want="file", expected="a config.json file",
-               fix="pass the checkpoint directory, its config.json, or the dict.")
+    elif roots is None:  # a file named itself: the link it is (if any) was named too
+        roots = folder_roots(os.path.dirname(os.path.realpath(path)))
+
+    def check() -> None:
+        check_path(path, "LlamaConfig.from_hf", want="file", expected="a config.json file",
+                   fix="pass the checkpoint directory, its config.json, or the dict.")
+
+    check()
     fix = "Fix: download the checkpoint's config.json again."
 
     def constant(name: str) -> Any:
         raise UsageError(f"{path}: holds {name}, which is not JSON and no size. {fix}")
 
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        raw = read_within(path, roots)
+    except LinkedOut as e:
+        raise UsageError(f"{path}: leads to {e.target}, outside the checkpoint folder "
+                         f"{roots_words(roots)}; only the checkpoint's own files are read (an "
+                         "export publishes what is read here). Fix: put a copy of the file in "
+                         f"the folder instead of the link (cp --remove-destination {e.target} "
+                         f"{path}).") from None
+    except (NotAFile, FileNotFoundError) as e:
+        check()  # replaced since the check above: the check's own words for what is there
+        raise UsageError(f"{path}: changed while it was read ({e.strerror}). Fix: leave the "
+                         "checkpoint's files as they are while it loads, and load it "
+                         "again.") from None
     try:
         hf = json.loads(raw.decode("utf-8"), parse_constant=constant)
     except UnicodeDecodeError as e:

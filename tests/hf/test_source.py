@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard import _safetensors_io as st
 from nnx_shard._errors import NnxShardError, UsageError
+from nnx_shard._low_rank import adapters
 from nnx_shard.hf import _export_dir as export_dir
 from nnx_shard.hf import load_pretrained, source_of
 from nnx_shard.models import Llama, LlamaConfig
@@ -270,7 +272,7 @@ def _private_swap(src: Path, name: str, how: str):
     link to a private file (a folder of private files)."""
     private = src.parent / "private"
     private.mkdir()
-    for n in TOKENIZER:
+    for n in {*TOKENIZER, name}:
         (private / n).write_text(PRIVATE)
 
     def swap() -> None:
@@ -326,29 +328,124 @@ def test_a_tokenizer_file_replaced_by_a_fifo_is_named_without_waiting(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_open_within_reads_links_inside_and_refuses_everything_else(tmp_path):
+# -- files of a checkpoint or adapter folder swapped while they load ------------------------
+
+def _sharded(src: Path) -> Path:
+    """``src`` with its weights as the one shard its index lists (the index is read)."""
+    keys = list(st.read_header(str(src / "model.safetensors")).tensors)
+    (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}}))
+    return src
+
+
+@pytest.mark.parametrize("how", ["file", "folder"])
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json",
+                                  "model.safetensors.index.json"])
+def test_a_checkpoint_file_swapped_for_a_link_while_it_loads_is_never_read(
+        tmp_path, monkeypatch, name, how):
+    src = make_source(tmp_path / "src")
+    if name == "model.safetensors.index.json":
+        _sharded(src)
+    opened = _swap_on_open(monkeypatch, name, _private_swap(src, name, how))
+    with pytest.raises(UsageError) as e:
+        if name == "config.json":  # LlamaConfig.from_hf reads it as load_pretrained does
+            LlamaConfig.from_hf(src)
+        else:
+            load(src)
+    monkeypatch.undo()
+    assert opened, "the swap never ran: the test proves nothing"
+    text = str(e.value)
+    assert re.search(rf"{re.escape(name)}:? leads to \S*private\S*, outside the checkpoint "
+                     rf"folder {re.escape(str(src))}", text), text
+    assert "Fix: put a copy of the" in text and "PRIVATE" not in text
+
+
+def test_a_checkpoint_config_linked_inside_its_hub_cache_repository_loads(tmp_path):
+    snap = _hub_snapshot(tmp_path / "hub")
+    assert LlamaConfig.from_hf(snap) == LlamaConfig.from_hf(FIXTURES / "hf_publish")
+    # A config.json named itself may be a link anywhere: the name given is what is read.
+    (tmp_path / "named.json").symlink_to(snap / "config.json")
+    assert LlamaConfig.from_hf(tmp_path / "named.json") == LlamaConfig.from_hf(snap)
+
+
+def _weights(model: nnx.Module) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def test_a_shard_replaced_after_its_header_is_read_loads_the_file_that_was_opened(
+        tmp_path, monkeypatch):
     import os
 
-    from nnx_shard._errors import LinkedOut, NotAFile, open_within, read_within
+    src = _sharded(make_source(tmp_path / "src"))
+    shard = src / "model-00001-of-00001.safetensors"
+    # Another checkpoint's bytes under the same header: what reads by path after the
+    # header would load without a word.
+    raw = shard.read_bytes()
+    start = min(t.offset for t in st.read_header(str(shard)).tensors.values())
+    private = tmp_path / "private.safetensors"
+    private.write_bytes(raw[:start] + b"\x3f" * (len(raw) - start))
+    check_layout = st._check_layout
+    swapped: list[str] = []
 
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "a").write_bytes(b"inside")
-    (tmp_path / "d" / "link").symlink_to("a")
-    (tmp_path / "out").write_bytes(b"outside")
-    (tmp_path / "d" / "escape").symlink_to(tmp_path / "out")
-    assert read_within(tmp_path / "d" / "link", [tmp_path / "d"]) == b"inside"
-    with pytest.raises(LinkedOut) as e:
-        read_within(tmp_path / "d" / "escape", [tmp_path / "d"])
-    assert e.value.target == str(tmp_path / "out")
-    with pytest.raises(NotAFile, match="a symbolic link, not a regular file"):
-        read_within(tmp_path / "d" / "link", None)  # no roots: no link is followed
-    os.mkfifo(tmp_path / "d" / "fifo")
-    with pytest.raises(NotAFile, match="a FIFO"):
-        read_within(tmp_path / "d" / "fifo", [tmp_path / "d"])
-    with pytest.raises(NotAFile, match="a folder"):
-        read_within(tmp_path / "d", [tmp_path])
-    with open_within(tmp_path / "d" / "a", [tmp_path / "d"]) as f:
-        assert f.read(2) == b"in"
+    def swap_after_the_header(path, *args):
+        check_layout(path, *args)
+        if not swapped and os.path.basename(path) == shard.name:
+            swapped.append(path)
+            shard.unlink()
+            shard.symlink_to(private)
+
+    monkeypatch.setattr(st, "_check_layout", swap_after_the_header)
+    model = load(src)
+    monkeypatch.undo()
+    assert swapped, "the swap never ran: the test proves nothing"
+    want = _weights(load(make_source(tmp_path / "clean")))
+    got = _weights(model)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_a_shard_swapped_for_a_fifo_before_it_opens_is_named_without_waiting(
+        tmp_path, monkeypatch):
+    import os
+
+    src = make_source(tmp_path / "src")
+
+    def fifo() -> None:
+        (src / "model.safetensors").unlink()
+        os.mkfifo(src / "model.safetensors")
+
+    opened = _swap_on_open(monkeypatch, "model.safetensors", fifo)
+    with pytest.raises(UsageError, match=r"load_safetensors: .*model\.safetensors is a FIFO, "
+                       r"not a file\. Fix: download the checkpoint's files again"):
+        load(src)
+    monkeypatch.undo()
+    assert opened
+
+
+PEFT = FIXTURES / "peft_llama"
+
+
+@pytest.mark.parametrize("how", ["file", "folder"])
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_an_adapter_file_swapped_for_a_link_while_it_loads_is_never_read(
+        tmp_path, monkeypatch, name, how):
+    folder = tmp_path / "adapter"
+    shutil.copytree(PEFT, folder)
+    base = load(make_source(tmp_path / "base"))  # hf_llama's weights, the adapter's base
+    opened = _swap_on_open(monkeypatch, name, _private_swap(folder, name, how))
+    with pytest.raises(UsageError) as e:
+        ns.hf.load_lora(folder, base)
+    monkeypatch.undo()
+    assert opened, "the swap never ran: the test proves nothing"
+    text = str(e.value)
+    assert re.search(rf"load_lora: {re.escape(str(folder))}: {re.escape(name)} leads to "
+                     rf"\S*private\S*, outside the adapter folder {re.escape(str(folder))}",
+                     text), text
+    assert "Fix: put a copy of the file in the folder" in text and "PRIVATE" not in text
+    assert not adapters(base)  # refused before a single adapter was added
 
 
 # -- the tokenizer of a resized model ------------------------------------------------------

@@ -1,6 +1,10 @@
 """Hostile cases of what ``save_safetensors`` and ``Tokenizer.from_pretrained`` read and
 write: a source's tokenizer file (or the source folder itself) swapped for a link to a
-private file between its check and its open, or replaced by a FIFO; a model resized
+private file between its check and its open, or replaced by a FIFO; the files a load
+reads from its checkpoint or adapter folder (``config.json``, ``generation_config.json``,
+the index, a weight shard, ``adapter_config.json``, ``adapter_model.safetensors``)
+swapped the same way while ``load_pretrained``, ``LlamaConfig.from_hf`` or ``load_lora``
+reads them; a model resized
 away from its source's vocabulary while the source's tokenizer would be copied beside
 it; a ``tokenizer=`` that is not a Tokenizer, has more ids than the model, or comes with
 ``copy_tokenizer=False``; a model with LoRA adapters (or a QLoRA base), and variables
@@ -68,7 +72,7 @@ def build(hs: Any) -> None:
         (``how="file"``) or ``folder`` (``"folder"``) by a link to private files."""
         private = folder.parent / "private"
         private.mkdir()
-        for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        for n in {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", name}:
             (private / n).write_text(SECRET)
         swapped: list[str] = []
 
@@ -90,6 +94,11 @@ def build(hs: Any) -> None:
         builtins.open, os.open = wrap(real_open), wrap(real_os_open)  # type: ignore[assignment]
         try:
             result = fn()
+        except Exception as e:
+            if "PRIVATE KEY" in str(e):
+                raise AssertionError("a private file's content is in the error: it was read "
+                                     "through the swapped link") from e
+            raise
         finally:
             builtins.open, os.open = real_open, real_os_open  # type: ignore[assignment]
         if not swapped:
@@ -131,6 +140,89 @@ def build(hs: Any) -> None:
            lambda: fifo_in_place("fifo_export", "tokenizer.json", True))
     hs.api("r6export/tokenizer_folder_chat_template_a_fifo", ("chat_template.jinja", "FIFO"),
            lambda: fifo_in_place("fifo_tok", "chat_template.jinja", False))
+
+    # -- a checkpoint's or an adapter's files swapped while they load ---------------------
+
+    def config_swapped(label: str, how: str) -> Any:
+        folder = source(label)
+        return swapping(folder, "config.json", how,
+                        lambda: ns().models.LlamaConfig.from_hf(folder))
+
+    hs.api("r6export/config_json_swapped_for_a_link_while_it_loads",
+           ("config.json", "outside the checkpoint folder"),
+           lambda: config_swapped("cfg_swap_file", "file"))
+    hs.api("r6export/checkpoint_folder_swapped_for_a_link_while_its_config_loads",
+           ("config.json", "outside the checkpoint folder"),
+           lambda: config_swapped("cfg_swap_folder", "folder"))
+
+    def sharded(folder: Path) -> Path:
+        """``folder`` with its weights as the one shard its index lists."""
+        import json
+
+        from nnx_shard import _safetensors_io as st
+
+        keys = list(st.read_header(str(folder / "model.safetensors")).tensors)
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}}))
+        return folder
+
+    def load_swapped(label: str, name: str, how: str = "file") -> Any:
+        folder = source(label)
+        if name.endswith(".index.json"):
+            sharded(folder)
+        return swapping(folder, name, how, lambda: load(folder))
+
+    hs.api("r6export/generation_config_swapped_for_a_link_while_it_loads",
+           ("generation_config.json", "outside the checkpoint folder"),
+           lambda: load_swapped("gen_swap", "generation_config.json"))
+    hs.api("r6export/index_swapped_for_a_link_while_it_loads",
+           ("model.safetensors.index.json", "outside the checkpoint folder"),
+           lambda: load_swapped("index_swap", "model.safetensors.index.json"))
+    hs.api("r6export/checkpoint_folder_swapped_for_a_link_while_its_index_loads",
+           ("model.safetensors.index.json", "outside the checkpoint folder"),
+           lambda: load_swapped("index_swap_folder", "model.safetensors.index.json", "folder"))
+
+    def shard_fifo() -> Any:
+        folder = source("shard_fifo")
+        done: list[str] = []
+        real_os_open = os.open
+
+        def opener(file: Any, *args: Any, **kwargs: Any) -> Any:
+            if not done and isinstance(file, str | os.PathLike) and \
+                    os.path.basename(os.fspath(file)) == "model.safetensors":
+                done.append("model.safetensors")
+                (folder / "model.safetensors").unlink()
+                os.mkfifo(folder / "model.safetensors")
+            return real_os_open(file, *args, **kwargs)
+
+        os.open = opener  # type: ignore[assignment]
+        try:
+            return load(folder)
+        finally:
+            os.open = real_os_open  # type: ignore[assignment]
+            if not done:
+                raise AssertionError("model.safetensors was never opened: the case proves "
+                                     "nothing")
+
+    hs.api("r6export/shard_swapped_for_a_fifo_before_it_opens", ("model.safetensors", "FIFO"),
+           shard_fifo)
+
+    def adapter_swapped(label: str, name: str, how: str) -> Any:
+        base = load(source(label))  # hf_llama's weights: the adapter's base
+        folder = Path(F.path(f"r6export_{label}")) / "adapter"
+        shutil.copytree(FIXTURES / "peft_llama", folder)
+        return swapping(folder, name, how, lambda: ns().hf.load_lora(folder, base))
+
+    hs.api("r6export/adapter_config_swapped_for_a_link_while_it_loads",
+           ("adapter_config.json", "outside the adapter folder"),
+           lambda: adapter_swapped("adapter_cfg_swap", "adapter_config.json", "file"))
+    hs.api("r6export/adapter_weights_swapped_for_a_link_while_they_load",
+           ("adapter_model.safetensors", "outside the adapter folder"),
+           lambda: adapter_swapped("adapter_w_swap", "adapter_model.safetensors", "file"))
+    hs.api("r6export/adapter_folder_swapped_for_a_link_while_its_weights_load",
+           ("adapter_model.safetensors", "outside the adapter folder"),
+           lambda: adapter_swapped("adapter_dir_swap", "adapter_model.safetensors", "folder"))
 
     # -- the tokenizer of a resized model ----------------------------------------------------
 
