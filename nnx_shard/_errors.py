@@ -13,8 +13,10 @@ import re
 import reprlib
 import stat
 import traceback
-from collections.abc import Iterator, Sequence
-from typing import Any, BinaryIO
+from collections.abc import Iterator
+from typing import Any
+
+from nnx_shard import _compat
 
 
 class NnxShardError(Exception):
@@ -268,118 +270,6 @@ class NotAFile(NnxShardError, OSError):
         return type(self), (self.filename, self.kind)
 
 
-def _within(target: str, roots: Sequence[str]) -> bool:
-    return any(os.path.commonpath([target, root]) == root for root in roots)
-
-
-def _opened_at(fd: int) -> str | None:
-    """Where the open file ``fd`` is, as the kernel resolved it when it was opened
-    (None where the system cannot say)."""
-    try:
-        where = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        where = ""
-        try:
-            import fcntl
-
-            getpath = getattr(fcntl, "F_GETPATH", None)  # macOS
-            if getpath is not None:
-                where = os.fsdecode(fcntl.fcntl(fd, getpath, bytes(1024)).rstrip(b"\0"))
-        except (ImportError, OSError):
-            pass
-    # A file removed (replaced) after it was opened still reads as what was opened.
-    where = where.removesuffix(" (deleted)")
-    return where if os.path.isabs(where) else None
-
-
-@contextlib.contextmanager
-def open_within(path: str | os.PathLike[str], roots: Sequence[str | os.PathLike[str]] | None
-                ) -> Iterator[BinaryIO]:
-    """The regular file at ``path``, opened once for reading: everything read of it
-    comes from that one descriptor, so a file swapped for a link between a check and
-    the read cannot lead anywhere else.
-
-    With ``roots`` (folders) a symbolic link is followed only when it resolves inside
-    one of them, the resolved file is opened without following a link in its last
-    component (``O_NOFOLLOW``), and where the opened file really is (the kernel's
-    record of the descriptor) must be inside one of them too: that covers a folder
-    on the way swapped for a link. Without ``roots`` no link is followed at all.
-
-    Raises:
-      LinkedOut: the file leads out of ``roots``.
-      NotAFile: it is a folder, a FIFO or a device (a FIFO is never waited on).
-      OSError: it cannot be opened.
-
-    >>> import tempfile
-    >>> d = tempfile.mkdtemp()
-    >>> with open(os.path.join(d, "a.txt"), "w") as f:
-    ...     _ = f.write("hi")
-    >>> with open_within(os.path.join(d, "a.txt"), [d]) as f:
-    ...     f.read()
-    b'hi'
-    >>> os.symlink("/etc/hostname", os.path.join(d, "b.txt"))
-    >>> with open_within(os.path.join(d, "b.txt"), [d]) as f:
-    ...     pass
-    Traceback (most recent call last):
-    ...
-    nnx_shard._errors.LinkedOut: ...b.txt leads to /etc/hostname, outside the folder ...
-    """
-    path = os.fspath(path)
-    flags = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
-             | getattr(os, "O_CLOEXEC", 0))
-    if roots is None:
-        real, inside = path, None
-    else:
-        inside = [os.path.realpath(r) for r in roots]
-        real = os.path.realpath(path)
-        if not _within(real, inside):
-            raise LinkedOut(path, real)
-    try:
-        fd = os.open(real, flags)
-    except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.EMLINK):  # EMLINK: the BSDs' O_NOFOLLOW
-            raise
-        target = os.path.realpath(real)
-        if inside is not None and not _within(target, inside):
-            raise LinkedOut(path, target) from None
-        raise NotAFile(path, "a symbolic link") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise NotAFile(path, mode_kind(info.st_mode))
-        if inside is not None:
-            where = _opened_at(fd)
-            if where is None:  # no record: the path must still resolve to the opened file
-                again = os.path.realpath(real)
-                try:
-                    same = os.path.samestat(info, os.stat(again))
-                except OSError:
-                    same = False
-                if not (same and again == real):
-                    raise LinkedOut(path, f"{again} (it changed while it was opened)")
-                where = again
-            if not _within(where, inside):
-                raise LinkedOut(path, where)
-        os.set_blocking(fd, True)
-        f = os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-    with f:
-        yield f
-
-
-def read_within(path: str | os.PathLike[str], roots: Sequence[str | os.PathLike[str]] | None
-                ) -> bytes:
-    """The bytes of the regular file at ``path``, read as :func:`open_within` opens it.
-
-    >>> read_within("pyproject.toml", ["."])[:9]
-    b'[build-sy'
-    """
-    with open_within(path, roots) as f:
-        return f.read()
-
-
 def raise_collected(errors: list[str], what: str = "variables") -> None:
     """Raises one ShardingError for every problem found in a pass over a tree, so a
     single run shows every parameter that needs a fix (no-op when ``errors`` is empty)."""
@@ -391,31 +281,12 @@ def raise_collected(errors: list[str], what: str = "variables") -> None:
         )
 
 
-def _sharding_type_error_class() -> type[Exception]:
-    # JAX (0.10.2) exports no public name for the error its sharding-in-types
-    # rules raise on Explicit mesh axes; tests/test_stock_layers.py pins this location
-    # so a move in JAX fails loudly there rather than silently letting raw
-    # errors through.
-    from jax._src import core
+# JAX exports no public name for the errors its sharding-in-types rules raise on Explicit
+# mesh axes; nnx_shard/_compat.py reads both (tests/test_compat.py pins them).
+ShardingTypeError = _compat.ShardingTypeError
+DuplicateSpecError = _compat.DuplicateSpecError
 
-    return core.ShardingTypeError
-
-
-ShardingTypeError: type[Exception] = _sharding_type_error_class()
-
-
-def _duplicate_spec_error_class() -> type[Exception]:
-    # Raised (no public name either) when an operation's output type on Explicit axes
-    # would shard two dimensions over one mesh axis, e.g. table[(ids,)] with the table
-    # and the ids both sharded over 'data'; pinned in tests/test_stock_layers.py too.
-    from jax._src import named_sharding
-
-    return named_sharding.DuplicateSpecError
-
-
-DuplicateSpecError: type[Exception] = _duplicate_spec_error_class()
-
-# JAX's error text, read as of jax 0.10.2 (it has no structured field for these; see
+# JAX's error text, read as of jax 0.10.2 to 0.12 (it has no structured field for these; see
 # docs/architecture.md, "Where the library touches process state"). The patterns only
 # pick words for our message: text they do not match is still quoted whole.
 # A JAX TypeError that is about sharding types: scan's carry changed its sharding.

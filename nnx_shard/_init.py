@@ -38,6 +38,7 @@ from flax import errors as flax_errors
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from nnx_shard import _compat
 from nnx_shard import _optstate as optstate
 from nnx_shard._annotate import path_str
 from nnx_shard._errors import ShardingError, UsageError, sharding_types, short
@@ -130,17 +131,13 @@ def _fused_threefry() -> Any | None:
     the same bits with straight-line code that XLA fuses into the output.
     The override travels with our own lowering only (JAX's rule registry is not
     touched), so programs other threads lower at the same time keep JAX's rules.
-    Both the parameters and the registry are private JAX; if they move, we get
-    ``None`` and JAX's default (correct, just more temporary memory), and the
-    memory test in tests/test_init.py flags it.
+    Both the parameters and the registry are private JAX (read in
+    nnx_shard/_compat.py); if they move, we get ``None`` and JAX's default (correct,
+    just more temporary memory), and tests/test_compat.py fails naming the jax version.
     """
     try:
-        from jax._src.interpreters import mlir as _mlir
-        from jax.extend.random import threefry2x32_p
-
-        generic = _mlir._lowerings[threefry2x32_p].rule
-        return _mlir.LoweringParameters(override_lowering_rules=((threefry2x32_p, generic),))
-    except (ImportError, AttributeError, KeyError, TypeError):  # pragma: no cover - JAX moved
+        return _compat.threefry_lowering_parameters()
+    except ImportError:  # pragma: no cover - JAX moved; tests/test_compat.py says so
         return None
 
 

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from nnx_shard import _compat
 from nnx_shard._errors import NnxShardError, count, short
 from nnx_shard._mesh import make_mesh
 from nnx_shard._rules import Rules, as_rules
@@ -128,8 +129,8 @@ def _split_address(address: str, where: str) -> tuple[str, int]:
     return host, port_i
 
 
-# JAX has no public API for these two, so they are read here and nowhere else
-# (tests/test_distributed.py pins both, to fail loudly when JAX moves them):
+# JAX has no public API for these two, so nnx_shard/_compat.py reads them (tests/test_compat.py
+# pins both, to fail loudly when JAX moves them):
 # - which cluster its auto-detection would pick: ``jax.distributed.initialize``
 #   detects and joins in one call, and it must run before any other JAX call, so
 #   it cannot be tried to find out whether this is a single process;
@@ -139,16 +140,12 @@ def _split_address(address: str, where: str) -> tuple[str, int]:
 
 def _jax_cluster_kinds() -> list[Any]:
     """JAX's cluster detectors (SLURM, Open MPI, Cloud TPU, Kubernetes, ...), in its order."""
-    from jax._src import clusters
-
-    return list(clusters.ClusterEnv._cluster_types)
+    return _compat.cluster_kinds()
 
 
 def _jax_distributed_state() -> Any:
     """The ``jax.distributed`` runtime state: ``client``, ``coordinator_address``."""
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state
+    return _compat.distributed_state()
 
 
 def _detected_cluster(environ: Mapping[str, str]) -> str | None:

@@ -222,7 +222,7 @@ def _rolled_threefry(lowered) -> bool:
 
 @needs_devices(8)
 def test_fused_threefry_leaves_jax_rules_alone_for_concurrent_lowerings():
-    from jax._src.interpreters import mlir
+    from jax.interpreters import mlir
 
     before = mlir._platform_specific_lowerings["cpu"].get(threefry2x32_p)
     assert before is not None

@@ -48,7 +48,9 @@ def simulate_devices(n: int = SIMULATED_DEVICES) -> bool:
     """
     if _FORCE in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_NUM_CPU_DEVICES"):
         return False
-    if jax.config.jax_num_cpu_devices >= 0:  # type: ignore[attr-defined]  # set by the user (config or env at import)
+    # Set by the user (config or env at import). Read through the public mapping of every
+    # option: jax 0.10 does not type the option as an attribute of jax.config, 0.12 does.
+    if jax.config.values["jax_num_cpu_devices"] >= 0:
         return False
     try:
         # JAX's public route: importing jax starts no backend; the first

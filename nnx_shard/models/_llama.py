@@ -75,6 +75,7 @@ from nnx_shard.models._rotary import (
 from nnx_shard.models._transformer import (
     GATHERED,
     RESIDUAL,
+    TOKEN_TABLE,
     block_input_names,
     empty_tokens,
     last_positions,
@@ -195,7 +196,8 @@ class LlamaAttention(nnx.Module):
         out = attention(self._scaled(q), k, v, causal=True, mask=mask,
                         segment_ids=extras.segment_ids, implementation=self.kernel,
                         softcap=self.softcap)
-        return _add(project("blhk,hke->ble", out, self, "o", dt, RESIDUAL, seq="l"),
+        return _add(project("blhk,hke->ble", out, self, "o", dt, RESIDUAL, seq="l",
+                            reduce=seq_names(GATHERED)),
                     self.o_bias, dt)
 
     def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
@@ -264,7 +266,8 @@ class LlamaMLP(nnx.Module):
         u = _add(project("ble,em->blm", x, self, "up", dt, hidden, seq="l", **off),
                  self.up_bias, dt)
         act = self.activation(g)
-        return _add(project("blm,me->ble", act * u, self, "down", dt, RESIDUAL, seq="l", **off),
+        return _add(project("blm,me->ble", act * u, self, "down", dt, RESIDUAL, seq="l",
+                            reduce=seq_names(GATHERED), **off),
                     self.down_bias, dt)
 
 
@@ -459,7 +462,7 @@ class Llama(nnx.Module):
         remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype
         self.token_embed = new_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
-                                  ("vocab", "embed"), dt)
+                                  TOKEN_TABLE, dt)
         if cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.layers)
@@ -535,7 +538,7 @@ class Llama(nnx.Module):
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL, TOKEN_TABLE)
         adapter = getattr(self, "lora_token_embed", None)
         if adapter is not None:  # PEFT's embedding LoRA: A's rows @ B, scaled; no dropout
             h = lookup(adapter.lora_a[...].astype(cfg.dtype), tokens, (*RESIDUAL[:-1], None))

@@ -16,6 +16,7 @@ sharded model can also be called under a plain ``nnx.jit``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -88,7 +89,8 @@ def _resolve(names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding
 
 
 def einsum(
-    eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None], *, seq: str | None = None
+    eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None], *, seq: str | None = None,
+    reduce: Sequence[str | None] | None = None,
 ) -> jax.Array:
     """``jnp.einsum(eq, x, w)`` whose output is laid out by logical ``names``.
 
@@ -96,6 +98,13 @@ def einsum(
     projection: under rules with the option ``collective_matmul`` (the
     ``async_tp`` strategy) the sequence is gathered into (or scattered out of)
     the matmul in ring steps, see :mod:`nnx_shard.collective_matmul`.
+
+    ``reduce`` (a row-parallel projection's) lays the product out by those names
+    before ``names`` on Auto meshes: under sequence parallelism the whole sequence,
+    where the partial sums over the split contraction meet, before the sequence is
+    split. The gradient then takes the sequence whole into the transposed product,
+    which keeps the kernel split; left to itself XLA's partitioner may instead gather
+    the kernel whole on every device (the attention output's, under sp on tiny shapes).
 
     >>> import jax.numpy as jnp
     >>> einsum("bd,df->bf", jnp.ones((2, 3)), jnp.ones((3, 4)), ("batch", None)).shape
@@ -114,14 +123,23 @@ def einsum(
     if _explicit():
         w = _compatible(xl, x, wl, w)
         return jnp.einsum(eq, x, w, out_sharding=sharding.spec)
-    return jax.lax.with_sharding_constraint(jnp.einsum(eq, x, w), sharding)
+    y = jnp.einsum(eq, x, w)
+    if reduce is not None:
+        first = _resolve(reduce, y.shape)
+        if first is not None and first.spec != sharding.spec:
+            y = jax.lax.with_sharding_constraint(y, first)
+    return jax.lax.with_sharding_constraint(y, sharding)
 
 
-def lookup(table: jax.Array, ids: jax.Array, names: Sequence[str | None]) -> jax.Array:
+def lookup(table: jax.Array, ids: jax.Array, names: Sequence[str | None],
+           table_names: Sequence[str | None] | None = None) -> jax.Array:
     """Rows ``table[ids]`` laid out by logical ``names`` (an embedding lookup).
 
     On Explicit meshes the table is gathered whole first (a gather from a sharded
-    table indexed by a sharded array has no Explicit typing rule).
+    table indexed by a sharded array has no Explicit typing rule). On Auto meshes,
+    ``table_names`` (the table's own logical names, e.g. ``("vocab", "embed")``) let
+    the lookup lay itself out where a mesh axis splits both the table and the tokens
+    (:func:`_clash_layout`) rather than leave that to XLA's partitioner.
 
     >>> import jax.numpy as jnp
     >>> lookup(jnp.eye(4), jnp.array([[1, 2]]), ("batch", "length", None)).shape
@@ -133,7 +151,71 @@ def lookup(table: jax.Array, ids: jax.Array, names: Sequence[str | None]) -> jax
     if _explicit():
         table = jax.sharding.reshard(table, PartitionSpec())
         return table.at[ids].get(out_sharding=sharding.spec)
-    return jax.lax.with_sharding_constraint(jnp.take(table, ids, axis=0), sharding)
+    between = None
+    if table_names is not None:
+        table, ids, between = _clash_layout(table, ids, sharding, table_names)
+    rows = jnp.take(table, ids, axis=0)
+    if between is not None:
+        rows = jax.lax.with_sharding_constraint(rows, between)
+    return jax.lax.with_sharding_constraint(rows, sharding)
+
+
+def _clash_layout(table: jax.Array, ids: jax.Array, out: NamedSharding,
+                  table_names: Sequence[str | None],
+                  ) -> tuple[jax.Array, jax.Array, NamedSharding | None]:
+    """``(table, ids, between)`` for :func:`lookup` on an Auto mesh, when the rules split
+    the table (laid out by ``table_names``) and the tokens of ``out`` over one mesh axis:
+    across those axes either the table or the tokens must move.
+
+    * The rows (``vocab`` over a tensor-parallel axis, the tokens split over it too, as
+      under sequence parallelism): the tokens move. ``ids`` are gathered over those
+      axes, each device looks up the rows it holds and the partial rows are summed to
+      ``out`` (``between`` at the table's own width split). Gathering the table there
+      would hold the whole vocabulary on every device, which splitting it avoids.
+    * Only the width (``embed`` over FSDP's axis, the batch over it too): whichever
+      moves fewer bytes per device. The table's width is gathered (what FSDP does for
+      any parameter) when the rows a device holds, times the devices of the clash, are
+      fewer than the tokens it would otherwise take; else the tokens move: ``ids``
+      gathered, the rows looked up at the table's width split, then moved to ``out``
+      (an all-to-all, and back for the gradient, which so stays width-split).
+
+    Left to XLA's partitioner, the jax 0.12 one logs "Involuntary full
+    rematerialization" for this lookup's gradient under fsdp_tp and pp_fsdp (it cannot
+    move the tokens to width-split between the two ways it writes layouts) and at some
+    shapes replicates it; see docs/architecture.md. ``(table, ids, None)`` when nothing
+    clashes (or a layout is unconstrained).
+    """
+    active = current()
+    if active is None:
+        return table, ids, None
+    mesh, rules = active
+    spec = rules.spec(tuple(table_names), shape=table.shape, mesh=mesh, path="embedding table")
+    t_rows, t_width = (*spec, None, None)[:2]
+    o_spec = (*out.spec, *(None,) * (ids.ndim + 1 - len(out.spec)))
+    if any(e is PartitionSpec.UNCONSTRAINED for e in (t_rows, t_width, *o_spec)):
+        return table, ids, None
+    token_axes = {a for e in o_spec[:-1] for a in entry_axes(e)}
+    rows_clash = set(entry_axes(t_rows)) & token_axes
+    width_clash = set(entry_axes(t_width)) & token_axes
+    if not rows_clash and not width_clash:
+        return table, ids, None
+
+    def size(axes: Any) -> int:
+        return math.prod(mesh.shape[a] for a in axes)
+
+    if not rows_clash:
+        rows = table.shape[0] // size(entry_axes(t_rows))
+        tokens = math.prod(ids.shape) // size(token_axes - width_clash)
+        if rows * size(width_clash) < tokens:
+            width = axes_entry(tuple(a for a in entry_axes(t_width) if a not in width_clash))
+            table = jax.lax.with_sharding_constraint(
+                table, NamedSharding(mesh, PartitionSpec(t_rows, width)))
+            return table, ids, None
+    clash = rows_clash | width_clash
+    ids_spec = [axes_entry(tuple(a for a in entry_axes(e) if a not in clash))
+                for e in o_spec[:-1]]
+    ids = jax.lax.with_sharding_constraint(ids, NamedSharding(mesh, PartitionSpec(*ids_spec)))
+    return table, ids, NamedSharding(mesh, PartitionSpec(*ids_spec, t_width))
 
 
 def whole(w: jax.Array) -> jax.Array:
@@ -170,9 +252,10 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def project(eq: str, x: jax.Array, owner: Any, name: str, dt: Any,
             names: Sequence[str | None], *, seq: str | None = None,
+            reduce: Sequence[str | None] | None = None,
             deterministic: bool | None = None) -> jax.Array:
     """The projection ``einsum(eq, x, owner.<name>)`` in the compute dtype ``dt``,
-    laid out by ``names`` (see :func:`einsum`), plus the LoRA adapter's
+    laid out by ``names`` (``reduce`` first, see :func:`einsum`), plus the LoRA adapter's
     ``scale * (dropout(x) @ A) @ B`` when the kernel has one (``owner.lora_<name>``,
     :func:`nnx_shard.lora`). The adapter's einsums come from ``eq``'s letters
     (:func:`nnx_shard._low_rank.lora_equations`); ``deterministic=True`` turns its
@@ -196,9 +279,9 @@ def project(eq: str, x: jax.Array, owner: Any, name: str, dt: Any,
     """
     kernel = getattr(owner, name)
     if hasattr(kernel, "contract"):  # a quantized base: dequantized tile by tile
-        y = kernel.contract(eq, x, dt, partial(einsum, names=names, seq=seq))
+        y = kernel.contract(eq, x, dt, partial(einsum, names=names, seq=seq, reduce=reduce))
     else:
-        y = einsum(eq, x, kernel[...].astype(dt), names, seq=seq)
+        y = einsum(eq, x, kernel[...].astype(dt), names, seq=seq, reduce=reduce)
     adapter = getattr(owner, adapter_name(name), None)
     if adapter is None:
         return y

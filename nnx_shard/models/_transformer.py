@@ -62,6 +62,9 @@ __all__ = ["IGNORE_INDEX", "Transformer", "lm_loss"]
 
 RESIDUAL = ("batch", "length", None)
 GATHERED = ("batch", None, None)
+# The embedding tables' logical names: their parameters' and what lookup reads them as.
+TOKEN_TABLE = ("vocab", "embed")
+POS_TABLE = (None, "embed")
 
 
 def seq_names(names: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -104,7 +107,8 @@ class Attention(nnx.Module):
         v = project("ble,ehk->blhk", x, self, "v", dt, heads, seq="l")
         out = attention(q, k, v, causal=True, mask=extras.mask, segment_ids=extras.segment_ids,
                         implementation=self.kernel)
-        return project("blhk,hke->ble", out, self, "o", dt, RESIDUAL, seq="l")
+        return project("blhk,hke->ble", out, self, "o", dt, RESIDUAL, seq="l",
+                       reduce=seq_names(GATHERED))
 
     def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
         """Creates the key/value cache ``[batch, length, heads, head_dim]`` (``layers``
@@ -145,7 +149,8 @@ class MLP(nnx.Module):
         off: dict[str, Any] = {"deterministic": deterministic}
         h = jax.nn.gelu(project("ble,em->blm", x, self, "up", dt,
                                 seq_names(("batch", None, "mlp")), seq="l", **off))
-        return (project("blm,me->ble", h, self, "down", dt, RESIDUAL, seq="l", **off),
+        return (project("blm,me->ble", h, self, "down", dt, RESIDUAL, seq="l",
+                        reduce=seq_names(GATHERED), **off),
                 jnp.zeros(()))
 
 
@@ -301,9 +306,9 @@ class Transformer(nnx.Module):
         remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype
         self.token_embed = new_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
-                                  ("vocab", "embed"), dt)
+                                  TOKEN_TABLE, dt)
         self.pos_embed = new_param(rngs, nnx.initializers.normal(0.02), (cfg.length, e),
-                                (None, "embed"), dt)
+                                POS_TABLE, dt)
         if cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.layers)
@@ -360,12 +365,12 @@ class Transformer(nnx.Module):
         extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
                          segment_ids=segment_ids, caller="Transformer.forward",
                          max_positions=cfg.length).laid_out()
-        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL, TOKEN_TABLE)
         if extras.positions is None:
             x = constrain(x + whole(self.pos_embed[...])[:length].astype(cfg.dtype), RESIDUAL)
         else:
             x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype), extras.positions,
-                                     RESIDUAL), RESIDUAL)
+                                     RESIDUAL, POS_TABLE), RESIDUAL)
         # The blocks read the masks; the positions are in the embedding already.
         extras = extras._replace(positions=None)
         aux = jnp.zeros((), jnp.float32)
@@ -471,7 +476,7 @@ class Transformer(nnx.Module):
         check_token_ids(tokens, cfg.vocab, "Transformer.decode")
         index = self.cache_index[...]
         steps = tokens.shape[1]
-        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL)
+        x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL, TOKEN_TABLE)
         valid = None
         if attention_mask is None:
             positions = jax.lax.dynamic_slice_in_dim(whole(self.pos_embed[...]), index, steps)
@@ -480,7 +485,7 @@ class Transformer(nnx.Module):
             positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
                                                          "Transformer.decode")
             x = constrain(x + lookup(self.pos_embed[...].astype(cfg.dtype), positions,
-                                     RESIDUAL), RESIDUAL)
+                                     RESIDUAL, POS_TABLE), RESIDUAL)
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x,
                                    lambda block, h: block.decode(h, index, valid))
         self.cache_index[...] = index + steps

@@ -3,6 +3,7 @@
 import pytest
 
 from nnx_shard import CompileError
+from nnx_shard._compat import JAX_VERSION
 from nnx_shard.planner import compiled_memory
 from nnx_shard.planner._compile import compiled_memory_subprocess
 from tests.conftest import needs_devices
@@ -66,7 +67,10 @@ def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy
         assert state <= extra <= 1.1 * state
     else:
         assert planned == 0
-        assert 0 <= extra <= 0.05 * state
+        # No copy: a few KiB of checks. jax 0.12's XLA fuses the fit call's checks and
+        # counters into more, smaller buffers (the same StableHLO, the same collectives and
+        # bare step): ~4.5 KiB on this tiny model's 37 KB state against ~1.8 KiB on jax 0.10.
+        assert 0 <= extra <= (0.05 if JAX_VERSION < (0, 12) else 0.15) * state
 
 
 @pytest.mark.slow
