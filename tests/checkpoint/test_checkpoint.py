@@ -1105,8 +1105,13 @@ print("saving in the background", flush=True)
     assert rc == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
+    # Python 3.12 refuses new threads once shutdown begins, and the save's writer threads can
+    # lose that race (the save is then lost for that reason instead of the full disk): the exit
+    # must fail with the one line either way.
+    reason = ("(File too large|can't create new thread at interpreter shutdown)"
+              if sys.version_info >= (3, 12) else "File too large")
     assert re.fullmatch(rf"nnx_shard: error: Checkpointer: the background save of step 7 to "
-                        rf"{tmp_path} failed: File too large.*", lines[0]), err
+                        rf"{tmp_path} failed: {reason}.*", lines[0]), err
     assert not list(tmp_path.glob("7*"))
 
 
