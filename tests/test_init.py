@@ -391,6 +391,32 @@ def test_zero1_params_replicated_optimizer_state_sharded(axis_types):
     assert shard_shapes == {(2, 32)}
 
 
+class _OwnOptimizerLayout(nnx.Module):
+    """A parameter whose optimizer state Flax lays out apart from it: the
+    ``optimizer_sharding`` metadata, which ``nnx.Optimizer`` copies onto the state."""
+
+    def __init__(self, rows: int = 8) -> None:
+        self.w = nnx.Param(jnp.zeros((rows, 16)), out_sharding=("embed", "mlp"),
+                           optimizer_sharding=("opt_rows", None))
+        self.b = nnx.Param(jnp.zeros((16,)), out_sharding=("mlp",))
+
+
+@needs_devices(8)
+def test_flax_optimizer_sharding_metadata_lays_out_that_parameters_state():
+    rules = ns.Rules({"embed": None, "mlp": "model", "opt_rows": "data"})
+    model = sharded_init(_OwnOptimizerLayout, "data=4,model=2", rules)
+    opt = sharded_optimizer(model, optax.adam(1e-3), "data=4,model=2", rules)
+    assert model.w.get_value().sharding.spec == P(None, "model")
+    mu, nu = opt.opt_state[0].mu, opt.opt_state[0].nu
+    assert mu["w"].get_value().sharding.spec == nu["w"].get_value().sharding.spec == P("data", None)
+    assert mu["b"].get_value().sharding.spec == P("model")  # no optimizer_sharding: its own
+    # Checked like any annotation, each state leaf named.
+    model = sharded_init(lambda: _OwnOptimizerLayout(6), "data=4,model=2", rules)
+    with pytest.raises(ns.ShardingError, match=r"(?s)2 optimizer-state variables.*"
+                       r"'opt_state/0/mu/w'.*'opt_rows'.*size 6 is not divisible by 4"):
+        sharded_optimizer(model, optax.adam(1e-3), "data=4,model=2", rules)
+
+
 @needs_devices(8)
 @pytest.mark.parametrize("axis_types", AXIS_TYPES)
 @pytest.mark.parametrize("zero1", [False, True], ids=["like_params", "zero1"])
