@@ -77,16 +77,15 @@ class StrategyLike(Protocol):
 def tables(rules: Any, opt_rules: Any, caller: str) -> tuple[Rules, Rules | None, StrategyLike | None]:
     """``(rules, opt_rules, strategy or None)`` of what an entry point was given.
 
-    A :class:`~nnx_shard.strategies.Strategy` brings both of its tables. A
-    strategy's own ``rules`` table carries its ``opt_rules`` along, so
-    ``sharded_optimizer(model, tx, mesh, zero1.rules)`` shards ZeRO-1's optimizer
-    state as ``sharded_optimizer(model, tx, mesh, zero1)`` does, instead of
-    silently laying it out like the (replicated) parameters.
+    A :class:`~nnx_shard.strategies.Strategy` brings both of its tables; a rules
+    table is only that (its optimizer state is laid out by ``opt_rules``, else by
+    the table itself): pass the strategy, or ``strategy.rules`` with
+    ``opt_rules=strategy.opt_rules``.
 
     >>> from nnx_shard.strategies import get
     >>> r, o, s = tables(get("zero1"), None, "sharded_optimizer")
-    >>> s.name, r["embed"], o["embed"], tables(get("zero1").rules, None, "x")[1]["embed"]
-    ('zero1', None, 'data', 'data')
+    >>> s.name, r["embed"], o["embed"], tables(get("zero1").rules, None, "x")[1]
+    ('zero1', None, 'data', None)
     """
     if isinstance(rules, StrategyLike) and not isinstance(rules, Rules | Mapping):
         if opt_rules is not None:
@@ -97,7 +96,7 @@ def tables(rules: Any, opt_rules: Any, caller: str) -> tuple[Rules, Rules | None
         return rules.rules, rules.opt_rules, rules
     table = as_rules(rules)
     if opt_rules is None:
-        return table, getattr(table, "_strategy_opt_rules", None), None
+        return table, None, None
     return table, as_rules(opt_rules), None
 
 
@@ -468,8 +467,9 @@ def sharded_optimizer(
     count are replicated. With ``opt_rules`` the state's logical names are
     resolved by that table instead, e.g. ZeRO-1: parameters replicated by
     ``rules``, optimizer state sharded by ``opt_rules``. A strategy passed as
-    ``rules`` brings its own ``opt_rules`` (so does the ``rules`` table of a
-    strategy: ``zero1.rules`` lays the state out as ``zero1`` does).
+    ``rules`` brings its own ``opt_rules``; its ``rules`` table alone is a plain
+    table (``zero1.rules`` lays the state out like the parameters: pass ``zero1``,
+    or ``opt_rules=zero1.opt_rules`` with it).
 
     Given an abstract model (from :func:`abstract_init`) it returns an abstract
     optimizer, with ``ShapeDtypeStruct`` leaves carrying the shardings (a

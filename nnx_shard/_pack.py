@@ -218,7 +218,7 @@ def pack(examples: Sequence[Any], length: int, *,
       examples: token id lists, each of 1 to ``length`` tokens; or examples
         with their own per-token masks (1: learn the token, 0: do not), as
         dicts ``{"input_ids": ids, "assistant_masks": mask}`` (what
-        :meth:`~nnx_shard.models.Tokenizer.apply_chat_template` returns with
+        :meth:`~nnx_shard.inference.Tokenizer.apply_chat_template` returns with
         ``return_dict=True, return_assistant_tokens_mask=True``; an
         ``attention_mask`` of 1s may come with them) or tuples ``(ids, mask)``.
         The mask is transformers' convention: token ``k + 1`` is the target at

@@ -2,7 +2,7 @@
 ``ppermute`` steps, each overlapping one block's matmul (asynchronous TP).
 
 Megatron tensor parallelism with a sequence-sharded residual stream (as under
-:func:`nnx_shard.strategies.sp`) all-gathers the sequence before each
+:func:`~nnx_shard.strategies._presets.sp`) all-gathers the sequence before each
 column-parallel matmul (Q/K/V, the MLP's up projection) and reduce-scatters
 it after each row-parallel one (the attention output, the MLP's down
 projection). Both collectives here are decomposed into ``N - 1`` ring steps

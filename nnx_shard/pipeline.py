@@ -5,7 +5,7 @@ reference :class:`~nnx_shard.models.Transformer` with ``scan_layers=True``, or
 any ``nnx.vmap``-stacked module created with
 ``transform_metadata={nnx.PARTITION_NAME: "layers"}``) runs its layer loop
 through :func:`scan`. With no pipeline option active, :func:`scan` is
-``jax.lax.scan``. Under a pipeline strategy (:func:`nnx_shard.strategies.pp`,
+``jax.lax.scan``. Under a pipeline strategy (:func:`~nnx_shard.strategies._presets.pp`,
 whose rules carry the execution option ``pipeline=Schedule(...)``) the same
 call runs the stack as a pipeline:
 

@@ -5,9 +5,9 @@ A stock layer computes its projection through an attribute: ``dot_general``
 (``Linear``, ``LinearGeneral``) or ``einsum_op`` (``Einsum``). :func:`intercept`
 sets that attribute to a :class:`ProjectionOp` that remembers the layer's
 kernel names. While the active rules carry the option ``collective_matmul``
-(:func:`nnx_shard.strategies.async_tp`), the op reads the kernel's layout from
+(:func:`~nnx_shard.strategies._presets.async_tp`), the op reads the kernel's layout from
 those rules and runs the projection through
-:func:`nnx_shard.collective_matmul.projection`:
+:func:`nnx_shard._parallel.collective_matmul.projection`:
 
 * a kernel split over the rules' ``length`` mesh axis along an output
   dimension (Megatron's column split: Q/K/V, the MLP's up projection, the

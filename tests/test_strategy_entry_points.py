@@ -39,15 +39,18 @@ def test_zero1_optimizer_state_is_sharded_by_every_spelling():
     zero1 = ns.strategies.get("zero1")
     model = ns.sharded_init(factory, "data=8", zero1)
     assert spec(model.up.kernel) == P(None, None)  # parameters replicated
-    for table in (zero1, zero1.rules):  # the strategy, or its rules table alone
-        opt = ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", table)
+    for layout in ({"rules": zero1},  # the strategy, or its two tables
+                   {"rules": zero1.rules, "opt_rules": zero1.opt_rules}):
+        opt = ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", **layout)
         state = opt.opt_state[0]
         assert spec(state.mu["up"]["kernel"]) == P("data", None)
         assert spec(state.nu["up"]["kernel"]) == P("data", None)
-    # a table derived from the strategy's is the user's own: no opt_rules ride along
-    opt = ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", zero1.rules | {"x": None})
+    # the rules table alone is a plain table: it carries no optimizer-state rules
+    assert type(zero1.rules) is ns.Rules and zero1.rules == ns.Rules(zero1.rules)
+    opt = ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", zero1.rules)
     assert spec(opt.opt_state[0].mu["up"]["kernel"]) == P(None, None)
-    report = ns.explain(model, "data=8", zero1.rules, optax.adam(1e-3))
+    report = ns.explain(model, "data=8", zero1.rules, optax.adam(1e-3),
+                        opt_rules=zero1.opt_rules)
     assert report == ns.explain(model, "data=8", zero1, optax.adam(1e-3))
     with pytest.raises(ns.ShardingError, match="opt_rules= given together with strategy 'zero1'"):
         ns.sharded_optimizer(model, optax.adam(1e-3), "data=8", zero1, opt_rules=zero1.rules)

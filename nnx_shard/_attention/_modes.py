@@ -52,7 +52,7 @@ def context_mode() -> str:
     ...
     nnx_shard._errors.ShardingError: attention: execution option attention='rings' is not one of ('local', 'ring', 'allgather'). Fix: rules.with_options(attention='ring') or 'allgather' for context parallelism, or attention='local' (the same as leaving it unset) for none.
     """
-    mode = option(OPTION, LOCAL)
+    mode = option(OPTION)
     if not isinstance(mode, str) or mode not in MODES:
         raise ShardingError(
             f"attention: execution option attention={short(mode, 60)} is not one of {MODES}. "

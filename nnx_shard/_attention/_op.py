@@ -33,7 +33,6 @@ theirs: one per device, the one it reads).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -50,21 +49,10 @@ from nnx_shard._attention._kernels import BLOCK
 from nnx_shard._attention._modes import LOCAL, OPTION, context_mode
 from nnx_shard._axes import entry_axes
 from nnx_shard._errors import ShardingError, UsageError
-from nnx_shard._frames import Frames
-from nnx_shard._mesh import current
+from nnx_shard._mesh import called, current, watching
 from nnx_shard._parallel.registry import ParallelOp, register
 
 __all__ = ["attention", "expect_attention"]
-
-
-@dataclasses.dataclass
-class _Watch:
-    """One :func:`expect_attention` block: whether :func:`attention` ran inside it."""
-
-    called: bool = False
-
-
-_watches: Frames[_Watch] = Frames()
 
 
 def _check_qkv(q: Any, k: Any, v: Any) -> None:
@@ -148,9 +136,9 @@ def expect_attention(fn_name: str = "the step") -> Iterator[None]:
     nnx_shard._errors.ShardingError: my_step ran under rules with attention='ring' ...
     """
     mode = context_mode()
-    with _watches.push(_Watch()) as watch:
+    with watching() as calls:
         yield
-    if mode in ("ring", "allgather") and not watch.called:
+    if mode in ("ring", "allgather") and "attention" not in calls:
         active = current()
         on = ""
         if active is not None:
@@ -219,8 +207,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     """
     _check_qkv(q, k, v)
     masks = _check_masks(q, k, mask, segment_ids)
-    for watch in _watches:
-        watch.called = True
+    called("attention")  # for expect_attention
     mode = context_mode()
     active = current()
     axes: tuple[str, ...] = ()

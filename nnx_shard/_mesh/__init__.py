@@ -3,9 +3,10 @@
 * :mod:`~nnx_shard._mesh._build`: :func:`parse_axes` (the one reader of mesh text such
   as ``"data=4,model=2"``, whose docstring states the grammar), :func:`make_mesh` (from
   such text, a dict or a Mesh) and :func:`mesh_str`, its text form;
-* :mod:`~nnx_shard._mesh._context`: the active ``(mesh, rules)`` of :func:`use`,
-  read by :func:`current` and :func:`option`, and :func:`constrain` for
-  activations;
+* :mod:`~nnx_shard._mesh._context`: the one execution :class:`Context` (the mesh and
+  rules of :func:`use`, what ``multistep``, ``value_and_grad`` and the pipeline hand
+  down), read by :func:`context` (and its views :func:`current` and :func:`option`),
+  and :func:`constrain` for activations;
 * :mod:`~nnx_shard._mesh._placement`: :func:`shardings` of a model's Variables, one
   sharding applied to a traced value, bytes per device.
 
@@ -13,7 +14,19 @@ Every name is importable from ``nnx_shard._mesh`` directly.
 """
 
 from nnx_shard._mesh._build import make_mesh, mesh_str, parse_axes
-from nnx_shard._mesh._context import constrain, current, option, use
+from nnx_shard._mesh._context import (
+    CallLog,
+    Calls,
+    Context,
+    called,
+    constrain,
+    context,
+    current,
+    entered,
+    option,
+    use,
+    watching,
+)
 from nnx_shard._mesh._placement import (
     apply_sharding,
     as_state,
@@ -23,5 +36,6 @@ from nnx_shard._mesh._placement import (
     variable_spec,
 )
 
-__all__ = ["apply_sharding", "as_state", "bytes_per_device", "constrain", "current", "make_mesh",
-           "mesh_str", "nbytes", "option", "parse_axes", "shardings", "use", "variable_spec"]
+__all__ = ["CallLog", "Calls", "Context", "apply_sharding", "as_state", "bytes_per_device", "called",
+           "constrain", "context", "current", "entered", "make_mesh", "mesh_str", "nbytes",
+           "option", "parse_axes", "shardings", "use", "variable_spec", "watching"]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
@@ -17,8 +16,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from nnx_shard._axes import axes_entry, entry_axes
 from nnx_shard._errors import ShardingError, UsageError
-from nnx_shard._frames import Frames
-from nnx_shard._mesh import current, option
+from nnx_shard._mesh import called, current, option, watching
 
 __all__ = ["OPTION", "all_gather_matmul", "check_tokens", "expect_projection",
            "matmul_reduce_scatter", "projection"]
@@ -227,6 +225,7 @@ def _ring(body: Any, eq: str, x: jax.Array, w: jax.Array, letters: tuple[str, st
     ``sharded``: the ``(operand, shape, dim, letter, role)`` of each dimension
     the ring splits, checked to divide by the ring's size; the first is the
     dimension of ``x`` that the ring walks, which the output keeps."""
+    called(OPTION)  # a user's own ring projection counts for expect_projection too
     xl, wl, out = letters
     mesh = _mesh(mesh)
     n = _ring_size(axis, mesh)
@@ -358,8 +357,7 @@ def projection(eq: str, x: jax.Array, w: jax.Array, out: NamedSharding, seq: str
     >>> float(y[0, 0, 0]), y.sharding.spec
     (16.0, P('data', 'model', None))
     """
-    for watch in _watches:
-        watch.called = True
+    called(OPTION)  # for expect_projection
     xl, wl, ol = _parse(eq, x, w)
     spec = tuple(out.spec) + (None,) * (len(ol) - len(out.spec))
     value = option(OPTION, True)
@@ -462,16 +460,6 @@ def check_tokens(shape: Sequence[int], names: Sequence[str] = ("batch", "length"
         )
 
 
-@dataclasses.dataclass
-class _Watch:
-    """One :func:`expect_projection` block: whether :func:`projection` ran inside it."""
-
-    called: bool = False
-
-
-_watches: Frames[_Watch] = Frames()
-
-
 @contextlib.contextmanager
 def expect_projection(fn_name: str = "the step") -> Iterator[None]:
     """Raises a ``ShardingError`` at the end of the block if the active rules ask for
@@ -490,19 +478,19 @@ def expect_projection(fn_name: str = "the step") -> Iterator[None]:
     ...
     nnx_shard._errors.ShardingError: my_step ran under rules with collective_matmul=True ...
     """
-    value = option(OPTION, None)
-    with _watches.push(_Watch()) as watch:
+    value = option(OPTION)
+    with watching() as calls:
         yield
-    if value not in (None, False) and not watch.called:
+    if value not in (None, False) and OPTION not in calls:
         raise ShardingError(
             f"{fn_name} ran under rules with collective_matmul={value!r} (strategy "
             "'async_tp'), but the model never ran a projection as a collective matmul, so "
             "the step would run as strategy 'sp' with nothing overlapped. Only stock "
             "nnx.Linear / nnx.LinearGeneral / nnx.Einsum layers whose kernels carry logical "
-            "names split over the model axis (nnx_shard.tp_layers) and "
-            "nnx_shard.collective_matmul.projection run as one. Fix: annotate the "
-            "projection kernels (e.g. ('embed', 'mlp')), compute the projections with stock "
-            "layers or with nnx_shard.collective_matmul.projection(eq, x, w, out_sharding, "
-            "seq_letter), or train with strategy 'sp' (the same layouts)."
+            "names split over the model axis (nnx_shard.tp_layers) and the rings of "
+            "nnx_shard.collective_matmul run as one. Fix: annotate the projection kernels "
+            "(e.g. ('embed', 'mlp')), compute the projections with stock layers or with "
+            "nnx_shard.collective_matmul.all_gather_matmul / matmul_reduce_scatter, or train "
+            "with strategy 'sp' (the same layouts)."
         )
 

@@ -4,11 +4,10 @@ circular pipeline over ``stage`` when the rules carry the option ``pipeline``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,8 +17,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import ShardingError, ShardingWarning, count
-from nnx_shard._frames import Frames
-from nnx_shard._mesh import current, option
+from nnx_shard._mesh import called, context, current, entered, option, watching
 from nnx_shard._parallel.registry import ParallelOp, register
 from nnx_shard._parallel.schedule import (
     NO_STACK_FIX,
@@ -38,34 +36,6 @@ _U = PartitionSpec.UNCONSTRAINED
 # --------------------------------------------------------------------------- microbatches
 
 
-@dataclasses.dataclass
-class Microbatches:
-    """One :func:`microbatches` block: how many microbatches :func:`scan` cuts the
-    batch into, and whether a :func:`scan` took them (the model has a stack)."""
-
-    count: int
-    used: bool = False
-
-
-# One frame per value_and_grad call being traced under a pipeline strategy.
-_frames: Frames[Microbatches] = Frames()
-
-
-@contextlib.contextmanager
-def microbatches(m: int) -> Iterator[Microbatches]:
-    """The number of microbatches :func:`scan` cuts the batch into while tracing
-    inside this context (:func:`nnx_shard.value_and_grad` sets it from
-    ``microbatches=M`` under a pipeline strategy). Yields the :class:`Microbatches`
-    frame, whose ``used`` says whether :func:`scan` ran.
-
-    >>> with microbatches(4) as frame:
-    ...     frame
-    Microbatches(count=4, used=False)
-    """
-    with _frames.push(Microbatches(int(m))) as frame:
-        yield frame
-
-
 def no_stack_error(m: int) -> ShardingError:
     """The error for a pipeline strategy whose model never called :func:`scan`."""
     return ShardingError(
@@ -82,9 +52,9 @@ def _microbatched(grad_fn: Callable[..., Any], m: int, model: Any, batch: Any,
     (what :func:`nnx_shard.value_and_grad` calls instead of its accumulation loop).
     The loss is computed once, on the whole batch: a loss declared with
     :func:`nnx_shard.mean_over` needs no weighting here, its mean is the step's."""
-    with microbatches(m) as frame:
+    with entered(stage_microbatches=int(m)), watching() as calls:
         out = grad_fn(model, batch, *args)
-    if not frame.used:
+    if OPTION not in calls:  # the model has no stack: nothing ran through the stages
         raise no_stack_error(m)
     return out
 
@@ -223,12 +193,8 @@ def scan(
         return jax.lax.scan(body, carry, layers)
     n_layers = _layer_count(layers)
     mesh, rules = current()  # type: ignore[misc]  # option() is None outside use()
-    m = microbatches
-    frame = _frames.top()
-    if frame is not None:
-        frame.used = True  # the model has a stack: value_and_grad checks this
-        if m is None:
-            m = frame.count
+    called(OPTION)  # the model has a stack: _microbatched checks this
+    m = microbatches if microbatches is not None else context().stage_microbatches
     batch_leaves = [x for x in jax.tree.leaves(carry) if np.ndim(x) > 0]
     if not batch_leaves:
         raise ShardingError(

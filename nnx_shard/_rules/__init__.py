@@ -38,14 +38,20 @@ Two ways to write a table:
   MaxText write them: a list **or** tuple value is a product of mesh axes,
   ``[]`` / ``None`` / ``""`` replicate, and a repeated name is the next candidate.
 
-The package: :mod:`~nnx_shard._rules._values` (placements, their forms, the option
-registry), :mod:`~nnx_shard._rules._files` (reading rules files), :mod:`~nnx_shard._rules._resolve`
+The package: :mod:`~nnx_shard._rules._values` (placements and their forms),
+:mod:`~nnx_shard._rules._options` (the table of execution options),
+:mod:`~nnx_shard._rules._files` (reading rules files), :mod:`~nnx_shard._rules._resolve`
 (the table walk) and :mod:`~nnx_shard._rules._table` (the ``Rules`` class); every public
 name is importable from ``nnx_shard._rules``.
 """
 
 from nnx_shard._rules._files import MAX_FILE_BYTES as MAX_FILE_BYTES
 from nnx_shard._rules._files import MAX_YAML_NODES as MAX_YAML_NODES
+from nnx_shard._rules._options import OPTIONS as OPTIONS
+from nnx_shard._rules._options import Option as Option
+from nnx_shard._rules._options import declare_option as declare_option
+from nnx_shard._rules._options import known_options as known_options
+from nnx_shard._rules._options import option_row as option_row
 from nnx_shard._rules._table import Rules as Rules
 from nnx_shard._rules._table import as_rules as as_rules
 from nnx_shard._rules._values import UNCONSTRAINED as UNCONSTRAINED
@@ -54,8 +60,7 @@ from nnx_shard._rules._values import Indivisible as Indivisible
 from nnx_shard._rules._values import LogicalNames as LogicalNames
 from nnx_shard._rules._values import Placement as Placement
 from nnx_shard._rules._values import RuleValue as RuleValue
-from nnx_shard._rules._values import declare_option as declare_option
 from nnx_shard._rules._values import describe as describe
-from nnx_shard._rules._values import known_options as known_options
 
-__all__ = ["MAX_FILE_BYTES", "MAX_YAML_NODES", "Fallbacks", "Rules", "declare_option", "known_options"]
+__all__ = ["MAX_FILE_BYTES", "MAX_YAML_NODES", "OPTIONS", "Fallbacks", "Option", "Rules",
+           "declare_option", "known_options", "option_row"]

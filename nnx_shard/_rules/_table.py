@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 from nnx_shard._errors import ShardingError, short
 from nnx_shard._rules._files import file_value as _file_value
 from nnx_shard._rules._files import read_table
+from nnx_shard._rules._options import check_options as _check_options
 from nnx_shard._rules._resolve import resolve
 from nnx_shard._rules._values import (
     UNCONSTRAINED,
@@ -22,7 +23,6 @@ from nnx_shard._rules._values import (
     RuleValue,
 )
 from nnx_shard._rules._values import check_logical as _check_logical
-from nnx_shard._rules._values import check_options as _check_options
 from nnx_shard._rules._values import fmt_value as _fmt_value
 from nnx_shard._rules._values import one_placement as _one
 from nnx_shard._rules._values import pair_placement as _pair_placement

@@ -1,9 +1,8 @@
 """Rule values: placements as tables write them, their public and printed forms,
-the checks of logical names, shapes and meshes, and the registry of execution options."""
+the checks of logical names, shapes and meshes."""
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -28,32 +27,6 @@ RuleValue: TypeAlias = (
 )  # a list only as Fallbacks(...): a plain list is ambiguous and refused
 LogicalNames: TypeAlias = Sequence[str | None]
 Indivisible = Literal["error", "replicate"]
-
-# The execution options some registered op reads (nnx_shard._parallel.registry declares
-# them as ops register): Rules(options=...) refuses any other name.
-_KNOWN_OPTIONS: set[str] = set()
-
-
-def declare_option(name: str) -> None:
-    """Makes ``name`` a valid key of ``Rules(options=...)``: what an op registered
-    with :func:`nnx_shard._parallel.registry.register` does for the option it reads.
-
-    >>> declare_option("my_op"); "my_op" in known_options()
-    True
-    >>> _KNOWN_OPTIONS.discard("my_op")  # the registry is global: leave it as it was
-    """
-    _KNOWN_OPTIONS.add(name)
-
-
-def known_options() -> tuple[str, ...]:
-    """The option names ``Rules(options=...)`` accepts, sorted.
-
-    >>> import nnx_shard
-    >>> [o for o in known_options() if o in ("attention", "collective_matmul", "pipeline")]
-    ['attention', 'collective_matmul', 'pipeline']
-    """
-    return tuple(sorted(_KNOWN_OPTIONS))
-
 
 def _product(axes: tuple[Any, ...], logical: str, shown: Any, fix: str) -> tuple[str, ...]:
     """Validates a product of mesh axes (``shown`` is the value as the user wrote it)."""
@@ -264,35 +237,6 @@ def check_shape(shape: Any, path: str, names: Any) -> tuple[int, ...] | None:
                 "shape=x.shape."
             )
     return tuple(int(d) for d in shape)
-
-
-def check_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    if not isinstance(options, Mapping):
-        raise ShardingError(f"Rules options must be a mapping of option name to a hashable value, "
-                            f"got {type(options).__name__} {short(options)}. Fix: e.g. "
-                            "Rules({...}, options={'attention': 'ring'}).")
-    for key, value in options.items():
-        if not isinstance(key, str):
-            raise ShardingError(f"Rules option names must be str, got {short(key)}. Fix: e.g. "
-                                "options={'attention': 'ring'}.")
-        if key not in _KNOWN_OPTIONS:
-            close = difflib.get_close_matches(key, sorted(_KNOWN_OPTIONS), n=1, cutoff=0.6)
-            mean = f" Did you mean {close[0]!r}?" if close else ""
-            raise ShardingError(
-                f"Rules option {short(key)} is not an option any operation reads (it would be "
-                f"silently ignored).{mean} Known options: {', '.join(known_options())}. Fix: "
-                "spell it as one of those; an op of your own declares its option by "
-                "registering with nnx_shard._parallel.registry.register(ParallelOp(name, "
-                "option))."
-            )
-        try:
-            hash(value)
-        except TypeError:
-            raise ShardingError(
-                f"Rules option {key}={short(value)} is not hashable (rules are hashed into "
-                "compiled programs' cache keys). Fix: use a tuple or a frozen dataclass."
-            ) from None
-    return tuple(sorted(options.items()))
 
 
 def cand_txt(c: Placement) -> str:

@@ -36,10 +36,9 @@ value by construction.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -51,47 +50,39 @@ from flax import nnx
 from nnx_shard._annotate import path_str
 from nnx_shard._axes import entry_axes
 from nnx_shard._errors import ShardingError, UsageError, count, flag, short
-from nnx_shard._frames import Frames
+from nnx_shard._mesh import Calls, called, context, entered, watching
 from nnx_shard._parallel.registry import microbatch_owner
 from nnx_shard._train._precision import Precision, as_precision
 from nnx_shard._train._trees import fmt_shape, is_node, short_repr
 from nnx_shard._weighting import items_counter
 
-__all__ = ["StepMicrobatches", "check_device_rows", "check_tracked", "spec_axes", "tracing_step",
+__all__ = ["TAKEN", "check_device_rows", "check_tracked", "spec_axes", "tracing_step",
            "value_and_grad"]
 
-
-@dataclasses.dataclass
-class StepMicrobatches:
-    """One fused step being traced (see :func:`tracing_step`): how many microbatches
-    its batch splits into, the :class:`~nnx_shard.Precision` its loss reads the
-    parameters in, and whether :func:`value_and_grad` took them."""
-
-    count: int
-    taken: bool = False
-    precision: Precision | None = None
+#: The name :func:`value_and_grad` records in the step's call log when it runs.
+TAKEN = "value_and_grad"
 
 
-# One frame per multistep body being traced.
-_steps: Frames[StepMicrobatches] = Frames()
-
-
-def tracing_step(m: int, precision: Precision | None = None
-                 ) -> AbstractContextManager[StepMicrobatches]:
-    """The context :func:`nnx_shard.multistep` traces a step in: :func:`value_and_grad`
-    inside it splits the batch into ``m`` microbatches and reads the parameters in
-    ``precision`` unless told otherwise, and marks the frame it yields as taken.
+@contextlib.contextmanager
+def tracing_step(m: int, precision: Precision | None = None) -> Iterator[Calls]:
+    """The context :func:`nnx_shard.multistep` traces a step in (the execution
+    context with ``microbatches=m`` and ``precision``): :func:`value_and_grad` inside
+    it splits the batch into ``m`` microbatches and reads the parameters in
+    ``precision`` unless told otherwise. Yields the step's
+    :class:`~nnx_shard._mesh.Calls`, which hold :data:`TAKEN` once
+    :func:`value_and_grad` ran.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     >>> mse = lambda m, b: jnp.mean(m(b) ** 2)
-    >>> with tracing_step(4) as frame:
+    >>> with tracing_step(4) as calls:
     ...     _ = value_and_grad(mse)(model, jnp.ones((8, 2)))   # 4 microbatches of 2
-    >>> frame
-    StepMicrobatches(count=4, taken=True, precision=None)
+    >>> TAKEN in calls
+    True
     """
-    return _steps.push(StepMicrobatches(m, precision=precision))
+    with entered(microbatches=m, precision=precision), watching() as calls:
+        yield calls
 
 
 def spec_axes(sharding: Any, dim: int) -> tuple[tuple[str, ...], int]:
@@ -247,15 +238,11 @@ def value_and_grad(
 
     @functools.wraps(loss_fn)
     def grad_fn(model: Any, batch: Any, *args: Any) -> tuple[Any, Any]:
-        m, p = microbatches, precision
-        frame = _steps.top()
-        if frame is not None:
-            frame.taken = True
-            if m is None:
-                m = frame.count
-            if p is None:
-                p = frame.precision
-        with _precisions.push(p):
+        called(TAKEN)  # for multistep's check that its options were used
+        ctx = context()
+        m = microbatches if microbatches is not None else ctx.microbatches
+        p = precision if precision is not None else ctx.precision
+        with entered(reading=p):
             owner = microbatch_owner()
             if owner is not None and owner.microbatched is not None:
                 # A parallel op runs the microbatches itself (the pipeline: through its
@@ -313,10 +300,6 @@ def check_tracked(model: Any, optimizer: Any, who: str = "Trainer") -> None:
     )
 
 
-# The precision of the value_and_grad call being traced (None: parameters as stored).
-_precisions: Frames[Precision | None] = Frames()
-
-
 def _reading(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``loss_fn`` with the model's parameters read in the precision of the enclosing
     :func:`value_and_grad` call: it runs inside the differentiated function, on the
@@ -324,7 +307,7 @@ def _reading(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(loss_fn)
     def read(model: Any, *args: Any) -> Any:
-        p = _precisions.top()
+        p = context().reading
         if p is None:
             return loss_fn(model, *args)
         with p.reading(model):

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from nnx_shard._errors import UsageError
 from nnx_shard._mesh import apply_sharding
 from nnx_shard._parallel.registry import checking_step, prepare_step
-from nnx_shard._train._microbatch import tracing_step
+from nnx_shard._train._microbatch import TAKEN, tracing_step
 from nnx_shard._train._precision import Precision
 from nnx_shard._train._trees import leaf_path
 
@@ -187,10 +187,10 @@ def build_run(
         it_nodes, it_xs = iter(nodes), iter(xs)
         call_args = [next(it_nodes) if i in node_pos else next(it_xs) for i in range(nargs)]
         # Registered parallel ops check the traced step (checking_step); value_and_grad
-        # inside it takes the microbatches from the frame.
-        with tracing_step(m, precision) as frame, checking_step(fn_name):
+        # inside it takes the microbatches from the context and records that it ran.
+        with tracing_step(m, precision) as calls, checking_step(fn_name):
             metrics = step_fn(*call_args)
-        if (m > 1 or (precision is not None and precision.casts)) and not frame.taken:
+        if (m > 1 or (precision is not None and precision.casts)) and TAKEN not in calls:
             what = (f"microbatches={m}" if m > 1 else f"precision={precision!r}")
             where = ("the batch is split into microbatches" if m > 1
                      else "the parameters are read in the compute dtype")

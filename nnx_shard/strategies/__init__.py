@@ -8,7 +8,7 @@ Models annotated with the logical names ``batch``, ``length``, ``embed``,
 :class:`nnx_shard.models.Transformer` and :class:`nnx_shard.models.Llama` are) run
 under any of them. ``kv_heads`` (grouped-query attention's key/value heads) follows
 ``heads`` onto the model axis where it divides it, else it is replicated. The key/value
-cache of :func:`nnx_shard.models.generate` is named ``cache_batch`` (as ``batch``),
+cache of :func:`nnx_shard.inference.generate` is named ``cache_batch`` (as ``batch``),
 ``cache_kv_heads`` (as ``kv_heads``), ``cache_length`` (over ``context`` under cp and
 fsdp_cp, else replicated) and ``cache_head_dim`` (replicated).
 

@@ -104,8 +104,9 @@ def zero1(*, data: str = "data") -> Strategy:
     Mesh axes: ``data``. Collectives: the gradient all-reduce of DP, then each
     device updates its slice of the optimizer state and an all-gather of the
     updated parameters restores the replicas. Pass the strategy itself to
-    :func:`nnx_shard.sharded_optimizer` and :func:`nnx_shard.explain` (its
-    ``rules`` carry ``opt_rules`` along). Train with
+    :func:`nnx_shard.sharded_optimizer` and :func:`nnx_shard.explain` (it brings
+    its ``opt_rules``; its ``rules`` table alone lays the state out like the
+    parameters). Train with
     :func:`nnx_shard.multistep` or :class:`nnx_shard.Trainer`, which keep every
     array in its layout: a plain ``nnx.jit`` step returns the updated
     parameters sharded like the optimizer state (the layout of the update), so

@@ -38,7 +38,7 @@ _GUESS = {"fsdp": "embed", "tp": "mlp", "tensor": "mlp", "model": "mlp", "data":
           "q_heads": "heads", "ffn": "mlp", "hidden": "mlp", "d_model": "embed", "vocab": "vocab"}
 
 #: Every logical name the presets give a rule (replicated unless a preset says otherwise),
-#: the key/value cache's (:func:`nnx_shard.models.generate`) last.
+#: the key/value cache's (:func:`nnx_shard.inference.generate`) last.
 LOGICAL = ("batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",
            "expert", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
 
@@ -68,13 +68,6 @@ class Strategy:
     mesh_axes: tuple[str, ...]
     sizes: tuple[int, ...] = ()
     collectives: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        # The parameter table carries the optimizer-state table along, so an entry
-        # point given ``strategy.rules`` alone still lays optimizer state out by
-        # ``opt_rules`` (ZeRO-1's state would otherwise silently stay replicated).
-        if isinstance(self.rules, Rules) and self.opt_rules is not None:
-            object.__setattr__(self, "rules", _carrying(self.rules, self.opt_rules))
 
     def mesh_for(self, n_devices: int | None = None) -> dict[str, int]:
         """A default mesh shape over :attr:`mesh_axes` for ``n_devices`` (default: all).
@@ -311,22 +304,6 @@ class Strategy:
                     if any(a in axes for c in cands for a in c):  # not UNCONSTRAINED
                         return True
         return False
-
-
-class _StrategyRules(Rules):
-    """A strategy's parameter table, carrying its optimizer-state table along (read by
-    :func:`nnx_shard._init.tables`); equal to, and printed as, the plain table. Any new
-    table made from it (``rules | {...}``) is a plain ``Rules``: it is no longer the
-    strategy's."""
-
-    __slots__ = ("_strategy_opt_rules",)
-
-
-def _carrying(rules: Rules, opt_rules: Rules) -> Rules:
-    out = _StrategyRules.__new__(_StrategyRules)
-    out._set(rules._entries, rules.indivisible, rules.options)
-    object.__setattr__(out, "_strategy_opt_rules", opt_rules)
-    return out
 
 
 def _sizes(mesh: Mesh | str | Mapping[str, int]) -> dict[str, int]:

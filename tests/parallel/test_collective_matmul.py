@@ -27,6 +27,7 @@ import nnx_shard as ns
 from nnx_shard._parallel.collective_matmul import (
     all_gather_matmul,
     check_tokens,
+    expect_projection,
     matmul_reduce_scatter,
     projection,
 )
@@ -389,3 +390,18 @@ def test_batch_not_divisible_by_data_axis() -> None:
 def test_check_tokens_refuses_shapes_that_are_not(args, match):
     with pytest.raises(ns.ShardingError, match=match):
         check_tokens(*args)
+
+
+@needs_devices(8)
+def test_a_users_own_ring_is_the_projection_async_tp_asks_for():
+    mesh = ns.make_mesh("data=2,model=4")
+    x = jax.device_put(jnp.ones((2, 8, 16)), NamedSharding(mesh, P("data", "model", None)))
+    w = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P(None, "model")))
+    with ns.use(mesh, ns.strategies.get("async_tp").rules):
+        with expect_projection("my_step"):
+            y = ns.collective_matmul.all_gather_matmul("blm,mk->blk", x, w, gather="l", shard="k")
+        with pytest.raises(ns.ShardingError, match=r"my_step ran .* never ran a projection .*"
+                           r"nnx_shard.collective_matmul.all_gather_matmul / matmul_reduce_scatter"):
+            with expect_projection("my_step"):
+                pass
+    assert float(y[0, 0, 0]) == 16.0 and y.sharding.spec == P("data", None, "model")

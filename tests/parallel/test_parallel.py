@@ -1,21 +1,18 @@
-"""The parallel wing's registry (nnx_shard._parallel.registry) and the frame stacks
-(nnx_shard._frames): the fused step knows the ops only through what they register."""
+"""The parallel wing's registry (nnx_shard._parallel.registry): the fused step knows the
+ops only through what they register."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import threading
 from pathlib import Path
 
 import jax.numpy as jnp
 import optax
-import pytest
 from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard._attention import _modes as attention_modes
-from nnx_shard._frames import Frames
 from nnx_shard._parallel import collective_matmul as matmul_impl
 from nnx_shard._parallel import pipeline as pipeline_impl
 from nnx_shard._parallel import registry
@@ -100,16 +97,3 @@ def test_a_registered_op_takes_the_microbatches_over_while_its_option_is_set(mon
     with ns.use("data=8", rules):
         ns.multistep(_step, microbatches=2)(model, opt, jnp.ones((3, 8, 2)))
     assert calls == [(2, (8, 2))]  # the whole batch, once per traced step
-
-
-def test_frames_are_per_thread_and_popped_on_errors():
-    frames: Frames[int] = Frames()
-    seen = []
-    with frames.push(1):
-        thread = threading.Thread(target=lambda: seen.append(frames.top()))
-        thread.start()
-        thread.join()
-        with pytest.raises(RuntimeError), frames.push(2):
-            raise RuntimeError("inside")
-        assert list(frames) == [1]
-    assert seen == [None] and frames.top() is None and not frames
