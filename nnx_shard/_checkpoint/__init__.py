@@ -65,13 +65,19 @@ digest covered ``extra``) still restore, checked as before.
 
 Failures. A background save that fails (disk full, read-only file system) is
 raised at the next :meth:`Checkpointer.save`, :meth:`~Checkpointer.wait` or
-:meth:`~Checkpointer.close`, as one ``OSError`` naming the step and the cause;
-one never collected makes the interpreter print one line and exit with status 1.
-At exit, saves in flight are finished as long as they make progress (bytes
-written); after ``NNX_SHARD_EXIT_STALL`` seconds (default 60) without any, exit
-gives up on them (one line, status 1) instead of hanging. Orbax's own log
-records are dropped while checkpoints are in use (the failure is reported once,
-as above); ``NNX_SHARD_DEBUG=1`` keeps them.
+:meth:`~Checkpointer.close`, as one ``OSError`` naming the step and the cause.
+Close a Checkpointer (or use it in a ``with`` block, as ``Trainer.fit`` does)
+before the program ends: by the time any exit hook runs, Python has stopped the
+thread pools a background save writes with (and Python >= 3.12 starts no new
+thread), so a save still in flight then is lost. For a Checkpointer left open, an
+``atexit`` callback waits for its save while it makes progress (bytes written;
+after ``NNX_SHARD_EXIT_STALL`` seconds, default 60, without any it gives up
+instead of hanging) and prints one line on stderr per save that failed, was lost
+or stalled. The exit status stays the program's own: Python has no public way to
+change it once the program has ended. Orbax logs its own records (through
+absl's logger) and tensorstore may report "Event loop is closed" after a failed
+read; both are left to the program's logging and hooks, e.g.
+``logging.getLogger("absl").setLevel(logging.CRITICAL)``.
 
 Saves to one directory are serialised within a process (threads, several
 :class:`Checkpointer` objects): of concurrent saves of the same step exactly

@@ -10,7 +10,6 @@ from typing import Any
 
 from flax import nnx
 
-from nnx_shard._checkpoint._backend import hush, quiet_orbax
 from nnx_shard._checkpoint._exits import (
     register_exit,
     rotate_failed,
@@ -102,16 +101,14 @@ class Checkpointer:
         with _dir_lock(self.directory):
             # Temporary directories of this process's saves in flight are not leftovers.
             _settle(self.directory)
-            with quiet_orbax():
-                # Rotation is ours (only our own steps): orbax would delete any folder
-                # with a number for a name.
-                self._mngr = manager(
-                    self.directory, create=True, enable_async_checkpointing=async_save
-                )
+            # Rotation is ours (only our own steps): orbax would delete any folder
+            # with a number for a name.
+            self._mngr = manager(
+                self.directory, create=True, enable_async_checkpointing=async_save
+            )
             _remove_leftovers(self.directory)
             with _DIR_LOCKS_LOCK:
                 _OPEN.setdefault(self.directory, weakref.WeakSet()).add(self)
-        hush(1)
         register_exit()
 
     def __repr__(self) -> str:
@@ -187,7 +184,8 @@ class Checkpointer:
         args = save_args(step, model, optimizer, extra)
         self.wait()  # a failure of the previous save is raised first; this one is not started
         with _dir_lock(self.directory):
-            lock = do_save(self._mngr, self.directory, step, args, "Checkpointer")
+            lock = do_save(self._mngr, self.directory, step, args, "Checkpointer",
+                           background=self.async_save)
             self._pending, self._lock = int(step), lock
             with _DIR_LOCKS_LOCK:
                 _UNSETTLED.add(self)
@@ -237,13 +235,11 @@ class Checkpointer:
         if not self._closed:
             try:
                 self._collect()
-                with quiet_orbax():
-                    self._mngr.close()
+                self._mngr.close()
             finally:
                 self._closed = True
                 with _DIR_LOCKS_LOCK:
                     _OPEN.get(self.directory, weakref.WeakSet()).discard(self)
-                hush(-1)
                 unregister_exit()
         self._raise_failure()
 
@@ -262,8 +258,7 @@ class Checkpointer:
             if step is None:
                 return
             try:
-                with quiet_orbax():
-                    self._mngr.wait_until_finished()
+                self._mngr.wait_until_finished()
             except Exception as e:
                 _taken(self._mngr)
                 _remove_tmp(self.directory, step)

@@ -1,6 +1,8 @@
 """Failed saves and the end of the process: a background save that failed raises
-at the next save, wait or close, and a process that exits with saves in flight
-finishes them (or reports them) within a bounded stall."""
+at the next save, wait or close; at exit, the saves of Checkpointers left open are
+waited for while they make progress and each one that failed or stalled is one
+line on stderr (an ``atexit`` callback: nothing else of the interpreter's exit is
+changed)."""
 
 from __future__ import annotations
 
@@ -66,6 +68,20 @@ def _filename_of(e: BaseException) -> str | None:
     return None
 
 
+def _at_shutdown(e: BaseException) -> bool:
+    """Whether ``e`` (or its cause) is Python refusing work because the interpreter exits."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        # "... after interpreter shutdown", "... at interpreter shutdown", and "... after
+        # shutdown" from an executor of orbax's that its failing loop shut meanwhile.
+        if isinstance(x, RuntimeError) and "shutdown" in str(x):
+            return True
+        x = x.__cause__ or x.__context__
+    return False
+
+
 def save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseException,
                 background: bool) -> CheckpointWriteError:
     """One clear OSError for a save that failed: which, why, what is left, the fix."""
@@ -80,6 +96,9 @@ def save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseExceptio
         fix = "free disk space (or keep fewer checkpoints: keep=), then save again"
     elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
         fix = "save to a directory this process can write"
+    elif _at_shutdown(e):
+        fix = ("wait for background saves before the program ends (Checkpointer.wait() or "
+               ".close(), or a with block): Python stops the threads that write them at exit")
     else:
         fix = "check the directory, then save again"
     what = "background save" if background else "save"
@@ -137,78 +156,64 @@ def _flush() -> None:
             stream.flush()
 
 
-def _exit_1() -> None:
-    """Ends the process with status 1 after the other ``atexit`` handlers ran: Python
-    offers no other way to change the exit status once the interpreter is exiting."""
-    atexit.unregister(_exit_1)
-    run_others = getattr(atexit, "_run_exitfuncs", None)
-    if run_others is not None:
-        run_others()
-    _flush()
-    os._exit(1)
+def _saving(ckpt: Any) -> bool:
+    """Whether ``ckpt``'s save in flight is still being written (orbax's public
+    ``is_saving_in_progress``: false once it finished or failed)."""
+    return ckpt._pending is not None and bool(ckpt._mngr.is_saving_in_progress())
 
 
-def _finish_saves_at_exit(in_shutdown: bool = True) -> None:
-    """Finishes the background saves of Checkpointers still open at interpreter exit.
+def _finish_saves_at_exit() -> None:
+    """At interpreter exit, settles the Checkpointers still open: each save in flight is
+    waited for while it makes progress, then collected as :meth:`Checkpointer.close`
+    does; a save that failed, or made no progress for ``NNX_SHARD_EXIT_STALL`` seconds,
+    is one line on stderr. Exit never hangs on one.
 
-    Orbax writes through asyncio's default thread pool, which refuses new work
-    once the interpreter starts shutting down ("cannot schedule new futures after
-    interpreter shutdown"): a save in flight was lost, with tracebacks on stderr.
-    This runs first in the shutdown sequence (see ``register_exit``). A save that
-    failed, and one that makes no progress for ``NNX_SHARD_EXIT_STALL`` seconds,
-    is one line on stderr and exit status 1; exit never hangs on one.
+    An ``atexit`` callback, so it runs after Python stopped the thread pools orbax
+    writes with (``concurrent.futures``) and, on Python >= 3.12, forbade new threads:
+    a save whose remaining work needs either fails ("cannot schedule new futures after
+    interpreter shutdown", "can't create new thread at interpreter shutdown") and is
+    reported as lost, naming the fix (wait for it before the program ends). No public
+    hook runs earlier. The wait polls in this thread, since none can be started now.
+    Python offers no public way to change the exit status once the program has ended,
+    so the status stays the program's own; the line on stderr is the report.
     """
     global _exiting
-    _exiting = True  # closing below must not take this hook out of the running list
+    _exiting = True  # closing below must not unregister this callback while it runs
     with _DIR_LOCKS_LOCK:
         ckpts = {id(c): c for c in [*_UNSETTLED, *(c for s in _OPEN.values() for c in list(s))]}
     todo = list(ckpts.values())
     if not todo:
         return
-    failures: list[str] = []
-
-    def finish() -> None:
-        for ckpt in todo:
-            try:
-                ckpt.close()
-            except Exception as e:  # reported below, one line each
-                failures.append(" ".join(str(e).split()) or type(e).__name__)
-
-    worker = threading.Thread(target=finish, name="nnx_shard-exit", daemon=True)
-    try:
-        worker.start()
-    except RuntimeError:  # pragma: no cover - a Python that starts no thread this late
-        finish()
     stall = _stall_seconds()
+    # Once orbax's save is over, the writes of its sibling threads may still be landing
+    # (one failed, the others were not waited for): the folder is removed after they do.
+    settle = min(0.5, stall) if any(c._pending is not None for c in todo) else 0.0
     seen, since = _bytes_written(todo), time.monotonic()
-    while worker.is_alive():
-        worker.join(timeout=min(0.5, stall))
-        if not worker.is_alive():
-            break
+    while True:
+        busy = [c for c in todo if _saving(c)]
         now = _bytes_written(todo)
         if now != seen:
             seen, since = now, time.monotonic()
-        elif time.monotonic() - since >= stall:
-            stuck = [c for c in todo if c._pending is not None]
-            for ckpt in stuck:
+        quiet = time.monotonic() - since
+        if not busy and quiet >= settle:
+            break
+        if busy and quiet >= stall:
+            for ckpt in busy:
                 print(f"nnx_shard: error: the save of step {ckpt._pending} to "
                       f"{ckpt.directory} made no progress for {stall:g} s at exit; it is "
                       f"lost ({_STALL_ENV} sets how long to wait).", file=sys.stderr)
-            if not stuck:
-                print(f"nnx_shard: error: closing the checkpointers of "
-                      f"{', '.join(sorted({str(c.directory) for c in todo}))} made no progress "
-                      f"for {stall:g} s at exit ({_STALL_ENV} sets how long to wait).",
-                      file=sys.stderr)
-            # Orbax's threads are stuck and the interpreter would wait for them.
-            _flush()
-            os._exit(1)
-    for line in failures:
-        print(f"nnx_shard: error: {line}", file=sys.stderr)
-    if failures:
-        if in_shutdown:
-            atexit.register(_exit_1)  # registered last, runs first; runs the others
-        else:  # pragma: no cover - already inside atexit
-            _exit_1()
+            # Their threads are daemons (see _save._start_save): left behind, they end
+            # with the interpreter.
+            todo = [c for c in todo if c not in busy]
+            break
+        time.sleep(0.05)
+    for ckpt in todo:
+        try:
+            ckpt.close()
+        except Exception as e:  # one line each
+            print(f"nnx_shard: error: {' '.join(str(e).split()) or type(e).__name__}",
+                  file=sys.stderr)
+    _flush()
 
 
 _EXIT_LOCK = threading.Lock()
@@ -217,52 +222,27 @@ _exiting = False
 
 
 def register_exit() -> None:
-    """Registers :func:`_finish_saves_at_exit` to run before the thread pools shut down,
-    while a Checkpointer is open (:func:`unregister_exit` takes it back).
-
-    ``atexit`` runs too late (after ``concurrent.futures`` stopped its pools); the
-    stdlib's own pools register through ``threading._register_atexit`` (Python >= 3.9),
-    whose callbacks run last-registered first, so ours runs before theirs. Where that
-    private hook is missing we fall back to ``atexit`` (saves then only finish if the
-    pools still accept work).
+    """Registers :func:`_finish_saves_at_exit` with ``atexit`` while a Checkpointer is
+    open (:func:`unregister_exit` takes it back). Registered when the first one opens,
+    after jax and orbax registered theirs, so it runs before them (``atexit`` runs the
+    last registered first).
     """
     global _exit_registered
     with _EXIT_LOCK:
-        if _exit_registered:
+        if _exit_registered or _exiting:
             return
-        hook = getattr(threading, "_register_atexit", None)
-        if hook is None:  # pragma: no cover - a Python without the hook
-            atexit.register(_finish_saves_at_exit, False)
-        else:
-            try:
-                hook(_finish_saves_at_exit)
-            except RuntimeError:  # pragma: no cover - the interpreter is already exiting
-                return
+        atexit.register(_finish_saves_at_exit)
         _exit_registered = True
 
 
 def unregister_exit() -> None:
-    """Takes the exit hook back once no Checkpointer is open or holds an unreported
-    failure, so a process that closed its Checkpointers exits as if none was opened.
-
-    ``threading`` has no public way to undo ``_register_atexit``: its callbacks are the
-    list ``threading._threading_atexits`` (CPython 3.11 to 3.13), from which ours is removed.
-    Left alone (another Python), the hook stays and does nothing at exit.
-    """
-    global _exit_registered
+    """Takes the exit callback back once no Checkpointer is open or holds an unreported
+    failure, so a process that closed its Checkpointers exits as if none was opened."""
     with _DIR_LOCKS_LOCK:
         busy = bool(_UNSETTLED) or any(len(s) for s in _OPEN.values())
+    global _exit_registered
     with _EXIT_LOCK:
-        if busy or not _exit_registered or _exiting:
+        if busy or _exiting or not _exit_registered:
             return
-        hooks = getattr(threading, "_threading_atexits", None)
-        # Each entry is functools.partial(callback) there.
-        ours = [h for h in hooks or () if getattr(h, "func", h) is _finish_saves_at_exit]
-        if isinstance(hooks, list) and ours:
-            for h in ours:
-                hooks.remove(h)
-        elif hooks is not None or getattr(threading, "_register_atexit", None) is not None:
-            return  # pragma: no cover - not where we put it: leave it registered
-        else:  # pragma: no cover - a Python without the hook: we used atexit
-            atexit.unregister(_finish_saves_at_exit)
+        atexit.unregister(_finish_saves_at_exit)
         _exit_registered = False

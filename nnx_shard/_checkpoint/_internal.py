@@ -40,7 +40,6 @@ _SHOW = 8  # paths listed in one error message before "... and N more"
 # Bounds the host/device memory a restore or save needs beyond the state itself.
 _HASH_BATCH_BYTES = 64 * 2**20
 _RESTORE_CONCURRENT_GB = 0.25
-_DEBUG_ENV = "NNX_SHARD_DEBUG"
 _STALL_ENV = "NNX_SHARD_EXIT_STALL"
 _STALL_DEFAULT_S = 60.0
 

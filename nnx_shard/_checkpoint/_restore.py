@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnx_shard._checkpoint._backend import orbax_module, quiet_orbax
+from nnx_shard._checkpoint._backend import orbax_module
 from nnx_shard._checkpoint._internal import (
     _SHOW,
     _claims,
@@ -196,8 +196,7 @@ def _read(
     _refuse_file(directory, "restore")
     if not directory.is_dir():
         raise FileNotFoundError(f"restore: checkpoint directory {directory} does not exist.")
-    with quiet_orbax():
-        return _read_open(ocp, manager(directory, create=False), directory, step, targets)
+    return _read_open(ocp, manager(directory, create=False), directory, step, targets)
 
 
 def _read_open(

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_shard._checkpoint._backend import orbax_module, quiet_orbax
+from nnx_shard._checkpoint._backend import orbax_module
 from nnx_shard._checkpoint._exits import save_failed
 from nnx_shard._checkpoint._internal import (
     _FORMAT,
@@ -206,8 +207,41 @@ def _refuse_existing(directory: pathlib.Path, step: int, caller: str) -> None:
     )
 
 
+def _start_save(mngr: Any, step: int, args: Any, background: bool) -> None:
+    """``mngr.save``; a background save is started from a daemon thread of ours.
+
+    Orbax's save threads inherit the daemon flag of the thread that starts them
+    (``threading.Thread``'s documented default). As daemons, the interpreter does
+    not join them at exit: Python joins non-daemon threads without any bound, before
+    any public exit hook runs, so a save stuck on its storage would hang the exit.
+    Ours (an ``atexit`` callback, see ``_exits.py``) waits for them while they make
+    progress, and reports the ones that do not.
+    """
+    if not background:
+        mngr.save(step, args=args, force=True)
+        return
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            mngr.save(step, args=args, force=True)
+        except BaseException as e:  # re-raised in the caller's thread
+            raised.append(e)
+
+    starter = threading.Thread(target=start, name="nnx_shard-save", daemon=True)
+    starter.start()
+    try:
+        starter.join()
+    except BaseException:  # interrupted: the save's state is known only once it returns
+        starter.join()
+        raise
+    if raised:
+        raise raised[0]
+
+
 def do_save(
-    mngr: Any, directory: pathlib.Path, step: int, args: Any, caller: str
+    mngr: Any, directory: pathlib.Path, step: int, args: Any, caller: str,
+    background: bool = False,
 ) -> _WriteLock:
     """Starts the save under the directory's lock, after every in-process save to it
     finished, so of concurrent saves of one step exactly one writes it and the
@@ -228,8 +262,7 @@ def do_save(
             _remove_tmp(directory, step)
             raise save_failed(caller, directory, step, e, background=False) from e
         try:
-            with quiet_orbax():
-                mngr.save(step, args=args, force=True)
+            _start_save(mngr, step, args, background)
         except ocp.checkpoint_manager.StepAlreadyExistsError:  # pragma: no cover - raced
             lock.release()
             _remove_tmp(directory, step)
@@ -288,7 +321,7 @@ def save(
     directory = _resolve_dir(directory, "save")
     _refuse_file(directory, "save")
     args = save_args(step, model, optimizer, extra)
-    with _dir_lock(directory), quiet_orbax():
+    with _dir_lock(directory):
         mngr = manager(directory, create=True, enable_async_checkpointing=False)
         try:
             do_save(mngr, directory, step, args, "save").release()
