@@ -1,4 +1,4 @@
-"""Generation speed: the cached path (``nnx_shard.models.generate``) vs recomputing.
+"""Generation speed: the cached path (``nnx_shard.inference.generate``) vs recomputing.
 
 The reference transformer ``small`` with a context of 256 (4 layers, d=128, 4
 heads x 32, mlp 512, vocab 512), a batch of 8 prompts of 64 tokens, 192 new
@@ -30,7 +30,7 @@ with transformers below, which takes about 6 minutes there)::
     .venv/bin/python benchmarks/generate.py
     JAX_PLATFORMS=cuda .venv/bin/python benchmarks/generate.py   # on a GPU
 
-Stream: ``nnx_shard.models.stream`` (16 decode steps per compiled call, each
+Stream: ``nnx_shard.inference.stream`` (16 decode steps per compiled call, each
 step's tokens brought to the host) against ``generate`` over 256 new tokens after
 a prompt of 16 (batch 8, one device): their tokens/s and the share streaming
 costs.
@@ -141,9 +141,9 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
     from flax import nnx
 
     import nnx_shard as ns
+    from nnx_shard.inference import GenerationConfig, generate
     from nnx_shard.inference import _generation as gen
     from nnx_shard.inference import _sampling as sampling
-    from nnx_shard.inference import generate
     from nnx_shard.models import Transformer, get_config
 
     cfg = dataclasses.replace(get_config("small"), length=PROMPT + NEW)
@@ -158,12 +158,13 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
     counter = _Compiles()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)
+    config = GenerationConfig(max_new_tokens=new)
     t0 = time.perf_counter()
     with jax.log_compiles(True):
-        first = jax.block_until_ready(generate(model, prompts[0], new, mesh=mesh, rules=rules))
+        first = jax.block_until_ready(generate(model, prompts[0], config, mesh=mesh, rules=rules))
         first_call_s = time.perf_counter() - t0
         for p in prompts[1:]:
-            jax.block_until_ready(generate(model, p, new, mesh=mesh, rules=rules))
+            jax.block_until_ready(generate(model, p, config, mesh=mesh, rules=rules))
     logger.removeHandler(counter)
 
     # The two programs timed apart (the same compiled ones generate ran).
@@ -221,17 +222,18 @@ def _stream_row(new: int, rounds: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from nnx_shard.inference import generate, stream
+    from nnx_shard.inference import GenerationConfig, generate, stream
     from nnx_shard.models import Transformer, get_config
 
     cfg = dataclasses.replace(get_config("small"), length=STREAM_PROMPT + new)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     prompt = np.random.default_rng(0).integers(0, 512, (BATCH, STREAM_PROMPT)).astype(np.int32)
-    whole = np.asarray(generate(model, prompt, new))
-    steps = np.stack(list(stream(model, prompt, new, chunk=STREAM_CHUNK)), 1)
+    config = GenerationConfig(max_new_tokens=new)
+    whole = np.asarray(generate(model, prompt, config))
+    steps = np.stack(list(stream(model, prompt, config, chunk=STREAM_CHUNK)), 1)
     assert (steps == whole[:, STREAM_PROMPT:]).all(), "stream and generate differ"
-    generate_t = _median_time(lambda: generate(model, prompt, new), rounds)
-    stream_t = _median_time(lambda: list(stream(model, prompt, new, chunk=STREAM_CHUNK)),
+    generate_t = _median_time(lambda: generate(model, prompt, config), rounds)
+    stream_t = _median_time(lambda: list(stream(model, prompt, config, chunk=STREAM_CHUNK)),
                             rounds)
     return {"new": new, "chunk": STREAM_CHUNK, "batch": BATCH,
             "generate_tokens_per_s": BATCH * new / generate_t,
@@ -387,16 +389,18 @@ def _hf_batch(ref: _Reference, model: Any, batch: int, new: int, rounds: int, vo
     import jax
     import numpy as np
 
-    from nnx_shard.inference import generate, stream
+    from nnx_shard.inference import GenerationConfig, generate, stream
 
     load = os.getloadavg()[0]
     prompt = np.random.default_rng(batch).integers(0, vocab, (batch, HF_PROMPT)).astype(np.int32)
 
+    config = GenerationConfig(max_new_tokens=new)
+
     def ours() -> Any:
-        return np.asarray(jax.block_until_ready(generate(model, prompt, new)))[:, HF_PROMPT:]
+        return np.asarray(jax.block_until_ready(generate(model, prompt, config)))[:, HF_PROMPT:]
 
     def streamed() -> Any:
-        return np.stack(list(stream(model, prompt, new, chunk=STREAM_CHUNK)), 1)
+        return np.stack(list(stream(model, prompt, config, chunk=STREAM_CHUNK)), 1)
 
     def timed(fn: Any) -> tuple[float, Any]:
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ fixed random prompt, printing one JSON line: tokens/s and the new tokens of each
 batch.
 
 The configuration has no ``eos_token_id``, so no token is ever suppressed and
-the greedy tokens are the plain argmax, as ``nnx_shard.models.generate``
+the greedy tokens are the plain argmax, as ``nnx_shard.inference.generate``
 computes them without ``eos_token_id``.
 
 ``--serve``: after writing the checkpoint it prints a ``ready`` line, then

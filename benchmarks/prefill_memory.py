@@ -1,6 +1,6 @@
 """Memory of generation's prefill against the prompt length, from XLA's own count.
 
-:func:`nnx_shard.models.generate` runs the whole prompt through the model in one
+:func:`nnx_shard.inference.generate` runs the whole prompt through the model in one
 compiled program (the prefill) that also creates the key/value cache. This script
 compiles that program (``jax.jit(...).lower(abstract args).compile()``, nothing
 allocated: the model is ``nnx.eval_shape``'d) for prompts of 2k to 32k tokens and

@@ -1215,6 +1215,21 @@ def _build_case_files() -> None:
 # -- helpers the cases call ---------------------------------------------------------------------
 
 
+def generation_config(new: Any, kw: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The ``GenerationConfig`` of ``kw``'s settings (``new`` new tokens; a temperature
+    given samples), built in the case so its errors count, and the call's other keywords."""
+    import dataclasses
+
+    from nnx_shard.inference import GenerationConfig
+
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    settings = {k: v for k, v in kw.items() if k in fields}
+    if settings.get("temperature", 0) != 0 and "do_sample" not in settings:
+        settings["do_sample"] = True
+    return (GenerationConfig(max_new_tokens=new, **settings),
+            {k: v for k, v in kw.items() if k not in fields})
+
+
 def _link(name: str, target: str) -> str:
     p = F.path(name)
     if not os.path.lexists(p):

@@ -38,22 +38,24 @@ PLOT_EXTRA = "pip install 'nnx_shard[plot]'"
 
 def _sample(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> Any:
     """``n`` tokens after the 1-D ``prompt`` through the cached path
-    (:func:`nnx_shard.models.generate`), in chunks of half the model's context,
+    (:func:`nnx_shard.inference.generate`), in chunks of half the model's context,
     each prompted with the last half-context of the text so far: every chunk has
     the same shapes, so one prefill and one decode program serve them all."""
     import numpy as np
 
-    from nnx_shard.inference import generate
+    from nnx_shard.inference import GenerationConfig, generate
 
     if n < 1:
         return np.zeros((0,), np.int32)
     context = model.max_length
     new = min(max(context // 2, 1), n)
+    # every character may be drawn (top_k=None): the demo's samples as they always were
+    config = GenerationConfig(max_new_tokens=new, do_sample=temperature > 0,
+                              temperature=temperature, top_k=None)
     text = np.asarray(prompt, np.int32)
     for chunk in range(-(-n // new)):
         window = text[-(context - new):][None]
-        out = np.asarray(generate(model, window, new, temperature=temperature,
-                                  seed=seed + chunk))
+        out = np.asarray(generate(model, window, config, seed=seed + chunk))
         text = np.concatenate([text, out[0, window.shape[1]:]])
     return text[len(prompt):len(prompt) + n]
 

@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _explain_cache(args: argparse.Namespace, model: Any, sizes: dict[str, int],
                    rules: Rules) -> None:
-    """The key/value cache :func:`nnx_shard.models.generate` allocates, per device."""
+    """The key/value cache :func:`nnx_shard.inference.generate` allocates, per device."""
     from nnx_shard.inference import explain_cache
 
     if args.batch is None or args.seq is None or args.batch < 1 or args.seq < 1:

@@ -1,6 +1,6 @@
 """``nnx-shard generate --model DIR --prompt TEXT``: a Hugging Face checkpoint
 loaded sharded (:func:`nnx_shard.hf.load_pretrained`) continues a prompt, the
-text printed as it is decoded (:func:`nnx_shard.models.stream_text`).
+text printed as it is decoded (:func:`nnx_shard.inference.stream_text`).
 
 The mesh is ``--mesh`` or the strategy's shape over every device; the tokenizer
 is read from ``--tokenizer`` (default: the checkpoint folder). ``--chat`` renders
@@ -38,8 +38,8 @@ def _check(args: argparse.Namespace) -> None:
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--chunk", args.chunk)):
         if value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1, e.g. {flag} 32")
-    if args.top_k is not None and args.top_k < 1:
-        raise UsageError(f"--top-k {args.top_k}: must be at least 1 (leave it out for all)")
+    if args.top_k is not None and args.top_k < 0:
+        raise UsageError(f"--top-k {args.top_k}: must be 0 or more (0: every token)")
     if args.top_p is not None and not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise UsageError(f"--top-p {args.top_p}: must be a number in (0, 1] (1: off)")
     if args.min_p is not None and not (math.isfinite(args.min_p) and 0 <= args.min_p <= 1):
@@ -48,9 +48,9 @@ def _check(args: argparse.Namespace) -> None:
     if least is not None and not 0 <= least <= args.max_new_tokens:
         raise UsageError(f"--min-new-tokens {least}: must be from 0 to --max-new-tokens "
                          f"({args.max_new_tokens})")
-    if args.no_repeat_ngram_size is not None and args.no_repeat_ngram_size < 1:
-        raise UsageError(f"--no-repeat-ngram-size {args.no_repeat_ngram_size}: must be at "
-                         "least 1 (leave it out for off)")
+    if args.no_repeat_ngram_size is not None and args.no_repeat_ngram_size < 0:
+        raise UsageError(f"--no-repeat-ngram-size {args.no_repeat_ngram_size}: must be 0 "
+                         "(off) or more")
     if args.stop is not None and not all(args.stop):
         raise UsageError("--stop '': a stop string must be non-empty text, e.g. --stop 'User:'")
     penalty = args.repetition_penalty
@@ -103,14 +103,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(_one_line(f"--strategy {args.strategy} on --mesh {shape}: {e}")) from e
     except (NnxShardError, FileNotFoundError) as e:  # no config, or files the loader refuses
         raise UsageError(_one_line(f"--model: {e}")) from e
-    options = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-               "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
-               "min_new_tokens": args.min_new_tokens,
-               "no_repeat_ngram_size": args.no_repeat_ngram_size, "stop_strings": args.stop,
-               "seed": args.seed, "mesh": mesh, "rules": rules}
-    try:  # the checks run here, before any token: the prompt, the context, the options
-        pieces = stream_text(model, tokenizer, args.prompt, args.max_new_tokens,
-                             chat=args.chat, chunk=args.chunk, **options)
+    config = _settings(args, model)
+    try:  # the checks run here, before any token: the prompt, the context, the settings
+        pieces = stream_text(model, tokenizer, args.prompt, config, chat=args.chat,
+                             chunk=args.chunk, seed=args.seed, mesh=mesh, rules=rules)
     except UsageError as e:
         raise UsageError(_one_line(_flagged(
             f"{'--chat: ' if args.chat and 'chat template' in str(e) else ''}{e}"))) from e
@@ -125,6 +121,49 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     return 0
+
+
+def _settings(args: argparse.Namespace, model: Any) -> Any:
+    """The checkpoint's generation config (the defaults without one) with each flag
+    given in place of its field; one continuation, no log-probabilities. The file's
+    token ids are checked against the model here, so an error names the file."""
+    from nnx_shard.inference import GenerationConfig
+    from nnx_shard.inference._decoding import check_options
+
+    try:
+        base = GenerationConfig.from_pretrained(args.model)
+    except FileNotFoundError:
+        base = GenerationConfig()
+    except NnxShardError as e:
+        raise UsageError(_one_line(f"--model: {e}")) from e
+    file = os.path.join(args.model, "generation_config.json")
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(base, name)
+        if value is None:
+            continue
+        try:
+            check_options(model, GenerationConfig(**{name: value}))
+        except UsageError as e:
+            said = str(e).split(": ", 1)[-1].split(". Fix")[0]
+            shown = list(value) if isinstance(value, tuple) else value  # as the file has it
+            raise UsageError(f"--model: {file}: {name} {short(shown, 60)} is not an id of this "
+                             f"model ({said}); correct it there") from e
+    changes: dict[str, Any] = {"max_new_tokens": args.max_new_tokens,
+                               "num_return_sequences": 1, "return_logprobs": False}
+    if args.temperature is not None:  # 0: greedy, as the flag has always meant
+        changes["do_sample"] = args.temperature > 0
+        if args.temperature > 0:
+            changes["temperature"] = args.temperature
+    for name in ("top_k", "top_p", "min_p", "repetition_penalty", "min_new_tokens",
+                 "no_repeat_ngram_size"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.stop is not None:
+        changes["stop_strings"] = list(args.stop)
+    try:
+        return base.replace(**changes)
+    except UsageError as e:
+        raise UsageError(_one_line(_flagged(str(e)))) from e
 
 
 #: The library's names of the options the command passes, and their flags.

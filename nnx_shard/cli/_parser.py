@@ -212,7 +212,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--top", type=int, default=5, help="largest tensors to list")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--generate", action="store_true",
-                   help="plan text generation (nnx_shard.models.generate) instead of training: "
+                   help="plan text generation (nnx_shard.inference.generate) instead of training: "
                    "parameters plus the key/value cache per device for --batch sequences of "
                    "--seq positions (prompt + new tokens), laid out by the strategy's rules")
     _add_auto(p)
@@ -275,7 +275,7 @@ def _add_explain(sub: argparse._SubParsersAction[Parser]) -> None:
     e.add_argument("--optimizer", default=None, help="also report this optimizer's state")
     e.add_argument("--markdown", action="store_true")
     e.add_argument("--generate", action="store_true",
-                   help="also report the key/value cache nnx_shard.models.generate allocates "
+                   help="also report the key/value cache nnx_shard.inference.generate allocates "
                    "(the model needs init_cache and decode) for --batch x --seq")
     e.add_argument("--batch", type=int, default=None,
                    help="with --generate: sequences generated at once")
@@ -290,7 +290,9 @@ def _add_generate(sub: argparse._SubParsersAction[Parser]) -> None:
                        "load_pretrained) laid out by a strategy on a mesh, encodes the prompt "
                        "with its tokenizer.json (pip install 'nnx_shard[text]') and prints the "
                        "continuation as it streams, up to --max-new-tokens or the "
-                       "end-of-sequence token.")
+                       "end-of-sequence token. The settings are the checkpoint's "
+                       "generation_config.json where it has one, each flag given replacing "
+                       "its value.")
     g.add_argument("--model", required=True, help="checkpoint folder (config.json and "
                    "*.safetensors, as save_pretrained writes it)")
     g.add_argument("--prompt", required=True, help="the text to continue")
@@ -298,9 +300,11 @@ def _add_generate(sub: argparse._SubParsersAction[Parser]) -> None:
                    help="folder with tokenizer.json (default: the --model folder)")
     g.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens to generate at most (default 64)")
-    g.add_argument("--temperature", type=finite_non_negative, default=0.0,
-                   help="0 for greedy (default), above 0 samples")
-    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    g.add_argument("--temperature", type=finite_non_negative, default=None,
+                   help="0 for greedy, above 0 samples (default: the checkpoint's "
+                   "generation_config.json, else greedy)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely (0: all; default 50)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
     g.add_argument("--min-p", type=float, default=None, help="min-p sampling, in [0, 1]")
     g.add_argument("--repetition-penalty", type=float, default=None,
@@ -308,7 +312,7 @@ def _add_generate(sub: argparse._SubParsersAction[Parser]) -> None:
     g.add_argument("--min-new-tokens", type=int, default=None,
                    help="tokens before the end-of-sequence token may end the text")
     g.add_argument("--no-repeat-ngram-size", type=int, default=None,
-                   help="n: no n-gram of tokens occurs twice (default off)")
+                   help="n: no n-gram of tokens occurs twice (default 0: off)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop once the text contains TEXT (repeat for several)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

@@ -382,7 +382,7 @@ def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],
 def run_generate(args: argparse.Namespace) -> int:
     """``nnx-shard plan --generate``: the bytes per device of generating ``--batch``
     sequences of ``--seq`` positions (prompt + new tokens) with
-    :func:`nnx_shard.models.generate`: the parameters in the strategy's layout and
+    :func:`nnx_shard.inference.generate`: the parameters in the strategy's layout and
     the key/value cache laid out by its rules (``cache_batch``, ``cache_length``,
     ``cache_kv_heads``, ``cache_head_dim``). Exit as :func:`run`.
 
@@ -459,7 +459,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print()
     print(textwrap.fill(
         "* the cache's bytes per device are those the compiled prefill of "
-        "nnx_shard.models.generate outputs (XLA's memory_analysis; the decode loop updates "
+        "nnx_shard.inference.generate outputs (XLA's memory_analysis; the decode loop updates "
         "the cache in place); the activations of one decode step and the prefill's are not "
         "counted.", width=100, subsequent_indent="  "))
     if memory is not None:

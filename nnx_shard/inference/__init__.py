@@ -12,9 +12,11 @@ further token in one ``jax.lax.while_loop``, each step feeding one token per
 sequence and attending through the cache, which is passed in place (donated) and
 never gathered, until ``max_new_tokens`` or every row has stopped at an
 end-of-sequence token.
-:func:`stream` runs the same decode program a chunk of steps at a time. The
-prompts, their mask, the seed and every sampling option are arguments of the
-programs, never compiled in.
+:func:`stream` runs the same decode program a chunk of steps at a time. Every
+generation setting is a field of one :class:`GenerationConfig` (transformers'
+names and defaults; :meth:`GenerationConfig.from_pretrained` reads a checkpoint's
+``generation_config.json``). The prompts, their mask, the seed and every
+setting's value are arguments of the programs, never compiled in.
 
 The cache has its own logical names, :data:`CACHE_AXES` (``cache_batch``,
 ``cache_length``, ``cache_kv_heads``, ``cache_head_dim``, plus ``layers`` in
@@ -55,7 +57,7 @@ names :func:`generate` warns that the cache is replicated.
 >>> from flax import nnx
 >>> from jax.sharding import AbstractMesh
 >>> import nnx_shard as ns
->>> from nnx_shard.inference import CACHE_AXES, explain_cache, generate
+>>> from nnx_shard.inference import CACHE_AXES, GenerationConfig, explain_cache, generate
 >>> class StockLM(nnx.Module):
 ...     max_length = 16
 ...     def __init__(self, rngs):
@@ -76,7 +78,7 @@ names :func:`generate` warns that the cache is replicated.
 ...             steps.append(self.out(x + self.attn(x, decode=True)))
 ...         return jnp.concatenate(steps, axis=1)
 >>> model = StockLM(nnx.Rngs(0))
->>> generate(model, [[1, 2, 3]], max_new_tokens=5).shape
+>>> generate(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=5)).shape
 (1, 8)
 >>> mesh = AbstractMesh((2, 4), ("data", "model"))
 >>> report = explain_cache(model, mesh, ns.strategies.get("tp").rules, batch=8, length=16)
@@ -84,6 +86,7 @@ names :func:`generate` warns that the cache is replicated.
 [('attn/cached_key', P('data', None, 'model', None))]
 """
 
+from nnx_shard.inference._config import GenerationConfig
 from nnx_shard.inference._generation import (
     CACHE_AXES,
     explain_cache,
@@ -94,5 +97,5 @@ from nnx_shard.inference._generation import (
 from nnx_shard.inference._text import generate_text, stream_text
 from nnx_shard.inference._tokenizer import Tokenizer
 
-__all__ = ["CACHE_AXES", "Tokenizer", "explain_cache", "generate", "generate_text",
-           "generation_rules", "stream", "stream_text"]
+__all__ = ["CACHE_AXES", "GenerationConfig", "Tokenizer", "explain_cache", "generate",
+           "generate_text", "generation_rules", "stream", "stream_text"]

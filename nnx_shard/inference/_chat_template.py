@@ -6,7 +6,7 @@ from reaching Python's internals but not from running forever or asking for
 gigabytes (``range`` loops inside loops, ``'a' * 10**10``, ``lipsum(10**7)``).
 
 What the limits bound, each refused with :class:`Limit` (which
-:meth:`~nnx_shard.models.Tokenizer.apply_chat_template` reports naming the
+:meth:`~nnx_shard.inference.Tokenizer.apply_chat_template` reports naming the
 template and the limit):
 
 * the time of one rendering (:data:`TIME_LIMIT`), checked at every loop

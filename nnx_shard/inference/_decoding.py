@@ -9,7 +9,6 @@ value compiles nothing.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_shard._errors import UsageError, short
+from nnx_shard.inference._config import GenerationConfig, check_temperature
 from nnx_shard.models._ops import whole
 
 __all__ = ["EOS_SLOTS", "INT32_MAX", "Options", "banned_tokens", "check_options",
-           "check_sampling", "check_temperature", "check_top_k", "choose", "config_vocab",
+           "check_sampling", "check_stop_tokenizer", "check_top_k", "choose", "config_vocab",
            "first_argmax", "model_context", "pick", "warp"]
 
 
@@ -37,28 +37,6 @@ def config_vocab(model: Any) -> int | None:
     vocab = getattr(getattr(model, "cfg", None), "vocab", None)
     return int(vocab) if isinstance(vocab, int | np.integer) and not isinstance(vocab, bool) \
         else None
-
-
-def check_temperature(temperature: Any, caller: str) -> float:
-    """``temperature`` as a float: 0 (greedy) or a positive finite number.
-
-    >>> check_temperature(0.7, "generate")
-    0.7
-    """
-    if isinstance(temperature, bool | np.bool_ | str | bytes):
-        # float(True) is 1.0 and float("0.5") is 0.5: neither is a temperature given.
-        raise UsageError(f"{caller}: temperature must be a number, got {short(temperature, 40)} "
-                         f"({'a bool' if isinstance(temperature, bool | np.bool_) else 'text'}). "
-                         "Fix: temperature=0.0 (greedy) or e.g. temperature=0.8.")
-    try:
-        t = float(temperature)
-    except (TypeError, ValueError):
-        raise UsageError(f"{caller}: temperature must be a number, got {temperature!r:.40}. "
-                         "Fix: temperature=0.0 (greedy) or e.g. temperature=0.8.") from None
-    if not math.isfinite(t) or t < 0:
-        raise UsageError(f"{caller}: temperature={temperature!r}; use 0 (greedy) or a positive "
-                         "number. Fix: temperature=0.0 (greedy) or e.g. temperature=0.8.")
-    return t
 
 
 def check_top_k(top_k: Any, vocab: int | None, caller: str) -> int | None:
@@ -145,86 +123,55 @@ class Options:
                 "ngram": np.int32(self.no_repeat_ngram_size)}
 
 
-def _number(value: Any, name: str, caller: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise UsageError(f"{caller}: {name} must be a number, got {type(value).__name__} "
-                         f"{value!r:.40}.")
-    return float(value)
-
-
-def _token_id(value: Any, name: str, vocab: int | None, caller: str) -> int:
-    within = f"0 .. {vocab - 1}" if vocab else "0 or more"
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0 or (
-            vocab is not None and value >= vocab):
+def _token_id(value: int, name: str, vocab: int | None, caller: str) -> int:
+    if vocab is not None and value >= vocab:
         raise UsageError(f"{caller}: {name}={value!r:.40} is not a token id of the model's "
-                         f"vocabulary ({within}). Fix: pass the tokenizer's id, e.g. "
+                         f"vocabulary (0 .. {vocab - 1}). Fix: pass the tokenizer's id, e.g. "
                          "its eos_token_id.")
     return int(value)
 
 
-def check_options(model: Any, *, temperature: Any = 0.0, top_k: Any = None, top_p: Any = None,  # noqa: PLR0913
-                  min_p: Any = None, repetition_penalty: Any = None, eos_token_id: Any = None,
-                  pad_token_id: Any = 0, min_new_tokens: Any = None,
-                  no_repeat_ngram_size: Any = None, stop_strings: Any = None,
-                  tokenizer: Any = None, num_return_sequences: Any = None,
+def check_options(model: Any, config: GenerationConfig, *, tokenizer: Any = None,
                   caller: str = "generate") -> Options:
-    """The options of :func:`generate` checked, one :class:`~nnx_shard.UsageError`
-    naming the argument otherwise. ``tokenizer`` is only checked: ``stop_strings`` need one.
+    """``config`` (its fields checked when it was built) checked against ``model``
+    (the token ids against its vocabulary, the n-gram size against its context;
+    ``top_k`` past the vocabulary keeps every token, as in transformers) and the
+    ``tokenizer`` its ``stop_strings`` need, as the :class:`Options` the compiled
+    programs take. One :class:`~nnx_shard.UsageError` naming the field otherwise.
 
     >>> from flax import nnx
+    >>> from nnx_shard.inference import GenerationConfig
     >>> from nnx_shard.models import Transformer, get_config
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
-    >>> check_options(model, temperature=0.7, top_p=0.9, eos_token_id=[2, 3]).eos
-    (2, 3)
-    >>> check_options(model, no_repeat_ngram_size=3, min_new_tokens=2).no_repeat_ngram_size
-    3
+    >>> config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=[2, 3])
+    >>> options = check_options(model, config)
+    >>> options.eos, options.temperature, options.pad
+    ((2, 3), 0.7, 2)
+    >>> check_options(model, GenerationConfig(no_repeat_ngram_size=3)).temperature   # greedy
+    0.0
     """
-    t, k = check_sampling(temperature, top_k, model, caller)
     vocab = config_vocab(model)
-    p = 1.0 if top_p is None else _number(top_p, "top_p", caller)
-    if not 0.0 < p <= 1.0:
-        raise UsageError(f"{caller}: top_p={top_p!r}; the nucleus keeps the most likely tokens "
-                         "whose probabilities sum to top_p: use a number in (0, 1] (1: off), "
-                         "or None.")
-    m = 0.0 if min_p is None else _number(min_p, "min_p", caller)
-    if not 0.0 <= m <= 1.0:
-        raise UsageError(f"{caller}: min_p={min_p!r}; it keeps tokens at least min_p times as "
-                         "likely as the most likely one: use a number in [0, 1], or None.")
-    r = 1.0 if repetition_penalty is None else _number(repetition_penalty,
-                                                        "repetition_penalty", caller)
-    if not math.isfinite(r) or r <= 0:
-        raise UsageError(f"{caller}: repetition_penalty={repetition_penalty!r}; use a finite "
-                         "number above 0 (1: off, above 1 discourages repeats), or None.")
-    if eos_token_id is None:
-        eos: tuple[int, ...] = ()
-    elif isinstance(eos_token_id, list | tuple | np.ndarray):
-        if len(eos_token_id) == 0:
-            raise UsageError(f"{caller}: eos_token_id=[] is empty; pass an id, a list of ids, "
-                             "or None (no end but max_new_tokens).")
-        eos = tuple(_token_id(v, "eos_token_id", vocab, caller) for v in list(eos_token_id))
-    else:
-        eos = (_token_id(eos_token_id, "eos_token_id", vocab, caller),)
-    pad = _token_id(pad_token_id, "pad_token_id", vocab, caller)
-    least = _count_option(min_new_tokens, "min_new_tokens", 0, caller,
-                          "the fewest new tokens before an eos_token_id may end a row")
-    ngram = _count_option(no_repeat_ngram_size, "no_repeat_ngram_size", 1, caller,
-                          "the size of the n-grams that may not occur twice in a row", off=0)
+    t = (1.0 if config.temperature is None else config.temperature) if config.do_sample else 0.0
+    k = config.top_k or 0
+    if vocab is not None and k > vocab:
+        k = 0
+    eos = tuple(_token_id(v, "eos_token_id", vocab, caller) for v in config.eos_ids)
+    pad = config.pad_token_id
+    pad = _token_id(pad, "pad_token_id", vocab, caller) if pad is not None else \
+        eos[0] if eos else 0
+    ngram = config.no_repeat_ngram_size
     context = model_context(model)
     most, within = ((context, f"the model's context of {context} positions (max_length)")
                     if context is not None else (INT32_MAX, "the int32 the programs take"))
     if ngram > most:
         raise UsageError(f"{caller}: no_repeat_ngram_size={ngram} is longer than {within}: no "
                          f"n-gram that long fits in a row. Fix: e.g. no_repeat_ngram_size=3 "
-                         f"(at most {most}), or None for off.")
-    returned = _count_option(num_return_sequences, "num_return_sequences", 1, caller,
-                             "the continuations sampled per prompt")
-    if returned > 1 and t == 0.0:
-        raise UsageError(f"{caller}: num_return_sequences={returned} with temperature=0 "
-                         "(greedy) would return the same continuation each time (transformers "
-                         "refuses it without beam search too). Fix: sample (e.g. "
-                         "temperature=0.8), or num_return_sequences=1.")
-    stops = _check_stop_strings(stop_strings, tokenizer, caller)
-    return Options(t, k or 0, p, m, r, eos, pad, least, ngram, stops, returned)
+                         f"(at most {most}), or 0 for off.")
+    stops = check_stop_tokenizer(config.stop_strings, tokenizer, caller)
+    return Options(t, k, 1.0 if config.top_p is None else config.top_p, config.min_p or 0.0,
+                   1.0 if config.repetition_penalty is None else config.repetition_penalty,
+                   eos, pad, config.min_new_tokens or 0, ngram, stops,
+                   config.num_return_sequences)
 
 
 #: The largest value an int32 option of the compiled programs holds.
@@ -243,38 +190,23 @@ def model_context(model: Any) -> int | None:
         value, bool) else None
 
 
-def _count_option(value: Any, name: str, least: int, caller: str, what: str,
-                  off: int | None = None) -> int:
-    """An int option of at least ``least`` (``None``: ``off``, else ``least``)."""
-    if value is None:
-        return least if off is None else off
-    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) \
-            or value < least:
-        got = "a bool" if isinstance(value, bool | np.bool_) else type(value).__name__
-        raise UsageError(f"{caller}: {name}={short(value, 40)} ({got}) must be an int >= "
-                         f"{least} ({what}), or None. Fix: e.g. {name}={max(least, 2)}.")
-    return int(value)
+def check_stop_tokenizer(stop_strings: str | tuple[str, ...] | None, tokenizer: Any,
+                         caller: str) -> tuple[str, ...]:
+    """The stop strings as a tuple, once a ``tokenizer`` that decodes the tokens is
+    given (the strings themselves were checked by
+    :class:`~nnx_shard.inference.GenerationConfig`).
 
-
-def _check_stop_strings(stop_strings: Any, tokenizer: Any, caller: str) -> tuple[str, ...]:
+    >>> check_stop_tokenizer(None, None, "generate")
+    ()
+    """
     if stop_strings is None:
         return ()
-    strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
-    fix = "Fix: e.g. stop_strings=['\\n\\n', 'User:']."
-    if not isinstance(strings, list | tuple) or not strings:
-        raise UsageError(f"{caller}: stop_strings={short(stop_strings, 60)} must be a non-empty "
-                         f"list of non-empty strings (or one string). {fix}")
-    for i, text in enumerate(strings):
-        if not isinstance(text, str) or not text:
-            raise UsageError(f"{caller}: stop_strings[{i}] is {short(text, 40)} "
-                             f"({type(text).__name__}); each stop string must be non-empty "
-                             f"text. {fix}")
     if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
         got = "no tokenizer" if tokenizer is None else f"tokenizer={short(tokenizer, 40)}"
         raise UsageError(f"{caller}: stop_strings need the tokenizer that decodes the tokens "
                          f"(decode(ids)), got {got}. Fix: pass tokenizer=Tokenizer."
                          "from_pretrained(checkpoint_folder) (or transformers' tokenizer).")
-    return tuple(strings)
+    return (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
 
 
 # -- choosing a token ------------------------------------------------------------------

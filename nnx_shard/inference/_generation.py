@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from nnx_shard._annotate import logical_names, path_str
 from nnx_shard._axes import mesh_sizes
-from nnx_shard._errors import ShardingError, ShardingWarning, UsageError, count, flag
+from nnx_shard._errors import ShardingError, ShardingWarning, UsageError, count, short
 from nnx_shard._mesh import make_mesh, nbytes, use, variable_spec
 from nnx_shard._report import Report, layout_rows
 from nnx_shard._rules import Rules, as_rules
@@ -38,10 +38,10 @@ from nnx_shard.inference._checks import (
     placement,
     read_prompts,
 )
+from nnx_shard.inference._config import GenerationConfig
 from nnx_shard.inference._decoding import (
     Options,
     check_options,
-    check_top_k,
     choose,
     config_vocab,
     warp,
@@ -50,8 +50,12 @@ from nnx_shard.inference._programs import Programs, abstract_cache, build_progra
 from nnx_shard.models._kv_cache import CACHE_AXES
 from nnx_shard.models._resize import memory_shortfall
 
-__all__ = ["CACHE_AXES", "Options", "check_options", "choose", "explain_cache", "generate",
-           "generation_rules", "stream", "warp"]
+__all__ = ["CACHE_AXES", "GENERATION_FIELDS", "GenerationConfig", "Options", "check_config",
+           "check_options", "choose", "explain_cache", "generate", "generation_rules", "stream",
+           "warp"]
+
+#: The settings a :class:`GenerationConfig` holds (refused as keywords of the calls).
+GENERATION_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationConfig))
 
 #: Execution options of training layouts that generation does not use: the
 #: sequence of new tokens is one position long, so it is neither split over a
@@ -211,9 +215,11 @@ class _StopStrings:
 
 def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, seed: Any,
              mesh: Any, rules: Any, caller: str, attention_mask: Any = None,
-             tokenizer: Any = None) -> _Run:
+             tokenizer: Any = None, max_length: int = 20) -> _Run:
     check_model(model, caller)
     prompt, mask = read_prompts(prompts, attention_mask, model, caller)
+    if max_new_tokens is None:
+        max_new_tokens = _from_max_length(prompt.shape[1], max_length, caller)
     if options.num_return_sequences > 1:  # transformers' order: each prompt's copies together
         _check_copies(model, prompt.shape, options.num_return_sequences, max_new_tokens, mesh,
                       rules, caller)
@@ -261,7 +267,8 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
             vocab = logits_vocab(lambda c, r, x: nnx.merge(with_cache, c, r).decode(x), cache,
                                  rest, jax.ShapeDtypeStruct((batch, 1), jnp.int32))
         check_ids(np.where(mask > 0, prompt, 0), vocab, caller)
-        check_top_k(options.top_k or None, vocab, caller)
+        if vocab is not None and options.top_k > vocab:  # transformers' top-k: all at most
+            options = dataclasses.replace(options, top_k=0)
     if mesh is not None:
         _warn_unannotated(cache, mesh, caller)
         for path, var in nnx.to_flat_state(cache):  # every other layout problem, by path
@@ -274,6 +281,17 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
                              options.eos)
     return _Run(programs, old, rest, prompt, mask, real, rows, new, jax.random.key(int(seed)),
                 options.traced(), mesh, gen_rules, stops)
+
+
+def _from_max_length(prompt_len: int, max_length: int, caller: str) -> int:
+    """The new tokens ``max_length`` leaves after the prompt (transformers' bound
+    when ``max_new_tokens`` is not set)."""
+    if prompt_len >= max_length:
+        raise UsageError(f"{caller}: the prompt has {prompt_len} tokens and max_length is "
+                         f"{max_length} (prompt and new tokens), so no token is left to "
+                         "generate. Fix: set max_new_tokens, e.g. GenerationConfig("
+                         "max_new_tokens=32).")
+    return max_length - prompt_len
 
 
 #: Host bytes a row takes per position beyond its cache: its token, mask and
@@ -314,90 +332,56 @@ def _check_copies(model: Any, shape: tuple[int, int], copies: int, max_new_token
         f"{problem}. Fix: {most}, or a smaller max_new_tokens.")
 
 
-def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: Any = None,  # noqa: PLR0913
-             eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             min_p: float | None = None, repetition_penalty: float | None = None,
-             min_new_tokens: int | None = None, no_repeat_ngram_size: int | None = None,
-             stop_strings: str | list[str] | None = None, tokenizer: Any = None,
-             num_return_sequences: int | None = None,
-             return_logprobs: bool = False, seed: int = 0,
+def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *,
+             attention_mask: Any = None, tokenizer: Any = None, seed: int = 0,
              mesh: Mesh | str | Mapping[str, int] | None = None,
              rules: Rules | Mapping[str, Any] | None = None, **unknown: Any) -> Any:
-    """``prompts`` continued by up to ``max_new_tokens`` tokens: int32 ``[batch,
-    length + max_new_tokens]``, the prompt first, each row's new tokens in the
-    last ``max_new_tokens`` columns.
+    """``prompts`` continued as ``config`` (a
+    :class:`~nnx_shard.inference.GenerationConfig`; default ``GenerationConfig()``)
+    says: int32 ``[batch, length + max_new_tokens]``, the prompt first, each row's
+    new tokens in the last ``max_new_tokens`` columns.
 
     ``prompts``: an int ``[batch, length]`` array (rows padded on the left marked
     by ``attention_mask``, 1: real token, 0: padding) or a list of token-id
-    sequences of any lengths (padded on the left with ``pad_token_id`` to the
-    longest, and masked). A padded row generates what the row alone generates.
+    sequences of any lengths (padded on the left with the pad id to the longest,
+    and masked). A padded row generates what the row alone generates.
 
-    A row stops at its first ``eos_token_id`` (an id or a list of ids; the eos
-    is kept) and holds ``pad_token_id`` after it; the loop ends as soon as
-    every row has stopped.
-
-    ``temperature=0`` is greedy (the argmax: deterministic); above 0 tokens are
+    Every generation setting is a field of ``config``, in transformers' meaning:
+    greedy (the argmax: deterministic) unless ``do_sample=True``, then tokens are
     sampled with a key that depends on ``seed`` and the column only. The
-    options apply in transformers' order and meaning: ``repetition_penalty``
-    (a seen token's positive logit divided by it, a negative one multiplied;
-    greedy too), then ``temperature``, ``top_k`` (the k most likely),
-    ``top_p`` (the nucleus: the most likely tokens whose probabilities reach
-    ``top_p``), ``min_p`` (tokens at least ``min_p`` times as likely as the
-    most likely). ``return_logprobs=True`` returns ``(tokens, logprobs)``,
-    ``logprobs [batch, max_new_tokens]`` float32 the log-probability of each new
-    token under the model's unprocessed distribution (0 after a row stopped).
-
-    Controls, in transformers' meaning (its logits processors and stopping
-    criteria), inside the compiled loop but for the stop strings:
-
-    * ``min_new_tokens``: the ``eos_token_id`` ids are masked (``-inf``) until a
-      row has that many new tokens;
-    * ``no_repeat_ngram_size=n``: a token that would repeat an n-gram of the
-      row's prompt and new tokens is masked (a vectorised match over the
-      token buffer at each step; the padding of ragged prompts is no part of a
-      row, so a padded row generates what it generates alone);
-    * ``stop_strings`` (a string or a list of them, with the ``tokenizer``
-      that decodes the tokens, e.g. :class:`~nnx_shard.models.Tokenizer`): a
-      row stops at the new token whose text completes one of them (it may
-      start in the prompt or earlier tokens; the token is kept, ``pad_token_id``
-      follows). The text is only known on the host: the loop then runs in
-      chunks of 16 steps, the rows that stopped are padded from their stop on
-      and halted before the next chunk;
-    * ``num_return_sequences=n`` (sampling only): each prompt row is
-      continued ``n`` times, the output's rows ``[row 0] * n, [row 1] * n,
-      ...`` (each copy sampled with its own noise).
+    processors apply in transformers' order: ``repetition_penalty`` (greedy
+    too), ``no_repeat_ngram_size`` (a vectorised match over the row's token
+    buffer at each step; the padding of ragged prompts is no part of a row) and
+    ``min_new_tokens`` (the eos ids masked until a row has that many), then
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``. A row stops at its first
+    ``eos_token_id`` (kept) and holds the pad id after it; the loop ends as soon
+    as every row has stopped. ``stop_strings`` need the ``tokenizer`` that decodes
+    the tokens (e.g. :class:`~nnx_shard.inference.Tokenizer`): the text is only
+    known on the host, so the loop then runs in chunks of 16 steps and the rows
+    that stopped are padded from their stop on. ``num_return_sequences=n``
+    (sampling only) continues each prompt row ``n`` times, the output's rows
+    ``[row 0] * n, [row 1] * n, ...``. ``return_logprobs=True`` returns
+    ``(tokens, logprobs)``, ``logprobs [batch, max_new_tokens]`` float32 the
+    log-probability of each new token under the model's unprocessed
+    distribution (0 after a row stopped).
 
     One compiled prefill creates the key/value cache in its layout and runs the
     prompt; one compiled loop decodes the rest through the cache. Both are
     compiled once per shape (model graph, layout, batch, prompt length,
     ``max_new_tokens``) and reused: the prompts' values, the mask, ``seed`` and
-    every option's value are arguments of the programs.
+    every setting's value are arguments of the programs.
 
     Args:
       model: any module with ``init_cache`` and ``decode`` (the reference models).
       prompts: an int ``[batch, length]`` array, or a list of token-id lists.
-      max_new_tokens: the most tokens each row gets.
+      config: the generation settings (:class:`~nnx_shard.inference.GenerationConfig`).
       attention_mask: ``[batch, length]``, 1 on tokens and 0 on left padding; built for
         a list of prompts.
-      eos_token_id: an id or a list of ids a row stops at; ``None`` never stops.
-      pad_token_id: what pads the prompts and follows a row's stop.
-      temperature: 0 (greedy) or above (sampled).
-      top_k: sample from the k most likely tokens.
-      top_p: sample from the nucleus whose probabilities reach it.
-      min_p: drop tokens less than ``min_p`` times as likely as the most likely.
-      repetition_penalty: divides a seen token's positive logit (multiplies a negative
-        one).
-      min_new_tokens: the eos ids are masked until a row has that many new tokens.
-      no_repeat_ngram_size: a token that would repeat an n-gram of the row is masked.
-      stop_strings: a string or a list of them; needs ``tokenizer``.
-      tokenizer: decodes the tokens for ``stop_strings``.
-      num_return_sequences: continuations per prompt row (sampling only).
-      return_logprobs: also return the new tokens' log-probabilities.
+      tokenizer: decodes the tokens for ``config.stop_strings``.
       seed: the sampling key's seed (an int).
       mesh: the mesh to run on (with ``rules``); else :func:`nnx_shard.use`'s, if any.
       rules: the layout's rules (with ``mesh``).
-      **unknown: refused, naming the options ``generate`` takes.
+      **unknown: refused; a setting given here names the ``GenerationConfig`` to put it in.
 
     Returns:
       int32 ``[batch * num_return_sequences, length + max_new_tokens]``, or
@@ -413,37 +397,34 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
     only).
 
     Raises:
-      UsageError: ``model`` lacks ``init_cache``/``decode``; ``prompts`` are not
-        integers, not of rank 2, empty, or with ids outside the vocabulary
-        (``cfg.vocab``, else the width of ``decode``'s logits; the first one
-        named by row and column), a list with an empty row;
-        ``max_new_tokens`` not an int, < 1, or past the model's context
-        (``max_length``), or a prompt that fills it; ``mesh`` without
-        ``rules`` or the reverse; a negative ``temperature``, a ``top_k`` out of
-        range; ``top_p``, ``min_p``,
-        ``repetition_penalty``, ``eos_token_id``, ``pad_token_id``, ``seed``
-        or ``attention_mask`` out of range; a ``temperature`` given as a bool
-        or text, a ``seed`` that is not an int of int64's range (a bool, a
-        float, a key array); ``min_new_tokens`` < 0 or above
-        ``max_new_tokens``, ``no_repeat_ngram_size`` < 1 or longer than the
-        context, ``stop_strings`` not non-empty text or without a ``tokenizer``,
-        ``num_return_sequences`` < 1, above 1 when greedy, or more copies than the
-        devices' memory holds (the most that fit named), an option ``generate``
-        does not take (the valid ones listed).
+      UsageError: ``config`` not a ``GenerationConfig``; ``model`` lacks
+        ``init_cache``/``decode``; ``prompts`` are not integers, not of rank 2,
+        empty, or with ids outside the vocabulary (``cfg.vocab``, else the width
+        of ``decode``'s logits; the first one named by row and column), a list
+        with an empty row; ``max_new_tokens`` past the model's context
+        (``max_length``), a prompt that fills it, or one of ``config.max_length``
+        tokens without ``max_new_tokens``; ``mesh`` without ``rules`` or the
+        reverse; an ``eos_token_id`` or ``pad_token_id`` past the vocabulary;
+        ``min_new_tokens`` above the new tokens; ``no_repeat_ngram_size``
+        longer than the context; ``stop_strings`` without a ``tokenizer``; more
+        ``num_return_sequences`` copies than the devices' memory holds (the
+        most that fit named); a ``seed`` that is not an int of int64's range;
+        ``attention_mask`` out of range; an argument ``generate`` does not take.
       ShardingError: a cache array does not fit its rule.
 
     >>> from flax import nnx
     >>> import nnx_shard as ns
-    >>> from nnx_shard.inference import generate
+    >>> from nnx_shard.inference import GenerationConfig, generate
     >>> from nnx_shard.models import Transformer, get_config
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
-    >>> out = generate(model, [[1, 2, 3, 4]], max_new_tokens=6)
+    >>> six = GenerationConfig(max_new_tokens=6)
+    >>> out = generate(model, [[1, 2, 3, 4]], six)
     >>> out.shape, out.dtype, out[0, :4].tolist()
     ((1, 10), dtype('int32'), [1, 2, 3, 4])
-    >>> ragged = generate(model, [[1, 2, 3, 4], [3, 4]], max_new_tokens=6)
-    >>> ragged[1, :2].tolist(), bool((ragged[1, 4:] == generate(model, [[3, 4]], 6)[0, 2:]).all())
+    >>> ragged = generate(model, [[1, 2, 3, 4], [3, 4]], six)
+    >>> ragged[1, :2].tolist(), bool((ragged[1, 4:] == generate(model, [[3, 4]], six)[0, 2:]).all())
     ([0, 0], True)
-    >>> tokens, logprobs = generate(model, [[1, 2, 3, 4]], 6, return_logprobs=True)
+    >>> tokens, logprobs = generate(model, [[1, 2, 3, 4]], six.replace(return_logprobs=True))
     >>> logprobs.shape, bool((logprobs <= 0).all())
     ((1, 6), True)
     >>> strategy = ns.strategies.get("tp")
@@ -451,31 +432,27 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
     >>> sharded = ns.sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)),
     ...                           mesh, strategy)
     >>> with ns.use(mesh, strategy.rules):
-    ...     again = generate(sharded, [[1, 2, 3, 4]], max_new_tokens=6)   # 1 row of 2: padded
+    ...     again = generate(sharded, [[1, 2, 3, 4]], six)   # 1 row of 2: padded
     >>> bool((again == out).all())
     True
-    >>> generate(model, [[1, 2, 3, 4]], max_new_tokens=16)
+    >>> generate(model, [[1, 2, 3, 4]], GenerationConfig(max_new_tokens=16))
     Traceback (most recent call last):
     ...
     nnx_shard._errors.UsageError: generate: prompt (4 tokens) + max_new_tokens (16) = 20 positions, past the model's context of 16 (max_length). Fix: max_new_tokens <= 12, or a shorter prompt.
-    >>> no_repeat = generate(model, [[1, 2, 3, 4]], 12, no_repeat_ngram_size=2)[0].tolist()
-    >>> pairs = list(zip(no_repeat, no_repeat[1:]))
+    >>> no_repeat = generate(model, [[1, 2, 3, 4]], GenerationConfig(max_new_tokens=12,
+    ...                                                               no_repeat_ngram_size=2))
+    >>> pairs = list(zip(no_repeat[0].tolist(), no_repeat[0].tolist()[1:]))
     >>> len(pairs) == len(set(pairs))
     True
-    >>> generate(model, [[1, 2, 3, 4]], 6, temperature=0.8, num_return_sequences=3).shape
+    >>> sampled = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.8,
+    ...                            num_return_sequences=3)
+    >>> generate(model, [[1, 2, 3, 4]], sampled, seed=1).shape
     (3, 10)
     """
-    _refuse_unknown(unknown, "generate")
-    options = check_options(model, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, repetition_penalty=repetition_penalty,
-                            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                            min_new_tokens=min_new_tokens,
-                            no_repeat_ngram_size=no_repeat_ngram_size,
-                            stop_strings=stop_strings, tokenizer=tokenizer,
-                            num_return_sequences=num_return_sequences)
-    want_logprobs = flag(return_logprobs, "generate: return_logprobs")
-    run = _prepare(model, prompts, max_new_tokens, options, seed, mesh, rules, "generate",
-                   attention_mask, tokenizer)
+    config = check_config(config, unknown, "generate")
+    options = check_options(model, config, tokenizer=tokenizer)
+    run = _prepare(model, prompts, config.max_new_tokens, options, seed, mesh, rules,
+                   "generate", attention_mask, tokenizer, config.max_length)
     if run.stops is not None:  # the text is read on the host between chunks
         steps = list(_steps(run, STOP_CHUNK, True))
         tokens = np.full((run.rows, run.prompt.shape[1] + run.new), options.pad, np.int32)
@@ -485,11 +462,11 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
             tokens[:, run.prompt.shape[1]:run.prompt.shape[1] + len(steps)] = np.stack(
                 [t for t, _ in steps], 1)
             logprobs[:, :len(steps)] = np.stack([lp for _, lp in steps], 1)
-        return (tokens, logprobs) if want_logprobs else tokens
+        return (tokens, logprobs) if config.return_logprobs else tokens
     cache, carry = run.prefill()
     _, carry = run.decode(cache, carry, run.new)
     tokens = carry["tokens"][:run.rows]
-    if want_logprobs:
+    if config.return_logprobs:
         return tokens, carry["logprobs"][:run.rows]
     return tokens
 
@@ -497,96 +474,99 @@ def generate(model: Any, prompts: Any, max_new_tokens: int, *, attention_mask: A
 #: Steps per compiled call when stop strings are checked on the host between calls.
 STOP_CHUNK = 16
 
-#: The keyword options of :func:`generate` (:func:`stream` adds ``chunk``).
-OPTION_NAMES = ("attention_mask", "eos_token_id", "pad_token_id", "temperature", "top_k",
-                "top_p", "min_p", "repetition_penalty", "min_new_tokens",
-                "no_repeat_ngram_size", "stop_strings", "tokenizer", "num_return_sequences",
-                "return_logprobs", "seed", "mesh", "rules")
+#: The keyword arguments of :func:`generate` (:func:`stream` adds ``chunk``).
+OPTION_NAMES = ("attention_mask", "tokenizer", "seed", "mesh", "rules")
 
 
-def _refuse_unknown(unknown: Mapping[str, Any], caller: str) -> None:
-    if not unknown:
-        return
-    names = OPTION_NAMES + (("chunk",) if caller == "stream" else ())
-    bad = sorted(unknown)
-    close = [m for n in bad for m in difflib.get_close_matches(n, names, 1)]
-    hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise UsageError(f"{caller}: unknown option{'s' if len(bad) > 1 else ''} "
-                     f"{', '.join(f'{n}=' for n in bad)}{hint}; it takes {', '.join(names)}. "
-                     "Fix: drop or rename it (beam search is not implemented).")
+def check_config(config: Any, unknown: Mapping[str, Any], caller: str,
+                 names: tuple[str, ...] | None = None) -> GenerationConfig:
+    """``config`` checked to be a :class:`GenerationConfig` (``None``: the defaults);
+    ``unknown`` keywords refused (the call's own are ``names``), a setting among
+    them sent to the config.
+
+    >>> check_config(None, {}, "generate").max_length
+    20
+    >>> check_config(None, {"temperature": 0.7}, "generate")
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: generate: temperature= is a setting of GenerationConfig, not an argument of generate. Fix: generate(model, prompts, GenerationConfig(temperature=0.7)).
+    """
+    settings = sorted(n for n in unknown if n in GENERATION_FIELDS)
+    if settings:
+        given = ", ".join(f"{n}={short(unknown[n], 30)}" for n in settings)
+        raise UsageError(f"{caller}: {', '.join(f'{n}=' for n in settings)} "
+                         f"{'is a setting' if len(settings) == 1 else 'are settings'} of "
+                         f"GenerationConfig, not an argument of {caller}. Fix: "
+                         f"{caller}(model, prompts, GenerationConfig({given})).")
+    if unknown:
+        if names is None:
+            names = OPTION_NAMES + (("chunk",) if caller == "stream" else ())
+        bad = sorted(unknown)
+        close = [m for n in bad for m in difflib.get_close_matches(
+            n, names + tuple(sorted(GENERATION_FIELDS)), 1)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise UsageError(f"{caller}: unknown option{'s' if len(bad) > 1 else ''} "
+                         f"{', '.join(f'{n}=' for n in bad)}{hint}; it takes a "
+                         f"GenerationConfig and {', '.join(names)}. Fix: drop or rename it "
+                         "(beam search is not implemented).")
+    if config is None:
+        return GenerationConfig()
+    if not isinstance(config, GenerationConfig):
+        example = (f"GenerationConfig(max_new_tokens={int(config)})"
+                   if isinstance(config, int | np.integer) and not isinstance(config, bool)
+                   else "GenerationConfig(max_new_tokens=32)")
+        raise UsageError(f"{caller}: config must be a GenerationConfig, got "
+                         f"{type(config).__name__} {short(config, 40)}. Fix: "
+                         f"{caller}(model, prompts, {example}).")
+    return config
 
 
-def stream(model: Any, prompts: Any, max_new_tokens: int, *, chunk: int = 16,  # noqa: PLR0913
-           attention_mask: Any = None, eos_token_id: int | list[int] | None = None,
-           pad_token_id: int = 0, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float | None = None, min_p: float | None = None,
-           repetition_penalty: float | None = None, min_new_tokens: int | None = None,
-           no_repeat_ngram_size: int | None = None,
-           stop_strings: str | list[str] | None = None, tokenizer: Any = None,
-           num_return_sequences: int | None = None, return_logprobs: bool = False,
-           seed: int = 0, mesh: Mesh | str | Mapping[str, int] | None = None,
+def stream(model: Any, prompts: Any, config: GenerationConfig | None = None, *,
+           chunk: int = 16, attention_mask: Any = None, tokenizer: Any = None, seed: int = 0,
+           mesh: Mesh | str | Mapping[str, int] | None = None,
            rules: Rules | Mapping[str, Any] | None = None, **unknown: Any) -> Iterator[Any]:
     """:func:`generate` a step at a time: yields each step's new tokens (int32
-    numpy ``[batch]``; with ``return_logprobs=True`` ``(tokens, logprobs)``),
+    numpy ``[batch]``; with ``config.return_logprobs`` ``(tokens, logprobs)``),
     decoding ``chunk`` steps per call of the same compiled decode program that
     :func:`generate` runs (one program whatever ``chunk``: it is an argument).
     It ends after ``max_new_tokens`` steps or the step at which every row has
     stopped (``eos_token_id`` or ``stop_strings``, checked after each chunk);
     what it yields, stacked, equals the new tokens of :func:`generate` up to
-    there (``pad_token_id`` after).
+    there (the pad id after).
 
     Args:
       model: as :func:`generate`'s.
       prompts: as :func:`generate`'s.
-      max_new_tokens: the most steps.
+      config: the generation settings (:class:`~nnx_shard.inference.GenerationConfig`).
       chunk: decode steps per call of the compiled program (a positive int).
-      attention_mask: as :func:`generate`'s; every option below as well.
-      eos_token_id: an id or a list of ids a row stops at.
-      pad_token_id: what pads the prompts and follows a row's stop.
-      temperature: 0 (greedy) or above (sampled).
-      top_k: sample from the k most likely tokens.
-      top_p: sample from the nucleus whose probabilities reach it.
-      min_p: drop tokens less than ``min_p`` times as likely as the most likely.
-      repetition_penalty: divides a seen token's positive logit (multiplies a negative
-        one).
-      min_new_tokens: the eos ids are masked until a row has that many new tokens.
-      no_repeat_ngram_size: a token that would repeat an n-gram of the row is masked.
-      stop_strings: a string or a list of them; needs ``tokenizer``.
-      tokenizer: decodes the tokens for ``stop_strings``.
-      num_return_sequences: continuations per prompt row (sampling only).
-      return_logprobs: yield ``(tokens, logprobs)`` pairs.
+      attention_mask: as :func:`generate`'s.
+      tokenizer: decodes the tokens for ``config.stop_strings``.
       seed: the sampling key's seed (an int).
       mesh: the mesh to run on (with ``rules``).
       rules: the layout's rules (with ``mesh``).
-      **unknown: refused, naming the options ``stream`` takes.
+      **unknown: refused, as :func:`generate` refuses them.
 
     Yields:
       Each step's new tokens, int32 numpy ``[batch]`` (or ``(tokens, logprobs)``).
 
     >>> import numpy as np
     >>> from flax import nnx
-    >>> from nnx_shard.inference import generate, stream
+    >>> from nnx_shard.inference import GenerationConfig, generate, stream
     >>> from nnx_shard.models import Transformer, get_config
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
-    >>> steps = list(stream(model, [[1, 2, 3, 4]], max_new_tokens=6, chunk=4))
+    >>> six = GenerationConfig(max_new_tokens=6)
+    >>> steps = list(stream(model, [[1, 2, 3, 4]], six, chunk=4))
     >>> len(steps), steps[0].shape
     (6, (1,))
-    >>> bool((np.stack(steps, 1) == generate(model, [[1, 2, 3, 4]], 6)[:, 4:]).all())
+    >>> bool((np.stack(steps, 1) == generate(model, [[1, 2, 3, 4]], six)[:, 4:]).all())
     True
     """
-    _refuse_unknown(unknown, "stream")
-    options = check_options(model, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, repetition_penalty=repetition_penalty,
-                            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                            min_new_tokens=min_new_tokens,
-                            no_repeat_ngram_size=no_repeat_ngram_size,
-                            stop_strings=stop_strings, tokenizer=tokenizer,
-                            num_return_sequences=num_return_sequences, caller="stream")
-    want_logprobs = flag(return_logprobs, "stream: return_logprobs")
+    config = check_config(config, unknown, "stream")
+    options = check_options(model, config, tokenizer=tokenizer, caller="stream")
     size = count(chunk, "stream: chunk", fix="e.g. chunk=16")
-    run = _prepare(model, prompts, max_new_tokens, options, seed, mesh, rules, "stream",
-                   attention_mask, tokenizer)
-    return _steps(run, size, want_logprobs)
+    run = _prepare(model, prompts, config.max_new_tokens, options, seed, mesh, rules, "stream",
+                   attention_mask, tokenizer, config.max_length)
+    return _steps(run, size, config.return_logprobs)
 
 
 def _steps(run: _Run, size: int, want_logprobs: bool) -> Iterator[Any]:

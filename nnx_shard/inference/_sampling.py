@@ -1,10 +1,10 @@
 """Generation without a cache: each new token re-runs the model on the whole
-sequence. :func:`nnx_shard.models.generate` (a key/value cache, one prefill and
+sequence. :func:`nnx_shard.inference.generate` (a key/value cache, one prefill and
 one decode loop) is the way to generate; these are what it is measured and
 tested against.
 
 * :func:`recompute`: the same arguments and result as
-  :func:`nnx_shard.models.generate`, the whole prefix re-run per token;
+  :func:`nnx_shard.inference.generate`, the whole prefix re-run per token;
 * :func:`generate`: the demo's sampler, a sliding window of the model's length
   (one sequence, ``n`` tokens, no end but ``n``).
 """
@@ -36,7 +36,8 @@ def generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> 
 
     from nnx_shard._errors import count
     from nnx_shard.inference import _checks as g
-    from nnx_shard.inference._decoding import check_temperature, config_vocab
+    from nnx_shard.inference._config import check_temperature
+    from nnx_shard.inference._decoding import config_vocab
 
     n = count(n, "generate: n")
     temperature = check_temperature(temperature, "generate")
@@ -94,19 +95,19 @@ def _program(graphdef: Any, mesh: Any, rules: Any, batch: int, prompt_len: int, 
 def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperature: float = 0.0,
               top_k: int | None = None, seed: int = 0, mesh: Any = None,
               rules: Any = None) -> Any:
-    """:func:`nnx_shard.models.generate` without a cache: each new token re-runs
+    """:func:`nnx_shard.inference.generate` without a cache: each new token re-runs
     the model on the whole sequence (padded to prompt + new tokens), in one
     compiled loop. Same arguments, checks, layout (the model called under
-    :func:`nnx_shard.models.generation_rules` of the rules) and sampling keys,
+    :func:`nnx_shard.inference.generation_rules` of the rules) and sampling keys,
     so equal logits give equal tokens; the reference the cached path is tested
     against and the baseline of ``benchmarks/generate.py``.
 
     >>> from flax import nnx
     >>> from nnx_shard.models import Transformer, get_config
-    >>> from nnx_shard.inference import generate
+    >>> from nnx_shard.inference import GenerationConfig, generate
     >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> slow = recompute(model, [[1, 2, 3, 4]], max_new_tokens=8)
-    >>> bool((slow == generate(model, [[1, 2, 3, 4]], max_new_tokens=8)).all())
+    >>> bool((slow == generate(model, [[1, 2, 3, 4]], GenerationConfig(max_new_tokens=8))).all())
     True
     """
     import contextlib

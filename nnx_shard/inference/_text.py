@@ -1,64 +1,58 @@
-"""Text in and out of :func:`~nnx_shard.models.generate`: prompts encoded with a
-:class:`~nnx_shard.models.Tokenizer`, the new tokens decoded up to the first
+"""Text in and out of :func:`~nnx_shard.inference.generate`: prompts encoded with a
+:class:`~nnx_shard.inference.Tokenizer`, the new tokens decoded up to the first
 end-of-sequence id. :func:`generate_text` returns whole continuations,
-:func:`stream_text` yields one continuation's text as :func:`~nnx_shard.models.stream`
-decodes it."""
+:func:`stream_text` yields one continuation's text as
+:func:`~nnx_shard.inference.stream` decodes it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
+from jax.sharding import Mesh
 
 from nnx_shard._errors import UsageError, count, flag, short
-from nnx_shard.inference._generation import check_options, generate, stream
+from nnx_shard._rules import Rules
+from nnx_shard.inference._config import GenerationConfig
+from nnx_shard.inference._decoding import check_options
+from nnx_shard.inference._generation import check_config, generate, stream
 from nnx_shard.inference._tokenizer import Tokenizer
 
 __all__ = ["generate_text", "stream_text"]
 
-#: The options of :func:`~nnx_shard.models.generate` that pass through as given.
-OPTIONS = ("eos_token_id", "pad_token_id", "temperature", "top_k", "top_p", "min_p",
-           "repetition_penalty", "min_new_tokens", "no_repeat_ngram_size", "stop_strings",
-           "num_return_sequences", "seed", "mesh", "rules")
-# What the text functions decide themselves.
-_OWN = {"attention_mask": "prompts of any lengths are padded and masked here",
-        "return_logprobs": "the text has no per-token values; call generate for them"}
+#: The keyword arguments of the text functions besides the config (stream_text adds chunk).
+ARGUMENTS = ("chat", "seed", "mesh", "rules")
 
 
-def _options(options: dict[str, Any], tokenizer: Tokenizer, caller: str,
-             model: Any) -> dict[str, Any]:
-    """The options for generate: eos and pad from the tokenizer unless given (an id
+def _settings(config: Any, unknown: dict[str, Any], tokenizer: Tokenizer, caller: str,
+              model: Any) -> GenerationConfig:
+    """The config generate runs: eos and pad from the tokenizer unless set (an id
     the model has not is named with the file it was read from)."""
-    for name in options:
-        if name in _OWN:
-            raise UsageError(f"{caller}: {name}= is not taken ({_OWN[name]}). Fix: drop it.")
-        if name not in OPTIONS:
-            raise UsageError(f"{caller}: unknown option {name}=; it takes generate's "
-                             f"{', '.join(OPTIONS)}. Fix: drop or rename it.")
-    out = dict(options)
-    if out.get("stop_strings") is not None:  # decoded with the prompts' tokenizer
-        out["tokenizer"] = tokenizer
-    if out.get("eos_token_id") is None:
-        eos = tokenizer.eos_token_ids
-        out["eos_token_id"] = list(eos) if eos else None
-        if eos:
-            _model_has(model, tokenizer, "eos_token_id", list(eos), caller)
-    if "pad_token_id" not in out:
-        pad = tokenizer.generation_pad_token_id
-        eos = out["eos_token_id"]
-        first = eos[0] if isinstance(eos, list | tuple) and eos else eos
-        # transformers' choice too: no pad token, the (first) eos pads.
-        out["pad_token_id"] = pad if pad is not None else first if first is not None else 0
-        if pad is not None:
-            _model_has(model, tokenizer, "pad_token_id", pad, caller)
-    return out
+    names = ARGUMENTS + (("chunk",) if caller == "stream_text" else ())
+    if "attention_mask" in unknown:
+        raise UsageError(f"{caller}: attention_mask= is not taken (prompts of any lengths are "
+                         "padded and masked here). Fix: drop it.")
+    config = check_config(config, unknown, caller, names)
+    if config.return_logprobs:
+        raise UsageError(f"{caller}: return_logprobs=True is not taken (the text has no "
+                         "per-token values). Fix: call generate for them, or drop it.")
+    changes: dict[str, Any] = {}
+    if config.eos_token_id is None and tokenizer.eos_token_ids:
+        changes["eos_token_id"] = tokenizer.eos_token_ids
+        _model_has(model, tokenizer, "eos_token_id", list(tokenizer.eos_token_ids), caller)
+    pad = tokenizer.generation_pad_token_id
+    if config.pad_token_id is None and pad is not None:
+        # transformers' choice too: without a pad token, the (first) eos pads.
+        changes["pad_token_id"] = pad
+        _model_has(model, tokenizer, "pad_token_id", pad, caller)
+    return config.replace(**changes) if changes else config
 
 
 def _model_has(model: Any, tokenizer: Tokenizer, name: str, value: Any, caller: str) -> None:
     """The tokenizer's stop or pad ids checked against the model's vocabulary."""
     try:
-        check_options(model, **{name: value})
+        check_options(model, GenerationConfig(**{name: value}))
     except UsageError as e:
         said = str(e).split(": ", 1)[-1].split(". Fix")[0]
         raise UsageError(f"{caller}: {name} {value} read from {tokenizer.stop_source(name)} "
@@ -66,16 +60,9 @@ def _model_has(model: Any, tokenizer: Tokenizer, name: str, value: Any, caller: 
                          "or use the model's own tokenizer folder.") from None
 
 
-def _stops(eos: Any) -> set[int]:
-    if eos is None:
-        return set()
-    values = list(eos) if isinstance(eos, list | tuple | np.ndarray) else [eos]
-    return {int(v) for v in values}
-
-
 def _encode(tokenizer: Any, prompts: Any, chat: Any, caller: str) -> list[list[int]]:
     if not isinstance(tokenizer, Tokenizer):
-        raise UsageError(f"{caller}: tokenizer must be a nnx_shard.models.Tokenizer, got "
+        raise UsageError(f"{caller}: tokenizer must be a nnx_shard.inference.Tokenizer, got "
                          f"{type(tokenizer).__name__} {short(tokenizer, 60)}. Fix: "
                          "Tokenizer.from_pretrained(checkpoint_folder).")
     if isinstance(prompts, str) or not isinstance(prompts, list | tuple) or not prompts or \
@@ -104,60 +91,72 @@ def _text(tokenizer: Tokenizer, new: Any, stops: set[int]) -> str:
 
 
 def generate_text(model: Any, tokenizer: Tokenizer, prompts: Sequence[str],
-                  max_new_tokens: int, *, chat: bool = False, **options: Any) -> list[str]:
-    """Each of ``prompts`` continued by up to ``max_new_tokens`` tokens of
-    :func:`~nnx_shard.inference.generate`, as text: only the new tokens, up to (not
-    including) the first end-of-sequence id, decoded without special tokens.
+                  config: GenerationConfig | None = None, *, chat: bool = False,
+                  seed: int = 0, mesh: Mesh | str | Mapping[str, int] | None = None,
+                  rules: Rules | Mapping[str, Any] | None = None,
+                  **unknown: Any) -> list[str]:
+    """Each of ``prompts`` continued by :func:`~nnx_shard.inference.generate` as
+    ``config`` says, as text: only the new tokens, up to (not including) the
+    first end-of-sequence id, decoded without special tokens.
 
     Prompts are encoded with ``tokenizer`` (its bos token added), or with
     ``chat=True`` rendered as one user message each by its chat template; prompts
-    of different lengths are padded on the left and masked. ``options`` are
-    :func:`~nnx_shard.models.generate`'s: ``temperature``, ``top_k``, ``top_p``,
-    ``min_p``, ``repetition_penalty``, ``min_new_tokens``, ``no_repeat_ngram_size``,
-    ``stop_strings`` (decoded with ``tokenizer``), ``num_return_sequences`` (then
-    each prompt's continuations follow one another), ``seed``, ``mesh``,
-    ``rules``, and ``eos_token_id`` and ``pad_token_id``, which default to the
-    tokenizer's (:attr:`Tokenizer.eos_token_ids`: ``generation_config.json``'s
-    first; the pad falls back to the eos, as in transformers).
+    of different lengths are padded on the left and masked. ``config``'s
+    ``stop_strings`` are decoded with ``tokenizer``; with ``num_return_sequences``
+    each prompt's continuations follow one another; its ``eos_token_id`` and
+    ``pad_token_id``, where ``None``, are the tokenizer's
+    (:attr:`Tokenizer.eos_token_ids`: ``generation_config.json``'s first; the
+    pad falls back to the eos, as in transformers).
 
     Args:
       model: a module with ``init_cache`` and ``decode`` (the reference models).
       tokenizer: the checkpoint's :class:`Tokenizer`.
       prompts: a list of strings.
-      max_new_tokens: the most tokens each continuation gets.
+      config: the generation settings (:class:`~nnx_shard.inference.GenerationConfig`;
+        ``return_logprobs`` is refused: the text has no per-token values).
       chat: render each prompt as one user message with the chat template.
-      **options: :func:`~nnx_shard.inference.generate`'s options (above).
+      seed: the sampling key's seed (an int).
+      mesh: the mesh to run on (with ``rules``).
+      rules: the layout's rules (with ``mesh``).
+      **unknown: refused; a setting given here names the ``GenerationConfig`` to put it in.
 
     Returns:
       One string per prompt (``num_return_sequences`` per prompt, in order).
 
     Raises:
       UsageError: ``prompts`` not a list of strings, a prompt that encodes to
-        nothing, an option generate does not take (or ``attention_mask`` /
-        ``return_logprobs``); plus what :func:`~nnx_shard.models.generate` and
+        nothing, an argument it does not take (or ``attention_mask``, or
+        ``return_logprobs=True``); plus what
+        :func:`~nnx_shard.inference.generate` and
         :meth:`Tokenizer.apply_chat_template` raise.
 
     >>> import tempfile
     >>> import nnx_shard as ns
-    >>> from nnx_shard.inference import Tokenizer, generate_text
+    >>> from nnx_shard.inference import GenerationConfig, Tokenizer, generate_text
     >>> folder = ns.hf.tiny_checkpoint(tempfile.mkdtemp())   # random weights
     >>> dp = ns.strategies.get("dp")
     >>> model = ns.hf.load_pretrained(folder, mesh=dp.make_mesh(), rules=dp.rules)
     >>> tok = Tokenizer.from_pretrained(folder)
-    >>> texts = generate_text(model, tok, ["The quick brown fox", "Hello"], max_new_tokens=10)
-    >>> len(texts), texts[1] == generate_text(model, tok, ["Hello"], max_new_tokens=10)[0]
+    >>> ten = GenerationConfig(max_new_tokens=10)
+    >>> texts = generate_text(model, tok, ["The quick brown fox", "Hello"], ten)
+    >>> len(texts), texts[1] == generate_text(model, tok, ["Hello"], ten)[0]
     (2, True)
     """
     rows = _encode(tokenizer, prompts, chat, "generate_text")
-    opts = _options(options, tokenizer, "generate_text", model)
-    tokens = np.asarray(generate(model, rows, max_new_tokens, **opts))
+    config = _settings(config, unknown, tokenizer, "generate_text", model)
+    tokens = np.asarray(generate(model, rows, config, tokenizer=tokenizer, seed=seed,
+                                 mesh=mesh, rules=rules))
     width = max(len(r) for r in rows)
-    stops = _stops(opts["eos_token_id"])
+    stops = set(config.eos_ids)
     return [_text(tokenizer, row[width:], stops) for row in tokens]
 
 
-def stream_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, *,
-                chat: bool = False, chunk: int = 8, **options: Any) -> Iterator[str]:
+def stream_text(model: Any, tokenizer: Tokenizer, prompt: str,
+                config: GenerationConfig | None = None, *, chat: bool = False,
+                chunk: int = 8, seed: int = 0,
+                mesh: Mesh | str | Mapping[str, int] | None = None,
+                rules: Rules | Mapping[str, Any] | None = None,
+                **unknown: Any) -> Iterator[str]:
     """One prompt's continuation as :func:`generate_text` returns it, yielded in
     pieces as :func:`~nnx_shard.inference.stream` decodes ``chunk`` tokens at a time:
     the pieces joined are the whole text. A piece ends on whole characters (a
@@ -168,39 +167,42 @@ def stream_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: i
       model: a module with ``init_cache`` and ``decode``.
       tokenizer: the checkpoint's :class:`Tokenizer`.
       prompt: one string.
-      max_new_tokens: the most tokens of the continuation.
+      config: as :func:`generate_text`'s (``num_return_sequences`` only 1).
       chat: render the prompt as one user message with the chat template.
       chunk: tokens decoded per call of the compiled program.
-      **options: as :func:`generate_text`'s (``num_return_sequences`` only 1).
+      seed: the sampling key's seed (an int).
+      mesh: the mesh to run on (with ``rules``).
+      rules: the layout's rules (with ``mesh``).
+      **unknown: refused, as :func:`generate_text` refuses them.
 
     Yields:
       Pieces of text, whole characters each.
 
     >>> import tempfile
     >>> import nnx_shard as ns
-    >>> from nnx_shard.inference import Tokenizer, generate_text, stream_text
+    >>> from nnx_shard.inference import GenerationConfig, Tokenizer, generate_text, stream_text
     >>> folder = ns.hf.tiny_checkpoint(tempfile.mkdtemp())   # random weights
     >>> dp = ns.strategies.get("dp")
     >>> model = ns.hf.load_pretrained(folder, mesh=dp.make_mesh(), rules=dp.rules)
     >>> tok = Tokenizer.from_pretrained(folder)
-    >>> pieces = list(stream_text(model, tok, "Hello", max_new_tokens=10, chunk=4))
-    >>> "".join(pieces) == generate_text(model, tok, ["Hello"], max_new_tokens=10)[0]
+    >>> ten = GenerationConfig(max_new_tokens=10)
+    >>> pieces = list(stream_text(model, tok, "Hello", ten, chunk=4))
+    >>> "".join(pieces) == generate_text(model, tok, ["Hello"], ten)[0]
     True
     """
     if not isinstance(prompt, str):
         raise UsageError(f"stream_text: prompt must be a string, got {type(prompt).__name__} "
                          f"{short(prompt, 60)}. Fix: e.g. 'Once upon a time'.")
     rows = _encode(tokenizer, [prompt], chat, "stream_text")
-    if options.get("num_return_sequences") not in (None, 1):
-        raise UsageError(f"stream_text: num_return_sequences="
-                         f"{short(options['num_return_sequences'], 40)}; it streams one "
-                         "continuation. Fix: generate_text(..., num_return_sequences=n), or "
-                         "drop it.")
-    opts = _options(options, tokenizer, "stream_text", model)
+    config = _settings(config, unknown, tokenizer, "stream_text", model)
+    if config.num_return_sequences != 1:
+        raise UsageError(f"stream_text: num_return_sequences={config.num_return_sequences}; "
+                         "it streams one continuation. Fix: generate_text(..., "
+                         "GenerationConfig(num_return_sequences=n, ...)), or drop it.")
     size = count(chunk, "stream_text: chunk", fix="e.g. chunk=8")
-    stops = _stops(opts["eos_token_id"])
-    steps = stream(model, rows, max_new_tokens, chunk=size, **opts)
-    return _pieces(tokenizer, steps, stops, size)
+    steps = stream(model, rows, config, chunk=size, tokenizer=tokenizer, seed=seed, mesh=mesh,
+                   rules=rules)
+    return _pieces(tokenizer, steps, set(config.eos_ids), size)
 
 
 def _pieces(tokenizer: Tokenizer, steps: Iterator[Any], stops: set[int],

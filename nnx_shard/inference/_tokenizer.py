@@ -24,6 +24,7 @@ from nnx_shard._errors import (
     check_path,
     short,
 )
+from nnx_shard.inference._config import GenerationConfig
 from nnx_shard.inference._tokenizer_files import (
     FILES,
     as_text,
@@ -70,16 +71,12 @@ def _special(value: Any, name: str, file: str) -> str | None:
     return value
 
 
-def _ids(value: Any, name: str, file: str, *, many: bool) -> Any:
-    """A token id of ``generation_config.json`` (or, where ``many``, a list of them)."""
-    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
-    if value is None or ok(value) or (many and isinstance(value, list) and value
-                                      and all(ok(v) for v in value)):
-        return value
-    what = "a token id (an integer 0 or more) or a list of them" if many else \
-        "a token id (an integer 0 or more)"
-    raise UsageError(f"{file}: {name} must be {what}, got a JSON {json_type(value)}. Fix: "
-                     f"e.g. \"{name}\": 2, or download the model's files again.")
+def _generation_config(folder: str) -> GenerationConfig:
+    """The folder's ``generation_config.json`` (the defaults without one)."""
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except FileNotFoundError:
+        return GenerationConfig()
 
 
 def _plain(value: Any, where: str, depth: int = 0) -> Any:
@@ -203,7 +200,9 @@ class Tokenizer:
       config: ``tokenizer_config.json``'s fields (special tokens, ``chat_template``).
       special_map: ``special_tokens_map.json``'s fields, read where the config lacks a
         special token.
-      generation: ``generation_config.json``'s fields (``eos_token_id``, ``pad_token_id``).
+      generation: ``generation_config.json``'s fields, or their
+        :class:`~nnx_shard.inference.GenerationConfig` (its ``eos_token_id`` and
+        ``pad_token_id`` are the ids generation stops at and pads with).
       chat_template: the chat template (a string, or transformers' list), or ``None``.
 
     >>> import tempfile
@@ -217,7 +216,7 @@ class Tokenizer:
 
     def __init__(self, backend: Any, *, path: str, config: Mapping[str, Any],
                  special_map: Mapping[str, Any] | None = None,
-                 generation: Mapping[str, Any] | None = None,
+                 generation: Mapping[str, Any] | GenerationConfig | None = None,
                  chat_template: str | list[Any] | None = None) -> None:
         self.backend = backend
         self.path = path
@@ -226,13 +225,9 @@ class Tokenizer:
         #: Where the chat template was read, as its errors name it.
         self.template_file = os.path.join(path, "tokenizer_config.json") + " (chat_template)"
         files = {n: os.path.join(path, n) for n in FILES}
-        generation = dict(generation or {})
-        gen_file = files["generation_config.json"]
-        _ids(generation.get("eos_token_id"), "eos_token_id", gen_file, many=True)
-        pad = generation.get("pad_token_id")
-        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
-            _ids(pad, "pad_token_id", gen_file, many=False)
-        self._generation = generation
+        #: The folder's generation settings (``generation_config.json``; defaults without it).
+        self.generation_config = generation if isinstance(generation, GenerationConfig) else \
+            GenerationConfig.from_dict(generation or {}, source=files["generation_config.json"])
         # tokenizer_config.json's value first, the legacy special_tokens_map.json's after.
         self.special_tokens: dict[str, str] = {}
         for name in SPECIAL_NAMES:
@@ -314,7 +309,7 @@ class Tokenizer:
             template_file = jinja
         tok = cls(backend, path=folder, config=config,
                   special_map=read_json(os.path.join(folder, "special_tokens_map.json"), folder),
-                  generation=read_json(os.path.join(folder, "generation_config.json"), folder),
+                  generation=_generation_config(folder),
                   chat_template=template)
         tok.template_file = template_file
         for name in tok.special_tokens:
@@ -378,17 +373,16 @@ class Tokenizer:
         >>> Tokenizer.from_pretrained(ns.hf.tiny_checkpoint(tempfile.mkdtemp())).eos_token_ids
         (2,)
         """
-        value = self._generation.get("eos_token_id")
-        found = (value,) if isinstance(value, int) and not isinstance(value, bool) else \
-            tuple(value) if isinstance(value, list) and value and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value) else None
+        value = self.generation_config.eos_token_id
+        shown = list(value) if isinstance(value, tuple) else value  # as the file writes it
+        found = self.generation_config.eos_ids or None
         if found is not None:
             n = self.vocab_size
             bad = [i for i in found if not 0 <= i < n]
             if bad:  # generation would never stop at it
                 raise UsageError(
                     f"{os.path.join(self.path, 'generation_config.json')}: eos_token_id "
-                    f"{short(value, 60)}: {bad[0]} is not an id of the tokenizer's vocabulary "
+                    f"{short(shown, 60)}: {bad[0]} is not an id of the tokenizer's vocabulary "
                     f"(0..{n - 1}), so generation would never stop at it. Fix: correct "
                     "eos_token_id there, or download the model's files again.")
             return found
@@ -399,9 +393,7 @@ class Tokenizer:
         """The file :attr:`eos_token_ids` (``name="eos_token_id"``) or
         :attr:`generation_pad_token_id` (``"pad_token_id"``) was read from, as
         errors name it."""
-        if self._generation.get(name) is not None and (
-                name == "eos_token_id" or self.generation_pad_token_id ==
-                self._generation.get(name)):
+        if getattr(self.generation_config, name) is not None:
             return f"{os.path.join(self.path, 'generation_config.json')} ({name})"
         token = "eos_token" if name == "eos_token_id" else "pad_token"
         return (f"{os.path.join(self.path, 'tokenizer_config.json')} or "
@@ -411,10 +403,8 @@ class Tokenizer:
     def generation_pad_token_id(self) -> int | None:
         """The pad id generation fills with: ``generation_config.json``'s
         ``pad_token_id``, else the tokenizer's :attr:`pad_token_id`."""
-        value = self._generation.get("pad_token_id")
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-        return self.pad_token_id
+        value = self.generation_config.pad_token_id
+        return value if value is not None else self.pad_token_id
 
     @property
     def vocab_size(self) -> int:

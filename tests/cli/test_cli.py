@@ -1047,7 +1047,7 @@ def test_demo_samples_through_the_cached_path(caplog):
     import jax
     from flax import nnx
 
-    from nnx_shard.inference import generate
+    from nnx_shard.inference import GenerationConfig, generate
     from nnx_shard.models import Transformer
 
     model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # a context of 16
@@ -1059,9 +1059,10 @@ def test_demo_samples_through_the_cached_path(caplog):
                       if r.getMessage().startswith("Compiling jit(_"))
     assert compiled == ["jit(_decode)", "jit(_prefill)"]  # one program pair, not per chunk
     assert out.shape == (20,) and out.dtype == np.int32
-    first = np.asarray(generate(model, prompt[None, -8:], 8))[0, 8:]
+    eight = GenerationConfig(max_new_tokens=8)
+    first = np.asarray(generate(model, prompt[None, -8:], eight))[0, 8:]
     np.testing.assert_array_equal(out[:8], first)
-    second = np.asarray(generate(model, np.concatenate([prompt, first])[None, -8:], 8))[0, 8:]
+    second = np.asarray(generate(model, np.concatenate([prompt, first])[None, -8:], eight))[0, 8:]
     np.testing.assert_array_equal(out[8:16], second)
 
 

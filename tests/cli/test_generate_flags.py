@@ -52,7 +52,7 @@ def test_cli_no_repeat_ngram_changes_a_repeating_text(capsys) -> None:  # type: 
 @pytest.mark.parametrize(("argv", "words"), [
     (("--min-new-tokens", "-1"), "--min-new-tokens -1"),
     (("--min-new-tokens", "9", "--max-new-tokens", "4"), "--min-new-tokens 9"),
-    (("--no-repeat-ngram-size", "0"), "--no-repeat-ngram-size 0"),
+    (("--no-repeat-ngram-size", "-1"), "--no-repeat-ngram-size -1"),
     (("--stop", ""), "--stop ''"),
     (("--no-repeat-ngram-size", str(2**31)),
      "--no-repeat-ngram-size: stream: no_repeat_ngram_size=2147483648 is longer than the "
@@ -66,3 +66,38 @@ def test_cli_bad_controls_are_one_line(capsys, argv, words) -> None:  # type: ig
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nnx-shard: error: "), err
     assert words in lines[0], err
+
+
+def _settings(*argv: str, vocab: int = 128):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from nnx_shard.cli._generate import _settings as settings
+    from nnx_shard.cli._parser import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "Hi", *argv])
+    return settings(args, SimpleNamespace(cfg=SimpleNamespace(vocab=vocab)))
+
+
+def test_flags_replace_the_checkpoints_generation_config() -> None:
+    # hf_publish's generation_config.json: do_sample, temperature 0.7, top_p 0.9, eos [2, 3]
+    publish = str(FIXTURES / "hf_publish")
+    config = _settings("--model", publish)
+    assert (config.do_sample, config.temperature, config.top_p, config.top_k) == (
+        True, 0.7, 0.9, 50)
+    assert (config.eos_token_id, config.pad_token_id, config.max_new_tokens) == ((2, 3), 0, 64)
+    flagged = _settings("--model", publish, "--temperature", "0.5", "--top-k", "0",
+                        "--max-new-tokens", "8", "--stop", "User:")
+    assert (flagged.temperature, flagged.top_k, flagged.top_p, flagged.max_new_tokens,
+            flagged.stop_strings) == (0.5, 0, 0.9, 8, ("User:",))
+    assert _settings("--model", publish, "--temperature", "0").do_sample is False
+    # a checkpoint without settings of its own: greedy, as before
+    plain = _settings("--model", str(MODEL))
+    assert (plain.do_sample, plain.eos_token_id, plain.max_new_tokens) == (False, None, 64)
+
+
+def test_a_checkpoint_eos_the_model_has_not_names_the_file() -> None:
+    from nnx_shard._errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--model: .*hf_publish/generation_config.json: "
+                                         r"eos_token_id \[2, 3\] is not an id of this model"):
+        _settings("--model", str(FIXTURES / "hf_publish"), vocab=3)

@@ -273,10 +273,10 @@ def build(hs: Any) -> None:
     def text_with(path: str) -> Any:
         import nnx_shard as ns
         from nnx_shard.hf import load_pretrained
-        from nnx_shard.inference import generate_text
+        from nnx_shard.inference import GenerationConfig, generate_text
 
         model = load_pretrained(_MODEL, mesh="data=8", rules=ns.strategies.get("dp").rules)
-        return generate_text(model, tok(path), ["Hello"], 2)
+        return generate_text(model, tok(path), ["Hello"], GenerationConfig(max_new_tokens=2))
 
     hs.api("chat_templates/gen_eos_past_vocab", "generation_config.json", lambda: text_with(
         folder("eos_past", {"generation_config.json": '{"eos_token_id": [14, 5000]}'})))

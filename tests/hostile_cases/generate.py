@@ -21,15 +21,17 @@ def build(hs: Any) -> None:
 
         from nnx_shard.inference import generate
 
+        config, rest = hs.generation_config(new, kw)
         return generate(tiny(), np.ones((2, 4), np.int32) if prompts is None else prompts,
-                        new, **kw)
+                        config, **rest)
 
     def streamed(**kw: Any) -> Any:
         import numpy as np
 
         from nnx_shard.inference import stream
 
-        return list(stream(tiny(), np.ones((2, 4), np.int32), 2, **kw))
+        config, rest = hs.generation_config(2, kw)
+        return list(stream(tiny(), np.ones((2, 4), np.int32), config, **rest))
 
     def arr(value: Any, shape: tuple[int, ...] = (2, 4), dtype: str = "int32") -> Any:
         import numpy as np
@@ -55,7 +57,7 @@ def build(hs: Any) -> None:
         ("eos_float", lambda: gen(eos_token_id=2.0), "eos_token_id"),
         ("eos_str", lambda: gen(eos_token_id="</s>"), "eos_token_id"),
         ("pad_past_vocab", lambda: gen(pad_token_id=999), "pad_token_id"),
-        ("pad_none", lambda: gen(pad_token_id=None), "pad_token_id"),
+        ("pad_negative", lambda: gen(pad_token_id=-1), "pad_token_id"),
         ("mask_shape", lambda: gen(attention_mask=arr(1, (2, 3))), "attention_mask"),
         ("mask_two", lambda: gen(attention_mask=arr(2)), "attention_mask"),
         ("mask_right_padded", lambda: gen(attention_mask=[[1, 1, 1, 0], [1, 1, 1, 1]]),

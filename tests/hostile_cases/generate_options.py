@@ -32,14 +32,16 @@ def build(hs: Any) -> None:
 
         from nnx_shard.inference import generate
 
-        return generate(tiny(), np.ones((2, 4), np.int32), new, **kw)
+        config, rest = hs.generation_config(new, kw)
+        return generate(tiny(), np.ones((2, 4), np.int32), config, **rest)
 
     def streamed(**kw: Any) -> Any:
         import numpy as np
 
         from nnx_shard.inference import stream
 
-        return list(stream(tiny(), np.ones((2, 4), np.int32), 4, **kw))
+        config, rest = hs.generation_config(4, kw)
+        return list(stream(tiny(), np.ones((2, 4), np.int32), config, **rest))
 
     def text(fn: str, **kw: Any) -> Any:
         import nnx_shard as ns
@@ -47,9 +49,10 @@ def build(hs: Any) -> None:
         from nnx_shard.inference import _text as t
 
         model = load_pretrained(_MODEL, mesh="data=8", rules=ns.strategies.get("dp").rules)
+        config, rest = hs.generation_config(4, kw)
         if fn == "stream_text":
-            return list(t.stream_text(model, tok(), "Hello", 4, **kw))
-        return t.generate_text(model, tok(), ["Hello"], 4, **kw)
+            return list(t.stream_text(model, tok(), "Hello", config, **rest))
+        return t.generate_text(model, tok(), ["Hello"], config, **rest)
 
     def keep(value: Any) -> Any:
         import jax.numpy as jnp
@@ -66,7 +69,6 @@ def build(hs: Any) -> None:
         ("min_new_bool", lambda: gen(min_new_tokens=True), "min_new_tokens"),
         ("min_new_float", lambda: gen(min_new_tokens=2.0), "min_new_tokens"),
         ("min_new_str", lambda: gen(min_new_tokens="2"), "min_new_tokens"),
-        ("ngram_zero", lambda: gen(no_repeat_ngram_size=0), "no_repeat_ngram_size"),
         ("ngram_negative", lambda: gen(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
         ("ngram_bool", lambda: gen(no_repeat_ngram_size=True), "no_repeat_ngram_size"),
         ("ngram_float", lambda: gen(no_repeat_ngram_size=2.5), "no_repeat_ngram_size"),
@@ -99,7 +101,8 @@ def build(hs: Any) -> None:
         ("unknown_two", lambda: gen(do_sample=True, top_a=0.1), ("do_sample", "unknown")),
         ("stream_unknown", lambda: streamed(temprature=0.5), ("temprature", "unknown")),
         ("stream_min_new_past_max", lambda: streamed(min_new_tokens=9), "min_new_tokens"),
-        ("stream_ngram_zero", lambda: streamed(no_repeat_ngram_size=0), "no_repeat_ngram_size"),
+        ("stream_ngram_negative", lambda: streamed(no_repeat_ngram_size=-1),
+         "no_repeat_ngram_size"),
         ("stream_stop_no_tokenizer", lambda: streamed(stop_strings="x"), "stop_strings"),
         ("stream_returns_greedy", lambda: streamed(num_return_sequences=3),
          "num_return_sequences"),
@@ -122,7 +125,7 @@ def build(hs: Any) -> None:
         ("cli_min_new_negative", "--min-new-tokens", ("--min-new-tokens", "-1")),
         ("cli_min_new_past_max", "--min-new-tokens", ("--min-new-tokens", "70")),
         ("cli_min_new_text", "--min-new-tokens", ("--min-new-tokens", "two")),
-        ("cli_ngram_zero", "--no-repeat-ngram-size", ("--no-repeat-ngram-size", "0")),
+        ("cli_ngram_negative", "--no-repeat-ngram-size", ("--no-repeat-ngram-size", "-1")),
         ("cli_ngram_float", "--no-repeat-ngram-size", ("--no-repeat-ngram-size", "1.5")),
         ("cli_stop_empty", "--stop", ("--stop", "")),
         ("cli_stop_no_value", "--stop", ("--stop",)),

@@ -42,7 +42,8 @@ def build(hs: Any) -> None:
     def gen(model: Any = None, prompt: Any = ((1, 2, 3),), **kw: Any) -> Any:
         from nnx_shard.inference import generate
 
-        return generate(tiny() if model is None else model, prompt, 2, **kw)
+        config, rest = hs.generation_config(2, kw)
+        return generate(tiny() if model is None else model, prompt, config, **rest)
 
     hs.api("misc/generate_temperature_bool", "temperature", lambda: gen(temperature=True))
     for label, seed in (("bool", True), ("float", 1.5), ("text", "abc"), ("none", None),
@@ -61,8 +62,8 @@ def build(hs: Any) -> None:
     for label, prompt in (("id_at_vocab", ((1, 64, 3),)), ("id_negative", ((1, 2, -1),))):
         hs.api(f"misc/generate_custom_{label}", ("prompt_tokens", "vocabulary"),
                lambda prompt=prompt: gen(_stock_lm(), prompt))
-    hs.api("misc/generate_custom_top_k_past_vocab", "top_k",
-           lambda: gen(_stock_lm(), temperature=1.0, top_k=65))
+    hs.api("misc/generate_custom_top_k_negative", "top_k",
+           lambda: gen(_stock_lm(), temperature=1.0, top_k=-1))
 
     # -- plan --auto: no layout whose devices would all repeat one step; a bounded count
     auto = ("plan", "--auto", "--model", "tiny", "--batch", "8", "--seq", "16", "--no-cache")

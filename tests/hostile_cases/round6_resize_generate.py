@@ -170,9 +170,10 @@ def build(hs: Any) -> None:
         from nnx_shard import inference
 
         prompt = np.ones((2, length), np.int32)
+        config, rest = hs.generation_config(new, kw)
         if fn == "stream":
-            return list(inference.stream(tiny(), prompt, new, **kw))
-        return inference.generate(tiny(), prompt, new, **kw)
+            return list(inference.stream(tiny(), prompt, config, **rest))
+        return inference.generate(tiny(), prompt, config, **rest)
 
     def text(**kw: Any) -> Any:
         import nnx_shard as ns_
@@ -181,7 +182,8 @@ def build(hs: Any) -> None:
         from nnx_shard.inference import _text as t
 
         model = load_pretrained(_MODEL, mesh="data=8", rules=ns_.strategies.get("dp").rules)
-        return t.generate_text(model, Tokenizer.from_pretrained(_TEXT), ["Hello"], 4, **kw)
+        config, rest = hs.generation_config(4, kw)
+        return t.generate_text(model, Tokenizer.from_pretrained(_TEXT), ["Hello"], config, **rest)
 
     sampled = {"temperature": 1.0}
     for label, fn, arg in [

@@ -49,8 +49,9 @@ def build(hs: Any) -> None:
         from nnx_shard.inference import generate_text
 
         model = load_pretrained(_MODEL, mesh="data=8", rules=ns.strategies.get("dp").rules)
+        config, rest = hs.generation_config(new, kw)
         return generate_text(model, tok(), list(prompts) if isinstance(prompts, tuple)
-                             else prompts, new, **kw)
+                             else prompts, config, **rest)
 
     user = [{"role": "user", "content": "Hi"}]
     for label, fn, arg in [
@@ -99,14 +100,15 @@ def build(hs: Any) -> None:
         ("text_top_p", lambda: text(top_p=0.0, temperature=1.0), "top_p"),
         ("text_chat_str", lambda: text(chat="yes"), "chat"),
         ("text_tokenizer_str", lambda: __import__("nnx_shard.inference", fromlist=["x"])
-         .generate_text(None, "gpt2", ["Hi"], 2), "tokenizer"),
+         .generate_text(None, "gpt2", ["Hi"]), "tokenizer"),
     ]:
         hs.api(f"text/{label}", arg, fn)
 
     def stream(prompt: Any = "Hello", **kw: Any) -> Any:
         from nnx_shard.inference import stream_text
 
-        return list(stream_text(object(), tok(), prompt, 2, **kw))
+        config, rest = hs.generation_config(2, kw)
+        return list(stream_text(object(), tok(), prompt, config, **rest))
 
     hs.api("text/stream_prompt_list", "prompt", lambda: stream(["Hello"]))
     hs.api("text/stream_chunk_zero", "chunk", lambda: stream(chunk=0))
@@ -122,9 +124,8 @@ def build(hs: Any) -> None:
                                                 "1000000")),
         ("temperature_negative", "--temperature", ("--prompt", "Hi", "--temperature", "-1")),
         ("temperature_nan", "--temperature", ("--prompt", "Hi", "--temperature", "nan")),
-        ("top_k_zero", "--top-k", ("--prompt", "Hi", "--top-k", "0")),
-        ("top_k_past_vocab", "top_k", ("--prompt", "Hi", "--top-k", "1000",
-                                       "--temperature", "1")),
+        ("top_k_negative", "--top-k", ("--prompt", "Hi", "--top-k", "-1")),
+        ("top_k_text", "--top-k", ("--prompt", "Hi", "--top-k", "many")),
         ("top_p_zero", "--top-p", ("--prompt", "Hi", "--top-p", "0")),
         ("top_p_inf", "--top-p", ("--prompt", "Hi", "--top-p", "inf")),
         ("min_p_two", "--min-p", ("--prompt", "Hi", "--min-p", "2")),

@@ -1,4 +1,4 @@
-"""nnx_shard.models.generate's options and stream against transformers.
+"""nnx_shard.inference.generate's options and stream against transformers.
 
 Outside references: ``generate.npz`` beside the tiny Llama / Qwen3 fixtures
 (tests/fixtures/make_hf_generate.py): transformers' greedy tokens of left-padded
@@ -10,6 +10,7 @@ compiled).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -23,7 +24,7 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard import hf
 from nnx_shard._errors import UsageError
-from nnx_shard.inference import generate, stream
+from nnx_shard.inference import GenerationConfig, generate, stream
 from nnx_shard.inference._generation import Options, warp
 from nnx_shard.models import Llama, LlamaConfig
 from tests.conftest import needs_devices
@@ -51,16 +52,19 @@ def _rows(e: dict[str, np.ndarray]) -> list[list[int]]:
 
 def _check_ragged(model: Llama, e: dict[str, np.ndarray]) -> None:
     new = e["alone_new"].shape[1]
-    out, logprobs = generate(model, _rows(e), new, return_logprobs=True)
+    out, logprobs = generate(model, _rows(e), GenerationConfig(max_new_tokens=new,
+                                                               return_logprobs=True))
     out = np.asarray(out)
     np.testing.assert_array_equal(out, e["ragged_out"])          # transformers, padded batch
     np.testing.assert_array_equal(out[:, -new:], e["alone_new"])  # transformers, each row alone
     err = float(np.abs(np.asarray(logprobs) - e["ragged_logprobs"]).max())
     assert err < 1e-3, err
     # The array and its mask: the same tokens.
-    same = generate(model, e["ragged_tokens"], new, attention_mask=e["ragged_mask"])
+    same = generate(model, e["ragged_tokens"], GenerationConfig(max_new_tokens=new),
+                    attention_mask=e["ragged_mask"])
     np.testing.assert_array_equal(np.asarray(same), out)
-    eos = generate(model, _rows(e), new, eos_token_id=[int(e["eos_id"])], pad_token_id=0)
+    eos = generate(model, _rows(e), GenerationConfig(
+        max_new_tokens=new, eos_token_id=[int(e["eos_id"])], pad_token_id=0))
     np.testing.assert_array_equal(np.asarray(eos), e["eos_out"])
 
 
@@ -89,9 +93,10 @@ def test_repetition_penalty_equals_transformers(name: str) -> None:
     e = _expected(name)
     new = e["alone_new"].shape[1]
     for penalty, key in ((1.3, "rep_out_13"), (0.8, "rep_out_08")):
-        out = generate(_model(name), e["rep_prompt"], new, repetition_penalty=penalty)
+        out = generate(_model(name), e["rep_prompt"],
+                       GenerationConfig(max_new_tokens=new, repetition_penalty=penalty))
         np.testing.assert_array_equal(np.asarray(out), e[key], err_msg=str(penalty))
-    plain = generate(_model(name), e["rep_prompt"], new)
+    plain = generate(_model(name), e["rep_prompt"], GenerationConfig(max_new_tokens=new))
     assert (np.asarray(plain) != e["rep_out_13"]).any()  # the penalty changes the tokens
 
 
@@ -140,11 +145,12 @@ def test_samples_stay_inside_transformers_filter(option: str, value: float, keep
     model = _model("hf_qwen3")
     prompt = _expected("hf_qwen3")["rep_prompt"]
     length, new = prompt.shape[1], 12
-    greedy = np.asarray(generate(model, prompt, new))
+    greedy = np.asarray(generate(model, prompt, GenerationConfig(max_new_tokens=new)))
     sampled = 0
     for seed in range(3):
-        out = np.asarray(generate(model, prompt, new, temperature=1.0, seed=seed,
-                                  **{option: value}))
+        config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0,
+                                  top_k=None, **{option: value})
+        out = np.asarray(generate(model, prompt, config, seed=seed))
         logits = np.asarray(model(jnp.asarray(out)), np.float32)[:, length - 1:-1]
         for step in range(new):
             kept = keep(logits[:, step], value)
@@ -170,17 +176,25 @@ def test_option_values_compile_nothing(caplog: pytest.LogCaptureFixture) -> None
     prompt, mask = e["ragged_tokens"], e["ragged_mask"]
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True):
-        generate(model, prompt, 6, attention_mask=mask)
+        generate(model, prompt, GenerationConfig(max_new_tokens=6), attention_mask=mask)
         assert _compiles(caplog) == ["_decode", "_prefill"]
-        calls = [dict(temperature=0.7, top_k=5, seed=1), dict(temperature=1.3, top_p=0.9),
-                 dict(temperature=0.5, min_p=0.1, seed=7), dict(repetition_penalty=1.2),
-                 dict(eos_token_id=[3, 4], pad_token_id=5, return_logprobs=True),
-                 dict(temperature=1.0, top_k=3, top_p=0.5, min_p=0.3, repetition_penalty=0.9)]
-        for kwargs in calls:
-            generate(model, (prompt + 1) % 128, 6, attention_mask=mask[::-1], **kwargs)
-        generate(model, _rows(e)[::-1], 6)  # a ragged list of the same longest length
+        sample = dict(max_new_tokens=6, do_sample=True)
+        calls = [(dict(sample, temperature=0.7, top_k=5), 1),
+                 (dict(sample, temperature=1.3, top_p=0.9), 0),
+                 (dict(sample, temperature=0.5, min_p=0.1), 7),
+                 (dict(max_new_tokens=6, repetition_penalty=1.2), 0),
+                 (dict(max_new_tokens=6, eos_token_id=[3, 4], pad_token_id=5,
+                       return_logprobs=True), 0),
+                 (dict(sample, temperature=1.0, top_k=3, top_p=0.5, min_p=0.3,
+                       repetition_penalty=0.9), 0)]
+        for settings, seed in calls:
+            generate(model, (prompt + 1) % 128, GenerationConfig(**settings),  # type: ignore[arg-type]
+                     attention_mask=mask[::-1], seed=seed)
+        generate(model, _rows(e)[::-1],
+                 GenerationConfig(max_new_tokens=6))  # a ragged list of the same longest length
         for chunk in (1, 4, 16):
-            list(stream(model, prompt, 6, attention_mask=mask, chunk=chunk))
+            list(stream(model, prompt, GenerationConfig(max_new_tokens=6), attention_mask=mask,
+                        chunk=chunk))
         assert _compiles(caplog) == ["_decode", "_prefill"]
 
 
@@ -193,19 +207,21 @@ def test_stream_equals_generate() -> None:
     e = _expected("hf_llama")
     new = e["alone_new"].shape[1]
     eos = int(e["eos_id"])
-    out, logprobs = generate(model, _rows(e), new, eos_token_id=eos, return_logprobs=True)
-    steps = list(stream(model, _rows(e), new, chunk=5, eos_token_id=eos, return_logprobs=True))
+    config = GenerationConfig(max_new_tokens=new, eos_token_id=eos, return_logprobs=True)
+    out, logprobs = generate(model, _rows(e), config)
+    steps = list(stream(model, _rows(e), config, chunk=5))
     assert len(steps) == new and steps[0][0].shape == (4,)
     np.testing.assert_array_equal(np.stack([t for t, _ in steps], 1), np.asarray(out)[:, -new:])
     np.testing.assert_array_equal(np.stack([p for _, p in steps], 1), np.asarray(logprobs))
     # Every row stopped: the stream ends there; generate holds pad after.
     e2 = [[int(e["eos_id"])]] * 3
-    short = list(stream(model, _rows(e)[:1], new, eos_token_id=[99, 59], chunk=3))
-    full = np.asarray(generate(model, _rows(e)[:1], new, eos_token_id=[99, 59]))[:, -new:]
+    ends = GenerationConfig(max_new_tokens=new, eos_token_id=[99, 59], pad_token_id=0)
+    short = list(stream(model, _rows(e)[:1], ends, chunk=3))
+    full = np.asarray(generate(model, _rows(e)[:1], ends))[:, -new:]
     assert len(short) == 1 and short[0].tolist() == [99] and (full[0, 1:] == 0).all(), e2
-    sampled = np.stack(list(stream(model, e["rep_prompt"], 7, temperature=0.9, top_k=8, seed=2,
-                                   chunk=2)), 1)
-    again = generate(model, e["rep_prompt"], 7, temperature=0.9, top_k=8, seed=2)
+    sample = GenerationConfig(max_new_tokens=7, do_sample=True, temperature=0.9, top_k=8)
+    sampled = np.stack(list(stream(model, e["rep_prompt"], sample, seed=2, chunk=2)), 1)
+    again = generate(model, e["rep_prompt"], sample, seed=2)
     np.testing.assert_array_equal(sampled, np.asarray(again)[:, -7:])
 
 
@@ -222,8 +238,8 @@ def test_bad_options_one_clear_error_each() -> None:
         ("repetition_penalty=0", dict(repetition_penalty=0)),
         ("repetition_penalty=nan", dict(repetition_penalty=float("nan"))),
         ("eos_token_id=128 is not a token id .*0 .. 127", dict(eos_token_id=128)),
-        ("eos_token_id=-1", dict(eos_token_id=[2, -1])),
-        ("eos_token_id=\\[\\] is empty", dict(eos_token_id=[])),
+        ("eos_token_id must be a token id .* got \\[2, -1\\]", dict(eos_token_id=[2, -1])),
+        ("eos_token_id must be .* non-empty list of them, got \\[\\]", dict(eos_token_id=[])),
         ("pad_token_id=500", dict(pad_token_id=500)),
         ("attention_mask must be \\[batch, length\\] = \\[2, 8\\]",
          dict(attention_mask=np.ones((2, 7)))),
@@ -234,13 +250,16 @@ def test_bad_options_one_clear_error_each() -> None:
         ("seed must be an int", dict(seed="a")),
         ("return_logprobs must be True or False", dict(return_logprobs="yes")),
     ]
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     for match, kwargs in cases:
+        settings = {k: v for k, v in kwargs.items() if k in fields}
         with pytest.raises(UsageError, match=match):
-            generate(model, good, 4, **kwargs)
+            generate(model, good, GenerationConfig(max_new_tokens=4, **settings),
+                     **{k: v for k, v in kwargs.items() if k not in fields})
     with pytest.raises(UsageError, match="prompt row 1 is empty"):
-        generate(model, [[1, 2], []], 4)
+        generate(model, [[1, 2], []], GenerationConfig(max_new_tokens=4))
     with pytest.raises(UsageError, match=r"generate \(row 1\): prompt_tokens\[0, 0\] is 300, "
                                          r"outside the model's vocabulary of 128 ids"):
-        generate(model, [[1, 2], [300]], 4)
+        generate(model, [[1, 2], [300]], GenerationConfig(max_new_tokens=4))
     with pytest.raises(UsageError, match="stream: chunk must be a positive int"):
-        stream(model, good, 4, chunk=0)
+        stream(model, good, GenerationConfig(max_new_tokens=4), chunk=0)

@@ -1,4 +1,4 @@
-"""nnx_shard.models.generate: a key/value cache laid out by the rules.
+"""nnx_shard.inference.generate: a key/value cache laid out by the rules.
 
 Outside references: transformers' greedy ``generate(do_sample=False)`` on the
 tiny Llama / Qwen3 fixtures (tests/fixtures, with transformers' own top-2
@@ -24,7 +24,13 @@ from jax.sharding import NamedSharding
 
 import nnx_shard as ns
 from nnx_shard import UsageError, hf
-from nnx_shard.inference import CACHE_AXES, explain_cache, generate, generation_rules
+from nnx_shard.inference import (
+    CACHE_AXES,
+    GenerationConfig,
+    explain_cache,
+    generate,
+    generation_rules,
+)
 from nnx_shard.inference import _generation as gen
 from nnx_shard.inference._sampling import recompute
 from nnx_shard.models import Llama, LlamaConfig, Transformer, get_config
@@ -93,7 +99,7 @@ def test_greedy_tokens_match_transformers(name: str, strategy: str) -> None:
     model = _fixture_model(name, strategy)
     mesh = next(iter(jax.tree.leaves(nnx.state(model)))).sharding.mesh
     with ns.use(mesh, ns.strategies.get(strategy).rules):
-        out = np.asarray(generate(model, prompt, new))
+        out = np.asarray(generate(model, prompt, GenerationConfig(max_new_tokens=new)))
     steps = _compared_steps(expected)
     assert steps >= 8  # the fixtures' margins are far above the threshold: the test bites
     np.testing.assert_array_equal(out[:, :prompt.shape[1]], prompt)
@@ -134,17 +140,20 @@ def test_cached_equals_recompute(variant: str) -> None:
                       rngs=nnx.Rngs(0))
     else:
         model = _tiny(scan=variant == "scan")
+    config = GenerationConfig(max_new_tokens=16)
     if variant == "sampled":
         kwargs = dict(temperature=0.8, top_k=5, seed=3)
+        config = config.replace(do_sample=True, temperature=0.8, top_k=5)
     prompt = _prompt(2)
-    fast = np.asarray(generate(model, prompt, 16, **kwargs))
+    fast = np.asarray(generate(model, prompt, config, seed=kwargs.get("seed", 0)))
     assert not hasattr(model, "cache_index")  # the programs held the cache, not the model
     slow = np.asarray(recompute(model, prompt, 16, **kwargs))
     np.testing.assert_array_equal(fast, slow)
     assert fast.dtype == np.int32 and fast.shape == (2, 24)
     if variant == "sampled":  # the seed matters; the sample is not the greedy path
-        assert (fast != np.asarray(generate(model, prompt, 16))).any()
-        assert (fast != np.asarray(generate(model, prompt, 16, **(kwargs | {"seed": 4})))).any()
+        greedy = GenerationConfig(max_new_tokens=16)
+        assert (fast != np.asarray(generate(model, prompt, greedy))).any()
+        assert (fast != np.asarray(generate(model, prompt, config, seed=4))).any()
 
 
 @needs_devices(8)
@@ -155,8 +164,9 @@ def test_sharded_stacked_equals_one_device(strategy: str, explicit: bool) -> Non
     model, mesh, rules = _sharded(strategy, lambda: _build(scan=True), explicit)
     prompt = _prompt()
     with ns.use(mesh, rules):
-        out = np.asarray(generate(model, prompt, 16))
-    np.testing.assert_array_equal(out, np.asarray(generate(_tiny(scan=True), prompt, 16)))
+        out = np.asarray(generate(model, prompt, GenerationConfig(max_new_tokens=16)))
+    scanned = generate(_tiny(scan=True), prompt, GenerationConfig(max_new_tokens=16))
+    np.testing.assert_array_equal(out, np.asarray(scanned))
 
 
 @needs_devices(8)
@@ -166,8 +176,9 @@ def test_cache_length_over_context_equals_one_device(strategy: str) -> None:
     model, mesh, rules = _sharded(strategy, _build)
     prompt = _prompt()
     with ns.use(mesh, rules):
-        out = np.asarray(generate(model, prompt, 16))
-    np.testing.assert_array_equal(out, np.asarray(generate(_tiny(), prompt, 16)))
+        out = np.asarray(generate(model, prompt, GenerationConfig(max_new_tokens=16)))
+    unsharded = generate(_tiny(), prompt, GenerationConfig(max_new_tokens=16))
+    np.testing.assert_array_equal(out, np.asarray(unsharded))
 
 
 # -- where the cache lives -----------------------------------------------------------
@@ -261,14 +272,17 @@ def test_one_prefill_and_one_decode_program_per_shape(caplog: pytest.LogCaptureF
     model = Transformer(dataclasses.replace(CFG, layers=1), rngs=nnx.Rngs(1))
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True):
-        a = generate(model, _prompt(2, seed=1), 10)
-        b = generate(model, _prompt(2, seed=1), 10, seed=5)  # greedy: the seed changes nothing
-        generate(model, _prompt(2, seed=2), 10)
+        a = generate(model, _prompt(2, seed=1), GenerationConfig(max_new_tokens=10))
+        # greedy: the seed changes nothing
+        b = generate(model, _prompt(2, seed=1), GenerationConfig(max_new_tokens=10), seed=5)
+        generate(model, _prompt(2, seed=2), GenerationConfig(max_new_tokens=10))
         assert sorted(_compiles(caplog)) == ["_decode", "_prefill"]
-        generate(model, _prompt(2), 12)  # another shape: one more of each
+        # another shape: one more of each
+        generate(model, _prompt(2), GenerationConfig(max_new_tokens=12))
         assert sorted(_compiles(caplog)) == ["_decode", "_decode", "_prefill", "_prefill"]
         for t in (0.5, 1.5):  # sampling: the same programs whatever the temperature
-            generate(model, _prompt(2), 12, temperature=t)
+            generate(model, _prompt(2),
+                     GenerationConfig(max_new_tokens=12, do_sample=True, temperature=t))
         assert len(_compiles(caplog)) == 4
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -347,12 +361,12 @@ STOCK_PATTERNS = {r"attn/(query|key|value)/kernel$": ("embed", "heads", "kv"),
 def test_stock_multi_head_attention_cache_sharded() -> None:
     prompt = _prompt(2, 4) % 64  # StockLM's vocabulary
     plain = StockLM(rngs=nnx.Rngs(0))
-    expected = np.asarray(generate(plain, prompt, 6))
+    expected = np.asarray(generate(plain, prompt, GenerationConfig(max_new_tokens=6)))
     np.testing.assert_array_equal(expected, np.asarray(recompute(plain, prompt, 6)))
     model, mesh, rules = _sharded(
         "tp", lambda: ns.annotate(StockLM(rngs=nnx.Rngs(0)), STOCK_PATTERNS))
     with ns.use(mesh, rules):
-        out = np.asarray(generate(model, prompt, 6))
+        out = np.asarray(generate(model, prompt, GenerationConfig(max_new_tokens=6)))
     np.testing.assert_array_equal(out, expected)
     run = gen._prepare(model, prompt, 6, gen.Options(), 0, mesh, rules, "test")
     key = run.prefill()[0]["attn"]["cached_key"].get_value()  # the programs are compiled
@@ -378,20 +392,23 @@ def test_bad_input_one_clear_error_each() -> None:
         (UsageError, "prompt has 24 tokens, which fills the model's context of 24 positions "
          r"\(max_length\): no position is left for a new token\. Fix: a prompt shorter than 24 "
          r"tokens \(keep the last 23.*or a model with a longer context", _prompt(1, 24), 1, {}),
-        (UsageError, "max_new_tokens=0; generate at least 1", good, 0, {}),
+        (UsageError, r"max_new_tokens=0 \(int\) must be an int >= 1", good, 0, {}),
         (UsageError, "max_new_tokens=-3", good, -3, {}),
-        (UsageError, "max_new_tokens must be an int", good, 2.0, {}),
+        (UsageError, r"max_new_tokens=2.0 \(float\) must be an int", good, 2.0, {}),
         (UsageError, "max_new_tokens \\(17\\) = 25 positions, past the model.s context of 24.*<= 16",
          good, 17, {}),
         (ValueError, "temperature=-1", good, 4, {"temperature": -1}),
-        (ValueError, "top_k=0", good, 4, {"top_k": 0, "temperature": 1.0}),
+        (ValueError, "top_k=-1; use an int 0 or more", good, 4, {"top_k": -1, "do_sample": True}),
         (UsageError, "mesh= was given without rules=", good, 4, {"mesh": "data=8"}),
     ]
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     for err, match, prompt, new, kwargs in cases:
+        settings = {k: v for k, v in kwargs.items() if k in fields}
         with pytest.raises(err, match=match):
-            generate(model, prompt, new, **kwargs)
+            generate(model, prompt, GenerationConfig(max_new_tokens=new, **settings),
+                     **{k: v for k, v in kwargs.items() if k not in fields})
     with pytest.raises(UsageError, match="init_cache\\(batch, length\\) and decode"):
-        generate(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), good, 4)
+        generate(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), good, GenerationConfig(max_new_tokens=4))
 
 
 @needs_devices(8)
@@ -399,16 +416,20 @@ def test_bad_input_one_clear_error_each() -> None:
 def test_batch_that_does_not_divide_is_padded_and_cut_back() -> None:
     model, mesh, rules = _sharded("dp", _build)
     with ns.use(mesh, rules):  # 3 rows over data=8: 5 dummy rows, cut back
-        out = np.asarray(generate(model, _prompt(3), 4))
+        out = np.asarray(generate(model, _prompt(3), GenerationConfig(max_new_tokens=4)))
     assert out.shape == (3, 12)
-    np.testing.assert_array_equal(out, np.asarray(generate(_tiny(), _prompt(3), 4)))
+    alone = generate(_tiny(), _prompt(3), GenerationConfig(max_new_tokens=4))
+    np.testing.assert_array_equal(out, np.asarray(alone))
 
 
 def test_sampling_arguments_and_seeds_are_checked() -> None:
     model, good = _tiny(), _prompt(2)
+    for value, match in ((True, r"temperature must be a number.*True \(a bool\)"),
+                         ("0.5", r"temperature must be a number.*'0.5'")):
+        with pytest.raises(ns.NnxShardError, match=f"GenerationConfig: {match}") as info:
+            GenerationConfig(max_new_tokens=2, do_sample=True, temperature=value)
+        assert "Fix: temperature=" in str(info.value)
     cases = [
-        ("temperature", {"temperature": True}, r"temperature must be a number.*True \(a bool\)"),
-        ("temperature", {"temperature": "0.5"}, r"temperature must be a number.*'0.5'"),
         ("seed", {"seed": True}, r"seed must be an int.*True \(a bool\)"),
         ("seed", {"seed": 1.5}, r"seed must be an int.*1.5 \(float\)"),
         ("seed", {"seed": "abc"}, r"seed must be an int.*'abc' \(str\)"),
@@ -418,11 +439,12 @@ def test_sampling_arguments_and_seeds_are_checked() -> None:
     ]
     for name, kwargs, match in cases:
         with pytest.raises(ns.NnxShardError, match=f"generate: {match}") as info:
-            generate(model, good, 2, **kwargs)
+            generate(model, good, GenerationConfig(max_new_tokens=2), **kwargs)
         assert f"Fix: {name}=" in str(info.value)
     # NumPy integers are seeds too, and the same seed gives the same tokens.
-    a = generate(model, good, 2, temperature=1.0, seed=np.int64(3))
-    np.testing.assert_array_equal(a, generate(model, good, 2, temperature=1.0, seed=3))
+    sample = GenerationConfig(max_new_tokens=2, do_sample=True, temperature=1.0, top_k=None)
+    a = generate(model, good, sample, seed=np.int64(3))
+    np.testing.assert_array_equal(a, generate(model, good, sample, seed=3))
 
 
 def test_demo_sampler_checks_temperature_seed_and_ids() -> None:
@@ -441,13 +463,18 @@ def test_custom_model_prompt_ids_and_top_k_checked_against_its_logits() -> None:
     # StockLM has no cfg.vocab: its vocabulary is the width of decode's logits (64).
     model = StockLM(rngs=nnx.Rngs(0))
     prompt = np.array([[1, 2, 3], [4, 64, 70]], np.int32)
-    for fn in (generate, recompute):
+    two = GenerationConfig(max_new_tokens=2)
+    for fn, new in ((generate, two), (recompute, 2)):
         with pytest.raises(ns.NnxShardError, match=r"prompt_tokens\[1, 1\] is 64, outside the "
                                                    r"model's vocabulary of 64 ids \(0 \.\. 63\)"):
-            fn(model, prompt, 2)
+            fn(model, prompt, new)
         with pytest.raises(ns.NnxShardError, match=r"prompt_tokens\[0, 2\] is -1"):
-            fn(model, np.array([[1, 2, -1]], np.int32), 2)
-        with pytest.raises(ns.NnxShardError, match=r"top_k=65.*from 1 to the vocabulary size "
-                                                   r"\(64\)"):
-            fn(model, prompt[:1], 2, temperature=1.0, top_k=65)
-    assert generate(model, prompt[:1], 2, temperature=1.0, top_k=64).shape == (1, 5)
+            fn(model, np.array([[1, 2, -1]], np.int32), new)
+    with pytest.raises(ns.NnxShardError, match=r"top_k=65.*from 1 to the vocabulary size \(64\)"):
+        recompute(model, prompt[:1], 2, temperature=1.0, top_k=65)
+    # generate's top-k is transformers': more than the vocabulary keeps every token
+    sample = two.replace(do_sample=True, temperature=1.0)
+    every = generate(model, prompt[:1], sample.replace(top_k=None), seed=2)
+    np.testing.assert_array_equal(generate(model, prompt[:1], sample.replace(top_k=65), seed=2),
+                                  every)
+    assert generate(model, prompt[:1], sample.replace(top_k=64), seed=2).shape == (1, 5)

@@ -20,7 +20,7 @@ import nnx_shard as ns
 from nnx_shard import NnxShardError
 from nnx_shard._errors import UsageError
 from nnx_shard.hf import load_pretrained
-from nnx_shard.inference import Tokenizer, generate, generate_text, stream_text
+from nnx_shard.inference import GenerationConfig, Tokenizer, generate, generate_text, stream_text
 from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -555,7 +555,8 @@ def test_generate_text_equals_transformers(model, tok: Tokenizer) -> None:  # ty
     # the ragged prompts are encoded as transformers' (left-padded) batch holds them
     for prompt, ids, mask in zip(g["prompts"], g["input_ids"], g["attention_mask"], strict=True):
         assert tok.encode(prompt) == [i for i, m in zip(ids, mask, strict=True) if m]
-    texts = generate_text(model, tok, g["prompts"], g["max_new_tokens"])
+    texts = generate_text(model, tok, g["prompts"],
+                          GenerationConfig(max_new_tokens=g["max_new_tokens"]))
     assert texts == g["texts"]
     # one row stopped at the tokenizer's eos, the other ran to max_new_tokens
     assert tok.eos_token_id in g["new_tokens"][0] and tok.eos_token_id not in g["new_tokens"][1]
@@ -567,15 +568,19 @@ def test_generate_text_equals_transformers(model, tok: Tokenizer) -> None:  # ty
 def test_generate_text_options_pass_through(model, tok: Tokenizer) -> None:  # type: ignore[no-untyped-def]
     g = EXPECTED["generate"]
     # an explicit eos replaces the tokenizer's: row 1 stops at its first 13
-    out = generate_text(model, tok, ["Hello"], g["max_new_tokens"], eos_token_id=[13])
+    out = generate_text(model, tok, ["Hello"],
+                        GenerationConfig(max_new_tokens=g["max_new_tokens"], eos_token_id=[13]))
     assert out == [tok.decode(g["new_tokens"][1][:1])]
-    sampled = generate_text(model, tok, ["Hello"], 6, temperature=1.0, seed=3)
-    again = generate_text(model, tok, ["Hello"], 6, temperature=1.0, seed=3)
+    sample = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, top_k=None)
+    sampled = generate_text(model, tok, ["Hello"], sample, seed=3)
+    again = generate_text(model, tok, ["Hello"], sample, seed=3)
     assert sampled == again and isinstance(sampled[0], str)
     ids = tok.apply_chat_template([{"role": "user", "content": "Hello"}])
-    new = np.asarray(generate(model, [ids], 5, eos_token_id=14, pad_token_id=4))[0, len(ids):]
+    new = np.asarray(generate(model, [ids], GenerationConfig(max_new_tokens=5, eos_token_id=14,
+                                                             pad_token_id=4)))[0, len(ids):]
     stop = [int(t) for t in new].index(14) if 14 in new else len(new)
-    assert generate_text(model, tok, ["Hello"], 5, chat=True) == [tok.decode(new[:stop])]
+    assert generate_text(model, tok, ["Hello"], GenerationConfig(max_new_tokens=5),
+                         chat=True) == [tok.decode(new[:stop])]
 
 
 @pytest.mark.slow
@@ -584,7 +589,8 @@ def test_generate_text_options_pass_through(model, tok: Tokenizer) -> None:  # t
 def test_stream_text_joins_to_generate_text(model, tok: Tokenizer, chunk: int) -> None:  # type: ignore[no-untyped-def]
     g = EXPECTED["generate"]
     for prompt, text in zip(g["prompts"], g["texts"], strict=True):
-        pieces = list(stream_text(model, tok, prompt, g["max_new_tokens"], chunk=chunk))
+        config = GenerationConfig(max_new_tokens=g["max_new_tokens"])
+        pieces = list(stream_text(model, tok, prompt, config, chunk=chunk))
         assert "".join(pieces) == text
         assert len(pieces) > 1 or chunk > 1
 
@@ -592,19 +598,24 @@ def test_stream_text_joins_to_generate_text(model, tok: Tokenizer, chunk: int) -
 def test_generate_text_errors(tok: Tokenizer) -> None:
     model = object()
     with pytest.raises(UsageError, match="a list of one string"):
-        generate_text(model, tok, "Hello", 4)  # type: ignore[arg-type]
+        generate_text(model, tok, "Hello",
+                      GenerationConfig(max_new_tokens=4))  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="non-empty list of strings"):
-        generate_text(model, tok, [], 4)
-    with pytest.raises(UsageError, match="tokenizer must be a nnx_shard.models.Tokenizer"):
-        generate_text(model, "gpt2", ["Hello"], 4)  # type: ignore[arg-type]
+        generate_text(model, tok, [], GenerationConfig(max_new_tokens=4))
+    with pytest.raises(UsageError, match="tokenizer must be a nnx_shard.inference.Tokenizer"):
+        generate_text(model, "gpt2", ["Hello"],
+                      GenerationConfig(max_new_tokens=4))  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="attention_mask= is not taken"):
-        generate_text(model, tok, ["Hello"], 4, attention_mask=[[1]])
+        generate_text(model, tok, ["Hello"], GenerationConfig(max_new_tokens=4),
+                      attention_mask=[[1]])
     with pytest.raises(UsageError, match="unknown option temprature="):
-        generate_text(model, tok, ["Hello"], 4, temprature=0.5)
+        generate_text(model, tok, ["Hello"], GenerationConfig(max_new_tokens=4), temprature=0.5)
     with pytest.raises(UsageError, match="chat must be True or False"):
-        generate_text(model, tok, ["Hello"], 4, chat="yes")  # type: ignore[arg-type]
+        generate_text(model, tok, ["Hello"], GenerationConfig(max_new_tokens=4),
+                      chat="yes")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="prompt must be a string"):
-        stream_text(model, tok, ["Hello"], 4)  # type: ignore[arg-type]
+        stream_text(model, tok, ["Hello"],
+                    GenerationConfig(max_new_tokens=4))  # type: ignore[arg-type]
 
 
 @needs_devices(8)
@@ -614,14 +625,16 @@ def test_stop_and_pad_ids_the_model_has_not_name_their_file(model, tmp_path: Pat
     with pytest.raises(UsageError, match=r"generate_text: pad_token_id 5000 read from .*"
                                          r"generation_config.json \(pad_token_id\) is not an id "
                                          r"of this model .*0 \.\. 127"):
-        generate_text(model, Tokenizer.from_pretrained(folder), ["Hello"], 2)
+        generate_text(model, Tokenizer.from_pretrained(folder), ["Hello"],
+                      GenerationConfig(max_new_tokens=2))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [14, 4096]}))
     with pytest.raises(UsageError, match=r"generation_config.json: eos_token_id \[14, 4096\]"):
-        generate_text(model, Tokenizer.from_pretrained(folder), ["Hello"], 2)
+        generate_text(model, Tokenizer.from_pretrained(folder), ["Hello"],
+                      GenerationConfig(max_new_tokens=2))
     # given explicitly, the ids are the caller's: nothing read from the file is checked
     tok = Tokenizer.from_pretrained(_copy(tmp_path / "b"))
-    assert generate_text(model, tok, ["Hello"], 2, pad_token_id=3) == \
-        generate_text(model, tok, ["Hello"], 2)
+    padded = generate_text(model, tok, ["Hello"], GenerationConfig(max_new_tokens=2, pad_token_id=3))
+    assert padded == generate_text(model, tok, ["Hello"], GenerationConfig(max_new_tokens=2))
 
 
 def test_a_prompt_that_encodes_to_nothing(tmp_path: Path) -> None:
@@ -630,4 +643,5 @@ def test_a_prompt_that_encodes_to_nothing(tmp_path: Path) -> None:
     spec["post_processor"] = None  # no bos added: "" is no tokens
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(UsageError, match=r"prompts\[1\] '' encodes to no tokens"):
-        generate_text(object(), Tokenizer.from_pretrained(folder), ["Hello", ""], 4)
+        generate_text(object(), Tokenizer.from_pretrained(folder), ["Hello", ""],
+                      GenerationConfig(max_new_tokens=4))
