@@ -92,12 +92,14 @@ def _read_leaf(header: st.Header, leaf: Leaf) -> jax.Array:
 
 
 def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
-                  mapping: Any) -> None:
+                  mapping: Any, config: Mapping[str, Any] | None, separate: bool | None
+                  ) -> None:
     """Refuses a built-in model whose configuration differs from the checkpoint's
     ``config.json`` (beside the weights): tensors of the same shapes can belong to
     another family (a Gemma checkpoint fills a Llama of its sizes tensor for
     tensor) and would load into silently wrong logits. A separate ``lm_head.weight``
-    unties the embeddings, as in transformers."""
+    unties the embeddings, as in transformers. ``config`` and ``separate``, where
+    given, are the file as already read and :func:`separate_head` as already found."""
     from nnx_shard._trusted_files import folder_roots
     from nnx_shard.models._hf_config import read_json
     from nnx_shard.models._llama import Llama
@@ -105,7 +107,7 @@ def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
 
     if not isinstance(target, Llama):
         return
-    untied = separate_head(header)
+    untied = separate_head(header) if separate is None else separate
     if untied and target.cfg.tie_embeddings and mapping is None:
         raise UsageError(
             f"load_safetensors: the checkpoint {os.fspath(path)} holds {HEAD} apart from "
@@ -116,17 +118,20 @@ def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
             "nnx_shard.hf.load_pretrained(path, mesh=..., rules=...), which does.")
     folder = os.fspath(path)
     folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
-    config = os.path.join(folder, "config.json")
-    if not os.path.isfile(config):
+    config_file = os.path.join(folder, "config.json")
+    if config is not None:
+        hf = dict(config)  # a copy: the caller's dict is what its export writes
+    elif os.path.isfile(config_file):
+        hf, _ = read_json(config_file, roots=folder_roots(folder))
+    else:
         return
-    hf, _ = read_json(config, roots=folder_roots(folder))
     if untied:
         hf["tie_word_embeddings"] = False
     found = differences(hf, target.cfg)
     if found:
         raise UsageError(
-            f"load_safetensors: the checkpoint's {config} describes another model than the "
-            f"target; {len(found)} field{'s differ' if len(found) > 1 else ' differs'}:\n"
+            f"load_safetensors: the checkpoint's {config_file} describes another model than "
+            f"the target; {len(found)} field{'s differ' if len(found) > 1 else ' differs'}:\n"
             + "\n".join(f"- {d}" for d in found)
             + "\nFix: build the target from the checkpoint's config "
             "(LlamaConfig.from_hf(path)), or load it with "
@@ -218,10 +223,14 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
 
 
 def load_opened(path: str | os.PathLike[str], raw: st.Header, target: Any,
-                mapping: Mapping[str, MappingValue] | None = None) -> Any:
+                mapping: Mapping[str, MappingValue] | None = None, *,
+                config: Mapping[str, Any] | None = None, separate: bool | None = None) -> Any:
     """:func:`load_safetensors` of the checkpoint at ``path`` whose header ``raw``
     :func:`~nnx_shard.hf._files.open_checkpoint` opened (every tensor is read from the
-    files it holds open).
+    files it holds open). ``config`` is the checkpoint's ``config.json`` where the
+    caller has already read it, and ``separate`` :func:`separate_head` of ``raw`` where
+    it has already found it (:func:`~nnx_shard.hf.load_pretrained` has both): neither
+    file nor head is then read again; without them they are read here.
 
     >>> import tempfile
     >>> import nnx_shard as ns
@@ -236,7 +245,7 @@ def load_opened(path: str | os.PathLike[str], raw: st.Header, target: Any,
     >>> model.final_norm.scale.get_value().shape
     (32,)
     """
-    _check_config(path, target, raw, mapping)
+    _check_config(path, target, raw, mapping, config, separate)
     # Phi-3's fused tensors are read as their parts (views of their bytes).
     header = fused.split(raw, fused.fusions_for(target), os.fspath(path))
     rules = compile_rules(mapping_for(target) if mapping is None else mapping)

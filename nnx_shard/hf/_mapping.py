@@ -83,7 +83,7 @@ def mapping_for(model: Any) -> dict[str, MappingValue]:
     """
     from nnx_shard.models._llama import Llama
 
-    if isinstance(model, Llama):
+    if isinstance(model, Llama) and model.cfg.family.architectures:  # a checkpoint family
         return family_of(model.cfg.model_type).table(model.cfg.tie_embeddings)
     raise UsageError(
         f"no built-in safetensors mapping for {type(model).__name__} (built in: "

@@ -99,14 +99,16 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype))
                  if v is not None}
     cfg = LlamaConfig.from_hf(hf, **overrides)
-    # Each file opened once: the head check and every weight read from one descriptor.
+    # Each file opened once: the head check and every weight read from one descriptor;
+    # config.json and the head check passed down, not read again for the config check.
     with open_checkpoint(folder) as header:
-        if cfg.tie_embeddings and separate_head(header):
+        separate = separate_head(header)
+        if cfg.tie_embeddings and separate:
             # transformers keeps a separate lm_head.weight of the file (tie_word_embeddings
             # or not) and computes the logits with it: so does the model.
             cfg = dataclasses.replace(cfg, tie_embeddings=False)
         target = abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules)
-        model = load_opened(folder, header, target)
+        model = load_opened(folder, header, target, config=hf, separate=separate)
     # Remembered for save_safetensors: the export then carries the source's config,
     # generation config and tokenizer (nnx_shard.hf._source).
     return remember_source(model, read_source(folder, hf))

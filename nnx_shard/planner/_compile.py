@@ -60,7 +60,7 @@ def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: str
                 batch_spec: Any = None) -> tuple[Any, Any, float]:
     """Compiles the call :meth:`nnx_shard.Trainer.fit` makes for ``steps`` steps of
     ``factory()``'s model under preset ``strategy`` (a name, or a
-    :class:`~nnx_shard.Strategy` such as one ``with_rules``) on mesh ``sizes`` (of this
+    :class:`~nnx_shard.strategies.Strategy` such as one ``with_rules``) on mesh ``sizes`` (of this
     process's devices; ``"data=4,model=2"`` or a dict, read by
     :func:`~nnx_shard._mesh.parse_axes`, every axis sized), from abstract inputs: nothing is allocated. The batch is
     ``{"inputs", "targets"}``, int32 ``[steps, batch, seq]`` tokens laid out by

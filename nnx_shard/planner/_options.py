@@ -36,7 +36,7 @@ class AutoOptions:
       device_memory: bytes per device (an int, or ``"80GB"``; default: the
         hardware profile's, else unlimited).
       hardware: a :class:`~nnx_shard.planner.Hardware`, or a
-        :data:`~nnx_shard.planner.PROFILES` name (default ``h100-sxm``).
+        :data:`~nnx_shard.planner._hardware.PROFILES` name (default ``h100-sxm``).
       optimizer: the optimizer by name (``adamw``, ``adam``, ``sgd``).
       guard: the NaN guard mode ``Trainer.fit`` will run (``grads``, the default,
         ``full`` or ``off``; see :class:`~nnx_shard.Trainer`): ``full`` needs one

@@ -85,7 +85,7 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
     pytree of ``jax.ShapeDtypeStruct``, or ``"inputs=int32[16,128],..."`` text, see
     :class:`~nnx_shard.planner._user.UserModel`); ``batch`` and ``seq`` then come from
     it. ``aliases`` map the model's own logical names onto the presets'
-    (:meth:`~nnx_shard.Strategy.with_rules`). Each candidate compiles
+    (:meth:`~nnx_shard.strategies.Strategy.with_rules`). Each candidate compiles
     :func:`~nnx_shard.planner._compile.compile_step` of that loss and batch::
 
         plan = auto(make_llama, loss=loss_fn, batch_spec="x=int32[16,128],y=int32[16,128]",

@@ -117,7 +117,7 @@ class UserModel:
     :class:`nnx_shard.Trainer` calls it), ``batch`` is one step's global batch as a
     pytree of ``jax.ShapeDtypeStruct`` (or arrays, or ``"int32[16,128]"`` strings, or
     :func:`parse_batch_spec` text), and ``aliases`` map the model's own logical
-    names onto the presets' (:meth:`nnx_shard.Strategy.with_rules`). The batch is
+    names onto the presets' (:meth:`nnx_shard.strategies.Strategy.with_rules`). The batch is
     laid out as ``Trainer.fit`` places it by default: every leaf's first dimension
     on ``batch``. :meth:`check` validates all of it on the abstract model.
 

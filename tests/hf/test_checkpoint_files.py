@@ -1,6 +1,7 @@
 """Which tensors a checkpoint folder gives, as transformers reads it: a separate
 ``lm_head.weight`` beside ``tie_word_embeddings: true`` is the model's head, and
-``model.safetensors`` is read before an index beside it.
+``model.safetensors`` is read before an index beside it; each file of the folder is
+opened once.
 
 The fixture ``tests/fixtures/hf_tied_head`` (``make_hf_tied_head.py``) holds both
 cases at once, with transformers' logits.
@@ -8,10 +9,16 @@ cases at once, with transformers' logits.
 
 from __future__ import annotations
 
+import builtins
+import collections
 import dataclasses
+import io
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,6 +27,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import nnx_shard as ns
+from nnx_shard import _safetensors_io as st
 from nnx_shard import hf
 from nnx_shard._errors import UsageError
 from nnx_shard.hf import _files as files
@@ -111,3 +119,57 @@ def test_model_safetensors_is_read_before_an_index(tmp_path: Path) -> None:
     (folder / "model.safetensors").unlink()
     with pytest.raises(files.CheckpointNotFound, match="lists 1 files that are not there"):
         files.checkpoint_files(folder)
+
+
+def _count_opens(monkeypatch: pytest.MonkeyPatch, folder: Path) -> collections.Counter[str]:
+    """The number of times each file of ``folder`` is opened from now on, by any of
+    Python's openers."""
+    counts: collections.Counter[str] = collections.Counter()
+    inside = os.path.realpath(folder)
+
+    def counting(opener: Callable[..., Any]) -> Callable[..., Any]:
+        def opens(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(path, str | os.PathLike):
+                real = os.path.realpath(path)
+                if os.path.dirname(real) == inside:
+                    counts[os.path.basename(real)] += 1
+            return opener(path, *args, **kwargs)
+        return opens
+
+    monkeypatch.setattr(os, "open", counting(os.open))
+    monkeypatch.setattr(builtins, "open", counting(builtins.open))
+    monkeypatch.setattr(io, "open", counting(io.open))
+    return counts
+
+
+def test_load_pretrained_opens_each_file_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = FIXTURES / "hf_qwen3"
+    shards = sorted(set(json.loads((folder / files.INDEX).read_text())["weight_map"].values()))
+    assert len(shards) == 4
+    counts = _count_opens(monkeypatch, folder)
+    model = hf.load_pretrained(folder, mesh="data=8", rules=RULES)
+    monkeypatch.undo()
+    assert model.cfg.model_type == "qwen3"
+    # config.json read once (the family, the config and the check against the target);
+    # the index once; each shard once (its header and every tensor from one descriptor).
+    assert dict(counts) == {"config.json": 1, "generation_config.json": 1, files.INDEX: 1,
+                            **dict.fromkeys(shards, 1)}
+
+
+def test_load_pretrained_compares_the_head_with_the_embedding_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: collections.Counter[str] = collections.Counter()
+    read_bytes = st.read_bytes
+
+    def counted(header: st.Header, name: str, start: int, n: int) -> bytes:
+        reads[name] += 1
+        return read_bytes(header, name, start, n)
+
+    monkeypatch.setattr(st, "read_bytes", counted)
+    counts = _count_opens(monkeypatch, TIED_HEAD)
+    model = hf.load_pretrained(TIED_HEAD, mesh="data=8", rules=RULES)
+    monkeypatch.undo()
+    assert model.cfg.tie_embeddings is False
+    # The tiny tensors are one chunk each: compared once, not again by the config check.
+    assert dict(reads) == {"lm_head.weight": 1, "model.embed_tokens.weight": 1}
+    assert dict(counts) == {"config.json": 1, "model.safetensors": 1}

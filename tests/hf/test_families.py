@@ -33,7 +33,7 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard._errors import UsageError
 from nnx_shard.hf import load_pretrained
-from nnx_shard.inference import generate
+from nnx_shard.inference import GenerationConfig, generate
 from nnx_shard.models import Llama, LlamaConfig
 from tests._close import assert_close
 from tests._shared import load_refusal
@@ -173,7 +173,8 @@ def test_family_greedy_generation_matches_transformers(name: str, strategy: str)
     mesh, rules = _mesh_rules(strategy)
     rows = prompt.shape[0]
     tiled = np.tile(prompt, (max(mesh.devices.size // rows, 1), 1))  # the batch splits
-    got = np.asarray(generate(_loaded(name, strategy), tiled, want.shape[1], mesh=mesh,
+    got = np.asarray(generate(_loaded(name, strategy), tiled,
+                              GenerationConfig(max_new_tokens=want.shape[1]), mesh=mesh,
                               rules=rules))[:rows, prompt.shape[1]:]
     for row in range(want.shape[0]):
         differ = np.flatnonzero(got[row] != want[row])
