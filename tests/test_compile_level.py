@@ -32,17 +32,17 @@ def figures() -> dict[str, Any]:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import _transformer as T
+    from nnx_shard.models import Transformer, lm_loss
 
     mesh = ns.make_mesh({"data": 4, "model": 2})
     strategy = ns.strategies.get("fsdp_tp")
     cfg = ns.models.get_config("tiny")
-    model = ns.sharded_init(lambda: T.Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
 
     @nnx.jit
     def step(model: Any, opt: Any, batch: dict[str, Any]) -> Any:
-        loss, grads = nnx.value_and_grad(T.lm_loss)(model, batch)
+        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
         opt.update(model, grads)
         return loss
 

@@ -1,8 +1,12 @@
-"""Reference models annotated only with logical axis names: :class:`Transformer`
-(GPT-style, for tests, demos and planning) and :class:`Llama` (the Llama family:
-Llama, Qwen2/3, Mistral, Gemma 2, OLMo 2; built and filled from a Hugging Face
-checkpoint by :func:`nnx_shard.hf.load_pretrained`), the configurations they are
-built from (:func:`get_config`), their loss (:func:`lm_loss`), remat policies, and the
+"""Models annotated only with logical axis names, all built by one decoder class,
+:class:`Llama`, of a family's parts: the Hugging Face families (Llama 2/3, Qwen2,
+Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, OLMo 2, Phi-3, and the mixtures of experts
+Mixtral and Qwen3-MoE; configured by :class:`LlamaConfig` and
+:class:`Qwen3MoeConfig`, built and filled from a checkpoint by
+:func:`nnx_shard.hf.load_pretrained`) and the reference model (GPT-style, for tests,
+demos and planning; configured by :class:`TransformerConfig`; :class:`Transformer` is
+the same class), the configurations known by name (:func:`get_config`), their loss
+(:func:`lm_loss`), remat policies, and the
 attention op a model calls to be memory-efficient and context-parallel
 (:func:`attention`, and :func:`attention_fn`, its adapter for
 ``nnx.MultiHeadAttention(attention_fn=...)``). Generation is
@@ -23,15 +27,16 @@ themselves), and :func:`lm_loss` skips ``-100`` targets.
 from nnx_shard._attention import attention
 from nnx_shard.models._adapters import attention_fn
 from nnx_shard.models._family.qwen3_moe import Qwen3MoeConfig
+from nnx_shard.models._family.reference import TransformerConfig
+from nnx_shard.models._fields import REMAT_POLICIES, remat_policy
 from nnx_shard.models._llama import Llama, LlamaConfig
+from nnx_shard.models._loss import lm_loss
 from nnx_shard.models._named import CONFIGS, get_config
 from nnx_shard.models._resize import resize_token_embeddings
-from nnx_shard.models._transformer import Transformer, lm_loss
-from nnx_shard.models._transformer_config import (
-    REMAT_POLICIES,
-    TransformerConfig,
-    remat_policy,
-)
+
+#: The reference model: the shared decoder built of the ``"reference"`` family's parts
+#: (:class:`TransformerConfig`).
+Transformer = Llama
 
 __all__ = ["CONFIGS", "REMAT_POLICIES", "Llama", "LlamaConfig", "Qwen3MoeConfig", "Transformer",
            "TransformerConfig", "attention", "attention_fn", "get_config", "lm_loss",

@@ -124,20 +124,28 @@ def _retype(x: jax.Array, spec: P) -> jax.Array:
 
 
 def dispatch_combine(plan: ExpertPlan, x: jax.Array, valid: jax.Array, router: jax.Array,
-                     gate: jax.Array, up: jax.Array, down: jax.Array, routing: Routing
+                     gate: jax.Array | None, up: jax.Array, down: jax.Array, routing: Routing
                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """The MoE MLP of ``x [batch, length, embed]`` under ``plan``: ``(y, (counts,
     probs, rows))``, the router statistics summed over every device's real tokens
-    (``valid [batch, length]``)."""
+    (``valid [batch, length]``); ``gate`` ``None`` for ungated experts."""
     bt, ln = plan.tokens
     mlp = axes_entry(plan.mlp)
     ep = axes_entry(plan.ep)
-    specs = (P(bt, ln, None), P(bt, ln), P(None, None), P(ep, None, mlp), P(ep, None, mlp),
-             P(ep, mlp, None))
-    args = tuple(_retype(a, s) for a, s in zip((x, valid, router, gate, up, down), specs,
+    gates = () if gate is None else (gate,)
+    specs = (P(bt, ln, None), P(bt, ln), P(None, None), *(P(ep, None, mlp) for _ in gates),
+             P(ep, None, mlp), P(ep, mlp, None))
+    args = tuple(_retype(a, s) for a, s in zip((x, valid, router, *gates, up, down), specs,
                                                strict=True))
     token_axes = tuple(entry_axes(bt)) + tuple(entry_axes(ln))
-    body = partial(_local, plan=plan, token_axes=token_axes, routing=routing)
+
+    def body(*a: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+        x, valid, router, *weights = a
+        g = weights[0] if gates else None
+        u, d = weights[-2:]
+        return _local(x, valid, router, g, u, d, plan=plan, token_axes=token_axes,
+                      routing=routing)
+
     manual = set(token_axes) | set(plan.ep) | set(plan.mlp)
     run = jax.shard_map(body, mesh=plan.mesh, in_specs=specs,
                         out_specs=(P(bt, ln, None), (P(), P(), P())),
@@ -145,7 +153,8 @@ def dispatch_combine(plan: ExpertPlan, x: jax.Array, valid: jax.Array, router: j
     return run(*args)
 
 
-def _local(x: jax.Array, valid: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array,
+def _local(x: jax.Array, valid: jax.Array, router: jax.Array, gate: jax.Array | None,
+           up: jax.Array,
            down: jax.Array, *, plan: ExpertPlan, token_axes: tuple[str, ...],
            routing: Routing) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """One device: route the local tokens, send each slot to its expert's device,
@@ -153,7 +162,7 @@ def _local(x: jax.Array, valid: jax.Array, router: jax.Array, gate: jax.Array, u
     ep, p, mlp = plan.ep, plan.p, plan.mlp
     top_k, dtype = routing.top_k, routing.dtype
     b, length, e = x.shape
-    local = gate.shape[0]
+    local = up.shape[0]
     experts = local * p
     flat = x.reshape(b * length, e)
     logits = jnp.dot(flat, router.astype(flat.dtype))
@@ -183,10 +192,10 @@ def _local(x: jax.Array, valid: jax.Array, router: jax.Array, gate: jax.Array, u
     # buffer that has room for the worst case.
     grouped = partial(grouped_matmul, sizes=sizes, kind=routing.matmul,
                       tile=tile_rows(s, local))
-    g = grouped(h, gate.astype(dtype))
     u = grouped(h, up.astype(dtype))
-    act = routing.activation(g)
-    out = grouped(act * u, down.astype(dtype))
+    act = (routing.activation(u) if gate is None
+           else routing.activation(grouped(h, gate.astype(dtype))) * u)
+    out = grouped(act, down.astype(dtype))
     if mlp:
         out = jax.lax.psum(out, mlp)
     back = jnp.zeros_like(out).at[by_expert].set(out).reshape(p, s, e)

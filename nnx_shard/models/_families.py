@@ -168,6 +168,11 @@ class Family:
         dataclass subclassing :class:`~nnx_shard.models.LlamaConfig` in the family's
         module, e.g. Qwen3-MoE's expert width); ``None``: ``LlamaConfig`` itself.
         ``LlamaConfig(model_type=...)`` builds it.
+      gated_mlp: its MLPs (dense and experts) are gated, ``down(act(gate(x)) * up(x))``;
+        ``False``: ``down(act(up(x)))`` (the reference model's).
+      learned_positions: a learned position table (``pos_embed [max_length, embed]``)
+        added to the token embeddings, in place of rotary embeddings (the reference
+        model's).
     """
 
     model_type: str
@@ -191,6 +196,8 @@ class Family:
     tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     moe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     config: Any = None
+    gated_mlp: bool = True
+    learned_positions: bool = False
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.fields) - set(OPTIONAL_FIELDS))
@@ -227,12 +234,13 @@ def register(family: Family) -> Family:
 
 
 def model_types() -> tuple[str, ...]:
-    """The registered ``model_type`` values, sorted.
+    """The registered ``model_type`` values of Hugging Face families (those with an
+    architecture), sorted.
 
     >>> model_types()[:3]
     ('gemma', 'gemma2', 'gemma3_text')
     """
-    return tuple(sorted(_FAMILIES))
+    return tuple(sorted(t for t, f in _FAMILIES.items() if f.architectures))
 
 
 def family_of(model_type: Any) -> Family:
@@ -245,6 +253,6 @@ def family_of(model_type: Any) -> Family:
     if family is None:
         raise UsageError(
             f"model_type {short(model_type, 60)} is not a registered model family (known: "
-            f"{', '.join(_FAMILIES)}). Fix: use a checkpoint or config of one of these, or "
+            f"{', '.join(model_types())}). Fix: use a checkpoint or config of one of these, or "
             f"register(Family(model_type={short(model_type, 40)}, ...)) for a new family.")
     return family

@@ -56,7 +56,7 @@ def names(stacked: bool = False) -> tuple[str, ...]:
 def new(shape: tuple[int, ...], dtype: Any, layers: int | None = None) -> nnx.Cache:
     """A zero cache ``[batch, length, kv_heads, head_dim]`` (``[layers, ...]``
     with ``layers``), annotated with :data:`CACHE_AXES`. Its layout is the
-    caller's: :func:`nnx_shard.models.generate` constrains every cache array
+    caller's: :func:`nnx_shard.inference.generate` constrains every cache array
     by its names the moment it is created, inside the compiled prefill, so no
     device ever holds more than its slice.
 

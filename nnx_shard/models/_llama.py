@@ -1,6 +1,7 @@
 """The shared decoder of every model family (Llama 2/3, Qwen2/3, Mistral, Gemma, Gemma 2/3,
-OLMo 2, Phi-3, and the mixtures of experts Mixtral and Qwen3-MoE), annotated only with
-logical names.
+OLMo 2, Phi-3, the mixtures of experts Mixtral and Qwen3-MoE, and the reference model:
+learned positions, multi-head attention, an ungated MLP or GShard's capacity-factor
+experts), annotated only with logical names.
 
 The architecture of Hugging Face's ``LlamaForCausalLM``: token embedding, ``layers``
 blocks (RMSNorm, grouped-query attention with rotary position embeddings, RMSNorm,
@@ -18,11 +19,11 @@ config, which a family allows or refuses.
 :func:`nnx_shard.hf.load_safetensors` fills the parameters from a Hugging Face
 checkpoint.
 
-Parameters carry the logical names of :class:`nnx_shard.models.Transformer`
-(``vocab``, ``embed``, ``heads``, ``kv``, ``mlp``, ``layers``) plus
-``kv_heads``, the key/value heads of grouped-query attention (``kv`` is the
-width of one head, as in the reference model). Activations are constrained at
-the same points as in the reference model, so every preset applies unchanged:
+Parameters carry the logical names ``vocab``, ``embed``, ``heads``, ``kv``, ``mlp``,
+``layers``, plus ``kv_heads``, the key/value heads of grouped-query attention (``kv``
+is the width of one head; the reference model names its keys and values ``heads``).
+Activations are constrained at the points of :mod:`nnx_shard.models._layout`, so every
+preset applies unchanged:
 dp, zero1, fsdp, tp, fsdp_tp, sp, async_tp, cp, fsdp_cp, and pp / pp_fsdp /
 pp_tp with ``scan_layers=True``. The ``ep`` preset shards the experts of the MoE
 layers (:class:`LlamaMoEBlock`) over ``expert``; a dense model trains under it as
@@ -43,7 +44,6 @@ key/value heads on a model axis of 16): the rule is ``[model, None]``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -51,15 +51,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_shard._attention import attention
 from nnx_shard._errors import UsageError, short
 from nnx_shard._mesh import option
 from nnx_shard._parallel import pipeline
 from nnx_shard._parallel.collective_matmul import check_tokens
 from nnx_shard.models import _kv_cache as kv_cache
-from nnx_shard.models._layers import ACTIVATION_FNS, RMSNorm, dense_init, new_param
+from nnx_shard.models._families import family_of
+from nnx_shard.models._fields import remat_policy
+from nnx_shard.models._layers import RMSNorm, dense_init, new_param
+from nnx_shard.models._layout import (
+    GATHERED,
+    POS_TABLE,
+    RESIDUAL,
+    TOKEN_TABLE,
+    block_input_names,
+    empty_tokens,
+    last_positions,
+    seq_names,
+)
 from nnx_shard.models._llama_config import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._llama_config import LlamaConfig
+from nnx_shard.models._llama_layers import LlamaAttention, LlamaMLP, norm_of
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
 from nnx_shard.models._moe import LlamaMoE, RouterStats, add_stats, aux_loss, no_stats
 from nnx_shard.models._ops import constrain, einsum, lookup, project, whole
@@ -68,59 +80,12 @@ from nnx_shard.models._rotary import (
     rotary_at,
     rotary_of,
     rotary_tables,
-    rotate,
     scaled_at,
     times,
 )
-from nnx_shard.models._transformer import (
-    GATHERED,
-    RESIDUAL,
-    TOKEN_TABLE,
-    block_input_names,
-    empty_tokens,
-    last_positions,
-    seq_names,
-)
-from nnx_shard.models._transformer_config import remat_policy
 
-__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "LlamaMoEBlock", "PostNormBlock",
-           "SandwichBlock"]
-
-def _norm(cfg: LlamaConfig, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs) -> RMSNorm:
-    return RMSNorm(size, names, cfg.norm_eps, cfg.dtype, cfg.param_dtype, rngs=rngs,
-                   offset=cfg.family.norm_offset)
-
-
-def _bias(rngs: nnx.Rngs, on: bool, shape: tuple[int, ...], names: tuple[Any, ...],
-          dt: Any) -> nnx.Param | None:
-    return nnx.data(new_param(rngs, nnx.initializers.zeros, shape, names, dt) if on else None)
-
-
-def _add(y: jax.Array, b: nnx.Param | None, dt: Any) -> jax.Array:
-    # Biases are small: replicated where they meet activations (Explicit meshes).
-    return y if b is None else y + whole(b[...]).astype(dt)
-
-
-def _windowed(mask: jax.Array | None, window: int | None, length: int) -> jax.Array | None:
-    """``mask`` (``[batch, 1, 1, length]`` key padding, or ``None``) with the sliding
-    window's band: query ``i`` sees keys ``j > i - window`` (transformers'
-    ``sliding_window_overlay``, on indices in the sequence, as its masks are)."""
-    if window is None or window >= length:
-        return mask
-    i = np.arange(length)
-    band = jnp.asarray((i[None, :] > i[:, None] - window)[None, None])
-    return band if mask is None else mask & band
-
-
-def _layer_mask(mask: jax.Array | None, window: int | None, length: int, local: Any
-                ) -> jax.Array | None:
-    """The mask of a layer: the window's band where ``local`` (``None``: the layers
-    are alike, every one windowed when ``window`` is set; else a traced flag, the
-    scanned layer's own, selecting between the banded and the plain mask)."""
-    banded = _windowed(mask, window, length)
-    if local is None or banded is mask or banded is None:
-        return banded
-    return jnp.where(local, banded, True if mask is None else mask)
+__all__ = ["Llama", "LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaMLP", "LlamaMoEBlock",
+           "PostNormBlock", "SandwichBlock"]
 
 
 def _pick(local: Any, tables: Any, local_tables: Any) -> Any:
@@ -129,146 +94,6 @@ def _pick(local: Any, tables: Any, local_tables: Any) -> Any:
     if local_tables is None or local is None:
         return tables
     return tuple(jnp.where(local, lt, t) for t, lt in zip(tables, local_tables, strict=True))
-
-
-class LlamaAttention(nnx.Module):
-    """Grouped-query causal self-attention with rotary embeddings (and Qwen3's
-    per-head q/k norm). Q/K/V split column-wise over ``heads`` / ``kv_heads``,
-    O row-wise over ``heads``. Transformers' ``LlamaAttention``.
-
-    >>> attn = LlamaAttention(LlamaConfig(), rngs=nnx.Rngs(0))
-    >>> attn.q.shape, attn.k.shape       # [embed, heads, head_dim], [embed, kv_heads, head_dim]
-    ((32, 4, 8), (32, 2, 8))
-    """
-
-    #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
-    lora_kernels = ("q", "k", "v", "o")
-
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
-        e, h, g, k, dt = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
-        self.q = new_param(rngs, dense_init(e), (e, h, k), ("embed", "heads", "kv"), dt)
-        self.k = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
-        self.v = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
-        self.o = new_param(rngs, dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
-        bias = cfg.attention_bias or cfg.family.qkv_bias
-        self.q_bias = _bias(rngs, bias, (h, k), ("heads", "kv"), dt)
-        self.k_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
-        self.v_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
-        self.o_bias = _bias(rngs, cfg.attention_bias, (e,), ("embed",), dt)
-        qk_norm = cfg.family.qk_norm
-
-        def norm(n: int, name: str) -> RMSNorm | None:
-            # OLMo 2 normalizes all heads' features together, Qwen3 each head's.
-            return {None: lambda: None, "all": lambda: _norm(cfg, (n, k), (name, "kv"), rngs),
-                    "head": lambda: _norm(cfg, k, ("kv",), rngs)}[qk_norm]()
-
-        self.q_norm: RMSNorm | None = nnx.data(norm(h, "heads"))
-        self.k_norm: RMSNorm | None = nnx.data(norm(g, "kv_heads"))
-        self.kernel = cfg.attention
-        flags = cfg.local_layers()
-        # Alike layers apply their window (if any) statically; mixed ones get a flag.
-        self.window = cfg.sliding_window if all(flags) or not any(flags) else None
-        self.mixed_window = cfg.sliding_window if self.window is None else None
-        self.softcap = cfg.attn_softcap
-        # query_pre_attn_scalar: the kernels divide by sqrt(head_dim); the queries
-        # carry the rest of the factor.
-        self.q_factor = (None if cfg.query_scale is None or cfg.query_scale == k
-                         else math.sqrt(k / cfg.query_scale))
-        self.dtype = cfg.dtype
-
-    def _scaled(self, q: jax.Array) -> jax.Array:
-        return q if self.q_factor is None else q * jnp.asarray(self.q_factor, q.dtype)
-
-    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,
-                 local: Any = None) -> jax.Array:
-        dt = self.dtype
-        heads = seq_names(("batch", None, "heads", "kv"))
-        kv_heads = seq_names(("batch", None, "kv_heads", "kv"))
-        q = _add(project("ble,ehk->blhk", x, self, "q", dt, heads, seq="l"), self.q_bias, dt)
-        k = _add(project("ble,egk->blgk", x, self, "k", dt, kv_heads, seq="l"), self.k_bias, dt)
-        v = _add(project("ble,egk->blgk", x, self, "v", dt, kv_heads, seq="l"), self.v_bias, dt)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        # k, v keep their kv_heads: the op groups the query heads per key/value head.
-        mask = (_windowed(extras.mask, self.window, q.shape[1]) if self.mixed_window is None
-                else _layer_mask(extras.mask, self.mixed_window, q.shape[1], local))
-        out = attention(self._scaled(q), k, v, causal=True, mask=mask,
-                        segment_ids=extras.segment_ids, implementation=self.kernel,
-                        softcap=self.softcap)
-        return _add(project("blhk,hke->ble", out, self, "o", dt, RESIDUAL, seq="l",
-                            reduce=seq_names(GATHERED)),
-                    self.o_bias, dt)
-
-    def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
-        """Creates the key/value cache ``[batch, length, kv_heads, head_dim]``
-        (``layers`` stacked in front for scanned blocks): grouped-query attention
-        caches its ``kv_heads`` only, never the repeated ones."""
-        kv_cache.init_attention(self, batch, length, layers)
-
-    def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array, valid: jax.Array | None = None, local: Any = None
-               ) -> jax.Array:
-        """Attention of ``x [batch, T, embed]`` at positions ``index ..`` (their
-        rotary tables ``cos``, ``sin``) against the cache, after storing its
-        keys and values there (``valid``: which cache positions hold real keys,
-        :func:`kv_cache.valid_keys`)."""
-        dt = self.dtype
-        heads, kv_heads = ("batch", None, "heads", "kv"), ("batch", None, "kv_heads", "kv")
-        off: dict[str, Any] = {"deterministic": True}  # no adapter dropout while decoding
-        q = _add(project("ble,ehk->blhk", x, self, "q", dt, heads, **off), self.q_bias, dt)
-        k = _add(project("ble,egk->blgk", x, self, "k", dt, kv_heads, **off), self.k_bias, dt)
-        v = _add(project("ble,egk->blgk", x, self, "v", dt, kv_heads, **off), self.v_bias, dt)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        window: Any = self.window
-        if self.mixed_window is not None and local is not None:
-            # A traced flag: a window past any position where the layer is global.
-            window = jnp.where(local, self.mixed_window, jnp.iinfo(jnp.int32).max // 2)
-        out = kv_cache.store_and_attend(self, self._scaled(q), k, v, index, valid,
-                                        window=window, softcap=self.softcap)
-        return _add(project("blhk,hke->ble", constrain(out, heads), self, "o", dt, RESIDUAL,
-                            **off), self.o_bias, dt)
-
-
-class LlamaMLP(nnx.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` (GELU-tanh in place of SiLU for
-    Gemma); gate and up split column-wise, down row-wise over ``mlp``. Transformers'
-    ``LlamaMLP``.
-
-    >>> mlp = LlamaMLP(LlamaConfig(), rngs=nnx.Rngs(0))
-    >>> mlp(jnp.ones((1, 4, 32))).shape
-    (1, 4, 32)
-    """
-
-    #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
-    lora_kernels = ("gate", "up", "down")
-
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
-        e, m, dt = cfg.embed, cfg.mlp, cfg.param_dtype
-        self.gate = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
-        self.up = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
-        self.down = new_param(rngs, dense_init(m), (m, e), ("mlp", "embed"), dt)
-        self.gate_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
-        self.up_bias = _bias(rngs, cfg.mlp_bias, (m,), ("mlp",), dt)
-        self.down_bias = _bias(rngs, cfg.mlp_bias, (e,), ("embed",), dt)
-        self.activation = ACTIVATION_FNS[cfg.activation]
-        self.dtype = cfg.dtype
-
-    def __call__(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
-        """``deterministic=True``: no adapter dropout (decoding)."""
-        dt = self.dtype
-        off: dict[str, Any] = {"deterministic": deterministic}
-        hidden = seq_names(("batch", None, "mlp"))
-        g = _add(project("ble,em->blm", x, self, "gate", dt, hidden, seq="l", **off),
-                 self.gate_bias, dt)
-        u = _add(project("ble,em->blm", x, self, "up", dt, hidden, seq="l", **off),
-                 self.up_bias, dt)
-        act = self.activation(g)
-        return _add(project("blm,me->ble", act * u, self, "down", dt, RESIDUAL, seq="l",
-                            reduce=seq_names(GATHERED), **off),
-                    self.down_bias, dt)
 
 
 class LlamaBlock(nnx.Module):
@@ -287,13 +112,15 @@ class LlamaBlock(nnx.Module):
     pre_norms, post_norms = True, False
     #: Norm weights of ``embed`` entries per block (``LlamaConfig.num_params``).
     norms = 2
+    #: The attention layer's class (a family's own where its parameters differ).
+    attention: Any = LlamaAttention
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         def norm(on: bool) -> RMSNorm | None:
-            return _norm(cfg, cfg.embed, ("embed",), rngs) if on else None
+            return norm_of(cfg, cfg.embed, ("embed",), rngs) if on else None
 
         self.attn_norm: RMSNorm | None = nnx.data(norm(self.pre_norms))
-        self.attn = LlamaAttention(cfg, rngs=rngs)
+        self.attn = self.attention(cfg, rngs=rngs)
         self.attn_post_norm: RMSNorm | None = nnx.data(norm(self.post_norms))
         self.mlp_norm: RMSNorm | None = nnx.data(norm(self.pre_norms))
         self.mlp: Any = self._mlp(cfg, rngs)
@@ -306,22 +133,33 @@ class LlamaBlock(nnx.Module):
     def _apply(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
         return x if norm is None else norm(x)
 
+    def _feed(self, h: jax.Array, extras: Extras) -> tuple[jax.Array, RouterStats | None]:
+        """The MLP on the normed ``h`` and its router statistics (``None``: dense)."""
+        return self.mlp(h), None
+
+    def _feed_decode(self, h: jax.Array) -> jax.Array:
+        """The MLP on the normed ``h`` while decoding (no adapter dropout)."""
+        return self.mlp(h, deterministic=True)
+
     def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,
-                 local: Any = None) -> jax.Array:
+                 local: Any = None) -> Any:
+        """``x`` after the block, with the MLP's router statistics for a MoE block:
+        ``(x, stats)``."""
         n = self._apply
         y = self.attn(constrain(n(self.attn_norm, x), block_input_names()), cos, sin, extras, local)
         x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
-        y = self.mlp(constrain(n(self.mlp_norm, x), block_input_names()))
-        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
+        y, stats = self._feed(constrain(n(self.mlp_norm, x), block_input_names()), extras)
+        x = constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
+        return x if stats is None else (x, stats)
 
-    def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array, valid: jax.Array | None = None, local: Any = None) -> jax.Array:
+    def decode(self, x: jax.Array, index: jax.Array, cos: Any,
+               sin: Any, valid: jax.Array | None = None, local: Any = None) -> jax.Array:
         """The block on new positions ``index ..`` only, attending through the cache."""
         n = self._apply
         y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid,
                              local)
         x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
-        y = self.mlp(constrain(n(self.mlp_norm, x), GATHERED), deterministic=True)
+        y = self._feed_decode(constrain(n(self.mlp_norm, x), GATHERED))
         return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
 
@@ -358,23 +196,14 @@ class LlamaMoEBlock(LlamaBlock):
     def _mlp(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> Any:
         return LlamaMoE(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: Any, sin: Any, extras: Extras = NO_EXTRAS,  # type: ignore[override]
-                 local: Any = None) -> tuple[jax.Array, RouterStats]:
-        n = self._apply
-        y = self.attn(constrain(n(self.attn_norm, x), block_input_names()), cos, sin, extras, local)
-        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
+    def _feed(self, h: jax.Array, extras: Extras) -> tuple[jax.Array, RouterStats | None]:
+        # The router's statistics count the real tokens only.
         valid = None if extras.mask is None else extras.mask[:, 0, 0, :]
-        y, stats = self.mlp(constrain(n(self.mlp_norm, x), block_input_names()), valid=valid)
-        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL), stats
+        y, stats = self.mlp(h, valid=valid)
+        return y, stats
 
-    def decode(self, x: jax.Array, index: jax.Array, cos: jax.Array,
-               sin: jax.Array, valid: jax.Array | None = None, local: Any = None) -> jax.Array:
-        n = self._apply
-        y = self.attn.decode(constrain(n(self.attn_norm, x), GATHERED), index, cos, sin, valid,
-                             local)
-        x = constrain(x + n(self.attn_post_norm, y), RESIDUAL)
-        y, _ = self.mlp(constrain(n(self.mlp_norm, x), GATHERED))
-        return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
+    def _feed_decode(self, h: jax.Array) -> jax.Array:
+        return self.mlp(h)[0]
 
 
 def _block(cfg: LlamaConfig, i: int, rngs: nnx.Rngs) -> LlamaBlock:
@@ -391,7 +220,9 @@ def _mixed(cfg: LlamaConfig) -> bool:
 
 def _block_runner(cfg: LlamaConfig, length: int) -> Any:
     every_local = all(cfg.local_layers())
-    tables = rotary_tables(cfg, length, every_local)
+    # A family with learned positions adds them to the embeddings: no rotation.
+    tables = (None, None) if cfg.family.learned_positions else rotary_tables(
+        cfg, length, every_local)
     # Mixed layers whose sliding ones rotate by their own base pick tables by their flag.
     local = _mixed(cfg) and own_local_rotation(cfg)
     local_tables = rotary_tables(cfg, length, True) if local else None
@@ -453,9 +284,10 @@ class Llama(nnx.Module):
     #: The kernels projected through ``project`` (where ``ns.lora`` adapters apply).
     lora_kernels = ("unembed", "token_embed")
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
-        if not isinstance(cfg, LlamaConfig):
-            raise UsageError(f"Llama: cfg must be a LlamaConfig, got {type(cfg).__name__} "
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs) -> None:
+        if not _is_config(cfg):
+            raise UsageError(f"{type(self).__name__}: cfg must be a model config (a LlamaConfig "
+                             f"or a TransformerConfig), got {type(cfg).__name__} "
                              f"{short(cfg, 60)}. Fix: e.g. Llama(ns.models.get_config('llama3-8b'), "
                              "rngs=nnx.Rngs(0)), or LlamaConfig.from_hf(path)")
         self.cfg = cfg
@@ -463,6 +295,9 @@ class Llama(nnx.Module):
         e, dt = cfg.embed, cfg.param_dtype
         self.token_embed = new_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab, e),
                                   TOKEN_TABLE, dt)
+        if cfg.family.learned_positions:
+            self.pos_embed = new_param(rngs, nnx.initializers.normal(0.02),
+                                       (cfg.max_length, e), POS_TABLE, dt)
         if cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.layers)
@@ -474,7 +309,7 @@ class Llama(nnx.Module):
             self.blocks: Any = make(rngs)
         else:
             self.blocks = nnx.List([_block(cfg, i, rngs) for i in range(cfg.layers)])
-        self.final_norm = _norm(cfg, e, ("embed",), rngs)
+        self.final_norm = norm_of(cfg, e, ("embed",), rngs)
         self.unembed: nnx.Param | None = nnx.data(
             None if cfg.tie_embeddings
             else new_param(rngs, dense_init(e), (e, cfg.vocab), ("embed", "vocab"), dt)
@@ -506,13 +341,21 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         empty_tokens(tokens, "Llama.forward")
+        learned = cfg.family.learned_positions
+        if learned and tokens.shape[1] > cfg.max_length:
+            raise UsageError(
+                f"tokens have length {tokens.shape[1]} but the model has {cfg.max_length} "
+                f"positions ({type(cfg).__name__}.length). Fix: cut the tokens to the last "
+                f"{cfg.max_length}, or a config with length >= {tokens.shape[1]}.")
         if option("collective_matmul", False):
             check_tokens(tokens.shape)
         check_token_ids(tokens, cfg.vocab, "Llama.forward")
         extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
                          segment_ids=segment_ids, caller="Llama.forward",
                          max_positions=cfg.max_length).laid_out()
-        x = self._embed(tokens)
+        x = self._embed(tokens, extras.positions)
+        if learned:  # the positions are in the embeddings; the blocks read the masks
+            extras = extras._replace(positions=None)
         run = _block_runner(cfg, tokens.shape[1])
         # Mixed layers (Gemma 2 / 3): each layer's flag travels with its parameters.
         flags = np.asarray(cfg.local_layers()) if _mixed(cfg) else None
@@ -536,7 +379,10 @@ class Llama(nnx.Module):
                                          else jnp.asarray(flags[i])), stats)
         return self._logits(x), aux_loss(cfg, stats)
 
-    def _embed(self, tokens: jax.Array) -> jax.Array:
+    def _embed(self, tokens: jax.Array, positions: jax.Array | None = None,
+               index: jax.Array | None = None) -> jax.Array:
+        """The token embeddings, plus the learned positions' (``positions [batch,
+        length]``, else ``index ..`` onwards) for a family that has them."""
         cfg = self.cfg
         x = lookup(self.token_embed[...].astype(cfg.dtype), tokens, RESIDUAL, TOKEN_TABLE)
         adapter = getattr(self, "lora_token_embed", None)
@@ -544,7 +390,16 @@ class Llama(nnx.Module):
             h = lookup(adapter.lora_a[...].astype(cfg.dtype), tokens, (*RESIDUAL[:-1], None))
             h = h * jnp.asarray(adapter.scale, cfg.dtype)
             x = x + einsum("blz,ze->ble", h, adapter.lora_b[...].astype(cfg.dtype), RESIDUAL)
-        return cfg.family.embed(x, cfg)
+        x = cfg.family.embed(x, cfg)
+        if not cfg.family.learned_positions:
+            return x
+        table = self.pos_embed[...]
+        if positions is not None:
+            return constrain(x + lookup(table.astype(cfg.dtype), positions, RESIDUAL,
+                                        POS_TABLE), RESIDUAL)
+        rows = (whole(table)[:tokens.shape[1]] if index is None else
+                jax.lax.dynamic_slice_in_dim(whole(table), index, tokens.shape[1]))
+        return constrain(x + rows.astype(cfg.dtype), RESIDUAL)
 
     def _logits(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
         cfg = self.cfg
@@ -581,6 +436,8 @@ class Llama(nnx.Module):
         """The context: the most positions a sequence can have (``cfg.max_length``,
         transformers' ``max_position_embeddings``; ``factor`` times it under ``dynamic``
         scaling, which stretches the rotation past it)."""
+        if self.cfg.family.learned_positions:  # the rows of the position table
+            return self.cfg.max_length
         scaling = dict(self.cfg.rope_scaling or ())
         if scaling.get("rope_type") == "dynamic":
             return int(self.cfg.max_length * scaling["factor"])
@@ -588,7 +445,7 @@ class Llama(nnx.Module):
 
     def init_cache(self, batch: int, length: int) -> None:
         """Creates an empty key/value cache for ``batch`` sequences of up to
-        ``length`` positions (what :func:`nnx_shard.models.generate` calls inside
+        ``length`` positions (what :func:`nnx_shard.inference.generate` calls inside
         its compiled prefill): ``cached_key`` and ``cached_value [batch, length,
         kv_heads, head_dim]`` on every attention layer, named ``cache_batch``,
         ``cache_length``, ``cache_kv_heads``, ``cache_head_dim`` (``layers`` first
@@ -618,7 +475,7 @@ class Llama(nnx.Module):
         float32).
 
         ``attention_mask [batch, T]`` (0: padding), for a prompt run into an empty
-        cache (the prefill of :func:`nnx_shard.models.generate`): its padded
+        cache (the prefill of :func:`nnx_shard.inference.generate`): its padded
         positions are never attended to and the positions of the real tokens
         count from the first one (``cumsum(mask) - 1``), as ``__call__`` with the
         mask computes. The cache keeps the mask (``cache_rows``): later calls,
@@ -639,28 +496,13 @@ class Llama(nnx.Module):
         check_token_ids(tokens, cfg.vocab, "Llama.decode")
         index = self.cache_index[...]
         steps = tokens.shape[1]
-        valid = None
-        mixed, every_local = _mixed(cfg), all(cfg.local_layers())
-        own_local = mixed and own_local_rotation(cfg)
-        local_tables = None
-        if attention_mask is None:
-            cos, sin = rotary_at(cfg, index, steps, every_local)
-            if own_local:
-                local_tables = rotary_at(cfg, index, steps, True)
-        else:
+        positions = valid = None
+        if attention_mask is not None:
             positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
                                                          "Llama.decode")
-            # Decoding runs on the gathered sequence (generation's rules): plain tables.
-            def tables(local: bool) -> tuple[jax.Array, jax.Array]:
-                inv, factor = scaled_at(cfg, local, jnp.max(positions) + 1)
-                freqs = positions.astype(jnp.float32)[..., None] * inv
-                emb = jnp.concatenate([freqs, freqs], axis=-1)
-                return times(jnp.cos(emb), factor), times(jnp.sin(emb), factor)
-
-            cos, sin = tables(every_local)
-            if own_local:
-                local_tables = tables(True)
-        x = self._embed(tokens)
+        mixed = _mixed(cfg)
+        cos, sin, local_tables = _decode_tables(cfg, index, steps, positions)
+        x = self._embed(tokens, positions, index)
         flags = np.asarray(cfg.local_layers()) if mixed else None
 
         def step(block: LlamaBlock, h: jax.Array, local: Any = None) -> jax.Array:
@@ -670,3 +512,39 @@ class Llama(nnx.Module):
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x, step, flags)
         self.cache_index[...] = index + steps
         return self._logits(last_positions(x, logits_to_keep, "Llama.decode"), deterministic=True)
+
+
+def _decode_tables(cfg: Any, index: jax.Array, steps: int, positions: jax.Array | None
+                   ) -> tuple[Any, Any, Any]:
+    """``(cos, sin, local_tables)`` of ``steps`` new positions from ``index`` (or the
+    masked ``positions``); ``None`` for a family with learned positions."""
+    if cfg.family.learned_positions:
+        return None, None, None
+    every_local = all(cfg.local_layers())
+    own_local = _mixed(cfg) and own_local_rotation(cfg)
+    if positions is None:
+        cos, sin = rotary_at(cfg, index, steps, every_local)
+        return cos, sin, rotary_at(cfg, index, steps, True) if own_local else None
+    where = positions
+
+    # Decoding runs on the gathered sequence (generation's rules): plain tables.
+    def tables(local: bool) -> tuple[jax.Array, jax.Array]:
+        inv, factor = scaled_at(cfg, local, jnp.max(where) + 1)
+        freqs = where.astype(jnp.float32)[..., None] * inv
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        return times(jnp.cos(emb), factor), times(jnp.sin(emb), factor)
+
+    cos, sin = tables(every_local)
+    return cos, sin, tables(True) if own_local else None
+
+
+def _is_config(cfg: Any) -> bool:
+    """Whether ``cfg`` is a model config: a :class:`LlamaConfig`, or of the config class
+    its family registers."""
+    if isinstance(cfg, LlamaConfig):
+        return True
+    try:
+        family = family_of(getattr(cfg, "model_type", None))
+    except UsageError:
+        return False
+    return family.config is not None and isinstance(cfg, family.config)

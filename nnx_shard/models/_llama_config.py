@@ -20,11 +20,11 @@ import jax.numpy as jnp
 
 from nnx_shard._errors import NnxShardError, UsageError, count, short
 from nnx_shard.models._families import OPTIONAL_FIELDS, Family, family_of, model_types
+from nnx_shard.models._fields import check_fields, check_kernel_and_remat
 from nnx_shard.models._grouped import check_kind
 from nnx_shard.models._hf_config import ACTIVATIONS, hf_config, hf_fields, read_json
 from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._rope import check_tables, checked
-from nnx_shard.models._transformer_config import check_fields, check_kernel_and_remat
 
 __all__ = ["BIG", "LLAMA31_ROPE", "LlamaConfig"]
 

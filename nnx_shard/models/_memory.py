@@ -57,7 +57,7 @@ def _mlp_width(cfg: Any) -> float:
     expert with no capacity, and Qwen3-MoE's ``mlp_only_layers`` stay dense."""
     if not getattr(cfg, "experts", 0):
         return float(cfg.mlp)
-    if hasattr(cfg, "capacity_factor"):
+    if getattr(cfg, "capacity_factor", None) is not None:
         return float(cfg.mlp * cfg.top_k * cfg.capacity_factor)
     moe = sum(cfg.moe_layers())
     return (moe * cfg.expert_mlp * cfg.top_k + (cfg.layers - moe) * cfg.mlp) / cfg.layers

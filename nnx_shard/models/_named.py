@@ -21,16 +21,15 @@ from flax import nnx
 
 from nnx_shard._errors import UsageError, short
 from nnx_shard.models._family import CONFIGS as FAMILY_CONFIGS
+from nnx_shard.models._family.reference import TransformerConfig
 from nnx_shard.models._llama import Llama, LlamaConfig
-from nnx_shard.models._transformer import Transformer
-from nnx_shard.models._transformer_config import TRANSFORMER_CONFIGS, TransformerConfig
 
 __all__ = ["CONFIGS", "build", "get_config", "max_length"]
 
 #: Every configuration known by name: a :class:`~nnx_shard.models.TransformerConfig` or a
 #: :class:`~nnx_shard.models.LlamaConfig`. The large ones are for planning with
 #: :func:`nnx_shard.abstract_init` (nothing is allocated).
-CONFIGS: dict[str, TransformerConfig | LlamaConfig] = {**TRANSFORMER_CONFIGS, **FAMILY_CONFIGS}
+CONFIGS: dict[str, TransformerConfig | LlamaConfig] = dict(FAMILY_CONFIGS)
 
 
 def get_config(name: str) -> TransformerConfig | LlamaConfig:
@@ -62,17 +61,17 @@ def get_config(name: str) -> TransformerConfig | LlamaConfig:
 
 
 def build(cfg: TransformerConfig | LlamaConfig, rngs: nnx.Rngs) -> Any:
-    """The model of ``cfg``: a :class:`~nnx_shard.models.Llama` for a
-    :class:`~nnx_shard.models.LlamaConfig`, else a :class:`~nnx_shard.models.Transformer`.
+    """The model of ``cfg``: the shared decoder, :class:`~nnx_shard.models.Llama`, of
+    any family (the reference model's :class:`~nnx_shard.models.TransformerConfig`
+    too).
 
     >>> type(nnx.eval_shape(lambda: build(get_config("qwen3-0.6b"), nnx.Rngs(0)))).__name__
     'Llama'
     """
-    if isinstance(cfg, LlamaConfig):
-        return Llama(cfg, rngs=rngs)
-    return Transformer(cfg, rngs=rngs)
+    return Llama(cfg, rngs=rngs)
 
 
 def max_length(cfg: TransformerConfig | LlamaConfig) -> int:
-    """The longest sequence ``cfg`` takes (``length``, or Llama's ``max_length``)."""
-    return int(cfg.max_length if isinstance(cfg, LlamaConfig) else cfg.length)
+    """The longest sequence ``cfg`` takes (``max_length``; the reference model's
+    ``length``)."""
+    return int(cfg.max_length)

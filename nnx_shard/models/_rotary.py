@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_shard.models import _rope as rope
+from nnx_shard.models._layout import GATHERED, seq_names
 from nnx_shard.models._llama_config import LlamaConfig
 from nnx_shard.models._ops import constrain
-from nnx_shard.models._transformer import GATHERED, seq_names
 
 __all__ = ["own_local_rotation", "rope_frequencies", "rotary_at", "rotary_of", "rotary_tables",
            "rotate", "scaled", "scaled_at", "times"]

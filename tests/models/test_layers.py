@@ -14,7 +14,7 @@ from flax import nnx
 
 from nnx_shard.models import Llama, Transformer, get_config
 from nnx_shard.models import _llama as llama
-from nnx_shard.models import _transformer as transformer
+from nnx_shard.models import _llama_layers as layers
 from nnx_shard.models._layers import RMSNorm
 
 TRANSFORMER_BLOCK = ["attn/k", "attn/o", "attn/q", "attn/v", "attn_norm/scale", "mlp/down",
@@ -39,7 +39,7 @@ def test_both_models_build_every_norm_from_the_one_rmsnorm() -> None:
              q.blocks[0].attn_norm, q.blocks[1].mlp_norm, q.blocks[0].attn.q_norm,
              q.blocks[0].attn.k_norm]
     assert [type(n) for n in norms] == [RMSNorm] * len(norms)
-    assert transformer.RMSNorm is RMSNorm and llama.RMSNorm is RMSNorm
+    assert layers.RMSNorm is RMSNorm and llama.RMSNorm is RMSNorm
 
 
 def test_parameter_paths_are_those_checkpoints_and_mappings_address() -> None:

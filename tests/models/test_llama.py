@@ -153,7 +153,7 @@ def test_attention_kernel_config() -> None:
         shapes.append((q.shape, k.shape, v.shape, kw["implementation"]))
         return ns.models.attention(q, k, v, **kw)
 
-    import nnx_shard.models._llama as llama_module
+    import nnx_shard.models._llama_layers as llama_module
 
     model = _model(cfg)
     with pytest.MonkeyPatch.context() as mp:

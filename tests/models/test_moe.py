@@ -232,7 +232,8 @@ def test_loss_with_aux_matches_transformers(family: str) -> None:
 def test_greedy_tokens_match_transformers(family: str) -> None:
     exp = _expected(family)
     model = _loaded(family, "one")
-    out = ns.inference.generate(model, jnp.asarray(exp["prompt"]), max_new_tokens=6)
+    out = ns.inference.generate(model, jnp.asarray(exp["prompt"]),
+                                ns.inference.GenerationConfig(max_new_tokens=6))
     np.testing.assert_array_equal(np.asarray(out)[:, -6:], exp["greedy"])
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard.hf import load_pretrained
-from nnx_shard.inference import generate
+from nnx_shard.inference import GenerationConfig, generate
 from nnx_shard.models import Llama, LlamaConfig
 from nnx_shard.models import _rope as rope
 from tests._close import assert_close
@@ -104,7 +104,8 @@ def test_greedy_generation_matches_transformers(kind: str) -> None:
     want = _expected(kind)
     prompt, generated, margins = want["prompt"], want["generated"], want["margins"]
     mesh, rules = _mesh_rules()
-    got = np.asarray(generate(_loaded(kind), prompt, generated.shape[1], mesh=mesh,
+    got = np.asarray(generate(_loaded(kind), prompt,
+                              GenerationConfig(max_new_tokens=generated.shape[1]), mesh=mesh,
                               rules=rules))[:, prompt.shape[1]:]
     for row in range(generated.shape[0]):
         differ = np.flatnonzero(got[row] != generated[row])

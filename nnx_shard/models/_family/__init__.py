@@ -1,4 +1,5 @@
-"""One module per model family of :class:`~nnx_shard.models.Llama`: each registers its
+"""One module per model family of :class:`~nnx_shard.models.Llama` (the Hugging Face
+families and the reference model, :mod:`.reference`): each registers its
 :class:`~nnx_shard.models._families.Family` record (architecture, Hugging Face names,
 block, what its decoder has, the config fields it allows) and holds its named
 configurations. Importing this package registers every family.
@@ -25,15 +26,15 @@ from nnx_shard.models._family import (
     qwen2,
     qwen3,
     qwen3_moe,
+    reference,
 )
 
 __all__ = ["CONFIGS"]
 
-#: The named configurations of every family (:data:`nnx_shard.models.CONFIGS` adds
-#: the reference transformer's).
+#: The named configurations of every family, the reference model's first.
 CONFIGS: dict[str, Any] = {
     name: cfg
-    for module in (llama, qwen3, qwen2, mistral, gemma, olmo2, gemma2, gemma3, phi3, mixtral,
+    for module in (reference, llama, qwen3, qwen2, mistral, gemma, olmo2, gemma2, gemma3, phi3, mixtral,
                    qwen3_moe)
     for name, cfg in module.CONFIGS.items()
 }

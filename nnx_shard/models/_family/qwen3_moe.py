@@ -23,10 +23,10 @@ from nnx_shard.models._families import (
     register,
 )
 from nnx_shard.models._family import qwen2
+from nnx_shard.models._fields import check_fields
 from nnx_shard.models._hf_config import FIX_VALUE, count_key, flag_key
 from nnx_shard.models._llama import LlamaBlock, LlamaMoEBlock
 from nnx_shard.models._llama_config import BIG, LlamaConfig
-from nnx_shard.models._transformer_config import check_fields
 
 __all__ = ["CONFIGS", "FAMILY", "QWEN3_MOE_MAPPING", "Qwen3MoeConfig"]
 
