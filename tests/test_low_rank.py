@@ -471,14 +471,15 @@ def test_adapter_dropout_draws_in_training_and_is_off_in_eval():
 
 @pytest.mark.slow
 def test_generation_and_decoding_apply_no_adapter_dropout():
-    from nnx_shard.inference import generate
+    from nnx_shard.inference import GenerationConfig, generate
     from nnx_shard.models import Transformer
 
     model = _dropout_llama(0.5)
     prompt = np.asarray(_tokens(2)["inputs"][:, :6])
-    dropped = np.asarray(generate(model, prompt, 8))
+    eight = GenerationConfig(max_new_tokens=8)
+    dropped = np.asarray(generate(model, prompt, eight))
     model.eval()
-    np.testing.assert_array_equal(dropped, np.asarray(generate(model, prompt, 8)))
+    np.testing.assert_array_equal(dropped, np.asarray(generate(model, prompt, eight)))
     # The reference Transformer's decoding too: attention, MLP and the head.
     tiny = dataclasses.replace(get_config("tiny"), tie_embeddings=False)
 
