@@ -392,6 +392,7 @@ def test_check_tokens_refuses_shapes_that_are_not(args, match):
         check_tokens(*args)
 
 
+@pytest.mark.slow
 @needs_devices(8)
 def test_a_users_own_ring_is_the_projection_async_tp_asks_for():
     mesh = ns.make_mesh("data=2,model=4")
