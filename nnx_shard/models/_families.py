@@ -55,9 +55,10 @@ LLAMA_MAPPING: dict[str, MappingValue] = {
     r"model\.norm\.weight": "final_norm/scale",
     _HEAD: ("unembed", "transpose"),
 }
-# One tied table per table, made once: callers may compare tables by identity. Each entry
-# keeps its table alive, so that its id is never another table's.
-_TIED: dict[int, tuple[dict[str, MappingValue], dict[str, MappingValue]]] = {}
+# One tied table per table, made once: callers may compare tables by identity. Pairs found
+# by identity (`is`), never by `id()`: the few tables are compared one by one, and each pair
+# holds its table, so a freed table's address can never name another's tied one.
+_TIED: list[tuple[dict[str, MappingValue], dict[str, MappingValue]]] = []
 
 
 def tied(mapping: dict[str, MappingValue]) -> dict[str, MappingValue]:
@@ -67,10 +68,11 @@ def tied(mapping: dict[str, MappingValue]) -> dict[str, MappingValue]:
     >>> tied(LLAMA_MAPPING) is LLAMA_TIED_MAPPING, tied(LLAMA_MAPPING)[r"lm_head\\.weight"]
     (True, None)
     """
-    entry = _TIED.get(id(mapping))
-    if entry is None:
-        entry = _TIED[id(mapping)] = (mapping, {**mapping, _HEAD: None})
-    return entry[1]
+    for table, tied_table in _TIED:
+        if table is mapping:
+            return tied_table
+    _TIED.append((mapping, {**mapping, _HEAD: None}))
+    return _TIED[-1][1]
 
 
 #: :data:`LLAMA_MAPPING` for tied embeddings.
