@@ -353,7 +353,7 @@ def lm_problem(strategy_name: str, n_devices: int, quick: bool, k: int, batch: i
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.models import Decoder, get_config
 
     strategy = ns.strategies.get(strategy_name)
     mesh = ns.make_mesh({"data": n_devices})
@@ -365,7 +365,7 @@ def lm_problem(strategy_name: str, n_devices: int, quick: bool, k: int, batch: i
                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
 
     def make() -> tuple[Any, Any]:
-        model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+        model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
         return model, ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
 
     return LMProblem(strategy, mesh, cfg, arrays, window, make)

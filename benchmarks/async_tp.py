@@ -50,7 +50,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard._report import fmt_bytes
-from nnx_shard.models import Transformer, get_config
+from nnx_shard.models import Decoder, get_config
 from nnx_shard.planner import compiled_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async_tp.json"
@@ -70,7 +70,7 @@ def prepare(label: str) -> Setup:
     rules = s.rules if ring is None else s.rules.with_options(collective_matmul=ring)
     cfg = get_config("small")
     mesh = ns.make_mesh(MESH)
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, s)
     row: dict = {"variant": label, "strategy": preset, "mesh": dict(mesh.shape),
                  "collective_matmul": rules.options.get("collective_matmul")}

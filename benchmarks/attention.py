@@ -2,7 +2,7 @@
 
 The ``small`` transformer (embed 128, 4 heads of 32, mlp 512, vocab 512) with
 2 scanned layers, ``--batch`` sequences of ``length`` tokens, on one device, with
-``TransformerConfig(attention=kernel)``. The step is
+``ReferenceConfig(attention=kernel)``. The step is
 ``jax.value_and_grad(lm_loss)`` over the parameters.
 
 * bytes: ``compile().memory_analysis()`` of the step (nothing is run): ``temp``
@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 from nnx_shard.models._memory import activation_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention.json"
@@ -53,7 +53,7 @@ RULES = ns.strategies.get("dp").rules
 def build(length: int, kernel: str, batch: int, dtype):
     cfg = dataclasses.replace(get_config("small"), length=length, layers=2, scan_layers=True,
                               attention=kernel, dtype=dtype)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (batch, length + 1))
     data = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
@@ -104,7 +104,7 @@ def main() -> None:
     for length in speed_lengths:
         for kernel in kernels:
             cfg, compiled, data, _ = build(length, kernel, args.batch, dtype)
-            state = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))
+            state = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)))
             loss, _ = jax.block_until_ready(compiled(state, data))  # warm up
             speed_rows.append({"length": length, "kernel": kernel, "loss": float(loss)})
             runs.append((compiled, state, data))

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "context.json"
 
@@ -50,7 +50,7 @@ def build(length: int, c: int, mode: str):
                               attention="dense")
     mesh = ns.make_mesh({"data": 1, "context": c}, devices=jax.devices()[:c])
     rules = ns.strategies.get("cp").rules.with_options(attention=mode)
-    model = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+    model = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, rules)
     graphdef, state = nnx.split(model)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (1, length + 1)).astype(np.int32)
     host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -67,7 +67,7 @@ def build(length: int, c: int, mode: str):
 
 
 def materialize(cfg, mesh, rules, state):
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, rules)
     return nnx.state(model)
 
 

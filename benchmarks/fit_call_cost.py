@@ -3,7 +3,7 @@
 ``benchmarks/fit_speed.py`` times the whole loop; this times the compiled calls
 alone, on data already on the devices (one call, then block), so the host's
 work is out of the figure and what is left is what each call computes. The
-``small`` reference Transformer (batch 8 x 128, Adam), K=10 steps per call, on
+``small`` reference model (batch 8 x 128, Adam), K=10 steps per call, on
 1 device and on 8 simulated CPU devices under ``dp`` (state replicated) and
 ``fsdp`` (state sharded 1/8), each setting in a subprocess of its own; five
 compiled calls in interleaved rounds:

@@ -9,7 +9,7 @@ device count in its own subprocess (``XLA_FLAGS`` must be set before jax loads):
   price the host work of each call (fit's own overhead, nowhere to hide);
 * ``mlp_k1``, ``mlp_k10``, ``mlp``: MLP 32-128-128-8, batch 64, MSE, K=1, 10
   and 100 steps per call;
-* ``lm``: the reference Transformer ``small`` (4 layers, embed 128, context
+* ``lm``: the reference model ``small`` (4 layers, embed 128, context
   128, vocab 512), batch 8 x 128, K=10 (``tiny`` with ``--quick``).
 
 Ways to run the same steps over the same host arrays:
@@ -132,7 +132,7 @@ def worker(n_devices: int, quick: bool) -> dict:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Transformer, get_config, lm_loss
+    from nnx_shard.models import Decoder, get_config, lm_loss
 
     assert jax.device_count() == n_devices, (jax.device_count(), n_devices)
     strategy = ns.strategies.get("dp")
@@ -177,7 +177,7 @@ def worker(n_devices: int, quick: bool) -> dict:
             loss_fn = lm_loss
 
             def make(cfg=cfg):
-                model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+                model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
                 return model, ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
 
         # What a data loader hands over: one batch per step (here views of the arrays).

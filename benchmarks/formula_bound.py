@@ -4,7 +4,7 @@ The planner (``nnx-shard plan --auto``) skips compiling a layout when the
 formula alone is over ``_formula.PRUNE_MARGIN`` x the memory budget; that is
 safe only while the formula stays near or under XLA's compiled total. For every
 preset x mesh factorisation of 8 simulated CPU devices x remat policy, this
-compiles the fused AdamW train step of a scanned reference Transformer
+compiles the fused AdamW train step of a scanned reference Decoder
 (abstract: nothing allocated; pipeline presets with 2 x stages microbatches)
 and prints formula / compiled per device, sorted, plus the range.
 
@@ -35,7 +35,7 @@ import nnx_shard as ns
 from nnx_shard import strategies
 from nnx_shard._axes import sizes_str
 from nnx_shard._optimizers import get as optimizer
-from nnx_shard.models import Transformer, get_config
+from nnx_shard.models import Decoder, get_config
 from nnx_shard.planner import _compile, _formula
 from nnx_shard.planner._candidates import enumerate_candidates
 
@@ -62,12 +62,12 @@ def main() -> None:
             mb = 2 * sizes["stage"] if "stage" in sizes else 1
             label = f"{name} {sizes_str(sizes)} remat={remat} mb={mb}"
             try:
-                abstract = ns.abstract_init(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)),
+                abstract = ns.abstract_init(lambda cfg=cfg: Decoder(cfg, rngs=nnx.Rngs(0)),
                                             mesh, strat)
                 formula = _formula.formula_bytes(abstract, cfg, strat, sizes, tx,
                                                  args.batch // mb, args.seq, remat)
                 compiled = _compile.compile_step(
-                    lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)), name, sizes,
+                    lambda cfg=cfg: Decoder(cfg, rngs=nnx.Rngs(0)), name, sizes,
                     batch=args.batch, seq=args.seq, microbatches=mb)["total"]
             except Exception as e:  # a layout the model cannot take: said, not counted
                 print(f"{label}: {type(e).__name__}: {' '.join(str(e).split())[:100]}")

@@ -61,7 +61,7 @@ it when the load is low::
 
     .venv/bin/python benchmarks/generate.py --only hf --hf-python /path/to/python
 
-``--quick`` shortens everything (a smoke test of the script; for ``hf``, a Llama
+``--quick`` shortens everything (a smoke test of the script; for ``hf``, a Decoder
 of 140k parameters and 32 new tokens).
 """
 
@@ -144,16 +144,16 @@ def _layout(label: str, strategy: str | None, n: int, new: int, rounds: int,
     from nnx_shard.inference import GenerationConfig, generate
     from nnx_shard.inference import _generation as gen
     from nnx_shard.inference import _sampling as sampling
-    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.models import Decoder, get_config
 
     cfg = dataclasses.replace(get_config("small"), length=PROMPT + NEW)
     mesh = rules = None
     if strategy is None:
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
     else:
         s = ns.strategies.get(strategy)
         mesh, rules = s.make_mesh(n), s.rules
-        model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
+        model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
 
     counter = _Compiles()
     logger = logging.getLogger("jax")
@@ -223,10 +223,10 @@ def _stream_row(new: int, rounds: int) -> dict:
     from flax import nnx
 
     from nnx_shard.inference import GenerationConfig, generate, stream
-    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.models import Decoder, get_config
 
     cfg = dataclasses.replace(get_config("small"), length=STREAM_PROMPT + new)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     prompt = np.random.default_rng(0).integers(0, 512, (BATCH, STREAM_PROMPT)).astype(np.int32)
     config = GenerationConfig(max_new_tokens=new)
     whole = np.asarray(generate(model, prompt, config))

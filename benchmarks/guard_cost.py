@@ -86,7 +86,7 @@ def memory_worker(n_devices: int, quick: bool) -> dict:
 
     import nnx_shard as ns
     from nnx_shard._optimizers import get as optimizer
-    from nnx_shard.models import CONFIGS, Llama, lm_loss
+    from nnx_shard.models import CONFIGS, Decoder, lm_loss
     from nnx_shard.planner._compile import compile_fit
     from nnx_shard.planner._formula import abstract_report, formula
 
@@ -95,7 +95,7 @@ def memory_worker(n_devices: int, quick: bool) -> dict:
     cfg = dataclasses.replace(CONFIGS[name], remat="full", scan_layers=True)
     batch, seq = (8, 16) if quick else (LLAMA_BATCH, LLAMA_SEQ)
     sizes = {"data": n_devices}
-    factory = lambda: Llama(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    factory = lambda: Decoder(cfg, rngs=nnx.Rngs(0))  # noqa: E731
     out: dict = {"model": name, "strategy": "fsdp", "sizes": sizes, "batch": batch, "seq": seq,
                  "remat": "full", "param_dtype": jnp.dtype(cfg.param_dtype).name, "modes": {}}
     for label, mode, gate in MODES:

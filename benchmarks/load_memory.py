@@ -54,12 +54,12 @@ VARIANTS = ("ours", "ours_scanned", "naive")
 
 
 def _config(quick: bool, scan: bool = False):  # type: ignore[no-untyped-def]
-    from nnx_shard.models import LlamaConfig
+    from nnx_shard.models import DecoderConfig
 
     if quick:
-        return LlamaConfig(vocab=8000, embed=512, heads=8, kv_heads=4, head_dim=64, mlp=1408,
+        return DecoderConfig(vocab=8000, embed=512, heads=8, kv_heads=4, head_dim=64, mlp=1408,
                            layers=10, scan_layers=scan)
-    return LlamaConfig(vocab=32000, embed=2048, heads=16, kv_heads=8, head_dim=128, mlp=5632,
+    return DecoderConfig(vocab=32000, embed=2048, heads=16, kv_heads=8, head_dim=128, mlp=5632,
                        layers=10, scan_layers=scan)
 
 
@@ -121,12 +121,12 @@ def _worker(variant: str, path: str, quick: bool) -> dict:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Llama
+    from nnx_shard.models import Decoder
 
     cfg = _config(quick, scan=variant == "ours_scanned")
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(N_DEVICES)
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target)))
     # JAX's own start-up (backend, threads) happens before the measured window.
     jax.block_until_ready(jax.device_put(jax.numpy.ones(8), jax.devices()[0]))
@@ -161,7 +161,7 @@ def _write_checkpoint(path: Path, quick: bool) -> int:
         "from load_memory import _config\n"
         "import nnx_shard as ns\nfrom flax import nnx\nfrom nnx_shard.models import Llama\n"
         "s = ns.strategies.get('fsdp')\n"
-        f"m = ns.sharded_init(lambda: Llama(_config({quick!r}), rngs=nnx.Rngs(0)), s.make_mesh(8), s)\n"
+        f"m = ns.sharded_init(lambda: Decoder(_config({quick!r}), rngs=nnx.Rngs(0)), s.make_mesh(8), s)\n"
         f"ns.hf.save_safetensors({str(path)!r}, m)\n"
     )
     env = {**os.environ, **simulated_cpu(N_DEVICES)}

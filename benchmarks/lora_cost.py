@@ -58,10 +58,10 @@ def abstract(cfg: Any, adapters: bool, real: bool = False) -> Any:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Llama
+    from nnx_shard.models import Decoder
 
     def make() -> Any:
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
         return ns.lora(model, RANK, 2 * RANK, targets=ALL) if adapters else model
 
     return make() if real else nnx.eval_shape(make)
@@ -130,9 +130,9 @@ def decode_cost(cfg: Any, cache: int, adapters: bool, rounds: int = 0) -> dict[s
 
     def make() -> Any:
         import nnx_shard as ns
-        from nnx_shard.models import Llama
+        from nnx_shard.models import Decoder
 
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
         if adapters:
             ns.lora(model, RANK, 2 * RANK, targets=ALL)
         model.init_cache(1, cache)

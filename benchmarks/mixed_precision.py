@@ -51,13 +51,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import nnx_shard as ns
 from nnx_shard.corpus import load_stdlib
-from nnx_shard.models import Llama, LlamaConfig, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 from nnx_shard.planner import compiled_collectives, partitioned_hlo
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mixed_precision.json"
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf_llama"
 MIXED = ns.Precision(params=jnp.float32, compute=jnp.bfloat16)
-BENCH = LlamaConfig(vocab=512, embed=256, heads=8, kv_heads=4, head_dim=32, mlp=1024, layers=4,
+BENCH = DecoderConfig(vocab=512, embed=256, heads=8, kv_heads=4, head_dim=32, mlp=1024, layers=4,
                     max_length=128, scan_layers=True)
 
 
@@ -84,7 +84,7 @@ def build(name: str, batch: int, length: int, k: int, concrete: bool):
     cfg = dataclasses.replace(BENCH, max_length=length, **changes)
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(8)
-    factory = lambda: Llama(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    factory = lambda: Decoder(cfg, rngs=nnx.Rngs(0))  # noqa: E731
     model = ns.sharded_init(factory, mesh, s) if concrete else ns.abstract_init(factory, mesh, s)
     opt = ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, s)
     trainer = ns.Trainer(model, opt, loss, mesh=mesh, rules=s.rules, steps_per_call=k,
@@ -148,17 +148,17 @@ def fine_tune(steps: int) -> dict[str, dict[str, float]]:
     out = {}
     for name, dtype, precision in (("float32", jnp.float32, None),
                                    ("bf16 compute", jnp.bfloat16, MIXED)):
-        cfg = dataclasses.replace(LlamaConfig.from_hf(FIXTURE), dtype=dtype)
+        cfg = dataclasses.replace(DecoderConfig.from_hf(FIXTURE), dtype=dtype)
         s = ns.strategies.get("fsdp")
         mesh = s.make_mesh(8)
         model = ns.hf.load_safetensors(FIXTURE, ns.abstract_init(
-            lambda cfg=cfg: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s))
+            lambda cfg=cfg: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s))
         opt = ns.sharded_optimizer(model, optax.adamw(3e-3), mesh, s)
         trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules,
                              steps_per_call=min(50, steps), precision=precision)
         hist = trainer.fit(corpus.batches(batch=16, length=64), num_steps=steps, progress=False)
         # The held-out loss in float32 compute for both (the same yardstick).
-        eval_model = Llama(dataclasses.replace(cfg, dtype=jnp.float32), rngs=nnx.Rngs(0))
+        eval_model = Decoder(dataclasses.replace(cfg, dtype=jnp.float32), rngs=nnx.Rngs(0))
         nnx.update(eval_model, jax.device_get(nnx.state(model)))
         graphdef = nnx.graphdef(eval_model)
         ev = jax.jit(lambda s, b, g=graphdef: lm_loss(nnx.merge(g, s), b))

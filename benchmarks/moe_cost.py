@@ -52,13 +52,13 @@ def configs() -> tuple[Any, Any]:
     """The MoE config and the dense config of its active width."""
     import jax.numpy as jnp
 
-    from nnx_shard.models import LlamaConfig
+    from nnx_shard.models import DecoderConfig
 
     shared = dict(embed=1024, heads=8, kv_heads=2, head_dim=128, layers=2, vocab=4096,
                   dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    moe = LlamaConfig(**shared, mlp=3584, experts=8, top_k=2, model_type="mixtral",
+    moe = DecoderConfig(**shared, mlp=3584, experts=8, top_k=2, model_type="mixtral",
                       expert_matmul="tiles")
-    dense = LlamaConfig(**shared, mlp=2 * 3584)
+    dense = DecoderConfig(**shared, mlp=2 * 3584)
     return moe, dense
 
 
@@ -70,11 +70,11 @@ def step_flops(cfg: Any, tokens: int, rounds: int = 0) -> dict[str, Any]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from nnx_shard.models import Llama, lm_loss
+    from nnx_shard.models import Decoder, lm_loss
     from nnx_shard.models._grouped import resolve, unrolled
 
     def make() -> Any:
-        return Llama(cfg, rngs=nnx.Rngs(0))
+        return Decoder(cfg, rngs=nnx.Rngs(0))
 
     model = make() if rounds else nnx.eval_shape(make)
     graphdef, params = nnx.split(model, nnx.Param)

@@ -1,6 +1,6 @@
 """Pipeline parallelism: speed, memory and bubble of GPipe and the circular schedule.
 
-The reference Transformer (``tiny`` widths, 8 stacked layers, ``scan_layers=True``)
+The reference model (``tiny`` widths, 8 stacked layers, ``scan_layers=True``)
 trained with Adam under ``strategies.get("pp", repeats=V)`` on 8 simulated CPU
 devices (``stage=4, data=2``), for M in {S, 2S, 4S, 8S} microbatches, GPipe
 (V = 1) and circular (V = 2). For each, one compiled fused call of ``STEPS``
@@ -55,7 +55,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard import pipeline
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 from nnx_shard.planner import compiled_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
@@ -73,7 +73,7 @@ def build(m: int, v: int, host: dict, remat: bool = False) -> dict:
     cfg = dataclasses.replace(get_config("tiny"), layers=LAYERS, scan_layers=True)
     strategy = ns.strategies.get("pp", repeats=v, remat=remat)
     mesh = ns.make_mesh({"stage": S, "data": DATA})
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
     with ns.use(mesh, strategy.rules):
         batch = ns.shard_batch(host, mesh, strategy.rules, ("batch", "length"), steps=True)

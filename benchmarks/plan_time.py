@@ -20,7 +20,7 @@ that kind (``explore.REMAT_TIME_FLOORS``, ``explore.VARIANT_TIME_FLOOR``), and t
 largest formula / compiled total; it writes ``plan_floors_<case>.json`` with every
 compiled step.
 
-Cases: ``8b`` (Llama-3.1 8B shapes as a TransformerConfig, float32, scanned
+Cases: ``8b`` (Llama-3.1 8B shapes as a ReferenceConfig, float32, scanned
 layers, AdamW, 8 devices, 80 GB, batch 16 x seq 2048), ``70b`` (Llama-3.1 70B
 shapes likewise, 256 devices, 80 GB, torchtitan's global batch 512 x 8192) and
 ``small`` (README's: 8 devices, batch 32 x 128, 48 MiB). Results go to
@@ -59,10 +59,10 @@ CASES = {
 
 
 def _model(case: dict):
-    from nnx_shard.models import TransformerConfig
+    from nnx_shard.models import ReferenceConfig
 
     cfg = case["config"]
-    return cfg if isinstance(cfg, str) else TransformerConfig(**cfg)
+    return cfg if isinstance(cfg, str) else ReferenceConfig(**cfg)
 
 
 def auto_worker(name: str, workers: int | None) -> dict:
@@ -160,13 +160,13 @@ def compile_worker(order: str) -> dict:
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    from nnx_shard.models import Transformer
+    from nnx_shard.models import Decoder
     from nnx_shard.planner import _compile as planner_compile
 
     case = CASES["8b"]
     model = _model(case)
     _, trainer, _ = planner_compile.compile_fit(
-        lambda: Transformer(model, rngs=nnx.Rngs(0)), "fsdp", {"data": 8},
+        lambda: Decoder(model, rngs=nnx.Rngs(0)), "fsdp", {"data": 8},
         batch=case["batch"], seq=4)  # a tiny compile: the imports and warm-up
     batch, seq = case["batch"], case["seq"]
     strat_rules = trainer.rules

@@ -51,7 +51,7 @@ from scipy.stats import spearmanr
 
 import nnx_shard as ns
 from nnx_shard import planner
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 from nnx_shard.planner import _hardware
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner.json"
@@ -64,7 +64,7 @@ def build(c: planner.Candidate, model: str, batch: int, seq: int):
     n = int(np.prod(list(c.mesh.values())))
     mesh = ns.make_mesh(c.mesh, devices=jax.devices()[:n])
     cfg = dataclasses.replace(get_config(model), remat=c.remat or "none")
-    m = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strat)
+    m = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strat)
     opt = ns.sharded_optimizer(m, optax.adamw(1e-3), mesh, strat)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab, (STEPS, batch, seq + 1)).astype(np.int32)

@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Llama, LlamaConfig, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "precision_speed.json"
 K, STEPS, ROUNDS = 5, 10, 3
@@ -44,10 +44,10 @@ def main() -> None:
     args = parse(__doc__)
     if args.quick:
         batch, length = 2, 32
-        cfg = LlamaConfig(vocab=128, scan_layers=True)
+        cfg = DecoderConfig(vocab=128, scan_layers=True)
     else:
         batch, length = 8, 1024
-        cfg = LlamaConfig(vocab=32000, embed=1024, heads=16, kv_heads=8, head_dim=64, mlp=4096,
+        cfg = DecoderConfig(vocab=32000, embed=1024, heads=16, kv_heads=8, head_dim=64, mlp=4096,
                           layers=8, scan_layers=True)
     strategy = ns.strategies.get("dp")
     mesh = strategy.make_mesh(1)
@@ -60,7 +60,7 @@ def main() -> None:
                  ns.Precision(params=jnp.float32, compute=jnp.bfloat16)))
     for label, dtype, precision in variants:
         c = dataclasses.replace(cfg, dtype=dtype)
-        model = ns.sharded_init(lambda c=c: Llama(c, rngs=nnx.Rngs(0)), mesh, strategy)
+        model = ns.sharded_init(lambda c=c: Decoder(c, rngs=nnx.Rngs(0)), mesh, strategy)
         trainer = ns.Trainer(model, ns.sharded_optimizer(model, optax.adamw(1e-4), mesh, strategy), lm_loss,
                              mesh=mesh, rules=strategy.rules, steps_per_call=K,
                              precision=precision)

@@ -9,7 +9,7 @@ prefill's working memory: activations, attention scores, logits), the argument b
 (the parameters, prompt and mask) and the output bytes (the cache and the decode
 loop's carry).
 
-Two attention kernels, the model's ``LlamaConfig(attention=...)``:
+Two attention kernels, the model's ``DecoderConfig(attention=...)``:
 
 * ``dense`` (before): the prompt's queries against the whole cache in one masked
   softmax, float32 scores ``[heads, prompt, prompt + new]``: quadratic;
@@ -66,15 +66,15 @@ def compiled_prefill(prompt_len: int, kernel: str, new: int = NEW, all_logits: b
     from flax import nnx
 
     from nnx_shard.inference import _generation as gen
-    from nnx_shard.models import Llama, get_config
+    from nnx_shard.models import Decoder, get_config
 
-    class AllLogits(Llama):
+    class AllLogits(Decoder):
         def decode(self, tokens, *, attention_mask=None):  # type: ignore[no-untyped-def, override]
             return super().decode(tokens, attention_mask=attention_mask)
 
     cfg = dataclasses.replace(get_config("llama-tiny"), **(MODEL | overrides),  # type: ignore[arg-type]
                               attention=kernel)
-    cls = AllLogits if all_logits else Llama
+    cls = AllLogits if all_logits else Decoder
     model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
     run = gen._prepare(model, np.zeros((1, prompt_len), np.int32), new, gen.Options(), 0,
                        None, None, "prefill_memory")
@@ -152,7 +152,7 @@ def _logits_table(lengths: list[int]) -> list[dict]:
                       _slope(last, i), _mb(every[i]["temp_bytes"]), _slope(every, i),
                       _mb(4 * n * LARGE_VOCAB)])
     print(f"\ngenerate's prefill at vocab {LARGE_VOCAB}, XLA memory_analysis ({machine()}); "
-          f"one-layer Llama, auto kernel, batch 1, {NEW} new tokens")
+          f"one-layer Decoder, auto kernel, batch 1, {NEW} new tokens")
     print_table(["prompt", "temp last", "bytes/token last", "slope last", "temp all",
                  "slope all", "[prompt, vocab] f32"], table)
     return rows
@@ -186,7 +186,7 @@ def _kernels_table(kernels: list[str], lengths: list[int]) -> list[dict]:
         last = by[kernels[-1], n]
         line += [_mb(last["argument_bytes"]), _mb(last["output_bytes"])]
         table.append(line)
-    print(f"\ngenerate's prefill, XLA memory_analysis ({machine()}); one-layer Llama, "
+    print(f"\ngenerate's prefill, XLA memory_analysis ({machine()}); one-layer Decoder, "
           f"batch 1, {NEW} new tokens")
     print_table(columns, table)
     return rows

@@ -126,7 +126,7 @@ def config(model: str, remat: str, attention: str = "auto", layers: int | None =
     """The nnx_shard config of a published model: float32 parameters, bfloat16 compute."""
     import jax.numpy as jnp
 
-    from nnx_shard.models import TransformerConfig, get_config
+    from nnx_shard.models import ReferenceConfig, get_config
 
     mixed = dict(param_dtype=jnp.float32, dtype=jnp.bfloat16, scan_layers=True, remat=remat,
                  attention=attention)
@@ -136,10 +136,10 @@ def config(model: str, remat: str, attention: str = "auto", layers: int | None =
         return dataclasses.replace(get_config(model), **mixed)
     gpt = dict(vocab=51200, length=2048, tie_embeddings=True, **mixed)
     if model == "megatron-1.7b":
-        return TransformerConfig(embed=2304, heads=24, head_dim=96, mlp=4 * 2304, layers=24,
+        return ReferenceConfig(embed=2304, heads=24, head_dim=96, mlp=4 * 2304, layers=24,
                                  **gpt)
     if model == "megatron-7.5b":
-        return TransformerConfig(embed=4096, heads=32, head_dim=128, mlp=4 * 4096, layers=36,
+        return ReferenceConfig(embed=4096, heads=32, head_dim=128, mlp=4 * 4096, layers=36,
                                  **gpt)
     raise ValueError(model)
 

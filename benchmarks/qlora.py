@@ -9,7 +9,7 @@ Two tables:
   ``fsdp`` preset on 8 simulated devices, against the bf16 base;
 * **loss**: the loss after 10 AdamW steps (lr 1e-3) of rank-8 LoRA on all seven
   projections (dropout 0) over a base with a trained model's spread (a 2-layer bf16
-  Llama, embed 256, kernels normal(0, 0.02) with two input channels 8x wider), on
+  Decoder, embed 256, kernels normal(0, 0.02) with two input channels 8x wider), on
   random tokens whose next tokens are drawn from the float base itself; the relative
   gap of each quantized base's final loss to the bf16 base's.
 
@@ -52,12 +52,12 @@ def base_bytes(quantize: str | None, kw: dict[str, Any]) -> int:
 
     import nnx_shard as ns
     from nnx_shard._quantized import QuantizedValue
-    from nnx_shard.models import Llama, get_config
+    from nnx_shard.models import Decoder, get_config
 
     cfg = dataclasses.replace(get_config("llama3-8b"), layers=1, vocab=4096)
     strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
-    model = ns.abstract_init(lambda: ns.lora(Llama(cfg, rngs=nnx.Rngs(0)), 16, 32.0,
+    model = ns.abstract_init(lambda: ns.lora(Decoder(cfg, rngs=nnx.Rngs(0)), 16, 32.0,
                                              targets=ALL, quantize=quantize, **kw),
                              mesh, strategy)
     tokens = jax.ShapeDtypeStruct((8, 128), jnp.int32,
@@ -86,11 +86,11 @@ def realistic_llama() -> Any:
     import numpy as np
     from flax import nnx
 
-    from nnx_shard.models import Llama, get_config
+    from nnx_shard.models import Decoder, get_config
 
     cfg = dataclasses.replace(get_config("llama-tiny"), vocab=256, embed=256, heads=4,
                               kv_heads=4, head_dim=64, mlp=512, param_dtype=jnp.bfloat16)
-    model = Llama(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param) and var.ndim >= 2:

@@ -1,6 +1,6 @@
-"""Memory, compile time and speed of the reference Transformer's remat policies.
+"""Memory, compile time and speed of the reference model's remat policies.
 
-For each ``TransformerConfig.remat`` policy (``none``, ``full``, ``dots``, and
+For each ``ReferenceConfig.remat`` policy (``none``, ``full``, ``dots``, and
 ``offload`` where the backend has pinned host memory), the ``small`` model with
 ``scan_layers=True`` and ``length=256``, batch 16 x 256, one device: a
 ``jax.jit`` of ``jax.value_and_grad(lm_loss)`` on the split state is lowered and
@@ -35,7 +35,7 @@ import numpy as np
 from _common import machine, print_table, time_compiled, write_json
 from flax import nnx
 
-from nnx_shard.models import REMAT_POLICIES, Transformer, get_config, lm_loss, remat_policy
+from nnx_shard.models import REMAT_POLICIES, Decoder, get_config, lm_loss, remat_policy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "remat.json"
 
@@ -56,7 +56,7 @@ def supported() -> list[str]:
 def build(remat: str, scan_layers: bool, batch: int, length: int):
     cfg = dataclasses.replace(get_config("small"), length=length, scan_layers=scan_layers,
                               remat=remat)
-    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (batch, length)),
                          jnp.int32)
     data = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}

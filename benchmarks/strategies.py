@@ -56,7 +56,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard._report import fmt_bytes
-from nnx_shard.models import Transformer, get_config
+from nnx_shard.models import Decoder, get_config
 from nnx_shard.planner import compiled_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results" / "strategies.json"
@@ -74,7 +74,7 @@ def prepare(name: str) -> Setup:
     cfg = config_for(name)
     mesh = s.make_mesh(8, axis_types="explicit")  # where the README figures were taken
     tx = optax.adamw(1e-3)
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, tx, mesh, s)
     report = ns.explain(model, mesh, s, tx)
     row: dict = {

@@ -440,8 +440,8 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     >>> from flax import nnx
     >>> import optax
     >>> from nnx_shard import lora
-    >>> from nnx_shard.models import Llama, get_config
-    >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     >>> _ = lora(model, rank=4, alpha=8.0, targets=r"attn/(q|v)$")
     >>> model.blocks[0].attn.lora_q.lora_a.get_metadata("out_sharding")
     ('embed', None)

@@ -98,7 +98,7 @@ def stage_report(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     Args:
       carry: the activations entering the stack for the whole batch (arrays or
         ``jax.ShapeDtypeStruct``), e.g. ``[batch, length, embed]`` for the
-        reference Transformer.
+        reference Decoder.
       microbatches: M.
 
     >>> import dataclasses
@@ -107,9 +107,9 @@ def stage_report(model: Any, mesh: Any, strategy: Any, optimizer: Any = None, *,
     >>> from nnx_shard.pipeline import stage_report
     >>> import jax.numpy as jnp, optax
     >>> import nnx_shard as ns
-    >>> from nnx_shard.models import Transformer, get_config
+    >>> from nnx_shard.models import Decoder, get_config
     >>> cfg = dataclasses.replace(get_config("tiny"), layers=8, scan_layers=True)
-    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     >>> x = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
     >>> r = stage_report(model, "stage=4,data=2", ns.strategies.get("pp"), optax.adam(1e-3),
     ...                  carry=x, microbatches=8)

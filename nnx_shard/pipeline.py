@@ -1,7 +1,7 @@
 """Pipeline parallelism: a stack of layers split over a ``stage`` mesh axis.
 
 A model whose repeated blocks are stacked under a leading layer axis (the
-reference :class:`~nnx_shard.models.Transformer` with ``scan_layers=True``, or
+reference :class:`~nnx_shard.models.Decoder` with ``scan_layers=True``, or
 any ``nnx.vmap``-stacked module created with
 ``transform_metadata={nnx.PARTITION_NAME: "layers"}``) runs its layer loop
 through :func:`scan`. With no pipeline option active, :func:`scan` is

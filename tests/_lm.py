@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, lm_loss
+from nnx_shard.models import Decoder, lm_loss
 from tests._close import assert_close
 
 
@@ -45,7 +45,7 @@ class Run:
 
 
 def lm_run(strategy, mesh, cfg, batches: dict[str, np.ndarray], lr: float,
-           microbatches: int = 1, model_class: Any = Transformer) -> Run:
+           microbatches: int = 1, model_class: Any = Decoder) -> Run:
     """The reference transformer ``cfg`` (or ``model_class(cfg)``) initialised by
     ``strategy`` on ``mesh``, then trained with Adam over the host ``batches``
     (``[K, batch, length]``) in one fused call, whose compilation is the one
@@ -83,7 +83,7 @@ def assert_same_values(run: Run, ref: Run, rtol: float, rtol_params: float) -> N
 
 def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
                      steps: int = 2, config: str = "tiny") -> jax.stages.Lowered:
-    """The bare fused call of the Transformer of ``config`` (``steps`` steps of
+    """The bare fused call of the reference model of ``config`` (``steps`` steps of
     ``lm_loss`` and AdamW; no NaN guard, no gradient norm), lowered from abstract
     inputs: the program ``Trainer.fit``'s call is compared with."""
     import jax.numpy as jnp
@@ -94,7 +94,7 @@ def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
 
     strat = ns.strategies.get(strategy)
     mesh = ns.make_mesh(sizes)
-    model = ns.abstract_init(lambda: Transformer(get_config(config), rngs=nnx.Rngs(0)), mesh, strat)
+    model = ns.abstract_init(lambda: Decoder(get_config(config), rngs=nnx.Rngs(0)), mesh, strat)
     opt = ns.sharded_optimizer(model, optimizer("adamw"), mesh, strat)
     spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh)
     tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,

@@ -132,13 +132,13 @@ def die_request(request: dict) -> dict:
 
 def load_refusal(folder: Any, cfg: Any) -> str:
     """The text of the UsageError ``load_safetensors`` raises filling a dp-sharded
-    ``Llama(cfg)`` on ``data=8`` from ``folder`` (fails the test if it loads)."""
+    ``Decoder(cfg)`` on ``data=8`` from ``folder`` (fails the test if it loads)."""
     import pytest
 
     from nnx_shard._errors import UsageError
-    from nnx_shard.models import Llama
+    from nnx_shard.models import Decoder
 
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "data=8",
                               ns.strategies.get("dp").rules)
     with pytest.raises(UsageError) as info:
         ns.hf.load_safetensors(folder, target)

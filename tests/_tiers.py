@@ -8,7 +8,7 @@ SLOW_EXAMPLES = frozenset({
     "nnx_shard.collective_matmul.matmul_reduce_scatter",
     "nnx_shard.inference.generate",
     "nnx_shard.inference.generate_text",
-    "nnx_shard.models.Llama.decode",
+    "nnx_shard.models.Decoder.decode",
     "nnx_shard.tp_layers",
 })
 

@@ -1,7 +1,7 @@
 """Models written the way users outside nnx_shard write them, shared by the tests of a
 user's own model under every preset:
 
-* ``Llama``: a grouped-query Llama (RoPE from per-call ``positions``, SwiGLU), its
+* ``Decoder``: a grouped-query Llama (RoPE from per-call ``positions``, SwiGLU), its
   metadata in its own names ``('fsdp', 'tp')`` (``nnx.with_partitioning``), a plain
   mutable ``@dataclass`` config stored on every module (unhashable), its blocks in a
   Python list (``nnx.List``), an embedding lookup written ``table[(tokens,)]``, the
@@ -148,7 +148,7 @@ class Embedder(nnx.Module):
         return self.input_embedding[(tokens,)]
 
 
-class Llama(nnx.Module):
+class Decoder(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedder = Embedder(cfg, rngs)
@@ -165,9 +165,9 @@ class Llama(nnx.Module):
         return self.lm_head(self.final_norm(x))
 
 
-def small_llama() -> Llama:
+def small_llama() -> Decoder:
     """A factory for ``nnx-shard explain tests._user_models:small_llama``."""
-    return Llama(Config(layers=2), rngs=nnx.Rngs(0))
+    return Decoder(Config(layers=2), rngs=nnx.Rngs(0))
 
 
 # --------------------------------------------------------------------------- stock MHA

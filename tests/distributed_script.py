@@ -38,9 +38,9 @@ def factory() -> Any:
     """The tiny reference transformer."""
     from flax import nnx
 
-    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.models import Decoder, get_config
 
-    return lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    return lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
 
 
 def loss(model: Any, batch: dict[str, Any]) -> Any:

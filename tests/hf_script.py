@@ -27,7 +27,7 @@ def load() -> tuple[object, object, object, dict[str, int]]:
 
     import nnx_shard as ns
     from nnx_shard import _safetensors_io as safetensors_io
-    from nnx_shard.models import Llama, LlamaConfig
+    from nnx_shard.models import Decoder, DecoderConfig
 
     counted = {"bytes": 0}
     read = safetensors_io.read_slice
@@ -40,8 +40,8 @@ def load() -> tuple[object, object, object, dict[str, int]]:
     safetensors_io.read_slice = counting
     s = ns.strategies.get("fsdp")
     mesh = s.make_mesh(8)
-    cfg = LlamaConfig.from_hf(FIXTURE, scan_layers=True)
-    model = ns.hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+    cfg = DecoderConfig.from_hf(FIXTURE, scan_layers=True)
+    model = ns.hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
                                                           mesh, s))
     safetensors_io.read_slice = read
     return model, mesh, s, counted

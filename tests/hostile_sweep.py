@@ -807,8 +807,8 @@ def _build_cases() -> None:
         ("dtype_bogus", {"dtype": "float99"}, "dtype"),
         ("scan_layers_str", {"scan_layers": "yes"}, "scan_layers"),
     ]:
-        api(f"TransformerConfig/{label}", arg,
-            lambda kw=kw: mdl().TransformerConfig(**kw))
+        api(f"ReferenceConfig/{label}", arg,
+            lambda kw=kw: mdl().ReferenceConfig(**kw))
     for label, kw, arg in [
         ("heads_zero", {"heads": 0}, "heads"), ("kv_heads_zero", {"kv_heads": 0}, "kv_heads"),
         ("kv_not_dividing", {"heads": 4, "kv_heads": 3}, "kv_heads"),
@@ -818,14 +818,14 @@ def _build_cases() -> None:
         ("norm_eps_neg", {"norm_eps": -1.0}, "norm_eps"),
         ("head_dim_float", {"head_dim": 8.5}, "head_dim"),
     ]:
-        api(f"LlamaConfig/{label}", arg, lambda kw=kw: mdl().LlamaConfig(**kw))
+        api(f"DecoderConfig/{label}", arg, lambda kw=kw: mdl().DecoderConfig(**kw))
     for label, fn, arg in [
         ("get_config_unknown", lambda: mdl().get_config("huge"), "huge"),
         ("get_config_int", lambda: mdl().get_config(5), ("name", "config")),
         ("get_llama_config_unknown", lambda: mdl().get_config("huge"), "huge"),
         ("remat_policy_unknown", lambda: mdl().remat_policy("bogus"), "bogus"),
-        ("transformer_cfg_int", lambda: mdl().Transformer(5, rngs=_rngs()), ("cfg", "config")),
-        ("llama_cfg_str", lambda: mdl().Llama("tiny", rngs=_rngs()), ("cfg", "config")),
+        ("transformer_cfg_int", lambda: mdl().Decoder(5, rngs=_rngs()), ("cfg", "config")),
+        ("llama_cfg_str", lambda: mdl().Decoder("tiny", rngs=_rngs()), ("cfg", "config")),
         ("lm_loss_batch_int", lambda: mdl().lm_loss(_tiny_lm(), 5), "batch"),
         ("lm_loss_batch_missing_key", lambda: mdl().lm_loss(_tiny_lm(), {"x": 1}), "batch"),
         ("attention_rank", lambda: mdl().attention(jnp().ones((2, 4)), jnp().ones((2, 4)),
@@ -1294,13 +1294,13 @@ def _rngs() -> Any:
 def _tiny_lm() -> Any:
     import nnx_shard as ns
 
-    return ns.models.Transformer(ns.models.TransformerConfig(), rngs=_rngs())
+    return ns.models.Decoder(ns.models.ReferenceConfig(), rngs=_rngs())
 
 
 def _tiny_llama() -> Any:
     import nnx_shard as ns
 
-    return ns.models.Llama(ns.models.LlamaConfig(), rngs=_rngs())
+    return ns.models.Decoder(ns.models.DecoderConfig(), rngs=_rngs())
 
 
 def _hf_file() -> str:
@@ -1330,8 +1330,8 @@ def _stage_report(m: Any, carry: Any = None, strategy: Any = "pp") -> Any:
 
     import nnx_shard as ns
 
-    cfg = ns.models.TransformerConfig(layers=4, scan_layers=True)
-    model = nnx.eval_shape(lambda: ns.models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    cfg = ns.models.ReferenceConfig(layers=4, scan_layers=True)
+    model = nnx.eval_shape(lambda: ns.models.Decoder(cfg, rngs=nnx.Rngs(0)))
     if carry is None:
         carry = jax.ShapeDtypeStruct((8, 16, cfg.embed), jnp.float32)
     strat = ns.strategies.get(strategy) if strategy == "pp" else strategy

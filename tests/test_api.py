@@ -24,9 +24,8 @@ EXPECTED = {
 
 #: Each public module other than the package itself, with its ``__all__``.
 MODULES = {
-    "nnx_shard.models": {"CONFIGS", "Llama", "LlamaConfig", "Qwen3MoeConfig", "REMAT_POLICIES",
-                         "Transformer",
-                         "TransformerConfig", "attention", "attention_fn", "get_config",
+    "nnx_shard.models": {"CONFIGS", "Decoder", "DecoderConfig", "Qwen3MoeConfig", "REMAT_POLICIES",
+                         "ReferenceConfig", "attention", "attention_fn", "get_config",
                          "lm_loss", "remat_policy", "resize_token_embeddings"},
     "nnx_shard.inference": {"CACHE_AXES", "GenerationConfig", "Tokenizer", "explain_cache",
                             "generate", "generate_text", "generation_rules", "stream",

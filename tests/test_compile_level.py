@@ -32,12 +32,12 @@ def figures() -> dict[str, Any]:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Transformer, lm_loss
+    from nnx_shard.models import Decoder, lm_loss
 
     mesh = ns.make_mesh({"data": 4, "model": 2})
     strategy = ns.strategies.get("fsdp_tp")
     cfg = ns.models.get_config("tiny")
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
 
     @nnx.jit

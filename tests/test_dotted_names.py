@@ -170,10 +170,10 @@ def test_every_dotted_name_resolves() -> None:
 
 
 def test_the_collector_reads_roles_calls_and_punctuation(tmp_path: Path) -> None:
-    text = ("See :func:`~nnx_shard.models.Llama`, `ns.Rules(...).explain` and\n"
+    text = ("See :func:`~nnx_shard.models.Decoder`, `ns.Rules(...).explain` and\n"
             "nnx_shard.hf.load_pretrained(). Also self.ns.nope and tests/ns.nope.")
     assert list(_in_text(text, "page.md")) == [
-        Found("nnx_shard.models.Llama", "page.md:1"), Found("ns.Rules", "page.md:1"),
+        Found("nnx_shard.models.Decoder", "page.md:1"), Found("ns.Rules", "page.md:1"),
         Found("nnx_shard.hf.load_pretrained", "page.md:2")]
     module = tmp_path / "m.py"
     module.write_text('"""Doc.\n\n:func:`nnx_shard.nope`\n"""\nx = ("a " "ns.hf.nope "\n'
@@ -184,10 +184,10 @@ def test_the_collector_reads_roles_calls_and_punctuation(tmp_path: Path) -> None
 
 
 def test_resolve_names_the_closest_name_and_where_a_name_moved() -> None:
-    assert resolve("ns.models.Llama") is None
+    assert resolve("ns.models.Decoder") is None
     assert resolve("nnx_shard.models._families.Family") is None  # private modules resolve
-    assert resolve("nnx_shard.models.LlamaConfig.tie_embeddings") is None  # a field
+    assert resolve("nnx_shard.models.DecoderConfig.tie_embeddings") is None  # a field
     assert resolve("ns.models.Lama") == (
-        "nnx_shard.models has no 'Lama'; closest: nnx_shard.models.Llama")
+        "nnx_shard.models has no 'Lama'; closest: nnx_shard.models.Decoder")
     moved = resolve("nnx_shard.models.generate")
     assert moved is not None and "nnx_shard.inference" in moved, moved

@@ -17,15 +17,15 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard._low_rank import Adapter, adapters
-from nnx_shard.models import Llama, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 from tests import _user_models as um
 from tests._close import assert_close
 from tests._shared import device_bytes, host, host_copy
 from tests.conftest import needs_devices
 
 
-def _llama(scan: bool = False) -> Llama:
-    return Llama(dataclasses.replace(get_config("llama-tiny"), scan_layers=scan),
+def _llama(scan: bool = False) -> Decoder:
+    return Decoder(dataclasses.replace(get_config("llama-tiny"), scan_layers=scan),
                  rngs=nnx.Rngs(0))
 
 
@@ -181,9 +181,9 @@ def test_lora_twice_and_merge_without_adapters():
 
 
 def test_reference_transformer_adapts_and_merges():
-    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.models import Decoder, get_config
 
-    model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     ns.lora(model, 2, 4.0, targets=r"attn/(q|k|v|o)$|mlp/(up|down)$")
     nodes = adapters(model)
     assert len(nodes) == 6 * get_config("tiny").layers
@@ -194,7 +194,7 @@ def test_reference_transformer_adapts_and_merges():
     ns.merge_lora(model)
     np.testing.assert_allclose(model(tokens), adapted, rtol=1e-4, atol=1e-4)
     with pytest.raises(ns.ShardingError, match="not a 2-D-like projection"):
-        ns.lora(Transformer(get_config("tiny_moe"), rngs=nnx.Rngs(0)), 2, 4.0,
+        ns.lora(Decoder(get_config("tiny_moe"), rngs=nnx.Rngs(0)), 2, 4.0,
                 targets=r"experts?/(up|down)$|moe/(up|down)$|mlp/(up|down)$")
 
 
@@ -253,7 +253,7 @@ def _user_lora(stacked: bool = False) -> nnx.Module:
     """The user Llama of tests/_user_models.py with rank-2 adapters on q, v and down,
     both factors drawn per layer from the adapter's path (B non-zero, so the first step
     moves both), the same numbers whether its blocks are a list or stacked."""
-    model = um.Llama(LORA_CFG, rngs=nnx.Rngs(0))
+    model = um.Decoder(LORA_CFG, rngs=nnx.Rngs(0))
     if stacked:  # adapters go on the stacked kernels, their leading axis the layer's
         model = ns.pipeline.stack(model, "layers")
     ns.lora(model, 2, 4.0, targets=LORA_TARGETS)
@@ -336,10 +336,10 @@ def test_lora_trains_like_one_device_under_the_presets_it_meets(preset):
 
 def _step_cost(cfg: Any, adapters: bool) -> tuple[float, float]:
     """XLA's flops and temporary bytes of one compiled SGD step (abstract: nothing
-    allocated) of every Param of ``cfg``'s Llama, or of rank-16 adapters on its seven
+    allocated) of every Param of ``cfg``'s Decoder, or of rank-16 adapters on its seven
     projections alone."""
     def make():
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
         return ns.lora(model, 16, 32.0, targets=r"attn/(q|k|v|o)$|mlp/(gate|up|down)$") \
             if adapters else model
 
@@ -374,7 +374,7 @@ def test_adapter_only_step_costs_less_than_full_fine_tuning():
 
 def _every_stock_kernel_adapted() -> nnx.Module:
     """The user Llama with rank-2 adapters on every stock layer (B non-zero)."""
-    model = um.Llama(LORA_CFG, rngs=nnx.Rngs(0))
+    model = um.Decoder(LORA_CFG, rngs=nnx.Rngs(0))
     ns.lora(model, 2, 4.0, targets=r"kernel$")
     for path, node in adapters(model).items():
         node.lora_a.set_value(_factor(path + "/a", 0, node.lora_a.shape))
@@ -421,7 +421,7 @@ def test_adapted_stock_layers_still_run_as_rings_under_async_tp():
 def test_intercept_puts_the_projection_op_under_the_adapter():
     with nnx.use_eager_sharding(False):
         model = ns.tp_layers.intercept(_user_lora())
-        fresh = ns.tp_layers.intercept(um.Llama(LORA_CFG, rngs=nnx.Rngs(0)))
+        fresh = ns.tp_layers.intercept(um.Decoder(LORA_CFG, rngs=nnx.Rngs(0)))
     node = model.layers[0].attn.q_proj.dot_general
     assert isinstance(node, Adapter) and isinstance(node.inner, ns.tp_layers.ProjectionOp)
     assert node.inner.kind == "dot_general"
@@ -440,7 +440,7 @@ def test_intercept_puts_the_projection_op_under_the_adapter():
 DROP_TARGETS = r"attn/(q|v|o)$|mlp/(up|down)$"
 
 
-def _dropout_llama(p: float) -> Llama:
+def _dropout_llama(p: float) -> Decoder:
     """The tiny Llama with adapters of dropout ``p`` on q, v, o, up and down, whose
     factors are drawn from their paths (B non-zero), whatever ``p``."""
     model = ns.lora(_llama(), 4, 8.0, targets=DROP_TARGETS, dropout=p)
@@ -472,7 +472,7 @@ def test_adapter_dropout_draws_in_training_and_is_off_in_eval():
 @pytest.mark.slow
 def test_generation_and_decoding_apply_no_adapter_dropout():
     from nnx_shard.inference import GenerationConfig, generate
-    from nnx_shard.models import Transformer
+    from nnx_shard.models import Decoder
 
     model = _dropout_llama(0.5)
     prompt = np.asarray(_tokens(2)["inputs"][:, :6])
@@ -480,15 +480,15 @@ def test_generation_and_decoding_apply_no_adapter_dropout():
     dropped = np.asarray(generate(model, prompt, eight))
     model.eval()
     np.testing.assert_array_equal(dropped, np.asarray(generate(model, prompt, eight)))
-    # The reference Transformer's decoding too: attention, MLP and the head.
+    # The reference model's decoding too: attention, MLP and the head.
     tiny = dataclasses.replace(get_config("tiny"), tie_embeddings=False)
 
-    def logits(model: Transformer, tokens: jax.Array) -> np.ndarray:
+    def logits(model: Decoder, tokens: jax.Array) -> np.ndarray:
         model.init_cache(batch=tokens.shape[0], length=tokens.shape[1])
         return np.asarray(model.decode(tokens))
 
     targets = r"attn/(q|k|v|o)$|mlp/(up|down)$|unembed$"
-    trained = ns.lora(Transformer(tiny, rngs=nnx.Rngs(0)), 2, 4.0, targets=targets,
+    trained = ns.lora(Decoder(tiny, rngs=nnx.Rngs(0)), 2, 4.0, targets=targets,
                       dropout=0.5)
     for path, node in adapters(trained).items():
         node.lora_b.set_value(_factor(path, 0, node.lora_b.shape))

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 from nnx_shard.planner import compiled_collectives
 from tests.conftest import needs_devices
 
@@ -141,7 +141,7 @@ def _compile(name: str) -> Compiled:
     s = ns.strategies.get(name)
     cfg = _config(name)
     mesh = s.make_mesh(8)
-    model = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, s)
     spec = s.rules.spec((None, "batch", "length"), shape=(STEPS, BATCH, cfg.length), mesh=mesh)
     tokens = jax.ShapeDtypeStruct((STEPS, BATCH, cfg.length), jnp.int32,
@@ -246,7 +246,7 @@ def test_a_whole_gather_is_seen() -> None:
     # model along heads), asked for replicated on fsdp_tp's mesh.
     s = ns.strategies.get("fsdp_tp")
     mesh = s.make_mesh(8)
-    model = ns.abstract_init(lambda: Transformer(_config("fsdp_tp"), rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.abstract_init(lambda: Decoder(_config("fsdp_tp"), rngs=nnx.Rngs(0)), mesh, s)
     params = nnx.state(model, nnx.Param)
     path = ("blocks", 0, "attn", "o")
     o = dict(nnx.to_flat_state(params))[path].get_value()

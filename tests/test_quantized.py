@@ -18,7 +18,7 @@ import nnx_shard as ns
 import nnx_shard._quantized as quantized
 from nnx_shard._low_rank import adapters
 from nnx_shard._quantized import QuantizedKernel, QuantizedValue, QuantSpec, quantize_kernel
-from nnx_shard.models import Llama, LlamaConfig, get_config, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, get_config, lm_loss
 from tests._shared import load_file
 
 ALL = r"attn/(q|k|v|o)$|mlp/(gate|up|down)$"
@@ -31,8 +31,8 @@ NF4_LEVELS = np.array([-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.
 WIDE = dict(vocab=64, embed=512, heads=4, kv_heads=4, head_dim=64, mlp=512)
 
 
-def _llama(scan: bool = False, **kw) -> Llama:
-    return Llama(dataclasses.replace(get_config("llama-tiny"), scan_layers=scan, **kw),
+def _llama(scan: bool = False, **kw) -> Decoder:
+    return Decoder(dataclasses.replace(get_config("llama-tiny"), scan_layers=scan, **kw),
                  rngs=nnx.Rngs(0))
 
 
@@ -295,8 +295,8 @@ def test_qlora_nf4_loss_follows_the_bf16_base():
 
 
 def _fixture_model(strategy, mesh, quantize, **kw):
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    cfg = DecoderConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     model = ns.hf.load_safetensors(FIXTURES / "hf_llama", target)
     ns.lora(model, 4, 8.0, targets=PEFT_TARGETS, quantize=quantize, **kw)
     return ns.hf.load_lora(FIXTURES / "peft_llama", model)

@@ -15,7 +15,7 @@ One module-scoped run per strategy (init, one compilation, K fused steps) feeds
 all three. Then (slow) the other representative models, each under the presets that
 meet its own layers, trained against a plain one-device loop:
 
-* :class:`nnx_shard.models.Llama` (grouped-query attention, RoPE, stacked layers) under
+* :class:`nnx_shard.models.Decoder` (grouped-query attention, RoPE, stacked layers) under
   pp_tp;
 * a user's own model (tests/_user_models.py: a GQA Llama with its own metadata names, a
   list of blocks and an unhashable config; its Qwen3-MoE-style variant; stock
@@ -42,7 +42,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Llama, Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 from nnx_shard.planner import compiled_collectives
 from nnx_shard.planner._costs import KINDS as COLLECTIVE_KINDS
 from tests import _stock_models as sm
@@ -273,7 +273,7 @@ def test_trainer_with_strategy_matches_one_device() -> None:
     s = ns.strategies.get("fsdp_tp")
     mesh = s.make_mesh(8)
     cfg = _config("fsdp_tp")
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, optax.adam(LR), mesh, s)
     trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, steps_per_call=K,
                          batch_names=("batch", "length"))
@@ -304,12 +304,12 @@ def test_auto_mesh_gives_same_values(name) -> None:
     assert "all-to-all" in {c.kind for c in compiled_collectives(r.hlo, r.mesh)}
 
 
-# --------------------------------------------------------------------------- Llama
+# --------------------------------------------------------------------------- Decoder
 
 
 @pytest.mark.slow
 def test_llama_trains_like_one_device_under_pp_tp() -> None:
-    # The library's own Llama, its 4 stacked layers two per stage, the heads and MLP split
+    # The library's own Decoder, its 4 stacked layers two per stage, the heads and MLP split
     # over model inside each stage; K fused Adam steps on one batch (the loss must fall).
     # The reference transformer's pipeline runs are in tests/parallel/test_pipeline.py.
     cfg = dataclasses.replace(get_config("qwen3-tiny"), layers=4, scan_layers=True)
@@ -317,9 +317,9 @@ def test_llama_trains_like_one_device_under_pp_tp() -> None:
     batches = {k: np.repeat(v, K, axis=0) for k, v in one.items()}
     s = ns.strategies.get("pp_tp")
     mesh = s.make_mesh(8)
-    run = lm_run(s, mesh, cfg, batches, 1e-2, microbatches=4, model_class=Llama)
+    run = lm_run(s, mesh, cfg, batches, 1e-2, microbatches=4, model_class=Decoder)
     ref = lm_run(ns.strategies.get("dp"), ns.make_mesh("data=1", devices=jax.devices()[:1]),
-                 cfg, batches, 1e-2, model_class=Llama)
+                 cfg, batches, 1e-2, model_class=Decoder)
     assert_same_values(run, ref, RTOL, RTOL_PARAMS)
     want = ns.shardings(run.model, mesh, s.rules)
     got = jax.tree.map(lambda x: x.sharding.spec, nnx.state(run.model))
@@ -333,8 +333,8 @@ USER_STEPS, USER_BATCH = 2, 8
 # Four blocks where a pipeline of 4 stages needs them (pp, pp_fsdp), else two: one per stage
 # of pp_tp's 2, and half the compilation of four.
 USER_MODELS = {
-    "llama": (lambda layers: um.Llama(um.Config(layers=layers), rngs=nnx.Rngs(0)), False),
-    "moe": (lambda layers: um.Llama(um.Config(layers=layers, experts=4), rngs=nnx.Rngs(0)),
+    "llama": (lambda layers: um.Decoder(um.Config(layers=layers), rngs=nnx.Rngs(0)), False),
+    "moe": (lambda layers: um.Decoder(um.Config(layers=layers, experts=4), rngs=nnx.Rngs(0)),
             False),
     "mha": (lambda layers: um.mha_lm(um.Config(layers=layers), nnx.Rngs(0)), True),  # masks
 }
@@ -499,7 +499,7 @@ def test_stock_model_trains_like_one_device(name: str, preset: str, tmp_path) ->
 
 
 def _factory(cfg):
-    return lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+    return lambda: Decoder(cfg, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize(

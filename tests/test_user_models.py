@@ -101,7 +101,7 @@ def test_unhashable_static_attribute_trains_like_nnx_jit() -> None:
 def test_duplicate_spec_on_explicit_axes_is_a_sharding_error() -> None:
     s = ns.strategies.get("fsdp").with_rules(um.ALIASES)
     mesh = s.make_mesh(axis_types="explicit")
-    model = ns.sharded_init(lambda: um.Llama(dataclasses.replace(CFG, layers=1),
+    model = ns.sharded_init(lambda: um.Decoder(dataclasses.replace(CFG, layers=1),
                                              rngs=nnx.Rngs(0)), mesh, s)
     trainer = ns.Trainer(model, ns.sharded_optimizer(model, _tx(), mesh, s), um.loss_fn, mesh=mesh,
                          rules=s.rules, steps_per_call=1, batch_names=("batch", "length"))
@@ -150,7 +150,7 @@ def test_with_rules_aliases_update_rules_and_optimizer_rules() -> None:
 def test_missing_rule_names_the_alias_fix(preset: str) -> None:
     s = ns.strategies.get(preset)
     with nnx.use_eager_sharding(False):  # names, no mesh: Flax would place them eagerly
-        model = nnx.eval_shape(lambda: um.Llama(MOE, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: um.Decoder(MOE, rngs=nnx.Rngs(0)))
     with pytest.raises(ns.ShardingError) as info:
         s.check(model, s.mesh_for(8))
     msg = str(info.value)
@@ -184,7 +184,7 @@ def _one_layer_step(name: str, preset: str) -> tuple[float, str, Any]:
     """One fused step of a one-layer user model under ``preset``: the loss, the
     compiled HLO and the mesh."""
     cfg = dataclasses.replace(CFG, layers=1)
-    make = um.mha_lm if name == "mha" else (lambda c, r: um.Llama(c, rngs=r))
+    make = um.mha_lm if name == "mha" else (lambda c, r: um.Decoder(c, rngs=r))
     s = ns.strategies.get(preset).with_rules(um.ALIASES)
     mesh = s.make_mesh()
     model = ns.sharded_init(lambda: make(cfg, nnx.Rngs(0)), mesh, s)
@@ -234,7 +234,7 @@ def test_async_tp_runs_the_stock_layers_as_rings(name: str) -> None:
 def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
     cfg = dataclasses.replace(CFG, layers=1)
     with nnx.use_eager_sharding(False):
-        model = um.Llama(cfg, rngs=nnx.Rngs(0))
+        model = um.Decoder(cfg, rngs=nnx.Rngs(0))
     model.lm_head.dot_general = functools.partial(jax.lax.dot_general)  # a user's own op
     ns.tp_layers.intercept(model)
     block = model.layers[0]
@@ -299,8 +299,8 @@ def test_async_tp_raises_when_the_model_runs_no_collective_matmul() -> None:
 def test_stack_unstack_and_run() -> None:
     cfg = dataclasses.replace(CFG, layers=3)
     with nnx.use_eager_sharding(False):
-        listed = um.Llama(cfg, rngs=nnx.Rngs(0))
-        stacked = ns.pipeline.stack(um.Llama(cfg, rngs=nnx.Rngs(0)), "layers")
+        listed = um.Decoder(cfg, rngs=nnx.Rngs(0))
+        stacked = ns.pipeline.stack(um.Decoder(cfg, rngs=nnx.Rngs(0)), "layers")
     k = stacked.layers.attn.q_proj.kernel
     assert k.shape == (3, 16, 8, 4)
     assert k.get_metadata()["out_sharding"] == ("layers", "fsdp", "tp", None)
@@ -312,7 +312,7 @@ def test_stack_unstack_and_run() -> None:
     back = ns.pipeline.unstack(stacked, "layers")
     assert_close(nnx.state(back), nnx.state(listed), 0, "unstack(stack(model))")
     assert back.layers[2].mlp.gate.kernel.get_metadata()["out_sharding"] == ("fsdp", "tp")
-    with pytest.raises(ns.ShardingError, match=r"Llama.final_norm is RMSNorm, not a non-empty"):
+    with pytest.raises(ns.ShardingError, match=r"Decoder.final_norm is RMSNorm, not a non-empty"):
         ns.pipeline.stack(listed, "final_norm")
 
 
@@ -345,7 +345,7 @@ def test_checkpoints_convert_between_list_and_stacked(tmp_path) -> None:
     fmesh, pmesh = fsdp.make_mesh(), pp.make_mesh()
 
     def make():
-        return um.Llama(CFG, rngs=nnx.Rngs(0))
+        return um.Decoder(CFG, rngs=nnx.Rngs(0))
 
     listed = ns.sharded_init(make, fmesh, fsdp)
     stacked = ns.sharded_init(lambda: ns.pipeline.stack(make(), "layers"), pmesh, pp)

@@ -168,19 +168,19 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
     >>> resolve("flash", None, None, Masks(), context_parallel=False)
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: attention: implementation='flash' is not one of ('auto', 'blockwise', 'dense', 'cudnn'). Fix: pass one of them (TransformerConfig(attention=...) for the reference model); 'auto' picks cudnn on GPUs and blockwise elsewhere.
+    nnx_shard._errors.UsageError: attention: implementation='flash' is not one of ('auto', 'blockwise', 'dense', 'cudnn'). Fix: pass one of them (ReferenceConfig(attention=...) for the reference model); 'auto' picks cudnn on GPUs and blockwise elsewhere.
     """
     if kernel not in KERNELS:
         raise UsageError(
             f"attention: implementation={kernel!r} is not one of {KERNELS}. Fix: pass one of "
-            "them (TransformerConfig(attention=...) for the reference model); 'auto' picks "
+            "them (ReferenceConfig(attention=...) for the reference model); 'auto' picks "
             "cudnn on GPUs and blockwise elsewhere."
         )
     if kernel == "cudnn" and softcap is not None:
         raise UsageError(
             f"attention: implementation='cudnn' cannot soft-cap the attention logits "
             f"(softcap={softcap}): jax.nn.dot_product_attention's fused kernel has no "
-            "soft-capping. Fix: implementation='blockwise' or 'dense' (LlamaConfig(attention="
+            "soft-capping. Fix: implementation='blockwise' or 'dense' (DecoderConfig(attention="
             "...)), or 'auto', which picks blockwise for soft-capped models."
         )
     if kernel == "cudnn" and context_parallel:
@@ -189,7 +189,7 @@ def resolve(kernel: str, q: Any, k: Any, masks: Masks, *, context_parallel: bool
         raise UsageError(
             f"attention: implementation='cudnn' is cuDNN's fused kernel, for NVIDIA GPUs; "
             f"this runs on {_platform()}. Fix: implementation='auto' (cuDNN on GPUs, "
-            "blockwise elsewhere) or 'blockwise' (TransformerConfig(attention=...) for the "
+            "blockwise elsewhere) or 'blockwise' (ReferenceConfig(attention=...) for the "
             "reference models)."
         )
     if kernel != "auto":

@@ -6,7 +6,7 @@ kv_heads, head_dim]``, optional masks and segment ids). Two independent
 choices decide how it runs:
 
 * the **kernel**, the model's choice (the op's ``implementation``,
-  ``TransformerConfig.attention``): how one device computes attention on the
+  ``ReferenceConfig.attention``): how one device computes attention on the
   queries and keys it holds, ``"dense"`` (the plain masked softmax),
   ``"blockwise"`` (memory-efficient, online softmax over blocks, recomputed in
   the backward pass), ``"cudnn"``, or ``"auto"`` (see
@@ -150,7 +150,7 @@ def expect_attention(fn_name: str = "the step") -> Iterator[None]:
             "(the partitioner would gather the whole sequence on every device). Fix: compute "
             "the attention core of the model with nnx_shard.models.attention(q, k, v, "
             "causal=True) (q, k, v: [batch, length, heads, head_dim]), as "
-            "nnx_shard.models.Transformer does; or train with a strategy that does not split "
+            "nnx_shard.models.Decoder does; or train with a strategy that does not split "
             "'length' over a context axis (e.g. 'fsdp')."
         )
 

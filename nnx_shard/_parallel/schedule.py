@@ -26,8 +26,8 @@ OPTION = "pipeline"
 
 NO_STACK_FIX = (
     "Fix: stack the repeated blocks under a leading layer axis and run them through "
-    "nnx_shard.pipeline.scan: TransformerConfig(scan_layers=True) for the reference "
-    "Transformer; for your own list of blocks, ns.pipeline.stack(model, 'layers') in the "
+    "nnx_shard.pipeline.scan: ReferenceConfig(scan_layers=True) for the reference "
+    "model; for your own list of blocks, ns.pipeline.stack(model, 'layers') in the "
     "factory and x = ns.pipeline.run(self.layers, x, ...) in place of the loop; or "
     "nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'}) for your own stack."
 )
@@ -188,9 +188,9 @@ def check_stack(state: Any, sizes: dict[str, int], sched: Schedule) -> None:
     the stages (x repeats) of ``sizes``. :meth:`nnx_shard.strategies.Strategy.check`
     calls it for pipeline strategies.
 
-    >>> from nnx_shard.models import Transformer, get_config
+    >>> from nnx_shard.models import Decoder, get_config
     >>> cfg = get_config("tiny")   # 2 blocks, not stacked
-    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     >>> check_stack(nnx.state(model), {"stage": 2, "data": 4}, Schedule())
     Traceback (most recent call last):
     ...

@@ -104,7 +104,7 @@ class BatchCheck:
     @classmethod
     def of(cls, model: Any) -> BatchCheck:
         """The check for ``model``: its vocabulary and positions when it has a ``cfg``
-        with ``vocab`` (the reference Transformer and Llama), none otherwise."""
+        with ``vocab`` (``Decoder``), none otherwise."""
         vocab = getattr(getattr(model, "cfg", None), "vocab", None)
         if not _whole(vocab):
             return cls()

@@ -92,11 +92,11 @@ class Precision:
       in another dtype (e.g. a named config with ``param_dtype=bfloat16``) would
       train without the master weights asked for;
     * a module that fixes its own compute dtype (a ``dtype`` attribute, as Flax's
-      layers have, or ``cfg.dtype``, as :class:`~nnx_shard.models.Llama` and
-      :class:`~nnx_shard.models.Transformer` have) and holds parameters must name
+      layers have, or ``cfg.dtype``, as :class:`~nnx_shard.models.Decoder` and
+      :class:`~nnx_shard.models.Decoder` have) and holds parameters must name
       ``compute``: one that says float32 would cast the bfloat16 parameters back and
       compute in float32 with rounded weights. Layers with ``dtype=None`` follow
-      their inputs. For the reference models: ``LlamaConfig(..., dtype=jnp.bfloat16,
+      their inputs. For the reference models: ``DecoderConfig(..., dtype=jnp.bfloat16,
       param_dtype=jnp.float32)`` (such a model already casts each parameter where it
       uses it; ``Precision`` then changes nothing but checks).
 
@@ -151,7 +151,7 @@ class Precision:
         ...
         nnx_shard._errors.UsageError: Precision(params=float32, compute=bfloat16): 1 module computes in another dtype than bfloat16 and would cast its parameters back:
         - (the model) (Linear) has dtype=float32
-        Fix: build those modules with dtype=bfloat16 (LlamaConfig / TransformerConfig: dtype=jnp.bfloat16, param_dtype=jnp.float32), or dtype=None to follow the inputs.
+        Fix: build those modules with dtype=bfloat16 (DecoderConfig / ReferenceConfig: dtype=jnp.bfloat16, param_dtype=jnp.float32), or dtype=None to follow the inputs.
         """
         stored: list[str] = []
         modules: list[str] = []
@@ -172,7 +172,7 @@ class Precision:
                 f"{self.params.name}:\n" + "\n".join(f"- {s}" for s in stored[:20])
                 + ("\n- ..." if len(stored) > 20 else "")
                 + f"\nFix: build the model with param_dtype={self.params.name} (e.g. "
-                f"LlamaConfig(..., param_dtype=jnp.{self.params.name})), or give "
+                f"DecoderConfig(..., param_dtype=jnp.{self.params.name})), or give "
                 "Precision(params=...) the dtype the parameters have."
             )
         if modules:
@@ -182,8 +182,8 @@ class Precision:
                 f"dtype than {self.compute.name} and would cast {'their' if n > 1 else 'its'} "
                 "parameters back:\n" + "\n".join(f"- {m}" for m in modules[:20])
                 + ("\n- ..." if n > 20 else "")
-                + f"\nFix: build those modules with dtype={self.compute.name} (LlamaConfig / "
-                f"TransformerConfig: dtype=jnp.{self.compute.name}, "
+                + f"\nFix: build those modules with dtype={self.compute.name} (DecoderConfig / "
+                f"ReferenceConfig: dtype=jnp.{self.compute.name}, "
                 f"param_dtype=jnp.{self.params.name}), or dtype=None to follow the inputs."
             )
 

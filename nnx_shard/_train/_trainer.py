@@ -267,7 +267,7 @@ class Trainer:
         (ignored), ``positions`` from 0, token ids (``input_ids``, ``tokens``;
         ``inputs`` for a model with a vocabulary) from 0, and below the
         vocabulary size and the context of a model with a ``cfg.vocab`` (the
-        reference Transformer and Llama). A bad value is a
+        ``Decoder``). A bad value is a
         :class:`~nnx_shard._errors.UsageError` naming the batch, the field and
         the value.
 

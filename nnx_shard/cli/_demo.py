@@ -102,10 +102,10 @@ def plot_losses(path: str | os.PathLike[str], train: Sequence[tuple[float, float
 
 def _demo_config(args: argparse.Namespace, strategy_name: str) -> Any:
     from nnx_shard.corpus import VOCAB
-    from nnx_shard.models import TransformerConfig
+    from nnx_shard.models import ReferenceConfig
 
     experts = args.experts if args.experts is not None else (4 if strategy_name == "ep" else 0)
-    return TransformerConfig(
+    return ReferenceConfig(
         vocab=VOCAB, length=args.seq, embed=args.embed, heads=args.heads,
         head_dim=args.embed // args.heads, mlp=args.mlp, layers=args.layers, experts=experts,
     )
@@ -270,7 +270,7 @@ def _setup(args: argparse.Namespace) -> _Run:
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Transformer
+    from nnx_shard.models import Decoder
 
     run = _Run(args=args, out=out, outputs=outputs, simulated=simulated,
                t_start=time.perf_counter())
@@ -298,8 +298,8 @@ def _setup(args: argparse.Namespace) -> _Run:
         raise _Usage(str(e)) from None
     _check_size(cfg)
 
-    def factory() -> Transformer:
-        return Transformer(cfg, rngs=nnx.Rngs(args.seed))
+    def factory() -> Decoder:
+        return Decoder(cfg, rngs=nnx.Rngs(args.seed))
 
     run.factory = factory
     # Every layout is checked before training, so a bad flag never costs a run.

@@ -172,7 +172,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
                         "gradients and optimizer state for the adapters only")
     p.add_argument("--lora-targets", default=None,
                    help=r"regex over parameter paths of the adapted kernels (default "
-                        r"'attn/(q|v)$', PEFT's for Llama)")
+                        r"'attn/(q|v)$', PEFT's for Decoder)")
     p.add_argument("--quantize-base", default=None, metavar="{nf4,int4,int8}",
                    help="with --lora-rank, plan QLoRA: the adapted kernels' frozen base stored "
                         "nf4 (QLoRA's 4-bit NormalFloat), int4 or int8 with float32 absmax "
@@ -191,7 +191,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     p.add_argument("--remat", choices=tuple(REMAT_POLICIES), default="none",
-                   help="TransformerConfig.remat policy of the compiled model: none (default), "
+                   help="ReferenceConfig.remat policy of the compiled model: none (default), "
                    "full, dots, offload (saved activations to pinned host memory)")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the blocks as one scanned layer (default: the model's; "

@@ -5,7 +5,7 @@ Which to call:
 
 * :func:`load_pretrained` ``(folder, mesh=, rules=)``: a checkpoint of a family nnx_shard
   knows (its ``config.json`` says which: Llama, Qwen2/3, Mistral, Gemma 1/2/3, OLMo 2,
-  Phi-3). It reads the config, builds the :class:`~nnx_shard.models.Llama` abstractly
+  Phi-3). It reads the config, builds the :class:`~nnx_shard.models.Decoder` abstractly
   and fills it: one call from a folder to a sharded model;
 * :func:`load_safetensors` ``(folder, model)``: a model you built yourself (any
   module, abstract from ``ns.abstract_init``), filled through a mapping table
@@ -61,8 +61,8 @@ head_dim, embed] -> [embed, heads, head_dim]``: q/k/v), ``"heads_in"``
 >>> from flax import nnx
 >>> import nnx_shard as ns
 >>> from nnx_shard.hf import load_safetensors, save_safetensors
->>> from nnx_shard.models import Llama, get_config
->>> factory = lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+>>> from nnx_shard.models import Decoder, get_config
+>>> factory = lambda: Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
 >>> fsdp = ns.strategies.get("fsdp")
 >>> model = ns.sharded_init(factory, "data=8", fsdp)
 >>> out = tempfile.mkdtemp()

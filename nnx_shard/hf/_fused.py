@@ -31,7 +31,7 @@ _LAYER = re.compile(r"(model\.layers\.\d+\.)(.*)")
 
 
 def fusions(cfg: Any) -> list[Fusion]:
-    """The fused tensors of a :class:`~nnx_shard.models.LlamaConfig`'s checkpoints,
+    """The fused tensors of a :class:`~nnx_shard.models.DecoderConfig`'s checkpoints,
     as its family has them (Phi-3's; none for the others: see the module example)."""
     fused = family_of(cfg.model_type).fused
     return [] if fused is None else fused(cfg)
@@ -39,9 +39,9 @@ def fusions(cfg: Any) -> list[Fusion]:
 
 def fusions_for(model: Any) -> list[Fusion]:
     """:func:`fusions` of a built-in model's config (none for other models)."""
-    from nnx_shard.models._llama import Llama
+    from nnx_shard.models._decoder import Decoder
 
-    return fusions(model.cfg) if isinstance(model, Llama) else []
+    return fusions(model.cfg) if isinstance(model, Decoder) else []
 
 
 def split(header: st.Header, found: list[Fusion], where: str) -> st.Header:
@@ -65,7 +65,7 @@ def split(header: st.Header, found: list[Fusion], where: str) -> st.Header:
                 f"{where}: fused tensor {name!r} has shape {list(info.shape)}; the config "
                 f"stacks {' + '.join(map(str, fusion.rows))} = {sum(fusion.rows)} rows "
                 f"({', '.join(p.split('.')[-2] for p in fusion.parts)}). Fix: build the model "
-                "from the checkpoint's own config.json (LlamaConfig.from_hf(path)).")
+                "from the checkpoint's own config.json (DecoderConfig.from_hf(path)).")
         cols = info.shape[1]
         row_bytes = st.DTYPES[info.dtype].itemsize * cols
         start = 0

@@ -101,11 +101,11 @@ def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
     unties the embeddings, as in transformers. ``config`` and ``separate``, where
     given, are the file as already read and :func:`separate_head` as already found."""
     from nnx_shard._trusted_files import folder_roots
+    from nnx_shard.models._decoder import Decoder
+    from nnx_shard.models._decoder_config import differences
     from nnx_shard.models._hf_config import read_json
-    from nnx_shard.models._llama import Llama
-    from nnx_shard.models._llama_config import differences
 
-    if not isinstance(target, Llama):
+    if not isinstance(target, Decoder):
         return
     untied = separate_head(header) if separate is None else separate
     if untied and target.cfg.tie_embeddings and mapping is None:
@@ -134,7 +134,7 @@ def _check_config(path: str | os.PathLike[str], target: Any, header: st.Header,
             f"the target; {len(found)} field{'s differ' if len(found) > 1 else ' differs'}:\n"
             + "\n".join(f"- {d}" for d in found)
             + "\nFix: build the target from the checkpoint's config "
-            "(LlamaConfig.from_hf(path)), or load it with "
+            "(DecoderConfig.from_hf(path)), or load it with "
             "nnx_shard.hf.load_pretrained(path, mesh=..., rules=...).")
 
 
@@ -159,10 +159,10 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
         tensor; the first matching pattern wins. A path with a layer index
         (``blocks/3/attn/q``) also fills layer 3 of a stacked ``blocks/attn/q``.
         Default: :func:`mapping_for` (built in for
-        :class:`~nnx_shard.models.Llama`).
+        :class:`~nnx_shard.models.Decoder`).
 
     When the checkpoint has a ``config.json`` (beside the weights) and ``target``
-    is a built-in :class:`~nnx_shard.models.Llama`, the two configurations must
+    is a built-in :class:`~nnx_shard.models.Decoder`, the two configurations must
     agree on everything that decides the logits (model type, activation, norm,
     sizes, biases, rotary and window settings): same-shaped tensors of another
     family would load into wrong logits without a single shape error.
@@ -194,11 +194,11 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     >>> from flax import nnx
     >>> import nnx_shard as ns
     >>> from nnx_shard.hf import load_safetensors
-    >>> from nnx_shard.models import Llama, LlamaConfig
+    >>> from nnx_shard.models import Decoder, DecoderConfig
     >>> ckpt = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), "qwen3", tokenizer=False)
-    >>> cfg = LlamaConfig.from_hf(ckpt)
+    >>> cfg = DecoderConfig.from_hf(ckpt)
     >>> fsdp_tp = ns.strategies.get("fsdp_tp")
-    >>> target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), fsdp_tp.make_mesh(),
+    >>> target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), fsdp_tp.make_mesh(),
     ...                           fsdp_tp)
     >>> model = load_safetensors(ckpt, target)
     >>> model.blocks[1].mlp.up.get_value().sharding.spec
@@ -206,7 +206,7 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     >>> wrong = dataclasses.replace(cfg, kv_heads=4)   # not the checkpoint's sizes
     >>> dp = ns.strategies.get("dp")
     >>> load_safetensors(ckpt, ns.abstract_init(
-    ...     lambda: Llama(wrong, rngs=nnx.Rngs(0)), dp.make_mesh(), dp))
+    ...     lambda: Decoder(wrong, rngs=nnx.Rngs(0)), dp.make_mesh(), dp))
     Traceback (most recent call last):
     ...
     nnx_shard._errors.UsageError: load_safetensors: the checkpoint's .../config.json describes another model than the target; 1 field differs:
@@ -216,7 +216,7 @@ def load_safetensors(path: str | os.PathLike[str], target: Any,
     if not nnx.graph.is_graph_node(target):
         raise UsageError(f"load_safetensors: target must be an nnx.Module (abstract or concrete) "
                          f"giving the structure and shardings, got {type(target).__name__} "
-                         f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Llama(cfg, "
+                         f"{short(target, 60)}. Fix: e.g. ns.abstract_init(lambda: Decoder(cfg, "
                          "rngs=nnx.Rngs(0)), mesh, rules)")
     with open_checkpoint(path) as raw:
         return load_opened(path, raw, target, mapping)
@@ -235,10 +235,10 @@ def load_opened(path: str | os.PathLike[str], raw: st.Header, target: Any,
     >>> import tempfile
     >>> import nnx_shard as ns
     >>> from flax import nnx
-    >>> from nnx_shard.models import Llama, LlamaConfig
+    >>> from nnx_shard.models import Decoder, DecoderConfig
     >>> ckpt = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False)
     >>> dp = ns.strategies.get("dp")
-    >>> target = ns.abstract_init(lambda: Llama(LlamaConfig.from_hf(ckpt), rngs=nnx.Rngs(0)),
+    >>> target = ns.abstract_init(lambda: Decoder(DecoderConfig.from_hf(ckpt), rngs=nnx.Rngs(0)),
     ...                           dp.make_mesh(), dp)
     >>> with open_checkpoint(ckpt) as header:
     ...     model = load_opened(ckpt, header, target)

@@ -63,7 +63,7 @@ TRANSFORMS: tuple[str, ...] = tuple(TRANSFORM_FNS)
 
 def mapping_for(model: Any) -> dict[str, MappingValue]:
     """The built-in mapping table of ``model`` (concrete or abstract): for a
-    :class:`~nnx_shard.models.Llama`, its family's (by ``cfg.model_type``, e.g.
+    :class:`~nnx_shard.models.Decoder`, its family's (by ``cfg.model_type``, e.g.
     :data:`LLAMA_MAPPING`), the tied one (e.g. :data:`LLAMA_TIED_MAPPING`) for tied
     embeddings.
 
@@ -72,22 +72,22 @@ def mapping_for(model: Any) -> dict[str, MappingValue]:
 
     >>> from flax import nnx
     >>> from nnx_shard.hf import mapping_for
-    >>> from nnx_shard.models import Llama, get_config
-    >>> m = nnx.eval_shape(lambda: Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0)))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> m = nnx.eval_shape(lambda: Decoder(get_config("qwen3-tiny"), rngs=nnx.Rngs(0)))
     >>> None in mapping_for(m).values()     # tied: the file's lm_head.weight is skipped
     True
     >>> mapping_for(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: no built-in safetensors mapping for Linear (built in: nnx_shard.models.Llama). Fix: pass mapping={regex on the Hugging Face name: 'model/path' or ('model/path', transform)}, e.g. {r'dense\\.weight': ('kernel', 'transpose')}.
+    nnx_shard._errors.UsageError: no built-in safetensors mapping for Linear (built in: nnx_shard.models.Decoder). Fix: pass mapping={regex on the Hugging Face name: 'model/path' or ('model/path', transform)}, e.g. {r'dense\\.weight': ('kernel', 'transpose')}.
     """
-    from nnx_shard.models._llama import Llama
+    from nnx_shard.models._decoder import Decoder
 
-    if isinstance(model, Llama) and model.cfg.family.architectures:  # a checkpoint family
+    if isinstance(model, Decoder) and model.cfg.family.architectures:  # a checkpoint family
         return family_of(model.cfg.model_type).table(model.cfg.tie_embeddings)
     raise UsageError(
         f"no built-in safetensors mapping for {type(model).__name__} (built in: "
-        "nnx_shard.models.Llama). Fix: pass mapping={regex on the Hugging Face name: "
+        "nnx_shard.models.Decoder). Fix: pass mapping={regex on the Hugging Face name: "
         "'model/path' or ('model/path', transform)}, e.g. "
         "{r'dense\\.weight': ('kernel', 'transpose')}."
     )
@@ -361,7 +361,7 @@ def _is_float(dtype: Any) -> bool:
 
 
 _FIX_CONFIG = ("Fix: build the model from the checkpoint's own config.json "
-               "(LlamaConfig.from_hf(path)), or correct the mapping")
+               "(DecoderConfig.from_hf(path)), or correct the mapping")
 
 
 def _assign(header: st.Header, key: str, leaves: dict[str, Leaf], rules: Sequence[Rule],

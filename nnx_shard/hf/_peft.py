@@ -301,8 +301,8 @@ def trained_in_full(model: Any) -> dict[str, nnx.LoRAParam[Any]]:
     """The parameters of ``model`` trained in full beside its adapters (PEFT's
     ``modules_to_save``: ``nnx.LoRAParam`` outside any adapter), by path.
 
-    >>> from nnx_shard.models import Llama, get_config
-    >>> trained_in_full(Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> trained_in_full(Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)))
     {}
     """
     sites = {path_str(p) for p, n in nnx.iter_graph(model) if isinstance(n, Adapter)}
@@ -364,12 +364,12 @@ def load_lora(path: str | os.PathLike[str], model: Any, *, rngs: int = 0) -> Any
     >>> from flax import nnx
     >>> from nnx_shard import lora
     >>> from nnx_shard.hf import load_lora, save_lora
-    >>> from nnx_shard.models import Llama, get_config
-    >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     >>> _ = lora(model, 4, 8.0, targets=r"attn/(q|v)$")
     >>> folder = tempfile.mkdtemp()
     >>> save_lora(folder, model)
-    >>> other = load_lora(folder, Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)))
+    >>> other = load_lora(folder, Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)))
     >>> import jax
     >>> jax.tree.structure(nnx.state(other, nnx.LoRAParam)) == jax.tree.structure(
     ...     nnx.state(model, nnx.LoRAParam))
@@ -647,8 +647,8 @@ def save_lora(path: str | os.PathLike[str], model: Any, *,
     >>> from flax import nnx
     >>> from nnx_shard import lora
     >>> from nnx_shard.hf import save_lora
-    >>> from nnx_shard.models import Llama, get_config
-    >>> model = lora(Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), 4, 8.0)
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = lora(Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)), 4, 8.0)
     >>> folder = tempfile.mkdtemp()
     >>> save_lora(folder, model)
     >>> sorted(os.listdir(folder))

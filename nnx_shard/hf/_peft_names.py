@@ -1,5 +1,5 @@
 """The names PEFT gives the modules of a Llama-family model and the kernels of
-:class:`nnx_shard.models.Llama` they stand for, both ways: a projection
+:class:`nnx_shard.models.Decoder` they stand for, both ways: a projection
 (``model.layers.0.self_attn.q_proj`` <-> ``blocks/0/attn/q``), the output layer
 (``lm_head`` <-> ``unembed``), the embedding (``model.embed_tokens`` <->
 ``token_embed``), and Phi-3's fused ``qkv_proj`` / ``gate_up_proj``, whose rows are

@@ -18,10 +18,10 @@ from nnx_shard._init import abstract_init
 from nnx_shard.hf._files import open_checkpoint
 from nnx_shard.hf._load import load_opened, separate_head
 from nnx_shard.hf._source import read_source, remember_source
+from nnx_shard.models._decoder import Decoder
+from nnx_shard.models._decoder_config import DecoderConfig
 from nnx_shard.models._families import family_of, model_types
 from nnx_shard.models._hf_config import read_json
-from nnx_shard.models._llama import Llama
-from nnx_shard.models._llama_config import LlamaConfig
 
 __all__ = ["load_pretrained"]
 
@@ -35,10 +35,10 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     The family comes from ``config.json``'s ``model_type`` through the registry of
     :mod:`nnx_shard.models._families`: ``llama``, ``qwen3``, ``qwen2``, ``mistral``,
     ``gemma``, ``olmo2``, ``gemma2``, ``gemma3_text``, ``phi3``, ``mixtral`` and ``qwen3_moe`` build a
-    :class:`~nnx_shard.models.Llama` from
-    :meth:`LlamaConfig.from_hf <nnx_shard.models.LlamaConfig.from_hf>`. The
+    :class:`~nnx_shard.models.Decoder` from
+    :meth:`DecoderConfig.from_hf <nnx_shard.models.DecoderConfig.from_hf>`. The
     equivalent by hand is ``ns.hf.load_safetensors(path, ns.abstract_init(lambda:
-    Llama(LlamaConfig.from_hf(path), rngs=nnx.Rngs(0)), mesh, rules))``.
+    Decoder(DecoderConfig.from_hf(path), rngs=nnx.Rngs(0)), mesh, rules))``.
 
     Args:
       path: the checkpoint directory.
@@ -60,12 +60,12 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
 
     Traced (``nnx.eval_shape(lambda: load_pretrained(...))``) it gives the abstract
     model: its shapes, dtypes and source, no values. The files are still read then;
-    ``ns.abstract_init(lambda: Llama(LlamaConfig.from_hf(path), rngs=nnx.Rngs(0)), mesh,
+    ``ns.abstract_init(lambda: Decoder(DecoderConfig.from_hf(path), rngs=nnx.Rngs(0)), mesh,
     rules)`` gives the same abstract model without reading a weight.
 
     Raises:
       UsageError: a ``model_type`` no family here reads, or a ``config.json``
-        value :meth:`LlamaConfig.from_hf` refuses; plus what
+        value :meth:`DecoderConfig.from_hf` refuses; plus what
         :func:`nnx_shard.hf.load_safetensors` raises.
       FileNotFoundError: no ``config.json`` at ``path``.
 
@@ -76,7 +76,7 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
     >>> fsdp_tp = ns.strategies.get("fsdp_tp")
     >>> model = load_pretrained(folder, mesh=fsdp_tp.make_mesh(), rules=fsdp_tp.rules)
     >>> type(model).__name__, model.cfg.model_type, model.blocks[0].mlp.up.get_value().sharding.spec
-    ('Llama', 'qwen3', P('data', 'model'))
+    ('Decoder', 'qwen3', P('data', 'model'))
     """
     if isinstance(path, bytes) or not isinstance(path, str | os.PathLike) or not str(path):
         raise UsageError(f"load_pretrained: path must be a checkpoint directory, got "
@@ -98,7 +98,7 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
                          ) from None
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype))
                  if v is not None}
-    cfg = LlamaConfig.from_hf(hf, **overrides)
+    cfg = DecoderConfig.from_hf(hf, **overrides)
     # Each file opened once: the head check and every weight read from one descriptor;
     # config.json and the head check passed down, not read again for the config check.
     with open_checkpoint(folder) as header:
@@ -107,7 +107,7 @@ def load_pretrained(path: str | os.PathLike[str], *, mesh: Mesh | str | Any, rul
             # transformers keeps a separate lm_head.weight of the file (tie_word_embeddings
             # or not) and computes the logits with it: so does the model.
             cfg = dataclasses.replace(cfg, tie_embeddings=False)
-        target = abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+        target = abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, rules)
         model = load_opened(folder, header, target, config=hf, separate=separate)
     # Remembered for save_safetensors: the export then carries the source's config,
     # generation config and tokenizer (nnx_shard.hf._source).

@@ -251,7 +251,7 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     """Writes ``model``'s parameters as a Hugging Face checkpoint in the directory
     ``path``: ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` and
     ``model.safetensors.index.json`` with ``max_shard_bytes``), plus
-    ``config.json`` for a :class:`~nnx_shard.models.Llama` (transformers'
+    ``config.json`` for a :class:`~nnx_shard.models.Decoder` (transformers'
     ``from_pretrained`` reads the directory).
 
     Works from any mesh and any number of processes: parameter by parameter,
@@ -312,8 +312,8 @@ def save_safetensors(path: str | os.PathLike[str], model: Any,
     >>> import jax.numpy as jnp
     >>> import nnx_shard as ns
     >>> from nnx_shard.hf import save_safetensors
-    >>> from nnx_shard.models import Llama, get_config
-    >>> model = ns.sharded_init(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = ns.sharded_init(lambda: Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
     ...                         "data=4,model=2", ns.strategies.get("fsdp_tp"))
     >>> out = tempfile.mkdtemp()
     >>> save_safetensors(out, model, max_shard_bytes=40_000, dtype=jnp.bfloat16)

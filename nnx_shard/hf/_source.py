@@ -135,9 +135,9 @@ def remember_source(model: Any, source: Source | str | os.PathLike[str]) -> Any:
     >>> import tempfile
     >>> from flax import nnx
     >>> import nnx_shard as ns
-    >>> from nnx_shard.models import Llama, LlamaConfig
+    >>> from nnx_shard.models import Decoder, DecoderConfig
     >>> folder = ns.hf.tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False)
-    >>> m = remember_source(Llama(LlamaConfig.from_hf(folder), rngs=nnx.Rngs(0)), folder)
+    >>> m = remember_source(Decoder(DecoderConfig.from_hf(folder), rngs=nnx.Rngs(0)), folder)
     >>> source_of(nnx.clone(m)).config["vocab_size"]
     128
     """
@@ -187,7 +187,7 @@ def _config(model: Any, source: Source, dtype: Any) -> dict[str, Any]:
     if cfg is not None and hasattr(cfg, "to_hf"):
         ours = cfg.to_hf()
         config.update({k: ours[k] for k in _SHAPE_KEYS if k in ours})
-        from nnx_shard.models._llama_config import differences
+        from nnx_shard.models._decoder_config import differences
 
         found = differences(config, cfg)
         if found:
@@ -473,7 +473,7 @@ def export_files(model: Any, source: Any, copy_tokenizer: Any, dtype: Any,
     tensors' dtype (``dtype``, else the source's, else None: each parameter's own).
 
     ``source``: None for the model's remembered one, False for none, or a folder.
-    Without a source, only a :class:`~nnx_shard.models.Llama`'s own ``config.json``.
+    Without a source, only a :class:`~nnx_shard.models.Decoder`'s own ``config.json``.
     ``tokenizer``: a :class:`~nnx_shard.inference.Tokenizer` written in place of the
     source's tokenizer files.
 

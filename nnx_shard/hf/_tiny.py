@@ -17,9 +17,9 @@ from flax import nnx
 from nnx_shard._errors import UsageError, check_path, count, flag, short
 from nnx_shard.hf._export_dir import ExportError
 from nnx_shard.hf._save import save_safetensors
+from nnx_shard.models._decoder import Decoder
+from nnx_shard.models._decoder_config import DecoderConfig
 from nnx_shard.models._families import family_of, model_types
-from nnx_shard.models._llama import Llama
-from nnx_shard.models._llama_config import LlamaConfig
 
 __all__ = ["MAX_PARAMS", "TEXT_EXTRA", "Names", "tiny_checkpoint", "write_tiny"]
 
@@ -175,7 +175,7 @@ def _check_seed(seed: Any, names: Names) -> int:
     return value
 
 
-def _config(family: str, vocab: int, overrides: dict[str, Any], names: Names) -> LlamaConfig:
+def _config(family: str, vocab: int, overrides: dict[str, Any], names: Names) -> DecoderConfig:
     """The tiny configuration of ``family`` with ``overrides``, checked: its type is the
     family's, its weights floats and at most :data:`MAX_PARAMS` of them."""
     who = names.who
@@ -194,7 +194,7 @@ def _config(family: str, vocab: int, overrides: dict[str, Any], names: Names) ->
     def too_big(params: int) -> UsageError:
         changed = ({} if layers is None else {"layers": layers}) | overrides
         given = ", ".join(names.given(k, v) for k, v in changed.items())
-        default = LlamaConfig.from_hf(_hf_config(family, vocab, None)).num_params
+        default = DecoderConfig.from_hf(_hf_config(family, vocab, None)).num_params
         return UsageError(f"{who}: {given} would build a model of {params:,} parameters, more "
                           f"than the {MAX_PARAMS:,} a tiny checkpoint is for (its weights are "
                           "made in memory and written whole; nothing was built). Fix: smaller "
@@ -205,14 +205,14 @@ def _config(family: str, vocab: int, overrides: dict[str, Any], names: Names) ->
         # A config holds tuples of one entry per layer (Gemma's sliding layers): the count
         # is projected from one and two layers before a million-entry one is made.
         try:
-            one, two = (dataclasses.replace(LlamaConfig.from_hf(_hf_config(family, vocab, n)),
+            one, two = (dataclasses.replace(DecoderConfig.from_hf(_hf_config(family, vocab, n)),
                                             **overrides).num_params for n in (1, 2))
         except UsageError:
             pass  # the configuration built below names what is wrong
         else:
             if one + (two - one) * (layers - 1) > MAX_PARAMS:
                 raise too_big(one + (two - one) * (layers - 1))
-    cfg = LlamaConfig.from_hf(_hf_config(family, vocab, layers))
+    cfg = DecoderConfig.from_hf(_hf_config(family, vocab, layers))
     try:
         cfg = dataclasses.replace(cfg, **overrides)
     except UsageError as e:
@@ -270,7 +270,7 @@ def write_tiny(path: Any, family: Any, *, tokenizer: Any, seed: Any,
                     f"({' '.join(str(e).split())[:200]}). Fix: free space there (or set "
                     "TMPDIR to a folder with room); nothing was written to "
                     f"{short(os.fspath(path), 80)}.") from e
-        model = Llama(cfg, rngs=nnx.Rngs(seed))
+        model = Decoder(cfg, rngs=nnx.Rngs(seed))
         save_safetensors(out, model, source=source if tok is not None else False)
     return out
 
@@ -284,7 +284,7 @@ def tiny_checkpoint(path: str | os.PathLike[str], family: str = "llama", *,
     byte-level BPE tokenizer: ``tokenizer.json``, ``tokenizer_config.json`` with a
     ChatML chat template, and ``generation_config.json`` (the ids generation stops at).
     Nothing is downloaded and torch is not needed: the model is a
-    :class:`~nnx_shard.models.Llama` of the family's tiny configuration (2 layers,
+    :class:`~nnx_shard.models.Decoder` of the family's tiny configuration (2 layers,
     embedding 32, 4 query and 2 key/value heads of 8; MoE families 4 experts, top 2),
     written by :func:`save_safetensors`.
 
@@ -299,7 +299,7 @@ def tiny_checkpoint(path: str | os.PathLike[str], family: str = "llama", *,
         ``pip install 'nnx_shard[text]'``); the vocabulary is then the tokenizer's (384).
       seed: the random weights' seed, an int from 0 to 2**63-1 (the same seed writes
         the same weights).
-      **config_overrides: :class:`~nnx_shard.models.LlamaConfig` fields to change, e.g.
+      **config_overrides: :class:`~nnx_shard.models.DecoderConfig` fields to change, e.g.
         ``layers=4`` or ``tie_embeddings=True`` (``model_type`` is ``family``'s; the
         weights' dtypes float32, bfloat16 or float16; at most 100 million parameters
         in all).

@@ -27,7 +27,7 @@ context-parallel ones). A table without them gets them from its own entries
 (:func:`generation_rules`).
 
 Any model that implements two methods can be driven (the reference
-:class:`~nnx_shard.models.Transformer` and :class:`~nnx_shard.models.Llama`
+:class:`~nnx_shard.models.Decoder` and :class:`~nnx_shard.models.Decoder`
 do):
 
 * ``init_cache(batch, length)``: create its ``nnx.Cache`` variables for

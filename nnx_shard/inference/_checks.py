@@ -31,7 +31,7 @@ def check_model(model: Any, caller: str) -> None:
                 if isinstance(model, nnx.Module) else f"{type(model).__name__} {model!r:.60}")
         raise UsageError(
             f"{caller}: model must be an nnx.Module with init_cache(batch, length) and "
-            f"decode(tokens) methods (nnx_shard.models.Transformer and Llama have them), got "
+            f"decode(tokens) methods (nnx_shard.models.Decoder has them), got "
             f"{what}. Fix: implement both (see nnx_shard.inference: a model of stock "
             "nnx.MultiHeadAttention(decode=True) layers needs a few lines)."
         )

@@ -141,8 +141,8 @@ def check_options(model: Any, config: GenerationConfig, *, tokenizer: Any = None
 
     >>> from flax import nnx
     >>> from nnx_shard.inference import GenerationConfig
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=[2, 3])
     >>> options = check_options(model, config)
     >>> options.eos, options.temperature, options.pad

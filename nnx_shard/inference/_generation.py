@@ -229,7 +229,7 @@ def _prepare(model: Any, prompts: Any, max_new_tokens: Any, options: Options, se
     if mask is not None and not masked:
         raise UsageError(f"{caller}: the prompts are padded, but {type(model).__name__}.decode "
                          "takes no attention_mask, so the padding would be attended to. Fix: "
-                         "give decode an attention_mask= (as Transformer and Llama have), or "
+                         "give decode an attention_mask= (as Decoder has), or "
                          "prompts of one length.")
     rows, prompt_len = prompt.shape
     new = check_lengths(model, prompt_len, max_new_tokens, caller)
@@ -415,8 +415,8 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
     >>> from flax import nnx
     >>> import nnx_shard as ns
     >>> from nnx_shard.inference import GenerationConfig, generate
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> six = GenerationConfig(max_new_tokens=6)
     >>> out = generate(model, [[1, 2, 3, 4]], six)
     >>> out.shape, out.dtype, out[0, :4].tolist()
@@ -429,7 +429,7 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
     ((1, 6), True)
     >>> strategy = ns.strategies.get("tp")
     >>> mesh = strategy.make_mesh()                                   # data=2, model=4
-    >>> sharded = ns.sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)),
+    >>> sharded = ns.sharded_init(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)),
     ...                           mesh, strategy)
     >>> with ns.use(mesh, strategy.rules):
     ...     again = generate(sharded, [[1, 2, 3, 4]], six)   # 1 row of 2: padded
@@ -552,8 +552,8 @@ def stream(model: Any, prompts: Any, config: GenerationConfig | None = None, *,
     >>> import numpy as np
     >>> from flax import nnx
     >>> from nnx_shard.inference import GenerationConfig, generate, stream
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> six = GenerationConfig(max_new_tokens=6)
     >>> steps = list(stream(model, [[1, 2, 3, 4]], six, chunk=4))
     >>> len(steps), steps[0].shape
@@ -621,8 +621,8 @@ def explain_cache(model: Any, mesh: Mesh | AbstractMesh | str | Mapping[str, int
     >>> from flax import nnx
     >>> import nnx_shard as ns
     >>> from nnx_shard.inference import explain_cache
-    >>> from nnx_shard.models import Llama, get_config
-    >>> model = nnx.eval_shape(lambda: Llama(get_config("llama3-8b"), rngs=nnx.Rngs(0)))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = nnx.eval_shape(lambda: Decoder(get_config("llama3-8b"), rngs=nnx.Rngs(0)))
     >>> mesh = jax.sharding.AbstractMesh((4, 8), ("data", "model"))
     >>> report = explain_cache(model, mesh, ns.strategies.get("tp").rules, batch=8, length=8192)
     >>> report.total_bytes // 2**20, report.param_bytes_per_device // 2**20   # MiB

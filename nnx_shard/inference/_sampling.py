@@ -23,8 +23,8 @@ def generate(model: Any, prompt: Any, n: int, temperature: float, seed: int) -> 
     :func:`nnx_shard.use` the model runs sharded, the window replicated.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> out = generate(model, [1, 2, 3, 4], n=5, temperature=0.0, seed=0)
     >>> out.shape, bool((out == generate(model, [1, 2, 3, 4], 5, 0.0, 1)).all())
     ((5,), True)
@@ -103,9 +103,9 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
     against and the baseline of ``benchmarks/generate.py``.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
+    >>> from nnx_shard.models import Decoder, get_config
     >>> from nnx_shard.inference import GenerationConfig, generate
-    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> slow = recompute(model, [[1, 2, 3, 4]], max_new_tokens=8)
     >>> bool((slow == generate(model, [[1, 2, 3, 4]], GenerationConfig(max_new_tokens=8))).all())
     True

@@ -11,14 +11,14 @@ send buffer has room for all of its ``tokens x top_k`` slots towards every peer
 (grouped matmuls, :func:`~nnx_shard.models._grouped.grouped_matmul`; the rest of the
 buffer is outside every group, and its tiles are skipped).
 Where the tokens are not split over the expert axes, or no rules are active, the
-layer gathers instead (:class:`nnx_shard.models._moe.LlamaMoE`).
+layer gathers instead (:class:`nnx_shard.models._moe.DecoderMoE`).
 
 >>> import nnx_shard as ns
 >>> from flax import nnx
->>> from nnx_shard.models import LlamaConfig
->>> from nnx_shard.models._moe import LlamaMoE
->>> cfg = LlamaConfig(experts=4, top_k=2, model_type="mixtral")
->>> moe = LlamaMoE(cfg, rngs=nnx.Rngs(0))
+>>> from nnx_shard.models import DecoderConfig
+>>> from nnx_shard.models._moe import DecoderMoE
+>>> cfg = DecoderConfig(experts=4, top_k=2, model_type="mixtral")
+>>> moe = DecoderMoE(cfg, rngs=nnx.Rngs(0))
 >>> with ns.use("data=2,expert=4", ns.strategies.get("ep").rules):
 ...     plan = expert_plan(moe.experts, cfg.expert_mlp, jnp.ones((8, 4, cfg.embed)))
 >>> plan.ep, plan.tokens
@@ -60,7 +60,7 @@ class ExpertPlan(NamedTuple):
 class Routing(NamedTuple):
     """How the layer routes and computes: top-``k`` experts per token, their weights
     renormalised or not, the gated MLP's ``activation`` and compute ``dtype``, and
-    the grouped matmuls' ``matmul`` (``LlamaConfig.expert_matmul``)."""
+    the grouped matmuls' ``matmul`` (``DecoderConfig.expert_matmul``)."""
 
     top_k: int
     renormalise: bool

@@ -1,12 +1,12 @@
-"""The model families :class:`~nnx_shard.models.Llama` serves, by ``config.json``'s
+"""The model families :class:`~nnx_shard.models.Decoder` serves, by ``config.json``'s
 ``model_type``. Each family is one module of :mod:`nnx_shard.models._family` that
 registers one :class:`Family` record: its transformers architecture, its table of
 Hugging Face tensor names and fused tensors, what its decoder is made of (the block
 class, its q/k norm, biases, norms, and the hooks on the embeddings and logits), the
-:class:`~nnx_shard.models.LlamaConfig` fields it has, the ``config.json`` keys it reads
-and its named configurations. The shared decoder (:mod:`nnx_shard.models._llama`), the
+:class:`~nnx_shard.models.DecoderConfig` fields it has, the ``config.json`` keys it reads
+and its named configurations. The shared decoder (:mod:`nnx_shard.models._decoder`), the
 checkpoint readers and writers (:mod:`nnx_shard.hf`) and ``config.json``'s reading
-(:meth:`LlamaConfig.from_hf`) look a family up here; none of them tests which family
+(:meth:`DecoderConfig.from_hf`) look a family up here; none of them tests which family
 it is.
 
 The tables are plain data (regular expressions on the Hugging Face name -> model
@@ -39,7 +39,7 @@ LAYER = r"model\.layers\.(\d+)\."
 _L = LAYER
 _HEAD = r"lm_head\.weight"
 #: Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` names -> paths of
-#: :class:`nnx_shard.models.Llama` (``blocks/<i>/...``: a model with
+#: :class:`nnx_shard.models.Decoder` (``blocks/<i>/...``: a model with
 #: ``scan_layers`` takes layer ``i`` of its stacked ``blocks/...``).
 LLAMA_MAPPING: dict[str, MappingValue] = {
     r"model\.embed_tokens\.weight": "token_embed",
@@ -113,7 +113,7 @@ def _no_keys(cfg: Any, out: dict[str, Any]) -> None:
     """No ``config.json`` keys beyond the shared ones."""
 
 
-#: The :class:`~nnx_shard.models.LlamaConfig` fields only some families have, with the
+#: The :class:`~nnx_shard.models.DecoderConfig` fields only some families have, with the
 #: value that means "not there"; a family lists the ones it has in ``Family.fields``.
 OPTIONAL_FIELDS: dict[str, Any] = {
     "attention_bias": False, "mlp_bias": False, "sliding_window": None,
@@ -128,17 +128,17 @@ MOE_FIELDS = ("experts", "top_k", "router_aux_loss_coef", "output_router_logits"
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family of :class:`~nnx_shard.models.Llama`: what its module registers.
+    """One model family of :class:`~nnx_shard.models.Decoder`: what its module registers.
 
     Attributes:
       model_type: ``config.json``'s ``model_type``.
-      architectures: what :meth:`LlamaConfig.to_hf` writes as ``architectures``.
+      architectures: what :meth:`DecoderConfig.to_hf` writes as ``architectures``.
       mapping: its table of Hugging Face names (:func:`tied` derives the tied one).
       fused: the checkpoint tensors that stack several parameters, of a config
         (``None``: none).
       named_configs: the names in :data:`nnx_shard.models.CONFIGS` of this family.
       block: the block class of its dense layers (pre-norm
-        :class:`~nnx_shard.models._llama.LlamaBlock`, or a post-norm or sandwich
+        :class:`~nnx_shard.models._decoder.DecoderBlock`, or a post-norm or sandwich
         variant); ``moe_block`` the one of its mixture-of-experts layers.
       qk_norm: ``None``, ``"head"`` (an RMSNorm of each query and key head, Qwen3) or
         ``"all"`` (one over all heads' features, OLMo 2), before the rotation.
@@ -155,9 +155,9 @@ class Family:
       read: ``(config.json dict, where, shared fields) -> fields``: the family's own
         fields, each checked (its window, soft-caps, ...).
       write: ``(cfg, config.json dict) -> None``: adds the family's own keys to what
-        :meth:`LlamaConfig.to_hf` writes.
+        :meth:`DecoderConfig.to_hf` writes.
       hf_flags: the true / false keys of its ``config.json`` read into the
-        :class:`LlamaConfig` field of the same name and written back
+        :class:`DecoderConfig` field of the same name and written back
         (``attention_bias``, ``mlp_bias``).
       tied_default: ``tie_word_embeddings`` when the file leaves it out.
       tiny: the ``config.json`` keys a tiny checkpoint of the family sets beyond the
@@ -167,9 +167,9 @@ class Family:
         defaults for them (``num_local_experts`` or ``num_experts``,
         ``num_experts_per_tok``, ...); empty for a dense family.
       config: the family's config class when it has fields of its own (a frozen
-        dataclass subclassing :class:`~nnx_shard.models.LlamaConfig` in the family's
-        module, e.g. Qwen3-MoE's expert width); ``None``: ``LlamaConfig`` itself.
-        ``LlamaConfig(model_type=...)`` builds it.
+        dataclass subclassing :class:`~nnx_shard.models.DecoderConfig` in the family's
+        module, e.g. Qwen3-MoE's expert width); ``None``: ``DecoderConfig`` itself.
+        ``DecoderConfig(model_type=...)`` builds it.
       gated_mlp: its MLPs (dense and experts) are gated, ``down(act(gate(x)) * up(x))``;
         ``False``: ``down(act(up(x)))`` (the reference model's).
       learned_positions: a learned position table (``pos_embed [max_length, embed]``)

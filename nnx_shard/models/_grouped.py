@@ -48,7 +48,7 @@ from nnx_shard._errors import UsageError, short
 __all__ = ["EXPERT_MATMULS", "check_kind", "check_shapes", "grouped_matmul", "resolve",
            "tile_rows", "unrolled"]
 
-#: The values of ``LlamaConfig.expert_matmul``.
+#: The values of ``DecoderConfig.expert_matmul``.
 EXPERT_MATMULS = ("auto", "tiles", "ragged_dot")
 
 _UNROLL: contextvars.ContextVar[bool] = contextvars.ContextVar("nnx_shard_unroll_tiles",
@@ -77,12 +77,12 @@ def unrolled() -> Iterator[None]:
 
 def check_kind(kind: object, where: str = "") -> None:
     """Refuses a value that is not one of :data:`EXPERT_MATMULS` (``where`` prefixes the
-    name, e.g. ``"LlamaConfig."``).
+    name, e.g. ``"DecoderConfig."``).
 
-    >>> check_kind("dense", "LlamaConfig.")
+    >>> check_kind("dense", "DecoderConfig.")
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: LlamaConfig.expert_matmul='dense'; valid: 'auto', 'tiles', 'ragged_dot'. Fix: e.g. expert_matmul='auto'.
+    nnx_shard._errors.UsageError: DecoderConfig.expert_matmul='dense'; valid: 'auto', 'tiles', 'ragged_dot'. Fix: e.g. expert_matmul='auto'.
     """
     if kind not in EXPERT_MATMULS:
         raise UsageError(f"{where}expert_matmul={short(kind, 40)}; valid: "

@@ -2,8 +2,8 @@
 types, activations and architectures it names, each value checked as transformers'
 config classes check it (sizes, flags, finite numbers, sliding windows, the rotary
 base and scaling), and the file written back from a
-:class:`~nnx_shard.models.LlamaConfig` (its :meth:`~nnx_shard.models.LlamaConfig.from_hf`
-and :meth:`~nnx_shard.models.LlamaConfig.to_hf`)."""
+:class:`~nnx_shard.models.DecoderConfig` (its :meth:`~nnx_shard.models.DecoderConfig.from_hf`
+and :meth:`~nnx_shard.models.DecoderConfig.to_hf`)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def read_json(config: Any, *, roots: Sequence[str] | None = None) -> tuple[dict[
     if isinstance(config, Mapping):
         return dict(config), "config.json"
     if isinstance(config, bytes) or not isinstance(config, str | os.PathLike) or not str(config):
-        raise UsageError(f"LlamaConfig.from_hf: config must be a dict, a config.json path or "
+        raise UsageError(f"DecoderConfig.from_hf: config must be a dict, a config.json path or "
                          f"the directory holding it, got {type(config).__name__} "
-                         f"{short(config, 60)}. Fix: e.g. LlamaConfig.from_hf('checkpoints/llama')")
+                         f"{short(config, 60)}. Fix: e.g. DecoderConfig.from_hf('checkpoints/llama')")
     path = os.fspath(config)
     if os.path.isdir(path):
         roots = folder_roots(path) if roots is None else roots
@@ -66,7 +66,7 @@ def read_json(config: Any, *, roots: Sequence[str] | None = None) -> tuple[dict[
         roots = folder_roots(os.path.dirname(os.path.realpath(path)))
 
     def check() -> None:
-        check_path(path, "LlamaConfig.from_hf", want="file", expected="a config.json file",
+        check_path(path, "DecoderConfig.from_hf", want="file", expected="a config.json file",
                    fix="pass the checkpoint directory, its config.json, or the dict.")
 
     check()
@@ -235,9 +235,9 @@ def hf_scaling(scaling: Any) -> dict[str, Any] | None:
 
 
 def hf_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The :class:`~nnx_shard.models.LlamaConfig` fields of the transformers
+    """The :class:`~nnx_shard.models.DecoderConfig` fields of the transformers
     ``config.json`` ``hf`` (``where``: how messages name it), each value checked as
-    transformers checks it (see :meth:`LlamaConfig.from_hf`)."""
+    transformers checks it (see :meth:`DecoderConfig.from_hf`)."""
     kind = hf.get("model_type")
     try:
         family = family_of(kind)
@@ -312,8 +312,8 @@ def moe_fields(hf: Mapping[str, Any], moe: Mapping[str, Any], mlp: int, where: s
 
 
 def hf_config(cfg: Any) -> dict[str, Any]:
-    """The transformers ``config.json`` of the :class:`~nnx_shard.models.LlamaConfig`
-    ``cfg`` (see :meth:`LlamaConfig.to_hf`)."""
+    """The transformers ``config.json`` of the :class:`~nnx_shard.models.DecoderConfig`
+    ``cfg`` (see :meth:`DecoderConfig.to_hf`)."""
     dtype = {v: k for k, v in DTYPES.items()}.get(cfg.param_dtype, "float32")
     family = family_of(cfg.model_type)
     out: dict[str, Any] = {

@@ -239,7 +239,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, index: jax.Array,
     if kernel not in KERNELS:
         raise UsageError(
             f"attend: kernel={kernel!r} is not one of {KERNELS}. Fix: pass one of them "
-            "(the model's attention kernel, e.g. LlamaConfig(attention=...)).")
+            "(the model's attention kernel, e.g. DecoderConfig(attention=...)).")
     if q.shape[1] > 1 and kernel != "dense":
         out = _prefill(q, keys, values, index, valid, window, softcap, kernel, block)
         if out is not None:
@@ -358,8 +358,8 @@ def decode_layers(blocks: Any, stacked: bool, x: jax.Array,
 
 
 # --------------------------------------------------------------------------- shared by the models
-# Transformer and Llama keep their caches the same way; their attention differs only in
-# how it computes q, k and v.
+# Every family keeps its cache the same way; their attention differs only in how it
+# computes q, k and v.
 
 
 def init_attention(attn: Any, batch: int, length: int, layers: int | None = None) -> None:
@@ -369,8 +369,8 @@ def init_attention(attn: Any, batch: int, length: int, layers: int | None = None
     its ``kv_heads`` only, never the repeated ones.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> attn = Transformer(get_config("tiny"), rngs=nnx.Rngs(0)).blocks[0].attn
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> attn = Decoder(get_config("tiny"), rngs=nnx.Rngs(0)).blocks[0].attn
     >>> init_attention(attn, batch=2, length=16)
     >>> attn.cached_key.shape
     (2, 16, 4, 8)
@@ -388,8 +388,8 @@ def store_and_attend(attn: Any, q: jax.Array, k: jax.Array, v: jax.Array, index:
     with).
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> attn = Transformer(get_config("tiny"), rngs=nnx.Rngs(0)).blocks[0].attn
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> attn = Decoder(get_config("tiny"), rngs=nnx.Rngs(0)).blocks[0].attn
     >>> init_attention(attn, batch=1, length=4)
     >>> x = jnp.ones((1, 2, 4, 8))
     >>> store_and_attend(attn, x, x, x, jnp.asarray(0)).shape
@@ -408,8 +408,8 @@ def init_model(blocks: Any, cfg: Any, batch: int, length: int) -> tuple[nnx.Cach
     next token) and ``cache_rows`` (which positions hold real tokens).
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> index, rows = init_model(model.blocks, model.cfg, batch=2, length=16)
     >>> int(index[...]), model.blocks[0].attn.cached_value.shape
     (0, (2, 16, 4, 8))
@@ -425,8 +425,8 @@ def masked_positions(model: Any, tokens: jax.Array, attention_mask: Any, index: 
     cache positions hold real keys, with ``model.cache_rows`` advanced past them.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     >>> model.init_cache(batch=1, length=4)
     >>> tokens, mask = jnp.ones((1, 3), jnp.int32), jnp.asarray([[0, 1, 1]])
     >>> positions, valid = masked_positions(model, tokens, mask, jnp.asarray(0), "decode")

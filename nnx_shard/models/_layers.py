@@ -1,8 +1,8 @@
 """What the reference models share: parameters created with their logical names
 (:func:`new_param`, :func:`dense_init`) and :class:`RMSNorm`.
 
-One implementation serves :class:`nnx_shard.models.Transformer` and
-:class:`nnx_shard.models.Llama`, so a norm's parameter (``.../scale``), its logical
+One implementation serves :class:`nnx_shard.models.Decoder` and
+:class:`nnx_shard.models.Decoder`, so a norm's parameter (``.../scale``), its logical
 names, dtype and initial value are made the same way in both, and checkpoints,
 Hugging Face mappings and rules tables address them alike.
 

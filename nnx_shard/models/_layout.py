@@ -80,10 +80,10 @@ def empty_tokens(tokens: Any, caller: str) -> None:
     and the router no token to route, and their reductions have no empty form.
 
     >>> import jax.numpy as jnp
-    >>> empty_tokens(jnp.zeros((2, 0), jnp.int32), "Llama.forward")
+    >>> empty_tokens(jnp.zeros((2, 0), jnp.int32), "Decoder.forward")
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: Llama.forward: tokens of shape (2, 0) hold no token (a batch of 2 rows of 0 positions). Fix: at least one row of at least one token, e.g. tokens of shape (2, 1).
+    nnx_shard._errors.UsageError: Decoder.forward: tokens of shape (2, 0) hold no token (a batch of 2 rows of 0 positions). Fix: at least one row of at least one token, e.g. tokens of shape (2, 1).
     """
     shape = tuple(getattr(tokens, "shape", ()))
     if len(shape) == 2 and 0 in shape:

@@ -75,8 +75,8 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     ``[batch, length]``) over the targets not equal to ``-100``
     (:data:`IGNORE_INDEX`: prompt tokens, padding), plus ``aux_loss_weight``
     times the load-balancing loss for a mixture of experts. ``model`` is a
-    :class:`~nnx_shard.models.Transformer` or any model with its ``forward(tokens) -> (logits,
-    aux)`` and a ``cfg`` (e.g. :class:`nnx_shard.models.Llama`).
+    :class:`~nnx_shard.models.Decoder` or any model with its ``forward(tokens) -> (logits,
+    aux)`` and a ``cfg`` (e.g. :class:`nnx_shard.models.Decoder`).
 
     As transformers' causal-LM loss (``labels=``): the sum of the cross-entropy
     over kept targets divided by their number. The batch keys
@@ -102,7 +102,7 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     with one.
 
     Args:
-      model: a :class:`~nnx_shard.models.Transformer`, a :class:`~nnx_shard.models.Llama`, or a model with ``forward(tokens) -> (logits,
+      model: a :class:`~nnx_shard.models.Decoder`, a :class:`~nnx_shard.models.Decoder`, or a model with ``forward(tokens) -> (logits,
         aux)`` and a ``cfg``.
       batch: ``{"inputs", "targets"}`` int32 ``[batch, length]``, optionally ``attention_mask``,
         ``positions``, ``segment_ids``.
@@ -110,8 +110,8 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     >>> import optax
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, TransformerConfig, lm_loss
-    >>> model = Transformer(TransformerConfig(), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, ReferenceConfig, lm_loss
+    >>> model = Decoder(ReferenceConfig(), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
     >>> float(lm_loss(model, {"inputs": tokens, "targets": tokens})) > 0
     True
@@ -136,6 +136,6 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     ce = jnp.where(kept, cross_entropy(logits, targets), 0.0)
     # 0/0 = NaN when nothing is kept (see the docstring).
     ce = jnp.sum(ce) / jnp.sum(kept).astype(jnp.float32)
-    if getattr(model.cfg, "experts", 0):  # other models (e.g. Llama) have no experts
+    if getattr(model.cfg, "experts", 0):  # dense configs have no experts
         return ce + model.cfg.aux_loss_weight * aux
     return ce

@@ -110,10 +110,10 @@ def check_token_ids(tokens: Any, vocab: int, caller: str) -> None:
     gives NaN) without an error. Traced tokens cannot be read: ``Trainer.fit`` checks
     its batches on the host before its compiled step instead.
 
-    >>> check_token_ids(jnp.array([[3, -1, 130]]), 128, "Llama.forward")
+    >>> check_token_ids(jnp.array([[3, -1, 130]]), 128, "Decoder.forward")
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: Llama.forward: tokens hold ids [-1, 130], outside the vocabulary of 128 (ids 0 .. 127). Fix: encode with the model's tokenizer; pad with a real id (e.g. 0) and mask it with attention_mask.
+    nnx_shard._errors.UsageError: Decoder.forward: tokens hold ids [-1, 130], outside the vocabulary of 128 (ids 0 .. 127). Fix: encode with the model's tokenizer; pad with a real id (e.g. 0) and mask it with attention_mask.
     """
     dtype = getattr(tokens, "dtype", None)
     if dtype is None or not np.issubdtype(np.dtype(dtype), np.integer):
@@ -168,10 +168,10 @@ def prepare(tokens: jax.Array, *, attention_mask: Any, positions: Any, segment_i
         concrete ``positions`` below 0 or from ``max_positions`` on.
 
     >>> prepare(jnp.zeros((2, 4), jnp.int32), attention_mask=None, positions=None,
-    ...         segment_ids=jnp.zeros((2, 3), jnp.int32), caller="Llama")
+    ...         segment_ids=jnp.zeros((2, 3), jnp.int32), caller="Decoder")
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: Llama: segment_ids must be integers (or bools) of the tokens' shape (2, 4), got int32 of shape (2, 3). Fix: pass one value per token, int or bool [batch, length] like the tokens.
+    nnx_shard._errors.UsageError: Decoder: segment_ids must be integers (or bools) of the tokens' shape (2, 4), got int32 of shape (2, 3). Fix: pass one value per token, int or bool [batch, length] like the tokens.
     """
     shape = tuple(tokens.shape)
     if attention_mask is None and positions is None and segment_ids is None:

@@ -1,5 +1,4 @@
-"""The reference models' activation bytes per device, by formula (the
-Transformer's and the Llama family's): the estimate ``nnx-shard plan`` and the
+"""The decoder's activation bytes per device, by formula (every family's): the estimate ``nnx-shard plan`` and the
 planner print next to XLA's compiled figures.
 """
 
@@ -19,7 +18,7 @@ ACTIVATION_FORMULA = (
     "per device, no rematerialization: tokens/device x [layers x (p(4e/Dl + 4hk/Dh + 2m'/Dm) "
     "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes "
     "(the compute dtype), e = embed, h = heads, k = head_dim, m' = mlp (x top_k x "
-    "capacity_factor for the reference Transformer's experts; the Llama family's MoE "
+    "capacity_factor for the reference model's experts; the Llama family's MoE "
     "layers: the expert's width x top_k), s = seq, V = vocab, D* = devices the rules shard batch, "
     "length, heads, mlp, vocab over. "
     "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk; for the "
@@ -27,7 +26,7 @@ ACTIVATION_FORMULA = (
     "plus q/k norm inputs (hk + gk) with Qwen3's qk_norm), MLP hidden before and after "
     "GELU (2m'; Llama's SwiGLU keeps 4m': gate, its SiLU, up and their product), "
     "float32 attention probabilities (4hs) with the dense "
-    "attention kernel (TransformerConfig.attention='dense'), or only a float32 log-sum-exp "
+    "attention kernel (ReferenceConfig.attention='dense'), or only a float32 log-sum-exp "
     "per row and head (4h) with the memory-efficient ones (blockwise, cudnn, auto: the "
     "default; their backward pass recomputes the probabilities block by block, in a few "
     "float32 [batch, heads, 512, 512] tiles that are not counted); plus the residual input "
@@ -52,8 +51,8 @@ def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: A
 
 def _mlp_width(cfg: Any) -> float:
     """The MLP's hidden width per token, averaged over the layers: the reference
-    Transformer's experts hold ``top_k x capacity_factor`` slots per token; the Llama
-    family's (Mixtral, Qwen3-MoE) exactly ``top_k``, each ``expert_mlp`` wide, sorted by
+    family's experts hold ``top_k x capacity_factor`` slots per token; the Hugging Face
+    families' (Mixtral, Qwen3-MoE) exactly ``top_k``, each ``expert_mlp`` wide, sorted by
     expert with no capacity, and Qwen3-MoE's ``mlp_only_layers`` stay dense."""
     if not getattr(cfg, "experts", 0):
         return float(cfg.mlp)
@@ -66,8 +65,7 @@ def _mlp_width(cfg: Any) -> float:
 def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, seq: int,
                      remat: str = "none") -> int:
     """Estimated activation bytes per device of one training step of
-    :class:`nnx_shard.models.Transformer` or :class:`nnx_shard.models.Llama`
-    (``cfg`` a ``TransformerConfig`` or ``LlamaConfig``; see ``ACTIVATION_FORMULA``).
+    :class:`nnx_shard.models.Decoder` (``cfg`` a ``ReferenceConfig`` or ``DecoderConfig``; see ``ACTIVATION_FORMULA``).
 
     >>> import dataclasses
     >>> from nnx_shard.models import get_config

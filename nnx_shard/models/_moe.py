@@ -1,14 +1,14 @@
 """The one sparse mixture-of-experts MLP of every MoE model (Mixtral, Qwen3-MoE, the
-reference model's): :class:`LlamaMoE`, and the router statistics the model sums over
+reference model's): :class:`DecoderMoE`, and the router statistics the model sums over
 its MoE layers into transformers' load-balancing loss (:func:`aux_loss`). With a
 config's ``capacity_factor`` (the reference model's, 2.0 by default) the layer
-dispatches GShard-style instead (:meth:`LlamaMoE.capacity_route`): a fixed number of
+dispatches GShard-style instead (:meth:`DecoderMoE.capacity_route`): a fixed number of
 slots per sequence and expert, tokens over it dropped.
 
 Every routed token is computed, none dropped (as transformers does): the
 ``tokens x top_k`` slots are sorted by expert and the experts' gated MLPs run as
 grouped matmuls over the sorted slots, one group per expert
-(:func:`~nnx_shard.models._grouped.grouped_matmul`, as ``LlamaConfig.expert_matmul``
+(:func:`~nnx_shard.models._grouped.grouped_matmul`, as ``DecoderConfig.expert_matmul``
 says), so the cost is that of the active parameters, not of every expert.
 Under rules that split the experts over mesh axes that also split the tokens (the
 ``ep`` preset) the slots travel to their experts' devices and back with all-to-all
@@ -16,9 +16,9 @@ Under rules that split the experts over mesh axes that also split the tokens (th
 expert weights.
 
 >>> from flax import nnx
->>> from nnx_shard.models._llama_config import LlamaConfig
->>> cfg = LlamaConfig(experts=4, top_k=2, model_type="mixtral")
->>> moe = LlamaMoE(cfg, rngs=nnx.Rngs(0))
+>>> from nnx_shard.models._decoder_config import DecoderConfig
+>>> cfg = DecoderConfig(experts=4, top_k=2, model_type="mixtral")
+>>> moe = DecoderMoE(cfg, rngs=nnx.Rngs(0))
 >>> y, stats = moe(jnp.ones((2, 8, cfg.embed)))
 >>> y.shape, moe.gate.get_metadata("out_sharding"), stats.counts.shape
 ((2, 8, 32), ('expert', 'embed', 'mlp'), (4,))
@@ -39,7 +39,7 @@ from nnx_shard.models._layers import ACTIVATION_FNS, dense_init, new_param
 from nnx_shard.models._layout import GATHERED, RESIDUAL
 from nnx_shard.models._ops import constrain, einsum, whole
 
-__all__ = ["LlamaMoE", "RouterStats", "add_stats", "aux_loss", "no_stats"]
+__all__ = ["DecoderMoE", "RouterStats", "add_stats", "aux_loss", "no_stats"]
 
 
 class RouterStats(NamedTuple):
@@ -91,7 +91,7 @@ def aux_loss(cfg: Any, stats: Any) -> jax.Array:
     return cfg.experts * jnp.sum((stats.counts / rows) * (stats.probs / rows))
 
 
-class LlamaMoE(nnx.Module):
+class DecoderMoE(nnx.Module):
     """The sparse MoE MLP: ``router [embed, experts]`` logits, softmax, top-k, the
     top-k weights renormalised (Mixtral; Qwen3-MoE with ``norm_topk_prob``), and
     ``experts`` gated MLPs stacked as ``gate``, ``up [experts, embed, moe_mlp]`` and
@@ -178,9 +178,9 @@ class LlamaMoE(nnx.Module):
         ``combine`` holds the token's top-k weight there instead; ``probs`` the router's
         softmax and ``chosen [batch, length, top_k, experts]`` its one-hot choices.
 
-        >>> from nnx_shard.models import TransformerConfig
-        >>> cfg = TransformerConfig(experts=4, top_k=2, capacity_factor=0.5)
-        >>> moe = LlamaMoE(cfg, rngs=nnx.Rngs(0))
+        >>> from nnx_shard.models import ReferenceConfig
+        >>> cfg = ReferenceConfig(experts=4, top_k=2, capacity_factor=0.5)
+        >>> moe = DecoderMoE(cfg, rngs=nnx.Rngs(0))
         >>> dispatch, combine, probs, chosen = moe.capacity_route(jnp.ones((2, 16, cfg.embed)))
         >>> dispatch.shape, float(dispatch.sum(axis=1).max())   # capacity 4, never over
         ((2, 16, 4, 4), 1.0)

@@ -1,6 +1,6 @@
-"""Every named model configuration, of both families, in one table: the reference
-Transformer's (``tiny``, ``tiny_moe``, ``small``, ``125m``, ``1b``, ``7b``) and the Llama
-family's (the test-sized ``llama-tiny`` and ``qwen3-tiny``, and the published shapes
+"""Every named model configuration, of every family, in one table: the reference
+family's (``tiny``, ``tiny_moe``, ``small``, ``125m``, ``1b``, ``7b``) and the Hugging Face
+families' (the test-sized ``llama-tiny`` and ``qwen3-tiny``, and the published shapes
 ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``qwen3-0.6b``, ``mistral-7b``,
 ``qwen2.5-7b``, ``gemma2-9b``, and the mixtures of experts ``mixtral-8x7b`` and
 ``qwen3-30b-a3b``), with the one getter and the one builder the planner,
@@ -20,22 +20,22 @@ from typing import Any
 from flax import nnx
 
 from nnx_shard._errors import UsageError, short
+from nnx_shard.models._decoder import Decoder, DecoderConfig
 from nnx_shard.models._family import CONFIGS as FAMILY_CONFIGS
-from nnx_shard.models._family.reference import TransformerConfig
-from nnx_shard.models._llama import Llama, LlamaConfig
+from nnx_shard.models._family.reference import ReferenceConfig
 
 __all__ = ["CONFIGS", "build", "get_config", "max_length"]
 
-#: Every configuration known by name: a :class:`~nnx_shard.models.TransformerConfig` or a
-#: :class:`~nnx_shard.models.LlamaConfig`. The large ones are for planning with
+#: Every configuration known by name: a :class:`~nnx_shard.models.ReferenceConfig` or a
+#: :class:`~nnx_shard.models.DecoderConfig`. The large ones are for planning with
 #: :func:`nnx_shard.abstract_init` (nothing is allocated).
-CONFIGS: dict[str, TransformerConfig | LlamaConfig] = dict(FAMILY_CONFIGS)
+CONFIGS: dict[str, ReferenceConfig | DecoderConfig] = dict(FAMILY_CONFIGS)
 
 
-def get_config(name: str) -> TransformerConfig | LlamaConfig:
+def get_config(name: str) -> ReferenceConfig | DecoderConfig:
     """The configuration called ``name`` in :data:`CONFIGS`: a
-    :class:`~nnx_shard.models.TransformerConfig` for the reference Transformer's names,
-    a :class:`~nnx_shard.models.LlamaConfig` for the Llama family's. An unknown name is
+    :class:`~nnx_shard.models.ReferenceConfig` for the reference model's names,
+    a :class:`~nnx_shard.models.DecoderConfig` for the Llama family's. An unknown name is
     a :class:`~nnx_shard.UsageError` naming the closest and the known ones.
 
     Args:
@@ -60,18 +60,18 @@ def get_config(name: str) -> TransformerConfig | LlamaConfig:
                      "Fix: one of those")
 
 
-def build(cfg: TransformerConfig | LlamaConfig, rngs: nnx.Rngs) -> Any:
-    """The model of ``cfg``: the shared decoder, :class:`~nnx_shard.models.Llama`, of
-    any family (the reference model's :class:`~nnx_shard.models.TransformerConfig`
+def build(cfg: ReferenceConfig | DecoderConfig, rngs: nnx.Rngs) -> Any:
+    """The model of ``cfg``: the shared decoder, :class:`~nnx_shard.models.Decoder`, of
+    any family (the reference model's :class:`~nnx_shard.models.ReferenceConfig`
     too).
 
     >>> type(nnx.eval_shape(lambda: build(get_config("qwen3-0.6b"), nnx.Rngs(0)))).__name__
-    'Llama'
+    'Decoder'
     """
-    return Llama(cfg, rngs=rngs)
+    return Decoder(cfg, rngs=rngs)
 
 
-def max_length(cfg: TransformerConfig | LlamaConfig) -> int:
+def max_length(cfg: ReferenceConfig | DecoderConfig) -> int:
     """The longest sequence ``cfg`` takes (``max_length``; the reference model's
     ``length``)."""
     return int(cfg.max_length)

@@ -42,7 +42,7 @@ MAX_VOCAB = 2**31 - 1
 
 _WHO = "resize_token_embeddings"
 _MODEL_FIX = ("Fix: pass a model with a token_embed [vocab, embed] parameter and a cfg with "
-              "a vocab field, e.g. ns.models.Llama or ns.models.Transformer.")
+              "a vocab field, e.g. ns.models.Llama or ns.models.Decoder.")
 #: What each resized table's rows start as: the ``mean_resizing`` draw, or zeros (a
 #: LoRA factor: the adapter adds nothing to a new token until it is trained).
 _DRAWN, _ZEROS = "drawn", "zeros"
@@ -282,7 +282,7 @@ def resize_token_embeddings(model: Any, new_vocab: int | None, *,
     resize leaves it as it was.
 
     Args:
-      model: a :class:`~nnx_shard.models.Llama` or :class:`~nnx_shard.models.Transformer`
+      model: a :class:`~nnx_shard.models.Decoder` or :class:`~nnx_shard.models.Decoder`
         (any module with a ``token_embed`` parameter, an optional ``unembed`` and a
         dataclass ``cfg`` with a ``vocab`` field).
       new_vocab: the new number of tokens (smaller drops the last rows); ``None``
@@ -301,8 +301,8 @@ def resize_token_embeddings(model: Any, new_vocab: int | None, *,
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from nnx_shard.models import Llama, get_config, resize_token_embeddings
-    >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    >>> from nnx_shard.models import Decoder, get_config, resize_token_embeddings
+    >>> model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     >>> old = model.token_embed[...]
     >>> model = resize_token_embeddings(model, 131, pad_to_multiple_of=8)
     >>> model.cfg.vocab, model.token_embed.shape, model.unembed.shape

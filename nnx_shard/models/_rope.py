@@ -1,4 +1,4 @@
-"""Rotary position frequencies of :class:`~nnx_shard.models.Llama` and the
+"""Rotary position frequencies of :class:`~nnx_shard.models.Decoder` and the
 ``rope_scaling`` types it implements, computed as transformers 5
 (``modeling_rope_utils``) computes them, in float32 where it does.
 
@@ -35,8 +35,8 @@ call shorter than ``max_position_embeddings`` resets them); a model here is a
 function of its inputs, so a call never depends on the one before.
 
 >>> import numpy as np
->>> from nnx_shard.models import LlamaConfig
->>> cfg = LlamaConfig(head_dim=4, rope_scaling={"rope_type": "linear", "factor": 2.0})
+>>> from nnx_shard.models import DecoderConfig
+>>> cfg = DecoderConfig(head_dim=4, rope_scaling={"rope_type": "linear", "factor": 2.0})
 >>> frequencies(cfg)
 (array([0.5  , 0.005], dtype=float32), 1.0)
 """
@@ -91,8 +91,8 @@ def _plain(theta: float, d: int) -> np.ndarray:
 def default(cfg: Any, theta: float | None = None) -> tuple[np.ndarray, float]:
     """Unscaled frequencies (of base ``theta``, else ``cfg.rope_theta``).
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> default(LlamaConfig(head_dim=4, rope_theta=100.0))
+    >>> from nnx_shard.models import DecoderConfig
+    >>> default(DecoderConfig(head_dim=4, rope_theta=100.0))
     (array([1. , 0.1], dtype=float32), 1.0)
     """
     return _plain(cfg.rope_theta if theta is None else theta, cfg.head_dim), 1.0
@@ -101,8 +101,8 @@ def default(cfg: Any, theta: float | None = None) -> tuple[np.ndarray, float]:
 def linear(cfg: Any) -> tuple[np.ndarray, float]:
     """Linear (position interpolation): frequencies divided by ``factor``.
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> linear(LlamaConfig(head_dim=4, rope_theta=100.0,
+    >>> from nnx_shard.models import DecoderConfig
+    >>> linear(DecoderConfig(head_dim=4, rope_theta=100.0,
     ...                    rope_scaling={"rope_type": "linear", "factor": 4.0}))
     (array([0.25 , 0.025], dtype=float32), 1.0)
     """
@@ -115,8 +115,8 @@ def dynamic(cfg: Any, seq_len: int | None = None) -> tuple[np.ndarray, float]:
     (``max_position_embeddings``), a larger base past it, in float32 as
     transformers computes it from the length tensor.
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> cfg = LlamaConfig(head_dim=4, rope_theta=100.0, max_length=8,
+    >>> from nnx_shard.models import DecoderConfig
+    >>> cfg = DecoderConfig(head_dim=4, rope_theta=100.0, max_length=8,
     ...                   rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     >>> dynamic(cfg, 8)[0], dynamic(cfg, 16)[0]
     (array([1. , 0.1], dtype=float32), array([1.        , 0.03333334], dtype=float32))
@@ -162,8 +162,8 @@ def yarn(cfg: Any) -> tuple[np.ndarray, float]:
     the unscaled ones for those turning more than ``beta_fast`` times, a linear ramp
     between; the attention factor of the paper (``0.1 ln(factor) + 1``).
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> cfg = LlamaConfig(head_dim=8, rope_theta=10000.0, rope_scaling={
+    >>> from nnx_shard.models import DecoderConfig
+    >>> cfg = DecoderConfig(head_dim=8, rope_theta=10000.0, rope_scaling={
     ...     "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
     >>> inv, scale = yarn(cfg)
     >>> (inv / default(cfg)[0]).round(4), round(scale, 4)   # kept, blended, divided by 4
@@ -206,8 +206,8 @@ def longrope(cfg: Any, seq_len: int | None = None) -> tuple[np.ndarray, float]:
     """LongRoPE: the default frequencies divided by ``short_factor`` (a number per
     frequency) up to ``original_max_position_embeddings``, by ``long_factor`` past it.
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> cfg = LlamaConfig(head_dim=4, rope_theta=100.0, max_length=64, rope_scaling={
+    >>> from nnx_shard.models import DecoderConfig
+    >>> cfg = DecoderConfig(head_dim=4, rope_theta=100.0, max_length=64, rope_scaling={
     ...     "rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [4.0, 8.0],
     ...     "original_max_position_embeddings": 16})
     >>> longrope(cfg, 16)[0], longrope(cfg, 17)[0], round(longrope(cfg)[1], 4)
@@ -244,7 +244,7 @@ def llama3(cfg: Any) -> tuple[np.ndarray, float]:
 def frequencies(cfg: Any, seq_len: int | None = None) -> tuple[np.ndarray, float]:
     """``(inv_freq [head_dim / 2] float32, attention_factor)`` of ``cfg`` (anything
     with ``head_dim``, ``rope_theta``, ``rope_scaling`` and ``max_length``, as
-    :class:`~nnx_shard.models.LlamaConfig`) for a sequence of ``seq_len`` positions
+    :class:`~nnx_shard.models.DecoderConfig`) for a sequence of ``seq_len`` positions
     (``None``: transformers' initial frequencies, those of a short sequence).
 
     >>> from nnx_shard.models import get_config
@@ -264,8 +264,8 @@ def frequencies_at(cfg: Any, seq_len: jax.Array) -> tuple[jax.Array, float]:
     or the highest of per-token positions + 1): the frequencies as a traced array,
     chosen (``longrope``) or computed (``dynamic``) on the device.
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> cfg = LlamaConfig(head_dim=4, rope_theta=100.0, max_length=8,
+    >>> from nnx_shard.models import DecoderConfig
+    >>> cfg = DecoderConfig(head_dim=4, rope_theta=100.0, max_length=8,
     ...                   rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     >>> inv, _ = frequencies_at(cfg, jnp.asarray(16))
     >>> bool(jnp.allclose(inv, dynamic(cfg, 16)[0], rtol=1e-6))
@@ -376,7 +376,7 @@ def checked(items: Mapping[str, Any], where: str, key: str,
 
 def _longest(cfg: Any) -> int:
     """The most positions a sequence of ``cfg`` reaches: ``max_length``, or ``factor``
-    times it under ``dynamic`` scaling (:attr:`~nnx_shard.models.Llama.max_length`)."""
+    times it under ``dynamic`` scaling (:attr:`~nnx_shard.models.Decoder.max_length`)."""
     s = _params(cfg)
     if s["rope_type"] == "dynamic":
         return max(int(cfg.max_length * float(s["factor"])), cfg.max_length)
@@ -447,7 +447,7 @@ def _check_divisions(cfg: Any, s: Mapping[str, Any], where: str) -> None:
                              "context length, e.g. 4096, or give attention_factor.")
 
 
-def check_tables(cfg: Any, where: str = "LlamaConfig") -> None:
+def check_tables(cfg: Any, where: str = "DecoderConfig") -> None:
     """Refuses a rotary configuration whose frequencies or attention factor are not
     finite numbers in float32 (computed on the host for every sequence length the
     model reaches, as the model computes them) or whose formula divides by zero:
@@ -456,12 +456,12 @@ def check_tables(cfg: Any, where: str = "LlamaConfig") -> None:
     ``1e-50`` is 0 in float32). Each problem is a
     :class:`~nnx_shard._errors.UsageError` naming the field, its value and the fix.
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+    >>> from nnx_shard.models import DecoderConfig
+    >>> DecoderConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0,
     ...             "original_max_position_embeddings": 256, "attention_factor": 1e30})
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: LlamaConfig: rope_scaling['attention_factor']=1e+30 (rope_type 'yarn') gives the rotary attention factor 1e+30, whose square, scaling every attention score, is past float32's range: every logit would be NaN. Fix: use the checkpoint's own config.json (attention factors are near 1, e.g. 1.2).
+    nnx_shard._errors.UsageError: DecoderConfig: rope_scaling['attention_factor']=1e+30 (rope_type 'yarn') gives the rotary attention factor 1e+30, whose square, scaling every attention score, is past float32's range: every logit would be NaN. Fix: use the checkpoint's own config.json (attention factors are near 1, e.g. 1.2).
     """
     s = _params(cfg)
     kind, d, theta = s["rope_type"], cfg.head_dim, cfg.rope_theta

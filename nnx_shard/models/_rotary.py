@@ -20,15 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_shard.models import _rope as rope
+from nnx_shard.models._decoder_config import DecoderConfig
 from nnx_shard.models._layout import GATHERED, seq_names
-from nnx_shard.models._llama_config import LlamaConfig
 from nnx_shard.models._ops import constrain
 
 __all__ = ["own_local_rotation", "rope_frequencies", "rotary_at", "rotary_of", "rotary_tables",
            "rotate", "scaled", "scaled_at", "times"]
 
 
-def rope_frequencies(cfg: LlamaConfig, local: bool = False, seq_len: int | None = None
+def rope_frequencies(cfg: DecoderConfig, local: bool = False, seq_len: int | None = None
                      ) -> np.ndarray:
     """The rotary inverse frequencies ``[head_dim / 2]`` (float32) of a sequence of
     ``seq_len`` positions, with the config's ``rope_scaling`` applied as transformers
@@ -43,18 +43,18 @@ def rope_frequencies(cfg: LlamaConfig, local: bool = False, seq_len: int | None 
     return scaled(cfg, local, seq_len)[0]
 
 
-def own_local_rotation(cfg: LlamaConfig) -> bool:
+def own_local_rotation(cfg: DecoderConfig) -> bool:
     """Whether the sliding layers rotate by a base of their own (Gemma 3's
     ``rope_local_theta``), so that they need tables apart from the global layers'.
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> own_local_rotation(LlamaConfig(model_type="gemma3_text", rope_local_theta=1e4))
+    >>> from nnx_shard.models import DecoderConfig
+    >>> own_local_rotation(DecoderConfig(model_type="gemma3_text", rope_local_theta=1e4))
     True
     """
     return bool(cfg.rope_local_theta)
 
 
-def scaled(cfg: LlamaConfig, local: bool, seq_len: int | None = None
+def scaled(cfg: DecoderConfig, local: bool, seq_len: int | None = None
             ) -> tuple[np.ndarray, float]:
     """``(inv_freq, attention_factor)``: the factor scales cos and sin."""
     if local and own_local_rotation(cfg):
@@ -62,7 +62,7 @@ def scaled(cfg: LlamaConfig, local: bool, seq_len: int | None = None
     return rope.frequencies(cfg, seq_len)
 
 
-def scaled_at(cfg: LlamaConfig, local: bool, seq_len: Any) -> tuple[jax.Array, float]:
+def scaled_at(cfg: DecoderConfig, local: bool, seq_len: Any) -> tuple[jax.Array, float]:
     """:func:`scaled` for a traced sequence length (``dynamic`` / ``longrope``
     choose their frequencies by it)."""
     if local and own_local_rotation(cfg):
@@ -71,7 +71,7 @@ def scaled_at(cfg: LlamaConfig, local: bool, seq_len: Any) -> tuple[jax.Array, f
     return rope.frequencies_at(cfg, seq_len)
 
 
-def rotary_tables(cfg: LlamaConfig, length: int, local: bool = False
+def rotary_tables(cfg: DecoderConfig, length: int, local: bool = False
                    ) -> tuple[np.ndarray, np.ndarray]:
     # Host constants (the positions are static): nothing traced is closed over
     # by the scanned or pipelined layer body. The sequence length is ``length``.
@@ -82,7 +82,7 @@ def rotary_tables(cfg: LlamaConfig, length: int, local: bool = False
             (np.sin(emb) * np.float32(factor)).astype(np.float32))
 
 
-def rotary_at(cfg: LlamaConfig, index: jax.Array, steps: int, local: bool = False
+def rotary_at(cfg: DecoderConfig, index: jax.Array, steps: int, local: bool = False
                ) -> tuple[jax.Array, jax.Array]:
     """The rotary tables of positions ``index .. index + steps - 1`` (``index``
     traced: the decode step's position; the sequence length ``index + steps``),
@@ -98,7 +98,7 @@ def times(table: jax.Array, factor: float) -> jax.Array:
     return table if factor == 1.0 else table * jnp.float32(factor)
 
 
-def rotary_of(cfg: LlamaConfig, positions: jax.Array, local: bool = False
+def rotary_of(cfg: DecoderConfig, positions: jax.Array, local: bool = False
                ) -> tuple[jax.Array, jax.Array]:
     """The rotary tables ``[batch, length, head_dim]`` of per-token ``positions
     [batch, length]`` (the sequence length: the highest position + 1), computed as

@@ -36,7 +36,7 @@ from nnx_shard._parallel.schedule import stage_count
 from nnx_shard._simulated import run_requests
 from nnx_shard._train import Precision, Trainer
 from nnx_shard._train._guard import DEFAULT_GUARD
-from nnx_shard.models import LlamaConfig, TransformerConfig, lm_loss
+from nnx_shard.models import DecoderConfig, ReferenceConfig, lm_loss
 from nnx_shard.models._named import build, get_config
 from nnx_shard.planner._costs import hlo_costs
 from nnx_shard.strategies._presets import get
@@ -83,9 +83,9 @@ def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: str
     the mesh.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
+    >>> from nnx_shard.models import Decoder, get_config
     >>> compiled, trainer, seconds = compile_fit(
-    ...     lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), "fsdp", {"data": 4},
+    ...     lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)), "fsdp", {"data": 4},
     ...     batch=4, seq=8)
     >>> compiled.memory_analysis().temp_size_in_bytes > 0
     True
@@ -135,7 +135,7 @@ def steps_batch(batch_spec: Any, rules: Any, mesh: Any, steps: int) -> Any:
     return jax.tree_util.tree_map_with_path(one, batch_spec)
 
 
-def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: str | Mapping[str, int],
+def compiled_memory(model: str | ReferenceConfig | DecoderConfig, sizes: str | Mapping[str, int],
                     strategy: str = "fsdp_tp",
                     optimizer: str = "adamw", batch: int = 8, seq: int = 16,
                     remat: str = "none", scan_layers: bool | None = None,
@@ -143,7 +143,7 @@ def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: str | M
                     compute_dtype: str | None = None,
                     guard: str = DEFAULT_GUARD) -> dict[str, Any]:
     """Per-device bytes of the call ``Trainer.fit`` compiles for config ``model``
-    (a name of :data:`nnx_shard.models.CONFIGS`, the reference Transformer's
+    (a name of :data:`nnx_shard.models.CONFIGS`, the reference model's
     or a Llama family's, or such a config itself) with NaN guard ``guard`` (see
     :func:`compile_fit`; under ``"full"`` the guard's copy of the state is in ``temp``).
 
@@ -207,9 +207,9 @@ def compiled_memory(model: str | TransformerConfig | LlamaConfig, sizes: str | M
             "devices": int(np.prod(list(sizes.values())))}
 
 
-def planned_config(model: str | TransformerConfig | LlamaConfig, *, remat: str = "none", scan_layers: bool | None = None,
+def planned_config(model: str | ReferenceConfig | DecoderConfig, *, remat: str = "none", scan_layers: bool | None = None,
                    param_dtype: Any = None, compute_dtype: Any = None,
-                   ) -> tuple[TransformerConfig | LlamaConfig, Precision | None]:
+                   ) -> tuple[ReferenceConfig | DecoderConfig, Precision | None]:
     """The named config ``model`` as ``nnx-shard plan`` compiles it: ``remat``,
     ``scan_layers``, ``param_dtype`` and ``compute_dtype`` (the config's ``dtype``)
     replaced where given, and the :class:`~nnx_shard.Precision` the trainer gets
@@ -246,8 +246,8 @@ def compile_step(factory: Callable[[], Any], strategy: str | Strategy, sizes: st
     include half of the guard's once-per-call check.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> r = compile_step(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)),
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> r = compile_step(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)),
     ...                  "dp", {"data": 2}, batch=4, seq=8)
     >>> r["total"] > 0 and r["flops"] > 0 and r["collectives"] > 0
     True
@@ -267,9 +267,9 @@ def compile_step(factory: Callable[[], Any], strategy: str | Strategy, sizes: st
             "alias": alias, **costs, "compile_s": round(seconds, 3)}
 
 
-def config_dict(cfg: TransformerConfig | LlamaConfig) -> dict[str, Any]:
-    """A :class:`~nnx_shard.models.TransformerConfig` or
-    :class:`~nnx_shard.models.LlamaConfig` as JSON-able fields (dtypes by name; a
+def config_dict(cfg: ReferenceConfig | DecoderConfig) -> dict[str, Any]:
+    """A :class:`~nnx_shard.models.ReferenceConfig` or
+    :class:`~nnx_shard.models.DecoderConfig` as JSON-able fields (dtypes by name; a
     Llama config marked ``"kind": "llama"``).
 
     >>> config_dict(get_config("tiny"))["param_dtype"]
@@ -279,7 +279,7 @@ def config_dict(cfg: TransformerConfig | LlamaConfig) -> dict[str, Any]:
     """
     out = {k: (jnp.dtype(v).name if k.endswith("dtype") else v)
            for k, v in dataclasses.asdict(cfg).items()}
-    return {**out, "kind": "llama"} if isinstance(cfg, LlamaConfig) else out
+    return {**out, "kind": "llama"} if isinstance(cfg, DecoderConfig) else out
 
 
 def config_factory(config: Mapping[str, Any], remat: str) -> Callable[[], Any]:
@@ -287,7 +287,7 @@ def config_factory(config: Mapping[str, Any], remat: str) -> Callable[[], Any]:
     fields) with remat policy ``remat``."""
     fields = {k: (jnp.dtype(v) if k.endswith("dtype") else v) for k, v in config.items()
               if k != "kind"}
-    kind = LlamaConfig if config.get("kind") == "llama" else TransformerConfig
+    kind = DecoderConfig if config.get("kind") == "llama" else ReferenceConfig
     cfg = kind(**{**fields, "remat": remat})
     return lambda: build(cfg, nnx.Rngs(0))
 

@@ -39,8 +39,8 @@ def abstract_report(model: Any, sizes: str | Mapping[str, int], rules: Rules, tx
     """:func:`nnx_shard.explain` on an ``AbstractMesh``: any device count, no devices needed.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
-    >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> model = nnx.eval_shape(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)))
     >>> from nnx_shard.strategies._strategy import REPLICATED
     >>> r = abstract_report(model, {"data": 4096}, REPLICATED | {"batch": "data"})  # no devices
     >>> r.param_bytes_per_device == r.total_bytes  # dp: replicated
@@ -174,10 +174,10 @@ def stage_formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, in
 
     >>> from flax import nnx
     >>> import dataclasses
-    >>> from nnx_shard.models import Transformer, get_config
+    >>> from nnx_shard.models import Decoder, get_config
     >>> from nnx_shard.strategies._presets import get
     >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
-    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     >>> stage = stage_formula_bytes(model, cfg, get("pp"), {"stage": 2, "data": 4},
     ...                             None, 8, 16, "none")
     >>> stage < formula_bytes(model, cfg, get("pp"), {"stage": 2, "data": 4}, None, 8, 16,

@@ -11,8 +11,6 @@ from typing import Any
 
 from nnx_shard._report import fmt_bytes
 from nnx_shard._train._guard import DEFAULT_GUARD
-from nnx_shard.models._llama_config import LlamaConfig
-from nnx_shard.models._named import CONFIGS
 from nnx_shard.planner._hardware import PROFILES, Hardware  # noqa: F401 (PROFILES: the examples)
 from nnx_shard.planner._user import user_python
 
@@ -146,7 +144,7 @@ class Plan:
         guard = self.request.get("guard", DEFAULT_GUARD)
         mesh = ", ".join(f'"{k}": {v}' for k, v in c.mesh.items())
         if model:
-            cls = "Llama" if isinstance(CONFIGS.get(model), LlamaConfig) else "Transformer"
+            cls = "Decoder"
             get = "get_config"
             make = (f"cfg = dataclasses.replace({get}({model!r}), remat={c.remat!r})\n"
                     f"factory = lambda: {cls}(cfg, rngs=nnx.Rngs(0))\n")

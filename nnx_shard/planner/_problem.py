@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh
 from nnx_shard._axes import entry_axes
 from nnx_shard._errors import ShardingError, UsageError, short
 from nnx_shard._parallel.schedule import stage_count
-from nnx_shard.models import LlamaConfig, TransformerConfig
+from nnx_shard.models import DecoderConfig, ReferenceConfig
 from nnx_shard.models._named import CONFIGS, max_length
 from nnx_shard.planner._compile import config_dict, config_factory
 from nnx_shard.planner._formula import abstract_report
@@ -46,7 +46,7 @@ class Problem:
     memory: int | None
     names: list[str]
     tx: Any
-    cfg: TransformerConfig | LlamaConfig | None  # a reference config, compiled in a subprocess
+    cfg: ReferenceConfig | DecoderConfig | None  # a reference config, compiled in a subprocess
     model: Any                     # what the user gave
     model_name: str | None
     takes_remat: bool              # a factory with a remat keyword
@@ -156,9 +156,9 @@ def resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Pro
     if isinstance(model, str):
         if model not in CONFIGS:
             raise UsageError(f"auto: unknown model {model!r}; known: {', '.join(CONFIGS)}, or "
-                             "pass a TransformerConfig, a LlamaConfig or a factory")
+                             "pass a ReferenceConfig, a DecoderConfig or a factory")
         cfg, model_name = CONFIGS[model], model
-    elif isinstance(model, TransformerConfig | LlamaConfig):
+    elif isinstance(model, ReferenceConfig | DecoderConfig):
         cfg = model
     elif callable(model):
         try:
@@ -166,7 +166,7 @@ def resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Pro
         except (TypeError, ValueError):
             takes_remat = False
     else:
-        raise UsageError(f"auto: model must be a config name, a TransformerConfig or a "
+        raise UsageError(f"auto: model must be a config name, a ReferenceConfig or a "
                          f"factory, got {type(model).__name__}. Fix: e.g. auto('small', ...)")
     if cfg is not None and opts.seq > max_length(cfg):
         raise UsageError(f"auto: seq {opts.seq} is longer than the model allows "

@@ -58,9 +58,9 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
     :mod:`nnx_shard.planner`).
 
     ``model`` is a reference config name (``"small"``, ``"1b"``, ...), a
-    :class:`~nnx_shard.models.TransformerConfig`, or a zero-argument factory
-    returning a language model (called as ``lm_loss`` calls the reference
-    Transformer; a factory taking a ``remat`` keyword gets the policies tried).
+    :class:`~nnx_shard.models.ReferenceConfig`, or a zero-argument factory
+    returning a language model (called as ``lm_loss`` calls
+    ``Decoder``; a factory taking a ``remat`` keyword gets the policies tried).
     Configs compile in a subprocess with ``devices`` simulated CPU devices; a
     factory compiles in this process and needs that many devices. The options are
     an :class:`AutoOptions`, or its fields as keywords (``auto("small", devices=8,
@@ -68,7 +68,7 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
     Raises :class:`NothingFits` when no candidate fits.
 
     Args:
-      model: a reference config name, a ``TransformerConfig``, or a zero-argument
+      model: a reference config name, a ``ReferenceConfig``, or a zero-argument
         factory of the model.
       options: an :class:`AutoOptions`; ``None`` builds one from ``knobs``.
       loss: with a model of your own, ``loss(model, batch) -> scalar``.
@@ -129,7 +129,7 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
             f"auto: a model factory compiles in this process, which has "
             f"{jax.device_count()} devices, fewer than devices={opts.devices}. Fix: run with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={opts.devices} (CPU), or pass "
-            "a config name / TransformerConfig (compiled in a subprocess).")
+            "a config name / ReferenceConfig (compiled in a subprocess).")
     try:
         first = search.plain(viable)
         search.variants(first)

@@ -27,7 +27,7 @@ from nnx_shard._errors import ShardingError
 
 __all__ = ["ACTIVATIONS", "MOE_ACTIVATIONS", "activation_entries", "signature"]
 
-#: The logical names the reference models (``Transformer``, ``Llama``) give their
+#: The logical names the decoder (``Decoder``, every family) give their
 #: activations when no execution option is set, with each dimension's size: ``B``
 #: the global batch, ``b`` a microbatch, ``S`` the sequence, ``E`` embed, ``H`` heads,
 #: ``G`` key/value heads, ``K`` head_dim, ``M`` mlp, ``V`` vocab, ``X`` experts.
@@ -118,11 +118,11 @@ def signature(strategy: Any, sizes: dict[str, int], rows: Sequence[Any], cfg: An
     of the model's parameters and optimizer state under ``strategy``.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Transformer, get_config
+    >>> from nnx_shard.models import Decoder, get_config
     >>> from nnx_shard.planner._formula import abstract_report
     >>> from nnx_shard.strategies._presets import get
     >>> cfg = get_config("tiny")
-    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     >>> def sig(name, sizes):
     ...     s = get(name)
     ...     rows = abstract_report(model, sizes, s.rules, None, s.opt_rules).rows

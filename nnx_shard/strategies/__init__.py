@@ -5,7 +5,7 @@ parameters and activations, a separate table for optimizer state where the
 strategy needs one (ZeRO-1), the mesh axes it expects and a default mesh shape.
 Models annotated with the logical names ``batch``, ``length``, ``embed``,
 ``heads``, ``kv_heads``, ``kv``, ``mlp``, ``vocab``, ``layers`` and ``expert`` (as
-:class:`nnx_shard.models.Transformer` and :class:`nnx_shard.models.Llama` are) run
+:class:`nnx_shard.models.Decoder` and :class:`nnx_shard.models.Decoder` are) run
 under any of them. ``kv_heads`` (grouped-query attention's key/value heads) follows
 ``heads`` onto the model axis where it divides it, else it is replicated. The key/value
 cache of :func:`nnx_shard.inference.generate` is named ``cache_batch`` (as ``batch``),

@@ -220,8 +220,8 @@ class Strategy:
 
         >>> from flax import nnx
         >>> from nnx_shard.strategies import get
-        >>> from nnx_shard.models import Transformer, get_config
-        >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> from nnx_shard.models import Decoder, get_config
+        >>> model = nnx.eval_shape(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)))
         >>> get("tp").suggest_mesh(model, 8, prefer={"data": 1, "model": 8})
         {'data': 2, 'model': 4}
         """
@@ -244,8 +244,8 @@ class Strategy:
 
         >>> from flax import nnx
         >>> from nnx_shard.strategies import get
-        >>> from nnx_shard.models import Transformer, get_config
-        >>> model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> from nnx_shard.models import Decoder, get_config
+        >>> model = nnx.eval_shape(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)))
         >>> get("tp").check(model, {"data": 1, "model": 8})
         Traceback (most recent call last):
         ...

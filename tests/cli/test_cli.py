@@ -209,12 +209,12 @@ def in_process_compile(remat="none", scan_layers=False):
     from jax.sharding import NamedSharding
 
     import nnx_shard as ns
-    from nnx_shard.models import Transformer, lm_loss
+    from nnx_shard.models import Decoder, lm_loss
 
     cfg = dataclasses.replace(get_config("tiny"), remat=remat, scan_layers=scan_layers)
     strategy = ns.strategies.get("fsdp_tp")
     mesh = ns.make_mesh("data=4,model=2")
-    model = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    model = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     opt = ns.sharded_optimizer(model, optax.adamw(1e-3), mesh, strategy.rules,
                                opt_rules=strategy.opt_rules)
     spec = strategy.rules.spec((None, "batch", "length"), shape=(2, 8, 16), mesh=mesh)
@@ -1005,11 +1005,11 @@ def test_plan_generate_text_and_errors(capsys):
 
 GEN_FACTORY = '''
 from flax import nnx
-from nnx_shard.models import Transformer, get_config
+from nnx_shard.models import Decoder, get_config
 
 
 def make():
-    return Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    return Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
 
 
 def linear():
@@ -1048,9 +1048,9 @@ def test_demo_samples_through_the_cached_path(caplog):
     from flax import nnx
 
     from nnx_shard.inference import GenerationConfig, generate
-    from nnx_shard.models import Transformer
+    from nnx_shard.models import Decoder
 
-    model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # a context of 16
+    model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))  # a context of 16
     prompt = np.arange(16, dtype=np.int32) % 7
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True):

@@ -119,11 +119,11 @@ def _xla_argument_bytes(quant):
     from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard.models import Llama, get_config
+    from nnx_shard.models import Decoder, get_config
 
     strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(2)
-    model = ns.sharded_init(lambda: ns.lora(Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
+    model = ns.sharded_init(lambda: ns.lora(Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
                                             4, 8.0, targets=ALL_LINEAR, **quant), mesh, strategy)
     tokens = jnp.zeros((2, 16), jnp.int32)
     with ns.use(mesh, strategy.rules):

@@ -26,10 +26,10 @@ def main(argv: list[str]) -> int:
     import nnx_shard as ns
     from nnx_shard import _safetensors_io as st
     from nnx_shard.hf import _export_dir as export_dir
-    from nnx_shard.models import Llama, LlamaConfig
+    from nnx_shard.models import Decoder, DecoderConfig
 
     model = ns.sharded_init(
-        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(seed)), "data=8", ns.strategies.get("fsdp"))
+        lambda: Decoder(DecoderConfig(), rngs=nnx.Rngs(seed)), "data=8", ns.strategies.get("fsdp"))
     kind, _, arg = point.partition(":")
     if kind == "bytes":
         budget = [int(arg)]

@@ -31,7 +31,7 @@ from nnx_shard import _safetensors_io as st
 from nnx_shard import hf
 from nnx_shard._errors import UsageError
 from nnx_shard.hf import _files as files
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
@@ -42,7 +42,7 @@ TIED_HEAD = FIXTURES / "hf_tied_head"
 RULES = ns.strategies.get("dp").rules
 
 
-def _logits(model: Llama, tokens: np.ndarray) -> np.ndarray:
+def _logits(model: Decoder, tokens: np.ndarray) -> np.ndarray:
     mesh = next(iter(jax.tree.leaves(nnx.state(model)))).sharding.mesh
     host = np.tile(tokens, (8 // tokens.shape[0], 1))
     with ns.use(mesh, RULES):
@@ -67,16 +67,16 @@ def test_a_separate_head_is_kept_like_transformers() -> None:
 
 
 def test_a_tied_target_has_no_place_for_a_separate_head() -> None:
-    cfg = LlamaConfig.from_hf(TIED_HEAD)
+    cfg = DecoderConfig.from_hf(TIED_HEAD)
     assert cfg.tie_embeddings
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8", RULES)
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "data=8", RULES)
     with pytest.raises(UsageError, match=r"holds lm_head\.weight apart from its embedding.*"
                        r"Fix: build the target untied.*tie_embeddings=False"):
         hf.load_safetensors(TIED_HEAD, target)
     # Untied by hand, the target loads (config.json's tie flag yields to the file).
     untied = dataclasses.replace(cfg, tie_embeddings=False)
     model = hf.load_safetensors(TIED_HEAD, ns.abstract_init(
-        lambda: Llama(untied, rngs=nnx.Rngs(0)), "data=8", RULES))
+        lambda: Decoder(untied, rngs=nnx.Rngs(0)), "data=8", RULES))
     expected = dict(np.load(TIED_HEAD / "expected.npz"))
     assert_close(_logits(model, expected["tokens"]), expected["logits"], 1e-5, "untied by hand")
 

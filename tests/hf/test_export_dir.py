@@ -28,7 +28,7 @@ import nnx_shard as ns
 from nnx_shard import _safetensors_io as st
 from nnx_shard import hf
 from nnx_shard.hf import _export_dir as export_dir
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -36,9 +36,9 @@ HERE = Path(__file__).resolve().parent
 SHARD = 30_000  # several files and an index: every kind of file is written
 
 
-def _model(seed: int) -> Llama:
+def _model(seed: int) -> Decoder:
     return ns.sharded_init(
-        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(seed)), "data=8", ns.strategies.get("fsdp"))
+        lambda: Decoder(DecoderConfig(), rngs=nnx.Rngs(seed)), "data=8", ns.strategies.get("fsdp"))
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -52,7 +52,7 @@ def _arrays(model: Any) -> dict[str, np.ndarray]:
 
 def _load(folder: Path) -> dict[str, np.ndarray]:
     target = ns.abstract_init(
-        lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("fsdp"))
+        lambda: Decoder(DecoderConfig(), rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("fsdp"))
     return _arrays(hf.load_safetensors(folder, target))
 
 
@@ -311,7 +311,7 @@ def _rewrite_pid(folder: Path, pid: int) -> None:
 def test_an_abstract_model_is_refused_before_writing(tmp_path, previous) -> None:
     out = _fresh_previous(tmp_path, previous)
     before = _files(out)
-    factory = lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(0))  # noqa: E731
+    factory = lambda: Decoder(DecoderConfig(), rngs=nnx.Rngs(0))  # noqa: E731
     for abstract in (nnx.eval_shape(factory),
                      ns.abstract_init(factory, "data=8", ns.strategies.get("fsdp"))):
         with pytest.raises(ns.NnxShardError, match=r"save_safetensors: parameter "

@@ -34,7 +34,7 @@ import nnx_shard as ns
 from nnx_shard._errors import UsageError
 from nnx_shard.hf import load_pretrained
 from nnx_shard.inference import GenerationConfig, generate
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from tests._close import assert_close
 from tests._shared import load_refusal
 from tests.conftest import needs_devices
@@ -76,14 +76,14 @@ def _mesh_rules(strategy: str) -> tuple[jax.sharding.Mesh, object]:
 
 
 @functools.cache
-def _loaded(name: str, strategy: str) -> Llama:
+def _loaded(name: str, strategy: str) -> Decoder:
     mesh, rules = _mesh_rules(strategy)
     if strategy == "pp":  # a pipeline runs stacked layers
-        cfg = LlamaConfig.from_hf(FIXTURES / name, scan_layers=True)
+        cfg = DecoderConfig.from_hf(FIXTURES / name, scan_layers=True)
         return ns.hf.load_safetensors(FIXTURES / name, ns.abstract_init(
-            lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules))
+            lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, rules))
     model = load_pretrained(FIXTURES / name, mesh=mesh, rules=rules)
-    assert isinstance(model, Llama)
+    assert isinstance(model, Decoder)
     return model
 
 
@@ -102,24 +102,24 @@ def _logits(name: str, strategy: str, tokens: np.ndarray) -> np.ndarray:
 
 
 def test_family_configs_are_read() -> None:
-    qwen2 = LlamaConfig.from_hf(FIXTURES / "hf_qwen2")
+    qwen2 = DecoderConfig.from_hf(FIXTURES / "hf_qwen2")
     assert (qwen2.model_type, qwen2.family.qkv_bias, qwen2.attention_bias, qwen2.sliding_window,
             qwen2.tie_embeddings) == ("qwen2", True, False, None, True)
-    mistral = LlamaConfig.from_hf(FIXTURES / "hf_mistral")
+    mistral = DecoderConfig.from_hf(FIXTURES / "hf_mistral")
     assert (mistral.model_type, mistral.family.qkv_bias, mistral.sliding_window,
             mistral.tie_embeddings) == ("mistral", False, 5, False)
-    gemma = LlamaConfig.from_hf(FIXTURES / "hf_gemma")
+    gemma = DecoderConfig.from_hf(FIXTURES / "hf_gemma")
     assert (gemma.activation, gemma.family.embed.__name__, gemma.family.norm_offset,
             gemma.head_dim, gemma.tie_embeddings) == ("gelu_pytorch_tanh", "scale_embeddings",
                                                       True, 16, True)
     assert (mistral.activation, mistral.family.norm_offset) == ("silu", False)
-    olmo2 = LlamaConfig.from_hf(FIXTURES / "hf_olmo2")
+    olmo2 = DecoderConfig.from_hf(FIXTURES / "hf_olmo2")
     assert (olmo2.family.block.__name__, olmo2.family.qk_norm) == ("PostNormBlock", "all")
     block = _loaded("hf_olmo2", "one").blocks[0]
     assert block.attn_norm is None and block.mlp_post_norm is not None
     assert block.attn.q_norm.scale.get_value().shape == (olmo2.heads, olmo2.head_dim)
     for cfg in (qwen2, mistral, gemma, olmo2):
-        assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+        assert DecoderConfig.from_hf(cfg.to_hf()) == cfg
     model = _loaded("hf_qwen2", "one")
     attn = model.blocks[0].attn
     assert attn.q_bias is not None and attn.v_bias is not None and attn.o_bias is None
@@ -140,11 +140,11 @@ def test_family_logits_match_transformers(name: str, strategy: str) -> None:
 def test_the_window_decides_mistral_logits() -> None:
     # Without the band the logits differ: the fixture's window (5) is shorter
     # than its 16 tokens, so the test above checks the window.
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_mistral")
+    cfg = DecoderConfig.from_hf(FIXTURES / "hf_mistral")
     mesh, rules = _mesh_rules("one")
     full = ns.hf.load_safetensors(FIXTURES / "hf_mistral", ns.abstract_init(
-        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules))
-    unbanded = nnx.merge(nnx.graphdef(Llama(dataclasses.replace(cfg, sliding_window=None),
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, rules))
+    unbanded = nnx.merge(nnx.graphdef(Decoder(dataclasses.replace(cfg, sliding_window=None),
                                             rngs=nnx.Rngs(0))), nnx.state(full))
     expected = _expected("hf_mistral")
     tokens = expected["tokens"]
@@ -194,9 +194,9 @@ def _copy_with(tmp_path: Path, name: str, change: dict) -> Path:
 
 def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     # Mistral's tensors have a Llama's shapes: only the config tells them apart.
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_mistral")
+    cfg = DecoderConfig.from_hf(FIXTURES / "hf_mistral")
     llama = dataclasses.replace(cfg, model_type="llama", sliding_window=None)
-    target = ns.abstract_init(lambda: Llama(llama, rngs=nnx.Rngs(0)), "data=8",
+    target = ns.abstract_init(lambda: Decoder(llama, rngs=nnx.Rngs(0)), "data=8",
                               ns.strategies.get("dp").rules)
     with pytest.raises(UsageError) as info:
         ns.hf.load_safetensors(FIXTURES / "hf_mistral", target)
@@ -207,14 +207,14 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     assert "Fix: build the target from the checkpoint's config" in text
     # Gemma's tensors fill a Llama of its sizes too: the family (its embedding scale and
     # norm) and the activation tell them apart.
-    gemma = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "hf_gemma"), model_type="llama",
+    gemma = dataclasses.replace(DecoderConfig.from_hf(FIXTURES / "hf_gemma"), model_type="llama",
                                 activation="silu")
     text = load_refusal(FIXTURES / "hf_gemma", gemma)
     assert "2 fields differ" in text
     assert "- model_type: checkpoint 'gemma', model 'llama'" in text
     assert "- hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'" in text
     # OLMo 2's post-norms have Llama's pre-norms' shapes: the family tells them apart.
-    olmo = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "hf_olmo2"), model_type="llama")
+    olmo = dataclasses.replace(DecoderConfig.from_hf(FIXTURES / "hf_olmo2"), model_type="llama")
     assert re.search(r"(?s)differ.*- model_type: checkpoint 'olmo2', model 'llama'",
                      load_refusal(FIXTURES / "hf_olmo2", olmo))
     # A family this does not read: the fields the file states are compared.
@@ -232,8 +232,8 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
 def test_mixed_window_layers_are_refused() -> None:
     hf = json.loads((FIXTURES / "hf_qwen2" / "config.json").read_text())
     with pytest.raises(UsageError, match="sliding-window attention in some layers only"):
-        LlamaConfig.from_hf(hf | {"use_sliding_window": True, "sliding_window": 4,
+        DecoderConfig.from_hf(hf | {"use_sliding_window": True, "sliding_window": 4,
                                   "max_window_layers": 1, "layer_types": None})
-    every = LlamaConfig.from_hf(hf | {"use_sliding_window": True, "sliding_window": 4,
+    every = DecoderConfig.from_hf(hf | {"use_sliding_window": True, "sliding_window": 4,
                                       "max_window_layers": 0, "layer_types": None})
     assert every.sliding_window == 4

@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 import nnx_shard as ns
 from nnx_shard._attention import attention
 from nnx_shard._errors import UsageError
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from tests._close import assert_close
 from tests._shared import load_refusal
 from tests.conftest import needs_devices
@@ -35,19 +35,19 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HF_VENV = Path("/work/hf-venv/bin/python")
 
 
-def _cfg(name: str, **overrides: object) -> LlamaConfig:
-    return LlamaConfig.from_hf(FIXTURES / name, **overrides)
+def _cfg(name: str, **overrides: object) -> DecoderConfig:
+    return DecoderConfig.from_hf(FIXTURES / name, **overrides)
 
 
-def _model(name: str, cfg: LlamaConfig | None = None) -> Llama:
+def _model(name: str, cfg: DecoderConfig | None = None) -> Decoder:
     """The fixture's weights in a model of ``cfg`` (the fixture's own by default)."""
     own = _cfg(name)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     loaded = ns.hf.load_safetensors(FIXTURES / name, ns.abstract_init(
-        lambda: Llama(own, rngs=nnx.Rngs(0)), mesh, ns.strategies.get("dp").rules))
+        lambda: Decoder(own, rngs=nnx.Rngs(0)), mesh, ns.strategies.get("dp").rules))
     if cfg is None:
         return loaded
-    return nnx.merge(nnx.graphdef(Llama(cfg, rngs=nnx.Rngs(0))), nnx.state(loaded))
+    return nnx.merge(nnx.graphdef(Decoder(cfg, rngs=nnx.Rngs(0))), nnx.state(loaded))
 
 
 def _tokens(name: str) -> np.ndarray:
@@ -68,7 +68,7 @@ def test_new_family_configs_are_read() -> None:
     assert (phi.model_type, phi.head_dim, phi.sliding_window, phi.tie_embeddings) == (
         "phi3", 8, None, False)
     for cfg, name in ((g2, "hf_gemma2"), (g3, "hf_gemma3_text"), (phi, "hf_phi3")):
-        assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+        assert DecoderConfig.from_hf(cfg.to_hf()) == cfg
         params = nnx.state(_model(name), nnx.Param)
         assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
     block = _model("hf_gemma2").blocks[0]
@@ -98,7 +98,7 @@ def test_phi3_export_writes_the_fused_tensors_back(tmp_path: Path) -> None:
     s = ns.strategies.get("fsdp_tp")
     cfg = _cfg("hf_phi3", scan_layers=True)
     model = ns.hf.load_safetensors(FIXTURES / "hf_phi3", ns.abstract_init(
-        lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s))
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s))
     want = load_file(FIXTURES / "hf_phi3" / "model.safetensors")
     assert want["model.layers.1.self_attn.qkv_proj.weight"].shape == (64, 32)
     for out, kwargs in ((tmp_path / "one", {}), (tmp_path / "split", {"max_shard_bytes": 12_000})):
@@ -114,7 +114,7 @@ def test_phi3_export_writes_the_fused_tensors_back(tmp_path: Path) -> None:
             index = json.loads((out / "model.safetensors.index.json").read_text())
             assert len(files) > 1 and sorted(index["weight_map"]) == sorted(want)
         again = ns.hf.load_safetensors(out, ns.abstract_init(
-            lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s))
+            lambda: Decoder(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s))
         for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)),
                         strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -146,7 +146,7 @@ def test_phi3_fused_tensor_of_other_rows_is_named(tmp_path: Path) -> None:
     cfg = dataclasses.replace(_cfg("hf_phi3"), kv_heads=4)  # q/k/v rows 32 + 32 + 32 != 64
     with pytest.raises(UsageError) as info:
         ns.hf.load_safetensors(FIXTURES / "hf_phi3", ns.abstract_init(
-            lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp").rules))
+            lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp").rules))
     assert "num_key_value_heads: checkpoint 2, model 4" in str(info.value)
     # Without its config.json the tensor itself is checked against the model.
     bare = tmp_path / "phi3"
@@ -156,7 +156,7 @@ def test_phi3_fused_tensor_of_other_rows_is_named(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"fused tensor 'model\.layers\.0\.self_attn\.qkv_proj"
                        r"\.weight' has shape \[64, 32\]; the config stacks 32 \+ 32 \+ 32"):
         ns.hf.load_safetensors(bare, ns.abstract_init(
-            lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp").rules))
+            lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "data=8", ns.strategies.get("dp").rules))
 
 
 def test_load_compares_the_new_fields() -> None:

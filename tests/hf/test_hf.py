@@ -32,7 +32,7 @@ from nnx_shard import _safetensors_io as safetensors_io
 from nnx_shard import hf
 from nnx_shard.hf import _files as files
 from nnx_shard.hf import _mapping as mapping
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from nnx_shard.planner import compiled_collectives
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -58,10 +58,10 @@ def _mesh(strategy: str) -> jax.sharding.Mesh:
     return ns.strategies.get(strategy).make_mesh(8)
 
 
-def _target(name: str, strategy: str, **overrides: object) -> Llama:
-    cfg = LlamaConfig.from_hf(FIXTURES / name, **overrides)
+def _target(name: str, strategy: str, **overrides: object) -> Decoder:
+    cfg = DecoderConfig.from_hf(FIXTURES / name, **overrides)
     s = ns.strategies.get(strategy)
-    return ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), _mesh(strategy), s)
+    return ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), _mesh(strategy), s)
 
 
 def _hf_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -76,7 +76,7 @@ def _forward(strategy: str):  # one jitted call per strategy: traced under its r
     return nnx.jit(lambda m, t: m(t))
 
 
-def _logits(model: Llama, strategy: str, tokens: np.ndarray) -> np.ndarray:
+def _logits(model: Decoder, strategy: str, tokens: np.ndarray) -> np.ndarray:
     s = ns.strategies.get(strategy)
     mesh = next(iter(jax.tree.leaves(nnx.state(model)))).sharding.mesh
     rows = tokens.shape[0]
@@ -86,7 +86,7 @@ def _logits(model: Llama, strategy: str, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(out)[:rows]
 
 
-def _same_arrays(a: Llama, b: Llama) -> None:
+def _same_arrays(a: Decoder, b: Decoder) -> None:
     for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a)),
                                  nnx.to_flat_state(nnx.state(b)), strict=True):
         np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()),
@@ -94,7 +94,7 @@ def _same_arrays(a: Llama, b: Llama) -> None:
 
 
 @functools.cache
-def _loaded(name: str, strategy: str) -> Llama:
+def _loaded(name: str, strategy: str) -> Decoder:
     return hf.load_safetensors(FIXTURES / name, _target(name, strategy))
 
 
@@ -114,11 +114,11 @@ def test_fixture_logits_match_transformers(name: str, strategy: str) -> None:
 
 def test_explicit_mesh_axes() -> None:
     # A target on Explicit axes (JAX's sharding in types) gets arrays typed so.
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_qwen3")
+    cfg = DecoderConfig.from_hf(FIXTURES / "hf_qwen3")
     s = ns.strategies.get("fsdp_tp")
     mesh = s.make_mesh(8, axis_types="explicit")
     model = hf.load_safetensors(FIXTURES / "hf_qwen3", ns.abstract_init(
-        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s))
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s))
     q = model.blocks[0].attn.q.get_value()
     assert q.sharding.mesh.axis_types == (jax.sharding.AxisType.Explicit,) * 2
     assert q.sharding.spec == jax.P("data", "model", None)
@@ -213,7 +213,7 @@ def test_save_then_load_is_bitwise_and_transformers_layout(tmp_path) -> None:
     for key in original:
         np.testing.assert_array_equal(saved[key], original[key], err_msg=key)
     config = json.loads((tmp_path / "one" / "config.json").read_text())
-    assert LlamaConfig.from_hf(config) == model.cfg
+    assert DecoderConfig.from_hf(config) == model.cfg
     # From a stacked model on a pipeline mesh, split over files: the same checkpoint.
     stacked = hf.load_safetensors(tmp_path / "one", _target(name, "pp_tp", scan_layers=True))
     hf.save_safetensors(tmp_path / "many", stacked, max_shard_bytes=20_000)
@@ -297,7 +297,7 @@ def test_missing_files_and_targets(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="lists 1 files that are not there: "
                        "part-1.safetensors"):
         hf.load_safetensors(tmp_path, _target("hf_llama", "dp"))
-    plain = nnx.eval_shape(lambda: Llama(LlamaConfig.from_hf(FIXTURES / "hf_llama"),
+    plain = nnx.eval_shape(lambda: Decoder(DecoderConfig.from_hf(FIXTURES / "hf_llama"),
                                          rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"carry no NamedSharding .* Fix: build the target "
                        r"with ns.abstract_init"):
@@ -388,7 +388,7 @@ def test_two_processes_save_one_checkpoint(tmp_path) -> None:
 
 
 def _small_llama():
-    return nnx.eval_shape(lambda: Llama(LlamaConfig(), rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: Decoder(DecoderConfig(), rngs=nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize("path", [None, 5, b"dir", ""])
@@ -396,11 +396,11 @@ def test_paths_that_are_not_paths_are_named(path):
     with pytest.raises(ns.UsageError, match=r"load_safetensors: path must be a directory path"):
         hf.load_safetensors(path, _small_llama())
     with pytest.raises(ns.UsageError, match=r"save_safetensors: path must be a directory path"):
-        hf.save_safetensors(path, Llama(LlamaConfig(), rngs=nnx.Rngs(0)))
+        hf.save_safetensors(path, Decoder(DecoderConfig(), rngs=nnx.Rngs(0)))
 
 
 def test_save_and_load_refuse_wrong_arguments(tmp_path):
-    model = Llama(LlamaConfig(), rngs=nnx.Rngs(0))
+    model = Decoder(DecoderConfig(), rngs=nnx.Rngs(0))
     (tmp_path / "afile").write_text("keep me")
     with pytest.raises(FileExistsError, match=r"path '.*afile' is a file, not a directory"):
         hf.save_safetensors(tmp_path / "afile", model)

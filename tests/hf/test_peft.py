@@ -23,7 +23,7 @@ import nnx_shard as ns
 from nnx_shard import _safetensors_io as st
 from nnx_shard._low_rank import adapters
 from nnx_shard.hf import load_pretrained
-from nnx_shard.models import Llama, LlamaConfig, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -36,11 +36,11 @@ def _expected():
 
 
 def _base(strategy, mesh, scan=False):
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
+    cfg = DecoderConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
     if scan:
         import dataclasses
         cfg = dataclasses.replace(cfg, scan_layers=True)
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     return ns.hf.load_safetensors(FIXTURES / "hf_llama", target)
 
 
@@ -308,7 +308,7 @@ def test_load_lora_layers_to_transform_onto_stacked_blocks():
 def _tiny(rank=2, alpha=4.0, targets=r"attn/q$", seed=0):
     from nnx_shard.models import get_config
 
-    model = ns.lora(Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), rank, alpha,
+    model = ns.lora(Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)), rank, alpha,
                     targets=targets, rngs=seed)
     for i, node in enumerate(adapters(model).values()):
         node.lora_b.set_value(jax.random.normal(jax.random.key(seed * 100 + i), node.lora_b.shape))
@@ -338,7 +338,7 @@ def test_save_lora_some_layers_reads_back_through_its_regex(tmp_path):
     ns.hf.save_lora(tmp_path / "a", model)
     assert isinstance(json.loads((tmp_path / "a" / "adapter_config.json").read_text())[
         "target_modules"], str)
-    back = ns.hf.load_lora(tmp_path / "a", Llama(model.cfg, rngs=nnx.Rngs(0)))
+    back = ns.hf.load_lora(tmp_path / "a", Decoder(model.cfg, rngs=nnx.Rngs(0)))
     assert sorted(adapters(back)) == ["blocks/0/mlp/up", "blocks/1/attn/q"]
     np.testing.assert_array_equal(np.asarray(back.blocks[1].attn.lora_q.lora_b[...]),
                                   np.asarray(model.blocks[1].attn.lora_q.lora_b[...]))
@@ -448,7 +448,7 @@ def test_save_lora_killed_midway_leaves_the_previous_adapter(tmp_path):
                           text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert done.returncode == -9, done.stderr
     assert _same(_files(out), before)
-    back = ns.hf.load_lora(out, Llama(old.cfg, rngs=nnx.Rngs(0)))
+    back = ns.hf.load_lora(out, Decoder(old.cfg, rngs=nnx.Rngs(0)))
     assert {n.scale for n in adapters(back).values()} == {4.0}
     left, = [p for p in os.listdir(tmp_path) if p != "adapter"]  # the killed save's folder
     assert left.startswith(".adapter.save_lora-")

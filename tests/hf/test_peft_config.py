@@ -33,10 +33,10 @@ def _folder(tmp_path, **changes):
 def _model():
     from flax import nnx
 
-    from nnx_shard.models import Llama, LlamaConfig
+    from nnx_shard.models import Decoder, DecoderConfig
 
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
-    return ns.hf.load_safetensors(FIXTURES / "hf_llama", Llama(cfg, rngs=nnx.Rngs(0)))
+    cfg = DecoderConfig.from_hf(FIXTURES / "hf_llama" / "config.json")
+    return ns.hf.load_safetensors(FIXTURES / "hf_llama", Decoder(cfg, rngs=nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize(("field", "value"), [

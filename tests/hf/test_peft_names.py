@@ -20,7 +20,7 @@ from nnx_shard import _safetensors_io as st
 from nnx_shard._low_rank import Adapter, adapters
 from nnx_shard.hf._peft import trained_in_full
 from nnx_shard.hf._peft_names import kernel_module, model_modules
-from nnx_shard.models import Llama, LlamaConfig, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -30,12 +30,12 @@ CASES = ["patterns", "rslora", "modules_to_save", "embedding", "dropout", "phi3_
 
 
 def _base(family, strategy=None, mesh=None, scan=False):
-    cfg = LlamaConfig.from_hf(FIXTURES / f"hf_{family}" / "config.json")
+    cfg = DecoderConfig.from_hf(FIXTURES / f"hf_{family}" / "config.json")
     if scan:
         cfg = dataclasses.replace(cfg, scan_layers=True)
     if strategy is None:
-        return ns.hf.load_safetensors(FIXTURES / f"hf_{family}", Llama(cfg, rngs=nnx.Rngs(0)))
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+        return ns.hf.load_safetensors(FIXTURES / f"hf_{family}", Decoder(cfg, rngs=nnx.Rngs(0)))
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     return ns.hf.load_safetensors(FIXTURES / f"hf_{family}", target)
 
 

@@ -28,7 +28,7 @@ from nnx_shard._errors import NnxShardError, UsageError
 from nnx_shard._low_rank import adapters
 from nnx_shard.hf import _export_dir as export_dir
 from nnx_shard.hf import load_pretrained, source_of
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -127,7 +127,7 @@ def test_source_argument_for_a_model_built_by_hand(tmp_path):
     src = make_source(tmp_path / "src")
     s = ns.strategies.get("fsdp_tp")
     model = ns.hf.load_safetensors(src, ns.abstract_init(
-        lambda: Llama(LlamaConfig.from_hf(src), rngs=nnx.Rngs(0)), "data=4,model=2", s))
+        lambda: Decoder(DecoderConfig.from_hf(src), rngs=nnx.Rngs(0)), "data=4,model=2", s))
     assert source_of(model) is None
     ns.hf.save_safetensors(tmp_path / "plain", model)  # no source: the model's own config only
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [
@@ -144,8 +144,8 @@ def test_source_argument_for_a_model_built_by_hand(tmp_path):
 
 def test_a_model_that_computes_otherwise_than_its_source_is_refused(tmp_path):
     src = make_source(tmp_path / "src")
-    cfg = dataclasses.replace(LlamaConfig.from_hf(src), activation="gelu_pytorch_tanh")
-    model = ns.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+    cfg = dataclasses.replace(DecoderConfig.from_hf(src), activation="gelu_pytorch_tanh")
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
                             "data=8", ns.strategies.get("fsdp"))
     with pytest.raises(UsageError, match=r"(?s)differs from its source .*hidden_act.*source=False"):
         ns.hf.save_safetensors(tmp_path / "out", model, source=src)
@@ -349,8 +349,8 @@ def test_a_checkpoint_file_swapped_for_a_link_while_it_loads_is_never_read(
         _sharded(src)
     opened = _swap_on_open(monkeypatch, name, _private_swap(src, name, how))
     with pytest.raises(UsageError) as e:
-        if name == "config.json":  # LlamaConfig.from_hf reads it as load_pretrained does
-            LlamaConfig.from_hf(src)
+        if name == "config.json":  # DecoderConfig.from_hf reads it as load_pretrained does
+            DecoderConfig.from_hf(src)
         else:
             load(src)
     monkeypatch.undo()
@@ -363,10 +363,10 @@ def test_a_checkpoint_file_swapped_for_a_link_while_it_loads_is_never_read(
 
 def test_a_checkpoint_config_linked_inside_its_hub_cache_repository_loads(tmp_path):
     snap = _hub_snapshot(tmp_path / "hub")
-    assert LlamaConfig.from_hf(snap) == LlamaConfig.from_hf(FIXTURES / "hf_publish")
+    assert DecoderConfig.from_hf(snap) == DecoderConfig.from_hf(FIXTURES / "hf_publish")
     # A config.json named itself may be a link anywhere: the name given is what is read.
     (tmp_path / "named.json").symlink_to(snap / "config.json")
-    assert LlamaConfig.from_hf(tmp_path / "named.json") == LlamaConfig.from_hf(snap)
+    assert DecoderConfig.from_hf(tmp_path / "named.json") == DecoderConfig.from_hf(snap)
 
 
 def _weights(model: nnx.Module) -> dict[str, np.ndarray]:

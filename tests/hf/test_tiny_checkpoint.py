@@ -21,7 +21,7 @@ import nnx_shard as ns
 from nnx_shard.cli import main
 from nnx_shard.hf import _tiny
 from nnx_shard.inference import Tokenizer
-from nnx_shard.models import Llama
+from nnx_shard.models import Decoder
 from nnx_shard.models._families import family_of, model_types
 
 FAMILIES = ["llama", "qwen3", "qwen2", "mistral", "gemma", "olmo2", "gemma2", "gemma3_text",
@@ -53,7 +53,7 @@ def test_the_seed_decides_the_weights(tmp_path):
     folder = ns.hf.tiny_checkpoint(tmp_path / "a", tokenizer=False, seed=3, layers=3)
     model = ns.hf.load_pretrained(folder, mesh="data=-1", rules=ns.strategies.get("dp").rules)
     assert model.cfg.layers == 3
-    again = Llama(model.cfg, rngs=nnx.Rngs(3))
+    again = Decoder(model.cfg, rngs=nnx.Rngs(3))
     other = ns.hf.tiny_checkpoint(tmp_path / "b", tokenizer=False, seed=4)
     assert np.array_equal(model.token_embed.get_value(), again.token_embed.get_value())
     assert (other / "model.safetensors").read_bytes() != (folder / "model.safetensors").read_bytes()
@@ -122,13 +122,13 @@ def test_the_command_writes_one(tmp_path, capsys):
                              "the tiny llama has 43,168"]),
     ({"vocab": 10**7, "embed": 64}, ["vocab=10000000, embed=64 would build",
                                      "smaller vocab and embed"]),
-    ({"embed": 0}, ["tiny_checkpoint: LlamaConfig.embed must be >= 1"]),
+    ({"embed": 0}, ["tiny_checkpoint: DecoderConfig.embed must be >= 1"]),
 ])
 def test_arguments_are_checked_before_anything_is_built(tmp_path, monkeypatch, kwargs, words):
     def no_build(*args, **kw):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr(_tiny, "Llama", no_build)
+    monkeypatch.setattr(_tiny, "Decoder", no_build)
     with pytest.raises(ns.UsageError, match="^tiny_checkpoint: ") as err:
         ns.hf.tiny_checkpoint(tmp_path / "out", "llama", **kwargs)
     for w in words:
@@ -186,7 +186,7 @@ def test_a_tokenizer_that_cannot_be_written_names_the_path(tmp_path, monkeypatch
         raise AssertionError("the model was built before the tokenizer's files were written")
 
     monkeypatch.setattr(_tiny, "_tokenizer", Full)
-    monkeypatch.setattr(_tiny, "Llama", no_build)
+    monkeypatch.setattr(_tiny, "Decoder", no_build)
     with pytest.raises(OSError, match="could not write the tokenizer files for path ") as err:
         ns.hf.tiny_checkpoint(tmp_path / "out")
     assert isinstance(err.value, ns.NnxShardError)

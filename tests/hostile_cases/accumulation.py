@@ -82,9 +82,9 @@ def build(hs: Any) -> None:
     def lm(batch: Any) -> Any:
         from flax import nnx
 
-        from nnx_shard.models import Transformer, get_config, lm_loss
+        from nnx_shard.models import Decoder, get_config, lm_loss
 
-        model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+        model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
         return ns().value_and_grad(lm_loss, microbatches=2)(model, batch)
 
     def tokens() -> Any:

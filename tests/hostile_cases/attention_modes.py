@@ -23,10 +23,10 @@ def build(hs: Any) -> None:
         from flax import nnx
 
         import nnx_shard as ns
-        from nnx_shard.models import Transformer, get_config
+        from nnx_shard.models import Decoder, get_config
 
         rules = ns.strategies.get("dp").rules.with_options(attention=value)
-        m = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+        m = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
         with ns.use("data=8", rules):
             return m(jnp.zeros((8, 16), jnp.int32), attention_mask=jnp.ones((8, 16), bool))
 

@@ -72,13 +72,13 @@ def build(hs: Any) -> None:
         import optax
         from flax import nnx
 
-        from nnx_shard.models import Llama, LlamaConfig, lm_loss
+        from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 
-        cfg = LlamaConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
+        cfg = DecoderConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
                           layers=1, max_length=16)
         s = ns().strategies.get("dp")
         mesh = s.make_mesh(8)
-        model = ns().sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s)
+        model = ns().sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
         opt = ns().sharded_optimizer(model, optax.sgd(0.1), mesh, s)
         trainer = ns().Trainer(model, opt, lm_loss, mesh=mesh, rules=s, steps_per_call=2)
         tokens = np.ones((8, 8), np.int32)
@@ -109,14 +109,14 @@ def build(hs: Any) -> None:
         import numpy as np
         from flax import nnx
 
-        from nnx_shard.models import Llama, LlamaConfig, Transformer, TransformerConfig
+        from nnx_shard.models import Decoder, DecoderConfig, ReferenceConfig
 
         if kind not in made:
             made[kind] = (
-                Llama(LlamaConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
+                Decoder(DecoderConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
                                   layers=1, max_length=16), rngs=nnx.Rngs(0))
                 if kind == "llama" else
-                Transformer(TransformerConfig(vocab=32, length=16, embed=16, heads=2,
+                Decoder(ReferenceConfig(vocab=32, length=16, embed=16, heads=2,
                                               head_dim=8, mlp=32, layers=1), rngs=nnx.Rngs(0)))
         model = made[kind]
         tokens = np.array([[1, value, 2]], np.int32)

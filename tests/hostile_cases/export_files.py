@@ -310,8 +310,8 @@ def build(hs: Any) -> None:
     def tied_target() -> Any:
         from flax import nnx
 
-        cfg = ns().models.LlamaConfig.from_hf(FIXTURES / "hf_tied_head")
-        target = ns().abstract_init(lambda: ns().models.Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
+        cfg = ns().models.DecoderConfig.from_hf(FIXTURES / "hf_tied_head")
+        target = ns().abstract_init(lambda: ns().models.Decoder(cfg, rngs=nnx.Rngs(0)), "data=8",
                                     ns().strategies.get("dp"))
         return ns().hf.load_safetensors(FIXTURES / "hf_tied_head", target)
 

@@ -109,10 +109,10 @@ def build(hs: Any) -> None:
         from flax import nnx
 
         folder = source("differs")
-        cfg = dataclasses.replace(ns().models.LlamaConfig.from_hf(folder),
+        cfg = dataclasses.replace(ns().models.DecoderConfig.from_hf(folder),
                                   activation="gelu_pytorch_tanh")
         model = ns().sharded_init(
-            lambda: ns().models.Llama(cfg, rngs=nnx.Rngs(0)), "data=8", ns().strategies.get("dp"))
+            lambda: ns().models.Decoder(cfg, rngs=nnx.Rngs(0)), "data=8", ns().strategies.get("dp"))
         return save_nothing("differs", model, source=folder)
 
     hs.api("export_meta/model_differs_from_source", ("source", "hidden_act"), differs)

@@ -46,15 +46,15 @@ def build(hs: Any) -> None:
         from flax import nnx
 
         import nnx_shard as ns
-        from nnx_shard.models import Llama, LlamaConfig
+        from nnx_shard.models import Decoder, DecoderConfig
         from nnx_shard.models._families import OPTIONAL_FIELDS
 
-        # The fixture's sizes as a plain Llama: only Llama's own fields kept.
+        # The fixture's sizes as a plain Decoder: only Llama's own fields kept.
         absent = {k: v for k, v in OPTIONAL_FIELDS.items() if k not in ("attention_bias",
                                                                          "mlp_bias")}
-        cfg = dataclasses.replace(LlamaConfig.from_hf(os.path.join(_FIXTURES, name)),
+        cfg = dataclasses.replace(DecoderConfig.from_hf(os.path.join(_FIXTURES, name)),
                                   model_type="llama", activation="silu", **absent)
-        target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), "data=8",
+        target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
         return ns.hf.load_safetensors(copy(name, change), target)
 

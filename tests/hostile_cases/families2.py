@@ -1,6 +1,6 @@
 """Hostile cases of the Gemma 2, Gemma 3 and Phi-3 options: soft-caps, query scales
 and window layers that are no such values (in ``config.json`` and in
-``LlamaConfig``), Phi-3 options the model does not implement, a fused tensor of
+``DecoderConfig``), Phi-3 options the model does not implement, a fused tensor of
 other rows, cuDNN asked to soft-cap, and a Gemma 2 checkpoint loaded into a model
 without its options."""
 
@@ -36,9 +36,9 @@ def build(hs: Any) -> None:
         return out
 
     def cfg(**kw: Any) -> Any:
-        from nnx_shard.models import LlamaConfig
+        from nnx_shard.models import DecoderConfig
 
-        return LlamaConfig(**{"model_type": "gemma2", **kw})  # the family with these fields
+        return DecoderConfig(**{"model_type": "gemma2", **kw})  # the family with these fields
 
     def into(name: str, **change: Any) -> Any:
         import dataclasses
@@ -46,10 +46,10 @@ def build(hs: Any) -> None:
         from flax import nnx
 
         import nnx_shard as ns
-        from nnx_shard.models import Llama, LlamaConfig
+        from nnx_shard.models import Decoder, DecoderConfig
 
-        c = dataclasses.replace(LlamaConfig.from_hf(os.path.join(_FIXTURES, name)), **change)
-        target = ns.abstract_init(lambda: Llama(c, rngs=nnx.Rngs(0)), "data=8",
+        c = dataclasses.replace(DecoderConfig.from_hf(os.path.join(_FIXTURES, name)), **change)
+        target = ns.abstract_init(lambda: Decoder(c, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
         return ns.hf.load_safetensors(os.path.join(_FIXTURES, name), target)
 
@@ -67,13 +67,13 @@ def build(hs: Any) -> None:
         from flax import nnx
 
         import nnx_shard as ns
-        from nnx_shard.models import Llama, LlamaConfig
+        from nnx_shard.models import Decoder, DecoderConfig
 
         out = F.dir("families2_phi3_bare")
         shutil.copy(os.path.join(_FIXTURES, "hf_phi3", "model.safetensors"), out)
-        c = dataclasses.replace(LlamaConfig.from_hf(os.path.join(_FIXTURES, "hf_phi3")),
+        c = dataclasses.replace(DecoderConfig.from_hf(os.path.join(_FIXTURES, "hf_phi3")),
                                 mlp=48)
-        target = ns.abstract_init(lambda: Llama(c, rngs=nnx.Rngs(0)), "data=8",
+        target = ns.abstract_init(lambda: Decoder(c, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
         return ns.hf.load_safetensors(out, target)
 

@@ -18,9 +18,9 @@ def build(hs: Any) -> None:
     def tiny() -> Any:
         from flax import nnx
 
-        from nnx_shard.models import Llama, get_config
+        from nnx_shard.models import Decoder, get_config
 
-        return Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+        return Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
 
     def tok() -> Any:
         from nnx_shard.inference import Tokenizer

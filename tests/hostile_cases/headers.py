@@ -183,14 +183,14 @@ def build(hs: Any) -> None:
     # config.json -----------------------------------------------------------------------------
     def config(label: str, content: Any) -> Callable[[], Any]:
         def fn() -> Any:
-            from nnx_shard.models import LlamaConfig
+            from nnx_shard.models import DecoderConfig
 
             folder = F.dir(f"config_{label}")
             text = content if isinstance(content, str | bytes) else json.dumps(content)
             mode = "wb" if isinstance(text, bytes) else "w"
             with open(os.path.join(folder, "config.json"), mode) as f:
                 f.write(text)
-            return LlamaConfig.from_hf(folder)
+            return DecoderConfig.from_hf(folder)
 
         return fn
 
@@ -265,6 +265,6 @@ def _fixture_llama() -> Any:
     is read)."""
     from flax import nnx
 
-    from nnx_shard.models import Llama, LlamaConfig
+    from nnx_shard.models import Decoder, DecoderConfig
 
-    return Llama(LlamaConfig.from_hf(os.path.join(FIXTURES, "hf_llama")), rngs=nnx.Rngs(0))
+    return Decoder(DecoderConfig.from_hf(os.path.join(FIXTURES, "hf_llama")), rngs=nnx.Rngs(0))

@@ -17,11 +17,11 @@ def build(hs: Any) -> None:
     def tiny(kind: str = "llama") -> Any:
         from flax import nnx
 
-        from nnx_shard.models import Llama, Transformer, get_config
+        from nnx_shard.models import Decoder, get_config
 
         if kind == "llama":
-            return Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
-        return Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+            return Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+        return Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
 
     def call(kind: str = "llama", **kw: Any) -> Any:
         import numpy as np

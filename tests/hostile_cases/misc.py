@@ -35,9 +35,9 @@ def build(hs: Any) -> None:
     def tiny() -> Any:
         from flax import nnx
 
-        from nnx_shard.models import Transformer, get_config
+        from nnx_shard.models import Decoder, get_config
 
-        return Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+        return Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
 
     def gen(model: Any = None, prompt: Any = ((1, 2, 3),), **kw: Any) -> Any:
         from nnx_shard.inference import generate

@@ -78,7 +78,7 @@ def build(hs: Any) -> None:
     def abstract() -> Any:
         from flax import nnx
 
-        model = ns().abstract_init(lambda: ns().models.Llama(ns().models.LlamaConfig(),
+        model = ns().abstract_init(lambda: ns().models.Decoder(ns().models.DecoderConfig(),
                                                                rngs=nnx.Rngs(0)),
                                    "data=8", ns().strategies.get("fsdp"))
         return ns().models.resize_token_embeddings(model, 136)
@@ -120,7 +120,7 @@ def build(hs: Any) -> None:
     def tp_model() -> Any:
         from flax import nnx
 
-        return ns().sharded_init(lambda: ns().models.Llama(ns().models.LlamaConfig(),
+        return ns().sharded_init(lambda: ns().models.Decoder(ns().models.DecoderConfig(),
                                                              rngs=nnx.Rngs(0)),
                                  "data=4,model=2", ns().strategies.get("tp"))
 

@@ -3,7 +3,7 @@ write: a source's tokenizer file (or the source folder itself) swapped for a lin
 private file between its check and its open, or replaced by a FIFO; the files a load
 reads from its checkpoint or adapter folder (``config.json``, ``generation_config.json``,
 the index, a weight shard, ``adapter_config.json``, ``adapter_model.safetensors``)
-swapped the same way while ``load_pretrained``, ``LlamaConfig.from_hf`` or ``load_lora``
+swapped the same way while ``load_pretrained``, ``DecoderConfig.from_hf`` or ``load_lora``
 reads them; a model resized
 away from its source's vocabulary while the source's tokenizer would be copied beside
 it; a ``tokenizer=`` that is not a Tokenizer, has more ids than the model, or comes with
@@ -146,7 +146,7 @@ def build(hs: Any) -> None:
     def config_swapped(label: str, how: str) -> Any:
         folder = source(label)
         return swapping(folder, "config.json", how,
-                        lambda: ns().models.LlamaConfig.from_hf(folder))
+                        lambda: ns().models.DecoderConfig.from_hf(folder))
 
     hs.api("r6export/config_json_swapped_for_a_link_while_it_loads",
            ("config.json", "outside the checkpoint folder"),

@@ -21,21 +21,21 @@ def build(hs: Any) -> None:
     F = hs.F
 
     def cfg(**kw: Any) -> Any:
-        from nnx_shard.models import LlamaConfig
+        from nnx_shard.models import DecoderConfig
 
-        return LlamaConfig(**kw)
+        return DecoderConfig(**kw)
 
     def from_hf(change: dict[str, Any], base: str | None = None) -> Any:
-        """``LlamaConfig.from_hf`` of the fixture ``base``'s config.json (default: the
+        """``DecoderConfig.from_hf`` of the fixture ``base``'s config.json (default: the
         tiny Llama's own, whose rotary keys are top-level) with ``change``."""
-        from nnx_shard.models import LlamaConfig
+        from nnx_shard.models import DecoderConfig
 
         if base is None:
-            hf = LlamaConfig().to_hf()
+            hf = DecoderConfig().to_hf()
         else:
             with open(os.path.join(_FIXTURES, base, "config.json")) as f:
                 hf = json.load(f)
-        return LlamaConfig.from_hf(hf | change)
+        return DecoderConfig.from_hf(hf | change)
 
     def load(change: dict[str, Any], base: str = "hf_llama") -> Any:
         import nnx_shard as ns
@@ -60,7 +60,7 @@ def build(hs: Any) -> None:
         import nnx_shard as ns
 
         c = config()
-        logits = ns.models.Llama(c, rngs=nnx.Rngs(0))(jnp.ones((2, 8), jnp.int32))
+        logits = ns.models.Decoder(c, rngs=nnx.Rngs(0))(jnp.ones((2, 8), jnp.int32))
         if not np.all(np.isfinite(np.asarray(logits))):
             raise AssertionError(f"accepted rotary config gives non-finite logits: {c}")
         return logits
@@ -87,8 +87,8 @@ def build(hs: Any) -> None:
                                                                "factor": 2.0}}, "head_dim"),
     ]
     for label, kw, names in rope_bad:
-        hs.api(f"r6models/LlamaConfig/{label}", names, lambda kw=kw: forward(lambda: cfg(**kw)))
-    hs.api("r6models/LlamaConfig/gemma3_local_theta_1e-50", "rope_local_theta",
+        hs.api(f"r6models/DecoderConfig/{label}", names, lambda kw=kw: forward(lambda: cfg(**kw)))
+    hs.api("r6models/DecoderConfig/gemma3_local_theta_1e-50", "rope_local_theta",
            lambda: forward(lambda: cfg(model_type="gemma3_text", sliding_window=4,
                                        rope_local_theta=1e-50)))
 
@@ -191,14 +191,14 @@ def build(hs: Any) -> None:
 
         import nnx_shard as ns
 
-        return lambda: ns.models.Llama(cfg(**kw), rngs=nnx.Rngs(0))
+        return lambda: ns.models.Decoder(cfg(**kw), rngs=nnx.Rngs(0))
 
     def transformer(**kw: Any) -> Any:
         from flax import nnx
 
         import nnx_shard as ns
 
-        return lambda: ns.models.Transformer(ns.models.TransformerConfig(**kw),
+        return lambda: ns.models.Decoder(ns.models.ReferenceConfig(**kw),
                                              rngs=nnx.Rngs(0))
 
     mixtral = {"model_type": "mixtral", "experts": 4}
@@ -227,7 +227,7 @@ def build(hs: Any) -> None:
         rules = ns.strategies.get("dp").rules
         model = nnx.eval_shape(lambda: ns.hf.load_pretrained(path, mesh="data=8", rules=rules))
         value = model.blocks[0].mlp.up.get_value()
-        want = ns.models.LlamaConfig.from_hf(path)
+        want = ns.models.DecoderConfig.from_hf(path)
         if not isinstance(value, jax.ShapeDtypeStruct) or value.shape != (want.embed, want.mlp):
             raise AssertionError(f"eval_shape(load_pretrained) gave {value!r}")
         raise hs._Documented("nnx.eval_shape(load_pretrained) gives the abstract model "

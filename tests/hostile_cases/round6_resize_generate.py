@@ -60,7 +60,7 @@ def build(hs: Any) -> None:
         strategy = ns().strategies.get("dp")
 
         def factory() -> Any:
-            model = ns().models.Llama(ns().models.LlamaConfig(embed=128, mlp=128),
+            model = ns().models.Decoder(ns().models.DecoderConfig(embed=128, mlp=128),
                                       rngs=nnx.Rngs(0))
             return ns().lora(model, 2, 4.0, targets="mlp/(gate|up)$", quantize=kind[0])
 
@@ -118,7 +118,7 @@ def build(hs: Any) -> None:
     def llama(embed: int = 64, **kw: Any) -> Any:
         from flax import nnx
 
-        return ns().models.Llama(ns().models.LlamaConfig(embed=embed, **kw), rngs=nnx.Rngs(0))
+        return ns().models.Decoder(ns().models.DecoderConfig(embed=embed, **kw), rngs=nnx.Rngs(0))
 
     def adapted(targets: str, quantize: str | None = None, embed: int = 64) -> Any:
         return ns().lora(llama(embed), 2, 4.0, targets=targets, quantize=quantize)
@@ -160,9 +160,9 @@ def build(hs: Any) -> None:
     def tiny() -> Any:
         from flax import nnx
 
-        from nnx_shard.models import Llama, get_config
+        from nnx_shard.models import Decoder, get_config
 
-        return Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+        return Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
 
     def gen(new: Any = 4, length: int = 4, fn: str = "generate", **kw: Any) -> Any:
         import numpy as np

@@ -41,8 +41,8 @@ def build(hs: Any) -> None:
         import jax.numpy as jnp
         from flax import nnx
 
-        cfg = ns().models.TransformerConfig(layers=4, scan_layers=True)
-        model = nnx.eval_shape(lambda: ns().models.Transformer(cfg, rngs=nnx.Rngs(0)))
+        cfg = ns().models.ReferenceConfig(layers=4, scan_layers=True)
+        model = nnx.eval_shape(lambda: ns().models.Decoder(cfg, rngs=nnx.Rngs(0)))
         args = {"carry": jax.ShapeDtypeStruct((8, 16, cfg.embed), jnp.float32),
                 "microbatches": 4, **kw}
         return ns().pipeline.stage_report(model, "stage=4,data=2", "pp", **args)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from nnx_shard import UsageError
 from nnx_shard.inference import GenerationConfig, Tokenizer, generate, generate_text, stream
-from nnx_shard.models import Transformer, get_config
+from nnx_shard.models import Decoder, get_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -30,8 +30,8 @@ TRANSFORMERS_DEFAULTS = {
 OURS = {"return_logprobs": False}
 
 
-def _tiny() -> Transformer:
-    return Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+def _tiny() -> Decoder:
+    return Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
 
 
 def test_field_names_and_defaults_are_transformers() -> None:

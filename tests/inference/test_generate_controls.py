@@ -1,7 +1,7 @@
 """nnx_shard.inference.generate's controls against transformers: min_new_tokens,
 no_repeat_ngram_size, stop_strings and num_return_sequences.
 
-Outside reference: ``generate_options.npz`` beside the tiny Llama
+Outside reference: ``generate_options.npz`` beside the tiny Decoder
 (tests/fixtures/make_hf_generate_options.py): transformers' greedy tokens with
 each control (an eos greedy emits at step 1 with and without ``min_new_tokens``,
 n-gram bans of sizes 2 and 1, stop strings across a token boundary, ending
@@ -25,7 +25,7 @@ import nnx_shard as ns
 from nnx_shard import hf
 from nnx_shard._errors import UsageError
 from nnx_shard.inference import GenerationConfig, Tokenizer, generate, stream
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -37,10 +37,10 @@ def _expected() -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def _model() -> Llama:
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama")
+def _model() -> Decoder:
+    cfg = DecoderConfig.from_hf(FIXTURES / "hf_llama")
     s = ns.strategies.get("dp")
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(1), s)
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), s.make_mesh(1), s)
     return hf.load_safetensors(FIXTURES / "hf_llama", target)
 
 
@@ -250,9 +250,9 @@ def test_controls_sharded_equal_transformers() -> None:
     e = _expected()
     s = ns.strategies.get("tp")
     mesh = s.make_mesh(8)
-    cfg = LlamaConfig.from_hf(FIXTURES / "hf_llama")
+    cfg = DecoderConfig.from_hf(FIXTURES / "hf_llama")
     model = hf.load_safetensors(FIXTURES / "hf_llama", ns.abstract_init(
-        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s))
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s))
     with ns.use(mesh, s.rules):
         ngram = generate(model, e["prompt"],
                          GenerationConfig(max_new_tokens=_new(e), no_repeat_ngram_size=2))

@@ -26,7 +26,7 @@ from nnx_shard import hf
 from nnx_shard._errors import UsageError
 from nnx_shard.inference import GenerationConfig, generate, stream
 from nnx_shard.inference._generation import Options, warp
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -38,10 +38,10 @@ def _expected(name: str) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def _model(name: str, strategy: str | None = None) -> Llama:
-    cfg = LlamaConfig.from_hf(FIXTURES / name)
+def _model(name: str, strategy: str | None = None) -> Decoder:
+    cfg = DecoderConfig.from_hf(FIXTURES / name)
     s = ns.strategies.get(strategy or "dp")
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
                               s.make_mesh(1 if strategy is None else 8), s)
     return hf.load_safetensors(FIXTURES / name, target)
 
@@ -50,7 +50,7 @@ def _rows(e: dict[str, np.ndarray]) -> list[list[int]]:
     return [t[m == 1].tolist() for t, m in zip(e["ragged_tokens"], e["ragged_mask"], strict=True)]
 
 
-def _check_ragged(model: Llama, e: dict[str, np.ndarray]) -> None:
+def _check_ragged(model: Decoder, e: dict[str, np.ndarray]) -> None:
     new = e["alone_new"].shape[1]
     out, logprobs = generate(model, _rows(e), GenerationConfig(max_new_tokens=new,
                                                                return_logprobs=True))

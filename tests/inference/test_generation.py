@@ -33,7 +33,7 @@ from nnx_shard.inference import (
 )
 from nnx_shard.inference import _generation as gen
 from nnx_shard.inference._sampling import recompute
-from nnx_shard.models import Llama, LlamaConfig, Transformer, get_config
+from nnx_shard.models import Decoder, DecoderConfig, get_config
 from nnx_shard.planner._costs import compiled_collectives
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -52,12 +52,12 @@ def _prompt(batch: int = 8, length: int = 8, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, CFG.vocab, (batch, length)).astype(np.int32)
 
 
-def _build(scan: bool = False) -> Transformer:
-    return Transformer(dataclasses.replace(CFG, scan_layers=scan), rngs=nnx.Rngs(0))
+def _build(scan: bool = False) -> Decoder:
+    return Decoder(dataclasses.replace(CFG, scan_layers=scan), rngs=nnx.Rngs(0))
 
 
 @functools.cache
-def _tiny(scan: bool = False) -> Transformer:  # one device, built once
+def _tiny(scan: bool = False) -> Decoder:  # one device, built once
     return _build(scan)
 
 
@@ -71,10 +71,10 @@ def _sharded(strategy: str, factory, explicit: bool = False):  # type: ignore[no
 
 
 @functools.cache
-def _fixture_model(name: str, strategy: str) -> Llama:
-    cfg = LlamaConfig.from_hf(FIXTURES / name)
+def _fixture_model(name: str, strategy: str) -> Decoder:
+    cfg = DecoderConfig.from_hf(FIXTURES / name)
     s = ns.strategies.get(strategy)
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s)
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s)
     return hf.load_safetensors(FIXTURES / name, target)
 
 
@@ -133,10 +133,10 @@ def test_decode_logits_equal_the_full_forward() -> None:
 def test_cached_equals_recompute(variant: str) -> None:
     kwargs: dict = {}
     if variant == "moe":
-        model: nnx.Module = Transformer(dataclasses.replace(get_config("tiny_moe"), length=24),
+        model: nnx.Module = Decoder(dataclasses.replace(get_config("tiny_moe"), length=24),
                                         rngs=nnx.Rngs(0))
     elif variant == "llama":
-        model = Llama(dataclasses.replace(get_config("llama-tiny"), max_length=24),
+        model = Decoder(dataclasses.replace(get_config("llama-tiny"), max_length=24),
                       rngs=nnx.Rngs(0))
     else:
         model = _tiny(scan=variant == "scan")
@@ -206,7 +206,7 @@ def _compiled(model, prompt, new, mesh, rules):  # type: ignore[no-untyped-def]
 ])
 def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int]) -> None:
     if strategy == "fsdp_tp":  # grouped-query attention: 2 key/value heads over model=2
-        factory = lambda: Llama(dataclasses.replace(get_config("llama-tiny"), max_length=24),  # noqa: E731
+        factory = lambda: Decoder(dataclasses.replace(get_config("llama-tiny"), max_length=24),  # noqa: E731
                                 rngs=nnx.Rngs(0))
     else:
         factory = _build
@@ -244,7 +244,7 @@ def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int])
 
 
 def test_explain_cache_plans_without_devices() -> None:
-    model = nnx.eval_shape(lambda: Llama(get_config("llama3-70b"), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(get_config("llama3-70b"), rngs=nnx.Rngs(0)))
     mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"))
     report = explain_cache(model, mesh, ns.strategies.get("fsdp_tp").rules, batch=32,
                            length=4096)
@@ -269,7 +269,7 @@ def _compiles(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_one_prefill_and_one_decode_program_per_shape(caplog: pytest.LogCaptureFixture) -> None:
-    model = Transformer(dataclasses.replace(CFG, layers=1), rngs=nnx.Rngs(1))
+    model = Decoder(dataclasses.replace(CFG, layers=1), rngs=nnx.Rngs(1))
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True):
         a = generate(model, _prompt(2, seed=1), GenerationConfig(max_new_tokens=10))

@@ -2,7 +2,7 @@
 
 Outside references: XLA's ``memory_analysis`` of the compiled prefill program
 (nothing allocated; the model abstract), the dense one-step attention
-(``LlamaConfig(attention="dense")``), whose logits the blockwise prefill must give,
+(``DecoderConfig(attention="dense")``), whose logits the blockwise prefill must give,
 and the bytes of float32 ``[prompt, vocab]`` logits, which the prefill no longer
 computes.
 """
@@ -19,7 +19,7 @@ from flax import nnx
 
 from nnx_shard._errors import UsageError
 from nnx_shard.inference import _generation as gen
-from nnx_shard.models import Llama, get_config
+from nnx_shard.models import Decoder, get_config
 
 SMALL = dict(layers=1, embed=64, heads=8, kv_heads=2, head_dim=16, mlp=128, vocab=256,
              max_length=8192)
@@ -29,7 +29,7 @@ def _temp_bytes(prompt_len: int, kernel: str, **overrides: int) -> int:
     """XLA's temporary bytes of generate's prefill for one prompt of ``prompt_len``."""
     cfg = dataclasses.replace(get_config("llama-tiny"), **(SMALL | overrides),  # type: ignore[arg-type]
                               attention=kernel)
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     run = gen._prepare(model, np.zeros((1, prompt_len), np.int32), 8, gen.Options(), 0, None,
                        None, "test")
     args = (run.old, run.rest, run.prompt, run.mask, run.real, run.key, run.options)
@@ -60,7 +60,7 @@ def test_the_prefill_computes_the_last_positions_logits_only() -> None:
 
 def test_decode_logits_to_keep() -> None:
     cfg = dataclasses.replace(get_config("llama-tiny"), model_type="gemma2", final_softcap=5.0)
-    graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
     tokens = jnp.arange(1, 7, dtype=jnp.int32)[None]
 
     @jax.jit
@@ -98,7 +98,7 @@ def _logits(kernel: str, variant: str, tokens: np.ndarray, mask: np.ndarray) -> 
         base = dataclasses.replace(base, model_type="gemma2", layers=2, sliding_window=300,
                                    window_layers=(True, False), attn_softcap=20.0,
                                    scan_layers=True)
-    graphdef, state = nnx.split(Llama(base, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(Decoder(base, rngs=nnx.Rngs(0)))
     cut = 700
 
     @jax.jit

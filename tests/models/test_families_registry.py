@@ -14,7 +14,7 @@ from nnx_shard._errors import UsageError
 from nnx_shard.hf import mapping_for
 from nnx_shard.hf._fused import fusions
 from nnx_shard.hf._mapping import LLAMA_MAPPING, LLAMA_TIED_MAPPING
-from nnx_shard.models import CONFIGS, Llama, LlamaConfig, get_config
+from nnx_shard.models import CONFIGS, Decoder, DecoderConfig, get_config
 from nnx_shard.models._families import Family, family_of, model_types, register
 from nnx_shard.models._family.gemma2 import GEMMA2_MAPPING
 from nnx_shard.models._family.olmo2 import OLMO2_MAPPING
@@ -32,14 +32,14 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
 MOE = ("mixtral", "qwen3_moe")
 
 
-def _tiny(kind: str) -> LlamaConfig:
+def _tiny(kind: str) -> DecoderConfig:
     """Each family's tiny config: the named ones, else its test fixture's."""
     if kind in ("llama", "qwen3"):
         return get_config(f"{kind}-tiny")  # type: ignore[return-value]
-    return LlamaConfig.from_hf(FIXTURES / f"hf_{kind}")
+    return DecoderConfig.from_hf(FIXTURES / f"hf_{kind}")
 
 
-def _by_structure(cfg: LlamaConfig) -> dict:
+def _by_structure(cfg: DecoderConfig) -> dict:
     """The table the model's structure asks for (the reference): the block's norms."""
     head = {r"lm_head\.weight": None}
     block = cfg.family.block
@@ -64,7 +64,7 @@ def test_every_family_resolves_by_its_model_type(kind: str) -> None:
 def test_mapping_for_gives_the_table_the_options_gave(kind: str, tie: bool) -> None:
     cfg = dataclasses.replace(_tiny(kind), tie_embeddings=tie)
     assert cfg.model_type == kind
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     table = mapping_for(model)
     assert table == _by_structure(cfg)
     if kind in ("llama", "qwen3", "qwen2", "mistral", "gemma", "phi3"):
@@ -76,7 +76,7 @@ def test_mapping_for_gives_the_table_the_options_gave(kind: str, tie: bool) -> N
 
 def test_named_configs_are_their_familys() -> None:
     named = {n for kind in NINE + MOE for n in family_of(kind).named_configs}
-    llama_named = {n for n, c in CONFIGS.items() if isinstance(c, LlamaConfig)}
+    llama_named = {n for n, c in CONFIGS.items() if isinstance(c, DecoderConfig)}
     assert named == llama_named
     for kind in NINE + MOE:
         for name in family_of(kind).named_configs:
@@ -97,10 +97,10 @@ def test_an_unknown_model_type_is_refused_naming_it() -> None:
                                          r"\(known: gemma, .*, qwen3, qwen3_moe\)\. Fix"):
         family_of("gpt2")
     with pytest.raises(UsageError, match=r"'gpt2' is not a Llama-family model.*Fix"):
-        LlamaConfig.from_hf({**get_config("llama-tiny").to_hf(),  # type: ignore[union-attr]
+        DecoderConfig.from_hf({**get_config("llama-tiny").to_hf(),  # type: ignore[union-attr]
                              "model_type": "gpt2"})
     with pytest.raises(UsageError, match=r"model_type='gpt2'.*Fix"):
-        LlamaConfig(model_type="gpt2")
+        DecoderConfig(model_type="gpt2")
     with pytest.raises(UsageError, match="expected a Family"):
         register("llama")  # type: ignore[arg-type]
 
@@ -122,16 +122,16 @@ def test_a_registered_family_is_found() -> None:
 def test_a_field_the_family_lacks_is_refused_naming_who_has_it(change: dict,
                                                                names: tuple) -> None:
     with pytest.raises(UsageError) as info:
-        LlamaConfig(**change)
+        DecoderConfig(**change)
     text = str(info.value)
     assert all(n in text for n in names) and "Fix:" in text
 
 
 def test_a_familys_own_fields_are_accepted_and_its_structure_is_its_records() -> None:
-    assert LlamaConfig(model_type="gemma2", attn_softcap=50.0).attn_softcap == 50.0
-    assert LlamaConfig(model_type="mistral", sliding_window=4).sliding_window == 4
-    assert LlamaConfig(model_type="llama", mlp_bias=True).mlp_bias
+    assert DecoderConfig(model_type="gemma2", attn_softcap=50.0).attn_softcap == 50.0
+    assert DecoderConfig(model_type="mistral", sliding_window=4).sliding_window == 4
+    assert DecoderConfig(model_type="llama", mlp_bias=True).mlp_bias
     assert [family_of(k).block.__name__ for k in ("llama", "olmo2", "gemma2")] == [
-        "LlamaBlock", "PostNormBlock", "SandwichBlock"]
+        "DecoderBlock", "PostNormBlock", "SandwichBlock"]
     assert [family_of(k).qk_norm for k in NINE] == [None, "head", None, None, None, "all",
                                                      None, "head", None]

@@ -1,5 +1,5 @@
-"""What the reference models share (nnx_shard.models._layers): one RMSNorm for the
-Transformer and Llama, with the parameter paths, logical names, dtypes and values each
+"""What the decoder's families share (nnx_shard.models._layers): one RMSNorm for the
+reference family and the Hugging Face ones, with the parameter paths, logical names, dtypes and values each
 model had with its own copy, so checkpoints and Hugging Face mappings address them as
 before."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_shard.models import Llama, Transformer, get_config
-from nnx_shard.models import _llama as llama
-from nnx_shard.models import _llama_layers as layers
+from nnx_shard.models import Decoder, get_config
+from nnx_shard.models import _decoder_layers as layers
+from nnx_shard.models import _decoder as llama
 from nnx_shard.models._layers import RMSNorm
 
 TRANSFORMER_BLOCK = ["attn/k", "attn/o", "attn/q", "attn/v", "attn_norm/scale", "mlp/down",
@@ -33,8 +33,8 @@ def _blocks(per_block: list[str], layers: int) -> list[str]:
 
 
 def test_both_models_build_every_norm_from_the_one_rmsnorm() -> None:
-    t = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
-    q = Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))
+    t = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
+    q = Decoder(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))
     norms = [t.final_norm, t.blocks[0].attn_norm, t.blocks[1].mlp_norm, q.final_norm,
              q.blocks[0].attn_norm, q.blocks[1].mlp_norm, q.blocks[0].attn.q_norm,
              q.blocks[0].attn.k_norm]
@@ -45,43 +45,43 @@ def test_both_models_build_every_norm_from_the_one_rmsnorm() -> None:
 def test_parameter_paths_are_those_checkpoints_and_mappings_address() -> None:
     cfg, lcfg = get_config("tiny"), get_config("llama-tiny")
     assert (cfg.layers, lcfg.layers) == (2, 2)
-    assert _paths(Transformer(cfg, rngs=nnx.Rngs(0))) == sorted(
+    assert _paths(Decoder(cfg, rngs=nnx.Rngs(0))) == sorted(
         [*_blocks(TRANSFORMER_BLOCK, 2), "final_norm/scale", "pos_embed", "token_embed",
          "unembed"])
-    scanned = Transformer(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(0))
+    scanned = Decoder(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(0))
     assert _paths(scanned) == sorted(
         [*(f"blocks/{p}" for p in TRANSFORMER_BLOCK), "final_norm/scale", "pos_embed",
          "token_embed", "unembed"])
-    assert _paths(Llama(lcfg, rngs=nnx.Rngs(0))) == sorted(
+    assert _paths(Decoder(lcfg, rngs=nnx.Rngs(0))) == sorted(
         [*_blocks(LLAMA_BLOCK, 2), "final_norm/scale", "token_embed", "unembed"])
-    assert _paths(Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))) == sorted(
+    assert _paths(Decoder(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))) == sorted(
         [*_blocks(QWEN3_BLOCK, 2), "final_norm/scale", "token_embed"])  # tied: no unembed
 
 
 def test_norm_scales_keep_their_names_dtypes_and_initial_values() -> None:
     bf16 = dataclasses.replace(get_config("tiny"), param_dtype=jnp.bfloat16,
                                dtype=jnp.bfloat16, scan_layers=True)
-    t = Transformer(bf16, rngs=nnx.Rngs(0))
+    t = Decoder(bf16, rngs=nnx.Rngs(0))
     assert t.final_norm.scale.get_metadata("out_sharding") == ("embed",)
     assert t.blocks.attn_norm.scale.get_metadata("out_sharding") == ("layers", "embed")
     assert t.blocks.attn_norm.scale.dtype == jnp.bfloat16
     np.testing.assert_array_equal(t.final_norm.scale[...], np.ones(32))
-    olmo = Llama(dataclasses.replace(get_config("qwen3-tiny"), model_type="olmo2"),
+    olmo = Decoder(dataclasses.replace(get_config("qwen3-tiny"), model_type="olmo2"),
                  rngs=nnx.Rngs(0))
     assert olmo.blocks[0].attn.q_norm.scale.get_metadata("out_sharding") == ("heads", "kv")
     assert olmo.blocks[0].attn.k_norm.scale.shape == (2, 16)  # kv_heads x head_dim together
-    gemma = Llama(dataclasses.replace(get_config("qwen3-tiny"), model_type="gemma"),
+    gemma = Decoder(dataclasses.replace(get_config("qwen3-tiny"), model_type="gemma"),
                   rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(gemma.final_norm.scale[...], np.zeros(32))  # 1 + weight
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_models_norms_compute_the_same_values(dtype) -> None:
-    """The Transformer's norms (eps 1e-6) and Llama's with the same eps, given the same
+    """The reference family's norms (eps 1e-6) and the llama family's with the same eps, given the same
     weights and input, agree exactly, and match the float32 formula."""
-    t = Transformer(dataclasses.replace(get_config("tiny"), dtype=dtype), rngs=nnx.Rngs(0))
+    t = Decoder(dataclasses.replace(get_config("tiny"), dtype=dtype), rngs=nnx.Rngs(0))
     lcfg = dataclasses.replace(get_config("llama-tiny"), norm_eps=1e-6, dtype=dtype)
-    q = Llama(lcfg, rngs=nnx.Rngs(0))
+    q = Decoder(lcfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     w = rng.normal(size=32).astype(np.float32)
     x = jnp.asarray(rng.normal(size=(2, 5, 32)) * 3, dtype)

@@ -1,4 +1,4 @@
-"""nnx_shard.models.Llama: the model and its configuration.
+"""nnx_shard.models.Decoder: the model and its configuration.
 
 Values against transformers' own logits are in tests/hf/test_hf.py (the fixtures);
 here: shapes, causality, grouped-query attention against multi-head attention
@@ -22,14 +22,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.models import CONFIGS, Llama, LlamaConfig, get_config, lm_loss
+from nnx_shard.models import CONFIGS, Decoder, DecoderConfig, get_config, lm_loss
 from nnx_shard.models._rotary import rope_frequencies
 from tests._close import assert_close
 from tests.conftest import needs_devices
 
 
-def _model(cfg: LlamaConfig, seed: int = 0) -> Llama:
-    return Llama(cfg, rngs=nnx.Rngs(seed))
+def _model(cfg: DecoderConfig, seed: int = 0) -> Decoder:
+    return Decoder(cfg, rngs=nnx.Rngs(seed))
 
 
 def _tokens(batch: int = 2, length: int = 16, seed: int = 0) -> jax.Array:
@@ -78,7 +78,7 @@ def test_grouped_query_attention_is_multi_head_with_shared_kv() -> None:
     assert_close(mha(_tokens()), gqa(_tokens()), 1e-6, "logits")
 
 
-def _stack(unrolled: Llama, scanned: Llama) -> None:
+def _stack(unrolled: Decoder, scanned: Decoder) -> None:
     per_layer = [nnx.state(b, nnx.Param) for b in unrolled.blocks]
     nnx.update(scanned.blocks, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
     nnx.update(scanned, nnx.state(unrolled, nnx.Not(nnx.PathContains("blocks"))))
@@ -114,7 +114,7 @@ def test_bfloat16_compute() -> None:
 # --------------------------------------------------------------------------- attention kernels
 
 
-def _kernel_grads(cfg: LlamaConfig, kernel: str, length: int) -> tuple[jax.Array, ...]:
+def _kernel_grads(cfg: DecoderConfig, kernel: str, length: int) -> tuple[jax.Array, ...]:
     model = _model(dataclasses.replace(cfg, attention=kernel))
     batch = {"inputs": _tokens(1, length, seed=1), "targets": _tokens(1, length, seed=2)}
     # Compiled, as training runs them (op by op, each op of the kernels compiles alone).
@@ -142,9 +142,9 @@ def test_blockwise_equals_dense(name: str, length: int) -> None:
 
 
 def test_attention_kernel_config() -> None:
-    with pytest.raises(ValueError, match=r"LlamaConfig.attention='flash' is not an attention "
+    with pytest.raises(ValueError, match=r"DecoderConfig.attention='flash' is not an attention "
                        r"kernel; valid: 'auto', 'blockwise', 'dense', 'cudnn'\."):
-        LlamaConfig(attention="flash")
+        DecoderConfig(attention="flash")
     # K/V reach the op with kv_heads: no [batch, length, heads, head_dim] copy of them.
     cfg = dataclasses.replace(get_config("llama-tiny"), attention="dense")
     shapes = []
@@ -153,7 +153,7 @@ def test_attention_kernel_config() -> None:
         shapes.append((q.shape, k.shape, v.shape, kw["implementation"]))
         return ns.models.attention(q, k, v, **kw)
 
-    import nnx_shard.models._llama_layers as llama_module
+    import nnx_shard.models._decoder_layers as llama_module
 
     model = _model(cfg)
     with pytest.MonkeyPatch.context() as mp:
@@ -189,21 +189,21 @@ HF = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate
 
 def test_from_hf_reads_a_config_file_and_transformers_5_rope_parameters(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(HF))
-    cfg = LlamaConfig.from_hf(tmp_path)
+    cfg = DecoderConfig.from_hf(tmp_path)
     assert (cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp) == (32, 4, 2, 8, 64)
     assert dict(cfg.rope_scaling)["factor"] == 8.0 and cfg.family.qk_norm is None
     v5 = {k: v for k, v in HF.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {**HF["rope_scaling"], "rope_theta": 500000.0}
-    assert LlamaConfig.from_hf(v5) == cfg
-    assert LlamaConfig.from_hf(tmp_path / "config.json", scan_layers=True).scan_layers
-    assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+    assert DecoderConfig.from_hf(v5) == cfg
+    assert DecoderConfig.from_hf(tmp_path / "config.json", scan_layers=True).scan_layers
+    assert DecoderConfig.from_hf(cfg.to_hf()) == cfg
 
 
 def test_llama3_rope_scaling_bands() -> None:
     # head_dim 8, theta 5e5: wavelengths 6.3, 167, 4443, 118k tokens; with the
     # original context 8192 and factors 1 / 4 the first two stay, the last is
     # divided by 8 and the third interpolated between.
-    cfg = LlamaConfig.from_hf(HF)
+    cfg = DecoderConfig.from_hf(HF)
     plain = rope_frequencies(dataclasses.replace(cfg, rope_scaling=None))
     scaled = rope_frequencies(cfg)
     np.testing.assert_array_equal(scaled[:2], plain[:2])
@@ -223,7 +223,7 @@ def test_llama3_rope_scaling_bands() -> None:
 ])
 def test_from_hf_errors(change: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        LlamaConfig.from_hf(HF | change)
+        DecoderConfig.from_hf(HF | change)
 
 
 
@@ -291,30 +291,30 @@ BAD_CONFIGS = [
                          ids=[f"{i}-{next(iter(c))}" for i, (c, _) in enumerate(BAD_CONFIGS)])
 def test_from_hf_refuses_values_transformers_would(change: dict, match: str) -> None:
     with pytest.raises(ns.NnxShardError, match=match) as info:
-        LlamaConfig.from_hf(HF | change)
+        DecoderConfig.from_hf(HF | change)
     assert str(info.value).startswith("config.json: ") and "Fix:" in str(info.value)
 
 
 def test_from_hf_keeps_llama3_scaling_whatever_holds_rope_theta() -> None:
     # transformers 5 reads rope_theta from rope_parameters, else beside it, else 10000.
     base = {k: v for k, v in HF.items() if k not in ("rope_theta", "rope_scaling")}
-    want = LlamaConfig.from_hf(HF)
-    beside = LlamaConfig.from_hf(base | {"rope_theta": 500000.0, "rope_parameters": _ROPE})
+    want = DecoderConfig.from_hf(HF)
+    beside = DecoderConfig.from_hf(base | {"rope_theta": 500000.0, "rope_parameters": _ROPE})
     assert beside == want
-    default = LlamaConfig.from_hf(base | {"rope_parameters": _ROPE})
+    default = DecoderConfig.from_hf(base | {"rope_parameters": _ROPE})
     assert default.rope_theta == 10000.0 and default.rope_scaling == want.rope_scaling
     # the 'type' spelling of older files, and original_max_position_embeddings taken
     # from max_position_embeddings when the scaling leaves it out, as transformers does
     old = {k: v for k, v in _ROPE.items() if k not in ("rope_type",
                                                        "original_max_position_embeddings")}
-    cfg = LlamaConfig.from_hf(HF | {"rope_scaling": {**old, "type": "llama3"}})
+    cfg = DecoderConfig.from_hf(HF | {"rope_scaling": {**old, "type": "llama3"}})
     assert dict(cfg.rope_scaling)["original_max_position_embeddings"] == 4096
     assert np.isfinite(rope_frequencies(cfg)).all()
     # a qwen3 file nests its one parameter set under its layer type
     q = {**HF, "model_type": "qwen3", "rope_scaling": None,
          "layer_types": ["full_attention"] * 2,
          "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}}
-    assert LlamaConfig.from_hf(q).rope_theta == 1e6
+    assert DecoderConfig.from_hf(q).rope_theta == 1e6
 
 
 @pytest.mark.parametrize("text, match", [
@@ -328,15 +328,15 @@ def test_config_files_that_are_not_configs(tmp_path, text, match) -> None:
     path = tmp_path / "config.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ns.NnxShardError, match=match) as info:
-        LlamaConfig.from_hf(tmp_path)
+        DecoderConfig.from_hf(tmp_path)
     assert str(path) in str(info.value) and "Fix:" in str(info.value)
     with pytest.raises(ns.NnxShardError, match="config must be"):
-        LlamaConfig.from_hf(5)  # type: ignore[arg-type]
+        DecoderConfig.from_hf(5)  # type: ignore[arg-type]
 
 
 def test_rope_scaling_given_directly_is_checked_too() -> None:
     with pytest.raises(ns.NnxShardError, match=r"rope_scaling\['factor'\] must be"):
-        LlamaConfig(rope_scaling={**_ROPE, "factor": 0.0})
+        DecoderConfig(rope_scaling={**_ROPE, "factor": 0.0})
 
 
 # Published totals (billions): Llama 3.1 model cards (8.03, 70.6, 405.9); Qwen3-0.6B's
@@ -367,13 +367,13 @@ def test_named_configs_have_published_parameter_counts(name: str) -> None:
 
 
 def test_named_configs() -> None:
-    llama = sorted(n for n, c in CONFIGS.items() if isinstance(c, LlamaConfig))
+    llama = sorted(n for n, c in CONFIGS.items() if isinstance(c, DecoderConfig))
     assert llama == sorted(["llama-tiny", "qwen3-tiny", "llama3-8b", "llama3-70b",
                             "llama3-405b", "qwen3-0.6b", "mistral-7b", "qwen2.5-7b", "gemma2-9b",
                             "mixtral-8x7b", "qwen3-30b-a3b"])
     g = get_config("gemma2-9b")
     assert g.local_layers()[:3] == (True, False, True) and sum(g.local_layers()) == 21
-    assert LlamaConfig.from_hf(g.to_hf(), scan_layers=True, dtype=g.dtype,
+    assert DecoderConfig.from_hf(g.to_hf(), scan_layers=True, dtype=g.dtype,
                                param_dtype=g.param_dtype) == g
     q = get_config("qwen3-0.6b")
     assert (q.head_dim, q.kv_heads, q.tie_embeddings, q.family.qk_norm) == (128, 8, True, "head")
@@ -416,8 +416,8 @@ def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("remat", "everything", "LlamaConfig.remat='everything' is not a remat policy; valid: "),
-    ("attention", "flash", "LlamaConfig.attention='flash' is not an attention kernel; valid: "),
+    ("remat", "everything", "DecoderConfig.remat='everything' is not a remat policy; valid: "),
+    ("attention", "flash", "DecoderConfig.attention='flash' is not an attention kernel; valid: "),
 ])
 def test_llama_config_refuses_an_unknown_remat_policy_or_kernel_naming_itself(field, value, words):
     with pytest.raises(ValueError) as e:

@@ -24,7 +24,7 @@ import nnx_shard as ns
 from nnx_shard import hf
 from nnx_shard._attention import _kernels as kernels
 from nnx_shard._errors import UsageError
-from nnx_shard.models import Llama, LlamaConfig, Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, get_config, lm_loss
 from nnx_shard.models._masks import derive_positions, prepare
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -60,14 +60,14 @@ def _alone(i: int) -> np.ndarray:
 
 @functools.cache
 def _fixture_model(strategy: str = "dp", mesh_spec: str | None = None, **overrides: object
-                   ) -> tuple[Llama, jax.sharding.Mesh]:
+                   ) -> tuple[Decoder, jax.sharding.Mesh]:
     """The fixture on one device (``mesh_spec="one"``) or laid out by ``strategy`` on 8
     (``mesh_spec`` the axis types, Auto by default)."""
     s = ns.strategies.get(strategy)
     mesh = (ns.make_mesh("data=1", devices=jax.devices()[:1]) if mesh_spec == "one"
             else s.make_mesh(8, axis_types=mesh_spec or "auto"))
-    cfg = LlamaConfig.from_hf(FIXTURE, **overrides)
-    return hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+    cfg = DecoderConfig.from_hf(FIXTURE, **overrides)
+    return hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
                                                          mesh, s)), mesh
 
 
@@ -87,7 +87,7 @@ def test_derived_positions() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"attention_mask": np.ones((2, 3))}, r"Llama.forward: attention_mask must be integers "
+    ({"attention_mask": np.ones((2, 3))}, r"Decoder.forward: attention_mask must be integers "
      r"\(or bools\) of the tokens' shape \(2, 4\), got float64 of shape \(2, 3\)\. Fix:"),
     ({"attention_mask": np.full((2, 4), 2)}, r"attention_mask must hold 0 \(padding\) and 1 "
      r"\(a real token\) only, got values \[2\]\. Fix"),
@@ -101,7 +101,7 @@ def test_derived_positions() -> None:
 def test_bad_mask_arguments(kwargs: dict, match: str) -> None:
     args = {"attention_mask": None, "positions": None, "segment_ids": None} | kwargs
     with pytest.raises(UsageError, match=match):
-        prepare(jnp.zeros((2, 4), jnp.int32), caller="Llama.forward", max_positions=16, **args)
+        prepare(jnp.zeros((2, 4), jnp.int32), caller="Decoder.forward", max_positions=16, **args)
 
 
 # --------------------------------------------------------------------------- lm_loss
@@ -124,7 +124,7 @@ def test_ignored_targets_loss_equals_transformers() -> None:
 
 
 def test_loss_is_the_mean_over_kept_targets() -> None:
-    model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 128, jnp.int32)
     targets = np.asarray(jax.random.randint(jax.random.key(1), (2, 8), 0, 128, jnp.int32))
     ignored = targets.copy()
@@ -140,7 +140,7 @@ def test_loss_is_the_mean_over_kept_targets() -> None:
 
 
 def test_loss_with_nothing_kept() -> None:
-    model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+    model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
     tokens = jnp.zeros((2, 8), jnp.int32)
     none_kept = {"inputs": tokens, "targets": jnp.full((2, 8), -100, jnp.int32)}
     with pytest.raises(UsageError, match=r"lm_loss: every target of the batch \(shape \(2, 8\)\) "
@@ -158,7 +158,7 @@ def test_loss_with_nothing_kept() -> None:
 # --------------------------------------------------------------------------- padding
 
 
-def _padded_check(model: Llama, tokens: np.ndarray, mask: np.ndarray, what: str,
+def _padded_check(model: Decoder, tokens: np.ndarray, mask: np.ndarray, what: str,
                   **kw: object) -> None:
     e = _expected()
     out = np.asarray(model(tokens, attention_mask=mask, **kw))
@@ -214,7 +214,7 @@ def _packed() -> tuple[dict[str, np.ndarray], list[tuple[int, int, slice]]]:
     return batch, where
 
 
-def _packed_check(model: Llama, what: str, *, positions: bool) -> None:
+def _packed_check(model: Decoder, what: str, *, positions: bool) -> None:
     batch, where = _packed()
     kw = {"positions": batch["positions"]} if positions else {}
     out = np.asarray(model(batch["inputs"], segment_ids=batch["segment_ids"], **kw))
@@ -239,7 +239,7 @@ def test_packed_segments_equal_each_sequence_alone(kernel: str) -> None:
 @pytest.mark.parametrize("kernel", ["dense", "blockwise"])
 def test_transformer_padding_and_packing(kernel: str, scan: bool) -> None:
     cfg = dataclasses.replace(get_config("tiny"), attention=kernel, scan_layers=scan)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     a = jax.random.randint(jax.random.key(0), (1, 6), 1, 128, jnp.int32)
     b = jax.random.randint(jax.random.key(1), (1, 10), 1, 128, jnp.int32)
     alone_a, alone_b = np.asarray(model(a)), np.asarray(model(b))
@@ -261,7 +261,7 @@ def test_mask_gradients_agree_between_kernels() -> None:
     results = {}
     for kernel in ("dense", "blockwise"):
         cfg = dataclasses.replace(get_config("llama-tiny"), attention=kernel)
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
         loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
         results[kernel] = (loss, jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
     assert_close(results["blockwise"], results["dense"], 1e-5, "loss and grads")
@@ -290,7 +290,7 @@ def test_cudnn_kernel_builds_the_same_mask(monkeypatch: pytest.MonkeyPatch) -> N
 def test_cudnn_off_a_gpu_is_refused() -> None:
     if jax.default_backend() == "gpu":
         pytest.skip("cuDNN runs here")
-    model = Llama(dataclasses.replace(get_config("llama-tiny"), attention="cudnn"),
+    model = Decoder(dataclasses.replace(get_config("llama-tiny"), attention="cudnn"),
                   rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"implementation='cudnn' is cuDNN's fused kernel, for "
                        r"NVIDIA GPUs; this runs on cpu\. Fix: implementation='auto'"):
@@ -354,12 +354,12 @@ def test_masks_through_the_pipeline_and_allgather(variant: str) -> None:
     if variant == "pp":  # the fixture's 2 layers, one per stage
         rules = ns.strategies.get("pp").rules
         mesh = ns.make_mesh({"stage": 2, "data": 4}, axis_types="auto")
-        cfg = LlamaConfig.from_hf(FIXTURE, scan_layers=True)
+        cfg = DecoderConfig.from_hf(FIXTURE, scan_layers=True)
     else:
         s = ns.strategies.get("cp")
         rules, mesh = s.rules.with_options(attention="allgather"), s.make_mesh(8)
-        cfg = LlamaConfig.from_hf(FIXTURE)
-    model = hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+        cfg = DecoderConfig.from_hf(FIXTURE)
+    model = hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
                                                           mesh, rules))
     tokens = _tile8(np.pad(e["pad_tokens"], ((0, 0), (4, 0))))
     mask = _tile8(np.pad(e["pad_mask"], ((0, 0), (4, 0))))
@@ -391,7 +391,7 @@ def test_trainer_and_batches_carry_the_mask_keys() -> None:
     cfg = get_config("llama-tiny")
     s = ns.strategies.get("dp")
     mesh = s.make_mesh(8)
-    model = ns.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, optax.sgd(0.0), mesh, s)
     with ns.use(mesh, s.rules):
         placed = ns.shard_batch(data, mesh, s.rules, ("batch", None))
@@ -399,7 +399,7 @@ def test_trainer_and_batches_carry_the_mask_keys() -> None:
     assert len(set(specs.values())) == 1, specs
     trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, steps_per_call=2)
     history = trainer.fit(ns.Batches(data, batch_size=8), num_steps=2, progress=False)
-    ref = Llama(cfg, rngs=nnx.Rngs(0))
+    ref = Decoder(cfg, rngs=nnx.Rngs(0))
     want = [float(lm_loss(ref, {k: v[8 * i:8 * (i + 1)] for k, v in data.items()}))
             for i in range(2)]
     assert_close(history["loss"], np.array(want), 1e-5, "per-step loss")
@@ -458,7 +458,7 @@ def test_pack_errors(args: tuple, kwargs: dict, match: str) -> None:
 
 def test_decode_with_a_mask_is_the_masked_call() -> None:
     # The prefill path: a left-padded prompt into an empty cache gives transformers'
-    # padded logits, for the fixture Llama and (against its own call) the Transformer.
+    # padded logits, for the fixture Llama and (against its own call) the Decoder.
     e = _expected()
     model, _ = _fixture_model("dp", "one")
     model = nnx.clone(model)
@@ -467,7 +467,7 @@ def test_decode_with_a_mask_is_the_masked_call() -> None:
     for i in range(4):
         assert_close(out[i][e["pad_mask"][i] == 1], _alone(i), RTOL, f"decode row {i}",
                      scale=_scale())
-    ref = Transformer(dataclasses.replace(get_config("tiny"), scan_layers=True), rngs=nnx.Rngs(0))
+    ref = Decoder(dataclasses.replace(get_config("tiny"), scan_layers=True), rngs=nnx.Rngs(0))
     tokens = jnp.asarray(e["pad_tokens"][:, :12])
     want = np.asarray(ref(tokens, attention_mask=e["pad_mask"]))
     ref.init_cache(batch=4, length=16)

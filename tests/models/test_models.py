@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Transformer, TransformerConfig, get_config, lm_loss
-from nnx_shard.models._moe import LlamaMoE as MoE
+from nnx_shard.models import Decoder, ReferenceConfig, get_config, lm_loss
+from nnx_shard.models._moe import DecoderMoE as MoE
 from nnx_shard.models._ops import cross_entropy
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -23,7 +23,7 @@ from tests.conftest import needs_devices
 TINY = get_config("tiny")
 
 
-def _tokens(cfg: TransformerConfig, batch: int = 2, length: int | None = None, seed: int = 0):
+def _tokens(cfg: ReferenceConfig, batch: int = 2, length: int | None = None, seed: int = 0):
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.integers(0, cfg.vocab, size=(batch, length or cfg.length)), jnp.int32)
 
@@ -34,11 +34,11 @@ def _count(model_or_state) -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Transformer:
-    return Transformer(TINY, rngs=nnx.Rngs(0))
+def tiny() -> Decoder:
+    return Decoder(TINY, rngs=nnx.Rngs(0))
 
 
-def test_shapes_and_dtypes(tiny: Transformer) -> None:
+def test_shapes_and_dtypes(tiny: Decoder) -> None:
     logits, aux = nnx.jit(lambda m, t: m.forward(t))(tiny, _tokens(TINY))
     assert logits.shape == (2, TINY.length, TINY.vocab) and logits.dtype == jnp.float32
     assert aux.shape == () and float(aux) == 0.0  # dense MLP: no balancing loss
@@ -49,12 +49,12 @@ def test_shapes_and_dtypes(tiny: Transformer) -> None:
     assert tiny.blocks[0].attn.o.get_metadata("out_sharding") == ("heads", "kv", "embed")
 
 
-def test_too_long_sequence(tiny: Transformer) -> None:
+def test_too_long_sequence(tiny: Decoder) -> None:
     with pytest.raises(ValueError, match="length 17 but the model has 16 positions"):
         tiny(_tokens(TINY, length=17))
 
 
-def test_causal(tiny: Transformer) -> None:
+def test_causal(tiny: Decoder) -> None:
     fwd = nnx.jit(lambda m, t: m(t))
     tokens = _tokens(TINY, batch=1)
     t = 9
@@ -64,7 +64,7 @@ def test_causal(tiny: Transformer) -> None:
     assert np.abs(a[:, t:] - b[:, t:]).max(axis=-1).min() > 1e-4  # the present and future do
 
 
-def test_loss_is_next_token_cross_entropy(tiny: Transformer) -> None:
+def test_loss_is_next_token_cross_entropy(tiny: Decoder) -> None:
     tokens = _tokens(TINY, length=TINY.length + 1)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     logits = tiny(batch["inputs"])
@@ -74,7 +74,7 @@ def test_loss_is_next_token_cross_entropy(tiny: Transformer) -> None:
     assert abs(float(want) - math.log(TINY.vocab)) < 1.0
 
 
-def _stack_blocks(unrolled: Transformer, scanned: Transformer) -> None:
+def _stack_blocks(unrolled: Decoder, scanned: Decoder) -> None:
     """Copies the unrolled model's parameters into the scanned one (blocks stacked)."""
     per_layer = [nnx.state(b, nnx.Param) for b in unrolled.blocks]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
@@ -87,8 +87,8 @@ def _stack_blocks(unrolled: Transformer, scanned: Transformer) -> None:
 @pytest.mark.parametrize("experts", [0, 4])
 def test_scan_layers_equals_unrolled(experts: int) -> None:
     cfg = dataclasses.replace(TINY, layers=3, experts=experts)
-    unrolled = Transformer(cfg, rngs=nnx.Rngs(1))
-    scanned = Transformer(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(2))
+    unrolled = Decoder(cfg, rngs=nnx.Rngs(1))
+    scanned = Decoder(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(2))
     q = scanned.blocks.attn.q
     assert q.get_value().shape == (3, cfg.embed, cfg.heads, cfg.head_dim)
     assert q.get_metadata("out_sharding") == ("layers", "embed", "heads", "kv")
@@ -107,11 +107,11 @@ def test_scan_layers_shard_with_layers_axis() -> None:
     # The stacked axis is named, so optimizer state and strategies see 4-D specs.
     cfg = dataclasses.replace(TINY, scan_layers=True)
     s = ns.strategies.get("fsdp_tp")
-    model = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "data=4,model=2", s)
+    model = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "data=4,model=2", s)
     assert model.blocks.attn.q.get_value().sharding.spec == jax.sharding.PartitionSpec(
         None, "data", "model", None)
     rules = s.rules | {"layers": "data", "embed": None}
-    m2 = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "data=2,model=4", rules)
+    m2 = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "data=2,model=4", rules)
     assert m2.blocks.mlp.up.get_value().sharding.spec == jax.sharding.PartitionSpec(
         "data", None, "model")
 
@@ -121,7 +121,7 @@ def test_scan_layers_shard_with_layers_axis() -> None:
 
 def test_moe_forward_and_aux_loss() -> None:
     cfg = get_config("tiny_moe")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     tokens = _tokens(cfg, length=cfg.length + 1)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     logits, aux = model.forward(batch["inputs"])
@@ -181,7 +181,7 @@ def test_moe_equals_dense_mixture_when_nothing_dropped() -> None:
 @pytest.mark.slow
 def test_tied_embeddings() -> None:
     cfg = dataclasses.replace(TINY, tie_embeddings=True)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     assert model.unembed is None
     assert "unembed" not in nnx.state(model, nnx.Param)
     assert _count(model) == cfg.num_params == TINY.num_params - TINY.embed * TINY.vocab
@@ -202,7 +202,7 @@ def test_tied_embeddings() -> None:
 
 def test_bfloat16_config() -> None:
     cfg = dataclasses.replace(TINY, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     assert model.blocks[0].attn.q.get_value().dtype == jnp.bfloat16
     assert model(_tokens(cfg)).dtype == jnp.float32
 
@@ -222,15 +222,15 @@ def test_bfloat16_config() -> None:
 )
 def test_config_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        TransformerConfig(**kwargs)
+        ReferenceConfig(**kwargs)
 
 
 def test_get_config() -> None:
     transformers = {n for n, c in ns.models.CONFIGS.items()
-                    if isinstance(c, ns.models.TransformerConfig)}
+                    if isinstance(c, ns.models.ReferenceConfig)}
     assert transformers == {"tiny", "tiny_moe", "small", "125m", "1b", "7b"}
     assert get_config("tiny") is ns.models.CONFIGS["tiny"]
-    assert isinstance(get_config("llama-tiny"), ns.models.LlamaConfig)
+    assert isinstance(get_config("llama-tiny"), ns.models.DecoderConfig)
     with pytest.raises(ns.UsageError, match=r"unknown model config 'huge'\. Known: tiny, "):
         get_config("huge")
     with pytest.raises(ns.UsageError, match="name must be a config name"):
@@ -244,7 +244,7 @@ def test_7b_abstract_without_allocation() -> None:
     e, v, m, layers = 4096, 32000, 16384, 32
     want = v * e + 4096 * e + layers * (4 * e * 32 * 128 + 2 * e * m + 2 * e) + e + e * v
     assert cfg.num_params == want == 6_721_638_400
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert sum(math.prod(x.shape) for x in leaves) == want
@@ -255,7 +255,7 @@ def test_7b_abstract_without_allocation() -> None:
 @needs_devices(8)
 def test_7b_planned_under_fsdp() -> None:
     s = ns.strategies.get("fsdp")
-    model = ns.abstract_init(lambda: Transformer(get_config("7b"), rngs=nnx.Rngs(0)), "data=8", s)
+    model = ns.abstract_init(lambda: Decoder(get_config("7b"), rngs=nnx.Rngs(0)), "data=8", s)
     assert all(isinstance(x, jax.ShapeDtypeStruct)
                for x in jax.tree.leaves(nnx.state(model)))
     report = ns.explain(model, "data=8", s, optax.adam(1e-4))
@@ -268,20 +268,20 @@ def test_7b_planned_under_fsdp() -> None:
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_tp", "sp"])
 def test_sharded_model_runs_under_plain_jit_without_rules(
-    tiny: Transformer, name: str, axis_types: str
+    tiny: Decoder, name: str, axis_types: str
 ) -> None:
     # Restored or sharded models are called for inference outside ns.use: parameters
     # sharded over Explicit axes are gathered, values equal the unsharded model.
     s = ns.strategies.get(name)
     mesh = s.make_mesh(8, axis_types=axis_types)
-    model = ns.sharded_init(lambda: Transformer(TINY, rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(TINY, rngs=nnx.Rngs(0)), mesh, s)
     tokens = _tokens(TINY)
     out = nnx.jit(lambda m, t: m(t))(model, tokens)
     assert_close(out, tiny(tokens), 1e-5, "logits")
     assert model.blocks[0].mlp.up.get_value().sharding.spec[0] == ("data" if name != "sp" else None)
 
 
-def test_lm_loss_names_the_batch_keys(tiny: Transformer) -> None:
+def test_lm_loss_names_the_batch_keys(tiny: Decoder) -> None:
     tokens = _tokens(TINY)
     with pytest.raises(KeyError, match=r"needs keys 'inputs' and 'targets'.*got a dict with "
                        r"keys \['x', 'y'\].*Fix: pass \{'inputs': tokens\[:, :-1\]"):
@@ -296,9 +296,9 @@ def test_lm_loss_names_the_batch_keys(tiny: Transformer) -> None:
 # --- rematerialization -------------------------------------------------------------
 
 
-def _value_and_grad(cfg: TransformerConfig, batch_size: int = 2, length: int | None = None):
+def _value_and_grad(cfg: ReferenceConfig, batch_size: int = 2, length: int | None = None):
     """The jitted ``value_and_grad`` step of ``lm_loss`` for ``cfg``, its state and batch."""
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tokens = _tokens(cfg, batch=batch_size, length=length)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
@@ -327,7 +327,7 @@ def test_remat_keeps_loss_and_gradients(remat: str, scan_layers: bool, experts: 
     assert_close(r_grads, grads, 1e-5, f"grads remat={remat}")
 
 
-def _compiled(cfg: TransformerConfig, batch_size: int, length: int):
+def _compiled(cfg: ReferenceConfig, batch_size: int, length: int):
     step, state, batch = _value_and_grad(cfg, batch_size, length)
     return step.lower(state, batch).compile()
 
@@ -378,7 +378,7 @@ def test_remat_offload_needs_host_memory(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ValueError, match=msg):
         ns.models.remat_policy("offload")
     with pytest.raises(ValueError, match=msg):  # at build, not at the first step
-        Transformer(dataclasses.replace(TINY, remat="offload"), rngs=nnx.Rngs(0))
+        Decoder(dataclasses.replace(TINY, remat="offload"), rngs=nnx.Rngs(0))
 
 
 # --- attention kernels -------------------------------------------------------------
@@ -438,21 +438,21 @@ def test_activation_formula_follows_the_kernel() -> None:
 @pytest.mark.parametrize(
     ("cls", "kwargs", "match"),
     [
-        (TransformerConfig, {"vocab": True}, r"vocab must be >= 1 \(a whole count\), got True"),
-        (TransformerConfig, {"mlp": 64.0}, r"mlp must be >= 1 \(a whole count\), got 64.0"),
-        (TransformerConfig, {"layers": float("nan")}, r"layers must be >= 1 .* got nan"),
-        (TransformerConfig, {"vocab": "128"}, r"vocab must be >= 1 .* got '128' \(str\)"),
-        (TransformerConfig, {"experts": 4, "capacity_factor": 0.0},
+        (ReferenceConfig, {"vocab": True}, r"vocab must be >= 1 \(a whole count\), got True"),
+        (ReferenceConfig, {"mlp": 64.0}, r"mlp must be >= 1 \(a whole count\), got 64.0"),
+        (ReferenceConfig, {"layers": float("nan")}, r"layers must be >= 1 .* got nan"),
+        (ReferenceConfig, {"vocab": "128"}, r"vocab must be >= 1 .* got '128' \(str\)"),
+        (ReferenceConfig, {"experts": 4, "capacity_factor": 0.0},
          r"capacity_factor must be a finite number > 0"),
-        (TransformerConfig, {"aux_loss_weight": float("nan")},
+        (ReferenceConfig, {"aux_loss_weight": float("nan")},
          r"aux_loss_weight must be a finite number"),
-        (TransformerConfig, {"scan_layers": "yes"}, r"scan_layers must be True or False"),
-        (TransformerConfig, {"dtype": "float99"}, r"dtype must be a dtype, got 'float99'"),
-        (ns.models.LlamaConfig, {"vocab": True}, r"LlamaConfig.vocab must be >= 1"),
-        (ns.models.LlamaConfig, {"rope_theta": float("nan")},
+        (ReferenceConfig, {"scan_layers": "yes"}, r"scan_layers must be True or False"),
+        (ReferenceConfig, {"dtype": "float99"}, r"dtype must be a dtype, got 'float99'"),
+        (ns.models.DecoderConfig, {"vocab": True}, r"DecoderConfig.vocab must be >= 1"),
+        (ns.models.DecoderConfig, {"rope_theta": float("nan")},
          r"rope_theta must be a finite number > 0"),
-        (ns.models.LlamaConfig, {"norm_eps": -1.0}, r"norm_eps must be a finite number > 0"),
-        (ns.models.LlamaConfig, {"head_dim": 8.5}, r"head_dim must be >= 1 \(a whole count\)"),
+        (ns.models.DecoderConfig, {"norm_eps": -1.0}, r"norm_eps must be a finite number > 0"),
+        (ns.models.DecoderConfig, {"head_dim": 8.5}, r"head_dim must be >= 1 \(a whole count\)"),
     ],
 )
 def test_config_fields_refuse_bools_text_and_nan(cls, kwargs, match) -> None:
@@ -461,8 +461,8 @@ def test_config_fields_refuse_bools_text_and_nan(cls, kwargs, match) -> None:
 
 
 def test_models_refuse_a_config_of_the_wrong_kind() -> None:
-    with pytest.raises(ns.UsageError, match=r"Llama: cfg must be a model config \(a LlamaConfig "
-                       r"or a TransformerConfig\), got int 5"):
-        Transformer(5, rngs=nnx.Rngs(0))
-    with pytest.raises(ns.UsageError, match=r"Llama: cfg must be a model config .*, got str 'tiny'"):
-        ns.models.Llama("tiny", rngs=nnx.Rngs(0))
+    with pytest.raises(ns.UsageError, match=r"Decoder: cfg must be a model config \(a DecoderConfig "
+                       r"or a ReferenceConfig\), got int 5"):
+        Decoder(5, rngs=nnx.Rngs(0))
+    with pytest.raises(ns.UsageError, match=r"Decoder: cfg must be a model config .*, got str 'tiny'"):
+        ns.models.Decoder("tiny", rngs=nnx.Rngs(0))

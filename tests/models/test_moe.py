@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard.models import Llama, LlamaConfig, Qwen3MoeConfig, get_config
+from nnx_shard.models import Decoder, DecoderConfig, Qwen3MoeConfig, get_config
 from nnx_shard.models._families import family_of
-from nnx_shard.models._moe import LlamaMoE
+from nnx_shard.models._moe import DecoderMoE
 
 FIXTURES = pathlib.Path(__file__).parent.parent / "fixtures" / "moe"
 FAMILIES = ("mixtral", "qwen3_moe")
@@ -45,13 +45,13 @@ def _layout(strategy: str) -> tuple[jax.sharding.Mesh, object]:
 
 
 @functools.cache
-def _loaded(family: str, strategy: str) -> Llama:
+def _loaded(family: str, strategy: str) -> Decoder:
     if strategy == "one":
         mesh, rules = _one()
     else:
         mesh, rules = _layout(strategy)
     model = ns.hf.load_pretrained(FIXTURES / family, mesh=mesh, rules=rules)
-    assert isinstance(model, Llama)
+    assert isinstance(model, Decoder)
     return model
 
 
@@ -67,16 +67,16 @@ def _logits(family: str, strategy: str) -> np.ndarray:
 
 
 def test_configs_are_read_and_written_back() -> None:
-    mixtral = LlamaConfig.from_hf(FIXTURES / "mixtral")
+    mixtral = DecoderConfig.from_hf(FIXTURES / "mixtral")
     assert (mixtral.experts, mixtral.top_k, mixtral.expert_mlp, mixtral.norm_topk_prob,
             mixtral.moe_layers(), mixtral.aux_loss_weight) == (4, 2, 96, True, (True, True), 0.02)
-    qwen = LlamaConfig.from_hf(FIXTURES / "qwen3_moe")
+    qwen = DecoderConfig.from_hf(FIXTURES / "qwen3_moe")
     assert (qwen.experts, qwen.top_k, qwen.moe_mlp, qwen.mlp, qwen.norm_topk_prob,
             qwen.family.qk_norm,
             qwen.moe_layers()) == (8, 2, 48, 96, False, "head",
                                     (True, False, True))
     for cfg in (mixtral, qwen, get_config("mixtral-8x7b"), get_config("qwen3-30b-a3b")):
-        assert LlamaConfig.from_hf(cfg.to_hf(), scan_layers=cfg.scan_layers,
+        assert DecoderConfig.from_hf(cfg.to_hf(), scan_layers=cfg.scan_layers,
                                    dtype=cfg.dtype, param_dtype=cfg.param_dtype) == cfg
     assert family_of("mixtral").architectures == ("MixtralForCausalLM",)
     assert qwen.to_hf()["num_experts"] == 8 and mixtral.to_hf()["num_local_experts"] == 4
@@ -88,7 +88,7 @@ def test_named_configs_have_the_published_counts() -> None:
     assert round(mixtral.active_params / 1e9, 1) == 12.9
     assert round(qwen.num_params / 1e9, 1) == 30.5
     assert int(qwen.active_params / 1e8) == 33  # the published 3.3B
-    model = nnx.eval_shape(lambda: Llama(dataclasses.replace(
+    model = nnx.eval_shape(lambda: Decoder(dataclasses.replace(
         get_config("qwen3-tiny"), experts=4, moe_mlp=16, model_type="qwen3_moe"),
         rngs=nnx.Rngs(0)))
     counted = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -98,7 +98,7 @@ def test_named_configs_have_the_published_counts() -> None:
 def test_experts_carry_the_expert_axis() -> None:
     model = _loaded("mixtral", "one")
     moe = model.blocks[0].mlp
-    assert isinstance(moe, LlamaMoE)
+    assert isinstance(moe, DecoderMoE)
     assert moe.gate.shape == (4, 64, 96)
     assert moe.down.get_metadata("out_sharding") == ("expert", "mlp", "embed")
     assert ns.strategies.get("ep").rules["expert"] == "expert"
@@ -106,52 +106,52 @@ def test_experts_carry_the_expert_axis() -> None:
 
 def test_bad_expert_settings_are_refused() -> None:
     with pytest.raises(ns.UsageError, match="experts"):
-        LlamaConfig(experts=2, top_k=3)
+        DecoderConfig(experts=2, top_k=3)
     # A mixture-of-experts type without experts would be written as num_experts 0,
     # which transformers reads as a dense model.
     for kind, key in (("mixtral", "num_local_experts"), ("qwen3_moe", "num_experts")):
         with pytest.raises(ns.UsageError, match=rf"experts=0: model_type='{kind}' is a "
                                                 rf"mixture-of-experts family.*{key} >= 1.*Fix"):
-            LlamaConfig(experts=0, model_type=kind)
+            DecoderConfig(experts=0, model_type=kind)
         with pytest.raises(ns.UsageError, match="top_k=3"):
-            LlamaConfig(experts=2, top_k=3, model_type=kind)
+            DecoderConfig(experts=2, top_k=3, model_type=kind)
     with pytest.raises(ns.UsageError, match="scan_layers"):
-        LlamaConfig(layers=2, experts=4, mlp_only_layers=(1,), scan_layers=True,
+        DecoderConfig(layers=2, experts=4, mlp_only_layers=(1,), scan_layers=True,
                     model_type="qwen3_moe")
 
 
 def test_qwen3_moe_fields_live_on_its_own_config_class() -> None:
-    cfg = LlamaConfig(layers=3, experts=4, moe_mlp=16, mlp_only_layers=[1],
+    cfg = DecoderConfig(layers=3, experts=4, moe_mlp=16, mlp_only_layers=[1],
                       model_type="qwen3_moe")
     assert type(cfg) is Qwen3MoeConfig
     assert (cfg.mlp_only_layers, cfg.expert_mlp, cfg.moe_layers()) == ((1,), 16,
                                                                         (True, False, True))
     assert dataclasses.replace(cfg, layers=4).moe_layers() == (True, False, True, True)
-    assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
-    mixtral = LlamaConfig(experts=4, model_type="mixtral")
-    assert type(mixtral) is LlamaConfig
+    assert DecoderConfig.from_hf(cfg.to_hf()) == cfg
+    mixtral = DecoderConfig(experts=4, model_type="mixtral")
+    assert type(mixtral) is DecoderConfig
     assert (mixtral.norm_topk_prob, mixtral.expert_mlp) == (True, mixtral.mlp)
     assert "moe_intermediate_size" not in mixtral.to_hf()
     with pytest.raises(ns.UsageError, match=r"moe_mlp .*'mixtral'.*Fix: model_type='qwen3_moe'"):
-        LlamaConfig(experts=4, moe_mlp=16, model_type="mixtral")
+        DecoderConfig(experts=4, moe_mlp=16, model_type="mixtral")
     with pytest.raises(ns.UsageError, match=r"Qwen3MoeConfig: model_type='mixtral'.*Fix"):
         Qwen3MoeConfig(experts=4, model_type="mixtral")
 
 
 def test_mlp_only_layers_must_be_a_list_in_config_json() -> None:
-    hf = LlamaConfig.from_hf(FIXTURES / "qwen3_moe").to_hf()
+    hf = DecoderConfig.from_hf(FIXTURES / "qwen3_moe").to_hf()
     for value in (0, False, "", {}, 1):
         with pytest.raises(ns.UsageError, match=r"mlp_only_layers must be a list of layer "
                                                 r"indices, got .*Fix"):
-            LlamaConfig.from_hf({**hf, "mlp_only_layers": value})
-    assert LlamaConfig.from_hf({**hf, "mlp_only_layers": None}).mlp_only_layers == ()
-    assert LlamaConfig.from_hf({**hf, "mlp_only_layers": []}).moe_layers() == (True,) * 3
+            DecoderConfig.from_hf({**hf, "mlp_only_layers": value})
+    assert DecoderConfig.from_hf({**hf, "mlp_only_layers": None}).mlp_only_layers == ()
+    assert DecoderConfig.from_hf({**hf, "mlp_only_layers": []}).moe_layers() == (True,) * 3
 
 
 def test_no_tokens_are_refused_by_shape() -> None:
-    model = Llama(LlamaConfig(experts=4, model_type="mixtral"), rngs=nnx.Rngs(0))
+    model = Decoder(DecoderConfig(experts=4, model_type="mixtral"), rngs=nnx.Rngs(0))
     for shape in ((0, 8), (2, 0)):
-        with pytest.raises(ns.UsageError, match=rf"Llama.forward: tokens of shape "
+        with pytest.raises(ns.UsageError, match=rf"Decoder.forward: tokens of shape "
                                                 rf"\({shape[0]}, {shape[1]}\) hold no token"):
             model(jnp.zeros(shape, jnp.int32))
 
@@ -166,24 +166,24 @@ def test_logits_match_transformers(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ragged_dot_gives_the_same_logits_as_the_tiles(family: str) -> None:
     want = _expected(family)["logits"]
-    cfg = LlamaConfig.from_hf(FIXTURES / family, expert_matmul="ragged_dot")
+    cfg = DecoderConfig.from_hf(FIXTURES / family, expert_matmul="ragged_dot")
     model = ns.hf.load_safetensors(FIXTURES / family, ns.abstract_init(
-        lambda: Llama(cfg, rngs=nnx.Rngs(0)), *_one()))
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0)), *_one()))
     got = np.asarray(model(jnp.asarray(_expected(family)["ids"])))
     assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
     assert model.blocks[0].mlp.matmul == "ragged_dot"
 
 
 def test_expert_matmul_is_an_option_of_the_moe_families_only() -> None:
-    cfg = LlamaConfig(experts=4, model_type="mixtral", expert_matmul="tiles")
+    cfg = DecoderConfig(experts=4, model_type="mixtral", expert_matmul="tiles")
     assert "expert_matmul" not in cfg.to_hf() and "tiles" not in str(cfg.to_hf())
-    assert LlamaConfig.from_hf(cfg.to_hf()).expert_matmul == "auto"
+    assert DecoderConfig.from_hf(cfg.to_hf()).expert_matmul == "auto"
     with pytest.raises(ns.UsageError, match=r"expert_matmul='tiles' is not part of "
                                             r"model_type='llama'.*mixtral, qwen3_moe have it"):
-        LlamaConfig(expert_matmul="tiles")
-    with pytest.raises(ns.UsageError, match=r"LlamaConfig.expert_matmul='grouped'; valid: "
+        DecoderConfig(expert_matmul="tiles")
+    with pytest.raises(ns.UsageError, match=r"DecoderConfig.expert_matmul='grouped'; valid: "
                                             r"'auto', 'tiles', 'ragged_dot'"):
-        LlamaConfig(experts=4, model_type="mixtral", expert_matmul="grouped")
+        DecoderConfig(experts=4, model_type="mixtral", expert_matmul="grouped")
 
 
 @pytest.mark.slow
@@ -193,13 +193,13 @@ def test_a_training_step_costs_the_active_parameters() -> None:
     from nnx_shard.models._grouped import unrolled
 
     shared = dict(embed=64, heads=4, kv_heads=2, head_dim=16, layers=1, vocab=64)
-    moe = LlamaConfig(**shared, mlp=96, experts=4, top_k=2, model_type="mixtral",
+    moe = DecoderConfig(**shared, mlp=96, experts=4, top_k=2, model_type="mixtral",
                       expert_matmul="tiles")
-    dense = LlamaConfig(**shared, mlp=2 * 96)
+    dense = DecoderConfig(**shared, mlp=2 * 96)
     batch = {k: jax.ShapeDtypeStruct((1, 256), jnp.int32) for k in ("inputs", "targets")}
 
-    def flops(cfg: LlamaConfig) -> float:
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    def flops(cfg: DecoderConfig) -> float:
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
 
         def step(p: object, b: dict) -> object:
             return jax.value_and_grad(lambda p: ns.models.lm_loss(nnx.merge(graphdef, p), b))(p)
@@ -256,7 +256,7 @@ def test_save_writes_the_checkpoint_back(family: str, tmp_path: pathlib.Path) ->
     got = load_file(tmp_path / "model.safetensors")
     assert sorted(got) == sorted(want)  # one tensor per expert, under the family's names
     assert all(np.array_equal(got[k], want[k]) for k in want)
-    assert LlamaConfig.from_hf(tmp_path) == model.cfg
+    assert DecoderConfig.from_hf(tmp_path) == model.cfg
 
 
 @pytest.mark.slow
@@ -264,7 +264,7 @@ def test_gradients_under_ep_match_one_device() -> None:
     ids = np.tile(_expected("mixtral")["ids"], (4, 1))
     batch = {"inputs": jnp.asarray(ids), "targets": jnp.asarray(ids)}
 
-    def step(model: Llama, b: dict) -> tuple:
+    def step(model: Decoder, b: dict) -> tuple:
         return nnx.value_and_grad(lambda m: ns.models.lm_loss(m, b))(model)
 
     s = ns.strategies.get("ep")
@@ -277,12 +277,12 @@ def test_gradients_under_ep_match_one_device() -> None:
 
 
 def test_lora_adapts_attention_and_refuses_the_experts() -> None:
-    cfg = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / "mixtral"), layers=1)
-    model = ns.lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0)
+    cfg = dataclasses.replace(DecoderConfig.from_hf(FIXTURES / "mixtral"), layers=1)
+    model = ns.lora(Decoder(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0)
     ids = jnp.asarray(_expected("mixtral")["ids"])
     assert model(ids).shape == (2, 12, 128)
     with pytest.raises(ns.ShardingError, match="not a 2-D-like projection kernel"):
-        ns.lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0, targets=r"mlp/gate$")
+        ns.lora(Decoder(cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0, targets=r"mlp/gate$")
 
 
 def _ep_tp() -> tuple[str, object]:
@@ -296,18 +296,18 @@ def _ep_tp() -> tuple[str, object]:
 def test_expert_parallelism_moves_tokens_with_all_to_all(layout: str) -> None:
     matmul = "ragged_dot" if layout.endswith("ragged_dot") else "tiles"
     layout = layout.removesuffix("_ragged_dot")
-    cfg = LlamaConfig(experts=8, top_k=2, model_type="mixtral", layers=1, vocab=64,
+    cfg = DecoderConfig(experts=8, top_k=2, model_type="mixtral", layers=1, vocab=64,
                       expert_matmul=matmul)
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (8, 8)))
     batch = {"inputs": ids, "targets": ids}
 
-    def step(m: Llama, b: dict) -> tuple:
+    def step(m: Decoder, b: dict) -> tuple:
         return nnx.value_and_grad(lambda m: ns.models.lm_loss(m, b))(m)
 
-    want_loss, want = nnx.jit(step)(Llama(cfg, rngs=nnx.Rngs(0)), batch)
+    want_loss, want = nnx.jit(step)(Decoder(cfg, rngs=nnx.Rngs(0)), batch)
     mesh, rules = _ep_tp() if layout == "ep_tp" else _layout(layout)
     with ns.use(mesh, rules) as m:
-        model = ns.sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), m, rules)
+        model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), m, rules)
         state = nnx.state(model)
         compiled = jax.jit(lambda s, b: step(nnx.merge(nnx.graphdef(model), s), b)).lower(
             state, batch).compile()
@@ -330,9 +330,9 @@ def test_scanned_layers_load_and_save_each_experts_tensor(strategy: str,
 
     path = FIXTURES / "mixtral"
     mesh, rules = _one() if strategy == "one" else _layout(strategy)
-    cfg = LlamaConfig.from_hf(path, scan_layers=True)
+    cfg = DecoderConfig.from_hf(path, scan_layers=True)
     model = ns.hf.load_safetensors(path, ns.abstract_init(
-        lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh, rules))
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, rules))
     assert model.blocks.mlp.up.shape == (2, 4, 64, 96)  # [layers, expert, embed, mlp]
     exp = _expected("mixtral")
     with ns.use(mesh, rules):

@@ -23,22 +23,16 @@ from safetensors.numpy import load_file
 import nnx_shard as ns
 from nnx_shard._errors import ShardingError, UsageError
 from nnx_shard.inference import Tokenizer
-from nnx_shard.models import (
-    Llama,
-    Transformer,
-    TransformerConfig,
-    get_config,
-    resize_token_embeddings,
-)
+from nnx_shard.models import Decoder, ReferenceConfig, get_config, resize_token_embeddings
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 RESIZE = FIXTURES / "hf_resize"
 
 
-def _load(name: str, mesh: str, strategy: str) -> Llama:
+def _load(name: str, mesh: str, strategy: str) -> Decoder:
     model = ns.hf.load_pretrained(FIXTURES / name, mesh=mesh,
                                   rules=ns.strategies.get(strategy).rules)
-    assert isinstance(model, Llama)
+    assert isinstance(model, Decoder)
     return model
 
 
@@ -142,8 +136,8 @@ def test_singular_covariance_gives_the_mean_as_transformers():
 
 
 def test_new_rows_have_the_old_mean_and_scaled_covariance():
-    cfg = TransformerConfig(vocab=64, embed=8, heads=2, head_dim=4, mlp=16, layers=1)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    cfg = ReferenceConfig(vocab=64, embed=8, heads=2, head_dim=4, mlp=16, layers=1)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     old = np.asarray(model.token_embed[...], np.float64)
     old_head = np.asarray(model.unembed[...], np.float64).T
     added = 4000
@@ -165,7 +159,7 @@ def test_new_rows_have_the_old_mean_and_scaled_covariance():
 
 
 def test_mean_resizing_off_draws_from_the_initializer_range():
-    model = Transformer(TransformerConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=16,
+    model = Decoder(ReferenceConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=16,
                                           layers=1, tie_embeddings=True), rngs=nnx.Rngs(0))
     resize_token_embeddings(model, 64 + 2000, mean_resizing=False)
     new = np.asarray(model.token_embed[64:])
@@ -175,7 +169,7 @@ def test_mean_resizing_off_draws_from_the_initializer_range():
 
 def test_seed_decides_the_draw():
     def rows(seed: int) -> np.ndarray:
-        m = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+        m = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         return np.asarray(resize_token_embeddings(m, 130, seed=seed).token_embed[128:])
 
     np.testing.assert_array_equal(rows(1), rows(1))
@@ -183,7 +177,7 @@ def test_seed_decides_the_draw():
 
 
 def test_shrinking_keeps_the_first_rows_and_their_logits():
-    model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     tokens = jnp.asarray([[1, 5, 99, 7]], jnp.int32)
     before = np.asarray(model(tokens))
     embed = np.asarray(model.token_embed[...])
@@ -196,7 +190,7 @@ def test_shrinking_keeps_the_first_rows_and_their_logits():
 
 
 def test_same_size_is_left_alone_and_none_pads_the_current_size():
-    model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     value = model.token_embed.get_value()
     assert resize_token_embeddings(model, 128, pad_to_multiple_of=64) is model
     assert model.token_embed.get_value() is value and model.cfg.vocab == 128
@@ -207,7 +201,7 @@ def test_same_size_is_left_alone_and_none_pads_the_current_size():
 @pytest.mark.parametrize("strategy,mesh", [("fsdp", "data=8"), ("tp", "data=4,model=2")])
 def test_each_parameter_keeps_its_layout(strategy, mesh):
     rules = ns.strategies.get(strategy)
-    model = ns.sharded_init(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), mesh,
+    model = ns.sharded_init(lambda: Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)), mesh,
                             rules)
     before = {n: getattr(model, n).get_value().sharding for n in ("token_embed", "unembed")}
     resize_token_embeddings(model, 130, pad_to_multiple_of=8)
@@ -222,7 +216,7 @@ def test_each_parameter_keeps_its_layout(strategy, mesh):
 
 def test_explicit_mesh_keeps_its_axis_types():
     mesh = ns.make_mesh("data=4,model=2", axis_types="explicit")
-    model = ns.sharded_init(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), mesh,
+    model = ns.sharded_init(lambda: Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)), mesh,
                             ns.strategies.get("fsdp_tp"))
     before = model.token_embed.get_value().sharding
     resize_token_embeddings(model, 136)
@@ -231,7 +225,7 @@ def test_explicit_mesh_keeps_its_axis_types():
 
 
 def test_a_size_its_devices_do_not_divide_is_refused_with_the_fix():
-    model = ns.sharded_init(lambda: Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
+    model = ns.sharded_init(lambda: Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
                             "data=4,model=2", ns.strategies.get("tp"))
     value = model.token_embed.get_value()
     with pytest.raises(ShardingError, match="pad_to_multiple_of=2") as e:
@@ -259,7 +253,7 @@ def test_a_size_its_devices_do_not_divide_is_refused_with_the_fix():
     ({"new_vocab": 130, "seed": -1}, "seed"),
 ])
 def test_bad_arguments_name_themselves(kw, name):
-    model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
     with pytest.raises(UsageError, match=name):
         resize_token_embeddings(model, **kw)
     assert model.cfg.vocab == 128 and model.token_embed.shape == (128, 32)

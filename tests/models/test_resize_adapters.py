@@ -15,7 +15,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard._errors import UsageError
-from nnx_shard.models import Llama, get_config, resize_token_embeddings
+from nnx_shard.models import Decoder, get_config, resize_token_embeddings
 from nnx_shard.models._resize import memory_shortfall
 
 _forward = nnx.jit(lambda model, tokens: model(tokens))
@@ -23,11 +23,11 @@ OLD = jnp.asarray([[1, 5, 127, 3]], jnp.int32)
 NEW = jnp.asarray([[1, 5, 127, 3, 130, 135]], jnp.int32)
 
 
-def _adapted(targets: str, tied: bool = False) -> Llama:
+def _adapted(targets: str, tied: bool = False) -> Decoder:
     """The tiny Llama with adapters on ``targets`` whose zero factor is set, so the
     adapters change the logits."""
     cfg = dataclasses.replace(get_config("llama-tiny"), tie_embeddings=tied)
-    model = Llama(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     ns.lora(model, rank=2, alpha=4.0, targets=targets)
     for name in ("lora_token_embed", "lora_unembed"):
         node = getattr(model, name, None)
@@ -98,7 +98,7 @@ def test_tied_model_with_an_embedding_adapter_shrinks_it_too():
 def test_sharded_adapter_factors_keep_their_layout():
     strategy = ns.strategies.get("tp")
     model = ns.sharded_init(
-        lambda: ns.lora(Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), 2, 4.0,
+        lambda: ns.lora(Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)), 2, 4.0,
                         targets="token_embed|unembed"), "data=4,model=2", strategy)
     before = {n: getattr(model, n).get_value().sharding
               for n in ("token_embed", "unembed")}
@@ -114,7 +114,7 @@ def test_sharded_adapter_factors_keep_their_layout():
 @pytest.mark.parametrize("targets,name", [("token_embed", "token_embed"),
                                           ("unembed", "unembed")])
 def test_a_quantized_table_is_refused_with_the_fix(targets, name):
-    model = ns.lora(Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)), 2, 4.0,
+    model = ns.lora(Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)), 2, 4.0,
                     targets=targets, quantize="int8", quant_block=None)
     with pytest.raises(UsageError, match=f"{name} is quantized") as e:
         resize_token_embeddings(model, 136)
@@ -123,7 +123,7 @@ def test_a_quantized_table_is_refused_with_the_fix(targets, name):
 
 @pytest.mark.parametrize("targets", ["", "token_embed|unembed"])
 def test_a_table_past_memory_is_refused_and_nothing_changes(targets):
-    model = (Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0)) if not targets
+    model = (Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)) if not targets
              else _adapted(targets))
     leaves = jax.tree.leaves(nnx.state(model))
     with pytest.raises(UsageError, match="new_vocab 2147483647") as e:

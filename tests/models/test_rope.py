@@ -25,7 +25,7 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard.hf import load_pretrained
 from nnx_shard.inference import GenerationConfig, generate
-from nnx_shard.models import Llama, LlamaConfig
+from nnx_shard.models import Decoder, DecoderConfig
 from nnx_shard.models import _rope as rope
 from tests._close import assert_close
 
@@ -45,24 +45,24 @@ def _mesh_rules() -> tuple[jax.sharding.Mesh, object]:
 
 
 @functools.cache
-def _loaded(kind: str) -> Llama:
+def _loaded(kind: str) -> Decoder:
     mesh, rules = _mesh_rules()
     model = load_pretrained(FIXTURES / kind, mesh=mesh, rules=rules)
-    assert isinstance(model, Llama)
+    assert isinstance(model, Decoder)
     return model
 
 
 def test_the_types_are_the_ones_implemented() -> None:
     assert rope.ROPE_TYPES == TYPES
     for kind in TYPES:
-        cfg = LlamaConfig.from_hf(FIXTURES / kind)
+        cfg = DecoderConfig.from_hf(FIXTURES / kind)
         got = "default" if cfg.rope_scaling is None else dict(cfg.rope_scaling)["rope_type"]
         assert got == kind
 
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_frequencies_equal_transformers(kind: str) -> None:
-    cfg = LlamaConfig.from_hf(FIXTURES / kind)
+    cfg = DecoderConfig.from_hf(FIXTURES / kind)
     want = _expected(kind)
     for tag, length in (("short", 12), ("long", 32)):
         inv, factor = rope.frequencies(cfg, length)
@@ -116,9 +116,9 @@ def test_greedy_generation_matches_transformers(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_config_round_trip(kind: str) -> None:
-    cfg = LlamaConfig.from_hf(FIXTURES / kind)
+    cfg = DecoderConfig.from_hf(FIXTURES / kind)
     hf = cfg.to_hf()
-    assert LlamaConfig.from_hf(hf) == cfg
+    assert DecoderConfig.from_hf(hf) == cfg
     if kind != "default":
         written = hf["rope_scaling"]
         assert written["rope_type"] == kind
@@ -134,15 +134,15 @@ def test_phi3_reads_its_own_original_context() -> None:
           "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 64,
           "original_max_position_embeddings": 16,
           "rope_scaling": {"type": "longrope", **factors}}
-    cfg = LlamaConfig.from_hf(hf)
+    cfg = DecoderConfig.from_hf(hf)
     assert dict(cfg.rope_scaling)["original_max_position_embeddings"] == 16
-    assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+    assert DecoderConfig.from_hf(cfg.to_hf()) == cfg
     # without the key Phi3Config's default (4096) applies, over the scaling's own
     del hf["original_max_position_embeddings"]
     hf["rope_scaling"]["original_max_position_embeddings"] = 16
-    assert dict(LlamaConfig.from_hf(hf).rope_scaling)["original_max_position_embeddings"] == 4096
+    assert dict(DecoderConfig.from_hf(hf).rope_scaling)["original_max_position_embeddings"] == 4096
     with pytest.raises(ns.NnxShardError, match="Phi-3 rotates with the default or longrope"):
-        LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+        DecoderConfig.from_hf({**hf, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
 
 
 _HF = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
@@ -175,8 +175,8 @@ MALFORMED = [
 @pytest.mark.parametrize("scaling, match", MALFORMED,
                          ids=[f"{i}-{s['rope_type']}" for i, (s, _) in enumerate(MALFORMED)])
 def test_malformed_parameters_are_refused(scaling: dict, match: str) -> None:
-    for build in (lambda: LlamaConfig.from_hf({**_HF, "rope_scaling": scaling}),
-                  lambda: LlamaConfig(rope_scaling=scaling)):
+    for build in (lambda: DecoderConfig.from_hf({**_HF, "rope_scaling": scaling}),
+                  lambda: DecoderConfig(rope_scaling=scaling)):
         with pytest.raises(ns.NnxShardError, match=match) as info:
             build()
         assert "Fix:" in str(info.value)
@@ -211,11 +211,11 @@ NON_FINITE = [
                          ids=[c[0] for c in NON_FINITE])
 def test_non_finite_tables_are_refused_by_field(fields: dict, match: str) -> None:
     hf = {**_HF, **fields}  # config.json spells these three as the fields
-    built = [lambda: LlamaConfig(**fields), lambda: LlamaConfig.from_hf(hf)]
+    built = [lambda: DecoderConfig(**fields), lambda: DecoderConfig.from_hf(hf)]
     # transformers 5's own spelling: the rotary base inside rope_parameters
     rope = {"rope_type": "default", **fields.get("rope_scaling", {})}
     rope["rope_theta"] = fields.get("rope_theta", 10000.0)
-    built.append(lambda: LlamaConfig.from_hf(
+    built.append(lambda: DecoderConfig.from_hf(
         {**{k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")},
          "rope_parameters": rope}))
     for build in built:
@@ -227,10 +227,10 @@ def test_non_finite_tables_are_refused_by_field(fields: dict, match: str) -> Non
 @pytest.mark.slow
 def test_the_first_forward_of_a_refused_config_was_nan() -> None:
     # What the check guards against: the same values, past it, give NaN logits.
-    cfg = LlamaConfig(rope_theta=1e6)
+    cfg = DecoderConfig(rope_theta=1e6)
     object.__setattr__(cfg, "rope_theta", 1e-50)
     with np.errstate(all="ignore"):
-        logits = Llama(cfg, rngs=nnx.Rngs(0))(jnp.ones((1, 4), jnp.int32))
+        logits = Decoder(cfg, rngs=nnx.Rngs(0))(jnp.ones((1, 4), jnp.int32))
     assert np.isnan(np.asarray(logits)).all()
 
 
@@ -238,24 +238,24 @@ def test_every_published_and_fixture_config_passes_the_table_check() -> None:
     from nnx_shard.models import CONFIGS
 
     for cfg in CONFIGS.values():
-        if isinstance(cfg, LlamaConfig):
+        if isinstance(cfg, DecoderConfig):
             rope.check_tables(cfg)  # no error: each named config stays buildable
     for kind in TYPES:
-        rope.check_tables(LlamaConfig.from_hf(FIXTURES / kind))
+        rope.check_tables(DecoderConfig.from_hf(FIXTURES / kind))
     # near the edges, still finite: a large but real base, a factor near 1
-    LlamaConfig(rope_theta=1e12, rope_scaling={**_YARN_FAR, "attention_factor": 1e3})
-    LlamaConfig(head_dim=4, rope_scaling={"rope_type": "dynamic", "factor": 64.0})
+    DecoderConfig(rope_theta=1e12, rope_scaling={**_YARN_FAR, "attention_factor": 1e3})
+    DecoderConfig(head_dim=4, rope_scaling={"rope_type": "dynamic", "factor": 64.0})
 
 
 def test_yarn_defaults_as_transformers() -> None:
     # a null factor is max / original; mscale and mscale_all_dim set the attention
     # factor (DeepSeek: equal, so 1); a missing original context is max_position_embeddings
-    cfg = LlamaConfig.from_hf({**_HF, "rope_scaling": {**_YARN, "factor": None}})
+    cfg = DecoderConfig.from_hf({**_HF, "rope_scaling": {**_YARN, "factor": None}})
     assert rope.frequencies(cfg)[1] == pytest.approx(0.1 * np.log(4.0) + 1)
-    deepseek = LlamaConfig.from_hf({**_HF, "rope_scaling": {
+    deepseek = DecoderConfig.from_hf({**_HF, "rope_scaling": {
         **_YARN, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}})
     assert rope.frequencies(deepseek)[1] == 1.0
-    bare = LlamaConfig.from_hf({**_HF, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    bare = DecoderConfig.from_hf({**_HF, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     assert dict(bare.rope_scaling)["original_max_position_embeddings"] == 64
 
 

@@ -12,21 +12,21 @@ import pytest
 from flax import nnx
 
 from nnx_shard._errors import UsageError
-from nnx_shard.models import Llama, LlamaConfig, Transformer, TransformerConfig
+from nnx_shard.models import Decoder, DecoderConfig, ReferenceConfig
 
 
 def model(kind: str) -> nnx.Module:
     if kind == "llama":
-        return Llama(LlamaConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
+        return Decoder(DecoderConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
                                  layers=1, max_length=16), rngs=nnx.Rngs(0))
-    return Transformer(TransformerConfig(vocab=32, length=16, embed=16, heads=2, head_dim=8,
+    return Decoder(ReferenceConfig(vocab=32, length=16, embed=16, heads=2, head_dim=8,
                                          mlp=32, layers=1), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("kind", ["llama", "transformer"])
 def test_ids_outside_the_vocabulary_are_refused(kind: str) -> None:
     m = model(kind)
-    name = "Llama"  # one decoder class builds both
+    name = "Decoder"  # one decoder class builds both
     for ids, shown in [([1, -1, 2], "[-1]"), ([1, 32 + 5, 2], "[37]"), ([40, -3, 32], "[-3, 32, 40]")]:
         with pytest.raises(UsageError, match=rf"{name}.forward: tokens hold ids") as err:
             m(np.array([ids], np.int32))
@@ -59,7 +59,7 @@ def test_valid_and_traced_ids(kind: str) -> None:
 def test_tokens_with_no_row_or_no_position_are_refused(kind: str) -> None:
     # Static shapes: refused under jit too, before the attention's empty reductions.
     m = model(kind)
-    name = "Llama"  # one decoder class builds both
+    name = "Decoder"  # one decoder class builds both
     for shape in ((0, 8), (2, 0)):
         tokens = jnp.zeros(shape, jnp.int32)
         for call in (m, lambda t: nnx.jit(lambda mm, tt: mm(tt))(m, t)):

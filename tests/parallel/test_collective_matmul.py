@@ -31,7 +31,7 @@ from nnx_shard._parallel.collective_matmul import (
     matmul_reduce_scatter,
     projection,
 )
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 from nnx_shard.planner import compiled_collectives
 from tests._close import assert_close
 from tests._lm import lm_batches, lm_step
@@ -181,7 +181,7 @@ _step = lm_step
 
 @dataclasses.dataclass
 class Run:
-    model: Transformer
+    model: Decoder
     metrics: dict
     collectives: list
 
@@ -191,7 +191,7 @@ def _run(name: str, mesh_spec: str, axis_types: str = "auto") -> Run:
     s = ns.strategies.get(name)
     n = 1 if mesh_spec == "data=1" else 8
     mesh = ns.make_mesh(mesh_spec, axis_types=axis_types, devices=jax.devices()[:n])
-    model = ns.sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, optax.adam(LR), mesh, s)
     with ns.use(mesh, s.rules):
         batch = ns.shard_batch(_host_batches(), mesh, s.rules, ("batch", "length"), steps=True)
@@ -271,7 +271,7 @@ def test_trainer_carries_the_option() -> None:
     # Trainer(rules=strategy.rules) passes the options through ns.use.
     s = ns.strategies.get("async_tp")
     mesh = s.make_mesh(8)
-    model = ns.sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, optax.adam(LR), mesh, s)
     trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, steps_per_call=K,
                          batch_names=("batch", "length"))
@@ -290,7 +290,7 @@ def test_trainer_carries_the_option() -> None:
 def test_sequence_not_divisible_by_model_axis() -> None:
     s = ns.strategies.get("async_tp")
     mesh = s.make_mesh(8)
-    model = ns.sharded_init(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)), mesh, s)
     toks = jnp.zeros((8, 15), jnp.int32)
     with ns.use(mesh, s.rules), pytest.raises(ns.ShardingError) as e:
         lm_loss(model, {"inputs": toks[:, :-1], "targets": toks[:, 1:]})
@@ -306,7 +306,7 @@ def test_heads_or_mlp_not_divisible(cfg, param, logical) -> None:
     config = dataclasses.replace(get_config("tiny"), **cfg)
     s = ns.strategies.get("async_tp")
     with pytest.raises(ns.ShardingError) as e:
-        ns.sharded_init(lambda: Transformer(config, rngs=nnx.Rngs(0)), "data=2,model=4", s)
+        ns.sharded_init(lambda: Decoder(config, rngs=nnx.Rngs(0)), "data=2,model=4", s)
     msg = str(e.value)
     assert f"parameter '{param}'" in msg and f"rule '{logical}'" in msg
     assert "Suggested mesh: {'data': 4, 'model': 2}" in msg

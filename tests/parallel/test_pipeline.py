@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
 from nnx_shard import pipeline
-from nnx_shard.models import Transformer, get_config, lm_loss
+from nnx_shard.models import Decoder, get_config, lm_loss
 from nnx_shard.planner import compiled_collectives
 from nnx_shard.planner._costs import KINDS as COLLECTIVE_KINDS
 from tests._close import assert_close
@@ -46,7 +46,7 @@ def _config(layers: int):
 
 
 def _factory(cfg):
-    return lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+    return lambda: Decoder(cfg, rngs=nnx.Rngs(0))
 
 
 def _host_batches(cfg) -> dict[str, np.ndarray]:
@@ -630,8 +630,8 @@ def test_schedule_table_refuses_a_table_too_big_to_hold():
     (3, r"carry has 16 rows, which do not split into microbatches=3 on each of 1 data"),
 ])
 def test_pipeline_explain_refuses_microbatches_that_would_give_wrong_bytes(microbatches, match):
-    cfg = ns.models.TransformerConfig(layers=4, scan_layers=True)
-    model = nnx.eval_shape(lambda: ns.models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    cfg = ns.models.ReferenceConfig(layers=4, scan_layers=True)
+    model = nnx.eval_shape(lambda: ns.models.Decoder(cfg, rngs=nnx.Rngs(0)))
     carry = jax.ShapeDtypeStruct((16, cfg.length, cfg.embed), jnp.float32)
     mesh = ns.make_mesh({"stage": 4, "data": 1}, devices=jax.devices()[:4])
     with pytest.raises(ns.NnxShardError, match=rf"^pipeline\.stage_report: {match}"):

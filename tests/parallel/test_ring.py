@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
 from nnx_shard._attention._context_parallel import _zigzag_pairs
-from nnx_shard.models import Transformer, attention, get_config, lm_loss
+from nnx_shard.models import Decoder, attention, get_config, lm_loss
 from nnx_shard.planner import compiled_collectives
 from tests._close import assert_close
 from tests._lm import lm_batches, lm_step
@@ -273,7 +273,7 @@ _step = lm_step
 
 
 def _train(mesh, rules, cfg):
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, rules)
     opt = ns.sharded_optimizer(model, optax.adam(LR), mesh, rules)
     with ns.use(mesh, rules):
         batch = ns.shard_batch(_batches(cfg.length), mesh, rules, ("batch", "length"),
@@ -342,8 +342,8 @@ def test_trainer_with_cp_and_logits_in_order() -> None:
     cfg = dataclasses.replace(get_config("tiny"), layers=1)
     s = ns.strategies.get("cp")
     mesh = s.make_mesh(8)
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, s)
-    ref = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
+    ref = Decoder(cfg, rngs=nnx.Rngs(0))
     tokens = _batches(cfg.length)["inputs"][0]
     with ns.use(mesh, s.rules):
         logits = nnx.jit(lambda m, t: m(t))(model, tokens)

@@ -47,7 +47,7 @@ def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy
     from flax import nnx
 
     from nnx_shard._optimizers import get as optimizer
-    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.models import Decoder, get_config
     from nnx_shard.planner._formula import abstract_report, formula
     from nnx_shard.strategies import get
     from tests._lm import lower_bare_steps
@@ -56,7 +56,7 @@ def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy
     bare = lower_bare_steps(strategy, sizes, batch=8, seq=16)
     extra = fit["temp"] - bare.compile().memory_analysis().temp_size_in_bytes
     state = fit["params"] + fit["optimizer"]
-    model = nnx.eval_shape(lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)))
     strat = get(strategy)
     report = abstract_report(model, sizes, strat.rules, optimizer("adamw"), strat.opt_rules)
     planned = formula(report, 0, guard)["guard"]
@@ -87,13 +87,13 @@ def test_the_planners_compile_options_change_no_figure(strategy, sizes, remat):
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    from nnx_shard.models import Transformer, get_config
+    from nnx_shard.models import Decoder, get_config
     from nnx_shard.planner import _compile as planner_compile
     from nnx_shard.planner._costs import hlo_costs
 
     cfg = dataclasses.replace(get_config("tiny"), remat=remat, scan_layers=True)
     _, trainer, _ = planner_compile.compile_fit(
-        lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy, sizes, batch=8, seq=16)
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0)), strategy, sizes, batch=8, seq=16)
     spec = trainer.rules.spec((None, "batch", "length"), shape=(2, 8, 16), mesh=trainer.mesh)
     tokens = jax.ShapeDtypeStruct((2, 8, 16), jnp.int32,
                                   sharding=NamedSharding(trainer.mesh, spec))

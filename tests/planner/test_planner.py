@@ -17,7 +17,7 @@ from nnx_shard import _optimizers as optimizers
 from nnx_shard import planner, strategies
 from nnx_shard._report import fmt_bytes
 from nnx_shard.cli import main
-from nnx_shard.models import Transformer, get_config
+from nnx_shard.models import Decoder, get_config
 from nnx_shard.planner import _compile, _costs, _explore, _formula, _hardware
 from nnx_shard.planner._formula import stage_formula_bytes
 from nnx_shard.strategies._strategy import PRESETS
@@ -280,11 +280,11 @@ def test_a_compiled_pipeline_is_decided_by_its_stage_formula(monkeypatch):
 
     monkeypatch.setattr(Cache, "shared", {})
     cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     sizes = {"stage": 2, "data": 2}
     stage = stage_formula_bytes(model, cfg, strategies.get("pp"), sizes,
                                 optimizers.get("adamw"), 8, 16, "none")
-    compiled = _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "pp", sizes,
+    compiled = _compile.compile_step(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "pp", sizes,
                                     batch=8, seq=16, microbatches=2)["total"]
     assert stage < compiled
     memory = (stage + compiled) // 2  # the compiled figure alone would not fit
@@ -448,7 +448,7 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
     """cost_analysis() counts a loop body once; the planner weights it by the trip count."""
     def figures(scan: bool) -> dict:
         cfg = dataclasses.replace(get_config("tiny"), layers=4, scan_layers=scan)
-        return _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "fsdp_tp",
+        return _compile.compile_step(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "fsdp_tp",
                                     {"data": 4, "model": 2}, batch=8, seq=16)
 
     scanned, unrolled = figures(True), figures(False)
@@ -459,9 +459,9 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
     assert scanned["unknown_loops"] == 0
     # Microbatches: the same matmuls, in a loop of 2.
     cfg = get_config("tiny")
-    mb = _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
+    mb = _compile.compile_step(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
                               batch=16, seq=16, microbatches=2)
-    one = _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
+    one = _compile.compile_step(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "dp", {"data": 8},
                                batch=16, seq=16)
     assert mb["flops"] == pytest.approx(one["flops"], rel=0.02)
 
@@ -488,10 +488,10 @@ def test_the_formula_prunes_only_what_xla_would_not_fit(strategy, sizes, remat):
                               scan_layers=True, remat=remat)
     strat = strategies.get(strategy)
     mb = 2 * sizes.get("stage", 0) or 1
-    compiled = _compile.compile_step(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), strategy,
+    compiled = _compile.compile_step(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), strategy,
                                     sizes, batch=16, seq=32, microbatches=mb)["total"]
     mesh = ns.make_mesh(sizes, devices=jax.devices()[:8])
-    abstract = ns.abstract_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strat)
+    abstract = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strat)
     formula = _formula.formula_bytes(abstract, cfg, strat, sizes, optimizer("adamw"),
                                      16 // mb, 32, remat)
     # 1.07: the largest measured (benchmarks/formula_bound.py), under the margin.
@@ -505,7 +505,7 @@ def test_a_factory_compiles_in_process_with_its_remat():
 
     def factory(remat: str = "none"):
         made.append(remat)
-        return Transformer(dataclasses.replace(get_config("tiny"), remat=remat),
+        return Decoder(dataclasses.replace(get_config("tiny"), remat=remat),
                            rngs=nnx.Rngs(0))
 
     plan = ns.planner.auto(factory, devices=8, batch=8, seq=16, hardware=H,
@@ -614,7 +614,7 @@ def test_fits_call_adds_no_collective_bytes_to_the_bare_step(strategy):
     MiB of all-gather per step on `small`."""
     from tests._lm import lower_bare_steps
 
-    factory = lambda: Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
+    factory = lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
     fit = _compile.compile_step(factory, strategy, {"data": 8}, batch=16, seq=16)
     mesh = ns.make_mesh({"data": 8})
     compiled = lower_bare_steps(strategy, {"data": 8}, batch=16, seq=16)

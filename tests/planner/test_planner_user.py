@@ -32,9 +32,9 @@ CFG = um.Config(vocab=16, embed=8, heads=4, kv_heads=2, head_dim=2, mlp=16, laye
 SPEC = "x=int32[8,8],y=int32[8,8]"
 
 
-def tiny_llama() -> um.Llama:
+def tiny_llama() -> um.Decoder:
     """The GQA Llama of its own names, one block (for ``--factory``)."""
-    return um.Llama(CFG, rngs=nnx.Rngs(0))
+    return um.Decoder(CFG, rngs=nnx.Rngs(0))
 
 
 def tiny_mha() -> um.MHALM:

@@ -9,7 +9,7 @@ from flax import nnx
 
 from nnx_shard import _optimizers as optimizers
 from nnx_shard import planner
-from nnx_shard.models import Transformer, get_config
+from nnx_shard.models import Decoder, get_config
 from nnx_shard.planner import _explore
 from nnx_shard.planner._cache import Cache
 from nnx_shard.planner._formula import abstract_report
@@ -18,7 +18,7 @@ from nnx_shard.strategies._presets import get
 
 
 def _sig(cfg, name, sizes, *, microbatches=1, remat="none"):
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     strat = get(name)
     rows = abstract_report(model, sizes, strat.rules, optimizers.get("adamw"),
                            strat.opt_rules).rows

@@ -24,7 +24,7 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard import hf
 from nnx_shard._errors import UsageError
-from nnx_shard.models import Llama, LlamaConfig, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 from tests._close import assert_close
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "hf_llama"
@@ -54,14 +54,14 @@ def _one_device() -> jax.sharding.Mesh:
     return ns.make_mesh("data=1", devices=jax.devices()[:1])
 
 
-def _model(mesh: jax.sharding.Mesh, rules: object = None, **overrides: object) -> Llama:
-    cfg = LlamaConfig.from_hf(FIXTURE, **overrides)
+def _model(mesh: jax.sharding.Mesh, rules: object = None, **overrides: object) -> Decoder:
+    cfg = DecoderConfig.from_hf(FIXTURE, **overrides)
     rules = rules if rules is not None else ns.strategies.get("dp")
-    return hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)),
+    return hf.load_safetensors(FIXTURE, ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
                                                          mesh, rules))
 
 
-def _hf_weights(model: Llama) -> dict[str, np.ndarray]:
+def _hf_weights(model: Decoder) -> dict[str, np.ndarray]:
     """The fixture's weights of ``model`` in transformers' layout."""
     q = np.asarray(model.blocks[0].attn.q.get_value())           # [embed, heads, head_dim]
     return {WEIGHTS[0]: q.reshape(q.shape[0], -1).T,

@@ -15,19 +15,19 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard._errors import UsageError
 from nnx_shard._train._feed import BatchCheck
-from nnx_shard.models import Llama, LlamaConfig, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
 
-CFG = LlamaConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32, layers=1,
+CFG = DecoderConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32, layers=1,
                   max_length=16)
 
 
 def llama_trainer(lr: float = 0.1, steps_per_call: int = 2) -> ns.Trainer:
     s = ns.strategies.get("dp")
     mesh = s.make_mesh(8)
-    model = ns.sharded_init(lambda: Llama(CFG, rngs=nnx.Rngs(0)), mesh, s)
+    model = ns.sharded_init(lambda: Decoder(CFG, rngs=nnx.Rngs(0)), mesh, s)
     opt = ns.sharded_optimizer(model, optax.sgd(lr), mesh, s)
     return ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s, steps_per_call=steps_per_call)
 
@@ -211,7 +211,7 @@ def test_valid_batches_train_exactly_as_without_the_check(monkeypatch: pytest.Mo
 
 
 def test_batch_check_reads_its_bounds_from_the_model() -> None:
-    assert BatchCheck.of(Llama(CFG, rngs=nnx.Rngs(0))) == BatchCheck(vocab=32, max_positions=16)
+    assert BatchCheck.of(Decoder(CFG, rngs=nnx.Rngs(0))) == BatchCheck(vocab=32, max_positions=16)
     assert BatchCheck.of(nnx.Linear(2, 1, rngs=nnx.Rngs(0))) == BatchCheck()
 
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 import nnx_shard as ns
 from nnx_shard._errors import UsageError
-from nnx_shard.models import Llama, LlamaConfig, lm_loss
+from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 from nnx_shard.planner import compiled_collectives, partitioned_hlo
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -176,7 +176,7 @@ def test_precision_refuses_what_would_not_be_mixed_precision():
         ns.Precision(params=jnp.int32)
     # Parameters already bfloat16 have no float32 master copy.
     def llama(**kw):
-        return nnx.eval_shape(lambda: Llama(LlamaConfig(**kw), rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: Decoder(DecoderConfig(**kw), rngs=nnx.Rngs(0)))
 
     pure = llama(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     with pytest.raises(UsageError, match=r"(?s)not stored in float32.*final_norm.*"
@@ -237,10 +237,10 @@ def test_fsdp_all_gathers_move_bfloat16_bytes():
     assert 0.49 < mixed / f32 < 0.51, (mixed, f32)
 
 
-def _fixture(name: str, strategy: str, dtype) -> tuple[Llama, dict]:
-    cfg = dataclasses.replace(LlamaConfig.from_hf(FIXTURES / name), dtype=dtype)
+def _fixture(name: str, strategy: str, dtype) -> tuple[Decoder, dict]:
+    cfg = dataclasses.replace(DecoderConfig.from_hf(FIXTURES / name), dtype=dtype)
     s = ns.strategies.get(strategy)
-    target = ns.abstract_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s)
+    target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), s.make_mesh(8), s)
     return ns.hf.load_safetensors(FIXTURES / name, target), dict(
         np.load(FIXTURES / name / "expected.npz"))
 
@@ -300,7 +300,7 @@ def test_planner_compiles_master_weights_in_float32():
     planned, precision = planned_config(cfg, param_dtype="float32", compute_dtype="bfloat16")
     assert precision == MIXED
     s = ns.strategies.get("fsdp")
-    model = nnx.eval_shape(lambda: Llama(planned, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(planned, rngs=nnx.Rngs(0)))
     report = abstract_report(model, {"data": 8}, s.rules, optax.adamw(1e-3), s.opt_rules)
     assert report.param_bytes_per_device == mixed["params"]
 
@@ -328,7 +328,7 @@ def test_lora_adapters_train_in_bfloat16_compute():
     base_only = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
     losses = {}
     for name, dtype, precision in (("f32", jnp.float32, None), ("bf16", jnp.bfloat16, MIXED)):
-        model = Llama(LlamaConfig(dtype=dtype), rngs=nnx.Rngs(0))
+        model = Decoder(DecoderConfig(dtype=dtype), rngs=nnx.Rngs(0))
         ns.lora(model, rank=4, alpha=8, targets=r"attn/(q|v)$|mlp/down$")
         if precision is not None:
             precision.check(model)

@@ -1337,12 +1337,12 @@ def test_a_tuple_loss_without_has_aux_names_the_fix():
 def test_microbatches_that_split_one_device_rows_are_explained():
     """One row per device (global batch 8 over data=8): 4 microbatches cannot be made
     without moving rows between devices; JAX's raw ShardingTypeError becomes a fix."""
-    from nnx_shard.models import Transformer, get_config, lm_loss
+    from nnx_shard.models import Decoder, get_config, lm_loss
 
     cfg = get_config("tiny")
     mesh = ns.make_mesh("data=8")
     strategy = ns.strategies.get("dp")
-    model = ns.sharded_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
     opt = ns.sharded_optimizer(model, optax.adam(1e-3), mesh, strategy)
     trainer = Trainer(model, opt, lm_loss, mesh=mesh, rules=strategy.rules, microbatches=4,
                       steps_per_call=1)

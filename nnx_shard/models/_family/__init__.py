@@ -1,4 +1,4 @@
-"""One module per model family of :class:`~nnx_shard.models.Llama` (the Hugging Face
+"""One module per model family of :class:`~nnx_shard.models.Decoder` (the Hugging Face
 families and the reference model, :mod:`.reference`): each registers its
 :class:`~nnx_shard.models._families.Family` record (architecture, Hugging Face names,
 block, what its decoder has, the config fields it allows) and holds its named

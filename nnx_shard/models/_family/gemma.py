@@ -3,8 +3,8 @@ scaled by ``sqrt(embed)`` and RMSNorms scaling by ``1 + weight``; tied embedding
 default. Gemma 2 and 3 (:mod:`.gemma2`, :mod:`.gemma3`) reuse its embedding hook.
 
 >>> import jax.numpy as jnp
->>> from nnx_shard.models import LlamaConfig
->>> float(scale_embeddings(jnp.ones((1, 1, 16)), LlamaConfig(embed=16, model_type="gemma"))[0, 0, 0])
+>>> from nnx_shard.models import DecoderConfig
+>>> float(scale_embeddings(jnp.ones((1, 1, 16)), DecoderConfig(embed=16, model_type="gemma"))[0, 0, 0])
 4.0
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nnx_shard.models._decoder import DecoderBlock
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._hf_config import no_window
-from nnx_shard.models._llama import LlamaBlock
 
 __all__ = ["CONFIGS", "FAMILY", "gelu_tanh", "scale_embeddings"]
 
@@ -46,7 +46,7 @@ def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str,
 
 
 FAMILY = register(Family(
-    "gemma", ("GemmaForCausalLM",), LLAMA_MAPPING, block=LlamaBlock, norm_offset=True,
+    "gemma", ("GemmaForCausalLM",), LLAMA_MAPPING, block=DecoderBlock, norm_offset=True,
     embed=scale_embeddings, fields=("attention_bias",), hf_in=hf_in, read=read,
     hf_flags=("attention_bias",),
     tied_default=True))

@@ -1,5 +1,5 @@
 """Gemma 2 (``Gemma2ForCausalLM``): Gemma's embeddings and norms, four norms per block
-(:class:`~nnx_shard.models._llama.SandwichBlock`), soft-capped attention scores and
+(:class:`~nnx_shard.models._decoder.SandwichBlock`), soft-capped attention scores and
 logits, ``query_pre_attn_scalar`` and sliding layers among global ones
 (``layer_types``).
 
@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from nnx_shard._errors import UsageError, count, short
+from nnx_shard.models._decoder import SandwichBlock
+from nnx_shard.models._decoder_config import BIG, DecoderConfig
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,
@@ -23,8 +25,6 @@ from nnx_shard.models._families import (
 )
 from nnx_shard.models._family.gemma import gelu_tanh, scale_embeddings
 from nnx_shard.models._hf_config import FIX_VALUE, count_key, real_value
-from nnx_shard.models._llama import SandwichBlock
-from nnx_shard.models._llama_config import BIG, LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY", "FIELDS", "GEMMA2_MAPPING", "TINY", "hf_in", "read_later",
            "soft_capped", "window", "write"]
@@ -135,7 +135,7 @@ FAMILY = register(Family(
 #: Gemma 2 9B's published shapes: soft-caps 50 (attention) / 30 (logits), a 4096-token
 #: window in every other layer from the first, ``query_pre_attn_scalar`` 256, tied.
 CONFIGS = {
-    "gemma2-9b": LlamaConfig(
+    "gemma2-9b": DecoderConfig(
         vocab=256000, embed=3584, heads=16, kv_heads=8, head_dim=256, mlp=14336, layers=42,
         rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, activation="gelu_pytorch_tanh",
         query_scale=256.0, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,

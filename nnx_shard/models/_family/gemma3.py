@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnx_shard._errors import UsageError, short
+from nnx_shard.models._decoder import SandwichBlock
 from nnx_shard.models._families import Family, register
 from nnx_shard.models._family import gemma2
 from nnx_shard.models._family.gemma import scale_embeddings
 from nnx_shard.models._family.gemma2 import FIELDS, GEMMA2_MAPPING, TINY, hf_in, soft_capped
 from nnx_shard.models._hf_config import FIX_VALUE, hf_scaling, real_value
-from nnx_shard.models._llama import SandwichBlock
 
 __all__ = ["CONFIGS", "FAMILY", "local_theta", "read", "write"]
 

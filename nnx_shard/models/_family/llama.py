@@ -9,10 +9,10 @@ attention (``attention_bias``) and the MLP (``mlp_bias``).
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_shard.models._decoder import DecoderBlock
+from nnx_shard.models._decoder_config import BIG, LLAMA31_ROPE, DecoderConfig
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._hf_config import no_window
-from nnx_shard.models._llama import LlamaBlock
-from nnx_shard.models._llama_config import BIG, LLAMA31_ROPE, LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY"]
 
@@ -26,23 +26,23 @@ def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str,
 FAMILY = register(Family(
     "llama", ("LlamaForCausalLM",), LLAMA_MAPPING,
     named_configs=("llama-tiny", "llama3-8b", "llama3-70b", "llama3-405b"),
-    block=LlamaBlock, fields=("attention_bias", "mlp_bias"),
+    block=DecoderBlock, fields=("attention_bias", "mlp_bias"),
     read=read, hf_flags=("attention_bias", "mlp_bias")))
 
 #: ``llama-tiny`` (grouped-query, for tests) and the published shapes of Llama 3.1 8B /
 #: 70B / 405B (Llama 3's 8B and 70B have the same shapes, without ``rope_scaling``),
 #: with stacked layers and bfloat16 parameters, for planning.
 CONFIGS = {
-    "llama-tiny": LlamaConfig(max_length=64),
-    "llama3-8b": LlamaConfig(
+    "llama-tiny": DecoderConfig(max_length=64),
+    "llama3-8b": DecoderConfig(
         vocab=128256, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
         rope_theta=500000.0, rope_scaling=LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
         **BIG),
-    "llama3-70b": LlamaConfig(
+    "llama3-70b": DecoderConfig(
         vocab=128256, embed=8192, heads=64, kv_heads=8, head_dim=128, mlp=28672, layers=80,
         rope_theta=500000.0, rope_scaling=LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
         **BIG),
-    "llama3-405b": LlamaConfig(
+    "llama3-405b": DecoderConfig(
         vocab=128256, embed=16384, heads=128, kv_heads=8, head_dim=128, mlp=53248, layers=126,
         rope_theta=500000.0, rope_scaling=LLAMA31_ROPE, norm_eps=1e-5, max_length=131072,
         **BIG),

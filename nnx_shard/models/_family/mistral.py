@@ -8,10 +8,10 @@ layer (a band in the attention mask, and in the cache's when decoding).
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_shard.models._decoder import DecoderBlock
+from nnx_shard.models._decoder_config import BIG, DecoderConfig
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._hf_config import every_layer_window
-from nnx_shard.models._llama import LlamaBlock
-from nnx_shard.models._llama_config import BIG, LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY", "read", "write"]
 
@@ -28,11 +28,11 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
 
 FAMILY = register(Family(
     "mistral", ("MistralForCausalLM",), LLAMA_MAPPING, named_configs=("mistral-7b",),
-    block=LlamaBlock, fields=("sliding_window",), read=read, write=write))
+    block=DecoderBlock, fields=("sliding_window",), read=read, write=write))
 
 #: Mistral-7B-v0.1's published shapes: a 4096-token window in every layer.
 CONFIGS = {
-    "mistral-7b": LlamaConfig(
+    "mistral-7b": DecoderConfig(
         vocab=32000, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
         rope_theta=10000.0, norm_eps=1e-5, sliding_window=4096, max_length=32768,
         model_type="mistral", **BIG),

@@ -1,5 +1,5 @@
 """Mixtral (``MixtralForCausalLM``): Llama's attention and a sparse mixture-of-experts
-MLP in every layer (:class:`~nnx_shard.models._llama.LlamaMoEBlock`): softmax over
+MLP in every layer (:class:`~nnx_shard.models._decoder.DecoderMoEBlock`): softmax over
 the router's logits, the top-k renormalised; a sliding window where the file sets one.
 
 >>> cfg = CONFIGS["mixtral-8x7b"]
@@ -7,6 +7,8 @@ the router's logits, the top-k renormalised; a sliding window where the file set
 (46702792704, 12.9)
 """
 
+from nnx_shard.models._decoder import DecoderBlock, DecoderMoEBlock
+from nnx_shard.models._decoder_config import BIG, DecoderConfig
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,
@@ -16,8 +18,6 @@ from nnx_shard.models._families import (
     register,
 )
 from nnx_shard.models._family.mistral import read, write
-from nnx_shard.models._llama import LlamaBlock, LlamaMoEBlock
-from nnx_shard.models._llama_config import BIG, LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY", "MIXTRAL_MAPPING"]
 
@@ -37,7 +37,7 @@ MIXTRAL_MAPPING: dict[str, MappingValue] = {
 
 FAMILY = register(Family(
     "mixtral", ("MixtralForCausalLM",), MIXTRAL_MAPPING, named_configs=("mixtral-8x7b",),
-    block=LlamaBlock, moe_block=LlamaMoEBlock, fields=("sliding_window", *MOE_FIELDS),
+    block=DecoderBlock, moe_block=DecoderMoEBlock, fields=("sliding_window", *MOE_FIELDS),
     read=read, write=write,
     moe={"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
          "output_router_logits": False},
@@ -45,7 +45,7 @@ FAMILY = register(Family(
 
 #: Mixtral-8x7B-v0.1's published shapes: 8 experts, top-2.
 CONFIGS = {
-    "mixtral-8x7b": LlamaConfig(
+    "mixtral-8x7b": DecoderConfig(
         vocab=32000, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
         rope_theta=1000000.0, norm_eps=1e-5, max_length=32768, experts=8, top_k=2,
         router_aux_loss_coef=0.02, model_type="mixtral", **BIG),

@@ -1,5 +1,5 @@
 """OLMo 2 (``Olmo2ForCausalLM``): norms after attention and MLP, not before
-(:class:`~nnx_shard.models._llama.PostNormBlock`), and one q/k norm over all heads'
+(:class:`~nnx_shard.models._decoder.PostNormBlock`), and one q/k norm over all heads'
 features (``[heads * head_dim]`` in the file).
 
 >>> FAMILY.block.__name__, FAMILY.qk_norm
@@ -9,6 +9,7 @@ features (``[heads * head_dim]`` in the file).
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_shard.models._decoder import PostNormBlock
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,
@@ -17,7 +18,6 @@ from nnx_shard.models._families import (
     register,
 )
 from nnx_shard.models._hf_config import no_window
-from nnx_shard.models._llama import PostNormBlock
 
 __all__ = ["CONFIGS", "FAMILY", "OLMO2_MAPPING"]
 

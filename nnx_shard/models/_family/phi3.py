@@ -2,7 +2,7 @@
 ``qkv_proj`` and gate/up as one ``gate_up_proj``, split into Llama's names on reading
 and fused again on writing.
 
->>> [f.fused for f in fusions(LlamaConfig(model_type="phi3"))]
+>>> [f.fused for f in fusions(DecoderConfig(model_type="phi3"))]
 ['self_attn.qkv_proj.weight', 'mlp.gate_up_proj.weight']
 """
 
@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnx_shard._errors import UsageError, short
+from nnx_shard.models._decoder import DecoderBlock
+from nnx_shard.models._decoder_config import DecoderConfig as DecoderConfig
 from nnx_shard.models._families import LLAMA_MAPPING, Family, Fusion, register
 from nnx_shard.models._family.mistral import read
 from nnx_shard.models._family.mistral import write as window_keys
 from nnx_shard.models._hf_config import FIX_VALUE
-from nnx_shard.models._llama import LlamaBlock
-from nnx_shard.models._llama_config import LlamaConfig as LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY", "fusions", "hf_in", "write"]
 
@@ -65,7 +65,7 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
 
 
 FAMILY = register(Family(
-    "phi3", ("Phi3ForCausalLM",), LLAMA_MAPPING, fused=fusions, block=LlamaBlock,
+    "phi3", ("Phi3ForCausalLM",), LLAMA_MAPPING, fused=fusions, block=DecoderBlock,
     fields=("sliding_window",), hf_in=hf_in, read=read, write=write))
 
 CONFIGS: dict[str, Any] = {}

@@ -8,10 +8,10 @@ True
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_shard.models._decoder import DecoderBlock
+from nnx_shard.models._decoder_config import BIG, DecoderConfig
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._hf_config import qwen_window
-from nnx_shard.models._llama import LlamaBlock
-from nnx_shard.models._llama_config import BIG, LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY", "read", "write"]
 
@@ -31,11 +31,11 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
 
 FAMILY = register(Family(
     "qwen2", ("Qwen2ForCausalLM",), LLAMA_MAPPING, named_configs=("qwen2.5-7b",),
-    block=LlamaBlock, qkv_bias=True, fields=("sliding_window",), read=read, write=write))
+    block=DecoderBlock, qkv_bias=True, fields=("sliding_window",), read=read, write=write))
 
 #: Qwen2.5-7B's published shapes (no window: ``use_sliding_window`` false).
 CONFIGS = {
-    "qwen2.5-7b": LlamaConfig(
+    "qwen2.5-7b": DecoderConfig(
         vocab=152064, embed=3584, heads=28, kv_heads=4, head_dim=128, mlp=18944, layers=28,
         rope_theta=1000000.0, norm_eps=1e-6, max_length=131072, model_type="qwen2", **BIG),
 }

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnx_shard._errors import UsageError, count, short
+from nnx_shard.models._decoder import DecoderBlock, DecoderMoEBlock
+from nnx_shard.models._decoder_config import BIG, DecoderConfig
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,
@@ -25,16 +27,14 @@ from nnx_shard.models._families import (
 from nnx_shard.models._family import qwen2
 from nnx_shard.models._fields import check_fields
 from nnx_shard.models._hf_config import FIX_VALUE, count_key, flag_key
-from nnx_shard.models._llama import LlamaBlock, LlamaMoEBlock
-from nnx_shard.models._llama_config import BIG, LlamaConfig
 
 __all__ = ["CONFIGS", "FAMILY", "QWEN3_MOE_MAPPING", "Qwen3MoeConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig(LlamaConfig):
-    """:class:`~nnx_shard.models.LlamaConfig` of a Qwen3-MoE model, with the fields
-    only this family has (``LlamaConfig(model_type="qwen3_moe", ...)`` builds one).
+class Qwen3MoeConfig(DecoderConfig):
+    """:class:`~nnx_shard.models.DecoderConfig` of a Qwen3-MoE model, with the fields
+    only this family has (``DecoderConfig(model_type="qwen3_moe", ...)`` builds one).
 
     Attributes:
       moe_mlp: each expert's hidden width (``moe_intermediate_size``); ``None``: ``mlp``.
@@ -42,15 +42,15 @@ class Qwen3MoeConfig(LlamaConfig):
       sparse_step: every ``sparse_step``-th layer is sparse (``decoder_sparse_step``).
       mlp_only_layers: indices of the layers that keep a dense MLP.
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> cfg = LlamaConfig(layers=3, experts=4, mlp_only_layers=(1,), model_type="qwen3_moe")
+    >>> from nnx_shard.models import DecoderConfig
+    >>> cfg = DecoderConfig(layers=3, experts=4, mlp_only_layers=(1,), model_type="qwen3_moe")
     >>> type(cfg).__name__, cfg.moe_layers(), cfg.expert_mlp
     ('Qwen3MoeConfig', (True, False, True), 64)
     """
 
     model_type: str = "qwen3_moe"
     moe_mlp: int | None = None
-    norm_topk_prob: bool = True  # a field here; LlamaConfig fixes it True
+    norm_topk_prob: bool = True  # a field here; DecoderConfig fixes it True
     sparse_step: int = 1
     mlp_only_layers: Any = ()
 
@@ -114,7 +114,7 @@ QWEN3_MOE_MAPPING: dict[str, MappingValue] = {
 
 FAMILY = register(Family(
     "qwen3_moe", ("Qwen3MoeForCausalLM",), QWEN3_MOE_MAPPING, named_configs=("qwen3-30b-a3b",),
-    block=LlamaBlock, moe_block=LlamaMoEBlock, qk_norm="head",
+    block=DecoderBlock, moe_block=DecoderMoEBlock, qk_norm="head",
     fields=("attention_bias", "sliding_window", *MOE_FIELDS),
     read=read, write=write, hf_flags=("attention_bias",), config=Qwen3MoeConfig,
     moe={"num_experts": 128, "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001,

@@ -1,5 +1,5 @@
 """The reference model (GPT-style, for tests, demos and planning) as a family of the
-shared decoder: its own config, :class:`TransformerConfig`, with only its fields and
+shared decoder: its own config, :class:`ReferenceConfig`, with only its fields and
 named configurations ``tiny`` ... ``7b``; learned position embeddings in place of
 rotary ones; multi-head attention (keys and values named ``heads`` like the queries);
 an ungated GELU MLP, or a mixture of experts with GShard's capacity-factor dispatch
@@ -8,8 +8,8 @@ has no Hugging Face checkpoints: ``model_type`` ``"reference"`` is not among
 :func:`~nnx_shard.models._families.model_types`.
 
 >>> from flax import nnx
->>> from nnx_shard.models import Transformer
->>> model = Transformer(CONFIGS["tiny"], rngs=nnx.Rngs(0))
+>>> from nnx_shard.models import Decoder
+>>> model = Decoder(CONFIGS["tiny"], rngs=nnx.Rngs(0))
 >>> model.pos_embed.shape, model.blocks[0].attn.k.get_metadata("out_sharding")
 ((16, 32), ('embed', 'heads', 'kv'))
 """
@@ -23,20 +23,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_shard._errors import UsageError
+from nnx_shard.models._decoder import DecoderAttention, DecoderBlock, DecoderMoEBlock
 from nnx_shard.models._families import Family, family_of, register
 from nnx_shard.models._fields import check_fields, check_kernel_and_remat
 from nnx_shard.models._layers import dense_init, new_param
-from nnx_shard.models._llama import LlamaAttention, LlamaBlock, LlamaMoEBlock
 
-__all__ = ["CONFIGS", "FAMILY", "ReferenceAttention", "TransformerConfig"]
+__all__ = ["CONFIGS", "FAMILY", "ReferenceAttention", "ReferenceConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class ReferenceConfig:
     """Sizes and options of the reference model (frozen: derive variants with
     ``dataclasses.replace``), built by the shared decoder
-    (:class:`~nnx_shard.models.Transformer`, the same class as
-    :class:`~nnx_shard.models.Llama`) as the family ``"reference"``.
+    (:class:`~nnx_shard.models.Decoder`) as the family ``"reference"``.
 
     Attributes:
       vocab: vocabulary size.
@@ -77,8 +76,8 @@ class TransformerConfig:
       dtype: activation dtype; ``param_dtype``: parameter dtype.
 
     >>> import dataclasses
-    >>> from nnx_shard.models import TransformerConfig
-    >>> cfg = TransformerConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=32, layers=1)
+    >>> from nnx_shard.models import ReferenceConfig
+    >>> cfg = ReferenceConfig(vocab=64, embed=16, heads=2, head_dim=8, mlp=32, layers=1)
     >>> dataclasses.replace(cfg, experts=4).experts
     4
     >>> dataclasses.replace(cfg, remat="full").remat
@@ -110,7 +109,7 @@ class TransformerConfig:
                      finite=("aux_loss_weight",), flags=("scan_layers", "tie_embeddings"))
         if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
             raise UsageError(
-                f"TransformerConfig: experts={self.experts}, top_k={self.top_k}; need experts "
+                f"ReferenceConfig: experts={self.experts}, top_k={self.top_k}; need experts "
                 ">= 0 and, with experts, 1 <= top_k <= experts. Fix: e.g. experts=4, top_k=2, "
                 "or experts=0 for a dense MLP."
             )
@@ -165,28 +164,28 @@ class TransformerConfig:
 
 #: The reference model's named configurations, ``tiny`` (and ``tiny_moe``) for tests to
 #: ``7b`` for planning.
-CONFIGS: dict[str, TransformerConfig] = {
-    "tiny": TransformerConfig(),
-    "tiny_moe": TransformerConfig(experts=4, top_k=2),
-    "small": TransformerConfig(
+CONFIGS: dict[str, ReferenceConfig] = {
+    "tiny": ReferenceConfig(),
+    "tiny_moe": ReferenceConfig(experts=4, top_k=2),
+    "small": ReferenceConfig(
         vocab=512, length=128, embed=128, heads=4, head_dim=32, mlp=512, layers=4
     ),
-    "125m": TransformerConfig(
+    "125m": ReferenceConfig(
         vocab=50304, length=2048, embed=768, heads=12, head_dim=64, mlp=3072, layers=12,
         tie_embeddings=True,
     ),
-    "1b": TransformerConfig(
+    "1b": ReferenceConfig(
         vocab=32000, length=2048, embed=2048, heads=16, head_dim=128, mlp=8192, layers=16,
         scan_layers=True,
     ),
-    "7b": TransformerConfig(
+    "7b": ReferenceConfig(
         vocab=32000, length=4096, embed=4096, heads=32, head_dim=128, mlp=16384, layers=32,
         scan_layers=True, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
     ),
 }
 
 
-class ReferenceAttention(LlamaAttention):
+class ReferenceAttention(DecoderAttention):
     """Multi-head causal self-attention without rotation: q, k, v ``[embed, heads,
     head_dim]`` (keys and values named ``heads``, as many as the queries), no biases,
     norms, window, soft-cap or query scale."""
@@ -206,13 +205,13 @@ class ReferenceAttention(LlamaAttention):
         self.window = self.mixed_window = self.softcap = self.q_factor = None
 
 
-class ReferenceBlock(LlamaBlock):
+class ReferenceBlock(DecoderBlock):
     """The pre-norm block with :class:`ReferenceAttention`."""
 
     attention = ReferenceAttention
 
 
-class ReferenceMoEBlock(LlamaMoEBlock):
+class ReferenceMoEBlock(DecoderMoEBlock):
     """The pre-norm mixture-of-experts block with :class:`ReferenceAttention`."""
 
     attention = ReferenceAttention
@@ -221,5 +220,5 @@ class ReferenceMoEBlock(LlamaMoEBlock):
 #: The reference family: no checkpoints (no architecture, no name table).
 FAMILY = register(Family(
     "reference", (), {}, named_configs=("tiny", "tiny_moe", "small", "125m", "1b", "7b"),
-    block=ReferenceBlock, moe_block=ReferenceMoEBlock, config=TransformerConfig,
+    block=ReferenceBlock, moe_block=ReferenceMoEBlock, config=ReferenceConfig,
     gated_mlp=False, learned_positions=True))

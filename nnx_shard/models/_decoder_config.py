@@ -1,10 +1,10 @@
-"""The configuration of :class:`~nnx_shard.models.Llama`: :class:`LlamaConfig`
-(sizes, and the fields its family has; :meth:`LlamaConfig.from_hf` reads a
-transformers ``config.json``, :meth:`LlamaConfig.to_hf` writes one). Each family's
+"""The configuration of :class:`~nnx_shard.models.Decoder`: :class:`DecoderConfig`
+(sizes, and the fields its family has; :meth:`DecoderConfig.from_hf` reads a
+transformers ``config.json``, :meth:`DecoderConfig.to_hf` writes one). Each family's
 module (:mod:`nnx_shard.models._family`) holds its named configurations (read them
 with :func:`nnx_shard.models.get_config`).
 
->>> LlamaConfig(model_type="qwen3").family.qk_norm
+>>> DecoderConfig(model_type="qwen3").family.qk_norm
 'head'
 """
 
@@ -26,14 +26,14 @@ from nnx_shard.models._hf_config import ACTIVATIONS, hf_config, hf_fields, read_
 from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._rope import check_tables, checked
 
-__all__ = ["BIG", "LLAMA31_ROPE", "LlamaConfig"]
+__all__ = ["BIG", "LLAMA31_ROPE", "DecoderConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Sizes and options of :class:`Llama` (frozen: derive variants with
+class DecoderConfig:
+    """Sizes and options of :class:`Decoder` (frozen: derive variants with
     ``dataclasses.replace``). Field names follow
-    :class:`~nnx_shard.models.TransformerConfig`; the Hugging Face names are
+    :class:`~nnx_shard.models.ReferenceConfig`; the Hugging Face names are
     in :meth:`from_hf`.
 
     Attributes:
@@ -88,10 +88,10 @@ class LlamaConfig:
         the ``config.json`` that :meth:`to_hf` writes and the checkpoint's tensor
         names, and what its decoder is made of (its block, q/k norm, biases, norm
         and embedding scale). A field the family does not have (Gemma 2's soft-caps on
-        a Llama, experts on a dense family) is refused, naming the families that have it.
+        a llama config, experts on a dense family) is refused, naming the families that have it.
       experts: ``0`` (a dense model), or the experts of each MoE layer (Mixtral's
         ``num_local_experts``, Qwen3-MoE's ``num_experts``): those layers' MLP is
-        the sparse :class:`~nnx_shard.models._moe.LlamaMoE`.
+        the sparse :class:`~nnx_shard.models._moe.DecoderMoE`.
       top_k: experts each token is routed to (``num_experts_per_tok``).
       moe_mlp: ``None`` (``mlp``), or each expert's hidden width (Qwen3-MoE's
         ``moe_intermediate_size``; ``mlp`` stays the dense layers' width).
@@ -110,21 +110,21 @@ class LlamaConfig:
         expert for every token on XLA's CPU and GPU backends), or ``"auto"`` (the
         default: ``ragged_dot`` on TPU, ``tiles`` elsewhere). Not in ``config.json``.
       scan_layers, remat, attention, dtype, param_dtype: as in
-        :class:`~nnx_shard.models.TransformerConfig` (``scan_layers=True``
+        :class:`~nnx_shard.models.ReferenceConfig` (``scan_layers=True``
         stacks the blocks on a leading ``layers`` axis: the pp presets need it;
         ``attention`` is the per-device kernel, ``"auto"`` by default: cuDNN's
         fused kernel on GPUs where it applies, else blockwise; ``"dense"`` keeps
         the float32 ``[batch, heads, seq, seq]`` probabilities). Grouped-query
         attention never repeats K/V, in any kernel.
 
-    >>> from nnx_shard.models import LlamaConfig
-    >>> cfg = LlamaConfig(vocab=64, embed=16, heads=4, kv_heads=2, head_dim=4, mlp=32, layers=1)
+    >>> from nnx_shard.models import DecoderConfig
+    >>> cfg = DecoderConfig(vocab=64, embed=16, heads=4, kv_heads=2, head_dim=4, mlp=32, layers=1)
     >>> cfg.num_params
     4400
-    >>> LlamaConfig(heads=4, kv_heads=3)
+    >>> DecoderConfig(heads=4, kv_heads=3)
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.UsageError: LlamaConfig: kv_heads=3 must divide heads=4 (grouped-query attention shares each key/value head among heads / kv_heads query heads). Fix: e.g. kv_heads=2.
+    nnx_shard._errors.UsageError: DecoderConfig: kv_heads=3 must divide heads=4 (grouped-query attention shares each key/value head among heads / kv_heads query heads). Fix: e.g. kv_heads=2.
     """
 
     vocab: int = 128
@@ -160,11 +160,11 @@ class LlamaConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> LlamaConfig:
-        # LlamaConfig(model_type=...) builds the config class the family registers (a
+    def __new__(cls, *args: Any, **kwargs: Any) -> DecoderConfig:
+        # DecoderConfig(model_type=...) builds the config class the family registers (a
         # family with fields of its own declares them on a subclass), so that every
         # caller, from_hf and dataclasses.replace included, gets that family's fields.
-        if cls is LlamaConfig and not args:
+        if cls is DecoderConfig and not args:
             try:
                 cls = family_of(kwargs.get("model_type", "llama")).config or cls
             except UsageError:
@@ -182,26 +182,26 @@ class LlamaConfig:
         for name in ("rope_local_theta", "query_scale", "attn_softcap", "final_softcap"):
             _optional_real(self, name)
         if self.activation not in ACTIVATIONS:
-            raise UsageError(f"LlamaConfig.activation={self.activation!r}; valid: "
+            raise UsageError(f"DecoderConfig.activation={self.activation!r}; valid: "
                              f"{', '.join(ACTIVATIONS)}. Fix: e.g. activation='silu'.")
         if self.sliding_window is not None:
-            count(self.sliding_window, "LlamaConfig.sliding_window",
+            count(self.sliding_window, "DecoderConfig.sliding_window",
                   fix="None (full attention) or the window in tokens, e.g. 4096")
         if self.heads % self.kv_heads:
             fit = next(d for d in range(min(self.kv_heads, self.heads), 0, -1)
                        if self.heads % d == 0)
             raise UsageError(
-                f"LlamaConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
+                f"DecoderConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
                 "(grouped-query attention shares each key/value head among heads / kv_heads "
                 f"query heads). Fix: e.g. kv_heads={fit}."
             )
         if self.head_dim % 2:
-            raise UsageError(f"LlamaConfig.head_dim={self.head_dim} must be even (the rotary "
+            raise UsageError(f"DecoderConfig.head_dim={self.head_dim} must be even (the rotary "
                              "embedding rotates pairs of features). Fix: e.g. "
                              f"head_dim={self.head_dim + 1}.")
         check_kernel_and_remat(self)
         if self.model_type not in model_types():
-            raise UsageError(f"LlamaConfig.model_type={short(self.model_type, 40)}; valid: "
+            raise UsageError(f"DecoderConfig.model_type={short(self.model_type, 40)}; valid: "
                              f"{', '.join(model_types())}. Fix: e.g. model_type='llama'.")
         _check_class(self)
         _check_experts(self)
@@ -281,17 +281,17 @@ class LlamaConfig:
         """Which layers have the sparse MoE MLP: every one with experts, none without
         (Qwen3-MoE's config class keeps some dense).
 
-        >>> from nnx_shard.models import LlamaConfig
-        >>> LlamaConfig(layers=3, experts=4, model_type="mixtral").moe_layers()
+        >>> from nnx_shard.models import DecoderConfig
+        >>> DecoderConfig(layers=3, experts=4, model_type="mixtral").moe_layers()
         (True, True, True)
-        >>> LlamaConfig(layers=3, experts=4, mlp_only_layers=(1,), model_type="qwen3_moe").moe_layers()
+        >>> DecoderConfig(layers=3, experts=4, mlp_only_layers=(1,), model_type="qwen3_moe").moe_layers()
         (True, False, True)
         """
         return (bool(self.experts),) * self.layers
 
     @classmethod
     def from_hf(cls, config: str | os.PathLike[str] | Mapping[str, Any],
-                **overrides: Any) -> LlamaConfig:
+                **overrides: Any) -> DecoderConfig:
         """The configuration of a transformers ``config.json`` (a dict, the file,
         or the directory holding it) of a registered family's model type
         (``llama``, ``qwen3``, ``qwen2``, ``mistral``, ``gemma``, ``gemma2``,
@@ -323,22 +323,22 @@ class LlamaConfig:
         :class:`~nnx_shard._errors.UsageError` naming the file (or ``config.json``
         for a dict), the field, what was found and the fix.
 
-        >>> from nnx_shard.models import LlamaConfig
+        >>> from nnx_shard.models import DecoderConfig
         >>> hf = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
         ...       "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         ...       "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
         ...       "rope_theta": 1e6, "tie_word_embeddings": True}
-        >>> cfg = LlamaConfig.from_hf(hf, scan_layers=True)
+        >>> cfg = DecoderConfig.from_hf(hf, scan_layers=True)
         >>> cfg.head_dim, cfg.family.qk_norm, cfg.tie_embeddings, cfg.scan_layers
         (8, 'head', True, True)
-        >>> LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+        >>> DecoderConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
         ...     "original_max_position_embeddings": 32768}}).rope_scaling
         (('factor', 4.0), ('original_max_position_embeddings', 32768), ('rope_type', 'yarn'))
-        >>> LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "ntk", "factor": 4.0}})
+        >>> DecoderConfig.from_hf({**hf, "rope_scaling": {"rope_type": "ntk", "factor": 4.0}})
         Traceback (most recent call last):
         ...
         nnx_shard._errors.UsageError: config.json: rope_scaling of type 'ntk' is not implemented (implemented: 'default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3'). ...
-        >>> LlamaConfig.from_hf({**hf, "num_key_value_heads": 0})
+        >>> DecoderConfig.from_hf({**hf, "num_key_value_heads": 0})
         Traceback (most recent call last):
         ...
         nnx_shard._errors.UsageError: config.json: num_key_value_heads must be a positive int, got 0. Fix: ...
@@ -357,8 +357,8 @@ class LlamaConfig:
         """Which layers use the sliding window (every one with ``window_layers=None``
         and a window; none without a window).
 
-        >>> from nnx_shard.models import LlamaConfig
-        >>> LlamaConfig(layers=3, sliding_window=4, window_layers=(True, False, True),
+        >>> from nnx_shard.models import DecoderConfig
+        >>> DecoderConfig(layers=3, sliding_window=4, window_layers=(True, False, True),
         ...             model_type="gemma2").local_layers()
         (True, False, True)
         """
@@ -377,7 +377,7 @@ class LlamaConfig:
         return hf_config(self)
 
 
-def _check_family(cfg: LlamaConfig) -> None:
+def _check_family(cfg: DecoderConfig) -> None:
     """Refuses a field the family of ``cfg.model_type`` does not have (its value other
     than the one meaning "not there"), naming the families that have it."""
     family = cfg.family
@@ -385,7 +385,7 @@ def _check_family(cfg: LlamaConfig) -> None:
         if name in family.fields or getattr(cfg, name) == absent:
             continue
         has = [t for t in model_types() if name in family_of(t).fields]
-        raise UsageError(f"LlamaConfig: {name}={short(getattr(cfg, name), 40)} is not part of "
+        raise UsageError(f"DecoderConfig: {name}={short(getattr(cfg, name), 40)} is not part of "
                          f"model_type={cfg.model_type!r} (its checkpoints have no such thing; "
                          f"{', '.join(has)} have it). Fix: model_type={has[0]!r}, or leave "
                          f"{name} out ({name}={absent!r}).")
@@ -406,22 +406,22 @@ def _not_a_field(cls: type, name: str, model_type: Any) -> str:
             "spelled as listed.")
 
 
-def _check_class(cfg: LlamaConfig) -> None:
+def _check_class(cfg: DecoderConfig) -> None:
     """Refuses a config class that is not the one its family registers (a subclass
     carrying another family's fields)."""
-    want = cfg.family.config or LlamaConfig
+    want = cfg.family.config or DecoderConfig
     if type(cfg) is not want:
         raise UsageError(f"{type(cfg).__name__}: model_type={cfg.model_type!r} is configured "
                          f"by {want.__name__}. Fix: {want.__name__}(...), or "
-                         f"LlamaConfig(model_type={cfg.model_type!r}, ...), which builds it.")
+                         f"DecoderConfig(model_type={cfg.model_type!r}, ...), which builds it.")
 
 
-def _check_experts(cfg: LlamaConfig) -> None:
+def _check_experts(cfg: DecoderConfig) -> None:
     """Checks the mixture-of-experts fields every MoE family has."""
     check_fields(cfg, ("top_k",), flags=("output_router_logits",))
     if not isinstance(cfg.experts, int) or isinstance(cfg.experts, bool) or cfg.experts < 0 \
             or (cfg.experts and cfg.top_k > cfg.experts):
-        raise UsageError(f"LlamaConfig.experts={short(cfg.experts, 40)} must be 0 (dense) or a "
+        raise UsageError(f"DecoderConfig.experts={short(cfg.experts, 40)} must be 0 (dense) or a "
                          f"whole number >= top_k={cfg.top_k}. Fix: e.g. experts=8, top_k=2.")
     if cfg.family.moe and cfg.experts < 1:
         # 0 experts would be written as a dense model of a mixture-of-experts type, which
@@ -432,7 +432,7 @@ def _check_experts(cfg: LlamaConfig) -> None:
                          f"experts (config.json's {key} >= 1). Fix: e.g. experts=8, "
                          "top_k=2, or the model_type of a dense family.")
     check_fields(cfg, (), finite=("router_aux_loss_coef",))
-    check_kind(cfg.expert_matmul, "LlamaConfig.")
+    check_kind(cfg.expert_matmul, "DecoderConfig.")
     object.__setattr__(cfg, "router_aux_loss_coef", float(cfg.router_aux_loss_coef))
     if cfg.scan_layers and len(set(cfg.moe_layers())) > 1:
         raise UsageError(f"{type(cfg).__name__}: scan_layers=True stacks alike blocks, but some "
@@ -440,7 +440,7 @@ def _check_experts(cfg: LlamaConfig) -> None:
                          "scan_layers=False.")
 
 
-def _optional_real(cfg: LlamaConfig, name: str) -> None:
+def _optional_real(cfg: DecoderConfig, name: str) -> None:
     value = getattr(cfg, name)
     if value is None:
         return
@@ -450,24 +450,24 @@ def _optional_real(cfg: LlamaConfig, name: str) -> None:
                    "final_softcap": "30.0 (Gemma 2's logit soft-cap)",
                    "query_scale": "256.0 (Gemma 2's query_pre_attn_scalar)",
                    "rope_local_theta": "10000.0 (Gemma 3's local rotary base)"}[name]
-        raise UsageError(f"LlamaConfig.{name}={short(value, 60)} must be None or a finite "
+        raise UsageError(f"DecoderConfig.{name}={short(value, 60)} must be None or a finite "
                          f"number > 0 ({type(value).__name__} given). Fix: e.g. {name}="
                          f"{example}, or None to leave it out.")
     object.__setattr__(cfg, name, float(value))
 
 
-def _window_layers(cfg: LlamaConfig) -> tuple[bool, ...] | None:
+def _window_layers(cfg: DecoderConfig) -> tuple[bool, ...] | None:
     """``cfg.window_layers`` as a tuple of bools (hashable), checked against the layers."""
     value = cfg.window_layers
     if value is None:
         return None
     flags = tuple(value) if isinstance(value, list | tuple) else None
     if flags is None or len(flags) != cfg.layers or not all(isinstance(f, bool) for f in flags):
-        raise UsageError(f"LlamaConfig.window_layers={short(value, 60)} must be None or one "
+        raise UsageError(f"DecoderConfig.window_layers={short(value, 60)} must be None or one "
                          f"True/False per layer ({cfg.layers}). Fix: e.g. window_layers="
                          "(True, False) * (layers // 2) for Gemma 2's alternation.")
     if cfg.sliding_window is None:
-        raise UsageError("LlamaConfig.window_layers is set but sliding_window is None: no "
+        raise UsageError("DecoderConfig.window_layers is set but sliding_window is None: no "
                          "window to apply. Fix: set sliding_window=4096 (say), or "
                          "window_layers=None.")
     return None if all(flags) else flags
@@ -477,15 +477,15 @@ def _scaling(value: Any, head_dim: int) -> tuple[tuple[str, Any], ...] | None:
     if not value:
         return None
     if not isinstance(value, Mapping | tuple | list):
-        raise UsageError(f"LlamaConfig.rope_scaling must be None or a dict, got "
+        raise UsageError(f"DecoderConfig.rope_scaling must be None or a dict, got "
                          f"{short(value, 60)} ({type(value).__name__}). Fix: e.g. "
                          f"rope_scaling={LLAMA31_ROPE}")
     try:
         items = dict(value)
     except (TypeError, ValueError):
-        raise UsageError(f"LlamaConfig.rope_scaling must be None or a dict, got "
+        raise UsageError(f"DecoderConfig.rope_scaling must be None or a dict, got "
                          f"{short(value, 60)}. Fix: e.g. rope_scaling={LLAMA31_ROPE}") from None
-    out = checked(items, "LlamaConfig", "rope_scaling", head_dim)
+    out = checked(items, "DecoderConfig", "rope_scaling", head_dim)
     return None if out is None else tuple(sorted(out.items()))
 
 
@@ -514,7 +514,7 @@ _RAW_KEYS = ("model_type", "hidden_act", "hidden_activation", "vocab_size", "hid
              "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
 
 
-def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaConfig
+def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: DecoderConfig
                 ) -> list[str]:
     """What the checkpoint ``config`` (a ``config.json``, its directory or the dict)
     describes differently from ``cfg``, one ``"field: checkpoint X, model Y"`` line
@@ -522,7 +522,7 @@ def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaCo
     sizes, biases, rotary and window settings); ``[]`` when they agree. Layout,
     remat, kernel, dtypes and the context length are not compared.
 
-    >>> tiny = LlamaConfig(max_length=64)
+    >>> tiny = DecoderConfig(max_length=64)
     >>> differences(tiny.to_hf(), tiny)
     []
     >>> differences({**tiny.to_hf(), "model_type": "gemma", "hidden_act": "gelu"}, tiny)[:2]
@@ -532,7 +532,7 @@ def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: LlamaCo
     """
     hf, _ = read_json(config)
     try:
-        theirs = LlamaConfig.from_hf(hf)
+        theirs = DecoderConfig.from_hf(hf)
     except NnxShardError:
         theirs = None
     if theirs is not None:

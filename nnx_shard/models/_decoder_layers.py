@@ -1,12 +1,12 @@
-"""The layers of the shared decoder (:class:`~nnx_shard.models.Llama`): grouped-query
-causal self-attention with rotary embeddings (:class:`LlamaAttention`) and the MLP
-(:class:`LlamaMLP`, gated as Llama's, or a plain two-layer MLP for a family whose
+"""The layers of the shared decoder (:class:`~nnx_shard.models.Decoder`): grouped-query
+causal self-attention with rotary embeddings (:class:`DecoderAttention`) and the MLP
+(:class:`DecoderMLP`, gated as Llama's, or a plain two-layer MLP for a family whose
 record says ``gated_mlp=False``), with the helpers its blocks share (norms, biases,
 sliding-window masks).
 
 >>> from flax import nnx
->>> from nnx_shard.models._llama_config import LlamaConfig
->>> LlamaMLP(LlamaConfig(), rngs=nnx.Rngs(0))(jnp.ones((1, 4, 32))).shape
+>>> from nnx_shard.models._decoder_config import DecoderConfig
+>>> DecoderMLP(DecoderConfig(), rngs=nnx.Rngs(0))(jnp.ones((1, 4, 32))).shape
 (1, 4, 32)
 """
 
@@ -22,14 +22,14 @@ from flax import nnx
 
 from nnx_shard._attention import attention
 from nnx_shard.models import _kv_cache as kv_cache
+from nnx_shard.models._decoder_config import DecoderConfig
 from nnx_shard.models._layers import ACTIVATION_FNS, RMSNorm, dense_init, new_param
 from nnx_shard.models._layout import GATHERED, RESIDUAL, seq_names
-from nnx_shard.models._llama_config import LlamaConfig
 from nnx_shard.models._masks import NO_EXTRAS, Extras
 from nnx_shard.models._ops import constrain, project, whole
 from nnx_shard.models._rotary import rotate
 
-__all__ = ["LlamaAttention", "LlamaMLP", "norm_of"]
+__all__ = ["DecoderAttention", "DecoderMLP", "norm_of"]
 
 
 def norm_of(cfg: Any, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs
@@ -73,12 +73,12 @@ def _layer_mask(mask: jax.Array | None, window: int | None, length: int, local: 
 
 
 
-class LlamaAttention(nnx.Module):
+class DecoderAttention(nnx.Module):
     """Grouped-query causal self-attention with rotary embeddings (and Qwen3's
     per-head q/k norm). Q/K/V split column-wise over ``heads`` / ``kv_heads``,
-    O row-wise over ``heads``. Transformers' ``LlamaAttention``.
+    O row-wise over ``heads``. Transformers' ``DecoderAttention``.
 
-    >>> attn = LlamaAttention(LlamaConfig(), rngs=nnx.Rngs(0))
+    >>> attn = DecoderAttention(DecoderConfig(), rngs=nnx.Rngs(0))
     >>> attn.q.shape, attn.k.shape       # [embed, heads, head_dim], [embed, kv_heads, head_dim]
     ((32, 4, 8), (32, 2, 8))
     """
@@ -89,7 +89,7 @@ class LlamaAttention(nnx.Module):
     #: attention names them as the query heads, ``heads``).
     kv_axis = "kv_heads"
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs) -> None:
         e, h, g, k, dt = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
         self.q = new_param(rngs, dense_init(e), (e, h, k), ("embed", "heads", "kv"), dt)
         self.k = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
@@ -179,13 +179,13 @@ class LlamaAttention(nnx.Module):
                             **off), self.o_bias, dt)
 
 
-class LlamaMLP(nnx.Module):
+class DecoderMLP(nnx.Module):
     """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` (GELU-tanh in place of SiLU for
     Gemma); gate and up split column-wise, down row-wise over ``mlp``. Transformers'
-    ``LlamaMLP``. A family with ``gated_mlp=False`` (the reference model) has no
+    ``DecoderMLP``. A family with ``gated_mlp=False`` (the reference model) has no
     ``gate``: ``down(act(up(x)))``.
 
-    >>> mlp = LlamaMLP(LlamaConfig(), rngs=nnx.Rngs(0))
+    >>> mlp = DecoderMLP(DecoderConfig(), rngs=nnx.Rngs(0))
     >>> mlp(jnp.ones((1, 4, 32))).shape
     (1, 4, 32)
     """

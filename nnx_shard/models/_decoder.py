@@ -9,13 +9,13 @@ gated MLP), a final RMSNorm and an output projection (optionally tied to the
 embedding). What a family changes comes from its record
 (:class:`~nnx_shard.models._families.Family`, one module each in
 :mod:`nnx_shard.models._family`), never from a test of which family it is: its block
-class (:class:`LlamaBlock` pre-norm, :class:`PostNormBlock` for OLMo 2,
-:class:`SandwichBlock` for Gemma 2 / 3, :class:`LlamaMoEBlock` for the MoE layers), its
+class (:class:`DecoderBlock` pre-norm, :class:`PostNormBlock` for OLMo 2,
+:class:`SandwichBlock` for Gemma 2 / 3, :class:`DecoderMoEBlock` for the MoE layers), its
 q/k norm and biases, its norm's offset, and hooks on the embeddings (Gemma's scale)
 and the logits (Gemma 2's soft-cap). Attention options that are values (a sliding
 window, in every layer or in some; a score soft-cap; a query scale) are fields of the
 config, which a family allows or refuses.
-:meth:`LlamaConfig.from_hf` reads a transformers ``config.json``;
+:meth:`DecoderConfig.from_hf` reads a transformers ``config.json``;
 :func:`nnx_shard.hf.load_safetensors` fills the parameters from a Hugging Face
 checkpoint.
 
@@ -26,7 +26,7 @@ Activations are constrained at the points of :mod:`nnx_shard.models._layout`, so
 preset applies unchanged:
 dp, zero1, fsdp, tp, fsdp_tp, sp, async_tp, cp, fsdp_cp, and pp / pp_fsdp /
 pp_tp with ``scan_layers=True``. The ``ep`` preset shards the experts of the MoE
-layers (:class:`LlamaMoEBlock`) over ``expert``; a dense model trains under it as
+layers (:class:`DecoderMoEBlock`) over ``expert``; a dense model trains under it as
 plain data parallelism over both mesh axes.
 
 Tensor-parallel presets split ``kv_heads`` over the model axis where it
@@ -34,8 +34,8 @@ divides, and replicate the key/value projections where it does not (e.g. 8
 key/value heads on a model axis of 16): the rule is ``[model, None]``.
 
 >>> from flax import nnx
->>> cfg = LlamaConfig()
->>> model = Llama(cfg, rngs=nnx.Rngs(0))
+>>> cfg = DecoderConfig()
+>>> model = Decoder(cfg, rngs=nnx.Rngs(0))
 >>> model(jnp.zeros((2, 16), jnp.int32)).shape
 (2, 16, 128)
 >>> model.blocks[0].attn.k.get_metadata("out_sharding")
@@ -56,6 +56,9 @@ from nnx_shard._mesh import option
 from nnx_shard._parallel import pipeline
 from nnx_shard._parallel.collective_matmul import check_tokens
 from nnx_shard.models import _kv_cache as kv_cache
+from nnx_shard.models._decoder_config import ROPE_TYPES as ROPE_TYPES
+from nnx_shard.models._decoder_config import DecoderConfig
+from nnx_shard.models._decoder_layers import DecoderAttention, DecoderMLP, norm_of
 from nnx_shard.models._families import family_of
 from nnx_shard.models._fields import remat_policy
 from nnx_shard.models._layers import RMSNorm, dense_init, new_param
@@ -69,11 +72,8 @@ from nnx_shard.models._layout import (
     last_positions,
     seq_names,
 )
-from nnx_shard.models._llama_config import ROPE_TYPES as ROPE_TYPES
-from nnx_shard.models._llama_config import LlamaConfig
-from nnx_shard.models._llama_layers import LlamaAttention, LlamaMLP, norm_of
 from nnx_shard.models._masks import NO_EXTRAS, Extras, check_token_ids, prepare
-from nnx_shard.models._moe import LlamaMoE, RouterStats, add_stats, aux_loss, no_stats
+from nnx_shard.models._moe import DecoderMoE, RouterStats, add_stats, aux_loss, no_stats
 from nnx_shard.models._ops import constrain, einsum, lookup, project, whole
 from nnx_shard.models._rotary import (
     own_local_rotation,
@@ -84,7 +84,7 @@ from nnx_shard.models._rotary import (
     times,
 )
 
-__all__ = ["Llama", "LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaMLP", "LlamaMoEBlock",
+__all__ = ["Decoder", "DecoderAttention", "DecoderBlock", "DecoderConfig", "DecoderMLP", "DecoderMoEBlock",
            "PostNormBlock", "SandwichBlock"]
 
 
@@ -96,26 +96,26 @@ def _pick(local: Any, tables: Any, local_tables: Any) -> Any:
     return tuple(jnp.where(local, lt, t) for t, lt in zip(tables, local_tables, strict=True))
 
 
-class LlamaBlock(nnx.Module):
+class DecoderBlock(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. Transformers'
-    ``LlamaDecoderLayer``; :class:`Llama` holds ``cfg.layers`` of the family's block
+    ``LlamaDecoderLayer``; :class:`Decoder` holds ``cfg.layers`` of the family's block
     class (``Family.block``) in ``blocks``. :class:`PostNormBlock` and
     :class:`SandwichBlock` place the norms differently; the forward pass is the same,
     each norm applied where the variant has it.
 
-    >>> block = LlamaBlock(LlamaConfig(), rngs=nnx.Rngs(0))
+    >>> block = DecoderBlock(DecoderConfig(), rngs=nnx.Rngs(0))
     >>> type(block.attn).__name__, type(block.mlp).__name__, block.attn_norm.scale.shape
-    ('LlamaAttention', 'LlamaMLP', (32,))
+    ('DecoderAttention', 'DecoderMLP', (32,))
     """
 
     #: Norms before attention and MLP (on their inputs) and after (on their outputs).
     pre_norms, post_norms = True, False
-    #: Norm weights of ``embed`` entries per block (``LlamaConfig.num_params``).
+    #: Norm weights of ``embed`` entries per block (``DecoderConfig.num_params``).
     norms = 2
     #: The attention layer's class (a family's own where its parameters differ).
-    attention: Any = LlamaAttention
+    attention: Any = DecoderAttention
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs) -> None:
         def norm(on: bool) -> RMSNorm | None:
             return norm_of(cfg, cfg.embed, ("embed",), rngs) if on else None
 
@@ -126,8 +126,8 @@ class LlamaBlock(nnx.Module):
         self.mlp: Any = self._mlp(cfg, rngs)
         self.mlp_post_norm: RMSNorm | None = nnx.data(norm(self.post_norms))
 
-    def _mlp(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> Any:
-        return LlamaMLP(cfg, rngs=rngs)
+    def _mlp(self, cfg: DecoderConfig, rngs: nnx.Rngs) -> Any:
+        return DecoderMLP(cfg, rngs=rngs)
 
     @staticmethod
     def _apply(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
@@ -163,11 +163,11 @@ class LlamaBlock(nnx.Module):
         return constrain(x + n(self.mlp_post_norm, y), RESIDUAL)
 
 
-class PostNormBlock(LlamaBlock):
+class PostNormBlock(DecoderBlock):
     """OLMo 2's block: ``x + norm(attn(x))``, then ``x + norm(mlp(x))`` (norms on the
     outputs only; ``attn_post_norm``, ``mlp_post_norm``).
 
-    >>> block = PostNormBlock(LlamaConfig(model_type="olmo2"), rngs=nnx.Rngs(0))
+    >>> block = PostNormBlock(DecoderConfig(model_type="olmo2"), rngs=nnx.Rngs(0))
     >>> block.attn_norm is None, block.attn_post_norm.scale.shape
     (True, (32,))
     """
@@ -175,11 +175,11 @@ class PostNormBlock(LlamaBlock):
     pre_norms, post_norms = False, True
 
 
-class SandwichBlock(LlamaBlock):
+class SandwichBlock(DecoderBlock):
     """Gemma 2 / 3's block: four norms, on the inputs and on the outputs of attention
     and MLP: ``x + post(attn(pre(x)))``, then ``x + post(mlp(pre(x)))``.
 
-    >>> block = SandwichBlock(LlamaConfig(model_type="gemma2"), rngs=nnx.Rngs(0))
+    >>> block = SandwichBlock(DecoderConfig(model_type="gemma2"), rngs=nnx.Rngs(0))
     >>> block.attn_norm.scale.shape, block.mlp_post_norm.scale.shape
     ((32,), (32,))
     """
@@ -188,13 +188,13 @@ class SandwichBlock(LlamaBlock):
     norms = 4
 
 
-class LlamaMoEBlock(LlamaBlock):
-    """:class:`LlamaBlock` with the sparse MoE MLP (:class:`~nnx_shard.models._moe.LlamaMoE`,
+class DecoderMoEBlock(DecoderBlock):
+    """:class:`DecoderBlock` with the sparse MoE MLP (:class:`~nnx_shard.models._moe.DecoderMoE`,
     ``mlp/router``, ``mlp/gate`` ...): the layers of ``cfg.moe_layers()``. Returns ``(x,
-    router statistics)``, which :class:`Llama` sums into the load-balancing loss."""
+    router statistics)``, which :class:`Decoder` sums into the load-balancing loss."""
 
-    def _mlp(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> Any:
-        return LlamaMoE(cfg, rngs=rngs)
+    def _mlp(self, cfg: DecoderConfig, rngs: nnx.Rngs) -> Any:
+        return DecoderMoE(cfg, rngs=rngs)
 
     def _feed(self, h: jax.Array, extras: Extras) -> tuple[jax.Array, RouterStats | None]:
         # The router's statistics count the real tokens only.
@@ -206,19 +206,19 @@ class LlamaMoEBlock(LlamaBlock):
         return self.mlp(h)[0]
 
 
-def _block(cfg: LlamaConfig, i: int, rngs: nnx.Rngs) -> LlamaBlock:
+def _block(cfg: DecoderConfig, i: int, rngs: nnx.Rngs) -> DecoderBlock:
     family = cfg.family
-    block: type[LlamaBlock] = family.moe_block if cfg.moe_layers()[i] else family.block
+    block: type[DecoderBlock] = family.moe_block if cfg.moe_layers()[i] else family.block
     return block(cfg, rngs=rngs)
 
 
-def _mixed(cfg: LlamaConfig) -> bool:
+def _mixed(cfg: DecoderConfig) -> bool:
     """Whether the layers differ (sliding and global ones, and their rotary bases)."""
     flags = cfg.local_layers()
     return any(flags) and not all(flags)
 
 
-def _block_runner(cfg: LlamaConfig, length: int) -> Any:
+def _block_runner(cfg: DecoderConfig, length: int) -> Any:
     every_local = all(cfg.local_layers())
     # A family with learned positions adds them to the embeddings: no rotation.
     tables = (None, None) if cfg.family.learned_positions else rotary_tables(
@@ -227,7 +227,7 @@ def _block_runner(cfg: LlamaConfig, length: int) -> Any:
     local = _mixed(cfg) and own_local_rotation(cfg)
     local_tables = rotary_tables(cfg, length, True) if local else None
 
-    def call(block: LlamaBlock, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
+    def call(block: DecoderBlock, x: jax.Array, extras: Extras, local: Any) -> jax.Array:
         if extras.positions is None:
             c, s = _pick(local, tables, local_tables)
             return block(x, c, s, extras, local)
@@ -243,7 +243,7 @@ def _block_runner(cfg: LlamaConfig, length: int) -> Any:
     return nnx.remat(call, policy=remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
 
 
-class Llama(nnx.Module):
+class Decoder(nnx.Module):
     """Llama-family decoder LM: ``int32 [batch, length] -> float32 logits [batch,
     length, vocab]``, for the families of ``config.json``'s ``model_type`` (``llama``:
     Llama 2/3; ``qwen2``, ``qwen3``, ``mistral``, ``gemma``, ``gemma2``, ``gemma3_text``,
@@ -266,15 +266,15 @@ class Llama(nnx.Module):
     :func:`nnx_shard.models.lm_loss` trains it (next-token cross-entropy).
 
     Args:
-      cfg: the configuration (:class:`LlamaConfig`, e.g. ``get_config("llama3-8b")`` or
-        ``LlamaConfig.from_hf(folder)``).
+      cfg: the configuration (:class:`DecoderConfig`, e.g. ``get_config("llama3-8b")`` or
+        ``DecoderConfig.from_hf(folder)``).
       rngs: the random streams the parameters are drawn from.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from nnx_shard.models import Llama, get_config
+    >>> from nnx_shard.models import Decoder, get_config
     >>> cfg = get_config("qwen3-tiny")
-    >>> model = Llama(cfg, rngs=nnx.Rngs(0))
+    >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 16), jnp.int32)).shape, model.unembed is None
     ((2, 16, 128), True)
     >>> model.blocks[0].attn.q_norm.scale.get_metadata("out_sharding")
@@ -286,10 +286,10 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs) -> None:
         if not _is_config(cfg):
-            raise UsageError(f"{type(self).__name__}: cfg must be a model config (a LlamaConfig "
-                             f"or a TransformerConfig), got {type(cfg).__name__} "
-                             f"{short(cfg, 60)}. Fix: e.g. Llama(ns.models.get_config('llama3-8b'), "
-                             "rngs=nnx.Rngs(0)), or LlamaConfig.from_hf(path)")
+            raise UsageError(f"{type(self).__name__}: cfg must be a model config (a DecoderConfig "
+                             f"or a ReferenceConfig), got {type(cfg).__name__} "
+                             f"{short(cfg, 60)}. Fix: e.g. Decoder(ns.models.get_config('llama3-8b'), "
+                             "rngs=nnx.Rngs(0)), or DecoderConfig.from_hf(path)")
         self.cfg = cfg
         remat_policy(cfg.remat)  # an unsupported policy fails here, not at the first step
         e, dt = cfg.embed, cfg.param_dtype
@@ -303,7 +303,7 @@ class Llama(nnx.Module):
             @nnx.split_rngs(splits=cfg.layers)
             @nnx.vmap(in_axes=(0,), out_axes=0,
                       transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def make(r: nnx.Rngs) -> LlamaBlock:
+            def make(r: nnx.Rngs) -> DecoderBlock:
                 return _block(cfg, 0, r)
 
             self.blocks: Any = make(rngs)
@@ -333,14 +333,14 @@ class Llama(nnx.Module):
 
         >>> import jax.numpy as jnp
         >>> from flax import nnx
-        >>> from nnx_shard.models import Llama, get_config
-        >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+        >>> from nnx_shard.models import Decoder, get_config
+        >>> model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         >>> logits, aux = model.forward(jnp.zeros((1, 8), jnp.int32))
         >>> logits.dtype, float(aux)
         (dtype('float32'), 0.0)
         """
         cfg = self.cfg
-        empty_tokens(tokens, "Llama.forward")
+        empty_tokens(tokens, "Decoder.forward")
         learned = cfg.family.learned_positions
         if learned and tokens.shape[1] > cfg.max_length:
             raise UsageError(
@@ -349,9 +349,9 @@ class Llama(nnx.Module):
                 f"{cfg.max_length}, or a config with length >= {tokens.shape[1]}.")
         if option("collective_matmul", False):
             check_tokens(tokens.shape)
-        check_token_ids(tokens, cfg.vocab, "Llama.forward")
+        check_token_ids(tokens, cfg.vocab, "Decoder.forward")
         extras = prepare(tokens, attention_mask=attention_mask, positions=positions,
-                         segment_ids=segment_ids, caller="Llama.forward",
+                         segment_ids=segment_ids, caller="Decoder.forward",
                          max_positions=cfg.max_length).laid_out()
         x = self._embed(tokens, extras.positions)
         if learned:  # the positions are in the embeddings; the blocks read the masks
@@ -422,7 +422,7 @@ class Llama(nnx.Module):
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """The logits of :meth:`forward` (same arguments).
 
-        >>> model = Llama(LlamaConfig(), rngs=nnx.Rngs(0))
+        >>> model = Decoder(DecoderConfig(), rngs=nnx.Rngs(0))
         >>> a, b = jnp.arange(1, 5, dtype=jnp.int32)[None], jnp.arange(9, 13, dtype=jnp.int32)[None]
         >>> packed = model(jnp.concatenate([a, b], 1), segment_ids=jnp.array([[1] * 4 + [2] * 4]))
         >>> bool(jnp.allclose(packed[:, 4:], model(b), atol=1e-4))   # b as if alone
@@ -452,8 +452,8 @@ class Llama(nnx.Module):
         for stacked blocks), and the position of the next token, ``cache_index``.
 
         >>> from flax import nnx
-        >>> from nnx_shard.models import Llama, get_config
-        >>> model = Llama(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+        >>> from nnx_shard.models import Decoder, get_config
+        >>> model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         >>> model.init_cache(batch=2, length=16)
         >>> model.blocks[0].attn.cached_value.shape    # 2 key/value heads of 8
         (2, 16, 2, 8)
@@ -484,8 +484,8 @@ class Llama(nnx.Module):
 
         >>> from flax import nnx
         >>> import jax.numpy as jnp
-        >>> from nnx_shard.models import Llama, get_config
-        >>> model = Llama(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))
+        >>> from nnx_shard.models import Decoder, get_config
+        >>> model = Decoder(get_config("qwen3-tiny"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.arange(6, dtype=jnp.int32)[None]
         >>> model.init_cache(batch=1, length=8)
         >>> first, last = model.decode(tokens[:, :5]), model.decode(tokens[:, 5:])
@@ -493,25 +493,25 @@ class Llama(nnx.Module):
         True
         """
         cfg = self.cfg
-        check_token_ids(tokens, cfg.vocab, "Llama.decode")
+        check_token_ids(tokens, cfg.vocab, "Decoder.decode")
         index = self.cache_index[...]
         steps = tokens.shape[1]
         positions = valid = None
         if attention_mask is not None:
             positions, valid = kv_cache.masked_positions(self, tokens, attention_mask, index,
-                                                         "Llama.decode")
+                                                         "Decoder.decode")
         mixed = _mixed(cfg)
         cos, sin, local_tables = _decode_tables(cfg, index, steps, positions)
         x = self._embed(tokens, positions, index)
         flags = np.asarray(cfg.local_layers()) if mixed else None
 
-        def step(block: LlamaBlock, h: jax.Array, local: Any = None) -> jax.Array:
+        def step(block: DecoderBlock, h: jax.Array, local: Any = None) -> jax.Array:
             c, s = _pick(local, (cos, sin), local_tables)
             return block.decode(h, index, c, s, valid, local)
 
         x = kv_cache.decode_layers(self.blocks, cfg.scan_layers, x, step, flags)
         self.cache_index[...] = index + steps
-        return self._logits(last_positions(x, logits_to_keep, "Llama.decode"), deterministic=True)
+        return self._logits(last_positions(x, logits_to_keep, "Decoder.decode"), deterministic=True)
 
 
 def _decode_tables(cfg: Any, index: jax.Array, steps: int, positions: jax.Array | None
@@ -539,9 +539,9 @@ def _decode_tables(cfg: Any, index: jax.Array, steps: int, positions: jax.Array 
 
 
 def _is_config(cfg: Any) -> bool:
-    """Whether ``cfg`` is a model config: a :class:`LlamaConfig`, or of the config class
+    """Whether ``cfg`` is a model config: a :class:`DecoderConfig`, or of the config class
     its family registers."""
-    if isinstance(cfg, LlamaConfig):
+    if isinstance(cfg, DecoderConfig):
         return True
     try:
         family = family_of(getattr(cfg, "model_type", None))
