@@ -187,7 +187,7 @@ def test_resolve_names_the_closest_name_and_where_a_name_moved() -> None:
     assert resolve("ns.models.Decoder") is None
     assert resolve("nnx_shard.models._families.Family") is None  # private modules resolve
     assert resolve("nnx_shard.models.DecoderConfig.tie_embeddings") is None  # a field
-    assert resolve("ns.models.Lama") == (
-        "nnx_shard.models has no 'Lama'; closest: nnx_shard.models.Decoder")
+    assert resolve("ns.models.Decodr") == (
+        "nnx_shard.models has no 'Decodr'; closest: nnx_shard.models.Decoder")
     moved = resolve("nnx_shard.models.generate")
     assert moved is not None and "nnx_shard.inference" in moved, moved

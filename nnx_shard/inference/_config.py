@@ -15,7 +15,8 @@ import numpy as np
 from nnx_shard._errors import UsageError, check_path, short
 from nnx_shard.inference._tokenizer_files import json_type, read_json
 
-__all__ = ["FILE", "GenerationConfig", "check_temperature", "count_option", "number"]
+__all__ = ["FILE", "GenerationConfig", "check_temperature", "check_top_k", "count_option",
+           "number"]
 
 #: The file a checkpoint folder keeps its generation settings in.
 FILE = "generation_config.json"
@@ -152,11 +153,7 @@ class GenerationConfig:
                                  "for greedy, or e.g. temperature=0.8.")
             put("temperature", t)
         if self.top_k is not None:
-            k = self.top_k
-            if isinstance(k, bool | np.bool_) or not isinstance(k, int | np.integer) or k < 0:
-                raise UsageError(f"{_WHO}: top_k={short(k, 40)}; use an int 0 or more (0 or "
-                                 "None: every token). Fix: e.g. top_k=40.")
-            put("top_k", int(k))
+            put("top_k", check_top_k(self.top_k, _WHO))
         for name, (ok, rule, example) in _RANGES.items():
             given = getattr(self, name)
             if given is None:
@@ -327,6 +324,21 @@ def _stop_strings(value: Any) -> str | tuple[str, ...] | None:
                              f"({type(text).__name__}); each stop string must be non-empty "
                              f"text. {fix}")
     return value if isinstance(value, str) else tuple(strings)
+
+
+def check_top_k(top_k: Any, caller: str) -> int:
+    """``top_k`` as an int, 0 meaning every token (``None`` too, as in transformers; a
+    ``top_k`` past the vocabulary also keeps every token, which the sampler decides).
+
+    >>> check_top_k(None, "generate"), check_top_k(40, "generate")
+    (0, 40)
+    """
+    if top_k is None:
+        return 0
+    if isinstance(top_k, bool | np.bool_) or not isinstance(top_k, int | np.integer) or top_k < 0:
+        raise UsageError(f"{caller}: top_k={short(top_k, 40)}; use an int 0 or more (0 or "
+                         "None: every token). Fix: e.g. top_k=40.")
+    return int(top_k)
 
 
 def check_temperature(temperature: Any, caller: str) -> float:

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_shard._errors import UsageError, short
-from nnx_shard.inference._config import GenerationConfig, check_temperature
+from nnx_shard.inference._config import GenerationConfig
 from nnx_shard.models._ops import whole
 
 __all__ = ["EOS_SLOTS", "INT32_MAX", "Options", "banned_tokens", "check_options",
-           "check_sampling", "check_stop_tokenizer", "check_top_k", "choose", "config_vocab",
+           "check_stop_tokenizer", "choose", "config_vocab",
            "first_argmax", "model_context", "pick", "warp"]
 
 
@@ -37,33 +37,6 @@ def config_vocab(model: Any) -> int | None:
     vocab = getattr(getattr(model, "cfg", None), "vocab", None)
     return int(vocab) if isinstance(vocab, int | np.integer) and not isinstance(vocab, bool) \
         else None
-
-
-def check_top_k(top_k: Any, vocab: int | None, caller: str) -> int | None:
-    """``top_k`` as an int from 1 to ``vocab``, or None (every token).
-
-    >>> check_top_k(40, 128, "generate")
-    40
-    """
-    if top_k is None:
-        return None
-    if isinstance(top_k, bool | np.bool_) or not isinstance(top_k, int | np.integer) \
-            or top_k < 1 or (vocab is not None and top_k > vocab):
-        raise UsageError(f"{caller}: top_k={short(top_k, 40)}; use None (every token) or an int "
-                         f"from 1 to the vocabulary size{f' ({vocab})' if vocab else ''}. "
-                         "Fix: e.g. top_k=40.")
-    return int(top_k)
-
-
-def check_sampling(temperature: Any, top_k: Any, model: Any, caller: str
-                   ) -> tuple[float, int | None]:
-    """``(temperature, top_k)`` checked for ``model``'s vocabulary.
-
-    >>> check_sampling(0.0, None, object(), "generate")
-    (0.0, None)
-    """
-    return check_temperature(temperature, caller), check_top_k(top_k, config_vocab(model),
-                                                                 caller)
 
 
 # -- sampling ------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
     from nnx_shard._errors import UsageError
     from nnx_shard._mesh import use
     from nnx_shard.inference import _checks as g
-    from nnx_shard.inference._decoding import check_sampling, check_top_k, config_vocab
+    from nnx_shard.inference._config import check_temperature, check_top_k
+    from nnx_shard.inference._decoding import config_vocab
     from nnx_shard.inference._generation import generation_rules
 
     caller = "recompute"
@@ -129,7 +130,7 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
     prompt = g.check_prompt(prompt_tokens, model, caller)
     batch, prompt_len = prompt.shape
     new = g.check_lengths(model, prompt_len, max_new_tokens, caller)
-    t, k = check_sampling(temperature, top_k, model, caller)
+    t, k = check_temperature(temperature, caller), check_top_k(top_k, caller)
     seed = g.check_seed(seed, caller)
     mesh, rules = g.placement(mesh, rules, caller)
     ctx: Any = contextlib.nullcontext()
@@ -139,12 +140,14 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
         g.check_batch(batch, mesh, gen_rules, caller)
         ctx = use(mesh, gen_rules)
     graphdef, state = nnx.split(model)
-    if config_vocab(model) is None:  # a model of the caller's: its logits say the vocabulary
+    vocab = config_vocab(model)
+    if vocab is None:  # a model of the caller's: its logits say the vocabulary
         with ctx:
             vocab = g.logits_vocab(lambda s, x: nnx.merge(graphdef, s)(x), state,
                                    jax.ShapeDtypeStruct(prompt.shape, jnp.int32))
         g.check_ids(prompt, vocab, caller)
-        k = check_top_k(top_k, vocab, caller)
-    run = _program(graphdef, mesh, gen_rules, batch, prompt_len, new, t == 0.0, k)
+    # transformers' top-k: 0, or at least the vocabulary, keeps every token
+    top = None if k == 0 or k >= vocab else k
+    run = _program(graphdef, mesh, gen_rules, batch, prompt_len, new, t == 0.0, top)
     with ctx:
         return run(state, prompt, jax.random.key(seed), jnp.float32(max(t, 1e-6)))

@@ -42,7 +42,7 @@ MAX_VOCAB = 2**31 - 1
 
 _WHO = "resize_token_embeddings"
 _MODEL_FIX = ("Fix: pass a model with a token_embed [vocab, embed] parameter and a cfg with "
-              "a vocab field, e.g. ns.models.Llama or ns.models.Decoder.")
+              "a vocab field, e.g. ns.models.Decoder.")
 #: What each resized table's rows start as: the ``mean_resizing`` draw, or zeros (a
 #: LoRA factor: the adapter adds nothing to a new token until it is trained).
 _DRAWN, _ZEROS = "drawn", "zeros"
