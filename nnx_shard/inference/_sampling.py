@@ -103,9 +103,9 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
     against and the baseline of ``benchmarks/generate.py``.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Decoder, get_config
+    >>> from nnx_shard.models import Decoder, ReferenceConfig
     >>> from nnx_shard.inference import GenerationConfig, generate
-    >>> model = Decoder(get_config("tiny"), rngs=nnx.Rngs(0))
+    >>> model = Decoder(ReferenceConfig(layers=1), rngs=nnx.Rngs(0))
     >>> slow = recompute(model, [[1, 2, 3, 4]], max_new_tokens=8)
     >>> bool((slow == generate(model, [[1, 2, 3, 4]], GenerationConfig(max_new_tokens=8))).all())
     True
@@ -147,7 +147,7 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
                                    jax.ShapeDtypeStruct(prompt.shape, jnp.int32))
         g.check_ids(prompt, vocab, caller)
     # transformers' top-k: 0, or at least the vocabulary, keeps every token
-    top = None if k == 0 or k >= vocab else k
+    top = None if k == 0 or (vocab is not None and k >= vocab) else k
     run = _program(graphdef, mesh, gen_rules, batch, prompt_len, new, t == 0.0, top)
     with ctx:
         return run(state, prompt, jax.random.key(seed), jnp.float32(max(t, 1e-6)))
