@@ -38,12 +38,11 @@ Run (about 3 minutes on 2 CPU cores; ``--quick``: 128 tokens)::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any
 
-from _common import hlo_ops, machine, median_ms, print_table, write_json
+from _common import cost_parser, hlo_ops, machine, median_ms, print_table, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe_cost.json"
 
@@ -56,8 +55,8 @@ def configs() -> tuple[Any, Any]:
 
     shared = dict(embed=1024, heads=8, kv_heads=2, head_dim=128, layers=2, vocab=4096,
                   dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    moe = DecoderConfig(**shared, mlp=3584, experts=8, top_k=2, model_type="mixtral",
-                      expert_matmul="tiles")
+    moe = DecoderConfig.for_model("mixtral", **shared, mlp=3584, experts=8, top_k=2,
+                                  expert_matmul="tiles")
     dense = DecoderConfig(**shared, mlp=2 * 3584)
     return moe, dense
 
@@ -94,7 +93,7 @@ def step_flops(cfg: Any, tokens: int, rounds: int = 0) -> dict[str, Any]:
                            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
                            "hlo": hlo_ops(compiled, ("ragged-dot", "__gpu$xla.gpu.triton",
                                                      "custom-call"))}
-    if cfg.experts and resolve(cfg.expert_matmul) == "tiles":
+    if any(cfg.moe_layers()) and resolve(cfg.expert_matmul) == "tiles":
         # A new function: jax reuses the trace of one it has seen, loop and all.
         with unrolled():
             out["flops_as_a_loop"], out["flops"] = out["flops"], flops(jax.jit(
@@ -115,12 +114,7 @@ def step_flops(cfg: Any, tokens: int, rounds: int = 0) -> dict[str, Any]:
 def main() -> None:
     import jax
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="128 tokens")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
-    ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
-                    help="also run each step on real arrays: median ms over ROUNDS rounds "
-                         "of 5 steps (meant for an accelerator)")
+    ap = cost_parser(__doc__, "128 tokens", RESULTS, "step (5 steps a round)")
     ap.add_argument("--pallas", action="store_true",
                     help="GPU: lower ragged_dot with JAX's Pallas/Triton grouped kernel "
                          "(jax_ragged_dot_use_gpu_pallas_triton_lowering)")

@@ -8,8 +8,7 @@ so a part is a :class:`~nnx_shard._safetensors_io.TensorInfo` of its own: same
 file, an offset into the fused tensor, its rows.
 
 >>> from nnx_shard.models import get_config
->>> import dataclasses
->>> cfg = dataclasses.replace(get_config("llama-tiny"), model_type="phi3")
+>>> cfg = get_config("llama-tiny").with_family("phi3")
 >>> [(f.fused, f.parts, f.rows) for f in fusions(cfg)][0]
 ('self_attn.qkv_proj.weight', ('self_attn.q_proj.weight', 'self_attn.k_proj.weight', 'self_attn.v_proj.weight'), (32, 16, 16))
 """

@@ -1,8 +1,9 @@
 """Models annotated only with logical axis names, all built by one decoder class,
 :class:`Decoder`, of a family's parts: the Hugging Face families (Llama 2/3, Qwen2,
 Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, OLMo 2, Phi-3, and the mixtures of experts
-Mixtral and Qwen3-MoE; configured by :class:`DecoderConfig` and
-:class:`Qwen3MoeConfig`, built and filled from a checkpoint by
+Mixtral and Qwen3-MoE; configured by :class:`DecoderConfig`, the fields every family
+has, and each family's own config class, e.g. :class:`Qwen3MoeConfig`
+(:meth:`DecoderConfig.for_model` builds one), built and filled from a checkpoint by
 :func:`nnx_shard.hf.load_pretrained`) and the reference model (GPT-style, for tests,
 demos and planning; configured by :class:`ReferenceConfig`), the configurations known by name (:func:`get_config`), their loss
 (:func:`lm_loss`), remat policies, and the

@@ -14,7 +14,7 @@ class (:class:`DecoderBlock` pre-norm, :class:`PostNormBlock` for OLMo 2,
 q/k norm and biases, its norm's offset, and hooks on the embeddings (Gemma's scale)
 and the logits (Gemma 2's soft-cap). Attention options that are values (a sliding
 window, in every layer or in some; a score soft-cap; a query scale) are fields of the
-config, which a family allows or refuses.
+family's config class, which only the families that have them declare.
 :meth:`DecoderConfig.from_hf` reads a transformers ``config.json``;
 :func:`nnx_shard.hf.load_safetensors` fills the parameters from a Hugging Face
 checkpoint.
@@ -58,7 +58,12 @@ from nnx_shard._parallel.collective_matmul import check_tokens
 from nnx_shard.models import _kv_cache as kv_cache
 from nnx_shard.models._decoder_config import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._decoder_config import DecoderConfig
-from nnx_shard.models._decoder_layers import DecoderAttention, DecoderMLP, norm_of
+from nnx_shard.models._decoder_layers import (
+    CappedAttention,
+    DecoderAttention,
+    DecoderMLP,
+    norm_of,
+)
 from nnx_shard.models._families import family_of
 from nnx_shard.models._fields import remat_policy
 from nnx_shard.models._layers import RMSNorm, dense_init, new_param
@@ -167,7 +172,7 @@ class PostNormBlock(DecoderBlock):
     """OLMo 2's block: ``x + norm(attn(x))``, then ``x + norm(mlp(x))`` (norms on the
     outputs only; ``attn_post_norm``, ``mlp_post_norm``).
 
-    >>> block = PostNormBlock(DecoderConfig(model_type="olmo2"), rngs=nnx.Rngs(0))
+    >>> block = PostNormBlock(DecoderConfig.for_model("olmo2"), rngs=nnx.Rngs(0))
     >>> block.attn_norm is None, block.attn_post_norm.scale.shape
     (True, (32,))
     """
@@ -177,15 +182,17 @@ class PostNormBlock(DecoderBlock):
 
 class SandwichBlock(DecoderBlock):
     """Gemma 2 / 3's block: four norms, on the inputs and on the outputs of attention
-    and MLP: ``x + post(attn(pre(x)))``, then ``x + post(mlp(pre(x)))``.
+    and MLP: ``x + post(attn(pre(x)))``, then ``x + post(mlp(pre(x)))``; their attention
+    soft-caps and scales its scores (:class:`CappedAttention`).
 
-    >>> block = SandwichBlock(DecoderConfig(model_type="gemma2"), rngs=nnx.Rngs(0))
+    >>> block = SandwichBlock(DecoderConfig.for_model("gemma2"), rngs=nnx.Rngs(0))
     >>> block.attn_norm.scale.shape, block.mlp_post_norm.scale.shape
     ((32,), (32,))
     """
 
     pre_norms, post_norms = True, True
     norms = 4
+    attention = CappedAttention
 
 
 class DecoderMoEBlock(DecoderBlock):

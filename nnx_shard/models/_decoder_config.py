@@ -1,11 +1,16 @@
-"""The configuration of :class:`~nnx_shard.models.Decoder`: :class:`DecoderConfig`
-(sizes, and the fields its family has; :meth:`DecoderConfig.from_hf` reads a
-transformers ``config.json``, :meth:`DecoderConfig.to_hf` writes one). Each family's
-module (:mod:`nnx_shard.models._family`) holds its named configurations (read them
-with :func:`nnx_shard.models.get_config`).
+"""The configuration of :class:`~nnx_shard.models.Decoder`: :class:`DecoderConfig`, the
+fields every family has (sizes, rotary settings, norm, activation, layout), and the
+bases a family's own config class builds on where families share fields
+(:class:`AttentionBiasConfig`, :class:`MLPBiasConfig`, :class:`WindowConfig`,
+:class:`MoEConfig`). Each family's module (:mod:`nnx_shard.models._family`) declares its
+config class with only its fields and registers it; :meth:`DecoderConfig.for_model`
+and :meth:`DecoderConfig.from_hf` build it. :meth:`DecoderConfig.to_hf` writes a
+transformers ``config.json``; one table (:data:`~nnx_shard.models._hf_config.FIELDS`)
+maps the fields to it and says how each is checked.
 
->>> DecoderConfig(model_type="qwen3").family.qk_norm
-'head'
+>>> cfg = DecoderConfig.for_model("qwen3", sliding_window=8)
+>>> type(cfg).__name__, cfg.family.qk_norm, cfg.sliding_window
+('Qwen3Config', 'head', 8)
 """
 
 from __future__ import annotations
@@ -13,28 +18,34 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from nnx_shard._errors import NnxShardError, UsageError, count, short
-from nnx_shard.models._families import OPTIONAL_FIELDS, Family, family_of, model_types
+from nnx_shard._errors import UsageError, count, short
+from nnx_shard.models._families import Family, family_of, model_types
 from nnx_shard.models._fields import check_fields, check_kernel_and_remat
 from nnx_shard.models._grouped import check_kind
-from nnx_shard.models._hf_config import ACTIVATIONS, hf_config, hf_fields, read_json
+from nnx_shard.models._hf_config import ACTIVATIONS, FIELDS, hf_config, hf_fields, read_json
+from nnx_shard.models._hf_config import differences as differences
 from nnx_shard.models._rope import ROPE_TYPES as ROPE_TYPES
 from nnx_shard.models._rope import check_tables, checked
 
-__all__ = ["BIG", "LLAMA31_ROPE", "DecoderConfig"]
+__all__ = ["BIG", "LLAMA31_ROPE", "AttentionBiasConfig", "DecoderConfig", "MLPBiasConfig",
+           "MoEConfig", "WindowConfig", "differences"]
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Sizes and options of :class:`Decoder` (frozen: derive variants with
-    ``dataclasses.replace``). Field names follow
-    :class:`~nnx_shard.models.ReferenceConfig`; the Hugging Face names are
-    in :meth:`from_hf`.
+    """Sizes and options of :class:`Decoder` that every family has (frozen: derive
+    variants with ``dataclasses.replace``). Field names follow
+    :class:`~nnx_shard.models.ReferenceConfig`; the Hugging Face names are in
+    :meth:`from_hf`. A family's own fields (biases, sliding window, soft-caps,
+    experts, ...) are on its config class, a subclass declared in its module:
+    :meth:`for_model` builds it (``DecoderConfig.for_model("mistral",
+    sliding_window=4096)``), as :meth:`from_hf` does; ``DecoderConfig(...)`` itself is
+    a model of the default family, ``llama``, without its optional biases.
 
     Attributes:
       vocab: vocabulary size (``vocab_size``).
@@ -57,58 +68,18 @@ class DecoderConfig:
       norm_eps: epsilon of every RMSNorm (``rms_norm_eps``).
       tie_embeddings: reuse the token embedding as the output projection
         (``tie_word_embeddings``).
-      attention_bias: biases on the q, k, v and o projections (the families whose
-        ``config.json`` has ``attention_bias``).
       activation: the gated MLP's activation, one of :data:`ACTIVATIONS`
         (``hidden_act``: ``"silu"``, or Gemma's ``"gelu_pytorch_tanh"``).
-      sliding_window: ``None``, or the keys each query sees: itself and the
-        ``sliding_window - 1`` before it (Mistral's ``sliding_window``, Qwen2's
-        with ``use_sliding_window``), in every layer, or in the layers
-        ``window_layers`` marks.
-      window_layers: ``None`` (the window, if any, in every layer), or one flag per
-        layer: which layers slide (Gemma 2 / 3's ``layer_types``; the others attend
-        to every earlier key).
-      rope_local_theta: ``None``, or the rotary base of the sliding layers (Gemma 3's
-        ``rope_local_base_freq``; the others use ``rope_theta``).
-      query_scale: ``None``, or the attention scores' divisor's square
-        (``query_pre_attn_scalar``: scores are ``q.k / sqrt(query_scale)``, not
-        ``/ sqrt(head_dim)``).
-      attn_softcap: ``None``, or the attention logit soft-cap (Gemma 2's
-        ``attn_logit_softcapping``): scores become ``cap * tanh(scores / cap)``.
-      final_softcap: ``None``, or the output logits' soft-cap
-        (``final_logit_softcapping``).
-      mlp_bias: biases on the gate, up and down projections (Llama's ``mlp_bias``).
       max_length: ``max_position_embeddings`` (written back to ``config.json``;
         the rotation itself works at any length; ``dynamic`` scaling grows its
         base past it, and ``longrope`` / ``yarn`` without a ``factor`` take it
         over ``original_max_position_embeddings`` as theirs).
       model_type: one of the registered families (``"llama"``, ``"qwen3"``,
         ``"qwen2"``, ``"mistral"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``,
-        ``"olmo2"``, ``"phi3"``, ``"mixtral"``, ``"qwen3_moe"``): the family (:mod:`nnx_shard.models._families`):
-        the ``config.json`` that :meth:`to_hf` writes and the checkpoint's tensor
-        names, and what its decoder is made of (its block, q/k norm, biases, norm
-        and embedding scale). A field the family does not have (Gemma 2's soft-caps on
-        a llama config, experts on a dense family) is refused, naming the families that have it.
-      experts: ``0`` (a dense model), or the experts of each MoE layer (Mixtral's
-        ``num_local_experts``, Qwen3-MoE's ``num_experts``): those layers' MLP is
-        the sparse :class:`~nnx_shard.models._moe.DecoderMoE`.
-      top_k: experts each token is routed to (``num_experts_per_tok``).
-      moe_mlp: ``None`` (``mlp``), or each expert's hidden width (Qwen3-MoE's
-        ``moe_intermediate_size``; ``mlp`` stays the dense layers' width).
-      norm_topk_prob: renormalise the top-k routing weights to sum to 1 (Mixtral
-        always; Qwen3-MoE's ``norm_topk_prob``).
-      sparse_step, mlp_only_layers: Qwen3-MoE's ``decoder_sparse_step`` and
-        ``mlp_only_layers``: layer ``i`` is a MoE layer unless listed, where ``(i + 1)``
-        is a multiple of ``sparse_step`` (:meth:`moe_layers`).
-      router_aux_loss_coef, output_router_logits: transformers' names: the
-        load-balancing loss's weight, added to the training loss only with
-        ``output_router_logits`` (:attr:`aux_loss_weight`).
-      expert_matmul: how the experts' grouped matmuls run
-        (:mod:`nnx_shard.models._grouped`): ``"tiles"`` (a loop over tiles of the
-        tokens sorted by expert: the active experts' FLOPs on every backend),
-        ``"ragged_dot"`` (``jax.lax.ragged_dot``: a grouped kernel on TPU, every
-        expert for every token on XLA's CPU and GPU backends), or ``"auto"`` (the
-        default: ``ragged_dot`` on TPU, ``tiles`` elsewhere). Not in ``config.json``.
+        ``"olmo2"``, ``"phi3"``, ``"mixtral"``, ``"qwen3_moe"``): the family
+        (:mod:`nnx_shard.models._families`): its config class, the ``config.json``
+        that :meth:`to_hf` writes and the checkpoint's tensor names, and what its
+        decoder is made of (its block, q/k norm, biases, norm and embedding scale).
       scan_layers, remat, attention, dtype, param_dtype: as in
         :class:`~nnx_shard.models.ReferenceConfig` (``scan_layers=True``
         stacks the blocks on a leading ``layers`` axis: the pp presets need it;
@@ -138,55 +109,29 @@ class DecoderConfig:
     rope_scaling: Any = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
     activation: str = "silu"
-    sliding_window: int | None = None
-    window_layers: Any = None
-    rope_local_theta: float | None = None
-    query_scale: float | None = None
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
     max_length: int = 2048
     model_type: str = "llama"
-    experts: int = 0
-    top_k: int = 2
-    router_aux_loss_coef: float = 0.001
-    output_router_logits: bool = False
-    expert_matmul: str = "auto"
     scan_layers: bool = False
     remat: str = "none"
     attention: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> DecoderConfig:
-        # DecoderConfig(model_type=...) builds the config class the family registers (a
-        # family with fields of its own declares them on a subclass), so that every
-        # caller, from_hf and dataclasses.replace included, gets that family's fields.
-        if cls is DecoderConfig and not args:
-            try:
-                cls = family_of(kwargs.get("model_type", "llama")).config or cls
-            except UsageError:
-                pass  # __post_init__ names the valid model types
-        names = {f.name for f in dataclasses.fields(cls)}
-        for name in kwargs:
-            if name not in names:
-                raise UsageError(_not_a_field(cls, name, kwargs.get("model_type", cls.model_type)))
+    #: ``config.json``'s values for absent keys where the family's differ from the
+    #: table's (:data:`~nnx_shard.models._hf_config.FIELDS`): Gemma's tied embeddings, ...
+    hf_defaults: ClassVar[Mapping[str, Any]] = {}
+    #: The ``config.json`` keys the family writes where they differ from the table's.
+    hf_keys: ClassVar[Mapping[str, str]] = {}
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Only a check: a keyword the class lacks would be the generated __init__'s bare
+        # TypeError; this names the families whose config has it. Builds ``cls`` itself.
+        _check_names(cls, kwargs, kwargs.get("model_type", cls.model_type))
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        check_fields(self, ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
-                            "max_length"), positive=("rope_theta", "norm_eps"),
-                     flags=("tie_embeddings", "attention_bias", "mlp_bias", "scan_layers"))
-        for name in ("rope_local_theta", "query_scale", "attn_softcap", "final_softcap"):
-            _optional_real(self, name)
-        if self.activation not in ACTIVATIONS:
-            raise UsageError(f"DecoderConfig.activation={self.activation!r}; valid: "
-                             f"{', '.join(ACTIVATIONS)}. Fix: e.g. activation='silu'.")
-        if self.sliding_window is not None:
-            count(self.sliding_window, "DecoderConfig.sliding_window",
-                  fix="None (full attention) or the window in tokens, e.g. 4096")
+        _check_by_table(self)
         if self.heads % self.kv_heads:
             fit = next(d for d in range(min(self.kv_heads, self.heads), 0, -1)
                        if self.heads % d == 0)
@@ -199,18 +144,19 @@ class DecoderConfig:
             raise UsageError(f"DecoderConfig.head_dim={self.head_dim} must be even (the rotary "
                              "embedding rotates pairs of features). Fix: e.g. "
                              f"head_dim={self.head_dim + 1}.")
-        check_kernel_and_remat(self)
+        check_kernel_and_remat(self, "DecoderConfig")
         if self.model_type not in model_types():
             raise UsageError(f"DecoderConfig.model_type={short(self.model_type, 40)}; valid: "
                              f"{', '.join(model_types())}. Fix: e.g. model_type='llama'.")
         _check_class(self)
-        _check_experts(self)
-        _check_family(self)
+        self._check_own()
         # Hashable (the config is static metadata of the module's graph).
         object.__setattr__(self, "rope_scaling", _scaling(self.rope_scaling, self.head_dim))
         # Fields that each pass can still give non-finite rotary tables together.
         check_tables(self)
-        object.__setattr__(self, "window_layers", _window_layers(self))
+
+    def _check_own(self) -> None:
+        """The checks across fields of a family's own (none here: a base extends it)."""
 
     @property
     def num_params(self) -> int:
@@ -222,18 +168,22 @@ class DecoderConfig:
         """
         e, h, g, d, m = self.embed, self.heads, self.kv_heads, self.head_dim, self.mlp
         family = self.family
-        attn = 2 * e * h * d + 2 * e * g * d
-        if self.attention_bias or family.qkv_bias:
-            attn += h * d + 2 * g * d
-        if self.attention_bias:
-            attn += e
+        attn = 2 * e * h * d + 2 * e * g * d + (h * d + 2 * g * d if family.qkv_bias else 0)
         attn += {None: 0, "head": 2 * d, "all": h * d + g * d}[family.qk_norm]
-        ffn = 3 * e * m + ((2 * m + e) if self.mlp_bias else 0)
-        block = attn + ffn + family.block.norms * e
+        block = attn + 3 * e * m + family.block.norms * e
         unembed = 0 if self.tie_embeddings else e * self.vocab
-        sparse = sum(self.moe_layers())
-        moe = e * self.experts + 3 * e * self.expert_mlp * self.experts - ffn
-        return self.vocab * e + self.layers * block + sparse * moe + e + unembed
+        return self.vocab * e + self.layers * block + e + unembed
+
+    @property
+    def active_params(self) -> int:
+        """Parameters each token computes with: :attr:`num_params` for a dense model (a
+        mixture of experts leaves out the experts a token is not routed to).
+
+        >>> from nnx_shard.models import get_config
+        >>> get_config("qwen3-30b-a3b").active_params    # the published 3.3B
+        3353032704
+        """
+        return self.num_params
 
     @property
     def family(self) -> Family:
@@ -246,52 +196,75 @@ class DecoderConfig:
         """
         return family_of(self.model_type)
 
-    @property
-    def active_params(self) -> int:
-        """Parameters each token computes with: :attr:`num_params` less the experts it
-        is not routed to (``experts - top_k`` per MoE layer); ``num_params`` for a dense
-        model.
-
-        >>> from nnx_shard.models import get_config
-        >>> get_config("qwen3-30b-a3b").active_params    # the published 3.3B
-        3353032704
-        """
-        idle = 3 * self.embed * self.expert_mlp * max(self.experts - self.top_k, 0)
-        return self.num_params - sum(self.moe_layers()) * idle
-
-    @property
-    def expert_mlp(self) -> int:
-        """Each expert's hidden width: ``mlp`` (a family whose experts have a width of
-        their own, Qwen3-MoE's ``moe_mlp``, says so in its config class)."""
-        return self.mlp
-
-    @property
-    def norm_topk_prob(self) -> bool:
-        """Whether the router renormalises the top-k weights to sum to 1 (Mixtral does;
-        Qwen3-MoE's config class makes it a field, ``norm_topk_prob``)."""
-        return True
-
-    @property
-    def aux_loss_weight(self) -> float:
-        """The load-balancing loss's weight in :func:`nnx_shard.models.lm_loss`:
-        ``router_aux_loss_coef`` with ``output_router_logits``, else 0 (as transformers)."""
-        return self.router_aux_loss_coef if self.output_router_logits else 0.0
-
     def moe_layers(self) -> tuple[bool, ...]:
-        """Which layers have the sparse MoE MLP: every one with experts, none without
-        (Qwen3-MoE's config class keeps some dense).
+        """Which layers have the sparse MoE MLP: none (:class:`MoEConfig` has experts).
 
         >>> from nnx_shard.models import DecoderConfig
-        >>> DecoderConfig(layers=3, experts=4, model_type="mixtral").moe_layers()
-        (True, True, True)
-        >>> DecoderConfig(layers=3, experts=4, mlp_only_layers=(1,), model_type="qwen3_moe").moe_layers()
+        >>> DecoderConfig(layers=2).moe_layers()
+        (False, False)
+        >>> DecoderConfig.for_model("qwen3_moe", layers=3, experts=4, mlp_only_layers=(1,)).moe_layers()
         (True, False, True)
         """
-        return (bool(self.experts),) * self.layers
+        return (False,) * self.layers
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """Which layers use a sliding window: none (:class:`WindowConfig` has one).
+
+        >>> from nnx_shard.models import DecoderConfig
+        >>> DecoderConfig.for_model("gemma2", layers=3, sliding_window=4,
+        ...                         window_layers=(True, False, True)).local_layers()
+        (True, False, True)
+        """
+        return (False,) * self.layers
+
+    def local_theta(self) -> float | None:
+        """The rotary base of the sliding layers where it is their own (Gemma 3's
+        ``rope_local_theta``); ``None``: every layer rotates by ``rope_theta``."""
+        return None
+
+    @classmethod
+    def for_model(cls, model_type: str, **fields: Any) -> Any:
+        """The config of family ``model_type`` (its registered class, e.g.
+        ``MistralConfig`` for ``"mistral"``; :class:`~nnx_shard.models.ReferenceConfig`
+        for ``"reference"``) with ``fields``, as transformers' ``AutoConfig.for_model``.
+
+        Raises:
+          UsageError: an unknown ``model_type``; a field the family does not have,
+            naming the families that have it.
+
+        >>> from nnx_shard.models import DecoderConfig
+        >>> cfg = DecoderConfig.for_model("mixtral", experts=4, top_k=2)
+        >>> type(cfg).__name__, cfg.moe_layers()
+        ('MixtralConfig', (True, True))
+        >>> DecoderConfig.for_model("llama", sliding_window=4)
+        Traceback (most recent call last):
+        ...
+        nnx_shard._errors.UsageError: LlamaConfig: sliding_window=4 is not part of model_type='llama' (its checkpoints have no such thing; gemma2, gemma3_text, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe have it). Fix: DecoderConfig.for_model('gemma2', ...), or leave sliding_window out.
+        """
+        config = family_of(model_type).config or DecoderConfig
+        names = _check_names(config, fields, model_type)
+        if "model_type" in names:
+            fields = {**fields, "model_type": model_type}
+        return config(**fields)
+
+    def with_family(self, model_type: str, **changes: Any) -> Any:
+        """This configuration's shared fields (:class:`DecoderConfig`'s: sizes, rotary
+        settings, layout) as a config of family ``model_type``, with ``changes``
+        (:meth:`for_model`'s fields); what ``dataclasses.replace`` cannot do across
+        families' config classes.
+
+        >>> from nnx_shard.models import get_config
+        >>> cfg = get_config("llama-tiny").with_family("gemma2", final_softcap=30.0)
+        >>> type(cfg).__name__, cfg.embed, cfg.final_softcap
+        ('Gemma2Config', 32, 30.0)
+        """
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecoderConfig)
+                  if f.name != "model_type"}
+        return DecoderConfig.for_model(model_type, **(shared | changes))
 
     @classmethod
     def from_hf(cls, config: str | os.PathLike[str] | Mapping[str, Any],
-                **overrides: Any) -> DecoderConfig:
+                **overrides: Any) -> Any:
         """The configuration of a transformers ``config.json`` (a dict, the file,
         or the directory holding it) of a registered family's model type
         (``llama``, ``qwen3``, ``qwen2``, ``mistral``, ``gemma``, ``gemma2``,
@@ -344,27 +317,15 @@ class DecoderConfig:
         nnx_shard._errors.UsageError: config.json: num_key_value_heads must be a positive int, got 0. Fix: ...
         """
         hf, where = read_json(config)
-        fields = hf_fields(hf, where)
+        config_class, fields = hf_fields(hf, where, DecoderConfig)
         try:
-            return cls(**(fields | overrides))
+            _check_names(config_class, overrides, fields["model_type"])
+            return config_class(**(fields | overrides))
         except UsageError as e:  # sizes that do not fit together, e.g. kv_heads and heads
             problem = str(e).partition(" Fix: ")[0]
             raise UsageError(f"{where}: {problem} Fix: use the config.json the checkpoint was "
                              "saved with" + (", and check the overrides" if overrides else "")
                              + ".") from None
-
-    def local_layers(self) -> tuple[bool, ...]:
-        """Which layers use the sliding window (every one with ``window_layers=None``
-        and a window; none without a window).
-
-        >>> from nnx_shard.models import DecoderConfig
-        >>> DecoderConfig(layers=3, sliding_window=4, window_layers=(True, False, True),
-        ...             model_type="gemma2").local_layers()
-        (True, False, True)
-        """
-        if self.sliding_window is None:
-            return (False,) * self.layers
-        return self.window_layers or (True,) * self.layers
 
     def to_hf(self) -> dict[str, Any]:
         """The transformers ``config.json`` of this configuration (what
@@ -377,70 +338,265 @@ class DecoderConfig:
         return hf_config(self)
 
 
-def _check_family(cfg: DecoderConfig) -> None:
-    """Refuses a field the family of ``cfg.model_type`` does not have (its value other
-    than the one meaning "not there"), naming the families that have it."""
-    family = cfg.family
-    for name, absent in OPTIONAL_FIELDS.items():
-        if name in family.fields or getattr(cfg, name) == absent:
-            continue
-        has = [t for t in model_types() if name in family_of(t).fields]
-        raise UsageError(f"DecoderConfig: {name}={short(getattr(cfg, name), 40)} is not part of "
-                         f"model_type={cfg.model_type!r} (its checkpoints have no such thing; "
-                         f"{', '.join(has)} have it). Fix: model_type={has[0]!r}, or leave "
-                         f"{name} out ({name}={absent!r}).")
+@dataclasses.dataclass(frozen=True)
+class AttentionBiasConfig(DecoderConfig):
+    """The families with ``attention_bias`` (Llama, Gemma 1-3, OLMo 2, Qwen3, Qwen3-MoE).
+
+    Attributes:
+      attention_bias: biases on the q, k, v and o projections (``attention_bias``).
+    """
+
+    attention_bias: bool = False
+
+    @property
+    def num_params(self) -> int:
+        """:attr:`DecoderConfig.num_params` with the attention's biases."""
+        h, g, d = self.heads, self.kv_heads, self.head_dim
+        bias = h * d + 2 * g * d + self.embed if self.attention_bias else 0
+        return super().num_params + self.layers * bias
 
 
-def _not_a_field(cls: type, name: str, model_type: Any) -> str:
-    """The error for a keyword that is not a field of the config class ``cls``."""
-    has = [t for t in model_types() if (c := family_of(t).config) is not None
-           and name in {f.name for f in dataclasses.fields(c)}]
+@dataclasses.dataclass(frozen=True)
+class MLPBiasConfig(DecoderConfig):
+    """The families with ``mlp_bias`` (Llama).
+
+    Attributes:
+      mlp_bias: biases on the gate, up and down projections (``mlp_bias``).
+    """
+
+    mlp_bias: bool = False
+
+    @property
+    def num_params(self) -> int:
+        """:attr:`DecoderConfig.num_params` with the MLP's biases."""
+        bias = 2 * self.mlp + self.embed if self.mlp_bias else 0
+        return super().num_params + self.layers * bias
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowConfig(DecoderConfig):
+    """The families with a sliding window (Mistral, Mixtral, Phi-3, Qwen2, Qwen3,
+    Qwen3-MoE, Gemma 2 / 3).
+
+    Attributes:
+      sliding_window: ``None``, or the keys each query sees: itself and the
+        ``sliding_window - 1`` before it (Mistral's ``sliding_window``, Qwen2's
+        with ``use_sliding_window``), in every layer (Gemma 2 / 3: in the layers
+        ``window_layers`` marks).
+    """
+
+    sliding_window: int | None = None
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """Every layer, with a window; none without.
+
+        >>> DecoderConfig.for_model("mistral", layers=2, sliding_window=4).local_layers()
+        (True, True)
+        """
+        return ((self.sliding_window is not None),) * self.layers
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(DecoderConfig):
+    """The mixture-of-experts families (Mixtral, Qwen3-MoE): every layer's MLP (but the
+    dense ones its family keeps) is the sparse :class:`~nnx_shard.models._moe.DecoderMoE`.
+
+    Attributes:
+      experts: the experts of each MoE layer (Mixtral's ``num_local_experts``,
+        Qwen3-MoE's ``num_experts``), >= 1.
+      top_k: experts each token is routed to (``num_experts_per_tok``).
+      router_aux_loss_coef, output_router_logits: transformers' names: the
+        load-balancing loss's weight, added to the training loss only with
+        ``output_router_logits`` (:attr:`aux_loss_weight`).
+      expert_matmul: how the experts' grouped matmuls run
+        (:mod:`nnx_shard.models._grouped`): ``"tiles"`` (a loop over tiles of the
+        tokens sorted by expert: the active experts' FLOPs on every backend),
+        ``"ragged_dot"`` (``jax.lax.ragged_dot``: a grouped kernel on TPU, every
+        expert for every token on XLA's CPU and GPU backends), or ``"auto"`` (the
+        default: ``ragged_dot`` on TPU, ``tiles`` elsewhere). Not in ``config.json``.
+
+    A family's class says whether the router renormalises the top-k weights
+    (``norm_topk_prob``: Mixtral's always, a field of Qwen3-MoE's) and each expert's
+    width (:attr:`expert_mlp`).
+    """
+
+    experts: int = 0
+    top_k: int = 2
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    expert_matmul: str = "auto"
+    #: GShard's capacity factor: ``None`` (the Hugging Face families route every token).
+    capacity_factor: ClassVar[float | None] = None
+
+    def _check_own(self) -> None:
+        super()._check_own()
+        if self.top_k > self.experts:
+            raise UsageError(f"{type(self).__name__}.experts={self.experts} must be a whole "
+                             f"number >= top_k={self.top_k}. Fix: e.g. experts=8, top_k=2.")
+        object.__setattr__(self, "router_aux_loss_coef", float(self.router_aux_loss_coef))
+        if self.scan_layers and len(set(self.moe_layers())) > 1:
+            raise UsageError(f"{type(self).__name__}: scan_layers=True stacks alike blocks, "
+                             "but some layers are MoE layers and some dense (moe_layers()). "
+                             "Fix: scan_layers=False.")
+
+    @property
+    def expert_mlp(self) -> int:
+        """Each expert's hidden width: ``mlp`` (Qwen3-MoE's have a width of their own)."""
+        return self.mlp
+
+    @property
+    def aux_loss_weight(self) -> float:
+        """The load-balancing loss's weight in :func:`nnx_shard.models.lm_loss`:
+        ``router_aux_loss_coef`` with ``output_router_logits``, else 0 (as transformers)."""
+        return self.router_aux_loss_coef if self.output_router_logits else 0.0
+
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Every layer (a family's class may keep some dense)."""
+        return (True,) * self.layers
+
+    @property
+    def num_params(self) -> int:
+        """:attr:`DecoderConfig.num_params` with each MoE layer's router and experts in
+        place of its dense MLP."""
+        e = self.embed
+        moe = e * self.experts + 3 * e * self.expert_mlp * self.experts - 3 * e * self.mlp
+        return super().num_params + sum(self.moe_layers()) * moe
+
+    @property
+    def active_params(self) -> int:
+        """:attr:`num_params` less the experts each token is not routed to
+        (``experts - top_k`` per MoE layer).
+
+        >>> from nnx_shard.models import get_config
+        >>> round(get_config("mixtral-8x7b").active_params / 1e9, 1)
+        12.9
+        """
+        idle = 3 * self.embed * self.expert_mlp * (self.experts - self.top_k)
+        return self.num_params - sum(self.moe_layers()) * idle
+
+
+def _check_names(cls: type, fields: Mapping[str, Any], model_type: Any) -> set[str]:
+    """The field names of the config class ``cls``, every key of ``fields`` among them."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    for name, value in fields.items():
+        if name not in names:
+            raise UsageError(_not_a_field(cls, name, value, model_type))
+    return names
+
+
+def _not_a_field(cls: type, name: str, value: Any, model_type: Any) -> str:
+    """The error for a field ``name`` (given ``value``) that the config class ``cls`` (of
+    ``model_type``) does not have, naming the families whose classes have it."""
+    has = [t for t in model_types() if name in {f.name for f in dataclasses.fields(
+        family_of(t).config or DecoderConfig)}]
     if has:
-        owner = family_of(has[0]).config.__name__
-        return (f"{cls.__name__}: {name} is not part of model_type={model_type!r} (its "
-                f"checkpoints have no such thing; {owner}, model_type "
-                f"{', '.join(map(repr, has))}, has it). Fix: model_type={has[0]!r}, or leave "
-                f"{name} out.")
+        return (f"{cls.__name__}: {name}={short(value, 40)} is not part of model_type="
+                f"{model_type!r} (its checkpoints have no such thing; {', '.join(has)} have "
+                f"it). Fix: DecoderConfig.for_model({has[0]!r}, ...), or leave {name} out.")
     fields = ", ".join(f.name for f in dataclasses.fields(cls))
     return (f"{cls.__name__} has no field {name!r} (fields: {fields}). Fix: one of those, "
             "spelled as listed.")
 
 
 def _check_class(cfg: DecoderConfig) -> None:
-    """Refuses a config class that is not the one its family registers (a subclass
-    carrying another family's fields)."""
+    """Refuses a config class that is not the one its family registers (a plain
+    :class:`DecoderConfig` is one of the default family, without its biases)."""
     want = cfg.family.config or DecoderConfig
-    if type(cfg) is not want:
+    plain = type(cfg) is DecoderConfig and cfg.model_type == DecoderConfig.model_type
+    if type(cfg) is not want and not plain:
         raise UsageError(f"{type(cfg).__name__}: model_type={cfg.model_type!r} is configured "
-                         f"by {want.__name__}. Fix: {want.__name__}(...), or "
-                         f"DecoderConfig(model_type={cfg.model_type!r}, ...), which builds it.")
+                         f"by {want.__name__}. Fix: DecoderConfig.for_model("
+                         f"{cfg.model_type!r}, ...), which builds it (or, from another "
+                         f"config, cfg.with_family({cfg.model_type!r}, ...)).")
 
 
-def _check_experts(cfg: DecoderConfig) -> None:
-    """Checks the mixture-of-experts fields every MoE family has."""
-    check_fields(cfg, ("top_k",), flags=("output_router_logits",))
-    if not isinstance(cfg.experts, int) or isinstance(cfg.experts, bool) or cfg.experts < 0 \
-            or (cfg.experts and cfg.top_k > cfg.experts):
-        raise UsageError(f"DecoderConfig.experts={short(cfg.experts, 40)} must be 0 (dense) or a "
-                         f"whole number >= top_k={cfg.top_k}. Fix: e.g. experts=8, top_k=2.")
-    if cfg.family.moe and cfg.experts < 1:
+def _field_owner(cfg: DecoderConfig, name: str) -> str:
+    """How messages name a field: ``DecoderConfig.<name>`` for a shared field, else
+    the config class's."""
+    return "DecoderConfig" if name in _SHARED else type(cfg).__name__
+
+
+def _check_by_table(cfg: DecoderConfig) -> None:
+    """Each field of ``cfg`` checked as its kind in the field table says
+    (:data:`~nnx_shard.models._hf_config.FIELDS`)."""
+    kinds: dict[str, list[str]] = {}
+    for f in dataclasses.fields(cfg):
+        if f.name in FIELDS:  # a subclass's own extra fields are its own to check
+            kinds.setdefault(FIELDS[f.name].kind, []).append(f.name)
+    for where in dict.fromkeys(("DecoderConfig", type(cfg).__name__)):
+        mine = {k: tuple(n for n in names if _field_owner(cfg, n) == where)
+                for k, names in kinds.items()}
+        check_fields(cfg, mine.get("count", ()), positive=mine.get("real", ()),
+                     finite=mine.get("finite", ()), flags=mine.get("flag", ()), where=where)
+    for kind, names in kinds.items():
+        for name in names:
+            check = _CHECKS.get(kind)
+            if check is not None:
+                check(cfg, name, _field_owner(cfg, name))
+
+
+def _activation(cfg: Any, name: str, where: str) -> None:
+    if cfg.activation not in ACTIVATIONS:
+        raise UsageError(f"{where}.activation={cfg.activation!r}; valid: "
+                         f"{', '.join(ACTIVATIONS)}. Fix: e.g. activation='silu'.")
+
+
+def _window(cfg: Any, name: str, where: str) -> None:
+    if cfg.sliding_window is not None:
+        count(cfg.sliding_window, f"{where}.sliding_window",
+              fix="None (full attention) or the window in tokens, e.g. 4096")
+
+
+def _optional_count(cfg: Any, name: str, where: str) -> None:
+    if getattr(cfg, name) is not None:
+        count(getattr(cfg, name), f"{where}.{name}", fix=f"None or a width, e.g. {name}=768")
+
+
+def _experts(cfg: Any, name: str, where: str) -> None:
+    experts = cfg.experts
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
         # 0 experts would be written as a dense model of a mixture-of-experts type, which
         # transformers reads without experts and no checkpoint of the family matches.
-        key = next(k for k in cfg.family.moe if k in ("num_local_experts", "num_experts"))
-        raise UsageError(f"{type(cfg).__name__}.experts={cfg.experts}: model_type="
+        key = type(cfg).hf_keys.get("experts", FIELDS["experts"].hf[0])
+        raise UsageError(f"{where}.experts={short(experts, 40)}: model_type="
                          f"{cfg.model_type!r} is a mixture-of-experts family: its models have "
                          f"experts (config.json's {key} >= 1). Fix: e.g. experts=8, "
                          "top_k=2, or the model_type of a dense family.")
-    check_fields(cfg, (), finite=("router_aux_loss_coef",))
-    check_kind(cfg.expert_matmul, "DecoderConfig.")
-    object.__setattr__(cfg, "router_aux_loss_coef", float(cfg.router_aux_loss_coef))
-    if cfg.scan_layers and len(set(cfg.moe_layers())) > 1:
-        raise UsageError(f"{type(cfg).__name__}: scan_layers=True stacks alike blocks, but some "
-                         "layers are MoE layers and some dense (moe_layers()). Fix: "
-                         "scan_layers=False.")
 
 
-def _optional_real(cfg: DecoderConfig, name: str) -> None:
+def _matmul(cfg: Any, name: str, where: str) -> None:
+    check_kind(cfg.expert_matmul, f"{where}.")
+
+
+def _layer_list(cfg: Any, name: str, where: str) -> None:
+    only = getattr(cfg, name)
+    if not isinstance(only, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.layers
+            for i in only):
+        raise UsageError(f"{where}.{name}={short(only, 60)} must list layer indices below "
+                         f"layers={cfg.layers}. Fix: e.g. {name}=() .")
+    object.__setattr__(cfg, name, tuple(only))
+
+
+def _layer_flags(cfg: Any, name: str, where: str) -> None:
+    """``window_layers`` as a tuple of bools (hashable), checked against the layers;
+    ``None`` when every layer slides."""
+    value = getattr(cfg, name)
+    if value is None:
+        return
+    flags = tuple(value) if isinstance(value, list | tuple) else None
+    if flags is None or len(flags) != cfg.layers or not all(isinstance(f, bool) for f in flags):
+        raise UsageError(f"{where}.{name}={short(value, 60)} must be None or one "
+                         f"True/False per layer ({cfg.layers}). Fix: e.g. {name}="
+                         "(True, False) * (layers // 2) for Gemma 2's alternation.")
+    if cfg.sliding_window is None:
+        raise UsageError(f"{where}.{name} is set but sliding_window is None: no "
+                         "window to apply. Fix: set sliding_window=4096 (say), or "
+                         f"{name}=None.")
+    object.__setattr__(cfg, name, None if all(flags) else flags)
+
+
+def _optional_real(cfg: Any, name: str, where: str) -> None:
     value = getattr(cfg, name)
     if value is None:
         return
@@ -450,27 +606,22 @@ def _optional_real(cfg: DecoderConfig, name: str) -> None:
                    "final_softcap": "30.0 (Gemma 2's logit soft-cap)",
                    "query_scale": "256.0 (Gemma 2's query_pre_attn_scalar)",
                    "rope_local_theta": "10000.0 (Gemma 3's local rotary base)"}[name]
-        raise UsageError(f"DecoderConfig.{name}={short(value, 60)} must be None or a finite "
+        raise UsageError(f"{where}.{name}={short(value, 60)} must be None or a finite "
                          f"number > 0 ({type(value).__name__} given). Fix: e.g. {name}="
                          f"{example}, or None to leave it out.")
     object.__setattr__(cfg, name, float(value))
 
 
-def _window_layers(cfg: DecoderConfig) -> tuple[bool, ...] | None:
-    """``cfg.window_layers`` as a tuple of bools (hashable), checked against the layers."""
-    value = cfg.window_layers
-    if value is None:
-        return None
-    flags = tuple(value) if isinstance(value, list | tuple) else None
-    if flags is None or len(flags) != cfg.layers or not all(isinstance(f, bool) for f in flags):
-        raise UsageError(f"DecoderConfig.window_layers={short(value, 60)} must be None or one "
-                         f"True/False per layer ({cfg.layers}). Fix: e.g. window_layers="
-                         "(True, False) * (layers // 2) for Gemma 2's alternation.")
-    if cfg.sliding_window is None:
-        raise UsageError("DecoderConfig.window_layers is set but sliding_window is None: no "
-                         "window to apply. Fix: set sliding_window=4096 (say), or "
-                         "window_layers=None.")
-    return None if all(flags) else flags
+#: The checks of the kinds of field :func:`check_fields` does not cover (the table's
+#: ``kind``); ``model_type``, ``rope_scaling``, kernels, remat and dtypes are checked by
+#: :class:`DecoderConfig` itself.
+_CHECKS: dict[str, Callable[[Any, str, str], None]] = {
+    "activation": _activation, "window": _window, "optional_real": _optional_real,
+    "optional_count": _optional_count, "experts": _experts, "expert_matmul": _matmul,
+    "layers": _layer_list, "layer_flags": _layer_flags,
+}
+#: The fields every family has.
+_SHARED = frozenset(f.name for f in dataclasses.fields(DecoderConfig))
 
 
 def _scaling(value: Any, head_dim: int) -> tuple[tuple[str, Any], ...] | None:
@@ -487,66 +638,6 @@ def _scaling(value: Any, head_dim: int) -> tuple[tuple[str, Any], ...] | None:
                          f"{short(value, 60)}. Fix: e.g. rope_scaling={LLAMA31_ROPE}") from None
     out = checked(items, "DecoderConfig", "rope_scaling", head_dim)
     return None if out is None else tuple(sorted(out.items()))
-
-
-# The fields that decide what a checkpoint computes (not how it is run: layout,
-# remat, kernel, dtypes, context length), with their config.json names.
-_SHAPE_FIELDS = {
-    "model_type": "model_type", "vocab": "vocab_size", "embed": "hidden_size",
-    "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim", "mlp": "intermediate_size", "layers": "num_hidden_layers",
-    "rope_theta": "rope_theta", "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
-    "activation": "hidden_act", "tie_embeddings": "tie_word_embeddings",
-    "attention_bias": "attention_bias",
-    "mlp_bias": "mlp_bias", "sliding_window": "sliding_window",
-    "window_layers": "layer_types (which layers slide)",
-    "rope_local_theta": "rope_local_base_freq",
-    "query_scale": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
-    "final_softcap": "final_logit_softcapping",
-    "experts": "num_local_experts / num_experts", "top_k": "num_experts_per_tok",
-    "moe_mlp": "moe_intermediate_size", "norm_topk_prob": "norm_topk_prob",
-    "sparse_step": "decoder_sparse_step", "mlp_only_layers": "mlp_only_layers",
-}
-# What a config.json that does not parse as a model type here is compared on.
-_RAW_KEYS = ("model_type", "hidden_act", "hidden_activation", "vocab_size", "hidden_size",
-             "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "tie_word_embeddings", "sliding_window",
-             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
-
-
-def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: DecoderConfig
-                ) -> list[str]:
-    """What the checkpoint ``config`` (a ``config.json``, its directory or the dict)
-    describes differently from ``cfg``, one ``"field: checkpoint X, model Y"`` line
-    per field that changes what the model computes (model type, activation, norm,
-    sizes, biases, rotary and window settings); ``[]`` when they agree. Layout,
-    remat, kernel, dtypes and the context length are not compared.
-
-    >>> tiny = DecoderConfig(max_length=64)
-    >>> differences(tiny.to_hf(), tiny)
-    []
-    >>> differences({**tiny.to_hf(), "model_type": "gemma", "hidden_act": "gelu"}, tiny)[:2]
-    ["model_type: checkpoint 'gemma', model 'llama'", "hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'"]
-    >>> differences({**tiny.to_hf(), "model_type": "gpt2", "hidden_act": "gelu"}, tiny)
-    ["model_type: checkpoint 'gpt2', model 'llama'", "hidden_act: checkpoint 'gelu', model 'silu'"]
-    """
-    hf, _ = read_json(config)
-    try:
-        theirs = DecoderConfig.from_hf(hf)
-    except NnxShardError:
-        theirs = None
-    if theirs is not None:
-        # A field of one family's config class is absent (None) from another's.
-        return [f"{name}: checkpoint {getattr(theirs, f, None)!r}, model "
-                f"{getattr(cfg, f, None)!r}" for f, name in _SHAPE_FIELDS.items()
-                if getattr(theirs, f, None) != getattr(cfg, f, None)]
-    # Not a model this reads (another family, or a value from_hf refuses): compare
-    # what the file states against what the model's own config.json would.
-    ours = cfg.to_hf()
-    ours.setdefault("hidden_activation", ours.get("hidden_act"))
-    ours.setdefault("hidden_act", ours["hidden_activation"])
-    return [f"{key}: checkpoint {short(hf[key], 60)}, model {ours[key]!r}"
-            for key in _RAW_KEYS if key in hf and key in ours and hf[key] != ours[key]]
 
 
 #: Llama 3.1's rotary scaling (``rope_scaling`` of its ``config.json``).

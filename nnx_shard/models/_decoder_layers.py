@@ -22,14 +22,19 @@ from flax import nnx
 
 from nnx_shard._attention import attention
 from nnx_shard.models import _kv_cache as kv_cache
-from nnx_shard.models._decoder_config import DecoderConfig
+from nnx_shard.models._decoder_config import (
+    AttentionBiasConfig,
+    DecoderConfig,
+    MLPBiasConfig,
+    WindowConfig,
+)
 from nnx_shard.models._layers import ACTIVATION_FNS, RMSNorm, dense_init, new_param
 from nnx_shard.models._layout import GATHERED, RESIDUAL, seq_names
 from nnx_shard.models._masks import NO_EXTRAS, Extras
 from nnx_shard.models._ops import constrain, project, whole
 from nnx_shard.models._rotary import rotate
 
-__all__ = ["DecoderAttention", "DecoderMLP", "norm_of"]
+__all__ = ["CappedAttention", "DecoderAttention", "DecoderMLP", "norm_of"]
 
 
 def norm_of(cfg: Any, size: int | tuple[int, ...], names: tuple[str, ...], rngs: nnx.Rngs
@@ -95,11 +100,13 @@ class DecoderAttention(nnx.Module):
         self.k = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
         self.v = new_param(rngs, dense_init(e), (e, g, k), ("embed", "kv_heads", "kv"), dt)
         self.o = new_param(rngs, dense_init(h * k), (h, k, e), ("heads", "kv", "embed"), dt)
-        bias = cfg.attention_bias or cfg.family.qkv_bias
+        # Only the configs of the families with the field have attention biases.
+        biased = isinstance(cfg, AttentionBiasConfig) and cfg.attention_bias
+        bias = biased or cfg.family.qkv_bias
         self.q_bias = _bias(rngs, bias, (h, k), ("heads", "kv"), dt)
         self.k_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
         self.v_bias = _bias(rngs, bias, (g, k), ("kv_heads", "kv"), dt)
-        self.o_bias = _bias(rngs, cfg.attention_bias, (e,), ("embed",), dt)
+        self.o_bias = _bias(rngs, biased, (e,), ("embed",), dt)
         qk_norm = cfg.family.qk_norm
 
         def norm(n: int, name: str) -> RMSNorm | None:
@@ -111,14 +118,12 @@ class DecoderAttention(nnx.Module):
         self.k_norm: RMSNorm | None = nnx.data(norm(g, "kv_heads"))
         self.kernel = cfg.attention
         flags = cfg.local_layers()
+        size = cfg.sliding_window if isinstance(cfg, WindowConfig) else None
         # Alike layers apply their window (if any) statically; mixed ones get a flag.
-        self.window = cfg.sliding_window if all(flags) or not any(flags) else None
-        self.mixed_window = cfg.sliding_window if self.window is None else None
-        self.softcap = cfg.attn_softcap
-        # query_pre_attn_scalar: the kernels divide by sqrt(head_dim); the queries
-        # carry the rest of the factor.
-        self.q_factor = (None if cfg.query_scale is None or cfg.query_scale == k
-                         else math.sqrt(k / cfg.query_scale))
+        self.window = size if all(flags) or not any(flags) else None
+        self.mixed_window = size if self.window is None else None
+        self.softcap: float | None = None
+        self.q_factor: float | None = None
         self.dtype = cfg.dtype
 
     def _scaled(self, q: jax.Array) -> jax.Array:
@@ -179,6 +184,21 @@ class DecoderAttention(nnx.Module):
                             **off), self.o_bias, dt)
 
 
+class CappedAttention(DecoderAttention):
+    """Gemma 2 / 3's attention: :class:`DecoderAttention` with the scores soft-capped
+    (``attn_softcap``) and scaled by ``query_pre_attn_scalar`` (``query_scale``), fields
+    of their config class (:class:`~nnx_shard.models._decoder.SandwichBlock`'s
+    attention)."""
+
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs) -> None:
+        super().__init__(cfg, rngs=rngs)
+        k, scale = cfg.head_dim, cfg.query_scale
+        self.softcap = cfg.attn_softcap
+        # query_pre_attn_scalar: the kernels divide by sqrt(head_dim); the queries
+        # carry the rest of the factor.
+        self.q_factor = None if scale is None or scale == k else math.sqrt(k / scale)
+
+
 class DecoderMLP(nnx.Module):
     """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` (GELU-tanh in place of SiLU for
     Gemma); gate and up split column-wise, down row-wise over ``mlp``. Transformers'
@@ -200,7 +220,7 @@ class DecoderMLP(nnx.Module):
             new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt) if gated else None)
         self.up = new_param(rngs, dense_init(e), (e, m), ("embed", "mlp"), dt)
         self.down = new_param(rngs, dense_init(m), (m, e), ("mlp", "embed"), dt)
-        bias = getattr(cfg, "mlp_bias", False)
+        bias = isinstance(cfg, MLPBiasConfig) and cfg.mlp_bias
         self.gate_bias = _bias(rngs, bias and gated, (m,), ("mlp",), dt)
         self.up_bias = _bias(rngs, bias, (m,), ("mlp",), dt)
         self.down_bias = _bias(rngs, bias, (e,), ("embed",), dt)

@@ -17,7 +17,7 @@ layer gathers instead (:class:`nnx_shard.models._moe.DecoderMoE`).
 >>> from flax import nnx
 >>> from nnx_shard.models import DecoderConfig
 >>> from nnx_shard.models._moe import DecoderMoE
->>> cfg = DecoderConfig(experts=4, top_k=2, model_type="mixtral")
+>>> cfg = DecoderConfig.for_model("mixtral", experts=4, top_k=2)
 >>> moe = DecoderMoE(cfg, rngs=nnx.Rngs(0))
 >>> with ns.use("data=2,expert=4", ns.strategies.get("ep").rules):
 ...     plan = expert_plan(moe.experts, cfg.expert_mlp, jnp.ones((8, 4, cfg.embed)))

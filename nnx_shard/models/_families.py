@@ -2,9 +2,9 @@
 ``model_type``. Each family is one module of :mod:`nnx_shard.models._family` that
 registers one :class:`Family` record: its transformers architecture, its table of
 Hugging Face tensor names and fused tensors, what its decoder is made of (the block
-class, its q/k norm, biases, norms, and the hooks on the embeddings and logits), the
-:class:`~nnx_shard.models.DecoderConfig` fields it has, the ``config.json`` keys it reads
-and its named configurations. The shared decoder (:mod:`nnx_shard.models._decoder`), the
+class, its q/k norm, biases, norms, and the hooks on the embeddings and logits), its
+config class (a :class:`~nnx_shard.models.DecoderConfig` subclass holding its own fields),
+the ``config.json`` spellings only it has and its named configurations. The shared decoder (:mod:`nnx_shard.models._decoder`), the
 checkpoint readers and writers (:mod:`nnx_shard.hf`) and ``config.json``'s reading
 (:meth:`DecoderConfig.from_hf`) look a family up here; none of them tests which family
 it is.
@@ -29,8 +29,8 @@ from typing import Any
 
 from nnx_shard._errors import UsageError, short
 
-__all__ = ["LAYER", "LLAMA_MAPPING", "LLAMA_TIED_MAPPING", "MOE_FIELDS", "OPTIONAL_FIELDS", "Family",
-           "Fusion", "MappingValue", "family_of", "model_types", "register", "tied"]
+__all__ = ["LAYER", "LLAMA_MAPPING", "LLAMA_TIED_MAPPING", "Family", "Fusion", "MappingValue",
+           "family_of", "model_types", "register", "tied"]
 
 MappingValue = str | tuple[str, str] | None
 
@@ -113,19 +113,6 @@ def _no_keys(cfg: Any, out: dict[str, Any]) -> None:
     """No ``config.json`` keys beyond the shared ones."""
 
 
-#: The :class:`~nnx_shard.models.DecoderConfig` fields only some families have, with the
-#: value that means "not there"; a family lists the ones it has in ``Family.fields``.
-OPTIONAL_FIELDS: dict[str, Any] = {
-    "attention_bias": False, "mlp_bias": False, "sliding_window": None,
-    "window_layers": None, "rope_local_theta": None, "query_scale": None,
-    "attn_softcap": None, "final_softcap": None, "experts": 0, "top_k": 2,
-    "router_aux_loss_coef": 0.001, "output_router_logits": False, "expert_matmul": "auto",
-}
-#: The mixture-of-experts fields (every MoE family has them).
-MOE_FIELDS = ("experts", "top_k", "router_aux_loss_coef", "output_router_logits",
-              "expert_matmul")
-
-
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family of :class:`~nnx_shard.models.Decoder`: what its module registers.
@@ -146,30 +133,24 @@ class Family:
       norm_offset: its RMSNorms scale by ``1 + weight`` (Gemma).
       embed: ``(embeddings, cfg) -> embeddings`` after the lookup (Gemma scales them).
       logits: ``(logits, cfg) -> float32 logits`` (Gemma 2 soft-caps them).
-      fields: the fields of :data:`OPTIONAL_FIELDS` its configuration may set (the
-        others keep their "not there" value: a config expresses only what its family
-        has).
       hf_in: ``(config.json dict, where) -> dict``: the family's own spellings of
         shared keys made the shared ones (Gemma's ``hidden_activation``, Phi-3's rotary
         names), before the shared reading.
-      read: ``(config.json dict, where, shared fields) -> fields``: the family's own
-        fields, each checked (its window, soft-caps, ...).
-      write: ``(cfg, config.json dict) -> None``: adds the family's own keys to what
-        :meth:`DecoderConfig.to_hf` writes.
-      hf_flags: the true / false keys of its ``config.json`` read into the
-        :class:`DecoderConfig` field of the same name and written back
-        (``attention_bias``, ``mlp_bias``).
-      tied_default: ``tie_word_embeddings`` when the file leaves it out.
+      read: ``(config.json dict, where, fields read so far) -> fields``: the fields whose
+        reading is the family's own (its sliding window, Gemma 3's local rotary base),
+        each checked; the others are read from the field table
+        (:data:`~nnx_shard.models._hf_config.FIELDS`).
+      write: ``(cfg, config.json dict) -> None``: the keys only the family writes
+        (Qwen's ``use_sliding_window``, Gemma 2's ``layer_types``, ...), after the table's.
       tiny: the ``config.json`` keys a tiny checkpoint of the family sets beyond the
         shared tiny sizes (:func:`nnx_shard.hf.tiny_checkpoint`: its experts, Gemma 2's
         window and query scale sized for it).
-      moe: a mixture-of-experts family's ``config.json`` keys and transformers'
-        defaults for them (``num_local_experts`` or ``num_experts``,
-        ``num_experts_per_tok``, ...); empty for a dense family.
-      config: the family's config class when it has fields of its own (a frozen
-        dataclass subclassing :class:`~nnx_shard.models.DecoderConfig` in the family's
-        module, e.g. Qwen3-MoE's expert width); ``None``: ``DecoderConfig`` itself.
-        ``DecoderConfig(model_type=...)`` builds it.
+      config: the family's config class: a frozen dataclass subclassing
+        :class:`~nnx_shard.models.DecoderConfig` with the fields only the family has,
+        declared in the family's module (``LlamaConfig``, ``Gemma2Config``,
+        :class:`~nnx_shard.models.Qwen3MoeConfig`, ...; the reference family's
+        :class:`~nnx_shard.models.ReferenceConfig`; ``None``: ``DecoderConfig`` itself).
+        ``DecoderConfig.for_model`` and ``DecoderConfig.from_hf`` build it.
       gated_mlp: its MLPs (dense and experts) are gated, ``down(act(gate(x)) * up(x))``;
         ``False``: ``down(act(up(x)))`` (the reference model's).
       learned_positions: a learned position table (``pos_embed [max_length, embed]``)
@@ -189,25 +170,18 @@ class Family:
     norm_offset: bool = False
     embed: Callable[[Any, Any], Any] = _same
     logits: Callable[[Any, Any], Any] = _float32
-    fields: tuple[str, ...] = ()
     hf_in: Callable[[dict[str, Any], str], dict[str, Any]] = _as_written
     read: Callable[[Mapping[str, Any], str, dict[str, Any]], dict[str, Any]] = _nothing_more
     write: Callable[[Any, dict[str, Any]], None] = _no_keys
-    hf_flags: tuple[str, ...] = ()
-    tied_default: bool = False
     tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    moe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     config: Any = None
     gated_mlp: bool = True
     learned_positions: bool = False
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.fields) - set(OPTIONAL_FIELDS))
-        if unknown or self.qk_norm not in (None, "head", "all"):
-            raise UsageError(f"Family({self.model_type!r}): fields {unknown} are not optional "
-                             f"fields ({', '.join(OPTIONAL_FIELDS)}), or qk_norm="
-                             f"{self.qk_norm!r} is not None, 'head' or 'all'. Fix: list only "
-                             "those fields; qk_norm=None, 'head' or 'all'.")
+        if self.qk_norm not in (None, "head", "all"):
+            raise UsageError(f"Family({self.model_type!r}): qk_norm={self.qk_norm!r} is not "
+                             "None, 'head' or 'all'. Fix: qk_norm=None, 'head' or 'all'.")
 
     def table(self, tie_embeddings: bool) -> dict[str, MappingValue]:
         """Its mapping table, the tied one for tied embeddings.

@@ -30,13 +30,14 @@ REMAT_POLICIES: dict[str, str] = {
 
 def check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] = (),
                  positive: tuple[str, ...] = (), finite: tuple[str, ...] = (),
-                 flags: tuple[str, ...] = ()) -> None:
+                 flags: tuple[str, ...] = (), where: str | None = None) -> None:
     """A config's fields checked by kind, each failure a ``UsageError`` naming the
     field: ``counts`` whole numbers >= 1, ``whole0`` whole numbers (their range is
     checked by the config), ``positive`` finite numbers > 0, ``finite`` finite
-    numbers, ``flags`` bools; ``dtype`` and ``param_dtype`` NumPy/JAX dtypes. A bool
-    is no count and ``"128"`` no size: both would fail deep inside a layer."""
-    where = type(cfg).__name__
+    numbers, ``flags`` bools; ``dtype`` and ``param_dtype`` NumPy/JAX dtypes (when the
+    config has them). A bool is no count and ``"128"`` no size: both would fail deep
+    inside a layer. Messages name ``where`` (default: the config's class) ``.field``."""
+    where = where or type(cfg).__name__
 
     def bad(f: str, want: str) -> UsageError:
         return UsageError(f"{where}.{f} must be {want}, got {short(getattr(cfg, f), 60)} "
@@ -68,10 +69,10 @@ def check_fields(cfg: Any, counts: tuple[str, ...], *, whole0: tuple[str, ...] =
     _check_dtypes(cfg, where)
 
 
-def check_kernel_and_remat(cfg: Any) -> None:
+def check_kernel_and_remat(cfg: Any, where: str | None = None) -> None:
     """``cfg.attention`` names an attention kernel and ``cfg.remat`` a remat policy
-    (shared by every model config)."""
-    where = type(cfg).__name__
+    (shared by every model config; messages name ``where``, default: its class)."""
+    where = where or type(cfg).__name__
     if cfg.attention not in KERNELS:
         raise UsageError(
             f"{where}.attention={cfg.attention!r} is not an attention kernel; "

@@ -3,10 +3,17 @@ types, activations and architectures it names, each value checked as transformer
 config classes check it (sizes, flags, finite numbers, sliding windows, the rotary
 base and scaling), and the file written back from a
 :class:`~nnx_shard.models.DecoderConfig` (its :meth:`~nnx_shard.models.DecoderConfig.from_hf`
-and :meth:`~nnx_shard.models.DecoderConfig.to_hf`)."""
+and :meth:`~nnx_shard.models.DecoderConfig.to_hf`). One table, :data:`FIELDS`, maps every
+config field to its ``config.json`` key, default and kind; a family's hooks read and
+write only what is its own.
+
+>>> FIELDS["kv_heads"].hf, FIELDS["experts"].hf
+(('num_key_value_heads',), ('num_local_experts', 'num_experts'))
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,15 +22,23 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from nnx_shard._errors import LinkedOut, NotAFile, UsageError, check_path, count, short
+from nnx_shard._errors import (
+    LinkedOut,
+    NnxShardError,
+    NotAFile,
+    UsageError,
+    check_path,
+    count,
+    short,
+)
 from nnx_shard._safetensors_io import described
 from nnx_shard._trusted_files import folder_roots, read_within, roots_words
 from nnx_shard.models._families import family_of, model_types
 from nnx_shard.models._rope import checked
 
-__all__ = ["ACTIVATIONS", "FIX_VALUE", "count_key", "every_layer_window", "flag_key", "hf_config",
-           "hf_fields", "hf_scaling", "moe_config", "moe_fields", "no_window", "qwen_window",
-           "read_json", "real_value"]
+__all__ = ["ACTIVATIONS", "FIELDS", "FIX_VALUE", "FieldRow", "count_key", "differences",
+           "every_layer_window", "flag_key", "hf_config", "hf_fields", "hf_scaling", "no_window",
+           "qwen_window", "read_json", "real_value"]
 
 #: MLP activations (transformers' ``hidden_act`` names) the model implements:
 #: SwiGLU's SiLU, and Gemma's tanh approximation of GELU.
@@ -234,10 +249,14 @@ def hf_scaling(scaling: Any) -> dict[str, Any] | None:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in scaling}
 
 
-def hf_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The :class:`~nnx_shard.models.DecoderConfig` fields of the transformers
-    ``config.json`` ``hf`` (``where``: how messages name it), each value checked as
-    transformers checks it (see :meth:`DecoderConfig.from_hf`)."""
+def hf_fields(hf: Mapping[str, Any], where: str, base: Any) -> tuple[Any, dict[str, Any]]:
+    """``(config class, fields)`` of the transformers ``config.json`` ``hf`` (``where``:
+    how messages name it): the class its family registers (``base`` for a family that
+    registers none), and its fields, each value
+    checked as transformers checks it (see :meth:`DecoderConfig.from_hf`). The table
+    (:data:`FIELDS`) reads every field the class has, with the class's own defaults;
+    the rotary base and scaling, the activation and the family's ``read`` hook (its
+    window, ...) the rest."""
     kind = hf.get("model_type")
     try:
         family = family_of(kind)
@@ -247,7 +266,7 @@ def hf_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             f"(supported: {', '.join(model_types())}). Fix: pass the config.json of a "
             "checkpoint of one of these types."
         ) from None
-    kind = family.model_type
+    cls, kind = family.config or base, family.model_type
     hf = family.hf_in(dict(hf), where)  # the family's own spellings made the shared ones
     act = hf.get("hidden_act") or "silu"
     if act not in ACTIVATIONS:
@@ -262,90 +281,198 @@ def hf_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     if missing:
         raise UsageError(f"{where}: missing keys {missing}; a {kind} config.json names "
                          "every size. Fix: use the checkpoint's own config.json.")
-    heads = count_key(hf, "num_attention_heads", None, where)
-    embed = count_key(hf, "hidden_size", None, where)
-    max_length = count_key(hf, "max_position_embeddings", 2048, where)
-    theta, scaling = _rope(hf, where, max_length)
-    fields: dict[str, Any] = dict(
-        vocab=count_key(hf, "vocab_size", None, where),
-        embed=embed,
-        heads=heads,
-        # transformers' defaults for a null or absent value
-        kv_heads=count_key(hf, "num_key_value_heads", heads, where),
-        head_dim=count_key(hf, "head_dim", embed // heads, where),
-        mlp=count_key(hf, "intermediate_size", None, where),
-        layers=count_key(hf, "num_hidden_layers", None, where),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        norm_eps=real_value(hf.get("rms_norm_eps"), "rms_norm_eps", 1e-6, where),
-        # transformers' defaults: Gemma ties the embeddings, the others do not
-        tie_embeddings=flag_key(hf, "tie_word_embeddings", family.tied_default, where),
-        # the flags its config.json has
-        **{name: flag_key(hf, name, False, where) for name in family.hf_flags},
-        activation=act,
-        max_length=max_length,
-        model_type=kind,
-    )
-    # the family's own fields: its window, soft-caps, experts ...
-    fields.update(family.read(hf, where, fields))
-    if family.moe:
-        fields.update(moe_fields(hf, family.moe, fields["mlp"], where))
-    return fields
+    own = {f.name for f in dataclasses.fields(cls)}
+    fields: dict[str, Any] = {}
+    for name, row in FIELDS.items():
+        if name in own and row.reads is not None:
+            default = cls.hf_defaults.get(name, row.default)
+            fields[name] = _read(hf, row, default(fields) if callable(default) else default,
+                                 where)
+    fields["rope_theta"], fields["rope_scaling"] = _rope(hf, where, fields["max_length"])
+    fields.update(activation=act, model_type=kind)
+    fields.update(family.read(hf, where, fields))  # its window, local rotary base ...
+    return cls, fields
 
 
-def moe_fields(hf: Mapping[str, Any], moe: Mapping[str, Any], mlp: int, where: str
-               ) -> dict[str, Any]:
-    """The mixture-of-experts fields every MoE family has, from its ``config.json``
-    (``moe``: its keys and transformers' defaults; the expert count under either of
-    transformers' names, ``num_local_experts`` or ``num_experts``). A family's own
-    expert keys (Qwen3-MoE's width, renormalisation, dense layers) are its ``read``'s."""
-    experts_key = next(k for k in moe if k in ("num_local_experts", "num_experts"))
-    key = next((k for k in ("num_local_experts", "num_experts") if hf.get(k) is not None),
-               experts_key)
-    return dict(
-        experts=count_key(hf, key, moe[experts_key], where),
-        top_k=count_key(hf, "num_experts_per_tok", moe["num_experts_per_tok"], where),
-        router_aux_loss_coef=real_value(hf.get("router_aux_loss_coef"), "router_aux_loss_coef",
-                                        moe["router_aux_loss_coef"], where, strict=False),
-        output_router_logits=flag_key(hf, "output_router_logits", False, where),
-    )
+def _read(hf: Mapping[str, Any], row: FieldRow, default: Any, where: str) -> Any:
+    """The value of ``row``'s key in ``hf`` (the first of its keys that is set), read as
+    ``row.reads`` says; ``default`` when absent (or null, but for a soft-cap, where null
+    means none)."""
+    key = next((k for k in row.hf if hf.get(k) is not None), row.hf[0])
+    if row.reads == "count":
+        return count_key(hf, key, default, where)
+    if row.reads == "optional_count":
+        return default if hf.get(key) is None else count_key(hf, key, None, where)
+    if row.reads in ("real", "real0"):
+        return real_value(hf.get(key), key, default, where, strict=row.reads == "real")
+    if row.reads == "flag":
+        return flag_key(hf, key, default, where)
+    if row.reads == "cap":  # absent: the default; null: no cap
+        value = hf.get(key, default)
+        return None if value is None else real_value(value, key, None, where)
+    value = default if hf.get(key) is None else hf[key]  # "layers": a list of layer indices
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise UsageError(f"{where}: {key} must be a list of layer indices, got "
+                         f"{short(value, 60)}. {FIX_VALUE}.")
+    return tuple(value)
 
 
 def hf_config(cfg: Any) -> dict[str, Any]:
     """The transformers ``config.json`` of the :class:`~nnx_shard.models.DecoderConfig`
-    ``cfg`` (see :meth:`DecoderConfig.to_hf`)."""
+    ``cfg`` (see :meth:`DecoderConfig.to_hf`): the table's key of each of its fields
+    (:data:`FIELDS`), then the keys only its family writes."""
     dtype = {v: k for k, v in DTYPES.items()}.get(cfg.param_dtype, "float32")
     family = family_of(cfg.model_type)
-    out: dict[str, Any] = {
-        "architectures": list(family.architectures),
-        "model_type": cfg.model_type,
-        "vocab_size": cfg.vocab,
-        "hidden_size": cfg.embed,
-        "intermediate_size": cfg.mlp,
-        "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.activation,
-        "max_position_embeddings": cfg.max_length,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": hf_scaling(cfg.rope_scaling),
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_dropout": 0.0,
-        "torch_dtype": dtype,
-    }
-    out.update({name: getattr(cfg, name) for name in family.hf_flags})
-    if family.moe:
-        out.update(moe_config(cfg, family.moe))
+    out: dict[str, Any] = {"architectures": list(family.architectures)}
+    own = {f.name for f in dataclasses.fields(cfg)}
+    for name, row in FIELDS.items():
+        if name in own and row.hf and row.writes:
+            value = getattr(cfg, row.source or name)
+            out[type(cfg).hf_keys.get(name, row.hf[0])] = (
+                hf_scaling(value) if name == "rope_scaling"
+                else list(value) if isinstance(value, tuple) else value)
+    out.update(attention_dropout=0.0, torch_dtype=dtype)
     family.write(cfg, out)  # the family's own keys
     return out
 
 
-def moe_config(cfg: Any, moe: Mapping[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts keys of a MoE family's ``config.json``."""
-    values = {"num_local_experts": cfg.experts, "num_experts": cfg.experts,
-              "num_experts_per_tok": cfg.top_k,
-              "router_aux_loss_coef": cfg.router_aux_loss_coef,
-              "output_router_logits": cfg.output_router_logits}
-    return {key: values[key] for key in moe}
+#: A key with no default: every ``config.json`` names it.
+REQUIRED = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldRow:
+    """One row of :data:`FIELDS`: a config field as ``config.json`` has it.
+
+    Attributes:
+      hf: its ``config.json`` keys (read: the first one set; written: the first, or
+        the config class's ``hf_keys`` entry); ``()``: how the model runs, not in the file.
+      kind: how :class:`~nnx_shard.models.DecoderConfig` checks the value (``count``,
+        ``real``, ``flag``, ``optional_real``, ...).
+      reads: how :meth:`DecoderConfig.from_hf` reads it from the table (``count``,
+        ``optional_count``, ``real`` (> 0), ``real0`` (>= 0), ``flag``, ``cap``,
+        ``layers``); ``None``: read by the shared rotary / activation reading or the
+        family's ``read`` hook.
+      default: transformers' value for an absent key (a callable: of the fields read so
+        far; a config class's ``hf_defaults`` entry overrides it).
+      absent: the value meaning "not there", for a config class without the field.
+      writes: :meth:`DecoderConfig.to_hf` writes it (else the family's ``write`` hook).
+      source: the attribute written, when not the field itself.
+      compare: part of what a checkpoint computes (``differences``); not: layout,
+        remat, kernel, dtypes, context length, the loss's settings.
+      label: how ``differences`` names it, when not by its keys.
+    """
+
+    hf: tuple[str, ...]
+    kind: str
+    reads: str | None = None
+    default: Any = REQUIRED
+    absent: Any = None
+    writes: bool = True
+    source: str | None = None
+    compare: bool = True
+    label: str | None = None
+
+
+def _row(hf: str, kind: str, reads: str | None = None, default: Any = REQUIRED, **more: Any
+         ) -> FieldRow:
+    return FieldRow(tuple(hf.split(" / ")) if hf else (), kind, reads, default, **more)
+
+
+#: Every config field of every family of the shared decoder, in ``config.json``'s order:
+#: the one map between the fields and ``config.json`` (read by ``from_hf``, written by
+#: ``to_hf``, compared by ``differences``) and the kind each field is checked as.
+FIELDS: dict[str, FieldRow] = {
+    "model_type": _row("model_type", "model_type"),
+    "vocab": _row("vocab_size", "count", "count"),
+    "embed": _row("hidden_size", "count", "count"),
+    "mlp": _row("intermediate_size", "count", "count"),
+    "layers": _row("num_hidden_layers", "count", "count"),
+    "heads": _row("num_attention_heads", "count", "count"),
+    # transformers' defaults for an absent (or null) value
+    "kv_heads": _row("num_key_value_heads", "count", "count", lambda f: f["heads"]),
+    "head_dim": _row("head_dim", "count", "count", lambda f: f["embed"] // f["heads"]),
+    "activation": _row("hidden_act", "activation"),
+    "max_length": _row("max_position_embeddings", "count", "count", 2048, compare=False),
+    "norm_eps": _row("rms_norm_eps", "real", "real", 1e-6),
+    "rope_theta": _row("rope_theta", "real"),
+    "rope_scaling": _row("rope_scaling", "rope_scaling"),
+    "tie_embeddings": _row("tie_word_embeddings", "flag", "flag", False),
+    "attention_bias": _row("attention_bias", "flag", "flag", False, absent=False),
+    "mlp_bias": _row("mlp_bias", "flag", "flag", False, absent=False),
+    "sliding_window": _row("sliding_window", "window"),
+    "window_layers": _row("layer_types", "layer_flags", writes=False,
+                          label="layer_types (which layers slide)"),
+    "rope_local_theta": _row("rope_local_base_freq", "optional_real", writes=False),
+    "query_scale": _row("query_pre_attn_scalar", "optional_real", "real", 256.0),
+    "attn_softcap": _row("attn_logit_softcapping", "optional_real", "cap"),
+    "final_softcap": _row("final_logit_softcapping", "optional_real", "cap"),
+    "experts": _row("num_local_experts / num_experts", "experts", "count", absent=0),
+    "top_k": _row("num_experts_per_tok", "count", "count", 2),
+    "moe_mlp": _row("moe_intermediate_size", "optional_count", "optional_count", 768,
+                    source="expert_mlp"),
+    "norm_topk_prob": _row("norm_topk_prob", "flag", "flag", False),
+    "sparse_step": _row("decoder_sparse_step", "count", "count", 1),
+    "mlp_only_layers": _row("mlp_only_layers", "layers", "layers", ()),
+    "router_aux_loss_coef": _row("router_aux_loss_coef", "finite", "real0", 0.001,
+                                 compare=False),
+    "output_router_logits": _row("output_router_logits", "flag", "flag", False,
+                                 compare=False),
+    "expert_matmul": _row("", "expert_matmul", compare=False),
+    "scan_layers": _row("", "flag", compare=False),
+    "remat": _row("", "remat", compare=False),
+    "attention": _row("", "kernel", compare=False),
+    "dtype": _row("", "dtype", compare=False),
+    "param_dtype": _row("", "dtype", compare=False),
+}
+
+
+# What a config.json that does not parse as a model type here is compared on.
+_RAW_KEYS = ("model_type", "hidden_act", "hidden_activation", "vocab_size", "hidden_size",
+             "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "tie_word_embeddings", "sliding_window",
+             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+
+
+def _value(cfg: Any, name: str) -> Any:
+    """``cfg``'s field ``name``, or the table's value meaning "not there" for a config
+    class without it."""
+    if name in {f.name for f in dataclasses.fields(cfg)}:
+        return getattr(cfg, name)
+    return FIELDS[name].absent
+
+
+def differences(config: str | os.PathLike[str] | Mapping[str, Any], cfg: Any) -> list[str]:
+    """What the checkpoint ``config`` (a ``config.json``, its directory or the dict)
+    describes differently from ``cfg`` (a :class:`~nnx_shard.models.DecoderConfig`), one ``"key: checkpoint X, model Y"`` line
+    per field that changes what the model computes (the field table's compared ones:
+    model type, activation, norm, sizes, biases, rotary, window and expert settings);
+    ``[]`` when they agree. Layout, remat, kernel, dtypes and the context length are
+    not compared.
+
+    >>> from nnx_shard.models import DecoderConfig
+    >>> tiny = DecoderConfig(max_length=64)
+    >>> differences(tiny.to_hf(), tiny)
+    []
+    >>> differences({**tiny.to_hf(), "model_type": "gemma", "hidden_act": "gelu"}, tiny)[:2]
+    ["model_type: checkpoint 'gemma', model 'llama'", "hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'"]
+    >>> differences({**tiny.to_hf(), "model_type": "gpt2", "hidden_act": "gelu"}, tiny)
+    ["model_type: checkpoint 'gpt2', model 'llama'", "hidden_act: checkpoint 'gelu', model 'silu'"]
+    """
+    hf, _ = read_json(config)
+    try:
+        theirs = type(cfg).from_hf(hf)  # the family's class, whichever cfg's is
+    except NnxShardError:
+        theirs = None
+    if theirs is not None:
+        return [f"{row.label or ' / '.join(row.hf)}: checkpoint {_value(theirs, name)!r}, model "
+                f"{_value(cfg, name)!r}" for name, row in FIELDS.items()
+                if row.compare and _value(theirs, name) != _value(cfg, name)]
+    # Not a model this reads (another family, or a value from_hf refuses): compare
+    # what the file states against what the model's own config.json would.
+    ours = cfg.to_hf()
+    ours.setdefault("hidden_activation", ours.get("hidden_act"))
+    ours.setdefault("hidden_act", ours["hidden_activation"])
+    return [f"{key}: checkpoint {short(hf[key], 60)}, model {ours[key]!r}"
+            for key in _RAW_KEYS if key in hf and key in ours and hf[key] != ours[key]]

@@ -47,10 +47,6 @@ class Extras(NamedTuple):
     segment_ids: jax.Array | None = None
     positions: jax.Array | None = None
 
-    @property
-    def present(self) -> bool:
-        return any(x is not None for x in self)
-
     def laid_out(self) -> Extras:
         """The fields constrained like the activations that meet them: the batch
         split as the tokens', the sequence whole (split on ``length`` under context

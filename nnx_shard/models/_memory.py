@@ -54,9 +54,9 @@ def _mlp_width(cfg: Any) -> float:
     family's experts hold ``top_k x capacity_factor`` slots per token; the Hugging Face
     families' (Mixtral, Qwen3-MoE) exactly ``top_k``, each ``expert_mlp`` wide, sorted by
     expert with no capacity, and Qwen3-MoE's ``mlp_only_layers`` stay dense."""
-    if not getattr(cfg, "experts", 0):
+    if not any(cfg.moe_layers()):
         return float(cfg.mlp)
-    if getattr(cfg, "capacity_factor", None) is not None:
+    if cfg.capacity_factor is not None:
         return float(cfg.mlp * cfg.top_k * cfg.capacity_factor)
     moe = sum(cfg.moe_layers())
     return (moe * cfg.expert_mlp * cfg.top_k + (cfg.layers - moe) * cfg.mlp) / cfg.layers

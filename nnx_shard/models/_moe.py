@@ -8,7 +8,7 @@ slots per sequence and expert, tokens over it dropped.
 Every routed token is computed, none dropped (as transformers does): the
 ``tokens x top_k`` slots are sorted by expert and the experts' gated MLPs run as
 grouped matmuls over the sorted slots, one group per expert
-(:func:`~nnx_shard.models._grouped.grouped_matmul`, as ``DecoderConfig.expert_matmul``
+(:func:`~nnx_shard.models._grouped.grouped_matmul`, as the config's ``expert_matmul``
 says), so the cost is that of the active parameters, not of every expert.
 Under rules that split the experts over mesh axes that also split the tokens (the
 ``ep`` preset) the slots travel to their experts' devices and back with all-to-all
@@ -17,7 +17,7 @@ expert weights.
 
 >>> from flax import nnx
 >>> from nnx_shard.models._decoder_config import DecoderConfig
->>> cfg = DecoderConfig(experts=4, top_k=2, model_type="mixtral")
+>>> cfg = DecoderConfig.for_model("mixtral", experts=4, top_k=2)
 >>> moe = DecoderMoE(cfg, rngs=nnx.Rngs(0))
 >>> y, stats = moe(jnp.ones((2, 8, cfg.embed)))
 >>> y.shape, moe.gate.get_metadata("out_sharding"), stats.counts.shape
@@ -58,9 +58,9 @@ def no_stats(cfg: Any) -> RouterStats | jax.Array | None:
     GShard's dispatch (``capacity_factor``) each layer reports its own load-balancing
     loss and the model sums them: a scalar, which a pipeline averages over its
     microbatches as gradient accumulation does."""
-    if not getattr(cfg, "experts", 0):
+    if not any(cfg.moe_layers()):
         return None
-    if getattr(cfg, "capacity_factor", None) is not None:
+    if cfg.capacity_factor is not None:
         return jnp.zeros((), jnp.float32)
     zeros = jnp.zeros((cfg.experts,), jnp.float32)
     return RouterStats(zeros, zeros, jnp.zeros((), jnp.float32))
@@ -111,7 +111,7 @@ class DecoderMoE(nnx.Module):
         self.experts, self.top_k, self.renormalise = n, cfg.top_k, cfg.norm_topk_prob
         self.activation = ACTIVATION_FNS[cfg.activation]
         self.dtype, self.matmul = cfg.dtype, cfg.expert_matmul
-        self.capacity_factor = getattr(cfg, "capacity_factor", None)
+        self.capacity_factor = cfg.capacity_factor
 
     def _act(self, g: jax.Array | None, u: jax.Array) -> jax.Array:
         return self.activation(u) if g is None else self.activation(g) * u

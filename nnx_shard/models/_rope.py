@@ -474,7 +474,7 @@ def check_tables(cfg: Any, where: str = "DecoderConfig") -> None:
                              f"frequencies 1 / rope_theta ** (2i / {d}) that are not finite in "
                              f"float32 over {top} positions: {problem} (rotary bases are "
                              "large, e.g. 10000.0 or 1000000.0).")
-        local = getattr(cfg, "rope_local_theta", None)
+        local = cfg.local_theta()
         if local and not _finite(default(cfg, local)[0], top):
             raise UsageError(f"{where}: rope_local_theta={short(local, 40)} gives rotary "
                              f"frequencies that are not finite in float32 over {top} "

@@ -48,17 +48,17 @@ def own_local_rotation(cfg: DecoderConfig) -> bool:
     ``rope_local_theta``), so that they need tables apart from the global layers'.
 
     >>> from nnx_shard.models import DecoderConfig
-    >>> own_local_rotation(DecoderConfig(model_type="gemma3_text", rope_local_theta=1e4))
+    >>> own_local_rotation(DecoderConfig.for_model("gemma3_text", rope_local_theta=1e4))
     True
     """
-    return bool(cfg.rope_local_theta)
+    return bool(cfg.local_theta())
 
 
 def scaled(cfg: DecoderConfig, local: bool, seq_len: int | None = None
             ) -> tuple[np.ndarray, float]:
     """``(inv_freq, attention_factor)``: the factor scales cos and sin."""
     if local and own_local_rotation(cfg):
-        return rope.default(cfg, cfg.rope_local_theta)
+        return rope.default(cfg, cfg.local_theta())
     return rope.frequencies(cfg, seq_len)
 
 

@@ -33,7 +33,7 @@ from nnx_shard._errors import CompileError
 from nnx_shard._init import abstract_init, sharded_optimizer
 from nnx_shard._mesh import make_mesh, parse_axes
 from nnx_shard._parallel.schedule import stage_count
-from nnx_shard._simulated import run_requests
+from nnx_shard._simulated import run_one
 from nnx_shard._train import Precision, Trainer
 from nnx_shard._train._guard import DEFAULT_GUARD
 from nnx_shard.models import DecoderConfig, ReferenceConfig, lm_loss
@@ -83,9 +83,9 @@ def compile_fit(factory: Callable[[], Any], strategy: str | Strategy, sizes: str
     the mesh.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Decoder, get_config
+    >>> from nnx_shard.models import Decoder, ReferenceConfig
     >>> compiled, trainer, seconds = compile_fit(
-    ...     lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)), "fsdp", {"data": 4},
+    ...     lambda: Decoder(ReferenceConfig(layers=1), rngs=nnx.Rngs(0)), "fsdp", {"data": 4},
     ...     batch=4, seq=8)
     >>> compiled.memory_analysis().temp_size_in_bytes > 0
     True
@@ -246,8 +246,8 @@ def compile_step(factory: Callable[[], Any], strategy: str | Strategy, sizes: st
     include half of the guard's once-per-call check.
 
     >>> from flax import nnx
-    >>> from nnx_shard.models import Decoder, get_config
-    >>> r = compile_step(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)),
+    >>> from nnx_shard.models import Decoder, ReferenceConfig
+    >>> r = compile_step(lambda: Decoder(ReferenceConfig(layers=1), rngs=nnx.Rngs(0)),
     ...                  "dp", {"data": 2}, batch=4, seq=8)
     >>> r["total"] > 0 and r["flops"] > 0 and r["collectives"] > 0
     True
@@ -268,27 +268,26 @@ def compile_step(factory: Callable[[], Any], strategy: str | Strategy, sizes: st
 
 
 def config_dict(cfg: ReferenceConfig | DecoderConfig) -> dict[str, Any]:
-    """A :class:`~nnx_shard.models.ReferenceConfig` or
-    :class:`~nnx_shard.models.DecoderConfig` as JSON-able fields (dtypes by name; a
-    Llama config marked ``"kind": "llama"``).
+    """A model config (any family's: :class:`~nnx_shard.models.ReferenceConfig`,
+    :class:`~nnx_shard.models.DecoderConfig` or a family's own class) as JSON-able
+    fields (dtypes by name); ``model_type`` says which class :func:`config_factory`
+    builds again.
 
     >>> config_dict(get_config("tiny"))["param_dtype"]
     'float32'
-    >>> config_dict(get_config("qwen3-0.6b"))["kind"]
-    'llama'
+    >>> config_dict(get_config("qwen3-0.6b"))["model_type"]
+    'qwen3'
     """
     out = {k: (jnp.dtype(v).name if k.endswith("dtype") else v)
            for k, v in dataclasses.asdict(cfg).items()}
-    return {**out, "kind": "llama"} if isinstance(cfg, DecoderConfig) else out
+    return {**out, "model_type": cfg.model_type}  # a class constant of the reference family
 
 
 def config_factory(config: Mapping[str, Any], remat: str) -> Callable[[], Any]:
-    """A factory of the reference model of ``config`` (:func:`config_dict`'s
-    fields) with remat policy ``remat``."""
-    fields = {k: (jnp.dtype(v) if k.endswith("dtype") else v) for k, v in config.items()
-              if k != "kind"}
-    kind = DecoderConfig if config.get("kind") == "llama" else ReferenceConfig
-    cfg = kind(**{**fields, "remat": remat})
+    """A factory of the model of ``config`` (:func:`config_dict`'s fields, its family's
+    config class) with remat policy ``remat``."""
+    fields = {k: (jnp.dtype(v) if k.endswith("dtype") else v) for k, v in config.items()}
+    cfg = DecoderConfig.for_model(fields.pop("model_type"), **{**fields, "remat": remat})
     return lambda: build(cfg, nnx.Rngs(0))
 
 
@@ -322,16 +321,8 @@ def compiled_memory_subprocess(model: str, sizes: str | Mapping[str, int], *,
     n = 1
     for v in sizes.values():
         n *= int(v)
-    results: list[dict[str, Any]] = []
-    run_requests("nnx_shard.planner._compile:compiled_memory_request",
-                 [{"model": model, "sizes": dict(sizes), **kwargs}], n, timeout=timeout,
-                 on_result=lambda i, r: results.append(r), error_chars=2000)
-    (result,) = results
-    what = f"compiling the train step on {n} simulated CPU devices"
-    if result.get("timed_out"):
-        raise CompileError(f"{what} took longer than {timeout:g} s; use --no-compile for the "
-                           "formula only, or a longer --compile-timeout")
-    if "failed" in result or "error" in result:
-        # The child's error (one of nnx_shard's, with its own Fix:) or its last words.
-        raise CompileError(f"{what} failed: {result.get('failed') or result['error']}")
-    return result
+    return run_one("nnx_shard.planner._compile:compiled_memory_request",
+                   {"model": model, "sizes": dict(sizes), **kwargs}, n, timeout=timeout,
+                   what=f"compiling the train step on {n} simulated CPU devices",
+                   slow="; use --no-compile for the formula only, or a longer --compile-timeout",
+                   error_chars=2000)

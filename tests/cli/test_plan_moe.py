@@ -63,7 +63,7 @@ def test_plan_of_a_named_moe_prints_its_experts(capsys, name):
 
 def test_activation_formula_counts_top_k_experts_at_their_width():
     # embed 32, 4 heads / 2 kv heads x 8, vocab 128, float32; 4 experts of width 16, top 2
-    cfg = DecoderConfig(model_type="qwen3_moe", experts=4, top_k=2, moe_mlp=16, mlp=64)
+    cfg = DecoderConfig.for_model("qwen3_moe", experts=4, top_k=2, moe_mlp=16, mlp=64)
     tokens = 4 * 16 // 2            # batch over data=2
     p = 4
     attn = 4 * 32 + 2 * 4 * 8 + 2 * 2 * 8 + (4 * 8 + 2 * 8)   # norms, q/o, k/v, q/k norms

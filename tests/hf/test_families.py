@@ -103,8 +103,9 @@ def _logits(name: str, strategy: str, tokens: np.ndarray) -> np.ndarray:
 
 def test_family_configs_are_read() -> None:
     qwen2 = DecoderConfig.from_hf(FIXTURES / "hf_qwen2")
-    assert (qwen2.model_type, qwen2.family.qkv_bias, qwen2.attention_bias, qwen2.sliding_window,
-            qwen2.tie_embeddings) == ("qwen2", True, False, None, True)
+    assert (qwen2.model_type, qwen2.family.qkv_bias, qwen2.sliding_window,
+            qwen2.tie_embeddings) == ("qwen2", True, None, True)
+    assert "attention_bias" not in qwen2.to_hf()  # not a field of Qwen2's config
     mistral = DecoderConfig.from_hf(FIXTURES / "hf_mistral")
     assert (mistral.model_type, mistral.family.qkv_bias, mistral.sliding_window,
             mistral.tie_embeddings) == ("mistral", False, 5, False)
@@ -195,7 +196,7 @@ def _copy_with(tmp_path: Path, name: str, change: dict) -> Path:
 def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     # Mistral's tensors have a Llama's shapes: only the config tells them apart.
     cfg = DecoderConfig.from_hf(FIXTURES / "hf_mistral")
-    llama = dataclasses.replace(cfg, model_type="llama", sliding_window=None)
+    llama = cfg.with_family("llama")
     target = ns.abstract_init(lambda: Decoder(llama, rngs=nnx.Rngs(0)), "data=8",
                               ns.strategies.get("dp").rules)
     with pytest.raises(UsageError) as info:
@@ -207,14 +208,13 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path) -> None:
     assert "Fix: build the target from the checkpoint's config" in text
     # Gemma's tensors fill a Llama of its sizes too: the family (its embedding scale and
     # norm) and the activation tell them apart.
-    gemma = dataclasses.replace(DecoderConfig.from_hf(FIXTURES / "hf_gemma"), model_type="llama",
-                                activation="silu")
+    gemma = DecoderConfig.from_hf(FIXTURES / "hf_gemma").with_family("llama", activation="silu")
     text = load_refusal(FIXTURES / "hf_gemma", gemma)
     assert "2 fields differ" in text
     assert "- model_type: checkpoint 'gemma', model 'llama'" in text
     assert "- hidden_act: checkpoint 'gelu_pytorch_tanh', model 'silu'" in text
     # OLMo 2's post-norms have Llama's pre-norms' shapes: the family tells them apart.
-    olmo = dataclasses.replace(DecoderConfig.from_hf(FIXTURES / "hf_olmo2"), model_type="llama")
+    olmo = DecoderConfig.from_hf(FIXTURES / "hf_olmo2").with_family("llama")
     assert re.search(r"(?s)differ.*- model_type: checkpoint 'olmo2', model 'llama'",
                      load_refusal(FIXTURES / "hf_olmo2", olmo))
     # A family this does not read: the fields the file states are compared.

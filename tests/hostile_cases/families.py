@@ -41,19 +41,14 @@ def build(hs: Any) -> None:
         return out
 
     def into_llama(name: str, change: dict[str, Any] | None = None) -> Any:
-        import dataclasses
-
         from flax import nnx
 
         import nnx_shard as ns
         from nnx_shard.models import Decoder, DecoderConfig
-        from nnx_shard.models._families import OPTIONAL_FIELDS
 
-        # The fixture's sizes as a plain Decoder: only Llama's own fields kept.
-        absent = {k: v for k, v in OPTIONAL_FIELDS.items() if k not in ("attention_bias",
-                                                                         "mlp_bias")}
-        cfg = dataclasses.replace(DecoderConfig.from_hf(os.path.join(_FIXTURES, name)),
-                                  model_type="llama", activation="silu", **absent)
+        # The fixture's sizes as a plain Decoder: only the shared fields kept.
+        cfg = DecoderConfig.from_hf(os.path.join(_FIXTURES, name)).with_family(
+            "llama", activation="silu")
         target = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), "data=8",
                                   ns.strategies.get("dp").rules)
         return ns.hf.load_safetensors(copy(name, change), target)

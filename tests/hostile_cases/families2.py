@@ -38,7 +38,8 @@ def build(hs: Any) -> None:
     def cfg(**kw: Any) -> Any:
         from nnx_shard.models import DecoderConfig
 
-        return DecoderConfig(**{"model_type": "gemma2", **kw})  # the family with these fields
+        # the family with these fields
+        return DecoderConfig.for_model(kw.pop("model_type", "gemma2"), **kw)
 
     def into(name: str, **change: Any) -> Any:
         import dataclasses

@@ -59,7 +59,7 @@ def test_the_prefill_computes_the_last_positions_logits_only() -> None:
 
 
 def test_decode_logits_to_keep() -> None:
-    cfg = dataclasses.replace(get_config("llama-tiny"), model_type="gemma2", final_softcap=5.0)
+    cfg = get_config("llama-tiny").with_family("gemma2", final_softcap=5.0)
     graphdef, state = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
     tokens = jnp.arange(1, 7, dtype=jnp.int32)[None]
 
@@ -95,9 +95,9 @@ def _logits(kernel: str, variant: str, tokens: np.ndarray, mask: np.ndarray) -> 
     second one after it), with the padding ``mask``."""
     base = dataclasses.replace(get_config("llama-tiny"), max_length=2048, attention=kernel)
     if variant == "windowed":  # Gemma 2's: windowed and global layers, soft-capped scores
-        base = dataclasses.replace(base, model_type="gemma2", layers=2, sliding_window=300,
-                                   window_layers=(True, False), attn_softcap=20.0,
-                                   scan_layers=True)
+        base = base.with_family("gemma2", layers=2, sliding_window=300,
+                                window_layers=(True, False), attn_softcap=20.0,
+                                scan_layers=True)
     graphdef, state = nnx.split(Decoder(base, rngs=nnx.Rngs(0)))
     cut = 700
 

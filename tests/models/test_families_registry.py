@@ -122,15 +122,15 @@ def test_a_registered_family_is_found() -> None:
 def test_a_field_the_family_lacks_is_refused_naming_who_has_it(change: dict,
                                                                names: tuple) -> None:
     with pytest.raises(UsageError) as info:
-        DecoderConfig(**change)
+        DecoderConfig.for_model(change.pop("model_type", "llama"), **change)
     text = str(info.value)
     assert all(n in text for n in names) and "Fix:" in text
 
 
 def test_a_familys_own_fields_are_accepted_and_its_structure_is_its_records() -> None:
-    assert DecoderConfig(model_type="gemma2", attn_softcap=50.0).attn_softcap == 50.0
-    assert DecoderConfig(model_type="mistral", sliding_window=4).sliding_window == 4
-    assert DecoderConfig(model_type="llama", mlp_bias=True).mlp_bias
+    assert DecoderConfig.for_model("gemma2", attn_softcap=50.0).attn_softcap == 50.0
+    assert DecoderConfig.for_model("mistral", sliding_window=4).sliding_window == 4
+    assert DecoderConfig.for_model("llama", mlp_bias=True).mlp_bias
     assert [family_of(k).block.__name__ for k in ("llama", "olmo2", "gemma2")] == [
         "DecoderBlock", "PostNormBlock", "SandwichBlock"]
     assert [family_of(k).qk_norm for k in NINE] == [None, "head", None, None, None, "all",

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from nnx_shard.models import Decoder, get_config
-from nnx_shard.models import _decoder_layers as layers
 from nnx_shard.models import _decoder as llama
+from nnx_shard.models import _decoder_layers as layers
 from nnx_shard.models._layers import RMSNorm
 
 TRANSFORMER_BLOCK = ["attn/k", "attn/o", "attn/q", "attn/v", "attn_norm/scale", "mlp/down",
@@ -66,12 +66,10 @@ def test_norm_scales_keep_their_names_dtypes_and_initial_values() -> None:
     assert t.blocks.attn_norm.scale.get_metadata("out_sharding") == ("layers", "embed")
     assert t.blocks.attn_norm.scale.dtype == jnp.bfloat16
     np.testing.assert_array_equal(t.final_norm.scale[...], np.ones(32))
-    olmo = Decoder(dataclasses.replace(get_config("qwen3-tiny"), model_type="olmo2"),
-                 rngs=nnx.Rngs(0))
+    olmo = Decoder(get_config("qwen3-tiny").with_family("olmo2"), rngs=nnx.Rngs(0))
     assert olmo.blocks[0].attn.q_norm.scale.get_metadata("out_sharding") == ("heads", "kv")
     assert olmo.blocks[0].attn.k_norm.scale.shape == (2, 16)  # kv_heads x head_dim together
-    gemma = Decoder(dataclasses.replace(get_config("qwen3-tiny"), model_type="gemma"),
-                  rngs=nnx.Rngs(0))
+    gemma = Decoder(get_config("qwen3-tiny").with_family("gemma"), rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(gemma.final_norm.scale[...], np.zeros(32))  # 1 + weight
 
 

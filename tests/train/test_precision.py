@@ -183,7 +183,7 @@ def test_precision_refuses_what_would_not_be_mixed_precision():
                                          r"Fix: build the model with param_dtype=float32"):
         MIXED.check(pure)
     # A model that computes in float32 would cast the bfloat16 reads back up.
-    with pytest.raises(UsageError, match=r"(?s)\(the model\) \(Llama\) has dtype=float32.*"
+    with pytest.raises(UsageError, match=r"(?s)\(the model\) \(Decoder\) has dtype=float32.*"
                                          r"dtype=jnp.bfloat16, param_dtype=jnp.float32"):
         MIXED.check(llama())
     MIXED.check(llama(dtype=jnp.bfloat16))  # the right build
@@ -328,7 +328,7 @@ def test_lora_adapters_train_in_bfloat16_compute():
     base_only = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
     losses = {}
     for name, dtype, precision in (("f32", jnp.float32, None), ("bf16", jnp.bfloat16, MIXED)):
-        model = Decoder(DecoderConfig(dtype=dtype), rngs=nnx.Rngs(0))
+        model = Decoder(DecoderConfig(dtype=dtype, layers=1), rngs=nnx.Rngs(0))
         ns.lora(model, rank=4, alpha=8, targets=r"attn/(q|v)$|mlp/down$")
         if precision is not None:
             precision.check(model)

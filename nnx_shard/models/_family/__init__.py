@@ -1,7 +1,7 @@
 """One module per model family of :class:`~nnx_shard.models.Decoder` (the Hugging Face
 families and the reference model, :mod:`.reference`): each registers its
 :class:`~nnx_shard.models._families.Family` record (architecture, Hugging Face names,
-block, what its decoder has, the config fields it allows) and holds its named
+block, what its decoder has, its config class with only its fields) and holds its named
 configurations. Importing this package registers every family.
 
 To add a family: a module here with its record and configs, its name below, its

@@ -3,23 +3,33 @@ scaled by ``sqrt(embed)`` and RMSNorms scaling by ``1 + weight``; tied embedding
 default. Gemma 2 and 3 (:mod:`.gemma2`, :mod:`.gemma3`) reuse its embedding hook.
 
 >>> import jax.numpy as jnp
->>> from nnx_shard.models import DecoderConfig
->>> float(scale_embeddings(jnp.ones((1, 1, 16)), DecoderConfig(embed=16, model_type="gemma"))[0, 0, 0])
+>>> float(scale_embeddings(jnp.ones((1, 1, 16)), GemmaConfig(embed=16))[0, 0, 0])
 4.0
 """
 
+import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from nnx_shard.models._decoder import DecoderBlock
+from nnx_shard.models._decoder_config import AttentionBiasConfig
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._hf_config import no_window
 
-__all__ = ["CONFIGS", "FAMILY", "gelu_tanh", "scale_embeddings"]
+__all__ = ["CONFIGS", "FAMILY", "GemmaConfig", "gelu_tanh", "scale_embeddings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaConfig(AttentionBiasConfig):
+    """:class:`~nnx_shard.models.DecoderConfig` of a Gemma model: ``attention_bias``;
+    tied embeddings when ``config.json`` leaves them out."""
+
+    model_type: str = "gemma"
+    hf_defaults: ClassVar[Mapping[str, Any]] = {"tie_embeddings": True}
 
 
 def scale_embeddings(x: jax.Array, cfg: Any) -> jax.Array:
@@ -47,8 +57,6 @@ def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str,
 
 FAMILY = register(Family(
     "gemma", ("GemmaForCausalLM",), LLAMA_MAPPING, block=DecoderBlock, norm_offset=True,
-    embed=scale_embeddings, fields=("attention_bias",), hf_in=hf_in, read=read,
-    hf_flags=("attention_bias",),
-    tied_default=True))
+    embed=scale_embeddings, hf_in=hf_in, read=read, config=GemmaConfig))
 
 CONFIGS: dict[str, Any] = {}

@@ -7,15 +7,16 @@ logits, ``query_pre_attn_scalar`` and sliding layers among global ones
 9241705984
 """
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from nnx_shard._errors import UsageError, count, short
 from nnx_shard.models._decoder import SandwichBlock
-from nnx_shard.models._decoder_config import BIG, DecoderConfig
+from nnx_shard.models._decoder_config import BIG, AttentionBiasConfig, WindowConfig
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,
@@ -24,10 +25,50 @@ from nnx_shard.models._families import (
     register,
 )
 from nnx_shard.models._family.gemma import gelu_tanh, scale_embeddings
-from nnx_shard.models._hf_config import FIX_VALUE, count_key, real_value
+from nnx_shard.models._hf_config import FIX_VALUE, count_key
 
-__all__ = ["CONFIGS", "FAMILY", "FIELDS", "GEMMA2_MAPPING", "TINY", "hf_in", "read_later",
-           "soft_capped", "window", "write"]
+__all__ = ["CONFIGS", "FAMILY", "GEMMA2_MAPPING", "TINY", "Gemma2Config", "hf_in",
+           "soft_capped", "window", "window_fields", "write"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma2Config(AttentionBiasConfig, WindowConfig):
+    """:class:`~nnx_shard.models.DecoderConfig` of a Gemma 2 model: ``attention_bias``,
+    its window, and the fields of Gemma 2 / 3's attention and logits
+    (:class:`~nnx_shard.models._decoder.SandwichBlock`'s attention reads them).
+
+    Attributes:
+      window_layers: ``None`` (the window, if any, in every layer), or one flag per
+        layer: which layers slide (``layer_types``; the others attend to every
+        earlier key).
+      query_scale: ``None``, or the attention scores' divisor's square
+        (``query_pre_attn_scalar``: scores are ``q.k / sqrt(query_scale)``, not
+        ``/ sqrt(head_dim)``).
+      attn_softcap: ``None``, or the attention logit soft-cap
+        (``attn_logit_softcapping``): scores become ``cap * tanh(scores / cap)``.
+      final_softcap: ``None``, or the output logits' soft-cap
+        (``final_logit_softcapping``).
+
+    >>> from nnx_shard.models import DecoderConfig
+    >>> DecoderConfig.for_model("gemma2", layers=2, sliding_window=4,
+    ...                         window_layers=(True, False)).local_layers()
+    (True, False)
+    """
+
+    model_type: str = "gemma2"
+    window_layers: Any = None
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    hf_defaults: ClassVar[Mapping[str, Any]] = {"tie_embeddings": True, "attn_softcap": 50.0, "final_softcap": 30.0}
+    hf_keys: ClassVar[Mapping[str, str]] = {"activation": "hidden_activation"}
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """The layers ``window_layers`` marks (every one with ``None``), with a window."""
+        if self.sliding_window is None:
+            return (False,) * self.layers
+        return self.window_layers or (True,) * self.layers
+
 
 #: ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` names: four norms per block (before
 #: and after attention and MLP); Gemma 3's per-head q/k norms as Qwen3's.
@@ -38,11 +79,6 @@ GEMMA2_MAPPING: dict[str, MappingValue] = {
     LAYER + r"pre_feedforward_layernorm\.weight": r"blocks/\1/mlp_norm/scale",
     LAYER + r"post_feedforward_layernorm\.weight": r"blocks/\1/mlp_post_norm/scale",
 }
-
-#: The config fields of Gemma 2 (Gemma 3 adds its local rotary base).
-FIELDS = ("attention_bias", "sliding_window", "window_layers", "query_scale", "attn_softcap",
-          "final_softcap")
-
 
 def soft_capped(logits: jax.Array, cfg: Any) -> jax.Array:
     """``final_softcap * tanh(logits / final_softcap)`` in float32, as transformers
@@ -85,41 +121,27 @@ def window(hf: Mapping[str, Any], layers: int, every: Any, where: str
     return size, (None if all(flags) else flags)
 
 
-def read_later(hf: Mapping[str, Any], where: str, fields: dict[str, Any], every: Any,
-               softcaps: tuple[float | None, float | None]) -> dict[str, Any]:
-    """The fields Gemma 2 and 3 share: window, ``query_pre_attn_scalar`` (256 when
-    absent) and the soft-caps (``softcaps``: the defaults when a key is absent)."""
+def window_fields(hf: Mapping[str, Any], where: str, fields: dict[str, Any], every: Any
+                  ) -> dict[str, Any]:
+    """``sliding_window`` and ``window_layers`` as Gemma 2 / 3 read them (:func:`window`);
+    the table reads their other fields (query scale, soft-caps)."""
     size, layers = window(hf, fields["layers"], every, where)
-
-    def cap(key: str, default: float | None) -> float | None:
-        value = hf.get(key, default)
-        return None if value is None else real_value(value, key, None, where)
-
-    return dict(sliding_window=size, window_layers=layers,
-                query_scale=real_value(hf.get("query_pre_attn_scalar"),
-                                       "query_pre_attn_scalar", 256.0, where),
-                attn_softcap=cap("attn_logit_softcapping", softcaps[0]),
-                final_softcap=cap("final_logit_softcapping", softcaps[1]))
+    return dict(sliding_window=size, window_layers=layers)
 
 
 def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2's fields: every other layer sliding from the first, soft-caps 50 / 30
-    when absent."""
-    return read_later(hf, where, fields, 2, (50.0, 30.0))
+    """Gemma 2's window: every other layer sliding from the first."""
+    return window_fields(hf, where, fields, 2)
 
 
 def write(cfg: Any, out: dict[str, Any]) -> None:
-    """Gemma 2 / 3's keys: ``hidden_activation``, the window and ``layer_types``,
-    ``query_pre_attn_scalar`` and the soft-caps."""
-    del out["hidden_act"]
-    out.update(hidden_activation=cfg.activation, sliding_window=cfg.sliding_window,
-               layer_types=["sliding_attention" if f else "full_attention"
+    """Gemma 2 / 3's ``layer_types``, and ``query_pre_attn_scalar`` as transformers
+    types it."""
+    out.update(layer_types=["sliding_attention" if f else "full_attention"
                             for f in cfg.local_layers()],
                # transformers types it int (a float fails its config check)
                query_pre_attn_scalar=(int(cfg.query_scale) if cfg.query_scale is not None
-                                      and cfg.query_scale.is_integer() else cfg.query_scale),
-               attn_logit_softcapping=cfg.attn_softcap,
-               final_logit_softcapping=cfg.final_softcap)
+                                      and cfg.query_scale.is_integer() else cfg.query_scale))
 
 
 #: A tiny checkpoint's window and query scale (the defaults, 4096 and 256, are sized
@@ -129,13 +151,12 @@ TINY = {"query_pre_attn_scalar": 8, "sliding_window": 16}
 FAMILY = register(Family(
     "gemma2", ("Gemma2ForCausalLM",), GEMMA2_MAPPING, named_configs=("gemma2-9b",),
     block=SandwichBlock, norm_offset=True, embed=scale_embeddings, logits=soft_capped,
-    fields=FIELDS, hf_in=hf_in, read=read, write=write, hf_flags=("attention_bias",),
-    tied_default=True, tiny=TINY))
+    hf_in=hf_in, read=read, write=write, config=Gemma2Config, tiny=TINY))
 
 #: Gemma 2 9B's published shapes: soft-caps 50 (attention) / 30 (logits), a 4096-token
 #: window in every other layer from the first, ``query_pre_attn_scalar`` 256, tied.
 CONFIGS = {
-    "gemma2-9b": DecoderConfig(
+    "gemma2-9b": Gemma2Config(
         vocab=256000, embed=3584, heads=16, kv_heads=8, head_dim=256, mlp=14336, layers=42,
         rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, activation="gelu_pytorch_tanh",
         query_scale=256.0, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,

@@ -6,18 +6,48 @@
 ('head', 'SandwichBlock')
 """
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from nnx_shard._errors import UsageError, short
 from nnx_shard.models._decoder import SandwichBlock
 from nnx_shard.models._families import Family, register
 from nnx_shard.models._family import gemma2
 from nnx_shard.models._family.gemma import scale_embeddings
-from nnx_shard.models._family.gemma2 import FIELDS, GEMMA2_MAPPING, TINY, hf_in, soft_capped
+from nnx_shard.models._family.gemma2 import (
+    GEMMA2_MAPPING,
+    TINY,
+    Gemma2Config,
+    hf_in,
+    soft_capped,
+)
 from nnx_shard.models._hf_config import FIX_VALUE, hf_scaling, real_value
 
-__all__ = ["CONFIGS", "FAMILY", "local_theta", "read", "write"]
+__all__ = ["CONFIGS", "FAMILY", "Gemma3Config", "local_theta", "read", "write"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3Config(Gemma2Config):
+    """:class:`Gemma2Config` of a Gemma 3 text model, with the sliding layers' own
+    rotary base; no soft-caps when ``config.json`` leaves them out.
+
+    Attributes:
+      rope_local_theta: ``None``, or the rotary base of the sliding layers
+        (``rope_local_base_freq``; ``None``: ``rope_theta``).
+
+    >>> from nnx_shard.models import DecoderConfig
+    >>> DecoderConfig.for_model("gemma3_text", rope_local_theta=1e4).local_theta()
+    10000.0
+    """
+
+    model_type: str = "gemma3_text"
+    rope_local_theta: float | None = None
+    hf_defaults: ClassVar[Mapping[str, Any]] = {"tie_embeddings": True}
+
+    def local_theta(self) -> float | None:
+        """``rope_local_theta``."""
+        return self.rope_local_theta
 
 
 def local_theta(hf: Mapping[str, Any], where: str) -> float:
@@ -38,11 +68,10 @@ def local_theta(hf: Mapping[str, Any], where: str) -> float:
 
 
 def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2's fields with Gemma 3's defaults (all but every
-    ``sliding_window_pattern``-th layer sliding, 6 when absent; no soft-caps when
-    absent) and the sliding layers' rotary base."""
-    return {**gemma2.read_later(hf, where, fields, hf.get("sliding_window_pattern", 6),
-                                (None, None)),
+    """Gemma 2's window with Gemma 3's default (all but every
+    ``sliding_window_pattern``-th layer sliding, 6 when absent) and the sliding layers'
+    rotary base."""
+    return {**gemma2.window_fields(hf, where, fields, hf.get("sliding_window_pattern", 6)),
             "rope_local_theta": local_theta(hf, where)}
 
 
@@ -62,7 +91,6 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
 FAMILY = register(Family(
     "gemma3_text", ("Gemma3ForCausalLM",), GEMMA2_MAPPING, block=SandwichBlock,
     qk_norm="head", norm_offset=True, embed=scale_embeddings, logits=soft_capped,
-    fields=(*FIELDS, "rope_local_theta"), hf_in=hf_in, read=read, write=write,
-    hf_flags=("attention_bias",), tied_default=True, tiny=TINY))
+    hf_in=hf_in, read=read, write=write, config=Gemma3Config, tiny=TINY))
 
 CONFIGS: dict[str, Any] = {}

@@ -6,10 +6,12 @@ features (``[heads * head_dim]`` in the file).
 ('PostNormBlock', 'all')
 """
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from nnx_shard.models._decoder import PostNormBlock
+from nnx_shard.models._decoder_config import AttentionBiasConfig
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,
@@ -19,7 +21,15 @@ from nnx_shard.models._families import (
 )
 from nnx_shard.models._hf_config import no_window
 
-__all__ = ["CONFIGS", "FAMILY", "OLMO2_MAPPING"]
+__all__ = ["CONFIGS", "FAMILY", "OLMO2_MAPPING", "Olmo2Config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Olmo2Config(AttentionBiasConfig):
+    """:class:`~nnx_shard.models.DecoderConfig` of an OLMo 2 model: ``attention_bias``."""
+
+    model_type: str = "olmo2"
+
 
 #: ``Olmo2ForCausalLM``'s names: its ``post_attention_layernorm`` is the norm after
 #: attention (not Llama's pre-MLP norm), and its q/k norms span all heads.
@@ -39,6 +49,6 @@ def read(hf: Mapping[str, Any], where: str, fields: dict[str, Any]) -> dict[str,
 
 FAMILY = register(Family(
     "olmo2", ("Olmo2ForCausalLM",), OLMO2_MAPPING, block=PostNormBlock, qk_norm="all",
-    fields=("attention_bias",), read=read, hf_flags=("attention_bias",)))
+    read=read, config=Olmo2Config))
 
 CONFIGS: dict[str, Any] = {}

@@ -2,22 +2,30 @@
 ``qkv_proj`` and gate/up as one ``gate_up_proj``, split into Llama's names on reading
 and fused again on writing.
 
->>> [f.fused for f in fusions(DecoderConfig(model_type="phi3"))]
+>>> [f.fused for f in fusions(Phi3Config())]
 ['self_attn.qkv_proj.weight', 'mlp.gate_up_proj.weight']
 """
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from nnx_shard._errors import UsageError, short
 from nnx_shard.models._decoder import DecoderBlock
-from nnx_shard.models._decoder_config import DecoderConfig as DecoderConfig
+from nnx_shard.models._decoder_config import WindowConfig
 from nnx_shard.models._families import LLAMA_MAPPING, Family, Fusion, register
 from nnx_shard.models._family.mistral import read
-from nnx_shard.models._family.mistral import write as window_keys
 from nnx_shard.models._hf_config import FIX_VALUE
 
-__all__ = ["CONFIGS", "FAMILY", "fusions", "hf_in", "write"]
+__all__ = ["CONFIGS", "FAMILY", "Phi3Config", "fusions", "hf_in", "write"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Phi3Config(WindowConfig):
+    """:class:`~nnx_shard.models.DecoderConfig` of a Phi-3 model: its window
+    (``sliding_window``)."""
+
+    model_type: str = "phi3"
 
 
 def fusions(cfg: Any) -> list[Fusion]:
@@ -54,9 +62,8 @@ def hf_in(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def write(cfg: Any, out: dict[str, Any]) -> None:
-    """The window, Phi-3's own top-level pretraining context (over the scaling's), and
-    no pad id where Phi3Config's default (32000) would not index the embedding."""
-    window_keys(cfg, out)
+    """Phi-3's own top-level pretraining context (over the scaling's), and no pad id
+    where Phi3Config's default (32000) would not index the embedding."""
     if cfg.rope_scaling:
         out["original_max_position_embeddings"] = dict(cfg.rope_scaling).get(
             "original_max_position_embeddings", cfg.max_length)
@@ -66,6 +73,6 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
 
 FAMILY = register(Family(
     "phi3", ("Phi3ForCausalLM",), LLAMA_MAPPING, fused=fusions, block=DecoderBlock,
-    fields=("sliding_window",), hf_in=hf_in, read=read, write=write))
+    hf_in=hf_in, read=read, write=write, config=Phi3Config))
 
 CONFIGS: dict[str, Any] = {}
