@@ -10,6 +10,7 @@ jax, which is why importing this module loads neither jax nor nnx_shard.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -52,6 +53,19 @@ def parse(doc: str, workers: tuple[str, ...] = ("worker",)) -> argparse.Namespac
     ap.add_argument("--quick", action="store_true", help="short runs (smoke test)")
     return ap.parse_args()
 
+
+
+def cost_parser(doc: str, quick: str, out: Path, timed: str) -> argparse.ArgumentParser:
+    """The flags of a benchmark that reads compiled costs: ``--quick`` (``quick`` says
+    what it runs), ``--out`` (default ``out``) and ``--time ROUNDS``, which also runs each
+    program on real arrays (``timed``: what one round runs)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--out", type=Path, default=out, help="where the JSON goes")
+    ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
+                    help=f"also run each {timed} on real arrays: median ms over ROUNDS "
+                    "rounds (meant for an accelerator)")
+    return ap
 
 def worker_main(args: argparse.Namespace, workers: dict[str, Callable[[int, bool], dict]]) -> bool:
     """Runs the worker the command line names, printing its JSON; False if none."""
@@ -139,6 +153,45 @@ def time_compiled(rows: list[dict], runs: list[tuple], rounds: int, steps: int) 
     rates = interleaved(runs, rounds, steps, lambda run: jax.block_until_ready(run[0](*run[1:])))
     for row, rate in zip(rows, rates, strict=True):
         row["steps_per_s"] = rate
+
+
+
+@dataclasses.dataclass
+class Timings:
+    """Seconds of wall and of process CPU time of one call of each name, one per round."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+    def over(self, table: str, v: str, base: str) -> float:
+        """The median over rounds of ``v``'s time over ``base``'s (``table``: "wall" or
+        "cpu")."""
+        import statistics
+
+        times = getattr(self, table)
+        return statistics.median(a / b for a, b in zip(times[v], times[base], strict=True))
+
+
+def time_calls(calls: dict[str, Callable[[], Any]], names: list[str], rounds: int) -> Timings:
+    """The times of one call of each of ``names`` (a key of ``calls``; its result waited
+    for), each the mean of two calls, one per round of ``rounds`` that visit the names in a
+    rotating order, after one warm-up call each."""
+    import time
+
+    import jax
+
+    timings = Timings({v: [] for v in names}, {v: [] for v in names})
+    for v in names:  # warm up
+        jax.block_until_ready(calls[v]())
+    for r in range(rounds):
+        for j in range(len(names)):
+            v = names[(j + r) % len(names)]
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(2):
+                jax.block_until_ready(calls[v]())
+            timings.wall[v].append((time.perf_counter() - t0) / 2)
+            timings.cpu[v].append((time.process_time() - c0) / 2)
+    return timings
 
 
 def median_ms(step: Callable[[], Any], rounds: int, steps: int) -> float:
@@ -343,6 +396,57 @@ class LMProblem:
     def rules(self) -> Any:
         return self.strategy.rules
 
+
+
+def hand_call(lm: LMProblem) -> tuple[Callable[[], Any], Any, float]:
+    """The :func:`hand_scan` of ``lm``'s window as a call (for :func:`time_calls`) on a
+    fresh model, each call going on from the state the last left; its compiled program;
+    the MiB of that state the first device holds."""
+    import jax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard.models import lm_loss
+
+    graphdef, state0 = nnx.split(lm.make())
+    scan_train: Any = hand_scan(graphdef, lm_loss)
+    box = [state0]
+
+    def hand() -> Any:
+        box[0], loss = scan_train(box[0], lm.window)
+        return loss
+
+    with ns.use(lm.mesh, lm.rules):
+        compiled = scan_train.lower(box[0], lm.window).compile()
+    mib = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state0)) / 2**20
+    return hand, compiled, mib
+
+
+def fit_call(lm: LMProblem, k: int, batch: int, guard: str,
+             during_fit: Callable[[], Any] = contextlib.nullcontext
+             ) -> tuple[Callable[[], Any], Any]:
+    """The compiled call of a ``Trainer`` of a fresh model of ``lm`` (``k`` steps a call,
+    NaN guard ``guard``) on ``lm``'s window, as ``fit`` makes it but without fit's host
+    loop, and its compiled program. One ``fit`` of ``k`` steps (in the context
+    ``during_fit()``) compiles it and records the layout fit reads from the arrays."""
+    import nnx_shard as ns
+    from nnx_shard._train._fused import Carry
+    from nnx_shard.models import lm_loss
+
+    with during_fit():
+        t = ns.Trainer(*lm.make(), lm_loss, mesh=lm.mesh, rules=lm.rules, steps_per_call=k,
+                       guard=guard)
+        history = t.fit(ns.Batches(lm.arrays, batch), k, progress=False)
+    assert history.steps == k and t.traces == 1, (history.stop_reason, t.traces)
+    carry: Any = Carry(t._fused)
+
+    def call() -> Any:
+        return carry(t.model, t.optimizer, lm.window, t._guard)
+
+    with ns.use(lm.mesh, lm.rules):
+        call()  # run once
+        compiled = carry.plan.jitted.lower(carry.values, (lm.window,)).compile()
+    return call, compiled
 
 def lm_problem(strategy_name: str, n_devices: int, quick: bool, k: int, batch: int) -> LMProblem:
     """``small`` (``tiny`` with ``quick``) under preset ``strategy_name`` on

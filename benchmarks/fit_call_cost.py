@@ -36,13 +36,23 @@ Run (about 5 minutes on 2 CPU cores; ``--quick``: a short smoke run)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
-from _common import hand_scan, lm_problem, parse, print_table, run_worker, worker_main, write_json
+from _common import (
+    fit_call,
+    hand_call,
+    lm_problem,
+    parse,
+    print_table,
+    run_worker,
+    time_calls,
+    worker_main,
+    write_json,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fit_call_cost.json"
 # (devices, strategy): on one device fsdp is dp.
@@ -58,40 +68,26 @@ def worker(n_devices: int, quick: bool) -> dict:
 
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     import nnx_shard as ns
     from nnx_shard._train import _guard as train_guard
     from nnx_shard._train import _trainer as train_trainer
-    from nnx_shard._train._fused import Carry
-    from nnx_shard.models import lm_loss
 
     assert jax.device_count() == n_devices, (jax.device_count(), n_devices)
     name = os.environ.get(STRATEGY_ENV, "dp")
     lm = lm_problem(name, n_devices, quick, K, BATCH)
-    mesh, rules, arrays, window, make = lm.mesh, lm.rules, lm.arrays, lm.window, lm.make
 
     def temp_mib(compiled) -> float:
         return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
     calls, temp = {}, {}
 
-    # -- hand scan -------------------------------------------------------------------
-    graphdef, state0 = nnx.split(make())
-
-    scan_train = hand_scan(graphdef, lm_loss)
-    box = [state0]
-
-    def hand():
-        box[0], loss = scan_train(box[0], window)
-        return loss
-
-    with ns.use(mesh, rules):
-        temp["hand scan"] = temp_mib(scan_train.lower(box[0], window).compile())
-    calls["hand scan"] = hand
+    calls["hand scan"], compiled, state = hand_call(lm)
+    temp["hand scan"] = temp_mib(compiled)
 
     # -- fit's call, and the same call with parts taken out ------------------------------
-    def fit_call(undo=True, grad_norm=True, shares=True):
+    @contextlib.contextmanager
+    def taken_out(undo=True, grad_norm=True, shares=True):
         saved = train_guard.grads_norm, train_guard.grad_sq_shares, train_trainer.guard_call
         if not undo:  # fit's own end-of-call guard, minus the select back
             train_trainer.guard_call = functools.partial(train_guard.guard_call, undo=False)
@@ -99,54 +95,32 @@ def worker(n_devices: int, quick: bool) -> dict:
             train_guard.grads_norm = lambda grads, replicated=False: jnp.zeros(())
         if not grad_norm or not shares:
             train_guard.grad_sq_shares = lambda grads, specs, mesh: None
-        try:  # one fit compiles the call (and records the layout fit reads from the arrays)
-            t = ns.Trainer(*make(), lm_loss, mesh=mesh, rules=rules, steps_per_call=K,
-                           guard="full")
-            history = t.fit(ns.Batches(arrays, BATCH), K, progress=False)
+        try:
+            yield
         finally:
             train_guard.grads_norm, train_guard.grad_sq_shares, train_trainer.guard_call = saved
-        assert history.steps == K and t.traces == 1, (history.stop_reason, t.traces)
-        carry = Carry(t._fused)
 
-        def call():
-            return carry(t.model, t.optimizer, window, t._guard)
-
-        with ns.use(mesh, rules):
-            call()
-            compiled = carry.plan.jitted.lower(carry.values, (window,)).compile()
+    def variant(**parts):
+        call, compiled = fit_call(lm, K, BATCH, "full", functools.partial(taken_out, **parts))
         return call, temp_mib(compiled)
 
-    calls["fit"], temp["fit"] = fit_call()
-    calls[VARIANTS[2]], temp[VARIANTS[2]] = fit_call(shares=False)
-    calls[VARIANTS[3]], temp[VARIANTS[3]] = fit_call(undo=False)
-    calls[VARIANTS[4]], temp[VARIANTS[4]] = fit_call(undo=False, grad_norm=False)
+    calls["fit"], temp["fit"] = variant()
+    calls[VARIANTS[2]], temp[VARIANTS[2]] = variant(shares=False)
+    calls[VARIANTS[3]], temp[VARIANTS[3]] = variant(undo=False)
+    calls[VARIANTS[4]], temp[VARIANTS[4]] = variant(undo=False, grad_norm=False)
 
     rounds = 3 if quick else 12
-    wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    with ns.use(mesh, rules):
-        for v in VARIANTS:  # warm up
-            jax.block_until_ready(calls[v]())
-        for r in range(rounds):
-            for j in range(len(VARIANTS)):
-                v = VARIANTS[(j + r) % len(VARIANTS)]
-                t0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(2):
-                    jax.block_until_ready(calls[v]())
-                wall[v].append((time.perf_counter() - t0) / 2)
-                cpu[v].append((time.process_time() - c0) / 2)
-
-    def paired(table: dict[str, list[float]], v: str) -> float:
-        return statistics.median(a / b for a, b in zip(table[v], table["hand scan"], strict=True))
+    with ns.use(lm.mesh, lm.rules):
+        timed = time_calls(calls, list(VARIANTS), rounds)
+    wall, cpu = timed.wall, timed.cpu
 
     return {
         "n_devices": n_devices, "strategy": name, "model": "tiny" if quick else "small", "rounds": rounds,
         "ms_per_call": {v: 1e3 * statistics.median(wall[v]) for v in VARIANTS},
-        "over_hand_wall": {v: paired(wall, v) for v in VARIANTS},
-        "over_hand_cpu": {v: paired(cpu, v) for v in VARIANTS},
+        "over_hand_wall": {v: timed.over("wall", v, "hand scan") for v in VARIANTS},
+        "over_hand_cpu": {v: timed.over("cpu", v, "hand scan") for v in VARIANTS},
         "temp_mib_per_device": temp,
-        "state_mib_per_device": sum(
-            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(box[0])) / 2**20,
+        "state_mib_per_device": state,
         "wall_s": wall, "cpu_s": cpu,
     }
 

@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import hand_scan, lm_problem, print_table, run_worker, write_json
+from _common import fit_call, hand_call, lm_problem, print_table, run_worker, time_calls, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "guard_cost.json"
 SETTINGS = ((1, "dp"), (8, "dp"), (8, "fsdp"))
@@ -131,76 +131,38 @@ def memory_worker(n_devices: int, quick: bool) -> dict:
 def time_worker(n_devices: int, quick: bool) -> dict:
     """Part 2: the small transformer's compiled calls per mode, timed and measured."""
     import jax
-    from flax import nnx
 
     import nnx_shard as ns
-    from nnx_shard._train._fused import Carry
-    from nnx_shard.models import lm_loss
 
     assert jax.device_count() == n_devices
     name = os.environ.get(STRATEGY_ENV, "dp")
     lm = lm_problem(name, n_devices, quick, K, BATCH)
-    mesh, rules, arrays, window, make = lm.mesh, lm.rules, lm.arrays, lm.window, lm.make
 
     calls, temp = {}, {}
-    graphdef, state0 = nnx.split(make())
-    scan_train = hand_scan(graphdef, lm_loss)
-    box = [state0]
+    calls["hand scan"], compiled, state = hand_call(lm)
+    temp["hand scan"] = _mem(compiled)["temp"]
 
-    def hand():
-        box[0], loss = scan_train(box[0], window)
-        return loss
-
-    with ns.use(mesh, rules):
-        temp["hand scan"] = _mem(scan_train.lower(box[0], window).compile())["temp"]
-    calls["hand scan"] = hand
-
-    def fit_call(mode: str, gate: str | None):
-        with _gate(gate):  # fit compiles the call, recording the layout fit reads
-            t = ns.Trainer(*make(), lm_loss, mesh=mesh, rules=rules, steps_per_call=K,
-                           guard=mode)
-            history = t.fit(ns.Batches(arrays, BATCH), K, progress=False)
-            assert history.steps == K and t.traces == 1, (history.stop_reason, t.traces)
-            carry = Carry(t._fused)
-
-            def call():
-                return carry(t.model, t.optimizer, window, t._guard)
-
-            with ns.use(mesh, rules):
-                call()
-                compiled = carry.plan.jitted.lower(carry.values, (window,)).compile()
+    def gated_call(mode: str, gate: str | None):
+        with _gate(gate):  # all of it: the compile of fit_call traces the gated step again
+            call, compiled = fit_call(lm, K, BATCH, mode)
         return call, _mem(compiled)["temp"]
 
     for label, mode, gate in MODES:
-        calls[label], temp[label] = fit_call(mode, gate)
+        calls[label], temp[label] = gated_call(mode, gate)
 
     rounds = 3 if quick else 12
-    wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    with ns.use(mesh, rules):
-        for v in VARIANTS:  # warm up
-            jax.block_until_ready(calls[v]())
-        for r in range(rounds):
-            for j in range(len(VARIANTS)):
-                v = VARIANTS[(j + r) % len(VARIANTS)]
-                t0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(2):
-                    jax.block_until_ready(calls[v]())
-                wall[v].append((time.perf_counter() - t0) / 2)
-                cpu[v].append((time.process_time() - c0) / 2)
-
-    def paired(table: dict[str, list[float]], v: str, base: str) -> float:
-        return statistics.median(a / b for a, b in zip(table[v], table[base], strict=True))
+    with ns.use(lm.mesh, lm.rules):
+        timed = time_calls(calls, list(VARIANTS), rounds)
+    wall, cpu = timed.wall, timed.cpu
 
     return {
         "n_devices": n_devices, "strategy": name, "model": cfg_name(quick), "rounds": rounds,
         "steps_per_s": {v: K / statistics.median(wall[v]) for v in VARIANTS},
-        "over_hand_wall": {v: paired(wall, v, "hand scan") for v in VARIANTS},
-        "over_hand_cpu": {v: paired(cpu, v, "hand scan") for v in VARIANTS},
-        "over_full_wall": {v: paired(wall, v, "full") for v in VARIANTS},
+        "over_hand_wall": {v: timed.over("wall", v, "hand scan") for v in VARIANTS},
+        "over_hand_cpu": {v: timed.over("cpu", v, "hand scan") for v in VARIANTS},
+        "over_full_wall": {v: timed.over("wall", v, "full") for v in VARIANTS},
         "temp_mib_per_device": {v: b / 2**20 for v, b in temp.items()},
-        "state_mib_per_device": sum(
-            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(box[0])) / 2**20,
+        "state_mib_per_device": state,
         "wall_s": wall, "cpu_s": cpu,
     }
 

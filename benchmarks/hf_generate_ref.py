@@ -50,7 +50,7 @@ SHAPES = {
 
 def build(shape: str, seed: int) -> transformers.LlamaForCausalLM:
     """The random-weight model, the same for the same ``shape`` and ``seed``."""
-    cfg = transformers.DecoderConfig(**SHAPES[shape], max_position_embeddings=2048,
+    cfg = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=2048,
                                    tie_word_embeddings=False, rms_norm_eps=1e-5,
                                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)

@@ -31,12 +31,11 @@ Run (about 2 minutes on 2 CPU cores; ``--quick``: 256 tokens)::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any
 
-from _common import machine, median_ms, print_table, write_json
+from _common import cost_parser, machine, median_ms, print_table, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lora_cost.json"
 ALL = r"attn/(q|k|v|o)$|mlp/(gate|up|down)$"
@@ -169,12 +168,7 @@ def _cost(compiled: Any) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="256 tokens")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
-    ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
-                    help="also run each program on real arrays: median ms over ROUNDS "
-                         f"rounds of {STEPS} calls (meant for an accelerator)")
+    ap = cost_parser(__doc__, "256 tokens", RESULTS, f"program ({STEPS} calls a round)")
     ap.add_argument("--adamw", action="store_true",
                     help="also the two train steps with optax.adamw instead of SGD")
     args = ap.parse_args()

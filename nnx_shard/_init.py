@@ -269,10 +269,9 @@ def abstract_init(
 
     >>> from flax import nnx
     >>> import nnx_shard as ns
-    >>> from nnx_shard import abstract_init
     >>> init = ns.with_logical(nnx.initializers.lecun_normal(), ("embed", "mlp"))
-    >>> model = abstract_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
-    ...                       "data=4,model=2", {"embed": "data", "mlp": "model"})
+    >>> model = ns.abstract_init(lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+    ...                          "data=4,model=2", {"embed": "data", "mlp": "model"})
     >>> k = model.kernel.get_value()
     >>> type(k).__name__, k.shape, k.sharding.spec
     ('ShapeDtypeStruct', (8, 16), P('data', 'model'))

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Workers", "run_requests", "serve", "serve_lines", "simulated_env"]
+__all__ = ["Workers", "run_one", "run_requests", "serve", "serve_lines", "simulated_env"]
 
 FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # The directory nnx_shard is imported from, so a child imports the same code.
@@ -128,6 +128,34 @@ def run_requests(spec: str, requests: Sequence[Mapping[str, Any]], n_devices: in
             proc.kill()
             proc.wait()
 
+
+
+def run_one(spec: str, request: Mapping[str, Any], n_devices: int, *, timeout: float,
+            what: str, slow: str, fix: str = "", error_chars: int = 1000) -> dict[str, Any]:
+    """The result of :func:`run_requests` on the one ``request``; a
+    :class:`~nnx_shard._errors.CompileError` saying ``what`` took longer than ``timeout``
+    (then ``slow``, its way out) or failed (with the child's error, then ``fix``).
+
+    >>> run_one("builtins:dict", {"a": 1}, 2, timeout=120, what="a copy", slow="")
+    {'a': 1}
+    >>> try:
+    ...     run_one("os:fspath", {}, 2, timeout=120, what="a path", slow="", fix=". Fix: none")
+    ... except Exception as e:
+    ...     print(f"{type(e).__name__}: {str(e)[:30]}...{str(e)[-10:]}")
+    CompileError: a path failed: TypeError: ex.... Fix: none
+    """
+    from nnx_shard._errors import CompileError
+
+    results: list[dict[str, Any]] = []
+    run_requests(spec, [request], n_devices, timeout=timeout,
+                 on_result=lambda i, r: results.append(r), error_chars=error_chars)
+    (result,) = results
+    if result.get("timed_out"):
+        raise CompileError(f"{what} took longer than {timeout:g} s{slow}")
+    if "failed" in result or "error" in result:
+        # The child's error (one of nnx_shard's, with its own Fix:) or its last words.
+        raise CompileError(f"{what} failed: {result.get('failed') or result.get('error')}{fix}")
+    return result
 
 def serve_lines(spec: str, error_chars: int = 1000) -> None:
     """The child's side of :class:`Workers`: one JSON request per line of stdin, one

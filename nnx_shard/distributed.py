@@ -496,12 +496,8 @@ def is_main() -> bool:
 # --------------------------------------------------------------------------- data
 
 
-def process_slice(
-    batch_size: int,
-    mesh: Mesh | str | Mapping[str, int],
-    rules: Rules | Mapping[str, Any],
-    name: str | None = "batch",
-) -> slice:
+def process_slice(batch_size: int, mesh: Mesh | str | Mapping[str, int],
+                  rules: Rules | Mapping[str, Any], name: str | None = "batch") -> slice:
     """The rows of a global batch of ``batch_size`` that this process loads.
 
     A batch dimension named ``name`` is split over the mesh axes ``rules``
@@ -544,12 +540,8 @@ def process_slice(
     return slice(start, stop)
 
 
-def local_part(
-    batch: Any,
-    mesh: Mesh | str | Mapping[str, int],
-    rules: Rules | Mapping[str, Any],
-    name: str | None = "batch",
-) -> Any:
+def local_part(batch: Any, mesh: Mesh | str | Mapping[str, int],
+               rules: Rules | Mapping[str, Any], name: str | None = "batch") -> Any:
     """This process's rows (:func:`process_slice`) of every leaf of a global host batch.
 
     For data every process can produce whole (synthetic data, a small

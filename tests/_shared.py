@@ -143,3 +143,28 @@ def load_refusal(folder: Any, cfg: Any) -> str:
     with pytest.raises(UsageError) as info:
         ns.hf.load_safetensors(folder, target)
     return str(info.value)
+
+
+def adapter_copy(source: Path, out: Path, **config: Any) -> Path:
+    """A copy at ``out`` of the PEFT adapter folder ``source`` with ``config`` merged into
+    its ``adapter_config.json``."""
+    import json
+
+    out.mkdir()
+    cfg = json.loads((source / "adapter_config.json").read_text()) | config
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    (out / "adapter_model.safetensors").write_bytes(
+        (source / "adapter_model.safetensors").read_bytes())
+    return out
+
+
+def mse(model: Any, batch: Any) -> jax.Array:
+    """The mean squared error of ``model(batch["x"])`` against ``batch["y"]``."""
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def mse_train_step(model: Any, optimizer: Any, batch: Any) -> dict[str, jax.Array]:
+    """One SGD-style step of :func:`mse` through ``ns.value_and_grad``; its metrics."""
+    loss, grads = ns.value_and_grad(mse)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}

@@ -46,6 +46,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 CLEAR, RAW, HANG, SILENT = "clear", "raw", "hang", "silent"
@@ -1312,6 +1313,170 @@ def _hf_file() -> str:
     return p
 
 
+# Fixture folders the case files (tests/hostile_cases/) build their hostile copies from.
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+TEXT_FIXTURE = os.path.join(FIXTURES, "hf_llama_text")  # a tokenizer folder
+MODEL_FIXTURE = os.path.join(FIXTURES, "hf_llama")  # a checkpoint with no tokenizer
+
+
+def load_dp(folder: Any) -> Any:
+    """``load_pretrained`` of the checkpoint ``folder`` on ``data=8`` with ``dp``'s rules."""
+    import nnx_shard as ns
+
+    return ns.hf.load_pretrained(folder, mesh="data=8", rules=ns.strategies.get("dp").rules)
+
+
+def hf_text(fn: str, new: Any, kw: dict[str, Any]) -> Any:
+    """``generate_text`` of ``["Hello"]`` (or ``stream_text`` of ``"Hello"``, all its
+    pieces) by the hf_llama fixture with the tokenizer fixture, ``new`` new tokens and the
+    settings of ``kw`` (see :func:`generation_config`)."""
+    from nnx_shard.inference import Tokenizer
+    from nnx_shard.inference import _text as t
+
+    model = load_dp(MODEL_FIXTURE)
+    config, rest = generation_config(new, kw)
+    tok = Tokenizer.from_pretrained(TEXT_FIXTURE)
+    if fn == "stream_text":
+        return list(t.stream_text(model, tok, "Hello", config, **rest))
+    return t.generate_text(model, tok, ["Hello"], config, **rest)
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(os.listdir(folder)) if folder.is_dir() else []
+
+
+def hf_publish_copy(folder: str | os.PathLike[str]) -> Path:
+    """A fresh copy of the hf_publish checkpoint (a tokenizer of 128 ids) at ``folder``."""
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for p in (Path(FIXTURES) / "hf_publish").iterdir():
+        shutil.copy(p, folder / p.name)
+    return folder
+
+
+def save_nothing(parent: str | os.PathLike[str], model: Any, **kw: Any) -> Any:
+    """``save_safetensors`` of ``model`` to ``parent/out``, which must stay absent, with
+    nothing new beside it (else an AssertionError: the case is ``raw``)."""
+    import nnx_shard as ns
+
+    parent = Path(parent)
+    out = parent / "out"
+    before = listing(parent)
+    try:
+        return ns.hf.save_safetensors(out, model, **kw)
+    finally:
+        if out.exists() or listing(parent) != before:
+            raise AssertionError(f"{parent}: an export or a staging folder was left")
+
+
+def one_shard(folder: Path) -> Path:
+    """``folder`` with its weights as the one shard its index lists (the index is read)."""
+    from nnx_shard import _safetensors_io as st
+
+    keys = list(st.read_header(str(folder / "model.safetensors")).tensors)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}}))
+    return folder
+
+
+def norm_on_layer0(path: str | os.PathLike[str]) -> None:
+    """Points the safetensors file ``path``'s ``model.norm.weight`` at the bytes of layer 0's
+    input norm (both [32] F32 in the hf_llama fixture): its header then overlaps two tensors."""
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["model.norm.weight"]["data_offsets"] = header[
+        "model.layers.0.input_layernorm.weight"]["data_offsets"]
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + data[8 + n:])
+
+
+# What a swapped-in link leads to: a private key, that no error or result may show.
+SECRET = '{"secret": "-----BEGIN PRIVATE KEY----- not to be published"}'
+TOKENIZER_FILES = ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json")
+
+
+def private_swap(folder: Path, name: str, how: str) -> Callable[[], None]:
+    """A function that replaces the file ``name`` of ``folder`` (``how="file"``), or
+    ``folder`` itself (``"folder"``), by a link to a private file (to a folder of them, the
+    tokenizer's files and ``name``), each holding :data:`SECRET`."""
+    private = folder.parent / "private"
+    private.mkdir()
+    for n in {*TOKENIZER_FILES, name}:
+        (private / n).write_text(SECRET)
+
+    def swap() -> None:
+        if how == "file":
+            (folder / name).unlink()
+            (folder / name).symlink_to(private / name)
+        else:
+            folder.rename(folder.parent / "moved")
+            folder.symlink_to(private, target_is_directory=True)
+
+    return swap
+
+
+def merge_json(path: str, changes: dict[str, Any], *, none_drops: bool = False) -> None:
+    """Merges ``changes`` into the JSON object of the file ``path`` (with ``none_drops``, a
+    None value removes its key instead of writing null)."""
+    with open(path) as f:
+        loaded = json.load(f) | changes
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in loaded.items() if v is not None or not none_drops}, f)
+
+
+def tokenizer_copy(out: str, config: dict[str, Any] | None = None,
+                   files: dict[str, str | bytes] | None = None, drop: Sequence[str] = (),
+                   then: Callable[[str], Any] | None = None) -> str:
+    """``out``, made once (a later call returns it as it is) as a copy of the tokenizer
+    fixture with ``config`` merged into its ``tokenizer_config.json`` (None removes a key),
+    the files of ``drop`` removed, ``files`` (name -> content) written, then ``then(out)``."""
+    if not os.path.isdir(out):
+        shutil.copytree(TEXT_FIXTURE, out)
+        if config is not None:
+            merge_json(os.path.join(out, "tokenizer_config.json"), config, none_drops=True)
+        for name in drop:
+            if os.path.lexists(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
+        for name, content in (files or {}).items():
+            with open(os.path.join(out, name), "wb" if isinstance(content, bytes) else "w") as f:
+                f.write(content)
+        if then is not None:
+            then(out)
+    return out
+
+
+def peft_copy(source: str, out: str, change: dict[str, Any] | None = None,
+              tensors: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> str:
+    """``out``, made once (a later call returns it as it is) as a copy of the PEFT adapter
+    folder ``source`` with ``change`` merged into its ``adapter_config.json`` and its
+    factors replaced by ``tensors(factors)`` (name -> array, both)."""
+    if os.path.isdir(out):
+        return out
+    shutil.copytree(source, out)
+    if change is not None:
+        merge_json(os.path.join(out, "adapter_config.json"), change)
+    if tensors is not None:
+        import numpy as np
+
+        from nnx_shard import _safetensors_io as st
+
+        file = os.path.join(out, "adapter_model.safetensors")
+        header = st.read_header(file)
+        new = tensors({n: st.read_slice(header, n, [slice(None)] * len(i.shape))
+                       for n, i in header.tensors.items()})
+        os.remove(file)
+        st.create(file, {k: (st.dtype_name(v.dtype), v.shape) for k, v in new.items()})
+        header = st.read_header(file)
+        for k, v in new.items():
+            st.write_slice(file, header, k, [slice(None)] * v.ndim, np.asarray(v, order="C"))
+    return out
+
+
 def _attention_mode(mode: str) -> Any:
     import jax.numpy as jnp
 
@@ -1637,6 +1802,11 @@ def _worker() -> None:
     by_name = {c.name: c for c in cases()}
     import jax
 
+    from nnx_shard.hf import _peft_config
+
+    # The one time bound of a PEFT config's pattern matching: the backtracking patterns'
+    # cases meet it (a clear error naming the field) as they meet the library's 2 s.
+    _peft_config.MATCH_SECONDS = min(_peft_config.MATCH_SECONDS, 0.25)
     jax.devices()  # started before the first case's clock
     results.write("ready\n")
     results.flush()

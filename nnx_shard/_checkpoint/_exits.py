@@ -16,7 +16,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from nnx_shard._checkpoint._internal import (
@@ -43,43 +43,36 @@ class CheckpointWriteError(NnxShardError, OSError):
     """
 
 
-def _errno_of(e: BaseException) -> int | None:
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """``e``, then its cause (or else its context), then that one's, ... each once."""
     seen: set[int] = set()
     x: BaseException | None = e
     while x is not None and id(x) not in seen:
         seen.add(id(x))
+        yield x
+        x = x.__cause__ or x.__context__
+
+
+def _errno_of(e: BaseException) -> int | None:
+    for x in _chain(e):
         if isinstance(x, OSError) and x.errno:
             return int(x.errno)
         m = re.search(r"os_error_code='?(\d+)", str(x))
         if m:
             return int(m.group(1))
-        x = x.__cause__ or x.__context__
     return None
 
 
 def _filename_of(e: BaseException) -> str | None:
-    seen: set[int] = set()
-    x: BaseException | None = e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        if isinstance(x, OSError) and x.filename:
-            return os.fsdecode(x.filename)
-        x = x.__cause__ or x.__context__
-    return None
+    return next((os.fsdecode(x.filename) for x in _chain(e)
+                 if isinstance(x, OSError) and x.filename), None)
 
 
 def _at_shutdown(e: BaseException) -> bool:
     """Whether ``e`` (or its cause) is Python refusing work because the interpreter exits."""
-    seen: set[int] = set()
-    x: BaseException | None = e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        # "... after interpreter shutdown", "... at interpreter shutdown", and "... after
-        # shutdown" from an executor of orbax's that its failing loop shut meanwhile.
-        if isinstance(x, RuntimeError) and "shutdown" in str(x):
-            return True
-        x = x.__cause__ or x.__context__
-    return False
+    # "... after interpreter shutdown", "... at interpreter shutdown", and "... after
+    # shutdown" from an executor of orbax's that its failing loop shut meanwhile.
+    return any(isinstance(x, RuntimeError) and "shutdown" in str(x) for x in _chain(e))
 
 
 def save_failed(caller: str, directory: pathlib.Path, step: int, e: BaseException,

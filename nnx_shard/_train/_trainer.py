@@ -398,16 +398,15 @@ class Trainer:
         callbacks): for timing the call itself. Returns the call's outputs as device
         arrays, not waited for; the model and optimizer are updated as by ``fit``.
 
-        >>> from nnx_shard import Trainer
+        >>> from nnx_shard import Trainer, shard_batch
         >>> import jax.numpy as jnp, numpy as np, optax
         >>> from flax import nnx
+        >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
         >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
         >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        >>> mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
         >>> trainer = Trainer(model, opt, mse, mesh="data=8", rules={"batch": "data"},
         ...                   steps_per_call=2)
         >>> batch = {"x": np.ones((2, 8, 3), np.float32), "y": np.ones((2, 8, 1), np.float32)}
-        >>> from nnx_shard import shard_batch
         >>> out = trainer.call(shard_batch(batch, trainer.mesh, trainer.rules, steps=True))
         >>> out is not None
         True

@@ -19,9 +19,9 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nnx_shard._axes import sizes_str
 from nnx_shard.cli import _demo_outputs as demo_outputs
@@ -30,6 +30,9 @@ from nnx_shard.cli._common import UsageError as _Usage
 from nnx_shard.cli._common import mesh_sizes as _mesh_sizes
 from nnx_shard.cli._common import simulate_devices as _simulate_devices
 from nnx_shard.cli._common import strategy as _strategy
+
+if TYPE_CHECKING:
+    from nnx_shard.strategies import Strategy
 
 __all__ = ['plot_losses']
 
@@ -204,6 +207,28 @@ def _write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(_strict_json(summary), indent=1, allow_nan=False))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layouts:
+    """What :func:`_setup` checked before anything runs: the strategies, the devices, the
+    meshes to train and to restore on, the model's config and factory, the restore target."""
+
+    strategy: Strategy
+    restore_strategy: Strategy
+    devices: list[Any]
+    sizes: dict[str, int]
+    axis_types: str
+    mesh: Any
+    cfg: Any
+    factory: Callable[[], Any]
+    restore_sizes: dict[str, int]
+    restore_mesh: Any
+    target: Any
+
+    @property
+    def n(self) -> int:
+        return len(self.devices)
+
+
 @dataclasses.dataclass
 class _Run:
     """The state one demo run carries from phase to phase."""
@@ -213,19 +238,8 @@ class _Run:
     outputs: _Outputs
     simulated: bool
     t_start: float
-    stage: Any = None
-    strategy: Any = None
-    restore_strategy: Any = None
-    devices: Any = None
-    n: int = 0
-    sizes: Any = None
-    axis_types: str = "explicit"
-    mesh: Any = None
-    cfg: Any = None
-    factory: Any = None
-    restore_sizes: Any = None
-    restore_mesh: Any = None
-    target: Any = None
+    layouts: _Layouts
+    stage: demo_outputs.Stage
     corpus: Any = None
     baseline: float = 0.0
     heldout_host: Any = None
@@ -272,28 +286,25 @@ def _setup(args: argparse.Namespace) -> _Run:
     import nnx_shard as ns
     from nnx_shard.models import Decoder
 
-    run = _Run(args=args, out=out, outputs=outputs, simulated=simulated,
-               t_start=time.perf_counter())
-    strategy = run.strategy = _strategy(args.strategy)
+    t_start = time.perf_counter()
+    strategy = _strategy(args.strategy)
     restore_name = args.restore_strategy or ("fsdp" if strategy.name == "tp" else "tp")
-    restore_strategy = run.restore_strategy = _strategy(restore_name, "--restore-strategy")
+    restore_strategy = _strategy(restore_name, "--restore-strategy")
     devices = jax.devices()
     if len(devices) == 1 and len(jax.devices("cpu")) > 1:
         devices = jax.devices("cpu")  # one accelerator: use the simulated CPU devices
-    run.devices = devices
-    n = run.n = len(devices)
+    n = len(devices)
     if args.mesh:
         sizes = _mesh_sizes(args.mesh)
     else:
         sizes = strategy.mesh_for(n)
-    run.sizes = sizes
     need = math.prod(sizes.values())
     if need > n:
         raise _Usage(f"--mesh {sizes_str(sizes)} needs {need} devices but {n} are available")
-    run.axis_types = args.axis_types or "explicit"
-    run.mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=run.axis_types)
+    axis_types = args.axis_types or "explicit"
+    mesh = ns.make_mesh(sizes, devices=devices[:need], axis_types=axis_types)
     try:
-        cfg = run.cfg = _demo_config(args, strategy.name)
+        cfg = _demo_config(args, strategy.name)
     except ValueError as e:
         raise _Usage(str(e)) from None
     _check_size(cfg)
@@ -301,7 +312,6 @@ def _setup(args: argparse.Namespace) -> _Run:
     def factory() -> Decoder:
         return Decoder(cfg, rngs=nnx.Rngs(args.seed))
 
-    run.factory = factory
     # Every layout is checked before training, so a bad flag never costs a run.
     strategy.check(nnx.eval_shape(factory), sizes)
     if args.restore_mesh:
@@ -312,16 +322,17 @@ def _setup(args: argparse.Namespace) -> _Run:
     else:
         restore_sizes = (restore_strategy.suggest_mesh(nnx.eval_shape(factory), need)
                          or restore_strategy.mesh_for(need))
-    run.restore_sizes = restore_sizes
-    run.restore_mesh = ns.make_mesh(restore_sizes,
-                                    devices=devices[: math.prod(restore_sizes.values())])
-    run.target = ns.abstract_init(factory, run.restore_mesh, restore_strategy)
+    restore_mesh = ns.make_mesh(restore_sizes,
+                                devices=devices[: math.prod(restore_sizes.values())])
+    layouts = _Layouts(strategy, restore_strategy, list(devices), sizes, axis_types, mesh, cfg,
+                       factory, restore_sizes, restore_mesh,
+                       ns.abstract_init(factory, restore_mesh, restore_strategy))
 
     out.mkdir(parents=True, exist_ok=True)
     # Everything is written here first; the previous run's outputs stay until this one
     # has succeeded (_commit).
-    run.stage = demo_outputs.Stage.create(out)
-    return run
+    return _Run(args=args, out=out, outputs=outputs, simulated=simulated, t_start=t_start,
+                layouts=layouts, stage=demo_outputs.Stage.create(out))
 
 
 def _say(*parts: Any) -> None:
@@ -332,16 +343,16 @@ def _load_data(run: _Run) -> None:
     """Loads the corpus and its held-out batches, and says what runs on what."""
     from nnx_shard.corpus import load_stdlib
 
-    args, cfg = run.args, run.cfg
+    args, cfg = run.args, run.layouts.cfg
     corpus = run.corpus = load_stdlib()
     run.baseline = corpus.unigram_baseline()
     try:
         run.heldout_host = corpus.heldout_batches(args.batch, cfg.length)
     except ValueError as e:
         raise _Usage(f"--batch {args.batch} x --seq {cfg.length}: {e}") from None
-    _say(f"nnx-shard demo: {run.n} {run.devices[0].platform.upper()} devices"
+    _say(f"nnx-shard demo: {run.layouts.n} {run.layouts.devices[0].platform.upper()} devices"
          f"{' (simulated)' if run.simulated else ''}, "
-         f"strategy {run.strategy.name}, mesh {sizes_str(run.sizes)} ({run.axis_types} axes)")
+         f"strategy {run.layouts.strategy.name}, mesh {sizes_str(run.layouts.sizes)} ({run.layouts.axis_types} axes)")
     _say(f"data: {len(corpus.train):,} training characters from {len(corpus.files)} standard "
          f"library files, {len(corpus.heldout):,} held-out ({', '.join(corpus.heldout_files)})")
     _say(f"model: Transformer {cfg.layers} layers, embed {cfg.embed}, {cfg.heads} heads, "
@@ -358,14 +369,14 @@ def _train(run: _Run) -> None:
     import nnx_shard as ns
     from nnx_shard.models import lm_loss
 
-    args, cfg, strategy, mesh = run.args, run.cfg, run.strategy, run.mesh
+    args, cfg, strategy, mesh = run.args, run.layouts.cfg, run.layouts.strategy, run.layouts.mesh
     # The cosine decays over the steps after the warm-up: at least one (--steps 1: none).
     warmup = min(100, max(1, args.steps // 10), args.steps - 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
                                                   args.lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b2=0.99, weight_decay=0.01))
-    model = run.model = ns.sharded_init(run.factory, mesh, strategy)
+    model = run.model = ns.sharded_init(run.layouts.factory, mesh, strategy)
     optimizer = run.optimizer = ns.sharded_optimizer(model, tx, mesh, strategy)
     run.report = ns.explain(model, mesh, strategy, tx)
     _say(f"\nsharding report (ns.explain(model, mesh, ns.strategies.get({strategy.name!r}), tx)):")
@@ -422,8 +433,8 @@ def _report_stop(run: _Run) -> int:
     # The previous run's summary (if any) stays: this one goes beside it.
     name = "summary.stopped.json" if run.outputs.owns("summary.json") else "summary.json"
     _write_summary(run.stage.path / name, {
-        "strategy": run.strategy.name, "mesh": run.sizes, "devices": run.n,
-        "config": _jsonable_config(run.cfg), "steps": len(losses),
+        "strategy": run.layouts.strategy.name, "mesh": run.layouts.sizes, "devices": run.layouts.n,
+        "config": _jsonable_config(run.layouts.cfg), "steps": len(losses),
         "steps_requested": args.steps,
         "lr": args.lr, "seed": args.seed, "stop_reason": history.stop_reason,
         "heldout_loss": None, "heldout_evals": [[s, v] for s, v in run.evals],
@@ -510,22 +521,22 @@ def _checkpoint_restore(run: _Run, final: float) -> tuple[Any, Any, float]:
     (checkpoint path, restored model, its held-out loss)."""
     import nnx_shard as ns
 
-    trainer, restore_strategy = run.trainer, run.restore_strategy
+    trainer, restore_strategy = run.trainer, run.layouts.restore_strategy
     ckpt_dir = run.stage.path / "checkpoint"  # moved to --out once the run has succeeded
     ns.save(ckpt_dir, trainer.step, model=run.model, optimizer=run.optimizer,
-            extra={"config": _jsonable_config(run.cfg), "strategy": run.strategy.name,
-                   "mesh": run.sizes, "data_position": trainer.data_position})
+            extra={"config": _jsonable_config(run.layouts.cfg), "strategy": run.layouts.strategy.name,
+                   "mesh": run.layouts.sizes, "data_position": trainer.data_position})
     ckpt = run.out / "checkpoint" / str(trainer.step)
-    _say(f"\nsaved checkpoint {ckpt} ({run.strategy.name} on {sizes_str(run.sizes)})")
-    restored = ns.restore(ckpt_dir, model=run.target)
-    restored_heldout = [ns.shard_batch(b, run.restore_mesh, restore_strategy.rules)
+    _say(f"\nsaved checkpoint {ckpt} ({run.layouts.strategy.name} on {sizes_str(run.layouts.sizes)})")
+    restored = ns.restore(ckpt_dir, model=run.layouts.target)
+    restored_heldout = [ns.shard_batch(b, run.layouts.restore_mesh, restore_strategy.rules)
                         for b in run.heldout_host]
-    restored_loss = run.evaluate(restored, run.restore_mesh, restore_strategy.rules,
+    restored_loss = run.evaluate(restored, run.layouts.restore_mesh, restore_strategy.rules,
                                  restored_heldout)
     example = "blocks/0/mlp/up"
     before = _spec_of(run.model, example)
     after = _spec_of(restored, example)
-    _say(f"restored it as {restore_strategy.name} on {sizes_str(run.restore_sizes)}: {example} "
+    _say(f"restored it as {restore_strategy.name} on {sizes_str(run.layouts.restore_sizes)}: {example} "
          f"{before} -> {after}; held-out loss {restored_loss:.3f} "
          f"({'same' if abs(restored_loss - final) < 1e-3 else 'DIFFERENT'})")
     return ckpt, restored, restored_loss
@@ -537,14 +548,14 @@ def _sample_restored(run: _Run, restored: Any) -> tuple[Any, str]:
     from nnx_shard.corpus import decode
 
     args, corpus = run.args, run.corpus
-    window = run.cfg.length
+    window = run.layouts.cfg.length
     text = decode(corpus.heldout)
     at = text.find("\n    def ", window)
     at = at + len("\n    def ") if at >= 0 else window
     prompt = corpus.heldout[at - window: at]
     # One sequence: its batch (and its cache's) replicated.
-    gen_rules = run.restore_strategy.rules | {"batch": None, "cache_batch": None}
-    with ns.use(run.restore_mesh, gen_rules):
+    gen_rules = run.layouts.restore_strategy.rules | {"batch": None, "cache_batch": None}
+    with ns.use(run.layouts.restore_mesh, gen_rules):
         sample = decode(_sample(restored, prompt, args.sample_chars, args.temperature,
                                 args.seed))
     _say(f"\nsample from the restored model (temperature {args.temperature}), prompted with "
@@ -576,11 +587,11 @@ def _finish(run: _Run, *, first: float, final: float, tokens_s: float, ckpt: Any
     """Writes summary.json and says where the outputs are."""
     from nnx_shard.corpus import decode
 
-    args, cfg, out, history, report = run.args, run.cfg, run.out, run.history, run.report
+    args, cfg, out, history, report = run.args, run.layouts.cfg, run.out, run.history, run.report
     losses = history["loss"]
     summary = {
-        "strategy": run.strategy.name, "mesh": run.sizes, "devices": run.n,
-        "platform": run.devices[0].platform, "simulated_devices": run.simulated,
+        "strategy": run.layouts.strategy.name, "mesh": run.layouts.sizes, "devices": run.layouts.n,
+        "platform": run.layouts.devices[0].platform, "simulated_devices": run.simulated,
         "config": _jsonable_config(cfg), "num_params": cfg.num_params,
         "steps": len(losses), "steps_per_call": args.steps_per_call, "batch": args.batch,
         "seq": cfg.length, "lr": args.lr, "seed": args.seed, "stop_reason": None,
@@ -591,8 +602,8 @@ def _finish(run: _Run, *, first: float, final: float, tokens_s: float, ckpt: Any
         "param_bytes_per_device": report.param_bytes_per_device,
         "param_bytes_total": report.total_bytes,
         "opt_bytes_per_device": report.opt_bytes_per_device,
-        "checkpoint": str(ckpt), "restore_strategy": run.restore_strategy.name,
-        "restore_mesh": run.restore_sizes, "heldout_loss_restored": restored_loss,
+        "checkpoint": str(ckpt), "restore_strategy": run.layouts.restore_strategy.name,
+        "restore_mesh": run.layouts.restore_sizes, "heldout_loss_restored": restored_loss,
         "sample_prompt": decode(prompt), "sample": sample,
         "loss": losses.tolist(), "loss_png": None if png is None else str(png),
         "total_seconds": time.perf_counter() - run.t_start,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections.abc import Callable
 from typing import NoReturn
 
 from nnx_shard._train._guard import DEFAULT_GUARD, GUARDS
@@ -34,41 +35,37 @@ class Parser(argparse.ArgumentParser):
 _LONG_QUOTE = re.compile(r"('[^'\n]{60})[^'\n]{21,}'")
 
 
-def finite_positive(text: str) -> float:
-    """argparse type of --lr: a finite number > 0 (NaN would train to NaN and save it)."""
+def _finite(text: str, ok: Callable[[float], bool], must: str, nan_text: str | None = None
+            ) -> float:
+    """``text`` as a finite float that is ``ok``, else argparse's error ``must``
+    (``nan_text`` instead where ``text`` is no number at all and that has words of its own)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use e.g. 3e-3") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number greater than 0, got {text!r}; use e.g. 3e-3 or 120")
+        if nan_text is not None:
+            raise argparse.ArgumentTypeError(nan_text) from None
+        value = math.nan
+    if not math.isfinite(value) or not ok(value):
+        raise argparse.ArgumentTypeError(must)
     return value
+
+
+def finite_positive(text: str) -> float:
+    """argparse type of --lr: a finite number > 0 (NaN would train to NaN and save it)."""
+    return _finite(text, lambda v: v > 0, f"must be a finite number greater than 0, got "
+                   f"{text!r}; use e.g. 3e-3 or 120", f"{text!r} is not a number; use e.g. 3e-3")
 
 
 def finite_non_negative(text: str) -> float:
     """argparse type of --temperature: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number >= 0 (0 for greedy), got {text!r}")
-    return value
+    return _finite(text, lambda v: v >= 0,
+                   f"must be a finite number >= 0 (0 for greedy), got {text!r}")
 
 
 def finite_seconds(text: str) -> float:
     """argparse type of --link-latency: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or not 0 <= value < 3600:
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number of seconds >= 0 (and under an hour), got {text!r}; use "
-            "e.g. 5e-6, or 0 to leave latency out")
-    return value
+    return _finite(text, lambda v: 0 <= v < 3600, "must be a finite number of seconds >= 0 "
+                   f"(and under an hour), got {text!r}; use e.g. 5e-6, or 0 to leave latency out")
 
 
 def build_parser() -> Parser:
@@ -107,14 +104,21 @@ def build_parser() -> Parser:
     return parser
 
 
+
+def _command(sub: argparse._SubParsersAction[Parser], name: str, summary: str,
+             description: str) -> Parser:
+    """The parser of the command ``name``: ``summary`` in the list of commands, and
+    ``description`` in its own help, each prose with its line breaks made spaces."""
+    return sub.add_parser(name, help=" ".join(summary.split()),
+                          description=" ".join(description.split()))
+
 def _add_demo(sub: argparse._SubParsersAction[Parser]) -> None:
-    d = sub.add_parser("demo", help="train a sharded char-level transformer on Python's "
-                       "standard library, checkpoint, restore on another mesh, sample",
-                       description="Train the reference transformer as a character-level LM "
-                       "on the Python standard library's sources, sharded with a strategy; "
-                       "checkpoint it, restore it onto a different mesh and strategy, and "
-                       "sample text from the restored model. With one device, 8 CPU devices "
-                       "are simulated.")
+    d = _command(sub, "demo", """train a sharded char-level transformer on Python's standard
+        library, checkpoint, restore on another mesh, sample""", """
+        Train the reference transformer as a character-level LM on the Python standard
+        library's sources, sharded with a strategy; checkpoint it, restore it onto a
+        different mesh and strategy, and sample text from the restored model. With one
+        device, 8 CPU devices are simulated.""")
     d.add_argument("--strategy", default="fsdp_tp", help="dp, zero1, fsdp, tp, fsdp_tp (default), sp, ep")
     d.add_argument("--mesh", default=None, help="e.g. data=4,model=2 (default: the strategy's "
                    "shape for all devices)")
@@ -153,12 +157,12 @@ _DTYPES = ("float32", "bfloat16")
 
 
 def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
-    p = sub.add_parser("plan", help="per-device memory of a model under a strategy and mesh, "
-                       "without allocating", description="Per-device bytes of parameters, "
-                       "gradients, optimizer state and activations of a reference model "
-                       "config on any mesh (no devices needed), the largest tensors, and "
-                       "whether it fits. Exit status: 0 fits (or no --device-memory), 1 does "
-                       "not fit, 2 bad input or a sharding error.")
+    p = _command(sub, "plan", "per-device memory of a model under a strategy and mesh, without "
+                 "allocating", """
+        Per-device bytes of parameters, gradients, optimizer state and activations of a
+        reference model config on any mesh (no devices needed), the largest tensors, and
+        whether it fits. Exit status: 0 fits (or no --device-memory), 1 does not fit, 2
+        bad input or a sharding error.""")
     p.add_argument("--model", default=None,
                    help="tiny, tiny_moe, small, 125m, 1b, 7b (the reference transformer); "
                         "llama3-8b, llama3-70b, llama3-405b, qwen3-0.6b, mistral-7b, "
@@ -256,23 +260,26 @@ def _add_auto(p: Parser) -> None:
 
 
 def _add_explain(sub: argparse._SubParsersAction[Parser]) -> None:
-    e = sub.add_parser("explain", help="per-parameter sharding report of your model factory "
-                       "(imports and runs your module)",
-                       description="Imports the module (running its top-level code) and "
-                       "calls the factory under nnx.eval_shape (no parameter array "
-                       "allocated), then prints how every variable is laid out on the mesh by "
-                       "the rules. The module is found on sys.path, then in the current "
-                       "directory (searched last); a path/to/file.py is run as given.")
+    e = _command(sub, "explain", "per-parameter sharding report of your model factory (imports "
+                 "and runs your module)", """
+        Imports the module (running its top-level code) and calls the factory under
+        nnx.eval_shape (no parameter array allocated), then prints how every variable is
+        laid out on the mesh by the rules. The module is found on sys.path, then in the
+        current directory (searched last); a path/to/file.py is run as given.""")
     e.add_argument("factory", help="module:function (or path/to/file.py:function) returning "
                    "an nnx.Module")
     e.add_argument("--mesh", required=True, help="e.g. data=4,model=2 (any size)")
-    e.add_argument("--rules", default=None, help="rules file: .toml, .json or .yaml (a table, or Flax/MaxText [logical, mesh] pairs)")
-    e.add_argument("--strategy", default=None, help="a strategy preset instead of --rules")
-    e.add_argument("--alias", default=None, help="model names resolved as the rules' own "
-                   "names, e.g. fsdp=embed,tp=mlp (Strategy.with_rules / Rules.alias)")
-    e.add_argument("--rules-extra", default=None, help="rules laid over the table (and the "
-                   "optimizer's), e.g. norm=none,fsdp=data or fsdp=data+model (a product)")
-    e.add_argument("--optimizer", default=None, help="also report this optimizer's state")
+    for flag, text in [
+        ("--rules", "rules file: .toml, .json or .yaml (a table, or Flax/MaxText [logical, "
+         "mesh] pairs)"),
+        ("--strategy", "a strategy preset instead of --rules"),
+        ("--alias", "model names resolved as the rules' own names, e.g. fsdp=embed,tp=mlp "
+         "(Strategy.with_rules / Rules.alias)"),
+        ("--rules-extra", "rules laid over the table (and the optimizer's), e.g. "
+         "norm=none,fsdp=data or fsdp=data+model (a product)"),
+        ("--optimizer", "also report this optimizer's state"),
+    ]:
+        e.add_argument(flag, default=None, help=text)
     e.add_argument("--markdown", action="store_true")
     e.add_argument("--generate", action="store_true",
                    help="also report the key/value cache nnx_shard.inference.generate allocates "
@@ -284,15 +291,13 @@ def _add_explain(sub: argparse._SubParsersAction[Parser]) -> None:
 
 
 def _add_generate(sub: argparse._SubParsersAction[Parser]) -> None:
-    g = sub.add_parser("generate", help="continue a prompt with a Hugging Face checkpoint, "
-                       "sharded, printing the text as it is decoded",
-                       description="Loads a Hugging Face checkpoint (nnx_shard.hf."
-                       "load_pretrained) laid out by a strategy on a mesh, encodes the prompt "
-                       "with its tokenizer.json (pip install 'nnx_shard[text]') and prints the "
-                       "continuation as it streams, up to --max-new-tokens or the "
-                       "end-of-sequence token. The settings are the checkpoint's "
-                       "generation_config.json where it has one, each flag given replacing "
-                       "its value.")
+    g = _command(sub, "generate", "continue a prompt with a Hugging Face checkpoint, sharded, "
+                 "printing the text as it is decoded", """
+        Loads a Hugging Face checkpoint (nnx_shard.hf.load_pretrained) laid out by a
+        strategy on a mesh, encodes the prompt with its tokenizer.json (pip install
+        'nnx_shard[text]') and prints the continuation as it streams, up to
+        --max-new-tokens or the end-of-sequence token. The settings are the checkpoint's
+        generation_config.json where it has one, each flag given replacing its value.""")
     g.add_argument("--model", required=True, help="checkpoint folder (config.json and "
                    "*.safetensors, as save_pretrained writes it)")
     g.add_argument("--prompt", required=True, help="the text to continue")
@@ -303,16 +308,16 @@ def _add_generate(sub: argparse._SubParsersAction[Parser]) -> None:
     g.add_argument("--temperature", type=finite_non_negative, default=None,
                    help="0 for greedy, above 0 samples (default: the checkpoint's "
                    "generation_config.json, else greedy)")
-    g.add_argument("--top-k", type=int, default=None,
-                   help="sample among the k most likely (0: all; default 50)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
-    g.add_argument("--min-p", type=float, default=None, help="min-p sampling, in [0, 1]")
-    g.add_argument("--repetition-penalty", type=float, default=None,
-                   help="above 1 discourages repeats (default off)")
-    g.add_argument("--min-new-tokens", type=int, default=None,
-                   help="tokens before the end-of-sequence token may end the text")
-    g.add_argument("--no-repeat-ngram-size", type=int, default=None,
-                   help="n: no n-gram of tokens occurs twice (default 0: off)")
+    kind: type
+    for flag, kind, text in [  # None: the checkpoint's generation_config.json decides
+        ("--top-k", int, "sample among the k most likely (0: all; default 50)"),
+        ("--top-p", float, "nucleus sampling, in (0, 1]"),
+        ("--min-p", float, "min-p sampling, in [0, 1]"),
+        ("--repetition-penalty", float, "above 1 discourages repeats (default off)"),
+        ("--min-new-tokens", int, "tokens before the end-of-sequence token may end the text"),
+        ("--no-repeat-ngram-size", int, "n: no n-gram of tokens occurs twice (default 0: off)"),
+    ]:
+        g.add_argument(flag, type=kind, default=None, help=text)
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop once the text contains TEXT (repeat for several)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

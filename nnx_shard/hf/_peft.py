@@ -642,8 +642,7 @@ def save_lora(path: str | os.PathLike[str], model: Any, *,
     Raises:
       NnxShardError: the model has no adapters, or is abstract.
 
-    >>> import os
-    >>> import tempfile
+    >>> import os, tempfile
     >>> from flax import nnx
     >>> from nnx_shard import lora
     >>> from nnx_shard.hf import save_lora

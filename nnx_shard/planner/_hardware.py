@@ -20,9 +20,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_shard._errors import CompileError, UsageError, short
+from nnx_shard._errors import UsageError, short
 from nnx_shard._mesh import make_mesh
-from nnx_shard._simulated import run_requests
+from nnx_shard._simulated import run_one
 from nnx_shard._units import MAX_BYTES
 
 __all__ = ["PROFILES", "Hardware", "calibrate", "calibrate_subprocess", "hardware"]
@@ -254,15 +254,8 @@ def calibrate_subprocess(n_devices: int, timeout: float = 120.0) -> Hardware:
     >>> calibrate_subprocess(2).precision
     'float32'
     """
-    results: list[dict[str, Any]] = []
-    run_requests("nnx_shard.planner._hardware:_calibrate_request", [{}], n_devices,
-                 timeout=timeout, on_result=lambda i, r: results.append(r))
-    (result,) = results
-    what = f"calibrating {n_devices} simulated devices"
-    if result.get("timed_out"):
-        raise CompileError(f"{what} took longer than {timeout:g} s. Fix: calibrate fewer "
-                           "devices, or give --peak-flops and --link-bandwidth instead")
-    if "failed" in result or "error" in result:
-        raise CompileError(f"{what} failed: {result.get('failed') or result.get('error')}. "
-                           "Fix: give --peak-flops and --link-bandwidth instead")
-    return Hardware(**result)
+    return Hardware(**run_one(
+        "nnx_shard.planner._hardware:_calibrate_request", {}, n_devices, timeout=timeout,
+        what=f"calibrating {n_devices} simulated devices",
+        slow=". Fix: calibrate fewer devices, or give --peak-flops and --link-bandwidth instead",
+        fix=". Fix: give --peak-flops and --link-bandwidth instead"))

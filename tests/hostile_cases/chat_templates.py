@@ -8,9 +8,7 @@ time limit is 2 s)."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from typing import Any
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -87,33 +85,11 @@ def build(hs: Any) -> None:
 
     def folder(label: str, files: dict[str, str | bytes] | None = None,
                config: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> str:
-        out = F.path(f"chat_{label}")
-        if not os.path.isdir(out):
-            shutil.copytree(_TEXT, out)
-            if config is not None:
-                path = os.path.join(out, "tokenizer_config.json")
-                with open(path) as f:
-                    loaded = json.load(f)
-                loaded.update(config)
-                with open(path, "w") as f:
-                    json.dump(loaded, f)
-            for name in drop:
-                os.remove(os.path.join(out, name))
-            for name, content in (files or {}).items():
-                with open(os.path.join(out, name), "wb" if isinstance(content, bytes) else "w"
-                          ) as f:
-                    f.write(content)
-        return out
+        return hs.tokenizer_copy(F.path(f"chat_{label}"), config, files, drop)
 
     def linked(label: str, name: str, target: str) -> str:
-        out = F.path(f"chat_link_{label}")
-        if not os.path.isdir(out):
-            shutil.copytree(_TEXT, out)
-            path = os.path.join(out, name)
-            if os.path.lexists(path):
-                os.remove(path)
-            os.symlink(target, path)
-        return out
+        return hs.tokenizer_copy(F.path(f"chat_link_{label}"), drop=(name,), then=lambda out:
+                                 os.symlink(target, os.path.join(out, name)))
 
     def tok(path: str) -> Any:
         from nnx_shard.inference import Tokenizer
@@ -142,19 +118,16 @@ def build(hs: Any) -> None:
     hs.api("chat_templates/link_dev_zero", ("chat_template.jinja", "link"),
            lambda: chat(linked("dev_zero", "chat_template.jinja", "/dev/zero")))
     def replaced(label: str, name: str, make: str) -> str:
-        out = F.path(f"chat_replaced_{label}")
-        if not os.path.isdir(out):
-            shutil.copytree(_TEXT, out)
+        def put(out: str) -> None:
             path = os.path.join(out, name)
-            if os.path.lexists(path):
-                os.remove(path)
             if make == "dir":
                 os.mkdir(path)
             elif make == "fifo":
                 os.mkfifo(path)
             else:
                 os.symlink(os.path.join(out, "no_such_file"), path)
-        return out
+
+        return hs.tokenizer_copy(F.path(f"chat_replaced_{label}"), drop=(name,), then=put)
 
     for name in ("chat_template.jinja", "tokenizer_config.json", "generation_config.json",
                  "tokenizer.json"):
@@ -193,49 +166,60 @@ def build(hs: Any) -> None:
                           "{{ '{0.__class__.__mro__}'.format(messages) }}"})))
 
     # -- files of the wrong kind ------------------------------------------------------------
-    wrong: list[tuple[str, str, str | bytes]] = [
-        ("config_list", "tokenizer_config.json", "[1, 2, 3]"),
-        ("config_string", "tokenizer_config.json", '"hello"'),
-        ("config_number", "tokenizer_config.json", "42"),
-        ("config_null", "tokenizer_config.json", "null"),
-        ("config_bos_number", "tokenizer_config.json", '{"bos_token": 5}'),
-        ("config_eos_list", "tokenizer_config.json", '{"eos_token": ["a"]}'),
-        ("config_eos_content_number", "tokenizer_config.json", '{"eos_token": {"content": 3}}'),
-        ("config_template_number", "tokenizer_config.json", '{"chat_template": 7}'),
-        ("config_template_dict", "tokenizer_config.json", '{"chat_template": {"a": 1}}'),
-        ("config_template_list_str", "tokenizer_config.json", '{"chat_template": ["x"]}'),
-        ("config_template_default_number", "tokenizer_config.json",
-         '{"chat_template": [{"name": "default", "template": 5}]}'),
-        ("config_not_utf8", "tokenizer_config.json", b'{"bos_token": "\xff\xfe"}'),
-        ("config_deep", "tokenizer_config.json", "[" * 100_000 + "]" * 100_000),
-        ("config_nan_token", "tokenizer_config.json", '{"pad_token": NaN}'),
-        ("map_list", "special_tokens_map.json", "[]"),
-        ("map_pad_number", "special_tokens_map.json", '{"pad_token": 0}'),
-        ("map_not_utf8", "special_tokens_map.json", b"\xff\xfe{}"),
-        ("gen_list", "generation_config.json", "[1]"),
-        ("gen_eos_str", "generation_config.json", '{"eos_token_id": "</s>"}'),
-        ("gen_eos_negative", "generation_config.json", '{"eos_token_id": -1}'),
-        ("gen_eos_list_str", "generation_config.json", '{"eos_token_id": [1, "2"]}'),
-        ("gen_eos_empty_list", "generation_config.json", '{"eos_token_id": []}'),
-        ("gen_eos_bool", "generation_config.json", '{"eos_token_id": true}'),
-        ("gen_eos_float", "generation_config.json", '{"eos_token_id": 2.0}'),
-        ("gen_pad_str", "generation_config.json", '{"pad_token_id": "0"}'),
-        ("gen_not_utf8", "generation_config.json", b'{"eos_token_id": 1}\xff'),
-        ("gen_deep", "generation_config.json", "{\"a\": " + "[" * 100_000 + "]" * 100_000 + "}"),
-        ("tokenizer_list", "tokenizer.json", "[1, 2]"),
-        ("tokenizer_number", "tokenizer.json", "7"),
-        ("tokenizer_string", "tokenizer.json", '"tokenizer"'),
-        ("tokenizer_empty_object", "tokenizer.json", "{}"),
-        ("tokenizer_model_list", "tokenizer.json", '{"model": [1, 2]}'),
-        ("tokenizer_not_utf8", "tokenizer.json", b"\xff\xfe\x00{"),
-        ("tokenizer_deep", "tokenizer.json", '{"model": ' + "[" * 100_000 + "]" * 100_000 + "}"),
-        ("template_not_utf8", "chat_template.jinja", b"{{ 'caf\xe9' }}"),
-        ("template_utf16", "chat_template.jinja", "{{ 'x' }}".encode("utf-16")),
-    ]
-    for label, name, content in wrong:
-        hs.api(f"chat_templates/file_{label}", name,
-               lambda label=label, name=name, content=content: chat(folder(
-                   f"file_{label}", {name: content})))
+    wrong: dict[str, dict[str, str | bytes]] = {  # file -> case -> its content
+        "tokenizer_config.json": {
+            "config_list": "[1, 2, 3]",
+            "config_string": '"hello"',
+            "config_number": "42",
+            "config_null": "null",
+            "config_bos_number": '{"bos_token": 5}',
+            "config_eos_list": '{"eos_token": ["a"]}',
+            "config_eos_content_number": '{"eos_token": {"content": 3}}',
+            "config_template_number": '{"chat_template": 7}',
+            "config_template_dict": '{"chat_template": {"a": 1}}',
+            "config_template_list_str": '{"chat_template": ["x"]}',
+            "config_template_default_number":
+                '{"chat_template": [{"name": "default", "template": 5}]}',
+            "config_not_utf8": b'{"bos_token": "\xff\xfe"}',
+            "config_deep": "[" * 100_000 + "]" * 100_000,
+            "config_nan_token": '{"pad_token": NaN}',
+        },
+        "special_tokens_map.json": {
+            "map_list": "[]",
+            "map_pad_number": '{"pad_token": 0}',
+            "map_not_utf8": b"\xff\xfe{}",
+        },
+        "generation_config.json": {
+            "gen_list": "[1]",
+            "gen_eos_str": '{"eos_token_id": "</s>"}',
+            "gen_eos_negative": '{"eos_token_id": -1}',
+            "gen_eos_list_str": '{"eos_token_id": [1, "2"]}',
+            "gen_eos_empty_list": '{"eos_token_id": []}',
+            "gen_eos_bool": '{"eos_token_id": true}',
+            "gen_eos_float": '{"eos_token_id": 2.0}',
+            "gen_pad_str": '{"pad_token_id": "0"}',
+            "gen_not_utf8": b'{"eos_token_id": 1}\xff',
+            "gen_deep": "{\"a\": " + "[" * 100_000 + "]" * 100_000 + "}",
+        },
+        "tokenizer.json": {
+            "tokenizer_list": "[1, 2]",
+            "tokenizer_number": "7",
+            "tokenizer_string": '"tokenizer"',
+            "tokenizer_empty_object": "{}",
+            "tokenizer_model_list": '{"model": [1, 2]}',
+            "tokenizer_not_utf8": b"\xff\xfe\x00{",
+            "tokenizer_deep": '{"model": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        },
+        "chat_template.jinja": {
+            "template_not_utf8": b"{{ 'caf\xe9' }}",
+            "template_utf16": "{{ 'x' }}".encode("utf-16"),
+        },
+    }
+    for name, contents in wrong.items():
+        for label, content in contents.items():
+            hs.api(f"chat_templates/file_{label}", name,
+                   lambda label=label, name=name, content=content: chat(folder(
+                       f"file_{label}", {name: content})))
     hs.api("chat_templates/cli_file_config_list", ("tokenizer_config.json", "--tokenizer"),
            lambda: gen_chat(folder("cli_config_list", {"tokenizer_config.json": "[1]"})))
     hs.api("chat_templates/cli_file_template_not_utf8", ("chat_template.jinja", "--tokenizer"),

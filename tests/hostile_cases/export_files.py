@@ -23,10 +23,6 @@ from typing import Any
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-def _listing(folder: Path) -> list[str]:
-    return sorted(os.listdir(folder)) if folder.is_dir() else []
-
-
 def build(hs: Any) -> None:
     F = hs.F
 
@@ -35,29 +31,15 @@ def build(hs: Any) -> None:
 
         return nnx_shard
 
+    load = hs.load_dp
+
     def source(label: str, folder: Path | None = None) -> Path:
         """A fresh copy of the hf_publish checkpoint (at ``folder``)."""
-        folder = folder or Path(F.path(f"export_files_{label}"))
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        for p in (FIXTURES / "hf_publish").iterdir():
-            shutil.copy(p, folder / p.name)
-        return folder
-
-    def load(folder: Path) -> Any:
-        return ns().hf.load_pretrained(folder, mesh="data=8",
-                                       rules=ns().strategies.get("dp").rules)
+        return hs.hf_publish_copy(folder or F.path(f"export_files_{label}"))
 
     def save_nothing(label: str, model: Any, **kw: Any) -> Any:
         """Saves to a fresh destination that must stay absent, with nothing beside it."""
-        parent = Path(F.dir(f"export_files_{label}_parent"))
-        out = parent / "out"
-        before = _listing(parent)
-        try:
-            return ns().hf.save_safetensors(out, model, **kw)
-        finally:
-            if out.exists() or _listing(parent) != before:
-                raise AssertionError(f"{parent}: an export or a staging folder was left")
+        return hs.save_nothing(F.dir(f"export_files_{label}_parent"), model, **kw)
 
     # -- links out of the checkpoint folder ------------------------------------------------
 
@@ -207,14 +189,14 @@ def build(hs: Any) -> None:
         work = folder / "work"
         work.mkdir(exist_ok=True)
         (work / "notes.txt").write_text("the user's")
-        before, cwd = _listing(folder), os.getcwd()
+        before, cwd = hs.listing(folder), os.getcwd()
         os.chdir(work)
         try:
             target = {"dot": ".", "abs": str(work), "parent": str(folder), "dotdot": ".."}[how]
             return ns().hf.save_safetensors(target, hs._tiny_llama())
         finally:
-            moved = os.getcwd() != str(work) or _listing(work) != ["notes.txt"] or \
-                _listing(folder) != before
+            moved = os.getcwd() != str(work) or hs.listing(work) != ["notes.txt"] or \
+                hs.listing(folder) != before
             os.chdir(cwd)
             if moved:
                 raise AssertionError(f"{work}: the working directory or its files changed")
@@ -228,11 +210,11 @@ def build(hs: Any) -> None:
                       if os.path.isdir(p) and os.path.ismount(p)), None)
         if found is None:  # pragma: no cover - a machine without one: refused all the same
             raise OSError(errno.ENOENT, "no mount point to try")
-        before = _listing(Path(found).parent)
+        before = hs.listing(Path(found).parent)
         try:
             return ns().hf.save_safetensors(found, hs._tiny_llama())
         finally:
-            if _listing(Path(found).parent) != before:
+            if hs.listing(Path(found).parent) != before:
                 raise AssertionError(f"{found}: something was left beside the mount point")
 
     hs.api("export_files/save_into_a_mount_point", ("mount point", "subfolder"), mount_point)
@@ -291,7 +273,7 @@ def build(hs: Any) -> None:
             return F.fit(num_steps=4, checkpointer=ckpt)
         finally:
             pathlib.Path.write_text = real  # type: ignore[method-assign]
-            left = [n for n in _listing(folder) if n.endswith(".tmp") or "tmp" in n]
+            left = [n for n in hs.listing(folder) if n.endswith(".tmp") or "tmp" in n]
             try:
                 ckpt.close()
             except OSError:

@@ -9,13 +9,10 @@ untouched): a case that writes anything there is ``raw`` (an AssertionError here
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def build(hs: Any) -> None:
@@ -28,19 +25,12 @@ def build(hs: Any) -> None:
 
     def source(label: str, **config: Any) -> Path:
         """A fresh copy of the hf_publish checkpoint."""
-        folder = Path(F.path(f"export_meta_{label}"))
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        for p in (FIXTURES / "hf_publish").iterdir():
-            shutil.copy(p, folder / p.name)
+        folder = hs.hf_publish_copy(F.path(f"export_meta_{label}"))
         if config:
-            cfg = json.loads((folder / "config.json").read_text()) | config
-            (folder / "config.json").write_text(json.dumps(cfg))
+            hs.merge_json(str(folder / "config.json"), config)
         return folder
 
-    def load(folder: Path) -> Any:
-        return ns().hf.load_pretrained(folder, mesh="data=8",
-                                       rules=ns().strategies.get("dp").rules)
+    load = hs.load_dp
 
     def save_nothing(label: str, model: Any, **kw: Any) -> Any:
         out = Path(F.path(f"export_meta_{label}_out"))
@@ -76,8 +66,7 @@ def build(hs: Any) -> None:
     def dtype_case(label: str, **config: Any) -> Any:
         folder = source(label)
         model = load(folder)
-        cfg = json.loads((folder / "config.json").read_text()) | config
-        (folder / "config.json").write_text(json.dumps(cfg))
+        hs.merge_json(str(folder / "config.json"), config)
         return save_nothing(label, model, source=folder)
 
     hs.api("export_meta/dtype_conflict", "dtype",

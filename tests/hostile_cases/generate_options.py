@@ -44,15 +44,7 @@ def build(hs: Any) -> None:
         return list(stream(tiny(), np.ones((2, 4), np.int32), config, **rest))
 
     def text(fn: str, **kw: Any) -> Any:
-        import nnx_shard as ns
-        from nnx_shard.hf import load_pretrained
-        from nnx_shard.inference import _text as t
-
-        model = load_pretrained(_MODEL, mesh="data=8", rules=ns.strategies.get("dp").rules)
-        config, rest = hs.generation_config(4, kw)
-        if fn == "stream_text":
-            return list(t.stream_text(model, tok(), "Hello", config, **rest))
-        return t.generate_text(model, tok(), ["Hello"], config, **rest)
+        return hs.hf_text(fn, 4, kw)
 
     def keep(value: Any) -> Any:
         import jax.numpy as jnp

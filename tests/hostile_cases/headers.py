@@ -120,16 +120,7 @@ def build(hs: Any) -> None:
     def shared_norm() -> Any:
         folder = F.dir("shared_norm")
         shutil.copy(os.path.join(FIXTURES, "hf_llama", "model.safetensors"), folder)
-        path = os.path.join(folder, "model.safetensors")
-        with open(path, "rb") as f:
-            data = f.read()
-        n = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + n])
-        header["model.norm.weight"]["data_offsets"] = header[
-            "model.layers.0.input_layernorm.weight"]["data_offsets"]
-        text = json.dumps(header).encode()
-        with open(path, "wb") as f:
-            f.write(len(text).to_bytes(8, "little") + text + data[8 + n:])
+        hs.norm_on_layer0(os.path.join(folder, "model.safetensors"))
         return load(folder)
 
     hs.api("headers/st_fixture_shared_bytes", ("safetensors",),

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,33 +30,7 @@ def build(hs: Any) -> None:
 
     def folder(name: str, change: dict[str, Any] | None = None,
                tensors: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> str:
-        out = F.path(f"lora_files_{name}")
-        if os.path.isdir(out):
-            return out
-        shutil.copytree(FULL, out)
-        if change is not None:
-            path = os.path.join(out, "adapter_config.json")
-            with open(path) as f:
-                cfg = json.load(f)
-            cfg |= change
-            with open(path, "w") as f:
-                json.dump(cfg, f)
-        if tensors is not None:
-            import numpy as np
-
-            from nnx_shard import _safetensors_io as st
-
-            file = os.path.join(out, "adapter_model.safetensors")
-            header = st.read_header(file)
-            old = {n: st.read_slice(header, n, [slice(None)] * len(i.shape))
-                   for n, i in header.tensors.items()}
-            new = tensors(old)
-            os.remove(file)
-            st.create(file, {k: (st.dtype_name(v.dtype), v.shape) for k, v in new.items()})
-            header = st.read_header(file)
-            for k, v in new.items():
-                st.write_slice(file, header, k, [slice(None)] * v.ndim, np.asarray(v, order="C"))
-        return out
+        return hs.peft_copy(FULL, F.path(f"lora_files_{name}"), change, tensors)
 
     def load(path: str, model: Any = None) -> Any:
         return ns().hf.load_lora(path, hs._tiny_llama() if model is None else model)

@@ -25,12 +25,7 @@ from pathlib import Path
 from typing import Any
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-SECRET = '{"secret": "-----BEGIN PRIVATE KEY----- not to be published"}'
 ADDED = ["<tool_call>", "</tool_call>", "<think>"]
-
-
-def _listing(folder: Path) -> list[str]:
-    return sorted(os.listdir(folder)) if folder.is_dir() else []
 
 
 def build(hs: Any) -> None:
@@ -41,39 +36,23 @@ def build(hs: Any) -> None:
 
         return nnx_shard
 
+    load = hs.load_dp
+
     def source(label: str) -> Path:
         """A fresh copy of the hf_publish checkpoint (a tokenizer of 128 ids)."""
-        folder = Path(F.path(f"r6export_{label}")) / "src"
-        shutil.rmtree(folder.parent, ignore_errors=True)
-        folder.mkdir(parents=True)
-        for p in (FIXTURES / "hf_publish").iterdir():
-            shutil.copy(p, folder / p.name)
-        return folder
-
-    def load(folder: Path) -> Any:
-        return ns().hf.load_pretrained(folder, mesh="data=8",
-                                       rules=ns().strategies.get("dp").rules)
+        shutil.rmtree(F.path(f"r6export_{label}"), ignore_errors=True)
+        return hs.hf_publish_copy(Path(F.path(f"r6export_{label}")) / "src")
 
     def save_nothing(label: str, model: Any, **kw: Any) -> Any:
         """Saves to a fresh destination that must stay absent, with nothing beside it."""
-        parent = Path(F.dir(f"r6export_{label}_parent"))
-        out = parent / "out"
-        before = _listing(parent)
-        try:
-            return ns().hf.save_safetensors(out, model, **kw)
-        finally:
-            if out.exists() or _listing(parent) != before:
-                raise AssertionError(f"{parent}: an export or a staging folder was left")
+        return hs.save_nothing(F.dir(f"r6export_{label}_parent"), model, **kw)
 
     # -- files swapped for links between their check and their open -------------------------
 
     def swapping(folder: Path, name: str, how: str, fn: Callable[[], Any]) -> Any:
         """Runs ``fn`` while the first open of a file called ``name`` first replaces it
         (``how="file"``) or ``folder`` (``"folder"``) by a link to private files."""
-        private = folder.parent / "private"
-        private.mkdir()
-        for n in {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", name}:
-            (private / n).write_text(SECRET)
+        swap = hs.private_swap(folder, name, how)
         swapped: list[str] = []
 
         def wrap(real: Any) -> Any:
@@ -81,12 +60,7 @@ def build(hs: Any) -> None:
                 if not swapped and isinstance(file, str | os.PathLike) and \
                         os.path.basename(os.fspath(file)) == name:
                     swapped.append(name)
-                    if how == "file":
-                        (folder / name).unlink()
-                        (folder / name).symlink_to(private / name)
-                    else:
-                        folder.rename(folder.parent / "moved")
-                        folder.symlink_to(private, target_is_directory=True)
+                    swap()
                 return real(file, *args, **kwargs)
             return opener
 
@@ -148,40 +122,26 @@ def build(hs: Any) -> None:
         return swapping(folder, "config.json", how,
                         lambda: ns().models.DecoderConfig.from_hf(folder))
 
-    hs.api("r6export/config_json_swapped_for_a_link_while_it_loads",
-           ("config.json", "outside the checkpoint folder"),
-           lambda: config_swapped("cfg_swap_file", "file"))
-    hs.api("r6export/checkpoint_folder_swapped_for_a_link_while_its_config_loads",
-           ("config.json", "outside the checkpoint folder"),
-           lambda: config_swapped("cfg_swap_folder", "folder"))
-
-    def sharded(folder: Path) -> Path:
-        """``folder`` with its weights as the one shard its index lists."""
-        import json
-
-        from nnx_shard import _safetensors_io as st
-
-        keys = list(st.read_header(str(folder / "model.safetensors")).tensors)
-        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
-        (folder / "model.safetensors.index.json").write_text(json.dumps(
-            {"weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}}))
-        return folder
-
     def load_swapped(label: str, name: str, how: str = "file") -> Any:
         folder = source(label)
         if name.endswith(".index.json"):
-            sharded(folder)
+            hs.one_shard(folder)
         return swapping(folder, name, how, lambda: load(folder))
 
-    hs.api("r6export/generation_config_swapped_for_a_link_while_it_loads",
-           ("generation_config.json", "outside the checkpoint folder"),
-           lambda: load_swapped("gen_swap", "generation_config.json"))
-    hs.api("r6export/index_swapped_for_a_link_while_it_loads",
-           ("model.safetensors.index.json", "outside the checkpoint folder"),
-           lambda: load_swapped("index_swap", "model.safetensors.index.json"))
-    hs.api("r6export/checkpoint_folder_swapped_for_a_link_while_its_index_loads",
-           ("model.safetensors.index.json", "outside the checkpoint folder"),
-           lambda: load_swapped("index_swap_folder", "model.safetensors.index.json", "folder"))
+    index = "model.safetensors.index.json"
+    for case, name, fn in [
+        ("config_json_swapped_for_a_link_while_it_loads", "config.json",
+         lambda: config_swapped("cfg_swap_file", "file")),
+        ("checkpoint_folder_swapped_for_a_link_while_its_config_loads", "config.json",
+         lambda: config_swapped("cfg_swap_folder", "folder")),
+        ("generation_config_swapped_for_a_link_while_it_loads", "generation_config.json",
+         lambda: load_swapped("gen_swap", "generation_config.json")),
+        ("index_swapped_for_a_link_while_it_loads", index,
+         lambda: load_swapped("index_swap", index)),
+        ("checkpoint_folder_swapped_for_a_link_while_its_index_loads", index,
+         lambda: load_swapped("index_swap_folder", index, "folder")),
+    ]:
+        hs.api(f"r6export/{case}", (name, "outside the checkpoint folder"), fn)
 
     def shard_fifo() -> Any:
         folder = source("shard_fifo")

@@ -15,9 +15,7 @@ projections of the two-layer fixture) with the config or the tensors changed.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -33,23 +31,7 @@ def build(hs: Any) -> None:
 
     def folder(name: str, change: dict[str, Any] | None = None,
                tensors: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> str:
-        out = F.path(f"r6lora_{name}")
-        if os.path.isdir(out):
-            return out
-        shutil.copytree(FULL, out)
-        if change is not None:
-            path = os.path.join(out, "adapter_config.json")
-            with open(path) as f:
-                cfg = json.load(f)
-            cfg |= change
-            with open(path, "w") as f:
-                json.dump(cfg, f)
-        if tensors is not None:
-            from safetensors.numpy import load_file, save_file
-
-            file = os.path.join(out, "adapter_model.safetensors")
-            save_file(tensors(load_file(file)), file)
-        return out
+        return hs.peft_copy(FULL, F.path(f"r6lora_{name}"), change, tensors)
 
     def load(path: str) -> Any:
         import nnx_shard

@@ -18,11 +18,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "fixtures")
-_TEXT = os.path.join(_FIXTURES, "hf_llama_text")
-_MODEL = os.path.join(_FIXTURES, "hf_llama")
-
 
 def build(hs: Any) -> None:
     def ns() -> Any:
@@ -176,14 +171,7 @@ def build(hs: Any) -> None:
         return inference.generate(tiny(), prompt, config, **rest)
 
     def text(**kw: Any) -> Any:
-        import nnx_shard as ns_
-        from nnx_shard.hf import load_pretrained
-        from nnx_shard.inference import Tokenizer
-        from nnx_shard.inference import _text as t
-
-        model = load_pretrained(_MODEL, mesh="data=8", rules=ns_.strategies.get("dp").rules)
-        config, rest = hs.generation_config(4, kw)
-        return t.generate_text(model, Tokenizer.from_pretrained(_TEXT), ["Hello"], config, **rest)
+        return hs.hf_text("generate_text", 4, kw)
 
     sampled = {"temperature": 1.0}
     for label, fn, arg in [
@@ -218,7 +206,8 @@ def build(hs: Any) -> None:
     ]:
         hs.api(f"r6rg/{label}", arg, fn)
 
-    cmd = ("generate", "--model", _MODEL, "--tokenizer", _TEXT, "--prompt", "Hi")
+    cmd = ("generate", "--model", hs.MODEL_FIXTURE, "--tokenizer", hs.TEXT_FIXTURE, "--prompt",
+           "Hi")
     for label, flag, argv in [
         ("cli_ngram_int32_overflow", "--no-repeat-ngram-size",
          ("--no-repeat-ngram-size", str(2**31))),
