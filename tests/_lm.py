@@ -82,10 +82,10 @@ def assert_same_values(run: Run, ref: Run, rtol: float, rtol_params: float) -> N
 
 
 def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
-                     steps: int = 2, config: str = "tiny") -> jax.stages.Lowered:
-    """The bare fused call of the reference model of ``config`` (``steps`` steps of
-    ``lm_loss`` and AdamW; no NaN guard, no gradient norm), lowered from abstract
-    inputs: the program ``Trainer.fit``'s call is compared with."""
+                     steps: int = 2, config: Any = "tiny") -> jax.stages.Lowered:
+    """The bare fused call of the reference model of ``config`` (a name or a config):
+    ``steps`` steps of ``lm_loss`` and AdamW (no NaN guard, no gradient norm), lowered from
+    abstract inputs: the program ``Trainer.fit``'s call is compared with."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
@@ -94,7 +94,8 @@ def lower_bare_steps(strategy: str, sizes: dict[str, int], batch: int, seq: int,
 
     strat = ns.strategies.get(strategy)
     mesh = ns.make_mesh(sizes)
-    model = ns.abstract_init(lambda: Decoder(get_config(config), rngs=nnx.Rngs(0)), mesh, strat)
+    cfg = get_config(config) if isinstance(config, str) else config
+    model = ns.abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strat)
     opt = ns.sharded_optimizer(model, optimizer("adamw"), mesh, strat)
     spec = strat.rules.spec((None, "batch", "length"), shape=(steps, batch, seq), mesh=mesh)
     tokens = jax.ShapeDtypeStruct((steps, batch, seq), jnp.int32,

@@ -6,7 +6,7 @@ on 8 simulated devices, for the single-process reference.
 
 Modes:
   train OUT          fused fsdp training of the tiny reference transformer; process 0 writes OUT (.npz)
-  save DIR OUT       train, then every process saves a checkpoint to DIR; OUT holds the params
+  save DIR OUT       train (as train OUT), then every process saves a checkpoint to DIR
   restore DIR OUT    restore DIR onto fresh abstract targets; OUT holds the params
   die                process 1 kills itself after a first collective; the others keep going
   check              initialize, print the coordinates and devices
@@ -121,6 +121,7 @@ def main(argv: list[str]) -> int:
         losses, params, model, opt = train()
         ns.save(argv[1], STEPS, model=model, optimizer=opt)
         write(argv[2], losses, params)
+        print(f"losses {losses.tolist()}", flush=True)
     elif mode == "restore":
         _, _, model, opt = build(abstract=True)
         model, opt, _ = ns.restore(argv[1], model=model, optimizer=opt)

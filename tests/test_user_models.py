@@ -233,8 +233,8 @@ def test_async_tp_runs_the_stock_layers_as_rings(name: str) -> None:
 @needs_devices(8)
 def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
     cfg = dataclasses.replace(CFG, layers=1)
-    with nnx.use_eager_sharding(False):
-        model = um.Decoder(cfg, rngs=nnx.Rngs(0))
+    with nnx.use_eager_sharding(False):  # built by one program, not op by op
+        model = nnx.jit(lambda: um.Decoder(cfg, rngs=nnx.Rngs(0)))()
     model.lm_head.dot_general = functools.partial(jax.lax.dot_general)  # a user's own op
     ns.tp_layers.intercept(model)
     block = model.layers[0]
@@ -257,12 +257,15 @@ def test_intercept_sets_ops_on_annotated_stock_layers_only() -> None:
     np.testing.assert_array_equal(op(x, block.mlp.gate.kernel[...], dims),
                                   jax.lax.dot_general(x, block.mlp.gate.kernel[...], dims))
     # Under async_tp a kernel split along the ring's axis runs as a ring (its output split
-    # there); one the rules keep whole on that axis is the plain product, left unsplit.
+    # there); one the rules keep whole on that axis is the plain product, left unsplit. The
+    # ring is jitted, as in a step: run eagerly, its shard_map compiles each op alone.
     w = jax.random.normal(jax.random.key(2), (16, 8))
     with ns.use("data=2,model=4", ns.strategies.get("async_tp").rules):
-        ring = ns.tp_layers.ProjectionOp(("embed", "vocab"), "dot_general")(x, w, dims)
+        ring = jax.jit(lambda x, w: ns.tp_layers.ProjectionOp(("embed", "vocab"), "dot_general")(
+            x, w, dims))(x, w)
         whole = ns.tp_layers.ProjectionOp(("kv", "kv"), "dot_general")(x, w, dims)
     assert ring.sharding.spec == P("data", None, "model")
+    assert_close(ring, jax.lax.dot_general(x, w, dims), RTOL, "the ring's product")
     assert whole.sharding.spec == P()
     np.testing.assert_array_equal(whole, jax.lax.dot_general(x, w, dims))
     # Under async_tp a sequence the ring cannot split is refused in those terms.

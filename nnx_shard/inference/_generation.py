@@ -439,8 +439,7 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
     Traceback (most recent call last):
     ...
     nnx_shard._errors.UsageError: generate: prompt (4 tokens) + max_new_tokens (16) = 20 positions, past the model's context of 16 (max_length). Fix: max_new_tokens <= 12, or a shorter prompt.
-    >>> no_repeat = generate(model, [[1, 2, 3, 4]], GenerationConfig(max_new_tokens=12,
-    ...                                                               no_repeat_ngram_size=2))
+    >>> no_repeat = generate(model, [[1, 2, 3, 4]], six.replace(no_repeat_ngram_size=2))
     >>> pairs = list(zip(no_repeat[0].tolist(), no_repeat[0].tolist()[1:]))
     >>> len(pairs) == len(set(pairs))
     True

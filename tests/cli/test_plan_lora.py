@@ -123,8 +123,9 @@ def _xla_argument_bytes(quant):
 
     strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(2)
-    model = ns.sharded_init(lambda: ns.lora(Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
-                                            4, 8.0, targets=ALL_LINEAR, **quant), mesh, strategy)
+    # Shapes and layouts are all the compile reads: no weights made (nor quantized).
+    model = ns.abstract_init(lambda: ns.lora(Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0)),
+                                             4, 8.0, targets=ALL_LINEAR, **quant), mesh, strategy)
     tokens = jnp.zeros((2, 16), jnp.int32)
     with ns.use(mesh, strategy.rules):
         compiled = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile()

@@ -36,6 +36,7 @@ from nnx_shard.models import Decoder, DecoderConfig
 from nnx_shard.planner import compiled_collectives
 from tests._close import assert_close
 from tests.conftest import needs_devices
+from tests.hostile_sweep import norm_on_layer0
 
 pytestmark = needs_devices(8)
 
@@ -502,14 +503,7 @@ def test_a_header_sharing_bytes_between_tensors_is_refused(tmp_path) -> None:
     # model.norm.weight pointed at layer 0's input norm (both [32] F32): trusted, the
     # final norm would load layer 0's weights.
     ckpt = _llama_copy(tmp_path)
-    f = ckpt / "model.safetensors"
-    raw = f.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    header["model.norm.weight"]["data_offsets"] = header[
-        "model.layers.0.input_layernorm.weight"]["data_offsets"]
-    text = json.dumps(header).encode()
-    f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    norm_on_layer0(ckpt / "model.safetensors")
     with pytest.raises(ns.NnxShardError, match=r"model\.safetensors: not a safetensors file: "
                        r"tensor '.*' starts at byte \d+ of the data but the tensor before it "
                        r"\('.*'\) ends at \d+: it overlaps it"):

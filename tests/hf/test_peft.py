@@ -24,6 +24,7 @@ from nnx_shard import _safetensors_io as st
 from nnx_shard._low_rank import adapters
 from nnx_shard.hf import load_pretrained
 from nnx_shard.models import Decoder, DecoderConfig, lm_loss
+from tests._shared import adapter_copy
 from tests.conftest import needs_devices
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -151,13 +152,7 @@ def test_peft_reads_what_save_lora_writes(tmp_path):
 
 
 def _copy(tmp_path, **config):
-    out = tmp_path / "bad"
-    out.mkdir()
-    cfg = json.loads((PEFT / "adapter_config.json").read_text()) | config
-    (out / "adapter_config.json").write_text(json.dumps(cfg))
-    (out / "adapter_model.safetensors").write_bytes(
-        (PEFT / "adapter_model.safetensors").read_bytes())
-    return out
+    return adapter_copy(PEFT, tmp_path / "bad", **config)
 
 
 @pytest.mark.parametrize(("config", "words"), [

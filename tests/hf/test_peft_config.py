@@ -2,7 +2,6 @@
 ignored (no effect on the forward pass) or refused with a UsageError naming it and a fix."""
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import nnx_shard as ns
 from nnx_shard._low_rank import adapters
 from nnx_shard.hf import _peft_config
 from nnx_shard.hf._peft_config import FIELDS, AdapterConfig, Patterns
+from tests._shared import adapter_copy
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 PEFT = FIXTURES / "peft_llama"
@@ -21,13 +21,7 @@ PEFT_SRC = Path("/work/refvenv/lib")
 
 
 def _folder(tmp_path, **changes):
-    out = tmp_path / "adapter"
-    out.mkdir()
-    cfg = json.loads((PEFT / "adapter_config.json").read_text()) | changes
-    (out / "adapter_config.json").write_text(json.dumps(cfg))
-    (out / "adapter_model.safetensors").write_bytes(
-        (PEFT / "adapter_model.safetensors").read_bytes())
-    return out
+    return adapter_copy(PEFT, tmp_path / "adapter", **changes)
 
 
 def _model():

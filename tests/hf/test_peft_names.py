@@ -296,8 +296,9 @@ def saved_models():
 @pytest.mark.slow  # five models built and saved
 def test_save_lora_is_what_peft_reads_back(tmp_path):
     exp = np.load(KINDS / "expected.npz")
-    assert set(READBACK) == set(saved_models())
-    for name, (family, model) in saved_models().items():
+    models = saved_models()
+    assert set(READBACK) == set(models)
+    for name, (family, model) in models.items():
         ns.hf.save_lora(tmp_path / name, model)
         header = st.read_header(str(tmp_path / name / "adapter_model.safetensors"))
         ours = {k: list(v.shape) for k, v in header.tensors.items()}

@@ -30,6 +30,7 @@ from nnx_shard.hf import _export_dir as export_dir
 from nnx_shard.hf import load_pretrained, source_of
 from nnx_shard.models import Decoder, DecoderConfig
 from tests.conftest import needs_devices
+from tests.hostile_sweep import one_shard, private_swap
 
 pytestmark = needs_devices(8)
 
@@ -241,9 +242,6 @@ def test_generation_token_ids_must_be_ids_of_the_model(tmp_path):
 
 # -- files swapped for links while they are read -------------------------------------------
 
-PRIVATE = '{"secret": "-----BEGIN PRIVATE KEY----- not to be published"}'
-
-
 def _swap_on_open(monkeypatch, name: str, swap) -> list[str]:
     """Calls ``swap()`` once, right before the first open of a file called ``name`` (by
     ``open`` or ``os.open``), whatever was checked about it before: a deterministic
@@ -267,31 +265,13 @@ def _swap_on_open(monkeypatch, name: str, swap) -> list[str]:
     return done
 
 
-def _private_swap(src: Path, name: str, how: str):
-    """``name`` of ``src`` (``how="file"``) or ``src`` itself (``"folder"``) replaced by a
-    link to a private file (a folder of private files)."""
-    private = src.parent / "private"
-    private.mkdir()
-    for n in {*TOKENIZER, name}:
-        (private / n).write_text(PRIVATE)
-
-    def swap() -> None:
-        if how == "file":
-            (src / name).unlink()
-            (src / name).symlink_to(private / name)
-        else:
-            src.rename(src.parent / "moved")
-            src.symlink_to(private, target_is_directory=True)
-    return swap
-
-
 @pytest.mark.parametrize("how", ["file", "folder"])
 def test_a_tokenizer_file_swapped_for_a_link_after_its_check_is_never_followed(
         tmp_path, monkeypatch, how):
     src = make_source(tmp_path / "src")
     model = load(src)
     out = tmp_path / "out"
-    opened = _swap_on_open(monkeypatch, "tokenizer.json", _private_swap(src, "tokenizer.json",
+    opened = _swap_on_open(monkeypatch, "tokenizer.json", private_swap(src, "tokenizer.json",
                                                                         how))
     with pytest.raises(UsageError, match=r"the source's tokenizer\.json \(.*\) (is a symbolic "
                        r"link to|leads to) .*private.*, outside .*Nothing was written"):
@@ -307,7 +287,7 @@ def test_a_tokenizer_folder_file_swapped_for_a_link_is_never_read(tmp_path, monk
 
     src = make_source(tmp_path / "src")
     opened = _swap_on_open(monkeypatch, "chat_template.jinja",
-                           _private_swap(src, "chat_template.jinja", how))
+                           private_swap(src, "chat_template.jinja", how))
     with pytest.raises(UsageError, match=r"chat_template\.jinja: is a link to .*private.*"
                        r"outside the tokenizer's folder"):
         Tokenizer.from_pretrained(src)
@@ -330,15 +310,6 @@ def test_a_tokenizer_file_replaced_by_a_fifo_is_named_without_waiting(tmp_path):
 
 # -- files of a checkpoint or adapter folder swapped while they load ------------------------
 
-def _sharded(src: Path) -> Path:
-    """``src`` with its weights as the one shard its index lists (the index is read)."""
-    keys = list(st.read_header(str(src / "model.safetensors")).tensors)
-    (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
-    (src / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}}))
-    return src
-
-
 @pytest.mark.parametrize("how", ["file", "folder"])
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json",
                                   "model.safetensors.index.json"])
@@ -346,8 +317,8 @@ def test_a_checkpoint_file_swapped_for_a_link_while_it_loads_is_never_read(
         tmp_path, monkeypatch, name, how):
     src = make_source(tmp_path / "src")
     if name == "model.safetensors.index.json":
-        _sharded(src)
-    opened = _swap_on_open(monkeypatch, name, _private_swap(src, name, how))
+        one_shard(src)
+    opened = _swap_on_open(monkeypatch, name, private_swap(src, name, how))
     with pytest.raises(UsageError) as e:
         if name == "config.json":  # DecoderConfig.from_hf reads it as load_pretrained does
             DecoderConfig.from_hf(src)
@@ -378,7 +349,7 @@ def test_a_shard_replaced_after_its_header_is_read_loads_the_file_that_was_opene
         tmp_path, monkeypatch):
     import os
 
-    src = _sharded(make_source(tmp_path / "src"))
+    src = one_shard(make_source(tmp_path / "src"))
     shard = src / "model-00001-of-00001.safetensors"
     # Another checkpoint's bytes under the same header: what reads by path after the
     # header would load without a word.
@@ -435,7 +406,7 @@ def test_an_adapter_file_swapped_for_a_link_while_it_loads_is_never_read(
     folder = tmp_path / "adapter"
     shutil.copytree(PEFT, folder)
     base = load(make_source(tmp_path / "base"))  # hf_llama's weights, the adapter's base
-    opened = _swap_on_open(monkeypatch, name, _private_swap(folder, name, how))
+    opened = _swap_on_open(monkeypatch, name, private_swap(folder, name, how))
     with pytest.raises(UsageError) as e:
         ns.hf.load_lora(folder, base)
     monkeypatch.undo()

@@ -84,13 +84,14 @@ def test_no_repeat_ngram_size_equals_transformers() -> None:
 
 def test_no_repeat_ngram_leaves_the_padding_out() -> None:
     # A padded row bans what the row alone bans: the padding is no part of its n-grams.
+    # The padded batch has the fixture prompt's shape: the programs the test above compiled.
     e = _expected()
-    rows = [e["prompt"][0].tolist(), e["prompt"][1, 5:].tolist()]
-    both = np.asarray(generate(_model(), rows, GenerationConfig(max_new_tokens=12,
-                                                                no_repeat_ngram_size=2)))
-    alone = np.asarray(generate(_model(), rows[1:], GenerationConfig(max_new_tokens=12,
-                                                                     no_repeat_ngram_size=2)))
+    rows = [e["prompt"][0].tolist(), e["prompt"][1, 5:].tolist(), e["prompt"][2].tolist()]
+    config = GenerationConfig(max_new_tokens=_new(e), no_repeat_ngram_size=2)
+    both = np.asarray(generate(_model(), rows, config))
+    alone = np.asarray(generate(_model(), rows[1:2], config))
     np.testing.assert_array_equal(both[1, 5:], alone[0])
+    np.testing.assert_array_equal(both[[0, 2]], e["ngram_out_2"][[0, 2]])  # the others' own
 
 
 def _stop_config(e: dict[str, np.ndarray], strings: list[str], **kw: bool) -> GenerationConfig:

@@ -45,7 +45,9 @@ STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
 # differ from torch's by up to ~1e-6 of that scale (tests/hf/test_hf.py), so a
 # margin of 1e-4 of it is decided the same way by both; a smaller one may not be.
 NEAR_TIE = 1e-4
-CFG = dataclasses.replace(get_config("tiny"), length=24)
+# One layer: every block runs the same cache code, so a second adds compilation, not
+# coverage (the stacked model keeps two, for a scan that loops).
+CFG = dataclasses.replace(get_config("tiny"), length=24, layers=1)
 
 
 def _prompt(batch: int = 8, length: int = 8, seed: int = 0) -> np.ndarray:
@@ -53,7 +55,8 @@ def _prompt(batch: int = 8, length: int = 8, seed: int = 0) -> np.ndarray:
 
 
 def _build(scan: bool = False) -> Decoder:
-    return Decoder(dataclasses.replace(CFG, scan_layers=scan), rngs=nnx.Rngs(0))
+    return Decoder(dataclasses.replace(CFG, scan_layers=scan, layers=2 if scan else CFG.layers),
+                   rngs=nnx.Rngs(0))
 
 
 @functools.cache
@@ -206,8 +209,8 @@ def _compiled(model, prompt, new, mesh, rules):  # type: ignore[no-untyped-def]
 ])
 def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int]) -> None:
     if strategy == "fsdp_tp":  # grouped-query attention: 2 key/value heads over model=2
-        factory = lambda: Decoder(dataclasses.replace(get_config("llama-tiny"), max_length=24),  # noqa: E731
-                                rngs=nnx.Rngs(0))
+        factory = lambda: Decoder(dataclasses.replace(  # noqa: E731
+            get_config("llama-tiny"), max_length=24, layers=1), rngs=nnx.Rngs(0))
     else:
         factory = _build
     model, mesh, rules = _sharded(strategy, factory)
@@ -216,7 +219,7 @@ def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int])
 
     report = explain_cache(model, mesh, rules, batch=8, length=24)
     arrays = [r for r in report.rows if r.names == CACHE_AXES]
-    assert len(arrays) == 2 * 2 and {r.names for r in arrays} == {CACHE_AXES}
+    assert len(arrays) == 2 * model.cfg.layers and {r.names for r in arrays} == {CACHE_AXES}
     divide = int(np.prod(list(split.values())))
     assert divide == 8  # every device holds 1/8 of each cache array
     for row in arrays:
@@ -269,7 +272,7 @@ def _compiles(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_one_prefill_and_one_decode_program_per_shape(caplog: pytest.LogCaptureFixture) -> None:
-    model = Decoder(dataclasses.replace(CFG, layers=1), rngs=nnx.Rngs(1))
+    model = Decoder(CFG, rngs=nnx.Rngs(1))
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True):
         a = generate(model, _prompt(2, seed=1), GenerationConfig(max_new_tokens=10))

@@ -124,17 +124,23 @@ class MHALM(nnx.Module):
         return self.head(x)
 
 
-MHA_PATTERNS = {
-    r"^embed/embedding$": ("vocab", "embed"),
-    r"^pos$": (None, "embed"),
-    r"^norm/(scale|bias)$": ("embed",),
-    r"^attn/(query|key|value)/kernel$": ("embed", "heads", "kv"),
-    r"^attn/(query|key|value)/bias$": ("heads", "kv"),
-    r"^attn/out/kernel$": ("heads", "kv", "embed"),
-    r"^attn/out/bias$": ("embed",),
-    r"^head/kernel$": ("embed", "vocab"),
-    r"^head/bias$": ("vocab",),
-}
+def lm_patterns(qkv: str, out: str) -> dict[str, tuple[str | None, ...]]:
+    """The logical names of an LM with a position table whose attention projections are
+    ``qkv`` (a regex of the three paths) and ``out``."""
+    return {
+        r"^embed/embedding$": ("vocab", "embed"),
+        r"^pos$": (None, "embed"),
+        rf"^{qkv}/kernel$": ("embed", "heads", "kv"),
+        rf"^{qkv}/bias$": ("heads", "kv"),
+        rf"^{out}/kernel$": ("heads", "kv", "embed"),
+        rf"^{out}/bias$": ("embed",),
+        r"^head/kernel$": ("embed", "vocab"),
+        r"^head/bias$": ("vocab",),
+    }
+
+
+MHA_PATTERNS = {r"^norm/(scale|bias)$": ("embed",),
+                **lm_patterns("attn/(query|key|value)", "attn/out")}
 
 
 class GQALM(nnx.Module):
@@ -161,16 +167,7 @@ class GQALM(nnx.Module):
         return self.head(x + self.o(out))
 
 
-GQA_PATTERNS = {
-    r"^embed/embedding$": ("vocab", "embed"),
-    r"^pos$": (None, "embed"),
-    r"^(q|k|v)/kernel$": ("embed", "heads", "kv"),
-    r"^(q|k|v)/bias$": ("heads", "kv"),
-    r"^o/kernel$": ("heads", "kv", "embed"),
-    r"^o/bias$": ("embed",),
-    r"^head/kernel$": ("embed", "vocab"),
-    r"^head/bias$": ("vocab",),
-}
+GQA_PATTERNS = lm_patterns("(q|k|v)", "o")
 
 
 def _masked_ce(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:

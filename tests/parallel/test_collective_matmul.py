@@ -157,10 +157,11 @@ def test_projection_dispatch() -> None:
     x, wq, wo = _rand(6, (2, 16, 16)), _rand(7, (16, 4, 2)), _rand(8, (4, 2, 16))
     heads = NamedSharding(mesh, P("data", None, "model"))
     seq = NamedSharding(mesh, P("data", "model"))
-    q = projection(COLUMN, x, wq, heads, "l")  # column-parallel: an all-gather ring
+    # Jitted: eagerly, the rings' shard_map would run (and compile) op by op.
+    q = jax.jit(lambda x, w: projection(COLUMN, x, w, heads, "l"))(x, wq)  # an all-gather ring
     assert_close(q, jnp.einsum(COLUMN, x, wq), RTOL)
     assert _spec(q) == heads.spec
-    o = projection(ROW, q, wo, seq, "l")  # row-parallel: a reduce-scatter ring
+    o = jax.jit(lambda q, w: projection(ROW, q, w, seq, "l"))(q, wo)  # a reduce-scatter ring
     assert_close(o, jnp.einsum(ROW, q, wo), RTOL)
     assert _spec(o) == seq.spec
     # Nothing to overlap: the sequence replicated in the output of a row-parallel

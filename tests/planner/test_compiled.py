@@ -1,5 +1,7 @@
 """Per-device memory of the compiled train step, in process and in a subprocess."""
 
+import functools
+
 import pytest
 
 from nnx_shard import CompileError
@@ -35,6 +37,15 @@ def test_a_compile_past_the_timeout_says_how_to_avoid_it():
         compiled_memory_subprocess("tiny", {"data": 2}, timeout=0.01)
 
 
+@functools.cache
+def _bare_temp_bytes(strategy: str, sizes: tuple[tuple[str, int], ...]) -> int:
+    """The temporaries of the bare fused step, one compile for every guard mode."""
+    from tests._lm import lower_bare_steps
+
+    bare = lower_bare_steps(strategy, dict(sizes), batch=8, seq=16)
+    return bare.compile().memory_analysis().temp_size_in_bytes
+
+
 @needs_devices(8)
 @pytest.mark.parametrize("guard", ["full", "grads", "off"])
 @pytest.mark.parametrize("strategy, sizes", [
@@ -50,11 +61,9 @@ def test_the_figure_is_fits_call_with_the_guard_modes_copy_of_the_state(strategy
     from nnx_shard.models import Decoder, get_config
     from nnx_shard.planner._formula import abstract_report, formula
     from nnx_shard.strategies import get
-    from tests._lm import lower_bare_steps
 
     fit = compiled_memory("tiny", sizes, strategy, batch=8, seq=16, guard=guard)
-    bare = lower_bare_steps(strategy, sizes, batch=8, seq=16)
-    extra = fit["temp"] - bare.compile().memory_analysis().temp_size_in_bytes
+    extra = fit["temp"] - _bare_temp_bytes(strategy, tuple(sizes.items()))
     state = fit["params"] + fit["optimizer"]
     model = nnx.eval_shape(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)))
     strat = get(strategy)

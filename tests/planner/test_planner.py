@@ -289,7 +289,8 @@ def test_a_compiled_pipeline_is_decided_by_its_stage_formula(monkeypatch):
     assert stage < compiled
     memory = (stage + compiled) // 2  # the compiled figure alone would not fit
     plan = planner.auto(cfg, devices=4, batch=8, seq=16, device_memory=memory,
-                        strategies=["pp"], remat=["full"], microbatches=[2], progress=False)
+                        strategies=["pp"], remat=["full"], microbatches=[2], progress=False,
+                        workers=1)  # one child Python to start, not one per core
     got = {c.label: c for c in plan.ranked}["pp stage=2,data=2 remat=none mb=2"]
     assert got.decided_by == "stage formula" and got.bytes_per_device == stage and got.fits
     assert "pipeline candidates decided by their per-stage formula" in " ".join(plan.pruned)
@@ -504,9 +505,9 @@ def test_a_factory_compiles_in_process_with_its_remat():
     made = []
 
     def factory(remat: str = "none"):
-        made.append(remat)
-        return Decoder(dataclasses.replace(get_config("tiny"), remat=remat),
-                           rngs=nnx.Rngs(0))
+        made.append(remat)  # one layer: what is checked is the factory's route, not size
+        return Decoder(dataclasses.replace(get_config("tiny"), remat=remat, layers=1),
+                       rngs=nnx.Rngs(0))
 
     plan = ns.planner.auto(factory, devices=8, batch=8, seq=16, hardware=H,
                               strategies=["fsdp"], progress=False)
@@ -569,7 +570,9 @@ def test_compiles_side_by_side_plan_as_one_subprocess_does(monkeypatch):
 
     def run(workers):
         monkeypatch.setattr(Cache, "shared", {})  # compile again, not from memory
-        return planner.auto("tiny", devices=2, batch=4, seq=8, device_memory="1GB",
+        # One layer: which child compiles a program changes none of its figures at any size.
+        return planner.auto(dataclasses.replace(get_config("tiny"), layers=1), devices=2,
+                            batch=4, seq=8, device_memory="1GB",
                             strategies=["dp", "fsdp", "tp", "zero1"], progress=False,
                             workers=workers)
 
@@ -614,10 +617,11 @@ def test_fits_call_adds_no_collective_bytes_to_the_bare_step(strategy):
     MiB of all-gather per step on `small`."""
     from tests._lm import lower_bare_steps
 
-    factory = lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
+    cfg = dataclasses.replace(get_config("tiny"), layers=1)  # each layer adds the same
+    factory = lambda: Decoder(cfg, rngs=nnx.Rngs(0))  # noqa: E731
     fit = _compile.compile_step(factory, strategy, {"data": 8}, batch=16, seq=16)
     mesh = ns.make_mesh({"data": 8})
-    compiled = lower_bare_steps(strategy, {"data": 8}, batch=16, seq=16)
+    compiled = lower_bare_steps(strategy, {"data": 8}, batch=16, seq=16, config=cfg)
     bare = _costs.hlo_costs(compiled.compile().as_text(), mesh)
     for kind, sent in bare["by_kind"].items():
         assert fit["by_kind"].get(kind, 0.0) == pytest.approx(sent / 2, rel=0.01), kind

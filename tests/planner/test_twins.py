@@ -55,8 +55,10 @@ def test_the_search_compiles_each_program_once_with_the_same_figures(monkeypatch
         monkeypatch.setattr(Cache, "shared", {})  # compile again, not from memory
         if not dedupe:
             monkeypatch.setattr(_explore.Search, "signature", lambda self, c, strat=None: None)
-        return planner.auto("tiny", devices=4, batch=8, seq=16, device_memory="1GB",
-                            strategies=["dp", "ep", "tp", "fsdp_tp"], progress=False)
+        # One layer and one child Python: the twins are told by layout, not by size.
+        return planner.auto(dataclasses.replace(get_config("tiny"), layers=1), devices=4,
+                            batch=8, seq=16, device_memory="1GB",
+                            strategies=["dp", "ep", "tp", "fsdp_tp"], progress=False, workers=1)
 
     once, each = run(True), run(False)
     assert each.request["compiled"] == 7 and once.request["compiled"] == 4

@@ -36,6 +36,7 @@ from nnx_shard._train._guard import GRAD_SQ, Guard, guard_call
 from nnx_shard._train._microbatch import _split_microbatches
 from nnx_shard._train._progress import Progress
 from tests._close import assert_close
+from tests._shared import mse_train_step
 from tests.conftest import needs_devices
 
 pytestmark = needs_devices(8)
@@ -310,18 +311,10 @@ def test_metrics_objects_are_carried():
 def test_changes_to_the_objects_between_calls_are_seen():
     """The host reads state by a cached pytree flatten; any change must still be seen."""
 
-    def step(model, opt, batch):
-        def loss_fn(m):
-            return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        opt.update(model, grads)
-        return {"loss": loss}
-
     model = MLP((16, 32, 8), dropout=0.5, rngs=nnx.Rngs(0))
     model.drop.rngs = nnx.Rngs(dropout=1)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    fused = multistep(step, donate=False)
+    fused = multistep(mse_step, donate=False)
     batches = data(2, 8, 16, 8)
     fused(model, opt, batches)
     fused(model, opt, batches)
@@ -333,7 +326,7 @@ def test_changes_to_the_objects_between_calls_are_seen():
     a = fused(model, opt, batches)
     assert fused.traces == 2
     twin.drop.rngs = nnx.Rngs(dropout=99)  # other keys: equal only if dropout is off
-    b = multistep(step, donate=False)(twin, twin_opt, batches)
+    b = multistep(mse_step, donate=False)(twin, twin_opt, batches)
     np.testing.assert_allclose(a["loss"], b["loss"], rtol=RTOL)
     model.train()
 
@@ -1475,18 +1468,10 @@ def test_microbatch_rows_check_ignores_unsharded_leaves_and_runs_once_per_layout
     """Only leaves whose batch axis is sharded are checked per device; a replicated batch
     that does not divide gets the plain batch-size message from the split itself."""
 
-    def mse(m, b):
-        return jnp.mean((m(b["x"]) - b["y"]) ** 2)
-
-    def step(model, opt, batch):
-        loss, grads = ns.value_and_grad(mse)(model, batch)
-        opt.update(model, grads)
-        return {"loss": loss}
-
     mesh = ns.make_mesh("data=8")
     model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    fused = ns.multistep(step, microbatches=2)
+    fused = ns.multistep(mse_train_step, microbatches=2)
     rep = NamedSharding(mesh, P())
     odd = {"x": jax.device_put(np.ones((1, 3, 3), np.float32), rep),
            "y": jax.device_put(np.zeros((1, 3, 1), np.float32), rep)}

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import re
 
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import nnx_shard as ns
+from tests._shared import mse as loss_fn
+from tests._shared import mse_train_step as train_step
 
 RULES = {"batch": "data"}
 K, STEPS = 2, 4
@@ -22,16 +23,6 @@ K, STEPS = 2, 4
 def build():
     model = nnx.Linear(6, 2, rngs=nnx.Rngs(0))
     return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-
-
-def loss_fn(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
-def train_step(model, optimizer, batch):
-    loss, grads = ns.value_and_grad(loss_fn)(model, batch)
-    optimizer.update(model, grads)
-    return {"loss": loss}
 
 
 def data():
