@@ -781,7 +781,9 @@ for _ in range(8):
     try:
         ns.restore(d, model=target)
     except ValueError as e:
-        print("ERROR:", str(e).splitlines()[0], file=sys.stderr)
+        # One write a line: print's separate writes of its arguments let the late reports
+        # of orbax's abandoned reads (another thread) land between "ERROR:" and the message.
+        sys.stderr.write("ERROR: " + str(e).splitlines()[0] + "\\n")
 """
     out = subprocess.run([sys.executable, "-c", script], env=CHILD_ENV, capture_output=True,
                          text=True, timeout=300)
@@ -1241,7 +1243,9 @@ for step in (1, 2):
     try:
         ns.restore(d / "ok", model=target, step=step)
     except ValueError as e:
-        print("ERROR:", str(e).splitlines()[0], file=sys.stderr)
+        # One write a line: print's separate writes of its arguments let the late reports
+        # of orbax's abandoned reads (another thread) land between "ERROR:" and the message.
+        sys.stderr.write("ERROR: " + str(e).splitlines()[0] + "\\n")
 """ + _SMALL_DISK + """
 try:
     ns.save(d / "full", 1, model=big)
