@@ -1,4 +1,5 @@
-"""The NaN guard and the gradient norm of ``Trainer.fit``'s steps.
+"""The NaN guard of ``Trainer.fit``'s steps, and the steps that compute their gradient
+norm (:mod:`nnx_shard._train._norm`).
 
 fit runs :func:`make_fast_step`, whose call is checked once at its end
 (:func:`guard_call`, the ``finish`` of the fused call): a call with a non-finite
@@ -12,10 +13,8 @@ sharded gradients as per-device shares (:func:`grad_sq_shares`), as the
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,12 +27,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnx_shard._errors import UsageError
 from nnx_shard._mesh import apply_sharding
 from nnx_shard._train._microbatch import value_and_grad
+from nnx_shard._train._norm import grad_sq_shares, grads_norm, join_small
 from nnx_shard._train._trees import leaf_path
 
 __all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "StateLayout", "all_finite",
-           "aux_metrics", "check_call", "check_guard", "grad_sq_shares", "grads_norm", "guard_call",
-           "make_fast_step", "make_gated_step", "make_step", "not_finite_leaf", "select",
-           "skip_update_with", "why_not_finite"]
+           "aux_metrics", "check_call", "check_guard", "guard_call", "make_fast_step",
+           "make_gated_step", "make_step", "not_finite_leaf", "select", "skip_update_with",
+           "why_not_finite"]
 
 #: The NaN guard's modes, ``Trainer(..., guard=...)`` (see :class:`~nnx_shard.Trainer`):
 #: ``"full"`` keeps the state from before each fused call to put it back (one more
@@ -166,45 +166,6 @@ def select(ok: jax.Array, new: Any, old: Any) -> Any:
                         new, old)
 
 
-# Gradient leaves up to this many elements are summed as one concatenated vector.
-_SMALL_LEAF = 1 << 16
-
-
-def _known_replicated(x: jax.Array, replicated: bool) -> bool:
-    """Whether ``x`` (traced) is replicated: seen in its type on Explicit axes, else
-    ``replicated`` (what the host saw of the parameters' shardings)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None) or ()
-    if any(entry is not None for entry in spec):
-        return False
-    mesh = getattr(sharding, "mesh", None)
-    explicit = (mesh is not None and not mesh.empty
-                and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types))
-    return explicit or replicated
-
-
-def grads_norm(grads: Any, replicated: bool = False) -> jax.Array:
-    """``optax.tree.norm(grads)``, with the small replicated leaves summed as one vector.
-
-    XLA's CPU backend runs every reduction as a kernel of its own, and for the
-    small leaves of a small model that fixed cost dominates: one reduction over
-    the concatenated small leaves (a copy of at most ``_SMALL_LEAF`` elements
-    each) costs a fraction of one per leaf (docs/benchmarks.md, "Fused
-    training"). Sharded leaves keep
-    their own reduction (a concatenation would gather them).
-
-    >>> import optax
-    >>> g = {"b": jnp.ones((3,)), "w": jnp.full((2, 2), 2.0)}
-    >>> bool(grads_norm(g) == optax.tree.norm(g)), round(float(grads_norm(g)) ** 2, 4)
-    (True, 19.0)
-    """
-    whole, joined = _join_small(
-        jax.tree.leaves(grads), replicated, lambda x: jnp.issubdtype(x.dtype, jnp.floating))
-    sums = [jnp.sum(jnp.real(x * jnp.conj(x))) for x in whole]
-    sums += [jnp.sum(flat * flat) for flat in joined]
-    return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())
-
-
 # The key under which fit's fused step hands each device's share of the squared
 # gradient norm to the end of the call (see grad_sq_shares).
 GRAD_SQ = "grad_norm/shares"
@@ -236,88 +197,6 @@ def aux_metrics(aux: Any) -> dict[str, Any]:
             f"dict, e.g. {{'aux_{clash[0]}': ...}}."
         )
     return dict(aux)
-
-
-def _typed_spec(x: jax.Array) -> PartitionSpec | None:
-    """``x``'s spec from its traced type, where the type holds it (all axes Explicit)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if sharding is None or mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
-        return None
-    return sharding.spec
-
-
-def grad_sq_shares(
-    grads: Any, specs: Sequence[PartitionSpec] | None, mesh: Mesh | None
-) -> jax.Array | None:
-    """Each device's share of the squared gradient norm: a ``[mesh.size]`` vector,
-    sharded one entry per device, whose sum is ``optax.tree.norm(grads) ** 2``.
-
-    Summing sharded leaves to one scalar takes a cross-device reduction; inside a
-    fused call that is one more collective every step. Here every device sums the
-    squares of its own blocks (a block held by several devices counted once, on
-    the first of them), and the K steps' shares are summed across devices once,
-    at the end of the call; what that saves under fsdp is measured by
-    ``benchmarks/fit_call_cost.py`` (docs/benchmarks.md, "Fused training"). ``specs`` are the gradient leaves' specs
-    on ``mesh`` (the parameters', read on the host; Explicit axes give their
-    own). None where it does not apply: one device, a layout not known, or every
-    leaf replicated (then nothing is sharded and :func:`grads_norm` needs no
-    collective).
-
-    >>> import optax
-    >>> mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    >>> w = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, PartitionSpec("data")))
-    >>> g = {"w": w, "b": jnp.ones(3)}
-    >>> shares = grad_sq_shares(g, [PartitionSpec(), PartitionSpec("data")], mesh)
-    >>> shares.shape, float(shares.sum()), float(optax.tree.norm(g) ** 2)
-    ((2,), 17.0, 17.0)
-    """
-    leaves = jax.tree.leaves(grads)
-    if mesh is None or mesh.size == 1 or specs is None or len(specs) != len(leaves):
-        return None
-    specs = [_typed_spec(x) or spec for x, spec in zip(leaves, specs, strict=True)]
-    used = [{a for entry in spec if entry is not None
-             for a in (entry if isinstance(entry, tuple) else (entry,))} for spec in specs]
-    if not any(used):
-        return None
-    axes = tuple(mesh.axis_names)
-
-    def local(*blocks: jax.Array) -> jax.Array:
-        # Blocks replicated over the same axes are summed together, then kept only
-        # on the devices at index 0 of those axes.
-        groups: dict[tuple[str, ...], list[jax.Array]] = collections.defaultdict(list)
-        for x, on in zip(blocks, used, strict=True):
-            if jnp.issubdtype(x.dtype, jnp.inexact):
-                groups[tuple(a for a in axes if a not in on)].append(
-                    jnp.sum(jnp.real(x * jnp.conj(x))))
-        total = jnp.zeros((), jnp.float32)
-        for over, sums in groups.items():
-            part = sum(sums)
-            if over:
-                first = functools.reduce(jnp.logical_and,
-                                         [jax.lax.axis_index(a) == 0 for a in over])
-                part = jnp.where(first, part, jnp.zeros_like(part))
-            total = total + part
-        return total[None]
-
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
-                         out_specs=PartitionSpec(axes), check_vma=False)(*leaves)
-
-
-def _join_small(
-    leaves: Sequence[Any], replicated: bool, joinable: Callable[[Any], bool]
-) -> tuple[list[Any], list[jax.Array]]:
-    """``leaves`` split into those kept whole and one flat vector per dtype of the
-    small replicated ones ``joinable`` accepts (a copy of at most ``_SMALL_LEAF``
-    elements each): what :func:`grads_norm` and :func:`all_finite` reduce."""
-    whole, small = [], collections.defaultdict(list)
-    for x in leaves:
-        if joinable(x) and x.size <= _SMALL_LEAF and _known_replicated(x, replicated):
-            small[x.dtype].append(x.reshape(-1))
-        else:
-            whole.append(x)
-    return whole, [parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-                   for parts in small.values()]
 
 
 def _finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
@@ -567,7 +446,7 @@ def all_finite(leaves: Sequence[Any], replicated: bool = False) -> jax.Array:
     True
     """
     inexact = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-    whole, joined = _join_small(inexact, replicated, lambda x: True)
+    whole, joined = join_small(inexact, replicated, lambda x: True)
     flags = [jnp.all(jnp.isfinite(x)) for x in [*whole, *joined]]
     return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 

@@ -76,7 +76,8 @@ True
 
 from nnx_shard.hf._load import load_safetensors
 from nnx_shard.hf._mapping import LLAMA_MAPPING, mapping_for
-from nnx_shard.hf._peft import load_lora, save_lora
+from nnx_shard.hf._peft import load_lora
+from nnx_shard.hf._peft_save import save_lora
 from nnx_shard.hf._pretrained import load_pretrained
 from nnx_shard.hf._save import save_safetensors
 from nnx_shard.hf._source import Source, source_of

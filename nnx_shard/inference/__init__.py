@@ -86,14 +86,9 @@ names :func:`generate` warns that the cache is replicated.
 [('attn/cached_key', P('data', None, 'model', None))]
 """
 
+from nnx_shard.inference._cache_layout import explain_cache, generation_rules
 from nnx_shard.inference._config import GenerationConfig
-from nnx_shard.inference._generation import (
-    CACHE_AXES,
-    explain_cache,
-    generate,
-    generation_rules,
-    stream,
-)
+from nnx_shard.inference._generation import CACHE_AXES, generate, stream
 from nnx_shard.inference._text import generate_text, stream_text
 from nnx_shard.inference._tokenizer import Tokenizer
 

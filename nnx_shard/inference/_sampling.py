@@ -119,9 +119,9 @@ def recompute(model: Any, prompt_tokens: Any, max_new_tokens: int, *, temperatur
     from nnx_shard._errors import UsageError
     from nnx_shard._mesh import use
     from nnx_shard.inference import _checks as g
+    from nnx_shard.inference._cache_layout import generation_rules
     from nnx_shard.inference._config import check_temperature, check_top_k
     from nnx_shard.inference._decoding import config_vocab
-    from nnx_shard.inference._generation import generation_rules
 
     caller = "recompute"
     if not isinstance(model, nnx.Module):

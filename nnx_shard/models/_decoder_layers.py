@@ -22,12 +22,8 @@ from flax import nnx
 
 from nnx_shard._attention import attention
 from nnx_shard.models import _kv_cache as kv_cache
-from nnx_shard.models._decoder_config import (
-    AttentionBiasConfig,
-    DecoderConfig,
-    MLPBiasConfig,
-    WindowConfig,
-)
+from nnx_shard.models._config_bases import AttentionBiasConfig, MLPBiasConfig, WindowConfig
+from nnx_shard.models._decoder_config import DecoderConfig
 from nnx_shard.models._layers import ACTIVATION_FNS, RMSNorm, dense_init, new_param
 from nnx_shard.models._layout import GATHERED, RESIDUAL, seq_names
 from nnx_shard.models._masks import NO_EXTRAS, Extras

@@ -250,7 +250,7 @@ def test_grain_map_dataset_and_data_loader_feed_fit():
 
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_grad_norm_equals_optax_with_sharded_and_replicated_leaves(axis_types):
-    from nnx_shard._train._guard import grads_norm
+    from nnx_shard._train._norm import grads_norm
 
     mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     rng = np.random.default_rng(0)
@@ -270,7 +270,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 def test_grad_sq_shares_sum_to_the_norm_with_no_collective(axis_types):
-    from nnx_shard._train._guard import grad_sq_shares
+    from nnx_shard._train._norm import grad_sq_shares
 
     mesh = ns.make_mesh("data=4,model=2", axis_types=axis_types)
     rng = np.random.default_rng(0)

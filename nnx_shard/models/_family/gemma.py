@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from nnx_shard.models._config_bases import AttentionBiasConfig
 from nnx_shard.models._decoder import DecoderBlock
-from nnx_shard.models._decoder_config import AttentionBiasConfig
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._hf_config import no_window
 

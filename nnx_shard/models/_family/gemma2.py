@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from nnx_shard._errors import UsageError, count, short
+from nnx_shard.models._config_bases import AttentionBiasConfig, WindowConfig
 from nnx_shard.models._decoder import SandwichBlock
-from nnx_shard.models._decoder_config import BIG, AttentionBiasConfig, WindowConfig
+from nnx_shard.models._decoder_config import BIG
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,

@@ -12,13 +12,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_shard.models._config_bases import AttentionBiasConfig, MLPBiasConfig
 from nnx_shard.models._decoder import DecoderBlock
-from nnx_shard.models._decoder_config import (
-    BIG,
-    LLAMA31_ROPE,
-    AttentionBiasConfig,
-    MLPBiasConfig,
-)
+from nnx_shard.models._decoder_config import BIG, LLAMA31_ROPE
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._hf_config import no_window
 

@@ -11,8 +11,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nnx_shard.models._config_bases import MoEConfig, WindowConfig
 from nnx_shard.models._decoder import DecoderBlock, DecoderMoEBlock
-from nnx_shard.models._decoder_config import BIG, MoEConfig, WindowConfig
+from nnx_shard.models._decoder_config import BIG
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,

@@ -10,8 +10,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_shard.models._config_bases import AttentionBiasConfig
 from nnx_shard.models._decoder import PostNormBlock
-from nnx_shard.models._decoder_config import AttentionBiasConfig
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnx_shard._errors import UsageError, short
+from nnx_shard.models._config_bases import WindowConfig
 from nnx_shard.models._decoder import DecoderBlock
-from nnx_shard.models._decoder_config import WindowConfig
 from nnx_shard.models._families import LLAMA_MAPPING, Family, Fusion, register
 from nnx_shard.models._family.mistral import read
 from nnx_shard.models._hf_config import FIX_VALUE

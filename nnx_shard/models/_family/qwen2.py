@@ -9,8 +9,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_shard.models._config_bases import WindowConfig
 from nnx_shard.models._decoder import DecoderBlock
-from nnx_shard.models._decoder_config import BIG, WindowConfig
+from nnx_shard.models._decoder_config import BIG
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._hf_config import qwen_window
 

@@ -8,8 +8,9 @@ head before the rotation and an explicit ``head_dim``; a sliding window with
 
 import dataclasses
 
+from nnx_shard.models._config_bases import AttentionBiasConfig, WindowConfig
 from nnx_shard.models._decoder import DecoderBlock
-from nnx_shard.models._decoder_config import BIG, AttentionBiasConfig, WindowConfig
+from nnx_shard.models._decoder_config import BIG
 from nnx_shard.models._families import LLAMA_MAPPING, Family, register
 from nnx_shard.models._family.qwen2 import read, write
 

@@ -13,8 +13,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nnx_shard.models._config_bases import AttentionBiasConfig, MoEConfig, WindowConfig
 from nnx_shard.models._decoder import DecoderBlock, DecoderMoEBlock
-from nnx_shard.models._decoder_config import BIG, AttentionBiasConfig, MoEConfig, WindowConfig
+from nnx_shard.models._decoder_config import BIG
 from nnx_shard.models._families import (
     LAYER,
     LLAMA_MAPPING,
