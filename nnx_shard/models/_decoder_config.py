@@ -243,10 +243,9 @@ class DecoderConfig:
         nnx_shard._errors.UsageError: LlamaConfig: sliding_window=4 is not part of model_type='llama' (its checkpoints have no such thing; gemma2, gemma3_text, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe have it). Fix: DecoderConfig.for_model('gemma2', ...), or leave sliding_window out.
         """
         config = family_of(model_type).config or DecoderConfig
-        names = _check_names(config, fields, model_type)
-        if "model_type" in names:
+        if "model_type" in {f.name for f in dataclasses.fields(config)}:
             fields = {**fields, "model_type": model_type}
-        return config(**fields)
+        return config(**fields)  # a field the class lacks: refused by its __new__
 
     def with_family(self, model_type: str, **changes: Any) -> Any:
         """This configuration's shared fields (:class:`DecoderConfig`'s: sizes, rotary
@@ -320,7 +319,6 @@ class DecoderConfig:
         hf, where = read_json(config)
         config_class, fields = hf_fields(hf, where, DecoderConfig)
         try:
-            _check_names(config_class, overrides, fields["model_type"])
             return config_class(**(fields | overrides))
         except UsageError as e:  # sizes that do not fit together, e.g. kv_heads and heads
             problem = str(e).partition(" Fix: ")[0]
@@ -339,13 +337,12 @@ class DecoderConfig:
         return hf_config(self)
 
 
-def _check_names(cls: type, fields: Mapping[str, Any], model_type: Any) -> set[str]:
-    """The field names of the config class ``cls``, every key of ``fields`` among them."""
+def _check_names(cls: type, fields: Mapping[str, Any], model_type: Any) -> None:
+    """Refuses a key of ``fields`` that is not a field of the config class ``cls``."""
     names = {f.name for f in dataclasses.fields(cls)}
     for name, value in fields.items():
         if name not in names:
             raise UsageError(_not_a_field(cls, name, value, model_type))
-    return names
 
 
 def _not_a_field(cls: type, name: str, value: Any, model_type: Any) -> str:

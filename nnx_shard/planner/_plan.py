@@ -144,13 +144,11 @@ class Plan:
         guard = self.request.get("guard", DEFAULT_GUARD)
         mesh = ", ".join(f'"{k}": {v}' for k, v in c.mesh.items())
         if model:
-            cls = "Decoder"
-            get = "get_config"
-            make = (f"cfg = dataclasses.replace({get}({model!r}), remat={c.remat!r})\n"
-                    f"factory = lambda: {cls}(cfg, rngs=nnx.Rngs(0))\n")
+            make = (f"cfg = dataclasses.replace(get_config({model!r}), remat={c.remat!r})\n"
+                    "factory = lambda: Decoder(cfg, rngs=nnx.Rngs(0))\n")
             head = ("import dataclasses\n\nimport optax\nfrom flax import nnx\n\n"
                     "import nnx_shard as ns\n"
-                    f"from nnx_shard.models import {cls}, {get}, lm_loss\n\n")
+                    "from nnx_shard.models import Decoder, get_config, lm_loss\n\n")
         else:
             make = ("factory = my_factory" + (f"  # with remat={c.remat!r}" if c.remat else "")
                     + "\n")
