@@ -30,18 +30,17 @@ quantized (QLoRA, :mod:`nnx_shard._quantized`) and dequantized where it is read.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._annotate import logical_names, path_str
-from nnx_shard._errors import NnxShardError, ShardingError, UsageError, count, short
+from nnx_shard._errors import NnxShardError, ShardingError, UsageError
+from nnx_shard._lora_checks import as_rngs, check_dtype, check_scalars, check_targets
 from nnx_shard._quantized import (
     BLOCK,
     QuantizedKernel,
@@ -277,22 +276,6 @@ def _factor_sharding(var: nnx.Variable[Any], keep: list[int], rank_at: int) -> A
     return NamedSharding(mesh, PartitionSpec(*entries))
 
 
-def _check_scalars(rank: Any, alpha: Any, dropout: Any) -> tuple[int, float, float]:
-    r = count(rank, "lora rank", fix="e.g. ns.lora(model, rank=8, alpha=16)")
-    if isinstance(alpha, bool | np.bool_) or not isinstance(alpha, int | float | np.number) \
-            or not math.isfinite(float(alpha)):
-        raise UsageError(f"lora alpha must be a finite number, got {short(alpha, 60)} "
-                         f"({type(alpha).__name__}). Fix: e.g. alpha=16 (the update is "
-                         "scaled by alpha / rank, as PEFT does)")
-    if isinstance(dropout, bool | np.bool_) or not isinstance(dropout, int | float | np.number) \
-            or not 0.0 <= float(dropout) < 1.0:
-        raise UsageError(
-            f"lora dropout must be a number in [0, 1), got {short(dropout, 60)} "
-            f"({type(dropout).__name__}): the probability of dropping each input of the "
-            "adapter while training. Fix: e.g. dropout=0.05, or 0.0 for none")
-    return r, float(alpha), float(dropout)
-
-
 def _init_factors(key: jax.Array, var: nnx.Variable[Any], stack: int, n_in: int, rank: int,
                   dtype: Any) -> tuple[Any, Any]:
     shape = tuple(var.shape)
@@ -451,30 +434,13 @@ def lora(model: Any, rank: int, alpha: float, *, targets: str = DEFAULT_TARGETS,
     >>> qlayer.kernel.qtype, qlayer.kernel.scale.shape, str(qlayer.kernel.scale.dtype)
     ('nf4', (2, 4), 'int8')
     """
-    r, a, p = _check_scalars(rank, alpha, dropout)
+    r, a, p = check_scalars(rank, alpha, dropout)
     quant = check_quantize(quantize, quant_block, double_quant)
     if quant is not None:
         qwix_module()
-    if not isinstance(targets, str):
-        raise UsageError(f"lora targets must be a regex string, got {short(targets, 60)} "
-                         f"({type(targets).__name__}). Fix: e.g. targets=r'attn/(q|v)$'")
-    try:
-        rx = re.compile(targets)
-    except re.error as e:
-        raise UsageError(f"lora targets {targets!r} is not a regex ({e}). "
-                         "Fix: e.g. targets=r'attn/(q|v)$'") from e
-    if isinstance(rngs, int) and not isinstance(rngs, bool):
-        rngs = nnx.Rngs(rngs)
-    if not isinstance(rngs, nnx.Rngs):
-        raise UsageError(f"lora rngs must be an nnx.Rngs or an int seed, got {short(rngs, 60)}. "
-                         "Fix: e.g. rngs=0")
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError as e:
-        raise UsageError(f"lora dtype {short(dtype, 60)} is not a dtype. "
-                         "Fix: e.g. dtype=jnp.float32") from e
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise UsageError(f"lora dtype must be a float type, got {dt}. Fix: dtype=jnp.float32")
+    rx = check_targets(targets)
+    rngs = as_rngs(rngs)
+    dt = check_dtype(dtype)
     found, done = adaptable_kernels(model)
     again = sorted(q for q in done if rx.search(q))
     if again:

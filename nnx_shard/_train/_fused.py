@@ -12,7 +12,8 @@ what it checks in :mod:`nnx_shard._parallel.registry`.
 
 This module is the host side (the compiled calls by argument layout, the state
 read from and written back to the NNX objects, the bounded dispatch);
-:mod:`._traced` builds the function each call compiles.
+:mod:`._traced` builds the function each call compiles, and :mod:`._fused_checks`
+checks its options and arguments.
 """
 
 from __future__ import annotations
@@ -20,47 +21,27 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import (
-    ShardingError,
     UsageError,
-    count,
     flag,
     is_sharding_type_error,
     sharding_type_error,
     sharding_types,
-    short,
 )
 from nnx_shard._mesh import current
-from nnx_shard._train._microbatch import check_device_rows, spec_axes
+from nnx_shard._train._fused_checks import ArgNames, check_microbatch_rows, check_options, steps
 from nnx_shard._train._precision import Precision, as_precision
 from nnx_shard._train._traced import build_run, pack
 from nnx_shard._train._trees import is_node
 
 __all__ = ["Carry", "Fused", "multistep"]
-
-
-def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
-    """Names of fn's first n positional parameters (``args[i]`` where unknown)."""
-    names = [f"args[{i}]" for i in range(n)]
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return names
-    for i, p in enumerate(params[:n]):
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            names[i] = p.name
-        elif p.kind == p.VAR_POSITIONAL:
-            break
-    return names
 
 
 class _Cache:
@@ -189,7 +170,7 @@ class Fused:
         self._data_jits: dict[Any, Any] = {}
         self._packed: dict[int, Any] = {}
         self._plans: dict[tuple[tuple[int, ...], int], _Plan] = {}
-        self._names: dict[int, list[str]] = {}
+        self._names = ArgNames(step_fn)
         # Data layouts (shapes, shardings) whose rows per device were checked.
         self._rows_checked: set[Any] = set()
         self.finish = finish
@@ -207,63 +188,6 @@ class Fused:
 
     # -- host side ------------------------------------------------------------
 
-    def _steps(self, args: tuple[Any, ...], node_pos: tuple[int, ...]) -> int:
-        ks: set[int | None] = set()
-        for i, a in enumerate(args):
-            if i not in node_pos:
-                ks.update(np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(a))
-        if len(ks) == 1 and None not in ks and 0 not in ks:
-            self._check_steps_axis(args, node_pos)
-            return ks.pop()  # type: ignore[return-value]
-        names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
-        self._names[len(args)] = names
-        seen: list[tuple[str, Any, int | None]] = []
-        for i, a in enumerate(args):
-            if i in node_pos:
-                continue
-            for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
-                shape = np.shape(x)
-                seen.append((names[i] + jax.tree_util.keystr(path), shape, shape[0] if shape else None))
-        if not seen:
-            raise UsageError(
-                "multistep needs at least one array argument with a leading steps axis K "
-                "(e.g. a batch shaped [K, batch, ...]) to know how many steps to run. Fix: "
-                "pass the step batches stacked [K, batch, ...], e.g. fused(model, optimizer, "
-                "np.stack(step_batches))."
-            )
-        listing = "; ".join(
-            f"{p} has shape {s} -> K={k if k is not None else 'none (scalar)'}" for p, s, k in seen
-        )
-        raise UsageError(
-            "batch leaves disagree on the number of steps K (their leading axis): "
-            f"{listing}. Every leaf of the data arguments needs the same leading steps "
-            "axis, laid out [K, batch, ...] (not [batch, K, ...]). Fix: stack the K step "
-            "batches with np.stack, or use shard_batch(..., steps=True)."
-        )
-
-    def _check_steps_axis(self, args: tuple[Any, ...], node_pos: tuple[int, ...]) -> None:
-        """The leading axis K is scanned over, so every device holds all K steps: a leaf
-        whose leading axis is split over devices is a batch without its K axis (e.g.
-        one step's batch from ``shard_batch``, whose rows would be taken as steps)."""
-        for i, a in enumerate(args):
-            if i in node_pos:
-                continue
-            for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
-                if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-                    continue
-                if x.sharding.shard_shape(x.shape)[0] == x.shape[0]:
-                    continue
-                names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
-                self._names[len(args)] = names
-                raise ShardingError(
-                    f"multistep: {names[i] + jax.tree_util.keystr(path)} has shape "
-                    f"{tuple(x.shape)} with its leading axis split over devices "
-                    f"({x.sharding.spec if hasattr(x.sharding, 'spec') else x.sharding}), so "
-                    "it is not the steps axis K, which every device holds whole: this looks "
-                    "like one step's batch, whose rows would be run as steps. Fix: lay the "
-                    "data out [K, batch, ...], e.g. shard_batch(np.stack(step_batches), mesh, "
-                    "rules, steps=True)")
-
     def _prepare(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         node_pos = tuple(i for i, a in enumerate(args) if is_node(a))
         if not node_pos:
@@ -271,7 +195,7 @@ class Fused:
                 "multistep: no NNX object among the arguments. Fix: call the fused step like "
                 "the step itself, e.g. fused(model, optimizer, batch)."
             )
-        self._steps(args, node_pos)
+        steps(args, node_pos, self._names)
         nodes = tuple(args[i] for i in node_pos)
         data = tuple(a for i, a in enumerate(args) if i not in node_pos)
         context = current()
@@ -378,30 +302,10 @@ class Fused:
 
     def _check_microbatches(self, args: tuple[Any, ...],
                             data_shardings: tuple[Any, ...] | None = None) -> None:
-        """Each device's rows of every [K, batch, ...] leaf must split into the
-        microbatches. Checked on the host from the arrays' shardings (or
-        ``data_shardings``, one pytree per data argument, for host data), so Auto
-        meshes (whose array types carry no sharding) get the same message as
-        Explicit ones."""
-        data = [(i, a) for i, a in enumerate(args) if not is_node(a)]
-        leaves = [jax.tree_util.tree_flatten_with_path(a)[0] for _, a in data]
-        given = ([jax.tree.leaves(d) for d in data_shardings] if data_shardings is not None
-                 else [[getattr(x, "sharding", None) for _, x in f] for f in leaves])
-        layout = tuple((np.shape(x), s) for f, g in zip(leaves, given, strict=True)
-                       for (_, x), s in zip(f, g, strict=True))
-        if layout in self._rows_checked:
-            return
-        names = self._names.get(len(args)) or _arg_names(self.step_fn, len(args))
-        self._names[len(args)] = names
-        for (i, _), flat, shardings in zip(data, leaves, given, strict=True):
-            for (path, x), sharding in zip(flat, shardings, strict=True):
-                if np.ndim(x) < 2 or not isinstance(sharding, NamedSharding):
-                    continue
-                axes, devices = spec_axes(sharding, 1)
-                if devices > 1:  # rows on one device: _split_microbatches says it plainly
-                    where = names[i] + jax.tree_util.keystr(path)
-                    check_device_rows(where, np.shape(x)[1:], axes, devices, self.microbatches)
-        self._rows_checked.add(layout)
+        """Each device's rows of every [K, batch, ...] leaf split into the microbatches
+        (:func:`~nnx_shard._train._fused_checks.check_microbatch_rows`), once per layout."""
+        check_microbatch_rows(args, data_shardings, self.microbatches, self._names,
+                              self._rows_checked)
 
     def __call__(self, *args: Any) -> Any:
         plan, variables, nodes, values, data = self._prepare(args)
@@ -614,26 +518,3 @@ def multistep(
     return Fused(step_fn, donate=donate, microbatches=microbatches, max_in_flight=max_in_flight,
                  unroll=unroll, precision=precision)
 
-
-def check_options(step_fn: Any, microbatches: Any, max_in_flight: Any, unroll: Any,
-                   owner: str = "multistep") -> None:
-    """The checks of :func:`multistep`'s arguments (made by :class:`Fused` itself, so a
-    Fused built directly, and :class:`~nnx_shard.Trainer` on it, get them too), the
-    message naming ``owner``, the call that took them."""
-    if not callable(step_fn):
-        raise UsageError(f"multistep expects a callable step function (step_fn), got "
-                         f"{short(step_fn, 60)}. Fix: pass the function itself, e.g. "
-                         "multistep(train_step), not train_step(...).")
-    count(microbatches, f"{owner}: microbatches", fix="e.g. microbatches=2, or 1 for no split")
-    if max_in_flight is not None and (
-        not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1
-    ):
-        raise UsageError(
-            f"{owner}: max_in_flight must be a positive int or None (unbounded), got "
-            f"{max_in_flight!r}. Fix: e.g. max_in_flight=2 (the default)."
-        )
-    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
-        raise UsageError(
-            f"{owner}: unroll must be a positive int (steps per loop iteration), got "
-            f"{unroll!r}. Fix: e.g. unroll=1 (the default, a rolled loop) or 2."
-        )

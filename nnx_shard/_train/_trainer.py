@@ -20,7 +20,8 @@ from nnx_shard._init import StrategyLike, tables
 from nnx_shard._mesh import make_mesh, use
 from nnx_shard._rules import Rules
 from nnx_shard._train._feed import BatchCheck, Feed, groups, iter_group_sizes
-from nnx_shard._train._fused import Fused, check_options
+from nnx_shard._train._fused import Fused
+from nnx_shard._train._fused_checks import check_options
 from nnx_shard._train._guard import (
     DEFAULT_GUARD,
     Guard,

@@ -1,24 +1,14 @@
 """Chat templates compiled as transformers compiles them (jinja2's
 ``ImmutableSandboxedEnvironment``, blocks trimmed, ``raise_exception``,
-``strftime_now``, a ``tojson`` that leaves HTML alone) and rendered within
-limits: a template is code from a downloaded folder, and the sandbox keeps it
-from reaching Python's internals but not from running forever or asking for
-gigabytes (``range`` loops inside loops, ``'a' * 10**10``, ``lipsum(10**7)``).
-
-What the limits bound, each refused with :class:`Limit` (which
-:meth:`~nnx_shard.inference.Tokenizer.apply_chat_template` reports naming the
-template and the limit):
-
-* the time of one rendering (:data:`TIME_LIMIT`), checked at every loop
-  iteration, call, filter, operator and attribute;
-* the loop iterations of one rendering (:data:`MAX_LOOPS`);
-* the length of any one string the template makes and of the output
-  (:data:`MAX_TEXT`), checked before the operations that multiply sizes (``*``,
-  ``%``, ``~``, ``format``, ``center``, ``join``, ``replace``, ``indent``,
-  ``tojson``, ...) and after every other;
-* the items of any one list the template makes (:data:`MAX_ITEMS`);
-* the characters made in all (:data:`MAX_MADE`), which bounds what a loop keeps;
-* the size of an integer power (:data:`MAX_POWER_BITS`).
+``strftime_now``, a ``tojson`` that leaves HTML alone) and rendered within the
+limits of :mod:`._template_limits` (time, loop iterations, string and list
+sizes, characters made, integer powers), each refused with :class:`Limit`
+(which :meth:`~nnx_shard.inference.Tokenizer.apply_chat_template` reports
+naming the template and the limit). Here the operations that multiply sizes
+(``*``, ``%``, ``~``, ``format``, ``center``, ``join``, ``replace``,
+``indent``, ``tojson``, ...) are checked before they run, every other result
+after, and every ``for`` and ``~`` of the compiled template goes through a
+checked call.
 
 Templates of real checkpoints stay orders of magnitude below every limit, and
 they render exactly as without them: the hooks only check, the values are
@@ -29,22 +19,20 @@ transformers' ``AssistantTracker`` extension reads them) render their body as
 it is; :func:`render` given a ``spans`` list records there the characters each
 block printed, where the output stood when the block ended (so a block inside a
 macro or a ``{% set %}`` block is placed as transformers places it). The spans
-recorded count against :data:`MAX_ITEMS`.
+recorded count against :data:`~._template_limits.MAX_ITEMS`.
 
 This module imports jinja2: it is imported only when a template is compiled.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
 import inspect
 import json
 import re
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -52,41 +40,22 @@ import jinja2
 from jinja2 import ext, nodes, sandbox
 from markupsafe import Markup
 
-#: Seconds one rendering may take (real chat templates take milliseconds).
-TIME_LIMIT = 2.0
-#: Loop iterations of one rendering.
-MAX_LOOPS = 1_000_000
-#: Characters of any one string a template makes, and of its output (about four
-#: million tokens: past the context of almost every model).
-MAX_TEXT = 1 << 24
-#: Items of any one list, tuple or dict a template makes.
-MAX_ITEMS = 1 << 20
-#: Characters made in all by one rendering.
-MAX_MADE = 1 << 28
-#: Bits of an integer ``a ** b``.
-MAX_POWER_BITS = 1 << 16
-#: Words of ``lipsum()``, and the indent ``tojson`` may take.
-MAX_LIPSUM_WORDS = 100_000
-MAX_INDENT = 100
-
-
-class Limit(Exception):
-    """A rendering went past one of the limits; ``what`` says which and how far."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(what)
-        self.what = what
-
-
-@dataclasses.dataclass
-class _Budget:
-    deadline: float
-    loops: int = 0
-    made: int = 0
-
-
-_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_budget",
-                                                                         default=None)
+from nnx_shard.inference._template_limits import (
+    MAX_INDENT,
+    MAX_ITEMS,
+    MAX_LIPSUM_WORDS,
+    MAX_POWER_BITS,
+    MAX_TEXT,
+    Limit,
+    bounded,
+    budget,
+    made,
+    past,
+    text_of,
+    tick,
+    want,
+    weight,
+)
 
 
 @dataclasses.dataclass
@@ -100,76 +69,6 @@ class _Tracker:
 
 _TRACKER: contextvars.ContextVar[_Tracker | None] = contextvars.ContextVar("chat_tracker",
                                                                           default=None)
-
-
-def _tick() -> None:
-    budget = _BUDGET.get()
-    if budget is not None and time.monotonic() > budget.deadline:
-        raise Limit(f"the rendering ran past the time limit of {TIME_LIMIT:g} s")
-
-
-def _past(what: str, n: int, limit: int, unit: str = "characters") -> Limit:
-    return Limit(f"{what} would be {n:,} {unit}, past the limit of {limit:,}")
-
-
-def _want(n: int, what: str) -> None:
-    """Refuses a string of ``n`` characters before it is made."""
-    if n > MAX_TEXT:
-        raise _past(what, n, MAX_TEXT)
-
-
-def _made(value: Any, what: str = "a value") -> Any:
-    """``value`` once checked: a string within :data:`MAX_TEXT` (and counted
-    against :data:`MAX_MADE`), a container within :data:`MAX_ITEMS`."""
-    if isinstance(value, str | bytes | bytearray):
-        n = len(value)
-        if n > MAX_TEXT:
-            raise _past(what, n, MAX_TEXT)
-        budget = _BUDGET.get()
-        if budget is not None and n:
-            budget.made += n
-            if budget.made > MAX_MADE:
-                raise _past("the text made in all", budget.made, MAX_MADE)
-    elif isinstance(value, list | tuple | dict | set | frozenset):
-        if len(value) > MAX_ITEMS:
-            raise _past(what, len(value), MAX_ITEMS, "items")
-    return value
-
-
-def _weight(value: Any, indent: int = 0) -> int:
-    """About how many characters ``str(value)`` (or its JSON, each line
-    indented by ``indent`` per level) takes, counted only up to just past
-    :data:`MAX_TEXT`: a list that holds one long string a million times is
-    small in memory and huge as text."""
-    if isinstance(value, str):
-        return len(value)
-    total = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    seen = 0
-    while stack:
-        item, depth = stack.pop()
-        seen += 1
-        if not seen & 0xFFF:
-            _tick()
-        if isinstance(item, str | bytes):
-            total += len(item) + 2
-        elif isinstance(item, Mapping):
-            total += 2 + len(item) * (4 + indent * (depth + 1))
-            stack.extend((k, depth + 1) for k in item)
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list | tuple | set | frozenset):
-            total += 2 + len(item) * (2 + indent * (depth + 1))
-            stack.extend((v, depth + 1) for v in item)
-        else:
-            total += 8
-        if total > MAX_TEXT:
-            return total
-    return total
-
-
-def _text_of(value: Any, what: str, indent: int = 0) -> None:
-    if not isinstance(value, str):
-        _want(_weight(value, indent), what)
 
 
 # -- what multiplies sizes, checked before it runs ------------------------------------
@@ -188,8 +87,8 @@ def _check_printf(fmt: str, args: Any) -> None:
                 if any(isinstance(v, int) and v > MAX_TEXT for v in values):
                     raise Limit(f"a '%*' width past the limit of {MAX_TEXT:,} characters")
             elif group and (len(group) > 8 or int(group) > MAX_TEXT):
-                raise _past(f"the '%' width {group[:20]}", int(group[:20]), MAX_TEXT)
-    _want(len(fmt) + _weight(args), "a '%' formatting")
+                raise past(f"the '%' width {group[:20]}", int(group[:20]), MAX_TEXT)
+    want(len(fmt) + weight(args), "a '%' formatting")
 
 
 def _check_spec(spec: str) -> None:
@@ -198,20 +97,20 @@ def _check_spec(spec: str) -> None:
         return
     for group in m.groups():
         if group and (len(group) > 8 or int(group) > MAX_TEXT):
-            raise _past(f"the format width {group[:20]}", int(group[:20]), MAX_TEXT)
+            raise past(f"the format width {group[:20]}", int(group[:20]), MAX_TEXT)
 
 
 class _Formatter(sandbox.SandboxedFormatter):
     def format_field(self, value: Any, format_spec: str) -> Any:
         _check_spec(format_spec)
-        _text_of(value, "a str.format field")
+        text_of(value, "a str.format field")
         return super().format_field(value, format_spec)
 
 
 class _EscapeFormatter(sandbox.SandboxedEscapeFormatter):
     def format_field(self, value: Any, format_spec: str) -> Any:
         _check_spec(format_spec)
-        _text_of(value, "a str.format field")
+        text_of(value, "a str.format field")
         return super().format_field(value, format_spec)
 
 
@@ -252,30 +151,30 @@ def _check_method(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
         if name in ("center", "ljust", "rjust", "zfill"):
             width = _int(first if first is not None else kwargs.get("width"))
             if width is not None:
-                _want(width, f"str.{name}({width})")
+                want(width, f"str.{name}({width})")
         elif name == "expandtabs":
             size = _int(first if first is not None else kwargs.get("tabsize", 8)) or 0
             tabs = owner.count("\t") if isinstance(owner, str) else owner.count(b"\t")
-            _want(len(owner) + tabs * size, f"str.expandtabs({size})")
+            want(len(owner) + tabs * size, f"str.expandtabs({size})")
         elif name == "join" and args:
             items = args[0]
             if isinstance(items, list | tuple):
-                _want(len(owner) * max(0, len(items) - 1) + sum(
-                    _weight(v) for v in items[:MAX_ITEMS + 1]), "str.join(...)")
+                want(len(owner) * max(0, len(items) - 1) + sum(
+                    weight(v) for v in items[:MAX_ITEMS + 1]), "str.join(...)")
         elif name == "replace" and len(args) >= 2:
             old, new = args[0], args[1]
             if isinstance(old, str | bytes) and isinstance(new, str | bytes):
                 n = owner.count(old) if old else len(owner) + 1  # type: ignore[arg-type]
                 if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
                     n = min(n, args[2])
-                _want(len(owner) + n * max(0, len(new) - len(old)), "str.replace(...)")
+                want(len(owner) + n * max(0, len(new) - len(old)), "str.replace(...)")
         elif name == "translate" and args and isinstance(args[0], Mapping):
             longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
-            _want(len(owner) * longest, "str.translate(...)")
+            want(len(owner) * longest, "str.translate(...)")
     elif isinstance(owner, int) and name == "to_bytes":
         length = _int(args[0] if args else kwargs.get("length", 1))
         if length is not None:
-            _want(length, f"int.to_bytes({length})")
+            want(length, f"int.to_bytes({length})")
 
 
 def _arguments(signature: inspect.Signature, args: tuple[Any, ...],
@@ -294,22 +193,22 @@ def _value_key(a: dict[str, Any]) -> str | None:
 
 def _f_center(value: Any, a: dict[str, Any]) -> None:
     width = _int(a.get("width"))
-    _text_of(value, "the value of center")
+    text_of(value, "the value of center")
     if width is not None:
-        _want(width, f"center({width})")
+        want(width, f"center({width})")
 
 
 def _f_indent(value: Any, a: dict[str, Any]) -> None:
     width = a.get("width")
     w = len(width) if isinstance(width, str) else _int(width) or 0
     if isinstance(value, str):
-        _want(len(value) + (value.count("\n") + 1) * w, f"indent({short_repr(width)})")
+        want(len(value) + (value.count("\n") + 1) * w, f"indent({short_repr(width)})")
 
 
 def _f_wordwrap(value: Any, a: dict[str, Any]) -> None:
     wrap, width = a.get("wrapstring"), _int(a.get("width")) or 1
     if isinstance(value, str) and isinstance(wrap, str):
-        _want(len(value) + (len(value) // max(1, width) + 1) * len(wrap), "wordwrap(...)")
+        want(len(value) + (len(value) // max(1, width) + 1) * len(wrap), "wordwrap(...)")
 
 
 def _f_replace(value: Any, a: dict[str, Any]) -> None:
@@ -318,15 +217,15 @@ def _f_replace(value: Any, a: dict[str, Any]) -> None:
         n = value.count(old) if old else len(value) + 1
         if isinstance(count, int) and count >= 0:
             n = min(n, count)
-        _want(len(value) + n * max(0, len(new) - len(old)), "replace(...)")
+        want(len(value) + n * max(0, len(new) - len(old)), "replace(...)")
 
 
 def _f_join(value: Any, a: dict[str, Any]) -> None:
     key = _value_key(a)
     if key is not None and value is not None and not isinstance(value, str):
-        items = a[key] = list(_bounded(value))  # join makes a list of them anyway
-        _want(len(str(a.get("d", ""))) * max(0, len(items) - 1) + sum(
-            _weight(v) for v in items), "join(...)")
+        items = a[key] = list(bounded(value))  # join makes a list of them anyway
+        want(len(str(a.get("d", ""))) * max(0, len(items) - 1) + sum(
+            weight(v) for v in items), "join(...)")
 
 
 def _f_format(value: Any, a: dict[str, Any]) -> None:
@@ -336,26 +235,26 @@ def _f_format(value: Any, a: dict[str, Any]) -> None:
 
 def _f_batch(value: Any, a: dict[str, Any]) -> None:
     if a.get("fill_with") is not None and (_int(a.get("linecount")) or 0) > MAX_ITEMS:
-        raise _past("batch(...) rows", a["linecount"], MAX_ITEMS, "items")
+        raise past("batch(...) rows", a["linecount"], MAX_ITEMS, "items")
 
 
 def _f_slice(value: Any, a: dict[str, Any]) -> None:
     if (_int(a.get("slices")) or 0) > MAX_ITEMS:
-        raise _past("slice(...)", a["slices"], MAX_ITEMS, "slices")
+        raise past("slice(...)", a["slices"], MAX_ITEMS, "slices")
 
 
 def _f_sum(value: Any, a: dict[str, Any]) -> None:
     key = _value_key(a)
     if key is not None and value is not None and not isinstance(value, str):
-        items = a[key] = list(_bounded(value))
+        items = a[key] = list(bounded(value))
         if isinstance(a.get("start"), list | tuple | str):
             n = sum(len(v) for v in items if isinstance(v, list | tuple | str))
             if n > MAX_ITEMS:
-                raise _past("sum(...)", n, MAX_ITEMS, "items")
+                raise past("sum(...)", n, MAX_ITEMS, "items")
 
 
 def _f_pprint(value: Any, a: dict[str, Any]) -> None:
-    _text_of(value, "pprint(...)", indent=1)
+    text_of(value, "pprint(...)", indent=1)
 
 
 _FILTER_CHECKS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
@@ -373,7 +272,7 @@ def _check_filter(name: str, a: dict[str, Any]) -> dict[str, Any]:
     if check is not None:
         check(value, a)
     elif name in _STRINGIFY:
-        _text_of(value, f"{name}(...)")
+        text_of(value, f"{name}(...)")
     return a
 
 
@@ -388,19 +287,6 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= 20 else text[:17] + "..."
 
 
-def _bounded(items: Iterable[Any]) -> Iterator[Any]:
-    """``items``, each counted against :data:`MAX_LOOPS` and the time limit."""
-    budget = _BUDGET.get()
-    for item in items:
-        if budget is not None:
-            budget.loops += 1
-            if budget.loops > MAX_LOOPS:
-                raise _past("the loop iterations", budget.loops, MAX_LOOPS, "iterations")
-            if not budget.loops & 0xFF:
-                _tick()
-        yield item
-
-
 def _wrap_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     try:
         signature: inspect.Signature | None = inspect.signature(func)
@@ -409,8 +295,8 @@ def _wrap_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     first = next(iter(signature.parameters), None) if signature is not None else None
 
     @functools.wraps(func)  # keeps jinja's pass_context / pass_environment marks
-    def bounded(*args: Any, **kwargs: Any) -> Any:
-        _tick()
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        tick()
         lead = 0
         # jinja's sync/async filters take the context first without naming it
         if args and first not in _PASSED and isinstance(args[0], _PASS_TYPES):
@@ -422,9 +308,9 @@ def _wrap_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
             a = _check_filter(name, a)
             if key is not None and a[key] is not value:  # an iterable made a list
                 args = tuple(a[key] if x is value else x for x in args)
-        return _made(func(*args, **kwargs), f"the result of {name}")
+        return made(func(*args, **kwargs), f"the result of {name}")
 
-    return bounded
+    return checked
 
 
 _PASSED = frozenset({"eval_ctx", "environment", "context", "env"})
@@ -452,7 +338,7 @@ class _Generation(ext.Extension):
         tracker = _TRACKER.get()
         if tracker is not None:
             if len(tracker.spans) >= MAX_ITEMS:
-                raise _past("the generation blocks rendered", len(tracker.spans) + 1,
+                raise past("the generation blocks rendered", len(tracker.spans) + 1,
                             MAX_ITEMS, "blocks")
             tracker.spans.append((tracker.size, tracker.size + len(rv)))
         return rv
@@ -465,66 +351,66 @@ class _Environment(sandbox.ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "%", "+"})
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        _tick()
+        tick()
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, str | bytes) and isinstance(n, int):
-                    _want(len(seq) * n, f"{short_repr(seq)} * {n}")
+                    want(len(seq) * n, f"{short_repr(seq)} * {n}")
                 elif isinstance(seq, list | tuple) and isinstance(n, int):
                     if len(seq) * n > MAX_ITEMS:
-                        raise _past(f"a list * {n}", len(seq) * n, MAX_ITEMS, "items")
+                        raise past(f"a list * {n}", len(seq) * n, MAX_ITEMS, "items")
         elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
                 bits = left.bit_length() * right
                 if bits > MAX_POWER_BITS:
-                    raise _past(f"{short_repr(left)} ** {short_repr(right)}", bits,
+                    raise past(f"{short_repr(left)} ** {short_repr(right)}", bits,
                                 MAX_POWER_BITS, "bits")
         elif operator == "%" and isinstance(left, str):
             _check_printf(left, right)
         elif operator == "+" and isinstance(left, str) and isinstance(right, str):
-            _want(len(left) + len(right), "a '+' of strings")
-        return _made(super().call_binop(context, operator, left, right),
+            want(len(left) + len(right), "a '+' of strings")
+        return made(super().call_binop(context, operator, left, right),
                      f"the result of '{operator}'")
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
-        _tick()
+        tick()
         fmt = _str_format(obj)
         if fmt is not None:
-            return _made(_format(self, fmt[0], fmt[1], args, kwargs), f"str.{fmt[1]}(...)")
+            return made(_format(self, fmt[0], fmt[1], args, kwargs), f"str.{fmt[1]}(...)")
         _check_method(obj, args, kwargs)
-        return _made(super().call(context, obj, *args, **kwargs),
+        return made(super().call(context, obj, *args, **kwargs),
                      f"the result of {getattr(obj, '__name__', 'a call')}")
 
     def getattr(self, obj: Any, attribute: str) -> Any:
-        _tick()
+        tick()
         return super().getattr(obj, attribute)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
-        _tick()
+        tick()
         return super().getitem(obj, argument)
 
     # Called by the compiled template: see _bound_ast.
     def bounded_loop(self, items: Any) -> Any:
-        return _bounded(items)
+        return bounded(items)
 
     def bounded_concat(self, *parts: Any) -> str:
         n = 0
         for part in parts:
-            n += _weight(part)
+            n += weight(part)
             if n > MAX_TEXT:
                 break
-        _want(n, "a '~' of strings")
+        want(n, "a '~' of strings")
         return "".join(map(str, parts))
 
 
 def _finalize(value: Any) -> Any:
     """What ``{{ value }}`` prints, checked before ``str`` turns it into text."""
-    _want(_weight(value), "a printed value")
+    want(weight(value), "a printed value")
     return value
 
 
 def _bound_ast(env: Any, tree: nodes.Template) -> nodes.Template:
-    """``tree`` with every ``for`` iterating through :func:`_bounded` and every
+    """``tree`` with every ``for`` iterating through :func:`bounded` and every
     ``~`` joining through ``bounded_concat`` (both checked calls)."""
     def call(name: str, args: list[Any], lineno: int) -> Any:
         node = nodes.Call(nodes.EnvironmentAttribute(name), args, [], None, None)
@@ -545,28 +431,17 @@ def _bound_ast(env: Any, tree: nodes.Template) -> nodes.Template:
     return tree
 
 
-@contextlib.contextmanager
-def budget() -> Iterator[None]:
-    """The limits of one rendering (or compilation: jinja evaluates constant
-    expressions when it compiles)."""
-    token = _BUDGET.set(_Budget(time.monotonic() + TIME_LIMIT))
-    try:
-        yield
-    finally:
-        _BUDGET.reset(token)
-
-
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     width = len(indent) if isinstance(indent, str) else _int(indent) or 0
     if width > MAX_INDENT:
-        raise _past(f"tojson(indent={short_repr(indent)})", width, MAX_INDENT)
+        raise past(f"tojson(indent={short_repr(indent)})", width, MAX_INDENT)
     if isinstance(separators, list | tuple) and any(
             isinstance(s, str) and len(s) > MAX_INDENT for s in separators):
         raise Limit(f"tojson(separators=...) longer than the limit of {MAX_INDENT} characters")
     spread = width + (max((len(s) for s in separators if isinstance(s, str)), default=0)
                       if isinstance(separators, list | tuple) else 0)
-    _want(_weight(x, spread), "tojson(...)")
+    want(weight(x, spread), "tojson(...)")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
@@ -586,7 +461,7 @@ def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str
     if isinstance(n, int) and isinstance(max, int) and isinstance(min, int):
         words = n * (max if max > min else min)
     if words > MAX_LIPSUM_WORDS:
-        raise _past(f"lipsum({n}, max={max})", words, MAX_LIPSUM_WORDS, "words")
+        raise past(f"lipsum({n}, max={max})", words, MAX_LIPSUM_WORDS, "words")
     return generate_lorem_ipsum(n=n, html=html, min=min, max=max)
 
 
@@ -618,8 +493,8 @@ def render(template: Any, context: Mapping[str, Any],
             for chunk in template.generate(**context):
                 size += len(chunk)
                 if size > MAX_TEXT:
-                    raise _past("the rendered prompt", size, MAX_TEXT)
-                _tick()
+                    raise past("the rendered prompt", size, MAX_TEXT)
+                tick()
                 out.append(chunk)
                 if tracker is not None:  # what the template has yielded when it resumes
                     tracker.size = size

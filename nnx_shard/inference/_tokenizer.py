@@ -24,6 +24,7 @@ from nnx_shard._errors import (
     check_path,
     short,
 )
+from nnx_shard.inference._chat_messages import check_messages
 from nnx_shard.inference._config import GenerationConfig
 from nnx_shard.inference._tokenizer_files import (
     FILES,
@@ -55,8 +56,6 @@ def _require(module: str) -> Any:
                             f"({e}). Fix: {EXTRA}") from None
 
 
-#: How deep a message's values may nest (a tool's JSON schema nests a few levels).
-MAX_MESSAGE_DEPTH = 100
 def _special(value: Any, name: str, file: str) -> str | None:
     """A special token as the configs write it (text, or an AddedToken object with a
     text ``content``), ``None`` where absent; any other value is refused."""
@@ -79,29 +78,6 @@ def _generation_config(folder: str) -> GenerationConfig:
         return GenerationConfig()
 
 
-def _plain(value: Any, where: str, depth: int = 0) -> Any:
-    """What a chat template may see: JSON values only (anything else becomes a
-    ``<type>`` placeholder, as transformers does, so no object's methods reach the
-    sandbox), nested at most :data:`MAX_MESSAGE_DEPTH` deep."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, np.generic):
-        return _plain(value.item(), where, depth)
-    for kind in (bool, str, int, float):  # subclasses (enums ...) carry methods of their own
-        if isinstance(value, kind):
-            return kind(value)
-    if isinstance(value, Mapping | list | tuple) and depth >= MAX_MESSAGE_DEPTH:
-        raise UsageError(f"apply_chat_template: {where} nests lists and dicts more than "
-                         f"{MAX_MESSAGE_DEPTH} deep. Fix: pass plain messages (text content, "
-                         "or a list of content parts).")
-    if isinstance(value, Mapping):
-        return {_plain(k, where, depth + 1): _plain(v, where, depth + 1)
-                for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v, where, depth + 1) for v in value]
-    return f"<{type(value).__name__}>"
-
-
 def _compile(source: str, where: str) -> Any:
     """The chat template as transformers compiles it (a sandbox that cannot change
     what it is given, blocks trimmed, ``raise_exception``, ``strftime_now`` and a
@@ -120,29 +96,6 @@ def _compile(source: str, where: str) -> Any:
         what = e.what if isinstance(e, Limit) else type(e).__name__
         raise UsageError(f"{where}: the chat template does not compile ({what}). Fix: correct "
                          "the template, or download the tokenizer's files again.") from None
-
-
-def _messages(messages: Any) -> list[dict[str, Any]]:
-    """``messages`` checked (a non-empty list of dicts, each with a text ``role`` and
-    a ``content``) and copied as plain data, keys holding ``None`` dropped."""
-    example = "e.g. [{'role': 'user', 'content': 'Hello'}]"
-    if not isinstance(messages, list | tuple) or not messages:
-        raise UsageError(f"apply_chat_template: messages must be a non-empty list of "
-                         f"{{'role', 'content'}} dicts, got {short(messages, 80)}. Fix: {example}")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise UsageError(f"apply_chat_template: messages[{i}] must be a dict with 'role' and "
-                             f"'content', got {type(message).__name__} {short(message, 60)}. "
-                             f"Fix: {example}")
-        message = {k: v for k, v in message.items() if v is not None}
-        role = message.get("role")
-        if not isinstance(role, str) or "content" not in message:
-            missing = "a text 'role'" if not isinstance(role, str) else "a 'content'"
-            raise UsageError(f"apply_chat_template: messages[{i}] has no {missing}: "
-                             f"{short(message, 80)}. Fix: {example}")
-        out.append(_plain(message, f"messages[{i}]"))
-    return out
 
 
 def _line(e: BaseException) -> str:
@@ -553,7 +506,7 @@ class Tokenizer:
         >>> sorted(out), chat.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
         (['assistant_masks', 'attention_mask', 'input_ids'], 'Hello')
         """
-        chat = _messages(messages)
+        chat = check_messages(messages)
         for name, value in (("add_generation_prompt", add_generation_prompt),
                             ("tokenize", tokenize), ("return_dict", return_dict),
                             ("return_assistant_tokens_mask", return_assistant_tokens_mask)):

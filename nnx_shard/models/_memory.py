@@ -95,9 +95,9 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
                      if n not in rules}
     b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
     m = _mlp_width(cfg)
-    # Grouped-query attention (the Llama family) keeps k and v at kv_heads.
-    g = getattr(cfg, "kv_heads", None)
-    qkvo = 4 * h * k if g is None else 2 * h * k + 2 * g * k
+    # Grouped-query attention keeps k and v at kv_heads (the reference model's: heads).
+    g = cfg.kv_heads
+    qkvo = 2 * h * k + 2 * g * k
     p = np.dtype(cfg.dtype).itemsize
     # Context parallelism keeps the sequence split through the whole block (q/k/v,
     # MLP hidden, logits); elsewhere only the residual stream is (sequence parallelism
@@ -114,8 +114,7 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     # context parallelism), kept by the dense kernel alone; the memory-efficient
     # kernels and the ring keep a float32 log-sum-exp per query row and head and
     # recompute the probabilities block by block in the backward pass.
-    kernel = getattr(cfg, "attention", "auto")  # the op's default for configs without one
-    if attention != "ring" and kernel == "dense":
+    if attention != "ring" and cfg.attention == "dense":
         probs = 4 * h * s / d_h
     else:
         # Their working set while one layer's backward pass runs (a few float32
@@ -123,9 +122,8 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
         # forward temporaries: not counted, so that the formula stays a floor.
         probs = 4 * h / d_h
     # SwiGLU keeps four mlp-wide tensors (gate, SiLU(gate), up, product), GELU two.
-    mlp = (2 if g is None else 4) * m / d_m
-    qk_norm = ((h * k + g * k) / d_h if g is not None and cfg.family.qk_norm is not None
-               else 0.0)
+    mlp = (4 if cfg.family.gated_mlp else 2) * m / d_m
+    qk_norm = (h * k + g * k) / d_h if cfg.family.qk_norm is not None else 0.0
     layer = p * (4 * e / d_l + qkvo / d_h + mlp + qk_norm) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
     if remat == "full":

@@ -52,10 +52,9 @@ MOE_ACTIVATIONS: tuple[tuple[tuple[str | None, ...], tuple[str, ...]], ...] = (
 
 
 def _sizes(cfg: Any, batch: int, seq: int, microbatches: int) -> dict[str, int]:
-    g = getattr(cfg, "kv_heads", None) or cfg.heads
     return {"1": 2, "B": batch, "b": max(1, batch // microbatches), "S": seq, "E": cfg.embed,
-            "H": cfg.heads, "G": g, "K": cfg.head_dim, "M": cfg.mlp, "V": cfg.vocab,
-            "X": max(1, getattr(cfg, "experts", 0) or 1)}
+            "H": cfg.heads, "G": cfg.kv_heads, "K": cfg.head_dim, "M": cfg.mlp, "V": cfg.vocab,
+            "X": max(1, cfg.experts)}
 
 
 def activation_entries(strategy: Any, sizes: dict[str, int], cfg: Any, *, batch: int, seq: int,
@@ -72,7 +71,7 @@ def activation_entries(strategy: Any, sizes: dict[str, int], cfg: Any, *, batch:
     """
     dims = _sizes(cfg, batch, seq, microbatches)
     mesh = abstract_mesh(dict(sizes))
-    moe = MOE_ACTIVATIONS if getattr(cfg, "experts", 0) else ()
+    moe = MOE_ACTIVATIONS if cfg.experts else ()
     entries = []
     for names, shape_of in (*ACTIVATIONS, *moe):
         shape = tuple(dims[d] for d in shape_of)

@@ -42,7 +42,7 @@ def test_each_family_loads_back_and_runs(family, tmp_path):
     cfg = model.cfg
     assert (cfg.model_type, cfg.vocab, cfg.embed, cfg.layers, cfg.heads, cfg.kv_heads) == (
         family, 128, 32, 2, 4, 2)
-    assert getattr(cfg, "experts", 0) == (4 if family_of(family).moe_block else 0)
+    assert cfg.experts == (4 if family_of(family).moe_block else 0)
     assert model.token_embed.get_value().shape == (128, 32)
     logits = model(jnp.array([[1, 5, 9, 3]]))
     assert logits.shape == (1, 4, 128)

@@ -22,9 +22,11 @@ PACKAGE = Path(ns.__file__).parent
 CONTEXT_MODULE = PACKAGE / "_mesh" / "_context.py"
 
 #: ContextVars that are no execution state, each with why it is not the context's:
-#: the chat template's per-render budget and output tracker (the sandbox's own
-#: bookkeeping of one rendering), and the measuring switch of the grouped matmul's loop.
-OTHER_CONTEXTVARS = {"inference/_chat_template.py": 2, "models/_grouped.py": 1}
+#: the chat template's per-render budget (``_template_limits``) and output tracker (the
+#: sandbox's own bookkeeping of one rendering), and the measuring switch of the grouped
+#: matmul's loop.
+OTHER_CONTEXTVARS = {"inference/_template_limits.py": 1, "inference/_chat_template.py": 1,
+                     "models/_grouped.py": 1}
 
 #: Per-thread state still kept elsewhere; the list only shrinks. QLoRA on stock layers
 #: finds the quantized kernel a layer read whole through a per-thread weak reference:

@@ -138,6 +138,12 @@ class ReferenceConfig:
         """Each expert's hidden width: ``mlp``."""
         return self.mlp
 
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads: ``heads`` (multi-head attention: each query head has its
+        own, where :attr:`~nnx_shard.models.DecoderConfig.kv_heads` groups them)."""
+        return self.heads
+
     def moe_layers(self) -> tuple[bool, ...]:
         """Every layer a MoE layer with experts, none without."""
         return (bool(self.experts),) * self.layers
