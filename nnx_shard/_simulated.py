@@ -50,6 +50,18 @@ def simulated_env(n: int, base: Mapping[str, str] | None = None, *,
     return env
 
 
+def _child_code(serve_fn: str, spec: str, error_chars: int) -> str:
+    """A child's ``python -c`` code: ``serve_fn(spec, error_chars)`` of this file, loaded
+    by its path. This module needs only the standard library; loading it through
+    ``nnx_shard`` would import JAX (seconds of CPU) before the target asks for it, in
+    a child whose target may never need it."""
+    here = os.path.abspath(__file__)
+    return ("import importlib.util as u; "
+            f"s = u.spec_from_file_location('_nnx_shard_simulated_child', {here!r}); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); "
+            f"m.{serve_fn}({spec!r}, {int(error_chars)})")
+
+
 def _target(spec: str) -> Callable[[dict[str, Any]], Mapping[str, Any]]:
     module, _, name = spec.partition(":")
     fn: Callable[[dict[str, Any]], Mapping[str, Any]] = getattr(
@@ -96,8 +108,7 @@ def run_requests(spec: str, requests: Sequence[Mapping[str, Any]], n_devices: in
     >>> run_requests("os:fspath", [{}], 2, timeout=120, on_result=lambda i, r: print(r))
     {'error': 'TypeError: expected str, bytes or os.PathLike object, not dict'}
     """
-    code = f"from nnx_shard._simulated import serve; serve({spec!r}, {int(error_chars)})"
-    proc = subprocess.Popen([sys.executable, "-c", code],
+    proc = subprocess.Popen([sys.executable, "-c", _child_code("serve", spec, error_chars)],
                             env=simulated_env(n_devices, importable=True),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -172,8 +183,7 @@ class _Child:
     """One long-lived child of :class:`Workers`."""
 
     def __init__(self, spec: str, n_devices: int, error_chars: int) -> None:
-        code = (f"from nnx_shard._simulated import serve_lines; "
-                f"serve_lines({spec!r}, {int(error_chars)})")
+        code = _child_code("serve_lines", spec, error_chars)
         self.proc = subprocess.Popen([sys.executable, "-c", code],
                                      env=simulated_env(n_devices, importable=True),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,

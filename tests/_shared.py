@@ -101,35 +101,6 @@ class MLP(nnx.Module):
         return self.down(self.drop(nnx.relu(self.up(x))))
 
 
-def sleep_request(request: dict) -> dict:
-    """A :class:`nnx_shard._simulated.Workers` function for the tests: sleeps
-    ``request["s"]`` seconds and answers with its process id. With ``request["gate"]``
-    (a path) it instead waits until that file exists, up to ``s`` seconds."""
-    import os
-    import time
-
-    gate = request.get("gate")
-    if gate is None:
-        time.sleep(request["s"])
-    else:
-        end = time.monotonic() + request["s"]
-        while not os.path.exists(gate) and time.monotonic() < end:
-            time.sleep(0.01)
-    return {"slept": request["s"], "pid": os.getpid()}
-
-
-def die_request(request: dict) -> dict:
-    """A :class:`nnx_shard._simulated.Workers` function for the tests: the child exits
-    with status 3 when ``request["die"]``, else answers with its process id."""
-    import os
-    import sys
-
-    if request.get("die"):
-        print("dying on purpose", file=sys.stderr, flush=True)
-        os._exit(3)
-    return {"pid": os.getpid()}
-
-
 def load_refusal(folder: Any, cfg: Any) -> str:
     """The text of the UsageError ``load_safetensors`` raises filling a dp-sharded
     ``Decoder(cfg)`` on ``data=8`` from ``folder`` (fails the test if it loads)."""

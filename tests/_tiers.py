@@ -15,8 +15,6 @@ SLOW_EXAMPLES = frozenset({
 # Private helpers' examples, run by --doctest-modules (the root conftest.py marks them).
 SLOW_DOCTESTS = frozenset({
     "nnx_shard._parallel.collective_matmul.projection",
-    "nnx_shard._simulated.Workers",
-    "nnx_shard._simulated.run_requests",
     "nnx_shard.planner._compile.compiled_memory_subprocess",
     "nnx_shard.planner._hardware.calibrate_subprocess",
 })

@@ -6,7 +6,9 @@ on 8 simulated devices, for the single-process reference.
 
 Modes:
   train OUT          fused fsdp training of the tiny reference transformer; process 0 writes OUT (.npz)
-  save DIR OUT       train (as train OUT), then every process saves a checkpoint to DIR
+  save DIR OUT [FROM RESTORED]
+                     print as check does; with FROM, restore FROM first (as restore FROM
+                     RESTORED); then train (as train OUT) and every process saves to DIR
   restore DIR OUT    restore DIR onto fresh abstract targets; OUT holds the params
   die                process 1 kills itself after a first collective; the others keep going
   check              initialize, print the coordinates and devices
@@ -101,6 +103,15 @@ def write(out: str, losses: np.ndarray | None, params: dict[str, np.ndarray]) ->
         np.savez(out, **extra, **params)
 
 
+def restore(directory: str, out: str) -> None:
+    """Restores ``directory`` onto fresh abstract targets; process 0 writes OUT."""
+    import nnx_shard as ns
+
+    _, _, model, opt = build(abstract=True)
+    model, opt, _ = ns.restore(directory, model=model, optimizer=opt)
+    write(out, None, {**params_of(model), "__step__": np.asarray(opt.step[...])})
+
+
 def main(argv: list[str]) -> int:
     import nnx_shard as ns
 
@@ -108,24 +119,25 @@ def main(argv: list[str]) -> int:
     import jax
 
     mode = argv[0]
-    if mode == "check":
+    if mode in ("check", "save"):
         print(f"process {coords.process_id} of {coords.num_processes} from {coords.source}; "
               f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
         rows = ns.distributed.process_slice(GLOBAL_BATCH, ns.make_mesh(MESH), fsdp_rules())
         print(f"rows {rows.start}:{rows.stop} of {GLOBAL_BATCH}", flush=True)
-    elif mode == "train":
+    if mode == "train":
         losses, params, _, _ = train()
         write(argv[1], losses, params)
         print(f"losses {losses.tolist()}", flush=True)
     elif mode == "save":
+        # One job proves several things: each process costs seconds just to start JAX.
+        if len(argv) > 3:
+            restore(argv[3], argv[4])
         losses, params, model, opt = train()
         ns.save(argv[1], STEPS, model=model, optimizer=opt)
         write(argv[2], losses, params)
         print(f"losses {losses.tolist()}", flush=True)
     elif mode == "restore":
-        _, _, model, opt = build(abstract=True)
-        model, opt, _ = ns.restore(argv[1], model=model, optimizer=opt)
-        write(argv[2], None, {**params_of(model), "__step__": np.asarray(opt.step[...])})
+        restore(argv[1], argv[2])
     elif mode == "die":
         import jax.numpy as jnp
 
@@ -139,7 +151,7 @@ def main(argv: list[str]) -> int:
         while time.monotonic() < deadline:  # blocks in the collective once the peer is gone
             total(x).block_until_ready()
             time.sleep(0.05)
-    else:
+    elif mode != "check":
         print(f"unknown mode {mode!r}", file=sys.stderr)
         return 2
     return 0

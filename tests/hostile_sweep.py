@@ -1803,10 +1803,14 @@ def _worker() -> None:
     import jax
 
     from nnx_shard.hf import _peft_config
+    from nnx_shard.inference import _template_limits
 
-    # The one time bound of a PEFT config's pattern matching: the backtracking patterns'
-    # cases meet it (a clear error naming the field) as they meet the library's 2 s.
+    # The time bounds of a PEFT config's pattern matching and of a chat template's
+    # rendering: the backtracking patterns' and the runaway templates' cases meet them (a
+    # clear error naming the field or the limit) as they meet the library's 2 s, which
+    # they would spend busy; real templates and patterns take milliseconds.
     _peft_config.MATCH_SECONDS = min(_peft_config.MATCH_SECONDS, 0.25)
+    _template_limits.TIME_LIMIT = min(_template_limits.TIME_LIMIT, 0.25)
     jax.devices()  # started before the first case's clock
     results.write("ready\n")
     results.flush()

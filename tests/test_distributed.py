@@ -138,10 +138,11 @@ def _slurm_job(tasks_per_node: str) -> str:
 
 @pytest.mark.slow
 def test_slurm_one_task_per_node_joins_through_jax_detection_with_every_device():
-    # JAX picks the address, count and id; only the device restriction is lifted.
+    # JAX picks the address, count and id; only the device restriction is lifted. With
+    # several tasks per node nnx_shard passes nothing and JAX's own one-device-per-task
+    # pinning applies (test_slurm_with_one_task_per_node_keeps_every_local_device): a
+    # process of its own would test JAX.
     assert _slurm_job("1") == "all"
-    # Several tasks per node: JAX's own one-device-per-task pinning applies.
-    assert _slurm_job("2") == "0"
 
 
 def test_jax_private_state_is_where_nnx_shard_looks_for_it():
@@ -208,25 +209,30 @@ def test_gather_returns_numpy():
 
 
 @pytest.fixture(scope="module")
-def two_process_job(tmp_path_factory):
-    """One 2-process job that trains, then saves a checkpoint: (its output, the checkpoint,
-    process 0's losses and parameters)."""
-    tmp = tmp_path_factory.mktemp("two")
-    ckpt, out = tmp / "ckpt", tmp / "two.npz"
-    done = run_job("save", str(ckpt), str(out))
-    return done, ckpt, dict(np.load(out))
-
-
-@pytest.fixture(scope="module")
 def one_process_run():
     """The same training in this process, on its 8 simulated devices: the reference."""
     return distributed_script.train()
 
 
+@pytest.fixture(scope="module")
+def two_process_job(tmp_path_factory, one_process_run):
+    """The one 2-process job of these tests (each process costs seconds just to start
+    JAX): it reports its coordinates and rows, restores the checkpoint this process saved
+    of :func:`one_process_run`, then trains and saves a checkpoint: (its output, the
+    checkpoint, process 0's losses and parameters, process 0's restored parameters)."""
+    tmp = tmp_path_factory.mktemp("two")
+    one_ckpt, restored = tmp / "one_ckpt", tmp / "restored.npz"
+    _, _, model, opt = one_process_run
+    ns.save(one_ckpt, distributed_script.STEPS, model=model, optimizer=opt)
+    ckpt, out = tmp / "ckpt", tmp / "two.npz"
+    done = run_job("save", str(ckpt), str(out), str(one_ckpt), str(restored))
+    return done, ckpt, dict(np.load(out)), dict(np.load(restored))
+
+
 @pytest.mark.slow
 @needs_devices(8)
 def test_two_processes_train_like_one_with_eight_devices(two_process_job, one_process_run):
-    done, _, two = two_process_job
+    done, _, two, _ = two_process_job
     two = dict(two)
     # Every process trains and reports the same losses; only process 0 writes files.
     lines = [ln for ln in done.stdout.splitlines() if "losses" in ln]
@@ -244,7 +250,7 @@ def test_two_processes_train_like_one_with_eight_devices(two_process_job, one_pr
 @pytest.mark.slow
 @needs_devices(8)
 def test_checkpoint_written_by_two_processes_restores_in_one(two_process_job):
-    _, ckpt, two = two_process_job
+    _, ckpt, two, _ = two_process_job
     two = {k: v for k, v in two.items() if k != "__loss__"}
     _, _, model, opt = distributed_script.build(abstract=True)
     model, opt, _ = ns.restore(ckpt, model=model, optimizer=opt)
@@ -260,12 +266,10 @@ def test_checkpoint_written_by_two_processes_restores_in_one(two_process_job):
 
 @pytest.mark.slow
 @needs_devices(8)
-def test_checkpoint_written_by_one_process_restores_in_two(tmp_path, one_process_run):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "restored.npz"
-    _, params, model, opt = one_process_run
-    ns.save(ckpt, distributed_script.STEPS, model=model, optimizer=opt)
-    run_job("restore", str(ckpt), str(out))
-    restored = dict(np.load(out))
+def test_checkpoint_written_by_one_process_restores_in_two(two_process_job, one_process_run):
+    # The job restores it before it trains: onto fresh targets, as a new program would.
+    restored = dict(two_process_job[3])
+    _, params, _, _ = one_process_run
     assert int(restored.pop("__step__")) == distributed_script.STEPS
     assert set(restored) == set(params)
     for name, value in params.items():
@@ -273,8 +277,9 @@ def test_checkpoint_written_by_one_process_restores_in_two(tmp_path, one_process
 
 
 @pytest.mark.slow
-def test_processes_report_coordinates_and_their_rows():
-    done = run_job("check")
+@needs_devices(8)
+def test_processes_report_coordinates_and_their_rows(two_process_job):
+    done = two_process_job[0]
     assert "[0] process 0 of 2 from NNX_SHARD_* environment; 4 local of 8 devices" in done.stdout
     assert "[1] process 1 of 2 from NNX_SHARD_* environment; 4 local of 8 devices" in done.stdout
     # fsdp puts the batch over all 8 devices: each process loads its own half.

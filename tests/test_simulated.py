@@ -1,16 +1,16 @@
-"""The simulated-device children: long-lived :class:`Workers` and their failures."""
+"""The simulated-device children: long-lived :class:`Workers` and their failures.
+
+The children here serve ``tests/_requests.py``, which needs no JAX: each starts in a few
+hundredths of a second, so these run in the quick tier."""
 
 from __future__ import annotations
-
-import pytest
 
 from nnx_shard._simulated import Workers, simulated_env
 
 
-@pytest.mark.slow
 def test_workers_answer_every_request_in_long_lived_children():
     got: dict[int, dict] = {}
-    with Workers("tests._shared:sleep_request", 2, size=2, timeout=60) as w:
+    with Workers("tests._requests:sleep_request", 2, size=2, timeout=60) as w:
         w.map([{"s": 0.0}] * 5, lambda i, r: got.update({i: r}))
         w.map([{"s": 0.0}] * 3, lambda i, r: got.update({10 + i: r}))
         assert w.started == 2  # the second map reuses the children of the first
@@ -18,7 +18,6 @@ def test_workers_answer_every_request_in_long_lived_children():
     assert len({r["pid"] for r in got.values()}) == 2
 
 
-@pytest.mark.slow
 def test_a_slow_request_does_not_hold_the_others_back(tmp_path):
     # The slow request waits for a file written only once the three quick ones are
     # answered: held back, they never would be (the slow one would run out its 120 s).
@@ -30,15 +29,14 @@ def test_a_slow_request_does_not_hold_the_others_back(tmp_path):
         if sorted(order) == [1, 2, 3]:
             gate.touch()
 
-    with Workers("tests._shared:sleep_request", 2, size=2, timeout=300) as w:
+    with Workers("tests._requests:sleep_request", 2, size=2, timeout=300) as w:
         w.map([{"s": 120.0, "gate": str(gate)}, {"s": 0.0}, {"s": 0.0}, {"s": 0.0}], answered)
     assert order[-1] == 0 and gate.exists()
 
 
-@pytest.mark.slow
 def test_a_request_past_the_timeout_kills_its_child_and_the_next_gets_a_new_one():
     got: dict[int, dict] = {}
-    with Workers("tests._shared:sleep_request", 2, size=1, timeout=1.0) as w:
+    with Workers("tests._requests:sleep_request", 2, size=1, timeout=1.0) as w:
         w.map([{"s": 0.0}], lambda i, r: got.update({0: r}))  # the start's 60 s grace used
         w.map([{"s": 30.0}, {"s": 0.0}], lambda i, r: got.update({1 + i: r}))
         assert w.started == 2
@@ -46,10 +44,9 @@ def test_a_request_past_the_timeout_kills_its_child_and_the_next_gets_a_new_one(
     assert got[2]["slept"] == 0.0 and got[2]["pid"] != got[0]["pid"]
 
 
-@pytest.mark.slow
 def test_a_child_that_dies_reports_its_last_words_and_is_replaced():
     got: dict[int, dict] = {}
-    with Workers("tests._shared:die_request", 2, size=1, timeout=60) as w:
+    with Workers("tests._requests:die_request", 2, size=1, timeout=60) as w:
         w.map([{"die": False}, {"die": True}, {"die": False}],
               lambda i, r: got.update({i: r}))
     assert got[1] == {"failed": "dying on purpose", "timed_out": False}

@@ -51,14 +51,20 @@ def test_on_a_mixture_of_experts_ep_is_not_dp():
 
 @pytest.mark.slow
 def test_the_search_compiles_each_program_once_with_the_same_figures(monkeypatch):
+    """Twins (one program under two labels) compile once; and workers=2 splits the
+    compiles over two children side by side: the figures, the ranking and the choice are
+    those of one child compiling each program once (one comparison proves both: the
+    children are the expensive part)."""
     def run(dedupe):
         monkeypatch.setattr(Cache, "shared", {})  # compile again, not from memory
         if not dedupe:
             monkeypatch.setattr(_explore.Search, "signature", lambda self, c, strat=None: None)
-        # One layer and one child Python: the twins are told by layout, not by size.
+        # One layer: the twins are told by layout, not by size, and which child compiles a
+        # program changes none of its figures at any size.
         return planner.auto(dataclasses.replace(get_config("tiny"), layers=1), devices=4,
                             batch=8, seq=16, device_memory="1GB",
-                            strategies=["dp", "ep", "tp", "fsdp_tp"], progress=False, workers=1)
+                            strategies=["dp", "ep", "tp", "fsdp_tp"], progress=False,
+                            workers=1 if dedupe else 2)
 
     once, each = run(True), run(False)
     assert each.request["compiled"] == 7 and once.request["compiled"] == 4
