@@ -9,34 +9,16 @@ tests/test_docs.py runs the documentation's pages the same way, one process per 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from nnx_shard._simulated import simulated_env
+from tests._page_runner import run_page
 from tests.conftest import needs_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-
-_RUNNER = r"""
-import json, sys, traceback
-blocks, page = json.load(open(sys.argv[1])), sys.argv[2]
-ns = {"__name__": "__readme__"}
-for line, code in blocks:
-    print(f"== {page} block at line {line}", flush=True)
-    try:
-        exec(compile(code, f"{page}:{line}", "exec"), ns)
-    except BaseException:
-        traceback.print_exc()
-        print(f"FAILED {page} block at line {line}", flush=True)
-        sys.exit(1)
-print("ALL BLOCKS RAN", flush=True)
-"""
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -52,19 +34,14 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
 
 def run_blocks(page: Path, tmp_path: Path, timeout: float = 600) -> None:
     """Runs the page's python blocks in order in one namespace, in a fresh process on 8
-    simulated devices inside ``tmp_path``; fails with the failing block's traceback."""
+    simulated devices inside ``tmp_path`` (forked from a server that imported the libraries
+    once: tests/_page_runner.py); fails with the failing block's traceback."""
     blocks = python_blocks(page.read_text())
     assert blocks, f"{page} has no python block"
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
-    (tmp_path / "run.py").write_text(_RUNNER)
-    env = simulated_env(8)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "run.py", "blocks.json", str(page.relative_to(ROOT))],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "ALL BLOCKS RAN" in proc.stdout, out[-6000:]
+    status, out = run_page(tmp_path / "blocks.json", str(page.relative_to(ROOT)), tmp_path,
+                           timeout)
+    assert status == 0 and "ALL BLOCKS RAN" in out, out[-6000:]
 
 
 def test_python_blocks_are_found():
