@@ -27,6 +27,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import weakref
@@ -436,6 +437,17 @@ def _quantizer(spec: QuantSpec, ndim: int, stack: int, n_in: int) -> Callable[..
     return quantize
 
 
+@functools.lru_cache(maxsize=256)
+def _jitted_quantizer(spec: QuantSpec, ndim: int, stack: int, n_in: int,
+                      shardings: tuple[tuple[str, Any], ...] | None) -> Callable[..., Any]:
+    # One jitted quantizer per kind of kernel: the kernels of a model's blocks (and of
+    # the next model) share its compiled programs instead of compiling one each.
+    quantize = _quantizer(spec, ndim, stack, n_in)
+    if shardings is None:
+        return jax.jit(quantize)
+    return jax.jit(quantize, out_shardings=dict(shardings))
+
+
 def quantize_kernel(var: nnx.Variable[Any], spec: QuantSpec, *, stack: int, n_in: int,
                     names: tuple[Any, ...] | None = None) -> QuantizedKernel:
     """``var`` (a float kernel ``[*stack, *in, *out]``) as a :class:`QuantizedKernel`
@@ -464,10 +476,9 @@ def quantize_kernel(var: nnx.Variable[Any], spec: QuantSpec, *, stack: int, n_in
     if not isinstance(w, jax.Array):  # an abstract model (nnx.eval_shape)
         arrays: dict[str, Any] = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
                                   for k, s in shapes.items()}
-    elif shardings["qvalue"] is None:
-        arrays = jax.jit(quantize)(w)
     else:
-        arrays = jax.jit(quantize, out_shardings=shardings)(w)
+        placed = None if shardings["qvalue"] is None else tuple(shardings.items())
+        arrays = _jitted_quantizer(spec, ndim, stack, n_in, placed)(w)
     meta = {"eager_sharding": False}
     parts = {k: QuantizedValue(a, out_sharding=tuple(
         n if i in keep[k] else None for i, n in enumerate(kernel_names)), **meta)

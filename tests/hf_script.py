@@ -9,6 +9,7 @@ Modes:
              read, the checkpoint's bytes, the shardings) and process 0 OUT.npz
   save DIR   load the fixture as above and save it back with save_safetensors
              from both processes into DIR (split over several files)
+  load+save OUT DIR   both, from one load (one job: each costs its processes' start)
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def main(argv: list[str]) -> int:
 
     from nnx_shard import _safetensors_io as safetensors_io
 
-    mode = argv[0]
+    modes = argv[0].split("+")
     model, mesh, strategy, counted = load()
-    if mode == "load":
+    if "load" in modes:
         out = argv[1]
         files = sorted(str(p) for p in FIXTURE.glob("*.safetensors"))
         total = sum(t.nbytes for t in safetensors_io.read_header(*files).tensors.values())
@@ -76,8 +77,8 @@ def main(argv: list[str]) -> int:
         if ns.distributed.is_main():
             np.savez(f"{out}.npz", logits=logits)
         print(f"read {counted['bytes']} of {total} bytes", flush=True)
-    elif mode == "save":
-        ns.hf.save_safetensors(argv[1], model, max_shard_bytes=30_000)
+    if "save" in modes:
+        ns.hf.save_safetensors(argv[-1], model, max_shard_bytes=30_000)
         print("saved", flush=True)
     return 0
 

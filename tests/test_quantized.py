@@ -5,7 +5,9 @@ forward, the loss of LoRA over a quantized base against a bf16 base, merging and
 checkpointing."""
 
 import dataclasses
+import math
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -142,8 +144,11 @@ def test_stock_layer_dequantizes_tile_by_tile_without_a_float_kernel(layer, quan
 def test_quantized_base_shards_codes_and_block_scales_by_the_kernels_names(preset):
     strategy = ns.strategies.get(preset)
     mesh = strategy.make_mesh(8)
-    model = ns.sharded_init(lambda: ns.lora(_llama(scan=True, **WIDE), 4, 8.0, targets=ALL,
-                                            quantize="nf4", double_quant=True), mesh, strategy)
+    # The layout sharded_init compiles its init to (the same shardings of the same
+    # abstract state); test_sharded_nf4_lora_step_matches_one_device and
+    # test_qlora_checkpoint_restores_the_nf4_base_bitwise materialize nf4 bases in it.
+    model = ns.abstract_init(lambda: ns.lora(_llama(scan=True, **WIDE), 4, 8.0, targets=ALL,
+                                             quantize="nf4", double_quant=True), mesh, strategy)
     q = model.blocks.attn.q
     assert isinstance(q, QuantizedKernel) and q.shape == (2, 512, 4, 64)
     assert q.qvalue.get_metadata("out_sharding") == ("layers", "embed", "heads", "kv")
@@ -162,8 +167,9 @@ def test_quantized_base_shards_codes_and_block_scales_by_the_kernels_names(prese
 
 
 def _wide_lora(strategy=None, mesh=None):
-    def make():
-        return ns.lora(_llama(**WIDE), 4, 8.0, targets=ALL, quantize="nf4", rngs=1)
+    def make():  # one block: every projection's sharded step is in it
+        return ns.lora(_llama(**dict(WIDE, layers=1)), 4, 8.0, targets=ALL, quantize="nf4",
+                       rngs=1)
 
     model = make() if strategy is None else ns.sharded_init(make, mesh, strategy)
     for site in adapters(model).values():  # B != 0: the step moves every factor
@@ -195,13 +201,18 @@ def _lora_step(model, batch, rules=None, mesh=None):
     return float(loss), jax.device_get(nnx.state(model, nnx.LoRAParam))
 
 
+_ONE_DEVICE: dict[str, tuple[float, Any]] = {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["fsdp", "fsdp_tp"])
 def test_sharded_nf4_lora_step_matches_one_device(preset, monkeypatch):
     monkeypatch.setattr(quantized, "TILE_BYTES", 64 << 10)  # tiles of 2 blocks: the loop runs
     tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, WIDE["vocab"])
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    ref_loss, ref = _lora_step(_wide_lora(), batch)
+    if "ref" not in _ONE_DEVICE:  # the one-device step, the same for every preset
+        _ONE_DEVICE["ref"] = _lora_step(_wide_lora(), batch)
+    ref_loss, ref = _ONE_DEVICE["ref"]
     strategy = ns.strategies.get(preset)
     mesh = strategy.make_mesh(8)
     loss, got = _lora_step(_wide_lora(strategy, mesh), batch, strategy.rules, mesh)
@@ -237,14 +248,17 @@ def _base_bytes(quantize, **kw):
     strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
     cfg = dict(WIDE, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
-    model = ns.sharded_init(lambda: ns.lora(_llama(scan=True, **cfg), 4, 8.0, targets=ALL,
-                                            quantize=quantize, **kw), mesh, strategy)
+    # The abstract model carries the shardings sharded_init would place: the compiled
+    # forward's arguments are the same, without compiling (or running) an init.
+    model = ns.abstract_init(lambda: ns.lora(_llama(scan=True, **cfg), 4, 8.0, targets=ALL,
+                                             quantize=quantize, **kw), mesh, strategy)
     tokens = jnp.zeros((8, 16), jnp.int32)
     with ns.use(mesh, strategy.rules):
         compiled = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile()
     args = compiled.memory_analysis().argument_size_in_bytes
     other = nnx.state(model, nnx.Not(nnx.Any(QuantizedValue, _AdaptedKernel())))
-    rest = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(other))
+    rest = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(other))
     rest += tokens.addressable_shards[0].data.nbytes
     return args - rest
 
@@ -343,15 +357,16 @@ def test_qlora_checkpoint_restores_the_nf4_base_bitwise(tmp_path):
     strategy = ns.strategies.get("fsdp")
     mesh = strategy.make_mesh(8)
 
-    def make(seed):
-        model = ns.sharded_init(lambda: ns.lora(_llama(**WIDE), 4, 8.0, quantize="nf4",
-                                                double_quant=True, rngs=seed), mesh, strategy)
+    def make(seed, init=ns.sharded_init):
+        model = init(lambda: ns.lora(_llama(**dict(WIDE, layers=1)), 4, 8.0, quantize="nf4",
+                                     double_quant=True, rngs=seed), mesh, strategy)
         return model, ns.sharded_optimizer(model, optax.adam(1e-2), mesh, strategy,
                                            wrt=nnx.LoRAParam)
 
     model, opt = make(0)
     ns.save(tmp_path, 1, model=model, optimizer=opt)
-    fresh, fresh_opt = make(5)
+    # An abstract target (nothing initialized): every value restored comes from the save.
+    fresh, fresh_opt = make(5, ns.abstract_init)
     back, _, _ = ns.restore(tmp_path, model=fresh, optimizer=fresh_opt)
     q = back.blocks[0].attn.q
     assert q.qtype == "nf4" and q.qvalue.dtype == jnp.int4

@@ -359,10 +359,19 @@ def _job(*args: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+@pytest.fixture(scope="module")
+def two_process_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One two-process job that loads the fixture, runs it and saves it back (a job per
+    test would start two more processes): the load's outputs and the saved folder."""
+    folder = tmp_path_factory.mktemp("two_processes")
+    out, ckpt = folder / "load", folder / "ckpt"
+    _job("load+save", str(out), str(ckpt))
+    return out, ckpt
+
+
 @pytest.mark.slow
-def test_two_processes_read_only_their_own_slices(tmp_path) -> None:
-    out = tmp_path / "load"
-    _job("load", str(out))
+def test_two_processes_read_only_their_own_slices(two_process_job) -> None:
+    out = two_process_job[0]
     infos = [json.loads(Path(f"{out}.{i}.json").read_text()) for i in range(2)]
     total = infos[0]["total"]
     # fsdp over data=8: every parameter has an embed dimension split 8 ways, and
@@ -375,13 +384,13 @@ def test_two_processes_read_only_their_own_slices(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_save_one_checkpoint(tmp_path) -> None:
-    _job("save", str(tmp_path / "ckpt"))
-    saved, original = _hf_tensors(tmp_path / "ckpt"), _hf_tensors(FIXTURES / "hf_llama")
+def test_two_processes_save_one_checkpoint(two_process_job) -> None:
+    ckpt = two_process_job[1]
+    saved, original = _hf_tensors(ckpt), _hf_tensors(FIXTURES / "hf_llama")
     assert saved.keys() == original.keys()
     for key in original:
         np.testing.assert_array_equal(saved[key], original[key], err_msg=key)
-    assert (tmp_path / "ckpt" / files.INDEX).is_file()
+    assert (ckpt / files.INDEX).is_file()
 
 
 

@@ -211,6 +211,9 @@ def _assert_follows_peft(case, got):
     assert gap.max() <= 2e-4, (case, got, want, gap)
 
 
+# Slow tier: a compiled ten-step Trainer per kind (2-6 CPU-s on jax 0.12), whose curve
+# test_adamw_curve_of_kind_follows_peft_sharded checks again under fsdp and fsdp_tp.
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(TRAIN["losses"]))
 def test_adamw_curve_of_kind_follows_peft(case):
     got, _ = _train_curve(case)
