@@ -52,13 +52,17 @@ def plain(q, k, v, *, causal=True, mask=None, segment_ids=None):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
+@functools.cache
 def _inputs(length=37, heads=4, kv_heads=2, batch=3, d=8, kv_length=None):
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (batch, length, heads, d))
-    k = jax.random.normal(keys[1], (batch, kv_length or length, kv_heads, d))
-    v = jax.random.normal(keys[2], (batch, kv_length or length, kv_heads, d))
-    w = jax.random.normal(keys[3], q.shape)  # loss weights: every output matters
-    return q, k, v, w
+    def draw():  # one program (eagerly, each draw and shape compiles its own)
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (batch, length, heads, d))
+        k = jax.random.normal(keys[1], (batch, kv_length or length, kv_heads, d))
+        v = jax.random.normal(keys[2], (batch, kv_length or length, kv_heads, d))
+        w = jax.random.normal(keys[3], q.shape)  # loss weights: every output matters
+        return q, k, v, w
+
+    return jax.jit(draw)()
 
 
 def _segments(length: int) -> jax.Array:
@@ -156,7 +160,8 @@ def test_bfloat16_inputs() -> None:
     out = jax.jit(lambda q, k, v: attention(q, k, v, implementation="blockwise",
                                             block_size=8))(*bf)
     assert out.dtype == jnp.bfloat16
-    assert_close(out.astype(jnp.float32), plain(*bf).astype(jnp.float32), 2e-2, "bfloat16")
+    want = jax.jit(plain)(*bf)  # compiled, as the kernel (eagerly, one program per op)
+    assert_close(out.astype(jnp.float32), want.astype(jnp.float32), 2e-2, "bfloat16")
 
 
 # --------------------------------------------------------------------------- no work
@@ -202,8 +207,10 @@ def test_causal_skipping_with_a_query_offset(monkeypatch) -> None:
                                                  block=4))(qg, k, v)
     jax.effects_barrier()
     assert seen["fwd"] == 7
-    out = o / jnp.moveaxis(rowsum, 3, 1)[..., None]
-    ref = plain(jnp.concatenate([jnp.zeros_like(q), q], 1), k, v)[:, 8:]
+    out = np.asarray(o) / np.moveaxis(np.asarray(rowsum), 3, 1)[..., None]
+    # Compiled, as the kernel (eagerly, each op compiles a program of its own).
+    ref = jax.jit(lambda q, k, v: plain(jnp.concatenate([jnp.zeros_like(q), q], 1), k, v))(
+        q, k, v)[:, 8:]
     assert_close(out[:, :, :, 0], ref, RTOL, "offset")
 
 

@@ -107,18 +107,17 @@ def _shard_map(body: Any, mesh: Mesh | AbstractMesh, axis: str, x: jax.Array, w:
     """
     x_ring, w_ring, out_ring = rings
     if layout is None:
-        return jax.shard_map(body, mesh=mesh, axis_names={axis},
+        auto = jax.shard_map(body, mesh=mesh, axis_names={axis},
                              in_specs=(_spec(xl, {x_ring: axis}), _spec(wl, {w_ring: axis})),
-                             out_specs=_spec(out, {out_ring: axis}))(x, w)
+                             out_specs=_spec(out, {out_ring: axis}))
+        return _one_program(auto, x, w)
     kept = {c: (tuple(layout.get(c, ())) if c in out and c not in wl and c != x_ring else ())
             for c in xl}
     x_spec = PartitionSpec(*(axes_entry(kept[c] + ((axis,) if c == x_ring else ())) for c in xl))
     w_spec = _spec(wl, {w_ring: axis})
     o_spec = PartitionSpec(*(axes_entry(kept.get(c, ()) + ((axis,) if c == out_ring else ()))
                              for c in out))
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        x = jax.sharding.reshard(x, x_spec)
-        w = jax.sharding.reshard(w, w_spec)
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     varying = tuple(sorted({a for v in kept.values() for a in v}))
 
     def manual(xs: jax.Array, ws: jax.Array) -> jax.Array:
@@ -126,7 +125,23 @@ def _shard_map(body: Any, mesh: Mesh | AbstractMesh, axis: str, x: jax.Array, w:
         # once here, so its gradient is reduced over them once, not at every block.
         return body(xs, jax.lax.pcast(ws, varying, to="varying") if varying else ws)
 
-    return jax.shard_map(manual, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=o_spec)(x, w)
+    def ring(x: jax.Array, w: jax.Array) -> jax.Array:
+        if explicit:
+            x = jax.sharding.reshard(x, x_spec)
+            w = jax.sharding.reshard(w, w_spec)
+        return jax.shard_map(manual, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=o_spec)(x, w)
+
+    return _one_program(ring, x, w)
+
+
+def _one_program(ring: Any, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``ring(x, w)``, compiled as one program when called on concrete arrays: run
+    eagerly, a shard_map dispatches each op of its ``n`` ring steps as a program of its
+    own (hundreds of compilations). Traced (a model's projection under jit), it is
+    inlined as it is."""
+    if isinstance(x, jax.core.Tracer) or isinstance(w, jax.core.Tracer):
+        return ring(x, w)
+    return jax.jit(ring)(x, w)
 
 
 def _layout(mesh: Mesh | AbstractMesh, x: jax.Array, letters: str, drop: str) -> dict[str, tuple[str, ...]] | None:

@@ -40,7 +40,7 @@ def _tokens(batch: int = 2, length: int = 16, seed: int = 0) -> jax.Array:
 def test_shapes_dtypes_and_names(name: str) -> None:
     cfg = get_config(name)
     model = _model(cfg)
-    logits = model(_tokens())
+    logits = nnx.eval_shape(lambda m: m(_tokens()), model)  # traced: no value is checked
     assert logits.shape == (2, 16, 128) and logits.dtype == jnp.float32
     params = nnx.state(model, nnx.Param)
     assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
@@ -75,7 +75,8 @@ def test_grouped_query_attention_is_multi_head_with_shared_kv() -> None:
         for w in ("k", "v"):
             getattr(m_block.attn, w).set_value(
                 jnp.repeat(getattr(g_block.attn, w).get_value(), group, axis=1))
-    assert_close(mha(_tokens()), gqa(_tokens()), 1e-6, "logits")
+    forward = nnx.jit(lambda m, t: m(t))  # one program (eagerly, each op compiles its own)
+    assert_close(forward(mha, _tokens()), forward(gqa, _tokens()), 1e-6, "logits")
 
 
 def _stack(unrolled: Decoder, scanned: Decoder) -> None:
@@ -106,9 +107,10 @@ def test_bfloat16_compute() -> None:
     cfg = dataclasses.replace(get_config("llama-tiny"), dtype=jnp.bfloat16)
     f32 = _model(get_config("llama-tiny"))
     bf16 = _model(cfg)
-    logits = bf16(_tokens())
+    forward = nnx.jit(lambda m, t: m(t))  # one program (eagerly, each op compiles its own)
+    logits = forward(bf16, _tokens())
     assert logits.dtype == jnp.float32
-    assert_close(logits, f32(_tokens()), 0.05, "bf16 logits")
+    assert_close(logits, forward(f32, _tokens()), 0.05, "bf16 logits")
 
 
 # --------------------------------------------------------------------------- attention kernels
@@ -392,6 +394,17 @@ def test_kv_heads_follow_heads_where_they_divide() -> None:
     assert on4.blocks[0].attn.q.get_value().sharding.spec == P(None, "model", None)
 
 
+@functools.cache
+def _gqa_reference() -> tuple:
+    """llama-tiny's logits, loss and gradients on one device for the batch of
+    :func:`test_query_heads_split_past_the_kv_heads`: one program for both axis types
+    (eagerly, each op compiles a program of its own)."""
+    tokens = _tokens()
+    batch = {"inputs": tokens, "targets": _tokens(seed=3)}
+    return nnx.jit(lambda m: (m(tokens), nnx.value_and_grad(lm_loss)(m, batch)))(
+        _model(get_config("llama-tiny")))
+
+
 @needs_devices(8)
 @pytest.mark.slow
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
@@ -401,15 +414,14 @@ def test_query_heads_split_past_the_kv_heads(axis_types: str) -> None:
     cfg = get_config("llama-tiny")
     tokens = _tokens()
     batch = {"inputs": tokens, "targets": _tokens(seed=3)}
-    ref = _model(cfg)
-    want_loss, want_grads = nnx.value_and_grad(lm_loss)(ref, batch)
+    want_logits, (want_loss, want_grads) = _gqa_reference()
     s = ns.strategies.get("tp")
     mesh = ns.make_mesh("data=2,model=4", axis_types=axis_types)
     model = ns.sharded_init(functools.partial(_model, cfg), mesh, s)
     with ns.use(mesh, s.rules):
         logits = nnx.jit(lambda m, t: m(t))(model, tokens)
         loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
-    assert_close(logits, ref(tokens), 1e-5, "logits")
+    assert_close(logits, want_logits, 1e-5, "logits")
     assert_close(loss, want_loss, 1e-6, "loss")
     assert_close(jax.tree.map(np.asarray, nnx.to_pure_dict(grads)),
                  nnx.to_pure_dict(want_grads), 1e-5, "grads")

@@ -39,6 +39,17 @@ def _expected() -> dict[str, np.ndarray]:
     return dict(np.load(FIXTURE / "masks.npz"))
 
 
+# Compiled, one program per model and shape: called eagerly, each op of the model compiles a
+# program of its own. The values are the same; the eager-only checks are tested where they live.
+_forward = nnx.jit(lambda model, tokens, kw: model(tokens, **kw))
+_loss = nnx.jit(lm_loss)
+
+
+def _call(model: Decoder, tokens: object, **kw: object) -> np.ndarray:
+    """``model(tokens, **kw)`` as one compiled program."""
+    return np.asarray(_forward(model, tokens, kw))
+
+
 def _scale() -> float:
     return float(np.abs(_expected()["alone_logits"]).max())
 
@@ -111,16 +122,16 @@ def test_bad_mask_arguments(kwargs: dict, match: str) -> None:
 def test_ignored_targets_loss_equals_transformers() -> None:
     e = _expected()
     model, _ = _fixture_model("dp", "one")
-    loss = lm_loss(model, {"inputs": e["loss_tokens"], "targets": _shifted(e["loss_labels"])})
+    loss = _loss(model, {"inputs": e["loss_tokens"], "targets": _shifted(e["loss_labels"])})
     assert e["loss"] > 10 and (e["loss_labels"] == -100).sum() == 15  # the ignored tokens bite
     assert_close(loss, e["loss"], RTOL, "loss with -100 targets")
     # The padded batch: the mask goes from the batch to the model, padding is -100.
     batch = {"inputs": e["pad_tokens"], "targets": _shifted(e["pad_labels"]),
              "attention_mask": e["pad_mask"]}
-    assert_close(lm_loss(model, batch), e["pad_loss"], RTOL, "padded loss")
+    assert_close(_loss(model, batch), e["pad_loss"], RTOL, "padded loss")
     # Without the mask the padded rows attend to padding: another (wrong) loss.
     del batch["attention_mask"]
-    assert abs(float(lm_loss(model, batch)) - float(e["pad_loss"])) > 1e-2
+    assert abs(float(_loss(model, batch)) - float(e["pad_loss"])) > 1e-2
 
 
 def test_loss_is_the_mean_over_kept_targets() -> None:
@@ -129,13 +140,13 @@ def test_loss_is_the_mean_over_kept_targets() -> None:
     targets = np.asarray(jax.random.randint(jax.random.key(1), (2, 8), 0, 128, jnp.int32))
     ignored = targets.copy()
     ignored[0, :5] = ignored[1, 7] = -100
-    logits = np.asarray(model(tokens), np.float64)
+    logits = _call(model, tokens).astype(np.float64)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     kept = ignored != -100
     picked = np.take_along_axis(logp, np.where(kept, ignored, 0)[..., None], -1)[..., 0]
     want = -picked[kept].sum() / kept.sum()
-    assert_close(lm_loss(model, {"inputs": tokens, "targets": ignored}), want, 1e-6, "loss")
-    assert_close(lm_loss(model, {"inputs": tokens, "targets": targets}),
+    assert_close(_loss(model, {"inputs": tokens, "targets": ignored}), want, 1e-6, "loss")
+    assert_close(_loss(model, {"inputs": tokens, "targets": targets}),
                  -np.take_along_axis(logp, targets[..., None], -1).mean(), 1e-6, "all kept")
 
 
@@ -161,7 +172,7 @@ def test_loss_with_nothing_kept() -> None:
 def _padded_check(model: Decoder, tokens: np.ndarray, mask: np.ndarray, what: str,
                   **kw: object) -> None:
     e = _expected()
-    out = np.asarray(model(tokens, attention_mask=mask, **kw))
+    out = _call(model, tokens, attention_mask=mask, **kw)
     width = out.shape[1]
     want = e["pad_logits"][:, -width:] if width <= e["pad_logits"].shape[1] else None
     for i in range(len(_sequences())):
@@ -187,7 +198,7 @@ def test_padding_must_be_masked() -> None:
     # Without the mask a left-padded row computes something else: the check bites.
     e = _expected()
     model, _ = _fixture_model("dp", "one")
-    out = np.asarray(model(e["pad_tokens"]))
+    out = _call(model, e["pad_tokens"])
     real = e["pad_mask"][0] == 1
     assert np.abs(out[0][real] - _alone(0)).max() > 1e-2 * _scale()
 
@@ -217,7 +228,7 @@ def _packed() -> tuple[dict[str, np.ndarray], list[tuple[int, int, slice]]]:
 def _packed_check(model: Decoder, what: str, *, positions: bool) -> None:
     batch, where = _packed()
     kw = {"positions": batch["positions"]} if positions else {}
-    out = np.asarray(model(batch["inputs"], segment_ids=batch["segment_ids"], **kw))
+    out = _call(model, batch["inputs"], segment_ids=batch["segment_ids"], **kw)
     for i, r, span in where:
         assert_close(out[r, span], _alone(i), RTOL, f"{what} sequence {i}", scale=_scale())
 
@@ -231,7 +242,7 @@ def test_packed_segments_equal_each_sequence_alone(kernel: str) -> None:
     # Without segment ids the later sequences attend to the earlier ones.
     batch, where = _packed()
     i, r, span = next(w for w in where if w[2].start > 0)
-    out = np.asarray(model(batch["inputs"], positions=batch["positions"]))
+    out = _call(model, batch["inputs"], positions=batch["positions"])
     assert np.abs(out[r, span] - _alone(i)).max() > 1e-2 * _scale()
 
 
@@ -242,14 +253,14 @@ def test_transformer_padding_and_packing(kernel: str, scan: bool) -> None:
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     a = jax.random.randint(jax.random.key(0), (1, 6), 1, 128, jnp.int32)
     b = jax.random.randint(jax.random.key(1), (1, 10), 1, 128, jnp.int32)
-    alone_a, alone_b = np.asarray(model(a)), np.asarray(model(b))
+    alone_a, alone_b = _call(model, a), _call(model, b)
     scale = float(max(np.abs(alone_a).max(), np.abs(alone_b).max()))
     padded = jnp.concatenate([jnp.pad(a, ((0, 0), (10, 0))), jnp.pad(b, ((0, 0), (6, 0)))])
-    out = np.asarray(model(padded, attention_mask=padded != 0))
+    out = _call(model, padded, attention_mask=padded != 0)
     assert_close(out[0, 10:], alone_a[0], RTOL, "left-padded a", scale=scale)
     assert_close(out[1, 6:], alone_b[0], RTOL, "left-padded b", scale=scale)
     packed = ns.pack([np.asarray(a[0]).tolist(), np.asarray(b[0]).tolist()], 16)
-    out = np.asarray(model(packed["inputs"], segment_ids=packed["segment_ids"]))
+    out = _call(model, packed["inputs"], segment_ids=packed["segment_ids"])
     assert packed["segment_ids"].tolist() == [[1] * 10 + [2] * 6]   # longest first
     assert_close(out[0, :10], alone_b[0], RTOL, "packed b", scale=scale)
     assert_close(out[0, 10:], alone_a[0], RTOL, "packed a", scale=scale)
@@ -262,7 +273,7 @@ def test_mask_gradients_agree_between_kernels() -> None:
     for kernel in ("dense", "blockwise"):
         cfg = dataclasses.replace(get_config("llama-tiny"), attention=kernel)
         model = Decoder(cfg, rngs=nnx.Rngs(0))
-        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+        loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
         results[kernel] = (loss, jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
     assert_close(results["blockwise"], results["dense"], 1e-5, "loss and grads")
 
@@ -318,7 +329,6 @@ def test_masks_under_layouts(strategy: str) -> None:
     e = _expected()
     s = ns.strategies.get(strategy)
     model, mesh = _fixture_model(strategy, "explicit")
-    ref, _ = _fixture_model("dp", "one")
     tokens = _tile8(np.pad(e["pad_tokens"], ((0, 0), (4, 0))))
     mask = _tile8(np.pad(e["pad_mask"], ((0, 0), (4, 0))))
     packed = {k: _tile8(v) for k, v in _packed()[0].items()}
@@ -338,10 +348,18 @@ def test_masks_under_layouts(strategy: str) -> None:
     for i, r, span in _packed()[1]:
         assert_close(out[r, span], _alone(i), RTOL, f"{strategy} packed {i}", scale=_scale())
     assert_close(loss, e["loss"], RTOL, f"{strategy} loss")
-    want = nnx.value_and_grad(lm_loss)(ref, train_batch)
     assert_close(jax.tree.map(np.asarray, (got[0], nnx.to_pure_dict(got[1]))),
-                 jax.tree.map(np.asarray, (want[0], nnx.to_pure_dict(want[1]))), 1e-5,
-                 f"{strategy} loss and grads")
+                 _one_device_loss_and_grads(), 1e-5, f"{strategy} loss and grads")
+
+
+@functools.cache
+def _one_device_loss_and_grads() -> tuple[np.ndarray, dict]:
+    """The fixture's loss and gradients on the packed training batch, on one device: one
+    compiled program for every layout (eagerly, each op compiles a program of its own)."""
+    packed = {k: _tile8(v) for k, v in _packed()[0].items()}
+    batch = packed | {"attention_mask": (packed["segment_ids"] > 0).astype(np.int32)}
+    loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(_fixture_model("dp", "one")[0], batch)
+    return jax.tree.map(np.asarray, (loss, nnx.to_pure_dict(grads)))
 
 
 @pytest.mark.slow
@@ -400,12 +418,12 @@ def test_trainer_and_batches_carry_the_mask_keys() -> None:
     trainer = ns.Trainer(model, opt, lm_loss, mesh=mesh, rules=s.rules, steps_per_call=2)
     history = trainer.fit(ns.Batches(data, batch_size=8), num_steps=2, progress=False)
     ref = Decoder(cfg, rngs=nnx.Rngs(0))
-    want = [float(lm_loss(ref, {k: v[8 * i:8 * (i + 1)] for k, v in data.items()}))
+    want = [float(_loss(ref, {k: v[8 * i:8 * (i + 1)] for k, v in data.items()}))
             for i in range(2)]
     assert_close(history["loss"], np.array(want), 1e-5, "per-step loss")
     # The keys matter: without the segments the loss differs.
     plain = {k: data[k][:8] for k in ("inputs", "targets")}
-    assert abs(float(lm_loss(ref, plain)) - want[0]) > 1e-3
+    assert abs(float(_loss(ref, plain)) - want[0]) > 1e-3
 
 
 # --------------------------------------------------------------------------- pack
@@ -463,15 +481,16 @@ def test_decode_with_a_mask_is_the_masked_call() -> None:
     model, _ = _fixture_model("dp", "one")
     model = nnx.clone(model)
     model.init_cache(batch=4, length=16)
-    out = np.asarray(model.decode(e["pad_tokens"], attention_mask=e["pad_mask"]))
+    decode = nnx.jit(lambda m, t, mask: m.decode(t, attention_mask=mask))  # as _call
+    out = np.asarray(decode(model, e["pad_tokens"], e["pad_mask"]))
     for i in range(4):
         assert_close(out[i][e["pad_mask"][i] == 1], _alone(i), RTOL, f"decode row {i}",
                      scale=_scale())
     ref = Decoder(dataclasses.replace(get_config("tiny"), scan_layers=True), rngs=nnx.Rngs(0))
     tokens = jnp.asarray(e["pad_tokens"][:, :12])
-    want = np.asarray(ref(tokens, attention_mask=e["pad_mask"]))
+    want = _call(ref, tokens, attention_mask=e["pad_mask"])
     ref.init_cache(batch=4, length=16)
-    got = np.asarray(ref.decode(tokens, attention_mask=e["pad_mask"]))
+    got = np.asarray(decode(ref, tokens, e["pad_mask"]))
     real = e["pad_mask"] == 1
     assert_close(got[real], want[real], RTOL, "transformer decode")
 

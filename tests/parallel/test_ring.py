@@ -68,8 +68,9 @@ def test_dense_is_the_original_core() -> None:
     np.testing.assert_array_equal(dense(q, k, v), _original_core(q, k, v))
     with ns.use("data=8", ns.strategies.get("dp").rules):  # no attention option: one device
         np.testing.assert_array_equal(jax.jit(dense)(q, k, v), jax.jit(_original_core)(q, k, v))
-    # The default kernel (blockwise on CPU) computes the same attention.
-    assert_close(attention(q, k, v), _original_core(q, k, v), RTOL, "blockwise")
+    # The default kernel (blockwise on CPU) computes the same attention (compiled: eagerly,
+    # each op of its tile loops compiles a program of its own).
+    assert_close(jax.jit(attention)(q, k, v), jax.jit(_original_core)(q, k, v), RTOL, "blockwise")
 
 
 def test_zigzag_order() -> None:
@@ -84,14 +85,8 @@ def test_zigzag_order() -> None:
 @pytest.mark.parametrize("mode,c", [("ring", 2), ("ring", 4), ("ring", 8), ("allgather", 4)])
 def test_op_matches_dense(mode, c, causal, axis_types) -> None:
     q, k, v = _qkv()
-    weights = jnp.sin(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
-
-    def f(q, k, v):
-        out = attention(q, k, v, causal=causal)
-        return jnp.sum(out * weights), out
-
-    grad = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
-    expected = grad(q, k, v)
+    grad = _weighted_loss_grad(causal)
+    expected = _one_device(causal)
     mesh = ns.make_mesh({"data": 8 // c, "context": c}, axis_types=axis_types)
     with ns.use(mesh, _rules(mode)):
         sharded = [jax.device_put(a, NamedSharding(mesh, P("data", "context"))) for a in (q, k, v)]
@@ -108,6 +103,24 @@ def test_op_matches_dense(mode, c, causal, axis_types) -> None:
     else:
         assert ("all-gather", ("context",)) in found
         assert ("collective-permute", ("context",)) not in found
+
+
+def _weighted_loss_grad(causal: bool):
+    """The loss ``sum(attention(q, k, v) * weights)`` (with the output) and its gradients."""
+    shape = _qkv().shape[1:]
+    weights = jnp.sin(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape)
+
+    def f(q, k, v):
+        out = attention(q, k, v, causal=causal)
+        return jnp.sum(out * weights), out
+
+    return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+
+
+@functools.cache
+def _one_device(causal: bool):
+    """:func:`_weighted_loss_grad` with no mesh, compiled once for every layout compared."""
+    return jax.jit(_weighted_loss_grad(causal))(*_qkv())
 
 
 def test_ring_never_gathers_full_kv_in_memory() -> None:
