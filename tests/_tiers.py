@@ -4,8 +4,6 @@ notebooks' code runs there too; every other example keeps the quick tier's check
 
 # Examples of the API reference, run by tests/test_api_examples.py.
 SLOW_EXAMPLES = frozenset({
-    "nnx_shard.collective_matmul.all_gather_matmul",
-    "nnx_shard.collective_matmul.matmul_reduce_scatter",
     "nnx_shard.inference.generate",
     "nnx_shard.inference.generate_text",
     "nnx_shard.models.Decoder.decode",
@@ -14,7 +12,6 @@ SLOW_EXAMPLES = frozenset({
 
 # Private helpers' examples, run by --doctest-modules (the root conftest.py marks them).
 SLOW_DOCTESTS = frozenset({
-    "nnx_shard._parallel.collective_matmul.projection",
     "nnx_shard.planner._compile.compiled_memory_subprocess",
     "nnx_shard.planner._hardware.calibrate_subprocess",
 })
