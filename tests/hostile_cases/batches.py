@@ -67,20 +67,36 @@ def build(hs: Any) -> None:
 
     # -- Trainer.fit on a Llama with lm_loss: the model's vocabulary and context ---------
 
-    def llama_fit(key: str, value: int) -> Any:
+    trainers: list[Any] = []  # one for the seven cases: the feed refuses before a step
+
+    def llama_trainer() -> Any:
+        import jax
         import numpy as np
         import optax
         from flax import nnx
 
         from nnx_shard.models import Decoder, DecoderConfig, lm_loss
 
-        cfg = DecoderConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
-                          layers=1, max_length=16)
-        s = ns().strategies.get("dp")
-        mesh = s.make_mesh(8)
-        model = ns().sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, s)
-        opt = ns().sharded_optimizer(model, optax.sgd(0.1), mesh, s)
-        trainer = ns().Trainer(model, opt, lm_loss, mesh=mesh, rules=s, steps_per_call=2)
+        if not trainers:
+            cfg = DecoderConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
+                                layers=1, max_length=16)
+            s = ns().strategies.get("dp")
+            mesh = s.make_mesh(8)
+            # Zero weights in the dp layout: the feed reads the batches, never a weight,
+            # and a sharded random init compiles.
+            graph, state = nnx.split(ns().abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
+                                                        mesh, s))
+            model = nnx.merge(graph, jax.tree.map(lambda v: jax.device_put(
+                np.zeros(v.shape, v.dtype), v.sharding), state))
+            opt = ns().sharded_optimizer(model, optax.sgd(0.1), mesh, s)
+            trainers.append(ns().Trainer(model, opt, lm_loss, mesh=mesh, rules=s,
+                                         steps_per_call=2))
+        return trainers[0]
+
+    def llama_fit(key: str, value: int) -> Any:
+        import numpy as np
+
+        trainer = llama_trainer()
         tokens = np.ones((8, 8), np.int32)
         batch = {"inputs": tokens, "targets": tokens, "attention_mask": tokens,
                  "positions": np.zeros((8, 8), np.int32)}
@@ -106,18 +122,22 @@ def build(hs: Any) -> None:
     made: dict[str, Any] = {}  # one model per kind for the worker: building one compiles
 
     def call(kind: str, value: int, *, decode: bool = False) -> Any:
+        import jax
         import numpy as np
         from flax import nnx
 
         from nnx_shard.models import Decoder, DecoderConfig, ReferenceConfig
 
         if kind not in made:
-            made[kind] = (
-                Decoder(DecoderConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
-                                  layers=1, max_length=16), rngs=nnx.Rngs(0))
-                if kind == "llama" else
-                Decoder(ReferenceConfig(vocab=32, length=16, embed=16, heads=2,
-                                              head_dim=8, mlp=32, layers=1), rngs=nnx.Rngs(0)))
+            cfg = (DecoderConfig(vocab=32, embed=16, heads=2, kv_heads=1, head_dim=8, mlp=32,
+                                 layers=1, max_length=16) if kind == "llama" else
+                   ReferenceConfig(vocab=32, length=16, embed=16, heads=2, head_dim=8, mlp=32,
+                                   layers=1))
+            # Zero weights: the ids are checked before any weight is read, and an eager
+            # random init compiles one program per shape (seconds).
+            graph, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+            made[kind] = nnx.merge(graph, jax.tree.map(
+                lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), state))
         model = made[kind]
         tokens = np.array([[1, value, 2]], np.int32)
         if decode:

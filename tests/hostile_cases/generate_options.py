@@ -48,10 +48,14 @@ def build(hs: Any) -> None:
 
     def keep(value: Any) -> Any:
         import jax.numpy as jnp
+        from flax import nnx
 
         model = tiny()
         model.init_cache(1, 8)
-        return model.decode(jnp.ones((1, 3), jnp.int32), logits_to_keep=value)
+        # Traced: the check of the Python value comes after the layers, which run eagerly
+        # would compile op by op (seconds); a trace reaches it and compiles nothing.
+        return nnx.jit(lambda m, t: m.decode(t, logits_to_keep=value))(
+            model, jnp.ones((1, 3), jnp.int32))
 
     sampled = {"temperature": 1.0}
     for label, fn, arg in [

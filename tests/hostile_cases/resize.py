@@ -117,12 +117,24 @@ def build(hs: Any) -> None:
     hs.api("resize/model_head_not_param", "unembed", head_not_param)
 
     # Layouts ------------------------------------------------------------------------------
+    made: list[Any] = []  # one model for the three cases: a refused resize leaves it as it was
+
     def tp_model() -> Any:
+        """A Llama laid out by the tp preset, its tables zeros in the shardings
+        ``sharded_init`` gives them: the refusals read shapes and shardings, never values,
+        and a sharded random init compiles for seconds."""
+        import jax
+        import numpy as np
         from flax import nnx
 
-        return ns().sharded_init(lambda: ns().models.Decoder(ns().models.DecoderConfig(),
-                                                             rngs=nnx.Rngs(0)),
-                                 "data=4,model=2", ns().strategies.get("tp"))
+        if not made:
+            abstract = ns().abstract_init(lambda: ns().models.Decoder(
+                ns().models.DecoderConfig(), rngs=nnx.Rngs(0)), "data=4,model=2",
+                ns().strategies.get("tp"))
+            graph, state = nnx.split(abstract)
+            made.append(nnx.merge(graph, jax.tree.map(lambda s: jax.device_put(
+                np.zeros(s.shape, s.dtype), s.sharding), state)))
+        return made[0]
 
     hs.api("resize/indivisible_over_tp", ("new_vocab", "pad_to_multiple_of"),
            lambda: resize(131, model=tp_model()))

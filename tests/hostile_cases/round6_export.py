@@ -188,7 +188,10 @@ def build(hs: Any) -> None:
 
     def resized(label: str, new: int, pad: int | None = None, **kw: Any) -> Any:
         model = load(source(label))
-        ns().models.resize_token_embeddings(model, new, pad_to_multiple_of=pad)
+        # New rows drawn plainly: the refusal reads the vocabulary, never the rows, and
+        # the mean-and-covariance draw compiles for a second per size.
+        ns().models.resize_token_embeddings(model, new, pad_to_multiple_of=pad,
+                                            mean_resizing=False)
         return save_nothing(label, model, **kw)
 
     hs.api("r6export/resized_for_added_tokens_with_the_sources_tokenizer",

@@ -186,20 +186,34 @@ def build(hs: Any) -> None:
             return nnx.jit(lambda m, t: m(t))(model(), tokens)
         return model()(tokens)
 
-    def llama(**kw: Any) -> Any:
+    def zeros(build: Any) -> Any:
+        """``build``'s model, concrete with zero weights: the shape check comes before any
+        weight is read, and an eager random init compiles one program per shape."""
+        import jax
+        import numpy as np
+        from flax import nnx
+
+        graph, state = nnx.split(nnx.eval_shape(build))
+        return nnx.merge(graph, jax.tree.map(lambda s: jax.device_put(
+            np.zeros(s.shape, s.dtype)), state))
+
+    def build_llama(**kw: Any) -> Any:
         from flax import nnx
 
         import nnx_shard as ns
 
         return lambda: ns.models.Decoder(cfg(**kw), rngs=nnx.Rngs(0))
 
+    def llama(**kw: Any) -> Any:
+        return lambda: zeros(build_llama(**kw))
+
     def transformer(**kw: Any) -> Any:
         from flax import nnx
 
         import nnx_shard as ns
 
-        return lambda: ns.models.Decoder(ns.models.ReferenceConfig(**kw),
-                                             rngs=nnx.Rngs(0))
+        return lambda: zeros(lambda: ns.models.Decoder(ns.models.ReferenceConfig(**kw),
+                                                       rngs=nnx.Rngs(0)))
 
     def abstract(build: Any) -> Any:
         from flax import nnx
@@ -216,7 +230,7 @@ def build(hs: Any) -> None:
         ("llama_length_0_jit", lambda: run(llama(), (2, 0), jit=True)),
         # Abstract: the check comes before any weight is read, and a scanned stack's eager
         # init costs seconds.
-        ("llama_scan_length_0", lambda: run(abstract(llama(scan_layers=True)), (2, 0))),
+        ("llama_scan_length_0", lambda: run(abstract(build_llama(scan_layers=True)), (2, 0))),
         ("llama_batch_0", lambda: run(llama(), (0, 8))),
         ("transformer_length_0", lambda: run(transformer(), (2, 0))),
         ("transformer_moe_batch_0", lambda: run(transformer(experts=4), (0, 8))),

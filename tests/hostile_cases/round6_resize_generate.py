@@ -110,16 +110,34 @@ def build(hs: Any) -> None:
     def resize(model: Any, *args: Any, **kw: Any) -> Any:
         return untouched(model, lambda m: ns().models.resize_token_embeddings(m, *args, **kw))
 
+    def zeros(abstract: Any) -> Any:
+        """``abstract`` (an ``nnx.eval_shape`` or ``abstract_init`` model) made concrete
+        with zero tables in its shardings: the refusals below read shapes, shardings and
+        the config, never values, and a random init compiles one program per shape
+        (seconds at WIDE)."""
+        import jax
+        import numpy as np
+        from flax import nnx
+
+        graph, state = nnx.split(abstract)
+        return nnx.merge(graph, jax.tree.map(lambda s: jax.device_put(
+            np.zeros(s.shape, s.dtype), getattr(s, "sharding", None)), state))
+
     def llama(embed: int = 64, **kw: Any) -> Any:
         from flax import nnx
 
-        return ns().models.Decoder(ns().models.DecoderConfig(embed=embed, **kw), rngs=nnx.Rngs(0))
+        return zeros(nnx.eval_shape(lambda: ns().models.Decoder(
+            ns().models.DecoderConfig(embed=embed, **kw), rngs=nnx.Rngs(0))))
 
     def adapted(targets: str, quantize: str | None = None, embed: int = 64) -> Any:
         return ns().lora(llama(embed), 2, 4.0, targets=targets, quantize=quantize)
 
     def sharded() -> Any:
-        return ns().sharded_init(lambda: llama(WIDE), "data=8", ns().strategies.get("fsdp"))
+        from flax import nnx
+
+        return zeros(ns().abstract_init(lambda: ns().models.Decoder(
+            ns().models.DecoderConfig(embed=WIDE), rngs=nnx.Rngs(0)), "data=8",
+            ns().strategies.get("fsdp")))
 
     # Tables of 2**31 rows of WIDE floats: 8 TiB each, past any machine's memory.
     WIDE = 1024
