@@ -190,14 +190,16 @@ def test_no_repeat_ngram_size_past_the_context_is_refused(size) -> None:
 
 
 def test_no_repeat_ngram_longer_than_the_rows_bans_nothing() -> None:
+    # The fixture's shapes: the programs the tests above compiled, none of
+    # test_control_values_compile_nothing's.
     e = _expected()
-    prompt = e["prompt"][:, :6]  # not the shapes test_control_values_compile_nothing compiles
-    plain = np.asarray(generate(_model(), prompt, GenerationConfig(max_new_tokens=4)))
-    for size in (10, 11, 500):  # 6 + 4 positions: no such n-gram fits, within the context
-        config = GenerationConfig(max_new_tokens=4, no_repeat_ngram_size=size)
+    prompt, new = e["prompt"], _new(e)
+    plain = np.asarray(generate(_model(), prompt, GenerationConfig(max_new_tokens=new)))
+    for size in (29, 30, 500):  # 8 + 20 positions: no such n-gram fits, within the context
+        config = GenerationConfig(max_new_tokens=new, no_repeat_ngram_size=size)
         np.testing.assert_array_equal(np.asarray(generate(_model(), prompt, config)), plain)
     banned = np.asarray(generate(_model(), prompt,
-                                 GenerationConfig(max_new_tokens=4, no_repeat_ngram_size=1)))
+                                 GenerationConfig(max_new_tokens=new, no_repeat_ngram_size=1)))
     assert not np.array_equal(banned, plain)  # a ban that fits does act on these rows
 
 

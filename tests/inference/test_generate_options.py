@@ -146,12 +146,14 @@ def test_samples_stay_inside_transformers_filter(option: str, value: float, keep
     prompt = _expected("hf_qwen3")["rep_prompt"]
     length, new = prompt.shape[1], 12
     greedy = np.asarray(generate(model, prompt, GenerationConfig(max_new_tokens=new)))
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))  # one program, not op by op
     sampled = 0
     for seed in range(3):
         config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0,
                                   top_k=None, **{option: value})
         out = np.asarray(generate(model, prompt, config, seed=seed))
-        logits = np.asarray(model(jnp.asarray(out)), np.float32)[:, length - 1:-1]
+        logits = np.asarray(forward(state, jnp.asarray(out)), np.float32)[:, length - 1:-1]
         for step in range(new):
             kept = keep(logits[:, step], value)
             token = out[:, length + step]

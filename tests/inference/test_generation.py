@@ -64,10 +64,20 @@ def _tiny(scan: bool = False) -> Decoder:  # one device, built once
     return _build(scan)
 
 
-def _sharded(strategy: str, factory, explicit: bool = False):  # type: ignore[no-untyped-def]
+def _sharded(strategy: str, factory, explicit: bool = False,  # type: ignore[no-untyped-def]
+             model: nnx.Module | None = None):
+    """``factory()`` in the layout ``strategy`` gives it; with ``model`` (a Decoder
+    ``factory`` builds), that model's values put on the devices: sharded_init would
+    compile an init program per test, and the values, not how they were made, are
+    what generate is tested on."""
     s = ns.strategies.get(strategy)
     mesh = s.make_mesh(8, axis_types="explicit" if explicit else "auto")
-    return ns.sharded_init(factory, mesh, s), mesh, s.rules
+    if model is None:
+        return ns.sharded_init(factory, mesh, s), mesh, s.rules
+    graphdef, target = nnx.split(ns.abstract_init(factory, mesh, s))
+    values = nnx.state(model)
+    placed = jax.tree.map(lambda t, v: jax.device_put(v, t.sharding), target, values)
+    return nnx.merge(graphdef, placed), mesh, s.rules
 
 
 # -- transformers' greedy tokens -----------------------------------------------------
@@ -147,12 +157,12 @@ def test_cached_equals_recompute(variant: str) -> None:
     if variant == "sampled":
         kwargs = dict(temperature=0.8, top_k=5, seed=3)
         config = config.replace(do_sample=True, temperature=0.8, top_k=5)
-    prompt = _prompt(2)
+    prompt = _prompt()  # 8 rows by 16 new tokens: the one-device programs of the tests below
     fast = np.asarray(generate(model, prompt, config, seed=kwargs.get("seed", 0)))
     assert not hasattr(model, "cache_index")  # the programs held the cache, not the model
     slow = np.asarray(recompute(model, prompt, 16, **kwargs))
     np.testing.assert_array_equal(fast, slow)
-    assert fast.dtype == np.int32 and fast.shape == (2, 24)
+    assert fast.dtype == np.int32 and fast.shape == (8, 24)
     if variant == "sampled":  # the seed matters; the sample is not the greedy path
         greedy = GenerationConfig(max_new_tokens=16)
         assert (fast != np.asarray(generate(model, prompt, greedy))).any()
@@ -164,7 +174,8 @@ def test_cached_equals_recompute(variant: str) -> None:
     pytest.param("tp", False, marks=pytest.mark.slow), ("fsdp_tp", True)])
 def test_sharded_stacked_equals_one_device(strategy: str, explicit: bool) -> None:
     # Stacked blocks (one scanned layer body), on Auto and Explicit mesh axes.
-    model, mesh, rules = _sharded(strategy, lambda: _build(scan=True), explicit)
+    model, mesh, rules = _sharded(strategy, lambda: _build(scan=True), explicit,
+                                  _tiny(scan=True))
     prompt = _prompt()
     with ns.use(mesh, rules):
         out = np.asarray(generate(model, prompt, GenerationConfig(max_new_tokens=16)))
@@ -176,7 +187,7 @@ def test_sharded_stacked_equals_one_device(strategy: str, explicit: bool) -> Non
 @pytest.mark.parametrize("strategy", ["cp", pytest.param("fsdp_cp", marks=pytest.mark.slow)])
 def test_cache_length_over_context_equals_one_device(strategy: str) -> None:
     # The cache's positions split over context: each device writes and scores its own.
-    model, mesh, rules = _sharded(strategy, _build)
+    model, mesh, rules = _sharded(strategy, _build, model=_tiny())
     prompt = _prompt()
     with ns.use(mesh, rules):
         out = np.asarray(generate(model, prompt, GenerationConfig(max_new_tokens=16)))
@@ -211,9 +222,10 @@ def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int])
     if strategy == "fsdp_tp":  # grouped-query attention: 2 key/value heads over model=2
         factory = lambda: Decoder(dataclasses.replace(  # noqa: E731
             get_config("llama-tiny"), max_length=24, layers=1), rngs=nnx.Rngs(0))
+        one = factory()
     else:
-        factory = _build
-    model, mesh, rules = _sharded(strategy, factory)
+        factory, one = _build, _tiny()
+    model, mesh, rules = _sharded(strategy, factory, model=one)
     prompt, new = _prompt(), 16
     prefill, decode, cache, carry = _compiled(model, prompt, new, mesh, rules)
 
@@ -417,7 +429,7 @@ def test_bad_input_one_clear_error_each() -> None:
 @needs_devices(8)
 @pytest.mark.slow
 def test_batch_that_does_not_divide_is_padded_and_cut_back() -> None:
-    model, mesh, rules = _sharded("dp", _build)
+    model, mesh, rules = _sharded("dp", _build, model=_tiny())
     with ns.use(mesh, rules):  # 3 rows over data=8: 5 dummy rows, cut back
         out = np.asarray(generate(model, _prompt(3), GenerationConfig(max_new_tokens=4)))
     assert out.shape == (3, 12)
@@ -426,7 +438,7 @@ def test_batch_that_does_not_divide_is_padded_and_cut_back() -> None:
 
 
 def test_sampling_arguments_and_seeds_are_checked() -> None:
-    model, good = _tiny(), _prompt(2)
+    model, good = _tiny(), _prompt()
     for value, match in ((True, r"temperature must be a number.*True \(a bool\)"),
                          ("0.5", r"temperature must be a number.*'0.5'")):
         with pytest.raises(ns.NnxShardError, match=f"GenerationConfig: {match}") as info:
@@ -444,8 +456,9 @@ def test_sampling_arguments_and_seeds_are_checked() -> None:
         with pytest.raises(ns.NnxShardError, match=f"generate: {match}") as info:
             generate(model, good, GenerationConfig(max_new_tokens=2), **kwargs)
         assert f"Fix: {name}=" in str(info.value)
-    # NumPy integers are seeds too, and the same seed gives the same tokens.
-    sample = GenerationConfig(max_new_tokens=2, do_sample=True, temperature=1.0, top_k=None)
+    # NumPy integers are seeds too, and the same seed gives the same tokens (16 new
+    # tokens: the programs test_cached_equals_recompute compiled).
+    sample = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=1.0, top_k=None)
     a = generate(model, good, sample, seed=np.int64(3))
     np.testing.assert_array_equal(a, generate(model, good, sample, seed=3))
 
