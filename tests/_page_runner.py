@@ -44,8 +44,9 @@ for extra in ("qwix", "tokenizers", "jinja2", "tqdm.auto", "yaml"):   # where in
         importlib.import_module(extra)
     except ImportError:
         pass
-from jax._src import xla_bridge
-assert not xla_bridge._backends, "the server must not create a JAX backend before it forks"
+from nnx_shard._compat import private  # JAX's private modules are read there alone
+assert not private("jax._src.xla_bridge", "_backends"), (
+    "the server must not create a JAX backend before it forks")
 
 
 def run_page(request):
