@@ -187,17 +187,6 @@ class DecoderConfig:
         return self.num_params
 
     @property
-    def experts(self) -> int:
-        """The experts of each MoE layer: none, a dense model (:class:`MoEConfig`'s field
-        counts them, as :class:`~nnx_shard.models.ReferenceConfig`'s does).
-
-        >>> from nnx_shard.models import DecoderConfig
-        >>> DecoderConfig().experts, DecoderConfig.for_model("mixtral", experts=4).experts
-        (0, 4)
-        """
-        return 0
-
-    @property
     def family(self) -> Family:
         """The registered family of :attr:`model_type`
         (:func:`~nnx_shard.models._families.family_of`): what the decoder is built of.

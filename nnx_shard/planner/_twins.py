@@ -52,9 +52,11 @@ MOE_ACTIVATIONS: tuple[tuple[tuple[str | None, ...], tuple[str, ...]], ...] = (
 
 
 def _sizes(cfg: Any, batch: int, seq: int, microbatches: int) -> dict[str, int]:
+    # Only a model with mixture-of-experts layers has the experts' dimension (and only
+    # its configs count experts: a dense DecoderConfig has no such field).
     return {"1": 2, "B": batch, "b": max(1, batch // microbatches), "S": seq, "E": cfg.embed,
             "H": cfg.heads, "G": cfg.kv_heads, "K": cfg.head_dim, "M": cfg.mlp, "V": cfg.vocab,
-            "X": max(1, cfg.experts)}
+            "X": cfg.experts if any(cfg.moe_layers()) else 1}
 
 
 def activation_entries(strategy: Any, sizes: dict[str, int], cfg: Any, *, batch: int, seq: int,
@@ -71,7 +73,7 @@ def activation_entries(strategy: Any, sizes: dict[str, int], cfg: Any, *, batch:
     """
     dims = _sizes(cfg, batch, seq, microbatches)
     mesh = abstract_mesh(dict(sizes))
-    moe = MOE_ACTIVATIONS if cfg.experts else ()
+    moe = MOE_ACTIVATIONS if any(cfg.moe_layers()) else ()
     entries = []
     for names, shape_of in (*ACTIVATIONS, *moe):
         shape = tuple(dims[d] for d in shape_of)
