@@ -1216,6 +1216,20 @@ def _build_case_files() -> None:
 # -- helpers the cases call ---------------------------------------------------------------------
 
 
+def zero_filled(abstract: Any) -> Any:
+    """``abstract`` (an ``nnx.eval_shape`` or ``abstract_init`` model) made concrete with zero
+    tables, each in its sharding (the default placement where it has none), for cases whose
+    refusal reads shapes, shardings and the config, never a value: a random init compiles one
+    program per shape eagerly (seconds), a sharded one a program of its own."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    graph, state = nnx.split(abstract)
+    return nnx.merge(graph, jax.tree.map(lambda s: jax.device_put(
+        np.zeros(s.shape, s.dtype), getattr(s, "sharding", None)), state))
+
+
 def generation_config(new: Any, kw: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The ``GenerationConfig`` of ``kw``'s settings (``new`` new tokens; a temperature
     given samples), built in the case so its errors count, and the call's other keywords."""

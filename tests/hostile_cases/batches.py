@@ -70,8 +70,6 @@ def build(hs: Any) -> None:
     trainers: list[Any] = []  # one for the seven cases: the feed refuses before a step
 
     def llama_trainer() -> Any:
-        import jax
-        import numpy as np
         import optax
         from flax import nnx
 
@@ -84,10 +82,8 @@ def build(hs: Any) -> None:
             mesh = s.make_mesh(8)
             # Zero weights in the dp layout: the feed reads the batches, never a weight,
             # and a sharded random init compiles.
-            graph, state = nnx.split(ns().abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
-                                                        mesh, s))
-            model = nnx.merge(graph, jax.tree.map(lambda v: jax.device_put(
-                np.zeros(v.shape, v.dtype), v.sharding), state))
+            model = hs.zero_filled(ns().abstract_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)),
+                                                      mesh, s))
             opt = ns().sharded_optimizer(model, optax.sgd(0.1), mesh, s)
             trainers.append(ns().Trainer(model, opt, lm_loss, mesh=mesh, rules=s,
                                          steps_per_call=2))
@@ -122,7 +118,6 @@ def build(hs: Any) -> None:
     made: dict[str, Any] = {}  # one model per kind for the worker: building one compiles
 
     def call(kind: str, value: int, *, decode: bool = False) -> Any:
-        import jax
         import numpy as np
         from flax import nnx
 
@@ -135,9 +130,7 @@ def build(hs: Any) -> None:
                                    layers=1))
             # Zero weights: the ids are checked before any weight is read, and an eager
             # random init compiles one program per shape (seconds).
-            graph, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-            made[kind] = nnx.merge(graph, jax.tree.map(
-                lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), state))
+            made[kind] = hs.zero_filled(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
         model = made[kind]
         tokens = np.array([[1, value, 2]], np.int32)
         if decode:

@@ -95,8 +95,6 @@ def build(hs: Any) -> None:
     def differs() -> Any:
         import dataclasses
 
-        import jax
-        import numpy as np
         from flax import nnx
 
         folder = source("differs")
@@ -104,11 +102,8 @@ def build(hs: Any) -> None:
                                   activation="gelu_pytorch_tanh")
         # Zero tables in the dp layout: the export refuses on the config before it reads
         # a value, and a sharded random init compiles for seconds.
-        abstract = ns().abstract_init(
-            lambda: ns().models.Decoder(cfg, rngs=nnx.Rngs(0)), "data=8", ns().strategies.get("dp"))
-        graph, state = nnx.split(abstract)
-        model = nnx.merge(graph, jax.tree.map(lambda s: jax.device_put(
-            np.zeros(s.shape, s.dtype), s.sharding), state))
+        model = hs.zero_filled(ns().abstract_init(
+            lambda: ns().models.Decoder(cfg, rngs=nnx.Rngs(0)), "data=8", ns().strategies.get("dp")))
         return save_nothing("differs", model, source=folder)
 
     hs.api("export_meta/model_differs_from_source", ("source", "hidden_act"), differs)

@@ -123,17 +123,12 @@ def build(hs: Any) -> None:
         """A Llama laid out by the tp preset, its tables zeros in the shardings
         ``sharded_init`` gives them: the refusals read shapes and shardings, never values,
         and a sharded random init compiles for seconds."""
-        import jax
-        import numpy as np
         from flax import nnx
 
         if not made:
-            abstract = ns().abstract_init(lambda: ns().models.Decoder(
+            made.append(hs.zero_filled(ns().abstract_init(lambda: ns().models.Decoder(
                 ns().models.DecoderConfig(), rngs=nnx.Rngs(0)), "data=4,model=2",
-                ns().strategies.get("tp"))
-            graph, state = nnx.split(abstract)
-            made.append(nnx.merge(graph, jax.tree.map(lambda s: jax.device_put(
-                np.zeros(s.shape, s.dtype), s.sharding), state)))
+                ns().strategies.get("tp"))))
         return made[0]
 
     hs.api("resize/indivisible_over_tp", ("new_vocab", "pad_to_multiple_of"),

@@ -189,13 +189,9 @@ def build(hs: Any) -> None:
     def zeros(build: Any) -> Any:
         """``build``'s model, concrete with zero weights: the shape check comes before any
         weight is read, and an eager random init compiles one program per shape."""
-        import jax
-        import numpy as np
         from flax import nnx
 
-        graph, state = nnx.split(nnx.eval_shape(build))
-        return nnx.merge(graph, jax.tree.map(lambda s: jax.device_put(
-            np.zeros(s.shape, s.dtype)), state))
+        return hs.zero_filled(nnx.eval_shape(build))
 
     def build_llama(**kw: Any) -> Any:
         from flax import nnx

@@ -110,23 +110,12 @@ def build(hs: Any) -> None:
     def resize(model: Any, *args: Any, **kw: Any) -> Any:
         return untouched(model, lambda m: ns().models.resize_token_embeddings(m, *args, **kw))
 
-    def zeros(abstract: Any) -> Any:
-        """``abstract`` (an ``nnx.eval_shape`` or ``abstract_init`` model) made concrete
-        with zero tables in its shardings: the refusals below read shapes, shardings and
-        the config, never values, and a random init compiles one program per shape
-        (seconds at WIDE)."""
-        import jax
-        import numpy as np
-        from flax import nnx
-
-        graph, state = nnx.split(abstract)
-        return nnx.merge(graph, jax.tree.map(lambda s: jax.device_put(
-            np.zeros(s.shape, s.dtype), getattr(s, "sharding", None)), state))
-
+    # The models below hold zero tables (hs.zero_filled): the refusals read shapes,
+    # shardings and the config, never values, and a random init at WIDE compiles for seconds.
     def llama(embed: int = 64, **kw: Any) -> Any:
         from flax import nnx
 
-        return zeros(nnx.eval_shape(lambda: ns().models.Decoder(
+        return hs.zero_filled(nnx.eval_shape(lambda: ns().models.Decoder(
             ns().models.DecoderConfig(embed=embed, **kw), rngs=nnx.Rngs(0))))
 
     def adapted(targets: str, quantize: str | None = None, embed: int = 64) -> Any:
@@ -135,7 +124,7 @@ def build(hs: Any) -> None:
     def sharded() -> Any:
         from flax import nnx
 
-        return zeros(ns().abstract_init(lambda: ns().models.Decoder(
+        return hs.zero_filled(ns().abstract_init(lambda: ns().models.Decoder(
             ns().models.DecoderConfig(embed=WIDE), rngs=nnx.Rngs(0)), "data=8",
             ns().strategies.get("fsdp")))
 
