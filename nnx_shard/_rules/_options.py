@@ -47,6 +47,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("pipeline", None,
            "the pipeline Schedule pipeline.scan runs a stacked layer loop with over its "
            "stage axis (strategies pp, pp_fsdp, pp_tp); None: a plain scan"),
+    Option("gradients", None,
+           "the Rules table value_and_grad lays each gradient out by, inside the compiled "
+           "step (strategy zero2: the optimizer state's, so each gradient is reduce-scattered "
+           "to the shard its state owns, and microbatch sums are kept sharded); None: where "
+           "XLA puts them (like the parameters)"),
 )}
 
 

@@ -46,11 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from nnx_shard._annotate import path_str
 from nnx_shard._axes import entry_axes
 from nnx_shard._errors import ShardingError, UsageError, count, flag, short
-from nnx_shard._mesh import Calls, called, context, entered, watching
+from nnx_shard._mesh import Calls, apply_sharding, called, context, entered, variable_spec, watching
 from nnx_shard._parallel.registry import microbatch_owner
 from nnx_shard._train._precision import Precision, as_precision
 from nnx_shard._train._trees import fmt_shape, is_node, short_repr
@@ -247,12 +248,52 @@ def value_and_grad(
             if owner is not None and owner.microbatched is not None:
                 # A parallel op runs the microbatches itself (the pipeline: through its
                 # stages inside one forward pass) instead of the accumulation loop.
-                return owner.microbatched(vg, m or 1, model, batch, *args)
+                out, grads = owner.microbatched(vg, m or 1, model, batch, *args)
+                return out, laid_out(grads)
             if m is None or m == 1:
-                return vg(model, batch, *args)
+                out, grads = vg(model, batch, *args)
+                return out, laid_out(grads)
             return _accumulate(vg, m, wrt, model, batch, args, weigh)
 
     return grad_fn
+
+
+def laid_out(grads: Any) -> Any:
+    """``grads`` (an ``nnx.State`` of gradients, traced) constrained to the layout of the
+    context's ``gradients`` option, a :class:`~nnx_shard.Rules` table read on each
+    gradient's logical names; unchanged where the option is unset or no mesh is active.
+
+    Under :func:`~nnx_shard.strategies.zero2` the table is the optimizer state's: the
+    constraint meets the partial sums of a batch-sharded backward pass, so XLA reduces
+    each gradient straight to the 1/N shard its optimizer state owns (a reduce-scatter)
+    instead of all-reducing the whole gradient onto every device.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from nnx_shard import Rules, use
+    >>> from nnx_shard._annotate import with_logical
+    >>> init = with_logical(nnx.initializers.ones, ("embed", None))
+    >>> model = nnx.Linear(8, 2, use_bias=False, kernel_init=init, rngs=nnx.Rngs(0))
+    >>> rules = Rules({"embed": None}, options={"gradients": Rules({"embed": "data"})})
+    >>> def grads(model):
+    ...     return laid_out(nnx.grad(lambda m: jnp.sum(m(jnp.ones((4, 8)))))(model))
+    >>> with use("data=8", rules):
+    ...     g = nnx.jit(grads)(model)
+    >>> g["kernel"][...].sharding.spec
+    P('data',)
+    """
+    ctx = context()
+    table = ctx.options.get("gradients")
+    if table is None or ctx.mesh is None:
+        return grads
+    mesh = ctx.mesh
+
+    def one(path: Any, var: Any) -> Any:
+        if not isinstance(var, nnx.Variable):
+            return var
+        spec = variable_spec(var, mesh, table, path_str(path))
+        return var.replace(apply_sharding(var.get_value(), NamedSharding(mesh, spec)))
+
+    return jax.tree.map_with_path(one, grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _inexact(path: Any, value: Any) -> bool:
@@ -382,7 +423,7 @@ def _accumulate(
         ok = _check_counts(counts, total, weigh)
     node_pos = [i for i, a in enumerate(args) if is_node(a)]
     graphdef, state = nnx.split((model, *(args[i] for i in node_pos)))
-    zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, wrt))
+    zeros = laid_out(jax.tree.map(jnp.zeros_like, nnx.state(model, wrt)))
     grads_def: list[Any] = []
 
     def body(carry: Any, xs: Any) -> Any:
@@ -393,6 +434,9 @@ def _accumulate(
         for i, node in zip(node_pos, nodes[1:], strict=True):
             call_args[i] = node
         out, grads = vg(nodes[0], mb, *call_args)
+        # Each microbatch's gradients reach the accumulator already in the gradients'
+        # layout (zero2: the sum stays 1/N per device across the microbatches).
+        grads = laid_out(grads)
         # Accumulate flat leaves: grads may carry Variable metadata that differs
         # from the zeros' (the structure is the same array for array).
         g_leaves, g_def = jax.tree.flatten(grads)

@@ -39,7 +39,13 @@ from nnx_shard.inference import explain_cache
 from nnx_shard.models._memory import ACTIVATION_FORMULA, activation_bytes
 from nnx_shard.models._named import build, get_config, max_length
 from nnx_shard.planner._compile import compiled_memory_subprocess, planned_config
-from nnx_shard.planner._formula import abstract_report, compute_copy, formula, stage_config
+from nnx_shard.planner._formula import (
+    abstract_report,
+    compute_copy,
+    formula,
+    grads_report,
+    stage_config,
+)
 from nnx_shard.planner._trust import compiled_trusted
 from nnx_shard.strategies._strategy import Strategy
 
@@ -251,8 +257,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG} plan: {args.model} on {args.mesh} with {strat.name}: cannot lay out")
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    wrt = nnx.Param if args.lora_rank is None else nnx.LoRAParam
     per_device = formula(fp.report, fp.activations, args.guard, fp.compute,
-                         trained="Param" if args.lora_rank is None else "LoRAParam")
+                         trained=wrt.__name__, grads=grads_report(model, sizes, strat, wrt))
     compiled = _compile(args, strat, sizes, out["devices"])
     out.update(_results(fp, per_device, compiled, memory, args.top, strat))
     if args.json:

@@ -22,7 +22,7 @@ from nnx_shard._train._guard import DEFAULT_GUARD
 from nnx_shard.models._memory import activation_bytes
 
 __all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formula_bytes",
-           "stage_config", "stage_formula_bytes"]
+           "grads_report", "stage_config", "stage_formula_bytes"]
 
 #: The formula decides "does not fit" without a compile only when it is this many
 #: times over the budget: over every preset x mesh factorisation of 8 devices
@@ -82,14 +82,19 @@ def compute_copy(report: Report, compute_dtype: Any, remat: str = "none") -> int
 
 
 def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
-            compute: int = 0, trained: str = "Param") -> dict[str, int]:
+            compute: int = 0, trained: str = "Param", grads: Report | None = None
+            ) -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
     while a call runs (``guard="full"``, to put it back if the call is not finite;
     ``"grads"`` and ``"off"`` keep none), activations, and their ``total``; with
     ``compute`` (:func:`compute_copy`, mixed precision) that copy too, as ``compute``.
     ``trained`` is the Variable kind that gets gradients (``"LoRAParam"`` when only
-    adapters are trained: the frozen base has none).
+    adapters are trained: the frozen base has none). ``grads`` is the model laid out by
+    the strategy's ``gradients`` option where it sets one (:func:`grads_report`:
+    zero1 keeps whole gradients, zero2 each device's slice); without it a gradient
+    takes the smaller of its parameter's and its optimizer moment's layout, as XLA's
+    sharding propagation places it.
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
@@ -104,9 +109,9 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     # A gradient takes the layout of the optimizer moment it updates where that is
     # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
     # sharded update instead of keeping the replicated sum.
-    grads = {(r.path, r.shape): r.bytes_per_device for r in report.rows
+    grads = {(r.path, r.shape): r.bytes_per_device for r in (grads or report).rows
              if r.group == "params" and r.kind == trained}
-    for r in report.rows:
+    for r in report.rows if grads is None else ():
         if r.group == "optimizer" and r.kind == trained:
             names = r.path.split("/")
             for key in (("/".join(names[i:]), r.shape) for i in range(1, len(names))):
@@ -124,6 +129,26 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     if compute:
         parts["compute"] = int(compute)
     return {**parts, "total": sum(parts.values())}
+
+
+def grads_report(model: Any, sizes: str | Mapping[str, int], strat: Any,
+                 wrt: Any = nnx.Param) -> Report | None:
+    """``model``'s parameters laid out as the gradients of a train step under ``strat``
+    are, where its rules set the ``gradients`` option (``None`` where they do not):
+    what :func:`formula` counts the gradients on.
+
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> from nnx_shard.strategies._presets import get
+    >>> model = nnx.eval_shape(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)))
+    >>> z1, z2 = (grads_report(model, {"data": 8}, get(n)) for n in ("zero1", "zero2"))
+    >>> z1.param_bytes_per_device > 4 * z2.param_bytes_per_device
+    True
+    >>> grads_report(model, {"data": 8}, get("dp")) is None
+    True
+    """
+    table = strat.rules.options.get("gradients")
+    return None if table is None else abstract_report(model, sizes, table, wrt=wrt)
 
 
 def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
@@ -199,4 +224,5 @@ def _total(abstract: Any, cfg: Any, acts_cfg: Any, strat: Any, sizes: dict[str, 
     except Exception:  # the compile will say what is wrong
         return None
     compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
-    return formula(report, acts, guard, compute)["total"]
+    return formula(report, acts, guard, compute,
+                   grads=grads_report(abstract, sizes, strat))["total"]

@@ -20,8 +20,8 @@ from nnx_shard._rules import Fallbacks, Rules
 from nnx_shard.strategies._strategy import PRESETS, REPLICATED, Strategy, preset, replicated
 
 __all__ = [
-    "NAMES", "async_tp", "cp", "dp", "ep", "fsdp", "fsdp_cp", "fsdp_tp", "get", "pp", "pp_fsdp",
-    "pp_tp", "sp", "tp", "zero1",
+    "NAMES", "async_tp", "cp", "dp", "ep", "fsdp", "fsdp_cp", "fsdp_ep", "fsdp_tp", "get", "pp", "pp_fsdp",
+    "pp_tp", "sp", "tp", "zero1", "zero2",
 ]
 
 # -- the tables presets combine: each names only the logical axes it shards ---------------
@@ -116,8 +116,35 @@ def zero1(*, data: str = "data") -> Strategy:
     >>> s.rules["embed"], s.opt_rules["embed"]
     (None, 'data')
     """
-    return Strategy(name="zero1", rules=REPLICATED | _dp(data), opt_rules=REPLICATED | _fsdp(data),
+    params = REPLICATED | _dp(data)
+    return Strategy(name="zero1", rules=params.with_options(gradients=params),
+                    opt_rules=REPLICATED | _fsdp(data),
                     mesh_axes=(data,), collectives=("all-reduce", "all-gather"))
+
+
+@preset
+def zero2(*, data: str = "data") -> Strategy:
+    """ZeRO stage 2: :func:`zero1` with the gradients partitioned too. Parameters stay
+    replicated; inside the compiled step each gradient is reduced straight to the
+    1/N slice its optimizer state owns (the rules option ``gradients``, read by
+    :func:`nnx_shard.value_and_grad`), so no device holds a whole reduced gradient,
+    and with microbatches the accumulated gradients stay 1/N per device too.
+
+    Mesh axes: ``data``. Collectives: a reduce-scatter of each gradient over ``data``
+    in place of DP's all-reduce (XLA CPU compiles it as an all-reduce and a local
+    slice), the update of each device's slice, and an all-gather of the updated
+    parameters. Train with :func:`nnx_shard.multistep` or :class:`nnx_shard.Trainer`
+    (their gradients come from :func:`nnx_shard.value_and_grad`); pass the strategy
+    itself to :func:`nnx_shard.sharded_optimizer` as for :func:`zero1`.
+
+    >>> s = zero2()
+    >>> s.rules["embed"], s.opt_rules["embed"], s.rules.options["gradients"]["embed"]
+    (None, 'data', 'data')
+    """
+    return Strategy(name="zero2", rules=(REPLICATED | _dp(data)).with_options(
+                        gradients=REPLICATED | _fsdp(data)),
+                    opt_rules=REPLICATED | _fsdp(data), mesh_axes=(data,),
+                    collectives=("reduce-scatter", "all-gather"))
 
 
 @preset
@@ -216,6 +243,30 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
         "cache_batch": Fallbacks((data, expert), data)}
     return Strategy(name="ep", rules=rules, opt_rules=None, mesh_axes=(data, expert), sizes=(4,),
                     collectives=("all-to-all", "all-gather", "all-reduce"))
+
+
+@preset
+def fsdp_ep(*, data: str = "data", expert: str = "expert") -> Strategy:
+    """2D for mixture-of-experts models on more devices than experts: :func:`ep`'s
+    experts over ``expert`` and its token all-to-all, with every parameter FSDP-sharded
+    over ``data`` along ``embed`` (the experts' too, so each device holds
+    1/(data x expert) of them), the optimizer state alike.
+
+    Mesh axes: ``data``, ``expert``. Collectives: ep's all-to-alls over ``expert``
+    (token dispatch and return) and all-gathers where the router and the combine
+    step need a whole ``data`` shard of the batch, FSDP's all-gathers of parameters
+    over ``data`` before use and the reduction of their gradients to each device's
+    slice.
+
+    >>> s = fsdp_ep()
+    >>> s.rules["expert"], s.rules["embed"], s.mesh_for(8)
+    ('expert', 'data', {'data': 2, 'expert': 4})
+    """
+    rules = replicated(first=("expert",)) | _fsdp(data) | {
+        "batch": Fallbacks((data, expert), data), "expert": expert,
+        "cache_batch": Fallbacks((data, expert), data)}
+    return Strategy(name="fsdp_ep", rules=rules, opt_rules=None, mesh_axes=(data, expert),
+                    sizes=(4,), collectives=("all-to-all", "all-gather", "all-reduce"))
 
 
 @preset
@@ -384,7 +435,7 @@ def get(name: str, **axes: str) -> Strategy:
     >>> get("ddp")
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, fsdp, tp, fsdp_tp, sp, ep, ...
+    nnx_shard._errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, zero2, fsdp, tp, fsdp_tp, sp, ep, ...
     """
     if not isinstance(name, str):
         raise ShardingError(f"strategies.get: name must be a preset name (str), got "

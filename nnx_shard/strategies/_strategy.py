@@ -26,7 +26,7 @@ from nnx_shard._mesh import make_mesh, parse_axes, variable_spec
 from nnx_shard._parallel.schedule import Schedule, check_stack
 from nnx_shard._rules import Rules
 
-__all__ = ["LOGICAL", "REPLICATED", "Strategy", "factorizations", "preset", "replicated"]
+__all__ = ["LOGICAL", "OFFLOADS", "REPLICATED", "Strategy", "factorizations", "preset", "replicated"]
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -43,6 +43,10 @@ LOGICAL = ("batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab"
            "expert", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
 
 
+#: What a strategy may keep in host memory between steps (:attr:`Strategy.offload`).
+OFFLOADS = (None, "optimizer", "optimizer+params")
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """A named parallelism strategy: rules for parameters and activations, optional
@@ -55,6 +59,9 @@ class Strategy:
       mesh_axes: the mesh axes the rules use, in mesh order.
       sizes: preferred sizes of every axis but the first (which takes the rest).
       collectives: the collectives a train step under this strategy contains.
+      offload: what lives in host memory (``pinned_host``) between steps: ``None``
+        (nothing), ``"optimizer"`` (the optimizer state) or ``"optimizer+params"``
+        (the parameters too); see :meth:`with_offload`.
 
     >>> from nnx_shard.strategies import get
     >>> s = get("zero1")
@@ -68,6 +75,29 @@ class Strategy:
     mesh_axes: tuple[str, ...]
     sizes: tuple[int, ...] = ()
     collectives: tuple[str, ...] = ()
+    offload: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.offload not in OFFLOADS:
+            raise UsageError(
+                f"strategy {self.name!r}: offload must be one of "
+                f"{', '.join(map(repr, OFFLOADS))}, got {self.offload!r}. Fix: e.g. "
+                f"strategies.get({self.name!r}).with_offload('optimizer').")
+
+    def with_offload(self, offload: str | None) -> Strategy:
+        """This strategy with ``offload`` (one of :data:`OFFLOADS`): the arrays it names
+        are kept in host memory between steps and brought to the devices inside the
+        compiled step, so device memory holds them only while they are used.
+
+        >>> from nnx_shard.strategies import get
+        >>> get("fsdp").with_offload("optimizer").offload
+        'optimizer'
+        >>> get("fsdp").with_offload("grads")
+        Traceback (most recent call last):
+        ...
+        nnx_shard._errors.UsageError: strategy 'fsdp': offload must be one of None, 'optimizer', 'optimizer+params', got 'grads'. ...
+        """
+        return dataclasses.replace(self, offload=offload)
 
     def mesh_for(self, n_devices: int | None = None) -> dict[str, int]:
         """A default mesh shape over :attr:`mesh_axes` for ``n_devices`` (default: all).
