@@ -2,7 +2,7 @@
 
 Each preset returns a :class:`Strategy`: the :class:`~nnx_shard.Rules` for
 parameters and activations, a separate table for optimizer state where the
-strategy needs one (ZeRO-1), the mesh axes it expects and a default mesh shape.
+strategy needs one (ZeRO-1 and ZeRO-2), the mesh axes it expects and a default mesh shape.
 Models annotated with the logical names ``batch``, ``length``, ``embed``,
 ``heads``, ``kv_heads``, ``kv``, ``mlp``, ``vocab``, ``layers`` and ``expert`` (as
 :class:`nnx_shard.models.Decoder` and :class:`nnx_shard.models.Decoder` are) run
@@ -16,8 +16,12 @@ fsdp_cp, else replicated) and ``cache_head_dim`` (replicated).
 name       mesh axes        sharded                                           collectives per train step (XLA CPU)
 =========  ===============  ================================================  ==========================================
 dp         data             batch                                             all-reduce over data (gradients)
-zero1      data             batch; optimizer state over ``embed``             all-reduce over data (gradients),
-                                                                              all-gather over data (updated parameters)
+zero1      data             batch; optimizer state over ``embed``;            all-reduce over data (gradients),
+                            gradients whole (option ``gradients``)            all-gather over data (updated parameters)
+zero2      data             zero1, with each gradient reduced to its          all-reduce over data (gradients, each
+                            optimizer state's 1/N slice (option               then sliced: a reduce-scatter [1]_;
+                            ``gradients``), microbatch sums kept 1/N          inside the microbatch loop), all-gather
+                                                                              over data (updated parameters)
 fsdp       data             batch; params, grads, opt. state over ``embed``   all-gather over data (parameters),
                                                                               all-reduce over data (gradients) [1]_
 tp         data, model      batch; heads, mlp, vocab over model (Megatron)    all-reduce over model (row-parallel
@@ -30,6 +34,9 @@ sp         data, model      tp, plus ``length`` over model outside            al
 ep         data, expert     batch over data x expert; experts over expert     all-to-all over expert (token dispatch
                                                                               and return), all-gather over expert,
                                                                               all-reduce (gradients)
+fsdp_ep    data, expert     ep's experts and token all-to-all, with every      all-to-all over expert (tokens), all-
+                            parameter (experts too) and the optimizer state   gather over data (parameters; experts
+                            over data along ``embed``                         only the device's own), all-reduce [1]_
 async_tp   data, model      tp's parameters; sp's activations; projections    collective-permute over model (ring
                             as collective matmuls (option collective_matmul)  steps in place of the projections'
                                                                               all-gather / all-reduce), all-gather
@@ -67,8 +74,9 @@ where a layout changes).
    its slice of the summed gradients, or of the sequence under sp). On XLA's
    CPU backend the partitioned train step contains the equivalent all-reduce
    followed by a local slice instead, so that is what the CPU HLO and
-   :attr:`Strategy.collectives` show. Backends that rewrite that pattern into
-   a reduce-scatter may show one instead.
+   :attr:`Strategy.collectives` show (zero2's names the reduce-scatter it is
+   built for). Backends that rewrite that pattern into a reduce-scatter may
+   show one instead.
 
 .. [2] The pipeline presets run only on Auto axes (tests/parallel/test_pipeline.py reads
    their collectives there), with a stacked layer axis and the trainer's

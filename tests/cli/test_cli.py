@@ -125,20 +125,25 @@ def test_plan_llama_8b_compiled_total_fits_96gb(capsys):
     assert plan["compiled"]["total"] <= 96e9
 
 
-def test_plan_zero1_gradients_take_the_sharded_optimizer_states_layout(capsys):
-    """ZeRO-1 keeps replicated parameters and shards Adam's moments; XLA reduce-scatters
-    each gradient into its moment's layout, so the formula counts gradients at that size
-    (counting them replicated put the formula 1.27x over XLA's figure for the tiny model)."""
-    code, out, err = run(capsys, "plan", "--model", "tiny", "--mesh", "data=8",
-                         "--strategy", "zero1", "--optimizer", "adamw",
-                         "--batch", "16", "--seq", "16", "--json", "--no-compile")
-    assert code == 0, err
-    per = json.loads(out)["bytes_per_device"]
+def test_plan_counts_gradients_in_the_layout_the_strategy_gives_them(capsys):
+    """ZeRO-1 and ZeRO-2 both keep replicated parameters and shard Adam's moments 8 ways;
+    their rules option ``gradients`` says where the reduced gradients live: zero1 keeps
+    them whole, like the parameters, zero2 reduces each to its moment's 1/8 slice. The
+    formula counts them so."""
     params = 4 * get_config("tiny").num_params  # float32
-    assert per["params"] == params
-    # mu and nu, each a parameter-shaped array split 8 ways, plus the int32 step count.
-    assert per["optimizer"] == 2 * per["grads"] + 4
-    assert per["grads"] == params // 8
+    grads = {}
+    for strategy in ("zero1", "zero2"):
+        code, out, err = run(capsys, "plan", "--model", "tiny", "--mesh", "data=8",
+                             "--strategy", strategy, "--optimizer", "adamw",
+                             "--batch", "16", "--seq", "16", "--json", "--no-compile")
+        assert code == 0, err
+        per = json.loads(out)["bytes_per_device"]
+        assert per["params"] == params
+        # mu and nu, each a parameter-shaped array split 8 ways, plus the int32 step count.
+        assert per["optimizer"] == 2 * params // 8 + 4
+        grads[strategy] = per["grads"]
+    assert grads == {"zero1": params, "zero2": params // 8}
+
 
 def test_plan_fits_verdict_and_exit_status(capsys):
     argv = ["plan", "--model", "7b", "--mesh", "data=8,model=8", "--no-compile", "--device-memory"]
@@ -385,7 +390,7 @@ def test_bad_flags_from_the_console_script_have_no_traceback():
     assert len(lines) == 1 and lines[0].endswith(".")
     assert lines[0].startswith(
         "nnx-shard: error: --strategy 'pipeline': unknown strategy 'pipeline'. Known: dp, zero1, "
-        "fsdp, tp, fsdp_tp, sp, ep"
+        "zero2, fsdp, tp, fsdp_tp, sp, ep"
     )
 
 
@@ -455,7 +460,7 @@ def test_explain_with_a_strategy_and_bad_factories(capsys, factory_dir):
     assert_one_line_error(code, err, "give --rules FILE")
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "zero2"])
 def test_explain_with_a_strategy_prints_ns_explain(capsys, factory_dir, monkeypatch, strategy):
     # The command's report is ns.explain's, the strategy's optimizer-state rules (zero1's)
     # included.
@@ -1079,7 +1084,7 @@ def test_explain_strategy_must_be_known_and_is_not_combined_with_rules(capsys, f
     code, _, err = run(capsys, "explain", "my_models:make", "--mesh", "data=8",
                        "--strategy", "bogus")
     assert_one_line_error(code, err, "--strategy 'bogus': unknown strategy 'bogus'",
-                          "Known: dp, zero1, fsdp")
+                          "Known: dp, zero1, zero2, fsdp")
     # --strategy is the alternative to --rules: both given, one would be ignored.
     for name in ("bogus", "fsdp"):
         code, out, err = run(capsys, "explain", "my_models:make", "--mesh", "data=8",

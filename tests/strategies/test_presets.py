@@ -1,8 +1,8 @@
 """The presets' mesh-axis keywords: a preset built with its axes renamed is the same preset
 over the new names, its rules and optimizer-state rules entry by entry in table order (the
 order decides which logical name claims a contested mesh axis), its options (a pipeline's
-schedule runs over the renamed stage axis), its preferred sizes, collectives and default
-meshes. What each preset's tables do is the preset matrix's (tests/test_strategies.py:
+schedule runs over the renamed stage axis, zero2's gradient table over the renamed data
+axis), its preferred sizes, collectives and default meshes. What each preset's tables do is the preset matrix's (tests/test_strategies.py:
 values against one device, bytes per device, the compiled collectives).
 """
 
@@ -47,7 +47,10 @@ def test_a_preset_with_renamed_axes_is_the_preset_over_the_new_names(name):
     if "pipeline" in options:
         schedule = options["pipeline"]
         options["pipeline"] = dataclasses.replace(schedule, axis=_renamed(schedule.axis))
-    assert dict(renamed.rules.options) == options
+    got = dict(renamed.rules.options)
+    if "gradients" in options:  # a Rules table: entry by entry, like the rules themselves
+        assert _pairs(got.pop("gradients")) == _renamed_pairs(options.pop("gradients"))
+    assert got == options
     assert renamed.mesh_axes == _renamed(tuple(plain.mesh_axes))
     assert (renamed.sizes, renamed.collectives) == (plain.sizes, plain.collectives)
     for n in (1, 6, 8, 64):
