@@ -34,12 +34,7 @@ def _expected(family: str) -> dict[str, np.ndarray]:
 
 
 def _layout(strategy: str) -> tuple[jax.sharding.Mesh, object]:
-    """The mesh and rules of a preset; ``fsdp_ep`` is ``ep`` whose parameters are also
-    split over ``data`` along ``embed`` (ZeRO-3 with expert parallelism)."""
-    if strategy == "fsdp_ep":
-        s = ns.strategies.get("ep")
-        pairs = [(k, "data" if k == "embed" else v) for k, v in s.rules.to_pairs()]
-        return s.mesh_for(8), ns.Rules.from_pairs(pairs)
+    """The mesh (8 devices) and rules of a preset."""
     s = ns.strategies.get(strategy)
     return s.mesh_for(8), s.rules
 
@@ -236,12 +231,17 @@ def test_loss_with_aux_matches_transformers(family: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["one", "fsdp_ep"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_match_transformers(family: str) -> None:
+def test_greedy_tokens_match_transformers(family: str, strategy: str) -> None:
     exp = _expected(family)
-    model = _loaded(family, "one")
+    model = _loaded(family, strategy)
+    # fsdp_ep: the prompt row padded to the 8 rows (data x expert) the dispatch splits,
+    # each decoded token routed to its experts' devices by all-to-all.
+    layout = {} if strategy == "one" else dict(zip(("mesh", "rules"), _layout(strategy),
+                                                   strict=True))
     out = ns.inference.generate(model, jnp.asarray(exp["prompt"]),
-                                ns.inference.GenerationConfig(max_new_tokens=6))
+                                ns.inference.GenerationConfig(max_new_tokens=6), **layout)
     np.testing.assert_array_equal(np.asarray(out)[:, -6:], exp["greedy"])
 
 
@@ -282,6 +282,45 @@ def test_gradients_under_ep_match_one_device() -> None:
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     got, ref = (np.asarray(g["blocks"][0]["mlp"]["gate"][...]) for g in (grads, want))
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.slow
+def test_adamw_steps_under_fsdp_ep_match_one_device() -> None:
+    """Three AdamW steps of the Mixtral checkpoint under fsdp_ep (experts over ``expert``,
+    every parameter, the experts' too, over ``data`` along ``embed``) give one device's
+    losses and weights, in one fused call."""
+    import optax
+
+    from tests._close import assert_close
+    from tests._lm import lm_batches
+    from tests._shared import host, one_device_run
+
+    steps, tx, s = 3, optax.adamw(1e-3), ns.strategies.get("fsdp_ep")
+    batches = lm_batches(steps, 8, 12)  # the checkpoint's vocabulary of 128
+    mesh = s.make_mesh(8)
+    model = ns.hf.load_pretrained(FIXTURES / "mixtral", mesh=mesh, rules=s.rules)
+    assert model.blocks[0].mlp.up[...].sharding.spec == jax.P("expert", "data", None)
+    assert model.blocks[0].mlp.down[...].sharding.spec == jax.P("expert", None, "data")
+    opt = ns.sharded_optimizer(model, tx, mesh, s)
+
+    def step(model: Decoder, opt: nnx.Optimizer, batch: dict) -> jax.Array:
+        loss, grads = ns.value_and_grad(ns.models.lm_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    with ns.use(mesh, s.rules):
+        losses = ns.multistep(step)(model, opt, ns.shard_batch(
+            batches, mesh, s.rules, ("batch", "length"), steps=True))
+    one = _one()
+    want_losses, want = one_device_run(
+        lambda: ns.hf.load_pretrained(FIXTURES / "mixtral", mesh=one[0], rules=one[1]),
+        ns.models.lm_loss, tx,
+        [{k: v[i] for k, v in batches.items()} for i in range(steps)])
+    assert_close(np.asarray(losses), want_losses, 1e-4, "loss")
+    # Adam moves an element whose gradient is mostly rounding by up to ~lr a step in
+    # either run (tests/test_strategies.py's RTOL_PARAMS).
+    assert_close(host(nnx.state(model, nnx.Param)), want, 1e-3, "params after 3 steps")
+    assert want_losses[-1] < want_losses[0]
 
 
 def test_lora_adapts_attention_and_refuses_the_experts() -> None:

@@ -47,6 +47,10 @@ def test_twins_are_equal_and_other_layouts_are_not():
 def test_on_a_mixture_of_experts_ep_is_not_dp():
     cfg = get_config("tiny_moe")
     assert _sig(cfg, "ep", {"data": 2, "expert": 2}) != _sig(cfg, "dp", {"data": 4})
+    # fsdp_ep over one data device splits nothing ep does not; over two, every parameter.
+    ep = _sig(cfg, "ep", {"data": 1, "expert": 4})
+    assert _sig(cfg, "fsdp_ep", {"data": 1, "expert": 4}) == ep
+    assert _sig(cfg, "fsdp_ep", {"data": 2, "expert": 2}) != _sig(cfg, "ep", {"data": 2, "expert": 2})
 
 
 @pytest.mark.slow
