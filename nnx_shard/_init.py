@@ -43,6 +43,7 @@ from nnx_shard import _optstate as optstate
 from nnx_shard._annotate import path_str
 from nnx_shard._errors import ShardingError, UsageError, sharding_types, short
 from nnx_shard._mesh import make_mesh, mesh_str, shardings
+from nnx_shard._offload import check_host_memory, host_where, is_host, offloads, on_device
 from nnx_shard._rules import Rules, as_rules
 
 __all__ = ["abstract_init", "sharded_init", "sharded_optimizer"]
@@ -112,7 +113,19 @@ def auto_typed_mesh(mesh: Mesh) -> Mesh:
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s.spec, memory_kind=s.memory_kind), tree)
+    # In device memory: the traced program computes there; only its outputs may be
+    # placed in host memory (out_shardings), never a constraint inside it.
+    return jax.tree.map(lambda s: NamedSharding(mesh, s.spec, memory_kind=on_device(s).memory_kind),
+                        tree)
+
+
+def _params_offloaded(tree: Any, strategy: Any) -> Any:
+    """``tree`` of shardings with the parameters' in host memory where ``strategy``
+    offloads them (``offload="optimizer+params"``)."""
+    if not offloads(strategy)[1]:
+        return tree
+    check_host_memory("sharded_init", getattr(strategy, "offload", None))
+    return host_where(tree, lambda var: isinstance(var, nnx.Param))
 
 
 def _constrain(state: Any, tree_of_shardings: Any) -> Any:
@@ -281,7 +294,8 @@ def abstract_init(
     graphdef, state = abstract_graph(factory, mesh, "abstract_init")
     if strategy is not None:
         strategy.check(state, mesh)
-    return nnx.merge(graphdef, _with_shardings(state, shardings(state, mesh, table)))
+    placed = _params_offloaded(shardings(state, mesh, table), strategy)
+    return nnx.merge(graphdef, _with_shardings(state, placed))
 
 
 def sharded_init(
@@ -299,6 +313,21 @@ def sharded_init(
     :func:`nnx_shard.logical_axes`, :func:`nnx_shard._annotate` (called inside
     the factory) or ``nnx.with_partitioning``, and for layers stacked with
     ``nnx.vmap``/``nnx.scan`` given ``transform_metadata={nnx.PARTITION_NAME: ...}``.
+
+    A strategy with ``offload="optimizer+params"`` places the parameters
+    (``nnx.Param``) in host memory (``pinned_host``, same layout); the rest of
+    the model's state stays on the devices. The fused call (``ns.multistep``,
+    ``ns.Trainer``) brings them to the devices inside its compiled step. It is
+    the parameters themselves that move, not a separate float32 master copy:
+    the model holds one copy of its weights (mixed precision reads them in the
+    compute dtype inside the step, :class:`~nnx_shard.Precision`), so offloading
+    that copy frees its whole size on the devices between steps and keeps
+    checkpoints and restore as they are; a master-weight split would keep a
+    second, device-resident copy. An eager call of the model outside the fused
+    step mixes host parameters with device inputs, which JAX refuses ("memory_space
+    of all inputs ... must be the same"); move them to the devices first:
+    ``nnx.update(model, jax.tree.map(lambda x: jax.device_put(x,
+    x.sharding.with_memory_kind("device")), nnx.state(model)))``.
 
     Args:
       factory: a zero-argument callable that builds the module, e.g.
@@ -356,7 +385,7 @@ def lower_init(
     graphdef, abstract_state = abstract_graph(factory, mesh, "sharded_init")
     if strategy is not None:
         strategy.check(abstract_state, mesh)
-    out_shardings = shardings(abstract_state, mesh, table)
+    out_shardings = _params_offloaded(shardings(abstract_state, mesh, table), strategy)
     inner = _on_mesh(out_shardings, auto_typed_mesh(mesh))
 
     def init() -> Any:
@@ -437,6 +466,8 @@ def _check_params_follow_rules(state: Any, expected: Any, mesh: Mesh) -> None:
         same_devices = actual.mesh.axis_names == mesh.axis_names and np.array_equal(
             actual.mesh.device_ids, mesh.device_ids
         )
+        # Where the array lives (device or host memory, as offload puts it) is not its layout.
+        want = want.with_memory_kind(actual.memory_kind)
         if not (same_devices and actual.is_equivalent_to(want, len(value.shape))):
             wrong.append(f"{path_str(path)}: model has {actual.spec}, rules give {want.spec}")
     if wrong:
@@ -469,6 +500,12 @@ def sharded_optimizer(
     ``rules`` brings its own ``opt_rules``; its ``rules`` table alone is a plain
     table (``zero1.rules`` lays the state out like the parameters: pass ``zero1``,
     or ``opt_rules=zero1.opt_rules`` with it).
+
+    A strategy with ``offload="optimizer"`` (or ``"optimizer+params"``) places
+    the whole optimizer state in host memory (``NamedSharding(...).with_memory_kind(
+    "pinned_host")``, each array in its usual layout), built there by the init
+    program's outputs; the fused call (``ns.multistep``, ``ns.Trainer``) moves it to
+    the devices inside the compiled step and back after it.
 
     Given an abstract model (from :func:`abstract_init`) it returns an abstract
     optimizer, with ``ShapeDtypeStruct`` leaves carrying the shardings (a
@@ -535,7 +572,7 @@ def _lower_optimizer(
     for an abstract model, the lowered slot holds ``{"abstract": state}`` instead."""
     optstate.check_transformation(tx, "sharded_optimizer")
     mesh = make_mesh(mesh)
-    rules, own_opt_rules, _ = tables(rules, opt_rules, "sharded_optimizer")
+    rules, own_opt_rules, strategy = tables(rules, opt_rules, "sharded_optimizer")
     o_rules = rules if own_opt_rules is None else own_opt_rules
     graphdef, state = nnx.split(model)
     _check_same_mesh(state, mesh)
@@ -552,6 +589,9 @@ def _lower_optimizer(
     opt_graphdef, abstract_state = _split_shapes(make, abstract_in)
     owners = optstate.owner_shapes(nnx.state(model, wrt))
     out_shardings = _opt_shardings(abstract_state, owners, mesh, o_rules)
+    if offloads(strategy)[0]:
+        check_host_memory("sharded_optimizer", getattr(strategy, "offload", None))
+        out_shardings = host_where(out_shardings, lambda _: True)
     if _is_abstract(state):
         return opt_graphdef, {"abstract": _with_shardings(abstract_state, out_shardings)}, None
     if own_opt_rules is None:
@@ -560,6 +600,11 @@ def _lower_optimizer(
     inner = _on_mesh(out_shardings, auto)
 
     def init(model_state: Any) -> Any:
+        # Parameters in host memory (offload="optimizer+params") are read on the device:
+        # the state built from them (zeros like them) is computed there.
+        model_state = jax.tree.map(
+            lambda x, a: jax.device_put(x, on_device(a.sharding)) if is_host(a.sharding) else x,
+            model_state, abstract_in)
         opt = make(model_state)
         with _trace_context(mesh):
             return _constrain(nnx.state(opt), inner)
@@ -572,7 +617,9 @@ def _lower_optimizer(
 def _auto_view(x: Any, auto: Mesh) -> jax.ShapeDtypeStruct:
     s = getattr(x, "sharding", None)
     spec = s.spec if isinstance(s, NamedSharding) else PartitionSpec()
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(auto, spec))
+    kind = s.memory_kind if isinstance(s, NamedSharding) else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=NamedSharding(auto, spec, memory_kind=kind))
 
 
 def rewrap(x: Any, sharding: NamedSharding) -> Any:

@@ -129,7 +129,7 @@ FLOORS: list[list[str]] = [
     ["strategies", "_parallel.schedule"],
     ["_rules", "_annotate", "_mesh", "_init", "_optstate", "_report", "distributed"],
     ["_compat", "_errors", "_trusted_files", "_axes", "_units", "_optimizers",
-     "_safetensors_io", "_pack", "_weighting", "corpus"],
+     "_safetensors_io", "_pack", "_weighting", "corpus", "_offload"],
 ]
 
 

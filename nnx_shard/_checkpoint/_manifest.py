@@ -21,6 +21,7 @@ from nnx_shard._annotate import path_str
 from nnx_shard._checkpoint._internal import _FORMAT, _FORMATS, _HASH_BATCH_BYTES, _ITEMS
 from nnx_shard._errors import ShardingError, UsageError
 from nnx_shard._mesh import current, nbytes
+from nnx_shard._offload import traced_on_device
 from nnx_shard._quantized import QuantizedKernel
 
 # --------------------------------------------------------------------------- leaves
@@ -173,7 +174,8 @@ def _hash(x: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def _hash_all(xs: list[jax.Array], version: int) -> list[jax.Array]:
     fn = _hash if version >= 2 else _hash_v1
-    return [fn(x) for x in xs]
+    # Offloaded arrays (host memory) are hashed on the devices: the ops mix no memory spaces.
+    return [fn(traced_on_device(x)) for x in xs]
 
 
 def checksums_of(values: Sequence[jax.Array], version: int = _FORMAT) -> list[list[int]]:

@@ -36,6 +36,7 @@ from nnx_shard._errors import (
     sharding_types,
 )
 from nnx_shard._mesh import current
+from nnx_shard._offload import is_host, on_device, to_device, to_host
 from nnx_shard._train._fused_checks import ArgNames, check_microbatch_rows, check_options, steps
 from nnx_shard._train._precision import Precision, as_precision
 from nnx_shard._train._traced import build_run, pack
@@ -111,6 +112,23 @@ class _Plan:
     node_def: Any = None
     perm: tuple[int, ...] | None = None
     run: Any = None  # the function ``jitted`` compiles (see Fused._data_jit)
+
+
+def _offloaded(run: Callable[..., Any], shardings: tuple[Any, ...]) -> Callable[..., Any]:
+    """``run`` for state given in host memory (shardings with ``memory_kind=
+    "pinned_host"``, as a strategy's ``offload`` places it): the compiled call
+    moves that state to device memory first, runs the K steps (carry pinned to the
+    device layout), and moves the results back, so the outputs keep the input
+    shardings and the next call is given the state the same way. ``run`` itself
+    when nothing is offloaded."""
+    if not any(is_host(s) for s in shardings):
+        return run
+
+    def moved(values: list[Any], data: tuple[Any, ...]) -> tuple[list[Any], Any, jax.Array]:
+        new_values, metrics, count = run(to_device(values, shardings), data)
+        return to_host(new_values, shardings), metrics, count
+
+    return moved
 
 
 class Fused:
@@ -247,10 +265,15 @@ class Fused:
         shardings = tuple(
             x.sharding if isinstance(x, jax.Array) and x.committed else None for x in values
         )
-        key = (graphdef, state_def, shardings, node_pos, nargs, context)
+        # Where each value lives, abstract ones (Trainer.lower on abstract_init) included:
+        # host memory (offload) is moved to the devices inside the call.
+        placed = tuple(getattr(x, "sharding", None) for x in values)
+        key = (graphdef, state_def, shardings, tuple(map(is_host, placed)), node_pos, nargs,
+               context)
         built = self._jitted.get(key)
         if built is None:
-            run = build_run(self, graphdef, state_def, node_pos, nargs, shardings)
+            run = _offloaded(build_run(self, graphdef, state_def, node_pos, nargs,
+                                       tuple(on_device(s) for s in shardings)), placed)
             built = (self._jit(run, shardings, None), run)
             self._jitted.put(key, built)
         plan = _Plan(built[0], state_def, shardings, context, run=built[1])

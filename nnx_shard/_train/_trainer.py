@@ -61,7 +61,10 @@ class Trainer:
 
     Args:
       model, optimizer: NNX model and ``nnx.Optimizer``, already laid out
-        (e.g. by ``sharded_init`` / ``sharded_optimizer``); updated in place.
+        (e.g. by ``sharded_init`` / ``sharded_optimizer``); updated in place. Arrays
+        in host memory (a strategy's ``offload``) are moved to the devices inside each
+        compiled call and stay in host memory between calls
+        (:meth:`~nnx_shard.strategies.Strategy.with_offload`).
       loss_fn: the loss, a mean over the examples of the batch.
       mesh: where batches go; with a strategy as ``rules``, it defaults to the mesh the
         model's arrays live on.

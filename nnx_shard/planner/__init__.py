@@ -59,11 +59,18 @@ and :mod:`~nnx_shard.planner._search` (:func:`auto` itself).
 
 
 from nnx_shard.planner._compile import compiled_memory
-from nnx_shard.planner._costs import Collective, compiled_collectives, partitioned_hlo
+from nnx_shard.planner._costs import (
+    Collective,
+    MemorySplit,
+    compiled_collectives,
+    memory_split,
+    partitioned_hlo,
+)
 from nnx_shard.planner._hardware import Hardware, hardware
 from nnx_shard.planner._plan import Candidate, Plan
 from nnx_shard.planner._search import AutoOptions, NothingFits, auto
 from nnx_shard.planner._user import UserModel
 
-__all__ = ["AutoOptions", "Candidate", "Collective", "Hardware", "NothingFits", "Plan", "UserModel",
-           "auto", "compiled_collectives", "compiled_memory", "hardware", "partitioned_hlo"]
+__all__ = ["AutoOptions", "Candidate", "Collective", "Hardware", "MemorySplit", "NothingFits", "Plan",
+           "UserModel", "auto", "compiled_collectives", "compiled_memory", "hardware",
+           "memory_split", "partitioned_hlo"]

@@ -25,7 +25,8 @@ from jax.sharding import AbstractMesh, Mesh
 
 from nnx_shard._errors import UsageError
 
-__all__ = ["KINDS", "Collective", "compiled_collectives", "hlo_costs", "partitioned_hlo"]
+__all__ = ["HOST_SPACE", "KINDS", "Collective", "MemorySplit", "compiled_collectives", "hlo_costs",
+           "memory_split", "partitioned_hlo"]
 
 
 #: The collective operations :func:`compiled_collectives` reads.
@@ -425,3 +426,118 @@ def hlo_costs(hlo_text: str, mesh: Any) -> dict[str, Any]:
         "by_kind": kinds,
         "unknown_loops": unknown_loops,
     }
+
+
+# --------------------------------------------------------------------------- memory spaces
+
+# One array of a layout: its type, then its layout, whose `S(n)` names a memory space.
+_LAYOUT_ARRAY = re.compile(r"(?:pred|bf16|[sufc][0-9]+|f8e[0-9a-z]+)\[[0-9,]*\](?:\{[^}]*\})?")
+_ALIAS = re.compile(r"\{([0-9,]*)\}:\s*\(([0-9]+),")
+#: The memory space XLA numbers host memory with (``S(5)`` in a layout).
+HOST_SPACE = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySplit:
+    """A compiled program's bytes per device, in device memory and in host memory
+    (see :func:`memory_split`).
+
+    Attributes:
+      device, host: ``{"argument", "output", "temp", "alias"}`` bytes in each memory;
+        ``alias`` is output bytes that reuse an argument's buffer (donation).
+      derived: ``True`` where the host figures were read from the program's entry
+        layout (XLA's CPU backend reports none), ``False`` where they are the
+        backend's own (``memory_analysis``).
+    """
+
+    device: dict[str, int]
+    host: dict[str, int]
+    derived: bool
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the call holds: arguments, outputs and temporaries, less aliased."""
+        d = self.device
+        return d["argument"] + d["output"] + d["temp"] - d["alias"]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the call's arguments, outputs and temporaries take, less aliased."""
+        h = self.host
+        return h["argument"] + h["output"] + h["temp"] - h["alias"]
+
+
+def _entry_layout(hlo_text: str) -> tuple[list[str], list[str]]:
+    """The parameters' and the results' array types (with layouts) of the entry
+    computation, in order, from the module header's ``entry_computation_layout``."""
+    start = hlo_text.find("entry_computation_layout={")
+    if start < 0:
+        return [], []
+    i = start + len("entry_computation_layout={")
+    depth = 1
+    end = i
+    while end < len(hlo_text) and depth:
+        depth += {"{": 1, "}": -1}.get(hlo_text[end], 0)
+        end += 1
+    params, _, results = hlo_text[i:end - 1].partition(")->")
+    return _LAYOUT_ARRAY.findall(params), _LAYOUT_ARRAY.findall(results)
+
+
+def _on_host(array_txt: str) -> bool:
+    return f"S({HOST_SPACE})" in array_txt
+
+
+def memory_split(compiled: Any) -> MemorySplit:
+    """A compiled program's per-device bytes split into device and host memory.
+
+    Where the backend reports host memory (``memory_analysis()``'s ``host_*``
+    fields, filled on GPU and TPU), its figures are used as they are. XLA's CPU
+    backend leaves them 0 and counts host arguments and outputs in
+    ``argument_size_in_bytes`` and ``output_size_in_bytes``; the split is then
+    derived from the entry computation's layout (``entry_computation_layout``
+    in ``compiled.as_text()``): a parameter or result whose layout names memory
+    space 5 (``S(5)``, XLA's host memory space) lives in host memory, its bytes
+    (its per-device shape times its element size) are host argument or output
+    bytes and are taken off the device's; an ``input_output_alias`` pair whose
+    result is in host memory is host alias. Temporaries stay device bytes (on
+    CPU there is no separate host temporary space to report).
+
+    Args:
+      compiled: ``jax.jit(f).lower(...).compile()`` (e.g. ``Trainer.lower(...).compile()``).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from nnx_shard import make_mesh
+    >>> from nnx_shard.planner import memory_split
+    >>> mesh = make_mesh("data=8")
+    >>> dev = NamedSharding(mesh, P("data"))
+    >>> host = dev.with_memory_kind("pinned_host")
+    >>> x = jax.device_put(jnp.ones((1024, 256)), host)       # 128 KiB per device, on host
+    >>> def f(x, g):
+    ...     return jax.device_put(jax.device_put(x, dev) * 0.9 + g, host)
+    >>> c = jax.jit(f, out_shardings=host).lower(x, jnp.ones((1024, 256), device=dev)).compile()
+    >>> s = memory_split(c)
+    >>> s.host["argument"], s.host["output"], s.device["argument"]
+    (131072, 131072, 131072)
+    """
+    if not hasattr(compiled, "memory_analysis") or not hasattr(compiled, "as_text"):
+        raise UsageError(f"memory_split: expected a compiled program, got "
+                         f"{type(compiled).__name__}. Fix: jax.jit(f).lower(...).compile()")
+    m = compiled.memory_analysis()
+    fields = ("argument", "output", "temp", "alias")
+    host = {k: int(getattr(m, f"host_{k}_size_in_bytes", 0) or 0) for k in fields}
+    total = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in fields}
+    if any(host.values()):
+        return MemorySplit(total, host, derived=False)
+    text = compiled.as_text()
+    params, results = _entry_layout(text)
+    host["argument"] = sum(_nbytes(p) for p in params if _on_host(p))
+    host["output"] = sum(_nbytes(r) for r in results if _on_host(r))
+    header = text[:text.find("\n")]
+    aliases = header[header.find("input_output_alias={"):] if "input_output_alias" in header else ""
+    for out_index, _param in _ALIAS.findall(aliases.partition("entry_computation_layout")[0]):
+        index = int(out_index.split(",")[0]) if out_index else 0
+        if index < len(results) and _on_host(results[index]):
+            host["alias"] += _nbytes(results[index])
+    device = {k: total[k] - host[k] for k in fields}
+    return MemorySplit(device, host, derived=True)

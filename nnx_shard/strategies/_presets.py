@@ -420,18 +420,23 @@ def pp_tp(*, stage: str = "stage", data: str = "data", model: str = "model",
 NAMES: tuple[str, ...] = tuple(PRESETS)
 
 
-def get(name: str, **axes: str) -> Strategy:
+def get(name: str, *, offload: str | None = None, **axes: str) -> Strategy:
     """The preset ``name`` (one of :data:`NAMES`), with mesh-axis names overridable by
     keyword (``data=``, ``model=``, ``expert=`` as the preset takes them).
 
     Args:
       name: one of :data:`NAMES` (``"dp"``, ``"fsdp"``, ``"fsdp_tp"``, ...).
+      offload: what lives in host memory between steps (:attr:`Strategy.offload`):
+        ``None``, ``"optimizer"`` or ``"optimizer+params"``; the same as
+        ``get(name).with_offload(offload)``.
       **axes: mesh-axis names to use instead of the preset's (``data=``, ``model=``, ``expert=``,
         ...).
 
     >>> from nnx_shard.strategies import get
     >>> get("fsdp", data="fsdp").mesh_axes
     ('fsdp',)
+    >>> get("fsdp_tp", offload="optimizer").offload
+    'optimizer'
     >>> get("ddp")
     Traceback (most recent call last):
     ...
@@ -445,9 +450,10 @@ def get(name: str, **axes: str) -> Strategy:
         mean = f" Did you mean {close[0]!r}?" if close else ""
         raise ShardingError(f"unknown strategy {name!r}.{mean} Known: {', '.join(NAMES)}.")
     try:
-        return PRESETS[name](**axes)
+        strategy = PRESETS[name](**axes)
     except TypeError:
         allowed = list(inspect.signature(PRESETS[name]).parameters)
         raise ShardingError(
             f"strategy {name!r} takes mesh-axis keywords {allowed}, got {sorted(axes)}."
         ) from None
+    return strategy if offload is None else strategy.with_offload(offload)

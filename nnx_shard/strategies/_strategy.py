@@ -89,6 +89,19 @@ class Strategy:
         are kept in host memory between steps and brought to the devices inside the
         compiled step, so device memory holds them only while they are used.
 
+        ``"optimizer"``: :func:`~nnx_shard.sharded_optimizer` builds the optimizer
+        state in host memory (each array's usual ``NamedSharding`` with
+        ``memory_kind="pinned_host"``). ``"optimizer+params"``:
+        :func:`~nnx_shard.sharded_init` (and :func:`~nnx_shard.abstract_init`, for
+        restore targets) put the parameters there too. The fused call
+        (:func:`~nnx_shard.multistep`, :class:`~nnx_shard.Trainer`) reads where each
+        array lives: inside its compiled program it moves the host arrays to device
+        memory, runs the K steps, and moves the results back, so the state stays in
+        host memory between calls; checkpoints save from it and restore into the
+        target's memory. The move is of the whole offloaded state per call (not
+        layer by layer): between calls the devices hold none of it, within a call
+        XLA places the copies. ``strategies.get(name, offload=...)`` is the same.
+
         >>> from nnx_shard.strategies import get
         >>> get("fsdp").with_offload("optimizer").offload
         'optimizer'
