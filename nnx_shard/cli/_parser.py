@@ -16,6 +16,7 @@ from nnx_shard.cli import _launch as launch
 from nnx_shard.cli import _tiny as tiny
 from nnx_shard.cli._common import COMPILE_MAX_DEVICES, DEBUG_ENV, DEMO_MAX_STEPS, PROG, UsageError
 from nnx_shard.models import REMAT_POLICIES
+from nnx_shard.strategies._strategy import OFFLOADS
 
 __all__ = ["Parser", "build_parser", "finite_non_negative", "finite_positive", "finite_seconds"]
 
@@ -213,6 +214,14 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--compile-timeout", type=finite_positive, default=300.0,
                    help="seconds the compile may take (default 300)")
     p.add_argument("--device-memory", default=None, help="e.g. 80GB (1e9) or 80GiB (2**30)")
+    p.add_argument("--offload", choices=OFFLOADS[1:], default=None,
+                   help="keep the optimizer state (optimizer) or it and the parameters "
+                   "(optimizer+params) in host memory between steps (Strategy.with_offload): "
+                   "device and host bytes are shown apart. With --auto: not given, the search "
+                   "turns it on where nothing fits without it")
+    p.add_argument("--host-memory", default=None,
+                   help="host memory per device the offloaded state may take, e.g. 256GB "
+                   "(default: not checked; with --auto, the --hardware profile's)")
     p.add_argument("--top", type=int, default=5, help="largest tensors to list")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--generate", action="store_true",

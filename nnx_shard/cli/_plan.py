@@ -25,6 +25,7 @@ from nnx_shard._low_rank import DEFAULT_TARGETS, lora
 from nnx_shard._parallel.schedule import OPTION as PIPELINE_OPTION
 from nnx_shard._quantized import BLOCK, QUANT_TYPES
 from nnx_shard._report import Report, fmt_bytes, spec_txt
+from nnx_shard._units import parse_bytes
 from nnx_shard.cli._common import (
     COMPILE_MAX_DEVICES,
     PROG,
@@ -40,6 +41,7 @@ from nnx_shard.models._memory import ACTIVATION_FORMULA, activation_bytes
 from nnx_shard.models._named import build, get_config, max_length
 from nnx_shard.planner._compile import compiled_memory_subprocess, planned_config
 from nnx_shard.planner._formula import (
+    STREAM,
     abstract_report,
     compute_copy,
     formula,
@@ -49,7 +51,7 @@ from nnx_shard.planner._formula import (
 from nnx_shard.planner._trust import compiled_trusted
 from nnx_shard.strategies._strategy import Strategy
 
-__all__ = ["run", "run_generate"]
+__all__ = ["host_bytes", "run", "run_generate"]
 
 _DECIDES = {
     "compiled": (
@@ -66,6 +68,10 @@ _DECIDES = {
         "* compiled, not trusted: {notice} Per-stage formula: the formula estimate with the "
         "activations of one stage's layers for every microbatch ({stage}) in place of "
         "every layer's: {need} (like the formula, a floor: leave headroom)."),
+    "formula, offload": (
+        "* offloaded: the compiled figure does not split device from host memory, so the "
+        "formula's device total decides; it under-counts what XLA allocates (by how much "
+        "over the presets and remat policies: docs/guides/planner.md): leave headroom."),
     "formula": (
         "* not compiled (--no-compile, or more than "
         f"{COMPILE_MAX_DEVICES} devices): the formula decides, and it under-counts what XLA "
@@ -154,12 +160,58 @@ def _stage_need(fp: _Footprint, per_device: dict[str, int]) -> int:
     return int(per_device["total"] - per_device["activations"] + fp.stage_activations)
 
 
+def host_bytes(text: str) -> int:
+    """``--host-memory 256GB``: bytes.
+
+    >>> host_bytes("1TB")
+    1000000000000
+    >>> host_bytes("lots")
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: --host-memory 'lots' is not a size. Fix: write e.g. 80GB, 80GiB or 512MiB
+    """
+    try:
+        return parse_bytes(text)
+    except UsageError as e:
+        raise UsageError(f"--host-memory {e}") from None
+
+
+def _split(compiled: dict[str, Any] | None) -> bool:
+    """Whether ``compiled`` says its bytes in device memory apart from host memory (a
+    compile of the offloaded step does; one of the step without offload does not)."""
+    return compiled is not None and "device" in compiled and "host" in compiled
+
+
+def _host(per_device: dict[str, int], compiled: dict[str, Any] | None,
+          host_memory: int | None, out: dict[str, Any]) -> dict[str, Any]:
+    """The plan's JSON fields of host offload: the host's bytes and their verdict, and
+    whether the compiled figure splits device from host (``compiled_split``); under
+    ``--offload`` the model fits only where both the device's and the host's do."""
+    if out["offload"] is None:
+        return {"host_bytes": None, "host_memory": None, "host_fits": None,
+                "compiled_split": None}
+    host = compiled["host"] if compiled is not None and _split(compiled) else per_device["host"]
+    host_fits = None if host_memory is None else host <= host_memory
+    fits = out["fits"]
+    if host_fits is False:
+        fits = False
+    return {"host_bytes": host, "host_memory": host_memory, "host_fits": host_fits,
+            "compiled_split": _split(compiled) if compiled is not None else None, "fits": fits}
+
+
 def _results(fp: _Footprint, per_device: dict[str, int], compiled: dict[str, Any] | None,
              memory: int | None, top: int, strat: Strategy) -> dict[str, Any]:
-    """The plan's JSON fields past the request's: bytes, the verdict, the largest tensors."""
+    """The plan's JSON fields past the request's: bytes, the verdict, the largest tensors.
+    Under offload the device's bytes decide; a compiled figure that does not split them
+    from the host's (the step compiled without offload) gives way to the formula's."""
     report = fp.report
     need = compiled["total"] if compiled is not None else per_device["total"]
     decided_by = "compiled" if compiled is not None else "formula"
+    if strat.offload is not None and compiled is not None:
+        if _split(compiled):
+            need = compiled["device"]
+        else:
+            need, decided_by = per_device["total"], "formula, offload"
     trusted, notice = (compiled_trusted(strat, compiled.get("backend", "cpu"))
                        if compiled is not None else (True, None))
     if not trusted and fp.stages is not None:
@@ -222,20 +274,34 @@ def run(args: argparse.Namespace) -> int:
                          "--loss mod:fn --batch-spec ... for your own model")
     get_config(args.model)  # an unknown name is the usage error naming the known ones
     if args.auto:
+        if args.offload is not None:
+            raise UsageError("plan --auto turns offload on itself, only where nothing fits "
+                             "without it: drop --offload (or drop --auto to plan one layout "
+                             "with it)")
         return run_auto(args)  # which refuses --generate
+    if args.generate and (args.offload is not None or args.host_memory is not None):
+        raise UsageError("--offload and --host-memory plan a training step's state; drop "
+                         "them with --generate")
     if args.generate:
         return run_generate(args)
     cfg = _check(args)
     strat = strategy(args.strategy)
+    if args.offload is not None:
+        strat = strat.with_offload(args.offload)
     sizes = mesh_sizes(args.mesh)
     if args.seq > max_length(cfg):
         raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
                          f"({max_length(cfg)}). Fix: --seq {max_length(cfg)} or less")
     memory = device_memory(args.device_memory) if args.device_memory is not None else None
+    host_memory = host_bytes(args.host_memory) if args.host_memory is not None else None
+    if host_memory is not None and strat.offload is None:
+        raise UsageError("--host-memory checks what --offload keeps in host memory: add "
+                         "--offload optimizer (or optimizer+params), or drop --host-memory")
     tx = optimizer(args.optimizer)
     model = _abstract_model(args, cfg, build)
     out: dict[str, Any] = {
         "model": args.model, "num_params": cfg.num_params, "strategy": strat.name,
+        "offload": strat.offload,
         "mesh": sizes, "devices": math.prod(sizes.values()), "optimizer": args.optimizer,
         "guard": args.guard,
         "batch": args.batch, "seq": args.seq, "remat": args.remat,
@@ -259,9 +325,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     wrt = nnx.Param if args.lora_rank is None else nnx.LoRAParam
     per_device = formula(fp.report, fp.activations, args.guard, fp.compute,
-                         trained=wrt.__name__, grads=grads_report(model, sizes, strat, wrt))
+                         trained=wrt.__name__, grads=grads_report(model, sizes, strat, wrt),
+                         offload=strat.offload)
     compiled = _compile(args, strat, sizes, out["devices"])
     out.update(_results(fp, per_device, compiled, memory, args.top, strat))
+    out.update(_host(per_device, compiled, host_memory, out))
     if args.json:
         print(json.dumps(out))
     else:
@@ -283,26 +351,62 @@ def _print_bytes(out: dict[str, Any], report: Report) -> None:
                 *([("compute copy", None, per_device["compute"])]
                   if "compute" in per_device else []),
                 ("temp", compiled["temp"], None),
-                ("activations", None, per_device["activations"]),
-                ("total", compiled["total"], per_device["total"])]
+                ("activations", None, per_device["activations"])]
+        if out.get("offload") is None:
+            rows.append(("total", compiled["total"], per_device["total"]))
+        else:
+            split = compiled.get("device") is not None and compiled.get("host") is not None
+            rows += [("streamed", None, per_device["streamed"]),
+                     ("device total", compiled["device"] if split else compiled["total"],
+                      per_device["total"]),
+                     ("host total", compiled["host"] if split else "n/a", per_device["host"])]
         # Only guard="full" keeps a copy of the state (in XLA's temp); "grads" and "off" none.
-        no_copy = ("total",) if out.get("guard") == "full" else ("total", "guard copy")
+        no_copy: tuple[str, ...] = ("total", "device total", "host total", "streamed")
+        if out.get("guard") != "full":
+            no_copy += ("guard copy",)
         for label, c, f in rows:
-            ctxt = fmt_bytes(c) if c is not None else "(in temp)" if label not in no_copy else ""
+            ctxt = (c if isinstance(c, str) else fmt_bytes(c) if c is not None
+                    else "(in temp)" if label not in no_copy else "")
             ftxt = fmt_bytes(f) if f is not None else ""
             print(f"  {label:<13} {ctxt:>12}   {ftxt:>12}")
         print(f"  (compiled in {compiled['compile_s']:.1f} s on {out['devices']} simulated CPU "
               "devices; total = arguments + temp + outputs - donated)")
     else:
         print("per device (formula estimate; not compiled):")
-        for key in ("params", "grads", "optimizer", "guard", "compute", "activations", "total"):
+        keys: tuple[str, ...] = ("params", "grads", "optimizer", "guard", "compute",
+                                 "activations", "total")
+        if out.get("offload") is not None:
+            keys = (*keys[:-1], "streamed", "total", "host")
+        for key in keys:
             if key not in per_device:
                 continue
-            label = {"guard": "guard copy", "compute": "compute copy"}.get(key, key)
+            label = {"guard": "guard copy", "compute": "compute copy",
+                     "total": "total" if out.get("offload") is None else "device total",
+                     "host": "host total"}.get(key, key)
             print(f"  {label:<13} {fmt_bytes(per_device[key]):>12}")
+    if out.get("offload") is not None:
+        print(_offload_note(out))
     print(f"  (unsharded: params {fmt_bytes(report.total_bytes)}, optimizer state "
           f"{fmt_bytes(report.opt_total_bytes)})")
     print()
+
+
+def _offload_note(out: dict[str, Any]) -> str:
+    """What ``--offload`` keeps where, and how the compiled figure stands to it."""
+    what = {"optimizer": "the optimizer state", "optimizer+params":
+            "the optimizer state and the parameters"}[out["offload"]]
+    text = (f"  offload {out['offload']}: {what} in host memory between steps (host total"
+            + (", with the NaN guard's copy" if out.get("guard") == "full" else "")
+            + "); streamed: their copy in device memory while the step runs ("
+            + ("one layer of a scanned stack at a time, the rest whole" if STREAM == "layer"
+               else "all of it at once")
+            + "); device total = the parts less the host's + streamed.")
+    if out.get("compiled_split") is False:
+        text += (" The compiled step does not split device from host bytes (its figure is "
+                 "the step without offload, everything in device memory): the device/host split "
+                 "of the compiled figure is not available, so the formula's device total "
+                 "decides.")
+    return textwrap.fill(text, width=100, subsequent_indent="  ")
 
 
 def _print_rows(rows: Any) -> None:
@@ -347,9 +451,14 @@ def _print_notes(args: argparse.Namespace, out: dict[str, Any], stages: Any) -> 
                         subsequent_indent="  "))
     memory = out["device_memory"]
     if memory is not None:
-        verdict = "fits" if out["fits"] else "does NOT fit"
+        verdict = "fits" if out["bytes_needed"] <= memory else "does NOT fit"
         print(f"\n{verdict} in {fmt_bytes(memory)} per device "
               f"({100 * out['bytes_needed'] / memory:.0f}% used, {out['decided_by']} total)")
+    host = out.get("host_memory")
+    if host is not None:
+        verdict = "fits" if out["host_fits"] else "does NOT fit"
+        print(f"{'' if memory is not None else chr(10)}host: {verdict} in {fmt_bytes(host)} "
+              f"of host memory per device ({100 * out['host_bytes'] / host:.0f}% used)")
 
 
 def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],

@@ -21,14 +21,23 @@ from nnx_shard._report import fmt_bytes
 from nnx_shard._simulated import Workers
 from nnx_shard.planner._cache import Cache, versions
 from nnx_shard.planner._compile import compile_step, config_dict
-from nnx_shard.planner._formula import abstract_report
+from nnx_shard.planner._formula import abstract_report, formula_parts
 from nnx_shard.planner._hardware import Hardware
-from nnx_shard.planner._plan import Candidate
+from nnx_shard.planner._plan import OFFLOAD_ESTIMATE, Candidate
 from nnx_shard.planner._problem import Problem
 from nnx_shard.planner._twins import signature
 from nnx_shard.strategies._strategy import Strategy
 
-__all__ = ["Evaluator", "apply_result", "layout_key", "progress_bar", "worker_count"]
+__all__ = ["COMPILES_OFFLOAD", "Evaluator", "apply_offload", "apply_result", "layout_key",
+           "progress_bar", "worker_count"]
+
+#: Whether the search's compile places an offloading candidate's state in host memory
+#: (its request carries :attr:`~nnx_shard.strategies.Strategy.offload`). It does not
+#: yet: an offloading candidate's program is then its layout's without offload,
+#: compiled and cached once under that one's key, and :func:`apply_offload` takes the
+#: offloaded state out of its figure. A compile result with ``device`` and ``host``
+#: bytes (``compile_fn``'s, or a compile that splits them) is read as it is.
+COMPILES_OFFLOAD = False
 
 
 class _NoBar:
@@ -108,6 +117,8 @@ class Evaluator:
                 f"#{id(model)}", "strategy": c.strategy, "sizes": c.mesh, "remat": c.remat,
                 "microbatches": c.microbatches, "batch": opts.batch, "seq": opts.seq,
                 "optimizer": opts.optimizer, "guard": opts.guard, "v": self.version}
+        if c.offload is not None and (COMPILES_OFFLOAD or opts.compile_fn is not None):
+            what["offload"] = c.offload
         return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
     def done(self, c: Candidate, result: dict[str, Any], bar: Any) -> None:
@@ -120,6 +131,14 @@ class Evaluator:
     def applied(self, c: Candidate, result: Mapping[str, Any]) -> None:
         """Applies a compile's ``result`` to ``c``."""
         apply_result(c, result, self.p.memory, self.p.hw)
+        if c.offload is not None and c.compiled:
+            p = self.p
+            parts = None
+            if "device" not in result or "host" not in result:
+                parts = formula_parts(p.abstract, p.cfg, p.strategy(c.strategy, c.offload),
+                                      c.mesh, p.tx, self.opts.batch // c.microbatches,
+                                      self.opts.seq, c.remat or "none", self.opts.guard)
+            apply_offload(c, result, parts, p.memory, p.host_memory)
 
     def skip(self, c: Candidate, bar: Any) -> bool:
         """Whether ``c``, about to compile, is not compiled after all (here: never)."""
@@ -249,6 +268,48 @@ class Evaluator:
         self.applied(c, result)
         self.same[c.label] = lead.label
         bar.update(1)
+
+
+def apply_offload(c: Candidate, result: Mapping[str, Any], parts: Mapping[str, int] | None,
+                  memory: int | None, host_memory: int | None) -> None:
+    """Sets the device and host bytes of ``c``, an offloading candidate that
+    :func:`apply_result` gave ``result``'s figures, and whether it fits ``memory``
+    (device) and ``host_memory`` (``None``: not checked). A ``result`` with ``device``
+    and ``host`` bytes splits them itself; else (the compile of its layout without
+    offload) the device's is the compiled total less the offloaded state (and its guard
+    copy) plus their streamed copy, and the host's the offloaded state, both by the
+    formula's ``parts`` (:func:`~nnx_shard.planner._formula.formula_parts`).
+
+    >>> from nnx_shard.planner._hardware import PROFILES
+    >>> c = Candidate("fsdp", {"data": 8}, offload="optimizer")
+    >>> result = {"total": 300, "flops": 1.0, "collective_bytes": 0.0}
+    >>> apply_result(c, result, 200, PROFILES["h100-sxm"])
+    >>> apply_offload(c, result, {"host": 150, "streamed": 10}, 200, 100)
+    >>> c.bytes_per_device, c.host_bytes, c.decided_by, c.fits
+    (160, 150, 'compiled less offloaded', False)
+    >>> c.reason
+    'needs 150 B of host memory per device for its offloaded state, over the 100 B available'
+    """
+    if "device" in result and "host" in result:
+        device, host, by = int(result["device"]), int(result["host"]), "compiled"
+    elif parts is None:
+        c.fits, c.reason = False, ("its offloaded state cannot be counted (the formula "
+                                   "failed on this layout)")
+        return
+    else:
+        host = int(parts["host"])
+        device, by = int(result["total"]) - host + int(parts["streamed"]), OFFLOAD_ESTIMATE
+    c.bytes_per_device, c.host_bytes, c.decided_by = device, host, by
+    if memory is not None and device > memory:
+        c.fits, c.reason = False, (f"needs {fmt_bytes(device)} of device memory per device "
+                                   f"with offload {c.offload} ({by}), over the "
+                                   f"{fmt_bytes(memory)} available")
+    elif host_memory is not None and host > host_memory:
+        c.fits, c.reason = False, (f"needs {fmt_bytes(host)} of host memory per device for "
+                                   f"its offloaded state, over the {fmt_bytes(host_memory)} "
+                                   "available")
+    else:
+        c.fits, c.reason = True, None
 
 
 def apply_result(c: Candidate, result: Mapping[str, Any], memory: int | None, hw: Hardware) -> None:

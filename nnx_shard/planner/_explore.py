@@ -1,8 +1,9 @@
 """The compiles of one :func:`nnx_shard.planner.auto` call, in phases.
 
 :class:`Search` compiles the plain layouts (:meth:`Search.plain`), then remat policies
-and microbatches for the layouts that do not fit (:meth:`Search.variants`), and ranks
-what fits (:meth:`Search.rank`); how each candidate gets its figures is its
+and microbatches for the layouts that do not fit (:meth:`Search.variants`), where nothing
+fits all of that again with host offload (:meth:`Search.offloaded`), and ranks what fits
+(:meth:`Search.rank`); how each candidate gets its figures is its
 :class:`~nnx_shard.planner._evaluate.Evaluator`'s. It leaves out what cannot be chosen:
 what the formula alone puts past the memory, a pipeline over one stage whose layout
 another candidate has (:meth:`Search.one_stage`), and the variants whose predicted time
@@ -70,13 +71,15 @@ class Search(Evaluator):
         self.steps: dict[Any, list[tuple[str | None, float]]] = {}
         self.slow_pruned = 0
         self.untrusted = 0                           # pipeline candidates dropped on CPU figures
+        self.offload_tried: list[str] = []           # host offloads searched (nothing fit without)
+        self.offload_firsts = 0                      # their layouts' first candidates
 
     def formula_over(self, c: Candidate) -> int | None:
         """The formula's bytes where they are past :data:`PRUNE_MARGIN` x the memory."""
         p = self.p
         if p.memory is None or self.opts.compile_fn is not None:
             return None
-        est = formula_bytes(p.abstract, p.cfg, p.strategy(c.strategy), c.mesh, p.tx,
+        est = formula_bytes(p.abstract, p.cfg, p.strategy(c.strategy, c.offload), c.mesh, p.tx,
                             self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none",
                             self.opts.guard)
         # A pipeline keeps every microbatch of its stage's layers: its stage floor, which
@@ -91,7 +94,8 @@ class Search(Evaluator):
         if over is None:
             return False
         c.fits, c.bytes_per_device = False, over
-        c.reason = (f"the formula alone needs {fmt_bytes(over)} per device, over "
+        on_device = f" of device memory with offload {c.offload}" if c.offload else ""
+        c.reason = (f"the formula alone needs {fmt_bytes(over)}{on_device} per device, over "
                     f"{PRUNE_MARGIN}x the {fmt_bytes(self.p.memory or 0)} available "
                     "(not compiled)")
         return True
@@ -114,7 +118,7 @@ class Search(Evaluator):
         figure is trusted, or there is no reference config to count); ``floor``: with
         ``dots`` counted as ``full`` remat, a bound under any need (the pruning's)."""
         p = self.p
-        strat = p.strategy(c.strategy)
+        strat = p.strategy(c.strategy, c.offload)
         if p.cfg is None or self.opts.compile_fn is not None or compiled_trusted(strat)[0]:
             return None
         remat = c.remat or "none"
@@ -127,9 +131,11 @@ class Search(Evaluator):
         """Decides a compiled pipeline candidate that XLA CPU's figure puts over the
         memory with its per-stage formula: for a pipeline that figure is an upper bound
         (:mod:`nnx_shard.planner._trust`), so where it fits the candidate fits."""
-        memory = self.p.memory
+        memory, host = self.p.memory, self.p.host_memory
         if not c.compiled or memory is None or c.fits:
             return
+        if c.offload is not None and host is not None and (c.host_bytes or 0) > host:
+            return  # over the host's memory whatever the device's need
         need = self.stage_need(c)
         if need is None:
             return
@@ -214,11 +220,14 @@ class Search(Evaluator):
                                "searched")
         return out
 
-    def plain(self, viable: list[tuple[str, dict[str, int], int]]) -> list[Candidate]:
+    def plain(self, viable: list[tuple[str, dict[str, int], int]],
+              offload: str | None = None) -> list[Candidate]:
         """Phase 3: every viable layout with the first remat policy and the fewest
-        microbatches it runs with (none but a pipeline's), within the compile budget."""
+        microbatches it runs with (none but a pipeline's), within the compile budget;
+        with host ``offload`` where given (:meth:`offloaded`)."""
         max_compiles = self.opts.max_compiles
-        first = [Candidate(n, s, self.p.policies[0], mb) for n, s, mb in viable]
+        first = [Candidate(n, s, self.p.policies[0], mb, offload=offload)
+                 for n, s, mb in viable]
         self.first_labels |= {c.label for c in first}
         first = self.one_stage(first)
         stage1 = [c for c in first if not self.prune_by_formula(c)]
@@ -239,14 +248,17 @@ class Search(Evaluator):
         """The remat policies and microbatch counts to try, cheapest first, for each
         layout whose plain step does not fit."""
         p = self.p
-        retry = [c for c in first if c.fits is False and c.bytes_per_device is not None]
+        host = p.host_memory
+        # Remat and microbatches cut no host bytes: a layout over the host's memory stays so.
+        retry = [c for c in first if c.fits is False and c.bytes_per_device is not None
+                 and not (host is not None and (c.host_bytes or 0) > host)]
         out = {}
         for c in retry:
             base = c.microbatches
             order = ([(pol, base) for pol in p.policies[1:]]
                      + [(pol, m) for pol in p.policies for m in p.mbs if m > base])
             out[layout_key(c)] = [
-                Candidate(c.strategy, c.mesh, pol, m) for pol, m in order
+                Candidate(c.strategy, c.mesh, pol, m, offload=c.offload) for pol, m in order
                 if p.batch_problem(p.strategy(c.strategy), c.mesh, m) is None]
         if retry and len(p.policies) == 1 and len(p.mbs) == 1:
             self.pruned.append("no remat policy or microbatch count to try for layouts that "
@@ -310,8 +322,32 @@ class Search(Evaluator):
                                "per-microbatch collectives), cheapest first, stopping at the "
                                "first that fits")
 
+    def offloaded(self, viable: list[tuple[str, dict[str, int], int]]) -> None:
+        """Phase 5, only where nothing fits device memory: the search again (every
+        layout, then remat and microbatches) with each host offload of the problem's in
+        turn (``optimizer``, then ``optimizer+params``), stopping at the first under
+        which something fits device memory, and its host memory
+        (:func:`~nnx_shard.planner._evaluate.apply_offload`)."""
+        p = self.p
+        if self.ranked or p.memory is None or not p.offloads:
+            return
+        tried = []
+        for mode in p.offloads:
+            tried.append(mode)
+            self.steps.clear()  # nothing fitted: no time bound carries over
+            first = self.plain(viable, offload=mode)
+            self.variants(first)
+            self.offload_firsts += len(first)
+            if self.ranked:
+                break
+        self.offload_tried = tried
+        self.pruned.append(
+            "host offload (" + ", then ".join(tried) + ") tried only because no candidate fits "
+            "device memory without it: it adds host transfers to every step that the predicted "
+            "time does not count")
+
     def rank(self) -> list[Candidate]:
-        """Phase 5: fastest predicted first; of candidates that compile to the same
+        """Phase 6: fastest predicted first; of candidates that compile to the same
         program (ep on a dense model is dp's) the first is kept. Returns the twins."""
         self.ranked.sort(key=lambda c: (c.predicted_s, c.bytes_per_device or 0))
         seen: dict[tuple[Any, ...], Candidate] = {}
@@ -319,7 +355,7 @@ class Search(Evaluator):
         same: list[str] = []
         for c in self.ranked:
             sig = (c.bytes_per_device, c.temp, c.flops, c.collective_bytes, c.collectives,
-                   c.memory_bytes, c.microbatches, c.remat)
+                   c.memory_bytes, c.microbatches, c.remat, c.offload)
             if sig in seen:
                 twins.append(c)
                 if c.label not in self.same:  # said when it was not compiled
@@ -343,7 +379,8 @@ class Search(Evaluator):
             "model_name": p.model_name, "model_label": label, "devices": opts.devices,
             "batch": opts.batch, "seq": opts.seq, "optimizer": opts.optimizer,
             "guard": opts.guard,
-            "device_memory": p.memory, **_param_counts(p)}
+            "device_memory": p.memory, "host_memory": p.host_memory,
+            "offload_tried": self.offload_tried, **_param_counts(p)}
         if self.same:
             self.pruned.append(f"{len(self.same)} candidates not compiled: the same program as "
                                f"one compiled (every array laid out alike): "
@@ -353,7 +390,8 @@ class Search(Evaluator):
                 f"{self.untrusted} pipeline candidates decided by their per-stage formula: XLA "
                 "CPU's compiled figure for a pipeline is an upper bound (nnx_shard.planner._trust)"
                 "; the formula, like every formula, is a floor: leave headroom")
-        self.counters["considered"] = len(self.layouts) + sum(
+        self.pruned[:] = dict.fromkeys(self.pruned)  # the offload phases say some again
+        self.counters["considered"] = len(self.layouts) + self.offload_firsts + sum(
             1 for c in self.dropped + self.ranked if c.label not in self.first_labels)
         request.update(self.counters)
         if p.user is not None:

@@ -3,6 +3,11 @@ guard's copy (``guard="full"`` only), the compute-dtype copy of the parameters
 (mixed precision) and activations, from the sharding report of an abstract model
 (no devices, no compile). ``nnx-shard plan`` prints it beside XLA's compiled
 figure; the planner's search skips a compile when it alone is far over the memory.
+
+Under a strategy's host offload (:attr:`nnx_shard.strategies.Strategy.offload`) the
+formula splits its bytes: what is offloaded lives in host memory (``host``), and the
+device holds everything else plus the copy of the offloaded state streamed in for
+the update (``streamed``, :func:`streamed_bytes`); ``total`` is the device figure.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from nnx_shard._rules import Rules
 from nnx_shard._train._guard import DEFAULT_GUARD
 from nnx_shard.models._memory import activation_bytes
 
-__all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formula_bytes",
-           "grads_report", "stage_config", "stage_formula_bytes"]
+__all__ = ["PRUNE_MARGIN", "STREAM", "abstract_report", "compute_copy", "formula",
+           "formula_bytes", "formula_parts", "grads_report", "offloaded_groups", "stage_config",
+           "stage_formula_bytes", "streamed_bytes"]
 
 #: The formula decides "does not fit" without a compile only when it is this many
 #: times over the budget: over every preset x mesh factorisation of 8 devices
@@ -32,6 +38,13 @@ __all__ = ["PRUNE_MARGIN", "abstract_report", "compute_copy", "formula", "formul
 #: tests/planner/test_planner.py
 #: ::test_the_formula_prunes_only_what_xla_would_not_fit holds it under this margin.
 PRUNE_MARGIN = 1.1
+
+#: How much of the offloaded state is on the device at once while a step streams it
+#: in from host memory: ``"layer"``, one layer of a stacked (scanned) layer stack, a
+#: leading ``layers`` axis, at a time (and whole the arrays outside the stack); or
+#: ``"whole"``, all of it during the update. The offloaded step's implementation
+#: decides which holds; :func:`streamed_bytes` counts by it.
+STREAM = "layer"
 
 
 def abstract_report(model: Any, sizes: str | Mapping[str, int], rules: Rules, tx: Any = None,
@@ -81,9 +94,58 @@ def compute_copy(report: Report, compute_dtype: Any, remat: str = "none") -> int
     return int(total)
 
 
+def offloaded_groups(offload: str | None) -> tuple[str, ...]:
+    """The report groups ``offload`` (:data:`nnx_shard.strategies._strategy.OFFLOADS`)
+    keeps in host memory between steps.
+
+    >>> offloaded_groups(None), offloaded_groups("optimizer"), offloaded_groups("optimizer+params")
+    ((), ('optimizer',), ('params', 'optimizer'))
+    """
+    return {None: (), "optimizer": ("optimizer",),
+            "optimizer+params": ("params", "optimizer")}[offload]
+
+
+def streamed_bytes(report: Report, offload: str | None, stream: str | None = None) -> int:
+    """Bytes per device of the offloaded state's copy on the device while a step
+    streams it in from host memory: with ``stream="layer"`` (default :data:`STREAM`) one
+    layer's share of each array with a leading ``layers`` axis (a scanned stack; on
+    a mesh that splits that axis, one of the device's own layers) plus the whole of
+    every other offloaded array; with ``"whole"`` the whole offloaded state. 0
+    without offload.
+
+    >>> import dataclasses, optax
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)   # 2 layers
+    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> from nnx_shard.strategies._presets import get
+    >>> report = abstract_report(model, {"data": 1}, get("dp").rules, optax.sgd(0.1, momentum=0.9))
+    >>> whole = streamed_bytes(report, "optimizer", "whole")
+    >>> whole == report.opt_bytes_per_device
+    True
+    >>> streamed_bytes(report, "optimizer") < whole, streamed_bytes(report, None)
+    (True, 0)
+    """
+    groups = offloaded_groups(offload)
+    stream = STREAM if stream is None else stream  # read now: one edit of STREAM changes it
+    total = 0
+    for r in report.rows:
+        if r.group not in groups:
+            continue
+        if stream == "layer" and r.names and r.names[0] == "layers" and r.shape:
+            entry = next(iter(r.spec), None)
+            split = 1
+            for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+                split *= int(report.mesh_shape.get(axis, 1))
+            total += r.bytes_per_device // max(1, r.shape[0] // split)
+        else:
+            total += r.bytes_per_device
+    return int(total)
+
+
 def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
-            compute: int = 0, trained: str = "Param", grads: Report | None = None
-            ) -> dict[str, int]:
+            compute: int = 0, trained: str = "Param", grads: Report | None = None,
+            offload: str | None = None) -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
     while a call runs (``guard="full"``, to put it back if the call is not finite;
@@ -96,6 +158,12 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     takes the smaller of its parameter's and its optimizer moment's layout, as XLA's
     sharding propagation places it.
 
+    With ``offload`` (``"optimizer"`` or ``"optimizer+params"``) the parts stay the
+    state's bytes, wherever they live, and two are added: ``streamed``, the offloaded
+    state's copy on the device during the step (:func:`streamed_bytes`), and ``host``,
+    the offloaded state (and under ``guard="full"`` its copy) in host memory;
+    ``total`` is then the device's: the parts less what is on the host.
+
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
     >>> report = abstract_report(model, {"data": 2}, Rules({}))
@@ -105,22 +173,27 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     144
     >>> formula(report, 100, compute=72)["total"]
     460
+    >>> import optax
+    >>> report = abstract_report(model, {"data": 2}, Rules({}), optax.adam(0.1))  # 2 moments
+    >>> off = formula(report, 100, offload="optimizer")
+    >>> off["optimizer"], off["host"], off["streamed"], off["total"]  # the moments on the host
+    (292, 292, 292, 680)
     """
     # A gradient takes the layout of the optimizer moment it updates where that is
     # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
     # sharded update instead of keeping the replicated sum.
-    grads = {(r.path, r.shape): r.bytes_per_device for r in (grads or report).rows
+    sizes = {(r.path, r.shape): r.bytes_per_device for r in (grads or report).rows
              if r.group == "params" and r.kind == trained}
     for r in report.rows if grads is None else ():
         if r.group == "optimizer" and r.kind == trained:
             names = r.path.split("/")
             for key in (("/".join(names[i:]), r.shape) for i in range(1, len(names))):
-                if key in grads:
-                    grads[key] = min(grads[key], r.bytes_per_device)
+                if key in sizes:
+                    sizes[key] = min(sizes[key], r.bytes_per_device)
                     break
     parts = {
         "params": int(report.param_bytes_per_device),
-        "grads": int(sum(grads.values())),
+        "grads": int(sum(sizes.values())),
         "optimizer": int(report.opt_bytes_per_device),
         "guard": (int(report.param_bytes_per_device + report.opt_bytes_per_device)
                   if guard == "full" else 0),
@@ -128,7 +201,15 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     }
     if compute:
         parts["compute"] = int(compute)
-    return {**parts, "total": sum(parts.values())}
+    out = {**parts, "total": sum(parts.values())}
+    if offload is not None:
+        # The guard's copy of host state is the step's input kept, which stays there.
+        host = sum(parts[g] for g in offloaded_groups(offload))
+        host *= 2 if guard == "full" else 1
+        out["streamed"] = streamed_bytes(report, offload)
+        out["total"] += out["streamed"] - host
+        out["host"] = host
+    return out
 
 
 def grads_report(model: Any, sizes: str | Mapping[str, int], strat: Any,
@@ -163,7 +244,31 @@ def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx
     # total (docs/guides/planner.md). Dots keeps at least what full remat keeps, so the full formula is a floor
     # that cannot prune a dots layout that fits.
     remat = "full" if remat in ("dots", "offload") else remat
-    return _total(abstract, cfg, cfg, strat, sizes, tx, batch, seq, remat, guard)
+    parts = formula_parts(abstract, cfg, strat, sizes, tx, batch, seq, remat, guard)
+    return None if parts is None else parts["total"]
+
+
+def formula_parts(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
+                  batch: int, seq: int, remat: str,
+                  guard: str = DEFAULT_GUARD) -> dict[str, int] | None:
+    """:func:`formula`'s parts for ``abstract`` under ``strat`` (with its
+    :attr:`~nnx_shard.strategies.Strategy.offload`: ``total`` is the device's, ``host``
+    the host's), remat counted as given; ``None`` where it cannot be computed.
+
+    >>> from flax import nnx
+    >>> import dataclasses
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> import optax
+    >>> from nnx_shard.strategies._presets import get
+    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)
+    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> args = ({"data": 2}, optax.adamw(1e-3), 8, 16, "none")
+    >>> plain = formula_parts(model, cfg, get("fsdp"), *args)
+    >>> off = formula_parts(model, cfg, get("fsdp").with_offload("optimizer"), *args)
+    >>> off["host"] == plain["optimizer"], off["total"] < plain["total"]
+    (True, True)
+    """
+    return _parts(abstract, cfg, cfg, strat, sizes, tx, batch, seq, remat, guard)
 
 
 def stage_config(cfg: Any, strat: Any, sizes: dict[str, int]) -> Any:
@@ -212,17 +317,27 @@ def stage_formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, in
     stage_cfg = stage_config(cfg, strat, sizes)
     if stage_cfg is None:
         return None
-    return _total(abstract, cfg, stage_cfg, strat, sizes, tx, batch, seq, remat, guard)
+    parts = _parts(abstract, cfg, stage_cfg, strat, sizes, tx, batch, seq, remat, guard)
+    return None if parts is None else parts["total"]
 
 
 def _total(abstract: Any, cfg: Any, acts_cfg: Any, strat: Any, sizes: dict[str, int],
            tx: Any, batch: int, seq: int, remat: str, guard: str) -> int | None:
-    """The formula's total, activations counted on ``acts_cfg`` (none without ``cfg``)."""
+    """The formula's total (the device's, under offload), activations counted on
+    ``acts_cfg`` (none without ``cfg``)."""
+    parts = _parts(abstract, cfg, acts_cfg, strat, sizes, tx, batch, seq, remat, guard)
+    return None if parts is None else parts["total"]
+
+
+def _parts(abstract: Any, cfg: Any, acts_cfg: Any, strat: Any, sizes: dict[str, int],
+           tx: Any, batch: int, seq: int, remat: str, guard: str) -> dict[str, int] | None:
+    """:func:`formula`'s parts, activations counted on ``acts_cfg`` (none without
+    ``cfg``), offloaded as ``strat`` says."""
     try:
         report = abstract_report(abstract, sizes, strat.rules, tx, strat.opt_rules)
         acts = activation_bytes(acts_cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
     except Exception:  # the compile will say what is wrong
         return None
     compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
-    return formula(report, acts, guard, compute,
-                   grads=grads_report(abstract, sizes, strat))["total"]
+    return formula(report, acts, guard, compute, grads=grads_report(abstract, sizes, strat),
+                   offload=getattr(strat, "offload", None))

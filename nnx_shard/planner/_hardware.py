@@ -3,6 +3,8 @@
 
 >>> PROFILES["h100-sxm"].peak_flops
 989000000000000.0
+>>> PROFILES["h100-sxm"].host_memory, PROFILES["tpu-v5e"].host_memory
+(250000000000, None)
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class Hardware:
         term is left out of the cost model).
       precision: the number format ``peak_flops`` is for.
       source: where the figures come from.
+      host_memory: bytes of host memory per device that offloaded state
+        (:attr:`nnx_shard.strategies.Strategy.offload`) may take (``None``: not
+        known, not checked). The NVIDIA profiles' is a DGX's 2 TB over its 8 GPUs
+        (250 GB); the TPU profiles' is not known.
 
     >>> from nnx_shard.planner import Hardware
     >>> Hardware("mine", peak_flops=1e12, link_bandwidth=1e10).predict(1e12, 1e10, 0)
@@ -63,6 +69,7 @@ class Hardware:
     memory_bandwidth: float | None = None
     precision: str = ""
     source: str = ""
+    host_memory: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "link_bandwidth", "memory_bandwidth"):
@@ -77,12 +84,14 @@ class Hardware:
             raise UsageError(f"Hardware link_latency (--link-latency) must be a number of "
                              f"seconds >= 0 and under an hour, got {short(latency, 60)}. Fix: "
                              "e.g. 5e-6, or 0 to leave latency out")
-        memory = self.device_memory
-        if memory is not None and (not _number(memory) or not math.isfinite(memory)
-                                   or not 1 <= memory < MAX_BYTES or memory != int(memory)):
-            raise UsageError(f"Hardware device_memory (--device-memory) must be a whole number "
-                             f"of bytes >= 1, got {short(memory, 60)}. Fix: e.g. 80e9 (80GB), "
-                             "or None when not known")
+        for field, flag, example in (("device_memory", "--device-memory", "80e9 (80GB)"),
+                                     ("host_memory", "--host-memory", "256e9 (256GB)")):
+            memory = getattr(self, field)
+            if memory is not None and (not _number(memory) or not math.isfinite(memory)
+                                       or not 1 <= memory < MAX_BYTES or memory != int(memory)):
+                raise UsageError(f"Hardware {field} ({flag}) must be a whole number of bytes "
+                                 f">= 1, got {short(memory, 60)}. Fix: e.g. {example}, or None "
+                                 "when not known")
 
     def predict(self, flops: float, collective_bytes: float, collectives: int,
                 memory_bytes: float = 0.0) -> float:
@@ -110,14 +119,17 @@ class Hardware:
         if unknown:
             raise UsageError(f"Hardware has no field {unknown[0]!r}. Fix: one of "
                              + ", ".join(f.name for f in dataclasses.fields(self)))
-        memory = changes.get("device_memory")
-        if memory is not None and _number(memory) and math.isfinite(memory) and memory == int(memory):
-            changes["device_memory"] = int(memory)
+        for field in ("device_memory", "host_memory"):
+            memory = changes.get(field)
+            if (memory is not None and _number(memory) and math.isfinite(memory)
+                    and memory == int(memory)):
+                changes[field] = int(memory)
         return dataclasses.replace(self, **changes)
 
 
 _NVIDIA = ("NVIDIA datasheet; dense (no sparsity) BF16 tensor-core peak; NVLink bandwidth "
-           "per direction (half of the datasheet's bidirectional figure); HBM bandwidth")
+           "per direction (half of the datasheet's bidirectional figure); HBM bandwidth; host "
+           "memory: a DGX's 2 TB over its 8 GPUs")
 _GOOGLE = ("Google Cloud TPU system architecture page; BF16 peak per chip; inter-chip "
            "interconnect bandwidth per chip; HBM bandwidth")
 
@@ -130,10 +142,16 @@ _SOURCES = {
     "tpu-v5p": _GOOGLE + " (v5p: 459 TFLOP/s, 95 GB HBM, 2,765 GB/s, ICI 4800 Gbps)",
 }
 
+#: Host memory per GPU of the NVIDIA profiles: a DGX A100 (640 GB), H100 or H200
+#: has 2 TB of system memory for its 8 GPUs. Offload checks the host's share of the
+#: offloaded state against it (``--host-memory`` sets another).
+_DGX_HOST = 2 * 10**12 // 8
+
 #: Public peak figures of a few common accelerators (BF16 dense matmul).
 PROFILES: dict[str, Hardware] = {
     name: Hardware(name, flops, link, memory, memory_bandwidth=hbm, precision="bf16",
-                   source=_SOURCES[name])
+                   source=_SOURCES[name],
+                   host_memory=_DGX_HOST if name.startswith(("a100", "h1", "h2")) else None)
     for name, (flops, link, memory, hbm) in {
         # name: (FLOP/s, link bytes/s per direction, device memory bytes, HBM bytes/s)
         "a100-80gb": (312e12, 300e9, 80 * 10**9, 2.039e12),

@@ -20,10 +20,14 @@ from nnx_shard.planner._hardware import Hardware, hardware
 from nnx_shard.strategies._presets import get
 from nnx_shard.strategies._strategy import MAX_PLAN_DEVICES, PRESETS
 
-__all__ = ["REMAT_ORDER", "AutoOptions"]
+__all__ = ["OFFLOAD_ORDER", "REMAT_ORDER", "AutoOptions"]
 
 #: Remat policies tried (in this order) for layouts whose plain step does not fit.
 REMAT_ORDER = ("dots", "full")
+
+#: Host offloads (:attr:`nnx_shard.strategies.Strategy.offload`) tried, in this order,
+#: only where no candidate without offload fits; each mode's search stops the next.
+OFFLOAD_ORDER = ("optimizer", "optimizer+params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +39,12 @@ class AutoOptions:
       batch, seq: the global batch and sequence length.
       device_memory: bytes per device (an int, or ``"80GB"``; default: the
         hardware profile's, else unlimited).
+      host_memory: bytes of host memory per device offloaded state may take (an int,
+        or ``"256GB"``; default: the hardware profile's ``host_memory``, 250 GB for
+        the NVIDIA profiles; else not checked).
+      offload: the host offloads to try, in order, where nothing fits without
+        offload (default :data:`OFFLOAD_ORDER`: ``optimizer`` then
+        ``optimizer+params``; ``[]`` never offloads).
       hardware: a :class:`~nnx_shard.planner.Hardware`, or a
         :data:`~nnx_shard.planner._hardware.PROFILES` name (default ``h100-sxm``).
       optimizer: the optimizer by name (``adamw``, ``adam``, ``sgd``).
@@ -76,6 +86,8 @@ class AutoOptions:
     timeout: float = 120.0
     workers: int | None = None
     compile_fn: Callable[..., Mapping[str, Any]] | None = None
+    host_memory: int | str | None = None
+    offload: Sequence[str] | None = None
 
 
 def positive_int(value: Any) -> bool:
@@ -99,6 +111,7 @@ def check_auto_options(opts: AutoOptions) -> tuple[Hardware, int | None, list[st
     _check_kinds(opts)
     hw = opts.hardware if isinstance(opts.hardware, Hardware) else hardware(
         opts.hardware or "h100-sxm")
+    hw = hw.replace(host_memory=_device_memory(opts.host_memory, hw, "host_memory"))
     memory = _device_memory(opts.device_memory, hw)
     names = _strategy_names(opts.strategies)
     try:
@@ -153,22 +166,49 @@ def _check_kinds(opts: AutoOptions) -> None:
                          f"Fix: e.g. guard={DEFAULT_GUARD!r} (Trainer's default)")
 
 
-def _device_memory(device_memory: int | str | None, hw: Hardware) -> int | None:
-    """Bytes per device: the option's, else the hardware profile's."""
+def _device_memory(device_memory: int | str | None, hw: Hardware,
+                   field: str = "device_memory") -> int | None:
+    """Bytes per device of ``field`` (``device_memory`` or ``host_memory``): the
+    option's, else the hardware profile's."""
+    example = "80GB" if field == "device_memory" else "256GB"
     if isinstance(device_memory, str):
         try:
             device_memory = parse_bytes(device_memory)
         except UsageError:
-            raise UsageError(f"auto: device_memory {short(device_memory, 60)} is not a size; "
-                             "Fix: e.g. 80GB, 80GiB or an int of bytes") from None
+            raise UsageError(f"auto: {field} {short(device_memory, 60)} is not a size; "
+                             f"Fix: e.g. {example}, 80GiB or an int of bytes") from None
     elif device_memory is not None:
         try:
-            device_memory = hw.replace(device_memory=device_memory).device_memory
+            device_memory = getattr(hw.replace(**{field: device_memory}), field)
         except UsageError:
-            raise UsageError(f"auto: device_memory must be a whole number of bytes >= 1 or a "
-                             f"size such as '80GB', got {short(device_memory, 60)}. Fix: e.g. "
-                             "device_memory='80GB'") from None
-    return device_memory if device_memory is not None else hw.device_memory
+            raise UsageError(f"auto: {field} must be a whole number of bytes >= 1 or a "
+                             f"size such as {example!r}, got {short(device_memory, 60)}. Fix: "
+                             f"e.g. {field}={example!r}") from None
+    out = device_memory if device_memory is not None else getattr(hw, field)
+    return None if out is None else int(out)
+
+
+def offload_modes(offload: Sequence[str] | None) -> list[str]:
+    """The host offloads to try where nothing fits without (``[]``: none).
+
+    >>> offload_modes(None), offload_modes([])
+    (['optimizer', 'optimizer+params'], [])
+    >>> offload_modes(["params"])
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.UsageError: auto: unknown offload 'params'; valid: 'optimizer', 'optimizer+params'. Fix: e.g. offload=['optimizer'], or offload=[] never to offload
+    """
+    if offload is None:
+        return list(OFFLOAD_ORDER)
+    if isinstance(offload, str | bytes) or not isinstance(offload, Sequence):
+        raise UsageError(f"auto: offload must be a list, got {type(offload).__name__} "
+                         f"{short(offload, 60)}. Fix: e.g. offload=['optimizer']")
+    for mode in offload:
+        if mode not in OFFLOAD_ORDER:
+            raise UsageError(f"auto: unknown offload {short(mode, 60)}; valid: "
+                             + ", ".join(map(repr, OFFLOAD_ORDER)) + ". Fix: e.g. "
+                             "offload=['optimizer'], or offload=[] never to offload")
+    return list(dict.fromkeys(offload))
 
 
 def _strategy_names(strategies: Sequence[str] | None) -> list[str]:

@@ -14,7 +14,12 @@ from nnx_shard._train._guard import DEFAULT_GUARD
 from nnx_shard.planner._hardware import PROFILES, Hardware  # noqa: F401 (PROFILES: the examples)
 from nnx_shard.planner._user import user_python
 
-__all__ = ["Candidate", "Plan", "clip", "plan_json"]
+__all__ = ["OFFLOAD_ESTIMATE", "Candidate", "Plan", "clip", "plan_json"]
+
+#: ``Candidate.decided_by`` of an offloading candidate whose compile gives no
+#: device/host split: the compiled step's bytes less the offloaded state, plus its
+#: streamed copy (the formula's).
+OFFLOAD_ESTIMATE = "compiled less offloaded"
 
 
 @dataclasses.dataclass
@@ -32,11 +37,17 @@ class Candidate:
         :mod:`nnx_shard.planner._trust`); temp: XLA's temporaries.
       flops, collective_bytes, collectives, memory_bytes: per device per step.
       predicted_s: the cost model's step time.
+      offload: what it keeps in host memory between steps
+        (:attr:`nnx_shard.strategies.Strategy.offload`; ``None``: nothing).
+      host_bytes: with ``offload``, the host memory it takes per device
+        (``bytes_per_device`` is then the device's).
 
     >>> from nnx_shard.planner import Candidate
     >>> c = Candidate("dp", {"data": 8})
     >>> c.label
     'dp data=8 remat=none mb=1'
+    >>> Candidate("fsdp", {"data": 8}, offload="optimizer").label
+    'fsdp data=8 remat=none mb=1 offload=optimizer'
     """
 
     strategy: str
@@ -56,11 +67,14 @@ class Candidate:
     compile_s: float | None = None
     by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
     decided_by: str = "compiled"
+    offload: str | None = None
+    host_bytes: int | None = None
 
     @property
     def label(self) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
-        return f"{self.strategy} {mesh} remat={self.remat or 'own'} mb={self.microbatches}"
+        return (f"{self.strategy} {mesh} remat={self.remat or 'own'} mb={self.microbatches}"
+                + (f" offload={self.offload}" if self.offload else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "label": self.label}
@@ -153,8 +167,9 @@ class Plan:
             make = ("factory = my_factory" + (f"  # with remat={c.remat!r}" if c.remat else "")
                     + "\n")
             head = "import optax\n\nimport nnx_shard as ns\nfrom nnx_shard.models import lm_loss\n\n"
+        offload = f".with_offload({c.offload!r})" if c.offload else ""
         return (
-            f"{head}strategy = ns.strategies.get({c.strategy!r})\n"
+            f"{head}strategy = ns.strategies.get({c.strategy!r}){offload}\n"
             f"mesh = ns.make_mesh({{{mesh}}})\n{make}"
             "model = ns.sharded_init(factory, mesh, strategy)\n"
             f"opt = ns.sharded_optimizer(model, optax.{self.request.get('optimizer', 'adamw')}"
@@ -182,7 +197,8 @@ class Plan:
         return (f"nnx-shard plan --model {model} --strategy {c.strategy} --mesh {mesh} "
                 f"--batch {self.request['batch']} --seq {self.request['seq']} "
                 f"--remat {c.remat} --optimizer {self.request.get('optimizer', 'adamw')}"
-                + (f" --guard {guard}" if guard != DEFAULT_GUARD else ""))
+                + (f" --guard {guard}" if guard != DEFAULT_GUARD else "")
+                + (f" --offload {c.offload}" if c.offload else ""))
 
     def table(self, top: int = 5) -> str:
         """The ranked candidates as a text table.
@@ -193,29 +209,46 @@ class Plan:
         """
         if not self.ranked:
             return "(no candidate fits)"
-        head = ("rank", "strategy", "mesh", "remat", "mb", "bytes/device", "collective B",
-                "GFLOP/dev", "predicted")
+        offload = any(c.offload for c in self.ranked[:top])
+        head: tuple[str, ...] = (
+            "rank", "strategy", "mesh", "remat", "mb", "bytes/device", "collective B",
+            "GFLOP/dev", "predicted")
+        if offload:  # the device's bytes, then what is in host memory
+            head = (*head[:5], "offload", "device B", "host B/device", *head[6:])
         rows = [head]
         for i, c in enumerate(self.ranked[:top], 1):
-            rows.append((str(i), c.strategy, ",".join(f"{k}={v}" for k, v in c.mesh.items()),
-                         str(c.remat or "own"), str(c.microbatches),
-                         fmt_bytes(c.bytes_per_device or 0)
-                         + ("*" if c.decided_by == "stage formula" else ""),
-                         fmt_bytes(c.collective_bytes or 0),
-                         f"{(c.flops or 0) / 1e9:.4g}", _secs(c.predicted_s or 0.0)))
+            row: tuple[str, ...] = (
+                str(i), c.strategy, ",".join(f"{k}={v}" for k, v in c.mesh.items()),
+                str(c.remat or "own"), str(c.microbatches),
+                fmt_bytes(c.bytes_per_device or 0)
+                + ("*" if c.decided_by == "stage formula" else ""),
+                fmt_bytes(c.collective_bytes or 0),
+                f"{(c.flops or 0) / 1e9:.4g}", _secs(c.predicted_s or 0.0))
+            if offload:
+                row = (*row[:5], str(c.offload or "-"), row[5],
+                       fmt_bytes(c.host_bytes) if c.host_bytes is not None else "-", *row[6:])
+            rows.append(row)
+        left = 6 if offload else 5  # the text columns, left-aligned
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(x.ljust(w) if j < 5 else x.rjust(w)
+        lines = ["  ".join(x.ljust(w) if j < left else x.rjust(w)
                            for j, (x, w) in enumerate(zip(r, widths, strict=True)))
                  for r in rows]
         if any(c.decided_by == "stage formula" for c in self.ranked[:top]):
             lines.append("* a pipeline's per-stage formula (XLA CPU's compiled figure for a "
                          "pipeline is an upper bound; a floor: leave headroom)")
+        if any(c.decided_by == OFFLOAD_ESTIMATE for c in self.ranked[:top]):
+            lines.append("device B of an offloading candidate: the compiled step without "
+                         "offload less the offloaded state the formula counts, plus its copy "
+                         "streamed in during the step (the compile gives no device/host split)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         r = self.request
         hw = self.hardware
         mem = "unlimited" if r.get("device_memory") is None else fmt_bytes(r["device_memory"])
+        if r.get("offload_tried"):
+            host = r.get("host_memory")
+            mem += ", host memory " + ("not checked" if host is None else fmt_bytes(host))
         out = [f"plan --auto: model {r.get('model_label')}, {r.get('devices')} devices, batch "
                f"{r.get('batch')} x seq {r.get('seq')}, {r.get('optimizer')}, memory {mem} "
                "per device",
@@ -238,6 +271,12 @@ class Plan:
             out += [f"  - {p}" for p in self.pruned]
             out.append("")
         if self.best is not None:
+            offload = self.best.offload
+            if offload:
+                what = {"optimizer": "the optimizer state", "optimizer+params":
+                        "the optimizer state and the parameters"}.get(offload, offload)
+                out.append(f"offloads {what} to host memory ({fmt_bytes(self.best.host_bytes or 0)} "
+                           "per device): nothing fits in device memory without it")
             out.append(f"chosen: {self.best.label}; train with:")
             out.append("")
             out += [("    " + ln).rstrip() for ln in self.python().splitlines()]

@@ -26,6 +26,7 @@ from nnx_shard.planner._options import (
     AutoOptions,
     check_auto_options,
     names_list,
+    offload_modes,
     positive_int,
     remat_policies,
 )
@@ -54,10 +55,14 @@ class Problem:
     abstract: Any
     mbs: list[int]
     user: UserModel | None = None  # a factory with its own loss and batch
+    offloads: list[str] = dataclasses.field(default_factory=list)  # tried where nothing fits
+    host_memory: int | None = None  # host bytes per device offloaded state may take
 
-    def strategy(self, name: str) -> Strategy:
-        """Preset ``name`` as the search lays it out (a user model's aliases applied)."""
-        return self.user.strategy(name) if self.user is not None else get(name)
+    def strategy(self, name: str, offload: str | None = None) -> Strategy:
+        """Preset ``name`` as the search lays it out (a user model's aliases applied),
+        with host ``offload`` where given."""
+        strat = self.user.strategy(name) if self.user is not None else get(name)
+        return strat if offload is None else strat.with_offload(offload)
 
     def batch_problem(self, strat: Strategy, sizes: dict[str, int], mb: int) -> str | None:
         """Why ``mb`` microbatches cannot run under ``strat`` on ``sizes`` (``None``:
@@ -148,10 +153,11 @@ def resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Pro
     ('tiny', [1, 2], 'none')
     """
     hw, memory, names, tx = check_auto_options(opts)
+    offloads = offload_modes(opts.offload)
     if user is not None:
         mbs = sorted({int(m) for m in opts.microbatches if int(m) >= 1} | {1})
         return Problem(opts, hw, memory, names, tx, None, model, None, False, [None],
-                        user.abstract(), mbs, user)
+                        user.abstract(), mbs, user, offloads, hw.host_memory)
     cfg, model_name, takes_remat = None, None, False
     if isinstance(model, str):
         if model not in CONFIGS:
@@ -189,5 +195,5 @@ def resolve(model: Any, opts: AutoOptions, user: UserModel | None = None) -> Pro
                          "Fix: e.g. microbatches=[1, 2, 4]")
     mbs = sorted(set(counts) | {1})
     return Problem(opts, hw, memory, names, tx, cfg, model, model_name, takes_remat, policies,
-                    abstract, mbs)
+                    abstract, mbs, None, offloads, hw.host_memory)
 

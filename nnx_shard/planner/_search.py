@@ -133,6 +133,7 @@ def auto(model: Any = "small", options: AutoOptions | None = None, *,
     try:
         first = search.plain(viable)
         search.variants(first)
+        search.offloaded(viable)  # only where nothing fits without
     finally:
         search.close()
     unsaved = search.store.save()

@@ -65,7 +65,7 @@ def test_enumeration_covers_every_preset_and_mesh_and_says_what_it_skipped():
     # ... and, spelled out, the built-in presets' layouts among them.
     assert labels >= {
         "dp data=4 remat=none mb=1", "zero1 data=4 remat=none mb=1",
-        "fsdp data=4 remat=none mb=1",
+        "zero2 data=4 remat=none mb=1", "fsdp data=4 remat=none mb=1",
         "tp data=1,model=4 remat=none mb=1", "tp data=2,model=2 remat=none mb=1",
         "fsdp_tp data=1,model=4 remat=none mb=1", "fsdp_tp data=2,model=2 remat=none mb=1",
         "sp data=1,model=4 remat=none mb=1", "sp data=2,model=2 remat=none mb=1",
@@ -304,7 +304,8 @@ def test_a_compiled_pipeline_is_decided_by_its_stage_formula(monkeypatch):
     # variant: its compile (a child Python of its own) would decide nothing asserted here.
     with pytest.raises(planner.NothingFits) as nothing:
         planner.auto(cfg, devices=4, batch=8, seq=16, device_memory=stage - 1,
-                     strategies=["pp"], remat=["none"], microbatches=[2], progress=False)
+                     strategies=["pp"], remat=["none"], microbatches=[2], progress=False,
+                     offload=[])  # host offload would find a fit: not this test's point
     plan = nothing.value.plan
     (dropped,) = [c for c in plan.dropped if c.label == "pp stage=2,data=2 remat=none mb=2"]
     assert dropped.reason == (
@@ -470,9 +471,12 @@ def test_compiled_costs_count_scanned_layers_once_per_layer():
 
 @needs_devices(8)
 @pytest.mark.parametrize("strategy, sizes, remat", [
-    ("zero1", {"data": 8}, "full"),            # the closest measured: 1.06x
+    # zero1 was the closest measured (1.06x) while XLA reduced its gradients to the optimizer
+    # state's 1/8; keeping them whole (its gradients option) put it at 0.72x, zero2 at 0.67x.
+    ("zero1", {"data": 8}, "full"),
     pytest.param("zero1", {"data": 8}, "dots",  # judged on the full formula (none's: 1.3x+)
                  marks=pytest.mark.slow),
+    pytest.param("zero2", {"data": 8}, "full", marks=pytest.mark.slow),
     pytest.param("dp", {"data": 8}, "none", marks=pytest.mark.slow),
     ("tp", {"data": 4, "model": 2}, "full"),
     pytest.param("sp", {"data": 2, "model": 4}, "none", marks=pytest.mark.slow),
@@ -590,13 +594,15 @@ def test_plan_auto_bad_input(capsys):
 
 
 @needs_devices(8)
-@pytest.mark.parametrize("strategy", ["zero1", pytest.param("fsdp", marks=pytest.mark.slow),
+@pytest.mark.parametrize("strategy", ["zero2", pytest.param("zero1", marks=pytest.mark.slow),
+                                      pytest.param("fsdp", marks=pytest.mark.slow),
                                       pytest.param("dp", marks=pytest.mark.slow)])
 def test_fits_call_adds_no_collective_bytes_to_the_bare_step(strategy):
     """The planner compiles Trainer.fit's call (gradient norm, NaN guard). Those must not
     move data: under zero1 (replicated parameters, sharded optimizer state) joining the
     gradients or the updated parameters into one vector gathered them back, 2.9 -> 11.3
-    MiB of all-gather per step on `small`."""
+    MiB of all-gather per step on `small`. zero2 runs in the quick tier: its gradients
+    are sharded too, so a norm that gathered them would show most there."""
     from tests._lm import lower_bare_steps
 
     cfg = dataclasses.replace(get_config("tiny"), layers=1)  # each layer adds the same

@@ -1,0 +1,263 @@
+"""The planner's share of host offload: the formula's device/host split, ``plan
+--offload`` and ``plan --auto`` turning offload on only where nothing fits without.
+Abstract models and fake compiles only: nothing here compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import optax
+import pytest
+from flax import nnx
+
+from nnx_shard import planner, strategies
+from nnx_shard._errors import UsageError
+from nnx_shard._report import fmt_bytes
+from nnx_shard.cli import _plan as cli_plan
+from nnx_shard.cli import main
+from nnx_shard.models import Decoder, get_config
+from nnx_shard.planner import _formula
+from nnx_shard.planner._formula import (
+    abstract_report,
+    formula,
+    formula_bytes,
+    formula_parts,
+    streamed_bytes,
+)
+
+H = planner.Hardware("test", peak_flops=1e9, link_bandwidth=1e6)
+CFG = dataclasses.replace(get_config("tiny"), scan_layers=True)  # 2 stacked layers
+ARGS = (8, 16, "none")  # batch, seq, remat
+
+
+@pytest.fixture(scope="module")
+def model():
+    return nnx.eval_shape(lambda: Decoder(CFG, rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(scope="module")
+def fsdp_report(model):
+    strat = strategies.get("fsdp")
+    return abstract_report(model, {"data": 2}, strat.rules, optax.adamw(1e-3), strat.opt_rules)
+
+
+def _layer_share(report, group):
+    """One layer of each stacked array of ``group``, the rest whole, counted by hand."""
+    return sum(r.bytes_per_device // r.shape[0] if r.names and r.names[0] == "layers"
+               else r.bytes_per_device for r in report.rows if r.group == group)
+
+
+# ------------------------------------------------------------------------------ the formula
+
+
+def test_offload_moves_the_state_to_the_host_and_streams_one_layer(fsdp_report):
+    r = fsdp_report
+    plain = formula(r, 1000)
+    assert "host" not in plain and "streamed" not in plain  # no offload: as it was
+    opt = formula(r, 1000, offload="optimizer")
+    assert opt["host"] == r.opt_bytes_per_device
+    assert opt["streamed"] == _layer_share(r, "optimizer")
+    assert opt["total"] == plain["total"] - r.opt_bytes_per_device + opt["streamed"]
+    both = formula(r, 1000, offload="optimizer+params")
+    assert both["host"] == r.opt_bytes_per_device + r.param_bytes_per_device
+    assert both["streamed"] == _layer_share(r, "optimizer") + _layer_share(r, "params")
+    assert both["total"] == plain["total"] - both["host"] + both["streamed"]
+    # The parts stay the state's bytes wherever they live.
+    assert {k: both[k] for k in plain if k != "total"} == {
+        k: plain[k] for k in plain if k != "total"}
+    # The NaN guard's copy of host state stays on the host.
+    full = formula(r, 1000, guard="full", offload="optimizer")
+    assert full["host"] == 2 * r.opt_bytes_per_device
+    assert full["total"] == formula(r, 1000, guard="full")["total"] - full["host"] + full[
+        "streamed"]
+
+
+def test_the_streamed_term_is_the_whole_state_unstacked_or_when_streamed_whole(fsdp_report,
+                                                                              monkeypatch):
+    r = fsdp_report
+    assert streamed_bytes(r, "optimizer", "whole") == r.opt_bytes_per_device
+    # The term formula uses is the module's STREAM: the other way of streaming is one edit.
+    monkeypatch.setattr(_formula, "STREAM", "whole")
+    assert formula(r, 0, offload="optimizer")["streamed"] == r.opt_bytes_per_device
+    unrolled = nnx.eval_shape(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)))
+    flat = abstract_report(unrolled, {"data": 2}, strategies.get("fsdp").rules, optax.sgd(0.1, 0.9))
+    assert streamed_bytes(flat, "optimizer", "layer") == flat.opt_bytes_per_device
+
+
+def test_a_pipeline_streams_one_of_its_own_layers(model):
+    strat = strategies.get("pp")
+    report = abstract_report(model, {"stage": 2, "data": 1}, strat.rules, optax.adamw(1e-3),
+                             strat.opt_rules)
+    stacked = [r for r in report.rows if r.group == "optimizer" and r.names
+               and r.names[0] == "layers"]
+    assert stacked and all(next(iter(r.spec)) == "stage" for r in stacked)
+    # Each device holds 1 of the 2 layers: its one layer is all of its stacked share.
+    rest = sum(r.bytes_per_device for r in report.rows
+               if r.group == "optimizer" and r not in stacked)
+    assert streamed_bytes(report, "optimizer") == sum(r.bytes_per_device for r in stacked) + rest
+
+
+def test_the_search_compares_the_device_figure(model):
+    tx = optax.adamw(1e-3)
+    sizes = {"data": 2}
+    plain = formula_parts(model, CFG, strategies.get("fsdp"), sizes, tx, *ARGS)
+    off = formula_parts(model, CFG, strategies.get("fsdp").with_offload("optimizer"), sizes,
+                        tx, *ARGS)
+    assert plain is not None and off is not None
+    assert off["host"] == plain["optimizer"] and off["total"] < plain["total"]
+    assert formula_bytes(model, CFG, strategies.get("fsdp").with_offload("optimizer"), sizes,
+                         tx, *ARGS) == off["total"]
+
+
+# ------------------------------------------------------------------------- plan --offload
+
+
+PLAN = ["plan", "--model", "tiny", "--strategy", "fsdp", "--mesh", "data=2", "--batch", "8",
+        "--seq", "16", "--scan-layers", "--no-compile"]
+
+
+def test_plan_offload_prints_device_and_host_apart(capsys):
+    assert main([*PLAN, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["offload"] is None and plain["host_bytes"] is None
+    assert main([*PLAN, "--offload", "optimizer", "--json", "--device-memory",
+                 str(plain["bytes_needed"] - 1), "--host-memory", "1MB"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    per = off["bytes_per_device"]
+    assert off["offload"] == "optimizer" and off["decided_by"] == "formula"
+    assert off["host_bytes"] == per["host"] == per["optimizer"]
+    assert off["bytes_needed"] == per["total"] < plain["bytes_needed"]  # fits only offloaded
+    assert off["fits"] and off["host_fits"]
+    # Over the host's memory: does not fit, whatever the device's.
+    assert main([*PLAN, "--offload", "optimizer+params", "--host-memory", "1KB"]) == 1
+    text = capsys.readouterr().out
+    assert "device total" in text and "host total" in text
+    assert "host: does NOT fit in 1000 B of host memory per device" in text
+
+
+def test_plan_offload_says_the_compiled_split_is_not_available(capsys, monkeypatch):
+    # A compile of the step without offload (no device/host split), faked: nothing compiles.
+    fake = {"params": 10, "optimizer": 20, "temp": 30, "total": 10**9, "compile_s": 0.1}
+    monkeypatch.setattr(cli_plan, "_compile", lambda *a: fake)
+    assert main([*PLAN, "--offload", "optimizer", "--device-memory", "1MB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["compiled_split"] is False and out["decided_by"] == "formula, offload"
+    assert out["bytes_needed"] == out["bytes_per_device"]["total"]  # not the compiled 1 GB
+    main([*PLAN, "--offload", "optimizer"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "host total n/a" in text
+    assert "the device/host split of the compiled figure is not available" in text
+    # A compile that splits them decides.
+    monkeypatch.setattr(cli_plan, "_compile", lambda *a: {**fake, "device": 500, "host": 70})
+    assert main([*PLAN, "--offload", "optimizer", "--device-memory", "1KB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["compiled_split"], out["bytes_needed"], out["host_bytes"]) == (True, 500, 70)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--auto", "--devices", "2", "--offload", "optimizer"], "turns offload on itself"),
+    (["--mesh", "data=2", "--host-memory", "1GB"], "--host-memory checks what --offload"),
+    (["--mesh", "data=2", "--offload", "optimizer", "--host-memory", "lots"],
+     "--host-memory 'lots' is not a size"),
+    (["--mesh", "data=2", "--generate", "--offload", "optimizer"], "drop them with --generate"),
+    (["--mesh", "data=2", "--offload", "grads"], "invalid choice: 'grads'"),
+])
+def test_plan_offload_flags_are_checked(flags, says, capsys):
+    assert main(["plan", "--model", "tiny", "--batch", "8", "--seq", "16", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- plan --auto
+
+
+#: What the fake compile adds to the formula (XLA's temporaries, say).
+EXTRA = 1000
+
+
+def _need(model, name, offload=None):
+    strat = strategies.get(name)
+    parts = formula_parts(model, CFG, strat.with_offload(offload) if offload else strat,
+                          {"data": 2}, optax.adamw(1e-3), *ARGS)
+    assert parts is not None
+    return parts
+
+
+def _fake(model):
+    """A compile of a candidate's step without offload: its formula + EXTRA bytes, with
+    no device/host split."""
+    seen: list[planner.Candidate] = []
+
+    def compile_fn(c: planner.Candidate) -> dict:
+        seen.append(c)
+        return {"total": _need(model, c.strategy)["total"] + EXTRA, "temp": 0, "flops": 1e9,
+                "collectives": 0, "collective_bytes": 1e6 * (c.strategy == "dp"),
+                "memory_bytes": 0.0}
+
+    compile_fn.seen = seen  # type: ignore[attr-defined]
+    return compile_fn
+
+
+def _auto(fake, memory, **kw):
+    return planner.auto(CFG, devices=2, batch=8, seq=16, device_memory=memory, hardware=H,
+                        strategies=["dp", "fsdp"], remat=["none"], microbatches=[1],
+                        compile_fn=fake, progress=False, **kw)
+
+
+def test_auto_offloads_only_where_nothing_fits_without(model):
+    fake = _fake(model)
+    plan = _auto(fake, _need(model, "dp")["total"] + EXTRA)  # both fit: no offload considered
+    assert plan.request["offload_tried"] == [] and not any(c.offload for c in fake.seen)
+    # Nothing fits: "optimizer" next, device bytes = compiled - host + streamed.
+    fsdp, dp = _need(model, "fsdp", "optimizer"), _need(model, "dp", "optimizer")
+    memory = fsdp["total"] + EXTRA  # fsdp offloaded just fits, dp does not
+    assert dp["total"] + EXTRA > memory and _need(model, "fsdp")["total"] + EXTRA > memory
+    plan = _auto(_fake(model), memory)
+    best = plan.best
+    assert best is not None and best.label == "fsdp data=2 remat=none mb=1 offload=optimizer"
+    assert (best.bytes_per_device, best.host_bytes) == (memory, fsdp["host"])
+    assert best.decided_by == "compiled less offloaded"
+    assert plan.request["offload_tried"] == ["optimizer"]
+    assert [c.label for c in plan.ranked] == [best.label]
+    text = str(plan)
+    assert "offloads the optimizer state to host memory" in text
+    assert "get('fsdp').with_offload('optimizer')" in plan.python()
+    assert "host offload (optimizer) tried only because no candidate fits" in text
+
+
+def test_auto_tries_params_too_then_checks_the_host(model):
+    both = _need(model, "fsdp", "optimizer+params")
+    memory = both["total"] + EXTRA  # only fsdp with optimizer+params fits
+    assert _need(model, "dp", "optimizer+params")["total"] + EXTRA > memory
+    plan = _auto(_fake(model), memory)
+    assert plan.best is not None and plan.best.offload == "optimizer+params"
+    assert plan.request["offload_tried"] == ["optimizer", "optimizer+params"]
+    assert (plan.best.bytes_per_device, plan.best.host_bytes) == (memory, both["host"])
+    # The host's memory is checked too: one byte short, nothing fits.
+    with pytest.raises(planner.NothingFits) as e:
+        _auto(_fake(model), memory, host_memory=both["host"] - 1)
+    reasons = [c.reason for c in e.value.plan.dropped
+               if c.offload == "optimizer+params" and c.strategy == "fsdp"]
+    assert reasons == [
+        f"needs {fmt_bytes(both['host'])} of host memory per device for its offloaded state, "
+        f"over the {fmt_bytes(both['host'] - 1)} available"]
+    # offload=[] never offloads.
+    with pytest.raises(planner.NothingFits) as e:
+        _auto(_fake(model), memory, offload=[])
+    assert not any(c.offload for c in e.value.plan.dropped)
+    assert e.value.plan.request["offload_tried"] == []
+
+
+def test_host_memory_defaults_to_the_profile_and_is_checked():
+    assert planner.hardware("h100-sxm").host_memory == 250 * 10**9
+    assert planner.hardware("tpu-v5e").host_memory is None  # not known: not checked
+    with pytest.raises(UsageError, match="host_memory .--host-memory. must be a whole number"):
+        planner.Hardware("x", 1.0, 1.0, host_memory=-1)
+    from nnx_shard.planner._problem import resolve
+
+    p = resolve("tiny", planner.AutoOptions(devices=2, batch=8, seq=16, host_memory="1GB"))
+    assert p.host_memory == 10**9 and p.offloads == ["optimizer", "optimizer+params"]
+    assert resolve("tiny", planner.AutoOptions(devices=2, batch=8, seq=16)).host_memory == (
+        250 * 10**9)
+    with pytest.raises(UsageError, match="unknown offload 'params'"):
+        resolve("tiny", planner.AutoOptions(devices=2, batch=8, seq=16, offload=["params"]))
