@@ -454,11 +454,29 @@ def _print_notes(args: argparse.Namespace, out: dict[str, Any], stages: Any) -> 
         verdict = "fits" if out["bytes_needed"] <= memory else "does NOT fit"
         print(f"\n{verdict} in {fmt_bytes(memory)} per device "
               f"({100 * out['bytes_needed'] / memory:.0f}% used, {out['decided_by']} total)")
+        if out["bytes_needed"] > memory:
+            print(textwrap.fill(_what_next(args, out), width=100, subsequent_indent="  "))
     host = out.get("host_memory")
     if host is not None:
         verdict = "fits" if out["host_fits"] else "does NOT fit"
         print(f"{'' if memory is not None else chr(10)}host: {verdict} in {fmt_bytes(host)} "
               f"of host memory per device ({100 * out['host_bytes'] / host:.0f}% used)")
+
+
+def _what_next(args: argparse.Namespace, out: dict[str, Any]) -> str:
+    """Where a user goes from a training plan that does not fit: the presets that shard
+    more of the state, host offload, and the search over all of them."""
+    return (
+        "next: shard what this layout replicates: zero1 (the optimizer state 1/N per "
+        "device), zero2 (and the gradients), fsdp (and the parameters), fsdp_tp / pp_fsdp "
+        "past that, fsdp_ep for a mixture of experts; --offload optimizer keeps the "
+        "optimizer state in host memory; or let the planner search them all: "
+        f"{PROG} plan --auto --model {args.model} --devices {out['devices']} "
+        f"--batch {args.batch} --seq {args.seq} --device-memory {args.device_memory}"
+        + "".join(f" --{flag.replace('_', '-')} {getattr(args, flag)}"
+                  for flag in ("param_dtype", "compute_dtype")
+                  if getattr(args, flag, None) is not None)
+        + " (docs: guides/memory.md).")
 
 
 def _print_plan(args: argparse.Namespace, cfg: Any, out: dict[str, Any],

@@ -149,6 +149,10 @@ def test_plan_fits_verdict_and_exit_status(capsys):
     argv = ["plan", "--model", "7b", "--mesh", "data=8,model=8", "--no-compile", "--device-memory"]
     code, out, _ = run(capsys, *argv, "80GB")
     assert code == 1 and "does NOT fit in 74.51 GiB per device" in out
+    # The refusal names where to go: the presets that shard more, offload, the search.
+    hint = " ".join(out.split("\nnext: ")[1].split())
+    assert hint.startswith("shard what this layout replicates: zero1") and "--offload optimizer" in hint
+    assert "nnx-shard plan --auto --model 7b --devices 64 --batch" in hint and "--device-memory 80GB" in hint
     code, out, _ = run(capsys, *argv, "80GB", "--remat", "full")
     assert code == 0 and "\nfits in 74.51 GiB per device" in out
     assert "blocks/mlp/up" in out and "P(None, 'data', 'model')" in out
