@@ -278,7 +278,7 @@ def _load_data(run: _Run) -> None:
          f"strategy {run.layouts.strategy.name}, mesh {sizes_str(run.layouts.sizes)} ({run.layouts.axis_types} axes)")
     _say(f"data: {len(corpus.train):,} training characters from {len(corpus.files)} standard "
          f"library files, {len(corpus.heldout):,} held-out ({', '.join(corpus.heldout_files)})")
-    _say(f"model: Transformer {cfg.layers} layers, embed {cfg.embed}, {cfg.heads} heads, "
+    _say(f"model: Decoder {cfg.layers} layers, embed {cfg.embed}, {cfg.heads} heads, "
          f"mlp {cfg.mlp}{f', {cfg.experts} experts' if cfg.experts else ''}, context "
          f"{cfg.length}, {cfg.num_params:,} parameters")
 
