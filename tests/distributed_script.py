@@ -124,6 +124,12 @@ def main(argv: list[str]) -> int:
               f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
         rows = ns.distributed.process_slice(GLOBAL_BATCH, ns.make_mesh(MESH), fsdp_rules())
         print(f"rows {rows.start}:{rows.stop} of {GLOBAL_BATCH}", flush=True)
+        # hsdp's hybrid meshes (no compilation): which process holds each place.
+        for mesh in (ns.strategies.get("hsdp").make_mesh(),
+                     ns.make_mesh("data=4,replica=2", across="replica")):
+            where = [[d.process_index for d in row] for row in mesh.devices]
+            shape = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+            print(f"hybrid {shape} processes {where}", flush=True)
     if mode == "train":
         losses, params, _, _ = train()
         write(argv[1], losses, params)

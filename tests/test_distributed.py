@@ -284,6 +284,14 @@ def test_processes_report_coordinates_and_their_rows(two_process_job):
     assert "[1] process 1 of 2 from NNX_SHARD_* environment; 4 local of 8 devices" in done.stdout
     # fsdp puts the batch over all 8 devices: each process loads its own half.
     assert "[0] rows 0:8 of 16" in done.stdout and "[1] rows 8:16 of 16" in done.stdout
+    # hsdp's mesh: one replica per process, data its 4 local devices; an across axis last
+    # spans the processes too (an ordinary data=4,replica=2 mesh would keep both replicas
+    # of a data place in one process).
+    for p in (0, 1):
+        assert (f"[{p}] hybrid replica=2,data=4 processes [[0, 0, 0, 0], [1, 1, 1, 1]]"
+                in done.stdout)
+        assert (f"[{p}] hybrid data=4,replica=2 processes [[0, 1], [0, 1], [0, 1], [0, 1]]"
+                in done.stdout)
 
 
 @pytest.mark.slow

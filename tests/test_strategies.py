@@ -63,7 +63,9 @@ RTOL = 1e-4  # x max|expected| per tensor: see tests/_close.py
 # in either run: measured up to 8e-5 of max|param| (ep, after K steps).
 RTOL_PARAMS = 1e-3
 # Pipeline presets need a stacked layer axis and microbatches: tests/parallel/test_pipeline.py.
-NAMES = tuple(n for n in ns.strategies.NAMES if not n.startswith("pp"))
+# hsdp is fsdp's tables with the batch over one more axis: tests/strategies/test_hsdp.py
+# proves it against fsdp on the same devices (its values, bytes and collectives).
+NAMES = tuple(n for n in ns.strategies.NAMES if not n.startswith("pp") and n != "hsdp")
 
 # Which parameters each strategy splits, and by how much, on its default 8-device
 # mesh (the promise (b) checks): path pattern -> divisor.
@@ -588,12 +590,13 @@ def test_no_mesh_fits() -> None:
 
 
 def test_get_and_mesh_for() -> None:
-    assert ns.strategies.NAMES == ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "sp", "ep",
-                                   "fsdp_ep", "async_tp", "cp", "fsdp_cp", "pp", "pp_fsdp",
+    assert ns.strategies.NAMES == ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp_tp", "sp",
+                                   "ep", "fsdp_ep", "async_tp", "cp", "fsdp_cp", "pp", "pp_fsdp",
                                    "pp_tp")
-    for name in NAMES:
+    for name in (*NAMES, "hsdp"):
         s = ns.strategies.get(name)
-        assert s.name == name and s.mesh_axes[0] == "data"
+        assert s.name == name and s.mesh_axes[0] == ("replica" if name == "hsdp" else "data")
+        assert s.across == ("replica" if name == "hsdp" else None)
         assert set(s.collectives) <= set(COLLECTIVE_KINDS)
         assert np.prod(list(s.mesh_for(8).values())) == 8
         for logical in ns.strategies.LOGICAL:

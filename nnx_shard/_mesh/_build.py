@@ -1,5 +1,7 @@
 """Device meshes: ``parse_axes``, the one reader of mesh text such as ``"data=4,model=2"``,
-``make_mesh`` from such text, a dict or a Mesh, and ``mesh_str``, their text form."""
+``make_mesh`` from such text, a dict or a Mesh (hybrid: one axis laid across processes or
+slices with ``across=``), ``granules``, the process/slice groups such a mesh spans, and
+``mesh_str``, their text form."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from nnx_shard._axes import sizes_str
 from nnx_shard._errors import ShardingError, UsageError, short
 
-__all__ = ["make_mesh", "mesh_str", "parse_axes"]
+__all__ = ["granules", "hybrid_devices", "make_mesh", "mesh_str", "parse_axes"]
 
 _AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 
@@ -134,6 +137,7 @@ def make_mesh(
     *,
     axis_types: str | Sequence[AxisType] | None = "auto",
     devices: Sequence[Any] | None = None,
+    across: str | None = None,
 ) -> Mesh:
     """Builds a device mesh from ``"data=4,model=2"``, a dict, or returns a Mesh as is.
 
@@ -149,6 +153,16 @@ def make_mesh(
         reject at trace time any operation whose output sharding is ambiguous,
         which stock layers such as ``nnx.Embed`` do not spell out.
       devices: the devices to use (default: all of ``jax.devices()``), each once.
+      across: the axis to lay across the slow links, as hybrid sharded data
+        parallelism's ``replica`` (``strategies.get("hsdp")``, whose
+        ``Strategy.make_mesh`` passes it): where the devices fall into several
+        :func:`granules` (processes of a ``jax.distributed`` job, or slices where
+        the devices name them), that axis spans the groups and every other axis
+        stays within one. Its size must be a multiple of the number of groups
+        ``g``; each group holds ``size/g`` of its places and the whole of the
+        other axes (``jax.experimental.mesh_utils.create_hybrid_device_mesh``
+        orders the devices). On one process (e.g. simulated devices) the mesh is
+        the ordinary one.
 
     Raises:
       UsageError: ``spec`` is not a string, dict or Mesh (e.g. ``8`` or ``None``), or does
@@ -156,7 +170,9 @@ def make_mesh(
         not a positive int such as ``8.5`` or ``True``, two ``-1`` axes).
       ShardingError: sizes that do not multiply to the number of devices (the fix names
         ``devices=...[:n]`` when the mesh is smaller), a ``-1`` axis the devices do not
-        divide into; ``devices`` not a list of jax devices, empty or repeating.
+        divide into; ``devices`` not a list of jax devices, empty or repeating; an
+        ``across`` axis that is not one of the mesh's, whose size the groups do not
+        divide, or groups of unequal sizes; devices of several slices without ``across``.
 
     >>> from nnx_shard import make_mesh
     >>> mesh = make_mesh("data=4,model=2")
@@ -166,6 +182,8 @@ def make_mesh(
     {'data': 8}
     >>> make_mesh("data=8").axis_types, make_mesh("data=8", axis_types="explicit").axis_types
     ((Auto,), (Explicit,))
+    >>> dict(make_mesh("replica=2,data=4", across="replica").shape)  # one process: ordinary
+    {'replica': 2, 'data': 4}
     """
     if isinstance(spec, Mesh):
         return spec
@@ -209,7 +227,77 @@ def make_mesh(
                 "axis_types='auto', or (AxisType.Auto,) * number of axes."
             )
         types = tuple(axis_types)  # type: ignore[arg-type]  # checked above: AxisTypes
+    if across is not None and (not isinstance(across, str) or across not in axes):
+        raise UsageError(
+            f"make_mesh: across={short(across)} is not an axis of mesh {mesh_str(axes)}. Fix: "
+            f"name the axis to lay across processes or slices, e.g. across={next(iter(axes))!r}.")
+    groups = granules(devs)
+    if len(groups) > 1 and across is not None:
+        return Mesh(hybrid_devices(axes, across, devs), tuple(axes), axis_types=types)
+    if len(groups) > 1 and _granule_attr(devs) == "slice_index":
+        # jax.make_mesh refuses these with a ValueError naming a function of its own.
+        raise ShardingError(
+            f"make_mesh: the {n} devices span {len(groups)} slices; mesh {mesh_str(axes)} needs "
+            "an axis laid across them (the slow links). Fix: "
+            f"make_mesh({mesh_str(axes)!r}, across={next(iter(axes))!r}).")
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devs)
+
+
+def _granule_attr(devices: Sequence[Any]) -> str:
+    """``"slice_index"`` where the devices name several slices, else ``"process_index"``."""
+    return ("slice_index" if len({getattr(d, "slice_index", 0) for d in devices}) > 1
+            else "process_index")
+
+
+def granules(devices: Sequence[Any] | None = None) -> list[list[Any]]:
+    """The groups of ``devices`` (default: all of ``jax.devices()``) the slow links join:
+    one per slice where the devices name several (``slice_index``: multi-slice TPU, multi-node
+    GPU), else one per process; in index order, each group's devices in the given order.
+    :func:`make_mesh`'s ``across`` axis spans them.
+
+    >>> [len(g) for g in granules()]    # one process of 8 simulated devices
+    [8]
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    attr = _granule_attr(devs)
+    groups: dict[int, list[Any]] = {}
+    for d in devs:
+        groups.setdefault(getattr(d, attr), []).append(d)
+    return [groups[k] for k in sorted(groups)]
+
+
+def hybrid_devices(axes: Mapping[str, int], across: str, devices: Sequence[Any]) -> np.ndarray:
+    """The device array of a hybrid mesh of ``axes`` sizes (which multiply to
+    ``len(devices)``): the ``across`` axis spans the :func:`granules` of ``devices``,
+    every other axis stays within one (what :func:`make_mesh` builds with ``across``).
+
+    Raises:
+      ShardingError: ``axes[across]`` is not a multiple of the number of groups, or the
+        groups hold different numbers of devices.
+
+    >>> import jax
+    >>> hybrid_devices({"replica": 2, "data": 4}, "replica", jax.devices()).shape
+    (2, 4)
+    """
+    attr = _granule_attr(devices)
+    unit = "slices" if attr == "slice_index" else "processes"
+    groups = granules(devices)
+    g, size = len(groups), axes[across]
+    if size % g:
+        raise ShardingError(
+            f"mesh {mesh_str(axes)}: axis {across!r} is laid across the devices' {g} {unit}, "
+            f"so its size ({size}) must be a multiple of {g}. Fix: e.g. {across}={g} with the "
+            f"other axes over the {len(devices) // g} devices of each.")
+    counts = sorted({len(x) for x in groups})
+    if len(counts) > 1:
+        raise ShardingError(
+            f"make_mesh(..., across={across!r}): the devices fall into {g} {unit} holding "
+            f"{counts} devices; a hybrid mesh needs the same number in each. Fix: pass "
+            f"devices= with as many from each of the {unit}.")
+    inner = [s // g if a == across else s for a, s in axes.items()]
+    outer = [g if a == across else 1 for a in axes]
+    return mesh_utils.create_hybrid_device_mesh(
+        inner, outer, devices, process_is_granule=attr == "process_index")
 
 
 def _check_devices(devices: Any) -> list[Any]:

@@ -24,6 +24,10 @@ zero2      data             zero1, with each gradient reduced to its          al
                                                                               over data (updated parameters)
 fsdp       data             batch; params, grads, opt. state over ``embed``   all-gather over data (parameters),
                                                                               all-reduce over data (gradients) [1]_
+hsdp       replica, data    fsdp over data within each replica; batch over    all-gather over data (parameters),
+                            replica x data; params replicated across          all-reduce over data (gradients) [1]_,
+                            replica (``Strategy.across``: replica spans       then over replica on each device's 1/data
+                            processes in a ``jax.distributed`` job)           slice [3]_
 tp         data, model      batch; heads, mlp, vocab over model (Megatron)    all-reduce over model (row-parallel
                                                                               outputs), all-gather over model (the
                                                                               embedding table), all-reduce over data
@@ -81,6 +85,13 @@ where a layout changes).
 .. [2] The pipeline presets run only on Auto axes (tests/parallel/test_pipeline.py reads
    their collectives there), with a stacked layer axis and the trainer's
    ``microbatches=M`` (at least the number of stages).
+
+.. [3] Read on Auto axes, the default (tests/strategies/test_hsdp.py, which also
+   proves hsdp's values equal fsdp's on the same devices): only the gradient
+   reduction crosses replicas, once per step, on 1/data slices (the small
+   gradients, the norms' scales and the position table, whole, in one
+   all-reduce over replica x data). On Explicit axes XLA reduces every gradient
+   in one all-reduce over replica x data.
 
 :func:`get` builds a preset by name (:data:`NAMES`), :class:`Strategy` is what it
 returns, and :func:`preset` registers a preset of your own under its function's

@@ -20,8 +20,8 @@ from nnx_shard._rules import Fallbacks, Rules
 from nnx_shard.strategies._strategy import PRESETS, REPLICATED, Strategy, preset, replicated
 
 __all__ = [
-    "NAMES", "async_tp", "cp", "dp", "ep", "fsdp", "fsdp_cp", "fsdp_ep", "fsdp_tp", "get", "pp", "pp_fsdp",
-    "pp_tp", "sp", "tp", "zero1", "zero2",
+    "NAMES", "async_tp", "cp", "dp", "ep", "fsdp", "fsdp_cp", "fsdp_ep", "fsdp_tp", "get", "hsdp", "pp",
+    "pp_fsdp", "pp_tp", "sp", "tp", "zero1", "zero2",
 ]
 
 # -- the tables presets combine: each names only the logical axes it shards ---------------
@@ -162,6 +162,43 @@ def fsdp(*, data: str = "data") -> Strategy:
     """
     return Strategy(name="fsdp", rules=REPLICATED | _fsdp(data), opt_rules=None,
                     mesh_axes=(data,), collectives=("all-gather", "all-reduce"))
+
+
+@preset
+def hsdp(*, replica: str = "replica", data: str = "data") -> Strategy:
+    """Hybrid sharded data parallelism (as MaxText's and torchtitan's HSDP): :func:`fsdp`
+    within each replica over ``data``, data parallelism across replicas over
+    ``replica``. Parameters, gradients and optimizer state are sharded over ``data``
+    along ``embed`` and replicated across ``replica``; the batch is split over both.
+
+    ``replica`` is the strategy's :attr:`~Strategy.across` axis: :meth:`Strategy.make_mesh`
+    lays it across the processes (or slices) of a ``jax.distributed`` job, one
+    replica per process with ``data`` its local devices by default, so the
+    parameter all-gathers run over the fast links inside a host and only the
+    gradient reduction crosses the slow ones (``nnx_shard.make_mesh(...,
+    across="replica")`` builds the same by hand). On one process the mesh is an
+    ordinary one: 8 devices give ``replica=2, data=4``.
+
+    Mesh axes: ``replica``, ``data``. Collectives (measured on 8 CPU devices with
+    Auto axes, the default: tests/strategies/test_hsdp.py): the all-gathers of
+    each parameter over ``data`` only, never across ``replica``; the gradients
+    reduced to each device's 1/data slice within ``data`` (a reduce-scatter; XLA
+    CPU compiles it as an all-reduce and a local slice) and across ``replica``
+    once per step, on the slices (the small ones, norm scales and the position
+    table, whole in one all-reduce over both axes). So a replica sends about
+    1/data of the gradients over the slow links, where :func:`fsdp` over the
+    same devices would reduce whole gradients and gather every parameter across
+    them. On Explicit axes XLA reduces the gradients in one all-reduce over
+    ``replica`` x ``data`` instead.
+
+    >>> s = hsdp()
+    >>> s.rules["batch"], s.rules["embed"], s.across, s.mesh_for(8)
+    (('replica', 'data'), 'data', 'replica', {'replica': 2, 'data': 4})
+    """
+    both = (replica, data)
+    rules = REPLICATED | _fsdp(data) | {"batch": both, "cache_batch": both}
+    return Strategy(name="hsdp", rules=rules, opt_rules=None, mesh_axes=both, sizes=(4,),
+                    collectives=("all-gather", "all-reduce"), across=replica)
 
 
 @preset
@@ -440,7 +477,7 @@ def get(name: str, *, offload: str | None = None, **axes: str) -> Strategy:
     >>> get("ddp")
     Traceback (most recent call last):
     ...
-    nnx_shard._errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, zero2, fsdp, tp, fsdp_tp, sp, ep, ...
+    nnx_shard._errors.ShardingError: unknown strategy 'ddp'. Did you mean 'dp'? Known: dp, zero1, zero2, fsdp, hsdp, tp, fsdp_tp, sp, ...
     """
     if not isinstance(name, str):
         raise ShardingError(f"strategies.get: name must be a preset name (str), got "

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from nnx_shard._annotate import path_str
 from nnx_shard._axes import mesh_sizes
 from nnx_shard._errors import ShardingError, UsageError, count
-from nnx_shard._mesh import make_mesh, parse_axes, variable_spec
+from nnx_shard._mesh import granules, make_mesh, parse_axes, variable_spec
 from nnx_shard._parallel.schedule import Schedule, check_stack
 from nnx_shard._rules import Rules
 
@@ -62,6 +62,10 @@ class Strategy:
       offload: what lives in host memory (``pinned_host``) between steps: ``None``
         (nothing), ``"optimizer"`` (the optimizer state) or ``"optimizer+params"``
         (the parameters too); see :meth:`with_offload`.
+      across: the mesh axis laid across processes or slices, the slow links
+        (``replica`` of ``strategies.get("hsdp")``); ``None``: none.
+        :meth:`make_mesh` builds the hybrid mesh (``nnx_shard.make_mesh(...,
+        across=...)``) and :meth:`mesh_for` gives that axis one place per process.
 
     >>> from nnx_shard.strategies import get
     >>> s = get("zero1")
@@ -76,6 +80,7 @@ class Strategy:
     sizes: tuple[int, ...] = ()
     collectives: tuple[str, ...] = ()
     offload: str | None = None
+    across: str | None = None
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOADS:
@@ -86,8 +91,8 @@ class Strategy:
 
     def with_offload(self, offload: str | None) -> Strategy:
         """This strategy with ``offload`` (one of :data:`OFFLOADS`): the arrays it names
-        are kept in host memory between steps and brought to the devices inside the
-        compiled step, so device memory holds them only while they are used.
+        are kept in host memory between steps and brought to the devices inside each
+        compiled step, where it uses them.
 
         ``"optimizer"``: :func:`~nnx_shard.sharded_optimizer` builds the optimizer
         state in host memory (each array's usual ``NamedSharding`` with
@@ -95,12 +100,24 @@ class Strategy:
         :func:`~nnx_shard.sharded_init` (and :func:`~nnx_shard.abstract_init`, for
         restore targets) put the parameters there too. The fused call
         (:func:`~nnx_shard.multistep`, :class:`~nnx_shard.Trainer`) reads where each
-        array lives: inside its compiled program it moves the host arrays to device
-        memory, runs the K steps, and moves the results back, so the state stays in
-        host memory between calls; checkpoints save from it and restore into the
-        target's memory. The move is of the whole offloaded state per call (not
-        layer by layer): between calls the devices hold none of it, within a call
-        XLA places the copies. ``strategies.get(name, offload=...)`` is the same.
+        array lives and keeps the host arrays in host memory in its K-step loop: each
+        step moves them to device memory and back at its end, so the state stays in
+        host memory between steps and calls; checkpoints save from it and restore into
+        the target's memory. When they arrive: :class:`~nnx_shard.Trainer`'s steps move
+        offloaded parameters in at the step's start (the forward pass reads them) and
+        the optimizer state only once the gradients exist (an
+        ``optimization_barrier`` ties its host-to-device copies to the gradients), so
+        the device holds the optimizer state during the update, with the parameters
+        and gradients, not during the forward and backward passes; a step of
+        :func:`~nnx_shard.multistep` moves the whole offloaded state in at its start;
+        ``Trainer``'s NaN guard checks the call's final state on device copies at the
+        call's end (``guard="full"``: the state before the call too). Each move is of
+        whole arrays, not layer by layer: the device's peak is the larger of the
+        forward/backward phase and the update, which
+        :func:`nnx_shard.planner.auto` and ``nnx-shard plan --offload`` count. On XLA
+        CPU host and device memory are the same RAM and the moves compile to nothing,
+        so a CPU compile cannot show the device peak.
+        ``strategies.get(name, offload=...)`` is the same.
 
         >>> from nnx_shard.strategies import get
         >>> get("fsdp").with_offload("optimizer").offload
@@ -113,7 +130,14 @@ class Strategy:
         return dataclasses.replace(self, offload=offload)
 
     def mesh_for(self, n_devices: int | None = None) -> dict[str, int]:
-        """A default mesh shape over :attr:`mesh_axes` for ``n_devices`` (default: all).
+        """A default mesh shape over :attr:`mesh_axes` for ``n_devices`` (default: all):
+        the first axis takes what the others' preferred :attr:`sizes` leave.
+
+        A strategy with an :attr:`across` axis, over all the devices (``n_devices``
+        left out) of a job whose devices fall into several processes or slices
+        (:func:`~nnx_shard._mesh.granules`, equal in size): that axis gets one place
+        per group and the other axes split each group's devices, the first of them
+        taking the rest (hsdp: ``data`` = the devices of one process).
 
         >>> from nnx_shard.strategies import get
         >>> get("tp").mesh_for(8), get("tp").mesh_for(6), get("dp").mesh_for(8)
@@ -121,16 +145,16 @@ class Strategy:
         """
         n = jax.device_count() if n_devices is None else count(
             n_devices, "mesh_for: n_devices", fix="a positive device count, e.g. 8")
-        rest = n
-        tail = []
-        for pref in self.sizes:
-            size = math.gcd(pref, rest)
-            tail.append(size)
-            rest //= size
-        return dict(zip(self.mesh_axes, (rest, *tail), strict=True))
+        groups = granules() if self.across is not None and n_devices is None else [()]
+        if len(groups) > 1 and len({len(g) for g in groups}) == 1:
+            others = tuple(a for a in self.mesh_axes if a != self.across)
+            pref = dict(zip(self.mesh_axes[1:], self.sizes, strict=True))
+            inner = _split(n // len(groups), others, [pref[a] for a in others[1:]])
+            return {a: len(groups) if a == self.across else inner[a] for a in self.mesh_axes}
+        return _split(n, self.mesh_axes, self.sizes)
 
     def make_mesh(self, n_devices: int | None = None, *, axis_types: str = "auto") -> Mesh:
-        """``nnx_shard.make_mesh(self.mesh_for(n_devices), axis_types=...)``.
+        """``nnx_shard.make_mesh(self.mesh_for(n_devices), axis_types=..., across=self.across)``.
 
         Auto axes by default, so models built from stock Flax layers train as
         written; ``axis_types="explicit"`` opts in to JAX's sharding-in-types.
@@ -139,9 +163,17 @@ class Strategy:
         >>> mesh = get("ep").make_mesh()
         >>> dict(mesh.shape), mesh.axis_types
         ({'data': 2, 'expert': 4}, (Auto, Auto))
+
+        With an :attr:`across` axis (hsdp's ``replica``) the mesh is hybrid: that axis
+        spans the processes (or slices) of a ``jax.distributed`` job, the others stay
+        within one; on one process it is the ordinary mesh.
+
+        >>> dict(get("hsdp").make_mesh().shape)
+        {'replica': 2, 'data': 4}
         """
         n = jax.device_count() if n_devices is None else n_devices
-        return make_mesh(self.mesh_for(n), axis_types=axis_types, devices=jax.devices()[:n])
+        return make_mesh(self.mesh_for(n_devices), axis_types=axis_types,
+                         devices=jax.devices()[:n], across=self.across)
 
     # -- extending ----------------------------------------------------------------
 
@@ -347,6 +379,18 @@ class Strategy:
                     if any(a in axes for c in cands for a in c):  # not UNCONSTRAINED
                         return True
         return False
+
+
+def _split(n: int, axes: tuple[str, ...], prefs: Any) -> dict[str, int]:
+    """``n`` devices over ``axes``: each but the first its preferred size (as far as
+    what is left divides), the first the rest."""
+    rest = n
+    tail = []
+    for pref in prefs:
+        size = math.gcd(pref, rest)
+        tail.append(size)
+        rest //= size
+    return dict(zip(axes, (rest, *tail), strict=True))
 
 
 def _sizes(mesh: Mesh | str | Mapping[str, int]) -> dict[str, int]:

@@ -394,7 +394,7 @@ def test_bad_flags_from_the_console_script_have_no_traceback():
     assert len(lines) == 1 and lines[0].endswith(".")
     assert lines[0].startswith(
         "nnx-shard: error: --strategy 'pipeline': unknown strategy 'pipeline'. Known: dp, zero1, "
-        "zero2, fsdp, tp, fsdp_tp, sp, ep"
+        "zero2, fsdp, hsdp, tp, fsdp_tp, sp, ep"
     )
 
 

@@ -308,7 +308,8 @@ def test_one_prefill_and_one_decode_program_per_shape(caplog: pytest.LogCaptureF
 def test_every_preset_names_the_cache() -> None:
     expected = {  # cache_batch, cache_length, cache_kv_heads
         "dp": ("data", None, None), "zero1": ("data", None, None),
-        "zero2": ("data", None, None), "fsdp": ("data", None, None), "tp": ("data", None, ["model", None]),
+        "zero2": ("data", None, None), "fsdp": ("data", None, None),
+        "hsdp": (("replica", "data"), None, None), "tp": ("data", None, ["model", None]),
         "fsdp_tp": ("data", None, ["model", None]), "sp": ("data", None, ["model", None]),
         "async_tp": ("data", None, ["model", None]), "cp": ("data", "context", None),
         "fsdp_cp": ("data", "context", None), "ep": ([("data", "expert"), "data"], None, None),

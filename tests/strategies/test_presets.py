@@ -2,7 +2,8 @@
 over the new names, its rules and optimizer-state rules entry by entry in table order (the
 order decides which logical name claims a contested mesh axis), its options (a pipeline's
 schedule runs over the renamed stage axis, zero2's gradient table over the renamed data
-axis), its preferred sizes, collectives and default meshes. What each preset's tables do is the preset matrix's (tests/test_strategies.py:
+axis), its preferred sizes, collectives, the axis it lays across processes (hsdp's replica)
+and default meshes. What each preset's tables do is the preset matrix's (tests/test_strategies.py:
 values against one device, bytes per device, the compiled collectives).
 """
 
@@ -14,7 +15,8 @@ import pytest
 from nnx_shard import strategies
 from nnx_shard.strategies._strategy import PRESETS
 
-RENAMES = {"data": "d", "model": "m", "expert": "e", "context": "c", "stage": "s"}
+RENAMES = {"data": "d", "model": "m", "expert": "e", "context": "c", "stage": "s",
+           "replica": "r"}
 
 
 def _renamed(value):
@@ -53,5 +55,6 @@ def test_a_preset_with_renamed_axes_is_the_preset_over_the_new_names(name):
     assert got == options
     assert renamed.mesh_axes == _renamed(tuple(plain.mesh_axes))
     assert (renamed.sizes, renamed.collectives) == (plain.sizes, plain.collectives)
+    assert renamed.across == _renamed(plain.across)
     for n in (1, 6, 8, 64):
         assert renamed.mesh_for(n) == {_renamed(k): v for k, v in plain.mesh_for(n).items()}
