@@ -5,13 +5,18 @@ A strategy's :attr:`~nnx_shard.strategies.Strategy.offload` names what lives the
 too). :func:`nnx_shard.sharded_optimizer` and :func:`nnx_shard.sharded_init` place
 those arrays with their usual ``NamedSharding`` in ``memory_kind="pinned_host"``;
 the fused call (:func:`nnx_shard.multistep`, ``Trainer``) reads the memory kind
-from the arrays, moves them to device memory inside its compiled program
-(:func:`to_device`, a ``jax.device_put`` under ``jit``), runs the steps, and moves
-the results back (:func:`to_host`), so its outputs keep the host shardings and
-the next call is given them the same way.
+from the arrays and keeps them in host memory in its K-step loop's carry: each
+step moves them to device memory (a ``jax.device_put`` under ``jit``) where it
+uses them and back at its end, so its outputs keep the host shardings and the
+next call is given them the same way.
 
-The move is of the whole state at the start of the call: device memory holds the
-offloaded arrays only while the call runs, and none of them between calls.
+When each array arrives: a step of :func:`nnx_shard.multistep` moves the whole
+offloaded state in at its start. ``Trainer``'s steps move offloaded parameters in
+at step start (the forward pass reads them) and the optimizer state only once the
+gradients exist (:func:`arrive_after`: an ``optimization_barrier`` ties the host
+arrays to the gradients, so XLA cannot schedule their host-to-device copy before
+the backward pass ends). The device then holds the optimizer state during the
+update only, never during the forward and backward passes.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from jax.sharding import NamedSharding
 
 from nnx_shard._errors import UsageError
 
-__all__ = ["DEVICE", "HOST", "check_host_memory", "host_sharding", "host_where", "is_host", "offloads", "on_device",
-           "to_device", "to_host", "traced_on_device"]
+__all__ = ["DEVICE", "HOST", "arrive", "arrive_after", "check_host_memory", "host_sharding",
+           "host_where", "is_host", "moves_offloaded", "offloads", "on_device", "owns_moves",
+           "to_host", "traced_host", "traced_on_device"]
 
 #: The memory kind offloaded arrays live in between steps.
 HOST = "pinned_host"
@@ -82,25 +88,74 @@ def on_device(sharding: Any) -> Any:
     return sharding.with_memory_kind(DEVICE) if is_host(sharding) else sharding
 
 
-def to_device(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
-    """Inside ``jit``: every value whose sharding is a host one moved to device memory
-    with the same layout; the others as they are."""
-    return [jax.device_put(x, on_device(s)) if is_host(s) else x
-            for x, s in zip(values, shardings, strict=True)]
-
-
 def to_host(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
-    """Inside ``jit``: the inverse of :func:`to_device`."""
+    """Inside ``jit``: every value whose sharding is a host one moved into it (memory
+    kind and layout); the others as they are."""
     return [jax.device_put(x, s) if is_host(s) else x
             for x, s in zip(values, shardings, strict=True)]
+
+
+def traced_host(x: Any) -> bool:
+    """Inside ``jit``: whether the traced value ``x``'s type says host memory."""
+    return isinstance(x, jax.Array) and (
+        getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host)
 
 
 def traced_on_device(x: jax.Array) -> jax.Array:
     """Inside ``jit``: ``x`` in device memory if its type says host memory (read from
     the traced value itself, for code that is not given the shardings), else ``x``."""
-    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+    if traced_host(x):
         return jax.device_put(x, jax.memory.Space.Device)
     return x
+
+
+def arrive(node: Any) -> None:
+    """Inside ``jit``: moves ``node``'s Variables whose values are in host memory to
+    device memory, in place (on the traced copy the step was given)."""
+    state = nnx.state(node)
+    leaves, treedef = jax.tree.flatten(state)
+    if any(map(traced_host, leaves)):
+        nnx.update(node, jax.tree.unflatten(treedef, [traced_on_device(x) for x in leaves]))
+
+
+def arrive_after(node: Any, ready: Any) -> Any:
+    """Inside ``jit``: :func:`arrive` for ``node`` (an optimizer), scheduled after
+    ``ready`` (the gradients) exists; returns ``ready``.
+
+    The host arrays and ``ready`` go through one ``jax.lax.optimization_barrier``
+    and the device copies are made of the barrier's outputs: a copy cannot start
+    before its operand exists, and the barrier's outputs exist only once all its
+    operands do, so no host-to-device copy of the state can be scheduled before the
+    backward pass that computes ``ready`` ends. (Moving first and tying the device
+    copies to ``ready`` would not: XLA may still run the copy early and keep its
+    result.) Nothing in host memory: ``node`` and ``ready`` are left as they are.
+    """
+    state = nnx.state(node)
+    leaves, treedef = jax.tree.flatten(state)
+    where = [i for i, x in enumerate(leaves) if traced_host(x)]
+    if not where:
+        return ready
+    tied, ready = jax.lax.optimization_barrier(([leaves[i] for i in where], ready))
+    for i, x in zip(where, tied, strict=True):
+        leaves[i] = jax.device_put(x, jax.memory.Space.Device)
+    nnx.update(node, jax.tree.unflatten(treedef, leaves))
+    return ready
+
+
+#: The attribute a step function carries when it moves offloaded state in itself
+#: (:func:`arrive`, :func:`arrive_after`): the fused call then only moves it back.
+_OWN_MOVES = "_nnx_shard_moves_offloaded"
+
+
+def moves_offloaded(step: Any) -> Any:
+    """Marks ``step`` as moving the offloaded state to the devices itself; returns it."""
+    setattr(step, _OWN_MOVES, True)
+    return step
+
+
+def owns_moves(step: Any) -> bool:
+    """Whether ``step`` was marked by :func:`moves_offloaded`."""
+    return bool(getattr(step, _OWN_MOVES, False))
 
 
 def host_where(tree: Any, keep: Any) -> Any:

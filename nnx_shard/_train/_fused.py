@@ -36,7 +36,7 @@ from nnx_shard._errors import (
     sharding_types,
 )
 from nnx_shard._mesh import current
-from nnx_shard._offload import is_host, on_device, to_device, to_host
+from nnx_shard._offload import arrive, is_host, owns_moves, to_host
 from nnx_shard._train._fused_checks import ArgNames, check_microbatch_rows, check_options, steps
 from nnx_shard._train._precision import Precision, as_precision
 from nnx_shard._train._traced import build_run, pack
@@ -114,19 +114,70 @@ class _Plan:
     run: Any = None  # the function ``jitted`` compiles (see Fused._data_jit)
 
 
-def _offloaded(run: Callable[..., Any], shardings: tuple[Any, ...]) -> Callable[..., Any]:
-    """``run`` for state given in host memory (shardings with ``memory_kind=
-    "pinned_host"``, as a strategy's ``offload`` places it): the compiled call
-    moves that state to device memory first, runs the K steps (carry pinned to the
-    device layout), and moves the results back, so the outputs keep the input
-    shardings and the next call is given the state the same way. ``run`` itself
-    when nothing is offloaded."""
-    if not any(is_host(s) for s in shardings):
-        return run
+class _Stepwise:
+    """The :class:`~nnx_shard._train._traced.StepOwner` of a fused call on state given
+    in host memory (shardings with ``memory_kind="pinned_host"``, as a strategy's
+    ``offload`` places it): the K-step loop carries that state in host memory, and
+    each step moves it to device memory and back at its end (:func:`_stepwise`), so
+    the outputs keep the input shardings and the next call is given the state the
+    same way. The device holds the offloaded state only inside a step, where the
+    step uses it: not across the loop, nor between calls. The options and the trace
+    count are the :class:`Fused`'s."""
 
-    def moved(values: list[Any], data: tuple[Any, ...]) -> tuple[list[Any], Any, jax.Array]:
-        new_values, metrics, count = run(to_device(values, shardings), data)
-        return to_host(new_values, shardings), metrics, count
+    def __init__(self, fused: Fused, placed: tuple[Any, ...], node_pos: tuple[int, ...]) -> None:
+        self._fused = fused
+        self.microbatches, self.precision, self.unroll = (
+            fused.microbatches, fused.precision, fused.unroll)
+        self.step_fn = _stepwise(fused.step_fn, placed, node_pos)
+        self.finish = None if fused.finish is None else _finish_moved(fused.finish, placed)
+
+    @property
+    def traces(self) -> int:
+        return self._fused.traces
+
+    @traces.setter
+    def traces(self, value: int) -> None:
+        self._fused.traces = value
+
+
+def _back_to_host(nodes: Any, placed: tuple[Any, ...]) -> None:
+    """Inside ``jit``: the leaves of ``nnx.state(nodes)`` (in the order of the fused
+    call's state, ``placed``'s) whose call-input sharding is a host one moved back
+    into it, layout included."""
+    leaves, treedef = jax.tree.flatten(nnx.state(nodes))
+    nnx.update(nodes, jax.tree.unflatten(treedef, to_host(leaves, placed)))
+
+
+def _stepwise(step_fn: Callable[..., Any], placed: tuple[Any, ...],
+              node_pos: tuple[int, ...]) -> Callable[..., Any]:
+    """``step_fn`` on host-memory state: it moves the offloaded Variables of its NNX
+    arguments to device memory at its start (unless ``step_fn`` moves them itself,
+    :func:`~nnx_shard._offload.moves_offloaded`: the Trainer's steps bring the
+    optimizer state in only once the gradients exist) and back at its end."""
+    own = owns_moves(step_fn)
+
+    def step(*args: Any) -> Any:
+        nodes = tuple(args[i] for i in node_pos)
+        if not own:
+            arrive(nodes)
+        metrics = step_fn(*args)
+        _back_to_host(nodes, placed)
+        return metrics
+
+    return functools.wraps(step_fn)(step)
+
+
+def _finish_moved(finish: Callable[[Any, Any, Any], Any],
+                  placed: tuple[Any, ...]) -> Callable[[Any, Any, Any], Any]:
+    """The call's ``finish`` (the Trainer's check of the call) on device copies of the
+    offloaded state before and after the K steps, the state after moved back."""
+
+    def moved(before: Any, after: Any, metrics: Any) -> Any:
+        arrive(before)
+        arrive(after)
+        metrics = finish(before, after, metrics)
+        _back_to_host(after, placed)
+        return metrics
 
     return moved
 
@@ -272,8 +323,15 @@ class Fused:
                context)
         built = self._jitted.get(key)
         if built is None:
-            run = _offloaded(build_run(self, graphdef, state_def, node_pos, nargs,
-                                       tuple(on_device(s) for s in shardings)), placed)
+            if any(map(is_host, placed)):
+                # Host state stays in host memory in the loop's carry (not pinned to a
+                # device layout there); each step moves it in and out (_Stepwise).
+                run = build_run(_Stepwise(self, placed, node_pos), graphdef, state_def,
+                                node_pos, nargs,
+                                tuple(None if is_host(p) else s
+                                      for s, p in zip(shardings, placed, strict=True)))
+            else:
+                run = build_run(self, graphdef, state_def, node_pos, nargs, shardings)
             built = (self._jit(run, shardings, None), run)
             self._jitted.put(key, built)
         plan = _Plan(built[0], state_def, shardings, context, run=built[1])

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import UsageError
 from nnx_shard._mesh import apply_sharding
+from nnx_shard._offload import arrive, arrive_after, moves_offloaded
 from nnx_shard._train._microbatch import value_and_grad
 from nnx_shard._train._norm import grad_sq_shares, grads_norm, join_small
 from nnx_shard._train._trees import leaf_path
@@ -222,7 +223,10 @@ def make_step(
 ) -> tuple[Callable[..., Any], list[tuple[str, str]]]:
     """The step with the per-step guard (the replay of a call :func:`guard_call`
     failed), and the leaves it checks after the update, filled while it is traced,
-    in the order of its ``nonfinite`` metric (an index into that list)."""
+    in the order of its ``nonfinite`` metric (an index into that list). Under host
+    offload it leaves the moves to the fused call, which brings the whole offloaded
+    state in at the step's start: the state before the step is kept on the device for
+    the select (this replay runs only after a call failed)."""
     grad_fn = _differentiate(loss_fn, has_aux)
     checked: list[tuple[str, str]] = []
 
@@ -268,8 +272,11 @@ def make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., 
     """
     grad_fn = _differentiate(loss_fn, has_aux)
 
+    @moves_offloaded
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
+        arrive(model)  # offloaded parameters: the forward pass reads them
         out, grads = grad_fn(optimizer.wrt)(model, batch)
+        grads = arrive_after(optimizer, grads)  # offloaded optimizer state: after backward
         loss, aux = out if has_aux else (out, {})
         optimizer.update(model, grads)
         aux = aux_metrics(aux)
@@ -354,11 +361,14 @@ def make_gated_step(loss_fn: Callable[..., Any], has_aux: bool,
     """
     grad_fn = _differentiate(loss_fn, has_aux)
 
+    @moves_offloaded
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
+        arrive(model)  # offloaded parameters: the forward pass reads them
         # What the forward pass may change besides the parameters (small: RNG counts,
         # batch statistics), to put back if the step is not applied.
         rest = jax.tree.map(lambda x: x, nnx.state(model, nnx.Not(optimizer.wrt)))
         out, grads = grad_fn(optimizer.wrt)(model, batch)
+        grads = arrive_after(optimizer, grads)  # offloaded optimizer state: after backward
         loss, aux = out if has_aux else (out, {})
         aux = aux_metrics(aux)  # fit's own names refused, a non-mapping kept as "aux"
         layout = guard.layout

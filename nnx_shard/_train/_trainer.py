@@ -62,8 +62,9 @@ class Trainer:
     Args:
       model, optimizer: NNX model and ``nnx.Optimizer``, already laid out
         (e.g. by ``sharded_init`` / ``sharded_optimizer``); updated in place. Arrays
-        in host memory (a strategy's ``offload``) are moved to the devices inside each
-        compiled call and stay in host memory between calls
+        in host memory (a strategy's ``offload``) stay there between steps: each step
+        moves offloaded parameters to the devices at its start and the optimizer state
+        once the gradients exist, and both back at its end
         (:meth:`~nnx_shard.strategies.Strategy.with_offload`).
       loss_fn: the loss, a mean over the examples of the batch.
       mesh: where batches go; with a strategy as ``rules``, it defaults to the mesh the

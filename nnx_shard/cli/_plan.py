@@ -41,7 +41,6 @@ from nnx_shard.models._memory import ACTIVATION_FORMULA, activation_bytes
 from nnx_shard.models._named import build, get_config, max_length
 from nnx_shard.planner._compile import compiled_memory_subprocess, planned_config
 from nnx_shard.planner._formula import (
-    STREAM,
     abstract_report,
     compute_copy,
     formula,
@@ -397,10 +396,17 @@ def _offload_note(out: dict[str, Any]) -> str:
             "the optimizer state and the parameters"}[out["offload"]]
     text = (f"  offload {out['offload']}: {what} in host memory between steps (host total"
             + (", with the NaN guard's copy" if out.get("guard") == "full" else "")
-            + "); streamed: their copy in device memory while the step runs ("
-            + ("one layer of a scanned stack at a time, the rest whole" if STREAM == "layer"
-               else "all of it at once")
-            + "); device total = the parts less the host's + streamed.")
+            + "). Each step moves "
+            + ("the parameters to the devices at its start and " if out["offload"] ==
+               "optimizer+params" else "")
+            + "the optimizer state once the gradients exist, whole (not layer by layer), "
+            "and back at its end; device total = the larger of the step's phases, "
+            "max(the parts less the host's"
+            + (" with the parameters back" if out["offload"] == "optimizer+params" else "")
+            + "; params + grads + optimizer state for the update)"
+            + ("; the guard's check at the call's end holds the state before and after"
+               if out.get("guard") == "full" else "")
+            + "; streamed: what that phase adds over the bytes that never leave the device.")
     if out.get("compiled_split") is False:
         text += (" The compiled step does not split device from host bytes (its figure is "
                  "the step without offload, everything in device memory): the device/host split "

@@ -6,8 +6,10 @@ figure; the planner's search skips a compile when it alone is far over the memor
 
 Under a strategy's host offload (:attr:`nnx_shard.strategies.Strategy.offload`) the
 formula splits its bytes: what is offloaded lives in host memory (``host``), and the
-device holds everything else plus the copy of the offloaded state streamed in for
-the update (``streamed``, :func:`streamed_bytes`); ``total`` is the device figure.
+device holds everything else, plus the offloaded state where the step has moved it
+in (:data:`ARRIVES`, :func:`offload_phases`): ``total`` is the device figure, the
+larger of the step's phases, and ``streamed`` what that phase adds over the bytes
+that never leave the device.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from nnx_shard._rules import Rules
 from nnx_shard._train._guard import DEFAULT_GUARD
 from nnx_shard.models._memory import activation_bytes
 
-__all__ = ["PRUNE_MARGIN", "STREAM", "abstract_report", "compute_copy", "formula",
-           "formula_bytes", "formula_parts", "grads_report", "offloaded_groups", "stage_config",
-           "stage_formula_bytes", "streamed_bytes"]
+__all__ = ["ARRIVES", "PRUNE_MARGIN", "abstract_report", "compute_copy", "formula",
+           "formula_bytes", "formula_parts", "grads_report", "offload_phases", "offloaded_groups",
+           "stage_config", "stage_formula_bytes"]
 
 #: The formula decides "does not fit" without a compile only when it is this many
 #: times over the budget: over every preset x mesh factorisation of 8 devices
@@ -39,12 +41,13 @@ __all__ = ["PRUNE_MARGIN", "STREAM", "abstract_report", "compute_copy", "formula
 #: ::test_the_formula_prunes_only_what_xla_would_not_fit holds it under this margin.
 PRUNE_MARGIN = 1.1
 
-#: How much of the offloaded state is on the device at once while a step streams it
-#: in from host memory: ``"layer"``, one layer of a stacked (scanned) layer stack, a
-#: leading ``layers`` axis, at a time (and whole the arrays outside the stack); or
-#: ``"whole"``, all of it during the update. The offloaded step's implementation
-#: decides which holds; :func:`streamed_bytes` counts by it.
-STREAM = "layer"
+#: When each offloaded report group arrives on the device inside a step, as the fused
+#: call moves it (``nnx_shard._offload``): ``"step"``, at the step's start (the
+#: parameters: the forward pass reads them); ``"update"``, once the gradients exist
+#: (the optimizer state: an ``optimization_barrier`` ties its host-to-device copy to
+#: the gradients). Each group goes back to host memory at the step's end. The move is
+#: of the group whole, not layer by layer. :func:`offload_phases` counts by it.
+ARRIVES = {"params": "step", "optimizer": "update"}
 
 
 def abstract_report(model: Any, sizes: str | Mapping[str, int], rules: Rules, tx: Any = None,
@@ -105,42 +108,39 @@ def offloaded_groups(offload: str | None) -> tuple[str, ...]:
             "optimizer+params": ("params", "optimizer")}[offload]
 
 
-def streamed_bytes(report: Report, offload: str | None, stream: str | None = None) -> int:
-    """Bytes per device of the offloaded state's copy on the device while a step
-    streams it in from host memory: with ``stream="layer"`` (default :data:`STREAM`) one
-    layer's share of each array with a leading ``layers`` axis (a scanned stack; on
-    a mesh that splits that axis, one of the device's own layers) plus the whole of
-    every other offloaded array; with ``"whole"`` the whole offloaded state. 0
-    without offload.
+def offload_phases(parts: Mapping[str, int], offload: str | None,
+                   guard: str = DEFAULT_GUARD) -> dict[str, int]:
+    """Device bytes per device in each phase of an offloaded step, from :func:`formula`'s
+    ``parts`` (the state's bytes wherever it lives; ``total`` their sum):
 
-    >>> import dataclasses, optax
-    >>> from flax import nnx
-    >>> from nnx_shard.models import Decoder, get_config
-    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True)   # 2 layers
-    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    >>> from nnx_shard.strategies._presets import get
-    >>> report = abstract_report(model, {"data": 1}, get("dp").rules, optax.sgd(0.1, momentum=0.9))
-    >>> whole = streamed_bytes(report, "optimizer", "whole")
-    >>> whole == report.opt_bytes_per_device
-    True
-    >>> streamed_bytes(report, "optimizer") < whole, streamed_bytes(report, None)
-    (True, 0)
+    * ``kept``: what never leaves the device (the parts less the offloaded state
+      and, under ``guard="full"``, its copy, which is the call's input, on the host);
+    * ``forward``: the forward and backward passes: ``kept`` plus the groups that
+      arrive at the step's start (:data:`ARRIVES`: the parameters);
+    * ``update``: the optimizer update: ``forward`` less the activations and the
+      compute copy (freed by then) plus the groups that arrive for it (the optimizer
+      state);
+    * ``finish``: under ``guard="full"``, the check at the end of the fused call,
+      which moves the offloaded state before and after the call in to select one:
+      the parameters, optimizer state and their guard copy (0 for other guards: their
+      check holds no more than ``update``).
+
+    >>> parts = {"params": 100, "grads": 100, "optimizer": 200, "guard": 0,
+    ...          "activations": 500, "total": 900}
+    >>> offload_phases(parts, "optimizer")   # the optimizer state arrives after the backward pass
+    {'kept': 700, 'forward': 700, 'update': 400, 'finish': 0}
+    >>> offload_phases(parts, "optimizer+params")["forward"]   # the parameters at step start
+    700
     """
     groups = offloaded_groups(offload)
-    stream = STREAM if stream is None else stream  # read now: one edit of STREAM changes it
-    total = 0
-    for r in report.rows:
-        if r.group not in groups:
-            continue
-        if stream == "layer" and r.names and r.names[0] == "layers" and r.shape:
-            entry = next(iter(r.spec), None)
-            split = 1
-            for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-                split *= int(report.mesh_shape.get(axis, 1))
-            total += r.bytes_per_device // max(1, r.shape[0] // split)
-        else:
-            total += r.bytes_per_device
-    return int(total)
+    host = sum(parts[g] for g in groups) * (2 if guard == "full" else 1)
+    kept = parts["total"] - host
+    forward = kept + sum(parts[g] for g in groups if ARRIVES[g] == "step")
+    update = (forward - parts["activations"] - parts.get("compute", 0)
+              + sum(parts[g] for g in groups if ARRIVES[g] == "update"))
+    finish = parts["params"] + parts["optimizer"] + parts["guard"] if guard == "full" else 0
+    return {"kept": int(kept), "forward": int(forward), "update": int(update),
+            "finish": int(finish)}
 
 
 def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
@@ -159,10 +159,12 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     sharding propagation places it.
 
     With ``offload`` (``"optimizer"`` or ``"optimizer+params"``) the parts stay the
-    state's bytes, wherever they live, and two are added: ``streamed``, the offloaded
-    state's copy on the device during the step (:func:`streamed_bytes`), and ``host``,
-    the offloaded state (and under ``guard="full"`` its copy) in host memory;
-    ``total`` is then the device's: the parts less what is on the host.
+    state's bytes, wherever they live, and two are added: ``host``, the offloaded
+    state (and under ``guard="full"`` its copy) in host memory, and ``streamed``, what
+    the step's largest phase (:func:`offload_phases`) holds over the bytes that never
+    leave the device; ``total`` is then the device's: the largest phase, ``max``(the
+    parts less the host's, with the offloaded parameters back; parameters + gradients
+    + the optimizer state moved in for the update).
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
@@ -177,7 +179,7 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     >>> report = abstract_report(model, {"data": 2}, Rules({}), optax.adam(0.1))  # 2 moments
     >>> off = formula(report, 100, offload="optimizer")
     >>> off["optimizer"], off["host"], off["streamed"], off["total"]  # the moments on the host
-    (292, 292, 292, 680)
+    (292, 292, 192, 580)
     """
     # A gradient takes the layout of the optimizer moment it updates where that is
     # smaller (ZeRO-1's sharded state): XLA reduce-scatters it straight into the
@@ -206,9 +208,10 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
         # The guard's copy of host state is the step's input kept, which stays there.
         host = sum(parts[g] for g in offloaded_groups(offload))
         host *= 2 if guard == "full" else 1
-        out["streamed"] = streamed_bytes(report, offload)
-        out["total"] += out["streamed"] - host
-        out["host"] = host
+        phases = offload_phases(out, offload, guard)
+        device = max(phases["forward"], phases["update"], phases["finish"])
+        out["streamed"] = device - phases["kept"]
+        out["total"], out["host"] = device, host
     return out
 
 

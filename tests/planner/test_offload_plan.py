@@ -17,13 +17,13 @@ from nnx_shard._report import fmt_bytes
 from nnx_shard.cli import _plan as cli_plan
 from nnx_shard.cli import main
 from nnx_shard.models import Decoder, get_config
-from nnx_shard.planner import _formula
 from nnx_shard.planner._formula import (
+    ARRIVES,
     abstract_report,
     formula,
     formula_bytes,
     formula_parts,
-    streamed_bytes,
+    offload_phases,
 )
 
 H = planner.Hardware("test", peak_flops=1e9, link_bandwidth=1e6)
@@ -42,60 +42,49 @@ def fsdp_report(model):
     return abstract_report(model, {"data": 2}, strat.rules, optax.adamw(1e-3), strat.opt_rules)
 
 
-def _layer_share(report, group):
-    """One layer of each stacked array of ``group``, the rest whole, counted by hand."""
-    return sum(r.bytes_per_device // r.shape[0] if r.names and r.names[0] == "layers"
-               else r.bytes_per_device for r in report.rows if r.group == group)
-
-
 # ------------------------------------------------------------------------------ the formula
 
 
-def test_offload_moves_the_state_to_the_host_and_streams_one_layer(fsdp_report):
+@pytest.mark.parametrize("activations", [0, 10**6])
+def test_offload_counts_the_phases_of_the_step_as_the_library_moves_the_state(
+        fsdp_report, activations):
+    """The device holds, at most: the parts less the optimizer state (forward and
+    backward), or parameters + gradients + the optimizer state moved in (the update,
+    the activations freed). Offloaded parameters arrive at the step's start, so
+    "optimizer+params" has the same device peak; it only frees them between steps."""
     r = fsdp_report
-    plain = formula(r, 1000)
+    assert ARRIVES == {"params": "step", "optimizer": "update"}
+    plain = formula(r, activations)
     assert "host" not in plain and "streamed" not in plain  # no offload: as it was
-    opt = formula(r, 1000, offload="optimizer")
-    assert opt["host"] == r.opt_bytes_per_device
-    assert opt["streamed"] == _layer_share(r, "optimizer")
-    assert opt["total"] == plain["total"] - r.opt_bytes_per_device + opt["streamed"]
-    both = formula(r, 1000, offload="optimizer+params")
-    assert both["host"] == r.opt_bytes_per_device + r.param_bytes_per_device
-    assert both["streamed"] == _layer_share(r, "optimizer") + _layer_share(r, "params")
-    assert both["total"] == plain["total"] - both["host"] + both["streamed"]
+    p, g, o = plain["params"], plain["grads"], plain["optimizer"]
+    opt = formula(r, activations, offload="optimizer")
+    assert opt["host"] == o == r.opt_bytes_per_device
+    assert opt["total"] == max(plain["total"] - o, p + g + o)
+    assert opt["streamed"] == opt["total"] - (plain["total"] - o)
+    # Activations over the optimizer state: the forward/backward phase decides, and
+    # offloading takes the whole optimizer state off the device's peak.
+    assert (opt["total"] == plain["total"] - o) == (activations >= o)
+    both = formula(r, activations, offload="optimizer+params")
+    assert both["host"] == o + p
+    assert both["total"] == opt["total"]
+    assert both["streamed"] == both["total"] - (plain["total"] - o - p)
     # The parts stay the state's bytes wherever they live.
     assert {k: both[k] for k in plain if k != "total"} == {
         k: plain[k] for k in plain if k != "total"}
-    # The NaN guard's copy of host state stays on the host.
-    full = formula(r, 1000, guard="full", offload="optimizer")
-    assert full["host"] == 2 * r.opt_bytes_per_device
-    assert full["total"] == formula(r, 1000, guard="full")["total"] - full["host"] + full[
-        "streamed"]
 
 
-def test_the_streamed_term_is_the_whole_state_unstacked_or_when_streamed_whole(fsdp_report,
-                                                                              monkeypatch):
+def test_the_guard_copy_of_host_state_stays_on_the_host_until_the_check(fsdp_report):
     r = fsdp_report
-    assert streamed_bytes(r, "optimizer", "whole") == r.opt_bytes_per_device
-    # The term formula uses is the module's STREAM: the other way of streaming is one edit.
-    monkeypatch.setattr(_formula, "STREAM", "whole")
-    assert formula(r, 0, offload="optimizer")["streamed"] == r.opt_bytes_per_device
-    unrolled = nnx.eval_shape(lambda: Decoder(get_config("tiny"), rngs=nnx.Rngs(0)))
-    flat = abstract_report(unrolled, {"data": 2}, strategies.get("fsdp").rules, optax.sgd(0.1, 0.9))
-    assert streamed_bytes(flat, "optimizer", "layer") == flat.opt_bytes_per_device
-
-
-def test_a_pipeline_streams_one_of_its_own_layers(model):
-    strat = strategies.get("pp")
-    report = abstract_report(model, {"stage": 2, "data": 1}, strat.rules, optax.adamw(1e-3),
-                             strat.opt_rules)
-    stacked = [r for r in report.rows if r.group == "optimizer" and r.names
-               and r.names[0] == "layers"]
-    assert stacked and all(next(iter(r.spec)) == "stage" for r in stacked)
-    # Each device holds 1 of the 2 layers: its one layer is all of its stacked share.
-    rest = sum(r.bytes_per_device for r in report.rows
-               if r.group == "optimizer" and r not in stacked)
-    assert streamed_bytes(report, "optimizer") == sum(r.bytes_per_device for r in stacked) + rest
+    plain = formula(r, 1000, guard="full")
+    p, o = plain["params"], plain["optimizer"]
+    full = formula(r, 1000, guard="full", offload="optimizer")
+    assert full["host"] == 2 * o
+    # The check at the call's end moves the state before and after the call in.
+    phases = offload_phases(plain, "optimizer", "full")
+    assert phases == {"kept": plain["total"] - 2 * o, "forward": plain["total"] - 2 * o,
+                      "update": plain["total"] - 2 * o - 1000 + o, "finish": 2 * (p + o)}
+    assert full["total"] == max(phases.values())
+    assert full["streamed"] == full["total"] - phases["kept"]
 
 
 def test_the_search_compares_the_device_figure(model):
@@ -226,21 +215,19 @@ def test_auto_offloads_only_where_nothing_fits_without(model):
 
 
 def test_auto_tries_params_too_then_checks_the_host(model):
-    both = _need(model, "fsdp", "optimizer+params")
-    memory = both["total"] + EXTRA  # only fsdp with optimizer+params fits
-    assert _need(model, "dp", "optimizer+params")["total"] + EXTRA > memory
-    plan = _auto(_fake(model), memory)
-    assert plan.best is not None and plan.best.offload == "optimizer+params"
-    assert plan.request["offload_tried"] == ["optimizer", "optimizer+params"]
-    assert (plan.best.bytes_per_device, plan.best.host_bytes) == (memory, both["host"])
-    # The host's memory is checked too: one byte short, nothing fits.
+    opt, both = _need(model, "fsdp", "optimizer"), _need(model, "fsdp", "optimizer+params")
+    memory = opt["total"] + EXTRA  # fsdp offloaded fits the device
+    # The host's memory is checked too: one byte short of the optimizer state, and the
+    # parameters (which add to the host's share, not the device's peak) tried next.
     with pytest.raises(planner.NothingFits) as e:
-        _auto(_fake(model), memory, host_memory=both["host"] - 1)
-    reasons = [c.reason for c in e.value.plan.dropped
-               if c.offload == "optimizer+params" and c.strategy == "fsdp"]
-    assert reasons == [
-        f"needs {fmt_bytes(both['host'])} of host memory per device for its offloaded state, "
-        f"over the {fmt_bytes(both['host'] - 1)} available"]
+        _auto(_fake(model), memory, host_memory=opt["host"] - 1)
+    assert e.value.plan.request["offload_tried"] == ["optimizer", "optimizer+params"]
+    reasons = {c.offload: c.reason for c in e.value.plan.dropped if c.strategy == "fsdp"
+               and c.offload}
+    assert reasons == {
+        off: f"needs {fmt_bytes(need['host'])} of host memory per device for its offloaded "
+             f"state, over the {fmt_bytes(opt['host'] - 1)} available"
+        for off, need in (("optimizer", opt), ("optimizer+params", both))}
     # offload=[] never offloads.
     with pytest.raises(planner.NothingFits) as e:
         _auto(_fake(model), memory, offload=[])

@@ -1,6 +1,7 @@
 """Host offload (``Strategy.offload``): the optimizer state, and with ``"optimizer+params"``
-the parameters, live in ``pinned_host`` memory between steps; the fused call moves them
-to the devices inside its compiled step. Training computes what it computes without
+the parameters, live in ``pinned_host`` memory between steps and in the fused loop's
+carry; each step moves them to the devices (the Trainer's steps: the optimizer state
+only once the gradients exist) and back. Training computes what it computes without
 offload, the state stays on the host, and the compiled step's bytes move from device
 to host memory by the offloaded state's size."""
 
@@ -59,18 +60,20 @@ def kinds(tree):
 
 
 @functools.cache
-def trained(name, offload, nan_at=None):
-    """``name`` with ``offload`` trained STEPS AdamW steps by the fused K-step Trainer."""
+def trained(name, offload, nan_at=None, **options):
+    """``name`` with ``offload`` trained STEPS AdamW steps by the fused K-step Trainer
+    (``options``: more of its arguments)."""
     strategy, mesh, model, opt = build(name, offload)
     before = kinds(opt), kinds(nnx.state(model, nnx.Param))
-    trainer = ns.Trainer(model, opt, loss_fn, mesh=mesh, rules=strategy, steps_per_call=K)
+    trainer = ns.Trainer(model, opt, loss_fn, mesh=mesh, rules=strategy, steps_per_call=K,
+                         **options)
     history = trainer.fit(batches(nan_at=nan_at), STEPS, progress=False)
     return model, opt, history, before
 
 
-def assert_same_training(name, offload, nan_at=None):
-    model, opt, history, _ = trained(name, offload, nan_at)
-    ref_model, ref_opt, ref_history, _ = trained(name, None, nan_at)
+def assert_same_training(name, offload, nan_at=None, **options):
+    model, opt, history, _ = trained(name, offload, nan_at, **options)
+    ref_model, ref_opt, ref_history, _ = trained(name, None, nan_at, **options)
     assert len(history) == len(ref_history)
     assert_close(history["loss"], ref_history["loss"], 1e-5, f"{name} {offload} loss")
     assert_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), 1e-5,
@@ -97,6 +100,16 @@ def test_offloaded_params_train_as_without_and_stay_on_host():
     assert_same_training("fsdp", "optimizer+params")
     model, opt, _, (opt_before, params_before) = trained("fsdp", "optimizer+params")
     assert opt_before == params_before == kinds(opt) == kinds(nnx.state(model, nnx.Param)) == {HOST}
+
+
+def test_the_full_guard_and_microbatches_train_as_without():
+    """guard="full" runs the other step (its check at the call's end selects between
+    device copies of the state before and after the call) and microbatches=2 takes the
+    gradients in a loop of its own, before the optimizer state is moved in."""
+    assert_same_training("fsdp", "optimizer+params", guard="full", microbatches=2)
+    model, opt, history, _ = trained("fsdp", "optimizer+params", guard="full", microbatches=2)
+    assert kinds(opt) == kinds(nnx.state(model, nnx.Param)) == {HOST}
+    assert len(history) == STEPS and history.stop_reason is None
 
 
 def test_nan_guard_skips_a_non_finite_step_with_offload():
@@ -127,6 +140,60 @@ def test_compiled_step_moves_the_offloaded_bytes_from_device_to_host():
     assert off.device["argument"] == ref.device["argument"] - state_bytes
     assert off.device["output"] == ref.device["output"] - state_bytes
     assert off.host_bytes + off.device_bytes >= state_bytes
+
+
+def _fused_jaxpr(offload):
+    """The Trainer's fused call (fsdp, the default guard's step) traced, not compiled:
+    on XLA CPU memory moves compile to nothing, so the jaxpr is where they show."""
+    strategy, mesh, model, opt = build("fsdp", offload)
+    trainer = ns.Trainer(model, opt, loss_fn, mesh=mesh, rules=strategy, steps_per_call=K)
+    batch = {k: np.stack([v] * K) for k, v in batches(1)[0].items()}
+    with ns.use(mesh, strategy.rules):
+        placed = ns.shard_batch(batch, mesh, strategy.rules, ("batch",), steps=True)
+        plan, _, _, values, data = trainer._fused._prepare((model, opt, placed, trainer._guard))
+        jaxpr = jax.make_jaxpr(plan.run)(values, data)
+    return model, opt, jaxpr
+
+
+def _on_host(var):
+    return getattr(var.aval, "memory_space", None) == jax.memory.Space.Host
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "optimizer+params"])
+def test_each_step_moves_the_optimizer_state_in_after_its_gradients(offload):
+    """The K-step loop carries the offloaded state in host memory; inside each step the
+    optimizer state's host arrays go through one optimization_barrier with the
+    gradients, and its device copies are made of that barrier's outputs, so no copy
+    can start before the backward pass ends. Offloaded parameters are moved in at the
+    step's start, straight from the carry; everything goes back to the host at its end."""
+    model, opt, jaxpr = _fused_jaxpr(offload)
+    n_opt = len(jax.tree.leaves(nnx.state(opt)))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    n_params = len(params) if offload == "optimizer+params" else 0
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    body = scan.params["jaxpr"].jaxpr
+    count = lambda vs: sum(map(_on_host, vs))  # noqa: E731
+    assert count(scan.invars) == count(scan.outvars) == n_opt + n_params
+    assert count(body.invars) == count(body.outvars) == n_opt + n_params
+    carried = set(body.invars)
+
+    (barrier,) = [e for e in body.eqns if e.primitive.name == "optimization_barrier"]
+    state_in = [v for v in barrier.invars if _on_host(v)]
+    grads = [v for v in barrier.invars if not _on_host(v)]
+    assert len(state_in) == n_opt and all(v in carried for v in state_in)
+    assert sorted(v.aval.shape for v in grads) == sorted(x.shape for x in params)
+    assert not any(v in carried for v in grads)  # computed by the step: the gradients
+
+    moves_in = [(i, e) for i, e in enumerate(body.eqns) if e.primitive.name == "device_put"
+                and e.params["devices"] == (jax.memory.Space.Device,)]
+    tied = set(barrier.outvars)
+    after = [i for i, e in moves_in if e.invars[0] in tied]
+    at_start = [i for i, e in moves_in if e.invars[0] in carried]
+    assert len(after) == n_opt and len(at_start) == n_params == len(moves_in) - n_opt
+    assert all(i < body.eqns.index(barrier) for i in at_start)
+    moves_out = [e for e in body.eqns if e.primitive.name == "device_put"
+                 and getattr(e.params["devices"][0], "memory_kind", None) == HOST]
+    assert len(moves_out) == n_opt + n_params
 
 
 def test_multistep_carries_offloaded_state_through_its_calls():
