@@ -313,8 +313,13 @@ class Fused:
             ]
         # None (unspecified) for values still uncommitted (no mesh in sight): they stay
         # uncommitted, so a later call under a mesh can still replicate them onto it.
+        # Abstract values (Trainer.lower on abstract_init) keep the layout they name, as
+        # the concrete arrays fit runs on would: left unspecified, XLA would choose the
+        # outputs' layout (e.g. zero1's updated parameters sharded like the update).
         shardings = tuple(
-            x.sharding if isinstance(x, jax.Array) and x.committed else None for x in values
+            x.sharding if (isinstance(x, jax.Array) and x.committed) or (
+                isinstance(x, jax.ShapeDtypeStruct) and isinstance(x.sharding, NamedSharding))
+            else None for x in values
         )
         # Where each value lives, abstract ones (Trainer.lower on abstract_init) included:
         # host memory (offload) is moved to the devices inside the call.

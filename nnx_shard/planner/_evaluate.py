@@ -298,7 +298,10 @@ def apply_offload(c: Candidate, result: Mapping[str, Any], parts: Mapping[str, i
         return
     else:
         host = int(parts["host"])
-        device, by = int(result["total"]) - host + int(parts["streamed"]), OFFLOAD_ESTIMATE
+        # Offloading state moves no temporary to the host: the compiled temp is a floor.
+        device = max(int(result["total"]) - host + int(parts["streamed"]),
+                     int(result.get("temp", 0)))
+        by = OFFLOAD_ESTIMATE
     c.bytes_per_device, c.host_bytes, c.decided_by = device, host, by
     if memory is not None and device > memory:
         c.fits, c.reason = False, (f"needs {fmt_bytes(device)} of device memory per device "

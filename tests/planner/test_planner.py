@@ -391,7 +391,7 @@ def test_nothing_fits_says_the_smallest_need_and_the_knob():
     fake = table({}, default={"total": 1000, "temp": 900})
     with pytest.raises(planner.NothingFits) as e:
         planner.auto("tiny", devices=2, batch=8, seq=16, hardware=H, compile_fn=fake,
-                     device_memory=100, strategies=["dp"], progress=False)
+                     device_memory=100, strategies=["dp"], progress=False, offload=[])
     assert str(e.value) == (
         "auto: nothing fits in 100 B per device: the smallest need is 1000 B "
         "(dp data=2 remat=none mb=1); activations dominate (900 B of it is XLA's "
@@ -401,7 +401,7 @@ def test_nothing_fits_says_the_smallest_need_and_the_knob():
     with pytest.raises(planner.NothingFits, match="parameters and optimizer state dominate: "
                        r"more devices \(fsdp shards them 1/N; e.g. 4\)"):
         planner.auto("tiny", devices=2, batch=8, seq=16, hardware=H, compile_fn=state,
-                     device_memory=100, strategies=["dp"], progress=False)
+                     device_memory=100, strategies=["dp"], progress=False, offload=[])
 
 
 def test_a_device_count_no_preset_can_use():
