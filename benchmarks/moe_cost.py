@@ -22,7 +22,9 @@ the expert FLOPs).
 XLA counts a loop's body once, so the tiles' FLOPs are read from the same step
 compiled with the loop unrolled (``nnx_shard.models._grouped.unrolled``); the
 scanned step's own count is in the JSON too (``flops_as_a_loop``), and times and
-temporaries are the scanned step's, the one that runs.
+temporaries are the scanned step's, the one that runs. ``--time`` also reports the
+CPU seconds per step (every XLA thread's, warm-up included), steadier than the wall
+time on a loaded machine.
 
 XLA's CPU backend has no grouped-matmul kernel for ``ragged_dot``: it rewrites it
 into a dense product over all experts before counting. XLA's GPU backend in jax
@@ -39,6 +41,7 @@ Run (about 3 minutes on 2 CPU cores; ``--quick``: 128 tokens)::
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +110,11 @@ def step_flops(cfg: Any, tokens: int, rounds: int = 0) -> dict[str, Any]:
             value, held["params"] = compiled(held["params"], real)
             jax.block_until_ready(value)
 
+        # CPU seconds as well: on a shared machine the wall time follows the load, the
+        # CPU time (all of XLA's threads) much less.
+        cpu = time.process_time()
         out["ms"] = median_ms(run, rounds, 5)
+        out["cpu_s"] = (time.process_time() - cpu) / (1 + 5 * rounds)  # with the warm-up
     return out
 
 
@@ -139,9 +146,11 @@ def main() -> None:
              f"{runs[name]['flops'] / 1e9:.1f}", f"{ratio[name]:.2f}x",
              f"{runs[name]['temp_bytes'] / 2**20:.0f}"] for name, cfg in models.items()]
     if args.time:
-        columns += ["ms (median)", "ms vs dense"]
+        columns += ["ms (median)", "ms vs dense", "CPU s", "CPU vs dense"]
         for row, name in zip(rows, models, strict=True):
-            row += [f"{runs[name]['ms']:.2f}", f"{runs[name]['ms'] / runs['dense']['ms']:.2f}x"]
+            row += [f"{runs[name]['ms']:.2f}", f"{runs[name]['ms'] / runs['dense']['ms']:.2f}x",
+                    f"{runs[name]['cpu_s']:.2f}",
+                    f"{runs[name]['cpu_s'] / runs['dense']['cpu_s']:.2f}x"]
     print_table(columns, rows)
     print("grouped-matmul ops in the ragged_dot step's optimised HLO: "
           f"{runs['moe_ragged_dot']['hlo']}")

@@ -6,10 +6,13 @@ This path runs when the active rules shard the logical ``expert`` axis over mesh
 axes that also split the tokens (the ``ep`` preset: ``batch`` over
 ``("data", "expert")``, ``expert`` over ``expert``), so every device routes only
 its own tokens and holds only its own experts. Nothing is dropped: each device's
-send buffer has room for all of its ``tokens x top_k`` slots towards every peer
-(the dropless worst case), and the receiver computes only the rows it was sent
-(grouped matmuls, :func:`~nnx_shard.models._grouped.grouped_matmul`; the rest of the
-buffer is outside every group, and its tiles are skipped).
+send buffer has room for ``tokens x min(top_k, local experts)`` slots towards every
+peer (the dropless worst case: a token's top_k experts are distinct), and the
+receiver computes only the rows it was sent (grouped matmuls,
+:func:`~nnx_shard.models._grouped.grouped_matmul`; the rest of the buffer is outside
+every group, and its tiles are skipped). Its buffers still have room for every peer's
+slots: ``min(p x top_k, experts)`` rows per local token, what ``nnx-shard plan``'s
+activation formula counts for the experts' hidden tensors under expert parallelism.
 Where the tokens are not split over the expert axes, or no rules are active, the
 layer gathers instead (:class:`nnx_shard.models._moe.DecoderMoE`).
 
@@ -178,12 +181,17 @@ def _local(x: jax.Array, valid: jax.Array, router: jax.Array, gate: jax.Array | 
     dest = ranked // local
     sent = jnp.bincount(dest, length=p)
     pos = jnp.arange(s) - (jnp.cumsum(sent) - sent)[dest]
+    # A token's top_k experts are distinct, so at most min(top_k, local) of its slots
+    # go to one peer: each peer's block has room for that many per token (the
+    # dropless worst case), not for all top_k. Every buffer after the all-to-all, and
+    # what the grouped matmuls keep for the backward pass, has p x block rows.
+    block = b * length * min(top_k, local)
     # Slot i of peer q's block is the i-th slot this device sends to q; the tag is its
     # expert on q, ``local`` marking the unused rest of the block.
-    send = jnp.zeros((p, s, e), flat.dtype).at[dest, pos].set(flat[order // top_k])
-    tag = jnp.full((p, s), local, jnp.int32).at[dest, pos].set(ranked % local)
-    rows = jax.lax.all_to_all(send, ep, 0, 0).reshape(p * s, e)
-    tags = jax.lax.all_to_all(tag, ep, 0, 0).reshape(p * s)
+    send = jnp.zeros((p, block, e), flat.dtype).at[dest, pos].set(flat[order // top_k])
+    tag = jnp.full((p, block), local, jnp.int32).at[dest, pos].set(ranked % local)
+    rows = jax.lax.all_to_all(send, ep, 0, 0).reshape(p * block, e)
+    tags = jax.lax.all_to_all(tag, ep, 0, 0).reshape(p * block)
 
     by_expert = jnp.argsort(tags, stable=True)
     sizes = jnp.bincount(tags, length=local + 1)[:local].astype(jnp.int32)
@@ -198,7 +206,7 @@ def _local(x: jax.Array, valid: jax.Array, router: jax.Array, gate: jax.Array | 
     out = grouped(act, down.astype(dtype))
     if mlp:
         out = jax.lax.psum(out, mlp)
-    back = jnp.zeros_like(out).at[by_expert].set(out).reshape(p, s, e)
+    back = jnp.zeros_like(out).at[by_expert].set(out).reshape(p, block, e)
     mine = jax.lax.all_to_all(back, ep, 0, 0)[dest, pos]
     unsorted = jnp.zeros_like(mine).at[order].set(mine).reshape(b * length, top_k, e)
     y = jnp.einsum("tke,tk->te", unsorted, weights.astype(dtype)).reshape(b, length, e)

@@ -220,35 +220,62 @@ def _products(xp: jax.Array, w: jax.Array, schedule: tuple[jax.Array, ...], tile
               transposed: bool = False) -> jax.Array:
     """The forward loop over the padded rows ``xp [tiles, tile, k]``: each visit's tile
     times its group's matrix (``w [groups, k, n]``, or with ``transposed`` ``[groups,
-    n, k]`` used as its transpose), summed per tile: ``[tiles, tile, n]``."""
-    tiles = xp.shape[0]
+    n, k]`` used as its transpose), each row from its own group's visit: ``[tiles,
+    tile, n]``."""
     n = w.shape[1] if transposed else w.shape[2]
     out_dtype = jnp.result_type(xp.dtype, w.dtype)
 
-    def step(carry: None, v: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
+    # Each visit writes its rows of its tile into the output, carried through the loop
+    # and updated in place: no [visits, tile, n] stack of products summed after the
+    # loop (XLA's CPU backend sums bfloat16 in float32: a float32 copy of the stack).
+    # The carry holds the values' bits (unsigned integers of their width): XLA's CPU
+    # backend computes a bfloat16 select or update through float32, and would convert
+    # the whole carry there and back at every visit.
+    bits = _bits(out_dtype)
+
+    def step(out: jax.Array, v: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         t, g, on, lo, hi = v
 
         def product() -> jax.Array:
             wg = jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False)
-            xt = _masked_tile(xp, tile, t, lo, hi)
-            return jax.lax.dot_general(xt, wg, (((1,), (1 if transposed else 0,)), ((), ())),
-                                       ).astype(out_dtype)
+            xt = jax.lax.dynamic_index_in_dim(xp, t, 0, keepdims=False)
+            y = jax.lax.dot_general(xt, wg, (((1,), (1 if transposed else 0,)), ((), ())))
+            return jax.lax.bitcast_convert_type(y.astype(out_dtype), bits)
 
-        return carry, jax.lax.cond(on, product, lambda: jnp.zeros((tile, n), out_dtype))
+        part = jax.lax.cond(on, product, lambda: jnp.zeros((tile, n), bits))
+        # A row takes the product of its own group's visit alone.
+        r = t * tile + jnp.arange(tile)
+        keep = (on & (r >= lo) & (r < hi))[:, None]
+        old = jax.lax.dynamic_index_in_dim(out, t, 0, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(out, jnp.where(keep, part, old), t, 0), None
 
-    _, ys = jax.lax.scan(step, None, schedule, unroll=_unroll(schedule))
-    return jax.ops.segment_sum(ys, schedule[0], num_segments=tiles, indices_are_sorted=True)
+    out, _ = jax.lax.scan(step, jnp.zeros((xp.shape[0], tile, n), bits), schedule,
+                          unroll=_unroll(schedule))
+    return jax.lax.bitcast_convert_type(out, out_dtype)
+
+
+def _bits(dtype: jnp.dtype) -> jnp.dtype:
+    """The unsigned integer type of ``dtype``'s width."""
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
 
 
 def _weight_grads(xp: jax.Array, dyp: jax.Array, schedule: tuple[jax.Array, ...],
                   tile: int, groups: int, dtype: jnp.dtype) -> jax.Array:
-    """``dw [groups, k, n]`` in ``dtype`` from the padded rows and output gradients:
-    each visit's ``tile^T @ dy tile`` added into its group's slice of a float32
-    accumulator (one in bfloat16 takes less memory but is slower on CPU, where
-    bfloat16 adds are emulated: the MoE section of docs/benchmarks.md)."""
+    """``dw [groups, k, n]`` in ``dtype`` from the padded rows and output gradients.
+
+    A group's visits are consecutive, so its gradient is summed in one float32
+    ``[k, n]`` carry (reset where the group changes) and written into its slice of
+    ``dw`` in ``dtype``: the slice's last write holds the group's whole sum. No
+    float32 ``[groups, k, n]`` accumulator (and its zero start) is live; a bfloat16 one
+    would be smaller still but slower on CPU, where bfloat16 adds are emulated, and
+    rounded at every visit (the MoE section of docs/benchmarks.md). A group with no
+    rows keeps ``dw``'s zeros; the spare visits past the last group's are in the last
+    group and add zeros (or, that group empty, write them)."""
     k, n = xp.shape[2], dyp.shape[2]
 
-    def step(acc: jax.Array, v: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+    def step(carry: tuple[jax.Array, jax.Array, jax.Array], v: tuple[jax.Array, ...]
+             ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
+        dw, acc, prev = carry
         t, g, on, lo, hi = v
 
         def product() -> jax.Array:
@@ -257,11 +284,16 @@ def _weight_grads(xp: jax.Array, dyp: jax.Array, schedule: tuple[jax.Array, ...]
                            preferred_element_type=jnp.float32)
 
         part = jax.lax.cond(on, product, lambda: jnp.zeros((k, n), jnp.float32))
-        return acc.at[g].add(part), None
+        acc = jnp.where(g == prev, acc, jnp.zeros((), jnp.float32)) + part
+        sums = jax.lax.bitcast_convert_type(acc.astype(dtype), bits)
+        dw = jax.lax.dynamic_update_index_in_dim(dw, sums, g, 0)
+        return (dw, acc, g), None
 
-    acc, _ = jax.lax.scan(step, jnp.zeros((groups, k, n), jnp.float32), schedule,
-                          unroll=_unroll(schedule))
-    return acc.astype(dtype)
+    # dw holds its values' bits, as _products' carry does (and for the same reason).
+    bits = _bits(dtype)
+    init = (jnp.zeros((groups, k, n), bits), jnp.zeros((k, n), jnp.float32), jnp.int32(-1))
+    (dw, _, _), _ = jax.lax.scan(step, init, schedule, unroll=_unroll(schedule))
+    return jax.lax.bitcast_convert_type(dw, dtype)
 
 
 def _schedule(sizes: jax.Array, tile: int, tiles: int, visits: int

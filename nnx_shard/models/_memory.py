@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from nnx_shard._axes import abstract_mesh, entry_axes
+from nnx_shard._errors import ShardingError
 from nnx_shard._rules import as_rules
 
 __all__ = ['ACTIVATION_FORMULA', 'activation_bytes']
@@ -19,8 +20,10 @@ ACTIVATION_FORMULA = (
     "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes "
     "(the compute dtype), e = embed, h = heads, k = head_dim, m' = mlp (x top_k x "
     "capacity_factor for the reference model's experts; the Llama family's MoE "
-    "layers: the expert's width x top_k), s = seq, V = vocab, D* = devices the rules shard batch, "
-    "length, heads, mlp, vocab over. "
+    "layers: the expert's width x top_k, or under expert parallelism, the experts over P "
+    "devices that also split the tokens, x min(P x top_k, experts): each device computes "
+    "the slots every peer may send it, the dropless worst case), s = seq, V = vocab, "
+    "D* = devices the rules shard batch, length, heads, mlp, vocab over. "
     "Per layer: norm inputs and outputs (4e), q/k/v and attention output (4hk; for the "
     "Llama family q and the output (2hk) with k/v at kv_heads g (2gk), never repeated, "
     "plus q/k norm inputs (hk + gk) with Qwen3's qk_norm), MLP hidden before and after "
@@ -49,17 +52,41 @@ def _divisor(rules: Any, names: tuple[Any, ...], shape: tuple[int, ...], mesh: A
     return math.prod(dict(mesh.shape)[a] for a in axes)
 
 
-def _mlp_width(cfg: Any) -> float:
+def _mlp_width(cfg: Any, ep: int = 1) -> float:
     """The MLP's hidden width per token, averaged over the layers: the reference
     family's experts hold ``top_k x capacity_factor`` slots per token; the Hugging Face
     families' (Mixtral, Qwen3-MoE) exactly ``top_k``, each ``expert_mlp`` wide, sorted by
-    expert with no capacity, and Qwen3-MoE's ``mlp_only_layers`` stay dense."""
+    expert with no capacity, and Qwen3-MoE's ``mlp_only_layers`` stay dense. Under
+    expert parallelism over ``ep`` devices each device computes a receive buffer with
+    room for ``min(top_k, experts / ep)`` slots of every peer's token (nothing dropped):
+    ``min(ep x top_k, experts)`` slots per local token."""
     if not any(cfg.moe_layers()):
         return float(cfg.mlp)
     if cfg.capacity_factor is not None:
         return float(cfg.mlp * cfg.top_k * cfg.capacity_factor)
     moe = sum(cfg.moe_layers())
-    return (moe * cfg.expert_mlp * cfg.top_k + (cfg.layers - moe) * cfg.mlp) / cfg.layers
+    slots = min(ep * cfg.top_k, cfg.experts)
+    return (moe * cfg.expert_mlp * slots + (cfg.layers - moe) * cfg.mlp) / cfg.layers
+
+
+def _expert_devices(cfg: Any, rules: Any, mesh: Any, batch: int, seq: int) -> int:
+    """How many devices the expert-parallel layer spreads the experts over: the size of
+    the mesh axes of ``expert`` when they also split the tokens and divide the experts
+    (as ``nnx_shard.models._expert_parallel.expert_plan`` decides), else 1 (the layer
+    gathers)."""
+    if not any(cfg.moe_layers()) or cfg.capacity_factor is not None:
+        return 1
+    try:
+        expert = tuple(rules.spec(("expert",), shape=(cfg.experts,), mesh=mesh,
+                                  path="activation"))
+        tokens = tuple(rules.spec(("batch", "length"), shape=(batch, seq), mesh=mesh,
+                                  path="activation"))
+    except ShardingError:
+        return 1
+    ep = entry_axes((*expert, None)[0])
+    split = {a for entry in tokens for a in entry_axes(entry)}
+    p = math.prod(dict(mesh.shape)[a] for a in ep)
+    return p if ep and set(ep) <= split and cfg.experts % p == 0 else 1
 
 
 def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, seq: int,
@@ -94,7 +121,7 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     rules = rules | {n: None for n in ("batch", "length", "heads", "kv", "mlp", "vocab")
                      if n not in rules}
     b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
-    m = _mlp_width(cfg)
+    m = _mlp_width(cfg, _expert_devices(cfg, rules, mesh, b, s))
     # Grouped-query attention keeps k and v at kv_heads (the reference model's: heads).
     g = cfg.kv_heads
     qkvo = 2 * h * k + 2 * g * k

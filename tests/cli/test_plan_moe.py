@@ -74,6 +74,13 @@ def test_activation_formula_counts_top_k_experts_at_their_width():
     assert activation_bytes(cfg, rules, {"data": 2}, 4, 16) == tokens * (2 * moe + edges)
     mixed = dataclasses.replace(cfg, mlp_only_layers=(1,))
     assert activation_bytes(mixed, rules, {"data": 2}, 4, 16) == tokens * (moe + dense + edges)
+    # Expert parallelism (experts over expert=2, which also splits the tokens): each
+    # device computes min(2 x top_k, experts) = 4 slots per local token, the receive
+    # buffer's room for every peer's slots. A token's rows: (data x expert) = 4 devices.
+    ep = ns.Rules({"expert": "expert", "batch": ("data", "expert")})
+    wide = p * (attn + 4 * 4 * 16) + 4 * 4
+    assert activation_bytes(cfg, ep, {"data": 2, "expert": 2}, 4, 16) == (
+        4 * 16 // 4 * (2 * wide + edges))
 
 
 @pytest.mark.slow
