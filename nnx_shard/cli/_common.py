@@ -108,9 +108,11 @@ def optimizer(name: str) -> optax.GradientTransformation:
     return optimizers.get(name)
 
 
-def device_memory(text: str) -> int:
-    """``--device-memory 80GB``: bytes.
+def device_memory(text: str, flag: str = "--device-memory") -> int:
+    """``--device-memory 80GB`` (or another size flag, ``flag``): bytes.
 
+    >>> device_memory("1TB", "--host-memory")
+    1000000000000
     >>> device_memory("lots")
     Traceback (most recent call last):
     ...
@@ -119,4 +121,4 @@ def device_memory(text: str) -> int:
     try:
         return parse_bytes(text)
     except UsageError as e:
-        raise UsageError(f"--device-memory {e}") from None
+        raise UsageError(f"{flag} {e}") from None

@@ -25,7 +25,6 @@ from nnx_shard._low_rank import DEFAULT_TARGETS, lora
 from nnx_shard._parallel.schedule import OPTION as PIPELINE_OPTION
 from nnx_shard._quantized import BLOCK, QUANT_TYPES
 from nnx_shard._report import Report, fmt_bytes, spec_txt
-from nnx_shard._units import parse_bytes
 from nnx_shard.cli._common import (
     COMPILE_MAX_DEVICES,
     PROG,
@@ -50,7 +49,7 @@ from nnx_shard.planner._formula import (
 from nnx_shard.planner._trust import compiled_trusted
 from nnx_shard.strategies._strategy import Strategy
 
-__all__ = ["host_bytes", "run", "run_generate"]
+__all__ = ["run", "run_generate"]
 
 _DECIDES = {
     "compiled": (
@@ -157,22 +156,6 @@ def _stage_need(fp: _Footprint, per_device: dict[str, int]) -> int:
     of one stage's layers (for every microbatch) in place of every layer's."""
     assert fp.stage_activations is not None
     return int(per_device["total"] - per_device["activations"] + fp.stage_activations)
-
-
-def host_bytes(text: str) -> int:
-    """``--host-memory 256GB``: bytes.
-
-    >>> host_bytes("1TB")
-    1000000000000
-    >>> host_bytes("lots")
-    Traceback (most recent call last):
-    ...
-    nnx_shard._errors.UsageError: --host-memory 'lots' is not a size. Fix: write e.g. 80GB, 80GiB or 512MiB
-    """
-    try:
-        return parse_bytes(text)
-    except UsageError as e:
-        raise UsageError(f"--host-memory {e}") from None
 
 
 def _split(compiled: dict[str, Any] | None) -> bool:
@@ -292,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--seq {args.seq} is longer than model {args.model!r} allows "
                          f"({max_length(cfg)}). Fix: --seq {max_length(cfg)} or less")
     memory = device_memory(args.device_memory) if args.device_memory is not None else None
-    host_memory = host_bytes(args.host_memory) if args.host_memory is not None else None
+    host_memory = (device_memory(args.host_memory, "--host-memory")
+                   if args.host_memory is not None else None)
     if host_memory is not None and strat.offload is None:
         raise UsageError("--host-memory checks what --offload keeps in host memory: add "
                          "--offload optimizer (or optimizer+params), or drop --host-memory")

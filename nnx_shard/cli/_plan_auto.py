@@ -11,7 +11,6 @@ import sys
 import warnings
 from typing import Any
 
-from nnx_shard._units import parse_bytes
 from nnx_shard.cli._common import MAX_PLAN_DEVICES, PROG, UsageError, device_memory
 from nnx_shard.cli._plan_user import user_model
 from nnx_shard.planner import NothingFits, auto, hardware
@@ -20,14 +19,6 @@ from nnx_shard.planner._hardware import calibrate_subprocess
 from nnx_shard.planner._plan import plan_json
 
 __all__ = ["run_auto"]
-
-
-def host_bytes(text: str) -> int:
-    """``--host-memory 256GB``: bytes."""
-    try:
-        return parse_bytes(text)
-    except UsageError as e:
-        raise UsageError(f"--host-memory {e}") from None
 
 
 def _auto_hardware(args: argparse.Namespace) -> Any:
@@ -41,7 +32,7 @@ def _auto_hardware(args: argparse.Namespace) -> Any:
                           link_latency=args.link_latency,
                           device_memory=device_memory(args.device_memory)
                           if args.device_memory is not None else None,
-                          host_memory=host_bytes(args.host_memory)
+                          host_memory=device_memory(args.host_memory, "--host-memory")
                           if args.host_memory is not None else None)
     except (ValueError, RuntimeError) as e:
         raise UsageError(str(e)) from None
