@@ -263,7 +263,7 @@ def laid_out(grads: Any) -> Any:
     context's ``gradients`` option, a :class:`~nnx_shard.Rules` table read on each
     gradient's logical names; unchanged where the option is unset or no mesh is active.
 
-    Under :func:`~nnx_shard.strategies.zero2` the table is the optimizer state's: the
+    Under the ``zero2`` preset (:func:`nnx_shard.strategies.get`) the table is the optimizer state's: the
     constraint meets the partial sums of a batch-sharded backward pass, so XLA reduces
     each gradient straight to the 1/N shard its optimizer state owns (a reduce-scatter)
     instead of all-reducing the whole gradient onto every device.

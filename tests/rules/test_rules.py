@@ -712,7 +712,7 @@ def test_options_travel_with_the_table():
 def test_unknown_options_are_refused_with_a_did_you_mean(make):
     with pytest.raises(ShardingError, match=r"Rules option 'atention' is not an option any "
                        r"operation reads.*Did you mean 'attention'\?.*Known options: attention, "
-                       r"collective_matmul, pipeline"):
+                       r"collective_matmul, gradients, pipeline"):
         make()
 
 
