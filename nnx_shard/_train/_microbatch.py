@@ -286,6 +286,10 @@ def laid_out(grads: Any) -> Any:
     if table is None or ctx.mesh is None:
         return grads
     mesh = ctx.mesh
+    if ctx.rules is not None:
+        # A name the active rules gained after the strategy was built (rules | {...})
+        # lays its gradient out as they do; the gradients' table decides the rest.
+        table = ctx.rules | table
 
     def one(path: Any, var: Any) -> Any:
         if not isinstance(var, nnx.Variable):

@@ -81,6 +81,20 @@ def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
     return ids.transpose(perm) if perm else ids
 
 
+def _axis_ref(text: str) -> tuple[str, int | None, int]:
+    """One axis of a collective's ``mesh[...] {...}`` groups: ``'data'`` (the whole axis)
+    or a sub-axis ``'expert':(2)2`` (pre-size 2, size 2), as ``(name, pre, size)``.
+
+    >>> _axis_ref("'data'"), _axis_ref("'expert':(2)2")
+    (('data', None, 0), ('expert', 2, 2))
+    """
+    name, _, sub = text.strip().partition(":")
+    if not sub:
+        return name.strip("'\""), None, 0
+    pre, _, size = sub.strip().lstrip("(").partition(")")
+    return name.strip("'\""), int(pre), int(size)
+
+
 def _groups(line: str) -> tuple[list[frozenset[int]], bool] | None:
     """The device groups of one collective (positions in the mesh's device list),
     and whether they are the source/target pairs of a permutation."""
@@ -90,10 +104,27 @@ def _groups(line: str) -> tuple[list[frozenset[int]], bool] | None:
         sizes = [int(v) for _, v in parts]
         ids = (_iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(-1) if m.group(2)
                else np.arange(math.prod(sizes)))
-        ids = ids.reshape(sizes)
-        over = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
-        rest = [i for i in range(len(sizes)) if i not in over]
-        flat = ids.transpose(rest + over).reshape(-1, math.prod(sizes[i] for i in over))
+        refs = [_axis_ref(a) for a in m.group(4).split(",") if a.strip()]
+        # A sub-axis ('expert':(2)2, newer JAX: size 2 after a major part of 2) splits its
+        # axis into factors, major to minor; the groups vary over the referenced factors.
+        cuts = [{1, n} for n in sizes]
+        for name, pre, size in refs:
+            if pre is not None:
+                cuts[names.index(name)] |= {pre, pre * size}
+        factors: list[int] = []
+        where: list[dict[int, int]] = []
+        for c in cuts:
+            bounds = sorted(c)
+            where.append({b: len(factors) + j for j, b in enumerate(bounds[:-1])})
+            factors += [hi // lo for lo, hi in itertools.pairwise(bounds)]
+        over = []
+        for name, pre, size in refs:
+            i = names.index(name)
+            lo, hi = (1, sizes[i]) if pre is None else (pre, pre * size)
+            over += [k for b, k in where[i].items() if lo <= b < hi]
+        ids = ids.reshape(factors)
+        rest = [i for i in range(len(factors)) if i not in over]
+        flat = ids.transpose(rest + over).reshape(-1, math.prod(factors[i] for i in over))
         return [frozenset(g.tolist()) for g in flat], False
     if m := _IOTA.search(line):
         shape = _ints(m.group(1))

@@ -208,7 +208,10 @@ class Strategy:
         named |= dict(aliases or {})
 
         def extend(rules: Rules) -> Rules:
-            return (rules | plain if plain else rules).alias(named)
+            out = (rules | plain if plain else rules).alias(named)
+            # The gradients' table (zero1, zero2) speaks the same names as the others.
+            grads = out.options.get("gradients")
+            return out if grads is None else out.with_options(gradients=extend(grads))
 
         return dataclasses.replace(
             self, rules=extend(self.rules),

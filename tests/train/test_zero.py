@@ -299,3 +299,26 @@ def test_zero2_step_needs_fewer_temporaries_than_zero1() -> None:
     grads = sum(4 * math.prod(s) for s, _ in _param_shapes())
     saved = _trained("zero1", 1).temp - _trained("zero2", 1).temp
     assert grads // N <= saved <= grads - grads // N
+
+
+def test_a_models_own_names_reach_the_gradients_layout():
+    # with_rules extends the gradients' table with the other two: an alias of embed is
+    # 1/N in zero2's gradients, whole in zero1's.
+    z2 = ns.strategies.get("zero2").with_rules({"fsdp": "embed"})
+    z1 = ns.strategies.get("zero1").with_rules({"fsdp": "embed"})
+    assert (z2.rules["fsdp"], z2.opt_rules["fsdp"], z2.rules.options["gradients"]["fsdp"]) == (
+        None, "data", "data")
+    assert z1.rules.options["gradients"]["fsdp"] is None
+    # A name added to the active rules afterwards (rules | {...}) lays its gradient out as
+    # those rules do instead of failing for want of a rule in the gradients' table.
+    init = nnx.with_partitioning(nnx.initializers.ones, ("own", "embed"))
+    with nnx.use_eager_sharding(False):  # laid out by the jit below, not at creation
+        model = nnx.Linear(8, 16, use_bias=False, kernel_init=init, rngs=nnx.Rngs(0))
+    rules = ns.strategies.get("zero2").rules | {"own": None}
+
+    def grads(m):
+        return ns.value_and_grad(lambda m, x: (m(x) ** 2).mean())(m, jax.numpy.ones((8, 8)))[1]
+
+    with ns.use("data=8", rules):
+        g = nnx.jit(grads)(model)
+    assert g["kernel"][...].sharding.spec == jax.sharding.PartitionSpec(None, "data")
