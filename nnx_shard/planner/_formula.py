@@ -113,8 +113,9 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
     """Device bytes per device in each phase of an offloaded step, from :func:`formula`'s
     ``parts`` (the state's bytes wherever it lives; ``total`` their sum):
 
-    * ``kept``: what never leaves the device (the parts less the offloaded state
-      and, under ``guard="full"``, its copy, which is the call's input, on the host);
+    * ``host``: the offloaded state and, under ``guard="full"``, its copy (the call's
+      input, which stays in host memory);
+    * ``kept``: what never leaves the device (the parts less ``host``);
     * ``forward``: the forward and backward passes: ``kept`` plus the groups that
       arrive at the step's start (:data:`ARRIVES`: the parameters);
     * ``update``: the optimizer update: ``forward`` less the activations and the
@@ -128,7 +129,7 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
     >>> parts = {"params": 100, "grads": 100, "optimizer": 200, "guard": 0,
     ...          "activations": 500, "total": 900}
     >>> offload_phases(parts, "optimizer")   # the optimizer state arrives after the backward pass
-    {'kept': 700, 'forward': 700, 'update': 400, 'finish': 0}
+    {'host': 200, 'kept': 700, 'forward': 700, 'update': 400, 'finish': 0}
     >>> offload_phases(parts, "optimizer+params")["forward"]   # the parameters at step start
     700
     """
@@ -139,8 +140,8 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
     update = (forward - parts["activations"] - parts.get("compute", 0)
               + sum(parts[g] for g in groups if ARRIVES[g] == "update"))
     finish = parts["params"] + parts["optimizer"] + parts["guard"] if guard == "full" else 0
-    return {"kept": int(kept), "forward": int(forward), "update": int(update),
-            "finish": int(finish)}
+    return {"host": int(host), "kept": int(kept), "forward": int(forward),
+            "update": int(update), "finish": int(finish)}
 
 
 def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
@@ -205,13 +206,10 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
         parts["compute"] = int(compute)
     out = {**parts, "total": sum(parts.values())}
     if offload is not None:
-        # The guard's copy of host state is the step's input kept, which stays there.
-        host = sum(parts[g] for g in offloaded_groups(offload))
-        host *= 2 if guard == "full" else 1
         phases = offload_phases(out, offload, guard)
         device = max(phases["forward"], phases["update"], phases["finish"])
         out["streamed"] = device - phases["kept"]
-        out["total"], out["host"] = device, host
+        out["total"], out["host"] = device, phases["host"]
     return out
 
 
@@ -321,14 +319,6 @@ def stage_formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, in
     if stage_cfg is None:
         return None
     parts = _parts(abstract, cfg, stage_cfg, strat, sizes, tx, batch, seq, remat, guard)
-    return None if parts is None else parts["total"]
-
-
-def _total(abstract: Any, cfg: Any, acts_cfg: Any, strat: Any, sizes: dict[str, int],
-           tx: Any, batch: int, seq: int, remat: str, guard: str) -> int | None:
-    """The formula's total (the device's, under offload), activations counted on
-    ``acts_cfg`` (none without ``cfg``)."""
-    parts = _parts(abstract, cfg, acts_cfg, strat, sizes, tx, batch, seq, remat, guard)
     return None if parts is None else parts["total"]
 
 
