@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import textwrap
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -158,7 +158,7 @@ def _stage_need(fp: _Footprint, per_device: dict[str, int]) -> int:
     return int(per_device["total"] - per_device["activations"] + fp.stage_activations)
 
 
-def _split(compiled: dict[str, Any] | None) -> bool:
+def _split(compiled: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     """Whether ``compiled`` says its bytes in device memory apart from host memory (a
     compile of the offloaded step does; one of the step without offload does not)."""
     return compiled is not None and "device" in compiled and "host" in compiled
@@ -172,13 +172,11 @@ def _host(per_device: dict[str, int], compiled: dict[str, Any] | None,
     if out["offload"] is None:
         return {"host_bytes": None, "host_memory": None, "host_fits": None,
                 "compiled_split": None}
-    host = compiled["host"] if compiled is not None and _split(compiled) else per_device["host"]
+    host = compiled["host"] if _split(compiled) else per_device["host"]
     host_fits = None if host_memory is None else host <= host_memory
-    fits = out["fits"]
-    if host_fits is False:
-        fits = False
     return {"host_bytes": host, "host_memory": host_memory, "host_fits": host_fits,
-            "compiled_split": _split(compiled) if compiled is not None else None, "fits": fits}
+            "compiled_split": _split(compiled) if compiled is not None else None,
+            "fits": False if host_fits is False else out["fits"]}
 
 
 def _results(fp: _Footprint, per_device: dict[str, int], compiled: dict[str, Any] | None,
@@ -338,7 +336,7 @@ def _print_bytes(out: dict[str, Any], report: Report) -> None:
         if out.get("offload") is None:
             rows.append(("total", compiled["total"], per_device["total"]))
         else:
-            split = compiled.get("device") is not None and compiled.get("host") is not None
+            split = _split(compiled)
             rows += [("streamed", None, per_device["streamed"]),
                      ("device total", compiled["device"] if split else compiled["total"],
                       per_device["total"]),
