@@ -54,6 +54,14 @@ def _sp(data: str, model: str) -> Rules:
     return _tp(data, model) | {"length": model}
 
 
+def _ep(data: str, expert: str) -> Rules:
+    """The experts over ``expert``; the batch over ``data`` x ``expert`` outside the
+    expert computation, over ``data`` for the dispatched tokens (which keep ``expert``
+    for their experts: the presets put ``expert`` ahead of ``batch``)."""
+    both = Fallbacks((data, expert), data)
+    return Rules({"batch": both, "expert": expert, "cache_batch": both})
+
+
 def _cp(data: str, context: str) -> Rules:
     """The sequence over ``context`` everywhere, attention as a ring; the generation
     cache's positions (``cache_length``) over ``context`` too."""
@@ -141,9 +149,9 @@ def zero2(*, data: str = "data") -> Strategy:
     >>> s.rules["embed"], s.opt_rules["embed"], s.rules.options["gradients"]["embed"]
     (None, 'data', 'data')
     """
-    return Strategy(name="zero2", rules=(REPLICATED | _dp(data)).with_options(
-                        gradients=REPLICATED | _fsdp(data)),
-                    opt_rules=REPLICATED | _fsdp(data), mesh_axes=(data,),
+    sharded = REPLICATED | _fsdp(data)
+    return Strategy(name="zero2", rules=(REPLICATED | _dp(data)).with_options(gradients=sharded),
+                    opt_rules=sharded, mesh_axes=(data,),
                     collectives=("reduce-scatter", "all-gather"))
 
 
@@ -275,9 +283,7 @@ def ep(*, data: str = "data", expert: str = "expert") -> Strategy:
     """
     # expert ahead of batch: the dispatched tokens ("expert", "batch", ...) keep the
     # expert axis for the experts and fall back to data for the batch.
-    rules = replicated(first=("expert",)) | {
-        "batch": Fallbacks((data, expert), data), "expert": expert,
-        "cache_batch": Fallbacks((data, expert), data)}
+    rules = replicated(first=("expert",)) | _ep(data, expert)
     return Strategy(name="ep", rules=rules, opt_rules=None, mesh_axes=(data, expert), sizes=(4,),
                     collectives=("all-to-all", "all-gather", "all-reduce"))
 
@@ -299,9 +305,7 @@ def fsdp_ep(*, data: str = "data", expert: str = "expert") -> Strategy:
     >>> s.rules["expert"], s.rules["embed"], s.mesh_for(8)
     ('expert', 'data', {'data': 2, 'expert': 4})
     """
-    rules = replicated(first=("expert",)) | _fsdp(data) | {
-        "batch": Fallbacks((data, expert), data), "expert": expert,
-        "cache_batch": Fallbacks((data, expert), data)}
+    rules = replicated(first=("expert",)) | _fsdp(data) | _ep(data, expert)
     return Strategy(name="fsdp_ep", rules=rules, opt_rules=None, mesh_axes=(data, expert),
                     sizes=(4,), collectives=("all-to-all", "all-gather", "all-reduce"))
 
