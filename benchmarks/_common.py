@@ -55,13 +55,19 @@ def parse(doc: str, workers: tuple[str, ...] = ("worker",)) -> argparse.Namespac
 
 
 
-def cost_parser(doc: str, quick: str, out: Path, timed: str) -> argparse.ArgumentParser:
-    """The flags of a benchmark that reads compiled costs: ``--quick`` (``quick`` says
-    what it runs), ``--out`` (default ``out``) and ``--time ROUNDS``, which also runs each
-    program on real arrays (``timed``: what one round runs)."""
+def bytes_parser(doc: str, quick: str, out: Path) -> argparse.ArgumentParser:
+    """The flags of a benchmark that reads compiled figures: ``--quick`` (``quick`` says
+    what it runs) and ``--out`` (default ``out``)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--out", type=Path, default=out, help="where the JSON goes")
+    return ap
+
+
+def cost_parser(doc: str, quick: str, out: Path, timed: str) -> argparse.ArgumentParser:
+    """:func:`bytes_parser`'s flags and ``--time ROUNDS``, which also runs each program on
+    real arrays (``timed``: what one round runs)."""
+    ap = bytes_parser(doc, quick, out)
     ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
                     help=f"also run each {timed} on real arrays: median ms over ROUNDS "
                     "rounds (meant for an accelerator)")

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import os
 
-from _common import machine, print_table, simulated_cpu, write_json
+from _common import bytes_parser, machine, print_table, simulated_cpu, write_json
 
 os.environ.update(simulated_cpu(8))  # before jax is imported
 
-import argparse
 import dataclasses
 import math
 from pathlib import Path
@@ -84,10 +83,7 @@ def mib(n: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fsdp only (a smoke test)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
-    args = ap.parse_args()
+    args = bytes_parser(__doc__, "fsdp only (a smoke test)", RESULTS).parse_args()
     rows = [measure(name, off) for name in (("fsdp",) if args.quick else STRATEGIES)
             for off in OFFLOADS]
     print(f"\n{machine()}; per-device MiB of the compiled Trainer step (K=1)\n")

@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import os
 
-from _common import machine, print_table, simulated_cpu, write_json
+from _common import bytes_parser, machine, print_table, simulated_cpu, write_json
 
 os.environ.update(simulated_cpu(8))  # before jax is imported
 
-import argparse
 import dataclasses
 from pathlib import Path
 
@@ -99,10 +98,7 @@ def mb(n: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="M=1 only (a smoke test)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
-    args = ap.parse_args()
+    args = bytes_parser(__doc__, "M=1 only (a smoke test)", RESULTS).parse_args()
     rows = [measure(name, m) for m in ((1,) if args.quick else MICROBATCHES)
             for name in STRATEGIES]
     print(f"\n{machine()}; per-device MB (10^6 bytes) of the compiled programs\n")
