@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -53,6 +53,7 @@ from nnx_shard._axes import entry_axes
 from nnx_shard._errors import ShardingError, UsageError, count, flag, short
 from nnx_shard._mesh import Calls, apply_sharding, called, context, entered, variable_spec, watching
 from nnx_shard._parallel.registry import microbatch_owner
+from nnx_shard._rules import as_rules
 from nnx_shard._train._precision import Precision, as_precision
 from nnx_shard._train._trees import fmt_shape, is_node, short_repr
 from nnx_shard._weighting import items_counter
@@ -285,6 +286,13 @@ def laid_out(grads: Any) -> Any:
     table = ctx.options.get("gradients")
     if table is None or ctx.mesh is None:
         return grads
+    if not isinstance(table, Mapping):
+        raise UsageError(
+            f"value_and_grad: the rules option gradients={short(table, 60)} is not a rules "
+            "table. Fix: a Rules table (or dict) laying each gradient out by its logical "
+            "names, e.g. Rules({'embed': 'data'}) (what strategies.get('zero2') sets), or "
+            "gradients=None to leave them where XLA puts them.")
+    table = as_rules(table)
     mesh = ctx.mesh
     if ctx.rules is not None:
         # A name the active rules gained after the strategy was built (rules | {...})

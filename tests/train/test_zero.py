@@ -322,3 +322,15 @@ def test_a_models_own_names_reach_the_gradients_layout():
     with ns.use("data=8", rules):
         g = nnx.jit(grads)(model)
     assert g["kernel"][...].sharding.spec == jax.sharding.PartitionSpec(None, "data")
+
+
+def test_a_gradients_option_that_is_no_table_is_one_usage_error():
+    init = nnx.with_partitioning(nnx.initializers.ones, ("embed", None))
+    with nnx.use_eager_sharding(False):
+        model = nnx.Linear(8, 2, use_bias=False, kernel_init=init, rngs=nnx.Rngs(0))
+    rules = ns.Rules({"embed": None}).with_options(gradients="data")
+    grad_fn = ns.value_and_grad(lambda m, x: m(x).sum())
+    with ns.use("data=8", rules), pytest.raises(
+            ns.UsageError, match=r"the rules option gradients='data' is not a rules table\. "
+                                 r"Fix: a Rules table \(or dict\)"):
+        nnx.jit(lambda m: grad_fn(m, jax.numpy.ones((8, 8))))(model)
