@@ -16,7 +16,9 @@ at step start (the forward pass reads them) and the optimizer state only once th
 gradients exist (:func:`arrive_after`: an ``optimization_barrier`` ties the host
 arrays to the gradients, so XLA cannot schedule their host-to-device copy before
 the backward pass ends). The device then holds the optimizer state during the
-update only, never during the forward and backward passes.
+update only, never during the forward and backward passes; with scanned layers and
+an element-wise optimizer not even all of it then: the update streams the stacked
+state a layer at a time (``nnx_shard._train._stream``).
 """
 
 from __future__ import annotations

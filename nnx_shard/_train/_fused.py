@@ -170,11 +170,16 @@ def _stepwise(step_fn: Callable[..., Any], placed: tuple[Any, ...],
 def _finish_moved(finish: Callable[[Any, Any, Any], Any],
                   placed: tuple[Any, ...]) -> Callable[[Any, Any, Any], Any]:
     """The call's ``finish`` (the Trainer's check of the call) on device copies of the
-    offloaded state before and after the K steps, the state after moved back."""
+    offloaded state before and after the K steps (unless ``finish`` reads the host
+    arrays itself, :func:`~nnx_shard._offload.moves_offloaded`), the state after
+    moved back."""
+
+    own = owns_moves(finish)
 
     def moved(before: Any, after: Any, metrics: Any) -> Any:
-        arrive(before)
-        arrive(after)
+        if not own:
+            arrive(before)
+            arrive(after)
         metrics = finish(before, after, metrics)
         _back_to_host(after, placed)
         return metrics

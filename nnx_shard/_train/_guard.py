@@ -26,9 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import UsageError
 from nnx_shard._mesh import apply_sharding
-from nnx_shard._offload import arrive, arrive_after, moves_offloaded
+from nnx_shard._offload import arrive, arrive_after, moves_offloaded, traced_host
 from nnx_shard._train._microbatch import value_and_grad
 from nnx_shard._train._norm import grad_sq_shares, grads_norm, join_small
+from nnx_shard._train._stream import host_finite, offloaded_update, streams
 from nnx_shard._train._trees import leaf_path
 
 __all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "StateLayout", "all_finite",
@@ -147,8 +148,9 @@ class Guard(nnx.Module):
             self.ok.set_value(jnp.array(True))
 
 
-def _keep_layout(a: jax.Array, want: Any) -> jax.Array:
-    """``a`` in the sharding type ``want`` of the value it replaces.
+def _keep_layout(a: jax.Array, want: Any, host: bool = False) -> jax.Array:
+    """``a`` in the sharding type ``want`` of the value it replaces, and back in host
+    memory if that value was there (``host``).
 
     On Explicit meshes an update can change an array's sharding type (ZeRO-1: a
     replicated parameter plus a data-sharded update is data-sharded); the state
@@ -159,6 +161,8 @@ def _keep_layout(a: jax.Array, want: Any) -> jax.Array:
         and jax.typeof(a).sharding.spec != want.spec
     ):
         a = apply_sharding(a, want)
+    if host and not traced_host(a):
+        a = jax.device_put(a, jax.memory.Space.Host)
     return a
 
 
@@ -276,9 +280,8 @@ def make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., 
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
         arrive(model)  # offloaded parameters: the forward pass reads them
         out, grads = grad_fn(optimizer.wrt)(model, batch)
-        grads = arrive_after(optimizer, grads)  # offloaded optimizer state: after backward
         loss, aux = out if has_aux else (out, {})
-        optimizer.update(model, grads)
+        offloaded_update(model, optimizer, grads)
         aux = aux_metrics(aux)
         layout = guard.layout
         shares = (grad_sq_shares(grads, layout.grad_specs, layout.mesh)
@@ -333,12 +336,17 @@ def _apply_where(ok: jax.Array, model: Any, optimizer: Any, grads: Any, rest: An
     if _GATE == "cond":
         def apply(m: Any, o: Any, g: Any) -> None:
             # Both branches return the state in the types it came in (see _keep_layout).
+            # and in the memory it came in: state the update brought in from the host
+            # goes back there inside the branch (the other branch leaves it there).
             types = jax.tree.map(lambda x: jax.typeof(x).sharding, nnx.state((m, o)))
-            o.update(m, g)
-            nnx.update((m, o), jax.tree.map(_keep_layout, nnx.state((m, o)), types))
+            hosts = jax.tree.map(traced_host, nnx.state((m, o)))
+            offloaded_update(m, o, g)
+            nnx.update((m, o), jax.tree.map(_keep_layout, nnx.state((m, o)), types, hosts))
 
         nnx.cond(ok, apply, lambda m, o, g: None, model, optimizer, grads)
     else:
+        # The select keeps the old state next to the new: both whole, on the device.
+        grads = arrive_after(optimizer, grads)
         before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
         optimizer.update(model, grads)
         nnx.update((model, optimizer), select(ok, nnx.state((model, optimizer)), before))
@@ -368,7 +376,8 @@ def make_gated_step(loss_fn: Callable[..., Any], has_aux: bool,
         # batch statistics), to put back if the step is not applied.
         rest = jax.tree.map(lambda x: x, nnx.state(model, nnx.Not(optimizer.wrt)))
         out, grads = grad_fn(optimizer.wrt)(model, batch)
-        grads = arrive_after(optimizer, grads)  # offloaded optimizer state: after backward
+        if not streams(model, optimizer):
+            grads = arrive_after(optimizer, grads)  # offloaded optimizer state: after backward
         loss, aux = out if has_aux else (out, {})
         aux = aux_metrics(aux)  # fit's own names refused, a non-mapping kept as "aux"
         layout = guard.layout
@@ -400,16 +409,24 @@ def _norms(metrics: dict[str, Any]) -> dict[str, Any]:
             for key, v in metrics.items()}
 
 
+@moves_offloaded
 def check_call(before: Any, after: Any, metrics: dict[str, Any]) -> dict[str, Any]:
     """The end of a fused call of :func:`make_gated_step` (``guard="grads"`` or
     ``"off"``): checks every step's loss and gradient norm and the final state, and
     drops the guard if any is not finite, so that no call queued behind this one
     applies a step. Nothing is undone: the state before the call is not kept. The
     ``state_finite`` metric tells the host whether the state the call leaves is
-    finite (the steps' own flags are in ``applied``)."""
+    finite (the steps' own flags are in ``applied``).
+
+    It reads offloaded state where it lives (:func:`host_finite`): a stacked leaf in
+    host memory is checked on the device a layer at a time, as the streamed update
+    (:func:`offloaded_update`) moved it, so the check holds no more of it either."""
     model, opt, guard = after
     metrics = _norms(metrics)
-    state_ok = all_finite(jax.tree.leaves(nnx.state((model, opt))), before[2].layout.replicated)
+    leaves, host_flags = host_finite(nnx.state((model, opt)))
+    state_ok = all_finite(leaves, before[2].layout.replicated)
+    if host_flags:
+        state_ok = state_ok & jnp.all(jnp.stack(host_flags))
     steps_ok = all_finite([metrics["loss"], metrics["grad_norm"]])
     guard.ok[...] = guard.ok[...] & steps_ok & state_ok
     return {**metrics, "state_finite": state_ok}

@@ -57,7 +57,7 @@ _DECIDES = {
         "value_and_grad of lm_loss + the optimizer update, and the NaN guard of --guard: "
         "under full, its copy of the state), compiled for this mesh on simulated CPU devices "
         "from abstract inputs (nothing allocated); total = arguments + temp + outputs - "
-        "donated buffers. It decides whether the model fits: the formula is off by more than "
+        "donated buffers. It decides whether the model fits: the formula can be off by more than "
         "15% ({ratio}here; over the presets and remat policies: docs/guides/planner.md), "
         "as it models neither XLA's temporaries nor how remat is scheduled. These are XLA "
         "CPU's figures: a GPU or TPU compile can differ (against published H100 runs: "
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     wrt = nnx.Param if args.lora_rank is None else nnx.LoRAParam
     per_device = formula(fp.report, fp.activations, args.guard, fp.compute,
                          trained=wrt.__name__, grads=grads_report(model, sizes, strat, wrt),
-                         offload=strat.offload)
+                         offload=strat.offload, tx=tx)
     compiled = _compile(args, strat, sizes, out["devices"])
     out.update(_results(fp, per_device, compiled, memory, args.top, strat))
     out.update(_host(per_device, compiled, host_memory, out))

@@ -26,11 +26,12 @@ from nnx_shard._mesh import parse_axes
 from nnx_shard._report import Report, explain
 from nnx_shard._rules import Rules
 from nnx_shard._train._guard import DEFAULT_GUARD
+from nnx_shard._train._stream import LAYERS, elementwise
 from nnx_shard.models._memory import activation_bytes
 
 __all__ = ["ARRIVES", "PRUNE_MARGIN", "abstract_report", "compute_copy", "formula",
            "formula_bytes", "formula_parts", "grads_report", "offload_phases", "offloaded_groups",
-           "stage_config", "stage_formula_bytes"]
+           "stage_config", "stage_formula_bytes", "update_state_bytes"]
 
 #: The formula decides "does not fit" without a compile only when it is this many
 #: times over the budget: over every preset x mesh factorisation of 8 devices
@@ -45,9 +46,46 @@ PRUNE_MARGIN = 1.1
 #: call moves it (``nnx_shard._offload``): ``"step"``, at the step's start (the
 #: parameters: the forward pass reads them); ``"update"``, once the gradients exist
 #: (the optimizer state: an ``optimization_barrier`` ties its host-to-device copy to
-#: the gradients). Each group goes back to host memory at the step's end. The move is
-#: of the group whole, not layer by layer. :func:`offload_phases` counts by it.
+#: the gradients). Each group goes back to host memory at the step's end. The
+#: parameters move whole; the optimizer state moves whole too unless the update streams
+#: it a layer at a time (:func:`update_state_bytes`). :func:`offload_phases` counts by it.
 ARRIVES = {"params": "step", "optimizer": "update"}
+
+
+def _stacked(row: Any) -> bool:
+    return bool(row.names) and row.names[0] == LAYERS and len(row.shape) >= 1
+
+
+def update_state_bytes(report: Report, tx: Any) -> int | None:
+    """The optimizer state's device bytes per device an offloaded update holds at once
+    where it streams the stacked layers (``Trainer``'s steps do for an element-wise
+    optimizer, :func:`nnx_shard._train._stream.elementwise`): the leaves that are not
+    stacked whole, plus two layers' worth of each stacked leaf (the slice moved in and
+    the new one going back). ``None`` where the update moves the whole state (no
+    ``tx``, an optimizer that is not element-wise, no stacked leaf, layers split over
+    devices as a pipeline's stages are).
+
+    >>> import dataclasses, optax
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> from nnx_shard.strategies._presets import get
+    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True, layers=4)
+    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> report = abstract_report(model, {"data": 8}, get("fsdp").rules, optax.adamw(1e-3))
+    >>> update_state_bytes(report, optax.adamw(1e-3)) < report.opt_bytes_per_device
+    True
+    >>> clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    >>> update_state_bytes(report, clipped) is None
+    True
+    """
+    rows = [r for r in report.rows if r.group == "optimizer"]
+    stacked = [r for r in rows if _stacked(r)]
+    if tx is None or not stacked or not elementwise(tx):
+        return None
+    if any(len(r.spec) and r.spec[0] is not None for r in stacked):
+        return None  # the layers split over devices (a pipeline): the update moves it whole
+    return int(sum(2 * r.bytes_per_device // r.shape[0] if _stacked(r) else r.bytes_per_device
+                   for r in rows))
 
 
 def abstract_report(model: Any, sizes: str | Mapping[str, int], rules: Rules, tx: Any = None,
@@ -109,7 +147,7 @@ def offloaded_groups(offload: str | None) -> tuple[str, ...]:
 
 
 def offload_phases(parts: Mapping[str, int], offload: str | None,
-                   guard: str = DEFAULT_GUARD) -> dict[str, int]:
+                   guard: str = DEFAULT_GUARD, streamed: int | None = None) -> dict[str, int]:
     """Device bytes per device in each phase of an offloaded step, from :func:`formula`'s
     ``parts`` (the state's bytes wherever it lives; ``total`` their sum):
 
@@ -120,7 +158,8 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
       arrive at the step's start (:data:`ARRIVES`: the parameters);
     * ``update``: the optimizer update: ``forward`` less the activations and the
       compute copy (freed by then) plus the groups that arrive for it (the optimizer
-      state);
+      state; ``streamed`` of it where the update streams the layers,
+      :func:`update_state_bytes`);
     * ``finish``: under ``guard="full"``, the check at the end of the fused call,
       which moves the offloaded state before and after the call in to select one:
       the parameters, optimizer state and their guard copy (0 for other guards: their
@@ -132,13 +171,16 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
     {'host': 200, 'kept': 700, 'forward': 700, 'update': 400, 'finish': 0}
     >>> offload_phases(parts, "optimizer+params")["forward"]   # the parameters at step start
     700
+    >>> offload_phases(parts, "optimizer", streamed=50)["update"]   # a layer at a time
+    250
     """
     groups = offloaded_groups(offload)
     host = sum(parts[g] for g in groups) * (2 if guard == "full" else 1)
     kept = parts["total"] - host
     forward = kept + sum(parts[g] for g in groups if ARRIVES[g] == "step")
+    arriving = {**parts, "optimizer": parts["optimizer"] if streamed is None else streamed}
     update = (forward - parts["activations"] - parts.get("compute", 0)
-              + sum(parts[g] for g in groups if ARRIVES[g] == "update"))
+              + sum(arriving[g] for g in groups if ARRIVES[g] == "update"))
     finish = parts["params"] + parts["optimizer"] + parts["guard"] if guard == "full" else 0
     return {"host": int(host), "kept": int(kept), "forward": int(forward),
             "update": int(update), "finish": int(finish)}
@@ -146,7 +188,7 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
 
 def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
             compute: int = 0, trained: str = "Param", grads: Report | None = None,
-            offload: str | None = None) -> dict[str, int]:
+            offload: str | None = None, tx: Any = None) -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
     while a call runs (``guard="full"``, to put it back if the call is not finite;
@@ -165,7 +207,8 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     the step's largest phase (:func:`offload_phases`) holds over the bytes that never
     leave the device; ``total`` is then the device's: the largest phase, ``max``(the
     parts less the host's, with the offloaded parameters back; parameters + gradients
-    + the optimizer state moved in for the update).
+    + the optimizer state moved in for the update: all of it, or with ``tx`` an
+    element-wise optimizer of a model with stacked layers, :func:`update_state_bytes`).
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
@@ -206,7 +249,7 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
         parts["compute"] = int(compute)
     out = {**parts, "total": sum(parts.values())}
     if offload is not None:
-        phases = offload_phases(out, offload, guard)
+        phases = offload_phases(out, offload, guard, update_state_bytes(report, tx))
         device = max(phases["forward"], phases["update"], phases["finish"])
         out["streamed"] = device - phases["kept"]
         out["total"], out["host"] = device, phases["host"]
@@ -333,4 +376,4 @@ def _parts(abstract: Any, cfg: Any, acts_cfg: Any, strat: Any, sizes: dict[str, 
         return None
     compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
     return formula(report, acts, guard, compute, grads=grads_report(abstract, sizes, strat),
-                   offload=getattr(strat, "offload", None))
+                   offload=getattr(strat, "offload", None), tx=tx)

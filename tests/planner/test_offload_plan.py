@@ -73,6 +73,31 @@ def test_offload_counts_the_phases_of_the_step_as_the_library_moves_the_state(
         k: plain[k] for k in plain if k != "total"}
 
 
+def test_an_elementwise_update_of_stacked_layers_holds_two_layers_of_the_state():
+    """Trainer's steps stream an element-wise optimizer's stacked state a layer at a
+    time: the update phase holds the state of the leaves that are not stacked, and
+    of each stacked leaf the slice moved in and the new one (2/L of it)."""
+    layers = 4
+    cfg = dataclasses.replace(CFG, layers=layers)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    strat, tx = strategies.get("fsdp"), optax.adamw(1e-3)
+    r = abstract_report(abstract, {"data": 2}, strat.rules, tx, strat.opt_rules)
+    rows = [row for row in r.rows if row.group == "optimizer"]
+    stacked = sum(row.bytes_per_device for row in rows
+                  if row.names and row.names[0] == "layers")
+    assert 0 < stacked < r.opt_bytes_per_device  # embeddings and final norm are not stacked
+    plain = formula(r, 0)
+    p, g, o = plain["params"], plain["grads"], plain["optimizer"]
+    whole = formula(r, 0, offload="optimizer")
+    streamed = formula(r, 0, offload="optimizer", tx=tx)
+    assert whole["total"] == p + g + o
+    assert streamed["total"] == p + g + o - stacked + 2 * stacked // layers
+    assert streamed["host"] == whole["host"] == o
+    # A global-norm clip couples the leaves: the whole state moves in.
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), tx)
+    assert formula(r, 0, offload="optimizer", tx=clipped)["total"] == whole["total"]
+
+
 def test_the_guard_copy_of_host_state_stays_on_the_host_until_the_check(fsdp_report):
     r = fsdp_report
     plain = formula(r, 1000, guard="full")
