@@ -17,7 +17,7 @@ __all__ = ['ACTIVATION_FORMULA', 'activation_bytes']
 
 ACTIVATION_FORMULA = (
     "per device, no rematerialization: tokens/device x [layers x (p(4e/Dl + 4hk/Dh + 2m'/Dm) "
-    "+ 4hs/Dh) + 2pe/Dl + 8V/Dv], tokens/device = batch x seq / Db; p = activation bytes "
+    "+ 4hs/Dh) + max(2pe/Dl + 8V/Dv, X)], tokens/device = batch x seq / Db; p = activation bytes "
     "(the compute dtype), e = embed, h = heads, k = head_dim, m' = mlp (x top_k x "
     "capacity_factor for the reference model's experts; the Llama family's MoE "
     "layers: the expert's width x top_k, or under expert parallelism, the experts over P "
@@ -37,7 +37,17 @@ ACTIVATION_FORMULA = (
     "block's input is kept (layers x p x e/Dl per token) plus one layer's activations and the "
     "logits; dots and offload count as none. Under context parallelism the sequence stays "
     "split through the block, so Dh, Dm and Dv include the length axes, and the ring "
-    "(attention='ring') keeps no probabilities whatever the kernel (4h, as above)."
+    "(attention='ring') keeps no probabilities whatever the kernel (4h, as above). "
+    "X = 0 except under expert parallelism (the Llama family's MoE layers, experts over P "
+    "devices): X = e x (min(P x top_k, experts) x (3p + 24) + 12 top_k), the dispatch and "
+    "combine buffers one MoE layer holds while it runs, as XLA's CPU compile keeps them: "
+    "over every row a device may receive, three embedding-wide in the compute dtype (the "
+    "grouped matmuls' outputs) and six in 32 bits (the send and combine scatters and the "
+    "scatter-adds of their gradients, which XLA CPU widens to 32 bits and allocates "
+    "before the layer's loops), and three 32-bit ones over each token's top_k slots; "
+    "the logits are not alive then, so the larger of the two counts; plus, where FSDP "
+    "shards the experts' embed dimension (fsdp_ep), one layer's local experts' weights "
+    "gathered in the compute dtype (p x matrices x experts/P x e x expert mlp / Dm)."
 )
 
 
@@ -118,10 +128,11 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     mesh = abstract_mesh(sizes)
     rules = as_rules(rules)
     # A name the table does not mention is replicated, as for any activation.
-    rules = rules | {n: None for n in ("batch", "length", "heads", "kv", "mlp", "vocab")
+    rules = rules | {n: None for n in ("batch", "length", "heads", "kv", "mlp", "vocab", "embed")
                      if n not in rules}
     b, s, e, h, k, v = batch, seq, cfg.embed, cfg.heads, cfg.head_dim, cfg.vocab
-    m = _mlp_width(cfg, _expert_devices(cfg, rules, mesh, b, s))
+    ep = _expert_devices(cfg, rules, mesh, b, s)
+    m = _mlp_width(cfg, ep)
     # Grouped-query attention keeps k and v at kv_heads (the reference model's: heads).
     g = cfg.kv_heads
     qkvo = 2 * h * k + 2 * g * k
@@ -153,8 +164,59 @@ def activation_bytes(cfg: Any, rules: Any, sizes: dict[str, int], batch: int, se
     qk_norm = (h * k + g * k) / d_h if cfg.family.qk_norm is not None else 0.0
     layer = p * (4 * e / d_l + qkvo / d_h + mlp + qk_norm) + probs
     edges = 2 * p * e / d_l + 8 * v / d_v
+    # An expert-parallel layer's dispatch buffers live while that layer runs, the
+    # logits and their gradient before the first layer's backward pass (XLA's peak is
+    # in the MoE layer, with no logits): the larger of the two counts, not both.
+    tail = max(edges, _dispatch_bytes(cfg, ep, p))
     if remat == "full":
-        per_token = cfg.layers * p * e / d_l + layer + edges
+        per_token = cfg.layers * p * e / d_l + layer + tail
     else:
-        per_token = cfg.layers * layer + edges
-    return int(tokens * per_token)
+        per_token = cfg.layers * layer + tail
+    return int(tokens * per_token + _expert_weight_bytes(cfg, rules, mesh, ep, p, d_m))
+
+
+def _dispatch_bytes(cfg: Any, ep: int, p: int) -> float:
+    """Per local token, the dispatch and combine buffers of one expert-parallel MoE
+    layer while it runs: over the dropless receive rows, ``min(ep x top_k, experts)``
+    per local token (:func:`_mlp_width`), nine embedding-wide buffers, three in the
+    compute dtype (the tile loops' outputs: the down projection's, and the gate and up
+    projections' input gradients) and six in 32 bits (the send and combine scatters
+    and the scatter-adds that transpose the dispatch's and the combine's gathers:
+    XLA's CPU backend scatters a 16-bit type in 32 bits and adds in float32, and
+    allocates these zero-filled buffers before the layer's loops, so they are alive
+    together); and over each token's ``top_k`` slots three 32-bit ones (the gathered
+    rows and their gradient). Read from the buffers alive at the compiled step's peak
+    (Mixtral-8x7B and Qwen3-30B-A3B under ``fsdp_ep`` on 64 devices, bfloat16): jax
+    0.10's XLA keeps 3 + 7 such buffers per receive row (34 bytes per embedding
+    column), jax 0.12's 4 + 6 (32; 4 + 5, 28, for Mixtral on data=16,expert=4); 3 + 6
+    (30) are counted, so that the whole formula stays under either compile (the
+    planner prunes by it). Counted once per step: one layer runs at a time. 0 where
+    the layer gathers instead (``ep`` = 1) or has a capacity (the reference family).
+
+    >>> from nnx_shard.models import DecoderConfig
+    >>> cfg = DecoderConfig.for_model("mixtral", embed=8, experts=4, top_k=2)
+    >>> _dispatch_bytes(cfg, 4, 2) == 8 * (4 * (3 * 2 + 6 * 4) + 2 * 3 * 4)
+    True
+    >>> _dispatch_bytes(cfg, 1, 2)     # gathered: no receive rows
+    0.0
+    """
+    if ep == 1 or not any(cfg.moe_layers()) or cfg.capacity_factor is not None:
+        return 0.0
+    rows = min(ep * cfg.top_k, cfg.experts)
+    return float(cfg.embed * (rows * (3 * p + 6 * 4) + cfg.top_k * 3 * 4))
+
+
+def _expert_weight_bytes(cfg: Any, rules: Any, mesh: Any, ep: int, p: int, d_m: int
+                         ) -> int:
+    """Bytes per device of one expert-parallel layer's local experts' weights in the
+    compute dtype where the layer makes a copy of them: gathered over the axes that
+    shard their ``embed`` dimension (``fsdp_ep``), or cast from another parameter
+    dtype. 0 without expert parallelism, or where the layer computes with its
+    parameters' own shards (``ep``)."""
+    if ep == 1 or not any(cfg.moe_layers()) or cfg.capacity_factor is not None:
+        return 0
+    if (_divisor(rules, ("embed",), (cfg.embed,), mesh, 0) == 1
+            and np.dtype(cfg.param_dtype) == np.dtype(cfg.dtype)):
+        return 0
+    matrices = 3 if cfg.family.gated_mlp else 2
+    return int(matrices * cfg.experts // ep * cfg.embed * cfg.expert_mlp / d_m * p)

@@ -77,10 +77,15 @@ def test_activation_formula_counts_top_k_experts_at_their_width():
     # Expert parallelism (experts over expert=2, which also splits the tokens): each
     # device computes min(2 x top_k, experts) = 4 slots per local token, the receive
     # buffer's room for every peer's slots. A token's rows: (data x expert) = 4 devices.
+    # While a layer runs, its dispatch and combine buffers: over those 4 receive rows,
+    # embed-wide, 3 in the compute dtype and 6 in 32 bits, and 3 x 32 bits over each of
+    # the top_k slots; more than the logits' edges, which are not alive then.
     ep = ns.Rules({"expert": "expert", "batch": ("data", "expert")})
     wide = p * (attn + 4 * 4 * 16) + 4 * 4
+    dispatch = 32 * (4 * (3 * p + 6 * 4) + 2 * 3 * 4)
+    assert dispatch > edges
     assert activation_bytes(cfg, ep, {"data": 2, "expert": 2}, 4, 16) == (
-        4 * 16 // 4 * (2 * wide + edges))
+        4 * 16 // 4 * (2 * wide + dispatch))
 
 
 @pytest.mark.slow
