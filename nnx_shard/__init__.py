@@ -27,7 +27,7 @@ from nnx_shard._pack import pack
 from nnx_shard._quantized import QuantizedKernel
 from nnx_shard._report import Report, explain
 from nnx_shard._rules import Fallbacks, Rules
-from nnx_shard._train import Precision, Trainer, multistep, shard_batch, value_and_grad
+from nnx_shard._train import DiLoCo, Precision, Trainer, multistep, shard_batch, value_and_grad
 from nnx_shard._train._batches import Batches
 from nnx_shard._weighting import mean_over
 
@@ -35,6 +35,7 @@ __all__ = [
     "Batches",
     "Checkpointer",
     "CompileError",
+    "DiLoCo",
     "Fallbacks",
     "MetricsWriter",
     "NnxShardError",

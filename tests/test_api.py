@@ -14,7 +14,7 @@ EXPECTED = {
     "ShardingError", "ShardingWarning", "annotate", "constrain", "explain", "get_logical_axes",
     "logical_axes", "make_mesh", "shardings", "use", "with_logical",
     "abstract_init", "sharded_init", "sharded_optimizer",
-    "Trainer", "Precision", "mean_over", "multistep", "shard_batch", "value_and_grad",
+    "Trainer", "DiLoCo", "Precision", "mean_over", "multistep", "shard_batch", "value_and_grad",
     "MetricsWriter", "Batches", "pack",
     "Checkpointer", "restore", "save",
     "lora", "merge_lora", "QuantizedKernel",

@@ -19,8 +19,11 @@ Three layers, each usable alone:
   gradient norm (:mod:`~nnx_shard._train._guard`), run call by call by
   :mod:`~nnx_shard._train._run`. :class:`Precision`
   (:mod:`~nnx_shard._train._precision`) gives any of them mixed precision.
+  :class:`DiLoCo` (:mod:`~nnx_shard._train._diloco`) trains replicas apart over a
+  mesh's ``replica`` axis, averaging them every H steps.
 """
 
+from nnx_shard._train._diloco import DiLoCo
 from nnx_shard._train._fused import Fused, multistep
 from nnx_shard._train._microbatch import value_and_grad
 from nnx_shard._train._placement import shard_batch
@@ -28,5 +31,5 @@ from nnx_shard._train._precision import Precision
 from nnx_shard._train._run import History
 from nnx_shard._train._trainer import Trainer
 
-__all__ = ["Fused", "History", "Precision", "Trainer", "multistep", "shard_batch",
+__all__ = ["DiLoCo", "Fused", "History", "Precision", "Trainer", "multistep", "shard_batch",
            "value_and_grad"]
