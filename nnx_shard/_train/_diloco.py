@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnx_shard._errors import UsageError, count, short
 from nnx_shard._mesh import current, entered, make_mesh
 from nnx_shard._rules import Rules
+from nnx_shard._train import _compress
 
 __all__ = ["DiLoCo"]
 
@@ -43,6 +44,10 @@ class ReplicaParam(nnx.Variable):
 
 class ReplicaOptState(nnx.Variable):
     """The inner optimizer state of every replica, stacked like :class:`ReplicaParam`."""
+
+
+class ReplicaResidual(nnx.Variable):
+    """Every replica's compression residual (error feedback), stacked like :class:`ReplicaParam`."""
 
 
 class OuterOptState(nnx.Variable):
@@ -114,6 +119,16 @@ class DiLoCo(nnx.Module):
       outer: the outer optax optimizer; by default DiLoCo's
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
       axis: the mesh axis the replicas are laid over.
+      compress: what a sync sends across replicas in place of the float32 average:
+        ``None`` (the all-reduce), ``"int8"`` or ``"int4"`` (each replica's delta
+        rotated by a randomized Hadamard transform and quantized per block of 256 with a
+        float32 scale; codes and scales all-gathered over ``axis``, then dequantized and
+        averaged on every device), or ``"mask:P"`` (a fraction P of the elements, from a
+        seed shared by the replicas and new every sync, averaged by an all-reduce of P of
+        the bytes, not rescaled by 1/P), or ``"rank:R"`` (PowerSGD: rank-R factors of
+        each device's slice of every matrix, by two all-reduces). Each keeps error feedback: every replica's
+        compression residual (``residual``, stacked like the replicas, checkpointed with
+        them) is added to its next delta.
 
     >>> import nnx_shard as ns, jax.numpy as jnp, numpy as np, optax
     >>> from flax import nnx
@@ -130,6 +145,11 @@ class DiLoCo(nnx.Module):
     ...     losses = fused(diloco, batches)["loss"]
     >>> losses.shape, int(diloco.count[...])                     # [K, R]
     ((4, 2), 4)
+    >>> small = ns.DiLoCo(model, optax.sgd(0.1), inner_steps=2, compress="int8")
+    >>> with ns.use(mesh, s.rules):
+    ...     losses = fused(small, batches)["loss"]                # syncs send int8 codes
+    >>> small.residual["kernel"].shape                            # [R, 4, 1]
+    (2, 4, 1)
     """
 
     def __init__(
@@ -141,6 +161,7 @@ class DiLoCo(nnx.Module):
         inner_steps: int,
         outer: optax.GradientTransformation | None = None,
         axis: str = "replica",
+        compress: str | None = None,
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise UsageError(
@@ -154,6 +175,7 @@ class DiLoCo(nnx.Module):
                          else f"{type(tx).__name__} {short(tx, 60)}")
                 raise UsageError(f"DiLoCo: {name} must be an optax transformation, got "
                                  f"{given}. Fix: e.g. {name}={example}")
+        self.compression = _compress.parse(compress)
         self.inner_steps = count(inner_steps, "DiLoCo: inner_steps", fix="e.g. inner_steps=50")
         params = nnx.state(model, nnx.Param)
         others = nnx.state(model, nnx.Not(nnx.Param))
@@ -216,6 +238,11 @@ class DiLoCo(nnx.Module):
         self.inner_state = nnx.data(jax.tree.map(ReplicaOptState, inner_state))
         self.outer_state = nnx.data(jax.tree.map(OuterOptState, outer_state))
         self.count = nnx.Variable(jax.device_put(jnp.zeros((), jnp.int32), rep))
+        # Only a compressed sync leaves a residual: an uncompressed DiLoCo's state (and
+        # checkpoints) stay as they were.
+        self.residual = (nnx.data(jax.tree.map(lambda x: ReplicaResidual(jnp.zeros_like(x)),
+                                               stacked))
+                         if self.compression is not None else None)
 
     def inner_step(self, loss_fn: Callable[[nnx.Module, Any], jax.Array], batch: Any
                    ) -> jax.Array:
@@ -264,7 +291,8 @@ class DiLoCo(nnx.Module):
         return losses
 
     def sync(self) -> None:
-        """The outer step: the replicas averaged (one all-reduce over ``axis``), the
+        """The outer step: the replicas averaged (one all-reduce over ``axis``; with
+        ``compress``, their compressed deltas gathered or reduced instead), the
         anchor (the model's parameters) moved by ``outer`` along ``anchor - mean``, and
         every replica restarted from it. :meth:`step` runs it when due; call it
         yourself (under ``jax.jit``) to sync at another time."""
@@ -273,8 +301,16 @@ class DiLoCo(nnx.Module):
         anchor = nnx.to_pure_dict(params)
         pure = jax.tree.structure(anchor)
         reps = _values(self.replicas)
-        mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), reps)
-        delta = jax.tree.map(jnp.subtract, anchor, mean)
+        if self.compression is None:
+            mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), reps)
+            delta = jax.tree.map(jnp.subtract, anchor, mean)
+        else:
+            sent, residual = _compress.compressed_delta(
+                self.compression, jax.tree.leaves(anchor), jax.tree.leaves(reps),
+                jax.tree.leaves(_values(self.residual)), self.count[...], specs=self.specs,
+                mesh=mesh, axis=axis)
+            delta = jax.tree.unflatten(pure, sent)
+            _assign(self.residual, jax.tree.unflatten(pure, residual))
         updates, outer_state = self.outer.update(delta, _values(self.outer_state), anchor)
         anchor = optax.apply_updates(anchor, updates)
         flat = [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
