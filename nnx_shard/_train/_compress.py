@@ -33,7 +33,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import UsageError, short
 
@@ -142,7 +143,8 @@ def compressed_delta(
     ``anchor``, and every replica's new residual, ``[R, ...]`` laid out as
     ``replicas``; C is ``compression``, computed per device and sent compressed over
     ``axis`` (the module docstring)."""
-    shapes = [a.shape for a in _local_shapes(anchor, specs, mesh)]
+    shapes = [NamedSharding(mesh, spec).shard_shape(a.shape)
+              for a, spec in zip(anchor, specs, strict=True)]
     sizes = [math.prod(s) for s in shapes]
     n = sum(sizes)
 
@@ -218,22 +220,5 @@ def _pmean_all(xs: Sequence[jax.Array], axis: str) -> list[jax.Array]:
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for s in sizes[:-1]:
-        total += s
-        out.append(total)
-    return out
-
-
-def _local_shapes(arrays: Sequence[jax.Array], specs: Sequence[PartitionSpec],
-                  mesh: Mesh) -> list[jax.ShapeDtypeStruct]:
-    """Each array's shape on one device under its ``spec`` over ``mesh``."""
-    out = []
-    for x, spec in zip(arrays, specs, strict=True):
-        shape = list(x.shape)
-        for i, entry in enumerate(spec):
-            for a in (entry if isinstance(entry, tuple) else (entry,)):
-                if a is not None:
-                    shape[i] //= mesh.shape[a]
-        out.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
-    return out
+    """Where ``jnp.split`` cuts a vector of the ``sizes`` joined."""
+    return [int(c) for c in np.cumsum(sizes)[:-1]]

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnx_shard._annotate import logical_names
 from nnx_shard._mesh import context, variable_spec
 from nnx_shard._offload import arrive_after, traced_host
 
@@ -89,10 +90,8 @@ def _probe(tx: optax.GradientTransformation) -> bool:
 
 
 def _first_name(var: Any) -> Any:
-    names = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
-    if isinstance(names, jax.sharding.NamedSharding):
-        names = names.spec
-    return next(iter(names)) if names else None
+    names = logical_names(var) if isinstance(var, nnx.Variable) else None
+    return names[0] if names else None
 
 
 def _variables(tree: Any) -> list[Any]:
