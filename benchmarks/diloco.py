@@ -14,7 +14,9 @@ batch of 32 windows of 64 (the same windows, in the same order, for every row: S
   optimizer (``optax.sgd(0.7, momentum=0.9, nesterov=True)``, the default), each replica
   on its 16 of the 32 windows; at H=10 also with every ``compress=`` option; and all of
   these again at a smaller outer learning rate, 0.35 (the same Nesterov momentum 0.9;
-  ``--outer-lr`` sets the rates).
+  ``--outer-lr`` sets the rates); and ``mask:0.25`` once more at each rate with plain
+  outer SGD (no momentum): error feedback sends each element's delta about 1/P syncs
+  late, and momentum keeps moving along such stale deltas.
 
 Each row's held-out loss is ``lm_loss`` of the trained model (DiLoCo's anchor; STEPS is a
 multiple of every H, so the last step synced) averaged over 8 fixed batches of 32 x 64
@@ -27,7 +29,7 @@ the sync (its ``lax.cond`` branch inside the loop; x 100 / H); DiLoCo's inner st
 no collective over ``replica`` (tests/train/test_diloco.py). Wall and process CPU
 seconds are those of the row's training calls, the first call's compile included.
 
-Run (about 6 minutes on 2 loaded CPU cores; 13 rows of 20-26 CPU-s and their compiles)::
+Run (about 7 minutes on 2 loaded CPU cores; 15 rows of 20-26 CPU-s and their compiles)::
 
     .venv/bin/python benchmarks/diloco.py
 
@@ -92,15 +94,16 @@ def replica_bytes(hlo: str, mesh: Any) -> int:
     return sum(c.bytes for c in compiled_collectives(hlo, mesh) if "replica" in (c.axes or ()))
 
 
-def run_row(name: str, h: int | None, compress: str | None, outer_lr: float, data: list[Any],
-            heldout: list[Any], mesh: Any) -> dict:
+def run_row(name: str, h: int | None, compress: str | None, outer_lr: float, momentum: float,
+            data: list[Any], heldout: list[Any], mesh: Any) -> dict:
     model = ns.sharded_init(lambda: Decoder(CFG, rngs=nnx.Rngs(0)), mesh, HSDP)
     if h is None:
         opt = ns.sharded_optimizer(model, optax.adamw(LR), mesh, HSDP)
         fused = ns.multistep(lm_step)
         args: tuple = (model, opt)
     else:
-        outer = optax.sgd(outer_lr, momentum=0.9, nesterov=True)
+        outer = (optax.sgd(outer_lr, momentum=momentum, nesterov=True) if momentum
+                 else optax.sgd(outer_lr))
         diloco = ns.DiLoCo(model, optax.adamw(LR), inner_steps=h, outer=outer,
                            compress=compress)
         fused = ns.multistep(lambda d, b: {"loss": d.step(lm_loss, b)})
@@ -118,6 +121,7 @@ def run_row(name: str, h: int | None, compress: str | None, outer_lr: float, dat
     per_call = [float(np.mean(x)) for x in losses]  # over steps (and replicas)
     return {"row": name, "inner_steps": h, "compress": compress,
             "outer_lr": None if h is None else outer_lr,
+            "outer_momentum": None if h is None else momentum,
             "heldout_loss": held, "train_loss_per_call": per_call,
             "replica_bytes_per_event": per_event,
             "replica_bytes_per_100_steps": per_event * 100 / (h or 1),
@@ -140,13 +144,14 @@ def main() -> None:
         data = windows(corpus, steps, k, mesh)
         heldout = [ns.shard_batch(b, mesh, HSDP.rules, ("batch", "length"))
                    for b in corpus.heldout_batches(BATCH, CFG.length, max_batches=8)]
-    plan: list[tuple[str, int | None, str | None, float]] = [("hsdp", None, None, 0.0)]
+    plan: list[tuple[str, int | None, str | None, float, float]] = [("hsdp", None, None, 0.0, 0.0)]
     for lr in args.outer_lr[:1] if args.quick else args.outer_lr:
-        plan += [(f"DiLoCo H={h}", h, None, lr) for h in hs]
-        plan += [(f"DiLoCo H=10 {c}", 10, c, lr) for c in COMPRESS]
+        plan += [(f"DiLoCo H={h}", h, None, lr, 0.9) for h in hs]
+        plan += [(f"DiLoCo H=10 {c}", 10, c, lr, 0.9) for c in COMPRESS]
+        plan += [("DiLoCo H=10 mask:0.25, no momentum", 10, "mask:0.25", lr, 0.0)]
     rows = []
-    for name, h, compress, lr in plan:
-        rows.append(run_row(name, h, compress, lr, data, heldout, mesh))
+    for name, h, compress, lr, momentum in plan:
+        rows.append(run_row(name, h, compress, lr, momentum, data, heldout, mesh))
         r = rows[-1]
         outer = "" if h is None else f" (outer lr {lr})"
         print(f"  {name}{outer}: held-out {r['heldout_loss']:.4f}, {r['cpu_s']:.0f} CPU-s", flush=True)
@@ -159,9 +164,11 @@ def main() -> None:
     print(f"\n{machine()}; hsdp replica=2 x data=4; {params:,} parameters; {steps} steps of "
           f"{BATCH} x {CFG.length} characters; unigram baseline "
           f"{corpus.unigram_baseline():.3f} nats/char\n")
-    print_table(["row", "outer lr", "held-out loss (nats/char)", "vs hsdp", "bytes over replica / 100 steps",
+    print_table(["row", "outer lr", "momentum", "held-out loss (nats/char)", "vs hsdp", "bytes over replica / 100 steps",
                  "vs hsdp", "wall s", "CPU s"],
-                [[r["row"], r["outer_lr"] or "-", f"{r['heldout_loss']:.4f}", f"{r['loss_vs_hsdp']:.3f}",
+                [[r["row"], r["outer_lr"] or "-",
+                  "-" if r["outer_momentum"] is None else r["outer_momentum"],
+                  f"{r['heldout_loss']:.4f}", f"{r['loss_vs_hsdp']:.3f}",
                   f"{r['replica_bytes_per_100_steps']:,.0f}", f"{r['bytes_vs_hsdp']:.4f}",
                   f"{r['wall_s']:.0f}", f"{r['cpu_s']:.0f}"] for r in rows])
     write_json(args.out, {
@@ -169,7 +176,7 @@ def main() -> None:
                    "heads": CFG.heads, "head_dim": CFG.head_dim, "mlp": CFG.mlp,
                    "layers": CFG.layers, "parameters": params, "mesh": dict(mesh.shape),
                    "global_batch": BATCH, "steps": steps, "steps_per_call": k,
-                   "inner": f"adamw({LR})", "outer": "sgd(lr, momentum=0.9, nesterov=True)",
+                   "inner": f"adamw({LR})", "outer": "sgd(lr, momentum, nesterov=True); momentum 0: sgd(lr)",
                    "heldout_batches": len(heldout),
                    "unigram_baseline": corpus.unigram_baseline(), "quick": args.quick,
                    "seconds": time.perf_counter() - t0},
