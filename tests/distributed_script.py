@@ -6,9 +6,10 @@ on 8 simulated devices, for the single-process reference.
 
 Modes:
   train OUT          fused fsdp training of the tiny reference transformer; process 0 writes OUT (.npz)
-  save DIR OUT [FROM RESTORED]
+  save DIR OUT [FROM RESTORED [DILOCO]]
                      print as check does; with FROM, restore FROM first (as restore FROM
-                     RESTORED); then train (as train OUT) and every process saves to DIR
+                     RESTORED); then train (as train OUT) and every process saves to DIR;
+                     with DILOCO, then train DiLoCo (:func:`diloco`); process 0 writes DILOCO
   restore DIR OUT    restore DIR onto fresh abstract targets; OUT holds the params
   die                process 1 kills itself after a first collective; the others keep going
   check              initialize, print the coordinates and devices
@@ -95,6 +96,61 @@ def train(steps: int = STEPS) -> tuple[np.ndarray, dict[str, np.ndarray], Any, A
     return np.asarray(history["loss"]), params_of(model), model, opt
 
 
+DILOCO_STEPS, DILOCO_PER_CALL, DILOCO_INNER, DILOCO_BATCH = 4, 2, 3, 8
+
+
+def diloco() -> dict[str, np.ndarray]:
+    """DiLoCo (``ns.DiLoCo``, inner AdamW, the default outer optimizer) of a 1-layer tiny
+    transformer under ``hsdp`` (replica=2 x data=4; on 2 processes, one replica each):
+    two fused calls of 2 steps, so the compiled call holds the sync, run at step 3 (in the
+    second call), and the replicas have parted again by step 4. Returns, gathered on every
+    process: ``__loss__`` (per step and replica, ``[K, R]``), ``__where__`` (the process of
+    every device holding each replica, ``[R, data]``), ``['anchor']...`` (the model's
+    parameters) and ``['replicas']...`` (every replica's, ``[R, ...]``)."""
+    import dataclasses
+
+    import jax
+    import optax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from nnx_shard.models import Decoder, get_config
+
+    hsdp = ns.strategies.get("hsdp")
+    mesh = hsdp.make_mesh()
+    cfg = dataclasses.replace(get_config("tiny"), layers=1)  # depth proves nothing here
+    model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, hsdp)
+    trainer = ns.DiLoCo(model, optax.adamw(1e-2), inner_steps=DILOCO_INNER)
+    where: dict[int, list[int]] = {}
+    for x in jax.tree.leaves(nnx.state(trainer.replicas)):
+        placed: dict[int, list[int]] = {}
+        for device, index in x.sharding.devices_indices_map(x.shape).items():
+            placed.setdefault(index[0].start or 0, []).append(device.process_index)
+        assert not where or placed == where, (placed, where)  # every leaf alike
+        where = placed
+    fused = ns.multistep(lambda d, b: {"loss": d.step(loss, b)})
+    tokens = np.random.default_rng(1).integers(
+        0, cfg.vocab, (DILOCO_STEPS, DILOCO_BATCH, cfg.length + 1), dtype=np.int32)
+    rows = ns.distributed.process_slice(DILOCO_BATCH, mesh, hsdp.rules)  # this process's
+    losses = []
+    with ns.use(mesh, hsdp.rules):
+        for k in range(0, DILOCO_STEPS, DILOCO_PER_CALL):
+            part = tokens[k:k + DILOCO_PER_CALL, rows]
+            batch = ns.shard_batch({"inputs": part[..., :-1], "targets": part[..., 1:]}, mesh,
+                                   hsdp.rules, ("batch", "length"), steps=True)
+            losses.append(fused(trainer, batch)["loss"])
+    assert int(trainer.count[...]) == DILOCO_STEPS and fused.traces == 1
+    # One program replicates every result (a gather of each leaf compiles one per shape).
+    everywhere = jax.jit(lambda t: t, out_shardings=jax.sharding.NamedSharding(mesh, jax.P()))
+    result = ns.distributed.gather(everywhere({
+        "anchor": nnx.to_pure_dict(nnx.state(model, nnx.Param)), "losses": losses,
+        "replicas": nnx.to_pure_dict(nnx.state(trainer.replicas))}))
+    return {"__loss__": np.concatenate(result.pop("losses")),
+            "__where__": np.asarray([sorted(where[r]) for r in sorted(where)]),
+            **{jax.tree_util.keystr(p): v
+               for p, v in jax.tree_util.tree_flatten_with_path(result)[0]}}
+
+
 def write(out: str, losses: np.ndarray | None, params: dict[str, np.ndarray]) -> None:
     import nnx_shard as ns
 
@@ -142,6 +198,10 @@ def main(argv: list[str]) -> int:
         ns.save(argv[1], STEPS, model=model, optimizer=opt)
         write(argv[2], losses, params)
         print(f"losses {losses.tolist()}", flush=True)
+        if len(argv) > 5:
+            result = diloco()
+            if ns.distributed.is_main():
+                np.savez(argv[5], **result)
     elif mode == "restore":
         restore(argv[1], argv[2])
     elif mode == "die":

@@ -215,24 +215,31 @@ def one_process_run():
 
 
 @pytest.fixture(scope="module")
+def one_process_diloco():
+    """The same DiLoCo training in this process, replica=2 x data=4 on its 8 devices."""
+    return distributed_script.diloco()
+
+
+@pytest.fixture(scope="module")
 def two_process_job(tmp_path_factory, one_process_run):
     """The one 2-process job of these tests (each process costs seconds just to start
     JAX): it reports its coordinates and rows, restores the checkpoint this process saved
-    of :func:`one_process_run`, then trains and saves a checkpoint: (its output, the
-    checkpoint, process 0's losses and parameters, process 0's restored parameters)."""
+    of :func:`one_process_run`, then trains and saves a checkpoint, then trains DiLoCo:
+    (its output, the checkpoint, process 0's losses and parameters, process 0's restored
+    parameters, process 0's DiLoCo results)."""
     tmp = tmp_path_factory.mktemp("two")
     one_ckpt, restored = tmp / "one_ckpt", tmp / "restored.npz"
     _, _, model, opt = one_process_run
     ns.save(one_ckpt, distributed_script.STEPS, model=model, optimizer=opt)
-    ckpt, out = tmp / "ckpt", tmp / "two.npz"
-    done = run_job("save", str(ckpt), str(out), str(one_ckpt), str(restored))
-    return done, ckpt, dict(np.load(out)), dict(np.load(restored))
+    ckpt, out, diloco = tmp / "ckpt", tmp / "two.npz", tmp / "diloco.npz"
+    done = run_job("save", str(ckpt), str(out), str(one_ckpt), str(restored), str(diloco))
+    return done, ckpt, dict(np.load(out)), dict(np.load(restored)), dict(np.load(diloco))
 
 
 @pytest.mark.slow
 @needs_devices(8)
 def test_two_processes_train_like_one_with_eight_devices(two_process_job, one_process_run):
-    done, _, two, _ = two_process_job
+    done, _, two, *_ = two_process_job
     two = dict(two)
     # Every process trains and reports the same losses; only process 0 writes files.
     lines = [ln for ln in done.stdout.splitlines() if "losses" in ln]
@@ -250,7 +257,7 @@ def test_two_processes_train_like_one_with_eight_devices(two_process_job, one_pr
 @pytest.mark.slow
 @needs_devices(8)
 def test_checkpoint_written_by_two_processes_restores_in_one(two_process_job):
-    _, ckpt, two, _ = two_process_job
+    _, ckpt, two, *_ = two_process_job
     two = {k: v for k, v in two.items() if k != "__loss__"}
     _, _, model, opt = distributed_script.build(abstract=True)
     model, opt, _ = ns.restore(ckpt, model=model, optimizer=opt)
@@ -274,6 +281,31 @@ def test_checkpoint_written_by_one_process_restores_in_two(two_process_job, one_
     assert set(restored) == set(params)
     for name, value in params.items():
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_diloco_with_a_replica_per_process_trains_like_one_process(two_process_job,
+                                                                    one_process_diloco):
+    two, one = dict(two_process_job[4]), dict(one_process_diloco)
+    # hsdp's mesh gives each process one replica: every device holding replica r is
+    # process r's, so only the sync crosses processes (in one process, all are process 0's).
+    np.testing.assert_array_equal(two.pop("__where__"), [[0] * 4, [1] * 4])
+    np.testing.assert_array_equal(one.pop("__where__"), [[0] * 4] * 2)
+    steps = distributed_script.DILOCO_STEPS
+    assert two["__loss__"].shape == (steps, 2)
+    assert set(two) == set(one) and len(one) > 20  # the anchor's parameters and the replicas'
+    # Per step and replica: the losses, then (after the sync at step 3 and one more inner
+    # step) the anchor and every replica; the same programs per replica, the sync's mean
+    # reduced across processes (measured up to 3e-7 of max|param|).
+    assert_close(two, one, 1e-5, "DiLoCo")
+    # The replicas take different rows: their losses differ at every step, and one inner
+    # step after the sync they have parted again, each from the other and from the anchor.
+    assert np.all(two["__loss__"][:, 0] != two["__loss__"][:, 1])
+    for name in (k for k in two if k.startswith("['replicas']")):
+        anchor = two[name.replace("['replicas']", "['anchor']")]
+        assert not np.array_equal(two[name][0], two[name][1]), name
+        assert not np.array_equal(two[name][0], anchor), name
 
 
 @pytest.mark.slow
