@@ -7,6 +7,7 @@ from nnx_shard import (
     models,
     pipeline,
     planner,
+    preference,
     strategies,
     tp_layers,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "pack",
     "pipeline",
     "planner",
+    "preference",
     "restore",
     "save",
     "shard_batch",

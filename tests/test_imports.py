@@ -123,7 +123,7 @@ def test_nothing_outside_the_cli_imports_it():
 FLOORS: list[list[str]] = [
     ["cli"],
     ["planner", "_simulated"],
-    ["_train", "_checkpoint", "_metrics", "hf", "inference"],
+    ["_train", "_checkpoint", "_metrics", "hf", "inference", "preference"],
     ["models", "_parallel", "_attention", "_stage_report", "_low_rank", "_lora_checks",
      "_quantized", "pipeline", "collective_matmul", "tp_layers"],
     ["strategies", "_parallel.schedule"],
