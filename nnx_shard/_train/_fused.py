@@ -205,7 +205,10 @@ class Fused:
       step);
     * ``entry``: the call error messages name (default ``multistep(step_fn)(...)``);
     * ``owner``: the constructor its option errors name (``"Trainer"``): the same
-      checks, word for word, whichever of the two took the options.
+      checks, word for word, whichever of the two took the options;
+    * ``pack_metrics=False``: the metrics of a call on host data come back as they
+      are, not packed into one byte vector (packing gathers leaves laid out over a
+      mesh axis: a DiLoCo's per-replica losses would cross its replicas every call).
 
     Attributes:
       traces: how many times the step was traced (one per compilation).
@@ -227,6 +230,7 @@ class Fused:
         entry: str | None = None,
         precision: Precision | None = None,
         owner: str = "multistep",
+        pack_metrics: bool = True,
     ) -> None:
         check_options(step_fn, microbatches, max_in_flight, unroll, owner)
         flag(donate, f"{owner}: donate")
@@ -249,6 +253,7 @@ class Fused:
         self._rows_checked: set[Any] = set()
         self.finish = finish
         self.entry = entry
+        self.pack_metrics = pack_metrics
         functools.update_wrapper(self, step_fn)
 
     def __repr__(self) -> str:
@@ -379,7 +384,7 @@ class Fused:
 
             def packed(values: list[Any], data: tuple[Any, ...]) -> Any:
                 new_values, metrics, count = run(values, data)
-                return new_values, pack(metrics), count
+                return new_values, pack(metrics) if self.pack_metrics else metrics, count
 
             # The same function for every layout, so that a layout seen before (e.g.
             # lowered by Trainer.lower) finds its trace.

@@ -143,7 +143,8 @@ class Guard(nnx.Module):
         would make the next fused call take its slow path to place it (~1 ms)."""
         old = self.ok.get_raw_value()
         if isinstance(old, jax.Array) and old.committed:
-            self.ok.set_raw_value(jax.device_put(np.array(True), old.sharding))
+            # (a DiLoCo's guard holds one flag per replica)
+            self.ok.set_raw_value(jax.device_put(np.ones(old.shape, bool), old.sharding))
         else:
             self.ok.set_value(jnp.array(True))
 

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from nnx_shard._checkpoint import Checkpointer
+from nnx_shard._train._diloco import DiLoCo
 from nnx_shard._train._feed import Feed, Group
 from nnx_shard._train._fused import Carry, Fused
 from nnx_shard._train._guard import Guard, not_finite_leaf, why_not_finite
@@ -103,8 +104,11 @@ class Saver:
         t = self.trainer
         if t.step > self.last_saved:
             carry.sync()
+            # A DiLoCo holds the model (its anchor) and every replica: saved whole.
+            model, optimizer = ((t.optimizer, None) if isinstance(t.optimizer, DiLoCo)
+                                else (t.model, t.optimizer))
             self.checkpointer.save(
-                t.step, model=t.model, optimizer=t.optimizer,
+                t.step, model=model, optimizer=optimizer,
                 extra={"step": t.step, "data_position": t.data_position},
             )
             self.last_saved = t.step
@@ -134,9 +138,14 @@ class FitRun:
     def __init__(self, trainer: TrainState, fused: Fused, careful: Fused,
                  checked: Sequence[tuple[str, str]], guard: Guard,
                  callbacks: Sequence[Callable[..., Any]], depth: int, *,
-                 progress: Progress, saver: Saver | None, mode: str = "full") -> None:
+                 progress: Progress, saver: Saver | None, mode: str = "full",
+                 host_metrics: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 ) -> None:
         self.trainer = trainer
         self.mode = mode
+        # The host side of the metrics (a DiLoCo's per-replica ones averaged), applied
+        # to every call's metrics as they are read.
+        self.host_metrics = host_metrics or dict
         self.careful = careful
         self.checked = checked
         self.guard = guard
@@ -248,7 +257,7 @@ class FitRun:
         t = self.trainer
         n = self.pending[0].steps
         steps = n * len(raw)
-        rows = first.rows_of(raw)  # each metric [calls, K, ...]; state_finite [calls]
+        rows = self.host_metrics(first.rows_of(raw))  # each [calls, K, ...]; state_finite [calls]
         if "state_finite" not in rows or "applied" not in rows:
             return False
         if not (rows["applied"].all() and rows["state_finite"].all()
@@ -316,6 +325,7 @@ class FitRun:
         """Counts the steps of a call read back that were applied into the history and
         the trainer's counters; returns their metrics (what the callbacks see)."""
         t = self.trainer
+        host = self.host_metrics(host)
         applied = host.pop("applied")  # one flag (the call's check) or one per step
         nonfinite_at = host.pop("nonfinite", None)
         state_finite = host.pop("state_finite", None)  # "grads" and "off" only
@@ -362,6 +372,8 @@ class FitRun:
             first = " and ".join(f"{key} is {host[key][i]}" for key in ("loss", "grad_norm")
                                  if not np.all(np.isfinite(host[key][i])))
             first += f" at step {step0 + i + 1}"
+        if state_finite and self.mode == "grads" and "replica_loss" in host:
+            return self._replica_failure(first, int(np.argmin(finite)), host)
         if state_finite and self.mode == "grads":
             # The gate held: the first non-finite step and those after it were not applied.
             kept = f"from after step {t.step}" if t.step else "from before it"
@@ -384,6 +396,19 @@ class FitRun:
         held = state if state_finite else f"{state}, left as it is"
         return (f"{first}; guard='off' applies every step: stopped after step {t.step}, "
                 f"{held} (not saved). Fix: guard='grads' or 'full' keeps the last finite state")
+
+    def _replica_failure(self, first: str | None, i: int, host: dict[str, np.ndarray]) -> str:
+        """Why a DiLoCo's call of ``guard="grads"`` failed: the replicas whose step ``i``
+        was not finite stopped there, unapplied; the others could not know before the
+        next sync (nothing crosses replicas in between), so they ran on, and no sync ran."""
+        bad = ~(np.isfinite(host["replica_loss"][i]) & np.isfinite(host["replica_grad_norm"][i]))
+        which = ", ".join(map(str, np.flatnonzero(bad)))
+        return (f"{first} (replica {which}); stopped without applying it: the replica stopped "
+                f"there, the other replicas ran on to the end of the call (they learn of it "
+                f"only at a sync) and no sync ran since: the state is finite but not the one "
+                f"after step {self.trainer.step} (not saved). Fix: resume from the last "
+                "checkpoint (fit(..., resume=True)), or Trainer(..., guard='full'), which "
+                f"puts back the state after step {self.trainer.step}")
 
     def _show_progress(self) -> None:
         """The bar after the calls read: steps, the last loss, and the rates since

@@ -19,6 +19,13 @@ from nnx_shard._errors import UsageError, count, flag, short
 from nnx_shard._init import StrategyLike, tables
 from nnx_shard._mesh import make_mesh, use
 from nnx_shard._rules import Rules
+from nnx_shard._train._diloco import DiLoCo
+from nnx_shard._train._diloco_fit import (
+    check_diloco,
+    make_diloco_steps,
+    replica_guard,
+    replica_metrics,
+)
 from nnx_shard._train._feed import BatchCheck, Feed, groups, iter_group_sizes
 from nnx_shard._train._fused import Fused
 from nnx_shard._train._fused_checks import check_options
@@ -66,6 +73,15 @@ class Trainer:
         moves offloaded parameters to the devices at its start and the optimizer state
         once the gradients exist, and both back at its end
         (:meth:`~nnx_shard.strategies.Strategy.with_offload`).
+        The optimizer may be a :class:`~nnx_shard.DiLoCo` of ``model`` (its anchor):
+        ``fit`` then trains its replicas as ``ns.multistep(lambda d, b: d.step(loss_fn,
+        b))`` does, syncs included; the history's ``loss`` and ``grad_norm`` are the means
+        over the replicas (taken on the host; ``replica_loss`` and ``replica_grad_norm``
+        hold each replica's, ``[steps, R]``), checkpoints hold the whole DiLoCo, and no step
+        crosses replicas but the sync: under ``guard="grads"`` a replica whose loss or
+        gradient is not finite skips its update, and the others run on to the end of
+        the call (see :meth:`fit`); ``microbatches``, ``precision`` and ``has_aux`` do
+        not apply.
       loss_fn: the loss, a mean over the examples of the batch.
       mesh: where batches go; with a strategy as ``rules``, it defaults to the mesh the
         model's arrays live on.
@@ -101,12 +117,25 @@ class Trainer:
     >>> history = trainer.fit(data, num_steps=6, progress=False)
     >>> history["step"].tolist(), history["loss"].shape, int(opt.step[...])
     ([1, 2, 3, 4, 5, 6], (6,), 6)
+
+    DiLoCo over hsdp's replicas (``replica=2``), synced every 2 steps:
+
+    >>> import nnx_shard as ns
+    >>> s = ns.strategies.get("hsdp")
+    >>> model = ns.sharded_init(lambda: nnx.Linear(3, 1, rngs=nnx.Rngs(0)), s.make_mesh(), s)
+    >>> diloco = ns.DiLoCo(model, optax.sgd(0.1), inner_steps=2)
+    >>> trainer = Trainer(model, diloco, mse, rules=s, steps_per_call=4)
+    >>> data = ({"x": np.ones((8, 3), np.float32), "y": np.zeros((8, 1), np.float32)}
+    ...         for _ in range(4))
+    >>> history = trainer.fit(data, num_steps=4, progress=False)
+    >>> history["loss"].shape, history["replica_loss"].shape, int(diloco.count[...])
+    ((4,), (4, 2), 4)
     """
 
     def __init__(  # noqa: PLR0913  # the options of fit's compiled call, keyword-only
         self,
         model: nnx.Module,
-        optimizer: nnx.Optimizer,
+        optimizer: nnx.Optimizer | DiLoCo,
         loss_fn: Callable[..., Any],
         *,
         mesh: Mesh | str | Mapping[str, int] | None = None,
@@ -126,7 +155,7 @@ class Trainer:
                 f"({short_repr(model)}). Fix: pass the Flax NNX model itself, e.g. "
                 "ns.sharded_init(lambda: MyModel(rngs=nnx.Rngs(0)), mesh, rules)."
             )
-        if not isinstance(optimizer, nnx.Optimizer):
+        if not isinstance(optimizer, nnx.Optimizer | DiLoCo):
             given = (
                 "an optax transformation" if isinstance(optimizer, optax.GradientTransformation)
                 else f"{type(optimizer).__name__} ({short_repr(optimizer)})"
@@ -156,6 +185,10 @@ class Trainer:
         if self.precision is not None:
             self.precision.check(model)  # here, not at the first step's trace
         self._guard_mode = check_guard(guard)
+        diloco = isinstance(optimizer, DiLoCo)
+        if isinstance(optimizer, DiLoCo):
+            check_diloco(model, optimizer, microbatches=microbatches, precision=precision,
+                         has_aux=has_aux)
         check_tracked(model, optimizer)
         self.model = model
         self.optimizer = optimizer
@@ -169,7 +202,8 @@ class Trainer:
         # The steps' last argument: the NaN flag carried across calls and the state's
         # StateLayout, which fit records from the arrays (Auto mesh axes hide it from the
         # traced types) and the steps read when traced.
-        self._guard = Guard()
+        self._guard = (replica_guard(optimizer) if isinstance(optimizer, DiLoCo)
+                       and guard != "full" else Guard())
         # fit bounds the calls in flight itself (it reads each call's metrics), so the
         # fused call does not block on top of that. With guard="full" fit runs _fused,
         # whose NaN guard checks each call once (guard_call, at the end of the compiled
@@ -178,16 +212,21 @@ class Trainer:
         # steps gate their own updates and check_call only checks the call: nothing is
         # undone, nothing replayed.
         finish: Callable[..., Any]
-        if guard == "full":
+        # With a DiLoCo the metrics are per replica, averaged on the host.
+        self._host_metrics = replica_metrics(guard) if diloco else None
+        if diloco:
+            step, finish, careful_step, self._checked = make_diloco_steps(loss_fn, guard)
+        elif guard == "full":
             step, finish = make_fast_step(loss_fn, has_aux), guard_call
         else:
             step, finish = make_gated_step(loss_fn, has_aux, guard == "grads"), check_call
         self._fused = Fused(
             step, donate=donate, microbatches=microbatches,
             max_in_flight=None, unroll=unroll, finish=finish, entry="Trainer.fit",
-            precision=self.precision, owner="Trainer",
+            precision=self.precision, owner="Trainer", pack_metrics=not diloco,
         )
-        careful_step, self._checked = make_step(loss_fn, has_aux)
+        if not diloco:
+            careful_step, self._checked = make_step(loss_fn, has_aux)
         self._careful = Fused(careful_step, donate=donate, microbatches=microbatches,
                               max_in_flight=None, entry="Trainer.fit", precision=self.precision,
                               owner="Trainer")
@@ -298,6 +337,15 @@ class Trainer:
           the call stops training and names what went wrong, the state left
           as the call made it (not saved).
 
+        With a :class:`~nnx_shard.DiLoCo` the guard keeps one flag per replica and
+        no check crosses replicas outside the sync: under ``"grads"`` a replica whose
+        loss or gradient norm is not finite skips that update and stops, while the
+        others learn of it only at a sync (which then does not run) and run on to the
+        end of the call; training stops there with every replica finite but not as
+        after the last finite step (not saved: resume from the last checkpoint).
+        ``"full"`` checks the whole DiLoCo once per call (one reduction over the
+        replicas) and puts all of it back; ``"off"`` is as above.
+
         The checks run on values the call computes anyway; ``"grads"`` needs
         the gradient norm before each update (under sharded layouts one more
         small cross-device sum per step). ``nnx-shard plan --guard`` counts
@@ -344,7 +392,7 @@ class Trainer:
         run = FitRun(self, self._fused, self._careful, self._checked, self._guard, callbacks,
                      depth=1 if callbacks else 2, progress=Progress(num_steps, progress),
                      saver=Saver(self, checkpointer) if checkpointer is not None else None,
-                     mode=self._guard_mode)
+                     mode=self._guard_mode, host_metrics=self._host_metrics)
         feed = Feed(reader)
         try:
             with use(self.mesh, self.rules):
@@ -442,7 +490,10 @@ class Trainer:
         latest = checkpointer.latest_step()
         if resume and latest is not None:
             checkpointer.wait()
-            step, extra = restore_in_place(checkpointer.directory, self.model, self.optimizer)
+            # A DiLoCo holds the model (its anchor): it is saved and restored whole.
+            step, extra = (restore_in_place(checkpointer.directory, self.optimizer, None)
+                           if isinstance(self.optimizer, DiLoCo) else
+                           restore_in_place(checkpointer.directory, self.model, self.optimizer))
             self.step = int(extra.get("step", step))
             self.data_position = int(extra.get("data_position", self.step))
             resumed = True
