@@ -52,7 +52,7 @@ from nnx_shard._quantized import (
 )
 
 __all__ = ["DEFAULT_TARGETS", "Adapter", "adapter_name", "adapters", "lora", "lora_equations",
-           "merge_lora"]
+           "merge_lora", "without_adapters"]
 
 #: The projections PEFT adapts in a Llama by default (``q_proj``, ``v_proj``).
 DEFAULT_TARGETS = r"attn/(q|v)$"
@@ -567,6 +567,49 @@ def merge_lora(model: Any) -> Any:
             _replace(owners[tuple(path[:-1])], path[-1],
                      nnx.Param(node.get_value(), **node.get_metadata()))
     return model
+
+
+def without_adapters(model: Any) -> Any:
+    """The base model under ``model``'s adapters: a new graph over the same arrays (no
+    weight is copied, inside ``jit`` or out) with every :class:`Adapter` taken out, so its
+    projections compute ``x @ W`` alone (no adapter matmul at all). ``model`` is left as it
+    is; the result is for reading (e.g. DPO's reference forward inside the training step,
+    under ``jax.lax.stop_gradient``), not for training.
+
+    Raises:
+      NnxShardError: ``model`` has no adapters.
+      UsageError: ``model`` holds parameters trained in full beside its adapters (PEFT's
+        ``modules_to_save``, ``nnx.LoRAParam`` outside an adapter): their base values
+        are gone, so the base model cannot be read.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    >>> x, y = jnp.ones((1, 4)), layer(jnp.ones((1, 4)))
+    >>> _ = lora(layer, 2, 4.0, targets="kernel")
+    >>> layer.dot_general.lora_b[...] = jnp.ones((2, 3))
+    >>> base = without_adapters(layer)
+    >>> bool(jnp.array_equal(base(x), y)), bool(jnp.array_equal(layer(x), y))
+    (True, False)
+    """
+    if not _adapter_sites(model):
+        raise NnxShardError("without_adapters: the model has no LoRA adapters to switch off. "
+                            "Fix: add them with ns.lora(model, rank, alpha) or ns.hf.load_lora.")
+    owners = _owners(model)
+    full = sorted(path_str(p) for p, n in owners.items() if isinstance(n, nnx.LoRAParam) and p
+                  and not isinstance(owners.get(tuple(p[:-1])), Adapter))
+    if full:
+        raise UsageError(
+            f"without_adapters: {full[0]!r} ({len(full)} in all) is trained in full beside the "
+            "adapters (PEFT's modules_to_save), so the base model's value of it is gone. Fix: "
+            "adapters alone (no modules_to_save), or a frozen copy of the base as the "
+            "reference.")
+    base = nnx.merge(*nnx.split(model))
+    for _, owner, where, node in _adapter_sites(base):
+        delattr(owner, where)
+        if node.op is not None:  # a stock layer: its own op again
+            setattr(owner, where, nnx.static(node.inner))
+    return base
 
 
 def _delta(node: Adapter, a: jax.Array, b: jax.Array) -> jax.Array:

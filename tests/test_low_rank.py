@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard._low_rank import Adapter, adapters
+from nnx_shard._low_rank import Adapter, adapters, without_adapters
 from nnx_shard.models import Decoder, get_config, lm_loss
 from tests import _user_models as um
 from tests._close import assert_close
@@ -178,6 +178,27 @@ def test_lora_twice_and_merge_without_adapters():
     assert len(adapters(model)) == 6
     with pytest.raises(ns.NnxShardError, match="has no LoRA adapters"):
         ns.merge_lora(_llama())
+
+
+def test_without_adapters_reads_the_base_inside_jit_and_leaves_the_model_adapted():
+    """Stacked reference blocks and a stock layer: the base's outputs bit for bit, inside
+    jit, with the model's adapters (and their non-zero B) still in place."""
+    model = _llama(scan=True)
+    tokens = jnp.arange(8, dtype=jnp.int32)[None] % 128
+    base_logits = model(tokens)
+    ns.lora(model, 2, 4.0, targets=r"attn/(q|v)$|unembed")
+    for node in adapters(model).values():
+        node.lora_b[...] = jnp.ones(node.lora_b.shape) * 0.1
+    adapted, base = nnx.jit(lambda m: (m(tokens), without_adapters(m)(tokens)))(model)
+    np.testing.assert_array_equal(base, base_logits)
+    assert float(jnp.max(jnp.abs(adapted - base_logits))) > 1e-3
+    assert len(adapters(model)) == 3
+    with pytest.raises(ns.NnxShardError, match="no LoRA adapters to switch off"):
+        without_adapters(_llama())
+    layer = ns.lora(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), 2, 4.0, targets="kernel")
+    layer.bias = nnx.LoRAParam(layer.bias[...])  # trained in full, as modules_to_save
+    with pytest.raises(ns.UsageError, match="'bias' .*modules_to_save.*Fix: adapters alone"):
+        without_adapters(layer)
 
 
 def test_reference_transformer_adapts_and_merges():

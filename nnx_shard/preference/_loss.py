@@ -7,7 +7,8 @@ rejected sequences of ``P`` pairs as ``2P`` rows, the ``P`` chosen first, then t
 ``P`` rejected in the same order (TRL's ``concatenated_forward``), so that one forward
 scores both: ``inputs`` (the tokens), ``targets`` (the next token where it belongs to
 the answer, ``-100`` on the prompt and padding) and ``attention_mask`` (1 on real
-tokens), all ``[2P, length]``; and, for the DPO kinds, ``ref_logps [2P]``.
+tokens), all ``[2P, length]``; and, for the DPO kinds with a precomputed reference
+(``reference="batch"``), ``ref_logps [2P]``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from nnx_shard.preference._objectives import (
     orpo,
     simpo,
 )
+from nnx_shard.preference._reference import REFERENCES, reference_model
 
 __all__ = ["KINDS", "loss", "reference_logps"]
 
@@ -50,7 +52,9 @@ def _check(batch: Any, who: str, ref: bool = False) -> int:
     missing = [k for k in need if k not in batch]
     if missing:
         more = (" ('ref_logps' [2 * pairs]: the reference model's summed log-probabilities "
-                "of each row, from nnx_shard.preference.reference_logps)"
+                "of each row, from nnx_shard.preference.reference_logps; or the reference "
+                "computed in the step: reference='adapters' for a LoRA policy, 'frozen' for "
+                "a preference.WithReference)"
                 if "ref_logps" in missing else "")
         raise KeyError(f"{who}: the batch needs the keys {missing}{more}; got {list(batch)}. "
                        f"{_FIX}")
@@ -87,7 +91,9 @@ def reference_logps(model: Any, batch: Mapping[str, Any]) -> jax.Array:
 
     Run it once per batch with the frozen reference model (the policy before tuning,
     typically), e.g. ``nnx.jit(reference_logps)`` over the data set with a fixed
-    ``length``, and keep the result with the batch; no gradient flows through it.
+    ``length``, and keep the result with the batch; no gradient flows through it. (Or
+    compute it inside each training step: :func:`loss`'s ``reference="adapters"`` for a
+    LoRA policy, ``"frozen"`` with a :class:`~nnx_shard.preference.WithReference`.)
 
     Args:
       model: a :class:`~nnx_shard.models.Decoder` or a model with ``forward(tokens) ->
@@ -105,6 +111,12 @@ def reference_logps(model: Any, batch: Mapping[str, Any]) -> jax.Array:
     (2,)
     """
     _check(batch, "reference_logps")
+    return _logps(model, batch)
+
+
+def _logps(model: Any, batch: Mapping[str, Any]) -> jax.Array:
+    # Under stop_gradient no gradient reaches the reference's weights, and XLA keeps none
+    # of its forward's activations for the backward pass.
     logits, _ = _forward(model, batch)
     logps, _ = _token_logps(logits, jnp.asarray(batch["targets"]))
     return jax.lax.stop_gradient(logps)
@@ -122,8 +134,8 @@ def _sequence_targets(batch: Mapping[str, Any]) -> jax.Array:
 
 
 def loss(kind: str = "sigmoid", *, beta: float = 0.1, label_smoothing: float = 0.0,
-         gamma: float | None = None, cpo_alpha: float | None = None
-         ) -> Callable[[Any, Mapping[str, Any]], tuple[jax.Array, dict[str, jax.Array]]]:
+         gamma: float | None = None, cpo_alpha: float | None = None,
+         reference: str = "batch") -> Callable[[Any, Mapping[str, Any]], tuple[jax.Array, dict[str, jax.Array]]]:
     """The preference loss ``loss_fn(model, batch) -> (loss, metrics)`` of ``kind``, for
     :class:`nnx_shard.Trainer` / :func:`nnx_shard.multistep` with ``has_aux=True`` (the
     metrics, under TRL's names, go to the history).
@@ -134,13 +146,33 @@ def loss(kind: str = "sigmoid", *, beta: float = 0.1, label_smoothing: float = 0
     the objective is TRL 1.16's:
 
     * ``"sigmoid"``, ``"ipo"``, ``"hinge"``, ``"robust"``: DPO against the reference
-      log-probabilities in ``batch["ref_logps"]`` (:func:`reference_logps`), see
-      :func:`nnx_shard.preference.dpo`;
+      model's log-probabilities (see :func:`nnx_shard.preference.dpo`), from where
+      ``reference`` says;
     * ``"simpo"``: reference-free, length-normalised, see
       :func:`nnx_shard.preference.simpo` (``gamma`` default 0.5, ``cpo_alpha`` 0);
     * ``"orpo"``: the odds ratio plus the chosen sequences' negative log-likelihood over
       their prompt and answer (read off ``attention_mask``), see
       :func:`nnx_shard.preference.orpo`.
+
+    The DPO kinds' reference (``reference=``):
+
+    * ``"batch"``: precomputed, ``batch["ref_logps"]`` (:func:`reference_logps`, once
+      over the data set, as TRL's ``precompute_ref_log_probs``);
+    * ``"adapters"``: the model is a LoRA policy (:func:`nnx_shard.lora`,
+      ``ns.hf.load_lora``) and the reference is the same model with its adapters
+      switched off, a second forward inside the same compiled step (over the same
+      weights: no copy; under ``jax.lax.stop_gradient``), as TRL does with a PEFT
+      model and no ``ref_model``;
+    * ``"frozen"``: the model is a :class:`nnx_shard.preference.WithReference`, the
+      policy and a frozen copy carried beside it as inputs of the compiled call (never
+      updated, no gradient), e.g. the policy's checkpoint loaded twice with the same
+      mesh and rules.
+
+    Both in-step references run in the fused K-step call under the presets that train
+    the policy (tested: one device, ``fsdp``, ``fsdp_tp``, and ``pp``, where the
+    reference's forward is pipelined through the stages as the policy's is). XLA's bytes
+    of the step: ``"adapters"`` adds no argument byte to ``"batch"``'s (the weights are
+    read twice, never copied); ``"frozen"`` adds its parameters' bytes.
 
     A mixture of experts adds ``aux_loss_weight`` times its load-balancing loss, as
     :func:`nnx_shard.models.lm_loss` does. The loss is a mean over pairs: with
@@ -158,6 +190,8 @@ def loss(kind: str = "sigmoid", *, beta: float = 0.1, label_smoothing: float = 0
       gamma: SimPO's target margin ``γ`` (``"simpo"`` only).
       cpo_alpha: the weight of the chosen answers' negative log-likelihood
         (``"simpo"`` only).
+      reference: where the DPO kinds' reference comes from: ``"batch"``,
+        ``"adapters"`` or ``"frozen"`` (above).
 
     Train with it as with any loss: ``ns.Trainer(model, opt, loss("sigmoid"),
     has_aux=True, ...)``.
@@ -194,22 +228,31 @@ def loss(kind: str = "sigmoid", *, beta: float = 0.1, label_smoothing: float = 0
         raise UsageError(f"{who}: label_smoothing={short(label_smoothing, 40)} is read only by "
                          "'robust' and 'simpo' (TRL 1.16's other losses ignore it). Fix: "
                          "kind='robust' for label-smoothed DPO, or label_smoothing=0.")
+    if reference not in REFERENCES:
+        raise UsageError(f"{who}: reference must be one of {REFERENCES}, got "
+                         f"{short(reference, 40)}.")
     dpo_kind = kind in DPO_KINDS
+    if reference != "batch" and not dpo_kind:
+        raise UsageError(f"{who}: {kind!r} is reference-free, so reference={reference!r} has "
+                         "nothing to do. Fix: drop reference=, or a DPO kind "
+                         f"{DPO_KINDS}.")
     if kind == "simpo":  # check gamma and cpo_alpha now, not at the first step's trace
         simpo(jnp.zeros(1), jnp.zeros(1), jnp.ones(1), jnp.ones(1), beta=beta,
               gamma=0.5 if gamma is None else gamma, label_smoothing=label_smoothing,
               cpo_alpha=0.0 if cpo_alpha is None else cpo_alpha)
 
     def loss_fn(model: Any, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        pairs = _check(batch, who, ref=dpo_kind)
+        pairs = _check(batch, who, ref=dpo_kind and reference == "batch")
         # ORPO's targets first: a batch without a mask fails before the forward.
         full = _sequence_targets(batch)[:pairs] if kind == "orpo" else None
-        logits, aux = _forward(model, batch)
+        policy, ref_model = reference_model(model, reference, who)
+        logits, aux = _forward(policy, batch)
         logps, tokens = _token_logps(logits, jnp.asarray(batch["targets"]))
         pc, pr, nc, nr = logps[:pairs], logps[pairs:], tokens[:pairs], tokens[pairs:]
         value: jax.Array
         if dpo_kind:
-            ref = jnp.asarray(batch["ref_logps"], jnp.float32)
+            ref = (jnp.asarray(batch["ref_logps"], jnp.float32) if ref_model is None
+                   else _logps(ref_model, batch))
             value, metrics = dpo(pc, pr, ref[:pairs], ref[pairs:], kind=kind, beta=beta,
                                  label_smoothing=label_smoothing, chosen_tokens=nc,
                                  rejected_tokens=nr)
@@ -222,7 +265,7 @@ def loss(kind: str = "sigmoid", *, beta: float = 0.1, label_smoothing: float = 0
                                    gamma=0.5 if gamma is None else gamma,
                                    label_smoothing=label_smoothing,
                                    cpo_alpha=0.0 if cpo_alpha is None else cpo_alpha)
-        cfg: Any = getattr(model, "cfg", None)
+        cfg: Any = getattr(policy, "cfg", None)
         if getattr(cfg, "experts", 0):  # dense configs have no experts
             value = value + cfg.aux_loss_weight * aux
         return value, metrics
