@@ -20,7 +20,9 @@ setting's value are arguments of the programs, never compiled in.
 
 The cache has its own logical names, :data:`CACHE_AXES` (``cache_batch``,
 ``cache_length``, ``cache_kv_heads``, ``cache_head_dim``, plus ``layers`` in
-front for stacked blocks); every preset of :mod:`nnx_shard.strategies` gives
+front for stacked blocks; the reference models store ``[batch, kv_heads, length,
+head_dim]``, the order the attention products read, so a decode step never
+transposes the cache); every preset of :mod:`nnx_shard.strategies` gives
 them a rule (batch over the data axis; key/value heads over the model axis
 under the tensor-parallel presets; length over the context axis under the
 context-parallel ones). A table without them gets them from its own entries

@@ -103,7 +103,7 @@ def explain_cache(model: Any, mesh: Mesh | AbstractMesh | str | Mapping[str, int
     (8192, 256)
     >>> key = report.rows[0]
     >>> key.path, key.shape, key.spec
-    ('blocks/attn/cached_key', (32, 8, 8192, 8, 128), P(None, 'data', None, 'model', None))
+    ('blocks/attn/cached_key', (32, 8, 8, 8192, 128), P(None, 'data', 'model', None, None))
     """
     check_model(model, "explain_cache")
     for name, value in (("batch", batch), ("length", length)):

@@ -183,7 +183,7 @@ def check_batch(batch: int, mesh: Any, rules: Rules, caller: str) -> None:
             multiple = -(-batch // n) * n if n else batch
             raise ShardingError(
                 f"{caller}: a batch of {batch} prompts does not divide over {over}, which the "
-                f"rules map {name!r} to (the cache is [batch, length, kv_heads, head_dim] with "
+                f"rules map {name!r} to (the cache's batch dimension is {CACHE_AXES[0]!r} of "
                 f"{CACHE_AXES}). Fix: pass a batch that is a multiple of {n or 'that size'} "
                 f"(e.g. {multiple} rows: repeat or pad the prompts), or replicate the batch: "
                 "rules | {'batch': None, 'cache_batch': None}."

@@ -453,9 +453,9 @@ class Decoder(nnx.Module):
     def init_cache(self, batch: int, length: int) -> None:
         """Creates an empty key/value cache for ``batch`` sequences of up to
         ``length`` positions (what :func:`nnx_shard.inference.generate` calls inside
-        its compiled prefill): ``cached_key`` and ``cached_value [batch, length,
-        kv_heads, head_dim]`` on every attention layer, named ``cache_batch``,
-        ``cache_length``, ``cache_kv_heads``, ``cache_head_dim`` (``layers`` first
+        its compiled prefill): ``cached_key`` and ``cached_value [batch, kv_heads,
+        length, head_dim]`` on every attention layer, named ``cache_batch``,
+        ``cache_kv_heads``, ``cache_length``, ``cache_head_dim`` (``layers`` first
         for stacked blocks), and the position of the next token, ``cache_index``.
 
         >>> from flax import nnx
@@ -463,7 +463,7 @@ class Decoder(nnx.Module):
         >>> model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
         >>> model.init_cache(batch=2, length=16)
         >>> model.blocks[0].attn.cached_value.shape    # 2 key/value heads of 8
-        (2, 16, 2, 8)
+        (2, 2, 16, 8)
         """
         self.cache_index, self.cache_rows = kv_cache.init_model(self.blocks, self.cfg,
                                                                 batch, length)

@@ -148,7 +148,7 @@ class DecoderAttention(nnx.Module):
                     self.o_bias, dt)
 
     def init_cache(self, batch: int, length: int, layers: int | None = None) -> None:
-        """Creates the key/value cache ``[batch, length, kv_heads, head_dim]``
+        """Creates the key/value cache ``[batch, kv_heads, length, head_dim]``
         (``layers`` stacked in front for scanned blocks): grouped-query attention
         caches its ``kv_heads`` only, never the repeated ones."""
         kv_cache.init_attention(self, batch, length, layers)

@@ -75,6 +75,7 @@ def test_attend_prefill_equals_the_one_step_path(softcap: float | None) -> None:
     # kv_cache.attend: the blockwise prefill against the dense one-step attention it
     # replaces, at a cache index past 0, with padding, a window and soft-capping.
     q, k, v = _qkv(30, 50, seed=2)
+    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)   # the cache's [batch, kv_heads, length, dim]
     valid = jnp.asarray(np.arange(50)[None, :] >= np.array([[0], [9]]))
     index = jnp.int32(7)
     fast = attend(q, k, v, index, valid, window=11, softcap=softcap, kernel="blockwise",

@@ -984,7 +984,7 @@ def test_plan_generate_reports_the_cache_per_device(capsys, strategy, mesh):
                          "--strategy", strategy, "--batch", "8", "--seq", "16", "--json")
     assert code == 0, err
     got = json.loads(out)
-    # tiny: 2 layers x (key, value) x [8, 16, 4 heads, 8] float32 = 64 KiB, the int32
+    # tiny: 2 layers x (key, value) x [8, 4 heads, 16, 8] float32 = 64 KiB, the int32
     # position, and each row's padding flags [8, 16] and int32 next position [8]; every
     # preset splits each key/value array 8 ways (batch x heads / length), the rows' arrays
     # over the batch (and the flags' length under cp).
@@ -996,8 +996,9 @@ def test_plan_generate_reports_the_cache_per_device(capsys, strategy, mesh):
     assert got["bytes_per_device"]["total"] == (got["bytes_per_device"]["params"]
                                                 + got["bytes_per_device"]["cache"])
     specs = {r["path"]: r["spec"] for r in got["cache"]}
-    expected = {"dp": ["data", None, None, None], "tp": ["data", None, "model", None],
-                "cp": ["data", "context", None, None]}[strategy]
+    # [batch, kv_heads, length, head_dim]
+    expected = {"dp": ["data", None, None, None], "tp": ["data", "model", None, None],
+                "cp": ["data", None, "context", None]}[strategy]
     assert specs["blocks/0/attn/cached_key"] == expected
 
 
@@ -1042,12 +1043,12 @@ def test_explain_generate_reports_the_cache(capsys, tmp_path, monkeypatch):
     code, out, err = run(capsys, "explain", "gen_models:make", "--mesh", "data=16,model=4",
                          "--strategy", "tp", "--generate", "--batch", "32", "--seq", "16")
     assert code == 0, err
-    # 4 arrays of [32, 16, 4, 8] float32 = 256 KiB, over data=16 x model=4, and each
+    # 4 arrays of [32, 4, 16, 8] float32 = 256 KiB, over data=16 x model=4, and each
     # row's padding flags [32, 16] and next position [32] (640 B, over data=16).
     assert ("key/value cache for generation, batch 32 x 16 positions: 256.63 KiB total, "
             "4.04 KiB per device") in out, out
     key = next(line for line in out.splitlines() if line.startswith("blocks/1/attn/cached_key"))
-    assert "P('data', None, 'model', None)" in key and "1.00 KiB" in key
+    assert "P('data', 'model', None, None)" in key and "1.00 KiB" in key
     code, _, err = run(capsys, "explain", "gen_models:linear", "--mesh", "data=2",
                        "--strategy", "dp", "--generate", "--batch", "2", "--seq", "4")
     assert_one_line_error(code, err, "without init_cache(batch, length) and decode(tokens)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 from pathlib import Path
 
 import jax
@@ -34,6 +35,7 @@ from nnx_shard.inference import (
 from nnx_shard.inference import _generation as gen
 from nnx_shard.inference._sampling import recompute
 from nnx_shard.models import Decoder, DecoderConfig, get_config
+from nnx_shard.models._kv_cache import HEADS_FIRST
 from nnx_shard.planner._costs import compiled_collectives
 from tests._close import assert_close
 from tests.conftest import needs_devices
@@ -211,6 +213,19 @@ def _compiled(model, prompt, new, mesh, rules):  # type: ignore[no-untyped-def]
     return prefill, decode, cache, carry
 
 
+def _cache_transposes(hlo: str, cache: nnx.State, op: str = "transpose") -> list[str]:
+    """The transposes (or other ``op``) in optimized ``hlo`` whose output is one device's
+    slice of a cache array (``cache``: the prefill's output), its dimensions in any order."""
+    slices = {tuple(sorted(x.addressable_shards[0].data.shape))
+              for x in jax.tree.leaves(cache) if x.ndim >= 4}
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(rf"= \w+\[([\d,]+)\]\{{[^}}]*\}} {op}\(", line)
+        if m and tuple(sorted(int(d) for d in m.group(1).split(","))) in slices:
+            found.append(line.strip())
+    return found
+
+
 @needs_devices(8)
 @pytest.mark.parametrize("strategy, split", [
     pytest.param("dp", {"cache_batch": 8}, marks=pytest.mark.slow),
@@ -230,13 +245,13 @@ def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int])
     prefill, decode, cache, carry = _compiled(model, prompt, new, mesh, rules)
 
     report = explain_cache(model, mesh, rules, batch=8, length=24)
-    arrays = [r for r in report.rows if r.names == CACHE_AXES]
-    assert len(arrays) == 2 * model.cfg.layers and {r.names for r in arrays} == {CACHE_AXES}
+    arrays = [r for r in report.rows if r.names == HEADS_FIRST]
+    assert len(arrays) == 2 * model.cfg.layers and {r.names for r in arrays} == {HEADS_FIRST}
     divide = int(np.prod(list(split.values())))
     assert divide == 8  # every device holds 1/8 of each cache array
     for row in arrays:
         assert row.bytes_per_device * divide == row.total_bytes, row
-        dims = dict(zip(CACHE_AXES, row.spec, strict=True))
+        dims = dict(zip(HEADS_FIRST, row.spec, strict=True))
         assert {n: mesh.shape[a] for n, a in dims.items() if a} == split
     # The arrays the compiled prefill outputs, and XLA's count of their bytes.
     for path, var in nnx.to_flat_state(cache):
@@ -255,7 +270,24 @@ def test_cache_is_split_and_never_gathered(strategy: str, split: dict[str, int])
     layer = arrays[0].shape
     for c in compiled_collectives(decode.as_text(), mesh):
         for shape in c.shapes:
-            assert not (len(shape) == 4 and shape[1] == layer[1] and shape[3] == layer[3]), c
+            assert not (len(shape) == 4 and shape[2] == layer[2] and shape[3] == layer[3]), c
+    # ... and transposes none: the products read the cache in the layout it is stored in
+    # (stored [batch, length, kv_heads, head_dim], every step transposed every layer's).
+    assert _cache_transposes(decode.as_text(), cache) == []
+
+
+def test_batch_one_decode_updates_the_cache_in_place() -> None:
+    # At batch 1 XLA's CPU backend drops the size-1 dimension from the attention
+    # products; reading the written cache, it fused the write into their operand and
+    # copied every layer's keys and values twice a step. The one-token step reads the
+    # cache before writing it: neither a transpose nor a copy of a cache slice is left.
+    model = Decoder(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    prompt = np.arange(1, 6, dtype=np.int32)[None]
+    _, decode, cache, _ = _compiled(model, prompt, 4, None, None)
+    hlo = decode.as_text()
+    assert "dynamic-update-slice" in hlo
+    assert _cache_transposes(hlo, cache) == []
+    assert _cache_transposes(hlo, cache, "copy") == []
 
 
 def test_explain_cache_plans_without_devices() -> None:
