@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._errors import UsageError
 from nnx_shard._train._diloco import DiLoCo, ReplicaOptState, ReplicaParam, ReplicaResidual
-from nnx_shard._train._guard import Guard, guard_call, select
+from nnx_shard._train._guard import Guard, finite_flags, guard_call, select
 
 __all__ = ["check_diloco", "make_diloco_steps", "replica_guard", "replica_metrics"]
 
@@ -115,15 +115,12 @@ def make_diloco_steps(
         before = jax.tree.map(lambda x: x, nnx.state(diloco))
         losses, norms, _ = diloco._step(loss_fn, batch, norms=True)
         assert norms is not None
-        paths, flags = [], []
-        for path, v in nnx.to_flat_state(nnx.state(diloco)):
-            x = v.get_value()
-            if jnp.issubdtype(x.dtype, jnp.inexact):
-                paths.append(("model" if path[0] == "model" else "optimizer",
-                              "/".join(map(str, path))))
-                flags.append(jnp.all(jnp.isfinite(x)))
-        checked[:] = paths
-        flags_v = jnp.stack([*flags, jnp.array(True)])
+        state = nnx.state(diloco)
+        model_paths, model_flags = finite_flags(state["model"])
+        rest_paths, rest_flags = finite_flags({k: v for k, v in state.items() if k != "model"})
+        checked[:] = ([("model", p) for p in model_paths]
+                      + [("optimizer", p) for p in rest_paths])
+        flags_v = jnp.stack([*model_flags, *rest_flags, jnp.array(True)])
         state_ok = jnp.all(flags_v)
         nonfinite = jnp.where(state_ok, -1, jnp.argmin(flags_v)).astype(jnp.int32)
         ok = (guard.ok[...] & jnp.all(jnp.isfinite(losses)) & jnp.all(jnp.isfinite(norms))

@@ -33,7 +33,7 @@ from nnx_shard._train._stream import host_finite, offloaded_update, streams
 from nnx_shard._train._trees import leaf_path
 
 __all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "StateLayout", "all_finite",
-           "aux_metrics", "check_call", "check_guard", "guard_call", "make_fast_step",
+           "aux_metrics", "check_call", "check_guard", "finite_flags", "guard_call", "make_fast_step",
            "make_gated_step", "make_step", "not_finite_leaf", "select", "skip_update_with",
            "why_not_finite"]
 
@@ -205,7 +205,7 @@ def aux_metrics(aux: Any) -> dict[str, Any]:
     return dict(aux)
 
 
-def _finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
+def finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
     """Paths and all-finite flags of the inexact (float/complex) leaves of ``tree``:
     one reduction per leaf; integer leaves (step counts) and RNG keys cannot be NaN."""
     paths, flags = [], []
@@ -246,8 +246,8 @@ def make_step(
         # Finite gradients can still give non-finite parameters or optimizer state
         # (an infinite learning rate, an overflowing second moment): the updated state
         # itself is checked too, so a non-finite value is never kept, nor saved.
-        model_paths, model_flags = _finite_flags(nnx.state(model))
-        opt_paths, opt_flags = _finite_flags(nnx.state(optimizer))
+        model_paths, model_flags = finite_flags(nnx.state(model))
+        opt_paths, opt_flags = finite_flags(nnx.state(optimizer))
         checked[:] = [("model", p) for p in model_paths] + [("optimizer", p) for p in opt_paths]
         flags = jnp.stack([*model_flags, *opt_flags, jnp.array(True)])
         state_ok = jnp.all(flags)
