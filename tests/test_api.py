@@ -44,7 +44,7 @@ MODULES = {
                               "is_main", "local_part", "process_slice"},
     "nnx_shard.collective_matmul": {"all_gather_matmul", "matmul_reduce_scatter"},
     "nnx_shard.tp_layers": {"ProjectionOp", "intercept"},
-    "nnx_shard.preference": {"KINDS", "WithReference", "dpo", "loss", "orpo",
+    "nnx_shard.preference": {"KINDS", "WithReference", "dpo", "example_pairs", "loss", "orpo",
                              "reference_logps", "simpo", "tokenize"},
     "nnx_shard.cli": {"main"},
     "nnx_shard.corpus": {"VOCAB", "CharCorpus", "decode", "encode", "load_stdlib"},

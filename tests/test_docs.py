@@ -28,6 +28,7 @@ MKDOCS_YML = ROOT / "mkdocs.yml"
 GUIDES = [
     "annotate", "rules", "sharded-init", "training", "strategies", "your-model", "async-tp",
     "pipeline", "context", "attention", "checkpoints", "pretrained", "fine-tuning", "lora",
+    "preference",
     "generation", "multi-host", "slow-links", "planner", "memory",
 ]
 GUIDES_WITHOUT_PYTHON = ["cli"]  # shell commands only

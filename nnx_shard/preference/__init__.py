@@ -11,7 +11,8 @@ compute them inside the step: a LoRA policy's reference is the same model with i
 adapters off (``reference="adapters"``), a full policy's a frozen copy carried beside it
 (:class:`WithReference`, ``reference="frozen"``). The
 objectives themselves are pure functions of per-sequence log-probabilities:
-:func:`dpo`, :func:`simpo`, :func:`orpo`. Each loss and metric is TRL's
+:func:`dpo`, :func:`simpo`, :func:`orpo`. :func:`example_pairs` is a small preference
+set shipped with the package. Each loss and metric is TRL's
 (``DPOTrainer``, ``CPOTrainer`` with ``loss_type="simpo"``, ``ORPOTrainer``), under TRL's
 metric names (``rewards/chosen``, ``rewards/margins``, ``logps/chosen``, ...).
 
@@ -21,9 +22,10 @@ metric names (``rewards/chosen``, ``rewards/margins``, ``logps/chosen``, ...).
 """
 
 from nnx_shard.preference._data import tokenize
+from nnx_shard.preference._examples import example_pairs
 from nnx_shard.preference._loss import KINDS, loss, reference_logps
 from nnx_shard.preference._objectives import dpo, orpo, simpo
 from nnx_shard.preference._reference import WithReference
 
-__all__ = ["KINDS", "WithReference", "dpo", "loss", "orpo", "reference_logps", "simpo",
-           "tokenize"]
+__all__ = ["KINDS", "WithReference", "dpo", "example_pairs", "loss", "orpo", "reference_logps",
+           "simpo", "tokenize"]
