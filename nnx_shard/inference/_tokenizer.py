@@ -24,7 +24,7 @@ from nnx_shard._errors import (
     check_path,
     short,
 )
-from nnx_shard.inference._chat_messages import check_messages
+from nnx_shard.inference._chat_messages import check_messages, plain
 from nnx_shard.inference._config import GenerationConfig
 from nnx_shard.inference._tokenizer_files import (
     FILES,
@@ -76,6 +76,43 @@ def _generation_config(folder: str) -> GenerationConfig:
         return GenerationConfig.from_pretrained(folder)
     except FileNotFoundError:
         return GenerationConfig()
+
+
+#: transformers' apply_chat_template arguments that it does not hand the template (and that
+#: this one does not take): refused rather than rendered as variables of those names.
+_NOT_VARIABLES = ("conversation", "conversations", "chat_template", "continue_final_message",
+                  "sanitize_control_tokens", "padding", "truncation", "max_length",
+                  "return_tensors", "tokenizer_kwargs")
+
+
+def _template_inputs(tools: Any, documents: Any, variables: Mapping[str, Any]
+                     ) -> dict[str, Any]:
+    """``tools``, ``documents`` and the extra template variables checked as transformers
+    checks them and copied as plain data (:func:`._chat_messages.plain`)."""
+    tool_fix = ("Fix: tools=[{'type': 'function', 'function': {'name': ..., 'description': "
+                "..., 'parameters': {...}}}] (a Python function's schema is "
+                "transformers.utils.get_json_schema(f)).")
+    if tools is not None:
+        if not isinstance(tools, list | tuple):
+            raise UsageError(f"apply_chat_template: tools must be a list of the tools' JSON "
+                             f"schemas (dicts) or None, got {type(tools).__name__} "
+                             f"{short(tools, 60)}. {tool_fix}")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, Mapping):
+                raise UsageError(f"apply_chat_template: tools[{i}] must be a tool's JSON schema "
+                                 f"(a dict), got {type(tool).__name__} {short(tool, 60)}. "
+                                 f"{tool_fix}")
+    if documents is not None and not (isinstance(documents, list | tuple) and all(
+            isinstance(d, Mapping) for d in documents)):
+        raise UsageError(f"apply_chat_template: documents must be a list of dicts (e.g. "
+                         f"{{'title': ..., 'text': ...}}) or None, got {short(documents, 60)}.")
+    for name in variables:
+        if name in _NOT_VARIABLES:
+            raise UsageError(f"apply_chat_template: {name}= is an argument of transformers' "
+                             "apply_chat_template, which it does not hand the template, and this "
+                             f"Tokenizer does not take it. Fix: drop {name}=.")
+    return {"tools": plain(tools, "tools"), "documents": plain(documents, "documents"),
+            **{k: plain(v, f"template variable {k!r}") for k, v in variables.items()}}
 
 
 def _compile(source: str, where: str) -> Any:
@@ -189,7 +226,7 @@ class Tokenizer:
                 token = _special(special_map.get(name), name, files["special_tokens_map.json"])
             if token is not None:
                 self.special_tokens[name] = token
-        self._template: Any = None
+        self._compiled: dict[str, Any] = {}  # template text -> compiled
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -438,11 +475,12 @@ class Tokenizer:
 
     # -- chat -------------------------------------------------------------------------
 
-    def _chat_source(self) -> str:
+    def _chat_source(self, tools: bool = False) -> str:
         template = self.chat_template
         if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-            template = named.get("default")
+            # transformers' choice: "tool_use" when given tools and there is one.
+            template = named.get("tool_use" if tools and "tool_use" in named else "default")
             if template is None:
                 raise UsageError(f"{self.path}: tokenizer_config.json has several chat "
                                  f"templates ({', '.join(map(str, named))}) and none named "
@@ -462,7 +500,9 @@ class Tokenizer:
                             add_generation_prompt: bool = True, tokenize: bool = True,
                             return_dict: bool = False,
                             return_assistant_tokens_mask: bool = False,
-                            ) -> list[int] | str | dict[str, list[int]]:
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            documents: Sequence[Mapping[str, Any]] | None = None,
+                            **template_kwargs: Any) -> list[int] | str | dict[str, list[int]]:
         """``messages`` (``[{"role": "user", "content": "..."}, ...]``) rendered
         with the tokenizer's chat template as transformers renders it, then
         encoded without adding special tokens (the template writes them):
@@ -484,11 +524,23 @@ class Tokenizer:
         generation block gives a mask of zeros and a ``UserWarning``, as
         transformers gives them.
 
+        ``tools`` (the tools' JSON schemas, ``{"type": "function", "function":
+        {...}}``) and ``documents`` (dicts, e.g. ``{"title", "text"}``) are the
+        template's ``tools`` and ``documents``, as in transformers; a tokenizer
+        with named templates renders its ``"tool_use"`` one when given ``tools``.
+        Every other keyword argument is a template variable of that name (e.g.
+        ``enable_thinking=False``, ``date_string="3 Dec 2026"``), overriding a
+        special token's of the same name (``bos_token``), as transformers' extra
+        ``**kwargs``. A template ignores what it does not read.
+
         Raises:
           UsageError: malformed ``messages``, no chat template, a template that
             does not compile or raises (``raise_exception``, e.g. on an unknown
             role), ``return_assistant_tokens_mask`` without ``return_dict`` and
-            ``tokenize``.
+            ``tokenize``, ``tools`` not a list of dicts (a Python function, or
+            the JSON text, is not a schema), ``documents`` not a list of dicts,
+            a keyword argument that transformers takes for itself rather than
+            handing the template (``chat_template``, ``max_length``, ...).
 
         >>> import tempfile
         >>> import nnx_shard as ns
@@ -505,6 +557,13 @@ class Tokenizer:
         ...     add_generation_prompt=False, return_dict=True, return_assistant_tokens_mask=True)
         >>> sorted(out), chat.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
         (['assistant_masks', 'attention_mask', 'input_ids'], 'Hello')
+        >>> chat = Tokenizer(tok.backend, path=tok.path, config=tok.config, chat_template=(
+        ...     "{% for t in tools or [] %}{{ t.function.name }} {% endfor %}"
+        ...     "{% if terse %}brief: {% endif %}{{ messages[-1].content }}"))
+        >>> tool = {"type": "function", "function": {"name": "clock", "parameters": {}}}
+        >>> chat.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+        ...                          tools=[tool], terse=True)
+        'clock brief: Hi'
         """
         chat = check_messages(messages)
         for name, value in (("add_generation_prompt", add_generation_prompt),
@@ -519,9 +578,11 @@ class Tokenizer:
                              f" tokenize={tokenize}): the mask is one value per token. Fix: "
                              "apply_chat_template(messages, return_dict=True, "
                              "return_assistant_tokens_mask=True).")
-        source = self._chat_source()
-        if self._template is None:
-            self._template = _compile(source, self.template_file)
+        variables = _template_inputs(tools, documents, template_kwargs)
+        source = self._chat_source(tools is not None)
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = self._compiled[source] = _compile(source, self.template_file)
         jinja2 = _require("jinja2")
         from nnx_shard.inference._chat_template import GENERATION_TAG, Limit, render
 
@@ -534,10 +595,10 @@ class Tokenizer:
                           "in {% generation %} ... {% endgeneration %} in the template.",
                           UserWarning, stacklevel=2)
         try:
-            text = render(self._template, dict(
-                messages=chat, tools=None, documents=None,
-                add_generation_prompt=bool(add_generation_prompt), **self.special_tokens),
-                spans)
+            # transformers' order: the special tokens, the caller's variables over them.
+            text = render(compiled, {**self.special_tokens, **variables, "messages": chat,
+                                     "add_generation_prompt": bool(add_generation_prompt)},
+                          spans)
         except Limit as e:
             raise UsageError(f"apply_chat_template: the chat template {where} was stopped: "
                              f"{e.what}{_line(e)}. A chat template renders in milliseconds; "

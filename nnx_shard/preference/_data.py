@@ -4,6 +4,7 @@ the batch of :func:`nnx_shard.preference.loss`."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -32,6 +33,41 @@ def _prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+#: apply_chat_template's own arguments, which TRL's tokenize_fn sets itself.
+_OWN = ("messages", "add_generation_prompt", "tokenize", "return_dict",
+        "return_assistant_tokens_mask")
+
+
+def _template_kwargs(example: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """The example's ``tools`` (a list, or its JSON text) and ``chat_template_kwargs`` (a
+    dict) as TRL's ``tokenize_fn`` hands them to ``apply_chat_template``."""
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"preference.tokenize: example {i}'s 'tools' is text but not JSON "
+                             f"({e}). Fix: a list of the tools' JSON schemas, or its "
+                             "json.dumps.") from None
+    if tools is not None and not isinstance(tools, list | tuple):
+        raise UsageError(f"preference.tokenize: example {i}'s 'tools' must be a list of the "
+                         f"tools' JSON schemas (or that list's JSON text) or None, got "
+                         f"{type(tools).__name__} {short(tools, 60)}.")
+    extra = example.get("chat_template_kwargs")
+    if extra is None:  # absent, or a row datasets filled with None
+        extra = {}
+    if not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra):
+        raise UsageError(f"preference.tokenize: example {i}'s 'chat_template_kwargs' must be a "
+                         f"dict of template variables by name (e.g. {{'enable_thinking': "
+                         f"False}}) or None, got {short(extra, 60)}.")
+    own = [k for k in extra if k in _OWN]
+    if own:
+        raise UsageError(f"preference.tokenize: example {i}'s 'chat_template_kwargs' sets "
+                         f"{', '.join(map(repr, own))}, which tokenize sets itself (as TRL "
+                         "does). Fix: drop it from chat_template_kwargs.")
+    return {"tools": tools, **extra}  # TRL's order: the kwargs' own "tools" wins
+
+
 def _pair(tokenizer: Tokenizer, example: Any, i: int) -> tuple[list[int], list[int], list[int]]:
     """One example's prompt, chosen and rejected ids (TRL's ``tokenize_fn``)."""
     if not isinstance(example, Mapping) or not {"prompt", "chosen", "rejected"} <= set(example):
@@ -45,8 +81,11 @@ def _pair(tokenizer: Tokenizer, example: Any, i: int) -> tuple[list[int], list[i
                              "'chosen' and 'rejected' must be lists of messages too, e.g. "
                              "[{'role': 'assistant', 'content': '...'}].")
 
+        options = _template_kwargs(example, i)
+
         def chat(messages: Any, generation: bool) -> list[int]:
-            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation)
+            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation,
+                                                **options)
             return cast(list[int], ids)  # tokenize=True, return_dict=False: the ids
 
         prompt_ids = chat(prompt, True)
@@ -80,7 +119,12 @@ def tokenize(tokenizer: Tokenizer, examples: Sequence[Mapping[str, Any]], *,
 
     Each example is ``{"prompt", "chosen", "rejected"}``: plain text, or conversations
     (lists of ``{"role", "content"}`` messages, the answers one assistant message each)
-    rendered with the tokenizer's chat template. As TRL does it:
+    rendered with the tokenizer's chat template. A conversation's example may also hold
+    ``tools`` (the tools' JSON schemas: a list, or its JSON text) and
+    ``chat_template_kwargs`` (a dict of template variables, e.g. ``{"enable_thinking":
+    False}``), both handed to every rendering of that example as TRL hands them to
+    :meth:`~nnx_shard.inference.Tokenizer.apply_chat_template` (``None`` or absent:
+    none; plain-text examples ignore them, as TRL does). As TRL does it:
 
     * text: the eos token is appended to each answer (unless it ends with it), and
       ``prompt`` and ``prompt + answer`` are encoded with the special tokens (e.g. a bos);

@@ -3,8 +3,11 @@
 Ground truth: tests/fixtures/preference/ (written by tests/fixtures/make_preference.py
 with torch, transformers and trl; never imported here): DPOTrainer's batch of a
 plain-text set and of a conversational set, the reference model's log-probabilities of
-each row, and for each objective TRL's one-batch loss and every metric it logs (the
-policy is the tiny Llama ``hf_llama``, the reference ``hf_llama_tied``).
+each row, and for each objective TRL's one-batch loss and every metric it logs, for two
+policies: the tiny Llama ``hf_llama`` (its reference ``hf_llama_tied``) and the tiny Qwen3
+``hf_qwen3`` (its reference ``preference/hf_qwen3_ref``, its weights moved); and
+DPOTrainer's batch of conversations with per-example ``tools`` and
+``chat_template_kwargs``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,20 @@ def _arrays() -> dict[str, np.ndarray]:
     return dict(np.load(DATA / "batches.npz"))
 
 
+#: family -> (policy, reference) checkpoints.
+MODELS = {"llama": (FIXTURES / "hf_llama", FIXTURES / "hf_llama_tied"),
+          "qwen3": (FIXTURES / "hf_qwen3", DATA / "hf_qwen3_ref")}
+
+
+def _want(family: str) -> dict[str, dict[str, float]]:
+    """TRL's loss and metrics per case, with the ``family`` policy."""
+    return _expected()["expected"] if family == "llama" else _expected()["qwen3"]["expected"]
+
+
+def _trl_ref(family: str, data: str) -> np.ndarray:
+    return _arrays()[f"{data}_ref_logps" if family == "llama" else f"qwen3_{data}_ref_logps"]
+
+
 def _trl_batch(data: str) -> dict[str, np.ndarray]:
     """DPOTrainer's batch as this library's: target k is token k + 1 where it is an
     answer token."""
@@ -73,20 +90,15 @@ def _close(ours: float, theirs: float, what: str) -> None:
     assert abs(ours - theirs) <= RTOL * abs(theirs), (what, ours, theirs)
 
 
-@pytest.fixture(scope="module")
-def models() -> tuple[nnx.Module, nnx.Module]:
-    """The policy and the reference, on one device."""
+@pytest.fixture(scope="module", params=list(MODELS))
+def outputs(request) -> tuple[str, dict[str, Any]]:
+    """For one family's policy and reference (on one device): every case's (loss,
+    metrics) and each set's reference log-probabilities, from one compiled function per
+    data set."""
     mesh = ns.make_mesh("data=1", devices=jax.devices()[:1])
     dp = ns.strategies.get("dp")
-    return (ns.hf.load_pretrained(FIXTURES / "hf_llama", mesh=mesh, rules=dp),
-            ns.hf.load_pretrained(FIXTURES / "hf_llama_tied", mesh=mesh, rules=dp))
-
-
-@pytest.fixture(scope="module")
-def outputs(models) -> dict[str, Any]:
-    """Every case's (loss, metrics) and each set's reference log-probabilities, from one
-    compiled function per data set."""
-    policy, ref = models
+    policy, ref = (ns.hf.load_pretrained(path, mesh=mesh, rules=dp)
+                   for path in MODELS[request.param])
 
     @nnx.jit(static_argnums=2)
     def run(policy, ref, data, batch):
@@ -100,7 +112,7 @@ def outputs(models) -> dict[str, Any]:
     for data in ("text", "chat"):
         out[f"{data}_ref"], losses = run(policy, ref, data, _trl_batch(data))
         out.update(losses)
-    return out
+    return request.param, out
 
 
 def test_tokenize_gives_trls_ids():
@@ -119,16 +131,44 @@ def test_tokenize_gives_trls_ids():
     assert (padded["targets"][:, 71:] == -100).all() and (padded["inputs"][:, 71:] == 4).all()
 
 
+def test_tokenize_hands_tools_and_chat_template_kwargs_to_the_template_as_trl():
+    """Each conversation's ``tools`` (a list, or its JSON text, which TRL parses) and
+    ``chat_template_kwargs`` reach the template: llama3.jinja renders the tools, and its
+    ``date_string`` and ``tools_in_user_message`` change the system turn."""
+    base = Tokenizer.from_pretrained(FIXTURES / "hf_llama_text")
+    spec = _expected()["tools"]
+    tok = Tokenizer(base.backend, path=base.path, config=base.config,
+                    special_map=base.special_tokens,  # its pad token is in that file
+                    chat_template=(FIXTURES / spec["template"]).read_text())
+    pairs = [dict(p) for p in spec["pairs"]]
+    pairs[0]["tools"] = json.loads(pairs[0]["tools"])  # the list; the second keeps the text
+    ours = preference.tokenize(tok, pairs, max_length=None)
+    for key, want in _trl_batch("tools").items():
+        np.testing.assert_array_equal(ours[key], want, err_msg=f"tools {key}")
+    prompt, kw = pairs[1]["prompt"], pairs[1]["chat_template_kwargs"]
+    text = tok.apply_chat_template(prompt, tokenize=False, tools=pairs[0]["tools"], **kw)
+    assert "Today Date: 1 Jan 2025" in text and '"name": "get_weather"' in text
+    assert tok.apply_chat_template(prompt, tokenize=False) != text
+    # Named templates: "tool_use" where given tools, as transformers picks it.
+    named = Tokenizer(base.backend, path=base.path, config=base.config, chat_template=[
+        {"name": "default", "template": "plain"},
+        {"name": "tool_use", "template": "{{ tools | length }} tool"}])
+    assert named.apply_chat_template(prompt, tokenize=False) == "plain"
+    assert named.apply_chat_template(prompt, tokenize=False, tools=[]) == "0 tool"
+
+
 def test_reference_logps_equal_trls(outputs):
+    family, out = outputs
     for data in ("text", "chat"):
-        want = _arrays()[f"{data}_ref_logps"]
-        np.testing.assert_allclose(np.asarray(outputs[f"{data}_ref"]), want, rtol=RTOL)
+        np.testing.assert_allclose(np.asarray(out[f"{data}_ref"]), _trl_ref(family, data),
+                                   rtol=RTOL, err_msg=f"{family} {data}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_and_metrics_equal_trls(outputs, case):
-    want = _expected()["expected"][case]
-    loss, metrics = outputs[case]
+    family, out = outputs
+    want = _want(family)[case]
+    loss, metrics = out[case]
     assert set(metrics) == set(want) - {"loss"}
     _close(float(loss), want["loss"], "loss")
     for name, value in metrics.items():
@@ -187,3 +227,18 @@ def test_misuse_is_refused():
     with pytest.raises(UsageError, match="must be all text or all conversations"):
         preference.tokenize(tok, [dict(pairs[0], chosen=[{"role": "assistant",
                                                           "content": "x"}])])
+    chat = _pairs("chat")[:1]
+    for extra, match in (
+            ({"tools": 3}, r"example 0's 'tools' must be a list of the tools' JSON schemas"),
+            ({"tools": "[{"}, r"example 0's 'tools' is text but not JSON"),
+            ({"chat_template_kwargs": ["x"]},
+             r"example 0's 'chat_template_kwargs' must be a dict of template variables"),
+            ({"chat_template_kwargs": {"add_generation_prompt": True}},
+             r"sets 'add_generation_prompt', which tokenize sets itself"),
+            ({"tools": [print]}, r"tools\[0\] must be a tool's JSON schema"),
+            ({"chat_template_kwargs": {"max_length": 8}},
+             r"max_length= is an argument of transformers' apply_chat_template")):
+        with pytest.raises(UsageError, match=match):
+            preference.tokenize(tok, [dict(chat[0], **extra)])
+    with pytest.raises(UsageError, match="documents must be a list of dicts"):
+        tok.apply_chat_template(chat[0]["prompt"], documents="notes")
