@@ -140,10 +140,12 @@ def _fit(kind: str, loss_type: str, layout: str, lr: float, steps_per_call: int 
     return model, opt, np.asarray(history["loss"])
 
 
-#: (layout, case of trajectories.json): sigmoid under every layout, full and LoRA; IPO
-#: (another kind through the same step) on one device.
+#: (layout, case of trajectories.json): sigmoid under every layout, full and LoRA; dp
+#: (the replicated layout on every device) once; IPO (another kind through the same step)
+#: on one device.
 TRAJECTORIES = [*((layout, case) for layout in ("one", "fsdp", "fsdp_tp")
-                  for case in ("full_sigmoid", "lora_sigmoid")), ("one", "full_ipo")]
+                  for case in ("full_sigmoid", "lora_sigmoid")), ("dp", "full_sigmoid"),
+                ("one", "full_ipo")]
 
 
 @pytest.mark.slow
