@@ -247,6 +247,16 @@ class _Child:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        # The pipes are closed too (a garbage-collected open pipe is a ResourceWarning);
+        # stderr once the drain thread has read it to its end.
+        self._drain.join(timeout=5)
+        for pipe in (self.proc.stdin, self.proc.stdout,
+                     None if self._drain.is_alive() else self.proc.stderr):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:  # a broken pipe's buffered write fails on close
+                    pass
 
 
 class Workers:

@@ -5,6 +5,9 @@ hundredths of a second, so these run in the quick tier."""
 
 from __future__ import annotations
 
+import gc
+import warnings
+
 from nnx_shard._simulated import Workers, simulated_env
 
 
@@ -51,6 +54,18 @@ def test_a_child_that_dies_reports_its_last_words_and_is_replaced():
               lambda i, r: got.update({i: r}))
     assert got[1] == {"failed": "dying on purpose", "timed_out": False}
     assert got[0]["pid"] != got[2]["pid"]
+
+
+def test_closed_workers_leave_no_pipe_open():
+    # A pipe left open is a ResourceWarning when it is collected (nnx-shard plan --auto
+    # printed them); a dead child's pipes are closed too.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Workers("tests._requests:die_request", 2, size=1, timeout=60) as w:
+            w.map([{"die": False}, {"die": True}], lambda i, r: None)
+        del w
+        gc.collect()
+    assert not [str(c.message) for c in caught if issubclass(c.category, ResourceWarning)]
 
 
 def test_simulated_env_forces_the_device_count_and_keeps_other_flags():
