@@ -39,6 +39,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +195,11 @@ def _tiles_bwd(tile: int, res: tuple[jax.Array, jax.Array, tuple[jax.Array, ...]
     # weights (groups x k x n per visit); here it goes into its own group's slice.
     xp, w, schedule = res  # dy is padded like xp: the rows past x's are zero
     dx = _products(dy, w, schedule, tile, transposed=True).astype(xp.dtype)
-    return dx, _weight_grads(xp, dy, schedule, tile, w.shape[0], w.dtype), None
+    # The weight-gradient loop starts from zeros computed from dx, so it runs after the
+    # dx loop, the last read of w. XLA orders a step's in-place update of a donated w
+    # (``w - lr * dw``) after w's reads only through data: without this it copies w
+    # first (two of the expert stacks in docs/benchmarks.md's MoE step).
+    return dx, _weight_grads(xp, dy, schedule, tile, w.shape[0], w.dtype, dx), None
 
 
 _tiles.defvjp(_tiles_fwd, _tiles_bwd)
@@ -249,9 +254,24 @@ def _products(xp: jax.Array, w: jax.Array, schedule: tuple[jax.Array, ...], tile
         old = jax.lax.dynamic_index_in_dim(out, t, 0, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(out, jnp.where(keep, part, old), t, 0), None
 
-    out, _ = jax.lax.scan(step, jnp.zeros((xp.shape[0], tile, n), bits), schedule,
+    out, _ = jax.lax.scan(step, _zeros_after((xp.shape[0], tile, n), bits, xp), schedule,
                           unroll=_unroll(schedule))
     return jax.lax.bitcast_convert_type(out, out_dtype)
+
+
+def _zeros_after(shape: tuple[int, ...], dtype: Any, after: jax.Array) -> jax.Array:
+    """Zeros computed from ``after``'s first element: a loop's first carry, which XLA
+    then builds once ``after`` exists, for that loop alone.
+
+    XLA builds a constant zero array once, at the program's start, and copies it into
+    the carry of each loop that starts from it: every copy lives from there to its loop
+    (in docs/benchmarks.md's MoE step, the weight gradients' carries through the whole
+    forward pass). ``min(unsigned, 0)`` is zero for any value, and XLA's simplifier
+    leaves it (it folds ``a ^ a`` and ``a - a``: measured on jax 0.10.2)."""
+    if not after.size:
+        return jnp.zeros(shape, dtype)
+    a = jax.lax.bitcast_convert_type(after.reshape(-1)[0], _bits(after.dtype))
+    return jnp.broadcast_to(jnp.minimum(a, jnp.zeros((), a.dtype)).astype(dtype), shape)
 
 
 def _bits(dtype: jnp.dtype) -> jnp.dtype:
@@ -260,12 +280,14 @@ def _bits(dtype: jnp.dtype) -> jnp.dtype:
 
 
 def _weight_grads(xp: jax.Array, dyp: jax.Array, schedule: tuple[jax.Array, ...],
-                  tile: int, groups: int, dtype: jnp.dtype) -> jax.Array:
-    """``dw [groups, k, n]`` in ``dtype`` from the padded rows and output gradients.
+                  tile: int, groups: int, dtype: jnp.dtype, after: jax.Array) -> jax.Array:
+    """``dw [groups, k, n]`` in ``dtype`` from the padded rows and output gradients,
+    computed once ``after`` exists (:func:`_zeros_after`).
 
     A group's visits are consecutive, so its gradient is summed in one float32
-    ``[k, n]`` carry (reset where the group changes) and written into its slice of
-    ``dw`` in ``dtype``: the slice's last write holds the group's whole sum. No
+    ``[k, n]`` carry (reset where the group changes) and written once, at the group's
+    last visit, into its slice of ``dw`` in ``dtype`` (writing it at every visit, the
+    slice's last write holding the sum, converts the carry at each: more CPU). No
     float32 ``[groups, k, n]`` accumulator (and its zero start) is live; a bfloat16 one
     would be smaller still but slower on CPU, where bfloat16 adds are emulated, and
     rounded at every visit (the MoE section of docs/benchmarks.md). A group with no
@@ -276,7 +298,7 @@ def _weight_grads(xp: jax.Array, dyp: jax.Array, schedule: tuple[jax.Array, ...]
     def step(carry: tuple[jax.Array, jax.Array, jax.Array], v: tuple[jax.Array, ...]
              ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
         dw, acc, prev = carry
-        t, g, on, lo, hi = v
+        t, g, on, lo, hi, last = v
 
         def product() -> jax.Array:
             return jnp.dot(_masked_tile(xp, tile, t, lo, hi).T,
@@ -285,14 +307,21 @@ def _weight_grads(xp: jax.Array, dyp: jax.Array, schedule: tuple[jax.Array, ...]
 
         part = jax.lax.cond(on, product, lambda: jnp.zeros((k, n), jnp.float32))
         acc = jnp.where(g == prev, acc, jnp.zeros((), jnp.float32)) + part
-        sums = jax.lax.bitcast_convert_type(acc.astype(dtype), bits)
-        dw = jax.lax.dynamic_update_index_in_dim(dw, sums, g, 0)
+
+        def write() -> jax.Array:
+            sums = jax.lax.bitcast_convert_type(acc.astype(dtype), bits)
+            return jax.lax.dynamic_update_index_in_dim(dw, sums, g, 0)
+
+        dw = jax.lax.cond(last, write, lambda: dw)
         return (dw, acc, g), None
 
     # dw holds its values' bits, as _products' carry does (and for the same reason).
     bits = _bits(dtype)
-    init = (jnp.zeros((groups, k, n), bits), jnp.zeros((k, n), jnp.float32), jnp.int32(-1))
-    (dw, _, _), _ = jax.lax.scan(step, init, schedule, unroll=_unroll(schedule))
+    init = (_zeros_after((groups, k, n), bits, after),
+            _zeros_after((k, n), jnp.float32, after), jnp.int32(-1))
+    group = schedule[1]
+    last = group != jnp.append(group[1:], -1)
+    (dw, _, _), _ = jax.lax.scan(step, init, (*schedule, last), unroll=_unroll(schedule))
     return jax.lax.bitcast_convert_type(dw, dtype)
 
 
