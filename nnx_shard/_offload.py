@@ -19,6 +19,17 @@ the backward pass ends). The device then holds the optimizer state during the
 update only, never during the forward and backward passes; with scanned layers and
 an element-wise optimizer not even all of it then: the update streams the stacked
 state a layer at a time (``nnx_shard._train._stream``).
+
+With ``"optimizer+params"`` and such a streaming update, the stacked parameters stream
+too (``streams_params`` in ``nnx_shard._train._stream``): the step moves in only the
+parameters that are not stacked, ``nnx_shard.pipeline.scan`` moves one layer's slice
+in per turn of its loop (a ``jax.checkpoint`` that keeps nothing but its inputs, so
+the backward pass moves it in again rather than keeping every layer's copy), the
+stacked gradients come back in host memory and the gradient norm, the NaN guard's
+check and the update read them a layer at a time. Not with more than one microbatch,
+a pipeline, a ``gradients`` layout option (zero2) or an update that does not stream:
+the parameters then move in whole at step start, as they do for the guard's per-step
+replay, ``guard="full"``'s check of a call and :func:`nnx_shard.multistep`.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import ShardingError, ShardingWarning, count
 from nnx_shard._mesh import called, context, current, entered, option, watching
+from nnx_shard._offload import traced_host
 from nnx_shard._parallel.registry import ParallelOp, register
 from nnx_shard._parallel.schedule import (
     NO_STACK_FIX,
@@ -137,6 +138,33 @@ def _spec(names: Any, shape: tuple[int, ...], mesh: Any, rules: Any) -> tuple[An
     return tuple(rules.spec(tuple(names), shape=shape, mesh=mesh, path="pipeline stack"))
 
 
+def streamed(body: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any], Any]:
+    """``body`` for layers whose stacked leaves (some of them) are in host memory
+    (``Strategy.offload="optimizer+params"``, see :mod:`nnx_shard._offload`): each
+    turn moves its layer's host slices to device memory first, so the device holds
+    one layer's parameters at a time.
+
+    The body is a ``jax.checkpoint`` that saves nothing but its inputs (the carry and
+    the host slices): the backward pass moves the slice in again and recomputes the
+    layer from its input, rather than keeping every layer's device copy (or anything
+    computed from it: a cast, a gathered shard, a LoRA delta) as a residual of the
+    loop, which would hold the whole stack on the device after all. (A policy that
+    saves all but the copies keeps what is computed from them; one that saves the
+    matmuls overrides a model's ``remat="full"``.) So the layer's forward runs twice,
+    as under ``remat="full"``, which then costs nothing more; a remat policy of the
+    model's own, inside ``body``, decides what that recomputation keeps. JAX
+    transposes the move: the gradient of a host slice goes back to host memory, so
+    the stacked gradient comes out there.
+    """
+    def moved(carry: Any, layer: Any) -> Any:
+        layer = jax.tree.map(
+            lambda x: jax.device_put(x, jax.memory.Space.Device) if traced_host(x) else x,
+            layer)
+        return body(carry, layer)
+
+    return jax.checkpoint(moved, policy=jax.checkpoint_policies.nothing_saveable)
+
+
 def scan(
     body: Callable[[Any, Any], tuple[Any, Any]],
     carry: Any,
@@ -154,6 +182,11 @@ def scan(
     is the mean over microbatches, as gradient accumulation averages it for
     microbatches of as many items), and
     ``body`` must return ``y = None`` (the per-layer outputs are not collected).
+
+    Outside a pipeline, leaves of ``layers`` in host memory (parameters offloaded
+    with ``Strategy.offload="optimizer+params"``, which ``Trainer``'s steps leave
+    there to stream) are moved to the device a layer per turn, and each turn is
+    recomputed in the backward pass rather than kept (see :func:`streamed`).
 
     Args:
       body: one layer: ``(carry, layer) -> (carry, None)``; ``layer`` is one slice
@@ -190,6 +223,8 @@ def scan(
               fix="e.g. microbatches=8, or None to take it from the step")
     sched = option(OPTION)
     if sched is None:
+        if any(map(traced_host, jax.tree.leaves(layers))):
+            return jax.lax.scan(streamed(body), carry, layers)
         return jax.lax.scan(body, carry, layers)
     n_layers = _layer_count(layers)
     mesh, rules = current()  # type: ignore[misc]  # option() is None outside use()

@@ -26,10 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import UsageError
 from nnx_shard._mesh import apply_sharding
-from nnx_shard._offload import arrive, arrive_after, moves_offloaded, traced_host
+from nnx_shard._offload import arrive_after, moves_offloaded, traced_host
 from nnx_shard._train._microbatch import value_and_grad
 from nnx_shard._train._norm import grad_sq_shares, grads_norm, join_small
-from nnx_shard._train._stream import host_finite, offloaded_update, streams
+from nnx_shard._train._stream import arrive_params, host_finite, offloaded_update, streams
 from nnx_shard._train._trees import leaf_path
 
 __all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "StateLayout", "all_finite",
@@ -279,7 +279,9 @@ def make_fast_step(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., 
 
     @moves_offloaded
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
-        arrive(model)  # offloaded parameters: the forward pass reads them
+        # Offloaded parameters: the forward pass reads them (stacked ones a layer at a
+        # time where they stream; their gradients then come back in host memory).
+        arrive_params(model, optimizer)
         out, grads = grad_fn(optimizer.wrt)(model, batch)
         loss, aux = out if has_aux else (out, {})
         offloaded_update(model, optimizer, grads)
@@ -372,7 +374,9 @@ def make_gated_step(loss_fn: Callable[..., Any], has_aux: bool,
 
     @moves_offloaded
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
-        arrive(model)  # offloaded parameters: the forward pass reads them
+        # Offloaded parameters: the forward pass reads them (see make_fast_step). The
+        # "select" gate updates the whole state at once: nothing streams under it.
+        arrive_params(model, optimizer, stream=_GATE == "cond")
         # What the forward pass may change besides the parameters (small: RNG counts,
         # batch statistics), to put back if the step is not applied.
         rest = jax.tree.map(lambda x: x, nnx.state(model, nnx.Not(optimizer.wrt)))

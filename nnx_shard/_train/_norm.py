@@ -13,11 +13,33 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # NamedSharding: a name grad_sq_shares' example reads from the module's globals.
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: F401
 
+from nnx_shard._offload import traced_host
+
 __all__ = ["grad_sq_shares", "grads_norm", "join_small"]
+
+
+def _per_layer(x: jax.Array, reduce: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``reduce`` of a gradient in host memory (a streamed stack's, see
+    ``nnx_shard._train._stream``), computed on the device: one slice of its leading
+    (layer) axis moved in per turn of a ``jax.lax.scan``, the per-slice results
+    summed; a scalar is moved in whole."""
+    if np.ndim(x) == 0:
+        return reduce(jax.device_put(x, jax.memory.Space.Device))
+
+    def turn(_: None, row: jax.Array) -> tuple[None, jax.Array]:
+        return None, reduce(jax.device_put(row, jax.memory.Space.Device))
+
+    _, parts = jax.lax.scan(turn, None, x)
+    return jnp.sum(parts, axis=0)
+
+
+def _sq(x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.real(x * jnp.conj(x)))
 
 
 # Gradient leaves up to this many elements are summed as one concatenated vector.
@@ -52,9 +74,13 @@ def grads_norm(grads: Any, replicated: bool = False) -> jax.Array:
     >>> bool(grads_norm(g) == optax.tree.norm(g)), round(float(grads_norm(g)) ** 2, 4)
     (True, 19.0)
     """
-    whole, joined = join_small(
-        jax.tree.leaves(grads), replicated, lambda x: jnp.issubdtype(x.dtype, jnp.floating))
-    sums = [jnp.sum(jnp.real(x * jnp.conj(x))) for x in whole]
+    leaves = jax.tree.leaves(grads)
+    # Host-memory gradients (a streamed stack's) are read a layer at a time.
+    sums = [_per_layer(x, _sq) for x in leaves if traced_host(x)
+            and jnp.issubdtype(x.dtype, jnp.floating)]
+    whole, joined = join_small([x for x in leaves if not traced_host(x)], replicated,
+                               lambda x: jnp.issubdtype(x.dtype, jnp.floating))
+    sums += [_sq(x) for x in whole]
     sums += [jnp.sum(flat * flat) for flat in joined]
     return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())
 
@@ -100,6 +126,31 @@ def grad_sq_shares(
              for a in (entry if isinstance(entry, tuple) else (entry,))} for spec in specs]
     if not any(used):
         return None
+    host = [i for i, x in enumerate(leaves) if traced_host(x)]
+    near = [i for i, x in enumerate(leaves) if not traced_host(x)]
+    total = _shares([leaves[i] for i in near], [specs[i] for i in near],
+                    [used[i] for i in near], mesh)
+    # Host-memory gradients (a streamed stack's, whose layer axis is not split) give
+    # their shares a layer slice at a time, the slice laid out as the rest of the spec.
+    for i in host:
+        part = _per_layer(leaves[i], functools.partial(
+            _row_shares, spec=PartitionSpec(*tuple(specs[i])[1:]), used=used[i], mesh=mesh))
+        total = part if total is None else total + part
+    return total
+
+
+def _row_shares(row: jax.Array, spec: PartitionSpec, used: set[str], mesh: Mesh) -> jax.Array:
+    shares = _shares([row], [spec], [used], mesh)
+    assert shares is not None  # one leaf given
+    return shares
+
+
+def _shares(leaves: Sequence[jax.Array], specs: Sequence[PartitionSpec],
+            used: Sequence[set[str]], mesh: Mesh) -> jax.Array | None:
+    """:func:`grad_sq_shares` of ``leaves`` (on device) with their specs and the mesh
+    axes each spec uses; None for no leaves."""
+    if not leaves:
+        return None
     axes = tuple(mesh.axis_names)
 
     def local(*blocks: jax.Array) -> jax.Array:
@@ -108,8 +159,7 @@ def grad_sq_shares(
         groups: dict[tuple[str, ...], list[jax.Array]] = collections.defaultdict(list)
         for x, on in zip(blocks, used, strict=True):
             if jnp.issubdtype(x.dtype, jnp.inexact):
-                groups[tuple(a for a in axes if a not in on)].append(
-                    jnp.sum(jnp.real(x * jnp.conj(x))))
+                groups[tuple(a for a in axes if a not in on)].append(_sq(x))
         total = jnp.zeros((), jnp.float32)
         for over, sums in groups.items():
             part = sum(sums)

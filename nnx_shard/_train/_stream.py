@@ -30,10 +30,11 @@ from flax import nnx
 
 from nnx_shard._annotate import logical_names
 from nnx_shard._mesh import context, variable_spec
-from nnx_shard._offload import arrive_after, traced_host
+from nnx_shard._offload import arrive, arrive_after, traced_host, traced_on_device
+from nnx_shard._parallel.registry import microbatch_owner
 
-__all__ = ["LAYERS", "elementwise", "host_finite", "offloaded_update", "streamed_update",
-           "streams"]
+__all__ = ["LAYERS", "arrive_params", "elementwise", "host_finite", "offloaded_update",
+           "streamed_update", "streams", "streams_params"]
 
 #: The logical name of a scanned decoder's layer axis: leaves whose first axis has
 #: it are streamed.
@@ -153,6 +154,58 @@ def streams(model: Any, optimizer: Any) -> bool:
     return _plan(model, optimizer) is not None
 
 
+def _stacked_on_host(var: Any, x: Any) -> bool:
+    return _first_name(var) == LAYERS and np.ndim(x) >= 1 and traced_host(x)
+
+
+def streams_params(model: Any, optimizer: Any) -> bool:
+    """Inside ``jit``, in a step traced by the fused call: whether the step streams
+    the stacked parameters too (:func:`arrive_params`): some stacked parameter in
+    host memory, an update that streams (:func:`streams`), one microbatch (the sum
+    of microbatch gradients would be computed on host arrays), no pipeline (it runs
+    the stack itself) and no ``gradients`` layout option (zero2's constraint on the
+    gradients would be one on host arrays).
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> streams_params(model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param))
+    False
+    """
+    state = nnx.state(model, optimizer.wrt)
+    if not any(_stacked_on_host(var, x) for var, x in zip(
+            _variables(state), jax.tree.leaves(nnx.as_pure(state)), strict=True)):
+        return False
+    ctx = context()
+    if ctx.microbatches not in (None, 1) or ctx.options.get("gradients") is not None:
+        return False
+    return microbatch_owner() is None and streams(model, optimizer)
+
+
+def arrive_params(model: Any, optimizer: Any, stream: bool = True) -> bool:
+    """Inside ``jit``: the step-start move of ``model``'s offloaded Variables to the
+    device (:func:`nnx_shard._offload.arrive`), leaving the stacked ones in host
+    memory where the step streams them (``stream`` and :func:`streams_params`):
+    ``nnx_shard.pipeline.scan`` then moves one layer's slice in per turn. Returns
+    whether it left them there.
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> arrive_params(model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param))
+    False
+    """
+    if not (stream and streams_params(model, optimizer)):
+        arrive(model)
+        return False
+    state = nnx.state(model)
+    leaves, treedef = jax.tree.flatten(nnx.as_pure(state))
+    moved = [x if _stacked_on_host(var, x) else traced_on_device(x)
+             for var, x in zip(_variables(state), leaves, strict=True)]
+    nnx.update(model, jax.tree.unflatten(treedef, moved))
+    return True
+
+
 def _on_device(x: Any) -> Any:
     return jax.device_put(x, jax.memory.Space.Device) if traced_host(x) else x
 
@@ -223,37 +276,51 @@ def streamed_update(model: Any, optimizer: nnx.Optimizer, grads: Any) -> bool:
     for count in sorted({n for n in (*p_stack, *s_stack) if n is not None}):
         pi = [i for i, n in enumerate(p_stack) if n == count]
         si = [i for i, n in enumerate(s_stack) if n == count]
+        # Stacked parameters in device memory are updated in place in the loop's carry;
+        # those in host memory (streamed by the forward pass too, streams_params) go
+        # in and back out a slice per turn, as the state does.
+        pc = [i for i in pi if not traced_host(params[i])]
+        ph = [i for i in pi if traced_host(params[i])]
 
         def turn(carried: list[Any], xs: tuple[Any, ...], pi: list[int] = pi,
-                 si: list[int] = si) -> tuple[list[Any], list[Any]]:
-            layer, g_slices, s_slices = xs
+                 si: list[int] = si, pc: list[int] = pc,
+                 ph: list[int] = ph) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
+            layer, g_slices, s_slices, p_slices = xs
             p_in = [_empty(x) for x in params]
             g_in = [_empty(x) for x in grads_]
             s_in = [_empty(x) for x in state]
-            for k, i in enumerate(pi):
+            for k, i in enumerate(pc):
                 p_in[i] = jax.lax.dynamic_index_in_dim(carried[k], layer, keepdims=False)
-                g_in[i] = g_slices[k]
+            for k, i in enumerate(ph):
+                p_in[i] = _on_device(p_slices[k])
+            for k, i in enumerate(pi):
+                g_in[i] = _on_device(g_slices[k])
             for k, i in enumerate(si):
                 s_in[i] = _on_device(s_slices[k])
             new_p, new_s = _update(tx, treedefs, g_in, s_in, p_in)
             carried = [jax.lax.dynamic_update_index_in_dim(c, new_p[i], layer, 0)
-                       for c, i in zip(carried, pi, strict=True)]
+                       for c, i in zip(carried, pc, strict=True)]
             back = [jax.device_put(new_s[i], jax.memory.Space.Host) if on_host[i]
                     else new_s[i] for i in si]
-            return carried, back
+            p_back = [jax.device_put(new_p[i], jax.memory.Space.Host) for i in ph]
+            return carried, (back, p_back)
 
-        carried, stacked = jax.lax.scan(
-            turn, [params[i] for i in pi],
-            (jnp.arange(count), [grads_[i] for i in pi], [state[i] for i in si]))
-        for k, i in enumerate(pi):
+        carried, (stacked, p_stacked) = jax.lax.scan(
+            turn, [params[i] for i in pc],
+            (jnp.arange(count), [grads_[i] for i in pi], [state[i] for i in si],
+             [params[i] for i in ph]))
+        for k, i in enumerate(pc):
             out_params[i] = carried[k]
+        for k, i in enumerate(ph):
+            out_params[i] = p_stacked[k]
         for k, i in enumerate(si):
             out_state[i] = stacked[k]
 
     nnx.update(model, jax.tree.unflatten(ptree, out_params))
     nnx.update(optimizer.opt_state,
                nnx.state(jax.tree.unflatten(stree, out_state), graph=optimizer.graph))
-    optimizer.step[...] += 1
+    # The step count may be offloaded too: counted on the device (the step moves it back).
+    optimizer.step[...] = _on_device(optimizer.step[...]) + 1
     return True
 
 
