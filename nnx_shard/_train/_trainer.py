@@ -70,8 +70,9 @@ class Trainer:
       model, optimizer: NNX model and ``nnx.Optimizer``, already laid out
         (e.g. by ``sharded_init`` / ``sharded_optimizer``); updated in place. Arrays
         in host memory (a strategy's ``offload``) stay there between steps: each step
-        moves offloaded parameters to the devices at its start and the optimizer state
-        once the gradients exist, and both back at its end
+        moves offloaded parameters to the devices at its start (scanned layers' a layer
+        at a time inside the layer loop, where the update streams too) and the optimizer
+        state once the gradients exist, and both back at its end
         (:meth:`~nnx_shard.strategies.Strategy.with_offload`).
         The optimizer may be a :class:`~nnx_shard.DiLoCo` of ``model`` (its anchor):
         ``fit`` then trains its replicas as ``ns.multistep(lambda d, b: d.step(loss_fn,
