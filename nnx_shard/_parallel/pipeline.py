@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import ShardingError, ShardingWarning, count
 from nnx_shard._mesh import called, context, current, entered, option, watching
-from nnx_shard._offload import traced_host
+from nnx_shard._offload import traced_host, traced_on_device
 from nnx_shard._parallel.registry import ParallelOp, register
 from nnx_shard._parallel.schedule import (
     NO_STACK_FIX,
@@ -157,10 +157,7 @@ def streamed(body: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any]
     the stacked gradient comes out there.
     """
     def moved(carry: Any, layer: Any) -> Any:
-        layer = jax.tree.map(
-            lambda x: jax.device_put(x, jax.memory.Space.Device) if traced_host(x) else x,
-            layer)
-        return body(carry, layer)
+        return body(carry, jax.tree.map(traced_on_device, layer))
 
     return jax.checkpoint(moved, policy=jax.checkpoint_policies.nothing_saveable)
 

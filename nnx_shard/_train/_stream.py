@@ -206,15 +206,11 @@ def arrive_params(model: Any, optimizer: Any, stream: bool = True) -> bool:
     return True
 
 
-def _on_device(x: Any) -> Any:
-    return jax.device_put(x, jax.memory.Space.Device) if traced_host(x) else x
-
-
 def _empty(x: Any) -> Any:
     """A zero-size stand-in for a leaf another pass updates (an element-wise update of
     it costs nothing); scalars (Adam's count) are kept: every pass needs them."""
     if np.ndim(x) == 0:
-        return _on_device(x)
+        return traced_on_device(x)
     return jnp.zeros((0, *np.shape(x)[1:]), jnp.result_type(x))
 
 
@@ -265,7 +261,7 @@ def streamed_update(model: Any, optimizer: nnx.Optimizer, grads: Any) -> bool:
     new_params, new_state = _update(
         tx, treedefs,
         [_empty(x) if n is not None else x for x, n in zip(grads_, p_stack, strict=True)],
-        [_empty(x) if n is not None else _on_device(x)
+        [_empty(x) if n is not None else traced_on_device(x)
          for x, n in zip(state, s_stack, strict=True)],
         [_empty(x) if n is not None else x for x, n in zip(params, p_stack, strict=True)])
     out_params = [new if n is None else old
@@ -292,11 +288,11 @@ def streamed_update(model: Any, optimizer: nnx.Optimizer, grads: Any) -> bool:
             for k, i in enumerate(pc):
                 p_in[i] = jax.lax.dynamic_index_in_dim(carried[k], layer, keepdims=False)
             for k, i in enumerate(ph):
-                p_in[i] = _on_device(p_slices[k])
+                p_in[i] = traced_on_device(p_slices[k])
             for k, i in enumerate(pi):
-                g_in[i] = _on_device(g_slices[k])
+                g_in[i] = traced_on_device(g_slices[k])
             for k, i in enumerate(si):
-                s_in[i] = _on_device(s_slices[k])
+                s_in[i] = traced_on_device(s_slices[k])
             new_p, new_s = _update(tx, treedefs, g_in, s_in, p_in)
             carried = [jax.lax.dynamic_update_index_in_dim(c, new_p[i], layer, 0)
                        for c, i in zip(carried, pc, strict=True)]
@@ -320,7 +316,7 @@ def streamed_update(model: Any, optimizer: nnx.Optimizer, grads: Any) -> bool:
     nnx.update(optimizer.opt_state,
                nnx.state(jax.tree.unflatten(stree, out_state), graph=optimizer.graph))
     # The step count may be offloaded too: counted on the device (the step moves it back).
-    optimizer.step[...] = _on_device(optimizer.step[...]) + 1
+    optimizer.step[...] = traced_on_device(optimizer.step[...]) + 1
     return True
 
 
