@@ -28,7 +28,15 @@ from nnx_shard._pack import pack
 from nnx_shard._quantized import QuantizedKernel
 from nnx_shard._report import Report, explain
 from nnx_shard._rules import Fallbacks, Rules
-from nnx_shard._train import DiLoCo, Precision, Trainer, multistep, shard_batch, value_and_grad
+from nnx_shard._train import (
+    DiLoCo,
+    Precision,
+    Trainer,
+    apply_gradients,
+    multistep,
+    shard_batch,
+    value_and_grad,
+)
 from nnx_shard._train._batches import Batches
 from nnx_shard._weighting import mean_over
 
@@ -50,6 +58,7 @@ __all__ = [
     "UsageError",
     "abstract_init",
     "annotate",
+    "apply_gradients",
     "collective_matmul",
     "constrain",
     "corpus",

@@ -11,7 +11,9 @@ uses them and back at its end, so its outputs keep the host shardings and the
 next call is given them the same way.
 
 When each array arrives: a step of :func:`nnx_shard.multistep` moves the whole
-offloaded state in at its start. ``Trainer``'s steps move offloaded parameters in
+offloaded state in at its start (unless fused with ``stream_offload=True``: it then
+moves as ``Trainer``'s, its update made by :func:`nnx_shard.apply_gradients`).
+``Trainer``'s steps move offloaded parameters in
 at step start (the forward pass reads them) and the optimizer state only once the
 gradients exist (:func:`arrive_after`: an ``optimization_barrier`` ties the host
 arrays to the gradients, so XLA cannot schedule their host-to-device copy before
@@ -29,7 +31,8 @@ stacked gradients come back in host memory and the gradient norm, the NaN guard'
 check and the update read them a layer at a time. Not with more than one microbatch,
 a pipeline, a ``gradients`` layout option (zero2) or an update that does not stream:
 the parameters then move in whole at step start, as they do for the guard's per-step
-replay, ``guard="full"``'s check of a call and :func:`nnx_shard.multistep`.
+replay, ``guard="full"``'s check of a call and a :func:`nnx_shard.multistep` step not
+fused with ``stream_offload=True``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ EXPECTED = {
     "logical_axes", "make_mesh", "shardings", "use", "with_logical",
     "abstract_init", "sharded_init", "sharded_optimizer",
     "Trainer", "DiLoCo", "Precision", "mean_over", "multistep", "shard_batch", "value_and_grad",
+    "apply_gradients",
     "MetricsWriter", "Batches", "pack",
     "Checkpointer", "restore", "save",
     "lora", "merge_lora", "QuantizedKernel",

@@ -9,7 +9,9 @@ Three layers, each usable alone:
 * :func:`value_and_grad` (:mod:`~nnx_shard._train._microbatch`) is
   ``nnx.value_and_grad`` that can split the batch into microbatches and accumulate
   the gradients (set per call, or by ``multistep(..., microbatches=M)``), weighing
-  each by its items for a loss declared with :func:`~nnx_shard.mean_over`.
+  each by its items for a loss declared with :func:`~nnx_shard.mean_over`;
+  :func:`apply_gradients` (:mod:`~nnx_shard._train._stream`) is
+  ``optimizer.update`` that streams host-offloaded state a layer at a time.
 * :func:`shard_batch` (:mod:`~nnx_shard._train._placement`) turns host NumPy
   batches into global ``jax.Array`` s laid out by logical names;
   :class:`Trainer` (:mod:`~nnx_shard._train._trainer`) puts the three together
@@ -29,7 +31,8 @@ from nnx_shard._train._microbatch import value_and_grad
 from nnx_shard._train._placement import shard_batch
 from nnx_shard._train._precision import Precision
 from nnx_shard._train._run import History
+from nnx_shard._train._stream import apply_gradients
 from nnx_shard._train._trainer import Trainer
 
-__all__ = ["DiLoCo", "Fused", "History", "Precision", "Trainer", "multistep", "shard_batch",
-           "value_and_grad"]
+__all__ = ["DiLoCo", "Fused", "History", "Precision", "Trainer", "apply_gradients", "multistep",
+           "shard_batch", "value_and_grad"]

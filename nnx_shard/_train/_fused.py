@@ -35,10 +35,11 @@ from nnx_shard._errors import (
     sharding_type_error,
     sharding_types,
 )
-from nnx_shard._mesh import current
+from nnx_shard._mesh import current, watching
 from nnx_shard._offload import arrive, is_host, owns_moves, to_host
 from nnx_shard._train._fused_checks import ArgNames, check_microbatch_rows, check_options, steps
 from nnx_shard._train._precision import Precision, as_precision
+from nnx_shard._train._stream import APPLIED, arrive_params, not_applied
 from nnx_shard._train._traced import build_run, pack
 from nnx_shard._train._trees import is_node
 
@@ -126,9 +127,9 @@ class _Stepwise:
 
     def __init__(self, fused: Fused, placed: tuple[Any, ...], node_pos: tuple[int, ...]) -> None:
         self._fused = fused
-        self.microbatches, self.precision, self.unroll = (
-            fused.microbatches, fused.precision, fused.unroll)
-        self.step_fn = _stepwise(fused.step_fn, placed, node_pos)
+        self.microbatches, self.precision, self.unroll, self.stream_offload = (
+            fused.microbatches, fused.precision, fused.unroll, fused.stream_offload)
+        self.step_fn = _stepwise(fused.step_fn, placed, node_pos, fused.stream_offload)
         self.finish = None if fused.finish is None else _finish_moved(fused.finish, placed)
 
     @property
@@ -149,22 +150,58 @@ def _back_to_host(nodes: Any, placed: tuple[Any, ...]) -> None:
 
 
 def _stepwise(step_fn: Callable[..., Any], placed: tuple[Any, ...],
-              node_pos: tuple[int, ...]) -> Callable[..., Any]:
+              node_pos: tuple[int, ...], stream: bool = False) -> Callable[..., Any]:
     """``step_fn`` on host-memory state: it moves the offloaded Variables of its NNX
     arguments to device memory at its start (unless ``step_fn`` moves them itself,
     :func:`~nnx_shard._offload.moves_offloaded`: the Trainer's steps bring the
-    optimizer state in only once the gradients exist) and back at its end."""
+    optimizer state in only once the gradients exist) and back at its end. With
+    ``stream`` (``multistep(..., stream_offload=True)``) the model (first argument)
+    and the optimizer (second) are left for the step to move: the parameters that are
+    not stacked arrive at its start, the stacked ones stream through the scanned
+    layers, the optimizer state arrives in
+    :func:`~nnx_shard._train._stream.apply_gradients`."""
     own = owns_moves(step_fn)
 
     def step(*args: Any) -> Any:
         nodes = tuple(args[i] for i in node_pos)
-        if not own:
-            arrive(nodes)
-        metrics = step_fn(*args)
+        if not stream:
+            if not own:
+                arrive(nodes)
+            metrics = step_fn(*args)
+        else:
+            model, optimizer = _model_and_optimizer(step_fn, args, node_pos)
+            arrive_params(model, optimizer)
+            arrive(tuple(n for n in nodes if n is not model and n is not optimizer))
+            with watching() as calls:
+                try:
+                    metrics = step_fn(*args)
+                except ValueError as e:
+                    # JAX refuses arithmetic across memory kinds: an update that read
+                    # the host state without apply_gradients moving it in.
+                    if "memory_space" in str(e) and APPLIED not in calls:
+                        raise not_applied(getattr(step_fn, "__name__", "step_fn")) from e
+                    raise
         _back_to_host(nodes, placed)
         return metrics
 
     return functools.wraps(step_fn)(step)
+
+
+def _model_and_optimizer(step_fn: Callable[..., Any], args: tuple[Any, ...],
+                         node_pos: tuple[int, ...]) -> tuple[Any, nnx.Optimizer]:
+    """The ``(model, optimizer)`` a streaming step is given first, or a UsageError."""
+    model, optimizer = (args[0], args[1]) if len(args) > 1 else (None, None)
+    if (0, 1) != tuple(node_pos[:2]) or not isinstance(model, nnx.Module) or not isinstance(
+            optimizer, nnx.Optimizer):
+        name = getattr(step_fn, "__name__", "step_fn")
+        got = ", ".join(type(a).__name__ for a in args[:2])
+        raise UsageError(
+            f"multistep(..., stream_offload=True): {name} was given ({got}) first; a "
+            "streaming step takes the model and its nnx.Optimizer as its first two "
+            f"arguments, {name}(model, optimizer, batch, ...), so the call knows which "
+            "parameters the update streams. Fix: pass them first, or drop "
+            "stream_offload.")
+    return model, optimizer
 
 
 def _finish_moved(finish: Callable[[Any, Any, Any], Any],
@@ -231,9 +268,12 @@ class Fused:
         precision: Precision | None = None,
         owner: str = "multistep",
         pack_metrics: bool = True,
+        stream_offload: bool = False,
     ) -> None:
         check_options(step_fn, microbatches, max_in_flight, unroll, owner)
         flag(donate, f"{owner}: donate")
+        flag(stream_offload, f"{owner}: stream_offload")
+        self.stream_offload = stream_offload
         self.precision = as_precision(precision, f"{owner}: precision")
         self.step_fn = step_fn
         self.donate = donate
@@ -259,9 +299,10 @@ class Fused:
     def __repr__(self) -> str:
         name = getattr(self.step_fn, "__qualname__", repr(self.step_fn))
         precision = f", precision={self.precision!r}" if self.precision is not None else ""
+        stream = ", stream_offload=True" if self.stream_offload else ""
         return (
             f"multistep({name}, donate={self.donate}, microbatches={self.microbatches}, "
-            f"max_in_flight={self.max_in_flight}, unroll={self.unroll}{precision}, "
+            f"max_in_flight={self.max_in_flight}, unroll={self.unroll}{precision}{stream}, "
             f"traces={self.traces})"
         )
 
@@ -540,6 +581,7 @@ def multistep(
     max_in_flight: int | None = 2,
     unroll: int = 1,
     precision: Precision | None = None,
+    stream_offload: bool = False,
 ) -> Fused:
     """Fuses K calls of an NNX train step into one compiled call (a ``jax.lax.scan``).
 
@@ -594,6 +636,15 @@ def multistep(
         model's float parameters in the compute dtype where they are used; the
         parameters, the optimizer state and the gradients stay in theirs. The
         step must take its gradients with :func:`value_and_grad`.
+      stream_offload: with state a strategy's ``offload`` keeps in host memory,
+        let the step move it in a layer at a time rather than whole at its start
+        (the default): the parameters that are not stacked arrive at the step's
+        start, a scanned model's stacked parameters stream through its layer loop
+        (their gradients come back in host memory) and
+        :func:`~nnx_shard.apply_gradients` streams the update, so the device holds
+        one layer's offloaded state at a time (as ``Trainer``'s steps do). The step
+        must take ``(model, optimizer, ...)`` first and apply its update with
+        :func:`~nnx_shard.apply_gradients`.
 
     >>> from nnx_shard import multistep
     >>> import jax.numpy as jnp, optax
@@ -612,5 +663,5 @@ def multistep(
     ((5,), 5, 1)
     """
     return Fused(step_fn, donate=donate, microbatches=microbatches, max_in_flight=max_in_flight,
-                 unroll=unroll, precision=precision)
+                 unroll=unroll, precision=precision, stream_offload=stream_offload)
 

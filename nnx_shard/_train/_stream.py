@@ -29,12 +29,17 @@ import optax
 from flax import nnx
 
 from nnx_shard._annotate import logical_names
-from nnx_shard._mesh import context, variable_spec
+from nnx_shard._errors import UsageError
+from nnx_shard._mesh import called, context, variable_spec
 from nnx_shard._offload import arrive, arrive_after, traced_host, traced_on_device
 from nnx_shard._parallel.registry import microbatch_owner
 
-__all__ = ["LAYERS", "arrive_params", "elementwise", "host_finite", "offloaded_update",
-           "streamed_update", "streams", "streams_params"]
+__all__ = ["APPLIED", "LAYERS", "apply_gradients", "arrive_params", "elementwise", "host_finite",
+           "not_applied", "offloaded_update", "streamed_update", "streams", "streams_params"]
+
+#: The name :func:`apply_gradients` records in the step's call log when it runs
+#: (``multistep(..., stream_offload=True)`` checks that the step applied its update so).
+APPLIED = "apply_gradients"
 
 #: The logical name of a scanned decoder's layer axis: leaves whose first axis has
 #: it are streamed.
@@ -338,6 +343,49 @@ def offloaded_update(model: Any, optimizer: nnx.Optimizer, grads: Any) -> None:
     """
     if not streamed_update(model, optimizer, grads):
         optimizer.update(model, arrive_after(optimizer, grads))
+
+
+def apply_gradients(model: Any, optimizer: nnx.Optimizer, grads: Any) -> None:
+    """``optimizer.update(model, grads)``, streaming what a strategy's ``offload`` keeps
+    in host memory: inside a step, the optimizer state (and, where the forward pass
+    left them there, the stacked parameters) moves to the device one layer at a time
+    where the layers are scanned and the optimizer treats every element on its own
+    (AdamW, Adam, SGD, Lion), and whole, once the gradients exist, where not. With
+    nothing offloaded it is ``optimizer.update(model, grads)``.
+
+    A step fused with ``nnx_shard.multistep(step, stream_offload=True)`` must apply
+    its update with it: that step leaves the optimizer state (and the stacked
+    offloaded parameters) in host memory at its start, so a plain
+    ``optimizer.update`` would compute on host arrays.
+
+    Args:
+      model: the NNX model the gradients are of.
+      optimizer: its ``nnx.Optimizer``.
+      grads: the gradients (``nnx.grad``'s or :func:`nnx_shard.value_and_grad`'s).
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import nnx_shard as ns
+    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> opt = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    >>> grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    >>> ns.apply_gradients(model, opt, grads)
+    >>> model.bias[...].tolist(), int(opt.step[...])
+    ([-0.5, -0.5], 1)
+    """
+    called(APPLIED)
+    offloaded_update(model, optimizer, grads)
+
+
+def not_applied(fn_name: str) -> UsageError:
+    """The error of a step fused with ``stream_offload=True`` that did not apply its
+    update with :func:`apply_gradients`."""
+    return UsageError(
+        f"multistep(..., stream_offload=True): {fn_name} never called "
+        "nnx_shard.apply_gradients, which moves the optimizer state the step leaves in "
+        "host memory to the device. Fix: apply the update with "
+        "ns.apply_gradients(model, optimizer, grads) instead of "
+        "optimizer.update(model, grads), or drop stream_offload.")
 
 
 def host_finite(state: Any) -> tuple[list[Any], list[jax.Array]]:

@@ -21,6 +21,7 @@ from nnx_shard._mesh import apply_sharding
 from nnx_shard._parallel.registry import checking_step, prepare_step
 from nnx_shard._train._microbatch import TAKEN, tracing_step
 from nnx_shard._train._precision import Precision
+from nnx_shard._train._stream import APPLIED, not_applied
 from nnx_shard._train._trees import leaf_path
 
 __all__ = ["Packed", "StepOwner", "build_run", "check_metrics", "pack", "unpack_rows"]
@@ -36,6 +37,7 @@ class StepOwner(Protocol):
     unroll: int
     finish: Callable[[Any, Any, Any], Any] | None
     traces: int
+    stream_offload: bool
 
 
 def check_metrics(metrics: Any, fn_name: str) -> Any:
@@ -200,6 +202,8 @@ def build_run(
                 "Fix: compute gradients with ns.value_and_grad(loss_fn)(model, batch) "
                 "instead of nnx.value_and_grad."
             )
+        if owner.stream_offload and APPLIED not in calls:
+            raise not_applied(fn_name)
         metrics = check_metrics(metrics, fn_name)
         _, new_state = nnx.split(nodes)
         new_values, new_def = jax.tree.flatten(new_state)

@@ -214,3 +214,95 @@ def test_what_cannot_stream_moves_the_params_in_whole(tx, microbatches, each):
     jaxpr, shapes = _traced_call(tx, microbatches)
     whole = [tuple(e.invars[0].aval.shape) for e in _moves_in(jaxpr)]
     assert sorted(s for s in whole if s in shapes) == sorted(shapes * each)
+
+
+# ------------------------------------------------- (e) multistep(..., stream_offload=True)
+
+
+def _step(model, optimizer, batch):
+    loss, grads = ns.value_and_grad(ns.models.lm_loss)(model, batch)
+    ns.apply_gradients(model, optimizer, grads)
+    return {"loss": loss}
+
+
+def _fused_setup(offload, stream_offload, step=_step):
+    s = ns.strategies.get("fsdp", offload=offload)
+    mesh = s.make_mesh(8)
+    model = ns.sharded_init(lambda: Decoder(CFG, rngs=nnx.Rngs(0)), mesh, s)
+    opt = ns.sharded_optimizer(model, _tx("adamw"), mesh, s)
+    fused = ns.multistep(step, stream_offload=stream_offload)
+    return s, mesh, model, opt, fused
+
+
+def _traced_fused(stream_offload):
+    s, mesh, model, opt, fused = _fused_setup(PARAMS, stream_offload)
+    with ns.use(mesh, s.rules):
+        placed = ns.shard_batch(lm_batches(K, BATCH, CFG.length, CFG.vocab), mesh, s.rules,
+                                ("batch", "length"), steps=True)
+        plan, _, _, values, data = fused._prepare((model, opt, placed))
+        jaxpr = jax.make_jaxpr(plan.run)(values, data)
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+              if x.ndim and x.shape[0] == LAYERS]
+    return jaxpr, shapes
+
+
+def test_a_streaming_multistep_step_moves_a_layer_at_a_time():
+    # Whole at step start by default; a layer at a time (forward, backward and update,
+    # never a device stack left behind) with stream_offload and ns.apply_gradients.
+    whole, shapes = _traced_fused(False)
+    assert sorted(tuple(e.invars[0].aval.shape) for e in _moves_in(whole)
+                  if tuple(e.invars[0].aval.shape) in shapes) == sorted(shapes * 3)
+    streamed, _ = _traced_fused(True)
+    ins = _moves_in(streamed)
+    assert [e for e in ins if tuple(e.invars[0].aval.shape) in shapes] == []
+    assert {shape[1:] for shape in shapes} <= {tuple(e.invars[0].aval.shape) for e in ins}
+    assert _kept(streamed, shapes) == []
+
+
+@pytest.mark.slow
+def test_a_streaming_multistep_step_trains_as_without_offload():
+    runs = {}
+    for offload, stream in ((None, False), (PARAMS, True)):
+        s, mesh, model, opt, fused = _fused_setup(offload, stream)
+        stacked = lm_batches(STEPS, BATCH, CFG.length, CFG.vocab)
+        losses = []
+        with ns.use(mesh, s.rules):
+            for call in range(STEPS // K):
+                part = {k: v[call * K:(call + 1) * K] for k, v in stacked.items()}
+                placed = ns.shard_batch(part, mesh, s.rules, ("batch", "length"), steps=True)
+                losses.extend(np.asarray(fused(model, opt, placed)["loss"]))
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state((model, opt)))}
+        runs[offload] = np.asarray(losses), jax.device_get(nnx.state(model, nnx.Param)), kinds
+    (losses, params, kinds), (ref_losses, ref_params, _) = runs[PARAMS], runs[None]
+    assert kinds == {"pinned_host"}  # parameters and optimizer state stay on the host
+    assert losses[-1] < losses[0]
+    assert_close(losses, ref_losses, 1e-5, "streamed multistep losses")
+    assert_close(params, ref_params, 1e-5, "streamed multistep params")
+
+
+def _plain_update(model, optimizer, batch):
+    loss, grads = ns.value_and_grad(ns.models.lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def _swapped(optimizer, model, batch):
+    return _step(model, optimizer, batch)
+
+
+@pytest.mark.parametrize(("step", "message"), [
+    (_plain_update, "_plain_update never called nnx_shard.apply_gradients, which moves the "
+                    "optimizer state"),
+    (_swapped, "_swapped was given (Optimizer, Decoder) first; a streaming step takes the "
+               "model and its nnx.Optimizer"),
+])
+def test_a_streaming_step_must_take_the_model_first_and_apply_gradients(step, message):
+    s, mesh, model, opt, fused = _fused_setup("optimizer", True, step)
+    args = (opt, model) if step is _swapped else (model, opt)
+    with ns.use(mesh, s.rules):
+        placed = ns.shard_batch(lm_batches(K, BATCH, CFG.length, CFG.vocab), mesh, s.rules,
+                                ("batch", "length"), steps=True)
+        plan, _, _, values, data = fused._prepare((*args, placed))
+        with pytest.raises(ns.UsageError, match="stream_offload=True") as err:
+            jax.make_jaxpr(plan.run)(values, data)
+    assert message in str(err.value)
