@@ -102,6 +102,7 @@ class _Footprint:
     activations: int
     compute: int = 0
     stage_activations: int | None = None  # one pipeline stage's layers, every microbatch
+    streamed_activations: int | None = None  # streamed parameters' layer loop (remat full)
 
 
 def _stage_report(model: Any, sizes: dict[str, int], strat: Strategy, tx: Any,
@@ -130,8 +131,10 @@ def _footprint(args: argparse.Namespace, model: Any, cfg: Any, strat: Strategy,
     per_stage = stage_config(cfg, strat, sizes)
     stage_acts = None if per_stage is None else activation_bytes(
         per_stage, strat.rules, sizes, args.batch, args.seq, args.remat)
+    streamed = (activation_bytes(cfg, strat.rules, sizes, args.batch, args.seq, "full")
+                if strat.offload == "optimizer+params" else None)
     return _Footprint(report, stages, acts, compute_copy(report, cfg.dtype, args.remat),
-                      stage_acts)
+                      stage_acts, streamed)
 
 
 def _compile(args: argparse.Namespace, strat: Strategy, sizes: dict[str, int],
@@ -307,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
     wrt = nnx.Param if args.lora_rank is None else nnx.LoRAParam
     per_device = formula(fp.report, fp.activations, args.guard, fp.compute,
                          trained=wrt.__name__, grads=grads_report(model, sizes, strat, wrt),
-                         offload=strat.offload, tx=tx)
+                         offload=strat.offload, tx=tx,
+                         streamed_activations=fp.streamed_activations)
     compiled = _compile(args, strat, sizes, out["devices"])
     out.update(_results(fp, per_device, compiled, memory, args.top, strat))
     out.update(_host(per_device, compiled, host_memory, out))

@@ -137,7 +137,8 @@ class Evaluator:
             if "device" not in result or "host" not in result:
                 parts = formula_parts(p.abstract, p.cfg, p.strategy(c.strategy, c.offload),
                                       c.mesh, p.tx, self.opts.batch // c.microbatches,
-                                      self.opts.seq, c.remat or "none", self.opts.guard)
+                                      self.opts.seq, c.remat or "none", self.opts.guard,
+                                      c.microbatches)
             apply_offload(c, result, parts, p.memory, p.host_memory)
 
     def skip(self, c: Candidate, bar: Any) -> bool:

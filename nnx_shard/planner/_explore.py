@@ -81,7 +81,7 @@ class Search(Evaluator):
             return None
         est = formula_bytes(p.abstract, p.cfg, p.strategy(c.strategy, c.offload), c.mesh, p.tx,
                             self.opts.batch // c.microbatches, self.opts.seq, c.remat or "none",
-                            self.opts.guard)
+                            self.opts.guard, c.microbatches)
         # A pipeline keeps every microbatch of its stage's layers: its stage floor, which
         # decides it (stage_decide), is at least the formula's.
         stage = self.stage_need(c, floor=True)

@@ -31,7 +31,7 @@ from nnx_shard.models._memory import activation_bytes
 
 __all__ = ["ARRIVES", "PRUNE_MARGIN", "abstract_report", "compute_copy", "formula",
            "formula_bytes", "formula_parts", "grads_report", "offload_phases", "offloaded_groups",
-           "stage_config", "stage_formula_bytes", "update_state_bytes"]
+           "stage_config", "stage_formula_bytes", "streamed_param_bytes", "update_state_bytes"]
 
 #: The formula decides "does not fit" without a compile only when it is this many
 #: times over the budget: over every preset x mesh factorisation of 8 devices
@@ -186,9 +186,69 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
             "update": int(update), "finish": int(finish)}
 
 
+def streamed_param_bytes(report: Report, grad_sizes: Mapping[Any, int],
+                         stacked_grads: set[Any]) -> dict[str, int] | None:
+    """The device bytes per device of streamed parameters (``offload="optimizer+params"``
+    with a streaming update, ``nnx_shard._train._stream.streams_params``): ``params``,
+    the parameters that are not stacked whole plus two layers' worth of each stacked
+    one (the slice moved in, and the next one, or the new one going back);
+    ``grads``, their gradients alike (``grad_sizes`` by ``(path, shape)``, those in
+    ``stacked_grads`` stacked); ``host_grads``, the stacked gradients, which come back
+    to host memory. ``None`` without a stacked parameter.
+
+    >>> import dataclasses, optax
+    >>> from flax import nnx
+    >>> from nnx_shard.models import Decoder, get_config
+    >>> from nnx_shard.strategies._presets import get
+    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True, layers=4)
+    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> report = abstract_report(model, {"data": 8}, get("fsdp").rules)
+    >>> rows = [r for r in report.rows if r.group == "params"]
+    >>> sizes = {(r.path, r.shape): r.bytes_per_device for r in rows}
+    >>> out = streamed_param_bytes(report, sizes, {(r.path, r.shape) for r in rows
+    ...                                            if r.names and r.names[0] == "layers"})
+    >>> out["params"] < report.param_bytes_per_device, out["host_grads"] > 0
+    (True, True)
+    """
+    rows = [r for r in report.rows if r.group == "params" and r.kind == "Param"]
+    if not any(_stacked(r) for r in rows):
+        return None
+    params = sum(2 * r.bytes_per_device // r.shape[0] if _stacked(r) else r.bytes_per_device
+                 for r in rows)
+    grads = host = 0
+    for key, size in grad_sizes.items():
+        if key in stacked_grads:
+            grads += 2 * size // key[1][0]
+            host += size
+        else:
+            grads += size
+    return {"params": int(params), "grads": int(grads), "host_grads": int(host)}
+
+
+def _streamed_params_phases(parts: Mapping[str, int], phases: Mapping[str, int],
+                            stream: Mapping[str, int], state: int,
+                            activations: int | None) -> dict[str, int]:
+    """:func:`offload_phases` of ``"optimizer+params"`` where the parameters stream
+    (:func:`streamed_param_bytes`'s ``stream``; ``state`` the streamed update's state
+    bytes; ``activations`` what the layer loop keeps, ``parts``' own where None)."""
+    acts = parts["activations"] if activations is None else min(activations,
+                                                                 parts["activations"])
+    host = phases["host"] + stream["host_grads"]
+    # What never leaves the device: the parts less the offloaded state and the stacked
+    # gradients, the loop's activations in place of the parts'.
+    kept = phases["kept"] - stream["host_grads"] - parts["activations"] + acts
+    grads_kept = parts["grads"] - stream["host_grads"]
+    forward = kept + stream["params"] - grads_kept + stream["grads"]
+    update = (kept - acts - parts.get("compute", 0) + stream["params"] - grads_kept
+              + stream["grads"] + state)
+    return {"host": int(host), "kept": int(kept), "forward": int(forward),
+            "update": int(update), "finish": int(phases["finish"])}
+
+
 def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
             compute: int = 0, trained: str = "Param", grads: Report | None = None,
-            offload: str | None = None, tx: Any = None) -> dict[str, int]:
+            offload: str | None = None, tx: Any = None, microbatches: int = 1,
+            streamed_activations: int | None = None) -> dict[str, int]:
     """The formula's bytes per device: parameters, their gradients, optimizer state,
     the copy of parameters and optimizer state ``Trainer.fit``'s NaN guard keeps
     while a call runs (``guard="full"``, to put it back if the call is not finite;
@@ -209,6 +269,12 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     parts less the host's, with the offloaded parameters back; parameters + gradients
     + the optimizer state moved in for the update: all of it, or with ``tx`` an
     element-wise optimizer of a model with stacked layers, :func:`update_state_bytes`).
+    With ``"optimizer+params"``, such an update, one microbatch (``microbatches``) and
+    no ``gradients`` layout option, the stacked parameters stream as well
+    (:func:`streamed_param_bytes`): the device holds two layers of them and of their
+    gradients, the stacked gradients come back to host memory (``host`` counts them),
+    and the layer loop keeps only each layer's input, as ``remat="full"`` does:
+    ``streamed_activations`` (those activations) replaces ``activations`` there.
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
@@ -230,6 +296,8 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
     # sharded update instead of keeping the replicated sum.
     sizes = {(r.path, r.shape): r.bytes_per_device for r in (grads or report).rows
              if r.group == "params" and r.kind == trained}
+    stacked_grads = {(r.path, r.shape) for r in (grads or report).rows
+                     if r.group == "params" and r.kind == trained and _stacked(r)}
     for r in report.rows if grads is None else ():
         if r.group == "optimizer" and r.kind == trained:
             names = r.path.split("/")
@@ -249,7 +317,14 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
         parts["compute"] = int(compute)
     out = {**parts, "total": sum(parts.values())}
     if offload is not None:
-        phases = offload_phases(out, offload, guard, update_state_bytes(report, tx))
+        streamed_state = update_state_bytes(report, tx)
+        phases = offload_phases(out, offload, guard, streamed_state)
+        stream = (streamed_param_bytes(report, sizes, stacked_grads)
+                  if offload == "optimizer+params" and microbatches == 1 and grads is None
+                  else None)
+        if stream is not None and streamed_state is not None:
+            phases = _streamed_params_phases(out, phases, stream, streamed_state,
+                                             streamed_activations)
         device = max(phases["forward"], phases["update"], phases["finish"])
         out["streamed"] = device - phases["kept"]
         out["total"], out["host"] = device, phases["host"]
@@ -277,7 +352,8 @@ def grads_report(model: Any, sizes: str | Mapping[str, int], strat: Any,
 
 
 def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
-                  batch: int, seq: int, remat: str, guard: str = DEFAULT_GUARD) -> int | None:
+                  batch: int, seq: int, remat: str, guard: str = DEFAULT_GUARD,
+                  microbatches: int = 1) -> int | None:
     """``nnx-shard plan``'s formula total for ``abstract`` under preset ``strat`` (the
     activations of reference config ``cfg``, none without one); ``None`` where it
     cannot be computed (the compile will say what is wrong). The search skips a
@@ -288,16 +364,18 @@ def formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx
     # total (docs/guides/planner.md). Dots keeps at least what full remat keeps, so the full formula is a floor
     # that cannot prune a dots layout that fits.
     remat = "full" if remat in ("dots", "offload") else remat
-    parts = formula_parts(abstract, cfg, strat, sizes, tx, batch, seq, remat, guard)
+    parts = formula_parts(abstract, cfg, strat, sizes, tx, batch, seq, remat, guard,
+                          microbatches)
     return None if parts is None else parts["total"]
 
 
 def formula_parts(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx: Any,
-                  batch: int, seq: int, remat: str,
-                  guard: str = DEFAULT_GUARD) -> dict[str, int] | None:
+                  batch: int, seq: int, remat: str, guard: str = DEFAULT_GUARD,
+                  microbatches: int = 1) -> dict[str, int] | None:
     """:func:`formula`'s parts for ``abstract`` under ``strat`` (with its
     :attr:`~nnx_shard.strategies.Strategy.offload`: ``total`` is the device's, ``host``
-    the host's), remat counted as given; ``None`` where it cannot be computed.
+    the host's), remat counted as given, ``batch`` one microbatch's of ``microbatches``;
+    ``None`` where it cannot be computed.
 
     >>> from flax import nnx
     >>> import dataclasses
@@ -312,7 +390,7 @@ def formula_parts(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, int], tx
     >>> off["host"] == plain["optimizer"], off["total"] < plain["total"]
     (True, True)
     """
-    return _parts(abstract, cfg, cfg, strat, sizes, tx, batch, seq, remat, guard)
+    return _parts(abstract, cfg, cfg, strat, sizes, tx, batch, seq, remat, guard, microbatches)
 
 
 def stage_config(cfg: Any, strat: Any, sizes: dict[str, int]) -> Any:
@@ -366,14 +444,20 @@ def stage_formula_bytes(abstract: Any, cfg: Any, strat: Any, sizes: dict[str, in
 
 
 def _parts(abstract: Any, cfg: Any, acts_cfg: Any, strat: Any, sizes: dict[str, int],
-           tx: Any, batch: int, seq: int, remat: str, guard: str) -> dict[str, int] | None:
+           tx: Any, batch: int, seq: int, remat: str, guard: str,
+           microbatches: int = 1) -> dict[str, int] | None:
     """:func:`formula`'s parts, activations counted on ``acts_cfg`` (none without
     ``cfg``), offloaded as ``strat`` says."""
+    offload = getattr(strat, "offload", None)
     try:
         report = abstract_report(abstract, sizes, strat.rules, tx, strat.opt_rules)
         acts = activation_bytes(acts_cfg, strat.rules, sizes, batch, seq, remat) if cfg else 0
+        # Streamed parameters: the layer loop keeps each layer's input only.
+        streamed_acts = (activation_bytes(acts_cfg, strat.rules, sizes, batch, seq, "full")
+                         if cfg and offload == "optimizer+params" else None)
     except Exception:  # the compile will say what is wrong
         return None
     compute = compute_copy(report, cfg.dtype, remat) if cfg else 0
     return formula(report, acts, guard, compute, grads=grads_report(abstract, sizes, strat),
-                   offload=getattr(strat, "offload", None), tx=tx)
+                   offload=offload, tx=tx, microbatches=microbatches,
+                   streamed_activations=streamed_acts)

@@ -50,7 +50,8 @@ def test_offload_counts_the_phases_of_the_step_as_the_library_moves_the_state(
         fsdp_report, activations):
     """The device holds, at most: the parts less the optimizer state (forward and
     backward), or parameters + gradients + the optimizer state moved in (the update,
-    the activations freed). Offloaded parameters arrive at the step's start, so
+    the activations freed). Where the update moves the whole state (no optimizer known
+    to be element-wise here), offloaded parameters arrive at the step's start, so
     "optimizer+params" has the same device peak; it only frees them between steps."""
     r = fsdp_report
     assert ARRIVES == {"params": "step", "optimizer": "update"}
@@ -96,6 +97,53 @@ def test_an_elementwise_update_of_stacked_layers_holds_two_layers_of_the_state()
     # A global-norm clip couples the leaves: the whole state moves in.
     clipped = optax.chain(optax.clip_by_global_norm(1.0), tx)
     assert formula(r, 0, offload="optimizer", tx=clipped)["total"] == whole["total"]
+
+
+def test_streamed_params_hold_two_layers_of_params_and_grads_on_the_device():
+    """With "optimizer+params" and a streaming update the stacked parameters stream
+    too (tests/train/test_stream_params.py proves the moves on the traced step): the
+    device holds the leaves that are not stacked and two layers of each stacked
+    parameter and gradient, the stacked gradients come back to host memory, and the
+    layer loop keeps what remat="full" keeps (``streamed_activations``)."""
+    layers, acts, acts_full = 4, 10**6, 10**5
+    cfg = dataclasses.replace(CFG, layers=layers)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    strat, tx = strategies.get("fsdp"), optax.adamw(1e-3)
+    r = abstract_report(abstract, {"data": 2}, strat.rules, tx, strat.opt_rules)
+
+    def split(group):
+        rows = [row for row in r.rows if row.group == group]
+        stacked = [row for row in rows if row.names and row.names[0] == "layers"]
+        whole = sum(row.bytes_per_device for row in rows) - sum(
+            row.bytes_per_device for row in stacked)
+        return whole, sum(row.bytes_per_device for row in stacked), sum(
+            2 * row.bytes_per_device // layers for row in stacked)
+
+    p_n, p_s, p_two = split("params")
+    o_n, o_s, o_two = split("optimizer")
+    assert p_n > 0 and p_s > 0 and o_s > 0  # embeddings apart from the stack
+    both = formula(r, acts, offload="optimizer+params", tx=tx, streamed_activations=acts_full)
+    # fsdp's gradients are laid out as the parameters: p_n, p_s, p_two of them too.
+    assert both["host"] == p_n + p_s + o_n + o_s + p_s
+    forward = acts_full + (p_n + p_two) * 2
+    update = (p_n + p_two) * 2 + o_n + o_two
+    assert both["total"] == max(forward, update)
+    assert both["streamed"] == both["total"] - (p_n + acts_full)
+    # Against the optimizer alone offloaded (the parameters and gradients whole):
+    opt = formula(r, acts, offload="optimizer", tx=tx)
+    assert opt["total"] == max(acts + 2 * (p_n + p_s), 2 * (p_n + p_s) + o_n + o_two)
+    assert both["total"] < opt["total"]
+    # Where the library moves the parameters in whole, so does the formula: two
+    # microbatches, a gradients layout option (zero2's), an optimizer that couples leaves.
+    whole = formula(r, acts, offload="optimizer+params", tx=tx)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), tx)
+    grads = abstract_report(abstract, {"data": 2}, strat.rules)
+    for kw in ({"microbatches": 2}, {"grads": grads}, {"tx": clipped}):
+        kw = {"tx": tx, **kw}
+        out = formula(r, acts, offload="optimizer+params", streamed_activations=acts_full, **kw)
+        assert out["host"] == p_n + p_s + o_n + o_s, kw
+        assert out["total"] == formula(r, acts, offload="optimizer", **kw)["total"], kw
+    assert whole["total"] == max(forward - acts_full + acts, update)
 
 
 def test_the_guard_copy_of_host_state_stays_on_the_host_until_the_check(fsdp_report):
