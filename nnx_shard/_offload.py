@@ -30,9 +30,10 @@ the backward pass moves it in again rather than keeping every layer's copy), the
 stacked gradients come back in host memory and the gradient norm, the NaN guard's
 check and the update read them a layer at a time. Not with more than one microbatch,
 a pipeline, a ``gradients`` layout option (zero2) or an update that does not stream:
-the parameters then move in whole at step start, as they do for the guard's per-step
-replay, ``guard="full"``'s check of a call and a :func:`nnx_shard.multistep` step not
-fused with ``stream_offload=True``.
+the parameters then move in whole at step start, as they do for a
+:func:`nnx_shard.multistep` step not fused with ``stream_offload=True``. The NaN guard's
+per-step replay moves them as the call does, and its checks read host state where it
+lives (a stacked leaf a layer at a time).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from jax.sharding import NamedSharding
 
 from nnx_shard._errors import UsageError
 
-__all__ = ["DEVICE", "HOST", "arrive", "arrive_after", "check_host_memory", "host_sharding",
-           "host_where", "is_host", "moves_offloaded", "offloads", "on_device", "owns_moves",
+__all__ = ["DEVICE", "HOST", "arrive", "arrive_after", "check_host_memory", "host_rows",
+           "host_sharding", "host_where", "is_host", "moves_offloaded", "offloads", "on_device", "owns_moves",
            "to_host", "traced_host", "traced_on_device"]
 
 #: The memory kind offloaded arrays live in between steps.
@@ -123,6 +124,22 @@ def traced_on_device(x: jax.Array) -> jax.Array:
     if traced_host(x):
         return jax.device_put(x, jax.memory.Space.Device)
     return x
+
+
+def host_rows(x: jax.Array, fn: Any) -> jax.Array:
+    """Inside ``jit``: ``fn`` of each slice of the leading (layer) axis of ``x``, an
+    array in host memory, computed on the device with one slice moved in per turn of
+    a ``jax.lax.scan`` (so the device never holds ``x`` whole); the results stacked.
+
+    >>> import jax.numpy as jnp
+    >>> host_rows(jnp.arange(6.0).reshape(3, 2), jnp.sum).tolist()
+    [1.0, 5.0, 9.0]
+    """
+    def turn(_: None, row: jax.Array) -> tuple[None, jax.Array]:
+        return None, fn(traced_on_device(row))
+
+    _, out = jax.lax.scan(turn, None, x)
+    return out
 
 
 def arrive(node: Any) -> None:

@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._errors import UsageError
 from nnx_shard._train._diloco import DiLoCo, ReplicaOptState, ReplicaParam, ReplicaResidual
-from nnx_shard._train._guard import Guard, finite_flags, guard_call, select
+from nnx_shard._train._guard import Guard, guard_call, select
+from nnx_shard._train._stream import finite_flags
 
 __all__ = ["check_diloco", "make_diloco_steps", "replica_guard", "replica_metrics"]
 

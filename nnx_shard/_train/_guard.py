@@ -29,11 +29,17 @@ from nnx_shard._mesh import apply_sharding
 from nnx_shard._offload import arrive_after, moves_offloaded, traced_host
 from nnx_shard._train._microbatch import value_and_grad
 from nnx_shard._train._norm import grad_sq_shares, grads_norm, join_small
-from nnx_shard._train._stream import arrive_params, host_finite, offloaded_update, streams
+from nnx_shard._train._stream import (
+    arrive_params,
+    finite_flags,
+    host_finite,
+    offloaded_update,
+    streams,
+)
 from nnx_shard._train._trees import leaf_path
 
 __all__ = ["DEFAULT_GUARD", "GRAD_SQ", "GUARDS", "RESERVED", "Guard", "StateLayout", "all_finite",
-           "aux_metrics", "check_call", "check_guard", "finite_flags", "guard_call", "make_fast_step",
+           "aux_metrics", "check_call", "check_guard", "guard_call", "make_fast_step",
            "make_gated_step", "make_step", "not_finite_leaf", "select", "skip_update_with",
            "why_not_finite"]
 
@@ -168,8 +174,20 @@ def _keep_layout(a: jax.Array, want: Any, host: bool = False) -> jax.Array:
 
 
 def select(ok: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda a, b: jnp.where(ok, _keep_layout(a, jax.typeof(b).sharding), b),
-                        new, old)
+    """``new`` where ``ok``, else ``old`` (two states of the same structure), each leaf
+    in the layout and memory of ``old``'s. Leaves in host memory are chosen by one
+    ``jax.lax.cond`` (no arithmetic on host arrays), the others by ``jnp.where``."""
+    news, treedef = jax.tree.flatten(new)
+    olds = jax.tree.leaves(old)
+    out = [a if traced_host(b) else jnp.where(ok, _keep_layout(a, jax.typeof(b).sharding), b)
+           for a, b in zip(news, olds, strict=True)]
+    host = [i for i, b in enumerate(olds) if traced_host(b)]
+    if host:
+        pairs = [_keep_layout(news[i], jax.typeof(olds[i]).sharding, True) for i in host]
+        chosen = jax.lax.cond(ok, lambda: pairs, lambda: [olds[i] for i in host])
+        for i, x in zip(host, chosen, strict=True):
+            out[i] = x
+    return jax.tree.unflatten(treedef, out)
 
 
 # The key under which fit's fused step hands each device's share of the squared
@@ -205,17 +223,6 @@ def aux_metrics(aux: Any) -> dict[str, Any]:
     return dict(aux)
 
 
-def finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
-    """Paths and all-finite flags of the inexact (float/complex) leaves of ``tree``:
-    one reduction per leaf; integer leaves (step counts) and RNG keys cannot be NaN."""
-    paths, flags = [], []
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
-            paths.append(leaf_path(path))
-            flags.append(jnp.all(jnp.isfinite(x)))
-    return paths, flags
-
-
 def _differentiate(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
     """``wrt -> value_and_grad(loss_fn, wrt=wrt)``: a step differentiates only what
     its optimizer updates, so a frozen base (``wrt=nnx.LoRAParam``) gets no
@@ -229,19 +236,28 @@ def make_step(
     """The step with the per-step guard (the replay of a call :func:`guard_call`
     failed), and the leaves it checks after the update, filled while it is traced,
     in the order of its ``nonfinite`` metric (an index into that list). Under host
-    offload it leaves the moves to the fused call, which brings the whole offloaded
-    state in at the step's start: the state before the step is kept on the device for
-    the select (this replay runs only after a call failed)."""
+    offload it moves the state as :func:`make_fast_step` does (stacked parameters and
+    the update a layer at a time where they stream), and puts the new state back in
+    the memory it came from before the check: offloaded state is checked and kept
+    from before the step where it lives, in host memory (this replay runs only after
+    a call failed, when the device is no roomier than before)."""
     grad_fn = _differentiate(loss_fn, has_aux)
     checked: list[tuple[str, str]] = []
 
+    @moves_offloaded
     def train_step(model: Any, optimizer: Any, batch: Any, guard: Guard) -> dict[str, Any]:
         # Copies of the Variable wrappers (the arrays are shared, nothing is copied):
         # the state to fall back to if this step is not finite.
         before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
+        arrive_params(model, optimizer)
         out, grads = grad_fn(optimizer.wrt)(model, batch)
         loss, aux = out if has_aux else (out, {})
-        optimizer.update(model, grads)
+        offloaded_update(model, optimizer, grads)
+        hosts = jax.tree.map(traced_host, before)
+        if any(jax.tree.leaves(hosts)):
+            types = jax.tree.map(lambda x: jax.typeof(x).sharding, before)
+            nnx.update((model, optimizer), jax.tree.map(
+                _keep_layout, nnx.state((model, optimizer)), types, hosts))
         grad_norm = grads_norm(grads, guard.layout.replicated)
         # Finite gradients can still give non-finite parameters or optimizer state
         # (an infinite learning rate, an overflowing second moment): the updated state
@@ -483,6 +499,7 @@ def all_finite(leaves: Sequence[Any], replicated: bool = False) -> jax.Array:
     return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
+@moves_offloaded
 def guard_call(
     before: Any, after: Any, metrics: dict[str, Any], undo: bool = True,
 ) -> dict[str, Any]:
@@ -494,12 +511,18 @@ def guard_call(
 
     ``undo=False`` (only for ``benchmarks/fit_call_cost.py``, which prices the undo)
     checks without selecting the state back: then the state before the call need
-    not be kept, and a failed call's state is not finite."""
+    not be kept, and a failed call's state is not finite.
+
+    Offloaded state is read where it lives, as :func:`check_call` reads it, and kept
+    or put back there (:func:`select`): the check moves no whole state in."""
     model0, opt0, guard0 = before
     model, opt, guard = after
     metrics = _norms(metrics)
-    checked = [metrics["loss"], metrics["grad_norm"], *jax.tree.leaves(nnx.state((model, opt)))]
+    leaves, host_flags = host_finite(nnx.state((model, opt)))
+    checked = [metrics["loss"], metrics["grad_norm"], *leaves]
     ok = guard0.ok[...] & all_finite(checked, guard0.layout.replicated)
+    if host_flags:
+        ok = ok & jnp.all(jnp.stack(host_flags))
     if undo:
         nnx.update((model, opt), select(ok, nnx.state((model, opt)), nnx.state((model0, opt0))))
     guard.ok[...] = ok

@@ -18,24 +18,19 @@ import numpy as np
 # NamedSharding: a name grad_sq_shares' example reads from the module's globals.
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: F401
 
-from nnx_shard._offload import traced_host
+from nnx_shard._offload import host_rows, traced_host
 
 __all__ = ["grad_sq_shares", "grads_norm", "join_small"]
 
 
 def _per_layer(x: jax.Array, reduce: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """``reduce`` of a gradient in host memory (a streamed stack's, see
-    ``nnx_shard._train._stream``), computed on the device: one slice of its leading
-    (layer) axis moved in per turn of a ``jax.lax.scan``, the per-slice results
-    summed; a scalar is moved in whole."""
+    ``nnx_shard._train._stream``), computed on the device a layer slice at a time
+    (:func:`~nnx_shard._offload.host_rows`), the per-slice results summed; a scalar
+    is moved in whole."""
     if np.ndim(x) == 0:
         return reduce(jax.device_put(x, jax.memory.Space.Device))
-
-    def turn(_: None, row: jax.Array) -> tuple[None, jax.Array]:
-        return None, reduce(jax.device_put(row, jax.memory.Space.Device))
-
-    _, parts = jax.lax.scan(turn, None, x)
-    return jnp.sum(parts, axis=0)
+    return jnp.sum(host_rows(x, reduce), axis=0)
 
 
 def _sq(x: jax.Array) -> jax.Array:

@@ -31,11 +31,13 @@ from flax import nnx
 from nnx_shard._annotate import logical_names
 from nnx_shard._errors import UsageError
 from nnx_shard._mesh import called, context, variable_spec
-from nnx_shard._offload import arrive, arrive_after, traced_host, traced_on_device
+from nnx_shard._offload import arrive, arrive_after, host_rows, traced_host, traced_on_device
 from nnx_shard._parallel.registry import microbatch_owner
+from nnx_shard._train._trees import leaf_path
 
-__all__ = ["APPLIED", "LAYERS", "apply_gradients", "arrive_params", "elementwise", "host_finite",
-           "not_applied", "offloaded_update", "streamed_update", "streams", "streams_params"]
+__all__ = ["APPLIED", "LAYERS", "apply_gradients", "arrive_params", "elementwise", "finite_flags",
+           "host_finite", "host_leaf_finite", "not_applied", "offloaded_update", "streamed_update", "streams",
+           "streams_params"]
 
 #: The name :func:`apply_gradients` records in the step's call log when it runs
 #: (``multistep(..., stream_offload=True)`` checks that the step applied its update so).
@@ -388,12 +390,49 @@ def not_applied(fn_name: str) -> UsageError:
         "optimizer.update(model, grads), or drop stream_offload.")
 
 
+def host_leaf_finite(var: Any, x: jax.Array) -> jax.Array:
+    """Inside ``jit``: whether ``x``, the value of Variable ``var`` in host memory, is
+    all finite, read on the device a layer slice at a time where it is stacked
+    (:func:`~nnx_shard._offload.host_rows`), whole otherwise.
+
+    >>> from flax import nnx
+    >>> bool(host_leaf_finite(None, jnp.array([1.0, jnp.inf])))
+    False
+    """
+    if _first_name(var) == LAYERS and np.ndim(x) >= 1:
+        return jnp.all(host_rows(x, lambda row: jnp.all(jnp.isfinite(row))))
+    return jnp.all(jnp.isfinite(traced_on_device(x)))
+
+
+def finite_flags(tree: Any) -> tuple[list[str], list[jax.Array]]:
+    """Paths and all-finite flags of the inexact (float/complex) leaves of ``tree`` (a
+    state): one reduction per leaf, a leaf in host memory read as
+    :func:`host_leaf_finite` reads it; integer leaves (step counts) and RNG keys
+    cannot be NaN.
+
+    >>> from flax import nnx
+    >>> paths, flags = finite_flags(nnx.state(nnx.Linear(2, 2, rngs=nnx.Rngs(0))))
+    >>> paths, [bool(f) for f in flags]
+    (['bias', 'kernel'], [True, True])
+    """
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    variables = _variables(tree)
+    if len(variables) != len(flat):  # a Variable holding a pytree: no layer names to read
+        variables = [None] * len(flat)
+    paths, flags = [], []
+    for (path, x), var in zip(flat, variables, strict=True):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
+            paths.append(leaf_path(path))
+            flags.append(host_leaf_finite(var, x) if traced_host(x)
+                         else jnp.all(jnp.isfinite(x)))
+    return paths, flags
+
+
 def host_finite(state: Any) -> tuple[list[Any], list[jax.Array]]:
     """Inside ``jit``: ``state``'s (an ``nnx.State``) leaves split for a finiteness
     check that never holds a stacked host leaf on the device whole: the leaves in
     device memory, returned to be checked as they are, and one flag per inexact
-    leaf in host memory, computed on the device a layer at a time for a stacked
-    leaf (a ``jax.lax.scan`` moving in one slice per turn) or whole for the others.
+    leaf in host memory (:func:`host_leaf_finite`).
 
     >>> from flax import nnx
     >>> leaves, flags = host_finite(nnx.state(nnx.Linear(2, 2, rngs=nnx.Rngs(0))))
@@ -407,13 +446,5 @@ def host_finite(state: Any) -> tuple[list[Any], list[jax.Array]]:
         if not traced_host(x):
             on_device.append(x)
         elif jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-            if _first_name(var) == LAYERS and np.ndim(x) >= 1:
-                def turn(ok: jax.Array, row: jax.Array) -> tuple[jax.Array, None]:
-                    row = jax.device_put(row, jax.memory.Space.Device)
-                    return ok & jnp.all(jnp.isfinite(row)), None
-
-                flag, _ = jax.lax.scan(turn, jnp.array(True), x)
-            else:
-                flag = jnp.all(jnp.isfinite(jax.device_put(x, jax.memory.Space.Device)))
-            flags.append(flag)
+            flags.append(host_leaf_finite(var, x))
     return on_device, flags

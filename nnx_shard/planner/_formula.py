@@ -159,16 +159,17 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
     * ``update``: the optimizer update: ``forward`` less the activations and the
       compute copy (freed by then) plus the groups that arrive for it (the optimizer
       state; ``streamed`` of it where the update streams the layers,
-      :func:`update_state_bytes`);
-    * ``finish``: under ``guard="full"``, the check at the end of the fused call,
-      which moves the offloaded state before and after the call in to select one:
-      the parameters, optimizer state and their guard copy (0 for other guards: their
-      check holds no more than ``update``).
+      :func:`update_state_bytes`).
+
+    The NaN guard's check at the end of a call reads offloaded state where it lives
+    (a stacked leaf a layer at a time) and, under ``guard="full"``, keeps or puts
+    back the state from before the call in host memory: it holds no more than
+    ``update``, so it is no phase of its own.
 
     >>> parts = {"params": 100, "grads": 100, "optimizer": 200, "guard": 0,
     ...          "activations": 500, "total": 900}
     >>> offload_phases(parts, "optimizer")   # the optimizer state arrives after the backward pass
-    {'host': 200, 'kept': 700, 'forward': 700, 'update': 400, 'finish': 0}
+    {'host': 200, 'kept': 700, 'forward': 700, 'update': 400}
     >>> offload_phases(parts, "optimizer+params")["forward"]   # the parameters at step start
     700
     >>> offload_phases(parts, "optimizer", streamed=50)["update"]   # a layer at a time
@@ -181,9 +182,8 @@ def offload_phases(parts: Mapping[str, int], offload: str | None,
     arriving = {**parts, "optimizer": parts["optimizer"] if streamed is None else streamed}
     update = (forward - parts["activations"] - parts.get("compute", 0)
               + sum(arriving[g] for g in groups if ARRIVES[g] == "update"))
-    finish = parts["params"] + parts["optimizer"] + parts["guard"] if guard == "full" else 0
     return {"host": int(host), "kept": int(kept), "forward": int(forward),
-            "update": int(update), "finish": int(finish)}
+            "update": int(update)}
 
 
 def streamed_param_bytes(report: Report, grad_sizes: Mapping[Any, int],
@@ -242,7 +242,7 @@ def _streamed_params_phases(parts: Mapping[str, int], phases: Mapping[str, int],
     update = (kept - acts - parts.get("compute", 0) + stream["params"] - grads_kept
               + stream["grads"] + state)
     return {"host": int(host), "kept": int(kept), "forward": int(forward),
-            "update": int(update), "finish": int(phases["finish"])}
+            "update": int(update)}
 
 
 def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
@@ -325,7 +325,7 @@ def formula(report: Report, activations: int, guard: str = DEFAULT_GUARD,
         if stream is not None and streamed_state is not None:
             phases = _streamed_params_phases(out, phases, stream, streamed_state,
                                              streamed_activations)
-        device = max(phases["forward"], phases["update"], phases["finish"])
+        device = max(phases["forward"], phases["update"])
         out["streamed"] = device - phases["kept"]
         out["total"], out["host"] = device, phases["host"]
     return out

@@ -104,7 +104,7 @@ def test_offloaded_params_train_as_without_and_stay_on_host():
 
 def test_the_full_guard_and_microbatches_train_as_without():
     """guard="full" runs the other step (its check at the call's end selects between
-    device copies of the state before and after the call) and microbatches=2 takes the
+    the state before and after the call, in host memory) and microbatches=2 takes the
     gradients in a loop of its own, before the optimizer state is moved in."""
     assert_same_training("fsdp", "optimizer+params", guard="full", microbatches=2)
     model, opt, history, _ = trained("fsdp", "optimizer+params", guard="full", microbatches=2)
@@ -119,6 +119,15 @@ def test_nan_guard_skips_a_non_finite_step_with_offload():
     assert history.stop_reason is not None and len(history) == 2
     assert_same_training("fsdp", "optimizer+params", nan_at=2)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(opt)))
+    assert kinds(opt) == kinds(nnx.state(model, nnx.Param)) == {HOST}
+
+
+def test_the_full_guard_undoes_a_non_finite_call_with_offload():
+    # The call holding the NaN step is undone in host memory (the state before the call
+    # chosen by a cond), replayed step by step and stopped at, as without offload.
+    model, opt, history, _ = trained("fsdp", "optimizer+params", nan_at=2, guard="full")
+    assert history.stop_reason is not None and len(history) == 2
+    assert_same_training("fsdp", "optimizer+params", nan_at=2, guard="full")
     assert kinds(opt) == kinds(nnx.state(model, nnx.Param)) == {HOST}
 
 

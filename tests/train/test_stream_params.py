@@ -14,7 +14,7 @@ guard's check) reads them a layer at a time (``nnx_shard._train._stream``).
     slice per turn; the stacked gradients are host-typed (the update loop reads them
     from host memory);
 (c) a NaN step is skipped (the guard reads the host gradients' norm), replayed and
-    stopped at as without offload;
+    stopped at as without offload; the replay and guard="full"'s check stream too;
 (d) where it cannot stream (two microbatches; an optimizer that is not element-wise)
     the parameters move in whole, as before, and it still trains as without offload.
 """
@@ -114,14 +114,17 @@ def test_a_non_finite_step_is_skipped_and_replayed_as_without_offload():
 # --------------------------------------------------------------------------- (b) the program
 
 
-def _traced_call(tx="adamw", microbatches=1, offload=PARAMS, cfg=CFG):
-    """The Trainer's fused call (fsdp, parameters offloaded) traced, and the global
-    shapes of the stacked parameters."""
-    s, mesh, model, opt, trainer = _build("fsdp", offload, tx, "grads", microbatches, cfg=cfg)
+def _traced_call(tx="adamw", microbatches=1, offload=PARAMS, cfg=CFG, replay=False,
+                 guard="grads"):
+    """The Trainer's fused call (fsdp, parameters offloaded; with ``replay`` the
+    guard's step-by-step replay of a failed call) traced, and the global shapes of the
+    stacked parameters."""
+    s, mesh, model, opt, trainer = _build("fsdp", offload, tx, guard, microbatches, cfg=cfg)
     stacked = lm_batches(K, BATCH, CFG.length, CFG.vocab)
+    fused = trainer._careful if replay else trainer._fused
     with ns.use(mesh, s.rules):
         placed = ns.shard_batch(stacked, mesh, s.rules, ("batch", "length"), steps=True)
-        plan, _, _, values, data = trainer._fused._prepare((model, opt, placed, trainer._guard))
+        plan, _, _, values, data = fused._prepare((model, opt, placed, trainer._guard))
         jaxpr = jax.make_jaxpr(plan.run)(values, data)
     shapes = [tuple(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))
               if x.ndim and x.shape[0] == LAYERS]
@@ -173,6 +176,22 @@ def test_stacked_params_move_in_a_layer_at_a_time_and_are_never_kept(streamed_ca
     assert {shape[1:] for shape in shapes} <= slices
     # No loop leaves a device-memory stack of a parameter's shape behind (a residual
     # of the forward pass kept for the backward one): the moves are recomputed.
+    assert _kept(jaxpr, shapes) == []
+
+
+@pytest.mark.parametrize(("replay", "guard"), [(True, "grads"), (False, "full")])
+def test_the_guards_streams_and_keeps_the_state_before_on_the_host(replay, guard):
+    # The replay of a failed call (step by step, each step checked and undone if not
+    # finite) moves as the fused call does, and guard="full"'s check at the end of a
+    # call reads the host state a layer at a time: their fallback state is the host
+    # arrays, chosen by a cond.
+    jaxpr, shapes = _traced_call(replay=replay, guard=guard)
+    readers = {e.primitive.name for e, _ in _eqns(jaxpr.jaxpr)
+               if any(_on_host(v) for v in e.invars if hasattr(v, "aval"))}
+    assert readers <= _HANDS_ON, readers - _HANDS_ON
+    ins = _moves_in(jaxpr)
+    assert [e for e in ins if tuple(e.invars[0].aval.shape) in shapes] == []
+    assert {shape[1:] for shape in shapes} <= {tuple(e.invars[0].aval.shape) for e in ins}
     assert _kept(jaxpr, shapes) == []
 
 
