@@ -196,12 +196,10 @@ def streamed_param_bytes(report: Report, grad_sizes: Mapping[Any, int],
     ``stacked_grads`` stacked); ``host_grads``, the stacked gradients, which come back
     to host memory. ``None`` without a stacked parameter.
 
-    >>> import dataclasses, optax
-    >>> from flax import nnx
-    >>> from nnx_shard.models import Decoder, get_config
-    >>> from nnx_shard.strategies._presets import get
-    >>> cfg = dataclasses.replace(get_config("tiny"), scan_layers=True, layers=4)
-    >>> model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> from nnx_shard.models import Decoder, ReferenceConfig
+    >>> from nnx_shard.strategies import get
+    >>> stacked = ReferenceConfig(layers=4, scan_layers=True)
+    >>> model = nnx.eval_shape(lambda: Decoder(stacked, rngs=nnx.Rngs(0)))
     >>> report = abstract_report(model, {"data": 8}, get("fsdp").rules)
     >>> rows = [r for r in report.rows if r.group == "params"]
     >>> sizes = {(r.path, r.shape): r.bytes_per_device for r in rows}
