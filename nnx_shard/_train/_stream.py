@@ -358,7 +358,8 @@ def apply_gradients(model: Any, optimizer: nnx.Optimizer, grads: Any) -> None:
     A step fused with ``nnx_shard.multistep(step, stream_offload=True)`` must apply
     its update with it: that step leaves the optimizer state (and the stacked
     offloaded parameters) in host memory at its start, so a plain
-    ``optimizer.update`` would compute on host arrays.
+    ``optimizer.update`` would compute on host arrays. State that was in host memory
+    is there again after it, inside a compiled step or not.
 
     Args:
       model: the NNX model the gradients are of.
@@ -376,7 +377,16 @@ def apply_gradients(model: Any, optimizer: nnx.Optimizer, grads: Any) -> None:
     ([-0.5, -0.5], 1)
     """
     called(APPLIED)
+    nodes = (model, optimizer)
+    hosts = [traced_host(x) for x in jax.tree.leaves(nnx.state(nodes))]
     offloaded_update(model, optimizer, grads)
+    if any(hosts):
+        # What came from host memory goes back there (the update leaves the leaves it
+        # moved in whole, and the step count, on the device).
+        leaves, treedef = jax.tree.flatten(nnx.state(nodes))
+        nnx.update(nodes, jax.tree.unflatten(treedef, [
+            jax.device_put(x, jax.memory.Space.Host) if h and not traced_host(x) else x
+            for x, h in zip(leaves, hosts, strict=True)]))
 
 
 def not_applied(fn_name: str) -> UsageError:

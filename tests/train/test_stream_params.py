@@ -325,3 +325,35 @@ def test_a_streaming_step_must_take_the_model_first_and_apply_gradients(step, me
         with pytest.raises(ns.UsageError, match="stream_offload=True") as err:
             jax.make_jaxpr(plan.run)(values, data)
     assert message in str(err.value)
+
+
+@pytest.mark.slow  # ~7 CPU-s: the eager update dispatches op by op
+def test_apply_gradients_outside_multistep_keeps_host_state_on_the_host():
+    # Eagerly, as under nnx.jit: the update equals optimizer.update's without offload,
+    # and the offloaded state is in host memory again after it (the update moves the
+    # leaves that are not stacked, and the step count, to the device whole).
+    s = ns.strategies.get("fsdp", offload="optimizer")
+    mesh = s.make_mesh(8)
+    cfg = dataclasses.replace(CFG, layers=2)
+    tokens = lm_batches(1, BATCH, cfg.length, cfg.vocab)
+    batch = {k: v[0] for k, v in tokens.items()}
+    out = {}
+    for offload in ("optimizer", None):
+        strategy = s.with_offload(offload)
+        model = ns.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh, strategy)
+        opt = ns.sharded_optimizer(model, _tx("adamw"), mesh, strategy)
+        with ns.use(mesh, strategy.rules):
+            grads = nnx.jit(lambda m, b: ns.value_and_grad(ns.models.lm_loss)(m, b)[1])(
+                model, batch)
+            if offload:
+                ns.apply_gradients(model, opt, grads)
+            else:
+                opt.update(model, grads)
+        out[offload] = model, opt
+    (model, opt), (ref_model, ref_opt) = out["optimizer"], out[None]
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(opt))} == {"pinned_host"}
+    assert int(opt.step[...]) == int(ref_opt.step[...]) == 1
+    assert_close(jax.device_get(nnx.state(model, nnx.Param)),
+                 jax.device_get(nnx.state(ref_model, nnx.Param)), 1e-5, "params")
+    assert_close(jax.device_get(nnx.state(opt)), jax.device_get(nnx.state(ref_opt)), 1e-5,
+                 "optimizer state")
