@@ -48,8 +48,8 @@ from jax.sharding import NamedSharding
 from nnx_shard._errors import UsageError
 
 __all__ = ["DEVICE", "HOST", "arrive", "arrive_after", "check_host_memory", "host_rows",
-           "host_sharding", "host_where", "is_host", "moves_offloaded", "offloads", "on_device", "owns_moves",
-           "to_host", "traced_host", "traced_on_device"]
+           "host_sharding", "host_where", "is_host", "moves_offloaded", "offloads", "on_device",
+           "owns_moves", "to_host", "traced_host", "traced_on_device"]
 
 #: The memory kind offloaded arrays live in between steps.
 HOST = "pinned_host"

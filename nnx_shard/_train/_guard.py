@@ -237,10 +237,10 @@ def make_step(
     failed), and the leaves it checks after the update, filled while it is traced,
     in the order of its ``nonfinite`` metric (an index into that list). Under host
     offload it moves the state as :func:`make_fast_step` does (stacked parameters and
-    the update a layer at a time where they stream), and puts the new state back in
-    the memory it came from before the check: offloaded state is checked and kept
-    from before the step where it lives, in host memory (this replay runs only after
-    a call failed, when the device is no roomier than before)."""
+    the update a layer at a time where they stream); the check reads host leaves a
+    layer at a time and :func:`select` keeps the state from before the step where it
+    lives, in host memory (this replay runs only after a call failed, when the device
+    is no roomier than before)."""
     grad_fn = _differentiate(loss_fn, has_aux)
     checked: list[tuple[str, str]] = []
 
@@ -253,11 +253,6 @@ def make_step(
         out, grads = grad_fn(optimizer.wrt)(model, batch)
         loss, aux = out if has_aux else (out, {})
         offloaded_update(model, optimizer, grads)
-        hosts = jax.tree.map(traced_host, before)
-        if any(jax.tree.leaves(hosts)):
-            types = jax.tree.map(lambda x: jax.typeof(x).sharding, before)
-            nnx.update((model, optimizer), jax.tree.map(
-                _keep_layout, nnx.state((model, optimizer)), types, hosts))
         grad_norm = grads_norm(grads, guard.layout.replicated)
         # Finite gradients can still give non-finite parameters or optimizer state
         # (an infinite learning rate, an overflowing second moment): the updated state
@@ -430,6 +425,15 @@ def _norms(metrics: dict[str, Any]) -> dict[str, Any]:
             for key, v in metrics.items()}
 
 
+def _state_finite(state: Any, replicated: bool, also: Sequence[Any] = ()) -> jax.Array:
+    """One flag: ``state`` and the arrays ``also`` are finite, its leaves in device
+    memory checked by :func:`all_finite` with ``also``, those in host memory where they
+    live (:func:`~nnx_shard._train._stream.host_finite`: a stacked leaf a layer at a time)."""
+    leaves, host_flags = host_finite(state)
+    ok = all_finite([*also, *leaves], replicated)
+    return ok & jnp.all(jnp.stack(host_flags)) if host_flags else ok
+
+
 @moves_offloaded
 def check_call(before: Any, after: Any, metrics: dict[str, Any]) -> dict[str, Any]:
     """The end of a fused call of :func:`make_gated_step` (``guard="grads"`` or
@@ -444,10 +448,7 @@ def check_call(before: Any, after: Any, metrics: dict[str, Any]) -> dict[str, An
     (:func:`offloaded_update`) moved it, so the check holds no more of it either."""
     model, opt, guard = after
     metrics = _norms(metrics)
-    leaves, host_flags = host_finite(nnx.state((model, opt)))
-    state_ok = all_finite(leaves, before[2].layout.replicated)
-    if host_flags:
-        state_ok = state_ok & jnp.all(jnp.stack(host_flags))
+    state_ok = _state_finite(nnx.state((model, opt)), before[2].layout.replicated)
     steps_ok = all_finite([metrics["loss"], metrics["grad_norm"]])
     guard.ok[...] = guard.ok[...] & steps_ok & state_ok
     return {**metrics, "state_finite": state_ok}
@@ -518,11 +519,8 @@ def guard_call(
     model0, opt0, guard0 = before
     model, opt, guard = after
     metrics = _norms(metrics)
-    leaves, host_flags = host_finite(nnx.state((model, opt)))
-    checked = [metrics["loss"], metrics["grad_norm"], *leaves]
-    ok = guard0.ok[...] & all_finite(checked, guard0.layout.replicated)
-    if host_flags:
-        ok = ok & jnp.all(jnp.stack(host_flags))
+    ok = guard0.ok[...] & _state_finite(nnx.state((model, opt)), guard0.layout.replicated,
+                                        [metrics["loss"], metrics["grad_norm"]])
     if undo:
         nnx.update((model, opt), select(ok, nnx.state((model, opt)), nnx.state((model0, opt0))))
     guard.ok[...] = ok

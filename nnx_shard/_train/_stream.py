@@ -36,8 +36,8 @@ from nnx_shard._parallel.registry import microbatch_owner
 from nnx_shard._train._trees import leaf_path
 
 __all__ = ["APPLIED", "LAYERS", "apply_gradients", "arrive_params", "elementwise", "finite_flags",
-           "host_finite", "host_leaf_finite", "not_applied", "offloaded_update", "streamed_update", "streams",
-           "streams_params"]
+           "host_finite", "host_leaf_finite", "not_applied", "offloaded_update", "streamed_update",
+           "streams", "streams_params"]
 
 #: The name :func:`apply_gradients` records in the step's call log when it runs
 #: (``multistep(..., stream_offload=True)`` checks that the step applied its update so).

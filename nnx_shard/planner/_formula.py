@@ -56,6 +56,14 @@ def _stacked(row: Any) -> bool:
     return bool(row.names) and row.names[0] == LAYERS and len(row.shape) >= 1
 
 
+def _two_layers(rows: Any) -> int:
+    """What a loop streaming the stacked ``rows`` a layer at a time holds on the device:
+    the rows that are not stacked whole, two layers of each stacked one (the slice moved
+    in and the next, or the new one going back)."""
+    return int(sum(2 * r.bytes_per_device // r.shape[0] if _stacked(r) else r.bytes_per_device
+                   for r in rows))
+
+
 def update_state_bytes(report: Report, tx: Any) -> int | None:
     """The optimizer state's device bytes per device an offloaded update holds at once
     where it streams the stacked layers (``Trainer``'s steps do for an element-wise
@@ -84,8 +92,7 @@ def update_state_bytes(report: Report, tx: Any) -> int | None:
         return None
     if any(len(r.spec) and r.spec[0] is not None for r in stacked):
         return None  # the layers split over devices (a pipeline): the update moves it whole
-    return int(sum(2 * r.bytes_per_device // r.shape[0] if _stacked(r) else r.bytes_per_device
-                   for r in rows))
+    return _two_layers(rows)
 
 
 def abstract_report(model: Any, sizes: str | Mapping[str, int], rules: Rules, tx: Any = None,
@@ -211,8 +218,7 @@ def streamed_param_bytes(report: Report, grad_sizes: Mapping[Any, int],
     rows = [r for r in report.rows if r.group == "params" and r.kind == "Param"]
     if not any(_stacked(r) for r in rows):
         return None
-    params = sum(2 * r.bytes_per_device // r.shape[0] if _stacked(r) else r.bytes_per_device
-                 for r in rows)
+    params = _two_layers(rows)
     grads = host = 0
     for key, size in grad_sizes.items():
         if key in stacked_grads:
