@@ -376,6 +376,7 @@ def apply_gradients(model: Any, optimizer: nnx.Optimizer, grads: Any) -> None:
     >>> model.bias[...].tolist(), int(opt.step[...])
     ([-0.5, -0.5], 1)
     """
+    _check_apply(model, optimizer, grads)
     called(APPLIED)
     nodes = (model, optimizer)
     hosts = [traced_host(x) for x in jax.tree.leaves(nnx.state(nodes))]
@@ -387,6 +388,44 @@ def apply_gradients(model: Any, optimizer: nnx.Optimizer, grads: Any) -> None:
         nnx.update(nodes, jax.tree.unflatten(treedef, [
             jax.device_put(x, jax.memory.Space.Host) if h and not traced_host(x) else x
             for x, h in zip(leaves, hosts, strict=True)]))
+
+
+def _check_apply(model: Any, optimizer: Any, grads: Any) -> None:
+    """UsageErrors for :func:`apply_gradients`' arguments: a model that is no
+    ``nnx.Module``, an optimizer that is no ``nnx.Optimizer``, gradients that are not
+    those of the optimizer's parameters of the model (each path named)."""
+    if not isinstance(model, nnx.Module):
+        raise UsageError(
+            f"apply_gradients: model is a {type(model).__name__}, not an nnx.Module. Fix: "
+            "apply_gradients(model, optimizer, grads) with the model the gradients are of.")
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise UsageError(
+            f"apply_gradients: optimizer is a {type(optimizer).__name__}, not an "
+            "nnx.Optimizer. Fix: apply_gradients(model, nnx.Optimizer(model, tx, "
+            "wrt=nnx.Param), grads).")
+
+    def paths(tree: Any, inexact: bool = False) -> list[str]:
+        return [leaf_path(p) for p, x in jax.tree_util.tree_flatten_with_path(
+            nnx.as_pure(tree))[0] if not inexact or jnp.issubdtype(jnp.result_type(x),
+                                                                   jnp.inexact)]
+
+    try:
+        got = set(paths(grads))
+    except Exception:  # not a pytree of arrays at all
+        got = set()
+    state = nnx.state(model, optimizer.wrt)
+    want, need = paths(state), set(paths(state, inexact=True))
+    # An integer parameter (a count kept with the weights) has no gradient.
+    if not got or not need <= got <= set(want):
+        extra, missing = sorted(got - set(want)), sorted(need - got)
+        what = (f"is a {type(grads).__name__} holding no gradient" if not got
+                else f"holds a gradient for {extra[0]!r}, which the optimizer does not update"
+                if extra else f"holds no gradient for {missing[0]!r}")
+        raise UsageError(
+            f"apply_gradients: grads {what}: it must hold the gradients of the optimizer's "
+            f"parameters of the model ({len(want)} leaves, e.g. {want[0] if want else None!r}). "
+            "Fix: take them with ns.value_and_grad(loss_fn)(model, batch) or nnx.grad over "
+            "the same model.")
 
 
 def not_applied(fn_name: str) -> UsageError:

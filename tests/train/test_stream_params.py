@@ -357,3 +357,29 @@ def test_apply_gradients_outside_multistep_keeps_host_state_on_the_host():
                  jax.device_get(nnx.state(ref_model, nnx.Param)), 1e-5, "params")
     assert_close(jax.device_get(nnx.state(opt)), jax.device_get(nnx.state(ref_opt)), 1e-5,
                  "optimizer state")
+
+
+_LINEAR = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+_GRADS = {"bias": jnp.ones(2), "kernel": jnp.ones((2, 2))}
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("model", None, _GRADS), "model is a str, not an nnx.Module"),
+    ((lambda x: x, None, _GRADS), "model is a function, not an nnx.Module"),
+    ((_LINEAR, "opt", _GRADS), "optimizer is a str, not an nnx.Optimizer"),
+    ((_LINEAR, None, None), "grads is a NoneType holding no gradient"),
+    ((_LINEAR, None, {**_GRADS, "scale": jnp.ones(2)}),
+     "grads holds a gradient for 'scale', which the optimizer does not update"),
+    ((_LINEAR, None, {"bias": jnp.ones(2)}), "grads holds no gradient for 'kernel'"),
+])
+def test_apply_gradients_names_what_is_wrong_with_its_arguments(args, says):
+    model, opt, grads = args
+    if opt is None:
+        opt = nnx.Optimizer(_LINEAR, _tx("adamw"), wrt=nnx.Param)
+    before = jax.tree.map(np.asarray, nnx.state(_LINEAR))
+    with pytest.raises(ns.UsageError, match="^apply_gradients: ") as err:
+        ns.apply_gradients(model, opt, grads)
+    assert says in str(err.value) and "Fix: " in str(err.value)
+    # Refused before anything changed.
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(_LINEAR)),
+                 before)
